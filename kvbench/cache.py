@@ -1,0 +1,164 @@
+"""KV caches behind one interface, chosen by name (``cache.impl``).
+
+- ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V written in place at explicit
+  positions; a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors).
+- ``concat``: the textbook cache that grows with ``torch.cat`` every step (a baseline).
+- ``none``: holds nothing; the caller recomputes the whole sequence every step.
+
+``update(layer, start_pos, k, v)`` stores the new keys/values of one layer at positions
+``start_pos .. start_pos + T`` and returns the keys/values to attend over, (B, H_kv, S, D).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from kvbench.config import CACHE_IMPLS
+
+
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
+                   batch_size: int, bytes_per_element: int) -> int:
+    """2 (K and V) · layers · kv_heads · head_dim · seq_len · batch · bytes per element."""
+    return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
+
+
+class KVCache:
+    """Common bookkeeping: shape, the number of positions held, bytes held."""
+
+    impl = "base"
+    stores_history = True  # False: the generator must re-feed the whole sequence
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 max_seq_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.num_layers, self.batch_size, self.num_kv_heads = num_layers, batch_size, num_kv_heads
+        self.head_dim, self.max_seq_len = head_dim, max_seq_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self.length = 0  # positions held (after the last layer's update)
+
+    def _check(self, layer: int, start_pos: int, k: torch.Tensor) -> int:
+        B, _, T, _ = k.shape
+        end = start_pos + T
+        if B > self.batch_size:
+            raise ValueError(f"batch of {B} sequences exceeds the cache's batch_size={self.batch_size}")
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: positions {start_pos}..{end - 1} do not fit in "
+                             f"max_seq_len={self.max_seq_len} (layer {layer})")
+        if start_pos > self.length:
+            raise ValueError(f"KV cache gap: writing at position {start_pos} but only "
+                             f"{self.length} positions are held (layer {layer})")
+        return end
+
+    def _written(self, layer: int, end: int) -> None:
+        if layer == self.num_layers - 1:
+            self.length = end
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= ``length`` (roll back); the next write starts there."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate to {length}: the cache holds {self.length} positions")
+        self.length = length
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage this cache holds right now."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    def tensors(self) -> List[torch.Tensor]:
+        return []
+
+
+class StaticKVCache(KVCache):
+    """Preallocated (B, H_kv, S_max, D) per layer; in-place writes, views on read."""
+
+    impl = "static"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        shape = (self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def update(self, layer, start_pos, k, v):
+        end = self._check(layer, start_pos, k)
+        B = k.shape[0]
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        k_cache[:B, :, start_pos:end] = k
+        v_cache[:B, :, start_pos:end] = v
+        self._written(layer, end)
+        return k_cache[:B, :, :end], v_cache[:B, :, :end]
+
+    def tensors(self):
+        return self.k + self.v
+
+
+class ConcatKVCache(KVCache):
+    """The naive cache: every step allocates a new, one-longer K and V with ``torch.cat``."""
+
+    impl = "concat"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.k: List[Optional[torch.Tensor]] = [None] * self.num_layers
+        self.v: List[Optional[torch.Tensor]] = [None] * self.num_layers
+
+    def update(self, layer, start_pos, k, v):
+        end = self._check(layer, start_pos, k)
+        old_k, old_v = self.k[layer], self.v[layer]
+        if start_pos == 0 or old_k is None:
+            new_k, new_v = k, v
+        else:
+            # After a roll back the stored tensors can be longer than start_pos.
+            new_k = torch.cat([old_k[:, :, :start_pos], k], dim=2)
+            new_v = torch.cat([old_v[:, :, :start_pos], v], dim=2)
+        self.k[layer], self.v[layer] = new_k, new_v
+        self._written(layer, end)
+        return new_k, new_v
+
+    def truncate(self, length):
+        super().truncate(length)
+        self.k = [None if t is None else t[:, :, :length].clone() for t in self.k]
+        self.v = [None if t is None else t[:, :, :length].clone() for t in self.v]
+
+    def tensors(self):
+        return [t for t in self.k + self.v if t is not None]
+
+
+class NoKVCache(KVCache):
+    """Holds nothing: every step recomputes K/V of the whole sequence."""
+
+    impl = "none"
+    stores_history = False
+
+    def _check(self, layer, start_pos, k):
+        if start_pos != 0:
+            raise ValueError("cache.impl='none' keeps no history: feed the whole sequence from position 0")
+        return super()._check(layer, start_pos, k)
+
+    def update(self, layer, start_pos, k, v):
+        self._check(layer, start_pos, k)
+        return k, v
+
+
+_IMPLS = {c.impl: c for c in (StaticKVCache, ConcatKVCache, NoKVCache)}
+
+
+def make_cache(impl: str, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+               max_seq_len: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> KVCache:
+    """The cache named ``impl`` (static | concat | none) for the given shape."""
+    if impl not in _IMPLS:
+        raise ValueError(f"cache.impl={impl!r}: must be one of {', '.join(CACHE_IMPLS)}")
+    return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device)
+
+
+def cache_for(model, impl: str, batch_size: int, max_seq_len: int) -> KVCache:
+    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device."""
+    p = model.lm_head.weight
+    return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
+                      model.config.head_dim, max_seq_len, p.dtype, p.device)

@@ -1,0 +1,67 @@
+"""Wall-clock timing of code regions.
+
+On CUDA each region is bracketed by CUDA events and nothing synchronises until the times are
+read, so timing does not stall the stream; on CPU, where torch runs synchronously, regions
+use ``time.perf_counter``. Unit: milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Dict, List
+
+import torch
+
+METHOD_CUDA = "cuda_events"
+METHOD_CPU = "perf_counter"
+
+
+class RegionTimer:
+    """Collects the durations of named regions, in order: ``with timer.region("decode"): ...``."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.method = METHOD_CUDA if self.cuda else METHOD_CPU
+        self._marks: Dict[str, list] = defaultdict(list)
+
+    @contextmanager
+    def region(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._marks[name].append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._marks[name].append(time.perf_counter() - t0)
+
+    def ms(self, name: str) -> List[float]:
+        """Durations of every ``name`` region in milliseconds (synchronises the device once)."""
+        marks = self._marks.get(name, [])
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [s.elapsed_time(e) for s, e in marks]
+        return [m * 1e3 for m in marks]
+
+    def clear(self) -> None:
+        self._marks.clear()
+
+
+class NullTimer:
+    """A timer that times nothing (for plain generation)."""
+
+    @contextmanager
+    def region(self, name: str):
+        yield
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for queued device work (a no-op on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

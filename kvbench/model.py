@@ -1,0 +1,189 @@
+"""The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU).
+
+Attention is MHA, GQA or MQA purely by ``num_kv_heads``; nothing in ``forward`` branches on a
+variant name. Query head h reads KV head h // G (contiguous groups, the Llama-checkpoint
+convention). K/V are never expanded to ``num_heads`` copies: the G query heads of a group are
+folded into the query-length dimension, so one SDPA call over (B, H_kv, G*T, D) queries reads
+each KV head once.
+
+Notation: B batch, T new tokens, S keys attended (cached + new), H query heads,
+H_kv KV heads, G = H / H_kv query heads per KV head, D head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbench.config import AttentionConfig, ModelConfig
+
+
+def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
+    """KV head read by each query head: ``map[h] = h // (num_heads // num_kv_heads)``."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    group = num_heads // num_kv_heads
+    return [h // group for h in range(num_heads)]
+
+
+def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
+    """The map as text, one line per KV head: ``query heads 0-3 → KV head 0``."""
+    mapping = kv_group_map(num_heads, num_kv_heads)
+    lines = []
+    for kv in range(num_kv_heads):
+        heads = [h for h, g in enumerate(mapping) if g == kv]
+        span = f"heads {heads[0]}-{heads[-1]}" if len(heads) > 1 else f"head {heads[0]}"
+        lines.append(f"query {span} → KV head {kv}")
+    return "\n".join(lines)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as Llama does: half-precision sums of squares lose accuracy.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, heads, T, D); cos/sin (T, D) or (B, T, D) broadcast over heads
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention where query head h reads KV head h // G, without copying K/V per query head.
+
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask None or bool (T, S) / (B, T, S), True = attend.
+    Returns (B, H, T, D).
+    """
+    B, H, T, D = q.shape
+    H_kv = k.shape[1]
+    G = H // H_kv
+    q = q.reshape(B, H_kv, G * T, D)  # row g*T + t is query head kv*G + g at token t
+    if mask is not None:
+        # (T, S) -> (G*T, S) or (B, T, S) -> (B, 1, G*T, S), matching the folded rows
+        mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, G, 1)[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H_kv, G*T, D)
+    return out.view(B, H, T, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, num_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache, start_pos: int):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, start_pos, k, v)  # (B, H_kv, S, D)
+        out = grouped_attention(q, k, v, mask)  # (B, H, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, num_kv_heads, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, start_pos):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token embedding, ``num_layers`` blocks, final RMSNorm and LM head.
+
+    ``forward(tokens, cache, start_pos)`` runs T new tokens whose first position is ``start_pos``;
+    with a cache the keys of earlier positions come from it, without one the tokens attend only
+    to each other (a full recompute passes the whole sequence with ``start_pos=0``).
+    """
+
+    def __init__(self, model: ModelConfig, attention: Optional[AttentionConfig] = None):
+        super().__init__()
+        attention = (attention or AttentionConfig(type="mha")).resolved(model)
+        self.config, self.attention = model, attention
+        self.num_kv_heads = attention.num_kv_heads
+        self.embed = nn.Embedding(model.vocab_size, model.d_model)
+        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i) for i in range(model.num_layers))
+        self.norm = RMSNorm(model.d_model, model.norm_eps)
+        self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
+        cos, sin = rope_tables(model.max_seq_len, model.head_dim, model.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def kv_groups(self) -> List[int]:
+        return kv_group_map(self.config.num_heads, self.num_kv_heads)
+
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
+                positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V).
+
+        ``positions`` (T,) or (B, T) overrides the rotary positions (default start_pos..+T);
+        ``mask`` (T, S) or (B, T, S) overrides the causal mask over the S keys attended.
+        """
+        B, T = tokens.shape
+        end = start_pos + T
+        if end > self.config.max_seq_len:
+            raise ValueError(f"sequence of {end} positions exceeds model.max_seq_len="
+                             f"{self.config.max_seq_len}")
+        if positions is None:
+            cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if mask is None and T > 1:
+            # Causal: new token i (at start_pos + i) sees the S - T keys held before it and
+            # new keys up to itself. Without a cache the keys are the T new tokens alone.
+            S = end if cache is not None else T
+            mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(S - T)
+        x = self.embed(tokens)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask, cache, start_pos)
+        return self.lm_head(self.norm(x))
