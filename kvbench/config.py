@@ -20,7 +20,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
 CACHE_IMPLS = ("static", "concat", "none")
 WORKLOADS = ("decode", "multiturn")
-TASKS = ("bench", "inspect")
+TASKS = ("bench", "inspect", "train", "eval")
 
 
 class ConfigError(ValueError):
@@ -190,6 +190,37 @@ class WandbConfig:
 
 
 @dataclass
+class DataConfig:
+    """Text for training and perplexity, read as bytes (a byte-level tokenizer: vocab 256)."""
+
+    path: Optional[str] = None  # a text file or directory; null: the Python standard library's sources
+    val_fraction: float = 0.1
+    max_bytes: Optional[int] = 4_000_000  # cap on bytes read, in a deterministic file order
+
+    def __post_init__(self) -> None:
+        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    """Training / evaluation of the decoder for quality (``task=train`` / ``task=eval``)."""
+
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    eval_batches: int = 20
+    eval_every: int = 100
+    init_from: Optional[str] = None  # checkpoint to start from (converted to attention.num_kv_heads)
+    checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or Llama-format directory
+
+    def __post_init__(self) -> None:
+        _check_positive("train", self, ("steps", "batch_size", "seq_len", "eval_batches", "eval_every"))
+        _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
+
+
+@dataclass
 class BenchConfig:
     """The whole run: one field per Hydra group, plus the task to run."""
 
@@ -200,6 +231,8 @@ class BenchConfig:
     cache: CacheConfig = MISSING
     runtime: RuntimeConfig = MISSING
     wandb: WandbConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         _check_choice("task", self.task, TASKS)
