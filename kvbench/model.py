@@ -70,20 +70,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """Repeat a (T, S) or (B, T, S) mask for the folded query rows of :func:`grouped_attention`:
+    (G*T, S) or (B, 1, G*T, S). Done once per forward, not once per layer."""
+    return mask.repeat(group, 1) if mask.dim() == 2 else mask.repeat(1, group, 1)[:, None]
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Attention where query head h reads KV head h // G, without copying K/V per query head.
 
-    q (B, H, T, D); k, v (B, H_kv, S, D); mask None or bool (T, S) / (B, T, S), True = attend.
-    Returns (B, H, T, D).
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask None or bool, already folded by
+    :func:`fold_mask` (True = attend). Returns (B, H, T, D).
     """
     B, H, T, D = q.shape
     H_kv = k.shape[1]
-    G = H // H_kv
-    q = q.reshape(B, H_kv, G * T, D)  # row g*T + t is query head kv*G + g at token t
-    if mask is not None:
-        # (T, S) -> (G*T, S) or (B, T, S) -> (B, 1, G*T, S), matching the folded rows
-        mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, G, 1)[:, None]
+    q = q.reshape(B, H_kv, (H // H_kv) * T, D)  # row g*T + t is query head kv*G + g at token t
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H_kv, G*T, D)
     return out.view(B, H, T, D)
 
@@ -182,6 +184,8 @@ class Decoder(nn.Module):
             # new keys up to itself. Without a cache the keys are the T new tokens alone.
             S = end if cache is not None else T
             mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(S - T)
+        if mask is not None:
+            mask = fold_mask(mask, self.config.num_heads // self.num_kv_heads)
         x = self.embed(tokens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:

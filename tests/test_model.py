@@ -1,0 +1,154 @@
+"""The decoder against independent references: a full recompute, and attention written out
+with explicit repeat_interleave of K/V."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from kvbench.cache import cache_for
+from kvbench.config import ConfigError
+from kvbench.model import describe_kv_groups, fold_mask, grouped_attention, kv_group_map
+from kvbench.scenarios import greedy_generate
+
+from conftest import make_decoder
+
+KV_SPLITS = [8, 4, 2, 1]  # MHA, two GQA splits, MQA for 8 query heads
+
+
+@pytest.mark.parametrize("num_kv_heads", KV_SPLITS)
+@pytest.mark.parametrize("impl", ["static", "concat"])
+def test_cached_decode_matches_full_recompute(num_kv_heads, impl):
+    model = make_decoder(num_kv_heads)
+    prompt = torch.randint(0, 97, (3, 11))
+    gen_len = 9
+    reference = greedy_generate(model, prompt, gen_len, cache_for(model, "none", 3, 20), keep_logits=True)
+    cached = greedy_generate(model, prompt, gen_len, cache_for(model, impl, 3, 20), keep_logits=True)
+    assert cached.logits.shape == (3, gen_len + 1, 97)
+    torch.testing.assert_close(cached.logits, reference.logits, atol=1e-5, rtol=0)
+    assert torch.equal(cached.tokens, reference.tokens)
+
+
+def test_recompute_reference_is_one_causal_forward():
+    """The 'none' path itself equals logits from a single forward over the final sequence."""
+    model = make_decoder(2)
+    prompt = torch.randint(0, 97, (2, 7))
+    gen = greedy_generate(model, prompt, 5, cache_for(model, "none", 2, 20), keep_logits=True)
+    full = torch.cat([prompt, gen.tokens[:, :-1]], dim=1)
+    with torch.no_grad():
+        logits = model(full)[:, prompt.shape[1] - 1:]
+    torch.testing.assert_close(gen.logits, logits, atol=1e-5, rtol=0)
+
+
+def reference_attention(q, k, v, causal_mask):
+    """Textbook GQA: copy each KV head to its G query heads, then plain softmax attention."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal_mask is not None:
+        scores = scores.masked_fill(~causal_mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("num_kv_heads", [16, 8, 4, 2, 1])
+@pytest.mark.parametrize("T", [1, 5])
+def test_grouped_attention_equals_repeat_interleave_reference(num_kv_heads, T):
+    B, H, S, D = 2, 16, 12, 8
+    q = torch.randn(B, H, T, D)
+    k, v = torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if T > 1 else None
+    ours = grouped_attention(q, k, v, None if mask is None else fold_mask(mask, H // num_kv_heads))
+    torch.testing.assert_close(ours, reference_attention(q, k, v, mask), atol=1e-6, rtol=1e-5)
+
+
+def test_query_head_reads_its_own_group():
+    """Zeroing every KV head but one changes exactly the query heads mapped to it."""
+    B, H, H_kv, S, D = 1, 8, 2, 6, 4
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, H_kv, S, D), torch.randn(B, H_kv, S, D)
+    base = grouped_attention(q, k, v, None)
+    v2 = v.clone()
+    v2[:, 1] += 1.0  # shift KV head 1's values: its query heads' outputs shift by exactly 1
+    diff = (grouped_attention(q, k, v2, None) - base).mean(dim=(0, 2, 3))
+    expected = torch.tensor([float(g == 1) for g in kv_group_map(H, H_kv)])
+    torch.testing.assert_close(diff, expected, atol=1e-5, rtol=0)
+
+
+def test_mha_equals_plain_sdpa_exactly():
+    """With one query head per KV head the fold is the identity: bit-equal to plain SDPA."""
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 8, 9, 16), torch.randn(2, 8, 9, 16)
+    mask = torch.ones(5, 9, dtype=torch.bool).tril(4)
+    assert torch.equal(grouped_attention(q, k, v, fold_mask(mask, 1)),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_gqa_with_all_kv_heads_is_mha():
+    """A GQA model given num_kv_heads == num_heads is the MHA model: same weights, same logits."""
+    mha = make_decoder(8, seed=3)
+    grouped = make_decoder(8, seed=4)
+    grouped.load_state_dict(mha.state_dict())
+    tokens = torch.randint(0, 97, (2, 13))
+    with torch.no_grad():
+        assert torch.equal(mha(tokens), grouped(tokens))
+    assert grouped.kv_groups() == list(range(8))
+
+
+def _attention_bytes(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and e.cpu_parent is None)
+
+
+@pytest.mark.parametrize("T", [1, 32])
+def test_attention_memory_does_not_grow_with_group_size(T):
+    """The profiler's allocation total for attention is the same for G = 1..16 (same H), while
+    the repeat_interleave reference grows with the K/V copy."""
+    B, H, S, D = 2, 16, 1024, 64
+    ours, copies = [], []
+    for G in (1, 4, 16):
+        H_kv = H // G
+        q, k, v = torch.randn(B, H, T, D), torch.randn(B, H_kv, S, D), torch.randn(B, H_kv, S, D)
+        mask = fold_mask(torch.ones(T, S, dtype=torch.bool).tril(S - T), G) if T > 1 else None
+        ours.append(_attention_bytes(lambda: grouped_attention(q, k, v, mask)))
+        copies.append(_attention_bytes(lambda: k.repeat_interleave(G, 1) + 0 * v.repeat_interleave(G, 1)))
+    assert max(ours) == min(ours), ours
+    kv_bytes = B * H * S * D * 4
+    assert max(ours) < kv_bytes / 4  # far below one expanded K
+    assert copies[0] >= kv_bytes  # the naive expansion allocates at least one full K per call
+
+
+def test_group_map_32_query_8_kv_heads():
+    mapping = kv_group_map(32, 8)
+    assert mapping == [h // 4 for h in range(32)]
+    assert [mapping.count(g) for g in range(8)] == [4] * 8
+    text = describe_kv_groups(32, 8).splitlines()
+    assert text[0] == "query heads 0-3 → KV head 0"
+    assert text[7] == "query heads 28-31 → KV head 7"
+    assert describe_kv_groups(4, 4).splitlines()[2] == "query head 2 → KV head 2"
+
+
+@pytest.mark.parametrize("kv, needle", [(6, "attention.num_kv_heads=6"), (0, "attention.num_kv_heads=0")])
+def test_bad_groupings_rejected_naming_the_field(kv, needle):
+    from kvbench.config import AttentionConfig, ModelConfig
+    model = ModelConfig(num_layers=1, d_model=4096, num_heads=32, num_kv_heads=32)
+    with pytest.raises(ConfigError) as err:
+        AttentionConfig(type="gqa", num_kv_heads=kv).resolved(model)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_generation_in_each_dtype(dtype):
+    model = make_decoder(2, dtype=dtype)
+    prompt = torch.randint(0, 97, (2, 6))
+    out = greedy_generate(model, prompt, 4, cache_for(model, "static", 2, 10), keep_logits=True)
+    assert out.tokens.shape == (2, 5) and out.logits.dtype == torch.float32
+    assert cache_for(model, "static", 2, 10).k[0].dtype == dtype
+    # the low-precision run stays close to float32 with the same weights
+    ref = make_decoder(2, dtype=torch.float32)
+    ref_out = greedy_generate(ref, prompt, 0, cache_for(ref, "static", 2, 10), keep_logits=True)
+    assert (out.logits[:, 0] - ref_out.logits[:, 0]).abs().max() < 0.1
+
+
+def test_sequence_longer_than_max_seq_len_rejected():
+    model = make_decoder(8)
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
