@@ -1,0 +1,94 @@
+"""The environment a run was measured in, recorded beside its metrics in results.json.
+
+Every probe is best-effort: a value that cannot be read is None, so recording the
+environment never costs a run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from kvbench.measure.memory import nvml_driver_version
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../kvbench
+_GIT_TIMEOUT_S = 2.0
+
+
+def _safe(probe: Callable[[], Any]) -> Any:
+    try:
+        return probe()
+    except Exception:
+        return None
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None  # often empty, and on Linux only the architecture
+
+
+def _device_name(device: torch.device) -> Optional[str]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return _cpu_model()
+
+
+def _git(*args: str) -> Optional[str]:
+    out = subprocess.run(["git", "-C", str(_PACKAGE_DIR), *args], capture_output=True,
+                         text=True, timeout=_GIT_TIMEOUT_S)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _git_state() -> tuple[Optional[str], Optional[bool]]:
+    """(commit, dirty) of the checkout kvbench runs from; (None, None) for an installed copy."""
+    # A site-packages copy can sit inside some unrelated repository (a .venv in a project);
+    # only trust HEAD if that repository actually tracks this package.
+    if _git("ls-files", "--error-unmatch", "__init__.py") is None:
+        return None, None
+    commit = _git("rev-parse", "HEAD")
+    # Untracked files are ignored: run outputs land in the tree without changing the code.
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return commit, (None if status is None else bool(status))
+
+
+def _kvbench_version() -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvbench")
+    except PackageNotFoundError:
+        return None
+
+
+def collect_env(device: torch.device | str = "cpu") -> Dict[str, Any]:
+    """Software, hardware and source versions as a flat JSON-able dict; never raises."""
+    device = torch.device(device)
+    commit, dirty = _safe(_git_state) or (None, None)
+    return {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": _safe(lambda: torch.backends.cudnn.version()),
+        "device_type": device.type,
+        "device_name": _safe(lambda: _device_name(device)),
+        "gpu_driver_version": nvml_driver_version(),
+        "torch_num_threads": _safe(torch.get_num_threads),
+        "cpu_count": os.cpu_count(),
+        "hostname": _safe(socket.gethostname),
+        "platform": _safe(platform.platform),
+        "kvbench_version": _safe(_kvbench_version),
+        "git_commit": commit,
+        "git_dirty": dirty,
+    }

@@ -1,0 +1,274 @@
+"""Memory and energy of a run: model weights, host RSS, the torch allocator, and NVML.
+
+Three views of GPU memory disagree by design, so all are recorded: the torch allocator's peak
+(tensors only, this process), NVML's per-process figure (everything this process holds,
+including the CUDA context), and NVML's device-wide figure (every process on the GPU). Units
+and methods of every field are in ``MEMORY_METHODS``; nothing here raises when a source is
+missing: the field is None and a ``*_reason`` field says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+MEMORY_METHODS: Dict[str, str] = {
+    "peak_rss_bytes": "bytes; getrusage ru_maxrss (process peak since start, not per region)",
+    "torch_peak_allocated_bytes": "bytes; torch.cuda.max_memory_allocated after "
+                                  "reset_peak_memory_stats at enter (tensors of this process)",
+    "torch_peak_reserved_bytes": "bytes; torch.cuda.max_memory_reserved, same window "
+                                 "(allocator cache included)",
+    "nvml_device_used_bytes": "bytes; nvmlDeviceGetMemoryInfo(...).used at exit, all processes "
+                              "on the device (v2 API excludes driver-reserved memory, v1 includes it)",
+    "nvml_peak_used_bytes": "bytes; max of nvml_device_used_bytes sampled at enter, every "
+                            "interval_ms by a background thread, and at exit",
+    "nvml_samples": "count; NVML memory samples behind nvml_peak_used_bytes",
+    "nvml_memory_api": "'v2' or 'v1': which nvmlDeviceGetMemoryInfo version answered",
+    "nvml_process_used_bytes": "bytes; usedGpuMemory of os.getpid() in "
+                               "nvmlDeviceGetComputeRunningProcesses at exit (context included)",
+    "energy_mj": "mJ; delta of nvmlDeviceGetTotalEnergyConsumption between enter and exit "
+                 "(whole device; the counter updates coarsely, so short regions read low)",
+    "nvml_driver_version": "nvmlSystemGetDriverVersion",
+    "nvml_device_uuid": "NVML UUID the torch device was matched to (by UUID, not index)",
+}
+
+_NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",
+                "nvml_memory_api", "nvml_process_used_bytes", "energy_mj",
+                "nvml_driver_version", "nvml_device_uuid")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of what a checkpoint of ``model`` holds: parameters and persistent buffers.
+
+    Non-persistent buffers (the Decoder's rope tables) are derived, not weights, so they are
+    excluded; tied parameters are one tensor and are counted once.
+    """
+    # keep_vars=True returns the Parameter objects themselves, so tied weights share an id.
+    tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since it started, in bytes."""
+    if sys.platform.startswith("linux") or sys.platform == "darwin":
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak * 1024 if sys.platform.startswith("linux") else peak  # Linux KiB, macOS bytes
+    import psutil
+    info = psutil.Process().memory_info()
+    return int(getattr(info, "peak_wset", info.rss))  # Windows keeps a peak; others only rss
+
+
+# --- seams: the only torch.cuda calls, so tests can drive the CUDA path on a CPU machine ---
+
+def _torch_device_uuid(device: torch.device) -> str:
+    """The CUDA runtime's UUID of ``device``, as torch prints it (no ``GPU-`` prefix)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _torch_reset_peak(device: torch.device) -> None:
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def _torch_peaks(device: torch.device) -> Tuple[int, int]:
+    # Synchronise first so the NVML exit samples and energy see the region's queued kernels.
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def nvml_uuid(torch_uuid: str) -> str:
+    """NVML's spelling of a device UUID: torch omits the ``GPU-`` prefix NVML uses."""
+    return torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else "GPU-" + torch_uuid
+
+
+def open_nvml() -> Tuple[Any, Optional[str]]:
+    """``(pynvml, None)`` after a successful nvmlInit, else ``(None, reason)``; never raises.
+
+    The caller owns the matching ``nvmlShutdown``. Imported here, not at module load, so that a
+    machine without nvidia-ml-py still imports kvbench (and tests can inject a fake module).
+    """
+    try:
+        nvml = importlib.import_module("pynvml")
+    except ImportError as e:
+        return None, f"pynvml not importable ({e})"
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None, f"nvmlInit failed: {e}"
+    return nvml, None
+
+
+def nvml_driver_version() -> Optional[str]:
+    """The GPU driver version NVML reports, or None without NVML; never raises."""
+    nvml, _ = open_nvml()
+    if nvml is None:
+        return None
+    try:
+        return _text(nvml.nvmlSystemGetDriverVersion())
+    except Exception:
+        return None
+    finally:
+        _shutdown(nvml)
+
+
+def _text(value: Any) -> str:
+    # Older pynvml releases return bytes for strings.
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class MemoryMonitor:
+    """Measures memory (and GPU energy) over a ``with`` block; read it with ``result()``.
+
+    ``with MemoryMonitor(device, interval_ms=10.0) as mon: ...`` then ``mon.result()`` is a flat
+    dict of JSON-able values keyed as in ``MEMORY_METHODS`` plus ``nvml_reason``,
+    ``nvml_process_reason`` and ``energy_reason`` (None unless the matching field is None).
+    On CPU only ``peak_rss_bytes`` is measured.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", interval_ms: float = 10.0):
+        self.device = torch.device(device)
+        self.interval_s = interval_ms / 1e3
+        self._lock = threading.Lock()
+        self._result: Dict[str, Any] = {}
+
+    # -- lifecycle --
+    def __enter__(self) -> "MemoryMonitor":
+        # Per-block state lives here so one monitor can measure several blocks in turn.
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._peak_used: Optional[int] = None
+        self._samples = 0
+        self._energy_start: Optional[int] = None
+        r = self._result = {"peak_rss_bytes": None, "torch_peak_allocated_bytes": None,
+                            "torch_peak_reserved_bytes": None, "nvml_reason": None,
+                            "nvml_process_reason": None, "energy_reason": None}
+        r.update(dict.fromkeys(_NVML_FIELDS))
+        if self.device.type != "cuda":
+            self._nvml_unavailable(f"device is {self.device.type}")
+            return self
+        _torch_reset_peak(self.device)
+        self._start_nvml()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.device.type == "cuda":
+                allocated, reserved = _torch_peaks(self.device)
+                self._result.update(torch_peak_allocated_bytes=int(allocated),
+                                    torch_peak_reserved_bytes=int(reserved))
+        except Exception:
+            # After a failing body (a CUDA error) its exception is the one worth seeing.
+            if exc_type is None:
+                raise
+        finally:
+            # Whatever happened above or in the body, the sampler must not outlive the block.
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            if self._nvml is not None:
+                self._finish_nvml()
+        self._result["peak_rss_bytes"] = peak_rss_bytes()
+
+    def result(self) -> Dict[str, Any]:
+        return dict(self._result)
+
+    # -- NVML --
+    def _nvml_unavailable(self, reason: str) -> None:
+        self._result.update(nvml_reason=reason, nvml_process_reason=reason, energy_reason=reason)
+
+    def _start_nvml(self) -> None:
+        nvml, reason = open_nvml()
+        if nvml is None:
+            return self._nvml_unavailable(reason)
+        try:
+            # By UUID: CUDA_VISIBLE_DEVICES renumbers torch's indices but not NVML's.
+            uuid = nvml_uuid(_torch_device_uuid(self.device))
+            self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            self._result["nvml_device_uuid"] = uuid
+            self._result["nvml_driver_version"] = _text(nvml.nvmlSystemGetDriverVersion())
+            self._nvml = nvml
+            self._result["nvml_memory_api"] = "v2"
+            try:
+                self._sample()
+            except Exception:  # old driver or pynvml: no _v2 symbol or no version kwarg
+                self._result["nvml_memory_api"] = "v1"
+                self._sample()
+        except Exception as e:
+            self._nvml, self._handle = None, None
+            self._result.update(dict.fromkeys(_NVML_FIELDS))
+            self._nvml_unavailable(f"NVML device lookup failed: {e}")
+            _shutdown(nvml)
+            return
+        try:
+            self._energy_start = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        except Exception as e:  # NVMLError_NotSupported on pre-Volta or some virtual GPUs
+            self._result["energy_reason"] = f"energy counter unavailable: {e}"
+        self._thread = threading.Thread(target=self._sample_loop, name="kvbench-nvml-sampler",
+                                        daemon=True)
+        self._thread.start()
+
+    def _used_bytes(self) -> int:
+        nvml, handle = self._nvml, self._handle
+        if self._result["nvml_memory_api"] == "v1":
+            return int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2).used)
+
+    def _sample(self) -> int:
+        used = self._used_bytes()
+        with self._lock:
+            self._samples += 1
+            self._peak_used = used if self._peak_used is None else max(self._peak_used, used)
+        return used
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._sample()
+            except Exception:
+                pass  # a missed sample only lowers the count; the exit sample still lands
+
+    def _finish_nvml(self) -> None:
+        nvml, r = self._nvml, self._result
+        try:
+            r["nvml_device_used_bytes"] = self._sample()
+        except Exception as e:
+            r["nvml_reason"] = f"NVML memory read failed at exit: {e}"
+        r["nvml_peak_used_bytes"], r["nvml_samples"] = self._peak_used, self._samples
+        if self._energy_start is not None:
+            try:
+                end = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+                r["energy_mj"] = end - self._energy_start
+            except Exception as e:
+                r["energy_reason"] = f"energy counter unavailable: {e}"
+        r["nvml_process_used_bytes"], r["nvml_process_reason"] = self._process_used()
+        _shutdown(nvml)
+        self._nvml = self._handle = None
+
+    def _process_used(self) -> Tuple[Optional[int], Optional[str]]:
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception as e:
+            return None, f"nvmlDeviceGetComputeRunningProcesses failed: {e}"
+        pid = os.getpid()
+        mine = [p for p in procs if p.pid == pid]
+        if not mine:
+            # In a container NVML reports host pids, which never equal ours.
+            return None, f"pid {pid} not among NVML's compute processes (pid namespace?)"
+        if mine[0].usedGpuMemory is None:
+            return None, "driver does not report per-process memory (usedGpuMemory is None)"
+        return int(mine[0].usedGpuMemory), None
+
+
+def _shutdown(nvml: Any) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except Exception:
+        pass  # nothing left to measure; a failed shutdown must not fail the run
