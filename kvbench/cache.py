@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from kvbench.config import CACHE_IMPLS
+from kvbench.config import CACHE_IMPLS, DTYPE_BYTES
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
@@ -162,3 +162,19 @@ def cache_for(model, impl: str, batch_size: int, max_seq_len: int) -> KVCache:
     p = model.lm_head.weight
     return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
                       model.config.head_dim, max_seq_len, p.dtype, p.device)
+
+
+def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
+                    batch_size: int, num_heads: Optional[int] = None) -> List[dict]:
+    """KV bytes per token (all layers), per sequence of ``seq_len`` and per batch, for each
+    dtype; with ``num_heads``, also the fraction of an MHA cache of the same model."""
+    rows = []
+    for dtype, size in DTYPE_BYTES.items():
+        row = {"dtype": dtype,
+               "per_token": kv_cache_bytes(num_layers, num_kv_heads, head_dim, 1, 1, size),
+               "per_sequence": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, 1, size),
+               "per_batch": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, size)}
+        if num_heads:
+            row["vs_mha"] = num_kv_heads / num_heads
+        rows.append(row)
+    return rows

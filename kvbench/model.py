@@ -163,9 +163,10 @@ class Decoder(nn.Module):
         return kv_group_map(self.config.num_heads, self.num_kv_heads)
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
-                positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V).
+                positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token with ``last_only``
+        (a prefill needs only that one; all T would cost B*T*V floats).
 
         ``positions`` (T,) or (B, T) overrides the rotary positions (default start_pos..+T);
         ``mask`` (T, S) or (B, T, S) overrides the causal mask over the S keys attended.
@@ -190,4 +191,6 @@ class Decoder(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin, mask, cache, start_pos)
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x))

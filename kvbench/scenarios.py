@@ -6,12 +6,12 @@ Notation: B batch, P prompt length, N decode steps, V vocab.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from kvbench.cache import KVCache
-from kvbench.measure.timing import NullTimer
+from kvbench.measure.timing import NullTimer, RegionTimer
 
 
 @dataclass
@@ -35,7 +35,7 @@ def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: KVCache,
     timer = timer or NullTimer()
     B, P = prompt.shape
     with timer.region("prefill"):
-        logits = model(prompt, cache, 0)[:, -1]  # (B, V)
+        logits = model(prompt, cache, 0, last_only=True)[:, -1]  # (B, V)
         token = logits.argmax(-1, keepdim=True)  # (B, 1)
     tokens, kept = [token], [logits.float()] if keep_logits else None
     seq = prompt
@@ -45,9 +45,55 @@ def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: KVCache,
                 logits = model(token, cache, P + step)[:, -1]
             else:
                 seq = torch.cat([seq, token], dim=1)  # (B, P + step + 1)
-                logits = model(seq, cache, 0)[:, -1]
+                logits = model(seq, cache, 0, last_only=True)[:, -1]
             token = logits.argmax(-1, keepdim=True)
         tokens.append(token)
         if keep_logits:
             kept.append(logits.float())
     return Generation(torch.cat(tokens, dim=1), torch.stack(kept, dim=1) if keep_logits else None)
+
+
+@dataclass
+class DecodeTimings:
+    """Per-trial timings of the decode workload, in milliseconds."""
+
+    prefill_ms: List[float]  # one per timed trial
+    decode_ms: List[List[float]]  # per trial, one per decode step
+
+
+def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmup: int,
+                repeats: int, device, progress=None) -> DecodeTimings:
+    """``warmup`` untimed then ``repeats`` timed runs of :func:`greedy_generate` on a reset cache.
+
+    ``progress``, if given, is called once per finished trial (for a progress bar).
+    """
+    prefill, decode = [], []
+    for trial in range(warmup + repeats):
+        cache.reset()
+        timer = RegionTimer(device)
+        greedy_generate(model, prompt, gen_len, cache, timer)
+        if trial >= warmup:
+            prefill.extend(timer.ms("prefill"))
+            decode.append(timer.ms("decode"))
+        if progress is not None:
+            progress()
+    return DecodeTimings(prefill, decode)
+
+
+def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, float]:
+    """Latency metrics (units and methods in :data:`kvbench.results.METRIC_METHODS`)."""
+    steps = torch.tensor([ms for trial in t.decode_ms for ms in trial], dtype=torch.float64)
+    p50, p90, p99 = steps.quantile(torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    per_trial_decode = torch.tensor([sum(trial) for trial in t.decode_ms], dtype=torch.float64)
+    prefill = torch.tensor(t.prefill_ms, dtype=torch.float64)
+    gen_len = len(t.decode_ms[0])
+    return {
+        "prefill_ms": prefill.median().item(),
+        "ttft_ms": prefill.median().item(),
+        "decode_ms_p50": p50,
+        "decode_ms_p90": p90,
+        "decode_ms_p99": p99,
+        "decode_ms_mean": steps.mean().item(),
+        "tokens_per_s": (batch_size * gen_len / (per_trial_decode / 1e3)).median().item(),
+        "e2e_ms": (prefill + per_trial_decode).median().item(),
+    }

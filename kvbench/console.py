@@ -1,0 +1,111 @@
+"""What a person sees in the terminal: progress bars and summary tables (rich, on stderr/stdout)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+stdout = Console(highlight=False)
+stderr = Console(stderr=True, highlight=False)
+
+# (metric key, column title, format) shown for every job: the headline numbers.
+HEADLINE = [
+    ("prefill_ms", "TTFT ms", "{:.2f}"),
+    ("decode_ms_p50", "decode p50 ms", "{:.3f}"),
+    ("decode_ms_p99", "p99 ms", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("kv_cache_bytes", "KV cache", "bytes"),
+    ("kv_cache_bytes_formula", "KV formula", "bytes"),
+    ("peak_rss_bytes", "peak RSS", "bytes"),
+    ("torch_peak_allocated_bytes", "CUDA peak", "bytes"),
+]
+# (config path, column title) identifying a job in a sweep table.
+AXES = [
+    ("attention.type", "attn"), ("attention.num_kv_heads", "kv"), ("workload.name", "workload"),
+    ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"), ("runtime.dtype", "dtype"),
+    ("cache.impl", "cache"), ("cache.shared", "shared"),
+]
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if spec == "bytes":
+        return human_bytes(value)
+    try:
+        return spec.format(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def lookup(config: Dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+@contextmanager
+def trial_progress(label: str, total: int):
+    """A transient progress bar over a job's trials; yields ``tick()``."""
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=stderr, transient=True)
+    with progress:
+        task = progress.add_task(label, total=total)
+        yield lambda: progress.advance(task)
+
+
+def run_table(record: Dict[str, Any]) -> Table:
+    """A single job as two columns: its axes, status, headline metrics (for one run)."""
+    table = Table(title="kvbench result", title_justify="left", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", justify="right")
+    for key, name in AXES:
+        table.add_row(name, fmt(lookup(record.get("config", {}), key), "{}"))
+    table.add_row("status", record.get("status", "?"))
+    metrics = record.get("metrics", {})
+    for key, name, spec in HEADLINE:
+        if metrics.get(key) is not None:
+            table.add_row(name, fmt(metrics[key], spec))
+    return table
+
+
+def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable = ()) -> Table:
+    """One row per results.json record: the axes that vary across records, status and
+    headline metrics (columns no record has are left out)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("job")
+    axes = [(key, name) for key, name in AXES
+            if len({repr(lookup(r.get("config", {}), key)) for r in records}) > 1] or AXES[:2]
+    for _, name in axes:
+        table.add_column(name)
+    table.add_column("status")
+    columns: List = [c for c in list(HEADLINE) + list(extra)
+                     if any(r.get("metrics", {}).get(c[0]) is not None for r in records)]
+    for _, name, _ in columns:
+        table.add_column(name, justify="right")
+    for rec in records:
+        metrics = rec.get("metrics", {})
+        status = rec.get("status", "?")
+        style = {"ok": "green", "invalid": "yellow", "oom": "magenta"}.get(status, "red")
+        row = [str(rec.get("job", ""))] + [fmt(lookup(rec.get("config", {}), key), "{}") for key, _ in axes]
+        row.append(f"[{style}]{status}[/]")
+        row += [fmt(metrics.get(key), spec) for key, _, spec in columns]
+        table.add_row(*row)
+    return table

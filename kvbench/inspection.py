@@ -1,0 +1,53 @@
+"""``task=inspect``: the arithmetic of a model and attention choice, without running a model.
+
+Prints the head→group map and a KV-memory table (per token, per sequence, per batch, for each
+dtype) that can be checked by hand against published model shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.cache import kv_memory_table
+from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.console import human_bytes
+from kvbench.model import Decoder, describe_kv_groups
+
+
+def parameter_count(cfg: BenchConfig) -> int:
+    """Exact parameter count, from a model built on the meta device (no memory is allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Decoder(cfg.model, cfg.attention).parameters())
+
+
+def describe(cfg: BenchConfig) -> str:
+    m, a, w = cfg.model, cfg.attention, cfg.workload
+    seq_len = w.total_len
+    group = m.num_heads // a.num_kv_heads
+    params = parameter_count(cfg)
+    lines = [
+        f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
+        f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
+        f"attention {a.type}: {a.num_kv_heads} KV heads, G = {group} query heads per KV head",
+        f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
+        "",
+        "head → KV group map:",
+        describe_kv_groups(m.num_heads, a.num_kv_heads),
+        "",
+        f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
+        f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes",
+        f"elements per token per layer (K+V): {2 * a.num_kv_heads * m.head_dim:,}",
+    ]
+    header = ["dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})", "vs MHA"]
+    rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
+             f"{r['vs_mha']:.3f}"]
+            for r in kv_memory_table(m.num_layers, a.num_kv_heads, m.head_dim, seq_len, w.batch_size,
+                                     m.num_heads)]
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+    for row in [header] + rows:
+        lines.append(row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:])))
+    return "\n".join(lines)
+
+
+def _cell(n: int) -> str:
+    return f"{n:,} B" if n < 1024 else f"{human_bytes(n)} ({n:,})"

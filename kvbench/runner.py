@@ -1,0 +1,132 @@
+"""One job, start to finish: config -> model -> scenario under measurement -> results.json.
+
+A job never raises for a bad value or an out-of-memory: it records ``invalid`` / ``oom`` with
+the message, keeps every metric measured before the failure, and writes the record
+atomically. Only the CLI decides what a status means for the exit code.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import traceback
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.config import BenchConfig, ConfigError, dtype_bytes
+from kvbench.measure.env import collect_env
+from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, weight_bytes
+from kvbench.measure.timing import METHOD_CPU, METHOD_CUDA
+from kvbench.model import Decoder
+from kvbench.results import RunResult
+from kvbench.scenarios import summarize_decode, time_decode
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# A scenario fills ``metrics`` in place as it measures, so a failure part-way keeps them.
+Scenario = Callable[[BenchConfig, Decoder, torch.device, Dict[str, Any], RunResult], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"runtime.device={name!r}: CUDA is not available on this machine")
+    return device
+
+
+def to_bench_config(cfg: DictConfig | BenchConfig) -> BenchConfig:
+    """Typed, validated config (raises :class:`ConfigError` naming the bad key)."""
+    return cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_object(cfg)
+
+
+def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
+    """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
+    wherever their shapes agree."""
+    torch.manual_seed(cfg.runtime.seed)
+    with device:
+        model = Decoder(cfg.model, cfg.attention)
+    return model.to(DTYPES[cfg.runtime.dtype]).eval()
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: Dict[str, Any],
+               result: RunResult) -> None:
+    """Prefill then ``gen_len`` decode steps, ``warmup`` + ``repeats`` times; latency and memory."""
+    w, rt = cfg.workload, cfg.runtime
+    seq_len = w.prompt_len + w.gen_len
+    generator = torch.Generator().manual_seed(rt.seed)
+    prompt = torch.randint(0, cfg.model.vocab_size, (w.batch_size, w.prompt_len), generator=generator)
+    prompt = prompt.to(device)
+    metrics["kv_cache_bytes_formula"] = kv_cache_bytes(
+        cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
+        dtype_bytes(rt.dtype))
+    cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    with progress_bar(f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}", rt.warmup + rt.repeats) as tick, \
+            MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
+        timings = time_decode(model, prompt, w.gen_len, cache, rt.warmup, rt.repeats, device, tick)
+    metrics.update(monitor.result())
+    metrics["kv_cache_bytes"] = cache.nbytes
+    metrics.update(summarize_decode(timings, w.batch_size))
+    result.series["decode_ms"] = timings.decode_ms[-1]
+
+
+SCENARIOS: Dict[str, Scenario] = {"decode": run_decode}
+
+
+def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
+            overrides: Optional[List[str]] = None) -> RunResult:
+    """Run one job and write ``results.json`` into ``out_dir``; returns the record."""
+    out_dir = Path(out_dir)
+    raw = cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_container(cfg, resolve=True)
+    result = RunResult(status="ok", config=asdict(raw) if isinstance(raw, BenchConfig) else raw,
+                       overrides=list(overrides or []), started_at=_now())
+    metrics: Dict[str, Any] = {}
+    try:
+        bench = to_bench_config(cfg)
+        result.config = asdict(bench)  # with derived values (head_dim, num_kv_heads) filled in
+        device = resolve_device(bench.runtime.device)
+        result.env = collect_env(device)
+        if bench.runtime.threads:
+            torch.set_num_threads(bench.runtime.threads)
+        metrics["timing_method"] = METHOD_CUDA if device.type == "cuda" else METHOD_CPU
+        model = build_model(bench, device)
+        metrics["weight_bytes"] = weight_bytes(model)
+        metrics["num_params"] = sum(p.numel() for p in model.parameters())
+        SCENARIOS[bench.workload.name](bench, model, device, metrics, result)
+    except ConfigError as exc:
+        result.status, result.error = "invalid", str(exc)
+    except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
+        result.status = "oom" if is_oom(exc) else "error"
+        result.error = f"{type(exc).__name__}: {exc}"
+        (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "error.txt").write_text(traceback.format_exc())
+    finally:
+        result.metrics = metrics
+        result.methods.update(MEMORY_METHODS)
+        result.finished_at = _now()
+        result.write(out_dir)
+    return result
+
+
+def progress_bar(label: str, total: int):
+    """A transient rich progress bar over trials; returns a context yielding ``tick()``."""
+    from kvbench.console import trial_progress  # rich is imported only when a job runs
+
+    return trial_progress(label, total) if total > 1 else nullcontext(None)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
