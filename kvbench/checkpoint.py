@@ -1,0 +1,219 @@
+"""Weights in and out of the shared :class:`~kvbench.model.Decoder`.
+
+- kvbench's own checkpoints: one ``torch.save`` of the two configs as dicts, the state dict and
+  any extra (train metrics, the loss curve).
+- Llama-format directories (``config.json`` + ``*.safetensors`` with transformers' names), MHA or
+  GQA. The decoder's rotary embedding uses the same rotate-half layout as transformers' Llama, so
+  q/k weights load unpermuted (tests/test_checkpoint.py compares logits against transformers).
+- MHA → GQA/MQA conversion by mean-pooling K/V heads within each group (Ainslie et al. 2023).
+
+Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from kvbench.config import AttentionConfig, ModelConfig
+from kvbench.model import Decoder, rope_tables
+
+FORMAT_KEY = "kvbench_checkpoint"
+FORMAT_VERSION = 1
+_RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read into the decoder. The message names the file or tensor."""
+
+
+def attention_for(num_heads: int, num_kv_heads: int) -> AttentionConfig:
+    """The AttentionConfig whose type matches the KV-head count (mha / gqa / mqa)."""
+    kind = "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+    return AttentionConfig(type=kind, num_kv_heads=num_kv_heads)
+
+
+def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Dict[str, torch.Tensor],
+                  dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> Decoder:
+    """A Decoder holding ``state_dict``, built without a throw-away random initialisation.
+
+    Modules are created on the meta device and the tensors assigned; only the rotary tables
+    (non-persistent buffers) are recomputed. Names and shapes must already match.
+    """
+    with torch.device("meta"):
+        decoder = Decoder(model, attention)
+    params = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state_dict.items()}
+    decoder.load_state_dict(params, strict=True, assign=True)
+    cos, sin = rope_tables(model.max_seq_len, model.head_dim, model.rope_theta)
+    decoder.rope_cos, decoder.rope_sin = cos.to(device), sin.to(device)
+    return decoder
+
+
+# ---- kvbench's own format -------------------------------------------------------------------
+
+def save_checkpoint(path: str | Path, model: Decoder, extra: Optional[dict] = None) -> Path:
+    """Write ``model`` (configs + weights) and ``extra`` (plain values: metrics, curve) to ``path``."""
+    extra = dict(extra or {})
+    clash = _RESERVED & extra.keys()
+    if clash:
+        raise CheckpointError(f"extra keys {sorted(clash)} are reserved by the checkpoint format")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {FORMAT_KEY: FORMAT_VERSION, "model": asdict(model.config),
+               "attention": asdict(model.attention),
+               "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, **extra}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)  # atomic: a crash never leaves half a checkpoint under the real name
+    return path
+
+
+def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
+    """The raw payload of a kvbench checkpoint (configs as dicts, state dict, extras)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    payload = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(payload, dict) or FORMAT_KEY not in payload:
+        raise CheckpointError(f"checkpoint {path}: not a kvbench checkpoint (no {FORMAT_KEY!r} key); "
+                              "for a Llama-format directory pass the directory")
+    return payload
+
+
+def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> Decoder:
+    """The Decoder saved by :func:`save_checkpoint`, in its saved dtype, on ``map_location``."""
+    payload = read_checkpoint(path, map_location)
+    model = ModelConfig(**payload["model"])
+    return build_decoder(model, AttentionConfig(**payload["attention"]), payload["state_dict"],
+                         device=map_location)
+
+
+# ---- Llama-format directories ---------------------------------------------------------------
+
+def _llama_model_config(cfg: dict, where: Path, max_seq_len: Optional[int]) -> ModelConfig:
+    archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+    if not any(a in LLAMA_ARCHITECTURES for a in archs):
+        raise CheckpointError(f"{where}: architecture {', '.join(map(str, archs))} is not supported "
+                              f"(supported: {', '.join(LLAMA_ARCHITECTURES)})")
+    # transformers >= 5 keeps rope settings in rope_parameters; older configs in rope_theta/rope_scaling.
+    rope = cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if cfg.get("rope_scaling") or rope_type != "default":
+        raise CheckpointError(f"{where}: rope scaling ({cfg.get('rope_scaling') or rope_type}) is not "
+                              "supported; only plain rotary embeddings")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{where}: {key}=true is not supported (the decoder has no biases)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
+    positions = cfg.get("max_position_embeddings", 2048)
+    if cfg.get("sliding_window") and cfg["sliding_window"] < (max_seq_len or positions):
+        raise CheckpointError(f"{where}: sliding_window={cfg['sliding_window']} is not supported; "
+                              f"pass max_seq_len <= {cfg['sliding_window']}")
+    try:
+        heads = cfg["num_attention_heads"]
+        return ModelConfig(
+            name=cfg.get("_name_or_path") or where.name, num_layers=cfg["num_hidden_layers"],
+            d_model=cfg["hidden_size"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            max_seq_len=max_seq_len or positions,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+    except KeyError as e:
+        raise CheckpointError(f"{where / 'config.json'}: missing key {e.args[0]!r}") from None
+
+
+def _llama_name(name: str) -> str:
+    """transformers' parameter name → the decoder's (unknown names pass through unchanged)."""
+    replacements = [("model.embed_tokens.", "embed."), ("model.layers.", "blocks."),
+                    ("model.norm.", "norm."), (".self_attn.q_proj.", ".attn.wq."),
+                    (".self_attn.k_proj.", ".attn.wk."), (".self_attn.v_proj.", ".attn.wv."),
+                    (".self_attn.o_proj.", ".attn.wo."), (".mlp.gate_proj.", ".mlp.w_gate."),
+                    (".mlp.up_proj.", ".mlp.w_up."), (".mlp.down_proj.", ".mlp.w_down."),
+                    (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm.")]
+    for old, new in replacements:
+        name = name.replace(old, new)
+    return name
+
+
+def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float32,
+                   device: torch.device | str = "cpu", max_seq_len: Optional[int] = None
+                   ) -> Tuple[Decoder, Optional["tokenizers.Tokenizer"]]:  # noqa: F821
+    """A Llama/Mistral-format checkpoint directory as a Decoder, plus its tokenizer if it has one.
+
+    ``max_seq_len`` caps the rotary table (default: the config's max_position_embeddings).
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
+    hf_config = json.loads(config_path.read_text())
+    model_cfg = _llama_model_config(hf_config, directory, max_seq_len)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")
+    tensors: Dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            tensors[_llama_name(name)] = t
+    if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["embed.weight"]  # tied: the head reuses the embedding
+
+    attention = attention_for(model_cfg.num_heads, model_cfg.num_kv_heads)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in Decoder(model_cfg, attention).state_dict().items()}
+    missing = sorted(expected.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys())
+    # Rotary inverse frequencies some exporters store are recomputed, not loaded.
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise CheckpointError(f"{directory}: tensor names do not match a Llama decoder: "
+                              f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
+                              f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                  f"config.json implies {tuple(shape)}")
+    decoder = build_decoder(model_cfg, attention, {k: tensors[k] for k in expected}, dtype, device)
+
+    tokenizer = None
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return decoder, tokenizer
+
+
+# ---- MHA → GQA / MQA ------------------------------------------------------------------------
+
+def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
+    """A new Decoder with ``num_kv_heads`` KV heads, each the mean of the heads of its group.
+
+    Query head h reads KV head h // G with contiguous groups, so new KV head j is the mean of
+    old KV heads j*r .. (j+1)*r - 1 with r = old H_kv / new H_kv; queries and outputs are kept.
+    Works from MHA or from a grouped model whose KV-head count is a multiple of the target.
+    """
+    old = model.num_kv_heads
+    if num_kv_heads < 1 or old % num_kv_heads:
+        raise CheckpointError(f"cannot mean-pool {old} KV heads into {num_kv_heads}: the target must "
+                              f"divide the current KV-head count {old}")
+    r, D = old // num_kv_heads, model.config.head_dim
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name in list(state):
+        if name.endswith((".attn.wk.weight", ".attn.wv.weight")):
+            w = state[name]  # (old H_kv * D, C)
+            pooled = w.float().view(num_kv_heads, r, D, -1).mean(dim=1)  # (H_kv, D, C)
+            state[name] = pooled.reshape(num_kv_heads * D, -1).to(w.dtype)
+    attention = attention_for(model.config.num_heads, num_kv_heads)
+    device = model.lm_head.weight.device
+    return build_decoder(model.config, attention, state, device=device)

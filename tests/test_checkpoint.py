@@ -1,0 +1,153 @@
+"""kvbench checkpoints, Llama-format loading (parity against transformers) and KV-head conversion."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvbench.checkpoint import (CheckpointError, convert_kv_heads, load_checkpoint, load_llama_dir,
+                                read_checkpoint, save_checkpoint)
+from kvbench.config import AttentionConfig, ModelConfig
+from kvbench.model import Decoder
+
+VOCAB = 97
+
+
+def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
+    """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=num_kv_heads, intermediate_size=48, vocab_size=VOCAB,
+                      max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=tie, **overrides)
+    cfg._attn_implementation = "eager"
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at 1: make them matter so a misplaced norm weight shows
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    return tmp_path, hf
+
+
+@pytest.mark.parametrize("num_kv_heads,tie", [(4, False), (2, False), (1, True)],
+                         ids=["mha", "gqa", "mqa-tied"])
+def test_llama_parity_with_transformers(tmp_path, num_kv_heads, tie):
+    path, hf = llama_dir(tmp_path, num_kv_heads, tie)
+    model, tokenizer = load_llama_dir(path, torch.float32)
+    assert tokenizer is None
+    assert model.num_kv_heads == num_kv_heads
+    assert model.config.rope_theta == 500.0
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_tokenizer_loaded_when_present(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path, _ = llama_dir(tmp_path, 2)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    _, loaded = load_llama_dir(path)
+    assert loaded.encode("hello world").ids == [1, 2]
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_llama_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_llama_dir(tmp_path)
+    path, _ = llama_dir(tmp_path, 2)
+    _edit_config(path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match="architecture GPT2LMHeadModel is not supported"):
+        load_llama_dir(path)
+    _edit_config(path, architectures=["LlamaForCausalLM"], intermediate_size=64)
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.mlp\.w_gate\.weight has shape \(48, 32\), "
+                                              r"config.json implies \(64, 32\)"):
+        load_llama_dir(path)
+    _edit_config(path, intermediate_size=48, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(CheckpointError, match="rope scaling"):
+        load_llama_dir(path)
+    _edit_config(path, rope_scaling=None, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"missing \['blocks\.2\."):
+        load_llama_dir(path)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_llama_dir(path)
+
+
+def tiny(num_kv_heads=4, num_heads=4, seed=0) -> Decoder:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_layers=2, d_model=32, num_heads=num_heads, num_kv_heads=num_heads,
+                      ffn_dim=48, vocab_size=VOCAB, max_seq_len=64)
+    kind = "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+    return Decoder(cfg, AttentionConfig(kind, num_kv_heads)).eval()
+
+
+def test_save_load_roundtrip(tmp_path):
+    model = tiny(2)
+    save_checkpoint(tmp_path / "c.pt", model, {"metrics": {"perplexity": 3.5}})
+    loaded = load_checkpoint(tmp_path / "c.pt")
+    assert loaded.attention == model.attention and loaded.config == model.config
+    tokens = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+    assert read_checkpoint(tmp_path / "c.pt")["metrics"] == {"perplexity": 3.5}
+    with pytest.raises(CheckpointError, match="no such file"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"x": 1}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a kvbench checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+def test_convert_same_count_is_identity():
+    model = tiny(4)
+    same = convert_kv_heads(model, 4)
+    assert same.attention.type == "mha"
+    for (name, a), (_, b) in zip(model.state_dict().items(), same.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def _make_groups_identical(model: Decoder, num_kv_heads: int) -> None:
+    """Copy the first K/V head of every group over the others (the model stays MHA-shaped)."""
+    D, r = model.config.head_dim, model.num_kv_heads // num_kv_heads
+    with torch.no_grad():
+        for block in model.blocks:
+            for lin in (block.attn.wk, block.attn.wv):
+                w = lin.weight.view(num_kv_heads, r, D, -1)  # (groups, heads per group, D, C)
+                w.copy_(w[:, :1].expand_as(w))
+
+
+@pytest.mark.parametrize("start,target", [(4, 2), (4, 1), (2, 1)])
+def test_convert_identical_groups_reproduces_outputs(start, target):
+    model = tiny(start)
+    _make_groups_identical(model, target)
+    converted = convert_kv_heads(model, target)
+    assert converted.num_kv_heads == target
+    assert converted.attention.type == ("mqa" if target == 1 else "gqa")
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(tokens), model(tokens), atol=1e-6, rtol=0)
+
+
+def test_convert_is_group_mean_and_rejects_non_divisors():
+    model = tiny(4)
+    converted = convert_kv_heads(model, 2)
+    D = model.config.head_dim
+    old = model.blocks[0].attn.wk.weight.view(4, D, -1)
+    new = converted.blocks[0].attn.wk.weight.view(2, D, -1)
+    torch.testing.assert_close(new[1], (old[2] + old[3]) / 2)  # query heads 2, 3 → KV head 1
+    assert torch.equal(converted.blocks[0].attn.wq.weight, model.blocks[0].attn.wq.weight)
+    with pytest.raises(CheckpointError, match="cannot mean-pool 2 KV heads into 4"):
+        convert_kv_heads(converted, 4)
+    with pytest.raises(CheckpointError, match="cannot mean-pool 4 KV heads into 3"):
+        convert_kv_heads(model, 3)
