@@ -1,0 +1,72 @@
+"""Roofline fields against an independent count of the bytes a decode step reads, and the
+compile option against eager decoding."""
+
+import json
+
+import pytest
+import torch
+
+from kvbench.measure import roofline
+from kvbench.measure.roofline import decode_bytes_read, peak_bandwidth, roofline_metrics
+
+from conftest import make_decoder
+
+
+@pytest.mark.parametrize("kv, dtype, size", [(8, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float16, 2)])
+def test_decode_bytes_read_counts_weights_and_kv(kv, dtype, size):
+    model = make_decoder(kv, dtype=dtype)  # 2 layers, d_model 64, 8 heads, head_dim 8, ffn 96, vocab 97
+    d, L, D, V, ffn = 64, 2, 8, 97, 96
+    per_layer = d * 8 * D + 2 * d * kv * D + 8 * D * d + 3 * d * ffn + 2 * d  # q, k+v, o, mlp, 2 norms
+    weights = (L * per_layer + d + V * d) * size  # + final norm + lm_head; embedding is a lookup:
+    weights += 3 * d * size  # B = 3 rows of it
+    kv_bytes = 2 * L * kv * D * 100 * 3 * size
+    assert decode_bytes_read(model, 3, 100) == (weights + kv_bytes, kv_bytes)
+
+
+def test_roofline_metrics_are_consistent():
+    model = make_decoder(2)
+    m = roofline_metrics(model, batch_size=2, prompt_len=10, gen_len=5, decode_ms_p50=0.5, peak_gb_per_s=20.0)
+    total, kv = decode_bytes_read(model, 2, 10 + 3)  # mean context of steps 11..15 is 13
+    assert m["bytes_read_per_step"] == total and m["kv_bytes_read_per_step"] == kv
+    assert m["achieved_gb_per_s"] == pytest.approx(total / 0.5e-3 / 1e9)
+    assert m["percent_of_peak"] == pytest.approx(100 * m["achieved_gb_per_s"] / 20.0)
+    assert m["roofline_ms"] == pytest.approx(total / 20e9 * 1e3)
+
+
+def test_peak_is_overridable_and_probe_cached_per_machine(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_probe(device):
+        calls.append(device)
+        return {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0}
+
+    monkeypatch.setattr(roofline, "probe_bandwidth", fake_probe)
+    cache = tmp_path / "bw.json"
+    assert peak_bandwidth(torch.device("cpu"), 42.0, cache) == (42.0, "runtime.peak_gb_per_s")
+    assert not cache.exists() and not calls
+    first = peak_bandwidth(torch.device("cpu"), None, cache)
+    second = peak_bandwidth(torch.device("cpu"), None, cache)
+    assert first[0] == second[0] == 17.0 and "gemv" in first[1]
+    assert len(calls) == 1 and len(json.loads(cache.read_text())) == 1
+
+
+def test_probe_measures_a_plausible_bandwidth():
+    probe = roofline.probe_bandwidth(torch.device("cpu"), mib=16, repeats=2)
+    assert all(0.1 < v < 10_000 for v in probe.values()), probe
+
+
+def test_compiled_decode_matches_eager():
+    """runtime.compile=true: the compiled decoder gives eager's logits; compile time is apart."""
+    from kvbench.cache import cache_for
+    from kvbench.runner import compile_model
+    from kvbench.scenarios import greedy_generate
+
+    model = make_decoder(2, num_layers=1)
+    prompt = torch.randint(0, 97, (2, 8))
+    cache = cache_for(model, "static", 2, 20)
+    metrics = {}
+    compiled = compile_model(model, torch.device("cpu"), prompt, cache, metrics)
+    assert metrics["compile_s"] > 0 and cache.length == 0  # compiled, then rolled back
+    got = greedy_generate(compiled, prompt, 6, cache, keep_logits=True)
+    want = greedy_generate(model, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
