@@ -48,9 +48,37 @@ def _hydra_main(cfg: DictConfig) -> None:
         from kvbench.console import stderr
         stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
     result = run_job(cfg, out_dir, overrides)
+    wandb_dir = _track(cfg, result, out_dir, multirun)
     _after_job(result, out_dir, multirun)
     if not multirun:
         _exit_code = EXIT_CODES[result.status]
+        _report(out_dir, plots=False)  # summary.csv / summary.md beside results.json
+        if wandb_dir is not None:
+            from kvbench.console import stdout
+            stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
+
+
+def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[Path]:
+    """The job's W&B run (after results.json is written; a W&B failure is only a warning)."""
+    from kvbench.tracking import track
+
+    sweep_dir = HydraConfig.get().sweep.dir if multirun else None
+    return track(result, OmegaConf.to_container(cfg.wandb, resolve=True), out_dir, sweep_dir, cfg.task)
+
+
+def _report(directory: Path, plots: bool = True) -> None:
+    """Write the local report (summary.csv, summary.md, plots); never fails the run."""
+    from kvbench.console import stderr, stdout
+
+    try:
+        from kvbench.report import MD_FILE, write_report
+
+        write_report(directory, plots=plots)
+        if plots:
+            stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
+    except Exception as exc:  # noqa: BLE001 — the records are on disk; kvbench-report can redo this
+        stderr.print(f"kvbench: report failed: {type(exc).__name__}: {exc} (run kvbench-report {directory})",
+                     markup=False, soft_wrap=True)
 
 
 def _after_job(result, out_dir: Path, multirun: bool) -> None:
@@ -127,6 +155,7 @@ class SweepCallback(Callback):
         counts = {s: sum(r["status"] == s for r in records) for s in EXIT_CODES}
         stdout.print(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" — results under {sweep_dir}",
                      markup=False, soft_wrap=True)
+        _report(sweep_dir)
         if counts["error"]:
             _exit_code = EXIT_CODES["error"]
 

@@ -158,7 +158,7 @@ class CacheConfig:
 class RuntimeConfig:
     """Where and how a run executes and is timed."""
 
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | cuda:free (kvbench/cluster.py)
     dtype: str = "float32"
     seed: int = 0
     warmup: int = 1
@@ -243,6 +243,9 @@ class BenchConfig:
     wandb: WandbConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # A multirun into an existing sweep dir skips jobs whose results.json is ok for the same
+    # config; rerun=true runs them again.
+    rerun: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("task", self.task, TASKS)

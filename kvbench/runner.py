@@ -8,6 +8,7 @@ atomically. Only the CLI decides what a status means for the exit code.
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -35,6 +36,9 @@ Scenario = Callable[[BenchConfig, Decoder, torch.device, Dict[str, Any], RunResu
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda:free":  # one GPU per concurrent job on a multi-GPU node
+        from kvbench.cluster import free_gpu
+        return free_gpu()
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"runtime.device={name!r}: CUDA is not available on this machine")
@@ -92,7 +96,8 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     out_dir = Path(out_dir)
     raw = cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_container(cfg, resolve=True)
     result = RunResult(status="ok", config=asdict(raw) if isinstance(raw, BenchConfig) else raw,
-                       overrides=list(overrides or []), started_at=_now())
+                       overrides=list(overrides or []), started_at=_now(),
+                       env={"hostname": socket.gethostname()})  # even a job that fails early says where
     metrics: Dict[str, Any] = {}
     try:
         bench = to_bench_config(cfg)

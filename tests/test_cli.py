@@ -31,17 +31,20 @@ def kvbench(*args, cwd, check=True):
 
 
 def group_options():
-    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
-        for option in sorted(group.glob("*.yaml")):
-            yield group.name, option.stem
+    # Nested groups too: conf/hydra/launcher/slurm.yaml is the option hydra/launcher=slurm.
+    for option in sorted(CONF_DIR.rglob("*.yaml")):
+        if option.parent != CONF_DIR:
+            yield option.parent.relative_to(CONF_DIR).as_posix(), option.stem
 
 
 @pytest.mark.parametrize("group, option", list(group_options()))
 def test_every_conf_file_composes_and_validates(group, option):
+    hydra_node = group == "experiment" or group.startswith("hydra/")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[f"{group}={option}"], return_hydra_config=(group == "experiment"))
+        cfg = compose("config", overrides=[f"{group}={option}"], return_hydra_config=hydra_node)
     if group == "experiment":
         assert OmegaConf.select(cfg, "hydra.sweeper.params"), "an experiment preset sweeps something"
+    if hydra_node:
         with open_dict(cfg):
             del cfg["hydra"]
     bench = OmegaConf.to_object(cfg)

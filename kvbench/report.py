@@ -1,0 +1,241 @@
+"""Local side-by-side report of a run or a sweep: ``summary.csv``, ``summary.md`` and PNG plots.
+
+Reads only the results.json records (and, for a job that left none, the ``.hydra/`` files Hydra
+wrote when the job started), so it works on any directory, with or without W&B, during or
+after a sweep. Written at the end of every multirun by the CLI and on demand by
+``kvbench-report DIR``.
+
+Every job is a row: ``ok``, ``invalid``, ``oom``, ``error``, ``missing`` (a Hydra job directory
+without results.json: the job was killed, e.g. by SIGKILL, or has not finished) and
+``unreadable`` (a results.json that does not parse). Non-ok jobs are also listed with their
+overrides and error in their own section, and every plot notes how many jobs it leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from kvbench.console import AXES, HEADLINE, fmt, lookup
+from kvbench.report_plots import draw_all, natural  # matplotlib is imported only when drawing
+from kvbench.results import RESULTS_FILE, find_results
+from kvbench.tracking import flatten  # wandb itself is not imported
+
+CSV_FILE, MD_FILE = "summary.csv", "summary.md"
+# Axes shown whenever they vary (and always in the CSV), in this order; then any other
+# config key that varies. model.name first: it determines most other model.* keys.
+USUAL_AXES: List[Tuple[str, str]] = [("model.name", "model")] + AXES
+_NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
+
+
+@dataclass
+class Report:
+    """What :func:`write_report` wrote and what it found."""
+
+    root: Path
+    records: List[Dict[str, Any]]
+    axes: List[Tuple[str, str]]
+    files: List[Path] = field(default_factory=list)
+    skipped_plots: Dict[str, str] = field(default_factory=dict)
+
+    def counts(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for rec in self.records:
+            out[rec["status"]] = out.get(rec["status"], 0) + 1
+        return out
+
+
+def _rel(path: Path, root: Path) -> str:
+    return str(path.relative_to(root))
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    # W&B run directories and dot-directories never hold a job's own record.
+    return any(p == "wandb" or p.startswith(".") for p in path.relative_to(root).parts[:-1])
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def collect(root: Path | str) -> List[Dict[str, Any]]:
+    """One record per job under ``root`` (a job directory or a sweep), each with ``job`` (its
+    path relative to ``root``) and ``status``; jobs without results.json come from ``.hydra/``."""
+    root = Path(root)
+    records: Dict[str, Dict[str, Any]] = {}
+    for path in find_results(root):
+        if _hidden(path, root):
+            continue
+        job = _rel(path.parent, root)
+        try:
+            rec = json.loads(path.read_text())
+            if not isinstance(rec, dict) or "status" not in rec:
+                raise ValueError("not a kvbench record")
+        except (OSError, ValueError) as exc:
+            rec = {"status": "unreadable", "error": f"{path.name}: {exc}",
+                   "config": (_read_yaml(path.parent / ".hydra" / "config.yaml") or {}),
+                   "overrides": _read_yaml(path.parent / ".hydra" / "overrides.yaml") or []}
+        rec["job"] = job
+        records[job] = rec
+    for overrides_file in root.rglob(".hydra/overrides.yaml"):
+        job_dir = overrides_file.parent.parent
+        job = _rel(job_dir, root)
+        if job in records or _hidden(overrides_file.parent, root):
+            continue
+        config = _read_yaml(job_dir / ".hydra" / "config.yaml") or {}
+        if isinstance(config, dict) and config.get("task") == "inspect":
+            continue  # inspect jobs print a table and write no record by design
+        records[job] = {"job": job, "status": "missing", "config": config if isinstance(config, dict) else {},
+                        "overrides": _read_yaml(overrides_file) or [], "metrics": {},
+                        "error": "no results.json: the job was killed or has not finished"}
+    return [records[k] for k in sorted(records, key=natural)]  # job 10 after job 9
+
+
+def _values(records: Sequence[Dict[str, Any]], key: str) -> List[str]:
+    # None means "left to its default" in a config Hydra saved before validation filled it in,
+    # so it never makes a key look swept.
+    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None]
+
+
+def _determined_by(records, key: str, by: str) -> bool:
+    seen: Dict[str, str] = {}
+    for rec in records:
+        value, cause = lookup(rec.get("config", {}), key), lookup(rec.get("config", {}), by)
+        if value is None or cause is None:
+            continue
+        if seen.setdefault(repr(cause), repr(value)) != repr(value):
+            return False
+    return True
+
+
+def swept_axes(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, str]]:
+    """(config key, column title) of every key whose value differs across records: the usual
+    axes first, then the rest; a key that is a function of an axis already chosen is dropped
+    (``model.d_model`` when ``model.name`` is swept)."""
+    keys = {k for rec in records if isinstance(rec.get("config"), dict) for k in flatten(rec["config"])}
+    varying = {k for k in keys if not k.startswith(_NOT_AXES) and len(set(_values(records, k))) > 1}
+    chosen = [(k, t) for k, t in USUAL_AXES if k in varying]
+    for key in sorted(varying - {k for k, _ in chosen}):
+        if not any(_determined_by(records, key, by) for by, _ in chosen):
+            chosen.append((key, key))
+    return chosen
+
+
+def metric_columns(records: Sequence[Dict[str, Any]]) -> List[str]:
+    """Every scalar metric any record has: the headline ones first, then alphabetical."""
+    keys = {k for r in records for k, v in (r.get("metrics") or {}).items()
+            if isinstance(v, (int, float, str, bool)) or v is None}
+    head = [k for k, _, _ in HEADLINE if k in keys]
+    return head + sorted(keys - set(head))
+
+
+def write_csv(path: Path, records, axes) -> None:
+    csv_axes = axes + [a for a in USUAL_AXES if a not in axes]
+    metrics = metric_columns(records)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["job", "status", *[k for k, _ in csv_axes], *metrics, "error", "overrides"])
+        for rec in records:
+            m = rec.get("metrics") or {}
+            writer.writerow([rec["job"], rec["status"],
+                             *[_cell(lookup(rec.get("config", {}), k)) for k, _ in csv_axes],
+                             *[_cell(m.get(k)) for k in metrics],
+                             _cell(rec.get("error")), " ".join(map(str, rec.get("overrides") or []))])
+
+
+def _cell(value: Any) -> Any:
+    return "" if value is None else value
+
+
+def _md_escape(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(report: Report, plots: Sequence[Path]) -> str:
+    """The report as markdown: counts, one row per job, the non-ok jobs, the plots."""
+    records, axes = report.records, report.axes or USUAL_AXES[1:3]
+    columns = [(k, t, s) for k, t, s in HEADLINE if any((r.get("metrics") or {}).get(k) is not None
+                                                        for r in records)]
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
+    lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", "",
+             "## Results", "",
+             "| " + " | ".join(["job", *[t for _, t in axes], "status", *[t for _, t, _ in columns]]) + " |",
+             "|" + "---|" * (2 + len(axes) + len(columns))]
+    for rec in records:
+        m = rec.get("metrics") or {}
+        row = [rec["job"], *[fmt(lookup(rec.get("config", {}), k), "{}") for k, _ in axes], rec["status"],
+               *[fmt(m.get(k), s) for k, _, s in columns]]
+        lines.append("| " + " | ".join(_md_escape(c) for c in row) + " |")
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Jobs that are not ok", "", "| job | status | overrides | error |", "|---|---|---|---|"]
+        for rec in failed:
+            overrides = " ".join(map(str, rec.get("overrides") or [])) or "(defaults)"
+            lines.append(f"| {_md_escape(rec['job'])} | {rec['status']} | `{_md_escape(overrides)}` "
+                         f"| {_md_escape(rec.get('error') or '')} |")
+    lines += ["", "## Plots", ""]
+    for png in plots:
+        lines += [f"![{png.stem}]({png.name})", ""]
+    for name, why in report.skipped_plots.items():
+        lines.append(f"- `{name}.png` not drawn: {why}")
+    lines.append(f"\nAll columns, every metric and the overrides: `{CSV_FILE}`.")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: bool = True) -> Report:
+    """Gather every job under ``root`` into ``summary.csv``, ``summary.md`` and plots in
+    ``out_dir`` (default ``root``). Raises FileNotFoundError / ValueError with a clear message
+    for a missing directory or one without any job."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no such directory: {root}")
+    records = collect(root)
+    if not records:
+        raise ValueError(f"no {RESULTS_FILE} and no Hydra job directory (.hydra/overrides.yaml) under {root}")
+    out = Path(out_dir) if out_dir is not None else root
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(root, records, swept_axes(records))
+    pngs: List[Path] = []
+    if plots:
+        pngs, report.skipped_plots = draw_all(records, report.axes, out)
+    write_csv(out / CSV_FILE, records, report.axes)
+    (out / MD_FILE).write_text(markdown(report, pngs))
+    report.files = [out / CSV_FILE, out / MD_FILE, *pngs]
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console script ``kvbench-report DIR [--out OUT]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvbench-report",
+        description="Summarise a kvbench run or sweep directory: summary.csv, summary.md and PNG plots.")
+    parser.add_argument("dir", help="a run directory (outputs/...) or a sweep (multirun/<date>/<time>)")
+    parser.add_argument("--out", help="where to write the report (default: DIR)")
+    parser.add_argument("--no-plots", action="store_true", help="only summary.csv and summary.md")
+    args = parser.parse_args(argv)
+    try:
+        report = write_report(args.dir, args.out, plots=not args.no_plots)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvbench-report: {exc}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
+    print(f"{len(report.records)} jobs ({counts}) under {report.root}")
+    for path in report.files:
+        print(f"  {path}")
+    for name, why in report.skipped_plots.items():
+        print(f"  ({name}.png not drawn: {why})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

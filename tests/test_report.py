@@ -1,0 +1,186 @@
+"""The local report over a sweep directory with ok, invalid, oom, missing and unreadable jobs:
+rows and columns against the records written, plot data against the same records, PNGs that
+decode to images, and kvbench-report's messages for a missing or empty directory."""
+
+import csv
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+import matplotlib.image
+import pytest
+import yaml
+
+from kvbench.cache import kv_cache_bytes
+from kvbench.config import (AttentionConfig, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig,
+                            WorkloadConfig)
+from kvbench.report import CSV_FILE, MD_FILE, collect, main, swept_axes, write_report
+from kvbench.report_plots import lines, metric, turn_lines
+from kvbench.results import RunResult
+from conftest import tiny_model_config
+
+VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}
+PROMPTS, BATCHES, GEN = (16, 32), (1, 2), 8
+TURN_TTFT = {True: [40.0, 4.0, 5.0, 6.0], False: [40.0, 50.0, 60.0, 70.0]}
+
+
+def decode_ms(kv, prompt):
+    """A made-up but distinct latency per (variant, context)."""
+    return 1.0 + 0.01 * prompt * kv / 8
+
+
+def bench(kind, kv, prompt=16, batch=1, workload="decode", shared=False):
+    return BenchConfig(model=tiny_model_config(max_seq_len=512),
+                       attention=AttentionConfig(type=kind, num_kv_heads=kv),
+                       workload=WorkloadConfig(name=workload, batch_size=batch, prompt_len=prompt, gen_len=GEN,
+                                               system_len=32, turns=4, user_len=8, reply_len=4),
+                       cache=CacheConfig(shared=shared), runtime=RuntimeConfig(device="cpu"),
+                       wandb=WandbConfig(mode="disabled"))
+
+
+def hydra_files(job_dir, config, overrides):
+    (job_dir / ".hydra").mkdir(parents=True)
+    (job_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (job_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """jobs 0-11 ok decode (3 variants x 2 prompts x 2 batches), 12 invalid, 13 missing (killed),
+    14 oom, 15-16 ok multiturn with sharing on/off, 17 an unreadable results.json."""
+    root = tmp_path_factory.mktemp("multirun") / "2026-01-01" / "10-00-00"
+    n = 0
+    for kind, kv in VARIANTS.items():
+        for prompt in PROMPTS:
+            for batch in BATCHES:
+                cfg = bench(kind, kv, prompt, batch)
+                ms = decode_ms(kv, prompt)
+                kv_bytes = kv_cache_bytes(2, kv, 8, prompt + GEN, batch, 4)
+                overrides = [f"attention={kind}", f"workload.prompt_len={prompt}", f"workload.batch_size={batch}"]
+                hydra_files(root / str(n), asdict(cfg), overrides)
+                RunResult("ok", asdict(cfg), overrides=overrides, metrics={
+                    "prefill_ms": 2.0 * prompt, "decode_ms_p50": ms, "decode_ms_p90": 1.5 * ms,
+                    "tokens_per_s": batch * 1000.0 / ms, "kv_cache_bytes": kv_bytes,
+                    "kv_cache_bytes_formula": kv_bytes, "nvml_reason": "device is cpu"},
+                    series={"decode_ms": [ms] * GEN}).write(root / str(n))
+                n += 1
+    raw = asdict(bench("gqa", 2))
+    raw["attention"]["num_kv_heads"], raw["model"]["head_dim"] = 3, None  # as saved before validation
+    hydra_files(root / "12", raw, ["attention.num_kv_heads=3"])
+    RunResult("invalid", raw, error="attention.num_kv_heads=3: must divide model.num_heads=8",
+              overrides=["attention.num_kv_heads=3"]).write(root / "12")
+    killed = asdict(bench("gqa", 2, prompt=64))
+    killed["attention"]["num_kv_heads"] = None  # Hydra saves the config before it is resolved
+    hydra_files(root / "13", killed, ["workload.prompt_len=64"])
+    oom = asdict(bench("mha", 8, batch=512))
+    hydra_files(root / "14", oom, ["workload.batch_size=512"])
+    RunResult("oom", oom, error="OutOfMemoryError: CUDA out of memory", overrides=["workload.batch_size=512"],
+              metrics={"kv_cache_bytes_formula": 123}).write(root / "14")
+    for n, shared in ((15, True), (16, False)):
+        cfg = bench("gqa", 2, workload="multiturn", shared=shared)
+        overrides = ["workload=multiturn", f"cache.shared={str(shared).lower()}"]
+        hydra_files(root / str(n), asdict(cfg), overrides)
+        rows = [{"turn": t, "ttft_ms": v, "context_len": 32 + 12 * t} for t, v in enumerate(TURN_TTFT[shared])]
+        RunResult("ok", asdict(cfg), overrides=overrides, metrics={"prefill_ms": rows[0]["ttft_ms"]},
+                  tables={"turns": rows}).write(root / str(n))
+    hydra_files(root / "17", asdict(bench("mqa", 1)), ["attention=mqa"])
+    (root / "17" / "results.json").write_text('{"status": "ok", "metr')
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(sweep, tmp_path_factory):
+    return write_report(sweep, tmp_path_factory.mktemp("report"))
+
+
+def test_every_job_is_a_row_with_its_status(report, sweep):
+    rows = list(csv.DictReader((report.files[0].parent / CSV_FILE).open()))
+    assert [r["job"] for r in rows] == [str(i) for i in range(18)]  # natural order: 2 before 10
+    status = {r["job"]: r["status"] for r in rows}
+    assert [status[str(i)] for i in range(12)] == ["ok"] * 12
+    assert (status["12"], status["13"], status["14"], status["15"], status["16"], status["17"]) == \
+        ("invalid", "missing", "oom", "ok", "ok", "unreadable")
+    for row in rows[:12]:  # every value is the record's own
+        rec = json.loads((sweep / row["job"] / "results.json").read_text())
+        assert float(row["decode_ms_p50"]) == rec["metrics"]["decode_ms_p50"]
+        assert int(row["kv_cache_bytes"]) == rec["metrics"]["kv_cache_bytes"]
+        assert row["attention.type"] == rec["config"]["attention"]["type"]
+        assert int(row["workload.prompt_len"]) == rec["config"]["workload"]["prompt_len"]
+    by_job = {r["job"]: r for r in rows}
+    assert by_job["13"]["workload.prompt_len"] == "64" and by_job["13"]["overrides"] == "workload.prompt_len=64"
+    assert "killed" in by_job["13"]["error"] and "must divide" in by_job["12"]["error"]
+    assert by_job["12"]["attention.num_kv_heads"] == "3" and by_job["12"]["decode_ms_p50"] == ""
+
+
+def test_swept_axes_are_the_keys_that_vary(sweep):
+    records = collect(sweep)
+    keys = [k for k, _ in swept_axes(records)]
+    # model.head_dim is null only in the unvalidated config: not an axis; nor the default-only keys
+    assert keys == ["attention.type", "attention.num_kv_heads", "workload.name", "workload.batch_size",
+                    "workload.prompt_len", "cache.shared"]
+
+
+def test_markdown_lists_results_and_every_job_that_is_not_ok(report):
+    md = (report.files[0].parent / MD_FILE).read_text()
+    assert "18 jobs: 14 ok, 1 invalid, 1 missing, 1 oom, 1 unreadable." in md
+    header = next(line for line in md.splitlines() if line.startswith("| job | attn"))
+    assert header.split(" | ")[:8] == ["| job", "attn", "kv", "workload", "B", "prompt", "shared", "status"]
+    not_ok = md.split("## Jobs that are not ok")[1].split("## Plots")[0]
+    for job, status, overrides in (("12", "invalid", "attention.num_kv_heads=3"),
+                                   ("13", "missing", "workload.prompt_len=64"),
+                                   ("14", "oom", "workload.batch_size=512"),
+                                   ("17", "unreadable", "attention=mqa")):
+        assert f"| {job} | {status} | `{overrides}` |" in not_ok
+    for png in ("decode_vs_context", "kv_bytes_vs_heads", "tokens_vs_batch", "ttft_per_turn"):
+        assert f"![{png}]({png}.png)" in md
+
+
+def test_plot_data_matches_the_records(sweep):
+    records = collect(sweep)
+    axes = swept_axes(records)
+    decode = [r for r in records if r["status"] == "ok" and r["config"]["workload"]["name"] == "decode"]
+    ms = lines(decode, axes, "workload.prompt_len", metric("decode_ms_p50"))
+    assert ms == {f"{k} kv={kv} B={b}": [(p, decode_ms(kv, p)) for p in PROMPTS]
+                  for k, kv in sorted(VARIANTS.items()) for b in BATCHES}
+    tps = lines(decode, axes, "workload.batch_size", metric("tokens_per_s"))
+    assert tps["gqa kv=2 prompt=32"] == [(b, b * 1000 / decode_ms(2, 32)) for b in BATCHES]
+    kv = lines(decode, axes, "attention.num_kv_heads", metric("kv_cache_bytes_formula"), ("attention.type",))
+    assert kv["B=2 prompt=16"] == [(h, kv_cache_bytes(2, h, 8, 16 + GEN, 2, 4)) for h in (1, 2, 8)]
+    turns = turn_lines(records, axes)
+    assert turns == {f"gqa kv=2 shared={s}": list(enumerate(TURN_TTFT[s == "on"])) for s in ("off", "on")}
+
+
+def test_plots_are_images_with_content(report):
+    pngs = {p.stem: p for p in report.files if p.suffix == ".png"}
+    assert set(pngs) == {"decode_vs_context", "kv_bytes_vs_heads", "tokens_vs_batch", "ttft_per_turn"}
+    assert report.skipped_plots == {}
+    for path in pngs.values():
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] > 300 and image.shape[1] > 500
+        assert image.std() > 0.05  # lines, labels and legend, not a blank canvas
+
+
+def test_single_job_directory_skips_plots_that_need_two_points(sweep, tmp_path):
+    report = write_report(sweep / "3", tmp_path)
+    assert [r["job"] for r in report.records] == ["."]
+    assert set(report.skipped_plots) == {"decode_vs_context", "kv_bytes_vs_heads", "tokens_vs_batch",
+                                         "ttft_per_turn"}
+    assert "needs >= 2 values of workload.prompt_len" in report.skipped_plots["decode_vs_context"]
+
+
+def test_cli_on_missing_or_empty_directory_exits_with_a_clear_message(tmp_path, capsys):
+    assert main([str(tmp_path / "nope")]) == 2
+    assert f"kvbench-report: no such directory: {tmp_path / 'nope'}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no results.json and no Hydra job directory" in capsys.readouterr().err
+    assert not list((tmp_path / "empty").iterdir())
+
+
+def test_console_script_writes_the_report(sweep, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "import sys; from kvbench.report import main; sys.exit(main())",
+                           str(sweep), "--out", str(tmp_path), "--no-plots"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "18 jobs (14 ok, 1 invalid, 1 missing, 1 oom, 1 unreadable)" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CSV_FILE, MD_FILE]

@@ -1,0 +1,190 @@
+"""W&B tracking without a server: a real sweep in offline mode is read back from its
+transaction log (``wandb leet inspect``) and compared with results.json; disabled mode never
+imports wandb; failures injected into W&B leave results.json untouched and only warn."""
+
+import base64
+import csv
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.results import RunResult
+from kvbench.tracking import flatten, run_name, sweep_group, track
+
+TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=5", "runtime.warmup=0",
+        "runtime.repeats=1"]
+
+
+def wandb_env(tmp_path: Path) -> dict:
+    """W&B's own files (settings, artifact staging, cache) under tmp_path; no WANDB_MODE."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        env[var] = str(tmp_path / "wandb-home" / sub)
+    return env
+
+
+@pytest.fixture
+def in_process_wandb(tmp_path, monkeypatch):
+    for var, value in wandb_env(tmp_path).items():
+        if var.startswith("WANDB_"):
+            monkeypatch.setenv(var, value)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+
+
+def leet(run_dir: Path, summary: bool):
+    """The offline run as W&B's own reader prints it: one summary object, or every record."""
+    args = ["--summary", "--json"] if summary else ["--json"]
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", *args, str(run_dir)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    if summary:
+        return json.loads(proc.stdout)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def only_run_dir(job_dir: Path) -> Path:
+    runs = list((job_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One offline sweep through the CLI: job 0 ok (2 KV heads), job 1 invalid (3 KV heads)."""
+    tmp = tmp_path_factory.mktemp("tracking")
+    sweep_dir = tmp / "multirun" / "2026-01-01" / "10-00-00"
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "-m", *TINY, "wandb.mode=offline",
+                           "wandb.tags=[ci]", "attention=gqa", "attention.num_kv_heads=2,3",
+                           f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=tmp, env=wandb_env(tmp), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return sweep_dir, proc
+
+
+def test_offline_run_holds_the_config_and_metrics_of_results_json(sweep):
+    sweep_dir, _ = sweep
+    rec = json.loads((sweep_dir / "0" / "results.json").read_text())
+    assert rec["status"] == "ok", rec["error"]
+    run = leet(only_run_dir(sweep_dir / "0"), summary=True)
+    assert run["state"] == "finished" and run["project"] == "kvbench" and run["tags"] == ["ci"]
+    assert run["name"] == run_name(rec["overrides"]) and "attention.num_kv_heads=2" in run["name"]
+    config = run["config"]
+    for key, value in flatten(rec["config"]).items():  # every resolved key, top level
+        assert config[key] == value, key
+    assert config["attention.num_kv_heads"] == 2 and config["model.head_dim"] == 8
+    assert config["overrides"] == rec["overrides"]
+    assert config["env.torch"] == rec["env"]["torch"] and config["env.device_type"] == "cpu"
+    scalars = {k: v for k, v in rec["metrics"].items() if isinstance(v, (int, float, str)) and v is not None}
+    assert {"decode_ms_p50", "tokens_per_s", "kv_cache_bytes", "prefill_ms"} <= set(scalars)
+    for key, value in scalars.items():
+        assert run["summary"][key] == value, key
+    assert run["summary"]["status"] == "ok"
+
+
+def test_offline_run_records_group_series_and_results_artifact(sweep):
+    sweep_dir, _ = sweep
+    rec = json.loads((sweep_dir / "0" / "results.json").read_text())
+    records = leet(only_run_dir(sweep_dir / "0"), summary=False)
+    run = next(r["run"] for r in records if r["type"] == "run")
+    assert run["run_group"] == "2026-01-01_10-00-00" == sweep_group(sweep_dir)
+    assert run["job_type"] == "decode"
+    metrics = {r["metric"]["name"]: r["metric"] for r in records if r["type"] == "metric"}
+    assert metrics["decode_ms"]["step_metric"] == "step"
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    steps = [(h["step"], h["decode_ms"]) for h in history if "decode_ms" in h]
+    assert steps == list(enumerate(rec["series"]["decode_ms"])) and len(steps) == 5
+    artifact = next(r["artifact"] for r in records if r["type"] == "artifact")
+    assert artifact["type"] == "results"
+    (entry,) = artifact["manifest"]["contents"]
+    body = (sweep_dir / "0" / "results.json").read_bytes()
+    assert entry["path"] == "results.json"
+    assert entry["digest"] == base64.b64encode(hashlib.md5(body).digest()).decode()
+
+
+def test_invalid_job_is_tracked_with_its_status_and_the_sweep_report_lists_it(sweep):
+    sweep_dir, proc = sweep
+    run = leet(only_run_dir(sweep_dir / "1"), summary=True)
+    assert run["summary"]["status"] == "invalid" and "attention.num_kv_heads=3" in run["summary"]["error"]
+    rows = list(csv.DictReader((sweep_dir / "summary.csv").open()))
+    assert [(r["job"], r["status"], r["attention.num_kv_heads"]) for r in rows] == \
+        [("0", "ok", "2"), ("1", "invalid", "3")]
+    ok = json.loads((sweep_dir / "0" / "results.json").read_text())
+    assert float(rows[0]["decode_ms_p50"]) == ok["metrics"]["decode_ms_p50"]
+    assert f"report: {sweep_dir / 'summary.md'}" in proc.stdout
+    assert "W&B tracking failed" not in proc.stdout + proc.stderr
+
+
+def make_result(job_dir: Path) -> RunResult:
+    result = RunResult("ok", {"attention": {"type": "gqa", "num_kv_heads": 2}, "workload": {"name": "multiturn"}},
+                       metrics={"prefill_ms": 3.5, "kv_cache_bytes": 4096, "nvml_reason": "device is cpu"},
+                       series={"decode_ms": [1.0, 2.0]}, overrides=["cache.shared=true"],
+                       tables={"turns": [{"turn": 0, "ttft_ms": 9.5},
+                                         {"turn": 1, "ttft_ms": 1.25, "context_len": 40}]})
+    result.write(job_dir)
+    return result
+
+
+def test_per_turn_table_is_a_wandb_table(tmp_path, in_process_wandb):
+    result = make_result(tmp_path)
+    run_dir = track(result, {"mode": "offline", "project": "kvbench", "group": "mine"}, tmp_path)
+    assert run_dir is not None and run_dir.parent == tmp_path / "wandb"
+    (table_file,) = (run_dir / "files" / "media" / "table").glob("turns_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["turn", "ttft_ms", "context_len"]
+    assert table["data"] == [[0, 9.5, None], [1, 1.25, 40]]
+    run = next(r["run"] for r in leet(run_dir, summary=False) if r["type"] == "run")
+    assert run["run_group"] == "mine" and run["job_type"] == "multiturn"
+
+
+@pytest.mark.parametrize("where", ["init", "log"])
+def test_a_wandb_failure_only_warns(where, tmp_path, in_process_wandb, monkeypatch, caplog):
+    import wandb
+    from wandb.sdk.wandb_run import Run
+
+    result = make_result(tmp_path)
+    before = (tmp_path / "results.json").read_bytes()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected at {where}")
+
+    monkeypatch.setattr(wandb, "init", boom) if where == "init" else monkeypatch.setattr(Run, "log", boom)
+    with caplog.at_level(logging.WARNING, logger="kvbench.tracking"):
+        assert track(result, {"mode": "offline"}, tmp_path) is None
+    assert f"W&B tracking failed at {where}: RuntimeError: injected at {where}" in caplog.text
+    assert (tmp_path / "results.json").read_bytes() == before
+    assert RunResult.read(tmp_path).status == "ok"
+    assert wandb.run is None  # the run was finished, nothing leaks into the next job
+    if where == "log":
+        assert leet(only_run_dir(tmp_path), summary=True)["exit_code"] == 1
+
+
+def test_online_without_credentials_warns_instead_of_prompting(tmp_path, in_process_wandb, monkeypatch, caplog):
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with caplog.at_level(logging.WARNING, logger="kvbench.tracking"):
+        assert track(make_result(tmp_path), {"mode": "online"}, tmp_path) is None
+    assert "W&B tracking failed at login" in caplog.text and "wandb login" in caplog.text
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_disabled_mode_writes_nothing_and_never_imports_wandb(tmp_path):
+    code = ("import sys; from pathlib import Path; from kvbench.results import RunResult; "
+            "from kvbench.tracking import track; "
+            f"r = RunResult.read({str(tmp_path)!r}); "
+            f"assert track(r, {{'mode': 'disabled'}}, Path({str(tmp_path)!r})) is None; "
+            "assert 'wandb' not in sys.modules, 'wandb imported'")
+    make_result(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], env=wandb_env(tmp_path), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_sweep_group_and_run_name():
+    assert sweep_group("multirun/2026-11-29/08-50-00") == "2026-11-29_08-50-00"
+    assert sweep_group("/data/sweeps/kv_study") == "kv_study" and sweep_group(None) is None
+    assert run_name(["attention=mqa", "wandb.mode=offline", "hydra.job.chdir=true"]) == "attention=mqa"
+    assert run_name([]) == "defaults"
