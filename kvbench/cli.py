@@ -47,6 +47,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
         from kvbench.console import stderr
         stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
+        from kvbench.cluster import completed_record
+        if not cfg.rerun and completed_record(out_dir, cfg) is not None:
+            # A re-run into the same sweep dir finishes only what is missing; the sweep table
+            # at the end reads this job's record from disk like any other.
+            stderr.print(f"  skipped: {out_dir / 'results.json'} is already ok for this config "
+                         "(rerun=true runs it again)", markup=False, soft_wrap=True)
+            return
     result = run_job(cfg, out_dir, overrides)
     wandb_dir = _track(cfg, result, out_dir, multirun)
     _after_job(result, out_dir, multirun)
