@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -71,6 +72,10 @@ class KVCache:
 
     def tensors(self) -> List[torch.Tensor]:
         return []
+
+    def shared_prefix(self, layer: int, start_pos: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """K/V (1, H_kv, P, D) every sequence attends before its own keys; None: no such prefix."""
+        return None
 
 
 class StaticKVCache(KVCache):
@@ -162,6 +167,99 @@ def cache_for(model, impl: str, batch_size: int, max_seq_len: int) -> KVCache:
     p = model.lm_head.weight
     return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
                       model.config.head_dim, max_seq_len, p.dtype, p.device)
+
+
+@dataclass
+class Segment:
+    """A span of a conversation: ``role`` system | user | assistant, its ``turn`` (0 for the
+    system prompt) and its tokens ``start .. end - 1``, which are also its rotary positions."""
+
+    role: str
+    turn: int
+    start: int
+    end: int
+
+
+class SharedPrefixCache(KVCache):
+    """B conversations after one shared prefix (a system prompt): the prefix's K/V is held once
+    with batch 1, each conversation's own history in ``history`` (a static or concat cache).
+
+    Positions are absolute in the conversation: the prefix holds 0..P-1 and history position p
+    sits at index p - P of ``history``. An update at position 0 with batch 1 writes the whole
+    prefix; later updates write history, and :meth:`shared_prefix` hands the prefix to the
+    attention, so every conversation reads it without a copy and never reads another's
+    history. ``segments`` records what each span of positions is (see :meth:`describe`).
+    """
+
+    impl = "shared"
+
+    def __init__(self, history: KVCache, prefix_len: int):
+        if not history.stores_history:
+            raise ValueError(f"cache.impl={history.impl!r} keeps no history to share; use static or concat")
+        super().__init__(history.num_layers, history.batch_size, history.num_kv_heads, history.head_dim,
+                         prefix_len + history.max_seq_len, history.dtype, history.device)
+        self.history, self.prefix_len = history, prefix_len
+        shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
+        self.prefix_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.prefix_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.segments: List[Segment] = []
+
+    def update(self, layer, start_pos, k, v):
+        P = self.prefix_len
+        if start_pos < P:
+            if start_pos != 0 or k.shape[0] != 1 or k.shape[2] != P or self.length not in (0, P):
+                raise ValueError(f"the shared prefix is written whole and once, with batch 1: got batch "
+                                 f"{k.shape[0]} at positions {start_pos}..{start_pos + k.shape[2] - 1} "
+                                 f"(prefix_len={P}, {self.length} positions held)")
+            self.prefix_k[layer].copy_(k)
+            self.prefix_v[layer].copy_(v)
+            self._written(layer, P)
+            return self.prefix_k[layer], self.prefix_v[layer]
+        if self.length < P:
+            raise ValueError(f"write the shared prefix (positions 0..{P - 1}) before position {start_pos}")
+        k, v = self.history.update(layer, start_pos - P, k, v)  # (B, H_kv, S - P, D)
+        self._written(layer, P + self.history.length)
+        return k, v
+
+    def shared_prefix(self, layer, start_pos):
+        return None if start_pos < self.prefix_len else (self.prefix_k[layer], self.prefix_v[layer])
+
+    def truncate(self, length):
+        """Roll back to ``length`` positions: 0 forgets everything, P keeps only the prefix."""
+        if 0 < length < self.prefix_len:
+            raise ValueError(f"cannot truncate to {length}: inside the shared prefix of {self.prefix_len}")
+        super().truncate(length)
+        self.history.truncate(max(0, length - self.prefix_len) if length else 0)
+        self.segments = [s for s in self.segments if s.start < length]
+
+    def mark(self, role: str, turn: int, start: int, end: int) -> Segment:
+        """Record that positions ``start .. end - 1`` are ``role``'s span of ``turn``."""
+        last = self.segments[-1].end if self.segments else 0
+        if start != last or end <= start:
+            raise ValueError(f"segment {role} {turn} at {start}..{end - 1} does not follow the last one (ends at {last})")
+        self.segments.append(Segment(role, turn, start, end))
+        return self.segments[-1]
+
+    def describe(self) -> str:
+        """One line per segment: tokens (= rotary positions), where its K/V lives, how much is held."""
+        B, P = self.batch_size, self.prefix_len
+        lines = [f"{'segment':<13} {'tokens = positions':<19} {'K/V stored at':<40} held"]
+        for s in self.segments:
+            name = s.role if s.role == "system" else f"{s.role} {s.turn}"
+            where = (f"prefix[0:{P}], once for {B} conversations" if s.end <= P
+                     else f"history[0:{B}, {s.start - P}:{s.end - P}]")
+            held = min(max(self.length - s.start, 0), s.end - s.start)
+            lines.append(f"{name:<13} {f'{s.start}-{s.end - 1}':<19} {where:<40} {held}/{s.end - s.start}")
+        return "\n".join(lines)
+
+    def tensors(self):
+        return self.prefix_k + self.prefix_v + self.history.tensors()
+
+
+def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq_len: int) -> SharedPrefixCache:
+    """A :class:`SharedPrefixCache` for ``model``: a prefix of ``prefix_len`` positions held once,
+    and ``batch_size`` histories of ``impl`` up to ``max_seq_len`` positions in all."""
+    return SharedPrefixCache(cache_for(model, impl, batch_size, max_seq_len - prefix_len), prefix_len)
 
 
 def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,

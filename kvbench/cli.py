@@ -101,6 +101,9 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
         stderr.print(f"kvbench: job {result.status}: {result.error}", markup=False, soft_wrap=True)
     if not multirun:
         stdout.print(run_table(result.to_dict()))
+        if result.tables.get("turns"):
+            from kvbench.console import turns_table
+            stdout.print(turns_table(result.to_dict()))
     stdout.print(f"results: {where}", markup=False, soft_wrap=True)
 
 
@@ -159,6 +162,10 @@ class SweepCallback(Callback):
         if config.get("task") == "inspect":
             return
         stdout.print(results_table(f"kvbench sweep {sweep_dir}", records))
+        from kvbench.console import ttft_comparison_table
+        comparison = ttft_comparison_table(records)  # multi-turn jobs swept over cache.shared
+        if comparison is not None:
+            stdout.print(comparison)
         counts = {s: sum(r["status"] == s for r in records) for s in EXIT_CODES}
         stdout.print(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" — results under {sweep_dir}",
                      markup=False, soft_wrap=True)

@@ -256,6 +256,9 @@ class BenchConfig:
                getattr(w, length_key.split(".")[1]),
                f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                f"{self.model.max_seq_len}")
+        if w.name == "multiturn" and self.cache.shared:
+            _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
+                   "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
 
 
 def register_configs() -> None:

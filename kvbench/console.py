@@ -109,3 +109,42 @@ def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable
         row += [fmt(metrics.get(key), spec) for key, _, spec in columns]
         table.add_row(*row)
     return table
+
+
+# (row key, column title, format) of a multi-turn chat's per-turn table.
+TURN_COLUMNS = [
+    ("turn", "turn", "{}"), ("ttft_ms", "TTFT ms", "{:.2f}"), ("prefill_tokens", "prefill", "{:,}"),
+    ("reused_tokens", "reused", "{:,}"), ("context_tokens", "context", "{:,}"),
+    ("decode_ms_p50", "decode p50 ms", "{:.3f}"), ("kv_cache_bytes", "KV cache", "bytes"),
+    ("kv_cache_bytes_formula", "KV formula", "bytes"),
+]
+
+
+def turns_table(record: Dict[str, Any]) -> Table:
+    """A multi-turn job's ``tables.turns``: one row per turn (token counts summed over the
+    batch, context per conversation)."""
+    shared = lookup(record.get("config", {}), "cache.shared")
+    table = Table(title=f"turns (cache.shared={shared})", title_justify="left")
+    for _, name, _ in TURN_COLUMNS:
+        table.add_column(name, justify="right")
+    for row in record["tables"]["turns"]:
+        table.add_row(*[fmt(row.get(key), spec) for key, _, spec in TURN_COLUMNS])
+    return table
+
+
+def ttft_comparison_table(records: Sequence[Dict[str, Any]]) -> Optional[Table]:
+    """TTFT per turn without and with ``cache.shared`` side by side, for every pair of
+    multi-turn records that differ only in it; None when there is no such pair."""
+    from kvbench.multiturn import ttft_side_by_side
+
+    rows = ttft_side_by_side(records)
+    if not rows:
+        return None
+    table = Table(title="multi-turn TTFT: cache.shared=false vs true", title_justify="left")
+    for name in ("variant", "turn", "TTFT ms unshared", "TTFT ms shared", "unshared / shared",
+                 "prefilled unshared", "prefilled shared"):
+        table.add_column(name, justify="left" if name == "variant" else "right")
+    for r in rows:
+        table.add_row(r["variant"], str(r["turn"]), f"{r['ttft_ms_unshared']:.2f}", f"{r['ttft_ms_shared']:.2f}",
+                      f"{r['speedup']:.2f}x", f"{r['prefill_tokens_unshared']:,}", f"{r['prefill_tokens_shared']:,}")
+    return table

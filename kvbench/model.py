@@ -77,17 +77,45 @@ def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: Optional[torch.Tensor]) -> torch.Tensor:
+                      mask: Optional[torch.Tensor],
+                      prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Attention where query head h reads KV head h // G, without copying K/V per query head.
 
     q (B, H, T, D); k, v (B, H_kv, S, D); mask None or bool, already folded by
-    :func:`fold_mask` (True = attend). Returns (B, H, T, D).
+    :func:`fold_mask` (True = attend). ``prefix``: K/V (1, H_kv, P, D) that all B sequences
+    attend before their own S keys (a shared system prompt); the mask then covers P + S keys.
+    Returns (B, H, T, D).
     """
     B, H, T, D = q.shape
     H_kv = k.shape[1]
     q = q.reshape(B, H_kv, (H // H_kv) * T, D)  # row g*T + t is query head kv*G + g at token t
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H_kv, G*T, D)
+    if prefix is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H_kv, G*T, D)
+    else:
+        out = prefix_attention(q, k, v, mask, *prefix)
     return out.view(B, H, T, D)
+
+
+def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
+    """One softmax over a batch-1 prefix's keys and each sequence's own keys.
+
+    q (B, H_kv, M, D) with M = G*T folded rows; k, v (B, H_kv, S, D); k_prefix, v_prefix
+    (1, H_kv, P, D); mask None, (M, P + S) or (B, 1, M, P + S). The B sequences are folded
+    into the query rows for the prefix, as the G heads are, so the prefix is read once and
+    never expanded to B copies. Returns (B, H_kv, M, D).
+    """
+    B, H_kv, M, D = q.shape
+    P = k_prefix.shape[2]
+    rows = q.transpose(0, 1).reshape(1, H_kv, B * M, D)  # row b*M + m is sequence b's row m
+    s_prefix = (rows @ k_prefix.transpose(-1, -2)).view(H_kv, B, M, P).transpose(0, 1)  # (B, H_kv, M, P)
+    scores = torch.cat([s_prefix, q @ k.transpose(-1, -2)], dim=-1) * D ** -0.5  # (B, H_kv, M, P + S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # Softmax in float32 as SDPA's math path does, so half precision matches the plain path.
+    probs = scores.float().softmax(-1).to(q.dtype)
+    p_prefix = probs[..., :P].transpose(0, 1).reshape(1, H_kv, B * M, P)
+    out_prefix = (p_prefix @ v_prefix).view(H_kv, B, M, D).transpose(0, 1)  # (B, H_kv, M, D)
+    return (probs[..., P:] @ v).add_(out_prefix)  # in place: keeps the contiguous layout view() needs
 
 
 class Attention(nn.Module):
@@ -106,9 +134,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        prefix = None
         if cache is not None:
             k, v = cache.update(self.layer, start_pos, k, v)  # (B, H_kv, S, D)
-        out = grouped_attention(q, k, v, mask)  # (B, H, T, D)
+            prefix = cache.shared_prefix(self.layer, start_pos)  # None or (1, H_kv, P, D) K/V
+        out = grouped_attention(q, k, v, mask, prefix)  # (B, H, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -24,6 +24,7 @@ from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, weight_bytes
 from kvbench.measure.timing import METHOD_CPU, METHOD_CUDA
 from kvbench.model import Decoder
+from kvbench.multiturn import run_multiturn
 from kvbench.results import RunResult
 from kvbench.scenarios import summarize_decode, time_decode
 
@@ -87,7 +88,7 @@ def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: 
     result.series["decode_ms"] = timings.decode_ms[-1]
 
 
-SCENARIOS: Dict[str, Scenario] = {"decode": run_decode}
+SCENARIOS: Dict[str, Scenario] = {"decode": run_decode, "multiturn": run_multiturn}
 
 
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,

@@ -25,24 +25,27 @@ class Generation:
 
 @torch.inference_mode()
 def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: KVCache,
-                    timer=None, keep_logits: bool = False) -> Generation:
+                    timer=None, keep_logits: bool = False, start_pos: int = 0) -> Generation:
     """Prefill ``prompt`` (B, P), then ``gen_len`` decode steps, each feeding the previous token.
 
-    Regions timed: ``prefill`` (time to first token) and one ``decode`` per step. With a cache
-    that keeps no history (``none``) every step re-runs the whole sequence, as a server
-    without a KV cache would.
+    ``start_pos``: position of the prompt's first token, when the cache already holds the
+    positions before it (a later turn of a chat). Regions timed: ``prefill`` (time to first
+    token) and one ``decode`` per step. With a cache that keeps no history (``none``) every
+    step re-runs the whole sequence, as a server without a KV cache would.
     """
     timer = timer or NullTimer()
     B, P = prompt.shape
+    if start_pos and not cache.stores_history:
+        raise ValueError(f"cache.impl={cache.impl!r} keeps no history: start_pos must be 0, got {start_pos}")
     with timer.region("prefill"):
-        logits = model(prompt, cache, 0, last_only=True)[:, -1]  # (B, V)
+        logits = model(prompt, cache, start_pos, last_only=True)[:, -1]  # (B, V)
         token = logits.argmax(-1, keepdim=True)  # (B, 1)
     tokens, kept = [token], [logits.float()] if keep_logits else None
     seq = prompt
     for step in range(gen_len):
         with timer.region("decode"):
             if cache.stores_history:
-                logits = model(token, cache, P + step)[:, -1]
+                logits = model(token, cache, start_pos + P + step)[:, -1]
             else:
                 seq = torch.cat([seq, token], dim=1)  # (B, P + step + 1)
                 logits = model(seq, cache, 0, last_only=True)[:, -1]

@@ -1,0 +1,260 @@
+"""The multi-turn chat workload (``workload=multiturn``): B conversations after one system
+prompt, served with or without a KV cache shared across turns (``cache.shared``).
+
+Each turn is a user message of U tokens and a greedy reply of R tokens. The reply's first
+token comes from the prefill (time to first token); R - 1 decode steps give the rest, so the
+last reply token is fed at the start of the next turn, as a server does with the last token it
+sent. Token ids are drawn from the seed.
+
+Notation: B conversations, P system_len, U user_len, R reply_len, N turns, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from kvbench.cache import SharedPrefixCache, cache_for, kv_cache_bytes, shared_cache_for
+from kvbench.config import BenchConfig, WorkloadConfig
+from kvbench.measure.memory import MemoryMonitor
+from kvbench.measure.timing import RegionTimer
+from kvbench.results import RunResult
+from kvbench.scenarios import Generation, greedy_generate
+
+# Units and methods of what run_multiturn records (merged into the record's ``methods``).
+TURN_TTFT_METHOD = ("ms; this turn's prefill + argmax of its first reply token, median over timed trials "
+                    "(turn 1 with cache.shared=true includes the one batch-1 system-prompt prefill)")
+MULTITURN_METHODS: Dict[str, str] = {
+    "mean_ttft_ms_turns_2_n": "ms; mean of turn{k}_ttft_ms over turns 2..N (null for a 1-turn chat)",
+    "total_prefill_tokens": "tokens; K/V rows computed by the prefills of all turns, summed over the batch",
+    "total_reused_tokens": "tokens; context positions read from the cache instead of recomputed, all turns, "
+                           "summed over the batch (per turn: prefill_tokens + reused_tokens = B * context_tokens)",
+    "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of the chat (untyped_storage().nbytes())",
+    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * head_dim * bytes_per_element * positions held at "
+                              "the end of the chat (system prompt once if cache.shared else B times, history B times)",
+    "tokens_per_s": "tokens/s; batch_size x decode steps of all turns / their decode time, median over timed trials",
+    "e2e_ms": "ms; prefills + decode steps of all turns of a chat, median over timed trials",
+    "tables.turns": "one row per turn: ttft_ms (median over trials), prefill_tokens, reused_tokens, "
+                    "context_tokens (per conversation), decode_ms_p50 (that turn's steps, all timed trials), "
+                    "kv_cache_bytes (allocated) and kv_cache_bytes_formula (held) after the turn",
+}
+
+
+def chat_prompts(w: WorkloadConfig, vocab_size: int, seed: int,
+                 device: torch.device | str = "cpu") -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The system prompt (P,) and one user message (B, U) per turn, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, vocab_size, (w.system_len,), generator=g)
+    users = [torch.randint(0, vocab_size, (w.batch_size, w.user_len), generator=g) for _ in range(w.turns)]
+    return system.to(device), [u.to(device) for u in users]
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost. Token counts: ``context_tokens`` per conversation; ``prefill_tokens``
+    (K/V computed) and ``reused_tokens`` (read from the cache) summed over the batch."""
+
+    turn: int
+    ttft_ms: float
+    decode_ms: List[float]
+    prefill_tokens: int
+    reused_tokens: int
+    context_tokens: int
+    kv_cache_bytes: int
+    kv_cache_bytes_formula: int
+
+
+class ChatSession:
+    """B conversations after one system prompt, served turn by turn.
+
+    ``shared=True``: a :class:`SharedPrefixCache` holds the system prompt's K/V once (batch 1,
+    prefilled at the first turn) and each conversation's history across turns; a turn
+    prefills only what the cache lacks (the previous reply's last token and the new message)
+    at its absolute positions. ``shared=False``: a stateless server; every turn empties the
+    cache and re-prefills system prompt + history + message for each conversation. ``impl``
+    is the cache (static | concat | none; none only without sharing). ``max_len`` bounds the
+    positions of a conversation.
+    """
+
+    def __init__(self, model, system: torch.Tensor, batch_size: int, shared: bool, impl: str, max_len: int):
+        self.model, self.system, self.shared = model, system, shared
+        self.batch_size, self.prefix_len = batch_size, system.shape[0]
+        self.cache = (shared_cache_for(model, impl, batch_size, self.prefix_len, max_len) if shared
+                      else cache_for(model, impl, batch_size, max_len))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything, the system prompt's K/V included (a cold start)."""
+        self.cache.reset()
+        self.new_conversation()
+
+    def new_conversation(self) -> None:
+        """Start B new conversations; a shared cache keeps the system prompt's K/V for them."""
+        if self.shared and self.cache.length:
+            self.cache.truncate(self.prefix_len)
+        self.tokens = self.system.expand(self.batch_size, -1)  # (B, L): the conversation so far
+        self.turn_starts: List[int] = []  # position of each turn's user message
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_starts)
+
+    def ask(self, user: torch.Tensor, reply_len: int, timer=None,
+            keep_logits: bool = False) -> Tuple[Generation, TurnStats]:
+        """One turn: ``user`` (B, U) then a greedy reply of ``reply_len`` tokens.
+
+        Regions timed: ``prefill`` (turn 1 with sharing: the system prompt's, then the
+        message's; their sum is the TTFT) and one ``decode`` per step.
+        """
+        timer = timer or RegionTimer(self.cache.device)
+        B, U = user.shape
+        start, computed = self.tokens.shape[1], 0
+        if self.shared:
+            if self.cache.length == 0:  # the system prompt, once for all B conversations
+                with timer.region("prefill"):
+                    self.model(self.system[None], self.cache, 0, last_only=True)
+                self.cache.mark("system", 0, 0, self.prefix_len)
+                computed = self.prefix_len
+            held = self.cache.length
+        else:
+            self.cache.reset()
+            held = 0
+        new = torch.cat([self.tokens[:, held:], user], dim=1)  # (B, L - held + U)
+        gen = greedy_generate(self.model, new, reply_len - 1, self.cache, timer, keep_logits, start_pos=held)
+        self.tokens = torch.cat([self.tokens, user, gen.tokens], dim=1)
+        self.turn_starts.append(start)
+        if self.shared:
+            self.cache.mark("user", self.turns, start, start + U)
+            self.cache.mark("assistant", self.turns, start + U, start + U + reply_len)
+        computed += B * new.shape[1]
+        return gen, TurnStats(
+            turn=self.turns, ttft_ms=sum(timer.ms("prefill")), decode_ms=timer.ms("decode"),
+            prefill_tokens=computed, reused_tokens=B * (start + U) - computed, context_tokens=start + U,
+            kv_cache_bytes=self.cache.nbytes, kv_cache_bytes_formula=self.kv_bytes_formula())
+
+    def rollback(self) -> None:
+        """Forget the last turn (its message and reply), as if it had never been asked."""
+        if not self.turn_starts:
+            raise ValueError("no turn to roll back")
+        start = self.turn_starts.pop()
+        self.tokens = self.tokens[:, :start]
+        if self.shared:
+            self.cache.truncate(min(self.cache.length, start))
+
+    def kv_bytes_formula(self) -> int:
+        """Bytes the positions the cache holds need: the system prompt once when shared, else
+        B times; each conversation's history B times."""
+        c = self.cache
+        held = lambda positions, batch: kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                       positions, batch, c.dtype.itemsize)
+        if isinstance(c, SharedPrefixCache):
+            return held(min(c.length, c.prefix_len), 1) + held(c.history.length, c.batch_size)
+        return held(c.length, c.batch_size)
+
+    def describe(self) -> str:
+        """The conversation's segments and where their K/V lives."""
+        if isinstance(self.cache, SharedPrefixCache):
+            return self.cache.describe()
+        return (f"cache.shared=false: no segments are kept; each turn re-prefills positions "
+                f"0-{self.tokens.shape[1] - 1} for each of {self.batch_size} conversations")
+
+
+def time_chat(session: ChatSession, users: Sequence[torch.Tensor], reply_len: int, warmup: int,
+              repeats: int, device, progress=None) -> List[List[TurnStats]]:
+    """``warmup`` untimed then ``repeats`` timed chats from a cold cache; per timed trial, one
+    :class:`TurnStats` per turn. ``progress`` is called once per finished trial."""
+    trials = []
+    for trial in range(warmup + repeats):
+        session.reset()
+        turns = [session.ask(user, reply_len, RegionTimer(device))[1] for user in users]
+        if trial >= warmup:
+            trials.append(turns)
+        if progress is not None:
+            progress()
+    return trials
+
+
+def _median(values: Sequence[float]) -> float:
+    return torch.tensor(values, dtype=torch.float64).median().item()
+
+
+def summarize_turns(trials: List[List[TurnStats]]) -> List[Dict[str, Any]]:
+    """One row per turn: medians over trials for times, the last trial's counts and bytes
+    (they are the same in every trial)."""
+    rows = []
+    for k, last in enumerate(trials[-1]):
+        steps = [ms for trial in trials for ms in trial[k].decode_ms]
+        rows.append({"turn": last.turn, "ttft_ms": _median([t[k].ttft_ms for t in trials]),
+                     "prefill_tokens": last.prefill_tokens, "reused_tokens": last.reused_tokens,
+                     "context_tokens": last.context_tokens,
+                     "decode_ms_p50": _median(steps) if steps else None,
+                     "kv_cache_bytes": last.kv_cache_bytes,
+                     "kv_cache_bytes_formula": last.kv_cache_bytes_formula})
+    return rows
+
+
+def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batch_size: int) -> Dict[str, Any]:
+    """Scalar totals of a chat for ``metrics`` (units in :data:`MULTITURN_METHODS`)."""
+    m: Dict[str, Any] = {f"turn{r['turn']}_ttft_ms": r["ttft_ms"] for r in rows}
+    later = [r["ttft_ms"] for r in rows[1:]]
+    m["mean_ttft_ms_turns_2_n"] = sum(later) / len(later) if later else None
+    m["total_prefill_tokens"] = sum(r["prefill_tokens"] for r in rows)
+    m["total_reused_tokens"] = sum(r["reused_tokens"] for r in rows)
+    m["kv_cache_bytes"] = rows[-1]["kv_cache_bytes"]
+    m["kv_cache_bytes_formula"] = rows[-1]["kv_cache_bytes_formula"]
+    steps = torch.tensor([ms for t in trials for turn in t for ms in turn.decode_ms], dtype=torch.float64)
+    if steps.numel():
+        p50, p90, p99 = steps.quantile(torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+        m.update(decode_ms_p50=p50, decode_ms_p90=p90, decode_ms_p99=p99, decode_ms_mean=steps.mean().item())
+        decode_s = [sum(ms for turn in t for ms in turn.decode_ms) / 1e3 for t in trials]
+        m["tokens_per_s"] = _median([batch_size * steps.numel() / len(trials) / s for s in decode_s])
+    m["e2e_ms"] = _median([sum(turn.ttft_ms + sum(turn.decode_ms) for turn in t) for t in trials])
+    return m
+
+
+def run_multiturn(cfg: BenchConfig, model, device: torch.device, metrics: Dict[str, Any],
+                  result: RunResult) -> None:
+    """The chat ``warmup`` + ``repeats`` times from a cold cache; per-turn rows in
+    ``result.tables["turns"]``, totals in ``metrics``."""
+    from kvbench.runner import progress_bar  # runner imports this module to register it
+
+    w, rt = cfg.workload, cfg.runtime
+    system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
+    # The chat's last reply token is never fed, so total_len - 1 positions are ever held.
+    session = ChatSession(model, system, w.batch_size, cfg.cache.shared, cfg.cache.impl, w.total_len - 1)
+    label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads} shared={cfg.cache.shared}"
+    with progress_bar(label, rt.warmup + rt.repeats) as tick, \
+            MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
+        trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device, tick)
+    metrics.update(monitor.result())
+    rows = summarize_turns(trials)
+    result.tables["turns"] = rows
+    metrics.update(chat_metrics(rows, trials, w.batch_size))
+    result.series["decode_ms"] = [ms for turn in trials[-1] for ms in turn.decode_ms]
+    result.methods.update(MULTITURN_METHODS)
+    result.methods.update({f"turn{r['turn']}_ttft_ms": TURN_TTFT_METHOD for r in rows})
+
+
+def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Pair results.json records that differ only in ``cache.shared``: per turn, TTFT without
+    and with sharing and their ratio. Records without a turns table are ignored."""
+    groups: Dict[str, Dict[bool, Dict[str, Any]]] = {}
+    for rec in records:
+        if rec.get("status") != "ok" or not rec.get("tables", {}).get("turns"):
+            continue
+        config = {k: v for k, v in rec["config"].items() if k != "cache"}
+        config["cache_impl"] = rec["config"]["cache"]["impl"]
+        groups.setdefault(repr(config), {})[bool(rec["config"]["cache"]["shared"])] = rec
+    rows = []
+    for pair in groups.values():
+        if set(pair) != {False, True}:
+            continue
+        off, on = pair[False], pair[True]
+        label = f"{off['config']['attention']['type']} kv={off['config']['attention']['num_kv_heads']}"
+        for a, b in zip(off["tables"]["turns"], on["tables"]["turns"]):
+            rows.append({"variant": label, "turn": a["turn"], "ttft_ms_unshared": a["ttft_ms"],
+                         "ttft_ms_shared": b["ttft_ms"], "speedup": a["ttft_ms"] / b["ttft_ms"],
+                         "prefill_tokens_unshared": a["prefill_tokens"], "prefill_tokens_shared": b["prefill_tokens"]})
+    return rows
