@@ -165,6 +165,8 @@ class RuntimeConfig:
     repeats: int = 3
     threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     nvml_interval_ms: float = 10.0  # NVML background sampling period
+    compile: bool = False  # torch.compile the model; compile time is reported apart
+    peak_gb_per_s: Optional[float] = None  # roofline peak; null: a cached probe of this machine
 
     def __post_init__(self) -> None:
         _check_choice("runtime.dtype", self.dtype, tuple(DTYPE_BYTES))
@@ -173,6 +175,8 @@ class RuntimeConfig:
         _check(self.warmup >= 0, "runtime.warmup", self.warmup, "must be >= 0")
         _check(self.repeats >= 1, "runtime.repeats", self.repeats, "must be >= 1")
         _check(self.nvml_interval_ms > 0, "runtime.nvml_interval_ms", self.nvml_interval_ms, "must be > 0")
+        _check(self.peak_gb_per_s is None or self.peak_gb_per_s > 0, "runtime.peak_gb_per_s",
+               self.peak_gb_per_s, "must be > 0 or null")
 
 
 @dataclass

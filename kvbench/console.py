@@ -18,6 +18,7 @@ HEADLINE = [
     ("decode_ms_p50", "decode p50 ms", "{:.3f}"),
     ("decode_ms_p99", "p99 ms", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("percent_of_peak", "% BW peak", "{:.0f}"),
     ("kv_cache_bytes", "KV cache", "bytes"),
     ("kv_cache_bytes_formula", "KV formula", "bytes"),
     ("peak_rss_bytes", "peak RSS", "bytes"),

@@ -22,11 +22,12 @@ from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.config import BenchConfig, ConfigError, dtype_bytes
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, weight_bytes
-from kvbench.measure.timing import METHOD_CPU, METHOD_CUDA
+from kvbench.measure.roofline import ROOFLINE_METHODS, peak_bandwidth, roofline_metrics
+from kvbench.measure.timing import METHOD_CPU, METHOD_CUDA, sync
 from kvbench.model import Decoder
 from kvbench.multiturn import run_multiturn
 from kvbench.results import RunResult
-from kvbench.scenarios import summarize_decode, time_decode
+from kvbench.scenarios import greedy_generate, summarize_decode, time_decode
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -79,6 +80,8 @@ def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: 
         cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
         dtype_bytes(rt.dtype))
     cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    if rt.compile:
+        model = compile_model(model, device, prompt, cache, metrics)
     with progress_bar(f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}", rt.warmup + rt.repeats) as tick, \
             MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
         timings = time_decode(model, prompt, w.gen_len, cache, rt.warmup, rt.repeats, device, tick)
@@ -86,6 +89,28 @@ def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: 
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
     result.series["decode_ms"] = timings.decode_ms[-1]
+    peak, metrics["peak_method"] = peak_bandwidth(device, rt.peak_gb_per_s)
+    metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len,
+                                    metrics["decode_ms_p50"], peak))
+
+
+def compile_model(model: Decoder, device: torch.device, prompt: torch.Tensor, cache,
+                  metrics: Dict[str, Any]) -> Decoder:
+    """``torch.compile`` the decoder (dynamic shapes: the KV length grows every step) and run
+    one short generation so compilation is done, and timed as ``compile_s``, before any trial."""
+    import time
+
+    compiled = torch.compile(model, dynamic=True)
+    t0 = time.perf_counter()
+    try:
+        greedy_generate(compiled, prompt, 3, cache)
+    except Exception as exc:  # noqa: BLE001 — inductor raises many types; the message is what matters
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"runtime.compile=True: torch.compile is unavailable here ({first})") from exc
+    sync(device)
+    metrics["compile_s"] = time.perf_counter() - t0
+    cache.reset()
+    return compiled
 
 
 SCENARIOS: Dict[str, Scenario] = {"decode": run_decode, "multiturn": run_multiturn}
@@ -122,6 +147,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     finally:
         result.metrics = metrics
         result.methods.update(MEMORY_METHODS)
+        result.methods.update(ROOFLINE_METHODS)
         result.finished_at = _now()
         result.write(out_dir)
     return result

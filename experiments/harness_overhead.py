@@ -1,0 +1,60 @@
+"""How much the timing harness adds over a bare loop of the same decode steps, in one run.
+
+The bare loop is ``greedy_generate`` with no timer, timed as a whole; the harness is the same
+call with a RegionTimer around the prefill and every decode step. Rounds alternate the two so
+machine drift hits both alike; the overhead is the ratio of their medians.
+
+    python experiments/harness_overhead.py                 # small model, prompt 512, batch 1
+    python experiments/harness_overhead.py --model tiny    # where per-step overhead matters most
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kvbench.cache import cache_for
+from kvbench.cli import CONF_DIR
+from kvbench.measure.timing import RegionTimer
+from kvbench.runner import build_model
+from kvbench.scenarios import greedy_generate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=[
+            f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
+    device = torch.device("cpu")
+    model = build_model(cfg, device)
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, args.prompt_len))
+    cache = cache_for(model, "static", 1, args.prompt_len + args.gen_len)
+    bare, timed = [], []
+    for _ in range(args.rounds + 1):  # round 0 warms up
+        cache.reset()
+        t0 = time.perf_counter()
+        greedy_generate(model, prompt, args.gen_len, cache)
+        bare.append(time.perf_counter() - t0)
+        cache.reset()
+        timer = RegionTimer(device)
+        t0 = time.perf_counter()
+        greedy_generate(model, prompt, args.gen_len, cache, timer)
+        timed.append(time.perf_counter() - t0)
+    bare_ms, timed_ms = statistics.median(bare[1:]) * 1e3, statistics.median(timed[1:]) * 1e3
+    print(f"model {args.model}, prompt {args.prompt_len}, {args.gen_len} decode steps, {args.rounds} rounds")
+    print(f"bare loop {bare_ms:.2f} ms, with timing harness {timed_ms:.2f} ms, "
+          f"overhead {100 * (timed_ms / bare_ms - 1):+.2f} %")
+
+
+if __name__ == "__main__":
+    main()
