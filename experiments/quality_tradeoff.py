@@ -25,21 +25,26 @@ from omegaconf import OmegaConf
 from kvbench.cache import kv_cache_bytes
 from kvbench.config import (AttentionConfig, BenchConfig, CacheConfig, DataConfig, ModelConfig,
                             RuntimeConfig, TrainConfig, WandbConfig, WorkloadConfig)
+from kvbench.checkpoint import read_checkpoint
 from kvbench.quality import CHECKPOINT_NAME, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench_config(model: ModelConfig, num_kv_heads: int, train: TrainConfig, seed: int) -> BenchConfig:
+def bench_config(model: ModelConfig, num_kv_heads: int, train: TrainConfig, seed: int,
+                 threads: int) -> BenchConfig:
     kind = "mha" if num_kv_heads == model.num_heads else "mqa" if num_kv_heads == 1 else "gqa"
     return BenchConfig(task="train", model=model, attention=AttentionConfig(kind, num_kv_heads),
                        workload=WorkloadConfig(prompt_len=64, gen_len=16), cache=CacheConfig(),
-                       runtime=RuntimeConfig(device="cpu", seed=seed), wandb=WandbConfig(mode="disabled"),
-                       data=DataConfig(), train=train)
+                       runtime=RuntimeConfig(device="cpu", seed=seed, threads=threads),
+                       wandb=WandbConfig(mode="disabled"), data=DataConfig(), train=train)
 
 
-def run(name: str, cfg: BenchConfig, out_root: Path) -> dict:
+def run(name: str, cfg: BenchConfig, out_root: Path, reuse: bool) -> dict:
     out = out_root / name
+    if reuse and (out / CHECKPOINT_NAME).is_file():
+        print(f"{name}: reusing {out / CHECKPOINT_NAME}", flush=True)
+        return {**_row(name, cfg, out, read_checkpoint(out / CHECKPOINT_NAME)["metrics"]), "reused": True}
     print(f"[{time.strftime('%H:%M:%S')}] {name}: kv_heads={cfg.attention.num_kv_heads} "
           f"steps={cfg.train.steps} init_from={cfg.train.init_from}", flush=True)
 
@@ -48,16 +53,19 @@ def run(name: str, cfg: BenchConfig, out_root: Path) -> dict:
             print(f"    step {step:5d}  train {m['train_loss']:.4f}  val {m['val_loss']:.4f}  "
                   f"ppl {m['perplexity']:.3f}", flush=True)
 
-    metrics = run_train(cfg, out, on_log=on_log, progress=False)
-    m = cfg.model
-    row = {"run": name, "num_kv_heads": cfg.attention.num_kv_heads,
-           "kv_bytes_per_token_fp16": kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads,
-                                                     m.head_dim, 1, 1, 2),
-           **metrics, "checkpoint": str(out / CHECKPOINT_NAME)}
+    row = _row(name, cfg, out, run_train(cfg, out, on_log=on_log, progress=False))
     print(f"    -> ppl {row['perplexity']:.3f}"
           + (f" (before uptraining {row['ppl_before_uptrain']:.3f})" if "ppl_before_uptrain" in row else ""),
           flush=True)
     return row
+
+
+def _row(name: str, cfg: BenchConfig, out: Path, metrics: dict) -> dict:
+    m = cfg.model
+    return {"run": name, "num_kv_heads": cfg.attention.num_kv_heads,
+           "kv_bytes_per_token_fp16": kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads,
+                                                     m.head_dim, 1, 1, 2),
+           **metrics, "checkpoint": str(out / CHECKPOINT_NAME)}
 
 
 def main() -> None:
@@ -66,6 +74,9 @@ def main() -> None:
     ap.add_argument("--uptrain-steps", type=int, default=100)
     ap.add_argument("--uptrain-lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    # One thread: on a shared 2-core machine two OpenMP threads per process thrash (6x slower).
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true", help="keep runs whose checkpoint.pt exists")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "quality_tradeoff")
     args = ap.parse_args()
 
@@ -78,12 +89,12 @@ def main() -> None:
     start = time.perf_counter()
     rows = []
     for kv in (H, H // 4, 1):  # MHA, GQA (H/4), MQA from scratch
-        cfg = bench_config(model, kv, train, args.seed)
-        rows.append({"how": "from scratch", **run(f"scratch_kv{kv}", cfg, args.out)})
+        cfg = bench_config(model, kv, train, args.seed, args.threads)
+        rows.append({"how": "from scratch", **run(f"scratch_kv{kv}", cfg, args.out, args.reuse)})
     mha_ckpt = rows[0]["checkpoint"]
     for kv in (H, H // 2, H // 4, 1):  # kv == H: the identity, uptrained as a control
-        cfg = bench_config(model, kv, replace(uptrain, init_from=mha_ckpt), args.seed)
-        row = run(f"meanpool_kv{kv}_uptrain", cfg, args.out)
+        cfg = bench_config(model, kv, replace(uptrain, init_from=mha_ckpt), args.seed, args.threads)
+        row = run(f"meanpool_kv{kv}_uptrain", cfg, args.out, args.reuse)
         rows.append({**row, "how": "MHA mean-pool", "perplexity": row["ppl_before_uptrain"],
                      "val_loss": row["val_loss_before_uptrain"],
                      "bits_per_byte": row["bits_per_byte_before_uptrain"],
@@ -99,13 +110,19 @@ def main() -> None:
                      f"{r['num_params']:,} | {r['val_loss']:.4f} | {r['perplexity']:.4f} | "
                      f"{r['bits_per_byte']:.4f} | {r['train_seconds']:.0f} |")
     table = "\n".join(lines)
+    reused = sorted({r["run"] for r in rows if r.get("reused")})
+    train_total = sum(r["train_seconds"] for r in rows)
     setup = (f"model=train_small ({model.num_layers} layers, d_model {model.d_model}, {H} heads, "
              f"head_dim {model.head_dim}, ffn {model.ffn_dim}); byte tokenizer; default corpus (Python "
              f"{platform.python_version()} standard library *.py, first {DataConfig().max_bytes:,} bytes, "
              f"last {DataConfig().val_fraction:.0%} validation); {args.steps} steps × "
              f"{train.batch_size}×{train.seq_len} tokens, lr {train.lr}; uptraining {args.uptrain_steps} "
              f"steps at lr {args.uptrain_lr}; seed {args.seed}; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} CPU threads; total {total / 60:.1f} min.")
+             f"{args.threads} CPU thread(s) per run on a shared 2-core machine (other jobs running, so "
+             f"seconds are indicative only); training time summed over runs {train_total / 60:.1f} min, "
+             f"this invocation {total / 60:.1f} min."
+             + (f" Reused from an earlier invocation (train s as measured then): {', '.join(reused)}."
+                if reused else ""))
     print("\n" + table + "\n\n" + setup)
     results = ROOT / "experiments" / "results"
     results.mkdir(parents=True, exist_ok=True)
