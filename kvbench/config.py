@@ -167,6 +167,7 @@ class RuntimeConfig:
     nvml_interval_ms: float = 10.0  # NVML background sampling period
     compile: bool = False  # torch.compile the model; compile time is reported apart
     peak_gb_per_s: Optional[float] = None  # roofline peak; null: a cached probe of this machine
+    fidelity: bool = True  # cached decode vs recompute (and vs float32) on 2 sequences after timing
 
     def __post_init__(self) -> None:
         _check_choice("runtime.dtype", self.dtype, tuple(DTYPE_BYTES))

@@ -23,6 +23,12 @@ HEADLINE = [
     ("kv_cache_bytes_formula", "KV formula", "bytes"),
     ("peak_rss_bytes", "peak RSS", "bytes"),
     ("torch_peak_allocated_bytes", "CUDA peak", "bytes"),
+    ("fidelity_max_abs_logit_diff", "cache Δlogit", "{:.2e}"),
+    ("dtype_max_abs_logit_diff", "vs fp32 Δlogit", "{:.2e}"),
+    ("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}"),
+    ("val_loss", "val loss", "{:.4f}"),
+    ("perplexity", "perplexity", "{:.3f}"),
+    ("bits_per_byte", "bits/byte", "{:.3f}"),
 ]
 # (config path, column title) identifying a job in a sweep table.
 AXES = [

@@ -80,6 +80,7 @@ def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: 
         cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
         dtype_bytes(rt.dtype))
     cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    eager = model
     if rt.compile:
         model = compile_model(model, device, prompt, cache, metrics)
     with progress_bar(f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}", rt.warmup + rt.repeats) as tick, \
@@ -92,6 +93,20 @@ def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: 
     peak, metrics["peak_method"] = peak_bandwidth(device, rt.peak_gb_per_s)
     metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len,
                                     metrics["decode_ms_p50"], peak))
+    if rt.fidelity:
+        metrics.update(fidelity(eager, prompt, w.gen_len, cfg.cache.impl, rt.dtype))
+
+
+def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtype: str) -> Dict[str, Any]:
+    """Quality of what was timed, on up to 2 sequences and 16 steps (cheap next to the trials):
+    cached decode vs a full recompute, and for half precision vs float32 with the same weights."""
+    from kvbench.quality import cache_fidelity, dtype_fidelity
+
+    prompt, steps = prompt[:2], min(gen_len, 16)
+    out = cache_fidelity(model, prompt, steps, impl)
+    if dtype != "float32":
+        out.update(dtype_fidelity(model, None, prompt, steps))
+    return out
 
 
 def compile_model(model: Decoder, device: torch.device, prompt: torch.Tensor, cache,
@@ -116,6 +131,31 @@ def compile_model(model: Decoder, device: torch.device, prompt: torch.Tensor, ca
 SCENARIOS: Dict[str, Scenario] = {"decode": run_decode, "multiturn": run_multiturn}
 
 
+def run_training(cfg: BenchConfig, out_dir: Path, metrics: Dict[str, Any], result: RunResult) -> None:
+    """``task=train``: the loss curve goes into the record as it is logged (so a failure keeps
+    it), the final metrics at the end, the checkpoint into the job directory."""
+    from kvbench.quality import run_train
+
+    curve = result.tables.setdefault("curve", [])
+
+    def on_log(step: int, point: Dict[str, float]) -> None:
+        curve.append({"step": step, **point})
+        result.series["train_step"] = [p["step"] for p in curve]
+        result.series["train_loss"] = [p["train_loss"] for p in curve]
+
+    metrics.update(run_train(cfg, out_dir, on_log))
+
+
+def run_evaluation(cfg: BenchConfig, out_dir: Path, metrics: Dict[str, Any], result: RunResult) -> None:
+    """``task=eval``: perplexity of ``train.checkpoint`` on ``data``."""
+    from kvbench.quality import run_eval
+
+    metrics.update(run_eval(cfg, out_dir))
+
+
+QUALITY_TASKS = {"train": run_training, "eval": run_evaluation}
+
+
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             overrides: Optional[List[str]] = None) -> RunResult:
     """Run one job and write ``results.json`` into ``out_dir``; returns the record."""
@@ -132,11 +172,14 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
         result.env = collect_env(device)
         if bench.runtime.threads:
             torch.set_num_threads(bench.runtime.threads)
-        metrics["timing_method"] = METHOD_CUDA if device.type == "cuda" else METHOD_CPU
-        model = build_model(bench, device)
-        metrics["weight_bytes"] = weight_bytes(model)
-        metrics["num_params"] = sum(p.numel() for p in model.parameters())
-        SCENARIOS[bench.workload.name](bench, model, device, metrics, result)
+        if bench.task in QUALITY_TASKS:
+            QUALITY_TASKS[bench.task](bench, out_dir, metrics, result)
+        else:
+            metrics["timing_method"] = METHOD_CUDA if device.type == "cuda" else METHOD_CPU
+            model = build_model(bench, device)
+            metrics["weight_bytes"] = weight_bytes(model)
+            metrics["num_params"] = sum(p.numel() for p in model.parameters())
+            SCENARIOS[bench.workload.name](bench, model, device, metrics, result)
     except ConfigError as exc:
         result.status, result.error = "invalid", str(exc)
     except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
