@@ -143,6 +143,15 @@ def _llama_name(name: str) -> str:
     return name
 
 
+def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
+    """The decoder shape a Llama-format directory's config.json describes."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
+    return _llama_model_config(json.loads(config_path.read_text()), directory, max_seq_len)
+
+
 def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float32,
                    device: torch.device | str = "cpu", max_seq_len: Optional[int] = None
                    ) -> Tuple[Decoder, Optional["tokenizers.Tokenizer"]]:  # noqa: F821
@@ -155,11 +164,8 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     directory = Path(directory)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
-    hf_config = json.loads(config_path.read_text())
-    model_cfg = _llama_model_config(hf_config, directory, max_seq_len)
+    model_cfg = read_llama_config(directory, max_seq_len)
+    hf_config = json.loads((directory / "config.json").read_text())
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")

@@ -58,8 +58,11 @@ class ModelConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    path: Optional[str] = None  # a local Llama-format checkpoint dir: its config.json sets the shape
 
     def __post_init__(self) -> None:
+        if self.path:
+            self._shape_from_checkpoint()
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len"))
         if self.head_dim is None:
@@ -71,6 +74,18 @@ class ModelConfig:
         _check(1 <= self.num_kv_heads <= self.num_heads and self.num_heads % self.num_kv_heads == 0,
                "model.num_kv_heads", self.num_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
+
+
+    def _shape_from_checkpoint(self) -> None:
+        from kvbench.checkpoint import CheckpointError, read_llama_config  # checkpoint imports this module
+
+        try:
+            shape = read_llama_config(self.path)
+        except CheckpointError as exc:
+            raise ConfigError(f"model.path={self.path!r}: {exc}") from None
+        for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                     "vocab_size", "max_seq_len", "rope_theta", "norm_eps"):
+            setattr(self, name, getattr(shape, name))
 
 
 @dataclass

@@ -54,11 +54,20 @@ def to_bench_config(cfg: DictConfig | BenchConfig) -> BenchConfig:
 
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
-    wherever their shapes agree."""
+    wherever their shapes agree; with ``model.path`` the checkpoint's weights, mean-pooled to
+    ``attention.num_kv_heads`` when that differs from the checkpoint's own count."""
+    dtype = DTYPES[cfg.runtime.dtype]
+    if cfg.model.path:
+        from kvbench.checkpoint import convert_kv_heads, load_llama_dir
+
+        model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
+        if model.num_kv_heads != cfg.attention.num_kv_heads:
+            model = convert_kv_heads(model, cfg.attention.num_kv_heads)
+        return model.to(dtype).eval()
     torch.manual_seed(cfg.runtime.seed)
     with device:
         model = Decoder(cfg.model, cfg.attention)
-    return model.to(DTYPES[cfg.runtime.dtype]).eval()
+    return model.to(dtype).eval()
 
 
 def is_oom(exc: BaseException) -> bool:

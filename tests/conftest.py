@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
 
@@ -27,3 +29,23 @@ def make_decoder(num_kv_heads: int = 8, seed: int = 0, dtype=torch.float32, **ov
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+VOCAB = 97
+
+
+def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
+    """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=num_kv_heads, intermediate_size=48, vocab_size=VOCAB,
+                      max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=tie, **overrides)
+    cfg._attn_implementation = "eager"
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at 1: make them matter so a misplaced norm weight shows
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    return tmp_path, hf

@@ -11,24 +11,7 @@ from kvbench.checkpoint import (CheckpointError, convert_kv_heads, load_checkpoi
 from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
 
-VOCAB = 97
-
-
-def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
-    """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=num_kv_heads, intermediate_size=48, vocab_size=VOCAB,
-                      max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=tie, **overrides)
-    cfg._attn_implementation = "eager"
-    hf = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms start at 1: make them matter so a misplaced norm weight shows
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    hf.save_pretrained(tmp_path)
-    return tmp_path, hf
+from conftest import VOCAB, llama_dir
 
 
 @pytest.mark.parametrize("num_kv_heads,tie", [(4, False), (2, False), (1, True)],

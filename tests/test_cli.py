@@ -15,6 +15,8 @@ from kvbench.cache import kv_cache_bytes
 from kvbench.cli import CONF_DIR, sweep_size
 from kvbench.config import BenchConfig, ModelConfig
 
+from conftest import llama_dir
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
@@ -38,10 +40,14 @@ def group_options():
 
 
 @pytest.mark.parametrize("group, option", list(group_options()))
-def test_every_conf_file_composes_and_validates(group, option):
+def test_every_conf_file_composes_and_validates(group, option, tmp_path):
     hydra_node = group == "experiment" or group.startswith("hydra/")
+    extra = []
+    if option == "llama_dir":  # needs a checkpoint to read its shape from
+        extra = [f"model.path={llama_dir(tmp_path, num_kv_heads=2)[0]}", "workload.prompt_len=16",
+                 "workload.gen_len=8"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[f"{group}={option}"], return_hydra_config=hydra_node)
+        cfg = compose("config", overrides=[f"{group}={option}", *extra], return_hydra_config=hydra_node)
     if group == "experiment":
         assert OmegaConf.select(cfg, "hydra.sweeper.params"), "an experiment preset sweeps something"
     if hydra_node:

@@ -58,3 +58,28 @@ def test_train_then_eval_through_the_runner(tmp_path, monkeypatch):
 def test_eval_without_checkpoint_is_invalid_naming_the_key(tmp_path):
     result = job(tmp_path, "task=eval", "model=train_small")
     assert result.status == "invalid" and result.error.startswith("train.checkpoint=None")
+
+
+@pytest.mark.parametrize("attention, kv", [("gqa", 2), ("mqa", 1)])
+def test_benchmark_a_llama_checkpoint_like_a_preset(tmp_path, attention, kv):
+    """model=llama_dir: the shape comes from config.json, the weights from safetensors; an
+    attention type other than the checkpoint's own mean-pools its KV heads."""
+    from conftest import llama_dir
+
+    directory, hf = llama_dir(tmp_path / "ckpt", num_kv_heads=2)
+    result = job(tmp_path / "run", "model=llama_dir", f"model.path={directory}", f"attention={attention}",
+                 "workload.prompt_len=16", "workload.gen_len=8", "workload.batch_size=2", "runtime.repeats=1")
+    assert result.status == "ok", result.error
+    m, model_cfg = result.metrics, result.config["model"]
+    assert (model_cfg["num_layers"], model_cfg["d_model"], model_cfg["num_heads"]) == (2, 32, 4)
+    assert result.config["attention"]["num_kv_heads"] == kv
+    # K/V projections shrink with pooling: 2 layers x 2 matrices x (32 x 8 per KV head) fewer
+    hf_params = sum(p.numel() for p in hf.parameters())
+    assert m["num_params"] == hf_params - 2 * 2 * 32 * 8 * (2 - kv)
+    assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == 2 * 2 * kv * 8 * 24 * 2 * 4
+    assert m["fidelity_max_abs_logit_diff"] < 1e-4
+
+
+def test_llama_dir_without_config_is_invalid(tmp_path):
+    result = job(tmp_path / "run", "model=llama_dir", f"model.path={tmp_path}")
+    assert result.status == "invalid" and result.error.startswith(f"model.path='{tmp_path}'")
