@@ -139,7 +139,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "compare_transformers"))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     peak, method = peak_bandwidth(device)
     rows = []

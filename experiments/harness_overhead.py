@@ -31,7 +31,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=[
             f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
