@@ -1,0 +1,88 @@
+"""Decode-step and prefill benchmarks per attention variant (MHA, GQA, MQA) and cache impl.
+
+Each benchmark checks what it timed: the logits equal a full recompute without a cache, and
+the cache holds exactly the bytes of the KV formula.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.config import CACHE_IMPLS
+
+from benchkit import (BATCH_SIZE, PROMPT_LEN, VARIANTS, bench_decoder, pinned_threads,  # noqa: F401
+                      record_config, slowdown)
+
+ATOL = 1e-4  # float32, 2 layers: cached vs recomputed logits agree to ~1e-6
+
+
+def formula_bytes(model, seq_len: int) -> int:
+    c = model.config
+    return kv_cache_bytes(c.num_layers, model.num_kv_heads, c.head_dim, seq_len, BATCH_SIZE, 4)
+
+
+def prompt_for(model) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (BATCH_SIZE, PROMPT_LEN), generator=gen)
+
+
+@torch.inference_mode()
+def recompute_last_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference: the whole sequence through the model without a cache, last position."""
+    return model(tokens)[:, -1]
+
+
+@pytest.mark.parametrize("impl", CACHE_IMPLS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_step(benchmark, slowdown, variant, impl):
+    """One greedy decode step at position PROMPT_LEN over PROMPT_LEN cached positions: the
+    token through the model with the cache (``static``/``concat``), or the whole sequence
+    again (``none``, which keeps no history) — the step of ``scenarios.greedy_generate``."""
+    model = bench_decoder(variant)
+    prompt = prompt_for(model)
+    S = PROMPT_LEN + 1  # keys attended by the step; also the static cache's max_seq_len
+    cache = cache_for(model, impl, BATCH_SIZE, S)
+    with torch.inference_mode():
+        token = model(prompt, cache, 0, last_only=True)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    seq = torch.cat([prompt, token], dim=1)  # (B, S)
+
+    @torch.inference_mode()
+    def step():
+        # Re-running the step writes the same position again, so every call does equal work.
+        if cache.stores_history:
+            return model(token, cache, PROMPT_LEN)[:, -1]
+        return model(seq, cache, 0, last_only=True)[:, -1]
+
+    logits = benchmark(slowdown(step))
+
+    torch.testing.assert_close(logits, recompute_last_logits(model, seq), atol=ATOL, rtol=0)
+    expected = 0 if impl == "none" else formula_bytes(model, S)
+    assert cache.nbytes == expected
+    info = record_config(benchmark, model, cache_impl=impl, batch_size=BATCH_SIZE,
+                         cached_len=PROMPT_LEN, kv_cache_bytes=cache.nbytes,
+                         kv_cache_bytes_formula=formula_bytes(model, S))
+    assert info["attention"]["num_kv_heads"] == VARIANTS[variant]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill(benchmark, variant):
+    """The prompt through the model into an empty static cache, last-position logits only
+    (what time-to-first-token measures)."""
+    model = bench_decoder(variant)
+    prompt = prompt_for(model)
+    cache = cache_for(model, "static", BATCH_SIZE, PROMPT_LEN)
+
+    @torch.inference_mode()
+    def prefill():
+        return model(prompt, cache, 0, last_only=True)[:, -1]
+
+    logits = benchmark(prefill)
+
+    torch.testing.assert_close(logits, recompute_last_logits(model, prompt), atol=ATOL, rtol=0)
+    assert cache.length == PROMPT_LEN
+    assert cache.nbytes == formula_bytes(model, PROMPT_LEN)
+    record_config(benchmark, model, cache_impl="static", batch_size=BATCH_SIZE,
+                  prompt_len=PROMPT_LEN, kv_cache_bytes=cache.nbytes,
+                  kv_cache_bytes_formula=formula_bytes(model, PROMPT_LEN))

@@ -1,0 +1,86 @@
+"""The performance gate (scripts/bench_gate.py): its pooling and checks on hand-made runs, and
+end to end on one decode-step benchmark, where an injected slowdown must trip it and the same
+code without the injection must pass."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pytest_benchmark.utils import parse_compare_fail
+
+ROOT = Path(__file__).resolve().parents[1]
+GATE = ROOT / "scripts" / "bench_gate.py"
+
+
+def load_gate():
+    spec = importlib.util.spec_from_file_location("bench_gate", GATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stats(min_s, median_s):
+    return {"min": min_s, "max": 2 * median_s, "mean": median_s, "median": median_s,
+            "stddev": 0.1 * median_s, "iqr": 0.1 * median_s}
+
+
+def test_compare_pools_rounds_by_median_and_applies_pytest_benchmark_checks():
+    gate = load_gate()
+    # Three rounds a side; one disturbed round per side (base r2 fast, head r3 slow) must not
+    # decide: pooled min = median of {1.0, 0.9, 1.2} = 1.0 and of {1.3, 1.25, 5.0} = 1.3.
+    base = [{"a": stats(1.0, 2.0)}, {"a": stats(0.9, 1.8)}, {"a": stats(1.2, 2.2)}]
+    head = [{"a": stats(1.3, 2.0), "new": stats(1.0, 1.0)}, {"a": stats(1.25, 2.0)},
+            {"a": stats(5.0, 9.0)}]
+    rows = gate.compare(base, head, [parse_compare_fail("min:25%")])
+    a, new = rows
+    assert a["name"] == "a" and a["base"]["min"] == 1.0 and a["head"]["min"] == 1.3
+    assert a["change"]["min"] == pytest.approx(0.30)
+    assert a["change"]["median"] == pytest.approx(0.0)
+    assert a["base"]["spread"]["min"] == pytest.approx((1.2 - 0.9) / 1.0)
+    assert len(a["failures"]) == 1 and "'min'" in a["failures"][0]
+    # The same change under a looser or a median check passes; a benchmark without a
+    # baseline is reported, never gated.
+    assert gate.compare(base, head, [parse_compare_fail("min:35%")])[0]["failures"] == []
+    assert gate.compare(base, head, [parse_compare_fail("median:5%")])[0]["failures"] == []
+    assert new["base"] is None and new["failures"] == [] and new["head"]["rounds"] == 1
+    table = gate.format_rows(rows)
+    assert "REGRESSION" in table and "new (no baseline, not gated)" in table
+
+
+def test_bad_gate_arguments_exit_2_naming_the_value(tmp_path):
+    out = subprocess.run([sys.executable, str(GATE), "--base-dir", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert f"--base-dir='{tmp_path}'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def run_gate(tmp_path, name, *extra):
+    report = tmp_path / f"{name}.json"
+    # One round per side of one ~0.5 ms decode step: the gate's own default statistic (median
+    # CPU time) and threshold (25%), against an injection of +100%.
+    cmd = [sys.executable, str(GATE), "--base-dir", str(ROOT), "--rounds", "1",
+           "-k", "test_decode_step and mha and static", "--max-time", "0.1", "--min-rounds", "20",
+           "--storage", str(tmp_path / "storage"), "--report", str(report), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return out, json.loads(report.read_text())
+
+
+def test_gate_trips_on_injected_decode_slowdown_and_passes_without(tmp_path):
+    slowed, rows = run_gate(tmp_path, "slowed", "--inject-slowdown", "1.0")
+    assert slowed.returncode == 1, slowed.stdout + slowed.stderr
+    [row] = rows
+    assert row["name"] == "test_decode_step[mha-static]"
+    assert row["change"]["median"] > 0.6 and row["failures"]
+    assert "gate: FAIL" in slowed.stdout
+
+    clean, rows = run_gate(tmp_path, "clean")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    [row] = rows
+    assert abs(row["change"]["median"]) < 0.25 and row["failures"] == []
+    assert "gate: PASS" in clean.stdout
+    # Every round went through pytest-benchmark's storage: <storage>/<machine_id>/NNNN_<name>.json
+    saved = sorted(p.name for p in (tmp_path / "storage").glob("*/*.json"))
+    assert [s[:5] for s in saved] == ["0001_", "0002_", "0003_", "0004_"]
