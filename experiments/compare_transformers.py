@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 from kvbench.cache import cache_for
 from kvbench.checkpoint import _llama_name, attention_for, build_decoder
 from kvbench.config import ModelConfig
-from kvbench.measure.roofline import decode_bytes_read, peak_bandwidth
+from kvbench.measure.roofline import decode_bytes_read, machine_peaks, roofline_metrics
 from kvbench.measure.timing import sync
 
 SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, num_kv_heads=4, ffn_dim=2816,
@@ -68,7 +68,7 @@ def time_steps(step, first_token, steps: int, repeats: int, reset, device) -> li
 
 @torch.inference_mode()
 def compare(batch: int, prompt_len: int, num_kv_heads: int, impls, gen_len: int, repeats: int,
-            dtype, device, peak: float) -> list[dict]:
+            dtype, device, peak: float, gflops: float) -> list[dict]:
     hf = hf_model(SMALL, num_kv_heads, dtype, device)
     ours = kvbench_model(hf, SMALL, num_kv_heads, dtype, device)
     prompt = torch.randint(0, SMALL.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
@@ -96,7 +96,8 @@ def compare(batch: int, prompt_len: int, num_kv_heads: int, impls, gen_len: int,
 
     hf_ms = statistics.median(time_steps(hf_step, first, gen_len, repeats, hf_reset, device))
     total, kv = decode_bytes_read(ours, batch, prompt_len + (gen_len + 1) / 2)
-    roof = total / (peak * 1e9) * 1e3
+    bound = roofline_metrics(ours, batch, prompt_len, gen_len, 1.0, peak, gflops)
+    roof = bound["roofline_ms"]
     rows.append(dict(impl="transformers StaticCache", ms=hf_ms))
 
     for impl in impls:
@@ -124,7 +125,7 @@ def compare(batch: int, prompt_len: int, num_kv_heads: int, impls, gen_len: int,
     for row in rows:
         row.update(batch=batch, prompt_len=prompt_len, num_kv_heads=num_kv_heads,
                    speedup_vs_hf=hf_ms / row["ms"], roofline_ms=roof, kv_bytes_read=kv,
-                   bytes_read=total, roofline_ratio=row["ms"] / roof,
+                   bytes_read=total, roofline_ratio=row["ms"] / roof, bound=bound["roofline_bound"],
                    percent_of_peak=100 * (total / (row["ms"] / 1e3) / 1e9) / peak)
     return rows
 
@@ -144,16 +145,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    peak, method = peak_bandwidth(device)
+    peak, gflops, method = machine_peaks(device)
     rows = []
     for shape in args.shapes.split(","):
         batch, prompt_len = map(int, shape.split("x"))
         for kv in map(int, args.kv_heads.split(",")):
             impls = [i for i in args.impls.split(",") if i != "none" or batch * prompt_len <= 1024]
-            rows += compare(batch, prompt_len, kv, impls, args.gen_len, args.repeats, dtype, device, peak)
+            rows += compare(batch, prompt_len, kv, impls, args.gen_len, args.repeats, dtype, device, peak, gflops)
             print(table(rows[-len(impls) - 1:]), flush=True)
     header = (f"# kvbench vs transformers decode, model small, {args.dtype} on {device} "
-              f"({torch.get_num_threads()} threads), peak {peak:.1f} GB/s ({method})\n\n")
+              f"({torch.get_num_threads()} threads), peaks {peak:.1f} GB/s ({method}) and {gflops:.0f} GFLOP/s "
+              "(float32 GEMM probe); the roofline is the larger of bytes / bandwidth and FLOP / compute\n\n")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = header + table(rows) + "\n\n" + variant_table(rows) + "\n"
@@ -177,11 +179,11 @@ def variant_table(rows) -> str:
 
 
 def table(rows) -> str:
-    lines = ["| B | prompt | KV heads | implementation | ms/token | speed-up vs HF | roofline ms | x roofline | % peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| B | prompt | KV heads | implementation | ms/token | speed-up vs HF | roofline ms (bound) | x roofline "
+             "| % peak BW |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['num_kv_heads']} | {r['impl']} | {r['ms']:.2f} | "
-                     f"{r['speedup_vs_hf']:.2f} | {r['roofline_ms']:.2f} | {r['roofline_ratio']:.2f} | "
+                     f"{r['speedup_vs_hf']:.2f} | {r['roofline_ms']:.2f} ({r['bound']}) | {r['roofline_ratio']:.2f} | "
                      f"{r['percent_of_peak']:.0f} |")
     return "\n".join(lines)
 

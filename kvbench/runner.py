@@ -22,7 +22,7 @@ from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.config import BenchConfig, ConfigError, dtype_bytes
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, weight_bytes
-from kvbench.measure.roofline import ROOFLINE_METHODS, peak_bandwidth, roofline_metrics
+from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
 from kvbench.measure.timing import METHOD_CPU, METHOD_CUDA, sync
 from kvbench.model import Decoder
 from kvbench.multiturn import run_multiturn
@@ -99,9 +99,9 @@ def run_decode(cfg: BenchConfig, model: Decoder, device: torch.device, metrics: 
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
     result.series["decode_ms"] = timings.decode_ms[-1]
-    peak, metrics["peak_method"] = peak_bandwidth(device, rt.peak_gb_per_s)
+    peak, gflops, metrics["peak_method"] = machine_peaks(device, rt.peak_gb_per_s)
     metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len,
-                                    metrics["decode_ms_p50"], peak))
+                                    metrics["decode_ms_p50"], peak, gflops))
     if rt.fidelity:
         metrics.update(fidelity(eager, prompt, w.gen_len, cfg.cache.impl, rt.dtype))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvbench.measure import roofline
-from kvbench.measure.roofline import decode_bytes_read, peak_bandwidth, roofline_metrics
+from kvbench.measure.roofline import decode_bytes_read, decode_flops, machine_peaks, roofline_metrics
 
 from conftest import make_decoder
 
@@ -23,14 +23,32 @@ def test_decode_bytes_read_counts_weights_and_kv(kv, dtype, size):
     assert decode_bytes_read(model, 3, 100) == (weights + kv_bytes, kv_bytes)
 
 
+def test_decode_flops_counts_a_multiply_add_per_weight_and_kv_element():
+    model = make_decoder(2)  # 2 layers, d_model 64, 8 heads x 8, 2 KV heads, ffn 96, vocab 97
+    matrices = 2 * (64 * 64 + 2 * 64 * 16 + 64 * 64 + 3 * 64 * 96) + 97 * 64
+    attention = 2 * 2 * 8 * 8 * 30  # 2 layers x (QK^T and PV) x H x D multiply-adds per key, 30 keys
+    assert decode_flops(model, 3, 30) == 2 * 3 * (matrices + attention)  # 2 FLOP a multiply-add, B = 3
+
+
 def test_roofline_metrics_are_consistent():
     model = make_decoder(2)
-    m = roofline_metrics(model, batch_size=2, prompt_len=10, gen_len=5, decode_ms_p50=0.5, peak_gb_per_s=20.0)
+    m = roofline_metrics(model, batch_size=2, prompt_len=10, gen_len=5, decode_ms_p50=0.5, peak_gb_per_s=20.0,
+                         peak_gflops=1e6)
     total, kv = decode_bytes_read(model, 2, 10 + 3)  # mean context of steps 11..15 is 13
     assert m["bytes_read_per_step"] == total and m["kv_bytes_read_per_step"] == kv
     assert m["achieved_gb_per_s"] == pytest.approx(total / 0.5e-3 / 1e9)
     assert m["percent_of_peak"] == pytest.approx(100 * m["achieved_gb_per_s"] / 20.0)
     assert m["roofline_ms"] == pytest.approx(total / 20e9 * 1e3)
+    assert m["roofline_bound"] == "memory" and m["x_roofline"] == pytest.approx(0.5 / m["roofline_ms"])
+    assert "peak_note" not in m
+    too_fast = roofline_metrics(model, 2, 10, 5, decode_ms_p50=total / 40e9 * 1e3, peak_gb_per_s=20.0,
+                                peak_gflops=1e6)
+    assert too_fast["percent_of_peak"] == pytest.approx(200) and "re-probe" in too_fast["peak_note"]
+    # with little compute the FLOP bound binds instead
+    slow_cpu = roofline_metrics(model, 2, 10, 5, decode_ms_p50=1.0, peak_gb_per_s=20.0, peak_gflops=0.01)
+    flops = decode_flops(model, 2, 13)
+    assert slow_cpu["roofline_bound"] == "compute"
+    assert slow_cpu["roofline_ms"] == pytest.approx(flops / 0.01e9 * 1e3)
 
 
 def test_peak_is_overridable_and_probe_cached_per_machine(tmp_path, monkeypatch):
@@ -38,15 +56,14 @@ def test_peak_is_overridable_and_probe_cached_per_machine(tmp_path, monkeypatch)
 
     def fake_probe(device):
         calls.append(device)
-        return {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0}
+        return {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0}
 
     monkeypatch.setattr(roofline, "probe_bandwidth", fake_probe)
     cache = tmp_path / "bw.json"
-    assert peak_bandwidth(torch.device("cpu"), 42.0, cache) == (42.0, "runtime.peak_gb_per_s")
-    assert not cache.exists() and not calls
-    first = peak_bandwidth(torch.device("cpu"), None, cache)
-    second = peak_bandwidth(torch.device("cpu"), None, cache)
-    assert first[0] == second[0] == 17.0 and "gemv" in first[1]
+    assert machine_peaks(torch.device("cpu"), 42.0, cache) == (42.0, 90.0, "runtime.peak_gb_per_s")
+    first = machine_peaks(torch.device("cpu"), None, cache)
+    second = machine_peaks(torch.device("cpu"), None, cache)
+    assert first[:2] == second[:2] == (17.0, 90.0) and "gemv" in first[2]
     assert len(calls) == 1 and len(json.loads(cache.read_text())) == 1
 
 
