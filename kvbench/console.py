@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -9,8 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-stdout = Console(highlight=False)
-stderr = Console(stderr=True, highlight=False)
+# A log file or CI page is not 80 columns wide: let sweep tables breathe there.
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 # (metric key, column title, format) shown for every job: the headline numbers.
 HEADLINE = [
@@ -30,6 +32,9 @@ HEADLINE = [
     ("perplexity", "perplexity", "{:.3f}"),
     ("bits_per_byte", "bits/byte", "{:.3f}"),
 ]
+# The columns of a sweep table (one row per job; summary.csv has every metric).
+SWEEP_HEADLINE = ["prefill_ms", "decode_ms_p50", "tokens_per_s", "percent_of_peak", "kv_cache_bytes",
+                  "dtype_max_abs_logit_diff", "perplexity"]
 # (config path, column title) identifying a job in a sweep table.
 AXES = [
     ("attention.type", "attn"), ("attention.num_kv_heads", "kv"), ("workload.name", "workload"),
@@ -103,7 +108,7 @@ def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable
     for _, name in axes:
         table.add_column(name)
     table.add_column("status")
-    columns: List = [c for c in list(HEADLINE) + list(extra)
+    columns: List = [c for c in [h for h in HEADLINE if h[0] in SWEEP_HEADLINE] + list(extra)
                      if any(r.get("metrics", {}).get(c[0]) is not None for r in records)]
     for _, name, _ in columns:
         table.add_column(name, justify="right")
