@@ -29,18 +29,34 @@ HEADLINE = [
     ("dtype_max_abs_logit_diff", "vs fp32 Δlogit", "{:.2e}"),
     ("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}"),
     ("val_loss", "val loss", "{:.4f}"),
+    ("ppl_before_uptrain", "ppl before uptrain", "{:.3f}"),
     ("perplexity", "perplexity", "{:.3f}"),
     ("bits_per_byte", "bits/byte", "{:.3f}"),
 ]
 # The columns of a sweep table (one row per job; summary.csv has every metric).
 SWEEP_HEADLINE = ["prefill_ms", "decode_ms_p50", "tokens_per_s", "percent_of_peak", "kv_cache_bytes",
-                  "dtype_max_abs_logit_diff", "perplexity"]
+                  "dtype_max_abs_logit_diff", "ppl_before_uptrain", "perplexity"]
 # (config path, column title) identifying a job in a sweep table.
 AXES = [
     ("attention.type", "attn"), ("attention.num_kv_heads", "kv"), ("workload.name", "workload"),
     ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"), ("runtime.dtype", "dtype"),
-    ("cache.impl", "cache"), ("cache.shared", "shared"),
+    ("cache.impl", "cache"), ("cache.shared", "shared"), ("model.name", "model"), ("task", "task"),
+    ("workload.system_len", "system"), ("workload.turns", "turns"), ("train.steps", "train steps"),
 ]
+
+
+def relevant(key: str, config: Dict[str, Any]) -> bool:
+    """Whether an axis means anything for this job (no prompt_len for a chat, no cache for training)."""
+    task, workload = config.get("task", "bench"), lookup(config, "workload.name")
+    if key.startswith("train."):
+        return task == "train"
+    if key.startswith(("workload.", "cache.")) and task in ("train", "eval"):
+        return False
+    if key in ("workload.prompt_len",):
+        return workload == "decode"
+    if key in ("cache.shared", "workload.system_len", "workload.turns"):
+        return workload == "multiturn"
+    return True
 
 
 def human_bytes(n: Optional[float]) -> str:
@@ -88,8 +104,10 @@ def run_table(record: Dict[str, Any]) -> Table:
     table = Table(title="kvbench result", title_justify="left", show_header=False)
     table.add_column("key", style="bold")
     table.add_column("value", justify="right")
+    config = record.get("config", {})
     for key, name in AXES:
-        table.add_row(name, fmt(lookup(record.get("config", {}), key), "{}"))
+        if relevant(key, config):
+            table.add_row(name, fmt(lookup(config, key), "{}"))
     table.add_row("status", record.get("status", "?"))
     metrics = record.get("metrics", {})
     for key, name, spec in HEADLINE:
