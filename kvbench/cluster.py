@@ -112,3 +112,18 @@ def free_gpu():
     count = torch.cuda.device_count()
     keys: List[str] = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
     return torch.device("cuda", hold_free_gpu(keys))
+
+
+def resolve_device(name: str):
+    """``runtime.device`` as a torch device: ``auto`` picks CUDA when present, ``cuda:free`` a GPU
+    no other job of this node holds; CUDA asked for where there is none is a ConfigError."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda:free":  # one GPU per concurrent job on a multi-GPU node
+        return free_gpu()
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"runtime.device={name!r}: CUDA is not available on this machine")
+    return device

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads, load_checkpoint, load_llama_dir, save_checkpoint
+from kvbench.cluster import resolve_device
 from kvbench.config import BenchConfig, ConfigError, DataConfig, TrainConfig
 from kvbench.model import Decoder
 from kvbench.scenarios import greedy_generate
@@ -297,12 +298,6 @@ def dtype_fidelity(model_lowp: Decoder, model_fp32: Optional[Decoder], prompt: t
 
 
 # ---- task entries (called by the CLI) -------------------------------------------------------
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
 
 def num_params(model: Decoder) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cluster import resolve_device
 from kvbench.config import BenchConfig, ConfigError, dtype_bytes
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, weight_bytes
@@ -33,18 +34,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # A scenario fills ``metrics`` in place as it measures, so a failure part-way keeps them.
 Scenario = Callable[[BenchConfig, Decoder, torch.device, Dict[str, Any], RunResult], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda:free":  # one GPU per concurrent job on a multi-GPU node
-        from kvbench.cluster import free_gpu
-        return free_gpu()
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"runtime.device={name!r}: CUDA is not available on this machine")
-    return device
 
 
 def to_bench_config(cfg: DictConfig | BenchConfig) -> BenchConfig:
