@@ -12,6 +12,7 @@ TTFT ratio, and writes experiments/results/multiturn_ttft.md.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -92,11 +93,12 @@ def main() -> None:
         f"(system prompt x{w['batch_size']}), {on['kv_cache_bytes_formula'] / 2**20:.2f} MiB with it "
         f"(system prompt once); allocated {off['kv_cache_bytes'] / 2**20:.2f} / {on['kv_cache_bytes'] / 2**20:.2f} MiB.",
         f"Decode step p50: {off['decode_ms_p50']:.2f} ms without sharing, {on['decode_ms_p50']:.2f} ms with it "
-        "(the two runs are minutes apart, so machine load shifts this; the shared path's attention over the "
-        "batch-1 prefix is a plain softmax, not SDPA, and costs a little more per step).",
+        "(the two runs are a minute or more apart, so a change of machine load shifts this; the shared "
+        "path's attention over the batch-1 prefix is a plain softmax, not SDPA, and costs a little more per step).",
         "",
-        f"Reproduce: `python {' '.join(['experiments/multiturn_ttft.py'] + sys.argv[1:])}` (the machine was "
-        "shared with other jobs, so absolute times are noisy; the ratio is measured in one run).",
+        f"Reproduce: `python {' '.join(['experiments/multiturn_ttft.py'] + sys.argv[1:])}` (absolute times "
+        f"depend on what else the machine runs, load average {os.getloadavg()[0]:.2f} at the end of this run; "
+        "the ratio is measured in one run).",
     ]
     text = "\n".join(lines) + "\n"
     out = ROOT / "experiments" / "results" / "multiturn_ttft.md"
