@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from rich.console import Console
@@ -114,6 +114,11 @@ def run_table(record: Dict[str, Any]) -> Table:
         if metrics.get(key) is not None:
             table.add_row(name, fmt(metrics[key], spec))
     return table
+
+
+def progress_bar(label: str, total: int):
+    """:func:`trial_progress` when there is more than one trial to show, else nothing."""
+    return trial_progress(label, total) if total > 1 else nullcontext(None)
 
 
 def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable = ()) -> Table:

@@ -19,7 +19,8 @@ import torch
 from kvbench.cache import SharedPrefixCache, cache_for, kv_cache_bytes, shared_cache_for
 from kvbench.config import BenchConfig, WorkloadConfig
 from kvbench.measure.memory import MemoryMonitor
-from kvbench.measure.timing import RegionTimer
+from kvbench.console import progress_bar
+from kvbench.measure.timing import RegionTimer, step_percentiles
 from kvbench.results import RunResult
 from kvbench.scenarios import Generation, greedy_generate
 
@@ -204,12 +205,11 @@ def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batc
     m["total_reused_tokens"] = sum(r["reused_tokens"] for r in rows)
     m["kv_cache_bytes"] = rows[-1]["kv_cache_bytes"]
     m["kv_cache_bytes_formula"] = rows[-1]["kv_cache_bytes_formula"]
-    steps = torch.tensor([ms for t in trials for turn in t for ms in turn.decode_ms], dtype=torch.float64)
-    if steps.numel():
-        p50, p90, p99 = steps.quantile(torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
-        m.update(decode_ms_p50=p50, decode_ms_p90=p90, decode_ms_p99=p99, decode_ms_mean=steps.mean().item())
+    steps = [ms for t in trials for turn in t for ms in turn.decode_ms]
+    if steps:
+        m.update(step_percentiles(steps))
         decode_s = [sum(ms for turn in t for ms in turn.decode_ms) / 1e3 for t in trials]
-        m["tokens_per_s"] = _median([batch_size * steps.numel() / len(trials) / s for s in decode_s])
+        m["tokens_per_s"] = _median([batch_size * len(steps) / len(trials) / s for s in decode_s])
     m["e2e_ms"] = _median([sum(turn.ttft_ms + sum(turn.decode_ms) for turn in t) for t in trials])
     return m
 
@@ -218,8 +218,6 @@ def run_multiturn(cfg: BenchConfig, model, device: torch.device, metrics: Dict[s
                   result: RunResult) -> None:
     """The chat ``warmup`` + ``repeats`` times from a cold cache; per-turn rows in
     ``result.tables["turns"]``, totals in ``metrics``."""
-    from kvbench.runner import progress_bar  # runner imports this module to register it
-
     w, rt = cfg.workload, cfg.runtime
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
     # The chat's last reply token is never fed, so total_len - 1 positions are ever held.

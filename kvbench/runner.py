@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import socket
 import traceback
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -21,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.cluster import resolve_device
 from kvbench.config import BenchConfig, ConfigError, dtype_bytes
+from kvbench.console import progress_bar
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, weight_bytes
 from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
@@ -192,13 +192,6 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
         result.finished_at = _now()
         result.write(out_dir)
     return result
-
-
-def progress_bar(label: str, total: int):
-    """A transient rich progress bar over trials; returns a context yielding ``tick()``."""
-    from kvbench.console import trial_progress  # rich is imported only when a job runs
-
-    return trial_progress(label, total) if total > 1 else nullcontext(None)
 
 
 def _now() -> str:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kvbench.cache import KVCache
-from kvbench.measure.timing import NullTimer, RegionTimer
+from kvbench.measure.timing import NullTimer, RegionTimer, step_percentiles
 
 
 @dataclass
@@ -85,18 +85,13 @@ def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmu
 
 def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, float]:
     """Latency metrics (units and methods in :data:`kvbench.results.METRIC_METHODS`)."""
-    steps = torch.tensor([ms for trial in t.decode_ms for ms in trial], dtype=torch.float64)
-    p50, p90, p99 = steps.quantile(torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
     per_trial_decode = torch.tensor([sum(trial) for trial in t.decode_ms], dtype=torch.float64)
     prefill = torch.tensor(t.prefill_ms, dtype=torch.float64)
     gen_len = len(t.decode_ms[0])
     return {
         "prefill_ms": prefill.median().item(),
         "ttft_ms": prefill.median().item(),
-        "decode_ms_p50": p50,
-        "decode_ms_p90": p90,
-        "decode_ms_p99": p99,
-        "decode_ms_mean": steps.mean().item(),
+        **step_percentiles([ms for trial in t.decode_ms for ms in trial]),
         "tokens_per_s": (batch_size * gen_len / (per_trial_decode / 1e3)).median().item(),
         "e2e_ms": (prefill + per_trial_decode).median().item(),
     }

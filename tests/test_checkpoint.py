@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.checkpoint import (CheckpointError, convert_kv_heads, load_checkpoint, load_llama_dir,
                                 read_checkpoint, save_checkpoint)
