@@ -57,29 +57,38 @@ def test_bad_gate_arguments_exit_2_naming_the_value(tmp_path):
     assert f"--base-dir='{tmp_path}'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+# The end-to-end check tests the gate's mechanics (rounds, storage, pooling, verdict, exit
+# code), not its noise calibration (README, "Performance regression gate"). One round per side
+# on a machine other jobs load moved an unchanged benchmark by up to +108% of CPU time (seen
+# in this test with the same tree on both sides), so a threshold near the default 25% makes
+# it flaky. Instead the injected slowdown is 50x the step's own CPU time (busy work counted in
+# CPU time, which load cannot shrink) against a 400% threshold: noise would have to make the
+# base side ~10x slower to hide it, or the clean head 5x slower to fail it.
+INJECTED = 50.0
+THRESHOLD = "median:400%"
+
+
 def run_gate(tmp_path, name, *extra):
     report = tmp_path / f"{name}.json"
-    # One round per side of one ~0.5 ms decode step: the gate's own default statistic (median
-    # CPU time) and threshold (25%), against an injection of +100%.
     cmd = [sys.executable, str(GATE), "--base-dir", str(ROOT), "--rounds", "1",
            "-k", "test_decode_step and mha and static", "--max-time", "0.1", "--min-rounds", "20",
-           "--storage", str(tmp_path / "storage"), "--report", str(report), *extra]
+           "--fail", THRESHOLD, "--storage", str(tmp_path / "storage"), "--report", str(report), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return out, json.loads(report.read_text())
 
 
 def test_gate_trips_on_injected_decode_slowdown_and_passes_without(tmp_path):
-    slowed, rows = run_gate(tmp_path, "slowed", "--inject-slowdown", "1.0")
+    slowed, rows = run_gate(tmp_path, "slowed", "--inject-slowdown", str(INJECTED))
     assert slowed.returncode == 1, slowed.stdout + slowed.stderr
     [row] = rows
     assert row["name"] == "test_decode_step[mha-static]"
-    assert row["change"]["median"] > 0.6 and row["failures"]
+    assert row["change"]["median"] > 4.0 and row["failures"]
     assert "gate: FAIL" in slowed.stdout
 
     clean, rows = run_gate(tmp_path, "clean")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     [row] = rows
-    assert abs(row["change"]["median"]) < 0.25 and row["failures"] == []
+    assert row["change"]["median"] < 4.0 and row["failures"] == []
     assert "gate: PASS" in clean.stdout
     # Every round went through pytest-benchmark's storage: <storage>/<machine_id>/NNNN_<name>.json
     saved = sorted(p.name for p in (tmp_path / "storage").glob("*/*.json"))
