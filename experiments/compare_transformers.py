@@ -24,12 +24,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import _llama_name, attention_for, build_decoder
-from kvbench.config import ModelConfig
+from kvbench.checkpoint import _llama_name, build_decoder
+from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.measure.roofline import decode_bytes_read, machine_peaks, roofline_metrics
 from kvbench.measure.timing import sync
 
-SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, num_kv_heads=4, ffn_dim=2816,
+SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, preset_kv_heads=4, ffn_dim=2816,
                     vocab_size=32000, max_seq_len=4096)
 
 
@@ -46,8 +46,8 @@ def hf_model(cfg: ModelConfig, num_kv_heads: int, dtype, device) -> LlamaForCaus
 
 def kvbench_model(hf: LlamaForCausalLM, cfg: ModelConfig, num_kv_heads: int, dtype, device):
     state = {_llama_name(k): v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
-    model_cfg = ModelConfig(**{**vars(cfg), "num_kv_heads": num_kv_heads, "head_dim": None})
-    return build_decoder(model_cfg, attention_for(cfg.num_heads, num_kv_heads), state, dtype, device).eval()
+    model_cfg = ModelConfig(**{**vars(cfg), "preset_kv_heads": num_kv_heads, "head_dim": None})
+    return build_decoder(model_cfg, AttentionConfig.for_heads(cfg.num_heads, num_kv_heads), state, dtype, device).eval()
 
 
 def time_steps(step, first_token, steps: int, repeats: int, reset, device) -> list[float]:

@@ -19,10 +19,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.cache import cache_for
-from kvbench.cli import CONF_DIR
+from kvbench.config import CONF_DIR
+from kvbench.generate import greedy_generate
 from kvbench.measure.timing import RegionTimer
 from kvbench.runner import build_model
-from kvbench.scenarios import greedy_generate
 
 
 def main() -> None:

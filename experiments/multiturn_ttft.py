@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvbench.cli import CONF_DIR
-from kvbench.multiturn import ttft_side_by_side
+from kvbench.config import CONF_DIR
 from kvbench.runner import run_job
+from kvbench.sinks.console import ttft_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,8 @@ def main() -> None:
         "system prompt is prefilled once (batch 1, in turn 1) and a turn prefills only the previous "
         "reply's last token and the new message. Prefill tokens are summed over the batch.",
         "",
-        "| turn | TTFT ms, shared=false | TTFT ms, shared=true | unshared / shared | prefill tokens, false | prefill tokens, true |",
+        "| turn | TTFT ms, shared=false | TTFT ms, shared=true | unshared / shared "
+        "| prefill tokens, false | prefill tokens, true |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -91,7 +92,8 @@ def main() -> None:
         f"(per turn {per_turn}).",
         f"KV cache held at the end: {off['kv_cache_bytes_formula'] / 2**20:.2f} MiB without sharing "
         f"(system prompt x{w['batch_size']}), {on['kv_cache_bytes_formula'] / 2**20:.2f} MiB with it "
-        f"(system prompt once); allocated {off['kv_cache_bytes'] / 2**20:.2f} / {on['kv_cache_bytes'] / 2**20:.2f} MiB.",
+        f"(system prompt once); allocated {off['kv_cache_bytes'] / 2**20:.2f} / "
+        f"{on['kv_cache_bytes'] / 2**20:.2f} MiB.",
         f"Decode step p50: {off['decode_ms_p50']:.2f} ms without sharing, {on['decode_ms_p50']:.2f} ms with it "
         "(the two runs are a minute or more apart, so a change of machine load shifts this; the shared "
         "path's attention over the batch-1 prefix is a plain softmax, not SDPA, and costs a little more per step).",

@@ -3,7 +3,7 @@ conversions of the trained MHA checkpoint (Ainslie et al. 2023) with and without
 
     python experiments/quality_tradeoff.py [--steps 1000] [--uptrain-steps 100]
 
-Runs go through kvbench.quality.run_train (the code behind ``task=train``) with the default
+Runs go through kvbench.quality.train.run_train (the code behind ``task=train``) with the default
 TrainConfig, model=train_small and the default corpus (the standard library's sources).
 Writes experiments/results/quality_tradeoff.{md,json}; checkpoints go under
 outputs/quality_tradeoff/ (git-ignored).
@@ -23,18 +23,26 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import (AttentionConfig, BenchConfig, CacheConfig, DataConfig, ModelConfig,
-                            RuntimeConfig, TrainConfig, WandbConfig, WorkloadConfig)
 from kvbench.checkpoint import read_checkpoint
-from kvbench.quality import CHECKPOINT_NAME, run_train
+from kvbench.config import (
+    AttentionConfig,
+    BenchConfig,
+    CacheConfig,
+    DataConfig,
+    ModelConfig,
+    RuntimeConfig,
+    TrainConfig,
+    WandbConfig,
+    WorkloadConfig,
+)
+from kvbench.quality.train import CHECKPOINT_NAME, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench_config(model: ModelConfig, num_kv_heads: int, train: TrainConfig, seed: int,
                  threads: int) -> BenchConfig:
-    kind = "mha" if num_kv_heads == model.num_heads else "mqa" if num_kv_heads == 1 else "gqa"
-    return BenchConfig(task="train", model=model, attention=AttentionConfig(kind, num_kv_heads),
+    return BenchConfig(task="train", model=model, attention=AttentionConfig.for_heads(model.num_heads, num_kv_heads),
                        workload=WorkloadConfig(prompt_len=64, gen_len=16), cache=CacheConfig(),
                        runtime=RuntimeConfig(device="cpu", seed=seed, threads=threads),
                        wandb=WandbConfig(mode="disabled"), data=DataConfig(), train=train)
@@ -53,7 +61,7 @@ def run(name: str, cfg: BenchConfig, out_root: Path, reuse: bool) -> dict:
             print(f"    step {step:5d}  train {m['train_loss']:.4f}  val {m['val_loss']:.4f}  "
                   f"ppl {m['perplexity']:.3f}", flush=True)
 
-    row = _row(name, cfg, out, run_train(cfg, out, on_log=on_log, progress=False))
+    row = _row(name, cfg, out, run_train(cfg, torch.device("cpu"), out, on_log=on_log))
     print(f"    -> ppl {row['perplexity']:.3f}"
           + (f" (before uptraining {row['ppl_before_uptrain']:.3f})" if "ppl_before_uptrain" in row else ""),
           flush=True)

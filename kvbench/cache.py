@@ -11,12 +11,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 
-from kvbench.config import CACHE_IMPLS, DTYPE_BYTES
+from kvbench.config import CACHE_IMPLS
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
@@ -164,20 +163,8 @@ def make_cache(impl: str, num_layers: int, batch_size: int, num_kv_heads: int, h
 
 def cache_for(model, impl: str, batch_size: int, max_seq_len: int) -> KVCache:
     """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device."""
-    p = model.lm_head.weight
     return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
-                      model.config.head_dim, max_seq_len, p.dtype, p.device)
-
-
-@dataclass
-class Segment:
-    """A span of a conversation: ``role`` system | user | assistant, its ``turn`` (0 for the
-    system prompt) and its tokens ``start .. end - 1``, which are also its rotary positions."""
-
-    role: str
-    turn: int
-    start: int
-    end: int
+                      model.config.head_dim, max_seq_len, model.dtype, model.device)
 
 
 class SharedPrefixCache(KVCache):
@@ -202,7 +189,6 @@ class SharedPrefixCache(KVCache):
         shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
         self.prefix_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.prefix_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.segments: List[Segment] = []
 
     def update(self, layer, start_pos, k, v):
         P = self.prefix_len
@@ -230,27 +216,13 @@ class SharedPrefixCache(KVCache):
             raise ValueError(f"cannot truncate to {length}: inside the shared prefix of {self.prefix_len}")
         super().truncate(length)
         self.history.truncate(max(0, length - self.prefix_len) if length else 0)
-        self.segments = [s for s in self.segments if s.start < length]
 
-    def mark(self, role: str, turn: int, start: int, end: int) -> Segment:
-        """Record that positions ``start .. end - 1`` are ``role``'s span of ``turn``."""
-        last = self.segments[-1].end if self.segments else 0
-        if start != last or end <= start:
-            raise ValueError(f"segment {role} {turn} at {start}..{end - 1} does not follow the last one (ends at {last})")
-        self.segments.append(Segment(role, turn, start, end))
-        return self.segments[-1]
-
-    def describe(self) -> str:
-        """One line per segment: tokens (= rotary positions), where its K/V lives, how much is held."""
+    def storage_of(self, start: int, end: int) -> str:
+        """Where the K/V of positions ``start .. end - 1`` live, as text."""
         B, P = self.batch_size, self.prefix_len
-        lines = [f"{'segment':<13} {'tokens = positions':<19} {'K/V stored at':<40} held"]
-        for s in self.segments:
-            name = s.role if s.role == "system" else f"{s.role} {s.turn}"
-            where = (f"prefix[0:{P}], once for {B} conversations" if s.end <= P
-                     else f"history[0:{B}, {s.start - P}:{s.end - P}]")
-            held = min(max(self.length - s.start, 0), s.end - s.start)
-            lines.append(f"{name:<13} {f'{s.start}-{s.end - 1}':<19} {where:<40} {held}/{s.end - s.start}")
-        return "\n".join(lines)
+        if end <= P:
+            return f"prefix[0:{P}], once for {B} conversations"
+        return f"history[0:{B}, {start - P}:{end - P}]"
 
     def tensors(self):
         return self.prefix_k + self.prefix_v + self.history.tensors()
@@ -260,19 +232,3 @@ def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq
     """A :class:`SharedPrefixCache` for ``model``: a prefix of ``prefix_len`` positions held once,
     and ``batch_size`` histories of ``impl`` up to ``max_seq_len`` positions in all."""
     return SharedPrefixCache(cache_for(model, impl, batch_size, max_seq_len - prefix_len), prefix_len)
-
-
-def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                    batch_size: int, num_heads: Optional[int] = None) -> List[dict]:
-    """KV bytes per token (all layers), per sequence of ``seq_len`` and per batch, for each
-    dtype; with ``num_heads``, also the fraction of an MHA cache of the same model."""
-    rows = []
-    for dtype, size in DTYPE_BYTES.items():
-        row = {"dtype": dtype,
-               "per_token": kv_cache_bytes(num_layers, num_kv_heads, head_dim, 1, 1, size),
-               "per_sequence": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, 1, size),
-               "per_batch": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, size)}
-        if num_heads:
-            row["vs_mha"] = num_kv_heads / num_heads
-        rows.append(row)
-    return rows

@@ -19,23 +19,17 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from kvbench.config import AttentionConfig, ModelConfig
-from kvbench.model import Decoder, rope_tables
+from kvbench.config import AttentionConfig, ConfigError, ModelConfig
+from kvbench.model import Decoder, rope_tables, torch_dtype
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
 _RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read into the decoder. The message names the file or tensor."""
-
-
-def attention_for(num_heads: int, num_kv_heads: int) -> AttentionConfig:
-    """The AttentionConfig whose type matches the KV-head count (mha / gqa / mqa)."""
-    kind = "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
-    return AttentionConfig(type=kind, num_kv_heads=num_kv_heads)
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be read into the decoder: the user's input is at fault (a run
+    records ``invalid``). The message names the file or tensor."""
 
 
 def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Dict[str, torch.Tensor],
@@ -88,47 +82,12 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
 def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> Decoder:
     """The Decoder saved by :func:`save_checkpoint`, in its saved dtype, on ``map_location``."""
     payload = read_checkpoint(path, map_location)
-    model = ModelConfig(**payload["model"])
+    model = ModelConfig.from_dict(payload["model"])
     return build_decoder(model, AttentionConfig(**payload["attention"]), payload["state_dict"],
                          device=map_location)
 
 
 # ---- Llama-format directories ---------------------------------------------------------------
-
-def _llama_model_config(cfg: dict, where: Path, max_seq_len: Optional[int]) -> ModelConfig:
-    archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
-    if not any(a in LLAMA_ARCHITECTURES for a in archs):
-        raise CheckpointError(f"{where}: architecture {', '.join(map(str, archs))} is not supported "
-                              f"(supported: {', '.join(LLAMA_ARCHITECTURES)})")
-    # transformers >= 5 keeps rope settings in rope_parameters; older configs in rope_theta/rope_scaling.
-    rope = cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if cfg.get("rope_scaling") or rope_type != "default":
-        raise CheckpointError(f"{where}: rope scaling ({cfg.get('rope_scaling') or rope_type}) is not "
-                              "supported; only plain rotary embeddings")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise CheckpointError(f"{where}: {key}=true is not supported (the decoder has no biases)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
-    positions = cfg.get("max_position_embeddings", 2048)
-    if cfg.get("sliding_window") and cfg["sliding_window"] < (max_seq_len or positions):
-        raise CheckpointError(f"{where}: sliding_window={cfg['sliding_window']} is not supported; "
-                              f"pass max_seq_len <= {cfg['sliding_window']}")
-    try:
-        heads = cfg["num_attention_heads"]
-        return ModelConfig(
-            name=cfg.get("_name_or_path") or where.name, num_layers=cfg["num_hidden_layers"],
-            d_model=cfg["hidden_size"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            max_seq_len=max_seq_len or positions,
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
-    except KeyError as e:
-        raise CheckpointError(f"{where / 'config.json'}: missing key {e.args[0]!r}") from None
-
 
 def _llama_name(name: str) -> str:
     """transformers' parameter name → the decoder's (unknown names pass through unchanged)."""
@@ -149,7 +108,10 @@ def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) 
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
-    return _llama_model_config(json.loads(config_path.read_text()), directory, max_seq_len)
+    try:
+        return ModelConfig.from_hf_config(json.loads(config_path.read_text()), str(config_path), max_seq_len)
+    except ValueError as exc:  # ConfigError, or JSON that does not parse
+        raise CheckpointError(f"{config_path}: {exc}" if str(config_path) not in str(exc) else str(exc)) from None
 
 
 def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float32,
@@ -163,7 +125,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
 
     directory = Path(directory)
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        dtype = torch_dtype(dtype)
     model_cfg = read_llama_config(directory, max_seq_len)
     hf_config = json.loads((directory / "config.json").read_text())
     files = sorted(directory.glob("*.safetensors"))
@@ -176,7 +138,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed.weight"]  # tied: the head reuses the embedding
 
-    attention = attention_for(model_cfg.num_heads, model_cfg.num_kv_heads)
+    attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Decoder(model_cfg, attention).state_dict().items()}
     missing = sorted(expected.keys() - tensors.keys())
@@ -220,6 +182,5 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
             w = state[name]  # (old H_kv * D, C)
             pooled = w.float().view(num_kv_heads, r, D, -1).mean(dim=1)  # (H_kv, D, C)
             state[name] = pooled.reshape(num_kv_heads * D, -1).to(w.dtype)
-    attention = attention_for(model.config.num_heads, num_kv_heads)
-    device = model.lm_head.weight.device
-    return build_decoder(model.config, attention, state, device=device)
+    attention = AttentionConfig.for_heads(model.config.num_heads, num_kv_heads)
+    return build_decoder(model.config, attention, state, device=model.device)

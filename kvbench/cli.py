@@ -1,4 +1,5 @@
-"""Hydra entry points. This module wires config, runner and sinks; nothing imports it back.
+"""Entry points: ``kvbench`` (Hydra) and ``kvbench-report``. This module wires config, runner and
+sinks; nothing imports it back.
 
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key);
 3 out of memory; 1 an internal error. A multirun records invalid and oom jobs as data and
@@ -7,21 +8,38 @@ exits non-zero only when some job hit an internal error.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.config import ConfigError, register_configs
+from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, register_configs, to_bench_config
+from kvbench.inspection import describe
+from kvbench.results import RESULTS_FILE, RecordError, completed_record, find_results, read_record
+from kvbench.runner import run_job
+from kvbench.sinks.console import (
+    progress_bar,
+    results_table,
+    run_table,
+    stderr,
+    stdout,
+    ttft_comparison_table,
+    turns_table,
+)
+from kvbench.sinks.report import MD_FILE, write_report
+from kvbench.sinks.tracking import track
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
 EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1}
 _exit_code = 0
 
@@ -36,50 +54,54 @@ def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    # Launchers (submitit, joblib) pickle this function by value, with the globals it names:
+    # it names only an importable function, which is pickled by reference.
+    hydra_job(cfg)
+
+
+def hydra_job(cfg: DictConfig) -> None:
+    """One Hydra job: inspect, skip (resume), or run, record, track and print."""
     global _exit_code
     out_dir, multirun, overrides, num = _job_context()
     if cfg.task == "inspect":
         _exit_code = _inspect(cfg)
         return
-    from kvbench.runner import run_job
-
     if multirun:
         total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
-        from kvbench.console import stderr
         stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
-        from kvbench.cluster import completed_record
-        if not cfg.rerun and completed_record(out_dir, cfg) is not None:
+        if not cfg.rerun and _already_done(out_dir, cfg):
             # A re-run into the same sweep dir finishes only what is missing; the sweep table
             # at the end reads this job's record from disk like any other.
-            stderr.print(f"  skipped: {out_dir / 'results.json'} is already ok for this config "
+            stderr.print(f"  skipped: {out_dir / RESULTS_FILE} is already ok for this config "
                          "(rerun=true runs it again)", markup=False, soft_wrap=True)
             return
-    result = run_job(cfg, out_dir, overrides)
+    result = run_job(cfg, out_dir, overrides, progress=progress_bar)
     wandb_dir = _track(cfg, result, out_dir, multirun)
     _after_job(result, out_dir, multirun)
     if not multirun:
         _exit_code = EXIT_CODES[result.status]
         _report(out_dir, plots=False)  # summary.csv / summary.md beside results.json
         if wandb_dir is not None:
-            from kvbench.console import stdout
             stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
+
+
+def _already_done(out_dir: Path, cfg: DictConfig) -> bool:
+    try:
+        config = asdict(to_bench_config(cfg))
+    except ConfigError:
+        return False
+    return completed_record(out_dir, config) is not None
 
 
 def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[Path]:
     """The job's W&B run (after results.json is written; a W&B failure is only a warning)."""
-    from kvbench.tracking import track
-
     sweep_dir = HydraConfig.get().sweep.dir if multirun else None
     return track(result, OmegaConf.to_container(cfg.wandb, resolve=True), out_dir, sweep_dir, cfg.task)
 
 
 def _report(directory: Path, plots: bool = True) -> None:
     """Write the local report (summary.csv, summary.md, plots); never fails the run."""
-    from kvbench.console import stderr, stdout
-
     try:
-        from kvbench.report import MD_FILE, write_report
-
         write_report(directory, plots=plots)
         if plots:
             stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
@@ -90,9 +112,7 @@ def _report(directory: Path, plots: bool = True) -> None:
 
 def _after_job(result, out_dir: Path, multirun: bool) -> None:
     """Print the job's outcome; in a single run an invalid value is one line on stderr."""
-    from kvbench.console import run_table, stderr, stdout
-
-    where = out_dir / "results.json"
+    where = out_dir / RESULTS_FILE
     if result.status == "invalid" and not multirun:
         stderr.print(f"kvbench: invalid config: {result.error}", markup=False, soft_wrap=True)
         stderr.print(f"(recorded in {where})", markup=False)
@@ -102,18 +122,14 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
     if not multirun:
         stdout.print(run_table(result.to_dict()))
         if result.tables.get("turns"):
-            from kvbench.console import turns_table
             stdout.print(turns_table(result.to_dict()))
     stdout.print(f"results: {where}", markup=False, soft_wrap=True)
 
 
 def _inspect(cfg: DictConfig) -> int:
     """Print the head→group map and the KV-memory table; runs no model."""
-    from kvbench.console import stderr, stdout
-    from kvbench.inspection import describe
-
     try:
-        stdout.print(describe(OmegaConf.to_object(cfg)), markup=False, soft_wrap=True)
+        stdout.print(describe(to_bench_config(cfg)), markup=False, soft_wrap=True)
     except ConfigError as exc:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         return EXIT_CODES["invalid"]
@@ -135,6 +151,19 @@ def sweep_size(config: DictConfig) -> Optional[int]:
     return math.prod(params.values()) if params else 1
 
 
+def sweep_records(sweep_dir: Path) -> List[Dict[str, Any]]:
+    """Every job record under ``sweep_dir`` as a dict with its ``job`` (relative path)."""
+    records = []
+    for path in find_results(sweep_dir):
+        try:
+            rec = read_record(path).to_dict()
+        except RecordError as exc:
+            rec = {"status": "unreadable", "error": str(exc), "config": {}, "metrics": {}}
+        rec["job"] = str(path.parent.relative_to(sweep_dir))
+        records.append(rec)
+    return records
+
+
 class SweepCallback(Callback):
     """Counts a sweep's jobs at the start; at the end prints a table of every job's record and
     sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
@@ -148,21 +177,11 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global _exit_code
-        from kvbench.console import results_table, stdout
-        from kvbench.results import find_results
-
-        import json
-
-        sweep_dir = Path(config.hydra.sweep.dir)
-        records = []
-        for path in find_results(sweep_dir):
-            rec = json.loads(path.read_text())
-            rec["job"] = str(path.parent.relative_to(sweep_dir))
-            records.append(rec)
         if config.get("task") == "inspect":
             return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        records = sweep_records(sweep_dir)
         stdout.print(results_table(f"kvbench sweep {sweep_dir}", records))
-        from kvbench.console import ttft_comparison_table
         comparison = ttft_comparison_table(records)  # multi-turn jobs swept over cache.shared
         if comparison is not None:
             stdout.print(comparison)
@@ -174,11 +193,73 @@ class SweepCallback(Callback):
             _exit_code = EXIT_CODES["error"]
 
 
+def config_error_line(exc: BaseException) -> str:
+    """One line for an error Hydra or OmegaConf raised while composing the config: the key and
+    what is wrong with it (a renamed key names its new name)."""
+    chain: List[BaseException] = []
+    node: Optional[BaseException] = exc
+    while node is not None and node not in chain:
+        chain.append(node)
+        node = node.__cause__ or node.__context__
+    for err in chain:
+        key = getattr(err, "full_key", None)
+        if key:
+            if key in RENAMED_KEYS:
+                return f"{key}: renamed to {RENAMED_KEYS[key]}"
+            msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            return f"{key}: {msg}"
+    lines = [line.strip() for err in chain[:1] for line in str(err).split("Config search path")[0].splitlines()
+             if line.strip()]
+    text = " ".join(lines) or type(exc).__name__
+    for old, new in RENAMED_KEYS.items():
+        if f"'{old}'" in text:
+            return f"{old}: renamed to {new}"
+    return text if len(text) <= 400 else text[:399] + "…"
+
+
 def main() -> None:
     """Console script ``kvbench``."""
-    _hydra_main()
+    # Let Hydra's composition errors reach us (instead of its multi-line report and exit 1):
+    # a bad value is the user's input, so one line naming the key and exit 2. A user who set
+    # HYDRA_FULL_ERROR=1 gets the traceback, as Hydra documents.
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        if full_error:
+            raise
+        stderr.print(f"kvbench: invalid config: {config_error_line(exc)}", markup=False, soft_wrap=True)
+        sys.exit(EXIT_CODES["invalid"])
     sys.exit(_exit_code)
 
 
+def report_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console script ``kvbench-report DIR [--out OUT]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvbench-report",
+        description="Summarise a kvbench run or sweep directory: summary.csv, summary.md and PNG plots.")
+    parser.add_argument("dir", help="a run directory (outputs/...) or a sweep (multirun/<date>/<time>)")
+    parser.add_argument("--out", help="where to write the report (default: DIR)")
+    parser.add_argument("--no-plots", action="store_true", help="only summary.csv and summary.md")
+    args = parser.parse_args(argv)
+    try:
+        report = write_report(args.dir, args.out, plots=not args.no_plots)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvbench-report: {exc}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
+    print(f"{len(report.records)} jobs ({counts}) under {report.root}")
+    for path in report.files:
+        print(f"  {path}")
+    for name, why in report.skipped_plots.items():
+        print(f"  ({name}.png not drawn: {why})")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    # `python -m kvbench.cli`: run the importable module's copy, so that what launchers pickle
+    # refers to kvbench.cli, not to __main__ (which a worker process cannot import).
+    from kvbench import cli
+
+    cli.main()

@@ -6,15 +6,33 @@ one-line :class:`ConfigError` that names the key and the value.
 
 Cross-group rules (the attention type against the model's head count, the sequence
 against ``max_seq_len``) live in :class:`BenchConfig`, which owns both sides.
+
+This module imports nothing from kvbench: every other module may import it. It reads one
+kind of file itself, a checkpoint's ``config.json`` (:meth:`ModelConfig.from_hf_config`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+def _find_conf_dir() -> Path:
+    """The Hydra configs: ``conf/`` beside the package in a checkout (and an editable install),
+    ``kvbench/conf`` inside an installed wheel (pyproject maps the top-level ``conf/`` there)."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "config.yaml").is_file() and (candidate / "model").is_dir():
+            return candidate
+    return package.parent / "conf"  # Hydra then names the missing directory itself
+
+
+CONF_DIR = _find_conf_dir()
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
@@ -42,16 +60,34 @@ def _check_positive(prefix: str, obj, names) -> None:
         _check(value >= 1, f"{prefix}.{name}", value, "must be >= 1")
 
 
+def attention_type(num_heads: int, num_kv_heads: int) -> str:
+    """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
+    The one place this rule is written."""
+    return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+
+
+# Keys that were renamed: an override of the old name fails with a one-line hint (the CLI
+# reads this table) instead of Hydra's "key not in struct".
+RENAMED_KEYS = {
+    "model.num_kv_heads": "model.preset_kv_heads (the preset's published KV-head count; the count a "
+                          "run uses is attention.num_kv_heads)",
+}
+
+# transformers architectures whose config.json and tensor names the decoder reads.
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
 @dataclass
 class ModelConfig:
-    """Decoder shape. ``num_kv_heads`` is the preset's published KV-head count (used by
-    ``attention=gqa`` when no count is given); the count a run uses is ``attention.num_kv_heads``."""
+    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head
+    count, used by ``attention=gqa`` when no count is given; the one count a run uses is
+    ``attention.num_kv_heads``."""
 
     name: str = "custom"
     num_layers: int = 2
     d_model: int = 64
     num_heads: int = 8
-    num_kv_heads: int = 8
+    preset_kv_heads: int = 8
     head_dim: Optional[int] = None  # derived as d_model // num_heads when null
     ffn_dim: int = 128
     vocab_size: int = 256
@@ -64,26 +100,75 @@ class ModelConfig:
         if self.path:
             self._shape_from_checkpoint()
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
-                                        "vocab_size", "max_seq_len"))
+                                        "vocab_size", "max_seq_len", "preset_kv_heads"))
         if self.head_dim is None:
             _check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
                    f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
             self.head_dim = self.d_model // self.num_heads
         _check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
                "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
-        _check(1 <= self.num_kv_heads <= self.num_heads and self.num_heads % self.num_kv_heads == 0,
-               "model.num_kv_heads", self.num_kv_heads,
+        _check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
+               "model.preset_kv_heads", self.preset_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
 
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
+        """A ModelConfig from ``asdict`` output, older spellings included (checkpoints written
+        before ``num_kv_heads`` became ``preset_kv_heads``)."""
+        data = dict(data)
+        if "num_kv_heads" in data:
+            data.setdefault("preset_kv_heads", data.pop("num_kv_heads"))
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    @classmethod
+    def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
+                       max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
+        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
+        names the file in errors. Refuses what the decoder does not model."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+        if not any(a in HF_ARCHITECTURES for a in archs):
+            raise ConfigError(f"{where}: architecture {', '.join(map(str, archs))} is not supported "
+                              f"(supported: {', '.join(HF_ARCHITECTURES)})")
+        # transformers >= 5 keeps rope settings in rope_parameters; older configs in rope_theta/rope_scaling.
+        rope = cfg.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if cfg.get("rope_scaling") or rope_type != "default":
+            raise ConfigError(f"{where}: rope scaling ({cfg.get('rope_scaling') or rope_type}) is not "
+                              "supported; only plain rotary embeddings")
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ConfigError(f"{where}: {key}=true is not supported (the decoder has no biases)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
+        positions = cfg.get("max_position_embeddings", 2048)
+        if cfg.get("sliding_window") and cfg["sliding_window"] < (max_seq_len or positions):
+            raise ConfigError(f"{where}: sliding_window={cfg['sliding_window']} is not supported; "
+                              f"pass max_seq_len <= {cfg['sliding_window']}")
+        try:
+            heads = cfg["num_attention_heads"]
+            shape = dict(
+                num_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"], num_heads=heads,
+                preset_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                max_seq_len=max_seq_len or positions,
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+        except KeyError as e:
+            raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+        return cls(**{"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape, **fields})
 
     def _shape_from_checkpoint(self) -> None:
-        from kvbench.checkpoint import CheckpointError, read_llama_config  # checkpoint imports this module
-
+        path = Path(self.path) / "config.json"
         try:
-            shape = read_llama_config(self.path)
-        except CheckpointError as exc:
+            hf = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.path={self.path!r}: cannot read {path} ({exc})") from None
+        try:
+            shape = ModelConfig.from_hf_config(hf, str(path))
+        except ConfigError as exc:
             raise ConfigError(f"model.path={self.path!r}: {exc}") from None
-        for name in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+        for name in ("num_layers", "d_model", "num_heads", "preset_kv_heads", "head_dim", "ffn_dim",
                      "vocab_size", "max_seq_len", "rope_theta", "norm_eps"):
             setattr(self, name, getattr(shape, name))
 
@@ -101,6 +186,11 @@ class AttentionConfig:
         if self.num_kv_heads is not None:
             _check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
 
+    @classmethod
+    def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
+        """The config whose type is what ``num_kv_heads`` of ``num_heads`` is."""
+        return cls(type=attention_type(num_heads, num_kv_heads), num_kv_heads=num_kv_heads)
+
     def resolved(self, model: ModelConfig) -> "AttentionConfig":
         """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
         h = model.num_heads
@@ -111,7 +201,7 @@ class AttentionConfig:
         _check(kv <= h, key, kv, f"must be <= model.num_heads={h}")
         _check(h % kv == 0, key, kv,
                f"must divide model.num_heads={h} (every KV group needs the same number of query heads)")
-        expected = "mha" if kv == h else "mqa" if kv == 1 else "gqa"
+        expected = attention_type(h, kv)
         _check(self.type == expected, "attention.type", self.type,
                f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
         return AttentionConfig(type=self.type, num_kv_heads=kv)
@@ -121,8 +211,8 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
     """The preset's own KV-head count if it is a GQA model, else the divisor of num_heads
     closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio."""
     h = model.num_heads
-    if 1 < model.num_kv_heads < h:
-        return model.num_kv_heads
+    if attention_type(h, model.preset_kv_heads) == "gqa":
+        return model.preset_kv_heads
     divisors = [d for d in range(2, h) if h % d == 0]
     if not divisors:
         raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
@@ -173,7 +263,7 @@ class CacheConfig:
 class RuntimeConfig:
     """Where and how a run executes and is timed."""
 
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | cuda:free (kvbench/cluster.py)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | cuda:free (kvbench/device.py)
     dtype: str = "float32"
     seed: int = 0
     warmup: int = 1
@@ -287,5 +377,7 @@ def register_configs() -> None:
     cs.store(name="kvbench_schema", node=BenchConfig)
 
 
-def dtype_bytes(dtype: str) -> int:
-    return DTYPE_BYTES[dtype]
+def to_bench_config(cfg: DictConfig | BenchConfig) -> BenchConfig:
+    """Typed, validated config (raises :class:`ConfigError` naming the bad key)."""
+    return cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_object(cfg)
+

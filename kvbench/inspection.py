@@ -1,23 +1,52 @@
 """``task=inspect``: the arithmetic of a model and attention choice, without running a model.
 
-Prints the head→group map and a KV-memory table (per token, per sequence, per batch, for each
-dtype) that can be checked by hand against published model shapes.
+The head→group map and a KV-memory table (per token, per sequence, per batch, for each dtype)
+that can be checked by hand against published model shapes.
 """
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
 
-from kvbench.cache import kv_memory_table
+from kvbench.cache import kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig
-from kvbench.console import human_bytes
-from kvbench.model import Decoder, describe_kv_groups
+from kvbench.model import Decoder, kv_group_map
+from kvbench.units import human_bytes
+
+
+def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
+    """The head→group map as text, one line per KV head: ``query heads 0-3 → KV head 0``."""
+    mapping = kv_group_map(num_heads, num_kv_heads)
+    lines = []
+    for kv in range(num_kv_heads):
+        heads = [h for h, g in enumerate(mapping) if g == kv]
+        span = f"heads {heads[0]}-{heads[-1]}" if len(heads) > 1 else f"head {heads[0]}"
+        lines.append(f"query {span} → KV head {kv}")
+    return "\n".join(lines)
+
+
+def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
+                    batch_size: int, num_heads: Optional[int] = None) -> List[dict]:
+    """KV bytes per token (all layers), per sequence of ``seq_len`` and per batch, for each
+    dtype; with ``num_heads``, also the fraction of an MHA cache of the same model."""
+    rows = []
+    for dtype, size in DTYPE_BYTES.items():
+        row = {"dtype": dtype,
+               "per_token": kv_cache_bytes(num_layers, num_kv_heads, head_dim, 1, 1, size),
+               "per_sequence": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, 1, size),
+               "per_batch": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, size)}
+        if num_heads:
+            row["vs_mha"] = num_kv_heads / num_heads
+        rows.append(row)
+    return rows
 
 
 def parameter_count(cfg: BenchConfig) -> int:
     """Exact parameter count, from a model built on the meta device (no memory is allocated)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in Decoder(cfg.model, cfg.attention).parameters())
+        return Decoder(cfg.model, cfg.attention).num_params()
 
 
 def describe(cfg: BenchConfig) -> str:

@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.config import AttentionConfig, ModelConfig
+from kvbench.config import DTYPE_BYTES, AttentionConfig, ModelConfig
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``runtime.dtype`` (float32 | float16 | bfloat16) as a torch dtype."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype={name!r}: must be one of {', '.join(DTYPE_BYTES)}")
+    return getattr(torch, name)
 
 
 def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
@@ -27,17 +34,6 @@ def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
         raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     group = num_heads // num_kv_heads
     return [h // group for h in range(num_heads)]
-
-
-def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
-    """The map as text, one line per KV head: ``query heads 0-3 → KV head 0``."""
-    mapping = kv_group_map(num_heads, num_kv_heads)
-    lines = []
-    for kv in range(num_kv_heads):
-        heads = [h for h, g in enumerate(mapping) if g == kv]
-        span = f"heads {heads[0]}-{heads[-1]}" if len(heads) > 1 else f"head {heads[0]}"
-        lines.append(f"query {span} → KV head {kv}")
-    return "\n".join(lines)
 
 
 class RMSNorm(nn.Module):
@@ -191,6 +187,18 @@ class Decoder(nn.Module):
 
     def kv_groups(self) -> List[int]:
         return kv_group_map(self.config.num_heads, self.num_kv_heads)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def num_params(self) -> int:
+        """Parameters, a tied tensor counted once."""
+        return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
                 positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,

@@ -1,8 +1,9 @@
 """The single record of a run: ``results.json`` in the Hydra job directory.
 
-Everything downstream (W&B, the sweep report, resumption) reads this record and nothing else.
-It is written atomically (temporary file in the same directory, fsync, rename), so a reader or
-a job killed mid-write never sees a torn file.
+This module is the only reader and writer of records. Everything downstream (W&B, the sweep
+table, the report, resumption) reads a record through :class:`RunResult` /
+:func:`read_record`. A record is written atomically (temporary file in the same directory,
+fsync, rename), so a reader or a job killed mid-write never sees a torn file.
 """
 
 from __future__ import annotations
@@ -12,31 +13,23 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 RESULTS_FILE = "results.json"
 STATUSES = ("ok", "invalid", "oom", "error")
 SCHEMA_VERSION = 1
+# Keys of a job's config that say how it is scheduled or recorded, not what it measures.
+NOT_IDENTITY = ("rerun", "wandb")
 
-# Unit and method of every metric a run can report; written into each record and the README.
-METRIC_METHODS: Dict[str, str] = {
-    "prefill_ms": "ms; time to first token: prompt forward + argmax, median over timed trials",
-    "decode_ms_p50": "ms; per-token decode step latency, 50th percentile over every step of every timed trial",
-    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile",
-    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile",
-    "decode_ms_mean": "ms; mean per-token decode step latency",
-    "tokens_per_s": "tokens/s; batch_size x gen_len / decode time of a trial, median over timed trials",
-    "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
-    "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
-    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element",
-    "weight_bytes": "bytes; parameters (numel * element_size)",
-    "timing_method": "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU",
-}
+
+class RecordError(ValueError):
+    """A results.json that cannot be read as a record. The message names the file."""
 
 
 @dataclass
 class RunResult:
-    """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows."""
+    """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows;
+    ``methods`` the unit and method of each metric the job reported."""
 
     status: str
     config: Dict[str, Any]
@@ -48,7 +41,7 @@ class RunResult:
     overrides: List[str] = field(default_factory=list)
     started_at: Optional[str] = None
     finished_at: Optional[str] = None
-    methods: Dict[str, str] = field(default_factory=lambda: dict(METRIC_METHODS))
+    methods: Dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -58,6 +51,10 @@ class RunResult:
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
+    def get(self, dotted: str) -> Any:
+        """A config value by its dotted key (``attention.num_kv_heads``); None when absent."""
+        return lookup(self.config, dotted)
+
     def write(self, directory: Path | str) -> Path:
         return write_json_atomic(Path(directory) / RESULTS_FILE, self.to_dict())
 
@@ -66,12 +63,30 @@ class RunResult:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
-    @classmethod
-    def read(cls, path: Path | str) -> "RunResult":
-        path = Path(path)
-        if path.is_dir():
-            path = path / RESULTS_FILE
-        return cls.from_dict(json.loads(path.read_text()))
+
+def read_json(path: Path | str) -> Any:
+    """Parsed JSON of ``path``; OSError / ValueError pass through."""
+    return json.loads(Path(path).read_text())
+
+
+def read_record(path: Path | str) -> RunResult:
+    """The record at ``path`` (a results.json or its job directory).
+
+    Raises :class:`RecordError` naming the file when it is missing, does not parse or is not a
+    kvbench record (no status, an unknown status, a config that is not a mapping)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise RecordError(f"{path}: {exc}") from None
+    if not isinstance(data, dict) or "status" not in data or not isinstance(data.get("config"), dict):
+        raise RecordError(f"{path}: not a kvbench record (needs a status and a config mapping)")
+    try:
+        return RunResult.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"{path}: {exc}") from None
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:
@@ -103,3 +118,48 @@ def find_results(root: Path | str) -> List[Path]:
     """Every results.json under ``root`` (a job directory or a sweep), in path order."""
     root = Path(root)
     return sorted(root.rglob(RESULTS_FILE))
+
+
+def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[RunResult]:
+    """The record in ``out_dir`` if it is ``ok`` and was produced by the same ``config`` (the
+    job's validated config as a dict), else None: resume's "is this job done?".
+
+    A missing, unreadable or non-ok record, or one for a different config (the sweep's override
+    list changed, so this job number now means another job), means the job must run."""
+    try:
+        record = read_record(out_dir)
+    except RecordError:
+        return None
+    if record.status != "ok":
+        return None
+    return record if _identity(record.config) == _identity(config) else None
+
+
+def _identity(config: Any) -> Any:
+    # Compare as results.json stores it (JSON types), without the keys that do not change a job.
+    if not isinstance(config, dict):
+        return None
+    plain = json.loads(json.dumps(config, default=str))
+    return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
+
+
+def lookup(config: Any, dotted: str) -> Any:
+    """``config["a"]["b"]`` for ``"a.b"``; None when any part is missing."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """``{"attention": {"type": "gqa"}}`` -> ``{"attention.type": "gqa"}``; lists stay values."""
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat

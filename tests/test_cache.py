@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from conftest import make_decoder
 
 from kvbench.cache import kv_cache_bytes, make_cache
-
-from conftest import make_decoder
 
 
 def test_seed_numbers():

@@ -4,13 +4,18 @@ import json
 
 import pytest
 import torch
+from conftest import VOCAB, llama_dir
 
-from kvbench.checkpoint import (CheckpointError, convert_kv_heads, load_checkpoint, load_llama_dir,
-                                read_checkpoint, save_checkpoint)
+from kvbench.checkpoint import (
+    CheckpointError,
+    convert_kv_heads,
+    load_checkpoint,
+    load_llama_dir,
+    read_checkpoint,
+    save_checkpoint,
+)
 from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
-
-from conftest import VOCAB, llama_dir
 
 
 @pytest.mark.parametrize("num_kv_heads,tie", [(4, False), (2, False), (1, True)],
@@ -69,10 +74,9 @@ def test_llama_errors(tmp_path):
 
 def tiny(num_kv_heads=4, num_heads=4, seed=0) -> Decoder:
     torch.manual_seed(seed)
-    cfg = ModelConfig(num_layers=2, d_model=32, num_heads=num_heads, num_kv_heads=num_heads,
+    cfg = ModelConfig(num_layers=2, d_model=32, num_heads=num_heads, preset_kv_heads=num_heads,
                       ffn_dim=48, vocab_size=VOCAB, max_seq_len=64)
-    kind = "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
-    return Decoder(cfg, AttentionConfig(kind, num_kv_heads)).eval()
+    return Decoder(cfg, AttentionConfig.for_heads(num_heads, num_kv_heads)).eval()
 
 
 def test_save_load_roundtrip(tmp_path):
@@ -109,13 +113,13 @@ def _make_groups_identical(model: Decoder, num_kv_heads: int) -> None:
                 w.copy_(w[:, :1].expand_as(w))
 
 
-@pytest.mark.parametrize("start,target", [(4, 2), (4, 1), (2, 1)])
-def test_convert_identical_groups_reproduces_outputs(start, target):
+@pytest.mark.parametrize("start,target,kind", [(4, 2, "gqa"), (4, 1, "mqa"), (2, 1, "mqa")])
+def test_convert_identical_groups_reproduces_outputs(start, target, kind):
     model = tiny(start)
     _make_groups_identical(model, target)
     converted = convert_kv_heads(model, target)
     assert converted.num_kv_heads == target
-    assert converted.attention.type == ("mqa" if target == 1 else "gqa")
+    assert converted.attention.type == kind
     tokens = torch.randint(0, VOCAB, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(converted(tokens), model(tokens), atol=1e-6, rtol=0)

@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import llama_dir
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.cli import CONF_DIR, sweep_size
-from kvbench.config import BenchConfig, ModelConfig
-
-from conftest import llama_dir
+from kvbench.cli import sweep_size
+from kvbench.config import CONF_DIR, AttentionConfig, BenchConfig, ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
@@ -68,8 +67,8 @@ def test_preset_shapes_match_published_parameter_counts(name, published_params):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", "attention=gqa"])
     bench = OmegaConf.to_object(cfg)
-    native = bench.model.num_kv_heads
-    bench.attention.num_kv_heads, bench.attention.type = native, "mha" if native == bench.model.num_heads else "gqa"
+    native = bench.model.preset_kv_heads
+    bench.attention = AttentionConfig.for_heads(bench.model.num_heads, native)
     assert parameter_count(bench) == published_params
     assert ModelConfig(**{k: v for k, v in vars(bench.model).items()}).head_dim == 128
 
@@ -133,10 +132,25 @@ def test_help_lists_groups_and_user_config_dir(tmp_path):
     mine = tmp_path / "myconf" / "model"
     mine.mkdir(parents=True)
     (mine / "mine.yaml").write_text("name: mine\nnum_layers: 3\nd_model: 96\nnum_heads: 12\n"
-                                    "num_kv_heads: 12\nffn_dim: 64\nvocab_size: 50\nmax_seq_len: 128\n")
+                                    "preset_kv_heads: 12\nffn_dim: 64\nvocab_size: 50\nmax_seq_len: 128\n")
     out = kvbench("--config-dir", str(tmp_path / "myconf"), "model=mine", "task=inspect",
                   "workload.prompt_len=8", "workload.gen_len=8", cwd=tmp_path).stdout
     assert "model mine: 3 layers" in out and "12 query heads" in out and "3 KV heads" in out
+
+
+@pytest.mark.parametrize("where", ["override", "yaml"])
+def test_the_renamed_preset_kv_heads_key_fails_with_a_one_line_hint(tmp_path, where):
+    """model.num_kv_heads became model.preset_kv_heads: the old spelling, on the command line or
+    in a user's own model file, exits 2 with one line naming the new key."""
+    if where == "override":
+        proc = kvbench("model.num_kv_heads=4", "task=inspect", cwd=tmp_path, check=False)
+    else:
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "old.yaml").write_text("name: old\nnum_heads: 8\nnum_kv_heads: 2\n")
+        proc = kvbench("--config-dir", str(tmp_path), "model=old", "task=inspect", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "model.num_kv_heads" in line and "model.preset_kv_heads" in line and "attention.num_kv_heads" in line
 
 
 def test_sweep_size_counts_cli_and_preset_axes():

@@ -2,8 +2,18 @@
 
 import pytest
 
-from kvbench.config import (AttentionConfig, BenchConfig, CacheConfig, ConfigError, ModelConfig,
-                            RuntimeConfig, WandbConfig, WorkloadConfig, default_gqa_kv_heads)
+from kvbench.config import (
+    AttentionConfig,
+    BenchConfig,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    RuntimeConfig,
+    WandbConfig,
+    WorkloadConfig,
+    attention_type,
+    default_gqa_kv_heads,
+)
 
 
 def one_line_error(fn, needle):
@@ -18,7 +28,7 @@ def test_model_errors_name_the_field():
     one_line_error(lambda: ModelConfig(d_model=100, num_heads=8), "model.d_model=100")
     one_line_error(lambda: ModelConfig(d_model=64, num_heads=8, head_dim=7), "model.head_dim=7")
     one_line_error(lambda: ModelConfig(d_model=68, num_heads=8, head_dim=None), "model.d_model=68")
-    one_line_error(lambda: ModelConfig(num_heads=8, num_kv_heads=3), "model.num_kv_heads=3")
+    one_line_error(lambda: ModelConfig(num_heads=8, preset_kv_heads=3), "model.preset_kv_heads=3")
     # an explicit head_dim may differ from d_model / num_heads
     assert ModelConfig(d_model=64, num_heads=8, head_dim=16).head_dim == 16
     assert ModelConfig(d_model=64, num_heads=8).head_dim == 8
@@ -30,18 +40,25 @@ def test_model_errors_name_the_field():
     ("gqa", 64, "attention.num_kv_heads=64"), ("gqa", 6, "attention.num_kv_heads=6"),
 ])
 def test_type_must_agree_with_kv_count(kind, kv, needle):
-    model = ModelConfig(d_model=4096, num_heads=32, num_kv_heads=32)
+    model = ModelConfig(d_model=4096, num_heads=32, preset_kv_heads=32)
     one_line_error(lambda: AttentionConfig(type=kind, num_kv_heads=kv).resolved(model), needle)
 
 
+@pytest.mark.parametrize("heads, kv, kind", [(32, 32, "mha"), (32, 8, "gqa"), (32, 2, "gqa"), (32, 1, "mqa"),
+                                             (1, 1, "mha")])
+def test_attention_type_is_named_by_the_kv_head_count(heads, kv, kind):
+    assert attention_type(heads, kv) == kind
+    assert AttentionConfig.for_heads(heads, kv) == AttentionConfig(kind, kv)
+
+
 def test_defaults_per_type():
-    llama2 = ModelConfig(d_model=4096, num_heads=32, num_kv_heads=32)
-    llama3 = ModelConfig(d_model=4096, num_heads=32, num_kv_heads=8)
+    llama2 = ModelConfig(d_model=4096, num_heads=32, preset_kv_heads=32)
+    llama3 = ModelConfig(d_model=4096, num_heads=32, preset_kv_heads=8)
     assert AttentionConfig("mha").resolved(llama2).num_kv_heads == 32
     assert AttentionConfig("mqa").resolved(llama2).num_kv_heads == 1
     assert AttentionConfig("gqa").resolved(llama2).num_kv_heads == 8  # num_heads / 4
     assert AttentionConfig("gqa").resolved(llama3).num_kv_heads == 8  # the preset's own
-    assert default_gqa_kv_heads(ModelConfig(d_model=96, num_heads=12, num_kv_heads=12)) == 3
+    assert default_gqa_kv_heads(ModelConfig(d_model=96, num_heads=12, preset_kv_heads=12)) == 3
     one_line_error(lambda: AttentionConfig("paged"), "attention.type='paged'")
 
 

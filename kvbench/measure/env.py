@@ -25,7 +25,7 @@ _GIT_TIMEOUT_S = 2.0
 def _safe(probe: Callable[[], Any]) -> Any:
     try:
         return probe()
-    except Exception:
+    except Exception:  # noqa: BLE001 — a probe that fails records None; the environment never costs a run
         return None
 
 

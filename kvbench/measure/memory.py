@@ -99,7 +99,7 @@ def open_nvml() -> Tuple[Any, Optional[str]]:
         return None, f"pynvml not importable ({e})"
     try:
         nvml.nvmlInit()
-    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+    except Exception as e:  # noqa: BLE001 — NVMLError_LibraryNotFound, DriverNotLoaded, ...: a reason, never a failure
         return None, f"nvmlInit failed: {e}"
     return nvml, None
 
@@ -111,7 +111,7 @@ def nvml_driver_version() -> Optional[str]:
         return None
     try:
         return _text(nvml.nvmlSystemGetDriverVersion())
-    except Exception:
+    except Exception:  # noqa: BLE001 — a driver version that cannot be read is None
         return None
     finally:
         _shutdown(nvml)
@@ -198,10 +198,10 @@ class MemoryMonitor:
             self._result["nvml_memory_api"] = "v2"
             try:
                 self._sample()
-            except Exception:  # old driver or pynvml: no _v2 symbol or no version kwarg
+            except Exception:  # noqa: BLE001 — old driver or pynvml: no _v2 symbol or no version kwarg
                 self._result["nvml_memory_api"] = "v1"
                 self._sample()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — any NVML failure becomes nvml_reason
             self._nvml, self._handle = None, None
             self._result.update(dict.fromkeys(_NVML_FIELDS))
             self._nvml_unavailable(f"NVML device lookup failed: {e}")
@@ -209,7 +209,7 @@ class MemoryMonitor:
             return
         try:
             self._energy_start = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
-        except Exception as e:  # NVMLError_NotSupported on pre-Volta or some virtual GPUs
+        except Exception as e:  # noqa: BLE001 — NVMLError_NotSupported on pre-Volta or some virtual GPUs
             self._result["energy_reason"] = f"energy counter unavailable: {e}"
         self._thread = threading.Thread(target=self._sample_loop, name="kvbench-nvml-sampler",
                                         daemon=True)
@@ -232,21 +232,21 @@ class MemoryMonitor:
         while not self._stop.wait(self.interval_s):
             try:
                 self._sample()
-            except Exception:
+            except Exception:  # noqa: BLE001 — a missed sample only lowers the count
                 pass  # a missed sample only lowers the count; the exit sample still lands
 
     def _finish_nvml(self) -> None:
         nvml, r = self._nvml, self._result
         try:
             r["nvml_device_used_bytes"] = self._sample()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — the exit read failing becomes nvml_reason
             r["nvml_reason"] = f"NVML memory read failed at exit: {e}"
         r["nvml_peak_used_bytes"], r["nvml_samples"] = self._peak_used, self._samples
         if self._energy_start is not None:
             try:
                 end = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
                 r["energy_mj"] = end - self._energy_start
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 — the energy counter failing becomes energy_reason
                 r["energy_reason"] = f"energy counter unavailable: {e}"
         r["nvml_process_used_bytes"], r["nvml_process_reason"] = self._process_used()
         _shutdown(nvml)
@@ -255,7 +255,7 @@ class MemoryMonitor:
     def _process_used(self) -> Tuple[Optional[int], Optional[str]]:
         try:
             procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — becomes nvml_process_reason
             return None, f"nvmlDeviceGetComputeRunningProcesses failed: {e}"
         pid = os.getpid()
         mine = [p for p in procs if p.pid == pid]
@@ -270,5 +270,5 @@ class MemoryMonitor:
 def _shutdown(nvml: Any) -> None:
     try:
         nvml.nvmlShutdown()
-    except Exception:
+    except Exception:  # noqa: BLE001 — nothing left to measure; a failed shutdown must not fail the run
         pass  # nothing left to measure; a failed shutdown must not fail the run

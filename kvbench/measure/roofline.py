@@ -9,7 +9,6 @@ GB/s (1e9 bytes per second), percent.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
@@ -21,6 +20,7 @@ import torch
 
 from kvbench.cache import kv_cache_bytes
 from kvbench.measure.timing import sync
+from kvbench.results import read_json, write_json_atomic
 
 CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "kvbench")) / "bandwidth.json"
 
@@ -45,7 +45,7 @@ def decode_bytes_read(model, batch_size: int, context_len: float) -> Tuple[int, 
     Every weight matrix is streamed once per step; the embedding is a lookup of B rows.
     """
     cfg = model.config
-    element = model.lm_head.weight.element_size()
+    element = model.dtype.itemsize
     embed = model.embed.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
@@ -101,14 +101,14 @@ def machine_peaks(device: torch.device, override_gb_per_s: Optional[float] = Non
     for this machine."""
     key = _machine_key(device)
     try:
-        cached = json.loads(cache_file.read_text())
+        cached = read_json(cache_file)
     except (OSError, ValueError):
+        cached = {}
+    if not isinstance(cached, dict):
         cached = {}
     if "matmul_gflops" not in cached.get(key, {}):
         cached[key] = probe_bandwidth(device)
         try:
-            from kvbench.results import write_json_atomic
-
             write_json_atomic(cache_file, cached)
         except OSError:
             pass  # a read-only home only costs a re-probe next time

@@ -18,13 +18,17 @@ METHOD_CUDA = "cuda_events"
 METHOD_CPU = "perf_counter"
 
 
+def timing_method(device: torch.device | str) -> str:
+    """How :class:`RegionTimer` times on ``device``."""
+    return METHOD_CUDA if torch.device(device).type == "cuda" else METHOD_CPU
+
+
 class RegionTimer:
     """Collects the durations of named regions, in order: ``with timer.region("decode"): ...``."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.method = METHOD_CUDA if self.cuda else METHOD_CPU
         self._marks: Dict[str, list] = defaultdict(list)
 
     @contextmanager
@@ -47,17 +51,6 @@ class RegionTimer:
             torch.cuda.synchronize(self.device)
             return [s.elapsed_time(e) for s, e in marks]
         return [m * 1e3 for m in marks]
-
-    def clear(self) -> None:
-        self._marks.clear()
-
-
-class NullTimer:
-    """A timer that times nothing (for plain generation)."""
-
-    @contextmanager
-    def region(self, name: str):
-        yield
 
 
 def step_percentiles(steps_ms: Sequence[float]) -> Dict[str, float]:

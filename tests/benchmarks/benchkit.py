@@ -36,7 +36,7 @@ THREADS_ENV = "KVBENCH_BENCH_THREADS"
 
 def bench_model_config(max_seq_len: int = 512) -> ModelConfig:
     """The decoder every benchmark times: 2 layers, d_model 128, 8 heads of 16 dims."""
-    return ModelConfig(name="bench", num_layers=2, d_model=128, num_heads=8, num_kv_heads=8,
+    return ModelConfig(name="bench", num_layers=2, d_model=128, num_heads=8, preset_kv_heads=8,
                        ffn_dim=352, vocab_size=512, max_seq_len=max_seq_len)
 
 
@@ -50,7 +50,7 @@ def record_config(benchmark, model: Decoder, **fields) -> Dict:
     """Write the model/attention config and the workload fields into ``extra_info`` so the
     JSON report says what was timed."""
     info = {"model": asdict(model.config), "attention": asdict(model.attention),
-            "dtype": str(model.lm_head.weight.dtype).removeprefix("torch."),
+            "dtype": str(model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), **fields}
     benchmark.extra_info.update(info)
     return info

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from benchkit import BATCH_SIZE, PROMPT_LEN, VARIANTS, bench_decoder, pinned_threads, record_config, slowdown  # noqa: F401
 
 from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.config import CACHE_IMPLS
-
-from benchkit import (BATCH_SIZE, PROMPT_LEN, VARIANTS, bench_decoder, pinned_threads,  # noqa: F401
-                      record_config, slowdown)
 
 ATOL = 1e-4  # float32, 2 layers: cached vs recomputed logits agree to ~1e-6
 
@@ -39,7 +37,7 @@ def recompute_last_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def test_decode_step(benchmark, slowdown, variant, impl):
     """One greedy decode step at position PROMPT_LEN over PROMPT_LEN cached positions: the
     token through the model with the cache (``static``/``concat``), or the whole sequence
-    again (``none``, which keeps no history) — the step of ``scenarios.greedy_generate``."""
+    again (``none``, which keeps no history) — the step of ``kvbench.generate.greedy_generate``."""
     model = bench_decoder(variant)
     prompt = prompt_for(model)
     S = PROMPT_LEN + 1  # keys attended by the step; also the static cache's max_seq_len

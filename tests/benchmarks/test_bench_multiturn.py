@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from benchkit import BATCH_SIZE, bench_decoder, pinned_threads, record_config  # noqa: F401
 
 from kvbench.cache import kv_cache_bytes
 from kvbench.config import WorkloadConfig
-from kvbench.multiturn import ChatSession, chat_prompts
-
-from benchkit import BATCH_SIZE, bench_decoder, pinned_threads, record_config  # noqa: F401
+from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
 WORKLOAD = WorkloadConfig(name="multiturn", batch_size=BATCH_SIZE, system_len=96, turns=2,
                           user_len=16, reply_len=4)

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.console import lookup
+from kvbench.results import lookup
 
 Point = Tuple[float, float]
 Lines = Dict[str, List[Point]]

@@ -13,25 +13,24 @@ overrides and error in their own section, and every plot notes how many jobs it 
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from kvbench.console import AXES, HEADLINE, fmt, lookup
-from kvbench.report_plots import draw_all, natural  # matplotlib is imported only when drawing
-from kvbench.results import RESULTS_FILE, find_results
-from kvbench.tracking import flatten  # wandb itself is not imported
+from kvbench.results import RESULTS_FILE, RecordError, find_results, flatten, lookup, read_record
+from kvbench.sinks.console import AXES, HEADLINE, fmt
+from kvbench.sinks.plots import draw_all, natural  # matplotlib is imported only when drawing
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
 # Axes shown whenever they vary (and always in the CSV), in this order; then any other
 # config key that varies. model.name first: it determines most other model.* keys.
-USUAL_AXES: List[Tuple[str, str]] = [("model.name", "model")] + AXES
+USUAL_AXES: List[Tuple[str, str]] = ([a for a in AXES if a[0] == "model.name"]
+                                     + [a for a in AXES if a[0] != "model.name"])
+# The columns a table keeps when no axis varies: the attention variant.
+VARIANT_AXES: List[Tuple[str, str]] = [a for a in AXES if a[0] in ("attention.type", "attention.num_kv_heads")]
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
 
@@ -78,11 +77,9 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
             continue
         job = _rel(path.parent, root)
         try:
-            rec = json.loads(path.read_text())
-            if not isinstance(rec, dict) or "status" not in rec:
-                raise ValueError("not a kvbench record")
-        except (OSError, ValueError) as exc:
-            rec = {"status": "unreadable", "error": f"{path.name}: {exc}",
+            rec = read_record(path).to_dict()
+        except RecordError as exc:
+            rec = {"status": "unreadable", "error": f"{path.name}: {str(exc).removeprefix(str(path) + ': ')}",
                    "config": (_read_yaml(path.parent / ".hydra" / "config.yaml") or {}),
                    "overrides": _read_yaml(path.parent / ".hydra" / "overrides.yaml") or []}
         rec["job"] = job
@@ -140,7 +137,7 @@ def metric_columns(records: Sequence[Dict[str, Any]]) -> List[str]:
 
 
 def write_csv(path: Path, records, axes) -> None:
-    csv_axes = axes + [a for a in USUAL_AXES if a not in axes]
+    csv_axes = axes + [a for a in USUAL_AXES if a[0] not in {k for k, _ in axes}]
     metrics = metric_columns(records)
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -163,7 +160,7 @@ def _md_escape(text: Any) -> str:
 
 def markdown(report: Report, plots: Sequence[Path]) -> str:
     """The report as markdown: counts, one row per job, the non-ok jobs, the plots."""
-    records, axes = report.records, report.axes or USUAL_AXES[1:3]
+    records, axes = report.records, report.axes or VARIANT_AXES
     columns = [(k, t, s) for k, t, s in HEADLINE if any((r.get("metrics") or {}).get(k) is not None
                                                         for r in records)]
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
@@ -212,30 +209,3 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     (out / MD_FILE).write_text(markdown(report, pngs))
     report.files = [out / CSV_FILE, out / MD_FILE, *pngs]
     return report
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console script ``kvbench-report DIR [--out OUT]``."""
-    parser = argparse.ArgumentParser(
-        prog="kvbench-report",
-        description="Summarise a kvbench run or sweep directory: summary.csv, summary.md and PNG plots.")
-    parser.add_argument("dir", help="a run directory (outputs/...) or a sweep (multirun/<date>/<time>)")
-    parser.add_argument("--out", help="where to write the report (default: DIR)")
-    parser.add_argument("--no-plots", action="store_true", help="only summary.csv and summary.md")
-    args = parser.parse_args(argv)
-    try:
-        report = write_report(args.dir, args.out, plots=not args.no_plots)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"kvbench-report: {exc}", file=sys.stderr)
-        return 2
-    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    print(f"{len(report.records)} jobs ({counts}) under {report.root}")
-    for path in report.files:
-        print(f"  {path}")
-    for name, why in report.skipped_plots.items():
-        print(f"  ({name}.png not drawn: {why})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,18 +7,19 @@ import json
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 import yaml
+from conftest import tiny_model_config
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import (AttentionConfig, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig,
-                            WorkloadConfig)
-from kvbench.report import CSV_FILE, MD_FILE, collect, main, swept_axes, write_report
-from kvbench.report_plots import lines, metric, turn_lines
+from kvbench.cli import report_main as main
+from kvbench.config import AttentionConfig, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.results import RunResult
-from conftest import tiny_model_config
+from kvbench.sinks.plots import lines, metric, turn_lines
+from kvbench.sinks.report import CSV_FILE, MD_FILE, collect, swept_axes, write_report
 
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}
 PROMPTS, BATCHES, GEN = (16, 32), (1, 2), 8
@@ -113,6 +114,13 @@ def test_every_job_is_a_row_with_its_status(report, sweep):
     assert by_job["12"]["attention.num_kv_heads"] == "3" and by_job["12"]["decode_ms_p50"] == ""
 
 
+def test_summary_csv_has_each_column_once(report):
+    with (report.files[0].parent / CSV_FILE).open() as f:
+        header = next(csv.reader(f))
+    assert len(header) == len(set(header)), sorted(h for h in header if header.count(h) > 1)
+    assert header.count("model.name") == 1 and header[:2] == ["job", "status"]
+
+
 def test_swept_axes_are_the_keys_that_vary(sweep):
     records = collect(sweep)
     keys = [k for k, _ in swept_axes(records)]
@@ -179,8 +187,10 @@ def test_cli_on_missing_or_empty_directory_exits_with_a_clear_message(tmp_path, 
 
 
 def test_console_script_writes_the_report(sweep, tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "import sys; from kvbench.report import main; sys.exit(main())",
-                           str(sweep), "--out", str(tmp_path), "--no-plots"], capture_output=True, text=True)
+    # The console script pyproject installs beside this interpreter, as a user runs it.
+    script = Path(sys.executable).parent / "kvbench-report"
+    proc = subprocess.run([str(script), str(sweep), "--out", str(tmp_path), "--no-plots"],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "18 jobs (14 ok, 1 invalid, 1 missing, 1 oom, 1 unreadable)" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [CSV_FILE, MD_FILE]

@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
+from conftest import make_decoder
 
 from kvbench.measure import roofline
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, machine_peaks, roofline_metrics
-
-from conftest import make_decoder
 
 
 @pytest.mark.parametrize("kv, dtype, size", [(8, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float16, 2)])
@@ -70,20 +69,3 @@ def test_peak_is_overridable_and_probe_cached_per_machine(tmp_path, monkeypatch)
 def test_probe_measures_a_plausible_bandwidth():
     probe = roofline.probe_bandwidth(torch.device("cpu"), mib=16, repeats=2)
     assert all(0.1 < v < 10_000 for v in probe.values()), probe
-
-
-def test_compiled_decode_matches_eager():
-    """runtime.compile=true: the compiled decoder gives eager's logits; compile time is apart."""
-    from kvbench.cache import cache_for
-    from kvbench.runner import compile_model
-    from kvbench.scenarios import greedy_generate
-
-    model = make_decoder(2, num_layers=1)
-    prompt = torch.randint(0, 97, (2, 8))
-    cache = cache_for(model, "static", 2, 20)
-    metrics = {}
-    compiled = compile_model(model, torch.device("cpu"), prompt, cache, metrics)
-    assert metrics["compile_s"] > 0 and cache.length == 0  # compiled, then rolled back
-    got = greedy_generate(compiled, prompt, 6, cache, keep_logits=True)
-    want = greedy_generate(model, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True)
-    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)

@@ -10,6 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvbench.results import lookup
+from kvbench.units import human_bytes
+
 # A log file or CI page is not 80 columns wide: let sweep tables breathe there.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
@@ -59,16 +62,6 @@ def relevant(key: str, config: Dict[str, Any]) -> bool:
     return True
 
 
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def fmt(value: Any, spec: str) -> str:
     if value is None:
         return "-"
@@ -80,23 +73,14 @@ def fmt(value: Any, spec: str) -> str:
         return str(value)
 
 
-def lookup(config: Dict[str, Any], dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 @contextmanager
 def trial_progress(label: str, total: int):
-    """A transient progress bar over a job's trials; yields ``tick()``."""
+    """A transient progress bar over a job's trials or steps; yields ``tick(description=None)``."""
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=stderr, transient=True)
     with progress:
         task = progress.add_task(label, total=total)
-        yield lambda: progress.advance(task)
+        yield lambda description=None: progress.update(task, advance=1, description=description)
 
 
 def run_table(record: Dict[str, Any]) -> Table:
@@ -167,11 +151,32 @@ def turns_table(record: Dict[str, Any]) -> Table:
     return table
 
 
+def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Pair results.json records that differ only in ``cache.shared``: per turn, TTFT without
+    and with sharing and their ratio. Records without a turns table are ignored."""
+    groups: Dict[str, Dict[bool, Dict[str, Any]]] = {}
+    for rec in records:
+        if rec.get("status") != "ok" or not (rec.get("tables") or {}).get("turns"):
+            continue
+        config = {k: v for k, v in rec["config"].items() if k != "cache"}
+        config["cache_impl"] = lookup(rec["config"], "cache.impl")
+        groups.setdefault(repr(config), {})[bool(lookup(rec["config"], "cache.shared"))] = rec
+    rows = []
+    for pair in groups.values():
+        if set(pair) != {False, True}:
+            continue
+        off, on = pair[False], pair[True]
+        label = f"{lookup(off['config'], 'attention.type')} kv={lookup(off['config'], 'attention.num_kv_heads')}"
+        for a, b in zip(off["tables"]["turns"], on["tables"]["turns"]):
+            rows.append({"variant": label, "turn": a["turn"], "ttft_ms_unshared": a["ttft_ms"],
+                         "ttft_ms_shared": b["ttft_ms"], "speedup": a["ttft_ms"] / b["ttft_ms"],
+                         "prefill_tokens_unshared": a["prefill_tokens"], "prefill_tokens_shared": b["prefill_tokens"]})
+    return rows
+
+
 def ttft_comparison_table(records: Sequence[Dict[str, Any]]) -> Optional[Table]:
     """TTFT per turn without and with ``cache.shared`` side by side, for every pair of
     multi-turn records that differ only in it; None when there is no such pair."""
-    from kvbench.multiturn import ttft_side_by_side
-
     rows = ttft_side_by_side(records)
     if not rows:
         return None

@@ -9,18 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-# Light imports only (no torch): joblib's worker processes import this module to run a task.
-from kvbench.cluster import completed_record, hold_free_gpu
 from kvbench.config import register_configs
 from kvbench.results import RunResult, find_results
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
@@ -134,79 +132,8 @@ def test_sigkill_mid_sweep_then_rerun_completes_only_the_missing_jobs(tmp_path):
     assert {r["status"] for r in rows} == {"ok"}
 
 
-def test_completed_record_needs_ok_status_and_the_same_config(tmp_path):
-    from kvbench.runner import to_bench_config
-
-    cfg = compose_cfg(*TINY)
-    config = asdict(to_bench_config(cfg))
-    job = tmp_path / "job"
-    # only a temporary file of an interrupted write: the job has not completed
-    job.mkdir()
-    (job / ".results.json.abc123.tmp").write_text('{"status": "ok", "conf')
-    assert completed_record(job, cfg) is None
-    RunResult(status="ok", config=config).write(job)
-    assert completed_record(job, cfg)["status"] == "ok"
-    # neither rerun nor where the record is logged changes what the job measures
-    assert completed_record(job, compose_cfg(*TINY, "rerun=true", "wandb.mode=offline")) is not None
-    assert completed_record(job, compose_cfg(*TINY, "workload.batch_size=2")) is None
-    RunResult(status="error", config=config, error="boom").write(job)
-    assert completed_record(job, cfg) is None
-    (job / "results.json").write_text('{"status": "ok", "config": {')  # torn: never trusted
-    assert completed_record(job, cfg) is None
-
-
-HOLD = ("import sys, time\nfrom kvbench.cluster import hold_free_gpu\nfrom kvbench.config import ConfigError\n"
-        "try:\n    print(hold_free_gpu(['GPU-aa', 'GPU-bb'], sys.argv[1]), flush=True)\n"
-        "except ConfigError as e:\n    print(e, flush=True)\n    sys.exit(2)\ntime.sleep(120)\n")
-
-
-def _holder(lock_dir):
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(lock_dir)], stdout=subprocess.PIPE, text=True)
-    return proc, proc.stdout.readline().strip()
-
-
-def test_each_process_holds_its_own_gpu_until_it_dies(tmp_path):
-    procs = []
-    try:
-        first, got = _holder(tmp_path)
-        procs.append(first)
-        assert got == "0"
-        second, got = _holder(tmp_path)
-        procs.append(second)
-        assert got == "1"
-        third, got = _holder(tmp_path)
-        assert third.wait() == 2
-        assert "runtime.device='cuda:free': all 2 GPUs" in got and "hydra.launcher.n_jobs=2" in got
-        first.send_signal(signal.SIGKILL)  # the kernel releases the dead process's lock
-        first.wait()
-        fourth, got = _holder(tmp_path)
-        procs.append(fourth)
-        assert got == "0"
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert hold_free_gpu(["x", "y"], tmp_path / "own") == hold_free_gpu(["x", "y"], tmp_path / "own") == 0
-
-
-def _job_on_a_gpu(lock_dir):
-    time.sleep(0.2)  # long enough that both workers are busy at once
-    return os.getpid(), hold_free_gpu(["GPU-aa", "GPU-bb"], lock_dir)
-
-
-def test_joblib_workers_get_distinct_gpus(tmp_path):
-    """What hydra/launcher=joblib does: loky worker processes each run several jobs."""
-    from joblib import Parallel, delayed
-
-    out = Parallel(n_jobs=2, backend="loky")(delayed(_job_on_a_gpu)(str(tmp_path)) for _ in range(6))
-    by_pid = {}
-    for pid, index in out:
-        assert by_pid.setdefault(pid, index) == index  # a worker keeps its GPU
-    assert len(set(by_pid.values())) == len(by_pid)  # no two workers share one
-
-
 def test_report_counts_each_job_once_over_a_sweep_from_two_hosts(tmp_path):
-    from kvbench.report import write_report
+    from kvbench.sinks.report import write_report
 
     sweep = tmp_path / "sweep"
     for job in range(4):

@@ -8,16 +8,24 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kvbench.cache import SharedPrefixCache, kv_cache_bytes, make_cache, shared_cache_for
-from kvbench.config import (AttentionConfig, BenchConfig, CacheConfig, ConfigError, ModelConfig,
-                            RuntimeConfig, WandbConfig, WorkloadConfig)
-from kvbench.model import fold_mask, grouped_attention
-from kvbench.multiturn import ChatSession, chat_prompts, ttft_side_by_side
-from kvbench.runner import run_job
-
 from conftest import make_decoder
 from test_cli import kvbench
+
+from kvbench.cache import SharedPrefixCache, kv_cache_bytes, make_cache, shared_cache_for
+from kvbench.config import (
+    AttentionConfig,
+    BenchConfig,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    RuntimeConfig,
+    WandbConfig,
+    WorkloadConfig,
+)
+from kvbench.model import fold_mask, grouped_attention
+from kvbench.runner import run_job
+from kvbench.sinks.console import ttft_side_by_side
+from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
 B, P, U, R, TURNS, V = 3, 10, 5, 4, 3, 97
 MAX_LEN = P + TURNS * (U + R) - 1  # the last reply token is never fed
@@ -231,7 +239,7 @@ def test_segments_are_recorded_printed_and_rolled_back():
     model = make_decoder(2)
     session, _ = chat(model, True)
     cache = session.cache
-    assert [(s.role, s.turn, s.start, s.end) for s in cache.segments] == [
+    assert [(s.role, s.turn, s.start, s.end) for s in session.segments] == [
         ("system", 0, 0, P),
         ("user", 1, P, P + U), ("assistant", 1, P + U, P + U + R),
         ("user", 2, P + U + R, P + 2 * U + R), ("assistant", 2, P + 2 * U + R, P + 2 * (U + R)),
@@ -241,7 +249,7 @@ def test_segments_are_recorded_printed_and_rolled_back():
     assert text[-1].split()[:3] == ["assistant", "3", f"{P + 3 * U + 2 * R}-{P + 3 * (U + R) - 1}"]
     assert text[-1].endswith(f"{R - 1}/{R}")  # its last token is fed by the next turn
     session.rollback()
-    assert [s.turn for s in cache.segments] == [0, 1, 1, 2, 2] and cache.length == P + 2 * (U + R)
+    assert [s.turn for s in session.segments] == [0, 1, 1, 2, 2] and cache.length == P + 2 * (U + R)
 
 
 def test_shared_cache_rejects_misuse():

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from kvbench.results import RESULTS_FILE, RunResult
+from kvbench.results import RESULTS_FILE, RunResult, flatten
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +33,6 @@ STEP_AXIS = "step"  # x axis of every per-step series; W&B's own _step counts lo
 _NAME_MAX = 128
 # Overrides that say where or how a run is recorded, not what was measured.
 _NAME_SKIP = ("hydra.", "wandb.", "wandb=")
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """``{"attention": {"type": "gqa"}}`` -> ``{"attention.type": "gqa"}``; lists stay values."""
-    flat: Dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{dotted}."))
-        else:
-            flat[dotted] = value
-    return flat
 
 
 def sweep_group(sweep_dir: Optional[Path | str]) -> Optional[str]:

@@ -12,22 +12,23 @@ Notation: B conversations, P system_len, U user_len, R reply_len, N turns, V voc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from kvbench.cache import SharedPrefixCache, cache_for, kv_cache_bytes, shared_cache_for
 from kvbench.config import BenchConfig, WorkloadConfig
+from kvbench.generate import Generation, greedy_generate, prefill
 from kvbench.measure.memory import MemoryMonitor
-from kvbench.console import progress_bar
 from kvbench.measure.timing import RegionTimer, step_percentiles
 from kvbench.results import RunResult
-from kvbench.scenarios import Generation, greedy_generate
+
+Tick = Callable[..., None]
 
 # Units and methods of what run_multiturn records (merged into the record's ``methods``).
 TURN_TTFT_METHOD = ("ms; this turn's prefill + argmax of its first reply token, median over timed trials "
                     "(turn 1 with cache.shared=true includes the one batch-1 system-prompt prefill)")
-MULTITURN_METHODS: Dict[str, str] = {
+METHODS: Dict[str, str] = {
     "mean_ttft_ms_turns_2_n": "ms; mean of turn{k}_ttft_ms over turns 2..N (null for a 1-turn chat)",
     "total_prefill_tokens": "tokens; K/V rows computed by the prefills of all turns, summed over the batch",
     "total_reused_tokens": "tokens; context positions read from the cache instead of recomputed, all turns, "
@@ -40,7 +41,25 @@ MULTITURN_METHODS: Dict[str, str] = {
     "tables.turns": "one row per turn: ttft_ms (median over trials), prefill_tokens, reused_tokens, "
                     "context_tokens (per conversation), decode_ms_p50 (that turn's steps, all timed trials), "
                     "kv_cache_bytes (allocated) and kv_cache_bytes_formula (held) after the turn",
+    "decode_ms_p50": "ms; per-token decode step latency, 50th percentile over every step of every turn of every "
+                     "timed trial",
+    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile (as decode_ms_p50)",
+    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
+    "decode_ms_mean": "ms; mean per-token decode step latency (as decode_ms_p50)",
+    "series.decode_ms": "ms; every decode step of every turn of the last timed trial, in order",
 }
+
+
+@dataclass
+class Segment:
+    """A span of a conversation: ``role`` system | user | assistant, its ``turn`` (0 for the
+    system prompt) and its tokens ``start .. end - 1``, which are also its rotary positions.
+    The chat keeps these; the cache knows only positions."""
+
+    role: str
+    turn: int
+    start: int
+    end: int
 
 
 def chat_prompts(w: WorkloadConfig, vocab_size: int, seed: int,
@@ -89,14 +108,26 @@ class ChatSession:
     def reset(self) -> None:
         """Forget everything, the system prompt's K/V included (a cold start)."""
         self.cache.reset()
+        self.segments: List[Segment] = []
         self.new_conversation()
 
     def new_conversation(self) -> None:
         """Start B new conversations; a shared cache keeps the system prompt's K/V for them."""
         if self.shared and self.cache.length:
             self.cache.truncate(self.prefix_len)
+        self.segments = [s for s in self.segments if s.role == "system"]
         self.tokens = self.system.expand(self.batch_size, -1)  # (B, L): the conversation so far
         self.turn_starts: List[int] = []  # position of each turn's user message
+
+    def _mark(self, role: str, turn: int, start: int, end: int) -> Segment:
+        """Record that positions ``start .. end - 1`` are ``role``'s span of ``turn``; segments
+        follow each other without gap or overlap (mixing their boundaries corrupts the context)."""
+        last = self.segments[-1].end if self.segments else 0
+        if start != last or end <= start:
+            raise ValueError(f"segment {role} {turn} at {start}..{end - 1} does not follow the last one "
+                             f"(ends at {last})")
+        self.segments.append(Segment(role, turn, start, end))
+        return self.segments[-1]
 
     @property
     def turns(self) -> int:
@@ -115,8 +146,9 @@ class ChatSession:
         if self.shared:
             if self.cache.length == 0:  # the system prompt, once for all B conversations
                 with timer.region("prefill"):
-                    self.model(self.system[None], self.cache, 0, last_only=True)
-                self.cache.mark("system", 0, 0, self.prefix_len)
+                    prefill(self.model, self.system[None], self.cache, 0)
+                self.segments = []
+                self._mark("system", 0, 0, self.prefix_len)
                 computed = self.prefix_len
             held = self.cache.length
         else:
@@ -127,8 +159,8 @@ class ChatSession:
         self.tokens = torch.cat([self.tokens, user, gen.tokens], dim=1)
         self.turn_starts.append(start)
         if self.shared:
-            self.cache.mark("user", self.turns, start, start + U)
-            self.cache.mark("assistant", self.turns, start + U, start + U + reply_len)
+            self._mark("user", self.turns, start, start + U)
+            self._mark("assistant", self.turns, start + U, start + U + reply_len)
         computed += B * new.shape[1]
         return gen, TurnStats(
             turn=self.turns, ttft_ms=sum(timer.ms("prefill")), decode_ms=timer.ms("decode"),
@@ -141,6 +173,7 @@ class ChatSession:
             raise ValueError("no turn to roll back")
         start = self.turn_starts.pop()
         self.tokens = self.tokens[:, :start]
+        self.segments = [s for s in self.segments if s.start < start]
         if self.shared:
             self.cache.truncate(min(self.cache.length, start))
 
@@ -155,25 +188,32 @@ class ChatSession:
         return held(c.length, c.batch_size)
 
     def describe(self) -> str:
-        """The conversation's segments and where their K/V lives."""
-        if isinstance(self.cache, SharedPrefixCache):
-            return self.cache.describe()
+        """One line per segment: tokens (= rotary positions), where its K/V lives, how much is held."""
+        c = self.cache
+        if isinstance(c, SharedPrefixCache):
+            lines = [f"{'segment':<13} {'tokens = positions':<19} {'K/V stored at':<40} held"]
+            for s in self.segments:
+                name = s.role if s.role == "system" else f"{s.role} {s.turn}"
+                held = min(max(c.length - s.start, 0), s.end - s.start)
+                lines.append(f"{name:<13} {f'{s.start}-{s.end - 1}':<19} {c.storage_of(s.start, s.end):<40} "
+                             f"{held}/{s.end - s.start}")
+            return "\n".join(lines)
         return (f"cache.shared=false: no segments are kept; each turn re-prefills positions "
                 f"0-{self.tokens.shape[1] - 1} for each of {self.batch_size} conversations")
 
 
 def time_chat(session: ChatSession, users: Sequence[torch.Tensor], reply_len: int, warmup: int,
-              repeats: int, device, progress=None) -> List[List[TurnStats]]:
+              repeats: int, device, tick: Optional[Tick] = None) -> List[List[TurnStats]]:
     """``warmup`` untimed then ``repeats`` timed chats from a cold cache; per timed trial, one
-    :class:`TurnStats` per turn. ``progress`` is called once per finished trial."""
+    :class:`TurnStats` per turn. ``tick`` is called once per finished trial."""
     trials = []
     for trial in range(warmup + repeats):
         session.reset()
         turns = [session.ask(user, reply_len, RegionTimer(device))[1] for user in users]
         if trial >= warmup:
             trials.append(turns)
-        if progress is not None:
-            progress()
+        if tick is not None:
+            tick()
     return trials
 
 
@@ -197,7 +237,7 @@ def summarize_turns(trials: List[List[TurnStats]]) -> List[Dict[str, Any]]:
 
 
 def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batch_size: int) -> Dict[str, Any]:
-    """Scalar totals of a chat for ``metrics`` (units in :data:`MULTITURN_METHODS`)."""
+    """Scalar totals of a chat for ``metrics`` (units in :data:`METHODS`)."""
     m: Dict[str, Any] = {f"turn{r['turn']}_ttft_ms": r["ttft_ms"] for r in rows}
     later = [r["ttft_ms"] for r in rows[1:]]
     m["mean_ttft_ms_turns_2_n"] = sum(later) / len(later) if later else None
@@ -214,45 +254,20 @@ def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batc
     return m
 
 
-def run_multiturn(cfg: BenchConfig, model, device: torch.device, metrics: Dict[str, Any],
-                  result: RunResult) -> None:
+def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: Optional[Tick] = None) -> None:
     """The chat ``warmup`` + ``repeats`` times from a cold cache; per-turn rows in
-    ``result.tables["turns"]``, totals in ``metrics``."""
+    ``result.tables["turns"]``, totals in ``result.metrics``."""
     w, rt = cfg.workload, cfg.runtime
+    metrics = result.metrics
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
     # The chat's last reply token is never fed, so total_len - 1 positions are ever held.
     session = ChatSession(model, system, w.batch_size, cfg.cache.shared, cfg.cache.impl, w.total_len - 1)
-    label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads} shared={cfg.cache.shared}"
-    with progress_bar(label, rt.warmup + rt.repeats) as tick, \
-            MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
+    with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
         trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device, tick)
     metrics.update(monitor.result())
     rows = summarize_turns(trials)
     result.tables["turns"] = rows
     metrics.update(chat_metrics(rows, trials, w.batch_size))
     result.series["decode_ms"] = [ms for turn in trials[-1] for ms in turn.decode_ms]
-    result.methods.update(MULTITURN_METHODS)
+    result.methods.update(METHODS)
     result.methods.update({f"turn{r['turn']}_ttft_ms": TURN_TTFT_METHOD for r in rows})
-
-
-def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Pair results.json records that differ only in ``cache.shared``: per turn, TTFT without
-    and with sharing and their ratio. Records without a turns table are ignored."""
-    groups: Dict[str, Dict[bool, Dict[str, Any]]] = {}
-    for rec in records:
-        if rec.get("status") != "ok" or not rec.get("tables", {}).get("turns"):
-            continue
-        config = {k: v for k, v in rec["config"].items() if k != "cache"}
-        config["cache_impl"] = rec["config"]["cache"]["impl"]
-        groups.setdefault(repr(config), {})[bool(rec["config"]["cache"]["shared"])] = rec
-    rows = []
-    for pair in groups.values():
-        if set(pair) != {False, True}:
-            continue
-        off, on = pair[False], pair[True]
-        label = f"{off['config']['attention']['type']} kv={off['config']['attention']['num_kv_heads']}"
-        for a, b in zip(off["tables"]["turns"], on["tables"]["turns"]):
-            rows.append({"variant": label, "turn": a["turn"], "ttft_ms_unshared": a["ttft_ms"],
-                         "ttft_ms_shared": b["ttft_ms"], "speedup": a["ttft_ms"] / b["ttft_ms"],
-                         "prefill_tokens_unshared": a["prefill_tokens"], "prefill_tokens_shared": b["prefill_tokens"]})
-    return rows

@@ -1,8 +1,7 @@
 """Memory, energy and environment probes, checked against independent references.
 
 The CUDA/NVML path runs on CPU machines: a fake ``pynvml`` module scripts what the driver would
-report, and the monitor's torch.cuda seams are monkeypatched.
-"""
+report, and the monitor's torch.cuda seams are monkeypatched."""
 
 import os
 import sys
@@ -17,15 +16,14 @@ from torch import nn
 
 from kvbench.config import ModelConfig
 from kvbench.measure import memory
-from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, peak_rss_bytes, weight_bytes
 from kvbench.model import Decoder
 
 UUID = "ffc79498-8ff3-c2dc-3b0d-fafd804516ae"  # as str(torch props.uuid) prints it
+
+
 MB = 1_000_000
 
-
-# --- weight_bytes ---
 
 def test_weight_bytes_linear_stack():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
@@ -54,8 +52,6 @@ def test_weight_bytes_decoder_excludes_rope_tables():
     assert weight_bytes(model) == params
 
 
-# --- peak RSS ---
-
 def test_peak_rss_grows_by_a_touched_allocation():
     current = psutil.Process().memory_info().rss
     before = peak_rss_bytes()
@@ -68,8 +64,6 @@ def test_peak_rss_grows_by_a_touched_allocation():
     assert peak_rss_bytes() - before >= 150 * MB
     del block
 
-
-# --- a scripted pynvml ---
 
 class FakeNVMLError(Exception):
     pass
@@ -268,14 +262,3 @@ def test_sampling_thread_stops_on_exit_and_on_error(monkeypatch, fake_cuda):
     served = len(fake.served)
     time.sleep(0.02)
     assert len(fake.served) == served  # nothing samples after the block
-
-
-# --- environment ---
-
-def test_collect_env_matches_torch():
-    env = collect_env(torch.device("cpu"))
-    assert env["torch"] == torch.__version__
-    assert env["torch_num_threads"] == torch.get_num_threads()
-    assert env["cpu_count"] == os.cpu_count() and env["device_type"] == "cpu"
-    assert env["torch_cuda"] == torch.version.cuda
-    assert env["git_commit"] is None or len(env["git_commit"]) == 40

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.results import RunResult
-from kvbench.tracking import flatten, run_name, sweep_group, track
+from kvbench.results import RunResult, flatten, read_record
+from kvbench.sinks.tracking import run_name, sweep_group, track
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=5", "runtime.warmup=0",
         "runtime.repeats=1"]
@@ -157,7 +157,7 @@ def test_a_wandb_failure_only_warns(where, tmp_path, in_process_wandb, monkeypat
         assert track(result, {"mode": "offline"}, tmp_path) is None
     assert f"W&B tracking failed at {where}: RuntimeError: injected at {where}" in caplog.text
     assert (tmp_path / "results.json").read_bytes() == before
-    assert RunResult.read(tmp_path).status == "ok"
+    assert read_record(tmp_path).status == "ok"
     assert wandb.run is None  # the run was finished, nothing leaks into the next job
     if where == "log":
         assert leet(only_run_dir(tmp_path), summary=True)["exit_code"] == 1
@@ -172,9 +172,9 @@ def test_online_without_credentials_warns_instead_of_prompting(tmp_path, in_proc
 
 
 def test_disabled_mode_writes_nothing_and_never_imports_wandb(tmp_path):
-    code = ("import sys; from pathlib import Path; from kvbench.results import RunResult; "
-            "from kvbench.tracking import track; "
-            f"r = RunResult.read({str(tmp_path)!r}); "
+    code = ("import sys; from pathlib import Path; from kvbench.results import read_record; "
+            "from kvbench.sinks.tracking import track; "
+            f"r = read_record({str(tmp_path)!r}); "
             f"assert track(r, {{'mode': 'disabled'}}, Path({str(tmp_path)!r})) is None; "
             "assert 'wandb' not in sys.modules, 'wandb imported'")
     make_result(tmp_path)

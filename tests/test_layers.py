@@ -1,0 +1,133 @@
+"""The package's map: every module sits on one layer and imports only from layers below it
+(imports inside functions count), so the import graph has no cycles and nothing reaches back
+up. Sinks read records; they import no code that runs a model.
+
+    python -m pytest tests/test_layers.py -s    # also prints the graph's size
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
+
+# Bottom to top. A module may import modules of lower layers only.
+LAYERS = [
+    ["config", "units"],
+    ["model", "cache", "results", "measure.timing", "measure.memory"],
+    ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
+    ["quality.data", "quality.fidelity", "inspection"],
+    ["quality.train", "workloads.decode", "workloads.multiturn"],
+    ["runner"],
+    ["sinks.console", "sinks.plots", "sinks.tracking"],
+    ["sinks.report"],
+    ["cli"],
+]
+# What a sink may import: the record, how numbers are written, and other sinks.
+SINK_ALLOWED = ("results", "units", "config", "sinks.")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def kvbench_imports(path: Path):
+    """(line, imported module) for every import of a kvbench module anywhere in the file."""
+    tree = ast.parse(path.read_text())
+    here = module_name(path).split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = here[: len(here) - node.level + (1 if path.name == "__init__.py" else 0)]
+                module = ".".join(["kvbench", *base, *(node.module.split(".") if node.module else [])])
+            else:
+                module = node.module or ""
+            # `from kvbench.workloads import decode` imports the submodule kvbench.workloads.decode
+            names = [f"{module}.{a.name}" for a in node.names] + [module]
+        else:
+            continue
+        for name in names:
+            if name == "kvbench" or name.startswith("kvbench."):
+                yield node.lineno, name
+
+
+def graph():
+    """module -> {imported module}, over the package's real modules (packages resolved)."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {}
+    for mod, path in files.items():
+        targets = set()
+        for _, name in kvbench_imports(path):
+            name = name.removeprefix("kvbench").lstrip(".")
+            # the longest prefix that is a module of the package (drops imported names)
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            # A package's __init__ (imported on the way to its modules) is checked on its own.
+            if name and name != mod and files[name].name != "__init__.py":
+                targets.add(name)
+        edges[mod] = targets
+    return files, edges
+
+
+def layer_of():
+    return {mod: i for i, layer in enumerate(LAYERS) for mod in layer}
+
+
+def test_every_module_has_a_layer():
+    files, _ = graph()
+    modules = {m for m, p in files.items() if p.name != "__init__.py"}
+    assert modules == set(layer_of()), (
+        f"place new modules in LAYERS: missing {sorted(modules - set(layer_of()))}, "
+        f"gone {sorted(set(layer_of()) - modules)}")
+
+
+def test_package_inits_import_nothing():
+    files, edges = graph()
+    assert {m: sorted(t) for m, t in edges.items() if files[m].name == "__init__.py" and t} == {}
+
+
+def test_imports_only_run_down_the_layers():
+    layer = layer_of()
+    files, edges = graph()
+    upward = [f"{m} (layer {layer[m]}) imports {t} (layer {layer[t]})"
+              for m, targets in edges.items() if m in layer for t in sorted(targets) if layer[t] >= layer[m]]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    _, edges = graph()
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in edges.get(node, ()):
+            if state.get(nxt) == "open":
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in edges:
+        if node not in state:
+            visit(node, [node])
+
+
+def test_sinks_read_records_and_run_nothing():
+    _, edges = graph()
+    bad = [f"{m} imports {t}" for m, targets in edges.items() if m.startswith("sinks.")
+           for t in sorted(targets) if not t.startswith(SINK_ALLOWED)]
+    assert bad == []
+
+
+def test_graph_size(capsys):
+    files, edges = graph()
+    n_edges = sum(len(t) for t in edges.values())
+    with capsys.disabled():
+        print(f"\nkvbench import graph: {len(files)} files ({sum(p.name != '__init__.py' for p in files.values())}"
+              f" modules), {len(LAYERS)} layers, {n_edges} import edges between kvbench modules")
+    assert n_edges > 0

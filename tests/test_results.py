@@ -1,0 +1,82 @@
+"""The record: the only reader and writer of results.json, resume's "done?" check, and the
+helpers everything downstream reads a record with."""
+
+import json
+from dataclasses import asdict
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from kvbench.config import CONF_DIR, register_configs, to_bench_config
+from kvbench.results import RecordError, RunResult, completed_record, flatten, lookup, read_record, write_json_atomic
+
+TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
+        "runtime.repeats=2", "wandb.mode=disabled"]
+
+
+def config_of(*overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return asdict(to_bench_config(compose("config", overrides=list(overrides))))
+
+
+def test_completed_record_needs_ok_status_and_the_same_config(tmp_path):
+    config = config_of(*TINY)
+    job = tmp_path / "job"
+    # only a temporary file of an interrupted write: the job has not completed
+    job.mkdir()
+    (job / ".results.json.abc123.tmp").write_text('{"status": "ok", "conf')
+    assert completed_record(job, config) is None
+    RunResult(status="ok", config=config).write(job)
+    assert completed_record(job, config).status == "ok"
+    # neither rerun nor where the record is logged changes what the job measures
+    assert completed_record(job, config_of(*TINY, "rerun=true", "wandb.mode=offline")) is not None
+    assert completed_record(job, config_of(*TINY, "workload.batch_size=2")) is None
+    RunResult(status="error", config=config, error="boom").write(job)
+    assert completed_record(job, config) is None
+    (job / "results.json").write_text('{"status": "ok", "config": {')  # torn: never trusted
+    assert completed_record(job, config) is None
+
+
+def test_a_record_round_trips_through_its_file(tmp_path):
+    rec = RunResult("ok", {"attention": {"type": "gqa", "num_kv_heads": 2}}, metrics={"decode_ms_p50": 1.5},
+                    series={"decode_ms": [1.0, 2.0]}, tables={"turns": [{"turn": 1}]}, overrides=["a=b"])
+    rec.write(tmp_path)
+    back = read_record(tmp_path)
+    assert back == rec and back.get("attention.num_kv_heads") == 2
+    assert read_record(tmp_path / "results.json") == rec
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"status": "ok", "config": {', "Expecting"),  # torn
+    ("[1, 2]", "not a kvbench record"),
+    ('{"config": {}}', "not a kvbench record"),  # no status
+    ('{"status": "ok", "config": 3}', "not a kvbench record"),
+    ('{"status": "finished", "config": {}}', "status='finished'"),
+])
+def test_a_malformed_record_is_a_record_error_naming_the_file(tmp_path, content, needle):
+    (tmp_path / "results.json").write_text(content)
+    with pytest.raises(RecordError) as err:
+        read_record(tmp_path)
+    assert str(tmp_path / "results.json") in str(err.value) and needle in str(err.value)
+    with pytest.raises(RecordError, match="No such file"):
+        read_record(tmp_path / "nope")
+
+
+def test_atomic_write_leaves_the_old_file_when_serialising_fails(tmp_path):
+    path = tmp_path / "x.json"
+    write_json_atomic(path, {"a": 1})
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"a": _Unserialisable()})
+    assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+class _Unserialisable:
+    def item(self):
+        raise ValueError("no plain value")
+
+
+def test_lookup_and_flatten():
+    tree = {"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}
+    assert lookup(tree, "a.c.d") == [1, 2] and lookup(tree, "a.x") is None and lookup(tree, "e.f") is None
+    assert flatten(tree) == {"a.b": 1, "a.c.d": [1, 2], "e": None}
