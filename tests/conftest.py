@@ -2,8 +2,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvbench.config import AttentionConfig, ModelConfig
+from kvbench.config import AttentionConfig, ModelConfig, register_configs
 from kvbench.model import Decoder
+
+# Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
+register_configs()
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -18,6 +21,27 @@ def make_decoder(num_kv_heads: int = 8, seed: int = 0, dtype=torch.float32, **ov
     torch.manual_seed(seed)
     cfg = tiny_model_config(**overrides)
     return Decoder(cfg, AttentionConfig.for_heads(cfg.num_heads, num_kv_heads)).to(dtype).eval()
+
+
+# A small text corpus for the quality tests: Python-like bytes, a few KB.
+TEXT = (b"def add(a, b):\n    return a + b\n\n" b"class Point:\n    x: int = 0\n    y: int = 0\n\n") * 40
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A directory of two text files (read in sorted order) and a binary file (skipped)."""
+    (tmp_path / "b.txt").write_bytes(TEXT[: len(TEXT) // 2])
+    (tmp_path / "a.txt").write_bytes(TEXT[len(TEXT) // 2:])
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
+    return tmp_path
+
+
+def byte_decoder(num_kv_heads=4, seed=0) -> Decoder:
+    """A 1-layer byte-level decoder with 4 query heads (MHA 4, GQA 2, MQA 1)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64,
+                      vocab_size=256, max_seq_len=64)
+    return Decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads))
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,4 @@
-"""Scale-out: the launcher presets against the real submitit plugin, a real submitit multirun,
-a sweep killed with SIGKILL and resumed, one GPU per concurrent process, a report over a sweep
-written by two hosts."""
+"""runtime.device=cuda:free: one GPU per concurrent process (lock files), also across joblib workers."""
 
 import os
 import signal

@@ -1,5 +1,4 @@
-"""The decoder against independent references: a full recompute, and attention written out
-with explicit repeat_interleave of K/V."""
+"""Greedy generation against a full recompute, in each dtype."""
 
 import pytest
 import torch

@@ -1,5 +1,4 @@
-"""The decoder against independent references: a full recompute, and attention written out
-with explicit repeat_interleave of K/V."""
+"""task=inspect's text: the head→group map."""
 
 from kvbench.inspection import describe_kv_groups
 from kvbench.model import kv_group_map

@@ -1,5 +1,5 @@
-"""Quality lands in the same records as speed: fidelity in every decode run, and the train /
-eval tasks of the runner writing the loss curve, checkpoint and perplexity."""
+"""The runner's tasks: train then eval writing the loss curve, checkpoint and perplexity; a Llama
+checkpoint benchmarked like a preset; invalid inputs recorded as invalid."""
 
 import math
 

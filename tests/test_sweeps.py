@@ -1,6 +1,5 @@
-"""Scale-out: the launcher presets against the real submitit plugin, a real submitit multirun,
-a sweep killed with SIGKILL and resumed, one GPU per concurrent process, a report over a sweep
-written by two hosts."""
+"""Sweeps through the CLI: the launcher presets against the real submitit plugin, a real submitit
+multirun, a sweep killed with SIGKILL and resumed, a report over a sweep written by two hosts."""
 
 import csv
 import json

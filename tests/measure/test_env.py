@@ -1,7 +1,4 @@
-"""Memory, energy and environment probes, checked against independent references.
-
-The CUDA/NVML path runs on CPU machines: a fake ``pynvml`` module scripts what the driver would
-report, and the monitor's torch.cuda seams are monkeypatched."""
+"""The environment record against torch's own answers."""
 
 import os
 

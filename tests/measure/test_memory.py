@@ -1,4 +1,4 @@
-"""Memory, energy and environment probes, checked against independent references.
+"""Memory and energy probes, checked against independent references.
 
 The CUDA/NVML path runs on CPU machines: a fake ``pynvml`` module scripts what the driver would
 report, and the monitor's torch.cuda seams are monkeypatched."""

@@ -1,5 +1,4 @@
-"""Roofline fields against an independent count of the bytes a decode step reads, and the
-compile option against eager decoding."""
+"""Roofline fields against an independent count of the bytes a decode step reads."""
 
 import json
 

@@ -1,20 +1,10 @@
-"""Byte corpus, perplexity, training, MHA→GQA uptraining entry and cache / dtype fidelity."""
+"""The byte corpus: file order, the train/validation split, the byte cap, seeded batches."""
 
 import pytest
 import torch
 
 from kvbench.config import ConfigError, DataConfig
 from kvbench.quality.data import batches, byte_data, corpus_files
-
-TEXT = (b"def add(a, b):\n    return a + b\n\n" b"class Point:\n    x: int = 0\n    y: int = 0\n\n") * 40
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    (tmp_path / "b.txt").write_bytes(TEXT[: len(TEXT) // 2])
-    (tmp_path / "a.txt").write_bytes(TEXT[len(TEXT) // 2:])
-    (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
-    return tmp_path
 
 
 def test_byte_data_order_split_and_cap(corpus):

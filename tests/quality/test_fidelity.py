@@ -1,21 +1,13 @@
-"""Byte corpus, perplexity, training, MHA→GQA uptraining entry and cache / dtype fidelity."""
+"""Fidelity of what was timed: cached decode vs a full recompute, and half precision vs a float32 copy."""
 
 import torch
+from conftest import byte_decoder
 
-from kvbench.config import AttentionConfig, ModelConfig
-from kvbench.model import Decoder
 from kvbench.quality.fidelity import cache_fidelity, dtype_fidelity, float32_copy
 
 
-def tiny(num_kv_heads=4, seed=0) -> Decoder:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64,
-                      vocab_size=256, max_seq_len=64)
-    return Decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads))
-
-
 def test_cache_fidelity_float32_is_exact():
-    model = tiny(2).eval()
+    model = byte_decoder(2).eval()
     prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     for impl in ("static", "concat"):
         f = cache_fidelity(model, prompt, gen_len=10, impl=impl)
@@ -31,7 +23,7 @@ def _sharp(model):
 
 
 def test_bfloat16_fidelity_is_nonzero_but_bounded():
-    model = _sharp(tiny(2)).eval()
+    model = _sharp(byte_decoder(2)).eval()
     prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     low = float32_copy(model).to(torch.bfloat16)
     # Cached vs recomputed in bfloat16: both round alike, so it may be exact; it must stay small.

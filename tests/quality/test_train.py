@@ -1,10 +1,12 @@
-"""Byte corpus, perplexity, training, MHA→GQA uptraining entry and cache / dtype fidelity."""
+"""Perplexity, the learning-rate schedule, training, and the train/eval entries (MHA→GQA uptraining,
+a Llama directory with its tokenizer)."""
 
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TEXT, byte_decoder
 
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
 from kvbench.config import (
@@ -19,31 +21,13 @@ from kvbench.config import (
     WandbConfig,
     WorkloadConfig,
 )
-from kvbench.model import Decoder
 from kvbench.quality.data import TokenData
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 
 CPU = torch.device("cpu")
-TEXT = (b"def add(a, b):\n    return a + b\n\n" b"class Point:\n    x: int = 0\n    y: int = 0\n\n") * 40
-
-
-def tiny(num_kv_heads=4, seed=0) -> Decoder:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64,
-                      vocab_size=256, max_seq_len=64)
-    return Decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads))
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    (tmp_path / "b.txt").write_bytes(TEXT[: len(TEXT) // 2])
-    (tmp_path / "a.txt").write_bytes(TEXT[len(TEXT) // 2:])
-    (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
-    return tmp_path
-
 
 def test_perplexity_is_exp_mean_cross_entropy():
-    model = tiny().eval()
+    model = byte_decoder().eval()
     T, n = 16, 4
     val = torch.randint(0, 256, (n * T + 1,), generator=torch.Generator().manual_seed(0))
     data = TokenData(train=val, val=val)
@@ -66,7 +50,7 @@ def test_lr_schedule_warms_up_then_decays():
 def test_training_lowers_loss():
     ids = torch.tensor(list(TEXT))
     data = TokenData(train=ids[:2400], val=ids[2400:])
-    model = tiny()
+    model = byte_decoder()
     before = evaluate(model, data, 32, 2, 4)["val_loss"]
     logged = []
     cfg = TrainConfig(steps=20, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=3, eval_every=10,
