@@ -19,7 +19,7 @@ import torch
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
 from kvbench.generate import greedy_generate
-from kvbench.measure.memory import MemoryMonitor
+from kvbench.measure.memory import ALLOCATION_METHODS, MemoryMonitor, allocation_delta
 from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
 from kvbench.measure.timing import RegionTimer, step_percentiles, sync
 from kvbench.model import Decoder
@@ -42,6 +42,10 @@ METHODS: Dict[str, str] = {
     "compile_s": "s; runtime.compile=true: the first short generation through torch.compile (excluded from "
                  "every trial)",
     "series.decode_ms": "ms; every decode step of the last timed trial, in order",
+    "energy_mj_per_token": "mJ/token; CUDA with NVML: energy_mj over the monitored block (warm-up and timed "
+                           "trials, prefill included) / the tokens those trials produced (batch x (gen_len + 1) "
+                           "per trial)",
+    **ALLOCATION_METHODS,
     **ROOFLINE_METHODS,
     **FIDELITY_METHODS,
 }
@@ -118,13 +122,22 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     metrics["kv_cache_bytes_formula"] = kv_cache_bytes(
         cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
         DTYPE_BYTES[rt.dtype])
-    cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    with allocation_delta(device) as allocated:
+        cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation
+        allocated = {k: None for k in allocated}
+        allocated["kv_cache_bytes_alloc_reason"] = (f"cache.impl={cfg.cache.impl} allocates per step; "
+                                                    "measured for static only")
+    metrics.update(allocated)
     eager = model
     if rt.compile:
         model = compile_model(model, device, prompt, cache, metrics)
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
         timings = time_decode(model, prompt, w.gen_len, cache, rt.warmup, rt.repeats, device, tick)
     metrics.update(monitor.result())
+    if metrics.get("energy_mj") is not None:
+        tokens = w.batch_size * (w.gen_len + 1) * (rt.warmup + rt.repeats)
+        metrics["energy_mj_per_token"] = metrics["energy_mj"] / tokens
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
     result.series["decode_ms"] = timings.decode_ms[-1]
