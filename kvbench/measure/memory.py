@@ -42,9 +42,9 @@ MEMORY_METHODS: Dict[str, str] = {
 ALLOCATION_METHODS: Dict[str, str] = {
     "kv_cache_bytes_torch": "bytes; CUDA only: torch.cuda.memory_allocated after the cache was created minus "
                             "before (this process's tensors; the caching allocator rounds each block up)",
-    "kv_cache_bytes_nvml": "bytes; CUDA only: NVML device memory used after the cache was created minus before "
-                           "(whole device: new allocator segments, 2 MiB granular; other processes' activity "
-                           "in between would count too)",
+    "kv_cache_bytes_nvml": "bytes; CUDA only: NVML device memory used after the cache was created minus before, "
+                           "torch's unused cached blocks released first (whole device: new allocator segments, "
+                           "2 MiB granular; other processes' activity in between would count too)",
 }
 
 _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",
@@ -84,6 +84,11 @@ def _torch_device_uuid(device: torch.device) -> str:
 
 def _torch_reset_peak(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
+
+
+def _torch_empty_cache(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _torch_allocated(device: torch.device) -> int:
@@ -161,6 +166,9 @@ def allocation_delta(device: torch.device | str, prefix: str = "kv_cache_bytes")
         out[f"{prefix}_alloc_reason"] = f"CUDA only (device is {device.type})"
         yield out
         return
+    # Blocks the caching allocator keeps from earlier work would serve the allocation without the
+    # driver seeing it (the first GPU check read 0 bytes from NVML for every cache): release them.
+    _torch_empty_cache(device)
     torch_before = _torch_allocated(device)
     nvml_before, reason = nvml_used_bytes(device)
     yield out

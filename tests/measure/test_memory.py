@@ -126,6 +126,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(memory, "_torch_device_uuid", lambda device: UUID)
     monkeypatch.setattr(memory, "_torch_reset_peak", lambda device: calls.append(("reset", device)))
     monkeypatch.setattr(memory, "_torch_peaks", lambda device: (111, 222))
+    monkeypatch.setattr(memory, "_torch_empty_cache", lambda device: calls.append(("empty_cache", device)))
     return calls
 
 
@@ -274,6 +275,7 @@ def test_allocation_delta_reads_torch_and_nvml_around_the_block(monkeypatch, fak
     assert out == {"kv_cache_bytes_torch": 4_096, "kv_cache_bytes_nvml": 2 * 2**20,
                    "kv_cache_bytes_alloc_reason": None}
     assert fake.served == [50_000, 50_000 + 2 * 2**20] and fake.inits == fake.shutdowns == 2
+    assert fake_cuda == [("empty_cache", torch.device("cuda:0"))]  # cached blocks released before reading
 
 
 def test_allocation_delta_without_nvml_keeps_torch_and_says_why(monkeypatch, fake_cuda):
