@@ -39,3 +39,13 @@ def test_cuda_event_timing_agrees_with_a_synchronised_host_clock():
     [event_ms] = timer.ms("work")
     assert timing_method(device) == "cuda_events"
     assert 0.8 * host_ms <= event_ms <= 1.05 * host_ms, (event_ms, host_ms)
+
+
+def test_a_job_is_noisy_when_the_machine_had_more_work_than_cpus():
+    from kvbench.measure.env import load_average, noisy, usable_cpus
+
+    assert noisy(1.9, 2.2, 2) == (False, None)  # our own 2 threads on 2 cores
+    flag, why = noisy(1.0, 3.4, 2)
+    assert flag is True and "load average 3.40 on 2 usable CPUs" in why
+    assert noisy(None, None, 2) == (None, None)
+    assert usable_cpus() >= 1 and (load_average() is None or load_average() >= 0)
