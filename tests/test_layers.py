@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config", "units"],
+    ["config", "units", "interrupts"],
     ["model", "cache", "results", "measure.timing", "measure.memory"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
     ["quality.data", "quality.fidelity", "inspection"],
