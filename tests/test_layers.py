@@ -20,8 +20,9 @@ LAYERS = [
     ["quality.data", "quality.fidelity", "inspection"],
     ["quality.train", "workloads.decode", "workloads.multiturn"],
     ["runner"],
+    ["isolation"],
     ["sinks.console", "sinks.plots", "sinks.tracking"],
-    ["sinks.report"],
+    ["sinks.report", "sweep"],
     ["cli"],
 ]
 # What a sink may import: the record, how numbers are written, and other sinks.
