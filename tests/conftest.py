@@ -121,10 +121,10 @@ class LiveKvbench:
         raise AssertionError(f"no stderr line matching {pattern!r}; exit {self.proc.poll()}\n" + self.output)
 
     def job_process(self):
-        """The spawned child measuring the current job (runtime.isolate=true)."""
+        """The process measuring the current job (runtime.isolate=true)."""
         import psutil
 
-        children = [c for c in psutil.Process(self.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        children = [c for c in psutil.Process(self.pid).children() if "child_main" in " ".join(c.cmdline())]
         assert len(children) == 1, children
         return children[0]
 

@@ -67,6 +67,15 @@ def test_every_end_of_a_job_process_is_a_record(tmp_path, measure, status, needl
         assert on_disk.metrics == {"decode_ms_p50": 1.5}
 
 
+def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(tmp_path):
+    """A progress function that cannot be pickled (a lambda) fails while the job is handed to
+    its process: recorded as error, never raised, never 'interrupted'."""
+    result = run_isolated(tiny_job(), tmp_path, progress=lambda label, total: None)
+    assert result.status == "error" and "pickle" in result.error.lower(), result.error
+    assert read_record(tmp_path) == result
+    assert not [c for c in psutil.Process().children() if "child_main" in " ".join(c.cmdline())]
+
+
 @pytest.mark.parametrize("exitcode, before, after, status, needle", [
     (-signal.SIGKILL, 5, 6, "oom", "OOM killer killed 1 process"),
     (-signal.SIGKILL, 5, None, "oom", "most likely by the kernel's OOM killer (unconfirmed"),
@@ -124,8 +133,8 @@ def test_a_launchers_exit_on_preemption_is_recorded_interrupted_not_ok(tmp_path,
 
 
 def job_children(pid):
-    """The spawned processes measuring a job (multiprocessing's resource tracker is the other child)."""
-    return [c for c in psutil.Process(pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    """The processes measuring a job that ``pid`` started."""
+    return [c for c in psutil.Process(pid).children() if "child_main" in " ".join(c.cmdline())]
 
 
 def test_a_job_process_stops_when_kvbench_is_killed(tmp_path):

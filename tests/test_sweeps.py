@@ -107,6 +107,23 @@ def test_submitit_local_multirun_writes_every_record(tmp_path):
     assert "2 ok" in proc.stdout
 
 
+def test_joblib_multirun_measures_each_job_in_its_own_process(tmp_path):
+    """hydra/launcher=joblib runs jobs in loky worker processes; each still measures in a
+    process of its own. (With multiprocessing's spawn the child inherited the start method
+    'loky' and died before measuring.)"""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        kvbench_cmd("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "runtime.threads=1",
+                    "attention=mha,mqa", f"hydra.sweep.dir={sweep}"),
+        cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [read_record(sweep / job) for job in ("0", "1")]
+    assert [r.status for r in records] == ["ok", "ok"], [r.error for r in records]
+    assert [r.get("attention.num_kv_heads") for r in records] == [8, 1]
+    assert all(r.metrics["kv_cache_bytes"] == r.metrics["kv_cache_bytes_formula"] for r in records)
+    assert "2 ok" in proc.stdout
+
+
 def test_sigkill_mid_sweep_then_rerun_completes_only_the_missing_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = kvbench_cmd("-m", *IN_PROCESS, "attention=gqa", "attention.num_kv_heads=2",
