@@ -146,6 +146,17 @@ def check_import(tree: Path) -> None:
         die(f"running in {tree} imports kvbench from {loaded}, not from that tree: {out.stderr.strip()}")
 
 
+def check_selection(args: argparse.Namespace) -> None:
+    """Before timing anything: ``-k`` must select at least one of the head's benchmarks."""
+    if not args.keyword:
+        return
+    out = subprocess.run([sys.executable, "-m", "pytest", str(HEAD_ROOT / SUITE), "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "-k", args.keyword], cwd=HEAD_ROOT,
+                         env=side_env(HEAD_ROOT, 0), capture_output=True, text=True)
+    if out.returncode == PYTEST_NO_TESTS:
+        die(f"-k {args.keyword!r}: selects no benchmark in {SUITE}")
+
+
 def run_side(tree: Path, name: str, slowdown: float, args: argparse.Namespace, base: bool) -> tuple[int, Path, str]:
     """One pytest-benchmark run of the head's suite against the kvbench of ``tree``, saved
     under ``name``. Returns the exit code, the saved file and pytest's output."""
@@ -224,6 +235,7 @@ def format_rows(rows: List[dict], field: str = "median") -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    check_selection(args)
     tag = time.strftime("%Y%m%d-%H%M%S")
     head_runs, base_runs = [], []
     with base_tree(args) as base:
