@@ -2,15 +2,17 @@
 sinks; nothing imports it back.
 
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key);
-3 out of memory; 1 an internal error. A multirun records invalid and oom jobs as data and
-exits non-zero only when some job hit an internal error.
+3 out of memory; 1 an internal error, or a record that could not be written; 128 + the signal
+when interrupted (130 for Ctrl-C, 143 for SIGTERM). A multirun records invalid and oom jobs as
+data and exits 1 when a job of this sweep errored, was interrupted or has no readable record.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -26,8 +28,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, register_configs, to_bench_config
 from kvbench.inspection import describe
-from kvbench.results import RESULTS_FILE, RecordError, completed_record, find_results, read_record
-from kvbench.runner import run_job
+from kvbench.isolation import launch_job
+from kvbench.results import RESULTS_FILE, claim_holder, claim_job, completed_record
 from kvbench.sinks.console import (
     progress_bar,
     results_table,
@@ -37,11 +39,15 @@ from kvbench.sinks.console import (
     ttft_comparison_table,
     turns_table,
 )
-from kvbench.sinks.report import MD_FILE, write_report
+from kvbench.sinks.report import MD_FILE, collect, write_report
 from kvbench.sinks.tracking import track
+from kvbench.sweep import sweep_records, sweep_size
 
-EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1}
+EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1, "interrupted": 128 + signal.SIGINT}
+# Rows of a sweep's end table that mean a job of the sweep has no result: the sweep exits 1.
+FAILED_ROWS = ("error", "interrupted", "unreadable", "missing", "not run")
 _exit_code = 0
+_sweep_config: Optional[DictConfig] = None  # the running multirun's config, for an interrupted end
 
 register_configs()
 
@@ -60,7 +66,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def hydra_job(cfg: DictConfig) -> None:
-    """One Hydra job: inspect, skip (resume), or run, record, track and print."""
+    """One Hydra job: inspect, or claim the job directory, then skip (resume) or run, record,
+    track and print."""
     global _exit_code
     out_dir, multirun, overrides, num = _job_context()
     if cfg.task == "inspect":
@@ -69,17 +76,31 @@ def hydra_job(cfg: DictConfig) -> None:
     if multirun:
         total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
         stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
-        if not cfg.rerun and _already_done(out_dir, cfg):
+    claim = claim_job(out_dir)
+    if claim is None:
+        # Another kvbench (or a job process a killed sweep left behind) is running this job.
+        stderr.print(f"  skipped: {out_dir} is being run by {claim_holder(out_dir) or 'another process'} "
+                     "(a job never runs twice at once)", markup=False, soft_wrap=True)
+        if not multirun:
+            _exit_code = EXIT_CODES["error"]
+        return
+    with claim:
+        if multirun and not cfg.rerun and _already_done(out_dir, cfg):
             # A re-run into the same sweep dir finishes only what is missing; the sweep table
             # at the end reads this job's record from disk like any other.
             stderr.print(f"  skipped: {out_dir / RESULTS_FILE} is already ok for this config "
                          "(rerun=true runs it again)", markup=False, soft_wrap=True)
             return
-    result = run_job(cfg, out_dir, overrides, progress=progress_bar)
-    wandb_dir = _track(cfg, result, out_dir, multirun)
-    _after_job(result, out_dir, multirun)
+        try:
+            result = launch_job(cfg, out_dir, overrides, progress=progress_bar)
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: show what was recorded, then stop
+            if getattr(exc, "record", None) is not None:
+                _after_job(exc.record, out_dir, multirun)
+            raise
+        wandb_dir = _track(cfg, result, out_dir, multirun)
+        _after_job(result, out_dir, multirun)
     if not multirun:
-        _exit_code = EXIT_CODES[result.status]
+        _exit_code = EXIT_CODES["error"] if result.unsaved else EXIT_CODES[result.status]
         _report(out_dir, plots=False)  # summary.csv / summary.md beside results.json
         if wandb_dir is not None:
             stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
@@ -99,10 +120,11 @@ def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[P
     return track(result, OmegaConf.to_container(cfg.wandb, resolve=True), out_dir, sweep_dir, cfg.task)
 
 
-def _report(directory: Path, plots: bool = True) -> None:
-    """Write the local report (summary.csv, summary.md, plots); never fails the run."""
+def _report(directory: Path, plots: bool = True, records: Optional[List[Dict[str, Any]]] = None) -> None:
+    """Write the local report (summary.csv, summary.md, plots) of ``records`` (default: every
+    job under ``directory``); never fails the run."""
     try:
-        write_report(directory, plots=plots)
+        write_report(directory, plots=plots, records=records)
         if plots:
             stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
     except Exception as exc:  # noqa: BLE001 — the records are on disk; kvbench-report can redo this
@@ -111,8 +133,14 @@ def _report(directory: Path, plots: bool = True) -> None:
 
 
 def _after_job(result, out_dir: Path, multirun: bool) -> None:
-    """Print the job's outcome; in a single run an invalid value is one line on stderr."""
+    """Print the job's outcome; in a single run an invalid value is one line on stderr. A record
+    that could not be written goes to stderr as one line of JSON, after one line saying why."""
     where = out_dir / RESULTS_FILE
+    if result.unsaved:
+        stderr.print(f"kvbench: {result.unsaved}; the record follows on stderr as JSON", markup=False,
+                     soft_wrap=True)
+        print(json.dumps(result.to_dict(), default=str), file=sys.stderr, flush=True)
+        where = "(not written)"
     if result.status == "invalid" and not multirun:
         stderr.print(f"kvbench: invalid config: {result.error}", markup=False, soft_wrap=True)
         stderr.print(f"(recorded in {where})", markup=False)
@@ -136,61 +164,55 @@ def _inspect(cfg: DictConfig) -> int:
     return 0
 
 
-def sweep_size(config: DictConfig) -> Optional[int]:
-    """Number of jobs a basic-sweeper multirun will launch (CLI sweeps x preset sweeper params)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    params: Dict[str, int] = {}
-    preset = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    for key, value in preset.items():
-        for o in parser.parse_overrides([f"{key}={value}"]):
-            params[o.get_key_element()] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
-    for o in parser.parse_overrides(list(config.hydra.overrides.task)):
-        params[o.get_key_element()] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
-    return math.prod(params.values()) if params else 1
-
-
-def sweep_records(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """Every job record under ``sweep_dir`` as a dict with its ``job`` (relative path)."""
-    records = []
-    for path in find_results(sweep_dir):
+def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
+    """Print the table of this sweep's jobs, write its report; the exit code for them. Never
+    raises for what it finds on disk: a part that fails is one line saying so."""
+    sweep_dir = Path(config.hydra.sweep.dir)
+    try:
+        if str(OmegaConf.select(config, "hydra.sweeper._target_")).endswith(".BasicSweeper"):
+            rows = sweep_records(sweep_dir, config)
+        else:  # another sweeper chooses its jobs as it goes: every job directory on disk
+            rows = collect(sweep_dir)
+    except Exception as exc:  # noqa: BLE001 — the records stay on disk; kvbench-report can read them
+        stderr.print(f"kvbench: cannot list the sweep's jobs: {type(exc).__name__}: {exc}", markup=False)
+        return EXIT_CODES["error"]
+    title = f"kvbench sweep {sweep_dir}" + (" (interrupted)" if interrupted else "")
+    for table in (lambda: results_table(title, rows), lambda: ttft_comparison_table(rows)):
         try:
-            rec = read_record(path).to_dict()
-        except RecordError as exc:
-            rec = {"status": "unreadable", "error": str(exc), "config": {}, "metrics": {}}
-        rec["job"] = str(path.parent.relative_to(sweep_dir))
-        records.append(rec)
-    return records
+            printed = table()  # the comparison: multi-turn jobs swept over cache.shared, else None
+            if printed is not None:
+                stdout.print(printed)
+        except Exception as exc:  # noqa: BLE001 — an odd record must not cost the rest
+            stderr.print(f"kvbench: a table could not be drawn: {type(exc).__name__}: {exc}", markup=False)
+    counts: Dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    stdout.print(", ".join(f"{n} {s}" for s, n in counts.items()) + f" — results under {sweep_dir}",
+                 markup=False, soft_wrap=True)
+    if rows:
+        _report(sweep_dir, plots=not interrupted, records=rows)  # after Ctrl-C: quickly, no plots
+    return EXIT_CODES["error"] if any(counts.get(s) for s in FAILED_ROWS) else 0
 
 
 class SweepCallback(Callback):
-    """Counts a sweep's jobs at the start; at the end prints a table of every job's record and
+    """Counts a sweep's jobs at the start; at the end prints a table of this sweep's jobs and
     sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
-    ``on_multirun_end``."""
+    ``on_multirun_end``, unless the sweep is interrupted: then :func:`main` ends it."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _sweep_config
+        _sweep_config = config
         try:
             os.environ["KVBENCH_SWEEP_TOTAL"] = str(sweep_size(config))
         except Exception:  # noqa: BLE001 — a count is a nicety; never stop a sweep for it
             os.environ["KVBENCH_SWEEP_TOTAL"] = "?"
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        global _exit_code
+        global _exit_code, _sweep_config
+        _sweep_config = None
         if config.get("task") == "inspect":
             return
-        sweep_dir = Path(config.hydra.sweep.dir)
-        records = sweep_records(sweep_dir)
-        stdout.print(results_table(f"kvbench sweep {sweep_dir}", records))
-        comparison = ttft_comparison_table(records)  # multi-turn jobs swept over cache.shared
-        if comparison is not None:
-            stdout.print(comparison)
-        counts = {s: sum(r["status"] == s for r in records) for s in EXIT_CODES}
-        stdout.print(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" — results under {sweep_dir}",
-                     markup=False, soft_wrap=True)
-        _report(sweep_dir)
-        if counts["error"]:
-            _exit_code = EXIT_CODES["error"]
+        _exit_code = max(_exit_code, sweep_end(config))
 
 
 def config_error_line(exc: BaseException) -> str:
@@ -231,6 +253,12 @@ def main() -> None:
             raise
         stderr.print(f"kvbench: invalid config: {config_error_line(exc)}", markup=False, soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (runner.Interrupted): what finished, then 128 + signal
+        signum = getattr(exc, "signum", signal.SIGINT)
+        if _sweep_config is not None and _sweep_config.get("task") != "inspect":
+            sweep_end(_sweep_config, interrupted=True)
+        stderr.print(f"kvbench: interrupted by {signal.Signals(signum).name}", markup=False)
+        sys.exit(128 + signum)
     sys.exit(_exit_code)
 
 

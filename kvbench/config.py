@@ -273,6 +273,7 @@ class RuntimeConfig:
     compile: bool = False  # torch.compile the model; compile time is reported apart
     peak_gb_per_s: Optional[float] = None  # roofline peak; null: a cached probe of this machine
     fidelity: bool = True  # cached decode vs recompute (and vs float32) on 2 sequences after timing
+    isolate: bool = True  # each job in a fresh process (kvbench/isolation.py); false: in the calling one
 
     def __post_init__(self) -> None:
         _check_choice("runtime.dtype", self.dtype, tuple(DTYPE_BYTES))

@@ -5,7 +5,8 @@ module answers the question a job asks itself when it starts: which device is mi
 ``auto`` is CUDA when present, else the CPU; ``cuda:free`` is the first GPU of this host that
 no other kvbench process holds. The hold is an ``flock`` on a lock file per GPU UUID, kept for
 the life of the process and released by the kernel when the process exits, even on SIGKILL.
-A joblib worker runs many jobs in one process, so each worker keeps one GPU.
+With ``runtime.isolate=true`` (the default) that process is the job's own, so a job holds its
+GPU while it runs; with ``false`` a joblib worker runs many jobs in one process and keeps one GPU.
 """
 
 from __future__ import annotations

@@ -4,20 +4,34 @@ This module is the only reader and writer of records. Everything downstream (W&B
 table, the report, resumption) reads a record through :class:`RunResult` /
 :func:`read_record`. A record is written atomically (temporary file in the same directory,
 fsync, rename), so a reader or a job killed mid-write never sees a torn file.
+
+It also owns the job directory's other piece of state: the claim (:func:`claim_job`), an
+``flock`` that says a process is running the job now, so that two kvbench processes never
+measure one job at the same time.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import fcntl
 import json
 import os
-import tempfile
+import secrets
+import socket
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 RESULTS_FILE = "results.json"
-STATUSES = ("ok", "invalid", "oom", "error")
+# interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
+# it keeps the metrics complete by then, and resume runs the job again.
+STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
 SCHEMA_VERSION = 1
+CLAIM_FILE = ".kvbench-claim"
+# A record is small (metrics, one series, a few tables); anything far larger is not one, and
+# reading it whole could exhaust memory.
+MAX_RECORD_BYTES = 64 * 2**20
 # Keys of a job's config that say how it is scheduled or recorded, not what it measures.
 NOT_IDENTITY = ("rerun", "wandb")
 
@@ -43,13 +57,18 @@ class RunResult:
     finished_at: Optional[str] = None
     methods: Dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # Not part of the record: why results.json could not be written (the disk was full, say),
+    # so that whoever prints the outcome can hand the record over another way.
+    unsaved: Optional[str] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status={self.status!r}: must be one of {', '.join(STATUSES)}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["unsaved"]
+        return data
 
     def get(self, dotted: str) -> Any:
         """A config value by its dotted key (``attention.num_kv_heads``); None when absent."""
@@ -60,8 +79,34 @@ class RunResult:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "RunResult":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "unsaved"}
         return cls(**known)
+
+
+# The JSON type each field of a record must have (None allowed where the field is Optional);
+# what sinks index into must be what they expect, so a file that parses but has, say, a list
+# for its metrics is unreadable, not a crash later.
+_FIELD_TYPES = {"config": dict, "metrics": dict, "series": dict, "tables": dict, "env": dict,
+                "error": (str, type(None)), "overrides": list, "started_at": (str, type(None)),
+                "finished_at": (str, type(None)), "methods": dict, "schema_version": int}
+
+
+def _shape_error(data: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with the structure of a parsed record, or None."""
+    for name, kind in _FIELD_TYPES.items():
+        if name in data and not isinstance(data[name], kind):
+            return f"{name} has type {type(data[name]).__name__}"
+    scalars = (int, float, str, bool, type(None))
+    if not all(isinstance(v, scalars) for v in data.get("metrics", {}).values()):
+        return "metrics holds a value that is not a number, string, boolean or null"
+    if not all(isinstance(v, list) for v in data.get("series", {}).values()):
+        return "series holds a value that is not a list"
+    for name, rows in data.get("tables", {}).items():
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            return f"tables.{name} is not a list of rows"
+    if not all(isinstance(o, str) for o in data.get("overrides", [])):
+        return "overrides holds a value that is not a string"
+    return None
 
 
 def read_json(path: Path | str) -> Any:
@@ -72,17 +117,32 @@ def read_json(path: Path | str) -> Any:
 def read_record(path: Path | str) -> RunResult:
     """The record at ``path`` (a results.json or its job directory).
 
-    Raises :class:`RecordError` naming the file when it is missing, does not parse or is not a
-    kvbench record (no status, an unknown status, a config that is not a mapping)."""
+    Raises :class:`RecordError` naming the file when it is missing, is not a regular file of a
+    sane size, does not parse or is not a kvbench record (no status, an unknown status, a field
+    of the wrong type)."""
     path = Path(path)
     if path.is_dir():
         path = path / RESULTS_FILE
     try:
-        data = read_json(path)
-    except (OSError, ValueError) as exc:
+        info = path.stat()
+    except OSError as exc:
         raise RecordError(f"{path}: {exc}") from None
+    # A FIFO or a device named results.json would block or never end.
+    if not stat.S_ISREG(info.st_mode):
+        raise RecordError(f"{path}: not a regular file")
+    if info.st_size > MAX_RECORD_BYTES:
+        raise RecordError(f"{path}: {info.st_size} bytes, too large for a record")
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError included
+        raise RecordError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise RecordError(f"{path}: nested too deeply to be a record") from None
     if not isinstance(data, dict) or "status" not in data or not isinstance(data.get("config"), dict):
         raise RecordError(f"{path}: not a kvbench record (needs a status and a config mapping)")
+    problem = _shape_error(data)
+    if problem:
+        raise RecordError(f"{path}: not a kvbench record ({problem})")
     try:
         return RunResult.from_dict(data)
     except (TypeError, ValueError) as exc:
@@ -93,7 +153,7 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     """Write JSON to ``path`` so that it is either the old file or the complete new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
@@ -107,11 +167,79 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     return path
 
 
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path``, created with mode 0666 less the umask, as
+    ``open()`` would (``tempfile.mkstemp`` makes 0600, and other users could not read records)."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def _json_default(obj: Any) -> Any:
     # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+class JobClaim:
+    """This process is running the job in ``directory``: an exclusive ``flock`` on its claim
+    file, which names the host, pid and start. Released by :meth:`release` or when the process
+    ends in any way (the kernel drops the lock, even on SIGKILL), so a claim never goes stale."""
+
+    def __init__(self, directory: Path, handle: Any):
+        self.directory, self._handle = directory, handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the last descriptor drops the flock
+            self._handle = None
+
+    def __enter__(self) -> "JobClaim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def claim_job(directory: Path | str) -> Optional[JobClaim]:
+    """Claim the job in ``directory`` for this process; None when another process holds it
+    (another kvbench, or a job process a killed sweep left running)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / CLAIM_FILE, "a+")  # not "w": that would erase the holder's name
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
+    handle.flush()
+    return JobClaim(directory, handle)
+
+
+def claim_holder(directory: Path | str) -> Optional[str]:
+    """Who holds the claim on ``directory`` (``"host pid N since T"``), or None when nobody
+    does. A claim this process holds through another :class:`JobClaim` counts as held."""
+    path = Path(directory) / CLAIM_FILE
+    try:
+        handle = open(path)
+    except OSError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return handle.read(200).strip() or "another process"
+        except OSError:
+            return None
+        return None  # closing the file drops the shared lock just taken
 
 
 def find_results(root: Path | str) -> List[Path]:
@@ -124,8 +252,9 @@ def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[Ru
     """The record in ``out_dir`` if it is ``ok`` and was produced by the same ``config`` (the
     job's validated config as a dict), else None: resume's "is this job done?".
 
-    A missing, unreadable or non-ok record, or one for a different config (the sweep's override
-    list changed, so this job number now means another job), means the job must run."""
+    A missing, unreadable or non-ok record (``interrupted`` included), or one for a different
+    config (the sweep's override list changed, so this job number now means another job), means
+    the job must run."""
     try:
         record = read_record(out_dir)
     except RecordError:

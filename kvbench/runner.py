@@ -2,13 +2,17 @@
 
 A job never raises for a bad value or an out-of-memory: it records ``invalid`` / ``oom`` with
 the message, keeps every metric measured before the failure, and writes the record
-atomically. Only the CLI decides what a status means for the exit code, and only the CLI
-builds progress bars: it hands :func:`run_job` a factory for them.
+atomically. A job stopped from outside (Ctrl-C, SIGTERM, a launcher's exit on preemption) is
+recorded ``interrupted`` with what was complete by then, and the interruption is raised again
+with the record attached (``exc.record``): a job is ``ok`` only when its task returned. Only
+the CLI decides what a status means for the exit code, and only the CLI builds progress bars:
+it hands :func:`run_job` a factory for them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import signal
 import socket
 import traceback
 from contextlib import contextmanager
@@ -22,12 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench.checkpoint import convert_kv_heads, load_llama_dir
 from kvbench.config import BenchConfig, ConfigError, to_bench_config
 from kvbench.device import resolve_device
+from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.train import run_eval, run_train
-from kvbench.results import RunResult
+from kvbench.results import RESULTS_FILE, RunResult
 from kvbench.workloads import decode, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
@@ -44,6 +49,10 @@ JOB_METHODS: Dict[str, str] = {
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
 
+# torch's own thread count in this process, before any job set one: runtime.threads=null
+# means this, not whatever an earlier job of the same process left behind.
+DEFAULT_THREADS = torch.get_num_threads()
+_jobs_run = 0  # jobs whose task ran in this process (runtime.isolate=false runs several)
 
 @contextmanager
 def no_progress(label: str, total: int):
@@ -111,36 +120,77 @@ TASKS = {"bench": bench, "train": train, "eval": evaluate}
 
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             overrides: Optional[List[str]] = None, progress: Progress = no_progress) -> RunResult:
-    """Run one job and write ``results.json`` into ``out_dir``; returns the record."""
+    """Run one job in this process and write ``results.json`` into ``out_dir``; returns the
+    record. An interruption is recorded, then raised again with ``exc.record`` set."""
+    global _jobs_run
     out_dir = Path(out_dir)
     raw = cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_container(cfg, resolve=True)
-    result = RunResult(status="ok", config=asdict(raw) if isinstance(raw, BenchConfig) else raw,
-                       overrides=list(overrides or []), started_at=_now(),
+    # "interrupted" until the task returns: whatever ends it early is never recorded ok.
+    result = RunResult(status="interrupted", config=asdict(raw) if isinstance(raw, BenchConfig) else raw,
+                       overrides=list(overrides or []), started_at=utc_now(),
                        env={"hostname": socket.gethostname()})  # even a job that fails early says where
-    try:
-        job = to_bench_config(cfg)
-        result.config = asdict(job)  # with derived values (head_dim, num_kv_heads) filled in
-        # Device and threads are resolved here, once per job; every task receives them.
-        device = resolve_device(job.runtime.device)
-        if job.runtime.threads:
-            torch.set_num_threads(job.runtime.threads)
-        result.env = collect_env(device)
-        if job.task not in TASKS:
-            raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
-        TASKS[job.task](job, device, out_dir, result, progress)
-    except ConfigError as exc:
-        result.status, result.error = "invalid", str(exc)
-    except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
-        result.status = "oom" if is_oom(exc) else "error"
-        result.error = f"{type(exc).__name__}: {exc}"
-        (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-        (out_dir / "error.txt").write_text(traceback.format_exc())
-    finally:
-        result.finished_at = _now()
-        result.write(out_dir)
+    stopped: Optional[BaseException] = None
+    with interruptible() as stops:
+        try:
+            job = to_bench_config(cfg)
+            result.config = asdict(job)  # with derived values (head_dim, num_kv_heads) filled in
+            # Device and threads are resolved here, once per job; every task receives them.
+            device = resolve_device(job.runtime.device)
+            torch.set_num_threads(job.runtime.threads or DEFAULT_THREADS)
+            result.env = {**collect_env(device), "device": str(device)}  # what it ran with
+            if job.task not in TASKS:
+                raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
+            earlier_jobs = _jobs_run
+            _jobs_run += 1
+            TASKS[job.task](job, device, out_dir, result, progress)
+            if earlier_jobs:
+                _not_this_jobs_peak(result.metrics)
+            result.status = "ok"
+        except ConfigError as exc:
+            result.status, result.error = "invalid", str(exc)
+        except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
+            result.status = "oom" if is_oom(exc) else "error"
+            result.error = f"{type(exc).__name__}: {exc}"
+            try:
+                (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
+                (out_dir / "error.txt").write_text(traceback.format_exc())
+            except OSError:
+                pass  # a full disk: the record below says what failed, or is printed if it cannot be written
+        except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again
+            result.status, result.error = "interrupted", describe_stop(exc)
+            stopped = exc
+        finally:
+            stops.hold()  # a signal during the write waits for it: the record is the point
+            result.finished_at = utc_now()
+            save(result, out_dir)
+    if stopped is None and stops.held:
+        stopped = Interrupted(stops.held, f"interrupted by {signal.Signals(stops.held).name} "
+                                          "after the job finished")
+    if stopped is not None:
+        stopped.record = result
+        raise stopped
     return result
 
 
-def _now() -> str:
+def save(result: RunResult, out_dir: Path) -> None:
+    """Write the record; when the file system refuses (a full disk), keep the reason in
+    ``result.unsaved`` so the CLI can print the record instead of losing it."""
+    try:
+        result.write(out_dir)
+    except OSError as exc:
+        result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
+
+
+def _not_this_jobs_peak(metrics: Dict[str, object]) -> None:
+    # getrusage's peak RSS is the process's since it started: after another job in the same
+    # process it is that job's peak as much as this one's.
+    if metrics.get("peak_rss_bytes") is not None:
+        metrics["peak_rss_bytes"] = None
+        metrics["peak_rss_reason"] = ("runtime.isolate=false and an earlier job ran in this process: "
+                                      "its peak RSS would count as this job's")
+
+
+def utc_now() -> str:
+    """The time a record is stamped with: UTC, ISO 8601, to the second."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 

@@ -25,7 +25,8 @@ Each run is saved with pytest-benchmark's own storage (``--benchmark-save``), as
 ``<storage>/<machine_id>/NNNN_gate-<tag>-<side>-r<round>.json``. ``--fail`` takes
 pytest-benchmark's ``--benchmark-compare-fail`` expressions (``min:25%``, ``median:30%``) and
 applies them with its own checks to the pooled statistics (default ``median:25%``).
-Exit status: 0 pass, 1 regression (or a head benchmark failed), 2 bad usage.
+Exit status: 0 pass, 1 regression (or a head benchmark failed), 2 bad usage (including a
+``-k`` that selects no benchmark and a ``--timer`` that is no timer).
 
 ``--inject-slowdown 0.4`` makes every head decode step 40% slower (see
 ``tests/benchmarks/benchkit.py``): the gate's self-test.
@@ -45,12 +46,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
-from pytest_benchmark.utils import get_machine_id, parse_compare_fail
+from pytest_benchmark.utils import get_machine_id, load_timer, parse_compare_fail
 
 HEAD_ROOT = Path(__file__).resolve().parents[1]
 SUITE = "tests/benchmarks"
 DEFAULT_FAIL = "median:25%"  # 1.5x the worst A/A change measured (README, "Performance regression gate")
 STATS = ("min", "max", "mean", "median", "stddev", "iqr")
+# pytest's exit codes that mean the gate was asked something that cannot be measured
+PYTEST_USAGE_ERROR, PYTEST_NO_TESTS = 4, 5
+
+
+def parse_timer(text: str) -> str:
+    """``--timer``: a dotted name of a function returning seconds as a number (what
+    pytest-benchmark needs), checked here so that a typo is a usage error, not a FAIL."""
+    try:
+        value = load_timer(text).target()
+    except Exception as exc:  # noqa: BLE001 — ImportError, AttributeError, TypeError: all a bad name
+        raise argparse.ArgumentTypeError(f"{text!r} is not a timer function ({type(exc).__name__}: {exc})") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise argparse.ArgumentTypeError(f"{text!r} returns {value!r}, not a time in seconds")
+    return text
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -63,7 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help=f"regression check, pytest-benchmark syntax, repeatable (default {DEFAULT_FAIL})")
     p.add_argument("--max-time", type=float, default=0.3, help="seconds per benchmark per round")
     p.add_argument("--min-rounds", type=int, default=15, help="timed calls per benchmark per round")
-    p.add_argument("--timer", default="time.process_time",
+    p.add_argument("--timer", default="time.process_time", type=parse_timer,
                    help="pytest-benchmark timer (default time.process_time: CPU time, which "
                         "excludes the time other processes hold the CPU; time.perf_counter for wall)")
     p.add_argument("-k", dest="keyword", help="pytest -k expression to select benchmarks")
@@ -129,6 +144,17 @@ def check_import(tree: Path) -> None:
     loaded = Path(out.stdout.strip() or "?").resolve()
     if out.returncode or tree not in loaded.parents:
         die(f"running in {tree} imports kvbench from {loaded}, not from that tree: {out.stderr.strip()}")
+
+
+def check_selection(args: argparse.Namespace) -> None:
+    """Before timing anything: ``-k`` must select at least one of the head's benchmarks."""
+    if not args.keyword:
+        return
+    out = subprocess.run([sys.executable, "-m", "pytest", str(HEAD_ROOT / SUITE), "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "-k", args.keyword], cwd=HEAD_ROOT,
+                         env=side_env(HEAD_ROOT, 0), capture_output=True, text=True)
+    if out.returncode == PYTEST_NO_TESTS:
+        die(f"-k {args.keyword!r}: selects no benchmark in {SUITE}")
 
 
 def run_side(tree: Path, name: str, slowdown: float, args: argparse.Namespace, base: bool) -> tuple[int, Path, str]:
@@ -209,6 +235,7 @@ def format_rows(rows: List[dict], field: str = "median") -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    check_selection(args)
     tag = time.strftime("%Y%m%d-%H%M%S")
     head_runs, base_runs = [], []
     with base_tree(args) as base:
@@ -228,6 +255,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                              args, base=side == "base")
                 print(f"  round {r + 1} {side}: exit {rc}, {time.perf_counter() - start:.1f} s, "
                       f"{saved.relative_to(args.storage) if saved else 'nothing saved'}", flush=True)
+                if side == "head" and rc == PYTEST_NO_TESTS:
+                    die(f"-k {args.keyword!r}: selects no benchmark in {SUITE}")
+                if side == "head" and rc == PYTEST_USAGE_ERROR:
+                    die("pytest refused the arguments: " + next(
+                        (line for line in output.splitlines() if "error" in line.lower()), output.strip()[-300:]))
                 if side == "head" and (rc != 0 or saved is None):
                     print(output[-4000:])
                     print("gate: FAIL (the head's benchmarks do not pass)")

@@ -77,3 +77,71 @@ def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
                 p.uniform_(0.5, 1.5)
     hf.save_pretrained(tmp_path)
     return tmp_path, hf
+
+
+class LiveKvbench:
+    """A ``python -m kvbench.cli ...`` process driven by a test: its stderr is read as it runs,
+    so a test can wait for a line (``  gqa kv=2: 0/1000`` when a job's trials start, since
+    stderr is not a terminal) and then signal it mid-job, as a person or a scheduler would."""
+
+    def __init__(self, *args, cwd, env=None):
+        import os
+        import subprocess
+        import sys
+        import threading
+
+        env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        self.err_lines, self.out_lines = [], []
+        self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
+                         for s, lines in ((self.proc.stderr, self.err_lines), (self.proc.stdout, self.out_lines))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 180.0) -> str:
+        """The first stderr line matching ``pattern``; fails if the process ends or time runs out."""
+        import re
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.err_lines):
+                if re.search(pattern, line):
+                    return line
+            if self.proc.poll() is not None and not self._readers[0].is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no stderr line matching {pattern!r}; exit {self.proc.poll()}\n" + self.output)
+
+    def job_process(self):
+        """The process measuring the current job (runtime.isolate=true)."""
+        import psutil
+
+        children = [c for c in psutil.Process(self.pid).children() if "child_main" in " ".join(c.cmdline())]
+        assert len(children) == 1, children
+        return children[0]
+
+    def finish(self, timeout: float = 180.0) -> int:
+        code = self.proc.wait(timeout)
+        for reader in self._readers:
+            reader.join(10)
+        return code
+
+    @property
+    def stdout(self) -> str:
+        return "\n".join(self.out_lines)
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.err_lines)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr

@@ -57,6 +57,24 @@ def test_bad_gate_arguments_exit_2_naming_the_value(tmp_path):
     assert f"--base-dir='{tmp_path}'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("timer, needle", [("nope.nothing", "ModuleNotFoundError"), ("process_time", "dotted"),
+                                           ("os.getcwd", "not a time in seconds")])
+def test_a_bogus_timer_is_a_usage_error(tmp_path, timer, needle):
+    out = subprocess.run([sys.executable, str(GATE), "--base-dir", str(ROOT), "--timer", timer],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--timer" in out.stderr and needle in out.stderr, out.stderr
+
+
+def test_a_keyword_that_selects_no_benchmark_is_a_usage_error(tmp_path):
+    """Was exit 1, "gate: FAIL", as if the head had regressed."""
+    out = subprocess.run([sys.executable, str(GATE), "--base-dir", str(ROOT), "--rounds", "1", "-k",
+                          "no_such_benchmark", "--storage", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == "bench_gate: -k 'no_such_benchmark': selects no benchmark in tests/benchmarks"
+    assert "FAIL" not in out.stdout
+
+
 # The end-to-end check tests the gate's mechanics (rounds, storage, pooling, verdict, exit
 # code), not its noise calibration (README, "Performance regression gate"). One round per side
 # on a machine other jobs load moved an unchanged benchmark by up to +108% of CPU time (seen

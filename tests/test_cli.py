@@ -1,24 +1,32 @@
 """The Hydra runner end to end: every conf file composes, a real run writes a record whose
-numbers check against the formula, a sweep with an invalid job finishes."""
+numbers check against the formula, a sweep with an invalid job finishes, Ctrl-C mid-job is
+recorded as such, and the README's sweep command works as written."""
 
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import llama_dir
+from conftest import LiveKvbench, llama_dir
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.cli import sweep_size
-from kvbench.config import CONF_DIR, AttentionConfig, BenchConfig, ModelConfig
+from kvbench.config import CONF_DIR, AttentionConfig, BenchConfig, ModelConfig, to_bench_config
+from kvbench.results import read_record
+from kvbench.sweep import sweep_jobs, sweep_size
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
+# Jobs in the test's own kvbench process: for tests that are not about process isolation
+# (each isolated job costs a process start, ~3 s of importing torch).
+IN_PROCESS = [*TINY, "runtime.isolate=false"]
 
 
 def kvbench(*args, cwd, check=True):
@@ -105,7 +113,7 @@ def test_single_run_with_bad_value_exits_with_one_line(tmp_path):
 
 def test_multirun_records_invalid_and_finishes(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = kvbench("-m", *TINY, "attention=gqa", "attention.num_kv_heads=2,3,4",
+    proc = kvbench("-m", *IN_PROCESS, "attention=gqa", "attention.num_kv_heads=2,3,4",
                    f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     statuses = {}
     for path in sorted(sweep.glob("*/results.json")):
@@ -160,8 +168,68 @@ def test_sweep_size_counts_cli_and_preset_axes():
     assert sweep_size(cfg) == 3 * 3 * 2
 
 
-def test_readme_shows_the_sweep_command_and_where_results_land():
+def test_the_readme_sweep_command_composes_48_valid_jobs_and_results_land_where_it_says(tmp_path):
+    """The README's headline sweep, as written: every key exists, every one of its 48 jobs
+    validates; and a multirun without hydra.sweep.dir writes multirun/<date>/<time>/<job>/."""
     readme = (REPO / "README.md").read_text()
-    assert ("kvbench -m attention=mha,gqa,mqa workload.prompt_len=512,2048 workload.batch_size=1,8 "
-            "runtime.dtype=float32,bfloat16 cache.shared=false,true") in readme
-    assert "multirun/" in readme and "results.json" in readme
+    [command] = re.findall(r"^kvbench -m attention=mha,gqa,mqa .*$", readme, flags=re.M)
+    overrides = shlex.split(command)[2:]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[o.split(",")[0] for o in overrides], return_hydra_config=True)
+        cfg.hydra.overrides.task = overrides
+        jobs = sweep_jobs(cfg)
+        assert len(jobs) == 48 == 3 * 2 * 2 * 2 * 2  # the count the README states
+        for job in jobs:
+            bench = to_bench_config(compose("config", overrides=job.overrides))
+            assert bench.workload.total_len <= bench.model.max_seq_len
+    assert "multirun/<date>/<time>/<job number>/results.json" in readme
+    kvbench("-m", *IN_PROCESS, "attention=gqa", cwd=tmp_path)
+    [record] = (tmp_path / "multirun").glob("*/*/*/results.json")
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}/0/results.json",
+                        record.relative_to(tmp_path / "multirun").as_posix())
+    assert read_record(record).status == "ok"
+
+
+def test_ctrl_c_during_the_trials_records_interrupted_and_exits_130(tmp_path):
+    """A real SIGINT to a running kvbench (as Ctrl-C sends it) while its job is inside the
+    timed trials: the record says interrupted and keeps what was complete, the measuring child
+    is gone, exit 130. (Before: the runner missed KeyboardInterrupt and wrote "ok".)"""
+    out = tmp_path / "run"
+    run = LiveKvbench("model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0",
+                      "runtime.repeats=100000", "runtime.threads=1", "wandb.mode=disabled", f"hydra.run.dir={out}",
+                      cwd=tmp_path)
+    run.wait_for(r": 0/100000$")
+    child = run.job_process()
+    run.proc.send_signal(signal.SIGINT)  # to kvbench only: it must pass it on to its job's process
+    assert run.finish() == 130, run.output
+    assert not child.is_running()
+    rec = read_record(out)
+    assert rec.status == "interrupted" and "SIGINT" in rec.error, rec.error
+    m = rec.metrics
+    # what was complete before the trials stays; no latency from a partial set of trials
+    assert m["kv_cache_bytes_formula"] == kv_cache_bytes(2, 2, 8, 18, 1, 4) and m["weight_bytes"] > 0
+    assert "decode_ms_p50" not in m and "prefill_ms" not in m
+    assert run.err_lines[-1] == "kvbench: interrupted by SIGINT" and "Traceback" not in run.stderr
+    assert "interrupted" in run.stdout  # the run's table is printed
+
+
+def test_a_record_the_disk_refuses_is_printed_as_json_in_one_line(tmp_path):
+    """The final write fails (here the kernel refuses to grow a file past RLIMIT_FSIZE: EFBIG;
+    a full disk, ENOSPC, takes the same path): one line says so, the record follows on stderr
+    as one line of JSON, no traceback, exit 1. Hydra's own files (< 4 KiB) still fit."""
+    import resource
+
+    out = tmp_path / "run"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (6144, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", *TINY, f"hydra.run.dir={out}"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert not (out / "results.json").exists() and not list(out.glob(".results.json.*"))
+    lines = proc.stderr.strip().splitlines()
+    [said] = [i for i, line in enumerate(lines) if "cannot write" in line]
+    assert lines[said] == (f"kvbench: cannot write {out / 'results.json'}: File too large; "
+                           "the record follows on stderr as JSON")
+    record = json.loads(lines[said + 1])
+    assert record["status"] == "ok" and record["metrics"]["decode_ms_p50"] > 0
+    assert "Traceback" not in proc.stderr

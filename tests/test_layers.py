@@ -14,14 +14,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config", "units"],
+    ["config", "units", "interrupts"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
     ["quality.data", "quality.fidelity", "inspection"],
     ["quality.train", "workloads.decode", "workloads.multiturn"],
     ["runner"],
+    ["isolation"],
     ["sinks.console", "sinks.plots", "sinks.tracking"],
-    ["sinks.report"],
+    ["sinks.report", "sweep"],
     ["cli"],
 ]
 # What a sink may import: the record, how numbers are written, and other sinks.

@@ -1,14 +1,31 @@
-"""The record: the only reader and writer of results.json, resume's "done?" check, and the
-helpers everything downstream reads a record with."""
+"""The record: the only reader and writer of results.json, resume's "done?" check, the claim
+that keeps two processes off one job, and the helpers everything downstream reads a record with."""
 
 import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, register_configs, to_bench_config
-from kvbench.results import RecordError, RunResult, completed_record, flatten, lookup, read_record, write_json_atomic
+from kvbench.results import (
+    CLAIM_FILE,
+    RecordError,
+    RunResult,
+    claim_holder,
+    claim_job,
+    completed_record,
+    flatten,
+    lookup,
+    read_record,
+    write_json_atomic,
+)
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
@@ -34,6 +51,8 @@ def test_completed_record_needs_ok_status_and_the_same_config(tmp_path):
     assert completed_record(job, config_of(*TINY, "workload.batch_size=2")) is None
     RunResult(status="error", config=config, error="boom").write(job)
     assert completed_record(job, config) is None
+    RunResult(status="interrupted", config=config, error="interrupted by SIGINT").write(job)
+    assert completed_record(job, config) is None  # resume runs an interrupted job again
     (job / "results.json").write_text('{"status": "ok", "config": {')  # torn: never trusted
     assert completed_record(job, config) is None
 
@@ -53,9 +72,19 @@ def test_a_record_round_trips_through_its_file(tmp_path):
     ('{"config": {}}', "not a kvbench record"),  # no status
     ('{"status": "ok", "config": 3}', "not a kvbench record"),
     ('{"status": "finished", "config": {}}', "status='finished'"),
+    # parses, but a sink indexing into it would crash: not a record
+    ('{"status": "ok", "config": {}, "metrics": [1, 2]}', "metrics has type list"),
+    ('{"status": "ok", "config": {}, "metrics": {"a": {"b": 1}}}', "not a number"),
+    ('{"status": "ok", "config": {}, "overrides": "a=b"}', "overrides has type str"),
+    ('{"status": "ok", "config": {}, "tables": {"turns": [1]}}', "tables.turns"),
+    ('{"status": "ok", "config": {}, "error": 5}', "error has type int"),
+    ('{"status": "ok", "config": {}, "series": {"x": 3}}', "series holds"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    (b"\xff\xfe not utf-8", "decode"),
 ])
 def test_a_malformed_record_is_a_record_error_naming_the_file(tmp_path, content, needle):
-    (tmp_path / "results.json").write_text(content)
+    path = tmp_path / "results.json"
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(RecordError) as err:
         read_record(tmp_path)
     assert str(tmp_path / "results.json") in str(err.value) and needle in str(err.value)
@@ -80,3 +109,49 @@ def test_lookup_and_flatten():
     tree = {"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}
     assert lookup(tree, "a.c.d") == [1, 2] and lookup(tree, "a.x") is None and lookup(tree, "e.f") is None
     assert flatten(tree) == {"a.b": 1, "a.c.d": [1, 2], "e": None}
+
+
+def test_a_fifo_or_a_directory_named_results_json_is_unreadable_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "results.json")  # opening it to read would block until a writer came
+    with pytest.raises(RecordError, match="not a regular file"):
+        read_record(tmp_path)
+    (tmp_path / "job" / "results.json").mkdir(parents=True)
+    with pytest.raises(RecordError, match="not a regular file|No such file"):
+        read_record(tmp_path / "job" / "results.json")
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_records_are_created_with_the_users_umask(tmp_path, umask, mode):
+    """0666 less the umask, as any file the user creates (was always 0600: mkstemp)."""
+    old = os.umask(umask)
+    try:
+        path = RunResult("ok", {}).write(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_a_claim_is_exclusive_names_its_holder_and_is_released(tmp_path):
+    claim = claim_job(tmp_path / "job")
+    assert claim is not None
+    assert claim_holder(tmp_path / "job").startswith(f"{socket.gethostname()} pid {os.getpid()} since ")
+    assert claim_job(tmp_path / "job") is None  # another open file: a second claimer, even in one process
+    claim.release()
+    assert claim_holder(tmp_path / "job") is None
+    with claim_job(tmp_path / "job") as again:
+        assert again is not None and claim_holder(tmp_path / "job") is not None
+
+
+def test_a_claim_of_a_killed_process_expires(tmp_path):
+    """A process that dies without releasing (SIGKILL) leaves its name in the file but no claim."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvbench.results import claim_job; "
+                               "c = claim_job(sys.argv[1]); print('held', flush=True); time.sleep(600)",
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    assert claim_job(tmp_path) is None and f"pid {holder.pid} " in claim_holder(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert f"pid {holder.pid} " in (tmp_path / CLAIM_FILE).read_text()
+    assert claim_holder(tmp_path) is None
+    with claim_job(tmp_path) as claim:
+        assert claim is not None

@@ -1,13 +1,20 @@
 """The runner's tasks: train then eval writing the loss curve, checkpoint and perplexity; a Llama
-checkpoint benchmarked like a preset; invalid inputs recorded as invalid."""
+checkpoint benchmarked like a preset; invalid inputs recorded as invalid; a job stopped from
+outside recorded as interrupted, never ok; what a job ran with is its own."""
 
 import math
+from contextlib import contextmanager
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from kvbench.cache import kv_cache_bytes
 from kvbench.config import CONF_DIR
-from kvbench.runner import run_job
+from kvbench.results import read_record
+from kvbench.runner import DEFAULT_THREADS, run_job
+
+TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=4",
+        "runtime.threads=1"]
 
 
 def job(tmp_path, *overrides):
@@ -67,3 +74,47 @@ def test_benchmark_a_llama_checkpoint_like_a_preset(tmp_path, attention, kv):
 def test_llama_dir_without_config_is_invalid(tmp_path):
     result = job(tmp_path / "run", "model=llama_dir", f"model.path={tmp_path}")
     assert result.status == "invalid" and result.error.startswith(f"model.path='{tmp_path}'")
+
+
+def stop_at_trial(trial, exc):
+    """A progress factory whose tick raises ``exc`` when trial ``trial`` ends: a Ctrl-C (or a
+    launcher's SystemExit) arriving in the middle of the timed trials."""
+    @contextmanager
+    def progress(label, total):
+        done = []
+
+        def tick(description=None):
+            done.append(1)
+            if len(done) == trial:
+                raise exc
+
+        yield tick
+
+    return progress
+
+
+@pytest.mark.parametrize("exc, why", [(KeyboardInterrupt(), "interrupted by SIGINT"),
+                                      (SystemExit(-1), "stopped by SystemExit(-1)")])
+def test_a_job_stopped_mid_trials_is_recorded_interrupted_and_the_stop_goes_on(tmp_path, exc, why):
+    """Before: ``except Exception`` missed both, and the ``finally`` wrote status ok."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["wandb.mode=disabled", *TINY])
+    with pytest.raises(type(exc)) as raised:
+        run_job(cfg, tmp_path, progress=stop_at_trial(2, exc))
+    rec = read_record(tmp_path)
+    assert raised.value.record == rec
+    assert rec.status == "interrupted" and rec.error.startswith(why), rec.error
+    # complete before the trials: kept; the trials' latencies: not made up from 2 of 4 trials
+    assert rec.metrics["kv_cache_bytes_formula"] == kv_cache_bytes(2, 2, 8, 18, 1, 4)
+    assert rec.metrics["weight_bytes"] > 0 and "decode_ms_p50" not in rec.metrics
+
+
+def test_in_process_jobs_do_not_inherit_threads_or_peak_rss(tmp_path):
+    """runtime.isolate=false: a job with threads=null runs with torch's default count, not the
+    previous job's, records that count, and does not pass the process's peak RSS off as its own."""
+    first = job(tmp_path / "a", *TINY[:-1], f"runtime.threads={DEFAULT_THREADS + 1}")
+    second = job(tmp_path / "b", *TINY[:-1], "runtime.threads=null")
+    assert first.env["torch_num_threads"] == DEFAULT_THREADS + 1
+    assert second.env["torch_num_threads"] == DEFAULT_THREADS and second.env["device"] == "cpu"
+    assert second.metrics["peak_rss_bytes"] is None
+    assert "runtime.isolate=false" in second.metrics["peak_rss_reason"]

@@ -1,5 +1,7 @@
 """Sweeps through the CLI: the launcher presets against the real submitit plugin, a real submitit
-multirun, a sweep killed with SIGKILL and resumed, a report over a sweep written by two hosts."""
+multirun, a sweep killed with SIGKILL and resumed, a report over a sweep written by two hosts;
+and jobs kept apart: Ctrl-C then resume, a job process killed mid-job, two kvbench processes on
+one sweep, each job's own peak RSS and threads, the end of a sweep whatever is on disk."""
 
 import csv
 import json
@@ -8,19 +10,30 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from conftest import LiveKvbench
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import register_configs
-from kvbench.results import RunResult, find_results
+from kvbench.config import register_configs, to_bench_config
+from kvbench.isolation import oom_kills
+from kvbench.results import RunResult, claim_job, find_results, read_record
+from kvbench.runner import DEFAULT_THREADS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
+# Sweeps whose jobs run in the sweep's own process, for tests not about isolation (an isolated
+# job costs a process start, ~3 s of importing torch).
+IN_PROCESS = [*TINY, "runtime.isolate=false"]
+# A job whose trials last long enough to be interrupted (seconds), and the line that says they began.
+# One torch thread: with two on cores other jobs load, a tiny model's step runs 30-50x slower.
+LONG = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.threads=1",
+        "wandb.mode=disabled"]
 
 
 def kvbench_cmd(*args):
@@ -94,9 +107,25 @@ def test_submitit_local_multirun_writes_every_record(tmp_path):
     assert "2 ok" in proc.stdout
 
 
+def test_joblib_multirun_measures_each_job_in_its_own_process(tmp_path):
+    """hydra/launcher=joblib runs jobs in loky worker processes; each still measures in a
+    process of its own. (With multiprocessing's spawn the child inherited the start method
+    'loky' and died before measuring.)"""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        kvbench_cmd("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=1", *TINY, "runtime.threads=1",
+                    "attention=mqa", f"hydra.sweep.dir={sweep}"),
+        cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = read_record(sweep / "0")
+    assert record.status == "ok", record.error
+    assert record.metrics["kv_cache_bytes"] == record.metrics["kv_cache_bytes_formula"] == 2 * 2 * 1 * 8 * 18 * 4
+    assert "1 ok" in proc.stdout
+
+
 def test_sigkill_mid_sweep_then_rerun_completes_only_the_missing_jobs(tmp_path):
     sweep = tmp_path / "sweep"
-    args = kvbench_cmd("-m", *TINY, "attention=gqa", "attention.num_kv_heads=2",
+    args = kvbench_cmd("-m", *IN_PROCESS, "attention=gqa", "attention.num_kv_heads=2",
                        "workload.batch_size=1,2,3,4,5,6", f"hydra.sweep.dir={sweep}")
     proc = subprocess.Popen(args, cwd=tmp_path, env=run_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -150,3 +179,129 @@ def test_report_counts_each_job_once_over_a_sweep_from_two_hosts(tmp_path):
     assert [r["env"]["hostname"] for r in report.records] == ["node-a", "node-b", "node-a", "node-b"]
     with (sweep / "summary.csv").open() as f:
         assert [r["job"] for r in csv.DictReader(f)] == ["0", "1", "2", "3"]
+
+
+def test_ctrl_c_stops_the_sweep_with_its_table_and_resume_reruns_only_the_interrupted_job(tmp_path):
+    """Job 1 of 3 is interrupted by a real SIGINT inside its trials: the sweep stops (exit 130)
+    with a table of what finished (job 2 never ran); the same command again skips job 0 and runs
+    jobs 1 and 2. (Before: job 1 was recorded ok, and resume skipped it.)"""
+    sweep = tmp_path / "sweep"
+    args = ["-m", *LONG, "runtime.repeats=2,300,1", f"hydra.sweep.dir={sweep}"]
+    first = LiveKvbench(*args, cwd=tmp_path)
+    first.wait_for(r": 0/300$")
+    first.proc.send_signal(signal.SIGINT)
+    assert first.finish() == 130, first.output
+    assert read_record(sweep / "0").status == "ok"
+    interrupted = read_record(sweep / "1")
+    assert interrupted.status == "interrupted" and "decode_ms_p50" not in interrupted.metrics
+    assert not (sweep / "2").exists()
+    assert "(interrupted)" in first.stdout and "1 ok, 1 interrupted, 1 not run" in first.stdout
+    done = (sweep / "0" / "results.json").read_bytes(), (sweep / "0" / "results.json").stat().st_mtime_ns
+
+    again = LiveKvbench(*args, cwd=tmp_path)
+    assert again.finish(timeout=600) == 0, again.output
+    assert again.stderr.count("skipped:") == 1 and again.stdout.count("results: ") == 2
+    assert ((sweep / "0" / "results.json").read_bytes(), (sweep / "0" / "results.json").stat().st_mtime_ns) == done
+    assert [read_record(sweep / str(j)).status for j in range(3)] == ["ok"] * 3
+    assert [read_record(sweep / str(j)).get("runtime.repeats") for j in range(3)] == [2, 300, 1]
+    assert "3 ok" in again.stdout
+
+
+def test_a_job_process_killed_mid_job_becomes_a_record_and_the_sweep_goes_on(tmp_path):
+    """SIGKILL to the process measuring job 0 (what the OOM killer or `kill -9` does): job 0 is
+    recorded (interrupted, or oom if the kernel's OOM-kill count rose meanwhile), job 1 runs."""
+    sweep = tmp_path / "sweep"
+    run = LiveKvbench("-m", *LONG, "runtime.repeats=100000,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    run.wait_for(r": 0/100000$")
+    oom_before = oom_kills()
+    run.job_process().kill()
+    assert run.finish() == 1, run.output  # a job of the sweep has no result
+    killed, after = read_record(sweep / "0"), read_record(sweep / "1")
+    expected = "oom" if oom_kills() != oom_before else "interrupted"
+    assert killed.status == expected and "SIGKILL" in killed.error, killed.error
+    assert killed.get("runtime.repeats") == 100000 and killed.overrides[-1] == "runtime.repeats=100000"
+    assert after.status == "ok" and after.metrics["decode_ms_p50"] > 0
+    assert f"1 {expected}, 1 ok" in run.stdout
+
+
+def test_two_kvbench_processes_on_one_sweep_never_measure_one_job_twice(tmp_path):
+    """While the first kvbench runs job 0, a second one on the same sweep directory finds it
+    claimed: one line naming the holder, no measuring process, `running` in its table."""
+    sweep = tmp_path / "sweep"
+    # The claim is kvbench's own, isolated or not: the first measures in-process (one torch import less).
+    args = ["-m", *LONG, "runtime.repeats=100000", "runtime.isolate=false", f"hydra.sweep.dir={sweep}"]
+    first = LiveKvbench(*args, cwd=tmp_path)
+    first.wait_for(r": 0/100000$")
+    second = LiveKvbench(*args, cwd=tmp_path)
+    assert second.finish() == 0, second.output
+    [line] = [line for line in second.err_lines if "skipped:" in line]
+    assert f"is being run by {os.uname().nodename} pid {first.pid} since" in line
+    assert ": 0/100000" not in second.stderr  # it never started the job's trials
+    assert "running" in second.stdout and "1 running" in second.stdout
+    first.proc.send_signal(signal.SIGINT)
+    assert first.finish() == 130
+    assert read_record(sweep / "0").status == "interrupted"
+
+
+def test_each_job_of_a_sweep_reports_its_own_peak_rss_and_threads(tmp_path):
+    """Job 0 holds ~300 MB more than job 1 and sets its own thread count; job 1 (threads null)
+    must report its own smaller peak and torch's default count, not job 0's. (Before: one
+    process for the sweep, so job 1 inherited both.)"""
+    presets = tmp_path / "conf" / "experiment"
+    presets.mkdir(parents=True)
+    threads = DEFAULT_THREADS + 1
+    (presets / "big.yaml").write_text("# @package _global_\nmodel:\n  vocab_size: 400000\n"
+                                      f"runtime:\n  threads: {threads}\n")
+    (presets / "small.yaml").write_text("# @package _global_\nruntime:\n  threads: null\n")
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(kvbench_cmd("--config-dir", str(tmp_path / "conf"), "-m", *TINY,
+                                      "experiment=big,small", f"hydra.sweep.dir={sweep}"),
+                          cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    big, small = read_record(sweep / "0"), read_record(sweep / "1")
+    assert big.get("model.vocab_size") == 400000 and small.get("model.vocab_size") == 256
+    # the big job's embedding and LM head alone: 2 x 400000 x 64 float32 = 205 MB
+    assert big.metrics["weight_bytes"] - small.metrics["weight_bytes"] > 2 * 400000 * 64 * 4 * 0.99
+    assert small.metrics["peak_rss_bytes"] < big.metrics["peak_rss_bytes"] - 150 * 2**20
+    assert (big.env["torch_num_threads"], small.env["torch_num_threads"]) == (threads, DEFAULT_THREADS)
+
+
+def sweep_config(sweep_dir, *task):
+    cfg = compose_cfg(*[o.split(",")[0] for o in task], hydra=True)
+    cfg.hydra.overrides.task = list(task)
+    cfg.hydra.sweep.dir = str(sweep_dir)
+    return cfg
+
+
+def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, capsys):
+    """This sweep is 2 jobs. On disk: job 0 ok, job 1 a results.json that parses but is no
+    record (metrics a list), and records an earlier sweep left (job 1's directory once held
+    another job; jobs 2 and 3 are beyond this sweep). The table, report and exit code see
+    only this sweep's 2 jobs, and never crash."""
+    from kvbench.cli import sweep_end
+    from kvbench.sinks.report import CSV_FILE
+
+    sweep = tmp_path / "sweep"
+    task = ["model=tiny", "attention.num_kv_heads=2,4"]
+    cfg = sweep_config(sweep, *task)
+    config = lambda kv: asdict(to_bench_config(compose_cfg("model=tiny", f"attention.num_kv_heads={kv}")))
+    RunResult("ok", config(2), overrides=["model=tiny", "attention.num_kv_heads=2"],
+              metrics={"decode_ms_p50": 1.0}).write(sweep / "0")
+    (sweep / "1").mkdir()
+    (sweep / "1" / "results.json").write_text('{"status": "ok", "config": {}, "metrics": [1, 2]}')
+    for job in ("2", "3"):  # an earlier, longer sweep's failures
+        RunResult("error", config(2), overrides=["attention.num_kv_heads=1"], error="boom").write(sweep / job)
+    assert sweep_end(cfg) == 1  # job 1 of this sweep has no readable record
+    out = capsys.readouterr().out
+    assert "1 ok, 1 unreadable" in out and "error" not in out.split("kvbench sweep")[1].split("—")[0]
+    with (sweep / CSV_FILE).open() as f:
+        assert [(r["job"], r["status"]) for r in csv.DictReader(f)] == [("0", "ok"), ("1", "unreadable")]
+
+    # Job 1 written by an earlier sweep with other overrides: not this sweep's; then its own.
+    RunResult("error", config(4), overrides=["attention.num_kv_heads=4"], error="boom").write(sweep / "1")
+    assert sweep_end(cfg) == 1 and "1 ok, 1 not run" in capsys.readouterr().out
+    RunResult("ok", config(4), overrides=["model=tiny", "attention.num_kv_heads=4"]).write(sweep / "1")
+    assert sweep_end(cfg) == 0 and "2 ok —" in capsys.readouterr().out
+    # claimed by a process still running it (here: this test): running, not done, not failed
+    with claim_job(sweep / "1"):
+        assert sweep_end(cfg) == 0 and "1 ok, 1 running" in capsys.readouterr().out

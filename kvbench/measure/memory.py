@@ -19,7 +19,9 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 MEMORY_METHODS: Dict[str, str] = {
-    "peak_rss_bytes": "bytes; getrusage ru_maxrss (process peak since start, not per region)",
+    "peak_rss_bytes": "bytes; getrusage ru_maxrss: peak resident set of the job's process since it started "
+                      "(runtime.isolate=true: a fresh process per job; in one process with earlier jobs: null, "
+                      "and peak_rss_reason says so)",
     "torch_peak_allocated_bytes": "bytes; torch.cuda.max_memory_allocated after "
                                   "reset_peak_memory_stats at enter (tensors of this process)",
     "torch_peak_reserved_bytes": "bytes; torch.cuda.max_memory_reserved, same window "

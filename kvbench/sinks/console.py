@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -101,8 +102,28 @@ def run_table(record: Dict[str, Any]) -> Table:
 
 
 def progress_bar(label: str, total: int):
-    """:func:`trial_progress` when there is more than one trial to show, else nothing."""
-    return trial_progress(label, total) if total > 1 else nullcontext(None)
+    """:func:`trial_progress` when there is more than one trial to show, else nothing. Where
+    stderr is no terminal (a log file, a pipe) a bar would not show: a line as the trials
+    start and one as they end instead."""
+    if total <= 1:
+        return nullcontext(None)
+    return trial_progress(label, total) if stderr.is_terminal else progress_lines(label, total)
+
+
+@contextmanager
+def progress_lines(label: str, total: int):
+    """``  <label>: 0/<total>`` now and ``  <label>: <done>/<total> in <s> s`` at the end."""
+    stderr.print(f"  {label}: 0/{total}", markup=False, soft_wrap=True)
+    start, done = time.perf_counter(), [0]
+
+    def tick(description=None):
+        done[0] += 1
+
+    try:
+        yield tick
+    finally:
+        stderr.print(f"  {label}: {done[0]}/{total} in {time.perf_counter() - start:.1f} s", markup=False,
+                     soft_wrap=True)
 
 
 def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable = ()) -> Table:
@@ -122,7 +143,7 @@ def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable
     for rec in records:
         metrics = rec.get("metrics", {})
         status = rec.get("status", "?")
-        style = {"ok": "green", "invalid": "yellow", "oom": "magenta"}.get(status, "red")
+        style = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running": "cyan"}.get(status, "red")
         row = [str(rec.get("job", ""))] + [fmt(lookup(rec.get("config", {}), key), "{}") for key, _ in axes]
         row.append(f"[{style}]{status}[/]")
         row += [fmt(metrics.get(key), spec) for key, _, spec in columns]

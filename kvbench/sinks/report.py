@@ -5,10 +5,12 @@ wrote when the job started), so it works on any directory, with or without W&B, 
 after a sweep. Written at the end of every multirun by the CLI and on demand by
 ``kvbench-report DIR``.
 
-Every job is a row: ``ok``, ``invalid``, ``oom``, ``error``, ``missing`` (a Hydra job directory
-without results.json: the job was killed, e.g. by SIGKILL, or has not finished) and
-``unreadable`` (a results.json that does not parse). Non-ok jobs are also listed with their
-overrides and error in their own section, and every plot notes how many jobs it leaves out.
+Every job is a row: ``ok``, ``invalid``, ``oom``, ``error``, ``interrupted``, ``running`` (a
+job directory another process holds the claim of), ``missing`` (a Hydra job directory without
+results.json: the job was killed, e.g. by SIGKILL, or has not finished) and ``unreadable`` (a
+results.json that is not a record: it does not parse, or a field has the wrong type). Non-ok
+jobs are also listed with their overrides and error in their own section, and every plot notes
+how many jobs it leaves out.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from kvbench.results import RESULTS_FILE, RecordError, find_results, flatten, lookup, read_record
+from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, flatten, lookup, read_record
 from kvbench.sinks.console import AXES, HEADLINE, fmt
 from kvbench.sinks.plots import draw_all, natural  # matplotlib is imported only when drawing
 
@@ -61,6 +63,8 @@ def _hidden(path: Path, root: Path) -> bool:
 
 
 def _read_yaml(path: Path) -> Any:
+    if not path.is_file():  # a FIFO would block the read
+        return None
     try:
         return yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
@@ -79,9 +83,11 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
         try:
             rec = read_record(path).to_dict()
         except RecordError as exc:
+            config, overrides = (_read_yaml(path.parent / ".hydra" / name) for name in ("config.yaml",
+                                                                                       "overrides.yaml"))
             rec = {"status": "unreadable", "error": f"{path.name}: {str(exc).removeprefix(str(path) + ': ')}",
-                   "config": (_read_yaml(path.parent / ".hydra" / "config.yaml") or {}),
-                   "overrides": _read_yaml(path.parent / ".hydra" / "overrides.yaml") or []}
+                   "config": config if isinstance(config, dict) else {}, "metrics": {},
+                   "overrides": overrides if isinstance(overrides, list) else []}
         rec["job"] = job
         records[job] = rec
     for overrides_file in root.rglob(".hydra/overrides.yaml"):
@@ -92,9 +98,13 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
         config = _read_yaml(job_dir / ".hydra" / "config.yaml") or {}
         if isinstance(config, dict) and config.get("task") == "inspect":
             continue  # inspect jobs print a table and write no record by design
-        records[job] = {"job": job, "status": "missing", "config": config if isinstance(config, dict) else {},
-                        "overrides": _read_yaml(overrides_file) or [], "metrics": {},
-                        "error": "no results.json: the job was killed or has not finished"}
+        holder = claim_holder(job_dir)
+        overrides = _read_yaml(overrides_file)
+        records[job] = {"job": job, "status": "running" if holder else "missing",
+                        "config": config if isinstance(config, dict) else {},
+                        "overrides": overrides if isinstance(overrides, list) else [], "metrics": {},
+                        "error": f"claimed by {holder}" if holder else
+                        "no results.json: the job was killed or has not finished"}
     return [records[k] for k in sorted(records, key=natural)]  # job 10 after job 9
 
 
@@ -189,14 +199,16 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: bool = True) -> Report:
-    """Gather every job under ``root`` into ``summary.csv``, ``summary.md`` and plots in
-    ``out_dir`` (default ``root``). Raises FileNotFoundError / ValueError with a clear message
-    for a missing directory or one without any job."""
+def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: bool = True,
+                 records: Optional[List[Dict[str, Any]]] = None) -> Report:
+    """Gather every job under ``root`` (or the given ``records``, e.g. only the jobs of the
+    sweep that just ended) into ``summary.csv``, ``summary.md`` and plots in ``out_dir``
+    (default ``root``). Raises FileNotFoundError / ValueError with a clear message for a
+    missing directory or one without any job."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no such directory: {root}")
-    records = collect(root)
+    records = collect(root) if records is None else records
     if not records:
         raise ValueError(f"no {RESULTS_FILE} and no Hydra job directory (.hydra/overrides.yaml) under {root}")
     out = Path(out_dir) if out_dir is not None else root

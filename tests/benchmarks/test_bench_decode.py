@@ -58,10 +58,14 @@ def test_decode_step(benchmark, slowdown, variant, impl):
     torch.testing.assert_close(logits, recompute_last_logits(model, seq), atol=ATOL, rtol=0)
     expected = 0 if impl == "none" else formula_bytes(model, S)
     assert cache.nbytes == expected
-    info = record_config(benchmark, model, cache_impl=impl, batch_size=BATCH_SIZE,
-                         cached_len=PROMPT_LEN, kv_cache_bytes=cache.nbytes,
-                         kv_cache_bytes_formula=formula_bytes(model, S))
-    assert info["attention"]["num_kv_heads"] == VARIANTS[variant]
+    # What was timed is the variant it is named after: the weights that make K and V have that
+    # many heads in every layer (the config alone could say anything).
+    D = model.config.head_dim
+    for block in model.blocks:
+        assert block.attn.wk.weight.shape == block.attn.wv.weight.shape == (VARIANTS[variant] * D, model.config.d_model)
+    record_config(benchmark, model, cache_impl=impl, batch_size=BATCH_SIZE,
+                  cached_len=PROMPT_LEN, kv_cache_bytes=cache.nbytes,
+                  kv_cache_bytes_formula=formula_bytes(model, S))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -33,5 +33,20 @@ def test_bfloat16_fidelity_is_nonzero_but_bounded():
     d = dtype_fidelity(low, None, prompt, gen_len=10)  # reference: the same weights in float32
     assert 0 < d["dtype_max_abs_logit_diff"] < 1.0
     assert d["dtype_top1_agreement"] > 0.5
-    exact = dtype_fidelity(model, model, prompt, gen_len=10)
-    assert exact == {"dtype_max_abs_logit_diff": 0.0, "dtype_top1_agreement": 1.0}
+    # The default reference is the float32 copy of the same weights, nothing else.
+    assert dtype_fidelity(low, float32_copy(low), prompt, gen_len=10) == d
+
+
+def test_dtype_fidelity_measures_rounding_and_sees_other_weights():
+    """Against independent facts rather than the function itself: bfloat16 keeps 8 mantissa
+    bits to float16's 11, so it drifts further from float32 on the same weights; and a
+    reference with other weights is reported as a large difference, not as agreement."""
+    model = _sharp(byte_decoder(2)).eval()
+    prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    drift = {dtype: dtype_fidelity(float32_copy(model).to(dtype), model, prompt, gen_len=10)["dtype_max_abs_logit_diff"]
+             for dtype in (torch.float16, torch.bfloat16)}
+    assert 0 < drift[torch.float16] < drift[torch.bfloat16] / 2
+    other = _sharp(byte_decoder(2, seed=1)).eval()
+    unrelated = dtype_fidelity(float32_copy(model).to(torch.bfloat16), other, prompt, gen_len=10)
+    assert unrelated["dtype_max_abs_logit_diff"] > 10 * drift[torch.bfloat16]
+    assert unrelated["dtype_top1_agreement"] < 0.5

@@ -194,3 +194,44 @@ def test_console_script_writes_the_report(sweep, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "18 jobs (14 ok, 1 invalid, 1 missing, 1 oom, 1 unreadable)" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [CSV_FILE, MD_FILE]
+
+
+def test_malformed_records_are_unreadable_rows_never_a_crash(tmp_path, capsys):
+    """kvbench-report over whatever a hostile or broken disk holds: each job that has no
+    record is an unreadable row naming what is wrong, and the report (plots included) is made.
+    (Before: a record that parsed but had, say, a list for metrics crashed the report.)"""
+    import os
+
+    good = asdict(bench("gqa", 2))
+    broken = {
+        "metrics_list": '{"status": "ok", "config": {}, "metrics": [1, 2]}',
+        "overrides_int": '{"status": "ok", "config": {}, "overrides": 5}',
+        "turns_not_rows": '{"status": "ok", "config": {}, "tables": {"turns": "x"}}',
+        "unknown_status": '{"status": "finished", "config": {}}',
+        "torn": '{"status": "ok", "conf',
+        "not_utf8": b"\xff\xfe\x00",
+        "deep": "[" * 50000 + "]" * 50000,
+    }
+    for name, content in broken.items():
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "results.json"
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "results.json")  # reading it would wait forever for a writer
+    hydra_files(tmp_path / "fifo_hydra", good, ["a=1"])
+    (tmp_path / "fifo_hydra" / ".hydra" / "overrides.yaml").unlink()
+    os.mkfifo(tmp_path / "fifo_hydra" / ".hydra" / "overrides.yaml")
+    (tmp_path / "dir" / "results.json").mkdir(parents=True)
+    # well-typed but odd values reach the tables and plots: a string latency, a huge KV count
+    for n, prompt in enumerate((16, 32)):
+        odd = asdict(bench("gqa", 2, prompt=prompt))
+        RunResult("ok", odd, metrics={"decode_ms_p50": "fast" if n else 1.0, "tokens_per_s": None,
+                                      "kv_cache_bytes": 10**30}).write(tmp_path / f"odd{n}")
+    assert main([str(tmp_path)]) == 0, capsys.readouterr().err
+    with (tmp_path / CSV_FILE).open() as f:
+        rows = {r["job"]: r for r in csv.DictReader(f)}
+    assert {j for j, r in rows.items() if r["status"] == "unreadable"} == {*broken, "fifo", "dir"}
+    assert "metrics has type list" in rows["metrics_list"]["error"]
+    assert "not a regular file" in rows["fifo"]["error"]
+    assert rows["odd0"]["status"] == rows["odd1"]["status"] == "ok"
+    assert "fifo_hydra" not in rows or rows["fifo_hydra"]["status"] == "missing"

@@ -1,0 +1,307 @@
+"""One job in a fresh process (``runtime.isolate=true``, the default).
+
+A process remembers: ``getrusage``'s peak RSS is the peak since the process started, and
+torch's thread count and CUDA allocator outlive a job, so in one process every job after the
+first would carry the earlier jobs' figures. So the Hydra job function (the parent) starts a
+child, a new Python interpreter (``python -c "...child_main()"``: nothing inherited but the
+environment, CUDA works in it), feeds it the job on stdin; the child resolves the device,
+measures, writes ``results.json`` and hands its record back over a pipe. optimum-benchmark's
+process launcher works the same way. (Not multiprocessing: its ``spawn`` re-imports the
+parent's ``__main__`` and carries over the parent's start method, which in a joblib worker is
+``loky``, unknown to a fresh interpreter.)
+
+The parent turns every way a child can end into a record (written by the parent when the
+child left none):
+
+- the child hands back its record: that record, whatever its status;
+- it dies without one: SIGKILL is ``oom`` when the kernel's OOM-kill count rose during the
+  job, or when the count cannot be read (the error then says the OOM killer is only the likely
+  cause), else ``interrupted`` (something killed it); SIGINT, SIGTERM, SIGHUP and the like are
+  ``interrupted``; a crash (SIGSEGV, SIGABRT, ...) or an exit code is ``error``, named;
+- the parent itself is stopped (Ctrl-C, SIGTERM, a launcher's SystemExit on preemption): it
+  passes the signal on, gives the child :data:`GRACE_S` to write its ``interrupted`` record,
+  kills it if it has not, and raises the interruption again with ``exc.record`` set.
+
+The child watches its parent (a pipe whose writing end only the parent holds, so it reads
+end-of-file when the parent dies, even by SIGKILL) and then stops as if interrupted. A killed
+sweep therefore leaves no job measuring on its own after its claim on the job directory is
+gone (a resumed sweep could otherwise run it a second time, at once).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from kvbench.config import BenchConfig, to_bench_config
+from kvbench.interrupts import Interrupted, describe_stop, interruptible, stop_reasons
+from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record
+from kvbench.runner import Progress, no_progress, run_job, save, utc_now
+
+GRACE_S = 30.0  # how long an interrupted child may take to write its record before it is killed
+# Signals that mean "stop" when they kill a process: sent by a person, a shell or a scheduler.
+_STOPPED_BY = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+               signal.SIGUSR2, signal.SIGALRM, signal.SIGXCPU)
+# Signals a launcher may own in the parent (submitit: SIGTERM bypassed, SIGUSR2 requeues).
+_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+Measure = Callable[..., RunResult]  # run_job's signature
+
+
+def launch_job(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
+               progress: Progress = no_progress) -> RunResult:
+    """Run one job as ``runtime.isolate`` says: in a fresh process, or in this one. A config
+    that does not validate is recorded ``invalid`` here: there is nothing to isolate."""
+    try:
+        job = to_bench_config(cfg)
+    except Exception:  # noqa: BLE001 — run_job records any config failure with its message
+        return run_job(cfg, out_dir, overrides, progress)
+    if not job.runtime.isolate:
+        return run_job(job, out_dir, overrides, progress)
+    return run_isolated(job, out_dir, overrides, progress)
+
+
+def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
+                 progress: Progress = no_progress, measure: Measure = run_job) -> RunResult:
+    """``measure(job, out_dir, overrides, progress)`` in a new process; returns its record,
+    or the record of how it died. ``measure`` and ``progress`` must be importable functions
+    (they are pickled by reference); ``measure`` is a seam for tests that crash a child."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # A signal a launcher handles here is the launcher's to act on: the child ignores it and
+    # the parent stops the child itself (with SIGINT) when the launcher says so.
+    ignored = [s for s in _LAUNCHER_SIGNALS if callable(signal.getsignal(s))]
+    before, oom_before, started = _file_id(out_dir), oom_kills(), utc_now()
+    lost = lambda status, error: _lost(job, out_dir, overrides, started, before, status, error)
+    child = None
+    with interruptible(once=False):
+        try:
+            child = _Child((sys.path, ignored), (measure, job, str(out_dir), list(overrides or []), progress))
+            message = child.collect()
+        except Exception as exc:  # noqa: BLE001 — the parent's side failing is a record too, never a lost job
+            _stop(child, None, ignored)
+            return lost("error", f"{type(exc).__name__}: {exc} (running the job's process)")
+        except BaseException as exc:  # Ctrl-C, SIGTERM, a launcher's SystemExit: record, then raise again
+            result = _stop(child, exc, ignored)
+            if result is None:
+                result = lost("interrupted", describe_stop(exc) + "; the job's process left no record")
+            elif result.status == "interrupted" and not isinstance(exc, Interrupted):
+                # The child only saw the SIGINT it was stopped with; the cause is the parent's.
+                result.error = describe_stop(exc)
+                save(result, out_dir)
+            exc.record = result
+            raise
+        finally:
+            if child is not None:
+                child.close()
+    if message is not None:
+        return _record_of(message)
+    return lost(*death_status(child.proc.returncode, oom_before, oom_kills()))
+
+
+def _record_of(message: dict) -> RunResult:
+    result = RunResult.from_dict(message["record"])
+    result.unsaved = message["unsaved"]
+    return result
+
+
+class _Child:
+    """A job's process: a new interpreter running :func:`child_main`, given its set-up and job
+    on stdin (two pickles: what to do before importing anything, then the job), handing its
+    record back on one pipe and watching another for the end of this process."""
+
+    def __init__(self, setup: tuple, job: tuple):
+        self.records, record_w = os.pipe()
+        alive_r, self._alive = os.pipe()  # only this process holds the writing end
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from kvbench.isolation import child_main; child_main()",
+                 str(record_w), str(alive_r)], stdin=subprocess.PIPE, pass_fds=(record_w, alive_r))
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(record_w)
+            os.close(alive_r)
+        try:
+            with self.proc.stdin as stdin:
+                pickle.dump(setup, stdin)
+                pickle.dump(job, stdin)
+        except BaseException:  # the caller never gets this object: leave nothing behind
+            self.proc.kill()
+            self.proc.wait()
+            self.close()
+            raise
+
+    def collect(self, timeout: Optional[float] = None) -> Optional[dict]:
+        """The child's message once it has exited (None if it sent none), read while it runs
+        (a record larger than the pipe's buffer would otherwise block it). With ``timeout``,
+        gives up after that many seconds, leaving the child running."""
+        chunks = []
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if end is None else max(0.0, end - time.monotonic())
+            if not select.select([self.records], [], [], remaining)[0]:
+                return None
+            chunk = os.read(self.records, 1 << 16)
+            if not chunk:  # end of file: the child closed its end, or died
+                break
+            chunks.append(chunk)
+        self.proc.wait(None if end is None else max(0.1, end - time.monotonic()))
+        try:
+            return pickle.loads(b"".join(chunks)) if chunks else None
+        except Exception:  # noqa: BLE001 — a record cut short by the child's death is no record
+            return None
+
+    def close(self) -> None:
+        for fd in (self.records, self._alive):
+            os.close(fd)
+
+
+def child_main() -> None:
+    """Entry point of a job's process (see :class:`_Child`): measure, hand the record back,
+    exit 0 (128 + signal when interrupted)."""
+    record_fd, alive_fd = int(sys.argv[1]), int(sys.argv[2])
+    for fd in (record_fd, alive_fd):
+        os.set_inheritable(fd, False)  # processes the job starts must not hold them open
+    stdin = sys.stdin.buffer
+    sys.path[:], ignored = pickle.load(stdin)  # the parent's, so that its functions import here
+    for signum in ignored:
+        signal.signal(signum, signal.SIG_IGN)
+    _watch_parent(alive_fd)
+    code, result = 0, None
+    try:
+        measure, job, out_dir, overrides, progress = pickle.load(stdin)
+        result = measure(job, out_dir, overrides, progress)
+    except BaseException as exc:  # noqa: BLE001 — an interruption: its record is written; hand it over below
+        result = getattr(exc, "record", None)
+        code = 128 + exc.signum if isinstance(exc, Interrupted) else 1
+        if result is None and not isinstance(exc, KeyboardInterrupt):
+            raise  # no record to hand over: the traceback is the evidence, the parent records the exit
+    # The job is over: a late signal must not cut the hand-over short.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        with os.fdopen(record_fd, "wb") as pipe:
+            if result is not None:
+                pickle.dump({"record": result.to_dict(), "unsaved": result.unsaved}, pipe)
+    except OSError:
+        pass  # the parent is gone (the record is on disk, if the disk took it)
+    sys.exit(code)
+
+
+def _watch_parent(alive_fd: int) -> None:
+    """When the parent process ends (even by SIGKILL), interrupt this child's job so that it
+    records ``interrupted`` and exits; after GRACE_S, exit regardless."""
+
+    def watch() -> None:
+        while os.read(alive_fd, 1):
+            pass  # nothing is ever written: this returns at end of file, when the parent is gone
+        stop_reasons[signal.SIGINT] = "interrupted: the job's parent process ended"
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(GRACE_S)
+        os._exit(128 + signal.SIGINT)
+
+    threading.Thread(target=watch, name="kvbench-parent-watch", daemon=True).start()
+
+
+def _stop(child: Optional[_Child], exc: Optional[BaseException], ignored: List[int]) -> Optional[RunResult]:
+    """The parent was stopped by ``exc``: pass it on to the child, wait up to GRACE_S for its
+    record (a second Ctrl-C stops the wait), then make sure the child is gone. Without
+    ``exc`` (the parent's side failed) the child is killed at once."""
+    if child is None:
+        return None  # never started
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    if signum in ignored:
+        signum = signal.SIGINT  # the child always takes SIGINT as "stop"
+    message = None
+    try:
+        if exc is not None:
+            if child.proc.poll() is None:
+                os.kill(child.proc.pid, signum)
+            message = child.collect(GRACE_S)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        pass  # impatience, or a child that does not stop: kill it below
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+    return None if message is None else _record_of(message)
+
+
+def _lost(job: BenchConfig, out_dir: Path, overrides: Optional[List[str]], started: str,
+          before: Optional[tuple], status: str, error: str) -> RunResult:
+    """The record of a job whose process handed none back: the one it wrote if it died right
+    after writing it, else one written here with ``status`` and ``error``."""
+    if _file_id(out_dir) != before:
+        try:
+            return read_record(out_dir)
+        except RecordError:
+            pass  # not a record it finished writing: describe the end instead
+    result = RunResult(status=status, config=asdict(job), overrides=list(overrides or []), error=error,
+                       started_at=started, finished_at=utc_now(), env={"hostname": socket.gethostname()})
+    save(result, out_dir)
+    return result
+
+
+def death_status(exitcode: Optional[int], oom_before: Optional[int], oom_after: Optional[int]) -> Tuple[str, str]:
+    """(status, error) of a job process that ended with ``exitcode`` (negative: killed by
+    that signal, as subprocess reports it) without handing back a record; the OOM-kill
+    counts from before and after the job tell an OOM kill from any other SIGKILL."""
+    if exitcode is None or exitcode >= 0:
+        return "error", f"the job's process exited with code {exitcode} without writing a record"
+    signum = -exitcode
+    name = _signal_name(signum)
+    if signum == signal.SIGKILL:
+        if oom_before is None or oom_after is None:
+            return "oom", ("the job's process was killed by SIGKILL, most likely by the kernel's OOM killer "
+                           "(unconfirmed: /proc/vmstat has no oom_kill count here)")
+        if oom_after > oom_before:
+            return "oom", (f"the job's process was killed by SIGKILL while the kernel's OOM killer killed "
+                           f"{oom_after - oom_before} process(es) (/proc/vmstat oom_kill): out of memory")
+        return "interrupted", ("the job's process was killed by SIGKILL, not by the kernel's OOM killer "
+                               "(/proc/vmstat oom_kill unchanged): a person or a scheduler killed it")
+    if signum in _STOPPED_BY:
+        return "interrupted", f"the job's process was killed by {name} before it wrote a record"
+    return "error", f"the job's process died of {name} ({signal.strsignal(signum)})"
+
+
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's OOM killer has killed since boot, in any cgroup
+    (``oom_kill`` in /proc/vmstat, Linux >= 4.13); None where that cannot be read."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _file_id(out_dir: Path) -> Optional[tuple]:
+    # Records are replaced by rename, so a new one is a new inode.
+    try:
+        info = (out_dir / RESULTS_FILE).stat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_mtime_ns
