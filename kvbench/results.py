@@ -3,17 +3,19 @@
 This module is the only reader and writer of records. Everything downstream (W&B, the sweep
 table, the report, resumption) reads a record through :class:`RunResult` /
 :func:`read_record`. A record is written atomically (temporary file in the same directory,
-fsync, rename), so a reader or a job killed mid-write never sees a torn file.
+fsync, rename), so a reader or a job killed mid-write never sees a torn file. It is strict
+JSON: a NaN or an infinity is written as null, and ``null_reasons`` says which value was what.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 RESULTS_FILE = "results.json"
 STATUSES = ("ok", "invalid", "oom", "error")
@@ -29,7 +31,9 @@ class RecordError(ValueError):
 @dataclass
 class RunResult:
     """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows;
-    ``methods`` the unit and method of each metric the job reported."""
+    ``methods`` the unit and method of each metric the job reported; ``null_reasons`` why a
+    value is null: a metric's name (or the dotted path of a value elsewhere in the record) ->
+    ``nan`` / ``inf`` / ``-inf``, the non-finite number it was."""
 
     status: str
     config: Dict[str, Any]
@@ -42,6 +46,7 @@ class RunResult:
     started_at: Optional[str] = None
     finished_at: Optional[str] = None
     methods: Dict[str, str] = field(default_factory=dict)
+    null_reasons: Dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -56,7 +61,18 @@ class RunResult:
         return lookup(self.config, dotted)
 
     def write(self, directory: Path | str) -> Path:
+        """Write results.json; non-finite numbers become nulls first (see :meth:`null_nonfinite`)."""
+        self.null_nonfinite()
         return write_json_atomic(Path(directory) / RESULTS_FILE, self.to_dict())
+
+    def null_nonfinite(self) -> None:
+        """Replace every NaN / infinity in the record by None and say why in ``null_reasons``,
+        so that the record in memory is the strict JSON written to disk."""
+        data, reasons = without_nonfinite({k: v for k, v in self.to_dict().items() if k != "null_reasons"})
+        for name, value in data.items():
+            setattr(self, name, value)
+        self.null_reasons.update({k[len("metrics."):] if k.startswith("metrics.") else k: why
+                                  for k, why in reasons.items()})
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "RunResult":
@@ -89,14 +105,56 @@ def read_record(path: Path | str) -> RunResult:
         raise RecordError(f"{path}: {exc}") from None
 
 
+def nonfinite_kind(value: Any) -> Optional[str]:
+    """``nan``, ``inf`` or ``-inf`` for a float that is not finite; None for anything else."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    return None
+
+
+def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:
+    """name -> ``nan`` / ``inf`` / ``-inf`` for each scalar metric that is not a finite number."""
+    return {name: kind for name, value in metrics.items() if (kind := nonfinite_kind(_plain(value)))}
+
+
+def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
+    """``tree`` with every non-finite float replaced by None, and the dotted path of each
+    replaced value -> its kind (``nan (3 values)`` for several in one list)."""
+    found: Dict[str, List[str]] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        node = _plain(node)
+        kind = nonfinite_kind(node)
+        if kind:
+            found.setdefault(path, []).append(kind)
+            return None
+        if isinstance(node, Mapping):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(v, path) for v in node]  # a list's values share its path
+        return node
+
+    clean = walk(tree, "")
+    reasons = {path: ", ".join(sorted(set(kinds))) + (f" ({len(kinds)} values)" if len(kinds) > 1 else "")
+               for path, kinds in found.items()}
+    return clean, reasons
+
+
+def _plain(value: Any) -> Any:
+    # torch / numpy scalars end up in metrics; compare and store them as plain numbers.
+    return value.item() if hasattr(value, "item") and not isinstance(value, (Mapping, list, tuple)) else value
+
+
 def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write JSON to ``path`` so that it is either the old file or the complete new one."""
+    """Write ``data`` to ``path`` as strict JSON (a NaN or an infinity is a ValueError, never a
+    bare ``NaN`` that strict parsers reject), so that it is either the old file or the complete
+    new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
+            json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -109,9 +167,8 @@ def write_json_atomic(path: Path, data: Any) -> Path:
 
 def _json_default(obj: Any) -> Any:
     # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
-    if hasattr(obj, "item"):
-        return obj.item()
-    return str(obj)
+    plain = _plain(obj)
+    return str(obj) if plain is obj else plain
 
 
 def find_results(root: Path | str) -> List[Path]:

@@ -2,8 +2,9 @@
 
 A job never raises for a bad value or an out-of-memory: it records ``invalid`` / ``oom`` with
 the message, keeps every metric measured before the failure, and writes the record
-atomically. Only the CLI decides what a status means for the exit code, and only the CLI
-builds progress bars: it hands :func:`run_job` a factory for them.
+atomically. A job whose metrics are not finite numbers is an ``error``, never ``ok``. Only the
+CLI decides what a status means for the exit code, and only the CLI builds progress bars: it
+hands :func:`run_job` a factory for them.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.checkpoint import convert_kv_heads, load_llama_dir
-from kvbench.config import BenchConfig, ConfigError, to_bench_config
+from kvbench.config import BenchConfig, ConfigError, one_line, to_bench_config
 from kvbench.device import resolve_device
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.train import run_eval, run_train
-from kvbench.results import RunResult
+from kvbench.results import RunResult, nonfinite_metrics
 from kvbench.workloads import decode, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
@@ -43,6 +45,7 @@ JOB_METHODS: Dict[str, str] = {
 }
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
+MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 
 
 @contextmanager
@@ -113,9 +116,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             overrides: Optional[List[str]] = None, progress: Progress = no_progress) -> RunResult:
     """Run one job and write ``results.json`` into ``out_dir``; returns the record."""
     out_dir = Path(out_dir)
-    raw = cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_container(cfg, resolve=True)
-    result = RunResult(status="ok", config=asdict(raw) if isinstance(raw, BenchConfig) else raw,
-                       overrides=list(overrides or []), started_at=_now(),
+    result = RunResult(status="ok", config=_as_given(cfg), overrides=list(overrides or []), started_at=_now(),
                        env={"hostname": socket.gethostname()})  # even a job that fails early says where
     try:
         job = to_bench_config(cfg)
@@ -128,17 +129,40 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
         if job.task not in TASKS:
             raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
         TASKS[job.task](job, device, out_dir, result, progress)
-    except ConfigError as exc:
+        nonfinite = nonfinite_metrics(result.metrics)
+        if nonfinite:  # NaN compares unequal to everything: such a run can only mislead
+            result.status = "error"
+            result.error = one_line("metrics are not finite numbers: " + ", ".join(
+                f"{k}={v}" for k, v in nonfinite.items()) + " (overflow or divergence; null in results.json)")
+    except ConfigError as exc:  # bounded to one line where it is raised
         result.status, result.error = "invalid", str(exc)
     except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
         result.status = "oom" if is_oom(exc) else "error"
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error = one_line(f"{type(exc).__name__}: {exc}")
         (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-        (out_dir / "error.txt").write_text(traceback.format_exc())
+        (out_dir / "error.txt").write_text(_bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
     finally:
         result.finished_at = _now()
         result.write(out_dir)
     return result
+
+
+def _as_given(cfg: DictConfig | BenchConfig) -> Dict:
+    """The job's config for its record before it is validated: resolved where it resolves (an
+    interpolation to a missing key is recorded as written, and the job is ``invalid``)."""
+    if isinstance(cfg, BenchConfig):
+        return asdict(cfg)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _bounded(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n… [{len(text) - limit:,} characters cut] …\n{text[-half:]}"
 
 
 def _now() -> str:

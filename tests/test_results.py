@@ -8,7 +8,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, register_configs, to_bench_config
-from kvbench.results import RecordError, RunResult, completed_record, flatten, lookup, read_record, write_json_atomic
+from kvbench.results import (
+    RecordError,
+    RunResult,
+    completed_record,
+    flatten,
+    lookup,
+    nonfinite_metrics,
+    read_record,
+    write_json_atomic,
+)
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
@@ -80,3 +89,35 @@ def test_lookup_and_flatten():
     tree = {"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}
     assert lookup(tree, "a.c.d") == [1, 2] and lookup(tree, "a.x") is None and lookup(tree, "e.f") is None
     assert flatten(tree) == {"a.b": 1, "a.c.d": [1, 2], "e": None}
+
+
+def strict_json(path):
+    """Parse as a strict JSON reader does: a bare NaN / Infinity is an error, not a number."""
+    def reject(token):
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
+def test_non_finite_numbers_are_written_as_null_with_a_reason(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    rec = RunResult("error", {"model": {"rope_theta": 10000.0}},
+                    metrics={"val_loss": nan, "perplexity": inf, "delta": -inf, "steps": 3, "ok": 1.5},
+                    series={"train_loss": [2.0, nan, nan], "decode_ms": [1.0]},
+                    tables={"curve": [{"step": 1, "val_loss": inf}, {"step": 2, "val_loss": 1.0}]})
+    rec.write(tmp_path)
+    data = strict_json(tmp_path / "results.json")
+    assert data["metrics"] == {"val_loss": None, "perplexity": None, "delta": None, "steps": 3, "ok": 1.5}
+    assert data["series"] == {"train_loss": [2.0, None, None], "decode_ms": [1.0]}
+    assert data["tables"]["curve"] == [{"step": 1, "val_loss": None}, {"step": 2, "val_loss": 1.0}]
+    assert data["null_reasons"] == {"val_loss": "nan", "perplexity": "inf", "delta": "-inf",
+                                    "series.train_loss": "nan (2 values)", "tables.curve.val_loss": "inf"}
+    assert read_record(tmp_path) == rec  # the record in memory is what was written
+    with pytest.raises(ValueError):  # and nothing else ever writes a bare NaN
+        write_json_atomic(tmp_path / "x.json", {"a": nan})
+
+
+def test_nonfinite_metrics_names_each_kind():
+    import torch
+
+    metrics = {"a": float("nan"), "b": torch.tensor(float("-inf")), "c": 1.0, "d": None, "e": "text"}
+    assert nonfinite_metrics(metrics) == {"a": "nan", "b": "-inf"}
