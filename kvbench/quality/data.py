@@ -2,7 +2,9 @@
 
 Read as bytes (a byte-level tokenizer, vocab 256), by default the Python standard library's own
 ``*.py`` sources in a fixed (hashed) order; or through a checkpoint's ``tokenizers`` tokenizer.
-The last ``data.val_fraction`` of the stream is validation, so the split never moves.
+The last ``data.val_fraction`` of the stream is validation, so the split never moves. Only
+regular files are read (a FIFO would block forever, a device never end), and never more than
+``data.max_bytes`` in all: each file is read up to what the cap has left.
 
 Notation: B batch, T sequence length.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,22 +45,25 @@ def default_corpus_root() -> Path:
 def corpus_files(path: Optional[str]) -> List[Path]:
     """The files of the corpus in a fixed order.
 
-    A directory: every non-hidden file, sorted by relative path (binary files are skipped when
-    read). Default: the standard library's ``*.py`` (installed packages excluded), ordered by a
-    hash of the relative path: a fixed order in which the ``max_bytes`` cap and the validation
-    tail sample the whole library, not its first modules alphabetically (which would put the
-    ``encodings/`` codec tables in validation).
+    A directory: every non-hidden regular file (FIFOs, sockets and devices are left out),
+    sorted by relative path (binary files are skipped when read). Default: the standard
+    library's ``*.py`` (installed packages excluded), ordered by a hash of the relative path: a
+    fixed order in which the ``max_bytes`` cap and the validation tail sample the whole
+    library, not its first modules alphabetically (which would put the ``encodings/`` codec
+    tables in validation).
     """
     root = Path(path) if path else default_corpus_root()
     if not root.exists():
         raise ConfigError(f"data.path={path!r}: no such file or directory")
-    if root.is_file():
+    if root.is_file():  # a regular file (or a link to one)
         return [root]
+    if not root.is_dir():
+        raise ConfigError(f"data.path={path!r}: not a regular file or a directory")
     found = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")]
         found += [Path(folder, f) for f in files
-                  if not f.startswith(".") and (path or f.endswith(".py"))]
+                  if not f.startswith(".") and (path or f.endswith(".py")) and Path(folder, f).is_file()]
 
     def key(p: Path) -> str:
         rel = p.relative_to(root).as_posix()
@@ -67,20 +73,34 @@ def corpus_files(path: Optional[str]) -> List[Path]:
 
 
 def read_corpus(cfg: DataConfig) -> bytes:
-    """The corpus as one byte string, files joined in order, cut at ``data.max_bytes``."""
+    """The corpus as one byte string, files joined in order, at most ``data.max_bytes``."""
     parts, total = [], 0
     for f in corpus_files(cfg.path):
-        blob = f.read_bytes()
+        left = None if cfg.max_bytes is None else cfg.max_bytes - total
+        blob = _read_regular(f, left, cfg.path)
         if b"\x00" in blob[:4096]:
             continue  # binary
         parts.append(blob)
         total += len(blob)
-        if cfg.max_bytes and total >= cfg.max_bytes:
+        if left is not None and len(blob) >= left:
             break
-    text = b"".join(parts)[: cfg.max_bytes or None]
+    text = b"".join(parts)
     if not text:
         raise ConfigError(f"data.path={cfg.path!r}: no text found")
     return text
+
+
+def _read_regular(file: Path, limit: Optional[int], path: Optional[str]) -> bytes:
+    """At most ``limit`` bytes of ``file`` (all of it for None), which must still be a regular
+    file when opened: non-blocking, so a FIFO swapped in after listing cannot hang the job."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"data.path={path!r}: cannot read {file} ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"data.path={path!r}: {file} is not a regular file")
+        return f.read() if limit is None else f.read(limit)
 
 
 def _split(ids: torch.Tensor, val_fraction: float) -> Tuple[torch.Tensor, torch.Tensor]:
