@@ -16,7 +16,6 @@ Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from kvbench.config import AttentionConfig, ConfigError, ModelConfig, typed
 from kvbench.model import Decoder, rope_tables, torch_dtype
+from kvbench.results import read_json
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -166,8 +166,8 @@ def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) 
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
     try:
-        return ModelConfig.from_hf_config(json.loads(config_path.read_text()), str(config_path), max_seq_len)
-    except ValueError as exc:  # ConfigError, or JSON that does not parse
+        return ModelConfig.from_hf_config(read_json(config_path), str(config_path), max_seq_len)
+    except (OSError, ValueError) as exc:  # ConfigError, JSON that does not parse, not a regular file
         raise CheckpointError(f"{config_path}: {exc}" if str(config_path) not in str(exc) else str(exc)) from None
 
 
@@ -184,12 +184,14 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     model_cfg = read_llama_config(directory, max_seq_len)
-    hf_config = json.loads((directory / "config.json").read_bytes())  # parsed once already
+    hf_config = read_json(directory / "config.json")  # parsed once already
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")
     tensors: Dict[str, torch.Tensor] = {}
     for f in files:
+        if not f.is_file():  # safetensors would block opening a FIFO
+            raise CheckpointError(f"{f}: not a regular file")
         for name, t in _reading(f, "safetensors file", partial(load_file, str(f))).items():
             tensors[_llama_name(name)] = t
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed.weight" in tensors:

@@ -218,6 +218,8 @@ class ModelConfig:
 
     def _shape_from_checkpoint(self) -> None:
         path = Path(self.path) / "config.json"
+        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+            raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
         try:
             hf = json.loads(path.read_bytes())
         except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError

@@ -9,9 +9,11 @@ JSON: a NaN or an infinity is written as null, and ``null_reasons`` says which v
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,9 +82,21 @@ class RunResult:
         return cls(**known)
 
 
+def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
+    """At most ``limit`` bytes of ``path`` (all of it for None). Anything but a regular file is
+    an OSError: a FIFO blocks its reader until a writer comes (forever, in a job) and a device
+    such as /dev/zero never ends. The check is made on the descriptor, opened non-blocking, so
+    a file replaced after it was listed cannot slip through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read() if limit is None else f.read(limit)
+
+
 def read_json(path: Path | str) -> Any:
-    """Parsed JSON of ``path``; OSError / ValueError pass through."""
-    return json.loads(Path(path).read_text())
+    """Parsed JSON of the regular file ``path``; OSError / ValueError pass through."""
+    return json.loads(read_regular(path))
 
 
 def read_record(path: Path | str) -> RunResult:

@@ -2,9 +2,11 @@
 helpers everything downstream reads a record with."""
 
 import json
+import os
 from dataclasses import asdict
 
 import pytest
+from conftest import call_with_timeout
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, register_configs, to_bench_config
@@ -70,6 +72,15 @@ def test_a_malformed_record_is_a_record_error_naming_the_file(tmp_path, content,
     assert str(tmp_path / "results.json") in str(err.value) and needle in str(err.value)
     with pytest.raises(RecordError, match="No such file"):
         read_record(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("special", ["fifo", "directory"])
+def test_a_results_json_that_is_not_a_regular_file_is_a_record_error(tmp_path, special):
+    """A FIFO named results.json once blocked the reader (resume, the report) forever."""
+    os.mkfifo(tmp_path / "results.json") if special == "fifo" else (tmp_path / "results.json").mkdir()
+    with pytest.raises(RecordError, match="results.json"):
+        call_with_timeout(lambda: read_record(tmp_path / "results.json"))
+    assert call_with_timeout(lambda: completed_record(tmp_path, {})) is None
 
 
 def test_atomic_write_leaves_the_old_file_when_serialising_fails(tmp_path):

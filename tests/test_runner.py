@@ -3,10 +3,11 @@ checkpoint benchmarked like a preset; invalid inputs recorded as invalid."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
-from conftest import byte_decoder, llama_dir
+from conftest import byte_decoder, call_with_timeout, llama_dir
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
@@ -115,6 +116,11 @@ def broken_llama_dir(root, what):
         tensors["model.norm.weight"][0] = float("nan")
         save_file(tensors, str(weights), metadata={"format": "pt"})
         return directory, "norm.weight holds NaN or infinite values"
+    if what in ("config.json is a FIFO", "weights are a FIFO"):
+        victim = directory / "config.json" if what.startswith("config") else weights
+        victim.unlink()
+        os.mkfifo(victim)  # opening it for reading blocks until a writer comes: forever
+        return directory, "not a regular file"
     if what == "unreadable tokenizer.json":
         (directory / "tokenizer.json").write_text('{"version": "1.0", "model": ')
         return directory, "tokenizer.json"
@@ -122,12 +128,14 @@ def broken_llama_dir(root, what):
 
 
 @pytest.mark.parametrize("what", ["truncated safetensors", "config.json of wrong types", "config.json cut short",
-                                  "NaN weights", "unreadable tokenizer.json"])
+                                  "NaN weights", "unreadable tokenizer.json", "config.json is a FIFO",
+                                  "weights are a FIFO"])
 def test_a_broken_checkpoint_directory_is_invalid_naming_the_file(tmp_path, what):
     directory, needle = broken_llama_dir(tmp_path / "ckpt", what)
     task = ["task=eval", f"train.checkpoint={directory}", "train.seq_len=8", "train.eval_batches=1",
             "train.batch_size=1"] if "tokenizer" in what else ["model=llama_dir", f"model.path={directory}"]
-    result = job(tmp_path / "run", *task, "workload.prompt_len=8", "workload.gen_len=4", "runtime.repeats=1")
+    result = call_with_timeout(lambda: job(tmp_path / "run", *task, "workload.prompt_len=8", "workload.gen_len=4",
+                                           "runtime.repeats=1"))
     assert result.status == "invalid" and needle in result.error and str(directory) in result.error, result.error
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 from kvbench.config import ConfigError, DataConfig
+from kvbench.results import read_regular
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -77,7 +77,10 @@ def read_corpus(cfg: DataConfig) -> bytes:
     parts, total = [], 0
     for f in corpus_files(cfg.path):
         left = None if cfg.max_bytes is None else cfg.max_bytes - total
-        blob = _read_regular(f, left, cfg.path)
+        try:
+            blob = read_regular(f, left)
+        except OSError as exc:  # unreadable, or no longer a regular file since it was listed
+            raise ConfigError(f"data.path={cfg.path!r}: cannot read {f} ({exc.strerror})") from None
         if b"\x00" in blob[:4096]:
             continue  # binary
         parts.append(blob)
@@ -88,19 +91,6 @@ def read_corpus(cfg: DataConfig) -> bytes:
     if not text:
         raise ConfigError(f"data.path={cfg.path!r}: no text found")
     return text
-
-
-def _read_regular(file: Path, limit: Optional[int], path: Optional[str]) -> bytes:
-    """At most ``limit`` bytes of ``file`` (all of it for None), which must still be a regular
-    file when opened: non-blocking, so a FIFO swapped in after listing cannot hang the job."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"data.path={path!r}: cannot read {file} ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"data.path={path!r}: {file} is not a regular file")
-        return f.read() if limit is None else f.read(limit)
 
 
 def _split(ids: torch.Tensor, val_fraction: float) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
 """Roofline fields against an independent count of the bytes a decode step reads."""
 
 import json
+import os
 
 import pytest
 import torch
-from conftest import make_decoder
+from conftest import call_with_timeout, make_decoder
 
 from kvbench.measure import roofline
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, machine_peaks, roofline_metrics
@@ -84,3 +85,11 @@ def test_a_damaged_bandwidth_cache_is_probed_again(tmp_path, monkeypatch, entry)
     cache = tmp_path / "bw.json"
     cache.write_text(json.dumps({roofline._machine_key(torch.device("cpu")): entry}))
     assert machine_peaks(torch.device("cpu"), None, cache)[:2] == (17.0, 90.0)
+
+
+def test_a_bandwidth_cache_that_is_a_fifo_is_probed_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(roofline, "probe_bandwidth",
+                        lambda device: {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0})
+    cache = tmp_path / "bw.json"
+    os.mkfifo(cache)  # reading it would block until a writer comes
+    assert call_with_timeout(lambda: machine_peaks(torch.device("cpu"), None, cache))[:2] == (17.0, 90.0)

@@ -4,11 +4,10 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
-from conftest import TEXT
+from conftest import TEXT, call_with_timeout
 
 from kvbench.config import ConfigError, DataConfig
 from kvbench.quality.data import batches, byte_data, corpus_files
@@ -40,24 +39,8 @@ def test_batches_are_seeded_next_token_pairs():
     assert torch.equal(next(batches(tokens, 4, 8, seed=3))[0], x)
 
 
-def read_in_thread(cfg, timeout=120):
-    """byte_data(cfg) in a daemon thread: a read that blocks (a FIFO) fails the test instead of
-    hanging the suite."""
-    out = {}
-
-    def read():
-        try:
-            out["data"] = byte_data(cfg)
-        except Exception as exc:  # noqa: BLE001 — handed to the test's thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), "reading the corpus blocked"
-    if "error" in out:
-        raise out["error"]
-    return out["data"]
+def read_in_thread(cfg):
+    return call_with_timeout(lambda: byte_data(cfg))
 
 
 def test_only_regular_files_are_read(corpus):
