@@ -246,7 +246,7 @@ def _is_composition_error(exc: BaseException) -> bool:
         return True
     frames = list(traceback.walk_tb(exc.__traceback__))
     return (isinstance(exc, ValueError) and bool(frames)
-            and f"{os.sep}hydra{os.sep}" in frames[-1][0].f_code.co_filename)
+            and frames[-1][0].f_code.co_filename.startswith(os.path.dirname(hydra.__file__) + os.sep))
 
 
 def main() -> None:

@@ -87,8 +87,8 @@ def test_llama_dir_without_config_is_invalid(tmp_path):
     (["runtime.device=cuda:abc"], "runtime.device='cuda:abc'"),  # once: "error"
     (["runtime.seed=-1"], "runtime.seed=-1"),  # once: "ok", seeded as 2**64 - 1
     (["model.rope_theta=nan"], "model.rope_theta=nan"),  # once: "ok" with NaN metrics
-    (["task=train", "train.lr=inf"], "train.lr=inf"),
-    (["task=train", "data.max_bytes=0"], "data.max_bytes=0"),  # once: no cap, silently
+    (["task=train", "train.steps=2", "train.lr=inf"], "train.lr=inf"),
+    (["task=train", "train.steps=2", "data.max_bytes=0"], "data.max_bytes=0"),  # once: no cap, silently
 ])
 def test_a_bad_value_is_an_invalid_record_naming_the_key(tmp_path, overrides, needle):
     result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4", "runtime.repeats=1",
