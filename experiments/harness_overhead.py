@@ -16,10 +16,9 @@ import time
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from kvbench.cache import cache_for
-from kvbench.config import CONF_DIR
+from kvbench.config import CONF_DIR, register_configs, to_bench_config
 from kvbench.generate import greedy_generate
 from kvbench.measure.timing import RegionTimer
 from kvbench.runner import build_model
@@ -35,8 +34,9 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=[
+        cfg = to_bench_config(compose("config", overrides=[
             f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
     device = torch.device("cpu")
     model = build_model(cfg, device)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import CONF_DIR
+from kvbench.config import CONF_DIR, register_configs
 from kvbench.runner import run_job
 from kvbench.sinks.console import ttft_side_by_side
 
@@ -46,6 +46,7 @@ def main() -> None:
         overrides.append(f"workload.batch_size={args.batch_size}")
     if args.threads:
         overrides.append(f"runtime.threads={args.threads}")
+    register_configs()
     records, start = [], time.perf_counter()
     for shared in (False, True):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

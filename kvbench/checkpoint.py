@@ -7,20 +7,25 @@
   q/k weights load unpermuted (tests/test_checkpoint.py compares logits against transformers).
 - MHA → GQA/MQA conversion by mean-pooling K/V heads within each group (Ainslie et al. 2023).
 
+Every file read here is the user's input: one that does not parse, is truncated, holds the
+wrong tensors or non-finite weights is a :class:`CheckpointError` naming the file, never a
+library's multi-page traceback.
+
 Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from kvbench.config import AttentionConfig, ConfigError, ModelConfig
+from kvbench.config import AttentionConfig, ConfigError, ModelConfig, typed
 from kvbench.model import Decoder, rope_tables, torch_dtype
+from kvbench.results import read_json
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -30,6 +35,47 @@ _RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
 class CheckpointError(ConfigError):
     """A checkpoint cannot be read into the decoder: the user's input is at fault (a run
     records ``invalid``). The message names the file or tensor."""
+
+
+def _reading(path: Path | str, what: str, read):
+    """``read()``, with any failure but running out of memory turned into a CheckpointError
+    that names ``path``: torch, safetensors and tokenizers raise their own types (and torch a
+    page of advice) for a file that is truncated or not what it claims to be."""
+    try:
+        return read()
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 — whatever the parser raises, the file is at fault
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+
+
+def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
+                  config_name: str = "config.json") -> None:
+    """The tensors a decoder needs, by name and shape, as finite floating-point values; the
+    first difference is a CheckpointError naming ``where`` and the tensor (the shapes are what
+    ``config_name`` implies)."""
+    missing = sorted(expected.keys() - tensors.keys())
+    # Rotary inverse frequencies some exporters store are recomputed, not loaded.
+    unexpected = sorted(k for k in tensors.keys() - expected.keys() if not str(k).endswith("rotary_emb.inv_freq"))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensor names do not match a Llama decoder: "
+                              f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
+                              f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise CheckpointError(f"{where}: {name} is {getattr(t, 'dtype', type(t).__name__)}, "
+                                  "not a floating-point tensor")
+        if t.shape != shape:
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(t.shape)}, "
+                                  f"{config_name} implies {tuple(shape)}")
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{where}: tensor {name} holds NaN or infinite values")
+
+
+def _expected_tensors(model: ModelConfig, attention: AttentionConfig) -> Dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {k: v.shape for k, v in Decoder(model, attention).state_dict().items()}
 
 
 def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Dict[str, torch.Tensor],
@@ -72,19 +118,30 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
-    payload = torch.load(path, map_location=map_location, weights_only=True)
+    payload = _reading(path, "kvbench checkpoint (torch.save)",
+                       partial(torch.load, path, map_location=map_location, weights_only=True))
     if not isinstance(payload, dict) or FORMAT_KEY not in payload:
         raise CheckpointError(f"checkpoint {path}: not a kvbench checkpoint (no {FORMAT_KEY!r} key); "
                               "for a Llama-format directory pass the directory")
+    for key in ("model", "attention", "state_dict"):
+        if not isinstance(payload.get(key), dict):
+            raise CheckpointError(f"checkpoint {path}: {key!r} is not a mapping")
     return payload
 
 
 def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> Decoder:
     """The Decoder saved by :func:`save_checkpoint`, in its saved dtype, on ``map_location``."""
     payload = read_checkpoint(path, map_location)
-    model = ModelConfig.from_dict(payload["model"])
-    return build_decoder(model, AttentionConfig(**payload["attention"]), payload["state_dict"],
-                         device=map_location)
+    try:
+        model = ModelConfig.from_dict(payload["model"])
+        attention = typed(AttentionConfig, payload["attention"], "attention.").resolved(model)
+    except CheckpointError:
+        raise
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    check_tensors(f"checkpoint {path}", _expected_tensors(model, attention), payload["state_dict"],
+                  "its saved config")
+    return build_decoder(model, attention, payload["state_dict"], device=map_location)
 
 
 # ---- Llama-format directories ---------------------------------------------------------------
@@ -109,8 +166,8 @@ def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) 
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
     try:
-        return ModelConfig.from_hf_config(json.loads(config_path.read_text()), str(config_path), max_seq_len)
-    except ValueError as exc:  # ConfigError, or JSON that does not parse
+        return ModelConfig.from_hf_config(read_json(config_path), str(config_path), max_seq_len)
+    except (OSError, ValueError) as exc:  # ConfigError, JSON that does not parse, not a regular file
         raise CheckpointError(f"{config_path}: {exc}" if str(config_path) not in str(exc) else str(exc)) from None
 
 
@@ -127,38 +184,29 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     model_cfg = read_llama_config(directory, max_seq_len)
-    hf_config = json.loads((directory / "config.json").read_text())
+    hf_config = read_json(directory / "config.json")  # parsed once already
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")
     tensors: Dict[str, torch.Tensor] = {}
     for f in files:
-        for name, t in load_file(str(f)).items():
+        if not f.is_file():  # safetensors would block opening a FIFO
+            raise CheckpointError(f"{f}: not a regular file")
+        for name, t in _reading(f, "safetensors file", partial(load_file, str(f))).items():
             tensors[_llama_name(name)] = t
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed.weight"]  # tied: the head reuses the embedding
 
     attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in Decoder(model_cfg, attention).state_dict().items()}
-    missing = sorted(expected.keys() - tensors.keys())
-    unexpected = sorted(tensors.keys() - expected.keys())
-    # Rotary inverse frequencies some exporters store are recomputed, not loaded.
-    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
-    if missing or unexpected:
-        raise CheckpointError(f"{directory}: tensor names do not match a Llama decoder: "
-                              f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
-                              f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
-    for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(tensors[name].shape)}, "
-                                  f"config.json implies {tuple(shape)}")
+    expected = _expected_tensors(model_cfg, attention)
+    check_tensors(directory, expected, tensors)
     decoder = build_decoder(model_cfg, attention, {k: tensors[k] for k in expected}, dtype, device)
 
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
-        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        path = directory / "tokenizer.json"
+        tokenizer = _reading(path, "tokenizer.json (tokenizers)", partial(Tokenizer.from_file, str(path)))
     return decoder, tokenizer
 
 
@@ -173,8 +221,9 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
     """
     old = model.num_kv_heads
     if num_kv_heads < 1 or old % num_kv_heads:
-        raise CheckpointError(f"cannot mean-pool {old} KV heads into {num_kv_heads}: the target must "
-                              f"divide the current KV-head count {old}")
+        raise CheckpointError(f"attention.num_kv_heads={num_kv_heads}: cannot mean-pool the checkpoint's "
+                              f"{old} KV heads into {num_kv_heads} (pooling only merges heads: the "
+                              f"count must divide {old})")
     r, D = old // num_kv_heads, model.config.head_dim
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in list(state):

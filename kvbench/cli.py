@@ -1,7 +1,8 @@
 """Entry points: ``kvbench`` (Hydra) and ``kvbench-report``. This module wires config, runner and
 sinks; nothing imports it back.
 
-Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key);
+Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key),
+or a command line Hydra cannot compose (an unknown group option, bad override syntax);
 3 out of memory; 1 an internal error, or a record that could not be written; 128 + the signal
 when interrupted (130 for Ctrl-C, 143 for SIGTERM). A multirun records invalid and oom jobs as
 data and exits 1 when a job of this sweep errored, was interrupted or has no readable record.
@@ -14,19 +15,20 @@ import json
 import os
 import signal
 import sys
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, register_configs, to_bench_config
+from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, one_line, register_configs, to_bench_config
 from kvbench.inspection import describe
 from kvbench.isolation import launch_job
 from kvbench.results import RESULTS_FILE, claim_holder, claim_job, completed_record
@@ -40,7 +42,7 @@ from kvbench.sinks.console import (
     turns_table,
 )
 from kvbench.sinks.report import MD_FILE, collect, write_report
-from kvbench.sinks.tracking import track
+from kvbench.sinks.tracking import new_sweep, track
 from kvbench.sweep import sweep_records, sweep_size
 
 EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1, "interrupted": 128 + signal.SIGINT}
@@ -70,7 +72,7 @@ def hydra_job(cfg: DictConfig) -> None:
     track and print."""
     global _exit_code
     out_dir, multirun, overrides, num = _job_context()
-    if cfg.task == "inspect":
+    if OmegaConf.select(cfg, "task", throw_on_resolution_failure=False) == "inspect":
         _exit_code = _inspect(cfg)
         return
     if multirun:
@@ -85,7 +87,7 @@ def hydra_job(cfg: DictConfig) -> None:
             _exit_code = EXIT_CODES["error"]
         return
     with claim:
-        if multirun and not cfg.rerun and _already_done(out_dir, cfg):
+        if multirun and _already_done(out_dir, cfg):
             # A re-run into the same sweep dir finishes only what is missing; the sweep table
             # at the end reads this job's record from disk like any other.
             stderr.print(f"  skipped: {out_dir / RESULTS_FILE} is already ok for this config "
@@ -108,16 +110,19 @@ def hydra_job(cfg: DictConfig) -> None:
 
 def _already_done(out_dir: Path, cfg: DictConfig) -> bool:
     try:
-        config = asdict(to_bench_config(cfg))
+        job = to_bench_config(cfg)
     except ConfigError:
         return False
-    return completed_record(out_dir, config) is not None
+    return not job.rerun and completed_record(out_dir, asdict(job)) is not None
 
 
 def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[Path]:
     """The job's W&B run (after results.json is written; a W&B failure is only a warning)."""
     sweep_dir = HydraConfig.get().sweep.dir if multirun else None
-    return track(result, OmegaConf.to_container(cfg.wandb, resolve=True), out_dir, sweep_dir, cfg.task)
+    # The record's copy: validated for a valid job, as given (never raising) for an invalid one.
+    wandb_cfg = result.config.get("wandb")
+    return track(result, wandb_cfg if isinstance(wandb_cfg, dict) else {}, out_dir, sweep_dir,
+                 str(result.config.get("task", "bench")))
 
 
 def _report(directory: Path, plots: bool = True, records: Optional[List[Dict[str, Any]]] = None) -> None:
@@ -142,8 +147,7 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
         print(json.dumps(result.to_dict(), default=str), file=sys.stderr, flush=True)
         where = "(not written)"
     if result.status == "invalid" and not multirun:
-        stderr.print(f"kvbench: invalid config: {result.error}", markup=False, soft_wrap=True)
-        stderr.print(f"(recorded in {where})", markup=False)
+        stderr.print(f"kvbench: invalid config: {result.error} (recorded in {where})", markup=False, soft_wrap=True)
         return
     if result.status != "ok":
         stderr.print(f"kvbench: job {result.status}: {result.error}", markup=False, soft_wrap=True)
@@ -202,6 +206,7 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _sweep_config
         _sweep_config = config
+        new_sweep(config.hydra.sweep.dir)
         try:
             os.environ["KVBENCH_SWEEP_TOTAL"] = str(sweep_size(config))
         except Exception:  # noqa: BLE001 — a count is a nicety; never stop a sweep for it
@@ -216,27 +221,54 @@ class SweepCallback(Callback):
 
 
 def config_error_line(exc: BaseException) -> str:
-    """One line for an error Hydra or OmegaConf raised while composing the config: the key and
-    what is wrong with it (a renamed key names its new name)."""
+    """One line for an error Hydra or OmegaConf raised while composing the config: the key (or
+    the override) and what is wrong with it (a renamed key names its new name)."""
     chain: List[BaseException] = []
     node: Optional[BaseException] = exc
     while node is not None and node not in chain:
         chain.append(node)
         node = node.__cause__ or node.__context__
     for err in chain:
+        if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+            group, _, option = err.missing_cfg_file.rpartition("/")
+            return one_line(f"{group}={option}: no such option in {group}/"
+                            + (f" (available: {', '.join(err.options)})" if err.options else ""))
+        if isinstance(err, OverrideParseException):
+            return one_line(f"{err.override}: {err.message}")
         key = getattr(err, "full_key", None)
         if key:
             if key in RENAMED_KEYS:
                 return f"{key}: renamed to {RENAMED_KEYS[key]}"
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
-            return f"{key}: {msg}"
+            return one_line(f"{key}: {msg}")
     lines = [line.strip() for err in chain[:1] for line in str(err).split("Config search path")[0].splitlines()
              if line.strip()]
     text = " ".join(lines) or type(exc).__name__
     for old, new in RENAMED_KEYS.items():
         if f"'{old}'" in text:
             return f"{old}: renamed to {new}"
-    return text if len(text) <= 400 else text[:399] + "…"
+    override = _override_being_composed(exc)
+    return one_line(f"{override}: {text}" if override and override not in text else text)
+
+
+def _override_being_composed(exc: BaseException) -> Optional[str]:
+    # Some of Hydra's errors do not say which override they are about (``attention=null``:
+    # "Config group override must be a string or a list"); the frame that raised holds it.
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        line = getattr(frame.f_locals.get("override"), "input_line", None)
+        if isinstance(line, str):
+            return line
+    return None
+
+
+def _is_composition_error(exc: BaseException) -> bool:
+    """An error in the command line or the config files rather than in kvbench: Hydra's and
+    OmegaConf's own types, a ConfigError, and the ValueErrors Hydra's code raises itself."""
+    if isinstance(exc, (ConfigError, HydraException, OmegaConfBaseException)):
+        return True
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    return (isinstance(exc, ValueError) and bool(frames)
+            and frames[-1][0].f_code.co_filename.startswith(os.path.dirname(hydra.__file__) + os.sep))
 
 
 def main() -> None:
@@ -248,8 +280,8 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
-    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
-        if full_error:
+    except Exception as exc:
+        if full_error or not _is_composition_error(exc):
             raise
         stderr.print(f"kvbench: invalid config: {config_error_line(exc)}", markup=False, soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])

@@ -1,8 +1,11 @@
-"""Typed configuration: one dataclass per Hydra group, registered in Hydra's ConfigStore.
+"""Typed configuration: one dataclass per Hydra group.
 
-The YAML files under ``conf/<group>/`` only set values; types come from these schemas and
-value checks from ``__post_init__``, so a bad value is rejected where it enters, with a
-one-line :class:`ConfigError` that names the key and the value.
+The YAML files under ``conf/<group>/`` only set values. Hydra composes them over the schemas'
+defaults as plain values (:func:`register_configs`); :func:`to_bench_config` then types the
+job's config against these dataclasses (unknown keys, wrong types and missing ``???`` values
+rejected) and ``__post_init__`` checks the values. Checking per job, not at composition, makes
+one bad value in a sweep that job's ``invalid`` record instead of the end of the sweep. Every
+failure is a one-line :class:`ConfigError` that names the key and the value.
 
 Cross-group rules (the attention type against the model's head count, the sequence
 against ``max_seq_len``) live in :class:`BenchConfig`, which owns both sides.
@@ -13,13 +16,18 @@ kind of file itself, a checkpoint's ``config.json`` (:meth:`ModelConfig.from_hf_
 
 from __future__ import annotations
 
+import difflib
 import json
-from dataclasses import dataclass, field
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Type, TypeVar, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 
 def _find_conf_dir() -> Path:
@@ -41,13 +49,45 @@ WORKLOADS = ("decode", "multiturn")
 TASKS = ("bench", "inspect", "train", "eval")
 
 
+# An error line kept in a record or printed is at most this long: a malformed file once produced
+# a 28 MB message, copied into every sink.
+MAX_ERROR_CHARS = 1000
+INT64_MAX = 2**63 - 1
+
+
+def one_line(text: Any, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` as one line of at most ``limit`` characters (plus a note of what was cut):
+    whitespace runs become one space and the head of the text is kept."""
+    text = str(text)
+    head = " ".join(text[: limit * 4].split())  # bounded work whatever the input's size
+    if len(head) <= limit and len(text) <= limit * 4:
+        return head
+    return f"{head[:limit]}… [cut: {len(text):,} characters in all]"
+
+
 class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key and the value."""
+    """A configuration value is invalid. The message names the key and the value, on one
+    bounded line (:func:`one_line`)."""
+
+    def __init__(self, message: Any) -> None:
+        super().__init__(one_line(message))
 
 
 def _check(ok: bool, key: str, value, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _check_numbers(prefix: str, obj) -> None:
+    """Every float field finite, every int field within 64 bits: NaN slips through every
+    comparison (``nan > 0`` is False, ``nan < 1`` too), infinity through every lower bound,
+    and torch overflows on larger ints."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _check(abs(value) <= INT64_MAX, f"{prefix}.{f.name}", value, "must fit in 64 bits")
 
 
 def _check_choice(key: str, value, choices) -> None:
@@ -99,8 +139,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
+        _check_numbers("model", self)
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len", "preset_kv_heads"))
+        _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
         if self.head_dim is None:
             _check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
                    f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
@@ -118,13 +161,26 @@ class ModelConfig:
         data = dict(data)
         if "num_kv_heads" in data:
             data.setdefault("preset_kv_heads", data.pop("num_kv_heads"))
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        return typed(cls, {k: v for k, v in data.items() if k in cls.__dataclass_fields__}, "model.")
 
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
         """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
-        names the file in errors. Refuses what the decoder does not model."""
+        names the file in errors (every error names it: the file is the user's input). Refuses
+        what the decoder does not model; values of the wrong type name their key."""
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"{where}: not a JSON object")
+        try:
+            return cls._from_hf_config(cfg, where, max_seq_len, fields)
+        except ConfigError as exc:
+            raise ConfigError(exc if where in str(exc) else f"{where}: {exc}") from None
+        except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
+            raise ConfigError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: Mapping[str, Any], where: str, max_seq_len: Optional[int],
+                        fields: Dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
         if not any(a in HF_ARCHITECTURES for a in archs):
             raise ConfigError(f"{where}: architecture {', '.join(map(str, archs))} is not supported "
@@ -145,24 +201,28 @@ class ModelConfig:
             raise ConfigError(f"{where}: sliding_window={cfg['sliding_window']} is not supported; "
                               f"pass max_seq_len <= {cfg['sliding_window']}")
         try:
-            heads = cfg["num_attention_heads"]
+            heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
             shape = dict(
-                num_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"], num_heads=heads,
+                num_layers=cfg["num_hidden_layers"], d_model=hidden, num_heads=heads,
                 preset_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                # transformers' default; left to ModelConfig's checks when the values are not counts
+                head_dim=cfg.get("head_dim") or (hidden // heads if _counts(hidden, heads) else None),
                 ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                 max_seq_len=max_seq_len or positions,
-                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+                rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+                norm_eps=cfg.get("rms_norm_eps", 1e-6))
         except KeyError as e:
             raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
-        return cls(**{"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape, **fields})
+        # Typed like a Hydra config: a string or a list where a number belongs names its key.
+        return typed(cls, {"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape, **fields})
 
     def _shape_from_checkpoint(self) -> None:
         path = Path(self.path) / "config.json"
+        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+            raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
         try:
-            hf = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+            hf = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             raise ConfigError(f"model.path={self.path!r}: cannot read {path} ({exc})") from None
         try:
             shape = ModelConfig.from_hf_config(hf, str(path))
@@ -182,6 +242,7 @@ class AttentionConfig:
     num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
 
     def __post_init__(self) -> None:
+        _check_numbers("attention", self)
         _check_choice("attention.type", self.type, ATTENTION_TYPES)
         if self.num_kv_heads is not None:
             _check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
@@ -236,6 +297,7 @@ class WorkloadConfig:
     reply_len: int = 32
 
     def __post_init__(self) -> None:
+        _check_numbers("workload", self)
         _check_choice("workload.name", self.name, WORKLOADS)
         _check_positive("workload", self, ("batch_size", "prompt_len", "gen_len", "system_len",
                                            "turns", "user_len", "reply_len"))
@@ -256,6 +318,7 @@ class CacheConfig:
     shared: bool = False
 
     def __post_init__(self) -> None:
+        _check_numbers("cache", self)
         _check_choice("cache.impl", self.impl, CACHE_IMPLS)
 
 
@@ -276,11 +339,18 @@ class RuntimeConfig:
     isolate: bool = True  # each job in a fresh process (kvbench/isolation.py); false: in the calling one
 
     def __post_init__(self) -> None:
+        _check_numbers("runtime", self)
         _check_choice("runtime.dtype", self.dtype, tuple(DTYPE_BYTES))
-        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-               "runtime.device", self.device, "must be auto, cpu, cuda or cuda:N")
+        _check(re.fullmatch(r"auto|cpu|cuda(:[0-9]+|:free)?", self.device) is not None,
+               "runtime.device", self.device, "must be auto, cpu, cuda, cuda:N or cuda:free")
+        # torch.manual_seed takes [-2**63, 2**64); a negative seed aliases a positive one.
+        _check(0 <= self.seed <= INT64_MAX, "runtime.seed", self.seed, "must be in [0, 2**63 - 1]")
         _check(self.warmup >= 0, "runtime.warmup", self.warmup, "must be >= 0")
         _check(self.repeats >= 1, "runtime.repeats", self.repeats, "must be >= 1")
+        # More torch threads than CPUs only slows a benchmark down; 100,000 crash torch.
+        cpus = os.cpu_count() or 1
+        _check(self.threads is None or 1 <= self.threads <= cpus, "runtime.threads", self.threads,
+               f"must be null or in [1, {cpus}] (the CPUs of this machine)")
         _check(self.nvml_interval_ms > 0, "runtime.nvml_interval_ms", self.nvml_interval_ms, "must be > 0")
         _check(self.peak_gb_per_s is None or self.peak_gb_per_s > 0, "runtime.peak_gb_per_s",
                self.peak_gb_per_s, "must be > 0 or null")
@@ -295,9 +365,14 @@ class WandbConfig:
     entity: Optional[str] = None
     group: Optional[str] = None  # null: the sweep directory's name
     tags: List[str] = field(default_factory=list)
+    # online: how long wandb.init may try to reach the server before the job falls back to
+    # writing the run offline (W&B's own default is 90 s, per job).
+    init_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        _check_numbers("wandb", self)
         _check_choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
+        _check(self.init_timeout_s > 0, "wandb.init_timeout_s", self.init_timeout_s, "must be > 0")
 
 
 @dataclass
@@ -306,10 +381,13 @@ class DataConfig:
 
     path: Optional[str] = None  # a text file or directory; null: the Python standard library's sources
     val_fraction: float = 0.1
-    max_bytes: Optional[int] = 4_000_000  # cap on bytes read, in a deterministic file order
+    max_bytes: Optional[int] = 4_000_000  # cap on bytes read, in a deterministic file order; null: no cap
 
     def __post_init__(self) -> None:
+        _check_numbers("data", self)
         _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        _check(self.max_bytes is None or self.max_bytes >= 1, "data.max_bytes", self.max_bytes,
+               "must be >= 1 or null (no cap)")
 
 
 @dataclass
@@ -332,6 +410,7 @@ class TrainConfig:
     checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or Llama-format directory
 
     def __post_init__(self) -> None:
+        _check_numbers("train", self)
         _check(self.steps >= 0, "train.steps", self.steps, "must be >= 0")
         _check_positive("train", self, ("batch_size", "seq_len", "warmup_steps", "eval_batches",
                                         "eval_every", "log_every"))
@@ -372,13 +451,98 @@ class BenchConfig:
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
 
 
+def _counts(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+# ---- typing a composed config ----------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def typed(schema: Type[T], data: Any, prefix: str = "") -> T:
+    """``data`` (a DictConfig or a mapping) as an instance of the dataclass ``schema``.
+
+    A mandatory ``???`` left unset, an unknown key, a value of the wrong type and an
+    interpolation that does not resolve are each a :class:`ConfigError` naming the key
+    (``prefix`` + its dotted path) and the value; then the dataclasses are built, whose
+    ``__post_init__`` checks the values. Keys ``data`` lacks take the schema's defaults."""
+    try:
+        # Before the merge: merging ``???`` over a default keeps the default (OmegaConf's rule),
+        # which once benchmarked a random model for model=llama_dir without model.path.
+        missing = sorted(OmegaConf.missing_keys(data))
+        node = OmegaConf.merge(OmegaConf.structured(schema), data)
+        missing = missing or sorted(OmegaConf.missing_keys(node))  # a group no option filled
+        if missing:
+            key = prefix + missing[0]
+            raise ConfigError(f"{key}=???: a value is required and none was given (add {key}=...)")
+        return OmegaConf.to_object(node)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_omegaconf_error(exc, schema, data, prefix)) from None
+
+
+_ABSENT = object()
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, schema: type, data: Any, prefix: str) -> str:
+    """One line for an OmegaConf error: ``key=value: what is wrong`` (a renamed key: its new name;
+    an unknown key: the nearest known one)."""
+    key = getattr(exc, "full_key", None) or ""
+    if prefix + key in RENAMED_KEYS:
+        return f"{prefix}{key}: renamed to {RENAMED_KEYS[prefix + key]}"
+    # OmegaConf's text goes on with full_key / object_type lines: keep its first line.
+    why = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+    parent, _, name = key.rpartition(".")
+    if isinstance(exc, ConfigKeyError) and name:
+        group = schema
+        for part in parent.split(".") if parent else ():
+            group = get_type_hints(group).get(part, object)
+        known = [f.name for f in fields(group)] if hasattr(group, "__dataclass_fields__") else []
+        close = difflib.get_close_matches(name, known, n=1)
+        why = (f"unknown key (did you mean {prefix}{parent + '.' if parent else ''}{close[0]}?)" if close
+               else f"unknown key ({prefix}{parent or 'the config'} has {', '.join(known)})")
+    value = _raw(data, key)
+    return f"{prefix}{key}={value!r}: {why}" if value is not _ABSENT else f"{prefix}{key}: {why}"
+
+
+def _raw(data: Any, key: str) -> Any:
+    """The value at dotted ``key`` as the user wrote it (interpolations unresolved)."""
+    node = OmegaConf.to_container(data, resolve=False) if isinstance(data, DictConfig) else data
+    for part in key.split(".") if key else ():
+        if not isinstance(node, Mapping) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node if key else _ABSENT
+
+
+def schema_defaults() -> DictConfig:
+    """What Hydra composes the YAML files over, as plain values (no types): the defaults of
+    ``task``, ``rerun``, ``data`` and ``train``, and an empty node for each group the defaults
+    list fills (``model`` ... ``wandb``), so that a ``???`` in a group's YAML file is not merged
+    over a default and lost. Every group node is open: an override of a key the chosen YAML
+    file does not list (``model.rope_theta`` for ``model=tiny``) needs no ``+``, and a misspelt
+    key reaches :func:`to_bench_config`, which rejects it naming the nearest real key."""
+    node = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(BenchConfig)))
+    for name, kind in get_type_hints(BenchConfig).items():
+        if not hasattr(kind, "__dataclass_fields__"):
+            continue
+        if OmegaConf.is_missing(node, name):  # chosen in conf/config.yaml's defaults list
+            node[name] = {}
+        OmegaConf.set_struct(node[name], False)
+    return node
+
+
 def register_configs() -> None:
-    """Register the schemas so YAML files are typed and checked when Hydra composes them."""
+    """Register :func:`schema_defaults` (``kvbench_defaults`` in conf/config.yaml) with Hydra.
+
+    Not the typed schema: Hydra types a structured config when it composes, and a sweep
+    composes every job before the first one runs, so one job's bad value would end the whole
+    sweep with no record. :func:`to_bench_config` types each job instead."""
     cs = ConfigStore.instance()
-    cs.store(name="kvbench_schema", node=BenchConfig)
+    cs.store(name="kvbench_defaults", node=schema_defaults())
 
 
-def to_bench_config(cfg: DictConfig | BenchConfig) -> BenchConfig:
+def to_bench_config(cfg: DictConfig | Mapping[str, Any] | BenchConfig) -> BenchConfig:
     """Typed, validated config (raises :class:`ConfigError` naming the bad key)."""
-    return cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_object(cfg)
+    return cfg if isinstance(cfg, BenchConfig) else typed(BenchConfig, cfg)
 

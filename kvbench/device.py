@@ -87,4 +87,8 @@ def resolve_device(name: str):
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"runtime.device={name!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError(f"runtime.device={name!r}: this machine has {count} CUDA device(s) "
+                          f"(cuda:0 .. cuda:{count - 1})")
     return device

@@ -8,20 +8,25 @@ fsync, rename), so a reader or a job killed mid-write never sees a torn file.
 It also owns the job directory's other piece of state: the claim (:func:`claim_job`), an
 ``flock`` that says a process is running the job now, so that two kvbench processes never
 measure one job at the same time.
+
+Records are strict JSON: a NaN or an infinity is written as null, and ``null_reasons`` says
+which value was what.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import fcntl
 import json
+import math
 import os
 import secrets
 import socket
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 RESULTS_FILE = "results.json"
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
@@ -43,7 +48,9 @@ class RecordError(ValueError):
 @dataclass
 class RunResult:
     """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows;
-    ``methods`` the unit and method of each metric the job reported."""
+    ``methods`` the unit and method of each metric the job reported; ``null_reasons`` why a
+    value is null: a metric's name (or the dotted path of a value elsewhere in the record) ->
+    ``nan`` / ``inf`` / ``-inf``, the non-finite number it was."""
 
     status: str
     config: Dict[str, Any]
@@ -56,6 +63,7 @@ class RunResult:
     started_at: Optional[str] = None
     finished_at: Optional[str] = None
     methods: Dict[str, str] = field(default_factory=dict)
+    null_reasons: Dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     # Not part of the record: why results.json could not be written (the disk was full, say),
     # so that whoever prints the outcome can hand the record over another way.
@@ -75,7 +83,18 @@ class RunResult:
         return lookup(self.config, dotted)
 
     def write(self, directory: Path | str) -> Path:
+        """Write results.json; non-finite numbers become nulls first (see :meth:`null_nonfinite`)."""
+        self.null_nonfinite()
         return write_json_atomic(Path(directory) / RESULTS_FILE, self.to_dict())
+
+    def null_nonfinite(self) -> None:
+        """Replace every NaN / infinity in the record by None and say why in ``null_reasons``,
+        so that the record in memory is the strict JSON written to disk."""
+        data, reasons = without_nonfinite({k: v for k, v in self.to_dict().items() if k != "null_reasons"})
+        for name, value in data.items():
+            setattr(self, name, value)
+        self.null_reasons.update({k[len("metrics."):] if k.startswith("metrics.") else k: why
+                                  for k, why in reasons.items()})
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "RunResult":
@@ -88,7 +107,8 @@ class RunResult:
 # for its metrics is unreadable, not a crash later.
 _FIELD_TYPES = {"config": dict, "metrics": dict, "series": dict, "tables": dict, "env": dict,
                 "error": (str, type(None)), "overrides": list, "started_at": (str, type(None)),
-                "finished_at": (str, type(None)), "methods": dict, "schema_version": int}
+                "finished_at": (str, type(None)), "methods": dict, "null_reasons": dict,
+                "schema_version": int}
 
 
 def _shape_error(data: Dict[str, Any]) -> Optional[str]:
@@ -107,11 +127,21 @@ def _shape_error(data: Dict[str, Any]) -> Optional[str]:
     if not all(isinstance(o, str) for o in data.get("overrides", [])):
         return "overrides holds a value that is not a string"
     return None
+def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
+    """At most ``limit`` bytes of ``path`` (all of it for None). Anything but a regular file is
+    an OSError: a FIFO blocks its reader until a writer comes (forever, in a job) and a device
+    such as /dev/zero never ends. The check is made on the descriptor, opened non-blocking, so
+    a file replaced after it was listed cannot slip through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read() if limit is None else f.read(limit)
 
 
 def read_json(path: Path | str) -> Any:
-    """Parsed JSON of ``path``; OSError / ValueError pass through."""
-    return json.loads(Path(path).read_text())
+    """Parsed JSON of the regular file ``path``; OSError / ValueError pass through."""
+    return json.loads(read_regular(path).decode("utf-8"))  # bytes would let json guess UTF-16
 
 
 def read_record(path: Path | str) -> RunResult:
@@ -127,13 +157,14 @@ def read_record(path: Path | str) -> RunResult:
         info = path.stat()
     except OSError as exc:
         raise RecordError(f"{path}: {exc}") from None
-    # A FIFO or a device named results.json would block or never end.
+    # A FIFO or a device named results.json would block or never end (read_regular checks again
+    # on the open descriptor).
     if not stat.S_ISREG(info.st_mode):
         raise RecordError(f"{path}: not a regular file")
     if info.st_size > MAX_RECORD_BYTES:
         raise RecordError(f"{path}: {info.st_size} bytes, too large for a record")
     try:
-        data = read_json(path)
+        data = json.loads(read_regular(path, MAX_RECORD_BYTES + 1).decode("utf-8"))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError included
         raise RecordError(f"{path}: {exc}") from None
     except RecursionError:
@@ -149,14 +180,56 @@ def read_record(path: Path | str) -> RunResult:
         raise RecordError(f"{path}: {exc}") from None
 
 
+def nonfinite_kind(value: Any) -> Optional[str]:
+    """``nan``, ``inf`` or ``-inf`` for a float that is not finite; None for anything else."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    return None
+
+
+def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:
+    """name -> ``nan`` / ``inf`` / ``-inf`` for each scalar metric that is not a finite number."""
+    return {name: kind for name, value in metrics.items() if (kind := nonfinite_kind(_plain(value)))}
+
+
+def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
+    """``tree`` with every non-finite float replaced by None, and the dotted path of each
+    replaced value -> its kind (``nan (3 values)`` for several in one list)."""
+    found: Dict[str, List[str]] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        node = _plain(node)
+        kind = nonfinite_kind(node)
+        if kind:
+            found.setdefault(path, []).append(kind)
+            return None
+        if isinstance(node, Mapping):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(v, path) for v in node]  # a list's values share its path
+        return node
+
+    clean = walk(tree, "")
+    reasons = {path: ", ".join(sorted(set(kinds))) + (f" ({len(kinds)} values)" if len(kinds) > 1 else "")
+               for path, kinds in found.items()}
+    return clean, reasons
+
+
+def _plain(value: Any) -> Any:
+    # torch / numpy scalars end up in metrics; compare and store them as plain numbers.
+    return value.item() if hasattr(value, "item") and not isinstance(value, (Mapping, list, tuple)) else value
+
+
 def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write JSON to ``path`` so that it is either the old file or the complete new one."""
+    """Write ``data`` to ``path`` as strict JSON (a NaN or an infinity is a ValueError, never a
+    bare ``NaN`` that strict parsers reject), so that it is either the old file or the complete
+    new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
+            json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -180,9 +253,8 @@ def _create_temp(path: Path) -> tuple[int, str]:
 
 def _json_default(obj: Any) -> Any:
     # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
-    if hasattr(obj, "item"):
-        return obj.item()
-    return str(obj)
+    plain = _plain(obj)
+    return str(obj) if plain is obj else plain
 
 
 class JobClaim:

@@ -4,9 +4,10 @@ A job never raises for a bad value or an out-of-memory: it records ``invalid`` /
 the message, keeps every metric measured before the failure, and writes the record
 atomically. A job stopped from outside (Ctrl-C, SIGTERM, a launcher's exit on preemption) is
 recorded ``interrupted`` with what was complete by then, and the interruption is raised again
-with the record attached (``exc.record``): a job is ``ok`` only when its task returned. Only
-the CLI decides what a status means for the exit code, and only the CLI builds progress bars:
-it hands :func:`run_job` a factory for them.
+with the record attached (``exc.record``): a job is ``ok`` only when its task returned with
+finite metrics (NaN or infinity makes it an ``error``). Only the CLI decides what a status means
+for the exit code, and only the CLI builds progress bars: it hands :func:`run_job` a factory for
+them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.checkpoint import convert_kv_heads, load_llama_dir
-from kvbench.config import BenchConfig, ConfigError, to_bench_config
+from kvbench.config import BenchConfig, ConfigError, one_line, to_bench_config
 from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import collect_env
@@ -32,7 +34,7 @@ from kvbench.measure.memory import MEMORY_METHODS, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.train import run_eval, run_train
-from kvbench.results import RESULTS_FILE, RunResult
+from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
 from kvbench.workloads import decode, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
@@ -48,6 +50,7 @@ JOB_METHODS: Dict[str, str] = {
 }
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
+MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 
 # torch's own thread count in this process, before any job set one: runtime.threads=null
 # means this, not whatever an earlier job of the same process left behind.
@@ -124,10 +127,9 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     record. An interruption is recorded, then raised again with ``exc.record`` set."""
     global _jobs_run
     out_dir = Path(out_dir)
-    raw = cfg if isinstance(cfg, BenchConfig) else OmegaConf.to_container(cfg, resolve=True)
     # "interrupted" until the task returns: whatever ends it early is never recorded ok.
-    result = RunResult(status="interrupted", config=asdict(raw) if isinstance(raw, BenchConfig) else raw,
-                       overrides=list(overrides or []), started_at=utc_now(),
+    result = RunResult(status="interrupted", config=_as_given(cfg), overrides=list(overrides or []),
+                       started_at=utc_now(),
                        env={"hostname": socket.gethostname()})  # even a job that fails early says where
     stopped: Optional[BaseException] = None
     with interruptible() as stops:
@@ -146,14 +148,19 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             if earlier_jobs:
                 _not_this_jobs_peak(result.metrics)
             result.status = "ok"
-        except ConfigError as exc:
+            nonfinite = nonfinite_metrics(result.metrics)
+            if nonfinite:  # NaN compares unequal to everything: such a run can only mislead
+                result.status = "error"
+                result.error = one_line("metrics are not finite numbers: " + ", ".join(
+                    f"{k}={v}" for k, v in nonfinite.items()) + " (overflow or divergence; null in results.json)")
+        except ConfigError as exc:  # bounded to one line where it is raised
             result.status, result.error = "invalid", str(exc)
         except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
             result.status = "oom" if is_oom(exc) else "error"
-            result.error = f"{type(exc).__name__}: {exc}"
+            result.error = one_line(f"{type(exc).__name__}: {exc}")
             try:
                 (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-                (out_dir / "error.txt").write_text(traceback.format_exc())
+                (out_dir / "error.txt").write_text(_bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
             except OSError:
                 pass  # a full disk: the record below says what failed, or is printed if it cannot be written
         except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again
@@ -188,6 +195,24 @@ def _not_this_jobs_peak(metrics: Dict[str, object]) -> None:
         metrics["peak_rss_bytes"] = None
         metrics["peak_rss_reason"] = ("runtime.isolate=false and an earlier job ran in this process: "
                                       "its peak RSS would count as this job's")
+
+
+def _as_given(cfg: DictConfig | BenchConfig) -> Dict:
+    """The job's config for its record before it is validated: resolved where it resolves (an
+    interpolation to a missing key is recorded as written, and the job is ``invalid``)."""
+    if isinstance(cfg, BenchConfig):
+        return asdict(cfg)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _bounded(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n… [{len(text) - limit:,} characters cut] …\n{text[-half:]}"
 
 
 def utc_now() -> str:

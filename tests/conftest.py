@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -145,3 +147,23 @@ class LiveKvbench:
     @property
     def output(self) -> str:
         return self.stdout + "\n" + self.stderr
+
+
+def call_with_timeout(fn, timeout=120):
+    """``fn()`` in a daemon thread: a call that blocks forever (a read from a FIFO) fails the
+    test instead of hanging the suite. Returns fn's value or raises its exception."""
+    out = {}
+
+    def call():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 — handed to the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} blocked for {timeout} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -133,7 +133,7 @@ def test_convert_is_group_mean_and_rejects_non_divisors():
     new = converted.blocks[0].attn.wk.weight.view(2, D, -1)
     torch.testing.assert_close(new[1], (old[2] + old[3]) / 2)  # query heads 2, 3 → KV head 1
     assert torch.equal(converted.blocks[0].attn.wq.weight, model.blocks[0].attn.wq.weight)
-    with pytest.raises(CheckpointError, match="cannot mean-pool 2 KV heads into 4"):
+    with pytest.raises(CheckpointError, match="attention.num_kv_heads=4: cannot mean-pool the checkpoint's 2 KV heads"):
         convert_kv_heads(converted, 4)
-    with pytest.raises(CheckpointError, match="cannot mean-pool 4 KV heads into 3"):
+    with pytest.raises(CheckpointError, match="attention.num_kv_heads=3: cannot mean-pool the checkpoint's 4 KV heads"):
         convert_kv_heads(model, 3)

@@ -60,7 +60,7 @@ def test_every_conf_file_composes_and_validates(group, option, tmp_path):
     if hydra_node:
         with open_dict(cfg):
             del cfg["hydra"]
-    bench = OmegaConf.to_object(cfg)
+    bench = to_bench_config(cfg)
     assert isinstance(bench, BenchConfig)
     assert bench.model.num_heads % bench.attention.num_kv_heads == 0
 
@@ -74,7 +74,7 @@ def test_preset_shapes_match_published_parameter_counts(name, published_params):
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", "attention=gqa"])
-    bench = OmegaConf.to_object(cfg)
+    bench = to_bench_config(cfg)
     native = bench.model.preset_kv_heads
     bench.attention = AttentionConfig.for_heads(bench.model.num_heads, native)
     assert parameter_count(bench) == published_params
@@ -123,6 +123,39 @@ def test_multirun_records_invalid_and_finishes(tmp_path):
     assert "2 ok, 1 invalid" in proc.stdout
 
 
+@pytest.mark.parametrize("args, needle, recorded", [
+    # Hydra cannot compose these: one line before any job, no record
+    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mqa)", False),
+    (["attention=null"], "attention=null: Config group override must be a string", False),  # once a traceback
+    (["workload.prompt_len=["], "workload.prompt_len=[: ", False),
+    # typed per job: an invalid record, and the same one line
+    (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'", True),
+    (["model=llama_dir"], "model.path=???: a value is required", True),  # once: exit 0, a random model
+])
+def test_bad_input_exits_2_with_one_line_naming_it(tmp_path, args, needle, recorded):
+    out = tmp_path / "run"
+    proc = kvbench(*TINY, *args, f"hydra.run.dir={out}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("kvbench: invalid config: ") and needle in line, line
+    assert (out / "results.json").exists() == recorded
+    if recorded:
+        assert json.loads((out / "results.json").read_text())["status"] == "invalid"
+        assert f"(recorded in {out / 'results.json'})" in line
+
+
+def test_a_bad_value_in_a_sweep_is_that_jobs_invalid_record(tmp_path):
+    """Hydra once typed every job's config before the first ran: one bad value ended the whole
+    sweep, with no record. Now each job is typed when it runs."""
+    sweep = tmp_path / "sweep"
+    proc = kvbench("-m", *TINY, "workload.prompt_len=12,abc,-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    records = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/results.json")}
+    assert {job: r["status"] for job, r in records.items()} == {"0": "ok", "1": "invalid", "2": "invalid"}
+    assert records["1"]["error"].startswith("workload.prompt_len='abc'")
+    assert records["2"]["error"].startswith("workload.prompt_len=-3: must be >= 1")
+    assert "1 ok, 2 invalid" in proc.stdout
+
+
 def test_inspect_prints_group_map_and_seed_arithmetic(tmp_path):
     proc = kvbench("task=inspect", "model=llama2_7b", "attention=mha", "workload.prompt_len=4000",
                    "workload.gen_len=96", "workload.batch_size=64", cwd=tmp_path)
@@ -144,6 +177,9 @@ def test_help_lists_groups_and_user_config_dir(tmp_path):
     out = kvbench("--config-dir", str(tmp_path / "myconf"), "model=mine", "task=inspect",
                   "workload.prompt_len=8", "workload.gen_len=8", cwd=tmp_path).stdout
     assert "model mine: 3 layers" in out and "12 query heads" in out and "3 KV heads" in out
+    # --cfg job: what the YAML files and the command line set (plain values; typed per job)
+    job = kvbench("--cfg", "job", "model=llama_dir", "runtime.threads=1", cwd=tmp_path).stdout
+    assert "name: llama_dir" in job and "path: ???" in job and "threads: 1" in job and "max_bytes: 4000000" in job
 
 
 @pytest.mark.parametrize("where", ["override", "yaml"])

@@ -1,18 +1,29 @@
 """Validation where the config enters: one line, naming the key and the value."""
 
+import math
+import os
+from typing import Optional, get_type_hints
+
 import pytest
+from hydra import compose, initialize_config_dir
 
 from kvbench.config import (
+    CONF_DIR,
+    MAX_ERROR_CHARS,
     AttentionConfig,
     BenchConfig,
     CacheConfig,
     ConfigError,
+    DataConfig,
     ModelConfig,
     RuntimeConfig,
+    TrainConfig,
     WandbConfig,
     WorkloadConfig,
     attention_type,
     default_gqa_kv_heads,
+    to_bench_config,
+    typed,
 )
 
 
@@ -85,3 +96,115 @@ def test_sequence_longer_than_max_seq_len():
 ])
 def test_group_errors(factory, needle):
     one_line_error(factory, needle)
+
+
+# ---- every key, typed per job (issue 13) -------------------------------------------------------
+
+GROUPS = [ModelConfig, AttentionConfig, WorkloadConfig, CacheConfig, RuntimeConfig, WandbConfig, DataConfig,
+          TrainConfig]
+PREFIX = {ModelConfig: "model", AttentionConfig: "attention", WorkloadConfig: "workload", CacheConfig: "cache",
+          RuntimeConfig: "runtime", WandbConfig: "wandb", DataConfig: "data", TrainConfig: "train"}
+
+
+def keys_of_type(kind):
+    """(group dataclass, field) for every field typed ``kind`` or ``Optional[kind]``, found from
+    the schemas themselves, so a key added later is covered too."""
+    for group in GROUPS:
+        for name, hint in get_type_hints(group).items():
+            if hint is kind or hint == Optional[kind]:
+                yield pytest.param(group, name, id=f"{PREFIX[group]}.{name}")
+
+
+@pytest.mark.parametrize("group, key", list(keys_of_type(float)))
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_float_key_rejects_nan_and_infinity(group, key, value):
+    one_line_error(lambda: typed(group, {key: value}), f"{PREFIX[group]}.{key}={value}")
+
+
+@pytest.mark.parametrize("group, key", list(keys_of_type(int)))
+def test_every_int_key_rejects_values_torch_cannot_hold(group, key):
+    one_line_error(lambda: typed(group, {key: 2**64}), f"{PREFIX[group]}.{key}={2**64}")
+
+
+@pytest.mark.parametrize("factory, needle", [
+    (lambda: ModelConfig(rope_theta=-1.0), "model.rope_theta=-1.0"),
+    (lambda: ModelConfig(norm_eps=0.0), "model.norm_eps=0.0"),
+    (lambda: RuntimeConfig(threads=-1), "runtime.threads=-1"),
+    (lambda: RuntimeConfig(threads=0), "runtime.threads=0"),
+    (lambda: RuntimeConfig(threads=(os.cpu_count() or 1) + 1), "runtime.threads="),
+    (lambda: RuntimeConfig(seed=-1), "runtime.seed=-1"),  # torch aliases it to 2**64 - 1
+    (lambda: RuntimeConfig(seed=2**63), f"runtime.seed={2**63}"),
+    (lambda: RuntimeConfig(device="cuda:abc"), "runtime.device='cuda:abc'"),
+    (lambda: RuntimeConfig(device="cuda:-1"), "runtime.device='cuda:-1'"),
+    (lambda: RuntimeConfig(device="cuda:0:1"), "runtime.device='cuda:0:1'"),
+    (lambda: DataConfig(max_bytes=0), "data.max_bytes=0"),
+    (lambda: DataConfig(max_bytes=-5), "data.max_bytes=-5"),
+    (lambda: TrainConfig(lr=0.0), "train.lr=0.0"),
+    (lambda: TrainConfig(weight_decay=-0.1), "train.weight_decay=-0.1"),
+    (lambda: TrainConfig(grad_clip=-1.0), "train.grad_clip=-1.0"),
+    (lambda: WandbConfig(init_timeout_s=0.0), "wandb.init_timeout_s=0.0"),
+])
+def test_bounds_of_numeric_keys(factory, needle):
+    one_line_error(factory, needle)
+
+
+def test_values_at_the_bounds_are_accepted():
+    assert RuntimeConfig(threads=os.cpu_count() or 1, seed=2**63 - 1, device="cuda:12").seed == 2**63 - 1
+    assert RuntimeConfig(device="cuda:free").device == "cuda:free"
+    assert DataConfig(max_bytes=1).max_bytes == 1 and DataConfig(max_bytes=None).max_bytes is None
+
+
+def compose_job(*overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # a mandatory value left unset: once a random 2-layer model benchmarked as "ok"
+    (["model=llama_dir"], "model.path=???: a value is required"),
+    (["model=tiny", "model.path=???"], "model.path=???"),
+    # a typo, with or without +: the nearest real key
+    (["+workload.promt_len=5"], "workload.promt_len=5: unknown key (did you mean workload.prompt_len?)"),
+    (["runtime.thread=2"], "runtime.thread=2: unknown key (did you mean runtime.threads?)"),
+    (["+model.zzz=1"], "model.zzz=1: unknown key (model has name, num_layers"),
+    (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str' could not be converted"),
+    (["workload.prompt_len=2.5"], "workload.prompt_len=2.5"),
+    (["task=null"], "task=None"),
+    (["workload.prompt_len=${nope.key}"], "workload.prompt_len='${nope.key}': Interpolation key 'nope.key' not found"),
+    (["model.num_kv_heads=2"], "model.num_kv_heads: renamed to model.preset_kv_heads"),
+])
+def test_a_composed_config_is_typed_per_job_naming_the_key(overrides, needle):
+    """Hydra composes plain values (so one bad job of a sweep cannot stop the others);
+    to_bench_config types them, and every failure is one line naming the key."""
+    cfg = compose_job(*overrides)  # composes: nothing is typed yet
+    one_line_error(lambda: to_bench_config(cfg), needle)
+
+
+def test_a_key_the_preset_file_omits_takes_the_schema_default_and_can_be_overridden():
+    assert "rope_theta" not in compose_job("model=tiny").model  # conf/model/tiny.yaml omits it
+    assert to_bench_config(compose_job("model=tiny")).model.rope_theta == ModelConfig().rope_theta
+    assert to_bench_config(compose_job("model=tiny", "model.rope_theta=500")).model.rope_theta == 500.0
+
+
+def test_config_error_is_one_bounded_line():
+    err = ConfigError("model.path='x': " + "bad\n" * 1_000_000)
+    assert "\n" not in str(err) and len(str(err)) < MAX_ERROR_CHARS + 100
+    assert str(err).startswith("model.path='x': bad bad") and "4,000,016 characters in all" in str(err)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"num_hidden_layers": "two"}, "num_layers='two'"),
+    ({"rope_theta": math.nan}, "rope_theta=nan: must be a finite number"),
+    ({"rms_norm_eps": -1e-6}, "norm_eps=-1e-06: must be > 0"),
+    ({"num_attention_heads": 0}, "num_heads=0: must be >= 1"),
+    ({"rope_parameters": "default"}, "malformed"),
+    ({"hidden_size": [64]}, "d_model=[64]"),
+])
+def test_a_malformed_config_json_names_the_file_and_key(change, needle):
+    hf = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 97,
+          "max_position_embeddings": 128}
+    assert ModelConfig.from_hf_config(hf, "ck/config.json").head_dim == 16
+    msg = one_line_error(lambda: ModelConfig.from_hf_config({**hf, **change}, "ck/config.json"), needle)
+    assert msg.startswith("ck/config.json: ")
+    one_line_error(lambda: ModelConfig.from_hf_config([1, 2], "ck/config.json"), "ck/config.json: not a JSON object")

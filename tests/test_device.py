@@ -7,8 +7,10 @@ import sys
 import time
 
 import pytest
+import torch
 
-from kvbench.device import hold_free_gpu
+from kvbench.config import ConfigError
+from kvbench.device import hold_free_gpu, resolve_device
 
 HOLD = ("import sys, time\nfrom kvbench.device import hold_free_gpu\nfrom kvbench.config import ConfigError\n"
         "try:\n    print(hold_free_gpu(['GPU-aa', 'GPU-bb'], sys.argv[1]), flush=True)\n"
@@ -82,3 +84,13 @@ def test_cuda_free_on_a_real_gpu_is_held_by_one_process_at_a_time(tmp_path):
     finally:
         for p in holders:
             p.kill()
+
+
+def test_a_cuda_index_this_machine_lacks_is_invalid(monkeypatch):
+    """cuda:N beyond the visible GPUs once failed later, as an internal "invalid device ordinal".
+    The seam: torch told there are 2 GPUs (this machine may have none)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"runtime.device='cuda:2': this machine has 2 CUDA device\(s\)"):
+        resolve_device("cuda:2")

@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
+from conftest import call_with_timeout
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, register_configs, to_bench_config
@@ -23,6 +24,7 @@ from kvbench.results import (
     completed_record,
     flatten,
     lookup,
+    nonfinite_metrics,
     read_record,
     write_json_atomic,
 )
@@ -92,6 +94,15 @@ def test_a_malformed_record_is_a_record_error_naming_the_file(tmp_path, content,
         read_record(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("special", ["fifo", "directory"])
+def test_a_results_json_that_is_not_a_regular_file_is_a_record_error(tmp_path, special):
+    """A FIFO named results.json once blocked the reader (resume, the report) forever."""
+    os.mkfifo(tmp_path / "results.json") if special == "fifo" else (tmp_path / "results.json").mkdir()
+    with pytest.raises(RecordError, match="results.json"):
+        call_with_timeout(lambda: read_record(tmp_path / "results.json"))
+    assert call_with_timeout(lambda: completed_record(tmp_path, {})) is None
+
+
 def test_atomic_write_leaves_the_old_file_when_serialising_fails(tmp_path):
     path = tmp_path / "x.json"
     write_json_atomic(path, {"a": 1})
@@ -155,3 +166,35 @@ def test_a_claim_of_a_killed_process_expires(tmp_path):
     assert claim_holder(tmp_path) is None
     with claim_job(tmp_path) as claim:
         assert claim is not None
+
+
+def strict_json(path):
+    """Parse as a strict JSON reader does: a bare NaN / Infinity is an error, not a number."""
+    def reject(token):
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
+def test_non_finite_numbers_are_written_as_null_with_a_reason(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    rec = RunResult("error", {"model": {"rope_theta": 10000.0}},
+                    metrics={"val_loss": nan, "perplexity": inf, "delta": -inf, "steps": 3, "ok": 1.5},
+                    series={"train_loss": [2.0, nan, nan], "decode_ms": [1.0]},
+                    tables={"curve": [{"step": 1, "val_loss": inf}, {"step": 2, "val_loss": 1.0}]})
+    rec.write(tmp_path)
+    data = strict_json(tmp_path / "results.json")
+    assert data["metrics"] == {"val_loss": None, "perplexity": None, "delta": None, "steps": 3, "ok": 1.5}
+    assert data["series"] == {"train_loss": [2.0, None, None], "decode_ms": [1.0]}
+    assert data["tables"]["curve"] == [{"step": 1, "val_loss": None}, {"step": 2, "val_loss": 1.0}]
+    assert data["null_reasons"] == {"val_loss": "nan", "perplexity": "inf", "delta": "-inf",
+                                    "series.train_loss": "nan (2 values)", "tables.curve.val_loss": "inf"}
+    assert read_record(tmp_path) == rec  # the record in memory is what was written
+    with pytest.raises(ValueError):  # and nothing else ever writes a bare NaN
+        write_json_atomic(tmp_path / "x.json", {"a": nan})
+
+
+def test_nonfinite_metrics_names_each_kind():
+    import torch
+
+    metrics = {"a": float("nan"), "b": torch.tensor(float("-inf")), "c": 1.0, "d": None, "e": "text"}
+    assert nonfinite_metrics(metrics) == {"a": "nan", "b": "-inf"}

@@ -2,16 +2,23 @@
 checkpoint benchmarked like a preset; invalid inputs recorded as invalid; a job stopped from
 outside recorded as interrupted, never ok; what a job ran with is its own."""
 
+import json
 import math
+import os
 from contextlib import contextmanager
 
 import pytest
+import torch
+from conftest import byte_decoder, call_with_timeout, llama_dir
 from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file, save_file
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import CONF_DIR
+from kvbench.checkpoint import save_checkpoint
+from kvbench.config import CONF_DIR, MAX_ERROR_CHARS
 from kvbench.results import read_record
-from kvbench.runner import DEFAULT_THREADS, run_job
+from kvbench import runner
+from kvbench.runner import run_job
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=4",
         "runtime.threads=1"]
@@ -109,12 +116,134 @@ def test_a_job_stopped_mid_trials_is_recorded_interrupted_and_the_stop_goes_on(t
     assert rec.metrics["weight_bytes"] > 0 and "decode_ms_p50" not in rec.metrics
 
 
-def test_in_process_jobs_do_not_inherit_threads_or_peak_rss(tmp_path):
+def test_in_process_jobs_do_not_inherit_threads_or_peak_rss(tmp_path, monkeypatch):
     """runtime.isolate=false: a job with threads=null runs with torch's default count, not the
-    previous job's, records that count, and does not pass the process's peak RSS off as its own."""
-    first = job(tmp_path / "a", *TINY[:-1], f"runtime.threads={DEFAULT_THREADS + 1}")
+    previous job's, records that count, and does not pass the process's peak RSS off as its own.
+    (The default is set to 2 here so that it differs from the first job's 1 on any machine;
+    runtime.threads itself may not exceed the CPUs.)"""
+    monkeypatch.setattr(runner, "DEFAULT_THREADS", 2)
+    first = job(tmp_path / "a", *TINY[:-1], "runtime.threads=1")
     second = job(tmp_path / "b", *TINY[:-1], "runtime.threads=null")
-    assert first.env["torch_num_threads"] == DEFAULT_THREADS + 1
-    assert second.env["torch_num_threads"] == DEFAULT_THREADS and second.env["device"] == "cpu"
+    assert first.env["torch_num_threads"] == 1
+    assert second.env["torch_num_threads"] == 2 and second.env["device"] == "cpu"
     assert second.metrics["peak_rss_bytes"] is None
     assert "runtime.isolate=false" in second.metrics["peak_rss_reason"]
+
+
+# ---- bad input is the user's: invalid, one line naming the key or the file (issue 13) ----------
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model=llama_dir"], "model.path=???"),  # once: a random 2-layer model, "ok"
+    (["+workload.promt_len=5"], "workload.promt_len=5: unknown key"),  # once: silently ignored
+    (["workload.prompt_len=abc"], "workload.prompt_len='abc'"),  # once: Hydra's traceback
+    (["workload.prompt_len=${nope}"], "workload.prompt_len='${nope}'"),
+    (["runtime.threads=-1"], "runtime.threads=-1"),  # once: "error", RuntimeError from torch
+    (["runtime.device=cuda:abc"], "runtime.device='cuda:abc'"),  # once: "error"
+    (["runtime.seed=-1"], "runtime.seed=-1"),  # once: "ok", seeded as 2**64 - 1
+    (["model.rope_theta=nan"], "model.rope_theta=nan"),  # once: "ok" with NaN metrics
+    (["task=train", "train.steps=2", "train.lr=inf"], "train.lr=inf"),
+    (["task=train", "train.steps=2", "data.max_bytes=0"], "data.max_bytes=0"),  # once: no cap, silently
+])
+def test_a_bad_value_is_an_invalid_record_naming_the_key(tmp_path, overrides, needle):
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4", "runtime.repeats=1",
+                 *overrides)
+    assert result.status == "invalid" and needle in result.error, (result.status, result.error)
+    assert "\n" not in result.error and read_record(tmp_path).status == "invalid"
+
+
+def broken_llama_dir(root, what):
+    """A tiny Llama-format directory with one file broken as a user's download might be."""
+    directory, _ = llama_dir(root, num_kv_heads=2)
+    weights = next(directory.glob("*.safetensors"))
+    if what == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[:100])
+        return directory, weights.name
+    if what == "config.json of wrong types":
+        hf = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": "two"}))
+        return directory, "num_layers='two'"
+    if what == "config.json cut short":
+        (directory / "config.json").write_text((directory / "config.json").read_text()[:40])
+        return directory, "config.json"
+    if what == "NaN weights":
+        tensors = load_file(str(weights))
+        tensors["model.norm.weight"][0] = float("nan")
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        return directory, "norm.weight holds NaN or infinite values"
+    if what in ("config.json is a FIFO", "weights are a FIFO"):
+        victim = directory / "config.json" if what.startswith("config") else weights
+        victim.unlink()
+        os.mkfifo(victim)  # opening it for reading blocks until a writer comes: forever
+        return directory, "not a regular file"
+    if what == "unreadable tokenizer.json":
+        (directory / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+        return directory, "tokenizer.json"
+    raise ValueError(what)
+
+
+@pytest.mark.parametrize("what", ["truncated safetensors", "config.json of wrong types", "config.json cut short",
+                                  "NaN weights", "unreadable tokenizer.json", "config.json is a FIFO",
+                                  "weights are a FIFO"])
+def test_a_broken_checkpoint_directory_is_invalid_naming_the_file(tmp_path, what):
+    directory, needle = broken_llama_dir(tmp_path / "ckpt", what)
+    task = ["task=eval", f"train.checkpoint={directory}", "train.seq_len=8", "train.eval_batches=1",
+            "train.batch_size=1"] if "tokenizer" in what else ["model=llama_dir", f"model.path={directory}"]
+    result = call_with_timeout(lambda: job(tmp_path / "run", *task, "workload.prompt_len=8", "workload.gen_len=4",
+                                           "runtime.repeats=1"))
+    assert result.status == "invalid" and needle in result.error and str(directory) in result.error, result.error
+
+
+@pytest.mark.parametrize("what", ["truncated", "not a state dict", "20,000 wrong tensors", "pooling"])
+def test_a_broken_kvbench_checkpoint_is_invalid_in_one_short_line(tmp_path, what):
+    """A malformed checkpoint once made a 28 MB error message (every missing and unexpected key),
+    copied into results.json, error.txt and the report."""
+    path = save_checkpoint(tmp_path / "model.pt", byte_decoder(num_kv_heads=2))
+    payload = torch.load(path, weights_only=True)
+    if what == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    elif what == "not a state dict":
+        torch.save({**payload, "state_dict": [1, 2, 3]}, path)
+    elif what == "20,000 wrong tensors":
+        torch.save({**payload, "state_dict": {f"layer.{i}.weight": torch.zeros(1) for i in range(20_000)}}, path)
+    # pooling: the checkpoint has 2 KV heads, MHA asks for 4, which mean-pooling cannot make
+    result = job(tmp_path / "run", "task=train", "model=train_small", "model.num_heads=4", "model.d_model=32",
+                 "model.preset_kv_heads=4", "attention=mha" if what == "pooling" else "attention=mqa",
+                 f"train.init_from={path}", "train.steps=0")
+    assert result.status == "invalid", (result.status, result.error)
+    assert (str(path) in result.error) if what != "pooling" else ("attention.num_kv_heads=4" in result.error)
+    assert len(result.error) <= MAX_ERROR_CHARS + 100 and not (tmp_path / "run" / "error.txt").exists()
+
+
+def test_metrics_that_are_not_finite_are_an_error_not_ok(tmp_path):
+    """float16 overflows where float32 does not: the logits become inf, their differences NaN.
+    The record says error and names the metrics, which are null in strict JSON."""
+    directory, _ = llama_dir(tmp_path / "ckpt", num_kv_heads=2)
+    weights = next(directory.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"].fill_(30_000.0)  # finite in float16 (max 65504); the logits are not
+    tensors["lm_head.weight"].mul_(100)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    result = job(tmp_path / "run", "model=llama_dir", f"model.path={directory}", "runtime.dtype=float16",
+                 "workload.prompt_len=8", "workload.gen_len=4", "runtime.repeats=1")
+    assert result.status == "error" and "fidelity_max_abs_logit_diff=nan" in result.error, result.error
+    rec = json.loads((tmp_path / "run" / "results.json").read_text(), parse_constant=pytest.fail)
+    assert rec["metrics"]["fidelity_max_abs_logit_diff"] is None
+    assert rec["null_reasons"]["fidelity_max_abs_logit_diff"] == "nan"
+    assert rec["metrics"]["fidelity_top1_agreement"] == 0.0  # once 1.0: NaN argmaxes "agreed"
+    assert rec["metrics"]["decode_ms_p50"] > 0  # what was measured is kept
+
+
+def test_an_internal_error_message_is_bounded_everywhere(tmp_path, monkeypatch):
+    """An exception with a huge message: one bounded line in the record, the head and the tail
+    of the traceback in error.txt."""
+    from kvbench import runner
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("x" * 5_000_000 + " the end")
+
+    monkeypatch.setattr(runner, "build_model", boom)
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4")
+    assert result.status == "error" and result.error.startswith("RuntimeError: xxx")
+    assert len(result.error) <= MAX_ERROR_CHARS + 100 and len(read_record(tmp_path).error) == len(result.error)
+    trace = (tmp_path / "error.txt").read_text()
+    assert len(trace) <= runner.MAX_TRACEBACK_CHARS + 100 and "Traceback" in trace and trace.endswith("the end\n")

@@ -9,6 +9,7 @@ GB/s (1e9 bytes per second), percent.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -106,7 +107,7 @@ def machine_peaks(device: torch.device, override_gb_per_s: Optional[float] = Non
         cached = {}
     if not isinstance(cached, dict):
         cached = {}
-    if "matmul_gflops" not in cached.get(key, {}):
+    if not _valid_probe(cached.get(key)):  # absent, or a file edited or damaged: probe again
         cached[key] = probe_bandwidth(device)
         try:
             write_json_atomic(cache_file, cached)
@@ -118,6 +119,13 @@ def machine_peaks(device: torch.device, override_gb_per_s: Optional[float] = Non
         return float(override_gb_per_s), gflops, "runtime.peak_gb_per_s"
     best = max(("copy_gb_per_s", "gemv_gb_per_s"), key=probe.get)
     return probe[best], gflops, f"probe:{best} (cached in {cache_file})"
+
+
+def _valid_probe(probe: Any) -> bool:
+    keys = ("copy_gb_per_s", "gemv_gb_per_s", "matmul_gflops")
+    return isinstance(probe, dict) and all(
+        isinstance(probe.get(k), (int, float)) and not isinstance(probe.get(k), bool)
+        and math.isfinite(probe[k]) and probe[k] > 0 for k in keys)
 
 
 def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, decode_ms_p50: float,

@@ -2,7 +2,9 @@
 
 Read as bytes (a byte-level tokenizer, vocab 256), by default the Python standard library's own
 ``*.py`` sources in a fixed (hashed) order; or through a checkpoint's ``tokenizers`` tokenizer.
-The last ``data.val_fraction`` of the stream is validation, so the split never moves.
+The last ``data.val_fraction`` of the stream is validation, so the split never moves. Only
+regular files are read (a FIFO would block forever, a device never end), and never more than
+``data.max_bytes`` in all: each file is read up to what the cap has left.
 
 Notation: B batch, T sequence length.
 """
@@ -19,6 +21,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 from kvbench.config import ConfigError, DataConfig
+from kvbench.results import read_regular
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -42,22 +45,25 @@ def default_corpus_root() -> Path:
 def corpus_files(path: Optional[str]) -> List[Path]:
     """The files of the corpus in a fixed order.
 
-    A directory: every non-hidden file, sorted by relative path (binary files are skipped when
-    read). Default: the standard library's ``*.py`` (installed packages excluded), ordered by a
-    hash of the relative path: a fixed order in which the ``max_bytes`` cap and the validation
-    tail sample the whole library, not its first modules alphabetically (which would put the
-    ``encodings/`` codec tables in validation).
+    A directory: every non-hidden regular file (FIFOs, sockets and devices are left out),
+    sorted by relative path (binary files are skipped when read). Default: the standard
+    library's ``*.py`` (installed packages excluded), ordered by a hash of the relative path: a
+    fixed order in which the ``max_bytes`` cap and the validation tail sample the whole
+    library, not its first modules alphabetically (which would put the ``encodings/`` codec
+    tables in validation).
     """
     root = Path(path) if path else default_corpus_root()
     if not root.exists():
         raise ConfigError(f"data.path={path!r}: no such file or directory")
-    if root.is_file():
+    if root.is_file():  # a regular file (or a link to one)
         return [root]
+    if not root.is_dir():
+        raise ConfigError(f"data.path={path!r}: not a regular file or a directory")
     found = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")]
         found += [Path(folder, f) for f in files
-                  if not f.startswith(".") and (path or f.endswith(".py"))]
+                  if not f.startswith(".") and (path or f.endswith(".py")) and Path(folder, f).is_file()]
 
     def key(p: Path) -> str:
         rel = p.relative_to(root).as_posix()
@@ -67,17 +73,21 @@ def corpus_files(path: Optional[str]) -> List[Path]:
 
 
 def read_corpus(cfg: DataConfig) -> bytes:
-    """The corpus as one byte string, files joined in order, cut at ``data.max_bytes``."""
+    """The corpus as one byte string, files joined in order, at most ``data.max_bytes``."""
     parts, total = [], 0
     for f in corpus_files(cfg.path):
-        blob = f.read_bytes()
+        left = None if cfg.max_bytes is None else cfg.max_bytes - total
+        try:
+            blob = read_regular(f, left)
+        except OSError as exc:  # unreadable, or no longer a regular file since it was listed
+            raise ConfigError(f"data.path={cfg.path!r}: cannot read {f} ({exc.strerror})") from None
         if b"\x00" in blob[:4096]:
             continue  # binary
         parts.append(blob)
         total += len(blob)
-        if cfg.max_bytes and total >= cfg.max_bytes:
+        if left is not None and len(blob) >= left:
             break
-    text = b"".join(parts)[: cfg.max_bytes or None]
+    text = b"".join(parts)
     if not text:
         raise ConfigError(f"data.path={cfg.path!r}: no text found")
     return text

@@ -29,9 +29,12 @@ FIDELITY_METHODS: Dict[str, str] = {
 
 
 def _compare(logits: torch.Tensor, reference: torch.Tensor) -> Tuple[float, float]:
-    """Max |difference| and the fraction of positions with the same argmax."""
+    """Max |difference| (NaN when either holds a NaN) and the fraction of positions with the same
+    argmax. A position where either side is not finite never agrees: argmax picks the first
+    NaN's index on both sides alike, which would count two broken models as agreeing."""
     diff = (logits.float() - reference.float()).abs().max().item()
-    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    finite = torch.isfinite(logits).all(-1) & torch.isfinite(reference).all(-1)
+    agree = ((logits.argmax(-1) == reference.argmax(-1)) & finite).float().mean().item()
     return diff, agree
 
 

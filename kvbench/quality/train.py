@@ -11,6 +11,7 @@ Notation: B batch, T sequence length, V vocab.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 
 CHECKPOINT_NAME = "checkpoint.pt"
+_MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above this
 
 OnLog = Callable[[int, Dict[str, float]], None]
 # Called once per training step; ``description`` is a short status ("train loss 2.31 val 2.40").
@@ -49,7 +51,7 @@ def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_
         count += chunk[:, 1:].numel()
     model.train(was_training)
     loss = nll / count
-    return {"val_loss": loss, "perplexity": math.exp(loss),
+    return {"val_loss": loss, "perplexity": math.inf if loss > _MAX_EXP else math.exp(loss),
             "bits_per_byte": loss / math.log(2) / data.bytes_per_token}
 
 
@@ -95,6 +97,9 @@ def train(model: Decoder, cfg: TrainConfig, data: TokenData, on_log: Optional[On
         opt.step()
         sched.step()
         running.append(loss.item())
+        if not math.isfinite(running[-1]):  # every later step would be NaN too: stop and say so
+            raise FloatingPointError(f"train loss is {running[-1]} at step {step} (train.lr={cfg.lr}, "
+                                     f"runtime dtype {autocast_dtype or 'float32'}): training diverged")
         is_eval = step % cfg.eval_every == 0 or step == cfg.steps
         if step % cfg.log_every == 0 or is_eval:
             point = {"train_loss": sum(running) / len(running), "lr": lr}

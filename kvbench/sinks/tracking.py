@@ -14,16 +14,24 @@ What a run holds:
 - summary = every scalar metric, ``status`` and ``error``.
 - every per-step series (``decode_ms``) logged against its own ``step`` axis, every table
   (the multi-turn ``turns``) as a ``wandb.Table``, and results.json as a ``results`` artifact.
+
+``online`` never stalls a sweep: ``wandb.init`` may try to reach the server for
+``wandb.init_timeout_s`` seconds (W&B's own default is 90 s), and when it cannot (no network,
+no credentials) the run is written offline instead, to be uploaded later with ``wandb sync``.
+A marker file in the sweep directory then sends the sweep's later jobs straight to offline, so
+the warning is said once per sweep and the wait paid once.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from kvbench.config import WandbConfig, one_line
 from kvbench.results import RESULTS_FILE, RunResult, flatten
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,8 @@ STEP_AXIS = "step"  # x axis of every per-step series; W&B's own _step counts lo
 _NAME_MAX = 128
 # Overrides that say where or how a run is recorded, not what was measured.
 _NAME_SKIP = ("hydra.", "wandb.", "wandb=")
+# In a sweep directory: W&B online failed for an earlier job of this sweep (the file says why).
+UNREACHABLE_MARKER = ".kvbench-wandb-unreachable"
 
 
 def sweep_group(sweep_dir: Optional[Path | str]) -> Optional[str]:
@@ -82,6 +92,15 @@ def resolve_mode(mode: Any) -> str:
     return mode
 
 
+def new_sweep(sweep_dir: Path | str) -> None:
+    """A sweep starts in ``sweep_dir``: W&B being unreachable for an earlier sweep into the same
+    directory says nothing about this one."""
+    try:
+        (Path(sweep_dir) / UNREACHABLE_MARKER).unlink(missing_ok=True)
+    except OSError:
+        pass  # an unwritable sweep dir fails the jobs' own writes, with their own message
+
+
 def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
           sweep_dir: Optional[Path | str] = None, task: str = "bench") -> Optional[Path]:
     """Record one finished job as a W&B run in ``out_dir/wandb``; returns the run's directory
@@ -94,23 +113,20 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
         stage = "import"
         import wandb
 
-        stage = "login"
-        # An online run without stored credentials would open an interactive login prompt
-        # and block the sweep; find the key without prompting and fail clearly instead.
-        if mode == "online" and not wandb.login(prompt=False, verify=False):
-            raise RuntimeError("wandb.mode=online needs credentials: run `wandb login` or set "
-                               "WANDB_API_KEY (or use wandb.mode=offline and `wandb sync` later)")
+        def start(mode: str):
+            return wandb.init(
+                project=wandb_cfg.get("project") or "kvbench", entity=wandb_cfg.get("entity"),
+                group=wandb_cfg.get("group") or sweep_group(sweep_dir),
+                job_type=result.config.get("workload", {}).get("name", task) if task == "bench" else task,
+                name=run_name(result.overrides), tags=list(wandb_cfg.get("tags") or []) or None,
+                notes=result.error, config=run_config(result), dir=str(out_dir), mode=mode,
+                # No console capture or system-metrics thread; git state is in config env.*.
+                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
+                                        save_code=False, init_timeout=_init_timeout(wandb_cfg)),
+            )
+
         stage = "init"
-        run = wandb.init(
-            project=wandb_cfg.get("project") or "kvbench", entity=wandb_cfg.get("entity"),
-            group=wandb_cfg.get("group") or sweep_group(sweep_dir),
-            job_type=result.config.get("workload", {}).get("name", task) if task == "bench" else task,
-            name=run_name(result.overrides), tags=list(wandb_cfg.get("tags") or []) or None,
-            notes=result.error, config=run_config(result), dir=str(out_dir), mode=mode,
-            # No console capture or system-metrics thread; git state is in config env.*.
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True,
-                                    disable_git=True, save_code=False),
-        )
+        run = _start_online(wandb, start, Path(out_dir), sweep_dir) if mode == "online" else start(mode)
         logged = False
         try:
             stage = "log"
@@ -127,6 +143,48 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
         log.warning("W&B tracking failed at %s: %s: %s (results.json is unaffected)",
                     stage, type(exc).__name__, exc)
         return None
+
+
+def _init_timeout(wandb_cfg: Mapping[str, Any]) -> float:
+    # An invalid job's record holds its config as given: never wait on a value that was rejected.
+    timeout = wandb_cfg.get("init_timeout_s")
+    valid = isinstance(timeout, (int, float)) and 0 < timeout < math.inf
+    return float(timeout) if valid else WandbConfig.init_timeout_s
+
+
+def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str]):
+    """An online run, or an offline one when W&B cannot be reached: said once per sweep, after
+    which the sweep's later jobs go offline without trying (the marker file)."""
+    marker = Path(sweep_dir) / UNREACHABLE_MARKER if sweep_dir is not None else None
+    if marker is not None and marker.exists():
+        return start("offline")
+    try:
+        # Without stored credentials an online run would open an interactive login prompt and
+        # block the sweep: find the key without prompting. Silent, or login looks the user's
+        # name up on the server just to print it (5 s without a network).
+        wandb.setup(wandb.Settings(silent=True))
+        if not wandb.login(prompt=False, verify=False):
+            raise RuntimeError("no credentials (run `wandb login` or set WANDB_API_KEY)")
+        return start("online")
+    except Exception as exc:  # noqa: BLE001 — whatever stopped it, the run is kept offline
+        _teardown(wandb)  # the service may still be retrying the server
+        why = one_line(f"{type(exc).__name__}: {exc}", 300)
+        where = f"{sweep_dir}/*/wandb/offline-run-*" if marker is not None else f"{out_dir}/wandb/offline-run-*"
+        log.warning("W&B online failed (%s): writing %s offline instead; upload later with `wandb sync %s`",
+                    why, "this and every later run of this sweep" if marker is not None else "the run", where)
+        if marker is not None:
+            try:
+                marker.write_text(why + "\n")
+            except OSError:
+                pass  # then the next job tries (and warns) again
+        return start("offline")
+
+
+def _teardown(wandb) -> None:
+    try:
+        wandb.teardown()
+    except Exception:  # noqa: BLE001 — teardown is cleanup; the run is already recorded
+        pass
 
 
 def _log_record(wandb, run, result: RunResult, out_dir: Path) -> None:
@@ -173,7 +231,4 @@ def _finish(wandb, run, exit_code: int, raise_errors: bool = False) -> None:
         if raise_errors:
             raise
     finally:
-        try:
-            wandb.teardown()
-        except Exception:  # noqa: BLE001 — teardown is cleanup; the run is already recorded
-            pass
+        _teardown(wandb)

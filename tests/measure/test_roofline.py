@@ -1,10 +1,11 @@
 """Roofline fields against an independent count of the bytes a decode step reads."""
 
 import json
+import os
 
 import pytest
 import torch
-from conftest import make_decoder
+from conftest import call_with_timeout, make_decoder
 
 from kvbench.measure import roofline
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, machine_peaks, roofline_metrics
@@ -68,3 +69,27 @@ def test_peak_is_overridable_and_probe_cached_per_machine(tmp_path, monkeypatch)
 def test_probe_measures_a_plausible_bandwidth():
     probe = roofline.probe_bandwidth(torch.device("cpu"), mib=16, repeats=2)
     assert all(0.1 < v < 10_000 for v in probe.values()), probe
+
+
+@pytest.mark.parametrize("entry", [
+    "garbage", 5, {"copy_gb_per_s": 11.0},  # not a probe
+    {"copy_gb_per_s": -1.0, "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0},
+    {"copy_gb_per_s": 11.0, "gemv_gb_per_s": float("nan"), "matmul_gflops": 90.0},
+    {"copy_gb_per_s": "11", "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0},
+])
+def test_a_damaged_bandwidth_cache_is_probed_again(tmp_path, monkeypatch, entry):
+    """The cache is a file in the user's home: an entry that is not a positive finite probe is
+    measured again instead of becoming the roofline's peak (or a TypeError)."""
+    monkeypatch.setattr(roofline, "probe_bandwidth",
+                        lambda device: {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0})
+    cache = tmp_path / "bw.json"
+    cache.write_text(json.dumps({roofline._machine_key(torch.device("cpu")): entry}))
+    assert machine_peaks(torch.device("cpu"), None, cache)[:2] == (17.0, 90.0)
+
+
+def test_a_bandwidth_cache_that_is_a_fifo_is_probed_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(roofline, "probe_bandwidth",
+                        lambda device: {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0})
+    cache = tmp_path / "bw.json"
+    os.mkfifo(cache)  # reading it would block until a writer comes
+    assert call_with_timeout(lambda: machine_peaks(torch.device("cpu"), None, cache))[:2] == (17.0, 90.0)

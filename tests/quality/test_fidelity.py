@@ -1,5 +1,7 @@
 """Fidelity of what was timed: cached decode vs a full recompute, and half precision vs a float32 copy."""
 
+import math
+
 import torch
 from conftest import byte_decoder
 
@@ -50,3 +52,16 @@ def test_dtype_fidelity_measures_rounding_and_sees_other_weights():
     unrelated = dtype_fidelity(float32_copy(model).to(torch.bfloat16), other, prompt, gen_len=10)
     assert unrelated["dtype_max_abs_logit_diff"] > 10 * drift[torch.bfloat16]
     assert unrelated["dtype_top1_agreement"] < 0.5
+
+
+def test_nan_logits_never_agree():
+    """A model whose logits are NaN agrees with nothing, not even itself (argmax of a NaN row is
+    the first NaN's index on both sides, which once read as 100 % agreement)."""
+    model = byte_decoder(2).eval()
+    with torch.no_grad():
+        model.lm_head.weight[3].fill_(float("nan"))  # token 3's logit is NaN at every position
+    prompt = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    f = cache_fidelity(model, prompt, gen_len=6)
+    assert f["fidelity_top1_agreement"] == 0.0 and math.isnan(f["fidelity_max_abs_logit_diff"])
+    d = dtype_fidelity(model, model, prompt, gen_len=6)
+    assert d["dtype_top1_agreement"] == 0.0

@@ -8,14 +8,16 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from kvbench.results import RunResult, flatten, read_record
-from kvbench.sinks.tracking import run_name, sweep_group, track
+from kvbench.sinks.tracking import UNREACHABLE_MARKER, new_sweep, run_name, sweep_group, track
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=5", "runtime.warmup=0",
         "runtime.repeats=1"]
@@ -163,12 +165,64 @@ def test_a_wandb_failure_only_warns(where, tmp_path, in_process_wandb, monkeypat
         assert leet(only_run_dir(tmp_path), summary=True)["exit_code"] == 1
 
 
-def test_online_without_credentials_warns_instead_of_prompting(tmp_path, in_process_wandb, monkeypatch, caplog):
+def test_online_without_credentials_warns_and_keeps_the_run_offline(tmp_path, in_process_wandb, monkeypatch,
+                                                                     caplog):
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     with caplog.at_level(logging.WARNING, logger="kvbench.tracking"):
-        assert track(make_result(tmp_path), {"mode": "online"}, tmp_path) is None
-    assert "W&B tracking failed at login" in caplog.text and "wandb login" in caplog.text
-    assert not (tmp_path / "wandb").exists()
+        run_dir = track(make_result(tmp_path), {"mode": "online"}, tmp_path)
+    assert "W&B online failed (RuntimeError: no credentials" in caplog.text and "wandb login" in caplog.text
+    assert run_dir is not None and run_dir.parent == tmp_path / "wandb" and run_dir.name.startswith("offline-run-")
+    assert f"wandb sync {tmp_path}/wandb/offline-run-*" in caplog.text
+
+
+@pytest.fixture
+def unreachable_server(monkeypatch):
+    """A W&B "server" that accepts connections and never answers (a network that drops packets
+    looks the same to wandb.init), with a key that needs no login; counts the connections."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    connections = []
+
+    def accept():
+        while True:
+            try:
+                connections.append(server.accept()[0])
+            except OSError:  # closed at the end of the test
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    yield connections
+    server.close()
+    for conn in connections:
+        conn.close()
+
+
+def test_online_without_a_network_waits_init_timeout_once_per_sweep(tmp_path, in_process_wandb,
+                                                                     unreachable_server, caplog):
+    """W&B's own wait is 90 s per job. The first job waits wandb.init_timeout_s, writes its run
+    offline and says so; the sweep's later jobs go offline at once, without a word; a new
+    sweep into the same directory tries again."""
+    sweep = tmp_path / "sweep"
+    cfg = {"mode": "online", "init_timeout_s": 2.0}
+    with caplog.at_level(logging.WARNING, logger="kvbench.tracking"):
+        first = track(make_result(sweep / "0"), cfg, sweep / "0", sweep)
+    assert unreachable_server, "wandb never tried the server"
+    assert "W&B online failed (CommError" in caplog.text and "every later run of this sweep" in caplog.text
+    assert first is not None and first.parent == sweep / "0" / "wandb" and first.name.startswith("offline-run-")
+    assert (sweep / UNREACHABLE_MARKER).is_file()
+    assert read_record(sweep / "0").status == "ok"
+
+    caplog.clear()
+    tried = len(unreachable_server)
+    with caplog.at_level(logging.WARNING, logger="kvbench.tracking"):
+        second = track(make_result(sweep / "1"), cfg, sweep / "1", sweep)
+    assert second is not None and second.name.startswith("offline-run-") and second.parent == sweep / "1" / "wandb"
+    assert len(unreachable_server) == tried and caplog.text == ""
+    new_sweep(sweep)
+    assert not (sweep / UNREACHABLE_MARKER).exists()
 
 
 def test_disabled_mode_writes_nothing_and_never_imports_wandb(tmp_path):
