@@ -3,14 +3,13 @@ today's step and transformers, eager and compiled."""
 
 import pytest
 import torch
-from conftest import make_decoder
+from conftest import BENCH_SHAPE, make_decoder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import _llama_name, build_decoder
 from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.generate import FixedShapeStep, compiled_graphs, greedy_generate
-from kvbench.model import Decoder
 
 KV_SPLITS = [8, 4, 2, 1]  # MHA, two GQA splits, MQA for 8 query heads
 
@@ -76,30 +75,26 @@ def test_fixed_shape_step_counts_the_positions_its_windows_read():
     assert step.lengths(cache_for(model, "static", 1, 20), range(11, 20)) == read == [16] * 5 + [20] * 4
 
 
-def tiny_gqa():
-    """The decoder of ``model=tiny attention=gqa`` (so that the job test reuses this graph from
-    inductor's cache)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(name="tiny", num_layers=2, d_model=64, num_heads=8, preset_kv_heads=8, ffn_dim=128,
-                      vocab_size=256, max_seq_len=4096)
-    return Decoder(cfg, AttentionConfig("gqa", 2)).eval()
-
-
 def test_graph_step_gives_eager_tokens_and_never_recompiles():
     """runtime.compile=graph: the decode step compiled with fullgraph=True and static shapes.
     One graph serves every position of a decode (one context bucket), a second whole decode
     compiles nothing, and its tokens and logits are eager's."""
-    model = tiny_gqa()
-    prompt = torch.randint(0, 256, (2, 8))
-    step = FixedShapeStep(mode="graph")
-    cache = cache_for(model, "static", 2, 14)
-    graphs = compiled_graphs()
-    greedy_generate(model, prompt, 6, cache, step=step)
-    assert compiled_graphs() == graphs + 1  # one graph for all 6 positions: nothing per position
-    cache.reset()
-    got = greedy_generate(model, prompt, 6, cache, keep_logits=True, step=step)
-    assert compiled_graphs() == graphs + 1  # zero recompiles over the whole decode
-    want = greedy_generate(model, prompt, 6, cache_for(model, "static", 2, 14), keep_logits=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benchmark and the job test that share this graph
+    try:
+        model = make_decoder(2, **BENCH_SHAPE)
+        prompt = torch.randint(0, 512, (2, 120))
+        step = FixedShapeStep(mode="graph")
+        cache = cache_for(model, "static", 2, 129)
+        graphs = compiled_graphs()
+        greedy_generate(model, prompt, 9, cache, step=step)
+        assert compiled_graphs() == graphs + 1  # one graph for all 9 positions: nothing per position
+        cache.reset()
+        got = greedy_generate(model, prompt, 9, cache, keep_logits=True, step=step)
+        assert compiled_graphs() == graphs + 1  # zero recompiles over the whole decode
+    finally:
+        torch.set_num_threads(threads)
+    want = greedy_generate(model, prompt, 9, cache_for(model, "static", 2, 129), keep_logits=True)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
 
