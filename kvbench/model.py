@@ -89,7 +89,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H_kv, G*T, D)
     else:
         out = prefix_attention(q, k, v, mask, *prefix)
-    return out.view(B, H, T, D)
+    # reshape, not view: CUDA's fused SDPA kernels return (B, H_kv, G*T, D) laid out as
+    # (B, G*T, H_kv, D) in memory, where H_kv and G cannot merge without a copy.
+    return out.reshape(B, H, T, D)
 
 
 def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:

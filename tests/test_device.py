@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvbench.device import hold_free_gpu
 
 HOLD = ("import sys, time\nfrom kvbench.device import hold_free_gpu\nfrom kvbench.config import ConfigError\n"
@@ -56,3 +58,27 @@ def test_joblib_workers_get_distinct_gpus(tmp_path):
     for pid, index in out:
         assert by_pid.setdefault(pid, index) == index  # a worker keeps its GPU
     assert len(set(by_pid.values())) == len(by_pid)  # no two workers share one
+
+
+@pytest.mark.cuda
+def test_cuda_free_on_a_real_gpu_is_held_by_one_process_at_a_time(tmp_path):
+    """Every GPU of the machine held by child processes through runtime.device=cuda:free: the next
+    process is told, in one line, that all are held."""
+    import torch
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # a private lock directory for this test
+    hold = ("import time\nfrom kvbench.device import resolve_device\n"
+            "print(resolve_device('cuda:free'), flush=True)\ntime.sleep(120)\n")
+    holders = []
+    try:
+        for i in range(torch.cuda.device_count()):
+            p = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, env=env)
+            holders.append(p)
+            assert p.stdout.readline().strip() == f"cuda:{i}"
+        probe = ("from kvbench.device import resolve_device\nfrom kvbench.config import ConfigError\n"
+                 "try:\n    resolve_device('cuda:free')\nexcept ConfigError as e:\n    print(e)\n")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+        assert f"all {torch.cuda.device_count()} GPUs" in out.stdout, out.stdout + out.stderr
+    finally:
+        for p in holders:
+            p.kill()

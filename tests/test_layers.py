@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config", "units"],
-    ["model", "cache", "results", "measure.timing", "measure.memory"],
+    ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
     ["quality.data", "quality.fidelity", "inspection"],
     ["quality.train", "workloads.decode", "workloads.multiturn"],

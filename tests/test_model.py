@@ -32,6 +32,27 @@ def test_grouped_attention_equals_repeat_interleave_reference(num_kv_heads, T):
     torch.testing.assert_close(ours, reference_attention(q, k, v, mask), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_kv_heads", [16, 4, 1])
+def test_attention_takes_the_output_layout_of_cuda_kernels(monkeypatch, num_kv_heads):
+    """CUDA's fused SDPA kernels return (B, H_kv, M, D) strided as (B, M, H_kv, D); GQA once failed on
+    a GPU with "view size is not compatible" (seen in the first GPU check). The same values in that
+    layout must give the same result."""
+    import kvbench.model as model_module
+
+    plain = model_module.F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        out = plain(*args, **kwargs)  # (B, H_kv, M, D)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, M, H_kv, D) in memory
+
+    B, H, T, S, D = 2, 16, 3, 12, 8
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
+    mask = fold_mask(torch.ones(T, S, dtype=torch.bool).tril(S - T), H // num_kv_heads)
+    want = grouped_attention(q, k, v, mask)
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", cuda_layout)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), want, atol=0, rtol=0)
+
+
 def test_query_head_reads_its_own_group():
     """Zeroing every KV head but one changes exactly the query heads mapped to it."""
     B, H, H_kv, S, D = 1, 8, 2, 6, 4

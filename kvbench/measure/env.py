@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -92,3 +92,42 @@ def collect_env(device: torch.device | str = "cpu") -> Dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
     }
+
+
+# How busy the machine was around a job (recorded in metrics; tables show the flag).
+LOAD_METHODS: Dict[str, str] = {
+    "load_avg_before": "1-minute load average (os.getloadavg) when the job started measuring",
+    "load_avg_after": "1-minute load average when the job finished measuring",
+    "usable_cpus": "CPUs this process may run on (os.sched_getaffinity)",
+    "noisy": "true when the machine had more runnable work than CPUs around the job: max(load_avg_before, "
+             "load_avg_after) > usable_cpus + 0.5 (the job's own threads count in the load); timings of a "
+             "noisy job are unreliable",
+    "noisy_reason": "why noisy is true (null when it is false or unknown)",
+}
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average, or None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def noisy(before: Optional[float], after: Optional[float], cpus: int) -> Tuple[Optional[bool], Optional[str]]:
+    """Whether the machine was oversubscribed around a job, and why (see :data:`LOAD_METHODS`)."""
+    loads = [x for x in (before, after) if x is not None]
+    if not loads:
+        return None, None
+    worst = max(loads)
+    if worst > cpus + 0.5:
+        return True, (f"load average {worst:.2f} on {cpus} usable CPUs: other work competed for the cores "
+                      "(timings are unreliable; rerun on an idle machine or with fewer threads)")
+    return False, None

@@ -13,7 +13,8 @@ import importlib
 import os
 import sys
 import threading
-from typing import Any, Dict, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -35,6 +36,15 @@ MEMORY_METHODS: Dict[str, str] = {
                  "(whole device; the counter updates coarsely, so short regions read low)",
     "nvml_driver_version": "nvmlSystemGetDriverVersion",
     "nvml_device_uuid": "NVML UUID the torch device was matched to (by UUID, not index)",
+}
+
+# What allocating one object (the KV cache) cost, seen by torch and by the driver.
+ALLOCATION_METHODS: Dict[str, str] = {
+    "kv_cache_bytes_torch": "bytes; CUDA only: torch.cuda.memory_allocated after the cache was created minus "
+                            "before (this process's tensors; the caching allocator rounds each block up)",
+    "kv_cache_bytes_nvml": "bytes; CUDA only: NVML device memory used after the cache was created minus before, "
+                           "torch's unused cached blocks released first (whole device: new allocator segments, "
+                           "2 MiB granular; other processes' activity in between would count too)",
 }
 
 _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",
@@ -76,6 +86,16 @@ def _torch_reset_peak(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
+def _torch_empty_cache(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def _torch_allocated(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
 def _torch_peaks(device: torch.device) -> Tuple[int, int]:
     # Synchronise first so the NVML exit samples and energy see the region's queued kernels.
     torch.cuda.synchronize(device)
@@ -115,6 +135,49 @@ def nvml_driver_version() -> Optional[str]:
         return None
     finally:
         _shutdown(nvml)
+
+
+def nvml_used_bytes(device: torch.device) -> Tuple[Optional[int], Optional[str]]:
+    """Device memory used right now as NVML reports it (v2 API, else v1), for the GPU behind the
+    torch ``device``; ``(None, reason)`` when it cannot be read. Never raises."""
+    nvml, reason = open_nvml()
+    if nvml is None:
+        return None, reason
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(nvml_uuid(_torch_device_uuid(device)))
+        try:
+            return int(nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2).used), None
+        except Exception:  # noqa: BLE001 — old driver or pynvml: no _v2 symbol or no version kwarg
+            return int(nvml.nvmlDeviceGetMemoryInfo(handle).used), None
+    except Exception as e:  # noqa: BLE001 — any NVML failure becomes the reason
+        return None, f"NVML read failed: {e}"
+    finally:
+        _shutdown(nvml)
+
+
+@contextmanager
+def allocation_delta(device: torch.device | str, prefix: str = "kv_cache_bytes") -> Iterator[Dict[str, Any]]:
+    """Memory an allocation inside the block took, as torch and as the driver see it: yields a dict
+    filled at exit with ``<prefix>_torch``, ``<prefix>_nvml`` and ``<prefix>_alloc_reason`` (None
+    unless a figure is missing). CUDA only: on the CPU both are None with the reason."""
+    device = torch.device(device)
+    out: Dict[str, Any] = {f"{prefix}_torch": None, f"{prefix}_nvml": None, f"{prefix}_alloc_reason": None}
+    if device.type != "cuda":
+        out[f"{prefix}_alloc_reason"] = f"CUDA only (device is {device.type})"
+        yield out
+        return
+    # Blocks the caching allocator keeps from earlier work would serve the allocation without the
+    # driver seeing it (the first GPU check read 0 bytes from NVML for every cache): release them.
+    _torch_empty_cache(device)
+    torch_before = _torch_allocated(device)
+    nvml_before, reason = nvml_used_bytes(device)
+    yield out
+    out[f"{prefix}_torch"] = _torch_allocated(device) - torch_before
+    nvml_after, reason_after = nvml_used_bytes(device)
+    if nvml_before is not None and nvml_after is not None:
+        out[f"{prefix}_nvml"] = nvml_after - nvml_before
+    else:
+        out[f"{prefix}_alloc_reason"] = reason or reason_after
 
 
 def _text(value: Any) -> str:

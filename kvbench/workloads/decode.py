@@ -27,7 +27,7 @@ from kvbench.generate import (
     decode_step,
     greedy_generate,
 )
-from kvbench.measure.memory import MemoryMonitor
+from kvbench.measure.memory import ALLOCATION_METHODS, MemoryMonitor, allocation_delta
 from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
 from kvbench.measure.timing import RegionTimer, step_percentiles
 from kvbench.model import Decoder
@@ -59,6 +59,10 @@ METHODS: Dict[str, str] = {
     "overhead_share": "fraction; overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
                       "bound by Python and kernel launches, not by the bytes it reads",
     "series.decode_ms": "ms; every decode step of the last timed trial, in order",
+    "energy_mj_per_token": "mJ/token; CUDA with NVML: energy_mj over the timed trials (prefill included) / the "
+                           "tokens they produced (batch x (gen_len + 1) per trial); null with energy_reason when "
+                           "the counter did not advance",
+    **ALLOCATION_METHODS,
     **ROOFLINE_METHODS,
     **FIDELITY_METHODS,
 }
@@ -144,20 +148,37 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     metrics["kv_cache_bytes_formula"] = kv_cache_bytes(
         cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
         DTYPE_BYTES[rt.dtype])
-    cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    with allocation_delta(device) as allocated:
+        cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+    if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation
+        allocated = {k: None for k in allocated}
+        allocated["kv_cache_bytes_alloc_reason"] = (f"cache.impl={cfg.cache.impl} allocates per step; "
+                                                    "measured for static only")
+    metrics.update(allocated)
     run_model, step = compiled_step(rt.compile, model, device, rt.graph_bucket)
     compiled = rt.compile != "false"
     if compiled:
-        # graph: the whole decode, so that every context bucket it reads is compiled before timing.
+        # graph: the whole decode, so that every context bucket it reads is compiled before timing;
+        # twice with CUDA graphs, which run a graph's first call eagerly and record the second.
         steps = w.gen_len if rt.compile == "graph" else 3
-        metrics.update(compile_phase(lambda: greedy_generate(run_model, prompt, steps, cache, step=step),
-                                     device, rt.compile))
+        passes = 2 if getattr(step, "cuda_graphs", False) else 1
+        metrics.update(compile_phase(lambda: [greedy_generate(run_model, prompt, steps, cache, step=step)
+                                              for _ in range(passes)], device, rt.compile))
         graphs = compiled_graphs()
+    # Warm-up outside the monitor: its one-off costs (kernel loading, per-shape plans: the first GPU
+    # check saw a warm-up of 1000 steps take ~45 s of 55) must not count in memory or energy.
+    time_decode(run_model, prompt, w.gen_len, cache, rt.warmup, 0, device, tick, step)
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
-        timings = time_decode(run_model, prompt, w.gen_len, cache, rt.warmup, rt.repeats, device, tick, step)
+        timings = time_decode(run_model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick, step)
     if compiled:
         metrics["recompiles"] = compiled_graphs() - graphs
     metrics.update(monitor.result())
+    metrics["energy_mj_per_token"] = None
+    if metrics.get("energy_mj"):
+        metrics["energy_mj_per_token"] = metrics["energy_mj"] / (w.batch_size * (w.gen_len + 1) * rt.repeats)
+    elif metrics.get("energy_mj") == 0:
+        metrics["energy_reason"] = ("the energy counter did not advance over the timed trials "
+                                    "(too short for its update rate)")
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
     result.series["decode_ms"] = timings.decode_ms[-1]

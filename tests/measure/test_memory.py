@@ -126,6 +126,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(memory, "_torch_device_uuid", lambda device: UUID)
     monkeypatch.setattr(memory, "_torch_reset_peak", lambda device: calls.append(("reset", device)))
     monkeypatch.setattr(memory, "_torch_peaks", lambda device: (111, 222))
+    monkeypatch.setattr(memory, "_torch_empty_cache", lambda device: calls.append(("empty_cache", device)))
     return calls
 
 
@@ -262,3 +263,65 @@ def test_sampling_thread_stops_on_exit_and_on_error(monkeypatch, fake_cuda):
     served = len(fake.served)
     time.sleep(0.02)
     assert len(fake.served) == served  # nothing samples after the block
+
+
+def test_allocation_delta_reads_torch_and_nvml_around_the_block(monkeypatch, fake_cuda):
+    """The KV cache's cost as torch and the driver see it: after minus before, each read once."""
+    allocated = iter([1_000, 1_000 + 4_096])
+    monkeypatch.setattr(memory, "_torch_allocated", lambda device: next(allocated))
+    fake = install(monkeypatch, FakeNVML(memory=(50_000, 50_000 + 2 * 2**20)))
+    with memory.allocation_delta("cuda:0") as out:
+        assert out["kv_cache_bytes_torch"] is None  # filled at exit
+    assert out == {"kv_cache_bytes_torch": 4_096, "kv_cache_bytes_nvml": 2 * 2**20,
+                   "kv_cache_bytes_alloc_reason": None}
+    assert fake.served == [50_000, 50_000 + 2 * 2**20] and fake.inits == fake.shutdowns == 2
+    assert fake_cuda == [("empty_cache", torch.device("cuda:0"))]  # cached blocks released before reading
+
+
+def test_allocation_delta_without_nvml_keeps_torch_and_says_why(monkeypatch, fake_cuda):
+    allocated = iter([0, 512])
+    monkeypatch.setattr(memory, "_torch_allocated", lambda device: next(allocated))
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with memory.allocation_delta("cuda:0") as out:
+        pass
+    assert out["kv_cache_bytes_torch"] == 512 and out["kv_cache_bytes_nvml"] is None
+    assert "pynvml" in out["kv_cache_bytes_alloc_reason"]
+    with memory.allocation_delta("cpu") as cpu:
+        pass
+    assert cpu == {"kv_cache_bytes_torch": None, "kv_cache_bytes_nvml": None,
+                   "kv_cache_bytes_alloc_reason": "CUDA only (device is cpu)"}
+
+
+@pytest.mark.cuda
+def test_real_gpu_allocation_delta_sees_the_tensor():
+    """On a GPU: torch's delta is the tensor to the byte; the driver's delta is the allocator's new
+    segment, the tensor rounded up to its 2 MiB granule."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()  # no cached block to reuse: the allocation must reach the driver
+    size = 64 * 2**20
+    with memory.allocation_delta(device) as out:
+        t = torch.empty(size, dtype=torch.uint8, device=device)
+    assert out["kv_cache_bytes_torch"] == size
+    assert out["kv_cache_bytes_alloc_reason"] is None, out
+    assert size <= out["kv_cache_bytes_nvml"] <= size + 2 * 2**20, out
+    del t
+
+
+@pytest.mark.cuda
+def test_real_gpu_monitor_reads_nvml_torch_and_energy():
+    device = torch.device("cuda")
+    size = 256 * 2**20
+    with MemoryMonitor(device, interval_ms=5.0) as mon:
+        t = torch.ones(size // 4, device=device)  # float32: size bytes
+        for _ in range(20):
+            t.mul_(1.0001)
+        torch.cuda.synchronize()
+    r = mon.result()
+    assert r["torch_peak_allocated_bytes"] >= size and r["torch_peak_reserved_bytes"] >= size
+    assert r["nvml_reason"] is None and r["nvml_memory_api"] in ("v2", "v1")
+    assert r["nvml_peak_used_bytes"] >= r["nvml_device_used_bytes"] >= size
+    assert r["nvml_samples"] >= 2 and r["nvml_device_uuid"].startswith(("GPU-", "MIG-"))
+    assert (r["energy_mj"] is not None and r["energy_mj"] >= 0) or r["energy_reason"]
+    # per-process memory is hidden in some containers (pid namespaces): then a reason says so
+    assert (r["nvml_process_used_bytes"] or 0) >= size or r["nvml_process_reason"]
+    del t

@@ -81,3 +81,36 @@ def test_floor_model_runs_the_same_operations_on_almost_no_bytes():
     ops = lambda m: [type(mod).__name__ for mod in m.modules()]
     assert ops(floor) == ops(model)
     assert decode_bytes_read(floor, 1, 1)[0] * 50 < decode_bytes_read(model, 1, 1)[0]
+
+
+@pytest.mark.cuda
+def test_decode_on_a_gpu_records_events_allocation_and_nvml(tmp_path):
+    """bf16 on the GPU: CUDA-event timing, the static cache's allocation seen by torch equals the
+    formula up to the allocator's 512-byte rounding, NVML fields filled, energy per token."""
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=64", "workload.gen_len=16", "workload.batch_size=4",
+                 "runtime.dtype=bfloat16", "runtime.device=cuda", "runtime.repeats=2")
+    m = result.metrics
+    assert result.status == "ok", result.error
+    assert m["timing_method"] == "cuda_events" and m["decode_ms_p50"] > 0
+    layers = 2  # model=tiny
+    assert m["kv_cache_bytes_formula"] <= m["kv_cache_bytes_torch"] <= m["kv_cache_bytes_formula"] + 2 * layers * 512
+    assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"]
+    assert m["nvml_reason"] is None and m["nvml_peak_used_bytes"] > 0
+    assert m["torch_peak_allocated_bytes"] >= m["kv_cache_bytes"] + m["weight_bytes"]
+    assert m["energy_mj_per_token"] is None or m["energy_mj_per_token"] >= 0
+    # bf16 on random weights: bounded differences (argmax flips where the logits are nearly flat)
+    assert m["fidelity_max_abs_logit_diff"] < 0.5 and m["fidelity_top1_agreement"] >= 0.5
+    assert 0 < m["dtype_max_abs_logit_diff"] < 1.0
+
+
+@pytest.mark.cuda
+def test_a_gpu_out_of_memory_is_an_oom_record_that_keeps_what_was_measured(tmp_path):
+    free, _ = torch.cuda.mem_get_info()
+    # A static cache 10x the free memory, from a short prompt (the prompt tensor stays small):
+    # model=tiny, GQA: 2 layers x 2 (K, V) x 2 KV heads x 8 dims x 4 bytes = 256 bytes per position.
+    batch = 10 * free // (256 * 4008)
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4000",
+                 f"workload.batch_size={batch}", "runtime.device=cuda", "runtime.repeats=1")
+    assert result.status == "oom", (result.status, result.error)
+    assert "out of memory" in result.error.lower()
+    assert result.metrics["weight_bytes"] > 0 and result.metrics["kv_cache_bytes_formula"] > free

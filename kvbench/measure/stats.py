@@ -1,0 +1,166 @@
+"""How samples become headline numbers: order statistics, 95% confidence intervals, sample
+sufficiency, the KV cost as a slope, and paired ratios of interleaved variants.
+
+One method each, stated in :data:`METHODS` and written into every record that uses it:
+
+- percentiles: numpy's ``linear`` method (Hyndman & Fan type 7; the median of an even count is the
+  mean of the two middle values);
+- intervals of statistics of independent trials: percentile bootstrap (scipy.stats.bootstrap,
+  2000 resamples, seeded);
+- intervals of statistics of decode steps: a moving-block bootstrap within trials (steps are
+  autocorrelated: a descheduled thread slows several in a row), blocks of ``round(n ** (1/3))``
+  consecutive steps; numpy does the resampling (scipy has no block bootstrap);
+- the KV cost: step time against context length fitted with the Theil-Sen estimator
+  (scipy.stats.theilslopes: the median of pairwise slopes, robust to preempted steps), with its
+  95% interval;
+- paired ratios: B over A on the same rounds of an interleaved comparison, paired percentile
+  bootstrap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+from scipy import stats as sps
+
+CONFIDENCE = 0.95
+N_RESAMPLES = 2000
+SEED = 0
+PERCENTILE_METHOD = "linear"
+
+Interval = Tuple[Optional[float], Optional[float]]
+
+METHODS: Dict[str, str] = {
+    "percentiles": f"numpy percentile, method={PERCENTILE_METHOD!r} (Hyndman & Fan type 7)",
+    "ci_trials": f"{CONFIDENCE:.0%} percentile bootstrap over timed trials (scipy.stats.bootstrap, "
+                 f"{N_RESAMPLES} resamples, seed {SEED}); null with fewer than 2 trials",
+    "ci_steps": f"{CONFIDENCE:.0%} moving-block bootstrap over decode steps within trials (blocks of "
+                f"round(n^(1/3)) consecutive steps, {N_RESAMPLES} resamples, seed {SEED})",
+    "kv_cost": f"Theil-Sen fit of decode step ms against the context length each step attends "
+               f"(scipy.stats.theilslopes, {CONFIDENCE:.0%} interval of the slope)",
+    "paired_ratio": f"median(B) / median(A) over interleaved rounds, {CONFIDENCE:.0%} paired percentile "
+                    f"bootstrap over rounds ({N_RESAMPLES} resamples, seed {SEED})",
+}
+
+
+def _array(values: Sequence[float]) -> np.ndarray:
+    return np.asarray(list(values), dtype=np.float64)
+
+
+def median(values: Sequence[float]) -> float:
+    """The true median (mean of the two middle values for an even count)."""
+    return float(np.median(_array(values)))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by :data:`PERCENTILE_METHOD`."""
+    return float(np.percentile(_array(values), 100 * q, method=PERCENTILE_METHOD))
+
+
+def min_samples(q: float) -> int:
+    """Fewest samples for which the ``q`` quantile is not just the maximum: ``ceil(1 / (1 - q))``
+    above the median (p99 needs 100), ``ceil(1 / q)`` below it."""
+    tail = min(q, 1 - q)
+    return max(2, math.ceil(1 / tail - 1e-9)) if tail > 0 else 1
+
+
+def bootstrap_ci(samples: Sequence[float], statistic: Callable = np.median) -> Interval:
+    """Percentile-bootstrap interval of ``statistic`` over independent samples (trials); ``(None,
+    None)`` with fewer than two samples; a constant sample gives a zero-width interval."""
+    x = _array(samples)
+    if x.size < 2:
+        return None, None
+    if np.all(x == x[0]):
+        return float(x[0]), float(x[0])
+    res = sps.bootstrap((x,), lambda a, axis: statistic(a, axis=axis), n_resamples=N_RESAMPLES,
+                        confidence_level=CONFIDENCE, method="percentile", vectorized=True,
+                        rng=np.random.default_rng(SEED))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def block_length(steps_per_trial: int) -> int:
+    return max(1, round(steps_per_trial ** (1 / 3)))
+
+
+def block_starts(sizes: Sequence[int], block: int) -> np.ndarray:
+    """Indices into the concatenated trials where a block of ``block`` steps may start without
+    running into the next trial."""
+    offsets = np.cumsum([0, *sizes[:-1]])
+    parts = [off + np.arange(n - block + 1) for off, n in zip(offsets, sizes) if n >= block]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def block_bootstrap_ci(trials: Sequence[Sequence[float]], q: float, block: Optional[int] = None) -> Interval:
+    """Moving-block bootstrap interval of the ``q`` quantile of all steps of all trials.
+
+    Blocks of ``block`` consecutive steps (default ``round(n ** (1/3))`` of the shortest trial) are
+    drawn uniformly from within trials (a block never spans two trials) and concatenated to the
+    original number of steps, :data:`N_RESAMPLES` times; the interval is the percentile interval
+    of the resampled quantiles."""
+    series = [_array(t) for t in trials if len(t)]
+    total = sum(s.size for s in series)
+    if total < 2:
+        return None, None
+    flat = np.concatenate(series)
+    if np.all(flat == flat[0]):
+        return float(flat[0]), float(flat[0])
+    block = block or block_length(min(s.size for s in series))
+    starts = block_starts([s.size for s in series], block)
+    if starts.size == 0:  # every trial shorter than a block: plain bootstrap of single steps
+        starts, block = np.arange(total), 1
+    rng = np.random.default_rng(SEED)
+    n_blocks = math.ceil(total / block)
+    stats = np.empty(N_RESAMPLES)
+    chunk = max(1, 4_000_000 // (n_blocks * block))  # bound the index array's memory
+    for lo in range(0, N_RESAMPLES, chunk):
+        hi = min(N_RESAMPLES, lo + chunk)
+        first = rng.choice(starts, size=(hi - lo, n_blocks))
+        idx = (first[:, :, None] + np.arange(block)).reshape(hi - lo, -1)[:, :total]
+        stats[lo:hi] = np.percentile(flat[idx], 100 * q, axis=1, method=PERCENTILE_METHOD)
+    alpha = (1 - CONFIDENCE) / 2
+    return float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))
+
+
+def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str, Optional[float]]:
+    """Step time against context length: ``at_ctx0_ms`` (intercept) and ``us_per_1k_ctx`` (the
+    slope per 1,000 positions of context) with the slope's interval, by Theil-Sen; None where
+    fewer than 3 distinct context lengths were measured."""
+    x, y = _array(context), _array(step_ms)
+    out: Dict[str, Optional[float]] = {"at_ctx0_ms": None, "us_per_1k_ctx": None, "us_per_1k_ctx_ci_low": None,
+                                       "us_per_1k_ctx_ci_high": None, "n": int(x.size)}
+    if np.unique(x).size < 3:
+        return out
+    res = sps.theilslopes(y, x, alpha=CONFIDENCE)
+    per_1k = 1e6  # ms per position -> µs per 1,000 positions
+    out.update(at_ctx0_ms=float(res.intercept), us_per_1k_ctx=float(res.slope) * per_1k,
+               us_per_1k_ctx_ci_low=float(res.low_slope) * per_1k,
+               us_per_1k_ctx_ci_high=float(res.high_slope) * per_1k)
+    return out
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
+    """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval."""
+    x, y = _array(a), _array(b)
+    if x.size != y.size or x.size == 0:
+        raise ValueError(f"paired samples must have the same, non-zero length: {x.size} vs {y.size}")
+    ratio = float(np.median(y) / np.median(x))
+    if x.size < 2:
+        return ratio, None, None
+
+    def stat(xa, yb, axis):
+        return np.median(yb, axis=axis) / np.median(xa, axis=axis)
+
+    res = sps.bootstrap((x, y), stat, paired=True, n_resamples=N_RESAMPLES, confidence_level=CONFIDENCE,
+                        method="percentile", vectorized=True, rng=np.random.default_rng(SEED))
+    low, high = res.confidence_interval
+    return ratio, (None if math.isnan(low) else float(low)), (None if math.isnan(high) else float(high))
+
+
+def overlap(a: Interval, b: Interval) -> Optional[bool]:
+    """Whether two intervals overlap (None when either is unknown): overlapping intervals mean the
+    difference is not significant at this confidence."""
+    if None in (*a, *b):
+        return None
+    return a[0] <= b[1] and b[0] <= a[1]
