@@ -119,3 +119,26 @@ def test_long_prompt_prefill_and_fixed_step_match_transformers(num_kv_heads):
     with torch.no_grad():
         theirs = hf(torch.cat([prompt, gen.tokens[:, :-1]], dim=1)).logits[:, 1499:]  # (2, 5, V)
     torch.testing.assert_close(gen.logits, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_step_replays_eager_decode():
+    """runtime.compile=graph on a GPU (mode="reduce-overhead": CUDA graphs). Every kept logit
+    equals eager's (so no output was read after a replay overwrote it), a second decode
+    compiles nothing, and the cache is written where it was allocated (static addresses)."""
+    model = make_decoder(2, **BENCH_SHAPE).cuda()
+    prompt = torch.randint(0, 512, (2, 120), device="cuda")
+    step = FixedShapeStep(mode="graph", device="cuda")
+    assert step.cuda_graphs
+    cache = cache_for(model, "static", 2, 129)
+    pointers = [t.data_ptr() for t in cache.tensors()]
+    for _ in range(2):  # the first call of a CUDA graph runs eagerly, the second records it
+        cache.reset()
+        greedy_generate(model, prompt, 9, cache, step=step)
+    graphs = compiled_graphs()
+    cache.reset()
+    got = greedy_generate(model, prompt, 9, cache, keep_logits=True, step=step)
+    assert compiled_graphs() == graphs and [t.data_ptr() for t in cache.tensors()] == pointers
+    want = greedy_generate(model, prompt, 9, cache_for(model, "static", 2, 129), keep_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.tokens, want.tokens)

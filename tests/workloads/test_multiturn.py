@@ -99,6 +99,25 @@ def test_graph_step_serves_the_shared_chat_without_recompiling():
         torch.testing.assert_close(got.logits, want.logits, **TOL)
 
 
+@pytest.mark.cuda
+def test_cuda_graph_step_serves_the_shared_chat():
+    """The shared system prompt under CUDA graphs: the prefix and history storage are read in
+    place by the replayed graph; the chat's tokens and logits are eager's."""
+    model = make_decoder(2).cuda()
+    system, users = prompts()
+    system, users = system.cuda(), [u.cuda() for u in users]
+    step = FixedShapeStep(bucket=64, mode="graph", device="cuda")
+    for _ in range(2):  # the first call of a CUDA graph runs eagerly, the second records it
+        chat(model, True, users=users, system=system, step=step)
+    graphs = compiled_graphs()
+    _, got = chat(model, True, users=users, system=system, step=step)
+    assert compiled_graphs() == graphs
+    _, want = chat(model, True, users=users, system=system)
+    for (g, _), (w, _) in zip(got, want):
+        torch.testing.assert_close(g.logits, w.logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.tokens, w.tokens)
+
+
 def test_unshared_without_cache_recomputes_and_matches():
     """cache.impl=none serves shared=false by recomputing every step; same logits."""
     model = make_decoder(2)
