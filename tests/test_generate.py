@@ -88,10 +88,13 @@ def test_graph_step_gives_eager_tokens_and_never_recompiles():
         cache = cache_for(model, "static", 2, 129)
         graphs = compiled_graphs()
         greedy_generate(model, prompt, 9, cache, step=step)
-        assert compiled_graphs() == graphs + 1  # one graph for all 9 positions: nothing per position
+        # One graph for all 9 positions, nothing per position (none if an earlier test in this
+        # process compiled the same shapes: dynamo reuses it for any decoder of these shapes).
+        first = compiled_graphs()
+        assert first - graphs <= 1
         cache.reset()
         got = greedy_generate(model, prompt, 9, cache, keep_logits=True, step=step)
-        assert compiled_graphs() == graphs + 1  # zero recompiles over the whole decode
+        assert compiled_graphs() == first  # zero recompiles over the whole decode
     finally:
         torch.set_num_threads(threads)
     want = greedy_generate(model, prompt, 9, cache_for(model, "static", 2, 129), keep_logits=True)

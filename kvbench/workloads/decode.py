@@ -47,15 +47,15 @@ METHODS: Dict[str, str] = {
     "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
     "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
     "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element",
-    "compile_s": "s; runtime.compile=default|graph: the first generation through the compiled model or step "
-                 "(default: 3 decode steps; graph: the whole decode, so every context bucket is compiled), "
-                 "excluded from every trial",
+    "compile_s": "s; runtime.compile=default|graph: the first generation through the compiled model or step, "
+                 "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
+                 "graphs, which record a graph at its second call), excluded from every trial",
     **COMPILE_METHODS,
     "overhead_ms_per_step": "ms; what a decode step costs the host beside reading bytes. CUDA: median host time "
                             "to enqueue one step (perf_counter around the call, nothing synchronising), against "
-                            "decode_ms_p50 from CUDA events. CPU: median step of the overhead-floor model (this "
-                            "model's layers and heads, batch, cache and runtime.compile, with 2-dim heads, 8-wide "
-                            "embedding, MLP and vocabulary and a 1-token prompt), which reads almost nothing",
+                            "decode_ms_p50 from CUDA events. CPU: median of 16 steps of the overhead-floor model "
+                            "(this model's layers, batch, cache and runtime.compile; one 2-dim head, everything "
+                            "else 2 wide; a 1-token prompt), which runs the same operations and reads almost nothing",
     "overhead_share": "fraction; overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
                       "bound by Python and kernel launches, not by the bytes it reads",
     "series.decode_ms": "ms; every decode step of the last timed trial, in order",
@@ -111,14 +111,15 @@ def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, float]:
 
 
 def floor_model(model: Decoder) -> Decoder:
-    """``model``'s layers, heads and dtype with 2-dim heads and an 8-wide embedding, MLP and
-    vocabulary: a decode step of it runs every operation of the real one but reads almost
-    nothing, so its time is the per-step cost of Python, dispatch and launches."""
+    """``model``'s layers and dtype with one 2-dim head and everything else 2 wide: a decode step of
+    it runs every operation of the real one (the head count and grouping change sizes, not the
+    operations) but reads almost nothing, so its time is the per-step cost of Python, dispatch and
+    launches. One floor per layer count, so a sweep over attention variants compiles it once."""
     c = model.config
-    cfg = ModelConfig(name=f"{c.name}-floor", num_layers=c.num_layers, d_model=8, num_heads=c.num_heads,
-                      preset_kv_heads=model.num_kv_heads, head_dim=2, ffn_dim=8, vocab_size=8, max_seq_len=64)
+    cfg = ModelConfig(name=f"floor-{c.num_layers}-layers", num_layers=c.num_layers, d_model=2, num_heads=1,
+                      preset_kv_heads=1, head_dim=2, ffn_dim=2, vocab_size=2, max_seq_len=64)
     with model.device:
-        floor = Decoder(cfg, AttentionConfig.for_heads(c.num_heads, model.num_kv_heads))
+        floor = Decoder(cfg, AttentionConfig("mha"))
     return floor.to(model.dtype).eval()
 
 
@@ -158,11 +159,10 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     run_model, step = compiled_step(rt.compile, model, device, rt.graph_bucket)
     compiled = rt.compile != "false"
     if compiled:
-        # graph: the whole decode, so that every context bucket it reads is compiled before timing;
-        # twice with CUDA graphs, which run a graph's first call eagerly and record the second.
-        steps = w.gen_len if rt.compile == "graph" else 3
+        # The whole decode, so that every shape (every context bucket) it meets is compiled before
+        # timing; twice with CUDA graphs, which run a graph's first call eagerly and record the second.
         passes = 2 if getattr(step, "cuda_graphs", False) else 1
-        metrics.update(compile_phase(lambda: [greedy_generate(run_model, prompt, steps, cache, step=step)
+        metrics.update(compile_phase(lambda: [greedy_generate(run_model, prompt, w.gen_len, cache, step=step)
                                               for _ in range(passes)], device, rt.compile))
         graphs = compiled_graphs()
     # Warm-up outside the monitor: its one-off costs (kernel loading, per-shape plans: the first GPU

@@ -72,12 +72,11 @@ def test_graph_run_records_compile_recompiles_and_the_bytes_its_window_reads(tmp
 
 
 def test_floor_model_runs_the_same_operations_on_almost_no_bytes():
-    """The overhead floor keeps the layers, heads and grouping (so a step runs the same
-    operations) and reads a tiny fraction of the bytes."""
+    """The overhead floor keeps the layers (so a step runs the same operations, whatever the
+    grouping) and reads a tiny fraction of the bytes."""
     model = make_decoder(2)
     floor = floor_model(model)
-    assert (floor.config.num_layers, floor.config.num_heads, floor.num_kv_heads) == (2, 8, 2)
-    assert floor.dtype == model.dtype
+    assert floor.config.num_layers == 2 and floor.dtype == model.dtype
     ops = lambda m: [type(mod).__name__ for mod in m.modules()]
     assert ops(floor) == ops(model)
     assert decode_bytes_read(floor, 1, 1)[0] * 50 < decode_bytes_read(model, 1, 1)[0]
