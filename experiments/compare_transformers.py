@@ -11,11 +11,16 @@ Each (shape, variant) is prefilled once per contender; then ``--rounds`` rounds 
 ``--gen-len`` decode steps one by one from the end of the prompt, for every contender in an
 order that alternates round by round (ABC, CBA, ...), and probe the machine's GEMV and copy
 rates (``kvbench.measure.roofline.probe_bandwidth``) between them: the rate a shared machine
-gives moves within minutes, so the roofline of a round uses the probe taken next to it. A
+gives moves within minutes, so the roofline uses the probes taken next to the steps. A
 contender's time is the median over rounds of its round's median step; the spread is the range
 of those round medians. The roofline is the bytes a step reads (every weight matrix, K/V at the
 positions read: the context for eager and transformers, the context bucket for the fixed-shape
 step) over the GEMV rate. Writes ``experiments/results/compare_transformers.md`` and ``.json``.
+
+Every step and probe is timed twice: by the wall clock, and on a CPU by this process's CPU time
+(``time.process_time``), which is not charged while the process waits for a core. On a machine
+whose cores other jobs keep busy (load average above the core count) the wall clock mostly
+measures the wait; both are reported, and "x roofline" uses the same clock for step and probe.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from kvbench.measure.timing import sync
 SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, preset_kv_heads=4, ffn_dim=2816,
                     vocab_size=32000, max_seq_len=4096)
 ROOT = Path(__file__).resolve().parents[1]
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def hf_model(cfg: ModelConfig, num_kv_heads: int, dtype, device) -> LlamaForCausalLM:
@@ -66,7 +72,7 @@ class Contender:
     def __init__(self, name, first, step, reset, kv_positions):
         self.name, self.first, self.step, self.reset = name, first, step, reset
         self.kv_positions = kv_positions  # mean positions per KV head a step reads
-        self.rounds: list[float] = []
+        self.rounds: list[dict] = []  # per round, the median step by each clock
 
 
 def transformers_contender(hf, prompt, gen_len, device) -> Contender:
@@ -105,17 +111,24 @@ def kvbench_contender(name, model, prompt, gen_len, step_fn) -> Contender:
                      lambda: cache.truncate(P), kv_positions)
 
 
-def time_round(c: Contender, steps: int, device) -> float:
-    """Median ms of ``steps`` decode steps from the end of the prompt."""
+def time_round(c: Contender, steps: int, device) -> dict:
+    """Median ms of ``steps`` decode steps from the end of the prompt, by each clock."""
     c.reset()
-    token, times = c.first, []
+    token, times = c.first, {clock: [] for clock in CLOCKS}
     for i in range(steps):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = {clock: fn() for clock, fn in CLOCKS.items()}
         token = c.step(token, i)
         sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for clock, fn in CLOCKS.items():
+            times[clock].append((fn() - t0[clock]) * 1e3)
+    return {clock: statistics.median(t) for clock, t in times.items()}
+
+
+def probe(device) -> dict:
+    """The GEMV, copy and GEMM probe by each clock (CPU time only means something on a CPU)."""
+    return {clock: probe_bandwidth(device, repeats=5, clock=fn) for clock, fn in CLOCKS.items()
+            if clock == "wall" or device.type == "cpu"}
 
 
 @torch.inference_mode()
@@ -148,61 +161,68 @@ def compare(batch: int, prompt_len: int, num_kv_heads: int, contenders: list[str
         tokens[c.name] = torch.cat(seq, 1)
     probes = []
     for r in range(rounds):
-        probes.append(probe_bandwidth(device, repeats=5))
+        probes.append(probe(device))
         for c in made if r % 2 == 0 else made[::-1]:
             c.rounds.append(time_round(c, gen_len, device))
-    probes.append(probe_bandwidth(device, repeats=5))
-    gemv = statistics.median(p["gemv_gb_per_s"] for p in probes)
-    copy = statistics.median(p["copy_gb_per_s"] for p in probes)
-    gflops = statistics.median(p["matmul_gflops"] for p in probes)
-    hf_ms = statistics.median(made[0].rounds) if made[0].name.startswith("transformers") else None
-    reference = tokens[made[0].name]
+    probes.append(probe(device))
+    load_after = os.getloadavg()[0]
     rows = []
     for c in made:
-        ms = statistics.median(c.rounds)
         total, kv = decode_bytes_read(ours, batch, c.kv_positions)
-        roofline_ms = total / (gemv * 1e9) * 1e3
-        rows.append(dict(
-            impl=c.name, batch=batch, prompt_len=prompt_len, num_kv_heads=num_kv_heads,
-            variant=attention_type(SMALL.num_heads, num_kv_heads), ms=ms, spread_ms=[min(c.rounds), max(c.rounds)],
-            rounds_ms=c.rounds, speedup_vs_hf=hf_ms / ms if hf_ms else None,
-            kv_positions=c.kv_positions, bytes_read=total, kv_bytes_read=kv, gemv_gb_per_s=gemv,
-            copy_gb_per_s=copy, probe_gemv_range=[min(p["gemv_gb_per_s"] for p in probes),
-                                                  max(p["gemv_gb_per_s"] for p in probes)],
-            roofline_ms=roofline_ms, x_roofline=ms / roofline_ms,
-            compute_ms=decode_flops(ours, batch, c.kv_positions) / (gflops * 1e9) * 1e3, matmul_gflops=gflops,
-            compile_s=compile_s.get(c.name), same_tokens=bool(torch.equal(tokens[c.name], reference)),
-            load_before=load_before, load_after=os.getloadavg()[0]))
+        row = dict(impl=c.name, batch=batch, prompt_len=prompt_len, num_kv_heads=num_kv_heads,
+                   variant=attention_type(SMALL.num_heads, num_kv_heads), kv_positions=c.kv_positions,
+                   bytes_read=total, kv_bytes_read=kv, compile_s=compile_s.get(c.name),
+                   same_tokens=bool(torch.equal(tokens[c.name], tokens[made[0].name])),
+                   load_before=load_before, load_after=load_after, clocks={})
+        for clock in probes[0]:
+            ms = statistics.median(r[clock] for r in c.rounds)
+            gemv = [p[clock]["gemv_gb_per_s"] for p in probes]
+            flops_rate = statistics.median(p[clock]["matmul_gflops"] for p in probes)
+            roofline_ms = total / (statistics.median(gemv) * 1e9) * 1e3
+            hf = made[0] if made[0].name.startswith("transformers") else None
+            row["clocks"][clock] = dict(
+                ms=ms, spread_ms=[min(r[clock] for r in c.rounds), max(r[clock] for r in c.rounds)],
+                rounds_ms=[r[clock] for r in c.rounds],
+                speedup_vs_hf=statistics.median(r[clock] for r in hf.rounds) / ms if hf else None,
+                gemv_gb_per_s=statistics.median(gemv), gemv_range=[min(gemv), max(gemv)],
+                copy_gb_per_s=statistics.median(p[clock]["copy_gb_per_s"] for p in probes),
+                matmul_gflops=flops_rate, roofline_ms=roofline_ms, x_roofline=ms / roofline_ms,
+                compute_ms=decode_flops(ours, batch, c.kv_positions) / (flops_rate * 1e9) * 1e3)
+        rows.append(row)
     return rows
 
 
-def table(rows) -> str:
+def table(rows, clock: str) -> str:
     lines = ["| B | prompt | variant | implementation | ms/step (range over rounds) | vs transformers | "
              "roofline ms | x roofline | GEMV GB/s (range) | copy GB/s | FLOP bound ms | same tokens | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        vs = f"{r['speedup_vs_hf']:.2f}x" if r["speedup_vs_hf"] else "-"
+        t = r["clocks"].get(clock)
+        if t is None:
+            continue
+        vs = f"{t['speedup_vs_hf']:.2f}x" if t["speedup_vs_hf"] else "-"
         lines.append(
             f"| {r['batch']} | {r['prompt_len']} | {r['variant']} ({r['num_kv_heads']}) | {r['impl']} | "
-            f"{r['ms']:.2f} ({r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f}) | {vs} | {r['roofline_ms']:.2f} | "
-            f"**{r['x_roofline']:.2f}** | {r['gemv_gb_per_s']:.1f} ({r['probe_gemv_range'][0]:.1f}-"
-            f"{r['probe_gemv_range'][1]:.1f}) | {r['copy_gb_per_s']:.1f} | {r['compute_ms']:.2f} | "
-            f"{'yes' if r['same_tokens'] else 'NO'} | {r['load_before']:.1f}-{r['load_after']:.1f} |")
+            f"{t['ms']:.2f} ({t['spread_ms'][0]:.2f}-{t['spread_ms'][1]:.2f}) | {vs} | {t['roofline_ms']:.2f} | "
+            f"**{t['x_roofline']:.2f}** | {t['gemv_gb_per_s']:.1f} ({t['gemv_range'][0]:.1f}-{t['gemv_range'][1]:.1f}) "
+            f"| {t['copy_gb_per_s']:.1f} | {t['compute_ms']:.2f} | {'yes' if r['same_tokens'] else 'NO'} | "
+            f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
     return "\n".join(lines)
 
 
-def variant_table(rows) -> str:
+def variant_table(rows, clock: str) -> str:
     """GQA/MQA vs MHA: the measured time ratio next to the bytes-read ratio, per implementation."""
     lines = ["| B | prompt | implementation | variant | ms/step | time / MHA | bytes read / MHA | difference | "
              "KV share of bytes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mha = [m for m in rows if (m["batch"], m["prompt_len"], m["impl"]) == (r["batch"], r["prompt_len"], r["impl"])
                and m["variant"] == "mha"]
-        if not mha or r["variant"] == "mha":
+        if not mha or r["variant"] == "mha" or clock not in r["clocks"]:
             continue
-        t, b = r["ms"] / mha[0]["ms"], r["bytes_read"] / mha[0]["bytes_read"]
+        ms = r["clocks"][clock]["ms"]
+        t, b = ms / mha[0]["clocks"][clock]["ms"], r["bytes_read"] / mha[0]["bytes_read"]
         lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['impl']} | {r['variant']} ({r['num_kv_heads']}) | "
-                     f"{r['ms']:.2f} | {t:.2f} | {b:.2f} | {t - b:+.2f} | {r['kv_bytes_read'] / r['bytes_read']:.0%} |")
+                     f"{ms:.2f} | {t:.2f} | {b:.2f} | {t - b:+.2f} | {r['kv_bytes_read'] / r['bytes_read']:.0%} |")
     return "\n".join(lines)
 
 
@@ -228,19 +248,23 @@ def main() -> None:
         batch, prompt_len = map(int, shape.split("x"))
         for kv in map(int, args.kv_heads.split(",")):
             rows += compare(batch, prompt_len, kv, contenders, args.gen_len, args.rounds, args.bucket, dtype, device)
-            print(table(rows[-len(contenders):]), flush=True)
+            for clock in rows[-1]["clocks"]:
+                print(clock, "\n" + table(rows[-len(contenders):], clock), flush=True)
     command = "python experiments/compare_transformers.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None)
     header = (f"# kvbench vs transformers decode and the roofline, model small, {args.dtype} on {device} "
               f"({torch.get_num_threads()} torch threads), torch {torch.__version__}\n\n"
               f"Reproduce: `{command}` ({(time.perf_counter() - start) / 60:.0f} min). "
               f"{args.rounds} rounds of {args.gen_len} steps per contender, interleaved; roofline = bytes read per "
-              "step / the GEMV rate probed between the rounds (median; its range beside it). FLOP bound = "
-              "FLOP per step / the 1024^3 GEMM rate probed with it. load = the 1-minute load average before and "
-              "after the (shape, variant).\n\n")
+              "step / the GEMV rate probed between the rounds (median; its range beside it), step and probe "
+              "timed by the same clock. FLOP bound = FLOP per step / the 1024^3 GEMM rate probed with it. "
+              "load = the 1-minute load average before and after the (shape, variant).\n\n")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = header + table(rows) + "\n\n" + variant_table(rows) + "\n"
+    text = header
+    for clock, title in (("cpu", "CPU time (time.process_time)"), ("wall", "Wall clock (time.perf_counter)")):
+        if clock in rows[0]["clocks"]:
+            text += (f"## {title}\n\n" + table(rows, clock) + "\n\n" + variant_table(rows, clock) + "\n\n")
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows), indent=1))
     print(text)

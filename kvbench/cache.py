@@ -28,6 +28,12 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: i
     return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
 
 
+def bucket_length(end: int, bucket: int, capacity: int) -> int:
+    """Positions a fixed-shape step reads when ``end`` positions are held: the first multiple of
+    ``bucket`` that holds them, at most ``capacity`` (the cache's length)."""
+    return min(capacity, -(-end // bucket) * bucket)
+
+
 class KVCache:
     """Common bookkeeping: shape, the number of positions held, bytes held."""
 
@@ -126,7 +132,7 @@ class StaticKVCache(KVCache):
                              f"got a batch of {batch_size}")
         end = self._check_positions(self.num_layers - 1, start_pos, batch_size, 1)
         self._written(self.num_layers - 1, end)
-        return self._window(min(self.max_seq_len, -(-end // bucket) * bucket), self.k, self.v)
+        return self._window(bucket_length(end, bucket, self.max_seq_len), self.k, self.v)
 
 
 class FixedWindow:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from kvbench.cache import KVCache
+from kvbench.cache import KVCache, bucket_length
 from kvbench.config import ConfigError
 from kvbench.measure.timing import sync
 
@@ -86,8 +86,7 @@ class FixedShapeStep:
     def lengths(self, cache: KVCache, positions) -> list[int]:
         """Keys each step at ``positions`` reads (prefix included): what the roofline counts."""
         prefix = getattr(cache, "prefix_len", 0)
-        capacity = cache.max_seq_len - prefix
-        return [prefix + min(capacity, -(-(p + 1 - prefix) // self.bucket) * self.bucket) for p in positions]
+        return [prefix + bucket_length(p + 1 - prefix, self.bucket, cache.max_seq_len - prefix) for p in positions]
 
     def __call__(self, model, token: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
         if pos >= model.config.max_seq_len:
@@ -148,6 +147,7 @@ COMPILE_METHODS = {
     "recompiles": "count; graphs torch.compile compiled during the timed trials (dynamo's unique_graphs "
                   "counter); 0 means every timed step ran a graph compiled beforehand",
 }
+
 
 def compiled_step(mode: str, model, device: torch.device, bucket: int = 256):
     """(model, step) to generate with under ``runtime.compile=mode``: ``false`` the eager model
