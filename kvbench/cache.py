@@ -7,11 +7,15 @@
 
 ``update(layer, start_pos, k, v)`` stores the new keys/values of one layer at positions
 ``start_pos .. start_pos + T`` and returns the keys/values to attend over, (B, H_kv, S, D).
+
+A static cache (alone or under a shared prefix) also lends a :class:`FixedWindow` for a
+fixed-shape decode step (``window``): the step's position is a tensor and the keys it reads a
+fixed bucket of positions, so one compiled graph (one CUDA graph) serves every step of a bucket.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,6 +26,12 @@ def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: i
                    batch_size: int, bytes_per_element: int) -> int:
     """2 (K and V) · layers · kv_heads · head_dim · seq_len · batch · bytes per element."""
     return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
+
+
+def bucket_length(end: int, bucket: int, capacity: int) -> int:
+    """Positions a fixed-shape step reads when ``end`` positions are held: the first multiple of
+    ``bucket`` that holds them, at most ``capacity`` (the cache's length)."""
+    return min(capacity, -(-end // bucket) * bucket)
 
 
 class KVCache:
@@ -37,9 +47,12 @@ class KVCache:
         self.head_dim, self.max_seq_len = head_dim, max_seq_len
         self.dtype, self.device = dtype, torch.device(device)
         self.length = 0  # positions held (after the last layer's update)
+        self._windows: Dict[int, FixedWindow] = {}
 
     def _check(self, layer: int, start_pos: int, k: torch.Tensor) -> int:
-        B, _, T, _ = k.shape
+        return self._check_positions(layer, start_pos, k.shape[0], k.shape[2])
+
+    def _check_positions(self, layer: int, start_pos: int, B: int, T: int) -> int:
         end = start_pos + T
         if B > self.batch_size:
             raise ValueError(f"batch of {B} sequences exceeds the cache's batch_size={self.batch_size}")
@@ -76,6 +89,19 @@ class KVCache:
         """K/V (1, H_kv, P, D) every sequence attends before its own keys; None: no such prefix."""
         return None
 
+    def window(self, start_pos: int, batch_size: int, bucket: int) -> "FixedWindow":
+        """The :class:`FixedWindow` a fixed-shape decode step of ``batch_size`` sequences at
+        ``start_pos`` writes and reads (the first multiple of ``bucket`` positions that holds it,
+        at most ``max_seq_len``); the position counts as held from here on."""
+        raise ValueError(f"cache.impl={self.impl!r} has no fixed-shape window (its keys are not "
+                         "preallocated); use cache.impl=static")
+
+    def _window(self, length: int, k, v, prefix=None) -> "FixedWindow":
+        # One window object per length: a compiled step then sees the same object at every step.
+        if length not in self._windows:
+            self._windows[length] = FixedWindow(k, v, length, prefix)
+        return self._windows[length]
+
 
 class StaticKVCache(KVCache):
     """Preallocated (B, H_kv, S_max, D) per layer; in-place writes, views on read."""
@@ -99,6 +125,46 @@ class StaticKVCache(KVCache):
 
     def tensors(self):
         return self.k + self.v
+
+    def window(self, start_pos, batch_size, bucket):
+        if batch_size != self.batch_size:
+            raise ValueError(f"a fixed-shape step writes all {self.batch_size} sequences of the cache, "
+                             f"got a batch of {batch_size}")
+        end = self._check_positions(self.num_layers - 1, start_pos, batch_size, 1)
+        self._written(self.num_layers - 1, end)
+        return self._window(bucket_length(end, bucket, self.max_seq_len), self.k, self.v)
+
+
+class FixedWindow:
+    """A static cache as a fixed-shape decode step sees it: K/V written at a position given as a
+    tensor, and always the first ``length`` positions read, those after the position masked.
+
+    Only ``length`` is a Python value, fixed per window (a context bucket); the position is data.
+    So a step compiled for a window has the same shapes and constants at every position of its
+    bucket: one graph, and on a GPU one CUDA graph, per bucket, reading ``length`` positions per
+    KV head (the roofline counts those, not the context). ``prefix``: a shared prefix's K/V lists
+    (1, H_kv, P, D) per layer, attended first; positions are then absolute and the storage holds
+    position p at index p - P.
+    """
+
+    def __init__(self, k: List[torch.Tensor], v: List[torch.Tensor], length: int,
+                 prefix: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None):
+        self.k, self.v, self.length, self.prefix = k, v, length, prefix
+        self.offset = 0 if prefix is None else prefix[0][0].shape[2]
+
+    def update(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, H_kv, 1, D) at ``pos`` (1,); the window's keys/values (B, H_kv, length, D)."""
+        index = pos - self.offset if self.offset else pos
+        self.k[layer].index_copy_(2, index, k)
+        self.v[layer].index_copy_(2, index, v)
+        return self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
+
+    def shared_prefix(self, layer: int, pos: torch.Tensor):
+        return None if self.prefix is None else (self.prefix[0][layer], self.prefix[1][layer])
+
+    def mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """(1, P + length) bool: key j holds position j (prefix first) and is attended up to ``pos``."""
+        return (torch.arange(self.offset + self.length, device=pos.device) <= pos)[None]
 
 
 class ConcatKVCache(KVCache):
@@ -209,6 +275,15 @@ class SharedPrefixCache(KVCache):
 
     def shared_prefix(self, layer, start_pos):
         return None if start_pos < self.prefix_len else (self.prefix_k[layer], self.prefix_v[layer])
+
+    def window(self, start_pos, batch_size, bucket):
+        P = self.prefix_len
+        if start_pos < P or self.length < P:
+            raise ValueError(f"a fixed-shape step decodes after the shared prefix of {P} positions "
+                             f"(position {start_pos}, {self.length} held)")
+        history = self.history.window(start_pos - P, batch_size, bucket)  # static only
+        self._written(self.num_layers - 1, start_pos + 1)
+        return self._window(history.length, history.k, history.v, (self.prefix_k, self.prefix_v))
 
     def truncate(self, length):
         """Roll back to ``length`` positions: 0 forgets everything, P keeps only the prefix."""

@@ -47,6 +47,8 @@ ATTENTION_TYPES = ("mha", "gqa", "mqa")
 CACHE_IMPLS = ("static", "concat", "none")
 WORKLOADS = ("decode", "multiturn")
 TASKS = ("bench", "inspect", "train", "eval")
+COMPILE_MODES = ("false", "default", "graph")
+COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the modes
 
 
 # An error line kept in a record or printed is at most this long: a malformed file once produced
@@ -333,8 +335,12 @@ class RuntimeConfig:
     repeats: int = 3
     threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     nvml_interval_ms: float = 10.0  # NVML background sampling period
-    compile: bool = False  # torch.compile the model; compile time is reported apart
-    peak_gb_per_s: Optional[float] = None  # roofline peak; null: a cached probe of this machine
+    # false: eager | default (or true): torch.compile the model, dynamic shapes | graph: compile
+    # only the decode step, fixed shapes (CUDA graphs on GPUs); compile time is reported apart
+    compile: str = "false"
+    graph_bucket: int = 256  # compile=graph: the step reads the cache in multiples of this many positions
+    peak_gb_per_s: Optional[float] = None  # roofline peak; null: the GEMV rate of a probe (see probe)
+    probe: str = "cached"  # cached: probe once per machine | run: probe next to this run's trials
     fidelity: bool = True  # cached decode vs recompute (and vs float32) on 2 sequences after timing
     isolate: bool = True  # each job in a fresh process (kvbench/isolation.py); false: in the calling one
 
@@ -354,6 +360,12 @@ class RuntimeConfig:
         _check(self.nvml_interval_ms > 0, "runtime.nvml_interval_ms", self.nvml_interval_ms, "must be > 0")
         _check(self.peak_gb_per_s is None or self.peak_gb_per_s > 0, "runtime.peak_gb_per_s",
                self.peak_gb_per_s, "must be > 0 or null")
+        # YAML and overrides give booleans (true/false, strings once typed); one spelling per mode.
+        mode = str(self.compile).lower()
+        self.compile = COMPILE_ALIASES.get(mode, mode)
+        _check_choice("runtime.compile", self.compile, COMPILE_MODES)
+        _check(self.graph_bucket >= 1, "runtime.graph_bucket", self.graph_bucket, "must be >= 1")
+        _check_choice("runtime.probe", self.probe, ("cached", "run"))
 
 
 @dataclass
@@ -446,6 +458,9 @@ class BenchConfig:
                getattr(w, length_key.split(".")[1]),
                f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                f"{self.model.max_seq_len}")
+        if self.runtime.compile == "graph":
+            _check(self.cache.impl == "static", "cache.impl", self.cache.impl,
+                   "runtime.compile=graph reads a preallocated cache in fixed shapes; use cache.impl=static")
         if w.name == "multiturn" and self.cache.shared:
             _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")

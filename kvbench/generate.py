@@ -1,5 +1,7 @@
 """Greedy generation as small verbs: :func:`prefill`, :func:`decode_step` and
 :func:`greedy_generate`, the loop of them (gpt-fast's shape, so compilation can target the step).
+:class:`FixedShapeStep` is ``decode_step`` with shapes that do not change from step to step
+(gpt-fast's ``decode_one_token``): what ``runtime.compile=graph`` compiles, with CUDA graphs on GPUs.
 
 A timer, when given, brackets the regions ``prefill`` (time to first token) and ``decode``
 (one per step); anything with a ``region(name)`` context manager will do
@@ -10,13 +12,17 @@ Notation: B batch, P prompt length, N decode steps, V vocab.
 
 from __future__ import annotations
 
+import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from kvbench.cache import KVCache
+from kvbench.cache import KVCache, bucket_length
+from kvbench.config import ConfigError
+from kvbench.measure.timing import sync
 
 
 @dataclass
@@ -40,6 +46,64 @@ def prefill(model, prompt: torch.Tensor, cache: KVCache, start_pos: int = 0) -> 
 def decode_step(model, token: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
     """One new token (B, 1) at position ``pos`` against the cached keys; its logits (B, V)."""
     return model(token, cache, pos)[:, -1]
+
+
+def _fixed_step(model, token: torch.Tensor, window, pos: torch.Tensor) -> torch.Tensor:
+    # The compiled unit: its inputs are tensors and a window whose one Python value (its length)
+    # is fixed per context bucket, so it compiles once per bucket and never per position.
+    return model(token, window, pos)[:, -1]
+
+
+class FixedShapeStep:
+    """:func:`decode_step` with fixed shapes, for compilation and CUDA graphs.
+
+    The position goes in as a (1,) tensor updated in place (no host-to-device copy, no new
+    input), the cache is read through a :class:`~kvbench.cache.FixedWindow` of the first multiple
+    of ``bucket`` positions that holds the step (at most the cache's length), and rotary rows
+    are gathered by that tensor. The Python bookkeeping (bounds, ``cache.length``) stays out here,
+    in ``cache.window``. ``mode``: None runs eagerly, ``"graph"`` compiles the step with
+    ``fullgraph=True`` and static shapes, adding ``mode="reduce-overhead"`` (CUDA graphs) on a GPU.
+    Same call signature as :func:`decode_step`, so :func:`greedy_generate` takes it as ``step``.
+    """
+
+    def __init__(self, bucket: int = 256, mode: Optional[str] = None, device: torch.device | str = "cpu"):
+        if bucket < 1:
+            raise ValueError(f"bucket={bucket}: must be >= 1 positions")
+        self.bucket, self.device = bucket, torch.device(device)
+        self.cuda_graphs = mode == "graph" and self.device.type == "cuda"
+        self.fn = _fixed_step
+        if mode == "graph":
+            # One graph per context bucket and model, all entries of _fixed_step's cache: past
+            # dynamo's default limit of 8 it would fall back to eager without a word.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.fn = torch.compile(_fixed_step, fullgraph=True, dynamic=False,
+                                    mode="reduce-overhead" if self.cuda_graphs else None)
+        elif mode is not None:
+            raise ValueError(f"mode={mode!r}: must be None (eager) or 'graph'")
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._static = weakref.WeakSet()  # caches whose storage CUDA graphs may keep addresses of
+
+    def lengths(self, cache: KVCache, positions) -> list[int]:
+        """Keys each step at ``positions`` reads (prefix included): what the roofline counts."""
+        prefix = getattr(cache, "prefix_len", 0)
+        return [prefix + bucket_length(p + 1 - prefix, self.bucket, cache.max_seq_len - prefix) for p in positions]
+
+    def __call__(self, model, token: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        if pos >= model.config.max_seq_len:
+            raise ValueError(f"position {pos} exceeds model.max_seq_len={model.config.max_seq_len}")
+        window = cache.window(pos, token.shape[0], self.bucket)
+        if self.cuda_graphs:
+            if cache not in self._static:
+                # The cache is written in place every step: a CUDA graph must read and write its
+                # storage where it is, not through copies of it (HF's StaticCache does the same).
+                for t in cache.tensors() + [self.pos]:
+                    torch._dynamo.mark_static_address(t)
+                self._static.add(cache)
+            torch.compiler.cudagraph_mark_step_begin()
+        self.pos.fill_(pos)
+        logits = self.fn(model, token, window, self.pos)
+        # A CUDA graph's outputs are overwritten by its next replay: hand out a copy.
+        return logits.clone() if self.cuda_graphs else logits
 
 
 @torch.inference_mode()
@@ -73,3 +137,48 @@ def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: KVCache,
         if keep_logits:
             kept.append(logits.float())
     return Generation(torch.cat(tokens, dim=1), torch.stack(kept, dim=1) if keep_logits else None)
+
+
+# ---- runtime.compile -------------------------------------------------------------------------
+
+# Units and methods of the compile fields a workload records (its compile_s says what it ran).
+COMPILE_METHODS = {
+    "compiled_graphs": "count; graphs torch.compile compiled during compile_s (graph: one per context bucket)",
+    "recompiles": "count; graphs torch.compile compiled during the timed trials (dynamo's unique_graphs "
+                  "counter); 0 means every timed step ran a graph compiled beforehand",
+}
+
+
+def compiled_step(mode: str, model, device: torch.device, bucket: int = 256):
+    """(model, step) to generate with under ``runtime.compile=mode``: ``false`` the eager model
+    and :func:`decode_step`; ``default`` the whole model through ``torch.compile`` with dynamic
+    shapes (the KV length grows every step); ``graph`` the eager model and a compiled
+    :class:`FixedShapeStep` (prefill stays eager)."""
+    if mode == "default":
+        return torch.compile(model, dynamic=True), decode_step
+    if mode == "graph":
+        return model, FixedShapeStep(bucket, "graph", device)
+    return model, decode_step
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own counter): a rise
+    during timed trials is a recompile."""
+    from torch._dynamo.utils import counters  # dynamo loads only when compiling is asked for
+
+    return counters["stats"]["unique_graphs"]
+
+
+def compile_phase(generate: Callable[[], Any], device: torch.device, mode: str) -> Dict[str, Any]:
+    """Run ``generate`` (a generation through the compiled model or step) so that compilation is
+    done, and timed as ``compile_s``, before any trial; a machine where compile cannot work is a
+    one-line ConfigError naming ``runtime.compile``."""
+    graphs = compiled_graphs()
+    t0 = time.perf_counter()
+    try:
+        generate()
+    except Exception as exc:  # noqa: BLE001 — inductor raises many types; the message is what matters
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"runtime.compile={mode}: torch.compile is unavailable here ({first})") from exc
+    sync(device)
+    return {"compile_s": time.perf_counter() - t0, "compiled_graphs": compiled_graphs() - graphs}

@@ -202,7 +202,7 @@ class Decoder(nn.Module):
         """Parameters, a tied tensor counted once."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0,
+    def forward(self, tokens: torch.Tensor, cache=None, start_pos: int | torch.Tensor = 0,
                 positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
                 last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token with ``last_only``
@@ -210,21 +210,27 @@ class Decoder(nn.Module):
 
         ``positions`` (T,) or (B, T) overrides the rotary positions (default start_pos..+T);
         ``mask`` (T, S) or (B, T, S) overrides the causal mask over the S keys attended.
+        ``start_pos`` as a (1,) tensor is a fixed-shape decode step (T = 1): ``cache`` is then a
+        :class:`~kvbench.cache.FixedWindow`, which masks its keys itself, and nothing here
+        depends on the position's value, so one compiled graph serves every position.
         """
         B, T = tokens.shape
-        end = start_pos + T
-        if end > self.config.max_seq_len:
-            raise ValueError(f"sequence of {end} positions exceeds model.max_seq_len="
-                             f"{self.config.max_seq_len}")
-        if positions is None:
-            cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        if isinstance(start_pos, torch.Tensor):  # bounds were checked when the window was lent
+            positions = start_pos if positions is None else positions
+            mask = cache.mask(start_pos) if mask is None else mask
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if mask is None and T > 1:
-            # Causal: new token i (at start_pos + i) sees the S - T keys held before it and
-            # new keys up to itself. Without a cache the keys are the T new tokens alone.
-            S = end if cache is not None else T
-            mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(S - T)
+            end = start_pos + T
+            if end > self.config.max_seq_len:
+                raise ValueError(f"sequence of {end} positions exceeds model.max_seq_len="
+                                 f"{self.config.max_seq_len}")
+            if positions is None:
+                positions = slice(start_pos, end)  # a view of the tables, no gather
+            if mask is None and T > 1:
+                # Causal: new token i (at start_pos + i) sees the S - T keys held before it and
+                # new keys up to itself. Without a cache the keys are the T new tokens alone.
+                S = end if cache is not None else T
+                mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(S - T)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         if mask is not None:
             mask = fold_mask(mask, self.config.num_heads // self.num_kv_heads)
         x = self.embed(tokens)

@@ -19,6 +19,14 @@ def tiny_model_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+# The benchmarks' decoder (tests/benchmarks/benchkit.py). Tests that compile the fixed-shape step
+# use it with a batch of 2 and a cache of 129 positions, the benchmark's shapes, so that inductor's
+# cache compiles that graph once for all of them (a compile costs 10-60 s on 2 shared cores).
+BENCH_SHAPE = dict(d_model=128, ffn_dim=352, vocab_size=512, max_seq_len=512)
+BENCH_OVERRIDES = ["model=tiny", "model.d_model=128", "model.ffn_dim=352", "model.vocab_size=512",
+                   "model.max_seq_len=512", "workload.batch_size=2", "runtime.threads=1"]
+
+
 def make_decoder(num_kv_heads: int = 8, seed: int = 0, dtype=torch.float32, **overrides) -> Decoder:
     torch.manual_seed(seed)
     cfg = tiny_model_config(**overrides)

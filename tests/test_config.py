@@ -93,6 +93,9 @@ def test_sequence_longer_than_max_seq_len():
     (lambda: CacheConfig(impl="paged"), "cache.impl='paged'"),
     (lambda: WorkloadConfig(batch_size=0), "workload.batch_size=0"),
     (lambda: WandbConfig(mode="sometimes"), "wandb.mode='sometimes'"),
+    (lambda: RuntimeConfig(compile="cudagraphs"), "runtime.compile='cudagraphs'"),
+    (lambda: RuntimeConfig(graph_bucket=0), "runtime.graph_bucket=0"),
+    (lambda: RuntimeConfig(probe="never"), "runtime.probe='never'"),
 ])
 def test_group_errors(factory, needle):
     one_line_error(factory, needle)
@@ -208,3 +211,17 @@ def test_a_malformed_config_json_names_the_file_and_key(change, needle):
     msg = one_line_error(lambda: ModelConfig.from_hf_config({**hf, **change}, "ck/config.json"), needle)
     assert msg.startswith("ck/config.json: ")
     one_line_error(lambda: ModelConfig.from_hf_config([1, 2], "ck/config.json"), "ck/config.json: not a JSON object")
+
+
+@pytest.mark.parametrize("given, mode", [(False, "false"), ("False", "false"), (True, "default"), ("true", "default"),
+                                         ("default", "default"), ("graph", "graph")])
+def test_compile_modes_keep_the_old_booleans(given, mode):
+    """runtime.compile=true|false still work (a YAML boolean arrives typed as 'True'/'False')."""
+    assert RuntimeConfig(compile=given).compile == mode
+
+
+def test_graph_mode_needs_the_static_cache():
+    runtime = RuntimeConfig(compile="graph")
+    one_line_error(lambda: BenchConfig(model=ModelConfig(), attention=AttentionConfig("mha"), workload=WorkloadConfig(
+        prompt_len=8, gen_len=4), cache=CacheConfig(impl="concat"), runtime=runtime, wandb=WandbConfig()),
+                   "cache.impl='concat'")

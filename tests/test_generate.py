@@ -1,11 +1,15 @@
-"""Greedy generation against a full recompute, in each dtype."""
+"""Greedy generation against a full recompute, in each dtype; the fixed-shape step against
+today's step and transformers, eager and compiled."""
 
 import pytest
 import torch
-from conftest import make_decoder
+from conftest import BENCH_SHAPE, make_decoder
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.cache import cache_for
-from kvbench.generate import greedy_generate
+from kvbench.checkpoint import _llama_name, build_decoder
+from kvbench.config import AttentionConfig, ModelConfig
+from kvbench.generate import FixedShapeStep, compiled_graphs, greedy_generate
 
 KV_SPLITS = [8, 4, 2, 1]  # MHA, two GQA splits, MQA for 8 query heads
 
@@ -45,3 +49,99 @@ def test_generation_in_each_dtype(dtype):
     ref = make_decoder(2, dtype=torch.float32)
     ref_out = greedy_generate(ref, prompt, 0, cache_for(ref, "static", 2, 10), keep_logits=True)
     assert (out.logits[:, 0] - ref_out.logits[:, 0]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("num_kv_heads", KV_SPLITS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fixed_shape_step_matches_decode_step(num_kv_heads, batch):
+    """The fixed-shape step (position as a tensor, the static cache read in buckets of 8
+    positions, the rest masked) gives today's logits as the context crosses three buckets."""
+    model = make_decoder(num_kv_heads)
+    prompt = torch.randint(0, 97, (batch, 11))
+    want = greedy_generate(model, prompt, 15, cache_for(model, "static", batch, 30), keep_logits=True)
+    step = FixedShapeStep(bucket=8)
+    got = greedy_generate(model, prompt, 15, cache_for(model, "static", batch, 30), keep_logits=True, step=step)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    assert torch.equal(got.tokens, want.tokens)
+
+
+def test_fixed_shape_step_counts_the_positions_its_windows_read():
+    """What the roofline counts for a fixed-shape step is what each step's window reads."""
+    model = make_decoder(2)
+    cache, step = cache_for(model, "static", 1, 20), FixedShapeStep(bucket=8)
+    cache.update(0, 0, *[torch.zeros(1, 2, 11, 8)] * 2)
+    cache.update(1, 0, *[torch.zeros(1, 2, 11, 8)] * 2)
+    read = [cache.window(p, 1, 8).length for p in range(11, 20)]
+    assert step.lengths(cache_for(model, "static", 1, 20), range(11, 20)) == read == [16] * 5 + [20] * 4
+
+
+def test_graph_step_gives_eager_tokens_and_never_recompiles():
+    """runtime.compile=graph: the decode step compiled with fullgraph=True and static shapes.
+    One graph serves every position of a decode (one context bucket), a second whole decode
+    compiles nothing, and its tokens and logits are eager's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benchmark and the job test that share this graph
+    try:
+        model = make_decoder(2, **BENCH_SHAPE)
+        prompt = torch.randint(0, 512, (2, 120))
+        step = FixedShapeStep(mode="graph")
+        cache = cache_for(model, "static", 2, 129)
+        graphs = compiled_graphs()
+        greedy_generate(model, prompt, 9, cache, step=step)
+        # One graph for all 9 positions, nothing per position (none if an earlier test in this
+        # process compiled the same shapes: dynamo reuses it for any decoder of these shapes).
+        first = compiled_graphs()
+        assert first - graphs <= 1
+        cache.reset()
+        got = greedy_generate(model, prompt, 9, cache, keep_logits=True, step=step)
+        assert compiled_graphs() == first  # zero recompiles over the whole decode
+    finally:
+        torch.set_num_threads(threads)
+    want = greedy_generate(model, prompt, 9, cache_for(model, "static", 2, 129), keep_logits=True)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_long_prompt_prefill_and_fixed_step_match_transformers(num_kv_heads):
+    """A 1500-token prompt (batch 2): the prefill's logits and the fixed-shape decode after it
+    against transformers' LlamaForCausalLM over the same tokens."""
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                         intermediate_size=48, vocab_size=97, max_position_embeddings=2048, rope_theta=10000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    hf_cfg._attn_implementation = "eager"
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    state = {_llama_name(k): v for k, v in hf.state_dict().items()}
+    cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, preset_kv_heads=num_kv_heads, ffn_dim=48, vocab_size=97,
+                      max_seq_len=2048, norm_eps=1e-5)
+    model = build_decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads), state).eval()
+    prompt = torch.randint(0, 97, (2, 1500))
+    gen = greedy_generate(model, prompt, 4, cache_for(model, "static", 2, 1504), keep_logits=True,
+                          step=FixedShapeStep(bucket=256))
+    with torch.no_grad():
+        theirs = hf(torch.cat([prompt, gen.tokens[:, :-1]], dim=1)).logits[:, 1499:]  # (2, 5, V)
+    torch.testing.assert_close(gen.logits, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_step_replays_eager_decode():
+    """runtime.compile=graph on a GPU (mode="reduce-overhead": CUDA graphs). Every kept logit
+    equals eager's (so no output was read after a replay overwrote it), a second decode
+    compiles nothing, and the cache is written where it was allocated (static addresses)."""
+    model = make_decoder(2, **BENCH_SHAPE).cuda()
+    prompt = torch.randint(0, 512, (2, 120), device="cuda")
+    step = FixedShapeStep(mode="graph", device="cuda")
+    assert step.cuda_graphs
+    cache = cache_for(model, "static", 2, 129)
+    pointers = [t.data_ptr() for t in cache.tensors()]
+    for _ in range(2):  # the first call of a CUDA graph runs eagerly, the second records it
+        cache.reset()
+        greedy_generate(model, prompt, 9, cache, step=step)
+    graphs = compiled_graphs()
+    cache.reset()
+    got = greedy_generate(model, prompt, 9, cache, keep_logits=True, step=step)
+    assert compiled_graphs() == graphs and [t.data_ptr() for t in cache.tensors()] == pointers
+    want = greedy_generate(model, prompt, 9, cache_for(model, "static", 2, 129), keep_logits=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.tokens, want.tokens)

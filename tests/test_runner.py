@@ -13,11 +13,11 @@ from conftest import byte_decoder, call_with_timeout, llama_dir
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
+from kvbench import runner
 from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import save_checkpoint
 from kvbench.config import CONF_DIR, MAX_ERROR_CHARS
 from kvbench.results import read_record
-from kvbench import runner
 from kvbench.runner import run_job
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=4",

@@ -1,9 +1,11 @@
 """The memory-bandwidth roofline of a decode step.
 
 A decode step is memory-bound: it cannot beat (bytes of weights read + bytes of KV read) /
-peak bandwidth. The peak is a measured probe of this machine (the best of a large copy and a
-GEMV over a matrix much larger than the caches), cached per machine in
-``~/.cache/kvbench/bandwidth.json``, or the user's ``runtime.peak_gb_per_s``. Units: bytes,
+peak bandwidth. A decode step is a stream of matrix-vector products, so the peak is the read
+rate of a float32 GEMV over a matrix much larger than the caches, probed on this machine (a
+plain copy's rate is probed and reported beside it), or the user's ``runtime.peak_gb_per_s``.
+The probe runs next to each run (``runtime.probe=run``: a shared machine's rate moves within
+minutes) or once per machine, cached in ``~/.cache/kvbench/bandwidth.json``. Units: bytes,
 GB/s (1e9 bytes per second), percent.
 """
 
@@ -15,7 +17,7 @@ import platform
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -35,8 +37,11 @@ ROOFLINE_METHODS = {
     "achieved_gb_per_s": "GB/s; bytes_read_per_step / decode_ms_p50",
     "percent_of_peak": "%; achieved_gb_per_s / peak_gb_per_s",
     "x_roofline": "ratio; decode_ms_p50 / roofline_ms (1.0 = at the roofline)",
-    "peak_gflops": "GFLOP/s; the machine's float32 GEMM probe (1024^3, best of 8), cached with the bandwidth",
-    "peak_gb_per_s": "GB/s; runtime.peak_gb_per_s if set, else the machine's measured probe (see peak_method)",
+    "peak_gflops": "GFLOP/s; the machine's float32 GEMM probe (1024^3, best of 8), taken with the bandwidth",
+    "peak_gb_per_s": "GB/s; runtime.peak_gb_per_s if set, else probe_gemv_gb_per_s (peak_method says which, "
+                     "and whether the probe ran next to this run or was cached)",
+    "probe_gemv_gb_per_s": "GB/s; bytes of a 256 MiB float32 matrix / the best of 8 torch.mv over it",
+    "probe_copy_gb_per_s": "GB/s; 2 x 256 MiB (read + write) / the best of 8 copies of a 256 MiB tensor",
 }
 
 
@@ -69,9 +74,11 @@ def _machine_key(device: torch.device) -> str:
     return f"{socket.gethostname()}|{device.type}|{name}|threads={torch.get_num_threads()}"
 
 
-def probe_bandwidth(device: torch.device, mib: int = 256, repeats: int = 8) -> Dict[str, float]:
+def probe_bandwidth(device: torch.device, mib: int = 256, repeats: int = 8,
+                    clock: Callable[[], float] = time.perf_counter) -> Dict[str, float]:
     """Best-of-``repeats`` GB/s of a device copy (read + write counted) and a float32 GEMV, and
-    the GFLOP/s of a float32 GEMM."""
+    the GFLOP/s of a float32 GEMM. ``clock``: wall time, or on a CPU shared with other jobs
+    ``time.process_time`` (this process's CPU time, not charged while it waits for a core)."""
     n = mib * 2**20 // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -83,10 +90,10 @@ def probe_bandwidth(device: torch.device, mib: int = 256, repeats: int = 8) -> D
         sync(device)
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(device)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         return nbytes / min(times) / 1e9
 
     square = torch.randn(1024, 1024, device=device)
@@ -97,9 +104,22 @@ def probe_bandwidth(device: torch.device, mib: int = 256, repeats: int = 8) -> D
 
 
 def machine_peaks(device: torch.device, override_gb_per_s: Optional[float] = None,
-                  cache_file: Path = CACHE_FILE) -> Tuple[float, float, str]:
-    """(GB/s, GFLOP/s, how the bandwidth was obtained): the override, else the probe cached
-    for this machine."""
+                  cache_file: Path = CACHE_FILE, fresh: bool = False) -> Dict[str, Any]:
+    """The roofline's peaks as record fields: ``peak_gb_per_s`` (the override, else the GEMV
+    rate), ``peak_gflops``, ``peak_method``, and both probed rates. ``fresh``: probe now (next to
+    the run) instead of reading the probe cached for this machine."""
+    if fresh:
+        probe, where = probe_bandwidth(device), "probed next to this run"
+    else:
+        probe, where = _cached_probe(device, cache_file)
+    peak, method = probe["gemv_gb_per_s"], f"probe:gemv_gb_per_s ({where})"
+    if override_gb_per_s:
+        peak, method = float(override_gb_per_s), "runtime.peak_gb_per_s"
+    return {"peak_gb_per_s": peak, "peak_gflops": probe["matmul_gflops"], "peak_method": method,
+            "probe_gemv_gb_per_s": probe["gemv_gb_per_s"], "probe_copy_gb_per_s": probe["copy_gb_per_s"]}
+
+
+def _cached_probe(device: torch.device, cache_file: Path) -> Tuple[Dict[str, float], str]:
     key = _machine_key(device)
     try:
         cached = read_json(cache_file)
@@ -107,18 +127,14 @@ def machine_peaks(device: torch.device, override_gb_per_s: Optional[float] = Non
         cached = {}
     if not isinstance(cached, dict):
         cached = {}
-    if not _valid_probe(cached.get(key)):  # absent, or a file edited or damaged: probe again
-        cached[key] = probe_bandwidth(device)
+    # absent, older than the probe date, or edited or damaged: probe again
+    if not _valid_probe(cached.get(key)) or "probed_at" not in cached[key]:
+        cached[key] = {**probe_bandwidth(device), "probed_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             write_json_atomic(cache_file, cached)
         except OSError:
             pass  # a read-only home only costs a re-probe next time
-    probe = cached[key]
-    gflops = probe["matmul_gflops"]
-    if override_gb_per_s:
-        return float(override_gb_per_s), gflops, "runtime.peak_gb_per_s"
-    best = max(("copy_gb_per_s", "gemv_gb_per_s"), key=probe.get)
-    return probe[best], gflops, f"probe:{best} (cached in {cache_file})"
+    return cached[key], f"cached in {cache_file} at {cached[key]['probed_at']}"
 
 
 def _valid_probe(probe: Any) -> bool:
@@ -129,10 +145,14 @@ def _valid_probe(probe: Any) -> bool:
 
 
 def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, decode_ms_p50: float,
-                     peak_gb_per_s: float, peak_gflops: float) -> Dict[str, Any]:
-    """Roofline fields for a decode run whose median step took ``decode_ms_p50``."""
+                     peak_gb_per_s: float, peak_gflops: float,
+                     kv_positions: Optional[float] = None) -> Dict[str, Any]:
+    """Roofline fields for a decode run whose median step took ``decode_ms_p50``.
+
+    ``kv_positions``: the mean number of positions per KV head a step reads, when that is not
+    the context (a fixed-shape step reads its whole context bucket)."""
     # Step i (0-based) attends prompt_len + i + 1 positions; the mean over the run:
-    context = prompt_len + (gen_len + 1) / 2
+    context = prompt_len + (gen_len + 1) / 2 if kv_positions is None else kv_positions
     total, kv = decode_bytes_read(model, batch_size, context)
     flops = decode_flops(model, batch_size, context)
     memory_ms, compute_ms = total / (peak_gb_per_s * 1e9) * 1e3, flops / (peak_gflops * 1e9) * 1e3
@@ -152,5 +172,6 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
     if achieved > 1.05 * peak_gb_per_s:
         # A probe taken while other work shared the memory bus underestimates the machine.
         out["peak_note"] = (f"achieved {achieved:.1f} GB/s exceeds the peak {peak_gb_per_s:.1f} GB/s: "
-                            f"re-probe on an idle machine (delete {CACHE_FILE}) or set runtime.peak_gb_per_s")
+                            f"probe next to the run (runtime.probe=run), re-probe on an idle machine "
+                            f"(delete {CACHE_FILE}) or set runtime.peak_gb_per_s")
     return out

@@ -2,7 +2,9 @@
 
 On CUDA each region is bracketed by CUDA events and nothing synchronises until the times are
 read, so timing does not stall the stream; on CPU, where torch runs synchronously, regions
-use ``time.perf_counter``. Unit: milliseconds.
+use ``time.perf_counter``. On CUDA the host's own time to get through each region (to enqueue
+its kernels) is kept too: a region whose host time is near its event time is launch-bound.
+Unit: milliseconds.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ class RegionTimer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._marks: Dict[str, list] = defaultdict(list)
+        self._host: Dict[str, List[float]] = defaultdict(list)  # seconds
 
     @contextmanager
     def region(self, name: str):
+        t0 = time.perf_counter()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -40,9 +44,8 @@ class RegionTimer:
             end.record()
             self._marks[name].append((start, end))
         else:
-            t0 = time.perf_counter()
             yield
-            self._marks[name].append(time.perf_counter() - t0)
+        self._host[name].append(time.perf_counter() - t0)
 
     def ms(self, name: str) -> List[float]:
         """Durations of every ``name`` region in milliseconds (synchronises the device once)."""
@@ -50,7 +53,12 @@ class RegionTimer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             return [s.elapsed_time(e) for s, e in marks]
-        return [m * 1e3 for m in marks]
+        return self.host_ms(name)
+
+    def host_ms(self, name: str) -> List[float]:
+        """Host (perf_counter) durations of every ``name`` region in milliseconds: on CUDA the
+        time to enqueue it, unless something in it synchronised; on CPU the same as :meth:`ms`."""
+        return [s * 1e3 for s in self._host.get(name, [])]
 
 
 def step_percentiles(steps_ms: Sequence[float]) -> Dict[str, float]:

@@ -11,8 +11,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from kvbench.cache import cache_for
-from kvbench.generate import greedy_generate
+from kvbench.cache import KVCache, cache_for
+from kvbench.generate import decode_step, greedy_generate
 from kvbench.model import Decoder
 
 # Units and methods of the metrics below (merged into a decode record's ``methods``).
@@ -39,20 +39,24 @@ def _compare(logits: torch.Tensor, reference: torch.Tensor) -> Tuple[float, floa
 
 
 @torch.inference_mode()
-def cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str = "static"
+def cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str = "static",
+                   step=decode_step, cache: Optional[KVCache] = None, rows: Optional[int] = None
                    ) -> Dict[str, float]:
     """A cached greedy decode against one uncached forward pass over the same tokens.
 
     The full pass over prompt + generated tokens (B, P + N) gives, at positions P - 1 .. P + N - 1,
     the logits that chose each of the N + 1 generated tokens; they are compared with the logits
-    the cached decode used.
+    the cached decode used. ``step`` and ``cache`` decode (default: :func:`decode_step` on a new
+    cache); ``rows``: compare only the first sequences (the full pass is the costly part).
     """
     B, P = prompt.shape
-    gen = greedy_generate(model, prompt, gen_len, cache_for(model, impl, B, P + gen_len),
-                          keep_logits=True)  # tokens (B, N + 1), logits (B, N + 1, V)
-    seq = torch.cat([prompt, gen.tokens[:, :-1]], dim=1)  # (B, P + N)
-    full = model(seq)[:, P - 1:]  # (B, N + 1, V)
-    diff, agree = _compare(gen.logits, full)
+    if cache is None:
+        cache = cache_for(model, impl, B, P + gen_len)
+    cache.reset()
+    gen = greedy_generate(model, prompt, gen_len, cache, keep_logits=True, step=step)  # tokens (B, N + 1)
+    seq = torch.cat([prompt, gen.tokens[:, :-1]], dim=1)[:rows]  # (rows, P + N)
+    full = model(seq)[:, P - 1:]  # (rows, N + 1, V)
+    diff, agree = _compare(gen.logits[:rows], full)
     return {"fidelity_max_abs_logit_diff": diff, "fidelity_top1_agreement": agree}
 
 
@@ -77,11 +81,19 @@ def dtype_fidelity(model_lowp: Decoder, model_fp32: Optional[Decoder], prompt: t
     return {"dtype_max_abs_logit_diff": diff, "dtype_top1_agreement": agree}
 
 
-def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtype: str) -> Dict[str, Any]:
+def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtype: str,
+             step=decode_step, cache: Optional[KVCache] = None) -> Dict[str, Any]:
     """Quality of what was timed, on up to 2 sequences and 16 steps (cheap next to the trials):
-    cached decode vs a full recompute, and for half precision vs float32 with the same weights."""
-    prompt, steps = prompt[:2], min(gen_len, 16)
-    out = cache_fidelity(model, prompt, steps, impl)
+    cached decode vs a full recompute, and for half precision vs float32 with the same weights.
+
+    ``step`` and ``cache``: the timed step and its cache, when a new cache for 2 sequences would
+    not run the timed code (a compiled fixed-shape step has its cache's shapes): every sequence
+    then decodes, and the first 2 are checked."""
+    steps = min(gen_len, 16)
+    if cache is None:
+        out = cache_fidelity(model, prompt[:2], steps, impl)
+    else:
+        out = cache_fidelity(model, prompt, steps, impl, step, cache, rows=2)
     if dtype != "float32":
-        out.update(dtype_fidelity(model, None, prompt, steps))
+        out.update(dtype_fidelity(model, None, prompt[:2], steps))
     return out

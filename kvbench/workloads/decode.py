@@ -10,18 +10,26 @@ Notation: B batch, P prompt length, N decode steps, V vocab.
 
 from __future__ import annotations
 
-import time
+import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
-from kvbench.generate import greedy_generate
+from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig, ModelConfig
+from kvbench.generate import (
+    COMPILE_METHODS,
+    FixedShapeStep,
+    compile_phase,
+    compiled_graphs,
+    compiled_step,
+    decode_step,
+    greedy_generate,
+)
 from kvbench.measure.memory import ALLOCATION_METHODS, MemoryMonitor, allocation_delta
 from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
-from kvbench.measure.timing import RegionTimer, step_percentiles, sync
+from kvbench.measure.timing import RegionTimer, step_percentiles
 from kvbench.model import Decoder
 from kvbench.quality.fidelity import FIDELITY_METHODS, fidelity
 from kvbench.results import RunResult
@@ -39,8 +47,17 @@ METHODS: Dict[str, str] = {
     "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
     "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
     "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element",
-    "compile_s": "s; runtime.compile=true: the first short generation through torch.compile (excluded from "
-                 "every trial)",
+    "compile_s": "s; runtime.compile=default|graph: the first generation through the compiled model or step, "
+                 "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
+                 "graphs, which record a graph at its second call), excluded from every trial",
+    **COMPILE_METHODS,
+    "overhead_ms_per_step": "ms; what a decode step costs the host beside reading bytes. CUDA: median host time "
+                            "to enqueue one step (perf_counter around the call, nothing synchronising), against "
+                            "decode_ms_p50 from CUDA events. CPU: median of 16 steps of the overhead-floor model "
+                            "(this model's layers, batch, cache and runtime.compile; one 2-dim head, everything "
+                            "else 2 wide; a 1-token prompt), which runs the same operations and reads almost nothing",
+    "overhead_share": "fraction; overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
+                      "bound by Python and kernel launches, not by the bytes it reads",
     "series.decode_ms": "ms; every decode step of the last timed trial, in order",
     "energy_mj_per_token": "mJ/token; CUDA with NVML: energy_mj over the timed trials (prefill included) / the "
                            "tokens they produced (batch x (gen_len + 1) per trial); null with energy_reason when "
@@ -57,25 +74,27 @@ class DecodeTimings:
 
     prefill_ms: List[float]  # one per timed trial
     decode_ms: List[List[float]]  # per trial, one per decode step
+    decode_host_ms: List[List[float]]  # the same steps, host time (on CUDA: time to enqueue)
 
 
 def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmup: int,
-                repeats: int, device, tick: Optional[Tick] = None) -> DecodeTimings:
+                repeats: int, device, tick: Optional[Tick] = None, step=decode_step) -> DecodeTimings:
     """``warmup`` untimed then ``repeats`` timed runs of :func:`greedy_generate` on a reset cache.
 
     ``tick``, if given, is called once per finished trial (for a progress bar).
     """
-    prefill, decode = [], []
+    prefill, decode, host = [], [], []
     for trial in range(warmup + repeats):
         cache.reset()
         timer = RegionTimer(device)
-        greedy_generate(model, prompt, gen_len, cache, timer)
+        greedy_generate(model, prompt, gen_len, cache, timer, step=step)
         if trial >= warmup:
             prefill.extend(timer.ms("prefill"))
             decode.append(timer.ms("decode"))
+            host.append(timer.host_ms("decode"))
         if tick is not None:
             tick()
-    return DecodeTimings(prefill, decode)
+    return DecodeTimings(prefill, decode, host)
 
 
 def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, float]:
@@ -91,21 +110,29 @@ def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, float]:
     }
 
 
-def compile_model(model: Decoder, device: torch.device, prompt: torch.Tensor, cache,
-                  metrics: Dict[str, Any]) -> Decoder:
-    """``torch.compile`` the decoder (dynamic shapes: the KV length grows every step) and run
-    one short generation so compilation is done, and timed as ``compile_s``, before any trial."""
-    compiled = torch.compile(model, dynamic=True)
-    t0 = time.perf_counter()
-    try:
-        greedy_generate(compiled, prompt, 3, cache)
-    except Exception as exc:  # noqa: BLE001 — inductor raises many types; the message is what matters
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"runtime.compile=True: torch.compile is unavailable here ({first})") from exc
-    sync(device)
-    metrics["compile_s"] = time.perf_counter() - t0
-    cache.reset()
-    return compiled
+def floor_model(model: Decoder) -> Decoder:
+    """``model``'s layers and dtype with one 2-dim head and everything else 2 wide: a decode step of
+    it runs every operation of the real one (the head count and grouping change sizes, not the
+    operations) but reads almost nothing, so its time is the per-step cost of Python, dispatch and
+    launches. One floor per layer count, so a sweep over attention variants compiles it once."""
+    c = model.config
+    cfg = ModelConfig(name=f"floor-{c.num_layers}-layers", num_layers=c.num_layers, d_model=2, num_heads=1,
+                      preset_kv_heads=1, head_dim=2, ffn_dim=2, vocab_size=2, max_seq_len=64)
+    with model.device:
+        floor = Decoder(cfg, AttentionConfig("mha"))
+    return floor.to(model.dtype).eval()
+
+
+def overhead_floor_ms(model: Decoder, mode: str, bucket: int, batch_size: int, impl: str,
+                      device: torch.device, steps: int = 16) -> float:
+    """Median decode step of :func:`floor_model` under the same ``runtime.compile``, batch and
+    cache (its compilation and a warm-up generation untimed)."""
+    floor = floor_model(model)
+    run_model, step = compiled_step(mode, floor, device, bucket)
+    prompt = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+    cache = cache_for(floor, impl, batch_size, 1 + steps)
+    timings = time_decode(run_model, prompt, steps, cache, warmup=1, repeats=1, device=device, step=step)
+    return statistics.median(timings.decode_ms[0])
 
 
 def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult,
@@ -129,14 +156,22 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
         allocated["kv_cache_bytes_alloc_reason"] = (f"cache.impl={cfg.cache.impl} allocates per step; "
                                                     "measured for static only")
     metrics.update(allocated)
-    eager = model
-    if rt.compile:
-        model = compile_model(model, device, prompt, cache, metrics)
+    run_model, step = compiled_step(rt.compile, model, device, rt.graph_bucket)
+    compiled = rt.compile != "false"
+    if compiled:
+        # The whole decode, so that every shape (every context bucket) it meets is compiled before
+        # timing; twice with CUDA graphs, which run a graph's first call eagerly and record the second.
+        passes = 2 if getattr(step, "cuda_graphs", False) else 1
+        metrics.update(compile_phase(lambda: [greedy_generate(run_model, prompt, w.gen_len, cache, step=step)
+                                              for _ in range(passes)], device, rt.compile))
+        graphs = compiled_graphs()
     # Warm-up outside the monitor: its one-off costs (kernel loading, per-shape plans: the first GPU
     # check saw a warm-up of 1000 steps take ~45 s of 55) must not count in memory or energy.
-    time_decode(model, prompt, w.gen_len, cache, rt.warmup, 0, device, tick)
+    time_decode(run_model, prompt, w.gen_len, cache, rt.warmup, 0, device, tick, step)
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
-        timings = time_decode(model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick)
+        timings = time_decode(run_model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick, step)
+    if compiled:
+        metrics["recompiles"] = compiled_graphs() - graphs
     metrics.update(monitor.result())
     metrics["energy_mj_per_token"] = None
     if metrics.get("energy_mj"):
@@ -147,8 +182,20 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
     result.series["decode_ms"] = timings.decode_ms[-1]
-    peak, gflops, metrics["peak_method"] = machine_peaks(device, rt.peak_gb_per_s)
-    metrics.update(roofline_metrics(eager, w.batch_size, w.prompt_len, w.gen_len,
-                                    metrics["decode_ms_p50"], peak, gflops))
+    if device.type == "cuda":
+        metrics["overhead_ms_per_step"] = statistics.median(ms for trial in timings.decode_host_ms for ms in trial)
+    else:
+        metrics["overhead_ms_per_step"] = overhead_floor_ms(model, rt.compile, rt.graph_bucket, w.batch_size,
+                                                            cfg.cache.impl, device)
+    metrics["overhead_share"] = metrics["overhead_ms_per_step"] / metrics["decode_ms_p50"]
+    peaks = machine_peaks(device, rt.peak_gb_per_s, fresh=rt.probe == "run")
+    metrics.update(peaks)
+    # A fixed-shape step reads its whole context bucket, so that is what the roofline counts.
+    positions = range(w.prompt_len, seq_len)
+    kv_positions = statistics.mean(step.lengths(cache, positions)) if isinstance(step, FixedShapeStep) else None
+    metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len, metrics["decode_ms_p50"],
+                                    peaks["peak_gb_per_s"], peaks["peak_gflops"], kv_positions))
     if rt.fidelity:
-        metrics.update(fidelity(eager, prompt, w.gen_len, cfg.cache.impl, rt.dtype))
+        # A compiled fixed-shape step is checked itself, on the cache it was compiled for.
+        timed = {"step": step, "cache": cache} if isinstance(step, FixedShapeStep) else {}
+        metrics.update(fidelity(model, prompt, w.gen_len, cfg.cache.impl, rt.dtype, **timed))

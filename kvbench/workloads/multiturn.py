@@ -18,7 +18,16 @@ import torch
 
 from kvbench.cache import SharedPrefixCache, cache_for, kv_cache_bytes, shared_cache_for
 from kvbench.config import BenchConfig, WorkloadConfig
-from kvbench.generate import Generation, greedy_generate, prefill
+from kvbench.generate import (
+    COMPILE_METHODS,
+    Generation,
+    compile_phase,
+    compiled_graphs,
+    compiled_step,
+    decode_step,
+    greedy_generate,
+    prefill,
+)
 from kvbench.measure.memory import MemoryMonitor
 from kvbench.measure.timing import RegionTimer, step_percentiles
 from kvbench.results import RunResult
@@ -47,6 +56,9 @@ METHODS: Dict[str, str] = {
     "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
     "decode_ms_mean": "ms; mean per-token decode step latency (as decode_ms_p50)",
     "series.decode_ms": "ms; every decode step of every turn of the last timed trial, in order",
+    "compile_s": "s; runtime.compile=default|graph: one untimed chat through the compiled model or step, "
+                 "excluded from every trial",
+    **COMPILE_METHODS,
 }
 
 
@@ -95,11 +107,12 @@ class ChatSession:
     at its absolute positions. ``shared=False``: a stateless server; every turn empties the
     cache and re-prefills system prompt + history + message for each conversation. ``impl``
     is the cache (static | concat | none; none only without sharing). ``max_len`` bounds the
-    positions of a conversation.
+    positions of a conversation. ``step``: the decode step (a compiled one under ``runtime.compile``).
     """
 
-    def __init__(self, model, system: torch.Tensor, batch_size: int, shared: bool, impl: str, max_len: int):
-        self.model, self.system, self.shared = model, system, shared
+    def __init__(self, model, system: torch.Tensor, batch_size: int, shared: bool, impl: str, max_len: int,
+                 step=decode_step):
+        self.model, self.system, self.shared, self.step = model, system, shared, step
         self.batch_size, self.prefix_len = batch_size, system.shape[0]
         self.cache = (shared_cache_for(model, impl, batch_size, self.prefix_len, max_len) if shared
                       else cache_for(model, impl, batch_size, max_len))
@@ -155,7 +168,8 @@ class ChatSession:
             self.cache.reset()
             held = 0
         new = torch.cat([self.tokens[:, held:], user], dim=1)  # (B, L - held + U)
-        gen = greedy_generate(self.model, new, reply_len - 1, self.cache, timer, keep_logits, start_pos=held)
+        gen = greedy_generate(self.model, new, reply_len - 1, self.cache, timer, keep_logits, start_pos=held,
+                              step=self.step)
         self.tokens = torch.cat([self.tokens, user, gen.tokens], dim=1)
         self.turn_starts.append(start)
         if self.shared:
@@ -261,9 +275,16 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     metrics = result.metrics
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
     # The chat's last reply token is never fed, so total_len - 1 positions are ever held.
-    session = ChatSession(model, system, w.batch_size, cfg.cache.shared, cfg.cache.impl, w.total_len - 1)
+    run_model, step = compiled_step(rt.compile, model, device, rt.graph_bucket)
+    session = ChatSession(run_model, system, w.batch_size, cfg.cache.shared, cfg.cache.impl, w.total_len - 1, step)
+    if rt.compile != "false":  # one untimed chat compiles every shape (and context bucket) it meets
+        metrics.update(compile_phase(lambda: time_chat(session, users, w.reply_len, 1, 0, device), device,
+                                     rt.compile))
+        graphs = compiled_graphs()
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
         trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device, tick)
+    if rt.compile != "false":
+        metrics["recompiles"] = compiled_graphs() - graphs
     metrics.update(monitor.result())
     rows = summarize_turns(trials)
     result.tables["turns"] = rows

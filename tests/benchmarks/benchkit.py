@@ -19,6 +19,7 @@ from typing import Callable, Dict
 import pytest
 import torch
 
+from kvbench.cache import kv_cache_bytes
 from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
 
@@ -44,6 +45,25 @@ def bench_decoder(variant: str, max_seq_len: int = 512, seed: int = 0) -> Decode
     torch.manual_seed(seed)
     attention = AttentionConfig(type=variant, num_kv_heads=VARIANTS[variant])
     return Decoder(bench_model_config(max_seq_len), attention).eval()
+
+
+ATOL = 1e-4  # float32, 2 layers: cached vs recomputed logits agree to ~1e-6
+
+
+def formula_bytes(model, seq_len: int) -> int:
+    c = model.config
+    return kv_cache_bytes(c.num_layers, model.num_kv_heads, c.head_dim, seq_len, BATCH_SIZE, 4)
+
+
+def prompt_for(model) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (BATCH_SIZE, PROMPT_LEN), generator=gen)
+
+
+@torch.inference_mode()
+def recompute_last_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Reference: the whole sequence through the model without a cache, last position."""
+    return model(tokens)[:, -1]
 
 
 def record_config(benchmark, model: Decoder, **fields) -> Dict:

@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchkit import BATCH_SIZE, PROMPT_LEN, VARIANTS, bench_decoder, pinned_threads, record_config, slowdown  # noqa: F401
+from benchkit import (  # noqa: F401
+    ATOL,
+    BATCH_SIZE,
+    PROMPT_LEN,
+    VARIANTS,
+    bench_decoder,
+    formula_bytes,
+    pinned_threads,
+    prompt_for,
+    recompute_last_logits,
+    record_config,
+    slowdown,
+)
 
-from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cache import cache_for
 from kvbench.config import CACHE_IMPLS
-
-ATOL = 1e-4  # float32, 2 layers: cached vs recomputed logits agree to ~1e-6
-
-
-def formula_bytes(model, seq_len: int) -> int:
-    c = model.config
-    return kv_cache_bytes(c.num_layers, model.num_kv_heads, c.head_dim, seq_len, BATCH_SIZE, 4)
-
-
-def prompt_for(model) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, model.config.vocab_size, (BATCH_SIZE, PROMPT_LEN), generator=gen)
-
-
-@torch.inference_mode()
-def recompute_last_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Reference: the whole sequence through the model without a cache, last position."""
-    return model(tokens)[:, -1]
 
 
 @pytest.mark.parametrize("impl", CACHE_IMPLS)

@@ -22,6 +22,7 @@ from kvbench.config import (
     WandbConfig,
     WorkloadConfig,
 )
+from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
 from kvbench.model import fold_mask, grouped_attention
 from kvbench.runner import run_job
 from kvbench.sinks.console import ttft_side_by_side
@@ -39,11 +40,11 @@ def prompts(seed=1, turns=TURNS):
     return system, [torch.randint(0, V, (B, U), generator=g) for _ in range(turns)]
 
 
-def chat(model, shared, impl="static", users=None, system=None):
+def chat(model, shared, impl="static", users=None, system=None, step=decode_step):
     """Run a whole chat; returns the session and each turn's (generation, stats)."""
     if users is None:
         system, users = prompts()
-    session = ChatSession(model, system, B, shared, impl, MAX_LEN)
+    session = ChatSession(model, system, B, shared, impl, MAX_LEN, step)
     return session, [session.ask(u, R, keep_logits=True) for u in users]
 
 
@@ -68,6 +69,53 @@ def test_shared_logits_equal_unshared_and_full_recompute(num_kv_heads, impl):
         torch.testing.assert_close(shared[k][0].logits, reference[k], **TOL)
         assert torch.equal(shared[k][0].tokens, unshared[k][0].tokens)
     assert torch.equal(shared_session.tokens, unshared_session.tokens)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("shared", [True, False])
+def test_fixed_shape_step_serves_the_chat(num_kv_heads, shared):
+    """The fixed-shape step (position as a tensor, the cache read in buckets of 4 positions and
+    masked), with and without the shared prefix: the same logits as today's step."""
+    model = make_decoder(num_kv_heads)
+    _, fixed = chat(model, shared, step=FixedShapeStep(bucket=4))
+    _, plain = chat(model, shared)
+    for (got, _), (want, _) in zip(fixed, plain):
+        torch.testing.assert_close(got.logits, want.logits, **TOL)
+        assert torch.equal(got.tokens, want.tokens)
+
+
+def test_graph_step_serves_the_shared_chat_without_recompiling():
+    """runtime.compile=graph over a shared system prompt: the compiled step gives the eager
+    chat's tokens, and a second chat compiles nothing (one graph, the history's one bucket)."""
+    model = make_decoder(2)
+    step = FixedShapeStep(bucket=64, mode="graph")
+    _, first = chat(model, True, step=step)
+    graphs = compiled_graphs()
+    session, again = chat(model, True, step=step)
+    assert compiled_graphs() == graphs  # the whole second chat ran the graph compiled by the first
+    _, eager = chat(model, True)
+    for (got, _), (want, _) in zip(again, eager):
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logits, want.logits, **TOL)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_step_serves_the_shared_chat():
+    """The shared system prompt under CUDA graphs: the prefix and history storage are read in
+    place by the replayed graph; the chat's tokens and logits are eager's."""
+    model = make_decoder(2).cuda()
+    system, users = prompts()
+    system, users = system.cuda(), [u.cuda() for u in users]
+    step = FixedShapeStep(bucket=64, mode="graph", device="cuda")
+    for _ in range(2):  # the first call of a CUDA graph runs eagerly, the second records it
+        chat(model, True, users=users, system=system, step=step)
+    graphs = compiled_graphs()
+    _, got = chat(model, True, users=users, system=system, step=step)
+    assert compiled_graphs() == graphs
+    _, want = chat(model, True, users=users, system=system)
+    for (g, _), (w, _) in zip(got, want):
+        torch.testing.assert_close(g.logits, w.logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.tokens, w.tokens)
 
 
 def test_unshared_without_cache_recomputes_and_matches():
