@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from kvbench.config import record_view
+
 RESULTS_FILE = "results.json"
 STATUSES = ("ok", "invalid", "oom", "error")
 SCHEMA_VERSION = 1
@@ -136,10 +138,12 @@ def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[Ru
 
 
 def _identity(config: Any) -> Any:
-    # Compare as results.json stores it (JSON types), without the keys that do not change a job.
+    # Compare as results.json stores it (JSON types), the keys the job's task reads (a record
+    # written before records left the others out compares the same), without the keys that do
+    # not change a job.
     if not isinstance(config, dict):
         return None
-    plain = json.loads(json.dumps(config, default=str))
+    plain = json.loads(json.dumps(record_view(config), default=str))
     return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
 
 

@@ -36,6 +36,11 @@ ROOFLINE_METHODS = {
     "x_roofline": "ratio; decode_ms_p50 / roofline_ms (1.0 = at the roofline)",
     "peak_gflops": "GFLOP/s; the machine's float32 GEMM probe (1024^3, best of 8), cached with the bandwidth",
     "peak_gb_per_s": "GB/s; runtime.peak_gb_per_s if set, else the machine's measured probe (see peak_method)",
+    "roofline_bound": "memory | compute: which bound gives roofline_ms",
+    "peak_method": "text; where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:<copy|gemv>_gb_per_s "
+                   "and the file the probe is cached in",
+    "peak_note": "text; only when achieved_gb_per_s exceeds peak_gb_per_s by more than 5% (a probe taken "
+                 "under load): what to do",
 }
 
 
