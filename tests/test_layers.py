@@ -20,7 +20,8 @@ LAYERS = [
     ["quality.data", "quality.fidelity", "inspection"],
     ["quality.train", "workloads.decode", "workloads.multiturn"],
     ["runner"],
-    ["sinks.console", "sinks.plots", "sinks.tracking"],
+    ["sinks.compare", "sinks.tracking"],
+    ["sinks.console", "sinks.plots"],
     ["sinks.report"],
     ["cli"],
 ]
