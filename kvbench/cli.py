@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -26,18 +27,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, register_configs, to_bench_config
 from kvbench.inspection import describe
-from kvbench.results import RESULTS_FILE, RecordError, completed_record, find_results, read_record
+from kvbench.quality.train import CHECKPOINT_NAME
+from kvbench.results import RESULTS_FILE, completed_record
 from kvbench.runner import run_job
-from kvbench.sinks.console import (
-    progress_bar,
-    results_table,
-    run_table,
-    stderr,
-    stdout,
-    ttft_comparison_table,
-    turns_table,
-)
-from kvbench.sinks.report import MD_FILE, write_report
+from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
+from kvbench.sinks.report import MD_FILE, collect, write_report
 from kvbench.sinks.tracking import track
 
 EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1}
@@ -80,8 +74,9 @@ def hydra_job(cfg: DictConfig) -> None:
     _after_job(result, out_dir, multirun)
     if not multirun:
         _exit_code = EXIT_CODES[result.status]
-        _report(out_dir, plots=False)  # summary.csv / summary.md beside results.json
-        if wandb_dir is not None:
+        # summary.csv / summary.md beside results.json (and why a single run draws no plot)
+        _report(out_dir, announce=False)
+        if wandb_dir is not None and result.status != "invalid":  # an invalid value: one line, no more
             stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
 
 
@@ -99,11 +94,11 @@ def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[P
     return track(result, OmegaConf.to_container(cfg.wandb, resolve=True), out_dir, sweep_dir, cfg.task)
 
 
-def _report(directory: Path, plots: bool = True) -> None:
+def _report(directory: Path, announce: bool = True) -> None:
     """Write the local report (summary.csv, summary.md, plots); never fails the run."""
     try:
-        write_report(directory, plots=plots)
-        if plots:
+        write_report(directory)
+        if announce:
             stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
     except Exception as exc:  # noqa: BLE001 — the records are on disk; kvbench-report can redo this
         stderr.print(f"kvbench: report failed: {type(exc).__name__}: {exc} (run kvbench-report {directory})",
@@ -114,8 +109,7 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
     """Print the job's outcome; in a single run an invalid value is one line on stderr."""
     where = out_dir / RESULTS_FILE
     if result.status == "invalid" and not multirun:
-        stderr.print(f"kvbench: invalid config: {result.error}", markup=False, soft_wrap=True)
-        stderr.print(f"(recorded in {where})", markup=False)
+        stderr.print(f"kvbench: invalid config: {result.error} (recorded in {where})", markup=False, soft_wrap=True)
         return
     if result.status != "ok":
         stderr.print(f"kvbench: job {result.status}: {result.error}", markup=False, soft_wrap=True)
@@ -124,6 +118,8 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
         if result.tables.get("turns"):
             stdout.print(turns_table(result.to_dict()))
     stdout.print(f"results: {where}", markup=False, soft_wrap=True)
+    if result.config.get("task") == "train" and (out_dir / CHECKPOINT_NAME).is_file():
+        stdout.print(f"checkpoint: {out_dir / CHECKPOINT_NAME}", markup=False, soft_wrap=True)
 
 
 def _inspect(cfg: DictConfig) -> int:
@@ -152,16 +148,40 @@ def sweep_size(config: DictConfig) -> Optional[int]:
 
 
 def sweep_records(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """Every job record under ``sweep_dir`` as a dict with its ``job`` (relative path)."""
-    records = []
-    for path in find_results(sweep_dir):
-        try:
-            rec = read_record(path).to_dict()
-        except RecordError as exc:
-            rec = {"status": "unreadable", "error": str(exc), "config": {}, "metrics": {}}
-        rec["job"] = str(path.parent.relative_to(sweep_dir))
-        records.append(rec)
-    return records
+    """Every job of ``sweep_dir`` (the report's rows: a killed job is ``missing``), in job order."""
+    return collect(sweep_dir)
+
+
+class SweepRefused(BaseException):
+    """A sweep stopped before its first job. Not an ``Exception``: Hydra turns what a callback
+    raises into a warning and goes on, and this must reach :func:`main` (one line, exit 2)."""
+
+
+# Overrides that do not make another sweep: how jobs are scheduled or recorded.
+_NOT_SWEEP = ("rerun=", "wandb=", "wandb.", "hydra/launcher=")
+
+
+def check_sweep_start(config: DictConfig) -> None:
+    """Refuse, before any job starts, a sweep that cannot run or would overwrite another:
+    a SLURM launcher without SLURM, or a ``hydra.sweep.dir`` that holds a sweep with other
+    overrides (its jobs would be renumbered and overwritten). Raises :class:`ConfigError`."""
+    target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+    if target.endswith("SlurmLauncher") and not (shutil.which("sbatch") and shutil.which("srun")):
+        raise ConfigError("hydra/launcher=slurm: no SLURM on this machine (sbatch and srun are not on PATH); "
+                          "submit from the cluster's login node, or try the sweep here with hydra/launcher=local")
+    sweep_dir = Path(config.hydra.sweep.dir)
+    try:
+        before = OmegaConf.select(OmegaConf.load(sweep_dir / "multirun.yaml"), "hydra.overrides.task") or []
+    except (OSError, OmegaConfBaseException, ValueError):
+        return  # a new directory, or one no sweep finished starting in
+    if _sweep_overrides(before) != _sweep_overrides(config.hydra.overrides.task):
+        raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
+                          f"({' '.join(_sweep_overrides(before))}); give this one a new hydra.sweep.dir "
+                          "(a sweep resumes only with the same overrides)")
+
+
+def _sweep_overrides(overrides) -> List[str]:
+    return [str(o) for o in overrides if not str(o).startswith(_NOT_SWEEP)]
 
 
 class SweepCallback(Callback):
@@ -170,6 +190,10 @@ class SweepCallback(Callback):
     ``on_multirun_end``."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_sweep_start(config)
+        except ConfigError as exc:
+            raise SweepRefused(str(exc)) from None
         try:
             os.environ["KVBENCH_SWEEP_TOTAL"] = str(sweep_size(config))
         except Exception:  # noqa: BLE001 — a count is a nicety; never stop a sweep for it
@@ -181,11 +205,10 @@ class SweepCallback(Callback):
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         records = sweep_records(sweep_dir)
-        stdout.print(results_table(f"kvbench sweep {sweep_dir}", records))
-        comparison = ttft_comparison_table(records)  # multi-turn jobs swept over cache.shared
-        if comparison is not None:
-            stdout.print(comparison)
-        counts = {s: sum(r["status"] == s for r in records) for s in EXIT_CODES}
+        for table in sweep_tables(f"kvbench sweep {sweep_dir}", records):  # the variants side by side last
+            stdout.print(table)
+        counts = {s: sum(r["status"] == s for r in records)
+                  for s in dict.fromkeys([*EXIT_CODES, *(r["status"] for r in records)])}
         stdout.print(", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" — results under {sweep_dir}",
                      markup=False, soft_wrap=True)
         _report(sweep_dir)
@@ -226,6 +249,9 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
+    except SweepRefused as exc:
+        stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
+        sys.exit(EXIT_CODES["invalid"])
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
         if full_error:
             raise

@@ -150,3 +150,24 @@ def test_report_counts_each_job_once_over_a_sweep_from_two_hosts(tmp_path):
     assert [r["env"]["hostname"] for r in report.records] == ["node-a", "node-b", "node-a", "node-b"]
     with (sweep / "summary.csv").open() as f:
         assert [r["job"] for r in csv.DictReader(f)] == ["0", "1", "2", "3"]
+
+
+def test_another_sweep_into_a_sweep_directory_is_refused_in_one_line(tmp_path):
+    """A sweep with other overrides would renumber and overwrite the jobs already there: it is
+    refused before any job runs; the same sweep again (or with rerun=true) resumes as before."""
+    sweep = tmp_path / "sweep"
+    first = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}"),
+                           cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    before = {p: p.read_bytes() for p in sweep.glob("*/results.json")}
+    other = subprocess.run(kvbench_cmd("-m", *TINY, "attention=gqa,mqa", f"hydra.sweep.dir={sweep}"),
+                           cwd=tmp_path, env=dict(run_env(), HYDRA_FULL_ERROR="0"), capture_output=True,
+                           text=True, timeout=180)
+    assert other.returncode == 2, other.stdout + other.stderr
+    [line] = other.stderr.strip().splitlines()
+    assert line.startswith(f"kvbench: invalid config: hydra.sweep.dir='{sweep}': holds another sweep (")
+    assert "attention=mha,mqa" in line and "new hydra.sweep.dir" in line
+    assert {p: p.read_bytes() for p in sweep.glob("*/results.json")} == before and len(before) == 2
+    again = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}", "rerun=false"),
+                           cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0 and again.stderr.count("skipped:") == 2, again.stdout + again.stderr
