@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.cache import cache_for
-from kvbench.config import CONF_DIR
+from kvbench.config import CONF_DIR, register_configs
 from kvbench.generate import greedy_generate
 from kvbench.measure.timing import RegionTimer
 from kvbench.runner import build_model
@@ -35,6 +35,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    register_configs()  # the schemas the YAML files are typed by (the CLI does this on import)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=[
             f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
