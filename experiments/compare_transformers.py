@@ -3,6 +3,9 @@
 Same shapes, same weights, same dtype: ``LlamaForCausalLM`` with its ``StaticCache`` and SDPA
 attention against kvbench's decoder with the static cache, eager (``runtime.compile=false``)
 and with the compiled fixed-shape step (``runtime.compile=graph``), for MHA, GQA and MQA.
+Writes the table to ``--out`` (default ``outputs/experiments/compare_transformers.md`` and
+``.json``; the committed ``experiments/results/compare_transformers.md`` is refreshed with
+``--out experiments/results/compare_transformers``).
 
     python experiments/compare_transformers.py --threads 1                 # small model, CPU, float32
     python experiments/compare_transformers.py --device cuda --dtype bfloat16
@@ -236,7 +239,9 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=256, help="runtime.graph_bucket of the graph contender")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=str(ROOT / "experiments" / "results" / "compare_transformers"))
+    # The committed results change only on purpose: --out experiments/results/compare_transformers
+    p.add_argument("--out", default=str(Path(__file__).parents[1] / "outputs" / "experiments" / "compare_transformers"),
+                   help="report path without suffix (.md and .json are written)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
@@ -268,6 +273,7 @@ def main() -> None:
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows), indent=1))
     print(text)
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ decode ``--steps`` steps from the end of the same prompt on the same static cach
 ABBA round by round; a form's time is the median over rounds of its round's median step, and
 the fused/separate ratio is taken per round (so drift between rounds cancels), then its median
 and range are reported, by the wall clock and by CPU time. Both forms give identical logits
-(checked). Writes
-``experiments/results/fused_projections.md``.
+(checked). Writes ``--out`` (default ``outputs/experiments/fused_projections.md``; the
+committed copy is ``experiments/results/fused_projections.md``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fused_projections.md")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "fused_projections.md",
+                   help="the committed results change only with --out experiments/results/fused_projections.md")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -34,7 +34,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    register_configs()
+    register_configs()  # the schemas the YAML files are typed by (the CLI does this on import)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[
             f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))

@@ -4,9 +4,11 @@ across turns (cache.shared=false,true), on model=small: a 512-token system promp
     python experiments/multiturn_ttft.py [--batch-size 4] [--warmup 1] [--repeats 3] [--threads 1]
 
 Both runs go through kvbench.runner.run_job (the code behind ``kvbench workload=multiturn``)
-with conf/model/small.yaml and conf/workload/multiturn.yaml; each job's results.json goes under
-outputs/multiturn_ttft/ (git-ignored). Prints the turn-by-turn table and the unshared/shared
-TTFT ratio, and writes experiments/results/multiturn_ttft.md.
+with conf/model/<--model>.yaml and conf/workload/multiturn.yaml; each job's results.json goes
+under ``--runs`` (default outputs/multiturn_ttft/, git-ignored). Prints the turn-by-turn table
+and the unshared/shared TTFT ratio, and writes it to ``--out`` (default
+outputs/experiments/multiturn_ttft.md; ``--out experiments/results/multiturn_ttft`` refreshes the
+committed copy, on purpose only).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvbench.sinks.console import ttft_side_by_side
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=None, help="conversations (default: the yaml's)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -36,10 +38,13 @@ def main() -> None:
     ap.add_argument("--cache", default="static", choices=["static", "concat"])
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (runtime.threads); 1 is steadier on a machine shared with other jobs")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "multiturn_ttft")
-    args = ap.parse_args()
+    ap.add_argument("--model", default="small", help="a conf/model preset (tiny for a quick try)")
+    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "multiturn_ttft", help="the jobs' directories")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "multiturn_ttft",
+                    help="report path without suffix (.md is written)")
+    args = ap.parse_args(argv)
 
-    overrides = ["model=small", "workload=multiturn", "workload.system_len=512", "workload.turns=4",
+    overrides = [f"model={args.model}", "workload=multiturn", "workload.system_len=512", "workload.turns=4",
                  f"cache.impl={args.cache}", f"runtime.warmup={args.warmup}",
                  f"runtime.repeats={args.repeats}", "runtime.device=cpu", "wandb.mode=disabled"]
     if args.batch_size:
@@ -48,11 +53,12 @@ def main() -> None:
         overrides.append(f"runtime.threads={args.threads}")
     register_configs()
     records, start = [], time.perf_counter()
+    register_configs()  # the schemas the YAML files are typed by (the CLI does this on import)
     for shared in (False, True):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=overrides + [f"cache.shared={str(shared).lower()}"])
         t0 = time.perf_counter()
-        rec = run_job(cfg, args.out / f"shared_{str(shared).lower()}").to_dict()
+        rec = run_job(cfg, args.runs / f"shared_{str(shared).lower()}").to_dict()
         if rec["status"] != "ok":
             raise SystemExit(f"cache.shared={shared}: {rec['status']}: {rec['error']}")
         print(f"cache.shared={str(shared).lower()}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -67,7 +73,7 @@ def main() -> None:
     lines = [
         "# Multi-turn chat: TTFT per turn with and without a shared KV cache",
         "",
-        f"model=small ({records[0]['config']['model']['num_layers']} layers, d_model "
+        f"model={args.model} ({records[0]['config']['model']['num_layers']} layers, d_model "
         f"{records[0]['config']['model']['d_model']}, {rows[0]['variant']}), float32, cache.impl={args.cache}; "
         f"{w['batch_size']} conversations, system prompt {w['system_len']} tokens, {w['turns']} turns of "
         f"{w['user_len']} user + {w['reply_len']} reply tokens; median of {args.repeats} timed chats after "
@@ -104,7 +110,7 @@ def main() -> None:
         "the ratio is measured in one run).",
     ]
     text = "\n".join(lines) + "\n"
-    out = ROOT / "experiments" / "results" / "multiturn_ttft.md"
+    out = args.out.with_suffix(".md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

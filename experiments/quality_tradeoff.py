@@ -5,8 +5,9 @@ conversions of the trained MHA checkpoint (Ainslie et al. 2023) with and without
 
 Runs go through kvbench.quality.train.run_train (the code behind ``task=train``) with the default
 TrainConfig, model=train_small and the default corpus (the standard library's sources).
-Writes experiments/results/quality_tradeoff.{md,json}; checkpoints go under
-outputs/quality_tradeoff/ (git-ignored).
+Writes the table to ``--out`` (default outputs/experiments/quality_tradeoff.{md,json}; ``--out
+experiments/results/quality_tradeoff`` refreshes the committed copy, on purpose only);
+checkpoints go under ``--runs`` (default outputs/quality_tradeoff/, git-ignored).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _row(name: str, cfg: BenchConfig, out: Path, metrics: dict) -> dict:
            **metrics, "checkpoint": str(out / CHECKPOINT_NAME)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=TrainConfig().steps)
     ap.add_argument("--uptrain-steps", type=int, default=100)
@@ -85,8 +86,10 @@ def main() -> None:
     # One thread: on a shared 2-core machine two OpenMP threads per process thrash (6x slower).
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reuse", action="store_true", help="keep runs whose checkpoint.pt exists")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "quality_tradeoff")
-    args = ap.parse_args()
+    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "quality_tradeoff", help="checkpoints")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "quality_tradeoff",
+                    help="report path without suffix (.md and .json are written)")
+    args = ap.parse_args(argv)
 
     model = ModelConfig(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/train_small.yaml")))
     H = model.num_heads
@@ -98,11 +101,11 @@ def main() -> None:
     rows = []
     for kv in (H, H // 4, 1):  # MHA, GQA (H/4), MQA from scratch
         cfg = bench_config(model, kv, train, args.seed, args.threads)
-        rows.append({"how": "from scratch", **run(f"scratch_kv{kv}", cfg, args.out, args.reuse)})
+        rows.append({"how": "from scratch", **run(f"scratch_kv{kv}", cfg, args.runs, args.reuse)})
     mha_ckpt = rows[0]["checkpoint"]
     for kv in (H, H // 2, H // 4, 1):  # kv == H: the identity, uptrained as a control
         cfg = bench_config(model, kv, replace(uptrain, init_from=mha_ckpt), args.seed, args.threads)
-        row = run(f"meanpool_kv{kv}_uptrain", cfg, args.out, args.reuse)
+        row = run(f"meanpool_kv{kv}_uptrain", cfg, args.runs, args.reuse)
         rows.append({**row, "how": "MHA mean-pool", "perplexity": row["ppl_before_uptrain"],
                      "val_loss": row["val_loss_before_uptrain"],
                      "bits_per_byte": row["bits_per_byte_before_uptrain"],
@@ -132,9 +135,8 @@ def main() -> None:
              + (f" Reused from an earlier invocation (train s as measured then): {', '.join(reused)}."
                 if reused else ""))
     print("\n" + table + "\n\n" + setup)
-    results = ROOT / "experiments" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "quality_tradeoff.md").write_text(
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(
         "# Quality vs KV-cache size (MHA / GQA / MQA, mean-pool conversion)\n\n"
         + setup + "\n\nPerplexity is per byte on the validation split, the same fixed windows for "
         "every row. 'MHA mean-pool' rows convert the trained MHA checkpoint with no further training; "
@@ -142,7 +144,8 @@ def main() -> None:
     payload = {"setup": setup, "args": {k: str(v) for k, v in vars(args).items()},
                "model": asdict(model), "train": asdict(train), "uptrain": asdict(uptrain),
                "total_seconds": total, "rows": rows}
-    (results / "quality_tradeoff.json").write_text(json.dumps(payload, indent=2, default=str))
+    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

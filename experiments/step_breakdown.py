@@ -8,7 +8,8 @@ steps run under ``torch.profiler`` (CPU, self time per operator), between two GE
 matrix products' self time is set against the weight bytes they stream, the attention kernel's
 against the K/V bytes it reads; "x GEMV" is each part's time over its bytes at the probe's rate
 (1.0 = it reads at the rate a large GEMV does). The rest (norms, rotary, residuals, the cache
-write, Python) is reported as one figure. Writes ``experiments/results/step_breakdown.md``.
+write, Python) is reported as one figure. Writes ``--out`` (default
+``outputs/experiments/step_breakdown.md``; the committed copy is ``experiments/results/step_breakdown.md``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def main() -> None:
     p.add_argument("--kv-heads", default="16,4,1")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "step_breakdown.md")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "step_breakdown.md",
+                   help="the committed results change only with --out experiments/results/step_breakdown.md")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,8 @@
 - Llama-format directories (``config.json`` + ``*.safetensors`` with transformers' names), MHA or
   GQA. The decoder's rotary embedding uses the same rotate-half layout as transformers' Llama, so
   q/k weights load unpermuted (tests/test_checkpoint.py compares logits against transformers).
-- MHA → GQA/MQA conversion by mean-pooling K/V heads within each group (Ainslie et al. 2023).
+- A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
+  2023), or repeating them, exactly, to more heads (GQA → MHA).
 
 Every file read here is the user's input: one that does not parse, is truncated, holds the
 wrong tensors or non-finite weights is a :class:`CheckpointError` naming the file, never a
@@ -210,26 +211,44 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     return decoder, tokenizer
 
 
-# ---- MHA → GQA / MQA ------------------------------------------------------------------------
+# ---- changing the KV-head count ------------------------------------------------------------
+
+def kv_conversion(old: int, new: int) -> str:
+    """How :func:`convert_kv_heads` takes ``old`` KV heads to ``new``: ``none``, ``repeat``
+    (exact: every query head reads the same K/V as before) or ``mean-pool`` (an approximation,
+    Ainslie et al. 2023). Raises :class:`CheckpointError` naming ``attention.num_kv_heads``
+    when neither applies."""
+    if new < 1:
+        raise CheckpointError(f"attention.num_kv_heads={new}: must be >= 1")
+    if new == old:
+        return "none"
+    if new < old and old % new == 0:
+        return "mean-pool"
+    if new > old and new % old == 0:
+        return "repeat"
+    raise CheckpointError(f"attention.num_kv_heads={new}: cannot convert the checkpoint's {old} KV heads "
+                          f"(mean-pooling needs a divisor of {old}, repeating a multiple of {old})")
+
 
 def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
-    """A new Decoder with ``num_kv_heads`` KV heads, each the mean of the heads of its group.
+    """A new Decoder with ``num_kv_heads`` KV heads; queries and outputs are kept.
 
-    Query head h reads KV head h // G with contiguous groups, so new KV head j is the mean of
-    old KV heads j*r .. (j+1)*r - 1 with r = old H_kv / new H_kv; queries and outputs are kept.
-    Works from MHA or from a grouped model whose KV-head count is a multiple of the target.
+    Query head h reads KV head h // G with contiguous groups. Fewer heads: new KV head j is the
+    mean of old heads j*r .. (j+1)*r - 1, r = old / new (MHA → GQA/MQA, Ainslie et al. 2023).
+    More heads: new head j is a copy of old head j // r, r = new / old, so every query head
+    reads exactly the K/V it read before and the model computes the same function (GQA → MHA).
     """
     old = model.num_kv_heads
-    if num_kv_heads < 1 or old % num_kv_heads:
-        raise CheckpointError(f"attention.num_kv_heads={num_kv_heads}: cannot mean-pool the checkpoint's "
-                              f"{old} KV heads into {num_kv_heads} (pooling only merges heads: the "
-                              f"count must divide {old})")
-    r, D = old // num_kv_heads, model.config.head_dim
+    how = kv_conversion(old, num_kv_heads)
+    D = model.config.head_dim
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in list(state):
-        if name.endswith((".attn.wk.weight", ".attn.wv.weight")):
+        if how != "none" and name.endswith((".attn.wk.weight", ".attn.wv.weight")):
             w = state[name]  # (old H_kv * D, C)
-            pooled = w.float().view(num_kv_heads, r, D, -1).mean(dim=1)  # (H_kv, D, C)
-            state[name] = pooled.reshape(num_kv_heads * D, -1).to(w.dtype)
+            if how == "mean-pool":
+                heads = w.float().view(num_kv_heads, old // num_kv_heads, D, -1).mean(dim=1).to(w.dtype)
+            else:
+                heads = w.view(old, D, -1).repeat_interleave(num_kv_heads // old, dim=0)
+            state[name] = heads.reshape(num_kv_heads * D, -1)  # (H_kv, D, C) -> (H_kv * D, C)
     attention = AttentionConfig.for_heads(model.config.num_heads, num_kv_heads)
     return build_decoder(model.config, attention, state, device=model.device)

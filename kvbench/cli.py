@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -31,16 +32,9 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, one_line, register_configs, to_bench_config
 from kvbench.inspection import describe
 from kvbench.isolation import launch_job
+from kvbench.quality.train import CHECKPOINT_NAME
 from kvbench.results import RESULTS_FILE, claim_holder, claim_job, completed_record
-from kvbench.sinks.console import (
-    progress_bar,
-    results_table,
-    run_table,
-    stderr,
-    stdout,
-    ttft_comparison_table,
-    turns_table,
-)
+from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
 from kvbench.sinks.report import MD_FILE, collect, write_report
 from kvbench.sinks.tracking import new_sweep, track
 from kvbench.sweep import sweep_records, sweep_size
@@ -103,8 +97,9 @@ def hydra_job(cfg: DictConfig) -> None:
         _after_job(result, out_dir, multirun)
     if not multirun:
         _exit_code = EXIT_CODES["error"] if result.unsaved else EXIT_CODES[result.status]
-        _report(out_dir, plots=False)  # summary.csv / summary.md beside results.json
-        if wandb_dir is not None:
+        # summary.csv / summary.md beside results.json (and why a single run draws no plot)
+        _report(out_dir, announce=False)
+        if wandb_dir is not None and result.status != "invalid":  # an invalid value: one line, no more
             stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
 
 
@@ -125,12 +120,13 @@ def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[P
                  str(result.config.get("task", "bench")))
 
 
-def _report(directory: Path, plots: bool = True, records: Optional[List[Dict[str, Any]]] = None) -> None:
+def _report(directory: Path, announce: bool = True, plots: bool = True,
+            records: Optional[List[Dict[str, Any]]] = None) -> None:
     """Write the local report (summary.csv, summary.md, plots) of ``records`` (default: every
     job under ``directory``); never fails the run."""
     try:
         write_report(directory, plots=plots, records=records)
-        if plots:
+        if announce:
             stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
     except Exception as exc:  # noqa: BLE001 — the records are on disk; kvbench-report can redo this
         stderr.print(f"kvbench: report failed: {type(exc).__name__}: {exc} (run kvbench-report {directory})",
@@ -156,6 +152,8 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
         if result.tables.get("turns"):
             stdout.print(turns_table(result.to_dict()))
     stdout.print(f"results: {where}", markup=False, soft_wrap=True)
+    if result.config.get("task") == "train" and (out_dir / CHECKPOINT_NAME).is_file():
+        stdout.print(f"checkpoint: {out_dir / CHECKPOINT_NAME}", markup=False, soft_wrap=True)
 
 
 def _inspect(cfg: DictConfig) -> int:
@@ -181,13 +179,11 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
         stderr.print(f"kvbench: cannot list the sweep's jobs: {type(exc).__name__}: {exc}", markup=False)
         return EXIT_CODES["error"]
     title = f"kvbench sweep {sweep_dir}" + (" (interrupted)" if interrupted else "")
-    for table in (lambda: results_table(title, rows), lambda: ttft_comparison_table(rows)):
-        try:
-            printed = table()  # the comparison: multi-turn jobs swept over cache.shared, else None
-            if printed is not None:
-                stdout.print(printed)
-        except Exception as exc:  # noqa: BLE001 — an odd record must not cost the rest
-            stderr.print(f"kvbench: a table could not be drawn: {type(exc).__name__}: {exc}", markup=False)
+    try:
+        for table in sweep_tables(title, rows):  # the attention variants side by side last
+            stdout.print(table)
+    except Exception as exc:  # noqa: BLE001 — an odd record must not cost the counts and the report
+        stderr.print(f"kvbench: a table could not be drawn: {type(exc).__name__}: {exc}", markup=False)
     counts: Dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
@@ -198,6 +194,38 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
     return EXIT_CODES["error"] if any(counts.get(s) for s in FAILED_ROWS) else 0
 
 
+class SweepRefused(BaseException):
+    """A sweep stopped before its first job. Not an ``Exception``: Hydra turns what a callback
+    raises into a warning and goes on, and this must reach :func:`main` (one line, exit 2)."""
+
+
+# Overrides that do not make another sweep: how jobs are scheduled or recorded.
+_NOT_SWEEP = ("rerun=", "wandb=", "wandb.", "hydra/launcher=")
+
+
+def check_sweep_start(config: DictConfig) -> None:
+    """Refuse, before any job starts, a sweep that cannot run or would overwrite another:
+    a SLURM launcher without SLURM, or a ``hydra.sweep.dir`` that holds a sweep with other
+    overrides (its jobs would be renumbered and overwritten). Raises :class:`ConfigError`."""
+    target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+    if target.endswith("SlurmLauncher") and not (shutil.which("sbatch") and shutil.which("srun")):
+        raise ConfigError("hydra/launcher=slurm: no SLURM on this machine (sbatch and srun are not on PATH); "
+                          "submit from the cluster's login node, or try the sweep here with hydra/launcher=local")
+    sweep_dir = Path(config.hydra.sweep.dir)
+    try:
+        before = OmegaConf.select(OmegaConf.load(sweep_dir / "multirun.yaml"), "hydra.overrides.task") or []
+    except (OSError, OmegaConfBaseException, ValueError):
+        return  # a new directory, or one no sweep finished starting in
+    if _sweep_overrides(before) != _sweep_overrides(config.hydra.overrides.task):
+        raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
+                          f"({' '.join(_sweep_overrides(before))}); give this one a new hydra.sweep.dir "
+                          "(a sweep resumes only with the same overrides)")
+
+
+def _sweep_overrides(overrides) -> List[str]:
+    return [str(o) for o in overrides if not str(o).startswith(_NOT_SWEEP)]
+
+
 class SweepCallback(Callback):
     """Counts a sweep's jobs at the start; at the end prints a table of this sweep's jobs and
     sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
@@ -206,6 +234,10 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _sweep_config
         _sweep_config = config
+        try:
+            check_sweep_start(config)
+        except ConfigError as exc:
+            raise SweepRefused(str(exc)) from None
         new_sweep(config.hydra.sweep.dir)
         try:
             os.environ["KVBENCH_SWEEP_TOTAL"] = str(sweep_size(config))
@@ -280,6 +312,9 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
+    except SweepRefused as exc:
+        stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
+        sys.exit(EXIT_CODES["invalid"])
     except Exception as exc:
         if full_error or not _is_composition_error(exc):
             raise

@@ -451,7 +451,10 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         _check_choice("task", self.task, TASKS)
-        self.attention = self.attention.resolved(self.model)
+        # task=eval takes its shape from train.checkpoint, which only the task reads: the
+        # attention is resolved against the checkpoint there, not against the model preset.
+        if self.task != "eval":
+            self.attention = self.attention.resolved(self.model)
         w = self.workload
         length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
         _check(w.total_len <= self.model.max_seq_len, length_key,
@@ -545,6 +548,51 @@ def schema_defaults() -> DictConfig:
             node[name] = {}
         OmegaConf.set_struct(node[name], False)
     return node
+
+
+# ---- what a record keeps ---------------------------------------------------------------------
+
+# The keys of each section that a job's task (and, for task=bench, its workload) reads. A key
+# that means nothing for a job (train.* for a decode run, workload.* for training) is left out
+# of its record, so the record describes what was measured and nothing else.
+_WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
+                  "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
+_CACHE_KEYS = {"decode": ("impl",), "multiturn": ("impl", "shared")}
+_RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
+_TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
+
+
+def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The part of a job's config (``asdict`` of a :class:`BenchConfig`, or the mapping Hydra
+    saved) that its task reads: a decode run keeps no ``train``/``data`` section and no chat
+    keys, a multi-turn chat no prompt length, training no workload or cache. Unknown tasks and
+    workloads keep everything; a partial config (an invalid run's) keeps what it has."""
+    if not isinstance(config, dict):
+        return config
+    task = config.get("task", "bench")
+    out = dict(config)
+
+    def keep(section: str, keys) -> None:
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k in keys}
+
+    if task in ("bench", "inspect"):
+        out.pop("train", None)
+        out.pop("data", None)
+        w = out.get("workload")
+        workload = w.get("name", "decode") if isinstance(w, dict) else None
+        if workload in _WORKLOAD_KEYS:
+            keep("workload", _WORKLOAD_KEYS[workload])
+            keep("cache", _CACHE_KEYS[workload])
+    elif task in ("train", "eval"):
+        out.pop("workload", None)
+        out.pop("cache", None)
+        keep("runtime", _RUNTIME_KEYS_QUALITY)
+        if task == "eval":
+            keep("train", _TRAIN_KEYS_EVAL)
+        elif isinstance(out.get("train"), dict):
+            keep("train", [k for k in out["train"] if k != "checkpoint"])
+    return out
 
 
 def register_configs() -> None:

@@ -65,7 +65,7 @@ def describe(cfg: BenchConfig) -> str:
         "",
         f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
         f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes",
-        f"elements per token per layer (K+V): {2 * a.num_kv_heads * m.head_dim:,}",
+        _elements_line(2 * a.num_kv_heads * m.head_dim, seq_len, w.batch_size),
     ]
     header = ["dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})", "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
@@ -76,6 +76,23 @@ def describe(cfg: BenchConfig) -> str:
     for row in [header] + rows:
         lines.append(row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:])))
     return "\n".join(lines)
+
+
+def _elements_line(per_token: int, seq_len: int, batch_size: int) -> str:
+    """K and V elements of one layer's cache: per token, per sequence, per batch (the arithmetic
+    of a KV-cache budget, before the bytes of a dtype)."""
+    per_sequence = per_token * seq_len
+    return (f"elements per layer (K+V): per token {per_token:,} · per sequence ({seq_len}) {per_sequence:,} "
+            f"≈ {_si(per_sequence)} · per batch (x{batch_size}) {per_sequence * batch_size:,} "
+            f"≈ {_si(per_sequence * batch_size)}")
+
+
+def _si(n: float) -> str:
+    """``33554432`` -> ``33.6 M``: a count in decimal units, three significant digits."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:g}"
 
 
 def _cell(n: int) -> str:

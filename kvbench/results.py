@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from kvbench.config import record_view
+
 RESULTS_FILE = "results.json"
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
 # it keeps the metrics complete by then, and resume runs the job again.
@@ -337,10 +339,12 @@ def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[Ru
 
 
 def _identity(config: Any) -> Any:
-    # Compare as results.json stores it (JSON types), without the keys that do not change a job.
+    # Compare as results.json stores it (JSON types), the keys the job's task reads (a record
+    # written before records left the others out compares the same), without the keys that do
+    # not change a job.
     if not isinstance(config, dict):
         return None
-    plain = json.loads(json.dumps(config, default=str))
+    plain = json.loads(json.dumps(record_view(config), default=str))
     return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
 
 

@@ -25,15 +25,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.checkpoint import convert_kv_heads, load_llama_dir
-from kvbench.config import BenchConfig, ConfigError, one_line, to_bench_config
+from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
+from kvbench.config import BenchConfig, ConfigError, one_line, record_view, to_bench_config
 from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import collect_env
 from kvbench.measure.memory import MEMORY_METHODS, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
-from kvbench.quality.train import run_eval, run_train
+from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
 from kvbench.workloads import decode, multiturn
 
@@ -46,6 +46,8 @@ JOB_METHODS: Dict[str, str] = {
     "weight_bytes": "bytes; parameters and persistent buffers (numel * element_size), tied tensors once",
     "num_params": "count; parameters of the decoder, tied tensors once",
     "timing_method": "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU",
+    "kv_heads_conversion": "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
+                           "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)",
     **MEMORY_METHODS,
 }
 
@@ -64,12 +66,13 @@ def no_progress(label: str, total: int):
 
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
-    wherever their shapes agree; with ``model.path`` the checkpoint's weights, mean-pooled to
-    ``attention.num_kv_heads`` when that differs from the checkpoint's own count."""
+    wherever their shapes agree; with ``model.path`` the checkpoint's weights, brought to
+    ``attention.num_kv_heads`` when that differs from the checkpoint's own count (repeated,
+    exactly, to more heads; mean-pooled to fewer)."""
     dtype = torch_dtype(cfg.runtime.dtype)
     if cfg.model.path:
         model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
-        if model.num_kv_heads != cfg.attention.num_kv_heads:
+        if kv_conversion(model.num_kv_heads, cfg.attention.num_kv_heads) != "none":
             model = convert_kv_heads(model, cfg.attention.num_kv_heads)
         return model.to(dtype).eval()
     torch.manual_seed(cfg.runtime.seed)
@@ -92,6 +95,8 @@ def bench(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResu
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
+    if cfg.model.path:
+        result.metrics["kv_heads_conversion"] = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
     label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}"
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
@@ -109,13 +114,18 @@ def train(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResu
         result.series["train_step"] = [p["step"] for p in curve]
         result.series["train_loss"] = [p["train_loss"] for p in curve]
 
+    result.methods.update(TRAIN_METHODS)
     with progress("train", cfg.train.steps) as tick:
         result.metrics.update(run_train(cfg, device, out_dir, on_log, tick))
 
 
 def evaluate(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=eval``: perplexity of ``train.checkpoint`` on ``data``."""
-    result.metrics.update(run_eval(cfg, device))
+    """``task=eval``: perplexity of ``train.checkpoint`` on ``data``; the record's model and
+    attention are the checkpoint's shape as evaluated, not the preset's."""
+    result.methods.update(EVAL_METHODS)
+    loaded = checkpoint_for_eval(cfg, device)
+    result.config["model"], result.config["attention"] = asdict(loaded[0].config), asdict(loaded[0].attention)
+    result.metrics.update(run_eval(cfg, device, loaded))
 
 
 TASKS = {"bench": bench, "train": train, "eval": evaluate}
@@ -128,14 +138,15 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     global _jobs_run
     out_dir = Path(out_dir)
     # "interrupted" until the task returns: whatever ends it early is never recorded ok.
-    result = RunResult(status="interrupted", config=_as_given(cfg), overrides=list(overrides or []),
+    result = RunResult(status="interrupted", config=record_view(_as_given(cfg)), overrides=list(overrides or []),
                        started_at=utc_now(),
                        env={"hostname": socket.gethostname()})  # even a job that fails early says where
     stopped: Optional[BaseException] = None
     with interruptible() as stops:
         try:
             job = to_bench_config(cfg)
-            result.config = asdict(job)  # with derived values (head_dim, num_kv_heads) filled in
+            # with derived values (head_dim, num_kv_heads) filled in, and only the keys the task reads
+            result.config = record_view(asdict(job))
             # Device and threads are resolved here, once per job; every task receives them.
             device = resolve_device(job.runtime.device)
             torch.set_num_threads(job.runtime.threads or DEFAULT_THREADS)

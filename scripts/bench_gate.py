@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
-from pytest_benchmark.utils import get_machine_id, load_timer, parse_compare_fail
+from pytest_benchmark.utils import PercentageRegressionCheck, get_machine_id, load_timer, parse_compare_fail
 
 HEAD_ROOT = Path(__file__).resolve().parents[1]
 SUITE = "tests/benchmarks"
@@ -233,6 +233,43 @@ def format_rows(rows: List[dict], field: str = "median") -> str:
     return "\n".join(lines)
 
 
+def check_text(check) -> str:
+    """A parsed ``--fail`` check as it was written: ``median:25%`` or ``min:0.001`` (seconds)."""
+    return f"{check.field}:{check.threshold}" + ("%" if isinstance(check, PercentageRegressionCheck) else "")
+
+
+def commit_of(tree: Path) -> Optional[Dict[str, object]]:
+    """The commit a checkout is at and whether its files differ from it (None outside git)."""
+    try:
+        return {"commit": git("rev-parse", "HEAD", cwd=tree),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no", cwd=tree))}
+    except (subprocess.CalledProcessError, OSError):
+        return None
+
+
+def report(args: argparse.Namespace, rows: List[dict], failed: List[dict], base_commit) -> dict:
+    """``--report``'s JSON: the verdict and what it rests on (commits, checks, timer, rounds,
+    units), then one row per benchmark as :func:`compare` made it."""
+    checks = [check_text(c) for c in args.fail]
+    return {
+        "verdict": "fail" if failed else "pass",
+        "regressed": [r["name"] for r in failed],
+        "base": {"ref": args.base, "dir": str(args.base_dir) if args.base_dir else None, **(base_commit or {})},
+        "head": {"dir": str(HEAD_ROOT), **(commit_of(HEAD_ROOT) or {})},
+        "fail_on": checks,
+        "threshold_why": ("1.5x the largest A/A change of the pooled median CPU time on a loaded 2-core "
+                          "machine (README, 'Performance regression gate')"
+                          if checks == [DEFAULT_FAIL] else "given with --fail"),
+        "inject_slowdown": args.inject_slowdown,
+        "timer": args.timer,
+        "rounds_per_side": args.rounds,
+        "units": {**{f: f"s per call as {args.timer} counts it (pooled: median over rounds)" for f in STATS},
+                  "spread": "fraction: (max - min) / pooled value over the rounds of one side",
+                  "change": "fraction: head / base - 1 of each statistic", "rounds": "count"},
+        "benchmarks": rows,
+    }
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     check_selection(args)
@@ -242,7 +279,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for tree in (base, HEAD_ROOT):
             check_import(tree)
         print(f"gate: base {base} vs head {HEAD_ROOT}, {args.rounds} rounds, "
-              f"fail on {' '.join(f'{c.field}:{c.threshold}' for c in args.fail)}"
+              f"fail on {' '.join(check_text(c) for c in args.fail)}"
               + (f", head slowed by {args.inject_slowdown:.0%} (injected)" if args.inject_slowdown else ""),
               flush=True)
         for r in range(args.rounds):
@@ -267,11 +304,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if side == "base" and rc != 0:
                     print(f"  (base run exit {rc}: benchmarks it could not run count as new)")
                 (base_runs if side == "base" else head_runs).append(load_run(saved))
+        base_commit = commit_of(base)
     rows = compare(base_runs, head_runs, args.fail)
     print(format_rows(rows, args.fail[0].field))
-    if args.report:
-        args.report.write_text(json.dumps(rows, indent=2))
     failed = [r for r in rows if r["failures"]]
+    if args.report:
+        args.report.write_text(json.dumps(report(args, rows, failed, base_commit), indent=2))
     for r in failed:
         for msg in r["failures"]:
             print(f"  {r['name']}: {msg}")

@@ -76,7 +76,8 @@ def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
     """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=num_kv_heads, intermediate_size=48, vocab_size=VOCAB,
+                      num_key_value_heads=num_kv_heads, intermediate_size=48,
+                      vocab_size=overrides.pop("vocab_size", VOCAB),
                       max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=tie, **overrides)
     cfg._attn_implementation = "eager"

@@ -92,7 +92,16 @@ def run_gate(tmp_path, name, *extra):
            "-k", "test_decode_step and mha and static", "--max-time", "0.1", "--min-rounds", "20",
            "--fail", THRESHOLD, "--storage", str(tmp_path / "storage"), "--report", str(report), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    return out, json.loads(report.read_text())
+    data = json.loads(report.read_text())
+    # the report explains itself: verdict, both commits, the check, the timer and the units
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert data["verdict"] == ("fail" if out.returncode == 1 else "pass")
+    assert data["head"]["commit"] == data["base"]["commit"] == head  # --base-dir is this checkout
+    assert data["fail_on"] == [THRESHOLD] and data["threshold_why"] == "given with --fail"
+    assert data["timer"] == "time.process_time" and data["rounds_per_side"] == 1
+    assert data["units"]["median"].startswith("s per call") and data["units"]["change"].startswith("fraction")
+    assert data["regressed"] == [r["name"] for r in data["benchmarks"] if r["failures"]]
+    return out, data["benchmarks"]
 
 
 def test_gate_trips_on_injected_decode_slowdown_and_passes_without(tmp_path):

@@ -125,7 +125,7 @@ def test_convert_identical_groups_reproduces_outputs(start, target, kind):
         torch.testing.assert_close(converted(tokens), model(tokens), atol=1e-6, rtol=0)
 
 
-def test_convert_is_group_mean_and_rejects_non_divisors():
+def test_convert_is_group_mean():
     model = tiny(4)
     converted = convert_kv_heads(model, 2)
     D = model.config.head_dim
@@ -133,7 +133,37 @@ def test_convert_is_group_mean_and_rejects_non_divisors():
     new = converted.blocks[0].attn.wk.weight.view(2, D, -1)
     torch.testing.assert_close(new[1], (old[2] + old[3]) / 2)  # query heads 2, 3 → KV head 1
     assert torch.equal(converted.blocks[0].attn.wq.weight, model.blocks[0].attn.wq.weight)
-    with pytest.raises(CheckpointError, match="attention.num_kv_heads=4: cannot mean-pool the checkpoint's 2 KV heads"):
-        convert_kv_heads(converted, 4)
-    with pytest.raises(CheckpointError, match="attention.num_kv_heads=3: cannot mean-pool the checkpoint's 4 KV heads"):
+
+
+@pytest.mark.parametrize("start,target,kind", [(2, 4, "mha"), (1, 4, "mha"), (1, 2, "gqa")])
+def test_more_kv_heads_repeat_them_and_compute_the_same_function(start, target, kind):
+    """GQA/MQA → more KV heads: each new head copies the one its query heads read before, so
+    the logits are those of the original model (with and without a cache)."""
+    from kvbench.cache import cache_for
+    from kvbench.generate import greedy_generate
+
+    model = tiny(start)
+    converted = convert_kv_heads(model, target)
+    assert converted.num_kv_heads == target and converted.attention.type == kind
+    D, r = model.config.head_dim, target // start
+    old = model.blocks[1].attn.wv.weight.view(start, D, -1)
+    new = converted.blocks[1].attn.wv.weight.view(target, D, -1)
+    for j in range(target):
+        assert torch.equal(new[j], old[j // r])
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(tokens), model(tokens), atol=1e-6, rtol=0)
+        ours = greedy_generate(model, tokens, 6, cache_for(model, "static", 2, 26), keep_logits=True)
+        theirs = greedy_generate(converted, tokens, 6, cache_for(converted, "static", 2, 26), keep_logits=True)
+    assert torch.equal(ours.tokens, theirs.tokens)
+    torch.testing.assert_close(theirs.logits, ours.logits, atol=1e-6, rtol=0)
+
+
+def test_a_count_neither_pooled_nor_repeated_is_rejected_naming_the_key():
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=1, d_model=48, num_heads=6, preset_kv_heads=6, ffn_dim=32, vocab_size=VOCAB,
+                      max_seq_len=32)
+    model = Decoder(cfg, AttentionConfig.for_heads(6, 2))
+    why = r"attention.num_kv_heads=3: cannot convert the checkpoint's 2 KV heads \(mean-pooling needs a divisor"
+    with pytest.raises(CheckpointError, match=why + r" of 2, repeating a multiple of 2\)"):
         convert_kv_heads(model, 3)

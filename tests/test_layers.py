@@ -21,7 +21,8 @@ LAYERS = [
     ["quality.train", "workloads.decode", "workloads.multiturn"],
     ["runner"],
     ["isolation"],
-    ["sinks.console", "sinks.plots", "sinks.tracking"],
+    ["sinks.compare", "sinks.tracking"],
+    ["sinks.console", "sinks.plots"],
     ["sinks.report", "sweep"],
     ["cli"],
 ]

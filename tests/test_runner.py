@@ -58,10 +58,11 @@ def test_eval_without_checkpoint_is_invalid_naming_the_key(tmp_path):
     assert result.status == "invalid" and result.error.startswith("train.checkpoint=None")
 
 
-@pytest.mark.parametrize("attention, kv", [("gqa", 2), ("mqa", 1)])
-def test_benchmark_a_llama_checkpoint_like_a_preset(tmp_path, attention, kv):
-    """model=llama_dir: the shape comes from config.json, the weights from safetensors; an
-    attention type other than the checkpoint's own mean-pools its KV heads."""
+@pytest.mark.parametrize("attention, kv, how", [("gqa", 2, "none"), ("mqa", 1, "mean-pool"), ("mha", 4, "repeat")])
+def test_benchmark_a_llama_checkpoint_like_a_preset(tmp_path, attention, kv, how):
+    """model=llama_dir: the shape comes from config.json, the weights from safetensors; fewer KV
+    heads than the checkpoint's own mean-pool them, more repeat them (the README's
+    ``attention=mha`` on a GQA checkpoint)."""
     from conftest import llama_dir
 
     directory, hf = llama_dir(tmp_path / "ckpt", num_kv_heads=2)
@@ -70,7 +71,8 @@ def test_benchmark_a_llama_checkpoint_like_a_preset(tmp_path, attention, kv):
     assert result.status == "ok", result.error
     m, model_cfg = result.metrics, result.config["model"]
     assert (model_cfg["num_layers"], model_cfg["d_model"], model_cfg["num_heads"]) == (2, 32, 4)
-    assert result.config["attention"]["num_kv_heads"] == kv
+    assert result.config["attention"] == {"type": attention, "num_kv_heads": kv}
+    assert model_cfg["preset_kv_heads"] == 2 and m["kv_heads_conversion"] == how
     # K/V projections shrink with pooling: 2 layers x 2 matrices x (32 x 8 per KV head) fewer
     hf_params = sum(p.numel() for p in hf.parameters())
     assert m["num_params"] == hf_params - 2 * 2 * 32 * 8 * (2 - kv)
@@ -247,3 +249,118 @@ def test_an_internal_error_message_is_bounded_everywhere(tmp_path, monkeypatch):
     assert len(result.error) <= MAX_ERROR_CHARS + 100 and len(read_record(tmp_path).error) == len(result.error)
     trace = (tmp_path / "error.txt").read_text()
     assert len(trace) <= runner.MAX_TRACEBACK_CHARS + 100 and "Traceback" in trace and trace.endswith("the end\n")
+
+
+def test_eval_records_the_shape_it_measured_not_the_preset(tmp_path):
+    """task=eval on a GQA checkpoint: attention=mha repeats its 2 KV heads to 4 (the same
+    function: the same perplexity) and the record says mha/4 with the checkpoint's shape, not
+    model=small's; a count neither pooled nor repeated is invalid, naming the key."""
+    from kvbench.checkpoint import save_checkpoint
+    from kvbench.config import AttentionConfig, ModelConfig
+    from kvbench.model import Decoder
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    shape = ModelConfig(name="train_small", num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64,
+                        vocab_size=256, max_seq_len=64)  # the preset's count (4), trained with 2
+    checkpoint = save_checkpoint(tmp_path / "ckpt.pt", Decoder(shape, AttentionConfig("gqa", 2)))
+    common = ["task=eval", f"train.checkpoint={checkpoint}", f"data.path={corpus}", "train.batch_size=2",
+              "train.seq_len=32", "train.eval_batches=2"]
+    as_saved = job(tmp_path / "gqa", *common)  # model=small, attention=gqa: the defaults
+    as_mha = job(tmp_path / "mha", *common, "attention=mha")
+    for result, attention, how in ((as_saved, {"type": "gqa", "num_kv_heads": 2}, "none"),
+                                   (as_mha, {"type": "mha", "num_kv_heads": 4}, "repeat")):
+        assert result.status == "ok", result.error
+        model = result.config["model"]
+        assert (model["name"], model["num_layers"], model["d_model"], model["num_heads"]) == ("train_small", 1, 32, 4)
+        assert model["preset_kv_heads"] == 2  # the checkpoint's own count, which attention=gqa keeps
+        assert result.config["attention"] == attention
+        assert result.metrics["num_kv_heads"] == attention["num_kv_heads"]
+        assert result.metrics["checkpoint_num_kv_heads"] == 2 and result.metrics["kv_heads_conversion"] == how
+        assert "workload" not in result.config and "cache" not in result.config  # eval reads neither
+    assert as_mha.metrics["perplexity"] == pytest.approx(as_saved.metrics["perplexity"], rel=1e-6)
+    bad = job(tmp_path / "bad", *common, "attention=gqa", "attention.num_kv_heads=3")
+    assert bad.status == "invalid" and bad.error.startswith("attention.num_kv_heads=3: must divide model.num_heads=4")
+
+
+def test_eval_of_a_llama_directory_records_its_shape(tmp_path):
+    from conftest import TEXT, llama_dir
+    from tokenizers import ByteLevelBPETokenizer
+
+    directory, _ = llama_dir(tmp_path / "llama", num_kv_heads=2, vocab_size=300)
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator([TEXT.decode()], vocab_size=300, min_frequency=1, show_progress=False)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (tmp_path / "text.txt").write_bytes(TEXT)
+    result = job(tmp_path / "run", "task=eval", f"train.checkpoint={directory}", f"data.path={tmp_path / 'text.txt'}",
+                 "train.batch_size=2", "train.seq_len=16", "train.eval_batches=2")
+    assert result.status == "ok", result.error
+    model = result.config["model"]
+    assert (model["num_layers"], model["d_model"], model["num_heads"], model["vocab_size"]) == (2, 32, 4, 300)
+    assert result.config["attention"] == {"type": "gqa", "num_kv_heads": 2}  # not model=small's 16 heads
+
+
+def test_uptraining_from_a_checkpoint_of_another_shape_is_invalid(tmp_path):
+    from kvbench.checkpoint import save_checkpoint
+    from kvbench.config import AttentionConfig, ModelConfig
+    from kvbench.model import Decoder
+
+    saved = ModelConfig(name="train_small", num_layers=1, d_model=32, num_heads=8, preset_kv_heads=8, ffn_dim=64,
+                        vocab_size=256, max_seq_len=64)
+    save_checkpoint(tmp_path / "ckpt.pt", Decoder(saved, AttentionConfig("mha")))
+    result = job(tmp_path / "run", "task=train", "model=tiny", f"train.init_from={tmp_path / 'ckpt.pt'}",
+                 "train.steps=0")
+    assert result.status == "invalid"
+    assert "the checkpoint has model.num_layers=1, model=tiny has 2" in result.error
+    assert result.error.startswith(f"train.init_from='{tmp_path / 'ckpt.pt'}'")
+
+
+def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_row(tmp_path):
+    """Real records of each task and workload (decode in float32 and bfloat16, with each cache,
+    a multi-turn chat, training from scratch and from a checkpoint, evaluation, a Llama
+    directory): every metric, series and table they carry is in ``methods``, and every metric
+    is named in the README."""
+    import re
+    from pathlib import Path
+
+    from conftest import llama_dir
+
+    from kvbench.workloads.decode import METHODS as DECODE
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    tiny = ["model=tiny", "workload.prompt_len=8", "workload.gen_len=3", "runtime.warmup=0", "runtime.repeats=1"]
+    small_train = ["model=tiny", f"data.path={corpus}", "train.steps=2", "train.batch_size=2", "train.seq_len=16",
+                   "train.eval_batches=1", "train.log_every=1", "train.eval_every=2"]
+    directory, _ = llama_dir(tmp_path / "llama", num_kv_heads=2)
+    runs = {
+        "decode": tiny,
+        "decode bf16 concat": [*tiny, "runtime.dtype=bfloat16", "cache.impl=concat"],
+        "multiturn": ["model=tiny", "workload=multiturn", "workload.system_len=8", "workload.turns=2",
+                      "workload.user_len=4", "workload.reply_len=3", "cache.shared=true", "runtime.warmup=0",
+                      "runtime.repeats=1"],
+        "train": ["task=train", "attention=mha", *small_train],
+        "llama_dir": ["model=llama_dir", f"model.path={directory}", "attention=mha", "workload.prompt_len=8",
+                      "workload.gen_len=3", "runtime.repeats=1"],
+    }
+    records = {name: job(tmp_path / name.replace(" ", "_"), *overrides) for name, overrides in runs.items()}
+    checkpoint = tmp_path / "train" / "checkpoint.pt"
+    records["uptrain"] = job(tmp_path / "uptrain", "task=train", "attention=gqa", f"train.init_from={checkpoint}",
+                             *small_train)
+    records["eval"] = job(tmp_path / "eval", "task=eval", f"train.checkpoint={checkpoint}", f"data.path={corpus}",
+                          "train.batch_size=2", "train.seq_len=16", "train.eval_batches=1", "attention=mha")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    without_method, not_in_readme = {}, set()
+    for name, result in records.items():
+        assert result.status == "ok", (name, result.error)
+        carried = set(result.metrics) | {f"series.{k}" for k in result.series} | {f"tables.{k}" for k in result.tables}
+        if carried - set(result.methods):
+            without_method[name] = sorted(carried - set(result.methods))
+        not_in_readme |= {k for k in result.metrics if f"`{re.sub(r'^turn[0-9]+_', 'turn1_', k)}`" not in readme}
+    assert without_method == {}
+    assert not not_in_readme, f"metrics the README does not name: {sorted(not_in_readme)}"
+    assert {"dtype_max_abs_logit_diff", "kv_cache_bytes_alloc_reason", "turn2_ttft_ms", "ppl_before_uptrain",
+            "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound"} <= \
+        {k for r in records.values() for k in r.metrics}
+    # compile_s needs a compiler toolchain (issue 15's compiled-decode tests run it): its method is there
+    assert DECODE["compile_s"].startswith("s;") and "`compile_s`" in readme

@@ -305,3 +305,24 @@ def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, c
     # claimed by a process still running it (here: this test): running, not done, not failed
     with claim_job(sweep / "1"):
         assert sweep_end(cfg) == 0 and "1 ok, 1 running" in capsys.readouterr().out
+
+
+def test_another_sweep_into_a_sweep_directory_is_refused_in_one_line(tmp_path):
+    """A sweep with other overrides would renumber and overwrite the jobs already there: it is
+    refused before any job runs; the same sweep again (or with rerun=true) resumes as before."""
+    sweep = tmp_path / "sweep"
+    first = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}"),
+                           cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    before = {p: p.read_bytes() for p in sweep.glob("*/results.json")}
+    other = subprocess.run(kvbench_cmd("-m", *TINY, "attention=gqa,mqa", f"hydra.sweep.dir={sweep}"),
+                           cwd=tmp_path, env=dict(run_env(), HYDRA_FULL_ERROR="0"), capture_output=True,
+                           text=True, timeout=180)
+    assert other.returncode == 2, other.stdout + other.stderr
+    [line] = other.stderr.strip().splitlines()
+    assert line.startswith(f"kvbench: invalid config: hydra.sweep.dir='{sweep}': holds another sweep (")
+    assert "attention=mha,mqa" in line and "new hydra.sweep.dir" in line
+    assert {p: p.read_bytes() for p in sweep.glob("*/results.json")} == before and len(before) == 2
+    again = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}", "rerun=false"),
+                           cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0 and again.stderr.count("skipped:") == 2, again.stdout + again.stderr

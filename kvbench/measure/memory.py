@@ -38,6 +38,11 @@ MEMORY_METHODS: Dict[str, str] = {
                  "(whole device; the counter updates coarsely, so short regions read low)",
     "nvml_driver_version": "nvmlSystemGetDriverVersion",
     "nvml_device_uuid": "NVML UUID the torch device was matched to (by UUID, not index)",
+    "nvml_reason": "text; why the nvml_* fields are null (no GPU, no NVML, a failed read); null when read",
+    "nvml_process_reason": "text; why nvml_process_used_bytes is null (the driver does not list this "
+                           "process, or NVML is unavailable); null when read",
+    "energy_reason": "text; why energy_mj (and energy_mj_per_token) is null: no energy counter, or it did not "
+                     "advance over the timed trials; null when measured",
 }
 
 # What allocating one object (the KV cache) cost, seen by torch and by the driver.
@@ -47,6 +52,8 @@ ALLOCATION_METHODS: Dict[str, str] = {
     "kv_cache_bytes_nvml": "bytes; CUDA only: NVML device memory used after the cache was created minus before, "
                            "torch's unused cached blocks released first (whole device: new allocator segments, "
                            "2 MiB granular; other processes' activity in between would count too)",
+    "kv_cache_bytes_alloc_reason": "text; why kv_cache_bytes_torch / kv_cache_bytes_nvml are null (CUDA only; "
+                                   "measured for cache.impl=static, which allocates once); null when measured",
 }
 
 _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",

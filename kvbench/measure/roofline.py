@@ -42,6 +42,11 @@ ROOFLINE_METHODS = {
                      "and whether the probe ran next to this run or was cached)",
     "probe_gemv_gb_per_s": "GB/s; bytes of a 256 MiB float32 matrix / the best of 8 torch.mv over it",
     "probe_copy_gb_per_s": "GB/s; 2 x 256 MiB (read + write) / the best of 8 copies of a 256 MiB tensor",
+    "roofline_bound": "memory | compute: which bound gives roofline_ms",
+    "peak_method": "text; where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:gemv_gb_per_s and where "
+                   "the probe was taken (next to this run, or the cache file and the date it was probed)",
+    "peak_note": "text; only when achieved_gb_per_s exceeds peak_gb_per_s by more than 5% (a probe taken "
+                 "under load): what to do",
 }
 
 

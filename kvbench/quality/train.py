@@ -15,18 +15,59 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.checkpoint import convert_kv_heads, load_checkpoint, load_llama_dir, save_checkpoint
-from kvbench.config import BenchConfig, ConfigError, TrainConfig
+from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_checkpoint, load_llama_dir, save_checkpoint
+from kvbench.config import AttentionConfig, BenchConfig, ConfigError, TrainConfig
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 
 CHECKPOINT_NAME = "checkpoint.pt"
 _MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above this
+# What makes two decoders the same shape (the name and the preset's KV-head count do not).
+_SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "head_dim", "ffn_dim", "max_seq_len", "rope_theta",
+               "norm_eps")
+
+_QUALITY = {
+    "val_loss": "nats/token; mean next-token cross-entropy over train.eval_batches x train.batch_size fixed "
+                "validation windows of train.seq_len tokens (the same windows for every run on the same data)",
+    "perplexity": "ratio; exp(val_loss)",
+    "bits_per_byte": "bits/byte; val_loss / ln 2 / bytes per token (1 for the byte vocabulary)",
+    "num_params": "count; parameters of the decoder evaluated, tied tensors once",
+    "num_kv_heads": "count; KV heads of the decoder evaluated (= attention.num_kv_heads)",
+    "kv_heads_conversion": "none | repeat | mean-pool: how the checkpoint's KV heads were brought to "
+                           "attention.num_kv_heads (repeat is exact; mean-pool averages each group, "
+                           "Ainslie et al. 2023)",
+}
+# Units and methods of what task=train records (merged into the record's ``methods``).
+TRAIN_METHODS: Dict[str, str] = {
+    **_QUALITY,
+    "train_loss": "nats/token; mean training cross-entropy over the last train.log_every steps",
+    "train_seconds": "s; wall time of the training steps, evaluation excluded",
+    "steps": "count; optimizer steps taken (train.steps)",
+    "tokens_seen": "tokens; steps x train.batch_size x train.seq_len",
+    "corpus_bytes": "bytes; training + validation text read (data.max_bytes caps it)",
+    "init_num_kv_heads": "count; KV heads of the train.init_from checkpoint before conversion",
+    "ppl_before_uptrain": "ratio; perplexity of the converted train.init_from checkpoint before any training step",
+    "val_loss_before_uptrain": "nats/token; val_loss of the converted checkpoint before any training step",
+    "bits_per_byte_before_uptrain": "bits/byte; bits_per_byte of the converted checkpoint before any training step",
+    "series.train_step": "step number of each logged point",
+    "series.train_loss": "nats/token; train_loss at each logged step",
+    "tables.curve": "one row per logged step: step, train_loss, lr and, every train.eval_every steps, "
+                    "val_loss, perplexity, bits_per_byte",
+}
+# Units and methods of what task=eval records.
+EVAL_METHODS: Dict[str, str] = {
+    **_QUALITY,
+    "eval_seconds": "s; wall time of the evaluation",
+    "eval_tokens_per_window": "tokens; validation window length (train.seq_len capped at model.max_seq_len)",
+    "bytes_per_token": "bytes/token; text bytes per token of the validation split (1 for bytes; more with a "
+                       "tokenizer.json)",
+    "checkpoint_num_kv_heads": "count; KV heads of train.checkpoint as saved, before conversion",
+}
 
 OnLog = Callable[[int, Dict[str, float]], None]
 # Called once per training step; ``description`` is a short status ("train loss 2.31 val 2.40").
@@ -134,18 +175,22 @@ def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Opt
     metrics: Dict[str, float] = {}
     if cfg.train.init_from:
         base = load_checkpoint(cfg.train.init_from, device)
-        if base.config.num_heads != cfg.model.num_heads:
-            raise ConfigError(f"train.init_from={cfg.train.init_from!r}: the checkpoint has "
-                              f"{base.config.num_heads} query heads, model.num_heads is "
-                              f"{cfg.model.num_heads} (pick the model preset it was trained with)")
         if base.config.vocab_size != BYTE_VOCAB:
             raise ConfigError(f"train.init_from={cfg.train.init_from!r}: vocab_size "
                               f"{base.config.vocab_size} is not the byte vocabulary ({BYTE_VOCAB})")
+        # The record names model=<preset>: the checkpoint must have that shape, or the record
+        # would describe a model that was never trained.
+        for key in _SHAPE_KEYS:
+            if getattr(base.config, key) != getattr(cfg.model, key):
+                raise ConfigError(f"train.init_from={cfg.train.init_from!r}: the checkpoint has model.{key}="
+                                  f"{getattr(base.config, key)}, model={cfg.model.name} has "
+                                  f"{getattr(cfg.model, key)} (pick the model preset it was trained with)")
+        how = kv_conversion(base.num_kv_heads, cfg.attention.num_kv_heads)
         model = convert_kv_heads(base, cfg.attention.num_kv_heads).float()
         t = cfg.train
         before = evaluate(model, data, t.seq_len, t.eval_batches, t.batch_size)
-        metrics.update(init_num_kv_heads=base.num_kv_heads, ppl_before_uptrain=before["perplexity"],
-                       val_loss_before_uptrain=before["val_loss"],
+        metrics.update(init_num_kv_heads=base.num_kv_heads, kv_heads_conversion=how,
+                       ppl_before_uptrain=before["perplexity"], val_loss_before_uptrain=before["val_loss"],
                        bits_per_byte_before_uptrain=before["bits_per_byte"])
         del base
     else:
@@ -178,12 +223,32 @@ def load_for_eval(source: str, dtype: str = "float32", device: torch.device | st
     return load_checkpoint(path, device).to(torch_dtype(dtype)), None
 
 
-def run_eval(cfg: BenchConfig, device: torch.device) -> Dict[str, float]:
-    """``task=eval``: perplexity of ``train.checkpoint`` on ``data`` (its tokenizer if it has one)."""
+def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder, Any, Dict[str, Any]]:
+    """``train.checkpoint`` as the decoder ``attention`` asks for: (model, tokenizer or None,
+    what was converted).
+
+    The shape is the checkpoint's (``model=`` is ignored: a record must show what was
+    evaluated). ``attention`` is resolved against that shape, the checkpoint's own KV-head
+    count being its preset (so ``attention=gqa`` keeps a GQA checkpoint as it is); more heads
+    than saved repeat them (exact), fewer mean-pool them, anything else is invalid."""
     if not cfg.train.checkpoint:
         raise ConfigError("train.checkpoint=None: task=eval needs a kvbench checkpoint file or a "
                           "Llama-format directory")
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
+    saved = model.num_kv_heads
+    model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
+    attention = AttentionConfig(cfg.attention.type, cfg.attention.num_kv_heads).resolved(model.config)
+    how = kv_conversion(saved, attention.num_kv_heads)
+    if how != "none":
+        model = convert_kv_heads(model, attention.num_kv_heads)
+    return model, tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
+
+
+def run_eval(cfg: BenchConfig, device: torch.device, loaded: Optional[Tuple[Decoder, Any, Dict[str, Any]]] = None
+             ) -> Dict[str, Any]:
+    """``task=eval``: perplexity of ``train.checkpoint`` on ``data`` (its tokenizer if it has
+    one), as :func:`checkpoint_for_eval` loads it (or ``loaded``, what it returned)."""
+    model, tokenizer, converted = loaded or checkpoint_for_eval(cfg, device)
     if tokenizer is not None:
         data = tokenized_data(cfg.data, tokenizer)
     else:
@@ -196,4 +261,4 @@ def run_eval(cfg: BenchConfig, device: torch.device) -> Dict[str, float]:
     metrics = evaluate(model, data, seq_len, cfg.train.eval_batches, cfg.train.batch_size)
     return {**metrics, "eval_seconds": time.perf_counter() - start, "num_params": model.num_params(),
             "num_kv_heads": model.num_kv_heads, "eval_tokens_per_window": seq_len,
-            "bytes_per_token": data.bytes_per_token}
+            "bytes_per_token": data.bytes_per_token, **converted}

@@ -1,82 +1,54 @@
-"""What a person sees in the terminal: progress bars and summary tables (rich, on stderr/stdout)."""
+"""What a person sees in the terminal: progress and summary tables (rich, on stderr/stdout).
+
+The tables' data (which axes, which columns, the comparison of variants) comes from
+:mod:`kvbench.sinks.compare`; this module only lays it out.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvbench.results import lookup
-from kvbench.units import human_bytes
+from kvbench.sinks.compare import (
+    AXES,
+    COLUMNS,
+    KIND_TITLES,
+    Comparison,
+    by_kind,
+    comparisons,
+    fmt,
+    job_axes,
+    job_cells,
+    job_columns,
+    kind,
+    natural,
+    swept_axes,
+    value_text,
+    viewed,
+)
 
 # A log file or CI page is not 80 columns wide: let sweep tables breathe there.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
-# (metric key, column title, format) shown for every job: the headline numbers.
-HEADLINE = [
-    ("prefill_ms", "TTFT ms", "{:.2f}"),
-    ("decode_ms_p50", "decode p50 ms", "{:.3f}"),
-    ("decode_ms_p99", "p99 ms", "{:.3f}"),
-    ("tokens_per_s", "tok/s", "{:.1f}"),
-    ("percent_of_peak", "% BW peak", "{:.0f}"),
-    ("kv_cache_bytes", "KV cache", "bytes"),
-    ("kv_cache_bytes_formula", "KV formula", "bytes"),
-    ("peak_rss_bytes", "peak RSS", "bytes"),
-    ("torch_peak_allocated_bytes", "CUDA peak", "bytes"),
-    ("fidelity_max_abs_logit_diff", "cache Δlogit", "{:.2e}"),
-    ("dtype_max_abs_logit_diff", "vs fp32 Δlogit", "{:.2e}"),
-    ("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}"),
-    ("val_loss", "val loss", "{:.4f}"),
-    ("ppl_before_uptrain", "ppl before uptrain", "{:.3f}"),
-    ("perplexity", "perplexity", "{:.3f}"),
-    ("bits_per_byte", "bits/byte", "{:.3f}"),
-]
-# The columns of a sweep table (one row per job; summary.csv has every metric).
-SWEEP_HEADLINE = ["prefill_ms", "decode_ms_p50", "tokens_per_s", "percent_of_peak", "kv_cache_bytes",
-                  "dtype_max_abs_logit_diff", "ppl_before_uptrain", "perplexity"]
-# (config path, column title) identifying a job in a sweep table.
-AXES = [
-    ("attention.type", "attn"), ("attention.num_kv_heads", "kv"), ("workload.name", "workload"),
-    ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"), ("runtime.dtype", "dtype"),
-    ("cache.impl", "cache"), ("cache.shared", "shared"), ("model.name", "model"), ("task", "task"),
-    ("workload.system_len", "system"), ("workload.turns", "turns"), ("train.steps", "train steps"),
-]
-
-
-def relevant(key: str, config: Dict[str, Any]) -> bool:
-    """Whether an axis means anything for this job (no prompt_len for a chat, no cache for training)."""
-    task, workload = config.get("task", "bench"), lookup(config, "workload.name")
-    if key.startswith("train."):
-        return task == "train"
-    if key.startswith(("workload.", "cache.")) and task in ("train", "eval"):
-        return False
-    if key in ("workload.prompt_len",):
-        return workload == "decode"
-    if key in ("cache.shared", "workload.system_len", "workload.turns"):
-        return workload == "multiturn"
-    return True
-
-
-def fmt(value: Any, spec: str) -> str:
-    if value is None:
-        return "-"
-    if spec == "bytes":
-        return human_bytes(value)
-    try:
-        return spec.format(value)
-    except (TypeError, ValueError):
-        return str(value)
+PROGRESS_LINES = 10  # without a terminal, about this many progress lines per bar
 
 
 @contextmanager
 def trial_progress(label: str, total: int):
-    """A transient progress bar over a job's trials or steps; yields ``tick(description=None)``."""
+    """Progress over a job's trials or steps; yields ``tick(description=None)``. A transient
+    bar on a terminal; elsewhere (a log file, CI) a plain line every ~1/10 of the way, so a
+    long job is never silent."""
+    if not stderr.is_terminal:
+        yield _progress_lines(label, total)
+        return
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=stderr, transient=True)
     with progress:
@@ -84,21 +56,16 @@ def trial_progress(label: str, total: int):
         yield lambda description=None: progress.update(task, advance=1, description=description)
 
 
-def run_table(record: Dict[str, Any]) -> Table:
-    """A single job as two columns: its axes, status, headline metrics (for one run)."""
-    table = Table(title="kvbench result", title_justify="left", show_header=False)
-    table.add_column("key", style="bold")
-    table.add_column("value", justify="right")
-    config = record.get("config", {})
-    for key, name in AXES:
-        if relevant(key, config):
-            table.add_row(name, fmt(lookup(config, key), "{}"))
-    table.add_row("status", record.get("status", "?"))
-    metrics = record.get("metrics", {})
-    for key, name, spec in HEADLINE:
-        if metrics.get(key) is not None:
-            table.add_row(name, fmt(metrics[key], spec))
-    return table
+def _progress_lines(label: str, total: int) -> Callable[..., None]:
+    every, done, start = max(1, total // PROGRESS_LINES), 0, time.perf_counter()
+
+    def tick(description: Optional[str] = None) -> None:
+        nonlocal done
+        done += 1
+        if done % every == 0 or done == total:
+            stderr.print(f"  {label}: {done}/{total}{f' {description}' if description else ''} "
+                         f"({time.perf_counter() - start:.0f} s)", markup=False, soft_wrap=True)
+    return tick
 
 
 def progress_bar(label: str, total: int):
@@ -126,29 +93,70 @@ def progress_lines(label: str, total: int):
                      soft_wrap=True)
 
 
-def results_table(title: str, records: Sequence[Dict[str, Any]], extra: Iterable = ()) -> Table:
-    """One row per results.json record: the axes that vary across records, status and
-    headline metrics (columns no record has are left out)."""
+def run_table(record: Dict[str, Any]) -> Table:
+    """A single job as two columns: its axes, status, headline metrics (for one run)."""
+    record = viewed(record)
+    table = Table(title="kvbench result", title_justify="left", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", justify="right")
+    config = record.get("config", {})
+    for key, name in AXES:
+        if lookup(config, key) is not None:  # a key the job's kind reads
+            table.add_row(name, fmt(lookup(config, key), "{}"))
+    table.add_row("status", record.get("status", "?"))
+    metrics = record.get("metrics", {})
+    for column in COLUMNS.get(kind(record), COLUMNS["decode"]):
+        if metrics.get(column.key) is not None:
+            table.add_row(column.title, value_text(record, column))
+    return table
+
+
+_STATUS_STYLE = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running": "cyan"}
+
+
+def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: str) -> Table:
+    """One row per job of one kind: the axes that vary among them, status and the brief
+    columns of that kind (columns no record has are left out)."""
+    axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")]
+    columns = job_columns(records, kind_name, brief=True)
     table = Table(title=title, title_justify="left")
     table.add_column("job")
-    axes = [(key, name) for key, name in AXES
-            if len({repr(lookup(r.get("config", {}), key)) for r in records}) > 1] or AXES[:2]
     for _, name in axes:
         table.add_column(name)
     table.add_column("status")
-    columns: List = [c for c in [h for h in HEADLINE if h[0] in SWEEP_HEADLINE] + list(extra)
-                     if any(r.get("metrics", {}).get(c[0]) is not None for r in records)]
-    for _, name, _ in columns:
-        table.add_column(name, justify="right")
+    for column in columns:
+        table.add_column(column.title, justify="right")
     for rec in records:
-        metrics = rec.get("metrics", {})
+        values, metrics = job_cells(rec, axes, columns)
         status = rec.get("status", "?")
-        style = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running": "cyan"}.get(status, "red")
-        row = [str(rec.get("job", ""))] + [fmt(lookup(rec.get("config", {}), key), "{}") for key, _ in axes]
-        row.append(f"[{style}]{status}[/]")
-        row += [fmt(metrics.get(key), spec) for key, _, spec in columns]
-        table.add_row(*row)
+        table.add_row(str(rec.get("job", "")), *values, f"[{_STATUS_STYLE.get(status, 'red')}]{status}[/]", *metrics)
     return table
+
+
+def comparison_table(comparison: Comparison) -> Table:
+    """The variants of each cell side by side (:class:`~kvbench.sinks.compare.Comparison`)."""
+    header, rows, starts = comparison.table()
+    table = Table(title=comparison.title(), title_justify="left",
+                  caption="; ".join(comparison.notes) or None, caption_justify="left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="right" if i >= len(header) - len(comparison.variants) else "left")
+    for i, row in enumerate(rows):
+        table.add_row(*row, end_section=i + 1 in starts)
+    return table
+
+
+def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
+    """The end of a sweep: one table of jobs per kind (decode, multi-turn, training,
+    evaluation), in job order (2 before 10); then the attention variants side by side; then,
+    for multi-turn chats swept over ``cache.shared``, TTFT per turn without and with sharing."""
+    records = sorted((viewed(r) for r in records), key=lambda r: natural(r.get("job", "")))
+    axes = swept_axes(records)
+    groups = by_kind(records)
+    tables = [jobs_table(f"{title}: {KIND_TITLES.get(k, k)}" if len(groups) > 1 else title, group, axes, k)
+              for k, group in groups.items()]
+    tables += [comparison_table(c) for c in comparisons(records, axes)]
+    ttft = ttft_comparison_table(records)
+    return tables + ([ttft] if ttft is not None else [])
 
 
 # (row key, column title, format) of a multi-turn chat's per-turn table.

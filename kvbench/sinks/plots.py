@@ -1,95 +1,126 @@
 """The report's PNG plots: the first charts a person looks at after a sweep.
 
 - ``decode_vs_context``: decode ms/token (p50; band to p90 for up to 4 variants) vs context length
-- ``kv_bytes_vs_heads``: KV-cache bytes vs KV heads, measured (solid) and formula (dashed)
-- ``tokens_vs_batch``: decode tokens/s vs batch size, one line per variant
+- ``tokens_vs_batch``: decode tokens/s vs batch size
+- ``kv_bytes_vs_heads``: KV-cache bytes per cached token vs KV heads, measured (points) and the
+  formula (dashed)
+- ``kv_memory``: KV-cache bytes vs positions held, one panel per batch size on a shared y axis,
+  measured (solid) and the formula (dashed): how KV memory grows with batch and sequence length
 - ``ttft_per_turn``: multi-turn time to first token per turn, cache sharing on (solid) vs off (dashed)
 
-A *variant* is one combination of the swept axes other than the x axis. The data behind each
-plot is computed by :func:`lines`, separately from drawing, so it can be checked against the
-records. Drawing uses matplotlib's object API (a ``Figure`` rendered by Agg, no pyplot state),
-so it runs headless and in any thread.
+Every plot is small multiples: one panel per combination of the swept axes other than its x
+axis and the attention variant (batch, dtype, cache, ...), one line per attention variant in a
+colour that is the variant's in every plot (:func:`palette`), and one legend outside the
+panels. The data behind each plot is computed by :func:`panels`, separately from drawing, so it
+can be checked against the records. Drawing uses matplotlib's object API (a ``Figure`` rendered
+by Agg, no pyplot state), so it runs headless and in any thread.
 """
 
 from __future__ import annotations
 
-import re
+import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.results import lookup
+from kvbench.sinks.compare import VARIANT_KEYS, Axis, Record, kind, natural, variant, variant_order
 
 Point = Tuple[float, float]
-Lines = Dict[str, List[Point]]
+Series = Dict[str, List[Point]]  # attention variant -> points sorted by x
+Panels = Dict[str, Series]  # panel title ("B=8 dtype=bfloat16", "" for one panel) -> series
 BYTE_UNITS = (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024), ("bytes", 1))
-MAX_BANDS = 4  # more p90 bands than this overlap into a blur
+MAX_BANDS = 4  # more p90 bands than this in one panel overlap into a blur
+# MHA is blue and MQA red in every report (whatever the model's head count: one panel never holds
+# two models); GQA counts take the other colours, most KV heads first.
+MHA_COLOUR, MQA_COLOUR = "tab:blue", "tab:red"
+GQA_COLOURS = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
+               "tab:gray", "#393b79", "#8c6d31", "#637939", "#843c39", "#7b4173", "#3182bd", "#e6550d",
+               "#31a354", "#756bb1", "#636363", "#9c9ede", "#e7ba52", "#b5cf6b", "#e7969c", "#de9ed6"]
+_NOT_PANEL = VARIANT_KEYS + ("task", "workload.name")
 
 
-def _ok(records, workload: Optional[str] = None):
-    return [r for r in records if r.get("status") == "ok"
-            and (workload is None or lookup(r.get("config", {}), "workload.name") == workload)]
+def palette(labels: Sequence[str]) -> Dict[str, str]:
+    """One colour per attention variant label, the same in every plot of a report."""
+    colours: Dict[str, str] = {}
+    gqa = iter(GQA_COLOURS)
+    for label in sorted(set(labels), key=variant_order):
+        kind_name = label.partition(" ")[0]
+        colours[label] = {"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(kind_name) or next(gqa, "black")
+    return colours
 
 
-def variant_label(record: Dict[str, Any], axes: Sequence[Tuple[str, str]], exclude: Sequence[str]) -> str:
-    """``gqa kv=4 B=8``: the attention variant, then every other swept axis not excluded."""
-    cfg = record.get("config", {})
-    parts = []
-    if "attention.type" not in exclude and "attention.num_kv_heads" not in exclude:
-        parts.append(f"{lookup(cfg, 'attention.type')} kv={lookup(cfg, 'attention.num_kv_heads')}")
-    parts += [f"{title}={lookup(cfg, key)}" for key, title in axes
-              if key not in exclude and key not in ("attention.type", "attention.num_kv_heads")]
-    return " ".join(parts) or "all jobs"
+def _ok(records, kind_name: Optional[str] = None) -> List[Record]:
+    return [r for r in records if r.get("status") == "ok" and (kind_name is None or kind(r) == kind_name)]
 
 
-def lines(records, axes, x_key: str, y: Callable[[Dict[str, Any]], Optional[float]],
-          exclude: Sequence[str] = ()) -> Lines:
-    """label -> [(x, y)] sorted by x over the records where both are known; a label names only
-    the axes that vary among those records."""
-    known = [(rec, lookup(rec.get("config", {}), x_key), y(rec)) for rec in records]
-    known = [(rec, x, value) for rec, x, value in known if x is not None and value is not None]
-    axes = varying([rec for rec, _, _ in known], axes)
-    out: Lines = {}
-    for rec, x, value in known:
-        out.setdefault(variant_label(rec, axes, (x_key, *exclude)), []).append((x, value))
-    return {label: sorted(out[label]) for label in sorted(out, key=natural)}
-
-
-def natural(text: str) -> List[Any]:
-    """Sort key that puts ``prompt=64`` before ``prompt=256``."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
-
-
-def varying(records, axes: Sequence[Tuple[str, str]]) -> List[Tuple[str, str]]:
+def varying(records, axes: Sequence[Axis]) -> List[Axis]:
     """The axes whose value differs among ``records``."""
     return [(key, title) for key, title in axes
             if len({repr(lookup(r.get("config", {}), key)) for r in records}) > 1]
 
 
-def metric(key: str) -> Callable[[Dict[str, Any]], Optional[float]]:
+def panel_title(record: Record, axes: Sequence[Axis]) -> str:
+    """``B=8 dtype=bfloat16``: the record's values of ``axes`` (those it has)."""
+    values = [(title, lookup(record.get("config", {}), key)) for key, title in axes]
+    return " ".join(f"{title}={value}" for title, value in values if value is not None)
+
+
+def panels(records, axes: Sequence[Axis], x: Callable[[Record], Any], y: Callable[[Record], Optional[float]],
+           fold: Sequence[str]) -> Panels:
+    """panel -> variant -> [(x, y)] sorted by x, over the records where both are known. A
+    panel is a combination of the swept axes that vary among ``records``, other than the
+    variant and the keys in ``fold`` (the x axis, and what ``y`` divides out)."""
+    panel_axes = [a for a in varying(records, axes) if a[0] not in _NOT_PANEL + tuple(fold)]
+    out: Panels = {}
+    for rec in records:
+        xv, yv = x(rec), y(rec)
+        if xv is not None and yv is not None:
+            out.setdefault(panel_title(rec, panel_axes), {}).setdefault(variant(rec), []).append((xv, yv))
+    return {p: {v: sorted(out[p][v]) for v in sorted(out[p], key=variant_order)} for p in sorted(out, key=natural)}
+
+
+def config_value(key: str) -> Callable[[Record], Any]:
+    """The config value ``key`` of a record (None when absent)."""
+    return lambda rec: lookup(rec.get("config", {}), key)
+
+
+def metric(key: str) -> Callable[[Record], Optional[float]]:
     """The metric ``key`` of a record (None when absent)."""
     return lambda rec: (rec.get("metrics") or {}).get(key)
 
 
-def turn_lines(records, axes) -> Lines:
-    """label -> [(turn, TTFT ms)] for every ok multi-turn job with a per-turn table."""
-    out: Lines = {}
+def positions_held(rec: Record) -> Optional[int]:
+    """Positions a decode run's cache holds at the end: prompt_len + gen_len."""
+    prompt, gen = (lookup(rec.get("config", {}), f"workload.{k}") for k in ("prompt_len", "gen_len"))
+    return prompt + gen if prompt is not None and gen is not None else None
+
+
+def per_token(key: str) -> Callable[[Record], Optional[float]]:
+    """A decode run's metric ``key`` (bytes) per cached token: / (batch_size x positions held)."""
+    def value(rec: Record) -> Optional[float]:
+        total, held = metric(key)(rec), positions_held(rec)
+        batch = lookup(rec.get("config", {}), "workload.batch_size")
+        return total / (batch * held) if total is not None and held and batch else None
+    return value
+
+
+def turn_panels(records, axes: Sequence[Axis]) -> Panels:
+    """panel -> ``<variant> shared=on|off`` -> [(turn, TTFT ms)] for every ok multi-turn job
+    with a per-turn table."""
     chats = [r for r in _ok(records, "multiturn") if (r.get("tables") or {}).get("turns")]
-    axes = varying(chats, axes)
+    panel_axes = [a for a in varying(chats, axes) if a[0] not in _NOT_PANEL + ("cache.shared",)]
+    out: Panels = {}
     for rec in chats:
-        rows = rec["tables"]["turns"]
-        points = []
-        for i, row in enumerate(rows):
-            ttft = row.get("ttft_ms", row.get("prefill_ms"))
-            if ttft is not None:
-                points.append((row.get("turn", i), ttft))
+        points = [(row.get("turn", i), row["ttft_ms"]) for i, row in enumerate(rec["tables"]["turns"])
+                  if row.get("ttft_ms") is not None]
         if points:
-            label = variant_label(rec, axes, ("cache.shared",))
-            shared = lookup(rec.get("config", {}), "cache.shared")
-            out[f"{label} shared={'on' if shared else 'off'}"] = sorted(points)
-    return {label: out[label] for label in sorted(out, key=natural)}
+            shared = "on" if lookup(rec.get("config", {}), "cache.shared") else "off"
+            out.setdefault(panel_title(rec, panel_axes), {})[f"{variant(rec)} shared={shared}"] = sorted(points)
+    return {p: {v: out[p][v] for v in sorted(out[p], key=lambda v: variant_order(v.split(" shared=")[0]))}
+            for p in sorted(out, key=natural)}
 
 
-def _excluded_note(records) -> str:
+def excluded_note(records) -> str:
     counts: Dict[str, int] = {}
     for rec in records:
         if rec.get("status") != "ok":
@@ -99,124 +130,194 @@ def _excluded_note(records) -> str:
     return "not plotted: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + " (listed in summary.md)"
 
 
-def _figure(title: str, xlabel: str, ylabel: str):
+# ---- drawing -----------------------------------------------------------------------------------------
+
+def _grid(n: int, title: str, xlabel: str, ylabel: str, sharey: bool = False):
+    """A figure of ``n`` panels (at most 3 columns, 4 past 9 panels) with one title and axis labels."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.subplots()
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
+    ncols = 1 if n == 1 else 2 if n in (2, 4) else 3 if n <= 9 else 4
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(2.0 + (6.5 if n == 1 else 3.6 * ncols), 1.2 + (4.2 if n == 1 else 2.9 * nrows)),
+                 layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=sharey)
+    axes = [ax for row in grid for ax in row]
+    for i, ax in enumerate(axes):
+        if i >= n:
+            ax.set_visible(False)
+            continue
+        # Axis labels on the panels' outer edges (a figure-level x label would sit where the
+        # legend goes); the bottom panel of each column may be above an empty cell.
+        if i + ncols >= n:
+            ax.set_xlabel(xlabel)
+            ax.tick_params(labelbottom=True)
+        if i % ncols == 0:
+            ax.set_ylabel(ylabel)
+    fig.suptitle(title)
+    return fig, axes[:n]
 
 
-def _save(fig, ax, path: Path, xs, note: str, n_entries: int) -> Path:
-    ax.set_ylim(bottom=0)  # every y here is a time, a size or a rate: compare from zero
+def _finish(fig, axes, path: Path, handles, labels, note: str, xs) -> Path:
     xs = sorted(set(xs))
-    if len(xs) <= 12:
-        ax.set_xticks(xs)
-    # The note on left-out jobs goes in the legend's title, where the layout keeps it readable.
-    ax.legend(fontsize="small", ncol=1 if n_entries <= 8 else 2, title=note or None,
-              title_fontsize="x-small")
-    fig.savefig(path, dpi=110)
+    for ax in axes:
+        ax.set_ylim(bottom=0)  # every y here is a time, a size or a rate: compare from zero
+        ax.grid(True, alpha=0.3)
+        if len(xs) <= 12:
+            ax.set_xticks(xs)
+        ax.tick_params(labelsize="small")
+    # One legend for every panel, below them (constrained layout makes room: it never covers
+    # data, the axis labels or the title); the note on left-out jobs is its title.
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 4), fontsize="small",
+               title=note or None, title_fontsize="x-small", frameon=False)
+    fig.savefig(path, dpi=100)
     return path
 
 
-def _colors(n: int):
-    from matplotlib import colormaps
+def _legend(colours: Dict[str, str], labels: Sequence[str], extra: Sequence[Tuple[str, str]] = ()):
+    """Legend handles: a coloured line per variant, then grey ``(label, linestyle)`` entries."""
+    from matplotlib.lines import Line2D
 
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
-
-
-def _line_plot(path: Path, data: Lines, title: str, xlabel: str, ylabel: str, note: str,
-               band: Optional[Lines] = None) -> Path:
-    if band and len(data) <= MAX_BANDS:
-        ylabel += " (p50, band to p90)"
-    elif band:
-        ylabel, band = ylabel + " (p50)", None
-    fig, ax = _figure(title, xlabel, ylabel)
-    for color, (label, points) in zip(_colors(len(data)), data.items()):
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", color=color, label=label)
-        upper = dict(band.get(label, [])) if band else {}
-        if all(x in upper for x in xs):
-            ax.fill_between(xs, ys, [upper[x] for x in xs], color=color, alpha=0.15)
-    return _save(fig, ax, path, [x for pts in data.values() for x, _ in pts], note, len(data))
+    handles = [Line2D([], [], color=colours[v], marker="o", label=v) for v in labels]
+    handles += [Line2D([], [], color="0.3", linestyle=style, label=label) for label, style in extra]
+    return handles, [h.get_label() for h in handles]
 
 
-def _kv_plot(path: Path, measured: Lines, formula: Lines, note: str) -> Path:
-    top = max(y for pts in list(measured.values()) + list(formula.values()) for _, y in pts)
-    unit, scale = next((u, s) for u, s in BYTE_UNITS if top >= s or s == 1)
-    measured, formula = ({k: [(x, y / scale) for x, y in pts] for k, pts in d.items()}
-                         for d in (measured, formula))
-    fig, ax = _figure("KV-cache memory vs KV heads: measured vs formula", "KV heads (num_kv_heads)",
-                      f"KV cache ({unit})")
-    labels = sorted(set(measured) | set(formula))
-    for color, label in zip(_colors(len(labels)), labels):
-        prefix = "" if label == "all jobs" else f"{label}: "
-        if label in measured:
-            xs, ys = zip(*measured[label])
-            ax.plot(xs, ys, marker="o", color=color, label=f"{prefix}measured")
-        if label in formula:
-            xs, ys = zip(*formula[label])
-            ax.plot(xs, ys, marker="x", linestyle="--", color=color, label=f"{prefix}formula")
-    xs = [x for pts in list(measured.values()) + list(formula.values()) for x, _ in pts]
-    return _save(fig, ax, path, xs, note, 2 * len(labels))
+def _used(data: Panels) -> List[str]:
+    return sorted({v for series in data.values() for v in series}, key=variant_order)
 
 
-def _turn_plot(path: Path, data: Lines, note: str) -> Path:
-    fig, ax = _figure("Time to first token per turn: KV sharing on vs off", "turn",
-                      "TTFT (ms)")
-    for color, (label, points) in zip(_colors(len(data)), data.items()):
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", color=color, linestyle="-" if label.endswith("=on") else "--",
-                label=label)
-    return _save(fig, ax, path, [x for pts in data.values() for x, _ in pts], note, len(data))
+def _xs(data: Panels) -> List[Any]:
+    return [x for series in data.values() for points in series.values() for x, _ in points]
 
 
-def _distinct_x(data: Lines) -> int:
-    return len({x for pts in data.values() for x, _ in pts})
+def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xlabel: str, ylabel: str,
+              note: str, band: Optional[Panels] = None) -> Path:
+    """One line per variant in each panel; with ``band``, a shaded band up to it (when a panel
+    has at most :data:`MAX_BANDS` lines)."""
+    banded = band is not None and all(len(series) <= MAX_BANDS for series in data.values())
+    fig, axes = _grid(len(data), title, xlabel, ylabel + (" (p50, band to p90)" if banded else ""))
+    for ax, (name, series) in zip(axes, data.items()):
+        ax.set_title(name, fontsize="small")
+        for label, points in series.items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", color=colours[label], label=label)
+            upper = dict(band.get(name, {}).get(label, [])) if banded else {}
+            if upper and all(x in upper for x in xs):
+                ax.fill_between(xs, ys, [upper[x] for x in xs], color=colours[label], alpha=0.15, linewidth=0)
+    return _finish(fig, axes, path, *_legend(colours, _used(data)), note, _xs(data))
 
 
-def draw_all(records, axes, out: Path) -> Tuple[List[Path], Dict[str, str]]:
+def _byte_unit(*datas: Panels) -> Tuple[str, int]:
+    top = max((y for d in datas for series in d.values() for pts in series.values() for _, y in pts), default=1)
+    return next((u, s) for u, s in BYTE_UNITS if top >= s or s == 1)
+
+
+def _scaled(data: Panels, scale: int) -> Panels:
+    return {p: {v: [(x, y / scale) for x, y in pts] for v, pts in s.items()} for p, s in data.items()}
+
+
+def kv_heads_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[str, str], note: str) -> Path:
+    """KV bytes per cached token against KV heads: each job's measured value a point in its
+    variant's colour (jobs of other batch sizes and lengths fall on the same point when the
+    cache holds exactly what it needs); the formula a dashed line through the same x values."""
+    names = sorted(set(measured) | set(formula), key=natural)
+    fig, axes = _grid(len(names), "KV-cache bytes per token vs KV heads: measured vs formula",
+                      "KV heads (attention.num_kv_heads)", "KV cache per token, all layers (bytes)")
+    for ax, name in zip(axes, names):
+        ax.set_title(name, fontsize="small")
+        for label, points in measured.get(name, {}).items():
+            ax.plot(*zip(*points), marker="o", markersize=8, linestyle="", color=colours[label], zorder=2, label=label)
+        reference = sorted({point for pts in formula.get(name, {}).values() for point in pts})
+        if reference:
+            ax.plot(*zip(*reference), color="black", linestyle="--", linewidth=1, zorder=3, label="formula")
+    handles = _legend(colours, _used(measured), [("formula (dashed): 2·layers·kv·head_dim·bytes", "--")])
+    return _finish(fig, axes, path, *handles, note, _xs(measured) + _xs(formula))
+
+
+def kv_memory_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[str, str], note: str) -> Path:
+    """KV bytes against positions held, a panel per batch size (shared y axis, so growth with
+    the batch shows across panels and with the sequence within one); measured solid in the
+    variant's colour, the formula dashed black on top."""
+    unit, scale = _byte_unit(measured, formula)
+    measured, formula = _scaled(measured, scale), _scaled(formula, scale)
+    names = sorted(set(measured) | set(formula), key=natural)
+    fig, axes = _grid(len(names), "KV-cache memory vs sequence length and batch size",
+                      "positions held (prompt_len + gen_len)", f"KV cache ({unit})", sharey=True)
+    for ax, name in zip(axes, names):
+        ax.set_title(name, fontsize="small")
+        for label, points in measured.get(name, {}).items():
+            ax.plot(*zip(*points), color=colours[label], linewidth=3, alpha=0.45, zorder=1, label=label)
+            ax.plot(*zip(*points), color=colours[label], marker="o", markersize=7, linestyle="", zorder=2, label=label)
+        for points in formula.get(name, {}).values():
+            ax.plot(*zip(*points), color="black", linestyle="--", linewidth=1.2, zorder=3, label="formula")
+    handles = _legend(colours, _used(measured), [("formula (dashed)", "--")])
+    return _finish(fig, axes, path, *handles, note, _xs(measured) + _xs(formula))
+
+
+def turn_plot(path: Path, data: Panels, colours: Dict[str, str], note: str) -> Path:
+    """TTFT per turn: the variant's colour, solid with cache sharing, dashed without."""
+    fig, axes = _grid(len(data), "Time to first token per turn: KV sharing on vs off", "turn", "TTFT (ms)")
+    for ax, (name, series) in zip(axes, data.items()):
+        ax.set_title(name, fontsize="small")
+        for label, points in series.items():
+            base, _, shared = label.partition(" shared=")
+            ax.plot(*zip(*points), marker="o", color=colours[base], linestyle="-" if shared == "on" else "--",
+                    label=label)
+    used = sorted({label.partition(" shared=")[0] for s in data.values() for label in s}, key=variant_order)
+    handles = _legend(colours, used, [("cache.shared=true", "-"), ("cache.shared=false", "--")])
+    return _finish(fig, axes, path, *handles, note, _xs(data))
+
+
+def _distinct_x(data: Panels) -> int:
+    return len(set(_xs(data)))
+
+
+def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict[str, str]]:
     """Draw every plot the records support into ``out``; returns (PNG paths, {plot: why not})."""
     out = Path(out)
-    note = _excluded_note(records)
+    note = excluded_note(records)
+    colours = palette([variant(r) for r in records])
     drawn: List[Path] = []
     skipped: Dict[str, str] = {}
 
-    def need_x(name: str, data: Lines, x_key: str, which: str) -> bool:
+    def need_x(name: str, data: Panels, x_key: str, which: str) -> bool:
         if _distinct_x(data) >= 2:
             return True
         skipped[name] = f"needs >= 2 values of {x_key} among {which} (found {_distinct_x(data)})"
         return False
 
     decode = _ok(records, "decode")
-    ms = lines(decode, axes, "workload.prompt_len", metric("decode_ms_p50"))
+    prompt = config_value("workload.prompt_len")
+    ms = panels(decode, axes, prompt, metric("decode_ms_p50"), ["workload.prompt_len"])
     if need_x("decode_vs_context", ms, "workload.prompt_len", "ok decode jobs"):
-        drawn.append(_line_plot(out / "decode_vs_context.png", ms,
-                                "Decode latency per token vs context length",
-                                "context length at the first decode step (prompt tokens)",
-                                "decode ms / token", note,
-                                band=lines(decode, axes, "workload.prompt_len", metric("decode_ms_p90"))))
+        band = panels(decode, axes, prompt, metric("decode_ms_p90"), ["workload.prompt_len"])
+        drawn.append(line_plot(out / "decode_vs_context.png", ms, colours, "Decode latency per token vs context length",
+                               "context length at the first decode step (prompt tokens)", "decode ms / token", note,
+                               band=band))
 
-    kv_axes = ("attention.type",)
-    measured = lines(_ok(records), axes, "attention.num_kv_heads", metric("kv_cache_bytes"), kv_axes)
-    formula = lines(_ok(records), axes, "attention.num_kv_heads", metric("kv_cache_bytes_formula"), kv_axes)
-    if need_x("kv_bytes_vs_heads", {**formula, **{(k, "measured"): v for k, v in measured.items()}},
-              "attention.num_kv_heads", "ok jobs"):
-        drawn.append(_kv_plot(out / "kv_bytes_vs_heads.png", measured, formula, note))
-
-    tps = lines(decode, axes, "workload.batch_size", metric("tokens_per_s"))
+    batch = config_value("workload.batch_size")
+    tps = panels(decode, axes, batch, metric("tokens_per_s"), ["workload.batch_size"])
     if need_x("tokens_vs_batch", tps, "workload.batch_size", "ok decode jobs"):
-        drawn.append(_line_plot(out / "tokens_vs_batch.png", tps, "Decode throughput vs batch size",
-                                "batch size (sequences)", "tokens / s", note))
+        drawn.append(line_plot(out / "tokens_vs_batch.png", tps, colours, "Decode throughput vs batch size",
+                               "batch size (sequences)", "tokens / s", note))
 
-    turns = turn_lines(records, axes)
-    if max((len(p) for p in turns.values()), default=0) >= 2:
-        drawn.append(_turn_plot(out / "ttft_per_turn.png", turns, note))
+    # Per token: batch size and length divide out, so a panel is a dtype (or model, cache ...).
+    heads, fold = config_value("attention.num_kv_heads"), ["workload.batch_size", "workload.prompt_len",
+                                                           "workload.gen_len"]
+    measured = panels(decode, axes, heads, per_token("kv_cache_bytes"), fold)
+    formula = panels(decode, axes, heads, per_token("kv_cache_bytes_formula"), fold)
+    if need_x("kv_bytes_vs_heads", formula or measured, "attention.num_kv_heads", "ok decode jobs"):
+        drawn.append(kv_heads_plot(out / "kv_bytes_vs_heads.png", measured, formula, colours, note))
+
+    fold = ["workload.prompt_len", "workload.gen_len"]
+    held = panels(decode, axes, positions_held, metric("kv_cache_bytes"), fold)
+    held_formula = panels(decode, axes, positions_held, metric("kv_cache_bytes_formula"), fold)
+    if need_x("kv_memory", held_formula or held, "workload.prompt_len + workload.gen_len", "ok decode jobs"):
+        drawn.append(kv_memory_plot(out / "kv_memory.png", held, held_formula, colours, note))
+
+    turns = turn_panels(records, axes)
+    if max((len(p) for s in turns.values() for p in s.values()), default=0) >= 2:
+        drawn.append(turn_plot(out / "ttft_per_turn.png", turns, colours, note))
     else:
         skipped["ttft_per_turn"] = "needs an ok multiturn job with a per-turn table of >= 2 turns"
     return drawn, skipped

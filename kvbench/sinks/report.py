@@ -18,22 +18,29 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, flatten, lookup, read_record
-from kvbench.sinks.console import AXES, HEADLINE, fmt
-from kvbench.sinks.plots import draw_all, natural  # matplotlib is imported only when drawing
+from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, lookup, read_record
+from kvbench.sinks.compare import (
+    AXES,
+    COLUMNS,
+    KIND_TITLES,
+    VARIANT_AXES,
+    Axis,
+    by_kind,
+    comparisons,
+    job_axes,
+    job_cells,
+    job_columns,
+    natural,
+    swept_axes,
+    viewed,
+)
+from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
-# Axes shown whenever they vary (and always in the CSV), in this order; then any other
-# config key that varies. model.name first: it determines most other model.* keys.
-USUAL_AXES: List[Tuple[str, str]] = ([a for a in AXES if a[0] == "model.name"]
-                                     + [a for a in AXES if a[0] != "model.name"])
-# The columns a table keeps when no axis varies: the attention variant.
-VARIANT_AXES: List[Tuple[str, str]] = [a for a in AXES if a[0] in ("attention.type", "attention.num_kv_heads")]
-_NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
 
 @dataclass
@@ -42,9 +49,10 @@ class Report:
 
     root: Path
     records: List[Dict[str, Any]]
-    axes: List[Tuple[str, str]]
+    axes: List[Axis]
     files: List[Path] = field(default_factory=list)
     skipped_plots: Dict[str, str] = field(default_factory=dict)
+    plots_note: str = ""  # why no plot was tried at all
 
     def counts(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
@@ -105,49 +113,20 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
                         "overrides": overrides if isinstance(overrides, list) else [], "metrics": {},
                         "error": f"claimed by {holder}" if holder else
                         "no results.json: the job was killed or has not finished"}
-    return [records[k] for k in sorted(records, key=natural)]  # job 10 after job 9
-
-
-def _values(records: Sequence[Dict[str, Any]], key: str) -> List[str]:
-    # None means "left to its default" in a config Hydra saved before validation filled it in,
-    # so it never makes a key look swept.
-    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None]
-
-
-def _determined_by(records, key: str, by: str) -> bool:
-    seen: Dict[str, str] = {}
-    for rec in records:
-        value, cause = lookup(rec.get("config", {}), key), lookup(rec.get("config", {}), by)
-        if value is None or cause is None:
-            continue
-        if seen.setdefault(repr(cause), repr(value)) != repr(value):
-            return False
-    return True
-
-
-def swept_axes(records: Sequence[Dict[str, Any]]) -> List[Tuple[str, str]]:
-    """(config key, column title) of every key whose value differs across records: the usual
-    axes first, then the rest; a key that is a function of an axis already chosen is dropped
-    (``model.d_model`` when ``model.name`` is swept)."""
-    keys = {k for rec in records if isinstance(rec.get("config"), dict) for k in flatten(rec["config"])}
-    varying = {k for k in keys if not k.startswith(_NOT_AXES) and len(set(_values(records, k))) > 1}
-    chosen = [(k, t) for k, t in USUAL_AXES if k in varying]
-    for key in sorted(varying - {k for k, _ in chosen}):
-        if not any(_determined_by(records, key, by) for by, _ in chosen):
-            chosen.append((key, key))
-    return chosen
+    return [viewed(records[k]) for k in sorted(records, key=natural)]  # job 10 after job 9
 
 
 def metric_columns(records: Sequence[Dict[str, Any]]) -> List[str]:
-    """Every scalar metric any record has: the headline ones first, then alphabetical."""
+    """Every scalar metric any record has: the tables' columns first, then alphabetical."""
     keys = {k for r in records for k, v in (r.get("metrics") or {}).items()
             if isinstance(v, (int, float, str, bool)) or v is None}
-    head = [k for k, _, _ in HEADLINE if k in keys]
+    head = [c.key for columns in COLUMNS.values() for c in columns if c.key in keys]
+    head = list(dict.fromkeys(head))  # a column several kinds share, once
     return head + sorted(keys - set(head))
 
 
 def write_csv(path: Path, records, axes) -> None:
-    csv_axes = axes + [a for a in USUAL_AXES if a[0] not in {k for k, _ in axes}]
+    csv_axes = axes + [a for a in AXES if a[0] not in {k for k, _ in axes}]
     metrics = metric_columns(records)
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -168,31 +147,56 @@ def _md_escape(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 0) -> List[str]:
+    """A markdown table; the last ``right`` columns right-aligned."""
+    align = ["---"] * (len(header) - right) + ["---:"] * right
+    return (["| " + " | ".join(_md_escape(h) for h in header) + " |", "|" + "|".join(align) + "|"]
+            + ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in rows])
+
+
+def _comparison_md(records, axes) -> List[str]:
+    lines: List[str] = []
+    for comparison in comparisons(records, axes):
+        header, rows, _ = comparison.table()
+        lines += [f"### {comparison.title()}", "", *_md_table(header, rows, len(comparison.variants)), ""]
+        lines += [f"- {note}" for note in comparison.notes] + ([""] if comparison.notes else [])
+    if lines:
+        lines = ["## Attention variants side by side", "",
+                 "Each metric of a variant with its ratio to MHA of the same row; one job per value (the "
+                 "median of its `runtime.repeats` trials), no confidence interval.", ""] + lines
+    return lines
+
+
 def markdown(report: Report, plots: Sequence[Path]) -> str:
-    """The report as markdown: counts, one row per job, the non-ok jobs, the plots."""
+    """The report as markdown: counts, the variants side by side, one table of jobs per kind,
+    the non-ok jobs, the plots (or why there are none)."""
     records, axes = report.records, report.axes or VARIANT_AXES
-    columns = [(k, t, s) for k, t, s in HEADLINE if any((r.get("metrics") or {}).get(k) is not None
-                                                        for r in records)]
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", "",
-             "## Results", "",
-             "| " + " | ".join(["job", *[t for _, t in axes], "status", *[t for _, t, _ in columns]]) + " |",
-             "|" + "---|" * (2 + len(axes) + len(columns))]
-    for rec in records:
-        m = rec.get("metrics") or {}
-        row = [rec["job"], *[fmt(lookup(rec.get("config", {}), k), "{}") for k, _ in axes], rec["status"],
-               *[fmt(m.get(k), s) for k, _, s in columns]]
-        lines.append("| " + " | ".join(_md_escape(c) for c in row) + " |")
+    lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", ""]
+    lines += _comparison_md(records, axes)
+    groups = by_kind(records)
+    for kind_name, group in groups.items():
+        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")]
+        columns = job_columns(group, kind_name)
+        rows = [[rec["job"], *values, rec["status"], *metrics]
+                for rec in group for values, metrics in [job_cells(rec, job_axes_, columns)]]
+        title = "Results" + (f": {KIND_TITLES.get(kind_name, kind_name)}" if len(groups) > 1 else "")
+        lines += [f"## {title}", "",
+                  *_md_table(["job", *[t for _, t in job_axes_], "status", *[c.title for c in columns]], rows,
+                             len(columns)), ""]
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
-        lines += ["", "## Jobs that are not ok", "", "| job | status | overrides | error |", "|---|---|---|---|"]
-        for rec in failed:
-            overrides = " ".join(map(str, rec.get("overrides") or [])) or "(defaults)"
-            lines.append(f"| {_md_escape(rec['job'])} | {rec['status']} | `{_md_escape(overrides)}` "
-                         f"| {_md_escape(rec.get('error') or '')} |")
-    lines += ["", "## Plots", ""]
+        lines += ["## Jobs that are not ok", ""]
+        overrides = [" ".join(map(str, rec.get("overrides") or [])) or "(defaults)" for rec in failed]
+        lines += _md_table(["job", "status", "overrides", "error"],
+                           [[rec["job"], rec["status"], f"`{o}`", rec.get("error") or ""]
+                            for rec, o in zip(failed, overrides)])
+        lines.append("")
+    lines += ["## Plots", ""]
     for png in plots:
         lines += [f"![{png.stem}]({png.name})", ""]
+    if report.plots_note:
+        lines.append(f"Not drawn: {report.plots_note}.")
     for name, why in report.skipped_plots.items():
         lines.append(f"- `{name}.png` not drawn: {why}")
     lines.append(f"\nAll columns, every metric and the overrides: `{CSV_FILE}`.")
@@ -208,7 +212,7 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no such directory: {root}")
-    records = collect(root) if records is None else records
+    records = collect(root) if records is None else [viewed(r) for r in records]
     if not records:
         raise ValueError(f"no {RESULTS_FILE} and no Hydra job directory (.hydra/overrides.yaml) under {root}")
     out = Path(out_dir) if out_dir is not None else root
@@ -217,6 +221,8 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     pngs: List[Path] = []
     if plots:
         pngs, report.skipped_plots = draw_all(records, report.axes, out)
+    else:
+        report.plots_note = "plots were turned off (`kvbench-report DIR` draws them)"
     write_csv(out / CSV_FILE, records, report.axes)
     (out / MD_FILE).write_text(markdown(report, pngs))
     report.files = [out / CSV_FILE, out / MD_FILE, *pngs]

@@ -109,7 +109,8 @@ def test_eval_llama_dir_with_its_tokenizer(tmp_path, corpus):
                                       max_position_embeddings=64))
     hf.save_pretrained(tmp_path / "llama")
     tok.save(str(tmp_path / "llama" / "tokenizer.json"))
-    m = run_eval(bench(tmp_path, corpus, checkpoint=str(tmp_path / "llama")), CPU)
-    assert m["num_kv_heads"] == 2 and m["bytes_per_token"] > 1.2  # BPE merges bytes into tokens
+    m = run_eval(bench(tmp_path, corpus, attention="gqa", checkpoint=str(tmp_path / "llama")), CPU)
+    assert m["num_kv_heads"] == 2 and m["kv_heads_conversion"] == "none"
+    assert m["bytes_per_token"] > 1.2  # BPE merges bytes into tokens
     assert m["bits_per_byte"] == pytest.approx(m["val_loss"] / math.log(2) / m["bytes_per_token"])
     assert 100 < m["perplexity"] < 1000  # an untrained model is near-uniform over 300 tokens

@@ -1,6 +1,7 @@
 """The local report over a sweep directory with ok, invalid, oom, missing and unreadable jobs:
-rows and columns against the records written, plot data against the same records, PNGs that
-decode to images, and kvbench-report's messages for a missing or empty directory."""
+rows and columns against the records written, plot data against the same records, PNGs with one
+colour per attention variant and the legend clear of every panel, and kvbench-report's messages
+for a missing or empty directory."""
 
 import csv
 import json
@@ -11,88 +12,55 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-import yaml
-from conftest import tiny_model_config
+from fake_sweep import BATCHES, GEN, PROMPTS, TURN_TTFT, VARIANTS, bench, build_sweep, decode_ms, hydra_files
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from kvbench.cache import kv_cache_bytes
 from kvbench.cli import report_main as main
-from kvbench.config import AttentionConfig, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.results import RunResult
-from kvbench.sinks.plots import lines, metric, turn_lines
-from kvbench.sinks.report import CSV_FILE, MD_FILE, collect, swept_axes, write_report
+from kvbench.sinks.compare import swept_axes, variant
+from kvbench.sinks.plots import (
+    MHA_COLOUR,
+    MQA_COLOUR,
+    config_value,
+    metric,
+    palette,
+    panels,
+    per_token,
+    positions_held,
+    turn_panels,
+)
+from kvbench.sinks.report import CSV_FILE, MD_FILE, collect, write_report
+from kvbench.units import human_bytes
 
-VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}
-PROMPTS, BATCHES, GEN = (16, 32), (1, 2), 8
-TURN_TTFT = {True: [40.0, 4.0, 5.0, 6.0], False: [40.0, 50.0, 60.0, 70.0]}
-
-
-def decode_ms(kv, prompt):
-    """A made-up but distinct latency per (variant, context)."""
-    return 1.0 + 0.01 * prompt * kv / 8
-
-
-def bench(kind, kv, prompt=16, batch=1, workload="decode", shared=False):
-    return BenchConfig(model=tiny_model_config(max_seq_len=512),
-                       attention=AttentionConfig(type=kind, num_kv_heads=kv),
-                       workload=WorkloadConfig(name=workload, batch_size=batch, prompt_len=prompt, gen_len=GEN,
-                                               system_len=32, turns=4, user_len=8, reply_len=4),
-                       cache=CacheConfig(shared=shared), runtime=RuntimeConfig(device="cpu"),
-                       wandb=WandbConfig(mode="disabled"))
-
-
-def hydra_files(job_dir, config, overrides):
-    (job_dir / ".hydra").mkdir(parents=True)
-    (job_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-    (job_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+PNGS = {"decode_vs_context", "kv_bytes_vs_heads", "kv_memory", "tokens_vs_batch", "ttft_per_turn"}
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """jobs 0-11 ok decode (3 variants x 2 prompts x 2 batches), 12 invalid, 13 missing (killed),
-    14 oom, 15-16 ok multiturn with sharing on/off, 17 an unreadable results.json."""
-    root = tmp_path_factory.mktemp("multirun") / "2026-01-01" / "10-00-00"
-    n = 0
-    for kind, kv in VARIANTS.items():
-        for prompt in PROMPTS:
-            for batch in BATCHES:
-                cfg = bench(kind, kv, prompt, batch)
-                ms = decode_ms(kv, prompt)
-                kv_bytes = kv_cache_bytes(2, kv, 8, prompt + GEN, batch, 4)
-                overrides = [f"attention={kind}", f"workload.prompt_len={prompt}", f"workload.batch_size={batch}"]
-                hydra_files(root / str(n), asdict(cfg), overrides)
-                RunResult("ok", asdict(cfg), overrides=overrides, metrics={
-                    "prefill_ms": 2.0 * prompt, "decode_ms_p50": ms, "decode_ms_p90": 1.5 * ms,
-                    "tokens_per_s": batch * 1000.0 / ms, "kv_cache_bytes": kv_bytes,
-                    "kv_cache_bytes_formula": kv_bytes, "nvml_reason": "device is cpu"},
-                    series={"decode_ms": [ms] * GEN}).write(root / str(n))
-                n += 1
-    raw = asdict(bench("gqa", 2))
-    raw["attention"]["num_kv_heads"], raw["model"]["head_dim"] = 3, None  # as saved before validation
-    hydra_files(root / "12", raw, ["attention.num_kv_heads=3"])
-    RunResult("invalid", raw, error="attention.num_kv_heads=3: must divide model.num_heads=8",
-              overrides=["attention.num_kv_heads=3"]).write(root / "12")
-    killed = asdict(bench("gqa", 2, prompt=64))
-    killed["attention"]["num_kv_heads"] = None  # Hydra saves the config before it is resolved
-    hydra_files(root / "13", killed, ["workload.prompt_len=64"])
-    oom = asdict(bench("mha", 8, batch=512))
-    hydra_files(root / "14", oom, ["workload.batch_size=512"])
-    RunResult("oom", oom, error="OutOfMemoryError: CUDA out of memory", overrides=["workload.batch_size=512"],
-              metrics={"kv_cache_bytes_formula": 123}).write(root / "14")
-    for n, shared in ((15, True), (16, False)):
-        cfg = bench("gqa", 2, workload="multiturn", shared=shared)
-        overrides = ["workload=multiturn", f"cache.shared={str(shared).lower()}"]
-        hydra_files(root / str(n), asdict(cfg), overrides)
-        rows = [{"turn": t, "ttft_ms": v, "context_len": 32 + 12 * t} for t, v in enumerate(TURN_TTFT[shared])]
-        RunResult("ok", asdict(cfg), overrides=overrides, metrics={"prefill_ms": rows[0]["ttft_ms"]},
-                  tables={"turns": rows}).write(root / str(n))
-    hydra_files(root / "17", asdict(bench("mqa", 1)), ["attention=mqa"])
-    (root / "17" / "results.json").write_text('{"status": "ok", "metr')
-    return root
+    return build_sweep(tmp_path_factory.mktemp("multirun") / "2026-01-01" / "10-00-00")
 
 
 @pytest.fixture(scope="module")
-def report(sweep, tmp_path_factory):
-    return write_report(sweep, tmp_path_factory.mktemp("report"))
+def figures(sweep, tmp_path_factory):
+    """The report, and every matplotlib Figure it saved (a spy around Figure.savefig)."""
+    saved = []
+    original = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        saved.append(fig)
+        return original(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        report = write_report(sweep, tmp_path_factory.mktemp("report"))
+    return report, saved
+
+
+@pytest.fixture(scope="module")
+def report(figures):
+    return figures[0]
 
 
 def test_every_job_is_a_row_with_its_status(report, sweep):
@@ -129,18 +97,37 @@ def test_swept_axes_are_the_keys_that_vary(sweep):
                     "workload.prompt_len", "cache.shared"]
 
 
-def test_markdown_lists_results_and_every_job_that_is_not_ok(report):
+def test_markdown_puts_the_variants_side_by_side_first_then_a_table_per_kind(report):
     md = (report.files[0].parent / MD_FILE).read_text()
     assert "18 jobs: 14 ok, 1 invalid, 1 missing, 1 oom, 1 unreadable." in md
-    header = next(line for line in md.splitlines() if line.startswith("| job | attn"))
-    assert header.split(" | ")[:8] == ["| job", "attn", "kv", "workload", "B", "prompt", "shared", "status"]
+    sections = [line for line in md.splitlines() if line.startswith("## ")]
+    assert sections == ["## Attention variants side by side", "## Results: decode", "## Results: multi-turn chat",
+                        "## Jobs that are not ok", "## Plots"]
+    compared = md.split("## Attention variants side by side")[1].split("## Results")[0]
+    header = next(line for line in compared.splitlines() if line.startswith("| B |"))
+    assert header == "| B | prompt | metric | mha kv=8 | gqa kv=2 | mqa kv=1 |"
+    # B=1, prompt=16: KV bytes 1/4 and 1/8 of MHA's, latency as the records say
+    mha, gqa = decode_ms(8, 16), decode_ms(2, 16)
+    assert ("| 1 | 16 | TTFT ms | 32.00 | 32.00 (1.00×) | 32.00 (1.00×) |") in compared
+    assert f"|  |  | decode p50 ms | {mha:.3f} | {gqa:.3f} ({gqa / mha:#.3g}×) |" in compared
+    kv = [human_bytes(kv_cache_bytes(2, h, 8, 16 + GEN, 1, 4)) for h in (8, 2, 1)]  # 24, 6, 3 KiB
+    assert f"|  |  | KV cache | {kv[0]} | {kv[1]} (0.250×) | {kv[2]} (0.125×) |" in compared
+    assert "not compared, no ok job: gqa kv=3 (invalid, job 12), gqa kv=None (missing, job 13)" in compared
+    decode = md.split("## Results: decode")[1].split("## Results: multi-turn chat")[0]
+    chat = md.split("## Results: multi-turn chat")[1].split("## Jobs that are not ok")[0]
+    decode_header = next(line for line in decode.splitlines() if line.startswith("| job"))
+    assert decode_header.split(" | ")[:6] == ["| job", "attn", "kv", "B", "prompt", "status"]
+    assert "TTFT turn 1 ms" not in decode_header and "shared" not in decode_header  # chat columns
+    chat_header = next(line for line in chat.splitlines() if line.startswith("| job"))
+    assert chat_header == "| job | shared | status | TTFT turn 1 ms | TTFT turns 2-N ms |"
+    assert f"| 15 | True | ok | 40.00 | {sum(TURN_TTFT[True][1:]) / 3:.2f} |" in chat
     not_ok = md.split("## Jobs that are not ok")[1].split("## Plots")[0]
     for job, status, overrides in (("12", "invalid", "attention.num_kv_heads=3"),
                                    ("13", "missing", "workload.prompt_len=64"),
                                    ("14", "oom", "workload.batch_size=512"),
-                                   ("17", "unreadable", "attention=mqa")):
+                                   ("17", "unreadable", "attention=mqa workload.prompt_len=64")):
         assert f"| {job} | {status} | `{overrides}` |" in not_ok
-    for png in ("decode_vs_context", "kv_bytes_vs_heads", "tokens_vs_batch", "ttft_per_turn"):
+    for png in PNGS:
         assert f"![{png}]({png}.png)" in md
 
 
@@ -148,33 +135,72 @@ def test_plot_data_matches_the_records(sweep):
     records = collect(sweep)
     axes = swept_axes(records)
     decode = [r for r in records if r["status"] == "ok" and r["config"]["workload"]["name"] == "decode"]
-    ms = lines(decode, axes, "workload.prompt_len", metric("decode_ms_p50"))
-    assert ms == {f"{k} kv={kv} B={b}": [(p, decode_ms(kv, p)) for p in PROMPTS]
-                  for k, kv in sorted(VARIANTS.items()) for b in BATCHES}
-    tps = lines(decode, axes, "workload.batch_size", metric("tokens_per_s"))
-    assert tps["gqa kv=2 prompt=32"] == [(b, b * 1000 / decode_ms(2, 32)) for b in BATCHES]
-    kv = lines(decode, axes, "attention.num_kv_heads", metric("kv_cache_bytes_formula"), ("attention.type",))
-    assert kv["B=2 prompt=16"] == [(h, kv_cache_bytes(2, h, 8, 16 + GEN, 2, 4)) for h in (1, 2, 8)]
-    turns = turn_lines(records, axes)
-    assert turns == {f"gqa kv=2 shared={s}": list(enumerate(TURN_TTFT[s == "on"])) for s in ("off", "on")}
+    prompt, batch = config_value("workload.prompt_len"), config_value("workload.batch_size")
+    ms = panels(decode, axes, prompt, metric("decode_ms_p50"), ["workload.prompt_len"])
+    assert ms == {f"B={b}": {f"{k} kv={kv}": [(p, decode_ms(kv, p)) for p in PROMPTS] for k, kv in VARIANTS.items()}
+                  for b in BATCHES}
+    assert list(ms["B=1"]) == ["mha kv=8", "gqa kv=2", "mqa kv=1"]  # most KV heads first
+    tps = panels(decode, axes, batch, metric("tokens_per_s"), ["workload.batch_size"])
+    assert tps["prompt=32"]["gqa kv=2"] == [(b, b * 1000 / decode_ms(2, 32)) for b in BATCHES]
+    # bytes per cached token divide batch and length out: one panel, one value per variant
+    fold = ["workload.batch_size", "workload.prompt_len", "workload.gen_len"]
+    per_tok = panels(decode, axes, config_value("attention.num_kv_heads"), per_token("kv_cache_bytes"), fold)
+    assert {v: set(pts) for v, pts in per_tok[""].items()} == {
+        f"{k} kv={kv}": {(kv, kv_cache_bytes(2, kv, 8, 1, 1, 4))} for k, kv in VARIANTS.items()}
+    held = panels(decode, axes, positions_held, metric("kv_cache_bytes_formula"), ["workload.prompt_len"])
+    assert held["B=2"]["mqa kv=1"] == [(p + GEN, kv_cache_bytes(2, 1, 8, p + GEN, 2, 4)) for p in PROMPTS]
+    turns = turn_panels(records, axes)
+    assert turns == {"": {f"gqa kv=2 shared={s}": list(enumerate(TURN_TTFT[s == "on"])) for s in ("off", "on")}}
 
 
-def test_plots_are_images_with_content(report):
+def test_each_variant_has_one_colour_in_every_plot():
+    colours = palette(["gqa kv=2", "mqa kv=1", "mha kv=8", "gqa kv=4", "mha kv=16", "gqa kv=8"])
+    assert colours["mha kv=8"] == colours["mha kv=16"] == MHA_COLOUR and colours["mqa kv=1"] == MQA_COLOUR
+    gqa = [colours[f"gqa kv={k}"] for k in (8, 4, 2)]
+    assert len(set(gqa)) == 3 and not {MHA_COLOUR, MQA_COLOUR} & set(gqa)
+    many = palette([f"gqa kv={k}" for k in range(2, 26)])
+    assert len(set(many.values())) == 24  # a sweep of 24 GQA counts still has distinct colours
+
+
+def test_plots_use_the_palette_and_keep_the_legend_off_the_data(figures, sweep):
+    report, saved = figures
     pngs = {p.stem: p for p in report.files if p.suffix == ".png"}
-    assert set(pngs) == {"decode_vs_context", "kv_bytes_vs_heads", "tokens_vs_batch", "ttft_per_turn"}
+    assert set(pngs) == PNGS and len(saved) == len(PNGS)
     assert report.skipped_plots == {}
+    colours = palette([variant(r) for r in collect(sweep)])
+    for fig in saved:
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)  # the layout as saved
+        [legend] = fig.legends
+        box = legend.get_window_extent(renderer)
+        panels_drawn = [ax for ax in fig.axes if ax.get_visible()]
+        for ax in panels_drawn:
+            # the legend covers no panel, tick label, axis label or title
+            assert not box.overlaps(ax.get_tightbbox(renderer)), fig.get_suptitle()
+            for line in ax.get_lines():
+                label = line.get_label().partition(" shared=")[0]
+                if label in colours:
+                    assert line.get_color() == colours[label], (fig.get_suptitle(), label)
+        legend_colours = {t.get_text(): h.get_color() for t, h in zip(legend.get_texts(), legend.legend_handles)}
+        assert {k: v for k, v in legend_colours.items() if k in colours} == \
+            {k: colours[k] for k in legend_colours if k in colours}
     for path in pngs.values():
         image = matplotlib.image.imread(path)
         assert image.shape[0] > 300 and image.shape[1] > 500
         assert image.std() > 0.05  # lines, labels and legend, not a blank canvas
 
 
-def test_single_job_directory_skips_plots_that_need_two_points(sweep, tmp_path):
+def test_a_single_job_says_why_each_plot_is_not_drawn(sweep, tmp_path):
     report = write_report(sweep / "3", tmp_path)
     assert [r["job"] for r in report.records] == ["."]
-    assert set(report.skipped_plots) == {"decode_vs_context", "kv_bytes_vs_heads", "tokens_vs_batch",
-                                         "ttft_per_turn"}
+    assert set(report.skipped_plots) == PNGS
     assert "needs >= 2 values of workload.prompt_len" in report.skipped_plots["decode_vs_context"]
+    md = (tmp_path / MD_FILE).read_text()
+    assert "## Attention variants side by side" not in md  # one variant: nothing to put beside it
+    plots = md.split("## Plots")[1]
+    assert all(f"- `{name}.png` not drawn: " in plots for name in PNGS)
+    off = write_report(sweep, tmp_path / "off", plots=False)
+    assert off.skipped_plots == {} and "Not drawn: plots were turned off" in (tmp_path / "off" / MD_FILE).read_text()
 
 
 def test_cli_on_missing_or_empty_directory_exits_with_a_clear_message(tmp_path, capsys):

@@ -1,0 +1,316 @@
+"""Which jobs sit side by side, and how their numbers are written: the data behind every table.
+
+- the axes a job is identified by and the metric columns of each kind of job (a decode run, a
+  multi-turn chat, training, evaluation): a decode row carries no chat or training column;
+- :func:`swept_axes`: the config keys whose value differs across a sweep;
+- :func:`variant`: a record's attention variant (``gqa kv=2``), the column of a comparison and
+  the key of the plots' colours;
+- :func:`comparisons`: the view a person came for, the variants of each cell (every other
+  swept axis fixed) next to each other with each metric's ratio to MHA.
+
+Rendering is elsewhere (console.py: rich tables; report.py: markdown; plots.py: PNGs). Every
+value is written by :func:`value_text`, which takes the record, so that a value's interval
+(``<metric>_ci_low`` / ``_ci_high``, once records carry one) is added in this one place.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from kvbench.config import record_view
+from kvbench.results import flatten, lookup
+from kvbench.units import human_bytes
+
+Record = Dict[str, Any]
+Axis = Tuple[str, str]  # (config key, column title)
+
+# (config key, column title) identifying a job, in the order tables show them.
+AXES: List[Axis] = [
+    ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
+    ("workload.name", "workload"), ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"),
+    ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.shared", "shared"),
+    ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
+    ("train.steps", "train steps"), ("train.init_from", "init from"),
+]
+VARIANT_KEYS = ("attention.type", "attention.num_kv_heads")
+VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
+_NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
+
+
+@dataclass(frozen=True)
+class Column:
+    """A metric as a table shows it: ``spec`` is a format string, ``bytes`` (binary units) or
+    ``sig`` (3 significant digits: a small percentage stays readable). ``brief``: also in the
+    one-row-per-job sweep table; ``compared``: in the side-by-side comparison."""
+
+    key: str
+    title: str
+    spec: str = "{:.2f}"
+    brief: bool = False
+    compared: bool = False
+
+
+_TTFT = Column("prefill_ms", "TTFT ms", "{:.2f}", brief=True, compared=True)
+_DECODE_P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", brief=True, compared=True)
+_P99 = Column("decode_ms_p99", "p99 ms", "{:.3f}")
+_TOKENS = Column("tokens_per_s", "tok/s", "{:.1f}", brief=True, compared=True)
+_KV = Column("kv_cache_bytes", "KV cache", "bytes", brief=True, compared=True)
+_KV_FORMULA = Column("kv_cache_bytes_formula", "KV formula", "bytes")
+_RSS = Column("peak_rss_bytes", "peak RSS", "bytes")
+_CUDA = Column("torch_peak_allocated_bytes", "CUDA peak", "bytes")
+_PPL = Column("perplexity", "perplexity", "{:.3f}", brief=True, compared=True)
+_VAL = Column("val_loss", "val loss", "{:.4f}")
+_BPB = Column("bits_per_byte", "bits/byte", "{:.3f}")
+_PARAMS = Column("num_params", "params", "{:,}")
+_CONVERSION = Column("kv_heads_conversion", "KV conversion", "{}", brief=True)
+
+# The columns of each kind of job (see :func:`kind`), headline first; summary.csv has every metric.
+COLUMNS: Dict[str, List[Column]] = {
+    "decode": [_TTFT, _DECODE_P50, _P99, _TOKENS, Column("percent_of_peak", "% BW peak", "sig", brief=True),
+               _KV, _KV_FORMULA, _RSS, _CUDA, Column("compile_s", "compile s", "{:.1f}", brief=True),
+               _CONVERSION, Column("fidelity_max_abs_logit_diff", "cache Δlogit", "{:.2e}"),
+               Column("dtype_max_abs_logit_diff", "vs fp32 Δlogit", "{:.2e}", brief=True),
+               Column("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}")],
+    "multiturn": [Column("turn1_ttft_ms", "TTFT turn 1 ms", "{:.2f}", brief=True, compared=True),
+                  Column("mean_ttft_ms_turns_2_n", "TTFT turns 2-N ms", "{:.2f}", brief=True, compared=True),
+                  _DECODE_P50, _P99, _TOKENS, _KV, _KV_FORMULA,
+                  Column("total_prefill_tokens", "prefilled", "{:,}", brief=True),
+                  Column("total_reused_tokens", "reused", "{:,}"), _RSS, _CUDA],
+    "train": [_VAL, _PPL, Column("ppl_before_uptrain", "ppl before uptrain", "{:.3f}", brief=True, compared=True),
+              _BPB, Column("train_seconds", "train s", "{:.0f}", brief=True), _CONVERSION, _PARAMS],
+    "eval": [_VAL, _PPL, _BPB, _CONVERSION, Column("eval_seconds", "eval s", "{:.1f}"), _PARAMS],
+}
+KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation"}
+
+
+def kind(record: Record) -> str:
+    """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval``."""
+    config = record.get("config") or {}
+    task = config.get("task", "bench")
+    if task in ("train", "eval"):
+        return task
+    return lookup(config, "workload.name") or "decode"
+
+
+def by_kind(records: Sequence[Record]) -> Dict[str, List[Record]]:
+    """Records grouped by :func:`kind`, in the order of :data:`COLUMNS`."""
+    groups: Dict[str, List[Record]] = {}
+    for rec in records:
+        groups.setdefault(kind(rec), []).append(rec)
+    order = list(COLUMNS)
+    return {k: groups[k] for k in sorted(groups, key=lambda k: (order.index(k) if k in order else len(order), k))}
+
+
+def natural(text: str) -> List[Any]:
+    """Sort key that puts ``2`` before ``10`` and ``prompt=64`` before ``prompt=256``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", str(text))]
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+def fmt(value: Any, spec: str) -> str:
+    """``value`` as ``spec`` says (see :class:`Column`); None is ``-``."""
+    if value is None:
+        return "-"
+    if spec == "bytes":
+        return human_bytes(value)
+    if spec == "sig":
+        return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+    try:
+        return spec.format(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def value_text(record: Record, column: Column) -> str:
+    """A metric of a record as a table cell: the one place a value is written."""
+    return fmt((record.get("metrics") or {}).get(column.key), column.spec)
+
+
+def ratio_text(ratio: Optional[float]) -> str:
+    """``0.250×``, ``1.10×``, ``12.0×``: three significant digits, trailing zeros kept."""
+    return "" if ratio is None else f"{ratio:#.3g}".rstrip(".") + "×"
+
+
+# ---- axes -----------------------------------------------------------------------------------------
+
+def _values(records: Sequence[Record], key: str) -> List[str]:
+    # None means "left to its default" in a config Hydra saved before validation filled it in
+    # (or a key the job's kind does not read), so it never makes a key look swept.
+    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None]
+
+
+def _determined_by(records: Sequence[Record], key: str, by: str) -> bool:
+    seen: Dict[str, str] = {}
+    for rec in records:
+        value, cause = lookup(rec.get("config", {}), key), lookup(rec.get("config", {}), by)
+        if value is None or cause is None:
+            continue
+        if seen.setdefault(repr(cause), repr(value)) != repr(value):
+            return False
+    return True
+
+
+def swept_axes(records: Sequence[Record]) -> List[Axis]:
+    """(config key, column title) of every key whose value differs across records: the usual
+    axes first, then the rest; a key that is a function of an axis already chosen is dropped
+    (``model.d_model`` when ``model.name`` is swept)."""
+    keys = {k for rec in records if isinstance(rec.get("config"), dict) for k in flatten(rec["config"])}
+    varying = {k for k in keys if not k.startswith(_NOT_AXES) and len(set(_values(records, k))) > 1}
+    chosen = [(k, t) for k, t in AXES if k in varying]
+    for key in sorted(varying - {k for k, _ in chosen}):
+        if not any(_determined_by(records, key, by) for by, _ in chosen):
+            chosen.append((key, key))
+    return chosen
+
+
+def viewed(record: Record) -> Record:
+    """The record with only the config keys its task reads (records written before records
+    left the others out, and Hydra's saved configs of jobs that left no record)."""
+    return {**record, "config": record_view(record.get("config") or {})}
+
+
+# ---- one row per job ------------------------------------------------------------------------------
+
+def job_columns(records: Sequence[Record], kind_name: str, brief: bool = False) -> List[Column]:
+    """The columns of ``kind_name`` (only the brief ones with ``brief``) that some record has."""
+    return [c for c in COLUMNS.get(kind_name, COLUMNS["decode"]) if (c.brief or not brief)
+            and any((r.get("metrics") or {}).get(c.key) is not None for r in records)]
+
+
+def job_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
+    """The axes among ``axes`` that vary within ``records`` (the variant when none does)."""
+    return [a for a in axes if len(set(_values(records, a[0]))) > 1] or VARIANT_AXES
+
+
+def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -> Tuple[List[str], List[str]]:
+    """(axis values, metric values) of one job as text."""
+    config = record.get("config") or {}
+    return ([fmt(lookup(config, key), "{}") for key, _ in axes], [value_text(record, c) for c in columns])
+
+
+# ---- the comparison ---------------------------------------------------------------------------------
+
+def variant(record: Record) -> str:
+    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it."""
+    config = record.get("config") or {}
+    return f"{lookup(config, 'attention.type')} kv={lookup(config, 'attention.num_kv_heads')}"
+
+
+def variant_order(label: str) -> Tuple[int, int, str]:
+    """MHA first, then GQA from most to fewest KV heads, then MQA."""
+    kind_name, _, kv = label.partition(" kv=")
+    rank = {"mha": 0, "gqa": 1, "mqa": 2}.get(kind_name, 3)
+    return rank, -int(kv) if kv.isdigit() else 0, label
+
+
+def _kv_heads(record: Record) -> int:
+    return lookup(record.get("config") or {}, "attention.num_kv_heads") or 0
+
+
+@dataclass
+class Cell:
+    """One combination of the swept axes other than the variant, and its jobs by variant."""
+
+    values: List[Any]
+    jobs: Dict[str, Record] = field(default_factory=dict)
+
+    def baseline(self) -> Optional[str]:
+        """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
+        KV heads (the ratio then says which)."""
+        ok = [(label, rec) for label, rec in self.jobs.items() if rec.get("status") == "ok"]
+        if not ok:
+            return None
+        return max(ok, key=lambda item: (lookup(item[1]["config"], "attention.type") == "mha",
+                                         _kv_heads(item[1])))[0]
+
+
+@dataclass
+class Comparison:
+    """The attention variants of one kind of job side by side: a block of rows per cell, a
+    column per variant, in each the metric's value and its ratio to the cell's baseline."""
+
+    kind: str
+    axes: List[Axis]
+    variants: List[str]
+    columns: List[Column]
+    cells: List[Cell]
+    notes: List[str] = field(default_factory=list)
+
+    def ratio(self, cell: Cell, label: str, column: Column) -> Optional[float]:
+        base, rec = cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label)
+        if base is None or rec is None or label == cell.baseline() or rec.get("status") != "ok":
+            return None
+        a, b = (r.get("metrics", {}).get(column.key) for r in (rec, base))
+        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+    def text(self, cell: Cell, label: str, column: Column) -> str:
+        rec = cell.jobs.get(label)
+        if rec is None:
+            return ""
+        if rec.get("status") != "ok":
+            return rec.get("status", "?")
+        ratio = ratio_text(self.ratio(cell, label, column))
+        return value_text(rec, column) + (f" ({ratio})" if ratio else "")
+
+    def baselines(self) -> List[str]:
+        return sorted({b for b in (c.baseline() for c in self.cells) if b}, key=variant_order)
+
+    def title(self) -> str:
+        bases = self.baselines()
+        to = (f"{bases[0]} of the same row" if len(bases) == 1
+              else "the row's MHA, else its variant with the most KV heads: see 'ratio to'")
+        return f"{KIND_TITLES.get(self.kind, self.kind)}: attention variants side by side, value (ratio to {to})"
+
+    def table(self) -> Tuple[List[str], List[List[str]], List[int]]:
+        """(header, rows, index of the first row of each cell): the axes' values on a cell's
+        first row only, then the metric, then one column per variant."""
+        several = len(self.baselines()) > 1
+        header = [t for _, t in self.axes] + (["ratio to"] if several else []) + ["metric"] + self.variants
+        rows: List[List[str]] = []
+        starts: List[int] = []
+        for cell in self.cells:
+            columns = [c for c in self.columns
+                       if any((r.get("metrics") or {}).get(c.key) is not None for r in cell.jobs.values())]
+            starts.append(len(rows))
+            for i, column in enumerate(columns):
+                first = [fmt(v, "{}") for v in cell.values] + ([cell.baseline() or "-"] if several else [])
+                rows.append((first if i == 0 else [""] * len(first))
+                            + [column.title] + [self.text(cell, label, column) for label in self.variants])
+        return header, rows, starts
+
+
+def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None) -> List[Comparison]:
+    """One :class:`Comparison` per kind of job whose records hold two or more attention
+    variants of one cell; ``axes`` default to :func:`swept_axes` of the records."""
+    axes = list(axes) if axes is not None else swept_axes(records)
+    out = []
+    for kind_name, group in by_kind(records).items():
+        cell_axes = [a for a in job_axes(group, axes) if a[0] not in VARIANT_KEYS + ("task", "workload.name")]
+        cells: Dict[str, Cell] = {}
+        notes = []
+        for rec in group:
+            values = [lookup(rec.get("config") or {}, key) for key, _ in cell_axes]
+            cell = cells.setdefault(repr(values), Cell(values))
+            label = variant(rec)
+            if label in cell.jobs:  # two jobs with one config: show the first, say so
+                notes.append(f"jobs {cell.jobs[label].get('job')} and {rec.get('job')} have the same config "
+                             f"({label}{''.join(f', {t}={v}' for (_, t), v in zip(cell_axes, values))}); "
+                             f"job {cell.jobs[label].get('job')} is shown")
+                continue
+            cell.jobs[label] = rec
+        if not any(sum(r.get("status") == "ok" for r in c.jobs.values()) >= 2 for c in cells.values()):
+            continue
+        # A variant with no ok job anywhere (an invalid KV-head count) has nothing to compare.
+        ran = {label for c in cells.values() for label, r in c.jobs.items() if r.get("status") == "ok"}
+        failed = sorted({f"{label} ({r.get('status')}, job {r.get('job')})" for c in cells.values()
+                         for label, r in c.jobs.items() if label not in ran}, key=natural)
+        if failed:
+            notes.append("not compared, no ok job: " + ", ".join(failed))
+        variants = sorted(ran, key=variant_order)
+        ordered = sorted(cells.values(), key=lambda c: [natural(repr(v)) for v in c.values])
+        out.append(Comparison(kind_name, cell_axes, variants, [c for c in COLUMNS[kind_name] if c.compared]
+                              if kind_name in COLUMNS else [], ordered, notes))
+    return out

@@ -1,0 +1,66 @@
+"""The terminal: the end-of-sweep tables (one per kind of job, in job order, the variants side by
+side last) rendered as a person reads them, and progress lines where there is no terminal."""
+
+import io
+
+import pytest
+from fake_sweep import build_sweep, decode_ms
+from rich.console import Console
+
+from kvbench.sinks import console
+from kvbench.sinks.report import collect
+
+
+def render(tables) -> str:
+    out = Console(file=io.StringIO(), width=200, highlight=False, color_system=None)
+    for table in tables:
+        out.print(table)
+    return out.file.getvalue()
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    records = collect(build_sweep(tmp_path_factory.mktemp("sweep")))
+    return render(console.sweep_tables("kvbench sweep S", list(reversed(records))))
+
+
+def test_sweep_tables_are_per_kind_in_job_order_and_end_with_the_comparison(text):
+    titles = [line.strip() for line in text.splitlines() if line.startswith(("kvbench sweep", "decode:", "multi-turn"))]
+    assert titles == ["kvbench sweep S: decode", "kvbench sweep S: multi-turn chat",
+                      "decode: attention variants side by side, value (ratio to mha kv=8 of the same row)",
+                      "multi-turn TTFT: cache.shared=false vs true"]
+    decode = text.split("kvbench sweep S: decode")[1].split("kvbench sweep S: multi-turn chat")[0]
+    jobs = [line.split("│")[1].strip() for line in decode.splitlines() if line.startswith("│")]
+    assert jobs == ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "17"]
+    assert "TTFT turn 1" not in decode and "shared" not in decode  # decode rows carry no chat column
+    compared = text.split("decode: attention variants side by side")[1].split("multi-turn TTFT")[0]
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in compared.splitlines() if line.startswith("│")]
+    first = rows.index(next(r for r in rows if r[:3] == ["1", "16", "TTFT ms"]))
+    mha, gqa, mqa = (decode_ms(kv, 16) for kv in (8, 2, 1))
+    # the cell's axes on its first row only; every variant of it side by side with its ratio to MHA
+    assert rows[first + 1] == ["", "", "decode p50 ms", f"{mha:.3f}", f"{gqa:.3f} ({gqa / mha:#.3g}×)",
+                               f"{mqa:.3f} ({mqa / mha:#.3g}×)"]
+
+
+def test_run_table_shows_only_what_the_job_measured():
+    record = {"status": "ok", "config": {"task": "bench", "attention": {"type": "gqa", "num_kv_heads": 2},
+                                         "workload": {"name": "decode", "prompt_len": 64, "batch_size": 1,
+                                                      "system_len": 512, "turns": 4},
+                                         "cache": {"impl": "static", "shared": True}, "train": {"steps": 1000}},
+              "metrics": {"decode_ms_p50": 1.5, "percent_of_peak": 0.004, "compile_s": 12.5}}
+    out = render([console.run_table(record)])
+    for absent in ("system", "turns", "shared", "train steps"):  # a decode run's record ignores them
+        assert f"│ {absent} " not in out
+    assert "│ % BW peak " in out and "0.004" in out and "│ compile s " in out and "12.5" in out
+
+
+def test_progress_prints_lines_where_there_is_no_terminal(monkeypatch):
+    captured = Console(file=io.StringIO(), width=200)
+    monkeypatch.setattr(console, "stderr", captured)
+    assert not captured.is_terminal
+    with console.trial_progress("train", 25) as tick:
+        for step in range(25):
+            tick(description=f"loss {step}")
+    lines = captured.file.getvalue().splitlines()
+    # every 25 // 10 = 2 ticks, and the last
+    assert [line.split(" (")[0] for line in lines] == [f"  train: {n}/25 loss {n - 1}" for n in [*range(2, 25, 2), 25]]

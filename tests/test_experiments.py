@@ -1,0 +1,30 @@
+"""The experiment scripts write where ``--out`` says and leave the committed results in
+experiments/results/ alone unless told to write there."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "experiments" / "results"
+
+
+def digests() -> dict:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(COMMITTED.rglob("*")) if p.is_file()}
+
+
+def test_multiturn_ttft_writes_to_out_and_not_to_the_committed_results(tmp_path):
+    before = digests()
+    out = tmp_path / "report" / "ttft"
+    proc = subprocess.run([sys.executable, "experiments/multiturn_ttft.py", "--model", "tiny", "--warmup", "0",
+                           "--repeats", "1", "--batch-size", "1", "--threads", "1", "--runs", str(tmp_path / "runs"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = out.with_suffix(".md").read_text()
+    assert text.startswith("# Multi-turn chat: TTFT per turn") and "model=tiny" in text
+    assert f"wrote {out.with_suffix('.md')}" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["shared_false", "shared_true"]
+    assert digests() == before

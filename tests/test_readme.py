@@ -1,0 +1,331 @@
+"""The README's commands, run as a new user runs them: every command of its ```bash blocks is
+either run here (as written, or with the tiny overrides listed below appended, so CI stays
+cheap) and its promise checked against what it printed and wrote, or listed in NOT_RUN with why.
+A README command in neither list fails the first test, so a new command cannot go untried.
+
+The ```python block runs too, and the numbers the README quotes from `task=inspect` are compared
+with what it prints.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+from conftest import TEXT, llama_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BIN = Path(sys.executable).parent  # where pip put the console scripts kvbench and kvbench-report
+
+
+def readme_commands() -> List[str]:
+    """Every command of the README's ```bash blocks: continuation lines joined, comments dropped,
+    whitespace normalised."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                out.append(" ".join(shlex.split(line, comments=True)))
+    return out
+
+
+# Appended to the README's command so that it runs in seconds on a CPU (later overrides win).
+QUICK = ["runtime.warmup=0", "runtime.repeats=1", "runtime.threads=1", "wandb=disabled"]
+TINY = ["model=tiny", "workload.gen_len=2", *QUICK]
+SWEEP = [*TINY, "runtime.fidelity=false"]  # a sweep's jobs check nothing the single run does not
+CHAT = ["model=tiny", "workload.system_len=16", "workload.turns=2", "workload.user_len=4", "workload.reply_len=3",
+        *QUICK]
+SMALL_TEXT = ["train.batch_size=2", "train.seq_len=32", "train.eval_batches=1", "data.max_bytes=20000",
+              "runtime.threads=1", "wandb=disabled"]
+TRAIN = ["train.steps=2", "train.log_every=1", "train.eval_every=2", *SMALL_TEXT]
+
+
+@dataclass
+class Step:
+    """How one README command is run: ``extra`` appended, ``swap`` substituted in the command
+    (the README's placeholders, or a swept value made small), ``path``: PATH holds only the
+    console scripts (no SLURM)."""
+
+    extra: List[str] = field(default_factory=list)
+    swap: Dict[str, str] = field(default_factory=dict)
+    path: str = "normal"
+
+
+# Commands in the order they run (a later one may use what an earlier one wrote); the chains
+# are independent of each other and run two at a time.
+CHAINS: List[Dict[str, Step]] = [
+    {
+        "kvbench": Step(TINY),
+        "kvbench -m attention=mha,gqa,mqa workload.prompt_len=512,2048 workload.batch_size=1,8 "
+        "runtime.dtype=float32,bfloat16": Step([*SWEEP, "hydra.sweep.dir=multirun/flagship"],
+                                                {"workload.prompt_len=512,2048": "workload.prompt_len=16,32"}),
+        "kvbench task=inspect model=llama2_70b attention=gqa": Step(),
+        "kvbench task=inspect model=llama2_7b attention=mha workload.prompt_len=4000 workload.gen_len=96 "
+        "workload.batch_size=64": Step(),
+        "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
+        "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),
+        "kvbench -m model=tiny workload=multiturn attention=mha,gqa,mqa cache.shared=false,true "
+        "runtime.threads=1": Step([*CHAT, "hydra.sweep.dir=multirun/chat"]),
+        "kvbench model=tiny workload=multiturn cache.shared=true": Step(CHAT),
+    },
+    {
+        "kvbench task=train model=train_small attention=mha runtime.threads=1": Step(TRAIN),
+        "kvbench task=eval attention=mha train.checkpoint=outputs/<date>/<time>/checkpoint.pt": Step(SMALL_TEXT),
+        "kvbench task=train model=train_small data.path=/path/to/text": Step(TRAIN),
+        "kvbench -m task=train model=train_small attention=gqa,mqa "
+        "train.init_from=outputs/<date>/<time>/checkpoint.pt train.steps=0,100": Step(
+            [*TRAIN[1:], "hydra.sweep.dir=multirun/uptrain"], {"train.steps=0,100": "train.steps=0,2"}),
+        "kvbench task=eval attention=mha train.checkpoint=/path/to/llama data.path=/path/to/text.txt": Step(SMALL_TEXT),
+        "kvbench model=llama_dir model.path=/path/to/llama attention=mha": Step(
+            ["workload.prompt_len=16", "workload.gen_len=2", *QUICK]),
+        "kvbench -m model=tiny attention=mha,gqa,mqa workload.prompt_len=64,256 workload.batch_size=1,4 "
+        "workload.gen_len=16 hydra.sweep.dir=multirun/kv_demo": Step(SWEEP, {"workload.prompt_len=64,256":
+                                                                               "workload.prompt_len=16,32"}),
+        "kvbench-report multirun/kv_demo": Step(),
+        "kvbench-report multirun/kv_demo --out report_kv_demo --no-plots": Step(),
+    },
+]
+RUN = {command: step for chain in CHAINS for command, step in chain.items()}
+
+NOT_RUN = {
+    "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
+    "python -m pytest": "the suite this test is part of",
+    "python experiments/compare_transformers.py --threads 1": "minutes: model=small decode loops against "
+                                                              "transformers; tests/test_experiments.py runs --out",
+    "python experiments/harness_overhead.py --threads 1": "tens of seconds of model=small decode rounds",
+    "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
+    "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep rerun=true":
+        "the same refusal as the command without rerun=true, which runs here",
+    "kvbench -m hydra/launcher=local model=tiny attention=mha,gqa,mqa hydra.sweep.dir=multirun/try_cluster":
+        "three processes at once; tests/test_sweeps.py runs this launcher on model=tiny",
+    "kvbench -m hydra/launcher=joblib hydra.launcher.n_jobs=4 runtime.device=cuda:free attention=mha,gqa,mqa "
+    "workload.batch_size=1,8,32 hydra.sweep.dir=multirun/node_sweep": "needs 4 GPUs (scripts/gpu_check.sh runs "
+                                                                      "cuda:free on a GPU machine)",
+    "kvbench -m workload=multiturn cache.shared=false,true": "minutes on model=small; the next README command runs "
+                                                             "the same sweep on model=tiny",
+    "wandb leet inspect --summary multirun/kv_demo/0/wandb/latest-run": "needs the sweep's W&B runs (offline mode); "
+                                                                        "tests/sinks/test_tracking.py reads a real "
+                                                                        "offline sweep back with this command",
+    "wandb login": "needs a W&B account and the network",
+    "wandb sync multirun/kv_demo/*/wandb/offline-run-*": "needs a W&B account and the network",
+    "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only": "times the benchmarks (minutes); "
+                                                                             "`python -m pytest` runs each once",
+    "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-json=bench.json":
+        "times the benchmarks (minutes)",
+    "python scripts/bench_gate.py --base origin/main": "6 timed pytest runs (~80 s); tests/test_bench_gate.py runs "
+                                                       "a one-round gate",
+    "python scripts/bench_gate.py --base HEAD --inject-slowdown 0.4": "the same; tests/test_bench_gate.py injects "
+                                                                      "a slowdown and must fail",
+    "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-timer=time.process_time "
+    "--benchmark-save=before": "times the benchmarks (minutes)",
+    "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-timer=time.process_time "
+    "--benchmark-compare --benchmark-compare-fail=median:25%": "times the benchmarks (minutes)",
+}
+
+
+def test_every_readme_command_is_run_here_or_listed_with_why():
+    commands = readme_commands()
+    assert len(commands) == len(set(commands))
+    assert not set(RUN) & set(NOT_RUN)
+    assert sorted(set(commands) - set(RUN) - set(NOT_RUN)) == [], "a README command is neither run nor listed"
+    assert sorted((set(RUN) | set(NOT_RUN)) - set(commands)) == [], "listed here but no longer in the README"
+
+
+Ran = Dict[str, Tuple[subprocess.CompletedProcess, List[str], Path]]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> Ran:
+    """Every command of RUN, each chain in a fresh directory as a user's working directory (two
+    single runs started in the same second would share outputs/<date>/<time>): command ->
+    (finished process, the argv that ran, its working directory)."""
+    data = tmp_path_factory.mktemp("data")
+    (data / "text").mkdir()
+    (data / "text" / "a.txt").write_bytes(TEXT)
+    (data / "text.txt").write_bytes(TEXT)
+    llama, _ = llama_dir(data / "llama", num_kv_heads=2, vocab_size=256)  # a GQA checkpoint, byte vocabulary
+    places = {"/path/to/text.txt": str(data / "text.txt"), "/path/to/text": str(data / "text"),
+              "/path/to/llama": str(llama)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    env.update(WANDB_MODE="disabled", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    results: Ran = {}
+
+    def run_chain(chain: Dict[str, Step]) -> None:
+        cwd = tmp_path_factory.mktemp("user")
+        checkpoint = None
+        for command, step in chain.items():
+            text = command
+            for old, new in {**places, **step.swap}.items():
+                text = text.replace(old, new)
+            if "outputs/<date>/<time>/checkpoint.pt" in text:
+                assert checkpoint, f"{command}: no checkpoint printed by an earlier command"
+                text = text.replace("outputs/<date>/<time>/checkpoint.pt", checkpoint)
+            argv = shlex.split(text) + step.extra
+            start = time.perf_counter()
+            proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600,
+                                  env={**env, "PATH": str(BIN)} if step.path == "no slurm" else env)
+            print(f"{time.perf_counter() - start:6.1f} s  {command[:100]}", file=sys.stderr)
+            results[command] = (proc, argv, cwd)
+            # outputs/<date>/<time>/checkpoint.pt is the first training's (the MHA one the README uptrains)
+            printed = re.search(r"^checkpoint: (.+)$", proc.stdout, re.M)
+            checkpoint = checkpoint or (printed.group(1) if printed else None)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run_chain, CHAINS))
+    return results
+
+
+def result(ran: Ran, command: str) -> subprocess.CompletedProcess:
+    proc, argv, _ = ran[command]
+    why = f"{shlex.join(argv)}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, why
+    return proc
+
+
+def records(directory: Path) -> List[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*/results.json"))]
+
+
+def written(proc: subprocess.CompletedProcess) -> dict:
+    """The record a single run printed the path of."""
+    return json.loads(Path(re.search(r"^results: (.+)$", proc.stdout, re.M).group(1)).read_text())
+
+
+def comparison_rows(out: str) -> List[List[str]]:
+    """The header and the cells of the last side-by-side table a sweep printed, row by row."""
+    last = out[out.rindex("attention variants side by side"):]
+    return [[c.strip() for c in re.split("[│┃]", line)[1:-1]] for line in last.splitlines() if line and line[0] in "│┃"]
+
+
+def test_quick_start_runs_the_default_benchmark(ran):
+    out = result(ran, "kvbench").stdout
+    path = Path(re.search(r"^results: (.+)$", out, re.M).group(1))
+    rec = written(result(ran, "kvbench"))
+    assert rec["status"] == "ok" and rec["config"]["attention"]["type"] == "gqa"  # the default variant
+    assert "tok/s" in out and (path.parent / "summary.md").is_file()
+    assert "- `decode_vs_context.png` not drawn: needs >= 2 values" in (path.parent / "summary.md").read_text()
+
+
+def test_flagship_sweep_has_24_jobs_and_ends_with_the_variants_side_by_side(ran):
+    command = next(c for c in RUN if c.startswith("kvbench -m attention=mha,gqa,mqa workload.prompt_len=512,2048"))
+    out = result(ran, command).stdout
+    recs = records(ran[command][2] / "multirun" / "flagship")
+    assert len(recs) == 24 and {r["status"] for r in recs} == {"ok"}
+    cells = {(r["config"]["attention"]["type"], r["config"]["workload"]["prompt_len"],
+              r["config"]["workload"]["batch_size"], r["config"]["runtime"]["dtype"]) for r in recs}
+    assert len(cells) == 24  # every point once: no job doubled by an axis decode does not read
+    assert "decode: attention variants side by side, value (ratio to mha kv=8 of the same row)" in out
+    header, *rows = comparison_rows(out)
+    assert header == ["B", "prompt", "dtype", "metric", "mha kv=8", "gqa kv=2", "mqa kv=1"]
+    kv = [row for row in rows if row[3] == "KV cache"]
+    # one block per (batch, prompt, dtype); KV bytes follow the formula exactly: GQA (2 of 8 heads)
+    # and MQA hold 1/4 and 1/8 of MHA's
+    assert len(kv) == 8 and all(r[5].endswith("(0.250×)") and r[6].endswith("(0.125×)") for r in kv)
+
+
+def test_inspect_prints_the_numbers_the_readme_quotes(ran):
+    result(ran, "kvbench task=inspect model=llama2_70b attention=gqa")
+    out = result(ran, "kvbench task=inspect model=llama2_7b attention=mha workload.prompt_len=4000 "
+                      "workload.gen_len=96 workload.batch_size=64").stdout
+    quoted = re.search(r"`(elements per layer \(K\+V\): [^`]+)`", README).group(1)
+    assert quoted in out
+    # and they are the article's arithmetic: 32 heads x 128 dims x 2, x 4096 positions, x 64
+    per_token = 32 * 128 * 2
+    assert all(f"{n:,}" in quoted for n in (per_token, per_token * 4096, per_token * 4096 * 64))
+
+
+def test_a_slurm_sweep_without_slurm_is_one_line(ran):
+    proc, argv, _ = ran[next(c for c in RUN if "hydra/launcher=slurm" in c)]
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("kvbench: invalid config: hydra/launcher=slurm: no SLURM on this machine")
+
+
+def test_training_prints_its_checkpoint_and_progress_and_eval_records_what_it_measured(ran):
+    trained = result(ran, "kvbench task=train model=train_small attention=mha runtime.threads=1")
+    checkpoint = Path(re.search(r"^checkpoint: (.+)$", trained.stdout, re.M).group(1))
+    assert checkpoint.is_file()
+    assert "train: 2/2" in trained.stderr  # a progress line without a terminal
+    train_rec = json.loads((checkpoint.parent / "results.json").read_text())
+    assert "workload" not in train_rec["config"] and "cache" not in train_rec["config"]
+    evaluated = written(result(ran, "kvbench task=eval attention=mha train.checkpoint=outputs/<date>/<time>/"
+                                    "checkpoint.pt"))
+    assert evaluated["config"]["model"] == train_rec["config"]["model"]  # the checkpoint's, which it trained
+    assert evaluated["metrics"]["kv_heads_conversion"] == "none"
+    assert evaluated["metrics"]["val_loss"] == pytest.approx(train_rec["metrics"]["val_loss"], rel=1e-5)
+    rec = written(result(ran, "kvbench task=train model=train_small data.path=/path/to/text"))
+    assert rec["status"] == "ok" and rec["config"]["data"]["path"].endswith("text")
+
+
+def test_uptraining_converts_the_mha_checkpoint(ran):
+    command = next(c for c in RUN if "train.init_from" in c)
+    result(ran, command)
+    recs = {(r["config"]["attention"]["type"], r["config"]["train"]["steps"]): r
+            for r in records(ran[command][2] / "multirun" / "uptrain")}
+    assert sorted(recs) == [("gqa", 0), ("gqa", 2), ("mqa", 0), ("mqa", 2)]
+    for (kind, steps), rec in recs.items():
+        m = rec["metrics"]
+        assert rec["status"] == "ok" and m["init_num_kv_heads"] == 8 and m["kv_heads_conversion"] == "mean-pool"
+        assert m["num_kv_heads"] == {"gqa": 2, "mqa": 1}[kind]
+        if steps == 0:
+            assert m["perplexity"] == m["ppl_before_uptrain"]
+
+
+def test_a_gqa_llama_checkpoint_is_evaluated_and_benchmarked_as_mha(ran):
+    for command in ("kvbench task=eval attention=mha train.checkpoint=/path/to/llama data.path=/path/to/text.txt",
+                    "kvbench model=llama_dir model.path=/path/to/llama attention=mha"):
+        rec = written(result(ran, command))
+        assert rec["status"] == "ok"
+        assert rec["config"]["attention"] == {"type": "mha", "num_kv_heads": 4}
+        assert (rec["config"]["model"]["num_layers"], rec["config"]["model"]["d_model"]) == (2, 32)  # not small's
+        assert rec["config"]["model"]["preset_kv_heads"] == 2 and rec["metrics"]["kv_heads_conversion"] == "repeat"
+
+
+def test_multiturn_commands_print_their_ttft_tables(ran):
+    command = next(c for c in RUN if c.startswith("kvbench -m model=tiny workload=multiturn"))
+    assert "multi-turn TTFT: cache.shared=false vs true" in result(ran, command).stdout
+    recs = records(ran[command][2] / "multirun" / "chat")
+    assert len(recs) == 6 and all(len(r["tables"]["turns"]) == 2 for r in recs)
+    single = result(ran, "kvbench model=tiny workload=multiturn cache.shared=true")
+    assert "turns (cache.shared=True)" in single.stdout
+
+
+def test_the_demo_sweep_and_its_reports(ran):
+    command = next(c for c in RUN if "multirun/kv_demo" in c and c.startswith("kvbench -m"))
+    result(ran, command)
+    demo = ran[command][2] / "multirun" / "kv_demo"
+    assert len(records(demo)) == 12
+    listed = result(ran, "kvbench-report multirun/kv_demo").stdout
+    assert "12 jobs (12 ok)" in listed
+    for png in ("decode_vs_context", "tokens_vs_batch", "kv_bytes_vs_heads", "kv_memory"):
+        assert (demo / f"{png}.png").is_file() and f"{png}.png" in listed
+    result(ran, "kvbench-report multirun/kv_demo --out report_kv_demo --no-plots")
+    assert sorted(p.name for p in (ran[command][2] / "report_kv_demo").iterdir()) == ["summary.csv", "summary.md"]
+
+
+def test_the_python_example_runs_and_counts_its_tokens():
+    [block] = re.findall(r"```python\n(.*?)```", README, re.S)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, "README.md", "exec"), {})
+    lines = printed.getvalue().splitlines()
+    # system prompt 16, 2 conversations, messages of 8, replies of 4: turn 1 prefills the system
+    # prompt once and both messages; later turns the last reply token and the message
+    P, B, U, R = 16, 2, 8, 4
+    for k, line in enumerate(lines[:3], start=1):
+        prefill = P + B * U if k == 1 else B * (1 + U)
+        context = P + (k - 1) * (U + R) + U
+        turn, prefilled, reused, _ = line.split(maxsplit=3)
+        assert (int(turn), int(prefilled), int(reused)) == (k, prefill, B * context - prefill)
+    assert lines[3].startswith("segment") and any(line.startswith("system") for line in lines[4:])
