@@ -43,6 +43,8 @@ Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
 
 # Methods of the fields every model-running job records.
 JOB_METHODS: Dict[str, str] = {
+    "peak_rss_reason": "text; only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
+                       "in the same process, whose peak would count as this job's)",
     "weight_bytes": "bytes; parameters and persistent buffers (numel * element_size), tied tensors once",
     "num_params": "count; parameters of the decoder, tied tensors once",
     "timing_method": "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU",
@@ -157,7 +159,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             _jobs_run += 1
             TASKS[job.task](job, device, out_dir, result, progress)
             if earlier_jobs:
-                _not_this_jobs_peak(result.metrics)
+                _not_this_jobs_peak(result)
             result.status = "ok"
             nonfinite = nonfinite_metrics(result.metrics)
             if nonfinite:  # NaN compares unequal to everything: such a run can only mislead
@@ -199,13 +201,14 @@ def save(result: RunResult, out_dir: Path) -> None:
         result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
 
 
-def _not_this_jobs_peak(metrics: Dict[str, object]) -> None:
+def _not_this_jobs_peak(result: RunResult) -> None:
     # getrusage's peak RSS is the process's since it started: after another job in the same
     # process it is that job's peak as much as this one's.
-    if metrics.get("peak_rss_bytes") is not None:
-        metrics["peak_rss_bytes"] = None
-        metrics["peak_rss_reason"] = ("runtime.isolate=false and an earlier job ran in this process: "
-                                      "its peak RSS would count as this job's")
+    if result.metrics.get("peak_rss_bytes") is not None:
+        result.metrics["peak_rss_bytes"] = None
+        result.metrics["peak_rss_reason"] = ("runtime.isolate=false and an earlier job ran in this process: "
+                                             "its peak RSS would count as this job's")
+        result.methods["peak_rss_reason"] = JOB_METHODS["peak_rss_reason"]
 
 
 def _as_given(cfg: DictConfig | BenchConfig) -> Dict:

@@ -19,8 +19,6 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 MEMORY_METHODS: Dict[str, str] = {
-    "peak_rss_reason": "text; only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
-                       "in the same process, whose peak would count as this job's)",
     "peak_rss_bytes": "bytes; getrusage ru_maxrss: peak resident set of the job's process since it started "
                       "(runtime.isolate=true: a fresh process per job; in one process with earlier jobs: null, "
                       "and peak_rss_reason says so)",
