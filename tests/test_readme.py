@@ -131,6 +131,12 @@ NOT_RUN = {
     "--benchmark-save=before": "times the benchmarks (minutes)",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-timer=time.process_time "
     "--benchmark-compare --benchmark-compare-fail=median:25%": "times the benchmarks (minutes)",
+    "python experiments/step_breakdown.py --threads 1": "minutes of model=small decode rounds, by two clocks",
+    "python experiments/fused_projections.py --threads 1": "minutes of interleaved model=small rounds",
+    "scripts/gpu_check.sh": "needs an NVIDIA GPU; tests/test_gpu_check.py runs the same script with --dry-run",
+    "OUT=/tmp/check scripts/gpu_check.sh --steps preflight,cuda,eager": "needs an NVIDIA GPU (the dry run covers "
+                                                                        "the script)",
+    "scripts/gpu_check.sh --fetch-wheels": "downloads ~28 MB of wheels from PyPI",
 }
 
 
