@@ -40,14 +40,16 @@ def readme_commands() -> List[str]:
     return out
 
 
-# Appended to the README's command so that it runs in seconds on a CPU (later overrides win).
-QUICK = ["runtime.warmup=0", "runtime.repeats=1", "runtime.threads=1", "wandb=disabled"]
+# Appended to the README's command so that it runs in seconds on a CPU (later overrides win). Jobs
+# run in kvbench's own process: a fresh one per job costs a torch import each (24 in the flagship
+# sweep), and isolation has its own tests (tests/test_isolation.py, tests/test_sweeps.py).
+QUICK = ["runtime.warmup=0", "runtime.repeats=1", "runtime.threads=1", "wandb=disabled", "runtime.isolate=false"]
 TINY = ["model=tiny", "workload.gen_len=2", *QUICK]
 SWEEP = [*TINY, "runtime.fidelity=false"]  # a sweep's jobs check nothing the single run does not
 CHAT = ["model=tiny", "workload.system_len=16", "workload.turns=2", "workload.user_len=4", "workload.reply_len=3",
         *QUICK]
 SMALL_TEXT = ["train.batch_size=2", "train.seq_len=32", "train.eval_batches=1", "data.max_bytes=20000",
-              "runtime.threads=1", "wandb=disabled"]
+              "runtime.threads=1", "wandb=disabled", "runtime.isolate=false"]
 TRAIN = ["train.steps=2", "train.log_every=1", "train.eval_every=2", *SMALL_TEXT]
 
 
