@@ -125,7 +125,7 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
                        partial(torch.load, path, map_location=map_location, weights_only=True))
     if not isinstance(payload, dict) or FORMAT_KEY not in payload:
         raise CheckpointError(f"checkpoint {path}: not a kvbench checkpoint (no {FORMAT_KEY!r} key); "
-                              "for a Llama-format directory pass the directory")
+                              "for a transformers checkpoint directory pass the directory")
     for key in ("model", "attention", "state_dict"):
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"checkpoint {path}: {key!r} is not a mapping")
@@ -164,11 +164,11 @@ def _llama_name(name: str) -> str:
 
 
 def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
-    """The decoder shape a Llama-format directory's config.json describes."""
+    """The decoder shape a checkpoint directory's config.json describes."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
+        raise CheckpointError(f"{directory}: no config.json (expected a transformers checkpoint directory)")
     try:
         return ModelConfig.from_hf_config(read_json(config_path), str(config_path), max_seq_len)
     except (OSError, ValueError) as exc:  # ConfigError, JSON that does not parse, not a regular file

@@ -464,7 +464,7 @@ class TrainConfig:
     eval_every: int = 200
     log_every: int = 20
     init_from: Optional[str] = None  # checkpoint to start from (converted to attention.num_kv_heads)
-    checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or Llama-format directory
+    checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or transformers checkpoint directory
 
     def __post_init__(self) -> None:
         _check_numbers("train", self)

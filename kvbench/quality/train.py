@@ -217,7 +217,7 @@ def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Opt
 
 
 def load_for_eval(source: str, dtype: str = "float32", device: torch.device | str = "cpu"):
-    """A kvbench checkpoint file or a Llama-format directory: (Decoder, tokenizer or None)."""
+    """A kvbench checkpoint file or a transformers checkpoint directory: (Decoder, tokenizer or None)."""
     path = Path(source)
     if path.is_dir():
         return load_llama_dir(path, dtype, device)
@@ -234,7 +234,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     than saved repeat them (exact), fewer mean-pool them, anything else is invalid."""
     if not cfg.train.checkpoint:
         raise ConfigError("train.checkpoint=None: task=eval needs a kvbench checkpoint file or a "
-                          "Llama-format directory")
+                          "transformers checkpoint directory (config.json + *.safetensors)")
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
     saved = model.num_kv_heads
     model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
