@@ -2,9 +2,11 @@
 
 - kvbench's own checkpoints: one ``torch.save`` of the two configs as dicts, the state dict and
   any extra (train metrics, the loss curve).
-- Llama-format directories (``config.json`` + ``*.safetensors`` with transformers' names), MHA or
-  GQA. The decoder's rotary embedding uses the same rotate-half layout as transformers' Llama, so
-  q/k weights load unpermuted (tests/test_checkpoint.py compares logits against transformers).
+- transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
+  names) of the architectures in :data:`~kvbench.config.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
+  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms), MHA, GQA or MQA. The
+  decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
+  unpermuted (tests/test_checkpoint.py compares logits against transformers for each family).
 - A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
   2023), or repeating them, exactly, to more heads (GQA → MHA).
 
@@ -90,7 +92,7 @@ def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Di
         decoder = Decoder(model, attention)
     params = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state_dict.items()}
     decoder.load_state_dict(params, strict=True, assign=True)
-    cos, sin = rope_tables(model.max_seq_len, model.head_dim, model.rope_theta)
+    cos, sin = rope_tables(model)
     decoder.rope_cos, decoder.rope_sin = cos.to(device), sin.to(device)
     return decoder
 
@@ -123,7 +125,7 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
                        partial(torch.load, path, map_location=map_location, weights_only=True))
     if not isinstance(payload, dict) or FORMAT_KEY not in payload:
         raise CheckpointError(f"checkpoint {path}: not a kvbench checkpoint (no {FORMAT_KEY!r} key); "
-                              "for a Llama-format directory pass the directory")
+                              "for a transformers checkpoint directory pass the directory")
     for key in ("model", "attention", "state_dict"):
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"checkpoint {path}: {key!r} is not a mapping")
@@ -152,7 +154,8 @@ def _llama_name(name: str) -> str:
     replacements = [("model.embed_tokens.", "embed."), ("model.layers.", "blocks."),
                     ("model.norm.", "norm."), (".self_attn.q_proj.", ".attn.wq."),
                     (".self_attn.k_proj.", ".attn.wk."), (".self_attn.v_proj.", ".attn.wv."),
-                    (".self_attn.o_proj.", ".attn.wo."), (".mlp.gate_proj.", ".mlp.w_gate."),
+                    (".self_attn.o_proj.", ".attn.wo."), (".self_attn.q_norm.", ".attn.q_norm."),
+                    (".self_attn.k_norm.", ".attn.k_norm."), (".mlp.gate_proj.", ".mlp.w_gate."),
                     (".mlp.up_proj.", ".mlp.w_up."), (".mlp.down_proj.", ".mlp.w_down."),
                     (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm.")]
     for old, new in replacements:
@@ -161,11 +164,11 @@ def _llama_name(name: str) -> str:
 
 
 def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
-    """The decoder shape a Llama-format directory's config.json describes."""
+    """The decoder shape a checkpoint directory's config.json describes."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{directory}: no config.json (expected a Llama-format checkpoint directory)")
+        raise CheckpointError(f"{directory}: no config.json (expected a transformers checkpoint directory)")
     try:
         return ModelConfig.from_hf_config(read_json(config_path), str(config_path), max_seq_len)
     except (OSError, ValueError) as exc:  # ConfigError, JSON that does not parse, not a regular file
@@ -175,7 +178,8 @@ def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) 
 def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float32,
                    device: torch.device | str = "cpu", max_seq_len: Optional[int] = None
                    ) -> Tuple[Decoder, Optional["tokenizers.Tokenizer"]]:  # noqa: F821
-    """A Llama/Mistral-format checkpoint directory as a Decoder, plus its tokenizer if it has one.
+    """A transformers checkpoint directory (an architecture of ``HF_ARCHITECTURES``) as a Decoder,
+    plus its tokenizer if it has one.
 
     ``max_seq_len`` caps the rotary table (default: the config's max_position_embeddings).
     """
@@ -243,12 +247,12 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
     D = model.config.head_dim
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in list(state):
-        if how != "none" and name.endswith((".attn.wk.weight", ".attn.wv.weight")):
-            w = state[name]  # (old H_kv * D, C)
+        if how != "none" and name.endswith((".attn.wk.weight", ".attn.wv.weight", ".attn.wk.bias", ".attn.wv.bias")):
+            w = state[name]  # weight (old H_kv * D, C) or bias (old H_kv * D,): rows are heads
             if how == "mean-pool":
                 heads = w.float().view(num_kv_heads, old // num_kv_heads, D, -1).mean(dim=1).to(w.dtype)
             else:
                 heads = w.view(old, D, -1).repeat_interleave(num_kv_heads // old, dim=0)
-            state[name] = heads.reshape(num_kv_heads * D, -1)  # (H_kv, D, C) -> (H_kv * D, C)
+            state[name] = heads.reshape(num_kv_heads * D, *w.shape[1:])  # (H_kv, D, C) -> (H_kv * D, C)
     attention = AttentionConfig.for_heads(model.config.num_heads, num_kv_heads)
     return build_decoder(model.config, attention, state, device=model.device)

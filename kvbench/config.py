@@ -115,8 +115,19 @@ RENAMED_KEYS = {
                           "run uses is attention.num_kv_heads)",
 }
 
-# transformers architectures whose config.json and tensor names the decoder reads.
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# The transformers architectures whose config.json and tensor names the decoder reads, each with
+# the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
+# and the README's table of accepted architectures follow it. Every architecture also takes the
+# rope types in ROPE_TYPES; everything else (MoE, multimodal, a sliding window shorter than the
+# run, biases beyond q/k/v, other rope types) is refused naming its config.json key.
+HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
+}
+# model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -135,8 +146,19 @@ class ModelConfig:
     vocab_size: int = 256
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3
+    # (Llama 3.1+) divides those with wavelengths above rope_original_max_seq_len /
+    # rope_low_freq_factor, keeps those below rope_original_max_seq_len / rope_high_freq_factor,
+    # and interpolates between.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: Optional[int] = None  # llama3: the pretraining context
     norm_eps: float = 1e-5
-    path: Optional[str] = None  # a local Llama-format checkpoint dir: its config.json sets the shape
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
+    path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
 
     def __post_init__(self) -> None:
         if self.path:
@@ -145,6 +167,7 @@ class ModelConfig:
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len", "preset_kv_heads"))
         _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        self._check_rope_scaling()
         _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
         if self.head_dim is None:
             _check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
@@ -155,6 +178,20 @@ class ModelConfig:
         _check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
+
+    def _check_rope_scaling(self) -> None:
+        _check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
+        _check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
+               "must be >= 1 (the factor positions are stretched by)")
+        if self.rope_type != "llama3":
+            return
+        _check(self.rope_original_max_seq_len is not None and self.rope_original_max_seq_len >= 1,
+               "model.rope_original_max_seq_len", self.rope_original_max_seq_len,
+               "must be >= 1 with model.rope_type=llama3 (the pretraining context)")
+        _check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor,
+               "must be > 0")
+        _check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
+               self.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={self.rope_low_freq_factor}")
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
@@ -184,24 +221,33 @@ class ModelConfig:
     def _from_hf_config(cls, cfg: Mapping[str, Any], where: str, max_seq_len: Optional[int],
                         fields: Dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
-        if not any(a in HF_ARCHITECTURES for a in archs):
-            raise ConfigError(f"{where}: architecture {', '.join(map(str, archs))} is not supported "
-                              f"(supported: {', '.join(HF_ARCHITECTURES)})")
-        # transformers >= 5 keeps rope settings in rope_parameters; older configs in rope_theta/rope_scaling.
-        rope = cfg.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if cfg.get("rope_scaling") or rope_type != "default":
-            raise ConfigError(f"{where}: rope scaling ({cfg.get('rope_scaling') or rope_type}) is not "
-                              "supported; only plain rotary embeddings")
-        for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
-                raise ConfigError(f"{where}: {key}=true is not supported (the decoder has no biases)")
+        arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"{where}: architectures={archs!r}: not supported "
+                              f"(accepted: {', '.join(HF_ARCHITECTURES)})")
+        switches = HF_ARCHITECTURES[arch]
+        refused = {  # key: why, for a value that is set and not the default
+            "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
+                                                                 "q/k/v biases are modelled)",
+            "mlp_bias": "the decoder's MLP has no biases",
+            "text_config": "multimodal checkpoints are not supported",
+            "vision_config": "multimodal checkpoints are not supported",
+            "num_experts": "mixture-of-experts is not supported",
+            "num_local_experts": "mixture-of-experts is not supported",
+        }
+        for key, why in refused.items():
+            if why and cfg.get(key):
+                raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
+            raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
         positions = cfg.get("max_position_embeddings", 2048)
-        if cfg.get("sliding_window") and cfg["sliding_window"] < (max_seq_len or positions):
-            raise ConfigError(f"{where}: sliding_window={cfg['sliding_window']} is not supported; "
-                              f"pass max_seq_len <= {cfg['sliding_window']}")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        layer_types = cfg.get("layer_types")  # transformers >= 5 lists each layer's kind
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            window = None
+        if window and window < (max_seq_len or positions):
+            raise ConfigError(f"{where}: sliding_window={window}: not supported (the decoder attends to "
+                              f"every earlier token); pass max_seq_len <= {window}")
         try:
             heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
             shape = dict(
@@ -211,8 +257,7 @@ class ModelConfig:
                 head_dim=cfg.get("head_dim") or (hidden // heads if _counts(hidden, heads) else None),
                 ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                 max_seq_len=max_seq_len or positions,
-                rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-                norm_eps=cfg.get("rms_norm_eps", 1e-6))
+                norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions))
         except KeyError as e:
             raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
         # Typed like a Hydra config: a string or a list where a number belongs names its key.
@@ -230,9 +275,9 @@ class ModelConfig:
             shape = ModelConfig.from_hf_config(hf, str(path))
         except ConfigError as exc:
             raise ConfigError(f"model.path={self.path!r}: {exc}") from None
-        for name in ("num_layers", "d_model", "num_heads", "preset_kv_heads", "head_dim", "ffn_dim",
-                     "vocab_size", "max_seq_len", "rope_theta", "norm_eps"):
-            setattr(self, name, getattr(shape, name))
+        for f in fields(self):  # everything but the preset's name and the path itself
+            if f.name not in ("name", "path"):
+                setattr(self, f.name, getattr(shape, f.name))
 
 
 @dataclass
@@ -419,7 +464,7 @@ class TrainConfig:
     eval_every: int = 200
     log_every: int = 20
     init_from: Optional[str] = None  # checkpoint to start from (converted to attention.num_kv_heads)
-    checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or Llama-format directory
+    checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or transformers checkpoint directory
 
     def __post_init__(self) -> None:
         _check_numbers("train", self)
@@ -467,6 +512,34 @@ class BenchConfig:
         if w.name == "multiturn" and self.cache.shared:
             _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
+
+
+def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
+    """ModelConfig's rope fields from a config.json: transformers >= 5 writes ``rope_parameters``
+    (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45).
+    A rope type the decoder does not compute is refused naming the key."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(key) or {}
+    if not isinstance(rope, Mapping):
+        raise ConfigError(f"{key}={rope!r}: malformed (expected a JSON object)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{key}.rope_type={rope_type!r}: not supported (accepted: {', '.join(ROPE_TYPES)})")
+    for where, found in ((f"{key}.", rope), ("", cfg)):
+        if found.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"{where}partial_rotary_factor={found['partial_rotary_factor']!r}: not supported "
+                              "(the decoder rotates every dimension)")
+    out = {"rope_type": rope_type, "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0))}
+    needed = {"linear": {"rope_factor": "factor"},
+              "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                         "rope_high_freq_factor": "high_freq_factor"}}.get(rope_type, {})
+    for name, hf_name in needed.items():
+        if hf_name not in rope:
+            raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
+        out[name] = rope[hf_name]
+    if rope_type == "llama3":  # transformers falls back to max_position_embeddings too
+        out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
+    return out
 
 
 def _counts(*values: Any) -> bool:

@@ -1,4 +1,5 @@
-"""The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU).
+"""The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU), with the
+switches that make it Qwen2 (q/k/v biases) or Qwen3 (per-head q/k RMSNorm) as config fields.
 
 Attention is MHA, GQA or MQA purely by ``num_kv_heads``; nothing in ``forward`` branches on a
 variant name. Query head h reads KV head h // G (contiguous groups, the Llama-checkpoint
@@ -12,6 +13,7 @@ H_kv KV heads, G = H / H_kv query heads per KV head, D head_dim, V vocab.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -49,10 +51,27 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (D/2,) in float64, scaled by ``cfg.rope_type`` as transformers'
+    rope type of that name: ``linear`` divides all by ``rope_factor``; ``llama3`` divides those
+    whose wavelength exceeds ``rope_original_max_seq_len / rope_low_freq_factor``, keeps those
+    below ``rope_original_max_seq_len / rope_high_freq_factor`` and blends linearly in between
+    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``)."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        keep = ((cfg.rope_original_max_seq_len / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - keep) * inv_freq / cfg.rope_factor + keep * inv_freq
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
@@ -121,15 +140,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, num_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.d_model, bias=False)
+        # Qwen3: each query and key head normalised over D before rotary (one weight for all heads).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, mask, cache, start_pos: int):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q = self.q_norm(self.wq(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_norm(self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         prefix = None
@@ -183,7 +205,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i) for i in range(model.num_layers))
         self.norm = RMSNorm(model.d_model, model.norm_eps)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
-        cos, sin = rope_tables(model.max_seq_len, model.head_dim, model.rope_theta)
+        cos, sin = rope_tables(model)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

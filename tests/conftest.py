@@ -2,7 +2,6 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.config import AttentionConfig, ModelConfig, register_configs
 from kvbench.model import Decoder
@@ -72,22 +71,40 @@ def pytest_collection_modifyitems(config, items):
 VOCAB = 97
 
 
-def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
-    """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
+# transformers' (config, model) classes of each accepted family, as its save_pretrained writes them.
+HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def hf_dir(tmp_path, num_kv_heads, tie=False, family="llama", **overrides):
+    """A tiny random transformers model of ``family`` saved with save_pretrained; returns
+    (dir, hf model). Norm weights and biases are randomised (transformers starts them at 1 and 0,
+    where a missing or misplaced one would not show)."""
+    import transformers
+
+    config_class, model_class = (getattr(transformers, name) for name in HF_FAMILIES[family])
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=num_kv_heads, intermediate_size=48,
-                      vocab_size=overrides.pop("vocab_size", VOCAB),
-                      max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=tie, **overrides)
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+                 intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, rope_theta=500.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=tie)
+    if family == "qwen3":
+        shape["head_dim"] = 8  # Qwen3Config's default is 128, not hidden_size // heads
+    cfg = config_class(**{**shape, **overrides})
     cfg._attn_implementation = "eager"
-    hf = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms start at 1: make them matter so a misplaced norm weight shows
+    hf = model_class(cfg).eval()
+    with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     hf.save_pretrained(tmp_path)
     return tmp_path, hf
+
+
+def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
+    """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
+    return hf_dir(tmp_path, num_kv_heads, tie, "llama", **overrides)
 
 
 class LiveKvbench:

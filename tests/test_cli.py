@@ -50,7 +50,7 @@ def group_options():
 def test_every_conf_file_composes_and_validates(group, option, tmp_path):
     hydra_node = group == "experiment" or group.startswith("hydra/")
     extra = []
-    if option == "llama_dir":  # needs a checkpoint to read its shape from
+    if option in ("hf_dir", "llama_dir"):  # needs a checkpoint to read its shape from
         extra = [f"model.path={llama_dir(tmp_path, num_kv_heads=2)[0]}", "workload.prompt_len=16",
                  "workload.gen_len=8"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

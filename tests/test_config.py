@@ -165,6 +165,7 @@ def compose_job(*overrides):
 @pytest.mark.parametrize("overrides, needle", [
     # a mandatory value left unset: once a random 2-layer model benchmarked as "ok"
     (["model=llama_dir"], "model.path=???: a value is required"),
+    (["model=hf_dir"], "model.path=???: a value is required"),
     (["model=tiny", "model.path=???"], "model.path=???"),
     # a typo, with or without +: the nearest real key
     (["+workload.promt_len=5"], "workload.promt_len=5: unknown key (did you mean workload.prompt_len?)"),
@@ -211,6 +212,63 @@ def test_a_malformed_config_json_names_the_file_and_key(change, needle):
     msg = one_line_error(lambda: ModelConfig.from_hf_config({**hf, **change}, "ck/config.json"), needle)
     assert msg.startswith("ck/config.json: ")
     one_line_error(lambda: ModelConfig.from_hf_config([1, 2], "ck/config.json"), "ck/config.json: not a JSON object")
+
+
+HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 97,
+            "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"architectures": ["MixtralForCausalLM"]},
+     "architectures=['MixtralForCausalLM']: not supported (accepted: LlamaForCausalLM, MistralForCausalLM, "
+     "Qwen2ForCausalLM, Qwen3ForCausalLM)"),
+    ({"num_local_experts": 8}, "num_local_experts=8: mixture-of-experts is not supported"),
+    ({"vision_config": {"hidden_size": 8}}, "vision_config={'hidden_size': 8}: multimodal checkpoints"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters.rope_type='yarn': not supported (accepted: default, linear, llama3)"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic': not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor: missing"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "model.rope_factor=0.5: must be >= 1"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}},
+     "model.rope_high_freq_factor=1.0: must be > model.rope_low_freq_factor=4.0"),
+    ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor=0.5: not supported"),
+    ({"sliding_window": 64}, "sliding_window=64: not supported (the decoder attends to every earlier token); "
+                             "pass max_seq_len <= 64"),
+    ({"attention_bias": True}, "attention_bias=True: biases on q, k, v and o"),
+    ({"mlp_bias": True}, "mlp_bias=True: the decoder's MLP has no biases"),
+])
+def test_what_the_decoder_does_not_model_is_refused_naming_the_key(change, needle):
+    msg = one_line_error(lambda: ModelConfig.from_hf_config({**HF_LLAMA, **change}, "ck/config.json"), needle)
+    assert msg.startswith("ck/config.json: ")
+
+
+@pytest.mark.parametrize("config, accepted", [
+    # Qwen2 writes sliding_window but turns it off; transformers >= 5 lists the layers' kinds.
+    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": False}, True),
+    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": True,
+      "layer_types": ["full_attention", "full_attention"]}, True),
+    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention"]}, False),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 32}, False),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, True),
+])
+def test_a_sliding_window_is_refused_only_where_it_applies(config, accepted):
+    read = lambda: ModelConfig.from_hf_config({**HF_LLAMA, **config}, "ck/config.json")  # noqa: E731
+    if accepted:
+        assert read().qkv_bias == (config["architectures"] == ["Qwen2ForCausalLM"])
+    else:
+        one_line_error(read, "sliding_window=32: not supported")
+
+
+def test_rope_scaling_read_from_either_spelling():
+    llama3 = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,
+              "original_max_position_embeddings": 8192}
+    new = ModelConfig.from_hf_config({**HF_LLAMA, "rope_parameters": {"rope_theta": 5e5, **llama3}})
+    old = ModelConfig.from_hf_config({**HF_LLAMA, "rope_theta": 5e5, "rope_scaling": llama3})
+    assert new == old
+    assert (new.rope_type, new.rope_factor, new.rope_original_max_seq_len, new.rope_theta) == ("llama3", 8.0, 8192, 5e5)
 
 
 @pytest.mark.parametrize("given, mode", [(False, "false"), ("False", "false"), (True, "default"), ("true", "default"),

@@ -91,6 +91,12 @@ CHAINS: List[Dict[str, Step]] = [
         "kvbench task=eval attention=mha train.checkpoint=/path/to/llama data.path=/path/to/text.txt": Step(SMALL_TEXT),
         "kvbench model=llama_dir model.path=/path/to/llama attention=mha": Step(
             ["workload.prompt_len=16", "workload.gen_len=2", *QUICK]),
+        # the worked example of "Your own checkpoint": the directory is made in this chain's cwd
+        "python scripts/make_hf_dir.py --out llama32_tiny": Step(swap={"scripts/": f"{ROOT}/scripts/"}),
+        "kvbench -m model=hf_dir model.path=llama32_tiny attention=gqa,mqa workload.prompt_len=128 "
+        "hydra.sweep.dir=multirun/llama32": Step(["workload.gen_len=2", "runtime.isolate=false", *QUICK]),
+        "kvbench -m task=eval train.checkpoint=llama32_tiny attention=gqa,mqa hydra.sweep.dir=multirun/llama32_eval":
+            Step(["runtime.isolate=false", *SMALL_TEXT]),
         "kvbench -m model=tiny attention=mha,gqa,mqa workload.prompt_len=64,256 workload.batch_size=1,4 "
         "workload.gen_len=16 hydra.sweep.dir=multirun/kv_demo": Step(SWEEP, {"workload.prompt_len=64,256":
                                                                                "workload.prompt_len=16,32"}),
@@ -298,6 +304,31 @@ def test_a_gqa_llama_checkpoint_is_evaluated_and_benchmarked_as_mha(ran):
         assert rec["config"]["attention"] == {"type": "mha", "num_kv_heads": 4}
         assert (rec["config"]["model"]["num_layers"], rec["config"]["model"]["d_model"]) == (2, 32)  # not small's
         assert rec["config"]["model"]["preset_kv_heads"] == 2 and rec["metrics"]["kv_heads_conversion"] == "repeat"
+
+
+def test_the_llama32_example_benchmarks_and_evaluates_gqa_and_pooled_mqa(ran):
+    """The worked example: a random Llama-3.2-shaped directory (llama3 rope scaling, 32/8 heads,
+    tied) benchmarked and evaluated as its own GQA and as MQA mean-pooled from it."""
+    result(ran, "python scripts/make_hf_dir.py --out llama32_tiny")
+    bench = next(c for c in RUN if "multirun/llama32 " in c + " ")
+    evals = next(c for c in RUN if "multirun/llama32_eval" in c)
+    cwd = ran[bench][2]
+    assert "gqa kv=8" in result(ran, bench).stdout and "mqa kv=1" in result(ran, bench).stdout
+    for command, directory in ((bench, "llama32"), (evals, "llama32_eval")):
+        result(ran, command)
+        recs = records_by_kv(cwd / "multirun" / directory)
+        assert sorted(recs) == [1, 8] and {r["status"] for r in recs.values()} == {"ok"}
+        model = recs[8]["config"]["model"]
+        shape = (model["num_layers"], model["num_heads"], model["rope_type"], model["rope_factor"])
+        assert shape == (3, 32, "llama3", 32.0)
+        assert recs[8]["metrics"]["kv_heads_conversion"] == "none"
+        assert recs[1]["metrics"]["kv_heads_conversion"] == "mean-pool"
+    perplexity = {kv: r["metrics"]["perplexity"] for kv, r in records_by_kv(cwd / "multirun" / "llama32_eval").items()}
+    assert 100 < perplexity[8] < 1000 and perplexity[1] != perplexity[8]  # a random model over 256 bytes
+
+
+def records_by_kv(directory: Path) -> Dict[int, dict]:
+    return {r["config"]["attention"]["num_kv_heads"]: r for r in records(directory)}
 
 
 def test_multiturn_commands_print_their_ttft_tables(ran):

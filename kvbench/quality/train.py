@@ -29,7 +29,8 @@ CHECKPOINT_NAME = "checkpoint.pt"
 _MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above this
 # What makes two decoders the same shape (the name and the preset's KV-head count do not).
 _SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "head_dim", "ffn_dim", "max_seq_len", "rope_theta",
-               "norm_eps")
+               "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_seq_len", "norm_eps", "qkv_bias", "qk_norm")
 
 _QUALITY = {
     "val_loss": "nats/token; mean next-token cross-entropy over train.eval_batches x train.batch_size fixed "
@@ -216,7 +217,7 @@ def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Opt
 
 
 def load_for_eval(source: str, dtype: str = "float32", device: torch.device | str = "cpu"):
-    """A kvbench checkpoint file or a Llama-format directory: (Decoder, tokenizer or None)."""
+    """A kvbench checkpoint file or a transformers checkpoint directory: (Decoder, tokenizer or None)."""
     path = Path(source)
     if path.is_dir():
         return load_llama_dir(path, dtype, device)
@@ -233,7 +234,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     than saved repeat them (exact), fewer mean-pool them, anything else is invalid."""
     if not cfg.train.checkpoint:
         raise ConfigError("train.checkpoint=None: task=eval needs a kvbench checkpoint file or a "
-                          "Llama-format directory")
+                          "transformers checkpoint directory (config.json + *.safetensors)")
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
     saved = model.num_kv_heads
     model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's

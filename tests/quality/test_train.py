@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TEXT, byte_decoder
+from conftest import TEXT, byte_decoder, hf_dir
 
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
 from kvbench.config import (
@@ -21,7 +21,7 @@ from kvbench.config import (
     WandbConfig,
     WorkloadConfig,
 )
-from kvbench.quality.data import TokenData
+from kvbench.quality.data import TokenData, byte_data, eval_windows
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 
 CPU = torch.device("cpu")
@@ -114,3 +114,23 @@ def test_eval_llama_dir_with_its_tokenizer(tmp_path, corpus):
     assert m["bytes_per_token"] > 1.2  # BPE merges bytes into tokens
     assert m["bits_per_byte"] == pytest.approx(m["val_loss"] / math.log(2) / m["bytes_per_token"])
     assert 100 < m["perplexity"] < 1000  # an untrained model is near-uniform over 300 tokens
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    ("mistral", {}), ("qwen2", {}), ("qwen3", {})])
+def test_eval_of_each_family_is_transformers_perplexity_on_the_same_windows(tmp_path, corpus, family, overrides):
+    """task=eval on a directory of each accepted family: the perplexity transformers' own model
+    gives over the same validation windows, within 1e-4 relative."""
+    path, hf = hf_dir(tmp_path / family, 2, family=family, vocab_size=256, **overrides)
+    cfg = bench(tmp_path, corpus, attention="gqa", checkpoint=str(path))
+    m = run_eval(cfg, CPU)
+    assert m["num_kv_heads"] == 2 and m["kv_heads_conversion"] == "none"
+    val, T = byte_data(cfg.data).val, cfg.train.seq_len
+    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
+                  + torch.arange(T + 1)]
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
