@@ -3,10 +3,11 @@
 For each context length (``capacity.context_lens``, prompt tokens; every sequence then decodes
 ``workload.gen_len`` tokens) the search
 
-1. measures a calibration probe at batch 1: its peak memory minus the weights and the KV formula
-   is the activation overhead of one sequence;
+1. measures calibration probes at batches 1 and 2: their peak memory minus the weights and the KV
+   formula is the activation overhead, split into a fixed part and a part per sequence (the
+   difference between the two);
 2. predicts the largest batch from weights + KV formula (:func:`kvbench.cache.kv_cache_bytes`,
-   the formula ``task=inspect`` prints) + that overhead per sequence (:func:`predict_max_batch`);
+   the formula ``task=inspect`` prints) + that overhead (:func:`predict_max_batch`);
 3. confirms and bisects with measured probes (:func:`search_capacity`, a pure function over a
    ``measure(batch) -> probe`` callable) until the answer is within ``capacity.batch_step`` of the
    smallest batch that failed.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,7 +48,8 @@ METHODS: Dict[str, str] = {
     "memory_method": "text; how a probe's memory is measured: CPU, the peak resident set of the job's process "
                      "during the probe (VmHWM, reset through /proc/self/clear_refs after freed heap is returned "
                      "to the OS) minus the resident set before the model was built, so weights, KV cache, "
-                     "activations and allocator slack count and the Python/torch runtime does not; CUDA, "
+                     "activations and allocator slack count and the Python/torch runtime does not (the code "
+                     "pages of kernels first run in the job do: a fixed part of the overhead); CUDA, "
                      "torch.cuda.max_memory_reserved during the probe (what torch held from the device; the "
                      "CUDA context is outside it)",
     "weight_bytes_measured": "bytes; parameters and persistent buffers of the model the probes ran",
@@ -62,9 +64,11 @@ METHODS: Dict[str, str] = {
     "probes_run": "count; probes measured over all contexts (refused ones not counted)",
     "tables.capacity": "one row per context: max_batch (largest batch whose probe met every bound; the search "
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
-                       "(weights + KV formula + the calibration's activation bytes per sequence, memory only), "
-                       "formula_max_batch (weights + KV formula alone), the probe at max_batch: peak_bytes "
-                       "(measured) next to predicted_bytes, ttft_ms, tpot_ms, tokens_per_s",
+                       "(weights + KV formula + activation_fixed_bytes + activation_bytes_per_sequence per "
+                       "sequence, from the calibration probes at batches 1 and 2; memory only), "
+                       "formula_max_batch (weights + KV formula alone), activation_fixed_bytes and "
+                       "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
+                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tokens_per_s",
     "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
                               "violated: memory, ttft, tpot), violated (all of them), measured (false: refused "
                               "on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, kv_bytes "
@@ -169,10 +173,25 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
 
 
 def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
-                      activation_per_sequence: int = 0) -> int:
-    """The memory-only prediction: weights + KV formula (+ activations per sequence) under ``budget``."""
-    return predict_max_batch(budget, weights, kv_bytes(cfg, context, 1) + max(0, activation_per_sequence),
+                      activation: Tuple[int, int] = (0, 0)) -> int:
+    """The memory-only prediction: weights + KV formula (+ the activations' fixed part and part per
+    sequence) under ``budget``."""
+    fixed, per_sequence = (max(0, a) for a in activation)
+    return predict_max_batch(budget, weights + fixed, kv_bytes(cfg, context, 1) + per_sequence,
                              cfg.capacity.max_batch)
+
+
+def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
+    """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
+    through them); one probe: all of it per sequence; none: nothing known."""
+    points = sorted((p.batch, p.activation_bytes) for p in probes if p.measured and p.activation_bytes is not None)
+    if not points:
+        return 0, 0
+    if len(points) == 1 or points[-1][0] == points[0][0]:
+        return 0, points[0][1] // points[0][0]
+    (b1, a1), (b2, a2) = points[0], points[-1]
+    per_sequence = max(0, (a2 - a1) // (b2 - b1))
+    return a1 - b1 * per_sequence, per_sequence
 
 
 def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
@@ -193,11 +212,11 @@ class Prober:
         self.cfg, self.model, self.device = cfg, model, device
         self.budget, self.baseline = budget, baseline
         self.weights = weight_bytes(model)
-        self.activation_per_sequence: Dict[int, int] = {}  # context -> bytes, from the calibration
+        self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
 
     def predicted_bytes(self, context: int, batch: int) -> int:
-        return self.weights + kv_bytes(self.cfg, context, batch) + batch * max(
-            0, self.activation_per_sequence.get(context, 0))
+        fixed, per_sequence = (max(0, a) for a in self.activation.get(context, (0, 0)))
+        return self.weights + fixed + kv_bytes(self.cfg, context, batch) + batch * per_sequence
 
     def measure(self, context: int, batch: int) -> Probe:
         cfg, rt, w = self.cfg, self.cfg.runtime, self.cfg.workload
@@ -288,11 +307,12 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
         return one
 
     for context in sorted(cfg.capacity.context_lens):
-        calibration = measure(context)(1)
-        if calibration.measured and calibration.activation_bytes is not None:
-            prober.activation_per_sequence[context] = calibration.activation_bytes
-        predicted = formula_max_batch(cfg, context, budget, prober.weights, calibration.activation_bytes or 0)
-        search = search_capacity(measure(context), max(1, predicted), limit, step, known=[calibration])
+        calibration = [measure(context)(1)]
+        if calibration[0].ok and limit >= 2:
+            calibration.append(measure(context)(2))
+        prober.activation[context] = split_activation(calibration)
+        predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
+        search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration)
         at = next((p for p in search.probes if p.batch == search.max_batch), None)
         failed = next((p for p in search.probes if p.batch == search.failed_at), None)
         answers.append({
@@ -302,8 +322,9 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
             "probes": len(search.probes),
             "kv_bytes_per_sequence": kv_bytes(cfg, context, 1),
-            "activation_bytes_per_sequence": calibration.activation_bytes,
-            "decode_ms_p50_batch1": calibration.decode_ms_p50,
+            "activation_fixed_bytes": prober.activation[context][0],
+            "activation_bytes_per_sequence": prober.activation[context][1],
+            "decode_ms_p50_batch1": calibration[0].decode_ms_p50,
             **{f"{k}_at_max": getattr(at, k) if at else None
                for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tokens_per_s")},
         })
@@ -315,6 +336,6 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
 
 
 def probes_expected(limit: int, step: int) -> int:
-    """An upper bound on the probes one context's search runs: the calibration, a gallop and a
+    """An upper bound on the probes one context's search runs: the calibrations, a gallop and a
     bisection over [1, limit] at resolution ``step``."""
-    return 1 + 2 * (math.ceil(math.log2(max(2, limit / step))) + 1)
+    return 2 + 2 * (math.ceil(math.log2(max(2, limit / step))) + 1)

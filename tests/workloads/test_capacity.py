@@ -12,7 +12,14 @@ from kvbench.inspection import kv_memory_table, parameter_count
 from kvbench.measure.memory import PeakWindow, is_oom, release_heap, rss_status
 from kvbench.results import RunResult
 from kvbench.workloads import capacity
-from kvbench.workloads.capacity import Probe, formula_max_batch, predict_max_batch, search_capacity, violations
+from kvbench.workloads.capacity import (
+    Probe,
+    formula_max_batch,
+    predict_max_batch,
+    search_capacity,
+    split_activation,
+    violations,
+)
 
 
 def config(*overrides) -> BenchConfig:
@@ -90,6 +97,21 @@ def test_prediction_is_the_inspect_formula_for_llama2_7b():
     assert formula_max_batch(cfg, 4000, budget, weights) == (budget - weights) // fp16["per_sequence"] == 30
 
 
+def test_activation_is_split_into_a_fixed_part_and_a_part_per_sequence():
+    def probe(batch, activation, measured=True):
+        return Probe(1, batch, ok=True, activation_bytes=activation, measured=measured)
+
+    assert split_activation([probe(1, 1100), probe(2, 1200)]) == (1000, 100)
+    assert split_activation([probe(1, 1100)]) == (0, 1100)
+    assert split_activation([probe(2, 1100), probe(1, 1200)]) == (1200, 0)  # noise: never a negative slope
+    assert split_activation([probe(1, 500, measured=False)]) == (0, 0)
+    cfg = config("model=tiny", "capacity.context_lens=[16]", "workload.gen_len=4")
+    per_kv = capacity.kv_bytes(cfg, 16, 1)
+    # budget = weights + fixed + 3 x (KV + per sequence): exactly 3
+    assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70), 10_000, (500, 70)) == 3
+    assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70) - 1, 10_000, (500, 70)) == 2
+
+
 def test_predict_max_batch_bounds():
     assert predict_max_batch(100, 10, 30, 8) == 3
     assert predict_max_batch(100, 200, 30, 8) == 0  # the weights alone do not fit
@@ -158,7 +180,9 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
         assert p["kv_bytes"] == 2 * 2 * 8 * 8 * (p["context"] + 4) * p["batch"] * 4
         # measured peak (RSS above the pre-model baseline) holds at least the weights
         assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
-    assert probes[0]["batch"] == 1  # the calibration comes first
+    assert [p["batch"] for p in probes[:2]] == [1, 2]  # the calibrations come first
+    fixed, per_sequence = answers[0]["activation_fixed_bytes"], answers[0]["activation_bytes_per_sequence"]
+    assert fixed + per_sequence == probes[0]["activation_bytes"]  # the line goes through batch 1
     assert result.metrics["max_batch_longest"] == 8 and result.metrics["kv_bytes_per_token"] == 2 * 2 * 8 * 8 * 4
     assert set(capacity.METHODS) >= {k for k in result.metrics} - {"weight_bytes", "num_params", "timing_method"}
 
