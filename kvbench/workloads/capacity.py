@@ -3,7 +3,7 @@
 For each context length (``capacity.context_lens``, prompt tokens; every sequence then decodes
 ``workload.gen_len`` tokens) the search
 
-1. measures calibration probes at batches 1 and 2: their peak memory minus the weights and the KV
+1. measures calibration probes at batches 1 and 4: their peak memory minus the weights and the KV
    formula is the activation overhead, split into a fixed part and a part per sequence (the
    difference between the two);
 2. predicts the largest batch from weights + KV formula (:func:`kvbench.cache.kv_cache_bytes`,
@@ -42,6 +42,9 @@ STAT_Q = {"p50": 0.5, "p99": 0.99}
 # many budgets is not run (it could take the machine's memory from everyone else on it).
 CPU_REFUSE_FACTOR = 2.0
 SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed
+# The calibration's second batch: far enough from batch 1 that the slope per sequence is not lost
+# in one-off growth (batch 1 -> 2 once read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
+CALIBRATION_BATCH = 4
 
 METHODS: Dict[str, str] = {
     "memory_budget_bytes": "bytes; runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory",
@@ -65,15 +68,15 @@ METHODS: Dict[str, str] = {
     "tables.capacity": "one row per context: max_batch (largest batch whose probe met every bound; the search "
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
                        "(weights + KV formula + activation_fixed_bytes + activation_bytes_per_sequence per "
-                       "sequence, from the calibration probes at batches 1 and 2; memory only), "
+                       "sequence, from the calibration probes at batches 1 and 4; memory only), "
                        "formula_max_batch (weights + KV formula alone), activation_fixed_bytes and "
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
                        "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tokens_per_s",
     "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
-                              "violated: memory, ttft, tpot), violated (all of them), measured (false: refused "
-                              "on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, kv_bytes "
-                              "(formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms (slo.stat "
-                              "over the trials' TTFTs and over every decode step of every trial; with fewer "
+                              "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
+                              "(false: refused on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, "
+                              "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
+                              "(slo.stat over the trials' TTFTs and over every decode step of every trial; with fewer "
                               "than 100 samples a p99 is near their maximum), decode_ms_p50, tokens_per_s, oom, "
                               "error",
 }
@@ -300,7 +303,8 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     def measure(context: int) -> Callable[[int], Probe]:
         def one(batch: int) -> Probe:
             probe = prober.measure(context, batch)
-            probes.append(asdict(probe))
+            # one scalar per cell (a W&B table's column holds one type): the bounds as "memory,tpot"
+            probes.append({**asdict(probe), "violated": ",".join(probe.violated)})
             if tick is not None:
                 tick()
             return probe
@@ -308,8 +312,9 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
 
     for context in sorted(cfg.capacity.context_lens):
         calibration = [measure(context)(1)]
-        if calibration[0].ok and limit >= 2:
-            calibration.append(measure(context)(2))
+        # The second point is for memory: a latency miss at batch 1 does not make it useless.
+        if calibration[0].measured and "memory" not in calibration[0].violated and limit >= 2:
+            calibration.append(measure(context)(min(CALIBRATION_BATCH, limit)))
         prober.activation[context] = split_activation(calibration)
         predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
         search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration)

@@ -180,7 +180,7 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
         assert p["kv_bytes"] == 2 * 2 * 8 * 8 * (p["context"] + 4) * p["batch"] * 4
         # measured peak (RSS above the pre-model baseline) holds at least the weights
         assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
-    assert [p["batch"] for p in probes[:2]] == [1, 2]  # the calibrations come first
+    assert [p["batch"] for p in probes[:2]] == [1, 4]  # the calibrations come first
     fixed, per_sequence = answers[0]["activation_fixed_bytes"], answers[0]["activation_bytes_per_sequence"]
     assert fixed + per_sequence == probes[0]["activation_bytes"]  # the line goes through batch 1
     assert result.metrics["max_batch_longest"] == 8 and result.metrics["kv_bytes_per_token"] == 2 * 2 * 8 * 8 * 4
@@ -193,10 +193,10 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     capacity.run(config(*slow, "runtime.memory_budget_gb=64"), model, torch.device("cpu"), result, baseline)
     (answer,) = result.tables["capacity"]
     assert (answer["max_batch"], answer["stopped_by"]) == (0, "tpot")
-    assert result.tables["capacity_probes"][0]["violated"] == ["tpot"]
+    assert result.tables["capacity_probes"][0]["violated"] == "tpot"
     # a budget below the weights: on a CPU the probe is refused, not run, and the record says so
     result = RunResult(status="ok", config={})
     capacity.run(config(*slow, "runtime.memory_budget_gb=1e-6"), model, torch.device("cpu"), result, baseline)
     (probe,) = result.tables["capacity_probes"]
-    assert not probe["measured"] and probe["violated"] == ["memory"] and probe["error"].startswith("not run")
+    assert not probe["measured"] and probe["violated"] == "memory" and probe["error"].startswith("not run")
     assert result.tables["capacity"][0]["stopped_by"] == "memory" and result.metrics["probes_run"] == 0
