@@ -60,7 +60,8 @@ METHODS: Dict[str, str] = {
                           "(2 * layers * kv_heads * head_dim * bytes per element)",
     "max_batch_longest": "sequences; max_batch at the longest context",
     "stopped_by_longest": "text; memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
-                          "failed at the longest context",
+                          "failed at the longest context ('memory (predicted, not run)': that batch was refused on "
+                          "a CPU, predicted over 2 budgets)",
     "decode_ms_p50_longest": "ms; median decode step at batch 1 and the longest context (the calibration probe)",
     "tokens_per_s_longest": "tokens/s; batch x gen_len / decode time of a trial, median over trials, of the "
                             "probe at max_batch at the longest context",
@@ -322,7 +323,9 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
         failed = next((p for p in search.probes if p.batch == search.failed_at), None)
         answers.append({
             "context": context, "max_batch": search.max_batch,
-            "stopped_by": failed.bound if failed else SEARCH_LIMIT,
+            # a refused probe's bound is a prediction, and the answer says so
+            "stopped_by": (SEARCH_LIMIT if failed is None else failed.bound if failed.measured
+                           else f"{failed.bound} (predicted, not run)"),
             "predicted_max_batch": predicted,
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
             "probes": len(search.probes),
