@@ -122,7 +122,7 @@ NOT_RUN = {
                                                                         "offline sweep back with this command",
     "wandb login": "needs a W&B account and the network",
     "kvbench task=capacity model=llama2_7b attention=mha runtime.dtype=float16 workload.gen_len=96 "
-    "capacity.context_lens=[4000] runtime.fidelity=false slo=llama2_70b_interactive": "needs a GPU with room for "
+    "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for "
                                                                                       "Llama-2-7B's 13.5 GB of weights",
     "wandb sync multirun/kv_demo/*/wandb/offline-run-*": "needs a W&B account and the network",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only": "times the benchmarks (minutes); "
