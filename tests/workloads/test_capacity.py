@@ -201,3 +201,23 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     assert not probe["measured"] and probe["violated"] == "memory" and probe["error"].startswith("not run")
     assert result.tables["capacity"][0]["stopped_by"] == "memory (predicted, not run)"
     assert result.metrics["probes_run"] == 0
+
+
+@pytest.mark.cuda
+def test_a_real_cuda_oom_is_a_probe_and_the_search_backs_off():
+    # a budget of the whole device and batches far past it: the probes that run out of memory are
+    # recorded (oom, bound memory) and the answer is a batch whose probe fitted
+    cfg = config("model=small", "attention=mha", "capacity.context_lens=[2048]", "capacity.max_batch=4096",
+                 "workload.gen_len=2", "runtime.warmup=0", "runtime.repeats=1", "runtime.dtype=float16")
+    from kvbench.runner import build_model
+
+    device = torch.device("cuda")
+    model = build_model(cfg, device)
+    result = RunResult(status="ok", config={})
+    capacity.run(cfg, model, device, result, capacity.baseline_bytes(device))
+    probes = result.tables["capacity_probes"]
+    (answer,) = result.tables["capacity"]
+    assert any(p["oom"] and p["violated"] == "memory" for p in probes)
+    fitted = next(p for p in probes if p["batch"] == answer["max_batch"])
+    assert fitted["ok"] and fitted["peak_bytes"] <= result.metrics["memory_budget_bytes"]
+    assert answer["stopped_by"] == "memory"
