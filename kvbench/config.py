@@ -46,7 +46,8 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
 CACHE_IMPLS = ("static", "concat", "none")
 WORKLOADS = ("decode", "multiturn")
-TASKS = ("bench", "inspect", "train", "eval")
+TASKS = ("bench", "inspect", "train", "eval", "capacity")
+SLO_STATS = ("p50", "p99")
 COMPILE_MODES = ("false", "default", "graph")
 COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the modes
 
@@ -388,6 +389,9 @@ class RuntimeConfig:
     probe: str = "cached"  # cached: probe once per machine | run: probe next to this run's trials
     fidelity: bool = True  # cached decode vs recompute (and vs float32) on 2 sequences after timing
     isolate: bool = True  # each job in a fresh process (kvbench/isolation.py); false: in the calling one
+    # task=capacity: the memory a job may use, in GB (1e9 bytes); null: the CUDA device's memory
+    # (on a CPU the task needs a value: a machine's RAM is shared, not a budget)
+    memory_budget_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_numbers("runtime", self)
@@ -411,6 +415,42 @@ class RuntimeConfig:
         _check_choice("runtime.compile", self.compile, COMPILE_MODES)
         _check(self.graph_bucket >= 1, "runtime.graph_bucket", self.graph_bucket, "must be >= 1")
         _check_choice("runtime.probe", self.probe, ("cached", "run"))
+        _check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "runtime.memory_budget_gb",
+               self.memory_budget_gb, "must be > 0 or null")
+
+
+@dataclass
+class SloConfig:
+    """Latency targets of ``task=capacity``: a batch meets them when the ``stat`` (p50 or p99) of
+    its time to first token and of its time per output token are at most these (null: no target)."""
+
+    name: str = "none"
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+    stat: str = "p99"
+
+    def __post_init__(self) -> None:
+        _check_numbers("slo", self)
+        _check_choice("slo.stat", self.stat, SLO_STATS)
+        for key in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"slo.{key}", value, "must be > 0 or null")
+
+
+@dataclass
+class CapacityConfig:
+    """``task=capacity``: the contexts (prompt lengths) searched, and the search's range and
+    resolution (an answer is within ``batch_step`` of the largest batch that fits)."""
+
+    context_lens: List[int] = field(default_factory=lambda: [512, 1024, 2048])
+    max_batch: int = 256
+    batch_step: int = 1
+
+    def __post_init__(self) -> None:
+        _check_numbers("capacity", self)
+        _check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
+               "capacity.context_lens", self.context_lens, "must be a non-empty list of lengths >= 1")
+        _check_positive("capacity", self, ("max_batch", "batch_step"))
 
 
 @dataclass
@@ -490,6 +530,8 @@ class BenchConfig:
     wandb: WandbConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
     # A multirun into an existing sweep dir skips jobs whose results.json is ok for the same
     # config; rerun=true runs them again.
     rerun: bool = False
@@ -501,6 +543,8 @@ class BenchConfig:
         if self.task != "eval":
             self.attention = self.attention.resolved(self.model)
         w = self.workload
+        if self.task == "capacity":
+            self._check_capacity()
         length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
         _check(w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
@@ -512,6 +556,14 @@ class BenchConfig:
         if w.name == "multiturn" and self.cache.shared:
             _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
+
+    def _check_capacity(self) -> None:
+        w = self.workload
+        _check(w.name == "decode", "workload.name", w.name, "task=capacity measures workload=decode only")
+        longest = max(self.capacity.context_lens) + w.gen_len
+        _check(longest <= self.model.max_seq_len, "capacity.context_lens", self.capacity.context_lens,
+               f"the longest context + workload.gen_len is {longest} positions, more than "
+               f"model.max_seq_len={self.model.max_seq_len}")
 
 
 def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
@@ -629,6 +681,7 @@ def schema_defaults() -> DictConfig:
 # that means nothing for a job (train.* for a decode run, workload.* for training) is left out
 # of its record, so the record describes what was measured and nothing else.
 _WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
+                  "capacity": ("name", "gen_len"),  # the batch and the prompt are what it searches
                   "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
 _CACHE_KEYS = {"decode": ("impl",), "multiturn": ("impl", "shared")}
 _RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
@@ -649,12 +702,20 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k in keys}
 
-    if task in ("bench", "inspect"):
+    if task != "capacity":
+        out.pop("slo", None)
+        out.pop("capacity", None)
+        if isinstance(out.get("runtime"), dict):
+            out["runtime"] = {k: v for k, v in out["runtime"].items() if k != "memory_budget_gb"}
+    if task in ("bench", "inspect", "capacity"):
         out.pop("train", None)
         out.pop("data", None)
         w = out.get("workload")
         workload = w.get("name", "decode") if isinstance(w, dict) else None
-        if workload in _WORKLOAD_KEYS:
+        if task == "capacity":
+            keep("workload", _WORKLOAD_KEYS["capacity"])
+            keep("cache", _CACHE_KEYS["decode"])
+        elif workload in _WORKLOAD_KEYS:
             keep("workload", _WORKLOAD_KEYS[workload])
             keep("cache", _CACHE_KEYS[workload])
     elif task in ("train", "eval"):

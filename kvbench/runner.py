@@ -30,12 +30,12 @@ from kvbench.config import BenchConfig, ConfigError, one_line, record_view, to_b
 from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import collect_env
-from kvbench.measure.memory import MEMORY_METHODS, weight_bytes
+from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
-from kvbench.workloads import decode, multiturn
+from kvbench.workloads import capacity, decode, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -83,13 +83,6 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     return model.to(dtype).eval()
 
 
-def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
 def bench(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
     """``task=bench``: the workload ``cfg.workload.name`` on the decoder."""
     result.metrics["timing_method"] = timing_method(device)
@@ -130,7 +123,24 @@ def evaluate(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunR
     result.metrics.update(run_eval(cfg, device, loaded))
 
 
-TASKS = {"bench": bench, "train": train, "eval": evaluate}
+def capacity_search(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,
+                    progress: Progress) -> None:
+    """``task=capacity``: the largest batch per context under the memory budget and the SLOs
+    (kvbench/workloads/capacity.py); what the process held before the model is the baseline."""
+    result.metrics["timing_method"] = timing_method(device)
+    result.methods.update(JOB_METHODS)
+    baseline = capacity.baseline_bytes(device)
+    model = build_model(cfg, device)
+    result.metrics["weight_bytes"] = weight_bytes(model)
+    result.metrics["num_params"] = model.num_params()
+    label = f"capacity {cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+    expected = len(cfg.capacity.context_lens) * capacity.probes_expected(cfg.capacity.max_batch,
+                                                                          cfg.capacity.batch_step)
+    with progress(label, expected) as tick:
+        capacity.run(cfg, model, device, result, baseline, tick)
+
+
+TASKS = {"bench": bench, "train": train, "eval": evaluate, "capacity": capacity_search}
 
 
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,

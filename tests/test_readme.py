@@ -80,6 +80,9 @@ CHAINS: List[Dict[str, Step]] = [
         "kvbench -m model=tiny workload=multiturn attention=mha,gqa,mqa cache.shared=false,true "
         "runtime.threads=1": Step([*CHAT, "hydra.sweep.dir=multirun/chat"]),
         "kvbench model=tiny workload=multiturn cache.shared=true": Step(CHAT),
+        "kvbench experiment=choose": Step(["model.num_layers=2", "capacity.context_lens=[16,32]",
+                                           "capacity.max_batch=4", "workload.gen_len=2", "runtime.isolate=false",
+                                           "slo.tpot_ms=100000", "wandb=disabled", "hydra.sweep.dir=multirun/choose"]),
     },
     {
         "kvbench task=train model=train_small attention=mha runtime.threads=1": Step(TRAIN),
@@ -126,6 +129,9 @@ NOT_RUN = {
                                                                         "tests/sinks/test_tracking.py reads a real "
                                                                         "offline sweep back with this command",
     "wandb login": "needs a W&B account and the network",
+    "kvbench task=capacity model=llama2_7b attention=mha runtime.dtype=float16 workload.gen_len=96 "
+    "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for "
+                                                                                      "Llama-2-7B's 13.5 GB of weights",
     "wandb sync multirun/kv_demo/*/wandb/offline-run-*": "needs a W&B account and the network",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only": "times the benchmarks (minutes); "
                                                                              "`python -m pytest` runs each once",
@@ -338,6 +344,16 @@ def test_multiturn_commands_print_their_ttft_tables(ran):
     assert len(recs) == 6 and all(len(r["tables"]["turns"]) == 2 for r in recs)
     single = result(ran, "kvbench model=tiny workload=multiturn cache.shared=true")
     assert "turns (cache.shared=True)" in single.stdout
+
+
+def test_experiment_choose_prints_the_article_table_and_writes_its_plot(ran):
+    proc = result(ran, "kvbench experiment=choose")
+    assert "which attention to deploy" in proc.stdout and "memory tight:" in proc.stdout
+    sweep = ran["kvbench experiment=choose"][2] / "multirun" / "choose"
+    recs = records(sweep)
+    assert [r["config"]["task"] for r in recs] == ["capacity"] * 3
+    assert all(r["status"] == "ok" and len(r["tables"]["capacity"]) == 2 for r in recs)
+    assert (sweep / "capacity_vs_context.png").is_file()
 
 
 def test_the_demo_sweep_and_its_reports(ran):

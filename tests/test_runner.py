@@ -145,6 +145,7 @@ def test_in_process_jobs_do_not_inherit_threads_or_peak_rss(tmp_path, monkeypatc
     (["model.rope_theta=nan"], "model.rope_theta=nan"),  # once: "ok" with NaN metrics
     (["task=train", "train.steps=2", "train.lr=inf"], "train.lr=inf"),
     (["task=train", "train.steps=2", "data.max_bytes=0"], "data.max_bytes=0"),  # once: no cap, silently
+    (["task=capacity"], "runtime.memory_budget_gb=None: task=capacity on cpu needs a memory budget"),
 ])
 def test_a_bad_value_is_an_invalid_record_naming_the_key(tmp_path, overrides, needle):
     result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4", "runtime.repeats=1",
@@ -342,6 +343,8 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
         "train": ["task=train", "attention=mha", *small_train],
         "llama_dir": ["model=llama_dir", f"model.path={directory}", "attention=mha", "workload.prompt_len=8",
                       "workload.gen_len=3", "runtime.repeats=1"],
+        "capacity": ["task=capacity", "model=tiny", "capacity.context_lens=[8,16]", "capacity.max_batch=4",
+                     "workload.gen_len=3", "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64"],
     }
     records = {name: job(tmp_path / name.replace(" ", "_"), *overrides) for name, overrides in runs.items()}
     checkpoint = tmp_path / "train" / "checkpoint.pt"
@@ -360,7 +363,7 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
     assert without_method == {}
     assert not not_in_readme, f"metrics the README does not name: {sorted(not_in_readme)}"
     assert {"dtype_max_abs_logit_diff", "kv_cache_bytes_alloc_reason", "turn2_ttft_ms", "ppl_before_uptrain",
-            "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound"} <= \
+            "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound", "max_batch_longest"} <= \
         {k for r in records.values() for k in r.metrics}
     # compile_s needs a compiler toolchain (issue 15's compiled-decode tests run it): its method is there
     assert DECODE["compile_s"].startswith("s;") and "`compile_s`" in readme

@@ -72,6 +72,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (torch's CUDA OOM, Python's, or the CPU
+    allocator's RuntimeError)."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process since it started, in bytes."""
     if sys.platform.startswith("linux") or sys.platform == "darwin":
@@ -344,3 +353,90 @@ def _shutdown(nvml: Any) -> None:
         nvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 — nothing left to measure; a failed shutdown must not fail the run
         pass  # nothing left to measure; a failed shutdown must not fail the run
+
+
+# ---- the peak of one window of a process (task=capacity's probes) -----------------------------
+
+_PROC_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_MMAP_THRESHOLD = 1 << 20
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def release_heap() -> None:
+    """Hand freed heap back to the OS, so a window's RSS starts from what is live.
+
+    glibc raises its mmap threshold after large frees, and then keeps later large blocks (a
+    previous probe's KV cache) on the heap after they are freed: they would count in the next
+    window's resident set. A fixed 1 MiB threshold keeps every tensor past it in its own mapping,
+    returned at free; ``malloc_trim`` returns the rest. Not glibc: nothing to do."""
+    import gc
+
+    gc.collect()
+    try:
+        libc = _libc()
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss_status() -> Tuple[int, int]:
+    """(current, peak) resident set of this process in bytes: VmRSS and VmHWM (Linux)."""
+    values = {}
+    with open(_PROC_STATUS) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024  # kB
+    return values["VmRSS"], values["VmHWM"]
+
+
+def peak_window_reason(device: torch.device) -> Optional[str]:
+    """Why :class:`PeakWindow` cannot measure on ``device`` here; None when it can."""
+    if device.type == "cuda":
+        return None
+    try:
+        rss_status()
+        with open(_CLEAR_REFS, "w") as f:  # resets VmHWM to the current RSS (Linux >= 4.0)
+            f.write("5")
+    except (OSError, KeyError, ValueError) as exc:
+        return f"the peak resident set of a window needs Linux's /proc/self/status and clear_refs ({exc})"
+    return None
+
+
+class PeakWindow:
+    """The peak memory this process holds between enter and exit, in bytes (``peak``).
+
+    CPU (Linux): VmHWM, reset at enter by writing 5 to /proc/self/clear_refs after
+    :func:`release_heap`; the whole resident set, so weights and anything else live count.
+    CUDA: ``torch.cuda.max_memory_reserved`` after emptying the allocator's cache and resetting
+    its peak: what torch held from the device (the CUDA context is not in it)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.peak: Optional[int] = None
+
+    def __enter__(self) -> "PeakWindow":
+        if self.device.type == "cuda":
+            _torch_empty_cache(self.device)
+            _torch_reset_peak(self.device)
+        else:
+            release_heap()
+            with open(_CLEAR_REFS, "w") as f:
+                f.write("5")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # An out-of-memory inside the window still has a peak: the attempt's.
+        if self.device.type == "cuda":
+            self.peak = _torch_peaks(self.device)[1]
+        else:
+            self.peak = rss_status()[1]

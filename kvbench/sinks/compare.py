@@ -81,15 +81,22 @@ COLUMNS: Dict[str, List[Column]] = {
     "train": [_VAL, _PPL, Column("ppl_before_uptrain", "ppl before uptrain", "{:.3f}", brief=True, compared=True),
               _BPB, Column("train_seconds", "train s", "{:.0f}", brief=True), _CONVERSION, _PARAMS],
     "eval": [_VAL, _PPL, _BPB, _CONVERSION, Column("eval_seconds", "eval s", "{:.1f}"), _PARAMS],
+    "capacity": [Column("max_batch_longest", "max batch", "{}", brief=True, compared=True),
+                 Column("stopped_by_longest", "stopped by", "{}", brief=True),
+                 Column("decode_ms_p50_longest", "decode p50 ms (B=1)", "{:.3f}", brief=True, compared=True),
+                 Column("tokens_per_s_longest", "tok/s at max batch", "{:.1f}", brief=True, compared=True),
+                 Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
+                 Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True)],
 }
-KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation"}
+KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation",
+               "capacity": "capacity at the longest context"}
 
 
 def kind(record: Record) -> str:
-    """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval``."""
+    """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity``."""
     config = record.get("config") or {}
     task = config.get("task", "bench")
-    if task in ("train", "eval"):
+    if task in ("train", "eval", "capacity"):
         return task
     return lookup(config, "workload.name") or "decode"
 

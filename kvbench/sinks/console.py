@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvbench.results import lookup
+from kvbench.sinks.choose import Choice, choices
 from kvbench.sinks.compare import (
     AXES,
     COLUMNS,
@@ -145,6 +146,18 @@ def comparison_table(comparison: Comparison) -> Table:
     return table
 
 
+def choice_table(choice: Choice) -> Table:
+    """The article's comparison with measured numbers, the recommendations in its caption."""
+    lines = [f"{scenario}: {line}" for scenario, line in choice.recommendations] + choice.notes
+    table = Table(title="which attention to deploy" + (f" ({choice.cell})" if choice.cell else ""),
+                  caption="\n".join(lines) or None, caption_justify="left")
+    for i, name in enumerate(choice.header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in choice.rows:
+        table.add_row(*row)
+    return table
+
+
 def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     """The end of a sweep: one table of jobs per kind (decode, multi-turn, training,
     evaluation), in job order (2 before 10); then the attention variants side by side; then,
@@ -155,6 +168,7 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     tables = [jobs_table(f"{title}: {KIND_TITLES.get(k, k)}" if len(groups) > 1 else title, group, axes, k)
               for k, group in groups.items()]
     tables += [comparison_table(c) for c in comparisons(records, axes)]
+    tables += [choice_table(c) for c in choices(records)]
     ttft = ttft_comparison_table(records)
     return tables + ([ttft] if ttft is not None else [])
 

@@ -7,6 +7,8 @@
 - ``kv_memory``: KV-cache bytes vs positions held, one panel per batch size on a shared y axis,
   measured (solid) and the formula (dashed): how KV memory grows with batch and sequence length
 - ``ttft_per_turn``: multi-turn time to first token per turn, cache sharing on (solid) vs off (dashed)
+- ``capacity_vs_context``: ``task=capacity``'s max batch under the budget and SLOs vs context length,
+  measured (solid) and the memory-only prediction (dashed)
 
 Every plot is small multiples: one panel per combination of the swept axes other than its x
 axis and the attention variant (batch, dtype, cache, ...), one line per attention variant in a
@@ -118,6 +120,19 @@ def turn_panels(records, axes: Sequence[Axis]) -> Panels:
             out.setdefault(panel_title(rec, panel_axes), {})[f"{variant(rec)} shared={shared}"] = sorted(points)
     return {p: {v: out[p][v] for v in sorted(out[p], key=lambda v: variant_order(v.split(" shared=")[0]))}
             for p in sorted(out, key=natural)}
+
+
+def capacity_panels(records, axes: Sequence[Axis], column: str) -> Panels:
+    """panel -> variant -> [(context, ``column`` of tables.capacity)] for every ok capacity job
+    (``max_batch`` measured, ``predicted_max_batch`` the memory-only prediction)."""
+    jobs = [r for r in _ok(records, "capacity") if (r.get("tables") or {}).get("capacity")]
+    panel_axes = [a for a in varying(jobs, axes) if a[0] not in _NOT_PANEL]
+    out: Panels = {}
+    for rec in jobs:
+        points = [(row["context"], row[column]) for row in rec["tables"]["capacity"] if row.get(column) is not None]
+        if points:
+            out.setdefault(panel_title(rec, panel_axes), {})[variant(rec)] = sorted(points)
+    return {p: {v: out[p][v] for v in sorted(out[p], key=variant_order)} for p in sorted(out, key=natural)}
 
 
 def excluded_note(records) -> str:
@@ -268,6 +283,23 @@ def turn_plot(path: Path, data: Panels, colours: Dict[str, str], note: str) -> P
     return _finish(fig, axes, path, *handles, note, _xs(data))
 
 
+def capacity_plot(path: Path, measured: Panels, predicted: Panels, colours: Dict[str, str], note: str) -> Path:
+    """Max batch against context length: measured (the search's answer, solid with points) and the
+    memory-only prediction (weights + KV formula + measured activations, dashed), one colour per variant."""
+    names = sorted(set(measured) | set(predicted), key=natural)
+    fig, axes = _grid(len(names), "Max batch under the memory budget and SLOs vs context length",
+                      "context length (prompt tokens)", "max batch (sequences)")
+    for ax, name in zip(axes, names):
+        ax.set_title(name, fontsize="small")
+        for label, points in measured.get(name, {}).items():
+            ax.plot(*zip(*points), marker="o", color=colours[label], label=label)
+        for label, points in predicted.get(name, {}).items():
+            ax.plot(*zip(*points), linestyle="--", color=colours[label], alpha=0.8)
+    handles = _legend(colours, _used(measured), [("measured (search under budget and SLOs)", "-"),
+                                                 ("memory-only prediction", "--")])
+    return _finish(fig, axes, path, *handles, note, _xs(measured) + _xs(predicted))
+
+
 def _distinct_x(data: Panels) -> int:
     return len(set(_xs(data)))
 
@@ -314,6 +346,12 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     held_formula = panels(decode, axes, positions_held, metric("kv_cache_bytes_formula"), fold)
     if need_x("kv_memory", held_formula or held, "workload.prompt_len + workload.gen_len", "ok decode jobs"):
         drawn.append(kv_memory_plot(out / "kv_memory.png", held, held_formula, colours, note))
+
+    capacity = capacity_panels(records, axes, "max_batch")
+    if any(kind(r) == "capacity" for r in records) and need_x("capacity_vs_context", capacity,
+                                                               "capacity.context_lens", "ok capacity jobs"):
+        drawn.append(capacity_plot(out / "capacity_vs_context.png", capacity,
+                                   capacity_panels(records, axes, "predicted_max_batch"), colours, note))
 
     turns = turn_panels(records, axes)
     if max((len(p) for s in turns.values() for p in s.values()), default=0) >= 2:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, lookup, read_record
+from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.compare import (
     AXES,
     COLUMNS,
@@ -167,12 +168,31 @@ def _comparison_md(records, axes) -> List[str]:
     return lines
 
 
+def _choose_md(records) -> List[str]:
+    """The article's table per cell of the capacity jobs, and the recommendations it supports."""
+    found = choices(records)
+    if not found:
+        return []
+    lines = ["## Which attention to deploy", "",
+             "Max batch under the memory budget and the SLOs at the longest context (`task=capacity`); decode "
+             "ms at batch 1 there; one job per variant (no confidence interval). Recommendations follow these "
+             "rules:", ""] + [f"- {scenario}: {rule}" for scenario, rule in RULES.items()] + [""]
+    for choice in found:
+        if choice.cell:
+            lines += [f"### {choice.cell}", ""]
+        lines += [*_md_table(choice.header, choice.rows, len(choice.header) - 1), ""]
+        lines += [f"- **{scenario}**: {line}" for scenario, line in choice.recommendations]
+        lines += [f"- note: {note}" for note in choice.notes] + [""]
+    return lines
+
+
 def markdown(report: Report, plots: Sequence[Path]) -> str:
     """The report as markdown: counts, the variants side by side, one table of jobs per kind,
     the non-ok jobs, the plots (or why there are none)."""
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", ""]
+    lines += _choose_md(records)
     lines += _comparison_md(records, axes)
     groups = by_kind(records)
     for kind_name, group in groups.items():

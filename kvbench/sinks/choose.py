@@ -1,0 +1,151 @@
+""""Which attention should I deploy?": the article's comparison table filled with measured numbers.
+
+From the ``task=capacity`` records of a sweep over attention (``experiment=choose``): per variant
+the KV bytes per token (and the fraction of MHA's), decode ms and tokens/s at the longest context,
+the max batch under the memory budget and SLOs (and what stopped it), and quality where the same
+records hold it (perplexity of ``task=train`` / ``task=eval`` jobs of the variant). Then one
+recommendation per scenario, derived from those numbers by the rules in :data:`RULES` (also in
+the README); nothing here names a variant.
+
+One table per combination of the other swept axes (model, dtype, budget, SLO ...), like the
+side-by-side comparison. Rendering is elsewhere (console.py: rich; report.py: markdown).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from kvbench.results import lookup
+from kvbench.sinks.compare import Record, fmt, kind, natural, ratio_text, swept_axes, variant, variant_order
+
+# The rules each recommendation follows; quoted in the README.
+AMPLE_SHARE = 0.5
+RULES = {
+    "memory ample": f"the variant with the most KV heads (closest to MHA's quality) whose max batch at the "
+                    f"longest context is at least {AMPLE_SHARE:.0%} of the largest",
+    "memory tight": "the variant with the largest max batch at the longest context (a tie: more KV heads)",
+    "multi-turn": "the memory-tight choice, with cache.shared=true when this sweep's workload=multiturn jobs "
+                  "show it lowering the mean TTFT of turns 2-N (else: not measured here)",
+}
+_NOT_CELL = ("attention.type", "attention.num_kv_heads", "task", "workload.name", "cache.shared")
+
+
+@dataclass
+class Choice:
+    """The article's table for one cell of the sweep and the recommendations it supports."""
+
+    cell: str  # the other swept axes' values, "" when there are none
+    header: List[str]
+    rows: List[List[str]]
+    recommendations: List[Tuple[str, str]]  # (scenario, one line)
+    notes: List[str] = field(default_factory=list)
+
+
+def _m(rec: Record, key: str) -> Any:
+    return (rec.get("metrics") or {}).get(key)
+
+
+def _longest(rec: Record) -> Optional[Dict[str, Any]]:
+    rows = (rec.get("tables") or {}).get("capacity") or []
+    return max(rows, key=lambda r: r.get("context", 0)) if rows else None
+
+
+def _quality(records: Sequence[Record]) -> Dict[str, float]:
+    """Perplexity per variant from the ok train/eval records (the last one of a variant wins)."""
+    out: Dict[str, float] = {}
+    for rec in records:
+        if kind(rec) in ("train", "eval") and rec.get("status") == "ok" and _m(rec, "perplexity") is not None:
+            out[variant(rec)] = _m(rec, "perplexity")
+    return out
+
+
+def _multiturn(records: Sequence[Record]) -> Optional[str]:
+    """The measured effect of cache.shared on turns 2-N, or None without both modes."""
+    ttft: Dict[bool, List[float]] = {}
+    for rec in records:
+        if kind(rec) == "multiturn" and rec.get("status") == "ok" and _m(rec, "mean_ttft_ms_turns_2_n") is not None:
+            ttft.setdefault(bool(lookup(rec["config"], "cache.shared")), []).append(_m(rec, "mean_ttft_ms_turns_2_n"))
+    if not (ttft.get(True) and ttft.get(False)):
+        return None
+    shared, unshared = min(ttft[True]), min(ttft[False])
+    return (f"cache.shared=true: mean TTFT of turns 2-N {shared:.2f} ms vs {unshared:.2f} ms unshared "
+            f"({ratio_text(shared / unshared)})" if shared < unshared else
+            f"cache.shared=false: sharing did not lower the mean TTFT of turns 2-N ({shared:.2f} vs {unshared:.2f} ms)")
+
+
+def recommend(rows: Dict[str, Dict[str, Any]], multiturn: Optional[str]) -> List[Tuple[str, str]]:
+    """The scenario lines from per-variant numbers (``max_batch``, ``kv_heads``), by :data:`RULES`."""
+    ranked = [(label, r) for label, r in rows.items() if r.get("max_batch") is not None]
+    if not ranked:
+        return [("all", "no ok capacity job: nothing to recommend")]
+    best = max(r["max_batch"] for _, r in ranked)
+    tight_label, tight = max(ranked, key=lambda item: (item[1]["max_batch"], item[1]["kv_heads"]))
+    ample = [(label, r) for label, r in ranked if r["max_batch"] >= AMPLE_SHARE * best]
+    ample_label, ample_row = max(ample, key=lambda item: item[1]["kv_heads"])
+    lines = [
+        ("memory ample", f"{ample_label}: the most KV heads with a max batch of {ample_row['max_batch']} "
+                         f"(>= {AMPLE_SHARE:.0%} of the best, {best})"),
+        ("memory tight", f"{tight_label}: the largest max batch, {tight['max_batch']}"
+                         + (f" ({ratio_text(tight['max_batch'] / rows[_baseline(rows)]['max_batch'])} "
+                            f"{_baseline(rows)})" if rows[_baseline(rows)].get("max_batch") else "")),
+        ("multi-turn", f"{tight_label} with " + (multiturn or "cache.shared=true is the article's advice, not measured "
+                                                 "here: no workload=multiturn jobs with cache.shared=false,true")),
+    ]
+    return lines
+
+
+def _baseline(rows: Dict[str, Dict[str, Any]]) -> str:
+    return max(rows, key=lambda label: rows[label]["kv_heads"])
+
+
+def choices(records: Sequence[Record]) -> List[Choice]:
+    """One :class:`Choice` per cell of the sweep's ``task=capacity`` records."""
+    capacity = [r for r in records if kind(r) == "capacity"]
+    if not capacity:
+        return []
+    axes = [a for a in swept_axes(capacity) if a[0] not in _NOT_CELL]
+    quality = _quality(records)
+    multiturn = _multiturn(records)
+    cells: Dict[str, List[Record]] = {}
+    for rec in capacity:
+        cells.setdefault(" ".join(f"{t}={fmt(lookup(rec['config'], k), '{}')}" for k, t in axes), []).append(rec)
+    out = []
+    for cell in sorted(cells, key=natural):
+        out.append(_choice(cell, cells[cell], quality, multiturn))
+    return out
+
+
+def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], multiturn: Optional[str]) -> Choice:
+    rows: Dict[str, Dict[str, Any]] = {}
+    notes = []
+    for rec in sorted(records, key=lambda r: variant_order(variant(r))):
+        label = variant(rec)
+        if rec.get("status") != "ok":
+            notes.append(f"{label}: {rec.get('status')} (job {rec.get('job')})")
+            continue
+        longest = _longest(rec) or {}
+        rows[label] = {"kv_heads": lookup(rec["config"], "attention.num_kv_heads") or 0,
+                       "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _m(rec, "max_batch_longest"),
+                       "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
+                       "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
+                       "predicted": longest.get("predicted_max_batch")}
+    header = ["variant", "KV / token", "vs MHA", "context", "decode p50 ms (B=1)", "tok/s at max batch",
+              "max batch", "stopped by", "memory-only prediction"]
+    with_quality = any(label in quality for label in rows)
+    if with_quality:
+        header.append("perplexity")
+    else:
+        notes.append("quality: no ok task=train or task=eval job of these variants in these records")
+    table = []
+    if rows:
+        base = rows[_baseline(rows)]
+        for label, r in rows.items():
+            share = r["kv_per_token"] / base["kv_per_token"] if r["kv_per_token"] and base["kv_per_token"] else None
+            line = [label, fmt(r["kv_per_token"], "bytes"), fmt(share, "{:.3f}"), fmt(r["context"], "{}"),
+                    fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"), fmt(r["max_batch"], "{}"),
+                    fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
+            table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
+        if not any(label.startswith("mha ") for label in rows):
+            notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
+    return Choice(cell, header, table, recommend(rows, multiturn) if rows else [], notes)

@@ -1,0 +1,349 @@
+"""``task=capacity``: the largest batch that fits a memory budget and meets latency targets.
+
+For each context length (``capacity.context_lens``, prompt tokens; every sequence then decodes
+``workload.gen_len`` tokens) the search
+
+1. measures calibration probes at batches 1 and 4: their peak memory minus the weights and the KV
+   formula is the activation overhead, split into a fixed part and a part per sequence (the
+   difference between the two);
+2. predicts the largest batch from weights + KV formula (:func:`kvbench.cache.kv_cache_bytes`,
+   the formula ``task=inspect`` prints) + that overhead (:func:`predict_max_batch`);
+3. confirms and bisects with measured probes (:func:`search_capacity`, a pure function over a
+   ``measure(batch) -> probe`` callable) until the answer is within ``capacity.batch_step`` of the
+   smallest batch that failed.
+
+A probe is a real decode of that batch (``runtime.warmup`` + ``runtime.repeats`` trials) whose
+peak memory (:class:`kvbench.measure.memory.PeakWindow`) is checked against the budget and whose
+time to first token and time per output token are checked against ``slo``. A CUDA out-of-memory
+is caught and is the probe's answer (memory). Every probe is kept (``tables.capacity_probes``),
+and each context's answer says which bound stopped it (``tables.capacity``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
+from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, release_heap, rss_status, weight_bytes
+from kvbench.measure.stats import percentile
+from kvbench.measure.timing import step_percentiles
+from kvbench.model import Decoder
+from kvbench.results import RunResult
+from kvbench.workloads.decode import summarize_decode, time_decode
+
+GB = 10 ** 9  # runtime.memory_budget_gb is in GB, as device memory is sold
+STAT_Q = {"p50": 0.5, "p99": 0.99}
+# On a CPU the budget is a rule, not the machine's limit: a probe predicted to need more than this
+# many budgets is not run (it could take the machine's memory from everyone else on it).
+CPU_REFUSE_FACTOR = 2.0
+SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed
+# The calibration's second batch: far enough from batch 1 that the slope per sequence is not lost
+# in one-off growth (batch 1 -> 2 once read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
+CALIBRATION_BATCH = 4
+
+METHODS: Dict[str, str] = {
+    "memory_budget_bytes": "bytes; runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory",
+    "memory_method": "text; how a probe's memory is measured: CPU, the peak resident set of the job's process "
+                     "during the probe (VmHWM, reset through /proc/self/clear_refs after freed heap is returned "
+                     "to the OS) minus the resident set before the model was built, so weights, KV cache, "
+                     "activations and allocator slack count and the Python/torch runtime does not (the code "
+                     "pages of kernels first run in the job do: a fixed part of the overhead); CUDA, "
+                     "torch.cuda.max_memory_reserved during the probe (what torch held from the device; the "
+                     "CUDA context is outside it)",
+    "weight_bytes_measured": "bytes; parameters and persistent buffers of the model the probes ran",
+    "kv_bytes_per_token": "bytes; KV formula for one position of one sequence, all layers "
+                          "(2 * layers * kv_heads * head_dim * bytes per element)",
+    "max_batch_longest": "sequences; max_batch at the longest context",
+    "stopped_by_longest": "text; memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
+                          "failed at the longest context ('memory (predicted, not run)': that batch was refused on "
+                          "a CPU, predicted over 2 budgets)",
+    "decode_ms_p50_longest": "ms; median decode step at batch 1 and the longest context (the calibration probe)",
+    "tokens_per_s_longest": "tokens/s; batch x gen_len / decode time of a trial, median over trials, of the "
+                            "probe at max_batch at the longest context",
+    "probes_run": "count; probes measured over all contexts (refused ones not counted)",
+    "tables.capacity": "one row per context: max_batch (largest batch whose probe met every bound; the search "
+                       "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
+                       "(weights + KV formula + activation_fixed_bytes + activation_bytes_per_sequence per "
+                       "sequence, from the calibration probes at batches 1 and 4; memory only), "
+                       "formula_max_batch (weights + KV formula alone), activation_fixed_bytes and "
+                       "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
+                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tokens_per_s",
+    "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
+                              "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
+                              "(false: refused on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, "
+                              "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
+                              "(slo.stat over the trials' TTFTs and over every decode step of every trial; with fewer "
+                              "than 100 samples a p99 is near their maximum), decode_ms_p50, tokens_per_s, oom, "
+                              "error",
+}
+
+
+@dataclass
+class Probe:
+    """One batch at one context, measured (or refused), and the bounds it met or violated."""
+
+    context: int
+    batch: int
+    ok: bool
+    bound: Optional[str] = None  # the first bound violated (memory, ttft, tpot); None when ok
+    violated: List[str] = field(default_factory=list)
+    measured: bool = True
+    peak_bytes: Optional[int] = None
+    predicted_bytes: Optional[int] = None
+    kv_bytes: Optional[int] = None
+    activation_bytes: Optional[int] = None
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+    decode_ms_p50: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    oom: bool = False
+    error: Optional[str] = None
+
+
+@dataclass
+class Search:
+    """What :func:`search_capacity` found: ``max_batch`` passed (0: not even the smallest), the
+    smallest failing batch ``failed_at`` (None: none up to the limit), every probe in order."""
+
+    max_batch: int
+    failed_at: Optional[int]
+    probes: List[Probe]
+
+
+def search_capacity(measure: Callable[[int], Probe], start: int, limit: int, step: int = 1,
+                    known: Sequence[Probe] = ()) -> Search:
+    """The largest batch in [1, ``limit``] whose probe is ok, to within ``step``.
+
+    Starts at the prediction ``start``, gallops away from it (steps of ``step``, doubling) until
+    the boundary is bracketed, then bisects. Assumes the bounds are monotone in the batch (memory
+    and latency grow with it); a noisy pass above a failure does not move the bracket.
+    ``known`` probes (a calibration) count as measured. ``measure`` is the only side effect."""
+    tried: Dict[int, Probe] = {p.batch: p for p in known}
+    order: List[Probe] = list(known)
+
+    def ok(batch: int) -> bool:
+        if batch not in tried:
+            tried[batch] = measure(batch)
+            order.append(tried[batch])
+        return tried[batch].ok
+
+    hi = min((b for b, p in tried.items() if not p.ok), default=limit + 1)
+    lo = max((b for b, p in tried.items() if p.ok and b < hi), default=0)
+    if hi - lo > step:
+        guess = min(max(start, lo + 1), hi - 1)
+        if ok(guess):
+            lo, jump = guess, step
+            while hi - lo > step:
+                batch = min(lo + jump, hi - 1)
+                if not ok(batch):
+                    hi = batch
+                    break
+                lo, jump = batch, jump * 2
+        else:
+            hi, jump = guess, step
+            while hi - lo > step:
+                batch = max(hi - jump, lo + 1)
+                if ok(batch):
+                    lo = batch
+                    break
+                hi, jump = batch, jump * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Search(lo, hi if hi <= limit else None, order)
+
+
+def predict_max_batch(budget: int, fixed: int, per_sequence: int, limit: int) -> int:
+    """Largest batch b <= ``limit`` with fixed + b * per_sequence <= budget (0 if none)."""
+    if per_sequence <= 0:
+        return limit
+    return max(0, min(limit, (budget - fixed) // per_sequence))
+
+
+def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
+    """KV formula of ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions
+    (:func:`kvbench.cache.kv_cache_bytes`, the one formula)."""
+    m = cfg.model
+    return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, context + cfg.workload.gen_len,
+                          batch, DTYPE_BYTES[cfg.runtime.dtype])
+
+
+def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
+                      activation: Tuple[int, int] = (0, 0)) -> int:
+    """The memory-only prediction: weights + KV formula (+ the activations' fixed part and part per
+    sequence) under ``budget``."""
+    fixed, per_sequence = (max(0, a) for a in activation)
+    return predict_max_batch(budget, weights + fixed, kv_bytes(cfg, context, 1) + per_sequence,
+                             cfg.capacity.max_batch)
+
+
+def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
+    """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
+    through them); one probe: all of it per sequence; none: nothing known."""
+    points = sorted((p.batch, p.activation_bytes) for p in probes if p.measured and p.activation_bytes is not None)
+    if not points:
+        return 0, 0
+    if len(points) == 1 or points[-1][0] == points[0][0]:
+        return 0, points[0][1] // points[0][0]
+    (b1, a1), (b2, a2) = points[0], points[-1]
+    per_sequence = max(0, (a2 - a1) // (b2 - b1))
+    return a1 - b1 * per_sequence, per_sequence
+
+
+def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
+    """The budget in bytes; a CPU needs ``runtime.memory_budget_gb`` (one-line ConfigError)."""
+    if cfg.runtime.memory_budget_gb is not None:
+        return int(cfg.runtime.memory_budget_gb * GB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    raise ConfigError(f"runtime.memory_budget_gb=None: task=capacity on {device.type} needs a memory budget "
+                      "in GB (e.g. runtime.memory_budget_gb=0.5); only a CUDA device has one of its own")
+
+
+class Prober:
+    """Runs probes of one model: a decode of ``batch`` sequences of ``context`` tokens, its peak
+    memory against the budget and its latencies against the SLOs."""
+
+    def __init__(self, cfg: BenchConfig, model: Decoder, device: torch.device, budget: int, baseline: int):
+        self.cfg, self.model, self.device = cfg, model, device
+        self.budget, self.baseline = budget, baseline
+        self.weights = weight_bytes(model)
+        self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
+
+    def predicted_bytes(self, context: int, batch: int) -> int:
+        fixed, per_sequence = (max(0, a) for a in self.activation.get(context, (0, 0)))
+        return self.weights + fixed + kv_bytes(self.cfg, context, batch) + batch * per_sequence
+
+    def measure(self, context: int, batch: int) -> Probe:
+        cfg, rt, w = self.cfg, self.cfg.runtime, self.cfg.workload
+        probe = Probe(context, batch, ok=False, kv_bytes=kv_bytes(cfg, context, batch),
+                      predicted_bytes=self.predicted_bytes(context, batch))
+        if self.device.type != "cuda" and probe.predicted_bytes > CPU_REFUSE_FACTOR * self.budget:
+            probe.measured, probe.bound, probe.violated = False, "memory", ["memory"]
+            probe.error = (f"not run: predicted {probe.predicted_bytes:,} bytes, over {CPU_REFUSE_FACTOR:g}x the "
+                           f"budget on a CPU")
+            return probe
+        generator = torch.Generator().manual_seed(rt.seed)
+        prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(self.device)
+        timings = None
+        window = PeakWindow(self.device)
+        try:
+            with window:
+                cache = cache_for(self.model, cfg.cache.impl, batch, context + w.gen_len)
+                timings = time_decode(self.model, prompt, w.gen_len, cache, rt.warmup, rt.repeats, self.device)
+                del cache
+        except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
+            if not is_oom(exc):
+                raise
+            probe.oom, probe.error = True, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        finally:
+            del prompt
+            release_heap()
+        probe.peak_bytes = window.peak - (self.baseline if self.device.type != "cuda" else 0)
+        probe.activation_bytes = probe.peak_bytes - self.weights - probe.kv_bytes
+        if timings is not None:
+            q = STAT_Q[cfg.slo.stat]
+            probe.ttft_ms = percentile(timings.prefill_ms, q)
+            probe.tpot_ms = percentile([ms for trial in timings.decode_ms for ms in trial], q)
+            probe.decode_ms_p50 = step_percentiles([ms for t in timings.decode_ms for ms in t])["decode_ms_p50"]
+            probe.tokens_per_s = summarize_decode(timings, batch)["tokens_per_s"]
+        probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, cfg.slo.tpot_ms)
+        probe.ok = not probe.violated
+        probe.bound = probe.violated[0] if probe.violated else None
+        return probe
+
+
+def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float]) -> List[str]:
+    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge)."""
+    out = []
+    if probe.oom or probe.peak_bytes is None or probe.peak_bytes > budget:
+        out.append("memory")
+    if ttft_ms is not None and (probe.ttft_ms is None or probe.ttft_ms > ttft_ms):
+        out.append("ttft")
+    if tpot_ms is not None and (probe.tpot_ms is None or probe.tpot_ms > tpot_ms):
+        out.append("tpot")
+    return out
+
+
+def baseline_bytes(device: torch.device) -> int:
+    """What the process holds before the model exists (CPU: its resident set; CUDA: 0, torch's
+    counters start from nothing); checks first that the peak of a window can be measured here."""
+    reason = peak_window_reason(device)
+    if reason:
+        raise ConfigError(f"task=capacity on {device.type}: {reason}")
+    if device.type == "cuda":
+        return 0
+    release_heap()
+    return rss_status()[0]
+
+
+def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult, baseline: int,
+        tick: Optional[Callable[..., None]] = None) -> None:
+    """Every context of ``capacity.context_lens``: calibrate, predict, search; probes and answers
+    into ``result.tables`` as they are measured (a failure keeps them)."""
+    result.methods.update(METHODS)
+    metrics = result.metrics
+    budget = memory_budget(cfg, device)
+    prober = Prober(cfg, model, device, budget, baseline)
+    metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
+                   memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
+                   kv_bytes_per_token=kv_cache_bytes(cfg.model.num_layers, cfg.attention.num_kv_heads,
+                                                     cfg.model.head_dim, 1, 1, DTYPE_BYTES[cfg.runtime.dtype]))
+    probes = result.tables.setdefault("capacity_probes", [])
+    answers = result.tables.setdefault("capacity", [])
+    limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step
+
+    def measure(context: int) -> Callable[[int], Probe]:
+        def one(batch: int) -> Probe:
+            probe = prober.measure(context, batch)
+            # one scalar per cell (a W&B table's column holds one type): the bounds as "memory,tpot"
+            probes.append({**asdict(probe), "violated": ",".join(probe.violated)})
+            if tick is not None:
+                tick()
+            return probe
+        return one
+
+    for context in sorted(cfg.capacity.context_lens):
+        calibration = [measure(context)(1)]
+        # The second point is for memory: a latency miss at batch 1 does not make it useless.
+        if calibration[0].measured and "memory" not in calibration[0].violated and limit >= 2:
+            calibration.append(measure(context)(min(CALIBRATION_BATCH, limit)))
+        prober.activation[context] = split_activation(calibration)
+        predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
+        search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration)
+        at = next((p for p in search.probes if p.batch == search.max_batch), None)
+        failed = next((p for p in search.probes if p.batch == search.failed_at), None)
+        answers.append({
+            "context": context, "max_batch": search.max_batch,
+            # a refused probe's bound is a prediction, and the answer says so
+            "stopped_by": (SEARCH_LIMIT if failed is None else failed.bound if failed.measured
+                           else f"{failed.bound} (predicted, not run)"),
+            "predicted_max_batch": predicted,
+            "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
+            "probes": len(search.probes),
+            "kv_bytes_per_sequence": kv_bytes(cfg, context, 1),
+            "activation_fixed_bytes": prober.activation[context][0],
+            "activation_bytes_per_sequence": prober.activation[context][1],
+            "decode_ms_p50_batch1": calibration[0].decode_ms_p50,
+            **{f"{k}_at_max": getattr(at, k) if at else None
+               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tokens_per_s")},
+        })
+    longest = answers[-1]
+    metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],
+                   decode_ms_p50_longest=longest["decode_ms_p50_batch1"],
+                   tokens_per_s_longest=longest["tokens_per_s_at_max"],
+                   probes_run=sum(1 for p in probes if p["measured"]))
+
+
+def probes_expected(limit: int, step: int) -> int:
+    """An upper bound on the probes one context's search runs: the calibrations, a gallop and a
+    bisection over [1, limit] at resolution ``step``."""
+    return 2 + 2 * (math.ceil(math.log2(max(2, limit / step))) + 1)

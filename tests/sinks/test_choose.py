@@ -1,0 +1,107 @@
+"""The article's table from capacity records: values, ratios to MHA, recommendations derived from the
+numbers (changing the numbers changes them), quality when the records hold it, the plot's data."""
+
+from rich.console import Console
+
+from kvbench.sinks.choose import RULES, choices, recommend
+from kvbench.sinks.console import sweep_tables
+from kvbench.sinks.plots import capacity_panels, draw_all
+from kvbench.sinks.report import write_report
+
+
+def capacity_record(job, kind, kv, max_batches, predicted, kv_per_token, decode_ms=1.0, stopped="memory"):
+    contexts = sorted(max_batches)
+    return {
+        "job": str(job), "status": "ok",
+        "config": {"task": "capacity", "model": {"name": "small"}, "attention": {"type": kind, "num_kv_heads": kv},
+                   "workload": {"name": "decode", "gen_len": 8}, "runtime": {"memory_budget_gb": 0.25},
+                   "capacity": {"context_lens": contexts}},
+        "metrics": {"max_batch_longest": max_batches[contexts[-1]], "stopped_by_longest": stopped,
+                    "decode_ms_p50_longest": decode_ms, "tokens_per_s_longest": 100.0 * kv,
+                    "kv_bytes_per_token": kv_per_token, "probes_run": 5},
+        "tables": {"capacity": [{"context": c, "max_batch": max_batches[c], "predicted_max_batch": predicted[c]}
+                                for c in contexts]},
+    }
+
+
+def sweep(mha=10, gqa=30, mqa=40):
+    return [capacity_record(0, "mha", 8, {128: 2 * mha, 256: mha}, {128: 2 * mha + 1, 256: mha + 1}, 4096, 2.0),
+            capacity_record(1, "gqa", 2, {128: 2 * gqa, 256: gqa}, {128: 2 * gqa, 256: gqa}, 1024, 1.5),
+            capacity_record(2, "mqa", 1, {128: 2 * mqa, 256: mqa}, {128: 2 * mqa, 256: mqa}, 512, 1.4, "tpot")]
+
+
+def test_table_values_and_fraction_of_mha():
+    (choice,) = choices(sweep())
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert list(rows) == ["mha kv=8", "gqa kv=2", "mqa kv=1"]
+    assert rows["gqa kv=2"]["vs MHA"] == "0.250" and rows["mqa kv=1"]["vs MHA"] == "0.125"
+    assert rows["mha kv=8"]["KV / token"] == "4.00 KiB"
+    assert rows["mqa kv=1"]["max batch"] == "40" and rows["mqa kv=1"]["stopped by"] == "tpot"
+    assert rows["mha kv=8"]["context"] == "256" and rows["mha kv=8"]["memory-only prediction"] == "11"
+    assert "perplexity" not in choice.header
+    assert any(n.startswith("quality: no ok task=train or task=eval job") for n in choice.notes)
+
+
+def test_recommendations_follow_the_numbers():
+    lines = dict(choices(sweep())[0].recommendations)
+    assert lines["memory tight"].startswith("mqa kv=1:")
+    assert lines["memory ample"].startswith("gqa kv=2:")  # 30 >= 50% of 40, MHA's 10 is not
+    assert lines["multi-turn"].startswith("mqa kv=1 with cache.shared=true is the article's advice, not measured")
+    # other numbers, other answers: MHA holding 25 of 40 is ample; GQA the largest is tight
+    lines = dict(choices(sweep(mha=25, gqa=50, mqa=45))[0].recommendations)
+    assert lines["memory ample"].startswith("mha kv=8:") and lines["memory tight"].startswith("gqa kv=2:")
+    # a tie in max batch goes to more KV heads
+    tie = recommend({"gqa kv=2": {"max_batch": 8, "kv_heads": 2}, "mqa kv=1": {"max_batch": 8, "kv_heads": 1}}, None)
+    assert dict(tie)["memory tight"].startswith("gqa kv=2:")
+    assert set(RULES) == {scenario for scenario, _ in tie}
+
+
+def test_quality_and_multiturn_come_from_records_when_present():
+    records = sweep()
+    for i, (kind, kv, ppl) in enumerate([("mha", 8, 5.0), ("gqa", 2, 5.2)]):
+        records.append({"job": str(10 + i), "status": "ok", "config": {"task": "eval", "attention": {
+            "type": kind, "num_kv_heads": kv}}, "metrics": {"perplexity": ppl}})
+    for i, (shared, ttft) in enumerate([(False, 40.0), (True, 10.0)]):
+        records.append({"job": str(20 + i), "status": "ok", "config": {
+            "task": "bench", "attention": {"type": "mqa", "num_kv_heads": 1}, "workload": {"name": "multiturn"},
+            "cache": {"shared": shared}}, "metrics": {"mean_ttft_ms_turns_2_n": ttft}})
+    (choice,) = choices(records)
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert rows["gqa kv=2"]["perplexity"] == "5.200" and rows["mqa kv=1"]["perplexity"] == "-"
+    assert dict(choice.recommendations)["multi-turn"] == (
+        "mqa kv=1 with cache.shared=true: mean TTFT of turns 2-N 10.00 ms vs 40.00 ms unshared (0.250×)")
+
+
+def test_failed_variant_is_a_note_and_no_capacity_no_table():
+    records = sweep()
+    records[0] = {**records[0], "status": "oom"}
+    (choice,) = choices(records)
+    assert [r[0] for r in choice.rows] == ["gqa kv=2", "mqa kv=1"]
+    assert "mha kv=8: oom (job 0)" in choice.notes
+    assert any("no MHA job" in n for n in choice.notes)
+    assert choices([{"job": "0", "status": "ok", "config": {"task": "bench"}, "metrics": {}}]) == []
+
+
+def test_console_report_and_plot(tmp_path):
+    records = sweep()
+    console = Console(width=250, record=True)
+    for table in sweep_tables("sweep", records):
+        console.print(table)
+    text = console.export_text()
+    assert "which attention to deploy" in text and "memory tight: mqa kv=1" in text
+    data = capacity_panels(records, [], "max_batch")
+    assert data == {"": {"mha kv=8": [(128, 20), (256, 10)], "gqa kv=2": [(128, 60), (256, 30)],
+                         "mqa kv=1": [(128, 80), (256, 40)]}}
+    assert capacity_panels(records, [], "predicted_max_batch")[""]["mha kv=8"] == [(128, 21), (256, 11)]
+    drawn, skipped = draw_all(records, [], tmp_path)
+    assert [p.name for p in drawn] == ["capacity_vs_context.png"] and "capacity_vs_context" not in skipped
+    for i, rec in enumerate(records):
+        from kvbench.results import RunResult
+
+        RunResult(status="ok", config=rec["config"], metrics=rec["metrics"], tables=rec["tables"]).write(
+            tmp_path / str(i))
+    report = write_report(tmp_path)
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Which attention to deploy" in md and "- **memory ample**: gqa kv=2" in md
+    assert "![capacity_vs_context](capacity_vs_context.png)" in md
+    assert len(report.records) == 3

@@ -1,0 +1,223 @@
+"""task=capacity: the search against a fake runner with a known boundary, the prediction against
+the formula task=inspect prints, and real probes of a tiny model (memory measured, bounds judged)."""
+
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kvbench.config import CONF_DIR, BenchConfig, ConfigError, to_bench_config
+from kvbench.inspection import kv_memory_table, parameter_count
+from kvbench.measure.memory import PeakWindow, is_oom, release_heap, rss_status
+from kvbench.results import RunResult
+from kvbench.workloads import capacity
+from kvbench.workloads.capacity import (
+    Probe,
+    formula_max_batch,
+    predict_max_batch,
+    search_capacity,
+    split_activation,
+    violations,
+)
+
+
+def config(*overrides) -> BenchConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return to_bench_config(compose("config", overrides=["task=capacity", *overrides]))
+
+
+def fake(boundary, calls, bound="memory"):
+    """measure(batch) that passes up to ``boundary`` exactly, counting its calls."""
+    def measure(batch):
+        calls.append(batch)
+        ok = batch <= boundary
+        return Probe(context=128, batch=batch, ok=ok, bound=None if ok else bound)
+    return measure
+
+
+@pytest.mark.parametrize("boundary", [1, 2, 7, 37, 100, 255, 256])
+@pytest.mark.parametrize("start", [1, 30, 40, 256])
+def test_search_finds_the_boundary_exactly_with_few_probes(boundary, start):
+    calls = []
+    found = search_capacity(fake(boundary, calls), start, limit=256)
+    assert found.max_batch == boundary
+    assert found.failed_at == (boundary + 1 if boundary < 256 else None)
+    assert len(calls) == len(set(calls))  # no batch measured twice
+    # a gallop and a bisection over 256 batches: at most 2 * (log2(256) + 1) probes
+    assert len(calls) <= 2 * (math.log2(256) + 1)
+    assert [p.batch for p in found.probes] == calls
+
+
+@pytest.mark.parametrize("boundary", [3, 10, 64, 99])
+def test_search_with_a_batch_step_stops_within_one_step(boundary):
+    calls = []
+    found = search_capacity(fake(boundary, calls), 20, limit=128, step=4)
+    assert 0 <= boundary - found.max_batch < 4
+    assert found.failed_at is not None and found.failed_at - found.max_batch <= 4
+
+
+def test_a_good_prediction_costs_two_probes():
+    calls = []
+    found = search_capacity(fake(37, calls), 37, limit=256)
+    assert (found.max_batch, calls) == (37, [37, 38])
+    calls.clear()
+    assert search_capacity(fake(37, calls), 38, limit=256).max_batch == 37 and calls == [38, 37]
+
+
+def test_known_probes_are_reused_and_batch_one_failing_means_zero():
+    calls = []
+    known = [Probe(128, 1, ok=False, bound="tpot")]
+    found = search_capacity(fake(5, calls), 10, limit=64, known=known)
+    assert (found.max_batch, found.failed_at, calls) == (0, 1, [])
+    assert found.probes[0].bound == "tpot"
+
+
+def test_search_is_not_fooled_by_a_noisy_pass_above_a_failure():
+    # monotone bounds are assumed: a pass at 9 after a failure at 6 does not raise the answer past 5
+    verdicts = {b: b <= 5 or b == 9 for b in range(1, 65)}
+    found = search_capacity(lambda b: Probe(1, b, ok=verdicts[b]), 8, limit=64)
+    assert found.max_batch in (5,) and found.failed_at == 6
+
+
+def test_prediction_is_the_inspect_formula_for_llama2_7b():
+    # task=inspect for llama2_7b at 4096 positions, batch 64, and the capacity prediction for a
+    # budget of the weights + exactly that KV cache: one formula, so the answer is 64.
+    cfg = config("model=llama2_7b", "attention=mha", "runtime.dtype=float16", "workload.gen_len=96",
+                 "capacity.context_lens=[4000]", "runtime.memory_budget_gb=80")
+    fp16 = next(r for r in kv_memory_table(32, 32, 128, 4096, 64, 32) if r["dtype"] == "float16")
+    assert fp16["per_batch"] == 2 * 32 * 32 * 128 * 4096 * 64 * 2 == 137_438_953_472  # 128 GiB
+    assert capacity.kv_bytes(cfg, 4000, 64) == fp16["per_batch"]
+    weights = parameter_count(cfg) * 2
+    assert formula_max_batch(cfg, 4000, weights + fp16["per_batch"], weights) == 64
+    assert formula_max_batch(cfg, 4000, weights + fp16["per_batch"] - 1, weights) == 63
+    # the stated 80 GB budget (an 80 GB GPU): (80e9 - 13.5 GB of weights) / 2 GiB per sequence
+    budget = int(80 * capacity.GB)
+    assert capacity.memory_budget(cfg, torch.device("cpu")) == budget
+    assert formula_max_batch(cfg, 4000, budget, weights) == (budget - weights) // fp16["per_sequence"] == 30
+
+
+def test_activation_is_split_into_a_fixed_part_and_a_part_per_sequence():
+    def probe(batch, activation, measured=True):
+        return Probe(1, batch, ok=True, activation_bytes=activation, measured=measured)
+
+    assert split_activation([probe(1, 1100), probe(2, 1200)]) == (1000, 100)
+    assert split_activation([probe(1, 1100)]) == (0, 1100)
+    assert split_activation([probe(2, 1100), probe(1, 1200)]) == (1200, 0)  # noise: never a negative slope
+    assert split_activation([probe(1, 500, measured=False)]) == (0, 0)
+    cfg = config("model=tiny", "capacity.context_lens=[16]", "workload.gen_len=4")
+    per_kv = capacity.kv_bytes(cfg, 16, 1)
+    # budget = weights + fixed + 3 x (KV + per sequence): exactly 3
+    assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70), 10_000, (500, 70)) == 3
+    assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70) - 1, 10_000, (500, 70)) == 2
+
+
+def test_predict_max_batch_bounds():
+    assert predict_max_batch(100, 10, 30, 8) == 3
+    assert predict_max_batch(100, 200, 30, 8) == 0  # the weights alone do not fit
+    assert predict_max_batch(10 ** 9, 0, 1, 8) == 8  # the search's limit
+
+
+def test_violations_are_memory_first_then_each_slo():
+    p = Probe(1, 4, ok=False, peak_bytes=120, ttft_ms=50.0, tpot_ms=5.0)
+    assert violations(p, 100, None, None) == ["memory"]
+    assert violations(p, 200, 40.0, 4.0) == ["ttft", "tpot"]
+    assert violations(p, 200, 60.0, 6.0) == []
+    oom = Probe(1, 4, ok=False, oom=True, peak_bytes=10)
+    assert violations(oom, 200, 60.0, None) == ["memory", "ttft"]  # no latency to judge
+
+
+def test_cpu_needs_a_budget_and_bad_values_are_one_line():
+    cfg = config("model=tiny")
+    with pytest.raises(ConfigError, match=r"^runtime.memory_budget_gb=None: task=capacity on cpu needs"):
+        capacity.memory_budget(cfg, torch.device("cpu"))
+    for override, key in [("runtime.memory_budget_gb=0", "runtime.memory_budget_gb=0"),
+                          ("slo.stat=p90", "slo.stat='p90'"), ("slo.tpot_ms=-1", "slo.tpot_ms=-1"),
+                          ("capacity.context_lens=[]", "capacity.context_lens=[]"),
+                          ("capacity.context_lens=[100000]", "capacity.context_lens=[100000]"),
+                          ("workload=multiturn", "workload.name='multiturn'")]:
+        with pytest.raises(ConfigError, match="^" + key.replace("[", r"\[").replace("]", r"\]")) as exc:
+            config("model=tiny", override)
+        assert "\n" not in str(exc.value)
+
+
+def test_peak_window_sees_an_allocation_and_forgets_it():
+    release_heap()
+    with PeakWindow(torch.device("cpu")) as big:
+        x = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched
+        del x
+    release_heap()
+    with PeakWindow(torch.device("cpu")) as small:
+        y = torch.ones(1024)
+        del y
+    current = rss_status()[0]
+    assert big.peak - current >= 60 * 2 ** 20
+    assert small.peak - current < 16 * 2 ** 20  # the earlier peak is not carried over
+
+
+def test_is_oom():
+    assert is_oom(MemoryError()) and is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+
+
+def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
+    torch.set_num_threads(1)
+    cfg = config("model=tiny", "attention=mha", "capacity.context_lens=[16,32]", "capacity.max_batch=8",
+                 "workload.gen_len=4", "runtime.warmup=0", "runtime.repeats=2", "runtime.memory_budget_gb=64",
+                 "slo.tpot_ms=100000", "slo.stat=p50")
+    from kvbench.runner import build_model  # the model a job builds, seeded
+
+    baseline = capacity.baseline_bytes(torch.device("cpu"))
+    model = build_model(cfg, torch.device("cpu"))
+    result = RunResult(status="ok", config={})
+    capacity.run(cfg, model, torch.device("cpu"), result, baseline)
+    probes, answers = result.tables["capacity_probes"], result.tables["capacity"]
+    # a budget and a target nothing reaches: every context runs up to capacity.max_batch
+    assert [a["max_batch"] for a in answers] == [8, 8]
+    assert [a["stopped_by"] for a in answers] == ["capacity.max_batch"] * 2
+    for p in probes:
+        assert p["measured"] and p["ok"] and p["tpot_ms"] > 0 and p["ttft_ms"] > 0
+        assert p["kv_bytes"] == 2 * 2 * 8 * 8 * (p["context"] + 4) * p["batch"] * 4
+        # measured peak (RSS above the pre-model baseline) holds at least the weights
+        assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
+    assert [p["batch"] for p in probes[:2]] == [1, 4]  # the calibrations come first
+    fixed, per_sequence = answers[0]["activation_fixed_bytes"], answers[0]["activation_bytes_per_sequence"]
+    assert fixed + per_sequence == probes[0]["activation_bytes"]  # the line goes through batch 1
+    assert result.metrics["max_batch_longest"] == 8 and result.metrics["kv_bytes_per_token"] == 2 * 2 * 8 * 8 * 4
+    assert set(capacity.METHODS) >= {k for k in result.metrics} - {"weight_bytes", "num_params", "timing_method"}
+
+    # a TPOT target no probe meets: batch 1 fails, and says why
+    slow = ["model=tiny", "attention=mha", "capacity.context_lens=[16]", "capacity.max_batch=8", "workload.gen_len=2",
+            "runtime.warmup=0", "runtime.repeats=1", "slo.tpot_ms=1e-6"]
+    result = RunResult(status="ok", config={})
+    capacity.run(config(*slow, "runtime.memory_budget_gb=64"), model, torch.device("cpu"), result, baseline)
+    (answer,) = result.tables["capacity"]
+    assert (answer["max_batch"], answer["stopped_by"]) == (0, "tpot")
+    assert result.tables["capacity_probes"][0]["violated"] == "tpot"
+    # a budget below the weights: on a CPU the probe is refused, not run, and the record says so
+    result = RunResult(status="ok", config={})
+    capacity.run(config(*slow, "runtime.memory_budget_gb=1e-6"), model, torch.device("cpu"), result, baseline)
+    (probe,) = result.tables["capacity_probes"]
+    assert not probe["measured"] and probe["violated"] == "memory" and probe["error"].startswith("not run")
+    assert result.tables["capacity"][0]["stopped_by"] == "memory (predicted, not run)"
+    assert result.metrics["probes_run"] == 0
+
+
+@pytest.mark.cuda
+def test_a_real_cuda_oom_is_a_probe_and_the_search_backs_off():
+    # a budget of the whole device and batches far past it: the probes that run out of memory are
+    # recorded (oom, bound memory) and the answer is a batch whose probe fitted
+    cfg = config("model=small", "attention=mha", "capacity.context_lens=[2048]", "capacity.max_batch=4096",
+                 "workload.gen_len=2", "runtime.warmup=0", "runtime.repeats=1", "runtime.dtype=float16")
+    from kvbench.runner import build_model
+
+    device = torch.device("cuda")
+    model = build_model(cfg, device)
+    result = RunResult(status="ok", config={})
+    capacity.run(cfg, model, device, result, capacity.baseline_bytes(device))
+    probes = result.tables["capacity_probes"]
+    (answer,) = result.tables["capacity"]
+    assert any(p["oom"] and p["violated"] == "memory" for p in probes)
+    fitted = next(p for p in probes if p["batch"] == answer["max_batch"])
+    assert fitted["ok"] and fitted["peak_bytes"] <= result.metrics["memory_budget_bytes"]
+    assert answer["stopped_by"] == "memory"
