@@ -24,6 +24,7 @@ from kvbench.sinks.compare import (
     by_kind,
     comparisons,
     fmt,
+    interleaved_table,
     job_axes,
     job_cells,
     job_columns,
@@ -157,6 +158,19 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     tables += [comparison_table(c) for c in comparisons(records, axes)]
     ttft = ttft_comparison_table(records)
     return tables + ([ttft] if ttft is not None else [])
+
+
+def compare_table(record: Dict[str, Any]) -> Table:
+    """A ``task=compare`` record's variants (:func:`~kvbench.sinks.compare.interleaved_table`)."""
+    header, rows = interleaved_table(record)
+    rounds = (record.get("metrics") or {}).get("rounds")
+    table = Table(title=f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first "
+                        "variant, paired over rounds", title_justify="left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 # (row key, column title, format) of a multi-turn chat's per-turn table.
