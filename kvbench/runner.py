@@ -35,7 +35,7 @@ from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
-from kvbench.workloads import compare, decode, multiturn
+from kvbench.workloads import decode, interleaved, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -131,14 +131,14 @@ def evaluate(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunR
 def compare_variants(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,
                      progress: Progress) -> None:
     """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
-    heads repeated to MHA, exactly) in alternating trials in this process (workloads/compare.py)."""
+    heads repeated to MHA, exactly) in alternating trials in this process (workloads/interleaved.py)."""
     result.metrics["timing_method"] = timing_method(device)
     result.methods["timing_method"] = JOB_METHODS["timing_method"]
     h = cfg.model.num_heads
     base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
     total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
     with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
-        compare.run(cfg, base, device, result, tick)
+        interleaved.run(cfg, base, device, result, tick)
 
 
 TASKS = {"bench": bench, "train": train, "eval": evaluate, "compare": compare_variants}

@@ -20,6 +20,7 @@ from kvbench.sinks.compare import (
     AXES,
     COLUMNS,
     KIND_TITLES,
+    VARIANT_KEYS,
     Comparison,
     by_kind,
     comparisons,
@@ -118,7 +119,8 @@ _STATUS_STYLE = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running"
 def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: str) -> Table:
     """One row per job of one kind: the axes that vary among them, status and the brief
     columns of that kind (columns no record has are left out)."""
-    axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")]
+    axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")
+            + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
     columns = job_columns(records, kind_name, brief=True)
     table = Table(title=title, title_justify="left")
     table.add_column("job")

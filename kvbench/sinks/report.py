@@ -29,6 +29,7 @@ from kvbench.sinks.compare import (
     KIND_TITLES,
     NOT_SIGNIFICANT,
     VARIANT_AXES,
+    VARIANT_KEYS,
     Axis,
     by_kind,
     comparisons,
@@ -198,7 +199,8 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     lines += _interleaved_md(records) + _comparison_md(records, axes)
     groups = by_kind(records)
     for kind_name, group in groups.items():
-        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")]
+        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")
+                     + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
         columns = job_columns(group, kind_name)
         rows = [[rec["job"], *values, rec["status"], *metrics]
                 for rec in group for values, metrics in [job_cells(rec, job_axes_, columns)]]
