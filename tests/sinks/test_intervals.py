@@ -3,11 +3,15 @@ where the record has one (and only then: older records have none), a ratio whose
 overlap the baseline's is marked not significant, a task=compare record's table shows its paired
 ratios, and the decode plot draws the intervals as error bars."""
 
+import io
+
 import pytest
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
+from rich.console import Console
 
 from kvbench.results import RunResult
+from kvbench.sinks import console
 from kvbench.sinks.compare import NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
 from kvbench.sinks.report import MD_FILE, write_report
 
@@ -114,3 +118,13 @@ def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path)
     spans = sorted(tuple(sorted(y for _, y in seg)) for bar in bars for seg in bar.get_segments())
     assert spans == [pytest.approx((1.8, 2.3)), pytest.approx((2.9, 3.2))]
     assert "95% interval" in fig.axes[0].get_ylabel() or any("95% interval" in t.get_text() for t in fig.texts)
+
+
+def test_the_console_prints_the_interleaved_table():
+    out = Console(file=io.StringIO(), width=250, highlight=False, color_system=None)
+    out.print(console.compare_table(compare_record()))
+    text = out.file.getvalue()
+    assert "interleaved comparison: 6 rounds" in text
+    header, rows = interleaved_table(compare_record())
+    for cell in (*header, *rows[2]):
+        assert cell in text
