@@ -6,8 +6,8 @@ ratios, and the decode plot draws the intervals as error bars."""
 import io
 
 import pytest
+from conftest import saved_figures
 from matplotlib.collections import LineCollection
-from matplotlib.figure import Figure
 from rich.console import Console
 
 from kvbench.results import RunResult
@@ -101,15 +101,7 @@ def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path)
                decode("gqa", 2, 32, "2", decode_ms_p50=1.5), decode("gqa", 2, 64, "3", decode_ms_p50=1.7)]
     for rec in records:
         write(tmp_path, rec["job"], rec)
-    saved = []
-    original = Figure.savefig
-
-    def spy(fig, *args, **kwargs):
-        saved.append(fig)
-        return original(fig, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Figure, "savefig", spy)
+    with saved_figures() as saved:
         report = write_report(tmp_path, tmp_path / "out")
     assert any(p.name == "decode_vs_context.png" for p in report.files)
     [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
