@@ -34,7 +34,7 @@ from kvbench.inspection import describe
 from kvbench.isolation import launch_job
 from kvbench.quality.train import CHECKPOINT_NAME
 from kvbench.results import RESULTS_FILE, claim_holder, claim_job, completed_record
-from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
+from kvbench.sinks.console import compare_table, progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
 from kvbench.sinks.report import MD_FILE, collect, write_report
 from kvbench.sinks.tracking import new_sweep, track
 from kvbench.sweep import sweep_records, sweep_size
@@ -151,6 +151,8 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
         stdout.print(run_table(result.to_dict()))
         if result.tables.get("turns"):
             stdout.print(turns_table(result.to_dict()))
+        if result.tables.get("compare"):
+            stdout.print(compare_table(result.to_dict()))
     stdout.print(f"results: {where}", markup=False, soft_wrap=True)
     if result.config.get("task") == "train" and (out_dir / CHECKPOINT_NAME).is_file():
         stdout.print(f"checkpoint: {out_dir / CHECKPOINT_NAME}", markup=False, soft_wrap=True)

@@ -46,7 +46,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
 CACHE_IMPLS = ("static", "concat", "none")
 WORKLOADS = ("decode", "multiturn")
-TASKS = ("bench", "inspect", "train", "eval", "capacity")
+TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare")
 SLO_STATS = ("p50", "p99")
 COMPILE_MODES = ("false", "default", "graph")
 COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the modes
@@ -518,6 +518,47 @@ class TrainConfig:
 
 
 @dataclass
+class CompareConfig:
+    """``task=compare``: attention variants timed in one process, alternating trial by trial.
+
+    ``variants``: attention types (``mha``, ``gqa``, ``mqa``) or KV-head counts; the first is the
+    baseline of every ratio. ``contexts``: the context lengths (positions already in the cache) a
+    decode step is timed at; three or more distinct ones give the KV cost slope. ``steps``: timed
+    steps per context per trial."""
+
+    variants: List[str] = field(default_factory=lambda: ["mha", "gqa", "mqa"])
+    contexts: List[int] = field(default_factory=lambda: [256, 512, 1024, 1536, 2048])
+    steps: int = 8
+
+    def __post_init__(self) -> None:
+        _check_positive("compare", self, ("steps",))
+        _check(len(self.variants) >= 2, "compare.variants", self.variants, "needs two or more variants to compare")
+        for v in self.variants:
+            _check(v in ATTENTION_TYPES or (v.isdigit() and int(v) >= 1), "compare.variants", self.variants,
+                   f"{v!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1")
+        _check(len(self.contexts) >= 1 and all(c >= 1 for c in self.contexts), "compare.contexts", self.contexts,
+               "must list one or more context lengths >= 1")
+        _check(len(set(self.contexts)) == len(self.contexts), "compare.contexts", self.contexts,
+               "lists a context length twice")
+
+    def attentions(self, model: "ModelConfig") -> List["AttentionConfig"]:
+        """Each variant as a resolved :class:`AttentionConfig` for ``model`` (a count is typed by
+        :func:`attention_type`); a variant the model cannot have names ``compare.variants``."""
+        out = []
+        for v in self.variants:
+            try:
+                cfg = (AttentionConfig(type=v) if v in ATTENTION_TYPES
+                       else AttentionConfig.for_heads(model.num_heads, int(v)))
+                out.append(cfg.resolved(model))
+            except ConfigError as exc:
+                raise ConfigError(f"compare.variants={self.variants!r}: {v!r}: {exc}") from None
+        heads = [a.num_kv_heads for a in out]
+        _check(len(set(heads)) == len(heads), "compare.variants", self.variants,
+               f"two variants have the same KV-head count ({heads})")
+        return out
+
+
+@dataclass
 class BenchConfig:
     """The whole run: one field per Hydra group, plus the task to run."""
 
@@ -532,6 +573,7 @@ class BenchConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     # A multirun into an existing sweep dir skips jobs whose results.json is ok for the same
     # config; rerun=true runs them again.
     rerun: bool = False
@@ -546,10 +588,21 @@ class BenchConfig:
         if self.task == "capacity":
             self._check_capacity()
         length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
-        _check(w.total_len <= self.model.max_seq_len, length_key,
+        # task=compare reads only the batch size of the workload: its lengths are compare.contexts
+        _check(self.task == "compare" or w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
                f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                f"{self.model.max_seq_len}")
+        if self.task == "compare":
+            self.compare.attentions(self.model)
+            longest = max(self.compare.contexts)
+            _check(longest < self.model.max_seq_len, "compare.contexts", self.compare.contexts,
+                   f"a step at context {longest} needs {longest + 1} positions, more than model.max_seq_len="
+                   f"{self.model.max_seq_len}")
+            _check(self.cache.impl == "static", "cache.impl", self.cache.impl,
+                   "task=compare sets the filled length of a preallocated cache; use cache.impl=static")
+            _check(self.runtime.compile == "false", "runtime.compile", self.runtime.compile,
+                   "task=compare times eager steps only (use task=bench for compiled decoding)")
         if self.runtime.compile == "graph":
             _check(self.cache.impl == "static", "cache.impl", self.cache.impl,
                    "runtime.compile=graph reads a preallocated cache in fixed shapes; use cache.impl=static")
@@ -702,6 +755,14 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k in keys}
 
+    if task != "compare":
+        out.pop("compare", None)
+    if task == "compare":  # many variants, none of them the record's attention
+        out.pop("attention", None)
+        out.pop("train", None)
+        out.pop("data", None)
+        keep("workload", ("batch_size",))
+        keep("cache", ("impl",))
     if task != "capacity":
         out.pop("slo", None)
         out.pop("capacity", None)

@@ -17,7 +17,7 @@ import signal
 import socket
 import traceback
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, ContextManager, Dict, List, Optional
 
@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
-from kvbench.config import BenchConfig, ConfigError, one_line, record_view, to_bench_config
+from kvbench.config import AttentionConfig, BenchConfig, ConfigError, one_line, record_view, to_bench_config
 from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import collect_env
@@ -35,7 +35,7 @@ from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
-from kvbench.workloads import capacity, decode, multiturn
+from kvbench.workloads import capacity, decode, interleaved, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -140,7 +140,21 @@ def capacity_search(cfg: BenchConfig, device: torch.device, out_dir: Path, resul
         capacity.run(cfg, model, device, result, baseline, tick)
 
 
-TASKS = {"bench": bench, "train": train, "eval": evaluate, "capacity": capacity_search}
+def compare_variants(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,
+                     progress: Progress) -> None:
+    """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
+    heads repeated to MHA, exactly) in alternating trials in this process (workloads/interleaved.py)."""
+    result.metrics["timing_method"] = timing_method(device)
+    result.methods["timing_method"] = JOB_METHODS["timing_method"]
+    h = cfg.model.num_heads
+    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
+    total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
+    with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
+        interleaved.run(cfg, base, device, result, tick)
+
+
+TASKS = {"bench": bench, "train": train, "eval": evaluate, "capacity": capacity_search,
+         "compare": compare_variants}
 
 
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,

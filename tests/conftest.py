@@ -1,4 +1,5 @@
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -193,3 +194,20 @@ def call_with_timeout(fn, timeout=120):
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+@contextmanager
+def saved_figures():
+    """Every matplotlib Figure saved inside the block, in order (a spy around Figure.savefig)."""
+    from matplotlib.figure import Figure  # only the plot tests need matplotlib
+
+    saved = []
+    original = Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        saved.append(fig)
+        return original(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        yield saved

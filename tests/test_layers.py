@@ -18,7 +18,7 @@ LAYERS = [
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
     ["quality.data", "quality.fidelity", "inspection"],
-    ["quality.train", "workloads.decode", "workloads.multiturn"],
+    ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.interleaved"],
     ["workloads.capacity"],
     ["runner"],
     ["isolation"],

@@ -112,6 +112,8 @@ RUN = {command: step for chain in CHAINS for command, step in chain.items()}
 NOT_RUN = {
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
     "python -m pytest": "the suite this test is part of",
+    "kvbench experiment=ab": "minutes of model=small decode steps at 2048 tokens of context; "
+                             "tests/workloads/test_compare.py runs task=compare on model=tiny",
     "python experiments/compare_transformers.py --threads 1": "minutes: model=small decode loops against "
                                                               "transformers; tests/test_experiments.py runs --out",
     "python experiments/harness_overhead.py --threads 1": "tens of seconds of model=small decode rounds",

@@ -87,16 +87,18 @@ COLUMNS: Dict[str, List[Column]] = {
                  Column("tokens_per_s_longest", "tok/s at max batch", "{:.1f}", brief=True, compared=True),
                  Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
                  Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True)],
+    # its variants' metrics are per variant: :func:`interleaved_table` shows them
+    "compare": [Column("rounds", "rounds", "{}", brief=True)],
 }
 KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation",
-               "capacity": "capacity at the longest context"}
+               "capacity": "capacity at the longest context", "compare": "interleaved comparison"}
 
 
 def kind(record: Record) -> str:
-    """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity``."""
+    """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` | ``compare``."""
     config = record.get("config") or {}
     task = config.get("task", "bench")
-    if task in ("train", "eval", "capacity"):
+    if task in ("train", "eval", "capacity", "compare"):
         return task
     return lookup(config, "workload.name") or "decode"
 
@@ -131,9 +133,36 @@ def fmt(value: Any, spec: str) -> str:
         return str(value)
 
 
+def interval(values: Dict[str, Any], key: str) -> Optional[Tuple[float, float]]:
+    """The 95% interval ``<key>_ci_low`` / ``<key>_ci_high`` of ``values`` (a record's metrics or
+    a table row); None where either bound is missing (older records carry none)."""
+    low, high = values.get(f"{key}_ci_low"), values.get(f"{key}_ci_high")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high))
+    return (low, high) if numbers else None
+
+
+def with_interval(values: Dict[str, Any], key: str, spec: str) -> str:
+    """``values[key]`` as ``spec`` says, followed by its interval ``[low, high]`` when it has one
+    (bootstrap intervals are not symmetric, so both ends are shown)."""
+    text, ci = fmt(values.get(key), spec), interval(values, key)
+    if values.get(key) is None or ci is None or spec == "bytes":
+        return text
+    return f"{text} [{fmt(ci[0], spec)}, {fmt(ci[1], spec)}]"
+
+
+def overlapping(a: Optional[Tuple[float, float]], b: Optional[Tuple[float, float]]) -> Optional[bool]:
+    """Whether two intervals overlap (None when either is unknown): measure.stats.overlap's rule,
+    here because sinks read records and import no measuring code."""
+    return None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
+
+
+NOT_SIGNIFICANT = "not significant"
+
+
 def value_text(record: Record, column: Column) -> str:
-    """A metric of a record as a table cell: the one place a value is written."""
-    return fmt((record.get("metrics") or {}).get(column.key), column.spec)
+    """A metric of a record as a table cell, with its interval where the record has one: the one
+    place a value is written."""
+    return with_interval(record.get("metrics") or {}, column.key, column.spec)
 
 
 def ratio_text(ratio: Optional[float]) -> str:
@@ -260,7 +289,17 @@ class Comparison:
         if rec.get("status") != "ok":
             return rec.get("status", "?")
         ratio = ratio_text(self.ratio(cell, label, column))
+        if ratio and self.overlaps(cell, label, column):
+            ratio += f", {NOT_SIGNIFICANT}"
         return value_text(rec, column) + (f" ({ratio})" if ratio else "")
+
+    def overlaps(self, cell: Cell, label: str, column: Column) -> Optional[bool]:
+        """Whether the variant's interval of ``column`` overlaps the baseline's (None when either
+        record has no interval): then their difference is not significant."""
+        base, rec = cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label)
+        if base is None or rec is None:
+            return None
+        return overlapping(*(interval(r.get("metrics") or {}, column.key) for r in (rec, base)))
 
     def baselines(self) -> List[str]:
         return sorted({b for b in (c.baseline() for c in self.cells) if b}, key=variant_order)
@@ -295,6 +334,8 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
     axes = list(axes) if axes is not None else swept_axes(records)
     out = []
     for kind_name, group in by_kind(records).items():
+        if kind_name == "compare":  # its variants are inside each record: interleaved_table
+            continue
         cell_axes = [a for a in job_axes(group, axes) if a[0] not in VARIANT_KEYS + ("task", "workload.name")]
         cells: Dict[str, Cell] = {}
         notes = []
@@ -321,3 +362,40 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
         out.append(Comparison(kind_name, cell_axes, variants, [c for c in COLUMNS[kind_name] if c.compared]
                               if kind_name in COLUMNS else [], ordered, notes))
     return out
+
+
+# ---- an interleaved comparison (task=compare) ---------------------------------------------------
+
+def _contexts(row: Dict[str, Any]) -> List[int]:
+    return sorted(int(m.group(1)) for m in (re.fullmatch(r"step_ms_ctx(\d+)", k) for k in row) if m)
+
+
+def _ratio_cell(row: Dict[str, Any], key: str, baseline: bool) -> str:
+    """A paired ratio with its interval; ``not significant`` where the interval holds 1."""
+    if baseline:
+        return "1 (baseline)"
+    value, ci = row.get(key), interval(row, key)
+    if value is None:
+        return "-"
+    text = ratio_text(value)
+    if ci is None:
+        return text
+    return f"{text} [{ci[0]:#.3g}, {ci[1]:#.3g}]" + (f", {NOT_SIGNIFICANT}" if ci[0] <= 1 <= ci[1] else "")
+
+
+def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
+    """(header, rows) of a ``task=compare`` record's ``tables.compare``: per variant the step at
+    each context, the KV cost slope, and ratios to the first variant (paired over rounds, with
+    intervals) beside the ratio the KV bytes predict. Empty for any other record."""
+    rows = (record.get("tables") or {}).get("compare") or []
+    if not rows:
+        return [], []
+    contexts = _contexts(rows[0])
+    longest = contexts[-1]
+    header = ["variant", *[f"step ms @{c}" for c in contexts], "KV µs / 1k ctx", "slope ratio",
+              "KV bytes ratio", f"step ratio @{longest}", f"KV share @{longest}"]
+    out = [[row["variant"], *[with_interval(row, f"step_ms_ctx{c}", "{:.3f}") for c in contexts],
+            with_interval(row, "decode_us_per_1k_ctx", "{:.1f}"), _ratio_cell(row, "slope_ratio", i == 0),
+            ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
+            fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
+    return header, out

@@ -21,10 +21,12 @@ from kvbench.sinks.compare import (
     AXES,
     COLUMNS,
     KIND_TITLES,
+    VARIANT_KEYS,
     Comparison,
     by_kind,
     comparisons,
     fmt,
+    interleaved_table,
     job_axes,
     job_cells,
     job_columns,
@@ -118,7 +120,8 @@ _STATUS_STYLE = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running"
 def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: str) -> Table:
     """One row per job of one kind: the axes that vary among them, status and the brief
     columns of that kind (columns no record has are left out)."""
-    axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")]
+    axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")
+            + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
     columns = job_columns(records, kind_name, brief=True)
     table = Table(title=title, title_justify="left")
     table.add_column("job")
@@ -171,6 +174,19 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     tables += [choice_table(c) for c in choices(records)]
     ttft = ttft_comparison_table(records)
     return tables + ([ttft] if ttft is not None else [])
+
+
+def compare_table(record: Dict[str, Any]) -> Table:
+    """A ``task=compare`` record's variants (:func:`~kvbench.sinks.compare.interleaved_table`)."""
+    header, rows = interleaved_table(record)
+    rounds = (record.get("metrics") or {}).get("rounds")
+    table = Table(title=f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first "
+                        "variant, paired over rounds", title_justify="left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 # (row key, column title, format) of a multi-turn chat's per-turn table.

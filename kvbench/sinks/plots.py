@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.results import lookup
-from kvbench.sinks.compare import VARIANT_KEYS, Axis, Record, kind, natural, variant, variant_order
+from kvbench.sinks.compare import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
 
 Point = Tuple[float, float]
 Series = Dict[str, List[Point]]  # attention variant -> points sorted by x
@@ -89,6 +89,11 @@ def config_value(key: str) -> Callable[[Record], Any]:
 def metric(key: str) -> Callable[[Record], Optional[float]]:
     """The metric ``key`` of a record (None when absent)."""
     return lambda rec: (rec.get("metrics") or {}).get(key)
+
+
+def metric_interval(key: str) -> Callable[[Record], Optional[Tuple[float, float]]]:
+    """The 95% interval (low, high) of the metric ``key`` of a record (None when it has none)."""
+    return lambda rec: interval(rec.get("metrics") or {}, key)
 
 
 def positions_held(rec: Record) -> Optional[int]:
@@ -206,16 +211,24 @@ def _xs(data: Panels) -> List[Any]:
 
 
 def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xlabel: str, ylabel: str,
-              note: str, band: Optional[Panels] = None) -> Path:
+              note: str, band: Optional[Panels] = None, errors: Optional[Panels] = None) -> Path:
     """One line per variant in each panel; with ``band``, a shaded band up to it (when a panel
-    has at most :data:`MAX_BANDS` lines)."""
+    has at most :data:`MAX_BANDS` lines); with ``errors`` (points ``(x, (low, high))``), error
+    bars at the points that have an interval."""
     banded = band is not None and all(len(series) <= MAX_BANDS for series in data.values())
-    fig, axes = _grid(len(data), title, xlabel, ylabel + (" (p50, band to p90)" if banded else ""))
+    bars = bool(errors) and any(errors.values())
+    fig, axes = _grid(len(data), title, xlabel, ylabel + (" (p50, band to p90)" if banded else "")
+                      + (", bars: 95% interval" if bars else ""))
     for ax, (name, series) in zip(axes, data.items()):
         ax.set_title(name, fontsize="small")
         for label, points in series.items():
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", color=colours[label], label=label)
+            ci = dict((errors or {}).get(name, {}).get(label, []))
+            at = [(x, y, ci[x]) for x, y in points if x in ci]
+            if at:
+                ax.errorbar([x for x, _, _ in at], [y for _, y, _ in at], fmt="none", ecolor=colours[label],
+                            capsize=3, yerr=[[y - lo for _, y, (lo, _) in at], [hi - y for _, y, (_, hi) in at]])
             upper = dict(band.get(name, {}).get(label, [])) if banded else {}
             if upper and all(x in upper for x in xs):
                 ax.fill_between(xs, ys, [upper[x] for x in xs], color=colours[label], alpha=0.15, linewidth=0)
@@ -323,15 +336,17 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     ms = panels(decode, axes, prompt, metric("decode_ms_p50"), ["workload.prompt_len"])
     if need_x("decode_vs_context", ms, "workload.prompt_len", "ok decode jobs"):
         band = panels(decode, axes, prompt, metric("decode_ms_p90"), ["workload.prompt_len"])
+        errors = panels(decode, axes, prompt, metric_interval("decode_ms_p50"), ["workload.prompt_len"])
         drawn.append(line_plot(out / "decode_vs_context.png", ms, colours, "Decode latency per token vs context length",
                                "context length at the first decode step (prompt tokens)", "decode ms / token", note,
-                               band=band))
+                               band=band, errors=errors))
 
     batch = config_value("workload.batch_size")
     tps = panels(decode, axes, batch, metric("tokens_per_s"), ["workload.batch_size"])
     if need_x("tokens_vs_batch", tps, "workload.batch_size", "ok decode jobs"):
+        errors = panels(decode, axes, batch, metric_interval("tokens_per_s"), ["workload.batch_size"])
         drawn.append(line_plot(out / "tokens_vs_batch.png", tps, colours, "Decode throughput vs batch size",
-                               "batch size (sequences)", "tokens / s", note))
+                               "batch size (sequences)", "tokens / s", note, errors=errors))
 
     # Per token: batch size and length divide out, so a panel is a dtype (or model, cache ...).
     heads, fold = config_value("attention.num_kv_heads"), ["workload.batch_size", "workload.prompt_len",

@@ -28,10 +28,13 @@ from kvbench.sinks.compare import (
     AXES,
     COLUMNS,
     KIND_TITLES,
+    NOT_SIGNIFICANT,
     VARIANT_AXES,
+    VARIANT_KEYS,
     Axis,
     by_kind,
     comparisons,
+    interleaved_table,
     job_axes,
     job_cells,
     job_columns,
@@ -164,7 +167,27 @@ def _comparison_md(records, axes) -> List[str]:
     if lines:
         lines = ["## Attention variants side by side", "",
                  "Each metric of a variant with its ratio to MHA of the same row; one job per value (the "
-                 "median of its `runtime.repeats` trials), no confidence interval.", ""] + lines
+                 "median of its `runtime.repeats` trials). `[low, high]`: the value's 95% interval where the "
+                 f"record has one; a ratio marked *{NOT_SIGNIFICANT}* has intervals that overlap the "
+                 "baseline's. Separate jobs are separate processes: for a paired comparison in one process "
+                 "use `task=compare`.", ""] + lines
+    return lines
+
+
+def _interleaved_md(records) -> List[str]:
+    lines: List[str] = []
+    for rec in records:
+        header, rows = interleaved_table(rec)
+        if rows:
+            lines += [f"### job {rec.get('job')}: {(rec.get('metrics') or {}).get('rounds')} rounds", "",
+                      *_md_table(header, rows, len(header) - 1), ""]
+    if lines:
+        lines = ["## Interleaved comparisons (task=compare)", "",
+                 "Variants of one model timed in one process, alternating trial by trial. Step times: median "
+                 "over rounds [95% bootstrap interval]; the KV cost is the Theil-Sen slope of step time against "
+                 "context; ratios are to the first variant, paired over rounds, *not significant* where their "
+                 "interval holds 1. The KV bytes ratio is what the slope ratio would be if the context cost "
+                 "were only the K/V bytes read.", ""] + lines
     return lines
 
 
@@ -193,10 +216,11 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", ""]
     lines += _choose_md(records)
-    lines += _comparison_md(records, axes)
+    lines += _interleaved_md(records) + _comparison_md(records, axes)
     groups = by_kind(records)
     for kind_name, group in groups.items():
-        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")]
+        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")
+                     + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
         columns = job_columns(group, kind_name)
         rows = [[rec["job"], *values, rec["status"], *metrics]
                 for rec in group for values, metrics in [job_cells(rec, job_axes_, columns)]]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from conftest import saved_figures
 from fake_sweep import BATCHES, GEN, PROMPTS, TURN_TTFT, VARIANTS, bench, build_sweep, decode_ms, hydra_files
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from kvbench.cache import kv_cache_bytes
 from kvbench.cli import report_main as main
@@ -45,15 +45,7 @@ def sweep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def figures(sweep, tmp_path_factory):
     """The report, and every matplotlib Figure it saved (a spy around Figure.savefig)."""
-    saved = []
-    original = Figure.savefig
-
-    def spy(fig, *args, **kwargs):
-        saved.append(fig)
-        return original(fig, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Figure, "savefig", spy)
+    with saved_figures() as saved:
         report = write_report(sweep, tmp_path_factory.mktemp("report"))
     return report, saved
 

@@ -1,0 +1,122 @@
+"""Intervals in the tables, plots and report, on hand-made records: a value shows its 95% interval
+where the record has one (and only then: older records have none), a ratio whose intervals
+overlap the baseline's is marked not significant, a task=compare record's table shows its paired
+ratios, and the decode plot draws the intervals as error bars."""
+
+import io
+
+import pytest
+from conftest import saved_figures
+from matplotlib.collections import LineCollection
+from rich.console import Console
+
+from kvbench.results import RunResult
+from kvbench.sinks import console
+from kvbench.sinks.compare import NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
+from kvbench.sinks.report import MD_FILE, write_report
+
+P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}")
+
+
+def decode(kind, kv, prompt=64, job="0", **metrics):
+    return {"job": job, "status": "ok", "metrics": metrics,
+            "config": {"task": "bench", "model": {"name": "m", "num_heads": 8},
+                       "attention": {"type": kind, "num_kv_heads": kv},
+                       "workload": {"name": "decode", "prompt_len": prompt, "batch_size": 1}}}
+
+
+def ci(value, low, high, key="decode_ms_p50"):
+    return {key: value, f"{key}_ci_low": low, f"{key}_ci_high": high}
+
+
+def test_a_value_shows_its_interval_only_where_the_record_has_one():
+    assert value_text(decode("mha", 8, **ci(2.0, 1.9, 2.25)), P50) == "2.000 [1.900, 2.250]"
+    assert value_text(decode("mha", 8, decode_ms_p50=2.0), P50) == "2.000"  # an older record
+    assert value_text(decode("mha", 8, **ci(2.0, None, 2.25)), P50) == "2.000"
+
+
+def test_a_ratio_whose_intervals_overlap_is_not_significant():
+    records = [decode("mha", 8, job="0", **ci(10.0, 9.5, 10.5)),
+               decode("gqa", 2, job="1", **ci(10.2, 9.8, 10.6)),  # overlaps MHA's interval
+               decode("mqa", 1, job="2", **ci(5.0, 4.8, 5.2)),  # clear of it
+               decode("gqa", 4, job="3", decode_ms_p50=7.0)]  # no interval: no verdict
+    [comparison] = comparisons(records)
+    [cell] = comparison.cells
+    text = {label: comparison.text(cell, label, P50) for label in comparison.variants}
+    assert text == {"mha kv=8": "10.000 [9.500, 10.500]",
+                    "gqa kv=4": "7.000 (0.700×)",
+                    "gqa kv=2": f"10.200 [9.800, 10.600] (1.02×, {NOT_SIGNIFICANT})",
+                    "mqa kv=1": "5.000 [4.800, 5.200] (0.500×)"}
+
+
+def compare_record():
+    rows = []
+    for name, ms, slope, ratio, share in (("mha_kv8", 10.0, 400.0, None, 0.08), ("gqa_kv2", 9.0, 110.0, 0.27, 0.02),
+                                          ("mqa_kv1", 9.9, 380.0, 0.95, 0.07)):
+        row = {"variant": name, **ci(ms, ms - 0.1, ms + 0.2, "step_ms_ctx1024"), **ci(ms - 1, ms - 1.1, ms - 0.9,
+               "step_ms_ctx512"), **ci(slope, slope - 20, slope + 30, "decode_us_per_1k_ctx"),
+               "kv_bytes_ratio": {"mha_kv8": 1.0, "gqa_kv2": 0.25, "mqa_kv1": 0.125}[name], "kv_share_ctx1024": share}
+        if ratio is None:
+            row.update(ci(1.0, 1.0, 1.0, "slope_ratio"), **ci(1.0, 1.0, 1.0, "step_ratio_ctx1024"))
+        else:
+            row.update(ci(ratio, ratio - 0.1, ratio + 0.1, "slope_ratio"),
+                       **ci(ms / 10, ms / 10 - 0.02, ms / 10 + 0.02, "step_ratio_ctx1024"))
+        rows.append(row)
+    return {"job": ".", "status": "ok", "config": {"task": "compare", "model": {"name": "m"}},
+            "metrics": {"rounds": 6}, "tables": {"compare": rows}}
+
+
+def test_the_interleaved_table_shows_paired_ratios_and_their_significance():
+    header, rows = interleaved_table(compare_record())
+    assert header == ["variant", "step ms @512", "step ms @1024", "KV µs / 1k ctx", "slope ratio", "KV bytes ratio",
+                      "step ratio @1024", "KV share @1024"]
+    mha, gqa, mqa = rows
+    assert mha == ["mha_kv8", "9.000 [8.900, 9.100]", "10.000 [9.900, 10.200]", "400.0 [380.0, 430.0]",
+                   "1 (baseline)", "1.00×", "1 (baseline)", "8.0%"]
+    assert gqa[4] == "0.270× [0.170, 0.370]" and gqa[5] == "0.250×"
+    assert gqa[6] == "0.900× [0.880, 0.920]"
+    # an interval that holds 1: the variants do not differ at this confidence
+    assert mqa[4] == f"0.950× [0.850, 1.05], {NOT_SIGNIFICANT}" and mqa[6] == f"0.990× [0.970, 1.01], {NOT_SIGNIFICANT}"
+    assert interleaved_table(decode("mha", 8, decode_ms_p50=1.0)) == ([], [])
+
+
+def write(root, name, record):
+    RunResult(status=record["status"], config=record["config"], metrics=record["metrics"],
+              tables=record.get("tables", {})).write(root / name)
+
+
+def test_the_report_shows_intervals_marks_overlap_and_lists_the_interleaved_comparison(tmp_path):
+    write(tmp_path, "0", decode("mha", 8, **ci(10.0, 9.5, 10.5)))
+    write(tmp_path, "1", decode("gqa", 2, **ci(10.2, 9.8, 10.6)))
+    write(tmp_path, "2", compare_record())
+    write_report(tmp_path, plots=False)
+    md = (tmp_path / MD_FILE).read_text()
+    assert f"10.200 [9.800, 10.600] (1.02×, {NOT_SIGNIFICANT})" in md
+    section = md.split("## Interleaved comparisons (task=compare)")[1].split("\n## ")[0]
+    assert "### job 2: 6 rounds" in section and f"0.950× [0.850, 1.05], {NOT_SIGNIFICANT}" in section
+
+
+def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path):
+    records = [decode("mha", 8, 32, "0", **ci(2.0, 1.8, 2.3)), decode("mha", 8, 64, "1", **ci(3.0, 2.9, 3.2)),
+               decode("gqa", 2, 32, "2", decode_ms_p50=1.5), decode("gqa", 2, 64, "3", decode_ms_p50=1.7)]
+    for rec in records:
+        write(tmp_path, rec["job"], rec)
+    with saved_figures() as saved:
+        report = write_report(tmp_path, tmp_path / "out")
+    assert any(p.name == "decode_vs_context.png" for p in report.files)
+    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
+    bars = [c for ax in fig.axes for c in ax.collections if isinstance(c, LineCollection)]
+    # one error bar per MHA point (the GQA records have no interval), spanning its interval
+    spans = sorted(tuple(sorted(y for _, y in seg)) for bar in bars for seg in bar.get_segments())
+    assert spans == [pytest.approx((1.8, 2.3)), pytest.approx((2.9, 3.2))]
+    assert "95% interval" in fig.axes[0].get_ylabel() or any("95% interval" in t.get_text() for t in fig.texts)
+
+
+def test_the_console_prints_the_interleaved_table():
+    out = Console(file=io.StringIO(), width=250, highlight=False, color_system=None)
+    out.print(console.compare_table(compare_record()))
+    text = out.file.getvalue()
+    assert "interleaved comparison: 6 rounds" in text
+    header, rows = interleaved_table(compare_record())
+    for cell in (*header, *rows[2]):
+        assert cell in text

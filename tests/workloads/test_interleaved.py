@@ -1,0 +1,122 @@
+"""task=compare: variants alternate trial by trial (the order is recorded), share the MHA weights,
+and the slope, intervals and paired ratios are what the stats module computes from the trials."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kvbench.config import CONF_DIR, AttentionConfig, ConfigError, to_bench_config
+from kvbench.runner import build_model, run_job
+from kvbench.workloads.interleaved import round_order, summarize, variants
+
+TINY = ["wandb.mode=disabled", "task=compare", "model=tiny", "model.max_seq_len=64", "runtime.threads=1"]
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=[*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    cfg = config("compare.variants=[mha,2,mqa]", "compare.contexts=[8,4,16]", "compare.steps=3",
+                 "runtime.warmup=1", "runtime.repeats=4")
+    return run_job(cfg, tmp_path_factory.mktemp("compare"))
+
+
+def test_rounds_alternate_the_variants_and_record_the_order(record):
+    assert record.status == "ok", record.error
+    trials = record.tables["trials"]
+    # warm-up round left out; 4 rounds x 3 variants x 3 contexts, in the order run
+    assert len(trials) == 4 * 3 * 3
+    forward = ["mha_kv8", "gqa_kv2", "mqa_kv1"]
+    for r in range(4):
+        rows = [t for t in trials if t["round"] == r]
+        turns = [rows[i]["variant"] for i in range(0, 9, 3)]
+        assert turns == (forward if r % 2 == 0 else forward[::-1])
+        assert [t["turn"] for t in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert [t["context"] for t in rows] == [4, 8, 16] * 3  # contexts sorted within a trial
+        assert all(len(t["steps_ms"]) == 3 and t["step_ms"] == np.median(t["steps_ms"]) for t in rows)
+    assert [row["variant"] for row in record.tables["compare"]] == forward
+    # many variants, none of them the record's attention
+    assert "attention" not in record.config and record.config["compare"]["variants"] == ["mha", "2", "mqa"]
+
+
+def test_paired_ratios_and_intervals_match_a_recompute_from_the_trials(record):
+    trials, m = record.tables["trials"], record.metrics
+
+    def rounds(variant, ctx):  # per-round medians of the raw steps, in round order
+        rows = sorted((t for t in trials if t["variant"] == variant and t["context"] == ctx), key=lambda t: t["round"])
+        return np.array([np.median(t["steps_ms"]) for t in rows])
+
+    base, gqa = rounds("mha_kv8", 16), rounds("gqa_kv2", 16)
+    assert m["gqa_kv2_step_ratio_ctx16"] == pytest.approx(np.median(gqa) / np.median(base))
+    assert m["gqa_kv2_step_ms_ctx16"] == pytest.approx(np.median(gqa))
+    assert m["gqa_kv2_step_ms_ctx16_ci_low"] <= m["gqa_kv2_step_ms_ctx16"] <= m["gqa_kv2_step_ms_ctx16_ci_high"]
+    assert m["mha_kv8_step_ratio_ctx16"] == 1.0 and m["mha_kv8_slope_ratio"] == 1.0
+    # the bytes a position's K and V take: 2 * layers * kv_heads * head_dim * 4 bytes
+    assert m["gqa_kv2_kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 and m["gqa_kv2_kv_bytes_ratio"] == 0.25
+    # the shorter contexts are in the table, not among the metrics
+    assert "gqa_kv2_step_ms_ctx4" not in m and record.tables["compare"][1]["step_ms_ctx4"] == pytest.approx(
+        np.median(rounds("gqa_kv2", 4)))
+    assert record.methods["<v>_slope_ratio"] and record.methods["paired_ratio"]
+
+
+def test_the_slope_and_its_ratio_on_synthetic_trials():
+    """Steps that cost exactly a + slope x context: the fit returns the slope, the ratio theirs."""
+    contexts, slope_ms_per_pos = [256, 512, 1024, 2048], {"a": 4e-3, "b": 1e-3}
+    rng = np.random.default_rng(1)
+    trials = []
+    for r in range(6):
+        drift = 1 + 0.1 * rng.random()  # the machine slows a whole round: pairing cancels it
+        for v, slope in slope_ms_per_pos.items():
+            trials += [{"round": r, "variant": v, "context": c, "step_ms": drift * (5.0 + slope * c)} for c in contexts]
+    rows = summarize(trials, ["a", "b"], contexts, {"a": 64, "b": 16})
+    a, b = rows
+    drift_median = np.median([t["step_ms"] / (5.0 + 4e-3 * t["context"]) for t in trials if t["variant"] == "a"])
+    assert a["decode_us_per_1k_ctx_ci_low"] <= a["decode_us_per_1k_ctx"] <= a["decode_us_per_1k_ctx_ci_high"]
+    assert a["decode_us_per_1k_ctx"] == pytest.approx(4e-3 * 1e6, rel=0.11)  # within the drift
+    assert b["slope_ratio"] == pytest.approx(0.25) and b["slope_ratio_ci_low"] == pytest.approx(0.25)
+    assert b["kv_bytes_ratio"] == 0.25
+    assert b["step_ratio_ctx2048"] == pytest.approx((5.0 + 2.048) / (5.0 + 8.192))
+    assert a["step_ms_ctx256"] == pytest.approx(drift_median * (5.0 + 4e-3 * 256), rel=0.05)
+
+
+def test_variants_share_the_mha_weights_and_differ_only_in_k_and_v():
+    cfg = to_bench_config(config("compare.variants=[mha,gqa,mqa]", "compare.contexts=[4,8,16]"))
+    base = build_model(replace(cfg, attention=AttentionConfig("mha")), torch.device("cpu"))
+    runs = variants(cfg, base)
+    assert [(v.label, v.num_kv_heads) for v in runs] == [("mha_kv8", 8), ("gqa_kv2", 2), ("mqa_kv1", 1)]
+    assert runs[0].model is base
+    D, C = base.config.head_dim, base.config.d_model
+    base_state = base.state_dict()
+    for v in runs[1:]:
+        state = v.model.state_dict()
+        for name, tensor in base_state.items():
+            if name.endswith((".attn.wk.weight", ".attn.wv.weight")):
+                # independent recompute: KV head j is the mean of MHA heads j*G .. (j+1)*G - 1
+                pooled = tensor.view(8, D, C).view(v.num_kv_heads, 8 // v.num_kv_heads, D, C).mean(1)
+                torch.testing.assert_close(state[name], pooled.reshape(-1, C))
+            else:
+                assert torch.equal(state[name], tensor), name
+
+
+def test_round_order_alternates():
+    assert [round_order(3, r) for r in range(3)] == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("compare.variants=[mha,3]", "compare.variants"),
+    ("compare.variants=[mha]", "compare.variants"),
+    ("compare.variants=[mha,8]", "compare.variants"),
+    ("compare.variants=[mha,fast]", "compare.variants"),
+    ("compare.contexts=[8,64]", "compare.contexts"),
+    ("cache.impl=concat", "cache.impl"),
+])
+def test_bad_compare_values_name_their_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        to_bench_config(config("compare.contexts=[4,8,16]", override))
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
