@@ -602,7 +602,10 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
             keep("cache", _CACHE_KEYS[workload])
     elif task in ("train", "eval"):
         out.pop("workload", None)
-        out.pop("cache", None)
+        if task == "eval":  # scored through a cache of cache.dtype (auto: none)
+            keep("cache", ("dtype",))
+        else:
+            out.pop("cache", None)
         keep("runtime", _RUNTIME_KEYS_QUALITY)
         if task == "eval":
             keep("train", _TRAIN_KEYS_EVAL)

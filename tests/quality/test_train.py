@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TEXT, byte_decoder
 
+from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
 from kvbench.config import (
     AttentionConfig,
@@ -114,3 +115,23 @@ def test_eval_llama_dir_with_its_tokenizer(tmp_path, corpus):
     assert m["bytes_per_token"] > 1.2  # BPE merges bytes into tokens
     assert m["bits_per_byte"] == pytest.approx(m["val_loss"] / math.log(2) / m["bytes_per_token"])
     assert 100 < m["perplexity"] < 1000  # an untrained model is near-uniform over 300 tokens
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_eval_through_a_quantized_cache_is_a_decode_through_it(cache_dtype):
+    """Independent reference: the same windows fed token by token through a static cache of
+    ``cache_dtype`` (what a decode reads); one pass through the cache must give that loss, and it
+    must differ from the unquantized loss (the quantization is exercised), boundedly."""
+    model = byte_decoder(2).eval()
+    T, n = 12, 2
+    val = torch.randint(0, 256, (n * T + 1,), generator=torch.Generator().manual_seed(0))
+    data = TokenData(train=val, val=val)
+    got = evaluate(model, data, seq_len=T, batches=1, batch_size=n, cache_dtype=cache_dtype)["val_loss"]
+    plain = evaluate(model, data, seq_len=T, batches=1, batch_size=n)["val_loss"]
+    windows = val[:-1].view(n, T)  # the 2 windows tile val, as in the perplexity test above
+    cache = cache_for(model, "static", n, T, cache_dtype)
+    with torch.no_grad():
+        logits = torch.cat([model(windows[:, t:t + 1], cache, t) for t in range(T)], dim=1)
+    decoded = F.cross_entropy(logits.reshape(-1, 256), val[1:]).item()
+    assert got == pytest.approx(decoded, rel=1e-5)
+    assert 0 < abs(got - plain) < 0.01 * plain
