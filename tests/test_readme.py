@@ -78,6 +78,7 @@ CHAINS: List[Dict[str, Step]] = [
         "kvbench -m model=tiny workload=multiturn attention=mha,gqa,mqa cache.shared=false,true "
         "runtime.threads=1": Step([*CHAT, "hydra.sweep.dir=multirun/chat"]),
         "kvbench model=tiny workload=multiturn cache.shared=true": Step(CHAT),
+        "kvbench task=inspect model=llama2_7b": Step(),
     },
     {
         "kvbench task=train model=train_small attention=mha runtime.threads=1": Step(TRAIN),
@@ -118,6 +119,9 @@ NOT_RUN = {
                                                                         "tests/sinks/test_tracking.py reads a real "
                                                                         "offline sweep back with this command",
     "wandb login": "needs a W&B account and the network",
+    "kvbench -m model=tiny attention=mha,gqa,mqa cache.dtype=auto,int8 runtime.threads=1":
+        "six isolated jobs (a torch import each); tests/workloads/test_decode.py runs an int8 decode job and "
+        "tests/sinks/test_compare.py the comparison of {MHA, MQA} x {auto, int8}",
     "wandb sync multirun/kv_demo/*/wandb/offline-run-*": "needs a W&B account and the network",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only": "times the benchmarks (minutes); "
                                                                              "`python -m pytest` runs each once",
