@@ -8,6 +8,11 @@
 ``update(layer, start_pos, k, v)`` stores the new keys/values of one layer at positions
 ``start_pos .. start_pos + T`` and returns the keys/values to attend over, (B, H_kv, S, D).
 
+``cache.dtype`` (static caches and a shared prefix): ``auto`` stores K/V in the compute dtype;
+``int8`` and ``float8_e4m3fn`` store codes with a float32 scale per (sequence, KV head, position),
+quantized on write (:func:`quantize`) and dequantized on read (:func:`dequantize`); see
+:class:`KVStore`.
+
 A static cache (alone or under a shared prefix) also lends a :class:`FixedWindow` for a
 fixed-shape decode step (``window``): the step's position is a tensor and the keys it reads a
 fixed bucket of positions, so one compiled graph (one CUDA graph) serves every step of a bucket.
@@ -19,13 +24,93 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kvbench.config import CACHE_IMPLS
+from kvbench.config import CACHE_DTYPE_BYTES, CACHE_DTYPES, CACHE_IMPLS
+
+# A quantized cache keeps one float32 scale per (sequence, KV head, position) for K and one for V.
+SCALE_BYTES = 4
+# The largest code: symmetric int8 uses -127..127 (not -128, so that -x quantizes as -q);
+# float8_e4m3fn's largest finite value is 448.
+_CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                   batch_size: int, bytes_per_element: int) -> int:
-    """2 (K and V) · layers · kv_heads · head_dim · seq_len · batch · bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
+                   batch_size: int, bytes_per_element: int, cache_dtype: str = "auto") -> int:
+    """2 (K and V) · layers · kv_heads · seq_len · batch · (head_dim · bytes per element + scale bytes).
+
+    ``cache_dtype`` auto: elements of ``bytes_per_element`` (the compute dtype), no scales;
+    int8 / float8_e4m3fn: 1-byte codes and one float32 scale per (sequence, head, position)."""
+    if cache_dtype == "auto":
+        per_head = head_dim * bytes_per_element
+    else:
+        per_head = head_dim * CACHE_DTYPE_BYTES[cache_dtype] + SCALE_BYTES
+    return 2 * num_layers * num_kv_heads * seq_len * batch_size * per_head
+
+
+def storage_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache stores K/V codes in: ``dtype`` (the compute dtype) for auto."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache.dtype={cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}")
+    return dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+
+
+def quantize(x: torch.Tensor, cache_dtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., D) as (codes (..., D) in ``cache_dtype``, float32 scales (..., 1)): symmetric,
+    one scale per vector of D (one position of one head), ``scale = max|x| / code max``.
+
+    int8 rounds to the nearest code: |x - dequantize| <= scale / 2. float8_e4m3fn keeps 3 mantissa
+    bits: a relative error <= 2**-4 for normal codes, an absolute one <= scale * 2**-10 below them.
+    An all-zero vector gets scale 1 (its codes are 0 whatever the scale)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / _CODE_MAX[cache_dtype]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scaled = xf / scale
+    if cache_dtype == "int8":
+        return scaled.round().clamp_(-127, 127).to(torch.int8), scale
+    return scaled.clamp_(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Codes (..., D) times their scales (..., 1), in ``dtype`` (the compute dtype)."""
+    return (codes.float() * scale).to(dtype)
+
+
+class KVStore:
+    """K or V of every layer, (B, H_kv, S, D) each, in ``cache.dtype``: as given (auto), or as
+    codes with a float32 scale per (sequence, head, position), (B, H_kv, S, 1).
+
+    Why a scale per position and head (not KIVI's per-channel keys): a write quantizes only what
+    it writes, so earlier positions are never requantized and a static cache stays static; with
+    int8's 255 levels the per-channel outliers of keys cost little (KIVI needs channel scales at
+    2 bits, with a full-precision residual of recent tokens to fill a channel group)."""
+
+    def __init__(self, num_layers: int, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype,
+                 device: torch.device):
+        self.cache_dtype, self.dtype = cache_dtype, dtype
+        self.codes = [torch.zeros(shape, dtype=storage_dtype(cache_dtype, dtype), device=device)
+                      for _ in range(num_layers)]
+        self.scales = ([] if cache_dtype == "auto" else
+                       [torch.ones(shape[:-1] + (1,), device=device) for _ in range(num_layers)])
+
+    def write(self, layer: int, start: int, x: torch.Tensor) -> None:
+        """Store ``x`` (B', H_kv, T, D) at sequences 0..B'-1, positions ``start .. start + T``."""
+        B, end = x.shape[0], start + x.shape[2]
+        if not self.scales:
+            self.codes[layer][:B, :, start:end] = x
+            return
+        codes, scale = quantize(x, self.cache_dtype)
+        self.codes[layer][:B, :, start:end] = codes
+        self.scales[layer][:B, :, start:end] = scale
+
+    def read(self, layer: int, batch_size: int, end: int) -> torch.Tensor:
+        """Positions 0..end-1 of the first ``batch_size`` sequences, (B, H_kv, end, D), in the compute
+        dtype: a view for auto, a dequantized copy otherwise."""
+        codes = self.codes[layer][:batch_size, :, :end]
+        if not self.scales:
+            return codes
+        return dequantize(codes, self.scales[layer][:batch_size, :, :end], self.dtype)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return self.codes + self.scales
 
 
 def bucket_length(end: int, bucket: int, capacity: int) -> int:
@@ -42,10 +127,14 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  max_seq_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", cache_dtype: str = "auto"):
         self.num_layers, self.batch_size, self.num_kv_heads = num_layers, batch_size, num_kv_heads
         self.head_dim, self.max_seq_len = head_dim, max_seq_len
         self.dtype, self.device = dtype, torch.device(device)
+        self.cache_dtype = cache_dtype  # how K/V are stored (cache.dtype); dtype: what attention reads
+        if cache_dtype != "auto" and self.impl not in ("static", "shared"):
+            raise ValueError(f"cache.dtype={cache_dtype!r} needs a preallocated cache: cache.impl={self.impl!r} "
+                             "stores K/V as given; use cache.impl=static")
         self.length = 0  # positions held (after the last layer's update)
         self._windows: Dict[int, FixedWindow] = {}
 
@@ -111,22 +200,25 @@ class StaticKVCache(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         shape = (self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_store, self.v_store = (KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device)
+                                      for _ in "kv")
+        self.k, self.v = self.k_store.codes, self.v_store.codes  # per layer (B, H_kv, S_max, D)
 
     def update(self, layer, start_pos, k, v):
         end = self._check(layer, start_pos, k)
         B = k.shape[0]
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        k_cache[:B, :, start_pos:end] = k
-        v_cache[:B, :, start_pos:end] = v
+        self.k_store.write(layer, start_pos, k)
+        self.v_store.write(layer, start_pos, v)
         self._written(layer, end)
-        return k_cache[:B, :, :end], v_cache[:B, :, :end]
+        return self.k_store.read(layer, B, end), self.v_store.read(layer, B, end)
 
     def tensors(self):
-        return self.k + self.v
+        return self.k_store.tensors() + self.v_store.tensors()
 
     def window(self, start_pos, batch_size, bucket):
+        if self.cache_dtype != "auto":
+            raise ValueError(f"cache.dtype={self.cache_dtype!r} has no fixed-shape window (a compiled step "
+                             "would write unquantized K/V into its codes); use cache.dtype=auto")
         if batch_size != self.batch_size:
             raise ValueError(f"a fixed-shape step writes all {self.batch_size} sequences of the cache, "
                              f"got a batch of {batch_size}")
@@ -220,17 +312,19 @@ _IMPLS = {c.impl: c for c in (StaticKVCache, ConcatKVCache, NoKVCache)}
 
 def make_cache(impl: str, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                max_seq_len: int, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> KVCache:
-    """The cache named ``impl`` (static | concat | none) for the given shape."""
+               device: torch.device | str = "cpu", cache_dtype: str = "auto") -> KVCache:
+    """The cache named ``impl`` (static | concat | none) for the given shape, storing K/V in
+    ``cache_dtype`` (auto: ``dtype``; int8 / float8_e4m3fn: static only)."""
     if impl not in _IMPLS:
         raise ValueError(f"cache.impl={impl!r}: must be one of {', '.join(CACHE_IMPLS)}")
-    return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device)
+    storage_dtype(cache_dtype, dtype)  # a clear error for an unknown cache.dtype
+    return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device, cache_dtype)
 
 
-def cache_for(model, impl: str, batch_size: int, max_seq_len: int) -> KVCache:
+def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> KVCache:
     """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device."""
     return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
-                      model.config.head_dim, max_seq_len, model.dtype, model.device)
+                      model.config.head_dim, max_seq_len, model.dtype, model.device, cache_dtype)
 
 
 class SharedPrefixCache(KVCache):
@@ -250,11 +344,13 @@ class SharedPrefixCache(KVCache):
         if not history.stores_history:
             raise ValueError(f"cache.impl={history.impl!r} keeps no history to share; use static or concat")
         super().__init__(history.num_layers, history.batch_size, history.num_kv_heads, history.head_dim,
-                         prefix_len + history.max_seq_len, history.dtype, history.device)
+                         prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype)
         self.history, self.prefix_len = history, prefix_len
         shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
-        self.prefix_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.prefix_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # The prefix is stored like the history (cache.dtype), once for every conversation.
+        self.prefix_k_store, self.prefix_v_store = (
+            KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device) for _ in "kv")
+        self.prefix_k, self.prefix_v = self.prefix_k_store.codes, self.prefix_v_store.codes
 
     def update(self, layer, start_pos, k, v):
         P = self.prefix_len
@@ -263,10 +359,10 @@ class SharedPrefixCache(KVCache):
                 raise ValueError(f"the shared prefix is written whole and once, with batch 1: got batch "
                                  f"{k.shape[0]} at positions {start_pos}..{start_pos + k.shape[2] - 1} "
                                  f"(prefix_len={P}, {self.length} positions held)")
-            self.prefix_k[layer].copy_(k)
-            self.prefix_v[layer].copy_(v)
+            self.prefix_k_store.write(layer, 0, k)
+            self.prefix_v_store.write(layer, 0, v)
             self._written(layer, P)
-            return self.prefix_k[layer], self.prefix_v[layer]
+            return self.shared_prefix(layer, P)
         if self.length < P:
             raise ValueError(f"write the shared prefix (positions 0..{P - 1}) before position {start_pos}")
         k, v = self.history.update(layer, start_pos - P, k, v)  # (B, H_kv, S - P, D)
@@ -274,7 +370,10 @@ class SharedPrefixCache(KVCache):
         return k, v
 
     def shared_prefix(self, layer, start_pos):
-        return None if start_pos < self.prefix_len else (self.prefix_k[layer], self.prefix_v[layer])
+        if start_pos < self.prefix_len:
+            return None
+        P = self.prefix_len
+        return self.prefix_k_store.read(layer, 1, P), self.prefix_v_store.read(layer, 1, P)
 
     def window(self, start_pos, batch_size, bucket):
         P = self.prefix_len
@@ -300,10 +399,12 @@ class SharedPrefixCache(KVCache):
         return f"history[0:{B}, {start - P}:{end - P}]"
 
     def tensors(self):
-        return self.prefix_k + self.prefix_v + self.history.tensors()
+        return self.prefix_k_store.tensors() + self.prefix_v_store.tensors() + self.history.tensors()
 
 
-def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq_len: int) -> SharedPrefixCache:
+def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq_len: int,
+                     cache_dtype: str = "auto") -> SharedPrefixCache:
     """A :class:`SharedPrefixCache` for ``model``: a prefix of ``prefix_len`` positions held once,
     and ``batch_size`` histories of ``impl`` up to ``max_seq_len`` positions in all."""
-    return SharedPrefixCache(cache_for(model, impl, batch_size, max_seq_len - prefix_len), prefix_len)
+    return SharedPrefixCache(cache_for(model, impl, batch_size, max_seq_len - prefix_len, cache_dtype),
+                             prefix_len)

@@ -45,6 +45,10 @@ CONF_DIR = _find_conf_dir()
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
 CACHE_IMPLS = ("static", "concat", "none")
+# cache.dtype: how K/V are stored. auto: the compute dtype (runtime.dtype); the others store codes
+# of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
+CACHE_DTYPE_BYTES = {"int8": 1, "float8_e4m3fn": 1}
+CACHE_DTYPES = ("auto", *CACHE_DTYPE_BYTES)
 WORKLOADS = ("decode", "multiturn")
 TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare")
 SLO_STATS = ("p50", "p99")
@@ -360,14 +364,21 @@ class WorkloadConfig:
 
 @dataclass
 class CacheConfig:
-    """KV-cache implementation and whether a multi-turn chat keeps its history between turns."""
+    """KV-cache implementation, whether a multi-turn chat keeps its history between turns, and
+    the precision K/V are stored in (``dtype``: auto = the compute dtype, or int8/float8_e4m3fn
+    codes with scales, quantized on write and dequantized on read)."""
 
     impl: str = "static"
     shared: bool = False
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_numbers("cache", self)
         _check_choice("cache.impl", self.impl, CACHE_IMPLS)
+        _check_choice("cache.dtype", self.dtype, CACHE_DTYPES)
+        if self.dtype != "auto":
+            _check(self.impl == "static", "cache.impl", self.impl,
+                   f"cache.dtype={self.dtype} is stored in a preallocated cache; use cache.impl=static")
 
 
 @dataclass
@@ -606,6 +617,11 @@ class BenchConfig:
         if self.runtime.compile == "graph":
             _check(self.cache.impl == "static", "cache.impl", self.cache.impl,
                    "runtime.compile=graph reads a preallocated cache in fixed shapes; use cache.impl=static")
+            # The fixed-shape step writes K/V with index_copy_ into the storage itself: a quantized
+            # cache would need its quantize/dequantize inside the compiled step (not built).
+            _check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
+                   "runtime.compile=graph is not supported with a quantized cache; use cache.dtype=auto "
+                   "or runtime.compile=false|default")
         if w.name == "multiturn" and self.cache.shared:
             _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
@@ -736,7 +752,7 @@ def schema_defaults() -> DictConfig:
 _WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
                   "capacity": ("name", "gen_len"),  # the batch and the prompt are what it searches
                   "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
-_CACHE_KEYS = {"decode": ("impl",), "multiturn": ("impl", "shared")}
+_CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype")}
 _RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
 _TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
 
@@ -781,7 +797,10 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
             keep("cache", _CACHE_KEYS[workload])
     elif task in ("train", "eval"):
         out.pop("workload", None)
-        out.pop("cache", None)
+        if task == "eval":  # scored through a cache of cache.dtype (auto: none)
+            keep("cache", ("dtype",))
+        else:
+            out.pop("cache", None)
         keep("runtime", _RUNTIME_KEYS_QUALITY)
         if task == "eval":
             keep("train", _TRAIN_KEYS_EVAL)

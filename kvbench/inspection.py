@@ -10,8 +10,8 @@ from typing import List, Optional
 
 import torch
 
-from kvbench.cache import kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.cache import SCALE_BYTES, kv_cache_bytes
+from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig
 from kvbench.model import Decoder, kv_group_map
 from kvbench.units import human_bytes
 
@@ -30,13 +30,17 @@ def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
 def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
                     batch_size: int, num_heads: Optional[int] = None) -> List[dict]:
     """KV bytes per token (all layers), per sequence of ``seq_len`` and per batch, for each
-    dtype; with ``num_heads``, also the fraction of an MHA cache of the same model."""
+    dtype a cache can hold (the compute dtypes, then the quantized ``cache.dtype`` values with
+    their scales); with ``num_heads``, also the fraction of an MHA cache of the same model."""
     rows = []
-    for dtype, size in DTYPE_BYTES.items():
+    stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
+    stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
+    for dtype, size, cache_dtype in stored:
         row = {"dtype": dtype,
-               "per_token": kv_cache_bytes(num_layers, num_kv_heads, head_dim, 1, 1, size),
-               "per_sequence": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, 1, size),
-               "per_batch": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, size)}
+               "per_token": kv_cache_bytes(num_layers, num_kv_heads, head_dim, 1, 1, size, cache_dtype),
+               "per_sequence": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, 1, size, cache_dtype),
+               "per_batch": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, size,
+                                           cache_dtype)}
         if num_heads:
             row["vs_mha"] = num_kv_heads / num_heads
         rows.append(row)
@@ -66,8 +70,10 @@ def describe(cfg: BenchConfig) -> str:
         f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
         f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes",
         _elements_line(2 * a.num_kv_heads * m.head_dim, seq_len, w.batch_size),
+        f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
+        f"(sequence, KV head, position), K and V each",
     ]
-    header = ["dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})", "vs MHA"]
+    header = ["KV dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})", "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
              f"{r['vs_mha']:.3f}"]
             for r in kv_memory_table(m.num_layers, a.num_kv_heads, m.head_dim, seq_len, w.batch_size,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import make_decoder
 
-from kvbench.cache import SharedPrefixCache, kv_cache_bytes, make_cache
+from kvbench.cache import SharedPrefixCache, dequantize, kv_cache_bytes, make_cache, quantize
 
 
 def test_seed_numbers():
@@ -121,3 +121,88 @@ def test_fixed_window_over_a_shared_prefix_reads_prefix_then_history():
     assert keys.shape == (2, 1, 4, 4) and torch.equal(cache.history.k[0][:, :, 3:4], k)
     assert torch.equal(window.shared_prefix(0, pos)[0], prefix)
     assert window.mask(pos).tolist() == [[j <= P + 3 for j in range(P + 4)]]
+
+
+# ---- cache.dtype: int8 / float8_e4m3fn codes with a scale per (sequence, head, position) ----
+
+def _kv_with_outliers(shape=(3, 2, 5, 16), seed=0):
+    """Normal values, a channel 20x larger (keys have such channels) and one all-zero vector."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    x[..., 3] *= 20
+    x[0, 0, 0] = 0
+    return x
+
+
+def test_int8_round_trip_within_half_a_step():
+    x = _kv_with_outliers()
+    codes, scale = quantize(x, "int8")
+    assert codes.dtype == torch.int8 and scale.shape == x.shape[:-1] + (1,)
+    assert codes.abs().max() == 127  # the largest |x| of each vector maps to the largest code
+    # Independent bound: rounding to the nearest of 255 levels 'scale' apart errs by <= scale / 2.
+    expected = x.abs().amax(-1, keepdim=True) / 127
+    torch.testing.assert_close(scale[1:], expected[1:])
+    err = (dequantize(codes, scale, torch.float32) - x).abs()
+    assert (err <= scale / 2 * (1 + 1e-5)).all()
+    assert err.max() > scale.min() / 100  # it does round: not a float copy
+    assert torch.equal(dequantize(codes, scale, torch.float32)[0, 0, 0], torch.zeros(16))
+
+
+def test_float8_round_trip_within_three_mantissa_bits():
+    x = _kv_with_outliers()
+    codes, scale = quantize(x, "float8_e4m3fn")
+    assert codes.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(scale[1:], x.abs().amax(-1, keepdim=True)[1:] / 448)
+    err = (dequantize(codes, scale, torch.float32) - x).abs()
+    # e4m3: 3 mantissa bits, so half a step is 2**-4 of the value for normal codes; below the
+    # smallest normal (2**-6) the step is 2**-9, half of it 2**-10, in units of the scale.
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-5)
+    assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv", [8, 2, 1])
+def test_quantized_static_bytes_equal_formula(cache_dtype, kv):
+    cache = make_cache("static", 3, 5, kv, 16, 40, torch.float32, cache_dtype=cache_dtype)
+    # 1-byte codes + a float32 scale per (sequence, head, position), K and V: 2*3*kv*40*5*(16 + 4)
+    assert cache.nbytes == sum(t.nbytes for t in cache.tensors()) == 2 * 3 * kv * 40 * 5 * (16 + 4)
+    assert cache.nbytes == kv_cache_bytes(3, kv, 16, 40, 5, 4, cache_dtype)
+    # the compute dtype does not change what a quantized cache stores
+    assert kv_cache_bytes(3, kv, 16, 40, 5, 2, cache_dtype) == kv_cache_bytes(3, kv, 16, 40, 5, 4, cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_shared_prefix_is_stored_quantized_once(cache_dtype):
+    history = make_cache("static", 2, 3, 2, 8, 20, cache_dtype=cache_dtype)
+    cache = SharedPrefixCache(history, prefix_len=6)
+    once = kv_cache_bytes(2, 2, 8, 6, 1, 4, cache_dtype)  # the prefix, batch 1
+    assert cache.nbytes == once + kv_cache_bytes(2, 2, 8, 20, 3, 4, cache_dtype)
+    prefix = torch.randn(1, 2, 6, 8)
+    k, _ = cache.update(0, 0, prefix, prefix)
+    codes, scale = quantize(prefix, cache_dtype)
+    assert torch.equal(k, dequantize(codes, scale, torch.float32))
+    assert torch.equal(cache.shared_prefix(0, 6)[0], k)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_update_returns_what_was_stored(cache_dtype):
+    """Quantize on write, dequantize on read: a prefill then a decode step of part of the batch
+    read back exactly the dequantized codes of what was written, nothing of other sequences."""
+    cache = make_cache("static", 1, 3, 2, 8, 16, cache_dtype=cache_dtype)
+    k0, v0 = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
+    cache.update(0, 0, k0, v0)
+    k1, v1 = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    k, v = cache.update(0, 4, k1, v1)
+    assert k.shape == v.shape == (2, 2, 5, 8) and k.dtype == torch.float32
+    expect = lambda x: dequantize(*quantize(x, cache_dtype), torch.float32)
+    assert torch.equal(k, torch.cat([expect(k0[:2]), expect(k1)], 2))
+    assert torch.equal(v, torch.cat([expect(v0[:2]), expect(v1)], 2))
+
+
+def test_quantized_cache_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="cache.dtype='int8' needs a preallocated cache.*concat"):
+        make_cache("concat", 1, 1, 1, 4, 8, cache_dtype="int8")
+    with pytest.raises(ValueError, match="cache.dtype='int4': must be one of auto, int8, float8_e4m3fn"):
+        make_cache("static", 1, 1, 1, 4, 8, cache_dtype="int4")
+    cache = make_cache("static", 1, 1, 1, 4, 8, cache_dtype="int8")
+    with pytest.raises(ValueError, match="cache.dtype='int8' has no fixed-shape window"):
+        cache.window(0, 1, 4)

@@ -167,6 +167,8 @@ def test_inspect_prints_group_map_and_seed_arithmetic(tmp_path):
             "per batch (x64) 2,147,483,648 ≈ 2.15 G") in out
     # 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB per token; x 4096 x 64 in float16
     assert f"{2 * 32 * 32 * 128 * 4096 * 64 * 2:,}" in out
+    # cache.dtype=int8: 1-byte codes + a 4-byte scale per (sequence, head, position), K and V
+    assert "int8 " in out and f"{2 * 32 * 32 * (128 + 4) * 4096 * 64:,}" in out
     assert "query head 31 → KV head 31" in out and not list(tmp_path.iterdir())[1:]
 
 

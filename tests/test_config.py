@@ -283,3 +283,17 @@ def test_graph_mode_needs_the_static_cache():
     one_line_error(lambda: BenchConfig(model=ModelConfig(), attention=AttentionConfig("mha"), workload=WorkloadConfig(
         prompt_len=8, gen_len=4), cache=CacheConfig(impl="concat"), runtime=runtime, wandb=WandbConfig()),
                    "cache.impl='concat'")
+
+
+def test_cache_dtype_choices_and_what_they_need():
+    one_line_error(lambda: CacheConfig(dtype="int4"), "cache.dtype='int4': must be one of auto, int8, float8_e4m3fn")
+    one_line_error(lambda: CacheConfig(impl="concat", dtype="int8"),
+                   "cache.impl='concat': cache.dtype=int8 is stored in a preallocated cache")
+    assert CacheConfig(dtype="float8_e4m3fn").dtype == "float8_e4m3fn"
+    bench = lambda runtime, dtype: BenchConfig(
+        model=ModelConfig(), attention=AttentionConfig("mha"), workload=WorkloadConfig(prompt_len=8, gen_len=4),
+        cache=CacheConfig(dtype=dtype), runtime=runtime, wandb=WandbConfig())
+    one_line_error(lambda: bench(RuntimeConfig(compile="graph"), "int8"),
+                   "cache.dtype='int8': runtime.compile=graph is not supported with a quantized cache")
+    assert bench(RuntimeConfig(compile="graph"), "auto").cache.dtype == "auto"
+    assert bench(RuntimeConfig(compile="default"), "int8").cache.dtype == "int8"

@@ -1,6 +1,6 @@
 """task=inspect's text: the head→group map."""
 
-from kvbench.inspection import describe_kv_groups
+from kvbench.inspection import describe_kv_groups, kv_memory_table
 from kvbench.model import kv_group_map
 
 
@@ -12,3 +12,13 @@ def test_group_map_32_query_8_kv_heads():
     assert text[0] == "query heads 0-3 → KV head 0"
     assert text[7] == "query heads 28-31 → KV head 7"
     assert describe_kv_groups(4, 4).splitlines()[2] == "query head 2 → KV head 2"
+
+
+def test_kv_table_has_a_row_per_cache_dtype():
+    """Llama-2-7B's shape (32 layers, 32 KV heads, head_dim 128): 512 KiB per token in float16;
+    an int8 cache stores 128 one-byte codes + one 4-byte scale per head, K and V, per layer."""
+    rows = {r["dtype"]: r for r in kv_memory_table(32, 32, 128, 4096, 2, num_heads=32)}
+    assert list(rows) == ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"]
+    assert rows["float16"]["per_token"] == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert rows["int8"]["per_token"] == rows["float8_e4m3fn"]["per_token"] == 2 * 32 * 32 * (128 + 4) == 270_336
+    assert rows["int8"]["per_batch"] == 270_336 * 4096 * 2

@@ -83,6 +83,7 @@ CHAINS: List[Dict[str, Step]] = [
         "kvbench experiment=choose": Step(["model.num_layers=2", "capacity.context_lens=[16,32]",
                                            "capacity.max_batch=4", "workload.gen_len=2", "runtime.isolate=false",
                                            "slo.tpot_ms=100000", "wandb=disabled", "hydra.sweep.dir=multirun/choose"]),
+        "kvbench task=inspect model=llama2_7b": Step(),
     },
     {
         "kvbench task=train model=train_small attention=mha runtime.threads=1": Step(TRAIN),
@@ -134,6 +135,9 @@ NOT_RUN = {
     "kvbench task=capacity model=llama2_7b attention=mha runtime.dtype=float16 workload.gen_len=96 "
     "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for "
                                                                                       "Llama-2-7B's 13.5 GB of weights",
+    "kvbench -m model=tiny attention=mha,gqa,mqa cache.dtype=auto,int8 runtime.threads=1":
+        "six isolated jobs (a torch import each); tests/workloads/test_decode.py runs an int8 decode job and "
+        "tests/sinks/test_compare.py the comparison of {MHA, MQA} x {auto, int8}",
     "wandb sync multirun/kv_demo/*/wandb/offline-run-*": "needs a W&B account and the network",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only": "times the benchmarks (minutes); "
                                                                              "`python -m pytest` runs each once",

@@ -278,8 +278,12 @@ def test_eval_records_the_shape_it_measured_not_the_preset(tmp_path):
         assert result.config["attention"] == attention
         assert result.metrics["num_kv_heads"] == attention["num_kv_heads"]
         assert result.metrics["checkpoint_num_kv_heads"] == 2 and result.metrics["kv_heads_conversion"] == how
-        assert "workload" not in result.config and "cache" not in result.config  # eval reads neither
+        assert "workload" not in result.config and result.config["cache"] == {"dtype": "auto"}  # no cache.impl
     assert as_mha.metrics["perplexity"] == pytest.approx(as_saved.metrics["perplexity"], rel=1e-6)
+    # through an int8 KV cache: the quantization moves the perplexity, a little, and the record says which cache
+    as_int8 = job(tmp_path / "int8", *common, "cache.dtype=int8")
+    assert as_int8.status == "ok" and as_int8.config["cache"] == {"dtype": "int8"}
+    assert 0 < abs(as_int8.metrics["perplexity"] / as_saved.metrics["perplexity"] - 1) < 0.01
     bad = job(tmp_path / "bad", *common, "attention=gqa", "attention.num_kv_heads=3")
     assert bad.status == "invalid" and bad.error.startswith("attention.num_kv_heads=3: must divide model.num_heads=4")
 

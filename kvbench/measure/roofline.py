@@ -30,7 +30,9 @@ CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "
 ROOFLINE_METHODS = {
     "bytes_read_per_step": "bytes; weights read by a decode step (all but the embedding table, of which B rows)"
                            " + K/V read at the mean context length of the decode steps",
-    "kv_bytes_read_per_step": "bytes; K/V read by one decode step at the mean context length",
+    "kv_bytes_read_per_step": "bytes; K/V read by one decode step at the mean context length, as stored "
+                              "(cache.dtype int8/float8: codes + scales, what a fused kernel reads; kvbench "
+                              "dequantizes into a compute-dtype copy first, which it does not count)",
     "flops_per_step": "FLOP; 2 x batch x (weights multiplied) + attention (QK and PV) at the mean context",
     "roofline_ms": "ms; max(bytes_read_per_step / peak bandwidth, flops_per_step / peak compute): the fastest"
                    " a decode step can be; roofline_bound says which bound binds",
@@ -50,8 +52,9 @@ ROOFLINE_METHODS = {
 }
 
 
-def decode_bytes_read(model, batch_size: int, context_len: float) -> Tuple[int, int]:
-    """(total, kv) bytes one decode step reads with ``context_len`` positions in the cache.
+def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: str = "auto") -> Tuple[int, int]:
+    """(total, kv) bytes one decode step reads with ``context_len`` positions in the cache, K/V
+    stored in ``cache_dtype``.
 
     Every weight matrix is streamed once per step; the embedding is a lookup of B rows.
     """
@@ -60,7 +63,7 @@ def decode_bytes_read(model, batch_size: int, context_len: float) -> Tuple[int, 
     embed = model.embed.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
-    kv = kv_cache_bytes(cfg.num_layers, model.num_kv_heads, cfg.head_dim, 1, batch_size, element)
+    kv = kv_cache_bytes(cfg.num_layers, model.num_kv_heads, cfg.head_dim, 1, batch_size, element, cache_dtype)
     kv = int(kv * context_len)
     return weights + kv, kv
 
@@ -151,14 +154,15 @@ def _valid_probe(probe: Any) -> bool:
 
 def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, decode_ms_p50: float,
                      peak_gb_per_s: float, peak_gflops: float,
-                     kv_positions: Optional[float] = None) -> Dict[str, Any]:
-    """Roofline fields for a decode run whose median step took ``decode_ms_p50``.
+                     kv_positions: Optional[float] = None, cache_dtype: str = "auto") -> Dict[str, Any]:
+    """Roofline fields for a decode run whose median step took ``decode_ms_p50``, K/V stored in
+    ``cache_dtype``.
 
     ``kv_positions``: the mean number of positions per KV head a step reads, when that is not
     the context (a fixed-shape step reads its whole context bucket)."""
     # Step i (0-based) attends prompt_len + i + 1 positions; the mean over the run:
     context = prompt_len + (gen_len + 1) / 2 if kv_positions is None else kv_positions
-    total, kv = decode_bytes_read(model, batch_size, context)
+    total, kv = decode_bytes_read(model, batch_size, context, cache_dtype)
     flops = decode_flops(model, batch_size, context)
     memory_ms, compute_ms = total / (peak_gb_per_s * 1e9) * 1e3, flops / (peak_gflops * 1e9) * 1e3
     achieved = total / (decode_ms_p50 / 1e3) / 1e9

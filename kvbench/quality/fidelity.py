@@ -1,5 +1,6 @@
 """Is what was timed right? A cached greedy decode against a full recompute of the same tokens,
-and a low-precision model against a float32 copy of the same weights.
+a quantized cache against the unquantized one, and a low-precision model against a float32 copy
+of the same weights.
 
 Notation: B batch, P prompt length, N decode steps, V vocab.
 """
@@ -20,7 +21,13 @@ FIDELITY_METHODS: Dict[str, str] = {
     "fidelity_max_abs_logit_diff": "logits; max |cached decode logits - one full forward over the same tokens|, "
                                    "on up to 2 sequences and 16 steps after timing",
     "fidelity_top1_agreement": "fraction; positions where the cached decode and the full forward agree on "
-                               "the argmax, same tokens",
+                               "the argmax, same tokens (with cache.dtype int8/float8 this includes the "
+                               "quantization; kvq_* isolates it)",
+    "kvq_max_abs_logit_diff": "logits; cache.dtype int8/float8_e4m3fn: max |logits of the greedy decode through the "
+                              "quantized cache - logits of the same tokens through a cache.dtype=auto static cache| "
+                              "(prefill, then the generated tokens teacher-forced), up to 2 sequences and 16 steps",
+    "kvq_top1_agreement": "fraction; cache.dtype int8/float8_e4m3fn: decode positions (prefill's last included) where "
+                          "the quantized and the unquantized cache agree on the argmax, same tokens",
     "dtype_max_abs_logit_diff": "logits; float16/bfloat16 runs: max |logits - a float32 copy of the same weights|, "
                                 "teacher-forced on the low-precision run's greedy tokens",
     "dtype_top1_agreement": "fraction; float16/bfloat16 runs: positions where the low-precision model and its "
@@ -40,8 +47,8 @@ def _compare(logits: torch.Tensor, reference: torch.Tensor) -> Tuple[float, floa
 
 @torch.inference_mode()
 def cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str = "static",
-                   step=decode_step, cache: Optional[KVCache] = None, rows: Optional[int] = None
-                   ) -> Dict[str, float]:
+                   step=decode_step, cache: Optional[KVCache] = None, rows: Optional[int] = None,
+                   cache_dtype: str = "auto") -> Dict[str, float]:
     """A cached greedy decode against one uncached forward pass over the same tokens.
 
     The full pass over prompt + generated tokens (B, P + N) gives, at positions P - 1 .. P + N - 1,
@@ -51,13 +58,30 @@ def cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str
     """
     B, P = prompt.shape
     if cache is None:
-        cache = cache_for(model, impl, B, P + gen_len)
+        cache = cache_for(model, impl, B, P + gen_len, cache_dtype)
     cache.reset()
     gen = greedy_generate(model, prompt, gen_len, cache, keep_logits=True, step=step)  # tokens (B, N + 1)
     seq = torch.cat([prompt, gen.tokens[:, :-1]], dim=1)[:rows]  # (rows, P + N)
     full = model(seq)[:, P - 1:]  # (rows, N + 1, V)
     diff, agree = _compare(gen.logits[:rows], full)
     return {"fidelity_max_abs_logit_diff": diff, "fidelity_top1_agreement": agree}
+
+
+@torch.inference_mode()
+def quantized_cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, cache_dtype: str
+                             ) -> Dict[str, float]:
+    """A greedy decode through a static cache stored in ``cache_dtype`` against the same tokens
+    through a static cache in the compute dtype (``auto``): the prompt is prefilled, then the
+    quantized run's tokens are fed in one chunk, so both score the same sequence and the only
+    difference is how K/V were stored."""
+    B, P = prompt.shape
+    gen = greedy_generate(model, prompt, gen_len, cache_for(model, "static", B, P + gen_len, cache_dtype),
+                          keep_logits=True)  # logits (B, N + 1, V)
+    reference = cache_for(model, "static", B, P + gen_len)
+    first = model(prompt, reference, 0, last_only=True)  # (B, 1, V): chose token 0
+    rest = model(gen.tokens[:, :-1], reference, P)  # (B, N, V): chose tokens 1..N
+    diff, agree = _compare(gen.logits, torch.cat([first, rest], dim=1))
+    return {"kvq_max_abs_logit_diff": diff, "kvq_top1_agreement": agree}
 
 
 def float32_copy(model: Decoder) -> Decoder:
@@ -82,18 +106,21 @@ def dtype_fidelity(model_lowp: Decoder, model_fp32: Optional[Decoder], prompt: t
 
 
 def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtype: str,
-             step=decode_step, cache: Optional[KVCache] = None) -> Dict[str, Any]:
+             step=decode_step, cache: Optional[KVCache] = None, cache_dtype: str = "auto") -> Dict[str, Any]:
     """Quality of what was timed, on up to 2 sequences and 16 steps (cheap next to the trials):
-    cached decode vs a full recompute, and for half precision vs float32 with the same weights.
+    cached decode vs a full recompute, for a quantized cache (``cache_dtype``) vs the unquantized
+    one, and for half precision vs float32 with the same weights.
 
     ``step`` and ``cache``: the timed step and its cache, when a new cache for 2 sequences would
     not run the timed code (a compiled fixed-shape step has its cache's shapes): every sequence
     then decodes, and the first 2 are checked."""
     steps = min(gen_len, 16)
     if cache is None:
-        out = cache_fidelity(model, prompt[:2], steps, impl)
+        out = cache_fidelity(model, prompt[:2], steps, impl, cache_dtype=cache_dtype)
     else:
         out = cache_fidelity(model, prompt, steps, impl, step, cache, rows=2)
+    if cache_dtype != "auto":
+        out.update(quantized_cache_fidelity(model, prompt[:2], steps, cache_dtype))
     if dtype != "float32":
         out.update(dtype_fidelity(model, None, prompt[:2], steps))
     return out

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_checkpoint, load_llama_dir, save_checkpoint
 from kvbench.config import AttentionConfig, BenchConfig, ConfigError, TrainConfig
 from kvbench.model import Decoder, torch_dtype
@@ -68,6 +69,10 @@ EVAL_METHODS: Dict[str, str] = {
     "bytes_per_token": "bytes/token; text bytes per token of the validation split (1 for bytes; more with a "
                        "tokenizer.json)",
     "checkpoint_num_kv_heads": "count; KV heads of train.checkpoint as saved, before conversion",
+    "val_loss": _QUALITY["val_loss"] + "; with cache.dtype int8/float8_e4m3fn (the record's config) each batch of "
+                "windows is written into a static cache of that dtype and every position attends to the dequantized "
+                "K/V (quantized per position, so one pass scores what a token-by-token decode through that cache "
+                "would); auto: one causal forward, no cache",
 }
 
 OnLog = Callable[[int, Dict[str, float]], None]
@@ -76,9 +81,10 @@ Tick = Callable[..., None]
 
 
 @torch.no_grad()
-def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int
-             ) -> Dict[str, float]:
-    """Mean next-token cross-entropy over fixed validation windows, as loss, perplexity, bits/byte."""
+def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int,
+             cache_dtype: str = "auto") -> Dict[str, float]:
+    """Mean next-token cross-entropy over fixed validation windows, as loss, perplexity, bits/byte;
+    with ``cache_dtype`` int8/float8_e4m3fn, through a static cache that stores K/V so."""
     need_tokens(data.val, seq_len, "validation")
     was_training = model.training
     model.eval()
@@ -88,7 +94,8 @@ def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_
     nll, count = 0.0, 0
     for chunk_starts in starts.split(batch_size):
         chunk = data.val[chunk_starts[:, None] + offsets].to(device)  # (B, T + 1)
-        logits = model(chunk[:, :-1]).float()  # (B, T, V)
+        cache = None if cache_dtype == "auto" else cache_for(model, "static", len(chunk), seq_len, cache_dtype)
+        logits = model(chunk[:, :-1], cache).float()  # (B, T, V)
         nll += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
         count += chunk[:, 1:].numel()
     model.train(was_training)
@@ -259,7 +266,7 @@ def run_eval(cfg: BenchConfig, device: torch.device, loaded: Optional[Tuple[Deco
         data = byte_data(cfg.data)
     seq_len = min(cfg.train.seq_len, model.config.max_seq_len)
     start = time.perf_counter()
-    metrics = evaluate(model, data, seq_len, cfg.train.eval_batches, cfg.train.batch_size)
+    metrics = evaluate(model, data, seq_len, cfg.train.eval_batches, cfg.train.batch_size, cfg.cache.dtype)
     return {**metrics, "eval_seconds": time.perf_counter() - start, "num_params": model.num_params(),
             "num_kv_heads": model.num_kv_heads, "eval_tokens_per_window": seq_len,
             "bytes_per_token": data.bytes_per_token, **converted}

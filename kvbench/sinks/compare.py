@@ -30,11 +30,13 @@ Axis = Tuple[str, str]  # (config key, column title)
 AXES: List[Axis] = [
     ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
     ("workload.name", "workload"), ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"),
-    ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.shared", "shared"),
+    ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.dtype", "KV dtype"),
+    ("cache.shared", "shared"),
     ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
     ("train.steps", "train steps"), ("train.init_from", "init from"),
 ]
-VARIANT_KEYS = ("attention.type", "attention.num_kv_heads")
+# A variant is a way to hold less KV: fewer KV heads, or fewer bits per element (cache.dtype).
+VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "cache.dtype")
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
@@ -230,16 +232,20 @@ def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -
 # ---- the comparison ---------------------------------------------------------------------------------
 
 def variant(record: Record) -> str:
-    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it."""
+    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it, and
+    the cache dtype when it is not the compute dtype (``mha kv=8 int8``)."""
     config = record.get("config") or {}
-    return f"{lookup(config, 'attention.type')} kv={lookup(config, 'attention.num_kv_heads')}"
+    label = f"{lookup(config, 'attention.type')} kv={lookup(config, 'attention.num_kv_heads')}"
+    cache_dtype = lookup(config, "cache.dtype")
+    return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
-def variant_order(label: str) -> Tuple[int, int, str]:
-    """MHA first, then GQA from most to fewest KV heads, then MQA."""
-    kind_name, _, kv = label.partition(" kv=")
+def variant_order(label: str) -> Tuple[int, int, int, str]:
+    """MHA first, then GQA from most to fewest KV heads, then MQA; each in its compute dtype first."""
+    kind_name, _, rest = label.partition(" kv=")
+    kv, _, cache_dtype = rest.partition(" ")
     rank = {"mha": 0, "gqa": 1, "mqa": 2}.get(kind_name, 3)
-    return rank, -int(kv) if kv.isdigit() else 0, label
+    return rank, -int(kv) if kv.isdigit() else 0, bool(cache_dtype), label
 
 
 def _kv_heads(record: Record) -> int:
@@ -255,12 +261,13 @@ class Cell:
 
     def baseline(self) -> Optional[str]:
         """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
-        KV heads (the ratio then says which)."""
+        KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype."""
         ok = [(label, rec) for label, rec in self.jobs.items() if rec.get("status") == "ok"]
         if not ok:
             return None
         return max(ok, key=lambda item: (lookup(item[1]["config"], "attention.type") == "mha",
-                                         _kv_heads(item[1])))[0]
+                                         _kv_heads(item[1]),
+                                         lookup(item[1]["config"], "cache.dtype") in (None, "auto")))[0]
 
 
 @dataclass

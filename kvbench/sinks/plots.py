@@ -46,8 +46,9 @@ def palette(labels: Sequence[str]) -> Dict[str, str]:
     colours: Dict[str, str] = {}
     gqa = iter(GQA_COLOURS)
     for label in sorted(set(labels), key=variant_order):
-        kind_name = label.partition(" ")[0]
-        colours[label] = {"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(kind_name) or next(gqa, "black")
+        kind_name, quantized = label.partition(" ")[0], len(label.split()) > 2  # "mha kv=8 int8"
+        colours[label] = (None if quantized else {"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(kind_name)) \
+            or next(gqa, "black")
     return colours
 
 

@@ -46,7 +46,9 @@ METHODS: Dict[str, str] = {
     "tokens_per_s": "tokens/s; batch_size x gen_len / decode time of a trial, median over timed trials",
     "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
     "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
-    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element",
+    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
+                              "scale bytes): cache.dtype auto: the compute dtype's bytes, no scales; int8 / "
+                              "float8_e4m3fn: 1 byte and a 4-byte scale per (sequence, head, position)",
     "compile_s": "s; runtime.compile=default|graph: the first generation through the compiled model or step, "
                  "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
                  "graphs, which record a graph at its second call), excluded from every trial",
@@ -148,9 +150,9 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     prompt = prompt.to(device)
     metrics["kv_cache_bytes_formula"] = kv_cache_bytes(
         cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
-        DTYPE_BYTES[rt.dtype])
+        DTYPE_BYTES[rt.dtype], cfg.cache.dtype)
     with allocation_delta(device) as allocated:
-        cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len)
+        cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len, cfg.cache.dtype)
     if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation
         allocated = {k: None for k in allocated}
         allocated["kv_cache_bytes_alloc_reason"] = (f"cache.impl={cfg.cache.impl} allocates per step; "
@@ -194,8 +196,9 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     positions = range(w.prompt_len, seq_len)
     kv_positions = statistics.mean(step.lengths(cache, positions)) if isinstance(step, FixedShapeStep) else None
     metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len, metrics["decode_ms_p50"],
-                                    peaks["peak_gb_per_s"], peaks["peak_gflops"], kv_positions))
+                                    peaks["peak_gb_per_s"], peaks["peak_gflops"], kv_positions, cfg.cache.dtype))
     if rt.fidelity:
         # A compiled fixed-shape step is checked itself, on the cache it was compiled for.
         timed = {"step": step, "cache": cache} if isinstance(step, FixedShapeStep) else {}
-        metrics.update(fidelity(model, prompt, w.gen_len, cfg.cache.impl, rt.dtype, **timed))
+        metrics.update(fidelity(model, prompt, w.gen_len, cfg.cache.impl, rt.dtype, cache_dtype=cfg.cache.dtype,
+                                **timed))

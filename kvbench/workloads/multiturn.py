@@ -43,8 +43,9 @@ METHODS: Dict[str, str] = {
     "total_reused_tokens": "tokens; context positions read from the cache instead of recomputed, all turns, "
                            "summed over the batch (per turn: prefill_tokens + reused_tokens = B * context_tokens)",
     "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of the chat (untyped_storage().nbytes())",
-    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * head_dim * bytes_per_element * positions held at "
-                              "the end of the chat (system prompt once if cache.shared else B times, history B times)",
+    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * (head_dim * bytes_per_element + scale bytes) * "
+                              "positions held at the end of the chat (system prompt once if cache.shared else B "
+                              "times, history B times); cache.dtype int8/float8: 1 byte + a 4-byte scale",
     "tokens_per_s": "tokens/s; batch_size x decode steps of all turns / their decode time, median over timed trials",
     "e2e_ms": "ms; prefills + decode steps of all turns of a chat, median over timed trials",
     "tables.turns": "one row per turn: ttft_ms (median over trials), prefill_tokens, reused_tokens, "
@@ -111,11 +112,11 @@ class ChatSession:
     """
 
     def __init__(self, model, system: torch.Tensor, batch_size: int, shared: bool, impl: str, max_len: int,
-                 step=decode_step):
+                 step=decode_step, cache_dtype: str = "auto"):
         self.model, self.system, self.shared, self.step = model, system, shared, step
         self.batch_size, self.prefix_len = batch_size, system.shape[0]
-        self.cache = (shared_cache_for(model, impl, batch_size, self.prefix_len, max_len) if shared
-                      else cache_for(model, impl, batch_size, max_len))
+        self.cache = (shared_cache_for(model, impl, batch_size, self.prefix_len, max_len, cache_dtype) if shared
+                      else cache_for(model, impl, batch_size, max_len, cache_dtype))
         self.reset()
 
     def reset(self) -> None:
@@ -196,7 +197,7 @@ class ChatSession:
         B times; each conversation's history B times."""
         c = self.cache
         held = lambda positions, batch: kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
-                                                       positions, batch, c.dtype.itemsize)
+                                                       positions, batch, c.dtype.itemsize, c.cache_dtype)
         if isinstance(c, SharedPrefixCache):
             return held(min(c.length, c.prefix_len), 1) + held(c.history.length, c.batch_size)
         return held(c.length, c.batch_size)
@@ -276,7 +277,8 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
     # The chat's last reply token is never fed, so total_len - 1 positions are ever held.
     run_model, step = compiled_step(rt.compile, model, device, rt.graph_bucket)
-    session = ChatSession(run_model, system, w.batch_size, cfg.cache.shared, cfg.cache.impl, w.total_len - 1, step)
+    session = ChatSession(run_model, system, w.batch_size, cfg.cache.shared, cfg.cache.impl, w.total_len - 1, step,
+                          cfg.cache.dtype)
     if rt.compile != "false":  # one untimed chat compiles every shape (and context bucket) it meets
         metrics.update(compile_phase(lambda: time_chat(session, users, w.reply_len, 1, 0, device), device,
                                      rt.compile))

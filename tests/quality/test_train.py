@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TEXT, byte_decoder, hf_dir
 
+from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
 from kvbench.config import (
     AttentionConfig,
@@ -134,3 +135,23 @@ def test_eval_of_each_family_is_transformers_perplexity_on_the_same_windows(tmp_
         logits = hf(windows[:, :-1]).logits
     ce = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
     assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_eval_through_a_quantized_cache_is_a_decode_through_it(cache_dtype):
+    """Independent reference: the same windows fed token by token through a static cache of
+    ``cache_dtype`` (what a decode reads); one pass through the cache must give that loss, and it
+    must differ from the unquantized loss (the quantization is exercised), boundedly."""
+    model = byte_decoder(2).eval()
+    T, n = 12, 2
+    val = torch.randint(0, 256, (n * T + 1,), generator=torch.Generator().manual_seed(0))
+    data = TokenData(train=val, val=val)
+    got = evaluate(model, data, seq_len=T, batches=1, batch_size=n, cache_dtype=cache_dtype)["val_loss"]
+    plain = evaluate(model, data, seq_len=T, batches=1, batch_size=n)["val_loss"]
+    windows = val[:-1].view(n, T)  # the 2 windows tile val, as in the perplexity test above
+    cache = cache_for(model, "static", n, T, cache_dtype)
+    with torch.no_grad():
+        logits = torch.cat([model(windows[:, t:t + 1], cache, t) for t in range(T)], dim=1)
+    decoded = F.cross_entropy(logits.reshape(-1, 256), val[1:]).item()
+    assert got == pytest.approx(decoded, rel=1e-5)
+    assert 0 < abs(got - plain) < 0.01 * plain

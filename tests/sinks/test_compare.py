@@ -112,3 +112,26 @@ def test_numbers_are_written_so_small_ones_stay_readable():
         ["0.125×", "0.250×", "1.00×", "4.00×", "12.3×", "123×", ""]
     assert sorted(["10", "2", "1", "0", "11"], key=natural) == ["0", "1", "2", "10", "11"]
     assert sorted(["prompt=256", "prompt=64", "B=8"], key=natural) == ["B=8", "prompt=64", "prompt=256"]
+
+
+def test_cache_dtype_is_a_variant_axis():
+    """{MHA, MQA} x {auto, int8}: four variants of one cell, the unquantized MHA the baseline, and
+    the KV-bytes ratios those of the records (heads x precision); the KV dtype is no cell axis."""
+    def rec(kind, kv, cache_dtype, job, kv_bytes):
+        r = record(kind, kv, 64, job=job, kv_cache_bytes=kv_bytes, decode_ms_p50=1.0)
+        r["config"]["cache"] = {"impl": "static", "dtype": cache_dtype}
+        return r
+
+    per_head = {"auto": 8 * 4, "int8": 8 + 4}  # head_dim 8: float32 elements, or int8 codes + a scale
+    records = [rec(kind, kv, d, str(i), kv * per_head[d])
+               for i, (kind, kv, d) in enumerate([("mqa", 1, "int8"), ("mha", 8, "int8"),
+                                                   ("mha", 8, "auto"), ("mqa", 1, "auto")])]
+    [comparison] = comparisons(records)
+    assert comparison.variants == ["mha kv=8", "mha kv=8 int8", "mqa kv=1", "mqa kv=1 int8"]
+    assert "cache.dtype" not in [k for k, _ in comparison.axes]
+    [cell] = comparison.cells
+    assert cell.baseline() == "mha kv=8"
+    kv = next(c for c in comparison.columns if c.key == "kv_cache_bytes")
+    assert [comparison.ratio(cell, label, kv) for label in comparison.variants] == [
+        None, 12 / 32, 1 / 8, 12 / (8 * 32)]
+    assert variant(records[2]) == "mha kv=8" and variant(records[1]) == "mha kv=8 int8"

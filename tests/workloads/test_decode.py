@@ -37,6 +37,22 @@ def test_every_decode_run_reports_fidelity(tmp_path, dtype):
     assert on_disk["fidelity_max_abs_logit_diff"] == m["fidelity_max_abs_logit_diff"]
 
 
+def test_int8_cache_run_records_its_bytes_quality_and_roofline(tmp_path):
+    """cache.dtype=int8 end to end: the cache holds 1-byte codes + 4-byte scales (its tensors'
+    bytes equal the formula), the quantization's cost against the unquantized cache is recorded
+    with its method, the roofline reads the stored bytes and the record keeps cache.dtype."""
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=16", "workload.gen_len=6", "workload.batch_size=3",
+                 "cache.dtype=int8", "runtime.repeats=1")
+    m = result.metrics
+    assert result.status == "ok", result.error
+    layers, kv, head_dim, seq = 2, result.config["attention"]["num_kv_heads"], 8, 22  # model=tiny
+    assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == 2 * layers * kv * seq * 3 * (head_dim + 4)
+    assert m["kv_bytes_read_per_step"] == int(2 * layers * kv * 3 * (head_dim + 4) * (16 + 7 / 2))  # mean context
+    assert 0 < m["kvq_max_abs_logit_diff"] < 0.1 and m["kvq_top1_agreement"] >= 0.8
+    assert {"kvq_max_abs_logit_diff", "kvq_top1_agreement"} <= set(result.methods)
+    assert result.config["cache"]["dtype"] == "int8"
+
+
 def test_default_compile_matches_eager():
     """runtime.compile=true (default): the compiled decoder gives eager's logits; compile time is apart."""
     model = make_decoder(2, num_layers=1)

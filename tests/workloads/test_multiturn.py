@@ -40,11 +40,11 @@ def prompts(seed=1, turns=TURNS):
     return system, [torch.randint(0, V, (B, U), generator=g) for _ in range(turns)]
 
 
-def chat(model, shared, impl="static", users=None, system=None, step=decode_step):
+def chat(model, shared, impl="static", users=None, system=None, step=decode_step, cache_dtype="auto"):
     """Run a whole chat; returns the session and each turn's (generation, stats)."""
     if users is None:
         system, users = prompts()
-    session = ChatSession(model, system, B, shared, impl, MAX_LEN, step)
+    session = ChatSession(model, system, B, shared, impl, MAX_LEN, step, cache_dtype)
     return session, [session.ask(u, R, keep_logits=True) for u in users]
 
 
@@ -69,6 +69,24 @@ def test_shared_logits_equal_unshared_and_full_recompute(num_kv_heads, impl):
         torch.testing.assert_close(shared[k][0].logits, reference[k], **TOL)
         assert torch.equal(shared[k][0].tokens, unshared[k][0].tokens)
     assert torch.equal(shared_session.tokens, unshared_session.tokens)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 1])
+def test_int8_shared_prefix_chat_equals_the_unshared_int8_chat(num_kv_heads):
+    """The shared int8 prefix is quantized once per (head, position), as each conversation's copy
+    would be: the shared chat reads what the unshared int8 server reads (the same codes, so the
+    same logits up to float noise), holds the system prompt once, and its bytes are the formula's."""
+    model = make_decoder(num_kv_heads)
+    session, shared = chat(model, True, cache_dtype="int8")
+    _, unshared = chat(model, False, cache_dtype="int8")
+    _, exact = chat(model, True)
+    for k in range(TURNS):
+        torch.testing.assert_close(shared[k][0].logits, unshared[k][0].logits, atol=1e-4, rtol=0)
+        assert 0 < (shared[k][0].logits - exact[k][0].logits).abs().max() < 0.05  # int8 differs, boundedly
+    per = lambda positions, batch: kv_cache_bytes(2, num_kv_heads, 8, positions, batch, 4, "int8")
+    held = P + TURNS * (U + R) - 1
+    assert shared[-1][1].kv_cache_bytes_formula == per(P, 1) + per(held - P, B) == session.cache.nbytes
+    assert session.cache.prefix_k[0].dtype == session.cache.history.k[0].dtype == torch.int8
 
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
