@@ -324,6 +324,9 @@ class CacheConfig:
         _check_choice("cache.impl", self.impl, CACHE_IMPLS)
 
 
+MAX_MIN_TIME_S = 86_400.0  # a day: beyond it, a typo (ms for s) rather than a plan
+
+
 @dataclass
 class RuntimeConfig:
     """Where and how a run executes and is timed."""
@@ -333,6 +336,9 @@ class RuntimeConfig:
     seed: int = 0
     warmup: int = 1
     repeats: int = 3
+    # Keep running timed trials until both `repeats` and this many seconds of them are reached
+    # (as optimum-benchmark does): short runs on fast hardware still get enough samples.
+    min_time_s: float = 0.0
     threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
     nvml_interval_ms: float = 10.0  # NVML background sampling period
     # false: eager | default (or true): torch.compile the model, dynamic shapes | graph: compile
@@ -353,6 +359,8 @@ class RuntimeConfig:
         _check(0 <= self.seed <= INT64_MAX, "runtime.seed", self.seed, "must be in [0, 2**63 - 1]")
         _check(self.warmup >= 0, "runtime.warmup", self.warmup, "must be >= 0")
         _check(self.repeats >= 1, "runtime.repeats", self.repeats, "must be >= 1")
+        _check(0 <= self.min_time_s <= MAX_MIN_TIME_S, "runtime.min_time_s", self.min_time_s,
+               f"must be in [0, {MAX_MIN_TIME_S}] seconds")
         # More torch threads than CPUs only slows a benchmark down; 100,000 crash torch.
         cpus = os.cpu_count() or 1
         _check(self.threads is None or 1 <= self.threads <= cpus, "runtime.threads", self.threads,
