@@ -339,7 +339,10 @@ class RuntimeConfig:
     # Keep running timed trials until both `repeats` and this many seconds of them are reached
     # (as optimum-benchmark does): short runs on fast hardware still get enough samples.
     min_time_s: float = 0.0
-    threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
+    # torch CPU threads; null keeps torch's default. 1 by default: on a shared machine each extra
+    # thread is one more that can be descheduled, and every small operation waits for its slowest
+    # (experiments/results/cpu_threads.md; the README's "CPU threads").
+    threads: Optional[int] = 1
     nvml_interval_ms: float = 10.0  # NVML background sampling period
     # false: eager | default (or true): torch.compile the model, dynamic shapes | graph: compile
     # only the decode step, fixed shapes (CUDA graphs on GPUs); compile time is reported apart
