@@ -343,7 +343,9 @@ class RuntimeConfig:
     # thread is one more that can be descheduled, and every small operation waits for its slowest
     # (experiments/results/cpu_threads.md; the README's "CPU threads").
     threads: Optional[int] = 1
-    nvml_interval_ms: float = 10.0  # NVML background sampling period
+    # NVML background sampling period; 50 ms, not 10: the sampler thread took up to 1.4 % of a core
+    # at 10 ms (experiments/results/nvml_overhead.md), more than the 1 % a timed loop may lose to it.
+    nvml_interval_ms: float = 50.0
     # false: eager | default (or true): torch.compile the model, dynamic shapes | graph: compile
     # only the decode step, fixed shapes (CUDA graphs on GPUs); compile time is reported apart
     compile: str = "false"
