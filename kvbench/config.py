@@ -381,6 +381,9 @@ class CacheConfig:
                    f"cache.dtype={self.dtype} is stored in a preallocated cache; use cache.impl=static")
 
 
+MAX_MIN_TIME_S = 86_400.0  # a day: beyond it, a typo (ms for s) rather than a plan
+
+
 @dataclass
 class RuntimeConfig:
     """Where and how a run executes and is timed."""
@@ -390,8 +393,16 @@ class RuntimeConfig:
     seed: int = 0
     warmup: int = 1
     repeats: int = 3
-    threads: Optional[int] = None  # torch CPU threads; null keeps torch's default
-    nvml_interval_ms: float = 10.0  # NVML background sampling period
+    # Keep running timed trials until both `repeats` and this many seconds of them are reached
+    # (as optimum-benchmark does): short runs on fast hardware still get enough samples.
+    min_time_s: float = 0.0
+    # torch CPU threads; null keeps torch's default. 1 by default: on a shared machine each extra
+    # thread is one more that can be descheduled, and every small operation waits for its slowest
+    # (experiments/results/cpu_threads.md; the README's "CPU threads").
+    threads: Optional[int] = 1
+    # NVML background sampling period; 50 ms, not 10: the sampler thread took up to 1.4 % of a core
+    # at 10 ms (experiments/results/nvml_overhead.md), more than the 1 % a timed loop may lose to it.
+    nvml_interval_ms: float = 50.0
     # false: eager | default (or true): torch.compile the model, dynamic shapes | graph: compile
     # only the decode step, fixed shapes (CUDA graphs on GPUs); compile time is reported apart
     compile: str = "false"
@@ -413,6 +424,8 @@ class RuntimeConfig:
         _check(0 <= self.seed <= INT64_MAX, "runtime.seed", self.seed, "must be in [0, 2**63 - 1]")
         _check(self.warmup >= 0, "runtime.warmup", self.warmup, "must be >= 0")
         _check(self.repeats >= 1, "runtime.repeats", self.repeats, "must be >= 1")
+        _check(0 <= self.min_time_s <= MAX_MIN_TIME_S, "runtime.min_time_s", self.min_time_s,
+               f"must be in [0, {MAX_MIN_TIME_S}] seconds")
         # More torch threads than CPUs only slows a benchmark down; 100,000 crash torch.
         cpus = os.cpu_count() or 1
         _check(self.threads is None or 1 <= self.threads <= cpus, "runtime.threads", self.threads,

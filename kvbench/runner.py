@@ -29,7 +29,7 @@ from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
 from kvbench.config import AttentionConfig, BenchConfig, ConfigError, one_line, record_view, to_bench_config
 from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
-from kvbench.measure.env import collect_env
+from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
@@ -181,6 +181,8 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
                 raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
             earlier_jobs = _jobs_run
             _jobs_run += 1
+            result.methods.update(LOAD_METHODS)
+            result.metrics.update(usable_cpus=usable_cpus(), load_avg_before=load_average())
             TASKS[job.task](job, device, out_dir, result, progress)
             if earlier_jobs:
                 _not_this_jobs_peak(result)
@@ -205,6 +207,8 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             stopped = exc
         finally:
             stops.hold()  # a signal during the write waits for it: the record is the point
+            if "load_avg_before" in result.metrics:  # the task started: how busy the machine was around it
+                _record_load(result.metrics)
             result.finished_at = utc_now()
             save(result, out_dir)
     if stopped is None and stops.held:
@@ -223,6 +227,12 @@ def save(result: RunResult, out_dir: Path) -> None:
         result.write(out_dir)
     except OSError as exc:
         result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
+
+
+def _record_load(metrics: Dict[str, object]) -> None:
+    metrics["load_avg_after"] = load_average()
+    metrics["noisy"], metrics["noisy_reason"] = noisy(metrics["load_avg_before"], metrics["load_avg_after"],
+                                                      metrics["usable_cpus"])
 
 
 def _not_this_jobs_peak(result: RunResult) -> None:

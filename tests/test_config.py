@@ -135,6 +135,8 @@ def test_every_int_key_rejects_values_torch_cannot_hold(group, key):
     (lambda: RuntimeConfig(threads=-1), "runtime.threads=-1"),
     (lambda: RuntimeConfig(threads=0), "runtime.threads=0"),
     (lambda: RuntimeConfig(threads=(os.cpu_count() or 1) + 1), "runtime.threads="),
+    (lambda: RuntimeConfig(min_time_s=-1.0), "runtime.min_time_s=-1.0"),
+    (lambda: RuntimeConfig(min_time_s=1e6), "runtime.min_time_s=1000000.0"),
     (lambda: RuntimeConfig(seed=-1), "runtime.seed=-1"),  # torch aliases it to 2**64 - 1
     (lambda: RuntimeConfig(seed=2**63), f"runtime.seed={2**63}"),
     (lambda: RuntimeConfig(device="cuda:abc"), "runtime.device='cuda:abc'"),
@@ -154,6 +156,7 @@ def test_bounds_of_numeric_keys(factory, needle):
 def test_values_at_the_bounds_are_accepted():
     assert RuntimeConfig(threads=os.cpu_count() or 1, seed=2**63 - 1, device="cuda:12").seed == 2**63 - 1
     assert RuntimeConfig(device="cuda:free").device == "cuda:free"
+    assert RuntimeConfig(min_time_s=0.0).min_time_s == 0.0 and RuntimeConfig(min_time_s=86_400).min_time_s == 86_400
     assert DataConfig(max_bytes=1).max_bytes == 1 and DataConfig(max_bytes=None).max_bytes is None
 
 

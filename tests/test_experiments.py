@@ -28,3 +28,17 @@ def test_multiturn_ttft_writes_to_out_and_not_to_the_committed_results(tmp_path)
     assert f"wrote {out.with_suffix('.md')}" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["shared_false", "shared_true"]
     assert digests() == before
+
+
+def test_overhead_experiments_write_to_out_and_not_to_the_committed_results(tmp_path):
+    """The NVML-sampler and CPU-threads experiments on the tiny model: each writes its table to
+    --out (the sampler's run asserts inside that the sampler thread really sampled)."""
+    before = digests()
+    for script, head in (("nvml_overhead", "# NVML sampler overhead"), ("cpu_threads", "# CPU threads")):
+        out = tmp_path / script
+        proc = subprocess.run([sys.executable, f"experiments/{script}.py", "--model", "tiny", "--prompt-len", "8",
+                               "--gen-len", "4", "--rounds", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert out.with_suffix(".md").read_text().startswith(head)
+    assert digests() == before

@@ -371,3 +371,26 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
         {k for r in records.values() for k in r.metrics}
     # compile_s needs a compiler toolchain (issue 15's compiled-decode tests run it): its method is there
     assert DECODE["compile_s"].startswith("s;") and "`compile_s`" in readme
+
+
+@pytest.mark.parametrize("loads, flag", [((5.0, 6.0), True), ((0.4, 1.2), False), ((None, None), None)])
+def test_every_job_records_the_load_around_it_and_whether_it_was_noisy(tmp_path, monkeypatch, loads, flag):
+    """Load averages injected (before, after) on 2 usable CPUs: noisy above 2.5."""
+    seen = iter(loads)
+    monkeypatch.setattr(runner, "load_average", lambda: next(seen))
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
+    result = job(tmp_path, *TINY, "runtime.fidelity=false")
+    m = result.metrics
+    assert result.status == "ok", result.error
+    assert (m["load_avg_before"], m["load_avg_after"], m["usable_cpus"]) == (*loads, 2)
+    assert m["noisy"] is flag
+    assert (m["noisy_reason"] is not None) == bool(flag)
+    if flag:
+        assert "load average 6.00 on 2 usable CPUs" in m["noisy_reason"]
+    assert set(runner.LOAD_METHODS) <= set(result.methods)
+
+
+def test_a_job_that_never_started_its_task_records_no_load(tmp_path):
+    result = job(tmp_path, *TINY, "runtime.min_time_s=-1")
+    assert result.status == "invalid" and result.error.startswith("runtime.min_time_s=-1")
+    assert "noisy" not in result.metrics

@@ -129,5 +129,5 @@ def noisy(before: Optional[float], after: Optional[float], cpus: int) -> Tuple[O
     worst = max(loads)
     if worst > cpus + 0.5:
         return True, (f"load average {worst:.2f} on {cpus} usable CPUs: other work competed for the cores "
-                      "(timings are unreliable; rerun on an idle machine or with fewer threads)")
+                      "(timings are unreliable; rerun on an idle machine)")
     return False, None

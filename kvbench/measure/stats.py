@@ -164,3 +164,72 @@ def overlap(a: Interval, b: Interval) -> Optional[bool]:
     if None in (*a, *b):
         return None
     return a[0] <= b[1] and b[0] <= a[1]
+
+
+# ---- record metrics -----------------------------------------------------------------------------
+# How a workload turns its samples into record fields: the statistic, its interval, its sample
+# count and, when the count is too small for the quantile, a warning that says so.
+
+STEP_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+STEP_CI = ("p50", "p99")  # the step quantiles that get an interval (each a block bootstrap)
+
+
+def _sufficiency(name: str, q: float, n: int) -> Dict[str, Optional[object]]:
+    """``<name>_n`` and, when ``n`` is below :func:`min_samples`, ``<name>_warning``."""
+    out: Dict[str, Optional[object]] = {f"{name}_n": n}
+    need = min_samples(q)
+    if n < need:
+        out[f"{name}_warning"] = (f"{name} from {n} sample{'s' if n != 1 else ''}: the {q:.0%} quantile needs "
+                                  f"at least {need} (raise runtime.repeats, workload length or runtime.min_time_s)")
+    return out
+
+
+def trial_metric(name: str, per_trial: Sequence[float]) -> Dict[str, Optional[object]]:
+    """``name``: the median over timed trials, with its bootstrap interval over trials
+    (``<name>_ci_low``/``_ci_high``; null with one trial), the trial count and its warning."""
+    low, high = bootstrap_ci(per_trial)
+    return {name: median(per_trial), f"{name}_ci_low": low, f"{name}_ci_high": high,
+            **_sufficiency(name, 0.5, len(per_trial))}
+
+
+def step_metrics(trials: Sequence[Sequence[float]], prefix: str = "decode_ms") -> Dict[str, Optional[object]]:
+    """Quantiles (:data:`STEP_QUANTILES`) and the mean of every step of every trial; the
+    quantiles in :data:`STEP_CI` with their moving-block bootstrap interval (blocks within
+    trials); each quantile's sample count and warning."""
+    steps = [ms for trial in trials for ms in trial]
+    out: Dict[str, Optional[object]] = {}
+    for tag, q in STEP_QUANTILES.items():
+        name = f"{prefix}_{tag}"
+        out[name] = percentile(steps, q)
+        if tag in STEP_CI:
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = block_bootstrap_ci(trials, q)
+        out.update(_sufficiency(name, q, len(steps)))
+    out[f"{prefix}_mean"] = float(np.mean(_array(steps)))
+    return out
+
+
+def _interval_methods(name: str, unit: str, method: str) -> Dict[str, str]:
+    return {f"{name}_ci_low": f"{unit}; low end of the {CONFIDENCE:.0%} interval of {name}: {METHODS[method]}",
+            f"{name}_ci_high": f"{unit}; high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)"}
+
+
+def _count_methods(name: str, what: str, q: float) -> Dict[str, str]:
+    return {f"{name}_n": f"count; {what} {name} is computed from",
+            f"{name}_warning": f"text; present when {name}_n < {min_samples(q)} (too few samples for the "
+                               f"{q:.0%} quantile to be more than an extreme value)"}
+
+
+def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
+    """Methods of the fields :func:`trial_metric` adds beside ``name``."""
+    return {**_interval_methods(name, unit, "ci_trials"), **_count_methods(name, "timed trials", 0.5)}
+
+
+def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
+    """Methods of the fields :func:`step_metrics` adds beside the quantiles."""
+    out: Dict[str, str] = {}
+    for tag, q in STEP_QUANTILES.items():
+        name = f"{prefix}_{tag}"
+        if tag in STEP_CI:
+            out.update(_interval_methods(name, "ms", "ci_steps"))
+        out.update(_count_methods(name, "decode steps (all timed trials)", q))
+    return out

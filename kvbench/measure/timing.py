@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 import torch
 
@@ -59,14 +59,6 @@ class RegionTimer:
         """Host (perf_counter) durations of every ``name`` region in milliseconds: on CUDA the
         time to enqueue it, unless something in it synchronised; on CPU the same as :meth:`ms`."""
         return [s * 1e3 for s in self._host.get(name, [])]
-
-
-def step_percentiles(steps_ms: Sequence[float]) -> Dict[str, float]:
-    """decode_ms_p50/p90/p99/mean of per-step latencies (linear interpolation, as numpy's)."""
-    steps = torch.tensor(list(steps_ms), dtype=torch.float64)
-    p50, p90, p99 = steps.quantile(torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
-    return {"decode_ms_p50": p50, "decode_ms_p90": p90, "decode_ms_p99": p99,
-            "decode_ms_mean": steps.mean().item()}
 
 
 def sync(device: torch.device | str) -> None:

@@ -67,28 +67,31 @@ _VAL = Column("val_loss", "val loss", "{:.4f}")
 _BPB = Column("bits_per_byte", "bits/byte", "{:.3f}")
 _PARAMS = Column("num_params", "params", "{:,}")
 _CONVERSION = Column("kv_heads_conversion", "KV conversion", "{}", brief=True)
+_NOISY = Column("noisy", "noisy", "{}", brief=True)  # the machine was oversubscribed around the job
+_KV_SLOPE = Column("decode_us_per_1k_ctx", "µs/1k ctx", "{:.2f}", brief=True, compared=True)
 
 # The columns of each kind of job (see :func:`kind`), headline first; summary.csv has every metric.
 COLUMNS: Dict[str, List[Column]] = {
-    "decode": [_TTFT, _DECODE_P50, _P99, _TOKENS, Column("percent_of_peak", "% BW peak", "sig", brief=True),
+    "decode": [_TTFT, _DECODE_P50, _P99, _TOKENS, _KV_SLOPE, Column("percent_of_peak", "% BW peak", "sig", brief=True),
                _KV, _KV_FORMULA, _RSS, _CUDA, Column("compile_s", "compile s", "{:.1f}", brief=True),
                _CONVERSION, Column("fidelity_max_abs_logit_diff", "cache Δlogit", "{:.2e}"),
                Column("dtype_max_abs_logit_diff", "vs fp32 Δlogit", "{:.2e}", brief=True),
-               Column("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}")],
+               Column("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}"), _NOISY],
     "multiturn": [Column("turn1_ttft_ms", "TTFT turn 1 ms", "{:.2f}", brief=True, compared=True),
                   Column("mean_ttft_ms_turns_2_n", "TTFT turns 2-N ms", "{:.2f}", brief=True, compared=True),
                   _DECODE_P50, _P99, _TOKENS, _KV, _KV_FORMULA,
                   Column("total_prefill_tokens", "prefilled", "{:,}", brief=True),
-                  Column("total_reused_tokens", "reused", "{:,}"), _RSS, _CUDA],
+                  Column("total_reused_tokens", "reused", "{:,}"), _RSS, _CUDA, _NOISY],
     "train": [_VAL, _PPL, Column("ppl_before_uptrain", "ppl before uptrain", "{:.3f}", brief=True, compared=True),
-              _BPB, Column("train_seconds", "train s", "{:.0f}", brief=True), _CONVERSION, _PARAMS],
-    "eval": [_VAL, _PPL, _BPB, _CONVERSION, Column("eval_seconds", "eval s", "{:.1f}"), _PARAMS],
+              _BPB, Column("train_seconds", "train s", "{:.0f}", brief=True), _CONVERSION, _PARAMS, _NOISY],
+    "eval": [_VAL, _PPL, _BPB, _CONVERSION, Column("eval_seconds", "eval s", "{:.1f}"), _PARAMS, _NOISY],
     "capacity": [Column("max_batch_longest", "max batch", "{}", brief=True, compared=True),
                  Column("stopped_by_longest", "stopped by", "{}", brief=True),
                  Column("decode_ms_p50_longest", "decode p50 ms (B=1)", "{:.3f}", brief=True, compared=True),
                  Column("tokens_per_s_longest", "tok/s at max batch", "{:.1f}", brief=True, compared=True),
                  Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
-                 Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True)],
+                 Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True),
+                 _NOISY],
     # its variants' metrics are per variant: :func:`interleaved_table` shows them
     "compare": [Column("rounds", "rounds", "{}", brief=True)],
 }

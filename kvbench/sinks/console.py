@@ -111,6 +111,10 @@ def run_table(record: Dict[str, Any]) -> Table:
     for column in COLUMNS.get(kind(record), COLUMNS["decode"]):
         if metrics.get(column.key) is not None:
             table.add_row(column.title, value_text(record, column))
+    # What makes a number above less trustworthy: too few samples for a quantile, a busy machine.
+    for key in sorted(k for k in metrics if k.endswith("_warning") or k == "noisy_reason"):
+        if metrics[key]:
+            table.add_row(f"[yellow]{key}[/]", f"[yellow]{metrics[key]}[/]")
     return table
 
 

@@ -11,6 +11,7 @@ Notation: B batch, P prompt length, N decode steps, V vocab.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -29,22 +30,51 @@ from kvbench.generate import (
 )
 from kvbench.measure.memory import ALLOCATION_METHODS, MemoryMonitor, allocation_delta
 from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
-from kvbench.measure.timing import RegionTimer, step_percentiles
+from kvbench.measure.stats import METHODS as STATS_METHODS
+from kvbench.measure.stats import (
+    kv_cost_fit,
+    median,
+    step_metric_methods,
+    step_metrics,
+    trial_metric,
+    trial_metric_methods,
+)
+from kvbench.measure.timing import RegionTimer
 from kvbench.model import Decoder
 from kvbench.quality.fidelity import FIDELITY_METHODS, fidelity
 from kvbench.results import RunResult
 
 Tick = Callable[..., None]
 
+# Fewest positions of context the decode steps must span for their time-vs-context slope to mean
+# anything: over a few dozen positions the KV cost of a small model is below the step-to-step noise.
+MIN_KV_SPAN = 256
+
 # Units and methods of every metric this workload reports (merged into the record's ``methods``).
 METHODS: Dict[str, str] = {
     "prefill_ms": "ms; time to first token: prompt forward + argmax, median over timed trials",
-    "decode_ms_p50": "ms; per-token decode step latency, 50th percentile over every step of every timed trial",
-    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile",
-    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile",
+    "decode_ms_p50": f"ms; per-token decode step latency, 50th percentile over every step of every timed trial "
+                     f"({STATS_METHODS['percentiles']})",
+    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile (as decode_ms_p50)",
+    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
     "decode_ms_mean": "ms; mean per-token decode step latency",
     "tokens_per_s": "tokens/s; batch_size x gen_len / decode time of a trial, median over timed trials",
     "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
+    **step_metric_methods(),
+    **trial_metric_methods("prefill_ms", "ms"),
+    **trial_metric_methods("tokens_per_s", "tokens/s"),
+    "trials_run": "count; timed trials actually run: runtime.repeats, or more until runtime.min_time_s of timed "
+                  "trials had passed",
+    "decode_ms_at_ctx0": "ms; intercept of the KV-cost fit: the decode step time extrapolated to an empty context "
+                         f"({STATS_METHODS['kv_cost']}; every step of every timed trial, step i of a trial attends "
+                         "prompt_len + i + 1 positions)",
+    "decode_us_per_1k_ctx": "µs per 1,000 positions; slope of the KV-cost fit (as decode_ms_at_ctx0): what 1,000 more "
+                            "positions of context add to a decode step of the whole batch",
+    "decode_us_per_1k_ctx_ci_low": "µs per 1,000 positions; low end of the slope's 95% interval (Theil-Sen)",
+    "decode_us_per_1k_ctx_ci_high": "µs per 1,000 positions; high end of the slope's 95% interval (Theil-Sen)",
+    "decode_us_per_1k_ctx_reason": "text; why decode_ms_at_ctx0 and decode_us_per_1k_ctx are null (the steps span "
+                                   f"fewer than {MIN_KV_SPAN} positions of context, or a fixed-shape step reads "
+                                   "whole buckets)",
     "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
     "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
                               "scale bytes): cache.dtype auto: the compute dtype's bytes, no scales; int8 / "
@@ -80,13 +110,19 @@ class DecodeTimings:
 
 
 def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmup: int,
-                repeats: int, device, tick: Optional[Tick] = None, step=decode_step) -> DecodeTimings:
-    """``warmup`` untimed then ``repeats`` timed runs of :func:`greedy_generate` on a reset cache.
+                repeats: int, device, tick: Optional[Tick] = None, step=decode_step, min_time_s: float = 0.0,
+                clock: Callable[[], float] = time.perf_counter) -> DecodeTimings:
+    """``warmup`` untimed then timed runs of :func:`greedy_generate` on a reset cache: ``repeats``
+    of them, and more until ``min_time_s`` (by ``clock``) has passed since the first timed one
+    started (as optimum-benchmark does).
 
     ``tick``, if given, is called once per finished trial (for a progress bar).
     """
     prefill, decode, host = [], [], []
-    for trial in range(warmup + repeats):
+    trial, started = 0, None
+    while trial < warmup + repeats or (started is not None and clock() - started < min_time_s):
+        if trial == warmup:
+            started = clock()
         cache.reset()
         timer = RegionTimer(device)
         greedy_generate(model, prompt, gen_len, cache, timer, step=step)
@@ -96,20 +132,40 @@ def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmu
             host.append(timer.host_ms("decode"))
         if tick is not None:
             tick()
+        trial += 1
     return DecodeTimings(prefill, decode, host)
 
 
-def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, float]:
-    """Latency metrics (units and methods in :data:`METHODS`)."""
-    per_trial_decode = torch.tensor([sum(trial) for trial in t.decode_ms], dtype=torch.float64)
-    prefill = torch.tensor(t.prefill_ms, dtype=torch.float64)
+def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, object]:
+    """Latency metrics with their intervals and sample counts (units and methods in :data:`METHODS`)."""
+    per_trial_decode = [sum(trial) for trial in t.decode_ms]
     gen_len = len(t.decode_ms[0])
     return {
-        "prefill_ms": prefill.median().item(),
-        **step_percentiles([ms for trial in t.decode_ms for ms in trial]),
-        "tokens_per_s": (batch_size * gen_len / (per_trial_decode / 1e3)).median().item(),
-        "e2e_ms": (prefill + per_trial_decode).median().item(),
+        **trial_metric("prefill_ms", t.prefill_ms),
+        **step_metrics(t.decode_ms),
+        **trial_metric("tokens_per_s", [batch_size * gen_len / (ms / 1e3) for ms in per_trial_decode]),
+        "e2e_ms": median([p + d for p, d in zip(t.prefill_ms, per_trial_decode)]),
+        "trials_run": len(t.decode_ms),
     }
+
+
+def kv_cost(decode_ms: List[List[float]], prompt_len: int, fixed_shape: bool = False) -> Dict[str, object]:
+    """The decode step time against the context it attends (step i: ``prompt_len + i + 1``
+    positions), every step of every timed trial, fitted by Theil-Sen; null with a reason when
+    the steps span too little context or a fixed-shape step reads whole buckets."""
+    keys = ("decode_ms_at_ctx0", "decode_us_per_1k_ctx", "decode_us_per_1k_ctx_ci_low", "decode_us_per_1k_ctx_ci_high")
+    null = dict.fromkeys(keys)
+    span = len(decode_ms[0]) - 1
+    if fixed_shape:
+        return {**null, "decode_us_per_1k_ctx_reason": "runtime.compile=graph: each step reads its whole context "
+                                                       "bucket, not the positions it attends"}
+    if span < MIN_KV_SPAN:
+        return {**null, "decode_us_per_1k_ctx_reason": f"the decode steps span {span} positions of context "
+                                                       f"(< {MIN_KV_SPAN}): too little for a meaningful slope "
+                                                       "(raise workload.gen_len)"}
+    context = [prompt_len + i + 1 for trial in decode_ms for i in range(len(trial))]
+    fit = kv_cost_fit(context, [ms for trial in decode_ms for ms in trial])
+    return {"decode_ms_at_ctx0": fit["at_ctx0_ms"], **{k: fit[k.removeprefix("decode_")] for k in keys[1:]}}
 
 
 def floor_model(model: Decoder) -> Decoder:
@@ -134,7 +190,7 @@ def overhead_floor_ms(model: Decoder, mode: str, bucket: int, batch_size: int, i
     prompt = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
     cache = cache_for(floor, impl, batch_size, 1 + steps)
     timings = time_decode(run_model, prompt, steps, cache, warmup=1, repeats=1, device=device, step=step)
-    return statistics.median(timings.decode_ms[0])
+    return median(timings.decode_ms[0])
 
 
 def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult,
@@ -171,21 +227,23 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     # check saw a warm-up of 1000 steps take ~45 s of 55) must not count in memory or energy.
     time_decode(run_model, prompt, w.gen_len, cache, rt.warmup, 0, device, tick, step)
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
-        timings = time_decode(run_model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick, step)
+        timings = time_decode(run_model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick, step, rt.min_time_s)
     if compiled:
         metrics["recompiles"] = compiled_graphs() - graphs
     metrics.update(monitor.result())
     metrics["energy_mj_per_token"] = None
     if metrics.get("energy_mj"):
-        metrics["energy_mj_per_token"] = metrics["energy_mj"] / (w.batch_size * (w.gen_len + 1) * rt.repeats)
+        tokens = w.batch_size * (w.gen_len + 1) * len(timings.decode_ms)
+        metrics["energy_mj_per_token"] = metrics["energy_mj"] / tokens
     elif metrics.get("energy_mj") == 0:
         metrics["energy_reason"] = ("the energy counter did not advance over the timed trials "
                                     "(too short for its update rate)")
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
+    metrics.update(kv_cost(timings.decode_ms, w.prompt_len, isinstance(step, FixedShapeStep)))
     result.series["decode_ms"] = timings.decode_ms[-1]
     if device.type == "cuda":
-        metrics["overhead_ms_per_step"] = statistics.median(ms for trial in timings.decode_host_ms for ms in trial)
+        metrics["overhead_ms_per_step"] = median([ms for trial in timings.decode_host_ms for ms in trial])
     else:
         metrics["overhead_ms_per_step"] = overhead_floor_ms(model, rt.compile, rt.graph_bucket, w.batch_size,
                                                             cfg.cache.impl, device)

@@ -11,6 +11,7 @@ Notation: B conversations, P system_len, U user_len, R reply_len, N turns, V voc
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,7 +30,16 @@ from kvbench.generate import (
     prefill,
 )
 from kvbench.measure.memory import MemoryMonitor
-from kvbench.measure.timing import RegionTimer, step_percentiles
+from kvbench.measure.stats import METHODS as STATS_METHODS
+from kvbench.measure.stats import (
+    bootstrap_ci,
+    median,
+    step_metric_methods,
+    step_metrics,
+    trial_metric,
+    trial_metric_methods,
+)
+from kvbench.measure.timing import RegionTimer
 from kvbench.results import RunResult
 
 Tick = Callable[..., None]
@@ -48,15 +58,22 @@ METHODS: Dict[str, str] = {
                               "times, history B times); cache.dtype int8/float8: 1 byte + a 4-byte scale",
     "tokens_per_s": "tokens/s; batch_size x decode steps of all turns / their decode time, median over timed trials",
     "e2e_ms": "ms; prefills + decode steps of all turns of a chat, median over timed trials",
-    "tables.turns": "one row per turn: ttft_ms (median over trials), prefill_tokens, reused_tokens, "
+    "tables.turns": "one row per turn: ttft_ms (median over trials) with ttft_ms_ci_low/_ci_high (percentile "
+                    "bootstrap over trials, null with one trial), prefill_tokens, reused_tokens, "
                     "context_tokens (per conversation), decode_ms_p50 (that turn's steps, all timed trials), "
                     "kv_cache_bytes (allocated) and kv_cache_bytes_formula (held) after the turn",
     "decode_ms_p50": "ms; per-token decode step latency, 50th percentile over every step of every turn of every "
-                     "timed trial",
+                     f"timed trial ({STATS_METHODS['percentiles']})",
     "decode_ms_p90": "ms; per-token decode step latency, 90th percentile (as decode_ms_p50)",
     "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
     "decode_ms_mean": "ms; mean per-token decode step latency (as decode_ms_p50)",
     "series.decode_ms": "ms; every decode step of every turn of the last timed trial, in order",
+    **step_metric_methods(),
+    **trial_metric_methods("turn1_ttft_ms", "ms"),
+    **trial_metric_methods("mean_ttft_ms_turns_2_n", "ms"),
+    **trial_metric_methods("tokens_per_s", "tokens/s"),
+    "trials_run": "count; timed chats actually run: runtime.repeats, or more until runtime.min_time_s of timed "
+                  "chats had passed",
     "compile_s": "s; runtime.compile=default|graph: one untimed chat through the compiled model or step, "
                  "excluded from every trial",
     **COMPILE_METHODS,
@@ -218,22 +235,24 @@ class ChatSession:
 
 
 def time_chat(session: ChatSession, users: Sequence[torch.Tensor], reply_len: int, warmup: int,
-              repeats: int, device, tick: Optional[Tick] = None) -> List[List[TurnStats]]:
-    """``warmup`` untimed then ``repeats`` timed chats from a cold cache; per timed trial, one
-    :class:`TurnStats` per turn. ``tick`` is called once per finished trial."""
+              repeats: int, device, tick: Optional[Tick] = None, min_time_s: float = 0.0,
+              clock: Callable[[], float] = time.perf_counter) -> List[List[TurnStats]]:
+    """``warmup`` untimed then timed chats from a cold cache: ``repeats`` of them, and more until
+    ``min_time_s`` (by ``clock``) has passed since the first timed one started; per timed trial,
+    one :class:`TurnStats` per turn. ``tick`` is called once per finished trial."""
     trials = []
-    for trial in range(warmup + repeats):
+    trial, started = 0, None
+    while trial < warmup + repeats or (started is not None and clock() - started < min_time_s):
+        if trial == warmup:
+            started = clock()
         session.reset()
         turns = [session.ask(user, reply_len, RegionTimer(device))[1] for user in users]
         if trial >= warmup:
             trials.append(turns)
         if tick is not None:
             tick()
+        trial += 1
     return trials
-
-
-def _median(values: Sequence[float]) -> float:
-    return torch.tensor(values, dtype=torch.float64).median().item()
 
 
 def summarize_turns(trials: List[List[TurnStats]]) -> List[Dict[str, Any]]:
@@ -242,10 +261,12 @@ def summarize_turns(trials: List[List[TurnStats]]) -> List[Dict[str, Any]]:
     rows = []
     for k, last in enumerate(trials[-1]):
         steps = [ms for trial in trials for ms in trial[k].decode_ms]
-        rows.append({"turn": last.turn, "ttft_ms": _median([t[k].ttft_ms for t in trials]),
+        ttft = [t[k].ttft_ms for t in trials]
+        low, high = bootstrap_ci(ttft)
+        rows.append({"turn": last.turn, "ttft_ms": median(ttft), "ttft_ms_ci_low": low, "ttft_ms_ci_high": high,
                      "prefill_tokens": last.prefill_tokens, "reused_tokens": last.reused_tokens,
                      "context_tokens": last.context_tokens,
-                     "decode_ms_p50": _median(steps) if steps else None,
+                     "decode_ms_p50": median(steps) if steps else None,
                      "kv_cache_bytes": last.kv_cache_bytes,
                      "kv_cache_bytes_formula": last.kv_cache_bytes_formula})
     return rows
@@ -254,18 +275,23 @@ def summarize_turns(trials: List[List[TurnStats]]) -> List[Dict[str, Any]]:
 def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batch_size: int) -> Dict[str, Any]:
     """Scalar totals of a chat for ``metrics`` (units in :data:`METHODS`)."""
     m: Dict[str, Any] = {f"turn{r['turn']}_ttft_ms": r["ttft_ms"] for r in rows}
+    m.update(trial_metric("turn1_ttft_ms", [t[0].ttft_ms for t in trials]))
     later = [r["ttft_ms"] for r in rows[1:]]
     m["mean_ttft_ms_turns_2_n"] = sum(later) / len(later) if later else None
+    if later:  # the interval: of the per-chat mean over turns 2..N, bootstrapped over chats
+        per_chat = [sum(turn.ttft_ms for turn in t[1:]) / len(later) for t in trials]
+        m.update({k: v for k, v in trial_metric("mean_ttft_ms_turns_2_n", per_chat).items()
+                  if k != "mean_ttft_ms_turns_2_n"})
     m["total_prefill_tokens"] = sum(r["prefill_tokens"] for r in rows)
     m["total_reused_tokens"] = sum(r["reused_tokens"] for r in rows)
     m["kv_cache_bytes"] = rows[-1]["kv_cache_bytes"]
     m["kv_cache_bytes_formula"] = rows[-1]["kv_cache_bytes_formula"]
-    steps = [ms for t in trials for turn in t for ms in turn.decode_ms]
-    if steps:
-        m.update(step_percentiles(steps))
-        decode_s = [sum(ms for turn in t for ms in turn.decode_ms) / 1e3 for t in trials]
-        m["tokens_per_s"] = _median([batch_size * len(steps) / len(trials) / s for s in decode_s])
-    m["e2e_ms"] = _median([sum(turn.ttft_ms + sum(turn.decode_ms) for turn in t) for t in trials])
+    per_trial_steps = [[ms for turn in t for ms in turn.decode_ms] for t in trials]
+    if per_trial_steps[0]:
+        m.update(step_metrics(per_trial_steps))
+        m.update(trial_metric("tokens_per_s", [batch_size * len(s) / (sum(s) / 1e3) for s in per_trial_steps]))
+    m["e2e_ms"] = median([sum(turn.ttft_ms + sum(turn.decode_ms) for turn in t) for t in trials])
+    m["trials_run"] = len(trials)
     return m
 
 
@@ -284,7 +310,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
                                      rt.compile))
         graphs = compiled_graphs()
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
-        trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device, tick)
+        trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device, tick, rt.min_time_s)
     if rt.compile != "false":
         metrics["recompiles"] = compiled_graphs() - graphs
     metrics.update(monitor.result())

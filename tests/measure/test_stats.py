@@ -119,3 +119,41 @@ def test_overlap_says_whether_a_difference_is_significant():
     assert stats.overlap((1.0, 2.0), (1.5, 3.0)) is True
     assert stats.overlap((1.0, 2.0), (2.5, 3.0)) is False
     assert stats.overlap((None, None), (1.0, 2.0)) is None
+
+
+# ---- the record fields built from them: values computed here by hand ----------------------------
+
+def test_trial_metric_is_the_true_median_with_its_interval_count_and_no_warning():
+    m = stats.trial_metric("prefill_ms", [4.0, 1.0, 3.0, 2.0])
+    assert m["prefill_ms"] == 2.5  # torch.median gave 2.0, the lower middle value
+    assert m["prefill_ms_n"] == 4 and "prefill_ms_warning" not in m
+    # a bootstrap median of 4 values is one of them or the mean of two: within [1, 4], around 2.5
+    assert 1.0 <= m["prefill_ms_ci_low"] <= 2.5 <= m["prefill_ms_ci_high"] <= 4.0
+
+
+def test_one_trial_has_no_interval_and_a_warning():
+    m = stats.trial_metric("tokens_per_s", [100.0])
+    assert m["tokens_per_s"] == 100.0 and m["tokens_per_s_ci_low"] is None and m["tokens_per_s_ci_high"] is None
+    assert m["tokens_per_s_n"] == 1 and "needs at least 2" in m["tokens_per_s_warning"]
+
+
+def test_step_metrics_pool_the_trials_by_the_linear_method_and_warn_below_the_needed_count():
+    trials = [[float(v) for v in range(1, 11)], [float(v) for v in range(11, 21)]]  # the steps 1..20
+    m = stats.step_metrics(trials)
+    # type 7: h = (n - 1) q, linear between the order statistics x[floor h] and x[floor h + 1]
+    assert m["decode_ms_p50"] == pytest.approx(10.5)
+    assert m["decode_ms_p90"] == pytest.approx(1 + 0.9 * 19)
+    assert m["decode_ms_p99"] == pytest.approx(1 + 0.99 * 19)
+    assert m["decode_ms_mean"] == pytest.approx(10.5)
+    assert m["decode_ms_p99_n"] == m["decode_ms_p90_n"] == 20
+    assert "decode_ms_p90_warning" not in m  # p90 needs 10
+    assert "needs at least 100" in m["decode_ms_p99_warning"]
+    assert m["decode_ms_p50_ci_low"] < 10.5 < m["decode_ms_p50_ci_high"]
+    assert (m["decode_ms_p99_ci_low"], m["decode_ms_p99_ci_high"]) == stats.block_bootstrap_ci(trials, 0.99)
+    assert "decode_ms_p90_ci_low" not in m  # only p50 and p99 get an interval
+
+
+def test_every_field_of_the_record_helpers_has_a_method():
+    fields = set(stats.step_metrics([[1.0, 2.0, 3.0]])) | set(stats.trial_metric("x", [1.0]))
+    methods = {**stats.step_metric_methods(), **stats.trial_metric_methods("x", "ms")}
+    assert fields - set(methods) == {"decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "decode_ms_mean", "x"}

@@ -54,6 +54,16 @@ def test_run_table_shows_only_what_the_job_measured():
     assert "│ % BW peak " in out and "0.004" in out and "│ compile s " in out and "12.5" in out
 
 
+def test_run_table_prints_the_records_warnings_and_why_it_is_noisy():
+    record = {"status": "ok", "config": {"task": "bench", "workload": {"name": "decode"}},
+              "metrics": {"decode_ms_p99": 2.0, "decode_ms_p99_n": 12, "noisy": True,
+                          "decode_ms_p99_warning": "decode_ms_p99 from 12 samples: too few",
+                          "noisy_reason": "load average 5.00 on 2 usable CPUs", "prefill_ms_warning": None}}
+    out = render([console.run_table(record)])
+    assert "decode_ms_p99 from 12 samples: too few" in out and "load average 5.00 on 2 usable CPUs" in out
+    assert "│ noisy " in out and "True" in out and "prefill_ms_warning" not in out
+
+
 def test_progress_prints_lines_where_there_is_no_terminal(monkeypatch):
     captured = Console(file=io.StringIO(), width=200)
     monkeypatch.setattr(console, "stderr", captured)

@@ -12,7 +12,7 @@ from kvbench.config import CONF_DIR
 from kvbench.generate import compile_phase, compiled_step, greedy_generate
 from kvbench.measure.roofline import decode_bytes_read
 from kvbench.runner import run_job
-from kvbench.workloads.decode import floor_model
+from kvbench.workloads.decode import DecodeTimings, floor_model, kv_cost, summarize_decode, time_decode
 
 
 def job(tmp_path, *overrides):
@@ -129,3 +129,63 @@ def test_a_gpu_out_of_memory_is_an_oom_record_that_keeps_what_was_measured(tmp_p
     assert result.status == "oom", (result.status, result.error)
     assert "out of memory" in result.error.lower()
     assert result.metrics["weight_bytes"] > 0 and result.metrics["kv_cache_bytes_formula"] > free
+
+
+def test_min_time_keeps_running_trials_until_both_the_repeats_and_the_time_are_reached():
+    """A fake clock that advances one second per finished trial: no timing luck involved."""
+    model = make_decoder(2, num_layers=1)
+    prompt = torch.randint(0, 97, (1, 4))
+    cache = cache_for(model, "static", 1, 8)
+    finished = []
+    tick, clock = (lambda description=None: finished.append(1)), (lambda: float(len(finished)))
+
+    def trials(warmup, repeats, min_time_s):
+        finished.clear()
+        t = time_decode(model, prompt, 3, cache, warmup, repeats, "cpu", tick, min_time_s=min_time_s, clock=clock)
+        assert len(t.prefill_ms) == len(t.decode_ms) == len(finished) - warmup
+        return len(t.decode_ms)
+
+    assert trials(warmup=1, repeats=2, min_time_s=5) == 5  # the time is the floor: 5 s of 1-s trials
+    assert trials(warmup=1, repeats=7, min_time_s=5) == 7  # the repeats are
+    assert trials(warmup=0, repeats=2, min_time_s=0) == 2
+
+
+def test_a_run_records_the_trials_it_ran(tmp_path):
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=4", "workload.gen_len=2", "runtime.repeats=2",
+                 "runtime.min_time_s=0.3", "runtime.fidelity=false", "runtime.threads=1")
+    m = result.metrics
+    assert result.status == "ok", result.error
+    # at least the repeats; more while under 0.3 s (how many depends on the machine, not asserted)
+    assert m["trials_run"] >= 2 and m["prefill_ms_n"] == m["tokens_per_s_n"] == m["trials_run"]
+    assert m["decode_ms_p50_n"] == 2 * m["trials_run"]
+    assert m["prefill_ms_ci_low"] <= m["prefill_ms"] <= m["prefill_ms_ci_high"]
+
+
+def test_summary_takes_the_true_median_of_an_even_number_of_trials():
+    t = DecodeTimings(prefill_ms=[4.0, 1.0, 3.0, 2.0], decode_ms=[[1.0, 1.0]] * 4, decode_host_ms=[[1.0, 1.0]] * 4)
+    m = summarize_decode(t, batch_size=1)
+    assert m["prefill_ms"] == 2.5 and m["e2e_ms"] == 4.5  # torch.median gave 2.0 and 4.0
+    assert m["tokens_per_s"] == 1000.0 and m["tokens_per_s_ci_low"] == m["tokens_per_s_ci_high"] == 1000.0
+    assert m["trials_run"] == 4
+
+
+def test_kv_cost_recovers_a_known_slope_from_the_steps_of_a_run():
+    prompt_len, gen_len = 100, 300
+    # 0.5 ms + 2 µs per position of context attended (= 2,000 µs per 1k), every 17th step preempted
+    trials = [[0.5 + 2e-3 * (prompt_len + i + 1) + (5.0 if i % 17 == trial else 0.0) for i in range(gen_len)]
+              for trial in range(3)]
+    m = kv_cost(trials, prompt_len)
+    # scipy's intercept is median(y) - slope * median(x): the 18 preempted steps of 900 lift it by
+    # at most a few ranks' worth of the slope (here 0.02 ms); a least-squares fit would move 0.1 ms
+    assert m["decode_ms_at_ctx0"] == pytest.approx(0.5, abs=0.03)
+    assert m["decode_us_per_1k_ctx"] == pytest.approx(2000.0)
+    assert m["decode_us_per_1k_ctx_ci_low"] <= 2000.0 <= m["decode_us_per_1k_ctx_ci_high"]
+    assert "decode_us_per_1k_ctx_reason" not in m
+
+
+def test_kv_cost_is_null_with_a_reason_when_the_steps_span_too_little_context():
+    short = kv_cost([[1.0 + 1e-3 * i for i in range(64)]] * 3, prompt_len=2048)
+    assert short["decode_us_per_1k_ctx"] is None and short["decode_ms_at_ctx0"] is None
+    assert "span 63 positions" in short["decode_us_per_1k_ctx_reason"]
+    bucketed = kv_cost([[1.0] * 400], prompt_len=0, fixed_shape=True)
+    assert bucketed["decode_us_per_1k_ctx"] is None and "bucket" in bucketed["decode_us_per_1k_ctx_reason"]
