@@ -28,8 +28,9 @@ LAYERS = [
     ["sinks.report", "sweep"],
     ["cli"],
 ]
-# What a sink may import: the record, how numbers are written, and other sinks.
-SINK_ALLOWED = ("results", "units", "config", "sinks.")
+# What a sink may import: the record, how numbers are written, the statistics over them (no
+# measuring), and other sinks.
+SINK_ALLOWED = ("results", "units", "config", "measure.stats", "sinks.")
 
 
 def module_name(path: Path) -> str:

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from kvbench.measure.stats import kv_cost_fit
 from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, lookup, read_record
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.compare import (
@@ -38,8 +39,11 @@ from kvbench.sinks.compare import (
     job_axes,
     job_cells,
     job_columns,
+    kind,
     natural,
     swept_axes,
+    variant,
+    variant_order,
     viewed,
 )
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
@@ -174,6 +178,67 @@ def _comparison_md(records, axes) -> List[str]:
     return lines
 
 
+def kv_cost_across_prompts(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The KV cost across a sweep's prompt lengths: for each attention variant in each cell of the
+    other swept axes, the Theil-Sen fit of its jobs' ``decode_ms_p50`` against the mean context
+    their decode steps attended (``prompt_len + (gen_len + 1) / 2``): ``at_ctx0_ms`` and
+    ``us_per_1k_ctx`` with the slope's 95% interval. A variant needs ok decode jobs at 3 or more
+    prompt lengths. ``slope_ratio`` and ``kv_bytes_ratio`` are to the cell's first variant (MHA, or
+    the one with the most KV heads), the KV bytes compared at a prompt length both ran."""
+    decode = [r for r in records if r.get("status") == "ok" and kind(r) == "decode"
+              and isinstance((r.get("metrics") or {}).get("decode_ms_p50"), (int, float))]
+    others = [k for k, _ in swept_axes(decode) if k != "workload.prompt_len" and k not in VARIANT_KEYS]
+    groups: Dict[tuple, Dict[str, list]] = {}
+    for rec in decode:
+        config, metrics = rec.get("config") or {}, rec["metrics"]
+        prompt, gen = lookup(config, "workload.prompt_len"), lookup(config, "workload.gen_len")
+        if not isinstance(prompt, int) or not isinstance(gen, int):
+            continue
+        cell = tuple((k, lookup(config, k)) for k in others)
+        points = groups.setdefault(cell, {}).setdefault(variant(rec), [])
+        points.append((prompt + (gen + 1) / 2, metrics["decode_ms_p50"], prompt, metrics.get("kv_cache_bytes_formula")))
+    rows: List[Dict[str, Any]] = []
+    for cell in sorted(groups, key=repr):
+        base = None
+        for label in sorted(groups[cell], key=variant_order):
+            points = groups[cell][label]
+            fit = kv_cost_fit([p[0] for p in points], [p[1] for p in points])
+            if fit["us_per_1k_ctx"] is None:
+                continue
+            row = {**dict(cell), "variant": label, "prompts": len({p[2] for p in points}), **fit,
+                   "kv_bytes": {p[2]: p[3] for p in points}, "slope_ratio": None, "kv_bytes_ratio": None}
+            if base is None:
+                base = row
+            else:
+                if base["us_per_1k_ctx"]:
+                    row["slope_ratio"] = row["us_per_1k_ctx"] / base["us_per_1k_ctx"]
+                shared = [q for q in row["kv_bytes"] if row["kv_bytes"][q] and base["kv_bytes"].get(q)]
+                if shared:
+                    row["kv_bytes_ratio"] = row["kv_bytes"][shared[0]] / base["kv_bytes"][shared[0]]
+            row["baseline"] = base["variant"]
+            rows.append(row)
+    return rows
+
+
+def _kv_cost_md(records) -> List[str]:
+    rows = kv_cost_across_prompts(records)
+    if not rows:
+        return []
+    cells = [k for k in rows[0] if "." in k]  # the other swept axes (config keys are dotted)
+    num = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    table = [[*(str(r[k]) for k in cells), r["variant"], str(r["prompts"]), num(r["at_ctx0_ms"], ".3f"),
+              f"{num(r['us_per_1k_ctx'], '.1f')} [{num(r['us_per_1k_ctx_ci_low'], '.1f')}, "
+              f"{num(r['us_per_1k_ctx_ci_high'], '.1f')}]", num(r["slope_ratio"], ".3f"),
+              num(r["kv_bytes_ratio"], ".3f")] for r in rows]
+    return ["## KV cost across prompt lengths", "",
+            "Per variant, the jobs' decode p50 against the mean context their steps attended, fitted by "
+            "Theil-Sen (one job per prompt length: the interval is over jobs, not trials). Ratios are to the "
+            "first variant of the same cell; if the context cost were only the K/V bytes read, the slope "
+            "ratio would equal the KV bytes ratio.", "",
+            *_md_table([*cells, "variant", "prompts", "ms at context 0", "µs per 1k context [95%]",
+                        "slope ratio", "KV bytes ratio"], table, 4), ""]
+
+
 def _interleaved_md(records) -> List[str]:
     lines: List[str] = []
     for rec in records:
@@ -216,7 +281,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", ""]
     lines += _choose_md(records)
-    lines += _interleaved_md(records) + _comparison_md(records, axes)
+    lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
     for kind_name, group in groups.items():
         job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")
