@@ -30,8 +30,7 @@ import torch
 from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
 from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, release_heap, rss_status, weight_bytes
-from kvbench.measure.stats import percentile
-from kvbench.measure.timing import step_percentiles
+from kvbench.measure.stats import median, percentile
 from kvbench.model import Decoder
 from kvbench.results import RunResult
 from kvbench.workloads.decode import summarize_decode, time_decode
@@ -253,7 +252,7 @@ class Prober:
             q = STAT_Q[cfg.slo.stat]
             probe.ttft_ms = percentile(timings.prefill_ms, q)
             probe.tpot_ms = percentile([ms for trial in timings.decode_ms for ms in trial], q)
-            probe.decode_ms_p50 = step_percentiles([ms for t in timings.decode_ms for ms in t])["decode_ms_p50"]
+            probe.decode_ms_p50 = median([ms for t in timings.decode_ms for ms in t])
             probe.tokens_per_s = summarize_decode(timings, batch)["tokens_per_s"]
         probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, cfg.slo.tpot_ms)
         probe.ok = not probe.violated
