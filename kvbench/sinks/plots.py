@@ -228,8 +228,11 @@ def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xla
             ci = dict((errors or {}).get(name, {}).get(label, []))
             at = [(x, y, ci[x]) for x, y in points if x in ci]
             if at:
+                # A percentile-bootstrap interval need not hold its point (a p50 over few, skewed steps):
+                # matplotlib refuses a negative bar, so such a side is drawn as none.
                 ax.errorbar([x for x, _, _ in at], [y for _, y, _ in at], fmt="none", ecolor=colours[label],
-                            capsize=3, yerr=[[y - lo for _, y, (lo, _) in at], [hi - y for _, y, (_, hi) in at]])
+                            capsize=3, yerr=[[max(0.0, y - lo) for _, y, (lo, _) in at],
+                                             [max(0.0, hi - y) for _, y, (_, hi) in at]])
             upper = dict(band.get(name, {}).get(label, [])) if banded else {}
             if upper and all(x in upper for x in xs):
                 ax.fill_between(xs, ys, [upper[x] for x in xs], color=colours[label], alpha=0.15, linewidth=0)

@@ -120,3 +120,18 @@ def test_the_console_prints_the_interleaved_table():
     header, rows = interleaved_table(compare_record())
     for cell in (*header, *rows[2]):
         assert cell in text
+
+
+def test_an_interval_that_does_not_hold_its_point_is_drawn_not_refused(tmp_path):
+    """A percentile-bootstrap interval of a p50 over few skewed steps can lie beside the p50
+    (the GPU check's dry run once met one): the plot draws the side that exists, not a crash."""
+    records = [decode("mha", 8, 32, "0", **ci(2.0, 2.1, 2.4)), decode("mha", 8, 64, "1", **ci(3.0, 2.9, 3.2))]
+    for rec in records:
+        write(tmp_path, rec["job"], rec)
+    with saved_figures() as saved:
+        report = write_report(tmp_path, tmp_path / "out")
+    assert any(p.name == "decode_vs_context.png" for p in report.files)
+    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
+    bars = [c for ax in fig.axes for c in ax.collections if isinstance(c, LineCollection)]
+    spans = sorted(tuple(sorted(y for _, y in seg)) for bar in bars for seg in bar.get_segments())
+    assert spans == [pytest.approx((2.0, 2.4)), pytest.approx((2.9, 3.2))]
