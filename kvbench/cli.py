@@ -37,7 +37,7 @@ from kvbench.results import RESULTS_FILE, claim_holder, claim_job, completed_rec
 from kvbench.sinks.console import compare_table, progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
 from kvbench.sinks.report import MD_FILE, collect, write_report
 from kvbench.sinks.tracking import new_sweep, track
-from kvbench.sweep import sweep_records, sweep_size
+from kvbench.sweep import job_overrides, sweep_records, sweep_size
 
 EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1, "interrupted": 128 + signal.SIGINT}
 # Rows of a sweep's end table that mean a job of the sweep has no result: the sweep exits 1.
@@ -201,8 +201,6 @@ class SweepRefused(BaseException):
     raises into a warning and goes on, and this must reach :func:`main` (one line, exit 2)."""
 
 
-# Overrides that do not make another sweep: how jobs are scheduled or recorded.
-_NOT_SWEEP = ("rerun=", "wandb=", "wandb.", "hydra/launcher=")
 
 
 def check_sweep_start(config: DictConfig) -> None:
@@ -218,14 +216,10 @@ def check_sweep_start(config: DictConfig) -> None:
         before = OmegaConf.select(OmegaConf.load(sweep_dir / "multirun.yaml"), "hydra.overrides.task") or []
     except (OSError, OmegaConfBaseException, ValueError):
         return  # a new directory, or one no sweep finished starting in
-    if _sweep_overrides(before) != _sweep_overrides(config.hydra.overrides.task):
+    if job_overrides(before) != job_overrides(config.hydra.overrides.task):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
-                          f"({' '.join(_sweep_overrides(before))}); give this one a new hydra.sweep.dir "
+                          f"({' '.join(job_overrides(before))}); give this one a new hydra.sweep.dir "
                           "(a sweep resumes only with the same overrides)")
-
-
-def _sweep_overrides(overrides) -> List[str]:
-    return [str(o) for o in overrides if not str(o).startswith(_NOT_SWEEP)]
 
 
 class SweepCallback(Callback):

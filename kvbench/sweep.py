@@ -11,7 +11,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -67,6 +67,19 @@ def _job_dir(config: DictConfig, num: int, overrides: List[str], parser) -> Opti
         return None
 
 
+# Overrides that change how a job is scheduled or recorded, not what it measures (as
+# results.NOT_IDENTITY for configs): a resume may add them without making other jobs.
+NOT_JOB = ("rerun=", "wandb=", "wandb.", "hydra/launcher=", "hydra.launcher.")
+
+
+def job_overrides(overrides: Any) -> Optional[List[str]]:
+    """The overrides that say which job this is; None for anything but a sequence of them (a
+    record or an overrides.yaml may hold anything)."""
+    if isinstance(overrides, (str, bytes, Mapping)) or not isinstance(overrides, Iterable):
+        return None
+    return [str(o) for o in overrides if not str(o).startswith(NOT_JOB)]
+
+
 def sweep_records(sweep_dir: Path | str, config: DictConfig) -> List[Dict[str, Any]]:
     """One row per job of the sweep ``config`` describes, from what is on disk, whatever that
     is: the job's record; ``running`` (another process holds its claim), ``unreadable`` (a
@@ -99,7 +112,7 @@ def _job_row(job_dir: Path, overrides: List[str], sweep_dir: Path, exact: bool) 
     except RecordError as exc:
         problem = exc
     holder = claim_holder(job_dir) if exact else None  # a job being run has no final record yet
-    if record is not None and record.get("overrides") == overrides and holder is None:
+    if record is not None and job_overrides(record.get("overrides")) == job_overrides(overrides) and holder is None:
         return {**record, "job": rel}
     if not exact:
         return None
@@ -107,7 +120,8 @@ def _job_row(job_dir: Path, overrides: List[str], sweep_dir: Path, exact: bool) 
         return {**row, "status": "running", "error": f"claimed by {holder}"}
     if problem is not None and (job_dir / RESULTS_FILE).exists():
         return {**row, "status": "unreadable", "error": str(problem)}
-    started = _read_overrides(job_dir) == overrides  # Hydra writes .hydra/overrides.yaml as a job starts
+    # Hydra writes .hydra/overrides.yaml as a job starts
+    started = job_overrides(_read_overrides(job_dir)) == job_overrides(overrides)
     return {**row, "status": "missing" if started else "not run",
             "error": "no results.json: the job was killed" if started else "this sweep has not run it"}
 

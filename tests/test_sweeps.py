@@ -20,7 +20,6 @@ from hydra import compose, initialize_config_dir
 from kvbench.config import register_configs, to_bench_config
 from kvbench.isolation import oom_kills
 from kvbench.results import RunResult, claim_job, find_results, read_record
-from kvbench.runner import DEFAULT_THREADS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -249,7 +248,11 @@ def test_each_job_of_a_sweep_reports_its_own_peak_rss_and_threads(tmp_path):
     process for the sweep, so job 1 inherited both.)"""
     presets = tmp_path / "conf" / "experiment"
     presets.mkdir(parents=True)
-    threads = DEFAULT_THREADS + 1
+    # torch's own default in a fresh process (what runtime.threads=null means); this process may
+    # have set another count already.
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                 capture_output=True, text=True, check=True).stdout)
+    threads = 1  # differs from the default on a machine of 2 or more cores
     (presets / "big.yaml").write_text("# @package _global_\nmodel:\n  vocab_size: 400000\n"
                                       f"runtime:\n  threads: {threads}\n")
     (presets / "small.yaml").write_text("# @package _global_\nruntime:\n  threads: null\n")
@@ -263,7 +266,7 @@ def test_each_job_of_a_sweep_reports_its_own_peak_rss_and_threads(tmp_path):
     # the big job's embedding and LM head alone: 2 x 400000 x 64 float32 = 205 MB
     assert big.metrics["weight_bytes"] - small.metrics["weight_bytes"] > 2 * 400000 * 64 * 4 * 0.99
     assert small.metrics["peak_rss_bytes"] < big.metrics["peak_rss_bytes"] - 150 * 2**20
-    assert (big.env["torch_num_threads"], small.env["torch_num_threads"]) == (threads, DEFAULT_THREADS)
+    assert (big.env["torch_num_threads"], small.env["torch_num_threads"]) == (threads, default)
 
 
 def sweep_config(sweep_dir, *task):
