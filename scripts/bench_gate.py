@@ -131,8 +131,10 @@ def base_tree(args: argparse.Namespace) -> Iterator[Path]:
 
 
 def side_env(tree: Path, slowdown: float) -> Dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(tree), KVBENCH_BENCH_SLOWDOWN=str(slowdown))
-    env.pop("PYTEST_ADDOPTS", None)
+    # Nothing of a calling pytest leaks in (its addopts; an xdist worker's identity, with which a
+    # benchmark run would not time or save anything).
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS" and not k.startswith("PYTEST_XDIST")}
+    env.update(PYTHONPATH=str(tree), KVBENCH_BENCH_SLOWDOWN=str(slowdown))
     return env
 
 
@@ -151,7 +153,7 @@ def check_selection(args: argparse.Namespace) -> None:
     if not args.keyword:
         return
     out = subprocess.run([sys.executable, "-m", "pytest", str(HEAD_ROOT / SUITE), "--collect-only", "-q",
-                          "-p", "no:cacheprovider", "-k", args.keyword], cwd=HEAD_ROOT,
+                          "-p", "no:xdist", "-p", "no:cacheprovider", "-k", args.keyword], cwd=HEAD_ROOT,
                          env=side_env(HEAD_ROOT, 0), capture_output=True, text=True)
     if out.returncode == PYTEST_NO_TESTS:
         die(f"-k {args.keyword!r}: selects no benchmark in {SUITE}")
@@ -160,7 +162,7 @@ def check_selection(args: argparse.Namespace) -> None:
 def run_side(tree: Path, name: str, slowdown: float, args: argparse.Namespace, base: bool) -> tuple[int, Path, str]:
     """One pytest-benchmark run of the head's suite against the kvbench of ``tree``, saved
     under ``name``. Returns the exit code, the saved file and pytest's output."""
-    cmd = [sys.executable, "-m", "pytest", str(HEAD_ROOT / SUITE), "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", str(HEAD_ROOT / SUITE), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
            "--benchmark-enable", "--benchmark-only", "--benchmark-warmup=on",
            "--benchmark-warmup-iterations=5", f"--benchmark-max-time={args.max_time}",
            f"--benchmark-min-rounds={args.min_rounds}", f"--benchmark-timer={args.timer}",

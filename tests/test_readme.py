@@ -112,7 +112,7 @@ RUN = {command: step for chain in CHAINS for command, step in chain.items()}
 
 NOT_RUN = {
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
-    "python -m pytest": "the suite this test is part of",
+    "python -m pytest -n 2 --dist loadfile": "the suite this test is part of",
     "kvbench experiment=ab": "minutes of model=small decode steps at 2048 tokens of context; "
                              "tests/workloads/test_compare.py runs task=compare on model=tiny",
     "python experiments/compare_transformers.py --threads 1": "minutes: model=small decode loops against "
@@ -140,7 +140,7 @@ NOT_RUN = {
         "tests/sinks/test_compare.py the comparison of {MHA, MQA} x {auto, int8}",
     "wandb sync multirun/kv_demo/*/wandb/offline-run-*": "needs a W&B account and the network",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only": "times the benchmarks (minutes); "
-                                                                             "`python -m pytest` runs each once",
+                                                                             "the test command runs each once",
     "python -m pytest tests/benchmarks --benchmark-enable --benchmark-only --benchmark-json=bench.json":
         "times the benchmarks (minutes)",
     "python scripts/bench_gate.py --base origin/main": "6 timed pytest runs (~80 s); tests/test_bench_gate.py runs "
