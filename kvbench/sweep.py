@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, read_record
+from kvbench.results import NOT_IDENTITY, RESULTS_FILE, RecordError, claim_holder, find_results, read_record
 
 
 @dataclass
@@ -67,9 +67,9 @@ def _job_dir(config: DictConfig, num: int, overrides: List[str], parser) -> Opti
         return None
 
 
-# Overrides that change how a job is scheduled or recorded, not what it measures (as
-# results.NOT_IDENTITY for configs): a resume may add them without making other jobs.
-NOT_JOB = ("rerun=", "wandb=", "wandb.", "hydra/launcher=", "hydra.launcher.")
+# Overrides that change how a job is scheduled or recorded, not what it measures (the config keys
+# of results.NOT_IDENTITY, and the launcher): a resume may add them without making other jobs.
+NOT_JOB = (*(f"{key}{sep}" for key in NOT_IDENTITY for sep in "=."), "hydra/launcher=", "hydra.launcher.")
 
 
 def job_overrides(overrides: Any) -> Optional[List[str]]:

@@ -96,9 +96,9 @@ def test_the_report_shows_intervals_marks_overlap_and_lists_the_interleaved_comp
     assert "### job 2: 6 rounds" in section and f"0.950× [0.850, 1.05], {NOT_SIGNIFICANT}" in section
 
 
-def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path):
-    records = [decode("mha", 8, 32, "0", **ci(2.0, 1.8, 2.3)), decode("mha", 8, 64, "1", **ci(3.0, 2.9, 3.2)),
-               decode("gqa", 2, 32, "2", decode_ms_p50=1.5), decode("gqa", 2, 64, "3", decode_ms_p50=1.7)]
+def decode_plot_error_bars(tmp_path, records):
+    """The report's decode-vs-context figure for ``records`` (it must be drawn) and the (low, high)
+    span of every error bar on it, sorted."""
     for rec in records:
         write(tmp_path, rec["job"], rec)
     with saved_figures() as saved:
@@ -106,8 +106,14 @@ def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path)
     assert any(p.name == "decode_vs_context.png" for p in report.files)
     [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
     bars = [c for ax in fig.axes for c in ax.collections if isinstance(c, LineCollection)]
+    return fig, sorted(tuple(sorted(y for _, y in seg)) for bar in bars for seg in bar.get_segments())
+
+
+def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path):
+    records = [decode("mha", 8, 32, "0", **ci(2.0, 1.8, 2.3)), decode("mha", 8, 64, "1", **ci(3.0, 2.9, 3.2)),
+               decode("gqa", 2, 32, "2", decode_ms_p50=1.5), decode("gqa", 2, 64, "3", decode_ms_p50=1.7)]
+    fig, spans = decode_plot_error_bars(tmp_path, records)
     # one error bar per MHA point (the GQA records have no interval), spanning its interval
-    spans = sorted(tuple(sorted(y for _, y in seg)) for bar in bars for seg in bar.get_segments())
     assert spans == [pytest.approx((1.8, 2.3)), pytest.approx((2.9, 3.2))]
     assert "95% interval" in fig.axes[0].get_ylabel() or any("95% interval" in t.get_text() for t in fig.texts)
 
@@ -126,12 +132,5 @@ def test_an_interval_that_does_not_hold_its_point_is_drawn_not_refused(tmp_path)
     """A percentile-bootstrap interval of a p50 over few skewed steps can lie beside the p50
     (the GPU check's dry run once met one): the plot draws the side that exists, not a crash."""
     records = [decode("mha", 8, 32, "0", **ci(2.0, 2.1, 2.4)), decode("mha", 8, 64, "1", **ci(3.0, 2.9, 3.2))]
-    for rec in records:
-        write(tmp_path, rec["job"], rec)
-    with saved_figures() as saved:
-        report = write_report(tmp_path, tmp_path / "out")
-    assert any(p.name == "decode_vs_context.png" for p in report.files)
-    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
-    bars = [c for ax in fig.axes for c in ax.collections if isinstance(c, LineCollection)]
-    spans = sorted(tuple(sorted(y for _, y in seg)) for bar in bars for seg in bar.get_segments())
+    _, spans = decode_plot_error_bars(tmp_path, records)
     assert spans == [pytest.approx((2.0, 2.4)), pytest.approx((2.9, 3.2))]
