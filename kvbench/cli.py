@@ -263,7 +263,7 @@ def check_sweep_start(config: DictConfig) -> None:
         raise ConfigError(f"hydra.sweeper.direction={getattr(direction, 'name', direction)}: kvbench's objective is "
                           "maximised (hydra.sweeper.direction=maximize); objective=-name minimises name")
     caps = OmegaConf.select(config, "objective_caps") or {}
-    check_objective(objective, dict(caps), str(config.get("task", "bench")),
+    check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
                     str(OmegaConf.select(config, "workload.name", default="decode")))
     sweep_dir = Path(config.hydra.sweep.dir)
     if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
