@@ -132,6 +132,9 @@ NOT_RUN = {
                                                                         "tests/sinks/test_tracking.py reads a real "
                                                                         "offline sweep back with this command",
     "wandb login": "needs a W&B account and the network",
+    "pip install -e .[search]": "installs packages: the dev extra includes it (.ci/run)",
+    "kvbench experiment=search": "20 model=small trials; tests/test_sweeps.py runs the preset end to end "
+                                 "on model=tiny (6 trials)",
     "kvbench task=capacity model=llama2_7b attention=mha runtime.dtype=float16 workload.gen_len=96 "
     "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for "
                                                                                       "Llama-2-7B's 13.5 GB of weights",
