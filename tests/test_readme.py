@@ -156,6 +156,7 @@ NOT_RUN = {
     "--benchmark-compare --benchmark-compare-fail=median:25%": "times the benchmarks (minutes)",
     "python experiments/step_breakdown.py --threads 1": "minutes of model=small decode rounds, by two clocks",
     "python experiments/fused_projections.py --threads 1": "minutes of interleaved model=small rounds",
+    "python experiments/small_batch_gemm.py --threads 1": "a minute or two of ~300 MB matrix streams per shape",
     "scripts/gpu_check.sh": "needs an NVIDIA GPU; tests/test_gpu_check.py runs the same script with --dry-run",
     "OUT=/tmp/check scripts/gpu_check.sh --steps preflight,cuda,eager": "needs an NVIDIA GPU (the dry run covers "
                                                                         "the script)",
