@@ -80,17 +80,21 @@ METHODS: Dict[str, str] = {
                        "sequence, from the calibration probes at batches 1 and 4; memory only), "
                        "formula_max_batch (weights + KV formula alone), kv_bytes_per_sequence (KV formula of one "
                        "more sequence; with cache.shared the system prompt's, held once, is not in it), "
-                       "tpot_target_ms (the TPOT target judged: slo.tpot_ms, slo.tpot_x_batch1 x the batch-1 "
-                       "probe's TPOT at this context, or the tighter of both), activation_fixed_bytes and "
+                       "activation_fixed_bytes and "
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
-                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tokens_per_s",
+                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_target_ms, "
+                       "tokens_per_s (each with the suffix _at_max)",
     "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
                               "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
                               "(false: refused on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, "
                               "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
                               "(slo.stat over the trials' TTFTs and over every decode step of every trial; "
                               "workload=multiturn: over every turn's TTFT of every chat and every decode step of "
-                              "every turn; with fewer than 100 samples a p99 is near their maximum), tpot_target_ms, "
+                              "every turn; with fewer than 100 samples a p99 is near their maximum), tpot_reference_ms "
+                              "(slo.tpot_x_batch1: slo.stat over the decode steps of one sequence at the same "
+                              "context, run just before and just after the probe, outside its memory window), "
+                              "tpot_target_ms (the TPOT target judged: slo.tpot_ms, slo.tpot_x_batch1 x "
+                              "tpot_reference_ms, or the tighter of both), "
                               "decode_ms_p50, tokens_per_s, oom, error",
 }
 
@@ -113,6 +117,7 @@ class Probe:
     tpot_ms: Optional[float] = None
     decode_ms_p50: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    tpot_reference_ms: Optional[float] = None  # slo.tpot_x_batch1: the batch-1 TPOT around the probe
     tpot_target_ms: Optional[float] = None  # the TPOT target it was judged by (slo.tpot_ms and/or slo.tpot_x_batch1)
     oom: bool = False
     error: Optional[str] = None
@@ -284,15 +289,24 @@ class Prober:
         self.budget, self.baseline = budget, baseline
         self.weights = weight_bytes(model)
         self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
-        self.batch1_tpot: Dict[int, float] = {}  # context -> TPOT of the batch-1 probe (slo.tpot_x_batch1)
+        self.latency = chat_latency if cfg.workload.name == "multiturn" else decode_latency
 
-    def tpot_target(self, context: int) -> Optional[float]:
-        """slo.tpot_ms, or slo.tpot_x_batch1 x the batch-1 probe's TPOT at ``context``, the tighter."""
+    def tpot_target(self, reference_ms: Optional[float]) -> Optional[float]:
+        """slo.tpot_ms, or slo.tpot_x_batch1 x ``reference_ms`` (the batch-1 TPOT), the tighter."""
         slo = self.cfg.slo
         targets = [slo.tpot_ms] if slo.tpot_ms is not None else []
-        if slo.tpot_x_batch1 is not None and context in self.batch1_tpot:
-            targets.append(slo.tpot_x_batch1 * self.batch1_tpot[context])
+        if slo.tpot_x_batch1 is not None and reference_ms is not None:
+            targets.append(slo.tpot_x_batch1 * reference_ms)
         return min(targets, default=None)
+
+    def batch1_steps(self, context: int) -> List[float]:
+        """Decode steps of one sequence at ``context`` (slo.tpot_x_batch1's reference), outside any
+        probe's memory window; nothing when the target is absolute."""
+        if self.cfg.slo.tpot_x_batch1 is None:
+            return []
+        steps = self.latency(self.cfg, self.model, self.device, context, 1).step_ms
+        release_heap()
+        return steps
 
     def predicted_bytes(self, context: int, batch: int) -> int:
         fixed, per_sequence = (max(0, a) for a in self.activation.get(context, (0, 0)))
@@ -308,11 +322,13 @@ class Prober:
                            f"budget on a CPU")
             return probe
         latency = None
+        # slo.tpot_x_batch1: batch-1 runs just before and just after the probe are its reference,
+        # so a change of the machine's load between probes moves the target with the probe
+        reference = self.batch1_steps(context)
         window = PeakWindow(self.device)
         try:
             with window:
-                latency = (chat_latency if cfg.workload.name == "multiturn" else decode_latency)(
-                    cfg, self.model, self.device, context, batch)
+                latency = self.latency(cfg, self.model, self.device, context, batch)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
             if not is_oom(exc):
                 raise
@@ -327,9 +343,9 @@ class Prober:
             probe.tpot_ms = percentile(latency.step_ms, q)
             probe.decode_ms_p50 = median(latency.step_ms)
             probe.tokens_per_s = latency.tokens_per_s
-            if batch == 1:  # the first probe of a context: the reference of slo.tpot_x_batch1
-                self.batch1_tpot[context] = probe.tpot_ms
-        probe.tpot_target_ms = self.tpot_target(context)
+            reference += self.batch1_steps(context)
+        probe.tpot_reference_ms = percentile(reference, STAT_Q[cfg.slo.stat]) if reference else None
+        probe.tpot_target_ms = self.tpot_target(probe.tpot_reference_ms)
         probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, probe.tpot_target_ms)
         probe.ok = not probe.violated
         probe.bound = probe.violated[0] if probe.violated else None
@@ -408,9 +424,8 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
             "activation_fixed_bytes": prober.activation[context][0],
             "activation_bytes_per_sequence": prober.activation[context][1],
             "decode_ms_p50_batch1": calibration[0].decode_ms_p50,
-            "tpot_target_ms": prober.tpot_target(context),
             **{f"{k}_at_max": getattr(at, k) if at else None
-               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tokens_per_s")},
+               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tpot_target_ms", "tokens_per_s")},
         })
     longest = answers[-1]
     metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],

@@ -313,15 +313,17 @@ def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkey
 
     result = run_fake(monkeypatch, "decode_latency", latency,
                       "model=tiny", "capacity.context_lens=[16]", "workload.gen_len=2", "runtime.memory_budget_gb=64",
-                      f"slo.tpot_x_batch1={x}", "slo.stat=p50", "capacity.max_batch=32")
+                      f"slo.tpot_x_batch1={x}", "slo.stat=p50", "capacity.max_batch=16")
     (answer,) = result.tables["capacity"]
     assert (answer["max_batch"], answer["stopped_by"]) == (boundary, "tpot")
-    assert answer["tpot_target_ms"] == x * 10.0
-    assert all(p["tpot_target_ms"] == x * 10.0 for p in result.tables["capacity_probes"])
+    assert answer["tpot_target_ms_at_max"] == x * 10.0
+    # every probe's reference: batch-1 runs at the same context just before and after it
+    assert all(p["tpot_reference_ms"] == 10.0 and p["tpot_target_ms"] == x * 10.0
+               for p in result.tables["capacity_probes"])
     # with an absolute target as well, the tighter one binds
     result = run_fake(monkeypatch, "decode_latency", latency,
                       "model=tiny", "capacity.context_lens=[16]", "workload.gen_len=2", "runtime.memory_budget_gb=64",
-                      f"slo.tpot_x_batch1={x}", "slo.tpot_ms=12.5", "capacity.max_batch=32")
+                      f"slo.tpot_x_batch1={x}", "slo.tpot_ms=12.5", "capacity.max_batch=16")
     assert result.tables["capacity"][0]["max_batch"] == 2
 
 
@@ -340,3 +342,24 @@ def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
             assert p["measured"] and p["ok"] and p["ttft_ms"] > 0 and p["tpot_ms"] > 0
             assert p["kv_bytes"] == capacity.kv_bytes(cfg, 35, p["batch"])
             assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
+
+
+def test_a_relative_tpot_target_follows_a_load_that_drifts_between_probes(monkeypatch):
+    # every run is slower than the one before (a machine getting busier: +20% a run); the batch-1
+    # runs just before and after a probe bracket its load, so the boundary stays where the step
+    # is 2.1x batch 1's (b = 5: 2x), where a reference taken once at the start would stop it sooner
+    calls = []
+
+    def latency(cfg, model, device, context, batch):
+        calls.append(batch)
+        load = 1 + 0.2 * len(calls)
+        return capacity.Latency([1.0], [load * (10.0 + 2.5 * (batch - 1))] * 4, 1.0)
+
+    result = run_fake(monkeypatch, "decode_latency", latency, "model=tiny", "capacity.context_lens=[16]",
+                      "workload.gen_len=2", "runtime.memory_budget_gb=64", "slo.tpot_x_batch1=2.1", "slo.stat=p50",
+                      "capacity.max_batch=16")
+    (answer,) = result.tables["capacity"]
+    assert (answer["max_batch"], answer["stopped_by"]) == (5, "tpot")
+    probes = result.tables["capacity_probes"]
+    assert calls[:3] == [1, 1, 1] and len(calls) == 3 * len(probes)  # before, the probe, after
+    assert probes[-1]["tpot_reference_ms"] > 2 * probes[0]["tpot_reference_ms"]  # the load did drift
