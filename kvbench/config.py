@@ -458,6 +458,9 @@ class SloConfig:
     ttft_ms: Optional[float] = None
     tpot_ms: Optional[float] = None
     stat: str = "p99"
+    # a TPOT target relative to the machine: at most this many times the variant's own batch-1
+    # step at the same context, measured by the job (a load that slows every step alike cancels)
+    tpot_x_batch1: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_numbers("slo", self)
@@ -465,6 +468,8 @@ class SloConfig:
         for key in ("ttft_ms", "tpot_ms"):
             value = getattr(self, key)
             _check(value is None or value > 0, f"slo.{key}", value, "must be > 0 or null")
+        _check(self.tpot_x_batch1 is None or self.tpot_x_batch1 >= 1, "slo.tpot_x_batch1", self.tpot_x_batch1,
+               "must be >= 1 (a multiple of the batch-1 step) or null")
 
 
 @dataclass
@@ -659,7 +664,11 @@ class BenchConfig:
 
     def _check_capacity(self) -> None:
         w = self.workload
-        _check(w.name == "decode", "workload.name", w.name, "task=capacity measures workload=decode only")
+        # the probes' caches are in the compute dtype, as the KV formula they are judged by
+        _check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
+               "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")
+        if w.name == "multiturn":  # one chat, its length the workload's (checked for every task)
+            return
         longest = max(self.capacity.context_lens) + w.gen_len
         _check(longest <= self.model.max_seq_len, "capacity.context_lens", self.capacity.context_lens,
                f"the longest context + workload.gen_len is {longest} positions, more than "
@@ -782,8 +791,10 @@ def schema_defaults() -> DictConfig:
 # that means nothing for a job (train.* for a decode run, workload.* for training) is left out
 # of its record, so the record describes what was measured and nothing else.
 _WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
-                  "capacity": ("name", "gen_len"),  # the batch and the prompt are what it searches
                   "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
+# task=capacity searches the batch (and, for decode, the prompt length: capacity.context_lens)
+_CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
+                           "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}
 _CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype")}
 _RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
 _TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
@@ -821,9 +832,11 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         out.pop("data", None)
         w = out.get("workload")
         workload = w.get("name", "decode") if isinstance(w, dict) else None
-        if task == "capacity":
-            keep("workload", _WORKLOAD_KEYS["capacity"])
-            keep("cache", _CACHE_KEYS["decode"])
+        if task == "capacity" and workload in _CAPACITY_WORKLOAD_KEYS:
+            keep("workload", _CAPACITY_WORKLOAD_KEYS[workload])
+            keep("cache", _CACHE_KEYS[workload])
+            if workload == "multiturn":
+                keep("capacity", ("max_batch", "batch_step"))
         elif workload in _WORKLOAD_KEYS:
             keep("workload", _WORKLOAD_KEYS[workload])
             keep("cache", _CACHE_KEYS[workload])

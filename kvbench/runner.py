@@ -43,6 +43,7 @@ from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, 
 from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
+from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
 from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
 from kvbench.workloads import capacity, decode, interleaved, multiturn
@@ -144,10 +145,21 @@ def capacity_search(cfg: BenchConfig, device: torch.device, out_dir: Path, resul
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
     label = f"capacity {cfg.attention.type} kv={cfg.attention.num_kv_heads}"
-    expected = len(cfg.capacity.context_lens) * capacity.probes_expected(cfg.capacity.max_batch,
+    if cfg.workload.name == "multiturn":
+        label += f" chat shared={cfg.cache.shared}"
+    expected = len(capacity.contexts(cfg)) * capacity.probes_expected(cfg.capacity.max_batch,
                                                                           cfg.capacity.batch_step)
     with progress(label, expected) as tick:
         capacity.run(cfg, model, device, result, baseline, tick)
+    if cfg.runtime.fidelity:  # quality of this KV-head count, after the probes (its models are not theirs)
+        del model
+        result.methods.update(KV_POOL_METHODS)
+        h = cfg.model.num_heads
+        reference = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
+        length = min(max(capacity.contexts(cfg)), 256)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, length),
+                               generator=torch.Generator().manual_seed(cfg.runtime.seed)).to(device)
+        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens))
 
 
 def compare_variants(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,

@@ -81,8 +81,10 @@ CHAINS: List[Dict[str, Step]] = [
         "runtime.threads=1": Step([*CHAT, "hydra.sweep.dir=multirun/chat"]),
         "kvbench model=tiny workload=multiturn cache.shared=true": Step(CHAT),
         "kvbench experiment=choose": Step(["model.num_layers=2", "capacity.context_lens=[16,32]",
-                                           "capacity.max_batch=4", "workload.gen_len=2", "runtime.isolate=false",
-                                           "slo.tpot_ms=100000", "wandb=disabled", "hydra.sweep.dir=multirun/choose"]),
+                                           "capacity.max_batch=4", "workload.gen_len=2", "workload.system_len=16",
+                                           "workload.user_len=4", "workload.reply_len=2", "runtime.isolate=false",
+                                           "slo.tpot_x_batch1=null", "wandb=disabled",
+                                           "hydra.sweep.dir=multirun/choose"]),
         "kvbench task=inspect model=llama2_7b": Step(),
     },
     {
@@ -361,8 +363,13 @@ def test_experiment_choose_prints_the_article_table_and_writes_its_plot(ran):
     assert "which attention to deploy" in proc.stdout and "memory tight:" in proc.stdout
     sweep = ran["kvbench experiment=choose"][2] / "multirun" / "choose"
     recs = records(sweep)
-    assert [r["config"]["task"] for r in recs] == ["capacity"] * 3
-    assert all(r["status"] == "ok" and len(r["tables"]["capacity"]) == 2 for r in recs)
+    assert [r["config"]["task"] for r in recs] == ["capacity"] * 9
+    # per variant: decode at the two contexts, then the chat without and with the shared cache
+    assert [(r["config"]["workload"]["name"], r["config"]["cache"].get("shared")) for r in recs[:3]] == [
+        ("decode", None), ("multiturn", False), ("multiturn", True)]
+    assert all(r["status"] == "ok" and len(r["tables"]["capacity"]) == (2 if i % 3 == 0 else 1)
+               for i, r in enumerate(recs))
+    assert "multi-turn: concurrent conversations" in proc.stdout and "quality: KL vs MHA" in proc.stdout
     assert (sweep / "capacity_vs_context.png").is_file()
 
 

@@ -355,6 +355,10 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
                       "workload.gen_len=3", "runtime.repeats=1"],
         "capacity": ["task=capacity", "model=tiny", "capacity.context_lens=[8,16]", "capacity.max_batch=4",
                      "workload.gen_len=3", "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64"],
+        "capacity chat": ["task=capacity", "model=tiny", "workload=multiturn", "workload.system_len=8",
+                          "workload.turns=2", "workload.user_len=4", "workload.reply_len=2", "cache.shared=true",
+                          "capacity.max_batch=2", "runtime.warmup=0", "runtime.repeats=1",
+                          "runtime.memory_budget_gb=64", "slo.tpot_x_batch1=3"],
     }
     records = {name: job(tmp_path / name.replace(" ", "_"), *overrides) for name, overrides in runs.items()}
     checkpoint = tmp_path / "train" / "checkpoint.pt"
@@ -380,7 +384,8 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 runner.check_objective(f"-{metric}", {metric: 1.0}, task, workload)
     assert {"dtype_max_abs_logit_diff", "kv_cache_bytes_alloc_reason", "turn2_ttft_ms", "ppl_before_uptrain",
-            "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound", "max_batch_longest"} <= \
+            "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound", "max_batch_longest",
+            "kv_pool_kl_nats"} <= \
         {k for r in records.values() for k in r.metrics}
     # compile_s needs a compiler toolchain (issue 15's compiled-decode tests run it): its method is there
     assert DECODE["compile_s"].startswith("s;") and "`compile_s`" in readme

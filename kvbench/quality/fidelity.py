@@ -11,8 +11,10 @@ import copy
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.cache import KVCache, cache_for
+from kvbench.checkpoint import convert_kv_heads
 from kvbench.generate import decode_step, greedy_generate
 from kvbench.model import Decoder
 
@@ -32,6 +34,20 @@ FIDELITY_METHODS: Dict[str, str] = {
                                 "teacher-forced on the low-precision run's greedy tokens",
     "dtype_top1_agreement": "fraction; float16/bfloat16 runs: positions where the low-precision model and its "
                             "float32 copy agree on the argmax",
+}
+
+
+# Units and methods of what :func:`kv_pool_fidelity` measures (task=capacity records them).
+KV_POOL_METHODS: Dict[str, str] = {
+    "kv_pool_kl_nats": "nats per position; quality of this KV-head count: the MHA model of the same weights "
+                       "(runtime.seed, or model.path brought to MHA by exact repetition) with its K/V projections "
+                       "mean-pooled to attention.num_kv_heads (checkpoint.convert_kv_heads, Ainslie et al. 2023), "
+                       "mean over positions of KL(MHA || pooled) of the next-token distributions; one forward pass "
+                       "each over 2 sequences of runtime.seed random tokens (the longest context searched, at most "
+                       "256); 0 for MHA. Randomly initialised heads are uncorrelated, so pooling them loses more "
+                       "than pooling a trained model's",
+    "kv_pool_top1_agreement": "fraction; positions of the same passes where the mean-pooled model and MHA agree "
+                              "on the argmax (1 for MHA)",
 }
 
 
@@ -124,3 +140,15 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
     if dtype != "float32":
         out.update(dtype_fidelity(model, None, prompt[:2], steps))
     return out
+
+
+@torch.inference_mode()
+def kv_pool_fidelity(reference: Decoder, num_kv_heads: int, tokens: torch.Tensor) -> Dict[str, float]:
+    """How far mean-pooling ``reference``'s K/V heads to ``num_kv_heads`` moves its outputs on
+    ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement."""
+    pooled = convert_kv_heads(reference, num_kv_heads)
+    log_p = F.log_softmax(reference(tokens).float(), dim=-1)  # (B, T, V)
+    log_q = F.log_softmax(pooled(tokens).float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    _, agree = _compare(log_q, log_p)
+    return {"kv_pool_kl_nats": kl, "kv_pool_top1_agreement": agree}

@@ -2,8 +2,11 @@
 
 From the ``task=capacity`` records of a sweep over attention (``experiment=choose``): per variant
 the KV bytes per token (and the fraction of MHA's), decode ms and tokens/s at the longest context,
-the max batch under the memory budget and SLOs (and what stopped it), and quality where the same
-records hold it (perplexity of ``task=train`` / ``task=eval`` jobs of the variant). Then one
+the max batch under the memory budget and SLOs (and what stopped it), and quality: the capacity
+job's own ``kv_pool_*`` metrics (MHA of the same weights mean-pooled to the variant's KV heads)
+and, where the same records hold them, perplexity of ``task=train`` / ``task=eval`` jobs of the
+variant. ``task=capacity workload=multiturn`` jobs (with ``cache.shared=false,true``) give a second
+table: the most concurrent conversations per variant with and without the shared cache. Then one
 recommendation per scenario, derived from those numbers by the rules in :data:`RULES` (also in
 the README); nothing here names a variant.
 
@@ -25,8 +28,10 @@ RULES = {
     "memory ample": f"the variant with the most KV heads (closest to MHA's quality) whose max batch at the "
                     f"longest context is at least {AMPLE_SHARE:.0%} of the largest",
     "memory tight": "the variant with the largest max batch at the longest context (a tie: more KV heads)",
-    "multi-turn": "the memory-tight choice, with cache.shared=true when this sweep's workload=multiturn jobs "
-                  "show it lowering the mean TTFT of turns 2-N (else: not measured here)",
+    "multi-turn": "the variant and cache.shared setting with the most concurrent conversations in this sweep's "
+                  "task=capacity workload=multiturn jobs (a tie: more KV heads, then cache.shared=true); without "
+                  "them, the memory-tight choice, with cache.shared=true when workload=multiturn bench jobs show it "
+                  "lowering the mean TTFT of turns 2-N (else: not measured here)",
 }
 _NOT_CELL = ("attention.type", "attention.num_kv_heads", "task", "workload.name", "cache.shared")
 
@@ -40,6 +45,8 @@ class Choice:
     rows: List[List[str]]
     recommendations: List[Tuple[str, str]]  # (scenario, one line)
     notes: List[str] = field(default_factory=list)
+    chat_header: List[str] = field(default_factory=list)  # the multi-turn capacity table (empty: none)
+    chat_rows: List[List[str]] = field(default_factory=list)
 
 
 def _m(rec: Record, key: str) -> Any:
@@ -60,6 +67,29 @@ def _quality(records: Sequence[Record]) -> Dict[str, float]:
     return out
 
 
+def is_chat(rec: Record) -> bool:
+    """A ``task=capacity`` record of the multi-turn chat (its max batch counts conversations)."""
+    return lookup(rec.get("config") or {}, "workload.name") == "multiturn"
+
+
+def decode_capacity(records: Sequence[Record]) -> List[Record]:
+    """The ``task=capacity`` records of workload=decode: the article's table and the plot."""
+    return [r for r in records if kind(r) == "capacity" and not is_chat(r)]
+
+
+def chat_capacity(rows: Dict[Tuple[str, bool], Dict[str, Any]]) -> Optional[str]:
+    """The multi-turn line from (variant, shared) -> {max_batch, kv_heads, ...} by :data:`RULES`."""
+    ranked = [(key, r) for key, r in rows.items() if r.get("max_batch") is not None]
+    if not ranked:
+        return None
+    (label, shared), best = max(ranked, key=lambda item: (item[1]["max_batch"], item[1]["kv_heads"], item[0][1]))
+    other = rows.get((label, not shared), {}).get("max_batch")
+    versus = (f" vs {other} with cache.shared={str(not shared).lower()}" if other is not None
+              else f" (cache.shared={str(not shared).lower()} not measured)")
+    return (f"{label} with cache.shared={str(shared).lower()}: the most concurrent conversations, "
+            f"{best['max_batch']}{versus}")
+
+
 def _multiturn(records: Sequence[Record]) -> Optional[str]:
     """The measured effect of cache.shared on turns 2-N, or None without both modes."""
     ttft: Dict[bool, List[float]] = {}
@@ -74,8 +104,10 @@ def _multiturn(records: Sequence[Record]) -> Optional[str]:
             f"cache.shared=false: sharing did not lower the mean TTFT of turns 2-N ({shared:.2f} vs {unshared:.2f} ms)")
 
 
-def recommend(rows: Dict[str, Dict[str, Any]], multiturn: Optional[str]) -> List[Tuple[str, str]]:
-    """The scenario lines from per-variant numbers (``max_batch``, ``kv_heads``), by :data:`RULES`."""
+def recommend(rows: Dict[str, Dict[str, Any]], multiturn: Optional[str],
+              chat: Optional[str] = None) -> List[Tuple[str, str]]:
+    """The scenario lines from per-variant numbers (``max_batch``, ``kv_heads``), by :data:`RULES`;
+    ``chat``: the line from multi-turn capacity jobs (:func:`chat_capacity`), which wins."""
     ranked = [(label, r) for label, r in rows.items() if r.get("max_batch") is not None]
     if not ranked:
         return [("all", "no ok capacity job: nothing to recommend")]
@@ -89,8 +121,9 @@ def recommend(rows: Dict[str, Dict[str, Any]], multiturn: Optional[str]) -> List
         ("memory tight", f"{tight_label}: the largest max batch, {tight['max_batch']}"
                          + (f" ({ratio_text(tight['max_batch'] / rows[_baseline(rows)]['max_batch'])} "
                             f"{_baseline(rows)})" if rows[_baseline(rows)].get("max_batch") else "")),
-        ("multi-turn", f"{tight_label} with " + (multiturn or "cache.shared=true is the article's advice, not measured "
-                                                 "here: no workload=multiturn jobs with cache.shared=false,true")),
+        ("multi-turn", chat or f"{tight_label} with " + (
+            multiturn or "cache.shared=true is the article's advice, not measured here: no workload=multiturn "
+                         "jobs with cache.shared=false,true")),
     ]
     return lines
 
@@ -101,22 +134,47 @@ def _baseline(rows: Dict[str, Dict[str, Any]]) -> str:
 
 def choices(records: Sequence[Record]) -> List[Choice]:
     """One :class:`Choice` per cell of the sweep's ``task=capacity`` records."""
-    capacity = [r for r in records if kind(r) == "capacity"]
+    capacity = decode_capacity(records)
     if not capacity:
         return []
     axes = [a for a in swept_axes(capacity) if a[0] not in _NOT_CELL]
     quality = _quality(records)
     multiturn = _multiturn(records)
     cells: Dict[str, List[Record]] = {}
-    for rec in capacity:
-        cells.setdefault(" ".join(f"{t}={fmt(lookup(rec['config'], k), '{}')}" for k, t in axes), []).append(rec)
+    chats: Dict[str, List[Record]] = {}
+    for rec in records:
+        if kind(rec) == "capacity":
+            cell = " ".join(f"{t}={fmt(lookup(rec['config'], k), '{}')}" for k, t in axes)
+            (chats if is_chat(rec) else cells).setdefault(cell, []).append(rec)
     out = []
     for cell in sorted(cells, key=natural):
-        out.append(_choice(cell, cells[cell], quality, multiturn))
+        out.append(_choice(cell, cells[cell], quality, multiturn, chats.get(cell, [])))
     return out
 
 
-def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], multiturn: Optional[str]) -> Choice:
+CHAT_HEADER = ["variant", "cache.shared", "positions / conversation", "KV / conversation", "max conversations",
+               "stopped by", "memory-only prediction", "TTFT ms at max", "TPOT ms at max"]
+
+
+def _chat_table(records: Sequence[Record]) -> Tuple[Dict[Tuple[str, bool], Dict[str, Any]], List[List[str]]]:
+    """(variant, shared) -> numbers, and the rows of the multi-turn capacity table."""
+    rows: Dict[Tuple[str, bool], Dict[str, Any]] = {}
+    table = []
+    for rec in sorted(records, key=lambda r: (variant_order(variant(r)), bool(lookup(r["config"], "cache.shared")))):
+        if rec.get("status") != "ok" or not _longest(rec):
+            continue
+        shared, row = bool(lookup(rec["config"], "cache.shared")), _longest(rec)
+        rows[(variant(rec), shared)] = {"max_batch": _m(rec, "max_batch_longest"),
+                                        "kv_heads": lookup(rec["config"], "attention.num_kv_heads") or 0}
+        table.append([variant(rec), str(shared).lower(), fmt(row.get("context"), "{}"),
+                      fmt(row.get("kv_bytes_per_sequence"), "bytes"), fmt(row.get("max_batch"), "{}"),
+                      fmt(row.get("stopped_by"), "{}"), fmt(row.get("predicted_max_batch"), "{}"),
+                      fmt(row.get("ttft_ms_at_max"), "{:.1f}"), fmt(row.get("tpot_ms_at_max"), "{:.1f}")])
+    return rows, table
+
+
+def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], multiturn: Optional[str],
+            chat_records: Sequence[Record] = ()) -> Choice:
     rows: Dict[str, Dict[str, Any]] = {}
     notes = []
     for rec in sorted(records, key=lambda r: variant_order(variant(r))):
@@ -129,14 +187,22 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                        "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _m(rec, "max_batch_longest"),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
-                       "predicted": longest.get("predicted_max_batch")}
+                       "predicted": longest.get("predicted_max_batch"),
+                       "kl": _m(rec, "kv_pool_kl_nats"), "top1": _m(rec, "kv_pool_top1_agreement")}
     header = ["variant", "KV / token", "vs MHA", "context", "decode p50 ms (B=1)", "tok/s at max batch",
               "max batch", "stopped by", "memory-only prediction"]
+    with_pool = any(r["kl"] is not None for r in rows.values())
+    if with_pool:
+        header += ["quality: KL vs MHA, nats (pooled)", "top-1 = MHA (pooled)"]
+        notes.append("quality (pooled): the MHA model of the same weights with its K/V heads mean-pooled to the "
+                     "variant's count, KL(MHA || variant) per token and top-1 agreement on random tokens "
+                     "(kv_pool_* in the records' methods)")
     with_quality = any(label in quality for label in rows)
     if with_quality:
         header.append("perplexity")
     else:
-        notes.append("quality: no ok task=train or task=eval job of these variants in these records")
+        notes.append("quality: no ok task=train or task=eval job of these variants in these records"
+                     + (" (no perplexity)" if with_pool else ""))
     table = []
     if rows:
         base = rows[_baseline(rows)]
@@ -145,7 +211,11 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             line = [label, fmt(r["kv_per_token"], "bytes"), fmt(share, "{:.3f}"), fmt(r["context"], "{}"),
                     fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"), fmt(r["max_batch"], "{}"),
                     fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
+            if with_pool:
+                line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}")]
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(label.startswith("mha ") for label in rows):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
-    return Choice(cell, header, table, recommend(rows, multiturn) if rows else [], notes)
+    chat_rows, chat_table = _chat_table(chat_records)
+    return Choice(cell, header, table, recommend(rows, multiturn, chat_capacity(chat_rows)) if rows else [], notes,
+                  CHAT_HEADER if chat_table else [], chat_table)

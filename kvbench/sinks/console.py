@@ -153,16 +153,24 @@ def comparison_table(comparison: Comparison) -> Table:
     return table
 
 
-def choice_table(choice: Choice) -> Table:
-    """The article's comparison with measured numbers, the recommendations in its caption."""
+def choice_tables(choice: Choice) -> List[Table]:
+    """The article's comparison with measured numbers, the recommendations in its caption; then
+    the multi-turn capacity (conversations with and without the shared cache) when measured."""
     lines = [f"{scenario}: {line}" for scenario, line in choice.recommendations] + choice.notes
-    table = Table(title="which attention to deploy" + (f" ({choice.cell})" if choice.cell else ""),
-                  caption="\n".join(lines) or None, caption_justify="left")
-    for i, name in enumerate(choice.header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for row in choice.rows:
-        table.add_row(*row)
-    return table
+    cell = f" ({choice.cell})" if choice.cell else ""
+    tables = []
+    for title, header, rows, caption in (
+            ("which attention to deploy", choice.header, choice.rows, "\n".join(lines) or None),
+            ("multi-turn: concurrent conversations", choice.chat_header, choice.chat_rows, None)):
+        if not header:
+            continue
+        table = Table(title=title + cell, caption=caption, caption_justify="left")
+        for i, name in enumerate(header):
+            table.add_column(name, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        tables.append(table)
+    return tables
 
 
 def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
@@ -175,7 +183,7 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     tables = [jobs_table(f"{title}: {KIND_TITLES.get(k, k)}" if len(groups) > 1 else title, group, axes, k)
               for k, group in groups.items()]
     tables += [comparison_table(c) for c in comparisons(records, axes)]
-    tables += [choice_table(c) for c in choices(records)]
+    tables += [t for c in choices(records) for t in choice_tables(c)]
     ttft = ttft_comparison_table(records)
     return tables + ([ttft] if ttft is not None else [])
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.results import lookup
+from kvbench.sinks.choose import decode_capacity
 from kvbench.sinks.compare import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
 
 Point = Tuple[float, float]
@@ -131,7 +132,7 @@ def turn_panels(records, axes: Sequence[Axis]) -> Panels:
 def capacity_panels(records, axes: Sequence[Axis], column: str) -> Panels:
     """panel -> variant -> [(context, ``column`` of tables.capacity)] for every ok capacity job
     (``max_batch`` measured, ``predicted_max_batch`` the memory-only prediction)."""
-    jobs = [r for r in _ok(records, "capacity") if (r.get("tables") or {}).get("capacity")]
+    jobs = [r for r in _ok(decode_capacity(records)) if (r.get("tables") or {}).get("capacity")]
     panel_axes = [a for a in varying(jobs, axes) if a[0] not in _NOT_PANEL]
     out: Panels = {}
     for rec in jobs:

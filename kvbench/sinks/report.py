@@ -269,6 +269,10 @@ def _choose_md(records) -> List[str]:
         if choice.cell:
             lines += [f"### {choice.cell}", ""]
         lines += [*_md_table(choice.header, choice.rows, len(choice.header) - 1), ""]
+        if choice.chat_rows:
+            lines += ["Multi-turn (`task=capacity workload=multiturn`): the most concurrent conversations of the "
+                      "chat under the same budget and SLOs, with and without the shared cache:", "",
+                      *_md_table(choice.chat_header, choice.chat_rows, len(choice.chat_header) - 1), ""]
         lines += [f"- **{scenario}**: {line}" for scenario, line in choice.recommendations]
         lines += [f"- note: {note}" for note in choice.notes] + [""]
     return lines

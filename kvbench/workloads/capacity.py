@@ -12,6 +12,12 @@ For each context length (``capacity.context_lens``, prompt tokens; every sequenc
    ``measure(batch) -> probe`` callable) until the answer is within ``capacity.batch_step`` of the
    smallest batch that failed.
 
+With ``workload=multiturn`` the one context is the chat (``system_len`` + ``turns`` x (``user_len`` +
+``reply_len``) positions per conversation), the batch is the number of concurrent conversations,
+and a probe serves them as ``workload=multiturn`` does, with or without the shared cache
+(``cache.shared``: the system prompt held once and the history kept, each turn prefilling only
+its new tokens; or every turn re-prefilling the whole history).
+
 A probe is a real decode of that batch (``runtime.warmup`` + ``runtime.repeats`` trials) whose
 peak memory (:class:`kvbench.measure.memory.PeakWindow`) is checked against the budget and whose
 time to first token and time per output token are checked against ``slo``. A CUDA out-of-memory
@@ -22,7 +28,7 @@ and each context's answer says which bound stopped it (``tables.capacity``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,6 +40,7 @@ from kvbench.measure.stats import median, percentile
 from kvbench.model import Decoder
 from kvbench.results import RunResult
 from kvbench.workloads.decode import summarize_decode, time_decode
+from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
 GB = 10 ** 9  # runtime.memory_budget_gb is in GB, as device memory is sold
 STAT_Q = {"p50": 0.5, "p99": 0.99}
@@ -65,20 +72,30 @@ METHODS: Dict[str, str] = {
     "tokens_per_s_longest": "tokens/s; batch x gen_len / decode time of a trial, median over trials, of the "
                             "probe at max_batch at the longest context",
     "probes_run": "count; probes measured over all contexts (refused ones not counted)",
-    "tables.capacity": "one row per context: max_batch (largest batch whose probe met every bound; the search "
+    "tables.capacity": "one row per context (workload=multiturn: one row, context = the positions a conversation "
+                       "holds at the chat's end, max_batch = concurrent conversations): max_batch (largest "
+                       "batch whose probe met every bound; the search "
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
                        "(weights + KV formula + activation_fixed_bytes + activation_bytes_per_sequence per "
                        "sequence, from the calibration probes at batches 1 and 4; memory only), "
-                       "formula_max_batch (weights + KV formula alone), activation_fixed_bytes and "
+                       "formula_max_batch (weights + KV formula alone), kv_bytes_per_sequence (KV formula of one "
+                       "more sequence; with cache.shared the system prompt's, held once, is not in it), "
+                       "activation_fixed_bytes and "
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
-                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tokens_per_s",
+                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_target_ms, "
+                       "tokens_per_s (each with the suffix _at_max)",
     "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
                               "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
                               "(false: refused on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, "
                               "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
-                              "(slo.stat over the trials' TTFTs and over every decode step of every trial; with fewer "
-                              "than 100 samples a p99 is near their maximum), decode_ms_p50, tokens_per_s, oom, "
-                              "error",
+                              "(slo.stat over the trials' TTFTs and over every decode step of every trial; "
+                              "workload=multiturn: over every turn's TTFT of every chat and every decode step of "
+                              "every turn; with fewer than 100 samples a p99 is near their maximum), tpot_reference_ms "
+                              "(slo.tpot_x_batch1: slo.stat over the decode steps of one sequence at the same "
+                              "context, run just before and just after the probe, outside its memory window), "
+                              "tpot_target_ms (the TPOT target judged: slo.tpot_ms, slo.tpot_x_batch1 x "
+                              "tpot_reference_ms, or the tighter of both), "
+                              "decode_ms_p50, tokens_per_s, oom, error",
 }
 
 
@@ -100,6 +117,8 @@ class Probe:
     tpot_ms: Optional[float] = None
     decode_ms_p50: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    tpot_reference_ms: Optional[float] = None  # slo.tpot_x_batch1: the batch-1 TPOT around the probe
+    tpot_target_ms: Optional[float] = None  # the TPOT target it was judged by (slo.tpot_ms and/or slo.tpot_x_batch1)
     oom: bool = False
     error: Optional[str] = None
 
@@ -167,12 +186,31 @@ def predict_max_batch(budget: int, fixed: int, per_sequence: int, limit: int) ->
     return max(0, min(limit, (budget - fixed) // per_sequence))
 
 
+def contexts(cfg: BenchConfig) -> List[int]:
+    """The contexts searched, shortest first: ``capacity.context_lens`` (prompt tokens) for
+    workload=decode; for workload=multiturn the one chat, as the positions each conversation
+    holds at its end (its last reply token is never fed back)."""
+    if cfg.workload.name == "multiturn":
+        return [cfg.workload.total_len - 1]
+    return sorted(cfg.capacity.context_lens)
+
+
 def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
-    """KV formula of ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions
-    (:func:`kvbench.cache.kv_cache_bytes`, the one formula)."""
-    m = cfg.model
-    return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, context + cfg.workload.gen_len,
-                          batch, DTYPE_BYTES[cfg.runtime.dtype])
+    """KV formula (:func:`kvbench.cache.kv_cache_bytes`, the one formula) of what the probe's cache
+    holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
+    a chat, ``context`` positions per conversation, of which the system prompt's are held once
+    when ``cache.shared``."""
+    m, w = cfg.model, cfg.workload
+
+    def held(positions: int, sequences: int) -> int:
+        return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, positions, sequences,
+                              DTYPE_BYTES[cfg.runtime.dtype])
+
+    if w.name != "multiturn":
+        return held(context + w.gen_len, batch)
+    if cfg.cache.shared:
+        return held(w.system_len, 1) + held(context - w.system_len, batch)
+    return held(context, batch)
 
 
 def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
@@ -180,8 +218,9 @@ def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
     """The memory-only prediction: weights + KV formula (+ the activations' fixed part and part per
     sequence) under ``budget``."""
     fixed, per_sequence = (max(0, a) for a in activation)
-    return predict_max_batch(budget, weights + fixed, kv_bytes(cfg, context, 1) + per_sequence,
-                             cfg.capacity.max_batch)
+    kv_per_sequence = kv_bytes(cfg, context, 2) - kv_bytes(cfg, context, 1)  # a shared prefix is held once
+    return predict_max_batch(budget, weights + fixed + kv_bytes(cfg, context, 1) - kv_per_sequence,
+                             kv_per_sequence + per_sequence, cfg.capacity.max_batch)
 
 
 def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
@@ -207,6 +246,40 @@ def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
                       "in GB (e.g. runtime.memory_budget_gb=0.5); only a CUDA device has one of its own")
 
 
+@dataclass
+class Latency:
+    """What a probe's trials took: every time to first token, every decode step (ms), and the
+    throughput (median over trials of batch x steps / decode time)."""
+
+    ttft_ms: List[float]
+    step_ms: List[float]
+    tokens_per_s: float
+
+
+def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
+    """``batch`` prompts of ``context`` seeded tokens, prefilled and decoded ``workload.gen_len`` steps."""
+    rt = cfg.runtime
+    generator = torch.Generator().manual_seed(rt.seed)
+    prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
+    cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
+    timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device)
+    return Latency(timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
+                   summarize_decode(timings, batch)["tokens_per_s"])
+
+
+def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
+    """``batch`` conversations of the workload's chat (``context``: the positions each holds at
+    the end), served with or without the shared cache (``cache.shared``): every turn's time to
+    first token and every decode step of every turn."""
+    w, rt = replace(cfg.workload, batch_size=batch), cfg.runtime
+    system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
+    session = ChatSession(model, system, batch, cfg.cache.shared, cfg.cache.impl, context)
+    trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device)
+    steps = [[ms for turn in trial for ms in turn.decode_ms] for trial in trials]
+    return Latency([turn.ttft_ms for trial in trials for turn in trial], [ms for s in steps for ms in s],
+                   median([batch * len(s) / (sum(s) / 1e3) for s in steps]))
+
+
 class Prober:
     """Runs probes of one model: a decode of ``batch`` sequences of ``context`` tokens, its peak
     memory against the budget and its latencies against the SLOs."""
@@ -216,13 +289,31 @@ class Prober:
         self.budget, self.baseline = budget, baseline
         self.weights = weight_bytes(model)
         self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
+        self.latency = chat_latency if cfg.workload.name == "multiturn" else decode_latency
+
+    def tpot_target(self, reference_ms: Optional[float]) -> Optional[float]:
+        """slo.tpot_ms, or slo.tpot_x_batch1 x ``reference_ms`` (the batch-1 TPOT), the tighter."""
+        slo = self.cfg.slo
+        targets = [slo.tpot_ms] if slo.tpot_ms is not None else []
+        if slo.tpot_x_batch1 is not None and reference_ms is not None:
+            targets.append(slo.tpot_x_batch1 * reference_ms)
+        return min(targets, default=None)
+
+    def batch1_steps(self, context: int) -> List[float]:
+        """Decode steps of one sequence at ``context`` (slo.tpot_x_batch1's reference), outside any
+        probe's memory window; nothing when the target is absolute."""
+        if self.cfg.slo.tpot_x_batch1 is None:
+            return []
+        steps = self.latency(self.cfg, self.model, self.device, context, 1).step_ms
+        release_heap()
+        return steps
 
     def predicted_bytes(self, context: int, batch: int) -> int:
         fixed, per_sequence = (max(0, a) for a in self.activation.get(context, (0, 0)))
         return self.weights + fixed + kv_bytes(self.cfg, context, batch) + batch * per_sequence
 
     def measure(self, context: int, batch: int) -> Probe:
-        cfg, rt, w = self.cfg, self.cfg.runtime, self.cfg.workload
+        cfg = self.cfg
         probe = Probe(context, batch, ok=False, kv_bytes=kv_bytes(cfg, context, batch),
                       predicted_bytes=self.predicted_bytes(context, batch))
         if self.device.type != "cuda" and probe.predicted_bytes > CPU_REFUSE_FACTOR * self.budget:
@@ -230,31 +321,32 @@ class Prober:
             probe.error = (f"not run: predicted {probe.predicted_bytes:,} bytes, over {CPU_REFUSE_FACTOR:g}x the "
                            f"budget on a CPU")
             return probe
-        generator = torch.Generator().manual_seed(rt.seed)
-        prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(self.device)
-        timings = None
+        latency = None
+        # slo.tpot_x_batch1: batch-1 runs just before and just after the probe are its reference,
+        # so a change of the machine's load between probes moves the target with the probe
+        reference = self.batch1_steps(context)
         window = PeakWindow(self.device)
         try:
             with window:
-                cache = cache_for(self.model, cfg.cache.impl, batch, context + w.gen_len)
-                timings = time_decode(self.model, prompt, w.gen_len, cache, rt.warmup, rt.repeats, self.device)
-                del cache
+                latency = self.latency(cfg, self.model, self.device, context, batch)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
             if not is_oom(exc):
                 raise
             probe.oom, probe.error = True, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
-            del prompt
             release_heap()
         probe.peak_bytes = window.peak - (self.baseline if self.device.type != "cuda" else 0)
         probe.activation_bytes = probe.peak_bytes - self.weights - probe.kv_bytes
-        if timings is not None:
+        if latency is not None:
             q = STAT_Q[cfg.slo.stat]
-            probe.ttft_ms = percentile(timings.prefill_ms, q)
-            probe.tpot_ms = percentile([ms for trial in timings.decode_ms for ms in trial], q)
-            probe.decode_ms_p50 = median([ms for t in timings.decode_ms for ms in t])
-            probe.tokens_per_s = summarize_decode(timings, batch)["tokens_per_s"]
-        probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, cfg.slo.tpot_ms)
+            probe.ttft_ms = percentile(latency.ttft_ms, q)
+            probe.tpot_ms = percentile(latency.step_ms, q)
+            probe.decode_ms_p50 = median(latency.step_ms)
+            probe.tokens_per_s = latency.tokens_per_s
+            reference += self.batch1_steps(context)
+        probe.tpot_reference_ms = percentile(reference, STAT_Q[cfg.slo.stat]) if reference else None
+        probe.tpot_target_ms = self.tpot_target(probe.tpot_reference_ms)
+        probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, probe.tpot_target_ms)
         probe.ok = not probe.violated
         probe.bound = probe.violated[0] if probe.violated else None
         return probe
@@ -310,7 +402,7 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
             return probe
         return one
 
-    for context in sorted(cfg.capacity.context_lens):
+    for context in contexts(cfg):
         calibration = [measure(context)(1)]
         # The second point is for memory: a latency miss at batch 1 does not make it useless.
         if calibration[0].measured and "memory" not in calibration[0].violated and limit >= 2:
@@ -328,12 +420,12 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
             "predicted_max_batch": predicted,
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
             "probes": len(search.probes),
-            "kv_bytes_per_sequence": kv_bytes(cfg, context, 1),
+            "kv_bytes_per_sequence": kv_bytes(cfg, context, 2) - kv_bytes(cfg, context, 1),
             "activation_fixed_bytes": prober.activation[context][0],
             "activation_bytes_per_sequence": prober.activation[context][1],
             "decode_ms_p50_batch1": calibration[0].decode_ms_p50,
             **{f"{k}_at_max": getattr(at, k) if at else None
-               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tokens_per_s")},
+               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tpot_target_ms", "tokens_per_s")},
         })
     longest = answers[-1]
     metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],

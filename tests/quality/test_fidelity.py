@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import TEXT, byte_decoder
+from conftest import TEXT, byte_decoder, make_decoder
 
 from kvbench.checkpoint import convert_kv_heads
 from kvbench.config import TrainConfig
@@ -117,3 +117,30 @@ def test_kvq_measures_the_storage_precision(trained):
     assert quantized_cache_fidelity(model, prompt, 24, "auto")["kvq_max_abs_logit_diff"] < 1e-4
     full = cache_fidelity(model, prompt, 24, cache_dtype="int8")["fidelity_max_abs_logit_diff"]
     assert abs(full - int8) < 1e-4
+
+
+def test_kv_pool_fidelity_against_an_independent_recompute():
+    """Mean-pooling an MHA model's K/V heads to G-sized groups computes what an MHA model computes
+    whose K/V projections of each group are replaced by the group's mean (every query head then
+    reads its group's mean head): KL and top-1 recomputed from that model with scipy."""
+    from scipy.special import rel_entr, softmax
+
+    from kvbench.quality.fidelity import kv_pool_fidelity
+
+    mha = _sharp(make_decoder(8, seed=3))
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert kv_pool_fidelity(mha, 8, tokens) == {"kv_pool_kl_nats": 0.0, "kv_pool_top1_agreement": 1.0}
+    for kv in (2, 1):
+        twin = make_decoder(8, seed=3)
+        twin.load_state_dict(mha.state_dict())
+        with torch.no_grad():
+            for block in twin.blocks:
+                for proj in (block.attn.wk, block.attn.wv):
+                    w = proj.weight.view(kv, 8 // kv, -1, proj.weight.shape[1])  # (H_kv, G, D, C)
+                    proj.weight.copy_(w.mean(dim=1, keepdim=True).expand_as(w).reshape(proj.weight.shape))
+            p = softmax(mha(tokens).double().numpy(), axis=-1)
+            q = softmax(twin(tokens).double().numpy(), axis=-1)
+        got = kv_pool_fidelity(mha, kv, tokens)
+        assert got["kv_pool_kl_nats"] == pytest.approx(rel_entr(p, q).sum(-1).mean(), rel=1e-3, abs=1e-6)
+        assert got["kv_pool_top1_agreement"] == pytest.approx((p.argmax(-1) == q.argmax(-1)).mean())
+        assert got["kv_pool_kl_nats"] > 0

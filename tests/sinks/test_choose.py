@@ -105,3 +105,46 @@ def test_console_report_and_plot(tmp_path):
     assert "## Which attention to deploy" in md and "- **memory ample**: gqa kv=2" in md
     assert "![capacity_vs_context](capacity_vs_context.png)" in md
     assert len(report.records) == 3
+
+
+def chat_record(job, kind, kv, shared, conversations, stopped="memory"):
+    rec = capacity_record(job, kind, kv, {239: conversations}, {239: conversations}, 4096 // (8 // kv))
+    rec["config"]["workload"] = {"name": "multiturn", "system_len": 192, "turns": 2, "user_len": 16, "reply_len": 8}
+    rec["config"]["cache"] = {"shared": shared}
+    rec["metrics"]["stopped_by_longest"] = stopped
+    rec["tables"]["capacity"][0].update(stopped_by=stopped, kv_bytes_per_sequence=1000 * kv)
+    return rec
+
+
+def test_multi_turn_line_and_table_come_from_chat_capacity_jobs():
+    records = sweep() + [chat_record(10, "mha", 8, False, 6), chat_record(11, "mha", 8, True, 20),
+                         chat_record(12, "mqa", 1, False, 30),
+                         chat_record(13, "mqa", 1, True, 32, "capacity.max_batch")]
+    (choice,) = choices(records)
+    # the decode table is unchanged by the chat jobs (same variants, decode numbers)
+    assert [r[0] for r in choice.rows] == ["mha kv=8", "gqa kv=2", "mqa kv=1"]
+    assert dict(zip(choice.header, choice.rows[0]))["max batch"] == "10"
+    chat = [dict(zip(choice.chat_header, r)) for r in choice.chat_rows]
+    assert [(r["variant"], r["cache.shared"], r["max conversations"]) for r in chat] == [
+        ("mha kv=8", "false", "6"), ("mha kv=8", "true", "20"), ("mqa kv=1", "false", "30"), ("mqa kv=1", "true", "32")]
+    assert chat[3]["stopped by"] == "capacity.max_batch" and chat[0]["positions / conversation"] == "239"
+    assert dict(choice.recommendations)["multi-turn"] == (
+        "mqa kv=1 with cache.shared=true: the most concurrent conversations, 32 vs 30 with cache.shared=false")
+    # other numbers, other answer: unshared MQA holding more conversations wins, and says so
+    records[-1] = chat_record(13, "mqa", 1, True, 25)
+    assert dict(choices(records)[0].recommendations)["multi-turn"].startswith(
+        "mqa kv=1 with cache.shared=false: the most concurrent conversations, 30 vs 25 with cache.shared=true")
+    # the plot's points are the decode jobs' only (a chat's conversations are not a batch at a context)
+    assert set(capacity_panels(records, [], "max_batch")[""]) == {"mha kv=8", "gqa kv=2", "mqa kv=1"}
+    assert all(c != 239 for points in capacity_panels(records, [], "max_batch")[""].values() for c, _ in points)
+
+
+def test_pooled_quality_columns_from_the_capacity_records():
+    records = sweep()
+    for rec, (kl, top1) in zip(records, [(0.0, 1.0), (0.0123, 0.9), (0.05, 0.75)]):
+        rec["metrics"].update(kv_pool_kl_nats=kl, kv_pool_top1_agreement=top1)
+    (choice,) = choices(records)
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert rows["gqa kv=2"]["quality: KL vs MHA, nats (pooled)"] == "0.0123"
+    assert rows["mqa kv=1"]["top-1 = MHA (pooled)"] == "0.750" and rows["mha kv=8"]["top-1 = MHA (pooled)"] == "1.000"
+    assert any(n.startswith("quality (pooled): the MHA model of the same weights") for n in choice.notes)

@@ -2,12 +2,13 @@
 the formula task=inspect prints, and real probes of a tiny model (memory measured, bounds judged)."""
 
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import CONF_DIR, BenchConfig, ConfigError, to_bench_config
+from kvbench.config import CONF_DIR, BenchConfig, ConfigError, record_view, to_bench_config
 from kvbench.inspection import kv_memory_table, parameter_count
 from kvbench.measure.memory import PeakWindow, is_oom, release_heap, rss_status
 from kvbench.results import RunResult
@@ -135,7 +136,8 @@ def test_cpu_needs_a_budget_and_bad_values_are_one_line():
                           ("slo.stat=p90", "slo.stat='p90'"), ("slo.tpot_ms=-1", "slo.tpot_ms=-1"),
                           ("capacity.context_lens=[]", "capacity.context_lens=[]"),
                           ("capacity.context_lens=[100000]", "capacity.context_lens=[100000]"),
-                          ("workload=multiturn", "workload.name='multiturn'")]:
+                          ("cache.dtype=int8", "cache.dtype='int8'"),
+                          ("slo.tpot_x_batch1=0.5", "slo.tpot_x_batch1=0.5")]:
         with pytest.raises(ConfigError, match="^" + key.replace("[", r"\[").replace("]", r"\]")) as exc:
             config("model=tiny", override)
         assert "\n" not in str(exc.value)
@@ -221,3 +223,143 @@ def test_a_real_cuda_oom_is_a_probe_and_the_search_backs_off():
     fitted = next(p for p in probes if p["batch"] == answer["max_batch"])
     assert fitted["ok"] and fitted["peak_bytes"] <= result.metrics["memory_budget_bytes"]
     assert answer["stopped_by"] == "memory"
+
+
+CHAT = ["model=tiny", "workload=multiturn", "workload.system_len=24", "workload.turns=2", "workload.user_len=4",
+        "workload.reply_len=2", "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64"]
+
+
+def test_chat_kv_formula_holds_the_system_prompt_once_when_shared():
+    # tiny: 2 layers, 2 KV heads (gqa), head_dim 8, float32: 2 * 2 * 2 * 8 * 4 = 256 bytes a position
+    for shared in (False, True):
+        cfg = config(*CHAT, f"cache.shared={shared}")
+        (context,) = capacity.contexts(cfg)
+        assert context == 24 + 2 * (4 + 2) - 1 == 35  # the last reply token is never fed back
+        per_position = 2 * 2 * cfg.attention.num_kv_heads * 8 * 4
+        held = (24 + 5 * (35 - 24)) if shared else 5 * 35
+        assert capacity.kv_bytes(cfg, context, 5) == held * per_position
+        # the memory-only prediction: weights + the prefix once (shared) + b x (history + activations)
+        once, each = (24 * per_position, 11 * per_position) if shared else (0, 35 * per_position)
+        budget = 10_000 + once + 7 * (each + 50)
+        assert formula_max_batch(cfg, context, budget, 10_000, (0, 50)) == 7
+        assert formula_max_batch(cfg, context, budget - 1, 10_000, (0, 50)) == 6
+        # the record says which chat and which serving it measured, and no prompt lengths it did not search
+        view = record_view(asdict(cfg))
+        assert view["cache"] == {"impl": "static", "shared": shared, "dtype": "auto"}
+        assert view["workload"] == {"name": "multiturn", "system_len": 24, "turns": 2, "user_len": 4, "reply_len": 2}
+        assert view["capacity"] == {"max_batch": 256, "batch_step": 1}
+
+
+def test_chat_probe_kv_bytes_are_what_a_chat_session_allocates():
+    from kvbench.runner import build_model
+    from kvbench.workloads.multiturn import ChatSession, chat_prompts
+
+    for shared in (False, True):
+        cfg = config(*CHAT, f"cache.shared={shared}", "workload.batch_size=3")
+        model = build_model(cfg, torch.device("cpu"))
+        system, users = chat_prompts(cfg.workload, cfg.model.vocab_size, 0)
+        (context,) = capacity.contexts(cfg)
+        session = ChatSession(model, system, 3, shared, "static", context)
+        for user in users:
+            session.ask(user, cfg.workload.reply_len)
+        assert session.cache.nbytes == capacity.kv_bytes(cfg, context, 3)  # static: allocated = held at the end
+
+
+def fake_latency(ttft_per_token_ms, step_ms):
+    """A probe's latencies from a formula of the batch, not a clock: a turn's TTFT is
+    ``ttft_per_token_ms`` x the tokens it prefills for the whole batch, as a chat session counts
+    them (unshared: system prompt + history + message per conversation; shared: the system prompt
+    once at turn 1, then only the last reply token and the message), every decode step
+    ``step_ms(batch)``."""
+    def latency(cfg, model, device, context, batch):
+        w = cfg.workload
+        if cfg.cache.shared:
+            tokens = [w.system_len + batch * w.user_len] + [batch * (w.user_len + 1)] * (w.turns - 1)
+        else:
+            tokens = [batch * (w.system_len + k * (w.user_len + w.reply_len) + w.user_len) for k in range(w.turns)]
+        return capacity.Latency([ttft_per_token_ms * t for t in tokens], [step_ms(batch)] * 4, 1.0)
+    return latency
+
+
+def run_fake(monkeypatch, name, latency, *overrides):
+    monkeypatch.setattr(capacity, name, latency)
+    cfg = config(*overrides)
+    from kvbench.runner import build_model
+
+    baseline = capacity.baseline_bytes(torch.device("cpu"))  # before the model: its weights count
+    result = RunResult(status="ok", config={})
+    capacity.run(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
+    return result
+
+
+@pytest.mark.parametrize("shared, boundary", [(False, 1), (True, 9)])
+def test_chat_capacity_finds_a_known_ttft_boundary_with_and_without_sharing(monkeypatch, shared, boundary):
+    # 1 ms per prefilled token, p99 TTFT (about the worst turn) <= 60 ms. Unshared, turn 2 prefills
+    # 24 + 6 + 4 = 34 tokens a conversation: 1 passes, 2 (68 ms) fail. Shared, turn 1 is the worst:
+    # 24 + 4 b, so 9 conversations (60 ms) pass and 10 (64 ms) fail.
+    result = run_fake(monkeypatch, "chat_latency", fake_latency(1.0, lambda b: 10.0), *CHAT,
+                      f"cache.shared={shared}", "slo.ttft_ms=60", "slo.stat=p99", "capacity.max_batch=16")
+    (answer,) = result.tables["capacity"]
+    assert answer["context"] == 35
+    assert (answer["max_batch"], answer["stopped_by"]) == (boundary, "ttft")
+    assert all(p["context"] == 35 for p in result.tables["capacity_probes"])
+
+
+@pytest.mark.parametrize("x, boundary", [(2.0, 5), (1.5, 3)])
+def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkeypatch, x, boundary):
+    # a step of 10 ms at batch 1 growing 2.5 ms a sequence: 2x batch 1 at b = 5, 1.5x at b = 3
+    def latency(cfg, model, device, context, batch):
+        return capacity.Latency([1.0], [10.0 + 2.5 * (batch - 1)] * 4, 1.0)
+
+    result = run_fake(monkeypatch, "decode_latency", latency,
+                      "model=tiny", "capacity.context_lens=[16]", "workload.gen_len=2", "runtime.memory_budget_gb=64",
+                      f"slo.tpot_x_batch1={x}", "slo.stat=p50", "capacity.max_batch=16")
+    (answer,) = result.tables["capacity"]
+    assert (answer["max_batch"], answer["stopped_by"]) == (boundary, "tpot")
+    assert answer["tpot_target_ms_at_max"] == x * 10.0
+    # every probe's reference: batch-1 runs at the same context just before and after it
+    assert all(p["tpot_reference_ms"] == 10.0 and p["tpot_target_ms"] == x * 10.0
+               for p in result.tables["capacity_probes"])
+    # with an absolute target as well, the tighter one binds
+    result = run_fake(monkeypatch, "decode_latency", latency,
+                      "model=tiny", "capacity.context_lens=[16]", "workload.gen_len=2", "runtime.memory_budget_gb=64",
+                      f"slo.tpot_x_batch1={x}", "slo.tpot_ms=12.5", "capacity.max_batch=16")
+    assert result.tables["capacity"][0]["max_batch"] == 2
+
+
+def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
+    torch.set_num_threads(1)
+    from kvbench.runner import build_model
+
+    for shared in (False, True):
+        cfg = config(*CHAT, f"cache.shared={shared}", "capacity.max_batch=4", "slo.tpot_ms=100000")
+        baseline = capacity.baseline_bytes(torch.device("cpu"))
+        result = RunResult(status="ok", config={})
+        capacity.run(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
+        (answer,) = result.tables["capacity"]
+        assert (answer["context"], answer["max_batch"], answer["stopped_by"]) == (35, 4, "capacity.max_batch")
+        for p in result.tables["capacity_probes"]:
+            assert p["measured"] and p["ok"] and p["ttft_ms"] > 0 and p["tpot_ms"] > 0
+            assert p["kv_bytes"] == capacity.kv_bytes(cfg, 35, p["batch"])
+            assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
+
+
+def test_a_relative_tpot_target_follows_a_load_that_drifts_between_probes(monkeypatch):
+    # every run is slower than the one before (a machine getting busier: +20% a run); the batch-1
+    # runs just before and after a probe bracket its load, so the boundary stays where the step
+    # is 2.1x batch 1's (b = 5: 2x), where a reference taken once at the start would stop it sooner
+    calls = []
+
+    def latency(cfg, model, device, context, batch):
+        calls.append(batch)
+        load = 1 + 0.2 * len(calls)
+        return capacity.Latency([1.0], [load * (10.0 + 2.5 * (batch - 1))] * 4, 1.0)
+
+    result = run_fake(monkeypatch, "decode_latency", latency, "model=tiny", "capacity.context_lens=[16]",
+                      "workload.gen_len=2", "runtime.memory_budget_gb=64", "slo.tpot_x_batch1=2.1", "slo.stat=p50",
+                      "capacity.max_batch=16")
+    (answer,) = result.tables["capacity"]
+    assert (answer["max_batch"], answer["stopped_by"]) == (5, "tpot")
+    probes = result.tables["capacity_probes"]
+    assert calls[:3] == [1, 1, 1] and len(calls) == 3 * len(probes)  # before, the probe, after
+    assert probes[-1]["tpot_reference_ms"] > 2 * probes[0]["tpot_reference_ms"]  # the load did drift

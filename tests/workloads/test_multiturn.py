@@ -161,6 +161,15 @@ def test_token_counts_per_turn():
         assert on.prefill_tokens + on.reused_tokens == B * context
 
 
+def test_a_shared_chat_keeps_no_autograd_graph_in_its_cache():
+    # the system prompt's prefill ran with autograd on: its K/V in the cache required grad and
+    # kept the prefill's graph (every activation of the prompt) alive for the whole chat
+    model = make_decoder(2)
+    for shared in (True, False):
+        session, _ = chat(model, shared)
+        assert not any(t.requires_grad for t in session.cache.tensors()), shared
+
+
 def _first_token_logits(model, cache, user, start_pos, positions=None, mask=None):
     with torch.no_grad():
         return model(user, cache, start_pos, positions=positions, mask=mask, last_only=True)[:, -1]
