@@ -187,7 +187,7 @@ def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
     and method: the ``*_METHODS`` tables the task's code merges into its records."""
     per_task = {"bench": {**JOB_METHODS, **WORKLOAD_METHODS.get(workload, {})},
                 "train": TRAIN_METHODS, "eval": EVAL_METHODS,
-                "capacity": {**JOB_METHODS, **capacity.METHODS},
+                "capacity": {**JOB_METHODS, **capacity.METHODS, **KV_POOL_METHODS},
                 "compare": {"timing_method": JOB_METHODS["timing_method"], **interleaved.METHODS}}
     return {**LOAD_METHODS, **per_task.get(task, {})}
 
