@@ -138,7 +138,8 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
         project=settings.get("project") or "kvbench", name=f"kvbench {group or 'sweep'}", sections=sections,
         # W&B draws 10 runs per panel by default: every job of the sweep
         settings=ws.WorkspaceSettings(max_runs=max(10, len(records))),
-        runset_settings=ws.RunsetSettings(filters=[ws.Metric("Group") == group] if group else "", groupby=groupby))
+        runset_settings=ws.RunsetSettings(filters=ws.And(ws.Metric("Group") == group) if group else "",
+                                          groupby=groupby))
     return Dashboard(workspace, axes, group)
 
 
