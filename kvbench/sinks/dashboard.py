@@ -29,23 +29,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config import one_line
 from kvbench.results import lookup, write_json_atomic
-from kvbench.sinks.compare import VARIANT_KEYS, Axis, swept_axes
+from kvbench.sinks.compare import VARIANT_KEYS, Axis, determined_by, swept_axes
 from kvbench.sinks.tracking import STEP_AXIS, TABLE_STEPS, UNREACHABLE_MARKER, resolve_mode, sweep_group
 
 WORKSPACE_JSON, WORKSPACE_MD = "workspace.json", "workspace.md"
-# Section -> its metrics, headline first: the first HEADLINE present ones get a panel per axis;
-# every present one is in the section's bar plots.
-SECTIONS: Dict[str, Tuple[str, ...]] = {
-    "Latency": ("decode_ms_p50", "decode_ms_p99", "prefill_ms", "turn1_ttft_ms", "mean_ttft_ms_turns_2_n",
-                "decode_ms_p50_longest", "decode_us_per_1k_ctx"),
-    "Memory": ("kv_cache_bytes", "kv_cache_bytes_formula", "peak_rss_bytes", "kv_cache_bytes_torch",
-               "kv_cache_bytes_nvml", "nvml_peak_used_bytes", "torch_peak_allocated_bytes", "kv_bytes_per_token"),
-    "Throughput": ("tokens_per_s", "tokens_per_s_longest", "max_batch_longest", "achieved_gb_per_s",
-                   "percent_of_peak"),
-    "Quality": ("perplexity", "val_loss", "bits_per_byte", "ppl_before_uptrain", "fidelity_max_abs_logit_diff",
-                "dtype_max_abs_logit_diff", "dtype_top1_agreement"),
+# Section -> its charts, each a family of metrics in one unit and scale (a bar chart's bars), the
+# headline first. The first HEADLINE families a sweep has get panels; a family's first
+# SCATTERED metrics each get a scatter plot per numeric axis.
+SECTIONS: Dict[str, Tuple[Tuple[str, ...], ...]] = {
+    "Latency": (("decode_ms_p50", "decode_ms_p99"), ("prefill_ms",), ("turn1_ttft_ms", "mean_ttft_ms_turns_2_n"),
+                ("decode_ms_p50_longest",), ("decode_us_per_1k_ctx",)),
+    "Memory": (("kv_cache_bytes", "kv_cache_bytes_formula", "kv_cache_bytes_torch", "kv_cache_bytes_nvml"),
+               ("peak_rss_bytes",), ("nvml_peak_used_bytes", "torch_peak_allocated_bytes"), ("kv_bytes_per_token",)),
+    "Throughput": (("tokens_per_s",), ("tokens_per_s_longest",), ("max_batch_longest",), ("achieved_gb_per_s",),
+                   ("percent_of_peak",)),
+    "Quality": (("perplexity", "ppl_before_uptrain"), ("val_loss",), ("bits_per_byte",),
+                ("fidelity_max_abs_logit_diff", "dtype_max_abs_logit_diff"), ("dtype_top1_agreement",)),
 }
-HEADLINE = 3
+HEADLINE, SCATTERED = 3, 2
 STEPPED = {"Latency": ("decode_ms",)}  # per-step series drawn against STEP_AXIS, per section
 FORMULA_VS_MEASURED = ("kv_cache_bytes_formula", "kv_cache_bytes")
 TURNS = "turns"
@@ -76,6 +77,16 @@ def _numeric_axis(records: Sequence[Dict[str, Any]], key: str) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None)
 
 
+def _finest(records: Sequence[Dict[str, Any]], axes: Sequence[Axis]) -> List[Axis]:
+    """The variant axes that group the runs differently: one of two that determine each other
+    (``attention.type`` and ``num_kv_heads`` for mha vs mqa: the first), and of two where one is
+    finer (gqa kv=2 and kv=4: the KV heads) the finer."""
+    def redundant(a: Axis) -> bool:
+        return any(determined_by(records, a[0], b[0]) and (not determined_by(records, b[0], a[0]) or i < axes.index(a))
+                   for i, b in enumerate(axes) if b != a)
+    return [a for a in axes if not redundant(a)]
+
+
 def _wandb_settings(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The sweep's ``wandb`` config (its first record that has one)."""
     for rec in records:
@@ -97,8 +108,9 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
     axes = swept_axes(records)
     variant_axes = [a for a in axes if a[0] in VARIANT_KEYS]
     x_axes = [a for a in axes if a[0] not in VARIANT_KEYS and _numeric_axis(records, a[0])]
-    bar_axes = variant_axes + [a for a in axes if a not in variant_axes and a not in x_axes]
-    present = {name: [m for m in metrics if _numbers(records, m)] for name, metrics in SECTIONS.items()}
+    bar_axes = _finest(records, variant_axes) + [a for a in axes if a not in variant_axes and a not in x_axes]
+    present = {name: [kept for family in families if (kept := [m for m in family if _numbers(records, m)])]
+               [:HEADLINE] for name, families in SECTIONS.items()}
 
     def scatter(metric: str, axis: Axis):
         return wr.ScatterPlot(title=f"{metric} vs {axis[1]}", x=wr.Config(axis[0]), y=wr.SummaryMetric(metric))
@@ -107,14 +119,15 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
         return wr.BarPlot(title=f"{', '.join(metrics)} by {axis[1]}", metrics=list(metrics), groupby=wr.Config(axis[0]),
                           groupby_aggfunc="mean", groupby_rangefunc="minmax")
 
-    headline = [m for metrics in present.values() for m in metrics[:1]]
+    headline = [families[0][0] for families in present.values() if families]
     sections = [ws.Section(name="Sweep", is_open=True, panels=[wr.ParallelCoordinatesPlot(
         title="swept axes and headline metrics",
         columns=[wr.ParallelCoordinatesPlotColumn(metric=wr.Config(k), display_name=t) for k, t in axes]
         + [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(m)) for m in headline])])]
-    for name, metrics in present.items():
-        panels = [scatter(m, axis) for axis in x_axes for m in metrics[:HEADLINE]]
-        panels += [bars(metrics, axis) for axis in bar_axes if metrics]
+    for name, families in present.items():
+        metrics = [m for family in families for m in family]
+        panels = [scatter(m, axis) for axis in x_axes for family in families for m in family[:SCATTERED]]
+        panels += [bars(family, axis) for axis in bar_axes for family in families]
         if name == "Memory" and all(m in metrics for m in FORMULA_VS_MEASURED):
             panels.append(wr.ScatterPlot(title="KV bytes: formula vs measured",
                                          x=wr.SummaryMetric(FORMULA_VS_MEASURED[0]),

@@ -160,3 +160,22 @@ def test_multiturn_panels_name_the_turn_history_tracking_logs(tmp_path, monkeypa
     assert all({p.x, *p.y} <= logged for p in lines)
     assert type(turns.panels[-1]).__name__ == "WeavePanelSummaryTable" and turns.panels[-1].table_name == "turns"
     assert board.group == "chat" and board.axes == []
+
+
+def test_bars_group_by_the_variant_axis_that_tells_the_variants_apart():
+    def rec(kind, kv, batch):
+        config = {"attention": {"type": kind, "num_kv_heads": kv}, "workload": {"batch_size": batch},
+                  "wandb": {"mode": "offline"}}
+        return {"status": "ok", "config": config, "metrics": {"decode_ms_p50": 1.0, "tokens_per_s": 9.0 * kv}}
+
+    def bar_groups(records):
+        return {p.groupby.name for _, p in build(records, "multirun/x").panels() if type(p).__name__ == "BarPlot"}
+
+    one_to_one = [rec(k, kv, b) for k, kv in (("mha", 8), ("mqa", 1)) for b in (1, 4)]
+    assert bar_groups(one_to_one) == {"attention.type"}  # the same split twice: once, by name
+    gqa = [rec(k, kv, 1) for k, kv in (("mha", 8), ("gqa", 4), ("gqa", 2), ("mqa", 1))]
+    assert bar_groups(gqa) == {"attention.num_kv_heads"}  # "gqa" would pool kv=4 and kv=2
+    board = build(one_to_one, "multirun/x")
+    scatters = {(p.x.name, p.y.name) for _, p in board.panels() if type(p).__name__ == "ScatterPlot"}
+    assert scatters == {("workload.batch_size", "decode_ms_p50"), ("workload.batch_size", "tokens_per_s")}
+    assert board.group == "x" and [s.name for s in board.workspace.sections] == ["Sweep", "Latency", "Throughput"]
