@@ -33,7 +33,17 @@ from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, one_line, regist
 from kvbench.inspection import describe
 from kvbench.isolation import launch_job
 from kvbench.quality.train import CHECKPOINT_NAME
-from kvbench.results import RESULTS_FILE, claim_holder, claim_job, completed_record
+from kvbench.results import (
+    RESULTS_FILE,
+    RecordError,
+    claim_holder,
+    claim_job,
+    completed_record,
+    find_results,
+    objective_value,
+    read_record,
+)
+from kvbench.runner import check_objective
 from kvbench.sinks.console import compare_table, progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
 from kvbench.sinks.report import MD_FILE, collect, write_report
@@ -42,6 +52,7 @@ from kvbench.sweep import job_overrides, sweep_records, sweep_size
 
 EXIT_CODES = {"ok": 0, "invalid": 2, "oom": 3, "error": 1, "interrupted": 128 + signal.SIGINT}
 # Rows of a sweep's end table that mean a job of the sweep has no result: the sweep exits 1.
+MULTIRUN_FILE = "multirun.yaml"  # the sweep's config, in its directory
 FAILED_ROWS = ("error", "interrupted", "unreadable", "missing", "not run")
 _exit_code = 0
 _sweep_config: Optional[DictConfig] = None  # the running multirun's config, for an interrupted end
@@ -56,20 +67,21 @@ def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> Optional[float]:
     # Launchers (submitit, joblib) pickle this function by value, with the globals it names:
     # it names only an importable function, which is pickled by reference.
-    hydra_job(cfg)
+    return hydra_job(cfg)
 
 
-def hydra_job(cfg: DictConfig) -> None:
+def hydra_job(cfg: DictConfig) -> Optional[float]:
     """One Hydra job: inspect, or claim the job directory, then skip (resume) or run, record,
-    track and print."""
+    track and print. Returns the job's ``objective`` read from its record (what a search
+    sweeper optimises): None without an objective, and for a job with no value for it."""
     global _exit_code
     out_dir, multirun, overrides, num = _job_context()
     if OmegaConf.select(cfg, "task", throw_on_resolution_failure=False) == "inspect":
         _exit_code = _inspect(cfg)
-        return
+        return None
     if multirun:
         total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
         stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
@@ -80,14 +92,14 @@ def hydra_job(cfg: DictConfig) -> None:
                      "(a job never runs twice at once)", markup=False, soft_wrap=True)
         if not multirun:
             _exit_code = EXIT_CODES["error"]
-        return
+        return _objective(cfg, None, "the job was not run here (another process holds it)")
     with claim:
         if multirun and _already_done(out_dir, cfg):
             # A re-run into the same sweep dir finishes only what is missing; the sweep table
             # at the end reads this job's record from disk like any other.
             stderr.print(f"  skipped: {out_dir / RESULTS_FILE} is already ok for this config "
                          "(rerun=true runs it again)", markup=False, soft_wrap=True)
-            return
+            return _objective(cfg, out_dir)
         try:
             result = launch_job(cfg, out_dir, overrides, progress=progress_bar)
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: show what was recorded, then stop
@@ -102,6 +114,26 @@ def hydra_job(cfg: DictConfig) -> None:
         _report(out_dir, announce=False)
         if wandb_dir is not None and result.status != "invalid":  # an invalid value: one line, no more
             stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
+    return _objective(cfg, out_dir)
+
+
+def _objective(cfg: DictConfig, out_dir: Optional[Path], why_not: str = "") -> Optional[float]:
+    """The job's ``objective``, read from the results.json in ``out_dir`` (the one the job's own
+    process wrote when it ran isolated), or None and one line saying why: a search sweeper
+    records None as a failed trial. None without a line when no objective is set."""
+    if OmegaConf.select(cfg, "objective", throw_on_resolution_failure=False) is None:
+        return None
+    try:
+        job = to_bench_config(cfg)
+        value, why = (None, why_not) if out_dir is None else objective_value(
+            read_record(out_dir), job.objective, job.objective_caps)
+    except (ConfigError, RecordError) as exc:
+        value, why = None, str(exc)
+    if value is None:
+        stderr.print(f"  objective: none, {why} (a failed trial for a search sweeper)", markup=False, soft_wrap=True)
+    else:
+        stdout.print(f"  objective {job.objective}: {value:.6g}", markup=False, soft_wrap=True)
+    return value
 
 
 def _already_done(out_dir: Path, cfg: DictConfig) -> bool:
@@ -174,7 +206,7 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
     raises for what it finds on disk: a part that fails is one line saying so."""
     sweep_dir = Path(config.hydra.sweep.dir)
     try:
-        if str(OmegaConf.select(config, "hydra.sweeper._target_")).endswith(".BasicSweeper"):
+        if _basic_sweeper(config):
             rows = sweep_records(sweep_dir, config)
         else:  # another sweeper chooses its jobs as it goes: every job directory on disk
             rows = collect(sweep_dir)
@@ -229,17 +261,43 @@ class SweepRefused(BaseException):
 
 
 
+def _basic_sweeper(config: DictConfig) -> bool:
+    """Hydra's grid sweeper, whose jobs kvbench can list from the config (kvbench.sweep); a search
+    sweeper (Optuna) chooses its jobs as it goes."""
+    return str(OmegaConf.select(config, "hydra.sweeper._target_")).endswith(".BasicSweeper")
+
+
 def check_sweep_start(config: DictConfig) -> None:
     """Refuse, before any job starts, a sweep that cannot run or would overwrite another:
-    a SLURM launcher without SLURM, or a ``hydra.sweep.dir`` that holds a sweep with other
-    overrides (its jobs would be renumbered and overwritten). Raises :class:`ConfigError`."""
+    a SLURM launcher without SLURM, an ``objective`` no job of the task records (or none for
+    a search sweeper), or a ``hydra.sweep.dir`` that holds a sweep with other overrides (its
+    jobs would be renumbered and overwritten) or any sweep for a search (its trials depend
+    on the values measured, so job N of a second search is another job). Raises
+    :class:`ConfigError`."""
     target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
     if target.endswith("SlurmLauncher") and not (shutil.which("sbatch") and shutil.which("srun")):
         raise ConfigError("hydra/launcher=slurm: no SLURM on this machine (sbatch and srun are not on PATH); "
                           "submit from the cluster's login node, or try the sweep here with hydra/launcher=local")
+    objective = OmegaConf.select(config, "objective")
+    basic = _basic_sweeper(config)
+    if objective is None and not basic:
+        raise ConfigError("objective=null: a search sweeper (hydra.sweeper._target_="
+                          f"{OmegaConf.select(config, 'hydra.sweeper._target_')}) needs a metric to optimise "
+                          "(e.g. objective=tokens_per_s, or objective=-decode_ms_p50 to minimise)")
+    direction = OmegaConf.select(config, "hydra.sweeper.direction")
+    if not basic and direction is not None and getattr(direction, "name", direction) != "maximize":
+        raise ConfigError(f"hydra.sweeper.direction={getattr(direction, 'name', direction)}: kvbench's objective is "
+                          "maximised (hydra.sweeper.direction=maximize); objective=-name minimises name")
+    caps = OmegaConf.select(config, "objective_caps") or {}
+    check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
+                    str(OmegaConf.select(config, "workload.name", default="decode")))
     sweep_dir = Path(config.hydra.sweep.dir)
+    if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
+        raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "
+                          "resume (the trials it would choose depend on the values measured, so its job "
+                          "numbers would overwrite other jobs); give it a new hydra.sweep.dir")
     try:
-        before = OmegaConf.select(OmegaConf.load(sweep_dir / "multirun.yaml"), "hydra.overrides.task") or []
+        before = OmegaConf.select(OmegaConf.load(sweep_dir / MULTIRUN_FILE), "hydra.overrides.task") or []
     except (OSError, OmegaConfBaseException, ValueError):
         return  # a new directory, or one no sweep finished starting in
     if job_overrides(before) != job_overrides(config.hydra.overrides.task):
@@ -260,9 +318,17 @@ class SweepCallback(Callback):
             check_sweep_start(config)
         except ConfigError as exc:
             raise SweepRefused(str(exc)) from None
+        if not _basic_sweeper(config):
+            # Hydra's basic sweeper saves the sweep's config as it starts, Optuna's does not: saved
+            # here, it makes a later sweep into this directory a refused one (check_sweep_start).
+            Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(config, Path(config.hydra.sweep.dir) / MULTIRUN_FILE)
         new_sweep(config.hydra.sweep.dir)
         try:
-            os.environ["KVBENCH_SWEEP_TOTAL"] = str(sweep_size(config))
+            # a search runs hydra.sweeper.n_trials jobs (Optuna's sweeper; "?" for another)
+            total = sweep_size(config) if _basic_sweeper(config) else OmegaConf.select(
+                config, "hydra.sweeper.n_trials", default="?")
+            os.environ["KVBENCH_SWEEP_TOTAL"] = str(total)
         except Exception:  # noqa: BLE001 — a count is a nicety; never stop a sweep for it
             os.environ["KVBENCH_SWEEP_TOTAL"] = "?"
 
@@ -338,6 +404,13 @@ def main() -> None:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
     except Exception as exc:
+        if _sweep_config is not None and not full_error and not _is_composition_error(exc):
+            # The sweeper failed after its jobs (Optuna's, when no trial has a value): what the
+            # jobs recorded is still this sweep's table and report.
+            stderr.print(f"kvbench: the sweeper failed: {one_line(f'{type(exc).__name__}: {exc}')}",
+                         markup=False, soft_wrap=True)
+            sweep_end(_sweep_config)
+            sys.exit(EXIT_CODES["error"])
         if full_error or not _is_composition_error(exc):
             raise
         stderr.print(f"kvbench: invalid config: {config_error_line(exc)}", markup=False, soft_wrap=True)

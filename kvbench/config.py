@@ -53,6 +53,7 @@ WORKLOADS = ("decode", "multiturn")
 TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare")
 SLO_STATS = ("p50", "p99")
 COMPILE_MODES = ("false", "default", "graph")
+OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
 COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the modes
 
 
@@ -105,6 +106,11 @@ def _check_positive(prefix: str, obj, names) -> None:
     for name in names:
         value = getattr(obj, name)
         _check(value >= 1, f"{prefix}.{name}", value, "must be >= 1")
+
+
+def objective_metric(objective: str) -> tuple[str, float]:
+    """The metric an ``objective`` names and its sign: ``-decode_ms_p50`` -> (decode_ms_p50, -1)."""
+    return (objective[1:], -1.0) if objective.startswith("-") else (objective, 1.0)
 
 
 def attention_type(num_heads: int, num_kv_heads: int) -> str:
@@ -601,9 +607,21 @@ class BenchConfig:
     # A multirun into an existing sweep dir skips jobs whose results.json is ok for the same
     # config; rerun=true runs them again.
     rerun: bool = False
+    # What a job returns to a search sweeper (hydra/sweeper=optuna): a metric of its record,
+    # ``-name`` for its negative (so that one direction, maximize, serves every metric); null
+    # returns nothing (a grid sweep). Checked against the metrics the task reports by
+    # kvbench.runner.check_objective; read from the record by kvbench.results.objective_value.
+    objective: Optional[str] = None
+    # metric -> the most it may be: a job above any cap returns no objective (a failed trial).
+    objective_caps: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_choice("task", self.task, TASKS)
+        if self.objective is not None:
+            _check(OBJECTIVE_SYNTAX.fullmatch(self.objective) is not None, "objective", self.objective,
+                   "must be a metric name, or -name to minimise it (e.g. tokens_per_s, -decode_ms_p50)")
+        for name, cap in self.objective_caps.items():
+            _check(math.isfinite(cap), f"objective_caps.{name}", cap, "must be a finite number")
         # task=eval takes its shape from train.checkpoint, which only the task reads: the
         # attention is resolved against the checkpoint there, not against the model preset.
         if self.task != "eval":
@@ -748,6 +766,7 @@ def schema_defaults() -> DictConfig:
     file does not list (``model.rope_theta`` for ``model=tiny``) needs no ``+``, and a misspelt
     key reaches :func:`to_bench_config`, which rejects it naming the nearest real key."""
     node = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(BenchConfig)))
+    OmegaConf.set_struct(node.objective_caps, False)  # objective_caps.<metric>=... needs no +
     for name, kind in get_type_hints(BenchConfig).items():
         if not hasattr(kind, "__dataclass_fields__"):
             continue
@@ -820,6 +839,13 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         elif isinstance(out.get("train"), dict):
             keep("train", [k for k in out["train"] if k != "checkpoint"])
     return out
+
+
+# ``${kvbench_attention_type:${model.num_heads},${attention.num_kv_heads}}``: the attention type a
+# KV-head count is, so that a search over attention.num_kv_heads (experiment=search) needs no
+# type to go with each count.
+OmegaConf.register_new_resolver("kvbench_attention_type", lambda h, kv: attention_type(int(h), int(kv)),
+                                replace=True)
 
 
 def register_configs() -> None:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config import record_view
+from kvbench.config import objective_metric, record_view
 
 RESULTS_FILE = "results.json"
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
@@ -40,7 +40,7 @@ CLAIM_FILE = ".kvbench-claim"
 # reading it whole could exhaust memory.
 MAX_RECORD_BYTES = 64 * 2**20
 # Keys of a job's config that say how it is scheduled or recorded, not what it measures.
-NOT_IDENTITY = ("rerun", "wandb")
+NOT_IDENTITY = ("rerun", "wandb", "objective", "objective_caps")
 
 
 class RecordError(ValueError):
@@ -346,6 +346,42 @@ def _identity(config: Any) -> Any:
         return None
     plain = json.loads(json.dumps(record_view(config), default=str))
     return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
+
+
+def objective_value(record: RunResult, objective: str,
+                    caps: Optional[Mapping[str, float]] = None) -> Tuple[Optional[float], Optional[str]]:
+    """What a job returns to a search sweeper: the metric ``objective`` of ``record`` as a float
+    (negated for ``-name``), and None; or None and why there is no value: the job is not ``ok``,
+    a metric is missing, null or not a number, or a metric of ``caps`` is above its cap (or
+    absent, so the cap cannot be checked). Optuna's sweeper records a None as a failed trial:
+    never the best one, whichever the direction."""
+    if record.status != "ok":
+        return None, f"the job is {record.status}" + (f": {record.error}" if record.error else "")
+    for name, cap in (caps or {}).items():
+        value, why = _number(record, name)
+        if why:
+            return None, f"objective_caps.{name}: cannot be checked, {why}"
+        if value > cap:
+            return None, f"{name}={value:g} is above objective_caps.{name}={cap:g}"
+    name, sign = objective_metric(objective)
+    value, why = _number(record, name)
+    return (None, why) if why else (sign * value, None)
+
+
+def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str]]:
+    if name not in record.metrics:
+        return None, f"the record has no {name}"
+    value = record.metrics[name]
+    if value is None:
+        # why: null_reasons (a NaN or an infinity), else the record's nearest *_reason field
+        # (energy_reason for energy_mj_per_token, peak_rss_reason for peak_rss_bytes)
+        stems = [k[: -len("_reason")] for k in record.metrics if k.endswith("_reason") and record.metrics[k]]
+        stem = max((s for s in stems if name.startswith(s)), key=len, default=None)
+        reason = record.null_reasons.get(name) or (record.metrics[f"{stem}_reason"] if stem else None)
+        return None, f"{name} is null in the record" + (f" ({reason})" if reason else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None, f"{name}={value!r} is not a finite number"
+    return float(value), None
 
 
 def lookup(config: Any, dotted: str) -> Any:

@@ -13,6 +13,8 @@ them.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
+import re
 import signal
 import socket
 import traceback
@@ -26,7 +28,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
-from kvbench.config import AttentionConfig, BenchConfig, ConfigError, one_line, record_view, to_bench_config
+from kvbench.config import (
+    AttentionConfig,
+    BenchConfig,
+    ConfigError,
+    objective_metric,
+    one_line,
+    record_view,
+    to_bench_config,
+)
 from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
@@ -155,6 +165,42 @@ def compare_variants(cfg: BenchConfig, device: torch.device, out_dir: Path, resu
 
 TASKS = {"bench": bench, "train": train, "eval": evaluate, "capacity": capacity_search,
          "compare": compare_variants}
+# A chat's turn{k}_ttft_ms, one per turn, is declared as it is measured: here as a pattern.
+WORKLOAD_METHODS = {"decode": decode.METHODS,
+                    "multiturn": {**multiturn.METHODS, "turn<k>_ttft_ms": multiturn.TURN_TTFT_METHOD}}
+
+
+def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
+    """Every metric a job of ``task`` (for task=bench: of ``workload``) may record -> its unit
+    and method: the ``*_METHODS`` tables the task's code merges into its records."""
+    per_task = {"bench": {**JOB_METHODS, **WORKLOAD_METHODS.get(workload, {})},
+                "train": TRAIN_METHODS, "eval": EVAL_METHODS,
+                "capacity": {**JOB_METHODS, **capacity.METHODS},
+                "compare": {"timing_method": JOB_METHODS["timing_method"], **interleaved.METHODS}}
+    return {**LOAD_METHODS, **per_task.get(task, {})}
+
+
+def objective_metrics(task: str, workload: str = "decode") -> List[str]:
+    """The metrics of :func:`task_methods` an ``objective`` may name: numbers, not text, series
+    or tables. Names declared as patterns (task=compare's ``<v>_step_ms_ctx<C>``) stay patterns."""
+    return sorted(name for name, method in task_methods(task, workload).items()
+                  if "." not in name and method.split(";")[0].strip() != "text")
+
+
+def check_objective(objective: Optional[str], caps: Dict[str, float], task: str, workload: str = "decode") -> None:
+    """Raise :class:`ConfigError` when ``objective`` or a key of ``caps`` names a metric that a
+    job of ``task`` never records (before any job runs: a typo would fail every trial)."""
+    known = objective_metrics(task, workload)
+    patterns = [re.compile("".join(r"\w+" if part.startswith("<") else re.escape(part)
+                                   for part in re.split(r"(<[^>]+>)", n))) for n in known if "<" in n]
+    named = [("objective", objective, objective_metric(objective)[0])] if objective else []
+    named += [(f"objective_caps.{n}", caps[n], n) for n in caps]
+    for key, value, metric in named:
+        if metric not in known and not any(p.fullmatch(metric) for p in patterns):
+            close = difflib.get_close_matches(metric, known, n=3)
+            raise ConfigError(f"{key}={value!r}: task={task}" + (f" workload={workload}" if task == "bench" else "")
+                              + f" records no metric {metric!r}"
+                              + (f" (did you mean {', '.join(close)}?)" if close else ""))
 
 
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
@@ -171,6 +217,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     with interruptible() as stops:
         try:
             job = to_bench_config(cfg)
+            check_objective(job.objective, job.objective_caps, job.task, job.workload.name)
             # with derived values (head_dim, num_kv_heads) filled in, and only the keys the task reads
             result.config = record_view(asdict(job))
             # Device and threads are resolved here, once per job; every task receives them.

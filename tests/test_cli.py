@@ -276,3 +276,32 @@ def test_a_record_the_disk_refuses_is_printed_as_json_in_one_line(tmp_path):
     record = json.loads(lines[said + 1])
     assert record["status"] == "ok" and record["metrics"]["decode_ms_p50"] > 0
     assert "Traceback" not in proc.stderr
+
+
+def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(tmp_path, monkeypatch):
+    """runtime.isolate=true (the default): the job runs in a child process, and what the Hydra
+    task function returns is that child's results.json's metric; a resumed job (already ok)
+    returns the same value from disk without running again."""
+    from kvbench import cli, isolation
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, "runtime.fidelity=false", "objective=-decode_ms_p50"])
+    assert cfg.runtime.isolate is True
+    monkeypatch.setattr(cli, "_job_context", lambda: (tmp_path, False, [], None))
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("the job ran in the test's own process")
+
+    monkeypatch.setattr(isolation, "run_job", not_here)  # this process's copy; the child imports its own
+    value = cli.hydra_job(cfg)
+    record = read_record(tmp_path)
+    assert record.status == "ok", record.error
+    assert value == -record.metrics["decode_ms_p50"]
+    # The same job again in a multirun: skipped as done, its objective still comes back.
+    monkeypatch.setattr(cli, "_job_context", lambda: (tmp_path, True, [], 0))
+    before = (tmp_path / "results.json").read_bytes()
+    assert cli.hydra_job(cfg) == value and (tmp_path / "results.json").read_bytes() == before
+    # No objective (a grid sweep): nothing is returned.
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        grid = compose("config", overrides=[*TINY, "runtime.fidelity=false"])
+    assert cli.hydra_job(grid) is None

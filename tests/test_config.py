@@ -22,6 +22,7 @@ from kvbench.config import (
     WorkloadConfig,
     attention_type,
     default_gqa_kv_heads,
+    objective_metric,
     to_bench_config,
     typed,
 )
@@ -179,6 +180,10 @@ def compose_job(*overrides):
     (["task=null"], "task=None"),
     (["workload.prompt_len=${nope.key}"], "workload.prompt_len='${nope.key}': Interpolation key 'nope.key' not found"),
     (["model.num_kv_heads=2"], "model.num_kv_heads: renamed to model.preset_kv_heads"),
+    (["objective=--tokens_per_s"], "objective='--tokens_per_s': must be a metric name, or -name to minimise it"),
+    (["objective=tokens/s"], "objective='tokens/s': must be a metric name"),
+    (["objective_caps.kv_cache_bytes=inf"], "objective_caps.kv_cache_bytes=inf: must be a finite number"),
+    (["objective_caps.kv_cache_bytes=lots"], "objective_caps.kv_cache_bytes='lots'"),
 ])
 def test_a_composed_config_is_typed_per_job_naming_the_key(overrides, needle):
     """Hydra composes plain values (so one bad job of a sweep cannot stop the others);
@@ -300,3 +305,22 @@ def test_cache_dtype_choices_and_what_they_need():
                    "cache.dtype='int8': runtime.compile=graph is not supported with a quantized cache")
     assert bench(RuntimeConfig(compile="graph"), "auto").cache.dtype == "auto"
     assert bench(RuntimeConfig(compile="default"), "int8").cache.dtype == "int8"
+
+
+def test_an_objective_and_its_caps_are_typed_and_a_cap_needs_no_plus():
+    job = to_bench_config(compose_job("model=tiny", "objective=-decode_ms_p50", "objective_caps.kv_cache_bytes=1e6"))
+    assert (job.objective, job.objective_caps) == ("-decode_ms_p50", {"kv_cache_bytes": 1e6})
+    assert objective_metric(job.objective) == ("decode_ms_p50", -1.0)
+    assert objective_metric("tokens_per_s") == ("tokens_per_s", 1.0)
+    assert to_bench_config(compose_job("model=tiny")).objective is None  # the default: a grid returns nothing
+
+
+@pytest.mark.parametrize("kv, kind", [(8, "mha"), (2, "gqa"), (1, "mqa")])
+def test_the_attention_type_resolver_names_what_a_kv_head_count_is(kv, kind):
+    """experiment=search derives attention.type from the searched count (the resolver is
+    config.attention_type); the count still has to divide num_heads."""
+    type_of = "attention.type='${kvbench_attention_type:${model.num_heads},${attention.num_kv_heads}}'"
+    job = to_bench_config(compose_job("model=tiny", type_of, f"attention.num_kv_heads={kv}"))
+    assert (job.attention.type, job.attention.num_kv_heads) == (kind, kv) == (attention_type(8, kv), kv)
+    one_line_error(lambda: to_bench_config(compose_job("model=tiny", type_of, "attention.num_kv_heads=3")),
+                   "attention.num_kv_heads=3: must divide model.num_heads=8")

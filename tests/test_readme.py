@@ -134,6 +134,9 @@ NOT_RUN = {
                                                                         "tests/sinks/test_tracking.py reads a real "
                                                                         "offline sweep back with this command",
     "wandb login": "needs a W&B account and the network",
+    "pip install -e .[search]": "installs packages: the dev extra includes it (.ci/run)",
+    "kvbench experiment=search": "20 model=small trials; tests/test_sweeps.py runs the preset end to end "
+                                 "on model=tiny (6 trials)",
     "kvbench task=capacity model=llama2_7b attention=mha runtime.dtype=float16 workload.gen_len=96 "
     "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for "
                                                                                       "Llama-2-7B's 13.5 GB of weights",
@@ -155,6 +158,7 @@ NOT_RUN = {
     "--benchmark-compare --benchmark-compare-fail=median:25%": "times the benchmarks (minutes)",
     "python experiments/step_breakdown.py --threads 1": "minutes of model=small decode rounds, by two clocks",
     "python experiments/fused_projections.py --threads 1": "minutes of interleaved model=small rounds",
+    "python experiments/small_batch_gemm.py --threads 1": "a minute or two of ~300 MB matrix streams per shape",
     "scripts/gpu_check.sh": "needs an NVIDIA GPU; tests/test_gpu_check.py runs the same script with --dry-run",
     "OUT=/tmp/check scripts/gpu_check.sh --steps preflight,cuda,eager": "needs an NVIDIA GPU (the dry run covers "
                                                                         "the script)",

@@ -25,6 +25,7 @@ from kvbench.results import (
     flatten,
     lookup,
     nonfinite_metrics,
+    objective_value,
     read_record,
     write_json_atomic,
 )
@@ -198,3 +199,28 @@ def test_nonfinite_metrics_names_each_kind():
 
     metrics = {"a": float("nan"), "b": torch.tensor(float("-inf")), "c": 1.0, "d": None, "e": "text"}
     assert nonfinite_metrics(metrics) == {"a": "nan", "b": "-inf"}
+
+
+def test_the_objective_is_the_records_metric_negated_for_a_minus_and_none_with_the_reason(tmp_path):
+    metrics = {"tokens_per_s": 250.0, "decode_ms_p50": 4, "kv_cache_bytes": 1000, "noisy": True,
+               "energy_mj_per_token": None, "energy_reason": "no NVML on a CPU", "roofline_bound": "memory"}
+    ok = RunResult("ok", {}, metrics=metrics)
+    assert objective_value(ok, "tokens_per_s") == (250.0, None)
+    assert objective_value(ok, "-decode_ms_p50") == (-4.0, None)
+    assert objective_value(ok, "tokens_per_s", {"kv_cache_bytes": 1000}) == (250.0, None)  # at the cap: within
+    assert objective_value(ok, "tokens_per_s", {"kv_cache_bytes": 999}) == (
+        None, "kv_cache_bytes=1000 is above objective_caps.kv_cache_bytes=999")
+    assert objective_value(ok, "tokens_per_s", {"kv_cache_bytes_nvml": 1e9}) == (
+        None, "objective_caps.kv_cache_bytes_nvml: cannot be checked, the record has no kv_cache_bytes_nvml")
+    assert objective_value(ok, "energy_mj_per_token") == (
+        None, "energy_mj_per_token is null in the record (no NVML on a CPU)")
+    assert objective_value(ok, "noisy") == (None, "noisy=True is not a finite number")
+    assert objective_value(ok, "roofline_bound") == (None, "roofline_bound='memory' is not a finite number")
+    assert objective_value(ok, "prefill_ms") == (None, "the record has no prefill_ms")
+    # A record whose job did not finish ok has no objective, whatever its metrics say.
+    for status in ("invalid", "oom", "error", "interrupted"):
+        assert objective_value(RunResult(status, {}, metrics=metrics, error="why"), "tokens_per_s") == (
+            None, f"the job is {status}: why")
+    # As read back from disk: a NaN is a null, and null_reasons says what it was.
+    RunResult("ok", {}, metrics={"tokens_per_s": float("nan")}).write(tmp_path)
+    assert objective_value(read_record(tmp_path), "tokens_per_s") == (None, "tokens_per_s is null in the record (nan)")

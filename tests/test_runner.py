@@ -5,6 +5,7 @@ outside recorded as interrupted, never ok; what a job ran with is its own."""
 import json
 import math
 import os
+import re
 from contextlib import contextmanager
 
 import pytest
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from kvbench import runner
 from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import save_checkpoint
-from kvbench.config import CONF_DIR, MAX_ERROR_CHARS
+from kvbench.config import CONF_DIR, MAX_ERROR_CHARS, ConfigError
 from kvbench.results import read_record
 from kvbench.runner import run_job
 
@@ -146,6 +147,12 @@ def test_in_process_jobs_do_not_inherit_threads_or_peak_rss(tmp_path, monkeypatc
     (["task=train", "train.steps=2", "train.lr=inf"], "train.lr=inf"),
     (["task=train", "train.steps=2", "data.max_bytes=0"], "data.max_bytes=0"),  # once: no cap, silently
     (["task=capacity"], "runtime.memory_budget_gb=None: task=capacity on cpu needs a memory budget"),
+    (["objective=tokens_per_sec"], "objective='tokens_per_sec': task=bench workload=decode records no metric "
+                                   "'tokens_per_sec' (did you mean tokens_per_s"),
+    (["task=train", "train.steps=2", "objective=-decode_ms_p50"], "objective='-decode_ms_p50': task=train records "
+                                                                  "no metric 'decode_ms_p50'"),
+    (["objective_caps.kv_cache_byte=1"], "objective_caps.kv_cache_byte=1.0: task=bench workload=decode records no "
+                                         "metric 'kv_cache_byte' (did you mean kv_cache_bytes"),
 ])
 def test_a_bad_value_is_an_invalid_record_naming_the_key(tmp_path, overrides, needle):
     result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4", "runtime.repeats=1",
@@ -325,7 +332,6 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
     a multi-turn chat, training from scratch and from a checkpoint, evaluation, a Llama
     directory): every metric, series and table they carry is in ``methods``, and every metric
     is named in the README."""
-    import re
     from pathlib import Path
 
     from conftest import llama_dir
@@ -366,6 +372,13 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
         not_in_readme |= {k for k in result.metrics if f"`{re.sub(r'^turn[0-9]+_', 'turn1_', k)}`" not in readme}
     assert without_method == {}
     assert not not_in_readme, f"metrics the README does not name: {sorted(not_in_readme)}"
+    # Every number a record carries may be a search's objective (and a cap); check_objective
+    # reads the *_METHODS tables, these are the metrics the jobs wrote.
+    for result in records.values():
+        task, workload = result.config["task"], result.config.get("workload", {}).get("name", "decode")
+        for metric, value in result.metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                runner.check_objective(f"-{metric}", {metric: 1.0}, task, workload)
     assert {"dtype_max_abs_logit_diff", "kv_cache_bytes_alloc_reason", "turn2_ttft_ms", "ppl_before_uptrain",
             "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound", "max_batch_longest"} <= \
         {k for r in records.values() for k in r.metrics}
@@ -394,3 +407,18 @@ def test_a_job_that_never_started_its_task_records_no_load(tmp_path):
     result = job(tmp_path, *TINY, "runtime.min_time_s=-1")
     assert result.status == "invalid" and result.error.startswith("runtime.min_time_s=-1")
     assert "noisy" not in result.metrics
+
+
+def test_an_objective_is_checked_against_the_metrics_of_the_jobs_task():
+    """task=compare and a chat name some metrics per variant / per turn: patterns match them."""
+    runner.check_objective("gqa_step_ms_ctx1024", {"mqa_kv_bytes_ratio": 1.0}, "compare")
+    runner.check_objective("-turn3_ttft_ms", {}, "bench", "multiturn")
+    runner.check_objective(None, {}, "bench")  # no objective: nothing to check
+    for objective, task, needle in [
+            ("gqa_step_ms_ctx", "compare", "objective='gqa_step_ms_ctx': task=compare records no metric"),
+            ("turn3_ttft_ms", "bench", "objective='turn3_ttft_ms': task=bench workload=decode records no metric"),
+            ("energy_reason", "bench", "records no metric 'energy_reason'"),  # text, not a number
+            ("perplexity", "capacity", "objective='perplexity': task=capacity records no metric")]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            runner.check_objective(objective, {}, task)
+    assert "tokens_per_s" in runner.objective_metrics("bench") and "perplexity" in runner.objective_metrics("eval")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import LiveKvbench
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from kvbench.config import register_configs, to_bench_config
 from kvbench.isolation import oom_kills
@@ -329,3 +330,85 @@ def test_another_sweep_into_a_sweep_directory_is_refused_in_one_line(tmp_path):
     again = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}", "rerun=false"),
                            cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
     assert again.returncode == 0 and again.stderr.count("skipped:") == 2, again.stdout + again.stderr
+
+
+# experiment=search on the tiny model: 6 trials, seeded, jobs in this process; a cap of 50 kB on
+# the KV cache (the tiny model's caches here hold 18-288 KiB, so some trials are over it).
+SEARCH = ["experiment=search", "model=tiny", "attention.num_kv_heads=choice(1,2,4,8)", "workload.prompt_len=64",
+          "workload.gen_len=8", "runtime.warmup=0", "runtime.repeats=2", "runtime.fidelity=false",
+          "runtime.isolate=false", "wandb.mode=disabled", "hydra.sweeper.n_trials=6", "hydra.sweeper.sampler.seed=0",
+          "objective_caps.kv_cache_bytes=50000"]
+
+
+def search_config(sweep_dir, *overrides):
+    """The config a search's callbacks see: its choice(...) axes are the sweeper's, not composed."""
+    cfg = compose_cfg(*[o for o in overrides if "choice(" not in o], hydra=True)
+    cfg.hydra.overrides.task = list(overrides)
+    cfg.hydra.sweep.dir = str(sweep_dir)
+    return cfg
+
+
+def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials_over_the_cap(tmp_path):
+    """The best trial Optuna reports (optimization_results.yaml) is the largest tokens_per_s
+    among the trials' results.json whose KV cache is within the cap, recomputed from the files;
+    a trial over the cap returned no objective (and says so); kvbench's own end of sweep counts
+    the 6 jobs; the search's directory then refuses another sweep."""
+    from kvbench.cli import check_sweep_start
+    from kvbench.config import ConfigError
+
+    sweep = tmp_path / "search"
+    proc = subprocess.run(kvbench_cmd("-m", *SEARCH, f"hydra.sweep.dir={sweep}"), cwd=tmp_path, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"))]
+    assert len(records) == 6 and {r["status"] for r in records} == {"ok"}
+    within = [r for r in records if r["metrics"]["kv_cache_bytes"] <= 50_000]
+    over = [r for r in records if r["metrics"]["kv_cache_bytes"] > 50_000]
+    assert within and over  # the seeded trials fall on both sides of the cap
+    for r in over:
+        assert (f"objective: none, kv_cache_bytes={r['metrics']['kv_cache_bytes']} is above "
+                "objective_caps.kv_cache_bytes=50000") in proc.stderr
+    best = max(within, key=lambda r: r["metrics"]["tokens_per_s"])
+    reported = OmegaConf.to_container(OmegaConf.load(sweep / "optimization_results.yaml"))
+    assert reported["best_value"] == best["metrics"]["tokens_per_s"]
+    assert reported["best_params"] == {"workload.batch_size": best["config"]["workload"]["batch_size"],
+                                       "attention.num_kv_heads": best["config"]["attention"]["num_kv_heads"],
+                                       "runtime.dtype": best["config"]["runtime"]["dtype"]}
+    # the type follows the searched count; every trial's job line counts to n_trials
+    assert all(r["config"]["attention"]["type"] == {8: "mha", 1: "mqa"}.get(r["config"]["attention"]["num_kv_heads"],
+                                                                           "gqa") for r in records)
+    assert "kvbench job 6/6:" in proc.stderr and "6 ok — results under" in proc.stdout
+    # A search does not resume, and a grid may not renumber its jobs: both refused before any job.
+    for cfg in (search_config(sweep, *SEARCH), sweep_config(sweep, *TINY, "attention=mha,mqa")):
+        with pytest.raises(ConfigError, match="hydra.sweep.dir=.*: holds"):
+            check_sweep_start(cfg)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (["objective=null"], "objective=null: a search sweeper (hydra.sweeper._target_=hydra_plugins."),
+    (["objective=tokens_per_sec"], "objective='tokens_per_sec': task=bench workload=decode records no metric"),
+    (["objective_caps.kv_bytes=1"], "objective_caps.kv_bytes=1: task=bench workload=decode records no metric"),
+    (["hydra.sweeper.direction=minimize"], "hydra.sweeper.direction=minimize: kvbench's objective is maximised"),
+])
+def test_a_search_that_could_not_mean_anything_is_refused_before_any_job(tmp_path, change, needle):
+    from kvbench.cli import check_sweep_start
+    from kvbench.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        check_sweep_start(search_config(tmp_path / "new", *SEARCH, *change))
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value)
+
+
+def test_a_search_whose_trials_all_fail_still_ends_with_the_sweeps_table_and_exit_1(tmp_path):
+    """Optuna has no best trial to report when no trial returned a value (each over a 1-byte
+    cap): one line says the sweeper failed, kvbench's table and report still come, exit 1."""
+    sweep = tmp_path / "search"
+    proc = subprocess.run(kvbench_cmd("-m", *SEARCH, "hydra.sweeper.n_trials=2", "objective_caps.kv_cache_bytes=1",
+                                      f"hydra.sweep.dir={sweep}"),
+                          cwd=tmp_path, env=dict(run_env(), HYDRA_FULL_ERROR="0"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.count("objective: none, kv_cache_bytes=") == 2
+    assert "kvbench: the sweeper failed: ValueError: No trials are completed yet." in proc.stderr
+    assert "2 ok — results under" in proc.stdout and (sweep / "summary.md").is_file()
+    assert not (sweep / "optimization_results.yaml").exists()
