@@ -1,4 +1,4 @@
-"""Entry points: ``kvbench`` (Hydra) and ``kvbench-report``. This module wires config, runner and
+"""Entry points: ``kvbench`` (Hydra), ``kvbench-report`` and ``kvbench-dashboard``. This module wires config, runner and
 sinks; nothing imports it back.
 
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key),
@@ -45,6 +45,7 @@ from kvbench.results import (
 )
 from kvbench.runner import check_objective
 from kvbench.sinks.console import compare_table, progress_bar, run_table, stderr, stdout, sweep_tables, turns_table
+from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
 from kvbench.sinks.report import MD_FILE, collect, write_report
 from kvbench.sinks.tracking import new_sweep, track
 from kvbench.sweep import job_overrides, sweep_records, sweep_size
@@ -225,7 +226,32 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
                  markup=False, soft_wrap=True)
     if rows:
         _report(sweep_dir, plots=not interrupted, records=rows)  # after Ctrl-C: quickly, no plots
+        if not interrupted:
+            _dashboard(sweep_dir, rows)
     return EXIT_CODES["error"] if any(counts.get(s) for s in FAILED_ROWS) else 0
+
+
+def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
+    """The sweep's W&B workspace: its spec beside the report, created on W&B when the sweep's
+    runs went online; the commands that publish it later otherwise. Never fails the sweep."""
+    try:
+        if not tracked(rows):
+            return
+        board = write_dashboard(sweep_dir, rows)
+    except Exception as exc:  # noqa: BLE001 — the records and the report are on disk
+        stderr.print(f"kvbench: W&B workspace not written: {type(exc).__name__}: {exc} "
+                     f"(run kvbench-dashboard {sweep_dir})", markup=False, soft_wrap=True)
+        return
+    stdout.print(f"workspace: {board.files[-1]}", markup=False, soft_wrap=True)
+    runs_online = online(rows, sweep_dir)
+    if runs_online:
+        try:
+            stdout.print(f"workspace: {publish(board)}", markup=False, soft_wrap=True)
+            return
+        except PublishError as exc:
+            stderr.print(f"kvbench: W&B workspace not created: {exc}", markup=False, soft_wrap=True)
+    stdout.print("publish it to W&B with: " + " && ".join(publish_commands(sweep_dir, runs_online)),
+                 markup=False, soft_wrap=True)
 
 
 class SweepRefused(BaseException):
@@ -418,6 +444,38 @@ def report_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  {path}")
     for name, why in report.skipped_plots.items():
         print(f"  ({name}.png not drawn: {why})")
+    return 0
+
+
+def dashboard_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console script ``kvbench-dashboard DIR``: rebuild the sweep's W&B workspace from its
+    records (``workspace.json``, ``workspace.md``) and create it on W&B."""
+    parser = argparse.ArgumentParser(
+        prog="kvbench-dashboard",
+        description="Build the W&B workspace of a kvbench sweep from its records and save it to W&B "
+                    "(upload the runs first: wandb sync DIR/*/wandb/offline-run-*).")
+    parser.add_argument("dir", help="a sweep directory (multirun/<date>/<time>)")
+    parser.add_argument("--entity", help="W&B entity (default: the runs' wandb.entity, else your default entity)")
+    parser.add_argument("--no-publish", action="store_true", help="only write workspace.json and workspace.md")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for W&B (default 30)")
+    args = parser.parse_args(argv)
+    try:
+        records = collect(args.dir)
+        if not records:
+            raise ValueError(f"no {RESULTS_FILE} under {args.dir}")
+        board = write_dashboard(args.dir, records, entity=args.entity)
+    except (OSError, ValueError) as exc:
+        print(f"kvbench-dashboard: {exc}", file=sys.stderr)
+        return 2
+    print(f"workspace: {board.files[-1]} ({len(board.panels())} panels; spec {board.files[0]})")
+    if args.no_publish:
+        return 0
+    try:
+        print(f"workspace: {publish(board, args.timeout)}")
+    except PublishError as exc:
+        print(f"kvbench-dashboard: not created on W&B: {exc} (the spec is in {board.files[0]}; "
+              "after `wandb login`, run this again)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -26,8 +26,9 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     # antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 needs) is published as a source archive
     # only: build its pure-Python wheel here.
     "$PYTHON" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
-    # wandb with everything it needs (pure Python or cp312 manylinux); ~27 MB in all.
-    "$PYTHON" -m pip download -q "${plat[@]}" -d .whl wandb==0.31.0
+    # wandb and wandb-workspaces (the sweep workspace) with everything they need (pure Python or
+    # cp312 manylinux); ~28 MB in all.
+    "$PYTHON" -m pip download -q "${plat[@]}" -d .whl wandb==0.31.0 wandb-workspaces==0.4.13
     ls -l .whl
     exit 0
 fi

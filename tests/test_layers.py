@@ -23,7 +23,7 @@ LAYERS = [
     ["runner"],
     ["isolation"],
     ["sinks.compare", "sinks.tracking"],
-    ["sinks.choose"],
+    ["sinks.choose", "sinks.dashboard"],
     ["sinks.console", "sinks.plots"],
     ["sinks.report", "sweep"],
     ["cli"],

@@ -26,7 +26,7 @@ from conftest import TEXT, llama_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BIN = Path(sys.executable).parent  # where pip put the console scripts kvbench and kvbench-report
+BIN = Path(sys.executable).parent  # where pip put the console scripts kvbench, kvbench-report, ...
 
 
 def readme_commands() -> List[str]:
@@ -108,6 +108,8 @@ CHAINS: List[Dict[str, Step]] = [
                                                                                "workload.prompt_len=16,32"}),
         "kvbench-report multirun/kv_demo": Step(),
         "kvbench-report multirun/kv_demo --out report_kv_demo --no-plots": Step(),
+        # never saved from a test (a developer's own W&B login would get a workspace)
+        "kvbench-dashboard multirun/kv_demo": Step(["--no-publish"]),
     },
 ]
 RUN = {command: step for chain in CHAINS for command, step in chain.items()}
@@ -384,6 +386,11 @@ def test_the_demo_sweep_and_its_reports(ran):
         assert (demo / f"{png}.png").is_file() and f"{png}.png" in listed
     result(ran, "kvbench-report multirun/kv_demo --out report_kv_demo --no-plots")
     assert sorted(p.name for p in (ran[command][2] / "report_kv_demo").iterdir()) == ["summary.csv", "summary.md"]
+    assert "workspace: multirun/kv_demo/workspace.md" in result(ran, "kvbench-dashboard multirun/kv_demo").stdout
+    board = (demo / "workspace.md").read_text()
+    axes = ("attention.type", "attention.num_kv_heads", "workload.batch_size", "workload.prompt_len")
+    assert "Swept axes: " + ", ".join(f"`{a}`" for a in axes) + "." in board
+    assert (demo / "workspace.json").is_file()
 
 
 def test_the_python_example_runs_and_counts_its_tokens():

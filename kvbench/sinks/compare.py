@@ -183,7 +183,8 @@ def _values(records: Sequence[Record], key: str) -> List[str]:
     return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None]
 
 
-def _determined_by(records: Sequence[Record], key: str, by: str) -> bool:
+def determined_by(records: Sequence[Record], key: str, by: str) -> bool:
+    """Whether ``key``'s value is a function of ``by``'s across ``records`` (ignoring unset values)."""
     seen: Dict[str, str] = {}
     for rec in records:
         value, cause = lookup(rec.get("config", {}), key), lookup(rec.get("config", {}), by)
@@ -202,7 +203,7 @@ def swept_axes(records: Sequence[Record]) -> List[Axis]:
     varying = {k for k in keys if not k.startswith(_NOT_AXES) and len(set(_values(records, k))) > 1}
     chosen = [(k, t) for k, t in AXES if k in varying]
     for key in sorted(varying - {k for k, _ in chosen}):
-        if not any(_determined_by(records, key, by) for by, _ in chosen):
+        if not any(determined_by(records, key, by) for by, _ in chosen):
             chosen.append((key, key))
     return chosen
 

@@ -7,13 +7,19 @@ when a run is made; ``wandb.mode=disabled`` never imports it.
 
 What a run holds:
 - group = the sweep (its multirun directory name) unless ``wandb.group`` is set; job_type = the
-  workload (or the task); name = the job's overrides.
-- config = the resolved config flattened to dotted top-level keys (``attention.type``,
-  ``workload.prompt_len``, ...), which W&B can group and filter by, plus ``overrides`` and the
-  environment as ``env.*``. Flat keys, not nested dicts, so no key is shown twice in the UI.
-- summary = every scalar metric, ``status`` and ``error``.
+  workload (or the task); name = the job's overrides of the keys the sweep varies
+  (``attention=mqa workload.batch_size=2``), or for a single run its model, variant and workload
+  (``tiny gqa kv=2 decode``).
+- config = the resolved config as nested dicts (``{"attention": {"type": ..}, "workload": ..}``),
+  which W&B shows, filters and groups by as ``attention.type``, ``workload.prompt_len``, ...,
+  plus ``overrides`` and the environment under ``env``.
+- summary = every scalar metric, ``status`` and ``error``; each metric with a direction gets a
+  ``define_metric`` summary goal (:func:`metric_goal`: lower is better for times, KV and peak bytes and
+  losses, higher for tokens/s and batch capacity).
 - every per-step series (``decode_ms``) logged against its own ``step`` axis, every table
-  (the multi-turn ``turns``) as a ``wandb.Table``, and results.json as a ``results`` artifact.
+  (the multi-turn ``turns``) as a ``wandb.Table``, a table with a step column (``turns``: the
+  turn index) also as history against that column (``turns/ttft_ms`` by ``turn``), and
+  results.json as a ``results`` artifact.
 
 ``online`` never stalls a sweep: ``wandb.init`` may try to reach the server for
 ``wandb.init_timeout_s`` seconds (W&B's own default is 90 s), and when it cannot (no network,
@@ -24,6 +30,7 @@ the warning is said once per sweep and the wait paid once.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -32,12 +39,15 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from kvbench.config import WandbConfig, one_line
-from kvbench.results import RESULTS_FILE, RunResult, flatten
+from kvbench.results import RESULTS_FILE, RunResult, lookup
 
 log = logging.getLogger(__name__)
 
 MODES = ("offline", "online", "disabled")
 STEP_AXIS = "step"  # x axis of every per-step series; W&B's own _step counts log calls
+# Tables whose rows are steps of something: their numeric columns are also logged as history
+# ``<table>/<column>`` against the step column (a line per run in W&B).
+TABLE_STEPS = {"turns": "turn"}
 _NAME_MAX = 128
 # Overrides that say where or how a run is recorded, not what was measured.
 _NAME_SKIP = ("hydra.", "wandb.", "wandb=")
@@ -57,19 +67,70 @@ def sweep_group(sweep_dir: Optional[Path | str]) -> Optional[str]:
     return Path(sweep_dir).name or None
 
 
-def run_name(overrides: Iterable[str]) -> str:
-    """A display name from the job's overrides (``attention=gqa workload.batch_size=8``)."""
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(_NAME_SKIP)]
-    name = " ".join(kept) or "defaults"
+def run_name(overrides: Iterable[str], swept: Optional[Iterable[str]] = None,
+             config: Optional[Mapping[str, Any]] = None) -> str:
+    """A display name: the job's overrides of the ``swept`` keys (``attention=gqa
+    workload.batch_size=8``); with none swept (a single run), :func:`short_name` of its config."""
+    swept = set(swept or ())
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(_NAME_SKIP) and _override_key(o) in swept]
+    name = " ".join(kept) or short_name(config or {})
     return name if len(name) <= _NAME_MAX else name[:_NAME_MAX - 1] + "…"
 
 
+def short_name(config: Mapping[str, Any]) -> str:
+    """``tiny gqa kv=2 decode``: the model, the attention and the workload (or task) a job ran."""
+    kv = lookup(config, "attention.num_kv_heads")
+    task = config.get("task", "bench")
+    parts = [lookup(config, "model.name"), lookup(config, "attention.type"), None if kv is None else f"kv={kv}",
+             lookup(config, "workload.name") if task == "bench" else task]
+    return " ".join(str(p) for p in parts if p is not None) or "defaults"
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def swept_keys(sweep_dir: Optional[Path | str]) -> List[str]:
+    """The keys a sweep varies: the sweep overrides (``attention=mha,mqa``, ``range(..)``,
+    ``choice(..)``) of its command line and of its preset's ``hydra.sweeper.params``, as Hydra
+    saved them in ``multirun.yaml``. Empty for a single run or a directory without that file."""
+    path = Path(sweep_dir) / "multirun.yaml" if sweep_dir is not None else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.load(path)
+        preset = OmegaConf.select(saved, "hydra.sweeper.params") or {}
+        task = OmegaConf.select(saved, "hydra.overrides.task") or []
+        arguments = [f"{k}={v}" for k, v in preset.items()] + list(task)
+        parsed = OverridesParser.create().parse_overrides(arguments)
+    except Exception:  # noqa: BLE001 — a name is a nicety: without the sweep's keys, the short name
+        return []
+    return list(dict.fromkeys(o.key_or_group for o in parsed if o.is_sweep_override()))
+
+
 def run_config(result: RunResult) -> Dict[str, Any]:
-    """The W&B config of a job: flat dotted keys of the resolved config, overrides, env.*."""
-    config = flatten(result.config)
-    config["overrides"] = list(result.overrides)
-    config.update(flatten(result.env, "env."))
-    return config
+    """The W&B config of a job: the resolved config as nested dicts (W&B flattens them to
+    ``attention.type`` in its UI and in workspace keys), the overrides, and ``env``."""
+    return {**copy.deepcopy(result.config), "overrides": list(result.overrides), "env": copy.deepcopy(result.env)}
+
+
+def metric_goal(key: str) -> Optional[str]:
+    """``min`` (lower is better) for times (``*_ms*``, ``*_us_*``), energy, KV and peak memory
+    bytes and losses; ``max`` for tokens/s and batch capacity; None for the rest (counts, ratios,
+    intervals)."""
+    if key.endswith(("_ci_low", "_ci_high", "_n")):
+        return None
+    if "tokens_per_s" in key or key.startswith("max_batch"):
+        return "max"
+    if re.search(r"(^|_)(ms|us|mj)(_|$)", key) or re.search(r"(kv|peak)\w*bytes", key) or key in _LOWER_IS_BETTER:
+        return "min"
+    return None
+
+
+_LOWER_IS_BETTER = ("perplexity", "val_loss", "bits_per_byte", "ppl_before_uptrain")
 
 
 def run_summary(result: RunResult) -> Dict[str, Any]:
@@ -118,9 +179,10 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
                 project=wandb_cfg.get("project") or "kvbench", entity=wandb_cfg.get("entity"),
                 group=wandb_cfg.get("group") or sweep_group(sweep_dir),
                 job_type=result.config.get("workload", {}).get("name", task) if task == "bench" else task,
-                name=run_name(result.overrides), tags=list(wandb_cfg.get("tags") or []) or None,
+                name=run_name(result.overrides, swept_keys(sweep_dir), result.config),
+                tags=list(wandb_cfg.get("tags") or []) or None,
                 notes=result.error, config=run_config(result), dir=str(out_dir), mode=mode,
-                # No console capture or system-metrics thread; git state is in config env.*.
+                # No console capture or system-metrics thread; git state is in config env.
                 settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
                                         save_code=False, init_timeout=_init_timeout(wandb_cfg)),
             )
@@ -201,6 +263,13 @@ def _log_record(wandb, run, result: RunResult, out_dir: Path) -> None:
     for key, rows in result.tables.items():
         if rows:
             run.log({key: _table(wandb, rows)})
+            _log_steps(run, key, rows)
+    for key, value in run_summary(result).items():
+        goal = metric_goal(key) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if goal is not None:
+            # Which way is better (W&B 0.31 has no ``goal`` argument: the summary aggregation says
+            # it); the summary itself holds the record's value, set below.
+            run.define_metric(key, summary=goal)
     # After the logs, so no logged value overwrites a metric of the same name.
     run.summary.update(run_summary(result))
     artifact = wandb.Artifact(_artifact_name(f"results-{run.id}"), type="results",
@@ -209,6 +278,20 @@ def _log_record(wandb, run, result: RunResult, out_dir: Path) -> None:
     if (out_dir / "error.txt").exists():
         artifact.add_file(str(out_dir / "error.txt"))
     run.log_artifact(artifact)
+
+
+def _log_steps(run, key: str, rows: List[Mapping[str, Any]]) -> None:
+    """The numeric columns of a stepped table as history ``key/column`` against its step column."""
+    step = TABLE_STEPS.get(key)
+    if step is None or not all(isinstance(row.get(step), int) for row in rows):
+        return
+    run.define_metric(step, hidden=True, summary="none")
+    columns = {c for row in rows for c, v in row.items()
+               if c != step and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for column in sorted(columns):
+        run.define_metric(f"{key}/{column}", step_metric=step, summary="none")
+    for row in rows:
+        run.log({step: row[step], **{f"{key}/{c}": row[c] for c in sorted(columns) if row.get(c) is not None}})
 
 
 def _table(wandb, rows: List[Mapping[str, Any]]):

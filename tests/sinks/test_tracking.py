@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.results import RunResult, flatten, read_record
-from kvbench.sinks.tracking import UNREACHABLE_MARKER, new_sweep, run_name, sweep_group, track
+from kvbench.results import RunResult, flatten, lookup, read_record
+from kvbench.sinks.tracking import (
+    UNREACHABLE_MARKER,
+    metric_goal,
+    new_sweep,
+    run_name,
+    short_name,
+    sweep_group,
+    swept_keys,
+    track,
+)
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=5", "runtime.warmup=0",
         "runtime.repeats=1"]
@@ -74,13 +83,15 @@ def test_offline_run_holds_the_config_and_metrics_of_results_json(sweep):
     assert rec["status"] == "ok", rec["error"]
     run = leet(only_run_dir(sweep_dir / "0"), summary=True)
     assert run["state"] == "finished" and run["project"] == "kvbench" and run["tags"] == ["ci"]
-    assert run["name"] == run_name(rec["overrides"]) and "attention.num_kv_heads=2" in run["name"]
+    # named by the swept key only; the other overrides (model=tiny, ...) are the same in every job
+    assert run["name"] == "attention.num_kv_heads=2" == run_name(rec["overrides"], swept_keys(sweep_dir))
     config = run["config"]
-    for key, value in flatten(rec["config"]).items():  # every resolved key, top level
-        assert config[key] == value, key
-    assert config["attention.num_kv_heads"] == 2 and config["model.head_dim"] == 8
+    for key, value in flatten(rec["config"]).items():  # every resolved key, nested as in results.json
+        assert lookup(config, key) == value, key
+        assert "." not in key or key not in config, f"{key}: a flat dotted key"
+    assert config["attention"] == {"type": "gqa", "num_kv_heads": 2} and config["model"]["head_dim"] == 8
     assert config["overrides"] == rec["overrides"]
-    assert config["env.torch"] == rec["env"]["torch"] and config["env.device_type"] == "cpu"
+    assert config["env"]["torch"] == rec["env"]["torch"] and config["env"]["device_type"] == "cpu"
     scalars = {k: v for k, v in rec["metrics"].items() if isinstance(v, (int, float, str)) and v is not None}
     assert {"decode_ms_p50", "tokens_per_s", "kv_cache_bytes", "prefill_ms"} <= set(scalars)
     for key, value in scalars.items():
@@ -97,6 +108,12 @@ def test_offline_run_records_group_series_and_results_artifact(sweep):
     assert run["job_type"] == "decode"
     metrics = {r["metric"]["name"]: r["metric"] for r in records if r["type"] == "metric"}
     assert metrics["decode_ms"]["step_metric"] == "step"
+    # summary goals: lower is better for times and KV bytes, higher for throughput; the summary
+    # values themselves are the record's (test above)
+    for key in ("decode_ms_p50", "decode_ms_p99", "prefill_ms", "kv_cache_bytes", "peak_rss_bytes"):
+        assert metrics[key]["summary"] == {"min": True}, key
+    assert metrics["tokens_per_s"]["summary"] == {"max": True}
+    assert "decode_ms_p50_ci_low" not in metrics and "num_params" not in metrics
     history = [r["history"]["item"] for r in records if r["type"] == "history"]
     steps = [(h["step"], h["decode_ms"]) for h in history if "decode_ms" in h]
     assert steps == list(enumerate(rec["series"]["decode_ms"])) and len(steps) == 5
@@ -139,8 +156,16 @@ def test_per_turn_table_is_a_wandb_table(tmp_path, in_process_wandb):
     table = json.loads(table_file.read_text())
     assert table["columns"] == ["turn", "ttft_ms", "context_len"]
     assert table["data"] == [[0, 9.5, None], [1, 1.25, 40]]
-    run = next(r["run"] for r in leet(run_dir, summary=False) if r["type"] == "run")
+    records = leet(run_dir, summary=False)
+    run = next(r["run"] for r in records if r["type"] == "run")
     assert run["run_group"] == "mine" and run["job_type"] == "multiturn"
+    assert run["display_name"] == "gqa kv=2 multiturn"  # a single run: its choices, not its overrides
+    # the table's rows are also history against the turn index
+    metrics = {r["metric"]["name"]: r["metric"] for r in records if r["type"] == "metric"}
+    assert metrics["turns/ttft_ms"]["step_metric"] == "turn" and metrics["turns/context_len"]["step_metric"] == "turn"
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert [(h["turn"], h["turns/ttft_ms"]) for h in history if "turns/ttft_ms" in h] == [(0, 9.5), (1, 1.25)]
+    assert [(h["turn"], h["turns/context_len"]) for h in history if "turns/context_len" in h] == [(1, 40)]
 
 
 @pytest.mark.parametrize("where", ["init", "log"])
@@ -240,5 +265,24 @@ def test_disabled_mode_writes_nothing_and_never_imports_wandb(tmp_path):
 def test_sweep_group_and_run_name():
     assert sweep_group("multirun/2026-11-29/08-50-00") == "2026-11-29_08-50-00"
     assert sweep_group("/data/sweeps/kv_study") == "kv_study" and sweep_group(None) is None
-    assert run_name(["attention=mqa", "wandb.mode=offline", "hydra.job.chdir=true"]) == "attention=mqa"
-    assert run_name([]) == "defaults"
+    overrides = ["model=tiny", "attention=mqa", "workload.batch_size=2", "wandb.mode=offline"]
+    assert run_name(overrides, ["attention", "workload.batch_size"]) == "attention=mqa workload.batch_size=2"
+    config = {"model": {"name": "tiny"}, "attention": {"type": "mqa", "num_kv_heads": 1},
+              "workload": {"name": "decode"}}
+    assert run_name(overrides, [], config) == "tiny mqa kv=1 decode" == short_name(config)
+    assert short_name({"task": "train", "model": {"name": "tiny"}}) == "tiny train"
+    assert run_name([]) == "defaults" and swept_keys(None) == [] and swept_keys("/no/such/dir") == []
+
+
+def test_swept_keys_are_the_sweep_overrides_hydra_saved(sweep):
+    sweep_dir, _ = sweep
+    assert swept_keys(sweep_dir) == ["attention.num_kv_heads"]  # not model=tiny, attention=gqa, ...
+
+
+def test_metric_goal():
+    lower = ("decode_ms_p50", "prefill_ms", "turn1_ttft_ms", "decode_us_per_1k_ctx", "kv_cache_bytes_formula",
+             "peak_rss_bytes", "energy_mj", "perplexity")
+    assert [metric_goal(k) for k in lower] == ["min"] * len(lower)
+    assert [metric_goal(k) for k in ("tokens_per_s", "tokens_per_s_longest", "max_batch_longest")] == ["max"] * 3
+    assert [metric_goal(k) for k in ("decode_ms_p50_ci_low", "tokens_per_s_n", "num_params", "weight_bytes",
+                                     "percent_of_peak")] == [None] * 5
