@@ -18,13 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
+from _common import decode_setup, write_report
 
-from kvbench.cache import cache_for
-from kvbench.config import CONF_DIR, register_configs, to_bench_config
 from kvbench.measure.env import load_average, usable_cpus
 from kvbench.measure.stats import paired_ratio, percentile
-from kvbench.runner import DEFAULT_THREADS, build_model
+from kvbench.runner import DEFAULT_THREADS
 from kvbench.workloads.decode import time_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,14 +41,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "cpu_threads",
                    help="the committed result changes only with --out experiments/results/cpu_threads")
     args = p.parse_args()
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_bench_config(compose("config", overrides=[
-            f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
+    cfg, model, prompt, cache = decode_setup(args.model, args.prompt_len, args.gen_len)
     device = torch.device("cpu")
-    model = build_model(cfg, device)
-    prompt = torch.randint(0, cfg.model.vocab_size, (1, args.prompt_len))
-    cache = cache_for(model, "static", 1, args.prompt_len + args.gen_len)
     arms = {1: [], DEFAULT_THREADS: []}  # threads -> per round, the trial's step times
     load_before = load_average()
     for threads in arms:  # warm both up
@@ -86,11 +78,7 @@ def main() -> None:
         f"(95% interval [{low:.3f}, {high:.3f}]).",
         "",
     ]
-    out = args.out.with_suffix(".md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_report(args.out.with_suffix(".md"), "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -15,13 +15,10 @@ import statistics
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
+from _common import decode_setup
 
-from kvbench.cache import cache_for
-from kvbench.config import CONF_DIR, register_configs, to_bench_config
 from kvbench.generate import greedy_generate
 from kvbench.measure.timing import RegionTimer
-from kvbench.runner import build_model
 
 
 def main() -> None:
@@ -34,14 +31,8 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    register_configs()  # the schemas the YAML files are typed by (the CLI does this on import)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_bench_config(compose("config", overrides=[
-            f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
+    cfg, model, prompt, cache = decode_setup(args.model, args.prompt_len, args.gen_len)
     device = torch.device("cpu")
-    model = build_model(cfg, device)
-    prompt = torch.randint(0, cfg.model.vocab_size, (1, args.prompt_len))
-    cache = cache_for(model, "static", 1, args.prompt_len + args.gen_len)
     bare, timed = [], []
     for _ in range(args.rounds + 1):  # round 0 warms up
         cache.reset()

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from _common import compose_config, write_report
 
-from kvbench.config import CONF_DIR, register_configs
 from kvbench.runner import run_job
 from kvbench.sinks.console import ttft_side_by_side
 
@@ -51,12 +50,9 @@ def main(argv=None) -> None:
         overrides.append(f"workload.batch_size={args.batch_size}")
     if args.threads:
         overrides.append(f"runtime.threads={args.threads}")
-    register_configs()
     records, start = [], time.perf_counter()
-    register_configs()  # the schemas the YAML files are typed by (the CLI does this on import)
     for shared in (False, True):
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=overrides + [f"cache.shared={str(shared).lower()}"])
+        cfg = compose_config(overrides + [f"cache.shared={str(shared).lower()}"])
         t0 = time.perf_counter()
         rec = run_job(cfg, args.runs / f"shared_{str(shared).lower()}").to_dict()
         if rec["status"] != "ok":
@@ -110,11 +106,7 @@ def main(argv=None) -> None:
         "the ratio is measured in one run).",
     ]
     text = "\n".join(lines) + "\n"
-    out = args.out.with_suffix(".md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
-    print(f"wrote {out}")
+    write_report(args.out.with_suffix(".md"), text)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
+from _common import decode_setup, write_report
 
-from kvbench.cache import cache_for
-from kvbench.config import CONF_DIR, register_configs, to_bench_config
 from kvbench.measure import memory
 from kvbench.measure.stats import paired_ratio
-from kvbench.runner import build_model
 from kvbench.workloads.decode import time_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,15 +91,9 @@ def main() -> None:
                    help="the committed result changes only with --out experiments/results/nvml_overhead")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_bench_config(compose("config", overrides=[
-            f"model={args.model}", f"workload.prompt_len={args.prompt_len}", f"workload.gen_len={args.gen_len}"]))
+    cfg, model, prompt, cache = decode_setup(args.model, args.prompt_len, args.gen_len)
     fake = fake_gpu()
     device = torch.device("cpu")
-    model = build_model(cfg, device)
-    prompt = torch.randint(0, cfg.model.vocab_size, (1, args.prompt_len))
-    cache = cache_for(model, "static", 1, args.prompt_len + args.gen_len)
 
     def trial(monitored: bool) -> float:
         ctx = memory.MemoryMonitor("cuda", args.interval_ms) if monitored else nullcontext()
@@ -168,11 +159,7 @@ def main() -> None:
         f"Verdict: {verdict}.",
         "",
     ]
-    out = args.out.with_suffix(".md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_report(args.out.with_suffix(".md"), "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"wq/wo (1024x1024)": (1024, 1024), "w1/w3 (2816x1024)": (2816, 1024),
@@ -105,10 +106,7 @@ def main() -> None:
             f"{args.repeats} interleaved calls by CPU time; each matrix cycled over ~300 MB of copies. "
             f"A 1024^3 GEMM ran at {gemm_gflops:.0f} GFLOP/s. The last column is F.linear's FLOP rate "
             "(2·M FLOP per 4-byte weight).\n\n" + "\n".join(lines) + "\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    print(f"wrote {args.out}")
+    write_report(args.out, text)
 
 
 if __name__ == "__main__":
