@@ -38,8 +38,13 @@ def _region(timer, name: str):
     return timer.region(name) if timer is not None else nullcontext()
 
 
+@torch.inference_mode()  # a cache must never hold autograd's graph of the prompt, whoever calls
 def prefill(model, prompt: torch.Tensor, cache: KVCache, start_pos: int = 0) -> torch.Tensor:
-    """Run ``prompt`` (B, P) whose first token sits at ``start_pos``; logits of its last token (B, V)."""
+    """Run ``prompt`` (B, P) whose first token sits at ``start_pos``; logits of its last token (B, V).
+    Without autograd whatever the caller's mode: the K/V written into ``cache`` would otherwise keep
+    the whole prefill's graph alive for as long as the cache lives (30 MB more peak memory for a
+    192-token prompt on the small model). ``decode_step``, the hot path, adds no context of its
+    own: its callers (``greedy_generate``, task=compare) run under inference mode."""
     return model(prompt, cache, start_pos, last_only=True)[:, -1]
 
 

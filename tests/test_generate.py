@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvbench.cache import cache_for
 from kvbench.checkpoint import _llama_name, build_decoder
 from kvbench.config import AttentionConfig, ModelConfig
-from kvbench.generate import FixedShapeStep, compiled_graphs, greedy_generate
+from kvbench.generate import FixedShapeStep, compiled_graphs, greedy_generate, prefill
 
 KV_SPLITS = [8, 4, 2, 1]  # MHA, two GQA splits, MQA for 8 query heads
 
@@ -145,3 +145,20 @@ def test_cuda_graph_step_replays_eager_decode():
     want = greedy_generate(model, prompt, 9, cache_for(model, "static", 2, 129), keep_logits=True)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("impl", ["static", "concat"])
+def test_prefill_outside_inference_mode_leaves_no_graph_in_the_cache(impl):
+    """A caller in autograd mode (the shared chat prefix did this) must not make the cache keep the
+    prefill's graph: the stored K/V carry no grad_fn and need no grad, and the logits match."""
+    model = make_decoder(num_kv_heads=2)
+    prompt = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    cache = cache_for(model, impl, 2, 32)
+    logits = prefill(model, prompt, cache)
+    for layer in range(len(model.blocks)):
+        for t in (cache.k[layer], cache.v[layer]):
+            assert t.grad_fn is None and not t.requires_grad
+    with torch.no_grad():
+        reference = model(prompt)[:, -1]
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)

@@ -176,9 +176,7 @@ class ChatSession:
         start, computed = self.tokens.shape[1], 0
         if self.shared:
             if self.cache.length == 0:  # the system prompt, once for all B conversations
-                # without autograd, as greedy_generate runs: else the cache's prefix keeps a
-                # graph of the whole prefill alive (30 MB more peak memory for a 192-token prompt)
-                with timer.region("prefill"), torch.inference_mode():
+                with timer.region("prefill"):  # prefill runs without autograd (generate.prefill)
                     prefill(self.model, self.system[None], self.cache, 0)
                 self.segments = []
                 self._mark("system", 0, 0, self.prefix_len)
