@@ -480,12 +480,14 @@ class CapacityConfig:
     context_lens: List[int] = field(default_factory=lambda: [512, 1024, 2048])
     max_batch: int = 256
     batch_step: int = 1
+    # slo.tpot_x_batch1: decode steps of a probe timed one by one against as many of one sequence
+    tpot_pairs: int = 32
 
     def __post_init__(self) -> None:
         _check_numbers("capacity", self)
         _check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
                "capacity.context_lens", self.context_lens, "must be a non-empty list of lengths >= 1")
-        _check_positive("capacity", self, ("max_batch", "batch_step"))
+        _check_positive("capacity", self, ("max_batch", "batch_step", "tpot_pairs"))
 
 
 @dataclass
@@ -667,7 +669,14 @@ class BenchConfig:
         # the probes' caches are in the compute dtype, as the KV formula they are judged by
         _check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")
+        if self.slo.tpot_x_batch1 is not None:
+            _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
+                   "keeps no history, and slo.tpot_x_batch1 times a probe's filled cache stepping again; "
+                   "use static or concat")
         if w.name == "multiturn":  # one chat, its length the workload's (checked for every task)
+            _check(w.reply_len >= 2 or (self.slo.tpot_ms is None and self.slo.tpot_x_batch1 is None),
+                   "workload.reply_len", w.reply_len, "a one-token reply has no decode step to judge against "
+                   "slo.tpot_ms / slo.tpot_x_batch1; use >= 2, or no TPOT target")
             return
         longest = max(self.capacity.context_lens) + w.gen_len
         _check(longest <= self.model.max_seq_len, "capacity.context_lens", self.capacity.context_lens,

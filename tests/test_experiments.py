@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "experiments" / "results"
 
@@ -41,4 +43,24 @@ def test_overhead_experiments_write_to_out_and_not_to_the_committed_results(tmp_
                               text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert out.with_suffix(".md").read_text().startswith(head)
+    assert digests() == before
+
+
+def test_tpot_pairing_writes_both_designs_to_out(tmp_path):
+    """The pairing experiment on the tiny model: a row per variant and design, a ratio per round."""
+    before = digests()
+    out = tmp_path / "pairing"
+    proc = subprocess.run([sys.executable, "experiments/tpot_pairing.py", "--model", "tiny", "--variants", "gqa,mqa",
+                           "--batch", "2", "--context", "8", "--rounds", "2", "--pairs", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| gqa")
+            or line.startswith("| mqa")]
+    assert [(r[0], r[1]) for r in rows] == [("| gqa", "before/after"), ("| gqa", "paired"),
+                                             ("| mqa", "before/after"), ("| mqa", "paired")]
+    for r in rows:
+        ratios = [float(x) for x in r[2].split()]
+        assert len(ratios) == 2 and all(x > 0 for x in ratios)
+        assert float(r[5].rstrip(" |")) == pytest.approx(max(ratios) / min(ratios), abs=0.02)
     assert digests() == before

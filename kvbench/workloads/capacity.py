@@ -21,8 +21,11 @@ its new tokens; or every turn re-prefilling the whole history).
 A probe is a real decode of that batch (``runtime.warmup`` + ``runtime.repeats`` trials) whose
 peak memory (:class:`kvbench.measure.memory.PeakWindow`) is checked against the budget and whose
 time to first token and time per output token are checked against ``slo``. A CUDA out-of-memory
-is caught and is the probe's answer (memory). Every probe is kept (``tables.capacity_probes``),
-and each context's answer says which bound stopped it (``tables.capacity``).
+is caught and is the probe's answer (memory). With ``slo.tpot_x_batch1`` the probe's filled cache
+then steps again, one step at a time interleaved with the steps of one sequence at the same
+context (:func:`time_pairs`), and the ratio of the two is judged. Every probe is kept
+(``tables.capacity_probes``), and each context's answer says which bound stopped it
+(``tables.capacity``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cache import KVCache, cache_for, kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
+from kvbench.generate import decode_step
 from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, release_heap, rss_status, weight_bytes
 from kvbench.measure.stats import median, percentile
+from kvbench.measure.timing import RegionTimer
 from kvbench.model import Decoder
 from kvbench.results import RunResult
 from kvbench.workloads.decode import summarize_decode, time_decode
@@ -82,7 +87,8 @@ METHODS: Dict[str, str] = {
                        "more sequence; with cache.shared the system prompt's, held once, is not in it), "
                        "activation_fixed_bytes and "
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
-                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_target_ms, "
+                       "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_paired_ms, "
+                       "tpot_target_ms, "
                        "tokens_per_s (each with the suffix _at_max)",
     "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
                               "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
@@ -90,10 +96,14 @@ METHODS: Dict[str, str] = {
                               "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
                               "(slo.stat over the trials' TTFTs and over every decode step of every trial; "
                               "workload=multiturn: over every turn's TTFT of every chat and every decode step of "
-                              "every turn; with fewer than 100 samples a p99 is near their maximum), tpot_reference_ms "
-                              "(slo.tpot_x_batch1: slo.stat over the decode steps of one sequence at the same "
-                              "context, run just before and just after the probe, outside its memory window), "
-                              "tpot_target_ms (the TPOT target judged: slo.tpot_ms, slo.tpot_x_batch1 x "
+                              "every turn; with fewer than 100 samples a p99 is near their maximum; judged "
+                              "against slo.tpot_ms), tpot_paired_ms and tpot_reference_ms (slo.tpot_x_batch1, "
+                              "after the probe, outside its memory window: slo.stat over capacity.tpot_pairs decode "
+                              "steps of the probe's filled cache, at the positions its last decode steps wrote "
+                              "(workload=multiturn: the last turn's), each interleaved with a step of one "
+                              "sequence at the same context and position, whose slo.stat is the reference; "
+                              "judged: tpot_paired_ms <= slo.tpot_x_batch1 x tpot_reference_ms; not timed for a "
+                              "probe over the budget), tpot_target_ms (slo.tpot_ms, slo.tpot_x_batch1 x "
                               "tpot_reference_ms, or the tighter of both), "
                               "decode_ms_p50, tokens_per_s, oom, error",
 }
@@ -117,7 +127,8 @@ class Probe:
     tpot_ms: Optional[float] = None
     decode_ms_p50: Optional[float] = None
     tokens_per_s: Optional[float] = None
-    tpot_reference_ms: Optional[float] = None  # slo.tpot_x_batch1: the batch-1 TPOT around the probe
+    tpot_paired_ms: Optional[float] = None  # slo.tpot_x_batch1: the probe's steps, interleaved with
+    tpot_reference_ms: Optional[float] = None  # ... steps of one sequence at the same context
     tpot_target_ms: Optional[float] = None  # the TPOT target it was judged by (slo.tpot_ms and/or slo.tpot_x_batch1)
     oom: bool = False
     error: Optional[str] = None
@@ -246,14 +257,58 @@ def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
                       "in GB (e.g. runtime.memory_budget_gb=0.5); only a CUDA device has one of its own")
 
 
+class Stepper:
+    """More decode steps of a filled cache: positions ``start .. end - 1`` (where a probe's last
+    decode steps wrote), again and again, rolled back to ``start`` when they run out. It feeds a
+    fixed token: what a step costs depends on the shapes, not on the token."""
+
+    def __init__(self, model: Decoder, cache: KVCache, start: int, end: int, step=decode_step):
+        if not (cache.stores_history and 0 <= start < end <= cache.length):
+            raise ValueError(f"cannot step positions {start}..{end - 1} of a {cache.impl} cache holding "
+                             f"{cache.length}")
+        self.model, self.cache, self.start, self.end, self.step = model, cache, start, end, step
+        self.batch, self.pos = cache.batch_size, end  # the first call rolls back
+        self.token = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.device)
+
+    def ready(self) -> None:
+        """Roll back when the positions ran out (outside the timed step)."""
+        if self.pos == self.end:
+            self.cache.truncate(self.start)
+            self.pos = self.start
+
+    def __call__(self) -> None:
+        self.step(self.model, self.token, self.cache, self.pos)
+        self.pos += 1
+
+
+def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
+               device: torch.device) -> Tuple[List[float], List[float]]:
+    """``pairs`` decode steps of ``probe`` and as many of ``reference``, interleaved one by one
+    (which goes first alternates), so that what the machine does meanwhile (another process's
+    phase, a clock change) falls on both alike. Over 8 rounds of batch 20 against batch 1 at 128
+    tokens (experiment=choose's model, one CPU thread, load 1) their ratio spread 1.09-1.13x
+    (max/min) where the medians of the probe and of batch-1 runs just before and after it spread
+    1.33-1.53x (experiments/results/tpot_pairing.md). Milliseconds of each, in order."""
+    timer = RegionTimer(device)
+    with torch.inference_mode():
+        for i in range(pairs):
+            for name, stepper in (("probe", probe), ("reference", reference))[::1 if i % 2 == 0 else -1]:
+                stepper.ready()
+                with timer.region(name):
+                    stepper()
+    return timer.ms("probe"), timer.ms("reference")
+
+
 @dataclass
 class Latency:
     """What a probe's trials took: every time to first token, every decode step (ms), and the
-    throughput (median over trials of batch x steps / decode time)."""
+    throughput (median over trials of batch x steps / decode time); ``stepper``: its filled cache,
+    ready to step again (None: it has no decode steps to repeat)."""
 
     ttft_ms: List[float]
     step_ms: List[float]
-    tokens_per_s: float
+    tokens_per_s: Optional[float]  # None: no decode steps (a one-token reply)
+    stepper: Optional[Stepper] = None
 
 
 def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
@@ -263,8 +318,9 @@ def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, conte
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
     cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
     timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device)
+    stepper = Stepper(model, cache, context, cache.length) if cache.stores_history and cache.length > context else None
     return Latency(timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
-                   summarize_decode(timings, batch)["tokens_per_s"])
+                   summarize_decode(timings, batch)["tokens_per_s"], stepper)
 
 
 def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
@@ -276,8 +332,11 @@ def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context
     session = ChatSession(model, system, batch, cfg.cache.shared, cfg.cache.impl, context)
     trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device)
     steps = [[ms for turn in trial for ms in turn.decode_ms] for trial in trials]
+    held, last_turn = session.cache.length, w.reply_len - 1  # the last turn's decode steps wrote the end
+    stepper = (Stepper(model, session.cache, held - last_turn, held, session.step)
+               if session.cache.stores_history and last_turn > 0 else None)
     return Latency([turn.ttft_ms for trial in trials for turn in trial], [ms for s in steps for ms in s],
-                   median([batch * len(s) / (sum(s) / 1e3) for s in steps]))
+                   median([batch * len(s) / (sum(s) / 1e3) for s in steps]) if all(steps) else None, stepper)
 
 
 class Prober:
@@ -299,14 +358,20 @@ class Prober:
             targets.append(slo.tpot_x_batch1 * reference_ms)
         return min(targets, default=None)
 
-    def batch1_steps(self, context: int) -> List[float]:
-        """Decode steps of one sequence at ``context`` (slo.tpot_x_batch1's reference), outside any
-        probe's memory window; nothing when the target is absolute."""
-        if self.cfg.slo.tpot_x_batch1 is None:
-            return []
-        steps = self.latency(self.cfg, self.model, self.device, context, 1).step_ms
-        release_heap()
-        return steps
+    def paired_steps(self, context: int, probe: Optional[Stepper]) -> Optional[Tuple[List[float], List[float]]]:
+        """slo.tpot_x_batch1: ``capacity.tpot_pairs`` more steps of the probe's filled cache, each
+        interleaved with a step of one sequence at the same context (served as the probe was and
+        filled for this, outside any memory window); None when the target is absolute."""
+        if self.cfg.slo.tpot_x_batch1 is None or probe is None:
+            return None
+        reference = self.latency(self.cfg, self.model, self.device, context, 1).stepper
+        if reference is None:
+            return None
+        try:
+            return time_pairs(probe, reference, self.cfg.capacity.tpot_pairs, self.device)
+        finally:
+            del reference
+            release_heap()
 
     def predicted_bytes(self, context: int, batch: int) -> int:
         fixed, per_sequence = (max(0, a) for a in self.activation.get(context, (0, 0)))
@@ -322,9 +387,6 @@ class Prober:
                            f"budget on a CPU")
             return probe
         latency = None
-        # slo.tpot_x_batch1: batch-1 runs just before and just after the probe are its reference,
-        # so a change of the machine's load between probes moves the target with the probe
-        reference = self.batch1_steps(context)
         window = PeakWindow(self.device)
         try:
             with window:
@@ -337,29 +399,41 @@ class Prober:
             release_heap()
         probe.peak_bytes = window.peak - (self.baseline if self.device.type != "cuda" else 0)
         probe.activation_bytes = probe.peak_bytes - self.weights - probe.kv_bytes
+        q = STAT_Q[cfg.slo.stat]
         if latency is not None:
-            q = STAT_Q[cfg.slo.stat]
             probe.ttft_ms = percentile(latency.ttft_ms, q)
-            probe.tpot_ms = percentile(latency.step_ms, q)
-            probe.decode_ms_p50 = median(latency.step_ms)
+            probe.tpot_ms = percentile(latency.step_ms, q) if latency.step_ms else None
+            probe.decode_ms_p50 = median(latency.step_ms) if latency.step_ms else None
             probe.tokens_per_s = latency.tokens_per_s
-            reference += self.batch1_steps(context)
-        probe.tpot_reference_ms = percentile(reference, STAT_Q[cfg.slo.stat]) if reference else None
+            # over the budget it has failed already, and its cache would hold that memory longer
+            if probe.peak_bytes <= self.budget:
+                paired = self.paired_steps(context, latency.stepper)
+                if paired is not None:
+                    probe.tpot_paired_ms, probe.tpot_reference_ms = (percentile(ms, q) for ms in paired)
+            latency = None  # the probe's cache
+            release_heap()
         probe.tpot_target_ms = self.tpot_target(probe.tpot_reference_ms)
-        probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, probe.tpot_target_ms)
+        probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, cfg.slo.tpot_ms, cfg.slo.tpot_x_batch1)
         probe.ok = not probe.violated
         probe.bound = probe.violated[0] if probe.violated else None
         return probe
 
 
-def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float]) -> List[str]:
-    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge)."""
+def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float],
+               tpot_x_batch1: Optional[float] = None) -> List[str]:
+    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge).
+    TPOT: ``tpot_ms`` judges the probe's own steps (``tpot_ms``), ``tpot_x_batch1`` its paired
+    steps against their reference (not judged over the budget: not timed there)."""
     out = []
     if probe.oom or probe.peak_bytes is None or probe.peak_bytes > budget:
         out.append("memory")
     if ttft_ms is not None and (probe.ttft_ms is None or probe.ttft_ms > ttft_ms):
         out.append("ttft")
-    if tpot_ms is not None and (probe.tpot_ms is None or probe.tpot_ms > tpot_ms):
+    slow = tpot_ms is not None and (probe.tpot_ms is None or probe.tpot_ms > tpot_ms)
+    if tpot_x_batch1 is not None and "memory" not in out:
+        slow = slow or (probe.tpot_paired_ms is None or probe.tpot_reference_ms is None
+                        or probe.tpot_paired_ms > tpot_x_batch1 * probe.tpot_reference_ms)
+    if slow:
         out.append("tpot")
     return out
 
@@ -425,7 +499,8 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
             "activation_bytes_per_sequence": prober.activation[context][1],
             "decode_ms_p50_batch1": calibration[0].decode_ms_p50,
             **{f"{k}_at_max": getattr(at, k) if at else None
-               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tpot_target_ms", "tokens_per_s")},
+               for k in ("peak_bytes", "predicted_bytes", "ttft_ms", "tpot_ms", "tpot_paired_ms", "tpot_target_ms",
+                         "tokens_per_s")},
         })
     longest = answers[-1]
     metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],

@@ -126,6 +126,13 @@ def test_violations_are_memory_first_then_each_slo():
     assert violations(p, 200, 60.0, 6.0) == []
     oom = Probe(1, 4, ok=False, oom=True, peak_bytes=10)
     assert violations(oom, 200, 60.0, None) == ["memory", "ttft"]  # no latency to judge
+    # relative: the paired steps against their reference, not the probe's own steps
+    paired = Probe(1, 4, ok=False, peak_bytes=120, tpot_ms=50.0, tpot_paired_ms=9.0, tpot_reference_ms=5.0)
+    assert violations(paired, 200, None, None, 2.0) == []
+    assert violations(paired, 200, None, None, 1.5) == ["tpot"]
+    assert violations(paired, 200, None, 40.0, 2.0) == ["tpot"]  # each target judges its own measurement
+    assert violations(paired, 100, None, None, 1.5) == ["memory"]  # over the budget: not timed in pairs
+    assert violations(Probe(1, 4, ok=False, peak_bytes=120), 200, None, None, 2.0) == ["tpot"]  # not measured
 
 
 def test_cpu_needs_a_budget_and_bad_values_are_one_line():
@@ -137,9 +144,12 @@ def test_cpu_needs_a_budget_and_bad_values_are_one_line():
                           ("capacity.context_lens=[]", "capacity.context_lens=[]"),
                           ("capacity.context_lens=[100000]", "capacity.context_lens=[100000]"),
                           ("cache.dtype=int8", "cache.dtype='int8'"),
-                          ("slo.tpot_x_batch1=0.5", "slo.tpot_x_batch1=0.5")]:
+                          ("slo.tpot_x_batch1=0.5", "slo.tpot_x_batch1=0.5"),
+                          ("capacity.tpot_pairs=0", "capacity.tpot_pairs=0"),
+                          ("slo.tpot_x_batch1=2 cache.impl=none", "cache.impl='none'"),
+                          ("workload=multiturn workload.reply_len=1 slo.tpot_ms=50", "workload.reply_len=1")]:
         with pytest.raises(ConfigError, match="^" + key.replace("[", r"\[").replace("]", r"\]")) as exc:
-            config("model=tiny", override)
+            config("model=tiny", *override.split())
         assert "\n" not in str(exc.value)
 
 
@@ -305,26 +315,54 @@ def test_chat_capacity_finds_a_known_ttft_boundary_with_and_without_sharing(monk
     assert all(p["context"] == 35 for p in result.tables["capacity_probes"])
 
 
+class FakeStepper:
+    """Stands for a probe's filled cache (only its batch matters to the fake clock below)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+
+def fake_pairs(step_ms, calls=None, load=lambda n: 1.0):
+    """time_pairs from a formula: ``pairs`` steps of the probe's batch and of the reference's,
+    each ``step_ms(batch)`` x ``load(n)`` for the n-th call (the load when that pair ran)."""
+    def time_pairs(probe, reference, pairs, device):
+        calls = time_pairs.calls
+        calls.append((probe.batch, reference.batch))
+        f = load(len(calls))
+        return [f * step_ms(probe.batch)] * pairs, [f * step_ms(reference.batch)] * pairs
+    time_pairs.calls = [] if calls is None else calls
+    return time_pairs
+
+
+def linear_step(batch):
+    return 10.0 + 2.5 * (batch - 1)  # 2x batch 1 at b = 5, 1.5x at b = 3, 2.1x at b = 5.4
+
+
 @pytest.mark.parametrize("x, boundary", [(2.0, 5), (1.5, 3)])
 def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkeypatch, x, boundary):
-    # a step of 10 ms at batch 1 growing 2.5 ms a sequence: 2x batch 1 at b = 5, 1.5x at b = 3
+    # the probe's own (window) steps say nothing of the relative target: 1000 ms at every batch
     def latency(cfg, model, device, context, batch):
-        return capacity.Latency([1.0], [10.0 + 2.5 * (batch - 1)] * 4, 1.0)
+        return capacity.Latency([1.0], [1000.0] * 4, 1.0, FakeStepper(batch))
 
+    pairs = fake_pairs(linear_step)
+    monkeypatch.setattr(capacity, "time_pairs", pairs)
     result = run_fake(monkeypatch, "decode_latency", latency,
                       "model=tiny", "capacity.context_lens=[16]", "workload.gen_len=2", "runtime.memory_budget_gb=64",
-                      f"slo.tpot_x_batch1={x}", "slo.stat=p50", "capacity.max_batch=16")
+                      f"slo.tpot_x_batch1={x}", "slo.stat=p50", "capacity.max_batch=16", "capacity.tpot_pairs=5")
     (answer,) = result.tables["capacity"]
     assert (answer["max_batch"], answer["stopped_by"]) == (boundary, "tpot")
     assert answer["tpot_target_ms_at_max"] == x * 10.0
-    # every probe's reference: batch-1 runs at the same context just before and after it
-    assert all(p["tpot_reference_ms"] == 10.0 and p["tpot_target_ms"] == x * 10.0
-               for p in result.tables["capacity_probes"])
-    # with an absolute target as well, the tighter one binds
+    assert answer["tpot_paired_ms_at_max"] == linear_step(boundary)
+    probes = result.tables["capacity_probes"]
+    # every probe is paired with one sequence at the same context, once
+    assert pairs.calls == [(p["batch"], 1) for p in probes]
+    assert all(p["tpot_reference_ms"] == 10.0 and p["tpot_target_ms"] == x * 10.0 and p["tpot_ms"] == 1000.0
+               and p["tpot_paired_ms"] == linear_step(p["batch"]) for p in probes)
+    # with an absolute target as well, each judges its own measurement: 1000 ms > 12.5 everywhere
     result = run_fake(monkeypatch, "decode_latency", latency,
                       "model=tiny", "capacity.context_lens=[16]", "workload.gen_len=2", "runtime.memory_budget_gb=64",
                       f"slo.tpot_x_batch1={x}", "slo.tpot_ms=12.5", "capacity.max_batch=16")
-    assert result.tables["capacity"][0]["max_batch"] == 2
+    assert (result.tables["capacity"][0]["max_batch"], result.tables["capacity"][0]["stopped_by"]) == (0, "tpot")
 
 
 def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
@@ -332,7 +370,9 @@ def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
     from kvbench.runner import build_model
 
     for shared in (False, True):
-        cfg = config(*CHAT, f"cache.shared={shared}", "capacity.max_batch=4", "slo.tpot_ms=100000")
+        # the relative target as well: every probe's filled cache steps again against one conversation
+        cfg = config(*CHAT, f"cache.shared={shared}", "capacity.max_batch=4", "slo.tpot_ms=100000",
+                     "slo.tpot_x_batch1=1000", "capacity.tpot_pairs=4")
         baseline = capacity.baseline_bytes(torch.device("cpu"))
         result = RunResult(status="ok", config={})
         capacity.run(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
@@ -340,26 +380,83 @@ def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
         assert (answer["context"], answer["max_batch"], answer["stopped_by"]) == (35, 4, "capacity.max_batch")
         for p in result.tables["capacity_probes"]:
             assert p["measured"] and p["ok"] and p["ttft_ms"] > 0 and p["tpot_ms"] > 0
+            assert p["tpot_paired_ms"] > 0 and p["tpot_reference_ms"] > 0
+            assert p["tpot_target_ms"] == pytest.approx(min(100000, 1000 * p["tpot_reference_ms"]))
             assert p["kv_bytes"] == capacity.kv_bytes(cfg, 35, p["batch"])
             assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
 
 
 def test_a_relative_tpot_target_follows_a_load_that_drifts_between_probes(monkeypatch):
-    # every run is slower than the one before (a machine getting busier: +20% a run); the batch-1
-    # runs just before and after a probe bracket its load, so the boundary stays where the step
-    # is 2.1x batch 1's (b = 5: 2x), where a reference taken once at the start would stop it sooner
-    calls = []
-
+    # every pairing runs slower than the one before (a machine getting busier: +20% a time); the
+    # probe's steps and the reference's are interleaved, so the boundary stays where the step is
+    # 2.1x batch 1's (b = 5: 2x), where a reference taken once at the start would stop it sooner
     def latency(cfg, model, device, context, batch):
-        calls.append(batch)
-        load = 1 + 0.2 * len(calls)
-        return capacity.Latency([1.0], [load * (10.0 + 2.5 * (batch - 1))] * 4, 1.0)
+        return capacity.Latency([1.0], [linear_step(batch)] * 4, 1.0, FakeStepper(batch))
 
+    monkeypatch.setattr(capacity, "time_pairs", fake_pairs(linear_step, load=lambda n: 1 + 0.2 * n))
     result = run_fake(monkeypatch, "decode_latency", latency, "model=tiny", "capacity.context_lens=[16]",
                       "workload.gen_len=2", "runtime.memory_budget_gb=64", "slo.tpot_x_batch1=2.1", "slo.stat=p50",
                       "capacity.max_batch=16")
     (answer,) = result.tables["capacity"]
     assert (answer["max_batch"], answer["stopped_by"]) == (5, "tpot")
     probes = result.tables["capacity_probes"]
-    assert calls[:3] == [1, 1, 1] and len(calls) == 3 * len(probes)  # before, the probe, after
     assert probes[-1]["tpot_reference_ms"] > 2 * probes[0]["tpot_reference_ms"]  # the load did drift
+
+
+@pytest.mark.parametrize("impl, shared", [("static", False), ("concat", False), ("static", True)])
+def test_a_stepper_repeats_the_positions_of_the_last_decode_steps(impl, shared):
+    # an independent recompute: decode steps at positions P..P+2 fed token 0, their logits; the
+    # stepper over the same filled cache rolls back and reproduces them step for step, twice
+    from kvbench.cache import cache_for, shared_cache_for
+    from kvbench.generate import decode_step, prefill
+    from kvbench.runner import build_model
+
+    torch.manual_seed(0)
+    cfg = config("model=tiny", "attention=gqa")
+    model = build_model(cfg, torch.device("cpu"))
+    P, B = 12, 3
+    cache = (shared_cache_for(model, impl, B, 8, P + 3) if shared else cache_for(model, impl, B, P + 3))
+    prompt = torch.randint(0, cfg.model.vocab_size, (B, P))
+    token = torch.zeros(B, 1, dtype=torch.long)
+    seen = []
+
+    def step(m, tok, c, pos):
+        assert tok.equal(token)
+        seen.append((pos, decode_step(m, tok, c, pos)))
+
+    with torch.inference_mode():
+        if shared:
+            prefill(model, prompt[:1, :8], cache, 0)
+            prefill(model, prompt[:, 8:], cache, 8)
+        else:
+            prefill(model, prompt, cache, 0)
+        expected = [decode_step(model, token, cache, P + i) for i in range(3)]
+        stepper = capacity.Stepper(model, cache, P, P + 3, step)
+        for _ in range(6):
+            stepper.ready()
+            stepper()
+    assert [pos for pos, _ in seen] == [P, P + 1, P + 2] * 2
+    for i, (_, logits) in enumerate(seen):
+        torch.testing.assert_close(logits, expected[i % 3], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="cannot step positions"):
+        capacity.Stepper(model, cache, P, P + 4)  # past what the cache holds
+
+
+def test_time_pairs_interleaves_the_steps_one_by_one():
+    order = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def ready(self):
+            order.append(("ready", self.name))
+
+        def __call__(self):
+            order.append(("step", self.name))
+
+    probe_ms, reference_ms = capacity.time_pairs(Recorder("probe"), Recorder("ref"), 3, torch.device("cpu"))
+    steps = [name for what, name in order if what == "step"]
+    assert steps == ["probe", "ref", "ref", "probe", "probe", "ref"]  # which goes first alternates
+    assert len(probe_ms) == len(reference_ms) == 3 and min(probe_ms + reference_ms) >= 0
+    assert all(order[i][0] == "ready" and order[i + 1] == ("step", order[i][1]) for i in range(0, len(order), 2))
