@@ -388,6 +388,23 @@ def release_heap() -> None:
         pass
 
 
+@contextmanager
+def long_lived_frozen() -> Iterator[None]:
+    """Treat everything alive on entry (modules, the model) as long-lived: ``gc.freeze`` moves it
+    out of the cyclic collector's way, so a :func:`release_heap` inside scans only what was made
+    since (0.22 s a collection in a kvbench process, about four per capacity probe, down to
+    milliseconds). Reference counting still frees frozen objects; a frozen cycle that turns into
+    garbage waits for the exit, where everything frozen is collectable again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def rss_status() -> Tuple[int, int]:
     """(current, peak) resident set of this process in bytes: VmRSS and VmHWM (Linux)."""
     values = {}

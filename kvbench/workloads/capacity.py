@@ -39,7 +39,15 @@ import torch
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
 from kvbench.generate import decode_step
-from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, release_heap, rss_status, weight_bytes
+from kvbench.measure.memory import (
+    PeakWindow,
+    is_oom,
+    long_lived_frozen,
+    peak_window_reason,
+    release_heap,
+    rss_status,
+    weight_bytes,
+)
 from kvbench.measure.stats import median, percentile
 from kvbench.measure.timing import RegionTimer
 from kvbench.model import Decoder
@@ -454,6 +462,12 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
         tick: Optional[Callable[..., None]] = None) -> None:
     """Every context of ``capacity.context_lens``: calibrate, predict, search; probes and answers
     into ``result.tables`` as they are measured (a failure keeps them)."""
+    with long_lived_frozen():  # each probe frees its heap about four times
+        _search_all(cfg, model, device, result, baseline, tick)
+
+
+def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult, baseline: int,
+                tick: Optional[Callable[..., None]]) -> None:
     result.methods.update(METHODS)
     metrics = result.metrics
     budget = memory_budget(cfg, device)

@@ -325,3 +325,29 @@ def test_real_gpu_monitor_reads_nvml_torch_and_energy():
     # per-process memory is hidden in some containers (pid namespaces): then a reason says so
     assert (r["nvml_process_used_bytes"] or 0) >= size or r["nvml_process_reason"]
     del t
+
+
+def test_inside_long_lived_frozen_a_cycle_made_there_is_still_freed_with_its_tensor():
+    # what the capacity search relies on: release_heap inside the frozen heap still frees the
+    # probe's garbage (a cycle holding 64 MiB, touched) and hands it back to the OS
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    before = gc.get_freeze_count()
+    with memory.long_lived_frozen():
+        assert gc.get_freeze_count() > before  # what lived on entry is frozen
+        memory.release_heap()
+        start = memory.rss_status()[0]
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        a.tensor = torch.ones(64 * 2 ** 20 // 4)
+        gone = weakref.ref(a)
+        held = memory.rss_status()[0]
+        del a, b
+        memory.release_heap()
+        assert gone() is None
+        assert held - start >= 60 * 2 ** 20 and memory.rss_status()[0] - start < 16 * 2 ** 20
+    assert gc.get_freeze_count() == 0  # collectable again after the job
