@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
             spread = max(ratios) / min(ratios)
             rows.append(f"| {variant} | {design} | {' '.join(f'{r:.2f}' for r in ratios)} | "
                         f"{min(ratios):.2f}-{max(ratios):.2f} | {statistics.median(ratios):.2f} | {spread:.2f} |")
-    command = " ".join(["python experiments/tpot_pairing.py", *(argv if argv is not None else os.sys.argv[1:])])
+    command = " ".join(["python experiments/tpot_pairing.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n".join([
         f"# The relative TPOT judgement of task=capacity, two designs: batch {args.batch} over batch 1 at "
         f"{args.context} tokens ({args.model or 'experiment=choose'}'s model, {args.threads} torch threads, "

@@ -275,8 +275,12 @@ class Stepper:
             raise ValueError(f"cannot step positions {start}..{end - 1} of a {cache.impl} cache holding "
                              f"{cache.length}")
         self.model, self.cache, self.start, self.end, self.step = model, cache, start, end, step
-        self.batch, self.pos = cache.batch_size, end  # the first call rolls back
+        self.pos = end  # the first call rolls back
         self.token = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.device)
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch_size
 
     def ready(self) -> None:
         """Roll back when the positions ran out (outside the timed step)."""
@@ -414,7 +418,7 @@ class Prober:
             probe.decode_ms_p50 = median(latency.step_ms) if latency.step_ms else None
             probe.tokens_per_s = latency.tokens_per_s
             # over the budget it has failed already, and its cache would hold that memory longer
-            if probe.peak_bytes <= self.budget:
+            if not over_budget(probe, self.budget):
                 paired = self.paired_steps(context, latency.stepper)
                 if paired is not None:
                     probe.tpot_paired_ms, probe.tpot_reference_ms = (percentile(ms, q) for ms in paired)
@@ -427,14 +431,17 @@ class Prober:
         return probe
 
 
+def over_budget(probe: Probe, budget: int) -> bool:
+    """The memory bound: an out-of-memory, no peak measured, or a peak above ``budget``."""
+    return probe.oom or probe.peak_bytes is None or probe.peak_bytes > budget
+
+
 def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float],
                tpot_x_batch1: Optional[float] = None) -> List[str]:
     """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge).
     TPOT: ``tpot_ms`` judges the probe's own steps (``tpot_ms``), ``tpot_x_batch1`` its paired
     steps against their reference (not judged over the budget: not timed there)."""
-    out = []
-    if probe.oom or probe.peak_bytes is None or probe.peak_bytes > budget:
-        out.append("memory")
+    out = ["memory"] if over_budget(probe, budget) else []
     if ttft_ms is not None and (probe.ttft_ms is None or probe.ttft_ms > ttft_ms):
         out.append("ttft")
     slow = tpot_ms is not None and (probe.tpot_ms is None or probe.tpot_ms > tpot_ms)

@@ -322,15 +322,15 @@ class FakeStepper:
         self.batch = batch
 
 
-def fake_pairs(step_ms, calls=None, load=lambda n: 1.0):
+def fake_pairs(step_ms, load=lambda n: 1.0):
     """time_pairs from a formula: ``pairs`` steps of the probe's batch and of the reference's,
-    each ``step_ms(batch)`` x ``load(n)`` for the n-th call (the load when that pair ran)."""
+    each ``step_ms(batch)`` x ``load(n)`` for the n-th call (the load when that pair ran); the
+    batches of every call in ``.calls``."""
     def time_pairs(probe, reference, pairs, device):
-        calls = time_pairs.calls
-        calls.append((probe.batch, reference.batch))
-        f = load(len(calls))
+        time_pairs.calls.append((probe.batch, reference.batch))
+        f = load(len(time_pairs.calls))
         return [f * step_ms(probe.batch)] * pairs, [f * step_ms(reference.batch)] * pairs
-    time_pairs.calls = [] if calls is None else calls
+    time_pairs.calls = []
     return time_pairs
 
 
