@@ -1,9 +1,11 @@
-"""The README's commands, run as a new user runs them: every command of its ```bash blocks is
-either run here (as written, or with the tiny overrides listed below appended, so CI stays
-cheap) and its promise checked against what it printed and wrote, or listed in NOT_RUN with why.
-A README command in neither list fails the first test, so a new command cannot go untried.
+"""The commands of the README and of the docs pages (docs/**/*.md), run as a new user runs them:
+every command of their ```bash blocks is either run here (as written, or with the tiny overrides
+listed below appended, so CI stays cheap) and its promise checked against what it printed and
+wrote, or listed in NOT_RUN with why.
+A command in neither list fails the first test, so a new command (or a new page with commands)
+cannot go untried.
 
-The ```python block runs too, and the numbers the README quotes from `task=inspect` are compared
+The ```python block runs too, and the numbers the docs quote from `task=inspect` are compared
 with what it prints.
 """
 
@@ -25,18 +27,23 @@ import pytest
 from conftest import TEXT, llama_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# The README and every hand-written docs page (the generated references hold no commands).
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "reference" not in p.parts)]
+README = "\n".join(p.read_text() for p in PAGES)
 BIN = Path(sys.executable).parent  # where pip put the console scripts kvbench, kvbench-report, ...
 
 
 def readme_commands() -> List[str]:
-    """Every command of the README's ```bash blocks: continuation lines joined, comments dropped,
-    whitespace normalised."""
+    """Every command of the ```bash blocks of the README and the docs pages: continuation lines
+    joined, comments dropped, whitespace normalised; a command shown on two pages counts once."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            if line.strip() and not line.strip().startswith("#"):
-                out.append(" ".join(shlex.split(line, comments=True)))
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                if line.strip() and not line.strip().startswith("#"):
+                    command = " ".join(shlex.split(line, comments=True))
+                    if command not in out:
+                        out.append(command)
     return out
 
 
@@ -170,7 +177,6 @@ NOT_RUN = {
 
 def test_every_readme_command_is_run_here_or_listed_with_why():
     commands = readme_commands()
-    assert len(commands) == len(set(commands))
     assert not set(RUN) & set(NOT_RUN)
     assert sorted(set(commands) - set(RUN) - set(NOT_RUN)) == [], "a README command is neither run nor listed"
     assert sorted((set(RUN) | set(NOT_RUN)) - set(commands)) == [], "listed here but no longer in the README"
@@ -397,7 +403,7 @@ def test_the_python_example_runs_and_counts_its_tokens():
     [block] = re.findall(r"```python\n(.*?)```", README, re.S)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, "docs/multiturn.md", "exec"), {})
     lines = printed.getvalue().splitlines()
     # system prompt 16, 2 conversations, messages of 8, replies of 4: turn 1 prefills the system
     # prompt once and both messages; later turns the last reply token and the message
