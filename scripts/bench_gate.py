@@ -15,8 +15,8 @@ Why this shape, for shared and noisy machines:
 - The gated statistic is each round's median, pooled as the median over rounds.
   Measured A/A (same code both sides, 3 rounds, 2 shared cores under other developers' load):
   the pooled median CPU time moved at most 16.7% (p95 12.6%, 168 comparisons), hence
-  ``median:25%``; wall-clock medians moved up to 99% and wall minima up to 35% (README,
-  "Performance regression gate").
+  ``median:25%``; wall-clock medians moved up to 99% and wall minima up to 35% (docs/ci-gate.md;
+  experiments/results/bench_gate_aa.md).
 - The *head's* benchmark files time both sides (the base tree only supplies ``kvbench``), so
   a benchmark that changed in the PR is timed the same way on both; a benchmark whose API
   the base lacks is reported as new and not gated.
@@ -50,7 +50,7 @@ from pytest_benchmark.utils import PercentageRegressionCheck, get_machine_id, lo
 
 HEAD_ROOT = Path(__file__).resolve().parents[1]
 SUITE = "tests/benchmarks"
-DEFAULT_FAIL = "median:25%"  # 1.5x the worst A/A change measured (README, "Performance regression gate")
+DEFAULT_FAIL = "median:25%"  # 1.5x the worst A/A change measured (docs/ci-gate.md)
 STATS = ("min", "max", "mean", "median", "stddev", "iqr")
 # pytest's exit codes that mean the gate was asked something that cannot be measured
 PYTEST_USAGE_ERROR, PYTEST_NO_TESTS = 4, 5
@@ -260,7 +260,7 @@ def report(args: argparse.Namespace, rows: List[dict], failed: List[dict], base_
         "head": {"dir": str(HEAD_ROOT), **(commit_of(HEAD_ROOT) or {})},
         "fail_on": checks,
         "threshold_why": ("1.5x the largest A/A change of the pooled median CPU time on a loaded 2-core "
-                          "machine (README, 'Performance regression gate')"
+                          "machine (docs/ci-gate.md)"
                           if checks == [DEFAULT_FAIL] else "given with --fail"),
         "inject_slowdown": args.inject_slowdown,
         "timer": args.timer,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU check: every CUDA path of kvbench on a real GPU, in one bounded run (README, "GPU check").
+"""The GPU check: every CUDA path of kvbench on a real GPU, in one bounded run (docs/gpu-check.md).
 
 Run it through ``scripts/gpu_check.sh`` (which sets up PYTHONPATH and optional wheels). Steps, each
 bounded in time and each judged pass / FAIL / inconclusive:

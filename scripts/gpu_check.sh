@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (README, "GPU check"): proves kvbench's CUDA paths on a real GPU in a few minutes and
+# The GPU check (docs/gpu-check.md): proves kvbench's CUDA paths on a real GPU in a few minutes and
 # writes at most 8 small files into $OUT (default ./gpu_check_out).
 #
 #   scripts/gpu_check.sh                 # on a CUDA machine, from the repository root

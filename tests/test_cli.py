@@ -212,9 +212,11 @@ def test_sweep_size_counts_cli_and_preset_axes():
 
 def test_the_readme_sweep_command_composes_48_valid_jobs_and_results_land_where_it_says(tmp_path):
     """The README's headline sweep, as written: every key exists, every one of its 48 jobs
-    validates; and a multirun without hydra.sweep.dir writes multirun/<date>/<time>/<job>/."""
+    validates; and a multirun without hydra.sweep.dir writes multirun/<date>/<time>/<job>/, as
+    docs/sweeps.md says."""
     readme = (REPO / "README.md").read_text()
     [command] = re.findall(r"^kvbench -m attention=mha,gqa,mqa .*$", readme, flags=re.M)
+    assert command in (REPO / "docs" / "sweeps.md").read_text()  # the same command as the guide's
     overrides = shlex.split(command)[2:]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[o.split(",")[0] for o in overrides], return_hydra_config=True)
@@ -224,7 +226,7 @@ def test_the_readme_sweep_command_composes_48_valid_jobs_and_results_land_where_
         for job in jobs:
             bench = to_bench_config(compose("config", overrides=job.overrides))
             assert bench.workload.total_len <= bench.model.max_seq_len
-    assert "multirun/<date>/<time>/<job number>/results.json" in readme
+    assert "multirun/<date>/<time>/<job number>/results.json" in (REPO / "docs" / "sweeps.md").read_text()
     assert "cache.shared" not in command  # it would run every decode job twice
     kvbench("-m", *IN_PROCESS, "attention=gqa", cwd=tmp_path)
     [record] = (tmp_path / "multirun").glob("*/*/*/results.json")

@@ -8,7 +8,7 @@ and, where the same records hold them, perplexity of ``task=train`` / ``task=eva
 variant. ``task=capacity workload=multiturn`` jobs (with ``cache.shared=false,true``) give a second
 table: the most concurrent conversations per variant with and without the shared cache. Then one
 recommendation per scenario, derived from those numbers by the rules in :data:`RULES` (also in
-the README); nothing here names a variant.
+docs/capacity.md); nothing here names a variant.
 
 One table per combination of the other swept axes (model, dtype, budget, SLO ...), like the
 side-by-side comparison. Rendering is elsewhere (console.py: rich; report.py: markdown).
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from kvbench.results import lookup
 from kvbench.sinks.compare import Record, fmt, kind, natural, ratio_text, swept_axes, variant, variant_order
 
-# The rules each recommendation follows; quoted in the README.
+# The rules each recommendation follows; quoted in docs/capacity.md.
 AMPLE_SHARE = 0.5
 RULES = {
     "memory ample": f"the variant with the most KV heads (closest to MHA's quality) whose max batch at the "
