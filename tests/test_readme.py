@@ -11,6 +11,7 @@ with what it prints.
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -136,7 +137,7 @@ NOT_RUN = {
         "three processes at once; tests/test_sweeps.py runs this launcher on model=tiny",
     "kvbench -m hydra/launcher=joblib hydra.launcher.n_jobs=4 runtime.device=cuda:free attention=mha,gqa,mqa "
     "workload.batch_size=1,8,32 hydra.sweep.dir=multirun/node_sweep": "needs 4 GPUs (scripts/gpu_check.sh runs "
-                                                                      "cuda:free on a GPU machine)",
+                                                                      "cuda:free on a GPU machine; composed below)",
     "kvbench -m workload=multiturn cache.shared=false,true": "minutes on model=small; the next README command runs "
                                                              "the same sweep on model=tiny",
     "wandb leet inspect --summary multirun/kv_demo/0/wandb/latest-run": "needs the sweep's W&B runs (offline mode); "
@@ -147,8 +148,8 @@ NOT_RUN = {
     "kvbench experiment=search": "20 model=small trials; tests/test_sweeps.py runs the preset end to end "
                                  "on model=tiny (6 trials)",
     "kvbench task=capacity model=llama2_7b attention=mha runtime.dtype=float16 workload.gen_len=96 "
-    "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for "
-                                                                                      "Llama-2-7B's 13.5 GB of weights",
+    "capacity.context_lens=[4000] slo=llama2_70b_interactive": "needs a GPU with room for Llama-2-7B's "
+                                                                "13.5 GB of weights (composed and validated below)",
     "kvbench -m model=tiny attention=mha,gqa,mqa cache.dtype=auto,int8 runtime.threads=1":
         "six isolated jobs (a torch import each); tests/workloads/test_decode.py runs an int8 decode job and "
         "tests/sinks/test_compare.py the comparison of {MHA, MQA} x {auto, int8}",
@@ -414,3 +415,36 @@ def test_the_python_example_runs_and_counts_its_tokens():
         turn, prefilled, reused, _ = line.split(maxsplit=3)
         assert (int(turn), int(prefilled), int(reused)) == (k, prefill, B * context - prefill)
     assert lines[3].startswith("segment") and any(line.startswith("system") for line in lines[4:])
+
+
+# The commands of NOT_RUN that start kvbench itself (for a GPU, a cluster, or minutes of CPU) are
+# checked for what can be checked here: every job of the command composes and validates.
+COMPOSED = sorted(c for c in NOT_RUN if c.startswith("kvbench ") and "<" not in c)
+
+
+def composed_jobs(command: str) -> List[List[str]]:
+    """The overrides of each job ``command`` would run: ``-m`` dropped, every comma list of a
+    sweep expanded (a bracketed list is one value), the jobs in Hydra's order."""
+    args = [a for a in shlex.split(command)[1:] if a != "-m"]
+    axes = [[f"{a.split('=', 1)[0]}={v}" for v in a.split("=", 1)[1].split(",")]
+            if "=" in a and not a.split("=", 1)[1].startswith(("[", "'[")) else [a] for a in args]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", COMPOSED)
+def test_a_command_not_run_here_composes_and_every_job_validates(command):
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR, to_bench_config
+
+    jobs = composed_jobs(command)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for overrides in jobs:
+            # the hydra/... overrides too (a launcher preset and its keys must exist) ...
+            compose("config", overrides=overrides, return_hydra_config=True)
+            # ... and the job's own config types and validates, as each job does when it starts
+            bench = to_bench_config(compose("config", overrides=[o for o in overrides if not o.startswith("hydra")]))
+            assert bench.task in ("bench", "capacity", "compare")
+    if "hydra/launcher=joblib" in command:  # the multi-GPU form: one job per GPU, each taking a free one
+        assert len(jobs) == 9 and all("runtime.device=cuda:free" in job for job in jobs)
