@@ -20,6 +20,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import sys
 import textwrap
 import typing
@@ -69,50 +70,63 @@ def field_comments(cls: type) -> Dict[str, str]:
         while k >= 0 and lines[k].strip().startswith("#"):
             above.insert(0, lines[k].strip()[1:].strip())
             k -= 1
-        out[node.target.id] = trailing or " ".join(above)
+        if trailing or above:
+            out[node.target.id] = trailing or " ".join(above)
     return out
 
 
-def _text(node: ast.AST) -> str:
+def _text(node: ast.AST, scope: Dict[str, object]) -> str:
     """A string literal or an f-string as it reads in the source, ``{name}`` for each field."""
     if isinstance(node, ast.Constant):
         return str(node.value)
     if isinstance(node, ast.JoinedStr):
-        return "".join(_text(v) if isinstance(v, ast.Constant) else _value(v.value) for v in node.values)
+        return "".join(_text(v, scope) if isinstance(v, ast.Constant) else _value(v.value, scope)
+                       for v in node.values)
     return ast.unparse(node)
 
 
-def _value(node: ast.AST) -> str:
-    """A module-level constant of kvbench.config by its value (``MAX_MIN_TIME_S`` -> 86400.0);
+def yaml_comments(path: Path) -> Dict[str, str]:
+    """Top-level key of a YAML file -> the comment at the end of its line (``repeats: 3  # timed trials``)."""
+    out = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        match = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):[^#]*#\s*(.+)$", line)
+        if match:
+            out[match.group(1)] = match.group(2).strip()
+    return out
+
+
+def _value(node: ast.AST, scope: Dict[str, object]) -> str:
+    """A module-level constant of the class's module by its value (``MAX_MIN_TIME_S`` -> 86400.0);
     anything that depends on the run or the machine as the expression in backticks."""
-    if isinstance(node, ast.Name) and hasattr(config, node.id):
-        return str(getattr(config, node.id))
+    if isinstance(node, ast.Name) and node.id in scope:
+        return str(scope[node.id])
     return f"`{ast.unparse(node)}`"
 
 
-def field_checks(cls: type, group: str) -> Dict[str, List[str]]:
+def field_checks(cls: type) -> Dict[str, List[str]]:
     """Each key of ``cls`` -> what its validation requires, read from the ``_check*`` calls in the
     class (``_check(ok, "group.key", value, "must be > 0")``, ``_check_positive``, ``_check_choice``)."""
     out: Dict[str, List[str]] = {}
+    scope = vars(sys.modules[cls.__module__])
     for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
         name, args = node.func.id, node.args
         if name == "_check" and len(args) >= 4 and isinstance(args[1], ast.Constant):
-            out.setdefault(str(args[1].value), []).append(_text(args[3]))
+            out.setdefault(str(args[1].value), []).append(_text(args[3], scope))
         elif name == "_check_choice" and len(args) >= 3:
             choices = args[2]
             names = {n.id for n in ast.walk(choices) if isinstance(n, ast.Name)}
-            if names and all(hasattr(config, n) or n == "tuple" for n in names):  # e.g. tuple(DTYPE_BYTES)
-                listed = ", ".join(str(c) for c in eval(ast.unparse(choices), vars(config)))  # noqa: S307
+            if names and all(n in scope or n == "tuple" for n in names):  # e.g. tuple(DTYPE_BYTES)
+                listed = ", ".join(str(c) for c in eval(ast.unparse(choices), scope))  # noqa: S307
             elif isinstance(choices, ast.Tuple):
-                listed = ", ".join(_text(c) for c in choices.elts)
+                listed = ", ".join(_text(c, scope) for c in choices.elts)
             else:
                 listed = ast.unparse(choices)
-            out.setdefault(_text(args[0]), []).append(f"one of: {listed}")
+            out.setdefault(_text(args[0], scope), []).append(f"one of: {listed}")
         elif name == "_check_positive" and len(args) >= 3 and isinstance(args[2], ast.Tuple):
             for key in args[2].elts:
-                out.setdefault(f"{_text(args[0])}.{_text(key)}", []).append("must be >= 1")
+                out.setdefault(f"{_text(args[0], scope)}.{_text(key, scope)}", []).append("must be >= 1")
     return out
 
 
@@ -156,9 +170,10 @@ def primary_defaults() -> Dict[str, str]:
 def group_section(name: str, cls: type, picked: Dict[str, str]) -> List[str]:
     doc = inspect.cleandoc(cls.__doc__ or "")
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
-    checks = field_checks(cls, name)
     found = options(name)
+    # the dataclass's own comment, else the one on the key in the group's default YAML file
+    comments = {**yaml_comments(config.CONF_DIR / name / f"{picked.get(name)}.yaml"), **field_comments(cls)}
+    checks = field_checks(cls)
     out = [f"## `{name}`", "", " ".join(doc.split()), ""]
     if found:
         default = picked.get(name)
@@ -175,8 +190,8 @@ def group_section(name: str, cls: type, picked: Dict[str, str]) -> List[str]:
 def configuration_page() -> str:
     root = config.BenchConfig
     hints = typing.get_type_hints(root)
-    comments = field_comments(root)
-    checks = field_checks(root, "")
+    comments = {**yaml_comments(config.CONF_DIR / "config.yaml"), **field_comments(root)}
+    checks = field_checks(root)
     picked = primary_defaults()
     groups = [(f.name, hints[f.name]) for f in dataclasses.fields(root) if dataclasses.is_dataclass(hints[f.name])]
     top = [f for f in dataclasses.fields(root) if not dataclasses.is_dataclass(hints[f.name])]
