@@ -4,6 +4,7 @@ pages match the code they are generated from, and the README stays a front door.
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,18 @@ def test_the_readme_is_a_front_door():
     for link in ("docs/getting-started.md", "docs/reference/configuration.md", "docs/reference/metrics.md",
                  "experiments/results/ab_small_quiet.md"):
         assert f"]({link}" in readme and (ROOT / link).is_file(), link
+
+
+def test_every_file_the_pages_name_exists():
+    """A module, script or result a page names in backticks (`kvbench/config.py`,
+    `sinks/choose.py`, `experiments/kv_precision.py`) is there: a moved file fails here."""
+    missing = []
+    for page in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        for name in re.findall(r"`([\w./-]+\.(?:py|sh))`", page.read_text()):
+            if name.split("/")[0] in ("kvbench", "scripts", "experiments", "tests", "docs"):
+                places = [name]
+            else:  # a module of the package (`sinks/choose.py`) or a script by its name
+                places = [f"kvbench/{name}", f"scripts/{name}", f"experiments/{name}"]
+            if not any((ROOT / path).is_file() for path in places):
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert missing == []
