@@ -10,24 +10,26 @@ failure is a one-line :class:`ConfigError` that names the key and the value.
 Cross-group rules (the attention type against the model's head count, the sequence
 against ``max_seq_len``) live in :class:`BenchConfig`, which owns both sides.
 
-This module imports nothing from kvbench: every other module may import it. It reads one
-kind of file itself, a checkpoint's ``config.json`` (:meth:`ModelConfig.from_hf_config`).
+Below it are only its errors (:mod:`kvbench.config_errors`: ConfigError, typing a composed
+config) and a checkpoint's ``config.json`` (:mod:`kvbench.hf_config`, which
+:meth:`ModelConfig.from_hf_config` types); every other module may import it.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Type, TypeVar, get_type_hints
+from typing import Any, Dict, List, Mapping, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from kvbench import hf_config
+from kvbench.config_errors import ConfigError, typed
+from kvbench.hf_config import ROPE_TYPES
 
 
 def _find_conf_dir() -> Path:
@@ -57,28 +59,7 @@ OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, opt
 COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the modes
 
 
-# An error line kept in a record or printed is at most this long: a malformed file once produced
-# a 28 MB message, copied into every sink.
-MAX_ERROR_CHARS = 1000
 INT64_MAX = 2**63 - 1
-
-
-def one_line(text: Any, limit: int = MAX_ERROR_CHARS) -> str:
-    """``text`` as one line of at most ``limit`` characters (plus a note of what was cut):
-    whitespace runs become one space and the head of the text is kept."""
-    text = str(text)
-    head = " ".join(text[: limit * 4].split())  # bounded work whatever the input's size
-    if len(head) <= limit and len(text) <= limit * 4:
-        return head
-    return f"{head[:limit]}… [cut: {len(text):,} characters in all]"
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key and the value, on one
-    bounded line (:func:`one_line`)."""
-
-    def __init__(self, message: Any) -> None:
-        super().__init__(one_line(message))
 
 
 def _check(ok: bool, key: str, value, why: str) -> None:
@@ -118,27 +99,6 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     The one place this rule is written."""
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
 
-
-# Keys that were renamed: an override of the old name fails with a one-line hint (the CLI
-# reads this table) instead of Hydra's "key not in struct".
-RENAMED_KEYS = {
-    "model.num_kv_heads": "model.preset_kv_heads (the preset's published KV-head count; the count a "
-                          "run uses is attention.num_kv_heads)",
-}
-
-# The transformers architectures whose config.json and tensor names the decoder reads, each with
-# the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
-# and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES; everything else (MoE, multimodal, a sliding window shorter than the
-# run, biases beyond q/k/v, other rope types) is refused naming its config.json key.
-HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
-}
-# model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -218,68 +178,24 @@ class ModelConfig:
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
         """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
         names the file in errors (every error names it: the file is the user's input). Refuses
-        what the decoder does not model; values of the wrong type name their key."""
+        what the decoder does not model (:func:`kvbench.hf_config.model_fields`); values of the
+        wrong type name their key."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: not a JSON object")
         try:
-            return cls._from_hf_config(cfg, where, max_seq_len, fields)
+            # Typed like a Hydra config: a string or a list where a number belongs names its key.
+            return typed(cls, {**hf_config.model_fields(cfg, where, max_seq_len), **fields})
         except ConfigError as exc:
             raise ConfigError(exc if where in str(exc) else f"{where}: {exc}") from None
         except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
             raise ConfigError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
-    @classmethod
-    def _from_hf_config(cls, cfg: Mapping[str, Any], where: str, max_seq_len: Optional[int],
-                        fields: Dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
-        arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(f"{where}: architectures={archs!r}: not supported "
-                              f"(accepted: {', '.join(HF_ARCHITECTURES)})")
-        switches = HF_ARCHITECTURES[arch]
-        refused = {  # key: why, for a value that is set and not the default
-            "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
-                                                                 "q/k/v biases are modelled)",
-            "mlp_bias": "the decoder's MLP has no biases",
-            "text_config": "multimodal checkpoints are not supported",
-            "vision_config": "multimodal checkpoints are not supported",
-            "num_experts": "mixture-of-experts is not supported",
-            "num_local_experts": "mixture-of-experts is not supported",
-        }
-        for key, why in refused.items():
-            if why and cfg.get(key):
-                raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
-        positions = cfg.get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        layer_types = cfg.get("layer_types")  # transformers >= 5 lists each layer's kind
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            window = None
-        if window and window < (max_seq_len or positions):
-            raise ConfigError(f"{where}: sliding_window={window}: not supported (the decoder attends to "
-                              f"every earlier token); pass max_seq_len <= {window}")
-        try:
-            heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-            shape = dict(
-                num_layers=cfg["num_hidden_layers"], d_model=hidden, num_heads=heads,
-                preset_kv_heads=cfg.get("num_key_value_heads") or heads,
-                # transformers' default; left to ModelConfig's checks when the values are not counts
-                head_dim=cfg.get("head_dim") or (hidden // heads if _counts(hidden, heads) else None),
-                ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-                max_seq_len=max_seq_len or positions,
-                norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions))
-        except KeyError as e:
-            raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
-        # Typed like a Hydra config: a string or a list where a number belongs names its key.
-        return typed(cls, {"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape, **fields})
-
     def _shape_from_checkpoint(self) -> None:
-        path = Path(self.path) / "config.json"
+        path = Path(self.path) / hf_config.CONFIG_FILE
         if path.exists() and not path.is_file():  # a FIFO would block the read forever
             raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
         try:
-            hf = json.loads(path.read_bytes())
+            hf = hf_config.read_config_json(self.path)
         except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             raise ConfigError(f"model.path={self.path!r}: cannot read {path} ({exc})") from None
         try:
@@ -416,7 +332,7 @@ class RuntimeConfig:
     peak_gb_per_s: Optional[float] = None  # roofline peak; null: the GEMV rate of a probe (see probe)
     probe: str = "cached"  # cached: probe once per machine | run: probe next to this run's trials
     fidelity: bool = True  # cached decode vs recompute (and vs float32) on 2 sequences after timing
-    isolate: bool = True  # each job in a fresh process (kvbench/isolation.py); false: in the calling one
+    isolate: bool = True  # each job in a fresh process (kvbench/jobs/isolation.py); false: in the calling one
     # task=capacity: the memory a job may use, in GB (1e9 bytes); null: the CUDA device's memory
     # (on a CPU the task needs a value: a machine's RAM is shared, not a budget)
     memory_budget_gb: Optional[float] = None
@@ -617,7 +533,7 @@ class BenchConfig:
     # What a job returns to a search sweeper (hydra/sweeper=optuna): a metric of its record,
     # ``-name`` for its negative (so that one direction, maximize, serves every metric); null
     # returns nothing (a grid sweep). Checked against the metrics the task reports by
-    # kvbench.runner.check_objective; read from the record by kvbench.results.objective_value.
+    # kvbench.jobs.runner.check_objective; read from the record by kvbench.results.objective_value.
     objective: Optional[str] = None
     # metric -> the most it may be: a job above any cap returns no objective (a failed trial).
     objective_caps: Dict[str, float] = field(default_factory=dict)
@@ -684,98 +600,6 @@ class BenchConfig:
                f"model.max_seq_len={self.model.max_seq_len}")
 
 
-def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
-    """ModelConfig's rope fields from a config.json: transformers >= 5 writes ``rope_parameters``
-    (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45).
-    A rope type the decoder does not compute is refused naming the key."""
-    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope = cfg.get(key) or {}
-    if not isinstance(rope, Mapping):
-        raise ConfigError(f"{key}={rope!r}: malformed (expected a JSON object)")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{key}.rope_type={rope_type!r}: not supported (accepted: {', '.join(ROPE_TYPES)})")
-    for where, found in ((f"{key}.", rope), ("", cfg)):
-        if found.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(f"{where}partial_rotary_factor={found['partial_rotary_factor']!r}: not supported "
-                              "(the decoder rotates every dimension)")
-    out = {"rope_type": rope_type, "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0))}
-    needed = {"linear": {"rope_factor": "factor"},
-              "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                         "rope_high_freq_factor": "high_freq_factor"}}.get(rope_type, {})
-    for name, hf_name in needed.items():
-        if hf_name not in rope:
-            raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
-        out[name] = rope[hf_name]
-    if rope_type == "llama3":  # transformers falls back to max_position_embeddings too
-        out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
-    return out
-
-
-def _counts(*values: Any) -> bool:
-    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
-
-
-# ---- typing a composed config ----------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def typed(schema: Type[T], data: Any, prefix: str = "") -> T:
-    """``data`` (a DictConfig or a mapping) as an instance of the dataclass ``schema``.
-
-    A mandatory ``???`` left unset, an unknown key, a value of the wrong type and an
-    interpolation that does not resolve are each a :class:`ConfigError` naming the key
-    (``prefix`` + its dotted path) and the value; then the dataclasses are built, whose
-    ``__post_init__`` checks the values. Keys ``data`` lacks take the schema's defaults."""
-    try:
-        # Before the merge: merging ``???`` over a default keeps the default (OmegaConf's rule),
-        # which once benchmarked a random model for model=llama_dir without model.path.
-        missing = sorted(OmegaConf.missing_keys(data))
-        node = OmegaConf.merge(OmegaConf.structured(schema), data)
-        missing = missing or sorted(OmegaConf.missing_keys(node))  # a group no option filled
-        if missing:
-            key = prefix + missing[0]
-            raise ConfigError(f"{key}=???: a value is required and none was given (add {key}=...)")
-        return OmegaConf.to_object(node)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_omegaconf_error(exc, schema, data, prefix)) from None
-
-
-_ABSENT = object()
-
-
-def _omegaconf_error(exc: OmegaConfBaseException, schema: type, data: Any, prefix: str) -> str:
-    """One line for an OmegaConf error: ``key=value: what is wrong`` (a renamed key: its new name;
-    an unknown key: the nearest known one)."""
-    key = getattr(exc, "full_key", None) or ""
-    if prefix + key in RENAMED_KEYS:
-        return f"{prefix}{key}: renamed to {RENAMED_KEYS[prefix + key]}"
-    # OmegaConf's text goes on with full_key / object_type lines: keep its first line.
-    why = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
-    parent, _, name = key.rpartition(".")
-    if isinstance(exc, ConfigKeyError) and name:
-        group = schema
-        for part in parent.split(".") if parent else ():
-            group = get_type_hints(group).get(part, object)
-        known = [f.name for f in fields(group)] if hasattr(group, "__dataclass_fields__") else []
-        close = difflib.get_close_matches(name, known, n=1)
-        why = (f"unknown key (did you mean {prefix}{parent + '.' if parent else ''}{close[0]}?)" if close
-               else f"unknown key ({prefix}{parent or 'the config'} has {', '.join(known)})")
-    value = _raw(data, key)
-    return f"{prefix}{key}={value!r}: {why}" if value is not _ABSENT else f"{prefix}{key}: {why}"
-
-
-def _raw(data: Any, key: str) -> Any:
-    """The value at dotted ``key`` as the user wrote it (interpolations unresolved)."""
-    node = OmegaConf.to_container(data, resolve=False) if isinstance(data, DictConfig) else data
-    for part in key.split(".") if key else ():
-        if not isinstance(node, Mapping) or part not in node:
-            return _ABSENT
-        node = node[part]
-    return node if key else _ABSENT
-
-
 def schema_defaults() -> DictConfig:
     """What Hydra composes the YAML files over, as plain values (no types): the defaults of
     ``task``, ``rerun``, ``data`` and ``train``, and an empty node for each group the defaults
@@ -792,75 +616,6 @@ def schema_defaults() -> DictConfig:
             node[name] = {}
         OmegaConf.set_struct(node[name], False)
     return node
-
-
-# ---- what a record keeps ---------------------------------------------------------------------
-
-# The keys of each section that a job's task (and, for task=bench, its workload) reads. A key
-# that means nothing for a job (train.* for a decode run, workload.* for training) is left out
-# of its record, so the record describes what was measured and nothing else.
-_WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
-                  "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
-# task=capacity searches the batch (and, for decode, the prompt length: capacity.context_lens)
-_CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
-                           "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}
-_CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype")}
-_RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
-_TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
-
-
-def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The part of a job's config (``asdict`` of a :class:`BenchConfig`, or the mapping Hydra
-    saved) that its task reads: a decode run keeps no ``train``/``data`` section and no chat
-    keys, a multi-turn chat no prompt length, training no workload or cache. Unknown tasks and
-    workloads keep everything; a partial config (an invalid run's) keeps what it has."""
-    if not isinstance(config, dict):
-        return config
-    task = config.get("task", "bench")
-    out = dict(config)
-
-    def keep(section: str, keys) -> None:
-        if isinstance(out.get(section), dict):
-            out[section] = {k: v for k, v in out[section].items() if k in keys}
-
-    if task != "compare":
-        out.pop("compare", None)
-    if task == "compare":  # many variants, none of them the record's attention
-        out.pop("attention", None)
-        out.pop("train", None)
-        out.pop("data", None)
-        keep("workload", ("batch_size",))
-        keep("cache", ("impl",))
-    if task != "capacity":
-        out.pop("slo", None)
-        out.pop("capacity", None)
-        if isinstance(out.get("runtime"), dict):
-            out["runtime"] = {k: v for k, v in out["runtime"].items() if k != "memory_budget_gb"}
-    if task in ("bench", "inspect", "capacity"):
-        out.pop("train", None)
-        out.pop("data", None)
-        w = out.get("workload")
-        workload = w.get("name", "decode") if isinstance(w, dict) else None
-        if task == "capacity" and workload in _CAPACITY_WORKLOAD_KEYS:
-            keep("workload", _CAPACITY_WORKLOAD_KEYS[workload])
-            keep("cache", _CACHE_KEYS[workload])
-            if workload == "multiturn":
-                keep("capacity", ("max_batch", "batch_step"))
-        elif workload in _WORKLOAD_KEYS:
-            keep("workload", _WORKLOAD_KEYS[workload])
-            keep("cache", _CACHE_KEYS[workload])
-    elif task in ("train", "eval"):
-        out.pop("workload", None)
-        if task == "eval":  # scored through a cache of cache.dtype (auto: none)
-            keep("cache", ("dtype",))
-        else:
-            out.pop("cache", None)
-        keep("runtime", _RUNTIME_KEYS_QUALITY)
-        if task == "eval":
-            keep("train", _TRAIN_KEYS_EVAL)
-        elif isinstance(out.get("train"), dict):
-            keep("train", [k for k in out["train"] if k != "checkpoint"])
-    return out
 
 
 # ``${kvbench_attention_type:${model.num_heads},${attention.num_kv_heads}}``: the attention type a

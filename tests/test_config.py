@@ -9,11 +9,9 @@ from hydra import compose, initialize_config_dir
 
 from kvbench.config import (
     CONF_DIR,
-    MAX_ERROR_CHARS,
     AttentionConfig,
     BenchConfig,
     CacheConfig,
-    ConfigError,
     DataConfig,
     ModelConfig,
     RuntimeConfig,
@@ -24,8 +22,8 @@ from kvbench.config import (
     default_gqa_kv_heads,
     objective_metric,
     to_bench_config,
-    typed,
 )
+from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError, typed
 
 
 def one_line_error(fn, needle):

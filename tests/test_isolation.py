@@ -1,4 +1,4 @@
-"""Jobs in a fresh process (kvbench/isolation.py): every way a job's process can end becomes a
+"""Jobs in a fresh process (kvbench/jobs/isolation.py): every way a job's process can end becomes a
 record; a launcher's SystemExit (submitit on preemption) is recorded interrupted, never ok; a
 job process never outlives the kvbench process that started it.
 
@@ -27,7 +27,7 @@ from kvbench.config import (
     WandbConfig,
     WorkloadConfig,
 )
-from kvbench.isolation import death_status, run_isolated
+from kvbench.jobs.isolation import death_status, run_isolated
 from kvbench.results import RunResult, read_record
 
 
@@ -95,7 +95,7 @@ def test_death_status_tells_oom_from_kill_from_crash(exitcode, before, after, st
 PARENT = """
 import signal, sys
 from kvbench.config import *
-from kvbench.isolation import launch_job
+from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 if sys.argv[2] == "submitit":
     signal.signal(signal.SIGUSR2, lambda signum, frame: sys.exit(-1))

@@ -14,23 +14,27 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config", "units", "interrupts"],
+    ["config_errors", "jsonio", "units", "jobs.interrupts", "jobs.outcome"],
+    ["hf_config"],
+    ["config"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
-    ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
-    ["quality.data", "quality.fidelity", "inspection"],
-    ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.interleaved"],
-    ["workloads.capacity"],
-    ["runner"],
-    ["isolation"],
-    ["sinks.compare", "sinks.tracking"],
+    ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
+    ["quality.data", "quality.fidelity", "tasks.inspect", "tasks.capacity_search"],
+    ["quality.train", "workloads.decode", "workloads.multiturn", "tasks.common"],
+    ["tasks.bench", "tasks.train", "tasks.eval", "tasks.capacity", "tasks.compare"],
+    ["jobs.runner"],
+    ["jobs.isolation", "jobs.sweep"],
+    ["sinks.tables", "sinks.tracking"],
     ["sinks.choose", "sinks.dashboard"],
     ["sinks.console", "sinks.plots"],
-    ["sinks.report", "sweep"],
+    ["sinks.report"],
+    ["jobs.job"],
+    ["jobs.callback"],
     ["cli"],
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
-# measuring), and other sinks.
-SINK_ALLOWED = ("results", "units", "config", "measure.stats", "sinks.")
+# measuring), file I/O, who holds a job (its claim), and other sinks.
+SINK_ALLOWED = ("results", "units", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
 
 
 def module_name(path: Path) -> str:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import make_decoder
 from torch.profiler import ProfilerActivity, profile
 
-from kvbench.config import ConfigError
+from kvbench.config_errors import ConfigError
 from kvbench.model import fold_mask, grouped_attention, kv_group_map
 
 

@@ -14,7 +14,6 @@ from kvbench.config import (
     AttentionConfig,
     BenchConfig,
     CacheConfig,
-    ConfigError,
     DataConfig,
     ModelConfig,
     RuntimeConfig,
@@ -22,6 +21,7 @@ from kvbench.config import (
     WandbConfig,
     WorkloadConfig,
 )
+from kvbench.config_errors import ConfigError
 from kvbench.quality.data import TokenData, byte_data, eval_windows
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 

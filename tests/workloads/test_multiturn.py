@@ -16,15 +16,15 @@ from kvbench.config import (
     AttentionConfig,
     BenchConfig,
     CacheConfig,
-    ConfigError,
     ModelConfig,
     RuntimeConfig,
     WandbConfig,
     WorkloadConfig,
 )
+from kvbench.config_errors import ConfigError
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
+from kvbench.jobs.runner import run_job
 from kvbench.model import fold_mask, grouped_attention
-from kvbench.runner import run_job
 from kvbench.sinks.console import ttft_side_by_side
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
