@@ -27,10 +27,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from kvbench import hf_config
-from kvbench.config import AttentionConfig, ModelConfig
 from kvbench.config_errors import ConfigError, typed
 from kvbench.jsonio import atomic_write
 from kvbench.model import Decoder, rope_tables, torch_dtype
+from kvbench.model_config import AttentionConfig, ModelConfig
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1

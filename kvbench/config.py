@@ -20,16 +20,15 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from kvbench import hf_config
-from kvbench.config_errors import ConfigError, typed
-from kvbench.hf_config import ROPE_TYPES
+from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
 
 
 def _find_conf_dir() -> Path:
@@ -45,7 +44,6 @@ def _find_conf_dir() -> Path:
 CONF_DIR = _find_conf_dir()
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-ATTENTION_TYPES = ("mha", "gqa", "mqa")
 CACHE_IMPLS = ("static", "concat", "none")
 # cache.dtype: how K/V are stored. auto: the compute dtype (runtime.dtype); the others store codes
 # of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
@@ -59,200 +57,9 @@ OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, opt
 COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the modes
 
 
-INT64_MAX = 2**63 - 1
-
-
-def _check(ok: bool, key: str, value, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {why}")
-
-
-def _check_numbers(prefix: str, obj) -> None:
-    """Every float field finite, every int field within 64 bits: NaN slips through every
-    comparison (``nan > 0`` is False, ``nan < 1`` too), infinity through every lower bound,
-    and torch overflows on larger ints."""
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, float):
-            _check(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
-        elif isinstance(value, int) and not isinstance(value, bool):
-            _check(abs(value) <= INT64_MAX, f"{prefix}.{f.name}", value, "must fit in 64 bits")
-
-
-def _check_choice(key: str, value, choices) -> None:
-    _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
-
-
-def _check_positive(prefix: str, obj, names) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _check(value >= 1, f"{prefix}.{name}", value, "must be >= 1")
-
-
 def objective_metric(objective: str) -> tuple[str, float]:
     """The metric an ``objective`` names and its sign: ``-decode_ms_p50`` -> (decode_ms_p50, -1)."""
     return (objective[1:], -1.0) if objective.startswith("-") else (objective, 1.0)
-
-
-def attention_type(num_heads: int, num_kv_heads: int) -> str:
-    """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
-    The one place this rule is written."""
-    return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
-
-
-
-@dataclass
-class ModelConfig:
-    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head
-    count, used by ``attention=gqa`` when no count is given; the one count a run uses is
-    ``attention.num_kv_heads``."""
-
-    name: str = "custom"
-    num_layers: int = 2
-    d_model: int = 64
-    num_heads: int = 8
-    preset_kv_heads: int = 8
-    head_dim: Optional[int] = None  # derived as d_model // num_heads when null
-    ffn_dim: int = 128
-    vocab_size: int = 256
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3
-    # (Llama 3.1+) divides those with wavelengths above rope_original_max_seq_len /
-    # rope_low_freq_factor, keeps those below rope_original_max_seq_len / rope_high_freq_factor,
-    # and interpolates between.
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: Optional[int] = None  # llama3: the pretraining context
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
-    path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
-
-    def __post_init__(self) -> None:
-        if self.path:
-            self._shape_from_checkpoint()
-        _check_numbers("model", self)
-        _check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
-                                        "vocab_size", "max_seq_len", "preset_kv_heads"))
-        _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
-        self._check_rope_scaling()
-        _check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
-        if self.head_dim is None:
-            _check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
-                   f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
-            self.head_dim = self.d_model // self.num_heads
-        _check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
-               "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
-        _check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
-               "model.preset_kv_heads", self.preset_kv_heads,
-               f"must divide model.num_heads={self.num_heads}")
-
-    def _check_rope_scaling(self) -> None:
-        _check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
-        _check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
-               "must be >= 1 (the factor positions are stretched by)")
-        if self.rope_type != "llama3":
-            return
-        _check(self.rope_original_max_seq_len is not None and self.rope_original_max_seq_len >= 1,
-               "model.rope_original_max_seq_len", self.rope_original_max_seq_len,
-               "must be >= 1 with model.rope_type=llama3 (the pretraining context)")
-        _check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor,
-               "must be > 0")
-        _check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
-               self.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={self.rope_low_freq_factor}")
-
-    @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
-        """A ModelConfig from ``asdict`` output, older spellings included (checkpoints written
-        before ``num_kv_heads`` became ``preset_kv_heads``)."""
-        data = dict(data)
-        if "num_kv_heads" in data:
-            data.setdefault("preset_kv_heads", data.pop("num_kv_heads"))
-        return typed(cls, {k: v for k, v in data.items() if k in cls.__dataclass_fields__}, "model.")
-
-    @classmethod
-    def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
-                       max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
-        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
-        names the file in errors (every error names it: the file is the user's input). Refuses
-        what the decoder does not model (:func:`kvbench.hf_config.model_fields`); values of the
-        wrong type name their key."""
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"{where}: not a JSON object")
-        try:
-            # Typed like a Hydra config: a string or a list where a number belongs names its key.
-            return typed(cls, {**hf_config.model_fields(cfg, where, max_seq_len), **fields})
-        except ConfigError as exc:
-            raise ConfigError(exc if where in str(exc) else f"{where}: {exc}") from None
-        except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
-            raise ConfigError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
-
-    def _shape_from_checkpoint(self) -> None:
-        path = Path(self.path) / hf_config.CONFIG_FILE
-        if path.exists() and not path.is_file():  # a FIFO would block the read forever
-            raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
-        try:
-            hf = hf_config.read_config_json(self.path)
-        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-            raise ConfigError(f"model.path={self.path!r}: cannot read {path} ({exc})") from None
-        try:
-            shape = ModelConfig.from_hf_config(hf, str(path))
-        except ConfigError as exc:
-            raise ConfigError(f"model.path={self.path!r}: {exc}") from None
-        for f in fields(self):  # everything but the preset's name and the path itself
-            if f.name not in ("name", "path"):
-                setattr(self, f.name, getattr(shape, f.name))
-
-
-@dataclass
-class AttentionConfig:
-    """Attention variant. The variant *is* the KV-head count; ``type`` is a name that must agree
-    with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between)."""
-
-    type: str = "gqa"
-    num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
-
-    def __post_init__(self) -> None:
-        _check_numbers("attention", self)
-        _check_choice("attention.type", self.type, ATTENTION_TYPES)
-        if self.num_kv_heads is not None:
-            _check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
-
-    @classmethod
-    def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
-        """The config whose type is what ``num_kv_heads`` of ``num_heads`` is."""
-        return cls(type=attention_type(num_heads, num_kv_heads), num_kv_heads=num_kv_heads)
-
-    def resolved(self, model: ModelConfig) -> "AttentionConfig":
-        """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
-        h = model.num_heads
-        kv = self.num_kv_heads
-        if kv is None:
-            kv = {"mha": h, "mqa": 1}.get(self.type) or default_gqa_kv_heads(model)
-        key = "attention.num_kv_heads"
-        _check(kv <= h, key, kv, f"must be <= model.num_heads={h}")
-        _check(h % kv == 0, key, kv,
-               f"must divide model.num_heads={h} (every KV group needs the same number of query heads)")
-        expected = attention_type(h, kv)
-        _check(self.type == expected, "attention.type", self.type,
-               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv)
-
-
-def default_gqa_kv_heads(model: ModelConfig) -> int:
-    """The preset's own KV-head count if it is a GQA model, else the divisor of num_heads
-    closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio."""
-    h = model.num_heads
-    if attention_type(h, model.preset_kv_heads) == "gqa":
-        return model.preset_kv_heads
-    divisors = [d for d in range(2, h) if h % d == 0]
-    if not divisors:
-        raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
-                          "use attention=mha or attention=mqa")
-    return min(divisors, key=lambda d: (abs(d - h / 4), d))
 
 
 @dataclass
@@ -271,9 +78,9 @@ class WorkloadConfig:
     reply_len: int = 32
 
     def __post_init__(self) -> None:
-        _check_numbers("workload", self)
-        _check_choice("workload.name", self.name, WORKLOADS)
-        _check_positive("workload", self, ("batch_size", "prompt_len", "gen_len", "system_len",
+        check_numbers("workload", self)
+        check_choice("workload.name", self.name, WORKLOADS)
+        check_positive("workload", self, ("batch_size", "prompt_len", "gen_len", "system_len",
                                            "turns", "user_len", "reply_len"))
 
     @property
@@ -295,11 +102,11 @@ class CacheConfig:
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_numbers("cache", self)
-        _check_choice("cache.impl", self.impl, CACHE_IMPLS)
-        _check_choice("cache.dtype", self.dtype, CACHE_DTYPES)
+        check_numbers("cache", self)
+        check_choice("cache.impl", self.impl, CACHE_IMPLS)
+        check_choice("cache.dtype", self.dtype, CACHE_DTYPES)
         if self.dtype != "auto":
-            _check(self.impl == "static", "cache.impl", self.impl,
+            check(self.impl == "static", "cache.impl", self.impl,
                    f"cache.dtype={self.dtype} is stored in a preallocated cache; use cache.impl=static")
 
 
@@ -338,30 +145,30 @@ class RuntimeConfig:
     memory_budget_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _check_numbers("runtime", self)
-        _check_choice("runtime.dtype", self.dtype, tuple(DTYPE_BYTES))
-        _check(re.fullmatch(r"auto|cpu|cuda(:[0-9]+|:free)?", self.device) is not None,
+        check_numbers("runtime", self)
+        check_choice("runtime.dtype", self.dtype, tuple(DTYPE_BYTES))
+        check(re.fullmatch(r"auto|cpu|cuda(:[0-9]+|:free)?", self.device) is not None,
                "runtime.device", self.device, "must be auto, cpu, cuda, cuda:N or cuda:free")
         # torch.manual_seed takes [-2**63, 2**64); a negative seed aliases a positive one.
-        _check(0 <= self.seed <= INT64_MAX, "runtime.seed", self.seed, "must be in [0, 2**63 - 1]")
-        _check(self.warmup >= 0, "runtime.warmup", self.warmup, "must be >= 0")
-        _check(self.repeats >= 1, "runtime.repeats", self.repeats, "must be >= 1")
-        _check(0 <= self.min_time_s <= MAX_MIN_TIME_S, "runtime.min_time_s", self.min_time_s,
+        check(0 <= self.seed <= INT64_MAX, "runtime.seed", self.seed, "must be in [0, 2**63 - 1]")
+        check(self.warmup >= 0, "runtime.warmup", self.warmup, "must be >= 0")
+        check(self.repeats >= 1, "runtime.repeats", self.repeats, "must be >= 1")
+        check(0 <= self.min_time_s <= MAX_MIN_TIME_S, "runtime.min_time_s", self.min_time_s,
                f"must be in [0, {MAX_MIN_TIME_S}] seconds")
         # More torch threads than CPUs only slows a benchmark down; 100,000 crash torch.
         cpus = os.cpu_count() or 1
-        _check(self.threads is None or 1 <= self.threads <= cpus, "runtime.threads", self.threads,
+        check(self.threads is None or 1 <= self.threads <= cpus, "runtime.threads", self.threads,
                f"must be null or in [1, {cpus}] (the CPUs of this machine)")
-        _check(self.nvml_interval_ms > 0, "runtime.nvml_interval_ms", self.nvml_interval_ms, "must be > 0")
-        _check(self.peak_gb_per_s is None or self.peak_gb_per_s > 0, "runtime.peak_gb_per_s",
+        check(self.nvml_interval_ms > 0, "runtime.nvml_interval_ms", self.nvml_interval_ms, "must be > 0")
+        check(self.peak_gb_per_s is None or self.peak_gb_per_s > 0, "runtime.peak_gb_per_s",
                self.peak_gb_per_s, "must be > 0 or null")
         # YAML and overrides give booleans (true/false, strings once typed); one spelling per mode.
         mode = str(self.compile).lower()
         self.compile = COMPILE_ALIASES.get(mode, mode)
-        _check_choice("runtime.compile", self.compile, COMPILE_MODES)
-        _check(self.graph_bucket >= 1, "runtime.graph_bucket", self.graph_bucket, "must be >= 1")
-        _check_choice("runtime.probe", self.probe, ("cached", "run"))
-        _check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "runtime.memory_budget_gb",
+        check_choice("runtime.compile", self.compile, COMPILE_MODES)
+        check(self.graph_bucket >= 1, "runtime.graph_bucket", self.graph_bucket, "must be >= 1")
+        check_choice("runtime.probe", self.probe, ("cached", "run"))
+        check(self.memory_budget_gb is None or self.memory_budget_gb > 0, "runtime.memory_budget_gb",
                self.memory_budget_gb, "must be > 0 or null")
 
 
@@ -379,12 +186,12 @@ class SloConfig:
     tpot_x_batch1: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _check_numbers("slo", self)
-        _check_choice("slo.stat", self.stat, SLO_STATS)
+        check_numbers("slo", self)
+        check_choice("slo.stat", self.stat, SLO_STATS)
         for key in ("ttft_ms", "tpot_ms"):
             value = getattr(self, key)
-            _check(value is None or value > 0, f"slo.{key}", value, "must be > 0 or null")
-        _check(self.tpot_x_batch1 is None or self.tpot_x_batch1 >= 1, "slo.tpot_x_batch1", self.tpot_x_batch1,
+            check(value is None or value > 0, f"slo.{key}", value, "must be > 0 or null")
+        check(self.tpot_x_batch1 is None or self.tpot_x_batch1 >= 1, "slo.tpot_x_batch1", self.tpot_x_batch1,
                "must be >= 1 (a multiple of the batch-1 step) or null")
 
 
@@ -400,10 +207,10 @@ class CapacityConfig:
     tpot_pairs: int = 32
 
     def __post_init__(self) -> None:
-        _check_numbers("capacity", self)
-        _check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
+        check_numbers("capacity", self)
+        check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
                "capacity.context_lens", self.context_lens, "must be a non-empty list of lengths >= 1")
-        _check_positive("capacity", self, ("max_batch", "batch_step", "tpot_pairs"))
+        check_positive("capacity", self, ("max_batch", "batch_step", "tpot_pairs"))
 
 
 @dataclass
@@ -420,9 +227,9 @@ class WandbConfig:
     init_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        _check_numbers("wandb", self)
-        _check_choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
-        _check(self.init_timeout_s > 0, "wandb.init_timeout_s", self.init_timeout_s, "must be > 0")
+        check_numbers("wandb", self)
+        check_choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
+        check(self.init_timeout_s > 0, "wandb.init_timeout_s", self.init_timeout_s, "must be > 0")
 
 
 @dataclass
@@ -434,9 +241,9 @@ class DataConfig:
     max_bytes: Optional[int] = 4_000_000  # cap on bytes read, in a deterministic file order; null: no cap
 
     def __post_init__(self) -> None:
-        _check_numbers("data", self)
-        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
-        _check(self.max_bytes is None or self.max_bytes >= 1, "data.max_bytes", self.max_bytes,
+        check_numbers("data", self)
+        check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+        check(self.max_bytes is None or self.max_bytes >= 1, "data.max_bytes", self.max_bytes,
                "must be >= 1 or null (no cap)")
 
 
@@ -460,14 +267,14 @@ class TrainConfig:
     checkpoint: Optional[str] = None  # task=eval: kvbench checkpoint file or transformers checkpoint directory
 
     def __post_init__(self) -> None:
-        _check_numbers("train", self)
-        _check(self.steps >= 0, "train.steps", self.steps, "must be >= 0")
-        _check_positive("train", self, ("batch_size", "seq_len", "warmup_steps", "eval_batches",
+        check_numbers("train", self)
+        check(self.steps >= 0, "train.steps", self.steps, "must be >= 0")
+        check_positive("train", self, ("batch_size", "seq_len", "warmup_steps", "eval_batches",
                                         "eval_every", "log_every"))
-        _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
-        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
-        _check(self.grad_clip > 0, "train.grad_clip", self.grad_clip, "must be > 0")
+        check(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        check(self.grad_clip > 0, "train.grad_clip", self.grad_clip, "must be > 0")
 
 
 @dataclass
@@ -484,14 +291,14 @@ class CompareConfig:
     steps: int = 8
 
     def __post_init__(self) -> None:
-        _check_positive("compare", self, ("steps",))
-        _check(len(self.variants) >= 2, "compare.variants", self.variants, "needs two or more variants to compare")
+        check_positive("compare", self, ("steps",))
+        check(len(self.variants) >= 2, "compare.variants", self.variants, "needs two or more variants to compare")
         for v in self.variants:
-            _check(v in ATTENTION_TYPES or (v.isdigit() and int(v) >= 1), "compare.variants", self.variants,
+            check(v in ATTENTION_TYPES or (v.isdigit() and int(v) >= 1), "compare.variants", self.variants,
                    f"{v!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1")
-        _check(len(self.contexts) >= 1 and all(c >= 1 for c in self.contexts), "compare.contexts", self.contexts,
+        check(len(self.contexts) >= 1 and all(c >= 1 for c in self.contexts), "compare.contexts", self.contexts,
                "must list one or more context lengths >= 1")
-        _check(len(set(self.contexts)) == len(self.contexts), "compare.contexts", self.contexts,
+        check(len(set(self.contexts)) == len(self.contexts), "compare.contexts", self.contexts,
                "lists a context length twice")
 
     def attentions(self, model: "ModelConfig") -> List["AttentionConfig"]:
@@ -506,7 +313,7 @@ class CompareConfig:
             except ConfigError as exc:
                 raise ConfigError(f"compare.variants={self.variants!r}: {v!r}: {exc}") from None
         heads = [a.num_kv_heads for a in out]
-        _check(len(set(heads)) == len(heads), "compare.variants", self.variants,
+        check(len(set(heads)) == len(heads), "compare.variants", self.variants,
                f"two variants have the same KV-head count ({heads})")
         return out
 
@@ -539,12 +346,12 @@ class BenchConfig:
     objective_caps: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_choice("task", self.task, TASKS)
+        check_choice("task", self.task, TASKS)
         if self.objective is not None:
-            _check(OBJECTIVE_SYNTAX.fullmatch(self.objective) is not None, "objective", self.objective,
+            check(OBJECTIVE_SYNTAX.fullmatch(self.objective) is not None, "objective", self.objective,
                    "must be a metric name, or -name to minimise it (e.g. tokens_per_s, -decode_ms_p50)")
         for name, cap in self.objective_caps.items():
-            _check(math.isfinite(cap), f"objective_caps.{name}", cap, "must be a finite number")
+            check(math.isfinite(cap), f"objective_caps.{name}", cap, "must be a finite number")
         # task=eval takes its shape from train.checkpoint, which only the task reads: the
         # attention is resolved against the checkpoint there, not against the model preset.
         if self.task != "eval":
@@ -554,48 +361,48 @@ class BenchConfig:
             self._check_capacity()
         length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts
-        _check(self.task == "compare" or w.total_len <= self.model.max_seq_len, length_key,
+        check(self.task == "compare" or w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
                f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                f"{self.model.max_seq_len}")
         if self.task == "compare":
             self.compare.attentions(self.model)
             longest = max(self.compare.contexts)
-            _check(longest < self.model.max_seq_len, "compare.contexts", self.compare.contexts,
+            check(longest < self.model.max_seq_len, "compare.contexts", self.compare.contexts,
                    f"a step at context {longest} needs {longest + 1} positions, more than model.max_seq_len="
                    f"{self.model.max_seq_len}")
-            _check(self.cache.impl == "static", "cache.impl", self.cache.impl,
+            check(self.cache.impl == "static", "cache.impl", self.cache.impl,
                    "task=compare sets the filled length of a preallocated cache; use cache.impl=static")
-            _check(self.runtime.compile == "false", "runtime.compile", self.runtime.compile,
+            check(self.runtime.compile == "false", "runtime.compile", self.runtime.compile,
                    "task=compare times eager steps only (use task=bench for compiled decoding)")
         if self.runtime.compile == "graph":
-            _check(self.cache.impl == "static", "cache.impl", self.cache.impl,
+            check(self.cache.impl == "static", "cache.impl", self.cache.impl,
                    "runtime.compile=graph reads a preallocated cache in fixed shapes; use cache.impl=static")
             # The fixed-shape step writes K/V with index_copy_ into the storage itself: a quantized
             # cache would need its quantize/dequantize inside the compiled step (not built).
-            _check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
+            check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                    "runtime.compile=graph is not supported with a quantized cache; use cache.dtype=auto "
                    "or runtime.compile=false|default")
         if w.name == "multiturn" and self.cache.shared:
-            _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
+            check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
 
     def _check_capacity(self) -> None:
         w = self.workload
         # the probes' caches are in the compute dtype, as the KV formula they are judged by
-        _check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
+        check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")
         if self.slo.tpot_x_batch1 is not None:
-            _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
+            check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, and slo.tpot_x_batch1 times a probe's filled cache stepping again; "
                    "use static or concat")
         if w.name == "multiturn":  # one chat, its length the workload's (checked for every task)
-            _check(w.reply_len >= 2 or (self.slo.tpot_ms is None and self.slo.tpot_x_batch1 is None),
+            check(w.reply_len >= 2 or (self.slo.tpot_ms is None and self.slo.tpot_x_batch1 is None),
                    "workload.reply_len", w.reply_len, "a one-token reply has no decode step to judge against "
                    "slo.tpot_ms / slo.tpot_x_batch1; use >= 2, or no TPOT target")
             return
         longest = max(self.capacity.context_lens) + w.gen_len
-        _check(longest <= self.model.max_seq_len, "capacity.context_lens", self.capacity.context_lens,
+        check(longest <= self.model.max_seq_len, "capacity.context_lens", self.capacity.context_lens,
                f"the longest context + workload.gen_len is {longest} positions, more than "
                f"model.max_seq_len={self.model.max_seq_len}")
 

@@ -9,6 +9,7 @@ raises while composing a command line.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import traceback
 from dataclasses import fields
@@ -40,6 +41,38 @@ class ConfigError(ValueError):
 
     def __init__(self, message: Any) -> None:
         super().__init__(one_line(message))
+
+
+# ---- checks a schema's __post_init__ makes ------------------------------------------------
+
+INT64_MAX = 2**63 - 1
+
+
+def check(ok: bool, key: str, value, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def check_numbers(prefix: str, obj) -> None:
+    """Every float field finite, every int field within 64 bits: NaN slips through every
+    comparison (``nan > 0`` is False, ``nan < 1`` too), infinity through every lower bound,
+    and torch overflows on larger ints."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float):
+            check(math.isfinite(value), f"{prefix}.{f.name}", value, "must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            check(abs(value) <= INT64_MAX, f"{prefix}.{f.name}", value, "must fit in 64 bits")
+
+
+def check_choice(key: str, value, choices) -> None:
+    check(value in choices, key, value, f"must be one of {', '.join(choices)}")
+
+
+def check_positive(prefix: str, obj, names) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        check(value >= 1, f"{prefix}.{name}", value, "must be >= 1")
 
 
 # Keys that were renamed: an override of the old name fails with a one-line hint (the CLI

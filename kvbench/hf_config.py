@@ -2,7 +2,7 @@
 about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
-turns its contents into :class:`kvbench.config.ModelConfig` fields, refusing what the decoder
+turns its contents into :class:`kvbench.model_config.ModelConfig` fields, refusing what the decoder
 does not model (another architecture, MoE, multimodal, a short sliding window, other rope types)
 with one line naming the key. ``ModelConfig.from_hf_config`` types those fields.
 """

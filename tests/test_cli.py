@@ -17,8 +17,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import CONF_DIR, AttentionConfig, BenchConfig, ModelConfig, to_bench_config
+from kvbench.config import CONF_DIR, BenchConfig, to_bench_config
 from kvbench.jobs.sweep import sweep_jobs, sweep_size
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.results import read_record
 
 REPO = Path(__file__).resolve().parents[1]

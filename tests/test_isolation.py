@@ -18,16 +18,9 @@ from dataclasses import asdict
 import psutil
 import pytest
 
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    CacheConfig,
-    ModelConfig,
-    RuntimeConfig,
-    WandbConfig,
-    WorkloadConfig,
-)
+from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.jobs.isolation import death_status, run_isolated
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.results import RunResult, read_record
 
 

@@ -38,21 +38,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step
-from kvbench.measure.memory import (
-    PeakWindow,
-    is_oom,
-    long_lived_frozen,
-    peak_window_reason,
-    release_heap,
-    rss_status,
-    weight_bytes,
-)
+from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
+from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, weight_bytes
 from kvbench.measure.stats import median, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig
 from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
 from kvbench.results import RunResult
 from kvbench.tasks.capacity_search import (

@@ -26,11 +26,12 @@ import torch
 
 from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.checkpoint import convert_kv_heads
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, Progress, build_model
 

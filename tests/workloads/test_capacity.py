@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, BenchConfig, to_bench_config
 from kvbench.config_errors import ConfigError
-from kvbench.measure.memory import PeakWindow, is_oom, release_heap, rss_status
+from kvbench.measure.host import release_heap, rss_status
+from kvbench.measure.memory import PeakWindow, is_oom
 from kvbench.results import RunResult, record_view
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import (

@@ -8,9 +8,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import CONF_DIR, AttentionConfig, to_bench_config
+from kvbench.config import CONF_DIR, to_bench_config
 from kvbench.config_errors import ConfigError
 from kvbench.jobs.runner import run_job
+from kvbench.model_config import AttentionConfig
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import round_order, summarize, variants
 
