@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from kvbench.cache import KVCache, bucket_length
-from kvbench.config import ConfigError
+from kvbench.config_errors import ConfigError
 from kvbench.measure.timing import sync
 
 

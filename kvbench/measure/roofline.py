@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from kvbench.cache import kv_cache_bytes
+from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
-from kvbench.results import read_json, write_json_atomic
 
 CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "kvbench")) / "bandwidth.json"
 

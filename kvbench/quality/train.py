@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_checkpoint, load_llama_dir, save_checkpoint
-from kvbench.config import AttentionConfig, BenchConfig, ConfigError, TrainConfig
+from kvbench.config import BenchConfig, TrainConfig
+from kvbench.config_errors import ConfigError
 from kvbench.model import Decoder, torch_dtype
+from kvbench.model_config import AttentionConfig
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 
 CHECKPOINT_NAME = "checkpoint.pt"

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig, ModelConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import (
     COMPILE_METHODS,
     FixedShapeStep,
@@ -41,6 +41,7 @@ from kvbench.measure.stats import (
 )
 from kvbench.measure.timing import RegionTimer
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.fidelity import FIDELITY_METHODS, fidelity
 from kvbench.results import RunResult
 

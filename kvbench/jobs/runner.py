@@ -5,9 +5,9 @@ the message, keeps every metric measured before the failure, and writes the reco
 atomically. A job stopped from outside (Ctrl-C, SIGTERM, a launcher's exit on preemption) is
 recorded ``interrupted`` with what was complete by then, and the interruption is raised again
 with the record attached (``exc.record``): a job is ``ok`` only when its task returned with
-finite metrics (NaN or infinity makes it an ``error``). Only the CLI decides what a status means
-for the exit code, and only the CLI builds progress bars: it hands :func:`run_job` a factory for
-them.
+finite metrics (NaN or infinity makes it an ``error``). The tasks are kvbench/tasks/, one module
+per ``task=`` value. Only the CLI decides what a status means for the exit code, and only the CLI
+builds progress bars: it hands :func:`run_job` a factory for them.
 """
 
 from __future__ import annotations
@@ -18,53 +18,27 @@ import re
 import signal
 import socket
 import traceback
-from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, ContextManager, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    ConfigError,
-    objective_metric,
-    one_line,
-    record_view,
-    to_bench_config,
-)
+from kvbench.config import BenchConfig, objective_metric, to_bench_config
+from kvbench.config_errors import ConfigError, one_line
 from kvbench.device import resolve_device
-from kvbench.interrupts import Interrupted, describe_stop, interruptible
+from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible
+from kvbench.jsonio import write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
-from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
-from kvbench.measure.timing import timing_method
-from kvbench.model import Decoder, torch_dtype
-from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
-from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
-from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
-from kvbench.workloads import capacity, decode, interleaved, multiturn
+from kvbench.measure.memory import is_oom
+from kvbench.quality.fidelity import KV_POOL_METHODS
+from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics, record_view
+from kvbench.tasks import bench, capacity, compare, train
+from kvbench.tasks import eval as eval_task
+from kvbench.tasks.common import JOB_METHODS, Progress, no_progress
 
-# progress(label, total) -> a context manager yielding tick(description=None), called once per
-# trial or training step; the CLI passes rich progress bars, the default shows nothing.
-Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
-
-# Methods of the fields every model-running job records.
-JOB_METHODS: Dict[str, str] = {
-    "peak_rss_reason": "text; only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
-                       "in the same process, whose peak would count as this job's)",
-    "weight_bytes": "bytes; parameters and persistent buffers (numel * element_size), tied tensors once",
-    "num_params": "count; parameters of the decoder, tied tensors once",
-    "timing_method": "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU",
-    "kv_heads_conversion": "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
-                           "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)",
-    **MEMORY_METHODS,
-}
-
-WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
 MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 
 # torch's own thread count in this process, before any job set one: runtime.threads=null
@@ -72,123 +46,17 @@ MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback
 DEFAULT_THREADS = torch.get_num_threads()
 _jobs_run = 0  # jobs whose task ran in this process (runtime.isolate=false runs several)
 
-@contextmanager
-def no_progress(label: str, total: int):
-    yield None
-
-
-def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
-    """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
-    wherever their shapes agree; with ``model.path`` the checkpoint's weights, brought to
-    ``attention.num_kv_heads`` when that differs from the checkpoint's own count (repeated,
-    exactly, to more heads; mean-pooled to fewer)."""
-    dtype = torch_dtype(cfg.runtime.dtype)
-    if cfg.model.path:
-        model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
-        if kv_conversion(model.num_kv_heads, cfg.attention.num_kv_heads) != "none":
-            model = convert_kv_heads(model, cfg.attention.num_kv_heads)
-        return model.to(dtype).eval()
-    torch.manual_seed(cfg.runtime.seed)
-    with device:
-        model = Decoder(cfg.model, cfg.attention)
-    return model.to(dtype).eval()
-
-
-def bench(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=bench``: the workload ``cfg.workload.name`` on the decoder."""
-    result.metrics["timing_method"] = timing_method(device)
-    result.methods.update(JOB_METHODS)
-    model = build_model(cfg, device)
-    result.metrics["weight_bytes"] = weight_bytes(model)
-    result.metrics["num_params"] = model.num_params()
-    if cfg.model.path:
-        result.metrics["kv_heads_conversion"] = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
-    label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}"
-    if cfg.workload.name == "multiturn":
-        label += f" shared={cfg.cache.shared}"
-    with progress(label, cfg.runtime.warmup + cfg.runtime.repeats) as tick:
-        WORKLOADS[cfg.workload.name](cfg, model, device, result, tick)
-
-
-def train(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=train``: the loss curve goes into the record as it is logged (so a failure keeps
-    it), the final metrics at the end, the checkpoint into the job directory."""
-    curve = result.tables.setdefault("curve", [])
-
-    def on_log(step: int, point: Dict[str, float]) -> None:
-        curve.append({"step": step, **point})
-        result.series["train_step"] = [p["step"] for p in curve]
-        result.series["train_loss"] = [p["train_loss"] for p in curve]
-
-    result.methods.update(TRAIN_METHODS)
-    with progress("train", cfg.train.steps) as tick:
-        result.metrics.update(run_train(cfg, device, out_dir, on_log, tick))
-
-
-def evaluate(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=eval``: perplexity of ``train.checkpoint`` on ``data``; the record's model and
-    attention are the checkpoint's shape as evaluated, not the preset's."""
-    result.methods.update(EVAL_METHODS)
-    loaded = checkpoint_for_eval(cfg, device)
-    result.config["model"], result.config["attention"] = asdict(loaded[0].config), asdict(loaded[0].attention)
-    result.metrics.update(run_eval(cfg, device, loaded))
-
-
-def capacity_search(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,
-                    progress: Progress) -> None:
-    """``task=capacity``: the largest batch per context under the memory budget and the SLOs
-    (kvbench/workloads/capacity.py); what the process held before the model is the baseline."""
-    result.metrics["timing_method"] = timing_method(device)
-    result.methods.update(JOB_METHODS)
-    baseline = capacity.baseline_bytes(device)
-    model = build_model(cfg, device)
-    result.metrics["weight_bytes"] = weight_bytes(model)
-    result.metrics["num_params"] = model.num_params()
-    label = f"capacity {cfg.attention.type} kv={cfg.attention.num_kv_heads}"
-    if cfg.workload.name == "multiturn":
-        label += f" chat shared={cfg.cache.shared}"
-    expected = len(capacity.contexts(cfg)) * capacity.probes_expected(cfg.capacity.max_batch,
-                                                                          cfg.capacity.batch_step)
-    with progress(label, expected) as tick:
-        capacity.run(cfg, model, device, result, baseline, tick)
-    if cfg.runtime.fidelity:  # quality of this KV-head count, after the probes (its models are not theirs)
-        del model
-        result.methods.update(KV_POOL_METHODS)
-        h = cfg.model.num_heads
-        reference = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
-        length = min(max(capacity.contexts(cfg)), 256)
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, length),
-                               generator=torch.Generator().manual_seed(cfg.runtime.seed)).to(device)
-        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens))
-
-
-def compare_variants(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,
-                     progress: Progress) -> None:
-    """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
-    heads repeated to MHA, exactly) in alternating trials in this process (workloads/interleaved.py)."""
-    result.metrics["timing_method"] = timing_method(device)
-    result.methods["timing_method"] = JOB_METHODS["timing_method"]
-    h = cfg.model.num_heads
-    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
-    total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
-    with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
-        interleaved.run(cfg, base, device, result, tick)
-
-
-TASKS = {"bench": bench, "train": train, "eval": evaluate, "capacity": capacity_search,
-         "compare": compare_variants}
-# A chat's turn{k}_ttft_ms, one per turn, is declared as it is measured: here as a pattern.
-WORKLOAD_METHODS = {"decode": decode.METHODS,
-                    "multiturn": {**multiturn.METHODS, "turn<k>_ttft_ms": multiturn.TURN_TTFT_METHOD}}
+TASKS = {"bench": bench.run, "train": train.run, "eval": eval_task.run, "capacity": capacity.run,
+         "compare": compare.run}
 
 
 def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
     """Every metric a job of ``task`` (for task=bench: of ``workload``) may record -> its unit
     and method: the ``*_METHODS`` tables the task's code merges into its records."""
-    per_task = {"bench": {**JOB_METHODS, **WORKLOAD_METHODS.get(workload, {})},
-                "train": TRAIN_METHODS, "eval": EVAL_METHODS,
+    per_task = {"bench": bench.methods(workload),
+                "train": train.METHODS, "eval": eval_task.METHODS,
                 "capacity": {**JOB_METHODS, **capacity.METHODS, **KV_POOL_METHODS},
-                "compare": {"timing_method": JOB_METHODS["timing_method"], **interleaved.METHODS}}
+                "compare": {"timing_method": JOB_METHODS["timing_method"], **compare.METHODS}}
     return {**LOAD_METHODS, **per_task.get(task, {})}
 
 
@@ -257,8 +125,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             result.status = "oom" if is_oom(exc) else "error"
             result.error = one_line(f"{type(exc).__name__}: {exc}")
             try:
-                (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-                (out_dir / "error.txt").write_text(_bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
+                write_text_atomic(out_dir / "error.txt", _bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
             except OSError:
                 pass  # a full disk: the record below says what failed, or is printed if it cannot be written
         except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again

@@ -1,4 +1,4 @@
-"""The interleaved comparison (``task=compare``): attention variants of one model timed in one
+"""``task=compare``: the interleaved comparison: attention variants of one model timed in one
 process, alternating trial by trial, so that whatever the machine does meanwhile (another job, a
 clock change) falls on every variant alike and their ratios can be paired round by round.
 
@@ -18,19 +18,22 @@ Notation: B batch, C context (positions in the cache when a step runs), H query 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.checkpoint import convert_kv_heads
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
-from kvbench.measure.timing import RegionTimer
+from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult
+from kvbench.tasks.common import JOB_METHODS, Progress, build_model
 
 Tick = Callable[..., None]
 
@@ -116,7 +119,8 @@ def time_trial(model: Decoder, cache, token: torch.Tensor, contexts: Sequence[in
     return {c: timer.ms(str(c)) for c in contexts}
 
 
-def run(cfg: BenchConfig, base: Decoder, device: torch.device, result: RunResult, tick: Optional[Tick] = None) -> None:
+def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: RunResult,
+               tick: Optional[Tick] = None) -> None:
     """Time ``compare.variants`` of ``base`` in alternating trials and write the comparison into
     ``result`` (metrics, ``tables.trials``, ``tables.compare``); metrics and units in :data:`METHODS`."""
     c, rt = cfg.compare, cfg.runtime
@@ -153,6 +157,18 @@ def run(cfg: BenchConfig, base: Decoder, device: torch.device, result: RunResult
                                 for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high")}
     for row in rows:
         result.metrics.update({f"{row['variant']}_{k}": v for k, v in row.items() if k not in table_only})
+
+
+def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
+    """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
+    heads repeated to MHA, exactly) in alternating trials in this process (:func:`run_trials`)."""
+    result.metrics["timing_method"] = timing_method(device)
+    result.methods["timing_method"] = JOB_METHODS["timing_method"]
+    h = cfg.model.num_heads
+    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
+    total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
+    with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
+        run_trials(cfg, base, device, result, tick)
 
 
 def per_round(trials: Sequence[Dict], variant: str, context: int) -> List[float]:
