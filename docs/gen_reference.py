@@ -105,16 +105,16 @@ def _value(node: ast.AST, scope: Dict[str, object]) -> str:
 
 def field_checks(cls: type) -> Dict[str, List[str]]:
     """Each key of ``cls`` -> what its validation requires, read from the ``_check*`` calls in the
-    class (``_check(ok, "group.key", value, "must be > 0")``, ``_check_positive``, ``_check_choice``)."""
+    class (``check(ok, "group.key", value, "must be > 0")``, ``check_positive``, ``check_choice``)."""
     out: Dict[str, List[str]] = {}
     scope = vars(sys.modules[cls.__module__])
     for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
-        name, args = node.func.id, node.args
-        if name == "_check" and len(args) >= 4 and isinstance(args[1], ast.Constant):
+        name, args = node.func.id.lstrip("_"), node.args  # check(...), or _check(...) before the config split
+        if name == "check" and len(args) >= 4 and isinstance(args[1], ast.Constant):
             out.setdefault(str(args[1].value), []).append(_text(args[3], scope))
-        elif name == "_check_choice" and len(args) >= 3:
+        elif name == "check_choice" and len(args) >= 3:
             choices = args[2]
             names = {n.id for n in ast.walk(choices) if isinstance(n, ast.Name)}
             if names and all(n in scope or n == "tuple" for n in names):  # e.g. tuple(DTYPE_BYTES)
@@ -124,7 +124,7 @@ def field_checks(cls: type) -> Dict[str, List[str]]:
             else:
                 listed = ast.unparse(choices)
             out.setdefault(_text(args[0], scope), []).append(f"one of: {listed}")
-        elif name == "_check_positive" and len(args) >= 3 and isinstance(args[2], ast.Tuple):
+        elif name == "check_positive" and len(args) >= 3 and isinstance(args[2], ast.Tuple):
             for key in args[2].elts:
                 out.setdefault(f"{_text(args[0], scope)}.{_text(key, scope)}", []).append("must be >= 1")
     return out
