@@ -6,9 +6,9 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from conftest import compose
 
-from kvbench.config import CONF_DIR, BenchConfig, ConfigError, record_view, to_bench_config
+from kvbench.config import BenchConfig, ConfigError, record_view, to_bench_config
 from kvbench.inspection import kv_memory_table, parameter_count
 from kvbench.measure.memory import PeakWindow, is_oom, release_heap, rss_status
 from kvbench.results import RunResult
@@ -24,8 +24,7 @@ from kvbench.workloads.capacity import (
 
 
 def config(*overrides) -> BenchConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return to_bench_config(compose("config", overrides=["task=capacity", *overrides]))
+    return to_bench_config(compose("task=capacity", *overrides))
 
 
 def fake(boundary, calls, bound="memory"):
