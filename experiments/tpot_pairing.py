@@ -57,6 +57,14 @@ def rounds(variant: str, args) -> dict:
     return out
 
 
+def table_row(variant: str, design: str, ratios: list) -> str:
+    """A row of the table: the ratio of every round, their range, median and spread (max / min of
+    the unrounded ratios), each printed to 2 decimals."""
+    spread = max(ratios) / min(ratios)
+    return (f"| {variant} | {design} | {' '.join(f'{r:.2f}' for r in ratios)} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {statistics.median(ratios):.2f} | {spread:.2f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="mha,gqa,mqa")
@@ -71,12 +79,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     started, load = time.time(), os.getloadavg()[0]
-    rows = []
-    for variant in args.variants.split(","):
-        for design, ratios in rounds(variant, args).items():
-            spread = max(ratios) / min(ratios)
-            rows.append(f"| {variant} | {design} | {' '.join(f'{r:.2f}' for r in ratios)} | "
-                        f"{min(ratios):.2f}-{max(ratios):.2f} | {statistics.median(ratios):.2f} | {spread:.2f} |")
+    rows = [table_row(variant, design, ratios) for variant in args.variants.split(",")
+            for design, ratios in rounds(variant, args).items()]
     command = " ".join(["python experiments/tpot_pairing.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n".join([
         f"# The relative TPOT judgement of task=capacity, two designs: batch {args.batch} over batch 1 at "

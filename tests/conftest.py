@@ -1,8 +1,16 @@
+import multiprocessing.util
+import os
+import shlex
+import subprocess
+import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+from joblib.externals.loky.backend import fork_exec as loky_fork_exec
+from omegaconf import DictConfig
 
 from kvbench.config import register_configs
 from kvbench.model import Decoder
@@ -10,6 +18,17 @@ from kvbench.model_config import AttentionConfig, ModelConfig
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose(*overrides: str, hydra: bool = False) -> DictConfig:
+    """conf/config.yaml with ``overrides``, composed as the CLI composes it; ``hydra``: with the
+    ``hydra`` node too (what a sweep's callbacks read). The one helper for every test."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -60,8 +79,59 @@ def _deterministic():
     torch.manual_seed(0)
 
 
+# What makes a test ``e2e`` (pyproject.toml): a fresh interpreter costs ~3 s of importing torch
+# before any work, an Inductor compile 10-60 s on 2 shared cores. A test not marked e2e that does
+# either fails here, naming the marker, so that `-m "not e2e"` stays the fast loop it says it is.
+BIN = Path(sys.executable).parent  # the console scripts kvbench, kvbench-report, wandb, ...
+E2E = "starts {what}: mark the test @pytest.mark.e2e (the inner loop, -m 'not e2e', runs none)"
+
+
+def _starts_an_interpreter(argv) -> bool:
+    program = Path(shlex.split(argv)[0] if isinstance(argv, str) else os.fspath(list(argv)[0]))
+    return (program.name.startswith("python") or program.name in ("bash", "sh") or program.parent == BIN
+            or program.resolve() == Path(sys.executable).resolve())
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request, monkeypatch):
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def popen(self, args, *rest, **kwargs):
+        if _starts_an_interpreter(args):
+            raise AssertionError(E2E.format(what=f"an interpreter ({args if isinstance(args, str) else args[0]})"))
+        popen_init(self, args, *rest, **kwargs)
+
+    def compile_(*args, **kwargs):
+        raise AssertionError(E2E.format(what="a torch.compile"))
+
+    def spawn(*args, **kwargs):  # multiprocessing's spawn and forkserver, joblib's loky workers
+        raise AssertionError(E2E.format(what="a worker process (a fresh interpreter)"))
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawn)
+    monkeypatch.setattr(loky_fork_exec, "fork_exec", spawn)
+    monkeypatch.setattr(torch, "compile", compile_)
+
+
+def _shares_a_module_fixture(item) -> bool:
+    return any(d.scope in ("module", "package") for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip where torch sees no GPU (CI, this machine); the GPU check runs them."""
+    """How ``-n 2 --dist loadgroup`` spreads the suite: an e2e test (seconds to a minute each)
+    goes to whichever worker is free, and those run first, so that no worker is left with a long
+    file at the end; every other test stays with its file (one worker builds a module-scoped
+    fixture once), as --dist loadfile would. And tests marked ``cuda`` skip where torch sees no
+    GPU (CI, this machine); the GPU check runs them."""
+    spread = {item for item in items if item.get_closest_marker("e2e") is not None
+              and not _shares_a_module_fixture(item)}
+    for item in items:
+        if item not in spread:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item not in spread)  # stable: the order within each file is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (runs in scripts/gpu_check.sh)")

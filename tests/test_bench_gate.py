@@ -50,6 +50,7 @@ def test_compare_pools_rounds_by_median_and_applies_pytest_benchmark_checks():
     assert "REGRESSION" in table and "new (no baseline, not gated)" in table
 
 
+@pytest.mark.e2e  # the gate script in a fresh interpreter
 def test_bad_gate_arguments_exit_2_naming_the_value(tmp_path):
     out = subprocess.run([sys.executable, str(GATE), "--base-dir", str(tmp_path)],
                          capture_output=True, text=True)
@@ -59,12 +60,16 @@ def test_bad_gate_arguments_exit_2_naming_the_value(tmp_path):
 
 @pytest.mark.parametrize("timer, needle", [("nope.nothing", "ModuleNotFoundError"), ("process_time", "dotted"),
                                            ("os.getcwd", "not a time in seconds")])
-def test_a_bogus_timer_is_a_usage_error(tmp_path, timer, needle):
-    out = subprocess.run([sys.executable, str(GATE), "--base-dir", str(ROOT), "--timer", timer],
-                         capture_output=True, text=True)
-    assert out.returncode == 2 and "--timer" in out.stderr and needle in out.stderr, out.stderr
+def test_a_bogus_timer_is_a_usage_error(capsys, timer, needle):
+    """In this process (the gate's argument parsing); the exit status 2 of a usage error end to end:
+    test_bad_gate_arguments_exit_2_naming_the_value."""
+    with pytest.raises(SystemExit) as exit_:
+        load_gate().parse_args(["--base-dir", str(ROOT), "--timer", timer])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--timer" in err and needle in err, err
 
 
+@pytest.mark.e2e  # the gate script in a fresh interpreter
 def test_a_keyword_that_selects_no_benchmark_is_a_usage_error(tmp_path):
     """Was exit 1, "gate: FAIL", as if the head had regressed."""
     out = subprocess.run([sys.executable, str(GATE), "--base-dir", str(ROOT), "--rounds", "1", "-k",
@@ -104,6 +109,7 @@ def run_gate(tmp_path, name, *extra):
     return out, data["benchmarks"]
 
 
+@pytest.mark.e2e  # the gate script in a fresh interpreter
 def test_gate_trips_on_injected_decode_slowdown_and_passes_without(tmp_path):
     slowed, rows = run_gate(tmp_path, "slowed", "--inject-slowdown", str(INJECTED))
     assert slowed.returncode == 1, slowed.stdout + slowed.stderr

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LiveKvbench, llama_dir
-from hydra import compose, initialize_config_dir
+from conftest import LiveKvbench, compose, llama_dir
 from omegaconf import OmegaConf, open_dict
 
 from kvbench.cache import kv_cache_bytes
@@ -54,8 +53,7 @@ def test_every_conf_file_composes_and_validates(group, option, tmp_path):
     if option in ("hf_dir", "llama_dir"):  # needs a checkpoint to read its shape from
         extra = [f"model.path={llama_dir(tmp_path, num_kv_heads=2)[0]}", "workload.prompt_len=16",
                  "workload.gen_len=8"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[f"{group}={option}", *extra], return_hydra_config=hydra_node)
+    cfg = compose(f"{group}={option}", *extra, hydra=hydra_node)
     if group == "experiment":
         # a preset sweeps something, or compares variants in one process (it sets task, which
         # conf/config.yaml also sets: the preset comes after _self_ so its value wins)
@@ -75,8 +73,7 @@ def test_preset_shapes_match_published_parameter_counts(name, published_params):
     """The true shapes: the parameter count of the preset equals the published model's."""
     from kvbench.tasks.inspect import parameter_count
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={name}", "attention=gqa"])
+    cfg = compose(f"model={name}", "attention=gqa")
     bench = to_bench_config(cfg)
     native = bench.model.preset_kv_heads
     bench.attention = AttentionConfig.for_heads(bench.model.num_heads, native)
@@ -84,6 +81,7 @@ def test_preset_shapes_match_published_parameter_counts(name, published_params):
     assert ModelConfig(**{k: v for k, v in vars(bench.model).items()}).head_dim == 128
 
 
+@pytest.mark.e2e
 def test_single_run_writes_results_matching_formula(tmp_path):
     out = tmp_path / "run"
     proc = kvbench(*TINY, "attention=gqa", "attention.num_kv_heads=2", "workload.batch_size=3",
@@ -104,6 +102,7 @@ def test_single_run_writes_results_matching_formula(tmp_path):
     assert "results:" in proc.stdout and "tok/s" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_single_run_with_bad_value_exits_with_one_line(tmp_path):
     out = tmp_path / "bad"
     proc = kvbench(*TINY, "attention=gqa", "attention.num_kv_heads=3", f"hydra.run.dir={out}",
@@ -115,6 +114,7 @@ def test_single_run_with_bad_value_exits_with_one_line(tmp_path):
     assert json.loads((out / "results.json").read_text())["status"] == "invalid"
 
 
+@pytest.mark.e2e
 def test_multirun_records_invalid_and_finishes(tmp_path):
     sweep = tmp_path / "sweep"
     proc = kvbench("-m", *IN_PROCESS, "attention=gqa", "attention.num_kv_heads=2,3,4",
@@ -136,6 +136,7 @@ def test_multirun_records_invalid_and_finishes(tmp_path):
     (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'", True),
     (["model=llama_dir"], "model.path=???: a value is required", True),  # once: exit 0, a random model
 ])
+@pytest.mark.e2e
 def test_bad_input_exits_2_with_one_line_naming_it(tmp_path, args, needle, recorded):
     out = tmp_path / "run"
     proc = kvbench(*TINY, *args, f"hydra.run.dir={out}", cwd=tmp_path, check=False)
@@ -148,11 +149,12 @@ def test_bad_input_exits_2_with_one_line_naming_it(tmp_path, args, needle, recor
         assert f"(recorded in {out / 'results.json'})" in line
 
 
+@pytest.mark.e2e
 def test_a_bad_value_in_a_sweep_is_that_jobs_invalid_record(tmp_path):
     """Hydra once typed every job's config before the first ran: one bad value ended the whole
     sweep, with no record. Now each job is typed when it runs."""
     sweep = tmp_path / "sweep"
-    proc = kvbench("-m", *TINY, "workload.prompt_len=12,abc,-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = kvbench("-m", *IN_PROCESS, "workload.prompt_len=12,abc,-3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     records = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/results.json")}
     assert {job: r["status"] for job, r in records.items()} == {"0": "ok", "1": "invalid", "2": "invalid"}
     assert records["1"]["error"].startswith("workload.prompt_len='abc'")
@@ -160,6 +162,7 @@ def test_a_bad_value_in_a_sweep_is_that_jobs_invalid_record(tmp_path):
     assert "1 ok, 2 invalid" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_inspect_prints_group_map_and_seed_arithmetic(tmp_path):
     proc = kvbench("task=inspect", "model=llama2_7b", "attention=mha", "workload.prompt_len=4000",
                    "workload.gen_len=96", "workload.batch_size=64", cwd=tmp_path)
@@ -173,6 +176,7 @@ def test_inspect_prints_group_map_and_seed_arithmetic(tmp_path):
     assert "query head 31 → KV head 31" in out and not list(tmp_path.iterdir())[1:]
 
 
+@pytest.mark.e2e
 def test_help_lists_groups_and_user_config_dir(tmp_path):
     help_text = kvbench("--help", cwd=tmp_path).stdout
     for group in ("model", "attention", "workload", "cache", "runtime", "wandb", "experiment"):
@@ -189,6 +193,7 @@ def test_help_lists_groups_and_user_config_dir(tmp_path):
     assert "name: llama_dir" in job and "path: ???" in job and "threads: 1" in job and "max_bytes: 4000000" in job
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["override", "yaml"])
 def test_the_renamed_preset_kv_heads_key_fails_with_a_one_line_hint(tmp_path, where):
     """model.num_kv_heads became model.preset_kv_heads: the old spelling, on the command line or
@@ -205,12 +210,12 @@ def test_the_renamed_preset_kv_heads_key_fails_with_a_one_line_hint(tmp_path, wh
 
 
 def test_sweep_size_counts_cli_and_preset_axes():
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=long_context"], return_hydra_config=True)
+    cfg = compose("experiment=long_context", hydra=True)
     cfg.hydra.overrides.task = ["experiment=long_context", "workload.batch_size=1,8"]
     assert sweep_size(cfg) == 3 * 3 * 2
 
 
+@pytest.mark.e2e
 def test_the_readme_sweep_command_composes_48_valid_jobs_and_results_land_where_it_says(tmp_path):
     """The README's headline sweep, as written: every key exists, every one of its 48 jobs
     validates; and a multirun without hydra.sweep.dir writes multirun/<date>/<time>/<job>/, as
@@ -219,14 +224,13 @@ def test_the_readme_sweep_command_composes_48_valid_jobs_and_results_land_where_
     [command] = re.findall(r"^kvbench -m attention=mha,gqa,mqa .*$", readme, flags=re.M)
     assert command in (REPO / "docs" / "sweeps.md").read_text()  # the same command as the guide's
     overrides = shlex.split(command)[2:]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[o.split(",")[0] for o in overrides], return_hydra_config=True)
-        cfg.hydra.overrides.task = overrides
-        jobs = sweep_jobs(cfg)
-        assert len(jobs) == 24 == 3 * 2 * 2 * 2  # the count the README states
-        for job in jobs:
-            bench = to_bench_config(compose("config", overrides=job.overrides))
-            assert bench.workload.total_len <= bench.model.max_seq_len
+    cfg = compose(*[o.split(",")[0] for o in overrides], hydra=True)
+    cfg.hydra.overrides.task = overrides
+    jobs = sweep_jobs(cfg)
+    assert len(jobs) == 24 == 3 * 2 * 2 * 2  # the count the README states
+    for job in jobs:
+        bench = to_bench_config(compose(*job.overrides))
+        assert bench.workload.total_len <= bench.model.max_seq_len
     assert "multirun/<date>/<time>/<job number>/results.json" in (REPO / "docs" / "sweeps.md").read_text()
     assert "cache.shared" not in command  # it would run every decode job twice
     kvbench("-m", *IN_PROCESS, "attention=gqa", cwd=tmp_path)
@@ -236,6 +240,7 @@ def test_the_readme_sweep_command_composes_48_valid_jobs_and_results_land_where_
     assert read_record(record).status == "ok"
 
 
+@pytest.mark.e2e
 def test_ctrl_c_during_the_trials_records_interrupted_and_exits_130(tmp_path):
     """A real SIGINT to a running kvbench (as Ctrl-C sends it) while its job is inside the
     timed trials: the record says interrupted and keeps what was complete, the measuring child
@@ -259,6 +264,7 @@ def test_ctrl_c_during_the_trials_records_interrupted_and_exits_130(tmp_path):
     assert "interrupted" in run.stdout  # the run's table is printed
 
 
+@pytest.mark.e2e
 def test_a_record_the_disk_refuses_is_printed_as_json_in_one_line(tmp_path):
     """The final write fails (here the kernel refuses to grow a file past RLIMIT_FSIZE: EFBIG;
     a full disk, ENOSPC, takes the same path): one line says so, the record follows on stderr
@@ -281,6 +287,7 @@ def test_a_record_the_disk_refuses_is_printed_as_json_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(tmp_path, monkeypatch):
     """runtime.isolate=true (the default): the job runs in a child process, and what the Hydra
     task function returns is that child's results.json's metric; a resumed job (already ok)
@@ -288,8 +295,7 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     from kvbench.jobs import isolation
     from kvbench.jobs import job as cli_job
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, "runtime.fidelity=false", "objective=-decode_ms_p50"])
+    cfg = compose(*TINY, "runtime.fidelity=false", "objective=-decode_ms_p50")
     assert cfg.runtime.isolate is True
     monkeypatch.setattr(cli_job, "_job_context", lambda: (tmp_path, False, [], None))
 
@@ -306,6 +312,5 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     before = (tmp_path / "results.json").read_bytes()
     assert cli_job.hydra_job(cfg) == value and (tmp_path / "results.json").read_bytes() == before
     # No objective (a grid sweep): nothing is returned.
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        grid = compose("config", overrides=[*TINY, "runtime.fidelity=false"])
+    grid = compose(*TINY, "runtime.fidelity=false")
     assert cli_job.hydra_job(grid) is None

@@ -5,10 +5,9 @@ import os
 from typing import Optional, get_type_hints
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose
 
 from kvbench.config import (
-    CONF_DIR,
     BenchConfig,
     CacheConfig,
     DataConfig,
@@ -156,11 +155,6 @@ def test_values_at_the_bounds_are_accepted():
     assert DataConfig(max_bytes=1).max_bytes == 1 and DataConfig(max_bytes=None).max_bytes is None
 
 
-def compose_job(*overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
 @pytest.mark.parametrize("overrides, needle", [
     # a mandatory value left unset: once a random 2-layer model benchmarked as "ok"
     (["model=llama_dir"], "model.path=???: a value is required"),
@@ -183,14 +177,14 @@ def compose_job(*overrides):
 def test_a_composed_config_is_typed_per_job_naming_the_key(overrides, needle):
     """Hydra composes plain values (so one bad job of a sweep cannot stop the others);
     to_bench_config types them, and every failure is one line naming the key."""
-    cfg = compose_job(*overrides)  # composes: nothing is typed yet
+    cfg = compose(*overrides)  # composes: nothing is typed yet
     one_line_error(lambda: to_bench_config(cfg), needle)
 
 
 def test_a_key_the_preset_file_omits_takes_the_schema_default_and_can_be_overridden():
-    assert "rope_theta" not in compose_job("model=tiny").model  # conf/model/tiny.yaml omits it
-    assert to_bench_config(compose_job("model=tiny")).model.rope_theta == ModelConfig().rope_theta
-    assert to_bench_config(compose_job("model=tiny", "model.rope_theta=500")).model.rope_theta == 500.0
+    assert "rope_theta" not in compose("model=tiny").model  # conf/model/tiny.yaml omits it
+    assert to_bench_config(compose("model=tiny")).model.rope_theta == ModelConfig().rope_theta
+    assert to_bench_config(compose("model=tiny", "model.rope_theta=500")).model.rope_theta == 500.0
 
 
 def test_config_error_is_one_bounded_line():
@@ -303,11 +297,11 @@ def test_cache_dtype_choices_and_what_they_need():
 
 
 def test_an_objective_and_its_caps_are_typed_and_a_cap_needs_no_plus():
-    job = to_bench_config(compose_job("model=tiny", "objective=-decode_ms_p50", "objective_caps.kv_cache_bytes=1e6"))
+    job = to_bench_config(compose("model=tiny", "objective=-decode_ms_p50", "objective_caps.kv_cache_bytes=1e6"))
     assert (job.objective, job.objective_caps) == ("-decode_ms_p50", {"kv_cache_bytes": 1e6})
     assert objective_metric(job.objective) == ("decode_ms_p50", -1.0)
     assert objective_metric("tokens_per_s") == ("tokens_per_s", 1.0)
-    assert to_bench_config(compose_job("model=tiny")).objective is None  # the default: a grid returns nothing
+    assert to_bench_config(compose("model=tiny")).objective is None  # the default: a grid returns nothing
 
 
 @pytest.mark.parametrize("kv, kind", [(8, "mha"), (2, "gqa"), (1, "mqa")])
@@ -315,7 +309,7 @@ def test_the_attention_type_resolver_names_what_a_kv_head_count_is(kv, kind):
     """experiment=search derives attention.type from the searched count (the resolver is
     config.attention_type); the count still has to divide num_heads."""
     type_of = "attention.type='${kvbench_attention_type:${model.num_heads},${attention.num_kv_heads}}'"
-    job = to_bench_config(compose_job("model=tiny", type_of, f"attention.num_kv_heads={kv}"))
+    job = to_bench_config(compose("model=tiny", type_of, f"attention.num_kv_heads={kv}"))
     assert (job.attention.type, job.attention.num_kv_heads) == (kind, kv) == (attention_type(8, kv), kv)
-    one_line_error(lambda: to_bench_config(compose_job("model=tiny", type_of, "attention.num_kv_heads=3")),
+    one_line_error(lambda: to_bench_config(compose("model=tiny", type_of, "attention.num_kv_heads=3")),
                    "attention.num_kv_heads=3: must divide model.num_heads=8")

@@ -22,6 +22,7 @@ def _holder(lock_dir):
     return proc, proc.stdout.readline().strip()
 
 
+@pytest.mark.e2e
 def test_each_process_holds_its_own_gpu_until_it_dies(tmp_path):
     procs = []
     try:
@@ -51,6 +52,7 @@ def _job_on_a_gpu(lock_dir):
     return os.getpid(), hold_free_gpu(["GPU-aa", "GPU-bb"], lock_dir)
 
 
+@pytest.mark.e2e  # loky worker processes
 def test_joblib_workers_get_distinct_gpus(tmp_path):
     """What hydra/launcher=joblib does: loky worker processes each run several jobs."""
     from joblib import Parallel, delayed

@@ -2,7 +2,9 @@
 experiments/results/ alone unless told to write there."""
 
 import hashlib
+import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ def digests() -> dict:
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(COMMITTED.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.e2e  # the experiment script in its own interpreter
 def test_multiturn_ttft_writes_to_out_and_not_to_the_committed_results(tmp_path):
     before = digests()
     out = tmp_path / "report" / "ttft"
@@ -32,6 +35,7 @@ def test_multiturn_ttft_writes_to_out_and_not_to_the_committed_results(tmp_path)
     assert digests() == before
 
 
+@pytest.mark.e2e  # the experiment script in its own interpreter
 def test_overhead_experiments_write_to_out_and_not_to_the_committed_results(tmp_path):
     """The NVML-sampler and CPU-threads experiments on the tiny model: each writes its table to
     --out (the sampler's run asserts inside that the sampler thread really sampled)."""
@@ -46,6 +50,7 @@ def test_overhead_experiments_write_to_out_and_not_to_the_committed_results(tmp_
     assert digests() == before
 
 
+@pytest.mark.e2e  # the experiment script in its own interpreter
 def test_tpot_pairing_writes_both_designs_to_out(tmp_path):
     """The pairing experiment on the tiny model: a row per variant and design, a ratio per round."""
     before = digests()
@@ -60,7 +65,39 @@ def test_tpot_pairing_writes_both_designs_to_out(tmp_path):
     assert [(r[0], r[1]) for r in rows] == [("| gqa", "before/after"), ("| gqa", "paired"),
                                              ("| mqa", "before/after"), ("| mqa", "paired")]
     for r in rows:
-        ratios = [float(x) for x in r[2].split()]
-        assert len(ratios) == 2 and all(x > 0 for x in ratios)
-        assert float(r[5].rstrip(" |")) == pytest.approx(max(ratios) / min(ratios), abs=0.02)
+        check_pairing_row(r)
     assert digests() == before
+
+
+def check_pairing_row(r):
+    """A row of the pairing table, split on " | ", is consistent with itself. The table prints each
+    ratio and the spread to 2 decimals, the spread taken from the unrounded ratios: the printed
+    spread must lie in the range of max / min over every pair of ratios that print as these (each
+    within half a step), widened by its own rounding. (A fixed tolerance of 0.02 flaked under load,
+    where ratios spread: 0.605 and 1.975 print as 0.60 and 1.98 with a spread of 3.26, and
+    1.98 / 0.60 = 3.30.)"""
+    ratios = [float(x) for x in r[2].split()]
+    assert len(ratios) == 2 and all(x > 0 for x in ratios)
+    low, high = min(ratios), max(ratios)
+    spread = float(r[5].rstrip(" |"))
+    half = 0.005 + 1e-9  # half a printed step, and float slack at its edges
+    assert (high - half) / (low + half) - half <= spread <= (high + half) / (low - half) + half, r
+    assert r[3] == f"{low:.2f}-{high:.2f}" and float(r[4]) == pytest.approx((low + high) / 2, abs=2 * half)
+
+
+def test_the_pairing_row_check_holds_for_any_ratios_a_loaded_machine_measures():
+    """In this process, the script's own row formatting: ratios from 0.1 to 10 (a loaded machine
+    spreads them that far) never fail the check above, and a spread that is not max / min does."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from tpot_pairing import table_row
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    rng = random.Random(0)
+    for _ in range(20000):
+        ratios = [math.exp(rng.uniform(math.log(0.1), math.log(10))) for _ in range(2)]
+        check_pairing_row(table_row("gqa", "paired", ratios).split(" | "))
+    check_pairing_row(table_row("gqa", "paired", [0.605, 1.975]).split(" | "))  # 0.02 off the printed values
+    wrong = table_row("gqa", "paired", [0.60, 1.98]).replace("| 3.30 |", "| 3.20 |").split(" | ")
+    with pytest.raises(AssertionError):
+        check_pairing_row(wrong)

@@ -75,6 +75,7 @@ def test_fixed_shape_step_counts_the_positions_its_windows_read():
     assert step.lengths(cache_for(model, "static", 1, 20), range(11, 20)) == read == [16] * 5 + [20] * 4
 
 
+@pytest.mark.e2e
 def test_graph_step_gives_eager_tokens_and_never_recompiles():
     """runtime.compile=graph: the decode step compiled with fullgraph=True and static shapes.
     One graph serves every position of a decode (one context bucket), a second whole decode

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # the GPU check script, dry run: a shell and its interpreters
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

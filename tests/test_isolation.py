@@ -50,6 +50,7 @@ def write_then_die(job, out_dir, overrides, progress):
     (exit_3, "error", "exited with code 3"),
     (write_then_die, "ok", None),
 ])
+@pytest.mark.e2e
 def test_every_end_of_a_job_process_is_a_record(tmp_path, measure, status, needle):
     result = run_isolated(tiny_job(), tmp_path, ["x=1"], measure=measure)
     assert result.status == status and (needle is None or needle in result.error), result.error
@@ -60,6 +61,7 @@ def test_every_end_of_a_job_process_is_a_record(tmp_path, measure, status, needl
         assert on_disk.metrics == {"decode_ms_p50": 1.5}
 
 
+@pytest.mark.e2e
 def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(tmp_path):
     """A progress function that cannot be pickled (a lambda) fails while the job is handed to
     its process: recorded as error, never raised, never 'interrupted'."""
@@ -110,6 +112,7 @@ def start_parent(tmp_path, *mode):
     raise AssertionError(f"the job never started its trials (exit {proc.wait()})")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("isolate", ["isolate", "in-process"])
 def test_a_launchers_exit_on_preemption_is_recorded_interrupted_not_ok(tmp_path, isolate):
     """SIGUSR2 to every process of the job (as SLURM signals a job step): the parent's handler
@@ -130,6 +133,7 @@ def job_children(pid):
     return [c for c in psutil.Process(pid).children() if "child_main" in " ".join(c.cmdline())]
 
 
+@pytest.mark.e2e
 def test_a_job_process_stops_when_kvbench_is_killed(tmp_path):
     """SIGKILL to the parent (a killed sweep): its job's process notices, records interrupted
     and exits, instead of measuring on after the parent's claim on the job is gone."""

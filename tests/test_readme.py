@@ -19,13 +19,14 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-from conftest import TEXT, llama_dir
+from conftest import TEXT, compose, llama_dir
+
+pytestmark = pytest.mark.e2e  # every test runs README commands as a user does: fresh processes
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README and every hand-written docs page (the generated references hold no commands).
@@ -72,45 +73,63 @@ class Step:
     path: str = "normal"
 
 
-# Commands in the order they run (a later one may use what an earlier one wrote); the chains
-# are independent of each other and run two at a time.
-CHAINS: List[Dict[str, Step]] = [
-    {
-        "kvbench": Step(TINY),
+# Commands in the order they run, one chain per test (a later command may use what an earlier one
+# of its chain wrote): each chain is its own test, so pytest-xdist spreads them over the workers.
+TRAIN_MHA = "kvbench task=train model=train_small attention=mha runtime.threads=1"
+CHAINS: Dict[str, Dict[str, Step]] = {
+    "quick start": {"kvbench": Step(TINY)},
+    "flagship": {
         "kvbench -m attention=mha,gqa,mqa workload.prompt_len=512,2048 workload.batch_size=1,8 "
         "runtime.dtype=float32,bfloat16": Step([*SWEEP, "hydra.sweep.dir=multirun/flagship"],
                                                 {"workload.prompt_len=512,2048": "workload.prompt_len=16,32"}),
+    },
+    "inspect": {
         "kvbench task=inspect model=llama2_70b attention=gqa": Step(),
         "kvbench task=inspect model=llama2_7b attention=mha workload.prompt_len=4000 workload.gen_len=96 "
         "workload.batch_size=64": Step(),
+        "kvbench task=inspect model=llama2_7b": Step(),
+    },
+    "slurm": {
         "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
         "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),
+    },
+    "multiturn": {
         "kvbench -m model=tiny workload=multiturn attention=mha,gqa,mqa cache.shared=false,true "
         "runtime.threads=1": Step([*CHAT, "hydra.sweep.dir=multirun/chat"]),
         "kvbench model=tiny workload=multiturn cache.shared=true": Step(CHAT),
+    },
+    "choose": {
         "kvbench experiment=choose": Step(["model.num_layers=2", "capacity.context_lens=[16,32]",
                                            "capacity.max_batch=4", "workload.gen_len=2", "workload.system_len=16",
                                            "workload.user_len=4", "workload.reply_len=2", "runtime.isolate=false",
                                            "slo.tpot_x_batch1=null", "wandb=disabled",
                                            "hydra.sweep.dir=multirun/choose"]),
-        "kvbench task=inspect model=llama2_7b": Step(),
     },
-    {
-        "kvbench task=train model=train_small attention=mha runtime.threads=1": Step(TRAIN),
+    "training": {
+        TRAIN_MHA: Step(TRAIN),
         "kvbench task=eval attention=mha train.checkpoint=outputs/<date>/<time>/checkpoint.pt": Step(SMALL_TEXT),
         "kvbench task=train model=train_small data.path=/path/to/text": Step(TRAIN),
+    },
+    "uptraining": {  # the same MHA training first: its checkpoint is the one the README uptrains
+        TRAIN_MHA: Step(TRAIN),
         "kvbench -m task=train model=train_small attention=gqa,mqa "
         "train.init_from=outputs/<date>/<time>/checkpoint.pt train.steps=0,100": Step(
             [*TRAIN[1:], "hydra.sweep.dir=multirun/uptrain"], {"train.steps=0,100": "train.steps=0,2"}),
+    },
+    "llama checkpoint": {
         "kvbench task=eval attention=mha train.checkpoint=/path/to/llama data.path=/path/to/text.txt": Step(SMALL_TEXT),
         "kvbench model=llama_dir model.path=/path/to/llama attention=mha": Step(
             ["workload.prompt_len=16", "workload.gen_len=2", *QUICK]),
+    },
+    "llama32": {
         # the worked example of "Your own checkpoint": the directory is made in this chain's cwd
         "python scripts/make_hf_dir.py --out llama32_tiny": Step(swap={"scripts/": f"{ROOT}/scripts/"}),
         "kvbench -m model=hf_dir model.path=llama32_tiny attention=gqa,mqa workload.prompt_len=128 "
         "hydra.sweep.dir=multirun/llama32": Step(["workload.gen_len=2", "runtime.isolate=false", *QUICK]),
         "kvbench -m task=eval train.checkpoint=llama32_tiny attention=gqa,mqa hydra.sweep.dir=multirun/llama32_eval":
             Step(["runtime.isolate=false", *SMALL_TEXT]),
+    },
+    "demo": {
         "kvbench -m model=tiny attention=mha,gqa,mqa workload.prompt_len=64,256 workload.batch_size=1,4 "
         "workload.gen_len=16 hydra.sweep.dir=multirun/kv_demo": Step(SWEEP, {"workload.prompt_len=64,256":
                                                                                "workload.prompt_len=16,32"}),
@@ -119,8 +138,8 @@ CHAINS: List[Dict[str, Step]] = [
         # never saved from a test (a developer's own W&B login would get a workspace)
         "kvbench-dashboard multirun/kv_demo": Step(["--no-publish"]),
     },
-]
-RUN = {command: step for chain in CHAINS for command, step in chain.items()}
+}
+RUN = {command: step for chain in CHAINS.values() for command, step in chain.items()}
 
 NOT_RUN = {
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
@@ -179,52 +198,63 @@ NOT_RUN = {
 def test_every_readme_command_is_run_here_or_listed_with_why():
     commands = readme_commands()
     assert not set(RUN) & set(NOT_RUN)
-    assert sorted(set(commands) - set(RUN) - set(NOT_RUN)) == [], "a README command is neither run nor listed"
-    assert sorted((set(RUN) | set(NOT_RUN)) - set(commands)) == [], "listed here but no longer in the README"
+    assert sorted(set(commands) - set(RUN) - set(NOT_RUN)) == [], "a README or docs command is neither run nor listed"
+    assert sorted((set(RUN) | set(NOT_RUN)) - set(commands)) == [], "listed here but no longer in the README or the docs"
 
 
 Ran = Dict[str, Tuple[subprocess.CompletedProcess, List[str], Path]]
 
 
-@pytest.fixture(scope="module")
-def ran(tmp_path_factory) -> Ran:
-    """Every command of RUN, each chain in a fresh directory as a user's working directory (two
-    single runs started in the same second would share outputs/<date>/<time>): command ->
-    (finished process, the argv that ran, its working directory)."""
-    data = tmp_path_factory.mktemp("data")
+def places(name: str, data: Path) -> Dict[str, str]:
+    """The README's placeholder paths that chain ``name`` uses, made real under ``data``: a text
+    directory, a text file, a GQA checkpoint."""
+    data.mkdir()
     (data / "text").mkdir()
     (data / "text" / "a.txt").write_bytes(TEXT)
     (data / "text.txt").write_bytes(TEXT)
-    llama, _ = llama_dir(data / "llama", num_kv_heads=2, vocab_size=256)  # a GQA checkpoint, byte vocabulary
-    places = {"/path/to/text.txt": str(data / "text.txt"), "/path/to/text": str(data / "text"),
-              "/path/to/llama": str(llama)}
+    found = {"/path/to/text.txt": str(data / "text.txt"), "/path/to/text": str(data / "text")}
+    if any("/path/to/llama" in command for command in CHAINS[name]):
+        llama, _ = llama_dir(data / "llama", num_kv_heads=2, vocab_size=256)  # a GQA checkpoint, byte vocabulary
+        found["/path/to/llama"] = str(llama)
+    return found
+
+
+def run_chain(name: str, cwd: Path, places: Dict[str, str]) -> Ran:
+    """The commands of CHAINS[name] in order, in ``cwd`` as a user's working directory (a fresh
+    one per chain: two single runs started in the same second would share outputs/<date>/<time>):
+    command -> (finished process, the argv that ran, its working directory)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     env.update(WANDB_MODE="disabled", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     results: Ran = {}
-
-    def run_chain(chain: Dict[str, Step]) -> None:
-        cwd = tmp_path_factory.mktemp("user")
-        checkpoint = None
-        for command, step in chain.items():
-            text = command
-            for old, new in {**places, **step.swap}.items():
-                text = text.replace(old, new)
-            if "outputs/<date>/<time>/checkpoint.pt" in text:
-                assert checkpoint, f"{command}: no checkpoint printed by an earlier command"
-                text = text.replace("outputs/<date>/<time>/checkpoint.pt", checkpoint)
-            argv = shlex.split(text) + step.extra
-            start = time.perf_counter()
-            proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600,
-                                  env={**env, "PATH": str(BIN)} if step.path == "no slurm" else env)
-            print(f"{time.perf_counter() - start:6.1f} s  {command[:100]}", file=sys.stderr)
-            results[command] = (proc, argv, cwd)
-            # outputs/<date>/<time>/checkpoint.pt is the first training's (the MHA one the README uptrains)
-            printed = re.search(r"^checkpoint: (.+)$", proc.stdout, re.M)
-            checkpoint = checkpoint or (printed.group(1) if printed else None)
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(run_chain, CHAINS))
+    checkpoint = None
+    for command, step in CHAINS[name].items():
+        text = command
+        for old, new in {**places, **step.swap}.items():
+            text = text.replace(old, new)
+        if "outputs/<date>/<time>/checkpoint.pt" in text:
+            assert checkpoint, f"{command}: no checkpoint printed by an earlier command"
+            text = text.replace("outputs/<date>/<time>/checkpoint.pt", checkpoint)
+        argv = shlex.split(text) + step.extra
+        start = time.perf_counter()
+        proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600,
+                              env={**env, "PATH": str(BIN)} if step.path == "no slurm" else env)
+        print(f"{time.perf_counter() - start:6.1f} s  {command[:100]}", file=sys.stderr)
+        results[command] = (proc, argv, cwd)
+        # outputs/<date>/<time>/checkpoint.pt is the first training's (the MHA one the README uptrains)
+        printed = re.search(r"^checkpoint: (.+)$", proc.stdout, re.M)
+        checkpoint = checkpoint or (printed.group(1) if printed else None)
     return results
+
+
+@pytest.fixture
+def ran(request, tmp_path) -> Ran:
+    """The chain a test names with ``@chain(name)``, run in a fresh working directory."""
+    (tmp_path / "user").mkdir()
+    return run_chain(request.param, tmp_path / "user", places(request.param, tmp_path / "data"))
+
+
+def chain(name: str):
+    return pytest.mark.parametrize("ran", [name], indirect=True, ids=[name.replace(" ", "_")])
 
 
 def result(ran: Ran, command: str) -> subprocess.CompletedProcess:
@@ -249,6 +279,7 @@ def comparison_rows(out: str) -> List[List[str]]:
     return [[c.strip() for c in re.split("[│┃]", line)[1:-1]] for line in last.splitlines() if line and line[0] in "│┃"]
 
 
+@chain("quick start")
 def test_quick_start_runs_the_default_benchmark(ran):
     out = result(ran, "kvbench").stdout
     path = Path(re.search(r"^results: (.+)$", out, re.M).group(1))
@@ -258,6 +289,7 @@ def test_quick_start_runs_the_default_benchmark(ran):
     assert "- `decode_vs_context.png` not drawn: needs >= 2 values" in (path.parent / "summary.md").read_text()
 
 
+@chain("flagship")
 def test_flagship_sweep_has_24_jobs_and_ends_with_the_variants_side_by_side(ran):
     command = next(c for c in RUN if c.startswith("kvbench -m attention=mha,gqa,mqa workload.prompt_len=512,2048"))
     out = result(ran, command).stdout
@@ -275,8 +307,10 @@ def test_flagship_sweep_has_24_jobs_and_ends_with_the_variants_side_by_side(ran)
     assert len(kv) == 8 and all(r[5].endswith("(0.250×)") and r[6].endswith("(0.125×)") for r in kv)
 
 
+@chain("inspect")
 def test_inspect_prints_the_numbers_the_readme_quotes(ran):
     result(ran, "kvbench task=inspect model=llama2_70b attention=gqa")
+    result(ran, "kvbench task=inspect model=llama2_7b")  # per-token KV bytes of every KV dtype: it runs
     out = result(ran, "kvbench task=inspect model=llama2_7b attention=mha workload.prompt_len=4000 "
                       "workload.gen_len=96 workload.batch_size=64").stdout
     quoted = re.search(r"`(elements per layer \(K\+V\): [^`]+)`", README).group(1)
@@ -286,6 +320,7 @@ def test_inspect_prints_the_numbers_the_readme_quotes(ran):
     assert all(f"{n:,}" in quoted for n in (per_token, per_token * 4096, per_token * 4096 * 64))
 
 
+@chain("slurm")
 def test_a_slurm_sweep_without_slurm_is_one_line(ran):
     proc, argv, _ = ran[next(c for c in RUN if "hydra/launcher=slurm" in c)]
     assert proc.returncode == 2, proc.stderr
@@ -293,6 +328,7 @@ def test_a_slurm_sweep_without_slurm_is_one_line(ran):
     assert line.startswith("kvbench: invalid config: hydra/launcher=slurm: no SLURM on this machine")
 
 
+@chain("training")
 def test_training_prints_its_checkpoint_and_progress_and_eval_records_what_it_measured(ran):
     trained = result(ran, "kvbench task=train model=train_small attention=mha runtime.threads=1")
     checkpoint = Path(re.search(r"^checkpoint: (.+)$", trained.stdout, re.M).group(1))
@@ -309,6 +345,7 @@ def test_training_prints_its_checkpoint_and_progress_and_eval_records_what_it_me
     assert rec["status"] == "ok" and rec["config"]["data"]["path"].endswith("text")
 
 
+@chain("uptraining")
 def test_uptraining_converts_the_mha_checkpoint(ran):
     command = next(c for c in RUN if "train.init_from" in c)
     result(ran, command)
@@ -323,6 +360,7 @@ def test_uptraining_converts_the_mha_checkpoint(ran):
             assert m["perplexity"] == m["ppl_before_uptrain"]
 
 
+@chain("llama checkpoint")
 def test_a_gqa_llama_checkpoint_is_evaluated_and_benchmarked_as_mha(ran):
     for command in ("kvbench task=eval attention=mha train.checkpoint=/path/to/llama data.path=/path/to/text.txt",
                     "kvbench model=llama_dir model.path=/path/to/llama attention=mha"):
@@ -333,6 +371,7 @@ def test_a_gqa_llama_checkpoint_is_evaluated_and_benchmarked_as_mha(ran):
         assert rec["config"]["model"]["preset_kv_heads"] == 2 and rec["metrics"]["kv_heads_conversion"] == "repeat"
 
 
+@chain("llama32")
 def test_the_llama32_example_benchmarks_and_evaluates_gqa_and_pooled_mqa(ran):
     """The worked example: a random Llama-3.2-shaped directory (llama3 rope scaling, 32/8 heads,
     tied) benchmarked and evaluated as its own GQA and as MQA mean-pooled from it."""
@@ -358,6 +397,7 @@ def records_by_kv(directory: Path) -> Dict[int, dict]:
     return {r["config"]["attention"]["num_kv_heads"]: r for r in records(directory)}
 
 
+@chain("multiturn")
 def test_multiturn_commands_print_their_ttft_tables(ran):
     command = next(c for c in RUN if c.startswith("kvbench -m model=tiny workload=multiturn"))
     assert "multi-turn TTFT: cache.shared=false vs true" in result(ran, command).stdout
@@ -367,6 +407,7 @@ def test_multiturn_commands_print_their_ttft_tables(ran):
     assert "turns (cache.shared=True)" in single.stdout
 
 
+@chain("choose")
 def test_experiment_choose_prints_the_article_table_and_writes_its_plot(ran):
     proc = result(ran, "kvbench experiment=choose")
     assert "which attention to deploy" in proc.stdout and "memory tight:" in proc.stdout
@@ -382,6 +423,7 @@ def test_experiment_choose_prints_the_article_table_and_writes_its_plot(ran):
     assert (sweep / "capacity_vs_context.png").is_file()
 
 
+@chain("demo")
 def test_the_demo_sweep_and_its_reports(ran):
     command = next(c for c in RUN if "multirun/kv_demo" in c and c.startswith("kvbench -m"))
     result(ran, command)
@@ -434,17 +476,14 @@ def composed_jobs(command: str) -> List[List[str]]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", COMPOSED)
 def test_a_command_not_run_here_composes_and_every_job_validates(command):
-    from hydra import compose, initialize_config_dir
-
-    from kvbench.config import CONF_DIR, to_bench_config
+    from kvbench.config import to_bench_config
 
     jobs = composed_jobs(command)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for overrides in jobs:
-            # the hydra/... overrides too (a launcher preset and its keys must exist) ...
-            compose("config", overrides=overrides, return_hydra_config=True)
-            # ... and the job's own config types and validates, as each job does when it starts
-            bench = to_bench_config(compose("config", overrides=[o for o in overrides if not o.startswith("hydra")]))
-            assert bench.task in ("bench", "capacity", "compare")
+    for overrides in jobs:
+        # the hydra/... overrides too (a launcher preset and its keys must exist) ...
+        compose(*overrides, hydra=True)
+        # ... and the job's own config types and validates, as each job does when it starts
+        bench = to_bench_config(compose(*[o for o in overrides if not o.startswith("hydra")]))
+        assert bench.task in ("bench", "capacity", "compare")
     if "hydra/launcher=joblib" in command:  # the multi-GPU form: one job per GPU, each taking a free one
         assert len(jobs) == 9 and all("runtime.device=cuda:free" in job for job in jobs)

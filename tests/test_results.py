@@ -11,10 +11,9 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from conftest import call_with_timeout
-from hydra import compose, initialize_config_dir
+from conftest import call_with_timeout, compose
 
-from kvbench.config import CONF_DIR, register_configs, to_bench_config
+from kvbench.config import to_bench_config
 from kvbench.jobs.claim import CLAIM_FILE, claim_holder, claim_job, completed_record
 from kvbench.jsonio import write_json_atomic
 from kvbench.results import RecordError, RunResult, flatten, lookup, nonfinite_metrics, objective_value, read_record
@@ -24,9 +23,7 @@ TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.w
 
 
 def config_of(*overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return asdict(to_bench_config(compose("config", overrides=list(overrides))))
+    return asdict(to_bench_config(compose(*overrides)))
 
 
 def test_completed_record_needs_ok_status_and_the_same_config(tmp_path):
@@ -143,6 +140,7 @@ def test_a_claim_is_exclusive_names_its_holder_and_is_released(tmp_path):
         assert again is not None and claim_holder(tmp_path / "job") is not None
 
 
+@pytest.mark.e2e
 def test_a_claim_of_a_killed_process_expires(tmp_path):
     """A process that dies without releasing (SIGKILL) leaves its name in the file but no claim."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvbench.jobs.claim import claim_job; "

@@ -10,13 +10,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import byte_decoder, call_with_timeout, llama_dir
-from hydra import compose, initialize_config_dir
+from conftest import byte_decoder, call_with_timeout, compose, llama_dir
 from safetensors.torch import load_file, save_file
 
 from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import save_checkpoint
-from kvbench.config import CONF_DIR
 from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError
 from kvbench.jobs import runner
 from kvbench.jobs.runner import run_job
@@ -27,9 +25,7 @@ TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.w
 
 
 def job(tmp_path, *overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["wandb.mode=disabled", "runtime.peak_gb_per_s=10", *overrides])
-    return run_job(cfg, tmp_path)
+    return run_job(compose("wandb.mode=disabled", "runtime.peak_gb_per_s=10", *overrides), tmp_path)
 
 
 def test_train_then_eval_through_the_runner(tmp_path, monkeypatch):
@@ -108,8 +104,7 @@ def stop_at_trial(trial, exc):
                                       (SystemExit(-1), "stopped by SystemExit(-1)")])
 def test_a_job_stopped_mid_trials_is_recorded_interrupted_and_the_stop_goes_on(tmp_path, exc, why):
     """Before: ``except Exception`` missed both, and the ``finally`` wrote status ok."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["wandb.mode=disabled", *TINY])
+    cfg = compose("wandb.mode=disabled", *TINY)
     with pytest.raises(type(exc)) as raised:
         run_job(cfg, tmp_path, progress=stop_at_trial(2, exc))
     rec = read_record(tmp_path)

@@ -11,20 +11,15 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
-from conftest import LiveKvbench
-from hydra import compose, initialize_config_dir
+from conftest import LiveKvbench, compose
 from omegaconf import OmegaConf
 
-from kvbench.config import register_configs, to_bench_config
+from kvbench.config import to_bench_config
 from kvbench.jobs.claim import claim_job
 from kvbench.jobs.isolation import oom_kills
 from kvbench.results import RunResult, find_results, read_record
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
@@ -45,23 +40,18 @@ def run_env(**extra):
     return dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="1", **extra)
 
 
-def compose_cfg(*overrides, hydra=False):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
-
-
 @pytest.mark.parametrize("preset, target", [("slurm", "SlurmLauncher"), ("local", "LocalLauncher")])
 def test_launcher_presets_extend_the_plugin_configs(preset, target):
-    cfg = compose_cfg(f"hydra/launcher={preset}", "hydra.launcher.timeout_min=7", hydra=True)
+    cfg = compose(f"hydra/launcher={preset}", "hydra.launcher.timeout_min=7", hydra=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_ == f"hydra_plugins.hydra_submitit_launcher.submitit_launcher.{target}"
     assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.timeout_min == 7
     # typed by the plugin's dataclass: a bad value is rejected naming the key
     with pytest.raises(Exception, match="gpus_per_node"):
-        compose_cfg(f"hydra/launcher={preset}", "hydra.launcher.gpus_per_node=two", hydra=True)
+        compose(f"hydra/launcher={preset}", "hydra.launcher.gpus_per_node=two", hydra=True)
 
 
+@pytest.mark.e2e
 def test_slurm_preset_submits_an_array_with_one_gpu_per_job(tmp_path):
     """The real plugin builds the sbatch script; a stand-in sbatch keeps it and refuses the job."""
     bin_dir, captured = tmp_path / "bin", tmp_path / "captured.sh"
@@ -84,12 +74,14 @@ def test_slurm_preset_submits_an_array_with_one_gpu_per_job(tmp_path):
             "--job-name=kvbench"} <= directives
 
 
+@pytest.mark.e2e
 def test_submitit_local_multirun_writes_every_record(tmp_path):
     from kvbench.cache import kv_cache_bytes
 
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        kvbench_cmd("-m", "hydra/launcher=local", "hydra.launcher.timeout_min=3", *TINY,
+        # jobs measured in the submitit job's own process: the claim is submitit's process per job
+        kvbench_cmd("-m", "hydra/launcher=local", "hydra.launcher.timeout_min=3", *IN_PROCESS,
                     "attention=mha,mqa", f"hydra.sweep.dir={sweep}"),
         cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -108,6 +100,7 @@ def test_submitit_local_multirun_writes_every_record(tmp_path):
     assert "2 ok" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_joblib_multirun_measures_each_job_in_its_own_process(tmp_path):
     """hydra/launcher=joblib runs jobs in loky worker processes; each still measures in a
     process of its own. (With multiprocessing's spawn the child inherited the start method
@@ -124,6 +117,7 @@ def test_joblib_multirun_measures_each_job_in_its_own_process(tmp_path):
     assert "1 ok" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_sigkill_mid_sweep_then_rerun_completes_only_the_missing_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = kvbench_cmd("-m", *IN_PROCESS, "attention=gqa", "attention.num_kv_heads=2",
@@ -182,6 +176,7 @@ def test_report_counts_each_job_once_over_a_sweep_from_two_hosts(tmp_path):
         assert [r["job"] for r in csv.DictReader(f)] == ["0", "1", "2", "3"]
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_the_sweep_with_its_table_and_resume_reruns_only_the_interrupted_job(tmp_path):
     """Job 1 of 3 is interrupted by a real SIGINT inside its trials: the sweep stops (exit 130)
     with a table of what finished (job 2 never ran); the same command again skips job 0 and runs
@@ -208,6 +203,7 @@ def test_ctrl_c_stops_the_sweep_with_its_table_and_resume_reruns_only_the_interr
     assert "3 ok" in again.stdout
 
 
+@pytest.mark.e2e
 def test_a_job_process_killed_mid_job_becomes_a_record_and_the_sweep_goes_on(tmp_path):
     """SIGKILL to the process measuring job 0 (what the OOM killer or `kill -9` does): job 0 is
     recorded (interrupted, or oom if the kernel's OOM-kill count rose meanwhile), job 1 runs."""
@@ -225,6 +221,7 @@ def test_a_job_process_killed_mid_job_becomes_a_record_and_the_sweep_goes_on(tmp
     assert f"1 {expected}, 1 ok" in run.stdout
 
 
+@pytest.mark.e2e
 def test_two_kvbench_processes_on_one_sweep_never_measure_one_job_twice(tmp_path):
     """While the first kvbench runs job 0, a second one on the same sweep directory finds it
     claimed: one line naming the holder, no measuring process, `running` in its table."""
@@ -244,6 +241,7 @@ def test_two_kvbench_processes_on_one_sweep_never_measure_one_job_twice(tmp_path
     assert read_record(sweep / "0").status == "interrupted"
 
 
+@pytest.mark.e2e
 def test_each_job_of_a_sweep_reports_its_own_peak_rss_and_threads(tmp_path):
     """Job 0 holds ~300 MB more than job 1 and sets its own thread count; job 1 (threads null)
     must report its own smaller peak and torch's default count, not job 0's. (Before: one
@@ -272,7 +270,7 @@ def test_each_job_of_a_sweep_reports_its_own_peak_rss_and_threads(tmp_path):
 
 
 def sweep_config(sweep_dir, *task):
-    cfg = compose_cfg(*[o.split(",")[0] for o in task], hydra=True)
+    cfg = compose(*[o.split(",")[0] for o in task], hydra=True)
     cfg.hydra.overrides.task = list(task)
     cfg.hydra.sweep.dir = str(sweep_dir)
     return cfg
@@ -289,7 +287,7 @@ def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, c
     sweep = tmp_path / "sweep"
     task = ["model=tiny", "attention.num_kv_heads=2,4"]
     cfg = sweep_config(sweep, *task)
-    config = lambda kv: asdict(to_bench_config(compose_cfg("model=tiny", f"attention.num_kv_heads={kv}")))
+    config = lambda kv: asdict(to_bench_config(compose("model=tiny", f"attention.num_kv_heads={kv}")))
     RunResult("ok", config(2), overrides=["model=tiny", "attention.num_kv_heads=2"],
               metrics={"decode_ms_p50": 1.0}).write(sweep / "0")
     (sweep / "1").mkdir()
@@ -312,15 +310,16 @@ def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, c
         assert sweep_end(cfg) == 0 and "1 ok, 1 running" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_another_sweep_into_a_sweep_directory_is_refused_in_one_line(tmp_path):
     """A sweep with other overrides would renumber and overwrite the jobs already there: it is
     refused before any job runs; the same sweep again (or with rerun=true) resumes as before."""
-    sweep = tmp_path / "sweep"
-    first = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}"),
+    sweep = tmp_path / "sweep"  # jobs in kvbench's own process: the refusal is the sweep's, not a job's
+    first = subprocess.run(kvbench_cmd("-m", *IN_PROCESS, "attention=mha,mqa", f"hydra.sweep.dir={sweep}"),
                            cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
     before = {p: p.read_bytes() for p in sweep.glob("*/results.json")}
-    other = subprocess.run(kvbench_cmd("-m", *TINY, "attention=gqa,mqa", f"hydra.sweep.dir={sweep}"),
+    other = subprocess.run(kvbench_cmd("-m", *IN_PROCESS, "attention=gqa,mqa", f"hydra.sweep.dir={sweep}"),
                            cwd=tmp_path, env=dict(run_env(), HYDRA_FULL_ERROR="0"), capture_output=True,
                            text=True, timeout=180)
     assert other.returncode == 2, other.stdout + other.stderr
@@ -328,8 +327,9 @@ def test_another_sweep_into_a_sweep_directory_is_refused_in_one_line(tmp_path):
     assert line.startswith(f"kvbench: invalid config: hydra.sweep.dir='{sweep}': holds another sweep (")
     assert "attention=mha,mqa" in line and "new hydra.sweep.dir" in line
     assert {p: p.read_bytes() for p in sweep.glob("*/results.json")} == before and len(before) == 2
-    again = subprocess.run(kvbench_cmd("-m", *TINY, "attention=mha,mqa", f"hydra.sweep.dir={sweep}", "rerun=false"),
-                           cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
+    again = subprocess.run(kvbench_cmd("-m", *IN_PROCESS, "attention=mha,mqa", f"hydra.sweep.dir={sweep}",
+                                       "rerun=false"), cwd=tmp_path, env=run_env(), capture_output=True, text=True,
+                           timeout=180)
     assert again.returncode == 0 and again.stderr.count("skipped:") == 2, again.stdout + again.stderr
 
 
@@ -343,12 +343,13 @@ SEARCH = ["experiment=search", "model=tiny", "attention.num_kv_heads=choice(1,2,
 
 def search_config(sweep_dir, *overrides):
     """The config a search's callbacks see: its choice(...) axes are the sweeper's, not composed."""
-    cfg = compose_cfg(*[o for o in overrides if "choice(" not in o], hydra=True)
+    cfg = compose(*[o for o in overrides if "choice(" not in o], hydra=True)
     cfg.hydra.overrides.task = list(overrides)
     cfg.hydra.sweep.dir = str(sweep_dir)
     return cfg
 
 
+@pytest.mark.e2e
 def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials_over_the_cap(tmp_path):
     """The best trial Optuna reports (optimization_results.yaml) is the largest tokens_per_s
     among the trials' results.json whose KV cache is within the cap, recomputed from the files;
@@ -400,6 +401,7 @@ def test_a_search_that_could_not_mean_anything_is_refused_before_any_job(tmp_pat
     assert str(err.value).startswith(needle) and "\n" not in str(err.value)
 
 
+@pytest.mark.e2e
 def test_a_search_whose_trials_all_fail_still_ends_with_the_sweeps_table_and_exit_1(tmp_path):
     """Optuna has no best trial to report when no trial returned a value (each over a 1-byte
     cap): one line says the sweeper failed, kvbench's table and report still come, exit 1."""

@@ -9,6 +9,7 @@ A module of its own, so that a base commit without the compiled step still runs 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from benchkit import (  # noqa: F401
     ATOL,
@@ -27,6 +28,7 @@ from kvbench.cache import cache_for
 from kvbench.generate import FixedShapeStep, compiled_graphs
 
 
+@pytest.mark.e2e
 def test_decode_step_graph(benchmark, slowdown):
     model = bench_decoder("gqa")
     prompt = prompt_for(model)

@@ -60,6 +60,7 @@ def test_only_regular_files_are_read(corpus):
             read_in_thread(DataConfig(path=str(corpus / special)))
 
 
+@pytest.mark.e2e
 def test_the_cap_bounds_what_is_read_not_only_what_is_kept(tmp_path):
     """A 16 GiB (sparse) file under data.max_bytes=1000: exactly 1000 bytes are read. Run with
     the address space limited to 1 GiB more than the process uses, so reading the file whole

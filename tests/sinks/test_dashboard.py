@@ -69,6 +69,7 @@ def references(view: dict):
     return config, summary, history, grouping
 
 
+@pytest.mark.e2e
 def test_the_sweep_writes_a_workspace_whose_panels_match_its_runs(sweep):
     sweep_dir, proc = sweep
     assert f"workspace: {sweep_dir / WORKSPACE_MD}" in proc.stdout
@@ -102,6 +103,7 @@ def test_the_sweep_writes_a_workspace_whose_panels_match_its_runs(sweep):
     assert f"runs of group `{group}`" in md and "scatter: `decode_ms_p50` against config `workload.batch_size`" in md
 
 
+@pytest.mark.e2e
 def test_the_spec_is_the_libraries_model_and_loads_back(sweep):
     from wandb_workspaces.workspaces import Workspace, internal
 
@@ -112,6 +114,7 @@ def test_the_spec_is_the_libraries_model_and_loads_back(sweep):
     assert loaded.project == "kvbench" and loaded.settings.max_runs == 10
 
 
+@pytest.mark.e2e
 def test_dashboard_without_credentials_is_one_line_and_loses_nothing(sweep, tmp_path, monkeypatch, capsys):
     sweep_dir, _ = sweep
     for var, value in wandb_env(tmp_path).items():

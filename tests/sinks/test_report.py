@@ -204,6 +204,7 @@ def test_cli_on_missing_or_empty_directory_exits_with_a_clear_message(tmp_path, 
     assert not list((tmp_path / "empty").iterdir())
 
 
+@pytest.mark.e2e
 def test_console_script_writes_the_report(sweep, tmp_path):
     # The console script pyproject installs beside this interpreter, as a user runs it.
     script = Path(sys.executable).parent / "kvbench-report"

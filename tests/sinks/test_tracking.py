@@ -77,6 +77,7 @@ def sweep(tmp_path_factory):
     return sweep_dir, proc
 
 
+@pytest.mark.e2e
 def test_offline_run_holds_the_config_and_metrics_of_results_json(sweep):
     sweep_dir, _ = sweep
     rec = json.loads((sweep_dir / "0" / "results.json").read_text())
@@ -99,6 +100,7 @@ def test_offline_run_holds_the_config_and_metrics_of_results_json(sweep):
     assert run["summary"]["status"] == "ok"
 
 
+@pytest.mark.e2e
 def test_offline_run_records_group_series_and_results_artifact(sweep):
     sweep_dir, _ = sweep
     rec = json.loads((sweep_dir / "0" / "results.json").read_text())
@@ -125,6 +127,7 @@ def test_offline_run_records_group_series_and_results_artifact(sweep):
     assert entry["digest"] == base64.b64encode(hashlib.md5(body).digest()).decode()
 
 
+@pytest.mark.e2e
 def test_invalid_job_is_tracked_with_its_status_and_the_sweep_report_lists_it(sweep):
     sweep_dir, proc = sweep
     run = leet(only_run_dir(sweep_dir / "1"), summary=True)
@@ -148,6 +151,7 @@ def make_result(job_dir: Path) -> RunResult:
     return result
 
 
+@pytest.mark.e2e
 def test_per_turn_table_is_a_wandb_table(tmp_path, in_process_wandb):
     result = make_result(tmp_path)
     run_dir = track(result, {"mode": "offline", "project": "kvbench", "group": "mine"}, tmp_path)
@@ -168,6 +172,7 @@ def test_per_turn_table_is_a_wandb_table(tmp_path, in_process_wandb):
     assert [(h["turn"], h["turns/context_len"]) for h in history if "turns/context_len" in h] == [(1, 40)]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["init", "log"])
 def test_a_wandb_failure_only_warns(where, tmp_path, in_process_wandb, monkeypatch, caplog):
     import wandb
@@ -250,6 +255,7 @@ def test_online_without_a_network_waits_init_timeout_once_per_sweep(tmp_path, in
     assert not (sweep / UNREACHABLE_MARKER).exists()
 
 
+@pytest.mark.e2e
 def test_disabled_mode_writes_nothing_and_never_imports_wandb(tmp_path):
     code = ("import sys; from pathlib import Path; from kvbench.results import read_record; "
             "from kvbench.sinks.tracking import track; "
@@ -274,6 +280,7 @@ def test_sweep_group_and_run_name():
     assert run_name([]) == "defaults" and swept_keys(None) == [] and swept_keys("/no/such/dir") == []
 
 
+@pytest.mark.e2e
 def test_swept_keys_are_the_sweep_overrides_hydra_saved(sweep):
     sweep_dir, _ = sweep
     assert swept_keys(sweep_dir) == ["attention.num_kv_heads"]  # not model=tiny, attention=gqa, ...

@@ -6,9 +6,9 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from conftest import compose
 
-from kvbench.config import CONF_DIR, BenchConfig, to_bench_config
+from kvbench.config import BenchConfig, to_bench_config
 from kvbench.config_errors import ConfigError
 from kvbench.measure.host import release_heap, rss_status
 from kvbench.measure.memory import PeakWindow, is_oom
@@ -26,8 +26,7 @@ from kvbench.tasks.inspect import kv_memory_table, parameter_count
 
 
 def config(*overrides) -> BenchConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return to_bench_config(compose("config", overrides=["task=capacity", *overrides]))
+    return to_bench_config(compose("task=capacity", *overrides))
 
 
 def fake(boundary, calls, bound="memory"):

@@ -4,11 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import BENCH_OVERRIDES, make_decoder
-from hydra import compose, initialize_config_dir
+from conftest import BENCH_OVERRIDES, compose, make_decoder
 
 from kvbench.cache import cache_for
-from kvbench.config import CONF_DIR
 from kvbench.generate import compile_phase, compiled_step, greedy_generate
 from kvbench.jobs.runner import run_job
 from kvbench.measure.roofline import decode_bytes_read
@@ -16,9 +14,7 @@ from kvbench.workloads.decode import DecodeTimings, floor_model, kv_cost, summar
 
 
 def job(tmp_path, *overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["wandb.mode=disabled", "runtime.peak_gb_per_s=10", *overrides])
-    return run_job(cfg, tmp_path)
+    return run_job(compose("wandb.mode=disabled", "runtime.peak_gb_per_s=10", *overrides), tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -53,6 +49,7 @@ def test_int8_cache_run_records_its_bytes_quality_and_roofline(tmp_path):
     assert result.config["cache"]["dtype"] == "int8"
 
 
+@pytest.mark.e2e
 def test_default_compile_matches_eager():
     """runtime.compile=true (default): the compiled decoder gives eager's logits; compile time is apart."""
     model = make_decoder(2, num_layers=1)
@@ -68,6 +65,7 @@ def test_default_compile_matches_eager():
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.e2e
 def test_graph_run_records_compile_recompiles_and_the_bytes_its_window_reads(tmp_path):
     """runtime.compile=graph end to end: compiled before the trials (compile_s, one graph for
     the one context bucket), no recompile during them, fidelity checked on the compiled step,

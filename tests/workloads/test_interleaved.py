@@ -6,9 +6,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from conftest import compose
 
-from kvbench.config import CONF_DIR, to_bench_config
+from kvbench.config import to_bench_config
 from kvbench.config_errors import ConfigError
 from kvbench.jobs.runner import run_job
 from kvbench.model_config import AttentionConfig
@@ -19,8 +19,7 @@ TINY = ["wandb.mode=disabled", "task=compare", "model=tiny", "model.max_seq_len=
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=[*TINY, *overrides])
+    return compose(*TINY, *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,7 @@ def test_fixed_shape_step_serves_the_chat(num_kv_heads, shared):
         assert torch.equal(got.tokens, want.tokens)
 
 
+@pytest.mark.e2e
 def test_graph_step_serves_the_shared_chat_without_recompiling():
     """runtime.compile=graph over a shared system prompt: the compiled step gives the eager
     chat's tokens, and a second chat compiles nothing (one graph, the history's one bucket)."""
