@@ -10,8 +10,7 @@
 
 ``tests/test_docs.py`` runs the check, so a change to a dataclass or a metric that leaves the
 pages behind fails the suite. The only place that knows where metrics come from is
-:func:`metric_table`: it reads the registry ``kvbench.metrics`` when there is one, else the
-``*_METHODS`` tables through the job runner's ``task_methods``.
+:func:`metric_table`: the ``Metric`` registry (``kvbench.metrics``) per task.
 """
 
 from __future__ import annotations
@@ -222,20 +221,20 @@ def configuration_page() -> str:
 
 def metric_table(task: str, workload: str) -> List[Tuple[str, str, str]]:
     """(name, unit, method) of every metric a job of ``task`` (and ``workload``) records. The one
-    function that knows where metrics are declared: the registry ``kvbench.metrics`` when it
-    exists (``Metric(name, unit, method)``), else the ``*_METHODS`` tables, whose values read
-    ``"unit; method"`` (a value without a short unit before its first ``;`` has none)."""
+    function that knows where metrics are declared: the registry of ``Metric(name, unit, method)``
+    (``kvbench.metrics``) that the job runner's ``task_metrics`` gathers per task; in a checkout
+    from before the registry, the ``*_METHODS`` tables, whose values read ``"unit; method"``."""
     try:
-        from kvbench import metrics  # noqa: PLC0415  (the registry, where this checkout has it)
+        from kvbench.jobs.runner import task_metrics
     except ImportError:
-        metrics = None
-    if metrics is not None and hasattr(metrics, "task_metrics"):
-        return [(m.name, m.unit, m.method) for m in metrics.task_metrics(task, workload)]
-    try:  # the package's job layer, after this round's restructuring, or before it
+        task_metrics = None
+    if task_metrics is not None:
+        return [(m.name, m.unit, m.method) for m in sorted(task_metrics(task, workload).values(),
+                                                          key=lambda m: m.name)]
+    try:
         from kvbench.jobs.runner import task_methods
     except ImportError:
         from kvbench.runner import task_methods
-
     rows = []
     for name, text in sorted(task_methods(task, workload).items()):
         unit, sep, method = text.partition("; ")
