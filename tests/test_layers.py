@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config_errors", "jsonio", "units", "measure.host", "jobs.interrupts", "jobs.outcome"],
+    ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome"],
     ["hf_config"],
     ["model_config"],
     ["config"],
@@ -30,13 +30,13 @@ LAYERS = [
     ["sinks.choose", "sinks.dashboard"],
     ["sinks.console", "sinks.plots"],
     ["sinks.report"],
-    ["jobs.job"],
-    ["jobs.callback"],
+    ["cli_job"],
+    ["cli_sweep"],
     ["cli"],
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
-# measuring), file I/O, who holds a job (its claim), and other sinks.
-SINK_ALLOWED = ("results", "units", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
+# measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.
+SINK_ALLOWED = ("results", "units", "metrics", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
 
 
 def module_name(path: Path) -> str:

@@ -31,13 +31,14 @@ from kvbench.config_errors import ConfigError, one_line
 from kvbench.device import resolve_device
 from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.jsonio import write_text_atomic
-from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
+from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import is_oom
-from kvbench.quality.fidelity import KV_POOL_METHODS
+from kvbench.metrics import Metric, record_methods
+from kvbench.quality.fidelity import KV_POOL_METRICS
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics, record_view
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
-from kvbench.tasks.common import JOB_METHODS, Progress, no_progress
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, no_progress
 
 MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 
@@ -50,21 +51,26 @@ TASKS = {"bench": bench.run, "train": train.run, "eval": eval_task.run, "capacit
          "compare": compare.run}
 
 
+def task_metrics(task: str, workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a job of ``task`` (for task=bench: of ``workload``) may record: the
+    ``*_METRICS`` tables the task's code merges into its records."""
+    per_task = {"bench": bench.metrics(workload),
+                "train": train.METRICS, "eval": eval_task.METRICS,
+                "capacity": {**JOB_METRICS, **capacity.METRICS, **KV_POOL_METRICS},
+                "compare": {"timing_method": JOB_METRICS["timing_method"], **compare.METRICS}}
+    return {**LOAD_METRICS, **per_task.get(task, {})}
+
+
 def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
-    """Every metric a job of ``task`` (for task=bench: of ``workload``) may record -> its unit
-    and method: the ``*_METHODS`` tables the task's code merges into its records."""
-    per_task = {"bench": bench.methods(workload),
-                "train": train.METHODS, "eval": eval_task.METHODS,
-                "capacity": {**JOB_METHODS, **capacity.METHODS, **KV_POOL_METHODS},
-                "compare": {"timing_method": JOB_METHODS["timing_method"], **compare.METHODS}}
-    return {**LOAD_METHODS, **per_task.get(task, {})}
+    """:func:`task_metrics` as a record's ``methods`` holds them: name -> ``unit; method``."""
+    return record_methods(task_metrics(task, workload))
 
 
 def objective_metrics(task: str, workload: str = "decode") -> List[str]:
-    """The metrics of :func:`task_methods` an ``objective`` may name: numbers, not text, series
+    """The metrics of :func:`task_metrics` an ``objective`` may name: numbers, not text, series
     or tables. Names declared as patterns (task=compare's ``<v>_step_ms_ctx<C>``) stay patterns."""
-    return sorted(name for name, method in task_methods(task, workload).items()
-                  if "." not in name and method.split(";")[0].strip() != "text")
+    return sorted(name for name, metric in task_metrics(task, workload).items()
+                  if "." not in name and metric.unit != "text")
 
 
 def check_objective(objective: Optional[str], caps: Dict[str, float], task: str, workload: str = "decode") -> None:

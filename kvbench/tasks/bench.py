@@ -11,19 +11,19 @@ from kvbench.checkpoint import kv_conversion
 from kvbench.config import BenchConfig
 from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
+from kvbench.metrics import Metric, metric_table
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, Progress, build_model
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model
 from kvbench.workloads import decode, multiturn
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
-# A chat's turn{k}_ttft_ms, one per turn, is declared as it is measured: here as a pattern.
-WORKLOAD_METHODS = {"decode": decode.METHODS,
-                    "multiturn": {**multiturn.METHODS, "turn<k>_ttft_ms": multiturn.TURN_TTFT_METHOD}}
+WORKLOAD_METRICS = {"decode": decode.METRICS,
+                    "multiturn": metric_table(*multiturn.METRICS.values(), multiturn.TURN_TTFT)}
 
 
-def methods(workload: str = "decode") -> Dict[str, str]:
-    """Every metric a task=bench job of ``workload`` may record -> its unit and method."""
-    return {**JOB_METHODS, **WORKLOAD_METHODS.get(workload, {})}
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a task=bench job of ``workload`` may record."""
+    return {**JOB_METRICS, **WORKLOAD_METRICS.get(workload, {})}
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:

@@ -45,6 +45,7 @@ from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
 from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, weight_bytes
 from kvbench.measure.stats import median, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig
 from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
@@ -74,27 +75,30 @@ CPU_REFUSE_FACTOR = 2.0
 # in one-off growth (batch 1 -> 2 once read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
 CALIBRATION_BATCH = 4
 
-METHODS: Dict[str, str] = {
-    "memory_budget_bytes": "bytes; runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory",
-    "memory_method": "text; how a probe's memory is measured: CPU, the peak resident set of the job's process "
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("memory_budget_bytes", "bytes", "runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory"),
+    Metric("memory_method", "text", "how a probe's memory is measured: CPU, the peak resident set of the job's process "
                      "during the probe (VmHWM, reset through /proc/self/clear_refs after freed heap is returned "
                      "to the OS) minus the resident set before the model was built, so weights, KV cache, "
                      "activations and allocator slack count and the Python/torch runtime does not (the code "
                      "pages of kernels first run in the job do: a fixed part of the overhead); CUDA, "
                      "torch.cuda.max_memory_reserved during the probe (what torch held from the device; the "
-                     "CUDA context is outside it)",
-    "weight_bytes_measured": "bytes; parameters and persistent buffers of the model the probes ran",
-    "kv_bytes_per_token": "bytes; KV formula for one position of one sequence, all layers "
-                          "(2 * layers * kv_heads * head_dim * bytes per element)",
-    "max_batch_longest": "sequences; max_batch at the longest context",
-    "stopped_by_longest": "text; memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
+                     "CUDA context is outside it)"),
+    Metric("weight_bytes_measured", "bytes", "parameters and persistent buffers of the model the probes ran"),
+    Metric("kv_bytes_per_token", "bytes", "KV formula for one position of one sequence, all layers "
+                          "(2 * layers * kv_heads * head_dim * bytes per element)"),
+    Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
+    Metric("stopped_by_longest", "text",
+           "memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
                           "failed at the longest context ('memory (predicted, not run)': that batch was refused on "
-                          "a CPU, predicted over 2 budgets)",
-    "decode_ms_p50_longest": "ms; median decode step at batch 1 and the longest context (the calibration probe)",
-    "tokens_per_s_longest": "tokens/s; batch x gen_len / decode time of a trial, median over trials, of the "
-                            "probe at max_batch at the longest context",
-    "probes_run": "count; probes measured over all contexts (refused ones not counted)",
-    "tables.capacity": "one row per context (workload=multiturn: one row, context = the positions a conversation "
+                          "a CPU, predicted over 2 budgets)"),
+    Metric("decode_ms_p50_longest", "ms",
+           "median decode step at batch 1 and the longest context (the calibration probe)"),
+    Metric("tokens_per_s_longest", "tokens/s", "batch x gen_len / decode time of a trial, median over trials, of the "
+                            "probe at max_batch at the longest context"),
+    Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted)"),
+    Metric("tables.capacity", "",
+           "one row per context (workload=multiturn: one row, context = the positions a conversation "
                        "holds at the chat's end, max_batch = concurrent conversations): max_batch (largest "
                        "batch whose probe met every bound; the search "
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
@@ -106,8 +110,9 @@ METHODS: Dict[str, str] = {
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
                        "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_paired_ms, "
                        "tpot_target_ms, "
-                       "tokens_per_s (each with the suffix _at_max)",
-    "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
+                       "tokens_per_s (each with the suffix _at_max)"),
+    Metric("tables.capacity_probes", "",
+           "one row per probe, in the order run: context, batch, ok, bound (the first bound "
                               "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
                               "(false: refused on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, "
                               "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
@@ -122,8 +127,9 @@ METHODS: Dict[str, str] = {
                               "judged: tpot_paired_ms <= slo.tpot_x_batch1 x tpot_reference_ms; not timed for a "
                               "probe over the budget), tpot_target_ms (slo.tpot_ms, slo.tpot_x_batch1 x "
                               "tpot_reference_ms, or the tighter of both), "
-                              "decode_ms_p50, tokens_per_s, oom, error",
-}
+                              "decode_ms_p50, tokens_per_s, oom, error"),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 def memory_budget(cfg: BenchConfig, device: torch.device) -> int:

@@ -10,7 +10,8 @@ import torch
 
 from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
 from kvbench.config import BenchConfig
-from kvbench.measure.memory import MEMORY_METHODS
+from kvbench.measure.memory import MEMORY_METRICS
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
@@ -18,16 +19,18 @@ from kvbench.model import Decoder, torch_dtype
 Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
 
 # Methods of the fields every model-running job records.
-JOB_METHODS: Dict[str, str] = {
-    "peak_rss_reason": "text; only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
-                       "in the same process, whose peak would count as this job's)",
-    "weight_bytes": "bytes; parameters and persistent buffers (numel * element_size), tied tensors once",
-    "num_params": "count; parameters of the decoder, tied tensors once",
-    "timing_method": "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU",
-    "kv_heads_conversion": "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
-                           "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)",
-    **MEMORY_METHODS,
-}
+JOB_METRICS: Dict[str, Metric] = metric_table(
+    Metric("peak_rss_reason", "text",
+           "only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
+                       "in the same process, whose peak would count as this job's)"),
+    Metric("weight_bytes", "bytes", "parameters and persistent buffers (numel * element_size), tied tensors once"),
+    Metric("num_params", "count", "parameters of the decoder, tied tensors once"),
+    Metric("timing_method", "", "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU"),
+    Metric("kv_heads_conversion", "", "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
+                           "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)"),
+    *MEMORY_METRICS.values(),
+)
+JOB_METHODS: Dict[str, str] = record_methods(JOB_METRICS)
 
 
 @contextmanager

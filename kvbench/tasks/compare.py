@@ -30,6 +30,7 @@ from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult
@@ -39,30 +40,36 @@ Tick = Callable[..., None]
 
 # Units and methods of what this task reports; ``<v>`` is a variant's label (``mha_kv16``),
 # ``<C>`` the longest context. Every ratio is the variant's over the first variant's.
-METHODS: Dict[str, str] = {
-    "tables.trials": "one row per (round, turn, variant, context) in the order run: the decode step times "
-                     "(ms) at that context and their median; rounds alternate the variants' order (ABC, CBA, ...)",
-    "tables.compare": "one row per variant: the metrics below without the variant prefix, and step_ms_ctx<C> "
-                      "(with _ci_low/_ci_high) and step_ratio_ctx<C> at every context",
-    "<v>_step_ms_ctx<C>": "ms; decode step at context C: median over rounds of each round's median step, "
-                          "95% interval by bootstrap over rounds (see methods.ci_trials)",
-    "<v>_decode_us_per_1k_ctx": "µs per 1,000 tokens of context; the KV cost: Theil-Sen slope of the per-round "
-                                "median step time against the context, over all rounds (see methods.kv_cost)",
-    "<v>_decode_ms_at_ctx0": "ms; the intercept of the same fit: the step without context (weights, overhead)",
-    "<v>_kv_share_ctx<C>": "fraction; slope x C / step at C: the part of the step at the longest context that "
-                           "the context costs",
-    "<v>_kv_bytes_per_token": "bytes; K and V of one position of one sequence: 2 * layers * kv_heads * head_dim "
-                              "* bytes_per_element",
-    "<v>_kv_bytes_ratio": "ratio; kv_bytes_per_token over the first variant's: the slope ratio if the KV cost "
-                          "were all bytes read",
-    "<v>_slope_ratio": "ratio; median over rounds of the variant's per-round slope over the median of the first "
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("tables.trials", "", "one row per (round, turn, variant, context) in the order run: the decode step times "
+                     "(ms) at that context and their median; rounds alternate the variants' order (ABC, CBA, ...)"),
+    Metric("tables.compare", "",
+           "one row per variant: the metrics below without the variant prefix, and step_ms_ctx<C> "
+                      "(with _ci_low/_ci_high) and step_ratio_ctx<C> at every context"),
+    Metric("<v>_step_ms_ctx<C>", "ms", "decode step at context C: median over rounds of each round's median step, "
+                          "95% interval by bootstrap over rounds (see methods.ci_trials)"),
+    Metric("<v>_decode_us_per_1k_ctx", "µs per 1,000 tokens of context",
+           "the KV cost: Theil-Sen slope of the per-round "
+                                "median step time against the context, over all rounds (see methods.kv_cost)"),
+    Metric("<v>_decode_ms_at_ctx0", "ms",
+           "the intercept of the same fit: the step without context (weights, overhead)"),
+    Metric("<v>_kv_share_ctx<C>", "fraction", "slope x C / step at C: the part of the step at the longest context that "
+                           "the context costs"),
+    Metric("<v>_kv_bytes_per_token", "bytes",
+           "K and V of one position of one sequence: 2 * layers * kv_heads * head_dim "
+                              "* bytes_per_element"),
+    Metric("<v>_kv_bytes_ratio", "ratio", "kv_bytes_per_token over the first variant's: the slope ratio if the KV cost "
+                          "were all bytes read"),
+    Metric("<v>_slope_ratio", "ratio",
+           "median over rounds of the variant's per-round slope over the median of the first "
                        "variant's, paired bootstrap interval over rounds (see methods.paired_ratio); null with "
-                       "fewer than 3 contexts",
-    "<v>_step_ratio_ctx<C>": "ratio; step at the longest context over the first variant's, paired over rounds "
-                             "(see methods.paired_ratio)",
-    "rounds": "count; timed rounds (runtime.repeats), each one trial of every variant",
-    **{k: stats.METHODS[k] for k in ("ci_trials", "kv_cost", "paired_ratio")},
-}
+                       "fewer than 3 contexts"),
+    Metric("<v>_step_ratio_ctx<C>", "ratio", "step at the longest context over the first variant's, paired over rounds "
+                             "(see methods.paired_ratio)"),
+    Metric("rounds", "count", "timed rounds (runtime.repeats), each one trial of every variant"),
+    *(Metric(k, "", stats.METHODS[k]) for k in ("ci_trials", "kv_cost", "paired_ratio")),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from kvbench.config import BenchConfig
-from kvbench.quality.train import EVAL_METHODS, checkpoint_for_eval, run_eval
+from kvbench.quality.train import EVAL_METHODS, EVAL_METRICS, checkpoint_for_eval, run_eval
 from kvbench.results import RunResult
 from kvbench.tasks.common import Progress
 
-METHODS = EVAL_METHODS
+METRICS = EVAL_METRICS
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:

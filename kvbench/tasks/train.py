@@ -8,11 +8,11 @@ from typing import Dict
 import torch
 
 from kvbench.config import BenchConfig
-from kvbench.quality.train import TRAIN_METHODS, run_train
+from kvbench.quality.train import TRAIN_METHODS, TRAIN_METRICS, run_train
 from kvbench.results import RunResult
 from kvbench.tasks.common import Progress
 
-METHODS = TRAIN_METHODS
+METRICS = TRAIN_METRICS
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
