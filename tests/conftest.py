@@ -12,8 +12,9 @@ import torch
 from joblib.externals.loky.backend import fork_exec as loky_fork_exec
 from omegaconf import DictConfig
 
-from kvbench.config import AttentionConfig, ModelConfig, register_configs
+from kvbench.config import register_configs
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig, ModelConfig
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()

@@ -8,8 +8,8 @@ from conftest import BENCH_OVERRIDES, compose, make_decoder
 
 from kvbench.cache import cache_for
 from kvbench.generate import compile_phase, compiled_step, greedy_generate
+from kvbench.jobs.runner import run_job
 from kvbench.measure.roofline import decode_bytes_read
-from kvbench.runner import run_job
 from kvbench.workloads.decode import DecodeTimings, floor_model, kv_cost, summarize_decode, time_decode
 
 
