@@ -144,6 +144,7 @@ def test_dashboard_without_credentials_is_one_line_and_loses_nothing(sweep, tmp_
     assert f"kvbench-dashboard {sweep_dir}" in out and "wandb sync" not in out
 
 
+@pytest.mark.e2e  # W&B's own reader (wandb leet) in an interpreter
 def test_multiturn_panels_name_the_turn_history_tracking_logs(tmp_path, monkeypatch):
     for var, value in wandb_env(tmp_path).items():
         if var.startswith("WANDB_"):

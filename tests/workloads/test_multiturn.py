@@ -392,6 +392,7 @@ def test_prompts_come_from_the_seed_alone():
     assert not torch.equal(system, chat_prompts(w, V, seed=1)[0])
 
 
+@pytest.mark.e2e  # a kvbench sweep in its own interpreter
 def test_cli_multiturn_sweep_over_sharing(tmp_path):
     sweep = tmp_path / "sweep"
     proc = kvbench("-m", "model=tiny", "workload=multiturn", "workload.system_len=48", "workload.turns=3",
