@@ -50,7 +50,8 @@ CACHE_IMPLS = ("static", "concat", "none")
 CACHE_DTYPE_BYTES = {"int8": 1, "float8_e4m3fn": 1}
 CACHE_DTYPES = ("auto", *CACHE_DTYPE_BYTES)
 WORKLOADS = ("decode", "multiturn")
-TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare")
+TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare", "recall")
+RECALL_KINDS = ("mqar", "passkey")
 SLO_STATS = ("p50", "p99")
 COMPILE_MODES = ("false", "default", "graph")
 OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
@@ -596,6 +597,58 @@ class CompareConfig:
 
 
 @dataclass
+class RecallConfig:
+    """``task=recall``: a synthetic recall task (kvbench/quality/recall.py) learnt from scratch by
+    the ``attention`` variant, ``seeds`` times under the ``train`` budget, scored per condition.
+
+    ``kind=mqar``: every (``num_pairs``, ``seq_len``) pair of the lists is a condition;
+    ``kind=passkey``: every (``seq_len``, ``distance``) pair. ``vocab_size`` is the model's
+    vocabulary for the run (``model.vocab_size`` is not read). Seeds are ``runtime.seed`` and
+    the next ``seeds - 1`` integers; each seed draws the weights, the training stream and its
+    ``eval_sequences`` held-out sequences per condition (the same for every variant)."""
+
+    kind: str = "mqar"
+    vocab_size: int = 64
+    num_pairs: List[int] = field(default_factory=lambda: [4, 8])
+    seq_len: List[int] = field(default_factory=lambda: [64])
+    distances: List[int] = field(default_factory=lambda: [16, 32, 56])
+    digits: int = 4  # passkey: digits of the number hidden
+    seeds: int = 3
+    eval_sequences: int = 256
+    # null: trained from scratch; N: an MHA model trained first (the same budget), its KV heads
+    # mean-pooled to attention.num_kv_heads, scored, then uptrained N steps and scored again
+    uptrain_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_numbers("recall", self)
+        _check_choice("recall.kind", self.kind, RECALL_KINDS)
+        _check_positive("recall", self, ("digits", "seeds", "eval_sequences"))
+        _check(self.uptrain_steps is None or self.uptrain_steps >= 0, "recall.uptrain_steps",
+               self.uptrain_steps, "must be >= 0 or null")
+        for key in ("num_pairs", "seq_len", "distances"):
+            values = getattr(self, key)
+            _check(len(values) > 0 and all(isinstance(v, int) and v >= 1 for v in values), f"recall.{key}",
+                   values, "must be a non-empty list of integers >= 1")
+            _check(len(set(values)) == len(values), f"recall.{key}", values, "lists a value twice")
+        if self.kind == "mqar":
+            half = self.vocab_size // 2
+            _check(max(self.num_pairs) <= half - 1, "recall.num_pairs", self.num_pairs,
+                   f"{max(self.num_pairs)} distinct keys need recall.vocab_size >= {2 * max(self.num_pairs) + 2} "
+                   f"(keys are [1, V/2), values [V/2, V)); recall.vocab_size={self.vocab_size}")
+            need = 3 * max(self.num_pairs)
+            _check(min(self.seq_len) >= need, "recall.seq_len", self.seq_len,
+                   f"{max(self.num_pairs)} pairs and their queries need {need} positions")
+        else:
+            _check(self.vocab_size > 12, "recall.vocab_size", self.vocab_size,
+                   "passkey needs > 12 tokens (10 digits, KEY, QUERY and filler)")
+            _check(self.digits >= 2, "recall.digits", self.digits, "must be >= 2")
+            low, high = self.digits + 1, min(self.seq_len) - self.digits - 1
+            _check(all(low <= d <= high for d in self.distances), "recall.distances", self.distances,
+                   f"must be in [{low}, {high}] (recall.digits={self.digits}, shortest recall.seq_len="
+                   f"{min(self.seq_len)})")
+
+
+@dataclass
 class BenchConfig:
     """The whole run: one field per Hydra group, plus the task to run."""
 
@@ -611,6 +664,7 @@ class BenchConfig:
     slo: SloConfig = field(default_factory=SloConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
     # A multirun into an existing sweep dir skips jobs whose results.json is ok for the same
     # config; rerun=true runs them again.
     rerun: bool = False
@@ -638,10 +692,13 @@ class BenchConfig:
             self._check_capacity()
         length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts
-        _check(self.task == "compare" or w.total_len <= self.model.max_seq_len, length_key,
+        _check(self.task in ("compare", "recall") or w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
                f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                f"{self.model.max_seq_len}")
+        if self.task == "recall":
+            _check(max(self.recall.seq_len) <= self.model.max_seq_len, "recall.seq_len", self.recall.seq_len,
+                   f"longer than model.max_seq_len={self.model.max_seq_len}")
         if self.task == "compare":
             self.compare.attentions(self.model)
             longest = max(self.compare.contexts)
@@ -825,6 +882,14 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
 
     if task != "compare":
         out.pop("compare", None)
+    if task != "recall":
+        out.pop("recall", None)
+    else:  # trains from generated sequences: no text, no workload, no cache
+        for section in ("workload", "cache", "data"):
+            out.pop(section, None)
+        keep("runtime", _RUNTIME_KEYS_QUALITY)
+        if isinstance(out.get("train"), dict):
+            keep("train", [k for k in out["train"] if k not in ("checkpoint", "init_from", "seq_len", "eval_batches")])
     if task == "compare":  # many variants, none of them the record's attention
         out.pop("attention", None)
         out.pop("train", None)

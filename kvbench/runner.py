@@ -46,6 +46,7 @@ from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
 from kvbench.quality.train import EVAL_METHODS, TRAIN_METHODS, checkpoint_for_eval, run_eval, run_train
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics
+from kvbench.tasks import recall as recall_task
 from kvbench.workloads import capacity, decode, interleaved, multiturn
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
@@ -176,7 +177,7 @@ def compare_variants(cfg: BenchConfig, device: torch.device, out_dir: Path, resu
 
 
 TASKS = {"bench": bench, "train": train, "eval": evaluate, "capacity": capacity_search,
-         "compare": compare_variants}
+         "compare": compare_variants, "recall": recall_task.run}
 # A chat's turn{k}_ttft_ms, one per turn, is declared as it is measured: here as a pattern.
 WORKLOAD_METHODS = {"decode": decode.METHODS,
                     "multiturn": {**multiturn.METHODS, "turn<k>_ttft_ms": multiturn.TURN_TTFT_METHOD}}
@@ -188,7 +189,8 @@ def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
     per_task = {"bench": {**JOB_METHODS, **WORKLOAD_METHODS.get(workload, {})},
                 "train": TRAIN_METHODS, "eval": EVAL_METHODS,
                 "capacity": {**JOB_METHODS, **capacity.METHODS, **KV_POOL_METHODS},
-                "compare": {"timing_method": JOB_METHODS["timing_method"], **interleaved.METHODS}}
+                "compare": {"timing_method": JOB_METHODS["timing_method"], **interleaved.METHODS},
+                "recall": recall_task.METHODS}
     return {**LOAD_METHODS, **per_task.get(task, {})}
 
 
