@@ -151,7 +151,8 @@ def test_pooled_quality_columns_from_the_capacity_records():
 
 
 def test_recall_is_the_quality_column_when_recall_records_are_there():
-    recall = [{"job": f"r{kv}", "status": "ok", "config": {"task": "recall", "attention": {"type": t, "num_kv_heads": kv}},
+    recall = [{"job": f"r{kv}", "status": "ok",
+               "config": {"task": "recall", "attention": {"type": t, "num_kv_heads": kv}},
                "metrics": {"accuracy": acc, "accuracy_ci_low": acc - 0.01, "accuracy_ci_high": acc + 0.01}}
               for t, kv, acc in (("mha", 8, 0.99), ("mqa", 1, 0.5))]
     (choice,) = choices(sweep() + recall)
