@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Sequence, Tuple
 
 from kvbench.measure.stats import welch_interval
-from kvbench.sinks.compare import fmt, variant, variant_order
+from kvbench.sinks.tables import fmt, variant, variant_order
 
 Record = Dict[str, Any]
 # A row of tables.accuracy is one condition of one stage: these keys say which.

@@ -20,54 +20,58 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads, kv_conversion
-from kvbench.config import AttentionConfig, BenchConfig, ConfigError, RecallConfig
+from kvbench.config import BenchConfig
+from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
+from kvbench.model_config import AttentionConfig
 from kvbench.quality.recall import Condition, accuracy, chance, eval_set, train_stream
 from kvbench.quality.train import train
+from kvbench.recall_config import RecallConfig
 from kvbench.results import RunResult
-
-Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
+from kvbench.tasks.common import Progress
 
 EVAL_SEED_OFFSET = 1_000_003  # eval sets drawn from another stream than training (the split is by hash anyway)
 DECODE_STEPS = 16  # timed decode steps of batch 1 after a prefill of the longest length
 
-_ACC = ("ratio in [0, 1]; mqar: queries whose argmax is the stored value, over all queries; passkey: "
-        "sequences whose every digit's argmax is the passkey (what a greedy decode returns), over all sequences; "
-        "recall.eval_sequences held-out sequences per condition and seed, mean over recall.seeds seeds")
-METHODS: Dict[str, str] = {
-    "accuracy": _ACC + "; all conditions pooled (each condition weighs the same)",
-    "accuracy_ci_low": "ratio; low end of the 95% interval of accuracy: " + stats.METHODS["ci_seeds"],
-    "accuracy_ci_high": "ratio; high end of the 95% interval of accuracy (as accuracy_ci_low)",
-    "accuracy_seeds": "count; seeds the accuracy is the mean of",
-    "accuracy_interval_reason": "text; only without an interval: why (fewer than 2 seeds)",
-    "accuracy_before_uptrain": "ratio; recall.uptrain_steps only: accuracy of the mean-pooled MHA model before "
-                               "uptraining (as accuracy)",
-    "chance_accuracy": "ratio; accuracy of a guess that sees no context, pooled as accuracy (1 / values for mqar, "
-                       "10^-digits for passkey)",
-    "kv_bytes_per_token": "bytes; KV cache of one position of one sequence: a static cache of the trained model "
-                          "(its layout's formula) over its length",
-    "decode_ms_p50": f"ms; median of {DECODE_STEPS} batch-1 decode steps after a prefill of the longest "
-                     "recall.seq_len (timing_method), the last seed's model",
-    "timing_method": "cuda_events on CUDA, perf_counter on CPU",
-    "train_seconds": "s; wall time of all training steps of all seeds, evaluation excluded",
-    "tokens_seen": "tokens; input tokens of all training steps of one seed (every seed sees as many)",
-    "steps": "count; optimizer steps per seed (train.steps, + recall.uptrain_steps when converting)",
-    "num_params": "count; parameters of the decoder scored",
-    "num_kv_heads": "count; KV heads of the decoder scored",
-    "kv_heads_conversion": "none | mean-pool: recall.uptrain_steps converts a trained MHA model (Ainslie et al. 2023)",
-    "tables.accuracy": "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, num_pairs or "
-                       "distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed "
-                       "(each seed's accuracy, in seed order), chance",
-}
+_ACC = ("mqar: queries whose argmax is the stored value, over all queries; passkey: sequences whose every digit's "
+        "argmax is the passkey (what a greedy decode returns), over all sequences; recall.eval_sequences held-out "
+        "sequences per condition and seed, mean over recall.seeds seeds")
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("accuracy", "ratio", _ACC + "; all conditions pooled (each condition weighs the same)"),
+    Metric("accuracy_ci_low", "ratio", "low end of the 95% interval of accuracy: " + stats.METHODS["ci_seeds"]),
+    Metric("accuracy_ci_high", "ratio", "high end of the 95% interval of accuracy (as accuracy_ci_low)"),
+    Metric("accuracy_seeds", "count", "seeds the accuracy is the mean of"),
+    Metric("accuracy_interval_reason", "text", "only without an interval: why (fewer than 2 seeds)"),
+    Metric("accuracy_before_uptrain", "ratio", "recall.uptrain_steps only: accuracy of the mean-pooled MHA model "
+           "before uptraining (as accuracy)"),
+    Metric("chance_accuracy", "ratio", "accuracy of a guess that sees no context, pooled as accuracy (1 / values "
+           "for mqar, 10^-digits for passkey)"),
+    Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
+           "model (its layout's formula) over its length"),
+    Metric("decode_ms_p50", "ms", f"median of {DECODE_STEPS} batch-1 decode steps after a prefill of the longest "
+           "recall.seq_len (timing_method), the last seed's model"),
+    Metric("timing_method", "", "cuda_events on CUDA, perf_counter on CPU"),
+    Metric("train_seconds", "s", "wall time of all training steps of all seeds, evaluation excluded"),
+    Metric("tokens_seen", "tokens", "input tokens of all training steps of one seed (every seed sees as many)"),
+    Metric("steps", "count", "optimizer steps per seed (train.steps, + recall.uptrain_steps when converting)"),
+    Metric("num_params", "count", "parameters of the decoder scored"),
+    Metric("num_kv_heads", "count", "KV heads of the decoder scored"),
+    Metric("kv_heads_conversion", "", "none | mean-pool: recall.uptrain_steps converts a trained MHA model "
+           "(Ainslie et al. 2023)"),
+    Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
+           "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "
+           "seed's accuracy, in seed order), chance"),
+)
 
 
 def conditions(cfg: RecallConfig) -> List[Condition]:
@@ -124,6 +128,8 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     model_cfg = replace(cfg.model, vocab_size=r.vocab_size)
     attention = cfg.attention
     converting = r.uptrain_steps is not None
+    if max(r.seq_len) > model_cfg.max_seq_len:  # the one rule across sections, checked before any step
+        raise ConfigError(f"recall.seq_len={r.seq_len}: longer than model.max_seq_len={model_cfg.max_seq_len}")
     h = model_cfg.num_heads
     if converting:
         how = kv_conversion(h, attention.num_kv_heads)
@@ -180,4 +186,4 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
         timing_method=timing_method(device), train_seconds=seconds, tokens_seen=tokens, steps=steps,
         num_params=model.num_params(), num_kv_heads=model.num_kv_heads,
         kv_heads_conversion="mean-pool" if converting else "none")
-    result.methods.update(METHODS)
+    result.methods.update(record_methods(METRICS))

@@ -10,9 +10,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import stats as sps
 
-from kvbench.config import CONF_DIR, AttentionConfig, ConfigError, ModelConfig, RecallConfig, TrainConfig
+from kvbench.config import CONF_DIR, TrainConfig
+from kvbench.config_errors import ConfigError
+from kvbench.jobs.runner import run_job
 from kvbench.measure.stats import t_interval, welch_interval
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.recall import (
     IGNORE,
     KEY,
@@ -28,7 +31,7 @@ from kvbench.quality.recall import (
     train_stream,
 )
 from kvbench.quality.train import train
-from kvbench.runner import run_job
+from kvbench.recall_config import RecallConfig
 
 
 def test_mqar_answers_are_the_values_stored_with_the_keys():
