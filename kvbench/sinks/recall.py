@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from kvbench.measure.stats import welch_interval
+from kvbench.measure.stats import t_interval, welch_interval
 from kvbench.sinks.tables import fmt, variant, variant_order
 
 Record = Dict[str, Any]
@@ -41,38 +41,69 @@ def gap_text(base: Sequence[float], other: Sequence[float]) -> str:
     return f"{100 * diff:+.1f} pts [{100 * low:+.1f}, {100 * high:+.1f}]{real}"
 
 
+def _seed_ids(rec: Record) -> List[int]:
+    config = rec.get("config") or {}
+    first = (config.get("runtime") or {}).get("seed", 0)
+    return list(range(first, first + ((config.get("recall") or {}).get("seeds") or 1)))
+
+
 def groups(records: Sequence[Record]) -> List[List[Record]]:
-    """ok recall records grouped by everything in their config but the variant and the seed."""
+    """ok recall records grouped by everything in their config but the variant and the seeds
+    (records of one variant on other seeds are pooled by :func:`pooled`)."""
     out: Dict[str, List[Record]] = {}
     for rec in records:
         config = rec.get("config") or {}
         if config.get("task") != "recall" or rec.get("status") != "ok" or not (rec.get("tables") or {}).get("accuracy"):
             continue
         key = {k: v for k, v in config.items() if k != "attention"}
+        key["runtime"] = {k: v for k, v in (key.get("runtime") or {}).items() if k != "seed"}
+        key["recall"] = {k: v for k, v in (key.get("recall") or {}).items() if k != "seeds"}
         out.setdefault(repr(sorted(key.items(), key=lambda kv: kv[0])), []).append(rec)
-    return [sorted(g, key=lambda r: variant_order(variant(r))) for g in out.values()]
+    return [sorted(g, key=lambda r: (variant_order(variant(r)), _seed_ids(r))) for g in out.values()]
+
+
+def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
+    """variant -> condition -> row, the rows of all the variant's records pooled over their seeds
+    (a seed measured twice counts once): per_seed, its mean and t-interval (stats.t_interval, as
+    the task computes them)."""
+    out: Dict[str, Dict[Tuple, Dict[str, Any]]] = {}
+    for rec in group:
+        label, ids = variant(rec), _seed_ids(rec)
+        for row in rec["tables"]["accuracy"]:
+            cell = out.setdefault(label, {}).setdefault(tuple(row.get(k) for k in _CONDITION_KEYS),
+                                                        {**row, "by_seed": {}})
+            for seed, acc in zip(ids, row["per_seed"]):
+                cell["by_seed"].setdefault(seed, acc)
+    for cells in out.values():
+        for cell in cells.values():
+            per_seed = [cell["by_seed"][s] for s in sorted(cell["by_seed"])]
+            low, high = t_interval(per_seed, (0.0, 1.0))
+            cell.update(per_seed=per_seed, accuracy=sum(per_seed) / len(per_seed), ci_low=low, ci_high=high,
+                        seeds=len(per_seed))
+    return out
 
 
 def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
-    """(header, rows): a row per condition, a column per variant: accuracy [95 % interval]; for
-    every variant after the first its gap to the first; then chance, KV / token and decode step."""
-    labels = [variant(r) for r in group]
+    """(header, rows): a row per condition, a column per variant: accuracy [95 % interval] over
+    the pooled seeds; for every variant after the first its gap to the first; then chance, KV /
+    token and decode step (of the variant's first record)."""
+    rows_by_variant = pooled(group)
+    labels = list(rows_by_variant)
+    first_record = {label: next(r for r in group if variant(r) == label) for label in labels}
     header = ["condition", *labels, *[f"{v} vs {labels[0]}" for v in labels[1:]]]
-    by_condition: Dict[Tuple, Dict[str, Dict[str, Any]]] = {}
-    for rec, label in zip(group, labels):
-        for row in rec["tables"]["accuracy"]:
-            by_condition.setdefault(tuple(row.get(k) for k in _CONDITION_KEYS), {})[label] = row
+    conditions = list(dict.fromkeys(c for cells in rows_by_variant.values() for c in cells))
     rows = []
-    for cells in by_condition.values():
-        first = next(iter(cells.values()))
+    for cond in conditions:
+        cells = {v: rows_by_variant[v][cond] for v in labels if cond in rows_by_variant[v]}
         base = cells.get(labels[0])
         gaps = [gap_text(base["per_seed"], cells[v]["per_seed"]) if base and v in cells else "-" for v in labels[1:]]
-        rows.append([_label(first), *[_cell(cells[v]) if v in cells else "-" for v in labels], *gaps])
+        rows.append([_label(next(iter(cells.values()))), *[_cell(cells[v]) if v in cells else "-" for v in labels],
+                     *gaps])
     pad = [""] * (len(labels) - 1)
-    chance = [fmt((r.get("metrics") or {}).get("chance_accuracy"), "{:.3f}") for r in group]
-    rows.append(["chance", *chance, *pad])
-    rows.append(["KV / token", *[fmt(r["metrics"].get("kv_bytes_per_token"), "bytes") for r in group], *pad])
-    rows.append(["decode p50 ms", *[fmt(r["metrics"].get("decode_ms_p50"), "{:.3f}") for r in group], *pad])
+    metrics = [first_record[v].get("metrics") or {} for v in labels]
+    rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3f}") for m in metrics], *pad])
+    rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
+    rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
     return header, rows
 
 
@@ -80,5 +111,6 @@ def title(group: Sequence[Record]) -> str:
     config = group[0].get("config") or {}
     r = config.get("recall") or {}
     steps = (config.get("train") or {}).get("steps")
-    return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {r.get('seeds')} seeds "
+    seeds = max(len(c["per_seed"]) for cells in pooled(group).values() for c in cells.values())
+    return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seeds "
             f"[95% t-interval]; gaps in points with a Welch interval (* = excludes 0); {steps} training steps")

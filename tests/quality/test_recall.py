@@ -226,3 +226,18 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     ci = sps.ttest_ind([0.2, 0.3, 0.25], [0.99, 1.0, 0.98], equal_var=False).confidence_interval(0.95)
     assert rows[1][3] == f"{100 * (0.25 - 0.99):+.1f} pts [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]*"
     assert [r[0] for r in rows[2:]] == ["chance", "KV / token", "decode p50 ms"] and rows[3][1:3] == ["512 B", "128 B"]
+
+
+def test_records_of_one_variant_on_other_seeds_pool_into_one_column():
+    from kvbench.sinks.recall import groups, recall_table
+    whole = [_record(("mha", 4), {4: [1.0, 0.9, 0.95]}), _record(("mqa", 1), {4: [0.5, 0.7, 0.6]})]
+    split = []
+    for seed in range(3):
+        for kind, kv, accs in (("mha", 4, [1.0, 0.9, 0.95]), ("mqa", 1, [0.5, 0.7, 0.6])):
+            rec = _record((kind, kv), {4: [accs[seed]]})
+            rec["config"]["runtime"] = {"seed": seed}
+            rec["config"]["recall"] = {"kind": "mqar", "seeds": 1}
+            split.append(rec)
+    [one], [many] = groups(whole), groups(split)
+    assert recall_table(many) == recall_table(one)
+    assert recall_table(many)[1][0][2] == "0.600 [{:.3f}, {:.3f}]".format(*t_interval([0.5, 0.7, 0.6], (0, 1)))
