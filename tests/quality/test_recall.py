@@ -95,7 +95,7 @@ class Banded(Decoder):
 EASY = dict(vocab=32, cond=Condition("mqar", 24, num_pairs=4))
 
 
-def _trained(cls, steps=250, seed=0):
+def _trained(cls, steps=300, seed=0):
     torch.manual_seed(seed)
     model = cls(ModelConfig(name="t", num_layers=2, d_model=64, num_heads=4, preset_kv_heads=4, ffn_dim=128,
                             vocab_size=EASY["vocab"], max_seq_len=64), AttentionConfig(type="mha"))
@@ -110,7 +110,7 @@ def test_an_attending_model_recalls_and_a_model_blind_to_the_context_is_at_chanc
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread only waits, more so on a shared machine
     try:
-        # seed-fixed: MHA learns this setting in ~200 steps (1.000 at 300 steps while tuning)
+        # seed-fixed: 1.000 at 300 steps for MHA on this setting while tuning (0.66 with d_model=32)
         attending, blind = _trained(Decoder), _trained(Banded)
     finally:
         torch.set_num_threads(threads)
