@@ -1,5 +1,6 @@
-"""Entry points: ``kvbench`` (Hydra), ``kvbench-report`` and ``kvbench-dashboard``. This module wires the Hydra
-app, the jobs layer (kvbench/jobs/) and the sinks; nothing imports it back.
+"""Entry points: ``kvbench`` (Hydra), ``kvbench-report`` and ``kvbench-dashboard``. With
+:mod:`kvbench.cli_job` (one Hydra job) and :mod:`kvbench.cli_sweep` (the sweep around its jobs) it wires
+the Hydra app to the jobs layer (kvbench/jobs/) and the sinks; nothing imports them back.
 
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key),
 or a command line Hydra cannot compose (an unknown group option, bad override syntax);
@@ -19,10 +20,10 @@ from typing import Optional, Sequence
 import hydra
 from omegaconf import DictConfig
 
+from kvbench.cli_job import hydra_job
+from kvbench.cli_sweep import SweepRefused, sweep_end
 from kvbench.config import CONF_DIR, register_configs
 from kvbench.config_errors import config_error_line, is_composition_error, one_line
-from kvbench.jobs.callback import SweepRefused, sweep_end
-from kvbench.jobs.job import hydra_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.results import RESULTS_FILE
 from kvbench.sinks.console import stderr

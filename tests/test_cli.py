@@ -283,8 +283,8 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     """runtime.isolate=true (the default): the job runs in a child process, and what the Hydra
     task function returns is that child's results.json's metric; a resumed job (already ok)
     returns the same value from disk without running again."""
+    from kvbench import cli_job
     from kvbench.jobs import isolation
-    from kvbench.jobs import job as cli_job
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*TINY, "runtime.fidelity=false", "objective=-decode_ms_p50"])

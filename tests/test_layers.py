@@ -30,8 +30,8 @@ LAYERS = [
     ["sinks.choose", "sinks.dashboard", "sinks.recall"],
     ["sinks.console", "sinks.plots"],
     ["sinks.report"],
-    ["jobs.job"],
-    ["jobs.callback"],
+    ["cli_job"],
+    ["cli_sweep"],
     ["cli"],
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no

@@ -15,8 +15,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kvbench.cli_job import report
 from kvbench.config_errors import ConfigError
-from kvbench.jobs.job import report
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.runner import check_objective
 from kvbench.jobs.sweep import job_overrides, sweep_records, sweep_size
