@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
+from kvbench.recall_config import RecallConfig
 
 
 def _find_conf_dir() -> Path:
@@ -50,7 +51,7 @@ CACHE_IMPLS = ("static", "concat", "none")
 CACHE_DTYPE_BYTES = {"int8": 1, "float8_e4m3fn": 1}
 CACHE_DTYPES = ("auto", *CACHE_DTYPE_BYTES)
 WORKLOADS = ("decode", "multiturn")
-TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare")
+TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare", "recall")
 SLO_STATS = ("p50", "p99")
 COMPILE_MODES = ("false", "default", "graph")
 OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
@@ -334,6 +335,7 @@ class BenchConfig:
     slo: SloConfig = field(default_factory=SloConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
     # A multirun into an existing sweep dir skips jobs whose results.json is ok for the same
     # config; rerun=true runs them again.
     rerun: bool = False
@@ -361,7 +363,7 @@ class BenchConfig:
             self._check_capacity()
         length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts
-        check(self.task == "compare" or w.total_len <= self.model.max_seq_len, length_key,
+        check(self.task in ("compare", "recall") or w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
                f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                f"{self.model.max_seq_len}")

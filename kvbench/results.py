@@ -262,6 +262,14 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
 
     if task != "compare":
         out.pop("compare", None)
+    if task != "recall":
+        out.pop("recall", None)
+    else:  # trains from generated sequences: no text, no workload, no cache
+        for section in ("workload", "cache", "data"):
+            out.pop(section, None)
+        keep("runtime", _RUNTIME_KEYS_QUALITY)
+        if isinstance(out.get("train"), dict):
+            keep("train", [k for k in out["train"] if k not in ("checkpoint", "init_from", "seq_len", "eval_batches")])
     if task == "compare":  # many variants, none of them the record's attention
         out.pop("attention", None)
         out.pop("train", None)

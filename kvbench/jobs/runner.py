@@ -38,6 +38,7 @@ from kvbench.quality.fidelity import KV_POOL_METRICS
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics, record_view
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
+from kvbench.tasks import recall as recall_task
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, no_progress
 
 MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
@@ -48,7 +49,7 @@ DEFAULT_THREADS = torch.get_num_threads()
 _jobs_run = 0  # jobs whose task ran in this process (runtime.isolate=false runs several)
 
 TASKS = {"bench": bench.run, "train": train.run, "eval": eval_task.run, "capacity": capacity.run,
-         "compare": compare.run}
+         "compare": compare.run, "recall": recall_task.run}
 
 
 def task_metrics(task: str, workload: str = "decode") -> Dict[str, Metric]:
@@ -57,7 +58,8 @@ def task_metrics(task: str, workload: str = "decode") -> Dict[str, Metric]:
     per_task = {"bench": bench.metrics(workload),
                 "train": train.METRICS, "eval": eval_task.METRICS,
                 "capacity": {**JOB_METRICS, **capacity.METRICS, **KV_POOL_METRICS},
-                "compare": {"timing_method": JOB_METRICS["timing_method"], **compare.METRICS}}
+                "compare": {"timing_method": JOB_METRICS["timing_method"], **compare.METRICS},
+                "recall": recall_task.METRICS}
     return {**LOAD_METRICS, **per_task.get(task, {})}
 
 

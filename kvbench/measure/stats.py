@@ -42,6 +42,11 @@ METHODS: Dict[str, str] = {
                 f"round(n^(1/3)) consecutive steps, {N_RESAMPLES} resamples, seed {SEED})",
     "kv_cost": f"Theil-Sen fit of decode step ms against the context length each step attends "
                f"(scipy.stats.theilslopes, {CONFIDENCE:.0%} interval of the slope)",
+    "ci_seeds": f"{CONFIDENCE:.0%} Student t-interval of the mean over training seeds (mean +- t(n-1) s / sqrt(n), "
+                f"clipped to the metric's range); null with fewer than {2} seeds. Not a bootstrap: with 3-5 "
+                "seeds a percentile bootstrap has at most a few dozen distinct resamples and covers too little",
+    "diff_seeds": f"difference of two means over seeds, {CONFIDENCE:.0%} Welch t-interval (unequal variances: "
+                  "scipy.stats.ttest_ind(equal_var=False)); null with fewer than 2 seeds on either side",
     "paired_ratio": f"median(B) / median(A) over interleaved rounds, {CONFIDENCE:.0%} paired percentile "
                     f"bootstrap over rounds ({N_RESAMPLES} resamples, seed {SEED})",
 }
@@ -158,6 +163,34 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optiona
                         method="percentile", vectorized=True, rng=np.random.default_rng(SEED))
     low, high = res.confidence_interval
     return ratio, (None if math.isnan(low) else float(low)), (None if math.isnan(high) else float(high))
+
+
+MIN_SEEDS = 2  # a t-interval needs a standard deviation
+
+
+def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.inf, math.inf)) -> Interval:
+    """Student t-interval of the mean of ``samples`` (independent seeds), clipped to ``bounds``
+    (an accuracy's [0, 1]); ``(None, None)`` below :data:`MIN_SEEDS`; equal samples give a
+    zero-width interval."""
+    x = _array(samples)
+    if x.size < MIN_SEEDS:
+        return None, None
+    half = float(sps.t.ppf(0.5 + CONFIDENCE / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+    mean = float(x.mean())
+    return max(bounds[0], mean - half), min(bounds[1], mean + half)
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
+    """``mean(b) - mean(a)`` and its Welch t-interval; the interval is None with fewer than
+    :data:`MIN_SEEDS` samples on either side, and zero-width when both sides are constant."""
+    x, y = _array(a), _array(b)
+    diff = float(y.mean() - x.mean())
+    if min(x.size, y.size) < MIN_SEEDS:
+        return diff, None, None
+    if x.std() == 0 and y.std() == 0:
+        return diff, diff, diff
+    ci = sps.ttest_ind(y, x, equal_var=False).confidence_interval(CONFIDENCE)
+    return diff, float(ci.low), float(ci.high)
 
 
 def overlap(a: Interval, b: Interval) -> Optional[bool]:

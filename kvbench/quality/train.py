@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,8 @@ TRAIN_METRICS: Dict[str, Metric] = metric_table(
     Metric("train_loss", "nats/token", "mean training cross-entropy over the last train.log_every steps"),
     Metric("train_seconds", "s", "wall time of the training steps, evaluation excluded"),
     Metric("steps", "count", "optimizer steps taken (train.steps)"),
-    Metric("tokens_seen", "tokens", "steps x train.batch_size x train.seq_len"),
+    Metric("tokens_seen", "tokens",
+           "input tokens of all training steps (steps x train.batch_size x train.seq_len for text)"),
     Metric("corpus_bytes", "bytes", "training + validation text read (data.max_bytes caps it)"),
     Metric("init_num_kv_heads", "count", "KV heads of the train.init_from checkpoint before conversion"),
     Metric("ppl_before_uptrain", "ratio",
@@ -122,14 +123,20 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(model: Decoder, cfg: TrainConfig, data: TokenData, on_log: Optional[OnLog] = None,
-          tick: Optional[Tick] = None, seed: int = 0, autocast_dtype: Optional[torch.dtype] = None) -> dict:
+def train(model: Decoder, cfg: TrainConfig, data: Optional[TokenData], on_log: Optional[OnLog] = None,
+          tick: Optional[Tick] = None, seed: int = 0, autocast_dtype: Optional[torch.dtype] = None,
+          stream: Optional[Iterator[Tuple[torch.Tensor, torch.Tensor]]] = None,
+          evaluate_fn: Optional[Callable[[Decoder], Dict[str, float]]] = None) -> dict:
     """Train ``model`` in place for ``cfg.steps`` steps; returns final metrics and the curve.
 
     ``on_log(step, metrics)`` gets ``train_loss`` and ``lr`` every ``log_every`` steps, plus
     ``val_loss`` / ``perplexity`` / ``bits_per_byte`` every ``eval_every`` steps and at the end.
     ``tick(description=...)`` is called after every step. Evaluation time is excluded from
     ``train_seconds``.
+
+    Other data (the recall tasks): ``stream`` yields (inputs, targets), each (B, T), targets
+    -100 where no loss is taken, in place of windows of ``data.train``; ``evaluate_fn(model)``
+    replaces the perplexity evaluation (``data`` may then be None).
     """
     device = model.device
     decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices; norms are not decayed
@@ -137,14 +144,19 @@ def train(model: Decoder, cfg: TrainConfig, data: TokenData, on_log: Optional[On
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    stream = batches(data.train, cfg.batch_size, cfg.seq_len, seed, device)
+    if stream is None:
+        stream = batches(data.train, cfg.batch_size, cfg.seq_len, seed, device)
+    if evaluate_fn is None:
+        def evaluate_fn(m: Decoder) -> Dict[str, float]:
+            return evaluate(m, data, cfg.seq_len, cfg.eval_batches, cfg.batch_size)
     curve: List[dict] = []
     last: Dict[str, float] = {}
     running: List[float] = []
-    eval_seconds, start = 0.0, time.perf_counter()
+    eval_seconds, start, tokens = 0.0, time.perf_counter(), 0
     model.train()
     for step in range(1, cfg.steps + 1):
         x, y = next(stream)
+        tokens += x.numel()
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -164,7 +176,7 @@ def train(model: Decoder, cfg: TrainConfig, data: TokenData, on_log: Optional[On
             running = []
             if is_eval:
                 t0 = time.perf_counter()
-                point.update(evaluate(model, data, cfg.seq_len, cfg.eval_batches, cfg.batch_size))
+                point.update(evaluate_fn(model))
                 eval_seconds += time.perf_counter() - t0
             last.update(point)
             curve.append({"step": step, **point})
@@ -174,8 +186,7 @@ def train(model: Decoder, cfg: TrainConfig, data: TokenData, on_log: Optional[On
             tick(description=f"train loss {last.get('train_loss', loss.item()):.3f}"
                  + (f" val {last['val_loss']:.3f}" if "val_loss" in last else ""))
     seconds = time.perf_counter() - start - eval_seconds
-    return {**last, "train_seconds": seconds, "steps": cfg.steps,
-            "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len, "curve": curve}
+    return {**last, "train_seconds": seconds, "steps": cfg.steps, "tokens_seen": tokens, "curve": curve}
 
 
 def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Optional[OnLog] = None,

@@ -67,6 +67,17 @@ def _quality(records: Sequence[Record]) -> Dict[str, float]:
     return out
 
 
+def _recall(records: Sequence[Record]) -> Dict[str, str]:
+    """Recall accuracy [95% interval over seeds] per variant from the ok task=recall records."""
+    out: Dict[str, str] = {}
+    for rec in records:
+        if kind(rec) == "recall" and rec.get("status") == "ok" and _m(rec, "accuracy") is not None:
+            low, high = _m(rec, "accuracy_ci_low"), _m(rec, "accuracy_ci_high")
+            out[variant(rec)] = fmt(_m(rec, "accuracy"), "{:.3f}") + (
+                f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else "")
+    return out
+
+
 def is_chat(rec: Record) -> bool:
     """A ``task=capacity`` record of the multi-turn chat (its max batch counts conversations)."""
     return lookup(rec.get("config") or {}, "workload.name") == "multiturn"
@@ -148,7 +159,7 @@ def choices(records: Sequence[Record]) -> List[Choice]:
             (chats if is_chat(rec) else cells).setdefault(cell, []).append(rec)
     out = []
     for cell in sorted(cells, key=natural):
-        out.append(_choice(cell, cells[cell], quality, multiturn, chats.get(cell, [])))
+        out.append(_choice(cell, cells[cell], quality, multiturn, chats.get(cell, []), records))
     return out
 
 
@@ -174,7 +185,7 @@ def _chat_table(records: Sequence[Record]) -> Tuple[Dict[Tuple[str, bool], Dict[
 
 
 def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], multiturn: Optional[str],
-            chat_records: Sequence[Record] = ()) -> Choice:
+            chat_records: Sequence[Record] = (), all_records: Sequence[Record] = ()) -> Choice:
     rows: Dict[str, Dict[str, Any]] = {}
     notes = []
     for rec in sorted(records, key=lambda r: variant_order(variant(r))):
@@ -197,6 +208,12 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         notes.append("quality (pooled): the MHA model of the same weights with its K/V heads mean-pooled to the "
                      "variant's count, KL(MHA || variant) per token and top-1 agreement on random tokens "
                      "(kv_pool_* in the records' methods)")
+    recall = _recall(all_records)
+    with_recall = any(label in recall for label in rows)
+    if with_recall:  # the quality a layout decides: the answer is a token stored far back
+        header.append("recall accuracy [95%]")
+        notes.append("recall: task=recall accuracy on held-out sequences of the same variant label (mean over "
+                     "seeds [t-interval]); a variant's model there is trained from scratch, not these weights")
     with_quality = any(label in quality for label in rows)
     if with_quality:
         header.append("perplexity")
@@ -213,6 +230,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                     fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
             if with_pool:
                 line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}")]
+            line += [recall.get(label, "-")] if with_recall else []
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(label.startswith("mha ") for label in rows):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvbench.results import lookup
+from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import Choice, choices
 from kvbench.sinks.tables import (
     AXES,
@@ -184,8 +185,20 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
               for k, group in groups.items()]
     tables += [comparison_table(c) for c in comparisons(records, axes)]
     tables += [t for c in choices(records) for t in choice_tables(c)]
+    tables += [recall_table(g) for g in recall_sink.groups(records)]
     ttft = ttft_comparison_table(records)
     return tables + ([ttft] if ttft is not None else [])
+
+
+def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
+    """``task=recall`` records of one setting: accuracy per condition per variant, gaps, costs."""
+    header, rows = recall_sink.recall_table(group)
+    table = Table(title=recall_sink.title(group), title_justify="left")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for i, row in enumerate(rows):
+        table.add_row(*row, end_section=i == len(rows) - 4)
+    return table
 
 
 def variants_table(record: Dict[str, Any]) -> Table:

@@ -26,6 +26,7 @@ from kvbench.jobs.claim import claim_holder
 from kvbench.jsonio import atomic_write, write_text_atomic
 from kvbench.measure.stats import kv_cost_fit
 from kvbench.results import RESULTS_FILE, RecordError, find_results, lookup, read_record
+from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 from kvbench.sinks.tables import (
@@ -261,6 +262,15 @@ def _interleaved_md(records) -> List[str]:
     return lines
 
 
+def _recall_md(records) -> List[str]:
+    """``task=recall``: accuracy per condition per variant, the gaps and the variants' costs."""
+    lines: List[str] = []
+    for group in recall_sink.groups(records):
+        header, rows = recall_sink.recall_table(group)
+        lines += [f"## {recall_sink.title(group)}", "", *_md_table(header, rows, len(header) - 1), ""]
+    return lines
+
+
 def _choose_md(records) -> List[str]:
     """The article's table per cell of the capacity jobs, and the recommendations it supports."""
     found = choices(records)
@@ -289,7 +299,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", ""]
-    lines += _choose_md(records)
+    lines += _choose_md(records) + _recall_md(records)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
     for kind_name, group in groups.items():

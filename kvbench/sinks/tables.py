@@ -93,16 +93,25 @@ COLUMNS: Dict[str, List[Column]] = {
                  _NOISY],
     # its variants' metrics are per variant: :func:`interleaved_table` shows them
     "compare": [Column("rounds", "rounds", "{}", brief=True)],
+    # per condition: kvbench/sinks/recall.py
+    "recall": [Column("accuracy", "recall acc", "{:.3f}", brief=True, compared=True),
+               Column("accuracy_before_uptrain", "acc before uptrain", "{:.3f}", brief=True, compared=True),
+               Column("chance_accuracy", "chance", "{:.3f}"),
+               Column("accuracy_seeds", "seeds", "{}", brief=True),
+               Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
+               Column("decode_ms_p50", "decode p50 ms", "{:.3f}", brief=True, compared=True),
+               Column("train_seconds", "train s", "{:.0f}", brief=True), _CONVERSION, _PARAMS, _NOISY],
 }
 KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation",
-               "capacity": "capacity at the longest context", "compare": "interleaved comparison"}
+               "capacity": "capacity at the longest context", "compare": "interleaved comparison",
+               "recall": "recall"}
 
 
 def kind(record: Record) -> str:
     """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` | ``compare``."""
     config = record.get("config") or {}
     task = config.get("task", "bench")
-    if task in ("train", "eval", "capacity", "compare"):
+    if task in ("train", "eval", "capacity", "compare", "recall"):
         return task
     return lookup(config, "workload.name") or "decode"
 

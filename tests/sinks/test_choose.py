@@ -148,3 +148,16 @@ def test_pooled_quality_columns_from_the_capacity_records():
     assert rows["gqa kv=2"]["quality: KL vs MHA, nats (pooled)"] == "0.0123"
     assert rows["mqa kv=1"]["top-1 = MHA (pooled)"] == "0.750" and rows["mha kv=8"]["top-1 = MHA (pooled)"] == "1.000"
     assert any(n.startswith("quality (pooled): the MHA model of the same weights") for n in choice.notes)
+
+
+def test_recall_is_the_quality_column_when_recall_records_are_there():
+    recall = [{"job": f"r{kv}", "status": "ok",
+               "config": {"task": "recall", "attention": {"type": t, "num_kv_heads": kv}},
+               "metrics": {"accuracy": acc, "accuracy_ci_low": acc - 0.01, "accuracy_ci_high": acc + 0.01}}
+              for t, kv, acc in (("mha", 8, 0.99), ("mqa", 1, 0.5))]
+    (choice,) = choices(sweep() + recall)
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert rows["mha kv=8"]["recall accuracy [95%]"] == "0.990 [0.980, 1.000]"
+    assert rows["mqa kv=1"]["recall accuracy [95%]"] == "0.500 [0.490, 0.510]"
+    assert rows["gqa kv=2"]["recall accuracy [95%]"] == "-"  # no recall job of that variant
+    assert "recall accuracy [95%]" not in choices(sweep())[0].header

@@ -1,0 +1,189 @@
+"""``task=recall``: does the KV layout lose recall? The ``attention`` variant of the job learns a
+synthetic recall task (kvbench/quality/recall.py: MQAR or passkey) from scratch, once per seed
+under the same ``train`` budget, and is scored on held-out sequences per condition; accuracy is
+the mean over seeds with a 95 % t-interval (kvbench/measure/stats.py, ``ci_seeds``).
+
+The variant is whatever ``cfg.attention`` builds (``Decoder(model, attention)``): a sweep over
+``attention=mha,gqa,mqa`` (or any layout the decoder learns later) compares them, each job on
+the same seeds, so the same training streams and the same held-out sequences. With
+``recall.uptrain_steps`` the variant is instead converted: an MHA model trained with the same
+budget, its KV heads mean-pooled to ``attention.num_kv_heads``, scored before and after
+``uptrain_steps`` more steps.
+
+Beside the accuracy the record holds what the variant costs: KV bytes per token (a static
+cache of the trained model, whose bytes are its layout's formula) and the median decode step
+at the longest length. The record's ``tables.accuracy`` has one row per condition, with each
+seed's accuracy, so a gap between two variants' records can be tested (``stats.welch_interval``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from kvbench.cache import cache_for
+from kvbench.checkpoint import convert_kv_heads, kv_conversion
+from kvbench.config import BenchConfig
+from kvbench.config_errors import ConfigError
+from kvbench.generate import decode_step, prefill
+from kvbench.measure import stats
+from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.model import Decoder, torch_dtype
+from kvbench.model_config import AttentionConfig
+from kvbench.quality.recall import Condition, accuracy, chance, eval_set, train_stream
+from kvbench.quality.train import train
+from kvbench.recall_config import RecallConfig
+from kvbench.results import RunResult
+from kvbench.tasks.common import Progress
+
+EVAL_SEED_OFFSET = 1_000_003  # eval sets drawn from another stream than training (the split is by hash anyway)
+DECODE_STEPS = 16  # timed decode steps of batch 1 after a prefill of the longest length
+
+_ACC = ("mqar: queries whose argmax is the stored value, over all queries; passkey: sequences whose every digit's "
+        "argmax is the passkey (what a greedy decode returns), over all sequences; recall.eval_sequences held-out "
+        "sequences per condition and seed, mean over recall.seeds seeds")
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("accuracy", "ratio", _ACC + "; all conditions pooled (each condition weighs the same)"),
+    Metric("accuracy_ci_low", "ratio", "low end of the 95% interval of accuracy: " + stats.METHODS["ci_seeds"]),
+    Metric("accuracy_ci_high", "ratio", "high end of the 95% interval of accuracy (as accuracy_ci_low)"),
+    Metric("accuracy_seeds", "count", "seeds the accuracy is the mean of"),
+    Metric("accuracy_interval_reason", "text", "only without an interval: why (fewer than 2 seeds)"),
+    Metric("accuracy_before_uptrain", "ratio", "recall.uptrain_steps only: accuracy of the mean-pooled MHA model "
+           "before uptraining (as accuracy)"),
+    Metric("chance_accuracy", "ratio", "accuracy of a guess that sees no context, pooled as accuracy (1 / values "
+           "for mqar, 10^-digits for passkey)"),
+    Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
+           "model (its layout's formula) over its length"),
+    Metric("decode_ms_p50", "ms", f"median of {DECODE_STEPS} batch-1 decode steps after a prefill of the longest "
+           "recall.seq_len (timing_method), the last seed's model"),
+    Metric("timing_method", "", "cuda_events on CUDA, perf_counter on CPU"),
+    Metric("train_seconds", "s", "wall time of all training steps of all seeds, evaluation excluded"),
+    Metric("tokens_seen", "tokens", "input tokens of all training steps of one seed (every seed sees as many)"),
+    Metric("steps", "count", "optimizer steps per seed (train.steps, + recall.uptrain_steps when converting)"),
+    Metric("num_params", "count", "parameters of the decoder scored"),
+    Metric("num_kv_heads", "count", "KV heads of the decoder scored"),
+    Metric("kv_heads_conversion", "", "none | mean-pool: recall.uptrain_steps converts a trained MHA model "
+           "(Ainslie et al. 2023)"),
+    Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
+           "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "
+           "seed's accuracy, in seed order), chance"),
+)
+
+
+def conditions(cfg: RecallConfig) -> List[Condition]:
+    """Every condition of the config: (num_pairs x seq_len) for mqar, (seq_len x distances) for passkey."""
+    if cfg.kind == "mqar":
+        return [Condition("mqar", t, num_pairs=p) for p in cfg.num_pairs for t in cfg.seq_len]
+    return [Condition("passkey", t, distance=d) for t in cfg.seq_len for d in cfg.distances]
+
+
+def summarise(per_seed: List[float]) -> Dict[str, Any]:
+    """Mean over seeds with its t-interval, the seed count, and why there is no interval."""
+    low, high = stats.t_interval(per_seed, (0.0, 1.0))
+    out: Dict[str, Any] = {"accuracy": sum(per_seed) / len(per_seed), "ci_low": low, "ci_high": high,
+                           "seeds": len(per_seed)}
+    if low is None:
+        out["interval_reason"] = (f"{len(per_seed)} seed: a t-interval needs >= {stats.MIN_SEEDS} "
+                                  "(raise recall.seeds)")
+    return out
+
+
+def _scores(model: Decoder, sets: Dict[Condition, Any], kind: str) -> Dict[Condition, float]:
+    return {cond: accuracy(model, kind, x, y) for cond, (x, y) in sets.items()}
+
+
+def _fit(model: Decoder, cfg: BenchConfig, steps: int, seed: int, conds: List[Condition], tick) -> Dict[str, Any]:
+    r = cfg.recall
+    budget = replace(cfg.train, steps=steps, warmup_steps=min(cfg.train.warmup_steps, max(steps, 1)),
+                     eval_every=max(steps, 1))  # scored once, after training, by this task
+    autocast = None if cfg.runtime.dtype == "float32" else torch_dtype(cfg.runtime.dtype)
+    stream = train_stream(conds, cfg.train.batch_size, r.vocab_size, r.digits, seed, model.device)
+    return train(model, budget, None, None, tick, seed, autocast, stream=stream, evaluate_fn=lambda m: {})
+
+
+def decode_step_ms(model: Decoder, length: int, vocab_size: int, device: torch.device) -> float:
+    """Median batch-1 decode step after a prefill of ``length - DECODE_STEPS`` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab_size, (1, max(1, length - DECODE_STEPS)), generator=gen).to(device)
+    cache = cache_for(model, "static", 1, prompt.shape[1] + DECODE_STEPS + 1)
+    timer = RegionTimer(device)
+    with torch.no_grad():
+        token = prefill(model, prompt, cache).argmax(-1).reshape(1, 1)
+        pos = prompt.shape[1]
+        for i in range(DECODE_STEPS + 1):
+            with timer.region("warmup" if i == 0 else "step"):
+                token = decode_step(model, token, cache, pos + i).argmax(-1).reshape(1, 1)
+    return stats.median(timer.ms("step"))
+
+
+def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
+    """Train and score the variant on every seed; metrics, the per-condition table and the costs
+    go into ``result`` (one seed's numbers are never recorded alone: the table is written at the end)."""
+    r = cfg.recall
+    conds = conditions(r)
+    model_cfg = replace(cfg.model, vocab_size=r.vocab_size)
+    attention = cfg.attention
+    converting = r.uptrain_steps is not None
+    if max(r.seq_len) > model_cfg.max_seq_len:  # the one rule across sections, checked before any step
+        raise ConfigError(f"recall.seq_len={r.seq_len}: longer than model.max_seq_len={model_cfg.max_seq_len}")
+    h = model_cfg.num_heads
+    if converting:
+        how = kv_conversion(h, attention.num_kv_heads)
+        if how != "mean-pool":
+            raise ConfigError(f"recall.uptrain_steps={r.uptrain_steps}: converts a trained MHA model to fewer KV "
+                              f"heads; attention.num_kv_heads={attention.num_kv_heads} of model.num_heads={h} is "
+                              f"{how} (use attention=gqa or mqa, or recall.uptrain_steps=null)")
+    seeds = [cfg.runtime.seed + i for i in range(r.seeds)]
+    stages = ["before_uptrain", "final"] if converting else ["final"]
+    per_seed: Dict[str, Dict[Condition, List[float]]] = {s: {c: [] for c in conds} for s in stages}
+    seconds, model = 0.0, None
+    steps = cfg.train.steps + (r.uptrain_steps or 0)
+    label = f"recall {r.kind} {attention.type} kv={attention.num_kv_heads}"
+    with progress(label, steps * len(seeds)) as tick:
+        for seed in seeds:
+            sets = {c: eval_set(c, r.eval_sequences, r.vocab_size, r.digits, EVAL_SEED_OFFSET + seed) for c in conds}
+            torch.manual_seed(seed)
+            with device:
+                start = AttentionConfig.for_heads(h, h) if converting else attention
+                model = Decoder(model_cfg, start).to(torch_dtype("float32"))
+            fitted = _fit(model, cfg, cfg.train.steps, seed, conds, tick)
+            seconds += fitted["train_seconds"]
+            if converting:
+                model = convert_kv_heads(model, attention.num_kv_heads).float()
+                for c, acc in _scores(model, sets, r.kind).items():
+                    per_seed["before_uptrain"][c].append(acc)
+                seconds += _fit(model, cfg, r.uptrain_steps, seed, conds, tick)["train_seconds"] \
+                    if r.uptrain_steps else 0.0
+            for c, acc in _scores(model, sets, r.kind).items():
+                per_seed["final"][c].append(acc)
+            tokens = fitted["tokens_seen"]
+    rows = []
+    for stage in stages:
+        for c in conds:
+            row = {"stage": stage, "kind": c.kind, "seq_len": c.seq_len, "num_pairs": c.num_pairs,
+                   "distance": c.distance, **summarise(per_seed[stage][c]), "per_seed": per_seed[stage][c],
+                   "chance": chance(c, r.vocab_size, r.digits)}
+            rows.append({k: v for k, v in row.items() if v is not None or k in ("ci_low", "ci_high")})
+    result.tables["accuracy"] = rows
+    pooled = {stage: [sum(per_seed[stage][c][i] for c in conds) / len(conds) for i in range(len(seeds))]
+              for stage in stages}
+    head = summarise(pooled["final"])
+    result.metrics.update(accuracy=head["accuracy"], accuracy_ci_low=head["ci_low"],
+                          accuracy_ci_high=head["ci_high"], accuracy_seeds=head["seeds"])
+    if "interval_reason" in head:
+        result.metrics["accuracy_interval_reason"] = head["interval_reason"]
+    if converting:
+        result.metrics["accuracy_before_uptrain"] = summarise(pooled["before_uptrain"])["accuracy"]
+    longest = max(c.seq_len for c in conds)
+    result.metrics.update(
+        chance_accuracy=sum(chance(c, r.vocab_size, r.digits) for c in conds) / len(conds),
+        kv_bytes_per_token=cache_for(model, "static", 1, longest).nbytes / longest,
+        decode_ms_p50=decode_step_ms(model.eval(), longest, r.vocab_size, device),
+        timing_method=timing_method(device), train_seconds=seconds, tokens_seen=tokens, steps=steps,
+        num_params=model.num_params(), num_kv_heads=model.num_kv_heads,
+        kv_heads_conversion="mean-pool" if converting else "none")
+    result.methods.update(record_methods(METRICS))
