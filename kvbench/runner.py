@@ -38,7 +38,7 @@ from kvbench.config import (
     to_bench_config,
 )
 from kvbench.device import resolve_device
-from kvbench.interrupts import Interrupted, describe_stop, interruptible
+from kvbench.interrupts import Interrupted, describe_stop, interruptible, launcher_stop
 from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
 from kvbench.measure.timing import timing_method
@@ -254,13 +254,17 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
         except ConfigError as exc:  # bounded to one line where it is raised
             result.status, result.error = "invalid", str(exc)
         except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
-            result.status = "oom" if is_oom(exc) else "error"
-            result.error = one_line(f"{type(exc).__name__}: {exc}")
-            try:
-                (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
-                (out_dir / "error.txt").write_text(_bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
-            except OSError:
-                pass  # a full disk: the record below says what failed, or is printed if it cannot be written
+            if launcher_stop(exc):  # submitit ending the job on SLURM's time-limit warning: raised again
+                result.status, result.error = "interrupted", describe_stop(exc)
+                stopped = exc
+            else:
+                result.status = "oom" if is_oom(exc) else "error"
+                result.error = one_line(f"{type(exc).__name__}: {exc}")
+                try:
+                    (out_dir / "error.txt").parent.mkdir(parents=True, exist_ok=True)
+                    (out_dir / "error.txt").write_text(_bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
+                except OSError:
+                    pass  # a full disk: the record below says what failed, or is printed if it cannot be written
         except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again
             result.status, result.error = "interrupted", describe_stop(exc)
             stopped = exc

@@ -10,6 +10,9 @@ from kvbench.model import Decoder
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()
 
+# The one-node SLURM of the tests marked slurm, and whether they run (tests/slurm/cluster.py).
+pytest_plugins = ["slurm.cluster"]
+
 
 def tiny_model_config(**overrides) -> ModelConfig:
     """A decoder small enough for exact CPU tests in milliseconds."""
