@@ -34,7 +34,8 @@ REQUEUE = f"{LONG} attention=gqa"
 TIMEOUT = (f"kvbench -m {ON_THIS_NODE} hydra.launcher.timeout_min=1 hydra.launcher.signal_delay_s=20 {TINY} "
            "runtime.warmup=0 runtime.repeats=1000000 attention=mqa")
 RESUME = f"{LONG} hydra.launcher.array_parallelism=1 runtime.isolate=false workload.batch_size=1,2,3"
-COMMANDS = [SWEEP, LOCAL, REQUEUE, TIMEOUT, RESUME]
+GRES = f"kvbench -m {ON_THIS_NODE} hydra.launcher.gres=gpu:1 model=tiny attention=mha,mqa"
+COMMANDS = [SWEEP, LOCAL, REQUEUE, TIMEOUT, RESUME, GRES]
 
 
 def argv(command: str, sweep: Path, *extra: str) -> list:
@@ -152,6 +153,18 @@ def test_a_sweep_through_sbatch_is_an_array_of_ok_records_like_a_local_sweep(tim
         assert set(slurm.metrics) == set(here.metrics) - {"peak_rss_reason"}
         assert slurm.metrics["kv_cache_bytes"] == here.metrics["kv_cache_bytes"] == slurm.metrics[
             "kv_cache_bytes_formula"]
+
+
+def test_gres_reaches_sbatch_and_a_cluster_without_it_refuses_in_one_line(timed_out, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(argv(GRES, sweep), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # submitit keeps the script sbatch refused under its temporary name
+    [script] = sweep.glob(".submitit/.submission_file_*.sh")
+    assert "#SBATCH --gres=gpu:1" in script.read_text().splitlines()
+    assert "kvbench: the sweeper failed: FailedJobError: sbatch: error: Invalid generic resource (gres) " \
+           "specification" in proc.stderr.splitlines()
+    assert "2 not run" in proc.stdout  # no job of it ran, nothing recorded as measured
 
 
 def test_a_requeued_job_is_recorded_interrupted_and_the_requeued_run_completes_it(timed_out, tmp_path):
