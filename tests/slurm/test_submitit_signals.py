@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-from kvbench.interrupts import bypassed, launcher_stop
+from kvbench.jobs.interrupts import bypassed, launcher_stop
 from kvbench.results import read_record
 
 # A job's first process as submitit's process_job leaves it: submitit's real bypass on SIGTERM;
@@ -25,7 +25,7 @@ import logging, signal, sys
 from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import UncompletedJobError
 from kvbench.config import *
-from kvbench.isolation import launch_job
+from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 handler = object.__new__(SignalHandler)
 handler._logger = logging.getLogger("submitit")
