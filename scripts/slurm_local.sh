@@ -150,15 +150,18 @@ start() {
 }
 
 stop() {
+  local pids=() pidfile pid
+  for pidfile in "$STATE/slurmd.pid" "$STATE/slurmctld.pid" "$STATE/slurmdbd.pid" /run/mysqld/mariadb.pid; do
+    [ -f "$pidfile" ] && pids+=("$(cat "$pidfile")")
+  done
   scancel --full --quiet --user="$(id -un)" 2>/dev/null || true
+  wait_for 20 sh -c '[ -z "$(squeue -h 2>/dev/null)" ]' || true  # let slurmd end the jobs' steps
   scontrol shutdown >/dev/null 2>&1 || true  # slurmctld and slurmd
-  for pidfile in "$STATE/slurmdbd.pid" "$STATE/slurmd.pid" "$STATE/slurmctld.pid" /run/mysqld/mariadb.pid; do
-    [ -f "$pidfile" ] || continue
-    pid=$(cat "$pidfile")
+  for pid in "${pids[@]}"; do  # in that order: the database last
     kill "$pid" 2>/dev/null || true
     wait_for 20 sh -c "! kill -0 $pid" || kill -9 "$pid" 2>/dev/null || true
-    rm -f "$pidfile"
   done
+  rm -f "$STATE"/*.pid /run/mysqld/mariadb.pid
   [ -f /run/munge/munged.pid ] && kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
   echo "slurm_local.sh: stopped"
 }

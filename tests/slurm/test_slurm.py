@@ -116,8 +116,10 @@ def timed_out(slurm_cluster, tmp_path_factory):
     sweep = tmp_path_factory.mktemp("timeout") / "sweep"
     proc = start(TIMEOUT, sweep)
     yield proc, sweep
-    if proc.poll() is None:
+    if proc.poll() is None:  # a test before this one failed: its job goes too
         proc.kill()
+        for script in sweep.glob(".submitit/*/*_submission.sh"):
+            subprocess.run(["scancel", script.name.split("_")[0]])
 
 
 def test_the_docs_page_gives_these_commands():
