@@ -30,6 +30,9 @@ def compose(*overrides: str, hydra: bool = False) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
+# The one-node SLURM of the tests marked slurm, and whether they run (tests/slurm/cluster.py).
+pytest_plugins = ["slurm.cluster"]
+
 
 def tiny_model_config(**overrides) -> ModelConfig:
     """A decoder small enough for exact CPU tests in milliseconds."""

@@ -46,7 +46,7 @@ from typing import Callable, List, Optional, Tuple
 from omegaconf import DictConfig
 
 from kvbench.config import BenchConfig, to_bench_config
-from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, stop_reasons
+from kvbench.jobs.interrupts import Interrupted, bypassed, describe_stop, interruptible, launcher_stop, stop_reasons
 from kvbench.jobs.runner import run_job, save, utc_now
 from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record
 from kvbench.tasks.common import Progress, no_progress
@@ -83,7 +83,8 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
     out_dir.mkdir(parents=True, exist_ok=True)
     # A signal a launcher handles here is the launcher's to act on: the child ignores it and
     # the parent stops the child itself (with SIGINT) when the launcher says so.
-    ignored = [s for s in _LAUNCHER_SIGNALS if callable(signal.getsignal(s))]
+    # submitit's bypass of SIGTERM is no handling: both processes take SIGTERM (interrupts.bypassed).
+    ignored = [s for s in _LAUNCHER_SIGNALS if callable(signal.getsignal(s)) and not bypassed(signal.getsignal(s))]
     before, oom_before, started = _file_id(out_dir), oom_kills(), utc_now()
     lost = lambda status, error: _lost(job, out_dir, overrides, started, before, status, error)
     child = None
@@ -91,10 +92,10 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
         try:
             child = _Child((sys.path, ignored), (measure, job, str(out_dir), list(overrides or []), progress))
             message = child.collect()
-        except Exception as exc:  # noqa: BLE001 — the parent's side failing is a record too, never a lost job
-            _stop(child, None, ignored)
-            return lost("error", f"{type(exc).__name__}: {exc} (running the job's process)")
         except BaseException as exc:  # Ctrl-C, SIGTERM, a launcher's SystemExit: record, then raise again
+            if isinstance(exc, Exception) and not launcher_stop(exc):  # the parent's side failed: a record too
+                _stop(child, None, ignored)
+                return lost("error", f"{type(exc).__name__}: {exc} (running the job's process)")
             result = _stop(child, exc, ignored)
             if result is None:
                 result = lost("interrupted", describe_stop(exc) + "; the job's process left no record")

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.config import BenchConfig, objective_metric, to_bench_config
 from kvbench.config_errors import ConfigError, one_line
 from kvbench.device import resolve_device
-from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible
+from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop
 from kvbench.jsonio import write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import is_oom
@@ -130,12 +130,16 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
         except ConfigError as exc:  # bounded to one line where it is raised
             result.status, result.error = "invalid", str(exc)
         except Exception as exc:  # noqa: BLE001 — every failure becomes data, never a lost record
-            result.status = "oom" if is_oom(exc) else "error"
-            result.error = one_line(f"{type(exc).__name__}: {exc}")
-            try:
-                write_text_atomic(out_dir / "error.txt", _bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
-            except OSError:
-                pass  # a full disk: the record below says what failed, or is printed if it cannot be written
+            if launcher_stop(exc):  # submitit ending the job on SLURM's time-limit warning: raised again
+                result.status, result.error = "interrupted", describe_stop(exc)
+                stopped = exc
+            else:
+                result.status = "oom" if is_oom(exc) else "error"
+                result.error = one_line(f"{type(exc).__name__}: {exc}")
+                try:
+                    write_text_atomic(out_dir / "error.txt", _bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
+                except OSError:
+                    pass  # a full disk: the record below says what failed, or is printed if it cannot be written
         except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again
             result.status, result.error = "interrupted", describe_stop(exc)
             stopped = exc
