@@ -11,6 +11,7 @@ data and exits 1 when a job of this sweep errored, was interrupted or has no rea
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shutil
@@ -29,7 +30,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.config import CONF_DIR, RENAMED_KEYS, ConfigError, one_line, register_configs, to_bench_config
+from kvbench.config import (
+    CONF_DIR,
+    RENAMED_KEYS,
+    ConfigError,
+    one_line,
+    register_configs,
+    schema_defaults,
+    to_bench_config,
+)
 from kvbench.inspection import describe
 from kvbench.isolation import launch_job
 from kvbench.quality.train import CHECKPOINT_NAME
@@ -226,9 +235,33 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
                  markup=False, soft_wrap=True)
     if rows:
         _report(sweep_dir, plots=not interrupted, records=rows)  # after Ctrl-C: quickly, no plots
-        if not interrupted:
+        if not interrupted and counts.get("ok"):  # nothing to publish without a measurement
             _dashboard(sweep_dir, rows)
-    return EXIT_CODES["error"] if any(counts.get(s) for s in FAILED_ROWS) else 0
+    code, why = sweep_exit(counts)
+    if why:
+        stderr.print(f"kvbench: {why}", markup=False, soft_wrap=True)
+    return code
+
+
+def sweep_exit(counts: Dict[str, int]) -> tuple[int, Optional[str]]:
+    """A sweep's exit code for the statuses of its jobs, and the line that says why it is not 0.
+    0 only when every job is accounted for and at least one measured: a sweep whose jobs were
+    all invalid (a typo in a swept key) is 2, as a single invalid run is; one with a job that
+    failed, has no record or is still being run by another process is 1."""
+    total = sum(counts.values())
+    if not total:
+        return EXIT_CODES["error"], "the sweep has no jobs"
+    if any(counts.get(s) for s in FAILED_ROWS):
+        return EXIT_CODES["error"], None  # the table says which (the job lines said why)
+    if counts.get("running"):
+        return EXIT_CODES["error"], (f"{counts['running']} of {total} jobs are being run by another process: "
+                                     "their results are not in this table (run the sweep again when they finish)")
+    if not counts.get("ok"):
+        if counts.get("invalid") == total:
+            return EXIT_CODES["invalid"], "every job of the sweep is invalid (their records say why)"
+        return EXIT_CODES["error"], "no job of the sweep measured anything (" + ", ".join(
+            f"{n} {s}" for s, n in counts.items()) + ")"
+    return 0, None
 
 
 def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
@@ -360,6 +393,8 @@ def config_error_line(exc: BaseException) -> str:
             if key in RENAMED_KEYS:
                 return f"{key}: renamed to {RENAMED_KEYS[key]}"
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            if "not in struct" in msg and "." not in key:
+                return one_line(f"{_override_being_composed(exc) or key}: {_unknown_top_key(key)}")
             return one_line(f"{key}: {msg}")
     lines = [line.strip() for err in chain[:1] for line in str(err).split("Config search path")[0].splitlines()
              if line.strip()]
@@ -369,6 +404,17 @@ def config_error_line(exc: BaseException) -> str:
             return f"{old}: renamed to {new}"
     override = _override_being_composed(exc)
     return one_line(f"{override}: {text}" if override and override not in text else text)
+
+
+def _unknown_top_key(key: str) -> str:
+    """What to say of a top-level name that is neither a config group nor a key (``atention=mha``):
+    the nearest group or key."""
+    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    keys = sorted(OmegaConf.to_container(schema_defaults()).keys())
+    close = difflib.get_close_matches(key, groups + keys, n=1)
+    if close:
+        return f"no such config group or key (did you mean {close[0]}?)"
+    return f"no such config group or key (groups: {', '.join(groups)})"
 
 
 def _override_being_composed(exc: BaseException) -> Optional[str]:

@@ -333,9 +333,16 @@ def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[Ru
         record = read_record(out_dir)
     except RecordError:
         return None
-    if record.status != "ok":
+    if record.status != "ok" or not trustworthy_ok(record.metrics):
         return None
     return record if _identity(record.config) == _identity(config) else None
+
+
+def trustworthy_ok(metrics: Mapping[str, Any]) -> bool:
+    """Whether an ``ok`` record's metrics can stand for a finished job: at least one metric, and
+    none that is NaN or infinite (what versions before the non-finite check wrote as bare
+    ``NaN``). A record that fails this is measured again on resume, never trusted."""
+    return bool(metrics) and not nonfinite_metrics(metrics)
 
 
 def _identity(config: Any) -> Any:

@@ -1,0 +1,112 @@
+"""Careless and hostile input (issue 29): each test plants what a user or an attacker could leave
+behind (a formula in a config value, raw HTML, an ``ok`` record with nothing or NaN in it, a
+typo in a group name, a sweep whose every job is invalid) and checks what kvbench makes of it."""
+
+import csv
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+from conftest import make_decoder, tiny_model_config
+from hydra import compose, initialize_config_dir
+
+from kvbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from kvbench.cli import config_error_line, sweep_exit
+from kvbench.config import (
+    CONF_DIR,
+    AttentionConfig,
+    BenchConfig,
+    CacheConfig,
+    RuntimeConfig,
+    WandbConfig,
+    WorkloadConfig,
+    record_view,
+)
+from kvbench.results import RunResult, completed_record
+from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
+
+
+def bench(kind, kv):
+    return BenchConfig(model=tiny_model_config(), attention=AttentionConfig(type=kind, num_kv_heads=kv),
+                       workload=WorkloadConfig(prompt_len=8, gen_len=4), cache=CacheConfig(),
+                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"))
+
+
+def _record(tmp_path, name, value, error=None):
+    cfg = asdict(bench("mha", 8))
+    cfg["model"]["name"] = value
+    RunResult("ok", record_view(cfg), metrics={"decode_ms_p50": 1.5, "note": value}, error=error,
+              overrides=[f"model.name={value}"]).write(tmp_path / name)
+
+
+@pytest.mark.parametrize("start", ["=", "+", "-", "@", "\t", "\r"])
+def test_summary_csv_never_writes_a_cell_a_spreadsheet_would_run(tmp_path, start):
+    payload = f"{start}1+1|HYPERLINK(\"x\")"
+    _record(tmp_path, "0", payload)
+    write_report(tmp_path, plots=False)
+    with (tmp_path / CSV_FILE).open(newline="") as f:
+        rows = list(csv.reader(f))
+    cells = [cell for row in rows[1:] for cell in row]
+    assert any(payload in cell for cell in cells)  # the value is kept, as text
+    assert not [cell for cell in cells if cell.startswith(("=", "+", "-", "@", "\t", "\r"))]
+    # a number stays a number: a negative figure is not text
+    RunResult("ok", record_view(asdict(bench("mha", 8))), metrics={"decode_ms_p50": -2.5}).write(tmp_path / "1")
+    write_report(tmp_path, plots=False)
+    with (tmp_path / CSV_FILE).open(newline="") as f:
+        assert "-2.5" in [row["decode_ms_p50"] for row in csv.DictReader(f)]
+
+
+def test_summary_md_shows_config_values_as_text_never_as_html(tmp_path):
+    payload = '<img src=x onerror="alert(1)">'
+    _record(tmp_path, "0", payload, error=f"boom {payload}")
+    RunResult("error", record_view(asdict(bench("mha", 8))), error=f"<b>{payload}</b>",
+              overrides=[f"model.name={payload}"]).write(tmp_path / "1")
+    write_report(tmp_path, plots=False)
+    text = (tmp_path / MD_FILE).read_text()
+    assert "<img" not in text and "<b>" not in text
+    assert "&lt;img src=x onerror=\"alert(1)\"&gt;" in text
+
+
+@pytest.mark.parametrize("metrics", ["{}", '{"decode_ms_p50": NaN}', '{"tokens_per_s": Infinity, "x": 1}'])
+def test_resume_measures_again_an_ok_record_with_no_metrics_or_a_bare_nan(tmp_path, metrics):
+    config = record_view(asdict(bench("mha", 8)))
+    (tmp_path / "results.json").write_text(f'{{"status": "ok", "config": {json.dumps(config)}, '
+                                           f'"metrics": {metrics}}}')
+    assert completed_record(tmp_path, config) is None
+    RunResult("ok", config, metrics={"decode_ms_p50": 1.0}).write(tmp_path)
+    assert completed_record(tmp_path, config) is not None  # a real one is still trusted
+
+
+@pytest.mark.parametrize("counts, code", [
+    ({"invalid": 3}, 2),                      # a typo in a swept key: every job invalid
+    ({"ok": 1, "running": 2}, 1),             # jobs another process still runs: no results for them
+    ({"running": 3}, 1),
+    ({"oom": 2}, 1),                          # nothing measured
+    ({}, 1),
+    ({"ok": 2, "invalid": 1, "oom": 1}, 0),   # a sweep with measurements; invalid/oom are data
+    ({"ok": 1, "missing": 1}, 1),
+])
+def test_a_sweep_exits_zero_only_when_it_measured_and_accounted_for_every_job(counts, code):
+    got, why = sweep_exit(counts)
+    assert got == code
+    assert (why is None) == (code == 0 or any(counts.get(s) for s in ("missing", "error")))
+
+
+def test_a_misspelled_group_suggests_the_group(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(Exception) as info:
+            compose("config", overrides=["atention=mha"])
+    line = config_error_line(info.value)
+    assert line == "atention=mha: no such config group or key (did you mean attention?)"
+
+
+def test_a_saved_checkpoint_with_a_model_key_kvbench_does_not_know_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path / "ck.pt", make_decoder(4))
+    payload = torch.load(path, weights_only=True)
+    payload["model"]["sliding_windw"] = 16  # what this version would silently not model
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    [line] = str(info.value).splitlines()
+    assert "model.sliding_windw" in line and str(path) in line
