@@ -27,6 +27,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from kvbench.config import AttentionConfig, ConfigError, ModelConfig, typed
+from kvbench.footprint import check_model_fits
 from kvbench.model import Decoder, rope_tables, torch_dtype
 from kvbench.results import read_json
 
@@ -189,6 +190,10 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     model_cfg = read_llama_config(directory, max_seq_len)
+    try:
+        check_model_fits(model_cfg, device, f"{directory / 'config.json'}")  # before any tensor is made
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
     hf_config = read_json(directory / "config.json")  # parsed once already
     files = sorted(directory.glob("*.safetensors"))
     if not files:

@@ -60,6 +60,7 @@ COMPILE_ALIASES = {"true": "default"}  # runtime.compile=true, as before the mod
 # An error line kept in a record or printed is at most this long: a malformed file once produced
 # a 28 MB message, copied into every sink.
 MAX_ERROR_CHARS = 1000
+MAX_HF_CONFIG_BYTES = 16 * 2**20  # a checkpoint's config.json (kvbench.results.MAX_JSON_BYTES too)
 INT64_MAX = 2**63 - 1
 
 
@@ -281,7 +282,12 @@ class ModelConfig:
         if path.exists() and not path.is_file():  # a FIFO would block the read forever
             raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
         try:
+            size = path.stat().st_size
+            if size > MAX_HF_CONFIG_BYTES:  # real ones are a few KB: never read a huge one whole
+                raise ValueError(f"{size:,} bytes, more than the {MAX_HF_CONFIG_BYTES:,} a config.json may have")
             hf = json.loads(path.read_bytes())
+        except RecursionError:
+            raise ConfigError(f"model.path={self.path!r}: cannot read {path} (nested too deeply)") from None
         except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             raise ConfigError(f"model.path={self.path!r}: cannot read {path} ({exc})") from None
         try:

@@ -141,9 +141,21 @@ def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
         return f.read() if limit is None else f.read(limit)
 
 
-def read_json(path: Path | str) -> Any:
-    """Parsed JSON of the regular file ``path``; OSError / ValueError pass through."""
-    return json.loads(read_regular(path).decode("utf-8"))  # bytes would let json guess UTF-16
+# The largest JSON file kvbench reads that is not a record (a checkpoint's config.json, the
+# roofline cache): real ones are a few KB, so a larger one is refused before it is read.
+MAX_JSON_BYTES = 16 * 2**20
+
+
+def read_json(path: Path | str, limit: int = MAX_JSON_BYTES) -> Any:
+    """Parsed JSON of the regular file ``path`` of at most ``limit`` bytes; OSError / ValueError
+    pass through (ValueError too for a larger file and for one nested too deeply to parse)."""
+    data = read_regular(path, limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit:,} bytes, too large for a JSON file kvbench reads")
+    try:
+        return json.loads(data.decode("utf-8"))  # bytes would let json guess UTF-16
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to parse") from None
 
 
 def read_record(path: Path | str) -> RunResult:

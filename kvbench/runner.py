@@ -38,6 +38,7 @@ from kvbench.config import (
     to_bench_config,
 )
 from kvbench.device import resolve_device
+from kvbench.footprint import check_fits
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
@@ -238,6 +239,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             result.env = {**collect_env(device), "device": str(device)}  # what it ran with
             if job.task not in TASKS:
                 raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
+            check_fits(job, device)  # sizes from the config, before anything is built
             earlier_jobs = _jobs_run
             _jobs_run += 1
             result.methods.update(LOAD_METHODS)

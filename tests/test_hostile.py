@@ -8,22 +8,26 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import make_decoder, tiny_model_config
+from conftest import llama_dir, make_decoder, tiny_model_config
 from hydra import compose, initialize_config_dir
 
-from kvbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from kvbench.checkpoint import CheckpointError, load_checkpoint, load_llama_dir, save_checkpoint
 from kvbench.cli import config_error_line, sweep_exit
 from kvbench.config import (
     CONF_DIR,
     AttentionConfig,
     BenchConfig,
     CacheConfig,
+    ConfigError,
     RuntimeConfig,
     WandbConfig,
     WorkloadConfig,
     record_view,
+    to_bench_config,
 )
+from kvbench.footprint import available_bytes, job_footprint, parameter_count
 from kvbench.results import RunResult, completed_record
+from kvbench.runner import run_job
 from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
 
 
@@ -110,3 +114,78 @@ def test_a_saved_checkpoint_with_a_model_key_kvbench_does_not_know_is_refused(tm
         load_checkpoint(path)
     [line] = str(info.value).splitlines()
     assert "model.sliding_windw" in line and str(path) in line
+
+
+# ---- bounds before work ------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [dict(), dict(qkv_bias=True), dict(qk_norm=True), dict(num_layers=7)])
+def test_the_parameter_count_from_two_meta_layers_is_the_built_models(overrides):
+    cfg = tiny_model_config(**overrides)
+    for kv in (8, 2, 1):
+        attention = AttentionConfig.for_heads(cfg.num_heads, kv)
+        assert parameter_count(cfg, attention) == make_decoder(kv, **overrides).num_params()
+
+
+def _job(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny", "wandb=disabled", "runtime.isolate=false", *overrides])
+    return run_job(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.num_layers=1000000", "model.num_layers=1000000"),       # would build layers until memory ran out
+    ("model.max_seq_len=1000000000000", "model.max_seq_len=1000000000000"),  # an 8 TB rotary table
+])
+def test_a_model_too_large_for_the_machine_is_invalid_before_anything_is_built(tmp_path, override, named):
+    result = _job(tmp_path, override, "workload.prompt_len=8", "workload.gen_len=2")
+    assert result.status == "invalid"
+    [line] = result.error.splitlines()
+    assert named in line and "nothing was built" in line and "memory available" in line
+    assert "weight_bytes" not in result.metrics
+
+
+def test_a_batch_whose_kv_cache_cannot_fit_is_invalid_naming_the_batch(tmp_path):
+    result = _job(tmp_path, "workload.batch_size=100000000", "workload.prompt_len=8", "workload.gen_len=2")
+    assert result.status == "invalid" and "workload.batch_size=100000000" in result.error
+    job = to_bench_config_of()
+    m, a = job.model, job.attention
+    need = job_footprint(job)
+    assert need.kv_cache == 2 * m.num_layers * a.num_kv_heads * m.head_dim * 10 * 100_000_000 * 4  # the formula
+    assert need.kv_cache > available_bytes(torch.device("cpu"))
+
+
+def to_bench_config_of():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny", "workload.batch_size=100000000", "workload.prompt_len=8",
+                                           "workload.gen_len=2"])
+    return to_bench_config(cfg)
+
+
+def test_a_checkpoint_whose_config_json_describes_a_huge_model_is_refused_before_it_is_built(tmp_path):
+    path, _ = llama_dir(tmp_path / "ck", 2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000,
+                                                  "hidden_size": 4096, "num_attention_heads": 32,
+                                                  "num_key_value_heads": 8, "intermediate_size": 11008}))
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    [line] = str(info.value).splitlines()
+    assert "100000 layers" in line and "config.json" in line and "nothing was built" in line
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (" " * (17 * 2**20) + "{}", "bytes"),
+])
+def test_a_config_json_that_is_huge_or_nested_too_deeply_is_one_line(tmp_path, content, needle):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(tmp_path)
+    [line] = str(info.value).splitlines()
+    assert needle in line and "config.json" in line
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=hf_dir", f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError) as info:
+        to_bench_config(cfg)
+    [line] = str(info.value).splitlines()
+    assert needle in line and f"model.path={str(tmp_path)!r}" in line

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["config", "units", "interrupts"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
+    ["footprint"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
     ["quality.data", "quality.fidelity", "inspection"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.interleaved"],
