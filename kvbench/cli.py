@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import shutil
 import signal
@@ -178,7 +179,10 @@ def _report(directory: Path, announce: bool = True, plots: bool = True,
 def _after_job(result, out_dir: Path, multirun: bool) -> None:
     """Print the job's outcome; in a single run an invalid value is one line on stderr. A record
     that could not be written goes to stderr as one line of JSON, after one line saying why."""
-    where = out_dir / RESULTS_FILE
+    where = result.written_to or out_dir / RESULTS_FILE
+    if result.written_to is not None and result.written_to.name != RESULTS_FILE:
+        stderr.print(f"kvbench: {out_dir / RESULTS_FILE} keeps the earlier ok record; this run's {result.status} "
+                     f"record is {result.written_to}", markup=False, soft_wrap=True)
     if result.unsaved:
         stderr.print(f"kvbench: {result.unsaved}; the record follows on stderr as JSON", markup=False,
                      soft_wrap=True)
@@ -449,6 +453,13 @@ def main() -> None:
     except SweepRefused as exc:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
+    except OSError as exc:  # outside any job: an output directory that cannot be made, say
+        if full_error:
+            raise
+        stderr.print(f"kvbench: {one_line(_os_error_line(exc))}", markup=False, soft_wrap=True)
+        if _sweep_config is not None:
+            sweep_end(_sweep_config)
+        sys.exit(EXIT_CODES["error"])
     except Exception as exc:
         if _sweep_config is not None and not full_error and not _is_composition_error(exc):
             # The sweeper failed after its jobs (Optuna's, when no trial has a value): what the
@@ -470,6 +481,24 @@ def main() -> None:
     sys.exit(_exit_code)
 
 
+def _os_error_line(exc: OSError) -> str:
+    """``cannot write PATH: reason`` for an OSError that names its file, its text otherwise."""
+    if exc.filename is not None:
+        return f"cannot write {exc.filename}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (``nan``, ``inf`` and ``0`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds > 0")
+    return value
+
+
 def report_main(argv: Optional[Sequence[str]] = None) -> int:
     """Console script ``kvbench-report DIR [--out OUT]``."""
     parser = argparse.ArgumentParser(
@@ -484,6 +513,9 @@ def report_main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"kvbench-report: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --out read-only, a file in the way, a full disk
+        print(f"kvbench-report: {one_line(_os_error_line(exc))}", file=sys.stderr)
+        return 1
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     print(f"{len(report.records)} jobs ({counts}) under {report.root}")
     for path in report.files:
@@ -503,7 +535,7 @@ def dashboard_main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("dir", help="a sweep directory (multirun/<date>/<time>)")
     parser.add_argument("--entity", help="W&B entity (default: the runs' wandb.entity, else your default entity)")
     parser.add_argument("--no-publish", action="store_true", help="only write workspace.json and workspace.md")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for W&B (default 30)")
+    parser.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for W&B (default 30)")
     args = parser.parse_args(argv)
     try:
         records = collect(args.dir)

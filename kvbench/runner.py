@@ -285,7 +285,7 @@ def save(result: RunResult, out_dir: Path) -> None:
     """Write the record; when the file system refuses (a full disk), keep the reason in
     ``result.unsaved`` so the CLI can print the record instead of losing it."""
     try:
-        result.write(out_dir)
+        result.written_to = result.write(out_dir)
     except OSError as exc:
         result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
 

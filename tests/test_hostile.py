@@ -4,6 +4,12 @@ typo in a group name, a sweep whose every job is invalid) and checks what kvbenc
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import pytest
@@ -26,7 +32,7 @@ from kvbench.config import (
     to_bench_config,
 )
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
-from kvbench.results import RunResult, completed_record
+from kvbench.results import RunResult, completed_record, read_record
 from kvbench.runner import run_job
 from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
 
@@ -189,3 +195,92 @@ def test_a_config_json_that_is_huge_or_nested_too_deeply_is_one_line(tmp_path, c
         to_bench_config(cfg)
     [line] = str(info.value).splitlines()
     assert needle in line and f"model.path={str(tmp_path)!r}" in line
+
+
+# ---- safe writes ---------------------------------------------------------------------------
+
+def test_a_worse_record_never_replaces_an_ok_one(tmp_path):
+    """rerun=true into a finished job, then Ctrl-C: the measurement stays in results.json, the
+    interrupted record goes beside it."""
+    first = _job(tmp_path, "workload.prompt_len=8", "workload.gen_len=2", "runtime.repeats=1", "runtime.warmup=0")
+    assert first.status == "ok"
+
+    @contextmanager
+    def interrupting(label, total):
+        def tick(*args, **kwargs):
+            raise KeyboardInterrupt
+        yield tick
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny", "wandb=disabled", "runtime.isolate=false", "rerun=true",
+                                           "workload.prompt_len=8", "workload.gen_len=2", "runtime.repeats=1",
+                                           "runtime.warmup=0"])
+    with pytest.raises(KeyboardInterrupt) as info:
+        run_job(cfg, tmp_path, progress=interrupting)
+    assert info.value.record.status == "interrupted"
+    assert info.value.record.written_to == tmp_path / "results.interrupted.json"
+    kept = read_record(tmp_path)
+    assert kept.status == "ok" and kept.metrics == first.metrics
+    assert read_record(tmp_path / "results.interrupted.json").status == "interrupted"
+    # an ok record replaces an ok one (rerun=true that finishes), and anything replaces a failed one
+    RunResult("error", kept.config, error="boom").write(tmp_path / "other")
+    RunResult("interrupted", kept.config, error="SIGINT").write(tmp_path / "other")
+    assert read_record(tmp_path / "other").status == "interrupted"
+
+
+def test_summary_csv_and_md_are_written_before_the_plots(tmp_path, monkeypatch):
+    """Ctrl-C while the end-of-sweep plots draw: the tables are already on disk."""
+    import kvbench.sinks.report as report
+
+    _record(tmp_path, "0", "a")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "draw_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_report(tmp_path, plots=True)
+    assert (tmp_path / CSV_FILE).is_file() and "interrupted" in (tmp_path / MD_FILE).read_text()
+
+
+# ---- failures outside the job wrapper: one line, non-zero ---------------------------------
+
+def _kvbench(*args, cwd):
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-c", "from kvbench.entry import main; main()", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.e2e
+def test_an_output_directory_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("in the way")
+    proc = _kvbench("model=tiny", f"hydra.run.dir={tmp_path}/afile/run", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"kvbench: cannot write {tmp_path}/afile/run: Not a directory"]
+
+
+@pytest.mark.e2e
+def test_ctrl_c_while_kvbench_starts_is_one_line_and_130(tmp_path):
+    env = dict(os.environ, WANDB_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-c", "from kvbench.entry import main; main()", "model=tiny"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # inside `import torch` on any machine this suite runs on; later is handled too
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) <= 2 and "interrupted by SIGINT" in lines[-1] and "Traceback" not in err
+
+
+def test_report_to_an_unwritable_place_and_a_nan_timeout_are_one_line(tmp_path, capsys):
+    from kvbench.cli import dashboard_main, report_main
+
+    _record(tmp_path, "0", "a")
+    (tmp_path / "afile").write_text("in the way")
+    assert report_main([str(tmp_path), "--out", str(tmp_path / "afile" / "r"), "--no-plots"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"kvbench-report: cannot write {tmp_path / 'afile' / 'r'}: Not a directory"]
+    for bad in ("nan", "inf", "0", "-1", "soon"):
+        with pytest.raises(SystemExit) as info:
+            dashboard_main([str(tmp_path), "--timeout", bad])
+        assert info.value.code == 2 and "--timeout" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -28,6 +28,7 @@ LAYERS = [
     ["sinks.console", "sinks.plots"],
     ["sinks.report", "sweep"],
     ["cli"],
+    ["entry"],
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
 # measuring), and other sinks.

@@ -313,7 +313,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
         lines += ["## Jobs that are not ok", ""]
         overrides = [" ".join(map(str, rec.get("overrides") or [])) or "(defaults)" for rec in failed]
         lines += _md_table(["job", "status", "overrides", "error"],
-                           [[rec["job"], rec["status"], o, rec.get("error") or ""]
+                           [[rec["job"], rec["status"], "`" + o.replace("`", "'") + "`", rec.get("error") or ""]
                             for rec, o in zip(failed, overrides)])
         lines.append("")
     lines += ["## Plots", ""]
@@ -342,12 +342,16 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     out = Path(out_dir) if out_dir is not None else root
     out.mkdir(parents=True, exist_ok=True)
     report = Report(root, records, swept_axes(records))
+    # The tables first, then the plots (slow on a large sweep): an interruption or a plot that
+    # fails never costs summary.csv and summary.md, which are rewritten with the plots after.
+    report.plots_note = ("plots were turned off (`kvbench-report DIR` draws them)" if not plots
+                         else "the plots were not drawn (interrupted; `kvbench-report DIR` draws them)")
+    write_csv(out / CSV_FILE, records, report.axes)
+    (out / MD_FILE).write_text(markdown(report, []))
     pngs: List[Path] = []
     if plots:
         pngs, report.skipped_plots = draw_all(records, report.axes, out)
-    else:
-        report.plots_note = "plots were turned off (`kvbench-report DIR` draws them)"
-    write_csv(out / CSV_FILE, records, report.axes)
-    (out / MD_FILE).write_text(markdown(report, pngs))
+        report.plots_note = ""
+        (out / MD_FILE).write_text(markdown(report, pngs))
     report.files = [out / CSV_FILE, out / MD_FILE, *pngs]
     return report
