@@ -284,3 +284,20 @@ def test_report_to_an_unwritable_place_and_a_nan_timeout_are_one_line(tmp_path, 
         with pytest.raises(SystemExit) as info:
             dashboard_main([str(tmp_path), "--timeout", bad])
         assert info.value.code == 2 and "--timeout" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_sweep_along_a_long_axis_is_reported_without_drawing_thousands_of_panels(tmp_path):
+    from kvbench.sinks.plots import MAX_PANELS
+
+    seeds = MAX_PANELS + 6
+    for i in range(2 * seeds):
+        cfg = asdict(bench("mha", 8))
+        cfg["runtime"]["seed"], cfg["workload"]["prompt_len"] = i // 2, 8 + 8 * (i % 2)
+        overrides = [f"runtime.seed={i // 2}", f"workload.prompt_len={8 + 8 * (i % 2)}"]
+        RunResult("ok", record_view(cfg), metrics={"decode_ms_p50": 1.0 + i, "tokens_per_s": 10.0},
+                  overrides=overrides).write(tmp_path / str(i))
+    report = write_report(tmp_path, plots=True)
+    assert "decode_vs_context" in report.skipped_plots
+    assert f"{seeds} panels" in report.skipped_plots["decode_vs_context"]
+    assert not list(tmp_path.glob("decode_vs_context.png"))
+    assert (tmp_path / MD_FILE).read_text().count("| ok |") == 2 * seeds  # every job is still listed
