@@ -19,6 +19,8 @@ Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -46,11 +48,21 @@ def _reading(path: Path | str, what: str, read):
     that names ``path``: torch, safetensors and tokenizers raise their own types (and torch a
     page of advice) for a file that is truncated or not what it claims to be."""
     try:
-        return read()
+        with warnings.catch_warnings():  # torch warns about a file's pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            return read()
     except (MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 — whatever the parser raises, the file is at fault
-        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {_gist(exc)})") from None
+
+
+def _gist(exc: Exception) -> str:
+    """The part of a reader's error that is about the file: torch's weights-only loader wraps
+    its one-line reason (``WeightsUnpickler error: ...``) in a paragraph of advice."""
+    text = str(exc)
+    match = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", text, flags=re.S)
+    return f"the weights-only loader refused it: {' '.join(match.group(1).split())}" if match else text
 
 
 def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],

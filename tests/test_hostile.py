@@ -5,6 +5,7 @@ typo in a group name, a sweep whose every job is invalid) and checks what kvbenc
 import csv
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -301,3 +302,15 @@ def test_a_sweep_along_a_long_axis_is_reported_without_drawing_thousands_of_pane
     assert f"{seeds} panels" in report.skipped_plots["decode_vs_context"]
     assert not list(tmp_path.glob("decode_vs_context.png"))
     assert (tmp_path / MD_FILE).read_text().count("| ok |") == 2 * seeds  # every job is still listed
+
+
+@pytest.mark.parametrize("content", [b"garbage", pickle.dumps({"a": object})])
+def test_a_file_that_is_not_a_checkpoint_is_one_short_line_without_torchs_warning(tmp_path, content, recwarn):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    [line] = str(info.value).splitlines()
+    assert str(path) in line and "weights-only loader refused it" in line and len(line) < 250
+    assert "arbitrary code execution" not in line
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
