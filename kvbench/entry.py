@@ -3,6 +3,7 @@ imports torch, Hydra and the rest (seconds) is one line and exit 130, not a trac
 scripts themselves are in :mod:`kvbench.cli`; a job's own process starts through :func:`child_main`.
 """
 
+import os
 import signal
 import sys
 
@@ -36,7 +37,12 @@ def dashboard_main() -> None:
         from kvbench import cli
     except KeyboardInterrupt:
         _interrupted("starting (nothing was written)")
-    sys.exit(cli.dashboard_main())
+    code = cli.dashboard_main()
+    # W&B's client keeps threads and its service process busy with a server that does not answer
+    # (tens of seconds after the answer is printed); the spec is on disk, so nothing is left to do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def child_main() -> None:

@@ -314,3 +314,43 @@ def test_a_file_that_is_not_a_checkpoint_is_one_short_line_without_torchs_warnin
     assert str(path) in line and "weights-only loader refused it" in line and len(line) < 250
     assert "arbitrary code execution" not in line
     assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
+
+
+@pytest.mark.e2e
+def test_kvbench_dashboard_against_a_server_that_never_answers_exits_when_it_says_so(tmp_path):
+    """A W&B server on this machine that accepts connections and never answers (a black hole):
+    the failure is one line within --timeout, and the process is gone right after it."""
+    import socket
+    import threading
+
+    _record(tmp_path, "0", "a")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held, stop = [], threading.Event()
+
+    def hold():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=hold, daemon=True).start()
+    env = dict(os.environ, WANDB_BASE_URL=f"http://127.0.0.1:{server.getsockname()[1]}",
+               WANDB_API_KEY="local-" + "0" * 40, WANDB_MODE="online")
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", "from kvbench.entry import dashboard_main; dashboard_main()",
+                                 str(tmp_path), "--timeout", "2"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        line = proc.stderr.readline()  # the failure, after at most --timeout of waiting for W&B
+        said = time.monotonic()
+        rest = proc.stderr.read()
+        proc.wait(timeout=120)
+        gone = time.monotonic()
+    finally:
+        stop.set()
+        server.close()
+    assert proc.returncode == 1 and line.startswith("kvbench-dashboard: not created on W&B: ") and not rest
+    assert gone - said < 5  # before: W&B's client kept the process ~25 s after the line
