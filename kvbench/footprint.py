@@ -103,6 +103,21 @@ def check_model_fits(model: ModelConfig, device: torch.device | str, where: str)
                           f"({need.describe()}), more than the {human_bytes(have)} available; nothing was built")
 
 
+def _check_probe_range(cfg: BenchConfig, need: Footprint, have: int) -> None:
+    """A capacity search probes batches up to ``capacity.max_batch``: refuse a limit whose probe
+    at the longest context could not even hold its hidden states (B x T x d_model floats, one
+    layer's worth) beside the weights, rather than searching for hours towards it."""
+    longest = max(cfg.capacity.context_lens) if cfg.workload.name != "multiturn" else cfg.workload.total_len
+    per_sequence = longest * cfg.model.d_model * 4
+    room = max(0, have - need.total)
+    largest = room // per_sequence
+    if cfg.capacity.max_batch > largest:
+        raise ConfigError(f"capacity.max_batch={cfg.capacity.max_batch}: a probe of that batch at context {longest} "
+                          f"needs at least {human_bytes(cfg.capacity.max_batch * per_sequence)} for its hidden states "
+                          f"alone, more than the {human_bytes(room)} left beside the weights; at most {largest} "
+                          "could run here")
+
+
 def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
     """Raise :class:`ConfigError` (one line naming the sizes and the keys behind them) when the
     job's :class:`Footprint` alone exceeds the memory ``device`` has available."""
@@ -110,6 +125,8 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         return Footprint(0, 0, 0)
     need = job_footprint(cfg)
     have = available_bytes(device)
+    if cfg.task == "capacity":
+        _check_probe_range(cfg, need, have)
     if need.total > have:
         m = cfg.model
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"

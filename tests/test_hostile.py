@@ -354,3 +354,12 @@ def test_kvbench_dashboard_against_a_server_that_never_answers_exits_when_it_say
         server.close()
     assert proc.returncode == 1 and line.startswith("kvbench-dashboard: not created on W&B: ") and not rest
     assert gone - said < 5  # before: W&B's client kept the process ~25 s after the line
+
+
+def test_a_capacity_search_towards_a_batch_that_could_never_run_is_refused_at_once(tmp_path):
+    result = _job(tmp_path, "task=capacity", "capacity.max_batch=1000000000", "capacity.context_lens=[16]",
+                  "runtime.memory_budget_gb=1", "workload.gen_len=2")
+    assert result.status == "invalid"
+    [line] = result.error.splitlines()
+    assert line.startswith("capacity.max_batch=1000000000: a probe of that batch at context 16") and "at most" in line
+    assert "max_batch" not in result.metrics  # no probe ran
