@@ -46,10 +46,10 @@ def dashboard_main() -> None:
 
 
 def child_main() -> None:
-    """A job's process (kvbench.isolation): interrupted while importing, it exits 130 without a
+    """A job's process (kvbench.jobs.isolation): interrupted while importing, it exits 130 without a
     word, and its parent records the job ``interrupted``."""
     try:
-        from kvbench.isolation import child_main as measure_here
+        from kvbench.jobs.isolation import child_main as measure_here
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)
     measure_here()

@@ -19,8 +19,10 @@ import psutil
 import torch
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig, ConfigError, ModelConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config_errors import ConfigError
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.units import human_bytes
 
 # The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at

@@ -19,22 +19,23 @@ from conftest import llama_dir, make_decoder, tiny_model_config
 from hydra import compose, initialize_config_dir
 
 from kvbench.checkpoint import CheckpointError, load_checkpoint, load_llama_dir, save_checkpoint
-from kvbench.cli import config_error_line, sweep_exit
+from kvbench.cli import _top_level_names
+from kvbench.cli_sweep import sweep_exit
 from kvbench.config import (
     CONF_DIR,
-    AttentionConfig,
     BenchConfig,
     CacheConfig,
-    ConfigError,
     RuntimeConfig,
     WandbConfig,
     WorkloadConfig,
-    record_view,
     to_bench_config,
 )
+from kvbench.config_errors import ConfigError, config_error_line
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
-from kvbench.results import RunResult, completed_record, read_record
-from kvbench.runner import run_job
+from kvbench.jobs.claim import completed_record
+from kvbench.jobs.runner import run_job
+from kvbench.model_config import AttentionConfig
+from kvbench.results import RunResult, read_record, record_view
 from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
 
 
@@ -108,7 +109,7 @@ def test_a_misspelled_group_suggests_the_group(tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         with pytest.raises(Exception) as info:
             compose("config", overrides=["atention=mha"])
-    line = config_error_line(info.value)
+    line = config_error_line(info.value, _top_level_names())
     assert line == "atention=mha: no such config group or key (did you mean attention?)"
 
 
