@@ -364,3 +364,41 @@ def test_a_capacity_search_towards_a_batch_that_could_never_run_is_refused_at_on
     [line] = result.error.splitlines()
     assert line.startswith("capacity.max_batch=1000000000: a probe of that batch at context 16") and "at most" in line
     assert "max_batch" not in result.metrics  # no probe ran
+
+
+@pytest.mark.parametrize("name", [".kvbench-claim", "summary.csv", "summary.md", "results.json", "error.txt",
+                                  "kv_bytes_vs_heads.png"])
+def test_a_symlink_planted_in_a_job_directory_is_replaced_never_written_through(tmp_path, name):
+    """Every output kvbench writes in a job or sweep directory: the link goes, its target stays."""
+    from kvbench.jobs.claim import claim_holder, claim_job
+    from kvbench.jsonio import write_text_atomic
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / name).symlink_to(target)
+    if name == ".kvbench-claim":
+        with claim_job(job) as claim:
+            assert claim is not None and "pid" in claim_holder(job)
+    elif name.startswith("summary") or name.endswith(".png"):
+        for i, kv in enumerate((8, 2, 1)):
+            RunResult("ok", record_view(asdict(bench("mha" if kv == 8 else "gqa" if kv == 2 else "mqa", kv))),
+                      metrics={"decode_ms_p50": 1.0, "kv_cache_bytes": 100.0 * kv,
+                               "kv_cache_bytes_formula": 100.0 * kv}).write(job / str(i))
+        write_report(job, plots=True)
+    elif name == "results.json":
+        RunResult("ok", {}, metrics={"x": 1.0}).write(job)
+    else:
+        write_text_atomic(job / name, "traceback")
+    assert target.read_text() == "keep me\n"
+    assert not (job / name).is_symlink() and (job / name).is_file()
+
+
+def test_a_fifo_at_the_claims_name_is_refused_not_waited_on(tmp_path):
+    from kvbench.jobs.claim import claim_holder, claim_job
+
+    os.mkfifo(tmp_path / ".kvbench-claim")
+    assert claim_holder(tmp_path) is None
+    with pytest.raises(OSError):
+        claim_job(tmp_path)

@@ -41,6 +41,10 @@ def test_completed_record_needs_ok_status_and_the_same_config(tmp_path):
     # neither rerun nor where the record is logged changes what the job measures
     assert completed_record(job, config_of(*TINY, "rerun=true", "wandb.mode=offline")) is not None
     assert completed_record(job, config_of(*TINY, "workload.batch_size=2")) is None
+    # a worse record never replaces the ok one: it is written beside it, and the job stays done
+    assert RunResult(status="error", config=config, error="boom").write(job) == job / "results.error.json"
+    assert completed_record(job, config) is not None
+    (job / "results.json").unlink()
     RunResult(status="error", config=config, error="boom").write(job)
     assert completed_record(job, config) is None
     RunResult(status="interrupted", config=config, error="interrupted by SIGINT").write(job)

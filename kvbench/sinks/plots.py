@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from kvbench.jsonio import atomic_write
 from kvbench.results import lookup
 from kvbench.sinks.choose import decode_capacity
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
@@ -194,7 +195,7 @@ def _finish(fig, axes, path: Path, handles, labels, note: str, xs) -> Path:
     # data, the axis labels or the title); the note on left-out jobs is its title.
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 4), fontsize="small",
                title=note or None, title_fontsize="x-small", frameon=False)
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"), binary=True)  # never through a link
     return path
 
 
