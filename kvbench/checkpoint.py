@@ -19,6 +19,8 @@ Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -28,6 +30,7 @@ import torch
 
 from kvbench import hf_config
 from kvbench.config_errors import ConfigError, typed
+from kvbench.footprint import check_model_fits
 from kvbench.jsonio import atomic_write
 from kvbench.model import Decoder, rope_tables, torch_dtype
 from kvbench.model_config import AttentionConfig, ModelConfig
@@ -47,11 +50,21 @@ def _reading(path: Path | str, what: str, read):
     that names ``path``: torch, safetensors and tokenizers raise their own types (and torch a
     page of advice) for a file that is truncated or not what it claims to be."""
     try:
-        return read()
+        with warnings.catch_warnings():  # torch warns about a file's pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            return read()
     except (MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 — whatever the parser raises, the file is at fault
-        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {_gist(exc)})") from None
+
+
+def _gist(exc: Exception) -> str:
+    """The part of a reader's error that is about the file: torch's weights-only loader wraps
+    its one-line reason (``WeightsUnpickler error: ...``) in a paragraph of advice."""
+    text = str(exc)
+    match = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", text, flags=re.S)
+    return f"the weights-only loader refused it: {' '.join(match.group(1).split())}" if match else text
 
 
 def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
@@ -195,6 +208,10 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     model_cfg, hf = _llama_config(directory, max_seq_len)
+    try:
+        check_model_fits(model_cfg, device, f"{directory / 'config.json'}")  # before any tensor is made
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")

@@ -12,17 +12,18 @@ data and exits 1 when a job of this sweep errored, was interrupted or has no rea
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 from typing import Optional, Sequence
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cli_job import hydra_job
 from kvbench.cli_sweep import SweepRefused, sweep_end
-from kvbench.config import CONF_DIR, register_configs
+from kvbench.config import CONF_DIR, register_configs, schema_defaults
 from kvbench.config_errors import config_error_line, is_composition_error, one_line
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.results import RESULTS_FILE
@@ -52,6 +53,13 @@ def main() -> None:
     except SweepRefused as exc:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
+    except OSError as exc:  # outside any job: an output directory that cannot be made, say
+        if full_error:
+            raise
+        stderr.print(f"kvbench: {one_line(_os_error_line(exc))}", markup=False, soft_wrap=True)
+        if OUTCOME.sweep is not None:
+            sweep_end(OUTCOME.sweep)
+        sys.exit(EXIT_CODES["error"])
     except Exception as exc:
         if OUTCOME.sweep is not None and not full_error and not is_composition_error(exc):
             # The sweeper failed after its jobs (Optuna's, when no trial has a value): what the
@@ -62,7 +70,8 @@ def main() -> None:
             sys.exit(EXIT_CODES["error"])
         if full_error or not is_composition_error(exc):
             raise
-        stderr.print(f"kvbench: invalid config: {config_error_line(exc)}", markup=False, soft_wrap=True)
+        stderr.print(f"kvbench: invalid config: {config_error_line(exc, _top_level_names())}", markup=False,
+                     soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (runner.Interrupted): what finished, then 128 + signal
         signum = getattr(exc, "signum", signal.SIGINT)
@@ -71,6 +80,30 @@ def main() -> None:
         stderr.print(f"kvbench: interrupted by {signal.Signals(signum).name}", markup=False)
         sys.exit(128 + signum)
     sys.exit(OUTCOME.exit_code)
+
+
+def _top_level_names() -> list:
+    """The config groups (conf/ folders) and top-level keys a command line may name."""
+    groups = [p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))]
+    return sorted(set(groups) | set(OmegaConf.to_container(schema_defaults()).keys()))
+
+
+def _os_error_line(exc: OSError) -> str:
+    """``cannot write PATH: reason`` for an OSError that names its file, its text otherwise."""
+    if exc.filename is not None:
+        return f"cannot write {exc.filename}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (``nan``, ``inf`` and ``0`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds > 0")
+    return value
 
 
 def report_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -87,6 +120,9 @@ def report_main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"kvbench-report: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --out read-only, a file in the way, a full disk
+        print(f"kvbench-report: {one_line(_os_error_line(exc))}", file=sys.stderr)
+        return 1
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     print(f"{len(report.records)} jobs ({counts}) under {report.root}")
     for path in report.files:
@@ -106,7 +142,7 @@ def dashboard_main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("dir", help="a sweep directory (multirun/<date>/<time>)")
     parser.add_argument("--entity", help="W&B entity (default: the runs' wandb.entity, else your default entity)")
     parser.add_argument("--no-publish", action="store_true", help="only write workspace.json and workspace.md")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for W&B (default 30)")
+    parser.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for W&B (default 30)")
     args = parser.parse_args(argv)
     try:
         records = collect(args.dir)

@@ -130,7 +130,10 @@ def report(directory: Path, announce: bool = True, plots: bool = True,
 def _after_job(result, out_dir: Path, multirun: bool) -> None:
     """Print the job's outcome; in a single run an invalid value is one line on stderr. A record
     that could not be written goes to stderr as one line of JSON, after one line saying why."""
-    where = out_dir / RESULTS_FILE
+    where = result.written_to or out_dir / RESULTS_FILE
+    if result.written_to is not None and result.written_to.name != RESULTS_FILE:
+        stderr.print(f"kvbench: {out_dir / RESULTS_FILE} keeps the earlier ok record; this run's {result.status} "
+                     f"record is {result.written_to}", markup=False, soft_wrap=True)
     if result.unsaved:
         stderr.print(f"kvbench: {result.unsaved}; the record follows on stderr as JSON", markup=False,
                      soft_wrap=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -56,9 +56,33 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
                  markup=False, soft_wrap=True)
     if rows:
         report(sweep_dir, plots=not interrupted, records=rows)  # after Ctrl-C: quickly, no plots
-        if not interrupted:
+        if not interrupted and counts.get("ok"):  # nothing to publish without a measurement
             _dashboard(sweep_dir, rows)
-    return EXIT_CODES["error"] if any(counts.get(s) for s in FAILED_ROWS) else 0
+    code, why = sweep_exit(counts)
+    if why:
+        stderr.print(f"kvbench: {why}", markup=False, soft_wrap=True)
+    return code
+
+
+def sweep_exit(counts: Dict[str, int]) -> tuple[int, Optional[str]]:
+    """A sweep's exit code for the statuses of its jobs, and the line that says why it is not 0.
+    0 only when every job is accounted for and at least one measured: a sweep whose jobs were
+    all invalid (a typo in a swept key) is 2, as a single invalid run is; one with a job that
+    failed, has no record or is still being run by another process is 1."""
+    total = sum(counts.values())
+    if not total:
+        return EXIT_CODES["error"], "the sweep has no jobs"
+    if any(counts.get(s) for s in FAILED_ROWS):
+        return EXIT_CODES["error"], None  # the table says which (the job lines said why)
+    if counts.get("running"):
+        return EXIT_CODES["error"], (f"{counts['running']} of {total} jobs are being run by another process: "
+                                     "their results are not in this table (run the sweep again when they finish)")
+    if not counts.get("ok"):
+        if counts.get("invalid") == total:
+            return EXIT_CODES["invalid"], "every job of the sweep is invalid (their records say why)"
+        return EXIT_CODES["error"], "no job of the sweep measured anything (" + ", ".join(
+            f"{n} {s}" for s, n in counts.items()) + ")"
+    return 0, None
 
 
 def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:

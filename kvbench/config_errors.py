@@ -13,7 +13,7 @@ import math
 import os
 import traceback
 from dataclasses import fields
-from typing import Any, List, Mapping, Optional, Type, TypeVar, get_type_hints
+from typing import Any, List, Mapping, Optional, Sequence, Type, TypeVar, get_type_hints
 
 import hydra
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -140,9 +140,10 @@ def _raw(data: Any, key: str) -> Any:
     return node if key else _ABSENT
 
 
-def config_error_line(exc: BaseException) -> str:
+def config_error_line(exc: BaseException, names: Sequence[str] = ()) -> str:
     """One line for an error Hydra or OmegaConf raised while composing the config: the key (or
-    the override) and what is wrong with it (a renamed key names its new name)."""
+    the override) and what is wrong with it (a renamed key names its new name; a top-level name
+    that is no group or key, ``atention=mha``, the nearest of ``names``)."""
     chain: List[BaseException] = []
     node: Optional[BaseException] = exc
     while node is not None and node not in chain:
@@ -160,6 +161,10 @@ def config_error_line(exc: BaseException) -> str:
             if key in RENAMED_KEYS:
                 return f"{key}: renamed to {RENAMED_KEYS[key]}"
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            if "not in struct" in msg and "." not in key and names:
+                close = difflib.get_close_matches(key, list(names), n=1)
+                why = (f"did you mean {close[0]}?" if close else f"groups and keys: {', '.join(names)}")
+                return one_line(f"{_override_being_composed(exc) or key}: no such config group or key ({why})")
             return one_line(f"{key}: {msg}")
     lines = [line.strip() for err in chain[:1] for line in str(err).split("Config search path")[0].splitlines()
              if line.strip()]

@@ -34,9 +34,16 @@ def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
 
 
 def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
-    """Parsed JSON of the regular file ``path`` (its first ``limit`` bytes); OSError / ValueError
-    pass through."""
-    return json.loads(read_regular(path, limit).decode("utf-8"))  # bytes would let json guess UTF-16
+    """Parsed JSON of the regular file ``path`` of at most ``limit`` bytes; OSError / ValueError
+    pass through (a ValueError too for a larger file, never read whole, and for one nested too
+    deeply to parse)."""
+    data = read_regular(path, None if limit is None else limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit:,} bytes, more than a file of its kind has")
+    try:
+        return json.loads(data.decode("utf-8"))  # bytes would let json guess UTF-16
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to parse") from None
 
 
 def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = False,

@@ -94,7 +94,9 @@ class ModelConfig:
         data = dict(data)
         if "num_kv_heads" in data:
             data.setdefault("preset_kv_heads", data.pop("num_kv_heads"))
-        return typed(cls, {k: v for k, v in data.items() if k in cls.__dataclass_fields__}, "model.")
+        # Every other key is checked, not dropped: a key this version does not know means the
+        # checkpoint's model is not the one kvbench would build (typed() names it and the nearest).
+        return typed(cls, data, "model.")
 
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",

@@ -59,6 +59,8 @@ class RunResult:
     # Not part of the record: why results.json could not be written (the disk was full, say),
     # so that whoever prints the outcome can hand the record over another way.
     unsaved: Optional[str] = field(default=None, compare=False, repr=False)
+    # Not part of the record either: the file it was written to (results.json, or beside it).
+    written_to: Optional[Path] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -66,7 +68,7 @@ class RunResult:
 
     def to_dict(self) -> Dict[str, Any]:
         data = asdict(self)
-        del data["unsaved"]
+        del data["unsaved"], data["written_to"]
         return data
 
     def get(self, dotted: str) -> Any:
@@ -74,9 +76,21 @@ class RunResult:
         return lookup(self.config, dotted)
 
     def write(self, directory: Path | str) -> Path:
-        """Write results.json; non-finite numbers become nulls first (see :meth:`null_nonfinite`)."""
+        """Write results.json; non-finite numbers become nulls first (see :meth:`null_nonfinite`).
+
+        A worse record never replaces a better one: when results.json already holds a trusted
+        ``ok`` record and this one is not ok (a ``rerun=true`` interrupted, say), this one is
+        written beside it as ``results.<status>.json`` and the measurement stays."""
         self.null_nonfinite()
-        return write_json_atomic(Path(directory) / RESULTS_FILE, self.to_dict())
+        directory = Path(directory)
+        if self.status != "ok":
+            try:
+                earlier = read_record(directory)
+            except RecordError:
+                earlier = None
+            if earlier is not None and earlier.status == "ok" and trustworthy_ok(earlier.metrics):
+                return write_json_atomic(directory / f"results.{self.status}.json", self.to_dict())
+        return write_json_atomic(directory / RESULTS_FILE, self.to_dict())
 
     def null_nonfinite(self) -> None:
         """Replace every NaN / infinity in the record by None and say why in ``null_reasons``,
@@ -89,7 +103,7 @@ class RunResult:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "RunResult":
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "unsaved"}
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k not in ("unsaved", "written_to")}
         return cls(**known)
 
 
@@ -159,6 +173,13 @@ def nonfinite_kind(value: Any) -> Optional[str]:
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
     return None
+
+
+def trustworthy_ok(metrics: Mapping[str, Any]) -> bool:
+    """Whether an ``ok`` record's metrics can stand for a finished job: at least one metric, and
+    none that is NaN or infinite (what versions before the non-finite check wrote as bare
+    ``NaN``). A record that fails this is measured again on resume, never trusted."""
+    return bool(metrics) and not nonfinite_metrics(metrics)
 
 
 def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:

@@ -20,6 +20,7 @@ LAYERS = [
     ["model_config", "recall_config"],
     ["config"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
+    ["footprint"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "tasks.common"],
@@ -33,6 +34,7 @@ LAYERS = [
     ["cli_job"],
     ["cli_sweep"],
     ["cli"],
+    ["entry"],
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
 # measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.

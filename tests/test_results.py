@@ -33,11 +33,15 @@ def test_completed_record_needs_ok_status_and_the_same_config(tmp_path):
     job.mkdir()
     (job / ".results.json.abc123.tmp").write_text('{"status": "ok", "conf')
     assert completed_record(job, config) is None
-    RunResult(status="ok", config=config).write(job)
+    RunResult(status="ok", config=config, metrics={"decode_ms_p50": 1.0}).write(job)
     assert completed_record(job, config).status == "ok"
     # neither rerun nor where the record is logged changes what the job measures
     assert completed_record(job, config_of(*TINY, "rerun=true", "wandb.mode=offline")) is not None
     assert completed_record(job, config_of(*TINY, "workload.batch_size=2")) is None
+    # a worse record never replaces the ok one: it is written beside it, and the job stays done
+    assert RunResult(status="error", config=config, error="boom").write(job) == job / "results.error.json"
+    assert completed_record(job, config) is not None
+    (job / "results.json").unlink()
     RunResult(status="error", config=config, error="boom").write(job)
     assert completed_record(job, config) is None
     RunResult(status="interrupted", config=config, error="interrupted by SIGINT").write(job)

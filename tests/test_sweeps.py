@@ -231,7 +231,7 @@ def test_two_kvbench_processes_on_one_sweep_never_measure_one_job_twice(tmp_path
     first = LiveKvbench(*args, cwd=tmp_path)
     first.wait_for(r": 0/100000$")
     second = LiveKvbench(*args, cwd=tmp_path)
-    assert second.finish() == 0, second.output
+    assert second.finish() == 1, second.output  # no result for a job it could not run: not a success
     [line] = [line for line in second.err_lines if "skipped:" in line]
     assert f"is being run by {os.uname().nodename} pid {first.pid} since" in line
     assert ": 0/100000" not in second.stderr  # it never started the job's trials
@@ -307,7 +307,9 @@ def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, c
     assert sweep_end(cfg) == 0 and "2 ok —" in capsys.readouterr().out
     # claimed by a process still running it (here: this test): running, not done, not failed
     with claim_job(sweep / "1"):
-        assert sweep_end(cfg) == 0 and "1 ok, 1 running" in capsys.readouterr().out
+        assert sweep_end(cfg) == 1
+        out, err = capsys.readouterr()
+        assert "1 ok, 1 running" in out and "1 of 2 jobs are being run by another process" in err
 
 
 @pytest.mark.e2e

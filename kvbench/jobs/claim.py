@@ -9,14 +9,16 @@ resume's "is this job done?": an ``ok`` record of the same config.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from kvbench.results import RecordError, RunResult, read_record, record_view
+from kvbench.results import RecordError, RunResult, read_record, record_view, trustworthy_ok
 
 CLAIM_FILE = ".kvbench-claim"
 # Keys of a job's config that say how it is scheduled or recorded, not what it measures.
@@ -48,7 +50,7 @@ def claim_job(directory: Path | str) -> Optional[JobClaim]:
     (another kvbench, or a job process a killed sweep left running)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / CLAIM_FILE, "a+")  # not "w": that would erase the holder's name
+    handle = _open_claim(directory / CLAIM_FILE)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -62,12 +64,35 @@ def claim_job(directory: Path | str) -> Optional[JobClaim]:
     return JobClaim(directory, handle)
 
 
+def _open_claim(path: Path):
+    """The claim file, opened for reading and writing without truncating it (that would erase the
+    holder's name) and never through a link: a symlink planted at its name is removed, so the
+    claim never truncates the file it points to; anything else that is not a regular file is
+    refused (OSError)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        path.unlink()  # a link in the job's own directory: the link goes, its target is untouched
+        fd = os.open(path, flags, 0o666)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(fd, "r+")
+
+
 def claim_holder(directory: Path | str) -> Optional[str]:
     """Who holds the claim on ``directory`` (``"host pid N since T"``), or None when nobody
     does. A claim this process holds through another :class:`JobClaim` counts as held."""
     path = Path(directory) / CLAIM_FILE
-    try:
-        handle = open(path)
+    try:  # never through a link, never blocking on a FIFO
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        handle = os.fdopen(fd)
     except OSError:
         return None
     with handle:
@@ -91,7 +116,7 @@ def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[Ru
         record = read_record(out_dir)
     except RecordError:
         return None
-    if record.status != "ok":
+    if record.status != "ok" or not trustworthy_ok(record.metrics):
         return None
     return record if _identity(record.config) == _identity(config) else None
 

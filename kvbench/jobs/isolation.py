@@ -116,6 +116,7 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
 def _record_of(message: dict) -> RunResult:
     result = RunResult.from_dict(message["record"])
     result.unsaved = message["unsaved"]
+    result.written_to = message.get("written_to")
     return result
 
 
@@ -129,7 +130,7 @@ class _Child:
         alive_r, self._alive = os.pipe()  # only this process holds the writing end
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from kvbench.jobs.isolation import child_main; child_main()",
+                [sys.executable, "-c", "from kvbench.entry import child_main; child_main()",
                  str(record_w), str(alive_r)], stdin=subprocess.PIPE, pass_fds=(record_w, alive_r))
         except BaseException:
             self.close()
@@ -198,7 +199,8 @@ def child_main() -> None:
     try:
         with os.fdopen(record_fd, "wb") as pipe:
             if result is not None:
-                pickle.dump({"record": result.to_dict(), "unsaved": result.unsaved}, pipe)
+                pickle.dump({"record": result.to_dict(), "unsaved": result.unsaved,
+                             "written_to": result.written_to}, pipe)
     except OSError:
         pass  # the parent is gone (the record is on disk, if the disk took it)
     sys.exit(code)

@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.config import BenchConfig, objective_metric, to_bench_config
 from kvbench.config_errors import ConfigError, one_line
 from kvbench.device import resolve_device
+from kvbench.footprint import check_fits
 from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop
 from kvbench.jsonio import write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
@@ -114,6 +115,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             result.env = {**collect_env(device), "device": str(device)}  # what it ran with
             if job.task not in TASKS:
                 raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
+            check_fits(job, device)  # sizes from the config, before anything is built
             earlier_jobs = _jobs_run
             _jobs_run += 1
             result.methods.update(LOAD_METHODS)
@@ -162,7 +164,7 @@ def save(result: RunResult, out_dir: Path) -> None:
     """Write the record; when the file system refuses (a full disk), keep the reason in
     ``result.unsaved`` so the CLI can print the record instead of losing it."""
     try:
-        result.write(out_dir)
+        result.written_to = result.write(out_dir)
     except OSError as exc:
         result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
 

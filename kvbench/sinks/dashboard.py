@@ -22,6 +22,7 @@ own model, and ``workspace.md``, the panels in words); :func:`publish` saves it 
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,14 +243,12 @@ def publish(dashboard: Dashboard, timeout_s: float = 30.0) -> str:
     ``timeout_s`` (W&B's client retries for minutes without a network)."""
     import wandb
 
-    try:
-        api = wandb.Api(timeout=max(1, int(timeout_s)))  # no key: raises at once, never prompts
-    except Exception as exc:  # noqa: BLE001
-        raise PublishError(_why(exc)) from None
     outcome: Dict[str, Any] = {}
 
     def save() -> None:
         try:
+            # no key: raises at once, never prompts; a server that never answers: the join below
+            api = wandb.Api(timeout=max(1, math.ceil(timeout_s)))
             if not dashboard.workspace.entity:
                 dashboard.workspace.entity = api.default_entity or ""
             outcome["url"] = dashboard.workspace.save().url

@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from kvbench.jsonio import atomic_write
 from kvbench.results import lookup
 from kvbench.sinks.choose import decode_capacity
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
@@ -33,6 +34,9 @@ Series = Dict[str, List[Point]]  # attention variant -> points sorted by x
 Panels = Dict[str, Series]  # panel title ("B=8 dtype=bfloat16", "" for one panel) -> series
 BYTE_UNITS = (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024), ("bytes", 1))
 MAX_BANDS = 4  # more p90 bands than this in one panel overlap into a blur
+# A figure of more panels than this is unreadable, and a sweep along a long axis (2,000 seeds)
+# would take minutes to draw one: such a plot is not drawn, and summary.md has every value.
+MAX_PANELS = 24
 # MHA is blue and MQA red in every report (whatever the model's head count: one panel never holds
 # two models); GQA counts take the other colours, most KV heads first.
 MHA_COLOUR, MQA_COLOUR = "tab:blue", "tab:red"
@@ -191,7 +195,7 @@ def _finish(fig, axes, path: Path, handles, labels, note: str, xs) -> Path:
     # data, the axis labels or the title); the note on left-out jobs is its title.
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), 4), fontsize="small",
                title=note or None, title_fontsize="x-small", frameon=False)
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"), binary=True)  # never through a link
     return path
 
 
@@ -331,6 +335,10 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     skipped: Dict[str, str] = {}
 
     def need_x(name: str, data: Panels, x_key: str, which: str) -> bool:
+        if len(data) > MAX_PANELS:
+            skipped[name] = (f"{len(data)} panels (one per combination of the other swept values), more than the "
+                             f"{MAX_PANELS} a figure can show; every value is in summary.md")
+            return False
         if _distinct_x(data) >= 2:
             return True
         skipped[name] = f"needs >= 2 values of {x_key} among {which} (found {_distinct_x(data)})"
@@ -374,7 +382,9 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
                                    capacity_panels(records, axes, "predicted_max_batch"), colours, note))
 
     turns = turn_panels(records, axes)
-    if max((len(p) for s in turns.values() for p in s.values()), default=0) >= 2:
+    if len(turns) > MAX_PANELS:
+        skipped["ttft_per_turn"] = f"{len(turns)} panels, more than the {MAX_PANELS} a figure can show"
+    elif max((len(p) for s in turns.values() for p in s.values()), default=0) >= 2:
         drawn.append(turn_plot(out / "ttft_per_turn.png", turns, colours, note))
     else:
         skipped["ttft_per_turn"] = "needs an ok multiturn job with a per-turn table of >= 2 turns"

@@ -16,6 +16,7 @@ how many jobs it leaves out.
 from __future__ import annotations
 
 import csv
+import html
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -148,17 +149,27 @@ def write_csv(path: Path, records, axes) -> None:
             writer.writerow([rec["job"], rec["status"],
                              *[_cell(lookup(rec.get("config", {}), k)) for k, _ in csv_axes],
                              *[_cell(m.get(k)) for k in metrics],
-                             _cell(rec.get("error")), " ".join(map(str, rec.get("overrides") or []))])
+                             _cell(rec.get("error")), _cell(" ".join(map(str, rec.get("overrides") or [])))])
 
     atomic_write(path, write, newline="")
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (CSV injection, OWASP):
+# text from a config or an error message that starts so is written behind a quote.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _cell(value: Any) -> Any:
-    return "" if value is None else value
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
 
 
 def _md_escape(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """A table cell's text as Markdown shows it literally: no raw HTML, no column breaks."""
+    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ").replace("\r", " ")
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 0) -> List[str]:
@@ -172,8 +183,8 @@ def _comparison_md(records, axes) -> List[str]:
     lines: List[str] = []
     for comparison in comparisons(records, axes):
         header, rows, _ = comparison.table()
-        lines += [f"### {comparison.title()}", "", *_md_table(header, rows, len(comparison.variants)), ""]
-        lines += [f"- {note}" for note in comparison.notes] + ([""] if comparison.notes else [])
+        lines += [f"### {_md_escape(comparison.title())}", "", *_md_table(header, rows, len(comparison.variants)), ""]
+        lines += [f"- {_md_escape(note)}" for note in comparison.notes] + ([""] if comparison.notes else [])
     if lines:
         lines = ["## Attention variants side by side", "",
                  "Each metric of a variant with its ratio to MHA of the same row; one job per value (the "
@@ -298,7 +309,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     the non-ok jobs, the plots (or why there are none)."""
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    lines = [f"# kvbench report: {report.root}", "", f"{len(records)} jobs: {counts}.", ""]
+    lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{len(records)} jobs: {counts}.", ""]
     lines += _choose_md(records) + _recall_md(records)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
@@ -317,7 +328,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
         lines += ["## Jobs that are not ok", ""]
         overrides = [" ".join(map(str, rec.get("overrides") or [])) or "(defaults)" for rec in failed]
         lines += _md_table(["job", "status", "overrides", "error"],
-                           [[rec["job"], rec["status"], f"`{o}`", rec.get("error") or ""]
+                           [[rec["job"], rec["status"], "`" + o.replace("`", "'") + "`", rec.get("error") or ""]
                             for rec, o in zip(failed, overrides)])
         lines.append("")
     lines += ["## Plots", ""]
@@ -346,12 +357,16 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     out = Path(out_dir) if out_dir is not None else root
     out.mkdir(parents=True, exist_ok=True)
     report = Report(root, records, swept_axes(records))
+    # The tables first, then the plots (slow on a large sweep): an interruption or a plot that
+    # fails never costs summary.csv and summary.md, which are rewritten with the plots after.
+    report.plots_note = ("plots were turned off (`kvbench-report DIR` draws them)" if not plots
+                         else "the plots were not drawn (interrupted; `kvbench-report DIR` draws them)")
+    write_csv(out / CSV_FILE, records, report.axes)
+    write_text_atomic(out / MD_FILE, markdown(report, []))
     pngs: List[Path] = []
     if plots:
         pngs, report.skipped_plots = draw_all(records, report.axes, out)
-    else:
-        report.plots_note = "plots were turned off (`kvbench-report DIR` draws them)"
-    write_csv(out / CSV_FILE, records, report.axes)
-    write_text_atomic(out / MD_FILE, markdown(report, pngs))
+        report.plots_note = ""
+        write_text_atomic(out / MD_FILE, markdown(report, pngs))
     report.files = [out / CSV_FILE, out / MD_FILE, *pngs]
     return report

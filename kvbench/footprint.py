@@ -1,0 +1,139 @@
+"""What a job will hold in memory, computed from its config before anything is built.
+
+A model of a million layers, a rotary table for 10^12 positions or a checkpoint whose
+``config.json`` says 100,000 layers would otherwise be found out by building it: minutes of
+work, then an out-of-memory (or the kernel's OOM killer) instead of one line. The figures here
+are lower bounds (activations and the allocator's slack are left out), so a job refused by
+:func:`check_fits` could not have run; one that passes may still run out of memory, which is
+then recorded ``oom`` as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+from kvbench.cache import kv_cache_bytes
+from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config_errors import ConfigError
+from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.units import human_bytes
+
+# The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at
+# 4 bytes a parameter whatever runtime.dtype is.
+BUILD_BYTES_PER_PARAM = 4
+# rope_tables: float64 angles (S, D/2), their concatenation (S, D), cos and sin in float64, then
+# float32 copies of both: about 3 float64 tables of (S, D) alive at once at the peak.
+ROPE_PEAK_BYTES_PER_ELEMENT = 3 * 8
+
+
+def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
+    """The decoder's exact parameter count without building its layers: one- and two-layer
+    decoders on the meta device (no memory) give the fixed part and one layer's, and every layer
+    of a decoder has the same shape."""
+    small = dataclasses.replace(model, num_layers=1, max_seq_len=1)
+    with torch.device("meta"):
+        one = Decoder(small, attention).num_params()
+        two = Decoder(dataclasses.replace(small, num_layers=2), attention).num_params()
+    return one + (model.num_layers - 1) * (two - one)
+
+
+def rope_peak_bytes(model: ModelConfig) -> int:
+    """Bytes the rotary tables take while they are built (float64 intermediates)."""
+    return model.max_seq_len * model.head_dim * ROPE_PEAK_BYTES_PER_ELEMENT
+
+
+@dataclass
+class Footprint:
+    """A job's memory before activations: weights as built, rotary tables, KV cache (formula)."""
+
+    weights: int
+    rope: int
+    kv_cache: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.rope + self.kv_cache
+
+    def describe(self) -> str:
+        return (f"weights {human_bytes(self.weights)} + rotary tables {human_bytes(self.rope)} + "
+                f"KV cache {human_bytes(self.kv_cache)}")
+
+
+def job_footprint(cfg: BenchConfig) -> Footprint:
+    """The :class:`Footprint` of ``cfg``'s job: a task=bench job's cache holds its workload's
+    longest sequence for the whole batch; other tasks size their caches as they go (capacity
+    searches them) and count only the model here."""
+    m, a = cfg.model, cfg.attention
+    kv = 0
+    if cfg.task == "bench" and cfg.cache.impl != "none":
+        kv = kv_cache_bytes(m.num_layers, a.num_kv_heads, m.head_dim, cfg.workload.total_len,
+                            cfg.workload.batch_size, DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
+    return Footprint(parameter_count(m, a) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(m), kv)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a job can still take: free device memory on CUDA; on a CPU what the kernel says is
+    available, or less where a cgroup (a container's limit) allows less."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = int(psutil.virtual_memory().available)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit here
+    return available
+
+
+def check_model_fits(model: ModelConfig, device: torch.device | str, where: str) -> None:
+    """Raise :class:`ConfigError` naming ``where`` (the checkpoint's config.json) when the model
+    it describes cannot be built in the memory ``device`` has available."""
+    need = Footprint(parameter_count(model) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
+    have = available_bytes(torch.device(device))
+    if need.total > have:
+        raise ConfigError(f"{where}: a model of {model.num_layers} layers, d_model {model.d_model} and "
+                          f"{model.max_seq_len} positions needs at least {human_bytes(need.total)} "
+                          f"({need.describe()}), more than the {human_bytes(have)} available; nothing was built")
+
+
+def _check_probe_range(cfg: BenchConfig, need: Footprint, have: int) -> None:
+    """A capacity search probes batches up to ``capacity.max_batch``: refuse a limit whose probe
+    at the longest context could not even hold its hidden states (B x T x d_model floats, one
+    layer's worth) beside the weights, rather than searching for hours towards it."""
+    longest = max(cfg.capacity.context_lens) if cfg.workload.name != "multiturn" else cfg.workload.total_len
+    per_sequence = longest * cfg.model.d_model * 4
+    room = max(0, have - need.total)
+    largest = room // per_sequence
+    if cfg.capacity.max_batch > largest:
+        raise ConfigError(f"capacity.max_batch={cfg.capacity.max_batch}: a probe of that batch at context {longest} "
+                          f"needs at least {human_bytes(cfg.capacity.max_batch * per_sequence)} for its hidden states "
+                          f"alone, more than the {human_bytes(room)} left beside the weights; at most {largest} "
+                          "could run here")
+
+
+def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
+    """Raise :class:`ConfigError` (one line naming the sizes and the keys behind them) when the
+    job's :class:`Footprint` alone exceeds the memory ``device`` has available."""
+    if cfg.task == "eval":  # its model is train.checkpoint's, sized as the checkpoint is read
+        return Footprint(0, 0, 0)
+    need = job_footprint(cfg)
+    have = available_bytes(device)
+    if cfg.task == "capacity":
+        _check_probe_range(cfg, need, have)
+    if need.total > have:
+        m = cfg.model
+        keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
+                + (f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else ""))
+        where = f"model.path={m.path}: " if m.path else ""
+        raise ConfigError(f"{where}the job needs at least {human_bytes(need.total)} ({need.describe()}; {keys}), "
+                          f"more than the {human_bytes(have)} {device.type} memory available; nothing was built")
+    return need
