@@ -170,6 +170,11 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
+    # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window):
+    # W positions for local layers, which layers are local as in AttentionConfig.
+    preset_window: Optional[int] = None
+    preset_global_every: Optional[int] = None
+    preset_layer_types: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
         if self.path:
@@ -189,6 +194,8 @@ class ModelConfig:
         _check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
+        _check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
+                              self.preset_layer_types, self.num_layers)
 
     def _check_rope_scaling(self) -> None:
         _check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
@@ -252,13 +259,6 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
         positions = cfg.get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        layer_types = cfg.get("layer_types")  # transformers >= 5 lists each layer's kind
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            window = None
-        if window and window < (max_seq_len or positions):
-            raise ConfigError(f"{where}: sliding_window={window}: not supported (the decoder attends to "
-                              f"every earlier token); pass max_seq_len <= {window}")
         try:
             heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
             shape = dict(
@@ -268,7 +268,8 @@ class ModelConfig:
                 head_dim=cfg.get("head_dim") or (hidden // heads if _counts(hidden, heads) else None),
                 ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                 max_seq_len=max_seq_len or positions,
-                norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions))
+                norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions),
+                **_hf_window(cfg))
         except KeyError as e:
             raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
         # Typed like a Hydra config: a string or a list where a number belongs names its key.
@@ -291,6 +292,26 @@ class ModelConfig:
                 setattr(self, f.name, getattr(shape, f.name))
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
+
+
+def _check_window_pattern(prefix: str, window: Optional[int], global_every: Optional[int],
+                          layer_types: Optional[List[str]], num_layers: Optional[int] = None) -> None:
+    """A window is 0 (none) or >= 1 positions; global_every >= 0; layer_types names each layer
+    (``num_layers`` of them, when known) sliding_attention or full_attention; not both patterns."""
+    _check(window is None or window >= 0, f"{prefix}window", window, "must be >= 1 positions, 0 (no window) or null")
+    _check(global_every is None or global_every >= 0, f"{prefix}global_every", global_every,
+           "must be >= 0 (0: no global layer; k: every k-th layer global) or null")
+    if layer_types is None:
+        return
+    _check(global_every is None, f"{prefix}global_every", global_every,
+           f"and {prefix}layer_types both say which layers are local; give one")
+    _check(all(t in LAYER_TYPES for t in layer_types), f"{prefix}layer_types", layer_types,
+           f"each entry must be one of {', '.join(LAYER_TYPES)}")
+    _check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
+           f"must name each of model.num_layers={num_layers} layers")
+
+
 @dataclass
 class AttentionConfig:
     """Attention variant. The variant *is* the KV-head count; ``type`` is a name that must agree
@@ -298,12 +319,31 @@ class AttentionConfig:
 
     type: str = "gqa"
     num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
+    # Sliding window: a local layer's query at position p attends positions p - W + 1 .. p (W keys,
+    # itself included; transformers' rule) and its cache stops at W positions. null: the model's
+    # own (model.preset_window, usually none); 0: no window, every layer global.
+    window: Optional[int] = None
+    # Which layers are local (null: the model's own pattern, else every layer): global_every k
+    # makes layers k-1, 2k-1, ... global (Gemma 3: 6, five local to one global; GPT-OSS: 2), 0
+    # none; layer_types lists each layer as transformers does (sliding_attention | full_attention).
+    global_every: Optional[int] = None
+    layer_types: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
         _check_numbers("attention", self)
         _check_choice("attention.type", self.type, ATTENTION_TYPES)
         if self.num_kv_heads is not None:
             _check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
+        _check_window_pattern("attention.", self.window, self.global_every, self.layer_types)
+
+    def layer_windows(self, num_layers: int) -> List[Optional[int]]:
+        """Each layer's window (None: global) for a resolved config (:meth:`resolved`)."""
+        if not self.window:
+            return [None] * num_layers
+        if self.layer_types is not None:
+            return [self.window if t == "sliding_attention" else None for t in self.layer_types]
+        k = self.global_every or 0
+        return [None if k and (i + 1) % k == 0 else self.window for i in range(num_layers)]
 
     @classmethod
     def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
@@ -323,7 +363,20 @@ class AttentionConfig:
         expected = attention_type(h, kv)
         _check(self.type == expected, "attention.type", self.type,
                f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv)
+        return AttentionConfig(type=self.type, num_kv_heads=kv, **self._resolved_window(model))
+
+    def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
+        """window, global_every and layer_types: each null one is the model's own; checked against
+        the model's layer count."""
+        window = model.preset_window if self.window is None else self.window
+        if self.layer_types is not None or self.global_every is not None:
+            global_every, layer_types = self.global_every, self.layer_types
+        else:
+            global_every, layer_types = model.preset_global_every, model.preset_layer_types
+        _check_window_pattern("attention.", window, global_every, layer_types, model.num_layers)
+        if window is None:
+            return {}
+        return {"window": window, "global_every": global_every, "layer_types": layer_types}
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:
@@ -633,6 +686,8 @@ class BenchConfig:
         # attention is resolved against the checkpoint there, not against the model preset.
         if self.task != "eval":
             self.attention = self.attention.resolved(self.model)
+            if self.attention.window:
+                self._check_window()
         w = self.workload
         if self.task == "capacity":
             self._check_capacity()
@@ -663,6 +718,18 @@ class BenchConfig:
         if w.name == "multiturn" and self.cache.shared:
             _check(self.cache.impl != "none", "cache.impl", self.cache.impl,
                    "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
+
+    def _check_window(self) -> None:
+        """What a sliding window does not run with yet, one line each naming the key."""
+        why = f"is not supported with a sliding window (attention.window={self.attention.window})"
+        _check(self.cache.impl in ("static", "none"), "cache.impl", self.cache.impl,
+               f"keeps every position; with attention.window={self.attention.window} use cache.impl=static "
+               "(a ring of W positions per local layer) or none")
+        _check(self.runtime.compile != "graph", "runtime.compile", self.runtime.compile,
+               f"{why}: the fixed-shape step reads a context bucket, a ring is read whole; use false or default")
+        _check(not (self.workload.name == "multiturn" and self.cache.shared), "cache.shared", self.cache.shared,
+               f"{why} yet; use cache.shared=false")
+        _check(self.task not in ("compare", "capacity"), "task", self.task, f"{why} yet; use task=bench or inspect")
 
     def _check_capacity(self) -> None:
         w = self.workload
@@ -710,6 +777,28 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     if rope_type == "llama3":  # transformers falls back to max_position_embeddings too
         out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
     return out
+
+
+def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """ModelConfig's window fields from a config.json, as transformers reads them: Mistral's
+    ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
+    ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
+    (transformers >= 5 writes it) lists each layer's kind."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
+            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry "
+                              f"{' or '.join(LAYER_TYPES)})")
+        if "sliding_attention" not in layer_types:
+            window = layer_types = None
+    elif window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
+        first = cfg["max_window_layers"]
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    if not window:
+        return {}
+    return {"preset_window": window, "preset_layer_types": layer_types}
 
 
 def _counts(*values: Any) -> bool:

@@ -169,10 +169,31 @@ def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
     return (probs[..., P:] @ v).add_(out_prefix)  # in place: keeps the contiguous layout view() needs
 
 
+def window_mask(window: int, start_pos: int, T: int, S: int, device,
+                prefix_len: int = 0) -> Optional[torch.Tensor]:
+    """The mask of a local layer whose T queries start at ``start_pos`` and whose S keys end at
+    position start_pos + T - 1 in order (what caches return to a prompt), after ``prefix_len``
+    prefix keys (positions P - prefix_len .. P - 1, P = the prefix's length, which the keys
+    follow). None where every key is in the window: a decode step over at most W keys (a ring
+    cache's, in any order)."""
+    if T == 1 and S <= window and not prefix_len:
+        return None
+    end = start_pos + T
+    mask = causal_mask(T, S, device, window, key_start=end - S, query_start=start_pos)  # (T, S)
+    if prefix_len:
+        P = end - S  # the prefix's keys precede the own ones
+        prefix = causal_mask(T, prefix_len, device, window, key_start=P - prefix_len, query_start=start_pos)
+        mask = torch.cat([prefix, mask], dim=-1)  # (T, prefix_len + S)
+    return mask
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+    """MHA, GQA or MQA by ``num_kv_heads``; a local layer (``window`` W) attends only the last W
+    positions."""
+
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, window: Optional[int] = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.window = layer, window
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, num_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -192,6 +213,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, start_pos, k, v)  # (B, H_kv, S, D)
             prefix = cache.shared_prefix(self.layer, start_pos)  # None or (1, H_kv, P, D) K/V
+        if self.window is not None and mask is None:
+            mask = window_mask(self.window, start_pos, T, k.shape[2], x.device,
+                               0 if prefix is None else prefix[0].shape[2])
         out = grouped_attention(q, k, v, mask, prefix)  # (B, H, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -210,10 +234,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, window: Optional[int] = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, num_kv_heads, layer)
+        self.attn = Attention(cfg, num_kv_heads, layer, window)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -235,8 +259,9 @@ class Decoder(nn.Module):
         attention = (attention or AttentionConfig(type="mha")).resolved(model)
         self.config, self.attention = model, attention
         self.num_kv_heads = attention.num_kv_heads
+        self.layer_windows = attention.layer_windows(model.num_layers)  # per layer: W, or None (global)
         self.embed = nn.Embedding(model.vocab_size, model.d_model)
-        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i) for i in range(model.num_layers))
+        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i, w) for i, w in enumerate(self.layer_windows))
         self.norm = RMSNorm(model.d_model, model.norm_eps)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         cos, sin = rope_tables(model)
@@ -265,7 +290,7 @@ class Decoder(nn.Module):
         (a prefill needs only that one; all T would cost B*T*V floats).
 
         ``positions`` (T,) or (B, T) overrides the rotary positions (default start_pos..+T);
-        ``mask`` (T, S) or (B, T, S) overrides the causal mask over the S keys attended.
+        ``mask`` (T, S) or (B, T, S) overrides the causal (and window) mask over the S keys attended.
         ``start_pos`` as a (1,) tensor is a fixed-shape decode step (T = 1): ``cache`` is then a
         :class:`~kvbench.cache.FixedWindow`, which masks its keys itself, and nothing here
         depends on the position's value, so one compiled graph serves every position.
