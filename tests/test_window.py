@@ -170,3 +170,29 @@ def test_what_a_window_does_not_run_with_is_refused_in_one_line(changes, needle)
             changes = {**changes, "attention": AttentionConfig(type="mha", **changes["attention"])}
         _bench(**changes)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("preset, local, W, kv, D, L", [
+    ("gemma3_27b", 52, 1024, 16, 128, 62),  # 5 local : 1 global, layers 5, 11, ..., 59 global
+    ("gpt_oss_120b", 18, 128, 8, 64, 36),  # alternating, layer 0 local
+    ("mistral_7b_v01", 32, 4096, 8, 128, 32),  # every layer local
+])
+def test_presets_inspect_their_kv_by_kind_of_layer(preset, local, W, kv, D, L):
+    """task=inspect of each windowed preset at 8192 positions: the bytes of each kind of layer in
+    bfloat16 worked out by hand from the published shapes."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR, to_bench_config
+    from kvbench.inspection import describe
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = to_bench_config(compose("config", overrides=[f"model={preset}", "task=inspect", "runtime.dtype=bfloat16",
+                                                           "workload.prompt_len=8191", "workload.gen_len=1"]))
+    assert cfg.attention.num_kv_heads == kv and cfg.attention.window == W
+    text = describe(cfg)
+    per_position = 2 * kv * D * 2  # K and V, bfloat16
+    assert f"{local * W * per_position:,}" in text.split(f"local W={W}")[1].splitlines()[0]
+    if local < L:
+        assert f"{(L - local) * 8192 * per_position:,}" in text.split("\nglobal ")[1].splitlines()[0]
+    total = (local * W + (L - local) * 8192) * per_position
+    assert f"({total:,})" in next(line for line in text.splitlines() if line.startswith("bfloat16"))
