@@ -166,7 +166,7 @@ class KVCache:
         self.windows = list(windows) if windows is not None else [None] * num_layers
         if len(self.windows) != num_layers:
             raise ValueError(f"{len(self.windows)} layer windows for {num_layers} layers")
-        if any(w is not None for w in self.windows) and self.impl not in ("static", "none"):
+        if any(w is not None for w in self.windows) and self.impl not in ("static", "none", "shared"):
             raise ValueError(f"cache.impl={self.impl!r} keeps every position; a sliding window needs "
                              "cache.impl=static (a ring of W positions per local layer) or none")
         self.head_dim, self.max_seq_len = head_dim, max_seq_len
@@ -430,15 +430,17 @@ class SharedPrefixCache(KVCache):
     def __init__(self, history: KVCache, prefix_len: int):
         if not history.stores_history:
             raise ValueError(f"cache.impl={history.impl!r} keeps no history to share; use static or concat")
-        if any(w is not None for w in history.windows):
-            raise ValueError("cache.shared=true is not supported with a sliding window (attention.window) yet")
         super().__init__(history.num_layers, history.batch_size, history.num_kv_heads, history.head_dim,
-                         prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype)
+                         prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype,
+                         history.windows)
         self.history, self.prefix_len = history, prefix_len
         shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
-        # The prefix is stored like the history (cache.dtype), once for every conversation.
+        # The prefix is stored like the history (cache.dtype), once for every conversation; a
+        # local layer keeps only its last W positions, the only ones a later token can still see.
+        self.prefix_lengths = [layer_capacity(prefix_len, w) for w in self.windows]
         self.prefix_k_store, self.prefix_v_store = (
-            KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device) for _ in "kv")
+            KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device, self.prefix_lengths)
+            for _ in "kv")
         self.prefix_k, self.prefix_v = self.prefix_k_store.codes, self.prefix_v_store.codes
 
     def update(self, layer, start_pos, k, v):
@@ -448,10 +450,13 @@ class SharedPrefixCache(KVCache):
                 raise ValueError(f"the shared prefix is written whole and once, with batch 1: got batch "
                                  f"{k.shape[0]} at positions {start_pos}..{start_pos + k.shape[2] - 1} "
                                  f"(prefix_len={P}, {self.length} positions held)")
-            self.prefix_k_store.write(layer, 0, k)
-            self.prefix_v_store.write(layer, 0, v)
+            kept = self.prefix_lengths[layer]
+            self.prefix_k_store.write(layer, 0, k[:, :, P - kept:])
+            self.prefix_v_store.write(layer, 0, v[:, :, P - kept:])
             self._written(layer, P)
-            return self.shared_prefix(layer, P)
+            if kept == P:  # read back: with cache.dtype int8 the prompt attends what later tokens read
+                return self.shared_prefix(layer, P)
+            return k, v  # a local layer keeps its last W: the prompt attends all of itself, masked
         if self.length < P:
             raise ValueError(f"write the shared prefix (positions 0..{P - 1}) before position {start_pos}")
         k, v = self.history.update(layer, start_pos - P, k, v)  # (B, H_kv, S - P, D)
@@ -461,8 +466,8 @@ class SharedPrefixCache(KVCache):
     def shared_prefix(self, layer, start_pos):
         if start_pos < self.prefix_len:
             return None
-        P = self.prefix_len
-        return self.prefix_k_store.read(layer, 1, P), self.prefix_v_store.read(layer, 1, P)
+        kept = self.prefix_lengths[layer]  # positions P - kept .. P - 1
+        return self.prefix_k_store.read(layer, 1, kept), self.prefix_v_store.read(layer, 1, kept)
 
     def window(self, start_pos, batch_size, bucket):
         P = self.prefix_len

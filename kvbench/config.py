@@ -727,8 +727,6 @@ class BenchConfig:
                "(a ring of W positions per local layer) or none")
         _check(self.runtime.compile != "graph", "runtime.compile", self.runtime.compile,
                f"{why}: the fixed-shape step reads a context bucket, a ring is read whole; use false or default")
-        _check(not (self.workload.name == "multiturn" and self.cache.shared), "cache.shared", self.cache.shared,
-               f"{why} yet; use cache.shared=false")
         _check(self.task not in ("compare", "capacity"), "task", self.task, f"{why} yet; use task=bench or inspect")
 
     def _check_capacity(self) -> None:

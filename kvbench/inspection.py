@@ -38,8 +38,9 @@ def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: 
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
     for dtype, size, cache_dtype in stored:
-        held = lambda n, b, kv=num_kv_heads: kv_cache_bytes(num_layers, kv, head_dim, n, b, size,  # noqa: E731
-                                                            cache_dtype, windows)
+        def held(n, b, size=size, cache_dtype=cache_dtype):
+            return kv_cache_bytes(num_layers, num_kv_heads, head_dim, n, b, size, cache_dtype, windows)
+
         row = {"dtype": dtype, "per_token": held(1, 1), "per_sequence": held(seq_len, 1),
                "per_batch": held(seq_len, batch_size)}
         if num_heads:
@@ -56,8 +57,9 @@ def layer_kind_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len:
     rows = []
     for w in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
         kind = [x for x in windows if x == w]
-        held = lambda b: kv_cache_bytes(len(kind), num_kv_heads, head_dim, seq_len, b,  # noqa: E731
-                                        bytes_per_element, "auto", kind)
+        def held(b, kind=kind):
+            return kv_cache_bytes(len(kind), num_kv_heads, head_dim, seq_len, b, bytes_per_element, "auto", kind)
+
         rows.append({"kind": "global" if w is None else f"local W={w}", "layers": len(kind),
                      "positions": seq_len if w is None else min(seq_len, w),
                      "per_sequence": held(1), "per_batch": held(batch_size)})

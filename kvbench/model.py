@@ -169,22 +169,24 @@ def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
     return (probs[..., P:] @ v).add_(out_prefix)  # in place: keeps the contiguous layout view() needs
 
 
-def window_mask(window: int, start_pos: int, T: int, S: int, device,
-                prefix_len: int = 0) -> Optional[torch.Tensor]:
-    """The mask of a local layer whose T queries start at ``start_pos`` and whose S keys end at
-    position start_pos + T - 1 in order (what caches return to a prompt), after ``prefix_len``
-    prefix keys (positions P - prefix_len .. P - 1, P = the prefix's length, which the keys
-    follow). None where every key is in the window: a decode step over at most W keys (a ring
-    cache's, in any order)."""
-    if T == 1 and S <= window and not prefix_len:
-        return None
-    end = start_pos + T
-    mask = causal_mask(T, S, device, window, key_start=end - S, query_start=start_pos)  # (T, S)
-    if prefix_len:
-        P = end - S  # the prefix's keys precede the own ones
-        prefix = causal_mask(T, prefix_len, device, window, key_start=P - prefix_len, query_start=start_pos)
-        mask = torch.cat([prefix, mask], dim=-1)  # (T, prefix_len + S)
-    return mask
+def window_mask(window: int, start_pos: int, T: int, S: int, device, prefix_len: int = 0,
+                prefix_end: int = 0) -> Optional[torch.Tensor]:
+    """The mask of a local layer whose T queries start at ``start_pos`` over S own keys that end
+    at position start_pos + T - 1 in order (what caches return to a prompt), or, for a decode
+    step (T = 1) over at most W keys, in any order (a ring's; all in the window). With a shared
+    prefix, its ``prefix_len`` keys (positions prefix_end - prefix_len .. prefix_end - 1) come
+    first. None where every key is in the window."""
+    if T == 1 and S <= window:
+        if not prefix_len:
+            return None
+        own = torch.ones(1, S, dtype=torch.bool, device=device)
+    else:
+        end = start_pos + T
+        own = causal_mask(T, S, device, window, key_start=end - S, query_start=start_pos)  # (T, S)
+    if not prefix_len:
+        return own
+    prefix = causal_mask(T, prefix_len, device, window, key_start=prefix_end - prefix_len, query_start=start_pos)
+    return torch.cat([prefix, own], dim=-1)  # (T, prefix_len + S)
 
 
 class Attention(nn.Module):
@@ -215,7 +217,7 @@ class Attention(nn.Module):
             prefix = cache.shared_prefix(self.layer, start_pos)  # None or (1, H_kv, P, D) K/V
         if self.window is not None and mask is None:
             mask = window_mask(self.window, start_pos, T, k.shape[2], x.device,
-                               0 if prefix is None else prefix[0].shape[2])
+                               0 if prefix is None else prefix[0].shape[2], getattr(cache, "prefix_len", 0))
         out = grouped_attention(q, k, v, mask, prefix)  # (B, H, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 

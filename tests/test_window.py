@@ -87,6 +87,31 @@ def test_bytes_allocated_equal_the_formula(pattern, cache_dtype):
     assert cache.nbytes == by_hand == kv_cache_bytes(3, 2, 8, S, B, 4, cache_dtype, model.layer_windows)
 
 
+@pytest.mark.parametrize("num_kv_heads", [8, 2])
+@pytest.mark.parametrize("pattern", [{"window": W}, {"window": W, "global_every": 2}, {"window": 12}],
+                         ids=["local", "hybrid", "window-past-the-prefix"])
+def test_shared_prefix_with_a_window_equals_recompute(num_kv_heads, pattern):
+    """A system prompt of P = 8 > W held once, then two conversations in chunks and decode steps
+    to 20 positions past it: the logits of each conversation recomputed whole with the prompt in
+    front. A local layer keeps only the prompt's last min(P, W) positions (the only ones a later
+    token still sees) and a ring of W per conversation: bytes == the formula of both parts."""
+    from kvbench.cache import shared_cache_for
+
+    model = windowed(num_kv_heads, **pattern)
+    P, B, N = 8, 2, 20
+    system, own = torch.randint(0, VOCAB, (1, P)), torch.randint(0, VOCAB, (B, N))
+    with torch.no_grad():
+        full = model(torch.cat([system.expand(B, -1), own], 1))[:, P:]
+        cache = shared_cache_for(model, "static", B, P, P + N)
+        model(system, cache, 0)
+        got = [model(own[:, :3], cache, P), model(own[:, 3:10], cache, P + 3)]
+        got += [model(own[:, i:i + 1], cache, P + i) for i in range(10, N)]
+    torch.testing.assert_close(torch.cat(got, 1), full, atol=2e-5, rtol=1e-5)
+    windows = model.layer_windows
+    assert cache.nbytes == kv_cache_bytes(3, num_kv_heads, 8, P, 1, 4, "auto", windows) + kv_cache_bytes(
+        3, num_kv_heads, 8, N, B, 4, "auto", windows)
+
+
 def test_a_ring_refuses_a_roll_back_past_what_it_still_holds():
     model = windowed(2, window=W)
     cache = cache_for(model, "static", 1, 4 * W)
@@ -154,9 +179,6 @@ def _bench(**changes):
     ({"cache": CacheConfig(impl="concat")}, "cache.impl='concat': keeps every position; with attention.window=16"),
     ({"runtime": RuntimeConfig(device="cpu", compile="graph")}, "runtime.compile='graph': is not supported with a "
                                                                "sliding window"),
-    ({"cache": CacheConfig(shared=True), "workload": WorkloadConfig(name="multiturn", system_len=8, turns=2,
-                                                                    user_len=4, reply_len=4)},
-     "cache.shared=True: is not supported with a sliding window"),
     ({"task": "compare"}, "task='compare': is not supported with a sliding window"),
     ({"attention": dict(window=-1)}, "attention.window=-1: must be >= 1 positions"),
     ({"attention": dict(window=4, layer_types=["sliding_attention"])},
