@@ -205,7 +205,7 @@ def test_presets_inspect_their_kv_by_kind_of_layer(preset, local, W, kv, D, L):
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import CONF_DIR, to_bench_config
-    from kvbench.inspection import describe
+    from kvbench.tasks.inspect import describe
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[f"model={preset}", "task=inspect", "runtime.dtype=bfloat16",
