@@ -20,97 +20,39 @@ fixed bucket of positions, so one compiled graph (one CUDA graph) serves every s
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.config import CACHE_DTYPE_BYTES, CACHE_DTYPES, CACHE_IMPLS
-
-# A quantized cache keeps one float32 scale per (sequence, KV head, position) for K and one for V.
-SCALE_BYTES = 4
-# The largest code: symmetric int8 uses -127..127 (not -128, so that -x quantizes as -q);
-# float8_e4m3fn's largest finite value is 448.
-_CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+from kvbench.config import CACHE_DTYPE_BYTES, CACHE_IMPLS
+from kvbench.kv_store import SCALE_BYTES, KVStore, dequantize, quantize, storage_dtype  # noqa: F401 (re-exported)
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                   batch_size: int, bytes_per_element: int, cache_dtype: str = "auto") -> int:
-    """2 (K and V) · layers · kv_heads · seq_len · batch · (head_dim · bytes per element + scale bytes).
+                   batch_size: int, bytes_per_element: int, cache_dtype: str = "auto",
+                   windows: Optional[Sequence[Optional[int]]] = None) -> int:
+    """2 (K and V) · kv_heads · batch · (head_dim · bytes per element + scale bytes) · the sum
+    over layers of min(seq_len, W_layer): the one KV formula (inspect, the record, capacity and
+    the roofline all call it).
 
     ``cache_dtype`` auto: elements of ``bytes_per_element`` (the compute dtype), no scales;
-    int8 / float8_e4m3fn: 1-byte codes and one float32 scale per (sequence, head, position)."""
+    int8 / float8_e4m3fn: 1-byte codes and one float32 scale per (sequence, head, position).
+    ``windows``: per layer the window W of a local layer (its ring holds at most W positions) or
+    None for a global one; None: every layer global."""
     if cache_dtype == "auto":
         per_head = head_dim * bytes_per_element
     else:
         per_head = head_dim * CACHE_DTYPE_BYTES[cache_dtype] + SCALE_BYTES
-    return 2 * num_layers * num_kv_heads * seq_len * batch_size * per_head
+    windows = [None] * num_layers if windows is None else windows
+    if len(windows) != num_layers:
+        raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
+    positions = sum(seq_len if w is None else min(seq_len, w) for w in windows)
+    return 2 * num_kv_heads * positions * batch_size * per_head
 
 
-def storage_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a cache stores K/V codes in: ``dtype`` (the compute dtype) for auto."""
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache.dtype={cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}")
-    return dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
-
-
-def quantize(x: torch.Tensor, cache_dtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (..., D) as (codes (..., D) in ``cache_dtype``, float32 scales (..., 1)): symmetric,
-    one scale per vector of D (one position of one head), ``scale = max|x| / code max``.
-
-    int8 rounds to the nearest code: |x - dequantize| <= scale / 2. float8_e4m3fn keeps 3 mantissa
-    bits: a relative error <= 2**-4 for normal codes, an absolute one <= scale * 2**-10 below them.
-    An all-zero vector gets scale 1 (its codes are 0 whatever the scale)."""
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / _CODE_MAX[cache_dtype]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = xf / scale
-    if cache_dtype == "int8":
-        return scaled.round().clamp_(-127, 127).to(torch.int8), scale
-    return scaled.clamp_(-448, 448).to(torch.float8_e4m3fn), scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Codes (..., D) times their scales (..., 1), in ``dtype`` (the compute dtype)."""
-    return (codes.float() * scale).to(dtype)
-
-
-class KVStore:
-    """K or V of every layer, (B, H_kv, S, D) each, in ``cache.dtype``: as given (auto), or as
-    codes with a float32 scale per (sequence, head, position), (B, H_kv, S, 1).
-
-    Why a scale per position and head (not KIVI's per-channel keys): a write quantizes only what
-    it writes, so earlier positions are never requantized and a static cache stays static; with
-    int8's 255 levels the per-channel outliers of keys cost little (KIVI needs channel scales at
-    2 bits, with a full-precision residual of recent tokens to fill a channel group)."""
-
-    def __init__(self, num_layers: int, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype,
-                 device: torch.device):
-        self.cache_dtype, self.dtype = cache_dtype, dtype
-        self.codes = [torch.zeros(shape, dtype=storage_dtype(cache_dtype, dtype), device=device)
-                      for _ in range(num_layers)]
-        self.scales = ([] if cache_dtype == "auto" else
-                       [torch.ones(shape[:-1] + (1,), device=device) for _ in range(num_layers)])
-
-    def write(self, layer: int, start: int, x: torch.Tensor) -> None:
-        """Store ``x`` (B', H_kv, T, D) at sequences 0..B'-1, positions ``start .. start + T``."""
-        B, end = x.shape[0], start + x.shape[2]
-        if not self.scales:
-            self.codes[layer][:B, :, start:end] = x
-            return
-        codes, scale = quantize(x, self.cache_dtype)
-        self.codes[layer][:B, :, start:end] = codes
-        self.scales[layer][:B, :, start:end] = scale
-
-    def read(self, layer: int, batch_size: int, end: int) -> torch.Tensor:
-        """Positions 0..end-1 of the first ``batch_size`` sequences, (B, H_kv, end, D), in the compute
-        dtype: a view for auto, a dequantized copy otherwise."""
-        codes = self.codes[layer][:batch_size, :, :end]
-        if not self.scales:
-            return codes
-        return dequantize(codes, self.scales[layer][:batch_size, :, :end], self.dtype)
-
-    def tensors(self) -> List[torch.Tensor]:
-        return self.codes + self.scales
+def layer_capacity(max_seq_len: int, window: Optional[int]) -> int:
+    """Positions a layer's cache allocates: all ``max_seq_len``, or a local layer's W (a ring)."""
+    return max_seq_len if window is None else min(max_seq_len, window)
 
 
 def bucket_length(end: int, bucket: int, capacity: int) -> int:
@@ -127,8 +69,16 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  max_seq_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", cache_dtype: str = "auto"):
+                 device: torch.device | str = "cpu", cache_dtype: str = "auto",
+                 windows: Optional[Sequence[Optional[int]]] = None):
         self.num_layers, self.batch_size, self.num_kv_heads = num_layers, batch_size, num_kv_heads
+        # per layer: a local layer's window W (its cache keeps the last W positions) or None
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"{len(self.windows)} layer windows for {num_layers} layers")
+        if any(w is not None for w in self.windows) and self.impl not in ("static", "none", "shared"):
+            raise ValueError(f"cache.impl={self.impl!r} keeps every position; a sliding window needs "
+                             "cache.impl=static (a ring of W positions per local layer) or none")
         self.head_dim, self.max_seq_len = head_dim, max_seq_len
         self.dtype, self.device = dtype, torch.device(device)
         self.cache_dtype = cache_dtype  # how K/V are stored (cache.dtype); dtype: what attention reads
@@ -200,22 +150,64 @@ class StaticKVCache(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         shape = (self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        self.k_store, self.v_store = (KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device)
-                                      for _ in "kv")
-        self.k, self.v = self.k_store.codes, self.v_store.codes  # per layer (B, H_kv, S_max, D)
+        # A local layer whose window is shorter than the cache holds a ring of W positions.
+        self.rings = [w if w is not None and w < self.max_seq_len else None for w in self.windows]
+        lengths = [layer_capacity(self.max_seq_len, w) for w in self.rings]
+        self.k_store, self.v_store = (KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device,
+                                              lengths) for _ in "kv")
+        self.k, self.v = self.k_store.codes, self.v_store.codes  # per layer (B, H_kv, S_max or W, D)
 
     def update(self, layer, start_pos, k, v):
         end = self._check(layer, start_pos, k)
         B = k.shape[0]
+        W = self.rings[layer]
+        if W is not None:
+            return self._update_ring(layer, W, start_pos, end, k, v)
         self.k_store.write(layer, start_pos, k)
         self.v_store.write(layer, start_pos, v)
         self._written(layer, end)
         return self.k_store.read(layer, B, end), self.v_store.read(layer, B, end)
 
+    def _update_ring(self, layer, W, start_pos, end, k, v):
+        """A local layer: position p lives at index p % W. A decode step reads the whole ring (its
+        W keys are exactly the step's window, in any order); a prompt of T > 1 tokens reads the
+        held positions its first query still sees, max(0, start_pos - W + 1) .. start_pos - 1, in
+        order before its own T keys, gathered before they are overwritten."""
+        B, T = k.shape[0], k.shape[2]
+        if T == 1:
+            slot = torch.tensor([start_pos % W], device=k.device)
+            self.k_store.write_slots(layer, slot, k)
+            self.v_store.write_slots(layer, slot, v)
+            self._written(layer, end)
+            held = min(end, W)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
+            return self.k_store.read(layer, B, held), self.v_store.read(layer, B, held)
+        earlier = torch.arange(max(0, start_pos - W + 1), start_pos, device=k.device) % W
+        old_k, old_v = self.k_store.gather(layer, B, earlier), self.v_store.gather(layer, B, earlier)
+        kept = min(T, W)  # of a prompt longer than W only its last W positions stay
+        slots = torch.arange(end - kept, end, device=k.device) % W
+        self.k_store.write_slots(layer, slots, k[:, :, T - kept:])
+        self.v_store.write_slots(layer, slots, v[:, :, T - kept:])
+        self._written(layer, end)
+        return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)  # (B, H_kv, S, D), S <= W - 1 + T
+
     def tensors(self):
         return self.k_store.tensors() + self.v_store.tensors()
 
+    def truncate(self, length):
+        """Roll back to ``length`` positions. A ring keeps only W positions: rolling back is refused
+        where a later position overwrote one the next step must see (p is lost once p + W was
+        written)."""
+        for W in {w for w in self.rings if w is not None}:
+            if length and max(0, length - W + 1) + W < self.length:
+                raise ValueError(f"cannot truncate to {length}: a window of {W} positions already overwrote "
+                                 f"position {max(0, length - W + 1)} ({self.length} written); only reset() "
+                                 "or a roll back within the ring works")
+        super().truncate(length)
+
     def window(self, start_pos, batch_size, bucket):
+        if any(w is not None for w in self.rings):
+            raise ValueError("a sliding-window cache has no fixed-shape window (its rings are read whole); "
+                             "use runtime.compile=false|default")
         if self.cache_dtype != "auto":
             raise ValueError(f"cache.dtype={self.cache_dtype!r} has no fixed-shape window (a compiled step "
                              "would write unquantized K/V into its codes); use cache.dtype=auto")
@@ -312,19 +304,24 @@ _IMPLS = {c.impl: c for c in (StaticKVCache, ConcatKVCache, NoKVCache)}
 
 def make_cache(impl: str, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                max_seq_len: int, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", cache_dtype: str = "auto") -> KVCache:
+               device: torch.device | str = "cpu", cache_dtype: str = "auto",
+               windows: Optional[Sequence[Optional[int]]] = None) -> KVCache:
     """The cache named ``impl`` (static | concat | none) for the given shape, storing K/V in
-    ``cache_dtype`` (auto: ``dtype``; int8 / float8_e4m3fn: static only)."""
+    ``cache_dtype`` (auto: ``dtype``; int8 / float8_e4m3fn: static only); ``windows``: per layer
+    a local layer's W (static: a ring of W positions) or None."""
     if impl not in _IMPLS:
         raise ValueError(f"cache.impl={impl!r}: must be one of {', '.join(CACHE_IMPLS)}")
     storage_dtype(cache_dtype, dtype)  # a clear error for an unknown cache.dtype
-    return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device, cache_dtype)
+    return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device, cache_dtype,
+                        windows)
 
 
 def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> KVCache:
-    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device."""
+    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device,
+    with a ring for each of its local layers."""
     return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
-                      model.config.head_dim, max_seq_len, model.dtype, model.device, cache_dtype)
+                      model.config.head_dim, max_seq_len, model.dtype, model.device, cache_dtype,
+                      getattr(model, "layer_windows", None))
 
 
 class SharedPrefixCache(KVCache):
@@ -344,12 +341,16 @@ class SharedPrefixCache(KVCache):
         if not history.stores_history:
             raise ValueError(f"cache.impl={history.impl!r} keeps no history to share; use static or concat")
         super().__init__(history.num_layers, history.batch_size, history.num_kv_heads, history.head_dim,
-                         prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype)
+                         prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype,
+                         history.windows)
         self.history, self.prefix_len = history, prefix_len
         shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
-        # The prefix is stored like the history (cache.dtype), once for every conversation.
+        # The prefix is stored like the history (cache.dtype), once for every conversation; a
+        # local layer keeps only its last W positions, the only ones a later token can still see.
+        self.prefix_lengths = [layer_capacity(prefix_len, w) for w in self.windows]
         self.prefix_k_store, self.prefix_v_store = (
-            KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device) for _ in "kv")
+            KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device, self.prefix_lengths)
+            for _ in "kv")
         self.prefix_k, self.prefix_v = self.prefix_k_store.codes, self.prefix_v_store.codes
 
     def update(self, layer, start_pos, k, v):
@@ -359,10 +360,13 @@ class SharedPrefixCache(KVCache):
                 raise ValueError(f"the shared prefix is written whole and once, with batch 1: got batch "
                                  f"{k.shape[0]} at positions {start_pos}..{start_pos + k.shape[2] - 1} "
                                  f"(prefix_len={P}, {self.length} positions held)")
-            self.prefix_k_store.write(layer, 0, k)
-            self.prefix_v_store.write(layer, 0, v)
+            kept = self.prefix_lengths[layer]
+            self.prefix_k_store.write(layer, 0, k[:, :, P - kept:])
+            self.prefix_v_store.write(layer, 0, v[:, :, P - kept:])
             self._written(layer, P)
-            return self.shared_prefix(layer, P)
+            if kept == P:  # read back: with cache.dtype int8 the prompt attends what later tokens read
+                return self.shared_prefix(layer, P)
+            return k, v  # a local layer keeps its last W: the prompt attends all of itself, masked
         if self.length < P:
             raise ValueError(f"write the shared prefix (positions 0..{P - 1}) before position {start_pos}")
         k, v = self.history.update(layer, start_pos - P, k, v)  # (B, H_kv, S - P, D)
@@ -372,8 +376,8 @@ class SharedPrefixCache(KVCache):
     def shared_prefix(self, layer, start_pos):
         if start_pos < self.prefix_len:
             return None
-        P = self.prefix_len
-        return self.prefix_k_store.read(layer, 1, P), self.prefix_v_store.read(layer, 1, P)
+        kept = self.prefix_lengths[layer]  # positions P - kept .. P - 1
+        return self.prefix_k_store.read(layer, 1, kept), self.prefix_v_store.read(layer, 1, kept)
 
     def window(self, start_pos, batch_size, bucket):
         P = self.prefix_len

@@ -358,6 +358,7 @@ class BenchConfig:
         # attention is resolved against the checkpoint there, not against the model preset.
         if self.task != "eval":
             self.attention = self.attention.resolved(self.model)
+            self.attention.check_runs_with(self.cache.impl, self.runtime.compile, self.task)
         w = self.workload
         if self.task == "capacity":
             self._check_capacity()

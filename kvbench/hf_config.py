@@ -3,7 +3,8 @@ about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
 turns its contents into :class:`kvbench.model_config.ModelConfig` fields, refusing what the decoder
-does not model (another architecture, MoE, multimodal, a short sliding window, other rope types)
+does not model (another architecture, MoE, multimodal, other rope types); a sliding window
+becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
 with one line naming the key. ``ModelConfig.from_hf_config`` types those fields.
 """
 
@@ -22,8 +23,8 @@ MAX_CONFIG_BYTES = 16 * 2**20
 # The transformers architectures whose config.json and tensor names the decoder reads, each with
 # the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
 # and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES; everything else (MoE, multimodal, a sliding window shorter than the
-# run, biases beyond q/k/v, other rope types) is refused naming its config.json key.
+# rope types in ROPE_TYPES and sliding windows; everything else (MoE, multimodal, biases beyond
+# q/k/v, other rope types) is refused naming its config.json key.
 HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -32,6 +33,7 @@ HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
 }
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
 
 
 def read_config_json(directory: Path | str) -> Any:
@@ -70,13 +72,6 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
     positions = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    layer_types = cfg.get("layer_types")  # transformers >= 5 lists each layer's kind
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        window = None
-    if window and window < (max_seq_len or positions):
-        raise ConfigError(f"{where}: sliding_window={window}: not supported (the decoder attends to "
-                          f"every earlier token); pass max_seq_len <= {window}")
     try:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         shape = dict(
@@ -86,7 +81,8 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
             head_dim=cfg.get("head_dim") or (hidden // heads if _counts(hidden, heads) else None),
             ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
             max_seq_len=max_seq_len or positions,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions))
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions),
+            **_hf_window(cfg))
     except KeyError as e:
         raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
     return {"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape}
@@ -118,6 +114,28 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     if rope_type == "llama3":  # transformers falls back to max_position_embeddings too
         out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
     return out
+
+
+def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """ModelConfig's window fields from a config.json, as transformers reads them: Mistral's
+    ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
+    ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
+    (transformers >= 5 writes it) lists each layer's kind."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
+            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry "
+                              f"{' or '.join(LAYER_TYPES)})")
+        if "sliding_attention" not in layer_types:
+            window = layer_types = None
+    elif window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
+        first = cfg["max_window_layers"]
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    if not window:
+        return {}
+    return {"preset_window": window, "preset_layer_types": layer_types}
 
 
 def _counts(*values: Any) -> bool:

@@ -3,9 +3,10 @@ switches that make it Qwen2 (q/k/v biases) or Qwen3 (per-head q/k RMSNorm) as co
 
 Attention is MHA, GQA or MQA purely by ``num_kv_heads``; nothing in ``forward`` branches on a
 variant name. Query head h reads KV head h // G (contiguous groups, the Llama-checkpoint
-convention). K/V are never expanded to ``num_heads`` copies: the G query heads of a group are
-folded into the query-length dimension, so one SDPA call over (B, H_kv, G*T, D) queries reads
-each KV head once.
+convention). K/V are never expanded to ``num_heads`` copies: prefill uses SDPA's causal path
+with ``enable_gqa`` for every layout, and a decode step folds the G query heads of a group into
+the query rows, so one SDPA call over (B, H_kv, G, D) queries reads each KV head once
+(:func:`grouped_attention`).
 
 Notation: B batch, T new tokens, S keys attended (cached + new), H query heads,
 H_kv KV heads, G = H / H_kv query heads per KV head, D head_dim, V vocab.
@@ -86,41 +87,72 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """Repeat a (T, S) or (B, T, S) mask for the folded query rows of :func:`grouped_attention`:
-    (G*T, S) or (B, 1, G*T, S). Done once per forward, not once per layer."""
-    return mask.repeat(group, 1) if mask.dim() == 2 else mask.repeat(1, group, 1)[:, None]
+def causal_mask(T: int, S: int, device, window: Optional[int] = None, key_start: Optional[int] = None,
+                query_start: Optional[int] = None) -> torch.Tensor:
+    """(T, S) bool, True = attend: bottom-right causal (new token i, at key index S - T + i, sees
+    the S - T keys before the new ones and the new ones up to itself). With ``window`` W a query
+    at position p also sees only keys at positions > p - W (W keys, itself included: the rule of
+    transformers' ``sliding_window_overlay``); key j sits at position ``key_start + j`` and query
+    i at ``query_start + i`` (default: keys 0..S-1, queries the last T of them)."""
+    key_start = 0 if key_start is None else key_start
+    query_start = key_start + S - T if query_start is None else query_start
+    q_pos = torch.arange(query_start, query_start + T, device=device)[:, None]  # (T, 1)
+    k_pos = torch.arange(key_start, key_start + S, device=device)[None]  # (1, S)
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: Optional[torch.Tensor],
+                      mask: Optional[torch.Tensor] = None,
                       prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Attention where query head h reads KV head h // G, without copying K/V per query head.
 
-    q (B, H, T, D); k, v (B, H_kv, S, D); mask None or bool, already folded by
-    :func:`fold_mask` (True = attend). ``prefix``: K/V (1, H_kv, P, D) that all B sequences
-    attend before their own S keys (a shared system prompt); the mask then covers P + S keys.
-    Returns (B, H, T, D).
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask bool (T, S) or (B, T, S), True = attend, or None
+    for causal (:func:`causal_mask`; a decode step's one query sees every key). ``prefix``: K/V
+    (1, H_kv, P, D) that all B sequences attend before their own S keys (a shared system
+    prompt); the mask then covers P + S keys. Returns (B, H, T, D).
+
+    Three paths, chosen by shape, never by a variant name:
+    - decode (T = 1): the G query heads of a group are folded into the query rows, (B, H_kv, G, D),
+      so one SDPA call reads each KV head once; a (1, S) mask broadcasts over the rows.
+    - causal prefill (no mask, S = T): SDPA's causal path (``is_causal``, which skips the masked
+      half) with ``enable_gqa``, for every KV-head count alike.
+    - anything else (a prompt after cached keys, a window, a given mask): SDPA with the (T, S)
+      mask broadcast over heads, not repeated per query head, and ``enable_gqa``.
+    Folding a T > 1 prompt instead (G*T rows with a G-times repeated mask) lost the causal path and
+    made prefill slower the fewer KV heads there were (issue 28): MQA 2x MHA at T = 2048.
     """
     B, H, T, D = q.shape
-    H_kv = k.shape[1]
-    q = q.reshape(B, H_kv, (H // H_kv) * T, D)  # row g*T + t is query head kv*G + g at token t
-    if prefix is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H_kv, G*T, D)
+    H_kv, S = k.shape[1], k.shape[2]
+    G = H // H_kv
+    if prefix is not None:
+        if mask is None and T > 1:
+            mask = causal_mask(T, prefix[0].shape[2] + S, q.device)
+        out = prefix_attention(q.reshape(B, H_kv, G * T, D), k, v, mask, *prefix)  # (B, H_kv, G*T, D)
+    elif T == 1:
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # (B, 1, 1, S): the same keys for all heads and rows
+        out = F.scaled_dot_product_attention(q.reshape(B, H_kv, G, D), k, v, attn_mask=mask)  # (B, H_kv, G, D)
+    elif mask is None and S == T:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G > 1)  # (B, H, T, D)
     else:
-        out = prefix_attention(q, k, v, mask, *prefix)
-    # reshape, not view: CUDA's fused SDPA kernels return (B, H_kv, G*T, D) laid out as
-    # (B, G*T, H_kv, D) in memory, where H_kv and G cannot merge without a copy.
+        if mask is None:
+            mask = causal_mask(T, S, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask.dim() == 3 else mask,
+                                             enable_gqa=G > 1)
+    # reshape, not view: CUDA's fused SDPA kernels return (B, H_kv, M, D) laid out as
+    # (B, M, H_kv, D) in memory, where H_kv and G cannot merge without a copy.
     return out.reshape(B, H, T, D)
 
 
 def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
     """One softmax over a batch-1 prefix's keys and each sequence's own keys.
 
-    q (B, H_kv, M, D) with M = G*T folded rows; k, v (B, H_kv, S, D); k_prefix, v_prefix
-    (1, H_kv, P, D); mask None, (M, P + S) or (B, 1, M, P + S). The B sequences are folded
-    into the query rows for the prefix, as the G heads are, so the prefix is read once and
-    never expanded to B copies. Returns (B, H_kv, M, D).
+    q (B, H_kv, M, D) with M = G*T folded rows (row g*T + t: query head kv*G + g at token t);
+    k, v (B, H_kv, S, D); k_prefix, v_prefix (1, H_kv, P, D); mask None, (T, P + S) or
+    (B, T, P + S), broadcast over the G heads of a row block (never repeated G times). The B
+    sequences are folded into the query rows for the prefix, as the G heads are, so the prefix
+    is read once and never expanded to B copies. Returns (B, H_kv, M, D).
     """
     B, H_kv, M, D = q.shape
     P = k_prefix.shape[2]
@@ -128,7 +160,9 @@ def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
     s_prefix = (rows @ k_prefix.transpose(-1, -2)).view(H_kv, B, M, P).transpose(0, 1)  # (B, H_kv, M, P)
     scores = torch.cat([s_prefix, q @ k.transpose(-1, -2)], dim=-1) * D ** -0.5  # (B, H_kv, M, P + S)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        T = mask.shape[-2]
+        blocks = scores.view(B, H_kv, M // T, T, P + k.shape[2])  # (B, H_kv, G, T, P + S)
+        blocks.masked_fill_(~(mask if mask.dim() == 2 else mask[:, None, None]), float("-inf"))
     # Softmax in float32 as SDPA's math path does, so half precision matches the plain path.
     probs = scores.float().softmax(-1).to(q.dtype)
     p_prefix = probs[..., :P].transpose(0, 1).reshape(1, H_kv, B * M, P)
@@ -136,10 +170,33 @@ def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
     return (probs[..., P:] @ v).add_(out_prefix)  # in place: keeps the contiguous layout view() needs
 
 
+def window_mask(window: int, start_pos: int, T: int, S: int, device, prefix_len: int = 0,
+                prefix_end: int = 0) -> Optional[torch.Tensor]:
+    """The mask of a local layer whose T queries start at ``start_pos`` over S own keys that end
+    at position start_pos + T - 1 in order (what caches return to a prompt), or, for a decode
+    step (T = 1) over at most W keys, in any order (a ring's; all in the window). With a shared
+    prefix, its ``prefix_len`` keys (positions prefix_end - prefix_len .. prefix_end - 1) come
+    first. None where every key is in the window."""
+    if T == 1 and S <= window:
+        if not prefix_len:
+            return None
+        own = torch.ones(1, S, dtype=torch.bool, device=device)
+    else:
+        end = start_pos + T
+        own = causal_mask(T, S, device, window, key_start=end - S, query_start=start_pos)  # (T, S)
+    if not prefix_len:
+        return own
+    prefix = causal_mask(T, prefix_len, device, window, key_start=prefix_end - prefix_len, query_start=start_pos)
+    return torch.cat([prefix, own], dim=-1)  # (T, prefix_len + S)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+    """MHA, GQA or MQA by ``num_kv_heads``; a local layer (``window`` W) attends only the last W
+    positions."""
+
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, window: Optional[int] = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.window = layer, window
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, num_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -159,6 +216,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, start_pos, k, v)  # (B, H_kv, S, D)
             prefix = cache.shared_prefix(self.layer, start_pos)  # None or (1, H_kv, P, D) K/V
+        if self.window is not None and mask is None:
+            mask = window_mask(self.window, start_pos, T, k.shape[2], x.device,
+                               0 if prefix is None else prefix[0].shape[2], getattr(cache, "prefix_len", 0))
         out = grouped_attention(q, k, v, mask, prefix)  # (B, H, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -177,10 +237,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, window: Optional[int] = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, num_kv_heads, layer)
+        self.attn = Attention(cfg, num_kv_heads, layer, window)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -202,8 +262,9 @@ class Decoder(nn.Module):
         attention = (attention or AttentionConfig(type="mha")).resolved(model)
         self.config, self.attention = model, attention
         self.num_kv_heads = attention.num_kv_heads
+        self.layer_windows = attention.layer_windows(model.num_layers)  # per layer: W, or None (global)
         self.embed = nn.Embedding(model.vocab_size, model.d_model)
-        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i) for i in range(model.num_layers))
+        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i, w) for i, w in enumerate(self.layer_windows))
         self.norm = RMSNorm(model.d_model, model.norm_eps)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         cos, sin = rope_tables(model)
@@ -232,7 +293,7 @@ class Decoder(nn.Module):
         (a prefill needs only that one; all T would cost B*T*V floats).
 
         ``positions`` (T,) or (B, T) overrides the rotary positions (default start_pos..+T);
-        ``mask`` (T, S) or (B, T, S) overrides the causal mask over the S keys attended.
+        ``mask`` (T, S) or (B, T, S) overrides the causal (and window) mask over the S keys attended.
         ``start_pos`` as a (1,) tensor is a fixed-shape decode step (T = 1): ``cache`` is then a
         :class:`~kvbench.cache.FixedWindow`, which masks its keys itself, and nothing here
         depends on the position's value, so one compiled graph serves every position.
@@ -248,14 +309,9 @@ class Decoder(nn.Module):
                                  f"{self.config.max_seq_len}")
             if positions is None:
                 positions = slice(start_pos, end)  # a view of the tables, no gather
-            if mask is None and T > 1:
-                # Causal: new token i (at start_pos + i) sees the S - T keys held before it and
-                # new keys up to itself. Without a cache the keys are the T new tokens alone.
-                S = end if cache is not None else T
-                mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(S - T)
+            # mask None: causal, which each attention call builds for the keys it reads (or
+            # hands to SDPA's causal path when they are exactly the new tokens).
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if mask is not None:
-            mask = fold_mask(mask, self.config.num_heads // self.num_kv_heads)
         x = self.embed(tokens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench import hf_config
 from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
-from kvbench.hf_config import ROPE_TYPES
+from kvbench.hf_config import LAYER_TYPES, ROPE_TYPES
 
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
 
@@ -22,6 +22,23 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
     The one place this rule is written."""
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+
+
+def check_window_pattern(prefix: str, window: Optional[int], global_every: Optional[int],
+                         layer_types: Optional[List[str]], num_layers: Optional[int] = None) -> None:
+    """A window is 0 (none) or >= 1 positions; global_every >= 0; layer_types names each layer
+    (``num_layers`` of them, when known) sliding_attention or full_attention; not both patterns."""
+    check(window is None or window >= 0, f"{prefix}window", window, "must be >= 1 positions, 0 (no window) or null")
+    check(global_every is None or global_every >= 0, f"{prefix}global_every", global_every,
+          "must be >= 0 (0: no global layer; k: every k-th layer global) or null")
+    if layer_types is None:
+        return
+    check(global_every is None, f"{prefix}global_every", global_every,
+          f"and {prefix}layer_types both say which layers are local; give one")
+    check(all(t in LAYER_TYPES for t in layer_types), f"{prefix}layer_types", layer_types,
+          f"each entry must be one of {', '.join(LAYER_TYPES)}")
+    check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
+          f"must name each of model.num_layers={num_layers} layers")
 
 
 @dataclass
@@ -53,6 +70,11 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
+    # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window):
+    # W positions for local layers, which layers are local as in AttentionConfig.
+    preset_window: Optional[int] = None
+    preset_global_every: Optional[int] = None
+    preset_layer_types: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
         if self.path:
@@ -72,6 +94,8 @@ class ModelConfig:
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
+        check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
+                             self.preset_layer_types, self.num_layers)
 
     def _check_rope_scaling(self) -> None:
         check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
@@ -139,12 +163,44 @@ class AttentionConfig:
 
     type: str = "gqa"
     num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
+    # Sliding window: a local layer's query at position p attends positions p - W + 1 .. p (W keys,
+    # itself included; transformers' rule) and its cache stops at W positions. null: the model's
+    # own (model.preset_window, usually none); 0: no window, every layer global.
+    window: Optional[int] = None
+    # Which layers are local (null: the model's own pattern, else every layer): global_every k
+    # makes layers k-1, 2k-1, ... global (Gemma 3: 6, five local to one global; GPT-OSS: 2), 0
+    # none; layer_types lists each layer as transformers does (sliding_attention | full_attention).
+    global_every: Optional[int] = None
+    layer_types: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
         check_choice("attention.type", self.type, ATTENTION_TYPES)
         if self.num_kv_heads is not None:
             check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
+        check_window_pattern("attention.", self.window, self.global_every, self.layer_types)
+
+    def check_runs_with(self, cache_impl: str, compile_mode: str, task: str) -> None:
+        """What a sliding window does not run with yet (cache.impl, runtime.compile, task), one
+        line each naming the key; nothing without a window."""
+        if not self.window:
+            return
+        why = f"is not supported with a sliding window (attention.window={self.window})"
+        check(cache_impl in ("static", "none"), "cache.impl", cache_impl,
+              f"keeps every position; with attention.window={self.window} use cache.impl=static "
+              "(a ring of W positions per local layer) or none")
+        check(compile_mode != "graph", "runtime.compile", compile_mode,
+              f"{why}: the fixed-shape step reads a context bucket, a ring is read whole; use false or default")
+        check(task not in ("compare", "capacity"), "task", task, f"{why} yet; use task=bench or inspect")
+
+    def layer_windows(self, num_layers: int) -> List[Optional[int]]:
+        """Each layer's window (None: global) for a resolved config (:meth:`resolved`)."""
+        if not self.window:
+            return [None] * num_layers
+        if self.layer_types is not None:
+            return [self.window if t == "sliding_attention" else None for t in self.layer_types]
+        k = self.global_every or 0
+        return [None if k and (i + 1) % k == 0 else self.window for i in range(num_layers)]
 
     @classmethod
     def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
@@ -164,7 +220,20 @@ class AttentionConfig:
         expected = attention_type(h, kv)
         check(self.type == expected, "attention.type", self.type,
                f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv)
+        return AttentionConfig(type=self.type, num_kv_heads=kv, **self._resolved_window(model))
+
+    def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
+        """window, global_every and layer_types: each null one is the model's own; checked against
+        the model's layer count."""
+        window = model.preset_window if self.window is None else self.window
+        if self.layer_types is not None or self.global_every is not None:
+            global_every, layer_types = self.global_every, self.layer_types
+        else:
+            global_every, layer_types = model.preset_global_every, model.preset_layer_types
+        check_window_pattern("attention.", window, global_every, layer_types, model.num_layers)
+        if window is None:
+            return {}
+        return {"window": window, "global_every": global_every, "layer_types": layer_types}
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:

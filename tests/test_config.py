@@ -231,8 +231,8 @@ HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidd
      "model.rope_high_freq_factor=1.0: must be > model.rope_low_freq_factor=4.0"),
     ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor=0.5: not supported"),
-    ({"sliding_window": 64}, "sliding_window=64: not supported (the decoder attends to every earlier token); "
-                             "pass max_seq_len <= 64"),
+    ({"layer_types": ["chunked_attention", "full_attention"]},
+     "layer_types=['chunked_attention', 'full_attention']: not supported"),
     ({"attention_bias": True}, "attention_bias=True: biases on q, k, v and o"),
     ({"mlp_bias": True}, "mlp_bias=True: the decoder's MLP has no biases"),
 ])
@@ -241,22 +241,27 @@ def test_what_the_decoder_does_not_model_is_refused_naming_the_key(change, needl
     assert msg.startswith("ck/config.json: ")
 
 
-@pytest.mark.parametrize("config, accepted", [
+@pytest.mark.parametrize("config, window, layer_types", [
     # Qwen2 writes sliding_window but turns it off; transformers >= 5 lists the layers' kinds.
-    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": False}, True),
+    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": False}, None, None),
     ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": True,
-      "layer_types": ["full_attention", "full_attention"]}, True),
+      "layer_types": ["full_attention", "full_attention"]}, None, None),
     ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": True,
-      "layer_types": ["full_attention", "sliding_attention"]}, False),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 32}, False),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, True),
+      "layer_types": ["full_attention", "sliding_attention"]}, 32, ["full_attention", "sliding_attention"]),
+    # before layer_types: the layers from max_window_layers on are local (transformers' rule)
+    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": True,
+      "max_window_layers": 1}, 32, ["full_attention", "sliding_attention"]),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 32}, 32, None),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None, None),
 ])
-def test_a_sliding_window_is_refused_only_where_it_applies(config, accepted):
-    read = lambda: ModelConfig.from_hf_config({**HF_LLAMA, **config}, "ck/config.json")  # noqa: E731
-    if accepted:
-        assert read().qkv_bias == (config["architectures"] == ["Qwen2ForCausalLM"])
-    else:
-        one_line_error(read, "sliding_window=32: not supported")
+def test_a_sliding_window_is_read_where_it_applies(config, window, layer_types):
+    from kvbench.config import AttentionConfig
+
+    model = ModelConfig.from_hf_config({**HF_LLAMA, **config}, "ck/config.json")
+    assert (model.preset_window, model.preset_layer_types) == (window, layer_types)
+    local = [window if layer_types is None or t == "sliding_attention" else None for t in layer_types or [0, 0]]
+    assert AttentionConfig(type="gqa").resolved(model).layer_windows(2) == local
+    assert AttentionConfig(type="gqa", window=0).resolved(model).layer_windows(2) == [None, None]
 
 
 def test_rope_scaling_read_from_either_spelling():

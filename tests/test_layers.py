@@ -19,6 +19,7 @@ LAYERS = [
     ["hf_config"],
     ["model_config", "recall_config"],
     ["config"],
+    ["kv_store"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],

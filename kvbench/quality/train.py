@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_checkpoint, load_llama_dir, save_checkpoint
+from kvbench.checkpoint import (
+    build_decoder,
+    convert_kv_heads,
+    kv_conversion,
+    load_checkpoint,
+    load_llama_dir,
+    save_checkpoint,
+)
 from kvbench.config import BenchConfig, TrainConfig
 from kvbench.config_errors import ConfigError
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -265,10 +272,14 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
     saved = model.num_kv_heads
     model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
-    attention = AttentionConfig(cfg.attention.type, cfg.attention.num_kv_heads).resolved(model.config)
+    a = cfg.attention
+    attention = AttentionConfig(a.type, a.num_kv_heads, a.window, a.global_every, a.layer_types).resolved(model.config)
     how = kv_conversion(saved, attention.num_kv_heads)
     if how != "none":
         model = convert_kv_heads(model, attention.num_kv_heads)
+    windows = attention.layer_windows(model.config.num_layers)
+    if windows != model.layer_windows:  # another window over the same weights is only a mask
+        model = build_decoder(model.config, attention, model.state_dict(), device=model.device).eval()
     return model, tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
 

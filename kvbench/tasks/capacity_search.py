@@ -127,7 +127,7 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
 
     def held(positions: int, sequences: int) -> int:
         return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, positions, sequences,
-                              DTYPE_BYTES[cfg.runtime.dtype])
+                              DTYPE_BYTES[cfg.runtime.dtype], windows=cfg.attention.layer_windows(m.num_layers))
 
     if w.name != "multiturn":
         return held(context + w.gen_len, batch)

@@ -27,22 +27,41 @@ def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
 
 
 def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                    batch_size: int, num_heads: Optional[int] = None) -> List[dict]:
-    """KV bytes per token (all layers), per sequence of ``seq_len`` and per batch, for each
-    dtype a cache can hold (the compute dtypes, then the quantized ``cache.dtype`` values with
-    their scales); with ``num_heads``, also the fraction of an MHA cache of the same model."""
+                    batch_size: int, num_heads: Optional[int] = None,
+                    windows: Optional[List[Optional[int]]] = None) -> List[dict]:
+    """KV bytes per token (all layers, before any window fills), per sequence of ``seq_len`` and
+    per batch, for each dtype a cache can hold (the compute dtypes, then the quantized
+    ``cache.dtype`` values with their scales); with ``num_heads``, also the fraction of an MHA
+    cache of the same model at ``seq_len`` (its layers' windows included: a local layer holds W)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
     for dtype, size, cache_dtype in stored:
-        row = {"dtype": dtype,
-               "per_token": kv_cache_bytes(num_layers, num_kv_heads, head_dim, 1, 1, size, cache_dtype),
-               "per_sequence": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, 1, size, cache_dtype),
-               "per_batch": kv_cache_bytes(num_layers, num_kv_heads, head_dim, seq_len, batch_size, size,
-                                           cache_dtype)}
+        def held(n, b, size=size, cache_dtype=cache_dtype):
+            return kv_cache_bytes(num_layers, num_kv_heads, head_dim, n, b, size, cache_dtype, windows)
+
+        row = {"dtype": dtype, "per_token": held(1, 1), "per_sequence": held(seq_len, 1),
+               "per_batch": held(seq_len, batch_size)}
         if num_heads:
-            row["vs_mha"] = num_kv_heads / num_heads
+            row["vs_mha"] = held(seq_len, 1) / kv_cache_bytes(num_layers, num_heads, head_dim, seq_len, 1, size,
+                                                              cache_dtype)
         rows.append(row)
+    return rows
+
+
+def layer_kind_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int, batch_size: int,
+                     bytes_per_element: int, windows: List[Optional[int]]) -> List[dict]:
+    """Per kind of layer (global, local of window W): how many layers, the positions each holds at
+    ``seq_len`` and their KV bytes per sequence and per batch (the same formula, layer by layer)."""
+    rows = []
+    for w in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
+        kind = [x for x in windows if x == w]
+        def held(b, kind=kind):
+            return kv_cache_bytes(len(kind), num_kv_heads, head_dim, seq_len, b, bytes_per_element, "auto", kind)
+
+        rows.append({"kind": "global" if w is None else f"local W={w}", "layers": len(kind),
+                     "positions": seq_len if w is None else min(seq_len, w),
+                     "per_sequence": held(1), "per_batch": held(batch_size)})
     return rows
 
 
@@ -60,27 +79,46 @@ def describe(cfg: BenchConfig) -> str:
     lines = [
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
         f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
-        f"attention {a.type}: {a.num_kv_heads} KV heads, G = {group} query heads per KV head",
+        f"attention {a.type}: {a.num_kv_heads} KV heads, G = {group} query heads per KV head"
+        + (f"; window {a.window} in {sum(x is not None for x in a.layer_windows(m.num_layers))} of "
+           f"{m.num_layers} layers" if a.window else ""),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         "",
         "head → KV group map:",
         describe_kv_groups(m.num_heads, a.num_kv_heads),
         "",
         f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
-        f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes",
+        f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes"
+        + (" before the windows fill (then a local layer holds W of the seq_len positions)" if a.window else ""),
         _elements_line(2 * a.num_kv_heads * m.head_dim, seq_len, w.batch_size),
         f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
         f"(sequence, KV head, position), K and V each",
     ]
-    header = ["KV dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})", "vs MHA"]
+    windows = a.layer_windows(m.num_layers)
+    header = ["KV dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})",
+              "vs full MHA" if a.window else "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
              f"{r['vs_mha']:.3f}"]
             for r in kv_memory_table(m.num_layers, a.num_kv_heads, m.head_dim, seq_len, w.batch_size,
-                                     m.num_heads)]
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    for row in [header] + rows:
-        lines.append(row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:])))
+                                     m.num_heads, windows)]
+    lines += _aligned(header, rows)
+    if any(x is not None for x in windows):
+        size = DTYPE_BYTES[cfg.runtime.dtype]
+        lines += ["", f"sliding window: a local layer holds min(seq_len, W) positions (a ring of W); "
+                      f"KV by kind of layer in {cfg.runtime.dtype}, "
+                      "bytes = sum over layers of min(seq_len, W_layer) · 2 · kv_heads · head_dim · bytes:"]
+        kinds = layer_kind_table(m.num_layers, a.num_kv_heads, m.head_dim, seq_len, w.batch_size, size, windows)
+        lines += _aligned(["layers", "count", "positions held", f"per sequence ({seq_len})",
+                           f"per batch (x{w.batch_size})"],
+                          [[k["kind"], str(k["layers"]), f"{k['positions']:,}", _cell(k["per_sequence"]),
+                            _cell(k["per_batch"])] for k in kinds])
     return "\n".join(lines)
+
+
+def _aligned(header: List[str], rows: List[List[str]]) -> List[str]:
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+    return [row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:]))
+            for row in [header] + rows]
 
 
 def _elements_line(per_token: int, seq_len: int, batch_size: int) -> str:

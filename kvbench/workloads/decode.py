@@ -86,9 +86,10 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_cache_bytes", "bytes",
            "storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())"),
     Metric("kv_cache_bytes_formula", "bytes",
-           "2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
-                              "scale bytes): cache.dtype auto: the compute dtype's bytes, no scales; int8 / "
-                              "float8_e4m3fn: 1 byte and a 4-byte scale per (sequence, head, position)"),
+           "2 * kv_heads * batch * (head_dim * bytes_per_element + scale bytes) * sum over layers of "
+           "min(seq_len, W_layer) (W: a local layer's attention.window; a global layer holds seq_len): "
+           "cache.dtype auto: the compute dtype's bytes, no scales; int8 / float8_e4m3fn: 1 byte and a "
+           "4-byte scale per (sequence, head, position)"),
     Metric("compile_s", "s", "runtime.compile=default|graph: the first generation through the compiled model or step, "
                  "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
                  "graphs, which record a graph at its second call), excluded from every trial"),
@@ -219,7 +220,7 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     prompt = prompt.to(device)
     metrics["kv_cache_bytes_formula"] = kv_cache_bytes(
         cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
-        DTYPE_BYTES[rt.dtype], cfg.cache.dtype)
+        DTYPE_BYTES[rt.dtype], cfg.cache.dtype, cfg.attention.layer_windows(cfg.model.num_layers))
     with allocation_delta(device) as allocated:
         cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len, cfg.cache.dtype)
     if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation

@@ -16,7 +16,7 @@ from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig,
 from kvbench.config_errors import ConfigError
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
 from kvbench.jobs.runner import run_job
-from kvbench.model import fold_mask, grouped_attention
+from kvbench.model import grouped_attention
 from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.sinks.console import ttft_side_by_side
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
@@ -227,7 +227,7 @@ def test_prefix_attention_equals_expanded_reference(num_kv_heads, T):
     kp, vp = torch.randn(1, num_kv_heads, Pp, D), torch.randn(1, num_kv_heads, Pp, D)
     mask = torch.ones(T, Pp + S, dtype=torch.bool).tril(Pp + S - T)
     G = H // num_kv_heads
-    ours = grouped_attention(q, k, v, fold_mask(mask, G), (kp, vp))
+    ours = grouped_attention(q, k, v, mask, (kp, vp))
     k_full = torch.cat([kp.expand(Bq, -1, -1, -1), k], 2).repeat_interleave(G, dim=1)
     v_full = torch.cat([vp.expand(Bq, -1, -1, -1), v], 2).repeat_interleave(G, dim=1)
     reference = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)

@@ -1,0 +1,110 @@
+"""Every path of :func:`kvbench.model.grouped_attention` (decode fold, SDPA's causal path, a
+prompt after cached keys, a window, a given mask, a shared prefix) against textbook attention
+with K/V copied per query head; and prefill that costs no more for fewer KV heads (issue 28)."""
+
+import time
+
+import pytest
+import torch
+
+from kvbench.model import causal_mask, grouped_attention
+
+
+def reference(q, k, v, mask):
+    """repeat_interleave K/V to every query head, softmax over masked scores in float64."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~(mask if mask.dim() == 2 else mask[:, None]), float("-inf"))
+    return (scores.softmax(-1) @ v).float()
+
+
+def naive_mask(T, S, window=None):
+    """Loops, not tensor arithmetic: new token i sits at position S - T + i and sees key j iff
+    j <= its position (and, with a window W, j > its position - W)."""
+    mask = torch.zeros(T, S, dtype=torch.bool)
+    for i in range(T):
+        p = S - T + i
+        for j in range(S):
+            mask[i, j] = j <= p and (window is None or j > p - window)
+    return mask
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 100])
+@pytest.mark.parametrize("T, S", [(1, 9), (6, 6), (4, 11)])
+def test_causal_mask_is_the_loop(T, S, window):
+    assert torch.equal(causal_mask(T, S, "cpu", window), naive_mask(T, S, window))
+
+
+CASES = {  # name: (T, S, mask builder); mask None = the function's own causal mask
+    "decode": (1, 13, lambda B: None),
+    "decode, fixed-window mask (1, S)": (1, 13, lambda B: torch.arange(13)[None] <= 9),
+    "decode, per-sequence mask (B, 1, S)": (1, 13, lambda B: torch.rand(B, 1, 13) > 0.3),
+    "causal prefill (S = T)": (7, 7, lambda B: None),
+    "prompt after cached keys (S > T)": (5, 12, lambda B: None),
+    "window over a prompt": (9, 9, lambda B: causal_mask(9, 9, "cpu", 4)),
+    "window after cached keys": (4, 10, lambda B: causal_mask(4, 10, "cpu", 3)),
+    "given per-sequence mask": (5, 8, lambda B: causal_mask(5, 8, "cpu") & (torch.rand(B, 5, 8) > 0.2)
+                                | causal_mask(5, 8, "cpu", 1)),  # every row keeps its own key
+}
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_path_equals_repeat_interleave_reference(case, num_kv_heads):
+    T, S, make_mask = CASES[case]
+    B, H, D = 2, 8, 16
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
+    mask = make_mask(B)
+    want = reference(q, k, v, naive_mask(T, S) if mask is None and T > 1 else mask)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("T, window", [(1, None), (5, None), (1, 6), (5, 6)])
+def test_shared_prefix_path_equals_reference_with_the_prefix_copied(num_kv_heads, T, window):
+    """A batch-1 prefix of P keys before each sequence's S own keys: the same as copying it in
+    front of every sequence, causal (and windowed) over the P + S positions."""
+    B, H, P, S, D = 3, 8, 7, 6, 16
+    q = torch.randn(B, H, T, D)
+    k, v = torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
+    kp, vp = torch.randn(1, num_kv_heads, P, D), torch.randn(1, num_kv_heads, P, D)
+    mask = None if window is None else causal_mask(T, P + S, "cpu", window)
+    full_k, full_v = torch.cat([kp.expand(B, -1, -1, -1), k], 2), torch.cat([vp.expand(B, -1, -1, -1), v], 2)
+    want = reference(q, full_k, full_v, naive_mask(T, P + S, window) if T > 1 or window else None)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, (kp, vp)), want, atol=2e-6, rtol=1e-5)
+
+
+def _min_time(fn, reps):
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_mqa_prefill_attention_costs_no_more_than_mha():
+    """Issue 28: folding G query heads into the rows made MQA's prefill attention 2x MHA's. Timed
+    interleaved in one process (MHA, GQA, MQA, MHA, ...), the minimum of 5 reps each: MQA (and
+    GQA) within 1.3x of MHA. The old fold measured 1.7x (MQA) and 1.3x (GQA-2) at these shapes
+    on this machine under load; a load that slows every
+    call alike cancels in the ratio, and the minimum drops the calls a busy machine interrupts."""
+    torch.manual_seed(0)
+    B, H, T, D = 1, 8, 2048, 64
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calls = {}
+        for kv in (8, 2, 1):
+            q, k, v = torch.randn(B, H, T, D), torch.randn(B, kv, T, D), torch.randn(B, kv, T, D)
+            calls[kv] = lambda q=q, k=k, v=v: grouped_attention(q, k, v)
+            calls[kv]()  # warm-up
+        best = {kv: float("inf") for kv in calls}
+        for _ in range(5):
+            for kv, fn in calls.items():
+                best[kv] = min(best[kv], _min_time(fn, 1))
+    finally:
+        torch.set_num_threads(threads)
+    assert best[1] <= 1.3 * best[8] and best[2] <= 1.3 * best[8], best
