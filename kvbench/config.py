@@ -43,7 +43,10 @@ def _find_conf_dir() -> Path:
 CONF_DIR = _find_conf_dir()
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-ATTENTION_TYPES = ("mha", "gqa", "mqa")
+# The attention layouts, in the order every table, plot and report lists them: the three KV-head
+# counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
+ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
+MLA_DECODE_FORMS = ("absorbed", "expanded")
 CACHE_IMPLS = ("static", "concat", "none")
 # cache.dtype: how K/V are stored. auto: the compute dtype (runtime.dtype); the others store codes
 # of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
@@ -137,8 +140,35 @@ HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
 }
+# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json): dense layers only.
+HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class MLAShape:
+    """A model's own multi-head latent attention layout (DeepSeek's names; what its weights are
+    shaped by). ``q_lora_rank`` 0: queries by one full-rank projection (DeepSeek-V2-Lite's null)."""
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        check_mla_dims("model.preset_mla", self)
+
+
+def check_mla_dims(prefix: str, dims: Any) -> None:
+    """Latent ranks and head widths: counts, the rotary part even (it rotates pairs)."""
+    _check_numbers(prefix, dims)
+    _check(dims.q_lora_rank >= 0, f"{prefix}.q_lora_rank", dims.q_lora_rank, "must be >= 0 (0: a full-rank q)")
+    _check_positive(prefix, dims, ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
+    _check(dims.qk_rope_head_dim >= 2 and dims.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim",
+           dims.qk_rope_head_dim, "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
 
 
 @dataclass
@@ -165,15 +195,27 @@ class ModelConfig:
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: Optional[int] = None  # llama3: the pretraining context
+    rope_original_max_seq_len: Optional[int] = None  # llama3, yarn: the pretraining context
+    # yarn (transformers' names without rope_): the ramp between interpolated and extrapolated
+    # frequencies, and the attention factors (DeepSeek scales its softmax by mscale(factor, all_dim)^2)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: not set
+    rope_mscale_all_dim: float = 0.0  # 0: not set
+    rope_attention_factor: Optional[float] = None  # null: from factor, mscale and mscale_all_dim
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
+    # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
+    # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
+    preset_mla: Optional[MLAShape] = None
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
+        if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
+            self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
         _check_numbers("model", self)
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len", "preset_kv_heads"))
@@ -194,11 +236,15 @@ class ModelConfig:
         _check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
         _check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
                "must be >= 1 (the factor positions are stretched by)")
-        if self.rope_type != "llama3":
+        if self.rope_type not in ("llama3", "yarn"):
             return
         _check(self.rope_original_max_seq_len is not None and self.rope_original_max_seq_len >= 1,
                "model.rope_original_max_seq_len", self.rope_original_max_seq_len,
-               "must be >= 1 with model.rope_type=llama3 (the pretraining context)")
+               f"must be >= 1 with model.rope_type={self.rope_type} (the pretraining context)")
+        if self.rope_type == "yarn":
+            _check(self.rope_beta_fast > self.rope_beta_slow > 0, "model.rope_beta_fast", self.rope_beta_fast,
+                   f"must be > model.rope_beta_slow={self.rope_beta_slow} > 0")
+            return
         _check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor,
                "must be > 0")
         _check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
@@ -252,6 +298,7 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
         positions = cfg.get("max_position_embeddings", 2048)
+        mla = _hf_mla(cfg, where) if arch.startswith("Deepseek") else {}
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         layer_types = cfg.get("layer_types")  # transformers >= 5 lists each layer's kind
         if layer_types is not None and "sliding_attention" not in layer_types:
@@ -271,6 +318,7 @@ class ModelConfig:
                 norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions))
         except KeyError as e:
             raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+        shape.update(mla)
         # Typed like a Hydra config: a string or a list where a number belongs names its key.
         return typed(cls, {"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape, **fields})
 
@@ -293,17 +341,44 @@ class ModelConfig:
 
 @dataclass
 class AttentionConfig:
-    """Attention variant. The variant *is* the KV-head count; ``type`` is a name that must agree
-    with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between)."""
+    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name
+    that must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between).
+
+    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from
+    one latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``;
+    the cache holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent
+    head of kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the
+    other types; null with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to
+    model.head_dim (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
 
     type: str = "gqa"
     num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
+    q_lora_rank: Optional[int] = None  # 0: queries by one full-rank projection
+    kv_lora_rank: Optional[int] = None  # R: the latent each token's keys and values come from
+    qk_nope_head_dim: Optional[int] = None  # per-head key/query width without rotary
+    qk_rope_head_dim: Optional[int] = None  # the rotary key shared by all heads, and each query's
+    v_head_dim: Optional[int] = None
+    # how a decode step (one new token) reads the latents: absorbed (W_UK folded into the query,
+    # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
+    # per head: the reference). Prefill is always expanded.
+    mla_decode: str = "absorbed"
 
     def __post_init__(self) -> None:
         _check_numbers("attention", self)
         _check_choice("attention.type", self.type, ATTENTION_TYPES)
+        _check_choice("attention.mla_decode", self.mla_decode, MLA_DECODE_FORMS)
         if self.num_kv_heads is not None:
             _check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
+        if self.type != "mla":
+            for name in MLA_FIELDS:
+                _check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
+                       f"is a multi-head latent attention rank; attention.type={self.type} has none "
+                       "(use attention=mla)")
+
+    @property
+    def latent(self) -> bool:
+        """True when the cache holds one latent per token and layer (MLA), not K and V heads."""
+        return self.type == "mla"
 
     @classmethod
     def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
@@ -312,6 +387,8 @@ class AttentionConfig:
 
     def resolved(self, model: ModelConfig) -> "AttentionConfig":
         """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
+        if self.latent:
+            return self._resolved_mla(model)
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:
@@ -323,7 +400,29 @@ class AttentionConfig:
         expected = attention_type(h, kv)
         _check(self.type == expected, "attention.type", self.type,
                f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv)
+        return AttentionConfig(type=self.type, num_kv_heads=kv, mla_decode=self.mla_decode)
+
+    def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
+        _check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
+               "attention=mla caches one latent head per token (null or 1)")
+        D = model.head_dim
+        own = model.preset_mla or MLAShape(q_lora_rank=0, kv_lora_rank=4 * D, qk_nope_head_dim=D,
+                                           qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
+        dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
+                for name in MLA_FIELDS}
+        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims)
+        check_mla_dims("attention", out)
+        return out
+
+    def kv_dims(self, model: ModelConfig) -> tuple[int, int, bool]:
+        """(heads, width, latent) of what the cache stores per token and layer, for a resolved
+        config: K/V heads of model.head_dim, or MLA's one latent of kv_lora_rank + qk_rope_head_dim."""
+        if self.latent:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, True
+        return self.num_kv_heads, model.head_dim, False
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:
@@ -570,6 +669,9 @@ class CompareConfig:
     def __post_init__(self) -> None:
         _check_positive("compare", self, ("steps",))
         _check(len(self.variants) >= 2, "compare.variants", self.variants, "needs two or more variants to compare")
+        _check("mla" not in self.variants, "compare.variants", self.variants,
+               "'mla' is not supported yet: task=compare converts one MHA model's weights to each variant "
+               "and MHA -> MLA conversion is not built; compare MLA in a sweep (kvbench -m attention=mha,gqa,mla)")
         for v in self.variants:
             _check(v in ATTENTION_TYPES or (v.isdigit() and int(v) >= 1), "compare.variants", self.variants,
                    f"{v!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1")
@@ -702,14 +804,43 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     out = {"rope_type": rope_type, "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0))}
     needed = {"linear": {"rope_factor": "factor"},
               "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                         "rope_high_freq_factor": "high_freq_factor"}}.get(rope_type, {})
+                         "rope_high_freq_factor": "high_freq_factor"},
+              "yarn": {"rope_factor": "factor"}}.get(rope_type, {})
     for name, hf_name in needed.items():
-        if hf_name not in rope:
+        if rope.get(hf_name) is None:
             raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
         out[name] = rope[hf_name]
-    if rope_type == "llama3":  # transformers falls back to max_position_embeddings too
+    if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
         out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
+    if rope_type == "yarn":
+        if rope.get("truncate", True) is not True:
+            raise ConfigError(f"{key}.truncate={rope['truncate']!r}: not supported (yarn's truncated range only)")
+        for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
+                              ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
+                              ("rope_attention_factor", "attention_factor")):
+            if rope.get(hf_name):  # transformers reads each with `or` its default
+                out[name] = rope[hf_name]
+    elif rope.get("mscale_all_dim"):  # DeepSeek's softmax scale reads it for any rope type but default
+        out["rope_mscale_all_dim"] = rope["mscale_all_dim"]
     return out
+
+
+def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json; a layer whose MLP is a mixture
+    of experts (transformers: layer >= first_k_dense_replace) is refused naming the key."""
+    layers, dense = cfg.get("num_hidden_layers"), cfg.get("first_k_dense_replace", 0)
+    if not (_counts(layers) and isinstance(dense, int) and dense >= layers):
+        raise ConfigError(f"{where}: first_k_dense_replace={dense!r}: layers {dense}.. of {layers} use a "
+                          f"mixture-of-experts MLP (n_routed_experts={cfg.get('n_routed_experts')!r}), not "
+                          "supported; only dense DeepSeek layers (first_k_dense_replace >= num_hidden_layers)")
+    try:
+        shape = {k: cfg[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    except KeyError as e:
+        raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+    shape["q_lora_rank"] = cfg.get("q_lora_rank") or 0
+    # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
+    return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
+            "preset_kv_heads": cfg["num_attention_heads"]}
 
 
 def _counts(*values: Any) -> bool:

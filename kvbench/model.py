@@ -14,6 +14,7 @@ H_kv KV heads, G = H / H_kv query heads per KV head, D head_dim, V vocab.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import List, Optional
 
 import torch
@@ -51,14 +52,42 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched ``scale`` times (transformers' formula)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, or yarn's attention factor (given, else from
+    rope_factor, rope_mscale and rope_mscale_all_dim, as transformers' yarn computes it)."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
     """Rotary inverse frequencies (D/2,) in float64, scaled by ``cfg.rope_type`` as transformers'
     rope type of that name: ``linear`` divides all by ``rope_factor``; ``llama3`` divides those
     whose wavelength exceeds ``rope_original_max_seq_len / rope_low_freq_factor``, keeps those
     below ``rope_original_max_seq_len / rope_high_freq_factor`` and blends linearly in between
-    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``)."""
-    D = cfg.head_dim
+    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``); ``yarn``
+    blends interpolated and original frequencies over a ramp between the dimensions that turn
+    ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context. ``dim``: the
+    rotated width (default head_dim; MLA rotates only qk_rope_head_dim)."""
+    D = dim or cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    if cfg.rope_type == "yarn":
+        def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
+            return D * math.log(cfg.rope_original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low = max(math.floor(turns_dim(cfg.rope_beta_fast)), 0)
+        high = min(math.ceil(turns_dim(cfg.rope_beta_slow)), D - 1)
+        high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+        keep = 1 - ((torch.arange(D // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        return inv_freq / cfg.rope_factor * (1 - keep) + inv_freq * keep
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "llama3":
@@ -69,11 +98,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints."""
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
+def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints
+    (times yarn's attention factor); ``dim`` as in :func:`rope_inv_freq`."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, dim))
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    factor = rope_attention_factor(cfg)
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,6 +193,116 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def latent_attention(q, k, v, mask, scale: float, prefix=None) -> torch.Tensor:
+    """Softmax(q k^T * scale) v with K and V of their own widths, and a batch-1 ``prefix``
+    (k_p, v_p) every sequence attends before its own keys (read once, B folded into its rows).
+
+    q (B, H_k, M, Dk); k (B, H_k, S, Dk); v (B, H_k, S, Dv); prefix (1, H_k, P, Dk), (1, H_k, P, Dv);
+    mask None or bool broadcasting to (B, H_k, M, P + S). Returns (B, H_k, M, Dv)."""
+    if prefix is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    (k_p, v_p), (B, H_k, M, Dk), P = prefix, q.shape, prefix[0].shape[2]
+    rows = q.transpose(0, 1).reshape(1, H_k, B * M, Dk)  # row b*M + m is sequence b's row m
+    s_prefix = (rows @ k_p.transpose(-1, -2)).view(H_k, B, M, P).transpose(0, 1)  # (B, H_k, M, P)
+    scores = torch.cat([s_prefix, q @ k.transpose(-1, -2)], dim=-1) * scale  # (B, H_k, M, P + S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(-1).to(q.dtype)
+    p_prefix = probs[..., :P].transpose(0, 1).reshape(1, H_k, B * M, P)
+    out_prefix = (p_prefix @ v_p).view(H_k, B, M, -1).transpose(0, 1)  # (B, H_k, M, Dv)
+    return probs[..., P:] @ v + out_prefix
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), as transformers' DeepseekV3Attention.
+
+    Each token's keys and values come from one latent c (R = kv_lora_rank, RMS-normed) through
+    ``wkv_b``, plus one rotary key (d_rope) shared by all heads; the cache holds [c, k_rope]
+    (B, 1, S, R + d_rope). Expanded form (prefill, and the reference decode): K = [c W_UK^T,
+    k_rope] and V = c W_UV^T per head. Absorbed form (a decode step): q_nope W_UK is a query in
+    latent space, so every head attends [c, k_rope] directly (MQA over one R + d_rope wide head,
+    values c) and W_UV maps the result to d_v afterwards; the two agree to rounding."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionConfig, layer: int):
+        super().__init__()
+        a, C, H = attention, cfg.d_model, cfg.num_heads
+        self.layer, self.num_heads, self.absorbed = layer, H, a.mla_decode == "absorbed"
+        self.r, self.d_nope = a.kv_lora_rank, a.qk_nope_head_dim
+        self.d_rope, self.d_v = a.qk_rope_head_dim, a.v_head_dim
+        d_qk = self.d_nope + self.d_rope
+        if a.q_lora_rank:  # DeepSeek's latent norms use RMSNorm's default eps, not rms_norm_eps
+            self.wq = nn.Sequential(nn.Linear(C, a.q_lora_rank, bias=False), RMSNorm(a.q_lora_rank, 1e-6),
+                                    nn.Linear(a.q_lora_rank, H * d_qk, bias=False))
+        else:
+            self.wq = nn.Linear(C, H * d_qk, bias=False)
+        self.wkv_a = nn.Linear(C, self.r + self.d_rope, bias=False)
+        self.kv_norm = RMSNorm(self.r, 1e-6)
+        self.wkv_b = nn.Linear(self.r, H * (self.d_nope + self.d_v), bias=False)
+        self.wo = nn.Linear(H * self.d_v, C, bias=False)
+        self.scale = mla_softmax_scale(cfg, d_qk)
+
+    def forward(self, x, cos, sin, mask, cache, start_pos):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.num_heads, -1).transpose(1, 2)  # (B, H, T, d_nope + d_rope)
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+        c, k_rope = self.wkv_a(x).split([self.r, self.d_rope], dim=-1)  # (B, T, R), (B, T, d_rope)
+        # (B, 1, T, R + d_rope): what the cache holds
+        latent = torch.cat([self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)], -1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        prefix = None
+        if cache is not None:
+            latent, _ = cache.update(self.layer, start_pos, latent, None)  # (B, 1, S, R + d_rope)
+            prefix = cache.shared_prefix(self.layer, start_pos)  # None or ((1, 1, P, R + d_rope), None)
+        form = self._absorbed if T == 1 and self.absorbed else self._expanded
+        out = form(q_nope, q_rope, latent, mask, None if prefix is None else prefix[0])  # (B, H, T, d_v)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _up(self, latent):
+        """Latents (b, 1, S, R + d_rope) -> K (b, H, S, d_nope + d_rope), V (b, H, S, d_v)."""
+        b, _, S, _ = latent.shape
+        c, k_rope = latent[:, 0].split([self.r, self.d_rope], dim=-1)
+        kv = self.wkv_b(c).view(b, S, self.num_heads, -1).transpose(1, 2)  # (b, H, S, d_nope + d_v)
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
+        return torch.cat([k_nope, k_rope[:, None].expand(b, self.num_heads, S, self.d_rope)], -1), v
+
+    def _expanded(self, q_nope, q_rope, latent, mask, prefix):
+        k, v = self._up(latent)
+        return latent_attention(torch.cat([q_nope, q_rope], -1), k, v, mask, self.scale,
+                                None if prefix is None else self._up(prefix))
+
+    def _absorbed(self, q_nope, q_rope, latent, mask, prefix):
+        B, H, T, _ = q_nope.shape
+        w = self.wkv_b.weight.view(H, self.d_nope + self.d_v, self.r)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :self.d_nope])  # (B, H, T, R): W_UK absorbed
+        q = torch.cat([q_latent, q_rope], -1).reshape(B, 1, H * T, -1)  # row h*T + t; one latent head
+        out = latent_attention(q, latent, latent[..., :self.r], mask, self.scale,
+                               None if prefix is None else (prefix, prefix[..., :self.r]))  # (B, 1, H*T, R)
+        return torch.einsum("bhtr,hvr->bhtv", out.reshape(B, H, T, self.r), w[:, self.d_nope:])  # W_UV
+
+
+def mla_softmax_scale(cfg: ModelConfig, qk_head_dim: int) -> float:
+    """DeepSeek's softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 when the
+    rope is scaled (transformers' yarn_apply_mscale)."""
+    scale = qk_head_dim ** -0.5
+    if cfg.rope_type != "default" and cfg.rope_mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+@contextmanager
+def mla_decode(model: "Decoder", form: str):
+    """Decode steps of ``model``'s latent attention in ``form`` (absorbed | expanded) inside the block."""
+    layers = [b.attn for b in model.blocks if isinstance(b.attn, LatentAttention)]
+    before = [a.absorbed for a in layers]
+    for a in layers:
+        a.absorbed = form == "absorbed"
+    try:
+        yield model
+    finally:
+        for a, was in zip(layers, before):
+            a.absorbed = was
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x)."""
 
@@ -176,10 +317,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int):
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, attention: Optional[AttentionConfig] = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, num_kv_heads, layer)
+        latent = attention is not None and attention.latent
+        self.attn = LatentAttention(cfg, attention, layer) if latent else Attention(cfg, num_kv_heads, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -202,12 +344,19 @@ class Decoder(nn.Module):
         self.config, self.attention = model, attention
         self.num_kv_heads = attention.num_kv_heads
         self.embed = nn.Embedding(model.vocab_size, model.d_model)
-        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i) for i in range(model.num_layers))
+        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i, attention) for i in range(model.num_layers))
         self.norm = RMSNorm(model.d_model, model.norm_eps)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
-        cos, sin = rope_tables(model)
+        # MLA rotates only its qk_rope_head_dim and reads the mask unfolded (its heads are not groups)
+        self.rope_dim = attention.qk_rope_head_dim if attention.latent else model.head_dim
+        self.mask_group = 1 if attention.latent else model.num_heads // self.num_kv_heads
+        cos, sin = rope_tables(model, self.rope_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def kv_dims(self) -> tuple[int, int, bool]:
+        """(heads, width, latent) the cache stores per token and layer (AttentionConfig.kv_dims)."""
+        return self.attention.kv_dims(self.config)
 
     def kv_groups(self) -> List[int]:
         return kv_group_map(self.config.num_heads, self.num_kv_heads)
@@ -254,7 +403,7 @@ class Decoder(nn.Module):
                 mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(S - T)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         if mask is not None:
-            mask = fold_mask(mask, self.config.num_heads // self.num_kv_heads)
+            mask = fold_mask(mask, self.mask_group)
         x = self.embed(tokens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.blocks:

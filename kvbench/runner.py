@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
+from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
 from kvbench.config import (
     AttentionConfig,
     BenchConfig,
@@ -77,6 +77,13 @@ def no_progress(label: str, total: int):
     yield None
 
 
+def variant_label(attention: AttentionConfig) -> str:
+    """``gqa kv=2``, ``mla r=32``: a progress line's name of the variant (sinks.compare.variant's)."""
+    if attention.latent:
+        return f"mla r={attention.kv_lora_rank}"
+    return f"{attention.type} kv={attention.num_kv_heads}"
+
+
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
     wherever their shapes agree; with ``model.path`` the checkpoint's weights, brought to
@@ -85,8 +92,7 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     dtype = torch_dtype(cfg.runtime.dtype)
     if cfg.model.path:
         model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
-        if kv_conversion(model.num_kv_heads, cfg.attention.num_kv_heads) != "none":
-            model = convert_kv_heads(model, cfg.attention.num_kv_heads)
+        model, _ = to_layout(model, cfg.attention)
         return model.to(dtype).eval()
     torch.manual_seed(cfg.runtime.seed)
     with device:
@@ -102,8 +108,9 @@ def bench(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResu
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
     if cfg.model.path:
-        result.metrics["kv_heads_conversion"] = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
-    label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+        result.metrics["kv_heads_conversion"] = ("none" if cfg.attention.latent else
+                                                 kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads))
+    label = variant_label(cfg.attention)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
     with progress(label, cfg.runtime.warmup + cfg.runtime.repeats) as tick:
@@ -144,14 +151,16 @@ def capacity_search(cfg: BenchConfig, device: torch.device, out_dir: Path, resul
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
-    label = f"capacity {cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+    label = f"capacity {variant_label(cfg.attention)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"
     expected = len(capacity.contexts(cfg)) * capacity.probes_expected(cfg.capacity.max_batch,
                                                                           cfg.capacity.batch_step)
     with progress(label, expected) as tick:
         capacity.run(cfg, model, device, result, baseline, tick)
-    if cfg.runtime.fidelity:  # quality of this KV-head count, after the probes (its models are not theirs)
+    # quality of this KV-head count, after the probes (its models are not theirs); a latent (MLA) is
+    # not a pooling of the MHA model's heads, so there is no such measure of it
+    if cfg.runtime.fidelity and not cfg.attention.latent:
         del model
         result.methods.update(KV_POOL_METHODS)
         h = cfg.model.num_heads

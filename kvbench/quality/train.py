@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_checkpoint, load_llama_dir, save_checkpoint
-from kvbench.config import AttentionConfig, BenchConfig, ConfigError, TrainConfig
+from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
+from kvbench.config import MLA_FIELDS, AttentionConfig, BenchConfig, ConfigError, TrainConfig
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 
@@ -193,8 +193,8 @@ def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Opt
                 raise ConfigError(f"train.init_from={cfg.train.init_from!r}: the checkpoint has model.{key}="
                                   f"{getattr(base.config, key)}, model={cfg.model.name} has "
                                   f"{getattr(cfg.model, key)} (pick the model preset it was trained with)")
-        how = kv_conversion(base.num_kv_heads, cfg.attention.num_kv_heads)
-        model = convert_kv_heads(base, cfg.attention.num_kv_heads).float()
+        model, how = to_layout(base, cfg.attention)
+        model = model.float()
         t = cfg.train
         before = evaluate(model, data, t.seq_len, t.eval_batches, t.batch_size)
         metrics.update(init_num_kv_heads=base.num_kv_heads, kv_heads_conversion=how,
@@ -245,10 +245,10 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
     saved = model.num_kv_heads
     model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
-    attention = AttentionConfig(cfg.attention.type, cfg.attention.num_kv_heads).resolved(model.config)
-    how = kv_conversion(saved, attention.num_kv_heads)
-    if how != "none":
-        model = convert_kv_heads(model, attention.num_kv_heads)
+    asked = {name: getattr(cfg.attention, name) for name in MLA_FIELDS} if cfg.attention.latent else {}
+    attention = AttentionConfig(cfg.attention.type, cfg.attention.num_kv_heads, mla_decode=cfg.attention.mla_decode,
+                                **asked).resolved(model.config)
+    model, how = to_layout(model, attention)
     return model, tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
 

@@ -221,9 +221,11 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
     when ``cache.shared``."""
     m, w = cfg.model, cfg.workload
 
+    heads, width, latent = cfg.attention.kv_dims(m)
+
     def held(positions: int, sequences: int) -> int:
-        return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, positions, sequences,
-                              DTYPE_BYTES[cfg.runtime.dtype])
+        return kv_cache_bytes(m.num_layers, heads, width, positions, sequences, DTYPE_BYTES[cfg.runtime.dtype],
+                              latent=latent)
 
     if w.name != "multiturn":
         return held(context + w.gen_len, batch)
@@ -481,8 +483,8 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     prober = Prober(cfg, model, device, budget, baseline)
     metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
-                   kv_bytes_per_token=kv_cache_bytes(cfg.model.num_layers, cfg.attention.num_kv_heads,
-                                                     cfg.model.head_dim, 1, 1, DTYPE_BYTES[cfg.runtime.dtype]))
+                   kv_bytes_per_token=kv_cache_bytes(cfg.model.num_layers, *cfg.attention.kv_dims(cfg.model)[:2],
+                                                     1, 1, DTYPE_BYTES[cfg.runtime.dtype], latent=cfg.attention.latent))
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])
     limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step
