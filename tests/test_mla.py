@@ -239,3 +239,28 @@ def test_cli_run_of_mla_is_an_ok_record_with_its_bytes_and_fidelity(tmp_path):
     assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == 2 * (32 + 4) * 4 * 18 * 2
     assert m["fidelity_max_abs_logit_diff"] <= 1e-5 and m["mla_forms_max_abs_logit_diff"] <= 1e-5
     assert rec["config"]["attention"]["type"] == "mla" and rec["config"]["attention"]["kv_lora_rank"] == 32
+
+
+def test_capacity_judges_mla_by_the_latent_formula():
+    """task=capacity takes attention=mla: its KV prediction for DeepSeek-V3 is the inspect figure
+    (70,272 B per token in bf16), and a shared chat's latent cache allocates what it predicts."""
+    from kvbench.runner import build_model
+    from kvbench.workloads import capacity
+    from kvbench.workloads.multiturn import ChatSession, chat_prompts
+
+    def config(*overrides):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return to_bench_config(compose("config", overrides=["task=capacity", "runtime.memory_budget_gb=1",
+                                                                 *overrides]))
+
+    cfg = config("model=deepseek_v3", "runtime.dtype=bfloat16", "workload.gen_len=96", "capacity.context_lens=[4000]")
+    assert capacity.kv_bytes(cfg, 4000, 8) == 70_272 * 4096 * 8
+    cfg = config("model=tiny", "attention=mla", "workload=multiturn", "workload.system_len=16", "workload.turns=2",
+                 "workload.user_len=4", "workload.reply_len=3", "cache.shared=true", "workload.batch_size=3")
+    model = build_model(cfg, torch.device("cpu"))
+    system, users = chat_prompts(cfg.workload, cfg.model.vocab_size, 0)
+    (context,) = capacity.contexts(cfg)
+    session = ChatSession(model, system, 3, True, "static", context)
+    for user in users:
+        session.ask(user, cfg.workload.reply_len)
+    assert session.cache.nbytes == capacity.kv_bytes(cfg, context, 3)
