@@ -954,6 +954,9 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k in keys}
 
+    a = out.get("attention")
+    if isinstance(a, dict) and a.get("type") != "mla":  # the latent's ranks mean nothing for K/V heads
+        out["attention"] = {k: v for k, v in a.items() if k not in MLA_FIELDS + ("mla_decode",)}
     if task != "compare":
         out.pop("compare", None)
     if task == "compare":  # many variants, none of them the record's attention
