@@ -30,11 +30,11 @@ from kvbench.config import (
     WorkloadConfig,
     to_bench_config,
 )
-from kvbench.inspection import describe
 from kvbench.model import Decoder, mla_decode, rope_attention_factor, rope_inv_freq
 from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.fidelity import mla_form_fidelity
 from kvbench.quality.train import run_eval
+from kvbench.tasks.inspect import describe
 
 MODEL = ModelConfig(name="t", num_layers=2, d_model=64, num_heads=8, ffn_dim=96, vocab_size=VOCAB, max_seq_len=64)
 
@@ -244,8 +244,8 @@ def test_cli_run_of_mla_is_an_ok_record_with_its_bytes_and_fidelity(tmp_path):
 def test_capacity_judges_mla_by_the_latent_formula():
     """task=capacity takes attention=mla: its KV prediction for DeepSeek-V3 is the inspect figure
     (70,272 B per token in bf16), and a shared chat's latent cache allocates what it predicts."""
-    from kvbench.runner import build_model
-    from kvbench.workloads import capacity
+    from kvbench.tasks import capacity
+    from kvbench.tasks.common import build_model
     from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
     def config(*overrides):

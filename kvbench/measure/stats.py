@@ -20,10 +20,12 @@ One method each, stated in :data:`METHODS` and written into every record that us
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import stats as sps
+
+from kvbench.metrics import Metric, record_methods
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 2000
@@ -208,28 +210,38 @@ def step_metrics(trials: Sequence[Sequence[float]], prefix: str = "decode_ms") -
     return out
 
 
-def _interval_methods(name: str, unit: str, method: str) -> Dict[str, str]:
-    return {f"{name}_ci_low": f"{unit}; low end of the {CONFIDENCE:.0%} interval of {name}: {METHODS[method]}",
-            f"{name}_ci_high": f"{unit}; high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)"}
+def _interval_metrics(name: str, unit: str, method: str) -> List[Metric]:
+    return [Metric(f"{name}_ci_low", unit, f"low end of the {CONFIDENCE:.0%} interval of {name}: {METHODS[method]}"),
+            Metric(f"{name}_ci_high", unit, f"high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)")]
 
 
-def _count_methods(name: str, what: str, q: float) -> Dict[str, str]:
-    return {f"{name}_n": f"count; {what} {name} is computed from",
-            f"{name}_warning": f"text; present when {name}_n < {min_samples(q)} (too few samples for the "
-                               f"{q:.0%} quantile to be more than an extreme value)"}
+def _count_metrics(name: str, what: str, q: float) -> List[Metric]:
+    return [Metric(f"{name}_n", "count", f"{what} {name} is computed from"),
+            Metric(f"{name}_warning", "text", f"present when {name}_n < {min_samples(q)} (too few samples for the "
+                                              f"{q:.0%} quantile to be more than an extreme value)")]
 
 
-def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
-    """Methods of the fields :func:`trial_metric` adds beside ``name``."""
-    return {**_interval_methods(name, unit, "ci_trials"), **_count_methods(name, "timed trials", 0.5)}
+def trial_metric_metrics(name: str, unit: str) -> List[Metric]:
+    """The fields :func:`trial_metric` adds beside ``name``."""
+    return [*_interval_metrics(name, unit, "ci_trials"), *_count_metrics(name, "timed trials", 0.5)]
 
 
-def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
-    """Methods of the fields :func:`step_metrics` adds beside the quantiles."""
-    out: Dict[str, str] = {}
+def step_metric_metrics(prefix: str = "decode_ms") -> List[Metric]:
+    """The fields :func:`step_metrics` adds beside the quantiles."""
+    out: List[Metric] = []
     for tag, q in STEP_QUANTILES.items():
         name = f"{prefix}_{tag}"
         if tag in STEP_CI:
-            out.update(_interval_methods(name, "ms", "ci_steps"))
-        out.update(_count_methods(name, "decode steps (all timed trials)", q))
+            out += _interval_metrics(name, "ms", "ci_steps")
+        out += _count_metrics(name, "decode steps (all timed trials)", q)
     return out
+
+
+def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
+    """Methods of the fields :func:`trial_metric` adds beside ``name`` (as a record keeps them)."""
+    return record_methods(trial_metric_metrics(name, unit))
+
+
+def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
+    """Methods of the fields :func:`step_metrics` adds beside the quantiles (as a record keeps them)."""
+    return record_methods(step_metric_metrics(prefix))

@@ -18,9 +18,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig, ModelConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import (
-    COMPILE_METHODS,
+    COMPILE_METRICS,
     FixedShapeStep,
     compile_phase,
     compiled_graphs,
@@ -28,20 +28,22 @@ from kvbench.generate import (
     decode_step,
     greedy_generate,
 )
-from kvbench.measure.memory import ALLOCATION_METHODS, MemoryMonitor, allocation_delta
-from kvbench.measure.roofline import ROOFLINE_METHODS, machine_peaks, roofline_metrics
+from kvbench.measure.memory import ALLOCATION_METRICS, MemoryMonitor, allocation_delta
+from kvbench.measure.roofline import ROOFLINE_METRICS, machine_peaks, roofline_metrics
 from kvbench.measure.stats import METHODS as STATS_METHODS
 from kvbench.measure.stats import (
     kv_cost_fit,
     median,
-    step_metric_methods,
+    step_metric_metrics,
     step_metrics,
     trial_metric,
-    trial_metric_methods,
+    trial_metric_metrics,
 )
 from kvbench.measure.timing import RegionTimer
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.quality.fidelity import FIDELITY_METHODS, fidelity
+from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.quality.fidelity import FIDELITY_METRICS, fidelity
 from kvbench.results import RunResult
 
 Tick = Callable[..., None]
@@ -51,53 +53,64 @@ Tick = Callable[..., None]
 MIN_KV_SPAN = 256
 
 # Units and methods of every metric this workload reports (merged into the record's ``methods``).
-METHODS: Dict[str, str] = {
-    "prefill_ms": "ms; time to first token: prompt forward + argmax, median over timed trials",
-    "decode_ms_p50": f"ms; per-token decode step latency, 50th percentile over every step of every timed trial "
-                     f"({STATS_METHODS['percentiles']})",
-    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile (as decode_ms_p50)",
-    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
-    "decode_ms_mean": "ms; mean per-token decode step latency",
-    "tokens_per_s": "tokens/s; batch_size x gen_len / decode time of a trial, median over timed trials",
-    "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
-    **step_metric_methods(),
-    **trial_metric_methods("prefill_ms", "ms"),
-    **trial_metric_methods("tokens_per_s", "tokens/s"),
-    "trials_run": "count; timed trials actually run: runtime.repeats, or more until runtime.min_time_s of timed "
-                  "trials had passed",
-    "decode_ms_at_ctx0": "ms; intercept of the KV-cost fit: the decode step time extrapolated to an empty context "
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("prefill_ms", "ms", "time to first token: prompt forward + argmax, median over timed trials"),
+    Metric("decode_ms_p50", "ms",
+           f"per-token decode step latency, 50th percentile over every step of every timed trial "
+                     f"({STATS_METHODS['percentiles']})"),
+    Metric("decode_ms_p90", "ms", "per-token decode step latency, 90th percentile (as decode_ms_p50)"),
+    Metric("decode_ms_p99", "ms", "per-token decode step latency, 99th percentile (as decode_ms_p50)"),
+    Metric("decode_ms_mean", "ms", "mean per-token decode step latency"),
+    Metric("tokens_per_s", "tokens/s", "batch_size x gen_len / decode time of a trial, median over timed trials"),
+    Metric("e2e_ms", "ms", "prefill + all decode steps of a trial, median over timed trials"),
+    *step_metric_metrics(),
+    *trial_metric_metrics("prefill_ms", "ms"),
+    *trial_metric_metrics("tokens_per_s", "tokens/s"),
+    Metric("trials_run", "count",
+           "timed trials actually run: runtime.repeats, or more until runtime.min_time_s of timed "
+                  "trials had passed"),
+    Metric("decode_ms_at_ctx0", "ms",
+           "intercept of the KV-cost fit: the decode step time extrapolated to an empty context "
                          f"({STATS_METHODS['kv_cost']}; every step of every timed trial, step i of a trial attends "
-                         "prompt_len + i + 1 positions)",
-    "decode_us_per_1k_ctx": "µs per 1,000 positions; slope of the KV-cost fit (as decode_ms_at_ctx0): what 1,000 more "
-                            "positions of context add to a decode step of the whole batch",
-    "decode_us_per_1k_ctx_ci_low": "µs per 1,000 positions; low end of the slope's 95% interval (Theil-Sen)",
-    "decode_us_per_1k_ctx_ci_high": "µs per 1,000 positions; high end of the slope's 95% interval (Theil-Sen)",
-    "decode_us_per_1k_ctx_reason": "text; why decode_ms_at_ctx0 and decode_us_per_1k_ctx are null (the steps span "
+                         "prompt_len + i + 1 positions)"),
+    Metric("decode_us_per_1k_ctx", "µs per 1,000 positions",
+           "slope of the KV-cost fit (as decode_ms_at_ctx0): what 1,000 more "
+                            "positions of context add to a decode step of the whole batch"),
+    Metric("decode_us_per_1k_ctx_ci_low", "µs per 1,000 positions", "low end of the slope's 95% interval (Theil-Sen)"),
+    Metric("decode_us_per_1k_ctx_ci_high", "µs per 1,000 positions",
+           "high end of the slope's 95% interval (Theil-Sen)"),
+    Metric("decode_us_per_1k_ctx_reason", "text",
+           "why decode_ms_at_ctx0 and decode_us_per_1k_ctx are null (the steps span "
                                    f"fewer than {MIN_KV_SPAN} positions of context, or a fixed-shape step reads "
-                                   "whole buckets)",
-    "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
-    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
+                                   "whole buckets)"),
+    Metric("kv_cache_bytes", "bytes",
+           "storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())"),
+    Metric("kv_cache_bytes_formula", "bytes",
+           "2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
                               "scale bytes): cache.dtype auto: the compute dtype's bytes, no scales; int8 / "
-                              "float8_e4m3fn: 1 byte and a 4-byte scale per (sequence, head, position)",
-    "compile_s": "s; runtime.compile=default|graph: the first generation through the compiled model or step, "
+                              "float8_e4m3fn: 1 byte and a 4-byte scale per (sequence, head, position)"),
+    Metric("compile_s", "s", "runtime.compile=default|graph: the first generation through the compiled model or step, "
                  "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
-                 "graphs, which record a graph at its second call), excluded from every trial",
-    **COMPILE_METHODS,
-    "overhead_ms_per_step": "ms; what a decode step costs the host beside reading bytes. CUDA: median host time "
+                 "graphs, which record a graph at its second call), excluded from every trial"),
+    *COMPILE_METRICS.values(),
+    Metric("overhead_ms_per_step", "ms",
+           "what a decode step costs the host beside reading bytes. CUDA: median host time "
                             "to enqueue one step (perf_counter around the call, nothing synchronising), against "
                             "decode_ms_p50 from CUDA events. CPU: median of 16 steps of the overhead-floor model "
                             "(this model's layers, batch, cache and runtime.compile; one 2-dim head, everything "
-                            "else 2 wide; a 1-token prompt), which runs the same operations and reads almost nothing",
-    "overhead_share": "fraction; overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
-                      "bound by Python and kernel launches, not by the bytes it reads",
-    "series.decode_ms": "ms; every decode step of the last timed trial, in order",
-    "energy_mj_per_token": "mJ/token; CUDA with NVML: energy_mj over the timed trials (prefill included) / the "
+                            "else 2 wide; a 1-token prompt), which runs the same operations and reads almost nothing"),
+    Metric("overhead_share", "fraction", "overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
+                      "bound by Python and kernel launches, not by the bytes it reads"),
+    Metric("series.decode_ms", "ms", "every decode step of the last timed trial, in order"),
+    Metric("energy_mj_per_token", "mJ/token",
+           "CUDA with NVML: energy_mj over the timed trials (prefill included) / the "
                            "tokens they produced (batch x (gen_len + 1) per trial); null with energy_reason when "
-                           "the counter did not advance",
-    **ALLOCATION_METHODS,
-    **ROOFLINE_METHODS,
-    **FIDELITY_METHODS,
-}
+                           "the counter did not advance"),
+    *ALLOCATION_METRICS.values(),
+    *ROOFLINE_METRICS.values(),
+    *FIDELITY_METRICS.values(),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass

@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config import ATTENTION_TYPES, record_view
-from kvbench.results import flatten, lookup
+from kvbench.config import ATTENTION_TYPES  # the variants order, defined with the attention schema
+from kvbench.results import flatten, lookup, record_view
 from kvbench.units import human_bytes
 
 Record = Dict[str, Any]

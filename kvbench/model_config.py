@@ -1,0 +1,270 @@
+"""The decoder's shape: the ``model`` and ``attention`` groups' schema (one dataclass each).
+
+A run's attention layout is its KV-head count, ``attention.num_kv_heads`` (mha: one per query head,
+mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is written. With
+``model.path`` the checkpoint's ``config.json`` sets the shape (:mod:`kvbench.hf_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+from kvbench import hf_config
+from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.hf_config import ROPE_TYPES
+
+# The attention layouts, in the order every table, plot and report lists them: the three KV-head
+# counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
+ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
+MLA_DECODE_FORMS = ("absorbed", "expanded")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def attention_type(num_heads: int, num_kv_heads: int) -> str:
+    """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
+    The one place this rule is written."""
+    return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+
+
+@dataclass
+class MLAShape:
+    """A model's own multi-head latent attention layout (DeepSeek's names; what its weights are
+    shaped by). ``q_lora_rank`` 0: queries by one full-rank projection (DeepSeek-V2-Lite's null)."""
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        check_mla_dims("model.preset_mla", self)
+
+
+def check_mla_dims(prefix: str, dims: Any) -> None:
+    """Latent ranks and head widths: counts, the rotary part even (it rotates pairs)."""
+    check_numbers(prefix, dims)
+    check(dims.q_lora_rank >= 0, f"{prefix}.q_lora_rank", dims.q_lora_rank, "must be >= 0 (0: a full-rank q)")
+    check_positive(prefix, dims, ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
+    check(dims.qk_rope_head_dim >= 2 and dims.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim",
+           dims.qk_rope_head_dim, "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head
+    count, used by ``attention=gqa`` when no count is given; the one count a run uses is
+    ``attention.num_kv_heads``."""
+
+    name: str = "custom"
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 8
+    preset_kv_heads: int = 8
+    head_dim: Optional[int] = None  # derived as d_model // num_heads when null
+    ffn_dim: int = 128
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3
+    # (Llama 3.1+) divides those with wavelengths above rope_original_max_seq_len /
+    # rope_low_freq_factor, keeps those below rope_original_max_seq_len / rope_high_freq_factor,
+    # and interpolates between.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: Optional[int] = None  # llama3, yarn: the pretraining context
+    # yarn (transformers' names without rope_): the ramp between interpolated and extrapolated
+    # frequencies, and the attention factors (DeepSeek scales its softmax by mscale(factor, all_dim)^2)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: not set
+    rope_mscale_all_dim: float = 0.0  # 0: not set
+    rope_attention_factor: Optional[float] = None  # null: from factor, mscale and mscale_all_dim
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
+    path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
+    # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
+    # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
+    preset_mla: Optional[MLAShape] = None
+
+    def __post_init__(self) -> None:
+        if self.path:
+            self._shape_from_checkpoint()
+        if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
+            self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
+        check_numbers("model", self)
+        check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
+                                        "vocab_size", "max_seq_len", "preset_kv_heads"))
+        check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        self._check_rope_scaling()
+        check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        if self.head_dim is None:
+            check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
+                   f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
+            self.head_dim = self.d_model // self.num_heads
+        check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
+               "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
+        check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
+               "model.preset_kv_heads", self.preset_kv_heads,
+               f"must divide model.num_heads={self.num_heads}")
+
+    def _check_rope_scaling(self) -> None:
+        check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
+        check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
+               "must be >= 1 (the factor positions are stretched by)")
+        if self.rope_type not in ("llama3", "yarn"):
+            return
+        check(self.rope_original_max_seq_len is not None and self.rope_original_max_seq_len >= 1,
+              "model.rope_original_max_seq_len", self.rope_original_max_seq_len,
+              f"must be >= 1 with model.rope_type={self.rope_type} (the pretraining context)")
+        if self.rope_type == "yarn":
+            check(self.rope_beta_fast > self.rope_beta_slow > 0, "model.rope_beta_fast", self.rope_beta_fast,
+                  f"must be > model.rope_beta_slow={self.rope_beta_slow} > 0")
+            return
+        check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor,
+               "must be > 0")
+        check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
+               self.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={self.rope_low_freq_factor}")
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
+        """A ModelConfig from ``asdict`` output, older spellings included (checkpoints written
+        before ``num_kv_heads`` became ``preset_kv_heads``)."""
+        data = dict(data)
+        if "num_kv_heads" in data:
+            data.setdefault("preset_kv_heads", data.pop("num_kv_heads"))
+        return typed(cls, {k: v for k, v in data.items() if k in cls.__dataclass_fields__}, "model.")
+
+    @classmethod
+    def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
+                       max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
+        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
+        names the file in errors (every error names it: the file is the user's input). Refuses
+        what the decoder does not model (:func:`kvbench.hf_config.model_fields`); values of the
+        wrong type name their key."""
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"{where}: not a JSON object")
+        try:
+            # Typed like a Hydra config: a string or a list where a number belongs names its key.
+            return typed(cls, {**hf_config.model_fields(cfg, where, max_seq_len), **fields})
+        except ConfigError as exc:
+            raise ConfigError(exc if where in str(exc) else f"{where}: {exc}") from None
+        except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
+            raise ConfigError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+
+    def _shape_from_checkpoint(self) -> None:
+        path = Path(self.path) / hf_config.CONFIG_FILE
+        if path.exists() and not path.is_file():  # a FIFO would block the read forever
+            raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
+        try:
+            hf = hf_config.read_config_json(self.path)
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ConfigError(f"model.path={self.path!r}: cannot read {path} ({exc})") from None
+        try:
+            shape = ModelConfig.from_hf_config(hf, str(path))
+        except ConfigError as exc:
+            raise ConfigError(f"model.path={self.path!r}: {exc}") from None
+        for f in fields(self):  # everything but the preset's name and the path itself
+            if f.name not in ("name", "path"):
+                setattr(self, f.name, getattr(shape, f.name))
+
+
+@dataclass
+class AttentionConfig:
+    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name
+    that must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between).
+
+    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from
+    one latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``;
+    the cache holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent
+    head of kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the
+    other types; null with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to
+    model.head_dim (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
+
+    type: str = "gqa"
+    num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
+    q_lora_rank: Optional[int] = None  # 0: queries by one full-rank projection
+    kv_lora_rank: Optional[int] = None  # R: the latent each token's keys and values come from
+    qk_nope_head_dim: Optional[int] = None  # per-head key/query width without rotary
+    qk_rope_head_dim: Optional[int] = None  # the rotary key shared by all heads, and each query's
+    v_head_dim: Optional[int] = None
+    # how a decode step (one new token) reads the latents: absorbed (W_UK folded into the query,
+    # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
+    # per head: the reference). Prefill is always expanded.
+    mla_decode: str = "absorbed"
+
+    def __post_init__(self) -> None:
+        check_numbers("attention", self)
+        check_choice("attention.type", self.type, ATTENTION_TYPES)
+        check_choice("attention.mla_decode", self.mla_decode, MLA_DECODE_FORMS)
+        if self.num_kv_heads is not None:
+            check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
+        if self.type != "mla":
+            for name in MLA_FIELDS:
+                check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
+                       f"is a multi-head latent attention rank; attention.type={self.type} has none "
+                       "(use attention=mla)")
+
+    @property
+    def latent(self) -> bool:
+        """True when the cache holds one latent per token and layer (MLA), not K and V heads."""
+        return self.type == "mla"
+
+    @classmethod
+    def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
+        """The config whose type is what ``num_kv_heads`` of ``num_heads`` is."""
+        return cls(type=attention_type(num_heads, num_kv_heads), num_kv_heads=num_kv_heads)
+
+    def resolved(self, model: ModelConfig) -> "AttentionConfig":
+        """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
+        if self.latent:
+            return self._resolved_mla(model)
+        h = model.num_heads
+        kv = self.num_kv_heads
+        if kv is None:
+            kv = {"mha": h, "mqa": 1}.get(self.type) or default_gqa_kv_heads(model)
+        key = "attention.num_kv_heads"
+        check(kv <= h, key, kv, f"must be <= model.num_heads={h}")
+        check(h % kv == 0, key, kv,
+               f"must divide model.num_heads={h} (every KV group needs the same number of query heads)")
+        expected = attention_type(h, kv)
+        check(self.type == expected, "attention.type", self.type,
+               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
+        return AttentionConfig(type=self.type, num_kv_heads=kv, mla_decode=self.mla_decode)
+
+    def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
+        check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
+               "attention=mla caches one latent head per token (null or 1)")
+        D = model.head_dim
+        own = model.preset_mla or MLAShape(q_lora_rank=0, kv_lora_rank=4 * D, qk_nope_head_dim=D,
+                                           qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
+        dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
+                for name in MLA_FIELDS}
+        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims)
+        check_mla_dims("attention", out)
+        return out
+
+    def kv_dims(self, model: ModelConfig) -> tuple[int, int, bool]:
+        """(heads, width, latent) of what the cache stores per token and layer, for a resolved
+        config: K/V heads of model.head_dim, or MLA's one latent of kv_lora_rank + qk_rope_head_dim."""
+        if self.latent:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, True
+        return self.num_kv_heads, model.head_dim, False
+
+
+def default_gqa_kv_heads(model: ModelConfig) -> int:
+    """The preset's own KV-head count if it is a GQA model, else the divisor of num_heads
+    closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio."""
+    h = model.num_heads
+    if attention_type(h, model.preset_kv_heads) == "gqa":
+        return model.preset_kv_heads
+    divisors = [d for d in range(2, h) if h % d == 0]
+    if not divisors:
+        raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
+                          "use attention=mha or attention=mqa")
+    return min(divisors, key=lambda d: (abs(d - h / 4), d))
