@@ -5,6 +5,9 @@
 - ``concat``: the textbook cache that grows with ``torch.cat`` every step (a baseline).
 - ``none``: holds nothing; the caller recomputes the whole sequence every step.
 
+Any of them (and the shared prefix) is a latent cache for MLA (``latent``): one tensor per layer,
+(B, 1, S, R + d_rope), holding each token's latent and rotary key; ``update``'s ``v`` is None.
+
 ``update(layer, start_pos, k, v)`` stores the new keys/values of one layer at positions
 ``start_pos .. start_pos + T`` and returns the keys/values to attend over, (B, H_kv, S, D).
 
@@ -30,24 +33,28 @@ from kvbench.kv_store import SCALE_BYTES, KVStore, dequantize, quantize, storage
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
                    batch_size: int, bytes_per_element: int, cache_dtype: str = "auto",
-                   windows: Optional[Sequence[Optional[int]]] = None) -> int:
-    """2 (K and V) · kv_heads · batch · (head_dim · bytes per element + scale bytes) · the sum
-    over layers of min(seq_len, W_layer): the one KV formula (inspect, the record, capacity and
-    the roofline all call it).
+                   windows: Optional[Sequence[Optional[int]]] = None, *,
+                   latent: bool = False, v_head_dim: Optional[int] = None) -> int:
+    """The one KV-bytes formula (inspect, the record, capacity and the roofline all call it):
+    kv_heads · batch · Σ over the stored tensors of (width · bytes per element + scale bytes) · the
+    sum over layers of min(seq_len, W_layer). K and V of ``head_dim`` each (V of ``v_head_dim`` when
+    it differs: MLA's heads expanded), or with ``latent`` one tensor of ``head_dim`` =
+    kv_lora_rank + qk_rope_head_dim and ``num_kv_heads`` = 1 (MLA's cache).
 
     ``cache_dtype`` auto: elements of ``bytes_per_element`` (the compute dtype), no scales;
     int8 / float8_e4m3fn: 1-byte codes and one float32 scale per (sequence, head, position).
     ``windows``: per layer the window W of a local layer (its ring holds at most W positions) or
     None for a global one; None: every layer global."""
+    widths = [head_dim] if latent else [head_dim, head_dim if v_head_dim is None else v_head_dim]
     if cache_dtype == "auto":
-        per_head = head_dim * bytes_per_element
+        per_head = sum(widths) * bytes_per_element
     else:
-        per_head = head_dim * CACHE_DTYPE_BYTES[cache_dtype] + SCALE_BYTES
+        per_head = sum(widths) * CACHE_DTYPE_BYTES[cache_dtype] + SCALE_BYTES * len(widths)
     windows = [None] * num_layers if windows is None else windows
     if len(windows) != num_layers:
         raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
     positions = sum(seq_len if w is None else min(seq_len, w) for w in windows)
-    return 2 * num_kv_heads * positions * batch_size * per_head
+    return num_kv_heads * positions * batch_size * per_head
 
 
 def layer_capacity(max_seq_len: int, window: Optional[int]) -> int:
@@ -70,7 +77,9 @@ class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  max_seq_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", cache_dtype: str = "auto",
-                 windows: Optional[Sequence[Optional[int]]] = None):
+                 windows: Optional[Sequence[Optional[int]]] = None, latent: bool = False):
+        # latent: one tensor per layer (MLA's [c, k_rope], head_dim wide, one head); update's v is None
+        self.latent = latent
         self.num_layers, self.batch_size, self.num_kv_heads = num_layers, batch_size, num_kv_heads
         # per layer: a local layer's window W (its cache keeps the last W positions) or None
         self.windows = list(windows) if windows is not None else [None] * num_layers
@@ -153,9 +162,11 @@ class StaticKVCache(KVCache):
         # A local layer whose window is shorter than the cache holds a ring of W positions.
         self.rings = [w if w is not None and w < self.max_seq_len else None for w in self.windows]
         lengths = [layer_capacity(self.max_seq_len, w) for w in self.rings]
-        self.k_store, self.v_store = (KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device,
-                                              lengths) for _ in "kv")
-        self.k, self.v = self.k_store.codes, self.v_store.codes  # per layer (B, H_kv, S_max or W, D)
+        store = lambda: KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device,  # noqa: E731
+                                lengths)
+        self.k_store, self.v_store = store(), None if self.latent else store()  # a latent cache: one store
+        self.k = self.k_store.codes  # per layer (B, H_kv, S_max or W, D)
+        self.v = None if self.v_store is None else self.v_store.codes
 
     def update(self, layer, start_pos, k, v):
         end = self._check(layer, start_pos, k)
@@ -164,9 +175,10 @@ class StaticKVCache(KVCache):
         if W is not None:
             return self._update_ring(layer, W, start_pos, end, k, v)
         self.k_store.write(layer, start_pos, k)
-        self.v_store.write(layer, start_pos, v)
+        if v is not None:
+            self.v_store.write(layer, start_pos, v)
         self._written(layer, end)
-        return self.k_store.read(layer, B, end), self.v_store.read(layer, B, end)
+        return self.k_store.read(layer, B, end), None if v is None else self.v_store.read(layer, B, end)
 
     def _update_ring(self, layer, W, start_pos, end, k, v):
         """A local layer: position p lives at index p % W. A decode step reads the whole ring (its
@@ -191,7 +203,7 @@ class StaticKVCache(KVCache):
         return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)  # (B, H_kv, S, D), S <= W - 1 + T
 
     def tensors(self):
-        return self.k_store.tensors() + self.v_store.tensors()
+        return self.k_store.tensors() + (self.v_store.tensors() if self.v_store else [])
 
     def truncate(self, length):
         """Roll back to ``length`` positions. A ring keeps only W positions: rolling back is refused
@@ -240,11 +252,15 @@ class FixedWindow:
         """Write k, v (B, H_kv, 1, D) at ``pos`` (1,); the window's keys/values (B, H_kv, length, D)."""
         index = pos - self.offset if self.offset else pos
         self.k[layer].index_copy_(2, index, k)
+        if v is None:  # a latent cache: one tensor
+            return self.k[layer][:, :, :self.length], None
         self.v[layer].index_copy_(2, index, v)
         return self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
 
     def shared_prefix(self, layer: int, pos: torch.Tensor):
-        return None if self.prefix is None else (self.prefix[0][layer], self.prefix[1][layer])
+        if self.prefix is None:
+            return None
+        return self.prefix[0][layer], None if self.prefix[1] is None else self.prefix[1][layer]
 
     def mask(self, pos: torch.Tensor) -> torch.Tensor:
         """(1, P + length) bool: key j holds position j (prefix first) and is attended up to ``pos``."""
@@ -269,7 +285,7 @@ class ConcatKVCache(KVCache):
         else:
             # After a roll back the stored tensors can be longer than start_pos.
             new_k = torch.cat([old_k[:, :, :start_pos], k], dim=2)
-            new_v = torch.cat([old_v[:, :, :start_pos], v], dim=2)
+            new_v = None if v is None else torch.cat([old_v[:, :, :start_pos], v], dim=2)
         self.k[layer], self.v[layer] = new_k, new_v
         self._written(layer, end)
         return new_k, new_v
@@ -305,23 +321,24 @@ _IMPLS = {c.impl: c for c in (StaticKVCache, ConcatKVCache, NoKVCache)}
 def make_cache(impl: str, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                max_seq_len: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", cache_dtype: str = "auto",
-               windows: Optional[Sequence[Optional[int]]] = None) -> KVCache:
+               windows: Optional[Sequence[Optional[int]]] = None, latent: bool = False) -> KVCache:
     """The cache named ``impl`` (static | concat | none) for the given shape, storing K/V in
     ``cache_dtype`` (auto: ``dtype``; int8 / float8_e4m3fn: static only); ``windows``: per layer
-    a local layer's W (static: a ring of W positions) or None."""
+    a local layer's W (static: a ring of W positions) or None; ``latent``: one tensor per layer
+    instead of K and V (MLA)."""
     if impl not in _IMPLS:
         raise ValueError(f"cache.impl={impl!r}: must be one of {', '.join(CACHE_IMPLS)}")
     storage_dtype(cache_dtype, dtype)  # a clear error for an unknown cache.dtype
     return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device, cache_dtype,
-                        windows)
+                        windows, latent)
 
 
 def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> KVCache:
-    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device,
-    with a ring for each of its local layers."""
-    return make_cache(impl, model.config.num_layers, batch_size, model.num_kv_heads,
-                      model.config.head_dim, max_seq_len, model.dtype, model.device, cache_dtype,
-                      getattr(model, "layer_windows", None))
+    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`: K/V heads, or MLA's latent)
+    in its dtype and device, with a ring for each of its local layers."""
+    heads, width, latent = model.kv_dims()
+    return make_cache(impl, model.config.num_layers, batch_size, heads, width, max_seq_len, model.dtype,
+                      model.device, cache_dtype, getattr(model, "layer_windows", None), latent)
 
 
 class SharedPrefixCache(KVCache):
@@ -342,16 +359,17 @@ class SharedPrefixCache(KVCache):
             raise ValueError(f"cache.impl={history.impl!r} keeps no history to share; use static or concat")
         super().__init__(history.num_layers, history.batch_size, history.num_kv_heads, history.head_dim,
                          prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype,
-                         history.windows)
+                         history.windows, history.latent)
         self.history, self.prefix_len = history, prefix_len
         shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
-        # The prefix is stored like the history (cache.dtype), once for every conversation; a
-        # local layer keeps only its last W positions, the only ones a later token can still see.
+        # The prefix is stored like the history (cache.dtype, one tensor if latent), once for every
+        # conversation; a local layer keeps only its last W positions, the only ones a later token can still see.
         self.prefix_lengths = [layer_capacity(prefix_len, w) for w in self.windows]
-        self.prefix_k_store, self.prefix_v_store = (
-            KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device, self.prefix_lengths)
-            for _ in "kv")
-        self.prefix_k, self.prefix_v = self.prefix_k_store.codes, self.prefix_v_store.codes
+        store = lambda: KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device,  # noqa: E731
+                                self.prefix_lengths)
+        self.prefix_k_store, self.prefix_v_store = store(), None if self.latent else store()
+        self.prefix_k = self.prefix_k_store.codes
+        self.prefix_v = None if self.prefix_v_store is None else self.prefix_v_store.codes
 
     def update(self, layer, start_pos, k, v):
         P = self.prefix_len
@@ -362,7 +380,8 @@ class SharedPrefixCache(KVCache):
                                  f"(prefix_len={P}, {self.length} positions held)")
             kept = self.prefix_lengths[layer]
             self.prefix_k_store.write(layer, 0, k[:, :, P - kept:])
-            self.prefix_v_store.write(layer, 0, v[:, :, P - kept:])
+            if v is not None:
+                self.prefix_v_store.write(layer, 0, v[:, :, P - kept:])
             self._written(layer, P)
             if kept == P:  # read back: with cache.dtype int8 the prompt attends what later tokens read
                 return self.shared_prefix(layer, P)
@@ -377,7 +396,8 @@ class SharedPrefixCache(KVCache):
         if start_pos < self.prefix_len:
             return None
         kept = self.prefix_lengths[layer]  # positions P - kept .. P - 1
-        return self.prefix_k_store.read(layer, 1, kept), self.prefix_v_store.read(layer, 1, kept)
+        v = None if self.prefix_v_store is None else self.prefix_v_store.read(layer, 1, kept)
+        return self.prefix_k_store.read(layer, 1, kept), v
 
     def window(self, start_pos, batch_size, bucket):
         P = self.prefix_len
@@ -403,7 +423,8 @@ class SharedPrefixCache(KVCache):
         return f"history[0:{B}, {start - P}:{end - P}]"
 
     def tensors(self):
-        return self.prefix_k_store.tensors() + self.prefix_v_store.tensors() + self.history.tensors()
+        v = self.prefix_v_store.tensors() if self.prefix_v_store else []
+        return self.prefix_k_store.tensors() + v + self.history.tensors()
 
 
 def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq_len: int,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -33,7 +33,7 @@ from kvbench.config_errors import ConfigError, typed
 from kvbench.footprint import check_model_fits
 from kvbench.jsonio import atomic_write
 from kvbench.model import Decoder, rope_tables, torch_dtype
-from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -107,7 +107,7 @@ def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Di
         decoder = Decoder(model, attention)
     params = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state_dict.items()}
     decoder.load_state_dict(params, strict=True, assign=True)
-    cos, sin = rope_tables(model)
+    cos, sin = rope_tables(model, decoder.rope_dim)
     decoder.rope_cos, decoder.rope_sin = cos.to(device), sin.to(device)
     return decoder
 
@@ -170,7 +170,11 @@ def _llama_name(name: str) -> str:
                     (".self_attn.o_proj.", ".attn.wo."), (".self_attn.q_norm.", ".attn.q_norm."),
                     (".self_attn.k_norm.", ".attn.k_norm."), (".mlp.gate_proj.", ".mlp.w_gate."),
                     (".mlp.up_proj.", ".mlp.w_up."), (".mlp.down_proj.", ".mlp.w_down."),
-                    (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm.")]
+                    (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm."),
+                    # DeepSeek-V2/V3's latent attention (model.LatentAttention)
+                    (".self_attn.q_a_proj.", ".attn.wq.0."), (".self_attn.q_a_layernorm.", ".attn.wq.1."),
+                    (".self_attn.q_b_proj.", ".attn.wq.2."), (".self_attn.kv_a_proj_with_mqa.", ".attn.wkv_a."),
+                    (".self_attn.kv_a_layernorm.", ".attn.kv_norm."), (".self_attn.kv_b_proj.", ".attn.wkv_b.")]
     for old, new in replacements:
         name = name.replace(old, new)
     return name
@@ -224,9 +228,14 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if hf_config.tied_embeddings(hf) and "lm_head.weight" not in tensors and "embed.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed.weight"]  # tied: the head reuses the embedding
 
-    attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
+    if model_cfg.preset_mla is not None:
+        attention = AttentionConfig(type="mla").resolved(model_cfg)
+    else:
+        attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
     expected = _expected_tensors(model_cfg, attention)
     check_tensors(directory, expected, tensors)
+    if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
+        _deinterleave_rope(tensors, model_cfg, attention)
     decoder = build_decoder(model_cfg, attention, {k: tensors[k] for k in expected}, dtype, device)
 
     tokenizer = None
@@ -235,6 +244,45 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         path = directory / "tokenizer.json"
         tokenizer = _reading(path, "tokenizer.json (tokenizers)", partial(Tokenizer.from_file, str(path)))
     return decoder, tokenizer
+
+
+def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, attention: AttentionConfig) -> None:
+    """DeepSeek rotates its rope dimensions in interleaved pairs (x0, x1), (x2, x3), ...; the
+    decoder rotates halves. Reordering the rows that produce them (evens, then odds) makes the
+    decoder's rotate-half compute what transformers' ``rope_interleave`` does (V3: the same
+    values; V2's complex rotation: the same dot products, its dimensions in pair order)."""
+    d_rope, d_qk = attention.qk_rope_head_dim, attention.qk_nope_head_dim + attention.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, d_rope, 2), torch.arange(1, d_rope, 2)])
+    for i in range(model.num_layers):
+        q = f"blocks.{i}.attn.wq.{'2.' if attention.q_lora_rank else ''}weight"
+        w = tensors[q].view(model.num_heads, d_qk, -1)  # (H, d_nope + d_rope, C) rows per head
+        tensors[q] = torch.cat([w[:, :-d_rope], w[:, -d_rope:][:, order]], 1).reshape(tensors[q].shape)
+        kv = f"blocks.{i}.attn.wkv_a.weight"  # (R + d_rope, C): the rotary key's rows last
+        tensors[kv] = torch.cat([tensors[kv][:-d_rope], tensors[kv][-d_rope:][order]])
+
+
+def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]:
+    """``model`` (a loaded checkpoint) as ``attention`` asks for it, and how: KV heads repeated
+    or mean-pooled (:func:`kv_conversion`); a latent (MLA) model only as itself, in the decode
+    form asked for. A latent asked of a K/V-head model, or K/V heads of a latent one, or other
+    ranks, is a CheckpointError naming the key (conversions between them are not built)."""
+    if not (attention.latent or model.attention.latent):
+        how = kv_conversion(model.num_kv_heads, attention.num_kv_heads)
+        return (model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)), how
+    if not model.attention.latent:
+        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint has {model.num_kv_heads} K/V heads; "
+                              "converting it to multi-head latent attention is not built")
+    if not attention.latent:
+        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
+                              "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
+    for name in MLA_FIELDS:
+        asked, own = getattr(attention, name), getattr(model.attention, name)
+        if asked != own:
+            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
+    for block in model.blocks:
+        block.attn.absorbed = attention.mla_decode == "absorbed"
+    model.attention = replace(model.attention, mla_decode=attention.mla_decode)
+    return model, "none"
 
 
 # ---- changing the KV-head count ------------------------------------------------------------

@@ -294,6 +294,8 @@ class CompareConfig:
     def __post_init__(self) -> None:
         check_positive("compare", self, ("steps",))
         check(len(self.variants) >= 2, "compare.variants", self.variants, "needs two or more variants to compare")
+        check("mla" not in self.variants, "compare.variants", self.variants, "'mla' is not supported yet: task=compare "
+              "converts one MHA model to each variant (MHA -> MLA is not built); use kvbench -m attention=mha,gqa,mla")
         for v in self.variants:
             check(v in ATTENTION_TYPES or (v.isdigit() and int(v) >= 1), "compare.variants", self.variants,
                    f"{v!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1")

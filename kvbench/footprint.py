@@ -37,7 +37,11 @@ def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = N
     """The decoder's exact parameter count without building its layers: one- and two-layer
     decoders on the meta device (no memory) give the fixed part and one layer's, and every layer
     of a decoder has the same shape."""
-    small = dataclasses.replace(model, num_layers=1, max_seq_len=1)
+    # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
+    small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
+                                preset_layer_types=None)
+    if attention is not None:
+        attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None)
     with torch.device("meta"):
         one = Decoder(small, attention).num_params()
         two = Decoder(dataclasses.replace(small, num_layers=2), attention).num_params()

@@ -31,8 +31,11 @@ HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
 }
+# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json): dense layers only.
+HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
 
 
@@ -45,6 +48,12 @@ def read_config_json(directory: Path | str) -> Any:
 def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
     """Whether the checkpoint's output head reuses its input embedding."""
     return bool(cfg.get("tie_word_embeddings"))
+
+
+def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
+    """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
+    (complex rotation), V3 with ``rope_interleave`` (its default)."""
+    return "DeepseekV2ForCausalLM" in (cfg.get("architectures") or []) or bool(cfg.get("rope_interleave", True))
 
 
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
@@ -72,6 +81,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
     positions = cfg.get("max_position_embeddings", 2048)
+    mla = _hf_mla(cfg, where) if arch.startswith("Deepseek") else {}
     try:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         shape = dict(
@@ -85,6 +95,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
             **_hf_window(cfg))
     except KeyError as e:
         raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+    shape.update(mla)
     return {"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape}
 
 
@@ -106,13 +117,24 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     out = {"rope_type": rope_type, "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0))}
     needed = {"linear": {"rope_factor": "factor"},
               "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                         "rope_high_freq_factor": "high_freq_factor"}}.get(rope_type, {})
+                         "rope_high_freq_factor": "high_freq_factor"},
+              "yarn": {"rope_factor": "factor"}}.get(rope_type, {})
     for name, hf_name in needed.items():
-        if hf_name not in rope:
+        if rope.get(hf_name) is None:
             raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
         out[name] = rope[hf_name]
-    if rope_type == "llama3":  # transformers falls back to max_position_embeddings too
+    if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
         out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
+    if rope_type == "yarn":
+        if rope.get("truncate", True) is not True:
+            raise ConfigError(f"{key}.truncate={rope['truncate']!r}: not supported (yarn's truncated range only)")
+        for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
+                              ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
+                              ("rope_attention_factor", "attention_factor")):
+            if rope.get(hf_name):  # transformers reads each with `or` its default
+                out[name] = rope[hf_name]
+    elif rope.get("mscale_all_dim"):  # DeepSeek's softmax scale reads it for any rope type but default
+        out["rope_mscale_all_dim"] = rope["mscale_all_dim"]
     return out
 
 
@@ -136,6 +158,24 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     if not window:
         return {}
     return {"preset_window": window, "preset_layer_types": layer_types}
+
+
+def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json; a layer whose MLP is a mixture
+    of experts (transformers: layer >= first_k_dense_replace) is refused naming the key."""
+    layers, dense = cfg.get("num_hidden_layers"), cfg.get("first_k_dense_replace", 0)
+    if not (_counts(layers) and isinstance(dense, int) and dense >= layers):
+        raise ConfigError(f"{where}: first_k_dense_replace={dense!r}: layers {dense}.. of {layers} use a "
+                          f"mixture-of-experts MLP (n_routed_experts={cfg.get('n_routed_experts')!r}), not "
+                          "supported; only dense DeepSeek layers (first_k_dense_replace >= num_hidden_layers)")
+    try:
+        shape = {k: cfg[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    except KeyError as e:
+        raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+    shape["q_lora_rank"] = cfg.get("q_lora_rank") or 0
+    # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
+    return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
+            "preset_kv_heads": cfg["num_attention_heads"]}
 
 
 def _counts(*values: Any) -> bool:

@@ -15,12 +15,20 @@ H_kv KV heads, G = H / H_kv query heads per KV head, D head_dim, V vocab.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbench.attention import (  # noqa: F401 (re-exported: the attention paths)
+    causal_mask,
+    grouped_attention,
+    latent_attention,
+    prefix_attention,
+    window_mask,
+)
 from kvbench.config import DTYPE_BYTES
 from kvbench.model_config import AttentionConfig, ModelConfig
 
@@ -53,14 +61,42 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched ``scale`` times (transformers' formula)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, or yarn's attention factor (given, else from
+    rope_factor, rope_mscale and rope_mscale_all_dim, as transformers' yarn computes it)."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
     """Rotary inverse frequencies (D/2,) in float64, scaled by ``cfg.rope_type`` as transformers'
     rope type of that name: ``linear`` divides all by ``rope_factor``; ``llama3`` divides those
     whose wavelength exceeds ``rope_original_max_seq_len / rope_low_freq_factor``, keeps those
     below ``rope_original_max_seq_len / rope_high_freq_factor`` and blends linearly in between
-    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``)."""
-    D = cfg.head_dim
+    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``); ``yarn``
+    blends interpolated and original frequencies over a ramp between the dimensions that turn
+    ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context. ``dim``: the
+    rotated width (default head_dim; MLA rotates only qk_rope_head_dim)."""
+    D = dim or cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    if cfg.rope_type == "yarn":
+        def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
+            return D * math.log(cfg.rope_original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low = max(math.floor(turns_dim(cfg.rope_beta_fast)), 0)
+        high = min(math.ceil(turns_dim(cfg.rope_beta_slow)), D - 1)
+        high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+        keep = 1 - ((torch.arange(D // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        return inv_freq / cfg.rope_factor * (1 - keep) + inv_freq * keep
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "llama3":
@@ -71,11 +107,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints."""
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
+def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints
+    (times yarn's attention factor); ``dim`` as in :func:`rope_inv_freq`."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, dim))
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    factor = rope_attention_factor(cfg)
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -85,109 +123,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
-
-
-def causal_mask(T: int, S: int, device, window: Optional[int] = None, key_start: Optional[int] = None,
-                query_start: Optional[int] = None) -> torch.Tensor:
-    """(T, S) bool, True = attend: bottom-right causal (new token i, at key index S - T + i, sees
-    the S - T keys before the new ones and the new ones up to itself). With ``window`` W a query
-    at position p also sees only keys at positions > p - W (W keys, itself included: the rule of
-    transformers' ``sliding_window_overlay``); key j sits at position ``key_start + j`` and query
-    i at ``query_start + i`` (default: keys 0..S-1, queries the last T of them)."""
-    key_start = 0 if key_start is None else key_start
-    query_start = key_start + S - T if query_start is None else query_start
-    q_pos = torch.arange(query_start, query_start + T, device=device)[:, None]  # (T, 1)
-    k_pos = torch.arange(key_start, key_start + S, device=device)[None]  # (1, S)
-    mask = k_pos <= q_pos
-    return mask if window is None else mask & (k_pos > q_pos - window)
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: Optional[torch.Tensor] = None,
-                      prefix: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """Attention where query head h reads KV head h // G, without copying K/V per query head.
-
-    q (B, H, T, D); k, v (B, H_kv, S, D); mask bool (T, S) or (B, T, S), True = attend, or None
-    for causal (:func:`causal_mask`; a decode step's one query sees every key). ``prefix``: K/V
-    (1, H_kv, P, D) that all B sequences attend before their own S keys (a shared system
-    prompt); the mask then covers P + S keys. Returns (B, H, T, D).
-
-    Three paths, chosen by shape, never by a variant name:
-    - decode (T = 1): the G query heads of a group are folded into the query rows, (B, H_kv, G, D),
-      so one SDPA call reads each KV head once; a (1, S) mask broadcasts over the rows.
-    - causal prefill (no mask, S = T): SDPA's causal path (``is_causal``, which skips the masked
-      half) with ``enable_gqa``, for every KV-head count alike.
-    - anything else (a prompt after cached keys, a window, a given mask): SDPA with the (T, S)
-      mask broadcast over heads, not repeated per query head, and ``enable_gqa``.
-    Folding a T > 1 prompt instead (G*T rows with a G-times repeated mask) lost the causal path and
-    made prefill slower the fewer KV heads there were (issue 28): MQA 2x MHA at T = 2048.
-    """
-    B, H, T, D = q.shape
-    H_kv, S = k.shape[1], k.shape[2]
-    G = H // H_kv
-    if prefix is not None:
-        if mask is None and T > 1:
-            mask = causal_mask(T, prefix[0].shape[2] + S, q.device)
-        out = prefix_attention(q.reshape(B, H_kv, G * T, D), k, v, mask, *prefix)  # (B, H_kv, G*T, D)
-    elif T == 1:
-        if mask is not None and mask.dim() == 3:
-            mask = mask[:, None]  # (B, 1, 1, S): the same keys for all heads and rows
-        out = F.scaled_dot_product_attention(q.reshape(B, H_kv, G, D), k, v, attn_mask=mask)  # (B, H_kv, G, D)
-    elif mask is None and S == T:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G > 1)  # (B, H, T, D)
-    else:
-        if mask is None:
-            mask = causal_mask(T, S, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask.dim() == 3 else mask,
-                                             enable_gqa=G > 1)
-    # reshape, not view: CUDA's fused SDPA kernels return (B, H_kv, M, D) laid out as
-    # (B, M, H_kv, D) in memory, where H_kv and G cannot merge without a copy.
-    return out.reshape(B, H, T, D)
-
-
-def prefix_attention(q, k, v, mask, k_prefix, v_prefix) -> torch.Tensor:
-    """One softmax over a batch-1 prefix's keys and each sequence's own keys.
-
-    q (B, H_kv, M, D) with M = G*T folded rows (row g*T + t: query head kv*G + g at token t);
-    k, v (B, H_kv, S, D); k_prefix, v_prefix (1, H_kv, P, D); mask None, (T, P + S) or
-    (B, T, P + S), broadcast over the G heads of a row block (never repeated G times). The B
-    sequences are folded into the query rows for the prefix, as the G heads are, so the prefix
-    is read once and never expanded to B copies. Returns (B, H_kv, M, D).
-    """
-    B, H_kv, M, D = q.shape
-    P = k_prefix.shape[2]
-    rows = q.transpose(0, 1).reshape(1, H_kv, B * M, D)  # row b*M + m is sequence b's row m
-    s_prefix = (rows @ k_prefix.transpose(-1, -2)).view(H_kv, B, M, P).transpose(0, 1)  # (B, H_kv, M, P)
-    scores = torch.cat([s_prefix, q @ k.transpose(-1, -2)], dim=-1) * D ** -0.5  # (B, H_kv, M, P + S)
-    if mask is not None:
-        T = mask.shape[-2]
-        blocks = scores.view(B, H_kv, M // T, T, P + k.shape[2])  # (B, H_kv, G, T, P + S)
-        blocks.masked_fill_(~(mask if mask.dim() == 2 else mask[:, None, None]), float("-inf"))
-    # Softmax in float32 as SDPA's math path does, so half precision matches the plain path.
-    probs = scores.float().softmax(-1).to(q.dtype)
-    p_prefix = probs[..., :P].transpose(0, 1).reshape(1, H_kv, B * M, P)
-    out_prefix = (p_prefix @ v_prefix).view(H_kv, B, M, D).transpose(0, 1)  # (B, H_kv, M, D)
-    return (probs[..., P:] @ v).add_(out_prefix)  # in place: keeps the contiguous layout view() needs
-
-
-def window_mask(window: int, start_pos: int, T: int, S: int, device, prefix_len: int = 0,
-                prefix_end: int = 0) -> Optional[torch.Tensor]:
-    """The mask of a local layer whose T queries start at ``start_pos`` over S own keys that end
-    at position start_pos + T - 1 in order (what caches return to a prompt), or, for a decode
-    step (T = 1) over at most W keys, in any order (a ring's; all in the window). With a shared
-    prefix, its ``prefix_len`` keys (positions prefix_end - prefix_len .. prefix_end - 1) come
-    first. None where every key is in the window."""
-    if T == 1 and S <= window:
-        if not prefix_len:
-            return None
-        own = torch.ones(1, S, dtype=torch.bool, device=device)
-    else:
-        end = start_pos + T
-        own = causal_mask(T, S, device, window, key_start=end - S, query_start=start_pos)  # (T, S)
-    if not prefix_len:
-        return own
-    prefix = causal_mask(T, prefix_len, device, window, key_start=prefix_end - prefix_len, query_start=start_pos)
-    return torch.cat([prefix, own], dim=-1)  # (T, prefix_len + S)
 
 
 class Attention(nn.Module):
@@ -223,6 +158,103 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), as transformers' DeepseekV3Attention.
+
+    Each token's keys and values come from one latent c (R = kv_lora_rank, RMS-normed) through
+    ``wkv_b``, plus one rotary key (d_rope) shared by all heads; the cache holds [c, k_rope]
+    (B, 1, S, R + d_rope). Expanded form (prefill, and the reference decode): K = [c W_UK^T,
+    k_rope] and V = c W_UV^T per head. Absorbed form (a decode step): q_nope W_UK is a query in
+    latent space, so every head attends [c, k_rope] directly (MQA over one R + d_rope wide head,
+    values c) and W_UV maps the result to d_v afterwards; the two agree to rounding."""
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionConfig, layer: int):
+        super().__init__()
+        a, C, H = attention, cfg.d_model, cfg.num_heads
+        self.layer, self.num_heads, self.absorbed = layer, H, a.mla_decode == "absorbed"
+        self.r, self.d_nope = a.kv_lora_rank, a.qk_nope_head_dim
+        self.d_rope, self.d_v = a.qk_rope_head_dim, a.v_head_dim
+        d_qk = self.d_nope + self.d_rope
+        if a.q_lora_rank:  # DeepSeek's latent norms use RMSNorm's default eps, not rms_norm_eps
+            self.wq = nn.Sequential(nn.Linear(C, a.q_lora_rank, bias=False), RMSNorm(a.q_lora_rank, 1e-6),
+                                    nn.Linear(a.q_lora_rank, H * d_qk, bias=False))
+        else:
+            self.wq = nn.Linear(C, H * d_qk, bias=False)
+        self.wkv_a = nn.Linear(C, self.r + self.d_rope, bias=False)
+        self.kv_norm = RMSNorm(self.r, 1e-6)
+        self.wkv_b = nn.Linear(self.r, H * (self.d_nope + self.d_v), bias=False)
+        self.wo = nn.Linear(H * self.d_v, C, bias=False)
+        self.scale = mla_softmax_scale(cfg, d_qk)
+
+    def forward(self, x, cos, sin, mask, cache, start_pos):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.num_heads, -1).transpose(1, 2)  # (B, H, T, d_nope + d_rope)
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+        c, k_rope = self.wkv_a(x).split([self.r, self.d_rope], dim=-1)  # (B, T, R), (B, T, d_rope)
+        # (B, 1, T, R + d_rope): what the cache holds
+        latent = torch.cat([self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)], -1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        prefix = None
+        if cache is not None:
+            latent, _ = cache.update(self.layer, start_pos, latent, None)  # (B, 1, S, R + d_rope)
+            prefix = cache.shared_prefix(self.layer, start_pos)  # None or ((1, 1, P, R + d_rope), None)
+        causal = False
+        if mask is None and T > 1:  # causal: SDPA's causal path when the keys are the new tokens
+            S = latent.shape[2] + (0 if prefix is None else prefix[0].shape[2])
+            causal = prefix is None and S == T
+            mask = None if causal else causal_mask(T, S, x.device)  # (T, P + S), bottom-right
+        elif mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # (B, 1, T, S): the same for every head
+        form = self._absorbed if T == 1 and self.absorbed else self._expanded
+        out = form(q_nope, q_rope, latent, mask, None if prefix is None else prefix[0], causal)  # (B, H, T, d_v)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _up(self, latent):
+        """Latents (b, 1, S, R + d_rope) -> K (b, H, S, d_nope + d_rope), V (b, H, S, d_v)."""
+        b, _, S, _ = latent.shape
+        c, k_rope = latent[:, 0].split([self.r, self.d_rope], dim=-1)
+        kv = self.wkv_b(c).view(b, S, self.num_heads, -1).transpose(1, 2)  # (b, H, S, d_nope + d_v)
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
+        return torch.cat([k_nope, k_rope[:, None].expand(b, self.num_heads, S, self.d_rope)], -1), v
+
+    def _expanded(self, q_nope, q_rope, latent, mask, prefix, causal=False):
+        k, v = self._up(latent)
+        return latent_attention(torch.cat([q_nope, q_rope], -1), k, v, mask, self.scale,
+                                None if prefix is None else self._up(prefix), causal)
+
+    def _absorbed(self, q_nope, q_rope, latent, mask, prefix, causal=False):  # one query: never causal
+        B, H, T, _ = q_nope.shape
+        w = self.wkv_b.weight.view(H, self.d_nope + self.d_v, self.r)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :self.d_nope])  # (B, H, T, R): W_UK absorbed
+        q = torch.cat([q_latent, q_rope], -1).reshape(B, 1, H * T, -1)  # row h*T + t; one latent head
+        out = latent_attention(q, latent, latent[..., :self.r], mask, self.scale,
+                               None if prefix is None else (prefix, prefix[..., :self.r]))  # (B, 1, H*T, R)
+        return torch.einsum("bhtr,hvr->bhtv", out.reshape(B, H, T, self.r), w[:, self.d_nope:])  # W_UV
+
+
+def mla_softmax_scale(cfg: ModelConfig, qk_head_dim: int) -> float:
+    """DeepSeek's softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 when the
+    rope is scaled (transformers' yarn_apply_mscale)."""
+    scale = qk_head_dim ** -0.5
+    if cfg.rope_type != "default" and cfg.rope_mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+@contextmanager
+def mla_decode(model: "Decoder", form: str):
+    """Decode steps of ``model``'s latent attention in ``form`` (absorbed | expanded) inside the block."""
+    layers = [b.attn for b in model.blocks if isinstance(b.attn, LatentAttention)]
+    before = [a.absorbed for a in layers]
+    for a in layers:
+        a.absorbed = form == "absorbed"
+    try:
+        yield model
+    finally:
+        for a, was in zip(layers, before):
+            a.absorbed = was
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x)."""
 
@@ -237,10 +269,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, window: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, num_kv_heads: int, layer: int, window: Optional[int] = None,
+                 attention: Optional[AttentionConfig] = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, num_kv_heads, layer, window)
+        latent = attention is not None and attention.latent
+        self.attn = LatentAttention(cfg, attention, layer) if latent else Attention(cfg, num_kv_heads, layer, window)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -264,12 +298,19 @@ class Decoder(nn.Module):
         self.num_kv_heads = attention.num_kv_heads
         self.layer_windows = attention.layer_windows(model.num_layers)  # per layer: W, or None (global)
         self.embed = nn.Embedding(model.vocab_size, model.d_model)
-        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i, w) for i, w in enumerate(self.layer_windows))
+        self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i, w, attention)
+                                    for i, w in enumerate(self.layer_windows))
         self.norm = RMSNorm(model.d_model, model.norm_eps)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
-        cos, sin = rope_tables(model)
+        # MLA rotates only its qk_rope_head_dim and reads the mask unfolded (its heads are not groups)
+        self.rope_dim = attention.qk_rope_head_dim if attention.latent else model.head_dim
+        cos, sin = rope_tables(model, self.rope_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def kv_dims(self) -> tuple[int, int, bool]:
+        """(heads, width, latent) the cache stores per token and layer (AttentionConfig.kv_dims)."""
+        return self.attention.kv_dims(self.config)
 
     def kv_groups(self) -> List[int]:
         return kv_group_map(self.config.num_heads, self.num_kv_heads)

@@ -15,7 +15,11 @@ from kvbench import hf_config
 from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.hf_config import LAYER_TYPES, ROPE_TYPES
 
-ATTENTION_TYPES = ("mha", "gqa", "mqa")
+# The attention layouts, in the order every table, plot and report lists them: the three KV-head
+# counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
+ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
+MLA_DECODE_FORMS = ("absorbed", "expanded")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def attention_type(num_heads: int, num_kv_heads: int) -> str:
@@ -42,6 +46,30 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
 
 
 @dataclass
+class MLAShape:
+    """A model's own multi-head latent attention layout (DeepSeek's names; what its weights are
+    shaped by). ``q_lora_rank`` 0: queries by one full-rank projection (DeepSeek-V2-Lite's null)."""
+
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        check_mla_dims("model.preset_mla", self)
+
+
+def check_mla_dims(prefix: str, dims: Any) -> None:
+    """Latent ranks and head widths: counts, the rotary part even (it rotates pairs)."""
+    check_numbers(prefix, dims)
+    check(dims.q_lora_rank >= 0, f"{prefix}.q_lora_rank", dims.q_lora_rank, "must be >= 0 (0: a full-rank q)")
+    check_positive(prefix, dims, ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
+    check(dims.qk_rope_head_dim >= 2 and dims.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim",
+           dims.qk_rope_head_dim, "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
+
+
+@dataclass
 class ModelConfig:
     """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head
     count, used by ``attention=gqa`` when no count is given; the one count a run uses is
@@ -65,7 +93,14 @@ class ModelConfig:
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: Optional[int] = None  # llama3: the pretraining context
+    rope_original_max_seq_len: Optional[int] = None  # llama3, yarn: the pretraining context
+    # yarn (transformers' names without rope_): the ramp between interpolated and extrapolated
+    # frequencies, and the attention factors (DeepSeek scales its softmax by mscale(factor, all_dim)^2)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: not set
+    rope_mscale_all_dim: float = 0.0  # 0: not set
+    rope_attention_factor: Optional[float] = None  # null: from factor, mscale and mscale_all_dim
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
@@ -75,10 +110,15 @@ class ModelConfig:
     preset_window: Optional[int] = None
     preset_global_every: Optional[int] = None
     preset_layer_types: Optional[List[str]] = None
+    # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
+    # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
+    preset_mla: Optional[MLAShape] = None
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
+        if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
+            self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
         check_numbers("model", self)
         check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len", "preset_kv_heads"))
@@ -101,11 +141,15 @@ class ModelConfig:
         check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
         check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
                "must be >= 1 (the factor positions are stretched by)")
-        if self.rope_type != "llama3":
+        if self.rope_type not in ("llama3", "yarn"):
             return
         check(self.rope_original_max_seq_len is not None and self.rope_original_max_seq_len >= 1,
-               "model.rope_original_max_seq_len", self.rope_original_max_seq_len,
-               "must be >= 1 with model.rope_type=llama3 (the pretraining context)")
+              "model.rope_original_max_seq_len", self.rope_original_max_seq_len,
+              f"must be >= 1 with model.rope_type={self.rope_type} (the pretraining context)")
+        if self.rope_type == "yarn":
+            check(self.rope_beta_fast > self.rope_beta_slow > 0, "model.rope_beta_fast", self.rope_beta_fast,
+                  f"must be > model.rope_beta_slow={self.rope_beta_slow} > 0")
+            return
         check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor,
                "must be > 0")
         check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
@@ -158,8 +202,15 @@ class ModelConfig:
 
 @dataclass
 class AttentionConfig:
-    """Attention variant. The variant *is* the KV-head count; ``type`` is a name that must agree
-    with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between)."""
+    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name
+    that must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between).
+
+    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from
+    one latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``;
+    the cache holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent
+    head of kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the
+    other types; null with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to
+    model.head_dim (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
 
     type: str = "gqa"
     num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
@@ -172,13 +223,28 @@ class AttentionConfig:
     # none; layer_types lists each layer as transformers does (sliding_attention | full_attention).
     global_every: Optional[int] = None
     layer_types: Optional[List[str]] = None
+    q_lora_rank: Optional[int] = None  # 0: queries by one full-rank projection
+    kv_lora_rank: Optional[int] = None  # R: the latent each token's keys and values come from
+    qk_nope_head_dim: Optional[int] = None  # per-head key/query width without rotary
+    qk_rope_head_dim: Optional[int] = None  # the rotary key shared by all heads, and each query's
+    v_head_dim: Optional[int] = None
+    # how a decode step (one new token) reads the latents: absorbed (W_UK folded into the query,
+    # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
+    # per head: the reference). Prefill is always expanded.
+    mla_decode: str = "absorbed"
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
         check_choice("attention.type", self.type, ATTENTION_TYPES)
+        check_choice("attention.mla_decode", self.mla_decode, MLA_DECODE_FORMS)
         if self.num_kv_heads is not None:
             check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
         check_window_pattern("attention.", self.window, self.global_every, self.layer_types)
+        if self.type != "mla":
+            for name in MLA_FIELDS:
+                check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
+                       f"is a multi-head latent attention rank; attention.type={self.type} has none "
+                       "(use attention=mla)")
 
     def check_runs_with(self, cache_impl: str, compile_mode: str, task: str) -> None:
         """What a sliding window does not run with yet (cache.impl, runtime.compile, task), one
@@ -202,6 +268,11 @@ class AttentionConfig:
         k = self.global_every or 0
         return [None if k and (i + 1) % k == 0 else self.window for i in range(num_layers)]
 
+    @property
+    def latent(self) -> bool:
+        """True when the cache holds one latent per token and layer (MLA), not K and V heads."""
+        return self.type == "mla"
+
     @classmethod
     def for_heads(cls, num_heads: int, num_kv_heads: int) -> "AttentionConfig":
         """The config whose type is what ``num_kv_heads`` of ``num_heads`` is."""
@@ -209,6 +280,8 @@ class AttentionConfig:
 
     def resolved(self, model: ModelConfig) -> "AttentionConfig":
         """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
+        if self.latent:
+            return self._resolved_mla(model)
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:
@@ -220,7 +293,8 @@ class AttentionConfig:
         expected = attention_type(h, kv)
         check(self.type == expected, "attention.type", self.type,
                f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv, **self._resolved_window(model))
+        return AttentionConfig(type=self.type, num_kv_heads=kv, mla_decode=self.mla_decode,
+                               **self._resolved_window(model))
 
     def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
         """window, global_every and layer_types: each null one is the model's own; checked against
@@ -234,6 +308,28 @@ class AttentionConfig:
         if window is None:
             return {}
         return {"window": window, "global_every": global_every, "layer_types": layer_types}
+
+    def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
+        check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
+               "attention=mla caches one latent head per token (null or 1)")
+        window = model.preset_window if self.window is None else self.window
+        check(not window, "attention.window", window,
+              "is not supported with attention=mla yet (a latent cache has no ring); use attention.window=0")
+        D = model.head_dim
+        own = model.preset_mla or MLAShape(q_lora_rank=0, kv_lora_rank=4 * D, qk_nope_head_dim=D,
+                                           qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
+        dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
+                for name in MLA_FIELDS}
+        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims)
+        check_mla_dims("attention", out)
+        return out
+
+    def kv_dims(self, model: ModelConfig) -> tuple[int, int, bool]:
+        """(heads, width, latent) of what the cache stores per token and layer, for a resolved
+        config: K/V heads of model.head_dim, or MLA's one latent of kv_lora_rank + qk_rope_head_dim."""
+        if self.latent:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, True
+        return self.num_kv_heads, model.head_dim, False
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:

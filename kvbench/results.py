@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config import objective_metric
 from kvbench.jsonio import plain, read_regular, write_json_atomic
+from kvbench.model_config import MLA_FIELDS
 
 RESULTS_FILE = "results.json"
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
@@ -281,6 +282,9 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k in keys}
 
+    a = out.get("attention")
+    if isinstance(a, dict) and a.get("type") != "mla":  # the latent's ranks mean nothing for K/V heads
+        out["attention"] = {k: v for k, v in a.items() if k not in MLA_FIELDS + ("mla_decode",)}
     if task != "compare":
         out.pop("compare", None)
     if task != "recall":

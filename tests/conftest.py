@@ -153,7 +153,17 @@ VOCAB = 97
 
 # transformers' (config, model) classes of each accepted family, as its save_pretrained writes them.
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+# A tiny dense DeepSeek attention (every layer's MLP dense: first_k_dense_replace >= the 2 layers).
+DEEPSEEK_SHAPE = dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                      first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2)
+
+
+def deepseek_dir(tmp_path, family="deepseek_v3", tie=False, **overrides):
+    """A tiny random dense DeepSeek-V2/V3 (multi-head latent attention) saved with save_pretrained."""
+    return hf_dir(tmp_path, 4, tie, family, **{**DEEPSEEK_SHAPE, **overrides})
 
 
 def hf_dir(tmp_path, num_kv_heads, tie=False, family="llama", **overrides):

@@ -72,6 +72,8 @@ def logits_with_cache(model, hf, tokens):
 @pytest.mark.parametrize("family,overrides,switches", [
     ("llama", rope(LLAMA3_ROPE), {"rope_type": "llama3", "rope_factor": 8.0, "rope_original_max_seq_len": 64}),
     ("llama", rope({"rope_type": "linear", "factor": 2.0}), {"rope_type": "linear", "rope_factor": 2.0}),
+    ("llama", rope({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 20}),
+     {"rope_type": "yarn", "rope_factor": 4.0, "rope_original_max_seq_len": 20}),
     ("mistral", {}, {"qkv_bias": False, "qk_norm": False}),
     ("qwen2", {}, {"qkv_bias": True, "qk_norm": False}),
     ("qwen3", {}, {"qkv_bias": False, "qk_norm": True}),

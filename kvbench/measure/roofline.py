@@ -68,17 +68,21 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
     # a local layer reads at most its W positions (the same formula as the cache's allocation)
-    kv = int(kv_cache_bytes(cfg.num_layers, model.num_kv_heads, cfg.head_dim, context_len, batch_size, element,
-                            cache_dtype, getattr(model, "layer_windows", None)))
+    heads, width, latent = model.kv_dims()
+    kv = int(kv_cache_bytes(cfg.num_layers, heads, width, context_len, batch_size, element, cache_dtype,
+                            getattr(model, "layer_windows", None), latent=latent))
     return weights + kv, kv
 
 
 def decode_flops(model, batch_size: int, context_len: float) -> float:
     """Floating-point operations of one decode step: a multiply-add per weight (the embedding is
-    a lookup) and per K/V element read by the attention."""
+    a lookup) and per K/V element read by the attention (MLA: the absorbed form, each head's query
+    against R + d_rope latent elements and its output over R)."""
     cfg = model.config
     weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.embed.weight.numel()
-    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_len  # QK^T and PV
+    _, width, latent = model.kv_dims()
+    per_head = 2 * width - model.attention.qk_rope_head_dim if latent else 2 * cfg.head_dim  # QK^T and PV
+    attention = cfg.num_layers * cfg.num_heads * per_head * context_len
     return 2.0 * batch_size * (weights + attention)
 
 

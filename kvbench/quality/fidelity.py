@@ -17,7 +17,7 @@ from kvbench.cache import KVCache, cache_for
 from kvbench.checkpoint import convert_kv_heads
 from kvbench.generate import decode_step, greedy_generate
 from kvbench.metrics import Metric, metric_table, record_methods
-from kvbench.model import Decoder
+from kvbench.model import Decoder, mla_decode
 
 # Units and methods of the metrics below (merged into a decode record's ``methods``).
 FIDELITY_METRICS: Dict[str, Metric] = metric_table(
@@ -34,6 +34,13 @@ FIDELITY_METRICS: Dict[str, Metric] = metric_table(
     Metric("kvq_top1_agreement", "fraction",
            "cache.dtype int8/float8_e4m3fn: decode positions (prefill's last included) where "
                           "the quantized and the unquantized cache agree on the argmax, same tokens"),
+    Metric("mla_forms_max_abs_logit_diff", "logits",
+           "attention=mla: max |logits of the greedy decode in the absorbed form - logits of the same tokens "
+           "decoded step by step in the expanded form (K/V up-projected per head)|, static cache, up to 2 "
+           "sequences and 16 steps; the two forms are the same function, so this is rounding"),
+    Metric("mla_forms_top1_agreement", "fraction",
+           "attention=mla: decode positions where the absorbed and the expanded form agree on the argmax, "
+           "same tokens"),
     Metric("dtype_max_abs_logit_diff", "logits",
            "float16/bfloat16 runs: max |logits - a float32 copy of the same weights|, "
                                 "teacher-forced on the low-precision run's greedy tokens"),
@@ -108,6 +115,21 @@ def quantized_cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int,
     return {"kvq_max_abs_logit_diff": diff, "kvq_top1_agreement": agree}
 
 
+@torch.inference_mode()
+def mla_form_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int) -> Dict[str, float]:
+    """MLA's absorbed decode against its expanded one: the absorbed form decodes greedily, the
+    expanded form then steps through the same tokens one at a time (both prefill expanded)."""
+    B, P = prompt.shape
+    with mla_decode(model, "absorbed"):
+        gen = greedy_generate(model, prompt, gen_len, cache_for(model, "static", B, P + gen_len), keep_logits=True)
+    with mla_decode(model, "expanded"):
+        cache = cache_for(model, "static", B, P + gen_len)
+        logits = [model(prompt, cache, 0, last_only=True)]  # (B, 1, V): chose token 0
+        logits += [model(gen.tokens[:, i:i + 1], cache, P + i) for i in range(gen_len)]
+    diff, agree = _compare(gen.logits, torch.cat(logits, dim=1))
+    return {"mla_forms_max_abs_logit_diff": diff, "mla_forms_top1_agreement": agree}
+
+
 def float32_copy(model: Decoder) -> Decoder:
     """The same weights, upcast to float32: the reference for a low-precision run."""
     return copy.deepcopy(model).float()
@@ -145,6 +167,8 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
         out = cache_fidelity(model, prompt, steps, impl, step, cache, rows=2)
     if cache_dtype != "auto":
         out.update(quantized_cache_fidelity(model, prompt[:2], steps, cache_dtype))
+    if model.attention.latent:
+        out.update(mla_form_fidelity(model, prompt[:2], steps))
     if dtype != "float32":
         out.update(dtype_fidelity(model, None, prompt[:2], steps))
     return out

@@ -21,19 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import (
-    build_decoder,
-    convert_kv_heads,
-    kv_conversion,
-    load_checkpoint,
-    load_llama_dir,
-    save_checkpoint,
-)
+from kvbench.checkpoint import build_decoder, load_checkpoint, load_llama_dir, save_checkpoint, to_layout
 from kvbench.config import BenchConfig, TrainConfig
 from kvbench.config_errors import ConfigError
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import AttentionConfig
+from kvbench.model_config import MLA_FIELDS, AttentionConfig
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -220,8 +213,8 @@ def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Opt
                 raise ConfigError(f"train.init_from={cfg.train.init_from!r}: the checkpoint has model.{key}="
                                   f"{getattr(base.config, key)}, model={cfg.model.name} has "
                                   f"{getattr(cfg.model, key)} (pick the model preset it was trained with)")
-        how = kv_conversion(base.num_kv_heads, cfg.attention.num_kv_heads)
-        model = convert_kv_heads(base, cfg.attention.num_kv_heads).float()
+        model, how = to_layout(base, cfg.attention)
+        model = model.float()
         t = cfg.train
         before = evaluate(model, data, t.seq_len, t.eval_batches, t.batch_size)
         metrics.update(init_num_kv_heads=base.num_kv_heads, kv_heads_conversion=how,
@@ -273,10 +266,10 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     saved = model.num_kv_heads
     model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
     a = cfg.attention
-    attention = AttentionConfig(a.type, a.num_kv_heads, a.window, a.global_every, a.layer_types).resolved(model.config)
-    how = kv_conversion(saved, attention.num_kv_heads)
-    if how != "none":
-        model = convert_kv_heads(model, attention.num_kv_heads)
+    asked = {name: getattr(a, name) for name in MLA_FIELDS} if a.latent else {}
+    attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
+                                layer_types=a.layer_types, mla_decode=a.mla_decode, **asked).resolved(model.config)
+    model, how = to_layout(model, attention)
     windows = attention.layer_windows(model.config.num_layers)
     if windows != model.layer_windows:  # another window over the same weights is only a mask
         model = build_decoder(model.config, attention, model.state_dict(), device=model.device).eval()

@@ -364,8 +364,10 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     # Per token: batch size and length divide out, so a panel is a dtype (or model, cache ...).
     heads, fold = config_value("attention.num_kv_heads"), ["workload.batch_size", "workload.prompt_len",
                                                            "workload.gen_len"]
-    measured = panels(decode, axes, heads, per_token("kv_cache_bytes"), fold)
-    formula = panels(decode, axes, heads, per_token("kv_cache_bytes_formula"), fold)
+    # MLA's one latent head is not a KV-head count on this axis: its bytes are in kv_memory below
+    by_heads = [r for r in decode if lookup(r.get("config") or {}, "attention.kv_lora_rank") is None]
+    measured = panels(by_heads, axes, heads, per_token("kv_cache_bytes"), fold)
+    formula = panels(by_heads, axes, heads, per_token("kv_cache_bytes_formula"), fold)
     if need_x("kv_bytes_vs_heads", formula or measured, "attention.num_kv_heads", "ok decode jobs"):
         drawn.append(kv_heads_plot(out / "kv_bytes_vs_heads.png", measured, formula, colours, note))
 

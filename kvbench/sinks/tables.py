@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from kvbench.config import ATTENTION_TYPES  # the variants order, defined with the attention schema
 from kvbench.results import flatten, lookup, record_view
 from kvbench.units import human_bytes
 
@@ -28,14 +29,16 @@ Axis = Tuple[str, str]  # (config key, column title)
 # (config key, column title) identifying a job, in the order tables show them.
 AXES: List[Axis] = [
     ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
+    ("attention.kv_lora_rank", "R"),
     ("workload.name", "workload"), ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"),
     ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.dtype", "KV dtype"),
     ("cache.shared", "shared"),
     ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
     ("train.steps", "train steps"), ("train.init_from", "init from"),
 ]
-# A variant is a way to hold less KV: fewer KV heads, or fewer bits per element (cache.dtype).
-VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "cache.dtype")
+# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), or fewer bits per
+# element (cache.dtype).
+VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "cache.dtype")
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
@@ -247,17 +250,20 @@ def variant(record: Record) -> str:
     """``mha kv=8``: the attention type and KV-head count, as every table and plot names it, and
     the cache dtype when it is not the compute dtype (``mha kv=8 int8``)."""
     config = record.get("config") or {}
-    label = f"{lookup(config, 'attention.type')} kv={lookup(config, 'attention.num_kv_heads')}"
+    kind_name = lookup(config, "attention.type")
+    label = (f"mla r={lookup(config, 'attention.kv_lora_rank')}" if kind_name == "mla"  # one latent, of rank R
+             else f"{kind_name} kv={lookup(config, 'attention.num_kv_heads')}")
     cache_dtype = lookup(config, "cache.dtype")
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
 def variant_order(label: str) -> Tuple[int, int, int, str]:
-    """MHA first, then GQA from most to fewest KV heads, then MQA; each in its compute dtype first."""
-    kind_name, _, rest = label.partition(" kv=")
-    kv, _, cache_dtype = rest.partition(" ")
-    rank = {"mha": 0, "gqa": 1, "mqa": 2}.get(kind_name, 3)
-    return rank, -int(kv) if kv.isdigit() else 0, bool(cache_dtype), label
+    """In ATTENTION_TYPES' order: MHA, GQA from most to fewest KV heads, MQA, then MLA from the
+    largest latent; each in its compute dtype first."""
+    kind_name, _, rest = label.partition(" ")
+    size, _, cache_dtype = rest.partition("=")[2].partition(" ")
+    rank = ATTENTION_TYPES.index(kind_name) if kind_name in ATTENTION_TYPES else len(ATTENTION_TYPES)
+    return rank, -int(size) if size.isdigit() else 0, bool(cache_dtype), label
 
 
 def _kv_heads(record: Record) -> int:

@@ -82,8 +82,10 @@ def run_name(overrides: Iterable[str], swept: Optional[Iterable[str]] = None,
 def short_name(config: Mapping[str, Any]) -> str:
     """``tiny gqa kv=2 decode``: the model, the attention and the workload (or task) a job ran."""
     kv = lookup(config, "attention.num_kv_heads")
+    rank = lookup(config, "attention.kv_lora_rank")  # MLA: its latent's rank names it, not one KV head
+    size = f"r={rank}" if rank is not None else None if kv is None else f"kv={kv}"
     task = config.get("task", "bench")
-    parts = [lookup(config, "model.name"), lookup(config, "attention.type"), None if kv is None else f"kv={kv}",
+    parts = [lookup(config, "model.name"), lookup(config, "attention.type"), size,
              lookup(config, "workload.name") if task == "bench" else task]
     return " ".join(str(p) for p in parts if p is not None) or "defaults"
 

@@ -13,7 +13,7 @@ from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric, metric_table
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model, variant_label
 from kvbench.workloads import decode, multiturn
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
@@ -34,8 +34,9 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
     if cfg.model.path:
-        result.metrics["kv_heads_conversion"] = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
-    label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+        result.metrics["kv_heads_conversion"] = ("none" if cfg.attention.latent else
+                                                 kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads))
+    label = variant_label(cfg.attention)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
     with progress(label, cfg.runtime.warmup + cfg.runtime.repeats) as tick:

@@ -62,7 +62,7 @@ from kvbench.tasks.capacity_search import (
     split_activation,
     violations,
 )
-from kvbench.tasks.common import JOB_METHODS, Progress, build_model
+from kvbench.tasks.common import JOB_METHODS, Progress, build_model, variant_label
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
@@ -336,8 +336,8 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     prober = Prober(cfg, model, device, budget, baseline)
     metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
-                   kv_bytes_per_token=kv_cache_bytes(cfg.model.num_layers, cfg.attention.num_kv_heads,
-                                                     cfg.model.head_dim, 1, 1, DTYPE_BYTES[cfg.runtime.dtype]))
+                   kv_bytes_per_token=kv_cache_bytes(cfg.model.num_layers, *cfg.attention.kv_dims(cfg.model)[:2],
+                                                     1, 1, DTYPE_BYTES[cfg.runtime.dtype], latent=cfg.attention.latent))
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])
     limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step
@@ -394,14 +394,16 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
-    label = f"capacity {cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+    label = f"capacity {variant_label(cfg.attention)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"
     expected = len(contexts(cfg)) * probes_expected(cfg.capacity.max_batch,
                                                                           cfg.capacity.batch_step)
     with progress(label, expected) as tick:
         run_probes(cfg, model, device, result, baseline, tick)
-    if cfg.runtime.fidelity:  # quality of this KV-head count, after the probes (its models are not theirs)
+    # quality of this KV-head count, after the probes (its models are not theirs); a latent (MLA) is
+    # not a pooling of the MHA model's heads, so there is no such measure of it
+    if cfg.runtime.fidelity and not cfg.attention.latent:
         del model
         result.methods.update(KV_POOL_METHODS)
         h = cfg.model.num_heads

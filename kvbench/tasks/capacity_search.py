@@ -125,9 +125,11 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
     when ``cache.shared``."""
     m, w = cfg.model, cfg.workload
 
+    heads, width, latent = cfg.attention.kv_dims(m)
+
     def held(positions: int, sequences: int) -> int:
-        return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, positions, sequences,
-                              DTYPE_BYTES[cfg.runtime.dtype], windows=cfg.attention.layer_windows(m.num_layers))
+        return kv_cache_bytes(m.num_layers, heads, width, positions, sequences, DTYPE_BYTES[cfg.runtime.dtype],
+                              windows=cfg.attention.layer_windows(m.num_layers), latent=latent)
 
     if w.name != "multiturn":
         return held(context + w.gen_len, batch)

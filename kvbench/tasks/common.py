@@ -8,11 +8,12 @@ from typing import Callable, ContextManager, Dict, Optional
 
 import torch
 
-from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
+from kvbench.checkpoint import load_llama_dir, to_layout
 from kvbench.config import BenchConfig
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
+from kvbench.model_config import AttentionConfig
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -38,6 +39,13 @@ def no_progress(label: str, total: int):
     yield None
 
 
+def variant_label(attention: AttentionConfig) -> str:
+    """``gqa kv=2``, ``mla r=32``: a progress line's name of the variant (sinks.tables.variant's)."""
+    if attention.latent:
+        return f"mla r={attention.kv_lora_rank}"
+    return f"{attention.type} kv={attention.num_kv_heads}"
+
+
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
     wherever their shapes agree; with ``model.path`` the checkpoint's weights, brought to
@@ -46,8 +54,7 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     dtype = torch_dtype(cfg.runtime.dtype)
     if cfg.model.path:
         model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
-        if kv_conversion(model.num_kv_heads, cfg.attention.num_kv_heads) != "none":
-            model = convert_kv_heads(model, cfg.attention.num_kv_heads)
+        model, _ = to_layout(model, cfg.attention)
         return model.to(dtype).eval()
     torch.manual_seed(cfg.runtime.seed)
     with device:

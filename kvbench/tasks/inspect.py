@@ -1,12 +1,13 @@
 """``task=inspect``: the arithmetic of a model and attention choice, without running a model.
 
 The head→group map and a KV-memory table (per token, per sequence, per batch, for each dtype)
-that can be checked by hand against published model shapes.
+that can be checked by hand against published model shapes: K/V heads (MHA, GQA, MQA, with
+sliding-window layers) or MLA's one latent per token and layer.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from kvbench.cache import SCALE_BYTES, kv_cache_bytes
 from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig
@@ -28,23 +29,28 @@ def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
 
 def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
                     batch_size: int, num_heads: Optional[int] = None,
-                    windows: Optional[List[Optional[int]]] = None) -> List[dict]:
+                    windows: Optional[List[Optional[int]]] = None, latent: bool = False,
+                    mha: Optional[Tuple[int, int, int]] = None) -> List[dict]:
     """KV bytes per token (all layers, before any window fills), per sequence of ``seq_len`` and
     per batch, for each dtype a cache can hold (the compute dtypes, then the quantized
-    ``cache.dtype`` values with their scales); with ``num_heads``, also the fraction of an MHA
-    cache of the same model at ``seq_len`` (its layers' windows included: a local layer holds W)."""
+    ``cache.dtype`` values with their scales), for the layout :func:`kv_cache_bytes` takes
+    (``windows``: a local layer holds W; ``latent``: MLA's one tensor); with ``num_heads``, also
+    the fraction of a full MHA cache of the same model at ``seq_len`` (``mha``: its heads, K and V
+    widths when they are not num_heads x head_dim each)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
     for dtype, size, cache_dtype in stored:
         def held(n, b, size=size, cache_dtype=cache_dtype):
-            return kv_cache_bytes(num_layers, num_kv_heads, head_dim, n, b, size, cache_dtype, windows)
+            return kv_cache_bytes(num_layers, num_kv_heads, head_dim, n, b, size, cache_dtype, windows,
+                                  latent=latent)
 
         row = {"dtype": dtype, "per_token": held(1, 1), "per_sequence": held(seq_len, 1),
                "per_batch": held(seq_len, batch_size)}
         if num_heads:
-            row["vs_mha"] = held(seq_len, 1) / kv_cache_bytes(num_layers, num_heads, head_dim, seq_len, 1, size,
-                                                              cache_dtype)
+            heads, k_dim, v_dim = mha or (num_heads, head_dim, head_dim)
+            row["vs_mha"] = row["per_sequence"] / kv_cache_bytes(num_layers, heads, k_dim, seq_len, 1, size,
+                                                                 cache_dtype, v_head_dim=v_dim)
         rows.append(row)
     return rows
 
@@ -56,6 +62,7 @@ def layer_kind_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len:
     rows = []
     for w in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
         kind = [x for x in windows if x == w]
+
         def held(b, kind=kind):
             return kv_cache_bytes(len(kind), num_kv_heads, head_dim, seq_len, b, bytes_per_element, "auto", kind)
 
@@ -74,34 +81,30 @@ def parameter_count(cfg: BenchConfig) -> int:
 def describe(cfg: BenchConfig) -> str:
     m, a, w = cfg.model, cfg.attention, cfg.workload
     seq_len = w.total_len
-    group = m.num_heads // a.num_kv_heads
+    heads, width, latent = a.kv_dims(m)
     params = parameter_count(cfg)
+    layout = _latent_lines(cfg) if latent else _kv_head_lines(cfg)
     lines = [
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
         f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
-        f"attention {a.type}: {a.num_kv_heads} KV heads, G = {group} query heads per KV head"
-        + (f"; window {a.window} in {sum(x is not None for x in a.layer_windows(m.num_layers))} of "
-           f"{m.num_layers} layers" if a.window else ""),
+        layout[0],
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
-        "",
-        "head → KV group map:",
-        describe_kv_groups(m.num_heads, a.num_kv_heads),
-        "",
-        f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
-        f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes"
-        + (" before the windows fill (then a local layer holds W of the seq_len positions)" if a.window else ""),
-        _elements_line(2 * a.num_kv_heads * m.head_dim, seq_len, w.batch_size),
-        f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
-        f"(sequence, KV head, position), K and V each",
+        *layout[1:],
     ]
     windows = a.layer_windows(m.num_layers)
+    mha = (m.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if latent else None
     header = ["KV dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})",
               "vs full MHA" if a.window else "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
              f"{r['vs_mha']:.3f}"]
-            for r in kv_memory_table(m.num_layers, a.num_kv_heads, m.head_dim, seq_len, w.batch_size,
-                                     m.num_heads, windows)]
+            for r in kv_memory_table(m.num_layers, heads, width, seq_len, w.batch_size, m.num_heads, windows,
+                                     latent, mha)]
     lines += _aligned(header, rows)
+    if latent:  # the same model with K/V heads, for comparison (vs MHA above is the ratio)
+        as_mha = {d: kv_cache_bytes(m.num_layers, m.num_heads, mha[1], 1, 1, size, v_head_dim=mha[2])
+                  for d, size in DTYPE_BYTES.items()}
+        lines.append(f"the same model as MHA ({m.num_heads} heads, K {mha[1]} + V {mha[2]} per head) holds per token: "
+                     + ", ".join(f"{d} {_cell(n)}" for d, n in as_mha.items()))
     if any(x is not None for x in windows):
         size = DTYPE_BYTES[cfg.runtime.dtype]
         lines += ["", f"sliding window: a local layer holds min(seq_len, W) positions (a ring of W); "
@@ -115,17 +118,53 @@ def describe(cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
+def _kv_head_lines(cfg: BenchConfig) -> List[str]:
+    m, a, w = cfg.model, cfg.attention, cfg.workload
+    return [
+        f"attention {a.type}: {a.num_kv_heads} KV heads, G = {m.num_heads // a.num_kv_heads} query heads per KV head"
+        + (f"; window {a.window} in {sum(x is not None for x in a.layer_windows(m.num_layers))} of "
+           f"{m.num_layers} layers" if a.window else ""),
+        "",
+        "head → KV group map:",
+        describe_kv_groups(m.num_heads, a.num_kv_heads),
+        "",
+        f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
+        f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes"
+        + (" before the windows fill (then a local layer holds W of the seq_len positions)" if a.window else ""),
+        _elements_line(2 * a.num_kv_heads * m.head_dim, cfg.workload.total_len, w.batch_size),
+        f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
+        f"(sequence, KV head, position), K and V each",
+    ]
+
+
+def _latent_lines(cfg: BenchConfig) -> List[str]:
+    m, a, w = cfg.model, cfg.attention, cfg.workload
+    width = a.kv_lora_rank + a.qk_rope_head_dim
+    q = f"q_lora_rank {a.q_lora_rank}" if a.q_lora_rank else "q by a full-rank projection"
+    return [
+        f"attention mla: multi-head latent attention, one latent per token and layer (kv_lora_rank "
+        f"{a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim} = {width}) for all {m.num_heads} query heads "
+        f"(qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim {a.v_head_dim}, {q}); decode {a.mla_decode}",
+        "",
+        f"KV cache = layers · (kv_lora_rank + qk_rope_head_dim) · seq_len · batch · bytes "
+        f"= {m.num_layers} · {width} · seq_len · batch · bytes",
+        _elements_line(width, cfg.workload.total_len, w.batch_size, "latent"),
+        f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
+        "(sequence, position), one per latent",
+    ]
+
+
 def _aligned(header: List[str], rows: List[List[str]]) -> List[str]:
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
     return [row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:]))
             for row in [header] + rows]
 
 
-def _elements_line(per_token: int, seq_len: int, batch_size: int) -> str:
-    """K and V elements of one layer's cache: per token, per sequence, per batch (the arithmetic
-    of a KV-cache budget, before the bytes of a dtype)."""
+def _elements_line(per_token: int, seq_len: int, batch_size: int, what: str = "K+V") -> str:
+    """K and V (or latent) elements of one layer's cache: per token, per sequence, per batch (the
+    arithmetic of a KV-cache budget, before the bytes of a dtype)."""
     per_sequence = per_token * seq_len
-    return (f"elements per layer (K+V): per token {per_token:,} · per sequence ({seq_len}) {per_sequence:,} "
+    return (f"elements per layer ({what}): per token {per_token:,} · per sequence ({seq_len}) {per_sequence:,} "
             f"≈ {_si(per_sequence)} · per batch (x{batch_size}) {per_sequence * batch_size:,} "
             f"≈ {_si(per_sequence * batch_size)}")
 

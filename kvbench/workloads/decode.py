@@ -218,9 +218,10 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     generator = torch.Generator().manual_seed(rt.seed)
     prompt = torch.randint(0, cfg.model.vocab_size, (w.batch_size, w.prompt_len), generator=generator)
     prompt = prompt.to(device)
+    heads, width, latent = cfg.attention.kv_dims(cfg.model)
     metrics["kv_cache_bytes_formula"] = kv_cache_bytes(
-        cfg.model.num_layers, cfg.attention.num_kv_heads, cfg.model.head_dim, seq_len, w.batch_size,
-        DTYPE_BYTES[rt.dtype], cfg.cache.dtype, cfg.attention.layer_windows(cfg.model.num_layers))
+        cfg.model.num_layers, heads, width, seq_len, w.batch_size, DTYPE_BYTES[rt.dtype], cfg.cache.dtype,
+        cfg.attention.layer_windows(cfg.model.num_layers), latent=latent)
     with allocation_delta(device) as allocated:
         cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len, cfg.cache.dtype)
     if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation

@@ -221,9 +221,9 @@ class ChatSession:
         """Bytes the positions the cache holds need: the system prompt once when shared, else
         B times; each conversation's history B times."""
         c = self.cache
-        held = lambda positions, batch: kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
+        held = lambda positions, batch: kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,  # noqa: E731
                                                        positions, batch, c.dtype.itemsize, c.cache_dtype,
-                                                       c.windows)
+                                                       c.windows, latent=c.latent)
         if isinstance(c, SharedPrefixCache):
             return held(min(c.length, c.prefix_len), 1) + held(c.history.length, c.batch_size)
         return held(c.length, c.batch_size)
