@@ -44,6 +44,10 @@ CONF_DIR = _find_conf_dir()
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ATTENTION_TYPES = ("mha", "gqa", "mqa")
+# attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
+# its preset's or checkpoint's KV-head count (model.preset_kv_heads), unless attention.num_kv_heads
+# asks for another. Any other type is a conversion the user asked for.
+MODEL_ATTENTION = "model"
 CACHE_IMPLS = ("static", "concat", "none")
 # cache.dtype: how K/V are stored. auto: the compute dtype (runtime.dtype); the others store codes
 # of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
@@ -294,14 +298,18 @@ class ModelConfig:
 @dataclass
 class AttentionConfig:
     """Attention variant. The variant *is* the KV-head count; ``type`` is a name that must agree
-    with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between)."""
+    with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between). ``type=model`` (the
+    default) is the model's own count, ``model.preset_kv_heads``: a run that names a model
+    measures that model unless it asks for another layout."""
 
-    type: str = "gqa"
-    num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
+    type: str = MODEL_ATTENTION
+    # null: model -> the model's own, mha -> num_heads, mqa -> 1, gqa -> the model's own if it is
+    # GQA, else the divisor of num_heads closest to num_heads / 4
+    num_kv_heads: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_numbers("attention", self)
-        _check_choice("attention.type", self.type, ATTENTION_TYPES)
+        _check_choice("attention.type", self.type, (MODEL_ATTENTION, *ATTENTION_TYPES))
         if self.num_kv_heads is not None:
             _check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
 
@@ -311,24 +319,27 @@ class AttentionConfig:
         return cls(type=attention_type(num_heads, num_kv_heads), num_kv_heads=num_kv_heads)
 
     def resolved(self, model: ModelConfig) -> "AttentionConfig":
-        """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
+        """This config with ``num_kv_heads`` filled in for ``model`` and checked against it;
+        ``type=model`` becomes the name of the count it resolves to."""
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:
-            kv = {"mha": h, "mqa": 1}.get(self.type) or default_gqa_kv_heads(model)
+            kv = {"mha": h, "mqa": 1, MODEL_ATTENTION: model.preset_kv_heads}.get(self.type) \
+                or default_gqa_kv_heads(model)
         key = "attention.num_kv_heads"
         _check(kv <= h, key, kv, f"must be <= model.num_heads={h}")
         _check(h % kv == 0, key, kv,
                f"must divide model.num_heads={h} (every KV group needs the same number of query heads)")
         expected = attention_type(h, kv)
-        _check(self.type == expected, "attention.type", self.type,
+        _check(self.type in (expected, MODEL_ATTENTION), "attention.type", self.type,
                f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv)
+        return AttentionConfig(type=expected, num_kv_heads=kv)
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:
-    """The preset's own KV-head count if it is a GQA model, else the divisor of num_heads
-    closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio."""
+    """``attention=gqa`` without a count: the preset's own KV-head count if it is a GQA model,
+    else the divisor of num_heads closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio.
+    Only an explicit ``attention=gqa`` reaches this: the default is the model's own layout."""
     h = model.num_heads
     if attention_type(h, model.preset_kv_heads) == "gqa":
         return model.preset_kv_heads
@@ -337,6 +348,24 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
         raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
                           "use attention=mha or attention=mqa")
     return min(divisors, key=lambda d: (abs(d - h / 4), d))
+
+
+def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str) -> Optional[Dict[str, Any]]:
+    """The record's ``kv_conversion``: null when the run measures the model's own KV-head count
+    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method``
+    says what was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init``
+    a preset's shape drawn with random weights in the asked layout, ``shape`` task=inspect's
+    arithmetic)."""
+    old, new = model.preset_kv_heads, attention.num_kv_heads
+    if new is None or old == new:
+        return None
+    how = {"repeat": "its K/V heads repeated (exact)", "mean-pool": "its K/V heads mean-pooled per group "
+           "(an approximation of the model)", "random-init": "random weights drawn in the asked layout",
+           "shape": "the arithmetic of the asked layout, not of the published model"}
+    text = (f"attention converted: model {model.name} has {old} KV heads "
+            f"({attention_type(model.num_heads, old)}); this run measures {new} "
+            f"({attention_type(model.num_heads, new)}), {how.get(method, method)}")
+    return {"from_kv_heads": old, "to_kv_heads": new, "method": method, "text": text}
 
 
 @dataclass

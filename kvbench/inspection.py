@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from kvbench.cache import SCALE_BYTES, kv_cache_bytes
-from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig
+from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig, kv_layout_change
 from kvbench.model import Decoder, kv_group_map
 from kvbench.units import human_bytes
 
@@ -62,6 +62,7 @@ def describe(cfg: BenchConfig) -> str:
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
         f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
         f"attention {a.type}: {a.num_kv_heads} KV heads, G = {group} query heads per KV head",
+        _layout_line(cfg),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         "",
         "head → KV group map:",
@@ -82,6 +83,15 @@ def describe(cfg: BenchConfig) -> str:
     for row in [header] + rows:
         lines.append(row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:])))
     return "\n".join(lines)
+
+
+def _layout_line(cfg: BenchConfig) -> str:
+    """Whether the layout above is the named model's own, in words (a checkpoint's weights would
+    be repeated or mean-pooled to it)."""
+    m, a = cfg.model, cfg.attention
+    method = ("repeat" if a.num_kv_heads > m.preset_kv_heads else "mean-pool") if m.path else "shape"
+    change = kv_layout_change(m, a, method)
+    return change["text"] if change else f"the model's own layout ({m.preset_kv_heads} KV heads): no conversion"
 
 
 def _elements_line(per_token: int, seq_len: int, batch_size: int) -> str:

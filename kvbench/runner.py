@@ -32,6 +32,7 @@ from kvbench.config import (
     AttentionConfig,
     BenchConfig,
     ConfigError,
+    kv_layout_change,
     objective_metric,
     one_line,
     record_view,
@@ -41,6 +42,7 @@ from kvbench.device import resolve_device
 from kvbench.interrupts import Interrupted, describe_stop, interruptible
 from kvbench.measure.env import LOAD_METHODS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import MEMORY_METHODS, is_oom, weight_bytes
+from kvbench.measure.plausibility import flag_implausible
 from kvbench.measure.timing import timing_method
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
@@ -123,6 +125,9 @@ def train(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResu
     result.methods.update(TRAIN_METHODS)
     with progress("train", cfg.train.steps) as tick:
         result.metrics.update(run_train(cfg, device, out_dir, on_log, tick))
+    if "init_num_kv_heads" in result.metrics:  # train.init_from: its checkpoint's count is the model's own
+        own = replace(cfg.model, preset_kv_heads=result.metrics["init_num_kv_heads"])
+        result.kv_conversion = kv_layout_change(own, cfg.attention, result.metrics["kv_heads_conversion"])
 
 
 def evaluate(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
@@ -132,6 +137,8 @@ def evaluate(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunR
     loaded = checkpoint_for_eval(cfg, device)
     result.config["model"], result.config["attention"] = asdict(loaded[0].config), asdict(loaded[0].attention)
     result.metrics.update(run_eval(cfg, device, loaded))
+    saved, how = loaded[2]["checkpoint_num_kv_heads"], loaded[2]["kv_heads_conversion"]
+    result.kv_conversion = kv_layout_change(replace(loaded[0].config, preset_kv_heads=saved), loaded[0].attention, how)
 
 
 def capacity_search(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult,
@@ -232,6 +239,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             check_objective(job.objective, job.objective_caps, job.task, job.workload.name)
             # with derived values (head_dim, num_kv_heads) filled in, and only the keys the task reads
             result.config = record_view(asdict(job))
+            result.kv_conversion = job_kv_conversion(job)
             # Device and threads are resolved here, once per job; every task receives them.
             device = resolve_device(job.runtime.device)
             torch.set_num_threads(job.runtime.threads or DEFAULT_THREADS)
@@ -268,6 +276,11 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             stops.hold()  # a signal during the write waits for it: the record is the point
             if "load_avg_before" in result.metrics:  # the task started: how busy the machine was around it
                 _record_load(result.metrics)
+            try:  # every figure against the machine's physical bounds (measure/plausibility.py)
+                flag_implausible(result)
+            except Exception as exc:  # noqa: BLE001 — a check that fails must not lose the record
+                result.implausible = [{"metric": None, "value": None, "bound": None,
+                                       "reason": one_line(f"plausibility check failed: {type(exc).__name__}: {exc}")}]
             result.finished_at = utc_now()
             save(result, out_dir)
     if stopped is None and stops.held:
@@ -286,6 +299,19 @@ def save(result: RunResult, out_dir: Path) -> None:
         result.write(out_dir)
     except OSError as exc:
         result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
+
+
+def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, object]]:
+    """What the record's ``kv_conversion`` says for a job whose attention is resolved against
+    its model (task=eval says it once the checkpoint is read; task=compare compares variants of
+    one model, each named in its columns): null for the model's own KV-head count."""
+    if cfg.task in ("eval", "compare"):
+        return None
+    if cfg.task == "train" and cfg.train.init_from:
+        return None  # the checkpoint's count is known once it is loaded (init_num_kv_heads, kv_heads_conversion)
+    method = (kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads) if cfg.model.path
+              else "random-init")
+    return kv_layout_change(cfg.model, cfg.attention, method)
 
 
 def _record_load(metrics: Dict[str, object]) -> None:

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config", "units", "interrupts"],
-    ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
+    ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
     ["quality.data", "quality.fidelity", "inspection"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.interleaved"],

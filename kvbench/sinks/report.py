@@ -278,6 +278,25 @@ def _choose_md(records) -> List[str]:
     return lines
 
 
+def _flags_md(records) -> List[str]:
+    """Figures that break a physical bound (a record's ``implausible``) and runs whose KV layout is
+    not the named model's own (``kv_conversion``): one row each, in words."""
+    rows = [[rec["job"], f"`{item.get('metric')}`", _cell(item.get("value")), item.get("bound") or "",
+             item.get("reason") or ""] for rec in records for item in rec.get("implausible") or []]
+    conversions = [[rec["job"], (rec.get("kv_conversion") or {}).get("text", "")]
+                   for rec in records if rec.get("kv_conversion")]
+    lines: List[str] = []
+    if rows:
+        lines += ["## Implausible figures", "",
+                  "Figures that break a physical bound of the machine they were measured on (the bandwidth "
+                  "probed, the roofline, NVML's power limit, an allocation, their own interval): kept, not "
+                  "to be read as true.", "", *_md_table(["job", "metric", "value", "bound", "why"], rows), ""]
+    if conversions:
+        lines += ["## KV layouts that are not the model's own", "",
+                  *_md_table(["job", "conversion"], conversions), ""]
+    return lines
+
+
 def markdown(report: Report, plots: Sequence[Path]) -> str:
     """The report as markdown: counts, the variants side by side, one table of jobs per kind,
     the non-ok jobs, the plots (or why there are none)."""
@@ -297,6 +316,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
         lines += [f"## {title}", "",
                   *_md_table(["job", *[t for _, t in job_axes_], "status", *[c.title for c in columns]], rows,
                              len(columns)), ""]
+    lines += _flags_md(records)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["## Jobs that are not ok", ""]
