@@ -237,12 +237,12 @@ def _sufficiency(name: str, q: float, n: int) -> Dict[str, Optional[object]]:
     return out
 
 
-def trial_metric(name: str, per_trial: Sequence[float]) -> Dict[str, Optional[object]]:
+def trial_metric(name: str, per_trial: Sequence[float], what: str = "timed trials") -> Dict[str, Optional[object]]:
     """``name``: the median over timed trials, with its bootstrap interval over trials
     (``<name>_ci_low``/``_ci_high``; null with one trial), the trial count and its warning."""
     low, high = bootstrap_ci(per_trial)
     estimate = median(per_trial)
-    reason = interval_reason(len(per_trial), 0.5, "timed trials")
+    reason = interval_reason(len(per_trial), 0.5, what)
     if reason is None and degenerate(estimate, low, high, len(set(per_trial)) > 1):
         low = high = None
         reason = "degenerate interval (an end at the estimate)"

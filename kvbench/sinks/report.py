@@ -227,14 +227,16 @@ def _kv_cost_md(records) -> List[str]:
     cells = [k for k in rows[0] if "." in k]  # the other swept axes (config keys are dotted)
     num = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     table = [[*(str(r[k]) for k in cells), r["variant"], str(r["prompts"]), num(r["at_ctx0_ms"], ".3f"),
-              f"{num(r['us_per_1k_ctx'], '.1f')} [{num(r['us_per_1k_ctx_ci_low'], '.1f')}, "
-              f"{num(r['us_per_1k_ctx_ci_high'], '.1f')}]", num(r["slope_ratio"], ".3f"),
-              num(r["kv_bytes_ratio"], ".3f")] for r in rows]
+              num(r["us_per_1k_ctx"], ".1f") + (f" [{num(r['us_per_1k_ctx_ci_low'], '.1f')}, "
+                                                f"{num(r['us_per_1k_ctx_ci_high'], '.1f')}]"
+                                                if r["us_per_1k_ctx_ci_low"] is not None else ", no interval"),
+              num(r["slope_ratio"], ".3f"), num(r["kv_bytes_ratio"], ".3f")] for r in rows]
     return ["## KV cost across prompt lengths", "",
             "Per variant, the jobs' decode p50 against the mean context their steps attended, fitted by "
             "Theil-Sen (one job per prompt length: the interval is over jobs, not trials). Ratios are to the "
             "first variant of the same cell; if the context cost were only the K/V bytes read, the slope "
-            "ratio would equal the KV bytes ratio.", "",
+            "ratio would equal the KV bytes ratio. A fit of fewer than 6 jobs has no interval "
+            "(docs/statistics.md).", "",
             *_md_table([*cells, "variant", "prompts", "ms at context 0", "µs per 1k context [95%]",
                         "slope ratio", "KV bytes ratio"], table, 4), ""]
 

@@ -80,6 +80,8 @@ METHODS: Dict[str, str] = {
     "decode_ms_at_ctx0": "ms; null in a decode record (see decode_us_per_1k_ctx_reason)",
     "decode_us_per_1k_ctx": "µs per 1,000 positions; null in a decode record (see decode_us_per_1k_ctx_reason); "
                             "task=compare measures it",
+    "decode_us_per_1k_ctx_ci_low": "µs per 1,000 positions; null in a decode record (as decode_us_per_1k_ctx)",
+    "decode_us_per_1k_ctx_ci_high": "µs per 1,000 positions; null in a decode record (as decode_us_per_1k_ctx)",
     "decode_us_per_1k_ctx_reason": f"text; why decode_us_per_1k_ctx is null: {KV_COST_REASON}",
     "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
     "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "

@@ -182,7 +182,7 @@ def summarize(trials: Sequence[Dict], labels: Sequence[str], contexts: Sequence[
     for v in labels:
         row: Dict = {"variant": v}
         for ctx in contexts:
-            fields = stats.trial_metric(f"step_ms_ctx{ctx}", rounds[v, ctx])
+            fields = stats.trial_metric(f"step_ms_ctx{ctx}", rounds[v, ctx], "rounds")
             row.update({k: fields[k] for k in fields if not k.endswith(("_n", "_warning"))})
         fit = stats.kv_cost_fit([ctx for ctx in contexts for _ in range(n_rounds)],
                                 [ms for ctx in contexts for ms in rounds[v, ctx]])
