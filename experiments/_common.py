@@ -5,8 +5,6 @@ Each script runs as ``python experiments/<name>.py``, so this module is imported
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import List, Tuple
 
@@ -16,7 +14,8 @@ from omegaconf import DictConfig
 
 from kvbench.cache import cache_for
 from kvbench.config import CONF_DIR, BenchConfig, register_configs, to_bench_config
-from kvbench.runner import build_model
+from kvbench.jsonio import write_text_atomic
+from kvbench.tasks.common import build_model
 
 
 def compose_config(overrides: List[str]) -> DictConfig:
@@ -40,15 +39,7 @@ def decode_setup(model: str, prompt_len: int,
 def write_report(out: Path, text: str) -> Path:
     """Write ``text`` to ``out`` atomically (a reader never sees half a report), print it and
     where it went."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text_atomic(out, text)
     print(text)
     print(f"wrote {out}")
     return out

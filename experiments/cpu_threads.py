@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from _common import decode_setup, write_report
 
+from kvbench.jobs.runner import DEFAULT_THREADS
 from kvbench.measure.env import load_average, usable_cpus
 from kvbench.measure.stats import paired_ratio, percentile
-from kvbench.runner import DEFAULT_THREADS
 from kvbench.workloads.decode import time_decode
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import cache_for
-from kvbench.config import AttentionConfig, ModelConfig, attention_type
 from kvbench.model import MLP, Attention, Decoder, apply_rope, grouped_attention
+from kvbench.model_config import AttentionConfig, ModelConfig, attention_type
 
 ROOT = Path(__file__).resolve().parents[1]
 # Wall clock, and this process's CPU time, which is not charged while it waits for a core.

@@ -3,7 +3,7 @@ across turns (cache.shared=false,true), on model=small: a 512-token system promp
 
     python experiments/multiturn_ttft.py [--batch-size 4] [--warmup 1] [--repeats 3] [--threads 1]
 
-Both runs go through kvbench.runner.run_job (the code behind ``kvbench workload=multiturn``)
+Both runs go through kvbench.jobs.runner.run_job (the code behind ``kvbench workload=multiturn``)
 with conf/model/<--model>.yaml and conf/workload/multiturn.yaml; each job's results.json goes
 under ``--runs`` (default outputs/multiturn_ttft/, git-ignored). Prints the turn-by-turn table
 and the unshared/shared TTFT ratio, and writes it to ``--out`` (default
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from _common import compose_config, write_report
 
-from kvbench.runner import run_job
+from kvbench.jobs.runner import run_job
 from kvbench.sinks.console import ttft_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,9 +27,9 @@ import torch
 from _common import compose_config, write_report
 
 from kvbench.config import to_bench_config
-from kvbench.measure.memory import release_heap
-from kvbench.runner import build_model
-from kvbench.workloads import capacity
+from kvbench.measure.host import release_heap
+from kvbench.tasks import capacity
+from kvbench.tasks.common import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

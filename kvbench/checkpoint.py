@@ -3,7 +3,7 @@
 - kvbench's own checkpoints: one ``torch.save`` of the two configs as dicts, the state dict and
   any extra (train metrics, the loss curve).
 - transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
-  names) of the architectures in :data:`~kvbench.config.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
+  names) of the architectures in :data:`~kvbench.hf_config.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
   scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms), MHA, GQA or MQA. The
   decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
   unpermuted (tests/test_checkpoint.py compares logits against transformers for each family).
@@ -26,9 +26,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from kvbench.config import AttentionConfig, ConfigError, ModelConfig, typed
+from kvbench import hf_config
+from kvbench.config_errors import ConfigError, typed
+from kvbench.jsonio import atomic_write
 from kvbench.model import Decoder, rope_tables, torch_dtype
-from kvbench.results import read_json
+from kvbench.model_config import AttentionConfig, ModelConfig
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -110,10 +112,8 @@ def save_checkpoint(path: str | Path, model: Decoder, extra: Optional[dict] = No
     payload = {FORMAT_KEY: FORMAT_VERSION, "model": asdict(model.config),
                "attention": asdict(model.attention),
                "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, **extra}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)  # atomic: a crash never leaves half a checkpoint under the real name
-    return path
+    # atomic: a crash never leaves half a checkpoint under the real name
+    return atomic_write(path, lambda f: torch.save(payload, f), binary=True)
 
 
 def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
@@ -165,12 +165,18 @@ def _llama_name(name: str) -> str:
 
 def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
     """The decoder shape a checkpoint directory's config.json describes."""
+    return _llama_config(directory, max_seq_len)[0]
+
+
+def _llama_config(directory: str | Path, max_seq_len: Optional[int]) -> Tuple[ModelConfig, Mapping[str, Any]]:
+    # The shape and the parsed config.json it came from (read once: hf_config.read_config_json).
     directory = Path(directory)
-    config_path = directory / "config.json"
+    config_path = directory / hf_config.CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a transformers checkpoint directory)")
     try:
-        return ModelConfig.from_hf_config(read_json(config_path), str(config_path), max_seq_len)
+        hf = hf_config.read_config_json(directory)
+        return ModelConfig.from_hf_config(hf, str(config_path), max_seq_len), hf
     except (OSError, ValueError) as exc:  # ConfigError, JSON that does not parse, not a regular file
         raise CheckpointError(f"{config_path}: {exc}" if str(config_path) not in str(exc) else str(exc)) from None
 
@@ -188,8 +194,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     directory = Path(directory)
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
-    model_cfg = read_llama_config(directory, max_seq_len)
-    hf_config = read_json(directory / "config.json")  # parsed once already
+    model_cfg, hf = _llama_config(directory, max_seq_len)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")
@@ -199,7 +204,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
             raise CheckpointError(f"{f}: not a regular file")
         for name, t in _reading(f, "safetensors file", partial(load_file, str(f))).items():
             tensors[_llama_name(name)] = t
-    if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "embed.weight" in tensors:
+    if hf_config.tied_embeddings(hf) and "lm_head.weight" not in tensors and "embed.weight" in tensors:
         tensors["lm_head.weight"] = tensors["embed.weight"]  # tied: the head reuses the embedding
 
     attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)

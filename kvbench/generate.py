@@ -21,8 +21,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from kvbench.cache import KVCache, bucket_length
-from kvbench.config import ConfigError
+from kvbench.config_errors import ConfigError
 from kvbench.measure.timing import sync
+from kvbench.metrics import Metric, metric_table, record_methods
 
 
 @dataclass
@@ -147,11 +148,13 @@ def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: KVCache,
 # ---- runtime.compile -------------------------------------------------------------------------
 
 # Units and methods of the compile fields a workload records (its compile_s says what it ran).
-COMPILE_METHODS = {
-    "compiled_graphs": "count; graphs torch.compile compiled during compile_s (graph: one per context bucket)",
-    "recompiles": "count; graphs torch.compile compiled during the timed trials (dynamo's unique_graphs "
-                  "counter); 0 means every timed step ran a graph compiled beforehand",
-}
+COMPILE_METRICS: Dict[str, Metric] = metric_table(
+    Metric("compiled_graphs", "count",
+           "graphs torch.compile compiled during compile_s (graph: one per context bucket)"),
+    Metric("recompiles", "count", "graphs torch.compile compiled during the timed trials (dynamo's unique_graphs "
+                  "counter); 0 means every timed step ran a graph compiled beforehand"),
+)
+COMPILE_METHODS: Dict[str, str] = record_methods(COMPILE_METRICS)
 
 
 def compiled_step(mode: str, model, device: torch.device, bucket: int = 256):

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.config import DTYPE_BYTES, AttentionConfig, ModelConfig
+from kvbench.config import DTYPE_BYTES
+from kvbench.model_config import AttentionConfig, ModelConfig
 
 
 def torch_dtype(name: str) -> torch.dtype:

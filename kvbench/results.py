@@ -2,12 +2,9 @@
 
 This module is the only reader and writer of records. Everything downstream (W&B, the sweep
 table, the report, resumption) reads a record through :class:`RunResult` /
-:func:`read_record`. A record is written atomically (temporary file in the same directory,
-fsync, rename), so a reader or a job killed mid-write never sees a torn file.
-
-It also owns the job directory's other piece of state: the claim (:func:`claim_job`), an
-``flock`` that says a process is running the job now, so that two kvbench processes never
-measure one job at the same time.
+:func:`read_record`. A record is written atomically (:func:`kvbench.jsonio.atomic_write`), so a
+reader or a job killed mid-write never sees a torn file. :func:`record_view` says which keys of a
+job's config its record keeps.
 
 Records are strict JSON: a NaN or an infinity is written as null, and ``null_reasons`` says
 which value was what.
@@ -15,32 +12,24 @@ which value was what.
 
 from __future__ import annotations
 
-import datetime as dt
-import errno
-import fcntl
 import json
 import math
-import os
-import secrets
-import socket
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config import objective_metric, record_view
+from kvbench.config import objective_metric
+from kvbench.jsonio import plain, read_regular, write_json_atomic
 
 RESULTS_FILE = "results.json"
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
 # it keeps the metrics complete by then, and resume runs the job again.
 STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
 SCHEMA_VERSION = 1
-CLAIM_FILE = ".kvbench-claim"
 # A record is small (metrics, one series, a few tables); anything far larger is not one, and
 # reading it whole could exhaust memory.
 MAX_RECORD_BYTES = 64 * 2**20
-# Keys of a job's config that say how it is scheduled or recorded, not what it measures.
-NOT_IDENTITY = ("rerun", "wandb", "objective", "objective_caps")
 
 
 class RecordError(ValueError):
@@ -136,23 +125,6 @@ def _shape_error(data: Dict[str, Any]) -> Optional[str]:
     if not all(isinstance(o, str) for o in data.get("overrides", [])):
         return "overrides holds a value that is not a string"
     return None
-def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
-    """At most ``limit`` bytes of ``path`` (all of it for None). Anything but a regular file is
-    an OSError: a FIFO blocks its reader until a writer comes (forever, in a job) and a device
-    such as /dev/zero never ends. The check is made on the descriptor, opened non-blocking, so
-    a file replaced after it was listed cannot slip through."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return f.read() if limit is None else f.read(limit)
-
-
-def read_json(path: Path | str) -> Any:
-    """Parsed JSON of the regular file ``path``; OSError / ValueError pass through."""
-    return json.loads(read_regular(path).decode("utf-8"))  # bytes would let json guess UTF-16
-
-
 def read_record(path: Path | str) -> RunResult:
     """The record at ``path`` (a results.json or its job directory).
 
@@ -198,7 +170,7 @@ def nonfinite_kind(value: Any) -> Optional[str]:
 
 def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:
     """name -> ``nan`` / ``inf`` / ``-inf`` for each scalar metric that is not a finite number."""
-    return {name: kind for name, value in metrics.items() if (kind := nonfinite_kind(_plain(value)))}
+    return {name: kind for name, value in metrics.items() if (kind := nonfinite_kind(plain(value)))}
 
 
 def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
@@ -207,7 +179,7 @@ def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
     found: Dict[str, List[str]] = {}
 
     def walk(node: Any, path: str) -> Any:
-        node = _plain(node)
+        node = plain(node)
         kind = nonfinite_kind(node)
         if kind:
             found.setdefault(path, []).append(kind)
@@ -224,135 +196,10 @@ def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
     return clean, reasons
 
 
-def _plain(value: Any) -> Any:
-    # torch / numpy scalars end up in metrics; compare and store them as plain numbers.
-    return value.item() if hasattr(value, "item") and not isinstance(value, (Mapping, list, tuple)) else value
-
-
-def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write ``data`` to ``path`` as strict JSON (a NaN or an infinity is a ValueError, never a
-    bare ``NaN`` that strict parsers reject), so that it is either the old file or the complete
-    new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temp(path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _create_temp(path: Path) -> tuple[int, str]:
-    """A new temporary file beside ``path``, created with mode 0666 less the umask, as
-    ``open()`` would (``tempfile.mkstemp`` makes 0600, and other users could not read records)."""
-    while True:
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-
-
-def _json_default(obj: Any) -> Any:
-    # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
-    plain = _plain(obj)
-    return str(obj) if plain is obj else plain
-
-
-class JobClaim:
-    """This process is running the job in ``directory``: an exclusive ``flock`` on its claim
-    file, which names the host, pid and start. Released by :meth:`release` or when the process
-    ends in any way (the kernel drops the lock, even on SIGKILL), so a claim never goes stale."""
-
-    def __init__(self, directory: Path, handle: Any):
-        self.directory, self._handle = directory, handle
-
-    def release(self) -> None:
-        if self._handle is not None:
-            self._handle.close()  # closing the last descriptor drops the flock
-            self._handle = None
-
-    def __enter__(self) -> "JobClaim":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def claim_job(directory: Path | str) -> Optional[JobClaim]:
-    """Claim the job in ``directory`` for this process; None when another process holds it
-    (another kvbench, or a job process a killed sweep left running)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / CLAIM_FILE, "a+")  # not "w": that would erase the holder's name
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        return None
-    handle.seek(0)
-    handle.truncate()
-    since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
-    handle.flush()
-    return JobClaim(directory, handle)
-
-
-def claim_holder(directory: Path | str) -> Optional[str]:
-    """Who holds the claim on ``directory`` (``"host pid N since T"``), or None when nobody
-    does. A claim this process holds through another :class:`JobClaim` counts as held."""
-    path = Path(directory) / CLAIM_FILE
-    try:
-        handle = open(path)
-    except OSError:
-        return None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return handle.read(200).strip() or "another process"
-        except OSError:
-            return None
-        return None  # closing the file drops the shared lock just taken
-
-
 def find_results(root: Path | str) -> List[Path]:
     """Every results.json under ``root`` (a job directory or a sweep), in path order."""
     root = Path(root)
     return sorted(root.rglob(RESULTS_FILE))
-
-
-def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[RunResult]:
-    """The record in ``out_dir`` if it is ``ok`` and was produced by the same ``config`` (the
-    job's validated config as a dict), else None: resume's "is this job done?".
-
-    A missing, unreadable or non-ok record (``interrupted`` included), or one for a different
-    config (the sweep's override list changed, so this job number now means another job), means
-    the job must run."""
-    try:
-        record = read_record(out_dir)
-    except RecordError:
-        return None
-    if record.status != "ok":
-        return None
-    return record if _identity(record.config) == _identity(config) else None
-
-
-def _identity(config: Any) -> Any:
-    # Compare as results.json stores it (JSON types), the keys the job's task reads (a record
-    # written before records left the others out compares the same), without the keys that do
-    # not change a job.
-    if not isinstance(config, dict):
-        return None
-    plain = json.loads(json.dumps(record_view(config), default=str))
-    return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
 
 
 def objective_value(record: RunResult, objective: str,
@@ -389,6 +236,75 @@ def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None, f"{name}={value!r} is not a finite number"
     return float(value), None
+
+
+# ---- what a record keeps ---------------------------------------------------------------------
+
+# The keys of each section that a job's task (and, for task=bench, its workload) reads. A key
+# that means nothing for a job (train.* for a decode run, workload.* for training) is left out
+# of its record, so the record describes what was measured and nothing else.
+_WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
+                  "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
+# task=capacity searches the batch (and, for decode, the prompt length: capacity.context_lens)
+_CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
+                           "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}
+_CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype")}
+_RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
+_TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
+
+
+def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The part of a job's config (``asdict`` of a :class:`BenchConfig`, or the mapping Hydra
+    saved) that its task reads: a decode run keeps no ``train``/``data`` section and no chat
+    keys, a multi-turn chat no prompt length, training no workload or cache. Unknown tasks and
+    workloads keep everything; a partial config (an invalid run's) keeps what it has."""
+    if not isinstance(config, dict):
+        return config
+    task = config.get("task", "bench")
+    out = dict(config)
+
+    def keep(section: str, keys) -> None:
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k in keys}
+
+    if task != "compare":
+        out.pop("compare", None)
+    if task == "compare":  # many variants, none of them the record's attention
+        out.pop("attention", None)
+        out.pop("train", None)
+        out.pop("data", None)
+        keep("workload", ("batch_size",))
+        keep("cache", ("impl",))
+    if task != "capacity":
+        out.pop("slo", None)
+        out.pop("capacity", None)
+        if isinstance(out.get("runtime"), dict):
+            out["runtime"] = {k: v for k, v in out["runtime"].items() if k != "memory_budget_gb"}
+    if task in ("bench", "inspect", "capacity"):
+        out.pop("train", None)
+        out.pop("data", None)
+        w = out.get("workload")
+        workload = w.get("name", "decode") if isinstance(w, dict) else None
+        if task == "capacity" and workload in _CAPACITY_WORKLOAD_KEYS:
+            keep("workload", _CAPACITY_WORKLOAD_KEYS[workload])
+            keep("cache", _CACHE_KEYS[workload])
+            if workload == "multiturn":
+                keep("capacity", ("max_batch", "batch_step"))
+        elif workload in _WORKLOAD_KEYS:
+            keep("workload", _WORKLOAD_KEYS[workload])
+            keep("cache", _CACHE_KEYS[workload])
+    elif task in ("train", "eval"):
+        out.pop("workload", None)
+        if task == "eval":  # scored through a cache of cache.dtype (auto: none)
+            keep("cache", ("dtype",))
+        else:
+            out.pop("cache", None)
+        keep("runtime", _RUNTIME_KEYS_QUALITY)
+        if task == "eval":
+            keep("train", _TRAIN_KEYS_EVAL)
+        elif isinstance(out.get("train"), dict):
+            keep("train", [k for k in out["train"] if k != "checkpoint"])
+    return out
 
 
 def lookup(config: Any, dotted: str) -> Any:

@@ -4,8 +4,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kvbench.config import AttentionConfig, ModelConfig, register_configs
+from kvbench.config import register_configs
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig, ModelConfig
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()

@@ -17,9 +17,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import CONF_DIR, AttentionConfig, BenchConfig, ModelConfig, to_bench_config
+from kvbench.config import CONF_DIR, BenchConfig, to_bench_config
+from kvbench.jobs.sweep import sweep_jobs, sweep_size
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.results import read_record
-from kvbench.sweep import sweep_jobs, sweep_size
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
@@ -72,7 +73,7 @@ def test_every_conf_file_composes_and_validates(group, option, tmp_path):
     ("llama3_8b", 8_030_261_248), ("mistral_7b", 7_241_732_096)])
 def test_preset_shapes_match_published_parameter_counts(name, published_params):
     """The true shapes: the parameter count of the preset equals the published model's."""
-    from kvbench.inspection import parameter_count
+    from kvbench.tasks.inspect import parameter_count
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", "attention=gqa"])
@@ -282,26 +283,27 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     """runtime.isolate=true (the default): the job runs in a child process, and what the Hydra
     task function returns is that child's results.json's metric; a resumed job (already ok)
     returns the same value from disk without running again."""
-    from kvbench import cli, isolation
+    from kvbench import cli_job
+    from kvbench.jobs import isolation
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*TINY, "runtime.fidelity=false", "objective=-decode_ms_p50"])
     assert cfg.runtime.isolate is True
-    monkeypatch.setattr(cli, "_job_context", lambda: (tmp_path, False, [], None))
+    monkeypatch.setattr(cli_job, "_job_context", lambda: (tmp_path, False, [], None))
 
     def not_here(*args, **kwargs):
         raise AssertionError("the job ran in the test's own process")
 
     monkeypatch.setattr(isolation, "run_job", not_here)  # this process's copy; the child imports its own
-    value = cli.hydra_job(cfg)
+    value = cli_job.hydra_job(cfg)
     record = read_record(tmp_path)
     assert record.status == "ok", record.error
     assert value == -record.metrics["decode_ms_p50"]
     # The same job again in a multirun: skipped as done, its objective still comes back.
-    monkeypatch.setattr(cli, "_job_context", lambda: (tmp_path, True, [], 0))
+    monkeypatch.setattr(cli_job, "_job_context", lambda: (tmp_path, True, [], 0))
     before = (tmp_path / "results.json").read_bytes()
-    assert cli.hydra_job(cfg) == value and (tmp_path / "results.json").read_bytes() == before
+    assert cli_job.hydra_job(cfg) == value and (tmp_path / "results.json").read_bytes() == before
     # No objective (a grid sweep): nothing is returned.
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         grid = compose("config", overrides=[*TINY, "runtime.fidelity=false"])
-    assert cli.hydra_job(grid) is None
+    assert cli_job.hydra_job(grid) is None

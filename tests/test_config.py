@@ -9,23 +9,18 @@ from hydra import compose, initialize_config_dir
 
 from kvbench.config import (
     CONF_DIR,
-    MAX_ERROR_CHARS,
-    AttentionConfig,
     BenchConfig,
     CacheConfig,
-    ConfigError,
     DataConfig,
-    ModelConfig,
     RuntimeConfig,
     TrainConfig,
     WandbConfig,
     WorkloadConfig,
-    attention_type,
-    default_gqa_kv_heads,
     objective_metric,
     to_bench_config,
-    typed,
 )
+from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError, typed
+from kvbench.model_config import AttentionConfig, ModelConfig, attention_type, default_gqa_kv_heads
 
 
 def one_line_error(fn, needle):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvbench.config import ConfigError
+from kvbench.config_errors import ConfigError
 from kvbench.device import hold_free_gpu, resolve_device
 
 HOLD = ("import sys, time\nfrom kvbench.device import hold_free_gpu\nfrom kvbench.config import ConfigError\n"

@@ -1,7 +1,7 @@
 """task=inspect's text: the head→group map."""
 
-from kvbench.inspection import describe_kv_groups, kv_memory_table
 from kvbench.model import kv_group_map
+from kvbench.tasks.inspect import describe_kv_groups, kv_memory_table
 
 
 def test_group_map_32_query_8_kv_heads():

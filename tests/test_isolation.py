@@ -1,4 +1,4 @@
-"""Jobs in a fresh process (kvbench/isolation.py): every way a job's process can end becomes a
+"""Jobs in a fresh process (kvbench/jobs/isolation.py): every way a job's process can end becomes a
 record; a launcher's SystemExit (submitit on preemption) is recorded interrupted, never ok; a
 job process never outlives the kvbench process that started it.
 
@@ -18,16 +18,9 @@ from dataclasses import asdict
 import psutil
 import pytest
 
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    CacheConfig,
-    ModelConfig,
-    RuntimeConfig,
-    WandbConfig,
-    WorkloadConfig,
-)
-from kvbench.isolation import death_status, run_isolated
+from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
+from kvbench.jobs.isolation import death_status, run_isolated
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.results import RunResult, read_record
 
 
@@ -95,7 +88,7 @@ def test_death_status_tells_oom_from_kill_from_crash(exitcode, before, after, st
 PARENT = """
 import signal, sys
 from kvbench.config import *
-from kvbench.isolation import launch_job
+from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 if sys.argv[2] == "submitit":
     signal.signal(signal.SIGUSR2, lambda signum, frame: sys.exit(-1))

@@ -12,10 +12,11 @@ from conftest import hf_dir
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, ModelConfig, to_bench_config
-from kvbench.inspection import describe
+from kvbench.jobs.runner import run_job
 from kvbench.quality.data import byte_data, eval_windows
-from kvbench.runner import job_kv_conversion, run_job
 from kvbench.sinks.console import run_table, stdout
+from kvbench.tasks.common import job_kv_conversion
+from kvbench.tasks.inspect import describe
 
 
 def compose_job(*overrides):

@@ -6,6 +6,7 @@ up. Sinks read records; they import no code that runs a model.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -14,23 +15,28 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config", "units", "interrupts"],
+    ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome"],
+    ["hf_config"],
+    ["model_config"],
+    ["config"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
-    ["checkpoint", "generate", "device", "measure.env", "measure.roofline"],
-    ["quality.data", "quality.fidelity", "inspection"],
-    ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.interleaved"],
-    ["workloads.capacity"],
-    ["runner"],
-    ["isolation"],
-    ["sinks.compare", "sinks.tracking"],
+    ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
+    ["quality.data", "quality.fidelity", "tasks.inspect", "tasks.capacity_search"],
+    ["quality.train", "workloads.decode", "workloads.multiturn", "tasks.common"],
+    ["tasks.bench", "tasks.train", "tasks.eval", "tasks.capacity", "tasks.compare"],
+    ["jobs.runner"],
+    ["jobs.isolation", "jobs.sweep"],
+    ["sinks.tables", "sinks.tracking"],
     ["sinks.choose", "sinks.dashboard"],
     ["sinks.console", "sinks.plots"],
-    ["sinks.report", "sweep"],
+    ["sinks.report"],
+    ["cli_job"],
+    ["cli_sweep"],
     ["cli"],
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
-# measuring), and other sinks.
-SINK_ALLOWED = ("results", "units", "config", "measure.stats", "sinks.")
+# measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.
+SINK_ALLOWED = ("results", "units", "metrics", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
 
 
 def module_name(path: Path) -> str:
@@ -136,3 +142,20 @@ def test_graph_size(capsys):
         print(f"\nkvbench import graph: {len(files)} files ({sum(p.name != '__init__.py' for p in files.values())}"
               f" modules), {len(LAYERS)} layers, {n_edges} import edges between kvbench modules")
     assert n_edges > 0
+
+
+MAX_MODULE_LINES = 450
+LAYOUT_PAGE = PACKAGE.parent / "docs" / "layout.md"
+
+
+def test_no_module_is_over_450_lines():
+    """A module past 450 lines has grown a second owner: split it along its owners."""
+    files, _ = graph()
+    long = {m: n for m, p in files.items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_docs_layout_page_lists_the_layers():
+    """docs/layout.md's table is LAYERS: every module, on its layer, in this order."""
+    rows = re.findall(r"^\| (\d+) \| `([\w.]+)` \|", LAYOUT_PAGE.read_text(), re.M)
+    assert [(int(layer), mod) for layer, mod in rows] == [(i, m) for i, layer in enumerate(LAYERS) for m in layer]

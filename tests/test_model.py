@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import make_decoder
 from torch.profiler import ProfilerActivity, profile
 
-from kvbench.config import ConfigError
+from kvbench.config_errors import ConfigError
 from kvbench.model import fold_mask, grouped_attention, kv_group_map
 
 
@@ -111,7 +111,7 @@ def test_attention_memory_does_not_grow_with_group_size(T):
 
 @pytest.mark.parametrize("kv, needle", [(6, "attention.num_kv_heads=6"), (0, "attention.num_kv_heads=0")])
 def test_bad_groupings_rejected_naming_the_field(kv, needle):
-    from kvbench.config import AttentionConfig, ModelConfig
+    from kvbench.model_config import AttentionConfig, ModelConfig
     model = ModelConfig(num_layers=1, d_model=4096, num_heads=32, preset_kv_heads=32)
     with pytest.raises(ConfigError) as err:
         AttentionConfig(type="gqa", num_kv_heads=kv).resolved(model)

@@ -15,20 +15,9 @@ from conftest import call_with_timeout
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, register_configs, to_bench_config
-from kvbench.results import (
-    CLAIM_FILE,
-    RecordError,
-    RunResult,
-    claim_holder,
-    claim_job,
-    completed_record,
-    flatten,
-    lookup,
-    nonfinite_metrics,
-    objective_value,
-    read_record,
-    write_json_atomic,
-)
+from kvbench.jobs.claim import CLAIM_FILE, claim_holder, claim_job, completed_record
+from kvbench.jsonio import write_json_atomic
+from kvbench.results import RecordError, RunResult, flatten, lookup, nonfinite_metrics, objective_value, read_record
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",
         "runtime.repeats=2", "wandb.mode=disabled"]
@@ -156,7 +145,7 @@ def test_a_claim_is_exclusive_names_its_holder_and_is_released(tmp_path):
 
 def test_a_claim_of_a_killed_process_expires(tmp_path):
     """A process that dies without releasing (SIGKILL) leaves its name in the file but no claim."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvbench.results import claim_job; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from kvbench.jobs.claim import claim_job; "
                                "c = claim_job(sys.argv[1]); print('held', flush=True); time.sleep(600)",
                                str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

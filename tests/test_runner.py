@@ -14,12 +14,13 @@ from conftest import byte_decoder, call_with_timeout, llama_dir
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
-from kvbench import runner
 from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import save_checkpoint
-from kvbench.config import CONF_DIR, MAX_ERROR_CHARS, ConfigError
+from kvbench.config import CONF_DIR
+from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError
+from kvbench.jobs import runner
+from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
-from kvbench.runner import run_job
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=4",
         "runtime.threads=1"]
@@ -246,12 +247,13 @@ def test_metrics_that_are_not_finite_are_an_error_not_ok(tmp_path):
 def test_an_internal_error_message_is_bounded_everywhere(tmp_path, monkeypatch):
     """An exception with a huge message: one bounded line in the record, the head and the tail
     of the traceback in error.txt."""
-    from kvbench import runner
+    from kvbench.jobs import runner
+    from kvbench.tasks import bench
 
     def boom(*args, **kwargs):
         raise RuntimeError("x" * 5_000_000 + " the end")
 
-    monkeypatch.setattr(runner, "build_model", boom)
+    monkeypatch.setattr(bench, "build_model", boom)
     result = job(tmp_path, "model=tiny", "workload.prompt_len=8", "workload.gen_len=4")
     assert result.status == "error" and result.error.startswith("RuntimeError: xxx")
     assert len(result.error) <= MAX_ERROR_CHARS + 100 and len(read_record(tmp_path).error) == len(result.error)
@@ -264,8 +266,8 @@ def test_eval_records_the_shape_it_measured_not_the_preset(tmp_path):
     function: the same perplexity) and the record says mha/4 with the checkpoint's shape, not
     model=small's; a count neither pooled nor repeated is invalid, naming the key."""
     from kvbench.checkpoint import save_checkpoint
-    from kvbench.config import AttentionConfig, ModelConfig
     from kvbench.model import Decoder
+    from kvbench.model_config import AttentionConfig, ModelConfig
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
@@ -314,8 +316,8 @@ def test_eval_of_a_llama_directory_records_its_shape(tmp_path):
 
 def test_uptraining_from_a_checkpoint_of_another_shape_is_invalid(tmp_path):
     from kvbench.checkpoint import save_checkpoint
-    from kvbench.config import AttentionConfig, ModelConfig
     from kvbench.model import Decoder
+    from kvbench.model_config import AttentionConfig, ModelConfig
 
     saved = ModelConfig(name="train_small", num_layers=1, d_model=32, num_heads=8, preset_kv_heads=8, ffn_dim=64,
                         vocab_size=256, max_seq_len=64)

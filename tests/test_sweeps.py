@@ -19,8 +19,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench.config import register_configs, to_bench_config
-from kvbench.isolation import oom_kills
-from kvbench.results import RunResult, claim_job, find_results, read_record
+from kvbench.jobs.claim import claim_job
+from kvbench.jobs.isolation import oom_kills
+from kvbench.results import RunResult, find_results, read_record
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -282,7 +283,7 @@ def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, c
     record (metrics a list), and records an earlier sweep left (job 1's directory once held
     another job; jobs 2 and 3 are beyond this sweep). The table, report and exit code see
     only this sweep's 2 jobs, and never crash."""
-    from kvbench.cli import sweep_end
+    from kvbench.cli_sweep import sweep_end
     from kvbench.sinks.report import CSV_FILE
 
     sweep = tmp_path / "sweep"
@@ -353,8 +354,8 @@ def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials
     among the trials' results.json whose KV cache is within the cap, recomputed from the files;
     a trial over the cap returned no objective (and says so); kvbench's own end of sweep counts
     the 6 jobs; the search's directory then refuses another sweep."""
-    from kvbench.cli import check_sweep_start
-    from kvbench.config import ConfigError
+    from kvbench.cli_sweep import check_sweep_start
+    from kvbench.config_errors import ConfigError
 
     sweep = tmp_path / "search"
     proc = subprocess.run(kvbench_cmd("-m", *SEARCH, f"hydra.sweep.dir={sweep}"), cwd=tmp_path, env=run_env(),
@@ -391,8 +392,8 @@ def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials
     (["hydra.sweeper.direction=minimize"], "hydra.sweeper.direction=minimize: kvbench's objective is maximised"),
 ])
 def test_a_search_that_could_not_mean_anything_is_refused_before_any_job(tmp_path, change, needle):
-    from kvbench.cli import check_sweep_start
-    from kvbench.config import ConfigError
+    from kvbench.cli_sweep import check_sweep_start
+    from kvbench.config_errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         check_sweep_start(search_config(tmp_path / "new", *SEARCH, *change))

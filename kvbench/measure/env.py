@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from kvbench.measure.memory import nvml_driver_version
+from kvbench.metrics import Metric, metric_table, record_methods
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../kvbench
 _GIT_TIMEOUT_S = 2.0
@@ -95,15 +96,16 @@ def collect_env(device: torch.device | str = "cpu") -> Dict[str, Any]:
 
 
 # How busy the machine was around a job (recorded in metrics; tables show the flag).
-LOAD_METHODS: Dict[str, str] = {
-    "load_avg_before": "1-minute load average (os.getloadavg) when the job started measuring",
-    "load_avg_after": "1-minute load average when the job finished measuring",
-    "usable_cpus": "CPUs this process may run on (os.sched_getaffinity)",
-    "noisy": "true when the machine had more runnable work than CPUs around the job: max(load_avg_before, "
+LOAD_METRICS: Dict[str, Metric] = metric_table(
+    Metric("load_avg_before", "", "1-minute load average (os.getloadavg) when the job started measuring"),
+    Metric("load_avg_after", "", "1-minute load average when the job finished measuring"),
+    Metric("usable_cpus", "", "CPUs this process may run on (os.sched_getaffinity)"),
+    Metric("noisy", "", "true when the machine had more runnable work than CPUs around the job: max(load_avg_before, "
              "load_avg_after) > usable_cpus + 0.5 (the job's own threads count in the load); timings of a "
-             "noisy job are unreliable",
-    "noisy_reason": "why noisy is true (null when it is false or unknown)",
-}
+             "noisy job are unreliable"),
+    Metric("noisy_reason", "", "why noisy is true (null when it is false or unknown)"),
+)
+LOAD_METHODS: Dict[str, str] = record_methods(LOAD_METRICS)
 
 
 def usable_cpus() -> int:

@@ -19,50 +19,56 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-MEMORY_METHODS: Dict[str, str] = {
-    "peak_rss_bytes": "bytes; Linux: VmHWM of /proc/self/status, the peak resident set of the job's process "
-                      "since it was exec'd (not getrusage's ru_maxrss, which a process started by fork+exec "
-                      "inherits from its parent); elsewhere ru_maxrss / psutil's peak; in one process with "
-                      "earlier jobs: null, and peak_rss_reason says so",
-    "torch_peak_allocated_bytes": "bytes; torch.cuda.max_memory_allocated after "
-                                  "reset_peak_memory_stats at enter (tensors of this process)",
-    "torch_peak_reserved_bytes": "bytes; torch.cuda.max_memory_reserved, same window "
-                                 "(allocator cache included)",
-    "nvml_device_used_bytes": "bytes; nvmlDeviceGetMemoryInfo(...).used at exit, all processes "
-                              "on the device (v2 API excludes driver-reserved memory, v1 includes it)",
-    "nvml_peak_used_bytes": "bytes; max of nvml_device_used_bytes sampled at enter, every "
-                            "interval_ms by a background thread, and at exit",
-    "nvml_samples": "count; NVML memory samples behind nvml_peak_used_bytes",
-    "nvml_memory_api": "'v2' or 'v1': which nvmlDeviceGetMemoryInfo version answered",
-    "nvml_process_used_bytes": "bytes; usedGpuMemory of os.getpid() in "
-                               "nvmlDeviceGetComputeRunningProcesses at exit (context included)",
-    "energy_mj": "mJ; delta of nvmlDeviceGetTotalEnergyConsumption between enter and exit "
-                 "(whole device; the counter updates coarsely, so short regions read low)",
-    "energy_window_s": "s; perf_counter time between the two energy counter reads behind energy_mj (the window "
-                       "energy_mj is the energy of)",
-    "power_limit_w": "W; nvmlDeviceGetEnforcedPowerLimit: the most the board may draw (the bound energy_mj / "
-                     "energy_window_s is checked against)",
-    "nvml_driver_version": "nvmlSystemGetDriverVersion",
-    "nvml_device_uuid": "NVML UUID the torch device was matched to (by UUID, not index)",
-    "nvml_reason": "text; why the nvml_* fields are null (no GPU, no NVML, a failed read); null when read",
-    "nvml_process_reason": "text; why nvml_process_used_bytes is null (the driver does not list this "
-                           "process, or NVML is unavailable); null when read",
-    "energy_reason": "text; why energy_mj (and energy_mj_per_token) is null: no energy counter, or it did not "
-                     "advance over the timed trials; null when measured",
-}
+from kvbench.measure.host import CLEAR_REFS, release_heap, rss_status
+from kvbench.metrics import Metric, metric_table, record_methods
+
+MEMORY_METRICS: Dict[str, Metric] = metric_table(
+    Metric("peak_rss_bytes", "bytes", "Linux: VmHWM of /proc/self/status, the peak resident set of the job's "
+                                      "process since it was exec'd (not getrusage's ru_maxrss, which a process "
+                                      "started by fork+exec inherits from its parent); elsewhere ru_maxrss / psutil's "
+                                      "peak; in one process with earlier jobs: null, and peak_rss_reason says so"),
+    Metric("torch_peak_allocated_bytes", "bytes", "torch.cuda.max_memory_allocated after "
+                                  "reset_peak_memory_stats at enter (tensors of this process)"),
+    Metric("torch_peak_reserved_bytes", "bytes", "torch.cuda.max_memory_reserved, same window "
+                                 "(allocator cache included)"),
+    Metric("nvml_device_used_bytes", "bytes", "nvmlDeviceGetMemoryInfo(...).used at exit, all processes "
+                              "on the device (v2 API excludes driver-reserved memory, v1 includes it)"),
+    Metric("nvml_peak_used_bytes", "bytes", "max of nvml_device_used_bytes sampled at enter, every "
+                            "interval_ms by a background thread, and at exit"),
+    Metric("nvml_samples", "count", "NVML memory samples behind nvml_peak_used_bytes"),
+    Metric("nvml_memory_api", "", "'v2' or 'v1': which nvmlDeviceGetMemoryInfo version answered"),
+    Metric("nvml_process_used_bytes", "bytes", "usedGpuMemory of os.getpid() in "
+                               "nvmlDeviceGetComputeRunningProcesses at exit (context included)"),
+    Metric("energy_mj", "mJ", "delta of nvmlDeviceGetTotalEnergyConsumption between enter and exit "
+                 "(whole device; the counter updates coarsely, so short regions read low)"),
+    Metric("energy_window_s", "s", "perf_counter time between the two energy counter reads behind energy_mj "
+                                   "(the window energy_mj is the energy of)"),
+    Metric("power_limit_w", "W", "nvmlDeviceGetEnforcedPowerLimit: the most the board may draw (the bound "
+                                 "energy_mj / energy_window_s is checked against)"),
+    Metric("nvml_driver_version", "", "nvmlSystemGetDriverVersion"),
+    Metric("nvml_device_uuid", "", "NVML UUID the torch device was matched to (by UUID, not index)"),
+    Metric("nvml_reason", "text", "why the nvml_* fields are null (no GPU, no NVML, a failed read); null when read"),
+    Metric("nvml_process_reason", "text", "why nvml_process_used_bytes is null (the driver does not list this "
+                           "process, or NVML is unavailable); null when read"),
+    Metric("energy_reason", "text", "why energy_mj (and energy_mj_per_token) is null: no energy counter, or it did not "
+                     "advance over the timed trials; null when measured"),
+)
+MEMORY_METHODS: Dict[str, str] = record_methods(MEMORY_METRICS)
 
 # What allocating one object (the KV cache) cost, seen by torch and by the driver.
-ALLOCATION_METHODS: Dict[str, str] = {
-    "kv_cache_bytes_torch": "bytes; CUDA only: torch.cuda.memory_allocated after the cache was created minus "
-                            "before (this process's tensors; the caching allocator rounds each block up)",
-    "kv_cache_bytes_nvml": "bytes; CUDA only: NVML device memory used after the cache was created minus before, "
+ALLOCATION_METRICS: Dict[str, Metric] = metric_table(
+    Metric("kv_cache_bytes_torch", "bytes", "CUDA only: torch.cuda.memory_allocated after the cache was created minus "
+                            "before (this process's tensors; the caching allocator rounds each block up)"),
+    Metric("kv_cache_bytes_nvml", "bytes",
+           "CUDA only: NVML device memory used after the cache was created minus before, "
                            "torch's unused cached blocks released first (whole device: new allocator segments, "
                            "2 MiB granular; other processes' activity in between would count too); null with "
                            "kv_cache_bytes_alloc_reason when the driver saw no growth although torch allocated "
-                           "(the caching allocator served it from memory it already held)",
-    "kv_cache_bytes_alloc_reason": "text; why kv_cache_bytes_torch / kv_cache_bytes_nvml are null (CUDA only; "
-                                   "measured for cache.impl=static, which allocates once); null when measured",
-}
+                           "(the caching allocator served it from memory it already held)"),
+    Metric("kv_cache_bytes_alloc_reason", "text", "why kv_cache_bytes_torch / kv_cache_bytes_nvml are null (CUDA only; "
+                                   "measured for cache.impl=static, which allocates once); null when measured"),
+)
+ALLOCATION_METHODS: Dict[str, str] = record_methods(ALLOCATION_METRICS)
 
 _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",
                 "nvml_memory_api", "nvml_process_used_bytes", "energy_mj", "energy_window_s",
@@ -391,72 +397,13 @@ def _shutdown(nvml: Any) -> None:
 
 # ---- the peak of one window of a process (task=capacity's probes) -----------------------------
 
-_PROC_STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-_MMAP_THRESHOLD = 1 << 20
-
-
-def _libc() -> Any:
-    import ctypes
-    import ctypes.util
-
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
-def release_heap() -> None:
-    """Hand freed heap back to the OS, so a window's RSS starts from what is live.
-
-    glibc raises its mmap threshold after large frees, and then keeps later large blocks (a
-    previous probe's KV cache) on the heap after they are freed: they would count in the next
-    window's resident set. A fixed 1 MiB threshold keeps every tensor past it in its own mapping,
-    returned at free; ``malloc_trim`` returns the rest. Not glibc: nothing to do."""
-    import gc
-
-    gc.collect()
-    try:
-        libc = _libc()
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-@contextmanager
-def long_lived_frozen() -> Iterator[None]:
-    """Treat everything alive on entry (modules, the model) as long-lived: ``gc.freeze`` moves it
-    out of the cyclic collector's way, so a :func:`release_heap` inside scans only what was made
-    since (0.22 s a collection in a kvbench process, about four per capacity probe, down to
-    milliseconds). Reference counting still frees frozen objects; a frozen cycle that turns into
-    garbage waits for the exit, where everything frozen is collectable again."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def rss_status() -> Tuple[int, int]:
-    """(current, peak) resident set of this process in bytes: VmRSS and VmHWM (Linux)."""
-    values = {}
-    with open(_PROC_STATUS) as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024  # kB
-    return values["VmRSS"], values["VmHWM"]
-
-
 def peak_window_reason(device: torch.device) -> Optional[str]:
     """Why :class:`PeakWindow` cannot measure on ``device`` here; None when it can."""
     if device.type == "cuda":
         return None
     try:
         rss_status()
-        with open(_CLEAR_REFS, "w") as f:  # resets VmHWM to the current RSS (Linux >= 4.0)
+        with open(CLEAR_REFS, "w") as f:  # resets VmHWM to the current RSS (Linux >= 4.0)
             f.write("5")
     except (OSError, KeyError, ValueError) as exc:
         return f"the peak resident set of a window needs Linux's /proc/self/status and clear_refs ({exc})"
@@ -481,7 +428,7 @@ class PeakWindow:
             _torch_reset_peak(self.device)
         else:
             release_heap()
-            with open(_CLEAR_REFS, "w") as f:
+            with open(CLEAR_REFS, "w") as f:
                 f.write("5")
         return self
 

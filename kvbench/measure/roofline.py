@@ -22,41 +22,46 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from kvbench.cache import kv_cache_bytes
+from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
-from kvbench.results import read_json, write_json_atomic
+from kvbench.metrics import Metric, metric_table, record_methods
 
 CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "kvbench")) / "bandwidth.json"
 
-ROOFLINE_METHODS = {
-    "bytes_read_per_step": "bytes; weights read by a decode step (all but the embedding table, of which B rows)"
-                           " + K/V read at the mean context length of the decode steps",
-    "kv_bytes_read_per_step": "bytes; K/V read by one decode step at the mean context length, as stored "
+ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
+    Metric("bytes_read_per_step", "bytes",
+           "weights read by a decode step (all but the embedding table, of which B rows)"
+                           " + K/V read at the mean context length of the decode steps"),
+    Metric("kv_bytes_read_per_step", "bytes", "K/V read by one decode step at the mean context length, as stored "
                               "(cache.dtype int8/float8: codes + scales, what a fused kernel reads; kvbench "
-                              "dequantizes into a compute-dtype copy first, which it does not count)",
-    "flops_per_step": "FLOP; 2 x batch x (weights multiplied) + attention (QK and PV) at the mean context",
-    "roofline_ms": "ms; max(bytes_read_per_step / peak bandwidth, flops_per_step / peak compute): the fastest"
-                   " a decode step can be; roofline_bound says which bound binds",
-    "achieved_gb_per_s": "GB/s; bytes_read_per_step / decode_ms_p50",
-    "percent_of_peak": "%; achieved_gb_per_s / peak_gb_per_s",
-    "x_roofline": "ratio; decode_ms_p50 / roofline_ms (1.0 = at the roofline)",
-    "peak_gflops": "GFLOP/s; the machine's float32 GEMM probe (1024^3, best of 8), taken with the bandwidth",
-    "peak_gb_per_s": "GB/s; runtime.peak_gb_per_s if set, else probe_gemv_gb_per_s (peak_method says which, "
-                     "and whether the probe ran next to this run or was cached)",
-    "probe_gemv_gb_per_s": "GB/s; bytes of a 256 MiB float32 matrix / the best of 8 torch.mv over it",
-    "probe_copy_gb_per_s": "GB/s; 2 x 256 MiB (read + write) / the best of 8 copies of a 256 MiB tensor",
-    "roofline_bound": "memory | compute: which bound gives roofline_ms",
-    "peak_method": "text; where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:gemv_gb_per_s and where "
-                   "the probe was taken (next to this run, or the cache file and the date it was probed)",
-    "gemm_ms_at_batch": "ms; the step's weight GEMMs alone, timed next to the run: every nn.Linear of the model "
-                        "in order, F.linear on a (batch, in_features) input (M = batch), best of 5 passes",
-    "attainable_ms": "ms; gemm_ms_at_batch + kv_bytes_read_per_step / peak_gb_per_s: the fastest step this "
-                     "machine's own GEMM kernels allow at this batch (at M > 1 no torch kernel streams weights "
-                     "at the GEMV rate: experiments/results/small_batch_gemm.md)",
-    "x_attainable": "ratio; decode_ms_p50 / attainable_ms (1.0 = as fast as the GEMMs at this batch allow); "
-                    "read beside x_roofline, which assumes the GEMV rate at every batch",
-    "peak_note": "text; only when achieved_gb_per_s exceeds peak_gb_per_s by more than 5% (a probe taken "
-                 "under load): what to do",
-}
+                              "dequantizes into a compute-dtype copy first, which it does not count)"),
+    Metric("flops_per_step", "FLOP", "2 x batch x (weights multiplied) + attention (QK and PV) at the mean context"),
+    Metric("roofline_ms", "ms", "max(bytes_read_per_step / peak bandwidth, flops_per_step / peak compute): the fastest"
+                   " a decode step can be; roofline_bound says which bound binds"),
+    Metric("achieved_gb_per_s", "GB/s", "bytes_read_per_step / decode_ms_p50"),
+    Metric("percent_of_peak", "%", "achieved_gb_per_s / peak_gb_per_s"),
+    Metric("x_roofline", "ratio", "decode_ms_p50 / roofline_ms (1.0 = at the roofline)"),
+    Metric("peak_gflops", "GFLOP/s", "the machine's float32 GEMM probe (1024^3, best of 8), taken with the bandwidth"),
+    Metric("peak_gb_per_s", "GB/s", "runtime.peak_gb_per_s if set, else probe_gemv_gb_per_s (peak_method says which, "
+                     "and whether the probe ran next to this run or was cached)"),
+    Metric("probe_gemv_gb_per_s", "GB/s", "bytes of a 256 MiB float32 matrix / the best of 8 torch.mv over it"),
+    Metric("probe_copy_gb_per_s", "GB/s", "2 x 256 MiB (read + write) / the best of 8 copies of a 256 MiB tensor"),
+    Metric("roofline_bound", "", "memory | compute: which bound gives roofline_ms"),
+    Metric("peak_method", "text",
+           "where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:gemv_gb_per_s and where "
+                   "the probe was taken (next to this run, or the cache file and the date it was probed)"),
+    Metric("gemm_ms_at_batch", "ms", "the step's weight GEMMs alone, timed next to the run: every nn.Linear of the "
+                                     "model in order, F.linear on a (batch, in_features) input (M = batch), best of "
+                                     "5 passes"),
+    Metric("attainable_ms", "ms", "gemm_ms_at_batch + kv_bytes_read_per_step / peak_gb_per_s: the fastest step this "
+                                  "machine's own GEMM kernels allow at this batch (at M > 1 no torch kernel streams "
+                                  "weights at the GEMV rate: experiments/results/small_batch_gemm.md)"),
+    Metric("x_attainable", "ratio", "decode_ms_p50 / attainable_ms (1.0 = as fast as the GEMMs at this batch "
+                                    "allow); read beside x_roofline, which assumes the GEMV rate at every batch"),
+    Metric("peak_note", "text", "only when achieved_gb_per_s exceeds peak_gb_per_s by more than 5% (a probe taken "
+                 "under load): what to do"),
+)
+ROOFLINE_METHODS: Dict[str, str] = record_methods(ROOFLINE_METRICS)
 
 
 def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: str = "auto") -> Tuple[int, int]:

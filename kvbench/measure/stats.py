@@ -29,10 +29,12 @@ no sink calls a difference significant without intervals.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import stats as sps
+
+from kvbench.metrics import Metric, record_methods
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 2000
@@ -271,34 +273,44 @@ def step_metrics(trials: Sequence[Sequence[float]], prefix: str = "decode_ms") -
     return out
 
 
-def _interval_methods(name: str, unit: str, method: str) -> Dict[str, str]:
-    return {f"{name}_ci_low": f"{unit}; low end of the {CONFIDENCE:.0%} interval of {name}: {METHODS[method]}",
-            f"{name}_ci_high": f"{unit}; high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)",
-            f"{name}_ci_reason": f"text; why {name}_ci_low/_ci_high are null: fewer samples than the interval "
-                                 "needs (measure/stats.py min_interval_samples) or a degenerate interval; "
-                                 "null when the interval is given"}
+def _interval_metrics(name: str, unit: str, method: str) -> List[Metric]:
+    return [Metric(f"{name}_ci_low", unit, f"low end of the {CONFIDENCE:.0%} interval of {name}: {METHODS[method]}"),
+            Metric(f"{name}_ci_high", unit, f"high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)"),
+            Metric(f"{name}_ci_reason", "text", f"why {name}_ci_low/_ci_high are null: fewer samples than the "
+                                                "interval needs (measure/stats.py min_interval_samples) or a "
+                                                "degenerate interval; null when the interval is given")]
 
 
-def _count_methods(name: str, what: str, q: float) -> Dict[str, str]:
-    return {f"{name}_n": f"count; {what} {name} is computed from",
-            f"{name}_warning": f"text; present when {name}_n < {min_samples(q)} (too few samples for the "
-                               f"{q:.0%} quantile to be more than an extreme value)"}
+def _count_metrics(name: str, what: str, q: float) -> List[Metric]:
+    return [Metric(f"{name}_n", "count", f"{what} {name} is computed from"),
+            Metric(f"{name}_warning", "text", f"present when {name}_n < {min_samples(q)} (too few samples for the "
+                                              f"{q:.0%} quantile to be more than an extreme value)")]
 
 
-def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
-    """Methods of the fields :func:`trial_metric` adds beside ``name``."""
-    return {**_interval_methods(name, unit, "ci_trials"), **_count_methods(name, "timed trials", 0.5)}
+def trial_metric_metrics(name: str, unit: str) -> List[Metric]:
+    """The fields :func:`trial_metric` adds beside ``name``."""
+    return [*_interval_metrics(name, unit, "ci_trials"), *_count_metrics(name, "timed trials", 0.5)]
 
 
-def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
-    """Methods of the fields :func:`step_metrics` adds beside the quantiles."""
-    out: Dict[str, str] = {}
+def step_metric_metrics(prefix: str = "decode_ms") -> List[Metric]:
+    """The fields :func:`step_metrics` adds beside the quantiles."""
+    out: List[Metric] = []
     for tag, q in STEP_QUANTILES.items():
         name = f"{prefix}_{tag}"
         if tag in STEP_CI:
-            out.update(_interval_methods(name, "ms", "ci_steps"))
-        out.update(_count_methods(name, "decode steps (all timed trials)", q))
+            out += _interval_metrics(name, "ms", "ci_steps")
+        out += _count_metrics(name, "decode steps (all timed trials)", q)
     return out
+
+
+def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
+    """Methods of the fields :func:`trial_metric` adds beside ``name`` (as a record keeps them)."""
+    return record_methods(trial_metric_metrics(name, unit))
+
+
+def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
+    """Methods of the fields :func:`step_metrics` adds beside the quantiles (as a record keeps them)."""
+    return record_methods(step_metric_metrics(prefix))
 
 
 def step_rate(steps: Dict[str, Optional[object]], batch_size: int, prefix: str = "decode_ms",
@@ -316,13 +328,18 @@ def step_rate(steps: Dict[str, Optional[object]], batch_size: int, prefix: str =
             f"{name}_mean": rate(mean)}
 
 
+def step_rate_metrics(prefix: str = "decode_ms", name: str = "tokens_per_s") -> List[Metric]:
+    """The fields :func:`step_rate` reports."""
+    return [Metric(name, "tokens/s", f"batch_size x 1000 / {prefix}_p50: the rate at the median decode step"),
+            Metric(f"{name}_ci_low", "tokens/s", f"batch_size x 1000 / {prefix}_p50_ci_high (the median step's "
+                                                 "interval, inverted)"),
+            Metric(f"{name}_ci_high", "tokens/s", f"batch_size x 1000 / {prefix}_p50_ci_low"),
+            Metric(f"{name}_ci_reason", "text", f"as {prefix}_p50_ci_reason"),
+            Metric(f"{name}_n", "count", f"decode steps behind {prefix}_p50"),
+            Metric(f"{name}_mean", "tokens/s", f"batch_size x 1000 / {prefix}_mean: every generated token over all "
+                                               "decode time, stalls included")]
+
+
 def step_rate_methods(prefix: str = "decode_ms", name: str = "tokens_per_s") -> Dict[str, str]:
-    """Methods of the fields :func:`step_rate` reports."""
-    return {name: f"tokens/s; batch_size x 1000 / {prefix}_p50: the rate at the median decode step",
-            f"{name}_ci_low": f"tokens/s; batch_size x 1000 / {prefix}_p50_ci_high (the median step's interval, "
-                              "inverted)",
-            f"{name}_ci_high": f"tokens/s; batch_size x 1000 / {prefix}_p50_ci_low",
-            f"{name}_ci_reason": f"text; as {prefix}_p50_ci_reason",
-            f"{name}_n": f"count; decode steps behind {prefix}_p50",
-            f"{name}_mean": f"tokens/s; batch_size x 1000 / {prefix}_mean: every generated token over all decode "
-                            "time, stalls included"}
+    """Methods of the fields :func:`step_rate` reports (as a record keeps them)."""
+    return record_methods(step_rate_metrics(prefix, name))

@@ -20,8 +20,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from kvbench.config import ConfigError, DataConfig
-from kvbench.results import read_regular
+from kvbench.config import DataConfig
+from kvbench.config_errors import ConfigError
+from kvbench.jsonio import read_regular
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}

@@ -16,39 +16,47 @@ import torch.nn.functional as F
 from kvbench.cache import KVCache, cache_for
 from kvbench.checkpoint import convert_kv_heads
 from kvbench.generate import decode_step, greedy_generate
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 
 # Units and methods of the metrics below (merged into a decode record's ``methods``).
-FIDELITY_METHODS: Dict[str, str] = {
-    "fidelity_max_abs_logit_diff": "logits; max |cached decode logits - one full forward over the same tokens|, "
-                                   "on up to 2 sequences and 16 steps after timing",
-    "fidelity_top1_agreement": "fraction; positions where the cached decode and the full forward agree on "
+FIDELITY_METRICS: Dict[str, Metric] = metric_table(
+    Metric("fidelity_max_abs_logit_diff", "logits",
+           "max |cached decode logits - one full forward over the same tokens|, "
+                                   "on up to 2 sequences and 16 steps after timing"),
+    Metric("fidelity_top1_agreement", "fraction", "positions where the cached decode and the full forward agree on "
                                "the argmax, same tokens (with cache.dtype int8/float8 this includes the "
-                               "quantization; kvq_* isolates it)",
-    "kvq_max_abs_logit_diff": "logits; cache.dtype int8/float8_e4m3fn: max |logits of the greedy decode through the "
+                               "quantization; kvq_* isolates it)"),
+    Metric("kvq_max_abs_logit_diff", "logits",
+           "cache.dtype int8/float8_e4m3fn: max |logits of the greedy decode through the "
                               "quantized cache - logits of the same tokens through a cache.dtype=auto static cache| "
-                              "(prefill, then the generated tokens teacher-forced), up to 2 sequences and 16 steps",
-    "kvq_top1_agreement": "fraction; cache.dtype int8/float8_e4m3fn: decode positions (prefill's last included) where "
-                          "the quantized and the unquantized cache agree on the argmax, same tokens",
-    "dtype_max_abs_logit_diff": "logits; float16/bfloat16 runs: max |logits - a float32 copy of the same weights|, "
-                                "teacher-forced on the low-precision run's greedy tokens",
-    "dtype_top1_agreement": "fraction; float16/bfloat16 runs: positions where the low-precision model and its "
-                            "float32 copy agree on the argmax",
-}
+                              "(prefill, then the generated tokens teacher-forced), up to 2 sequences and 16 steps"),
+    Metric("kvq_top1_agreement", "fraction",
+           "cache.dtype int8/float8_e4m3fn: decode positions (prefill's last included) where "
+                          "the quantized and the unquantized cache agree on the argmax, same tokens"),
+    Metric("dtype_max_abs_logit_diff", "logits",
+           "float16/bfloat16 runs: max |logits - a float32 copy of the same weights|, "
+                                "teacher-forced on the low-precision run's greedy tokens"),
+    Metric("dtype_top1_agreement", "fraction", "float16/bfloat16 runs: positions where the low-precision model and its "
+                            "float32 copy agree on the argmax"),
+)
+FIDELITY_METHODS: Dict[str, str] = record_methods(FIDELITY_METRICS)
 
 
 # Units and methods of what :func:`kv_pool_fidelity` measures (task=capacity records them).
-KV_POOL_METHODS: Dict[str, str] = {
-    "kv_pool_kl_nats": "nats per position; quality of this KV-head count: the MHA model of the same weights "
+KV_POOL_METRICS: Dict[str, Metric] = metric_table(
+    Metric("kv_pool_kl_nats", "nats per position", "quality of this KV-head count: the MHA model of the same weights "
                        "(runtime.seed, or model.path brought to MHA by exact repetition) with its K/V projections "
                        "mean-pooled to attention.num_kv_heads (checkpoint.convert_kv_heads, Ainslie et al. 2023), "
                        "mean over positions of KL(MHA || pooled) of the next-token distributions; one forward pass "
                        "each over 2 sequences of runtime.seed random tokens (the longest context searched, at most "
                        "256); 0 for MHA. Randomly initialised heads are uncorrelated, so pooling them loses more "
-                       "than pooling a trained model's",
-    "kv_pool_top1_agreement": "fraction; positions of the same passes where the mean-pooled model and MHA agree "
-                              "on the argmax (1 for MHA)",
-}
+                       "than pooling a trained model's"),
+    Metric("kv_pool_top1_agreement", "fraction",
+           "positions of the same passes where the mean-pooled model and MHA agree "
+                              "on the argmax (1 for MHA)"),
+)
+KV_POOL_METHODS: Dict[str, str] = record_methods(KV_POOL_METRICS)
 
 
 def _compare(logits: torch.Tensor, reference: torch.Tensor) -> Tuple[float, float]:

@@ -22,8 +22,11 @@ import torch.nn.functional as F
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_checkpoint, load_llama_dir, save_checkpoint
-from kvbench.config import AttentionConfig, BenchConfig, ConfigError, TrainConfig
+from kvbench.config import BenchConfig, TrainConfig
+from kvbench.config_errors import ConfigError
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
+from kvbench.model_config import AttentionConfig
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -33,47 +36,53 @@ _SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "head_dim", "ffn_dim", "max
                "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "rope_original_max_seq_len", "norm_eps", "qkv_bias", "qk_norm")
 
-_QUALITY = {
-    "val_loss": "nats/token; mean next-token cross-entropy over train.eval_batches x train.batch_size fixed "
-                "validation windows of train.seq_len tokens (the same windows for every run on the same data)",
-    "perplexity": "ratio; exp(val_loss)",
-    "bits_per_byte": "bits/byte; val_loss / ln 2 / bytes per token (1 for the byte vocabulary)",
-    "num_params": "count; parameters of the decoder evaluated, tied tensors once",
-    "num_kv_heads": "count; KV heads of the decoder evaluated (= attention.num_kv_heads)",
-    "kv_heads_conversion": "none | repeat | mean-pool: how the checkpoint's KV heads were brought to "
+_QUALITY_METRICS: Dict[str, Metric] = metric_table(
+    Metric("val_loss", "nats/token", "mean next-token cross-entropy over train.eval_batches x train.batch_size fixed "
+                "validation windows of train.seq_len tokens (the same windows for every run on the same data)"),
+    Metric("perplexity", "ratio", "exp(val_loss)"),
+    Metric("bits_per_byte", "bits/byte", "val_loss / ln 2 / bytes per token (1 for the byte vocabulary)"),
+    Metric("num_params", "count", "parameters of the decoder evaluated, tied tensors once"),
+    Metric("num_kv_heads", "count", "KV heads of the decoder evaluated (= attention.num_kv_heads)"),
+    Metric("kv_heads_conversion", "", "none | repeat | mean-pool: how the checkpoint's KV heads were brought to "
                            "attention.num_kv_heads (repeat is exact; mean-pool averages each group, "
-                           "Ainslie et al. 2023)",
-}
+                           "Ainslie et al. 2023)"),
+)
 # Units and methods of what task=train records (merged into the record's ``methods``).
-TRAIN_METHODS: Dict[str, str] = {
-    **_QUALITY,
-    "train_loss": "nats/token; mean training cross-entropy over the last train.log_every steps",
-    "train_seconds": "s; wall time of the training steps, evaluation excluded",
-    "steps": "count; optimizer steps taken (train.steps)",
-    "tokens_seen": "tokens; steps x train.batch_size x train.seq_len",
-    "corpus_bytes": "bytes; training + validation text read (data.max_bytes caps it)",
-    "init_num_kv_heads": "count; KV heads of the train.init_from checkpoint before conversion",
-    "ppl_before_uptrain": "ratio; perplexity of the converted train.init_from checkpoint before any training step",
-    "val_loss_before_uptrain": "nats/token; val_loss of the converted checkpoint before any training step",
-    "bits_per_byte_before_uptrain": "bits/byte; bits_per_byte of the converted checkpoint before any training step",
-    "series.train_step": "step number of each logged point",
-    "series.train_loss": "nats/token; train_loss at each logged step",
-    "tables.curve": "one row per logged step: step, train_loss, lr and, every train.eval_every steps, "
-                    "val_loss, perplexity, bits_per_byte",
-}
+TRAIN_METRICS: Dict[str, Metric] = metric_table(
+    *_QUALITY_METRICS.values(),
+    Metric("train_loss", "nats/token", "mean training cross-entropy over the last train.log_every steps"),
+    Metric("train_seconds", "s", "wall time of the training steps, evaluation excluded"),
+    Metric("steps", "count", "optimizer steps taken (train.steps)"),
+    Metric("tokens_seen", "tokens", "steps x train.batch_size x train.seq_len"),
+    Metric("corpus_bytes", "bytes", "training + validation text read (data.max_bytes caps it)"),
+    Metric("init_num_kv_heads", "count", "KV heads of the train.init_from checkpoint before conversion"),
+    Metric("ppl_before_uptrain", "ratio",
+           "perplexity of the converted train.init_from checkpoint before any training step"),
+    Metric("val_loss_before_uptrain", "nats/token", "val_loss of the converted checkpoint before any training step"),
+    Metric("bits_per_byte_before_uptrain", "bits/byte",
+           "bits_per_byte of the converted checkpoint before any training step"),
+    Metric("series.train_step", "", "step number of each logged point"),
+    Metric("series.train_loss", "nats/token", "train_loss at each logged step"),
+    Metric("tables.curve", "", "one row per logged step: step, train_loss, lr and, every train.eval_every steps, "
+                    "val_loss, perplexity, bits_per_byte"),
+)
+TRAIN_METHODS: Dict[str, str] = record_methods(TRAIN_METRICS)
 # Units and methods of what task=eval records.
-EVAL_METHODS: Dict[str, str] = {
-    **_QUALITY,
-    "eval_seconds": "s; wall time of the evaluation",
-    "eval_tokens_per_window": "tokens; validation window length (train.seq_len capped at model.max_seq_len)",
-    "bytes_per_token": "bytes/token; text bytes per token of the validation split (1 for bytes; more with a "
-                       "tokenizer.json)",
-    "checkpoint_num_kv_heads": "count; KV heads of train.checkpoint as saved, before conversion",
-    "val_loss": _QUALITY["val_loss"] + "; with cache.dtype int8/float8_e4m3fn (the record's config) each batch of "
+EVAL_METRICS: Dict[str, Metric] = metric_table(
+    *_QUALITY_METRICS.values(),
+    Metric("eval_seconds", "s", "wall time of the evaluation"),
+    Metric("eval_tokens_per_window", "tokens", "validation window length (train.seq_len capped at model.max_seq_len)"),
+    Metric("bytes_per_token", "bytes/token", "text bytes per token of the validation split (1 for bytes; more with a "
+                       "tokenizer.json)"),
+    Metric("checkpoint_num_kv_heads", "count", "KV heads of train.checkpoint as saved, before conversion"),
+    Metric("val_loss", _QUALITY_METRICS["val_loss"].unit,
+           _QUALITY_METRICS["val_loss"].method + "; with cache.dtype int8/float8_e4m3fn (the record's config) "
+                "each batch of "
                 "windows is written into a static cache of that dtype and every position attends to the dequantized "
                 "K/V (quantized per position, so one pass scores what a token-by-token decode through that cache "
-                "would); auto: one causal forward, no cache",
-}
+                "would); auto: one causal forward, no cache"),
+)
+EVAL_METHODS: Dict[str, str] = record_methods(EVAL_METRICS)
 
 OnLog = Callable[[int, Dict[str, float]], None]
 # Called once per training step; ``description`` is a short status ("train loss 2.31 val 2.40").

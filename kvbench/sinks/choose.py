@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.results import lookup
-from kvbench.sinks.compare import Record, fmt, kind, natural, ratio_text, swept_axes, variant, variant_order
+from kvbench.sinks.tables import Record, fmt, kind, natural, ratio_text, swept_axes, variant, variant_order
 
 # The rules each recommendation follows; quoted in the README.
 AMPLE_SHARE = 0.5

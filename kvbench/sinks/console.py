@@ -1,7 +1,7 @@
 """What a person sees in the terminal: progress and summary tables (rich, on stderr/stdout).
 
 The tables' data (which axes, which columns, the comparison of variants) comes from
-:mod:`kvbench.sinks.compare`; this module only lays it out.
+:mod:`kvbench.sinks.tables`; this module only lays it out.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kvbench.results import lookup
 from kvbench.sinks.choose import Choice, choices
-from kvbench.sinks.compare import (
+from kvbench.sinks.tables import (
     AXES,
     COLUMNS,
     KIND_TITLES,
@@ -161,7 +161,7 @@ def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: s
 
 
 def comparison_table(comparison: Comparison) -> Table:
-    """The variants of each cell side by side (:class:`~kvbench.sinks.compare.Comparison`)."""
+    """The variants of each cell side by side (:class:`~kvbench.sinks.tables.Comparison`)."""
     header, rows, starts = comparison.table()
     table = Table(title=comparison.title(), title_justify="left",
                   caption="; ".join(comparison.notes) or None, caption_justify="left")
@@ -207,8 +207,8 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     return tables + ([ttft] if ttft is not None else [])
 
 
-def compare_table(record: Dict[str, Any]) -> Table:
-    """A ``task=compare`` record's variants (:func:`~kvbench.sinks.compare.interleaved_table`)."""
+def variants_table(record: Dict[str, Any]) -> Table:
+    """A ``task=compare`` record's variants (:func:`~kvbench.sinks.tables.interleaved_table`)."""
     header, rows = interleaved_table(record)
     rounds = (record.get("metrics") or {}).get("rounds")
     table = Table(title=f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first "

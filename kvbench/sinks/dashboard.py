@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config import one_line
-from kvbench.results import lookup, write_json_atomic
-from kvbench.sinks.compare import VARIANT_KEYS, Axis, determined_by, swept_axes
+from kvbench.config_errors import one_line
+from kvbench.jsonio import write_json_atomic, write_text_atomic
+from kvbench.results import lookup
+from kvbench.sinks.tables import VARIANT_KEYS, Axis, determined_by, swept_axes
 from kvbench.sinks.tracking import STEP_AXIS, TABLE_STEPS, UNREACHABLE_MARKER, resolve_mode, sweep_group
 
 WORKSPACE_JSON, WORKSPACE_MD = "workspace.json", "workspace.md"
@@ -217,7 +218,7 @@ def write_dashboard(sweep_dir: Path | str, records: Sequence[Dict[str, Any]],
     dashboard = build(records, sweep_dir, entity)
     out = Path(sweep_dir)
     write_json_atomic(out / WORKSPACE_JSON, spec(dashboard))
-    (out / WORKSPACE_MD).write_text(describe(dashboard))
+    write_text_atomic(out / WORKSPACE_MD, describe(dashboard))
     dashboard.files = [out / WORKSPACE_JSON, out / WORKSPACE_MD]
     return dashboard
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.results import lookup
 from kvbench.sinks.choose import decode_capacity
-from kvbench.sinks.compare import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
+from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
 
 Point = Tuple[float, float]
 Series = Dict[str, List[Point]]  # attention variant -> points sorted by x

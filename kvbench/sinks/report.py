@@ -22,10 +22,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from kvbench.jobs.claim import claim_holder
+from kvbench.jsonio import atomic_write, write_text_atomic
 from kvbench.measure.stats import kv_cost_fit
-from kvbench.results import RESULTS_FILE, RecordError, claim_holder, find_results, lookup, read_record
+from kvbench.results import RESULTS_FILE, RecordError, find_results, lookup, read_record
 from kvbench.sinks.choose import RULES, choices
-from kvbench.sinks.compare import (
+from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
+from kvbench.sinks.tables import (
     AXES,
     COLUMNS,
     KIND_TITLES,
@@ -46,7 +49,6 @@ from kvbench.sinks.compare import (
     variant_order,
     viewed,
 )
-from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
 
@@ -136,7 +138,8 @@ def metric_columns(records: Sequence[Dict[str, Any]]) -> List[str]:
 def write_csv(path: Path, records, axes) -> None:
     csv_axes = axes + [a for a in AXES if a[0] not in {k for k, _ in axes}]
     metrics = metric_columns(records)
-    with path.open("w", newline="") as f:
+
+    def write(f) -> None:
         writer = csv.writer(f)
         writer.writerow(["job", "status", *[k for k, _ in csv_axes], *metrics, "error", "overrides"])
         for rec in records:
@@ -145,6 +148,8 @@ def write_csv(path: Path, records, axes) -> None:
                              *[_cell(lookup(rec.get("config", {}), k)) for k, _ in csv_axes],
                              *[_cell(m.get(k)) for k in metrics],
                              _cell(rec.get("error")), " ".join(map(str, rec.get("overrides") or []))])
+
+    atomic_write(path, write, newline="")
 
 
 def _cell(value: Any) -> Any:
@@ -359,6 +364,6 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     else:
         report.plots_note = "plots were turned off (`kvbench-report DIR` draws them)"
     write_csv(out / CSV_FILE, records, report.axes)
-    (out / MD_FILE).write_text(markdown(report, pngs))
+    write_text_atomic(out / MD_FILE, markdown(report, pngs))
     report.files = [out / CSV_FILE, out / MD_FILE, *pngs]
     return report

@@ -38,7 +38,9 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from kvbench.config import WandbConfig, one_line
+from kvbench.config import WandbConfig
+from kvbench.config_errors import one_line
+from kvbench.jsonio import write_text_atomic
 from kvbench.results import RESULTS_FILE, RunResult, lookup
 
 log = logging.getLogger(__name__)
@@ -236,7 +238,7 @@ def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str]):
                     why, "this and every later run of this sweep" if marker is not None else "the run", where)
         if marker is not None:
             try:
-                marker.write_text(why + "\n")
+                write_text_atomic(marker, why + "\n")
             except OSError:
                 pass  # then the next job tries (and warns) again
         return start("offline")

@@ -1,2 +1,2 @@
-"""What a run does to the model: one module per ``conf/workload/<name>.yaml``, each with ``run()``
+"""What a run feeds the model: one module per ``conf/workload/<name>.yaml``, each with ``run()``
 and the methods of the metrics it emits."""

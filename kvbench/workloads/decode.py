@@ -18,9 +18,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig, ModelConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import (
-    COMPILE_METHODS,
+    COMPILE_METRICS,
     FixedShapeStep,
     compile_phase,
     compiled_graphs,
@@ -28,9 +28,9 @@ from kvbench.generate import (
     decode_step,
     greedy_generate,
 )
-from kvbench.measure.memory import ALLOCATION_METHODS, MemoryMonitor, allocation_delta
+from kvbench.measure.memory import ALLOCATION_METRICS, MemoryMonitor, allocation_delta
 from kvbench.measure.roofline import (
-    ROOFLINE_METHODS,
+    ROOFLINE_METRICS,
     attainable_metrics,
     machine_peaks,
     probe_step_gemms,
@@ -39,16 +39,18 @@ from kvbench.measure.roofline import (
 from kvbench.measure.stats import METHODS as STATS_METHODS
 from kvbench.measure.stats import (
     median,
-    step_metric_methods,
+    step_metric_metrics,
     step_metrics,
     step_rate,
-    step_rate_methods,
+    step_rate_metrics,
     trial_metric,
-    trial_metric_methods,
+    trial_metric_metrics,
 )
 from kvbench.measure.timing import RegionTimer
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.quality.fidelity import FIDELITY_METHODS, fidelity
+from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.quality.fidelity import FIDELITY_METRICS, fidelity
 from kvbench.results import RunResult
 
 Tick = Callable[..., None]
@@ -64,49 +66,57 @@ KV_COST_REASON = ("not measured per record: within one decode the context and th
                   "workload.prompt_len gives the report's KV cost across prompts")
 
 # Units and methods of every metric this workload reports (merged into the record's ``methods``).
-METHODS: Dict[str, str] = {
-    "prefill_ms": "ms; time to first token: prompt forward + argmax, median over timed trials",
-    "decode_ms_p50": f"ms; per-token decode step latency, 50th percentile over every step of every timed trial "
-                     f"({STATS_METHODS['percentiles']})",
-    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile (as decode_ms_p50)",
-    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
-    "decode_ms_mean": "ms; mean per-token decode step latency",
-    "e2e_ms": "ms; prefill + all decode steps of a trial, median over timed trials",
-    **step_metric_methods(),
-    **trial_metric_methods("prefill_ms", "ms"),
-    **step_rate_methods(),
-    "trials_run": "count; timed trials actually run: runtime.repeats, or more until runtime.min_time_s of timed "
-                  "trials had passed",
-    "decode_ms_at_ctx0": "ms; null in a decode record (see decode_us_per_1k_ctx_reason)",
-    "decode_us_per_1k_ctx": "µs per 1,000 positions; null in a decode record (see decode_us_per_1k_ctx_reason); "
-                            "task=compare measures it",
-    "decode_us_per_1k_ctx_ci_low": "µs per 1,000 positions; null in a decode record (as decode_us_per_1k_ctx)",
-    "decode_us_per_1k_ctx_ci_high": "µs per 1,000 positions; null in a decode record (as decode_us_per_1k_ctx)",
-    "decode_us_per_1k_ctx_reason": f"text; why decode_us_per_1k_ctx is null: {KV_COST_REASON}",
-    "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())",
-    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("prefill_ms", "ms", "time to first token: prompt forward + argmax, median over timed trials"),
+    Metric("decode_ms_p50", "ms",
+           f"per-token decode step latency, 50th percentile over every step of every timed trial "
+                     f"({STATS_METHODS['percentiles']})"),
+    Metric("decode_ms_p90", "ms", "per-token decode step latency, 90th percentile (as decode_ms_p50)"),
+    Metric("decode_ms_p99", "ms", "per-token decode step latency, 99th percentile (as decode_ms_p50)"),
+    Metric("decode_ms_mean", "ms", "mean per-token decode step latency"),
+    Metric("e2e_ms", "ms", "prefill + all decode steps of a trial, median over timed trials"),
+    *step_metric_metrics(),
+    *trial_metric_metrics("prefill_ms", "ms"),
+    *step_rate_metrics(),
+    Metric("trials_run", "count",
+           "timed trials actually run: runtime.repeats, or more until runtime.min_time_s of timed "
+                  "trials had passed"),
+    Metric("decode_ms_at_ctx0", "ms", "null in a decode record (see decode_us_per_1k_ctx_reason)"),
+    Metric("decode_us_per_1k_ctx", "µs per 1,000 positions",
+           "null in a decode record (see decode_us_per_1k_ctx_reason); task=compare measures it"),
+    Metric("decode_us_per_1k_ctx_ci_low", "µs per 1,000 positions",
+           "null in a decode record (as decode_us_per_1k_ctx)"),
+    Metric("decode_us_per_1k_ctx_ci_high", "µs per 1,000 positions",
+           "null in a decode record (as decode_us_per_1k_ctx)"),
+    Metric("decode_us_per_1k_ctx_reason", "text", f"why decode_us_per_1k_ctx is null: {KV_COST_REASON}"),
+    Metric("kv_cache_bytes", "bytes",
+           "storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())"),
+    Metric("kv_cache_bytes_formula", "bytes",
+           "2 * layers * kv_heads * seq_len * batch * (head_dim * bytes_per_element + "
                               "scale bytes): cache.dtype auto: the compute dtype's bytes, no scales; int8 / "
-                              "float8_e4m3fn: 1 byte and a 4-byte scale per (sequence, head, position)",
-    "compile_s": "s; runtime.compile=default|graph: the first generation through the compiled model or step, "
+                              "float8_e4m3fn: 1 byte and a 4-byte scale per (sequence, head, position)"),
+    Metric("compile_s", "s", "runtime.compile=default|graph: the first generation through the compiled model or step, "
                  "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
-                 "graphs, which record a graph at its second call), excluded from every trial",
-    **COMPILE_METHODS,
-    "overhead_ms_per_step": "ms; what a decode step costs the host beside reading bytes. CUDA: median host time "
+                 "graphs, which record a graph at its second call), excluded from every trial"),
+    *COMPILE_METRICS.values(),
+    Metric("overhead_ms_per_step", "ms",
+           "what a decode step costs the host beside reading bytes. CUDA: median host time "
                             "to enqueue one step (perf_counter around the call, nothing synchronising), against "
                             "decode_ms_p50 from CUDA events. CPU: median of 16 steps of the overhead-floor model "
                             "(this model's layers, batch, cache and runtime.compile; one 2-dim head, everything "
-                            "else 2 wide; a 1-token prompt), which runs the same operations and reads almost nothing",
-    "overhead_share": "fraction; overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
-                      "bound by Python and kernel launches, not by the bytes it reads",
-    "series.decode_ms": "ms; every decode step of the last timed trial, in order",
-    "energy_mj_per_token": "mJ/token; CUDA with NVML: the mean power over the energy counter's window "
-                           "(energy_mj / energy_window_s) x the timed trials' own time (prefill + decode) / the "
-                           "tokens they produced (batch x (gen_len + 1) per trial): energy and tokens of one "
-                           "window; null with energy_reason when the counter did not advance",
-    **ALLOCATION_METHODS,
-    **ROOFLINE_METHODS,
-    **FIDELITY_METHODS,
-}
+                            "else 2 wide; a 1-token prompt), which runs the same operations and reads almost nothing"),
+    Metric("overhead_share", "fraction", "overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
+                      "bound by Python and kernel launches, not by the bytes it reads"),
+    Metric("series.decode_ms", "ms", "every decode step of the last timed trial, in order"),
+    Metric("energy_mj_per_token", "mJ/token",
+           "CUDA with NVML: the mean power over the energy counter's window (energy_mj / energy_window_s) x "
+           "the timed trials' own time (prefill + decode) / the tokens they produced (batch x (gen_len + 1) per "
+           "trial): energy and tokens of one window; null with energy_reason when the counter did not advance"),
+    *ALLOCATION_METRICS.values(),
+    *ROOFLINE_METRICS.values(),
+    *FIDELITY_METRICS.values(),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass

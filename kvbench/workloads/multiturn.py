@@ -20,7 +20,7 @@ import torch
 from kvbench.cache import SharedPrefixCache, cache_for, kv_cache_bytes, shared_cache_for
 from kvbench.config import BenchConfig, WorkloadConfig
 from kvbench.generate import (
-    COMPILE_METHODS,
+    COMPILE_METRICS,
     Generation,
     compile_phase,
     compiled_graphs,
@@ -33,52 +33,60 @@ from kvbench.measure.memory import MemoryMonitor
 from kvbench.measure.stats import METHODS as STATS_METHODS
 from kvbench.measure.stats import (
     median,
-    step_metric_methods,
+    step_metric_metrics,
     step_metrics,
     step_rate,
-    step_rate_methods,
+    step_rate_metrics,
     trial_metric,
-    trial_metric_methods,
+    trial_metric_metrics,
 )
 from kvbench.measure.timing import RegionTimer
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
 
 Tick = Callable[..., None]
 
 # Units and methods of what run_multiturn records (merged into the record's ``methods``).
-TURN_TTFT_METHOD = ("ms; this turn's prefill + argmax of its first reply token, median over timed trials "
-                    "(turn 1 with cache.shared=true includes the one batch-1 system-prompt prefill)")
-METHODS: Dict[str, str] = {
-    "mean_ttft_ms_turns_2_n": "ms; per timed chat the mean TTFT of turns 2..N, median over chats: the statistic "
-                              "its interval is of (null for a 1-turn chat)",
-    "total_prefill_tokens": "tokens; K/V rows computed by the prefills of all turns, summed over the batch",
-    "total_reused_tokens": "tokens; context positions read from the cache instead of recomputed, all turns, "
-                           "summed over the batch (per turn: prefill_tokens + reused_tokens = B * context_tokens)",
-    "kv_cache_bytes": "bytes; storage held by the cache tensors at the end of the chat (untyped_storage().nbytes())",
-    "kv_cache_bytes_formula": "bytes; 2 * layers * kv_heads * (head_dim * bytes_per_element + scale bytes) * "
+# A chat's turn{k}_ttft_ms, one per turn, is declared as it is measured: here as a pattern.
+TURN_TTFT = Metric("turn<k>_ttft_ms", "ms", "this turn's prefill + argmax of its first reply token, median over "
+                   "timed trials (turn 1 with cache.shared=true includes the one batch-1 system-prompt prefill)")
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("mean_ttft_ms_turns_2_n", "ms", "per timed chat the mean TTFT of turns 2..N, median over chats: the "
+                                           "statistic its interval is of (null for a 1-turn chat)"),
+    Metric("total_prefill_tokens", "tokens", "K/V rows computed by the prefills of all turns, summed over the batch"),
+    Metric("total_reused_tokens", "tokens", "context positions read from the cache instead of recomputed, all turns, "
+                           "summed over the batch (per turn: prefill_tokens + reused_tokens = B * context_tokens)"),
+    Metric("kv_cache_bytes", "bytes",
+           "storage held by the cache tensors at the end of the chat (untyped_storage().nbytes())"),
+    Metric("kv_cache_bytes_formula", "bytes", "2 * layers * kv_heads * (head_dim * bytes_per_element + scale bytes) * "
                               "positions held at the end of the chat (system prompt once if cache.shared else B "
-                              "times, history B times); cache.dtype int8/float8: 1 byte + a 4-byte scale",
-    "e2e_ms": "ms; prefills + decode steps of all turns of a chat, median over timed trials",
-    "tables.turns": "one row per turn: ttft_ms (median over trials) with ttft_ms_ci_low/_ci_high (percentile "
-                    "bootstrap over trials, null with one trial), prefill_tokens, reused_tokens, "
+                              "times, history B times); cache.dtype int8/float8: 1 byte + a 4-byte scale"),
+    Metric("e2e_ms", "ms", "prefills + decode steps of all turns of a chat, median over timed trials"),
+    Metric("tables.turns", "",
+           "one row per turn: ttft_ms (median over trials) with ttft_ms_ci_low/_ci_high (percentile "
+                    "bootstrap over trials, null below 6 trials with ttft_ms_ci_reason), prefill_tokens, "
+                    "reused_tokens, "
                     "context_tokens (per conversation), decode_ms_p50 (that turn's steps, all timed trials), "
-                    "kv_cache_bytes (allocated) and kv_cache_bytes_formula (held) after the turn",
-    "decode_ms_p50": "ms; per-token decode step latency, 50th percentile over every step of every turn of every "
-                     f"timed trial ({STATS_METHODS['percentiles']})",
-    "decode_ms_p90": "ms; per-token decode step latency, 90th percentile (as decode_ms_p50)",
-    "decode_ms_p99": "ms; per-token decode step latency, 99th percentile (as decode_ms_p50)",
-    "decode_ms_mean": "ms; mean per-token decode step latency (as decode_ms_p50)",
-    "series.decode_ms": "ms; every decode step of every turn of the last timed trial, in order",
-    **step_metric_methods(),
-    **trial_metric_methods("turn1_ttft_ms", "ms"),
-    **trial_metric_methods("mean_ttft_ms_turns_2_n", "ms"),
-    **step_rate_methods(),
-    "trials_run": "count; timed chats actually run: runtime.repeats, or more until runtime.min_time_s of timed "
-                  "chats had passed",
-    "compile_s": "s; runtime.compile=default|graph: one untimed chat through the compiled model or step, "
-                 "excluded from every trial",
-    **COMPILE_METHODS,
-}
+                    "kv_cache_bytes (allocated) and kv_cache_bytes_formula (held) after the turn"),
+    Metric("decode_ms_p50", "ms",
+           "per-token decode step latency, 50th percentile over every step of every turn of every "
+                     f"timed trial ({STATS_METHODS['percentiles']})"),
+    Metric("decode_ms_p90", "ms", "per-token decode step latency, 90th percentile (as decode_ms_p50)"),
+    Metric("decode_ms_p99", "ms", "per-token decode step latency, 99th percentile (as decode_ms_p50)"),
+    Metric("decode_ms_mean", "ms", "mean per-token decode step latency (as decode_ms_p50)"),
+    Metric("series.decode_ms", "ms", "every decode step of every turn of the last timed trial, in order"),
+    *step_metric_metrics(),
+    *trial_metric_metrics("turn1_ttft_ms", "ms"),
+    *trial_metric_metrics("mean_ttft_ms_turns_2_n", "ms"),
+    *step_rate_metrics(),
+    Metric("trials_run", "count",
+           "timed chats actually run: runtime.repeats, or more until runtime.min_time_s of timed "
+                  "chats had passed"),
+    Metric("compile_s", "s", "runtime.compile=default|graph: one untimed chat through the compiled model or step, "
+                 "excluded from every trial"),
+    *COMPILE_METRICS.values(),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass
@@ -323,4 +331,4 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     metrics.update(chat_metrics(rows, trials, w.batch_size))
     result.series["decode_ms"] = [ms for turn in trials[-1] for ms in turn.decode_ms]
     result.methods.update(METHODS)
-    result.methods.update({f"turn{r['turn']}_ttft_ms": TURN_TTFT_METHOD for r in rows})
+    result.methods.update({f"turn{r['turn']}_ttft_ms": TURN_TTFT.text for r in rows})

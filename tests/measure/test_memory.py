@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from kvbench.config import ModelConfig
-from kvbench.measure import memory
+from kvbench.measure import host, memory
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, peak_rss_bytes, weight_bytes
 from kvbench.model import Decoder
+from kvbench.model_config import ModelConfig
 
 UUID = "ffc79498-8ff3-c2dc-3b0d-fafd804516ae"  # as str(torch props.uuid) prints it
 
@@ -337,17 +337,17 @@ def test_inside_long_lived_frozen_a_cycle_made_there_is_still_freed_with_its_ten
         pass
 
     before = gc.get_freeze_count()
-    with memory.long_lived_frozen():
+    with host.long_lived_frozen():
         assert gc.get_freeze_count() > before  # what lived on entry is frozen
-        memory.release_heap()
-        start = memory.rss_status()[0]
+        host.release_heap()
+        start = host.rss_status()[0]
         a, b = Node(), Node()
         a.other, b.other = b, a
         a.tensor = torch.ones(64 * 2 ** 20 // 4)
         gone = weakref.ref(a)
-        held = memory.rss_status()[0]
+        held = host.rss_status()[0]
         del a, b
-        memory.release_heap()
+        host.release_heap()
         assert gone() is None
-        assert held - start >= 60 * 2 ** 20 and memory.rss_status()[0] - start < 16 * 2 ** 20
+        assert held - start >= 60 * 2 ** 20 and host.rss_status()[0] - start < 16 * 2 ** 20
     assert gc.get_freeze_count() == 0  # collectable again after the job

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import TEXT, call_with_timeout
 
-from kvbench.config import ConfigError, DataConfig
+from kvbench.config import DataConfig
+from kvbench.config_errors import ConfigError
 from kvbench.quality.data import batches, byte_data, corpus_files
 
 

@@ -10,18 +10,9 @@ from conftest import TEXT, byte_decoder, hf_dir
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    CacheConfig,
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WandbConfig,
-    WorkloadConfig,
-)
+from kvbench.config import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig, WorkloadConfig
+from kvbench.config_errors import ConfigError
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.data import TokenData, byte_data, eval_windows
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 

@@ -10,16 +10,9 @@ import yaml
 from conftest import tiny_model_config
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    CacheConfig,
-    RuntimeConfig,
-    WandbConfig,
-    WorkloadConfig,
-    record_view,
-)
-from kvbench.results import RunResult
+from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
+from kvbench.model_config import AttentionConfig
+from kvbench.results import RunResult, record_view
 
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}
 PROMPTS, BATCHES, GEN = (16, 32), (1, 2), 8

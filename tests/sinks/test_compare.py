@@ -6,7 +6,8 @@ import pytest
 from fake_sweep import VARIANTS, build_sweep, decode_ms
 
 from kvbench.results import lookup
-from kvbench.sinks.compare import (
+from kvbench.sinks.report import collect
+from kvbench.sinks.tables import (
     COLUMNS,
     comparisons,
     fmt,
@@ -17,7 +18,6 @@ from kvbench.sinks.compare import (
     value_text,
     variant,
 )
-from kvbench.sinks.report import collect
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from rich.console import Console
 
 from kvbench.results import RunResult
 from kvbench.sinks import console
-from kvbench.sinks.compare import NO_INTERVAL, NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
 from kvbench.sinks.report import MD_FILE, write_report
+from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
 
 P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", sampled=True)
 
@@ -120,7 +120,7 @@ def test_the_decode_plot_draws_error_bars_where_records_have_intervals(tmp_path)
 
 def test_the_console_prints_the_interleaved_table():
     out = Console(file=io.StringIO(), width=250, highlight=False, color_system=None)
-    out.print(console.compare_table(compare_record()))
+    out.print(console.variants_table(compare_record()))
     text = out.file.getvalue()
     assert "interleaved comparison: 6 rounds" in text
     header, rows = interleaved_table(compare_record())

@@ -19,7 +19,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from kvbench.cache import kv_cache_bytes
 from kvbench.cli import report_main as main
 from kvbench.results import RunResult
-from kvbench.sinks.compare import swept_axes, variant
 from kvbench.sinks.plots import (
     MHA_COLOUR,
     MQA_COLOUR,
@@ -32,6 +31,7 @@ from kvbench.sinks.plots import (
     turn_panels,
 )
 from kvbench.sinks.report import CSV_FILE, MD_FILE, collect, write_report
+from kvbench.sinks.tables import swept_axes, variant
 from kvbench.units import human_bytes
 
 PNGS = {"decode_vs_context", "kv_bytes_vs_heads", "kv_memory", "tokens_vs_batch", "ttft_per_turn"}

@@ -8,12 +8,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import CONF_DIR, BenchConfig, ConfigError, record_view, to_bench_config
-from kvbench.inspection import kv_memory_table, parameter_count
-from kvbench.measure.memory import PeakWindow, is_oom, release_heap, rss_status
-from kvbench.results import RunResult
-from kvbench.workloads import capacity
-from kvbench.workloads.capacity import (
+from kvbench.config import CONF_DIR, BenchConfig, to_bench_config
+from kvbench.config_errors import ConfigError
+from kvbench.measure.host import release_heap, rss_status
+from kvbench.measure.memory import PeakWindow, is_oom
+from kvbench.results import RunResult, record_view
+from kvbench.tasks import capacity
+from kvbench.tasks.capacity_search import (
     Probe,
     formula_max_batch,
     predict_max_batch,
@@ -21,6 +22,7 @@ from kvbench.workloads.capacity import (
     split_activation,
     violations,
 )
+from kvbench.tasks.inspect import kv_memory_table, parameter_count
 
 
 def config(*overrides) -> BenchConfig:
@@ -177,12 +179,12 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     cfg = config("model=tiny", "attention=mha", "capacity.context_lens=[16,32]", "capacity.max_batch=8",
                  "workload.gen_len=4", "runtime.warmup=0", "runtime.repeats=2", "runtime.memory_budget_gb=64",
                  "slo.tpot_ms=100000", "slo.stat=p50")
-    from kvbench.runner import build_model  # the model a job builds, seeded
+    from kvbench.tasks.common import build_model  # the model a job builds, seeded
 
     baseline = capacity.baseline_bytes(torch.device("cpu"))
     model = build_model(cfg, torch.device("cpu"))
     result = RunResult(status="ok", config={})
-    capacity.run(cfg, model, torch.device("cpu"), result, baseline)
+    capacity.run_probes(cfg, model, torch.device("cpu"), result, baseline)
     probes, answers = result.tables["capacity_probes"], result.tables["capacity"]
     # a budget and a target nothing reaches: every context runs up to capacity.max_batch
     assert [a["max_batch"] for a in answers] == [8, 8]
@@ -202,13 +204,13 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     slow = ["model=tiny", "attention=mha", "capacity.context_lens=[16]", "capacity.max_batch=8", "workload.gen_len=2",
             "runtime.warmup=0", "runtime.repeats=1", "slo.tpot_ms=1e-6"]
     result = RunResult(status="ok", config={})
-    capacity.run(config(*slow, "runtime.memory_budget_gb=64"), model, torch.device("cpu"), result, baseline)
+    capacity.run_probes(config(*slow, "runtime.memory_budget_gb=64"), model, torch.device("cpu"), result, baseline)
     (answer,) = result.tables["capacity"]
     assert (answer["max_batch"], answer["stopped_by"]) == (0, "tpot")
     assert result.tables["capacity_probes"][0]["violated"] == "tpot"
     # a budget below the weights: on a CPU the probe is refused, not run, and the record says so
     result = RunResult(status="ok", config={})
-    capacity.run(config(*slow, "runtime.memory_budget_gb=1e-6"), model, torch.device("cpu"), result, baseline)
+    capacity.run_probes(config(*slow, "runtime.memory_budget_gb=1e-6"), model, torch.device("cpu"), result, baseline)
     (probe,) = result.tables["capacity_probes"]
     assert not probe["measured"] and probe["violated"] == "memory" and probe["error"].startswith("not run")
     assert result.tables["capacity"][0]["stopped_by"] == "memory (predicted, not run)"
@@ -221,12 +223,12 @@ def test_a_real_cuda_oom_is_a_probe_and_the_search_backs_off():
     # recorded (oom, bound memory) and the answer is a batch whose probe fitted
     cfg = config("model=small", "attention=mha", "capacity.context_lens=[2048]", "capacity.max_batch=4096",
                  "workload.gen_len=2", "runtime.warmup=0", "runtime.repeats=1", "runtime.dtype=float16")
-    from kvbench.runner import build_model
+    from kvbench.tasks.common import build_model
 
     device = torch.device("cuda")
     model = build_model(cfg, device)
     result = RunResult(status="ok", config={})
-    capacity.run(cfg, model, device, result, capacity.baseline_bytes(device))
+    capacity.run_probes(cfg, model, device, result, capacity.baseline_bytes(device))
     probes = result.tables["capacity_probes"]
     (answer,) = result.tables["capacity"]
     assert any(p["oom"] and p["violated"] == "memory" for p in probes)
@@ -261,7 +263,7 @@ def test_chat_kv_formula_holds_the_system_prompt_once_when_shared():
 
 
 def test_chat_probe_kv_bytes_are_what_a_chat_session_allocates():
-    from kvbench.runner import build_model
+    from kvbench.tasks.common import build_model
     from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
     for shared in (False, True):
@@ -294,11 +296,11 @@ def fake_latency(ttft_per_token_ms, step_ms):
 def run_fake(monkeypatch, name, latency, *overrides):
     monkeypatch.setattr(capacity, name, latency)
     cfg = config(*overrides)
-    from kvbench.runner import build_model
+    from kvbench.tasks.common import build_model
 
     baseline = capacity.baseline_bytes(torch.device("cpu"))  # before the model: its weights count
     result = RunResult(status="ok", config={})
-    capacity.run(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
+    capacity.run_probes(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
     return result
 
 
@@ -367,7 +369,7 @@ def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkey
 
 def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
     torch.set_num_threads(1)
-    from kvbench.runner import build_model
+    from kvbench.tasks.common import build_model
 
     for shared in (False, True):
         # the relative target as well: every probe's filled cache steps again against one conversation
@@ -375,7 +377,7 @@ def test_real_chat_probes_of_a_tiny_model_with_and_without_the_shared_cache():
                      "slo.tpot_x_batch1=1000", "capacity.tpot_pairs=4")
         baseline = capacity.baseline_bytes(torch.device("cpu"))
         result = RunResult(status="ok", config={})
-        capacity.run(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
+        capacity.run_probes(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, baseline)
         (answer,) = result.tables["capacity"]
         assert (answer["context"], answer["max_batch"], answer["stopped_by"]) == (35, 4, "capacity.max_batch")
         for p in result.tables["capacity_probes"]:
@@ -409,7 +411,7 @@ def test_a_stepper_repeats_the_positions_of_the_last_decode_steps(impl, shared):
     # stepper over the same filled cache rolls back and reproduces them step for step, twice
     from kvbench.cache import cache_for, shared_cache_for
     from kvbench.generate import decode_step, prefill
-    from kvbench.runner import build_model
+    from kvbench.tasks.common import build_model
 
     torch.manual_seed(0)
     cfg = config("model=tiny", "attention=gqa")

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from kvbench.cache import cache_for
 from kvbench.config import CONF_DIR
 from kvbench.generate import compile_phase, compiled_step, greedy_generate
+from kvbench.jobs.runner import run_job
 from kvbench.measure.roofline import decode_bytes_read
-from kvbench.runner import run_job
 from kvbench.workloads.decode import DecodeTimings, floor_model, kv_cost, summarize_decode, time_decode
 
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import CONF_DIR, AttentionConfig, ConfigError, to_bench_config
-from kvbench.runner import build_model, run_job
-from kvbench.workloads.interleaved import round_order, summarize, variants
+from kvbench.config import CONF_DIR, to_bench_config
+from kvbench.config_errors import ConfigError
+from kvbench.jobs.runner import run_job
+from kvbench.model_config import AttentionConfig
+from kvbench.tasks.common import build_model
+from kvbench.tasks.compare import round_order, summarize, variants
 
 TINY = ["wandb.mode=disabled", "task=compare", "model=tiny", "model.max_seq_len=64", "runtime.threads=1"]
 

@@ -12,19 +12,12 @@ from conftest import make_decoder
 from test_cli import kvbench
 
 from kvbench.cache import SharedPrefixCache, kv_cache_bytes, make_cache, shared_cache_for
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    CacheConfig,
-    ConfigError,
-    ModelConfig,
-    RuntimeConfig,
-    WandbConfig,
-    WorkloadConfig,
-)
+from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
+from kvbench.config_errors import ConfigError
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
+from kvbench.jobs.runner import run_job
 from kvbench.model import fold_mask, grouped_attention
-from kvbench.runner import run_job
+from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.sinks.console import ttft_side_by_side
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
 

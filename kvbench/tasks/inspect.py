@@ -11,8 +11,9 @@ from typing import List, Optional
 import torch
 
 from kvbench.cache import SCALE_BYTES, kv_cache_bytes
-from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig, kv_layout_change
+from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig
 from kvbench.model import Decoder, kv_group_map
+from kvbench.model_config import kv_layout_change
 from kvbench.units import human_bytes
 
 

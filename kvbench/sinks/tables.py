@@ -19,8 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config import record_view
-from kvbench.results import flatten, lookup
+from kvbench.results import flatten, lookup, record_view
 from kvbench.units import human_bytes
 
 Record = Dict[str, Any]

@@ -1,4 +1,5 @@
-"""``task=capacity``: the largest batch that fits a memory budget and meets latency targets.
+"""``task=capacity``: the largest batch that fits a memory budget and meets latency targets (the
+probes; the search and its prediction are :mod:`kvbench.tasks.capacity_search`).
 
 For each context length (``capacity.context_lens``, prompt tokens; every sequence then decodes
 ``workload.gen_len`` tokens) the search
@@ -30,28 +31,38 @@ context (:func:`time_pairs`), and the ratio of the two is judged. Every probe is
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from kvbench.cache import KVCache, cache_for, kv_cache_bytes
-from kvbench.config import DTYPE_BYTES, BenchConfig, ConfigError
+from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step
-from kvbench.measure.memory import (
-    PeakWindow,
-    is_oom,
-    long_lived_frozen,
-    peak_window_reason,
-    release_heap,
-    rss_status,
-    weight_bytes,
-)
+from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
+from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, weight_bytes
 from kvbench.measure.stats import median, percentile
-from kvbench.measure.timing import RegionTimer
+from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig
+from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
 from kvbench.results import RunResult
+from kvbench.tasks.capacity_search import (
+    SEARCH_LIMIT,
+    Probe,
+    contexts,
+    formula_max_batch,
+    kv_bytes,
+    over_budget,
+    probes_expected,
+    search_capacity,
+    split_activation,
+    violations,
+)
+from kvbench.tasks.common import JOB_METHODS, Progress, build_model
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
@@ -60,32 +71,34 @@ STAT_Q = {"p50": 0.5, "p99": 0.99}
 # On a CPU the budget is a rule, not the machine's limit: a probe predicted to need more than this
 # many budgets is not run (it could take the machine's memory from everyone else on it).
 CPU_REFUSE_FACTOR = 2.0
-SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed
 # The calibration's second batch: far enough from batch 1 that the slope per sequence is not lost
 # in one-off growth (batch 1 -> 2 once read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
 CALIBRATION_BATCH = 4
 
-METHODS: Dict[str, str] = {
-    "memory_budget_bytes": "bytes; runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory",
-    "memory_method": "text; how a probe's memory is measured: CPU, the peak resident set of the job's process "
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("memory_budget_bytes", "bytes", "runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory"),
+    Metric("memory_method", "text", "how a probe's memory is measured: CPU, the peak resident set of the job's process "
                      "during the probe (VmHWM, reset through /proc/self/clear_refs after freed heap is returned "
                      "to the OS) minus the resident set before the model was built, so weights, KV cache, "
                      "activations and allocator slack count and the Python/torch runtime does not (the code "
                      "pages of kernels first run in the job do: a fixed part of the overhead); CUDA, "
                      "torch.cuda.max_memory_reserved during the probe (what torch held from the device; the "
-                     "CUDA context is outside it)",
-    "weight_bytes_measured": "bytes; parameters and persistent buffers of the model the probes ran",
-    "kv_bytes_per_token": "bytes; KV formula for one position of one sequence, all layers "
-                          "(2 * layers * kv_heads * head_dim * bytes per element)",
-    "max_batch_longest": "sequences; max_batch at the longest context",
-    "stopped_by_longest": "text; memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
+                     "CUDA context is outside it)"),
+    Metric("weight_bytes_measured", "bytes", "parameters and persistent buffers of the model the probes ran"),
+    Metric("kv_bytes_per_token", "bytes", "KV formula for one position of one sequence, all layers "
+                          "(2 * layers * kv_heads * head_dim * bytes per element)"),
+    Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
+    Metric("stopped_by_longest", "text",
+           "memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
                           "failed at the longest context ('memory (predicted, not run)': that batch was refused on "
-                          "a CPU, predicted over 2 budgets)",
-    "decode_ms_p50_longest": "ms; median decode step at batch 1 and the longest context (the calibration probe)",
-    "tokens_per_s_longest": "tokens/s; batch x 1000 / the median decode step (every step of every trial) of the "
-                            "probe at max_batch at the longest context",
-    "probes_run": "count; probes measured over all contexts (refused ones not counted)",
-    "tables.capacity": "one row per context (workload=multiturn: one row, context = the positions a conversation "
+                          "a CPU, predicted over 2 budgets)"),
+    Metric("decode_ms_p50_longest", "ms",
+           "median decode step at batch 1 and the longest context (the calibration probe)"),
+    Metric("tokens_per_s_longest", "tokens/s", "batch x 1000 / the median decode step (every step of every "
+                                                "trial) of the probe at max_batch at the longest context"),
+    Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted)"),
+    Metric("tables.capacity", "",
+           "one row per context (workload=multiturn: one row, context = the positions a conversation "
                        "holds at the chat's end, max_batch = concurrent conversations): max_batch (largest "
                        "batch whose probe met every bound; the search "
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
@@ -97,8 +110,9 @@ METHODS: Dict[str, str] = {
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
                        "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_paired_ms, "
                        "tpot_target_ms, "
-                       "tokens_per_s (each with the suffix _at_max)",
-    "tables.capacity_probes": "one row per probe, in the order run: context, batch, ok, bound (the first bound "
+                       "tokens_per_s (each with the suffix _at_max)"),
+    Metric("tables.capacity_probes", "",
+           "one row per probe, in the order run: context, batch, ok, bound (the first bound "
                               "violated: memory, ttft, tpot), violated (all of them, comma-separated), measured "
                               "(false: refused on a CPU, predicted over 2 budgets), peak_bytes, predicted_bytes, "
                               "kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms and tpot_ms "
@@ -113,146 +127,9 @@ METHODS: Dict[str, str] = {
                               "judged: tpot_paired_ms <= slo.tpot_x_batch1 x tpot_reference_ms; not timed for a "
                               "probe over the budget), tpot_target_ms (slo.tpot_ms, slo.tpot_x_batch1 x "
                               "tpot_reference_ms, or the tighter of both), "
-                              "decode_ms_p50, tokens_per_s, oom, error",
-}
-
-
-@dataclass
-class Probe:
-    """One batch at one context, measured (or refused), and the bounds it met or violated."""
-
-    context: int
-    batch: int
-    ok: bool
-    bound: Optional[str] = None  # the first bound violated (memory, ttft, tpot); None when ok
-    violated: List[str] = field(default_factory=list)
-    measured: bool = True
-    peak_bytes: Optional[int] = None
-    predicted_bytes: Optional[int] = None
-    kv_bytes: Optional[int] = None
-    activation_bytes: Optional[int] = None
-    ttft_ms: Optional[float] = None
-    tpot_ms: Optional[float] = None
-    decode_ms_p50: Optional[float] = None
-    tokens_per_s: Optional[float] = None
-    tpot_paired_ms: Optional[float] = None  # slo.tpot_x_batch1: the probe's steps, interleaved with
-    tpot_reference_ms: Optional[float] = None  # ... steps of one sequence at the same context
-    tpot_target_ms: Optional[float] = None  # the TPOT target it was judged by (slo.tpot_ms and/or slo.tpot_x_batch1)
-    oom: bool = False
-    error: Optional[str] = None
-
-
-@dataclass
-class Search:
-    """What :func:`search_capacity` found: ``max_batch`` passed (0: not even the smallest), the
-    smallest failing batch ``failed_at`` (None: none up to the limit), every probe in order."""
-
-    max_batch: int
-    failed_at: Optional[int]
-    probes: List[Probe]
-
-
-def search_capacity(measure: Callable[[int], Probe], start: int, limit: int, step: int = 1,
-                    known: Sequence[Probe] = ()) -> Search:
-    """The largest batch in [1, ``limit``] whose probe is ok, to within ``step``.
-
-    Starts at the prediction ``start``, gallops away from it (steps of ``step``, doubling) until
-    the boundary is bracketed, then bisects. Assumes the bounds are monotone in the batch (memory
-    and latency grow with it); a noisy pass above a failure does not move the bracket.
-    ``known`` probes (a calibration) count as measured. ``measure`` is the only side effect."""
-    tried: Dict[int, Probe] = {p.batch: p for p in known}
-    order: List[Probe] = list(known)
-
-    def ok(batch: int) -> bool:
-        if batch not in tried:
-            tried[batch] = measure(batch)
-            order.append(tried[batch])
-        return tried[batch].ok
-
-    hi = min((b for b, p in tried.items() if not p.ok), default=limit + 1)
-    lo = max((b for b, p in tried.items() if p.ok and b < hi), default=0)
-    if hi - lo > step:
-        guess = min(max(start, lo + 1), hi - 1)
-        if ok(guess):
-            lo, jump = guess, step
-            while hi - lo > step:
-                batch = min(lo + jump, hi - 1)
-                if not ok(batch):
-                    hi = batch
-                    break
-                lo, jump = batch, jump * 2
-        else:
-            hi, jump = guess, step
-            while hi - lo > step:
-                batch = max(hi - jump, lo + 1)
-                if ok(batch):
-                    lo = batch
-                    break
-                hi, jump = batch, jump * 2
-    while hi - lo > step:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return Search(lo, hi if hi <= limit else None, order)
-
-
-def predict_max_batch(budget: int, fixed: int, per_sequence: int, limit: int) -> int:
-    """Largest batch b <= ``limit`` with fixed + b * per_sequence <= budget (0 if none)."""
-    if per_sequence <= 0:
-        return limit
-    return max(0, min(limit, (budget - fixed) // per_sequence))
-
-
-def contexts(cfg: BenchConfig) -> List[int]:
-    """The contexts searched, shortest first: ``capacity.context_lens`` (prompt tokens) for
-    workload=decode; for workload=multiturn the one chat, as the positions each conversation
-    holds at its end (its last reply token is never fed back)."""
-    if cfg.workload.name == "multiturn":
-        return [cfg.workload.total_len - 1]
-    return sorted(cfg.capacity.context_lens)
-
-
-def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
-    """KV formula (:func:`kvbench.cache.kv_cache_bytes`, the one formula) of what the probe's cache
-    holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
-    a chat, ``context`` positions per conversation, of which the system prompt's are held once
-    when ``cache.shared``."""
-    m, w = cfg.model, cfg.workload
-
-    def held(positions: int, sequences: int) -> int:
-        return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, positions, sequences,
-                              DTYPE_BYTES[cfg.runtime.dtype])
-
-    if w.name != "multiturn":
-        return held(context + w.gen_len, batch)
-    if cfg.cache.shared:
-        return held(w.system_len, 1) + held(context - w.system_len, batch)
-    return held(context, batch)
-
-
-def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
-                      activation: Tuple[int, int] = (0, 0)) -> int:
-    """The memory-only prediction: weights + KV formula (+ the activations' fixed part and part per
-    sequence) under ``budget``."""
-    fixed, per_sequence = (max(0, a) for a in activation)
-    kv_per_sequence = kv_bytes(cfg, context, 2) - kv_bytes(cfg, context, 1)  # a shared prefix is held once
-    return predict_max_batch(budget, weights + fixed + kv_bytes(cfg, context, 1) - kv_per_sequence,
-                             kv_per_sequence + per_sequence, cfg.capacity.max_batch)
-
-
-def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
-    """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
-    through them); one probe: all of it per sequence; none: nothing known."""
-    points = sorted((p.batch, p.activation_bytes) for p in probes if p.measured and p.activation_bytes is not None)
-    if not points:
-        return 0, 0
-    if len(points) == 1 or points[-1][0] == points[0][0]:
-        return 0, points[0][1] // points[0][0]
-    (b1, a1), (b2, a2) = points[0], points[-1]
-    per_sequence = max(0, (a2 - a1) // (b2 - b1))
-    return a1 - b1 * per_sequence, per_sequence
+                              "decode_ms_p50, tokens_per_s, oom, error"),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
@@ -431,28 +308,6 @@ class Prober:
         return probe
 
 
-def over_budget(probe: Probe, budget: int) -> bool:
-    """The memory bound: an out-of-memory, no peak measured, or a peak above ``budget``."""
-    return probe.oom or probe.peak_bytes is None or probe.peak_bytes > budget
-
-
-def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float],
-               tpot_x_batch1: Optional[float] = None) -> List[str]:
-    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge).
-    TPOT: ``tpot_ms`` judges the probe's own steps (``tpot_ms``), ``tpot_x_batch1`` its paired
-    steps against their reference (not judged over the budget: not timed there)."""
-    out = ["memory"] if over_budget(probe, budget) else []
-    if ttft_ms is not None and (probe.ttft_ms is None or probe.ttft_ms > ttft_ms):
-        out.append("ttft")
-    slow = tpot_ms is not None and (probe.tpot_ms is None or probe.tpot_ms > tpot_ms)
-    if tpot_x_batch1 is not None and "memory" not in out:
-        slow = slow or (probe.tpot_paired_ms is None or probe.tpot_reference_ms is None
-                        or probe.tpot_paired_ms > tpot_x_batch1 * probe.tpot_reference_ms)
-    if slow:
-        out.append("tpot")
-    return out
-
-
 def baseline_bytes(device: torch.device) -> int:
     """What the process holds before the model exists (CPU: its resident set; CUDA: 0, torch's
     counters start from nothing); checks first that the peak of a window can be measured here."""
@@ -465,8 +320,8 @@ def baseline_bytes(device: torch.device) -> int:
     return rss_status()[0]
 
 
-def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult, baseline: int,
-        tick: Optional[Callable[..., None]] = None) -> None:
+def run_probes(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult, baseline: int,
+               tick: Optional[Callable[..., None]] = None) -> None:
     """Every context of ``capacity.context_lens``: calibrate, predict, search; probes and answers
     into ``result.tables`` as they are measured (a failure keeps them)."""
     with long_lived_frozen():  # each probe frees its heap about four times
@@ -530,7 +385,28 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
                    probes_run=sum(1 for p in probes if p["measured"]))
 
 
-def probes_expected(limit: int, step: int) -> int:
-    """An upper bound on the probes one context's search runs: the calibrations, a gallop and a
-    bisection over [1, limit] at resolution ``step``."""
-    return 2 + 2 * (math.ceil(math.log2(max(2, limit / step))) + 1)
+def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
+    """``task=capacity``: the largest batch per context under the memory budget and the SLOs
+    (:func:`run_probes`); what the process held before the model is the baseline."""
+    result.metrics["timing_method"] = timing_method(device)
+    result.methods.update(JOB_METHODS)
+    baseline = baseline_bytes(device)
+    model = build_model(cfg, device)
+    result.metrics["weight_bytes"] = weight_bytes(model)
+    result.metrics["num_params"] = model.num_params()
+    label = f"capacity {cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+    if cfg.workload.name == "multiturn":
+        label += f" chat shared={cfg.cache.shared}"
+    expected = len(contexts(cfg)) * probes_expected(cfg.capacity.max_batch,
+                                                                          cfg.capacity.batch_step)
+    with progress(label, expected) as tick:
+        run_probes(cfg, model, device, result, baseline, tick)
+    if cfg.runtime.fidelity:  # quality of this KV-head count, after the probes (its models are not theirs)
+        del model
+        result.methods.update(KV_POOL_METHODS)
+        h = cfg.model.num_heads
+        reference = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
+        length = min(max(contexts(cfg)), 256)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, length),
+                               generator=torch.Generator().manual_seed(cfg.runtime.seed)).to(device)
+        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens))

@@ -15,7 +15,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.results import NOT_IDENTITY, RESULTS_FILE, RecordError, claim_holder, find_results, read_record
+from kvbench.jobs.claim import NOT_IDENTITY, claim_holder
+from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 
 
 @dataclass

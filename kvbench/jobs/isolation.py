@@ -46,9 +46,10 @@ from typing import Callable, List, Optional, Tuple
 from omegaconf import DictConfig
 
 from kvbench.config import BenchConfig, to_bench_config
-from kvbench.interrupts import Interrupted, describe_stop, interruptible, stop_reasons
+from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, stop_reasons
+from kvbench.jobs.runner import run_job, save, utc_now
 from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record
-from kvbench.runner import Progress, no_progress, run_job, save, utc_now
+from kvbench.tasks.common import Progress, no_progress
 
 GRACE_S = 30.0  # how long an interrupted child may take to write its record before it is killed
 # Signals that mean "stop" when they kill a process: sent by a person, a shell or a scheduler.
@@ -127,7 +128,7 @@ class _Child:
         alive_r, self._alive = os.pipe()  # only this process holds the writing end
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from kvbench.isolation import child_main; child_main()",
+                [sys.executable, "-c", "from kvbench.jobs.isolation import child_main; child_main()",
                  str(record_w), str(alive_r)], stdin=subprocess.PIPE, pass_fds=(record_w, alive_r))
         except BaseException:
             self.close()

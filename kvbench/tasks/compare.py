@@ -1,4 +1,4 @@
-"""The interleaved comparison (``task=compare``): attention variants of one model timed in one
+"""``task=compare``: the interleaved comparison: attention variants of one model timed in one
 process, alternating trial by trial, so that whatever the machine does meanwhile (another job, a
 clock change) falls on every variant alike and their ratios can be paired round by round.
 
@@ -18,51 +18,61 @@ Notation: B batch, C context (positions in the cache when a step runs), H query 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from kvbench.cache import cache_for, kv_cache_bytes
 from kvbench.checkpoint import convert_kv_heads
-from kvbench.config import DTYPE_BYTES, AttentionConfig, BenchConfig
+from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
-from kvbench.measure.timing import RegionTimer
+from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult
+from kvbench.tasks.common import JOB_METHODS, Progress, build_model
 
 Tick = Callable[..., None]
 
 # Units and methods of what this task reports; ``<v>`` is a variant's label (``mha_kv16``),
 # ``<C>`` the longest context. Every ratio is the variant's over the first variant's.
-METHODS: Dict[str, str] = {
-    "tables.trials": "one row per (round, turn, variant, context) in the order run: the decode step times "
-                     "(ms) at that context and their median; rounds alternate the variants' order (ABC, CBA, ...)",
-    "tables.compare": "one row per variant: the metrics below without the variant prefix, and step_ms_ctx<C> "
-                      "(with _ci_low/_ci_high) and step_ratio_ctx<C> at every context",
-    "<v>_step_ms_ctx<C>": "ms; decode step at context C: median over rounds of each round's median step, "
-                          "95% interval by bootstrap over rounds (see methods.ci_trials)",
-    "<v>_decode_us_per_1k_ctx": "µs per 1,000 tokens of context; the KV cost: Theil-Sen slope of the per-round "
-                                "median step time against the context, over all rounds (see methods.kv_cost)",
-    "<v>_decode_ms_at_ctx0": "ms; the intercept of the same fit: the step without context (weights, overhead)",
-    "<v>_kv_share_ctx<C>": "fraction; slope x C / step at C: the part of the step at the longest context that "
-                           "the context costs",
-    "<v>_kv_bytes_per_token": "bytes; K and V of one position of one sequence: 2 * layers * kv_heads * head_dim "
-                              "* bytes_per_element",
-    "<v>_kv_bytes_ratio": "ratio; kv_bytes_per_token over the first variant's: the slope ratio if the KV cost "
-                          "were all bytes read",
-    "<v>_slope_ratio": "ratio; median over rounds of the variant's per-round slope over the median of the first "
+METRICS: Dict[str, Metric] = metric_table(
+    Metric("tables.trials", "", "one row per (round, turn, variant, context) in the order run: the decode step times "
+                     "(ms) at that context and their median; rounds alternate the variants' order (ABC, CBA, ...)"),
+    Metric("tables.compare", "",
+           "one row per variant: the metrics below without the variant prefix, and step_ms_ctx<C> "
+                      "(with _ci_low/_ci_high) and step_ratio_ctx<C> at every context"),
+    Metric("<v>_step_ms_ctx<C>", "ms", "decode step at context C: median over rounds of each round's median step, "
+                          "95% interval by bootstrap over rounds (see methods.ci_trials)"),
+    Metric("<v>_decode_us_per_1k_ctx", "µs per 1,000 tokens of context",
+           "the KV cost: Theil-Sen slope of the per-round "
+                                "median step time against the context, over all rounds (see methods.kv_cost)"),
+    Metric("<v>_decode_ms_at_ctx0", "ms",
+           "the intercept of the same fit: the step without context (weights, overhead)"),
+    Metric("<v>_kv_share_ctx<C>", "fraction", "slope x C / step at C: the part of the step at the longest context that "
+                           "the context costs"),
+    Metric("<v>_kv_bytes_per_token", "bytes",
+           "K and V of one position of one sequence: 2 * layers * kv_heads * head_dim "
+                              "* bytes_per_element"),
+    Metric("<v>_kv_bytes_ratio", "ratio", "kv_bytes_per_token over the first variant's: the slope ratio if the KV cost "
+                          "were all bytes read"),
+    Metric("<v>_slope_ratio", "ratio",
+           "median over rounds of the variant's per-round slope over the median of the first "
                        "variant's, paired bootstrap interval over rounds (see methods.paired_ratio); null with "
-                       "fewer than 3 contexts",
-    "<v>_step_ratio_ctx<C>": "ratio; step at the longest context over the first variant's, paired over rounds "
-                             "(see methods.paired_ratio)",
-    "rounds": "count; timed rounds (runtime.repeats), each one trial of every variant",
-    "<v>_<metric>_ci_reason": "text; why <v>_<metric>_ci_low/_ci_high are null: fewer rounds (or points) than a "
-                              "95% interval needs (measure/stats.py min_interval_samples: 6), or a degenerate "
-                              "interval; null when the interval is given",
-    **{k: stats.METHODS[k] for k in ("ci_trials", "kv_cost", "paired_ratio")},
-}
+                       "fewer than 3 contexts"),
+    Metric("<v>_step_ratio_ctx<C>", "ratio", "step at the longest context over the first variant's, paired over rounds "
+                             "(see methods.paired_ratio)"),
+    Metric("rounds", "count", "timed rounds (runtime.repeats), each one trial of every variant"),
+    Metric("<v>_<metric>_ci_reason", "text", "why <v>_<metric>_ci_low/_ci_high are null: fewer rounds (or points) "
+                                             "than a 95% interval needs (measure/stats.py min_interval_samples: 6), "
+                                             "or a degenerate interval; null when the interval is given"),
+    *(Metric(k, "", stats.METHODS[k]) for k in ("ci_trials", "kv_cost", "paired_ratio")),
+)
+METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass
@@ -119,7 +129,8 @@ def time_trial(model: Decoder, cache, token: torch.Tensor, contexts: Sequence[in
     return {c: timer.ms(str(c)) for c in contexts}
 
 
-def run(cfg: BenchConfig, base: Decoder, device: torch.device, result: RunResult, tick: Optional[Tick] = None) -> None:
+def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: RunResult,
+               tick: Optional[Tick] = None) -> None:
     """Time ``compare.variants`` of ``base`` in alternating trials and write the comparison into
     ``result`` (metrics, ``tables.trials``, ``tables.compare``); metrics and units in :data:`METHODS`."""
     c, rt = cfg.compare, cfg.runtime
@@ -156,6 +167,18 @@ def run(cfg: BenchConfig, base: Decoder, device: torch.device, result: RunResult
                                 for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high", "_ci_reason")}
     for row in rows:
         result.metrics.update({f"{row['variant']}_{k}": v for k, v in row.items() if k not in table_only})
+
+
+def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
+    """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
+    heads repeated to MHA, exactly) in alternating trials in this process (:func:`run_trials`)."""
+    result.metrics["timing_method"] = timing_method(device)
+    result.methods["timing_method"] = JOB_METHODS["timing_method"]
+    h = cfg.model.num_heads
+    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
+    total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
+    with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
+        run_trials(cfg, base, device, result, tick)
 
 
 def per_round(trials: Sequence[Dict], variant: str, context: int) -> List[float]:

@@ -1,0 +1,162 @@
+"""One Hydra job, around :func:`kvbench.jobs.isolation.launch_job`: inspect, or claim the job
+directory, then skip it (resume: an ok record of the same config) or run it, and record, track and
+print it; what the job returns to a search sweeper is its ``objective`` read from the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.config import to_bench_config
+from kvbench.config_errors import ConfigError
+from kvbench.jobs.claim import claim_holder, claim_job, completed_record
+from kvbench.jobs.isolation import launch_job
+from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
+from kvbench.quality.train import CHECKPOINT_NAME
+from kvbench.results import RESULTS_FILE, RecordError, objective_value, read_record
+from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, turns_table, variants_table
+from kvbench.sinks.report import MD_FILE, write_report
+from kvbench.sinks.tracking import track
+from kvbench.tasks.inspect import describe
+
+
+def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    return Path(hc.runtime.output_dir), multirun, list(hc.overrides.task), hc.job.get("num")
+
+
+def hydra_job(cfg: DictConfig) -> Optional[float]:
+    """One Hydra job: inspect, or claim the job directory, then skip (resume) or run, record,
+    track and print. Returns the job's ``objective`` read from its record (what a search
+    sweeper optimises): None without an objective, and for a job with no value for it."""
+    out_dir, multirun, overrides, num = _job_context()
+    if OmegaConf.select(cfg, "task", throw_on_resolution_failure=False) == "inspect":
+        OUTCOME.job_ended(_inspect(cfg))
+        return None
+    if multirun:
+        total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
+        stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
+    claim = claim_job(out_dir)
+    if claim is None:
+        # Another kvbench (or a job process a killed sweep left behind) is running this job.
+        stderr.print(f"  skipped: {out_dir} is being run by {claim_holder(out_dir) or 'another process'} "
+                     "(a job never runs twice at once)", markup=False, soft_wrap=True)
+        if not multirun:
+            OUTCOME.job_ended(EXIT_CODES["error"])
+        return _objective(cfg, None, "the job was not run here (another process holds it)")
+    with claim:
+        if multirun and _already_done(out_dir, cfg):
+            # A re-run into the same sweep dir finishes only what is missing; the sweep table
+            # at the end reads this job's record from disk like any other.
+            stderr.print(f"  skipped: {out_dir / RESULTS_FILE} is already ok for this config "
+                         "(rerun=true runs it again)", markup=False, soft_wrap=True)
+            return _objective(cfg, out_dir)
+        try:
+            result = launch_job(cfg, out_dir, overrides, progress=progress_bar)
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: show what was recorded, then stop
+            if getattr(exc, "record", None) is not None:
+                _after_job(exc.record, out_dir, multirun)
+            raise
+        wandb_dir = _track(cfg, result, out_dir, multirun)
+        _after_job(result, out_dir, multirun)
+    if not multirun:
+        OUTCOME.job_ended(EXIT_CODES["error"] if result.unsaved else EXIT_CODES[result.status])
+        # summary.csv / summary.md beside results.json (and why a single run draws no plot)
+        report(out_dir, announce=False)
+        if wandb_dir is not None and result.status != "invalid":  # an invalid value: one line, no more
+            stdout.print(f"wandb: {wandb_dir}", markup=False, soft_wrap=True)
+    return _objective(cfg, out_dir)
+
+
+def _objective(cfg: DictConfig, out_dir: Optional[Path], why_not: str = "") -> Optional[float]:
+    """The job's ``objective``, read from the results.json in ``out_dir`` (the one the job's own
+    process wrote when it ran isolated), or None and one line saying why: a search sweeper
+    records None as a failed trial. None without a line when no objective is set."""
+    if OmegaConf.select(cfg, "objective", throw_on_resolution_failure=False) is None:
+        return None
+    try:
+        job = to_bench_config(cfg)
+        value, why = (None, why_not) if out_dir is None else objective_value(
+            read_record(out_dir), job.objective, job.objective_caps)
+    except (ConfigError, RecordError) as exc:
+        value, why = None, str(exc)
+    if value is None:
+        stderr.print(f"  objective: none, {why} (a failed trial for a search sweeper)", markup=False, soft_wrap=True)
+    else:
+        stdout.print(f"  objective {job.objective}: {value:.6g}", markup=False, soft_wrap=True)
+    return value
+
+
+def _already_done(out_dir: Path, cfg: DictConfig) -> bool:
+    try:
+        job = to_bench_config(cfg)
+    except ConfigError:
+        return False
+    return not job.rerun and completed_record(out_dir, asdict(job)) is not None
+
+
+def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[Path]:
+    """The job's W&B run (after results.json is written; a W&B failure is only a warning)."""
+    sweep_dir = HydraConfig.get().sweep.dir if multirun else None
+    # The record's copy: validated for a valid job, as given (never raising) for an invalid one.
+    wandb_cfg = result.config.get("wandb")
+    return track(result, wandb_cfg if isinstance(wandb_cfg, dict) else {}, out_dir, sweep_dir,
+                 str(result.config.get("task", "bench")))
+
+
+def report(directory: Path, announce: bool = True, plots: bool = True,
+            records: Optional[List[Dict[str, Any]]] = None) -> None:
+    """Write the local report (summary.csv, summary.md, plots) of ``records`` (default: every
+    job under ``directory``); never fails the run."""
+    try:
+        write_report(directory, plots=plots, records=records)
+        if announce:
+            stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
+    except Exception as exc:  # noqa: BLE001 — the records are on disk; kvbench-report can redo this
+        stderr.print(f"kvbench: report failed: {type(exc).__name__}: {exc} (run kvbench-report {directory})",
+                     markup=False, soft_wrap=True)
+
+
+def _after_job(result, out_dir: Path, multirun: bool) -> None:
+    """Print the job's outcome; in a single run an invalid value is one line on stderr. A record
+    that could not be written goes to stderr as one line of JSON, after one line saying why."""
+    where = out_dir / RESULTS_FILE
+    if result.unsaved:
+        stderr.print(f"kvbench: {result.unsaved}; the record follows on stderr as JSON", markup=False,
+                     soft_wrap=True)
+        print(json.dumps(result.to_dict(), default=str), file=sys.stderr, flush=True)
+        where = "(not written)"
+    if result.status == "invalid" and not multirun:
+        stderr.print(f"kvbench: invalid config: {result.error} (recorded in {where})", markup=False, soft_wrap=True)
+        return
+    if result.status != "ok":
+        stderr.print(f"kvbench: job {result.status}: {result.error}", markup=False, soft_wrap=True)
+    if not multirun:
+        stdout.print(run_table(result.to_dict()))
+        if result.tables.get("turns"):
+            stdout.print(turns_table(result.to_dict()))
+        if result.tables.get("compare"):
+            stdout.print(variants_table(result.to_dict()))
+    stdout.print(f"results: {where}", markup=False, soft_wrap=True)
+    if result.config.get("task") == "train" and (out_dir / CHECKPOINT_NAME).is_file():
+        stdout.print(f"checkpoint: {out_dir / CHECKPOINT_NAME}", markup=False, soft_wrap=True)
+
+
+def _inspect(cfg: DictConfig) -> int:
+    """Print the head→group map and the KV-memory table; runs no model."""
+    try:
+        stdout.print(describe(to_bench_config(cfg)), markup=False, soft_wrap=True)
+    except ConfigError as exc:
+        stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
+        return EXIT_CODES["invalid"]
+    return 0

@@ -1,0 +1,168 @@
+"""A sweep around its jobs (``hydra.callbacks.sweep`` in conf/config.yaml): refuse one that cannot
+run or would overwrite another before its first job (:func:`check_sweep_start`), count its jobs,
+and at its end print the table of its jobs, write its report and W&B workspace and give the exit
+code (:func:`sweep_end`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvbench.cli_job import report
+from kvbench.config_errors import ConfigError
+from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
+from kvbench.jobs.runner import check_objective
+from kvbench.jobs.sweep import job_overrides, sweep_records, sweep_size
+from kvbench.results import find_results
+from kvbench.sinks.console import stderr, stdout, sweep_tables
+from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
+from kvbench.sinks.report import collect
+from kvbench.sinks.tracking import new_sweep
+
+MULTIRUN_FILE = "multirun.yaml"  # the sweep's config, in its directory
+# Rows of a sweep's end table that mean a job of the sweep has no result: the sweep exits 1.
+FAILED_ROWS = ("error", "interrupted", "unreadable", "missing", "not run")
+
+
+def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
+    """Print the table of this sweep's jobs, write its report; the exit code for them. Never
+    raises for what it finds on disk: a part that fails is one line saying so."""
+    sweep_dir = Path(config.hydra.sweep.dir)
+    try:
+        if _basic_sweeper(config):
+            rows = sweep_records(sweep_dir, config)
+        else:  # another sweeper chooses its jobs as it goes: every job directory on disk
+            rows = collect(sweep_dir)
+    except Exception as exc:  # noqa: BLE001 — the records stay on disk; kvbench-report can read them
+        stderr.print(f"kvbench: cannot list the sweep's jobs: {type(exc).__name__}: {exc}", markup=False)
+        return EXIT_CODES["error"]
+    title = f"kvbench sweep {sweep_dir}" + (" (interrupted)" if interrupted else "")
+    try:
+        for table in sweep_tables(title, rows):  # the attention variants side by side last
+            stdout.print(table)
+    except Exception as exc:  # noqa: BLE001 — an odd record must not cost the counts and the report
+        stderr.print(f"kvbench: a table could not be drawn: {type(exc).__name__}: {exc}", markup=False)
+    counts: Dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    stdout.print(", ".join(f"{n} {s}" for s, n in counts.items()) + f" — results under {sweep_dir}",
+                 markup=False, soft_wrap=True)
+    if rows:
+        report(sweep_dir, plots=not interrupted, records=rows)  # after Ctrl-C: quickly, no plots
+        if not interrupted:
+            _dashboard(sweep_dir, rows)
+    return EXIT_CODES["error"] if any(counts.get(s) for s in FAILED_ROWS) else 0
+
+
+def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
+    """The sweep's W&B workspace: its spec beside the report, created on W&B when the sweep's
+    runs went online; the commands that publish it later otherwise. Never fails the sweep."""
+    try:
+        if not tracked(rows):
+            return
+        board = write_dashboard(sweep_dir, rows)
+    except Exception as exc:  # noqa: BLE001 — the records and the report are on disk
+        stderr.print(f"kvbench: W&B workspace not written: {type(exc).__name__}: {exc} "
+                     f"(run kvbench-dashboard {sweep_dir})", markup=False, soft_wrap=True)
+        return
+    stdout.print(f"workspace: {board.files[-1]}", markup=False, soft_wrap=True)
+    runs_online = online(rows, sweep_dir)
+    if runs_online:
+        try:
+            stdout.print(f"workspace: {publish(board)}", markup=False, soft_wrap=True)
+            return
+        except PublishError as exc:
+            stderr.print(f"kvbench: W&B workspace not created: {exc}", markup=False, soft_wrap=True)
+    stdout.print("publish it to W&B with: " + " && ".join(publish_commands(sweep_dir, runs_online)),
+                 markup=False, soft_wrap=True)
+
+
+class SweepRefused(BaseException):
+    """A sweep stopped before its first job. Not an ``Exception``: Hydra turns what a callback
+    raises into a warning and goes on, and this must reach :func:`main` (one line, exit 2)."""
+
+
+
+
+def _basic_sweeper(config: DictConfig) -> bool:
+    """Hydra's grid sweeper, whose jobs kvbench can list from the config (kvbench.jobs.sweep); a search
+    sweeper (Optuna) chooses its jobs as it goes."""
+    return str(OmegaConf.select(config, "hydra.sweeper._target_")).endswith(".BasicSweeper")
+
+
+def check_sweep_start(config: DictConfig) -> None:
+    """Refuse, before any job starts, a sweep that cannot run or would overwrite another:
+    a SLURM launcher without SLURM, an ``objective`` no job of the task records (or none for
+    a search sweeper), or a ``hydra.sweep.dir`` that holds a sweep with other overrides (its
+    jobs would be renumbered and overwritten) or any sweep for a search (its trials depend
+    on the values measured, so job N of a second search is another job). Raises
+    :class:`ConfigError`."""
+    target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+    if target.endswith("SlurmLauncher") and not (shutil.which("sbatch") and shutil.which("srun")):
+        raise ConfigError("hydra/launcher=slurm: no SLURM on this machine (sbatch and srun are not on PATH); "
+                          "submit from the cluster's login node, or try the sweep here with hydra/launcher=local")
+    objective = OmegaConf.select(config, "objective")
+    basic = _basic_sweeper(config)
+    if objective is None and not basic:
+        raise ConfigError("objective=null: a search sweeper (hydra.sweeper._target_="
+                          f"{OmegaConf.select(config, 'hydra.sweeper._target_')}) needs a metric to optimise "
+                          "(e.g. objective=tokens_per_s, or objective=-decode_ms_p50 to minimise)")
+    direction = OmegaConf.select(config, "hydra.sweeper.direction")
+    if not basic and direction is not None and getattr(direction, "name", direction) != "maximize":
+        raise ConfigError(f"hydra.sweeper.direction={getattr(direction, 'name', direction)}: kvbench's objective is "
+                          "maximised (hydra.sweeper.direction=maximize); objective=-name minimises name")
+    caps = OmegaConf.select(config, "objective_caps") or {}
+    check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
+                    str(OmegaConf.select(config, "workload.name", default="decode")))
+    sweep_dir = Path(config.hydra.sweep.dir)
+    if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
+        raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "
+                          "resume (the trials it would choose depend on the values measured, so its job "
+                          "numbers would overwrite other jobs); give it a new hydra.sweep.dir")
+    try:
+        before = OmegaConf.select(OmegaConf.load(sweep_dir / MULTIRUN_FILE), "hydra.overrides.task") or []
+    except (OSError, OmegaConfBaseException, ValueError):
+        return  # a new directory, or one no sweep finished starting in
+    if job_overrides(before) != job_overrides(config.hydra.overrides.task):
+        raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
+                          f"({' '.join(job_overrides(before))}); give this one a new hydra.sweep.dir "
+                          "(a sweep resumes only with the same overrides)")
+
+
+class SweepCallback(Callback):
+    """Counts a sweep's jobs at the start; at the end prints a table of this sweep's jobs and
+    sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
+    ``on_multirun_end``, unless the sweep is interrupted: then :func:`main` ends it."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        OUTCOME.sweep_started(config)
+        try:
+            check_sweep_start(config)
+        except ConfigError as exc:
+            raise SweepRefused(str(exc)) from None
+        if not _basic_sweeper(config):
+            # Hydra's basic sweeper saves the sweep's config as it starts, Optuna's does not: saved
+            # here, it makes a later sweep into this directory a refused one (check_sweep_start).
+            Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(config, Path(config.hydra.sweep.dir) / MULTIRUN_FILE)
+        new_sweep(config.hydra.sweep.dir)
+        try:
+            # a search runs hydra.sweeper.n_trials jobs (Optuna's sweeper; "?" for another)
+            total = sweep_size(config) if _basic_sweeper(config) else OmegaConf.select(
+                config, "hydra.sweeper.n_trials", default="?")
+            os.environ["KVBENCH_SWEEP_TOTAL"] = str(total)
+        except Exception:  # noqa: BLE001 — a count is a nicety; never stop a sweep for it
+            os.environ["KVBENCH_SWEEP_TOTAL"] = "?"
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.get("task") == "inspect":
+            OUTCOME.sweep = None
+            return
+        OUTCOME.sweep_ended(sweep_end(config))

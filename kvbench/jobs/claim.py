@@ -1,0 +1,107 @@
+"""A job directory's state besides its record: who is running it now (the claim) and whether it
+is done already (resume).
+
+The claim (:func:`claim_job`) is an ``flock`` that says a process is running the job now, so
+that two kvbench processes never measure one job at the same time. :func:`completed_record` is
+resume's "is this job done?": an ``ok`` record of the same config.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from kvbench.results import RecordError, RunResult, read_record, record_view
+
+CLAIM_FILE = ".kvbench-claim"
+# Keys of a job's config that say how it is scheduled or recorded, not what it measures.
+NOT_IDENTITY = ("rerun", "wandb", "objective", "objective_caps")
+
+
+class JobClaim:
+    """This process is running the job in ``directory``: an exclusive ``flock`` on its claim
+    file, which names the host, pid and start. Released by :meth:`release` or when the process
+    ends in any way (the kernel drops the lock, even on SIGKILL), so a claim never goes stale."""
+
+    def __init__(self, directory: Path, handle: Any):
+        self.directory, self._handle = directory, handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the last descriptor drops the flock
+            self._handle = None
+
+    def __enter__(self) -> "JobClaim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def claim_job(directory: Path | str) -> Optional[JobClaim]:
+    """Claim the job in ``directory`` for this process; None when another process holds it
+    (another kvbench, or a job process a killed sweep left running)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / CLAIM_FILE, "a+")  # not "w": that would erase the holder's name
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
+    handle.flush()
+    return JobClaim(directory, handle)
+
+
+def claim_holder(directory: Path | str) -> Optional[str]:
+    """Who holds the claim on ``directory`` (``"host pid N since T"``), or None when nobody
+    does. A claim this process holds through another :class:`JobClaim` counts as held."""
+    path = Path(directory) / CLAIM_FILE
+    try:
+        handle = open(path)
+    except OSError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return handle.read(200).strip() or "another process"
+        except OSError:
+            return None
+        return None  # closing the file drops the shared lock just taken
+
+
+def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[RunResult]:
+    """The record in ``out_dir`` if it is ``ok`` and was produced by the same ``config`` (the
+    job's validated config as a dict), else None: resume's "is this job done?".
+
+    A missing, unreadable or non-ok record (``interrupted`` included), or one for a different
+    config (the sweep's override list changed, so this job number now means another job), means
+    the job must run."""
+    try:
+        record = read_record(out_dir)
+    except RecordError:
+        return None
+    if record.status != "ok":
+        return None
+    return record if _identity(record.config) == _identity(config) else None
+
+
+def _identity(config: Any) -> Any:
+    # Compare as results.json stores it (JSON types), the keys the job's task reads (a record
+    # written before records left the others out compares the same), without the keys that do
+    # not change a job.
+    if not isinstance(config, dict):
+        return None
+    plain = json.loads(json.dumps(record_view(config), default=str))
+    return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
+

@@ -1,0 +1,96 @@
+"""Files in and out: bounded reads of regular files, and the one atomic writer.
+
+Every file kvbench writes (records, checkpoints, the roofline cache, summary.csv / summary.md,
+the W&B workspace spec, the experiments' reports) goes through :func:`atomic_write`: a new
+temporary file beside the destination, written, flushed and fsynced, then renamed over it. A
+reader, or a process killed mid-write, sees the old file or the complete new one, never half of
+one. The rename replaces a symlink at the destination rather than writing through it, and the
+temporary file is created with ``O_EXCL`` (never through a link either) and mode 0666 less the
+umask, as ``open()`` would create it (``tempfile.mkstemp`` makes 0600, and other users could not
+read the results).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Optional
+
+
+def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
+    """At most ``limit`` bytes of ``path`` (all of it for None). Anything but a regular file is
+    an OSError: a FIFO blocks its reader until a writer comes (forever, in a job) and a device
+    such as /dev/zero never ends. The check is made on the descriptor, opened non-blocking, so
+    a file replaced after it was listed cannot slip through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read() if limit is None else f.read(limit)
+
+
+def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
+    """Parsed JSON of the regular file ``path`` (its first ``limit`` bytes); OSError / ValueError
+    pass through."""
+    return json.loads(read_regular(path, limit).decode("utf-8"))  # bytes would let json guess UTF-16
+
+
+def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = False,
+                 newline: Optional[str] = None) -> Path:
+    """Call ``write(f)`` on a temporary file beside ``path`` (text, or bytes when ``binary``),
+    then make it ``path`` in one rename: either the old file or the complete new one. A failure
+    removes the temporary file and raises."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = _create_temp(path)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", newline=None if binary else newline) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # renames over a symlink at path, never through it
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: Path | str, text: str, newline: Optional[str] = None) -> Path:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_write`)."""
+    return atomic_write(path, lambda f: f.write(text), newline=newline)
+
+
+def write_json_atomic(path: Path | str, data: Any) -> Path:
+    """Write ``data`` to ``path`` as strict JSON (a NaN or an infinity is a ValueError, never a
+    bare ``NaN`` that strict parsers reject), atomically (:func:`atomic_write`)."""
+    def dump(f: IO) -> None:
+        json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
+        f.write("\n")
+
+    return atomic_write(path, dump)
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path``, created with mode 0666 less the umask, as
+    ``open()`` would (``tempfile.mkstemp`` makes 0600, and other users could not read records)."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def plain(value: Any) -> Any:
+    """A torch / numpy scalar as a plain number (they end up in metrics); anything else as is."""
+    return value.item() if hasattr(value, "item") and not isinstance(value, (Mapping, list, tuple)) else value
+
+
+def _json_default(obj: Any) -> Any:
+    # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
+    value = plain(obj)
+    return str(obj) if value is obj else value

@@ -1,0 +1,42 @@
+"""``task=bench``: the workload ``workload.name`` (kvbench/workloads/) on the decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from kvbench.checkpoint import kv_conversion
+from kvbench.config import BenchConfig
+from kvbench.measure.memory import weight_bytes
+from kvbench.measure.timing import timing_method
+from kvbench.metrics import Metric, metric_table
+from kvbench.results import RunResult
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model
+from kvbench.workloads import decode, multiturn
+
+WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
+WORKLOAD_METRICS = {"decode": decode.METRICS,
+                    "multiturn": metric_table(*multiturn.METRICS.values(), multiturn.TURN_TTFT)}
+
+
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a task=bench job of ``workload`` may record."""
+    return {**JOB_METRICS, **WORKLOAD_METRICS.get(workload, {})}
+
+
+def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
+    """``task=bench``: the workload ``cfg.workload.name`` on the decoder."""
+    result.metrics["timing_method"] = timing_method(device)
+    result.methods.update(JOB_METHODS)
+    model = build_model(cfg, device)
+    result.metrics["weight_bytes"] = weight_bytes(model)
+    result.metrics["num_params"] = model.num_params()
+    if cfg.model.path:
+        result.metrics["kv_heads_conversion"] = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
+    label = f"{cfg.attention.type} kv={cfg.attention.num_kv_heads}"
+    if cfg.workload.name == "multiturn":
+        label += f" shared={cfg.cache.shared}"
+    with progress(label, cfg.runtime.warmup + cfg.runtime.repeats) as tick:
+        WORKLOADS[cfg.workload.name](cfg, model, device, result, tick)

@@ -1,0 +1,187 @@
+"""The pure part of ``task=capacity``: the search over batch sizes and its memory-only prediction.
+
+For one context, :func:`search_capacity` starts at a prediction, gallops away from it until the
+boundary is bracketed, then bisects, over a ``measure(batch) -> probe`` callable (its only side
+effect); :func:`predict_max_batch` / :func:`formula_max_batch` predict the largest batch from
+weights + the KV formula (:func:`kvbench.cache.kv_cache_bytes`, the formula ``task=inspect``
+prints) + the activation overhead the calibration probes measured (:func:`split_activation`);
+:func:`violations` judges a probe against the budget and the SLOs. The probes themselves are
+:mod:`kvbench.tasks.capacity`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from kvbench.cache import kv_cache_bytes
+from kvbench.config import DTYPE_BYTES, BenchConfig
+
+SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed
+
+
+@dataclass
+class Probe:
+    """One batch at one context, measured (or refused), and the bounds it met or violated."""
+
+    context: int
+    batch: int
+    ok: bool
+    bound: Optional[str] = None  # the first bound violated (memory, ttft, tpot); None when ok
+    violated: List[str] = field(default_factory=list)
+    measured: bool = True
+    peak_bytes: Optional[int] = None
+    predicted_bytes: Optional[int] = None
+    kv_bytes: Optional[int] = None
+    activation_bytes: Optional[int] = None
+    ttft_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+    decode_ms_p50: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    tpot_paired_ms: Optional[float] = None  # slo.tpot_x_batch1: the probe's steps, interleaved with
+    tpot_reference_ms: Optional[float] = None  # ... steps of one sequence at the same context
+    tpot_target_ms: Optional[float] = None  # the TPOT target it was judged by (slo.tpot_ms and/or slo.tpot_x_batch1)
+    oom: bool = False
+    error: Optional[str] = None
+
+
+@dataclass
+class Search:
+    """What :func:`search_capacity` found: ``max_batch`` passed (0: not even the smallest), the
+    smallest failing batch ``failed_at`` (None: none up to the limit), every probe in order."""
+
+    max_batch: int
+    failed_at: Optional[int]
+    probes: List[Probe]
+
+
+def search_capacity(measure: Callable[[int], Probe], start: int, limit: int, step: int = 1,
+                    known: Sequence[Probe] = ()) -> Search:
+    """The largest batch in [1, ``limit``] whose probe is ok, to within ``step``.
+
+    Starts at the prediction ``start``, gallops away from it (steps of ``step``, doubling) until
+    the boundary is bracketed, then bisects. Assumes the bounds are monotone in the batch (memory
+    and latency grow with it); a noisy pass above a failure does not move the bracket.
+    ``known`` probes (a calibration) count as measured. ``measure`` is the only side effect."""
+    tried: Dict[int, Probe] = {p.batch: p for p in known}
+    order: List[Probe] = list(known)
+
+    def ok(batch: int) -> bool:
+        if batch not in tried:
+            tried[batch] = measure(batch)
+            order.append(tried[batch])
+        return tried[batch].ok
+
+    hi = min((b for b, p in tried.items() if not p.ok), default=limit + 1)
+    lo = max((b for b, p in tried.items() if p.ok and b < hi), default=0)
+    if hi - lo > step:
+        guess = min(max(start, lo + 1), hi - 1)
+        if ok(guess):
+            lo, jump = guess, step
+            while hi - lo > step:
+                batch = min(lo + jump, hi - 1)
+                if not ok(batch):
+                    hi = batch
+                    break
+                lo, jump = batch, jump * 2
+        else:
+            hi, jump = guess, step
+            while hi - lo > step:
+                batch = max(hi - jump, lo + 1)
+                if ok(batch):
+                    lo = batch
+                    break
+                hi, jump = batch, jump * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Search(lo, hi if hi <= limit else None, order)
+
+
+def predict_max_batch(budget: int, fixed: int, per_sequence: int, limit: int) -> int:
+    """Largest batch b <= ``limit`` with fixed + b * per_sequence <= budget (0 if none)."""
+    if per_sequence <= 0:
+        return limit
+    return max(0, min(limit, (budget - fixed) // per_sequence))
+
+
+def contexts(cfg: BenchConfig) -> List[int]:
+    """The contexts searched, shortest first: ``capacity.context_lens`` (prompt tokens) for
+    workload=decode; for workload=multiturn the one chat, as the positions each conversation
+    holds at its end (its last reply token is never fed back)."""
+    if cfg.workload.name == "multiturn":
+        return [cfg.workload.total_len - 1]
+    return sorted(cfg.capacity.context_lens)
+
+
+def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
+    """KV formula (:func:`kvbench.cache.kv_cache_bytes`, the one formula) of what the probe's cache
+    holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
+    a chat, ``context`` positions per conversation, of which the system prompt's are held once
+    when ``cache.shared``."""
+    m, w = cfg.model, cfg.workload
+
+    def held(positions: int, sequences: int) -> int:
+        return kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads, m.head_dim, positions, sequences,
+                              DTYPE_BYTES[cfg.runtime.dtype])
+
+    if w.name != "multiturn":
+        return held(context + w.gen_len, batch)
+    if cfg.cache.shared:
+        return held(w.system_len, 1) + held(context - w.system_len, batch)
+    return held(context, batch)
+
+
+def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
+                      activation: Tuple[int, int] = (0, 0)) -> int:
+    """The memory-only prediction: weights + KV formula (+ the activations' fixed part and part per
+    sequence) under ``budget``."""
+    fixed, per_sequence = (max(0, a) for a in activation)
+    kv_per_sequence = kv_bytes(cfg, context, 2) - kv_bytes(cfg, context, 1)  # a shared prefix is held once
+    return predict_max_batch(budget, weights + fixed + kv_bytes(cfg, context, 1) - kv_per_sequence,
+                             kv_per_sequence + per_sequence, cfg.capacity.max_batch)
+
+
+def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
+    """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
+    through them); one probe: all of it per sequence; none: nothing known."""
+    points = sorted((p.batch, p.activation_bytes) for p in probes if p.measured and p.activation_bytes is not None)
+    if not points:
+        return 0, 0
+    if len(points) == 1 or points[-1][0] == points[0][0]:
+        return 0, points[0][1] // points[0][0]
+    (b1, a1), (b2, a2) = points[0], points[-1]
+    per_sequence = max(0, (a2 - a1) // (b2 - b1))
+    return a1 - b1 * per_sequence, per_sequence
+
+
+def over_budget(probe: Probe, budget: int) -> bool:
+    """The memory bound: an out-of-memory, no peak measured, or a peak above ``budget``."""
+    return probe.oom or probe.peak_bytes is None or probe.peak_bytes > budget
+
+
+def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float],
+               tpot_x_batch1: Optional[float] = None) -> List[str]:
+    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge).
+    TPOT: ``tpot_ms`` judges the probe's own steps (``tpot_ms``), ``tpot_x_batch1`` its paired
+    steps against their reference (not judged over the budget: not timed there)."""
+    out = ["memory"] if over_budget(probe, budget) else []
+    if ttft_ms is not None and (probe.ttft_ms is None or probe.ttft_ms > ttft_ms):
+        out.append("ttft")
+    slow = tpot_ms is not None and (probe.tpot_ms is None or probe.tpot_ms > tpot_ms)
+    if tpot_x_batch1 is not None and "memory" not in out:
+        slow = slow or (probe.tpot_paired_ms is None or probe.tpot_reference_ms is None
+                        or probe.tpot_paired_ms > tpot_x_batch1 * probe.tpot_reference_ms)
+    if slow:
+        out.append("tpot")
+    return out
+
+
+def probes_expected(limit: int, step: int) -> int:
+    """An upper bound on the probes one context's search runs: the calibrations, a gallop and a
+    bisection over [1, limit] at resolution ``step``."""
+    return 2 + 2 * (math.ceil(math.log2(max(2, limit / step))) + 1)

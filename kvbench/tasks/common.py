@@ -1,0 +1,69 @@
+"""What every task shares: the progress callback it is handed, the decoder it builds and the
+fields every model-running job records."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Dict, Optional
+
+import torch
+
+from kvbench.checkpoint import convert_kv_heads, kv_conversion, load_llama_dir
+from kvbench.config import BenchConfig
+from kvbench.measure.memory import MEMORY_METRICS
+from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.model import Decoder, torch_dtype
+from kvbench.model_config import kv_layout_change
+
+# progress(label, total) -> a context manager yielding tick(description=None), called once per
+# trial or training step; the CLI passes rich progress bars, the default shows nothing.
+Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
+
+# Methods of the fields every model-running job records.
+JOB_METRICS: Dict[str, Metric] = metric_table(
+    Metric("peak_rss_reason", "text",
+           "only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
+                       "in the same process, whose peak would count as this job's)"),
+    Metric("weight_bytes", "bytes", "parameters and persistent buffers (numel * element_size), tied tensors once"),
+    Metric("num_params", "count", "parameters of the decoder, tied tensors once"),
+    Metric("timing_method", "", "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU"),
+    Metric("kv_heads_conversion", "", "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
+                           "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)"),
+    *MEMORY_METRICS.values(),
+)
+JOB_METHODS: Dict[str, str] = record_methods(JOB_METRICS)
+
+
+@contextmanager
+def no_progress(label: str, total: int):
+    yield None
+
+
+def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
+    """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
+    wherever their shapes agree; with ``model.path`` the checkpoint's weights, brought to
+    ``attention.num_kv_heads`` when that differs from the checkpoint's own count (repeated,
+    exactly, to more heads; mean-pooled to fewer)."""
+    dtype = torch_dtype(cfg.runtime.dtype)
+    if cfg.model.path:
+        model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
+        if kv_conversion(model.num_kv_heads, cfg.attention.num_kv_heads) != "none":
+            model = convert_kv_heads(model, cfg.attention.num_kv_heads)
+        return model.to(dtype).eval()
+    torch.manual_seed(cfg.runtime.seed)
+    with device:
+        model = Decoder(cfg.model, cfg.attention)
+    return model.to(dtype).eval()
+
+
+def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
+    """What the record's ``kv_conversion`` says for a job whose attention is resolved against
+    its model (task=eval says it once the checkpoint is read; task=compare compares variants of
+    one model, each named in its columns): null for the model's own KV-head count."""
+    if cfg.task in ("eval", "compare"):
+        return None
+    if cfg.task == "train" and cfg.train.init_from:
+        return None  # the checkpoint's count is known once it is loaded (tasks/train.py)
+    method = (kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads) if cfg.model.path
+              else "random-init")
+    return kv_layout_change(cfg.model, cfg.attention, method)
