@@ -20,6 +20,10 @@ from kvbench.hf_config import LAYER_TYPES, ROPE_TYPES
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLA_DECODE_FORMS = ("absorbed", "expanded")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
+# its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
+# unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
+MODEL_ATTENTION = "model"
 
 
 def attention_type(num_heads: int, num_kv_heads: int) -> str:
@@ -204,6 +208,8 @@ class ModelConfig:
 class AttentionConfig:
     """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name
     that must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between).
+    ``type=model`` (the default) is the model's own layout (``model.preset_kv_heads``, or its
+    ``preset_mla``): a run that names a model measures that model unless it asks for another.
 
     ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from
     one latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``;
@@ -212,8 +218,10 @@ class AttentionConfig:
     other types; null with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to
     model.head_dim (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
 
-    type: str = "gqa"
-    num_kv_heads: Optional[int] = None  # null: mha -> num_heads, mqa -> 1, gqa -> the model's own
+    type: str = MODEL_ATTENTION
+    # null: model -> the model's own, mha -> num_heads, mqa -> 1, gqa -> the model's own if it is
+    # GQA, else the divisor of num_heads closest to num_heads / 4
+    num_kv_heads: Optional[int] = None
     # Sliding window: a local layer's query at position p attends positions p - W + 1 .. p (W keys,
     # itself included; transformers' rule) and its cache stops at W positions. null: the model's
     # own (model.preset_window, usually none); 0: no window, every layer global.
@@ -235,7 +243,7 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
-        check_choice("attention.type", self.type, ATTENTION_TYPES)
+        check_choice("attention.type", self.type, (MODEL_ATTENTION, *ATTENTION_TYPES))
         check_choice("attention.mla_decode", self.mla_decode, MLA_DECODE_FORMS)
         if self.num_kv_heads is not None:
             check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
@@ -279,21 +287,24 @@ class AttentionConfig:
         return cls(type=attention_type(num_heads, num_kv_heads), num_kv_heads=num_kv_heads)
 
     def resolved(self, model: ModelConfig) -> "AttentionConfig":
-        """This config with ``num_kv_heads`` filled in for ``model`` and checked against it."""
-        if self.latent:
+        """This config with ``num_kv_heads`` filled in for ``model`` and checked against it;
+        ``type=model`` becomes the name of the layout it resolves to (mla for a latent model)."""
+        if self.latent or (self.type == MODEL_ATTENTION and model.preset_mla is not None
+                           and self.num_kv_heads is None):
             return self._resolved_mla(model)
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:
-            kv = {"mha": h, "mqa": 1}.get(self.type) or default_gqa_kv_heads(model)
+            kv = {"mha": h, "mqa": 1, MODEL_ATTENTION: model.preset_kv_heads}.get(self.type) \
+                or default_gqa_kv_heads(model)
         key = "attention.num_kv_heads"
         check(kv <= h, key, kv, f"must be <= model.num_heads={h}")
         check(h % kv == 0, key, kv,
-               f"must divide model.num_heads={h} (every KV group needs the same number of query heads)")
+              f"must divide model.num_heads={h} (every KV group needs the same number of query heads)")
         expected = attention_type(h, kv)
-        check(self.type == expected, "attention.type", self.type,
-               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
-        return AttentionConfig(type=self.type, num_kv_heads=kv, mla_decode=self.mla_decode,
+        check(self.type in (expected, MODEL_ATTENTION), "attention.type", self.type,
+              f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
+        return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
                                **self._resolved_window(model))
 
     def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
@@ -333,8 +344,9 @@ class AttentionConfig:
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:
-    """The preset's own KV-head count if it is a GQA model, else the divisor of num_heads
-    closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio."""
+    """``attention=gqa`` without a count: the preset's own KV-head count if it is a GQA model,
+    else the divisor of num_heads closest to num_heads / 4 (e.g. 32 -> 8), the common GQA ratio.
+    Only an explicit ``attention=gqa`` reaches this: the default is the model's own layout."""
     h = model.num_heads
     if attention_type(h, model.preset_kv_heads) == "gqa":
         return model.preset_kv_heads
@@ -343,3 +355,34 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
         raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
                           "use attention=mha or attention=mqa")
     return min(divisors, key=lambda d: (abs(d - h / 4), d))
+
+
+_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)",
+                     "mean-pool": "its K/V heads mean-pooled per group (an approximation of the model)",
+                     "random-init": "random weights drawn in the asked layout",
+                     "shape": "the arithmetic of the asked layout, not of the published model"}
+
+
+def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str) -> Optional[Dict[str, Any]]:
+    """The record's ``kv_conversion``: null when the run measures the model's own KV-head count
+    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method``
+    says what was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init``
+    a preset's shape drawn with random weights in the asked layout, ``shape`` task=inspect's
+    arithmetic)."""
+    if attention.latent or model.preset_mla is not None:  # MLA: a latent, not a KV-head count
+        if attention.latent == (model.preset_mla is not None):
+            return None
+        own = "multi-head latent attention" if model.preset_mla is not None else f"{model.preset_kv_heads} KV heads"
+        measured = (f"multi-head latent attention (kv_lora_rank {attention.kv_lora_rank})" if attention.latent
+                    else f"{attention.num_kv_heads} KV heads ({attention.type})")
+        text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
+                f"{_CONVERSION_WORDS.get(method, method)}")
+        return {"from_kv_heads": model.preset_kv_heads, "to_kv_heads": attention.num_kv_heads, "method": method,
+                "text": text}
+    old, new = model.preset_kv_heads, attention.num_kv_heads
+    if new is None or old == new:
+        return None
+    text = (f"attention converted: model {model.name} has {old} KV heads "
+            f"({attention_type(model.num_heads, old)}); this run measures {new} "
+            f"({attention_type(model.num_heads, new)}), {_CONVERSION_WORDS.get(method, method)}")
+    return {"from_kv_heads": old, "to_kv_heads": new, "method": method, "text": text}

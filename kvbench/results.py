@@ -42,7 +42,8 @@ class RunResult:
     """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows;
     ``methods`` the unit and method of each metric the job reported; ``null_reasons`` why a
     value is null: a metric's name (or the dotted path of a value elsewhere in the record) ->
-    ``nan`` / ``inf`` / ``-inf``, the non-finite number it was."""
+    ``nan`` / ``inf`` / ``-inf``, the non-finite number it was, or in words why a measurement is
+    null (nothing seen, too few samples)."""
 
     status: str
     config: Dict[str, Any]
@@ -56,6 +57,12 @@ class RunResult:
     finished_at: Optional[str] = None
     methods: Dict[str, str] = field(default_factory=dict)
     null_reasons: Dict[str, str] = field(default_factory=dict)
+    # null: the run measured the named model's own KV-head count; else what was changed
+    # (config.kv_layout_change: from_kv_heads, to_kv_heads, method, text)
+    kv_conversion: Optional[Dict[str, Any]] = None
+    # figures that break a physical bound of the machine (measure/plausibility.py): each
+    # {metric, value, bound, reason}; the figure stays in metrics, flagged, never silently true
+    implausible: List[Dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     # Not part of the record: why results.json could not be written (the disk was full, say),
     # so that whoever prints the outcome can hand the record over another way.
@@ -114,7 +121,7 @@ class RunResult:
 _FIELD_TYPES = {"config": dict, "metrics": dict, "series": dict, "tables": dict, "env": dict,
                 "error": (str, type(None)), "overrides": list, "started_at": (str, type(None)),
                 "finished_at": (str, type(None)), "methods": dict, "null_reasons": dict,
-                "schema_version": int}
+                "kv_conversion": (dict, type(None)), "implausible": list, "schema_version": int}
 
 
 def _shape_error(data: Dict[str, Any]) -> Optional[str]:

@@ -199,7 +199,7 @@ def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
 
 class LiveKvbench:
     """A ``python -m kvbench.cli ...`` process driven by a test: its stderr is read as it runs,
-    so a test can wait for a line (``  gqa kv=2: 0/1000`` when a job's trials start, since
+    so a test can wait for a line (``  mha kv=8: 0/1000`` when a job's trials start, since
     stderr is not a terminal) and then signal it mid-job, as a person or a scheduler would."""
 
     def __init__(self, *args, cwd, env=None):

@@ -129,7 +129,7 @@ def test_multirun_records_invalid_and_finishes(tmp_path):
 
 @pytest.mark.parametrize("args, needle, recorded", [
     # Hydra cannot compose these: one line before any job, no record
-    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mqa)", False),
+    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, model, mqa)", False),
     (["attention=null"], "attention=null: Config group override must be a string", False),  # once a traceback
     (["workload.prompt_len=["], "workload.prompt_len=[: ", False),
     # typed per job: an invalid record, and the same one line
@@ -187,7 +187,7 @@ def test_help_lists_groups_and_user_config_dir(tmp_path):
                                     "preset_kv_heads: 12\nffn_dim: 64\nvocab_size: 50\nmax_seq_len: 128\n")
     out = kvbench("--config-dir", str(tmp_path / "myconf"), "model=mine", "task=inspect",
                   "workload.prompt_len=8", "workload.gen_len=8", cwd=tmp_path).stdout
-    assert "model mine: 3 layers" in out and "12 query heads" in out and "3 KV heads" in out
+    assert "model mine: 3 layers" in out and "12 query heads" in out and "12 KV heads" in out  # its own layout
     # --cfg job: what the YAML files and the command line set (plain values; typed per job)
     job = kvbench("--cfg", "job", "model=llama_dir", "runtime.threads=1", cwd=tmp_path).stdout
     assert "name: llama_dir" in job and "path: ???" in job and "threads: 1" in job and "max_bytes: 4000000" in job
@@ -258,7 +258,7 @@ def test_ctrl_c_during_the_trials_records_interrupted_and_exits_130(tmp_path):
     assert rec.status == "interrupted" and "SIGINT" in rec.error, rec.error
     m = rec.metrics
     # what was complete before the trials stays; no latency from a partial set of trials
-    assert m["kv_cache_bytes_formula"] == kv_cache_bytes(2, 2, 8, 18, 1, 4) and m["weight_bytes"] > 0
+    assert m["kv_cache_bytes_formula"] == kv_cache_bytes(2, 8, 8, 18, 1, 4) and m["weight_bytes"] > 0  # tiny: MHA
     assert "decode_ms_p50" not in m and "prefill_ms" not in m
     assert run.err_lines[-1] == "kvbench: interrupted by SIGINT" and "Traceback" not in run.stderr
     assert "interrupted" in run.stdout  # the run's table is printed

@@ -106,7 +106,7 @@ launch_job(job, sys.argv[1], progress=progress_lines)
 def start_parent(tmp_path, *mode):
     proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "job"), *mode], stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=dict(os.environ, WANDB_MODE="disabled"))
-    for line in proc.stderr:  # "  gqa kv=2: 0/100000": the trials have started
+    for line in proc.stderr:  # "  mha kv=8: 0/100000": the trials have started
         if line.rstrip().endswith(": 0/100000"):
             return proc
     raise AssertionError(f"the job never started its trials (exit {proc.wait()})")

@@ -20,7 +20,7 @@ LAYERS = [
     ["model_config", "recall_config"],
     ["config"],
     ["kv_store"],
-    ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats"],
+    ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
     ["footprint"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search"],

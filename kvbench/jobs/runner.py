@@ -34,13 +34,14 @@ from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, l
 from kvbench.jsonio import write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import is_oom
+from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
 from kvbench.quality.fidelity import KV_POOL_METRICS
 from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics, record_view
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
 from kvbench.tasks import recall as recall_task
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, no_progress
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, job_kv_conversion, no_progress
 
 MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 
@@ -109,6 +110,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             check_objective(job.objective, job.objective_caps, job.task, job.workload.name)
             # with derived values (head_dim, num_kv_heads) filled in, and only the keys the task reads
             result.config = record_view(asdict(job))
+            result.kv_conversion = job_kv_conversion(job)
             # Device and threads are resolved here, once per job; every task receives them.
             device = resolve_device(job.runtime.device)
             torch.set_num_threads(job.runtime.threads or DEFAULT_THREADS)
@@ -149,6 +151,11 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             stops.hold()  # a signal during the write waits for it: the record is the point
             if "load_avg_before" in result.metrics:  # the task started: how busy the machine was around it
                 _record_load(result.metrics)
+            try:  # every figure against the machine's physical bounds (measure/plausibility.py)
+                flag_implausible(result)
+            except Exception as exc:  # noqa: BLE001 — a check that fails must not lose the record
+                result.implausible = [{"metric": None, "value": None, "bound": None,
+                                       "reason": one_line(f"plausibility check failed: {type(exc).__name__}: {exc}")}]
             result.finished_at = utc_now()
             save(result, out_dir)
     if stopped is None and stops.held:

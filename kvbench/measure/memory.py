@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -22,9 +23,10 @@ from kvbench.measure.host import CLEAR_REFS, release_heap, rss_status
 from kvbench.metrics import Metric, metric_table, record_methods
 
 MEMORY_METRICS: Dict[str, Metric] = metric_table(
-    Metric("peak_rss_bytes", "bytes", "getrusage ru_maxrss: peak resident set of the job's process since it started "
-                      "(runtime.isolate=true: a fresh process per job; in one process with earlier jobs: null, "
-                      "and peak_rss_reason says so)"),
+    Metric("peak_rss_bytes", "bytes", "Linux: VmHWM of /proc/self/status, the peak resident set of the job's "
+                                      "process since it was exec'd (not getrusage's ru_maxrss, which a process "
+                                      "started by fork+exec inherits from its parent); elsewhere ru_maxrss / psutil's "
+                                      "peak; in one process with earlier jobs: null, and peak_rss_reason says so"),
     Metric("torch_peak_allocated_bytes", "bytes", "torch.cuda.max_memory_allocated after "
                                   "reset_peak_memory_stats at enter (tensors of this process)"),
     Metric("torch_peak_reserved_bytes", "bytes", "torch.cuda.max_memory_reserved, same window "
@@ -39,6 +41,10 @@ MEMORY_METRICS: Dict[str, Metric] = metric_table(
                                "nvmlDeviceGetComputeRunningProcesses at exit (context included)"),
     Metric("energy_mj", "mJ", "delta of nvmlDeviceGetTotalEnergyConsumption between enter and exit "
                  "(whole device; the counter updates coarsely, so short regions read low)"),
+    Metric("energy_window_s", "s", "perf_counter time between the two energy counter reads behind energy_mj "
+                                   "(the window energy_mj is the energy of)"),
+    Metric("power_limit_w", "W", "nvmlDeviceGetEnforcedPowerLimit: the most the board may draw (the bound "
+                                 "energy_mj / energy_window_s is checked against)"),
     Metric("nvml_driver_version", "", "nvmlSystemGetDriverVersion"),
     Metric("nvml_device_uuid", "", "NVML UUID the torch device was matched to (by UUID, not index)"),
     Metric("nvml_reason", "text", "why the nvml_* fields are null (no GPU, no NVML, a failed read); null when read"),
@@ -56,15 +62,17 @@ ALLOCATION_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_cache_bytes_nvml", "bytes",
            "CUDA only: NVML device memory used after the cache was created minus before, "
                            "torch's unused cached blocks released first (whole device: new allocator segments, "
-                           "2 MiB granular; other processes' activity in between would count too)"),
+                           "2 MiB granular; other processes' activity in between would count too); null with "
+                           "kv_cache_bytes_alloc_reason when the driver saw no growth although torch allocated "
+                           "(the caching allocator served it from memory it already held)"),
     Metric("kv_cache_bytes_alloc_reason", "text", "why kv_cache_bytes_torch / kv_cache_bytes_nvml are null (CUDA only; "
                                    "measured for cache.impl=static, which allocates once); null when measured"),
 )
 ALLOCATION_METHODS: Dict[str, str] = record_methods(ALLOCATION_METRICS)
 
 _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",
-                "nvml_memory_api", "nvml_process_used_bytes", "energy_mj",
-                "nvml_driver_version", "nvml_device_uuid")
+                "nvml_memory_api", "nvml_process_used_bytes", "energy_mj", "energy_window_s",
+                "power_limit_w", "nvml_driver_version", "nvml_device_uuid")
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -88,7 +96,15 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since it started, in bytes."""
+    """Peak resident set size of this process, in bytes. Linux: VmHWM, the high-water mark of this
+    process's own address space (since its exec, or since a clear_refs reset). Not ru_maxrss: the
+    kernel carries it across fork+exec, so a job process started by a parent of 800 MiB reported
+    813 MiB whatever the job held."""
+    if sys.platform.startswith("linux"):
+        try:
+            return rss_status()[1]
+        except (OSError, KeyError, ValueError):
+            pass  # no /proc: getrusage below (which may include a parent's peak)
     if sys.platform.startswith("linux") or sys.platform == "darwin":
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -198,10 +214,15 @@ def allocation_delta(device: torch.device | str, prefix: str = "kv_cache_bytes")
     yield out
     out[f"{prefix}_torch"] = _torch_allocated(device) - torch_before
     nvml_after, reason_after = nvml_used_bytes(device)
-    if nvml_before is not None and nvml_after is not None:
-        out[f"{prefix}_nvml"] = nvml_after - nvml_before
-    else:
+    if nvml_before is None or nvml_after is None:
         out[f"{prefix}_alloc_reason"] = reason or reason_after
+    elif nvml_after - nvml_before <= 0 < out[f"{prefix}_torch"]:
+        # A zero here means "not seen", not "free": torch placed the tensors in memory it held.
+        out[f"{prefix}_alloc_reason"] = (f"NVML saw {nvml_after - nvml_before} bytes of growth while torch allocated "
+                                         f"{out[f'{prefix}_torch']}: the caching allocator served the allocation "
+                                         "from memory it already held, so the driver could not see it")
+    else:
+        out[f"{prefix}_nvml"] = nvml_after - nvml_before
 
 
 def _text(value: Any) -> str:
@@ -248,7 +269,8 @@ class MemoryMonitor:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if self.device.type == "cuda":
-                allocated, reserved = _torch_peaks(self.device)
+                allocated, reserved = _torch_peaks(self.device)  # synchronises: the block's kernels are done
+                self._read_energy()  # first thing after the block, before the sampler's join and NVML calls
                 self._result.update(torch_peak_allocated_bytes=int(allocated),
                                     torch_peak_reserved_bytes=int(reserved))
         except Exception:
@@ -295,12 +317,17 @@ class MemoryMonitor:
             _shutdown(nvml)
             return
         try:
-            self._energy_start = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
-        except Exception as e:  # noqa: BLE001 — NVMLError_NotSupported on pre-Volta or some virtual GPUs
-            self._result["energy_reason"] = f"energy counter unavailable: {e}"
+            self._result["power_limit_w"] = nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3  # mW
+        except Exception:  # noqa: BLE001 — not every board reports one; the power bound is then not checked
+            pass
         self._thread = threading.Thread(target=self._sample_loop, name="kvbench-nvml-sampler",
                                         daemon=True)
         self._thread.start()
+        try:  # last thing before the block, so its window is the block's
+            self._energy_start = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+            self._energy_t0 = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 — NVMLError_NotSupported on pre-Volta or some virtual GPUs
+            self._result["energy_reason"] = f"energy counter unavailable: {e}"
 
     def _used_bytes(self) -> int:
         nvml, handle = self._nvml, self._handle
@@ -329,15 +356,22 @@ class MemoryMonitor:
         except Exception as e:  # noqa: BLE001 — the exit read failing becomes nvml_reason
             r["nvml_reason"] = f"NVML memory read failed at exit: {e}"
         r["nvml_peak_used_bytes"], r["nvml_samples"] = self._peak_used, self._samples
-        if self._energy_start is not None:
-            try:
-                end = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
-                r["energy_mj"] = end - self._energy_start
-            except Exception as e:  # noqa: BLE001 — the energy counter failing becomes energy_reason
-                r["energy_reason"] = f"energy counter unavailable: {e}"
+        self._read_energy()  # when the body failed before its exit read
         r["nvml_process_used_bytes"], r["nvml_process_reason"] = self._process_used()
         _shutdown(nvml)
         self._nvml = self._handle = None
+
+    def _read_energy(self) -> None:
+        """energy_mj and the window it covers (energy_window_s), once per block."""
+        if self._energy_start is None or self._nvml is None or self._result["energy_mj"] is not None:
+            return
+        try:
+            end = int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+            self._result["energy_window_s"] = time.perf_counter() - self._energy_t0
+            self._result["energy_mj"] = end - self._energy_start
+        except Exception as e:  # noqa: BLE001 — the energy counter failing becomes energy_reason
+            self._result["energy_reason"] = f"energy counter unavailable: {e}"
+        self._energy_start = None
 
     def _process_used(self) -> Tuple[Optional[int], Optional[str]]:
         try:

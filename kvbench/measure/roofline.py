@@ -50,6 +50,14 @@ ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
     Metric("peak_method", "text",
            "where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:gemv_gb_per_s and where "
                    "the probe was taken (next to this run, or the cache file and the date it was probed)"),
+    Metric("gemm_ms_at_batch", "ms", "the step's weight GEMMs alone, timed next to the run: every nn.Linear of the "
+                                     "model in order, F.linear on a (batch, in_features) input (M = batch), best of "
+                                     "5 passes"),
+    Metric("attainable_ms", "ms", "gemm_ms_at_batch + kv_bytes_read_per_step / peak_gb_per_s: the fastest step this "
+                                  "machine's own GEMM kernels allow at this batch (at M > 1 no torch kernel streams "
+                                  "weights at the GEMV rate: experiments/results/small_batch_gemm.md)"),
+    Metric("x_attainable", "ratio", "decode_ms_p50 / attainable_ms (1.0 = as fast as the GEMMs at this batch "
+                                    "allow); read beside x_roofline, which assumes the GEMV rate at every batch"),
     Metric("peak_note", "text", "only when achieved_gb_per_s exceeds peak_gb_per_s by more than 5% (a probe taken "
                  "under load): what to do"),
 )
@@ -193,3 +201,31 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
                             f"probe next to the run (runtime.probe=run), re-probe on an idle machine "
                             f"(delete {CACHE_FILE}) or set runtime.peak_gb_per_s")
     return out
+
+
+def probe_step_gemms(model, batch_size: int, device: torch.device, repeats: int = 5,
+                     clock: Callable[[], float] = time.perf_counter) -> float:
+    """Milliseconds of one decode step's weight GEMMs at M = ``batch_size``: every ``nn.Linear`` of
+    ``model`` in module order (as a step meets them, so each weight is streamed from memory, not
+    a cache), F.linear on a random (batch, in_features) input; the best of ``repeats`` passes
+    after one untimed pass."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=device, dtype=m.weight.dtype)
+              for m in linears}
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            sync(device)
+            t0 = clock()
+            for m in linears:
+                torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+            sync(device)
+            if i:
+                times.append(clock() - t0)
+    return min(times) * 1e3
+
+
+def attainable_metrics(decode_ms_p50: float, gemm_ms: float, kv_bytes: int, peak_gb_per_s: float) -> Dict[str, Any]:
+    """``attainable_ms`` and ``x_attainable`` (see :data:`ROOFLINE_METHODS`) from the probed GEMMs."""
+    attainable = gemm_ms + kv_bytes / (peak_gb_per_s * 1e9) * 1e3
+    return {"gemm_ms_at_batch": gemm_ms, "attainable_ms": attainable, "x_attainable": decode_ms_p50 / attainable}

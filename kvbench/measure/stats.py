@@ -15,6 +15,15 @@ One method each, stated in :data:`METHODS` and written into every record that us
   95% interval;
 - paired ratios: B over A on the same rounds of an interleaved comparison, paired percentile
   bootstrap.
+
+The rule for every interval (:func:`min_interval_samples`, :func:`interval_reason`): a 95% interval
+of the ``q`` quantile needs at least the ``n`` samples for which even the widest distribution-free
+interval, from the smallest to the largest sample, covers that quantile with 95% probability
+(``1 - q**n - (1 - q)**n >= 0.95``: 6 for a median or a ratio of medians, 29 for p90, 299 for p99).
+Below it a bootstrap only echoes the few values it was given (3 trials once gave a ratio of 0.8035
+the interval [0.8035, 0.8068]); an interval with an end at its estimate while the samples differ
+is degenerate the same way. Either way the interval is null, ``<name>_ci_reason`` says why, and
+no sink calls a difference significant without intervals.
 """
 
 from __future__ import annotations
@@ -73,11 +82,39 @@ def min_samples(q: float) -> int:
     return max(2, math.ceil(1 / tail - 1e-9)) if tail > 0 else 1
 
 
+def min_interval_samples(q: float = 0.5) -> int:
+    """Fewest samples a :data:`CONFIDENCE` interval of the ``q`` quantile can rest on: the least
+    ``n`` with ``1 - q**n - (1 - q)**n >= CONFIDENCE``, the coverage of [min, max] of ``n``
+    independent samples (6 for the median, 29 for p90, 299 for p99)."""
+    n = 1
+    while 1 - q ** n - (1 - q) ** n < CONFIDENCE - 1e-12:
+        n += 1
+    return n
+
+
+def interval_reason(n: int, q: float = 0.5, what: str = "samples") -> Optional[str]:
+    """Why an interval of the ``q`` quantile of ``n`` samples is null, or None when it may exist."""
+    need = min_interval_samples(q)
+    if n < need:
+        return (f"{n} {what}: a {CONFIDENCE:.0%} interval of the {q:.0%} quantile needs at least {need} "
+                f"(raise runtime.repeats, the workload length or runtime.min_time_s)")
+    return None
+
+
+def degenerate(estimate: Optional[float], low: Optional[float], high: Optional[float], varies: bool) -> bool:
+    """An interval with an end at its own estimate although the samples differ: the resamples took
+    too few distinct values for it to mean anything (a BCa or percentile interval of 3 rounds)."""
+    if not varies or None in (estimate, low, high):
+        return False
+    return low == estimate or high == estimate
+
+
 def bootstrap_ci(samples: Sequence[float], statistic: Callable = np.median) -> Interval:
     """Percentile-bootstrap interval of ``statistic`` over independent samples (trials); ``(None,
-    None)`` with fewer than two samples; a constant sample gives a zero-width interval."""
+    None)`` with fewer than :func:`min_interval_samples` samples (the rule above); a constant
+    sample gives a zero-width interval."""
     x = _array(samples)
-    if x.size < 2:
+    if x.size < max(2, min_interval_samples(0.5)):
         return None, None
     if np.all(x == x[0]):
         return float(x[0]), float(x[0])
@@ -108,7 +145,7 @@ def block_bootstrap_ci(trials: Sequence[Sequence[float]], q: float, block: Optio
     of the resampled quantiles."""
     series = [_array(t) for t in trials if len(t)]
     total = sum(s.size for s in series)
-    if total < 2:
+    if total < max(2, min_interval_samples(q)):
         return None, None
     flat = np.concatenate(series)
     if np.all(flat == flat[0]):
@@ -133,27 +170,34 @@ def block_bootstrap_ci(trials: Sequence[Sequence[float]], q: float, block: Optio
 def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str, Optional[float]]:
     """Step time against context length: ``at_ctx0_ms`` (intercept) and ``us_per_1k_ctx`` (the
     slope per 1,000 positions of context) with the slope's interval, by Theil-Sen; None where
-    fewer than 3 distinct context lengths were measured."""
+    fewer than 3 distinct context lengths were measured; the interval null (``ci_reason``) with
+    fewer than :func:`min_interval_samples` points."""
     x, y = _array(context), _array(step_ms)
     out: Dict[str, Optional[float]] = {"at_ctx0_ms": None, "us_per_1k_ctx": None, "us_per_1k_ctx_ci_low": None,
-                                       "us_per_1k_ctx_ci_high": None, "n": int(x.size)}
+                                       "us_per_1k_ctx_ci_high": None, "n": int(x.size), "ci_reason": None}
     if np.unique(x).size < 3:
         return out
     res = sps.theilslopes(y, x, alpha=CONFIDENCE)
     per_1k = 1e6  # ms per position -> µs per 1,000 positions
-    out.update(at_ctx0_ms=float(res.intercept), us_per_1k_ctx=float(res.slope) * per_1k,
-               us_per_1k_ctx_ci_low=float(res.low_slope) * per_1k,
-               us_per_1k_ctx_ci_high=float(res.high_slope) * per_1k)
+    out.update(at_ctx0_ms=float(res.intercept), us_per_1k_ctx=float(res.slope) * per_1k)
+    out["ci_reason"] = interval_reason(int(x.size), 0.5, "points")
+    if out["ci_reason"] is None:
+        low, high = float(res.low_slope) * per_1k, float(res.high_slope) * per_1k
+        if degenerate(out["us_per_1k_ctx"], low, high, bool(np.unique(y).size > 1)):
+            out["ci_reason"] = "degenerate interval (an end at the estimate): too few distinct slopes"
+        else:
+            out.update(us_per_1k_ctx_ci_low=low, us_per_1k_ctx_ci_high=high)
     return out
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
-    """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval."""
+    """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval; no interval
+    with fewer rounds than :func:`min_interval_samples`, or when it is :func:`degenerate`."""
     x, y = _array(a), _array(b)
     if x.size != y.size or x.size == 0:
         raise ValueError(f"paired samples must have the same, non-zero length: {x.size} vs {y.size}")
     ratio = float(np.median(y) / np.median(x))
-    if x.size < 2:
+    if interval_reason(int(x.size)) is not None or x.size < 2:
         return ratio, None, None
 
     def stat(xa, yb, axis):
@@ -161,8 +205,17 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optiona
 
     res = sps.bootstrap((x, y), stat, paired=True, n_resamples=N_RESAMPLES, confidence_level=CONFIDENCE,
                         method="percentile", vectorized=True, rng=np.random.default_rng(SEED))
-    low, high = res.confidence_interval
-    return ratio, (None if math.isnan(low) else float(low)), (None if math.isnan(high) else float(high))
+    low, high = (None if math.isnan(v) else float(v) for v in res.confidence_interval)
+    if degenerate(ratio, low, high, bool(np.unique(y / x).size > 1)):
+        return ratio, None, None
+    return ratio, low, high
+
+
+def paired_ratio_reason(n_rounds: int, ratio: float, low: Optional[float]) -> Optional[str]:
+    """Why :func:`paired_ratio` gave no interval (None when it gave one)."""
+    if low is not None:
+        return None
+    return interval_reason(n_rounds, 0.5, "rounds") or "degenerate interval (an end at the estimate)"
 
 
 MIN_SEEDS = 2  # a t-interval needs a standard deviation
@@ -219,11 +272,16 @@ def _sufficiency(name: str, q: float, n: int) -> Dict[str, Optional[object]]:
     return out
 
 
-def trial_metric(name: str, per_trial: Sequence[float]) -> Dict[str, Optional[object]]:
+def trial_metric(name: str, per_trial: Sequence[float], what: str = "timed trials") -> Dict[str, Optional[object]]:
     """``name``: the median over timed trials, with its bootstrap interval over trials
     (``<name>_ci_low``/``_ci_high``; null with one trial), the trial count and its warning."""
     low, high = bootstrap_ci(per_trial)
-    return {name: median(per_trial), f"{name}_ci_low": low, f"{name}_ci_high": high,
+    estimate = median(per_trial)
+    reason = interval_reason(len(per_trial), 0.5, what)
+    if reason is None and degenerate(estimate, low, high, len(set(per_trial)) > 1):
+        low = high = None
+        reason = "degenerate interval (an end at the estimate)"
+    return {name: estimate, f"{name}_ci_low": low, f"{name}_ci_high": high, f"{name}_ci_reason": reason,
             **_sufficiency(name, 0.5, len(per_trial))}
 
 
@@ -237,7 +295,12 @@ def step_metrics(trials: Sequence[Sequence[float]], prefix: str = "decode_ms") -
         name = f"{prefix}_{tag}"
         out[name] = percentile(steps, q)
         if tag in STEP_CI:
-            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = block_bootstrap_ci(trials, q)
+            low, high = block_bootstrap_ci(trials, q)
+            reason = interval_reason(len(steps), q, "decode steps")
+            if reason is None and degenerate(out[name], low, high, len(set(steps)) > 1):
+                low = high = None
+                reason = "degenerate interval (an end at the estimate)"
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"], out[f"{name}_ci_reason"] = low, high, reason
         out.update(_sufficiency(name, q, len(steps)))
     out[f"{prefix}_mean"] = float(np.mean(_array(steps)))
     return out
@@ -245,7 +308,10 @@ def step_metrics(trials: Sequence[Sequence[float]], prefix: str = "decode_ms") -
 
 def _interval_metrics(name: str, unit: str, method: str) -> List[Metric]:
     return [Metric(f"{name}_ci_low", unit, f"low end of the {CONFIDENCE:.0%} interval of {name}: {METHODS[method]}"),
-            Metric(f"{name}_ci_high", unit, f"high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)")]
+            Metric(f"{name}_ci_high", unit, f"high end of the {CONFIDENCE:.0%} interval of {name} (as {name}_ci_low)"),
+            Metric(f"{name}_ci_reason", "text", f"why {name}_ci_low/_ci_high are null: fewer samples than the "
+                                                "interval needs (measure/stats.py min_interval_samples) or a "
+                                                "degenerate interval; null when the interval is given")]
 
 
 def _count_metrics(name: str, what: str, q: float) -> List[Metric]:
@@ -278,3 +344,35 @@ def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
 def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
     """Methods of the fields :func:`step_metrics` adds beside the quantiles (as a record keeps them)."""
     return record_methods(step_metric_metrics(prefix))
+
+
+def step_rate(steps: Dict[str, Optional[object]], batch_size: int, prefix: str = "decode_ms",
+              name: str = "tokens_per_s") -> Dict[str, Optional[object]]:
+    """Tokens per second derived from the step statistics themselves (:func:`step_metrics`' output),
+    so the two can never disagree: ``name`` = batch x 1000 / the median step, its interval the
+    median's inverted, ``<name>_mean`` = batch x 1000 / the mean step (every token over all decode
+    time, stalls included). A median over whole trials instead let one stalled trial of three halve
+    tokens/s while the median step moved 8 %."""
+    p50, mean = steps[f"{prefix}_p50"], steps[f"{prefix}_mean"]
+    low, high = steps.get(f"{prefix}_p50_ci_low"), steps.get(f"{prefix}_p50_ci_high")
+    rate = (lambda ms: batch_size * 1e3 / ms if ms else None)  # noqa: E731 — one formula, three uses
+    return {name: rate(p50), f"{name}_ci_low": rate(high), f"{name}_ci_high": rate(low),
+            f"{name}_ci_reason": steps.get(f"{prefix}_p50_ci_reason"), f"{name}_n": steps.get(f"{prefix}_p50_n"),
+            f"{name}_mean": rate(mean)}
+
+
+def step_rate_metrics(prefix: str = "decode_ms", name: str = "tokens_per_s") -> List[Metric]:
+    """The fields :func:`step_rate` reports."""
+    return [Metric(name, "tokens/s", f"batch_size x 1000 / {prefix}_p50: the rate at the median decode step"),
+            Metric(f"{name}_ci_low", "tokens/s", f"batch_size x 1000 / {prefix}_p50_ci_high (the median step's "
+                                                 "interval, inverted)"),
+            Metric(f"{name}_ci_high", "tokens/s", f"batch_size x 1000 / {prefix}_p50_ci_low"),
+            Metric(f"{name}_ci_reason", "text", f"as {prefix}_p50_ci_reason"),
+            Metric(f"{name}_n", "count", f"decode steps behind {prefix}_p50"),
+            Metric(f"{name}_mean", "tokens/s", f"batch_size x 1000 / {prefix}_mean: every generated token over all "
+                                               "decode time, stalls included")]
+
+
+def step_rate_methods(prefix: str = "decode_ms", name: str = "tokens_per_s") -> Dict[str, str]:
+    """Methods of the fields :func:`step_rate` reports (as a record keeps them)."""
+    return record_methods(step_rate_metrics(prefix, name))

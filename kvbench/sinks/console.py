@@ -116,7 +116,26 @@ def run_table(record: Dict[str, Any]) -> Table:
     for key in sorted(k for k in metrics if k.endswith("_warning") or k == "noisy_reason"):
         if metrics[key]:
             table.add_row(f"[yellow]{key}[/]", f"[yellow]{metrics[key]}[/]")
+    for row in record_notes(record):
+        table.add_row(*row)
     return table
+
+
+def record_notes(record: Dict[str, Any]) -> List[tuple]:
+    """(key, text) rows a person must read beside the figures: a KV layout that is not the
+    model's own, a figure that breaks a physical bound (measure/plausibility.py), a figure left
+    null with its reason."""
+    rows = []
+    conversion = record.get("kv_conversion")
+    if conversion:
+        rows.append(("[yellow]kv_conversion[/]", f"[yellow]{conversion.get('text', conversion)}[/]"))
+    for item in record.get("implausible") or []:
+        rows.append((f"[red]implausible {item.get('metric')}[/]", f"[red]{item.get('reason')}[/]"))
+    reasons = record.get("null_reasons") or {}
+    for name in sorted(reasons):
+        if record.get("metrics", {}).get(name, 0) is None and reasons[name] not in ("nan", "inf", "-inf"):
+            rows.append((f"null {name}", str(reasons[name])))
+    return rows
 
 
 _STATUS_STYLE = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running": "cyan"}

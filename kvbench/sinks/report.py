@@ -244,14 +244,16 @@ def _kv_cost_md(records) -> List[str]:
     cells = [k for k in rows[0] if "." in k]  # the other swept axes (config keys are dotted)
     num = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     table = [[*(str(r[k]) for k in cells), r["variant"], str(r["prompts"]), num(r["at_ctx0_ms"], ".3f"),
-              f"{num(r['us_per_1k_ctx'], '.1f')} [{num(r['us_per_1k_ctx_ci_low'], '.1f')}, "
-              f"{num(r['us_per_1k_ctx_ci_high'], '.1f')}]", num(r["slope_ratio"], ".3f"),
-              num(r["kv_bytes_ratio"], ".3f")] for r in rows]
+              num(r["us_per_1k_ctx"], ".1f") + (f" [{num(r['us_per_1k_ctx_ci_low'], '.1f')}, "
+                                                f"{num(r['us_per_1k_ctx_ci_high'], '.1f')}]"
+                                                if r["us_per_1k_ctx_ci_low"] is not None else ", no interval"),
+              num(r["slope_ratio"], ".3f"), num(r["kv_bytes_ratio"], ".3f")] for r in rows]
     return ["## KV cost across prompt lengths", "",
             "Per variant, the jobs' decode p50 against the mean context their steps attended, fitted by "
             "Theil-Sen (one job per prompt length: the interval is over jobs, not trials). Ratios are to the "
             "first variant of the same cell; if the context cost were only the K/V bytes read, the slope "
-            "ratio would equal the KV bytes ratio.", "",
+            "ratio would equal the KV bytes ratio. A fit of fewer than 6 jobs has no interval "
+            "(docs/statistics.md).", "",
             *_md_table([*cells, "variant", "prompts", "ms at context 0", "µs per 1k context [95%]",
                         "slope ratio", "KV bytes ratio"], table, 4), ""]
 
@@ -304,6 +306,25 @@ def _choose_md(records) -> List[str]:
     return lines
 
 
+def _flags_md(records) -> List[str]:
+    """Figures that break a physical bound (a record's ``implausible``) and runs whose KV layout is
+    not the named model's own (``kv_conversion``): one row each, in words."""
+    rows = [[rec["job"], f"`{item.get('metric')}`", _cell(item.get("value")), item.get("bound") or "",
+             item.get("reason") or ""] for rec in records for item in rec.get("implausible") or []]
+    conversions = [[rec["job"], (rec.get("kv_conversion") or {}).get("text", "")]
+                   for rec in records if rec.get("kv_conversion")]
+    lines: List[str] = []
+    if rows:
+        lines += ["## Implausible figures", "",
+                  "Figures that break a physical bound of the machine they were measured on (the bandwidth "
+                  "probed, the roofline, NVML's power limit, an allocation, their own interval): kept, not "
+                  "to be read as true.", "", *_md_table(["job", "metric", "value", "bound", "why"], rows), ""]
+    if conversions:
+        lines += ["## KV layouts that are not the model's own", "",
+                  *_md_table(["job", "conversion"], conversions), ""]
+    return lines
+
+
 def markdown(report: Report, plots: Sequence[Path]) -> str:
     """The report as markdown: counts, the variants side by side, one table of jobs per kind,
     the non-ok jobs, the plots (or why there are none)."""
@@ -323,6 +344,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
         lines += [f"## {title}", "",
                   *_md_table(["job", *[t for _, t in job_axes_], "status", *[c.title for c in columns]], rows,
                              len(columns)), ""]
+    lines += _flags_md(records)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["## Jobs that are not ok", ""]

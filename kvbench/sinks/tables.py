@@ -47,19 +47,21 @@ _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what
 class Column:
     """A metric as a table shows it: ``spec`` is a format string, ``bytes`` (binary units) or
     ``sig`` (3 significant digits: a small percentage stays readable). ``brief``: also in the
-    one-row-per-job sweep table; ``compared``: in the side-by-side comparison."""
+    one-row-per-job sweep table; ``compared``: in the side-by-side comparison; ``sampled``: a
+    statistic of timed samples, whose ratio means something only beside intervals."""
 
     key: str
     title: str
     spec: str = "{:.2f}"
     brief: bool = False
     compared: bool = False
+    sampled: bool = False
 
 
-_TTFT = Column("prefill_ms", "TTFT ms", "{:.2f}", brief=True, compared=True)
-_DECODE_P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", brief=True, compared=True)
-_P99 = Column("decode_ms_p99", "p99 ms", "{:.3f}")
-_TOKENS = Column("tokens_per_s", "tok/s", "{:.1f}", brief=True, compared=True)
+_TTFT = Column("prefill_ms", "TTFT ms", "{:.2f}", brief=True, compared=True, sampled=True)
+_DECODE_P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", brief=True, compared=True, sampled=True)
+_P99 = Column("decode_ms_p99", "p99 ms", "{:.3f}", sampled=True)
+_TOKENS = Column("tokens_per_s", "tok/s", "{:.1f}", brief=True, compared=True, sampled=True)
 _KV = Column("kv_cache_bytes", "KV cache", "bytes", brief=True, compared=True)
 _KV_FORMULA = Column("kv_cache_bytes_formula", "KV formula", "bytes")
 _RSS = Column("peak_rss_bytes", "peak RSS", "bytes")
@@ -70,7 +72,8 @@ _BPB = Column("bits_per_byte", "bits/byte", "{:.3f}")
 _PARAMS = Column("num_params", "params", "{:,}")
 _CONVERSION = Column("kv_heads_conversion", "KV conversion", "{}", brief=True)
 _NOISY = Column("noisy", "noisy", "{}", brief=True)  # the machine was oversubscribed around the job
-_KV_SLOPE = Column("decode_us_per_1k_ctx", "µs/1k ctx", "{:.2f}", brief=True, compared=True)
+_KV_SLOPE = Column("decode_us_per_1k_ctx", "µs/1k ctx", "{:.2f}", brief=True, compared=True,
+                   sampled=True)
 
 # The columns of each kind of job (see :func:`kind`), headline first; summary.csv has every metric.
 COLUMNS: Dict[str, List[Column]] = {
@@ -79,8 +82,9 @@ COLUMNS: Dict[str, List[Column]] = {
                _CONVERSION, Column("fidelity_max_abs_logit_diff", "cache Δlogit", "{:.2e}"),
                Column("dtype_max_abs_logit_diff", "vs fp32 Δlogit", "{:.2e}", brief=True),
                Column("dtype_top1_agreement", "vs fp32 top-1", "{:.1%}"), _NOISY],
-    "multiturn": [Column("turn1_ttft_ms", "TTFT turn 1 ms", "{:.2f}", brief=True, compared=True),
-                  Column("mean_ttft_ms_turns_2_n", "TTFT turns 2-N ms", "{:.2f}", brief=True, compared=True),
+    "multiturn": [Column("turn1_ttft_ms", "TTFT turn 1 ms", "{:.2f}", brief=True, compared=True, sampled=True),
+                  Column("mean_ttft_ms_turns_2_n", "TTFT turns 2-N ms", "{:.2f}", brief=True, compared=True,
+                         sampled=True),
                   _DECODE_P50, _P99, _TOKENS, _KV, _KV_FORMULA,
                   Column("total_prefill_tokens", "prefilled", "{:,}", brief=True),
                   Column("total_reused_tokens", "reused", "{:,}"), _RSS, _CUDA, _NOISY],
@@ -173,6 +177,9 @@ def overlapping(a: Optional[Tuple[float, float]], b: Optional[Tuple[float, float
 
 
 NOT_SIGNIFICANT = "not significant"
+# A ratio whose variant or baseline has no interval (too few samples: measure/stats.py's rule) says
+# so: a bare ratio would read as a difference the data supports.
+NO_INTERVAL = "no interval"
 
 
 def value_text(record: Record, column: Column) -> str:
@@ -314,7 +321,10 @@ class Comparison:
         if rec.get("status") != "ok":
             return rec.get("status", "?")
         ratio = ratio_text(self.ratio(cell, label, column))
-        if ratio and self.overlaps(cell, label, column):
+        overlaps = self.overlaps(cell, label, column)
+        if ratio and overlaps is None and self.sampled(cell, label, column):
+            ratio += f", {NO_INTERVAL}"
+        elif ratio and overlaps:
             ratio += f", {NOT_SIGNIFICANT}"
         return value_text(rec, column) + (f" ({ratio})" if ratio else "")
 
@@ -325,6 +335,13 @@ class Comparison:
         if base is None or rec is None:
             return None
         return overlapping(*(interval(r.get("metrics") or {}, column.key) for r in (rec, base)))
+
+    def sampled(self, cell: Cell, label: str, column: Column) -> bool:
+        """Whether ``column`` is a statistic of samples (a timed column, or its records declare an
+        interval for it, given or null), so that a ratio without intervals must say it has none;
+        bytes and counts are exact."""
+        records = (cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label))
+        return column.sampled or any(f"{column.key}_ci_low" in ((r or {}).get("metrics") or {}) for r in records)
 
     def baselines(self) -> List[str]:
         return sorted({b for b in (c.baseline() for c in self.cells) if b}, key=variant_order)
@@ -404,7 +421,7 @@ def _ratio_cell(row: Dict[str, Any], key: str, baseline: bool) -> str:
         return "-"
     text = ratio_text(value)
     if ci is None:
-        return text
+        return f"{text}, {NO_INTERVAL}"
     return f"{text} [{ci[0]:#.3g}, {ci[1]:#.3g}]" + (f", {NOT_SIGNIFICANT}" if ci[0] <= 1 <= ci[1] else "")
 
 

@@ -94,8 +94,8 @@ METRICS: Dict[str, Metric] = metric_table(
                           "a CPU, predicted over 2 budgets)"),
     Metric("decode_ms_p50_longest", "ms",
            "median decode step at batch 1 and the longest context (the calibration probe)"),
-    Metric("tokens_per_s_longest", "tokens/s", "batch x gen_len / decode time of a trial, median over trials, of the "
-                            "probe at max_batch at the longest context"),
+    Metric("tokens_per_s_longest", "tokens/s", "batch x 1000 / the median decode step (every step of every "
+                                                "trial) of the probe at max_batch at the longest context"),
     Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted)"),
     Metric("tables.capacity", "",
            "one row per context (workload=multiturn: one row, context = the positions a conversation "

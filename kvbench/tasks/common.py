@@ -4,16 +4,16 @@ fields every model-running job records."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 
-from kvbench.checkpoint import load_llama_dir, to_layout
+from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
 from kvbench.config import BenchConfig
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import AttentionConfig
+from kvbench.model_config import AttentionConfig, kv_layout_change
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -60,3 +60,17 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     with device:
         model = Decoder(cfg.model, cfg.attention)
     return model.to(dtype).eval()
+
+
+def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
+    """What the record's ``kv_conversion`` says for a job whose attention is resolved against
+    its model (task=eval says it once the checkpoint is read; task=compare compares variants of
+    one model, each named in its columns): null for the model's own KV-head count."""
+    if cfg.task in ("eval", "compare"):
+        return None
+    if cfg.task == "train" and cfg.train.init_from:
+        return None  # the checkpoint's count is known once it is loaded (tasks/train.py)
+    method = "random-init"
+    if cfg.model.path and not (cfg.attention.latent or cfg.model.preset_mla is not None):
+        method = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
+    return kv_layout_change(cfg.model, cfg.attention, method)

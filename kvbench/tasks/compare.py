@@ -67,6 +67,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("<v>_step_ratio_ctx<C>", "ratio", "step at the longest context over the first variant's, paired over rounds "
                              "(see methods.paired_ratio)"),
     Metric("rounds", "count", "timed rounds (runtime.repeats), each one trial of every variant"),
+    Metric("<v>_<metric>_ci_reason", "text", "why <v>_<metric>_ci_low/_ci_high are null: fewer rounds (or points) "
+                                             "than a 95% interval needs (measure/stats.py min_interval_samples: 6), "
+                                             "or a degenerate interval; null when the interval is given"),
     *(Metric(k, "", stats.METHODS[k]) for k in ("ci_trials", "kv_cost", "paired_ratio")),
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
@@ -161,7 +164,7 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
     result.metrics["rounds"] = rt.repeats
     # The record's metrics: the whole rows at the longest context; the other contexts stay in the table.
     table_only = {"variant"} | {f"{name}_ctx{ctx}{end}" for name in ("step_ms", "step_ratio")
-                                for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high")}
+                                for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high", "_ci_reason")}
     for row in rows:
         result.metrics.update({f"{row['variant']}_{k}": v for k, v in row.items() if k not in table_only})
 
@@ -202,14 +205,14 @@ def summarize(trials: Sequence[Dict], labels: Sequence[str], contexts: Sequence[
     for v in labels:
         row: Dict = {"variant": v}
         for ctx in contexts:
-            low, high = stats.bootstrap_ci(rounds[v, ctx])
-            row.update({f"step_ms_ctx{ctx}": stats.median(rounds[v, ctx]),
-                        f"step_ms_ctx{ctx}_ci_low": low, f"step_ms_ctx{ctx}_ci_high": high})
+            fields = stats.trial_metric(f"step_ms_ctx{ctx}", rounds[v, ctx], "rounds")
+            row.update({k: fields[k] for k in fields if not k.endswith(("_n", "_warning"))})
         fit = stats.kv_cost_fit([ctx for ctx in contexts for _ in range(n_rounds)],
                                 [ms for ctx in contexts for ms in rounds[v, ctx]])
         row.update({"decode_us_per_1k_ctx": fit["us_per_1k_ctx"],
                     "decode_us_per_1k_ctx_ci_low": fit["us_per_1k_ctx_ci_low"],
                     "decode_us_per_1k_ctx_ci_high": fit["us_per_1k_ctx_ci_high"],
+                    "decode_us_per_1k_ctx_ci_reason": fit["ci_reason"],
                     "decode_ms_at_ctx0": fit["at_ctx0_ms"],
                     f"kv_share_ctx{longest}": (None if fit["us_per_1k_ctx"] is None else
                                                fit["us_per_1k_ctx"] * longest / 1e6 / row[f"step_ms_ctx{longest}"]),
@@ -218,11 +221,13 @@ def summarize(trials: Sequence[Dict], labels: Sequence[str], contexts: Sequence[
         for ctx in contexts:
             ratio, low, high = stats.paired_ratio(rounds[labels[0], ctx], rounds[v, ctx])
             row.update({f"step_ratio_ctx{ctx}": ratio, f"step_ratio_ctx{ctx}_ci_low": low,
-                        f"step_ratio_ctx{ctx}_ci_high": high})
+                        f"step_ratio_ctx{ctx}_ci_high": high,
+                        f"step_ratio_ctx{ctx}_ci_reason": stats.paired_ratio_reason(n_rounds, ratio, low)})
         ratio = low = high = None
         mine = slopes(v)
         if None not in base_slopes and None not in mine:
             ratio, low, high = stats.paired_ratio(base_slopes, mine)
-        row.update({"slope_ratio": ratio, "slope_ratio_ci_low": low, "slope_ratio_ci_high": high})
+        row.update({"slope_ratio": ratio, "slope_ratio_ci_low": low, "slope_ratio_ci_high": high,
+                    "slope_ratio_ci_reason": ratio and stats.paired_ratio_reason(n_rounds, ratio, low)})
         out.append(row)
     return out

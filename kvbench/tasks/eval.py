@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from kvbench.config import BenchConfig
+from kvbench.model_config import kv_layout_change
 from kvbench.quality.train import EVAL_METHODS, EVAL_METRICS, checkpoint_for_eval, run_eval
 from kvbench.results import RunResult
 from kvbench.tasks.common import Progress
@@ -22,3 +23,6 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     loaded = checkpoint_for_eval(cfg, device)
     result.config["model"], result.config["attention"] = asdict(loaded[0].config), asdict(loaded[0].attention)
     result.metrics.update(run_eval(cfg, device, loaded))
+    saved, how = loaded[2]["checkpoint_num_kv_heads"], loaded[2]["kv_heads_conversion"]
+    own = replace(loaded[0].config, preset_kv_heads=saved)  # the checkpoint's own count
+    result.kv_conversion = kv_layout_change(own, loaded[0].attention, how)

@@ -13,6 +13,7 @@ from kvbench.cache import SCALE_BYTES, kv_cache_bytes
 from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig
 from kvbench.footprint import parameter_count as count_parameters
 from kvbench.model import kv_group_map
+from kvbench.model_config import kv_layout_change
 from kvbench.units import human_bytes
 
 
@@ -88,6 +89,7 @@ def describe(cfg: BenchConfig) -> str:
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
         f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
         layout[0],
+        _layout_line(cfg),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         *layout[1:],
     ]
@@ -158,6 +160,16 @@ def _aligned(header: List[str], rows: List[List[str]]) -> List[str]:
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
     return [row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:]))
             for row in [header] + rows]
+
+
+def _layout_line(cfg: BenchConfig) -> str:
+    """Whether the layout above is the named model's own, in words (a checkpoint's weights would
+    be repeated or mean-pooled to it)."""
+    m, a = cfg.model, cfg.attention
+    method = ("repeat" if a.num_kv_heads > m.preset_kv_heads else "mean-pool") if m.path and not a.latent else "shape"
+    change = kv_layout_change(m, a, method)
+    own = "multi-head latent attention" if m.preset_mla is not None else f"{m.preset_kv_heads} KV heads"
+    return change["text"] if change else f"the model's own layout ({own}): no conversion"
 
 
 def _elements_line(per_token: int, seq_len: int, batch_size: int, what: str = "K+V") -> str:

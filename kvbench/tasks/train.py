@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict
 
 import torch
 
 from kvbench.config import BenchConfig
+from kvbench.model_config import kv_layout_change
 from kvbench.quality.train import TRAIN_METHODS, TRAIN_METRICS, run_train
 from kvbench.results import RunResult
 from kvbench.tasks.common import Progress
@@ -28,3 +30,6 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     result.methods.update(TRAIN_METHODS)
     with progress("train", cfg.train.steps) as tick:
         result.metrics.update(run_train(cfg, device, out_dir, on_log, tick))
+    if "init_num_kv_heads" in result.metrics:  # train.init_from: its checkpoint's count is the model's own
+        own = replace(cfg.model, preset_kv_heads=result.metrics["init_num_kv_heads"])
+        result.kv_conversion = kv_layout_change(own, cfg.attention, result.metrics["kv_heads_conversion"])

@@ -29,13 +29,20 @@ from kvbench.generate import (
     greedy_generate,
 )
 from kvbench.measure.memory import ALLOCATION_METRICS, MemoryMonitor, allocation_delta
-from kvbench.measure.roofline import ROOFLINE_METRICS, machine_peaks, roofline_metrics
+from kvbench.measure.roofline import (
+    ROOFLINE_METRICS,
+    attainable_metrics,
+    machine_peaks,
+    probe_step_gemms,
+    roofline_metrics,
+)
 from kvbench.measure.stats import METHODS as STATS_METHODS
 from kvbench.measure.stats import (
-    kv_cost_fit,
     median,
     step_metric_metrics,
     step_metrics,
+    step_rate,
+    step_rate_metrics,
     trial_metric,
     trial_metric_metrics,
 )
@@ -48,9 +55,15 @@ from kvbench.results import RunResult
 
 Tick = Callable[..., None]
 
-# Fewest positions of context the decode steps must span for their time-vs-context slope to mean
-# anything: over a few dozen positions the KV cost of a small model is below the step-to-step noise.
-MIN_KV_SPAN = 256
+# Why a decode record carries no KV cost of its own: within one decode, the context a step attends
+# and the time since the trial began rise together, so any drift of the machine (a neighbour's load,
+# clocks, the cache warming) reads as a KV cost. On a quiet machine it once read -1745 µs per 1k
+# positions, [-2062, -1431]: a step that got cheaper as it read more. task=compare times steps at
+# chosen contexts in alternating order, which separates the two.
+KV_COST_REASON = ("not measured per record: within one decode the context and the time since the trial began "
+                  "rise together, so a drift of the machine would read as KV cost; task=compare times steps "
+                  "at chosen contexts in alternating order (compare.contexts), and a sweep over "
+                  "workload.prompt_len gives the report's KV cost across prompts")
 
 # Units and methods of every metric this workload reports (merged into the record's ``methods``).
 METRICS: Dict[str, Metric] = metric_table(
@@ -61,28 +74,21 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("decode_ms_p90", "ms", "per-token decode step latency, 90th percentile (as decode_ms_p50)"),
     Metric("decode_ms_p99", "ms", "per-token decode step latency, 99th percentile (as decode_ms_p50)"),
     Metric("decode_ms_mean", "ms", "mean per-token decode step latency"),
-    Metric("tokens_per_s", "tokens/s", "batch_size x gen_len / decode time of a trial, median over timed trials"),
     Metric("e2e_ms", "ms", "prefill + all decode steps of a trial, median over timed trials"),
     *step_metric_metrics(),
     *trial_metric_metrics("prefill_ms", "ms"),
-    *trial_metric_metrics("tokens_per_s", "tokens/s"),
+    *step_rate_metrics(),
     Metric("trials_run", "count",
            "timed trials actually run: runtime.repeats, or more until runtime.min_time_s of timed "
                   "trials had passed"),
-    Metric("decode_ms_at_ctx0", "ms",
-           "intercept of the KV-cost fit: the decode step time extrapolated to an empty context "
-                         f"({STATS_METHODS['kv_cost']}; every step of every timed trial, step i of a trial attends "
-                         "prompt_len + i + 1 positions)"),
+    Metric("decode_ms_at_ctx0", "ms", "null in a decode record (see decode_us_per_1k_ctx_reason)"),
     Metric("decode_us_per_1k_ctx", "µs per 1,000 positions",
-           "slope of the KV-cost fit (as decode_ms_at_ctx0): what 1,000 more "
-                            "positions of context add to a decode step of the whole batch"),
-    Metric("decode_us_per_1k_ctx_ci_low", "µs per 1,000 positions", "low end of the slope's 95% interval (Theil-Sen)"),
+           "null in a decode record (see decode_us_per_1k_ctx_reason); task=compare measures it"),
+    Metric("decode_us_per_1k_ctx_ci_low", "µs per 1,000 positions",
+           "null in a decode record (as decode_us_per_1k_ctx)"),
     Metric("decode_us_per_1k_ctx_ci_high", "µs per 1,000 positions",
-           "high end of the slope's 95% interval (Theil-Sen)"),
-    Metric("decode_us_per_1k_ctx_reason", "text",
-           "why decode_ms_at_ctx0 and decode_us_per_1k_ctx are null (the steps span "
-                                   f"fewer than {MIN_KV_SPAN} positions of context, or a fixed-shape step reads "
-                                   "whole buckets)"),
+           "null in a decode record (as decode_us_per_1k_ctx)"),
+    Metric("decode_us_per_1k_ctx_reason", "text", f"why decode_us_per_1k_ctx is null: {KV_COST_REASON}"),
     Metric("kv_cache_bytes", "bytes",
            "storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())"),
     Metric("kv_cache_bytes_formula", "bytes",
@@ -104,9 +110,9 @@ METRICS: Dict[str, Metric] = metric_table(
                       "bound by Python and kernel launches, not by the bytes it reads"),
     Metric("series.decode_ms", "ms", "every decode step of the last timed trial, in order"),
     Metric("energy_mj_per_token", "mJ/token",
-           "CUDA with NVML: energy_mj over the timed trials (prefill included) / the "
-                           "tokens they produced (batch x (gen_len + 1) per trial); null with energy_reason when "
-                           "the counter did not advance"),
+           "CUDA with NVML: the mean power over the energy counter's window (energy_mj / energy_window_s) x "
+           "the timed trials' own time (prefill + decode) / the tokens they produced (batch x (gen_len + 1) per "
+           "trial): energy and tokens of one window; null with energy_reason when the counter did not advance"),
     *ALLOCATION_METRICS.values(),
     *ROOFLINE_METRICS.values(),
     *FIDELITY_METRICS.values(),
@@ -153,33 +159,33 @@ def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmu
 def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, object]:
     """Latency metrics with their intervals and sample counts (units and methods in :data:`METHODS`)."""
     per_trial_decode = [sum(trial) for trial in t.decode_ms]
-    gen_len = len(t.decode_ms[0])
+    steps = step_metrics(t.decode_ms)
     return {
         **trial_metric("prefill_ms", t.prefill_ms),
-        **step_metrics(t.decode_ms),
-        **trial_metric("tokens_per_s", [batch_size * gen_len / (ms / 1e3) for ms in per_trial_decode]),
+        **steps,
+        **step_rate(steps, batch_size),  # tokens/s from the steps themselves: they cannot disagree
         "e2e_ms": median([p + d for p, d in zip(t.prefill_ms, per_trial_decode)]),
         "trials_run": len(t.decode_ms),
     }
 
 
-def kv_cost(decode_ms: List[List[float]], prompt_len: int, fixed_shape: bool = False) -> Dict[str, object]:
-    """The decode step time against the context it attends (step i: ``prompt_len + i + 1``
-    positions), every step of every timed trial, fitted by Theil-Sen; null with a reason when
-    the steps span too little context or a fixed-shape step reads whole buckets."""
-    keys = ("decode_ms_at_ctx0", "decode_us_per_1k_ctx", "decode_us_per_1k_ctx_ci_low", "decode_us_per_1k_ctx_ci_high")
-    null = dict.fromkeys(keys)
-    span = len(decode_ms[0]) - 1
-    if fixed_shape:
-        return {**null, "decode_us_per_1k_ctx_reason": "runtime.compile=graph: each step reads its whole context "
-                                                       "bucket, not the positions it attends"}
-    if span < MIN_KV_SPAN:
-        return {**null, "decode_us_per_1k_ctx_reason": f"the decode steps span {span} positions of context "
-                                                       f"(< {MIN_KV_SPAN}): too little for a meaningful slope "
-                                                       "(raise workload.gen_len)"}
-    context = [prompt_len + i + 1 for trial in decode_ms for i in range(len(trial))]
-    fit = kv_cost_fit(context, [ms for trial in decode_ms for ms in trial])
-    return {"decode_ms_at_ctx0": fit["at_ctx0_ms"], **{k: fit[k.removeprefix("decode_")] for k in keys[1:]}}
+def kv_cost() -> Dict[str, object]:
+    """A decode record's KV cost: null with :data:`KV_COST_REASON` (context and time within a
+    trial are confounded; task=compare measures it)."""
+    return {"decode_ms_at_ctx0": None, "decode_us_per_1k_ctx": None, "decode_us_per_1k_ctx_ci_low": None,
+            "decode_us_per_1k_ctx_ci_high": None, "decode_us_per_1k_ctx_reason": KV_COST_REASON}
+
+
+def energy_per_token(energy_mj: Optional[float], window_s: Optional[float], timed_s: float,
+                     tokens: int) -> Optional[float]:
+    """mJ per token with energy and tokens of one window: the counter's mean power over its own
+    window (``energy_mj / window_s``) times the time the tokens took (``timed_s``), per token. The
+    counter's window is wider than the trials (NVML calls, the sampler's join); the energy of the
+    whole window over the trials' tokens once read 3,197 mJ/token at 568 tok/s: 1.8 kW on a 700 W
+    board."""
+    if not energy_mj or not window_s or not tokens:
+        return None
+    return energy_mj / window_s * min(timed_s, window_s) / tokens
 
 
 def floor_model(model: Decoder) -> Decoder:
@@ -246,16 +252,16 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     if compiled:
         metrics["recompiles"] = compiled_graphs() - graphs
     metrics.update(monitor.result())
-    metrics["energy_mj_per_token"] = None
-    if metrics.get("energy_mj"):
-        tokens = w.batch_size * (w.gen_len + 1) * len(timings.decode_ms)
-        metrics["energy_mj_per_token"] = metrics["energy_mj"] / tokens
-    elif metrics.get("energy_mj") == 0:
+    tokens = w.batch_size * (w.gen_len + 1) * len(timings.decode_ms)
+    timed_s = (sum(timings.prefill_ms) + sum(map(sum, timings.decode_ms))) / 1e3
+    metrics["energy_mj_per_token"] = energy_per_token(metrics.get("energy_mj"), metrics.get("energy_window_s"),
+                                                      timed_s, tokens)
+    if metrics.get("energy_mj") == 0:
         metrics["energy_reason"] = ("the energy counter did not advance over the timed trials "
                                     "(too short for its update rate)")
     metrics["kv_cache_bytes"] = cache.nbytes
     metrics.update(summarize_decode(timings, w.batch_size))
-    metrics.update(kv_cost(timings.decode_ms, w.prompt_len, isinstance(step, FixedShapeStep)))
+    metrics.update(kv_cost())
     result.series["decode_ms"] = timings.decode_ms[-1]
     if device.type == "cuda":
         metrics["overhead_ms_per_step"] = median([ms for trial in timings.decode_host_ms for ms in trial])
@@ -270,6 +276,8 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     kv_positions = statistics.mean(step.lengths(cache, positions)) if isinstance(step, FixedShapeStep) else None
     metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len, metrics["decode_ms_p50"],
                                     peaks["peak_gb_per_s"], peaks["peak_gflops"], kv_positions, cfg.cache.dtype))
+    metrics.update(attainable_metrics(metrics["decode_ms_p50"], probe_step_gemms(model, w.batch_size, device),
+                                      metrics["kv_bytes_read_per_step"], peaks["peak_gb_per_s"]))
     if rt.fidelity:
         # A compiled fixed-shape step is checked itself, on the cache it was compiled for.
         timed = {"step": step, "cache": cache} if isinstance(step, FixedShapeStep) else {}

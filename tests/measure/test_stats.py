@@ -56,7 +56,8 @@ def test_bootstrap_interval_of_the_median_matches_its_asymptotic_width():
 
 def test_bootstrap_of_too_few_or_constant_samples():
     assert stats.bootstrap_ci([1.0]) == (None, None)
-    assert stats.bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    assert stats.bootstrap_ci([2.0] * 6) == (2.0, 2.0)
+    assert stats.bootstrap_ci([2.0, 2.5, 3.0]) == (None, None)  # below min_interval_samples
 
 
 def ar1(n, phi, rng):
@@ -124,11 +125,11 @@ def test_overlap_says_whether_a_difference_is_significant():
 # ---- the record fields built from them: values computed here by hand ----------------------------
 
 def test_trial_metric_is_the_true_median_with_its_interval_count_and_no_warning():
-    m = stats.trial_metric("prefill_ms", [4.0, 1.0, 3.0, 2.0])
-    assert m["prefill_ms"] == 2.5  # torch.median gave 2.0, the lower middle value
-    assert m["prefill_ms_n"] == 4 and "prefill_ms_warning" not in m
-    # a bootstrap median of 4 values is one of them or the mean of two: within [1, 4], around 2.5
-    assert 1.0 <= m["prefill_ms_ci_low"] <= 2.5 <= m["prefill_ms_ci_high"] <= 4.0
+    m = stats.trial_metric("prefill_ms", [4.0, 1.0, 3.0, 2.0, 6.0, 5.0])
+    assert m["prefill_ms"] == 3.5  # torch.median gave 3.0, the lower middle value
+    assert m["prefill_ms_n"] == 6 and "prefill_ms_warning" not in m and m["prefill_ms_ci_reason"] is None
+    # a bootstrap median of 6 values is one of them or the mean of two: within [1, 6], around 3.5
+    assert 1.0 <= m["prefill_ms_ci_low"] <= 3.5 <= m["prefill_ms_ci_high"] <= 6.0
 
 
 def test_one_trial_has_no_interval_and_a_warning():
@@ -157,3 +158,51 @@ def test_every_field_of_the_record_helpers_has_a_method():
     fields = set(stats.step_metrics([[1.0, 2.0, 3.0]])) | set(stats.trial_metric("x", [1.0]))
     methods = {**stats.step_metric_methods(), **stats.trial_metric_methods("x", "ms")}
     assert fields - set(methods) == {"decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "decode_ms_mean", "x"}
+
+
+# ---- the rule: no interval, and no significance, below the samples an interval needs ------------
+
+def test_min_interval_samples_is_where_min_to_max_covers_the_quantile_95_percent():
+    def coverage(q, k):  # the probability that [x(1), x(k)] covers the q quantile
+        return 1 - q ** k - (1 - q) ** k
+
+    for q in (0.5, 0.9, 0.99):
+        n = stats.min_interval_samples(q)
+        assert coverage(q, n) >= 0.95 > coverage(q, n - 1)
+    assert [stats.min_interval_samples(q) for q in (0.5, 0.9, 0.99)] == [6, 29, 299]
+
+
+def test_three_trials_or_rounds_get_no_interval_and_say_why():
+    m = stats.trial_metric("prefill_ms", [2.0, 2.1, 6.0])
+    assert m["prefill_ms_ci_low"] is m["prefill_ms_ci_high"] is None
+    assert "3 timed trials" in m["prefill_ms_ci_reason"] and "needs at least 6" in m["prefill_ms_ci_reason"]
+    # task=compare with 3 rounds once gave 0.8035 the interval [0.8035, 0.8068]
+    ratio, low, high = stats.paired_ratio([1.0, 1.2, 1.1], [0.8035, 0.97, 0.88])
+    assert low is high is None and "3 rounds" in stats.paired_ratio_reason(3, ratio, low)
+    assert stats.kv_cost_fit([1, 2, 3], [1.0, 2.0, 3.5])["ci_reason"]  # 3 points: a slope, no interval
+
+
+def test_a_degenerate_interval_is_none():
+    assert stats.degenerate(0.8035, 0.8035, 0.8068, varies=True)
+    assert not stats.degenerate(0.8, 0.79, 0.81, varies=True) and not stats.degenerate(2.0, 2.0, 2.0, varies=False)
+    # six rounds, five of them the same ratio: every resample's median is that ratio or next to it
+    ratio, low, high = stats.paired_ratio([1.0] * 6, [0.5, 0.5, 0.5, 0.5, 0.5, 0.9])
+    assert ratio == 0.5 and low is None and "degenerate" in stats.paired_ratio_reason(6, ratio, low)
+
+
+def test_p99_needs_299_steps_for_an_interval():
+    short = stats.step_metrics([[float(v) for v in range(1, 101)]] * 2)  # 200 steps
+    assert short["decode_ms_p99_ci_low"] is None and "needs at least 299" in short["decode_ms_p99_ci_reason"]
+    assert short["decode_ms_p50_ci_low"] is not None and short["decode_ms_p50_ci_reason"] is None
+
+
+def test_tokens_per_s_is_derived_from_the_steps_it_summarises():
+    """One stalled trial of three once halved tokens/s while the median step moved 8 %."""
+    steady = [1.0 + 0.01 * (i % 7) for i in range(64)]
+    trials = [steady, steady, [5.0] * 64]  # a stalled trial
+    steps = stats.step_metrics(trials)
+    rate = stats.step_rate(steps, batch_size=4)
+    assert rate["tokens_per_s"] == pytest.approx(4 * 1000 / steps["decode_ms_p50"])
+    assert rate["tokens_per_s_ci_low"] == pytest.approx(4 * 1000 / steps["decode_ms_p50_ci_high"])
+    assert rate["tokens_per_s_mean"] == pytest.approx(4 * 1000 / steps["decode_ms_mean"])
+    assert set(rate) <= set(stats.step_rate_methods())

@@ -13,9 +13,9 @@ from rich.console import Console
 from kvbench.results import RunResult
 from kvbench.sinks import console
 from kvbench.sinks.report import MD_FILE, write_report
-from kvbench.sinks.tables import NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
+from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
 
-P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}")
+P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", sampled=True)
 
 
 def decode(kind, kv, prompt=64, job="0", **metrics):
@@ -44,7 +44,7 @@ def test_a_ratio_whose_intervals_overlap_is_not_significant():
     [cell] = comparison.cells
     text = {label: comparison.text(cell, label, P50) for label in comparison.variants}
     assert text == {"mha kv=8": "10.000 [9.500, 10.500]",
-                    "gqa kv=4": "7.000 (0.700×)",
+                    "gqa kv=4": f"7.000 (0.700×, {NO_INTERVAL})",
                     "gqa kv=2": f"10.200 [9.800, 10.600] (1.02×, {NOT_SIGNIFICANT})",
                     "mqa kv=1": "5.000 [4.800, 5.200] (0.500×)"}
 
@@ -134,3 +134,23 @@ def test_an_interval_that_does_not_hold_its_point_is_drawn_not_refused(tmp_path)
     records = [decode("mha", 8, 32, "0", **ci(2.0, 2.1, 2.4)), decode("mha", 8, 64, "1", **ci(3.0, 2.9, 3.2))]
     _, spans = decode_plot_error_bars(tmp_path, records)
     assert spans == [pytest.approx((2.0, 2.4)), pytest.approx((2.9, 3.2))]
+
+
+def test_no_ratio_of_a_timed_figure_reads_as_significant_without_intervals():
+    """3 trials once marked GQA's TTFT 3.18x MHA's significant: with too few samples the records
+    carry no interval (and the reason), and the ratio says it has none."""
+    records = [decode("mha", 8, job="0", prefill_ms=2.0, prefill_ms_ci_low=None, prefill_ms_ci_high=None,
+                      prefill_ms_ci_reason="3 timed trials: a 95% interval of the 50% quantile needs at least 6"),
+               decode("gqa", 2, job="1", prefill_ms=6.36, prefill_ms_ci_low=None, prefill_ms_ci_high=None),
+               decode("mqa", 1, job="2", kv_cache_bytes=100, prefill_ms=2.0)]
+    [comparison] = comparisons(records)
+    [cell] = comparison.cells
+    ttft = Column("prefill_ms", "TTFT ms", "{:.2f}")  # declared by its records' null interval fields
+    assert comparison.text(cell, "gqa kv=2", ttft) == f"6.36 (3.18×, {NO_INTERVAL})"
+    exact = Column("kv_cache_bytes", "KV", "{}")
+    assert NO_INTERVAL not in comparison.text(cell, "mqa kv=1", exact)  # bytes are exact: no interval to want
+    header, rows = interleaved_table({"status": "ok", "tables": {"compare": [
+        {"variant": "mha", "step_ms_ctx64": 1.0, "step_ratio_ctx64": 1.0},
+        {"variant": "gqa", "step_ms_ctx64": 0.8, "step_ratio_ctx64": 0.8035, "step_ratio_ctx64_ci_low": None,
+         "step_ratio_ctx64_ci_high": None}]}})
+    assert rows[1][header.index("step ratio @64")] == f"0.803×, {NO_INTERVAL}"

@@ -39,7 +39,8 @@ def test_the_fit_recovers_each_variants_line_per_cell():
         slope = (4000.0 if r["variant"].startswith("mha") else 1200.0) * scale
         assert r["prompts"] == 3 and r["baseline"] == "mha kv=8"
         assert r["us_per_1k_ctx"] == pytest.approx(slope) and r["at_ctx0_ms"] == pytest.approx(2.0 * scale)
-        assert r["us_per_1k_ctx_ci_low"] == pytest.approx(slope) == pytest.approx(r["us_per_1k_ctx_ci_high"])
+        # 3 jobs, 3 points: too few for an interval of the slope (docs/statistics.md), and the reason
+        assert r["us_per_1k_ctx_ci_low"] is None and r["us_per_1k_ctx_ci_high"] is None and "3 points" in r["ci_reason"]
     gqa = [r for r in rows if r["variant"] == "gqa kv=2"]
     assert all(r["slope_ratio"] == pytest.approx(0.3) and r["kv_bytes_ratio"] == pytest.approx(0.25) for r in gqa)
 
@@ -53,4 +54,4 @@ def test_failed_or_other_jobs_are_left_out_and_the_report_has_the_section(tmp_pa
     assert [(r["workload.batch_size"], r["variant"], r["baseline"]) for r in rows][:1] == [(1, "gqa kv=2", "gqa kv=2")]
     text = markdown(Report(root=tmp_path, records=recs, axes=[]), [])
     assert "## KV cost across prompt lengths" in text
-    assert "| 8 | gqa kv=2 | 3 | 6.000 | 3600.0 [3600.0, 3600.0] | 0.300 | 0.250 |" in text
+    assert "| 8 | gqa kv=2 | 3 | 6.000 | 3600.0, no interval | 0.300 | 0.250 |" in text

@@ -78,7 +78,7 @@ def test_graph_run_records_compile_recompiles_and_the_bytes_its_window_reads(tmp
     # One bucket, so at most one graph (none when an earlier test in this process compiled it).
     assert m["compile_s"] > 0 and m["compiled_graphs"] <= 1 and m["recompiles"] == 0
     assert m["fidelity_max_abs_logit_diff"] < 1e-4 and m["fidelity_top1_agreement"] == 1.0
-    layers, kv_heads, head_dim, batch = 2, 2, 16, 2  # model=tiny d_model=128 attention=gqa: 8 heads, 2 KV heads
+    layers, kv_heads, head_dim, batch = 2, 8, 16, 2  # model=tiny d_model=128, its own layout: 8 heads, 8 KV heads
     assert m["kv_bytes_read_per_step"] == 2 * layers * kv_heads * head_dim * 129 * batch * 4
     assert m["overhead_ms_per_step"] > 0
     assert m["overhead_share"] == pytest.approx(m["overhead_ms_per_step"] / m["decode_ms_p50"])
@@ -154,9 +154,12 @@ def test_a_run_records_the_trials_it_ran(tmp_path):
     m = result.metrics
     assert result.status == "ok", result.error
     # at least the repeats; more while under 0.3 s (how many depends on the machine, not asserted)
-    assert m["trials_run"] >= 2 and m["prefill_ms_n"] == m["tokens_per_s_n"] == m["trials_run"]
-    assert m["decode_ms_p50_n"] == 2 * m["trials_run"]
-    assert m["prefill_ms_ci_low"] <= m["prefill_ms"] <= m["prefill_ms_ci_high"]
+    assert m["trials_run"] >= 2 and m["prefill_ms_n"] == m["trials_run"]
+    assert m["decode_ms_p50_n"] == m["tokens_per_s_n"] == 2 * m["trials_run"]  # tokens/s from the steps
+    if m["trials_run"] >= 6:
+        assert m["prefill_ms_ci_low"] <= m["prefill_ms"] <= m["prefill_ms_ci_high"]
+    else:  # too few trials for an interval: none, and the reason
+        assert m["prefill_ms_ci_low"] is None and "needs at least 6" in m["prefill_ms_ci_reason"]
 
 
 def test_summary_takes_the_true_median_of_an_even_number_of_trials():
@@ -167,23 +170,15 @@ def test_summary_takes_the_true_median_of_an_even_number_of_trials():
     assert m["trials_run"] == 4
 
 
-def test_kv_cost_recovers_a_known_slope_from_the_steps_of_a_run():
-    prompt_len, gen_len = 100, 300
-    # 0.5 ms + 2 µs per position of context attended (= 2,000 µs per 1k), every 17th step preempted
-    trials = [[0.5 + 2e-3 * (prompt_len + i + 1) + (5.0 if i % 17 == trial else 0.0) for i in range(gen_len)]
-              for trial in range(3)]
-    m = kv_cost(trials, prompt_len)
-    # scipy's intercept is median(y) - slope * median(x): the 18 preempted steps of 900 lift it by
-    # at most a few ranks' worth of the slope (here 0.02 ms); a least-squares fit would move 0.1 ms
-    assert m["decode_ms_at_ctx0"] == pytest.approx(0.5, abs=0.03)
-    assert m["decode_us_per_1k_ctx"] == pytest.approx(2000.0)
-    assert m["decode_us_per_1k_ctx_ci_low"] <= 2000.0 <= m["decode_us_per_1k_ctx_ci_high"]
-    assert "decode_us_per_1k_ctx_reason" not in m
-
-
-def test_kv_cost_is_null_with_a_reason_when_the_steps_span_too_little_context():
-    short = kv_cost([[1.0 + 1e-3 * i for i in range(64)]] * 3, prompt_len=2048)
-    assert short["decode_us_per_1k_ctx"] is None and short["decode_ms_at_ctx0"] is None
-    assert "span 63 positions" in short["decode_us_per_1k_ctx_reason"]
-    bucketed = kv_cost([[1.0] * 400], prompt_len=0, fixed_shape=True)
-    assert bucketed["decode_us_per_1k_ctx"] is None and "bucket" in bucketed["decode_us_per_1k_ctx_reason"]
+def test_a_decode_record_reports_no_kv_cost_slope(tmp_path):
+    """Within one decode, context and time within the trial rise together: a drift of the machine
+    read as a KV cost (-1745 µs per 1k positions once, on a quiet machine). A decode record leaves
+    the slope null and says why, however long the decode."""
+    assert kv_cost()["decode_us_per_1k_ctx"] is None and kv_cost()["decode_ms_at_ctx0"] is None
+    result = job(tmp_path, "model=tiny", "workload.prompt_len=4", "workload.gen_len=300", "runtime.repeats=1",
+                 "runtime.warmup=0", "runtime.fidelity=false", "runtime.threads=1")
+    m = result.metrics
+    assert result.status == "ok", result.error
+    assert m["decode_us_per_1k_ctx"] is None and m["decode_us_per_1k_ctx_ci_low"] is None
+    assert "drift" in m["decode_us_per_1k_ctx_reason"] and "task=compare" in m["decode_us_per_1k_ctx_reason"]
+    assert not any(item["metric"].endswith("us_per_1k_ctx") for item in result.implausible)

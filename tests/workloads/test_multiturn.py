@@ -412,3 +412,24 @@ def test_cli_multiturn_sweep_over_sharing(tmp_path):
                      "cache.shared=true", "runtime.repeats=1", "wandb.mode=disabled", "runtime.isolate=false",
                      f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert "turns (cache.shared=True)" in single.stdout and "reused" in single.stdout
+
+
+def test_mean_ttft_of_later_turns_lies_in_its_own_interval():
+    """The mean of per-turn medians beside an interval of per-chat means once read 22.28 outside
+    [20.94, 21.78]: the estimate is now the statistic its interval is of."""
+    from kvbench.measure.stats import median as true_median
+    from kvbench.workloads.multiturn import TurnStats, chat_metrics, summarize_turns
+
+    def chat(ttfts):
+        return [TurnStats(k + 1, t, [1.0, 1.1], 8, 0, 8 * (k + 1), 100, 100) for k, t in enumerate(ttfts)]
+
+    # 8 chats whose slow turns 2 and 3 fall in different chats: the mean of the per-turn medians,
+    # 22.24, lies below the interval of the per-chat means, [22.99, 30.48]
+    turn2 = [33.2, 11.9, 22.1, 37.2, 41.1, 21.9, 23.1, 23.8]
+    turn3 = [17.4, 10.1, 32.7, 18.3, 19.9, 46.0, 23.0, 22.2]
+    trials = [chat([5.0, a, b]) for a, b in zip(turn2, turn3)]
+    m = chat_metrics(summarize_turns(trials), trials, batch_size=1)
+    per_chat = [sum(t.ttft_ms for t in c[1:]) / 2 for c in trials]
+    assert m["mean_ttft_ms_turns_2_n"] == true_median(per_chat)
+    assert m["mean_ttft_ms_turns_2_n_ci_low"] <= m["mean_ttft_ms_turns_2_n"] <= m["mean_ttft_ms_turns_2_n_ci_high"]
+    assert m["tokens_per_s"] == pytest.approx(1000 / m["decode_ms_p50"])
