@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome", "attention"],
     ["hf_config"],
-    ["model_config", "recall_config"],
+    ["model_config", "recall_config", "capacity_config"],
     ["config"],
     ["kv_store"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
