@@ -32,7 +32,7 @@ class Metric:
     @property
     def numeric(self) -> bool:
         """A number a sweeper can optimise: not text, not a table or series."""
-        return self.unit not in ("", "text") and "." not in self.name
+        return self.unit not in ("", "text", "bool") and "." not in self.name
 
 
 def metric_table(*metrics: Metric) -> Dict[str, Metric]:

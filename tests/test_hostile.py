@@ -402,3 +402,26 @@ def test_a_fifo_at_the_claims_name_is_refused_not_waited_on(tmp_path):
     assert claim_holder(tmp_path) is None
     with pytest.raises(OSError):
         claim_job(tmp_path)
+
+
+@pytest.mark.parametrize("metric", ["timing_method", "noisy", "roofline_bound", "noisy_reason", "kv_heads_conversion"])
+def test_an_objective_that_names_a_text_or_boolean_metric_is_refused_before_any_job(metric):
+    from kvbench.jobs.runner import check_objective
+
+    with pytest.raises(ConfigError) as info:
+        check_objective(metric, {}, "bench")
+    assert info.value.args[0].startswith(f"objective={metric!r}: task=bench")
+
+
+def test_every_metric_a_job_records_as_text_or_a_flag_is_declared_so(tmp_path):
+    """The class behind objective=timing_method: the registry's unit must say what the value is."""
+    from kvbench.jobs.runner import task_metrics
+
+    result = _job(tmp_path, "workload.prompt_len=8", "workload.gen_len=2", "runtime.repeats=2", "runtime.warmup=0")
+    assert result.status == "ok", result.error
+    declared = task_metrics("bench", "decode")
+    for name, value in result.metrics.items():
+        if isinstance(value, (str, bool)) and name in declared:
+            assert declared[name].unit in ("text", "bool"), (name, value, declared[name].unit)
+        elif isinstance(value, (int, float)) and name in declared:
+            assert declared[name].unit not in ("text", "bool"), (name, value, declared[name].unit)

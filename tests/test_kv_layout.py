@@ -33,6 +33,10 @@ def test_a_named_preset_runs_in_its_own_layout_by_default(preset):
     an MHA model, ran as a GQA-8 model that does not exist)."""
     own = yaml.safe_load((CONF_DIR / "model" / f"{preset}.yaml").read_text())
     job = to_bench_config(compose_job(f"model={preset}"))
+    if own.get("preset_mla"):  # a latent model's own layout is MLA, whatever its head count
+        assert job.attention.type == "mla" and job.attention.kv_lora_rank == own["preset_mla"]["kv_lora_rank"]
+        assert job_kv_conversion(job) is None
+        return
     assert job.attention.num_kv_heads == own["preset_kv_heads"] == job.model.preset_kv_heads
     assert job.attention.type == ("mha" if own["preset_kv_heads"] == own["num_heads"] else
                                   "mqa" if own["preset_kv_heads"] == 1 else "gqa")

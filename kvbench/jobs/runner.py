@@ -74,7 +74,7 @@ def objective_metrics(task: str, workload: str = "decode") -> List[str]:
     """The metrics of :func:`task_metrics` an ``objective`` may name: numbers, not text, series
     or tables. Names declared as patterns (task=compare's ``<v>_step_ms_ctx<C>``) stay patterns."""
     return sorted(name for name, metric in task_metrics(task, workload).items()
-                  if "." not in name and metric.unit != "text")
+                  if "." not in name and metric.unit not in ("text", "bool"))
 
 
 def check_objective(objective: Optional[str], caps: Dict[str, float], task: str, workload: str = "decode") -> None:

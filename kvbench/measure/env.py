@@ -97,13 +97,13 @@ def collect_env(device: torch.device | str = "cpu") -> Dict[str, Any]:
 
 # How busy the machine was around a job (recorded in metrics; tables show the flag).
 LOAD_METRICS: Dict[str, Metric] = metric_table(
-    Metric("load_avg_before", "", "1-minute load average (os.getloadavg) when the job started measuring"),
-    Metric("load_avg_after", "", "1-minute load average when the job finished measuring"),
-    Metric("usable_cpus", "", "CPUs this process may run on (os.sched_getaffinity)"),
-    Metric("noisy", "", "true when the machine had more runnable work than CPUs around the job: max(load_avg_before, "
+    Metric("load_avg_before", "runnable tasks", "1-minute load average (os.getloadavg) when the job started measuring"),
+    Metric("load_avg_after", "runnable tasks", "1-minute load average when the job finished measuring"),
+    Metric("usable_cpus", "count", "CPUs this process may run on (os.sched_getaffinity)"),
+    Metric("noisy", "bool", "true when the machine had more runnable work than CPUs around the job: max(load_avg_before, "
              "load_avg_after) > usable_cpus + 0.5 (the job's own threads count in the load); timings of a "
              "noisy job are unreliable"),
-    Metric("noisy_reason", "", "why noisy is true (null when it is false or unknown)"),
+    Metric("noisy_reason", "text", "why noisy is true (null when it is false or unknown)"),
 )
 LOAD_METHODS: Dict[str, str] = record_methods(LOAD_METRICS)
 

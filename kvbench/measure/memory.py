@@ -36,7 +36,7 @@ MEMORY_METRICS: Dict[str, Metric] = metric_table(
     Metric("nvml_peak_used_bytes", "bytes", "max of nvml_device_used_bytes sampled at enter, every "
                             "interval_ms by a background thread, and at exit"),
     Metric("nvml_samples", "count", "NVML memory samples behind nvml_peak_used_bytes"),
-    Metric("nvml_memory_api", "", "'v2' or 'v1': which nvmlDeviceGetMemoryInfo version answered"),
+    Metric("nvml_memory_api", "text", "'v2' or 'v1': which nvmlDeviceGetMemoryInfo version answered"),
     Metric("nvml_process_used_bytes", "bytes", "usedGpuMemory of os.getpid() in "
                                "nvmlDeviceGetComputeRunningProcesses at exit (context included)"),
     Metric("energy_mj", "mJ", "delta of nvmlDeviceGetTotalEnergyConsumption between enter and exit "
@@ -45,8 +45,8 @@ MEMORY_METRICS: Dict[str, Metric] = metric_table(
                                    "(the window energy_mj is the energy of)"),
     Metric("power_limit_w", "W", "nvmlDeviceGetEnforcedPowerLimit: the most the board may draw (the bound "
                                  "energy_mj / energy_window_s is checked against)"),
-    Metric("nvml_driver_version", "", "nvmlSystemGetDriverVersion"),
-    Metric("nvml_device_uuid", "", "NVML UUID the torch device was matched to (by UUID, not index)"),
+    Metric("nvml_driver_version", "text", "nvmlSystemGetDriverVersion"),
+    Metric("nvml_device_uuid", "text", "NVML UUID the torch device was matched to (by UUID, not index)"),
     Metric("nvml_reason", "text", "why the nvml_* fields are null (no GPU, no NVML, a failed read); null when read"),
     Metric("nvml_process_reason", "text", "why nvml_process_used_bytes is null (the driver does not list this "
                            "process, or NVML is unavailable); null when read"),

@@ -46,7 +46,7 @@ ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
                      "and whether the probe ran next to this run or was cached)"),
     Metric("probe_gemv_gb_per_s", "GB/s", "bytes of a 256 MiB float32 matrix / the best of 8 torch.mv over it"),
     Metric("probe_copy_gb_per_s", "GB/s", "2 x 256 MiB (read + write) / the best of 8 copies of a 256 MiB tensor"),
-    Metric("roofline_bound", "", "memory | compute: which bound gives roofline_ms"),
+    Metric("roofline_bound", "text", "memory | compute: which bound gives roofline_ms"),
     Metric("peak_method", "text",
            "where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:gemv_gb_per_s and where "
                    "the probe was taken (next to this run, or the cache file and the date it was probed)"),

@@ -43,7 +43,7 @@ _QUALITY_METRICS: Dict[str, Metric] = metric_table(
     Metric("bits_per_byte", "bits/byte", "val_loss / ln 2 / bytes per token (1 for the byte vocabulary)"),
     Metric("num_params", "count", "parameters of the decoder evaluated, tied tensors once"),
     Metric("num_kv_heads", "count", "KV heads of the decoder evaluated (= attention.num_kv_heads)"),
-    Metric("kv_heads_conversion", "", "none | repeat | mean-pool: how the checkpoint's KV heads were brought to "
+    Metric("kv_heads_conversion", "text", "none | repeat | mean-pool: how the checkpoint's KV heads were brought to "
                            "attention.num_kv_heads (repeat is exact; mean-pool averages each group, "
                            "Ainslie et al. 2023)"),
 )

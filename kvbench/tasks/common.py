@@ -26,8 +26,8 @@ JOB_METRICS: Dict[str, Metric] = metric_table(
                        "in the same process, whose peak would count as this job's)"),
     Metric("weight_bytes", "bytes", "parameters and persistent buffers (numel * element_size), tied tensors once"),
     Metric("num_params", "count", "parameters of the decoder, tied tensors once"),
-    Metric("timing_method", "", "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU"),
-    Metric("kv_heads_conversion", "", "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
+    Metric("timing_method", "text", "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU"),
+    Metric("kv_heads_conversion", "text", "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
                            "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)"),
     *MEMORY_METRICS.values(),
 )

@@ -10,7 +10,7 @@ import torch
 from kvbench.config import BenchConfig
 from kvbench.model_config import kv_layout_change
 from kvbench.quality.train import EVAL_METHODS, EVAL_METRICS, checkpoint_for_eval, run_eval
-from kvbench.results import RunResult
+from kvbench.results import RunResult, record_view
 from kvbench.tasks.common import Progress
 
 METRICS = EVAL_METRICS
@@ -21,7 +21,9 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     attention are the checkpoint's shape as evaluated, not the preset's."""
     result.methods.update(EVAL_METHODS)
     loaded = checkpoint_for_eval(cfg, device)
-    result.config["model"], result.config["attention"] = asdict(loaded[0].config), asdict(loaded[0].attention)
+    # the attention as every record keeps it (record_view: no latent ranks or window keys it does not use)
+    result.config["model"] = asdict(loaded[0].config)
+    result.config["attention"] = record_view({**result.config, "attention": asdict(loaded[0].attention)})["attention"]
     result.metrics.update(run_eval(cfg, device, loaded))
     saved, how = loaded[2]["checkpoint_num_kv_heads"], loaded[2]["kv_heads_conversion"]
     own = replace(loaded[0].config, preset_kv_heads=saved)  # the checkpoint's own count

@@ -60,13 +60,13 @@ METRICS: Dict[str, Metric] = metric_table(
            "model (its layout's formula) over its length"),
     Metric("decode_ms_p50", "ms", f"median of {DECODE_STEPS} batch-1 decode steps after a prefill of the longest "
            "recall.seq_len (timing_method), the last seed's model"),
-    Metric("timing_method", "", "cuda_events on CUDA, perf_counter on CPU"),
+    Metric("timing_method", "text", "cuda_events on CUDA, perf_counter on CPU"),
     Metric("train_seconds", "s", "wall time of all training steps of all seeds, evaluation excluded"),
     Metric("tokens_seen", "tokens", "input tokens of all training steps of one seed (every seed sees as many)"),
     Metric("steps", "count", "optimizer steps per seed (train.steps, + recall.uptrain_steps when converting)"),
     Metric("num_params", "count", "parameters of the decoder scored"),
     Metric("num_kv_heads", "count", "KV heads of the decoder scored"),
-    Metric("kv_heads_conversion", "", "none | mean-pool: recall.uptrain_steps converts a trained MHA model "
+    Metric("kv_heads_conversion", "text", "none | mean-pool: recall.uptrain_steps converts a trained MHA model "
            "(Ainslie et al. 2023)"),
     Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
            "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "

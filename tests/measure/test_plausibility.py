@@ -152,6 +152,7 @@ PARENT = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.e2e  # a child interpreter of a parent that holds 800 MiB
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the inherited ru_maxrss is Linux's")
 def test_a_child_of_a_large_parent_reports_its_own_peak_rss():
     """ru_maxrss survives fork+exec: a job process of an 800 MiB parent once reported 813 MiB."""

@@ -52,6 +52,7 @@ def start_job(tmp_path, isolate):
     raise AssertionError(f"the job never started its trials (exit {proc.wait()})")
 
 
+@pytest.mark.e2e  # the job runs in a process of its own that is signalled
 @pytest.mark.parametrize("isolate", ["isolate", "in-process"])
 def test_sigterm_that_submitit_bypasses_is_recorded_interrupted(tmp_path, isolate):
     """SIGTERM to every process of the job, as SLURM ends one (time limit, scancel, requeue)."""
@@ -66,6 +67,7 @@ def test_sigterm_that_submitit_bypasses_is_recorded_interrupted(tmp_path, isolat
     assert len(measuring) == (isolate == "isolate") and not any(c.is_running() for c in measuring)
 
 
+@pytest.mark.e2e  # the job runs in a process of its own that is signalled
 @pytest.mark.parametrize("isolate", ["isolate", "in-process"])
 def test_submitits_refusal_to_requeue_a_timed_out_job_is_recorded_interrupted_not_error(tmp_path, isolate):
     """SIGUSR2 (SLURM's warning before --time) to every process; submitit will not requeue."""
