@@ -101,8 +101,8 @@ LOAD_METRICS: Dict[str, Metric] = metric_table(
     Metric("load_avg_after", "runnable tasks", "1-minute load average when the job finished measuring"),
     Metric("usable_cpus", "count", "CPUs this process may run on (os.sched_getaffinity)"),
     Metric("noisy", "bool", "true when the machine had more runnable work than CPUs around the job: "
-             "max(load_avg_before, load_avg_after) > usable_cpus + 0.5 (the job's own threads count in the load); timings of a "
-             "noisy job are unreliable"),
+           "max(load_avg_before, load_avg_after) > usable_cpus + 0.5 (the job's own threads count in the load); "
+           "timings of a noisy job are unreliable"),
     Metric("noisy_reason", "text", "why noisy is true (null when it is false or unknown)"),
 )
 LOAD_METHODS: Dict[str, str] = record_methods(LOAD_METRICS)
