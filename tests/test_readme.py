@@ -143,9 +143,33 @@ CHAINS: Dict[str, Dict[str, Step]] = {
 }
 RUN = {command: step for chain in CHAINS.values() for command, step in chain.items()}
 
+# The commands of docs/slurm.md: its tests submit them to a real one-node SLURM (tests/slurm/).
+SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m ") and (
+    "hydra.launcher.partition=debug" in c or c.endswith("workload.gen_len=6 runtime.threads=1 attention=mha,mqa"))]
+
 NOT_RUN = {
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
-    "python -m pytest -n 2 --dist loadfile": "the suite this test is part of",
+    "python -m pytest -n 2 --dist loadgroup": "the suite this test is part of",
+    "kvbench experiment=recall": "MHA/GQA/MQA trained on 3 seeds each (minutes); tests/quality/test_recall.py "
+                                 "trains and scores the task on a tiny model (composed and validated below)",
+    "kvbench experiment=recall recall.kind=passkey": "the same preset on passkey (composed and validated below)",
+    "kvbench experiment=recall recall.uptrain_steps=100 hydra.sweeper.params.attention=gqa,mqa":
+        "the converted variants' recall (minutes); tests/quality/test_recall.py runs the uptraining path",
+    "kvbench experiment=recall_gpu": "sized for a GPU (composed and validated below)",
+    "kvbench-report <sweep dir>": "a placeholder for the recall sweep's directory; the demo sweep's report runs here",
+    "kvbench model=tiny attention=mla": "tests/test_mla.py runs this command end to end",
+    "kvbench -m model=small attention=mha,gqa,mqa,mla": "minutes on model=small; experiments/results/mla_small.md "
+                                                        "has the run (composed and validated below)",
+    "kvbench task=inspect model=deepseek_v3": "tests/test_mla.py runs it and checks the 70,272 bytes it prints",
+    "kvbench model=hf_dir model.path=/path/to/deepseek attention=mla": "a placeholder path; tests/test_mla.py "
+                                                                       "builds DeepSeek directories with transformers",
+    "sudo scripts/slurm_local.sh install": "installs packages (.ci/run runs it)",
+    "sudo scripts/slurm_local.sh start": "the slurm tests' fixture starts the cluster (tests/slurm/cluster.py)",
+    "sinfo": "needs the cluster the slurm tests start",
+    "sudo scripts/slurm_local.sh stop": "the slurm tests' fixture stops it",
+    "KVBENCH_SLURM=1 python -m pytest -m slurm": "the slurm part of this suite (CI runs it)",
+    **{command: "runs on the one-node SLURM in tests/slurm/test_slurm.py (marker slurm; CI runs it), which checks "
+                "docs/slurm.md gives its commands" for command in SLURM_PAGE_COMMANDS},
     "kvbench experiment=ab": "minutes of model=small decode steps at 2048 tokens of context; "
                              "tests/workloads/test_compare.py runs task=compare on model=tiny",
     "python experiments/compare_transformers.py --threads 1": "minutes: model=small decode loops against "
