@@ -75,7 +75,8 @@ def main() -> None:
         *rows,
         "",
         f"median step, default / 1 thread, paired over rounds: **{ratio:.3f}** "
-        f"(95% interval [{low:.3f}, {high:.3f}]).",
+        + (f"(95% interval [{low:.3f}, {high:.3f}])." if low is not None and high is not None
+           else f"(no interval: {args.rounds} rounds are too few for one)."),
         "",
     ]
     write_report(args.out.with_suffix(".md"), "\n".join(lines))

@@ -115,6 +115,8 @@ def main() -> None:
     q1, q3 = np.percentile(per_round, [25, 75])
     reads = fake.reads
     overhead = 100 * (ratio - 1)
+    interval = (f"[{low:.4f}, {high:.4f}]" if low is not None and high is not None
+                else f"none ({args.rounds} rounds are too few for one)")
     if low is not None and low > 1.01:
         verdict = "above 1 %: move sampling out of the timed process or lengthen the interval"
     elif high is not None and high < 1.01:
@@ -148,8 +150,8 @@ def main() -> None:
         f"| without sampler | {np.median(off):.2f} | {min(off):.2f} | {max(off):.2f} |",
         f"| with sampler | {np.median(on):.2f} | {min(on):.2f} | {max(on):.2f} |",
         "",
-        f"with / without: **{ratio:.4f}** ({overhead:+.2f} %), 95% paired bootstrap interval "
-        f"[{low:.4f}, {high:.4f}]; per-round ratios: median {np.median(per_round):.4f}, "
+        f"with / without: **{ratio:.4f}** ({overhead:+.2f} %), 95% paired bootstrap interval {interval}; "
+        f"per-round ratios: median {np.median(per_round):.4f}, "
         f"IQR [{q1:.4f}, {q3:.4f}], range [{per_round.min():.4f}, {per_round.max():.4f}].",
         "",
         f"Sampler alone ({idle_s:g} s, main thread asleep): {samples} reads, {1e3 * sampler_cpu:.1f} ms of CPU "

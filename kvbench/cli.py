@@ -53,14 +53,14 @@ def main() -> None:
     except SweepRefused as exc:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
-    except OSError as exc:  # outside any job: an output directory that cannot be made, say
-        if full_error:
-            raise
-        stderr.print(f"kvbench: {one_line(_os_error_line(exc))}", markup=False, soft_wrap=True)
-        if OUTCOME.sweep is not None:
-            sweep_end(OUTCOME.sweep)
-        sys.exit(EXIT_CODES["error"])
     except Exception as exc:
+        if isinstance(exc, OSError) and not full_error and not is_composition_error(exc):
+            # outside any job: an output directory that cannot be made, say (Hydra's missing
+            # config option is an OSError too, and a composition error: below)
+            stderr.print(f"kvbench: {one_line(_os_error_line(exc))}", markup=False, soft_wrap=True)
+            if OUTCOME.sweep is not None:
+                sweep_end(OUTCOME.sweep)
+            sys.exit(EXIT_CODES["error"])
         if OUTCOME.sweep is not None and not full_error and not is_composition_error(exc):
             # The sweeper failed after its jobs (Optuna's, when no trial has a value): what the
             # jobs recorded is still this sweep's table and report.

@@ -42,7 +42,8 @@ def test_dry_run_passes_and_writes_what_a_gpu_run_brings_back(tmp_path):
     assert [r["status"] for r in by_step["eager sweep"]] == ["ok"] * 8
     assert [r["status"] for r in by_step["graph sweep"]] == ["ok"] * 2
     oom = {r["config"]["workload"]["batch_size"]: r["status"] for r in by_step["oom goes on"]}
-    assert oom == {10_000_000: "oom", 1: "ok"}  # the sweep went on after the out-of-memory
+    # refused from its footprint before any allocation (kvbench.footprint), and the sweep went on
+    assert oom == {10_000_000: "invalid", 1: "ok"}
     assert [r["status"] for r in by_step["cuda:free"]] == ["invalid", "invalid"]
     eager = by_step["eager sweep"][0]["metrics"]
     assert eager["kv_cache_bytes_torch"] is None and "CUDA only" in eager["kv_cache_bytes_alloc_reason"]

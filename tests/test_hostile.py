@@ -264,9 +264,12 @@ def test_an_output_directory_that_cannot_be_made_is_one_line(tmp_path):
 @pytest.mark.e2e
 def test_ctrl_c_while_kvbench_starts_is_one_line_and_130(tmp_path):
     env = dict(os.environ, WANDB_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-c", "from kvbench.entry import main; main()", "model=tiny"],
+    # "ready" once the console script's module is loaded (what the generated script imports first;
+    # a few lines, nothing else), right before it imports kvbench's modules (torch, Hydra: seconds)
+    ready = "import sys; from kvbench.entry import main; sys.stderr.write('ready\\n'); sys.stderr.flush(); main()"
+    proc = subprocess.Popen([sys.executable, "-c", ready, "model=tiny"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # inside `import torch` on any machine this suite runs on; later is handled too
+    assert proc.stderr.readline() == "ready\n"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

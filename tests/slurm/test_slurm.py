@@ -18,7 +18,7 @@ from slurm.cluster import HOW
 
 from kvbench.results import RESULTS_FILE, RecordError, read_record
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]  # sbatch starts interpreters
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "slurm.md"
 
 # docs/slurm.md's commands, run here as written (with `kvbench` as this interpreter's module).
