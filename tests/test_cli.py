@@ -129,7 +129,8 @@ def test_multirun_records_invalid_and_finishes(tmp_path):
 
 @pytest.mark.parametrize("args, needle, recorded", [
     # Hydra cannot compose these: one line before any job, no record
-    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mla, model, mqa)", False),
+    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mla, model, mqa)",
+     False),
     (["attention=null"], "attention=null: Config group override must be a string", False),  # once a traceback
     (["workload.prompt_len=["], "workload.prompt_len=[: ", False),
     # typed per job: an invalid record, and the same one line
