@@ -311,7 +311,7 @@ def test_quick_start_runs_the_default_benchmark(ran):
     path = Path(re.search(r"^results: (.+)$", out, re.M).group(1))
     rec = written(result(ran, "kvbench"))
     # the default layout is the model's own: model=tiny (the fast stand-in for small) is MHA
-    assert rec["status"] == "ok" and rec["config"]["attention"] == {"type": "mha", "num_kv_heads": 4}
+    assert rec["status"] == "ok" and rec["config"]["attention"] == {"type": "mha", "num_kv_heads": 8}
     assert rec["kv_conversion"] is None
     assert "tok/s" in out and (path.parent / "summary.md").is_file()
     assert "- `decode_vs_context.png` not drawn: needs >= 2 values" in (path.parent / "summary.md").read_text()

@@ -88,7 +88,7 @@ def record(job_dir: Path):
 
 def submitted(sweep: Path) -> str:
     """The SLURM job id of the sweep's submission (an array's id), once submitit has written it."""
-    scripts = until(lambda: list(sweep.glob(".submitit/*/*_submission.sh")), 120, "the sweep submitted")
+    scripts = until(lambda: list(sweep.glob(".submitit/*/*_submission.sh")), 300, "the sweep submitted")
     return scripts[0].name.split("_")[0]
 
 
@@ -172,11 +172,11 @@ def test_gres_reaches_sbatch_and_a_cluster_without_it_refuses_in_one_line(timed_
 def test_a_requeued_job_is_recorded_interrupted_and_the_requeued_run_completes_it(timed_out, tmp_path):
     sweep = tmp_path / "sweep"
     proc = start(REQUEUE, sweep)
-    until(lambda: "gqa kv=2: 0/300" in job_logs(sweep), 120, "the job's trials began")
+    until(lambda: "gqa kv=2: 0/300" in job_logs(sweep), 300, "the job's trials began")
     job_id = submitted(sweep)  # one job: submitit submits it as a plain job, not an array
     assert (job_id, "RUNNING") in queued()
     subprocess.run(["scontrol", "requeue", job_id], check=True)  # what preemption with requeue does
-    first = until(lambda: (r := record(sweep / "0")) and r.status == "interrupted" and r, 30,
+    first = until(lambda: (r := record(sweep / "0")) and r.status == "interrupted" and r, 90,
                   "an interrupted record")
     assert first.error == (f"interrupted by SIGTERM from SLURM: job {job_id} is requeued "
                            "(scontrol requeue, or preempted)")
@@ -194,18 +194,18 @@ def test_scancel_of_the_array_after_the_submitter_is_killed_then_the_resumed_swe
         timed_out, tmp_path):
     sweep = tmp_path / "sweep"
     proc = start(RESUME, sweep)
-    first = until(lambda: (r := record(sweep / "0")) and r.status == "ok" and r, 180, "job 0 ok")
-    until(lambda: "gqa kv=2: 0/300" in job_log(sweep, 1), 120, "job 1's trials began")
+    first = until(lambda: (r := record(sweep / "0")) and r.status == "ok" and r, 300, "job 0 ok")
+    until(lambda: "gqa kv=2: 0/300" in job_log(sweep, 1), 300, "job 1's trials began")
     proc.send_signal(signal.SIGKILL)  # the login node's session is gone
     proc.wait()
     array_id = submitted(sweep)
     assert (f"{array_id}_1", "RUNNING") in queued()  # the array outlives its submitter
     subprocess.run(["scancel", array_id], check=True)
-    cancelled = until(lambda: (r := record(sweep / "1")) and r, 30, "job 1's record")
+    cancelled = until(lambda: (r := record(sweep / "1")) and r, 90, "job 1's record")
     assert cancelled.status == "interrupted", cancelled.error
     assert cancelled.error.startswith(f"interrupted by SIGTERM from SLURM: job {array_id}_1 is cancelled (scancel)")
     assert not (sweep / "2" / RESULTS_FILE).exists()  # never started
-    until(lambda: not any(j.startswith(f"{array_id}_") for j, _ in queued()), 30, "the array gone")
+    until(lambda: not any(j.startswith(f"{array_id}_") for j, _ in queued()), 90, "the array gone")
     # resumed: the same command into the same directory runs only what is not ok
     resumed = subprocess.run(argv(RESUME, sweep), cwd=tmp_path, env=env(), capture_output=True, text=True,
                              timeout=300)
