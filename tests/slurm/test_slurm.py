@@ -178,8 +178,10 @@ def test_a_requeued_job_is_recorded_interrupted_and_the_requeued_run_completes_i
     subprocess.run(["scontrol", "requeue", job_id], check=True)  # what preemption with requeue does
     first = until(lambda: (r := record(sweep / "0")) and r.status == "interrupted" and r, 90,
                   "an interrupted record")
-    assert first.error == (f"interrupted by SIGTERM from SLURM: job {job_id} is requeued "
-                           "(scontrol requeue, or preempted)")
+    # as sacct states it, or the generic reason when sacct does not answer within its 2 s
+    prefix = f"interrupted by SIGTERM from SLURM: job {job_id} is "
+    assert first.error in (prefix + "requeued (scontrol requeue, or preempted)",
+                           prefix + "being ended (its time limit, scancel, a requeue or preemption)")
     assert "decode_ms_p50" not in first.metrics and first.metrics["weight_bytes"] > 0  # what was complete
     release(job_id)
     assert proc.wait(300) == 0, output(sweep)
@@ -193,9 +195,10 @@ def test_a_requeued_job_is_recorded_interrupted_and_the_requeued_run_completes_i
 def test_scancel_of_the_array_after_the_submitter_is_killed_then_the_resumed_sweep_measures_each_job_once(
         timed_out, tmp_path):
     sweep = tmp_path / "sweep"
+    # RESUME names no attention: model=tiny runs in its own layout, MHA with 8 KV heads
     proc = start(RESUME, sweep)
     first = until(lambda: (r := record(sweep / "0")) and r.status == "ok" and r, 300, "job 0 ok")
-    until(lambda: "gqa kv=2: 0/300" in job_log(sweep, 1), 300, "job 1's trials began")
+    until(lambda: "mha kv=8: 0/300" in job_log(sweep, 1), 300, "job 1's trials began")
     proc.send_signal(signal.SIGKILL)  # the login node's session is gone
     proc.wait()
     array_id = submitted(sweep)
@@ -203,7 +206,9 @@ def test_scancel_of_the_array_after_the_submitter_is_killed_then_the_resumed_swe
     subprocess.run(["scancel", array_id], check=True)
     cancelled = until(lambda: (r := record(sweep / "1")) and r, 90, "job 1's record")
     assert cancelled.status == "interrupted", cancelled.error
-    assert cancelled.error.startswith(f"interrupted by SIGTERM from SLURM: job {array_id}_1 is cancelled (scancel)")
+    # the reason as sacct states it, or (when sacct does not answer within its 2 s) the generic one
+    assert cancelled.error.startswith((f"interrupted by SIGTERM from SLURM: job {array_id}_1 is cancelled (scancel)",
+                                       f"interrupted by SIGTERM from SLURM: job {array_id}_1 is being ended "))
     assert not (sweep / "2" / RESULTS_FILE).exists()  # never started
     until(lambda: not any(j.startswith(f"{array_id}_") for j, _ in queued()), 90, "the array gone")
     # resumed: the same command into the same directory runs only what is not ok
@@ -214,7 +219,7 @@ def test_scancel_of_the_array_after_the_submitter_is_killed_then_the_resumed_swe
     assert read_record(sweep / "0").started_at == first.started_at  # not measured twice
     assert read_record(sweep / "1").started_at > cancelled.started_at
     assert all(read_record(sweep / j).status == "ok" for j in "012")
-    assert [job_log(sweep, n).count("gqa kv=2: 0/300") for n in range(3)] == [1, 2, 1]  # trials begun
+    assert [job_log(sweep, n).count("mha kv=8: 0/300") for n in range(3)] == [1, 2, 1]  # trials begun
 
 
 def test_a_job_past_its_time_limit_is_interrupted_with_the_reason_never_ok(timed_out):
