@@ -12,7 +12,6 @@ which value was what.
 
 from __future__ import annotations
 
-import json
 import math
 import stat
 from dataclasses import asdict, dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config import objective_metric
-from kvbench.jsonio import plain, read_regular, write_json_atomic
+from kvbench.jsonio import plain, read_json, write_json_atomic
 from kvbench.model_config import MLA_FIELDS
 
 RESULTS_FILE = "results.json"
@@ -153,18 +152,16 @@ def read_record(path: Path | str) -> RunResult:
         info = path.stat()
     except OSError as exc:
         raise RecordError(f"{path}: {exc}") from None
-    # A FIFO or a device named results.json would block or never end (read_regular checks again
+    # A FIFO or a device named results.json would block or never end (jsonio.read_regular checks again
     # on the open descriptor).
     if not stat.S_ISREG(info.st_mode):
         raise RecordError(f"{path}: not a regular file")
     if info.st_size > MAX_RECORD_BYTES:
         raise RecordError(f"{path}: {info.st_size} bytes, too large for a record")
-    try:
-        data = json.loads(read_regular(path, MAX_RECORD_BYTES + 1).decode("utf-8"))
+    try:  # bounded, and nested too deeply is a ValueError too (jsonio.read_json)
+        data = read_json(path, MAX_RECORD_BYTES)
     except (OSError, ValueError) as exc:  # UnicodeDecodeError included
-        raise RecordError(f"{path}: {exc}") from None
-    except RecursionError:
-        raise RecordError(f"{path}: nested too deeply to be a record") from None
+        raise RecordError(f"{path}: {exc}" if str(path) not in str(exc) else str(exc)) from None
     if not isinstance(data, dict) or "status" not in data or not isinstance(data.get("config"), dict):
         raise RecordError(f"{path}: not a kvbench record (needs a status and a config mapping)")
     problem = _shape_error(data)
