@@ -1,0 +1,82 @@
+"""What a serving run leaves behind: every request's timeline and the scheduler's samples.
+
+This is the contract between the scheduler (which writes a :class:`Timeline`) and the metrics
+(which read one, and nothing else). Times are seconds on one clock, the scheduler's, whose zero is
+the run's start; a fake clock in tests gives scripted timelines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the arrival process: when it arrives and how long it is.
+
+    ``prefix_id``: requests with the same id share their first ``prefix_len`` prompt tokens (a
+    system prompt); None shares nothing.
+    """
+
+    id: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prefix_id: Optional[int] = None
+    prefix_len: int = 0
+
+
+@dataclass
+class RequestTrace:
+    """What happened to one request.
+
+    ``scheduled_s``: when it was first admitted (its prefill began); None if it never was.
+    ``token_s``: when each output token was produced; ``token_s[0]`` is the first token (the end of
+    its prefill), so TTFT = ``token_s[0] - arrival_s``. A finished request has ``output_len`` of them.
+    ``preemptions``: times it was evicted and recomputed. ``prefix_hit_tokens`` /
+    ``prefix_query_tokens``: prompt tokens found in the prefix cache / looked up there (vLLM's
+    counting: hit rate = hits / queries over all requests).
+    """
+
+    request: Request
+    scheduled_s: Optional[float] = None
+    token_s: List[float] = field(default_factory=list)
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.token_s) >= self.request.output_len
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The scheduler's state after one iteration."""
+
+    t_s: float
+    running: int
+    waiting: int
+    kv_blocks_used: int  # blocks in use (a slot store: slots in use)
+    kv_bytes_used: int  # bytes those blocks hold room for
+    kv_bytes_needed: int  # bytes the formula gives for the tokens they hold (waste = used - needed)
+
+
+@dataclass
+class Timeline:
+    """A whole serving run: every request's trace, the samples, and the store it ran on.
+
+    ``duration_s``: from the run's start to its last token (the engines' benchmark duration).
+    ``store``: ``"paged"`` or ``"slots"``; ``block_size`` tokens per block (slots: the slot's length);
+    ``kv_blocks_total`` the store's capacity in blocks; ``bytes_per_token`` the KV formula's bytes
+    for one token of one sequence (all layers).
+    """
+
+    traces: List[RequestTrace]
+    samples: List[Sample]
+    duration_s: float
+    store: str
+    block_size: int
+    kv_blocks_total: int
+    bytes_per_token: int
