@@ -9,6 +9,7 @@ name, the docs) reads :attr:`Metric.unit`, never the record's line.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, Mapping
 
@@ -45,3 +46,12 @@ def record_methods(metrics: Mapping[str, Metric] | Iterable[Metric]) -> Dict[str
     """What a record's ``methods`` holds for ``metrics``: name -> ``unit; method``."""
     values = metrics.values() if isinstance(metrics, Mapping) else metrics
     return {m.name: m.text for m in values}
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether the metric ``name`` is one of a pattern's (``<v>_step_ms_ctx<C>``: each ``<...>`` part
+    stands for a word, ``mha_kv8_step_ms_ctx256``); a name without ``<`` matches only itself."""
+    if "<" not in pattern:
+        return pattern == name
+    regex = "".join(r"\w+" if part.startswith("<") else re.escape(part) for part in re.split(r"(<[^>]+>)", pattern))
+    return re.fullmatch(regex, name) is not None

@@ -21,7 +21,7 @@ LAYERS = [
     ["config"],
     ["kv_store"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
-    ["footprint"],
+    ["footprint", "views"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "tasks.common"],
@@ -39,7 +39,7 @@ LAYERS = [
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
 # measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.
-SINK_ALLOWED = ("results", "units", "metrics", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
+SINK_ALLOWED = ("results", "views", "units", "metrics", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
 
 
 def module_name(path: Path) -> str:

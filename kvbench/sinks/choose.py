@@ -17,10 +17,10 @@ side-by-side comparison. Rendering is elsewhere (console.py: rich; report.py: ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.results import lookup
-from kvbench.sinks.tables import Record, fmt, kind, natural, ratio_text, swept_axes, variant, variant_order
+from kvbench.sinks.tables import Record, fmt, natural, ratio_text, swept_axes
+from kvbench.views import RecordView
 
 # The rules each recommendation follows; quoted in docs/capacity.md.
 AMPLE_SHARE = 0.5
@@ -50,42 +50,42 @@ class Choice:
 
 
 def _m(rec: Record, key: str) -> Any:
-    return (rec.get("metrics") or {}).get(key)
+    return RecordView.of(rec).metric(key)
 
 
-def _longest(rec: Record) -> Optional[Dict[str, Any]]:
-    rows = (rec.get("tables") or {}).get("capacity") or []
+def _longest(rec: Record) -> Optional[Mapping[str, Any]]:
+    rows = RecordView.of(rec).table("capacity")
     return max(rows, key=lambda r: r.get("context", 0)) if rows else None
 
 
 def _quality(records: Sequence[Record]) -> Dict[str, float]:
     """Perplexity per variant from the ok train/eval records (the last one of a variant wins)."""
     out: Dict[str, float] = {}
-    for rec in records:
-        if kind(rec) in ("train", "eval") and rec.get("status") == "ok" and _m(rec, "perplexity") is not None:
-            out[variant(rec)] = _m(rec, "perplexity")
+    for rec in map(RecordView.of, records):
+        if rec.kind in ("train", "eval") and rec.ok and rec.metric("perplexity") is not None:
+            out[rec.variant.label] = rec.metric("perplexity")
     return out
 
 
 def _recall(records: Sequence[Record]) -> Dict[str, str]:
     """Recall accuracy [95% interval over seeds] per variant from the ok task=recall records."""
     out: Dict[str, str] = {}
-    for rec in records:
-        if kind(rec) == "recall" and rec.get("status") == "ok" and _m(rec, "accuracy") is not None:
-            low, high = _m(rec, "accuracy_ci_low"), _m(rec, "accuracy_ci_high")
-            out[variant(rec)] = fmt(_m(rec, "accuracy"), "{:.3f}") + (
+    for rec in map(RecordView.of, records):
+        if rec.kind == "recall" and rec.ok and rec.metric("accuracy") is not None:
+            low, high = rec.metric("accuracy_ci_low"), rec.metric("accuracy_ci_high")
+            out[rec.variant.label] = fmt(rec.metric("accuracy"), "{:.3f}") + (
                 f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else "")
     return out
 
 
 def is_chat(rec: Record) -> bool:
     """A ``task=capacity`` record of the multi-turn chat (its max batch counts conversations)."""
-    return lookup(rec.get("config") or {}, "workload.name") == "multiturn"
+    return RecordView.of(rec).get("workload.name") == "multiturn"
 
 
 def decode_capacity(records: Sequence[Record]) -> List[Record]:
     """The ``task=capacity`` records of workload=decode: the article's table and the plot."""
-    return [r for r in records if kind(r) == "capacity" and not is_chat(r)]
+    return [r for r in records if RecordView.of(r).kind == "capacity" and not is_chat(r)]
 
 
 def chat_capacity(rows: Dict[Tuple[str, bool], Dict[str, Any]]) -> Optional[str]:
@@ -104,9 +104,9 @@ def chat_capacity(rows: Dict[Tuple[str, bool], Dict[str, Any]]) -> Optional[str]
 def _multiturn(records: Sequence[Record]) -> Optional[str]:
     """The measured effect of cache.shared on turns 2-N, or None without both modes."""
     ttft: Dict[bool, List[float]] = {}
-    for rec in records:
-        if kind(rec) == "multiturn" and rec.get("status") == "ok" and _m(rec, "mean_ttft_ms_turns_2_n") is not None:
-            ttft.setdefault(bool(lookup(rec["config"], "cache.shared")), []).append(_m(rec, "mean_ttft_ms_turns_2_n"))
+    for rec in map(RecordView.of, records):
+        if rec.kind == "multiturn" and rec.ok and rec.metric("mean_ttft_ms_turns_2_n") is not None:
+            ttft.setdefault(bool(rec.shared), []).append(rec.metric("mean_ttft_ms_turns_2_n"))
     if not (ttft.get(True) and ttft.get(False)):
         return None
     shared, unshared = min(ttft[True]), min(ttft[False])
@@ -154,8 +154,8 @@ def choices(records: Sequence[Record]) -> List[Choice]:
     cells: Dict[str, List[Record]] = {}
     chats: Dict[str, List[Record]] = {}
     for rec in records:
-        if kind(rec) == "capacity":
-            cell = " ".join(f"{t}={fmt(lookup(rec['config'], k), '{}')}" for k, t in axes)
+        if RecordView.of(rec).kind == "capacity":
+            cell = " ".join(f"{t}={fmt(RecordView.of(rec).get(k), '{}')}" for k, t in axes)
             (chats if is_chat(rec) else cells).setdefault(cell, []).append(rec)
     out = []
     for cell in sorted(cells, key=natural):
@@ -171,13 +171,13 @@ def _chat_table(records: Sequence[Record]) -> Tuple[Dict[Tuple[str, bool], Dict[
     """(variant, shared) -> numbers, and the rows of the multi-turn capacity table."""
     rows: Dict[Tuple[str, bool], Dict[str, Any]] = {}
     table = []
-    for rec in sorted(records, key=lambda r: (variant_order(variant(r)), bool(lookup(r["config"], "cache.shared")))):
-        if rec.get("status") != "ok" or not _longest(rec):
+    for rec in sorted(map(RecordView.of, records), key=lambda r: (r.variant.order, bool(r.shared))):
+        if not rec.ok or not _longest(rec):
             continue
-        shared, row = bool(lookup(rec["config"], "cache.shared")), _longest(rec)
-        rows[(variant(rec), shared)] = {"max_batch": _m(rec, "max_batch_longest"),
-                                        "kv_heads": lookup(rec["config"], "attention.num_kv_heads") or 0}
-        table.append([variant(rec), str(shared).lower(), fmt(row.get("context"), "{}"),
+        shared, row, label = bool(rec.shared), _longest(rec), rec.variant.label
+        rows[(label, shared)] = {"max_batch": rec.metric("max_batch_longest"),
+                                 "kv_heads": rec.variant.num_kv_heads or 0}
+        table.append([label, str(shared).lower(), fmt(row.get("context"), "{}"),
                       fmt(row.get("kv_bytes_per_sequence"), "bytes"), fmt(row.get("max_batch"), "{}"),
                       fmt(row.get("stopped_by"), "{}"), fmt(row.get("predicted_max_batch"), "{}"),
                       fmt(row.get("ttft_ms_at_max"), "{:.1f}"), fmt(row.get("tpot_ms_at_max"), "{:.1f}")])
@@ -188,13 +188,13 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             chat_records: Sequence[Record] = (), all_records: Sequence[Record] = ()) -> Choice:
     rows: Dict[str, Dict[str, Any]] = {}
     notes = []
-    for rec in sorted(records, key=lambda r: variant_order(variant(r))):
-        label = variant(rec)
-        if rec.get("status") != "ok":
-            notes.append(f"{label}: {rec.get('status')} (job {rec.get('job')})")
+    for rec in sorted(map(RecordView.of, records), key=lambda r: r.variant.order):
+        label = rec.variant.label
+        if not rec.ok:
+            notes.append(f"{label}: {rec.status} (job {rec.job})")
             continue
         longest = _longest(rec) or {}
-        rows[label] = {"kv_heads": lookup(rec["config"], "attention.num_kv_heads") or 0,
+        rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
                        "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _m(rec, "max_batch_longest"),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
@@ -232,7 +232,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                 line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}")]
             line += [recall.get(label, "-")] if with_recall else []
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
-        if not any(label.startswith("mha ") for label in rows):
+        if not any(r["mha"] for r in rows.values()):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
     chat_rows, chat_table = _chat_table(chat_records)
     return Choice(cell, header, table, recommend(rows, multiturn, chat_capacity(chat_rows)) if rows else [], notes,

@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvbench.results import lookup
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import Choice, choices
 from kvbench.sinks.tables import (
@@ -31,12 +30,12 @@ from kvbench.sinks.tables import (
     job_axes,
     job_cells,
     job_columns,
-    kind,
     natural,
     swept_axes,
     value_text,
     viewed,
 )
+from kvbench.views import RecordView, views
 
 # A log file or CI page is not 80 columns wide: let sweep tables breathe there.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -99,17 +98,16 @@ def progress_lines(label: str, total: int):
 
 def run_table(record: Dict[str, Any]) -> Table:
     """A single job as two columns: its axes, status, headline metrics (for one run)."""
-    record = viewed(record)
+    record = RecordView(viewed(record))
     table = Table(title="kvbench result", title_justify="left", show_header=False)
     table.add_column("key", style="bold")
     table.add_column("value", justify="right")
-    config = record.get("config", {})
     for key, name in AXES:
-        if lookup(config, key) is not None:  # a key the job's kind reads
-            table.add_row(name, fmt(lookup(config, key), "{}"))
-    table.add_row("status", record.get("status", "?"))
-    metrics = record.get("metrics", {})
-    for column in COLUMNS.get(kind(record), COLUMNS["decode"]):
+        if record.get(key) is not None:  # a key the job's kind reads
+            table.add_row(name, fmt(record.get(key), "{}"))
+    table.add_row("status", record.status)
+    metrics = record.metrics
+    for column in COLUMNS.get(record.kind, COLUMNS["decode"]):
         if metrics.get(column.key) is not None:
             table.add_row(column.title, value_text(record, column))
     # What makes a number above less trustworthy: too few samples for a quantile, a busy machine.
@@ -121,19 +119,20 @@ def run_table(record: Dict[str, Any]) -> Table:
     return table
 
 
-def record_notes(record: Dict[str, Any]) -> List[tuple]:
+def record_notes(record: Any) -> List[tuple]:
     """(key, text) rows a person must read beside the figures: a KV layout that is not the
     model's own, a figure that breaks a physical bound (measure/plausibility.py), a figure left
     null with its reason."""
+    record = RecordView.of(record)
     rows = []
-    conversion = record.get("kv_conversion")
+    conversion = record.kv_conversion
     if conversion:
-        rows.append(("[yellow]kv_conversion[/]", f"[yellow]{conversion.get('text', conversion)}[/]"))
-    for item in record.get("implausible") or []:
+        rows.append(("[yellow]kv_conversion[/]", f"[yellow]{conversion.get('text', dict(conversion))}[/]"))
+    for item in record.implausible:
         rows.append((f"[red]implausible {item.get('metric')}[/]", f"[red]{item.get('reason')}[/]"))
-    reasons = record.get("null_reasons") or {}
+    reasons = record.null_reasons
     for name in sorted(reasons):
-        if record.get("metrics", {}).get(name, 0) is None and reasons[name] not in ("nan", "inf", "-inf"):
+        if record.metrics.get(name, 0) is None and reasons[name] not in ("nan", "inf", "-inf"):
             rows.append((f"null {name}", str(reasons[name])))
     return rows
 
@@ -154,10 +153,10 @@ def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: s
     table.add_column("status")
     for column in columns:
         table.add_column(column.title, justify="right")
-    for rec in records:
+    for rec in views(records):
         values, metrics = job_cells(rec, axes, columns)
-        status = rec.get("status", "?")
-        table.add_row(str(rec.get("job", "")), *values, f"[{_STATUS_STYLE.get(status, 'red')}]{status}[/]", *metrics)
+        status = rec.status
+        table.add_row(rec.job or "", *values, f"[{_STATUS_STYLE.get(status, 'red')}]{status}[/]", *metrics)
     return table
 
 
@@ -197,7 +196,7 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     """The end of a sweep: one table of jobs per kind (decode, multi-turn, training,
     evaluation), in job order (2 before 10); then the attention variants side by side; then,
     for multi-turn chats swept over ``cache.shared``, TTFT per turn without and with sharing."""
-    records = sorted((viewed(r) for r in records), key=lambda r: natural(r.get("job", "")))
+    records = sorted((viewed(r) for r in records), key=lambda r: natural(RecordView(r).job or ""))
     axes = swept_axes(records)
     groups = by_kind(records)
     tables = [jobs_table(f"{title}: {KIND_TITLES.get(k, k)}" if len(groups) > 1 else title, group, axes, k)
@@ -223,7 +222,7 @@ def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
 def variants_table(record: Dict[str, Any]) -> Table:
     """A ``task=compare`` record's variants (:func:`~kvbench.sinks.tables.interleaved_table`)."""
     header, rows = interleaved_table(record)
-    rounds = (record.get("metrics") or {}).get("rounds")
+    rounds = RecordView.of(record).metric("rounds")
     table = Table(title=f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first "
                         "variant, paired over rounds", title_justify="left")
     for i, name in enumerate(header):
@@ -245,11 +244,11 @@ TURN_COLUMNS = [
 def turns_table(record: Dict[str, Any]) -> Table:
     """A multi-turn job's ``tables.turns``: one row per turn (token counts summed over the
     batch, context per conversation)."""
-    shared = lookup(record.get("config", {}), "cache.shared")
-    table = Table(title=f"turns (cache.shared={shared})", title_justify="left")
+    record = RecordView.of(record)
+    table = Table(title=f"turns (cache.shared={record.get('cache.shared')})", title_justify="left")
     for _, name, _ in TURN_COLUMNS:
         table.add_column(name, justify="right")
-    for row in record["tables"]["turns"]:
+    for row in record.table("turns"):
         table.add_row(*[fmt(row.get(key), spec) for key, _, spec in TURN_COLUMNS])
     return table
 
@@ -257,20 +256,20 @@ def turns_table(record: Dict[str, Any]) -> Table:
 def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Pair results.json records that differ only in ``cache.shared``: per turn, TTFT without
     and with sharing and their ratio. Records without a turns table are ignored."""
-    groups: Dict[str, Dict[bool, Dict[str, Any]]] = {}
-    for rec in records:
-        if rec.get("status") != "ok" or not (rec.get("tables") or {}).get("turns"):
+    groups: Dict[str, Dict[bool, RecordView]] = {}
+    for rec in views(records):
+        if not rec.ok or not rec.table("turns"):
             continue
-        config = {k: v for k, v in rec["config"].items() if k != "cache"}
-        config["cache_impl"] = lookup(rec["config"], "cache.impl")
-        groups.setdefault(repr(config), {})[bool(lookup(rec["config"], "cache.shared"))] = rec
+        config = {k: v for k, v in rec.config.items() if k != "cache"}
+        config["cache_impl"] = rec.get("cache.impl")
+        groups.setdefault(repr(config), {})[bool(rec.shared)] = rec
     rows = []
     for pair in groups.values():
         if set(pair) != {False, True}:
             continue
         off, on = pair[False], pair[True]
-        label = f"{lookup(off['config'], 'attention.type')} kv={lookup(off['config'], 'attention.num_kv_heads')}"
-        for a, b in zip(off["tables"]["turns"], on["tables"]["turns"]):
+        label = off.variant.label
+        for a, b in zip(off.table("turns"), on.table("turns")):
             rows.append({"variant": label, "turn": a["turn"], "ttft_ms_unshared": a["ttft_ms"],
                          "ttft_ms_shared": b["ttft_ms"], "speedup": a["ttft_ms"] / b["ttft_ms"],
                          "prefill_tokens_unshared": a["prefill_tokens"], "prefill_tokens_shared": b["prefill_tokens"]})

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.jsonio import atomic_write
-from kvbench.results import lookup
 from kvbench.sinks.choose import decode_capacity
-from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, interval, kind, natural, variant, variant_order
+from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, natural
+from kvbench.views import RecordView, Variant, ordered
 
 Point = Tuple[float, float]
-Series = Dict[str, List[Point]]  # attention variant -> points sorted by x
+Series = Dict[str, List[Point]]  # attention variant's label -> points sorted by x
 Panels = Dict[str, Series]  # panel title ("B=8 dtype=bfloat16", "" for one panel) -> series
 BYTE_UNITS = (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024), ("bytes", 1))
 MAX_BANDS = 4  # more p90 bands than this in one panel overlap into a blur
@@ -46,30 +46,46 @@ GQA_COLOURS = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink",
 _NOT_PANEL = VARIANT_KEYS + ("task", "workload.name")
 
 
-def palette(labels: Sequence[str]) -> Dict[str, str]:
-    """One colour per attention variant label, the same in every plot of a report."""
+def palette(variants: Sequence[Variant]) -> Dict[str, str]:
+    """One colour per attention variant (by its label), the same in every plot of a report: plain
+    MHA blue, plain MQA red, every other variant (GQA, MLA, a window, a quantized cache) its own."""
     colours: Dict[str, str] = {}
     gqa = iter(GQA_COLOURS)
-    for label in sorted(set(labels), key=variant_order):
-        kind_name, quantized = label.partition(" ")[0], len(label.split()) > 2  # "mha kv=8 int8"
-        colours[label] = (None if quantized else {"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(kind_name)) \
+    for v in ordered([v.with_sharing(None) for v in variants]):
+        plain = not (v.quantized or v.windowed)
+        colours[v.label] = ({"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(v.layout) if plain else None) \
             or next(gqa, "black")
     return colours
 
 
-def _ok(records, kind_name: Optional[str] = None) -> List[Record]:
-    return [r for r in records if r.get("status") == "ok" and (kind_name is None or kind(r) == kind_name)]
+def variants_of(records) -> Dict[str, Variant]:
+    """label -> variant of every record, and of every chat with its sharing (the per-turn plot's)."""
+    out: Dict[str, Variant] = {}
+    for view in map(RecordView.of, records):
+        out[view.variant.label] = view.variant
+        if view.kind == "multiturn":
+            shared = view.variant.with_sharing(bool(view.shared))
+            out[shared.label] = shared
+    return out
+
+
+def _in_order(series: Dict[str, Any], variants: Dict[str, Variant]) -> Dict[str, Any]:
+    return {label: series[label] for label in sorted(series, key=lambda label: variants[label].order)}
+
+
+def _ok(records, kind_name: Optional[str] = None) -> List[RecordView]:
+    return [v for v in map(RecordView.of, records) if v.ok and (kind_name is None or v.kind == kind_name)]
 
 
 def varying(records, axes: Sequence[Axis]) -> List[Axis]:
     """The axes whose value differs among ``records``."""
     return [(key, title) for key, title in axes
-            if len({repr(lookup(r.get("config", {}), key)) for r in records}) > 1]
+            if len({repr(RecordView.of(r).get(key)) for r in records}) > 1]
 
 
 def panel_title(record: Record, axes: Sequence[Axis]) -> str:
     """``B=8 dtype=bfloat16``: the record's values of ``axes`` (those it has)."""
-    values = [(title, lookup(record.get("config", {}), key)) for key, title in axes]
+    values = [(title, RecordView.of(record).get(key)) for key, title in axes]
     return " ".join(f"{title}={value}" for title, value in values if value is not None)
 
 
@@ -80,31 +96,33 @@ def panels(records, axes: Sequence[Axis], x: Callable[[Record], Any], y: Callabl
     variant and the keys in ``fold`` (the x axis, and what ``y`` divides out)."""
     panel_axes = [a for a in varying(records, axes) if a[0] not in _NOT_PANEL + tuple(fold)]
     out: Panels = {}
-    for rec in records:
+    variants: Dict[str, Variant] = {}
+    for rec in map(RecordView.of, records):
         xv, yv = x(rec), y(rec)
         if xv is not None and yv is not None:
-            out.setdefault(panel_title(rec, panel_axes), {}).setdefault(variant(rec), []).append((xv, yv))
-    return {p: {v: sorted(out[p][v]) for v in sorted(out[p], key=variant_order)} for p in sorted(out, key=natural)}
+            variants[rec.variant.label] = rec.variant
+            out.setdefault(panel_title(rec, panel_axes), {}).setdefault(rec.variant.label, []).append((xv, yv))
+    return {p: {v: sorted(pts) for v, pts in _in_order(out[p], variants).items()} for p in sorted(out, key=natural)}
 
 
 def config_value(key: str) -> Callable[[Record], Any]:
     """The config value ``key`` of a record (None when absent)."""
-    return lambda rec: lookup(rec.get("config", {}), key)
+    return lambda rec: RecordView.of(rec).get(key)
 
 
 def metric(key: str) -> Callable[[Record], Optional[float]]:
     """The metric ``key`` of a record (None when absent)."""
-    return lambda rec: (rec.get("metrics") or {}).get(key)
+    return lambda rec: RecordView.of(rec).number(key)
 
 
 def metric_interval(key: str) -> Callable[[Record], Optional[Tuple[float, float]]]:
     """The 95% interval (low, high) of the metric ``key`` of a record (None when it has none)."""
-    return lambda rec: interval(rec.get("metrics") or {}, key)
+    return lambda rec: RecordView.of(rec).interval(key)
 
 
 def positions_held(rec: Record) -> Optional[int]:
     """Positions a decode run's cache holds at the end: prompt_len + gen_len."""
-    prompt, gen = (lookup(rec.get("config", {}), f"workload.{k}") for k in ("prompt_len", "gen_len"))
+    prompt, gen = (RecordView.of(rec).get(f"workload.{k}") for k in ("prompt_len", "gen_len"))
     return prompt + gen if prompt is not None and gen is not None else None
 
 
@@ -112,7 +130,7 @@ def per_token(key: str) -> Callable[[Record], Optional[float]]:
     """A decode run's metric ``key`` (bytes) per cached token: / (batch_size x positions held)."""
     def value(rec: Record) -> Optional[float]:
         total, held = metric(key)(rec), positions_held(rec)
-        batch = lookup(rec.get("config", {}), "workload.batch_size")
+        batch = RecordView.of(rec).get("workload.batch_size")
         return total / (batch * held) if total is not None and held and batch else None
     return value
 
@@ -120,37 +138,40 @@ def per_token(key: str) -> Callable[[Record], Optional[float]]:
 def turn_panels(records, axes: Sequence[Axis]) -> Panels:
     """panel -> ``<variant> shared=on|off`` -> [(turn, TTFT ms)] for every ok multi-turn job
     with a per-turn table."""
-    chats = [r for r in _ok(records, "multiturn") if (r.get("tables") or {}).get("turns")]
+    chats = [r for r in _ok(records, "multiturn") if r.table("turns")]
     panel_axes = [a for a in varying(chats, axes) if a[0] not in _NOT_PANEL + ("cache.shared",)]
     out: Panels = {}
+    variants: Dict[str, Variant] = {}
     for rec in chats:
-        points = [(row.get("turn", i), row["ttft_ms"]) for i, row in enumerate(rec["tables"]["turns"])
+        points = [(row.get("turn", i), row["ttft_ms"]) for i, row in enumerate(rec.table("turns"))
                   if row.get("ttft_ms") is not None]
         if points:
-            shared = "on" if lookup(rec.get("config", {}), "cache.shared") else "off"
-            out.setdefault(panel_title(rec, panel_axes), {})[f"{variant(rec)} shared={shared}"] = sorted(points)
-    return {p: {v: out[p][v] for v in sorted(out[p], key=lambda v: variant_order(v.split(" shared=")[0]))}
-            for p in sorted(out, key=natural)}
+            chat = rec.variant.with_sharing(bool(rec.shared))
+            variants[chat.label] = chat
+            out.setdefault(panel_title(rec, panel_axes), {})[chat.label] = sorted(points)
+    return {p: _in_order(out[p], variants) for p in sorted(out, key=natural)}
 
 
 def capacity_panels(records, axes: Sequence[Axis], column: str) -> Panels:
     """panel -> variant -> [(context, ``column`` of tables.capacity)] for every ok capacity job
     (``max_batch`` measured, ``predicted_max_batch`` the memory-only prediction)."""
-    jobs = [r for r in _ok(decode_capacity(records)) if (r.get("tables") or {}).get("capacity")]
+    jobs = [r for r in _ok(decode_capacity(records)) if r.table("capacity")]
     panel_axes = [a for a in varying(jobs, axes) if a[0] not in _NOT_PANEL]
     out: Panels = {}
+    variants: Dict[str, Variant] = {}
     for rec in jobs:
-        points = [(row["context"], row[column]) for row in rec["tables"]["capacity"] if row.get(column) is not None]
+        points = [(row["context"], row[column]) for row in rec.table("capacity") if row.get(column) is not None]
         if points:
-            out.setdefault(panel_title(rec, panel_axes), {})[variant(rec)] = sorted(points)
-    return {p: {v: out[p][v] for v in sorted(out[p], key=variant_order)} for p in sorted(out, key=natural)}
+            variants[rec.variant.label] = rec.variant
+            out.setdefault(panel_title(rec, panel_axes), {})[rec.variant.label] = sorted(points)
+    return {p: _in_order(out[p], variants) for p in sorted(out, key=natural)}
 
 
 def excluded_note(records) -> str:
     counts: Dict[str, int] = {}
-    for rec in records:
-        if rec.get("status") != "ok":
-            counts[rec.get("status", "?")] = counts.get(rec.get("status", "?"), 0) + 1
+    for rec in map(RecordView.of, records):
+        if not rec.ok:
+            counts[rec.status] = counts.get(rec.status, 0) + 1
     if not counts:
         return ""
     return "not plotted: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + " (listed in summary.md)"
@@ -208,8 +229,10 @@ def _legend(colours: Dict[str, str], labels: Sequence[str], extra: Sequence[Tupl
     return handles, [h.get_label() for h in handles]
 
 
-def _used(data: Panels) -> List[str]:
-    return sorted({v for series in data.values() for v in series}, key=variant_order)
+def _used(data: Panels, colours: Dict[str, str]) -> List[str]:
+    """The variants drawn in ``data``, in the palette's order (:attr:`Variant.order`)."""
+    drawn = {v for series in data.values() for v in series}
+    return [label for label in colours if label in drawn]
 
 
 def _xs(data: Panels) -> List[Any]:
@@ -241,7 +264,7 @@ def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xla
             upper = dict(band.get(name, {}).get(label, [])) if banded else {}
             if upper and all(x in upper for x in xs):
                 ax.fill_between(xs, ys, [upper[x] for x in xs], color=colours[label], alpha=0.15, linewidth=0)
-    return _finish(fig, axes, path, *_legend(colours, _used(data)), note, _xs(data))
+    return _finish(fig, axes, path, *_legend(colours, _used(data, colours)), note, _xs(data))
 
 
 def _byte_unit(*datas: Panels) -> Tuple[str, int]:
@@ -267,7 +290,7 @@ def kv_heads_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[s
         reference = sorted({point for pts in formula.get(name, {}).values() for point in pts})
         if reference:
             ax.plot(*zip(*reference), color="black", linestyle="--", linewidth=1, zorder=3, label="formula")
-    handles = _legend(colours, _used(measured), [("formula (dashed): 2·layers·kv·head_dim·bytes", "--")])
+    handles = _legend(colours, _used(measured, colours), [("formula (dashed): 2·layers·kv·head_dim·bytes", "--")])
     return _finish(fig, axes, path, *handles, note, _xs(measured) + _xs(formula))
 
 
@@ -287,20 +310,22 @@ def kv_memory_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[
             ax.plot(*zip(*points), color=colours[label], marker="o", markersize=7, linestyle="", zorder=2, label=label)
         for points in formula.get(name, {}).values():
             ax.plot(*zip(*points), color="black", linestyle="--", linewidth=1.2, zorder=3, label="formula")
-    handles = _legend(colours, _used(measured), [("formula (dashed)", "--")])
+    handles = _legend(colours, _used(measured, colours), [("formula (dashed)", "--")])
     return _finish(fig, axes, path, *handles, note, _xs(measured) + _xs(formula))
 
 
-def turn_plot(path: Path, data: Panels, colours: Dict[str, str], note: str) -> Path:
-    """TTFT per turn: the variant's colour, solid with cache sharing, dashed without."""
+def turn_plot(path: Path, data: Panels, colours: Dict[str, str], note: str, variants: Dict[str, Variant]) -> Path:
+    """TTFT per turn: the variant's colour, solid with cache sharing, dashed without; ``variants``:
+    label -> variant of each line (:func:`variants_of`)."""
     fig, axes = _grid(len(data), "Time to first token per turn: KV sharing on vs off", "turn", "TTFT (ms)")
     for ax, (name, series) in zip(axes, data.items()):
         ax.set_title(name, fontsize="small")
         for label, points in series.items():
-            base, _, shared = label.partition(" shared=")
-            ax.plot(*zip(*points), marker="o", color=colours[base], linestyle="-" if shared == "on" else "--",
-                    label=label)
-    used = sorted({label.partition(" shared=")[0] for s in data.values() for label in s}, key=variant_order)
+            chat = variants[label]
+            ax.plot(*zip(*points), marker="o", color=colours[chat.with_sharing(None).label],
+                    linestyle="-" if chat.shared else "--", label=label)
+    drawn = {variants[label].with_sharing(None).label for s in data.values() for label in s}
+    used = [label for label in colours if label in drawn]
     handles = _legend(colours, used, [("cache.shared=true", "-"), ("cache.shared=false", "--")])
     return _finish(fig, axes, path, *handles, note, _xs(data))
 
@@ -317,7 +342,7 @@ def capacity_plot(path: Path, measured: Panels, predicted: Panels, colours: Dict
             ax.plot(*zip(*points), marker="o", color=colours[label], label=label)
         for label, points in predicted.get(name, {}).items():
             ax.plot(*zip(*points), linestyle="--", color=colours[label], alpha=0.8)
-    handles = _legend(colours, _used(measured), [("measured (search under budget and SLOs)", "-"),
+    handles = _legend(colours, _used(measured, colours), [("measured (search under budget and SLOs)", "-"),
                                                  ("memory-only prediction", "--")])
     return _finish(fig, axes, path, *handles, note, _xs(measured) + _xs(predicted))
 
@@ -330,7 +355,8 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     """Draw every plot the records support into ``out``; returns (PNG paths, {plot: why not})."""
     out = Path(out)
     note = excluded_note(records)
-    colours = palette([variant(r) for r in records])
+    variants = variants_of(records)
+    colours = palette(list(variants.values()))
     drawn: List[Path] = []
     skipped: Dict[str, str] = {}
 
@@ -365,7 +391,7 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     heads, fold = config_value("attention.num_kv_heads"), ["workload.batch_size", "workload.prompt_len",
                                                            "workload.gen_len"]
     # MLA's one latent head is not a KV-head count on this axis: its bytes are in kv_memory below
-    by_heads = [r for r in decode if lookup(r.get("config") or {}, "attention.kv_lora_rank") is None]
+    by_heads = [r for r in decode if not r.variant.latent]
     measured = panels(by_heads, axes, heads, per_token("kv_cache_bytes"), fold)
     formula = panels(by_heads, axes, heads, per_token("kv_cache_bytes_formula"), fold)
     if need_x("kv_bytes_vs_heads", formula or measured, "attention.num_kv_heads", "ok decode jobs"):
@@ -378,7 +404,7 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
         drawn.append(kv_memory_plot(out / "kv_memory.png", held, held_formula, colours, note))
 
     capacity = capacity_panels(records, axes, "max_batch")
-    if any(kind(r) == "capacity" for r in records) and need_x("capacity_vs_context", capacity,
+    if any(RecordView.of(r).kind == "capacity" for r in records) and need_x("capacity_vs_context", capacity,
                                                                "capacity.context_lens", "ok capacity jobs"):
         drawn.append(capacity_plot(out / "capacity_vs_context.png", capacity,
                                    capacity_panels(records, axes, "predicted_max_batch"), colours, note))
@@ -387,7 +413,7 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     if len(turns) > MAX_PANELS:
         skipped["ttft_per_turn"] = f"{len(turns)} panels, more than the {MAX_PANELS} a figure can show"
     elif max((len(p) for s in turns.values() for p in s.values()), default=0) >= 2:
-        drawn.append(turn_plot(out / "ttft_per_turn.png", turns, colours, note))
+        drawn.append(turn_plot(out / "ttft_per_turn.png", turns, colours, note, variants))
     else:
         skipped["ttft_per_turn"] = "needs an ok multiturn job with a per-turn table of >= 2 turns"
     return drawn, skipped

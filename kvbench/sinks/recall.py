@@ -7,24 +7,24 @@ The data only; console.py and report.py lay it out.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from kvbench.measure.stats import t_interval, welch_interval
-from kvbench.sinks.tables import fmt, variant, variant_order
+from kvbench.sinks.tables import Record, fmt
+from kvbench.views import RecordView
 
-Record = Dict[str, Any]
 # A row of tables.accuracy is one condition of one stage: these keys say which.
 _CONDITION_KEYS = ("stage", "kind", "num_pairs", "seq_len", "distance")
 
 
-def _label(row: Dict[str, Any]) -> str:
+def _label(row: Mapping[str, Any]) -> str:
     parts = [f"pairs={row['num_pairs']}" if row.get("num_pairs") is not None else None, f"len={row['seq_len']}",
              f"distance={row['distance']}" if row.get("distance") is not None else None]
     text = " ".join(p for p in parts if p)
     return text if row.get("stage", "final") == "final" else f"{text} ({row['stage'].replace('_', ' ')})"
 
 
-def _cell(row: Dict[str, Any]) -> str:
+def _cell(row: Mapping[str, Any]) -> str:
     text = fmt(row.get("accuracy"), "{:.3f}")
     if row.get("ci_low") is not None:
         text += f" [{row['ci_low']:.3f}, {row['ci_high']:.3f}]"
@@ -42,24 +42,23 @@ def gap_text(base: Sequence[float], other: Sequence[float]) -> str:
 
 
 def _seed_ids(rec: Record) -> List[int]:
-    config = rec.get("config") or {}
-    first = (config.get("runtime") or {}).get("seed", 0)
-    return list(range(first, first + ((config.get("recall") or {}).get("seeds") or 1)))
+    view = RecordView.of(rec)
+    first = view.get("runtime.seed") or 0
+    return list(range(first, first + (view.get("recall.seeds") or 1)))
 
 
 def groups(records: Sequence[Record]) -> List[List[Record]]:
     """ok recall records grouped by everything in their config but the variant and the seeds
     (records of one variant on other seeds are pooled by :func:`pooled`)."""
     out: Dict[str, List[Record]] = {}
-    for rec in records:
-        config = rec.get("config") or {}
-        if config.get("task") != "recall" or rec.get("status") != "ok" or not (rec.get("tables") or {}).get("accuracy"):
+    for rec in map(RecordView.of, records):
+        if rec.task != "recall" or not rec.ok or not rec.table("accuracy"):
             continue
-        key = {k: v for k, v in config.items() if k != "attention"}
+        key = {k: v for k, v in rec.config.items() if k != "attention"}
         key["runtime"] = {k: v for k, v in (key.get("runtime") or {}).items() if k != "seed"}
         key["recall"] = {k: v for k, v in (key.get("recall") or {}).items() if k != "seeds"}
         out.setdefault(repr(sorted(key.items(), key=lambda kv: kv[0])), []).append(rec)
-    return [sorted(g, key=lambda r: (variant_order(variant(r)), _seed_ids(r))) for g in out.values()]
+    return [sorted(g, key=lambda r: (r.variant.order, _seed_ids(r))) for g in out.values()]
 
 
 def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
@@ -67,9 +66,9 @@ def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     (a seed measured twice counts once): per_seed, its mean and t-interval (stats.t_interval, as
     the task computes them)."""
     out: Dict[str, Dict[Tuple, Dict[str, Any]]] = {}
-    for rec in group:
-        label, ids = variant(rec), _seed_ids(rec)
-        for row in rec["tables"]["accuracy"]:
+    for rec in map(RecordView.of, group):
+        label, ids = rec.variant.label, _seed_ids(rec)
+        for row in rec.table("accuracy"):
             cell = out.setdefault(label, {}).setdefault(tuple(row.get(k) for k in _CONDITION_KEYS),
                                                         {**row, "by_seed": {}})
             for seed, acc in zip(ids, row["per_seed"]):
@@ -89,7 +88,7 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
     token and decode step (of the variant's first record)."""
     rows_by_variant = pooled(group)
     labels = list(rows_by_variant)
-    first_record = {label: next(r for r in group if variant(r) == label) for label in labels}
+    first_record = {label: next(r for r in map(RecordView.of, group) if r.variant.label == label) for label in labels}
     header = ["condition", *labels, *[f"{v} vs {labels[0]}" for v in labels[1:]]]
     conditions = list(dict.fromkeys(c for cells in rows_by_variant.values() for c in cells))
     rows = []
@@ -100,7 +99,7 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
         rows.append([_label(next(iter(cells.values()))), *[_cell(cells[v]) if v in cells else "-" for v in labels],
                      *gaps])
     pad = [""] * (len(labels) - 1)
-    metrics = [first_record[v].get("metrics") or {} for v in labels]
+    metrics = [first_record[v].metrics for v in labels]
     rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3f}") for m in metrics], *pad])
     rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
     rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
@@ -108,9 +107,9 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
 
 
 def title(group: Sequence[Record]) -> str:
-    config = group[0].get("config") or {}
-    r = config.get("recall") or {}
-    steps = (config.get("train") or {}).get("steps")
+    first = RecordView.of(group[0])
+    r = first.config.get("recall") or {}
+    steps = first.get("train.steps")
     seeds = max(len(c["per_seed"]) for cells in pooled(group).values() for c in cells.values())
     return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seeds "
             f"[95% t-interval]; gaps in points with a Welch interval (* = excludes 0); {steps} training steps")

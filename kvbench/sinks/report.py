@@ -26,7 +26,7 @@ import yaml
 from kvbench.jobs.claim import claim_holder
 from kvbench.jsonio import atomic_write, write_text_atomic
 from kvbench.measure.stats import kv_cost_fit
-from kvbench.results import RESULTS_FILE, RecordError, find_results, lookup, read_record
+from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
@@ -44,13 +44,11 @@ from kvbench.sinks.tables import (
     job_axes,
     job_cells,
     job_columns,
-    kind,
     natural,
     swept_axes,
-    variant,
-    variant_order,
     viewed,
 )
+from kvbench.views import Variant, views
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
 
@@ -68,8 +66,8 @@ class Report:
 
     def counts(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
-        for rec in self.records:
-            out[rec["status"]] = out.get(rec["status"], 0) + 1
+        for rec in views(self.records):
+            out[rec.status] = out.get(rec.status, 0) + 1
         return out
 
 
@@ -130,7 +128,7 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
 
 def metric_columns(records: Sequence[Dict[str, Any]]) -> List[str]:
     """Every scalar metric any record has: the tables' columns first, then alphabetical."""
-    keys = {k for r in records for k, v in (r.get("metrics") or {}).items()
+    keys = {k for r in views(records) for k, v in r.metrics.items()
             if isinstance(v, (int, float, str, bool)) or v is None}
     head = [c.key for columns in COLUMNS.values() for c in columns if c.key in keys]
     head = list(dict.fromkeys(head))  # a column several kinds share, once
@@ -144,12 +142,10 @@ def write_csv(path: Path, records, axes) -> None:
     def write(f) -> None:
         writer = csv.writer(f)
         writer.writerow(["job", "status", *[k for k, _ in csv_axes], *metrics, "error", "overrides"])
-        for rec in records:
-            m = rec.get("metrics") or {}
-            writer.writerow([rec["job"], rec["status"],
-                             *[_cell(lookup(rec.get("config", {}), k)) for k, _ in csv_axes],
-                             *[_cell(m.get(k)) for k in metrics],
-                             _cell(rec.get("error")), _cell(" ".join(map(str, rec.get("overrides") or [])))])
+        for rec in views(records):
+            writer.writerow([rec.job, rec.status, *[_cell(rec.get(k)) for k, _ in csv_axes],
+                             *[_cell(rec.metric(k)) for k in metrics],
+                             _cell(rec.error), _cell(" ".join(rec.overrides))])
 
     atomic_write(path, write, newline="")
 
@@ -202,22 +198,23 @@ def kv_cost_across_prompts(records: Sequence[Dict[str, Any]]) -> List[Dict[str, 
     ``us_per_1k_ctx`` with the slope's 95% interval. A variant needs ok decode jobs at 3 or more
     prompt lengths. ``slope_ratio`` and ``kv_bytes_ratio`` are to the cell's first variant (MHA, or
     the one with the most KV heads), the KV bytes compared at a prompt length both ran."""
-    decode = [r for r in records if r.get("status") == "ok" and kind(r) == "decode"
-              and isinstance((r.get("metrics") or {}).get("decode_ms_p50"), (int, float))]
+    decode = [r for r in views(records) if r.ok and r.kind == "decode" and r.number("decode_ms_p50") is not None]
     others = [k for k, _ in swept_axes(decode) if k != "workload.prompt_len" and k not in VARIANT_KEYS]
     groups: Dict[tuple, Dict[str, list]] = {}
+    variants: Dict[str, Variant] = {}
     for rec in decode:
-        config, metrics = rec.get("config") or {}, rec["metrics"]
-        prompt, gen = lookup(config, "workload.prompt_len"), lookup(config, "workload.gen_len")
+        prompt, gen = rec.get("workload.prompt_len"), rec.get("workload.gen_len")
         if not isinstance(prompt, int) or not isinstance(gen, int):
             continue
-        cell = tuple((k, lookup(config, k)) for k in others)
-        points = groups.setdefault(cell, {}).setdefault(variant(rec), [])
-        points.append((prompt + (gen + 1) / 2, metrics["decode_ms_p50"], prompt, metrics.get("kv_cache_bytes_formula")))
+        cell = tuple((k, rec.get(k)) for k in others)
+        variants[rec.variant.label] = rec.variant
+        points = groups.setdefault(cell, {}).setdefault(rec.variant.label, [])
+        points.append((prompt + (gen + 1) / 2, rec.number("decode_ms_p50"), prompt,
+                       rec.metric("kv_cache_bytes_formula")))
     rows: List[Dict[str, Any]] = []
     for cell in sorted(groups, key=repr):
         base = None
-        for label in sorted(groups[cell], key=variant_order):
+        for label in sorted(groups[cell], key=lambda label: variants[label].order):
             points = groups[cell][label]
             fit = kv_cost_fit([p[0] for p in points], [p[1] for p in points])
             if fit["us_per_1k_ctx"] is None:
@@ -260,10 +257,10 @@ def _kv_cost_md(records) -> List[str]:
 
 def _interleaved_md(records) -> List[str]:
     lines: List[str] = []
-    for rec in records:
+    for rec in views(records):
         header, rows = interleaved_table(rec)
         if rows:
-            lines += [f"### job {rec.get('job')}: {(rec.get('metrics') or {}).get('rounds')} rounds", "",
+            lines += [f"### job {rec.job}: {rec.metric('rounds')} rounds", "",
                       *_md_table(header, rows, len(header) - 1), ""]
     if lines:
         lines = ["## Interleaved comparisons (task=compare)", "",
@@ -309,10 +306,9 @@ def _choose_md(records) -> List[str]:
 def _flags_md(records) -> List[str]:
     """Figures that break a physical bound (a record's ``implausible``) and runs whose KV layout is
     not the named model's own (``kv_conversion``): one row each, in words."""
-    rows = [[rec["job"], f"`{item.get('metric')}`", _cell(item.get("value")), item.get("bound") or "",
-             item.get("reason") or ""] for rec in records for item in rec.get("implausible") or []]
-    conversions = [[rec["job"], (rec.get("kv_conversion") or {}).get("text", "")]
-                   for rec in records if rec.get("kv_conversion")]
+    rows = [[rec.job, f"`{item.get('metric')}`", _cell(item.get("value")), item.get("bound") or "",
+             item.get("reason") or ""] for rec in views(records) for item in rec.implausible]
+    conversions = [[rec.job, rec.kv_conversion.get("text", "")] for rec in views(records) if rec.kv_conversion]
     lines: List[str] = []
     if rows:
         lines += ["## Implausible figures", "",
@@ -338,19 +334,19 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
         job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")
                      + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
         columns = job_columns(group, kind_name)
-        rows = [[rec["job"], *values, rec["status"], *metrics]
-                for rec in group for values, metrics in [job_cells(rec, job_axes_, columns)]]
+        rows = [[rec.job, *values, rec.status, *metrics]
+                for rec in views(group) for values, metrics in [job_cells(rec, job_axes_, columns)]]
         title = "Results" + (f": {KIND_TITLES.get(kind_name, kind_name)}" if len(groups) > 1 else "")
         lines += [f"## {title}", "",
                   *_md_table(["job", *[t for _, t in job_axes_], "status", *[c.title for c in columns]], rows,
                              len(columns)), ""]
     lines += _flags_md(records)
-    failed = [r for r in records if r["status"] != "ok"]
+    failed = [r for r in views(records) if not r.ok]
     if failed:
         lines += ["## Jobs that are not ok", ""]
-        overrides = [" ".join(map(str, rec.get("overrides") or [])) or "(defaults)" for rec in failed]
+        overrides = [" ".join(rec.overrides) or "(defaults)" for rec in failed]
         lines += _md_table(["job", "status", "overrides", "error"],
-                           [[rec["job"], rec["status"], "`" + o.replace("`", "'") + "`", rec.get("error") or ""]
+                           [[rec.job, rec.status, "`" + o.replace("`", "'") + "`", rec.error or ""]
                             for rec, o in zip(failed, overrides)])
         lines.append("")
     lines += ["## Plots", ""]

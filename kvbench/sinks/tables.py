@@ -17,28 +17,31 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config import ATTENTION_TYPES  # the variants order, defined with the attention schema
-from kvbench.results import flatten, lookup, record_view
+from kvbench.results import flatten, record_view
 from kvbench.units import human_bytes
+from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
+from kvbench.views import RecordView, Variant
 
-Record = Dict[str, Any]
+# What a sink is handed: a record as report.collect reads it (a mapping), a RunResult or a view;
+# every sink reads it through :class:`~kvbench.views.RecordView`.
+Record = Any
 Axis = Tuple[str, str]  # (config key, column title)
 
 # (config key, column title) identifying a job, in the order tables show them.
 AXES: List[Axis] = [
     ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
-    ("attention.kv_lora_rank", "R"),
+    ("attention.kv_lora_rank", "R"), ("attention.window", "W"), ("attention.global_every", "global every"),
     ("workload.name", "workload"), ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"),
     ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.dtype", "KV dtype"),
     ("cache.shared", "shared"),
     ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
     ("train.steps", "train steps"), ("train.init_from", "init from"),
 ]
-# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), or fewer bits per
-# element (cache.dtype).
-VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "cache.dtype")
+# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), a window on some
+# layers, or fewer bits per element (cache.dtype): the keys kvbench.views.Variant is read from.
+VARIANT_KEYS = VIEW_VARIANT_KEYS
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
@@ -116,11 +119,7 @@ KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "tra
 
 def kind(record: Record) -> str:
     """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` | ``compare``."""
-    config = record.get("config") or {}
-    task = config.get("task", "bench")
-    if task in ("train", "eval", "capacity", "compare", "recall"):
-        return task
-    return lookup(config, "workload.name") or "decode"
+    return RecordView.of(record).kind
 
 
 def by_kind(records: Sequence[Record]) -> Dict[str, List[Record]]:
@@ -153,7 +152,7 @@ def fmt(value: Any, spec: str) -> str:
         return str(value)
 
 
-def interval(values: Dict[str, Any], key: str) -> Optional[Tuple[float, float]]:
+def interval(values: Mapping[str, Any], key: str) -> Optional[Tuple[float, float]]:
     """The 95% interval ``<key>_ci_low`` / ``<key>_ci_high`` of ``values`` (a record's metrics or
     a table row); None where either bound is missing (older records carry none)."""
     low, high = values.get(f"{key}_ci_low"), values.get(f"{key}_ci_high")
@@ -161,7 +160,7 @@ def interval(values: Dict[str, Any], key: str) -> Optional[Tuple[float, float]]:
     return (low, high) if numbers else None
 
 
-def with_interval(values: Dict[str, Any], key: str, spec: str) -> str:
+def with_interval(values: Mapping[str, Any], key: str, spec: str) -> str:
     """``values[key]`` as ``spec`` says, followed by its interval ``[low, high]`` when it has one
     (bootstrap intervals are not symmetric, so both ends are shown)."""
     text, ci = fmt(values.get(key), spec), interval(values, key)
@@ -185,7 +184,7 @@ NO_INTERVAL = "no interval"
 def value_text(record: Record, column: Column) -> str:
     """A metric of a record as a table cell, with its interval where the record has one: the one
     place a value is written."""
-    return with_interval(record.get("metrics") or {}, column.key, column.spec)
+    return with_interval(RecordView.of(record).metrics, column.key, column.spec)
 
 
 def ratio_text(ratio: Optional[float]) -> str:
@@ -198,14 +197,14 @@ def ratio_text(ratio: Optional[float]) -> str:
 def _values(records: Sequence[Record], key: str) -> List[str]:
     # None means "left to its default" in a config Hydra saved before validation filled it in
     # (or a key the job's kind does not read), so it never makes a key look swept.
-    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None]
+    return [repr(v) for v in (RecordView.of(r).get(key) for r in records) if v is not None]
 
 
 def determined_by(records: Sequence[Record], key: str, by: str) -> bool:
     """Whether ``key``'s value is a function of ``by``'s across ``records`` (ignoring unset values)."""
     seen: Dict[str, str] = {}
-    for rec in records:
-        value, cause = lookup(rec.get("config", {}), key), lookup(rec.get("config", {}), by)
+    for view in map(RecordView.of, records):
+        value, cause = view.get(key), view.get(by)
         if value is None or cause is None:
             continue
         if seen.setdefault(repr(cause), repr(value)) != repr(value):
@@ -217,7 +216,7 @@ def swept_axes(records: Sequence[Record]) -> List[Axis]:
     """(config key, column title) of every key whose value differs across records: the usual
     axes first, then the rest; a key that is a function of an axis already chosen is dropped
     (``model.d_model`` when ``model.name`` is swept)."""
-    keys = {k for rec in records if isinstance(rec.get("config"), dict) for k in flatten(rec["config"])}
+    keys = {k for view in map(RecordView.of, records) for k in flatten(view.config)}
     varying = {k for k in keys if not k.startswith(_NOT_AXES) and len(set(_values(records, k))) > 1}
     chosen = [(k, t) for k, t in AXES if k in varying]
     for key in sorted(varying - {k for k, _ in chosen}):
@@ -229,7 +228,8 @@ def swept_axes(records: Sequence[Record]) -> List[Axis]:
 def viewed(record: Record) -> Record:
     """The record with only the config keys its task reads (records written before records
     left the others out, and Hydra's saved configs of jobs that left no record)."""
-    return {**record, "config": record_view(record.get("config") or {})}
+    view = RecordView.of(record)
+    return {**view.to_dict(), "config": record_view(dict(view.config))}
 
 
 # ---- one row per job ------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def viewed(record: Record) -> Record:
 def job_columns(records: Sequence[Record], kind_name: str, brief: bool = False) -> List[Column]:
     """The columns of ``kind_name`` (only the brief ones with ``brief``) that some record has."""
     return [c for c in COLUMNS.get(kind_name, COLUMNS["decode"]) if (c.brief or not brief)
-            and any((r.get("metrics") or {}).get(c.key) is not None for r in records)]
+            and any(RecordView.of(r).metric(c.key) is not None for r in records)]
 
 
 def job_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
@@ -247,34 +247,22 @@ def job_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
 
 def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -> Tuple[List[str], List[str]]:
     """(axis values, metric values) of one job as text."""
-    config = record.get("config") or {}
-    return ([fmt(lookup(config, key), "{}") for key, _ in axes], [value_text(record, c) for c in columns])
+    view = RecordView.of(record)
+    return ([fmt(view.get(key), "{}") for key, _ in axes], [value_text(view, c) for c in columns])
 
 
 # ---- the comparison ---------------------------------------------------------------------------------
 
 def variant(record: Record) -> str:
-    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it, and
-    the cache dtype when it is not the compute dtype (``mha kv=8 int8``)."""
-    config = record.get("config") or {}
-    kind_name = lookup(config, "attention.type")
-    label = (f"mla r={lookup(config, 'attention.kv_lora_rank')}" if kind_name == "mla"  # one latent, of rank R
-             else f"{kind_name} kv={lookup(config, 'attention.num_kv_heads')}")
-    cache_dtype = lookup(config, "cache.dtype")
-    return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
+    """``mha kv=8``, ``gqa kv=2 w=1024 5:1``, ``mla r=32 int8``: the record's attention variant as
+    every table and plot names it (:attr:`kvbench.views.Variant.label`)."""
+    return RecordView.of(record).variant.label
 
 
-def variant_order(label: str) -> Tuple[int, int, int, str]:
-    """In ATTENTION_TYPES' order: MHA, GQA from most to fewest KV heads, MQA, then MLA from the
-    largest latent; each in its compute dtype first."""
-    kind_name, _, rest = label.partition(" ")
-    size, _, cache_dtype = rest.partition("=")[2].partition(" ")
-    rank = ATTENTION_TYPES.index(kind_name) if kind_name in ATTENTION_TYPES else len(ATTENTION_TYPES)
-    return rank, -int(size) if size.isdigit() else 0, bool(cache_dtype), label
-
-
-def _kv_heads(record: Record) -> int:
-    return lookup(record.get("config") or {}, "attention.num_kv_heads") or 0
+def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str]:
+    """``labels`` in their variants' order (:attr:`kvbench.views.Variant.order`, from the fields);
+    ``variants``: label -> variant."""
+    return sorted(labels, key=lambda label: variants[label].order)
 
 
 @dataclass
@@ -282,17 +270,16 @@ class Cell:
     """One combination of the swept axes other than the variant, and its jobs by variant."""
 
     values: List[Any]
-    jobs: Dict[str, Record] = field(default_factory=dict)
+    jobs: Dict[str, RecordView] = field(default_factory=dict)
 
     def baseline(self) -> Optional[str]:
         """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
         KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype."""
-        ok = [(label, rec) for label, rec in self.jobs.items() if rec.get("status") == "ok"]
+        ok = [(label, view.variant) for label, view in self.jobs.items() if view.ok]
         if not ok:
             return None
-        return max(ok, key=lambda item: (lookup(item[1]["config"], "attention.type") == "mha",
-                                         _kv_heads(item[1]),
-                                         lookup(item[1]["config"], "cache.dtype") in (None, "auto")))[0]
+        return max(ok, key=lambda item: (item[1].layout == "mha", item[1].num_kv_heads or 0,
+                                         not item[1].quantized))[0]
 
 
 @dataclass
@@ -309,17 +296,17 @@ class Comparison:
 
     def ratio(self, cell: Cell, label: str, column: Column) -> Optional[float]:
         base, rec = cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label)
-        if base is None or rec is None or label == cell.baseline() or rec.get("status") != "ok":
+        if base is None or rec is None or label == cell.baseline() or not rec.ok:
             return None
-        a, b = (r.get("metrics", {}).get(column.key) for r in (rec, base))
-        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+        a, b = (r.number(column.key) for r in (rec, base))
+        return a / b if a is not None and b else None
 
     def text(self, cell: Cell, label: str, column: Column) -> str:
         rec = cell.jobs.get(label)
         if rec is None:
             return ""
-        if rec.get("status") != "ok":
-            return rec.get("status", "?")
+        if not rec.ok:
+            return rec.status
         ratio = ratio_text(self.ratio(cell, label, column))
         overlaps = self.overlaps(cell, label, column)
         if ratio and overlaps is None and self.sampled(cell, label, column):
@@ -334,17 +321,22 @@ class Comparison:
         base, rec = cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label)
         if base is None or rec is None:
             return None
-        return overlapping(*(interval(r.get("metrics") or {}, column.key) for r in (rec, base)))
+        return overlapping(rec.interval(column.key), base.interval(column.key))
 
     def sampled(self, cell: Cell, label: str, column: Column) -> bool:
         """Whether ``column`` is a statistic of samples (a timed column, or its records declare an
         interval for it, given or null), so that a ratio without intervals must say it has none;
         bytes and counts are exact."""
         records = (cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label))
-        return column.sampled or any(f"{column.key}_ci_low" in ((r or {}).get("metrics") or {}) for r in records)
+        return column.sampled or any(r is not None and r.declares_interval(column.key) for r in records)
+
+    def variant_of(self, label: str) -> Variant:
+        """The variant a column's label names."""
+        return next(c.jobs[label].variant for c in self.cells if label in c.jobs)
 
     def baselines(self) -> List[str]:
-        return sorted({b for b in (c.baseline() for c in self.cells) if b}, key=variant_order)
+        labels = {b for b in (c.baseline() for c in self.cells) if b}
+        return in_order(list(labels), {label: self.variant_of(label) for label in labels})
 
     def title(self) -> str:
         bases = self.baselines()
@@ -361,7 +353,7 @@ class Comparison:
         starts: List[int] = []
         for cell in self.cells:
             columns = [c for c in self.columns
-                       if any((r.get("metrics") or {}).get(c.key) is not None for r in cell.jobs.values())]
+                       if any(r.metric(c.key) is not None for r in cell.jobs.values())]
             starts.append(len(rows))
             for i, column in enumerate(columns):
                 first = [fmt(v, "{}") for v in cell.values] + ([cell.baseline() or "-"] if several else [])
@@ -381,25 +373,25 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
         cell_axes = [a for a in job_axes(group, axes) if a[0] not in VARIANT_KEYS + ("task", "workload.name")]
         cells: Dict[str, Cell] = {}
         notes = []
-        for rec in group:
-            values = [lookup(rec.get("config") or {}, key) for key, _ in cell_axes]
+        for view in map(RecordView.of, group):
+            values = [view.get(key) for key, _ in cell_axes]
             cell = cells.setdefault(repr(values), Cell(values))
-            label = variant(rec)
+            label = view.variant.label
             if label in cell.jobs:  # two jobs with one config: show the first, say so
-                notes.append(f"jobs {cell.jobs[label].get('job')} and {rec.get('job')} have the same config "
+                notes.append(f"jobs {cell.jobs[label].job} and {view.job} have the same config "
                              f"({label}{''.join(f', {t}={v}' for (_, t), v in zip(cell_axes, values))}); "
-                             f"job {cell.jobs[label].get('job')} is shown")
+                             f"job {cell.jobs[label].job} is shown")
                 continue
-            cell.jobs[label] = rec
-        if not any(sum(r.get("status") == "ok" for r in c.jobs.values()) >= 2 for c in cells.values()):
+            cell.jobs[label] = view
+        if not any(sum(r.ok for r in c.jobs.values()) >= 2 for c in cells.values()):
             continue
         # A variant with no ok job anywhere (an invalid KV-head count) has nothing to compare.
-        ran = {label for c in cells.values() for label, r in c.jobs.items() if r.get("status") == "ok"}
-        failed = sorted({f"{label} ({r.get('status')}, job {r.get('job')})" for c in cells.values()
+        ran = {label: r.variant for c in cells.values() for label, r in c.jobs.items() if r.ok}
+        failed = sorted({f"{label} ({r.status}, job {r.job})" for c in cells.values()
                          for label, r in c.jobs.items() if label not in ran}, key=natural)
         if failed:
             notes.append("not compared, no ok job: " + ", ".join(failed))
-        variants = sorted(ran, key=variant_order)
+        variants = in_order(list(ran), ran)
         ordered = sorted(cells.values(), key=lambda c: [natural(repr(v)) for v in c.values])
         out.append(Comparison(kind_name, cell_axes, variants, [c for c in COLUMNS[kind_name] if c.compared]
                               if kind_name in COLUMNS else [], ordered, notes))
@@ -408,11 +400,11 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
 
 # ---- an interleaved comparison (task=compare) ---------------------------------------------------
 
-def _contexts(row: Dict[str, Any]) -> List[int]:
+def _contexts(row: Mapping[str, Any]) -> List[int]:
     return sorted(int(m.group(1)) for m in (re.fullmatch(r"step_ms_ctx(\d+)", k) for k in row) if m)
 
 
-def _ratio_cell(row: Dict[str, Any], key: str, baseline: bool) -> str:
+def _ratio_cell(row: Mapping[str, Any], key: str, baseline: bool) -> str:
     """A paired ratio with its interval; ``not significant`` where the interval holds 1."""
     if baseline:
         return "1 (baseline)"
@@ -429,7 +421,7 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
     """(header, rows) of a ``task=compare`` record's ``tables.compare``: per variant the step at
     each context, the KV cost slope, and ratios to the first variant (paired over rounds, with
     intervals) beside the ratio the KV bytes predict. Empty for any other record."""
-    rows = (record.get("tables") or {}).get("compare") or []
+    rows = RecordView.of(record).table("compare")
     if not rows:
         return [], []
     contexts = _contexts(rows[0])

@@ -14,6 +14,7 @@ from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import AttentionConfig, kv_layout_change
+from kvbench.views import Variant
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -40,10 +41,9 @@ def no_progress(label: str, total: int):
 
 
 def variant_label(attention: AttentionConfig) -> str:
-    """``gqa kv=2``, ``mla r=32``: a progress line's name of the variant (sinks.tables.variant's)."""
-    if attention.latent:
-        return f"mla r={attention.kv_lora_rank}"
-    return f"{attention.type} kv={attention.num_kv_heads}"
+    """``gqa kv=2``, ``mla r=32``, ``gqa kv=2 w=1024 5:1``: a progress line's name of the variant,
+    :attr:`kvbench.views.Variant.label` (the tables' name of it too)."""
+    return Variant.of_attention(attention).label
 
 
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:

@@ -31,8 +31,9 @@ from kvbench.sinks.plots import (
     turn_panels,
 )
 from kvbench.sinks.report import CSV_FILE, MD_FILE, collect, write_report
-from kvbench.sinks.tables import swept_axes, variant
+from kvbench.sinks.tables import swept_axes
 from kvbench.units import human_bytes
+from kvbench.views import RecordView, Variant
 
 PNGS = {"decode_vs_context", "kv_bytes_vs_heads", "kv_memory", "tokens_vs_batch", "ttft_per_turn"}
 
@@ -146,11 +147,12 @@ def test_plot_data_matches_the_records(sweep):
 
 
 def test_each_variant_has_one_colour_in_every_plot():
-    colours = palette(["gqa kv=2", "mqa kv=1", "mha kv=8", "gqa kv=4", "mha kv=16", "gqa kv=8"])
+    colours = palette([Variant(k, num_kv_heads=kv) for k, kv in
+                       (("gqa", 2), ("mqa", 1), ("mha", 8), ("gqa", 4), ("mha", 16), ("gqa", 8))])
     assert colours["mha kv=8"] == colours["mha kv=16"] == MHA_COLOUR and colours["mqa kv=1"] == MQA_COLOUR
     gqa = [colours[f"gqa kv={k}"] for k in (8, 4, 2)]
     assert len(set(gqa)) == 3 and not {MHA_COLOUR, MQA_COLOUR} & set(gqa)
-    many = palette([f"gqa kv={k}" for k in range(2, 26)])
+    many = palette([Variant("gqa", num_kv_heads=k) for k in range(2, 26)])
     assert len(set(many.values())) == 24  # a sweep of 24 GQA counts still has distinct colours
 
 
@@ -159,7 +161,7 @@ def test_plots_use_the_palette_and_keep_the_legend_off_the_data(figures, sweep):
     pngs = {p.stem: p for p in report.files if p.suffix == ".png"}
     assert set(pngs) == PNGS and len(saved) == len(PNGS)
     assert report.skipped_plots == {}
-    colours = palette([variant(r) for r in collect(sweep)])
+    colours = palette([RecordView(r).variant for r in collect(sweep)])
     for fig in saved:
         renderer = FigureCanvasAgg(fig).get_renderer()
         fig.draw(renderer)  # the layout as saved

@@ -1,0 +1,357 @@
+"""The typed, read-only views the sinks read records through: :class:`RecordView` and :class:`Variant`.
+
+A record on disk is a plain JSON mapping (:mod:`kvbench.results` reads and writes it). A sink
+never indexes into that mapping: it asks a :class:`RecordView` for a status, a metric (with its
+unit), a series, a table or a config value, and every accessor answers ``None`` (or an empty
+list / mapping) for what the record does not hold, so a record with missing keys (an invalid
+job's, a job that never finished, an older schema's) is read, never a ``KeyError``.
+
+A :class:`Variant` is an attention layout as a value with fields (layout, heads, latent rank,
+window and layer pattern, cache dtype, shared prefix), not a label to parse: :attr:`Variant.label`
+is the one place a variant's name is built (``gqa kv=2 w=1024 5:1 int8``) and
+:attr:`Variant.order` the one order every table, plot and report lists variants in, computed
+from the fields.
+
+Units are data: a record written since schema 2 keeps each declared metric's unit in ``units``
+(from the :class:`kvbench.metrics.Metric` registry of the job's task); :meth:`RecordView.unit`
+reads it there. A schema-1 record kept the unit only as the head of its ``methods`` line
+(``"ms; median ..."``): :func:`v1_units` reads that format once, for old records only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from kvbench.metrics import matches
+from kvbench.model_config import ATTENTION_TYPES, attention_type
+
+# What a Variant's fields are read from in a record's config.
+VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
+                "attention.global_every", "attention.layer_types", "cache.dtype")
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def _get(config: Any, dotted: str) -> Any:
+    """``config["a"]["b"]`` for ``"a.b"`` over any mappings; None when a part is missing."""
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """An attention variant as its fields. ``layout``: mha | gqa | mqa | mla (None: the record does
+    not say); ``num_kv_heads`` (MLA: 1, the latent head); ``kv_lora_rank`` / ``qk_rope_head_dim``:
+    MLA's latent R and shared rotary key; ``window``: W positions of a local layer (None: no
+    window); ``global_every`` / ``layer_types``: which layers are global (none: every layer local);
+    ``cache_dtype``: the KV precision when it is not the compute dtype (int8, float8_e4m3fn; None:
+    ``auto``); ``shared``: a multi-turn chat's shared prefix cache on/off (None: not part of the
+    variant); ``model``: the model's name."""
+
+    layout: Optional[str]
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    window: Optional[int] = None
+    global_every: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None
+    cache_dtype: Optional[str] = None
+    shared: Optional[bool] = None
+    model: Optional[str] = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "Variant":
+        """The variant of a record's config (a nested mapping); absent keys are None."""
+        config = config if isinstance(config, Mapping) else {}
+        kind, heads, kv = (_get(config, k) for k in ("attention.type", "model.num_heads", "attention.num_kv_heads"))
+        rank = _int(_get(config, "attention.kv_lora_rank"))
+        layout = kind if kind in ATTENTION_TYPES else None
+        if layout is None and rank is not None:
+            layout = "mla"
+        elif layout is None and _int(heads) and _int(kv):
+            layout = attention_type(heads, kv)
+        elif layout is None and isinstance(kind, str):
+            layout = kind  # a type the schema does not know (an invalid job's): shown as given
+        types = _get(config, "attention.layer_types")
+        dtype = _get(config, "cache.dtype")
+        return cls(layout=layout, num_heads=_int(heads), num_kv_heads=_int(kv),
+                   kv_lora_rank=rank, qk_rope_head_dim=_int(_get(config, "attention.qk_rope_head_dim")),
+                   window=_int(_get(config, "attention.window")) or None,
+                   global_every=_int(_get(config, "attention.global_every")),
+                   layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
+                   cache_dtype=None if dtype in (None, "auto") else str(dtype),
+                   model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None)
+
+    @classmethod
+    def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None) -> "Variant":
+        """The variant of an ``AttentionConfig`` (resolved or not): a progress line's name."""
+        fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", "window", "global_every",
+                  "layer_types")
+        attn = {f: getattr(attention, f, None) for f in fields}
+        return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype}})
+
+    @property
+    def latent(self) -> bool:
+        """True for MLA: the cache holds a latent per token, not K/V heads."""
+        return self.layout == "mla"
+
+    @property
+    def windowed(self) -> bool:
+        """True when some layer keeps only its last ``window`` positions."""
+        return bool(self.window) and self.local_global() != (0, 1)
+
+    def local_global(self) -> Optional[Tuple[int, int]]:
+        """The local:global ratio of the layers (reduced: Gemma 3's 5:1), (1, 0) when every layer is
+        local, None without a window."""
+        if not self.window:
+            return None
+        if self.layer_types is not None:
+            local = sum(t == "sliding_attention" for t in self.layer_types)
+            other = len(self.layer_types) - local
+        elif self.global_every:
+            local, other = self.global_every - 1, 1
+        else:
+            return (1, 0)
+        g = math.gcd(local, other) or 1
+        return (local // g, other // g)
+
+    @property
+    def quantized(self) -> bool:
+        """True when the cache holds fewer bits than the compute dtype (``cache.dtype``)."""
+        return self.cache_dtype is not None
+
+    @property
+    def label(self) -> str:
+        """``mha kv=8``, ``mla r=512``, ``mha kv=8 w=4096`` (every layer local), ``gqa kv=2 w=1024 5:1``
+        (5 local layers to 1 global), then the cache dtype (``int8``) and, for a chat's variant,
+        ``shared=on|off``: the one place a variant's name is built."""
+        parts = [f"mla r={self.kv_lora_rank}" if self.latent else f"{self.layout} kv={self.num_kv_heads}"]
+        ratio = self.local_global()
+        if self.windowed:
+            parts.append(f"w={self.window}" + (f" {ratio[0]}:{ratio[1]}" if ratio and ratio[1] else ""))
+        if self.cache_dtype:
+            parts.append(self.cache_dtype)
+        if self.shared is not None:
+            parts.append(f"shared={'on' if self.shared else 'off'}")
+        return " ".join(parts)
+
+    @property
+    def order(self) -> Tuple[Any, ...]:
+        """The sort key of every listing, from the fields: in ATTENTION_TYPES' order (MHA, GQA from
+        most to fewest KV heads, MQA, MLA from the largest latent); within one, every layer global
+        first, then hybrids (larger window first), then every layer local; the compute dtype before
+        a quantized cache; a shared cache after an unshared one."""
+        rank = ATTENTION_TYPES.index(self.layout) if self.layout in ATTENTION_TYPES else len(ATTENTION_TYPES)
+        size = self.kv_lora_rank if self.latent else self.num_kv_heads
+        ratio = self.local_global() if self.windowed else None
+        window = (0, 0, 0) if ratio is None else (1, 1 if ratio[1] == 0 else 0, -(self.window or 0))
+        return (rank, -size if isinstance(size, int) else 0, window, self.quantized, self.cache_dtype or "",
+                self.shared is True, self.model or "", self.label)
+
+    def with_sharing(self, shared: Optional[bool]) -> "Variant":
+        """This variant with a chat's shared-prefix setting (named in its label)."""
+        return replace(self, shared=None if shared is None else bool(shared))
+
+
+def ordered(variants: Sequence[Variant]) -> List[Variant]:
+    """``variants`` once each, in :attr:`Variant.order`."""
+    return sorted(set(variants), key=lambda v: v.order)
+
+
+# ---- a record ------------------------------------------------------------------------------------
+
+def v1_units(methods: Mapping[str, Any]) -> Dict[str, str]:
+    """name -> unit of a schema-1 record, whose only copy of a unit is the head of its ``methods``
+    line (``Metric.text``: ``"ms; median decode step"``; a line without ``"; "`` has no unit)."""
+    out = {}
+    for name, text in methods.items():
+        unit, sep, _ = text.partition("; ") if isinstance(text, str) else ("", "", "")
+        if sep and len(unit) <= 40:  # a unit is a word or two, never a sentence
+            out[name] = unit
+    return out
+
+
+class RecordView:
+    """A read-only view of one record (a results.json mapping, a :class:`~kvbench.results.RunResult`
+    or a report row with ``job``). Every accessor answers None, an empty list or an empty mapping
+    for what the record lacks."""
+
+    __slots__ = ("_data", "_variant")
+
+    def __init__(self, record: Any):
+        data = record.to_dict() if hasattr(record, "to_dict") else record
+        self._data: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
+        self._variant: Optional[Variant] = None
+
+    @classmethod
+    def of(cls, record: Any) -> "RecordView":
+        """``record`` as a view (itself when it is one already)."""
+        return record if isinstance(record, RecordView) else cls(record)
+
+    def _section(self, name: str) -> Mapping[str, Any]:
+        value = self._data.get(name)
+        return MappingProxyType(value) if isinstance(value, dict) else _EMPTY
+
+    # -- what the job is ---------------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        """ok | invalid | oom | error | interrupted, or a report's unreadable | missing | running."""
+        status = self._data.get("status")
+        return status if isinstance(status, str) else "?"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def job(self) -> Optional[str]:
+        """The job's directory relative to the report's root (report rows only)."""
+        job = self._data.get("job")
+        return None if job is None else str(job)
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._data.get("error") if isinstance(self._data.get("error"), str) else None
+
+    @property
+    def schema_version(self) -> int:
+        """The record's schema (1 for records written before the field, and for report rows)."""
+        version = self._data.get("schema_version")
+        return version if isinstance(version, int) and not isinstance(version, bool) else 1
+
+    @property
+    def overrides(self) -> List[str]:
+        value = self._data.get("overrides")
+        return [str(o) for o in value] if isinstance(value, list) else []
+
+    @property
+    def env(self) -> Mapping[str, Any]:
+        return self._section("env")
+
+    @property
+    def kv_conversion(self) -> Optional[Mapping[str, Any]]:
+        value = self._data.get("kv_conversion")
+        return MappingProxyType(value) if isinstance(value, dict) else None
+
+    @property
+    def implausible(self) -> List[Mapping[str, Any]]:
+        value = self._data.get("implausible")
+        return [MappingProxyType(i) for i in value if isinstance(i, dict)] if isinstance(value, list) else []
+
+    @property
+    def null_reasons(self) -> Mapping[str, Any]:
+        return self._section("null_reasons")
+
+    # -- the config --------------------------------------------------------------------------------
+    @property
+    def config(self) -> Mapping[str, Any]:
+        """The job's config (the keys its task reads) as a read-only mapping."""
+        return self._section("config")
+
+    def get(self, dotted: str) -> Any:
+        """A config value by its dotted key (``attention.num_kv_heads``); None when absent."""
+        return _get(self._data.get("config"), dotted)
+
+    @property
+    def task(self) -> str:
+        task = self.config.get("task")
+        return task if isinstance(task, str) else "bench"
+
+    @property
+    def kind(self) -> str:
+        """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` |
+        ``compare`` | ``recall``."""
+        if self.task in ("train", "eval", "capacity", "compare", "recall"):
+            return self.task
+        return self.get("workload.name") or "decode"
+
+    @property
+    def variant(self) -> Variant:
+        """The attention variant a table compares (a chat's sharing is its own axis there)."""
+        if self._variant is None:
+            self._variant = Variant.from_config(self.config)
+        return self._variant
+
+    @property
+    def shared(self) -> Optional[bool]:
+        """A chat's ``cache.shared`` (None when the record does not keep it)."""
+        value = self.get("cache.shared")
+        return None if value is None else bool(value)
+
+    # -- what it measured --------------------------------------------------------------------------
+    @property
+    def metrics(self) -> Mapping[str, Any]:
+        return self._section("metrics")
+
+    def metric(self, name: str) -> Any:
+        """The metric's value as recorded (a number, text, a boolean or None)."""
+        return self.metrics.get(name)
+
+    def number(self, name: str) -> Optional[float]:
+        """The metric as a number; None when absent, null, text or a boolean."""
+        value = self.metrics.get(name)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def interval(self, name: str) -> Optional[Tuple[float, float]]:
+        """The 95% interval of ``name`` (``<name>_ci_low`` / ``_ci_high``); None when it has none."""
+        low, high = self.number(f"{name}_ci_low"), self.number(f"{name}_ci_high")
+        return None if low is None or high is None else (low, high)
+
+    def declares_interval(self, name: str) -> bool:
+        """Whether the record has an interval field for ``name`` (given or null)."""
+        return f"{name}_ci_low" in self.metrics
+
+    @property
+    def units(self) -> Mapping[str, str]:
+        """name (or pattern, ``<v>_step_ms_ctx<C>``) -> unit of every metric the job declared."""
+        if "units" in self._data:
+            return self._section("units")
+        return MappingProxyType(v1_units(self._section("methods")))
+
+    def unit(self, name: str) -> Optional[str]:
+        """The unit of metric ``name`` (``ms``, ``bytes``, ``tokens/s``; ``text``; ``""`` for a note),
+        from the registry the job recorded; None when the record declares none for it."""
+        units = self.units
+        if name in units:
+            return units[name]
+        return next((unit for pattern, unit in units.items() if "<" in pattern and matches(pattern, name)), None)
+
+    @property
+    def series_names(self) -> List[str]:
+        return [k for k, v in self._section("series").items() if isinstance(v, list)]
+
+    def series(self, name: str) -> List[Any]:
+        value = self._section("series").get(name)
+        return list(value) if isinstance(value, list) else []
+
+    @property
+    def table_names(self) -> List[str]:
+        return [k for k, v in self._section("tables").items() if isinstance(v, list)]
+
+    def table(self, name: str) -> List[Mapping[str, Any]]:
+        """The rows of ``tables.<name>`` (read-only); empty when the record has none."""
+        rows = self._section("tables").get(name)
+        return [MappingProxyType(r) for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A copy of the record's mapping (for a sink that hands the whole record on: an artifact)."""
+        return dict(self._data)
+
+    def __repr__(self) -> str:
+        return f"RecordView(job={self.job!r}, status={self.status!r}, variant={self.variant.label!r})"
+
+
+def views(records: Sequence[Any]) -> List[RecordView]:
+    """Each record as a :class:`RecordView`."""
+    return [RecordView.of(r) for r in records]

@@ -1,0 +1,140 @@
+"""The typed view of a record (kvbench/views.py) against hand-built records of every layout: each
+variant's label, the order the tables list them in, the units of its metrics; an old-schema
+record read the same way; a record with missing keys read with clear absent values."""
+
+import random
+
+import pytest
+
+from kvbench.metrics import matches
+from kvbench.model_config import AttentionConfig
+from kvbench.results import RunResult
+from kvbench.tasks.common import variant_label
+from kvbench.views import RecordView, Variant, ordered, v1_units
+
+
+def record(attention, model=None, cache=None, workload="decode", **extra):
+    return {"status": "ok", "schema_version": 2,
+            "config": {"task": "bench", "model": {"name": "small", "num_heads": 8, **(model or {})},
+                       "attention": attention, "cache": {"impl": "static", **(cache or {})},
+                       "workload": {"name": workload}},
+            "metrics": {"decode_ms_p50": 1.5, "kv_cache_bytes": 4096, "mha_kv8_step_ms_ctx256": 2.0},
+            "units": {"decode_ms_p50": "ms", "kv_cache_bytes": "bytes", "<v>_step_ms_ctx<C>": "ms"}, **extra}
+
+
+# (attention, cache, expected label), in the order every table lists them.
+LAYOUTS = [
+    ({"type": "mha", "num_kv_heads": 8}, {}, "mha kv=8"),
+    ({"type": "mha", "num_kv_heads": 8}, {"dtype": "int8"}, "mha kv=8 int8"),
+    ({"type": "mha", "num_kv_heads": 8, "window": 4096, "global_every": 2}, {}, "mha kv=8 w=4096 1:1"),
+    ({"type": "mha", "num_kv_heads": 8, "window": 4096}, {}, "mha kv=8 w=4096"),
+    ({"type": "gqa", "num_kv_heads": 4}, {}, "gqa kv=4"),
+    ({"type": "gqa", "num_kv_heads": 2}, {}, "gqa kv=2"),
+    ({"type": "gqa", "num_kv_heads": 2, "window": 1024, "global_every": 6}, {}, "gqa kv=2 w=1024 5:1"),
+    ({"type": "gqa", "num_kv_heads": 2, "window": 1024,
+      "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, {"dtype": "int8"}, "gqa kv=2 w=1024 5:1 int8"),
+    ({"type": "gqa", "num_kv_heads": 2, "window": 256}, {}, "gqa kv=2 w=256"),
+    ({"type": "mqa", "num_kv_heads": 1}, {}, "mqa kv=1"),
+    ({"type": "mqa", "num_kv_heads": 1}, {"dtype": "float8_e4m3fn"}, "mqa kv=1 float8_e4m3fn"),
+    ({"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 64, "qk_rope_head_dim": 16}, {}, "mla r=64"),
+    ({"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, {}, "mla r=32"),
+    ({"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, {"dtype": "int8"},
+     "mla r=32 int8"),
+]
+
+
+@pytest.mark.parametrize("attention, cache, label", LAYOUTS, ids=[label for _, _, label in LAYOUTS])
+def test_each_layout_has_its_label_and_fields(attention, cache, label):
+    view = RecordView(record(attention, cache=cache))
+    v = view.variant
+    assert v.label == label
+    assert v.layout == attention["type"] and v.num_kv_heads == attention["num_kv_heads"] and v.num_heads == 8
+    assert v.kv_lora_rank == attention.get("kv_lora_rank") and v.qk_rope_head_dim == attention.get("qk_rope_head_dim")
+    assert v.window == attention.get("window") and v.cache_dtype == cache.get("dtype") and v.model == "small"
+    assert v.windowed == ("window" in attention) and v.quantized == ("dtype" in cache)
+
+
+def test_the_order_comes_from_the_fields_not_the_labels():
+    variants = [RecordView(record(a, cache=c)).variant for a, c, _ in LAYOUTS]
+    shuffled = variants[:]
+    random.Random(0).shuffle(shuffled)
+    assert [v.label for v in ordered(shuffled)] == [label for _, _, label in LAYOUTS]
+    # the key is the fields': a label that sorts otherwise as text keeps its place (kv=16 before kv=2)
+    assert [v.label for v in ordered([Variant("gqa", num_kv_heads=2), Variant("gqa", num_kv_heads=16)])] == [
+        "gqa kv=16", "gqa kv=2"]
+
+
+def test_the_layout_is_derived_from_the_head_counts_where_the_type_is_not_named():
+    assert [Variant.from_config({"model": {"num_heads": 8}, "attention": {"type": "model", "num_kv_heads": kv}}).layout
+            for kv in (8, 2, 1)] == ["mha", "gqa", "mqa"]
+    assert Variant.from_config({"attention": {"kv_lora_rank": 16}}).label == "mla r=16"
+
+
+def test_a_chat_names_its_shared_cache_and_orders_unshared_first():
+    on, off = (RecordView(record({"type": "gqa", "num_kv_heads": 2}, cache={"shared": s}, workload="multiturn"))
+               for s in (True, False))
+    assert on.kind == "multiturn" and on.shared is True and off.shared is False
+    assert on.variant == off.variant  # sharing is a chat's own axis in the tables
+    assert on.variant.with_sharing(on.shared).label == "gqa kv=2 shared=on"
+    assert [v.label for v in ordered([on.variant.with_sharing(True), off.variant.with_sharing(False)])] == [
+        "gqa kv=2 shared=off", "gqa kv=2 shared=on"]
+
+
+def test_the_progress_label_is_the_variants_label():
+    for attention in (AttentionConfig(type="gqa", num_kv_heads=2, window=1024, global_every=6),
+                      AttentionConfig(type="mla", kv_lora_rank=32), AttentionConfig(type="mqa", num_kv_heads=1)):
+        assert variant_label(attention) == Variant.of_attention(attention).label
+    hybrid = AttentionConfig(type="gqa", num_kv_heads=2, window=1024, global_every=6)
+    assert variant_label(hybrid) == "gqa kv=2 w=1024 5:1"
+
+
+def test_units_come_from_the_record_including_patterns():
+    view = RecordView(record({"type": "mha", "num_kv_heads": 8}))
+    assert view.unit("decode_ms_p50") == "ms" and view.unit("kv_cache_bytes") == "bytes"
+    assert view.unit("mha_kv8_step_ms_ctx256") == "ms"  # from the pattern <v>_step_ms_ctx<C>
+    assert view.unit("never_recorded") is None
+    assert matches("<v>_step_ms_ctx<C>", "gqa_kv2_step_ms_ctx4096") and not matches("<v>_step_ms_ctx<C>", "step_ms")
+
+
+def test_an_old_schema_record_is_read_with_its_units_from_its_methods():
+    old = {"status": "ok", "config": {"task": "bench", "attention": {"type": "gqa", "num_kv_heads": 2},
+                                      "workload": {"name": "decode"}},
+           "metrics": {"decode_ms_p50": 1.0, "timing_method": "perf_counter"},
+           "methods": {"decode_ms_p50": "ms; median decode step", "timing_method": "text; how it was timed",
+                       "noisy": "a note; without a unit this line would be a sentence of its own and not a unit"}}
+    view = RecordView(old)
+    assert view.schema_version == 1 and view.variant.label == "gqa kv=2"
+    assert view.unit("decode_ms_p50") == "ms" and view.unit("timing_method") == "text"
+    assert v1_units({"x": "a method sentence with no unit at all"}) == {}
+
+
+def test_a_runresult_reads_through_the_view_too():
+    result = RunResult(status="ok", config={"attention": {"type": "mqa", "num_kv_heads": 1}},
+                       metrics={"tokens_per_s": 10.0}, tables={"turns": [{"turn": 0, "ttft_ms": 1.0}]})
+    view = RecordView.of(result)
+    assert RecordView.of(view) is view
+    assert view.number("tokens_per_s") == 10.0 and view.table("turns")[0]["ttft_ms"] == 1.0
+    assert view.variant.label == "mqa kv=1"
+
+
+@pytest.mark.parametrize("data", [{}, {"status": "missing"}, {"status": "ok", "config": None, "metrics": None},
+                                  {"status": "error", "config": {"attention": {}}, "tables": {"turns": None}},
+                                  "not a mapping"])
+def test_missing_keys_read_as_clear_absent_values(data):
+    view = RecordView(data)
+    assert view.status in ("?", "missing", "ok", "error") and view.job is None and view.error is None
+    assert view.metric("decode_ms_p50") is None and view.number("decode_ms_p50") is None
+    assert view.interval("decode_ms_p50") is None and view.unit("decode_ms_p50") is None
+    assert view.series("decode_ms") == [] and view.table("turns") == [] and view.implausible == []
+    assert view.get("attention.num_kv_heads") is None and view.kv_conversion is None
+    assert view.task == "bench" and view.kind == "decode" and view.shared is None
+    assert view.variant.layout is None and view.variant.label == "None kv=None"
+
+
+def test_the_view_is_read_only():
+    view = RecordView(record({"type": "mha", "num_kv_heads": 8}))
+    with pytest.raises(TypeError):
+        view.metrics["decode_ms_p50"] = 0  # type: ignore[index]
+    with pytest.raises(TypeError):
+        view.config["task"] = "train"  # type: ignore[index]
+    assert view.number("decode_ms_p50") == 1.5
