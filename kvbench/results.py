@@ -26,7 +26,9 @@ RESULTS_FILE = "results.json"
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
 # it keeps the metrics complete by then, and resume runs the job again.
 STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
-SCHEMA_VERSION = 1
+# 2: ``units`` (each declared metric's unit as data). A record of schema 1 has none: its units are
+# the heads of its ``methods`` lines, which kvbench.views reads for such records only.
+SCHEMA_VERSION = 2
 # A record is small (metrics, one series, a few tables); anything far larger is not one, and
 # reading it whole could exhaust memory.
 MAX_RECORD_BYTES = 64 * 2**20
@@ -39,7 +41,8 @@ class RecordError(ValueError):
 @dataclass
 class RunResult:
     """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows;
-    ``methods`` the unit and method of each metric the job reported; ``null_reasons`` why a
+    ``methods`` the unit and method of each metric the job reported, as a line; ``units`` the
+    unit of each (the :class:`~kvbench.metrics.Metric` registry's, as data); ``null_reasons`` why a
     value is null: a metric's name (or the dotted path of a value elsewhere in the record) ->
     ``nan`` / ``inf`` / ``-inf``, the non-finite number it was, or in words why a measurement is
     null (nothing seen, too few samples)."""
@@ -55,6 +58,7 @@ class RunResult:
     started_at: Optional[str] = None
     finished_at: Optional[str] = None
     methods: Dict[str, str] = field(default_factory=dict)
+    units: Dict[str, str] = field(default_factory=dict)
     null_reasons: Dict[str, str] = field(default_factory=dict)
     # null: the run measured the named model's own KV-head count; else what was changed
     # (config.kv_layout_change: from_kv_heads, to_kv_heads, method, text)
@@ -111,6 +115,7 @@ class RunResult:
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "RunResult":
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k not in ("unsaved", "written_to")}
+        known.setdefault("schema_version", 1)  # a record without the field is from before it
         return cls(**known)
 
 
@@ -119,7 +124,7 @@ class RunResult:
 # for its metrics is unreadable, not a crash later.
 _FIELD_TYPES = {"config": dict, "metrics": dict, "series": dict, "tables": dict, "env": dict,
                 "error": (str, type(None)), "overrides": list, "started_at": (str, type(None)),
-                "finished_at": (str, type(None)), "methods": dict, "null_reasons": dict,
+                "finished_at": (str, type(None)), "methods": dict, "units": dict, "null_reasons": dict,
                 "kv_conversion": (dict, type(None)), "implausible": list, "schema_version": int}
 
 

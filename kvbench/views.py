@@ -315,7 +315,7 @@ class RecordView:
     @property
     def units(self) -> Mapping[str, str]:
         """name (or pattern, ``<v>_step_ms_ctx<C>``) -> unit of every metric the job declared."""
-        if "units" in self._data:
+        if self.schema_version >= 2:
             return self._section("units")
         return MappingProxyType(v1_units(self._section("methods")))
 

@@ -138,3 +138,20 @@ def test_the_view_is_read_only():
     with pytest.raises(TypeError):
         view.config["task"] = "train"  # type: ignore[index]
     assert view.number("decode_ms_p50") == 1.5
+
+
+def test_a_job_records_each_metrics_unit_from_the_registry(tmp_path):
+    from conftest import BENCH_OVERRIDES, compose
+
+    from kvbench.jobs.runner import run_job, task_metrics
+    from kvbench.results import SCHEMA_VERSION, read_record
+
+    run_job(compose("wandb.mode=disabled", *BENCH_OVERRIDES, "workload.prompt_len=16", "workload.gen_len=4",
+                    "runtime.warmup=0", "runtime.repeats=1"), tmp_path)
+    record = read_record(tmp_path)
+    declared = task_metrics("bench", "decode")
+    assert record.schema_version == SCHEMA_VERSION == 2 and record.units
+    assert record.units == {name: declared[name].unit for name in record.methods if name in declared}
+    view = RecordView(record)
+    assert view.unit("decode_ms_p50") == "ms" and view.unit("kv_cache_bytes") == "bytes"
+    assert all(view.unit(name) == declared[name].unit for name in record.metrics if name in declared)

@@ -37,7 +37,7 @@ from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
 from kvbench.quality.fidelity import KV_POOL_METRICS
-from kvbench.results import RESULTS_FILE, RunResult, nonfinite_metrics, record_view
+from kvbench.results import RESULTS_FILE, RunResult, lookup, nonfinite_metrics, record_view
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
 from kvbench.tasks import recall as recall_task
@@ -63,6 +63,15 @@ def task_metrics(task: str, workload: str = "decode") -> Dict[str, Metric]:
                 "compare": {"timing_method": JOB_METRICS["timing_method"], **compare.METRICS},
                 "recall": recall_task.METRICS}
     return {**LOAD_METRICS, **per_task.get(task, {})}
+
+
+def job_units(result: RunResult) -> Dict[str, str]:
+    """The record's ``units``: the unit of each metric its ``methods`` declares, from the registry
+    (:func:`task_metrics` of the record's task and workload), so that sinks read units as data."""
+    task, workload = result.config.get("task"), lookup(result.config, "workload.name")
+    declared = task_metrics(task if isinstance(task, str) else "bench",
+                            workload if isinstance(workload, str) else "decode")
+    return {name: metric.unit for name, metric in declared.items() if name in result.methods}
 
 
 def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
@@ -151,6 +160,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             stops.hold()  # a signal during the write waits for it: the record is the point
             if "load_avg_before" in result.metrics:  # the task started: how busy the machine was around it
                 _record_load(result.metrics)
+            result.units = job_units(result)
             try:  # every figure against the machine's physical bounds (measure/plausibility.py)
                 flag_implausible(result)
             except Exception as exc:  # noqa: BLE001 — a check that fails must not lose the record

@@ -13,9 +13,11 @@ What a run holds:
 - config = the resolved config as nested dicts (``{"attention": {"type": ..}, "workload": ..}``),
   which W&B shows, filters and groups by as ``attention.type``, ``workload.prompt_len``, ...,
   plus ``overrides`` and the environment under ``env``.
+- config also holds ``units``: each summary metric's unit, from the registry the record keeps
+  (``RecordView.unit``), so that W&B shows ``decode_ms_p50`` in ms without parsing its name.
 - summary = every scalar metric, ``status`` and ``error``; each metric with a direction gets a
-  ``define_metric`` summary goal (:func:`metric_goal`: lower is better for times, KV and peak bytes and
-  losses, higher for tokens/s and batch capacity).
+  ``define_metric`` summary goal (:func:`metric_goal`, from the metric's unit: lower is better for
+  times, energy, the bytes a job holds and losses, higher for tokens/s and batch capacity).
 - every per-step series (``decode_ms``) logged against its own ``step`` axis, every table
   (the multi-turn ``turns``) as a ``wandb.Table``, a table with a step column (``turns``: the
   turn index) also as history against that column (``turns/ttft_ms`` by ``turn``), and
@@ -41,7 +43,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 from kvbench.config import WandbConfig
 from kvbench.config_errors import one_line
 from kvbench.jsonio import write_text_atomic
-from kvbench.results import RESULTS_FILE, RunResult, lookup
+from kvbench.results import RESULTS_FILE, RunResult
+from kvbench.views import RecordView
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +84,11 @@ def run_name(overrides: Iterable[str], swept: Optional[Iterable[str]] = None,
 
 def short_name(config: Mapping[str, Any]) -> str:
     """``tiny gqa kv=2 decode``: the model, the attention and the workload (or task) a job ran."""
-    kv = lookup(config, "attention.num_kv_heads")
-    rank = lookup(config, "attention.kv_lora_rank")  # MLA: its latent's rank names it, not one KV head
-    size = f"r={rank}" if rank is not None else None if kv is None else f"kv={kv}"
-    task = config.get("task", "bench")
-    parts = [lookup(config, "model.name"), lookup(config, "attention.type"), size,
-             lookup(config, "workload.name") if task == "bench" else task]
+    view = RecordView({"config": dict(config)})
+    v = view.variant
+    named = v.layout is not None or v.num_kv_heads is not None or v.kv_lora_rank is not None
+    parts = [view.get("model.name"), v.label if named else None,
+             view.get("workload.name") if view.task == "bench" else view.task]
     return " ".join(str(p) for p in parts if p is not None) or "defaults"
 
 
@@ -115,35 +117,49 @@ def swept_keys(sweep_dir: Optional[Path | str]) -> List[str]:
     return list(dict.fromkeys(o.key_or_group for o in parsed if o.is_sweep_override()))
 
 
-def run_config(result: RunResult) -> Dict[str, Any]:
+def run_config(result: RunResult | RecordView) -> Dict[str, Any]:
     """The W&B config of a job: the resolved config as nested dicts (W&B flattens them to
-    ``attention.type`` in its UI and in workspace keys), the overrides, and ``env``."""
-    return {**copy.deepcopy(result.config), "overrides": list(result.overrides), "env": copy.deepcopy(result.env)}
+    ``attention.type`` in its UI and in workspace keys), the overrides, ``env``, and ``units``:
+    the unit of each summary metric that has one (from the record's registry)."""
+    view = RecordView.of(result)
+    units = {k: unit for k in run_summary(view) if (unit := view.unit(k))}
+    return {**copy.deepcopy(dict(view.config)), "overrides": view.overrides, "env": copy.deepcopy(dict(view.env)),
+            "units": units}
 
 
-def metric_goal(key: str) -> Optional[str]:
-    """``min`` (lower is better) for times (``*_ms*``, ``*_us_*``), energy, KV and peak memory
-    bytes and losses; ``max`` for tokens/s and batch capacity; None for the rest (counts, ratios,
-    intervals)."""
+# Units whose smaller number is better (time, energy, loss) and whose larger is (throughput, capacity),
+# as the Metric registry writes them.
+LOWER_UNITS = ("ms", "mJ", "mJ/token", "µs per 1,000 positions", "µs per 1,000 tokens of context",
+               "nats/token", "bits/byte")
+HIGHER_UNITS = ("tokens/s", "sequences")
+# Bytes a job is given or reads off the machine, not bytes it holds: no direction.
+_GIVEN_BYTES = ("weight_bytes", "weight_bytes_measured", "memory_budget_bytes", "corpus_bytes",
+                "nvml_device_used_bytes", "bytes_read_per_step")
+_LOWER_IS_BETTER = ("perplexity", "ppl_before_uptrain")  # unit "ratio": a ratio has no direction of its own
+
+
+def metric_goal(key: str, unit: Optional[str]) -> Optional[str]:
+    """``min`` (lower is better) or ``max`` for the metric ``key`` of ``unit`` (the registry's,
+    :meth:`RecordView.unit`): lower for times, energy, losses and the bytes a job holds (its KV
+    cache, its peaks), higher for tokens/s and batch capacity; None for the rest (counts, ratios,
+    the interval fields ``_ci_low`` / ``_ci_high`` / ``_n``, a metric without a unit)."""
     if key.endswith(("_ci_low", "_ci_high", "_n")):
         return None
-    if "tokens_per_s" in key or key.startswith("max_batch"):
+    if unit in HIGHER_UNITS:
         return "max"
-    if re.search(r"(^|_)(ms|us|mj)(_|$)", key) or re.search(r"(kv|peak)\w*bytes", key) or key in _LOWER_IS_BETTER:
+    if unit in LOWER_UNITS or (unit == "bytes" and key not in _GIVEN_BYTES) or key in _LOWER_IS_BETTER:
         return "min"
     return None
 
 
-_LOWER_IS_BETTER = ("perplexity", "val_loss", "bits_per_byte", "ppl_before_uptrain")
-
-
-def run_summary(result: RunResult) -> Dict[str, Any]:
+def run_summary(result: RunResult | RecordView) -> Dict[str, Any]:
     """Every scalar metric (W&B drops nulls, so they are left out), the status and the error."""
-    summary = {k: v for k, v in result.metrics.items()
+    view = RecordView.of(result)
+    summary = {k: v for k, v in view.metrics.items()
                if v is not None and isinstance(v, (bool, int, float, str))}
-    summary["status"] = result.status
-    if result.error:
-        summary["error"] = result.error
+    summary["status"] = view.status
+    if view.error:
+        summary["error"] = view.error
     return summary
 
 
@@ -172,6 +188,7 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
     (None when disabled or when W&B failed, which is logged as a warning and never raised)."""
     stage = "config"
     try:
+        view = RecordView.of(result)
         mode = resolve_mode(wandb_cfg.get("mode", "offline"))
         if mode == "disabled":
             return None
@@ -182,10 +199,10 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
             return wandb.init(
                 project=wandb_cfg.get("project") or "kvbench", entity=wandb_cfg.get("entity"),
                 group=wandb_cfg.get("group") or sweep_group(sweep_dir),
-                job_type=result.config.get("workload", {}).get("name", task) if task == "bench" else task,
-                name=run_name(result.overrides, swept_keys(sweep_dir), result.config),
+                job_type=(view.get("workload.name") or task) if task == "bench" else task,
+                name=run_name(view.overrides, swept_keys(sweep_dir), view.config),
                 tags=list(wandb_cfg.get("tags") or []) or None,
-                notes=result.error, config=run_config(result), dir=str(out_dir), mode=mode,
+                notes=view.error, config=run_config(view), dir=str(out_dir), mode=mode,
                 # No console capture or system-metrics thread; git state is in config env.
                 settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
                                         save_code=False, init_timeout=_init_timeout(wandb_cfg)),
@@ -196,7 +213,7 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
         logged = False
         try:
             stage = "log"
-            _log_record(wandb, run, result, Path(out_dir))
+            _log_record(wandb, run, view, Path(out_dir))
             run_dir = Path(run.settings.sync_dir)
             logged = True
         finally:
@@ -253,10 +270,10 @@ def _teardown(wandb) -> None:
         pass
 
 
-def _log_record(wandb, run, result: RunResult, out_dir: Path) -> None:
+def _log_record(wandb, run, result: RecordView, out_dir: Path) -> None:
     """Series against the ``step`` axis, tables, the summary and the results artifact."""
-    series = {k: v for k, v in result.series.items()
-              if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) and v}
+    series = {k: v for k in result.series_names
+              if (v := result.series(k)) and all(isinstance(x, (int, float)) for x in v)}
     if series:
         run.define_metric(STEP_AXIS, hidden=True, summary="none")
         for key in series:
@@ -264,12 +281,14 @@ def _log_record(wandb, run, result: RunResult, out_dir: Path) -> None:
             run.define_metric(key, step_metric=STEP_AXIS, summary="none")
         for i in range(max(len(v) for v in series.values())):
             run.log({STEP_AXIS: i, **{k: v[i] for k, v in series.items() if i < len(v)}})
-    for key, rows in result.tables.items():
+    for key in result.table_names:
+        rows = result.table(key)
         if rows:
             run.log({key: _table(wandb, rows)})
             _log_steps(run, key, rows)
     for key, value in run_summary(result).items():
-        goal = metric_goal(key) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        goal = metric_goal(key, result.unit(key)) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            else None
         if goal is not None:
             # Which way is better (W&B 0.31 has no ``goal`` argument: the summary aggregation says
             # it); the summary itself holds the record's value, set below.

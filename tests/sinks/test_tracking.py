@@ -17,16 +17,18 @@ from pathlib import Path
 import pytest
 
 from kvbench.results import RunResult, flatten, lookup, read_record
+from kvbench.sinks import tracking
 from kvbench.sinks.tracking import (
     UNREACHABLE_MARKER,
-    metric_goal,
     new_sweep,
+    run_config,
     run_name,
     short_name,
     sweep_group,
     swept_keys,
     track,
 )
+from kvbench.views import RecordView
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=5", "runtime.warmup=0",
         "runtime.repeats=1"]
@@ -286,10 +288,41 @@ def test_swept_keys_are_the_sweep_overrides_hydra_saved(sweep):
     assert swept_keys(sweep_dir) == ["attention.num_kv_heads"]  # not model=tiny, attention=gqa, ...
 
 
+def registry_units() -> RecordView:
+    """A view whose units are the registry's, every task's (patterns too: ``turn<k>_ttft_ms``)."""
+    from kvbench.jobs.runner import task_metrics
+
+    declared = {}
+    for task, workload in [("bench", "decode"), ("bench", "multiturn"), ("capacity", "decode"), ("train", "decode"),
+                           ("eval", "decode"), ("compare", "decode"), ("recall", "decode")]:
+        declared.update(task_metrics(task, workload))
+    return RecordView({"schema_version": 2, "units": {name: m.unit for name, m in declared.items()}})
+
+
 def test_metric_goal():
+    units = registry_units()
+
+    def metric_goal(key):  # the goal of a metric of the registry's unit
+        return tracking.metric_goal(key, units.unit(key))
+
     lower = ("decode_ms_p50", "prefill_ms", "turn1_ttft_ms", "decode_us_per_1k_ctx", "kv_cache_bytes_formula",
              "peak_rss_bytes", "energy_mj", "perplexity")
     assert [metric_goal(k) for k in lower] == ["min"] * len(lower)
     assert [metric_goal(k) for k in ("tokens_per_s", "tokens_per_s_longest", "max_batch_longest")] == ["max"] * 3
     assert [metric_goal(k) for k in ("decode_ms_p50_ci_low", "tokens_per_s_n", "num_params", "weight_bytes",
                                      "percent_of_peak")] == [None] * 5
+    # the unit decides, not the name: a metric named like a time but counted in tokens has no goal
+    assert tracking.metric_goal("prefill_ms", "tokens") is None and tracking.metric_goal("x", "ms") == "min"
+
+
+def test_the_run_config_holds_each_metrics_unit_from_the_record():
+    result = RunResult(status="ok", config={"attention": {"type": "mqa", "num_kv_heads": 1}},
+                       metrics={"decode_ms_p50": 1.0, "kv_cache_bytes": 64, "noisy": False, "gone": None},
+                       units={"decode_ms_p50": "ms", "kv_cache_bytes": "bytes", "noisy": "bool", "gone": "ms"})
+    config = run_config(result)
+    assert config["units"] == {"decode_ms_p50": "ms", "kv_cache_bytes": "bytes", "noisy": "bool"}  # null: unsummarised
+    assert config["attention"] == {"type": "mqa", "num_kv_heads": 1}
+    # a schema-1 record: the unit is its methods line's head
+    old = RunResult(status="ok", config={}, metrics={"prefill_ms": 2.0}, methods={"prefill_ms": "ms; prefill"},
+                    schema_version=1)
+    assert run_config(old)["units"] == {"prefill_ms": "ms"}
