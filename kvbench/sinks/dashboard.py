@@ -8,7 +8,10 @@ headline metrics). Panels are chosen from what the records hold:
 - an axis is a config key whose value differs across the jobs (:func:`compare.swept_axes`, the
   report's axes); a numeric axis that is not the variant is a scatter plot's x, the variant
   and any other categorical axis group a bar plot;
-- a metric is a panel's y only where some record has a number for it.
+- a metric is a panel's y only where some record has a number for it; a chart's metrics share
+  one unit, read from the records' registry (``RecordView.unit``), which its title names
+  (``decode_ms_p50, decode_ms_p99 (ms) by kv``): a family whose records give its members
+  different units is drawn as one chart per unit.
 
 Keys are written the way :mod:`tracking` records a run: config keys as ``wr.Config("a.b")`` (the
 run config is nested dicts, which W&B stores as ``a.value.b``: the form ``wr.Config`` writes),
@@ -30,9 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config_errors import one_line
 from kvbench.jsonio import write_json_atomic, write_text_atomic
-from kvbench.results import lookup
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, determined_by, swept_axes
 from kvbench.sinks.tracking import STEP_AXIS, TABLE_STEPS, UNREACHABLE_MARKER, resolve_mode, sweep_group
+from kvbench.views import views
 
 WORKSPACE_JSON, WORKSPACE_MD = "workspace.json", "workspace.md"
 # Section -> its charts, each a family of metrics in one unit and scale (a bar chart's bars), the
@@ -69,14 +72,30 @@ class Dashboard:
         return [(s.name, p) for s in self.workspace.sections for p in s.panels]
 
 
-def _numbers(records: Sequence[Dict[str, Any]], key: str) -> bool:
-    return any(isinstance(v, (int, float)) and not isinstance(v, bool)
-               for v in ((r.get("metrics") or {}).get(key) for r in records))
+def _numbers(records: Sequence[Any], key: str) -> bool:
+    return any(r.number(key) is not None for r in views(records))
 
 
-def _numeric_axis(records: Sequence[Dict[str, Any]], key: str) -> bool:
-    values = [lookup(r.get("config") or {}, key) for r in records]
+def _numeric_axis(records: Sequence[Any], key: str) -> bool:
+    values = [r.get(key) for r in views(records)]
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None)
+
+
+def unit_of(records: Sequence[Any], metric: str) -> Optional[str]:
+    """The unit of ``metric`` as the records' registry gives it (the first record that declares one)."""
+    return next((u for r in views(records) if (u := r.unit(metric)) is not None), None)
+
+
+def _in(unit: Optional[str]) -> str:
+    return f" ({unit})" if unit else ""
+
+
+def by_unit(records: Sequence[Any], family: Sequence[str]) -> List[Tuple[Optional[str], List[str]]]:
+    """A family of metrics split into charts of one unit each: (unit, metrics), in the family's order."""
+    out: Dict[Optional[str], List[str]] = {}
+    for metric in family:
+        out.setdefault(unit_of(records, metric), []).append(metric)
+    return list(out.items())
 
 
 def _finest(records: Sequence[Dict[str, Any]], axes: Sequence[Axis]) -> List[Axis]:
@@ -91,8 +110,8 @@ def _finest(records: Sequence[Dict[str, Any]], axes: Sequence[Axis]) -> List[Axi
 
 def _wandb_settings(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The sweep's ``wandb`` config (its first record that has one)."""
-    for rec in records:
-        cfg = (rec.get("config") or {}).get("wandb")
+    for rec in views(records):
+        cfg = rec.config.get("wandb")
         if isinstance(cfg, dict):
             return cfg
     return {}
@@ -113,12 +132,19 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
     bar_axes = _finest(records, variant_axes) + [a for a in axes if a not in variant_axes and a not in x_axes]
     present = {name: [kept for family in families if (kept := [m for m in family if _numbers(records, m)])]
                [:HEADLINE] for name, families in SECTIONS.items()}
+    # a chart holds one unit (a family the records give two units is split)
+    present = {name: [ms for family in families for _, ms in by_unit(records, family)]
+               for name, families in present.items()}
+
+    def titled(metrics: Sequence[str]) -> str:
+        return ", ".join(metrics) + _in(unit_of(records, metrics[0]))
 
     def scatter(metric: str, axis: Axis):
-        return wr.ScatterPlot(title=f"{metric} vs {axis[1]}", x=wr.Config(axis[0]), y=wr.SummaryMetric(metric))
+        return wr.ScatterPlot(title=f"{titled([metric])} vs {axis[1]}", x=wr.Config(axis[0]),
+                              y=wr.SummaryMetric(metric))
 
     def bars(metrics: Sequence[str], axis: Axis):
-        return wr.BarPlot(title=f"{', '.join(metrics)} by {axis[1]}", metrics=list(metrics), groupby=wr.Config(axis[0]),
+        return wr.BarPlot(title=f"{titled(metrics)} by {axis[1]}", metrics=list(metrics), groupby=wr.Config(axis[0]),
                           groupby_aggfunc="mean", groupby_rangefunc="minmax")
 
     headline = [families[0][0] for families in present.values() if families]
@@ -131,14 +157,16 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
         panels = [scatter(m, axis) for axis in x_axes for family in families for m in family[:SCATTERED]]
         panels += [bars(family, axis) for axis in bar_axes for family in families]
         if name == "Memory" and all(m in metrics for m in FORMULA_VS_MEASURED):
-            panels.append(wr.ScatterPlot(title="KV bytes: formula vs measured",
+            kv_unit = _in(unit_of(records, "kv_cache_bytes"))
+            panels.append(wr.ScatterPlot(title=f"KV bytes: formula vs measured{kv_unit}",
                                          x=wr.SummaryMetric(FORMULA_VS_MEASURED[0]),
                                          y=wr.SummaryMetric(FORMULA_VS_MEASURED[1])))
-        stepped = [s for s in STEPPED.get(name, ()) if any((r.get("series") or {}).get(s) for r in records)]
-        panels += [wr.LinePlot(title=f"{s} per {STEP_AXIS}", x=STEP_AXIS, y=[s]) for s in stepped]
+        stepped = [s for s in STEPPED.get(name, ()) if any(r.series(s) for r in views(records))]
+        panels += [wr.LinePlot(title=f"{s}{_in(unit_of(records, f'series.{s}'))} per {STEP_AXIS}", x=STEP_AXIS,
+                               y=[s]) for s in stepped]
         if panels:
             sections.append(ws.Section(name=name, panels=panels, is_open=name == "Latency"))
-    turn_rows = [row for r in records for row in ((r.get("tables") or {}).get(TURNS) or [])]
+    turn_rows = [row for r in views(records) for row in r.table(TURNS)]
     if turn_rows:
         columns = sorted({c for row in turn_rows for c, v in row.items() if c != TABLE_STEPS[TURNS]
                           and isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -147,7 +175,7 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
             wr.LinePlot(title=f"{c} per turn", x=TABLE_STEPS[TURNS], y=[f"{TURNS}/{c}"]) for c in per_turn]
             + [wr.WeavePanelSummaryTable(table_name=TURNS)]))
     groupby = [ws.Config(k) for k, _ in variant_axes] or [
-        ws.Config(k) for k in VARIANT_KEYS[:2] if any(lookup(r.get("config") or {}, k) is not None for r in records)]
+        ws.Config(k) for k in VARIANT_KEYS[:2] if any(r.get(k) is not None for r in views(records))]
     workspace = ws.Workspace(
         entity=entity if entity is not None else (settings.get("entity") or ""),
         project=settings.get("project") or "kvbench", name=f"kvbench {group or 'sweep'}", sections=sections,

@@ -184,3 +184,23 @@ def test_bars_group_by_the_variant_axis_that_tells_the_variants_apart():
     scatters = {(p.x.name, p.y.name) for _, p in board.panels() if type(p).__name__ == "ScatterPlot"}
     assert scatters == {("workload.batch_size", "decode_ms_p50"), ("workload.batch_size", "tokens_per_s")}
     assert board.group == "x" and [s.name for s in board.workspace.sections] == ["Sweep", "Latency", "Throughput"]
+
+
+def test_a_chart_holds_one_unit_read_from_the_records():
+    def rec(kind, kv, p99_unit="ms"):
+        return {"status": "ok", "schema_version": 2,
+                "config": {"attention": {"type": kind, "num_kv_heads": kv}, "wandb": {"mode": "offline"}},
+                "metrics": {"decode_ms_p50": 1.0 * kv, "decode_ms_p99": 2.0 * kv, "kv_cache_bytes": 64 * kv},
+                "units": {"decode_ms_p50": "ms", "decode_ms_p99": p99_unit, "kv_cache_bytes": "bytes"}}
+
+    def bars(records):
+        return {p.title: list(p.metrics) for _, p in build(records, "multirun/x").panels()
+                if type(p).__name__ == "BarPlot"}
+
+    assert bars([rec("mha", 8), rec("mqa", 1)]) == {
+        "decode_ms_p50, decode_ms_p99 (ms) by attn": ["decode_ms_p50", "decode_ms_p99"],
+        "kv_cache_bytes (bytes) by attn": ["kv_cache_bytes"]}
+    # a family whose records give its members two units is two charts, each titled by its unit
+    assert bars([rec("mha", 8, "µs"), rec("mqa", 1, "µs")]) == {
+        "decode_ms_p50 (ms) by attn": ["decode_ms_p50"], "decode_ms_p99 (µs) by attn": ["decode_ms_p99"],
+        "kv_cache_bytes (bytes) by attn": ["kv_cache_bytes"]}
