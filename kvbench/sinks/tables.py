@@ -181,10 +181,21 @@ NOT_SIGNIFICANT = "not significant"
 NO_INTERVAL = "no interval"
 
 
+def spec_for(record: Record, column: Column) -> str:
+    """How ``column``'s value is written for ``record``: in binary byte units where the record's
+    registry says its unit is bytes, as a plain number where it names another unit for a column
+    declared in bytes, else the column's own format (a record that declares no unit)."""
+    unit = RecordView.of(record).unit(column.key)
+    if unit == "bytes":
+        return "bytes"
+    return "{:,}" if column.spec == "bytes" and unit is not None else column.spec
+
+
 def value_text(record: Record, column: Column) -> str:
     """A metric of a record as a table cell, with its interval where the record has one: the one
     place a value is written."""
-    return with_interval(RecordView.of(record).metrics, column.key, column.spec)
+    view = RecordView.of(record)
+    return with_interval(view.metrics, column.key, spec_for(view, column))
 
 
 def ratio_text(ratio: Optional[float]) -> str:

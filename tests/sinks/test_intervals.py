@@ -154,3 +154,17 @@ def test_no_ratio_of_a_timed_figure_reads_as_significant_without_intervals():
         {"variant": "gqa", "step_ms_ctx64": 0.8, "step_ratio_ctx64": 0.8035, "step_ratio_ctx64_ci_low": None,
          "step_ratio_ctx64_ci_high": None}]}})
     assert rows[1][header.index("step ratio @64")] == f"0.803×, {NO_INTERVAL}"
+
+
+def test_a_value_is_written_in_the_unit_its_record_declares():
+    from kvbench.sinks.tables import spec_for
+
+    column = Column("kv_cache_bytes", "KV cache", "bytes")
+    rec = {"status": "ok", "schema_version": 2, "config": {}, "metrics": {"kv_cache_bytes": 3 * 2**20},
+           "units": {"kv_cache_bytes": "bytes"}}
+    assert value_text(rec, column) == "3.00 MiB" and spec_for(rec, column) == "bytes"
+    # a unit other than bytes is a plain number; a record that declares none keeps the column's format
+    assert value_text({**rec, "units": {"kv_cache_bytes": "count"}}, column) == "3,145,728"
+    assert value_text({**rec, "units": {}}, column) == "3.00 MiB"
+    ms = Column("decode_ms_p50", "decode p50 ms", "{:.3f}")
+    assert value_text({**rec, "metrics": {"decode_ms_p50": 1.23456}, "units": {"decode_ms_p50": "ms"}}, ms) == "1.235"
