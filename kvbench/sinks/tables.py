@@ -285,12 +285,13 @@ class Cell:
 
     def baseline(self) -> Optional[str]:
         """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
-        KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype."""
+        KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype
+        and every layer's positions (no window)."""
         ok = [(label, view.variant) for label, view in self.jobs.items() if view.ok]
         if not ok:
             return None
         return max(ok, key=lambda item: (item[1].layout == "mha", item[1].num_kv_heads or 0,
-                                         not item[1].quantized))[0]
+                                         not item[1].quantized, not item[1].windowed))[0]
 
 
 @dataclass
