@@ -274,7 +274,34 @@ class RecordView:
         ``compare`` | ``recall``."""
         if self.task in ("train", "eval", "capacity", "compare", "recall"):
             return self.task
-        return self.get("workload.name") or "decode"
+        return self.workload or "decode"
+
+    @property
+    def workload(self) -> Optional[str]:
+        """``workload.name`` (decode, multiturn) where the record keeps it."""
+        name = self.get("workload.name")
+        return name if isinstance(name, str) else None
+
+    def _count(self, dotted: str) -> Optional[int]:
+        return _int(self.get(dotted))
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        return self._count("workload.batch_size")
+
+    @property
+    def prompt_len(self) -> Optional[int]:
+        return self._count("workload.prompt_len")
+
+    @property
+    def gen_len(self) -> Optional[int]:
+        return self._count("workload.gen_len")
+
+    @property
+    def positions_held(self) -> Optional[int]:
+        """Positions a decode run's cache holds at its end: prompt_len + gen_len (None unless both)."""
+        prompt, gen = self.prompt_len, self.gen_len
+        return None if prompt is None or gen is None else prompt + gen
 
     @property
     def variant(self) -> Variant:

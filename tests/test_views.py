@@ -155,3 +155,12 @@ def test_a_job_records_each_metrics_unit_from_the_registry(tmp_path):
     view = RecordView(record)
     assert view.unit("decode_ms_p50") == "ms" and view.unit("kv_cache_bytes") == "bytes"
     assert all(view.unit(name) == declared[name].unit for name in record.metrics if name in declared)
+
+
+def test_the_workloads_sizes_are_typed():
+    view = RecordView({"status": "ok", "config": {"workload": {"name": "decode", "batch_size": 2, "prompt_len": 16,
+                                                               "gen_len": 4}}})
+    assert (view.workload, view.batch_size, view.prompt_len, view.gen_len, view.positions_held) == (
+        "decode", 2, 16, 4, 20)
+    odd = RecordView({"status": "ok", "config": {"workload": {"prompt_len": "16", "gen_len": True}}})
+    assert odd.prompt_len is None and odd.gen_len is None and odd.positions_held is None

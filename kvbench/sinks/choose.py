@@ -80,7 +80,7 @@ def _recall(records: Sequence[Record]) -> Dict[str, str]:
 
 def is_chat(rec: Record) -> bool:
     """A ``task=capacity`` record of the multi-turn chat (its max batch counts conversations)."""
-    return RecordView.of(rec).get("workload.name") == "multiturn"
+    return RecordView.of(rec).workload == "multiturn"
 
 
 def decode_capacity(records: Sequence[Record]) -> List[Record]:

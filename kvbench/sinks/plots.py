@@ -122,15 +122,14 @@ def metric_interval(key: str) -> Callable[[Record], Optional[Tuple[float, float]
 
 def positions_held(rec: Record) -> Optional[int]:
     """Positions a decode run's cache holds at the end: prompt_len + gen_len."""
-    prompt, gen = (RecordView.of(rec).get(f"workload.{k}") for k in ("prompt_len", "gen_len"))
-    return prompt + gen if prompt is not None and gen is not None else None
+    return RecordView.of(rec).positions_held
 
 
 def per_token(key: str) -> Callable[[Record], Optional[float]]:
     """A decode run's metric ``key`` (bytes) per cached token: / (batch_size x positions held)."""
     def value(rec: Record) -> Optional[float]:
         total, held = metric(key)(rec), positions_held(rec)
-        batch = RecordView.of(rec).get("workload.batch_size")
+        batch = RecordView.of(rec).batch_size
         return total / (batch * held) if total is not None and held and batch else None
     return value
 

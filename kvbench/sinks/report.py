@@ -203,8 +203,8 @@ def kv_cost_across_prompts(records: Sequence[Dict[str, Any]]) -> List[Dict[str, 
     groups: Dict[tuple, Dict[str, list]] = {}
     variants: Dict[str, Variant] = {}
     for rec in decode:
-        prompt, gen = rec.get("workload.prompt_len"), rec.get("workload.gen_len")
-        if not isinstance(prompt, int) or not isinstance(gen, int):
+        prompt, gen = rec.prompt_len, rec.gen_len
+        if prompt is None or gen is None:
             continue
         cell = tuple((k, rec.get(k)) for k in others)
         variants[rec.variant.label] = rec.variant
