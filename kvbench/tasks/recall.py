@@ -38,7 +38,7 @@ from kvbench.quality.recall import Condition, accuracy, chance, eval_set, train_
 from kvbench.quality.train import train
 from kvbench.recall_config import RecallConfig
 from kvbench.results import RunResult
-from kvbench.tasks.common import Progress
+from kvbench.tasks.common import Progress, variant_label
 
 EVAL_SEED_OFFSET = 1_000_003  # eval sets drawn from another stream than training (the split is by hash anyway)
 DECODE_STEPS = 16  # timed decode steps of batch 1 after a prefill of the longest length
@@ -142,7 +142,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     per_seed: Dict[str, Dict[Condition, List[float]]] = {s: {c: [] for c in conds} for s in stages}
     seconds, model = 0.0, None
     steps = cfg.train.steps + (r.uptrain_steps or 0)
-    label = f"recall {r.kind} {attention.type} kv={attention.num_kv_heads}"
+    label = f"recall {r.kind} {variant_label(attention)}"
     with progress(label, steps * len(seeds)) as tick:
         for seed in seeds:
             sets = {c: eval_set(c, r.eval_sequences, r.vocab_size, r.digits, EVAL_SEED_OFFSET + seed) for c in conds}
