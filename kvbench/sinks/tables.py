@@ -412,8 +412,11 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
 
 # ---- an interleaved comparison (task=compare) ---------------------------------------------------
 
-def _contexts(row: Mapping[str, Any]) -> List[int]:
-    return sorted(int(m.group(1)) for m in (re.fullmatch(r"step_ms_ctx(\d+)", k) for k in row) if m)
+def _contexts(view: RecordView, row: Mapping[str, Any]) -> List[int]:
+    """The contexts the job timed (its ``compare.contexts``) that the table has a column for."""
+    contexts = view.get("compare.contexts")
+    numbers = {c for c in contexts if isinstance(c, int)} if isinstance(contexts, list) else set()
+    return sorted(c for c in numbers if f"step_ms_ctx{c}" in row)
 
 
 def _ratio_cell(row: Mapping[str, Any], key: str, baseline: bool) -> str:
@@ -433,10 +436,11 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
     """(header, rows) of a ``task=compare`` record's ``tables.compare``: per variant the step at
     each context, the KV cost slope, and ratios to the first variant (paired over rounds, with
     intervals) beside the ratio the KV bytes predict. Empty for any other record."""
-    rows = RecordView.of(record).table("compare")
-    if not rows:
+    view = RecordView.of(record)
+    rows = view.table("compare")
+    contexts = _contexts(view, rows[0]) if rows else []
+    if not contexts:
         return [], []
-    contexts = _contexts(rows[0])
     longest = contexts[-1]
     header = ["variant", *[f"step ms @{c}" for c in contexts], "KV µs / 1k ctx", "slope ratio",
               "KV bytes ratio", f"step ratio @{longest}", f"KV share @{longest}"]

@@ -62,7 +62,8 @@ def compare_record():
             row.update(ci(ratio, ratio - 0.1, ratio + 0.1, "slope_ratio"),
                        **ci(ms / 10, ms / 10 - 0.02, ms / 10 + 0.02, "step_ratio_ctx1024"))
         rows.append(row)
-    return {"job": ".", "status": "ok", "config": {"task": "compare", "model": {"name": "m"}},
+    return {"job": ".", "status": "ok", "config": {"task": "compare", "model": {"name": "m"},
+                                                   "compare": {"contexts": [512, 1024]}},
             "metrics": {"rounds": 6}, "tables": {"compare": rows}}
 
 
@@ -149,7 +150,7 @@ def test_no_ratio_of_a_timed_figure_reads_as_significant_without_intervals():
     assert comparison.text(cell, "gqa kv=2", ttft) == f"6.36 (3.18×, {NO_INTERVAL})"
     exact = Column("kv_cache_bytes", "KV", "{}")
     assert NO_INTERVAL not in comparison.text(cell, "mqa kv=1", exact)  # bytes are exact: no interval to want
-    header, rows = interleaved_table({"status": "ok", "tables": {"compare": [
+    header, rows = interleaved_table({"status": "ok", "config": {"compare": {"contexts": [64]}}, "tables": {"compare": [
         {"variant": "mha", "step_ms_ctx64": 1.0, "step_ratio_ctx64": 1.0},
         {"variant": "gqa", "step_ms_ctx64": 0.8, "step_ratio_ctx64": 0.8035, "step_ratio_ctx64_ci_low": None,
          "step_ratio_ctx64_ci_high": None}]}})

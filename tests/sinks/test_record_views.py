@@ -103,3 +103,18 @@ def test_records_with_missing_keys_reach_every_sink_without_a_key_error(tmp_path
         assert summary["status"] == rec["status"] and tracking.run_config(RecordView(rec))["units"] == {}
         console.run_table(rec)
         assert console.record_notes(rec) == []
+
+
+def test_a_compare_records_table_has_a_column_per_context_it_timed(tmp_path):
+    from conftest import compose
+
+    from kvbench.jobs.runner import run_job
+    from kvbench.sinks.tables import interleaved_table
+
+    record = run_job(compose("wandb.mode=disabled", "task=compare", "model=tiny", "model.max_seq_len=64",
+                             "runtime.threads=1", "compare.variants=[mha,mqa]", "compare.contexts=[8,4,16]",
+                             "compare.steps=2", "runtime.warmup=0", "runtime.repeats=2"), tmp_path)
+    assert record.status == "ok", record.error
+    header, rows = interleaved_table(record)
+    assert header[1:4] == ["step ms @4", "step ms @8", "step ms @16"] and [r[0] for r in rows] == ["mha_kv8", "mqa_kv1"]
+    assert RecordView(record).unit("mqa_kv1_step_ms_ctx16") == "ms"  # the registry's pattern, recorded
