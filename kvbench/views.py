@@ -169,6 +169,11 @@ def ordered(variants: Sequence[Variant]) -> List[Variant]:
     return sorted(set(variants), key=lambda v: v.order)
 
 
+def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str]:
+    """``labels`` in their variants' order (``variants``: label -> variant), never by the text."""
+    return sorted(labels, key=lambda label: variants[label].order)
+
+
 # ---- a record ------------------------------------------------------------------------------------
 
 def v1_units(methods: Mapping[str, Any]) -> Dict[str, str]:

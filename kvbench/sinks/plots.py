@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from kvbench.jsonio import atomic_write
 from kvbench.sinks.choose import decode_capacity
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, natural
-from kvbench.views import RecordView, Variant, ordered
+from kvbench.views import RecordView, Variant, in_order, ordered
 
 Point = Tuple[float, float]
 Series = Dict[str, List[Point]]  # attention variant's label -> points sorted by x
@@ -70,7 +70,7 @@ def variants_of(records) -> Dict[str, Variant]:
 
 
 def _in_order(series: Dict[str, Any], variants: Dict[str, Variant]) -> Dict[str, Any]:
-    return {label: series[label] for label in sorted(series, key=lambda label: variants[label].order)}
+    return {label: series[label] for label in in_order(list(series), variants)}
 
 
 def _ok(records, kind_name: Optional[str] = None) -> List[RecordView]:

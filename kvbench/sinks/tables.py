@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.results import flatten, record_view
 from kvbench.units import human_bytes
 from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
-from kvbench.views import RecordView, Variant
+from kvbench.views import RecordView, Variant, in_order
 
 # What a sink is handed: a record as report.collect reads it (a mapping), a RunResult or a view;
 # every sink reads it through :class:`~kvbench.views.RecordView`.
@@ -268,12 +268,6 @@ def variant(record: Record) -> str:
     """``mha kv=8``, ``gqa kv=2 w=1024 5:1``, ``mla r=32 int8``: the record's attention variant as
     every table and plot names it (:attr:`kvbench.views.Variant.label`)."""
     return RecordView.of(record).variant.label
-
-
-def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str]:
-    """``labels`` in their variants' order (:attr:`kvbench.views.Variant.order`, from the fields);
-    ``variants``: label -> variant."""
-    return sorted(labels, key=lambda label: variants[label].order)
 
 
 @dataclass
