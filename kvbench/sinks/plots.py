@@ -52,6 +52,8 @@ def palette(variants: Sequence[Variant]) -> Dict[str, str]:
     colours: Dict[str, str] = {}
     gqa = iter(GQA_COLOURS)
     for v in ordered([v.with_sharing(None) for v in variants]):
+        if v.label in colours:  # the same variant of another model: one panel never holds two
+            continue
         plain = not (v.quantized or v.windowed)
         colours[v.label] = ({"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(v.layout) if plain else None) \
             or next(gqa, "black")
