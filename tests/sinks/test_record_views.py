@@ -118,3 +118,12 @@ def test_a_compare_records_table_has_a_column_per_context_it_timed(tmp_path):
     header, rows = interleaved_table(record)
     assert header[1:4] == ["step ms @4", "step ms @8", "step ms @16"] and [r[0] for r in rows] == ["mha_kv8", "mqa_kv1"]
     assert RecordView(record).unit("mqa_kv1_step_ms_ctx16") == "ms"  # the registry's pattern, recorded
+
+
+def test_a_runs_w_and_b_name_is_its_variants_label():
+    config = {"model": {"name": "gemma3"}, "attention": {"type": "gqa", "num_kv_heads": 2, "window": 1024,
+                                                         "global_every": 6}, "workload": {"name": "decode"}}
+    assert tracking.short_name(config) == "gemma3 gqa kv=2 w=1024 5:1 decode"
+    mla = {"model": {"name": "deepseek"}, "attention": {"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 512},
+           "cache": {"dtype": "int8"}, "task": "capacity"}
+    assert tracking.short_name(mla) == "deepseek mla r=512 int8 capacity"
