@@ -18,6 +18,7 @@ from kvbench.config import to_bench_config
 from kvbench.config_errors import ConfigError
 from kvbench.footprint import check_fits, job_footprint
 from kvbench.jobs.runner import run_job
+from kvbench.results import RecordError, read_record
 from kvbench.sinks.report import MD_FILE, write_report
 
 FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2",
@@ -223,3 +224,48 @@ def test_report_of_good_recall_records_says_nothing_is_left_out(tmp_path):
         (tmp_path / name / "results.json").write_text(json.dumps(_recall_record(kv, [GOOD_ROW])))
     write_report(tmp_path, plots=False)
     assert "left out" not in Path(tmp_path / MD_FILE).read_text()
+
+
+# ---- kvbench-report on records of the wrong type, of every kind ---------------------------
+
+COMMITTED = Path(__file__).resolve().parents[1] / "experiments" / "results"
+
+
+def _copy_sweep(name: str, tmp_path: Path) -> list:
+    """The committed sweep ``name`` copied to tmp_path; its records as dicts, in job order."""
+    paths = sorted((COMMITTED / name).glob("*/results.json"))
+    for path in paths:
+        (tmp_path / path.parent.name).mkdir()
+        (tmp_path / path.parent.name / "results.json").write_bytes(path.read_bytes())
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _set(record: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = record
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = value
+
+
+@pytest.mark.parametrize("sweep, dotted, value, unreadable", [
+    ("mla_small", "config.model.name", [1, "a"], True),            # TypeError: unhashable (report.py)
+    ("mla_small", "config.attention.num_kv_heads", {"a": 1}, True),  # TypeError in the variants' order
+    ("choose", "config.train", True, True),                          # AttributeError
+    ("choose", "metrics.max_batch_longest", -1, False),              # ValueError: max() of nothing
+    ("choose", "tables.capacity.0.context", None, False),            # TypeError: int > None
+])
+def test_report_on_a_record_of_the_wrong_type_or_meaning_never_crashes(tmp_path, sweep, dotted, value, unreadable):
+    """A record read back is checked: an ok record whose config holds another type than the
+    schema's is unreadable (its row says so, as for a torn file); a capacity figure that is no
+    count is left out of the recommendations. Each crashed kvbench-report before."""
+    records = _copy_sweep(sweep, tmp_path)
+    _set(records[0], dotted, value)
+    first = sorted(tmp_path.iterdir())[0]
+    (first / "results.json").write_text(json.dumps(records[0]))
+    write_report(tmp_path, plots=False)
+    text = (tmp_path / MD_FILE).read_text()
+    assert ("unreadable" in text) == unreadable
+    if unreadable:
+        with pytest.raises(RecordError, match=dotted.replace(".", r"\.") + " has type"):
+            read_record(first)
