@@ -183,8 +183,8 @@ class WandbConfig:
     group: Optional[str] = None  # null: the sweep directory's name
     tags: List[str] = field(default_factory=list)
     # online: how long wandb.init may try to reach the server before the job falls back to
-    # writing the run offline (W&B's own default is 90 s, per job).
-    init_timeout_s: float = 10.0
+    # writing the run offline (W&B's own default is 90 s, per job; raise it on a slow link).
+    init_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         check_numbers("wandb", self)

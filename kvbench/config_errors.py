@@ -117,6 +117,8 @@ def _omegaconf_error(exc: OmegaConfBaseException, schema: type, data: Any, prefi
         return f"{prefix}{key}: renamed to {RENAMED_KEYS[prefix + key]}"
     # OmegaConf's text goes on with full_key / object_type lines: keep its first line.
     why = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+    if "is not a ListConfig, list or tuple" in why:  # OmegaConf's words for a scalar given for a list
+        why = "must be a list (brackets: [a,b])"
     parent, _, name = key.rpartition(".")
     if isinstance(exc, ConfigKeyError) and name:
         group = schema

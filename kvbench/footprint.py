@@ -31,6 +31,8 @@ BUILD_BYTES_PER_PARAM = 4
 # rope_tables: float64 angles (S, D/2), their concatenation (S, D), cos and sin in float64, then
 # float32 copies of both: about 3 float64 tables of (S, D) alive at once at the peak.
 ROPE_PEAK_BYTES_PER_ELEMENT = 3 * 8
+# MLA's ranks and widths size its projections and its latent cache: a refusal names them.
+_MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
@@ -53,21 +55,35 @@ def rope_peak_bytes(model: ModelConfig) -> int:
     return model.max_seq_len * model.head_dim * ROPE_PEAK_BYTES_PER_ELEMENT
 
 
+def recall_data_bytes(cfg: BenchConfig) -> int:
+    """task=recall's held-out sets, all held at once (tasks/recall.py): ``eval_sequences`` rows
+    of inputs and targets (int64) per condition; an MQAR draw also holds a float32 permutation of
+    the keys and its int64 argsort per row (quality/recall.py). A lower bound: the draws hold more."""
+    r = cfg.recall
+    per_length = len(r.num_pairs) if r.kind == "mqar" else len(r.distances)  # conditions per seq_len
+    sets = r.eval_sequences * per_length * sum(r.seq_len) * 2 * 8
+    keys = r.eval_sequences * max(0, r.vocab_size // 2 - 1) * (4 + 8) if r.kind == "mqar" else 0
+    return max(sets, keys)
+
+
 @dataclass
 class Footprint:
-    """A job's memory before activations: weights as built, rotary tables, KV cache (formula)."""
+    """A job's memory before activations: weights as built, rotary tables, KV cache (formula),
+    and the data a task holds whole (task=recall's held-out sets)."""
 
     weights: int
     rope: int
     kv_cache: int
+    data: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.rope + self.kv_cache
+        return self.weights + self.rope + self.kv_cache + self.data
 
     def describe(self) -> str:
         return (f"weights {human_bytes(self.weights)} + rotary tables {human_bytes(self.rope)} + "
-                f"KV cache {human_bytes(self.kv_cache)}")
+                f"KV cache {human_bytes(self.kv_cache)}"
+                + (f" + held-out recall sets {human_bytes(self.data)}" if self.data else ""))
 
 
 def job_footprint(cfg: BenchConfig) -> Footprint:
@@ -77,9 +93,15 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     m, a = cfg.model, cfg.attention
     kv = 0
     if cfg.task == "bench" and cfg.cache.impl != "none":
-        kv = kv_cache_bytes(m.num_layers, a.num_kv_heads, m.head_dim, cfg.workload.total_len,
-                            cfg.workload.batch_size, DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
-    return Footprint(parameter_count(m, a) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(m), kv)
+        # The record's formula (workloads/decode.py): MLA's latent, a window's ring.
+        heads, width, latent = a.kv_dims(m)
+        kv = kv_cache_bytes(m.num_layers, heads, width, cfg.workload.total_len, cfg.workload.batch_size,
+                            DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype, a.layer_windows(m.num_layers),
+                            latent=latent)
+    data = 0
+    if cfg.task == "recall":  # its model has the task's vocabulary (tasks/recall.py)
+        m, data = dataclasses.replace(m, vocab_size=cfg.recall.vocab_size), recall_data_bytes(cfg)
+    return Footprint(parameter_count(m, a) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(m), kv, data)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -136,7 +158,10 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
     if need.total > have:
         m = cfg.model
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
-                + (f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else ""))
+                + "".join(f", attention.{k}={getattr(cfg.attention, k)}" for k in _MLA_SIZES if cfg.attention.latent)
+                + (f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")
+                + (f", recall.vocab_size={cfg.recall.vocab_size}, recall.eval_sequences={cfg.recall.eval_sequences}"
+                   if cfg.task == "recall" else ""))
         where = f"model.path={m.path}: " if m.path else ""
         raise ConfigError(f"{where}the job needs at least {human_bytes(need.total)} ({need.describe()}; {keys}), "
                           f"more than the {human_bytes(have)} {device.type} memory available; nothing was built")

@@ -310,6 +310,9 @@ class AttentionConfig:
     def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
         """window, global_every and layer_types: each null one is the model's own; checked against
         the model's layer count."""
+        check(self.window is None or self.window <= model.max_seq_len, "attention.window", self.window,
+              f"must be <= model.max_seq_len={model.max_seq_len} (a window that long drops no position; "
+              "0: no window)")
         window = model.preset_window if self.window is None else self.window
         if self.layer_types is not None or self.global_every is not None:
             global_every, layer_types = self.global_every, self.layer_types
@@ -317,8 +320,16 @@ class AttentionConfig:
             global_every, layer_types = model.preset_global_every, model.preset_layer_types
         check_window_pattern("attention.", window, global_every, layer_types, model.num_layers)
         if window is None:
+            self._check_no_pattern(f"model {model.name} has none and attention.window is null; "
+                                   "set attention.window=W")
             return {}
         return {"window": window, "global_every": global_every, "layer_types": layer_types}
+
+    def _check_no_pattern(self, why: str) -> None:
+        """A layer pattern with no window to apply it to would be dropped from the run: refuse it."""
+        for key in ("layer_types", "global_every"):
+            check(getattr(self, key) is None, f"attention.{key}", getattr(self, key),
+                  f"says which layers are local, but there is no window: {why}")
 
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
@@ -326,6 +337,7 @@ class AttentionConfig:
         window = model.preset_window if self.window is None else self.window
         check(not window, "attention.window", window,
               "is not supported with attention=mla yet (a latent cache has no ring); use attention.window=0")
+        self._check_no_pattern("attention=mla has no sliding window")
         D = model.head_dim
         own = model.preset_mla or MLAShape(q_lora_rank=0, kv_lora_rank=4 * D, qk_nope_head_dim=D,
                                            qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)

@@ -12,13 +12,15 @@ which value was what.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import stat
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config import objective_metric
+from kvbench.config import BenchConfig, objective_metric
 from kvbench.jsonio import plain, read_json, write_json_atomic
 from kvbench.model_config import MLA_FIELDS
 
@@ -143,7 +145,52 @@ def _shape_error(data: Dict[str, Any]) -> Optional[str]:
             return f"tables.{name} is not a list of rows"
     if not all(isinstance(o, str) for o in data.get("overrides", [])):
         return "overrides holds a value that is not a string"
+    if data.get("status") == "ok":  # the resolved config: what the sinks compute from
+        return _config_type_error(data["config"])
     return None
+
+
+def _json_types(hint: Any) -> Optional[tuple]:
+    """The JSON types a schema annotation allows (an int for a float too), None: not checked."""
+    if dataclasses.is_dataclass(hint) or typing.get_origin(hint) is dict or hint is dict:
+        return (dict,)
+    if typing.get_origin(hint) is list or hint is list:
+        return (list,)
+    if typing.get_origin(hint) is typing.Union:
+        parts = [_json_types(a) for a in typing.get_args(hint) if a is not type(None)]
+        return None if None in parts else (type(None), *[t for p in parts for t in p])
+    return {int: (int,), float: (int, float), str: (str,), bool: (bool,)}.get(hint)
+
+
+def _schema(cls: type) -> Dict[str, tuple]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: kinds for f in dataclasses.fields(cls) if (kinds := _json_types(hints[f.name])) is not None}
+
+
+# BenchConfig's keys and each group's: the JSON types an ok record's config holds there.
+_CONFIG_SCHEMA = _schema(BenchConfig)
+_GROUP_SCHEMAS = {name: _schema(hint) for name, hint in typing.get_type_hints(BenchConfig).items()
+                  if dataclasses.is_dataclass(hint)}
+
+
+def _config_type_error(config: Mapping[str, Any]) -> Optional[str]:
+    """A key of an ok record's config holding a value of another type than the schema's (a list
+    for model.name, a mapping for attention.num_kv_heads, true for the train group): the sinks
+    that compute from it would crash. Keys the schema does not know are left alone."""
+    for name, value in config.items():
+        kinds = _CONFIG_SCHEMA.get(name)
+        if kinds is not None and not _has_type(value, kinds):
+            return f"config.{name} has type {type(value).__name__}"
+        for key, item in (value.items() if name in _GROUP_SCHEMAS and isinstance(value, dict) else ()):
+            kinds = _GROUP_SCHEMAS[name].get(key)
+            if kinds is not None and not _has_type(item, kinds):
+                return f"config.{name}.{key} has type {type(item).__name__}"
+    return None
+
+
+def _has_type(value: Any, kinds: tuple) -> bool:
+    # bool is an int to isinstance; a flag is no count
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
 def read_record(path: Path | str) -> RunResult:
     """The record at ``path`` (a results.json or its job directory).
 

@@ -75,7 +75,7 @@ def test_cached_decode_equals_recompute_past_the_window(num_kv_heads, pattern, i
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("pattern", [{"window": W}, {"window": W, "global_every": 3}, {"window": 100}])
+@pytest.mark.parametrize("pattern", [{"window": W}, {"window": W, "global_every": 3}, {"window": 60}])
 def test_bytes_allocated_equal_the_formula(pattern, cache_dtype):
     """sum over layers of min(S, W_layer) x 2 x kv_heads x head_dim x bytes (+ scales): a local
     layer's ring stops at W; a window longer than the cache is a full cache."""

@@ -53,9 +53,17 @@ def _m(rec: Record, key: str) -> Any:
     return RecordView.of(rec).metric(key)
 
 
+def _max_batch(rec: Record) -> Optional[int]:
+    """The record's largest batch at the longest context, when it is one (a count >= 0): a value
+    read back is checked, not trusted (a negative one broke the recommendations)."""
+    value = _m(rec, "max_batch_longest")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _longest(rec: Record) -> Optional[Mapping[str, Any]]:
-    rows = RecordView.of(rec).table("capacity")
-    return max(rows, key=lambda r: r.get("context", 0)) if rows else None
+    rows = [r for r in RecordView.of(rec).table("capacity")
+            if isinstance(r.get("context"), int) and not isinstance(r.get("context"), bool)]
+    return max(rows, key=lambda r: r["context"]) if rows else None
 
 
 def _quality(records: Sequence[Record]) -> Dict[str, float]:
@@ -175,7 +183,7 @@ def _chat_table(records: Sequence[Record]) -> Tuple[Dict[Tuple[str, bool], Dict[
         if not rec.ok or not _longest(rec):
             continue
         shared, row, label = bool(rec.shared), _longest(rec), rec.variant.label
-        rows[(label, shared)] = {"max_batch": rec.metric("max_batch_longest"),
+        rows[(label, shared)] = {"max_batch": _max_batch(rec),
                                  "kv_heads": rec.variant.num_kv_heads or 0}
         table.append([label, str(shared).lower(), fmt(row.get("context"), "{}"),
                       fmt(row.get("kv_bytes_per_sequence"), "bytes"), fmt(row.get("max_batch"), "{}"),
@@ -195,7 +203,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             continue
         longest = _longest(rec) or {}
         rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
-                       "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _m(rec, "max_batch_longest"),
+                       "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _max_batch(rec),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),

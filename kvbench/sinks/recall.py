@@ -47,12 +47,47 @@ def _seed_ids(rec: Record) -> List[int]:
     return list(range(first, first + (view.get("recall.seeds") or 1)))
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _row_ok(row: Any) -> bool:
+    per_seed = row.get("per_seed") if isinstance(row, Mapping) else None
+    return (isinstance(row.get("stage", "final"), str) and _is_int(row.get("seq_len"))
+            and all(row.get(k) is None or _is_int(row[k]) for k in ("num_pairs", "distance"))
+            and isinstance(per_seed, list) and bool(per_seed)
+            and all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0 <= a <= 1 for a in per_seed))
+
+
+def well_formed(rec: Record) -> bool:
+    """An ok recall record whose table means what it says (a record read back is checked, not
+    trusted): ``runtime.seed`` and ``recall.seeds`` >= 1 integers, and each accuracy row a
+    condition (``stage`` text, integer ``seq_len``, ``num_pairs``, ``distance``) with a non-empty
+    ``per_seed`` of accuracies in [0, 1]."""
+    view = RecordView.of(rec)
+    accuracy = view.table("accuracy")
+    seed = view.get("runtime.seed")
+    seed, seeds = (0 if seed is None else seed), view.get("recall.seeds") or 1
+    raw = (view.to_dict().get("tables") or {}).get("accuracy")  # the view leaves out rows that are no mapping
+    return (_is_int(seed) and _is_int(seeds) and seeds >= 1 and isinstance(raw, list)
+            and len(raw) == len(accuracy) and all(_row_ok(row) for row in accuracy))
+
+
+def _recall_records(records: Sequence[Record]) -> List[Record]:
+    return [rec for rec in map(RecordView.of, records) if rec.task == "recall" and rec.ok and rec.table("accuracy")]
+
+
+def malformed(records: Sequence[Record]) -> int:
+    """How many ok recall records :func:`groups` leaves out (not :func:`well_formed`)."""
+    return sum(not well_formed(rec) for rec in _recall_records(records))
+
+
 def groups(records: Sequence[Record]) -> List[List[Record]]:
-    """ok recall records grouped by everything in their config but the variant and the seeds
-    (records of one variant on other seeds are pooled by :func:`pooled`)."""
+    """ok, :func:`well_formed` recall records grouped by everything in their config but the
+    variant and the seeds (records of one variant on other seeds are pooled by :func:`pooled`)."""
     out: Dict[str, List[Record]] = {}
-    for rec in map(RecordView.of, records):
-        if rec.task != "recall" or not rec.ok or not rec.table("accuracy"):
+    for rec in _recall_records(records):
+        if not well_formed(rec):
             continue
         key = {k: v for k, v in rec.config.items() if k != "attention"}
         key["runtime"] = {k: v for k, v in (key.get("runtime") or {}).items() if k != "seed"}

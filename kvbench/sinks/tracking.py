@@ -27,7 +27,12 @@ What a run holds:
 ``wandb.init_timeout_s`` seconds (W&B's own default is 90 s), and when it cannot (no network,
 no credentials) the run is written offline instead, to be uploaded later with ``wandb sync``.
 A marker file in the sweep directory then sends the sweep's later jobs straight to offline, so
-the warning is said once per sweep and the wait paid once.
+the warning is said once per sweep and the wait paid once. W&B's own error reporting (its
+OpenTelemetry exporter, whose exit hook waited 10 s on a server that never answers, and the
+service's observability) is off unless ``WANDB_ERROR_REPORTING`` says otherwise. A directory W&B
+must write (the run's, ``WANDB_CACHE_DIR`` where wandb-core logs, ``WANDB_DATA_DIR`` where it
+stages artifacts) that cannot be written is one warning and no run, before W&B starts: wandb-core
+prints 17 lines of its log to stderr when its log directory cannot be made.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
@@ -193,7 +199,15 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
         if mode == "disabled":
             return None
         stage = "import"
+        # Before wandb's import: its telemetry recorder and service read it when they start.
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
+
+        stage = "dirs"
+        unwritable = _unwritable_dir(wandb, Path(out_dir))
+        if unwritable is not None:
+            log.warning("W&B run not made: %s (results.json is unaffected)", unwritable)
+            return None
 
         def start(mode: str):
             return wandb.init(
@@ -209,7 +223,8 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
             )
 
         stage = "init"
-        run = _start_online(wandb, start, Path(out_dir), sweep_dir) if mode == "online" else start(mode)
+        run = (_start_online(wandb, start, Path(out_dir), sweep_dir, _init_timeout(wandb_cfg)) if mode == "online"
+               else start(mode))
         logged = False
         try:
             stage = "log"
@@ -235,9 +250,10 @@ def _init_timeout(wandb_cfg: Mapping[str, Any]) -> float:
     return float(timeout) if valid else WandbConfig.init_timeout_s
 
 
-def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str]):
-    """An online run, or an offline one when W&B cannot be reached: said once per sweep, after
-    which the sweep's later jobs go offline without trying (the marker file)."""
+def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str], timeout_s: float):
+    """An online run, or an offline one when W&B cannot be reached: said once per sweep, in one
+    line with the ``wandb sync`` command that uploads it, after which the sweep's later jobs go
+    offline without trying (the marker file)."""
     marker = Path(sweep_dir) / UNREACHABLE_MARKER if sweep_dir is not None else None
     if marker is not None and marker.exists():
         return start("offline")
@@ -251,16 +267,48 @@ def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str]):
         return start("online")
     except Exception as exc:  # noqa: BLE001 — whatever stopped it, the run is kept offline
         _teardown(wandb)  # the service may still be retrying the server
-        why = one_line(f"{type(exc).__name__}: {exc}", 300)
-        where = f"{sweep_dir}/*/wandb/offline-run-*" if marker is not None else f"{out_dir}/wandb/offline-run-*"
-        log.warning("W&B online failed (%s): writing %s offline instead; upload later with `wandb sync %s`",
-                    why, "this and every later run of this sweep" if marker is not None else "the run", where)
-        if marker is not None:
-            try:
-                write_text_atomic(marker, why + "\n")
-            except OSError:
-                pass  # then the next job tries (and warns) again
-        return start("offline")
+        why = _online_failure(exc, timeout_s)
+    run = start("offline")  # an error here is the caller's one warning (W&B tracking failed at init)
+    if marker is not None:
+        what, where = "this and every later run of this sweep are", f"{sweep_dir}/*/wandb/offline-run-*"
+        try:
+            write_text_atomic(marker, why + "\n")
+        except OSError:
+            pass  # then the next job tries (and warns) again
+    else:
+        what, where = "the run is", run.settings.sync_dir
+    log.warning("W&B online failed (%s): %s kept offline; upload later with `wandb sync %s`", why, what, where)
+    return run
+
+
+def _online_failure(exc: Exception, timeout_s: float) -> str:
+    """Why an online start failed, in one line; W&B's advice to raise its ``init_timeout`` is
+    replaced by the kvbench key that sets it."""
+    why = re.sub(r"\s*Consider increasing the init_timeout setting.*", "", f"{type(exc).__name__}: {exc}", flags=re.S)
+    if "Timed out" in why:
+        why += f" (no answer within wandb.init_timeout_s={timeout_s:g} s)"
+    return one_line(why, 300)
+
+
+def _unwritable_dir(wandb, out_dir: Path) -> Optional[str]:
+    """The first directory W&B must write that cannot be written, with why; None when all can.
+    wandb-core logs to ``<WANDB_CACHE_DIR or the user cache dir>/wandb/logs``, the SDK caches
+    under ``WANDB_CACHE_DIR`` and stages artifacts under ``WANDB_DATA_DIR``."""
+    import platformdirs  # a dependency of wandb
+
+    cache_root = os.environ.get("WANDB_CACHE_DIR") or platformdirs.user_cache_dir()
+    # W&B's own directories first: nothing is made in the job directory for a run not made.
+    dirs = [("WANDB_CACHE_DIR (wandb-core's logs)", Path(cache_root) / "wandb" / "logs"),
+            ("WANDB_DATA_DIR (artifact staging)", Path(wandb.env.get_data_dir())),
+            ("the run directory", out_dir / "wandb")]
+    for what, path in dirs:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            return one_line(f"{what} {path} is not writable ({type(exc).__name__}: {exc.strerror or exc})", 300)
+    return None
 
 
 def _teardown(wandb) -> None:
