@@ -308,7 +308,7 @@ class CompareConfig:
                 out.append(AttentionConfig(**fields_).resolved(model))
             except ConfigError as exc:
                 raise ConfigError(f"compare.variants={self.variants!r}: {v!r}: {exc}") from None
-        labels = [variant_label(a) for a in out]
+        labels = [variant_label(a, num_layers=model.num_layers) for a in out]
         check(len(set(labels)) == len(labels), "compare.variants", self.variants,
                f"two variants are the same layout ({', '.join(labels)})")
         return out

@@ -33,20 +33,25 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
 
 
-def variant_label(attention: Any, cache_dtype: Optional[str] = None) -> str:
+def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
     """The one name of a variant, in progress lines, tables, plots, reports and (as
     :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
-    its local layers ``mha kv=16 w=1024`` and, when some layers are global, local:global
-    ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern), a cache dtype other than the compute dtype
-    ``mha kv=8 int8``. ``attention``: a resolved AttentionConfig or a record's attention mapping."""
+    its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
+    counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
+    global_every k reads (k-1):1), a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
     kind = get("type")
     label = f"mla r={get('kv_lora_rank')}" if kind == "mla" else f"{kind} kv={get('num_kv_heads')}"
     if get("window"):
         label += f" w={get('window')}"
         types, every = get("layer_types"), get("global_every")
-        local, total = ((sum(t == "sliding_attention" for t in types), len(types)) if types is not None
-                        else (every - 1, every) if every else (1, 1))
+        if types is not None:
+            local, total = sum(t == "sliding_attention" for t in types), len(types)
+        elif every and num_layers:
+            local, total = sum(1 for i in range(num_layers) if (i + 1) % every), num_layers
+        else:
+            local, total = (every - 1, every) if every else (1, 1)
         if local < total:
             g = math.gcd(local, total - local)
             label += f" {local // g}:{(total - local) // g}"

@@ -410,7 +410,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
-    label = f"capacity {variant_label(cfg.attention)}"
+    label = f"capacity {variant_label(cfg.attention, num_layers=cfg.model.num_layers)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"
     expected = len(contexts(cfg)) * probes_expected(cfg.capacity.max_batch,

@@ -125,9 +125,9 @@ class Variant:
         return self.attention.num_kv_heads
 
 
-def label(attention: AttentionConfig) -> str:
+def label(attention: AttentionConfig, num_layers: Optional[int] = None) -> str:
     """``gqa_kv4``, ``mla_r256``, ``mha_kv16_w1024_5to1``: :func:`variant_label` as a metric prefix."""
-    return variant_key(variant_label(attention))
+    return variant_key(variant_label(attention, num_layers=num_layers))
 
 
 def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple[Decoder, str]:
@@ -161,7 +161,8 @@ def variants(cfg: BenchConfig, base: Decoder) -> List[Variant]:
     if any(w is not None for w in base.layer_windows):
         base = build_decoder(base.config, AttentionConfig(type="mha", num_kv_heads=H, window=0), base.state_dict(),
                              device=base.device).eval()
-    return [Variant(label(a), a, *variant_model(base, a, cfg.runtime.seed)) for a in cfg.compare.attentions(cfg.model)]
+    return [Variant(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
+            for a in cfg.compare.attentions(cfg.model)]
 
 
 def formula_bytes(model: Decoder, positions: int, batch: int, bytes_per_element: int) -> int:
@@ -241,7 +242,7 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
     split = window_split(runs)
     rows = summarize(trials, [v.label for v in runs], contexts, kv, split)
     for row, v in zip(rows, runs):
-        row.update(layout=variant_label(v.attention), weights=v.weights)
+        row.update(layout=variant_label(v.attention, num_layers=v.model.config.num_layers), weights=v.weights)
     result.tables["compare"] = rows
     result.metrics["rounds"] = rt.repeats
     if split is not None:
