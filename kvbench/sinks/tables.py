@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config import ATTENTION_TYPES  # the variants order, defined with the attention schema
+from kvbench.config import ATTENTION_TYPES, variant_label  # the variants' order and name, with the attention schema
 from kvbench.results import flatten, lookup, record_view
 from kvbench.units import human_bytes
 
@@ -29,16 +29,17 @@ Axis = Tuple[str, str]  # (config key, column title)
 # (config key, column title) identifying a job, in the order tables show them.
 AXES: List[Axis] = [
     ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
-    ("attention.kv_lora_rank", "R"),
+    ("attention.kv_lora_rank", "R"), ("attention.window", "W"), ("attention.global_every", "global every"),
     ("workload.name", "workload"), ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"),
     ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.dtype", "KV dtype"),
     ("cache.shared", "shared"),
     ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
     ("train.steps", "train steps"), ("train.init_from", "init from"),
 ]
-# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), or fewer bits per
-# element (cache.dtype).
-VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "cache.dtype")
+# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), a window on local
+# layers (and which layers), or fewer bits per element (cache.dtype).
+VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
+                "attention.global_every", "attention.layer_types", "cache.dtype")
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
@@ -254,23 +255,24 @@ def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -
 # ---- the comparison ---------------------------------------------------------------------------------
 
 def variant(record: Record) -> str:
-    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it, and
-    the cache dtype when it is not the compute dtype (``mha kv=8 int8``)."""
+    """``mha kv=8``, ``mla r=256``, ``gqa kv=4 w=1024 5:1``, ``mha kv=8 int8``: the name every table
+    and plot gives the variant (:func:`kvbench.model_config.variant_label`, the one name)."""
     config = record.get("config") or {}
-    kind_name = lookup(config, "attention.type")
-    label = (f"mla r={lookup(config, 'attention.kv_lora_rank')}" if kind_name == "mla"  # one latent, of rank R
-             else f"{kind_name} kv={lookup(config, 'attention.num_kv_heads')}")
-    cache_dtype = lookup(config, "cache.dtype")
-    return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
+    attention = {key: lookup(config, f"attention.{key}")
+                 for key in ("type", "num_kv_heads", "kv_lora_rank", "window", "global_every", "layer_types")}
+    return variant_label(attention, lookup(config, "cache.dtype"), lookup(config, "model.num_layers"))
 
 
-def variant_order(label: str) -> Tuple[int, int, int, str]:
+def variant_order(label: str) -> Tuple[int, int, int, int, str]:
     """In ATTENTION_TYPES' order: MHA, GQA from most to fewest KV heads, MQA, then MLA from the
-    largest latent; each in its compute dtype first."""
+    largest latent; each without a window first, then from the longest window; each in its compute
+    dtype first."""
     kind_name, _, rest = label.partition(" ")
-    size, _, cache_dtype = rest.partition("=")[2].partition(" ")
+    size, _, extra = rest.partition("=")[2].partition(" ")
+    window = next((int(t[2:]) for t in extra.split() if t.startswith("w=") and t[2:].isdigit()), 0)
+    cache_dtype = [t for t in extra.split() if not t.startswith("w=") and ":" not in t]
     rank = ATTENTION_TYPES.index(kind_name) if kind_name in ATTENTION_TYPES else len(ATTENTION_TYPES)
-    return rank, -int(size) if size.isdigit() else 0, bool(cache_dtype), label
+    return rank, -int(size) if size.isdigit() else 0, -window if window else -(10 ** 18), bool(cache_dtype), label
 
 
 def _kv_heads(record: Record) -> int:
@@ -291,7 +293,7 @@ class Cell:
         if not ok:
             return None
         return max(ok, key=lambda item: (lookup(item[1]["config"], "attention.type") == "mha",
-                                         _kv_heads(item[1]),
+                                         _kv_heads(item[1]), not lookup(item[1]["config"], "attention.window"),
                                          lookup(item[1]["config"], "cache.dtype") in (None, "auto")))[0]
 
 
@@ -440,4 +442,12 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
             with_interval(row, "decode_us_per_1k_ctx", "{:.1f}"), _ratio_cell(row, "slope_ratio", i == 0),
             ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
             fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
+    if any("decode_us_per_1k_ctx_past_w" in row for row in rows):  # a windowed variant: below and past W
+        W = (record.get("metrics") or {}).get("window_split_ctx")
+        header += [f"KV µs / 1k ctx ≤{W}", f"KV µs / 1k ctx ≥{W}", "past/below (KV bytes)"]
+        for line, row in zip(out, rows):
+            formula = (row.get("kv_bytes_per_1k_ctx_past_w") or 0) / (row.get("kv_bytes_per_1k_ctx_below_w") or 1)
+            line += [with_interval(row, "decode_us_per_1k_ctx_below_w", "{:.1f}"),
+                     with_interval(row, "decode_us_per_1k_ctx_past_w", "{:.1f}"),
+                     f"{_ratio_cell(row, 'past_w_slope_ratio', False)} ({ratio_text(formula)})"]
     return header, out
