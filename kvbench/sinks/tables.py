@@ -198,8 +198,10 @@ def ratio_text(ratio: Optional[float]) -> str:
 
 def _values(records: Sequence[Record], key: str) -> List[str]:
     # None means "left to its default" in a config Hydra saved before validation filled it in
-    # (or a key the job's kind does not read), so it never makes a key look swept.
-    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None]
+    # (or a key the job's kind does not read), so it never makes a key look swept; but a resolved
+    # window of None is "no window", a value (attention.window=null,256 sweeps it).
+    keep_none = key in ("attention.window", "attention.global_every")
+    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None or keep_none]
 
 
 def determined_by(records: Sequence[Record], key: str, by: str) -> bool:
