@@ -446,10 +446,14 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
             fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
     if any("decode_us_per_1k_ctx_past_w" in row for row in rows):  # a windowed variant: below and past W
         W = (record.get("metrics") or {}).get("window_split_ctx")
-        header += [f"KV µs / 1k ctx ≤{W}", f"KV µs / 1k ctx ≥{W}", "past/below (KV bytes)"]
-        for line, row in zip(out, rows):
-            formula = (row.get("kv_bytes_per_1k_ctx_past_w") or 0) / (row.get("kv_bytes_per_1k_ctx_below_w") or 1)
+        header += [f"KV µs / 1k ctx ≤{W}", f"KV µs / 1k ctx ≥{W}", f"slope ratio ≥{W} (KV bytes)",
+                   "past/below (KV bytes)"]
+        base = rows[0].get("kv_bytes_per_1k_ctx_past_w") or 1
+        for i, (line, row) in enumerate(zip(out, rows)):
+            past = row.get("kv_bytes_per_1k_ctx_past_w") or 0
             line += [with_interval(row, "decode_us_per_1k_ctx_below_w", "{:.1f}"),
                      with_interval(row, "decode_us_per_1k_ctx_past_w", "{:.1f}"),
-                     f"{_ratio_cell(row, 'past_w_slope_ratio', False)} ({ratio_text(formula)})"]
+                     f"{_ratio_cell(row, 'slope_ratio_past_w', i == 0)} ({ratio_text(past / base)})",
+                     f"{_ratio_cell(row, 'past_w_slope_ratio', False)} "
+                     f"({ratio_text(past / (row.get('kv_bytes_per_1k_ctx_below_w') or 1))})"]
     return header, out

@@ -91,6 +91,9 @@ METRICS: Dict[str, Metric] = metric_table(
            "what the KV formula adds per 1,000 positions from the shortest context to the longest <= window_split_ctx"),
     Metric("<v>_kv_bytes_per_1k_ctx_past_w", "bytes per 1,000 tokens of context",
            "the same from the shortest context >= window_split_ctx to the longest (past W only global layers grow)"),
+    Metric("<v>_slope_ratio_past_w", "ratio",
+           "slope_ratio over the contexts >= window_split_ctx only: the variant's per-round slope past W over "
+           "the first variant's, paired over rounds (a 5:1 hybrid against MHA: 1/6 of the bytes grow there)"),
     Metric("<v>_past_w_slope_ratio", "ratio",
            "median over rounds of the per-round slope past window_split_ctx over the median of the "
            "per-round slope below it, paired bootstrap interval over rounds; the KV formula's ratio is "
@@ -345,6 +348,8 @@ def summarize(trials: Sequence[Dict], labels: Sequence[str], contexts: Sequence[
                         "kv_bytes_per_1k_ctx_below_w": bytes_per_1k(v, below[0], below[-1]) if below else None,
                         "kv_bytes_per_1k_ctx_past_w": bytes_per_1k(v, past[0], longest) if past else None})
             row.update(_paired("past_w_slope_ratio", slopes(v, below) if len(below) >= 3 else [],
+                               slopes(v, past) if len(past) >= 3 else [], n_rounds))
+            row.update(_paired("slope_ratio_past_w", slopes(labels[0], past) if len(past) >= 3 else [],
                                slopes(v, past) if len(past) >= 3 else [], n_rounds))
         out.append(row)
     return out

@@ -102,6 +102,7 @@ def test_a_windowed_cost_flattens_past_w_on_synthetic_trials():
     assert hybrid["past_w_slope_ratio"] == pytest.approx(1 / 6, rel=0.1)
     assert hybrid["past_w_slope_ratio_ci_low"] <= hybrid["past_w_slope_ratio"] <= hybrid["past_w_slope_ratio_ci_high"]
     assert full["past_w_slope_ratio"] == pytest.approx(1, rel=0.1)
+    assert hybrid["slope_ratio_past_w"] == pytest.approx(1 / 6, rel=0.1) and full["slope_ratio_past_w"] == 1
     assert hybrid["kv_bytes_per_1k_ctx_past_w"] / hybrid["kv_bytes_per_1k_ctx_below_w"] == pytest.approx(1 / 6)
 
 
