@@ -4,6 +4,8 @@ qk_rope_head_dim), checked against arithmetic from the shapes; the predicted fit
 arithmetic under the budget; real probes of a hybrid run, its paired TPOT steps repeating
 positions through the ring."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import compose
@@ -76,3 +78,31 @@ def test_real_probes_of_a_hybrid_step_again_through_the_ring():
         assert p["ok"] and p["tpot_paired_ms"] > 0 and p["tpot_reference_ms"] > 0
         assert p["kv_bytes"] == by_hand("mha_hybrid", 20 + GEN, p["batch"])
     assert answer["kv_bytes_per_sequence"] == by_hand("mha_hybrid", 20 + GEN, 1)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_real_chat_probes_of_a_windowed_mla_with_and_without_the_shared_cache(shared):
+    """experiment=choose's chat serving with a window on MLA: the conversations' rings of latents
+    (and the system prompt's last W, held once when shared) allocate what the prediction says."""
+    torch.set_num_threads(1)
+    cfg = config(*LAYOUTS["mla_hybrid"][0], "workload=multiturn", "workload.system_len=16", "workload.turns=2",
+                 "workload.user_len=4", "workload.reply_len=3", f"cache.shared={str(shared).lower()}",
+                 "capacity.max_batch=3", "slo.tpot_x_batch1=1000", "capacity.tpot_pairs=4", "slo.stat=p50")
+    model = build_model(cfg, torch.device("cpu"))
+    result = RunResult(status="ok", config={})
+    capacity.run_probes(cfg, model, torch.device("cpu"), result, capacity.baseline_bytes(torch.device("cpu")))
+    (answer,) = result.tables["capacity"]
+    assert (answer["max_batch"], answer["stopped_by"]) == (3, "capacity.max_batch")
+    (context,) = capacity.contexts(cfg)  # 16 + 2 x (4 + 3) - 1 = 29 positions per conversation
+    for p in result.tables["capacity_probes"]:
+        assert p["ok"] and p["tpot_paired_ms"] > 0
+        expected = (by_hand("mla_hybrid", 16, 1) + by_hand("mla_hybrid", context - 16, p["batch"]) if shared
+                    else by_hand("mla_hybrid", context, p["batch"]))
+        assert p["kv_bytes"] == expected
+    from kvbench.workloads.multiturn import ChatSession, chat_prompts
+
+    system, users = chat_prompts(replace(cfg.workload, batch_size=3), cfg.model.vocab_size, 0)
+    session = ChatSession(model, system, 3, shared, "static", context)
+    for user in users:
+        session.ask(user, cfg.workload.reply_len)
+    assert session.cache.nbytes == capacity.kv_bytes(cfg, context, 3)  # what a probe's chats allocate
