@@ -20,8 +20,8 @@ bounded in time and each judged pass / FAIL / inconclusive:
    window of 1024, one global) in one process, the variants alternating trial by trial: every variant's
    cache as allocated == the KV formula, and each one's KV cost per 1k tokens of context with its
    interval, the hybrid's below and past its window (past W only its global layer grows);
-7. the graph-mode sweep (the compiled, fixed-shape decode step; CUDA graphs on a GPU) next to eager, MLA
-   among the variants;
+7. the graph-mode sweep (the compiled, fixed-shape decode step; CUDA graphs on a GPU) next to eager, for
+   MHA, GQA and MLA (its absorbed decode);
 8. the report: records.jsonl, summary.md (the table a person reads), summary.csv and two plots.
 
 ``--dry-run`` (or ``GPU_CHECK_DEVICE=cpu``) runs the same steps on the CPU with the tiny model, so
@@ -57,7 +57,9 @@ PLANS: Dict[str, Dict[str, Any]] = {
         "trials": ["runtime.warmup=1", "runtime.repeats=3"],
         "eager": ["attention=mha,gqa,mqa", "workload.prompt_len=512,4096", "workload.batch_size=1,16",
                   "workload.gen_len=32"],
-        "graph": ["attention=mha,gqa,mqa,mla", "workload.prompt_len=4096", "workload.batch_size=1,16",
+        # MLA's absorbed decode in place of MQA (the grouped path GQA already takes), so the graph sweep
+        # stays 6 compiled jobs
+        "graph": ["attention=mha,gqa,mla", "workload.prompt_len=4096", "workload.batch_size=1,16",
                   "workload.gen_len=32"],
         # llama3_8b's attention shapes over 6 layers (global_every=6: layers 0-4 local, 5 global); MLA at
         # head_dim 128 takes DeepSeek-V3's own ranks (kv_lora_rank 512, rotary 64). Batch 8 so the KV

@@ -36,8 +36,7 @@ AXES: List[Axis] = [
     ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
     ("train.steps", "train steps"), ("train.init_from", "init from"),
 ]
-# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), a window on local
-# layers (and which layers), or fewer bits per element (cache.dtype).
+# A variant holds less KV: fewer KV heads, a latent (MLA's rank), a window (and its layers), fewer bits (cache.dtype)
 VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
                 "attention.global_every", "attention.layer_types", "cache.dtype")
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
@@ -197,11 +196,9 @@ def ratio_text(ratio: Optional[float]) -> str:
 # ---- axes -----------------------------------------------------------------------------------------
 
 def _values(records: Sequence[Record], key: str) -> List[str]:
-    # None means "left to its default" in a config Hydra saved before validation filled it in
-    # (or a key the job's kind does not read), so it never makes a key look swept; but a resolved
-    # window of None is "no window", a value (attention.window=null,256 sweeps it).
-    keep_none = key in ("attention.window", "attention.global_every")
-    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None or keep_none]
+    # None: left to its default (or not read by the job), never a swept value; a window's None is "no window"
+    none_is_value = key in ("attention.window", "attention.global_every")
+    return [repr(v) for v in (lookup(r.get("config", {}), key) for r in records) if v is not None or none_is_value]
 
 
 def determined_by(records: Sequence[Record], key: str, by: str) -> bool:
@@ -266,9 +263,8 @@ def variant(record: Record) -> str:
 
 
 def variant_order(label: str) -> Tuple[int, int, int, int, str]:
-    """In ATTENTION_TYPES' order: MHA, GQA from most to fewest KV heads, MQA, then MLA from the
-    largest latent; each without a window first, then from the longest window; each in its compute
-    dtype first."""
+    """In ATTENTION_TYPES' order: MHA, GQA from most to fewest KV heads, MQA, then MLA from the largest
+    latent; each without a window first (then the longest), in its compute dtype first."""
     kind_name, _, rest = label.partition(" ")
     size, _, extra = rest.partition("=")[2].partition(" ")
     window = next((int(t[2:]) for t in extra.split() if t.startswith("w=") and t[2:].isdigit()), 0)
@@ -445,15 +441,10 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
             ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
             fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
     if any("decode_us_per_1k_ctx_past_w" in row for row in rows):  # a windowed variant: below and past W
-        W = (record.get("metrics") or {}).get("window_split_ctx")
-        header += [f"KV µs / 1k ctx ≤{W}", f"KV µs / 1k ctx ≥{W}", f"slope ratio ≥{W} (KV bytes)",
-                   "past/below (KV bytes)"]
-        base = rows[0].get("kv_bytes_per_1k_ctx_past_w") or 1
+        W, base = (record.get("metrics") or {}).get("window_split_ctx"), rows[0]["kv_bytes_per_1k_ctx_past_w"] or 1
+        header += [f"KV µs / 1k ctx ≤{W}", f"KV µs / 1k ctx ≥{W}", f"slope ratio ≥{W} (KV bytes ratio)"]
         for i, (line, row) in enumerate(zip(out, rows)):
-            past = row.get("kv_bytes_per_1k_ctx_past_w") or 0
-            line += [with_interval(row, "decode_us_per_1k_ctx_below_w", "{:.1f}"),
-                     with_interval(row, "decode_us_per_1k_ctx_past_w", "{:.1f}"),
-                     f"{_ratio_cell(row, 'slope_ratio_past_w', i == 0)} ({ratio_text(past / base)})",
-                     f"{_ratio_cell(row, 'past_w_slope_ratio', False)} "
-                     f"({ratio_text(past / (row.get('kv_bytes_per_1k_ctx_below_w') or 1))})"]
+            line += [with_interval(row, f"decode_us_per_1k_ctx_{side}_w", "{:.1f}") for side in ("below", "past")]
+            line.append(f"{_ratio_cell(row, 'slope_ratio_past_w', i == 0)} "
+                        f"({ratio_text((row['kv_bytes_per_1k_ctx_past_w'] or 0) / base)})")
     return header, out
