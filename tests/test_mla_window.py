@@ -60,3 +60,24 @@ def test_a_latent_ring_allocates_the_formula(pattern):
     by_hand = sum(S if w is None else min(S, w) for w in model.layer_windows) * (R + ROPE) * 4 * B
     assert cache.nbytes == by_hand == kv_cache_bytes(3, 1, R + ROPE, S, B, 4, windows=model.layer_windows,
                                                      latent=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("latent", [True, False], ids=["mla", "mha"])
+def test_windowed_decode_on_cuda_equals_recompute(latent):
+    """The GPU check runs this: a 5:1 hybrid (MLA's latent ring, or MHA's K/V ring) on CUDA, the
+    absorbed decode past W against a recompute; CUDA's SDPA kernels lay outputs out differently
+    (a view where a reshape is needed fails only there)."""
+    torch.manual_seed(0)
+    kind = dict(type="mla", kv_lora_rank=R, qk_rope_head_dim=ROPE) if latent else dict(type="mha")
+    model = Decoder(tiny_model_config(num_layers=6), AttentionConfig(window=W, global_every=6, **kind))
+    model = model.to("cuda").eval()
+    tokens = torch.randint(0, VOCAB, (2, 5 * W), device="cuda")
+    with torch.no_grad():
+        full = model(tokens)
+        cache = cache_for(model, "static", 2, 5 * W)
+        got = [model(tokens[:, :2 * W - 1], cache, 0)]
+        got += [model(tokens[:, p:p + 1], cache, p) for p in range(2 * W - 1, 5 * W)]
+    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-4, rtol=1e-4)
+    assert cache.nbytes == kv_cache_bytes(6, *model.kv_dims()[:2], 5 * W, 2, 4, windows=model.layer_windows,
+                                          latent=latent)

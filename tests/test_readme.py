@@ -171,6 +171,10 @@ NOT_RUN = {
     "kvbench task=capacity model.num_layers=6 attention=mha attention.window=256 attention.global_every=6 "
     "runtime.memory_budget_gb=1 capacity.context_lens=[1024,2048]": "minutes of model=small probes; "
         "tests/workloads/test_capacity_layouts.py probes a hybrid on model=tiny (composed and validated below)",
+    "kvbench -m experiment=choose attention=mha,gqa,mqa,mla": "12 capacity searches (minutes); "
+        "the article table's sweep with MLA, composed and validated below",
+    "kvbench experiment=choose attention.window=64": "9 capacity searches (minutes) with every layer local; "
+        "tests/workloads/test_capacity_layouts.py probes windowed caches (composed and validated below)",
     "kvbench task=inspect model=deepseek_v3": "tests/test_mla.py runs it and checks the 70,272 bytes it prints",
     "kvbench model=hf_dir model.path=/path/to/deepseek attention=mla": "a placeholder path; tests/test_mla.py "
                                                                        "builds DeepSeek directories with transformers",
