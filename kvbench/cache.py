@@ -186,21 +186,24 @@ class StaticKVCache(KVCache):
         held positions its first query still sees, max(0, start_pos - W + 1) .. start_pos - 1, in
         order before its own T keys, gathered before they are overwritten."""
         B, T = k.shape[0], k.shape[2]
+        stores = [(self.k_store, k)] + ([] if v is None else [(self.v_store, v)])  # a latent ring: one store
         if T == 1:
             slot = torch.tensor([start_pos % W], device=k.device)
-            self.k_store.write_slots(layer, slot, k)
-            self.v_store.write_slots(layer, slot, v)
+            for store, new in stores:
+                store.write_slots(layer, slot, new)
             self._written(layer, end)
             held = min(end, W)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
-            return self.k_store.read(layer, B, held), self.v_store.read(layer, B, held)
-        earlier = torch.arange(max(0, start_pos - W + 1), start_pos, device=k.device) % W
-        old_k, old_v = self.k_store.gather(layer, B, earlier), self.v_store.gather(layer, B, earlier)
-        kept = min(T, W)  # of a prompt longer than W only its last W positions stay
-        slots = torch.arange(end - kept, end, device=k.device) % W
-        self.k_store.write_slots(layer, slots, k[:, :, T - kept:])
-        self.v_store.write_slots(layer, slots, v[:, :, T - kept:])
-        self._written(layer, end)
-        return torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)  # (B, H_kv, S, D), S <= W - 1 + T
+            out = [store.read(layer, B, held) for store, _ in stores]
+        else:
+            earlier = torch.arange(max(0, start_pos - W + 1), start_pos, device=k.device) % W
+            old = [store.gather(layer, B, earlier) for store, _ in stores]
+            kept = min(T, W)  # of a prompt longer than W only its last W positions stay
+            slots = torch.arange(end - kept, end, device=k.device) % W
+            for store, new in stores:
+                store.write_slots(layer, slots, new[:, :, T - kept:])
+            self._written(layer, end)
+            out = [torch.cat([o, new], dim=2) for o, (_, new) in zip(old, stores)]  # (B, H_kv, S, D), S <= W - 1 + T
+        return out[0], out[1] if len(out) > 1 else None
 
     def tensors(self):
         return self.k_store.tensors() + (self.v_store.tensors() if self.v_store else [])

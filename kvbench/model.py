@@ -168,10 +168,11 @@ class LatentAttention(nn.Module):
     latent space, so every head attends [c, k_rope] directly (MQA over one R + d_rope wide head,
     values c) and W_UV maps the result to d_v afterwards; the two agree to rounding."""
 
-    def __init__(self, cfg: ModelConfig, attention: AttentionConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, attention: AttentionConfig, layer: int, window: Optional[int] = None):
         super().__init__()
         a, C, H = attention, cfg.d_model, cfg.num_heads
         self.layer, self.num_heads, self.absorbed = layer, H, a.mla_decode == "absorbed"
+        self.window = window  # a local layer: its cache is a ring of W latents, it attends the last W
         self.r, self.d_nope = a.kv_lora_rank, a.qk_nope_head_dim
         self.d_rope, self.d_v = a.qk_rope_head_dim, a.v_head_dim
         d_qk = self.d_nope + self.d_rope
@@ -199,7 +200,10 @@ class LatentAttention(nn.Module):
             latent, _ = cache.update(self.layer, start_pos, latent, None)  # (B, 1, S, R + d_rope)
             prefix = cache.shared_prefix(self.layer, start_pos)  # None or ((1, 1, P, R + d_rope), None)
         causal = False
-        if mask is None and T > 1:  # causal: SDPA's causal path when the keys are the new tokens
+        if mask is None and self.window is not None:  # None where every key is in the window (a ring's step)
+            mask = window_mask(self.window, start_pos, T, latent.shape[2], x.device,
+                               0 if prefix is None else prefix[0].shape[2], getattr(cache, "prefix_len", 0))
+        elif mask is None and T > 1:  # causal: SDPA's causal path when the keys are the new tokens
             S = latent.shape[2] + (0 if prefix is None else prefix[0].shape[2])
             causal = prefix is None and S == T
             mask = None if causal else causal_mask(T, S, x.device)  # (T, P + S), bottom-right
@@ -274,7 +278,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         latent = attention is not None and attention.latent
-        self.attn = LatentAttention(cfg, attention, layer) if latent else Attention(cfg, num_kv_heads, layer, window)
+        self.attn = (LatentAttention(cfg, attention, layer, window) if latent
+                     else Attention(cfg, num_kv_heads, layer, window))
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 

@@ -7,9 +7,10 @@ mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench import hf_config
 from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
@@ -30,6 +31,48 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
     The one place this rule is written."""
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+
+
+def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
+    """The one name of a variant, in progress lines, tables, plots, reports and (as
+    :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
+    its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
+    counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
+    global_every k reads (k-1):1), a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    ``attention``: a resolved AttentionConfig or a record's attention mapping."""
+    get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
+    kind = get("type")
+    label = f"mla r={get('kv_lora_rank')}" if kind == "mla" else f"{kind} kv={get('num_kv_heads')}"
+    if get("window"):
+        label += f" w={get('window')}"
+        ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
+        if ratio and ratio[1]:
+            label += f" {ratio[0]}:{ratio[1]}"
+    return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
+
+
+def local_global_layers(window: Optional[int], global_every: Optional[int], layer_types: Optional[Sequence[str]],
+                        num_layers: Optional[int] = None) -> Optional[Tuple[int, int]]:
+    """The local:global ratio of the layers, reduced (Gemma 3's 5:1); (1, 0) when every layer is
+    local; None without a window. ``global_every`` k counts the layers when ``num_layers`` is known
+    (12 layers, k=6: 10 local, 2 global), else reads (k-1):1."""
+    if not window:
+        return None
+    if layer_types is not None:
+        local, total = sum(t == "sliding_attention" for t in layer_types), len(layer_types)
+    elif global_every and num_layers:
+        local, total = sum(1 for i in range(num_layers) if (i + 1) % global_every), num_layers
+    elif global_every:
+        local, total = global_every - 1, global_every
+    else:
+        return (1, 0)
+    g = math.gcd(local, total - local) or 1
+    return (local // g, (total - local) // g)
+
+
+def variant_key(label: str) -> str:
+    """:func:`variant_label` as a metric prefix: ``gqa_kv4``, ``mla_r256``, ``gqa_kv4_w1024_5to1``."""
+    return label.replace("=", "").replace(":", "to").replace(" ", "_")
 
 
 def check_window_pattern(prefix: str, window: Optional[int], global_every: Optional[int],
@@ -254,9 +297,10 @@ class AttentionConfig:
                        f"is a multi-head latent attention rank; attention.type={self.type} has none "
                        "(use attention=mla)")
 
-    def check_runs_with(self, cache_impl: str, compile_mode: str, task: str) -> None:
-        """What a sliding window does not run with yet (cache.impl, runtime.compile, task), one
-        line each naming the key; nothing without a window."""
+    def check_runs_with(self, cache_impl: str, compile_mode: str) -> None:
+        """What a sliding window does not run with yet (cache.impl, runtime.compile), one line
+        each naming the key; nothing without a window. Every task runs one (task=compare and
+        task=capacity measure windowed variants too)."""
         if not self.window:
             return
         why = f"is not supported with a sliding window (attention.window={self.window})"
@@ -265,7 +309,6 @@ class AttentionConfig:
               "(a ring of W positions per local layer) or none")
         check(compile_mode != "graph", "runtime.compile", compile_mode,
               f"{why}: the fixed-shape step reads a context bucket, a ring is read whole; use false or default")
-        check(task not in ("compare", "capacity"), "task", task, f"{why} yet; use task=bench or inspect")
 
     def layer_windows(self, num_layers: int) -> List[Optional[int]]:
         """Each layer's window (None: global) for a resolved config (:meth:`resolved`)."""
@@ -334,16 +377,14 @@ class AttentionConfig:
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
                "attention=mla caches one latent head per token (null or 1)")
-        window = model.preset_window if self.window is None else self.window
-        check(not window, "attention.window", window,
-              "is not supported with attention=mla yet (a latent cache has no ring); use attention.window=0")
-        self._check_no_pattern("attention=mla has no sliding window")
         D = model.head_dim
         own = model.preset_mla or MLAShape(q_lora_rank=0, kv_lora_rank=4 * D, qk_nope_head_dim=D,
                                            qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
-        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims)
+        # a window as for K/V heads: a local layer's cache is a ring of W latents
+        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims,
+                              **self._resolved_window(model))
         check_mla_dims("attention", out)
         return out
 

@@ -20,13 +20,12 @@ reads it there. A schema-1 record kept the unit only as the head of its ``method
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.metrics import matches
-from kvbench.model_config import ATTENTION_TYPES, attention_type
+from kvbench.model_config import ATTENTION_TYPES, attention_type, local_global_layers, variant_label
 
 # What a Variant's fields are read from in a record's config.
 VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
@@ -69,6 +68,7 @@ class Variant:
     cache_dtype: Optional[str] = None
     shared: Optional[bool] = None
     model: Optional[str] = None
+    num_layers: Optional[int] = None  # counts a global_every pattern's layers (12 layers, every 6: 5:1)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Variant":
@@ -91,15 +91,18 @@ class Variant:
                    global_every=_int(_get(config, "attention.global_every")),
                    layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
-                   model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None)
+                   model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None,
+                   num_layers=_int(_get(config, "model.num_layers")))
 
     @classmethod
-    def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None) -> "Variant":
+    def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None,
+                     num_layers: Optional[int] = None) -> "Variant":
         """The variant of an ``AttentionConfig`` (resolved or not): a progress line's name."""
         fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", "window", "global_every",
                   "layer_types")
         attn = {f: getattr(attention, f, None) for f in fields}
-        return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype}})
+        return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype},
+                                "model": {"num_layers": num_layers}})
 
     @property
     def latent(self) -> bool:
@@ -114,17 +117,7 @@ class Variant:
     def local_global(self) -> Optional[Tuple[int, int]]:
         """The local:global ratio of the layers (reduced: Gemma 3's 5:1), (1, 0) when every layer is
         local, None without a window."""
-        if not self.window:
-            return None
-        if self.layer_types is not None:
-            local = sum(t == "sliding_attention" for t in self.layer_types)
-            other = len(self.layer_types) - local
-        elif self.global_every:
-            local, other = self.global_every - 1, 1
-        else:
-            return (1, 0)
-        g = math.gcd(local, other) or 1
-        return (local // g, other // g)
+        return local_global_layers(self.window, self.global_every, self.layer_types, self.num_layers)
 
     @property
     def quantized(self) -> bool:
@@ -135,13 +128,11 @@ class Variant:
     def label(self) -> str:
         """``mha kv=8``, ``mla r=512``, ``mha kv=8 w=4096`` (every layer local), ``gqa kv=2 w=1024 5:1``
         (5 local layers to 1 global), then the cache dtype (``int8``) and, for a chat's variant,
-        ``shared=on|off``: the one place a variant's name is built."""
-        parts = [f"mla r={self.kv_lora_rank}" if self.latent else f"{self.layout} kv={self.num_kv_heads}"]
-        ratio = self.local_global()
-        if self.windowed:
-            parts.append(f"w={self.window}" + (f" {ratio[0]}:{ratio[1]}" if ratio and ratio[1] else ""))
-        if self.cache_dtype:
-            parts.append(self.cache_dtype)
+        ``shared=on|off``: the name built once, by :func:`kvbench.model_config.variant_label` (which
+        progress lines and task=compare's metric prefixes use too)."""
+        attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
+                     "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types}
+        parts = [variant_label(attention, self.cache_dtype, self.num_layers)]
         if self.shared is not None:
             parts.append(f"shared={'on' if self.shared else 'off'}")
         return " ".join(parts)

@@ -16,8 +16,13 @@ bounded in time and each judged pass / FAIL / inconclusive:
    allocated; oom when only the allocation finds out;
 5. two concurrent jobs with runtime.device=cuda:free on the one GPU: one runs, the other says clearly
    that every GPU is held;
-6. the graph-mode sweep (the compiled, fixed-shape decode step; CUDA graphs on a GPU) next to eager;
-7. the report: records.jsonl, summary.md (the table a person reads), summary.csv and two plots.
+6. the layouts: one task=compare of MHA, GQA, MLA (absorbed decode) and a 5:1 hybrid (five layers with a
+   window of 1024, one global) in one process, the variants alternating trial by trial: every variant's
+   cache as allocated == the KV formula, and each one's KV cost per 1k tokens of context with its
+   interval, the hybrid's below and past its window (past W only its global layer grows);
+7. the graph-mode sweep (the compiled, fixed-shape decode step; CUDA graphs on a GPU) next to eager, for
+   MHA, GQA and MLA (its absorbed decode);
+8. the report: records.jsonl, summary.md (the table a person reads), summary.csv and two plots.
 
 ``--dry-run`` (or ``GPU_CHECK_DEVICE=cpu``) runs the same steps on the CPU with the tiny model, so
 anyone can see the script works; there the CUDA tests skip and cuda:free must be refused.
@@ -52,8 +57,16 @@ PLANS: Dict[str, Dict[str, Any]] = {
         "trials": ["runtime.warmup=1", "runtime.repeats=3"],
         "eager": ["attention=mha,gqa,mqa", "workload.prompt_len=512,4096", "workload.batch_size=1,16",
                   "workload.gen_len=32"],
-        "graph": ["attention=mha,gqa,mqa", "workload.prompt_len=4096", "workload.batch_size=1,16",
+        # MLA's absorbed decode in place of MQA (the grouped path GQA already takes), so the graph sweep
+        # stays 6 compiled jobs
+        "graph": ["attention=mha,gqa,mla", "workload.prompt_len=4096", "workload.batch_size=1,16",
                   "workload.gen_len=32"],
+        # llama3_8b's attention shapes over 6 layers (global_every=6: layers 0-4 local, 5 global); MLA at
+        # head_dim 128 takes DeepSeek-V3's own ranks (kv_lora_rank 512, rotary 64). Batch 8 so the KV
+        # (MHA: 12 GB at 8192) is a visible part of a step; ~1 min (4 prefills of 8 x 8192, 7 rounds).
+        "layouts": ["task=compare", "model.num_layers=6", "model.max_seq_len=8193", "workload.batch_size=8",
+                    "compare.variants=[mha,gqa,mla,mha:w1024:g6]", "compare.contexts=[256,512,1024,2048,4096,8192]",
+                    "compare.steps=4", "runtime.warmup=1", "runtime.repeats=6", "runtime.compile=false"],
         # A static cache of a million 1001-position sequences (2 layers x 2 x 8 KV heads x 128 x 2 bytes
         # each: ~8 KB a position, 2 TB a tensor) cannot fit; the batch-1 job after it must still run.
         "oom": ["attention=gqa", "workload.prompt_len=1", "workload.gen_len=1000", "workload.batch_size=1000000,1"],
@@ -68,7 +81,10 @@ PLANS: Dict[str, Dict[str, Any]] = {
                   "runtime.peak_gb_per_s=10", "runtime.isolate=false"],
         "trials": ["runtime.warmup=0", "runtime.repeats=2"],
         "eager": ["attention=mha,mqa", "workload.prompt_len=16,32", "workload.batch_size=1,2", "workload.gen_len=8"],
-        "graph": ["attention=mha,mqa", "workload.prompt_len=32", "workload.batch_size=1", "workload.gen_len=8"],
+        "graph": ["attention=mha,mla", "workload.prompt_len=32", "workload.batch_size=1", "workload.gen_len=8"],
+        "layouts": ["task=compare", "model.num_layers=6", "model.max_seq_len=64", "workload.batch_size=2",
+                    "compare.variants=[mha,gqa,mla,mha:w16:g6]", "compare.contexts=[4,8,16,24,32,48]",
+                    "compare.steps=2", "runtime.warmup=0", "runtime.repeats=6", "runtime.compile=false"],
         # Ten million 201-position sequences: a 128 GB tensor per layer, refused by the allocator.
         "oom": ["attention=gqa", "workload.prompt_len=1", "workload.gen_len=200", "workload.batch_size=10000000,1"],
         "free": ["attention=gqa", "workload.prompt_len=32", "workload.batch_size=1", "workload.gen_len=8",
@@ -79,7 +95,7 @@ PLANS: Dict[str, Dict[str, Any]] = {
 # --steps key -> (name in the summary, Check method), in the order they run.
 STEPS = {"preflight": ("preflight", "preflight"), "cuda": ("cuda tests", "cuda_tests"),
          "eager": ("eager sweep", "eager"), "oom": ("oom goes on", "oom"), "free": ("cuda:free", "cuda_free"),
-         "graph": ("graph sweep", "graph")}
+         "layouts": ("layouts compare", "layouts"), "graph": ("graph sweep", "graph")}
 GRAPH_MODE = os.environ.get("GPU_CHECK_GRAPH_MODE", "graph")  # the value of runtime.compile for step 6
 
 
@@ -274,6 +290,31 @@ class Check:
             step.verdict = "pass" if statuses == ["invalid", "invalid"] and all(
                 "CUDA is not available" in e for e in errors) else "FAIL"
 
+    def layouts(self, step: Step) -> None:
+        """task=compare of MHA, GQA, MLA and a 5:1 hybrid (eager: task=compare times eager steps).
+        pass: one ok record, the four variants under their names, every cache as allocated == the
+        KV formula, the hybrid's formula growing a sixth as fast past W; the timings are reported."""
+        run_dir = self.work / "layouts"
+        model = [o for o in self.plan["model"] if not o.startswith("model.num_layers=")]
+        proc = self.run(self.kvbench(*model, *self.plan["layouts"], "wandb=disabled", f"hydra.run.dir={run_dir}"),
+                        timeout=180)
+        step.records = records_under(run_dir)
+        rec = step.records[0] if step.records else {"status": "missing", "error": f"no record (exit {proc.returncode})"}
+        if rec["status"] != "ok":
+            step.verdict, step.detail = "FAIL", f"{rec['status']}: {(rec.get('error') or '')[:200]}"
+            return
+        rows = (rec.get("tables") or {}).get("compare") or []
+        names = [r["variant"] for r in rows]
+        wrong = [r["variant"] for r in rows if r["kv_cache_bytes"] != r["kv_cache_bytes_formula"]]
+        hybrid = next((r for r in rows if "_w" in r["variant"]), {})
+        below, past = hybrid.get("kv_bytes_per_1k_ctx_below_w"), hybrid.get("kv_bytes_per_1k_ctx_past_w")
+        sixth = bool(below) and past is not None and abs(past / below - 1 / 6) < 1e-9
+        step.detail = (f"{', '.join(names)}; allocated == formula: {'all' if not wrong else 'NOT ' + ', '.join(wrong)}"
+                       f"; KV µs/1k ctx: " + ", ".join(f"{r['variant']} {_fmt(r.get('decode_us_per_1k_ctx'), '{:.1f}')}"
+                                                     for r in rows)
+                       + f"; hybrid past/below W {_fmt(hybrid.get('past_w_slope_ratio'), '{:.2f}')} (bytes 1/6)")
+        step.verdict = "pass" if len(rows) == 4 and not wrong and sixth and len(set(names)) == 4 else "FAIL"
+
     # -- the report --
     def report(self, step: Step) -> None:
         from kvbench.sinks.report import write_report
@@ -306,6 +347,7 @@ class Check:
         lines += ["", f"Device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('torch_cuda')}, "
                   f"driver {env.get('gpu_driver_version')}.", ""]
         lines += decode_table(eager, graph)
+        lines += layouts_table(next((s.records for s in self.steps if s.name == "layouts compare"), []))
         return "\n".join(lines) + "\n"
 
 
@@ -347,7 +389,7 @@ def decode_table(eager: List[Dict[str, Any]], graph: List[Dict[str, Any]]) -> Li
         return (c["attention"]["type"], c["attention"]["num_kv_heads"], c["workload"]["prompt_len"],
                 c["workload"]["batch_size"])
 
-    order = {"mha": 0, "gqa": 1, "mqa": 2}
+    order = {"mha": 0, "gqa": 1, "mqa": 2, "mla": 3}
     cells: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
     for mode, recs in (("eager", eager), ("graph", graph)):
         for r in recs:
@@ -373,6 +415,33 @@ def decode_table(eager: List[Dict[str, Any]], graph: List[Dict[str, Any]]) -> Li
     method = next((c[m].get("peak_method") for c in cells.values() for m in c if c[m].get("peak_method")), None)
     lines += ["", f"Bandwidth peak for % HBM BW: {_fmt(peak, '{:.0f}')} GB/s ({method}). KV MiB torch / NVML: "
               "the allocation seen by torch.cuda.memory_allocated and by NVML around the static cache's creation."]
+    return lines
+
+
+def _ci(row: Dict[str, Any], key: str, spec: str = "{:.1f}") -> str:
+    low, high = row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high")
+    text = _fmt(row.get(key), spec)
+    return text if low is None or high is None else f"{text} [{_fmt(low, spec)}, {_fmt(high, spec)}]"
+
+
+def layouts_table(records: List[Dict[str, Any]]) -> List[str]:
+    """The layouts step's comparison: per variant the KV bytes (allocated, formula), the KV cost per
+    1k tokens of context with its interval, and below / past the hybrid's window W."""
+    rows = next(((r.get("tables") or {}).get("compare") for r in records if r.get("status") == "ok"), None)
+    if not rows:
+        return []
+    split = next((r["metrics"].get("window_split_ctx") for r in records if r.get("metrics")), None)
+    lines = ["", "## Layouts (task=compare, eager, variants alternating)", "",
+             f"| variant | layout | weights | KV bytes allocated | = formula | KV µs / 1k ctx | ≤{split} | ≥{split} | "
+             "past/below W | bytes past/below |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        below, past = r.get("kv_bytes_per_1k_ctx_below_w"), r.get("kv_bytes_per_1k_ctx_past_w")
+        lines.append("| " + " | ".join([
+            r["variant"], r.get("layout", ""), r.get("weights", ""), f"{r['kv_cache_bytes']:,}",
+            "yes" if r["kv_cache_bytes"] == r["kv_cache_bytes_formula"] else "NO",
+            _ci(r, "decode_us_per_1k_ctx"), _ci(r, "decode_us_per_1k_ctx_below_w"),
+            _ci(r, "decode_us_per_1k_ctx_past_w"),
+            _ci(r, "past_w_slope_ratio", "{:.2f}"), _fmt(past / below if below else None, "{:.3f}")]) + " |")
     return lines
 
 

@@ -58,8 +58,7 @@ def laptop(monkeypatch):
     ("attention.v_head_dim=0", "must be >= 1"),
     ("attention.num_kv_heads=4", "one latent head per token"),
     ("attention.mla_decode=foo", "must be one of absorbed, expanded"),
-    ("attention.window=16", "not supported with attention=mla"),
-    ("attention.global_every=2", "there is no window: attention=mla has no sliding window"),
+    ("attention.global_every=2", "there is no window"),  # MLA with a window is a ring of latents (test_mla_window.py)
 ])
 def test_an_mla_rank_out_of_range_is_one_line_naming_it(override, why):
     line = refusal("model=tiny", "attention=mla", override)

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome", "attention", "serving.trace"],
+    ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome", "attention",
+     "serving.trace"],
     ["hf_config"],
     ["model_config", "recall_config", "capacity_config"],
     ["config"],
@@ -29,7 +30,7 @@ LAYERS = [
     ["jobs.runner"],
     ["jobs.isolation", "jobs.sweep"],
     ["sinks.tables", "sinks.tracking"],
-    ["sinks.choose", "sinks.dashboard", "sinks.recall"],
+    ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved"],
     ["sinks.console", "sinks.plots"],
     ["sinks.report"],
     ["cli_job"],

@@ -219,8 +219,8 @@ def test_refusals_name_the_key(tmp_path):
         AttentionConfig(type="mla", num_kv_heads=2).resolved(MODEL)
     with pytest.raises(ConfigError, match=r"^attention.qk_rope_head_dim=3: must be even"):
         AttentionConfig(type="mla", qk_rope_head_dim=3).resolved(MODEL)
-    with pytest.raises(ConfigError, match=r"^compare.variants=.*'mla' is not supported yet"):
-        CompareConfig(variants=["mha", "mla"])
+    with pytest.raises(ConfigError, match=r"^compare.variants=.*'mla:r0'"):
+        CompareConfig(variants=["mha", "mla:r0"])
     llama, _ = llama_dir(tmp_path / "llama", 2)
     with pytest.raises(CheckpointError, match=r"^attention.type='mla': the checkpoint has 2 K/V heads"):
         to_layout(load_llama_dir(llama)[0], AttentionConfig(type="mla").resolved(MODEL))

@@ -160,6 +160,21 @@ NOT_RUN = {
     "kvbench model=tiny attention=mla": "tests/test_mla.py runs this command end to end",
     "kvbench -m model=small attention=mha,gqa,mqa,mla": "minutes on model=small; experiments/results/mla_small.md "
                                                         "has the run (composed and validated below)",
+    "kvbench experiment=layouts": "~20 minutes of model=small decode steps to 4096 tokens of context; "
+                                  "tests/workloads/test_compare_layouts.py runs the same four layouts on model=tiny, "
+                                  "experiments/results/layouts_compare.md has the run",
+    "kvbench experiment=layouts compare.variants=[gqa,gqa:w1024:g6,mla,mla:w1024:g6]":
+        "the same preset with other variants (minutes); composed and validated below",
+    "kvbench -m model=small attention=mha,gqa,mqa,mla attention.window=null,256 workload.prompt_len=512 "
+    "workload.gen_len=32": "eight model=small jobs (minutes); tests/sinks/test_layout_names.py checks the eight "
+                           "names side by side (composed and validated below)",
+    "kvbench task=capacity model.num_layers=6 attention=mha attention.window=256 attention.global_every=6 "
+    "runtime.memory_budget_gb=1 capacity.context_lens=[1024,2048]": "minutes of model=small probes; "
+        "tests/workloads/test_capacity_layouts.py probes a hybrid on model=tiny (composed and validated below)",
+    "kvbench -m experiment=choose attention=mha,gqa,mqa,mla": "12 capacity searches (minutes); "
+        "the article table's sweep with MLA, composed and validated below",
+    "kvbench experiment=choose attention.window=64": "9 capacity searches (minutes) with every layer local; "
+        "tests/workloads/test_capacity_layouts.py probes windowed caches (composed and validated below)",
     "kvbench task=inspect model=deepseek_v3": "tests/test_mla.py runs it and checks the 70,272 bytes it prints",
     "kvbench model=hf_dir model.path=/path/to/deepseek attention=mla": "a placeholder path; tests/test_mla.py "
                                                                        "builds DeepSeek directories with transformers",

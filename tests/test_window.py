@@ -179,7 +179,6 @@ def _bench(**changes):
     ({"cache": CacheConfig(impl="concat")}, "cache.impl='concat': keeps every position; with attention.window=16"),
     ({"runtime": RuntimeConfig(device="cpu", compile="graph")}, "runtime.compile='graph': is not supported with a "
                                                                "sliding window"),
-    ({"task": "compare"}, "task='compare': is not supported with a sliding window"),
     ({"attention": dict(window=-1)}, "attention.window=-1: must be >= 1 positions"),
     ({"attention": dict(window=4, layer_types=["sliding_attention"])},
      "attention.layer_types=['sliding_attention']: must name each of model.num_layers=2 layers"),

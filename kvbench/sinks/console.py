@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import Choice, choices
+from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.tables import (
     AXES,
     COLUMNS,
@@ -26,7 +27,6 @@ from kvbench.sinks.tables import (
     by_kind,
     comparisons,
     fmt,
-    interleaved_table,
     job_axes,
     job_cells,
     job_columns,

@@ -29,6 +29,7 @@ from kvbench.measure.stats import kv_cost_fit
 from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import RULES, choices
+from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 from kvbench.sinks.tables import (
     AXES,
@@ -40,7 +41,6 @@ from kvbench.sinks.tables import (
     Axis,
     by_kind,
     comparisons,
-    interleaved_table,
     job_axes,
     job_cells,
     job_columns,

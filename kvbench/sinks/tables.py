@@ -207,8 +207,10 @@ def ratio_text(ratio: Optional[float]) -> str:
 
 def _values(records: Sequence[Record], key: str) -> List[str]:
     # None means "left to its default" in a config Hydra saved before validation filled it in
-    # (or a key the job's kind does not read), so it never makes a key look swept.
-    return [repr(v) for v in (RecordView.of(r).get(key) for r in records) if v is not None]
+    # (or a key the job's kind does not read), so it never makes a key look swept; a window's None
+    # is "no window", a value of its own.
+    none_is_value = key in ("attention.window", "attention.global_every")
+    return [repr(v) for v in (RecordView.of(r).get(key) for r in records) if v is not None or none_is_value]
 
 
 def determined_by(records: Sequence[Record], key: str, by: str) -> bool:
@@ -402,44 +404,3 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
         out.append(Comparison(kind_name, cell_axes, variants, [c for c in COLUMNS[kind_name] if c.compared]
                               if kind_name in COLUMNS else [], ordered, notes))
     return out
-
-
-# ---- an interleaved comparison (task=compare) ---------------------------------------------------
-
-def _contexts(view: RecordView, row: Mapping[str, Any]) -> List[int]:
-    """The contexts the job timed (its ``compare.contexts``) that the table has a column for."""
-    contexts = view.get("compare.contexts")
-    numbers = {c for c in contexts if isinstance(c, int)} if isinstance(contexts, list) else set()
-    return sorted(c for c in numbers if f"step_ms_ctx{c}" in row)
-
-
-def _ratio_cell(row: Mapping[str, Any], key: str, baseline: bool) -> str:
-    """A paired ratio with its interval; ``not significant`` where the interval holds 1."""
-    if baseline:
-        return "1 (baseline)"
-    value, ci = row.get(key), interval(row, key)
-    if value is None:
-        return "-"
-    text = ratio_text(value)
-    if ci is None:
-        return f"{text}, {NO_INTERVAL}"
-    return f"{text} [{ci[0]:#.3g}, {ci[1]:#.3g}]" + (f", {NOT_SIGNIFICANT}" if ci[0] <= 1 <= ci[1] else "")
-
-
-def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
-    """(header, rows) of a ``task=compare`` record's ``tables.compare``: per variant the step at
-    each context, the KV cost slope, and ratios to the first variant (paired over rounds, with
-    intervals) beside the ratio the KV bytes predict. Empty for any other record."""
-    view = RecordView.of(record)
-    rows = view.table("compare")
-    contexts = _contexts(view, rows[0]) if rows else []
-    if not contexts:
-        return [], []
-    longest = contexts[-1]
-    header = ["variant", *[f"step ms @{c}" for c in contexts], "KV µs / 1k ctx", "slope ratio",
-              "KV bytes ratio", f"step ratio @{longest}", f"KV share @{longest}"]
-    out = [[row["variant"], *[with_interval(row, f"step_ms_ctx{c}", "{:.3f}") for c in contexts],
-            with_interval(row, "decode_us_per_1k_ctx", "{:.1f}"), _ratio_cell(row, "slope_ratio", i == 0),
-            ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
-            fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
-    return header, out

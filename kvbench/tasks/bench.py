@@ -36,7 +36,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     if cfg.model.path:
         result.metrics["kv_heads_conversion"] = ("none" if cfg.attention.latent else
                                                  kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads))
-    label = variant_label(cfg.attention)
+    label = variant_label(cfg.attention, num_layers=cfg.model.num_layers)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
     with progress(label, cfg.runtime.warmup + cfg.runtime.repeats) as tick:

@@ -86,7 +86,9 @@ METRICS: Dict[str, Metric] = metric_table(
                      "CUDA context is outside it)"),
     Metric("weight_bytes_measured", "bytes", "parameters and persistent buffers of the model the probes ran"),
     Metric("kv_bytes_per_token", "bytes", "KV formula for one position of one sequence, all layers "
-                          "(2 * layers * kv_heads * head_dim * bytes per element)"),
+                          "(2 * layers * kv_heads * head_dim * bytes per element; MLA: layers * (kv_lora_rank + "
+                          "qk_rope_head_dim) * bytes per element); a local layer's ring stops at W, so the "
+                          "probes' kv_bytes, not this times the context, are what a windowed cache holds"),
     Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
     Metric("stopped_by_longest", "text",
            "memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
@@ -162,12 +164,26 @@ class Stepper:
     def ready(self) -> None:
         """Roll back when the positions ran out (outside the timed step)."""
         if self.pos == self.end:
-            self.cache.truncate(self.start)
+            rewind(self.cache, self.start)
             self.pos = self.start
 
     def __call__(self) -> None:
         self.step(self.model, self.token, self.cache, self.pos)
         self.pos += 1
+
+
+def rewind(cache: KVCache, length: int) -> None:
+    """Roll ``cache`` back to ``length`` positions to repeat steps whose cost, not their output, is
+    timed. A sliding window's ring refuses a true roll back (:meth:`KVCache.truncate`) once a later
+    position overwrote one the repeated step would read; that step still reads the same number of
+    keys, min(position + 1, W) per local layer, so for a ring only the held lengths move back."""
+    if all(w is None for w in cache.windows):
+        cache.truncate(length)
+        return
+    history = getattr(cache, "history", None)  # a shared prefix's own conversations
+    if history is not None:
+        history.length = length - cache.prefix_len
+    cache.length = length
 
 
 def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
@@ -394,7 +410,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
-    label = f"capacity {variant_label(cfg.attention)}"
+    label = f"capacity {variant_label(cfg.attention, num_layers=cfg.model.num_layers)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"
     expected = len(contexts(cfg)) * probes_expected(cfg.capacity.max_batch,

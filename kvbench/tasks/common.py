@@ -13,8 +13,7 @@ from kvbench.config import BenchConfig
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import AttentionConfig, kv_layout_change
-from kvbench.views import Variant
+from kvbench.model_config import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
 
 # progress(label, total) -> a context manager yielding tick(description=None), called once per
 # trial or training step; the CLI passes rich progress bars, the default shows nothing.
@@ -38,12 +37,6 @@ JOB_METHODS: Dict[str, str] = record_methods(JOB_METRICS)
 @contextmanager
 def no_progress(label: str, total: int):
     yield None
-
-
-def variant_label(attention: AttentionConfig) -> str:
-    """``gqa kv=2``, ``mla r=32``, ``gqa kv=2 w=1024 5:1``: a progress line's name of the variant,
-    :attr:`kvbench.views.Variant.label` (the tables' name of it too)."""
-    return Variant.of_attention(attention).label
 
 
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:

@@ -2,9 +2,18 @@
 process, alternating trial by trial, so that whatever the machine does meanwhile (another job, a
 clock change) falls on every variant alike and their ratios can be paired round by round.
 
-The variants share weights: the first is built from the seeded model with one KV head per query
-head (MHA), every other by :func:`~kvbench.checkpoint.convert_kv_heads` from it (mean-pooled to
-fewer KV heads), so only the K/V projections and the cache differ between them.
+The variants share weights: one seeded model with one KV head per query head (MHA) is the source,
+and every variant holds its embedding, norms, MLPs and LM head (the same tensors, not copies); a
+variant with fewer KV heads has K/V projections mean-pooled from it
+(:func:`~kvbench.checkpoint.convert_kv_heads`), a windowed one (``mha:w1024:g6``) the projections
+of its head count (a window is only a mask and a ring cache), and ``mla`` latent projections drawn
+from the seed (there is no MHA -> MLA conversion), so only attention and cache differ between them.
+
+A windowed variant's cache holds a ring of W positions per local layer; a step at context C reads
+min(C + 1, W) keys there and C + 1 in a global layer, as a real step at C does (the ring's slots
+hold other positions after the roll back, which a step's cost does not depend on). Its KV cost is
+then fitted below and past W as well (``_below_w``, ``_past_w``): past W only the global layers
+still grow, so the slope flattens to their share, which the KV formula gives beside it.
 
 A trial is one variant's pass over ``compare.contexts``: at each context C, ``compare.steps``
 decode steps at position C (the static cache filled to C by one prefill per variant, rolled back
@@ -20,32 +29,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from kvbench.cache import cache_for, kv_cache_bytes
-from kvbench.checkpoint import convert_kv_heads
+from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig
+from kvbench.model_config import AttentionConfig, variant_key, variant_label
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, Progress, build_model
 
 Tick = Callable[..., None]
 
-# Units and methods of what this task reports; ``<v>`` is a variant's label (``mha_kv16``),
-# ``<C>`` the longest context. Every ratio is the variant's over the first variant's.
+# Units and methods of what this task reports; ``<v>`` is a variant's label (``mha_kv16``,
+# ``mla_r256``, ``mha_kv16_w1024_5to1``: model_config.variant_key), ``<C>`` the longest context.
+# Every ratio is the variant's over the first variant's.
 METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.trials", "", "one row per (round, turn, variant, context) in the order run: the decode step times "
                      "(ms) at that context and their median; rounds alternate the variants' order (ABC, CBA, ...)"),
     Metric("tables.compare", "",
-           "one row per variant: the metrics below without the variant prefix, and step_ms_ctx<C> "
-                      "(with _ci_low/_ci_high) and step_ratio_ctx<C> at every context"),
+           "one row per variant: the metrics below without the variant prefix, step_ms_ctx<C> "
+                      "(with _ci_low/_ci_high), step_ratio_ctx<C> and kv_bytes_ctx<C> at every context, layout "
+                      "(the variant's name in tables and plots: model_config.variant_label) and weights (how its "
+                      "attention weights relate to the MHA model's: mha's, K/V mean-pooled from mha's, or drawn "
+                      "from runtime.seed for MLA)"),
     Metric("<v>_step_ms_ctx<C>", "ms", "decode step at context C: median over rounds of each round's median step, "
                           "95% interval by bootstrap over rounds (see methods.ci_trials)"),
     Metric("<v>_decode_us_per_1k_ctx", "µs per 1,000 tokens of context",
@@ -56,10 +69,35 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("<v>_kv_share_ctx<C>", "fraction", "slope x C / step at C: the part of the step at the longest context that "
                            "the context costs"),
     Metric("<v>_kv_bytes_per_token", "bytes",
-           "K and V of one position of one sequence: 2 * layers * kv_heads * head_dim "
-                              "* bytes_per_element"),
-    Metric("<v>_kv_bytes_ratio", "ratio", "kv_bytes_per_token over the first variant's: the slope ratio if the KV cost "
-                          "were all bytes read"),
+           "what the cache stores for one position of one sequence in every layer "
+                              "(kvbench.cache.kv_cache_bytes at one position): 2 * layers * kv_heads * head_dim "
+                              "* bytes_per_element, or MLA's layers * (kv_lora_rank + qk_rope_head_dim) * "
+                              "bytes_per_element"),
+    Metric("<v>_kv_bytes_ctx<C>", "bytes", "the KV formula for one sequence holding C positions (a local layer "
+                                           "holds min(C, W)); the table has every context"),
+    Metric("<v>_kv_cache_bytes", "bytes", "allocated: the storage of the variant's timed cache (batch_size "
+                                          "sequences, longest context + 1 positions; a ring of W per local layer)"),
+    Metric("<v>_kv_cache_bytes_formula", "bytes", "the KV formula for that cache's shape"),
+    Metric("<v>_kv_bytes_ratio", "ratio", "kv_bytes_ctx<C> over the first variant's at the longest context: the "
+                          "slope ratio if the KV cost were all bytes read"),
+    Metric("window_split_ctx", "positions", "only when a variant has a window: the smallest window W among them, "
+                                            "where the _below_w and _past_w fits of every variant meet"),
+    Metric("<v>_decode_us_per_1k_ctx_below_w", "µs per 1,000 tokens of context",
+           "the KV cost over the contexts <= window_split_ctx only (Theil-Sen as decode_us_per_1k_ctx, "
+           "with its interval; null with fewer than 3 such contexts)"),
+    Metric("<v>_decode_us_per_1k_ctx_past_w", "µs per 1,000 tokens of context",
+           "the same over the contexts >= window_split_ctx: a windowed variant's flattens to its global layers'"),
+    Metric("<v>_kv_bytes_per_1k_ctx_below_w", "bytes per 1,000 tokens of context",
+           "what the KV formula adds per 1,000 positions from the shortest context to the longest <= window_split_ctx"),
+    Metric("<v>_kv_bytes_per_1k_ctx_past_w", "bytes per 1,000 tokens of context",
+           "the same from the shortest context >= window_split_ctx to the longest (past W only global layers grow)"),
+    Metric("<v>_slope_ratio_past_w", "ratio",
+           "slope_ratio over the contexts >= window_split_ctx only: the variant's per-round slope past W over "
+           "the first variant's, paired over rounds (a 5:1 hybrid against MHA: 1/6 of the bytes grow there)"),
+    Metric("<v>_past_w_slope_ratio", "ratio",
+           "median over rounds of the per-round slope past window_split_ctx over the median of the "
+           "per-round slope below it, paired bootstrap interval over rounds; the KV formula's ratio is "
+           "kv_bytes_per_1k_ctx_past_w / kv_bytes_per_1k_ctx_below_w"),
     Metric("<v>_slope_ratio", "ratio",
            "median over rounds of the variant's per-round slope over the median of the first "
                        "variant's, paired bootstrap interval over rounds (see methods.paired_ratio); null with "
@@ -77,29 +115,70 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 
 @dataclass
 class Variant:
-    """One attention variant of the comparison: its label, KV-head count and model."""
+    """One attention variant of the comparison: its label (metric prefix), layout and model, and
+    what its attention weights are (``weights``: mha's, mean-pooled from them, or drawn)."""
 
     label: str
-    num_kv_heads: int
+    attention: AttentionConfig
     model: Decoder
+    weights: str
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention.num_kv_heads
 
 
-def label(attention: AttentionConfig) -> str:
-    """``gqa_kv4``: the attention type and KV-head count, as metric prefixes name a variant."""
-    return f"{attention.type}_kv{attention.num_kv_heads}"
+def label(attention: AttentionConfig, num_layers: Optional[int] = None) -> str:
+    """``gqa_kv4``, ``mla_r256``, ``mha_kv16_w1024_5to1``: :func:`variant_label` as a metric prefix."""
+    return variant_key(variant_label(attention, num_layers=num_layers))
+
+
+def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple[Decoder, str]:
+    """``attention``'s model of ``base`` (MHA, no window) and what its attention weights are. Every
+    tensor outside attention is ``base``'s own (shared, not copied); K/V projections mean-pooled for
+    fewer KV heads; a latent (MLA) variant's attention drawn from ``seed``."""
+    shared = {k: t for k, t in base.state_dict().items() if ".attn." not in k}
+    if attention.latent:
+        torch.manual_seed(seed)
+        with base.device:
+            drawn = Decoder(base.config, attention)
+        own = {k: t.to(base.dtype) for k, t in drawn.state_dict().items() if ".attn." in k}
+        del drawn
+        how = "drawn from runtime.seed (no MHA -> MLA conversion); the rest mha's"
+    else:
+        conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
+        if conversion == "none" and not attention.window:
+            return base, "mha's"
+        source = base if conversion == "none" else convert_kv_heads(base, attention.num_kv_heads)
+        own = {k: t for k, t in source.state_dict().items() if ".attn." in k}
+        how = "mha's" if conversion == "none" else "K/V mean-pooled from mha's"
+    return build_decoder(base.config, attention, {**shared, **own}, device=base.device).eval(), how
 
 
 def variants(cfg: BenchConfig, base: Decoder) -> List[Variant]:
-    """``compare.variants`` of ``base`` (a model with one KV head per query head): ``base`` itself
-    for MHA, a copy with mean-pooled K/V projections for fewer KV heads."""
-    if base.num_kv_heads != base.config.num_heads:
-        raise ValueError(f"the base model must be MHA ({base.config.num_heads} KV heads), has {base.num_kv_heads}")
-    out = []
-    for attention in cfg.compare.attentions(cfg.model):
-        kv = attention.num_kv_heads
-        model = base if kv == base.num_kv_heads else convert_kv_heads(base, kv).eval()
-        out.append(Variant(label(attention), kv, model))
-    return out
+    """``compare.variants`` of ``base`` (a model with one KV head per query head): :func:`variant_model`
+    of each. A checkpoint's own window is left out of ``base``: each variant names its own."""
+    H = base.config.num_heads
+    if base.num_kv_heads != H or base.attention.latent:
+        raise ValueError(f"the base model must be MHA ({H} KV heads), has {variant_label(base.attention)}")
+    if any(w is not None for w in base.layer_windows):
+        base = build_decoder(base.config, AttentionConfig(type="mha", num_kv_heads=H, window=0), base.state_dict(),
+                             device=base.device).eval()
+    return [Variant(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
+            for a in cfg.compare.attentions(cfg.model)]
+
+
+def formula_bytes(model: Decoder, positions: int, batch: int, bytes_per_element: int) -> int:
+    """The KV formula (:func:`kvbench.cache.kv_cache_bytes`) of ``model``'s cache: its heads or
+    latent, its layers' windows."""
+    heads, width, latent = model.kv_dims()
+    return kv_cache_bytes(model.config.num_layers, heads, width, positions, batch, bytes_per_element,
+                          windows=model.layer_windows, latent=latent)
+
+
+def window_split(runs: Sequence[Variant]) -> Optional[int]:
+    """The smallest window of any variant's local layer (None: no variant has one)."""
+    return min((w for v in runs for w in v.model.layer_windows if w is not None), default=None)
 
 
 def round_order(n_variants: int, round_index: int) -> List[int]:
@@ -157,25 +236,36 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
             if tick is not None:
                 tick()
     dtype_bytes = DTYPE_BYTES[rt.dtype]
-    per_token = {v.label: kv_cache_bytes(base.config.num_layers, v.num_kv_heads, base.config.head_dim, 1, 1,
-                                         dtype_bytes) for v in runs}
-    rows = summarize(trials, [v.label for v in runs], contexts, per_token)
+    # One position, every context, and the shape the timed cache has, for one sequence unless said
+    kv = {v.label: {"kv_bytes_per_token": formula_bytes(v.model, 1, 1, dtype_bytes),
+                    **{f"kv_bytes_ctx{ctx}": formula_bytes(v.model, ctx, 1, dtype_bytes) for ctx in contexts},
+                    "kv_cache_bytes": cache.nbytes,
+                    "kv_cache_bytes_formula": formula_bytes(v.model, cache.max_seq_len, B, dtype_bytes)}
+          for v, cache in zip(runs, caches)}
+    split = window_split(runs)
+    rows = summarize(trials, [v.label for v in runs], contexts, kv, split)
+    for row, v in zip(rows, runs):
+        row.update(layout=variant_label(v.attention, num_layers=v.model.config.num_layers), weights=v.weights)
     result.tables["compare"] = rows
     result.metrics["rounds"] = rt.repeats
+    if split is not None:
+        result.metrics["window_split_ctx"] = split
     # The record's metrics: the whole rows at the longest context; the other contexts stay in the table.
-    table_only = {"variant"} | {f"{name}_ctx{ctx}{end}" for name in ("step_ms", "step_ratio")
-                                for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high", "_ci_reason")}
+    table_only = {"variant", "layout", "weights"} | {f"kv_bytes_ctx{ctx}" for ctx in contexts[:-1]} | {
+        f"{name}_ctx{ctx}{end}" for name in ("step_ms", "step_ratio")
+        for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high", "_ci_reason")}
     for row in rows:
         result.metrics.update({f"{row['variant']}_{k}": v for k, v in row.items() if k not in table_only})
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
     """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
-    heads repeated to MHA, exactly) in alternating trials in this process (:func:`run_trials`)."""
+    heads repeated to MHA, exactly, its own window left out) in alternating trials in this
+    process (:func:`run_trials`)."""
     result.metrics["timing_method"] = timing_method(device)
     result.methods["timing_method"] = JOB_METHODS["timing_method"]
     h = cfg.model.num_heads
-    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
+    base = build_model(replace(cfg, attention=AttentionConfig(type="mha", num_kv_heads=h, window=0)), device)
     total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
     with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
         run_trials(cfg, base, device, result, tick)
@@ -187,47 +277,79 @@ def per_round(trials: Sequence[Dict], variant: str, context: int) -> List[float]
     return [t["step_ms"] for t in rows]
 
 
+def _fit_fields(rounds: Dict, v: str, contexts: Sequence[int], n_rounds: int, suffix: str = "") -> Dict:
+    """The KV cost fit of ``v`` over ``contexts`` (all rounds' points), as row fields."""
+    fit = stats.kv_cost_fit([ctx for ctx in contexts for _ in range(n_rounds)],
+                            [ms for ctx in contexts for ms in rounds[v, ctx]])
+    name = f"decode_us_per_1k_ctx{suffix}"
+    return {name: fit["us_per_1k_ctx"], f"{name}_ci_low": fit["us_per_1k_ctx_ci_low"],
+            f"{name}_ci_high": fit["us_per_1k_ctx_ci_high"],
+            f"{name}_ci_reason": fit["ci_reason"] if fit["us_per_1k_ctx"] is not None
+            else f"fewer than 3 contexts ({len(contexts)}) to fit"}
+
+
+def _paired(name: str, a: List[Optional[float]], b: List[Optional[float]], n_rounds: int) -> Dict:
+    """``name``: median(b) / median(a) paired over rounds, with its interval (null where a round
+    has no value)."""
+    ratio = low = high = None
+    if a and None not in a and None not in b:
+        ratio, low, high = stats.paired_ratio(a, b)
+    return {name: ratio, f"{name}_ci_low": low, f"{name}_ci_high": high,
+            f"{name}_ci_reason": ratio and stats.paired_ratio_reason(n_rounds, ratio, low)}
+
+
 def summarize(trials: Sequence[Dict], labels: Sequence[str], contexts: Sequence[int],
-              kv_bytes_per_token: Dict[str, int]) -> List[Dict]:
+              kv: Dict[str, Dict[str, int]], split: Optional[int] = None) -> List[Dict]:
     """One row per variant from the trials table (see :data:`METHODS`): steps per context with
-    intervals, the KV cost slope, and ratios to ``labels[0]`` paired over rounds."""
+    intervals, the KV cost slope, and ratios to ``labels[0]`` paired over rounds; ``kv``: each
+    variant's KV formula fields (``kv_bytes_per_token``, ``kv_bytes_ctx<C>``, ...), copied into its
+    row. ``split`` (a window W): the slope below and past it too, and what the formula adds there."""
     longest = contexts[-1]
     # (variant, context) -> per-round medians; the rounds are the same for every variant.
     rounds = {(v, ctx): per_round(trials, v, ctx) for v in labels for ctx in contexts}
     n_rounds = len(rounds[labels[0], contexts[0]])
+    below = [ctx for ctx in contexts if split is not None and ctx <= split]
+    past = [ctx for ctx in contexts if split is not None and ctx >= split]
 
-    def slopes(v: str) -> List[Optional[float]]:
-        return [stats.kv_cost_fit(contexts, [rounds[v, ctx][r] for ctx in contexts])["us_per_1k_ctx"]
+    def slopes(v: str, over: Sequence[int]) -> List[Optional[float]]:
+        return [stats.kv_cost_fit(over, [rounds[v, ctx][r] for ctx in over])["us_per_1k_ctx"]
                 for r in range(n_rounds)]
 
-    base_slopes = slopes(labels[0])
+    def bytes_per_1k(v: str, start: int, end: int) -> Optional[float]:
+        if end <= start:
+            return None
+        return (kv[v][f"kv_bytes_ctx{end}"] - kv[v][f"kv_bytes_ctx{start}"]) / (end - start) * 1e3
+
+    base_slopes = slopes(labels[0], contexts)
+    bytes_key = f"kv_bytes_ctx{longest}" if f"kv_bytes_ctx{longest}" in kv[labels[0]] else "kv_bytes_per_token"
     out = []
     for v in labels:
         row: Dict = {"variant": v}
         for ctx in contexts:
             fields = stats.trial_metric(f"step_ms_ctx{ctx}", rounds[v, ctx], "rounds")
             row.update({k: fields[k] for k in fields if not k.endswith(("_n", "_warning"))})
+        row.update(_fit_fields(rounds, v, contexts, n_rounds))
         fit = stats.kv_cost_fit([ctx for ctx in contexts for _ in range(n_rounds)],
                                 [ms for ctx in contexts for ms in rounds[v, ctx]])
-        row.update({"decode_us_per_1k_ctx": fit["us_per_1k_ctx"],
-                    "decode_us_per_1k_ctx_ci_low": fit["us_per_1k_ctx_ci_low"],
-                    "decode_us_per_1k_ctx_ci_high": fit["us_per_1k_ctx_ci_high"],
-                    "decode_us_per_1k_ctx_ci_reason": fit["ci_reason"],
-                    "decode_ms_at_ctx0": fit["at_ctx0_ms"],
-                    f"kv_share_ctx{longest}": (None if fit["us_per_1k_ctx"] is None else
-                                               fit["us_per_1k_ctx"] * longest / 1e6 / row[f"step_ms_ctx{longest}"]),
-                    "kv_bytes_per_token": kv_bytes_per_token[v],
-                    "kv_bytes_ratio": kv_bytes_per_token[v] / kv_bytes_per_token[labels[0]]})
+        slope = row["decode_us_per_1k_ctx"]
+        row.update({"decode_ms_at_ctx0": fit["at_ctx0_ms"],
+                    f"kv_share_ctx{longest}": (None if slope is None else
+                                               slope * longest / 1e6 / row[f"step_ms_ctx{longest}"]),
+                    **kv[v], "kv_bytes_ratio": kv[v][bytes_key] / kv[labels[0]][bytes_key]})
         for ctx in contexts:
             ratio, low, high = stats.paired_ratio(rounds[labels[0], ctx], rounds[v, ctx])
             row.update({f"step_ratio_ctx{ctx}": ratio, f"step_ratio_ctx{ctx}_ci_low": low,
                         f"step_ratio_ctx{ctx}_ci_high": high,
                         f"step_ratio_ctx{ctx}_ci_reason": stats.paired_ratio_reason(n_rounds, ratio, low)})
-        ratio = low = high = None
-        mine = slopes(v)
-        if None not in base_slopes and None not in mine:
-            ratio, low, high = stats.paired_ratio(base_slopes, mine)
-        row.update({"slope_ratio": ratio, "slope_ratio_ci_low": low, "slope_ratio_ci_high": high,
-                    "slope_ratio_ci_reason": ratio and stats.paired_ratio_reason(n_rounds, ratio, low)})
+        row.update(_paired("slope_ratio", base_slopes, slopes(v, contexts), n_rounds))
+        if split is not None:
+            row.update({**_fit_fields(rounds, v, below, n_rounds, "_below_w"),
+                        **_fit_fields(rounds, v, past, n_rounds, "_past_w"),
+                        "kv_bytes_per_1k_ctx_below_w": bytes_per_1k(v, below[0], below[-1]) if below else None,
+                        "kv_bytes_per_1k_ctx_past_w": bytes_per_1k(v, past[0], longest) if past else None})
+            row.update(_paired("past_w_slope_ratio", slopes(v, below) if len(below) >= 3 else [],
+                               slopes(v, past) if len(past) >= 3 else [], n_rounds))
+            row.update(_paired("slope_ratio_past_w", slopes(labels[0], past) if len(past) >= 3 else [],
+                               slopes(v, past) if len(past) >= 3 else [], n_rounds))
         out.append(row)
     return out

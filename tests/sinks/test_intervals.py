@@ -12,8 +12,9 @@ from rich.console import Console
 
 from kvbench.results import RunResult
 from kvbench.sinks import console
+from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.report import MD_FILE, write_report
-from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Column, comparisons, interleaved_table, value_text
+from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Column, comparisons, value_text
 
 P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", sampled=True)
 

@@ -109,7 +109,7 @@ def test_a_compare_records_table_has_a_column_per_context_it_timed(tmp_path):
     from conftest import compose
 
     from kvbench.jobs.runner import run_job
-    from kvbench.sinks.tables import interleaved_table
+    from kvbench.sinks.interleaved import interleaved_table
 
     record = run_job(compose("wandb.mode=disabled", "task=compare", "model=tiny", "model.max_seq_len=64",
                              "runtime.threads=1", "compare.variants=[mha,mqa]", "compare.contexts=[8,4,16]",

@@ -78,7 +78,7 @@ def test_the_slope_and_its_ratio_on_synthetic_trials():
         drift = 1 + 0.1 * rng.random()  # the machine slows a whole round: pairing cancels it
         for v, slope in slope_ms_per_pos.items():
             trials += [{"round": r, "variant": v, "context": c, "step_ms": drift * (5.0 + slope * c)} for c in contexts]
-    rows = summarize(trials, ["a", "b"], contexts, {"a": 64, "b": 16})
+    rows = summarize(trials, ["a", "b"], contexts, {"a": {"kv_bytes_per_token": 64}, "b": {"kv_bytes_per_token": 16}})
     a, b = rows
     drift_median = np.median([t["step_ms"] / (5.0 + 4e-3 * t["context"]) for t in trials if t["variant"] == "a"])
     assert a["decode_us_per_1k_ctx_ci_low"] <= a["decode_us_per_1k_ctx"] <= a["decode_us_per_1k_ctx_ci_high"]
