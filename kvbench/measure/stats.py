@@ -56,6 +56,9 @@ METHODS: Dict[str, str] = {
                 "seeds a percentile bootstrap has at most a few dozen distinct resamples and covers too little",
     "diff_seeds": f"difference of two means over seeds, {CONFIDENCE:.0%} Welch t-interval (unequal variances: "
                   "scipy.stats.ttest_ind(equal_var=False)); null with fewer than 2 seeds on either side",
+    "solved_seeds": f"seeds that solve a condition (accuracy >= the task's threshold) of all seeds, with the "
+                    f"{CONFIDENCE:.0%} Clopper-Pearson interval of the fraction of seeds that solve it (exact "
+                    "binomial: scipy.stats.binomtest(k, n).proportion_ci(method='exact')), valid at any n >= 1",
     "paired_ratio": f"median(B) / median(A) over interleaved rounds, {CONFIDENCE:.0%} paired percentile "
                     f"bootstrap over rounds ({N_RESAMPLES} resamples, seed {SEED})",
 }
@@ -244,6 +247,15 @@ def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optio
         return diff, diff, diff
     ci = sps.ttest_ind(y, x, equal_var=False).confidence_interval(CONFIDENCE)
     return diff, float(ci.low), float(ci.high)
+
+
+def proportion_interval(k: int, n: int) -> Interval:
+    """Clopper-Pearson (exact binomial) interval of the proportion ``k / n``: valid at any ``n``
+    (1 of 1 gives [0.025, 1]), never narrower than the count allows; ``(None, None)`` for n = 0."""
+    if n < 1:
+        return None, None
+    ci = sps.binomtest(k, n).proportion_ci(CONFIDENCE, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 def overlap(a: Interval, b: Interval) -> Optional[bool]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from kvbench.measure.stats import t_interval, welch_interval
+from kvbench.measure.stats import welch_interval
 from kvbench.sinks.tables import fmt, variant, variant_order
+from kvbench.tasks.recall import summarise
 
 Record = Dict[str, Any]
 # A row of tables.accuracy is one condition of one stage: these keys say which.
@@ -25,9 +26,12 @@ def _label(row: Dict[str, Any]) -> str:
 
 
 def _cell(row: Dict[str, Any]) -> str:
+    """``0.556 [0.000, 1.000] (0.53 1.00 0.30)``: the mean, its interval, each seed's accuracy."""
     text = fmt(row.get("accuracy"), "{:.3f}")
     if row.get("ci_low") is not None:
         text += f" [{row['ci_low']:.3f}, {row['ci_high']:.3f}]"
+    if len(row.get("per_seed") or ()) > 1:
+        text += " (" + " ".join(f"{acc:.2f}" for acc in row["per_seed"]) + ")"
     return text
 
 
@@ -64,8 +68,8 @@ def groups(records: Sequence[Record]) -> List[List[Record]]:
 
 def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     """variant -> condition -> row, the rows of all the variant's records pooled over their seeds
-    (a seed measured twice counts once): per_seed, its mean and t-interval (stats.t_interval, as
-    the task computes them)."""
+    (a seed measured twice counts once): per_seed, its mean, t-interval and solved count
+    (tasks.recall.summarise, as the task computes them)."""
     out: Dict[str, Dict[Tuple, Dict[str, Any]]] = {}
     for rec in group:
         label, ids = variant(rec), _seed_ids(rec)
@@ -77,9 +81,7 @@ def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     for cells in out.values():
         for cell in cells.values():
             per_seed = [cell["by_seed"][s] for s in sorted(cell["by_seed"])]
-            low, high = t_interval(per_seed, (0.0, 1.0))
-            cell.update(per_seed=per_seed, accuracy=sum(per_seed) / len(per_seed), ci_low=low, ci_high=high,
-                        seeds=len(per_seed))
+            cell.update(per_seed=per_seed, **summarise(per_seed))
     return out
 
 
@@ -113,4 +115,5 @@ def title(group: Sequence[Record]) -> str:
     steps = (config.get("train") or {}).get("steps")
     seeds = max(len(c["per_seed"]) for cells in pooled(group).values() for c in cells.values())
     return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seeds "
-            f"[95% t-interval]; gaps in points with a Welch interval (* = excludes 0); {steps} training steps")
+            f"[95% t-interval] (each seed); gaps in points with a Welch interval (* = excludes 0); "
+            f"{steps} training steps")

@@ -254,12 +254,16 @@ def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -
 # ---- the comparison ---------------------------------------------------------------------------------
 
 def variant(record: Record) -> str:
-    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it, and
-    the cache dtype when it is not the compute dtype (``mha kv=8 int8``)."""
+    """``mha kv=8``: the attention type and KV-head count, as every table and plot names it, the
+    sliding window when there is one (``mha kv=8 w=16``, ``w=16/6`` with every 6th layer global),
+    and the cache dtype when it is not the compute dtype (``mha kv=8 int8``)."""
     config = record.get("config") or {}
     kind_name = lookup(config, "attention.type")
     label = (f"mla r={lookup(config, 'attention.kv_lora_rank')}" if kind_name == "mla"  # one latent, of rank R
              else f"{kind_name} kv={lookup(config, 'attention.num_kv_heads')}")
+    window, every = lookup(config, "attention.window"), lookup(config, "attention.global_every")
+    if window:  # a windowed layout is another variant: never pooled with the same heads unwindowed
+        label += f" w={window}" + (f"/{every}" if every else "")
     cache_dtype = lookup(config, "cache.dtype")
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
@@ -286,12 +290,13 @@ class Cell:
 
     def baseline(self) -> Optional[str]:
         """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
-        KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype."""
+        KV heads (the ratio then says which); of those, one without a window whose cache holds the
+        compute dtype."""
         ok = [(label, rec) for label, rec in self.jobs.items() if rec.get("status") == "ok"]
         if not ok:
             return None
         return max(ok, key=lambda item: (lookup(item[1]["config"], "attention.type") == "mha",
-                                         _kv_heads(item[1]),
+                                         _kv_heads(item[1]), not lookup(item[1]["config"], "attention.window"),
                                          lookup(item[1]["config"], "cache.dtype") in (None, "auto")))[0]
 
 
