@@ -27,7 +27,7 @@ mha = convert_kv_heads(mqa, 4)  # (B, 4, T, D): each query head's copy of the on
 x, y = mqar(torch.Generator().manual_seed(1), 32, 64, 8, 40)
 for model in (mqa, mha):
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-print("logits max |diff|:", float((mqa(x) - mha(x)).abs().max()))
+print("logits max |diff|:", float((mqa(x) - mha(x)).detach().abs().max()))
 worst = 0.0
 for (name, p), q in zip(mqa.named_parameters(), mha.parameters()):
     g = q.grad
