@@ -70,8 +70,8 @@ METRICS: Dict[str, Metric] = metric_table(
            "(Ainslie et al. 2023)"),
     Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
            "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "
-           f"seed's accuracy, in seed order), solved (seeds with accuracy >= {SOLVED_AT}), solved_ci_low, "
-           "solved_ci_high (the fraction of seeds that solve it: solved_seeds), chance"),
+           f"seed's accuracy, in seed order), solved (seeds with accuracy >= {SOLVED_AT}), solved_rate (solved / "
+           "seeds) with solved_rate_ci_low, solved_rate_ci_high (solved_seeds), chance"),
     Metric("tables.train_curve", "", "one row per logged training step of every seed (train.log_every): seed, stage "
            "(train | uptrain), step, train_loss (nats per answer token, mean over the steps since the last row), lr: "
            "whether a seed that scored low was still learning or stuck"),
@@ -91,9 +91,10 @@ def summarise(per_seed: List[float]) -> Dict[str, Any]:
     low, high = stats.t_interval(per_seed, (0.0, 1.0))
     solved = sum(acc >= SOLVED_AT for acc in per_seed)
     solved_low, solved_high = stats.proportion_interval(solved, len(per_seed))
+    # the interval is of the fraction solved_rate (a <name>_ci_* pair is always of <name> itself)
     out: Dict[str, Any] = {"accuracy": sum(per_seed) / len(per_seed), "ci_low": low, "ci_high": high,
-                           "seeds": len(per_seed), "solved": solved, "solved_ci_low": solved_low,
-                           "solved_ci_high": solved_high}
+                           "seeds": len(per_seed), "solved": solved, "solved_rate": solved / len(per_seed),
+                           "solved_rate_ci_low": solved_low, "solved_rate_ci_high": solved_high}
     if low is None:
         out["interval_reason"] = (f"{len(per_seed)} seed: a t-interval needs >= {stats.MIN_SEEDS} "
                                   "(raise recall.seeds)")

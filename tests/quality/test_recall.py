@@ -213,10 +213,10 @@ def test_recall_presets_compose_for_every_variant(preset, attention):
 def test_a_seed_count_says_how_many_solved_with_its_exact_interval():
     from kvbench.tasks.recall import summarise
     out = summarise([1.0, 0.95, 0.53, 0.30, 0.999])
-    assert out["solved"] == 3 and out["seeds"] == 5  # accuracy >= 0.9
+    assert out["solved"] == 3 and out["seeds"] == 5 and out["solved_rate"] == 0.6  # accuracy >= 0.9
     # Clopper-Pearson by its beta-quantile form (scipy.stats.beta, not binomtest)
-    assert out["solved_ci_low"] == pytest.approx(sps.beta.ppf(0.025, 3, 3))
-    assert out["solved_ci_high"] == pytest.approx(sps.beta.ppf(0.975, 4, 2))
+    assert out["solved_rate_ci_low"] == pytest.approx(sps.beta.ppf(0.025, 3, 3))
+    assert out["solved_rate_ci_high"] == pytest.approx(sps.beta.ppf(0.975, 4, 2))
     assert (out["ci_low"], out["ci_high"]) == pytest.approx(t_interval([1.0, 0.95, 0.53, 0.30, 0.999], (0, 1)))
 
 
@@ -232,6 +232,7 @@ def test_recall_trains_latent_and_windowed_variants_with_their_own_costs(tmp_pat
     curve = swa.tables["train_curve"]  # the last step of each seed at least, in seed order
     assert [(p["seed"], p["stage"], p["step"]) for p in curve] == [(0, "train", 3), (1, "train", 3)]
     assert all(p["train_loss"] > 0 for p in curve)
+    assert mla.implausible == [] and swa.implausible == []  # every estimate inside its own interval
 
 
 def test_a_windowed_variant_is_its_own_column_and_never_the_baseline():
