@@ -258,6 +258,24 @@ def proportion_interval(k: int, n: int) -> Interval:
     return float(ci.low), float(ci.high)
 
 
+# A training seed "solves" a task at this accuracy. MQAR is learnt in a jump (the loss sits near
+# ln(values), then falls to ~0 within a few dozen steps), so a seed's accuracy is near 1 or well
+# short of it, and the count of seeds past the jump reads such a split sample honestly.
+SOLVED_AT = 0.9
+
+
+def seed_summary(per_seed: Sequence[float]) -> Dict[str, Optional[float]]:
+    """An accuracy over training seeds: its mean with the t-interval (ci_seeds, clipped to [0, 1]),
+    the seed count, and the seeds that solved it (>= SOLVED_AT) as a count and a fraction with
+    its Clopper-Pearson interval (solved_seeds); a ``<name>_ci_*`` pair is always of ``<name>``."""
+    low, high = t_interval(per_seed, (0.0, 1.0))
+    n = len(per_seed)
+    solved = sum(acc >= SOLVED_AT for acc in per_seed)
+    solved_low, solved_high = proportion_interval(solved, n)
+    return {"accuracy": sum(per_seed) / n, "ci_low": low, "ci_high": high, "seeds": n, "solved": solved,
+            "solved_rate": solved / n, "solved_rate_ci_low": solved_low, "solved_rate_ci_high": solved_high}
+
+
 def overlap(a: Interval, b: Interval) -> Optional[bool]:
     """Whether two intervals overlap (None when either is unknown): overlapping intervals mean the
     difference is not significant at this confidence."""

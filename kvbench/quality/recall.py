@@ -30,10 +30,6 @@ import torch
 
 IGNORE = -100
 DIGITS, KEY, QUERY, FIRST_FILLER = 10, 10, 11, 12
-# A seed "solves" a condition at this accuracy: MQAR is learnt in a jump (the loss sits near
-# ln(values) and then falls to ~0 within a few dozen steps), so a seed's accuracy is either
-# near 1 or well short of it, and the count of seeds past the jump reads a split sample honestly.
-SOLVED_AT = 0.9
 EVAL_BUCKETS = 8  # one sequence in 8 (by hash) is eval's, the other 7 train's
 SPLITS = ("train", "eval")
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from kvbench.measure.stats import welch_interval
+from kvbench.measure.stats import seed_summary, welch_interval
 from kvbench.sinks.tables import fmt, variant, variant_order
-from kvbench.tasks.recall import summarise
 
 Record = Dict[str, Any]
 # A row of tables.accuracy is one condition of one stage: these keys say which.
@@ -69,7 +68,7 @@ def groups(records: Sequence[Record]) -> List[List[Record]]:
 def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     """variant -> condition -> row, the rows of all the variant's records pooled over their seeds
     (a seed measured twice counts once): per_seed, its mean, t-interval and solved count
-    (tasks.recall.summarise, as the task computes them)."""
+    (stats.seed_summary, as the task computes them)."""
     out: Dict[str, Dict[Tuple, Dict[str, Any]]] = {}
     for rec in group:
         label, ids = variant(rec), _seed_ids(rec)
@@ -81,7 +80,7 @@ def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     for cells in out.values():
         for cell in cells.values():
             per_seed = [cell["by_seed"][s] for s in sorted(cell["by_seed"])]
-            cell.update(per_seed=per_seed, **summarise(per_seed))
+            cell.update(per_seed=per_seed, **seed_summary(per_seed))
     return out
 
 

@@ -34,7 +34,7 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import AttentionConfig
-from kvbench.quality.recall import SOLVED_AT, Condition, accuracy, chance, eval_set, train_stream
+from kvbench.quality.recall import Condition, accuracy, chance, eval_set, train_stream
 from kvbench.quality.train import train
 from kvbench.recall_config import RecallConfig
 from kvbench.results import RunResult
@@ -70,7 +70,7 @@ METRICS: Dict[str, Metric] = metric_table(
            "(Ainslie et al. 2023)"),
     Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
            "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "
-           f"seed's accuracy, in seed order), solved (seeds with accuracy >= {SOLVED_AT}), solved_rate (solved / "
+           f"seed's accuracy, in seed order), solved (seeds with accuracy >= {stats.SOLVED_AT}), solved_rate (solved / "
            "seeds) with solved_rate_ci_low, solved_rate_ci_high (solved_seeds), chance"),
     Metric("tables.train_curve", "", "one row per logged training step of every seed (train.log_every): seed, stage "
            "(train | uptrain), step, train_loss (nats per answer token, mean over the steps since the last row), lr: "
@@ -86,15 +86,10 @@ def conditions(cfg: RecallConfig) -> List[Condition]:
 
 
 def summarise(per_seed: List[float]) -> Dict[str, Any]:
-    """Mean over seeds with its t-interval, the seed count, why there is no interval, and how
-    many seeds solved the condition (accuracy >= SOLVED_AT) with its exact interval."""
-    low, high = stats.t_interval(per_seed, (0.0, 1.0))
-    solved = sum(acc >= SOLVED_AT for acc in per_seed)
-    solved_low, solved_high = stats.proportion_interval(solved, len(per_seed))
-    # the interval is of the fraction solved_rate (a <name>_ci_* pair is always of <name> itself)
-    out: Dict[str, Any] = {"accuracy": sum(per_seed) / len(per_seed), "ci_low": low, "ci_high": high,
-                           "seeds": len(per_seed), "solved": solved, "solved_rate": solved / len(per_seed),
-                           "solved_rate_ci_low": solved_low, "solved_rate_ci_high": solved_high}
+    """Mean over seeds with its t-interval, the seed count, the seeds that solved it with its
+    exact interval (stats.seed_summary), and why there is no interval."""
+    out: Dict[str, Any] = stats.seed_summary(per_seed)
+    low = out["ci_low"]
     if low is None:
         out["interval_reason"] = (f"{len(per_seed)} seed: a t-interval needs >= {stats.MIN_SEEDS} "
                                   "(raise recall.seeds)")

@@ -204,8 +204,8 @@ def test_recall_presets_compose_for_every_variant(preset, attention):
     assert cfg.attention.num_kv_heads == heads[attention]
     assert len(conditions(cfg.recall)) >= 2
     if attention == "recall/swa":  # the window must be shorter than the reach the task asks for
-        reach = cfg.attention.window * cfg.model.num_layers
-        assert reach < max(cfg.recall.seq_len) - 2 * max(cfg.recall.num_pairs)
+        reach = (cfg.attention.window - 1) * cfg.model.num_layers  # positions back a query can see
+        assert reach < max(cfg.recall.seq_len) - 2  # MQAR: the first pair's value to the last query
         assert any(d > reach for d in cfg.recall.distances)
         assert preset != "recall" or any(d < reach for d in cfg.recall.distances)  # passkey: both sides on a CPU
 
