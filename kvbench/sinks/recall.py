@@ -102,7 +102,7 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
                      *gaps])
     pad = [""] * (len(labels) - 1)
     metrics = [first_record[v].get("metrics") or {} for v in labels]
-    rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3f}") for m in metrics], *pad])
+    rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3g}") for m in metrics], *pad])  # passkey: 1e-04
     rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
     rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
     return header, rows
@@ -113,6 +113,7 @@ def title(group: Sequence[Record]) -> str:
     r = config.get("recall") or {}
     steps = (config.get("train") or {}).get("steps")
     seeds = max(len(c["per_seed"]) for cells in pooled(group).values() for c in cells.values())
-    return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seeds "
+    plural = "s" if seeds != 1 else ""
+    return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seed{plural} "
             f"[95% t-interval] (each seed); gaps in points with a Welch interval (* = excludes 0); "
             f"{steps} training steps")
