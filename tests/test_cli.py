@@ -40,10 +40,16 @@ def kvbench(*args, cwd, check=True):
 
 
 def group_options():
-    # Nested groups too: conf/hydra/launcher/slurm.yaml is the option hydra/launcher=slurm.
+    # Nested groups too: conf/hydra/launcher/slurm.yaml is the option hydra/launcher=slurm; a
+    # folder inside one of kvbench's groups is part of the option's name instead
+    # (conf/attention/recall/mla.yaml is attention=recall/mla).
     for option in sorted(CONF_DIR.rglob("*.yaml")):
         if option.parent != CONF_DIR:
-            yield option.parent.relative_to(CONF_DIR).as_posix(), option.stem
+            group, *folders = option.parent.relative_to(CONF_DIR).parts
+            if group == "hydra":
+                yield "/".join([group, *folders]), option.stem
+            else:
+                yield group, "/".join([*folders, option.stem])
 
 
 @pytest.mark.parametrize("group, option", list(group_options()))

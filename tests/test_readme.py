@@ -150,9 +150,10 @@ SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m 
 NOT_RUN = {
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
     "python -m pytest -n 2 --dist loadgroup": "the suite this test is part of",
-    "kvbench experiment=recall": "MHA/GQA/MQA trained on 3 seeds each (minutes); tests/quality/test_recall.py "
+    "kvbench experiment=recall": "5 variants trained on 5 seeds each (minutes); tests/quality/test_recall.py "
                                  "trains and scores the task on a tiny model (composed and validated below)",
-    "kvbench experiment=recall recall.kind=passkey": "the same preset on passkey (composed and validated below)",
+    "kvbench experiment=recall recall.kind=passkey recall.seeds=3": "the same preset on passkey (minutes; "
+                                                                    "composed and validated below)",
     "kvbench experiment=recall recall.uptrain_steps=100 hydra.sweeper.params.attention=gqa,mqa":
         "the converted variants' recall (minutes); tests/quality/test_recall.py runs the uptraining path",
     "kvbench experiment=recall_gpu": "sized for a GPU (composed and validated below)",

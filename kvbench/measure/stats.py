@@ -56,6 +56,9 @@ METHODS: Dict[str, str] = {
                 "seeds a percentile bootstrap has at most a few dozen distinct resamples and covers too little",
     "diff_seeds": f"difference of two means over seeds, {CONFIDENCE:.0%} Welch t-interval (unequal variances: "
                   "scipy.stats.ttest_ind(equal_var=False)); null with fewer than 2 seeds on either side",
+    "solved_seeds": f"seeds that solve a condition (accuracy >= the task's threshold) of all seeds, with the "
+                    f"{CONFIDENCE:.0%} Clopper-Pearson interval of the fraction of seeds that solve it (exact "
+                    "binomial: scipy.stats.binomtest(k, n).proportion_ci(method='exact')), valid at any n >= 1",
     "paired_ratio": f"median(B) / median(A) over interleaved rounds, {CONFIDENCE:.0%} paired percentile "
                     f"bootstrap over rounds ({N_RESAMPLES} resamples, seed {SEED})",
 }
@@ -244,6 +247,33 @@ def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optio
         return diff, diff, diff
     ci = sps.ttest_ind(y, x, equal_var=False).confidence_interval(CONFIDENCE)
     return diff, float(ci.low), float(ci.high)
+
+
+def proportion_interval(k: int, n: int) -> Interval:
+    """Clopper-Pearson (exact binomial) interval of the proportion ``k / n``: valid at any ``n``
+    (1 of 1 gives [0.025, 1]), never narrower than the count allows; ``(None, None)`` for n = 0."""
+    if n < 1:
+        return None, None
+    ci = sps.binomtest(k, n).proportion_ci(CONFIDENCE, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+# A training seed "solves" a task at this accuracy. MQAR is learnt in a jump (the loss sits near
+# ln(values), then falls to ~0 within a few dozen steps), so a seed's accuracy is near 1 or well
+# short of it, and the count of seeds past the jump reads such a split sample honestly.
+SOLVED_AT = 0.9
+
+
+def seed_summary(per_seed: Sequence[float]) -> Dict[str, Optional[float]]:
+    """An accuracy over training seeds: its mean with the t-interval (ci_seeds, clipped to [0, 1]),
+    the seed count, and the seeds that solved it (>= SOLVED_AT) as a count and a fraction with
+    its Clopper-Pearson interval (solved_seeds); a ``<name>_ci_*`` pair is always of ``<name>``."""
+    low, high = t_interval(per_seed, (0.0, 1.0))
+    n = len(per_seed)
+    solved = sum(acc >= SOLVED_AT for acc in per_seed)
+    solved_low, solved_high = proportion_interval(solved, n)
+    return {"accuracy": sum(per_seed) / n, "ci_low": low, "ci_high": high, "seeds": n, "solved": solved,
+            "solved_rate": solved / n, "solved_rate_ci_low": solved_low, "solved_rate_ci_high": solved_high}
 
 
 def overlap(a: Interval, b: Interval) -> Optional[bool]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
-from kvbench.measure.stats import t_interval, welch_interval
+from kvbench.measure.stats import seed_summary, welch_interval
 from kvbench.sinks.tables import Record, fmt
 from kvbench.views import RecordView
 
@@ -25,9 +25,12 @@ def _label(row: Mapping[str, Any]) -> str:
 
 
 def _cell(row: Mapping[str, Any]) -> str:
+    """``0.556 [0.000, 1.000] (0.53 1.00 0.30)``: the mean, its interval, each seed's accuracy."""
     text = fmt(row.get("accuracy"), "{:.3f}")
     if row.get("ci_low") is not None:
         text += f" [{row['ci_low']:.3f}, {row['ci_high']:.3f}]"
+    if len(row.get("per_seed") or ()) > 1:
+        text += " (" + " ".join(f"{acc:.2f}" for acc in row["per_seed"]) + ")"
     return text
 
 
@@ -98,8 +101,8 @@ def groups(records: Sequence[Record]) -> List[List[Record]]:
 
 def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     """variant -> condition -> row, the rows of all the variant's records pooled over their seeds
-    (a seed measured twice counts once): per_seed, its mean and t-interval (stats.t_interval, as
-    the task computes them)."""
+    (a seed measured twice counts once): per_seed, its mean, t-interval and solved count
+    (stats.seed_summary, as the task computes them)."""
     out: Dict[str, Dict[Tuple, Dict[str, Any]]] = {}
     for rec in map(RecordView.of, group):
         label, ids = rec.variant.label, _seed_ids(rec)
@@ -111,9 +114,7 @@ def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
     for cells in out.values():
         for cell in cells.values():
             per_seed = [cell["by_seed"][s] for s in sorted(cell["by_seed"])]
-            low, high = t_interval(per_seed, (0.0, 1.0))
-            cell.update(per_seed=per_seed, accuracy=sum(per_seed) / len(per_seed), ci_low=low, ci_high=high,
-                        seeds=len(per_seed))
+            cell.update(per_seed=per_seed, **seed_summary(per_seed))
     return out
 
 
@@ -135,7 +136,7 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
                      *gaps])
     pad = [""] * (len(labels) - 1)
     metrics = [first_record[v].metrics for v in labels]
-    rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3f}") for m in metrics], *pad])
+    rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3g}") for m in metrics], *pad])  # passkey: 1e-04
     rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
     rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
     return header, rows
@@ -146,5 +147,7 @@ def title(group: Sequence[Record]) -> str:
     r = first.config.get("recall") or {}
     steps = first.get("train.steps")
     seeds = max(len(c["per_seed"]) for cells in pooled(group).values() for c in cells.values())
-    return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seeds "
-            f"[95% t-interval]; gaps in points with a Welch interval (* = excludes 0); {steps} training steps")
+    plural = "s" if seeds != 1 else ""
+    return (f"recall ({r.get('kind')}): accuracy on held-out sequences, mean over {seeds} seed{plural} "
+            f"[95% t-interval] (each seed); gaps in points with a Welch interval (* = excludes 0); "
+            f"{steps} training steps")

@@ -70,7 +70,11 @@ METRICS: Dict[str, Metric] = metric_table(
            "(Ainslie et al. 2023)"),
     Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
            "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "
-           "seed's accuracy, in seed order), chance"),
+           f"seed's accuracy, in seed order), solved (seeds with accuracy >= {stats.SOLVED_AT}), solved_rate (solved / "
+           "seeds) with solved_rate_ci_low, solved_rate_ci_high (solved_seeds), chance"),
+    Metric("tables.train_curve", "", "one row per logged training step of every seed (train.log_every): seed, stage "
+           "(train | uptrain), step, train_loss (nats per answer token, mean over the steps since the last row), lr: "
+           "whether a seed that scored low was still learning or stuck"),
 )
 
 
@@ -82,10 +86,10 @@ def conditions(cfg: RecallConfig) -> List[Condition]:
 
 
 def summarise(per_seed: List[float]) -> Dict[str, Any]:
-    """Mean over seeds with its t-interval, the seed count, and why there is no interval."""
-    low, high = stats.t_interval(per_seed, (0.0, 1.0))
-    out: Dict[str, Any] = {"accuracy": sum(per_seed) / len(per_seed), "ci_low": low, "ci_high": high,
-                           "seeds": len(per_seed)}
+    """Mean over seeds with its t-interval, the seed count, the seeds that solved it with its
+    exact interval (stats.seed_summary), and why there is no interval."""
+    out: Dict[str, Any] = stats.seed_summary(per_seed)
+    low = out["ci_low"]
     if low is None:
         out["interval_reason"] = (f"{len(per_seed)} seed: a t-interval needs >= {stats.MIN_SEEDS} "
                                   "(raise recall.seeds)")
@@ -140,7 +144,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     seeds = [cfg.runtime.seed + i for i in range(r.seeds)]
     stages = ["before_uptrain", "final"] if converting else ["final"]
     per_seed: Dict[str, Dict[Condition, List[float]]] = {s: {c: [] for c in conds} for s in stages}
-    seconds, model = 0.0, None
+    seconds, model, curve = 0.0, None, []
     steps = cfg.train.steps + (r.uptrain_steps or 0)
     label = f"recall {r.kind} {variant_label(attention)}"
     with progress(label, steps * len(seeds)) as tick:
@@ -152,12 +156,15 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
                 model = Decoder(model_cfg, start).to(torch_dtype("float32"))
             fitted = _fit(model, cfg, cfg.train.steps, seed, conds, tick)
             seconds += fitted["train_seconds"]
+            curve += [{"seed": seed, "stage": "train", **point} for point in fitted["curve"]]
             if converting:
                 model = convert_kv_heads(model, attention.num_kv_heads).float()
                 for c, acc in _scores(model, sets, r.kind).items():
                     per_seed["before_uptrain"][c].append(acc)
-                seconds += _fit(model, cfg, r.uptrain_steps, seed, conds, tick)["train_seconds"] \
-                    if r.uptrain_steps else 0.0
+                if r.uptrain_steps:
+                    uptrained = _fit(model, cfg, r.uptrain_steps, seed, conds, tick)
+                    seconds += uptrained["train_seconds"]
+                    curve += [{"seed": seed, "stage": "uptrain", **point} for point in uptrained["curve"]]
             for c, acc in _scores(model, sets, r.kind).items():
                 per_seed["final"][c].append(acc)
             tokens = fitted["tokens_seen"]
@@ -169,6 +176,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
                    "chance": chance(c, r.vocab_size, r.digits)}
             rows.append({k: v for k, v in row.items() if v is not None or k in ("ci_low", "ci_high")})
     result.tables["accuracy"] = rows
+    result.tables["train_curve"] = curve
     pooled = {stage: [sum(per_seed[stage][c][i] for c in conds) / len(conds) for i in range(len(seeds))]
               for stage in stages}
     head = summarise(pooled["final"])

@@ -206,3 +206,17 @@ def test_tokens_per_s_is_derived_from_the_steps_it_summarises():
     assert rate["tokens_per_s_ci_low"] == pytest.approx(4 * 1000 / steps["decode_ms_p50_ci_high"])
     assert rate["tokens_per_s_mean"] == pytest.approx(4 * 1000 / steps["decode_ms_mean"])
     assert set(rate) <= set(stats.step_rate_methods())
+
+
+def test_proportion_interval_is_clopper_pearson():
+    # closed forms of the exact binomial interval: 0 of n -> [0, 1 - (a/2)^(1/n)], n of n ->
+    # [(a/2)^(1/n), 1]; 1 of 1 -> [0.025, 1]
+    assert stats.proportion_interval(0, 5) == pytest.approx((0.0, 1 - 0.025 ** (1 / 5)))
+    assert stats.proportion_interval(5, 5) == pytest.approx((0.025 ** (1 / 5), 1.0))
+    assert stats.proportion_interval(1, 1) == pytest.approx((0.025, 1.0))
+    # 2 of 5: the k-th and (k+1)-th order-statistic quantiles, by the binomial tail sums
+    low, high = stats.proportion_interval(2, 5)
+    tail_above = sum(math.comb(5, j) * low ** j * (1 - low) ** (5 - j) for j in range(2, 6))
+    tail_below = sum(math.comb(5, j) * high ** j * (1 - high) ** (5 - j) for j in range(0, 3))
+    assert tail_above == pytest.approx(0.025) and tail_below == pytest.approx(0.025)
+    assert stats.proportion_interval(0, 0) == (None, None)

@@ -193,15 +193,57 @@ def test_recall_longer_than_the_model_is_invalid(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["recall", "recall_gpu"])
-@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa", "recall/mla", "recall/swa"])
 def test_recall_presets_compose_for_every_variant(preset, attention):
     from kvbench.config import to_bench_config
     from kvbench.tasks.recall import conditions
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[f"experiment={preset}", f"attention={attention}"]))
     assert cfg.task == "recall" and cfg.recall.seeds >= 3
-    assert cfg.attention.num_kv_heads == {"mha": cfg.model.num_heads, "gqa": 2, "mqa": 1}[attention]
+    heads = {"mha": cfg.model.num_heads, "gqa": 2, "mqa": 1, "recall/mla": 1, "recall/swa": cfg.model.num_heads}
+    assert cfg.attention.num_kv_heads == heads[attention]
     assert len(conditions(cfg.recall)) >= 2
+    if attention == "recall/swa":  # the window must be shorter than the reach the task asks for
+        reach = (cfg.attention.window - 1) * cfg.model.num_layers  # positions back a query can see
+        assert reach < max(cfg.recall.seq_len) - 2  # MQAR: the first pair's value to the last query
+        assert any(d > reach for d in cfg.recall.distances)
+        assert preset != "recall" or any(d < reach for d in cfg.recall.distances)  # passkey: both sides on a CPU
+
+
+def test_a_seed_count_says_how_many_solved_with_its_exact_interval():
+    from kvbench.tasks.recall import summarise
+    out = summarise([1.0, 0.95, 0.53, 0.30, 0.999])
+    assert out["solved"] == 3 and out["seeds"] == 5 and out["solved_rate"] == 0.6  # accuracy >= 0.9
+    # Clopper-Pearson by its beta-quantile form (scipy.stats.beta, not binomtest)
+    assert out["solved_rate_ci_low"] == pytest.approx(sps.beta.ppf(0.025, 3, 3))
+    assert out["solved_rate_ci_high"] == pytest.approx(sps.beta.ppf(0.975, 4, 2))
+    assert (out["ci_low"], out["ci_high"]) == pytest.approx(t_interval([1.0, 0.95, 0.53, 0.30, 0.999], (0, 1)))
+
+
+def test_recall_trains_latent_and_windowed_variants_with_their_own_costs(tmp_path):
+    mla = _job(tmp_path / "mla", "attention=mla", "attention.kv_lora_rank=16", "recall.seeds=2")
+    swa = _job(tmp_path / "swa", "attention=mha", "attention.window=8", "recall.seeds=2")
+    assert mla.status == "ok" and swa.status == "ok", (mla.error, swa.error)
+    # MLA of 2 layers: one latent of 16 + the rotary key of 8 (head_dim 16 / 2) per token, 4 bytes each
+    assert mla.metrics["kv_bytes_per_token"] == 2 * (16 + 8) * 4
+    # the window's ring keeps 8 of the 12 positions: K and V of 4 heads of 16 over 2 layers
+    assert swa.metrics["kv_bytes_per_token"] == pytest.approx(2 * 2 * 4 * 16 * 4 * 8 / 12)
+    assert swa.config["attention"]["window"] == 8
+    curve = swa.tables["train_curve"]  # the last step of each seed at least, in seed order
+    assert [(p["seed"], p["stage"], p["step"]) for p in curve] == [(0, "train", 3), (1, "train", 3)]
+    assert all(p["train_loss"] > 0 for p in curve)
+    assert mla.implausible == [] and swa.implausible == []  # every estimate inside its own interval
+
+
+def test_a_windowed_variant_is_its_own_column_and_never_the_baseline():
+    from kvbench.sinks.recall import groups, recall_table
+    mha = _record(("mha", 4), {4: [1.0, 1.0, 1.0]})
+    swa = _record(("mha", 4), {4: [0.3, 0.2, 0.25]})
+    swa["config"]["attention"]["window"] = 8
+    [group] = groups([swa, mha])
+    header, rows = recall_table(group)
+    assert header == ["condition", "mha kv=4", "mha kv=4 w=8", "mha kv=4 w=8 vs mha kv=4"]
+    assert rows[0][2].startswith("0.250 ") and rows[0][3].startswith("-75.0 pts")
 
 
 def _record(label_kv, per_seed_by_pairs):
@@ -222,7 +264,7 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     [group] = groups([mqa, mha, {"status": "error", "config": {"task": "recall"}}])
     header, rows = recall_table(group)
     assert header == ["condition", "mha kv=4", "mqa kv=1", "mqa kv=1 vs mha kv=4"]
-    assert rows[0][0] == "pairs=4 len=48" and rows[0][1] == "1.000 [1.000, 1.000]"
+    assert rows[0][0] == "pairs=4 len=48" and rows[0][1] == "1.000 [1.000, 1.000] (1.00 1.00 1.00)"
     ci = sps.ttest_ind([0.2, 0.3, 0.25], [0.99, 1.0, 0.98], equal_var=False).confidence_interval(0.95)
     assert rows[1][3] == f"{100 * (0.25 - 0.99):+.1f} pts [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]*"
     assert [r[0] for r in rows[2:]] == ["chance", "KV / token", "decode p50 ms"] and rows[3][1:3] == ["512 B", "128 B"]
@@ -240,4 +282,5 @@ def test_records_of_one_variant_on_other_seeds_pool_into_one_column():
             split.append(rec)
     [one], [many] = groups(whole), groups(split)
     assert recall_table(many) == recall_table(one)
-    assert recall_table(many)[1][0][2] == "0.600 [{:.3f}, {:.3f}]".format(*t_interval([0.5, 0.7, 0.6], (0, 1)))
+    assert recall_table(many)[1][0][2] == "0.600 [{:.3f}, {:.3f}] (0.50 0.70 0.60)".format(
+        *t_interval([0.5, 0.7, 0.6], (0, 1)))
