@@ -21,7 +21,7 @@ LAYERS = [
     ["config"],
     ["kv_store"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
-    ["footprint"],
+    ["footprint", "serving.metrics"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "tasks.common"],
