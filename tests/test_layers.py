@@ -22,7 +22,7 @@ LAYERS = [
     ["kv_store"],
     ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
     ["footprint", "serving.metrics"],
-    ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim"],
+    ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "tasks.common"],
     ["tasks.bench", "tasks.train", "tasks.eval", "tasks.capacity", "tasks.compare", "tasks.recall"],
