@@ -140,6 +140,9 @@ def test_slo_violations_judge_the_stat_named():
     m["requests_unfinished"] = 0
     assert slo_violations(m, {"ttft_ms": 390, "tpot_ms": 300}) == ["ttft_ms"]  # p99 398 > 390; 299 <= 300
     assert slo_violations(m, {"ttft_ms": 390, "stat": "p50"}) == []
+    judged = timeline_metrics(scripted(), {"ttft_ms": 390})
+    assert judged["slo_met"] is False and judged["slo_missed"] == "ttft_ms, unfinished"
+    assert timeline_metrics(scripted())["slo_met"] is None
 
 
 def test_every_metric_recorded_is_declared_with_a_unit():

@@ -147,6 +147,8 @@ def timeline_metrics(timeline: Timeline, slo: Any = None, intervals: bool = True
     out.update(prefix_hit_tokens=hits, prefix_query_tokens=queries,
                prefix_hit_rate=hits / queries if queries else None)
     out.update(block_metrics(timeline))
+    missed = slo_violations(out, slo) if targets else []
+    out.update(slo_met=not missed if targets else None, slo_missed=", ".join(missed) or None)
     return out
 
 
@@ -232,6 +234,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("goodput", "requests/s", "good_requests / duration_s (vLLM bench serve --goodput); null without targets"),
     Metric("goodput_slo", "text", "the targets goodput was judged by"),
     Metric("goodput_reason", "text", "why goodput is null: no SLO target given"),
+    Metric("slo_met", "bool", "the run's slo.stat (default p99) of TTFT, TPOT and E2E each <= its target, and every "
+                              "request finished (slo_violations); null without targets"),
+    Metric("slo_missed", "text", "the targets the run missed (ttft_ms, tpot_ms, e2e_ms, unfinished)"),
     Metric("preemptions", "count", "evictions of a running request (its KV freed, recomputed later), all requests"),
     Metric("prefix_hit_tokens", "tokens", "prompt tokens found in the prefix cache, all requests"),
     Metric("prefix_query_tokens", "tokens", "prompt tokens looked up in the prefix cache, all requests"),
