@@ -308,8 +308,10 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         out.pop("data", None)
         keep("workload", ("batch_size",))
         keep("cache", ("impl",))
+    serving = isinstance(out.get("workload"), dict) and out["workload"].get("name") == "serving"
     if task != "capacity":
-        out.pop("slo", None)
+        if not serving:  # workload=serving judges goodput and its rate search by slo.*
+            out.pop("slo", None)
         out.pop("capacity", None)
         if isinstance(out.get("runtime"), dict):
             out["runtime"] = {k: v for k, v in out["runtime"].items() if k != "memory_budget_gb"}

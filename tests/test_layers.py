@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome", "attention", "serving.trace"],
+    ["config_errors", "jsonio", "units", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome", "attention",
+     "serving.trace"],
     ["hf_config"],
     ["model_config", "recall_config", "capacity_config"],
     ["config"],
@@ -29,8 +30,10 @@ LAYERS = [
     ["jobs.runner"],
     ["jobs.isolation", "jobs.sweep"],
     ["sinks.tables", "sinks.tracking"],
+    ["sinks.serving"],
     ["sinks.choose", "sinks.dashboard", "sinks.recall"],
     ["sinks.console", "sinks.plots"],
+    ["sinks.serving_plots"],
     ["sinks.report"],
     ["cli_job"],
     ["cli_sweep"],
