@@ -31,6 +31,7 @@ from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
 from kvbench.recall_config import RecallConfig
+from kvbench.serving_config import LengthConfig, check_serving, serving_total_len
 
 
 def _find_conf_dir() -> Path:
@@ -51,7 +52,7 @@ CACHE_IMPLS = ("static", "concat", "none")
 # of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
 CACHE_DTYPE_BYTES = {"int8": 1, "float8_e4m3fn": 1}
 CACHE_DTYPES = ("auto", *CACHE_DTYPE_BYTES)
-WORKLOADS = ("decode", "multiturn")
+WORKLOADS = ("decode", "multiturn", "serving")
 TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare", "recall")
 COMPILE_MODES = ("false", "default", "graph")
 OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
@@ -77,18 +78,42 @@ class WorkloadConfig:
     turns: int = 4
     user_len: int = 64
     reply_len: int = 32
+    # serving (kvbench/serving_config.py): open-loop arrivals served by continuous batching
+    arrival: str = "poisson"  # poisson | gamma (burstiness) | trace (workload.trace)
+    rate: float = 4.0  # requests per second (mean); arrival=trace ignores it
+    burstiness: float = 1.0  # gamma's shape: 1 = Poisson, < 1 burstier, > 1 more regular (CV^2 = 1/burstiness)
+    num_requests: Optional[int] = 32  # requests drawn (null: until duration_s)
+    duration_s: Optional[float] = None  # draw arrivals until this many seconds (num_requests null)
+    trace: Optional[str] = None  # arrival=trace: JSONL or CSV of arrival_s, prompt_len, output_len[, prefix_id]
+    prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 128, 0.5, 16, 512))
+    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))
+    prefix_len: int = 0  # a shared system prompt of this many tokens before a prefixed request's own prompt
+    prefix_fraction: float = 1.0  # share of requests that carry a prefix (when prefix_len > 0)
+    prefix_groups: int = 1  # distinct system prompts (prefix_id 0 .. groups - 1)
+    store: str = "paged"  # paged (blocks of cache.block_size, on demand) | slots (a static slot per request)
+    prefix_caching: bool = True  # paged: reuse full blocks of equal token chains across requests (vLLM's APC)
+    kv_budget_mb: Optional[float] = None  # KV memory the store may hold, MB (1e6 bytes)
+    kv_budget_blocks: Optional[int] = None  # or as blocks (slots: as slots); exactly one of the two
+    max_prefill_tokens: int = 512  # prompt tokens prefilled per iteration; a longer prompt is chunked
+    max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
+    slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
+    seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
 
     def __post_init__(self) -> None:
         check_numbers("workload", self)
         check_choice("workload.name", self.name, WORKLOADS)
         check_positive("workload", self, ("batch_size", "prompt_len", "gen_len", "system_len",
                                            "turns", "user_len", "reply_len"))
+        if self.name == "serving":
+            check_serving(self)
 
     @property
     def total_len(self) -> int:
         """Longest sequence the workload builds (what the cache must hold)."""
         if self.name == "multiturn":
             return self.system_len + self.turns * (self.user_len + self.reply_len)
+        if self.name == "serving":
+            return serving_total_len(self)
         return self.prompt_len + self.gen_len
 
 
@@ -101,9 +126,11 @@ class CacheConfig:
     impl: str = "static"
     shared: bool = False
     dtype: str = "auto"
+    block_size: int = 16  # workload=serving, workload.store=paged: tokens per KV block
 
     def __post_init__(self) -> None:
         check_numbers("cache", self)
+        check(self.block_size >= 1, "cache.block_size", self.block_size, "must be >= 1 tokens")
         check_choice("cache.impl", self.impl, CACHE_IMPLS)
         check_choice("cache.dtype", self.dtype, CACHE_DTYPES)
         if self.dtype != "auto":
@@ -323,7 +350,8 @@ class BenchConfig:
         w = self.workload
         if self.task == "capacity":
             self._check_capacity()
-        length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
+        length_key = {"multiturn": "workload.system_len", "serving": "workload.prompt"}.get(w.name,
+                                                                                           "workload.prompt_len")
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts
         check(self.task in ("compare", "recall") or w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
