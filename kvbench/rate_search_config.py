@@ -45,7 +45,7 @@ def check_rate_search(cfg) -> None:
               "task=capacity judges TTFT and TPOT only (an E2E target is workload=serving's)")
     if not w.search.enabled:
         return
-    check(cfg.task == "bench" and w.name == "serving", "workload.search.enabled", True,
+    check(cfg.task in ("bench", "inspect") and w.name == "serving", "workload.search.enabled", True,
           f"searches the rate of task=bench workload=serving (got task={cfg.task} workload={w.name})")
     check(w.arrival != "trace", "workload.arrival", w.arrival,
           "workload.search.enabled=true draws arrivals at each rate: use poisson or gamma (a trace fixes its times)")
