@@ -85,8 +85,9 @@ class WorkloadConfig:
     num_requests: Optional[int] = 32  # requests drawn (null: until duration_s)
     duration_s: Optional[float] = None  # draw arrivals until this many seconds (num_requests null)
     trace: Optional[str] = None  # arrival=trace: JSONL or CSV of arrival_s, prompt_len, output_len[, prefix_id]
+    # a request's own prompt tokens: .dist fixed|uniform|lognormal, .mean, .cv, .lo, .hi (serving_config.LengthConfig)
     prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 128, 0.5, 16, 512))
-    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))
+    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))  # as prompt
     prefix_len: int = 0  # a shared system prompt of this many tokens before a prefixed request's own prompt
     prefix_fraction: float = 1.0  # share of requests that carry a prefix (when prefix_len > 0)
     prefix_groups: int = 1  # distinct system prompts (prefix_id 0 .. groups - 1)

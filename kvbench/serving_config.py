@@ -70,8 +70,8 @@ def check_serving(w) -> None:
     check(w.kv_budget_blocks is None or w.kv_budget_blocks >= 1, "workload.kv_budget_blocks",
           w.kv_budget_blocks, "must be >= 1 or null")
     check((w.kv_budget_mb is None) != (w.kv_budget_blocks is None), "workload.kv_budget_mb", w.kv_budget_mb,
-          f"give exactly one of workload.kv_budget_mb and workload.kv_budget_blocks "
-          f"(kv_budget_blocks={w.kv_budget_blocks})")
+          f"give exactly one of workload.kv_budget_mb and workload.kv_budget_blocks (kv_budget_blocks="
+          f"{w.kv_budget_blocks}); for a budget in blocks set workload.kv_budget_mb=null")
     check(w.max_prefill_tokens >= 1, "workload.max_prefill_tokens", w.max_prefill_tokens, "must be >= 1")
     check(w.max_running >= 1, "workload.max_running", w.max_running, "must be >= 1")
     check(w.slot_len is None or w.slot_len >= 2, "workload.slot_len", w.slot_len, "must be >= 2 or null")
