@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.results import lookup
+from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import Record, fmt, kind, natural, ratio_text, swept_axes, variant, variant_order
 
 # The rules each recommendation follows; quoted in docs/capacity.md.
@@ -214,6 +215,15 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         header.append("recall accuracy [95%]")
         notes.append("recall: task=recall accuracy on held-out sequences of the same variant label (mean over "
                      "seeds [t-interval]); a variant's model there is trained from scratch, not these weights")
+    # the serving load a variant sustains: workload=serving rate searches of the same model
+    model = lookup(records[0]["config"], "model.name") if records else None
+    rates = max_rate_by_variant(all_records, {"model.name": model} if model else None)
+    with_rate = any(label in rates for label in rows)
+    if with_rate:
+        header.append("max rate under SLO")
+        notes.append("max rate under SLO: workload=serving workload.search.enabled=true, the highest arrival rate "
+                     "whose run met its SLO's p99 TTFT / TPOT with every request finished (in brackets: the target "
+                     "that set the limit); its own arrivals, KV budget and SLO (the serving records' config)")
     with_quality = any(label in quality for label in rows)
     if with_quality:
         header.append("perplexity")
@@ -231,6 +241,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             if with_pool:
                 line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}")]
             line += [recall.get(label, "-")] if with_recall else []
+            line += [rates.get(label, "-")] if with_rate else []
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(label.startswith("mha ") for label in rows):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
