@@ -106,14 +106,20 @@ def check_serving(w) -> None:
 
 
 def check_serving_run(cfg) -> None:
-    """Cross-group rules of a serving run (a :class:`kvbench.config.BenchConfig`): a rate search
-    needs a latency target; the stores hold K/V in the compute dtype."""
+    """Cross-group rules of a serving run (a :class:`kvbench.config.BenchConfig`, its attention
+    resolved): a rate search needs a latency target; the stores hold every position (no window)
+    in the compute dtype; the forwards are eager."""
     w = cfg.workload
     check(not w.search.enabled or cfg.slo.ttft_ms is not None or cfg.slo.tpot_ms is not None,
           "workload.search.enabled", w.search.enabled, "the rate search needs an SLO: set slo.ttft_ms and/or "
           "slo.tpot_ms (or slo=llama2_70b_server)")
     check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
           "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
+    check(not cfg.attention.window, "attention.window", cfg.attention.window,
+          "workload=serving's KV stores keep every position of every layer; a sliding window is not supported "
+          "there (use attention.window=0)")
+    check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
+          "workload=serving runs eager forwards (the batch's shapes change every iteration); use runtime.compile=false")
 
 
 def serving_total_len(w) -> int:

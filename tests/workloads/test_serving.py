@@ -60,6 +60,17 @@ def test_a_serving_job_records_its_timeline_and_the_metrics_of_it(paged_record):
     assert record.series["serving_kv_blocks_used"] == [s["kv_blocks_used"] for s in record.tables["serving_samples"]]
 
 
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_other_layouts_serve_through_the_config(tmp_path, attention):
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.2", f"attention={attention}"), tmp_path)
+    assert record.status == "ok", record.error
+    m = record.metrics
+    heads, width, latent = to_bench_config(compose(*SMALL, f"attention={attention}")).attention.kv_dims(
+        to_bench_config(compose(*SMALL)).model)
+    assert m["kv_bytes_per_token"] == kv_cache_bytes(2, heads, width, 1, 1, 4, latent=latent)
+    assert m["requests_finished"] == 10 and m["kv_store_bytes"] == m["kv_store_bytes_formula"]
+
+
 def test_the_same_seed_gives_every_variant_the_same_requests():
     a = requests_and_prompts(to_bench_config(compose(*SMALL, "workload.kv_budget_mb=1", "attention=mqa")))
     b = requests_and_prompts(to_bench_config(compose(*SMALL, "workload.kv_budget_mb=1", "attention=mha")))
@@ -103,7 +114,9 @@ def test_the_job_records_the_refusal_as_invalid(tmp_path):
     ("workload.rate=0", "workload.rate=0"), ("workload.arrival=closed", "workload.arrival='closed'"),
     ("workload.prompt.dist=zipf", "workload.prompt.dist='zipf'"), ("cache.block_size=0", "cache.block_size=0"),
     ("workload.kv_budget_blocks=4", "workload.kv_budget_mb=16"), ("workload.prompt.hi=4096", "workload.prompt="),
-    ("workload.max_prefill_tokens=0", "workload.max_prefill_tokens=0"),
+    ("workload.max_prefill_tokens=0", "workload.max_prefill_tokens=0"), ("cache.dtype=int8", "cache.dtype='int8'"),
+    ("attention.window=16", "attention.window=16: workload=serving"),
+    ("runtime.compile=graph", "runtime.compile='graph'"),
 ])
 def test_bad_serving_values_are_refused_before_work(override, key):
     with pytest.raises(ConfigError) as err:
