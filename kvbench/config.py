@@ -30,9 +30,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa: F401 (re-exported)
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
-from kvbench.rate_search_config import RateSearchConfig, check_rate_search
 from kvbench.recall_config import RecallConfig
-from kvbench.serving_config import LengthConfig, check_serving, serving_total_len
+from kvbench.serving_config import LengthConfig, RateSearchConfig, check_serving, check_serving_run, serving_total_len
 
 
 def _find_conf_dir() -> Path:
@@ -86,8 +85,9 @@ class WorkloadConfig:
     num_requests: Optional[int] = 32  # requests drawn (null: until duration_s)
     duration_s: Optional[float] = None  # draw arrivals until this many seconds (num_requests null)
     trace: Optional[str] = None  # arrival=trace: JSONL or CSV of arrival_s, prompt_len, output_len[, prefix_id]
+    # a request's own prompt tokens: .dist fixed|uniform|lognormal, .mean, .cv, .lo, .hi (serving_config.LengthConfig)
     prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 128, 0.5, 16, 512))
-    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))
+    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))  # as prompt
     prefix_len: int = 0  # a shared system prompt of this many tokens before a prefixed request's own prompt
     prefix_fraction: float = 1.0  # share of requests that carry a prefix (when prefix_len > 0)
     prefix_groups: int = 1  # distinct system prompts (prefix_id 0 .. groups - 1)
@@ -99,8 +99,7 @@ class WorkloadConfig:
     max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
     slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
     seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
-    # workload.search.enabled=true: the highest rate within the SLO (kvbench/rate_search_config.py)
-    search: RateSearchConfig = field(default_factory=RateSearchConfig)
+    search: RateSearchConfig = field(default_factory=RateSearchConfig)  # the highest rate under the SLO
 
     def __post_init__(self) -> None:
         check_numbers("workload", self)
@@ -351,9 +350,10 @@ class BenchConfig:
             self.attention = self.attention.resolved(self.model)
             self.attention.check_runs_with(self.cache.impl, self.runtime.compile, self.task)
         w = self.workload
-        check_rate_search(self)
         if self.task == "capacity":
             self._check_capacity()
+        if w.name == "serving" and self.task == "bench":
+            check_serving_run(self)
         length_key = {"multiturn": "workload.system_len", "serving": "workload.prompt"}.get(w.name,
                                                                                            "workload.prompt_len")
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts
@@ -385,6 +385,8 @@ class BenchConfig:
 
     def _check_capacity(self) -> None:
         w = self.workload
+        check(self.slo.e2e_ms is None, "slo.e2e_ms", self.slo.e2e_ms,
+               "task=capacity judges TTFT and TPOT only (an E2E target is workload=serving's)")
         # the probes' caches are in the compute dtype, as the KV formula they are judged by
         check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")

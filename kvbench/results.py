@@ -267,7 +267,7 @@ _WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
                   "serving": ("name", "arrival", "rate", "burstiness", "num_requests", "duration_s", "trace",
                               "prompt", "output", "prefix_len", "prefix_fraction", "prefix_groups", "store",
                               "prefix_caching", "kv_budget_mb", "kv_budget_blocks", "max_prefill_tokens",
-                              "max_running", "slot_len", "seed")}
+                              "max_running", "slot_len", "seed", "search")}
 # task=capacity searches the batch (and, for decode, the prompt length: capacity.context_lens)
 _CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
                            "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}

@@ -50,7 +50,8 @@ def workload(vocab, n=10, seed=0, prefix=0):
 def isolated(model, request, prompt):
     """What the request alone gives: prefill then output_len - 1 greedy steps on a static cache."""
     cache = cache_for(model, "static", 1, request.prompt_len + request.output_len)
-    return greedy_generate(model, torch.tensor([prompt]), request.output_len - 1, cache).tokens[0].tolist()
+    prompt = torch.tensor([prompt], device=model.device)
+    return greedy_generate(model, prompt, request.output_len - 1, cache).tokens[0].tolist()
 
 
 def run(model, store, requests, prompts, observe=None, **kw):
@@ -195,3 +196,16 @@ def test_what_the_stores_do_not_hold_is_refused_in_one_line():
     model = make_decoder(2)
     with pytest.raises(ValueError, match="request 0 needs 3 blocks, the store has 2"):
         Scheduler(model, PagedStore(model, 2, BS), [Request(0, 0.0, 8, 4)], [list(range(8))])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_on_cuda_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout):
+    """The gather, the writes and the masks on the GPU: preempted and prefix-shared requests alike."""
+    model = MODELS[layout]().cuda()
+    requests, prompts = workload(model.config.vocab_size, prefix=9)
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
+    scheduler, timeline = run(model, PagedStore(model, -(-longest // BS) + 1, BS, True), requests, prompts)
+    assert sum(t.preemptions for t in timeline.traces) > 0 and sum(t.prefix_hit_tokens for t in timeline.traces) > 0
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p)
