@@ -31,7 +31,7 @@ from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
 from kvbench.recall_config import RecallConfig
-from kvbench.serving_config import LengthConfig, RateSearchConfig, check_serving, check_serving_run, serving_total_len
+from kvbench.serving_config import LengthConfig, check_serving, check_serving_run, serving_total_len
 
 
 def _find_conf_dir() -> Path:
@@ -99,7 +99,6 @@ class WorkloadConfig:
     max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
     slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
     seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
-    search: RateSearchConfig = field(default_factory=RateSearchConfig)  # the highest rate under the SLO
 
     def __post_init__(self) -> None:
         check_numbers("workload", self)
