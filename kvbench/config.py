@@ -30,6 +30,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa: F401 (re-exported)
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
+from kvbench.rate_search_config import RateSearchConfig, check_rate_search
 from kvbench.recall_config import RecallConfig
 from kvbench.serving_config import LengthConfig, check_serving, check_serving_run, serving_total_len
 
@@ -99,6 +100,8 @@ class WorkloadConfig:
     max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
     slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
     seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
+    # workload.search.enabled=true: the highest rate within the SLO (kvbench/rate_search_config.py)
+    search: RateSearchConfig = field(default_factory=RateSearchConfig)
 
     def __post_init__(self) -> None:
         check_numbers("workload", self)
@@ -349,6 +352,7 @@ class BenchConfig:
             self.attention = self.attention.resolved(self.model)
             self.attention.check_runs_with(self.cache.impl, self.runtime.compile, self.task)
         w = self.workload
+        check_rate_search(self)
         if self.task == "capacity":
             self._check_capacity()
         if w.name == "serving" and self.task == "bench":

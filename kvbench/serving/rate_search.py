@@ -126,6 +126,7 @@ def max_rate_under_slo(measure: Callable[[float], Mapping[str, Any]], slo: Any, 
                       non_monotone=sorted(p.rate for p in curve if p.ok and p.rate > bad))
 
 
+CURVE_TABLE = "serving_rate_curve"
 # What the record keeps of a point of the curve (tables.serving_rate_curve), beside rate, ok and
 # violated; tokens/s per user is one user's stream: 1000 / its median TPOT.
 CURVE_COLUMNS = ("requests_finished", "requests_unfinished", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
