@@ -14,6 +14,7 @@ KV-head count: the price of the gather, which a GPU engine's paged attention ker
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -44,7 +45,7 @@ def time_layout(model_name: str, attention: str, batch: int, context: int, steps
     with torch.inference_mode():
         cache = cache_for(model, "static", batch, context + steps + 1)
         prefill(model, prompt, cache)
-        store = PagedStore(model, batch * (-(-(context + steps) // BLOCK)), BLOCK, prefix_caching=False)
+        store = PagedStore(model, batch * (-(-(context + steps + 1) // BLOCK)), BLOCK, prefix_caching=False)
         seqs = [SeqBlocks() for _ in range(batch)]
         for s in seqs:
             store.grow(s, context)
@@ -57,8 +58,8 @@ def time_layout(model_name: str, attention: str, batch: int, context: int, steps
             decode_step(model, token, cache, context + i)
             static_ms.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
-            for s in seqs:
-                store.grow(s, s.length + 1)
+            if not all(store.grow(s, s.length + 1) for s in seqs):
+                raise RuntimeError("the store is sized for every step: a block ran out")
             view = store.view(seqs, 1)
             model(token, view, 0, positions=view.positions, mask=view.mask, last_only=True)
             store.written(seqs, 1)
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
         heads, static, paged, ratios = time_layout(args.model, attention, args.batch, args.context, args.steps)
         lines.append(f"| {attention} | {heads} | {static:.1f} | {paged:.1f} | {statistics.median(ratios):.2f} | "
                      f"{min(ratios):.2f}-{max(ratios):.2f} |")
+    lines += ["", f"Load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on "
+              f"{os.cpu_count()} CPUs: other work shared the cores, so single pairs spread; the medians of "
+              "interleaved pairs are what to compare."]
     write_report(args.out, "\n".join(lines) + "\n")
     return 0
 
