@@ -30,9 +30,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa: F401 (re-exported)
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.model_config import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
-from kvbench.rate_search_config import RateSearchConfig, check_rate_search
 from kvbench.recall_config import RecallConfig
-from kvbench.serving_config import LengthConfig, check_serving, check_serving_run, serving_total_len
+from kvbench.serving_config import LengthConfig, RateSearchConfig, check_serving, check_serving_run, serving_total_len
 
 
 def _find_conf_dir() -> Path:
@@ -100,8 +99,7 @@ class WorkloadConfig:
     max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
     slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
     seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
-    # workload.search.enabled=true: the highest rate within the SLO (kvbench/rate_search_config.py)
-    search: RateSearchConfig = field(default_factory=RateSearchConfig)
+    search: RateSearchConfig = field(default_factory=RateSearchConfig)  # the highest rate under the SLO
 
     def __post_init__(self) -> None:
         check_numbers("workload", self)
@@ -352,7 +350,6 @@ class BenchConfig:
             self.attention = self.attention.resolved(self.model)
             self.attention.check_runs_with(self.cache.impl, self.runtime.compile, self.task)
         w = self.workload
-        check_rate_search(self)
         if self.task == "capacity":
             self._check_capacity()
         if w.name == "serving" and self.task == "bench":
@@ -388,6 +385,8 @@ class BenchConfig:
 
     def _check_capacity(self) -> None:
         w = self.workload
+        check(self.slo.e2e_ms is None, "slo.e2e_ms", self.slo.e2e_ms,
+               "task=capacity judges TTFT and TPOT only (an E2E target is workload=serving's)")
         # the probes' caches are in the compute dtype, as the KV formula they are judged by
         check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")

@@ -47,6 +47,30 @@ class LengthConfig:
         return int(self.mean) if self.dist == "fixed" else self.hi
 
 
+@dataclass
+class RateSearchConfig:
+    """``workload.search``: find the highest ``workload.rate`` whose run meets the SLO (``slo.*``,
+    judged on ``slo.stat``) by :func:`kvbench.serving.rate_search.max_rate_under_slo`: gallop by
+    ``growth`` from ``lo``, then bisect geometrically to within ``1 + rel_tol``, at most
+    ``max_probes`` runs. Every run serves the same requests, their gaps scaled to its rate."""
+
+    enabled: bool = False
+    lo: float = 0.5  # requests/s: the lowest rate tried
+    hi: float = 64.0  # requests/s: the highest rate tried
+    growth: float = 2.0  # each gallop step multiplies the rate by this
+    rel_tol: float = 0.1  # stop when the lowest failing rate / the highest passing one <= 1 + rel_tol
+    max_probes: int = 10  # serving runs at most
+    check_above: bool = True  # one run above the first failure (a pass there is reported as non-monotone)
+
+    def check(self) -> None:
+        check_numbers("workload.search", self)
+        check(self.lo > 0, "workload.search.lo", self.lo, "must be > 0 requests/s")
+        check(self.hi > self.lo, "workload.search.hi", self.hi, f"must be > workload.search.lo={self.lo}")
+        check(self.growth > 1, "workload.search.growth", self.growth, "must be > 1")
+        check(self.rel_tol > 0, "workload.search.rel_tol", self.rel_tol, "must be > 0")
+        check(self.max_probes >= 2, "workload.search.max_probes", self.max_probes, "must be >= 2")
+
+
 def check_serving(w) -> None:
     """The serving fields of a :class:`kvbench.config.WorkloadConfig` (``w.name == "serving"``)."""
     check_choice("workload.arrival", w.arrival, ARRIVALS)
@@ -76,12 +100,21 @@ def check_serving(w) -> None:
     check(w.max_running >= 1, "workload.max_running", w.max_running, "must be >= 1")
     check(w.slot_len is None or w.slot_len >= 2, "workload.slot_len", w.slot_len, "must be >= 2 or null")
     check(w.seed >= 0, "workload.seed", w.seed, "must be >= 0")
+    w.search.check()
+    check(not (w.search.enabled and w.arrival == "trace"), "workload.search.enabled", w.search.enabled,
+          "a rate search draws arrivals at each rate; workload.arrival=trace has its own times")
 
 
 def check_serving_run(cfg) -> None:
     """Cross-group rules of a serving run (a :class:`kvbench.config.BenchConfig`, its attention
-    resolved): the stores hold every position (no window) in the compute dtype; the forwards are
-    eager."""
+    resolved): a rate search needs a latency target; the stores hold every position (no window)
+    in the compute dtype; the forwards are eager."""
+    w = cfg.workload
+    check(not w.search.enabled or any(v is not None for v in (cfg.slo.ttft_ms, cfg.slo.tpot_ms, cfg.slo.e2e_ms)),
+          "workload.search.enabled", w.search.enabled, "the rate search needs an SLO: set slo.ttft_ms, "
+          "slo.tpot_ms and/or slo.e2e_ms (or slo=llama2_70b_server)")
+    check(cfg.slo.tpot_x_batch1 is None, "slo.tpot_x_batch1", cfg.slo.tpot_x_batch1,
+          "workload=serving judges TPOT against slo.tpot_ms (a multiple of the batch-1 step is task=capacity's)")
     check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
           "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
     check(not cfg.attention.window, "attention.window", cfg.attention.window,

@@ -96,3 +96,17 @@ def test_curve_rows_are_in_rate_order_with_tokens_per_user():
     assert first["ok"] is True and first["violated"] is None
     assert first["tokens_per_s_per_user"] == pytest.approx(1e3 / (5.0 * 0.5))
     assert rows[-1]["violated"] == "ttft_ms"
+
+
+def test_the_slo_keys_the_search_and_capacity_accept():
+    from conftest import compose
+
+    from kvbench.config import to_bench_config
+    from kvbench.config_errors import ConfigError
+
+    serving = ("model=tiny", "workload=serving", "workload.search.enabled=true")
+    assert to_bench_config(compose(*serving, "slo.e2e_ms=900")).slo.e2e_ms == 900  # an E2E target alone is one
+    with pytest.raises(ConfigError, match=r"^slo.tpot_x_batch1=2.0: workload=serving judges TPOT against"):
+        to_bench_config(compose(*serving, "slo.ttft_ms=100", "slo.tpot_x_batch1=2"))
+    with pytest.raises(ConfigError, match=r"^slo.e2e_ms=5.0: task=capacity judges TTFT and TPOT only"):
+        to_bench_config(compose("model=tiny", "task=capacity", "slo.e2e_ms=5"))

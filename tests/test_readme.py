@@ -149,14 +149,14 @@ SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m 
 
 NOT_RUN = {
     "kvbench model=tiny workload=serving": "32 requests arriving over ~8 s of wall clock; tests/workloads/"
-                                           "test_serving_workload.py runs it in process (composed and validated)",
+                                           "test_serving.py runs it in process (composed and validated below)",
     "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.rate=2,8,32 "
     "hydra.sweep.dir=multirun/serving": "9 such runs (a minute or more); composed and validated below",
     "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.search.enabled=true slo.ttft_ms=500 "
     "slo.tpot_ms=50": "3 searches of up to 10 serving runs each (minutes); composed and validated below; "
-                      "tests/workloads/test_serving_search.py runs a search in process",
+                      "tests/workloads/test_serving.py runs a search in process",
     "kvbench model=tiny workload=serving workload.arrival=trace workload.trace=/path/to/trace.jsonl":
-        "a placeholder trace; tests/workloads/test_serving_workload.py serves a trace file in process",
+        "a placeholder trace; tests/workloads/test_serving.py serves a trace file in process",
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
     "python -m pytest -n 2 --dist loadgroup": "the suite this test is part of",
     "kvbench experiment=recall": "MHA/GQA/MQA trained on 3 seeds each (minutes); tests/quality/test_recall.py "

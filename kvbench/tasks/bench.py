@@ -14,12 +14,12 @@ from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric, metric_table
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model, variant_label
-from kvbench.workloads import decode, multiturn, serving, serving_search
+from kvbench.workloads import decode, multiturn, serving
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run, "serving": serving.run}
 WORKLOAD_METRICS = {"decode": decode.METRICS,
                     "multiturn": metric_table(*multiturn.METRICS.values(), multiturn.TURN_TTFT),
-                    "serving": serving_search.METRICS}  # a plain serving run's, and a rate search's
+                    "serving": serving.METRICS}
 
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
@@ -40,11 +40,10 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     label = variant_label(cfg.attention)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
-    search = cfg.workload.name == "serving" and cfg.workload.search.enabled
     if cfg.workload.name == "serving":
-        label += f" {cfg.workload.store} " + ("rate search" if search else f"rate={cfg.workload.rate:g}")
-    # serving: one tick per finished request (a search: of every run); the others one per trial
-    total = (serving_search.progress_total(cfg) if search else serving.progress_total(cfg)
-             if cfg.workload.name == "serving" else cfg.runtime.warmup + cfg.runtime.repeats)
+        label += f" {cfg.workload.store} rate={cfg.workload.rate:g}"
+    # serving: one tick per finished request; the others one per trial
+    total = (serving.progress_total(cfg) if cfg.workload.name == "serving"
+             else cfg.runtime.warmup + cfg.runtime.repeats)
     with progress(label, total) as tick:
-        (serving_search.run if search else WORKLOADS[cfg.workload.name])(cfg, model, device, result, tick)
+        WORKLOADS[cfg.workload.name](cfg, model, device, result, tick)

@@ -29,6 +29,8 @@ from kvbench.results import RunResult
 from kvbench.serving import metrics as serving_metrics
 from kvbench.serving.arrivals import make_requests, request_tokens
 from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model
+from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
+from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_metrics
 from kvbench.serving.record import timeline_scalars, timeline_tables
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
@@ -44,6 +46,9 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
     Metric("kv_store_bytes_formula", "bytes", "the KV formula for kv_blocks_total x block_size positions"),
     Metric("iterations", "count", "scheduler iterations (one batched decode and the prefill chunks each)"),
+    Metric("timeline_rate", "requests/s", "the arrival rate of the run whose timeline the record holds: "
+                                          "workload.rate, or with workload.search.enabled the search's answer (else "
+                                          "the highest rate that passed, else the lowest tried)"),
     Metric("tables.serving_requests", "", "one row per request: id, arrival_s, prompt_len, output_len, prefix_id, "
                                           "prefix_len, scheduled_s (first admission), first_token_s, last_token_s, "
                                           "output_tokens, preemptions, prefix_hit_tokens, prefix_query_tokens"),
@@ -52,7 +57,8 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
                                          "kv_blocks_used, kv_bytes_used, kv_bytes_needed (the formula's bytes "
                                          "for the positions held)"),
 )
-METRICS: Dict[str, Metric] = metric_table(*serving_metrics.METRICS.values(), *OWN_METRICS.values())
+METRICS: Dict[str, Metric] = metric_table(*serving_metrics.METRICS.values(), *OWN_METRICS.values(),
+                                          *SEARCH_METRICS.values())
 METHODS: Dict[str, str] = record_methods(METRICS)
 WARMUP_REQUESTS = 2
 
@@ -88,11 +94,12 @@ def build_store(model, w, block_size: int, requests: Sequence[Request]) -> Paged
     return PagedStore(model, blocks, size, w.prefix_caching) if paged else SlotStore(model, blocks, size)
 
 
-def requests_and_prompts(cfg: BenchConfig) -> tuple[List[Request], List[List[int]]]:
-    """The run's requests and their prompt token ids (from ``workload.seed``), checked against the
-    model. The same seed at another rate gives the same requests with every gap scaled by the
-    ratio of the rates (numpy draws a gap as its scale times a standard draw)."""
-    w = cfg.workload
+def requests_and_prompts(cfg: BenchConfig, rate: Optional[float] = None) -> tuple[List[Request], List[List[int]]]:
+    """The run's requests (at ``rate``, default ``workload.rate``) and their prompt token ids (from
+    ``workload.seed``), checked against the model. The same seed at another rate gives the same
+    requests with every gap scaled by the ratio of the rates (numpy draws gaps as scale x a
+    standard draw)."""
+    w = cfg.workload if rate is None else replace(cfg.workload, rate=rate)
     requests = make_requests(w)
     longest = max(requests, key=lambda r: r.prompt_len + r.output_len)
     if longest.prompt_len + longest.output_len > cfg.model.max_seq_len:
@@ -103,8 +110,9 @@ def requests_and_prompts(cfg: BenchConfig) -> tuple[List[Request], List[List[int
 
 
 def progress_total(cfg: BenchConfig) -> int:
-    """Ticks a run gives: one per finished request."""
-    return len(make_requests(cfg.workload))
+    """Ticks a run gives: one per finished request (a rate search: of every probe, at most)."""
+    probes = cfg.workload.search.max_probes if cfg.workload.search.enabled else 1
+    return probes * len(make_requests(cfg.workload))
 
 
 def warm_up(model, cfg: BenchConfig, requests: Sequence[Request], prompts: Sequence[List[int]]) -> None:
@@ -119,8 +127,18 @@ def warm_up(model, cfg: BenchConfig, requests: Sequence[Request], prompts: Seque
                   cfg.workload.max_running, FakeClock()).run()
 
 
+def serve_at(cfg: BenchConfig, model, rate: Optional[float] = None, progress=None) -> tuple:
+    """One serving run at ``rate`` (default ``workload.rate``) on a fresh store: (scheduler, timeline, store)."""
+    w = cfg.workload
+    requests, prompts = requests_and_prompts(cfg, rate)
+    store = build_store(model, w, cfg.cache.block_size, requests)
+    scheduler = Scheduler(model, store, requests, prompts, w.max_prefill_tokens, w.max_running, progress=progress)
+    return scheduler, scheduler.run(), store
+
+
 def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: Optional[Tick] = None) -> None:
-    """Build the arrivals and the store, serve them, and record the timeline and its metrics."""
+    """Build the arrivals and the store, serve them (at ``workload.rate``, or at each rate of a rate
+    search), and record the timeline and its metrics."""
     w, metrics = cfg.workload, result.metrics
     result.methods.update(METHODS)
     check_model(model, cfg.cache.dtype)
@@ -134,10 +152,25 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
                    kv_store_bytes_formula=kv_cache_bytes(cfg.model.num_layers, heads, width,
                                                          store.num_blocks * store.block_size, 1, element,
                                                          latent=latent))
+    del store
     warm_up(model, cfg, requests, prompts)
     progress = (lambda: tick()) if tick is not None else None
-    scheduler = Scheduler(model, store, requests, prompts, w.max_prefill_tokens, w.max_running, progress=progress)
-    timeline = scheduler.run()
+    runs: Dict[float, tuple] = {}
+    if w.search.enabled:
+        def measure(rate: float) -> Dict:
+            runs[rate] = serve_at(cfg, model, rate, progress)[:2]
+            return serving_metrics.timeline_metrics(runs[rate][1], cfg.slo, intervals=False)
+
+        s = w.search
+        search = max_rate_under_slo(measure, cfg.slo, s.lo, s.hi, s.growth, s.rel_tol, s.max_probes, s.check_above)
+        result.tables["serving_rate_curve"] = curve_rows(search)
+        metrics.update(search_metrics(search))
+        rate = search.max_rate or search.at_least or s.lo
+        scheduler, timeline = runs[rate]
+    else:
+        rate = w.rate
+        scheduler, timeline, _ = serve_at(cfg, model, None, progress)
+    metrics["timeline_rate"] = rate
     metrics["iterations"] = scheduler.iterations
     metrics.update(timeline_scalars(timeline))
     result.tables.update(timeline_tables(timeline))

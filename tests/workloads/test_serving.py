@@ -123,3 +123,30 @@ def test_bad_serving_values_are_refused_before_work(override, key):
         to_bench_config(compose("workload=serving", "model=tiny", override))
     assert str(err.value).startswith(key), str(err.value)
 
+
+@pytest.mark.parametrize("ttft_ms, probes", [(1e6, [50.0, 100.0, 200.0]), (1e-6, [50.0])])
+def test_a_rate_search_records_its_curve_and_the_run_at_its_answer(tmp_path, ttft_ms, probes):
+    """Targets nothing can miss (the SLO never binds: every rate up to hi measured, the answer at
+    least hi) or nothing can meet (the lowest rate fails): the search's outcome whatever the clock."""
+    cfg = compose(*SMALL, "workload.num_requests=6", "workload.kv_budget_mb=1", "workload.search.enabled=true",
+                  "workload.search.lo=50", "workload.search.hi=200", f"slo.ttft_ms={ttft_ms}")
+    record = run_job(cfg, tmp_path)
+    assert record.status == "ok", record.error
+    m, curve = record.metrics, record.tables["serving_rate_curve"]
+    assert [row["rate"] for row in curve] == probes and m["max_rate_probes"] == len(probes)
+    assert m["max_rate_under_slo"] is None and m["max_rate_under_slo_reason"]
+    if ttft_ms > 1:
+        assert all(row["ok"] for row in curve) and m["max_rate_at_least"] == 200.0 and m["timeline_rate"] == 200.0
+    else:
+        assert m["max_rate_failed_at"] == 50.0 and "ttft_ms" in m["max_rate_bound"] and m["timeline_rate"] == 50.0
+    # the recorded timeline is the run at timeline_rate: its arrivals are the seed's at that rate
+    requests, _ = requests_and_prompts(to_bench_config(cfg), m["timeline_rate"])
+    assert [r["arrival_s"] for r in record.tables["serving_requests"]] == [r.arrival_s for r in requests]
+    at_base, _ = requests_and_prompts(to_bench_config(cfg))
+    scale = to_bench_config(cfg).workload.rate / m["timeline_rate"]  # the same gaps, scaled
+    assert [r.arrival_s for r in requests] == pytest.approx([r.arrival_s * scale for r in at_base])
+
+
+def test_a_rate_search_needs_an_slo():
+    with pytest.raises(ConfigError, match=r"^workload.search.enabled=True: the rate search needs an SLO"):
+        to_bench_config(compose(*SMALL, "workload.kv_budget_mb=1", "workload.search.enabled=true"))
