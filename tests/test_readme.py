@@ -148,6 +148,10 @@ SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m 
     "hydra.launcher.partition=debug" in c or c.endswith("workload.gen_len=6 runtime.threads=1 attention=mha,mqa"))]
 
 NOT_RUN = {
+    "kvbench experiment=serving": "4 rate searches of up to 9 serving runs each (about 4 minutes on 2 vCPUs); composed "
+                                  "and validated below; experiments/results/serving/ holds a run",
+    "kvbench-report experiments/results/serving": "would rewrite the committed report; tests/sinks/"
+                                                  "test_serving_sinks.py builds a serving report in process",
     "kvbench model=tiny workload=serving": "32 requests arriving over ~8 s of wall clock; tests/workloads/"
                                            "test_serving.py runs it in process (composed and validated below)",
     "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.rate=2,8,32 "

@@ -84,8 +84,8 @@ def rate_latency_plot(path: Path, data: Curves, targets: Dict[str, Dict[str, flo
 
 
 def pareto_plot(path: Path, data: Curves, colours: Dict[str, str], note: str) -> Path:
-    """Tokens/s per user against total output tokens/s, one line per variant in rate order, its
-    Pareto frontier drawn bold."""
+    """Tokens/s per user against total output tokens/s: every run of a variant a small point, its
+    Pareto frontier (the runs no other run of it beats on both) a bold line."""
     names = list(data)
     fig, axes = _grid(len(names), "Per-user vs total throughput (serving runs at each rate)",
                       "output tokens/s, all requests", "tokens/s per user (1000 / p50 TPOT)")
@@ -95,11 +95,12 @@ def pareto_plot(path: Path, data: Curves, colours: Dict[str, str], note: str) ->
         for v, pts in pts_all[name].items():
             if not pts:
                 continue
-            ax.plot(*zip(*pts), marker="o", markersize=4, color=colours[v], alpha=0.5, linewidth=1)
+            ax.plot(*zip(*pts), marker="o", markersize=4, color=colours[v], alpha=0.5, linestyle="")
             front = pareto_front(pts)
             ax.plot(*zip(*front), marker="o", color=colours[v], linewidth=2.5)
     used = sorted({v for s in data.values() for v in s}, key=variant_order)
-    return _save(fig, axes, path, *_legend(colours, used, [("bold: the variant's Pareto frontier", "-")]), note)
+    legend = _legend(colours, used, [("bold: the variant's Pareto frontier (points: every run)", "-")])
+    return _save(fig, axes, path, *legend, note)
 
 
 def draw(records: Sequence[Record], axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict[str, str]]:
