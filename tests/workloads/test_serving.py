@@ -113,7 +113,7 @@ def test_the_job_records_the_refusal_as_invalid(tmp_path):
 @pytest.mark.parametrize("override, key", [
     ("workload.rate=0", "workload.rate=0"), ("workload.arrival=closed", "workload.arrival='closed'"),
     ("workload.prompt.dist=zipf", "workload.prompt.dist='zipf'"), ("cache.block_size=0", "cache.block_size=0"),
-    ("workload.kv_budget_blocks=4", "workload.kv_budget_mb=16"), ("workload.prompt.hi=4096", "workload.prompt="),
+    ("workload.kv_budget_blocks=4", "workload.kv_budget_mb=64"), ("workload.prompt.hi=4096", "workload.prompt="),
     ("workload.max_prefill_tokens=0", "workload.max_prefill_tokens=0"), ("cache.dtype=int8", "cache.dtype='int8'"),
     ("attention.window=16", "attention.window=16: workload=serving"),
     ("runtime.compile=graph", "runtime.compile='graph'"),
