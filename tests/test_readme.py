@@ -148,7 +148,7 @@ SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m 
     "hydra.launcher.partition=debug" in c or c.endswith("workload.gen_len=6 runtime.threads=1 attention=mha,mqa"))]
 
 NOT_RUN = {
-    "kvbench experiment=serving": "4 rate searches of up to 9 serving runs each (about 4 minutes on 2 vCPUs); composed "
+    "kvbench experiment=serving": "4 rate searches of up to 12 serving runs each (4-5 minutes on 2 vCPUs); composed "
                                   "and validated below; experiments/results/serving/ holds a run",
     "kvbench-report experiments/results/serving": "would rewrite the committed report; tests/sinks/"
                                                   "test_serving_sinks.py builds a serving report in process",
