@@ -15,11 +15,14 @@ SLO_STATS = ("p50", "p99")
 @dataclass
 class SloConfig:
     """Latency targets of ``task=capacity``: a batch meets them when the ``stat`` (p50 or p99) of
-    its time to first token and of its time per output token are at most these (null: no target)."""
+    its time to first token and of its time per output token are at most these (null: no target).
+    ``workload=serving`` judges its goodput (per request) and its rate search (the run's ``stat``)
+    by the same targets and ``e2e_ms``."""
 
     name: str = "none"
     ttft_ms: Optional[float] = None
     tpot_ms: Optional[float] = None
+    e2e_ms: Optional[float] = None  # workload=serving only: end-to-end latency (task=capacity refuses it)
     stat: str = "p99"
     # a TPOT target relative to the machine: at most this many times the variant's own batch-1
     # step at the same context, measured by the job (a load that slows every step alike cancels)
@@ -28,7 +31,7 @@ class SloConfig:
     def __post_init__(self) -> None:
         check_numbers("slo", self)
         check_choice("slo.stat", self.stat, SLO_STATS)
-        for key in ("ttft_ms", "tpot_ms"):
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
             value = getattr(self, key)
             check(value is None or value > 0, f"slo.{key}", value, "must be > 0 or null")
         check(self.tpot_x_batch1 is None or self.tpot_x_batch1 >= 1, "slo.tpot_x_batch1", self.tpot_x_batch1,

@@ -38,6 +38,8 @@ from kvbench.model_config import (  # noqa: F401 (variant_label, variant_key: re
     variant_label,
 )
 from kvbench.recall_config import RecallConfig
+from kvbench.serving_config import check_serving_run
+from kvbench.workload_config import WORKLOADS, WorkloadConfig  # noqa: F401 (re-exported)
 
 
 def _find_conf_dir() -> Path:
@@ -58,7 +60,6 @@ CACHE_IMPLS = ("static", "concat", "none")
 # of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
 CACHE_DTYPE_BYTES = {"int8": 1, "float8_e4m3fn": 1}
 CACHE_DTYPES = ("auto", *CACHE_DTYPE_BYTES)
-WORKLOADS = ("decode", "multiturn")
 TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare", "recall")
 COMPILE_MODES = ("false", "default", "graph")
 OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
@@ -71,35 +72,6 @@ def objective_metric(objective: str) -> tuple[str, float]:
 
 
 @dataclass
-class WorkloadConfig:
-    """What a run feeds the model. ``decode``: prefill ``prompt_len`` then ``gen_len`` greedy
-    steps. ``multiturn``: a chat of ``turns`` turns after a shared system prompt."""
-
-    name: str = "decode"
-    batch_size: int = 1
-    prompt_len: int = 512
-    gen_len: int = 64
-    # multiturn
-    system_len: int = 512
-    turns: int = 4
-    user_len: int = 64
-    reply_len: int = 32
-
-    def __post_init__(self) -> None:
-        check_numbers("workload", self)
-        check_choice("workload.name", self.name, WORKLOADS)
-        check_positive("workload", self, ("batch_size", "prompt_len", "gen_len", "system_len",
-                                           "turns", "user_len", "reply_len"))
-
-    @property
-    def total_len(self) -> int:
-        """Longest sequence the workload builds (what the cache must hold)."""
-        if self.name == "multiturn":
-            return self.system_len + self.turns * (self.user_len + self.reply_len)
-        return self.prompt_len + self.gen_len
-
-
-@dataclass
 class CacheConfig:
     """KV-cache implementation, whether a multi-turn chat keeps its history between turns, and
     the precision K/V are stored in (``dtype``: auto = the compute dtype, or int8/float8_e4m3fn
@@ -108,9 +80,11 @@ class CacheConfig:
     impl: str = "static"
     shared: bool = False
     dtype: str = "auto"
+    block_size: int = 16  # workload=serving, workload.store=paged: tokens per KV block
 
     def __post_init__(self) -> None:
         check_numbers("cache", self)
+        check(self.block_size >= 1, "cache.block_size", self.block_size, "must be >= 1 tokens")
         check_choice("cache.impl", self.impl, CACHE_IMPLS)
         check_choice("cache.dtype", self.dtype, CACHE_DTYPES)
         if self.dtype != "auto":
@@ -357,7 +331,10 @@ class BenchConfig:
         w = self.workload
         if self.task == "capacity":
             self._check_capacity()
-        length_key = "workload.system_len" if w.name == "multiturn" else "workload.prompt_len"
+        if w.name == "serving" and self.task == "bench":
+            check_serving_run(self)
+        length_key = {"multiturn": "workload.system_len", "serving": "workload.prompt"}.get(w.name,
+                                                                                           "workload.prompt_len")
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts
         check(self.task in ("compare", "recall") or w.total_len <= self.model.max_seq_len, length_key,
                getattr(w, length_key.split(".")[1]),
@@ -387,6 +364,8 @@ class BenchConfig:
 
     def _check_capacity(self) -> None:
         w = self.workload
+        check(self.slo.e2e_ms is None, "slo.e2e_ms", self.slo.e2e_ms,
+               "task=capacity judges TTFT and TPOT only (an E2E target is workload=serving's)")
         # the probes' caches are in the compute dtype, as the KV formula they are judged by
         check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")

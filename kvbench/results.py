@@ -315,11 +315,16 @@ def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str
 # that means nothing for a job (train.* for a decode run, workload.* for training) is left out
 # of its record, so the record describes what was measured and nothing else.
 _WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
-                  "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len")}
+                  "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len"),
+                  "serving": ("name", "arrival", "rate", "burstiness", "num_requests", "duration_s", "trace",
+                              "prompt", "output", "prefix_len", "prefix_fraction", "prefix_groups", "store",
+                              "prefix_caching", "kv_budget_mb", "kv_budget_blocks", "max_prefill_tokens",
+                              "max_running", "slot_len", "seed", "search")}
 # task=capacity searches the batch (and, for decode, the prompt length: capacity.context_lens)
 _CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
                            "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}
-_CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype")}
+_CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype"),
+               "serving": ("block_size", "dtype")}
 _RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
 _TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
 
@@ -360,8 +365,11 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         out.pop("data", None)
         keep("workload", ("batch_size",))
         keep("cache", ("impl",))
+    w = out.get("workload")
+    serving = isinstance(w, dict) and w.get("name") == "serving"
     if task != "capacity":
-        out.pop("slo", None)
+        if not serving:  # a serving run's goodput is judged by slo.*
+            out.pop("slo", None)
         out.pop("capacity", None)
         if isinstance(out.get("runtime"), dict):
             out["runtime"] = {k: v for k, v in out["runtime"].items() if k != "memory_budget_gb"}

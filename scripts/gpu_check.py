@@ -72,7 +72,10 @@ PLANS: Dict[str, Dict[str, Any]] = {
         "oom": ["attention=gqa", "workload.prompt_len=1", "workload.gen_len=1000", "workload.batch_size=1000000,1"],
         "free": ["attention=gqa", "workload.prompt_len=4096", "workload.batch_size=16", "workload.gen_len=256",
                  "runtime.device=cuda:free"],
-        "budget_s": 480,
+        # 32 MB of KV: MHA's 32 KB a token holds ~2 of the longest requests, so some are preempted
+        "serving": ["workload=serving", "attention=mha,gqa,mqa", "workload.num_requests=48", "workload.rate=32",
+                    "workload.kv_budget_mb=32", "workload.prefix_len=64", "workload.prefix_fraction=0.5"],
+        "budget_s": 540,
     },
     "cpu": {
         # In kvbench's own process: the dry run proves the script; a fresh process per job (a torch
@@ -89,13 +92,18 @@ PLANS: Dict[str, Dict[str, Any]] = {
         "oom": ["attention=gqa", "workload.prompt_len=1", "workload.gen_len=200", "workload.batch_size=10000000,1"],
         "free": ["attention=gqa", "workload.prompt_len=32", "workload.batch_size=1", "workload.gen_len=8",
                  "runtime.device=cuda:free"],
-        "budget_s": 200,
+        "serving": ["workload=serving", "attention=mha,mqa", "workload.num_requests=8", "workload.rate=50",
+                    "workload.prompt.lo=8", "workload.prompt.mean=24", "workload.prompt.hi=48", "workload.output.lo=2",
+                    "workload.output.hi=8", "workload.kv_budget_mb=0.1", "workload.prefix_len=16",
+                    "workload.prefix_fraction=0.5"],
+        "budget_s": 230,
     },
 }
 # --steps key -> (name in the summary, Check method), in the order they run.
 STEPS = {"preflight": ("preflight", "preflight"), "cuda": ("cuda tests", "cuda_tests"),
          "eager": ("eager sweep", "eager"), "oom": ("oom goes on", "oom"), "free": ("cuda:free", "cuda_free"),
-         "layouts": ("layouts compare", "layouts"), "graph": ("graph sweep", "graph")}
+         "layouts": ("layouts compare", "layouts"), "graph": ("graph sweep", "graph"),
+         "serving": ("serving sweep", "serving")}
 GRAPH_MODE = os.environ.get("GPU_CHECK_GRAPH_MODE", "graph")  # the value of runtime.compile for step 6
 
 
@@ -231,6 +239,22 @@ class Check:
         if any(n for n in recompiles if isinstance(n, (int, float))):
             step.verdict = "FAIL"
             step.detail += f"; recompiles during trials: {recompiles}"
+
+    def serving(self, step: Step) -> None:
+        """workload=serving per layout: every request finished, the store's bytes the KV formula's,
+        the block waste within its bound (the paged store's gathers, writes and masks on the device)."""
+        proc, step.records = self.sweep("serving", self.plan["serving"], ["runtime.compile=false"], timeout=180)
+        self.judge_sweep(step, proc, expected=grid_size(self.plan["serving"]))
+        ok = [r for r in step.records if r["status"] == "ok"]
+        for r in ok:
+            m = r["metrics"]
+            step.detail += (f"; {r['config']['attention']['type']}: {m.get('kv_blocks_total')} blocks, "
+                            f"{m.get('preemptions')} preempted, p99 TTFT {_fmt(m.get('ttft_ms_p99'), '{:.1f}')} ms, "
+                            f"{_fmt(m.get('output_throughput'), '{:.0f}')} tok/s")
+            if not (m.get("requests_finished") == m.get("requests") and m.get("block_waste_within_bound")
+                    and m.get("kv_store_bytes") == m.get("kv_store_bytes_formula")):
+                step.verdict = "FAIL"
+                step.detail += " (unfinished requests, waste over its bound or bytes off the formula)"
 
     def judge_sweep(self, step: Step, proc, expected: int) -> None:
         statuses = [r["status"] for r in step.records]

@@ -101,3 +101,20 @@ def test_the_pairing_row_check_holds_for_any_ratios_a_loaded_machine_measures():
     wrong = table_row("gqa", "paired", [0.60, 1.98]).replace("| 3.30 |", "| 3.20 |").split(" | ")
     with pytest.raises(AssertionError):
         check_pairing_row(wrong)
+
+
+def test_serving_gather_writes_its_table_to_out_in_process(tmp_path):
+    """experiments/serving_gather.py on the tiny model, in this process: a row per layout with the
+    ratio of the step times it printed, and the committed results untouched."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import serving_gather
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    before = digests()
+    out = tmp_path / "gather.md"
+    assert serving_gather.main(["--model", "tiny", "--batch", "2", "--context", "8", "--steps", "2",
+                                "--out", str(out)]) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith(("| mha", "| gqa", "| mqa"))]
+    assert [r[1] for r in rows] == ["8", "2", "1"]  # tiny's KV heads per layout
+    assert digests() == before

@@ -45,6 +45,9 @@ def test_dry_run_passes_and_writes_what_a_gpu_run_brings_back(tmp_path):
     # refused from its footprint before any allocation (kvbench.footprint), and the sweep went on
     assert oom == {10_000_000: "invalid", 1: "ok"}
     assert [r["status"] for r in by_step["cuda:free"]] == ["invalid", "invalid"]
+    serving = by_step["serving sweep"]
+    assert [r["status"] for r in serving] == ["ok"] * 2
+    assert all(r["metrics"]["requests_finished"] == 8 and r["metrics"]["block_waste_within_bound"] for r in serving)
     eager = by_step["eager sweep"][0]["metrics"]
     assert eager["kv_cache_bytes_torch"] is None and "CUDA only" in eager["kv_cache_bytes_alloc_reason"]
 

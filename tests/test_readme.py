@@ -148,6 +148,19 @@ SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m 
     "hydra.launcher.partition=debug" in c or c.endswith("workload.gen_len=6 runtime.threads=1 attention=mha,mqa"))]
 
 NOT_RUN = {
+    "kvbench experiment=serving": "4 rate searches of up to 12 serving runs each (4-5 minutes on 2 vCPUs); composed "
+                                  "and validated below; experiments/results/serving/ holds a run",
+    "kvbench-report experiments/results/serving": "would rewrite the committed report; tests/sinks/"
+                                                  "test_serving_sinks.py builds a serving report in process",
+    "kvbench model=tiny workload=serving": "32 requests arriving over ~8 s of wall clock; tests/workloads/"
+                                           "test_serving.py runs it in process (composed and validated below)",
+    "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.rate=2,8,32 "
+    "hydra.sweep.dir=multirun/serving": "9 such runs (a minute or more); composed and validated below",
+    "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.search.enabled=true slo.ttft_ms=500 "
+    "slo.tpot_ms=50": "3 searches of up to 10 serving runs each (minutes); composed and validated below; "
+                      "tests/workloads/test_serving.py runs a search in process",
+    "kvbench model=tiny workload=serving workload.arrival=trace workload.trace=/path/to/trace.jsonl":
+        "a placeholder trace; tests/workloads/test_serving.py serves a trace file in process",
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
     "python -m pytest -n 2 --dist loadgroup": "the suite this test is part of",
     "kvbench experiment=recall": "5 variants trained on 5 seeds each (minutes); tests/quality/test_recall.py "

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import Record, fmt, natural, ratio_text, swept_axes
 from kvbench.views import RecordView
 
@@ -222,6 +223,15 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         header.append("recall accuracy [95%]")
         notes.append("recall: task=recall accuracy on held-out sequences of the same variant label (mean over "
                      "seeds [t-interval]); a variant's model there is trained from scratch, not these weights")
+    # the serving load a variant sustains: workload=serving rate searches of the same model
+    model = RecordView.of(records[0]).get("model.name") if records else None
+    rates = max_rate_by_variant(all_records, {"model.name": model} if model else None)
+    with_rate = any(label in rates for label in rows)
+    if with_rate:
+        header.append("max rate under SLO")
+        notes.append("max rate under SLO: workload=serving workload.search.enabled=true, the highest arrival rate "
+                     "whose run met its SLO's p99 TTFT / TPOT with every request finished (in brackets: the target "
+                     "that set the limit); its own arrivals, KV budget and SLO (the serving records' config)")
     with_quality = any(label in quality for label in rows)
     if with_quality:
         header.append("perplexity")
@@ -239,6 +249,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             if with_pool:
                 line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}")]
             line += [recall.get(label, "-")] if with_recall else []
+            line += [rates.get(label, "-")] if with_rate else []
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(r["mha"] for r in rows.values()):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")

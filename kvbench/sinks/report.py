@@ -28,6 +28,8 @@ from kvbench.jsonio import atomic_write, write_text_atomic
 from kvbench.measure.stats import kv_cost_fit
 from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 from kvbench.sinks import recall as recall_sink
+from kvbench.sinks import serving as serving_sink
+from kvbench.sinks import serving_plots
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
@@ -331,7 +333,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{len(records)} jobs: {counts}.", ""]
-    lines += _choose_md(records) + _recall_md(records)
+    lines += _choose_md(records) + _recall_md(records) + serving_sink.markdown(records, axes)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
     for kind_name, group in groups.items():
@@ -388,6 +390,8 @@ def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: 
     pngs: List[Path] = []
     if plots:
         pngs, report.skipped_plots = draw_all(records, report.axes, out)
+        serving_pngs, serving_skipped = serving_plots.draw(records, report.axes, out)
+        pngs, report.skipped_plots = pngs + serving_pngs, {**report.skipped_plots, **serving_skipped}
         report.plots_note = ""
         write_text_atomic(out / MD_FILE, markdown(report, pngs))
     report.files = [out / CSV_FILE, out / MD_FILE, *pngs]

@@ -101,6 +101,12 @@ COLUMNS: Dict[str, List[Column]] = {
                  Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
                  Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True),
                  _NOISY],
+    "serving": [Column("max_rate_under_slo", "max rate in SLO", "{:.3g}", brief=True, compared=True),
+                Column("max_rate_bound", "limited by", "{}", brief=True), *(Column(k, t, "{:.2f}", brief=True,
+                compared=True, sampled=True) for k, t in (("ttft_ms_p99", "p99 TTFT ms"), ("tpot_ms_p99", "p99 TPOT"))),
+                Column("goodput", "goodput req/s", "{:.3g}", brief=True, compared=True), Column("output_throughput",
+                "out tok/s", "{:.1f}", brief=True, compared=True), Column("preemptions", "preempted", "{}", brief=True),
+                Column("kv_block_usage_max", "peak KV blocks", "{:.0%}", brief=True), _NOISY],
     # its variants' metrics are per variant: :func:`interleaved_table` shows them
     "compare": [Column("rounds", "rounds", "{}", brief=True)],
     # per condition: kvbench/sinks/recall.py
@@ -114,7 +120,7 @@ COLUMNS: Dict[str, List[Column]] = {
 }
 KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation",
                "capacity": "capacity at the longest context", "compare": "interleaved comparison",
-               "recall": "recall"}
+               "recall": "recall", "serving": "serving (open-loop arrivals, continuous batching)"}
 
 
 def kind(record: Record) -> str:

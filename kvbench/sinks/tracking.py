@@ -18,9 +18,11 @@ What a run holds:
 - summary = every scalar metric, ``status`` and ``error``; each metric with a direction gets a
   ``define_metric`` summary goal (:func:`metric_goal`, from the metric's unit: lower is better for
   times, energy, the bytes a job holds and losses, higher for tokens/s and batch capacity).
-- every per-step series (``decode_ms``) logged against its own ``step`` axis, every table
+- every per-step series (``decode_ms``) logged against its own ``step`` axis (a serving run's
+  ``serving_running`` / ``_waiting`` / ``_kv_blocks_used`` against its ``serving_t_s``), every table
   (the multi-turn ``turns``) as a ``wandb.Table``, a table with a step column (``turns``: the
-  turn index) also as history against that column (``turns/ttft_ms`` by ``turn``), and
+  turn index; a rate search's ``serving_rate_curve``: the rate) also as history against that
+  column (``turns/ttft_ms`` by ``turn``, ``serving_rate_curve/ttft_ms_p99`` by ``rate``), and
   results.json as a ``results`` artifact.
 
 ``online`` never stalls a sweep: ``wandb.init`` may try to reach the server for
@@ -58,7 +60,10 @@ MODES = ("offline", "online", "disabled")
 STEP_AXIS = "step"  # x axis of every per-step series; W&B's own _step counts log calls
 # Tables whose rows are steps of something: their numeric columns are also logged as history
 # ``<table>/<column>`` against the step column (a line per run in W&B).
-TABLE_STEPS = {"turns": "turn"}
+TABLE_STEPS = {"turns": "turn", "serving_rate_curve": "rate"}  # a rate search's curve: latency by rate
+# Series logged against another series of the record instead of ``step``: a serving run's
+# scheduler state (running, waiting, blocks in use) against its time, ``serving_t_s``.
+SERIES_AXES = {"serving_": "serving_t_s"}
 _NAME_MAX = 128
 # Overrides that say where or how a run is recorded, not what was measured.
 _NAME_SKIP = ("hydra.", "wandb.", "wandb=")
@@ -151,11 +156,14 @@ def metric_goal(key: str, unit: Optional[str]) -> Optional[str]:
     the interval fields ``_ci_low`` / ``_ci_high`` / ``_n``, a metric without a unit)."""
     if key.endswith(("_ci_low", "_ci_high", "_n")):
         return None
-    if unit in HIGHER_UNITS:
+    if unit in HIGHER_UNITS or key in _HIGHER_IS_BETTER:
         return "max"
     if unit in LOWER_UNITS or (unit == "bytes" and key not in _GIVEN_BYTES) or key in _LOWER_IS_BETTER:
         return "min"
     return None
+
+
+_HIGHER_IS_BETTER = ("max_rate_under_slo", "goodput", "request_throughput")  # requests/s: a rate tried has no direction
 
 
 def run_summary(result: RunResult | RecordView) -> Dict[str, Any]:
@@ -326,7 +334,9 @@ def _log_record(wandb, run, result: RecordView, out_dir: Path) -> None:
         run.define_metric(STEP_AXIS, hidden=True, summary="none")
         for key in series:
             # summary="none": the headline numbers (decode_ms_p50, ...) already summarise it.
-            run.define_metric(key, step_metric=STEP_AXIS, summary="none")
+            axis = next((a for p, a in SERIES_AXES.items() if key.startswith(p) and a in series and a != key),
+                        STEP_AXIS)
+            run.define_metric(key, step_metric=axis, summary="none")
         for i in range(max(len(v) for v in series.values())):
             run.log({STEP_AXIS: i, **{k: v[i] for k, v in series.items() if i < len(v)}})
     for key in result.table_names:
@@ -354,7 +364,8 @@ def _log_record(wandb, run, result: RecordView, out_dir: Path) -> None:
 def _log_steps(run, key: str, rows: List[Mapping[str, Any]]) -> None:
     """The numeric columns of a stepped table as history ``key/column`` against its step column."""
     step = TABLE_STEPS.get(key)
-    if step is None or not all(isinstance(row.get(step), int) for row in rows):
+    if step is None or not all(isinstance(row.get(step), (int, float)) and not isinstance(row.get(step), bool)
+                               for row in rows):
         return
     run.define_metric(step, hidden=True, summary="none")
     columns = {c for row in rows for c, v in row.items()

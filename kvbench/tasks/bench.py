@@ -14,11 +14,12 @@ from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric, metric_table
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model, variant_label
-from kvbench.workloads import decode, multiturn
+from kvbench.workloads import decode, multiturn, serving
 
-WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run}
+WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run, "serving": serving.run}
 WORKLOAD_METRICS = {"decode": decode.METRICS,
-                    "multiturn": metric_table(*multiturn.METRICS.values(), multiturn.TURN_TTFT)}
+                    "multiturn": metric_table(*multiturn.METRICS.values(), multiturn.TURN_TTFT),
+                    "serving": serving.METRICS}
 
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
@@ -39,5 +40,10 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     label = variant_label(cfg.attention, num_layers=cfg.model.num_layers)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
-    with progress(label, cfg.runtime.warmup + cfg.runtime.repeats) as tick:
+    if cfg.workload.name == "serving":
+        label += f" {cfg.workload.store} rate={cfg.workload.rate:g}"
+    # serving: one tick per finished request; the others one per trial
+    total = (serving.progress_total(cfg) if cfg.workload.name == "serving"
+             else cfg.runtime.warmup + cfg.runtime.repeats)
+    with progress(label, total) as tick:
         WORKLOADS[cfg.workload.name](cfg, model, device, result, tick)

@@ -175,6 +175,27 @@ def test_per_turn_table_is_a_wandb_table(tmp_path, in_process_wandb):
 
 
 @pytest.mark.e2e
+def test_serving_series_are_against_time_and_the_rate_curve_against_rate(tmp_path, in_process_wandb):
+    result = RunResult("ok", {"attention": {"type": "mqa", "num_kv_heads": 1}, "workload": {"name": "serving"}},
+                       metrics={"max_rate_under_slo": 5.5, "goodput": 4.0, "ttft_ms_p99": 120.0},
+                       series={"serving_t_s": [0.0, 0.25, 0.5], "serving_running": [1, 3, 2]},
+                       tables={"serving_rate_curve": [{"rate": 2.0, "ttft_ms_p99": 50.0, "ok": True},
+                                                      {"rate": 5.5, "ttft_ms_p99": 240.0, "ok": True}]})
+    result.write(tmp_path)
+    run_dir = track(result, {"mode": "offline", "project": "kvbench"}, tmp_path)
+    records = leet(run_dir, summary=False)
+    metrics = {r["metric"]["name"]: r["metric"] for r in records if r["type"] == "metric"}
+    assert metrics["serving_running"]["step_metric"] == "serving_t_s"
+    assert metrics["serving_rate_curve/ttft_ms_p99"]["step_metric"] == "rate"
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert [(h["serving_t_s"], h["serving_running"]) for h in history if "serving_running" in h] == [
+        (0.0, 1), (0.25, 3), (0.5, 2)]
+    assert [(h["rate"], h["serving_rate_curve/ttft_ms_p99"]) for h in history
+            if "serving_rate_curve/ttft_ms_p99" in h] == [(2.0, 50.0), (5.5, 240.0)]
+    assert leet(run_dir, summary=True)["summary"]["max_rate_under_slo"] == 5.5
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["init", "log"])
 def test_a_wandb_failure_only_warns(where, tmp_path, in_process_wandb, monkeypatch, caplog):
     import wandb
@@ -294,7 +315,7 @@ def registry_units() -> RecordView:
 
     declared = {}
     for task, workload in [("bench", "decode"), ("bench", "multiturn"), ("capacity", "decode"), ("train", "decode"),
-                           ("eval", "decode"), ("compare", "decode"), ("recall", "decode")]:
+                           ("eval", "decode"), ("compare", "decode"), ("recall", "decode"), ("bench", "serving")]:
         declared.update(task_metrics(task, workload))
     return RecordView({"schema_version": 2, "units": {name: m.unit for name, m in declared.items()}})
 
@@ -309,6 +330,9 @@ def test_metric_goal():
              "peak_rss_bytes", "energy_mj", "perplexity")
     assert [metric_goal(k) for k in lower] == ["min"] * len(lower)
     assert [metric_goal(k) for k in ("tokens_per_s", "tokens_per_s_longest", "max_batch_longest")] == ["max"] * 3
+    assert [metric_goal(k) for k in ("max_rate_under_slo", "goodput", "output_throughput")] == ["max"] * 3
+    assert [metric_goal(k) for k in ("ttft_ms_p99", "tpot_ms_mean", "max_rate_under_slo_reason")] == [
+        "min", "min", None]
     assert [metric_goal(k) for k in ("decode_ms_p50_ci_low", "tokens_per_s_n", "num_params", "weight_bytes",
                                      "percent_of_peak")] == [None] * 5
     # the unit decides, not the name: a metric named like a time but counted in tokens has no goal

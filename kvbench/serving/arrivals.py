@@ -1,0 +1,191 @@
+"""The requests of a serving run: when they arrive and how long they are, drawn from a seed.
+
+Open loop: arrival times do not depend on how fast the server is, so every variant meets the
+same requests at the same times (one numpy ``Generator`` seeded with ``workload.seed``).
+
+- ``poisson``: exponential inter-arrival times of mean 1 / rate.
+- ``gamma``: gamma inter-arrival times of shape ``burstiness`` and mean 1 / rate (vLLM's
+  ``--burstiness``): CV^2 = 1 / burstiness; 1 is Poisson, below 1 burstier, above 1 more regular.
+- ``trace``: a JSONL or CSV file of ``arrival_s, prompt_len, output_len`` and optionally
+  ``prefix_id`` (and ``prefix_len``), read bounded, each bad row a one-line error naming it.
+
+Lengths: :class:`~kvbench.serving_config.LengthConfig` (fixed, uniform, lognormal with mean and
+CV). A prefixed request (``prefix_fraction`` of them) starts with one of ``prefix_groups`` system
+prompts of ``prefix_len`` tokens: its prompt is that prefix plus its own drawn length.
+:func:`request_tokens` gives the token ids, from the seed, the request's id and its prefix id.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from kvbench.config_errors import ConfigError
+from kvbench.serving.trace import Request
+from kvbench.serving_config import LengthConfig
+
+MAX_TRACE_BYTES = 64 * 2**20  # a trace of more is not one this CPU-sized scheduler can serve
+MAX_TRACE_ROWS = 1_000_000
+MAX_DRAWN = 1_000_000  # arrivals drawn for a duration_s at most
+
+
+def inter_arrivals(rng: np.random.Generator, n: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
+    """``n`` gaps (s) of mean 1 / ``rate``: gamma of shape ``burstiness`` (exponential at 1)."""
+    if burstiness == 1.0:
+        return rng.exponential(1.0 / rate, n)
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+
+
+def draw_lengths(rng: np.random.Generator, n: int, dist: LengthConfig) -> np.ndarray:
+    """``n`` integer lengths from ``dist``: fixed, uniform on [lo, hi], or lognormal of the given
+    mean and CV (sigma^2 = ln(1 + cv^2), mu = ln(mean) - sigma^2 / 2), rounded, clipped to [lo, hi]."""
+    if dist.dist == "fixed":
+        return np.full(n, int(dist.mean), dtype=np.int64)
+    if dist.dist == "uniform":
+        return rng.integers(dist.lo, dist.hi + 1, n)
+    sigma2 = math.log1p(dist.cv ** 2)
+    values = rng.lognormal(math.log(dist.mean) - sigma2 / 2, math.sqrt(sigma2), n)
+    return np.clip(np.rint(values), dist.lo, dist.hi).astype(np.int64)
+
+
+def make_requests(w) -> List[Request]:
+    """The requests of ``w`` (a serving :class:`~kvbench.config.WorkloadConfig`), by arrival."""
+    if w.arrival == "trace":
+        return read_trace(w.trace, w.prefix_len)
+    rng = np.random.default_rng(w.seed)
+    if w.num_requests is not None:
+        times = np.cumsum(inter_arrivals(rng, w.num_requests, w.rate, w.burstiness))
+    else:  # draw gaps in batches until the duration is passed
+        chunks, end = [], 0.0
+        while end <= w.duration_s and sum(len(c) for c in chunks) < MAX_DRAWN:
+            gaps = inter_arrivals(rng, max(16, int(w.rate * w.duration_s)), w.rate, w.burstiness)
+            chunks.append(end + np.cumsum(gaps))
+            end = chunks[-1][-1]
+        times = np.concatenate(chunks)
+        times = times[times <= w.duration_s]
+        if not len(times):
+            raise ConfigError(f"workload.duration_s={w.duration_s}: no request arrives in it at "
+                              f"workload.rate={w.rate}; use a longer duration or a higher rate")
+    n = len(times)
+    prompt = draw_lengths(rng, n, w.prompt)
+    output = draw_lengths(rng, n, w.output)
+    prefixed = (rng.random(n) < w.prefix_fraction) if w.prefix_len > 0 else np.zeros(n, dtype=bool)
+    groups = rng.integers(0, w.prefix_groups, n)
+    return [Request(i, float(times[i]), int(prompt[i]) + (w.prefix_len if prefixed[i] else 0), int(output[i]),
+                    int(groups[i]) if prefixed[i] else None, w.prefix_len if prefixed[i] else 0)
+            for i in range(n)]
+
+
+def request_tokens(request: Request, vocab_size: int, seed: int) -> List[int]:
+    """The prompt's token ids: the prefix of ``prefix_id`` (the same for every request of that id),
+    then the request's own tokens, each drawn from (seed, id): the same in every variant."""
+    own = np.random.default_rng([seed, 0, request.id]).integers(0, vocab_size, request.prompt_len - request.prefix_len)
+    if request.prefix_id is None:
+        return own.tolist()
+    prefix = np.random.default_rng([seed, 1, request.prefix_id]).integers(0, vocab_size, request.prefix_len)
+    return prefix.tolist() + own.tolist()
+
+
+# ---- trace files ---------------------------------------------------------------------------
+
+_COLUMNS = ("arrival_s", "prompt_len", "output_len")
+
+
+def read_trace(path: str, default_prefix_len: int = 0) -> List[Request]:
+    """A trace file as requests: JSONL (one object a line) or CSV with a header row, columns
+    ``arrival_s, prompt_len, output_len`` and optionally ``prefix_id`` and ``prefix_len``
+    (default ``workload.prefix_len``); arrivals in non-decreasing order. Every problem is one
+    :class:`ConfigError` naming ``workload.trace``, the file and the row."""
+    key = f"workload.trace={path!r}"
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{key}: no such file")
+    size = p.stat().st_size
+    if size > MAX_TRACE_BYTES:
+        raise ConfigError(f"{key}: {size:,} bytes, more than the {MAX_TRACE_BYTES:,} a trace may have")
+    with open(p, "rb") as f:
+        raw = f.read(MAX_TRACE_BYTES + 1)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{key}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    rows = _jsonl_rows(text, key) if text.lstrip().startswith("{") else _csv_rows(text, key)
+    if not rows:
+        raise ConfigError(f"{key}: holds no requests")
+    out, last = [], -math.inf
+    for i, (line, row) in enumerate(rows):
+        r = _request(i, row, default_prefix_len, f"{key}: line {line}")
+        if r.arrival_s < last:
+            raise ConfigError(f"{key}: line {line}: arrival_s={r.arrival_s} is before the previous row's "
+                              f"{last}; sort the trace by arrival")
+        last = r.arrival_s
+        out.append(r)
+    return out
+
+
+def _jsonl_rows(text: str, key: str) -> List[tuple]:
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{key}: line {n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{key}: line {n}: a JSON object is expected, got {type(row).__name__}")
+        rows.append((n, row))
+        if len(rows) > MAX_TRACE_ROWS:
+            raise ConfigError(f"{key}: more than {MAX_TRACE_ROWS:,} requests")
+    return rows
+
+
+def _csv_rows(text: str, key: str) -> List[tuple]:
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ConfigError(f"{key}: the header lacks {', '.join(missing)} (columns: {', '.join(_COLUMNS)}"
+                          ", optional prefix_id, prefix_len)")
+    rows = []
+    for row in reader:
+        rows.append((reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}))
+        if len(rows) > MAX_TRACE_ROWS:
+            raise ConfigError(f"{key}: more than {MAX_TRACE_ROWS:,} requests")
+    return rows
+
+
+def _number(row: dict, name: str, where: str, kind, least, optional: bool = False):
+    if name not in row:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: no {name}")
+    value = row[name]
+    try:
+        number = kind(float(value)) if kind is float else int(str(value))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {name}={value!r} is not a{'n integer' if kind is int else ' number'}") from None
+    if kind is float and not math.isfinite(number):
+        raise ConfigError(f"{where}: {name}={value!r} must be finite")
+    if number < least:
+        raise ConfigError(f"{where}: {name}={value!r} must be >= {least}")
+    return number
+
+
+def _request(i: int, row: dict, default_prefix_len: int, where: str) -> Request:
+    arrival = _number(row, "arrival_s", where, float, 0)
+    prompt = _number(row, "prompt_len", where, int, 1)
+    output = _number(row, "output_len", where, int, 1)
+    prefix_id: Optional[int] = _number(row, "prefix_id", where, int, 0, optional=True)
+    prefix_len = _number(row, "prefix_len", where, int, 0, optional=True)
+    if prefix_id is None:
+        return Request(i, arrival, prompt, output)
+    prefix_len = default_prefix_len if prefix_len is None else prefix_len
+    if prefix_len > prompt:
+        raise ConfigError(f"{where}: prefix_len={prefix_len} is longer than prompt_len={prompt}")
+    return Request(i, arrival, prompt, output, prefix_id, prefix_len)

@@ -1,0 +1,139 @@
+"""``workload=serving``'s part of the config: the arrival process, the length distributions, the
+shared prefix and the KV store the scheduler serves them from. :class:`WorkloadConfig` holds the
+fields (``workload.rate`` ...); :func:`check_serving` checks them where they enter, one line
+naming the key and the value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvbench.config_errors import check, check_choice, check_numbers
+
+ARRIVALS = ("poisson", "gamma", "trace")
+LENGTH_DISTS = ("fixed", "uniform", "lognormal")
+STORES = ("paged", "slots")
+
+
+@dataclass
+class LengthConfig:
+    """A length distribution (tokens). ``fixed``: always ``mean``; ``uniform``: an integer in
+    [lo, hi]; ``lognormal``: mean ``mean`` and coefficient of variation ``cv`` (std / mean),
+    rounded and clipped to [lo, hi]."""
+
+    dist: str = "fixed"  # fixed | uniform | lognormal
+    mean: float = 128.0  # fixed: the length; lognormal: the mean before clipping
+    cv: float = 0.5  # lognormal: std / mean
+    lo: int = 1  # uniform: the least length; lognormal: clipped below here
+    hi: int = 512  # uniform: the largest length; lognormal: clipped above here
+
+    def check(self, key: str) -> None:
+        check_numbers(key, self)
+        check_choice(f"{key}.dist", self.dist, LENGTH_DISTS)
+        if self.dist == "fixed":
+            check(self.mean >= 1 and float(self.mean).is_integer(), f"{key}.mean", self.mean,
+                  "dist=fixed: must be a whole number of tokens >= 1")
+            return
+        check(self.lo >= 1, f"{key}.lo", self.lo, "must be >= 1")
+        check(self.hi >= self.lo, f"{key}.hi", self.hi, f"must be >= {key}.lo={self.lo}")
+        if self.dist == "lognormal":
+            check(self.lo <= self.mean <= self.hi, f"{key}.mean", self.mean,
+                  f"must be in [{key}.lo={self.lo}, {key}.hi={self.hi}]")
+            check(self.cv > 0, f"{key}.cv", self.cv, "must be > 0 (dist=fixed for no spread)")
+
+    @property
+    def max_len(self) -> int:
+        """The longest length this distribution gives."""
+        return int(self.mean) if self.dist == "fixed" else self.hi
+
+
+@dataclass
+class RateSearchConfig:
+    """``workload.search``: find the highest ``workload.rate`` whose run meets the SLO (``slo.*``,
+    judged on ``slo.stat``) by :func:`kvbench.serving.rate_search.max_rate_under_slo`: gallop by
+    ``growth`` from ``lo``, then bisect geometrically to within ``1 + rel_tol``, at most
+    ``max_probes`` runs. Every run serves the same requests, their gaps scaled to its rate."""
+
+    enabled: bool = False
+    lo: float = 0.5  # requests/s: the lowest rate tried
+    hi: float = 64.0  # requests/s: the highest rate tried
+    growth: float = 2.0  # each gallop step multiplies the rate by this
+    rel_tol: float = 0.1  # stop when the lowest failing rate / the highest passing one <= 1 + rel_tol
+    max_probes: int = 10  # serving runs at most
+    check_above: bool = True  # one run above the first failure (a pass there is reported as non-monotone)
+
+    def check(self) -> None:
+        check_numbers("workload.search", self)
+        check(self.lo > 0, "workload.search.lo", self.lo, "must be > 0 requests/s")
+        check(self.hi > self.lo, "workload.search.hi", self.hi, f"must be > workload.search.lo={self.lo}")
+        check(self.growth > 1, "workload.search.growth", self.growth, "must be > 1")
+        check(self.rel_tol > 0, "workload.search.rel_tol", self.rel_tol, "must be > 0")
+        check(self.max_probes >= 2, "workload.search.max_probes", self.max_probes, "must be >= 2")
+
+
+def check_serving(w) -> None:
+    """The serving fields of a :class:`kvbench.config.WorkloadConfig` (``w.name == "serving"``)."""
+    check_choice("workload.arrival", w.arrival, ARRIVALS)
+    check(w.rate > 0, "workload.rate", w.rate, "must be > 0 requests per second")
+    check(w.burstiness > 0, "workload.burstiness", w.burstiness, "must be > 0 (1 = Poisson, < 1 burstier)")
+    if w.arrival == "trace":
+        check(bool(w.trace), "workload.trace", w.trace, "workload.arrival=trace needs a trace file (JSONL or CSV)")
+    else:
+        check((w.num_requests is None) != (w.duration_s is None), "workload.num_requests", w.num_requests,
+              f"give exactly one of workload.num_requests and workload.duration_s (duration_s={w.duration_s})")
+        check(w.num_requests is None or w.num_requests >= 1, "workload.num_requests", w.num_requests,
+              "must be >= 1 or null")
+        check(w.duration_s is None or w.duration_s > 0, "workload.duration_s", w.duration_s, "must be > 0 or null")
+    w.prompt.check("workload.prompt")
+    w.output.check("workload.output")
+    check(w.prefix_len >= 0, "workload.prefix_len", w.prefix_len, "must be >= 0")
+    check(0 <= w.prefix_fraction <= 1, "workload.prefix_fraction", w.prefix_fraction, "must be in [0, 1]")
+    check(w.prefix_groups >= 1, "workload.prefix_groups", w.prefix_groups, "must be >= 1")
+    check_choice("workload.store", w.store, STORES)
+    check(w.kv_budget_mb is None or w.kv_budget_mb > 0, "workload.kv_budget_mb", w.kv_budget_mb, "must be > 0 or null")
+    check(w.kv_budget_blocks is None or w.kv_budget_blocks >= 1, "workload.kv_budget_blocks",
+          w.kv_budget_blocks, "must be >= 1 or null")
+    check((w.kv_budget_mb is None) != (w.kv_budget_blocks is None), "workload.kv_budget_mb", w.kv_budget_mb,
+          f"give exactly one of workload.kv_budget_mb and workload.kv_budget_blocks (kv_budget_blocks="
+          f"{w.kv_budget_blocks}); for a budget in blocks set workload.kv_budget_mb=null")
+    check(w.max_prefill_tokens >= 1, "workload.max_prefill_tokens", w.max_prefill_tokens, "must be >= 1")
+    check(w.max_running >= 1, "workload.max_running", w.max_running, "must be >= 1")
+    check(w.slot_len is None or w.slot_len >= 2, "workload.slot_len", w.slot_len, "must be >= 2 or null")
+    check(w.seed >= 0, "workload.seed", w.seed, "must be >= 0")
+    w.search.check()
+    check(not (w.search.enabled and w.arrival == "trace"), "workload.search.enabled", w.search.enabled,
+          "a rate search draws arrivals at each rate; workload.arrival=trace has its own times")
+
+
+def check_serving_run(cfg) -> None:
+    """Cross-group rules of a serving run (a :class:`kvbench.config.BenchConfig`, its attention
+    resolved): a rate search needs a latency target; the stores hold every position (no window)
+    in the compute dtype; the forwards are eager."""
+    w = cfg.workload
+    check(not w.search.enabled or any(v is not None for v in (cfg.slo.ttft_ms, cfg.slo.tpot_ms, cfg.slo.e2e_ms)),
+          "workload.search.enabled", w.search.enabled, "the rate search needs an SLO: set slo.ttft_ms, "
+          "slo.tpot_ms and/or slo.e2e_ms (or slo=llama2_70b_server)")
+    check(cfg.slo.tpot_x_batch1 is None, "slo.tpot_x_batch1", cfg.slo.tpot_x_batch1,
+          "workload=serving judges TPOT against slo.tpot_ms (a multiple of the batch-1 step is task=capacity's)")
+    check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
+          "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
+    check(not cfg.attention.window, "attention.window", cfg.attention.window,
+          "workload=serving's KV stores keep every position of every layer; a sliding window is not supported "
+          "there (use attention.window=0)")
+    check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
+          "workload=serving runs eager forwards (the batch's shapes change every iteration); use runtime.compile=false")
+
+
+def serving_total_len(w) -> int:
+    """The longest request the distributions give (prefix + prompt + output positions); a trace's
+    lengths are checked when it is read (0 here)."""
+    if w.arrival == "trace":
+        return 0
+    return w.prefix_len + w.prompt.max_len + w.output.max_len
+
+
+def kv_budget_note(kv_budget_mb: Optional[float], kv_budget_blocks: Optional[int]) -> str:
+    """The budget as the config gave it, for error lines."""
+    if kv_budget_blocks is not None:
+        return f"workload.kv_budget_blocks={kv_budget_blocks}"
+    return f"workload.kv_budget_mb={kv_budget_mb}"

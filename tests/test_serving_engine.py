@@ -1,0 +1,211 @@
+"""The serving engine against independent references: every request's tokens equal an isolated
+greedy decode of it alone (kvbench.generate.greedy_generate on a static cache), for paged and
+slot stores, with prefix sharing and with preemptions forced by a small budget, for MHA, GQA, MQA
+and MLA; the store never exceeds its budget and its bytes equal the KV formula every iteration;
+no request starves; a scripted clock gives the exact timeline the rules imply."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_decoder, tiny_model_config
+
+from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.config_errors import ConfigError
+from kvbench.generate import greedy_generate
+from kvbench.model import Decoder
+from kvbench.model_config import AttentionConfig
+from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model
+from kvbench.serving.scheduler import FakeClock, Scheduler
+from kvbench.serving.trace import Request
+
+BS = 4  # tokens per block
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def mla_decoder() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(tiny_model_config(), AttentionConfig(type="mla", kv_lora_rank=16, qk_rope_head_dim=4,
+                                                        qk_nope_head_dim=8, v_head_dim=8)).eval()
+
+
+def workload(vocab, n=10, seed=0, prefix=0):
+    """``n`` requests 5 ms apart with random lengths; with ``prefix``, all share that many tokens."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, prefix).tolist()
+    requests, prompts = [], []
+    for i in range(n):
+        own = int(rng.integers(2, 20))
+        requests.append(Request(i, 0.005 * i, prefix + own, int(rng.integers(1, 12)), 0 if prefix else None, prefix))
+        prompts.append(shared + rng.integers(0, vocab, own).tolist())
+    return requests, prompts
+
+
+def isolated(model, request, prompt):
+    """What the request alone gives: prefill then output_len - 1 greedy steps on a static cache."""
+    cache = cache_for(model, "static", 1, request.prompt_len + request.output_len)
+    prompt = torch.tensor([prompt], device=model.device)
+    return greedy_generate(model, prompt, request.output_len - 1, cache).tokens[0].tolist()
+
+
+def run(model, store, requests, prompts, observe=None, **kw):
+    kw.setdefault("max_prefill_tokens", 8)
+    scheduler = Scheduler(model, store, requests, prompts, clock=FakeClock(0.01, 1e-4, 1e-3), observe=observe, **kw)
+    return scheduler, scheduler.run()
+
+
+MODELS = {"mha": lambda: make_decoder(8), "gqa": lambda: make_decoder(2), "mqa": lambda: make_decoder(1),
+          "mla": mla_decoder}
+
+
+@pytest.mark.parametrize("layout", list(MODELS))
+@pytest.mark.parametrize("store", ["paged", "paged_small", "prefix_small", "slots"])
+def test_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout, store):
+    model = MODELS[layout]()
+    requests, prompts = workload(model.config.vocab_size, prefix=9 if store.startswith("prefix") else 0)
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
+    if store == "slots":
+        s = SlotStore(model, 3, longest)
+    else:
+        blocks = -(-longest // BS) + (1 if store.endswith("small") else 40)  # small: the largest fits, little else
+        s = PagedStore(model, blocks, BS, prefix_caching=store.startswith("prefix"))
+    scheduler, timeline = run(model, s, requests, prompts)
+    outputs = scheduler.outputs()
+    for r, p in zip(requests, prompts):
+        assert outputs[r.id] == isolated(model, r, p), r
+    preemptions = sum(t.preemptions for t in timeline.traces)
+    assert (preemptions > 0) == store.endswith("small")  # the small budget did force recomputes
+    hits = sum(t.prefix_hit_tokens for t in timeline.traces)
+    assert (hits > 0) == store.startswith("prefix")
+    assert all(t.finished and len(t.token_s) == t.request.output_len for t in timeline.traces)
+
+
+def held_positions(scheduler):
+    """Distinct (block, offset) positions the running sequences' tables hold (shared ones once)."""
+    bs, out = scheduler.store.block_size, set()
+    for s in scheduler.running:
+        out |= {(s.blocks.table[p // bs], p % bs) for p in range(s.blocks.length)}
+    return len(out)
+
+
+@pytest.mark.parametrize("layout", ["mha", "mqa", "mla"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_budget_holds_and_block_accounting_is_the_formula_every_iteration(layout, prefix_caching):
+    model = MODELS[layout]()
+    heads, width, latent = model.kv_dims()
+    per_token = kv_cache_bytes(model.config.num_layers, heads, width, 1, 1, 4, latent=latent)
+    requests, prompts = workload(model.config.vocab_size, n=12, prefix=8 if prefix_caching else 0)
+    store = PagedStore(model, 12, BS, prefix_caching)
+    # storage allocated = the formula for blocks x block_size positions
+    assert store.nbytes == kv_cache_bytes(model.config.num_layers, heads, width, 12 * BS, 1, 4, latent=latent)
+    assert bytes_per_token(model) == per_token
+    seen = []
+
+    def observe(sch):
+        st = sch.store
+        tables = [s.blocks.table for s in sch.running]
+        in_use = {b for t in tables for b in t}
+        assert len(in_use) == st.used_blocks <= st.num_blocks  # never over the budget
+        assert st.bytes_used == st.used_blocks * BS * per_token <= st.num_blocks * BS * per_token
+        for s in sch.running:  # a sequence holds exactly ceil(length / block_size) blocks
+            assert len(s.blocks.table) == -(-s.blocks.length // BS)
+        assert st.bytes_needed == held_positions(sch) * per_token
+        if not prefix_caching:  # nothing shared: the formula per sequence, waste < block_size each
+            lengths = [s.blocks.length for s in sch.running]
+            assert st.bytes_needed == sum(kv_cache_bytes(model.config.num_layers, heads, width, n, 1, 4,
+                                                         latent=latent) for n in lengths)
+            assert all(-(-n // BS) * BS - n < BS for n in lengths)
+        assert st.bytes_used - st.bytes_needed <= len(sch.running) * (BS - 1) * per_token
+        seen.append(sch.samples[-1])
+
+    scheduler, timeline = run(model, store, requests, prompts, observe=observe)
+    assert len(seen) == scheduler.iterations == len(timeline.samples)
+    assert max(s.kv_blocks_used for s in timeline.samples) == 12  # the budget was reached
+    assert timeline.bytes_per_token == per_token and timeline.kv_blocks_total == 12
+    assert store.used_blocks == 0 and all(r == 0 for r in store.ref)  # all freed at completion
+
+
+def test_no_request_starves_when_the_budget_holds_only_the_largest():
+    model = make_decoder(2)
+    requests, prompts = workload(model.config.vocab_size, n=16, seed=4)
+    need = max(-(-(r.prompt_len + r.output_len - 1) // BS) for r in requests)
+    scheduler, timeline = run(model, PagedStore(model, need, BS, False), requests, prompts, max_prefill_tokens=3)
+    assert all(t.finished for t in timeline.traces)
+    assert sum(t.preemptions for t in timeline.traces) > 0
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p)
+
+
+def test_a_scripted_clock_gives_the_timeline_the_rules_imply():
+    """A: prompt 12 in chunks of 5 (3 iterations), 3 tokens; B arrives at 0.025, prompt 4, 2 tokens.
+    Every iteration costs 10 ms: it 1-3 prefill A (first token at 0.03, B arrives during it 3),
+    it 4 decodes A and prefills B (4 of the 5 tokens' budget), it 5 decodes both."""
+    model = make_decoder(8)
+    requests = [Request(0, 0.0, 12, 3), Request(1, 0.025, 4, 2)]
+    prompts = [list(range(12)), list(range(4))]
+    scheduler = Scheduler(model, PagedStore(model, 16, BS), requests, prompts, max_prefill_tokens=5,
+                          clock=FakeClock(step_s=0.01))
+    timeline = scheduler.run()
+    a, b = timeline.traces
+    assert a.scheduled_s == 0.0 and a.token_s == pytest.approx([0.03, 0.04, 0.05])
+    assert b.scheduled_s == pytest.approx(0.03) and b.token_s == pytest.approx([0.04, 0.05])
+    assert timeline.duration_s == pytest.approx(0.05)
+    assert [(s.running, s.waiting) for s in timeline.samples] == [(1, 0), (1, 0), (1, 0), (2, 0), (2, 0)]
+    assert [s.t_s for s in timeline.samples] == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+
+
+def test_prefix_hits_are_full_blocks_of_the_prompt_but_its_last_token():
+    model = make_decoder(8)
+    shared = list(range(10))  # 2 full blocks of 4 and 2 tokens
+    requests = [Request(0, 0.0, 13, 2, 0, 10), Request(1, 1.0, 12, 2, 0, 10), Request(2, 2.0, 8, 2, 0, 8)]
+    prompts = [shared + [50, 51, 52], shared + [60, 61], shared[:8]]
+    scheduler = Scheduler(model, PagedStore(model, 16, BS), requests, prompts, clock=FakeClock(0.01))
+    a, b, c = scheduler.run().traces
+    assert (a.prefix_hit_tokens, a.prefix_query_tokens) == (0, 13)
+    assert (b.prefix_hit_tokens, b.prefix_query_tokens) == (8, 12)  # blocks 0-1; the 2 tokens after differ
+    assert (c.prefix_hit_tokens, c.prefix_query_tokens) == (4, 8)  # 8 tokens: at most 7 looked up, 1 block
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p)
+
+
+def test_a_slot_store_admits_only_as_many_requests_as_it_has_slots():
+    model = make_decoder(1)
+    requests, prompts = workload(model.config.vocab_size, n=8)
+    slot = max(r.prompt_len + r.output_len - 1 for r in requests)
+    store = SlotStore(model, 2, slot)
+    assert store.nbytes == kv_cache_bytes(2, 1, 8, 2 * slot, 1, 4)
+    running = []
+    scheduler, timeline = run(model, store, requests, prompts, observe=lambda s: running.append(len(s.running)))
+    assert max(running) == 2 and sum(t.preemptions for t in timeline.traces) == 0
+    assert timeline.store == "slots" and timeline.block_size == slot
+
+
+def test_what_the_stores_do_not_hold_is_refused_in_one_line():
+    torch.manual_seed(0)
+    windowed = Decoder(tiny_model_config(), AttentionConfig(type="gqa", num_kv_heads=2, window=4)).eval()
+    with pytest.raises(ConfigError, match=r"^attention.window=4: workload=serving"):
+        check_model(windowed)
+    with pytest.raises(ConfigError, match=r"^cache.dtype='int8'"):
+        check_model(make_decoder(2), "int8")
+    model = make_decoder(2)
+    with pytest.raises(ValueError, match="request 0 needs 3 blocks, the store has 2"):
+        Scheduler(model, PagedStore(model, 2, BS), [Request(0, 0.0, 8, 4)], [list(range(8))])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_on_cuda_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout):
+    """The gather, the writes and the masks on the GPU: preempted and prefix-shared requests alike."""
+    model = MODELS[layout]().cuda()
+    requests, prompts = workload(model.config.vocab_size, prefix=9)
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
+    scheduler, timeline = run(model, PagedStore(model, -(-longest // BS) + 1, BS, True), requests, prompts)
+    assert sum(t.preemptions for t in timeline.traces) > 0 and sum(t.prefix_hit_tokens for t in timeline.traces) > 0
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p)

@@ -1,0 +1,152 @@
+"""``workload=serving`` composed as the CLI composes it and run in-process on the tiny model: the
+record holds the whole timeline (requests, token times, samples), its metrics are those of the
+timeline rebuilt from the record, the store's bytes are the formula's, and bad values are one
+line naming the key before any work."""
+
+import json
+
+import pytest
+import torch
+from conftest import compose
+
+from kvbench.cache import kv_cache_bytes
+from kvbench.config import to_bench_config
+from kvbench.config_errors import ConfigError
+from kvbench.jobs.runner import run_job
+from kvbench.results import read_record
+from kvbench.serving.metrics import timeline_metrics
+from kvbench.serving.record import timeline_from_record
+from kvbench.workloads.serving import build_store, requests_and_prompts
+
+SMALL = ["workload=serving", "model=tiny", "model.max_seq_len=256", "workload.num_requests=10", "workload.rate=50",
+         "workload.prompt.mean=24", "workload.prompt.lo=8", "workload.prompt.hi=48", "workload.output.lo=2",
+         "workload.output.hi=8", "runtime.isolate=false", "wandb=disabled", "runtime.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def paged_record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serving")
+    # 0.05 MB: 3 blocks of 16 tokens for tiny's 1 KB per token
+    cfg = compose(*SMALL, "workload.kv_budget_mb=0.05", "slo.ttft_ms=1000", "slo.tpot_ms=500")
+    torch.set_num_threads(1)
+    run_job(cfg, out)
+    return read_record(out / "results.json"), to_bench_config(cfg)
+
+
+def test_a_serving_job_records_its_timeline_and_the_metrics_of_it(paged_record):
+    record, cfg = paged_record
+    assert record.status == "ok", record.error
+    m = record.metrics
+    rows = record.tables["serving_requests"]
+    assert len(rows) == m["requests"] == m["requests_finished"] == 10
+    assert all(r["output_tokens"] == r["output_len"] for r in rows)
+    assert len(record.tables["serving_tokens"]) == sum(r["output_len"] for r in rows) == m["output_tokens"]
+    assert len(record.tables["serving_samples"]) == m["iterations"] == m["samples"]
+    assert m["kv_store"] == "paged" and m["block_size"] == 16 and m["kv_blocks_total"] == 3
+    assert m["kv_bytes_per_token"] == kv_cache_bytes(2, 8, 8, 1, 1, 4)  # tiny: MHA-8, head_dim 8, float32
+    assert m["kv_store_bytes"] == m["kv_store_bytes_formula"] == 3 * 16 * m["kv_bytes_per_token"]
+    assert m["kv_budget_bytes"] == 50_000
+    assert m["preemptions"] == sum(r["preemptions"] for r in rows)  # how many: the wall clock's (engine tests)
+    assert m["block_waste_within_bound"] is True
+    assert record.config["workload"]["kv_budget_mb"] == 0.05 and record.config["cache"]["block_size"] == 16
+    assert record.config["slo"]["ttft_ms"] == 1000  # kept: goodput is judged by it
+    assert "batch_size" not in record.config["workload"]  # the decode keys mean nothing here
+    # the record alone gives back the timeline, and the timeline the record's metrics
+    timeline = timeline_from_record(record.tables, m)
+    again = json.loads(json.dumps(timeline_metrics(timeline, cfg.slo, intervals=False), default=str))
+    for key, value in again.items():
+        if "_ci_" not in key:
+            assert m[key] == value or m[key] == pytest.approx(value), key
+    assert record.series["serving_kv_blocks_used"] == [s["kv_blocks_used"] for s in record.tables["serving_samples"]]
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_other_layouts_serve_through_the_config(tmp_path, attention):
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.2", f"attention={attention}"), tmp_path)
+    assert record.status == "ok", record.error
+    m = record.metrics
+    heads, width, latent = to_bench_config(compose(*SMALL, f"attention={attention}")).attention.kv_dims(
+        to_bench_config(compose(*SMALL)).model)
+    assert m["kv_bytes_per_token"] == kv_cache_bytes(2, heads, width, 1, 1, 4, latent=latent)
+    assert m["requests_finished"] == 10 and m["kv_store_bytes"] == m["kv_store_bytes_formula"]
+
+
+def test_the_same_seed_gives_every_variant_the_same_requests():
+    a = requests_and_prompts(to_bench_config(compose(*SMALL, "workload.kv_budget_mb=1", "attention=mqa")))
+    b = requests_and_prompts(to_bench_config(compose(*SMALL, "workload.kv_budget_mb=1", "attention=mha")))
+    assert a == b
+
+
+def test_a_slot_store_from_a_trace_file(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_len,output_len,prefix_id\n0,20,4,0\n0.01,30,3,0\n0.02,10,5,\n")
+    cfg = compose(*SMALL, "workload.arrival=trace", f"workload.trace={trace}", "workload.prefix_len=16",
+                  "workload.store=slots", "workload.kv_budget_mb=null", "workload.kv_budget_blocks=2")
+    record = run_job(cfg, tmp_path / "run")
+    assert record.status == "ok", record.error
+    assert record.metrics["kv_store"] == "slots" and record.metrics["block_size"] == 32  # 30 + 3 - 1 positions
+    assert [r["prefix_len"] for r in record.tables["serving_requests"]] == [16, 16, 0]
+    assert record.metrics["requests_finished"] == 3 and record.metrics["running_max"] <= 2
+
+
+@pytest.mark.parametrize("override, key", [
+    ("workload.kv_budget_mb=0.01", "workload.kv_budget_mb=0.01: holds 0 blocks of 16 tokens"),
+    ("workload.kv_budget_blocks=2", "workload.kv_budget_blocks=2: holds 2 blocks of 16 tokens"),
+])
+def test_a_budget_too_small_for_one_request_is_one_line_naming_the_key(override, key):
+    cfg = compose(*SMALL, override) if "blocks" not in override else compose(*SMALL, "workload.kv_budget_mb=null",
+                                                                             override)
+    bench = to_bench_config(cfg)
+    requests, _ = requests_and_prompts(bench)
+    from kvbench.tasks.common import build_model
+
+    with pytest.raises(ConfigError) as err:
+        build_store(build_model(bench, torch.device("cpu")), bench.workload, bench.cache.block_size, requests)
+    assert str(err.value).startswith(key) and "needs" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_job_records_the_refusal_as_invalid(tmp_path):
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.01"), tmp_path)
+    assert record.status == "invalid" and record.error.startswith("workload.kv_budget_mb=0.01")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("workload.rate=0", "workload.rate=0"), ("workload.arrival=closed", "workload.arrival='closed'"),
+    ("workload.prompt.dist=zipf", "workload.prompt.dist='zipf'"), ("cache.block_size=0", "cache.block_size=0"),
+    ("workload.kv_budget_blocks=4", "workload.kv_budget_mb=64"), ("workload.prompt.hi=4096", "workload.prompt="),
+    ("workload.max_prefill_tokens=0", "workload.max_prefill_tokens=0"), ("cache.dtype=int8", "cache.dtype='int8'"),
+    ("attention.window=16", "attention.window=16: workload=serving"),
+    ("runtime.compile=graph", "runtime.compile='graph'"),
+])
+def test_bad_serving_values_are_refused_before_work(override, key):
+    with pytest.raises(ConfigError) as err:
+        to_bench_config(compose("workload=serving", "model=tiny", override))
+    assert str(err.value).startswith(key), str(err.value)
+
+
+@pytest.mark.parametrize("ttft_ms, probes", [(1e6, [50.0, 100.0, 200.0]), (1e-6, [50.0])])
+def test_a_rate_search_records_its_curve_and_the_run_at_its_answer(tmp_path, ttft_ms, probes):
+    """Targets nothing can miss (the SLO never binds: every rate up to hi measured, the answer at
+    least hi) or nothing can meet (the lowest rate fails): the search's outcome whatever the clock."""
+    cfg = compose(*SMALL, "workload.num_requests=6", "workload.kv_budget_mb=1", "workload.search.enabled=true",
+                  "workload.search.lo=50", "workload.search.hi=200", f"slo.ttft_ms={ttft_ms}")
+    record = run_job(cfg, tmp_path)
+    assert record.status == "ok", record.error
+    m, curve = record.metrics, record.tables["serving_rate_curve"]
+    assert [row["rate"] for row in curve] == probes and m["max_rate_probes"] == len(probes)
+    assert m["max_rate_under_slo"] is None and m["max_rate_under_slo_reason"]
+    if ttft_ms > 1:
+        assert all(row["ok"] for row in curve) and m["max_rate_at_least"] == 200.0 and m["timeline_rate"] == 200.0
+    else:
+        assert m["max_rate_failed_at"] == 50.0 and "ttft_ms" in m["max_rate_bound"] and m["timeline_rate"] == 50.0
+    # the recorded timeline is the run at timeline_rate: its arrivals are the seed's at that rate
+    requests, _ = requests_and_prompts(to_bench_config(cfg), m["timeline_rate"])
+    assert [r["arrival_s"] for r in record.tables["serving_requests"]] == [r.arrival_s for r in requests]
+    at_base, _ = requests_and_prompts(to_bench_config(cfg))
+    scale = to_bench_config(cfg).workload.rate / m["timeline_rate"]  # the same gaps, scaled
+    assert [r.arrival_s for r in requests] == pytest.approx([r.arrival_s * scale for r in at_base])
+
+
+def test_a_rate_search_needs_an_slo():
+    with pytest.raises(ConfigError, match=r"^workload.search.enabled=True: the rate search needs an SLO"):
+        to_bench_config(compose(*SMALL, "workload.kv_budget_mb=1", "workload.search.enabled=true"))
