@@ -302,14 +302,21 @@ class Decoder(nn.Module):
         self.config, self.attention = model, attention
         self.num_kv_heads = attention.num_kv_heads
         self.layer_windows = attention.layer_windows(model.num_layers)  # per layer: W, or None (global)
-        self.embed = nn.Embedding(model.vocab_size, model.d_model)
+        # On the meta device (parameter counts, footprints, checkpoint loads) a tensor holds no values:
+        # nothing is initialised or computed there (normal_ or arange on meta loads torch._dynamo, ~1.3 s of CPU).
+        meta = torch.empty(0).is_meta
+        self.embed = nn.Embedding(model.vocab_size, model.d_model,
+                                  _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
         self.blocks = nn.ModuleList(Block(model, self.num_kv_heads, i, w, attention)
                                     for i, w in enumerate(self.layer_windows))
         self.norm = RMSNorm(model.d_model, model.norm_eps)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         # MLA rotates only its qk_rope_head_dim and reads the mask unfolded (its heads are not groups)
         self.rope_dim = attention.qk_rope_head_dim if attention.latent else model.head_dim
-        cos, sin = rope_tables(model, self.rope_dim)
+        if meta:  # rope_tables' shapes and dtype, no values
+            cos, sin = (torch.empty(model.max_seq_len, self.rope_dim, dtype=torch.float32) for _ in range(2))
+        else:
+            cos, sin = rope_tables(model, self.rope_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

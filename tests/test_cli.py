@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LiveKvbench, compose, llama_dir
+from conftest import LiveKvbench, compose, kvbench_forked, llama_dir
 from omegaconf import OmegaConf, open_dict
 
 from kvbench.cache import kv_cache_bytes
@@ -108,11 +108,56 @@ def test_single_run_writes_results_matching_formula(tmp_path):
     assert "results:" in proc.stdout and "tok/s" in proc.stdout
 
 
+# The bad-input commands below, each as its own `python -m kvbench.cli` process in its own directory.
+BAD_INPUT = [
+    # Hydra cannot compose these: one line before any job, no record
+    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mla, model, mqa)",
+     False),
+    (["attention=null"], "attention=null: Config group override must be a string", False),  # once a traceback
+    (["workload.prompt_len=["], "workload.prompt_len=[: ", False),
+    # typed per job: an invalid record, and the same one line
+    (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'", True),
+    (["model=llama_dir"], "model.path=???: a value is required", True),  # once: exit 0, a random model
+]
+MINE = ("name: mine\nnum_layers: 3\nd_model: 96\nnum_heads: 12\npreset_kv_heads: 12\nffn_dim: 64\nvocab_size: 50\n"
+        "max_seq_len: 128\n")
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The short commands of this file's tests (config errors, --help, task=inspect), run once in
+    one interpreter that forks a process per command (conftest.kvbench_forked): name -> (the
+    finished process, its working directory)."""
+    def fresh(name):  # a plain directory name (a "=" or "[" in hydra.run.dir would be Hydra syntax)
+        return tmp_path_factory.mktemp(re.sub(r"[^a-z]+", "_", name))
+
+    wanted = {}
+    cwd = fresh("bad value")
+    wanted["bad value"] = ([*TINY, "attention=gqa", "attention.num_kv_heads=3", f"hydra.run.dir={cwd / 'bad'}"], cwd)
+    for args, _, _ in BAD_INPUT:
+        cwd = fresh(args[0])
+        wanted[f"bad input {args[0]}"] = ([*TINY, *args, f"hydra.run.dir={cwd / 'run'}"], cwd)
+    cwd = fresh("help")
+    (cwd / "myconf" / "model").mkdir(parents=True)
+    (cwd / "myconf" / "model" / "mine.yaml").write_text(MINE)
+    wanted["help"] = (["--help"], cwd)
+    wanted["help mine"] = (["--config-dir", str(cwd / "myconf"), "model=mine", "task=inspect", "workload.prompt_len=8",
+                            "workload.gen_len=8"], cwd)
+    wanted["help cfg job"] = (["--cfg", "job", "model=llama_dir", "runtime.threads=1"], cwd)
+    cwd = fresh("renamed override")
+    wanted["renamed override"] = (["model.num_kv_heads=4", "task=inspect"], cwd)
+    cwd = fresh("renamed yaml")
+    (cwd / "model").mkdir()
+    (cwd / "model" / "old.yaml").write_text("name: old\nnum_heads: 8\nnum_kv_heads: 2\n")
+    wanted["renamed yaml"] = (["--config-dir", str(cwd), "model=old", "task=inspect"], cwd)
+    done = kvbench_forked(wanted.values())
+    return {name: (proc, cwd) for (name, (_, cwd)), proc in zip(wanted.items(), done)}
+
+
 @pytest.mark.e2e
-def test_single_run_with_bad_value_exits_with_one_line(tmp_path):
+def test_single_run_with_bad_value_exits_with_one_line(commands):
+    proc, tmp_path = commands["bad value"]
     out = tmp_path / "bad"
-    proc = kvbench(*TINY, "attention=gqa", "attention.num_kv_heads=3", f"hydra.run.dir={out}",
-                   cwd=tmp_path, check=False)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()  # one line, as the README says, and nothing else
     assert "attention.num_kv_heads=3" in line and "model.num_heads=8" in line and str(out) in line
@@ -133,20 +178,11 @@ def test_multirun_records_invalid_and_finishes(tmp_path):
     assert "2 ok, 1 invalid" in proc.stdout
 
 
-@pytest.mark.parametrize("args, needle, recorded", [
-    # Hydra cannot compose these: one line before any job, no record
-    (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mla, model, mqa)",
-     False),
-    (["attention=null"], "attention=null: Config group override must be a string", False),  # once a traceback
-    (["workload.prompt_len=["], "workload.prompt_len=[: ", False),
-    # typed per job: an invalid record, and the same one line
-    (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'", True),
-    (["model=llama_dir"], "model.path=???: a value is required", True),  # once: exit 0, a random model
-])
+@pytest.mark.parametrize("args, needle, recorded", BAD_INPUT)
 @pytest.mark.e2e
-def test_bad_input_exits_2_with_one_line_naming_it(tmp_path, args, needle, recorded):
+def test_bad_input_exits_2_with_one_line_naming_it(commands, args, needle, recorded):
+    proc, tmp_path = commands[f"bad input {args[0]}"]
     out = tmp_path / "run"
-    proc = kvbench(*TINY, *args, f"hydra.run.dir={out}", cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("kvbench: invalid config: ") and needle in line, line
@@ -169,48 +205,33 @@ def test_a_bad_value_in_a_sweep_is_that_jobs_invalid_record(tmp_path):
     assert "1 ok, 2 invalid" in proc.stdout
 
 
-@pytest.mark.e2e
-def test_inspect_prints_group_map_and_seed_arithmetic(tmp_path):
-    proc = kvbench("task=inspect", "model=llama2_7b", "attention=mha", "workload.prompt_len=4000",
-                   "workload.gen_len=96", "workload.batch_size=64", cwd=tmp_path)
-    out = proc.stdout
-    assert ("elements per layer (K+V): per token 8,192 · per sequence (4096) 33,554,432 ≈ 33.6 M · "
-            "per batch (x64) 2,147,483,648 ≈ 2.15 G") in out
-    # 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB per token; x 4096 x 64 in float16
-    assert f"{2 * 32 * 32 * 128 * 4096 * 64 * 2:,}" in out
-    # cache.dtype=int8: 1-byte codes + a 4-byte scale per (sequence, head, position), K and V
-    assert "int8 " in out and f"{2 * 32 * 32 * (128 + 4) * 4096 * 64:,}" in out
-    assert "query head 31 → KV head 31" in out and not list(tmp_path.iterdir())[1:]
+# task=inspect's group map and KV arithmetic (2 * 32 * 32 * 128 * 4096 * 64 * 2 bytes ...) end to end:
+# tests/test_readme.py::test_inspect_prints_the_numbers_the_readme_quotes runs the README's same command.
 
 
 @pytest.mark.e2e
-def test_help_lists_groups_and_user_config_dir(tmp_path):
-    help_text = kvbench("--help", cwd=tmp_path).stdout
+def test_help_lists_groups_and_user_config_dir(commands):
+    def ok(name):
+        proc, _ = commands[name]
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    help_text = ok("help").stdout
     for group in ("model", "attention", "workload", "cache", "runtime", "wandb", "experiment"):
         assert f"{group}:" in help_text
-    mine = tmp_path / "myconf" / "model"
-    mine.mkdir(parents=True)
-    (mine / "mine.yaml").write_text("name: mine\nnum_layers: 3\nd_model: 96\nnum_heads: 12\n"
-                                    "preset_kv_heads: 12\nffn_dim: 64\nvocab_size: 50\nmax_seq_len: 128\n")
-    out = kvbench("--config-dir", str(tmp_path / "myconf"), "model=mine", "task=inspect",
-                  "workload.prompt_len=8", "workload.gen_len=8", cwd=tmp_path).stdout
+    out = ok("help mine").stdout
     assert "model mine: 3 layers" in out and "12 query heads" in out and "12 KV heads" in out  # its own layout
     # --cfg job: what the YAML files and the command line set (plain values; typed per job)
-    job = kvbench("--cfg", "job", "model=llama_dir", "runtime.threads=1", cwd=tmp_path).stdout
+    job = ok("help cfg job").stdout
     assert "name: llama_dir" in job and "path: ???" in job and "threads: 1" in job and "max_bytes: 4000000" in job
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("where", ["override", "yaml"])
-def test_the_renamed_preset_kv_heads_key_fails_with_a_one_line_hint(tmp_path, where):
+def test_the_renamed_preset_kv_heads_key_fails_with_a_one_line_hint(commands, where):
     """model.num_kv_heads became model.preset_kv_heads: the old spelling, on the command line or
     in a user's own model file, exits 2 with one line naming the new key."""
-    if where == "override":
-        proc = kvbench("model.num_kv_heads=4", "task=inspect", cwd=tmp_path, check=False)
-    else:
-        (tmp_path / "model").mkdir()
-        (tmp_path / "model" / "old.yaml").write_text("name: old\nnum_heads: 8\nnum_kv_heads: 2\n")
-        proc = kvbench("--config-dir", str(tmp_path), "model=old", "task=inspect", cwd=tmp_path, check=False)
+    proc, _ = commands[f"renamed {where}"]
     assert proc.returncode == 2, proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert "model.num_kv_heads" in line and "model.preset_kv_heads" in line and "attention.num_kv_heads" in line

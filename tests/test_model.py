@@ -122,3 +122,24 @@ def test_sequence_longer_than_max_seq_len_rejected():
     model = make_decoder(8)
     with pytest.raises(ValueError, match="max_seq_len=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mla"])
+def test_a_decoder_on_the_meta_device_has_the_cpu_decoders_tensors(kind):
+    """On the meta device nothing is initialised or computed (that would load torch._dynamo): the
+    parameters and buffers still have the names, shapes and dtypes of the same decoder on the CPU."""
+    from conftest import tiny_model_config
+
+    from kvbench.model import Decoder
+    from kvbench.model_config import AttentionConfig
+
+    cfg = tiny_model_config()
+    attention = {"mha": AttentionConfig.for_heads(8, 8), "gqa": AttentionConfig.for_heads(8, 2),
+                 "mla": AttentionConfig(type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                        v_head_dim=8)}[kind]
+    cpu = Decoder(cfg, attention)
+    with torch.device("meta"):
+        meta = Decoder(cfg, attention)
+    shapes = lambda m: {n: (tuple(t.shape), t.dtype) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    assert shapes(meta) == shapes(cpu) and all(t.is_meta for t in meta.state_dict().values())
+    assert meta.num_params() == cpu.num_params()

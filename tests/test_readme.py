@@ -111,9 +111,7 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         TRAIN_MHA: Step(TRAIN),
         "kvbench task=eval attention=mha train.checkpoint=outputs/<date>/<time>/checkpoint.pt": Step(SMALL_TEXT),
         "kvbench task=train model=train_small data.path=/path/to/text": Step(TRAIN),
-    },
-    "uptraining": {  # the same MHA training first: its checkpoint is the one the README uptrains
-        TRAIN_MHA: Step(TRAIN),
+        # the README uptrains the MHA checkpoint, the chain's first (a later training's is not taken)
         "kvbench -m task=train model=train_small attention=gqa,mqa "
         "train.init_from=outputs/<date>/<time>/checkpoint.pt train.steps=0,100": Step(
             [*TRAIN[1:], "hydra.sweep.dir=multirun/uptrain"], {"train.steps=0,100": "train.steps=0,2"}),
@@ -375,6 +373,16 @@ def test_inspect_prints_the_numbers_the_readme_quotes(ran):
     # and they are the article's arithmetic: 32 heads x 128 dims x 2, x 4096 positions, x 64
     per_token = 32 * 128 * 2
     assert all(f"{n:,}" in quoted for n in (per_token, per_token * 4096, per_token * 4096 * 64))
+    assert ("elements per layer (K+V): per token 8,192 · per sequence (4096) 33,554,432 ≈ 33.6 M · "
+            "per batch (x64) 2,147,483,648 ≈ 2.15 G") in out
+    # 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB per token; x 4096 x 64 in float16
+    assert f"{2 * 32 * 32 * 128 * 4096 * 64 * 2:,}" in out
+    # cache.dtype=int8: 1-byte codes + a 4-byte scale per (sequence, head, position), K and V
+    assert "int8 " in out and f"{2 * 32 * 32 * (128 + 4) * 4096 * 64:,}" in out
+    assert "query head 31 → KV head 31" in out
+    # inspect measures nothing: the user's directory holds Hydra's outputs/ and no record
+    _, _, cwd = ran["kvbench task=inspect model=llama2_7b"]
+    assert [p.name for p in cwd.iterdir()] == ["outputs"] and not list(cwd.rglob("results.json"))
 
 
 @chain("slurm")
@@ -386,7 +394,8 @@ def test_a_slurm_sweep_without_slurm_is_one_line(ran):
 
 
 @chain("training")
-def test_training_prints_its_checkpoint_and_progress_and_eval_records_what_it_measured(ran):
+def test_training_prints_its_checkpoint_and_progress_eval_records_it_and_uptraining_converts_it(ran):
+    """One training of the README's MHA model serves its eval and its uptraining to GQA and MQA."""
     trained = result(ran, "kvbench task=train model=train_small attention=mha runtime.threads=1")
     checkpoint = Path(re.search(r"^checkpoint: (.+)$", trained.stdout, re.M).group(1))
     assert checkpoint.is_file()
@@ -400,11 +409,9 @@ def test_training_prints_its_checkpoint_and_progress_and_eval_records_what_it_me
     assert evaluated["metrics"]["val_loss"] == pytest.approx(train_rec["metrics"]["val_loss"], rel=1e-5)
     rec = written(result(ran, "kvbench task=train model=train_small data.path=/path/to/text"))
     assert rec["status"] == "ok" and rec["config"]["data"]["path"].endswith("text")
-
-
-@chain("uptraining")
-def test_uptraining_converts_the_mha_checkpoint(ran):
+    # the uptraining of the same chain: from the first (MHA) training's checkpoint
     command = next(c for c in RUN if "train.init_from" in c)
+    assert f"train.init_from={checkpoint}" in ran[command][1]
     result(ran, command)
     recs = {(r["config"]["attention"]["type"], r["config"]["train"]["steps"]): r
             for r in records(ran[command][2] / "multirun" / "uptrain")}

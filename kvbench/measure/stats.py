@@ -32,9 +32,11 @@ import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from scipy import stats as sps
 
 from kvbench.metrics import Metric, record_methods
+
+# scipy.stats is imported by the functions that use it (~0.9 s of CPU at import): a kvbench process that
+# computes no interval (task=inspect, a config error, the parent of an isolated job) never pays for it.
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 2000
@@ -116,6 +118,7 @@ def bootstrap_ci(samples: Sequence[float], statistic: Callable = np.median) -> I
     """Percentile-bootstrap interval of ``statistic`` over independent samples (trials); ``(None,
     None)`` with fewer than :func:`min_interval_samples` samples (the rule above); a constant
     sample gives a zero-width interval."""
+    from scipy import stats as sps
     x = _array(samples)
     if x.size < max(2, min_interval_samples(0.5)):
         return None, None
@@ -175,6 +178,7 @@ def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str,
     slope per 1,000 positions of context) with the slope's interval, by Theil-Sen; None where
     fewer than 3 distinct context lengths were measured; the interval null (``ci_reason``) with
     fewer than :func:`min_interval_samples` points."""
+    from scipy import stats as sps
     x, y = _array(context), _array(step_ms)
     out: Dict[str, Optional[float]] = {"at_ctx0_ms": None, "us_per_1k_ctx": None, "us_per_1k_ctx_ci_low": None,
                                        "us_per_1k_ctx_ci_high": None, "n": int(x.size), "ci_reason": None}
@@ -196,6 +200,7 @@ def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str,
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
     """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval; no interval
     with fewer rounds than :func:`min_interval_samples`, or when it is :func:`degenerate`."""
+    from scipy import stats as sps
     x, y = _array(a), _array(b)
     if x.size != y.size or x.size == 0:
         raise ValueError(f"paired samples must have the same, non-zero length: {x.size} vs {y.size}")
@@ -228,6 +233,7 @@ def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.in
     """Student t-interval of the mean of ``samples`` (independent seeds), clipped to ``bounds``
     (an accuracy's [0, 1]); ``(None, None)`` below :data:`MIN_SEEDS`; equal samples give a
     zero-width interval."""
+    from scipy import stats as sps
     x = _array(samples)
     if x.size < MIN_SEEDS:
         return None, None
@@ -239,6 +245,7 @@ def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.in
 def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
     """``mean(b) - mean(a)`` and its Welch t-interval; the interval is None with fewer than
     :data:`MIN_SEEDS` samples on either side, and zero-width when both sides are constant."""
+    from scipy import stats as sps
     x, y = _array(a), _array(b)
     diff = float(y.mean() - x.mean())
     if min(x.size, y.size) < MIN_SEEDS:
