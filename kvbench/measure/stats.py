@@ -261,6 +261,8 @@ def proportion_interval(k: int, n: int) -> Interval:
     (1 of 1 gives [0.025, 1]), never narrower than the count allows; ``(None, None)`` for n = 0."""
     if n < 1:
         return None, None
+    from scipy import stats as sps  # imported where used: ~0.9 s a process that needs none
+
     ci = sps.binomtest(k, n).proportion_ci(CONFIDENCE, method="exact")
     return float(ci.low), float(ci.high)
 
