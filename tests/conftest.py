@@ -1,6 +1,7 @@
 import multiprocessing.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +16,14 @@ from omegaconf import DictConfig
 from kvbench.config import register_configs
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig
+
+# A shell starts a background job (`pytest ... &`, nohup, some CI runners) with SIGINT ignored, and
+# an ignored signal stays ignored across exec: every kvbench a test starts would then ignore the
+# Ctrl-C the test sends it, and the Ctrl-C tests would wait for a process that never stops. The
+# suite runs kvbench as a person at a terminal would, with SIGINT delivered: caught here, so
+# each child starts with the default disposition (and Python's KeyboardInterrupt).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()
