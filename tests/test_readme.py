@@ -165,7 +165,7 @@ NOT_RUN = {
                                  "trains and scores the task on a tiny model (composed and validated below)",
     "kvbench experiment=recall recall.kind=passkey recall.seeds=3": "the same preset on passkey (minutes; "
                                                                     "composed and validated below)",
-    "kvbench experiment=recall recall.uptrain_steps=100 hydra.sweeper.params.attention=gqa,mqa":
+    "kvbench experiment=recall recall.uptrain_steps=100 attention=gqa,mqa":
         "the converted variants' recall (minutes); tests/quality/test_recall.py runs the uptraining path",
     "kvbench experiment=recall_gpu": "sized for a GPU (composed and validated below)",
     "kvbench-report <sweep dir>": "a placeholder for the recall sweep's directory; the demo sweep's report runs here",

@@ -270,6 +270,15 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     assert [r[0] for r in rows[2:]] == ["chance", "KV / token", "decode p50 ms"] and rows[3][1:3] == ["512 B", "128 B"]
 
 
+def test_a_gap_interval_stays_within_the_points_a_difference_of_accuracies_can_take():
+    from kvbench.sinks.recall import gap_text
+    base, other = [1.0, 1.0, 0.99], [0.06, 0.14, 0.04]  # the committed passkey run's window at distance 8
+    ci = sps.ttest_ind(other, base, equal_var=False).confidence_interval(0.95)
+    assert ci.low < -1  # the t-interval alone leaves the range
+    diff = sum(other) / 3 - sum(base) / 3
+    assert gap_text(base, other) == f"{100 * diff:+.1f} pts [-100.0, {100 * min(ci.high, 1):+.1f}]*"
+
+
 def test_records_of_one_variant_on_other_seeds_pool_into_one_column():
     from kvbench.sinks.recall import groups, recall_table
     whole = [_record(("mha", 4), {4: [1.0, 0.9, 0.95]}), _record(("mqa", 1), {4: [0.5, 0.7, 0.6]})]
