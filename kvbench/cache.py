@@ -188,9 +188,8 @@ class StaticKVCache(KVCache):
         B, T = k.shape[0], k.shape[2]
         stores = [(self.k_store, k)] + ([] if v is None else [(self.v_store, v)])  # a latent ring: one store
         if T == 1:
-            slot = torch.tensor([start_pos % W], device=k.device)
-            for store, new in stores:
-                store.write_slots(layer, slot, new)
+            for store, new in stores:  # one position: a slice write, no index tensor on the decode step
+                store.write(layer, start_pos % W, new)
             self._written(layer, end)
             held = min(end, W)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
             out = [store.read(layer, B, held) for store, _ in stores]
