@@ -14,8 +14,9 @@ from the fields.
 
 Units are data: a record written since schema 2 keeps each declared metric's unit in ``units``
 (from the :class:`kvbench.metrics.Metric` registry of the job's task); :meth:`RecordView.unit`
-reads it there. A schema-1 record kept the unit only as the head of its ``methods`` line
-(``"ms; median ..."``): :func:`v1_units` reads that format once, for old records only.
+reads it there. A schema-1 record kept the unit only inside the prose of its ``methods`` line: its
+units come from :data:`kvbench.units_v1.V1_UNITS` (the closed set of names schema 1 could hold), by
+name, never out of the text.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.metrics import matches
 from kvbench.model_config import ATTENTION_TYPES, attention_type, local_global_layers, variant_label
+from kvbench.units_v1 import V1_UNITS
 
 # What a Variant's fields are read from in a record's config.
 VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
@@ -168,12 +170,15 @@ def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str
 # ---- a record ------------------------------------------------------------------------------------
 
 def v1_units(methods: Mapping[str, Any]) -> Dict[str, str]:
-    """name -> unit of a schema-1 record, whose only copy of a unit is the head of its ``methods``
-    line (``Metric.text``: ``"ms; median decode step"``; a line without ``"; "`` has no unit)."""
+    """name -> unit of each metric a schema-1 record's ``methods`` declares, from
+    :data:`~kvbench.units_v1.V1_UNITS` (by name, or by pattern: ``<v>_step_ms_ctx<C>``); a name
+    kvbench never declared has no unit."""
     out = {}
-    for name, text in methods.items():
-        unit, sep, _ = text.partition("; ") if isinstance(text, str) else ("", "", "")
-        if sep and len(unit) <= 40:  # a unit is a word or two, never a sentence
+    for name in methods:
+        unit = V1_UNITS.get(name)
+        if unit is None:
+            unit = next((u for pattern, u in V1_UNITS.items() if "<" in pattern and matches(pattern, name)), None)
+        if unit is not None:
             out[name] = unit
     return out
 

@@ -2,7 +2,9 @@
 variant's label, the order the tables list them in, the units of its metrics; an old-schema
 record read the same way; a record with missing keys read with clear absent values."""
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from kvbench.metrics import matches
 from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult
 from kvbench.tasks.common import variant_label
+from kvbench.units_v1 import V1_UNITS
 from kvbench.views import RecordView, Variant, ordered, v1_units
 
 
@@ -96,16 +99,50 @@ def test_units_come_from_the_record_including_patterns():
     assert matches("<v>_step_ms_ctx<C>", "gqa_kv2_step_ms_ctx4096") and not matches("<v>_step_ms_ctx<C>", "step_ms")
 
 
-def test_an_old_schema_record_is_read_with_its_units_from_its_methods():
+def test_an_old_schema_record_is_read_with_its_units_by_name_not_from_its_text():
     old = {"status": "ok", "config": {"task": "bench", "attention": {"type": "gqa", "num_kv_heads": 2},
                                       "workload": {"name": "decode"}},
-           "metrics": {"decode_ms_p50": 1.0, "timing_method": "perf_counter"},
-           "methods": {"decode_ms_p50": "ms; median decode step", "timing_method": "text; how it was timed",
-                       "noisy": "a note; without a unit this line would be a sentence of its own and not a unit"}}
+           "metrics": {"decode_ms_p50": 1.0, "timing_method": "perf_counter", "made_up_ms": 2.0},
+           # the text is deliberately wrong: the unit comes from the name, never from the line
+           "methods": {"decode_ms_p50": "s; median decode step", "timing_method": "text; how it was timed",
+                       "mqa_kv1_step_ms_ctx1024": "a line", "made_up_ms": "ms; a metric kvbench never declared"}}
     view = RecordView(old)
     assert view.schema_version == 1 and view.variant.label == "gqa kv=2"
     assert view.unit("decode_ms_p50") == "ms" and view.unit("timing_method") == "text"
-    assert v1_units({"x": "a method sentence with no unit at all"}) == {}
+    assert view.unit("mqa_kv1_step_ms_ctx1024") == "ms"  # a pattern's name
+    assert view.unit("made_up_ms") is None
+    assert v1_units({"x": "ms; a method"}) == {}
+
+
+TASKS = [("bench", "decode"), ("bench", "multiturn"), ("bench", "serving"), ("train", "decode"),
+         ("eval", "decode"), ("capacity", "decode"), ("compare", "decode"), ("recall", "decode")]
+
+
+@pytest.mark.parametrize("task,workload", TASKS)
+def test_the_schema_1_units_agree_with_the_registry(task, workload):
+    from kvbench.jobs.runner import task_metrics
+
+    declared = task_metrics(task, workload)
+    assert {n: V1_UNITS[n] for n in declared if n in V1_UNITS} == {n: m.unit for n, m in declared.items()
+                                                                     if n in V1_UNITS}
+
+
+def test_every_committed_schema_1_record_gets_the_units_its_methods_lines_name():
+    """The committed old records as the reference: the head of each methods line (``"ms; ..."``)
+    is the unit the record was written with; the view's unit, by name, must equal it."""
+    root = Path(__file__).resolve().parents[1] / "experiments" / "results"
+    checked = 0
+    for path in sorted(root.rglob("results.json")):
+        rec = json.loads(path.read_text())
+        if rec.get("schema_version", 1) >= 2:
+            continue
+        view = RecordView(rec)
+        for name, text in rec.get("methods", {}).items():
+            head, sep, _ = text.partition("; ")
+            if sep and len(head) <= 40:
+                assert view.unit(name) == head, (path, name)
+                checked += 1
+    assert checked > 100
 
 
 def test_a_runresult_reads_through_the_view_too():
