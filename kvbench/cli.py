@@ -1,6 +1,7 @@
-"""Entry points: ``kvbench`` (Hydra), ``kvbench-report`` and ``kvbench-dashboard``. With
-:mod:`kvbench.cli_job` (one Hydra job) and :mod:`kvbench.cli_sweep` (the sweep around its jobs) it wires
-the Hydra app to the jobs layer (kvbench/jobs/) and the sinks; nothing imports them back.
+"""The entry point ``kvbench`` (Hydra). With :mod:`kvbench.cli_job` (one Hydra job) and
+:mod:`kvbench.cli_sweep` (the sweep around its jobs) it wires the Hydra app to the jobs layer
+(kvbench/jobs/) and the sinks; nothing imports them back. ``kvbench-report`` and
+``kvbench-dashboard`` are :mod:`kvbench.cli_tools`, which reads records and never imports torch.
 
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key),
 or a command line Hydra cannot compose (an unknown group option, bad override syntax);
@@ -11,25 +12,21 @@ data and exits 1 when a job of this sweep errored, was interrupted or has no rea
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cli_job import hydra_job
 from kvbench.cli_sweep import SweepRefused, sweep_end
+from kvbench.cli_tools import os_error_line
 from kvbench.config import CONF_DIR, register_configs, schema_defaults
 from kvbench.config_errors import config_error_line, is_composition_error, one_line
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.results import RESULTS_FILE
 from kvbench.sinks.console import stderr
-from kvbench.sinks.dashboard import PublishError, publish, write_dashboard
-from kvbench.sinks.report import collect, write_report
 
 register_configs()
 
@@ -57,7 +54,7 @@ def main() -> None:
         if isinstance(exc, OSError) and not full_error and not is_composition_error(exc):
             # outside any job: an output directory that cannot be made, say (Hydra's missing
             # config option is an OSError too, and a composition error: below)
-            stderr.print(f"kvbench: {one_line(_os_error_line(exc))}", markup=False, soft_wrap=True)
+            stderr.print(f"kvbench: {one_line(os_error_line(exc))}", markup=False, soft_wrap=True)
             if OUTCOME.sweep is not None:
                 sweep_end(OUTCOME.sweep)
             sys.exit(EXIT_CODES["error"])
@@ -86,82 +83,6 @@ def _top_level_names() -> list:
     """The config groups (conf/ folders) and top-level keys a command line may name."""
     groups = [p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))]
     return sorted(set(groups) | set(OmegaConf.to_container(schema_defaults()).keys()))
-
-
-def _os_error_line(exc: OSError) -> str:
-    """``cannot write PATH: reason`` for an OSError that names its file, its text otherwise."""
-    if exc.filename is not None:
-        return f"cannot write {exc.filename}: {exc.strerror or exc}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0 (``nan``, ``inf`` and ``0`` are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of seconds > 0")
-    return value
-
-
-def report_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console script ``kvbench-report DIR [--out OUT]``."""
-    parser = argparse.ArgumentParser(
-        prog="kvbench-report",
-        description="Summarise a kvbench run or sweep directory: summary.csv, summary.md and PNG plots.")
-    parser.add_argument("dir", help="a run directory (outputs/...) or a sweep (multirun/<date>/<time>)")
-    parser.add_argument("--out", help="where to write the report (default: DIR)")
-    parser.add_argument("--no-plots", action="store_true", help="only summary.csv and summary.md")
-    args = parser.parse_args(argv)
-    try:
-        report = write_report(args.dir, args.out, plots=not args.no_plots)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"kvbench-report: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # --out read-only, a file in the way, a full disk
-        print(f"kvbench-report: {one_line(_os_error_line(exc))}", file=sys.stderr)
-        return 1
-    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    print(f"{len(report.records)} jobs ({counts}) under {report.root}")
-    for path in report.files:
-        print(f"  {path}")
-    for name, why in report.skipped_plots.items():
-        print(f"  ({name}.png not drawn: {why})")
-    return 0
-
-
-def dashboard_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console script ``kvbench-dashboard DIR``: rebuild the sweep's W&B workspace from its
-    records (``workspace.json``, ``workspace.md``) and create it on W&B."""
-    parser = argparse.ArgumentParser(
-        prog="kvbench-dashboard",
-        description="Build the W&B workspace of a kvbench sweep from its records and save it to W&B "
-                    "(upload the runs first: wandb sync DIR/*/wandb/offline-run-*).")
-    parser.add_argument("dir", help="a sweep directory (multirun/<date>/<time>)")
-    parser.add_argument("--entity", help="W&B entity (default: the runs' wandb.entity, else your default entity)")
-    parser.add_argument("--no-publish", action="store_true", help="only write workspace.json and workspace.md")
-    parser.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for W&B (default 30)")
-    args = parser.parse_args(argv)
-    try:
-        records = collect(args.dir)
-        if not records:
-            raise ValueError(f"no {RESULTS_FILE} under {args.dir}")
-        board = write_dashboard(args.dir, records, entity=args.entity)
-    except (OSError, ValueError) as exc:
-        print(f"kvbench-dashboard: {exc}", file=sys.stderr)
-        return 2
-    print(f"workspace: {board.files[-1]} ({len(board.panels())} panels; spec {board.files[0]})")
-    if args.no_publish:
-        return 0
-    try:
-        print(f"workspace: {publish(board, args.timeout)}")
-    except PublishError as exc:
-        print(f"kvbench-dashboard: not created on W&B: {exc} (the spec is in {board.files[0]}; "
-              "after `wandb login`, run this again)", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

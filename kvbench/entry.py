@@ -1,6 +1,7 @@
 """The console scripts' first module: it imports nothing heavy, so that Ctrl-C while Python
 imports torch, Hydra and the rest (seconds) is one line and exit 130, not a traceback. The
-scripts themselves are in :mod:`kvbench.cli`; a job's own process starts through :func:`child_main`.
+scripts themselves are in :mod:`kvbench.cli` and :mod:`kvbench.cli_tools`; a job's own process
+starts through :func:`child_main`.
 """
 
 import os
@@ -25,19 +26,19 @@ def main() -> None:
 def report_main() -> None:
     """Console script ``kvbench-report``."""
     try:
-        from kvbench import cli
+        from kvbench import cli_tools
     except KeyboardInterrupt:
         _interrupted("starting (nothing was written)")
-    sys.exit(cli.report_main())
+    sys.exit(cli_tools.report_main())
 
 
 def dashboard_main() -> None:
     """Console script ``kvbench-dashboard``."""
     try:
-        from kvbench import cli
+        from kvbench import cli_tools
     except KeyboardInterrupt:
         _interrupted("starting (nothing was written)")
-    code = cli.dashboard_main()
+    code = cli_tools.dashboard_main()
     # W&B's client keeps threads and its service process busy with a server that does not answer
     # (tens of seconds after the answer is printed); the spec is on disk, so nothing is left to do.
     sys.stdout.flush()

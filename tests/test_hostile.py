@@ -282,7 +282,7 @@ def test_ctrl_c_while_kvbench_starts_is_one_line_and_130(tmp_path):
 
 
 def test_report_to_an_unwritable_place_and_a_nan_timeout_are_one_line(tmp_path, capsys):
-    from kvbench.cli import dashboard_main, report_main
+    from kvbench.cli_tools import dashboard_main, report_main
 
     _record(tmp_path, "0", "a")
     (tmp_path / "afile").write_text("in the way")

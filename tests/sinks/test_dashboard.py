@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_tracking import leet, only_run_dir, wandb_env
 
-from kvbench.cli import dashboard_main
 from kvbench.cli_sweep import _dashboard
+from kvbench.cli_tools import dashboard_main
 from kvbench.results import RunResult, flatten, lookup
 from kvbench.sinks.dashboard import WORKSPACE_JSON, WORKSPACE_MD, build, publish_commands
 from kvbench.sinks.report import collect

@@ -17,7 +17,7 @@ from fake_sweep import BATCHES, GEN, PROMPTS, TURN_TTFT, VARIANTS, bench, build_
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from kvbench.cache import kv_cache_bytes
-from kvbench.cli import report_main as main
+from kvbench.cli_tools import report_main as main
 from kvbench.results import RunResult
 from kvbench.sinks.plots import (
     MHA_COLOUR,
