@@ -35,8 +35,9 @@ import numpy as np
 
 from kvbench.metrics import Metric, record_methods
 
-# scipy.stats is imported by the functions that use it (~0.9 s of CPU at import): a kvbench process that
-# computes no interval (task=inspect, a config error, the parent of an isolated job) never pays for it.
+# scipy.stats is imported by the functions that use it (~1 s of CPU at import), after their checks of n:
+# a kvbench process that computes no interval (task=inspect, a config error, the parent of an isolated job,
+# a job of fewer trials than an interval needs) never pays for it.
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 2000
@@ -118,12 +119,13 @@ def bootstrap_ci(samples: Sequence[float], statistic: Callable = np.median) -> I
     """Percentile-bootstrap interval of ``statistic`` over independent samples (trials); ``(None,
     None)`` with fewer than :func:`min_interval_samples` samples (the rule above); a constant
     sample gives a zero-width interval."""
-    from scipy import stats as sps
     x = _array(samples)
     if x.size < max(2, min_interval_samples(0.5)):
         return None, None
     if np.all(x == x[0]):
         return float(x[0]), float(x[0])
+    from scipy import stats as sps
+
     res = sps.bootstrap((x,), lambda a, axis: statistic(a, axis=axis), n_resamples=N_RESAMPLES,
                         confidence_level=CONFIDENCE, method="percentile", vectorized=True,
                         rng=np.random.default_rng(SEED))
@@ -178,12 +180,13 @@ def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str,
     slope per 1,000 positions of context) with the slope's interval, by Theil-Sen; None where
     fewer than 3 distinct context lengths were measured; the interval null (``ci_reason``) with
     fewer than :func:`min_interval_samples` points."""
-    from scipy import stats as sps
     x, y = _array(context), _array(step_ms)
     out: Dict[str, Optional[float]] = {"at_ctx0_ms": None, "us_per_1k_ctx": None, "us_per_1k_ctx_ci_low": None,
                                        "us_per_1k_ctx_ci_high": None, "n": int(x.size), "ci_reason": None}
     if np.unique(x).size < 3:
         return out
+    from scipy import stats as sps
+
     res = sps.theilslopes(y, x, alpha=CONFIDENCE)
     per_1k = 1e6  # ms per position -> µs per 1,000 positions
     out.update(at_ctx0_ms=float(res.intercept), us_per_1k_ctx=float(res.slope) * per_1k)
@@ -200,13 +203,13 @@ def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str,
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
     """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval; no interval
     with fewer rounds than :func:`min_interval_samples`, or when it is :func:`degenerate`."""
-    from scipy import stats as sps
     x, y = _array(a), _array(b)
     if x.size != y.size or x.size == 0:
         raise ValueError(f"paired samples must have the same, non-zero length: {x.size} vs {y.size}")
     ratio = float(np.median(y) / np.median(x))
     if interval_reason(int(x.size)) is not None or x.size < 2:
         return ratio, None, None
+    from scipy import stats as sps
 
     def stat(xa, yb, axis):
         return np.median(yb, axis=axis) / np.median(xa, axis=axis)
@@ -233,10 +236,11 @@ def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.in
     """Student t-interval of the mean of ``samples`` (independent seeds), clipped to ``bounds``
     (an accuracy's [0, 1]); ``(None, None)`` below :data:`MIN_SEEDS`; equal samples give a
     zero-width interval."""
-    from scipy import stats as sps
     x = _array(samples)
     if x.size < MIN_SEEDS:
         return None, None
+    from scipy import stats as sps
+
     half = float(sps.t.ppf(0.5 + CONFIDENCE / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
     mean = float(x.mean())
     return max(bounds[0], mean - half), min(bounds[1], mean + half)
@@ -245,13 +249,14 @@ def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.in
 def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
     """``mean(b) - mean(a)`` and its Welch t-interval; the interval is None with fewer than
     :data:`MIN_SEEDS` samples on either side, and zero-width when both sides are constant."""
-    from scipy import stats as sps
     x, y = _array(a), _array(b)
     diff = float(y.mean() - x.mean())
     if min(x.size, y.size) < MIN_SEEDS:
         return diff, None, None
     if x.std() == 0 and y.std() == 0:
         return diff, diff, diff
+    from scipy import stats as sps
+
     ci = sps.ttest_ind(y, x, equal_var=False).confidence_interval(CONFIDENCE)
     return diff, float(ci.low), float(ci.high)
 
@@ -261,7 +266,7 @@ def proportion_interval(k: int, n: int) -> Interval:
     (1 of 1 gives [0.025, 1]), never narrower than the count allows; ``(None, None)`` for n = 0."""
     if n < 1:
         return None, None
-    from scipy import stats as sps  # imported where used: ~0.9 s a process that needs none
+    from scipy import stats as sps
 
     ci = sps.binomtest(k, n).proportion_ci(CONFIDENCE, method="exact")
     return float(ci.low), float(ci.high)
