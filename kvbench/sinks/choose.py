@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.sinks.serving import max_rate_by_variant
-from kvbench.sinks.tables import Record, fmt, natural, ratio_text, swept_axes
+from kvbench.sinks.tables import VARIANT_KEYS, Record, fmt, natural, ratio_text, swept_axes
 from kvbench.views import RecordView
 
 # The rules each recommendation follows; quoted in docs/capacity.md.
@@ -34,7 +34,9 @@ RULES = {
                   "them, the memory-tight choice, with cache.shared=true when workload=multiturn bench jobs show it "
                   "lowering the mean TTFT of turns 2-N (else: not measured here)",
 }
-_NOT_CELL = ("attention.type", "attention.num_kv_heads", "task", "workload.name", "cache.shared")
+# What tells the rows of one table apart, not the tables: every field of a variant (heads, latent,
+# window and layer pattern, KV dtype), the kind of job and the shared cache.
+_NOT_CELL = (*VARIANT_KEYS, "task", "workload.name", "cache.shared")
 
 
 @dataclass

@@ -161,3 +161,17 @@ def test_recall_is_the_quality_column_when_recall_records_are_there():
     assert rows["mqa kv=1"]["recall accuracy [95%]"] == "0.500 [0.490, 0.510]"
     assert rows["gqa kv=2"]["recall accuracy [95%]"] == "-"  # no recall job of that variant
     assert "recall accuracy [95%]" not in choices(sweep())[0].header
+
+
+def test_mla_and_a_hybrid_are_rows_of_the_same_table_not_tables_of_their_own():
+    """A variant's latent rank and window are fields of the variant, not cells of the sweep: one
+    table lists all five layouts (before: one table per value of attention.window)."""
+    mla = capacity_record(3, "mla", 1, {128: 90, 256: 45}, {128: 90, 256: 45}, 288, 1.8)
+    mla["config"]["attention"]["kv_lora_rank"] = 32
+    hybrid = capacity_record(4, "gqa", 2, {128: 70, 256: 50}, {128: 70, 256: 50}, 448, 1.5)
+    hybrid["config"]["attention"].update(window=64, global_every=4)
+    (choice,) = choices([*sweep(), mla, hybrid])
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert list(rows) == ["mha kv=8", "gqa kv=2", "gqa kv=2 w=64 3:1", "mqa kv=1", "mla r=32"]
+    assert rows["mla r=32"]["max batch"] == "45" and rows["mla r=32"]["vs MHA"] == f"{288 / 4096:.3f}"
+    assert choice.cell == ""
