@@ -105,7 +105,8 @@ CHAINS: Dict[str, Dict[str, Step]] = {
                                            "capacity.max_batch=4", "workload.gen_len=2", "workload.system_len=16",
                                            "workload.user_len=4", "workload.reply_len=2", "runtime.isolate=false",
                                            "slo.tpot_x_batch1=null", "wandb=disabled",
-                                           "hydra.sweep.dir=multirun/choose"]),
+                                           # 3 of its 5 variants: MHA, and the two beyond the article's
+                                           "attention=mha,mla,choose/hybrid", "hydra.sweep.dir=multirun/choose"]),
     },
     "training": {
         TRAIN_MHA: Step(TRAIN),
@@ -484,6 +485,10 @@ def test_experiment_choose_prints_the_article_table_and_writes_its_plot(ran):
     assert all(r["status"] == "ok" and len(r["tables"]["capacity"]) == (2 if i % 3 == 0 else 1)
                for i, r in enumerate(recs))
     assert "multi-turn: concurrent conversations" in proc.stdout and "quality: KL vs MHA" in proc.stdout
+    # one article table whose rows are the variants, MLA and the hybrid among them
+    assert proc.stdout.count("which attention to deploy") == 1
+    assert [r["config"]["attention"]["type"] for r in recs[::3]] == ["mha", "mla", "gqa"]
+    assert recs[6]["config"]["attention"]["window"] == 64
     assert (sweep / "capacity_vs_context.png").is_file()
 
 

@@ -134,9 +134,11 @@ def recommend(rows: Dict[str, Dict[str, Any]], multiturn: Optional[str],
     if not ranked:
         return [("all", "no ok capacity job: nothing to recommend")]
     best = max(r["max_batch"] for _, r in ranked)
-    tight_label, tight = max(ranked, key=lambda item: (item[1]["max_batch"], item[1]["kv_heads"]))
+    # ties: more KV heads, then every layer seeing the whole context (a window sees less)
+    tight_label, tight = max(ranked, key=lambda item: (item[1]["max_batch"], item[1]["kv_heads"],
+                                                       item[1].get("full_context", True)))
     ample = [(label, r) for label, r in ranked if r["max_batch"] >= AMPLE_SHARE * best]
-    ample_label, ample_row = max(ample, key=lambda item: item[1]["kv_heads"])
+    ample_label, ample_row = max(ample, key=lambda item: (item[1]["kv_heads"], item[1].get("full_context", True)))
     lines = [
         ("memory ample", f"{ample_label}: the most KV heads with a max batch of {ample_row['max_batch']} "
                          f"(>= {AMPLE_SHARE:.0%} of the best, {best})"),
@@ -206,6 +208,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             continue
         longest = _longest(rec) or {}
         rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
+                       "full_context": not rec.variant.window, "beyond_heads": rec.variant.layout == "mla"
+                       or bool(rec.variant.window),
                        "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _max_batch(rec),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
@@ -255,6 +259,12 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(r["mha"] for r in rows.values()):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
+        beyond = [label for label, r in rows.items() if r["beyond_heads"]]
+        if beyond:
+            notes.append(f"memory ample counts KV heads, the article's stand-in for quality; it cannot rank "
+                         f"{', '.join(beyond)} (a latent is one head in the absorbed decode; a window sees only "
+                         "its last W positions): their quality is the recall column where this sweep has "
+                         "task=recall records (experiment=recall), and is not measured otherwise")
     chat_rows, chat_table = _chat_table(chat_records)
     return Choice(cell, header, table, recommend(rows, multiturn, chat_capacity(chat_rows)) if rows else [], notes,
                   CHAT_HEADER if chat_table else [], chat_table)

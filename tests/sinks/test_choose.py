@@ -175,3 +175,8 @@ def test_mla_and_a_hybrid_are_rows_of_the_same_table_not_tables_of_their_own():
     assert list(rows) == ["mha kv=8", "gqa kv=2", "gqa kv=2 w=64 3:1", "mqa kv=1", "mla r=32"]
     assert rows["mla r=32"]["max batch"] == "45" and rows["mla r=32"]["vs MHA"] == f"{288 / 4096:.3f}"
     assert choice.cell == ""
+    lines = dict(choice.recommendations)
+    # as many KV heads as the hybrid, and every layer sees the whole context: GQA is the ample choice
+    assert lines["memory ample"].startswith("gqa kv=2:") and lines["memory tight"].startswith("gqa kv=2 w=64 3:1:")
+    [note] = [n for n in choice.notes if n.startswith("memory ample counts KV heads")]
+    assert "gqa kv=2 w=64 3:1, mla r=32" in note
