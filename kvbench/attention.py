@@ -130,6 +130,15 @@ def latent_attention(q, k, v, mask, scale: float, prefix=None, causal: bool = Fa
     mask None or bool broadcasting to (B, H_k, M, P + S); ``causal`` (no prefix, M = S, no mask):
     SDPA's causal path. Returns (B, H_k, M, Dv)."""
     if prefix is None:
+        Dk, Dv = q.shape[-1], v.shape[-1]
+        if q.shape[-2] > 1 and Dk != Dv:
+            # SDPA's fused kernels (flash on CPU and CUDA) need one head width for q, k and v; with
+            # two it takes the math path, which holds the (M, S) scores of every head: at 256 tokens
+            # 4x the memory of a prefill, so MLA's capacity would be ours, not the layout's. Zero
+            # columns change no dot product and no output column (what vLLM does for MLA's prefill).
+            D = max(Dk, Dv)
+            q, k, v = (F.pad(t, (0, D - t.shape[-1])) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)[..., :Dv]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
     (k_p, v_p), (B, H_k, M, Dk), P = prefix, q.shape, prefix[0].shape[2]
     rows = q.transpose(0, 1).reshape(1, H_k, B * M, Dk)  # row b*M + m is sequence b's row m

@@ -108,3 +108,25 @@ def test_mqa_prefill_attention_costs_no_more_than_mha():
     finally:
         torch.set_num_threads(threads)
     assert best[1] <= 1.3 * best[8] and best[2] <= 1.3 * best[8], best
+
+
+@pytest.mark.parametrize("Dk,Dv", [(48, 32), (24, 40)])
+def test_a_latent_prefill_of_two_head_widths_takes_the_fused_kernel_and_equals_textbook_attention(Dk, Dv):
+    """MLA's expanded prefill has keys wider than values (DeepSeek: 192 and 128). SDPA's fused
+    kernels need one width, so without padding it fell back to the math path, which holds every
+    head's (T, S) scores (9.4 MB against 1.7 MB at 4 x 8 heads x 256 tokens: MLA's max batch in
+    experiment=choose was set by that). Forced to the flash kernel, it must run and agree."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kvbench.attention import latent_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 64, Dk), torch.randn(2, 4, 64, Dk), torch.randn(2, 4, 64, Dv)
+    scale = 0.37
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool).tril(), float("-inf"))
+    expected = (scores.softmax(-1) @ v.double()).float()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = latent_attention(q, k, v, None, scale, causal=True)
+    assert out.shape == (2, 4, 64, Dv)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
