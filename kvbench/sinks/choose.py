@@ -207,10 +207,16 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             notes.append(f"{label}: {rec.status} (job {rec.job})")
             continue
         longest = _longest(rec) or {}
+        kv_per_token = _m(rec, "kv_bytes_per_token")
+        positions = (longest.get("context") or 0) + (rec.get("workload.gen_len") or 0)
+        if rec.variant.window and isinstance(longest.get("kv_bytes_per_sequence"), (int, float)) and positions:
+            # a window's ring stops growing at W: its bytes per position depend on the context, so
+            # the row's are those of the longest context's sequence, as every other column's
+            kv_per_token = longest["kv_bytes_per_sequence"] / positions
         rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
                        "full_context": not rec.variant.window, "beyond_heads": rec.variant.layout == "mla"
                        or bool(rec.variant.window),
-                       "kv_per_token": _m(rec, "kv_bytes_per_token"), "max_batch": _max_batch(rec),
+                       "kv_per_token": kv_per_token, "max_batch": _max_batch(rec),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),
@@ -259,6 +265,10 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(r["mha"] for r in rows.values()):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
+        windowed = [label for label, r in rows.items() if not r["full_context"]]
+        if windowed:
+            notes.append(f"KV / token of {', '.join(windowed)}: its cache of one sequence at the longest context over "
+                         "that sequence's positions (a local layer's ring holds at most W of them)")
         beyond = [label for label, r in rows.items() if r["beyond_heads"]]
         if beyond:
             notes.append(f"memory ample counts KV heads, the article's stand-in for quality; it cannot rank "

@@ -168,12 +168,17 @@ def test_mla_and_a_hybrid_are_rows_of_the_same_table_not_tables_of_their_own():
     table lists all five layouts (before: one table per value of attention.window)."""
     mla = capacity_record(3, "mla", 1, {128: 90, 256: 45}, {128: 90, 256: 45}, 288, 1.8)
     mla["config"]["attention"]["kv_lora_rank"] = 32
-    hybrid = capacity_record(4, "gqa", 2, {128: 70, 256: 50}, {128: 70, 256: 50}, 448, 1.5)
+    hybrid = capacity_record(4, "gqa", 2, {128: 70, 256: 50}, {128: 70, 256: 50}, 1024, 1.5)
     hybrid["config"]["attention"].update(window=64, global_every=4)
+    # 8 layers of 128 B a position: 2 global hold all 256 + 8 positions, 6 local a ring of 64
+    hybrid["tables"]["capacity"][-1]["kv_bytes_per_sequence"] = (2 * 264 + 6 * 64) * 128
     (choice,) = choices([*sweep(), mla, hybrid])
     rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
     assert list(rows) == ["mha kv=8", "gqa kv=2", "gqa kv=2 w=64 3:1", "mqa kv=1", "mla r=32"]
     assert rows["mla r=32"]["max batch"] == "45" and rows["mla r=32"]["vs MHA"] == f"{288 / 4096:.3f}"
+    # the hybrid's bytes per position at 256 + 8 positions, not the full-context 1024 B
+    assert rows["gqa kv=2 w=64 3:1"]["vs MHA"] == f"{(2 * 264 + 6 * 64) * 128 / 264 / 4096:.3f}"
+    assert any(n.startswith("KV / token of gqa kv=2 w=64 3:1: its cache of one sequence") for n in choice.notes)
     assert choice.cell == ""
     lines = dict(choice.recommendations)
     # as many KV heads as the hybrid, and every layer sees the whole context: GQA is the ample choice
