@@ -8,16 +8,18 @@ Notation: B batch, P prompt length, N decode steps, V vocab.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.cache import KVCache, cache_for
-from kvbench.checkpoint import convert_kv_heads
+from kvbench.checkpoint import build_decoder, convert_kv_heads
 from kvbench.generate import decode_step, greedy_generate
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, mla_decode
+from kvbench.model_config import AttentionConfig
 
 # Units and methods of the metrics below (merged into a decode record's ``methods``).
 FIDELITY_METRICS: Dict[str, Metric] = metric_table(
@@ -57,7 +59,9 @@ KV_POOL_METRICS: Dict[str, Metric] = metric_table(
                        "mean-pooled to attention.num_kv_heads (checkpoint.convert_kv_heads, Ainslie et al. 2023), "
                        "mean over positions of KL(MHA || pooled) of the next-token distributions; one forward pass "
                        "each over 2 sequences of runtime.seed random tokens (the longest context searched, at most "
-                       "256); 0 for MHA. Randomly initialised heads are uncorrelated, so pooling them loses more "
+                       "256); with attention.window, the pooled model's local layers also see only their last W "
+                       "positions (the same weights, masked: a hybrid is scored as itself); 0 for MHA. Randomly "
+                       "initialised heads are uncorrelated, so pooling them loses more "
                        "than pooling a trained model's"),
     Metric("kv_pool_top1_agreement", "fraction",
            "positions of the same passes where the mean-pooled model and MHA agree "
@@ -175,10 +179,17 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
 
 
 @torch.inference_mode()
-def kv_pool_fidelity(reference: Decoder, num_kv_heads: int, tokens: torch.Tensor) -> Dict[str, float]:
+def kv_pool_fidelity(reference: Decoder, num_kv_heads: int, tokens: torch.Tensor,
+                     attention: Optional[AttentionConfig] = None) -> Dict[str, float]:
     """How far mean-pooling ``reference``'s K/V heads to ``num_kv_heads`` moves its outputs on
-    ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement."""
+    ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement. With an
+    ``attention`` that has a window, the pooled model's local layers see only their last W
+    positions too (a window is only a mask on the same weights), so a hybrid is scored as itself,
+    not as its head count."""
     pooled = convert_kv_heads(reference, num_kv_heads)
+    if attention is not None and attention.window:
+        pooled = build_decoder(pooled.config, replace(attention, num_kv_heads=num_kv_heads), pooled.state_dict(),
+                               device=pooled.device).eval()
     log_p = F.log_softmax(reference(tokens).float(), dim=-1)  # (B, T, V)
     log_q = F.log_softmax(pooled(tokens).float(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()

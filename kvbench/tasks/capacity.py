@@ -427,4 +427,4 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
         length = min(max(contexts(cfg)), 256)
         tokens = torch.randint(0, cfg.model.vocab_size, (2, length),
                                generator=torch.Generator().manual_seed(cfg.runtime.seed)).to(device)
-        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens))
+        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens, cfg.attention))

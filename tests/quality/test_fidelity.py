@@ -144,3 +144,26 @@ def test_kv_pool_fidelity_against_an_independent_recompute():
         assert got["kv_pool_kl_nats"] == pytest.approx(rel_entr(p, q).sum(-1).mean(), rel=1e-3, abs=1e-6)
         assert got["kv_pool_top1_agreement"] == pytest.approx((p.argmax(-1) == q.argmax(-1)).mean())
         assert got["kv_pool_kl_nats"] > 0
+
+
+def test_kv_pool_fidelity_of_a_hybrid_scores_the_window_too():
+    """A hybrid local/global variant is its head count's pooled model with a window on its local
+    layers: the recompute is that model (pooled weights, built with the window), and past W it
+    differs from the same heads without the window (before: scored as the heads alone)."""
+    from scipy.special import rel_entr, softmax
+
+    from kvbench.checkpoint import build_decoder, convert_kv_heads
+    from kvbench.model_config import AttentionConfig
+    from kvbench.quality.fidelity import kv_pool_fidelity
+
+    mha = _sharp(make_decoder(8, seed=3))
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    hybrid = AttentionConfig(type="gqa", num_kv_heads=2, window=6, global_every=2)
+    twin = build_decoder(mha.config, hybrid, convert_kv_heads(mha, 2).state_dict(), device=mha.device).eval()
+    assert [w for w in twin.layer_windows] == [6, None]  # layer 2 of 2 global
+    with torch.no_grad():
+        p = softmax(mha(tokens).double().numpy(), axis=-1)
+        q = softmax(twin(tokens).double().numpy(), axis=-1)
+    got = kv_pool_fidelity(mha, 2, tokens, hybrid)
+    assert got["kv_pool_kl_nats"] == pytest.approx(rel_entr(p, q).sum(-1).mean(), rel=1e-3, abs=1e-6)
+    assert got["kv_pool_kl_nats"] > kv_pool_fidelity(mha, 2, tokens)["kv_pool_kl_nats"] * 1.01
