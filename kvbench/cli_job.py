@@ -21,12 +21,10 @@ from kvbench.config_errors import ConfigError
 from kvbench.jobs.claim import claim_holder, claim_job, completed_record
 from kvbench.jobs.isolation import launch_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.quality.train import CHECKPOINT_NAME
-from kvbench.results import RESULTS_FILE, RecordError, objective_value, read_record
+from kvbench.results import CHECKPOINT_NAME, RESULTS_FILE, RecordError, objective_value, read_record
 from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, turns_table, variants_table
 from kvbench.sinks.report import MD_FILE, write_report
 from kvbench.sinks.tracking import track
-from kvbench.tasks.inspect import describe
 
 
 def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:
@@ -157,6 +155,8 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
 
 def _inspect(cfg: DictConfig) -> int:
     """Print the head→group map and the KV-memory table; runs no model."""
+    from kvbench.tasks.inspect import describe  # torch (a meta model): only when task=inspect
+
     try:
         stdout.print(describe(to_bench_config(cfg)), markup=False, soft_wrap=True)
     except ConfigError as exc:

@@ -18,7 +18,6 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench.cli_job import report
 from kvbench.config_errors import ConfigError
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.jobs.runner import check_objective
 from kvbench.jobs.sweep import job_overrides, sweep_records, sweep_size
 from kvbench.results import find_results
 from kvbench.sinks.console import stderr, stdout, sweep_tables
@@ -143,8 +142,12 @@ def check_sweep_start(config: DictConfig) -> None:
         raise ConfigError(f"hydra.sweeper.direction={getattr(direction, 'name', direction)}: kvbench's objective is "
                           "maximised (hydra.sweeper.direction=maximize); objective=-name minimises name")
     caps = OmegaConf.select(config, "objective_caps") or {}
-    check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
-                    str(OmegaConf.select(config, "workload.name", default="decode")))
+    if objective is not None or caps:  # without either there is no metric name to check
+        # The metric registry is the tasks' tables (torch): imported only for a sweep that names metrics.
+        from kvbench.jobs.runner import check_objective
+
+        check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
+                        str(OmegaConf.select(config, "workload.name", default="decode")))
     sweep_dir = Path(config.hydra.sweep.dir)
     if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "

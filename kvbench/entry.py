@@ -50,6 +50,9 @@ def child_main() -> None:
     """A job's process (kvbench.jobs.isolation): interrupted while importing, it exits 130 without a
     word, and its parent records the job ``interrupted``."""
     try:
+        # What runs the job (torch, the tasks) is imported here, under this guard, as well:
+        # kvbench.jobs.isolation, the parent's side too, does not import it.
+        from kvbench.jobs import runner  # noqa: F401
         from kvbench.jobs.isolation import child_main as measure_here
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)

@@ -13,6 +13,7 @@ which value was what.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import math
 import stat
 import typing
@@ -25,6 +26,7 @@ from kvbench.jsonio import plain, read_json, write_json_atomic
 from kvbench.model_config import MLA_FIELDS
 
 RESULTS_FILE = "results.json"
+CHECKPOINT_NAME = "checkpoint.pt"  # task=train's checkpoint, beside its results.json
 # interrupted: stopped from outside before it finished (Ctrl-C, SIGTERM, preemption, a kill);
 # it keeps the metrics complete by then, and resume runs the job again.
 STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
@@ -191,6 +193,20 @@ def _config_type_error(config: Mapping[str, Any]) -> Optional[str]:
 def _has_type(value: Any, kinds: tuple) -> bool:
     # bool is an int to isinstance; a flag is no count
     return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+def save(result: RunResult, out_dir: Path | str) -> None:
+    """Write the record; when the file system refuses (a full disk), keep the reason in
+    ``result.unsaved`` so the CLI can print the record instead of losing it."""
+    try:
+        result.written_to = result.write(out_dir)
+    except OSError as exc:
+        result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
+
+
+def utc_now() -> str:
+    """The time a record is stamped with: UTC, ISO 8601, to the second."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
 def read_record(path: Path | str) -> RunResult:
     """The record at ``path`` (a results.json or its job directory).
 

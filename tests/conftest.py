@@ -312,13 +312,16 @@ def saved_figures():
 
 
 # One interpreter for many short `kvbench` commands (config errors, --help, task=inspect): it
-# imports kvbench.cli once (torch, Hydra: ~3.5 s of CPU a process), then forks a child per command
-# that runs `python -m kvbench.cli ARGS` from there, with its own cwd, stdout, stderr and exit
-# status, so what a test reads is what a fresh process of that command printed and returned.
-# For commands whose claim is their output and exit code, not the start of a fresh interpreter.
+# imports kvbench.cli once (Hydra) and what those commands import when they get to it (torch, for
+# task=inspect and for a job recorded invalid in kvbench's own process: ~3.5 s of CPU a process in
+# all), then forks a child per command that runs `python -m kvbench.cli ARGS` from there, with its
+# own cwd, stdout, stderr and exit status, so what a test reads is what a fresh process of that
+# command printed and returned. For commands whose claim is their output and exit code, not the
+# start of a fresh interpreter (tests/test_parent_imports.py checks what kvbench.cli imports).
 _FORKED_CLI = r"""
 import json, os, sys, traceback
 import kvbench.cli
+import kvbench.jobs.runner, kvbench.tasks.inspect
 for argv, cwd, out, err in json.loads(sys.stdin.read()):
     sys.stdout.flush(); sys.stderr.flush()
     pid = os.fork()

@@ -321,7 +321,7 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     task function returns is that child's results.json's metric; a resumed job (already ok)
     returns the same value from disk without running again."""
     from kvbench import cli_job
-    from kvbench.jobs import isolation
+    from kvbench.jobs import runner
 
     cfg = compose(*TINY, "runtime.fidelity=false", "objective=-decode_ms_p50")
     assert cfg.runtime.isolate is True
@@ -330,7 +330,7 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     def not_here(*args, **kwargs):
         raise AssertionError("the job ran in the test's own process")
 
-    monkeypatch.setattr(isolation, "run_job", not_here)  # this process's copy; the child imports its own
+    monkeypatch.setattr(runner, "run_job", not_here)  # this process's copy; the child imports its own
     value = cli_job.hydra_job(cfg)
     record = read_record(tmp_path)
     assert record.status == "ok", record.error

@@ -267,12 +267,12 @@ def test_ctrl_c_while_kvbench_starts_is_one_line_and_130(tmp_path):
     env = dict(os.environ, WANDB_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-c", "from kvbench.entry import main; main()", "model=tiny"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Signal once torch's library is mapped into the process: inside the console script's import of
-    # kvbench's modules (seconds), whatever the machine's speed; if that is already over, kvbench's
-    # own handler answers the same way.
+    # Signal once PyYAML's C loader is mapped into the process: inside the console script's import of
+    # kvbench.cli (Hydra's import, its first; torch is the job's process's alone), whatever the
+    # machine's speed; if that is already over, kvbench's own handler answers the same way.
     maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.monotonic() + 120
-    while "libtorch" not in (maps.read_text() if proc.poll() is None else "libtorch"):
-        assert time.monotonic() < deadline, "torch was never imported"
+    while "/_yaml." not in (maps.read_text() if proc.poll() is None else "/_yaml."):
+        assert time.monotonic() < deadline, "Hydra was never imported"
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

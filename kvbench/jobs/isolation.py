@@ -47,9 +47,8 @@ from omegaconf import DictConfig
 
 from kvbench.config import BenchConfig, to_bench_config
 from kvbench.jobs.interrupts import Interrupted, bypassed, describe_stop, interruptible, launcher_stop, stop_reasons
-from kvbench.jobs.runner import run_job, save, utc_now
-from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record
-from kvbench.tasks.common import Progress, no_progress
+from kvbench.progress import Progress, no_progress
+from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record, save, utc_now
 
 GRACE_S = 30.0  # how long an interrupted child may take to write its record before it is killed
 # Signals that mean "stop" when they kill a process: sent by a person, a shell or a scheduler.
@@ -61,6 +60,15 @@ _LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUS
 Measure = Callable[..., RunResult]  # run_job's signature
 
 
+def run_here(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
+             progress: Progress = no_progress) -> RunResult:
+    """:func:`kvbench.jobs.runner.run_job` in this process, imported when called: a process
+    whose jobs all run in their own processes never imports torch and the tasks."""
+    from kvbench.jobs.runner import run_job
+
+    return run_job(cfg, out_dir, overrides, progress)
+
+
 def launch_job(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
                progress: Progress = no_progress) -> RunResult:
     """Run one job as ``runtime.isolate`` says: in a fresh process, or in this one. A config
@@ -68,14 +76,14 @@ def launch_job(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Op
     try:
         job = to_bench_config(cfg)
     except Exception:  # noqa: BLE001 — run_job records any config failure with its message
-        return run_job(cfg, out_dir, overrides, progress)
+        return run_here(cfg, out_dir, overrides, progress)
     if not job.runtime.isolate:
-        return run_job(job, out_dir, overrides, progress)
+        return run_here(job, out_dir, overrides, progress)
     return run_isolated(job, out_dir, overrides, progress)
 
 
 def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
-                 progress: Progress = no_progress, measure: Measure = run_job) -> RunResult:
+                 progress: Progress = no_progress, measure: Measure = run_here) -> RunResult:
     """``measure(job, out_dir, overrides, progress)`` in a new process; returns its record,
     or the record of how it died. ``measure`` and ``progress`` must be importable functions
     (they are pickled by reference); ``measure`` is a seam for tests that crash a child."""

@@ -12,7 +12,6 @@ builds progress bars: it hands :func:`run_job` a factory for them.
 
 from __future__ import annotations
 
-import datetime as dt
 import difflib
 import re
 import signal
@@ -37,7 +36,7 @@ from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
 from kvbench.quality.fidelity import KV_POOL_METRICS
-from kvbench.results import RESULTS_FILE, RunResult, lookup, nonfinite_metrics, record_view
+from kvbench.results import RunResult, lookup, nonfinite_metrics, record_view, save, utc_now
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
 from kvbench.tasks import recall as recall_task
@@ -177,15 +176,6 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     return result
 
 
-def save(result: RunResult, out_dir: Path) -> None:
-    """Write the record; when the file system refuses (a full disk), keep the reason in
-    ``result.unsaved`` so the CLI can print the record instead of losing it."""
-    try:
-        result.written_to = result.write(out_dir)
-    except OSError as exc:
-        result.unsaved = f"cannot write {Path(out_dir) / RESULTS_FILE}: {exc.strerror or exc}"
-
-
 def _record_load(metrics: Dict[str, object]) -> None:
     metrics["load_avg_after"] = load_average()
     metrics["noisy"], metrics["noisy_reason"] = noisy(metrics["load_avg_before"], metrics["load_avg_after"],
@@ -218,9 +208,4 @@ def _bounded(text: str, limit: int) -> str:
         return text
     half = limit // 2
     return f"{text[:half]}\n… [{len(text) - limit:,} characters cut] …\n{text[-half:]}"
-
-
-def utc_now() -> str:
-    """The time a record is stamped with: UTC, ISO 8601, to the second."""
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 

@@ -79,7 +79,8 @@ def collect_env(device: torch.device | str = "cpu") -> Dict[str, Any]:
     return {
         "python": platform.python_version(),
         "python_executable": sys.executable,
-        "torch": torch.__version__,
+        # a plain str: torch's TorchVersion would make whoever unpickles the record import torch
+        "torch": str(torch.__version__),
         "torch_cuda": torch.version.cuda,
         "cudnn": _safe(lambda: torch.backends.cudnn.version()),
         "device_type": device.type,

@@ -28,8 +28,8 @@ from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import MLA_FIELDS, AttentionConfig
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
+from kvbench.results import CHECKPOINT_NAME  # the job directory's file names live with the record
 
-CHECKPOINT_NAME = "checkpoint.pt"
 _MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above this
 # What makes two decoders the same shape (the name and the preset's KV-head count do not).
 _SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "head_dim", "ffn_dim", "max_seq_len", "rope_theta",

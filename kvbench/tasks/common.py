@@ -3,8 +3,7 @@ fields every model-running job records."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -14,10 +13,7 @@ from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
-
-# progress(label, total) -> a context manager yielding tick(description=None), called once per
-# trial or training step; the CLI passes rich progress bars, the default shows nothing.
-Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
+from kvbench.progress import Progress, no_progress  # noqa: F401 (re-exported for the tasks)
 
 # Methods of the fields every model-running job records.
 JOB_METRICS: Dict[str, Metric] = metric_table(
@@ -32,11 +28,6 @@ JOB_METRICS: Dict[str, Metric] = metric_table(
     *MEMORY_METRICS.values(),
 )
 JOB_METHODS: Dict[str, str] = record_methods(JOB_METRICS)
-
-
-@contextmanager
-def no_progress(label: str, total: int):
-    yield None
 
 
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
