@@ -138,9 +138,9 @@ def _shares_a_module_fixture(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """How ``-n 2 --dist loadgroup`` spreads the suite: an e2e test (seconds to a minute each)
-    goes to whichever worker is free, and those run first, so that no worker is left with a long
-    file at the end; every other test stays with its file (one worker builds a module-scoped
+    """How ``-n 3 --dist loadgroup`` (the README's command) spreads the suite: an e2e test
+    (seconds to a minute each) goes to whichever worker is free, and those run first, so that no
+    worker is left with a long file at the end; every other test stays with its file (one worker builds a module-scoped
     fixture once), as --dist loadfile would. And tests marked ``cuda`` skip where torch sees no
     GPU (CI, this machine); the GPU check runs them."""
     spread = {item for item in items if item.get_closest_marker("e2e") is not None

@@ -161,7 +161,7 @@ NOT_RUN = {
     "kvbench model=tiny workload=serving workload.arrival=trace workload.trace=/path/to/trace.jsonl":
         "a placeholder trace; tests/workloads/test_serving.py serves a trace file in process",
     "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
-    "python -m pytest -n 2 --dist loadgroup": "the suite this test is part of",
+    "python -m pytest -n 3 --dist loadgroup": "the suite this test is part of",
     "kvbench experiment=recall": "5 variants trained on 4 seeds each (7.5 minutes); tests/quality/test_recall.py "
                                  "trains and scores the task on a tiny model (composed and validated below)",
     "kvbench experiment=recall recall.kind=passkey recall.seeds=3": "the same preset on passkey (minutes; "
