@@ -2,7 +2,6 @@
 prompt after cached keys, a window, a given mask, a shared prefix) against textbook attention
 with K/V copied per query head; and prefill that costs no more for fewer KV heads (issue 28)."""
 
-import time
 
 import pytest
 import torch
@@ -76,38 +75,32 @@ def test_shared_prefix_path_equals_reference_with_the_prefix_copied(num_kv_heads
     torch.testing.assert_close(grouped_attention(q, k, v, mask, (kp, vp)), want, atol=2e-6, rtol=1e-5)
 
 
-def _min_time(fn, reps):
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def test_mqa_prefill_attention_costs_no_more_than_mha():
-    """Issue 28: folding G query heads into the rows made MQA's prefill attention 2x MHA's. Timed
-    interleaved in one process (MHA, GQA, MQA, MHA, ...), the minimum of 5 reps each: MQA (and
-    GQA) within 1.3x of MHA. The old fold measured 1.7x (MQA) and 1.3x (GQA-2) at these shapes
-    on this machine under load; a load that slows every
-    call alike cancels in the ratio, and the minimum drops the calls a busy machine interrupts."""
+    """Issue 28: folding G query heads into the rows made MQA's prefill attention ~2x MHA's. What
+    decides the cost is which kernel runs and what it allocates, so that is what is checked, on
+    profiler records (deterministic): every KV-head count takes the same fused SDPA kernel as MHA,
+    nothing copies K/V out to the query heads (no repeat, expand or copy) and the largest
+    allocation is no larger than MHA's. (This test used to time the three, interleaved, and
+    assert a ratio; under three test workers on two cores the ratio once came out at 1.69: a
+    timed unit test. The timed ratios are experiments/prefill_heads.py's, printed, not asserted.)"""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.manual_seed(0)
-    B, H, T, D = 1, 8, 2048, 64
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        calls = {}
-        for kv in (8, 2, 1):
-            q, k, v = torch.randn(B, H, T, D), torch.randn(B, kv, T, D), torch.randn(B, kv, T, D)
-            calls[kv] = lambda q=q, k=k, v=v: grouped_attention(q, k, v)
-            calls[kv]()  # warm-up
-        best = {kv: float("inf") for kv in calls}
-        for _ in range(5):
-            for kv, fn in calls.items():
-                best[kv] = min(best[kv], _min_time(fn, 1))
-    finally:
-        torch.set_num_threads(threads)
-    assert best[1] <= 1.3 * best[8] and best[2] <= 1.3 * best[8], best
+    B, H, T, D = 1, 8, 256, 64
+    seen = {}
+    for kv in (8, 2, 1):
+        q, k, v = torch.randn(B, H, T, D), torch.randn(B, kv, T, D), torch.randn(B, kv, T, D)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = grouped_attention(q, k, v)
+        events = prof.key_averages()
+        seen[kv] = ({e.key for e in events if e.key.startswith("aten::")}, max(e.cpu_memory_usage for e in events))
+        torch.testing.assert_close(out, reference(q, k, v, naive_mask(T, T)), atol=1e-5, rtol=1e-5)
+    ops, peak = seen[8]
+    assert any("flash" in op for op in ops) and not any("math" in op for op in ops), ops
+    for kv in (2, 1):
+        assert seen[kv][0] == ops, (kv, seen[kv][0] ^ ops)
+        assert not any(word in op for op in seen[kv][0] for word in ("repeat", "expand", "copy")), seen[kv][0]
+        assert seen[kv][1] <= peak, (kv, seen[kv][1], peak)
 
 
 @pytest.mark.parametrize("Dk,Dv", [(48, 32), (24, 40)])
