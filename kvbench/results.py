@@ -193,6 +193,8 @@ def _config_type_error(config: Mapping[str, Any]) -> Optional[str]:
 def _has_type(value: Any, kinds: tuple) -> bool:
     # bool is an int to isinstance; a flag is no count
     return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
 def save(result: RunResult, out_dir: Path | str) -> None:
     """Write the record; when the file system refuses (a full disk), keep the reason in
     ``result.unsaved`` so the CLI can print the record instead of losing it."""

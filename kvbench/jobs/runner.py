@@ -35,12 +35,13 @@ from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_av
 from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
+from kvbench.progress import Progress, no_progress
 from kvbench.quality.fidelity import KV_POOL_METRICS
 from kvbench.results import RunResult, lookup, nonfinite_metrics, record_view, save, utc_now
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
 from kvbench.tasks import recall as recall_task
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, job_kv_conversion, no_progress
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, job_kv_conversion
 
 MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 

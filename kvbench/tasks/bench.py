@@ -12,8 +12,9 @@ from kvbench.config import BenchConfig
 from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric, metric_table
+from kvbench.progress import Progress
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, Progress, build_model, variant_label
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
 from kvbench.workloads import decode, multiturn, serving
 
 WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run, "serving": serving.run}

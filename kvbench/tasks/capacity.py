@@ -48,6 +48,7 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig
+from kvbench.progress import Progress
 from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
 from kvbench.results import RunResult
 from kvbench.tasks.capacity_search import (
@@ -62,7 +63,7 @@ from kvbench.tasks.capacity_search import (
     split_activation,
     violations,
 )
-from kvbench.tasks.common import JOB_METHODS, Progress, build_model, variant_label
+from kvbench.tasks.common import JOB_METHODS, build_model, variant_label
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 

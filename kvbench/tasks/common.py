@@ -13,7 +13,6 @@ from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
-from kvbench.progress import Progress, no_progress  # noqa: F401 (re-exported for the tasks)
 
 # Methods of the fields every model-running job records.
 JOB_METRICS: Dict[str, Metric] = metric_table(

@@ -42,8 +42,9 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, variant_key, variant_label
+from kvbench.progress import Progress
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, Progress, build_model
+from kvbench.tasks.common import JOB_METHODS, build_model
 
 Tick = Callable[..., None]
 

@@ -34,11 +34,12 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import AttentionConfig
+from kvbench.progress import Progress
 from kvbench.quality.recall import Condition, accuracy, chance, eval_set, train_stream
 from kvbench.quality.train import train
 from kvbench.recall_config import RecallConfig
 from kvbench.results import RunResult
-from kvbench.tasks.common import Progress, variant_label
+from kvbench.tasks.common import variant_label
 
 EVAL_SEED_OFFSET = 1_000_003  # eval sets drawn from another stream than training (the split is by hash anyway)
 DECODE_STEPS = 16  # timed decode steps of batch 1 after a prefill of the longest length

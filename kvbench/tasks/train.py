@@ -10,9 +10,9 @@ import torch
 
 from kvbench.config import BenchConfig
 from kvbench.model_config import kv_layout_change
+from kvbench.progress import Progress
 from kvbench.quality.train import TRAIN_METHODS, TRAIN_METRICS, run_train
 from kvbench.results import RunResult
-from kvbench.tasks.common import Progress
 
 METRICS = TRAIN_METRICS
 
