@@ -160,7 +160,8 @@ NOT_RUN = {
                       "tests/workloads/test_serving.py runs a search in process",
     "kvbench model=tiny workload=serving workload.arrival=trace workload.trace=/path/to/trace.jsonl":
         "a placeholder trace; tests/workloads/test_serving.py serves a trace file in process",
-    "pip install torch==2.13.0 && pip install -e .[dev]": "installs packages: .ci/run does exactly this",
+    "pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e .[dev]": "installs packages: .ci/run does "
+                                                                          "exactly this",
     "python -m pytest -n 3 --dist loadgroup": "the suite this test is part of",
     "kvbench experiment=recall": "5 variants trained on 4 seeds each (7.5 minutes); tests/quality/test_recall.py "
                                  "trains and scores the task on a tiny model (composed and validated below)",
@@ -192,6 +193,8 @@ NOT_RUN = {
     "kvbench model=hf_dir model.path=/path/to/deepseek attention=mla": "a placeholder path; tests/test_mla.py "
                                                                        "builds DeepSeek directories with transformers",
     "sudo scripts/slurm_local.sh install": "installs packages (.ci/run runs it)",
+    "scripts/refresh_constraints.sh": "a fresh virtualenv and the whole suite on the latest releases (the weekly "
+                                      "latest-deps workflow runs it)",
     "sudo scripts/slurm_local.sh start": "the slurm tests' fixture starts the cluster (tests/slurm/cluster.py)",
     "sinfo": "needs the cluster the slurm tests start",
     "sudo scripts/slurm_local.sh stop": "the slurm tests' fixture stops it",

@@ -39,6 +39,7 @@ prints 17 lines of its log to stderr when its log directory cannot be made.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -200,6 +201,38 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
           sweep_dir: Optional[Path | str] = None, task: str = "bench") -> Optional[Path]:
     """Record one finished job as a W&B run in ``out_dir/wandb``; returns the run's directory
     (None when disabled or when W&B failed, which is logged as a warning and never raised)."""
+    with _wandb_logs_kept_to_wandb():
+        return _track(result, wandb_cfg, out_dir, sweep_dir, task)
+
+
+@contextlib.contextmanager
+def _wandb_logs_kept_to_wandb():
+    """W&B's own log records go to its run's debug.log and nowhere else while kvbench drives it.
+
+    The ``wandb`` logger does not propagate, but a handler that attaches itself to every
+    non-propagating logger (pytest's log capture does, as can a user's logging setup) would show
+    the user W&B's internals (``ERROR wandb: error in wandb.init()`` beside kvbench's own one
+    line). Handlers W&B did not install are detached for the call and put back after it."""
+    logger = logging.getLogger("wandb")
+    foreign = [h for h in logger.handlers if not _is_wandb_handler(h)]
+    for handler in foreign:
+        logger.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in foreign:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+
+
+def _is_wandb_handler(handler: logging.Handler) -> bool:
+    # W&B installs a NullHandler and one FileHandler per run, filtered by the run's id.
+    return type(handler) is logging.NullHandler or any(
+        type(f).__module__.startswith("wandb.") for f in handler.filters)
+
+
+def _track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
+           sweep_dir: Optional[Path | str], task: str) -> Optional[Path]:
     stage = "config"
     try:
         view = RecordView.of(result)

@@ -125,7 +125,16 @@ def test_online_against_a_silent_server_costs_init_timeout_and_exits_with_its_re
     assert tail < 60, tail  # a sanity bound only: the exit hook's wait is ruled out above
 
 
-def test_online_against_a_refused_port_is_offline_in_one_line(tmp_path, wandb_env, monkeypatch, caplog, capfd):
+@pytest.fixture
+def wandb_used(tmp_path, wandb_env):
+    """An offline run made before the test body: W&B is imported and has made a run in this
+    process whatever ran before, so its ``wandb`` logger exists when pytest's log capture attaches
+    itself to every non-propagating logger (W&B's own ``ERROR wandb: error in wandb.init()`` then
+    reaches that capture unless kvbench keeps it to W&B's files)."""
+    assert track(make_result(tmp_path / "warm"), {"mode": "offline"}, tmp_path / "warm") is not None
+
+
+def test_online_against_a_refused_port_is_offline_in_one_line(tmp_path, wandb_used, monkeypatch, caplog, capfd):
     monkeypatch.setenv("WANDB_BASE_URL", refused_url())
     monkeypatch.setenv("WANDB_API_KEY", KEY)
     with caplog.at_level(logging.WARNING, logger="kvbench.sinks.tracking"):
