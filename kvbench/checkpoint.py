@@ -32,8 +32,10 @@ from kvbench import hf_config
 from kvbench.config_errors import ConfigError, typed
 from kvbench.footprint import check_model_fits
 from kvbench.jsonio import atomic_write
-from kvbench.model import Decoder, rope_tables, torch_dtype
+from kvbench.layouts.build import build_layouts
+from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig
+from kvbench.rope import rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -282,6 +284,7 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
     for block in model.blocks:
         block.attn.absorbed = attention.mla_decode == "absorbed"
     model.attention = replace(model.attention, mla_decode=attention.mla_decode)
+    model.layouts = build_layouts(model.config, model.attention)
     return model, "none"
 
 

@@ -18,9 +18,9 @@ from typing import Optional
 import psutil
 import torch
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.config_errors import ConfigError
+from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.units import human_bytes
@@ -93,11 +93,9 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     m, a = cfg.model, cfg.attention
     kv = 0
     if cfg.task == "bench" and cfg.cache.impl != "none":
-        # The record's formula (workloads/decode.py): MLA's latent, a window's ring.
-        heads, width, latent = a.kv_dims(m)
-        kv = kv_cache_bytes(m.num_layers, heads, width, cfg.workload.total_len, cfg.workload.batch_size,
-                            DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype, a.layer_windows(m.num_layers),
-                            latent=latent)
+        # The record's formula (workloads/decode.py): each layer's own (MLA's latent, a window's ring).
+        kv = build_layouts(m, a).cache_bytes(cfg.workload.total_len, cfg.workload.batch_size,
+                                             DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
     data = 0
     if cfg.task == "recall":  # its model has the task's vocabulary (tasks/recall.py)
         m, data = dataclasses.replace(m, vocab_size=cfg.recall.vocab_size), recall_data_bytes(cfg)

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import byte_decoder, call_with_timeout, compose, llama_dir
+from kv_formula import kv_cache_bytes
 from safetensors.torch import load_file, save_file
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import save_checkpoint
 from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError
 from kvbench.jobs import runner

@@ -271,7 +271,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
                                 layer_types=a.layer_types, mla_decode=a.mla_decode, **asked).resolved(model.config)
     model, how = to_layout(model, attention)
     windows = attention.layer_windows(model.config.num_layers)
-    if windows != model.layer_windows:  # another window over the same weights is only a mask
+    if windows != list(model.layouts.windows):  # another window over the same weights is only a mask
         model = build_decoder(model.config, attention, model.state_dict(), device=model.device).eval()
     return model, tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 

@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from kvbench.cache import KVCache, cache_for, kv_cache_bytes
+from kvbench.cache import Cache, cache_for
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step
@@ -150,7 +150,7 @@ class Stepper:
     decode steps wrote), again and again, rolled back to ``start`` when they run out. It feeds a
     fixed token: what a step costs depends on the shapes, not on the token."""
 
-    def __init__(self, model: Decoder, cache: KVCache, start: int, end: int, step=decode_step):
+    def __init__(self, model: Decoder, cache: Cache, start: int, end: int, step=decode_step):
         if not (cache.stores_history and 0 <= start < end <= cache.length):
             raise ValueError(f"cannot step positions {start}..{end - 1} of a {cache.impl} cache holding "
                              f"{cache.length}")
@@ -165,26 +165,12 @@ class Stepper:
     def ready(self) -> None:
         """Roll back when the positions ran out (outside the timed step)."""
         if self.pos == self.end:
-            rewind(self.cache, self.start)
+            self.cache.rewind(self.start)
             self.pos = self.start
 
     def __call__(self) -> None:
         self.step(self.model, self.token, self.cache, self.pos)
         self.pos += 1
-
-
-def rewind(cache: KVCache, length: int) -> None:
-    """Roll ``cache`` back to ``length`` positions to repeat steps whose cost, not their output, is
-    timed. A sliding window's ring refuses a true roll back (:meth:`KVCache.truncate`) once a later
-    position overwrote one the repeated step would read; that step still reads the same number of
-    keys, min(position + 1, W) per local layer, so for a ring only the held lengths move back."""
-    if all(w is None for w in cache.windows):
-        cache.truncate(length)
-        return
-    history = getattr(cache, "history", None)  # a shared prefix's own conversations
-    if history is not None:
-        history.length = length - cache.prefix_len
-    cache.length = length
 
 
 def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
@@ -353,8 +339,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     prober = Prober(cfg, model, device, budget, baseline)
     metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
-                   kv_bytes_per_token=kv_cache_bytes(cfg.model.num_layers, *cfg.attention.kv_dims(cfg.model)[:2],
-                                                     1, 1, DTYPE_BYTES[cfg.runtime.dtype], latent=cfg.attention.latent))
+                   kv_bytes_per_token=model.layouts.bytes_per_token(DTYPE_BYTES[cfg.runtime.dtype]))
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])
     limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step
