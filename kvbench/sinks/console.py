@@ -50,8 +50,13 @@ def piped_width(environ: Mapping[str, str] = os.environ) -> int:
     return int(columns) if columns.isdigit() and 20 <= int(columns) <= 1000 else PIPED_WIDTH
 
 
-stdout = Console(highlight=False, width=None if sys.stdout.isatty() else piped_width())
-stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else piped_width())
+def _console(to_stderr: bool) -> Console:
+    """A console on stdout or stderr: a terminal's own width, else :func:`piped_width`."""
+    stream = sys.stderr if to_stderr else sys.stdout
+    return Console(stderr=to_stderr, highlight=False, width=None if stream.isatty() else piped_width())
+
+
+stdout, stderr = _console(False), _console(True)
 
 PROGRESS_LINES = 10  # without a terminal, about this many progress lines per bar
 
