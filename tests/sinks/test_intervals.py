@@ -173,3 +173,34 @@ def test_a_value_is_written_in_the_unit_its_record_declares():
     assert value_text({**rec, "units": {}}, column) == "3.00 MiB"
     ms = Column("decode_ms_p50", "decode p50 ms", "{:.3f}")
     assert value_text({**rec, "metrics": {"decode_ms_p50": 1.23456}, "units": {"decode_ms_p50": "ms"}}, ms) == "1.235"
+
+
+def test_a_p90_far_above_the_medians_does_not_squash_the_lines(tmp_path):
+    """Under load one point's p90 was 20x its median: the band set the axis and every line lay
+    along the bottom. The axis now reaches 1.6x the highest median, and the cut band is marked."""
+    from kvbench.sinks.plots import HEADROOM
+
+    p50 = {("mha", 32): 2.0, ("mha", 64): 3.0, ("gqa", 32): 1.5, ("gqa", 64): 1.7}
+    records = [decode(kind, kv, prompt, str(i), decode_ms_p50=p50[kind, prompt],
+                      decode_ms_p90=p50[kind, prompt] * (20 if (kind, prompt) == ("gqa", 32) else 1.2))
+               for i, (kind, kv, prompt) in enumerate([("mha", 8, 32), ("mha", 8, 64), ("gqa", 2, 32), ("gqa", 2, 64)])]
+    for rec in records:
+        write(tmp_path, rec["job"], rec)
+    with saved_figures() as saved:
+        write_report(tmp_path, tmp_path / "out")
+    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
+    [ax] = fig.axes
+    bottom, top = ax.get_ylim()
+    assert bottom == 0 and top == pytest.approx(HEADROOM * 3.0)  # not the 30 ms of the p90
+    assert min(p50.values()) / top > 0.3  # every median in the upper two thirds' reach
+    marks = [line for line in ax.get_lines() if line.get_marker() == "^"]
+    assert [(list(m.get_xdata()), list(m.get_ydata())) for m in marks] == [([32], [pytest.approx(top)])]
+    assert any("past the axis" in text.get_text() for legend in fig.legends for text in legend.get_texts())
+    # a band within reach leaves the axis to matplotlib, as before: nothing cut, no mark
+    records[2]["metrics"]["decode_ms_p90"] = 1.5 * 1.2
+    write(tmp_path, "2", records[2])
+    with saved_figures() as saved:
+        write_report(tmp_path, tmp_path / "out")
+    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
+    assert not [line for line in fig.axes[0].get_lines() if line.get_marker() == "^"]
+    assert fig.axes[0].get_ylim()[1] == pytest.approx(3.6, rel=0.1)
