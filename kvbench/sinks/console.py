@@ -231,11 +231,12 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
 def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
     """``task=recall`` records of one setting: accuracy per condition per variant, gaps, costs."""
     header, rows = recall_sink.recall_table(group)
-    table = Table(title=recall_sink.title(group), title_justify="left")
+    table = Table(title=recall_sink.title(group), title_justify="left", caption=recall_sink.COPY_NOTE,
+                  caption_justify="left")
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
     for i, row in enumerate(rows):
-        table.add_row(*row, end_section=i == len(rows) - 4)
+        table.add_row(*row, end_section=i == len(rows) - 3)  # the conditions, then KV / token and decode
     return table
 
 

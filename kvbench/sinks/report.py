@@ -280,7 +280,8 @@ def _recall_md(records) -> List[str]:
     lines: List[str] = []
     for group in recall_sink.groups(records):
         header, rows = recall_sink.recall_table(group)
-        lines += [f"## {recall_sink.title(group)}", "", *_md_table(header, rows, len(header) - 1), ""]
+        lines += [f"## {recall_sink.title(group)}", "", *_md_table(header, rows, len(header) - 1), "",
+                  _md_escape(recall_sink.COPY_NOTE) + ".", ""]
     left_out = recall_sink.malformed(records)
     if left_out:
         lines += [f"{left_out} recall record{'s' if left_out > 1 else ''} left out: its accuracy table is malformed "

@@ -112,7 +112,7 @@ COLUMNS: Dict[str, List[Column]] = {
     # per condition: kvbench/sinks/recall.py
     "recall": [Column("accuracy", "recall acc", "{:.3f}", brief=True, compared=True),
                Column("accuracy_before_uptrain", "acc before uptrain", "{:.3f}", brief=True, compared=True),
-               Column("chance_accuracy", "chance", "{:.3f}"),
+               Column("chance_accuracy", "chance", "{:.3f}"), Column("copy_accuracy", "copy baseline", "{:.3f}"),
                Column("accuracy_seeds", "seeds", "{}", brief=True),
                Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
                Column("decode_ms_p50", "decode p50 ms", "{:.3f}", brief=True, compared=True),
