@@ -251,7 +251,7 @@ def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xla
     banded = band is not None and all(len(series) <= MAX_BANDS for series in data.values())
     bars = bool(errors) and any(errors.values())
     fig, axes = _grid(len(data), title, xlabel, ylabel + (" (p50, band to p90)" if banded else "")
-                      + (", bars: 95% interval" if bars else ""))
+                      + (", bars: each job's 95% interval" if bars else ""))
     clipped = False
     for ax, (name, series) in zip(axes, data.items()):
         ax.set_title(name, fontsize="small")
