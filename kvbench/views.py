@@ -226,6 +226,12 @@ class RecordView:
         return self._data.get("error") if isinstance(self._data.get("error"), str) else None
 
     @property
+    def started_at(self) -> Optional[str]:
+        """When the job started (UTC, ISO 8601, to the second); None where the record does not say."""
+        value = self._data.get("started_at")
+        return value if isinstance(value, str) else None
+
+    @property
     def schema_version(self) -> int:
         """The record's schema (1 for records written before the field, and for report rows)."""
         version = self._data.get("schema_version")

@@ -37,7 +37,7 @@ LAYERS = [
     ["jobs.runner"],
     ["jobs.isolation", "jobs.sweep"],
     ["sinks.tables", "sinks.tracking"],
-    ["sinks.serving"],
+    ["sinks.serving", "sinks.comparison"],
     ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved"],
     ["sinks.console", "sinks.plots"],
     ["sinks.serving_plots"],

@@ -5,7 +5,9 @@ decides the answer, because the answer is a token stored many positions back.
   variants): ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...``, then a query region where each
   key appears once more, at a random position among blanks; the target at a query is its value.
   Keys are distinct within a sequence and drawn from ``[1, V // 2)``, values from ``[V // 2, V)``
-  (with replacement), token 0 is the blank. Chance without recall: ``1 / (V - V // 2)``.
+  (with replacement), token 0 is the blank. Chance without recall: ``1 / (V - V // 2)``; a model
+  that copies a value from the context without binding it to its key does far better
+  (:func:`copy_baseline`), so that is the floor a recall result must clear.
 - **passkey** retrieval (Mohtashami & Jaggi 2023): filler, then ``KEY d1 .. dn`` at a chosen
   depth, more filler, and ``QUERY d1 .. dn`` at the end; the targets are the n digits after
   ``QUERY`` (teacher-forced, so "every digit's argmax right" is exactly what a greedy decode of
@@ -182,3 +184,17 @@ def accuracy(model, kind: str, inputs: torch.Tensor, targets: torch.Tensor, batc
 def chance(cond: Condition, vocab_size: int, digits: int) -> float:
     """Accuracy of a guess that sees no context: one value of ``V - V // 2``, or all n digits."""
     return 1 / (vocab_size - vocab_size // 2) if cond.kind == "mqar" else 10.0 ** -digits
+
+
+def copy_baseline(cond: Condition, vocab_size: int) -> Optional[float]:
+    """MQAR: accuracy of a model that answers each query with one of the P values of its context,
+    picked uniformly, without learning which key it belongs to. It is right when it picks the
+    queried key's own value (1 in P) or another that is equal: the values are drawn with
+    replacement from M = V - V // 2, so each of the other P - 1 is with probability 1 / M, and the
+    accuracy is ``(1 + (P - 1) / M) / P``: 0.273, 0.152 and 0.112 at 4, 8 and 12 pairs with V = 64,
+    against chance 0.031. None for passkey: its context holds no digit but the passkey's, and
+    copying them in order is the task itself."""
+    if cond.kind != "mqar":
+        return None
+    values, pairs = vocab_size - vocab_size // 2, cond.num_pairs
+    return (1 + (pairs - 1) / values) / pairs

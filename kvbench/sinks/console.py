@@ -6,26 +6,28 @@ The tables' data (which axes, which columns, the comparison of variants) comes f
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import Choice, choices
+from kvbench.sinks.comparison import Comparison, comparisons
 from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.tables import (
     AXES,
     COLUMNS,
     KIND_TITLES,
     VARIANT_KEYS,
-    Comparison,
     by_kind,
-    comparisons,
     fmt,
     job_axes,
     job_cells,
@@ -37,9 +39,24 @@ from kvbench.sinks.tables import (
 )
 from kvbench.views import RecordView, views
 
-# A log file or CI page is not 80 columns wide: let sweep tables breathe there.
-stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
+PIPED_WIDTH = 100  # columns of output that goes to a file or a pipe, unless COLUMNS says otherwise
+
+
+def piped_width(environ: Mapping[str, str] = os.environ) -> int:
+    """How wide to lay out output that is no terminal's: ``COLUMNS`` where it is a width, else
+    :data:`PIPED_WIDTH`, which a log read in an 80-to-100-column terminal or a CI page shows
+    without wrapping a table's line in the middle of a cell (rich wraps inside cells instead)."""
+    columns = environ.get("COLUMNS", "").strip()
+    return int(columns) if columns.isdigit() and 20 <= int(columns) <= 1000 else PIPED_WIDTH
+
+
+def _console(to_stderr: bool) -> Console:
+    """A console on stdout or stderr: a terminal's own width, else :func:`piped_width`."""
+    stream = sys.stderr if to_stderr else sys.stdout
+    return Console(stderr=to_stderr, highlight=False, width=None if stream.isatty() else piped_width())
+
+
+stdout, stderr = _console(False), _console(True)
 
 PROGRESS_LINES = 10  # without a terminal, about this many progress lines per bar
 
@@ -96,8 +113,10 @@ def progress_lines(label: str, total: int):
                      soft_wrap=True)
 
 
-def run_table(record: Dict[str, Any]) -> Table:
-    """A single job as two columns: its axes, status, headline metrics (for one run)."""
+def run_table(record: Dict[str, Any]) -> Group:
+    """A single job as two columns: its axes, status, headline metrics (for one run); then, below
+    the table, one line per thing a person must read beside the figures (:func:`record_notes`), so
+    that a long reason wraps at the terminal's width instead of pushing the values off to the right."""
     record = RecordView(viewed(record))
     table = Table(title="kvbench result", title_justify="left", show_header=False)
     table.add_column("key", style="bold")
@@ -110,30 +129,30 @@ def run_table(record: Dict[str, Any]) -> Table:
     for column in COLUMNS.get(record.kind, COLUMNS["decode"]):
         if metrics.get(column.key) is not None:
             table.add_row(column.title, value_text(record, column))
-    # What makes a number above less trustworthy: too few samples for a quantile, a busy machine.
-    for key in sorted(k for k in metrics if k.endswith("_warning") or k == "noisy_reason"):
-        if metrics[key]:
-            table.add_row(f"[yellow]{key}[/]", f"[yellow]{metrics[key]}[/]")
-    for row in record_notes(record):
-        table.add_row(*row)
-    return table
+    notes = [Text.from_markup(f"{key}: {text}") for key, text in record_notes(record)]
+    return Group(table, *notes)
 
 
 def record_notes(record: Any) -> List[tuple]:
-    """(key, text) rows a person must read beside the figures: a KV layout that is not the
-    model's own, a figure that breaks a physical bound (measure/plausibility.py), a figure left
+    """(key, text) a person must read beside the figures, markup included: a figure with too few
+    samples for its quantile, why the machine was busy (``noisy_reason``), a KV layout that is not
+    the model's own, a figure that breaks a physical bound (measure/plausibility.py), a figure left
     null with its reason."""
     record = RecordView.of(record)
-    rows = []
+    metrics = record.metrics
+    rows = [(f"[yellow]{key}[/]", f"[yellow]{escape(str(metrics[key]))}[/]")
+            for key in sorted(k for k in metrics if k.endswith("_warning") or k == "noisy_reason") if metrics[key]]
     conversion = record.kv_conversion
     if conversion:
-        rows.append(("[yellow]kv_conversion[/]", f"[yellow]{conversion.get('text', dict(conversion))}[/]"))
+        text = escape(str(conversion.get("text", dict(conversion))))
+        rows.append(("[yellow]kv_conversion[/]", f"[yellow]{text}[/]"))
     for item in record.implausible:
-        rows.append((f"[red]implausible {item.get('metric')}[/]", f"[red]{item.get('reason')}[/]"))
+        rows.append((f"[red]implausible {escape(str(item.get('metric')))}[/]",
+                     f"[red]{escape(str(item.get('reason')))}[/]"))
     reasons = record.null_reasons
     for name in sorted(reasons):
         if record.metrics.get(name, 0) is None and reasons[name] not in ("nan", "inf", "-inf"):
-            rows.append((f"null {name}", str(reasons[name])))
+            rows.append((f"null {escape(name)}", escape(str(reasons[name]))))
     return rows
 
 
@@ -163,8 +182,9 @@ def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: s
 def comparison_table(comparison: Comparison) -> Table:
     """The variants of each cell side by side (:class:`~kvbench.sinks.tables.Comparison`)."""
     header, rows, starts = comparison.table()
+    # The legend (what "untested", "jobs", "noisy" mean) and the notes, a line each under the table.
     table = Table(title=comparison.title(), title_justify="left",
-                  caption="; ".join(comparison.notes) or None, caption_justify="left")
+                  caption="\n".join(comparison.legend() + comparison.notes) or None, caption_justify="left")
     for i, name in enumerate(header):
         table.add_column(name, justify="right" if i >= len(header) - len(comparison.variants) else "left")
     for i, row in enumerate(rows):
@@ -211,11 +231,12 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
 def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
     """``task=recall`` records of one setting: accuracy per condition per variant, gaps, costs."""
     header, rows = recall_sink.recall_table(group)
-    table = Table(title=recall_sink.title(group), title_justify="left")
+    table = Table(title=recall_sink.title(group), title_justify="left", caption=recall_sink.COPY_NOTE,
+                  caption_justify="left")
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
     for i, row in enumerate(rows):
-        table.add_row(*row, end_section=i == len(rows) - 4)
+        table.add_row(*row, end_section=i == len(rows) - 3)  # the conditions, then KV / token and decode
     return table
 
 

@@ -34,6 +34,9 @@ Series = Dict[str, List[Point]]  # attention variant's label -> points sorted by
 Panels = Dict[str, Series]  # panel title ("B=8 dtype=bfloat16", "" for one panel) -> series
 BYTE_UNITS = (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024), ("bytes", 1))
 MAX_BANDS = 4  # more p90 bands than this in one panel overlap into a blur
+# A y axis reaches at most this times the panel's highest line where a band or bar goes further (a
+# p90 of 20x the median under load squashed every line to the bottom); a triangle marks the cut.
+HEADROOM = 1.6
 # A figure of more panels than this is unreadable, and a sweep along a long axis (2,000 seeds)
 # would take minutes to draw one: such a plot is not drawn, and summary.md has every value.
 MAX_PANELS = 24
@@ -248,9 +251,11 @@ def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xla
     banded = band is not None and all(len(series) <= MAX_BANDS for series in data.values())
     bars = bool(errors) and any(errors.values())
     fig, axes = _grid(len(data), title, xlabel, ylabel + (" (p50, band to p90)" if banded else "")
-                      + (", bars: 95% interval" if bars else ""))
+                      + (", bars: each job's 95% interval" if bars else ""))
+    clipped = False
     for ax, (name, series) in zip(axes, data.items()):
         ax.set_title(name, fontsize="small")
+        reach: List[Tuple[Any, float, str]] = []  # (x, top of its band or bar, variant)
         for label, points in series.items():
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", color=colours[label], label=label)
@@ -265,7 +270,30 @@ def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xla
             upper = dict(band.get(name, {}).get(label, [])) if banded else {}
             if upper and all(x in upper for x in xs):
                 ax.fill_between(xs, ys, [upper[x] for x in xs], color=colours[label], alpha=0.15, linewidth=0)
-    return _finish(fig, axes, path, *_legend(colours, _used(data, colours)), note, _xs(data))
+                reach += [(x, upper[x], label) for x in xs]
+            reach += [(x, hi, label) for x, _, (_, hi) in at]
+        clipped |= _clip(ax, series, reach, colours)
+    handles, labels = _legend(colours, _used(data, colours))
+    if clipped:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="0.3", marker="^", linestyle="none",
+                              label=f"band or bar past the axis (cut at {HEADROOM:g}x the highest line)"))
+        labels.append(handles[-1].get_label())
+    return _finish(fig, axes, path, handles, labels, note, _xs(data))
+
+
+def _clip(ax, series: Dict[str, Any], reach: Sequence[Tuple[Any, float, str]], colours: Dict[str, str]) -> bool:
+    """Cut the y axis at :data:`HEADROOM` x the highest line where a band or bar (``reach``: x, top,
+    variant) goes past it, a triangle in the variant's colour on each cut; True when one was cut."""
+    top = HEADROOM * max((y for points in series.values() for _, y in points), default=0.0)
+    past = [(x, label) for x, high, label in reach if high is not None and high > top]
+    if top <= 0 or not past:
+        return False
+    ax.set_ylim(0, top)
+    for x, label in past:
+        ax.plot([x], [top], marker="^", color=colours[label], linestyle="none", clip_on=False, zorder=5)
+    return True
 
 
 def _byte_unit(*datas: Panels) -> Tuple[str, int]:

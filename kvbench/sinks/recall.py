@@ -1,6 +1,8 @@
 """``task=recall`` records side by side: accuracy per condition for each variant, with its 95 %
 interval over seeds, each variant's gap to the first (MHA where there is one) in points with a
-Welch interval over seeds, and the KV bytes per token and decode step of the same models.
+Welch interval over seeds, the condition's floors (chance, and for MQAR the copy baseline: a model
+that copies any value of its context without knowing whose it is), and the KV bytes per token and
+decode step of the same models.
 
 The data only; console.py and report.py lay it out.
 """
@@ -13,6 +15,10 @@ from kvbench.measure.stats import seed_summary, welch_interval
 from kvbench.sinks.tables import Record, fmt
 from kvbench.views import RecordView
 
+# What the copy baseline column means, under every recall table.
+COPY_NOTE = ("copy baseline (MQAR): the accuracy of a model that copies any value of its context without learning "
+             "which key it belongs to, (1 + (P - 1) / M) / P for P pairs of M values: above chance, and a result "
+             "near it is no recall")
 # A row of tables.accuracy is one condition of one stage: these keys say which.
 _CONDITION_KEYS = ("stage", "kind", "num_pairs", "seq_len", "distance")
 
@@ -123,23 +129,24 @@ def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
 
 def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
     """(header, rows): a row per condition, a column per variant: accuracy [95 % interval] over
-    the pooled seeds; for every variant after the first its gap to the first; then chance, KV /
-    token and decode step (of the variant's first record)."""
+    the pooled seeds; for every variant after the first its gap to the first; the condition's
+    chance and copy baseline (``-`` where the record has none: passkey, or an older record); then
+    rows of KV / token and decode step (of the variant's first record)."""
     rows_by_variant = pooled(group)
     labels = list(rows_by_variant)
     first_record = {label: next(r for r in map(RecordView.of, group) if r.variant.label == label) for label in labels}
-    header = ["condition", *labels, *[f"{v} vs {labels[0]}" for v in labels[1:]]]
+    header = ["condition", *labels, *[f"{v} vs {labels[0]}" for v in labels[1:]], "chance", "copy baseline"]
     conditions = list(dict.fromkeys(c for cells in rows_by_variant.values() for c in cells))
     rows = []
     for cond in conditions:
         cells = {v: rows_by_variant[v][cond] for v in labels if cond in rows_by_variant[v]}
         base = cells.get(labels[0])
         gaps = [gap_text(base["per_seed"], cells[v]["per_seed"]) if base and v in cells else "-" for v in labels[1:]]
-        rows.append([_label(next(iter(cells.values()))), *[_cell(cells[v]) if v in cells else "-" for v in labels],
-                     *gaps])
-    pad = [""] * (len(labels) - 1)
+        first = next(iter(cells.values()))
+        rows.append([_label(first), *[_cell(cells[v]) if v in cells else "-" for v in labels], *gaps,
+                     fmt(first.get("chance"), "{:.3g}"), fmt(first.get("copy"), "{:.3f}")])  # chance 1e-04: passkey
+    pad = [""] * (len(labels) + 1)
     metrics = [first_record[v].metrics for v in labels]
-    rows.append(["chance", *[fmt(m.get("chance_accuracy"), "{:.3g}") for m in metrics], *pad])  # passkey: 1e-04
     rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
     rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
     return header, rows

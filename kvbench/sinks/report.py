@@ -31,18 +31,17 @@ from kvbench.sinks import recall as recall_sink
 from kvbench.sinks import serving as serving_sink
 from kvbench.sinks import serving_plots
 from kvbench.sinks.choose import RULES, choices
+from kvbench.sinks.comparison import UNTESTED, comparisons
 from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 from kvbench.sinks.tables import (
     AXES,
     COLUMNS,
     KIND_TITLES,
-    NOT_SIGNIFICANT,
     VARIANT_AXES,
     VARIANT_KEYS,
     Axis,
     by_kind,
-    comparisons,
     job_axes,
     job_cells,
     job_columns,
@@ -182,14 +181,16 @@ def _comparison_md(records, axes) -> List[str]:
     for comparison in comparisons(records, axes):
         header, rows, _ = comparison.table()
         lines += [f"### {_md_escape(comparison.title())}", "", *_md_table(header, rows, len(comparison.variants)), ""]
-        lines += [f"- {_md_escape(note)}" for note in comparison.notes] + ([""] if comparison.notes else [])
+        notes = comparison.legend() + comparison.notes
+        lines += [f"- {_md_escape(note)}" for note in notes] + ([""] if notes else [])
     if lines:
         lines = ["## Attention variants side by side", "",
-                 "Each metric of a variant with its ratio to MHA of the same row; one job per value (the "
-                 "median of its `runtime.repeats` trials). `[low, high]`: the value's 95% interval where the "
-                 f"record has one; a ratio marked *{NOT_SIGNIFICANT}* has intervals that overlap the "
-                 "baseline's. Separate jobs are separate processes: for a paired comparison in one process "
-                 "use `task=compare`.", ""] + lines
+                 "Each metric of a variant with its ratio to MHA of the same row: one job's value, or the median "
+                 "of a config's repeated jobs (`runtime.seed` repeats a config). Separate jobs run at different "
+                 "moments of the machine's load, which their own intervals leave out: a ratio of timed figures is "
+                 f"*{UNTESTED}* unless each config ran as 4 or more jobs interleaved in time with the baseline's, "
+                 "and is then tested on the spread between jobs. For ratios paired in one process use "
+                 "`task=compare`.", ""] + lines
     return lines
 
 
@@ -279,7 +280,8 @@ def _recall_md(records) -> List[str]:
     lines: List[str] = []
     for group in recall_sink.groups(records):
         header, rows = recall_sink.recall_table(group)
-        lines += [f"## {recall_sink.title(group)}", "", *_md_table(header, rows, len(header) - 1), ""]
+        lines += [f"## {recall_sink.title(group)}", "", *_md_table(header, rows, len(header) - 1), "",
+                  _md_escape(recall_sink.COPY_NOTE) + ".", ""]
     left_out = recall_sink.malformed(records)
     if left_out:
         lines += [f"{left_out} recall record{'s' if left_out > 1 else ''} left out: its accuracy table is malformed "

@@ -5,8 +5,8 @@
 - :func:`swept_axes`: the config keys whose value differs across a sweep;
 - :func:`variant`: a record's attention variant (``gqa kv=2``), the column of a comparison and
   the key of the plots' colours;
-- :func:`comparisons`: the view a person came for, the variants of each cell (every other
-  swept axis fixed) next to each other with each metric's ratio to MHA.
+- the view a person came for, the variants of each cell side by side with each metric's ratio
+  to MHA, is built from these in :mod:`kvbench.sinks.comparison`.
 
 Rendering is elsewhere (console.py: rich tables; report.py: markdown; plots.py: PNGs). Every
 value is written by :func:`value_text`, which takes the record, so that a value's interval
@@ -16,13 +16,13 @@ value is written by :func:`value_text`, which takes the record, so that a value'
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.results import flatten, record_view
 from kvbench.units import human_bytes
 from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
-from kvbench.views import RecordView, Variant, in_order
+from kvbench.views import RecordView
 
 # What a sink is handed: a record as report.collect reads it (a mapping), a RunResult or a view;
 # every sink reads it through :class:`~kvbench.views.RecordView`.
@@ -112,7 +112,7 @@ COLUMNS: Dict[str, List[Column]] = {
     # per condition: kvbench/sinks/recall.py
     "recall": [Column("accuracy", "recall acc", "{:.3f}", brief=True, compared=True),
                Column("accuracy_before_uptrain", "acc before uptrain", "{:.3f}", brief=True, compared=True),
-               Column("chance_accuracy", "chance", "{:.3f}"),
+               Column("chance_accuracy", "chance", "{:.3f}"), Column("copy_accuracy", "copy baseline", "{:.3f}"),
                Column("accuracy_seeds", "seeds", "{}", brief=True),
                Column("kv_bytes_per_token", "KV / token", "bytes", brief=True, compared=True),
                Column("decode_ms_p50", "decode p50 ms", "{:.3f}", brief=True, compared=True),
@@ -175,14 +175,8 @@ def with_interval(values: Mapping[str, Any], key: str, spec: str) -> str:
     return f"{text} [{fmt(ci[0], spec)}, {fmt(ci[1], spec)}]"
 
 
-def overlapping(a: Optional[Tuple[float, float]], b: Optional[Tuple[float, float]]) -> Optional[bool]:
-    """Whether two intervals overlap (None when either is unknown): measure.stats.overlap's rule,
-    here because sinks read records and import no measuring code."""
-    return None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
-
-
 NOT_SIGNIFICANT = "not significant"
-# A ratio whose variant or baseline has no interval (too few samples: measure/stats.py's rule) says
+# A paired ratio (task=compare) without an interval (too few rounds: measure/stats.py's rule) says
 # so: a bare ratio would read as a difference the data supports.
 NO_INTERVAL = "no interval"
 
@@ -270,143 +264,9 @@ def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -
     return ([fmt(view.get(key), "{}") for key, _ in axes], [value_text(view, c) for c in columns])
 
 
-# ---- the comparison ---------------------------------------------------------------------------------
+# ---- the variant ------------------------------------------------------------------------------------
 
 def variant(record: Record) -> str:
     """``mha kv=8``, ``gqa kv=2 w=1024 5:1``, ``mla r=32 int8``: the record's attention variant as
     every table and plot names it (:attr:`kvbench.views.Variant.label`)."""
     return RecordView.of(record).variant.label
-
-
-@dataclass
-class Cell:
-    """One combination of the swept axes other than the variant, and its jobs by variant."""
-
-    values: List[Any]
-    jobs: Dict[str, RecordView] = field(default_factory=dict)
-
-    def baseline(self) -> Optional[str]:
-        """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
-        KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype
-        and every layer's positions (no window)."""
-        ok = [(label, view.variant) for label, view in self.jobs.items() if view.ok]
-        if not ok:
-            return None
-        return max(ok, key=lambda item: (item[1].layout == "mha", item[1].num_kv_heads or 0,
-                                         not item[1].quantized, not item[1].windowed))[0]
-
-
-@dataclass
-class Comparison:
-    """The attention variants of one kind of job side by side: a block of rows per cell, a
-    column per variant, in each the metric's value and its ratio to the cell's baseline."""
-
-    kind: str
-    axes: List[Axis]
-    variants: List[str]
-    columns: List[Column]
-    cells: List[Cell]
-    notes: List[str] = field(default_factory=list)
-
-    def ratio(self, cell: Cell, label: str, column: Column) -> Optional[float]:
-        base, rec = cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label)
-        if base is None or rec is None or label == cell.baseline() or not rec.ok:
-            return None
-        a, b = (r.number(column.key) for r in (rec, base))
-        return a / b if a is not None and b else None
-
-    def text(self, cell: Cell, label: str, column: Column) -> str:
-        rec = cell.jobs.get(label)
-        if rec is None:
-            return ""
-        if not rec.ok:
-            return rec.status
-        ratio = ratio_text(self.ratio(cell, label, column))
-        overlaps = self.overlaps(cell, label, column)
-        if ratio and overlaps is None and self.sampled(cell, label, column):
-            ratio += f", {NO_INTERVAL}"
-        elif ratio and overlaps:
-            ratio += f", {NOT_SIGNIFICANT}"
-        return value_text(rec, column) + (f" ({ratio})" if ratio else "")
-
-    def overlaps(self, cell: Cell, label: str, column: Column) -> Optional[bool]:
-        """Whether the variant's interval of ``column`` overlaps the baseline's (None when either
-        record has no interval): then their difference is not significant."""
-        base, rec = cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label)
-        if base is None or rec is None:
-            return None
-        return overlapping(rec.interval(column.key), base.interval(column.key))
-
-    def sampled(self, cell: Cell, label: str, column: Column) -> bool:
-        """Whether ``column`` is a statistic of samples (a timed column, or its records declare an
-        interval for it, given or null), so that a ratio without intervals must say it has none;
-        bytes and counts are exact."""
-        records = (cell.jobs.get(cell.baseline() or ""), cell.jobs.get(label))
-        return column.sampled or any(r is not None and r.declares_interval(column.key) for r in records)
-
-    def variant_of(self, label: str) -> Variant:
-        """The variant a column's label names."""
-        return next(c.jobs[label].variant for c in self.cells if label in c.jobs)
-
-    def baselines(self) -> List[str]:
-        labels = {b for b in (c.baseline() for c in self.cells) if b}
-        return in_order(list(labels), {label: self.variant_of(label) for label in labels})
-
-    def title(self) -> str:
-        bases = self.baselines()
-        to = (f"{bases[0]} of the same row" if len(bases) == 1
-              else "the row's MHA, else its variant with the most KV heads: see 'ratio to'")
-        return f"{KIND_TITLES.get(self.kind, self.kind)}: attention variants side by side, value (ratio to {to})"
-
-    def table(self) -> Tuple[List[str], List[List[str]], List[int]]:
-        """(header, rows, index of the first row of each cell): the axes' values on a cell's
-        first row only, then the metric, then one column per variant."""
-        several = len(self.baselines()) > 1
-        header = [t for _, t in self.axes] + (["ratio to"] if several else []) + ["metric"] + self.variants
-        rows: List[List[str]] = []
-        starts: List[int] = []
-        for cell in self.cells:
-            columns = [c for c in self.columns
-                       if any(r.metric(c.key) is not None for r in cell.jobs.values())]
-            starts.append(len(rows))
-            for i, column in enumerate(columns):
-                first = [fmt(v, "{}") for v in cell.values] + ([cell.baseline() or "-"] if several else [])
-                rows.append((first if i == 0 else [""] * len(first))
-                            + [column.title] + [self.text(cell, label, column) for label in self.variants])
-        return header, rows, starts
-
-
-def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None) -> List[Comparison]:
-    """One :class:`Comparison` per kind of job whose records hold two or more attention
-    variants of one cell; ``axes`` default to :func:`swept_axes` of the records."""
-    axes = list(axes) if axes is not None else swept_axes(records)
-    out = []
-    for kind_name, group in by_kind(records).items():
-        if kind_name == "compare":  # its variants are inside each record: interleaved_table
-            continue
-        cell_axes = [a for a in job_axes(group, axes) if a[0] not in VARIANT_KEYS + ("task", "workload.name")]
-        cells: Dict[str, Cell] = {}
-        notes = []
-        for view in map(RecordView.of, group):
-            values = [view.get(key) for key, _ in cell_axes]
-            cell = cells.setdefault(repr(values), Cell(values))
-            label = view.variant.label
-            if label in cell.jobs:  # two jobs with one config: show the first, say so
-                notes.append(f"jobs {cell.jobs[label].job} and {view.job} have the same config "
-                             f"({label}{''.join(f', {t}={v}' for (_, t), v in zip(cell_axes, values))}); "
-                             f"job {cell.jobs[label].job} is shown")
-                continue
-            cell.jobs[label] = view
-        if not any(sum(r.ok for r in c.jobs.values()) >= 2 for c in cells.values()):
-            continue
-        # A variant with no ok job anywhere (an invalid KV-head count) has nothing to compare.
-        ran = {label: r.variant for c in cells.values() for label, r in c.jobs.items() if r.ok}
-        failed = sorted({f"{label} ({r.status}, job {r.job})" for c in cells.values()
-                         for label, r in c.jobs.items() if label not in ran}, key=natural)
-        if failed:
-            notes.append("not compared, no ok job: " + ", ".join(failed))
-        variants = in_order(list(ran), ran)
-        ordered = sorted(cells.values(), key=lambda c: [natural(repr(v)) for v in c.values])
-        out.append(Comparison(kind_name, cell_axes, variants, [c for c in COLUMNS[kind_name] if c.compared]
-                              if kind_name in COLUMNS else [], ordered, notes))
-    return out

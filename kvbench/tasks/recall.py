@@ -35,7 +35,7 @@ from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import AttentionConfig
 from kvbench.progress import Progress
-from kvbench.quality.recall import Condition, accuracy, chance, eval_set, train_stream
+from kvbench.quality.recall import Condition, accuracy, chance, copy_baseline, eval_set, train_stream
 from kvbench.quality.train import train
 from kvbench.recall_config import RecallConfig
 from kvbench.results import RunResult
@@ -57,6 +57,10 @@ METRICS: Dict[str, Metric] = metric_table(
            "before uptraining (as accuracy)"),
     Metric("chance_accuracy", "ratio", "accuracy of a guess that sees no context, pooled as accuracy (1 / values "
            "for mqar, 10^-digits for passkey)"),
+    Metric("copy_accuracy", "ratio", "mqar only: accuracy of a model that answers each query with a value copied "
+           "from its context without learning which key it belongs to, pooled as accuracy ((1 + (P - 1) / M) / P "
+           "for P pairs of values drawn from M = V - V // 2): the floor a recall result must clear, far above "
+           "chance"),
     Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
            "model (its layout's formula) over its length"),
     Metric("decode_ms_p50", "ms", f"median of {DECODE_STEPS} batch-1 decode steps after a prefill of the longest "
@@ -72,7 +76,8 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.accuracy", "", "one row per condition (and stage, with recall.uptrain_steps): kind, seq_len, "
            "num_pairs or distance, accuracy (mean over seeds), ci_low, ci_high (ci_seeds), seeds, per_seed (each "
            f"seed's accuracy, in seed order), solved (seeds with accuracy >= {stats.SOLVED_AT}), solved_rate (solved / "
-           "seeds) with solved_rate_ci_low, solved_rate_ci_high (solved_seeds), chance"),
+           "seeds) with solved_rate_ci_low, solved_rate_ci_high (solved_seeds), chance, copy (mqar: copy_accuracy's "
+           "value for the condition)"),
     Metric("tables.train_curve", "", "one row per logged training step of every seed (train.log_every): seed, stage "
            "(train | uptrain), step, train_loss (nats per answer token, mean over the steps since the last row), lr: "
            "whether a seed that scored low was still learning or stuck"),
@@ -174,7 +179,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
         for c in conds:
             row = {"stage": stage, "kind": c.kind, "seq_len": c.seq_len, "num_pairs": c.num_pairs,
                    "distance": c.distance, **summarise(per_seed[stage][c]), "per_seed": per_seed[stage][c],
-                   "chance": chance(c, r.vocab_size, r.digits)}
+                   "chance": chance(c, r.vocab_size, r.digits), "copy": copy_baseline(c, r.vocab_size)}
             rows.append({k: v for k, v in row.items() if v is not None or k in ("ci_low", "ci_high")})
     result.tables["accuracy"] = rows
     result.tables["train_curve"] = curve
@@ -188,6 +193,8 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     if converting:
         result.metrics["accuracy_before_uptrain"] = summarise(pooled["before_uptrain"])["accuracy"]
     longest = max(c.seq_len for c in conds)
+    if r.kind == "mqar":
+        result.metrics["copy_accuracy"] = sum(copy_baseline(c, r.vocab_size) for c in conds) / len(conds)
     result.metrics.update(
         chance_accuracy=sum(chance(c, r.vocab_size, r.digits) for c in conds) / len(conds),
         kv_bytes_per_token=cache_for(model, "static", 1, longest).nbytes / longest,

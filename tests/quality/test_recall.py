@@ -23,6 +23,7 @@ from kvbench.quality.recall import (
     Condition,
     accuracy,
     chance,
+    copy_baseline,
     eval_set,
     mqar,
     passkey,
@@ -120,6 +121,24 @@ def test_an_attending_model_recalls_and_a_model_blind_to_the_context_is_at_chanc
     assert blind <= chance(EASY["cond"], EASY["vocab"], 4) + 0.1
 
 
+def test_the_copy_baseline_is_what_copying_any_value_of_the_context_scores():
+    """Simulated on the task's own sequences: at each query one of the context's P values, picked
+    uniformly, against the target. Its accuracy is the formula's (1 + (P - 1) / M) / P: 0.273,
+    0.152, 0.112 at 4, 8, 12 pairs with V = 64, eight or more times chance (1/32)."""
+    gen = torch.Generator().manual_seed(0)
+    for pairs, expected in ((4, 0.273), (8, 0.152), (12, 0.112)):
+        cond = Condition("mqar", 40, num_pairs=pairs)
+        x, y = mqar(gen, 8000, 64, pairs, 40)
+        values = x[:, 1:2 * pairs:2]  # (N, P): v1 .. vP of each context
+        targets = y[y != IGNORE].reshape(len(x), pairs)  # (N, P): each query's answer
+        copied = values.gather(1, torch.randint(pairs, targets.shape, generator=gen))
+        simulated = (copied == targets).double().mean().item()
+        assert copy_baseline(cond, 64) == pytest.approx(expected, abs=5e-4)
+        assert simulated == pytest.approx(copy_baseline(cond, 64), abs=0.01)
+        assert copy_baseline(cond, 64) > 3 * chance(cond, 64, 4)
+    assert copy_baseline(Condition("passkey", 40, distance=8), 64) is None
+
+
 def test_intervals_over_seeds_are_the_t_interval():
     acc = [0.8, 0.9, 0.95]
     low, high = t_interval(acc, (0, 1))
@@ -150,9 +169,11 @@ def test_recall_record_carries_seeds_interval_costs(tmp_path):
         assert row["seeds"] == 3 and len(row["per_seed"]) == 3
         assert (row["ci_low"], row["ci_high"]) == pytest.approx(t_interval(row["per_seed"], (0, 1)))
         assert row["accuracy"] == pytest.approx(np.mean(row["per_seed"])) and row["chance"] == 1 / 16
+        assert row["copy"] == pytest.approx((1 + (row["num_pairs"] - 1) / 16) / row["num_pairs"])
     m = rec.metrics
     pooled = np.mean([r["per_seed"] for r in rows], axis=0)
     assert m["accuracy"] == pytest.approx(pooled.mean()) and m["accuracy_seeds"] == 3
+    assert m["copy_accuracy"] == pytest.approx(np.mean([r["copy"] for r in rows]))
     assert (m["accuracy_ci_low"], m["accuracy_ci_high"]) == pytest.approx(t_interval(pooled, (0, 1)))
     # MQA of 4 heads of 16 over 2 layers: K and V, one head, 4 bytes each
     assert m["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4 and m["num_kv_heads"] == 1
@@ -242,7 +263,7 @@ def test_a_windowed_variant_is_its_own_column_and_never_the_baseline():
     swa["config"]["attention"]["window"] = 8
     [group] = groups([swa, mha])
     header, rows = recall_table(group)
-    assert header == ["condition", "mha kv=4", "mha kv=4 w=8", "mha kv=4 w=8 vs mha kv=4"]
+    assert header == ["condition", "mha kv=4", "mha kv=4 w=8", "mha kv=4 w=8 vs mha kv=4", "chance", "copy baseline"]
     assert rows[0][2].startswith("0.250 ") and rows[0][3].startswith("-75.0 pts")
 
 
@@ -250,7 +271,7 @@ def _record(label_kv, per_seed_by_pairs):
     kind, kv = label_kv
     rows = [{"stage": "final", "kind": "mqar", "seq_len": 48, "num_pairs": p, "accuracy": float(np.mean(v)),
              "ci_low": t_interval(v, (0, 1))[0], "ci_high": t_interval(v, (0, 1))[1], "seeds": len(v),
-             "per_seed": v, "chance": 1 / 32} for p, v in per_seed_by_pairs.items()]
+             "per_seed": v, "chance": 1 / 32, "copy": (1 + (p - 1) / 32) / p} for p, v in per_seed_by_pairs.items()]
     return {"status": "ok", "job": kind, "config": {"task": "recall", "attention": {"type": kind, "num_kv_heads": kv},
                                                     "recall": {"kind": "mqar", "seeds": 3}, "train": {"steps": 9}},
             "metrics": {"chance_accuracy": 1 / 32, "kv_bytes_per_token": 128 * kv, "decode_ms_p50": 0.5},
@@ -263,11 +284,13 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     mha = _record(("mha", 4), {4: [1.0, 1.0, 1.0], 8: [0.99, 1.0, 0.98]})
     [group] = groups([mqa, mha, {"status": "error", "config": {"task": "recall"}}])
     header, rows = recall_table(group)
-    assert header == ["condition", "mha kv=4", "mqa kv=1", "mqa kv=1 vs mha kv=4"]
+    assert header == ["condition", "mha kv=4", "mqa kv=1", "mqa kv=1 vs mha kv=4", "chance", "copy baseline"]
     assert rows[0][0] == "pairs=4 len=48" and rows[0][1] == "1.000 [1.000, 1.000] (1.00 1.00 1.00)"
     ci = sps.ttest_ind([0.2, 0.3, 0.25], [0.99, 1.0, 0.98], equal_var=False).confidence_interval(0.95)
     assert rows[1][3] == f"{100 * (0.25 - 0.99):+.1f} pts [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]*"
-    assert [r[0] for r in rows[2:]] == ["chance", "KV / token", "decode p50 ms"] and rows[3][1:3] == ["512 B", "128 B"]
+    # each condition's floors beside it: chance, and the copy baseline a recall result must clear
+    assert [r[-2:] for r in rows[:2]] == [["0.0312", "0.273"], ["0.0312", "0.152"]]
+    assert [r[0] for r in rows[2:]] == ["KV / token", "decode p50 ms"] and rows[2][1:3] == ["512 B", "128 B"]
 
 
 def test_a_gap_interval_stays_within_the_points_a_difference_of_accuracies_can_take():

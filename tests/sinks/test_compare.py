@@ -6,10 +6,10 @@ import pytest
 from fake_sweep import VARIANTS, build_sweep, decode_ms
 
 from kvbench.results import lookup
+from kvbench.sinks.comparison import comparisons
 from kvbench.sinks.report import collect
 from kvbench.sinks.tables import (
     COLUMNS,
-    comparisons,
     fmt,
     job_columns,
     natural,
@@ -48,8 +48,8 @@ def test_every_value_and_ratio_is_the_records_own(records):
                 mha = by_key[(*cell.values, "mha kv=8")]["metrics"][column.key]
                 expected = fmt(rec["metrics"][column.key], column.spec)
                 if label != "mha kv=8":
-                    # a timed figure of hand-made records without intervals says it has none
-                    mark = ", no interval" if column.sampled else ""
+                    # a timed figure of separate jobs is not tested
+                    mark = ", untested" if column.sampled else ""
                     expected += f" ({rec['metrics'][column.key] / mha:#.3g}×{mark})"
                 assert comparison.text(cell, label, column) == expected
                 checked += 1
@@ -70,20 +70,23 @@ def test_rows_name_their_cell_once_and_ratios_say_their_baseline():
     header, rows, starts = comparison.table()
     # prompt 64 has no MHA: its ratios are to its variant with the most KV heads, and the table says so
     assert header == ["prompt", "ratio to", "metric", "mha kv=8", "gqa kv=4", "gqa kv=2", "mqa kv=1"]
-    assert rows == [["64", "gqa kv=4", "decode p50 ms", "", "2.000", "1.000 (0.500×, no interval)",
-                     "0.500 (0.250×, no interval)"],
-                    ["128", "mha kv=8", "decode p50 ms", "4.000", "", "oom", "1.000 (0.250×, no interval)"]]
+    assert rows == [["64", "gqa kv=4", "decode p50 ms", "", "2.000", "1.000 (0.500×, untested)",
+                     "0.500 (0.250×, untested)"],
+                    ["128", "mha kv=8", "decode p50 ms", "4.000", "", "oom", "1.000 (0.250×, untested)"]]
     assert starts == [0, 1]
     assert "the row's MHA, else its variant with the most KV heads" in comparison.title()
 
 
-def test_jobs_with_one_config_are_said_and_the_first_shown():
+def test_jobs_of_one_config_are_repeats_shown_as_their_median_and_counted():
+    """Two jobs of one config (two sweeps reported together, or runtime.seed swept) repeat it: the
+    cell shows their median and a jobs row says how many; too few repeats to test stay untested."""
     recs = [record("mha", 8, 64, job="0", decode_ms_p50=2.0), record("mqa", 1, 64, job="1", decode_ms_p50=1.0),
-            record("mqa", 1, 64, job="2", decode_ms_p50=9.0)]
+            record("mqa", 1, 64, job="2", decode_ms_p50=9.0), record("mqa", 1, 64, "oom", job="3")]
     [comparison] = comparisons(recs)
-    assert comparison.notes == ["jobs 1 and 2 have the same config (mqa kv=1); job 1 is shown"]
+    assert comparison.notes == []
     _, rows, _ = comparison.table()
-    assert rows == [["decode p50 ms", "2.000", "1.000 (0.500×, no interval)"]]
+    assert rows == [["decode p50 ms", "2.000", "5.000 (2.50×, untested)"], ["jobs", "1", "2 of 3 ok"]]
+    assert any(line.startswith("jobs: each value is the median") for line in comparison.legend())
 
 
 def test_no_comparison_without_two_variants_in_one_cell():

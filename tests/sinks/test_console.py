@@ -2,6 +2,7 @@
 side last) rendered as a person reads them, and progress lines where there is no terminal."""
 
 import io
+import sys
 
 import pytest
 from fake_sweep import build_sweep, decode_ms
@@ -38,8 +39,10 @@ def test_sweep_tables_are_per_kind_in_job_order_and_end_with_the_comparison(text
     first = rows.index(next(r for r in rows if r[:3] == ["1", "16", "TTFT ms"]))
     mha, gqa, mqa = (decode_ms(kv, 16) for kv in (8, 2, 1))
     # the cell's axes on its first row only; every variant of it side by side with its ratio to MHA
-    assert rows[first + 1] == ["", "", "decode p50 ms", f"{mha:.3f}", f"{gqa:.3f} ({gqa / mha:#.3g}×, no interval)",
-                               f"{mqa:.3f} ({mqa / mha:#.3g}×, no interval)"]
+    # separate jobs: the timed ratios are untested, and the legend under the table says why
+    assert rows[first + 1] == ["", "", "decode p50 ms", f"{mha:.3f}", f"{gqa:.3f} ({gqa / mha:#.3g}×, untested)",
+                               f"{mqa:.3f} ({mqa / mha:#.3g}×, untested)"]
+    assert "untested: separate jobs, whose own intervals leave out the drift between jobs" in compared
 
 
 def test_run_table_shows_only_what_the_job_measured():
@@ -74,3 +77,46 @@ def test_progress_prints_lines_where_there_is_no_terminal(monkeypatch):
     lines = captured.file.getvalue().splitlines()
     # every 25 // 10 = 2 ticks, and the last
     assert [line.split(" (")[0] for line in lines] == [f"  train: {n}/25 loss {n - 1}" for n in [*range(2, 25, 2), 25]]
+
+
+def test_piped_output_is_laid_out_at_100_columns_or_what_COLUMNS_says(monkeypatch):
+    assert console.piped_width({}) == console.PIPED_WIDTH == 100
+    assert console.piped_width({"COLUMNS": "80"}) == 80 and console.piped_width({"COLUMNS": " 132 "}) == 132
+    for junk in ("", "wide", "-1", "0", "5", "10**9"):  # not a width: the default, not a crash
+        assert console.piped_width({"COLUMNS": junk}) == 100
+    # what kvbench's own consoles get where stdout and stderr are a pipe or a file
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert console._console(False).width == console._console(True).width == 100
+    monkeypatch.setenv("COLUMNS", "80")
+    assert console._console(False).width == console._console(True).width == 80
+
+
+def test_the_sweep_tables_fit_the_piped_width(tmp_path):
+    """The fake sweep's tables (two axes, three variants, a chat) at the piped width: rich wraps a
+    long cell inside its column, so no line is wider than the output."""
+    records = collect(build_sweep(tmp_path))
+    out = Console(file=io.StringIO(), width=console.piped_width({}), highlight=False, color_system=None)
+    for table in console.sweep_tables(f"kvbench sweep {tmp_path}", records):
+        out.print(table)
+    lines = out.file.getvalue().splitlines()
+    assert max(map(len, lines)) <= 100 and any("attention variants side by side" in line for line in lines)
+
+
+def test_a_long_noisy_reason_is_a_line_under_the_run_table_not_a_wide_value_column():
+    reason = ("load average 7.93 before, 8.41 after on 2 usable CPUs: more runnable work than CPUs around the job "
+              "(timings are unreliable; rerun on an idle machine)")
+    record = {"status": "ok", "config": {"task": "bench", "workload": {"name": "decode", "prompt_len": 128}},
+              "metrics": {"decode_ms_p50": 0.474, "noisy": True, "noisy_reason": reason,
+                          "decode_ms_p99_warning": "decode_ms_p99 from 24 samples: fewer than the 100 p99 needs"}}
+    out = Console(file=io.StringIO(), width=100, highlight=False, color_system=None)
+    out.print(console.run_table(record))
+    lines = out.file.getvalue().splitlines()
+    table = [line for line in lines if line.startswith("│")]
+    # the values sit next to their keys: the table is as wide as its longest value, not the reason
+    assert table and max(map(len, table)) < 40
+    assert next(line for line in table if "decode p50 ms" in line).rstrip().endswith("0.474 │")
+    notes = " ".join(line for line in lines if not line.startswith(("│", "┏", "┃", "┡", "└", "┗", "kvbench")))
+    assert "noisy_reason: load average 7.93" in notes and "rerun on an idle machine" in notes
+    assert "decode_ms_p99_warning: decode_ms_p99 from 24 samples" in notes and max(map(len, lines)) <= 100

@@ -1,7 +1,7 @@
 """Intervals in the tables, plots and report, on hand-made records: a value shows its 95% interval
-where the record has one (and only then: older records have none), a ratio whose intervals
-overlap the baseline's is marked not significant, a task=compare record's table shows its paired
-ratios, and the decode plot draws the intervals as error bars."""
+where the record has one (and only then: older records have none), a ratio of separate jobs is
+untested whatever their own intervals, a task=compare record's table shows its paired ratios, and
+the decode plot draws the intervals as error bars."""
 
 import io
 
@@ -12,9 +12,10 @@ from rich.console import Console
 
 from kvbench.results import RunResult
 from kvbench.sinks import console
+from kvbench.sinks.comparison import UNTESTED, comparisons
 from kvbench.sinks.interleaved import interleaved_table
 from kvbench.sinks.report import MD_FILE, write_report
-from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Column, comparisons, value_text
+from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Column, value_text
 
 P50 = Column("decode_ms_p50", "decode p50 ms", "{:.3f}", sampled=True)
 
@@ -36,18 +37,19 @@ def test_a_value_shows_its_interval_only_where_the_record_has_one():
     assert value_text(decode("mha", 8, **ci(2.0, None, 2.25)), P50) == "2.000"
 
 
-def test_a_ratio_whose_intervals_overlap_is_not_significant():
+def test_a_ratio_of_separate_jobs_is_untested_whatever_their_own_intervals():
+    """A job's own interval leaves out the drift between jobs: overlapping or not, with or without
+    intervals, a ratio of two separate jobs makes no claim (and the side-by-side view shows no
+    within-job interval to be read as one)."""
     records = [decode("mha", 8, job="0", **ci(10.0, 9.5, 10.5)),
                decode("gqa", 2, job="1", **ci(10.2, 9.8, 10.6)),  # overlaps MHA's interval
                decode("mqa", 1, job="2", **ci(5.0, 4.8, 5.2)),  # clear of it
-               decode("gqa", 4, job="3", decode_ms_p50=7.0)]  # no interval: no verdict
+               decode("gqa", 4, job="3", decode_ms_p50=7.0)]  # no interval
     [comparison] = comparisons(records)
     [cell] = comparison.cells
     text = {label: comparison.text(cell, label, P50) for label in comparison.variants}
-    assert text == {"mha kv=8": "10.000 [9.500, 10.500]",
-                    "gqa kv=4": f"7.000 (0.700×, {NO_INTERVAL})",
-                    "gqa kv=2": f"10.200 [9.800, 10.600] (1.02×, {NOT_SIGNIFICANT})",
-                    "mqa kv=1": "5.000 [4.800, 5.200] (0.500×)"}
+    assert text == {"mha kv=8": "10.000", "gqa kv=4": f"7.000 (0.700×, {UNTESTED})",
+                    "gqa kv=2": f"10.200 (1.02×, {UNTESTED})", "mqa kv=1": f"5.000 (0.500×, {UNTESTED})"}
 
 
 def compare_record():
@@ -93,7 +95,7 @@ def test_the_report_shows_intervals_marks_overlap_and_lists_the_interleaved_comp
     write(tmp_path, "2", compare_record())
     write_report(tmp_path, plots=False)
     md = (tmp_path / MD_FILE).read_text()
-    assert f"10.200 [9.800, 10.600] (1.02×, {NOT_SIGNIFICANT})" in md
+    assert f"10.200 (1.02×, {UNTESTED})" in md
     section = md.split("## Interleaved comparisons (task=compare)")[1].split("\n## ")[0]
     assert "### job 2: 6 rounds" in section and f"0.950× [0.850, 1.05], {NOT_SIGNIFICANT}" in section
 
@@ -140,7 +142,8 @@ def test_an_interval_that_does_not_hold_its_point_is_drawn_not_refused(tmp_path)
 
 def test_no_ratio_of_a_timed_figure_reads_as_significant_without_intervals():
     """3 trials once marked GQA's TTFT 3.18x MHA's significant: with too few samples the records
-    carry no interval (and the reason), and the ratio says it has none."""
+    carry no interval (and the reason), and the ratio of separate jobs makes no claim; a paired
+    task=compare ratio without an interval says it has none."""
     records = [decode("mha", 8, job="0", prefill_ms=2.0, prefill_ms_ci_low=None, prefill_ms_ci_high=None,
                       prefill_ms_ci_reason="3 timed trials: a 95% interval of the 50% quantile needs at least 6"),
                decode("gqa", 2, job="1", prefill_ms=6.36, prefill_ms_ci_low=None, prefill_ms_ci_high=None),
@@ -148,9 +151,9 @@ def test_no_ratio_of_a_timed_figure_reads_as_significant_without_intervals():
     [comparison] = comparisons(records)
     [cell] = comparison.cells
     ttft = Column("prefill_ms", "TTFT ms", "{:.2f}")  # declared by its records' null interval fields
-    assert comparison.text(cell, "gqa kv=2", ttft) == f"6.36 (3.18×, {NO_INTERVAL})"
+    assert comparison.text(cell, "gqa kv=2", ttft) == f"6.36 (3.18×, {UNTESTED})"
     exact = Column("kv_cache_bytes", "KV", "{}")
-    assert NO_INTERVAL not in comparison.text(cell, "mqa kv=1", exact)  # bytes are exact: no interval to want
+    assert comparison.text(cell, "mqa kv=1", exact) == "100"  # bytes are exact: nothing to test
     header, rows = interleaved_table({"status": "ok", "config": {"compare": {"contexts": [64]}}, "tables": {"compare": [
         {"variant": "mha", "step_ms_ctx64": 1.0, "step_ratio_ctx64": 1.0},
         {"variant": "gqa", "step_ms_ctx64": 0.8, "step_ratio_ctx64": 0.8035, "step_ratio_ctx64_ci_low": None,
@@ -170,3 +173,34 @@ def test_a_value_is_written_in_the_unit_its_record_declares():
     assert value_text({**rec, "units": {}}, column) == "3.00 MiB"
     ms = Column("decode_ms_p50", "decode p50 ms", "{:.3f}")
     assert value_text({**rec, "metrics": {"decode_ms_p50": 1.23456}, "units": {"decode_ms_p50": "ms"}}, ms) == "1.235"
+
+
+def test_a_p90_far_above_the_medians_does_not_squash_the_lines(tmp_path):
+    """Under load one point's p90 was 20x its median: the band set the axis and every line lay
+    along the bottom. The axis now reaches 1.6x the highest median, and the cut band is marked."""
+    from kvbench.sinks.plots import HEADROOM
+
+    p50 = {("mha", 32): 2.0, ("mha", 64): 3.0, ("gqa", 32): 1.5, ("gqa", 64): 1.7}
+    records = [decode(kind, kv, prompt, str(i), decode_ms_p50=p50[kind, prompt],
+                      decode_ms_p90=p50[kind, prompt] * (20 if (kind, prompt) == ("gqa", 32) else 1.2))
+               for i, (kind, kv, prompt) in enumerate([("mha", 8, 32), ("mha", 8, 64), ("gqa", 2, 32), ("gqa", 2, 64)])]
+    for rec in records:
+        write(tmp_path, rec["job"], rec)
+    with saved_figures() as saved:
+        write_report(tmp_path, tmp_path / "out")
+    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
+    [ax] = fig.axes
+    bottom, top = ax.get_ylim()
+    assert bottom == 0 and top == pytest.approx(HEADROOM * 3.0)  # not the 30 ms of the p90
+    assert min(p50.values()) / top > 0.3  # every median in the upper two thirds' reach
+    marks = [line for line in ax.get_lines() if line.get_marker() == "^"]
+    assert [(list(m.get_xdata()), list(m.get_ydata())) for m in marks] == [([32], [pytest.approx(top)])]
+    assert any("past the axis" in text.get_text() for legend in fig.legends for text in legend.get_texts())
+    # a band within reach leaves the axis to matplotlib, as before: nothing cut, no mark
+    records[2]["metrics"]["decode_ms_p90"] = 1.5 * 1.2
+    write(tmp_path, "2", records[2])
+    with saved_figures() as saved:
+        write_report(tmp_path, tmp_path / "out")
+    [fig] = [f for f in saved if f.get_suptitle().startswith("Decode latency")]
+    assert not [line for line in fig.axes[0].get_lines() if line.get_marker() == "^"]
+    assert fig.axes[0].get_ylim()[1] == pytest.approx(3.6, rel=0.1)

@@ -3,7 +3,8 @@ variants under eight names (kvbench.model_config.variant_label, the one name), i
 order with each windowed variant after its full one, the ratios to MHA without a window, and a
 job table whose W column tells a windowed job from a full one."""
 
-from kvbench.sinks.tables import comparisons, job_axes, job_cells, swept_axes, variant
+from kvbench.sinks.comparison import comparisons
+from kvbench.sinks.tables import job_axes, job_cells, swept_axes, variant
 
 LAYOUTS = [("mha", 16, None), ("gqa", 4, None), ("mqa", 1, None), ("mla", 1, 256)]
 

@@ -9,9 +9,10 @@ import pytest
 from kvbench.results import RESULTS_FILE
 from kvbench.sinks import console, dashboard, recall, tracking
 from kvbench.sinks.choose import choices
+from kvbench.sinks.comparison import comparisons
 from kvbench.sinks.plots import palette, variants_of
 from kvbench.sinks.report import collect, write_report
-from kvbench.sinks.tables import comparisons, variant
+from kvbench.sinks.tables import variant
 from kvbench.views import RecordView
 
 # (attention, cache dtype, label), in the order the tables list them

@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from kvbench.cli_tools import report_main as main
 from kvbench.results import RunResult
+from kvbench.sinks.comparison import LEGEND, UNTESTED
 from kvbench.sinks.plots import (
     MHA_COLOUR,
     MQA_COLOUR,
@@ -101,8 +102,10 @@ def test_markdown_puts_the_variants_side_by_side_first_then_a_table_per_kind(rep
     assert header == "| B | prompt | metric | mha kv=8 | gqa kv=2 | mqa kv=1 |"
     # B=1, prompt=16: KV bytes 1/4 and 1/8 of MHA's, latency as the records say
     mha, gqa = decode_ms(8, 16), decode_ms(2, 16)
-    assert ("| 1 | 16 | TTFT ms | 32.00 | 32.00 (1.00×, no interval) | 32.00 (1.00×, no interval) |") in compared
-    assert f"|  |  | decode p50 ms | {mha:.3f} | {gqa:.3f} ({gqa / mha:#.3g}×, no interval) |" in compared
+    # separate jobs: a timed ratio is untested, and a legend line under the table says why
+    assert ("| 1 | 16 | TTFT ms | 32.00 | 32.00 (1.00×, untested) | 32.00 (1.00×, untested) |") in compared
+    assert f"|  |  | decode p50 ms | {mha:.3f} | {gqa:.3f} ({gqa / mha:#.3g}×, untested) |" in compared
+    assert f"- {LEGEND[UNTESTED]}" in compared
     kv = [human_bytes(kv_cache_bytes(2, h, 8, 16 + GEN, 1, 4)) for h in (8, 2, 1)]  # 24, 6, 3 KiB
     assert f"|  |  | KV cache | {kv[0]} | {kv[1]} (0.250×) | {kv[2]} (0.125×) |" in compared
     assert "not compared, no ok job: gqa kv=3 (invalid, job 12), gqa kv=None (missing, job 13)" in compared
