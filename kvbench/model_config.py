@@ -38,7 +38,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
     its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
     counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
-    global_every k reads (k-1):1), a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), a cache
+    dtype other than the compute dtype ``mha kv=8 int8``.
     ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
     kind = get("type")
@@ -48,6 +49,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
         ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
         if ratio and ratio[1]:
             label += f" {ratio[0]}:{ratio[1]}"
+    if get("sinks"):
+        label += " sinks"
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
