@@ -115,9 +115,10 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass
-class Variant:
-    """One attention variant of the comparison: its label (metric prefix), layout and model, and
-    what its attention weights are (``weights``: mha's, mean-pooled from them, or drawn)."""
+class VariantModel:
+    """The model of one attention variant of the comparison: its label (metric prefix), attention
+    config and model, and what its attention weights are (``weights``: mha's, mean-pooled from
+    them, or drawn). The variant as a record names it is :class:`kvbench.views.Variant`."""
 
     label: str
     attention: AttentionConfig
@@ -156,7 +157,7 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
     return build_decoder(base.config, attention, {**shared, **own}, device=base.device).eval(), how
 
 
-def variants(cfg: BenchConfig, base: Decoder) -> List[Variant]:
+def variants(cfg: BenchConfig, base: Decoder) -> List[VariantModel]:
     """``compare.variants`` of ``base`` (a model with one KV head per query head): :func:`variant_model`
     of each. A checkpoint's own window is left out of ``base``: each variant names its own."""
     H = base.config.num_heads
@@ -165,11 +166,11 @@ def variants(cfg: BenchConfig, base: Decoder) -> List[Variant]:
     if base.layouts.smallest_window() is not None:
         base = build_decoder(base.config, AttentionConfig(type="mha", num_kv_heads=H, window=0), base.state_dict(),
                              device=base.device).eval()
-    return [Variant(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
+    return [VariantModel(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
             for a in cfg.compare.attentions(cfg.model)]
 
 
-def window_split(runs: Sequence[Variant]) -> Optional[int]:
+def window_split(runs: Sequence[VariantModel]) -> Optional[int]:
     """The smallest window of any variant's local layer (None: no variant has one)."""
     return min((w for v in runs if (w := v.model.layouts.smallest_window()) is not None), default=None)
 
