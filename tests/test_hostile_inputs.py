@@ -1,0 +1,244 @@
+"""Hostile and careless model, checkpoint and task input (round 4): what a checkpoint directory
+holds against what its config.json says, a config.json's value types, a combination of task and
+layout whose model would not be the one its record names, and a job that could only fail after
+its expensive part. Each one is ``invalid`` with one line naming the key, value or file (or runs
+the model its record names); in process, through the config path the CLI composes."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import VOCAB, compose, deepseek_dir, hf_dir, llama_dir
+from safetensors.torch import load_file, save_file
+
+import kvbench.checkpoint as checkpoint
+from kvbench.checkpoint import CheckpointError, load_llama_dir
+from kvbench.config_errors import ConfigError
+from kvbench.jobs.runner import run_job
+from kvbench.model_config import ModelConfig
+
+FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2",
+        "runtime.warmup=0", "runtime.repeats=1"]
+
+
+INDEX_FILE = "model.safetensors.index.json"  # transformers' name (kvbench.hf_weights.INDEX_FILE)
+
+
+def job(tmp_path, *overrides):
+    return run_job(compose(*FAST, *overrides), tmp_path)
+
+
+def one_line(info) -> str:
+    [line] = str(info.value).splitlines()
+    return line
+
+
+# ---- which safetensors files, and which tensor of which file ------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One tiny random Llama, DeepSeek-V3 and Qwen3 each (save_pretrained), copied per test."""
+    base = tmp_path_factory.mktemp("hf")
+    return {"llama": llama_dir(base / "llama", 2, vocab_size=256)[0],
+            "deepseek": deepseek_dir(base / "deepseek", vocab_size=256)[0],
+            "qwen3": hf_dir(base / "qwen3", 2, family="qwen3", vocab_size=256, sliding_window=8,
+                            use_sliding_window=True, max_window_layers=1)[0]}
+
+
+def copy(checkpoints, tmp_path, family="llama"):
+    return shutil.copytree(checkpoints[family], tmp_path / family)
+
+
+def shard(path, files=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"), index=True):
+    """Split model.safetensors into two shards (layers 0 in the first, the rest in the second), as
+    save_pretrained writes a sharded checkpoint, with its index or without."""
+    tensors = load_file(path / "model.safetensors")
+    first = {k: v for k, v in tensors.items() if k.startswith("model.layers.0.")}
+    save_file(first, path / files[0], metadata={"format": "pt"})
+    save_file({k: v for k, v in tensors.items() if k not in first}, path / files[1], metadata={"format": "pt"})
+    (path / "model.safetensors").unlink()
+    if index:
+        weight_map = {k: files[0] if k in first else files[1] for k in tensors}
+        (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def logits(model):
+    tokens = torch.arange(12).reshape(1, 12) % 256
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_a_sharded_checkpoint_with_or_without_its_index_is_the_same_model(checkpoints, tmp_path):
+    whole = logits(load_llama_dir(checkpoints["llama"])[0])
+    with_index = copy(checkpoints, tmp_path)
+    shard(with_index)
+    assert torch.equal(logits(load_llama_dir(with_index)[0]), whole)
+    without = shutil.copytree(with_index, tmp_path / "without")
+    (without / INDEX_FILE).unlink()
+    assert torch.equal(logits(load_llama_dir(without)[0]), whole)
+
+
+def _duplicate_shards(path):
+    # two complete copies as the two shards of a series, no index: every tensor in both
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    shutil.copy(path / "model-00001-of-00002.safetensors", path / "model-00002-of-00002.safetensors")
+
+
+def _stray_file(path):
+    # a second file beside model.safetensors holding one of its weights with other values
+    save_file({"model.norm.weight": torch.zeros(32)}, path / "extra.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("plant, tensor, files", [
+    (_duplicate_shards, "lm_head.weight", ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")),
+    (_stray_file, "model.norm.weight", ("extra.safetensors", "model.safetensors")),
+])
+def test_a_tensor_in_two_files_is_invalid_naming_it_and_both_files(checkpoints, tmp_path, plant, tensor, files):
+    """The last file read used to win, and the run was ok: in model=hf_dir and in task=eval."""
+    path = copy(checkpoints, tmp_path)
+    plant(path)
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    line = one_line(info)
+    assert f"tensor {tensor} is in both {files[0]} and {files[1]}" in line and str(path) in line
+    for overrides in (["model=hf_dir", f"model.path={path}"],
+                      ["task=eval", f"train.checkpoint={path}", "train.eval_batches=1", "train.batch_size=1",
+                       "train.seq_len=8"]):
+        result = job(tmp_path / overrides[0].replace("=", "_"), *overrides)
+        assert result.status == "invalid", (overrides, result.status, result.error)
+        assert f"tensor {tensor} is in both {files[0]} and {files[1]}" in result.error
+
+
+@pytest.mark.parametrize("edit, needle", [
+    # the index places a tensor in the other shard than the one holding it
+    (lambda m: {**m, "model.norm.weight": "model-00001-of-00002.safetensors"},
+     f"{INDEX_FILE}: places it in model-00001-of-00002.safetensors, but tensor model.norm.weight is in "
+     "model-00002-of-00002.safetensors"),
+    # a tensor a shard holds that the index does not list
+    (lambda m: {k: v for k, v in m.items() if k != "model.norm.weight"},
+     f"{INDEX_FILE}: does not list it, but tensor model.norm.weight is in model-00002-of-00002.safetensors"),
+    # a file the index names that is not there
+    (lambda m: {**m, "model.norm.weight": "model-00003-of-00003.safetensors"},
+     f"{INDEX_FILE}: names model-00003-of-00003.safetensors, which is not in"),
+    # a tensor the index lists that no file holds
+    (lambda m: {**m, "model.layers.9.mlp.up_proj.weight": "model-00001-of-00002.safetensors"},
+     f"{INDEX_FILE}: places tensor model.layers.9.mlp.up_proj.weight in model-00001-of-00002.safetensors, "
+     "which does not hold it"),
+    # a path, not a file of the directory: the index must not send the reader elsewhere
+    (lambda m: {**m, "model.norm.weight": "../model-00002-of-00002.safetensors"},
+     "weight_map['model.norm.weight']='../model-00002-of-00002.safetensors': not a file name in"),
+    (lambda m: [1, 2], "no weight_map"),
+])
+def test_an_index_that_disagrees_with_the_files_is_invalid_naming_it(checkpoints, tmp_path, edit, needle):
+    path = copy(checkpoints, tmp_path)
+    shard(path)
+    index = json.loads((path / INDEX_FILE).read_text())
+    changed = edit(index["weight_map"])
+    (path / INDEX_FILE).write_text(json.dumps({**index, "weight_map": changed}))
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    assert needle in one_line(info)
+
+
+def test_a_missing_shard_is_named(checkpoints, tmp_path):
+    path = copy(checkpoints, tmp_path)
+    shard(path, index=False)
+    (path / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    assert "shard model-00001-of-00002.safetensors is missing (1 of 2 present)" in one_line(info)
+
+
+def test_a_config_of_100000_layers_over_2_layers_of_tensors_is_refused_before_anything_is_built(
+        checkpoints, tmp_path, monkeypatch):
+    """The footprint lets a narrow model of 100,000 layers through; the tensor check came after
+    building them (past a job's 120 s bound). The headers say 2 layers: refused from them."""
+    path = copy(checkpoints, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100_000}))
+
+    def built(*args, **kwargs):
+        raise AssertionError("a decoder was built for the checkpoint's config before its tensors were checked")
+
+    monkeypatch.setattr(checkpoint, "_expected_tensors", built)
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    assert one_line(info) == (f"{path / 'config.json'}: num_hidden_layers=100000, but the safetensors files hold "
+                              "tensors of layers 0, 1")
+
+
+def _drop(path, name):
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family, dropped, named", [
+    ("deepseek", "model.layers.1.self_attn.kv_b_proj.weight", "a DeepseekV3ForCausalLM (model_type deepseek_v3)"),
+    ("qwen3", "model.layers.0.self_attn.q_norm.weight", "a Qwen3ForCausalLM (model_type qwen3)"),
+    ("llama", "model.layers.1.mlp.up_proj.weight", "a LlamaForCausalLM (model_type llama)"),
+])
+def test_a_missing_tensor_names_the_checkpoints_own_architecture(checkpoints, tmp_path, family, dropped, named):
+    """A DeepSeek checkpoint with a tensor missing was called 'a Llama decoder'."""
+    path = copy(checkpoints, tmp_path, family)
+    _drop(path, dropped)
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    line = one_line(info)
+    assert f"tensor names do not match {named} as {path / 'config.json'} describes it" in line
+    assert "missing ['blocks." in line
+    assert family == "llama" or "Llama" not in line
+
+
+# ---- config.json: every value read is of its JSON type ------------------------------------
+
+@pytest.mark.parametrize("family, key, value", [
+    ("deepseek", "qk_nope_head_dim", "6"),    # was: TypeError: can only concatenate str (not "int") to str
+    ("deepseek", "qk_rope_head_dim", "4"),
+    ("deepseek", "kv_lora_rank", "16"),
+    ("deepseek", "q_lora_rank", "twelve"),
+    ("deepseek", "first_k_dense_replace", "2"),
+    ("deepseek", "rope_interleave", "false"),
+    ("deepseek", "hidden_size", "32"),         # OmegaConf converted it silently
+    ("qwen3", "max_window_layers", "1"),       # (without layer_types) was: TypeError: '>=' not supported
+    ("qwen3", "sliding_window", "8"),
+    ("qwen3", "use_sliding_window", "yes"),
+    ("qwen3", "head_dim", 8.0),
+    ("qwen3", "tie_word_embeddings", "false"),  # a non-empty string tied the head to the embedding
+    ("qwen3", "rms_norm_eps", "1e-6"),
+    ("qwen3", "max_position_embeddings", [64]),
+    ("llama", "architectures", "LlamaForCausalLM"),
+])
+def test_a_value_of_the_wrong_json_type_in_config_json_is_one_line_naming_key_and_value(
+        checkpoints, tmp_path, family, key, value):
+    path = copy(checkpoints, tmp_path, family)
+    config = json.loads((path / "config.json").read_text())
+    if key == "max_window_layers":  # read only where layer_types (transformers >= 5 writes it) is not
+        del config["layer_types"]
+    (path / "config.json").write_text(json.dumps({**config, key: value}))
+    for load, prefix in ((lambda: load_llama_dir(path), f"{path / 'config.json'}: "),
+                         (lambda: ModelConfig(path=str(path)), f"model.path={str(path)!r}: {path / 'config.json'}: ")):
+        with pytest.raises(ConfigError) as info:
+            load()
+        line = one_line(info)
+        assert line.startswith(f"{prefix}{key}={value!r}: must be "), line
+        assert "TypeError" not in line
+
+
+@pytest.mark.parametrize("rope, key", [
+    ({"rope_type": "default", "rope_theta": "500"}, "rope_parameters.rope_theta='500'"),
+    ({"rope_type": "linear", "factor": "2"}, "rope_parameters.factor='2'"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": "32"}, "rope_parameters.beta_fast='32'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192.5}, "rope_parameters.original_max_position_embeddings=8192.5"),
+    ({"rope_type": 3}, "rope_parameters.rope_type=3"),
+])
+def test_a_rope_value_of_the_wrong_type_names_its_nested_key(rope, key):
+    hf = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48, "vocab_size": VOCAB,
+          "max_position_embeddings": 64, "rope_parameters": rope}
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_hf_config(hf, "ck/config.json")
+    assert one_line(info).startswith(f"ck/config.json: {key}: must be ")
