@@ -91,7 +91,8 @@ def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
 def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
     """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
     (complex rotation), V3 with ``rope_interleave`` (its default)."""
-    return "DeepseekV2ForCausalLM" in _get(cfg, "architectures", "list", []) or _get(cfg, "rope_interleave", "bool", True)
+    v2 = "DeepseekV2ForCausalLM" in _get(cfg, "architectures", "list", [])
+    return v2 or _get(cfg, "rope_interleave", "bool", True)
 
 
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
@@ -169,7 +170,7 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
                               ("rope_attention_factor", "attention_factor")):
             if _get(rope, hf_name, "number", None, prefix):  # transformers reads each with `or` its default
                 out[name] = rope[hf_name]
-    elif _get(rope, "mscale_all_dim", "number", None, prefix):  # DeepSeek's softmax scale reads it for any rope type but default
+    elif _get(rope, "mscale_all_dim", "number", None, prefix):  # DeepSeek's softmax scale: any rope type but default
         out["rope_mscale_all_dim"] = rope["mscale_all_dim"]
     return out
 
