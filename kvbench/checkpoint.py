@@ -34,7 +34,7 @@ from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write
 from kvbench.model import Decoder, rope_tables, torch_dtype
-from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig
+from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -250,27 +250,43 @@ def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, att
 
 
 def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]:
-    """``model`` (a loaded checkpoint) as ``attention`` asks for it, and how: KV heads repeated
-    or mean-pooled (:func:`kv_conversion`); a latent (MLA) model only as itself, in the decode
-    form asked for. A latent asked of a K/V-head model, or K/V heads of a latent one, or other
-    ranks, is a CheckpointError naming the key (conversions between them are not built)."""
+    """``model`` (a loaded checkpoint) as ``attention`` (resolved) asks for it, and how: KV heads
+    repeated or mean-pooled (:func:`kv_conversion`); a latent (MLA) model only as itself, in the
+    decode form asked for; either with ``attention``'s window pattern (another window over the
+    same weights is only a mask), so the model run is the one the record names. A latent asked
+    of a K/V-head model, or K/V heads of a latent one, or other ranks, is a CheckpointError naming
+    the key (conversions between them are not built)."""
+    how = "none"
     if not (attention.latent or model.attention.latent):
         how = kv_conversion(model.num_kv_heads, attention.num_kv_heads)
-        return (model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)), how
-    if not model.attention.latent:
+        model = model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)
+    elif not model.attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint has {model.num_kv_heads} K/V heads; "
                               "converting it to multi-head latent attention is not built")
-    if not attention.latent:
+    elif not attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
                               "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
-    for name in MLA_FIELDS:
+    for name in MLA_FIELDS if attention.latent else ():
         asked, own = getattr(attention, name), getattr(model.attention, name)
         if asked != own:
             raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
-    for block in model.blocks:
-        block.attn.absorbed = attention.mla_decode == "absorbed"
-    model.attention = replace(model.attention, mla_decode=attention.mla_decode)
-    return model, "none"
+    if attention.layer_windows(model.config.num_layers) != model.layer_windows:
+        pattern = replace(model.attention, **_window_fields(model.config, attention))
+        model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
+    if attention.latent:
+        for block in model.blocks:
+            block.attn.absorbed = attention.mla_decode == "absorbed"
+        model.attention = replace(model.attention, mla_decode=attention.mla_decode)
+    return model, how
+
+
+def _window_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str, Any]:
+    """The window fields that make a model of ``config`` have ``attention``'s (resolved) window
+    pattern: for none, window 0 where ``config`` has a window of its own (null would bring it back)."""
+    if attention.window:
+        return {"window": attention.window, "global_every": attention.global_every,
+                "layer_types": attention.layer_types}
+    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": None}
 
 
 # ---- changing the KV-head count ------------------------------------------------------------
@@ -312,5 +328,6 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
             else:
                 heads = w.view(old, D, -1).repeat_interleave(num_kv_heads // old, dim=0)
             state[name] = heads.reshape(num_kv_heads * D, *w.shape[1:])  # (H_kv, D, C) -> (H_kv * D, C)
-    attention = AttentionConfig.for_heads(model.config.num_heads, num_kv_heads)
+    attention = replace(model.attention, type=attention_type(model.config.num_heads, num_kv_heads),
+                        num_kv_heads=num_kv_heads, **_window_fields(model.config, model.attention))  # the same windows
     return build_decoder(model.config, attention, state, device=model.device)

@@ -37,7 +37,7 @@ from kvbench.model_config import (  # noqa: F401 (variant_label, variant_key: re
     variant_key,
     variant_label,
 )
-from kvbench.recall_config import RecallConfig
+from kvbench.recall_config import RecallConfig, check_recall_run
 from kvbench.serving_config import check_serving_run
 from kvbench.workload_config import WORKLOADS, WorkloadConfig  # noqa: F401 (re-exported)
 
@@ -333,6 +333,11 @@ class BenchConfig:
             self._check_capacity()
         if w.name == "serving" and self.task == "bench":
             check_serving_run(self)
+        if self.task == "recall":
+            check_recall_run(self.recall, self.model.max_seq_len, self.model.num_heads, self.attention)
+        if self.task == "train":  # train.init_from's checkpoint must have the model's max_seq_len (quality/train.py)
+            check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", self.train.seq_len,
+                  f"longer than model.max_seq_len={self.model.max_seq_len}")
         length_key = {"multiturn": "workload.system_len", "serving": "workload.prompt"}.get(w.name,
                                                                                            "workload.prompt_len")
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts

@@ -242,3 +242,139 @@ def test_a_rope_value_of_the_wrong_type_names_its_nested_key(rope, key):
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf_config(hf, "ck/config.json")
     assert one_line(info).startswith(f"ck/config.json: {key}: must be ")
+
+
+# ---- the model run is the one the record names -------------------------------------------
+
+TRAIN = ["model=train_small", "model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.preset_kv_heads=4",
+         "model.ffn_dim=64", "model.max_seq_len=64", "train.batch_size=2", "train.seq_len=16", "train.eval_batches=1",
+         "train.eval_every=1", "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A kvbench checkpoint of task=train (MHA, no window) and the corpus it learnt."""
+    base = tmp_path_factory.mktemp("trained")
+    corpus = base / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    result = run_job(compose(*FAST, "task=train", "train.steps=2", f"data.path={corpus}", *TRAIN), base / "train")
+    assert result.status == "ok", result.error
+    return base / "train" / "checkpoint.pt", corpus
+
+
+@pytest.mark.parametrize("overrides, windows, kv", [
+    (["attention.window=8"], [8, 8], 4),
+    (["attention=gqa", "attention.num_kv_heads=2", "attention.window=8", "attention.global_every=2"], [8, None], 2),
+])
+def test_train_init_from_trains_and_saves_the_window_its_record_names(trained, tmp_path, overrides, windows, kv):
+    """It recorded window 8 and trained and saved a model without it."""
+    checkpoint_path, corpus = trained
+    result = job(tmp_path, "task=train", f"train.init_from={checkpoint_path}", "train.steps=1", f"data.path={corpus}",
+                 *TRAIN, *overrides)
+    assert result.status == "ok", result.error
+    assert result.config["attention"]["window"] == 8
+    saved = checkpoint.load_checkpoint(tmp_path / "checkpoint.pt")
+    assert saved.layer_windows == windows and saved.num_kv_heads == kv
+    assert saved.attention.window == 8
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["attention=mla"], "attention.type='mla': the checkpoint has 4 K/V heads"),
+    (["attention=gqa", "attention.num_kv_heads=3"], "attention.num_kv_heads=3"),
+])
+def test_train_init_from_a_layout_its_checkpoint_cannot_become_is_invalid_before_training(
+        trained, tmp_path, monkeypatch, overrides, named):
+    import kvbench.quality.train as train_module
+
+    def trains(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(train_module, "train", trains)
+    checkpoint_path, corpus = trained
+    result = job(tmp_path, "task=train", f"train.init_from={checkpoint_path}", "train.steps=1", f"data.path={corpus}",
+                 *TRAIN, *overrides)
+    assert result.status == "invalid" and named in result.error.splitlines()[0]
+
+
+def test_a_checkpoint_directory_run_with_another_window_runs_that_window(checkpoints):
+    """model=hf_dir attention.window=4 recorded the window and ran the checkpoint without it."""
+    from kvbench.config import to_bench_config
+    from kvbench.tasks.common import build_model
+
+    cfg = to_bench_config(compose(*FAST, "model=hf_dir", f"model.path={checkpoints['llama']}", "attention.window=4"))
+    assert build_model(cfg, torch.device("cpu")).layer_windows == [4, 4]
+    # and a checkpoint's own window can be switched off (0), or kept (null)
+    qwen = ["model=hf_dir", f"model.path={checkpoints['qwen3']}"]
+    assert build_model(to_bench_config(compose(*FAST, *qwen, "attention.window=0")),
+                       torch.device("cpu")).layer_windows == [None, None]
+    assert build_model(to_bench_config(compose(*FAST, *qwen)), torch.device("cpu")).layer_windows == [None, 8]
+
+
+RECALL = ["task=recall", "model=tiny", "model.num_layers=2", "model.d_model=32", "model.num_heads=4",
+          "model.preset_kv_heads=4", "model.ffn_dim=64", "model.max_seq_len=32", "recall.vocab_size=16",
+          "recall.num_pairs=[2]", "recall.seq_len=[12]", "recall.seeds=1", "recall.eval_sequences=8",
+          "train.steps=1", "train.batch_size=2", "train.log_every=1"]
+
+
+@pytest.mark.parametrize("overrides", [["attention=mla"], ["attention=recall/mla"]])
+def test_recall_uptrain_of_an_mla_variant_is_refused_naming_the_key(tmp_path, monkeypatch, overrides):
+    """It scored a mean-pooled MQA model under the label MLA."""
+    import kvbench.tasks.recall as recall
+
+    monkeypatch.setattr(recall, "_fit", lambda *a, **k: (_ for _ in ()).throw(AssertionError("training started")))
+    result = job(tmp_path, *RECALL, *overrides, "recall.uptrain_steps=1")
+    assert result.status == "invalid"
+    [line] = result.error.splitlines()
+    assert line.startswith("recall.uptrain_steps=1: converts a trained MHA model by mean-pooling its K/V heads; "
+                           "attention=mla caches a latent")
+
+
+@pytest.mark.parametrize("overrides, windows", [
+    (["attention=gqa", "attention.num_kv_heads=2", "attention.window=4"], [4, 4]),
+    (["attention=mqa", "attention.window=4", "attention.layer_types=[full_attention,sliding_attention]"], [None, 4]),
+    (["attention=mqa"], [None, None]),
+])
+def test_recall_uptrain_scores_the_variant_with_its_window(tmp_path, monkeypatch, overrides, windows):
+    """With attention.window=4 it scored a model without its window under the windowed label."""
+    import kvbench.tasks.recall as recall
+
+    scored = []
+    real = recall._scores
+    monkeypatch.setattr(recall, "_scores", lambda model, *a: scored.append(
+        (model.layer_windows, model.num_kv_heads, model.attention.latent)) or real(model, *a))
+    result = job(tmp_path, *RECALL, *overrides, "recall.uptrain_steps=1")
+    assert result.status == "ok", result.error
+    kv = result.config["attention"]["num_kv_heads"]
+    assert scored == [(windows, kv, False)] * 2  # before and after uptraining: the variant both times
+
+
+def test_recall_at_the_models_full_length_times_its_decode_and_ends_ok(tmp_path):
+    """recall.seq_len == model.max_seq_len trained and scored every seed, then the closing decode
+    timing needed one more position: `error` after all the training."""
+    result = job(tmp_path, *RECALL, "attention=mha", "recall.seq_len=[12,32]")
+    assert result.status == "ok", result.error
+    assert result.metrics["decode_ms_p50"] > 0
+
+
+def test_the_recall_gpu_preset_runs_at_its_own_lengths(tmp_path):
+    """experiment=recall_gpu (seq_len 512 = max_seq_len 512) failed every job after its training;
+    its shapes kept, its budget cut to a step."""
+    cfg = compose("experiment=recall_gpu", "attention=recall/swa", "wandb=disabled", "runtime.isolate=false",
+                  "runtime.device=cpu", "train.steps=1", "train.batch_size=1", "train.warmup_steps=1",
+                  "recall.seeds=1", "recall.eval_sequences=2", "recall.num_pairs=[16]")
+    assert max(cfg.recall.seq_len) == cfg.model.max_seq_len == 512
+    result = run_job(cfg, tmp_path)
+    assert result.status == "ok", result.error
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["task=train", "train.seq_len=65", "model.max_seq_len=64"], "train.seq_len=65: longer than model.max_seq_len=64"),
+    ([*RECALL, "recall.seq_len=[12,40]"], "recall.seq_len=[12, 40]: longer than model.max_seq_len=32"),
+])
+def test_a_length_past_the_model_is_refused_when_the_config_is_typed(overrides, line):
+    """Found before the job's data, checkpoint or first step (the config, as a sweep types each job)."""
+    from kvbench.config import to_bench_config
+
+    with pytest.raises(ConfigError) as info:
+        to_bench_config(compose(*FAST, *overrides))
+    assert one_line(info) == line
