@@ -378,3 +378,115 @@ def test_a_length_past_the_model_is_refused_when_the_config_is_typed(overrides, 
     with pytest.raises(ConfigError) as info:
         to_bench_config(compose(*FAST, *overrides))
     assert one_line(info) == line
+
+
+# ---- a record's figures agree with each other and with physics ----------------------------
+
+@pytest.mark.parametrize("workload", ["decode", "multiturn"])
+def test_a_run_without_a_cache_records_that_it_holds_nothing(tmp_path, workload):
+    """cache.impl=none was ok with kv_cache_bytes=0 beside a formula of the layout's bytes, which
+    the record's own plausibility check called implausible."""
+    result = job(tmp_path, "model=tiny", "cache.impl=none", f"workload={workload}")
+    assert result.status == "ok", result.error
+    assert result.metrics["kv_cache_bytes"] == result.metrics["kv_cache_bytes_formula"] == 0
+    assert result.implausible == []
+    assert "cache.impl=none: 0, it holds nothing" in result.methods["kv_cache_bytes_formula"] or workload != "decode"
+    static = job(tmp_path / "static", "model=tiny", "cache.impl=static")
+    assert static.metrics["kv_cache_bytes"] == static.metrics["kv_cache_bytes_formula"] > 0
+
+
+PROBE = {"copy_gb_per_s": 11.0, "gemv_gb_per_s": 17.0, "matmul_gflops": 90.0}
+
+
+@pytest.mark.parametrize("cached", [
+    {**PROBE, "gemv_gb_per_s": 1e9},   # was the roofline's peak: percent_of_peak 6e-8, nothing implausible
+    {**PROBE, "copy_gb_per_s": 2e5},
+    {**PROBE, "matmul_gflops": 1e12},
+])
+def test_a_physically_impossible_cached_probe_is_probed_again(tmp_path, monkeypatch, cached):
+    from kvbench.measure import roofline
+
+    monkeypatch.setattr(roofline, "probe_bandwidth", lambda device: dict(PROBE))
+    cache = tmp_path / "bandwidth.json"
+    cache.write_text(json.dumps({roofline._machine_key(torch.device("cpu")): {**cached, "probed_at": "then"}}))
+    peaks = roofline.machine_peaks(torch.device("cpu"), None, cache)
+    assert (peaks["peak_gb_per_s"], peaks["peak_gflops"]) == (17.0, 90.0)
+    entry = json.loads(cache.read_text())[roofline._machine_key(torch.device("cpu"))]
+    assert {k: entry[k] for k in PROBE} == PROBE and entry["probed_at"] != "then"  # the probe replaced it
+    # a plausible entry is still trusted (no probe)
+    monkeypatch.setattr(roofline, "probe_bandwidth", lambda device: (_ for _ in ()).throw(AssertionError("probed")))
+    assert roofline.machine_peaks(torch.device("cpu"), None, cache)["peak_gb_per_s"] == 17.0
+
+
+def test_on_cuda_the_ceiling_is_the_devices_own_dram_rate(monkeypatch):
+    """An H100 SXM (memory clock 2.619 GHz, 5120-bit bus: 3.35 TB/s) caps a probe at twice that;
+    a driver that reports no clock leaves the ceiling every device shares."""
+    from types import SimpleNamespace
+
+    from kvbench.config import MAX_GB_PER_S
+    from kvbench.measure import roofline
+
+    h100 = SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
+    ceilings = roofline.physical_ceilings(torch.device("cuda"))
+    assert ceilings["gemv_gb_per_s"] == pytest.approx(2 * 2 * 2.619e9 * 640 / 1e9)  # 6,704 GB/s
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())
+    assert roofline.physical_ceilings(torch.device("cuda"))["gemv_gb_per_s"] == MAX_GB_PER_S
+    assert roofline.physical_ceilings(torch.device("cpu"))["matmul_gflops"] == roofline.MAX_GFLOPS
+
+
+def test_a_peak_no_device_reaches_is_refused_naming_the_key():
+    from kvbench.config import to_bench_config
+
+    with pytest.raises(ConfigError) as info:
+        to_bench_config(compose(*FAST, "runtime.peak_gb_per_s=1e9"))
+    assert one_line(info).startswith("runtime.peak_gb_per_s=1000000000.0: must be null or in (0, 1e+05] GB/s")
+    assert to_bench_config(compose(*FAST, "runtime.peak_gb_per_s=4800")).runtime.peak_gb_per_s == 4800
+
+
+# ---- one "KV / token" for a windowed layout ----------------------------------------------
+
+def test_kv_per_token_is_one_figure_at_a_stated_length_in_the_record_and_in_choose():
+    """experiment=choose printed 4.00 KiB for the hybrid in the jobs table (one position, the
+    window ignored) and 1.73 KiB in its recommendation table (the longest context's sequence)."""
+    from kvbench.config import to_bench_config
+    from kvbench.sinks.choose import KV_PER_TOKEN, choices
+    from kvbench.sinks.tables import fmt
+    from kvbench.tasks.capacity_search import kv_bytes, kv_bytes_per_token
+
+    cfg = to_bench_config(compose("experiment=choose", "attention=choose/hybrid", "serving=decode"))
+    per_token, positions = kv_bytes_per_token(cfg)
+    assert positions == 256 + 8  # the longest context + gen_len
+    # 8 layers of GQA-2 x head_dim 32, K and V in float32 (512 B a position): 2 global hold 264, 6 local a ring of 64
+    assert per_token == kv_bytes(cfg, 256, 1) / 264 == (2 * 264 + 6 * 64) * 512 / 264
+    assert fmt(per_token, "bytes") == "1.73 KiB"
+    full = to_bench_config(compose("experiment=choose", "attention=gqa", "serving=decode"))
+    assert kv_bytes_per_token(full) == (8 * 512, 264)  # no window: any one position's bytes (4.00 KiB)
+    record = {"job": "4", "status": "ok",
+              "config": {"task": "capacity", "model": {"name": "small"}, "workload": {"name": "decode", "gen_len": 8},
+                         "attention": {"type": "gqa", "num_kv_heads": 2, "window": 64, "global_every": 4}},
+              "metrics": {"max_batch_longest": 50, "kv_bytes_per_token": per_token,
+                          "kv_bytes_per_token_positions": positions},
+              "tables": {"capacity": [{"context": 256, "max_batch": 50}]}}
+    (choice,) = choices([record])
+    [row] = choice.rows
+    assert dict(zip(choice.header, row))[KV_PER_TOKEN] == fmt(per_token, "bytes") == "1.73 KiB"
+
+
+def test_inspect_per_token_of_a_windowed_model_follows_its_per_sequence():
+    """task=inspect of a windowed model: 'per token' ignored the window while 'per sequence' did not."""
+    from kvbench.config import to_bench_config
+    from kvbench.tasks.inspect import describe
+
+    cfg = to_bench_config(compose("model=gemma3_27b", "task=inspect", "runtime.dtype=bfloat16",
+                                  "workload.prompt_len=8191", "workload.gen_len=1"))
+    text = describe(cfg)
+    header = next(line for line in text.splitlines() if line.startswith("KV dtype"))
+    assert "per token (at 8192)" in header
+    per_sequence = (52 * 1024 + 10 * 8192) * 2 * 16 * 128 * 2  # 52 local layers hold W=1024, 10 global all
+    row = next(line for line in text.splitlines() if line.startswith("bfloat16"))
+    assert f"({per_sequence // 8192:,})" in row and f"({per_sequence:,})" in row
+    assert "per token (at 8192): per sequence / 8192; a local layer holds at most W" in text
+    # without a window the column is unchanged: any one position's bytes
+    plain = describe(to_bench_config(compose("model=llama2_7b", "task=inspect")))
+    assert next(line for line in plain.splitlines() if line.startswith("float16")).split()[1:3] == ["512.00", "KiB"]
