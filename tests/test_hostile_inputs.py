@@ -490,3 +490,27 @@ def test_inspect_per_token_of_a_windowed_model_follows_its_per_sequence():
     # without a window the column is unchanged: any one position's bytes
     plain = describe(to_bench_config(compose("model=llama2_7b", "task=inspect")))
     assert next(line for line in plain.splitlines() if line.startswith("float16")).split()[1:3] == ["512.00", "KiB"]
+
+
+@pytest.mark.parametrize("overrides, windows", [([], [8, 8]), (["attention.window=0"], [None, None]),
+                                                (["attention.window=4"], [4, 4])])
+def test_eval_of_a_windowed_kvbench_checkpoint_is_the_model_it_saved_unless_asked(trained, tmp_path, monkeypatch,
+                                                                                 overrides, windows):
+    """attention=model (the default) evaluates the checkpoint's own layout: its window too (it was
+    dropped, the record saying window null); another window is asked by name."""
+    import kvbench.quality.train as train_module
+    from kvbench.checkpoint import load_checkpoint, save_checkpoint, to_layout
+    from kvbench.model_config import AttentionConfig
+
+    checkpoint_path, corpus = trained
+    base = load_checkpoint(checkpoint_path)
+    windowed = to_layout(base, AttentionConfig(type="mha", window=8).resolved(base.config))[0]
+    path = save_checkpoint(tmp_path / "windowed.pt", windowed)
+    seen = []
+    real = train_module.evaluate
+    monkeypatch.setattr(train_module, "evaluate", lambda model, *a, **k: seen.append(model.layer_windows) or
+                        real(model, *a, **k))
+    result = job(tmp_path / "eval", "task=eval", f"train.checkpoint={path}", f"data.path={corpus}", *TRAIN, *overrides)
+    assert result.status == "ok", result.error
+    assert seen == [windows]
+    assert (result.config["attention"].get("window") or None) == windows[0]

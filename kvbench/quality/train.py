@@ -26,7 +26,7 @@ from kvbench.config import BenchConfig, TrainConfig
 from kvbench.config_errors import ConfigError
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import MLA_FIELDS, AttentionConfig
+from kvbench.model_config import MLA_FIELDS, AttentionConfig, MLAShape
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 from kvbench.results import CHECKPOINT_NAME  # the job directory's file names live with the record
 
@@ -260,8 +260,13 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
         raise ConfigError("train.checkpoint=None: task=eval needs a kvbench checkpoint file or a "
                           "transformers checkpoint directory (config.json + *.safetensors)")
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
-    saved = model.num_kv_heads
-    model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
+    saved, own = model.num_kv_heads, model.attention
+    # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's): its KV
+    # heads, window pattern and latent, so attention=model evaluates the model as it was saved
+    model.config = replace(model.config, preset_kv_heads=saved, preset_window=own.window or None,
+                           preset_global_every=own.global_every if own.window else None,
+                           preset_layer_types=own.layer_types if own.window else None,
+                           preset_mla=MLAShape(**{k: getattr(own, k) for k in MLA_FIELDS}) if own.latent else None)
     a = cfg.attention
     asked = {name: getattr(a, name) for name in MLA_FIELDS} if a.latent else {}
     attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
