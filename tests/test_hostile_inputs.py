@@ -514,3 +514,16 @@ def test_eval_of_a_windowed_kvbench_checkpoint_is_the_model_it_saved_unless_aske
     assert result.status == "ok", result.error
     assert seen == [windows]
     assert (result.config["attention"].get("window") or None) == windows[0]
+
+
+def test_a_capacity_search_without_a_cache_counts_no_kv_bytes():
+    """The probes' KV formula is what their cache holds: with cache.impl=none, nothing (its
+    recomputed K/V are part of the measured activations, not bytes of a cache it does not keep)."""
+    from kvbench.config import to_bench_config
+    from kvbench.tasks.capacity_search import kv_bytes, kv_bytes_per_token
+
+    cfg = to_bench_config(compose("experiment=choose", "attention=gqa", "serving=decode", "cache.impl=none",
+                                  "slo.tpot_x_batch1=null", "slo.tpot_ms=1000"))
+    assert kv_bytes(cfg, 256, 4) == 0 and kv_bytes_per_token(cfg) == (0, 264)
+    static = to_bench_config(compose("experiment=choose", "attention=gqa", "serving=decode"))
+    assert kv_bytes(static, 256, 4) == 4 * 264 * 8 * 512

@@ -122,9 +122,10 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
     """KV formula (:func:`kvbench.cache.kv_cache_bytes`, the one formula) of what the probe's cache
     holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
     a chat, ``context`` positions per conversation, of which the system prompt's are held once
-    when ``cache.shared``."""
+    when ``cache.shared``; ``cache.impl=none`` holds nothing (its recomputed K/V are activations)."""
     m, w = cfg.model, cfg.workload
-
+    if cfg.cache.impl == "none":
+        return 0
     heads, width, latent = cfg.attention.kv_dims(m)
 
     def held(positions: int, sequences: int) -> int:
