@@ -6,9 +6,9 @@ turns its contents into :class:`kvbench.model_config.ModelConfig` fields, refusi
 does not model (another architecture, MoE, multimodal, other rope types); a sliding window
 becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
 with one line naming the key. Every value read is checked against its JSON type where it is read
-(:func:`_get`): a string where a number belongs is one line naming the config.json key and the
-value (OmegaConf, which ``ModelConfig.from_hf_config`` types the fields with, would convert
-``"32"`` silently and name only its own key for ``"two"``; arithmetic on it raised a bare TypeError).
+(:func:`_get`), so a string where a number belongs is one line naming the config.json key and the
+value: OmegaConf, which ``ModelConfig.from_hf_config`` types the fields with afterwards, would
+convert ``"32"`` silently and name only its own key, and the arithmetic here would raise first.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ anything is built or loaded; :func:`load_tensors` then reads the tensors themsel
 
 A tensor name in two files, an index that names a file that is not there or places a tensor in a
 file that does not hold it, a shard of ``-NNNNN-of-MMMMM`` missing: each a :class:`CheckpointError`
-naming the tensor and the files. (Reading every file into one dict let the last file win: two
-copies of a shard, or a stray file beside ``model.safetensors``, ran ``ok`` with whichever tensors
-sorted last.)
+naming the tensor and the files, since reading every file into one dict would let the last file
+win (two copies of a shard, or a stray file beside ``model.safetensors``, would run with whichever
+tensors sorted last).
 """
 
 from __future__ import annotations

@@ -168,10 +168,10 @@ def _cached_probe(device: torch.device, cache_file: Path) -> Tuple[Dict[str, flo
 
 def physical_ceilings(device: torch.device) -> Dict[str, float]:
     """The most each probed rate can be on ``device``: a rate beyond is a cache entry edited or
-    miscomputed (1e9 GB/s was trusted as the roofline's peak). Bandwidth: config.MAX_GB_PER_S
-    anywhere, and on CUDA twice the device's DRAM rate from its memory clock and bus width (2
-    transfers a clock; twice, so that a part of the probe served from L2 never trips it) where
-    the driver reports them; float32 GEMM: :data:`MAX_GFLOPS`."""
+    miscomputed, and as the roofline's peak it would make every run look idle. Bandwidth:
+    config.MAX_GB_PER_S anywhere, and on CUDA twice the device's DRAM rate from its memory clock
+    and bus width (2 transfers a clock; twice, so that a part of the probe served from L2 never
+    trips it) where the driver reports them; float32 GEMM: :data:`MAX_GFLOPS`."""
     gb = MAX_GB_PER_S
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -210,8 +210,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             continue
         longest = _longest(rec) or {}
         # the record's figure, at the longest probe's length (tasks/capacity_search.kv_bytes_per_token);
-        # a record from before it stated that length gave a windowed layout's first position: the
-        # same definition from its longest row
+        # a record without kv_bytes_per_token_positions holds a windowed layout's first position
+        # instead: the same definition from its longest row
         kv_per_token = _m(rec, "kv_bytes_per_token")
         positions = (longest.get("context") or 0) + (rec.get("workload.gen_len") or 0)
         if (rec.variant.window and _m(rec, "kv_bytes_per_token_positions") is None

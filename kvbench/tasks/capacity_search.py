@@ -144,8 +144,7 @@ def kv_bytes_per_token(cfg: BenchConfig) -> Tuple[float, int]:
     positions (context + gen_len; a chat's positions per conversation). For a layout without a
     window that is any one position's bytes; a local layer's ring stops at W, so a windowed
     layout's bytes per token fall as the context grows and are given at this stated length: the
-    one definition the record, the jobs table and experiment=choose's table share (the first
-    window-blind one read 4.00 KiB for the hybrid beside choose's 1.73 KiB)."""
+    one definition the record, the jobs table and experiment=choose's table share."""
     context = contexts(cfg)[-1]
     positions = context if cfg.workload.name == "multiturn" else context + cfg.workload.gen_len
     return kv_bytes(cfg, context, 1) / positions, positions

@@ -99,7 +99,7 @@ def summarise(per_seed: List[float]) -> Dict[str, Any]:
 
 def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
     """The model scored is the layout its label names (heads or latent, window pattern): a
-    conversion that dropped either once scored another model under the variant's label."""
+    conversion that dropped either would score another model under the variant's label."""
     n = model.config.num_layers
     own = (model.attention.latent, model.num_kv_heads, model.layer_windows)
     if own != (attention.latent, attention.num_kv_heads, attention.layer_windows(n)):
@@ -122,8 +122,7 @@ def _fit(model: Decoder, cfg: BenchConfig, steps: int, seed: int, conds: List[Co
 def decode_step_ms(model: Decoder, length: int, vocab_size: int, device: torch.device) -> float:
     """Median batch-1 decode step over the last positions of a ``length``-token sequence (a
     prefill of the ones before, one warm-up step, then up to DECODE_STEPS timed): it needs no
-    position past ``length``, so a recall.seq_len of model.max_seq_len can be timed (one more
-    position once ended every such job in ``error`` after all its training)."""
+    position past ``length``, so a recall.seq_len of model.max_seq_len is timed like any other."""
     steps = max(1, min(DECODE_STEPS, length - 2))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab_size, (1, length - steps - 1), generator=gen).to(device)

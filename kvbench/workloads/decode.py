@@ -226,8 +226,8 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     prompt = torch.randint(0, cfg.model.vocab_size, (w.batch_size, w.prompt_len), generator=generator)
     prompt = prompt.to(device)
     heads, width, latent = cfg.attention.kv_dims(cfg.model)
-    # what this run's cache holds: cache.impl=none holds nothing (a formula of the layout's bytes
-    # beside kv_cache_bytes=0 was a record its own plausibility check called implausible)
+    # what this run's cache holds: cache.impl=none holds nothing, and the layout's bytes beside
+    # kv_cache_bytes=0 would contradict the allocation (and the plausibility check)
     metrics["kv_cache_bytes_formula"] = 0 if cfg.cache.impl == "none" else kv_cache_bytes(
         cfg.model.num_layers, heads, width, seq_len, w.batch_size, DTYPE_BYTES[rt.dtype], cfg.cache.dtype,
         cfg.attention.layer_windows(cfg.model.num_layers), latent=latent)
