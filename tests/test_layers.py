@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["config_errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
      "attention", "serving.trace", "progress"],
-    ["hf_config", "serving.record"],
+    ["hf_config", "hf_weights", "serving.record"],
     ["model_config", "recall_config", "capacity_config", "serving_config"],
     ["workload_config"],
     ["config", "serving.arrivals"],

@@ -32,12 +32,15 @@ def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: 
                     batch_size: int, num_heads: Optional[int] = None,
                     windows: Optional[List[Optional[int]]] = None, latent: bool = False,
                     mha: Optional[Tuple[int, int, int]] = None) -> List[dict]:
-    """KV bytes per token (all layers, before any window fills), per sequence of ``seq_len`` and
-    per batch, for each dtype a cache can hold (the compute dtypes, then the quantized
+    """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can
+    hold (the compute dtypes, then the quantized
     ``cache.dtype`` values with their scales), for the layout :func:`kv_cache_bytes` takes
     (``windows``: a local layer holds W; ``latent``: MLA's one tensor); with ``num_heads``, also
     the fraction of a full MHA cache of the same model at ``seq_len`` (``mha``: its heads, K and V
-    widths when they are not num_heads x head_dim each)."""
+    widths when they are not num_heads x head_dim each). Per token is per sequence / ``seq_len``
+    (all layers): any one position's bytes without a window; with one, a local layer holds at most
+    W of the positions, so it is that of this ``seq_len`` and falls as it grows (task=capacity's
+    ``kv_bytes_per_token``, the same definition)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
@@ -46,8 +49,9 @@ def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: 
             return kv_cache_bytes(num_layers, num_kv_heads, head_dim, n, b, size, cache_dtype, windows,
                                   latent=latent)
 
-        row = {"dtype": dtype, "per_token": held(1, 1), "per_sequence": held(seq_len, 1),
-               "per_batch": held(seq_len, batch_size)}
+        per_sequence = held(seq_len, 1)
+        row = {"dtype": dtype, "per_sequence": per_sequence, "per_batch": held(seq_len, batch_size),
+               "per_token": per_sequence // seq_len if per_sequence % seq_len == 0 else per_sequence / seq_len}
         if num_heads:
             heads, k_dim, v_dim = mha or (num_heads, head_dim, head_dim)
             row["vs_mha"] = row["per_sequence"] / kv_cache_bytes(num_layers, heads, k_dim, seq_len, 1, size,
@@ -95,8 +99,8 @@ def describe(cfg: BenchConfig) -> str:
     ]
     windows = a.layer_windows(m.num_layers)
     mha = (m.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if latent else None
-    header = ["KV dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})",
-              "vs full MHA" if a.window else "vs MHA"]
+    header = ["KV dtype", f"per token (at {seq_len})" if a.window else "per token", f"per sequence ({seq_len})",
+              f"per batch (x{w.batch_size})", "vs full MHA" if a.window else "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
              f"{r['vs_mha']:.3f}"]
             for r in kv_memory_table(m.num_layers, heads, width, seq_len, w.batch_size, m.num_heads, windows,
@@ -109,6 +113,10 @@ def describe(cfg: BenchConfig) -> str:
                      + ", ".join(f"{d} {_cell(n)}" for d, n in as_mha.items()))
     if any(x is not None for x in windows):
         size = DTYPE_BYTES[cfg.runtime.dtype]
+        first = kv_cache_bytes(m.num_layers, heads, width, 1, 1, size, windows=windows, latent=latent)
+        lines.append(f"per token (at {seq_len}): per sequence / {seq_len}; a local layer holds at most W of the "
+                     f"positions, so it falls as seq_len grows (a position before any window fills: "
+                     f"{_cell(first)} in {cfg.runtime.dtype})")
         lines += ["", f"sliding window: a local layer holds min(seq_len, W) positions (a ring of W); "
                       f"KV by kind of layer in {cfg.runtime.dtype}, "
                       "bytes = sum over layers of min(seq_len, W_layer) · 2 · kv_heads · head_dim · bytes:"]
@@ -189,5 +197,6 @@ def _si(n: float) -> str:
     return f"{n:g}"
 
 
-def _cell(n: int) -> str:
-    return f"{n:,} B" if n < 1024 else f"{human_bytes(n)} ({n:,})"
+def _cell(n: float) -> str:
+    exact = f"{n:,}" if isinstance(n, int) else f"{n:,.1f}"  # a windowed layout's per token is a mean
+    return f"{exact} B" if n < 1024 else f"{human_bytes(n)} ({exact})"
