@@ -20,7 +20,6 @@ Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
@@ -31,10 +30,12 @@ import torch
 from kvbench import hf_config
 from kvbench.config_errors import ConfigError, typed
 from kvbench.footprint import check_model_fits
+from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
+from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig
+from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.rope import rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"
@@ -42,54 +43,29 @@ FORMAT_VERSION = 1
 _RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be read into the decoder: the user's input is at fault (a run
-    records ``invalid``). The message names the file or tensor."""
-
-
-def _reading(path: Path | str, what: str, read):
-    """``read()``, with any failure but running out of memory turned into a CheckpointError
-    that names ``path``: torch, safetensors and tokenizers raise their own types (and torch a
-    page of advice) for a file that is truncated or not what it claims to be."""
-    try:
-        with warnings.catch_warnings():  # torch warns about a file's pickle protocol before refusing it
-            warnings.simplefilter("ignore")
-            return read()
-    except (MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:  # noqa: BLE001 — whatever the parser raises, the file is at fault
-        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {_gist(exc)})") from None
-
-
-def _gist(exc: Exception) -> str:
-    """The part of a reader's error that is about the file: torch's weights-only loader wraps
-    its one-line reason (``WeightsUnpickler error: ...``) in a paragraph of advice."""
-    text = str(exc)
-    match = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", text, flags=re.S)
-    return f"the weights-only loader refused it: {' '.join(match.group(1).split())}" if match else text
-
-
 def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
-                  config_name: str = "config.json") -> None:
+                  config_name: str = "config.json", model: str = "the decoder its saved config describes") -> None:
     """The tensors a decoder needs, by name and shape, as finite floating-point values; the
-    first difference is a CheckpointError naming ``where`` and the tensor (the shapes are what
-    ``config_name`` implies)."""
+    first difference is a CheckpointError naming ``where``, the tensor and the ``model`` the
+    names are read as (the shapes are what ``config_name`` implies). ``tensors`` may be headers
+    (:class:`~kvbench.hf_weights.StoredTensor`: names, shapes and dtypes, no values yet)."""
     missing = sorted(expected.keys() - tensors.keys())
     # Rotary inverse frequencies some exporters store are recomputed, not loaded.
     unexpected = sorted(k for k in tensors.keys() - expected.keys() if not str(k).endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
-        raise CheckpointError(f"{where}: tensor names do not match a Llama decoder: "
+        raise CheckpointError(f"{where}: tensor names do not match {model}: "
                               f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
                               f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
     for name, shape in expected.items():
         t = tensors[name]
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        header = isinstance(t, StoredTensor)
+        if not (t.is_floating_point if header else isinstance(t, torch.Tensor) and t.is_floating_point()):
             raise CheckpointError(f"{where}: {name} is {getattr(t, 'dtype', type(t).__name__)}, "
                                   "not a floating-point tensor")
-        if t.shape != shape:
+        if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{where}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"{config_name} implies {tuple(shape)}")
-        if not torch.isfinite(t).all():
+        if not header and not torch.isfinite(t).all():
             raise CheckpointError(f"{where}: tensor {name} holds NaN or infinite values")
 
 
@@ -208,8 +184,6 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
 
     ``max_seq_len`` caps the rotary table (default: the config's max_position_embeddings).
     """
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
@@ -218,27 +192,28 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         check_model_fits(model_cfg, device, f"{directory / 'config.json'}")  # before any tensor is made
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")
-    tensors: Dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.is_file():  # safetensors would block opening a FIFO
-            raise CheckpointError(f"{f}: not a regular file")
-        for name, t in _reading(f, "safetensors file", partial(load_file, str(f))).items():
-            tensors[_llama_name(name)] = t
-    if hf_config.tied_embeddings(hf) and "lm_head.weight" not in tensors and "embed.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["embed.weight"]  # tied: the head reuses the embedding
-
+    # Headers first: names, shapes and dtypes against config.json before anything is built or read.
+    stored: Dict[str, StoredTensor] = {}
+    for name, tensor in read_headers(directory).items():
+        if _llama_name(name) in stored:  # two spellings of one weight
+            raise CheckpointError(f"{directory}: tensors {stored[_llama_name(name)].name} and {name} are the same "
+                                  "weight of the decoder: which one is meant is not defined")
+        stored[_llama_name(name)] = tensor
+    if hf_config.tied_embeddings(hf) and "lm_head.weight" not in stored and "embed.weight" in stored:
+        stored["lm_head.weight"] = stored["embed.weight"]  # tied: the head reuses the embedding
+    _check_layers(directory, model_cfg, stored)
     if model_cfg.preset_mla is not None:
         attention = AttentionConfig(type="mla").resolved(model_cfg)
     else:
         attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
     expected = _expected_tensors(model_cfg, attention)
-    check_tensors(directory, expected, tensors)
+    model_name = f"a {hf_config.architecture(hf)} as {directory / 'config.json'} describes it"
+    check_tensors(directory, expected, stored, model=model_name)
+    tensors = load_tensors({k: stored[k] for k in expected})
+    check_tensors(directory, expected, tensors, model=model_name)  # the values: finite
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
         _deinterleave_rope(tensors, model_cfg, attention)
-    decoder = build_decoder(model_cfg, attention, {k: tensors[k] for k in expected}, dtype, device)
+    decoder = build_decoder(model_cfg, attention, tensors, dtype, device)
 
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
@@ -246,6 +221,19 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         path = directory / "tokenizer.json"
         tokenizer = _reading(path, "tokenizer.json (tokenizers)", partial(Tokenizer.from_file, str(path)))
     return decoder, tokenizer
+
+
+def _check_layers(directory: Path, model: ModelConfig, stored: Mapping[str, StoredTensor]) -> None:
+    """The layers the files hold against config.json's ``num_hidden_layers``, from the names
+    alone: a config of 100,000 layers over 2 layers of tensors is refused here, not after
+    building 100,000 layers to learn which tensors they would need."""
+    layers = sorted({int(m.group(1)) for name in stored if (m := re.match(r"blocks\.(\d+)\.", name))})
+    if layers == list(range(model.num_layers)):
+        return
+    held = (f"layers {', '.join(map(str, layers))}" if len(layers) <= 6
+            else f"{len(layers)} layers ({layers[0]} to {layers[-1]})") if layers else "no layer"
+    raise CheckpointError(f"{directory / hf_config.CONFIG_FILE}: num_hidden_layers={model.num_layers}, but the "
+                          f"safetensors files hold tensors of {held}")
 
 
 def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, attention: AttentionConfig) -> None:
@@ -264,28 +252,44 @@ def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, att
 
 
 def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]:
-    """``model`` (a loaded checkpoint) as ``attention`` asks for it, and how: KV heads repeated
-    or mean-pooled (:func:`kv_conversion`); a latent (MLA) model only as itself, in the decode
-    form asked for. A latent asked of a K/V-head model, or K/V heads of a latent one, or other
-    ranks, is a CheckpointError naming the key (conversions between them are not built)."""
+    """``model`` (a loaded checkpoint) as ``attention`` (resolved) asks for it, and how: KV heads
+    repeated or mean-pooled (:func:`kv_conversion`); a latent (MLA) model only as itself, in the
+    decode form asked for; either with ``attention``'s window pattern (another window over the
+    same weights is only a mask), so the model run is the one the record names. A latent asked
+    of a K/V-head model, or K/V heads of a latent one, or other ranks, is a CheckpointError naming
+    the key (conversions between them are not built)."""
+    how = "none"
     if not (attention.latent or model.attention.latent):
         how = kv_conversion(model.num_kv_heads, attention.num_kv_heads)
-        return (model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)), how
-    if not model.attention.latent:
+        model = model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)
+    elif not model.attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint has {model.num_kv_heads} K/V heads; "
                               "converting it to multi-head latent attention is not built")
-    if not attention.latent:
+    elif not attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
                               "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
-    for name in MLA_FIELDS:
+    for name in MLA_FIELDS if attention.latent else ():
         asked, own = getattr(attention, name), getattr(model.attention, name)
         if asked != own:
             raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
-    for block in model.blocks:
-        block.attn.absorbed = attention.mla_decode == "absorbed"
-    model.attention = replace(model.attention, mla_decode=attention.mla_decode)
-    model.layouts = build_layouts(model.config, model.attention)
-    return model, "none"
+    if attention.layer_windows(model.config.num_layers) != list(model.layouts.windows):
+        pattern = replace(model.attention, **_window_fields(model.config, attention))
+        model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
+    if attention.latent:
+        for block in model.blocks:
+            block.attn.absorbed = attention.mla_decode == "absorbed"
+        model.attention = replace(model.attention, mla_decode=attention.mla_decode)
+        model.layouts = build_layouts(model.config, model.attention)
+    return model, how
+
+
+def _window_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str, Any]:
+    """The window fields that make a model of ``config`` have ``attention``'s (resolved) window
+    pattern: for none, window 0 where ``config`` has a window of its own (null would bring it back)."""
+    if attention.window:
+        return {"window": attention.window, "global_every": attention.global_every,
+                "layer_types": attention.layer_types}
+    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": None}
 
 
 # ---- changing the KV-head count ------------------------------------------------------------
@@ -327,5 +331,6 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
             else:
                 heads = w.view(old, D, -1).repeat_interleave(num_kv_heads // old, dim=0)
             state[name] = heads.reshape(num_kv_heads * D, *w.shape[1:])  # (H_kv, D, C) -> (H_kv * D, C)
-    attention = AttentionConfig.for_heads(model.config.num_heads, num_kv_heads)
+    attention = replace(model.attention, type=attention_type(model.config.num_heads, num_kv_heads),
+                        num_kv_heads=num_kv_heads, **_window_fields(model.config, model.attention))  # the same windows
     return build_decoder(model.config, attention, state, device=model.device)

@@ -46,7 +46,7 @@ from kvbench.model_config import (  # noqa: F401 (variant_label, variant_key: re
     variant_key,
     variant_label,
 )
-from kvbench.recall_config import RecallConfig
+from kvbench.recall_config import RecallConfig, check_recall_run
 from kvbench.serving_config import check_serving_run
 from kvbench.workload_config import WORKLOADS, WorkloadConfig  # noqa: F401 (re-exported)
 
@@ -63,6 +63,9 @@ def _find_conf_dir() -> Path:
 
 CONF_DIR = _find_conf_dir()
 
+# No memory a torch device reads streams 100 TB/s: HBM3e, the fastest DRAM shipping, gives a device
+# 8 TB/s, a CPU's last-level cache a few TB/s. The roofline's peak is refused (or re-probed) past it.
+MAX_GB_PER_S = 1e5
 TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare", "recall")
 COMPILE_MODES = ("false", "default", "graph")
 OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
@@ -145,8 +148,8 @@ class RuntimeConfig:
         check(self.threads is None or 1 <= self.threads <= cpus, "runtime.threads", self.threads,
                f"must be null or in [1, {cpus}] (the CPUs of this machine)")
         check(self.nvml_interval_ms > 0, "runtime.nvml_interval_ms", self.nvml_interval_ms, "must be > 0")
-        check(self.peak_gb_per_s is None or self.peak_gb_per_s > 0, "runtime.peak_gb_per_s",
-               self.peak_gb_per_s, "must be > 0 or null")
+        check(self.peak_gb_per_s is None or 0 < self.peak_gb_per_s <= MAX_GB_PER_S, "runtime.peak_gb_per_s",
+               self.peak_gb_per_s, f"must be null or in (0, {MAX_GB_PER_S:.0e}] GB/s (no device memory streams more)")
         # YAML and overrides give booleans (true/false, strings once typed); one spelling per mode.
         mode = str(self.compile).lower()
         self.compile = COMPILE_ALIASES.get(mode, mode)
@@ -343,6 +346,11 @@ class BenchConfig:
             self._check_capacity()
         if w.name == "serving" and self.task == "bench":
             check_serving_run(self)
+        if self.task == "recall":
+            check_recall_run(self.recall, self.model.max_seq_len, self.model.num_heads, self.attention)
+        if self.task == "train":  # train.init_from's checkpoint must have the model's max_seq_len (quality/train.py)
+            check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", self.train.seq_len,
+                  f"longer than model.max_seq_len={self.model.max_seq_len}")
         length_key = {"multiturn": "workload.system_len", "serving": "workload.prompt"}.get(w.name,
                                                                                            "workload.prompt_len")
         # task=compare reads only the batch size of the workload: its lengths are compare.contexts

@@ -5,7 +5,10 @@ about the decoder's shape.
 turns its contents into :class:`kvbench.model_config.ModelConfig` fields, refusing what the decoder
 does not model (another architecture, MoE, multimodal, other rope types); a sliding window
 becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
-with one line naming the key. ``ModelConfig.from_hf_config`` types those fields.
+with one line naming the key. Every value read is checked against its JSON type where it is read
+(:func:`_get`), so a string where a number belongs is one line naming the config.json key and the
+value: OmegaConf, which ``ModelConfig.from_hf_config`` types the fields with afterwards, would
+convert ``"32"`` silently and name only its own key, and the arithmetic here would raise first.
 """
 
 from __future__ import annotations
@@ -39,6 +42,41 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
 
 
+# JSON types of the values read from a config.json (a bool is not a number, as JSON says).
+_KINDS = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "object": (lambda v: isinstance(v, Mapping), "a JSON object"),
+}
+_REQUIRED = object()
+
+
+def _get(cfg: Mapping[str, Any], key: str, kind: str, default: Any = None, prefix: str = "") -> Any:
+    """``cfg[key]`` checked to be of ``kind`` (:data:`_KINDS`); ``default`` when the key is absent
+    or null (transformers' reading), a ConfigError naming ``prefix + key`` when it is required."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"missing key {prefix + key!r}")
+        return default
+    ok, what = _KINDS[kind]
+    if not ok(value):
+        raise ConfigError(f"{prefix}{key}={value!r}: must be {what}")
+    return value
+
+
+def architecture(cfg: Mapping[str, Any]) -> str:
+    """The class of :data:`HF_ARCHITECTURES` a config.json names, with its ``model_type``
+    (``DeepseekV3ForCausalLM (model_type deepseek_v3)``): what an error about its tensors names."""
+    archs = _get(cfg, "architectures", "list", [])
+    arch = next((a for a in archs if a in HF_ARCHITECTURES), archs[0] if archs else "unknown architecture")
+    model_type = cfg.get("model_type")
+    return f"{arch} (model_type {model_type})" if isinstance(model_type, str) else str(arch)
+
+
 def read_config_json(directory: Path | str) -> Any:
     """The parsed ``config.json`` of the checkpoint ``directory`` (the one place it is read);
     OSError (missing, not a regular file) and ValueError (not JSON) pass through."""
@@ -47,20 +85,21 @@ def read_config_json(directory: Path | str) -> Any:
 
 def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
     """Whether the checkpoint's output head reuses its input embedding."""
-    return bool(cfg.get("tie_word_embeddings"))
+    return _get(cfg, "tie_word_embeddings", "bool", False)
 
 
 def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
     """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
     (complex rotation), V3 with ``rope_interleave`` (its default)."""
-    return "DeepseekV2ForCausalLM" in (cfg.get("architectures") or []) or bool(cfg.get("rope_interleave", True))
+    v2 = "DeepseekV2ForCausalLM" in _get(cfg, "architectures", "list", [])
+    return v2 or _get(cfg, "rope_interleave", "bool", True)
 
 
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """The ModelConfig fields (untyped) that the config.json contents ``cfg`` describe; ``where``
     names the file. Raises :class:`ConfigError` for what the decoder does not model; a missing
     key is one too, naming it."""
-    archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+    archs = _get(cfg, "architectures", "list") or [_get(cfg, "model_type", "str", "unknown")]
     arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(f"{where}: architectures={archs!r}: not supported "
@@ -78,25 +117,23 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     for key, why in refused.items():
         if why and cfg.get(key):
             raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if _get(cfg, "hidden_act", "str", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
-    positions = cfg.get("max_position_embeddings", 2048)
+    positions = _get(cfg, "max_position_embeddings", "int", 2048)
+    tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
     mla = _hf_mla(cfg, where) if arch.startswith("Deepseek") else {}
-    try:
-        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-        shape = dict(
-            num_layers=cfg["num_hidden_layers"], d_model=hidden, num_heads=heads,
-            preset_kv_heads=cfg.get("num_key_value_heads") or heads,
-            # transformers' default; left to ModelConfig's checks when the values are not counts
-            head_dim=cfg.get("head_dim") or (hidden // heads if _counts(hidden, heads) else None),
-            ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            max_seq_len=max_seq_len or positions,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), **switches, **_hf_rope(cfg, positions),
-            **_hf_window(cfg))
-    except KeyError as e:
-        raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+    heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
+    shape = dict(
+        num_layers=_get(cfg, "num_hidden_layers", "int", _REQUIRED), d_model=hidden, num_heads=heads,
+        preset_kv_heads=_get(cfg, "num_key_value_heads", "int") or heads,
+        # transformers' default; left to ModelConfig's checks when the values are not counts
+        head_dim=_get(cfg, "head_dim", "int") or (hidden // heads if _counts(hidden, heads) else None),
+        ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
+        max_seq_len=max_seq_len or positions,
+        norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions),
+        **_hf_window(cfg))
     shape.update(mla)
-    return {"name": cfg.get("_name_or_path") or Path(where).parent.name, **shape}
+    return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
 
 
 def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
@@ -104,17 +141,17 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45).
     A rope type the decoder does not compute is refused naming the key."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope = cfg.get(key) or {}
-    if not isinstance(rope, Mapping):
-        raise ConfigError(f"{key}={rope!r}: malformed (expected a JSON object)")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope = _get(cfg, key, "object", {})
+    prefix = f"{key}."
+    rope_type = _get(rope, "rope_type", "str", None, prefix) or _get(rope, "type", "str", "default", prefix)
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{key}.rope_type={rope_type!r}: not supported (accepted: {', '.join(ROPE_TYPES)})")
-    for where, found in ((f"{key}.", rope), ("", cfg)):
-        if found.get("partial_rotary_factor", 1.0) != 1.0:
+    for where, found in ((prefix, rope), ("", cfg)):
+        if _get(found, "partial_rotary_factor", "number", 1.0, where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor={found['partial_rotary_factor']!r}: not supported "
                               "(the decoder rotates every dimension)")
-    out = {"rope_type": rope_type, "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0))}
+    theta = _get(rope, "rope_theta", "number", None, prefix)
+    out = {"rope_type": rope_type, "rope_theta": _get(cfg, "rope_theta", "number", 10000.0) if theta is None else theta}
     needed = {"linear": {"rope_factor": "factor"},
               "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                          "rope_high_freq_factor": "high_freq_factor"},
@@ -122,18 +159,18 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     for name, hf_name in needed.items():
         if rope.get(hf_name) is None:
             raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
-        out[name] = rope[hf_name]
+        out[name] = _get(rope, hf_name, "number", None, prefix)
     if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
-        out["rope_original_max_seq_len"] = rope.get("original_max_position_embeddings", positions)
+        out["rope_original_max_seq_len"] = _get(rope, "original_max_position_embeddings", "int", positions, prefix)
     if rope_type == "yarn":
-        if rope.get("truncate", True) is not True:
+        if _get(rope, "truncate", "bool", True, prefix) is not True:
             raise ConfigError(f"{key}.truncate={rope['truncate']!r}: not supported (yarn's truncated range only)")
         for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
                               ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
                               ("rope_attention_factor", "attention_factor")):
-            if rope.get(hf_name):  # transformers reads each with `or` its default
+            if _get(rope, hf_name, "number", None, prefix):  # transformers reads each with `or` its default
                 out[name] = rope[hf_name]
-    elif rope.get("mscale_all_dim"):  # DeepSeek's softmax scale reads it for any rope type but default
+    elif _get(rope, "mscale_all_dim", "number", None, prefix):  # DeepSeek's softmax scale: any rope type but default
         out["rope_mscale_all_dim"] = rope["mscale_all_dim"]
     return out
 
@@ -143,7 +180,7 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
     ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
     (transformers >= 5 writes it) lists each layer's kind."""
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
@@ -152,9 +189,9 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
         if "sliding_attention" not in layer_types:
             window = layer_types = None
     elif window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
-        first = cfg["max_window_layers"]
+        first = _get(cfg, "max_window_layers", "int")
         layer_types = ["sliding_attention" if i >= first else "full_attention"
-                       for i in range(cfg["num_hidden_layers"])]
+                       for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
     if not window:
         return {}
     return {"preset_window": window, "preset_layer_types": layer_types}
@@ -163,19 +200,18 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
 def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
     """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json; a layer whose MLP is a mixture
     of experts (transformers: layer >= first_k_dense_replace) is refused naming the key."""
-    layers, dense = cfg.get("num_hidden_layers"), cfg.get("first_k_dense_replace", 0)
-    if not (_counts(layers) and isinstance(dense, int) and dense >= layers):
+    layers, dense = _get(cfg, "num_hidden_layers", "int", _REQUIRED), _get(cfg, "first_k_dense_replace", "int", 0)
+    if not (_counts(layers) and dense >= layers):
         raise ConfigError(f"{where}: first_k_dense_replace={dense!r}: layers {dense}.. of {layers} use a "
                           f"mixture-of-experts MLP (n_routed_experts={cfg.get('n_routed_experts')!r}), not "
                           "supported; only dense DeepSeek layers (first_k_dense_replace >= num_hidden_layers)")
-    try:
-        shape = {k: cfg[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
-    except KeyError as e:
-        raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
-    shape["q_lora_rank"] = cfg.get("q_lora_rank") or 0
+    shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                         "v_head_dim")}
+    shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
+    rope_interleaved(cfg)  # read by the loader: checked here, where the file is named
     # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
     return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
-            "preset_kv_heads": cfg["num_attention_heads"]}
+            "preset_kv_heads": _get(cfg, "num_attention_heads", "int", _REQUIRED)}
 
 
 def _counts(*values: Any) -> bool:

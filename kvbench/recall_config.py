@@ -5,9 +5,9 @@ values enter, each failure one line naming the key and the value."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from kvbench.config_errors import check, check_choice, check_numbers, check_positive
+from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive
 
 RECALL_KINDS = ("mqar", "passkey")
 
@@ -62,3 +62,22 @@ class RecallConfig:
             check(all(low <= d <= high for d in self.distances), "recall.distances", self.distances,
                    f"must be in [{low}, {high}] (recall.digits={self.digits}, shortest recall.seq_len="
                    f"{min(self.seq_len)})")
+
+
+def check_recall_run(r: RecallConfig, max_seq_len: int, num_heads: int, attention: Any) -> None:
+    """task=recall's rules across groups (``attention``: the resolved AttentionConfig), checked
+    when the config is typed, before any seed trains: every length fits the model (the closing
+    decode timing included: it stays within the longest length), and ``uptrain_steps`` only where
+    mean-pooling a trained MHA model's K/V heads makes the variant (its window pattern kept) —
+    anything else would score another model under the variant's label."""
+    check(max(r.seq_len) <= max_seq_len, "recall.seq_len", r.seq_len, f"longer than model.max_seq_len={max_seq_len}")
+    if r.uptrain_steps is None:
+        return
+    if attention.latent:
+        raise ConfigError(f"recall.uptrain_steps={r.uptrain_steps}: converts a trained MHA model by mean-pooling its "
+                          "K/V heads; attention=mla caches a latent, which pooling does not make (converting to MLA "
+                          "is not built): use recall.uptrain_steps=null to train MLA from scratch")
+    kv = attention.num_kv_heads  # a divisor of num_heads (the resolved attention's rule)
+    check(kv < num_heads, "recall.uptrain_steps", r.uptrain_steps,
+          f"converts a trained MHA model to fewer KV heads; attention.num_kv_heads={kv} of model.num_heads="
+          f"{num_heads} is that MHA model (use attention=gqa or mqa, or recall.uptrain_steps=null)")

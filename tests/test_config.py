@@ -194,12 +194,14 @@ def test_config_error_is_one_bounded_line():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"num_hidden_layers": "two"}, "num_layers='two'"),
+    # the config.json key and its value, whatever the type (OmegaConf converted "32" silently)
+    ({"num_hidden_layers": "two"}, "num_hidden_layers='two': must be an integer"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers='2': must be an integer"),
     ({"rope_theta": math.nan}, "rope_theta=nan: must be a finite number"),
     ({"rms_norm_eps": -1e-6}, "norm_eps=-1e-06: must be > 0"),
     ({"num_attention_heads": 0}, "num_heads=0: must be >= 1"),
-    ({"rope_parameters": "default"}, "malformed"),
-    ({"hidden_size": [64]}, "d_model=[64]"),
+    ({"rope_parameters": "default"}, "rope_parameters='default': must be a JSON object"),
+    ({"hidden_size": [64]}, "hidden_size=[64]: must be an integer"),
 ])
 def test_a_malformed_config_json_names_the_file_and_key(change, needle):
     hf = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["config_errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
      "serving.trace", "progress", "dtypes", "norm"],
-    ["hf_config", "serving.record", "layouts.base"],
+    ["hf_config", "hf_weights", "serving.record", "layouts.base"],
     ["layouts.kv_heads"],
     ["layouts.latent"],
     ["layouts.build", "model_config", "recall_config", "capacity_config", "serving_config"],

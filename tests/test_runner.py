@@ -167,7 +167,7 @@ def broken_llama_dir(root, what):
     if what == "config.json of wrong types":
         hf = json.loads((directory / "config.json").read_text())
         (directory / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": "two"}))
-        return directory, "num_layers='two'"
+        return directory, "num_hidden_layers='two': must be an integer"
     if what == "config.json cut short":
         (directory / "config.json").write_text((directory / "config.json").read_text()[:40])
         return directory, "config.json"

@@ -5,8 +5,9 @@ peak bandwidth. A decode step is a stream of matrix-vector products, so the peak
 rate of a float32 GEMV over a matrix much larger than the caches, probed on this machine (a
 plain copy's rate is probed and reported beside it), or the user's ``runtime.peak_gb_per_s``.
 The probe runs next to each run (``runtime.probe=run``: a shared machine's rate moves within
-minutes) or once per machine, cached in ``~/.cache/kvbench/bandwidth.json``. Units: bytes,
-GB/s (1e9 bytes per second), percent.
+minutes) or once per machine, cached in ``~/.cache/kvbench/bandwidth.json``; a cached rate that
+is not a positive number within the device's physical ceiling (:func:`physical_ceilings`) is
+probed again. Units: bytes, GB/s (1e9 bytes per second), percent.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from kvbench.config import MAX_GB_PER_S
 from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
 from kvbench.metrics import Metric, metric_table, record_methods
 
 CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "kvbench")) / "bandwidth.json"
+# No device multiplies float32 matrices at 10 PFLOP/s (B200's TF32 tensor cores: about 2.2 dense).
+MAX_GFLOPS = 1e7
 
 ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
     Metric("bytes_read_per_step", "bytes",
@@ -144,8 +148,8 @@ def _cached_probe(device: torch.device, cache_file: Path) -> Tuple[Dict[str, flo
         cached = {}
     if not isinstance(cached, dict):
         cached = {}
-    # absent, older than the probe date, or edited or damaged: probe again
-    if not _valid_probe(cached.get(key)) or "probed_at" not in cached[key]:
+    # absent, older than the probe date, edited, damaged or physically impossible: probe again
+    if not _valid_probe(cached.get(key), physical_ceilings(device)) or "probed_at" not in cached[key]:
         cached[key] = {**probe_bandwidth(device), "probed_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             write_json_atomic(cache_file, cached)
@@ -154,11 +158,25 @@ def _cached_probe(device: torch.device, cache_file: Path) -> Tuple[Dict[str, flo
     return cached[key], f"cached in {cache_file} at {cached[key]['probed_at']}"
 
 
-def _valid_probe(probe: Any) -> bool:
-    keys = ("copy_gb_per_s", "gemv_gb_per_s", "matmul_gflops")
+def physical_ceilings(device: torch.device) -> Dict[str, float]:
+    """The most each probed rate can be on ``device``: a rate beyond is a cache entry edited or
+    miscomputed, and as the roofline's peak it would make every run look idle. Bandwidth:
+    config.MAX_GB_PER_S anywhere, and on CUDA twice the device's DRAM rate from its memory clock
+    and bus width (2 transfers a clock; twice, so that a part of the probe served from L2 never
+    trips it) where the driver reports them; float32 GEMM: :data:`MAX_GFLOPS`."""
+    gb = MAX_GB_PER_S
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+        if clock_khz > 0 and bus_bits > 0:
+            gb = min(gb, 2 * (2 * clock_khz * 1e3 * bus_bits / 8 / 1e9))
+    return {"copy_gb_per_s": gb, "gemv_gb_per_s": gb, "matmul_gflops": MAX_GFLOPS}
+
+
+def _valid_probe(probe: Any, ceilings: Dict[str, float]) -> bool:
     return isinstance(probe, dict) and all(
         isinstance(probe.get(k), (int, float)) and not isinstance(probe.get(k), bool)
-        and math.isfinite(probe[k]) and probe[k] > 0 for k in keys)
+        and math.isfinite(probe[k]) and 0 < probe[k] <= ceiling for k, ceiling in ceilings.items())
 
 
 def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, decode_ms_p50: float,

@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import build_decoder, load_checkpoint, load_llama_dir, save_checkpoint, to_layout
+from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
 from kvbench.config import BenchConfig, TrainConfig
 from kvbench.config_errors import ConfigError
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import MLA_FIELDS, AttentionConfig
+from kvbench.model_config import MLA_FIELDS, AttentionConfig, MLAShape
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
 from kvbench.results import CHECKPOINT_NAME  # the job directory's file names live with the record
 
@@ -223,9 +223,6 @@ def run_train(cfg: BenchConfig, device: torch.device, out_dir: Path, on_log: Opt
         del base
     else:
         model = Decoder(replace(cfg.model, vocab_size=BYTE_VOCAB), cfg.attention).to(device)
-    if cfg.train.seq_len > model.config.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len}: longer than model.max_seq_len="
-                          f"{model.config.max_seq_len}")
     autocast = None if cfg.runtime.dtype == "float32" else torch_dtype(cfg.runtime.dtype)
     result = {}
     if cfg.train.steps:
@@ -263,17 +260,19 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
         raise ConfigError("train.checkpoint=None: task=eval needs a kvbench checkpoint file or a "
                           "transformers checkpoint directory (config.json + *.safetensors)")
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
-    saved = model.num_kv_heads
-    model.config = replace(model.config, preset_kv_heads=saved)  # a kvbench checkpoint keeps its preset's
+    saved, own = model.num_kv_heads, model.attention
+    # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's): its KV
+    # heads, window pattern and latent, so attention=model evaluates the model as it was saved
+    model.config = replace(model.config, preset_kv_heads=saved, preset_window=own.window or None,
+                           preset_global_every=own.global_every if own.window else None,
+                           preset_layer_types=own.layer_types if own.window else None,
+                           preset_mla=MLAShape(**{k: getattr(own, k) for k in MLA_FIELDS}) if own.latent else None)
     a = cfg.attention
     asked = {name: getattr(a, name) for name in MLA_FIELDS} if a.latent else {}
     attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
                                 layer_types=a.layer_types, mla_decode=a.mla_decode, **asked).resolved(model.config)
-    model, how = to_layout(model, attention)
-    windows = attention.layer_windows(model.config.num_layers)
-    if windows != list(model.layouts.windows):  # another window over the same weights is only a mask
-        model = build_decoder(model.config, attention, model.state_dict(), device=model.device).eval()
-    return model, tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
+    model, how = to_layout(model, attention)  # with attention's window pattern
+    return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
 
 def run_eval(cfg: BenchConfig, device: torch.device, loaded: Optional[Tuple[Decoder, Any, Dict[str, Any]]] = None

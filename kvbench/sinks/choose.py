@@ -34,6 +34,8 @@ RULES = {
                   "them, the memory-tight choice, with cache.shared=true when workload=multiturn bench jobs show it "
                   "lowering the mean TTFT of turns 2-N (else: not measured here)",
 }
+# The KV bytes per token column: one figure at a stated length (a windowed layout's depends on it)
+KV_PER_TOKEN = "KV / token (at longest)"
 # What tells the rows of one table apart, not the tables: every field of a variant (heads, latent,
 # window and layer pattern, KV dtype), the kind of job and the shared cache.
 _NOT_CELL = (*VARIANT_KEYS, "task", "workload.name", "cache.shared")
@@ -207,11 +209,13 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             notes.append(f"{label}: {rec.status} (job {rec.job})")
             continue
         longest = _longest(rec) or {}
+        # the record's figure, at the longest probe's length (tasks/capacity_search.kv_bytes_per_token);
+        # a record without kv_bytes_per_token_positions holds a windowed layout's first position
+        # instead: the same definition from its longest row
         kv_per_token = _m(rec, "kv_bytes_per_token")
         positions = (longest.get("context") or 0) + (rec.get("workload.gen_len") or 0)
-        if rec.variant.window and isinstance(longest.get("kv_bytes_per_sequence"), (int, float)) and positions:
-            # a window's ring stops growing at W: its bytes per position depend on the context, so
-            # the row's are those of the longest context's sequence, as every other column's
+        if (rec.variant.window and _m(rec, "kv_bytes_per_token_positions") is None
+                and isinstance(longest.get("kv_bytes_per_sequence"), (int, float)) and positions):
             kv_per_token = longest["kv_bytes_per_sequence"] / positions
         rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
                        "full_context": not rec.variant.window, "beyond_heads": rec.variant.layout == "mla"
@@ -221,7 +225,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),
                        "kl": _m(rec, "kv_pool_kl_nats"), "top1": _m(rec, "kv_pool_top1_agreement")}
-    header = ["variant", "KV / token", "vs MHA", "context", "decode p50 ms (B=1)", "tok/s at max batch",
+    header = ["variant", KV_PER_TOKEN, "vs MHA", "context", "decode p50 ms (B=1)", "tok/s at max batch",
               "max batch", "stopped by", "memory-only prediction"]
     with_pool = any(r["kl"] is not None for r in rows.values())
     if with_pool:
@@ -267,8 +271,10 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
         windowed = [label for label, r in rows.items() if not r["full_context"]]
         if windowed:
-            notes.append(f"KV / token of {', '.join(windowed)}: its cache of one sequence at the longest context over "
-                         "that sequence's positions (a local layer's ring holds at most W of them)")
+            notes.append(f"{KV_PER_TOKEN}: one sequence's KV cache at the longest context (+ workload.gen_len) over "
+                         f"its positions, the jobs table's kv_bytes_per_token: for {', '.join(windowed)} it falls as "
+                         "the context grows (a local layer's ring holds at most W positions); for the others it is "
+                         "any one position's")
         beyond = [label for label, r in rows.items() if r["beyond_heads"]]
         if beyond:
             notes.append(f"memory ample counts KV heads, the article's stand-in for quality; it cannot rank "

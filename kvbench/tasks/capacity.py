@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from kvbench.cache import Cache, cache_for
-from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config import BenchConfig
 from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
@@ -57,6 +57,7 @@ from kvbench.tasks.capacity_search import (
     contexts,
     formula_max_batch,
     kv_bytes,
+    kv_bytes_per_token,
     over_budget,
     probes_expected,
     search_capacity,
@@ -86,10 +87,13 @@ METRICS: Dict[str, Metric] = metric_table(
                      "torch.cuda.max_memory_reserved during the probe (what torch held from the device; the "
                      "CUDA context is outside it)"),
     Metric("weight_bytes_measured", "bytes", "parameters and persistent buffers of the model the probes ran"),
-    Metric("kv_bytes_per_token", "bytes", "KV formula for one position of one sequence, all layers "
-                          "(2 * layers * kv_heads * head_dim * bytes per element; MLA: layers * (kv_lora_rank + "
-                          "qk_rope_head_dim) * bytes per element); a local layer's ring stops at W, so the "
-                          "probes' kv_bytes, not this times the context, are what a windowed cache holds"),
+    Metric("kv_bytes_per_token", "bytes", "KV formula of one sequence as the longest probe holds it, all layers, "
+                          "over its kv_bytes_per_token_positions (2 * layers * kv_heads * head_dim * bytes per "
+                          "element per position; MLA: layers * (kv_lora_rank + qk_rope_head_dim) * bytes per "
+                          "element): any one position's bytes without a window; a local layer's ring stops at W, "
+                          "so a windowed layout's figure is that of this length, and falls as the context grows"),
+    Metric("kv_bytes_per_token_positions", "tokens", "the positions of one sequence kv_bytes_per_token is taken at: "
+                                    "the longest context + workload.gen_len (a chat: a conversation's positions)"),
     Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
     Metric("stopped_by_longest", "text",
            "memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
@@ -337,9 +341,10 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     metrics = result.metrics
     budget = memory_budget(cfg, device)
     prober = Prober(cfg, model, device, budget, baseline)
+    per_token, positions = kv_bytes_per_token(cfg)
     metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
-                   kv_bytes_per_token=model.layouts.bytes_per_token(DTYPE_BYTES[cfg.runtime.dtype]))
+                   kv_bytes_per_token=per_token, kv_bytes_per_token_positions=positions)
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])
     limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step

@@ -122,9 +122,10 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
     """KV formula (the layer layouts', the one formula) of what the probe's cache
     holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
     a chat, ``context`` positions per conversation, of which the system prompt's are held once
-    when ``cache.shared``."""
+    when ``cache.shared``; ``cache.impl=none`` holds nothing (its recomputed K/V are activations)."""
     m, w = cfg.model, cfg.workload
-
+    if cfg.cache.impl == "none":
+        return 0
     layers = build_layouts(m, cfg.attention)
 
     def held(positions: int, sequences: int) -> int:
@@ -135,6 +136,17 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
     if cfg.cache.shared:
         return held(w.system_len, 1) + held(context - w.system_len, batch)
     return held(context, batch)
+
+
+def kv_bytes_per_token(cfg: BenchConfig) -> Tuple[float, int]:
+    """(bytes, positions): the KV formula of one sequence as the longest probe holds it, over its
+    positions (context + gen_len; a chat's positions per conversation). For a layout without a
+    window that is any one position's bytes; a local layer's ring stops at W, so a windowed
+    layout's bytes per token fall as the context grows and are given at this stated length: the
+    one definition the record, the jobs table and experiment=choose's table share."""
+    context = contexts(cfg)[-1]
+    positions = context if cfg.workload.name == "multiturn" else context + cfg.workload.gen_len
+    return kv_bytes(cfg, context, 1) / positions, positions
 
 
 def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,

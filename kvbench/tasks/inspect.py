@@ -30,20 +30,23 @@ def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
 
 
 def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True) -> List[dict]:
-    """KV bytes per token (all layers, before any window fills), per sequence of ``seq_len`` and
-    per batch, for each dtype a cache can hold (the compute dtypes, then the quantized
-    ``cache.dtype`` values with their scales), by the layouts' own formulas; with ``vs_mha``, also
-    the fraction of a full MHA cache of the same model at ``seq_len`` (one K and V per query
-    head in every layer, no window)."""
+    """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can
+    hold (the compute dtypes, then the quantized ``cache.dtype`` values with their scales), by the
+    layouts' own formulas; with ``vs_mha``, also the fraction of a full MHA cache of the same model
+    at ``seq_len`` (one K and V per query head in every layer, no window). Per token is per
+    sequence / ``seq_len`` (all layers): any one position's bytes without a window; with one, a
+    local layer holds at most W of the positions, so it is that of this ``seq_len`` and falls as it
+    grows (task=capacity's ``kv_bytes_per_token``, the same definition)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
     for dtype, size, cache_dtype in stored:
-        row = {"dtype": dtype, "per_token": layers.bytes_per_token(size, cache_dtype),
-               "per_sequence": layers.cache_bytes(seq_len, 1, size, cache_dtype),
-               "per_batch": layers.cache_bytes(seq_len, batch_size, size, cache_dtype)}
+        per_sequence = layers.cache_bytes(seq_len, 1, size, cache_dtype)
+        row = {"dtype": dtype, "per_sequence": per_sequence,
+               "per_batch": layers.cache_bytes(seq_len, batch_size, size, cache_dtype),
+               "per_token": per_sequence // seq_len if per_sequence % seq_len == 0 else per_sequence / seq_len}
         if vs_mha:
-            row["vs_mha"] = row["per_sequence"] / layers.as_mha().cache_bytes(seq_len, 1, size, cache_dtype)
+            row["vs_mha"] = per_sequence / layers.as_mha().cache_bytes(seq_len, 1, size, cache_dtype)
         rows.append(row)
     return rows
 
@@ -81,8 +84,8 @@ def describe(cfg: BenchConfig) -> str:
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         *layout[1:],
     ]
-    header = ["KV dtype", "per token", f"per sequence ({seq_len})", f"per batch (x{w.batch_size})",
-              "vs full MHA" if a.window else "vs MHA"]
+    header = ["KV dtype", f"per token (at {seq_len})" if a.window else "per token", f"per sequence ({seq_len})",
+              f"per batch (x{w.batch_size})", "vs full MHA" if a.window else "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
              f"{r['vs_mha']:.3f}"]
             for r in kv_memory_table(layers, seq_len, w.batch_size)]
@@ -95,6 +98,10 @@ def describe(cfg: BenchConfig) -> str:
                      f"token: {per_token}")
     if layers.smallest_window() is not None:
         size = DTYPE_BYTES[cfg.runtime.dtype]
+        first = layers.bytes_per_token(size)
+        lines.append(f"per token (at {seq_len}): per sequence / {seq_len}; a local layer holds at most W of the "
+                     f"positions, so it falls as seq_len grows (a position before any window fills: "
+                     f"{_cell(first)} in {cfg.runtime.dtype})")
         lines += ["", f"sliding window: a local layer holds min(seq_len, W) positions (a ring of W); "
                       f"KV by kind of layer in {cfg.runtime.dtype}, "
                       "bytes = sum over layers of min(seq_len, W_layer) · 2 · kv_heads · head_dim · bytes:"]
@@ -175,5 +182,6 @@ def _si(n: float) -> str:
     return f"{n:g}"
 
 
-def _cell(n: int) -> str:
-    return f"{n:,} B" if n < 1024 else f"{human_bytes(n)} ({n:,})"
+def _cell(n: float) -> str:
+    exact = f"{n:,}" if isinstance(n, int) else f"{n:,.1f}"  # a windowed layout's per token is a mean
+    return f"{exact} B" if n < 1024 else f"{human_bytes(n)} ({exact})"

@@ -25,9 +25,8 @@ from typing import Any, Dict, List
 import torch
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import convert_kv_heads, kv_conversion
+from kvbench.checkpoint import convert_kv_heads
 from kvbench.config import BenchConfig
-from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
@@ -63,8 +62,9 @@ METRICS: Dict[str, Metric] = metric_table(
            "chance"),
     Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
            "model (its layout's formula) over its length"),
-    Metric("decode_ms_p50", "ms", f"median of {DECODE_STEPS} batch-1 decode steps after a prefill of the longest "
-           "recall.seq_len (timing_method), the last seed's model"),
+    Metric("decode_ms_p50", "ms", f"median of the batch-1 decode steps at the last {DECODE_STEPS} positions of the "
+           "longest recall.seq_len (a prefill of the positions before them and one warm-up step first; "
+           "timing_method), the last seed's model"),
     Metric("timing_method", "text", "cuda_events on CUDA, perf_counter on CPU"),
     Metric("train_seconds", "s", "wall time of all training steps of all seeds, evaluation excluded"),
     Metric("tokens_seen", "tokens", "input tokens of all training steps of one seed (every seed sees as many)"),
@@ -102,6 +102,15 @@ def summarise(per_seed: List[float]) -> Dict[str, Any]:
     return out
 
 
+def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
+    """The model scored is the layout its label names (heads or latent, window pattern): a
+    conversion that dropped either would score another model under the variant's label."""
+    n = model.config.num_layers
+    own = (model.attention.latent, model.num_kv_heads, model.layer_windows)
+    if own != (attention.latent, attention.num_kv_heads, attention.layer_windows(n)):
+        raise RuntimeError(f"the recall model is {own}, not the variant {variant_label(attention)} it is scored as")
+
+
 def _scores(model: Decoder, sets: Dict[Condition, Any], kind: str) -> Dict[Condition, float]:
     return {cond: accuracy(model, kind, x, y) for cond, (x, y) in sets.items()}
 
@@ -116,15 +125,18 @@ def _fit(model: Decoder, cfg: BenchConfig, steps: int, seed: int, conds: List[Co
 
 
 def decode_step_ms(model: Decoder, length: int, vocab_size: int, device: torch.device) -> float:
-    """Median batch-1 decode step after a prefill of ``length - DECODE_STEPS`` tokens."""
+    """Median batch-1 decode step over the last positions of a ``length``-token sequence (a
+    prefill of the ones before, one warm-up step, then up to DECODE_STEPS timed): it needs no
+    position past ``length``, so a recall.seq_len of model.max_seq_len is timed like any other."""
+    steps = max(1, min(DECODE_STEPS, length - 2))
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab_size, (1, max(1, length - DECODE_STEPS)), generator=gen).to(device)
-    cache = cache_for(model, "static", 1, prompt.shape[1] + DECODE_STEPS + 1)
+    prompt = torch.randint(0, vocab_size, (1, length - steps - 1), generator=gen).to(device)
+    cache = cache_for(model, "static", 1, length)
     timer = RegionTimer(device)
     with torch.no_grad():
         token = prefill(model, prompt, cache).argmax(-1).reshape(1, 1)
         pos = prompt.shape[1]
-        for i in range(DECODE_STEPS + 1):
+        for i in range(steps + 1):
             with timer.region("warmup" if i == 0 else "step"):
                 token = decode_step(model, token, cache, pos + i).argmax(-1).reshape(1, 1)
     return stats.median(timer.ms("step"))
@@ -138,15 +150,9 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     model_cfg = replace(cfg.model, vocab_size=r.vocab_size)
     attention = cfg.attention
     converting = r.uptrain_steps is not None
-    if max(r.seq_len) > model_cfg.max_seq_len:  # the one rule across sections, checked before any step
-        raise ConfigError(f"recall.seq_len={r.seq_len}: longer than model.max_seq_len={model_cfg.max_seq_len}")
+    # recall.seq_len against model.max_seq_len and what recall.uptrain_steps can convert: checked
+    # when the config was typed (recall_config.check_recall_run), before any step
     h = model_cfg.num_heads
-    if converting:
-        how = kv_conversion(h, attention.num_kv_heads)
-        if how != "mean-pool":
-            raise ConfigError(f"recall.uptrain_steps={r.uptrain_steps}: converts a trained MHA model to fewer KV "
-                              f"heads; attention.num_kv_heads={attention.num_kv_heads} of model.num_heads={h} is "
-                              f"{how} (use attention=gqa or mqa, or recall.uptrain_steps=null)")
     seeds = [cfg.runtime.seed + i for i in range(r.seeds)]
     stages = ["before_uptrain", "final"] if converting else ["final"]
     per_seed: Dict[str, Dict[Condition, List[float]]] = {s: {c: [] for c in conds} for s in stages}
@@ -158,7 +164,8 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
             sets = {c: eval_set(c, r.eval_sequences, r.vocab_size, r.digits, EVAL_SEED_OFFSET + seed) for c in conds}
             torch.manual_seed(seed)
             with device:
-                start = AttentionConfig.for_heads(h, h) if converting else attention
+                # converting: the MHA model of the variant's own window pattern, so only its heads change
+                start = replace(attention, type="mha", num_kv_heads=h) if converting else attention
                 model = Decoder(model_cfg, start).to(torch_dtype("float32"))
             fitted = _fit(model, cfg, cfg.train.steps, seed, conds, tick)
             seconds += fitted["train_seconds"]
@@ -171,6 +178,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
                     uptrained = _fit(model, cfg, r.uptrain_steps, seed, conds, tick)
                     seconds += uptrained["train_seconds"]
                     curve += [{"seed": seed, "stage": "uptrain", **point} for point in uptrained["curve"]]
+            _check_is_variant(model, attention)
             for c, acc in _scores(model, sets, r.kind).items():
                 per_seed["final"][c].append(acc)
             tokens = fitted["tokens_seen"]

@@ -95,7 +95,8 @@ METRICS: Dict[str, Metric] = metric_table(
            "2 * kv_heads * batch * (head_dim * bytes_per_element + scale bytes) * sum over layers of "
            "min(seq_len, W_layer) (W: a local layer's attention.window; a global layer holds seq_len): "
            "cache.dtype auto: the compute dtype's bytes, no scales; int8 / float8_e4m3fn: 1 byte and a "
-           "4-byte scale per (sequence, head, position)"),
+           "4-byte scale per (sequence, head, position); cache.impl=none: 0, it holds nothing (each step "
+           "recomputes K/V of the whole sequence), as in workload=multiturn"),
     Metric("compile_s", "s", "runtime.compile=default|graph: the first generation through the compiled model or step, "
                  "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
                  "graphs, which record a graph at its second call), excluded from every trial"),
@@ -224,8 +225,10 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     generator = torch.Generator().manual_seed(rt.seed)
     prompt = torch.randint(0, cfg.model.vocab_size, (w.batch_size, w.prompt_len), generator=generator)
     prompt = prompt.to(device)
-    metrics["kv_cache_bytes_formula"] = model.layouts.cache_bytes(seq_len, w.batch_size, DTYPE_BYTES[rt.dtype],
-                                                                  cfg.cache.dtype)
+    # what this run's cache holds: cache.impl=none holds nothing, and the layout's bytes beside
+    # kv_cache_bytes=0 would contradict the allocation (and the plausibility check)
+    metrics["kv_cache_bytes_formula"] = 0 if cfg.cache.impl == "none" else model.layouts.cache_bytes(
+        seq_len, w.batch_size, DTYPE_BYTES[rt.dtype], cfg.cache.dtype)
     with allocation_delta(device) as allocated:
         cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len, cfg.cache.dtype)
     if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation

@@ -1,0 +1,183 @@
+"""The safetensors files of a transformers checkpoint directory, read as their headers first.
+
+Which files hold the weights: those ``model.safetensors.index.json`` names (its ``weight_map``,
+tensor -> file, as transformers reads a sharded checkpoint), else every ``*.safetensors`` file of
+the directory. :func:`read_headers` reads each file's header only (names, shapes, dtypes: a few
+kilobytes, whatever the weights weigh), so a checkpoint is checked against its config.json before
+anything is built or loaded; :func:`load_tensors` then reads the tensors themselves.
+
+A tensor name in two files, an index that names a file that is not there or places a tensor in a
+file that does not hold it, a shard of ``-NNNNN-of-MMMMM`` missing: each a :class:`CheckpointError`
+naming the tensor and the files, since reading every file into one dict would let the last file
+win (two copies of a shard, or a stray file beside ``model.safetensors``, would run with whichever
+tensors sorted last).
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+
+import torch
+
+from kvbench.config_errors import ConfigError
+from kvbench.jsonio import read_json
+
+INDEX_FILE = "model.safetensors.index.json"
+# An index maps names to files: tens of kilobytes for a model of hundreds of billions of weights.
+MAX_INDEX_BYTES = 16 * 2**20
+# safetensors' names of floating-point dtypes (its header's "dtype")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+_SHARD = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be read into the decoder: the user's input is at fault (a run
+    records ``invalid``). The message names the file or tensor."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a safetensors header describes it: its file and name there, its shape and
+    dtype (safetensors' name: F32, BF16, I64 ...)."""
+
+    file: Path
+    name: str
+    shape: tuple
+    dtype: str
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+
+def reading(path: Path | str, what: str, read: Callable[[], Any]) -> Any:
+    """``read()``, with any failure but running out of memory turned into a CheckpointError
+    that names ``path``: torch, safetensors and tokenizers raise their own types (and torch a
+    page of advice) for a file that is truncated or not what it claims to be."""
+    try:
+        with warnings.catch_warnings():  # torch warns about a file's pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            return read()
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 — whatever the parser raises, the file is at fault
+        raise CheckpointError(f"{path}: not a readable {what} ({type(exc).__name__}: {_gist(exc)})") from None
+
+
+def _gist(exc: Exception) -> str:
+    """The part of a reader's error that is about the file: torch's weights-only loader wraps
+    its one-line reason (``WeightsUnpickler error: ...``) in a paragraph of advice."""
+    text = str(exc)
+    match = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", text, flags=re.S)
+    return f"the weights-only loader refused it: {' '.join(match.group(1).split())}" if match else text
+
+
+def _regular(path: Path) -> Path:
+    # safetensors would block opening a FIFO; a dangling link or a directory is no weights file
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: not a regular file")
+    return path
+
+
+def _index(directory: Path) -> Optional[Dict[str, str]]:
+    """The index's ``weight_map`` (tensor -> file name), checked; None without an index."""
+    path = directory / INDEX_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    index = reading(path, "safetensors index (JSON)", lambda: read_json(path, MAX_INDEX_BYTES))
+    weight_map = index.get("weight_map") if isinstance(index, Mapping) else None
+    if not isinstance(weight_map, Mapping) or not weight_map:
+        raise CheckpointError(f"{path}: no weight_map (a JSON object of tensor name -> file) in it")
+    for name, file in weight_map.items():
+        # a plain file name of this directory: an index must not send the reader elsewhere
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise CheckpointError(f"{path}: weight_map[{name!r}]={file!r}: not a file name in {directory}")
+    return dict(weight_map)
+
+
+def weight_files(directory: Path | str) -> List[Path]:
+    """The files holding the weights: the index's, else every ``*.safetensors``; each a regular
+    file, every shard of a ``-NNNNN-of-MMMMM`` series present."""
+    return _files(Path(directory), _index(Path(directory)))
+
+
+def _files(directory: Path, weight_map: Optional[Dict[str, str]]) -> List[Path]:
+    if weight_map is not None:
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{directory / INDEX_FILE}: names {f.name}, which is not in {directory}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors files (only safetensors weights are read)")
+    _check_series(directory, files)
+    return [_regular(f) for f in files]
+
+
+def _check_series(directory: Path, files: Iterable[Path]) -> None:
+    series: Dict[tuple, set] = {}
+    for f in files:
+        match = _SHARD.search(f.name)
+        if match:
+            stem = f.name[: match.start()]
+            series.setdefault((stem, int(match.group(2)), len(match.group(2))), set()).add(int(match.group(1)))
+    for (stem, total, digits), present in series.items():
+        absent = sorted(set(range(1, total + 1)) - present)
+        if absent:
+            name = f"{stem}-{absent[0]:0{digits}d}-of-{total:0{digits}d}.safetensors"
+            raise CheckpointError(f"{directory}: shard {name} is missing ({len(present)} of {total} present)")
+
+
+def read_headers(directory: Path | str) -> Dict[str, StoredTensor]:
+    """Every tensor of the checkpoint ``directory`` by its stored name, from the files' headers
+    only; a name in two files, or in another file than the index says, is a CheckpointError."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    weight_map = _index(directory)
+    stored: Dict[str, StoredTensor] = {}
+    for f in _files(directory, weight_map):
+        def header(f: Path = f) -> Dict[str, StoredTensor]:
+            with safe_open(str(f), framework="pt") as handle:
+                return {name: StoredTensor(f, name, tuple(handle.get_slice(name).get_shape()),
+                                           handle.get_slice(name).get_dtype()) for name in handle.keys()}
+        for name, tensor in reading(f, "safetensors file", header).items():
+            if name in stored:
+                raise CheckpointError(f"{directory}: tensor {name} is in both {stored[name].file.name} and "
+                                      f"{f.name}: which copy is the model's is not defined (remove one file, "
+                                      f"or list each tensor once in {INDEX_FILE})")
+            if weight_map is not None and weight_map.get(name) != f.name:
+                where = f"places it in {weight_map[name]}" if name in weight_map else "does not list it"
+                raise CheckpointError(f"{directory / INDEX_FILE}: {where}, but tensor {name} is in {f.name}")
+            stored[name] = tensor
+    for name, file in (weight_map or {}).items():
+        if name not in stored:
+            raise CheckpointError(f"{directory / INDEX_FILE}: places tensor {name} in {file}, which does not hold it")
+    return stored
+
+
+def load_tensors(stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:
+    """The tensors ``stored`` describes (any key -> its header entry), read from their files,
+    by the same keys; keys of one entry (a tied weight) get the same tensor, read once."""
+    from safetensors import safe_open
+
+    by_file: Dict[Path, set] = {}
+    for tensor in stored.values():
+        by_file.setdefault(tensor.file, set()).add(tensor.name)
+    read: Dict[tuple, torch.Tensor] = {}
+    for f, names in by_file.items():
+        def tensors(f: Path = f, names: set = names) -> Dict[str, torch.Tensor]:
+            with safe_open(str(f), framework="pt") as handle:
+                return {name: handle.get_tensor(name) for name in sorted(names)}
+        read.update({(f, name): t for name, t in reading(f, "safetensors file", tensors).items()})
+    return {key: read[(tensor.file, tensor.name)] for key, tensor in stored.items()}
