@@ -15,11 +15,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Optional
 
 import hydra
-import hydra.core.utils
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cli_job import hydra_job
@@ -28,23 +26,10 @@ from kvbench.cli_tools import os_error_line
 from kvbench.config import CONF_DIR, register_configs, schema_defaults
 from kvbench.config_errors import config_error_line, is_composition_error, one_line
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.sinks.console import stderr
 
 register_configs()
 
-
-def _save_hydra_file(cfg, filename: str, output_dir: Path) -> None:
-    """What Hydra's ``run_job`` calls to write ``.hydra/config.yaml``, ``hydra.yaml`` and
-    ``overrides.yaml`` into each job's directory, written as kvbench writes its own files: a
-    symlink planted at ``.hydra`` or at a file's name is replaced, its target never written (Hydra's
-    own ``open(path, "w")`` wrote through it). Hydra has no setting for this; it looks the function
-    up by name when each job starts, in every process that runs jobs (joblib and submitit workers
-    import this module to unpickle the job's function)."""
-    write_text_atomic(real_dir(output_dir) / filename, OmegaConf.to_yaml(cfg))
-
-
-hydra.core.utils._save_config = _save_hydra_file
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -10,7 +10,7 @@ import hydra.core.utils
 import pytest
 from conftest import compose, kvbench_forked
 
-import kvbench.cli  # noqa: F401 — installs the writer of Hydra's .hydra/ files
+import kvbench.cli_job  # noqa: F401 — installs the writer of Hydra's .hydra/ files
 from kvbench.cli_sweep import SweepCallback, SweepRefused, check_run_start
 from kvbench.config_errors import ConfigError
 from kvbench.jsonio import NoFollowFileHandler, real_dir
@@ -119,12 +119,13 @@ def test_a_run_over_a_record_that_measured_nothing_is_not_refused(tmp_path, stat
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """kvbench runs, one forked process each (conftest.kvbench_forked): a single run and a sweep
-    with links planted at every name Hydra writes, then a second single run into the first's
-    directory with another override, and a third with the first's overrides."""
+    """kvbench runs, one forked process each (conftest.kvbench_forked): a single run, a sweep and a
+    sweep run by joblib's worker processes, with links planted at every name Hydra writes, then a
+    second single run into the first's directory with another override, and a third with the
+    first's overrides."""
     root = tmp_path_factory.mktemp("planted")
     outside = victim(root)
-    run, sweep, again = root / "run", root / "sweep", root / "again"
+    run, sweep, again, workers = root / "run", root / "sweep", root / "again", root / "workers"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").symlink_to(outside / "precious.txt")
     (run / ".hydra" / "overrides.yaml").symlink_to(outside / "overrides.yaml")  # dangling
@@ -133,19 +134,24 @@ def planted(tmp_path_factory):
     (sweep / "multirun.yaml").symlink_to(outside / "precious.txt")
     (sweep / "0" / ".hydra").symlink_to(outside / "dir")
     (sweep / "0" / "cli.log").symlink_to(outside / "precious.txt")
+    # a launcher's worker process (joblib's, as submitit's): the job's function is unpickled there
+    (workers / "0" / ".hydra").mkdir(parents=True)
+    (workers / "0" / ".hydra" / "config.yaml").symlink_to(outside / "precious.txt")
+    (workers / "0" / "cli.log").symlink_to(outside / "worker.log")
     base = [o for o in TINY if not o.startswith("workload.gen_len=")]
     commands = [([*TINY, f"hydra.run.dir={run}"], root),
                 (["-m", *base, "workload.gen_len=4,5", f"hydra.sweep.dir={sweep}"], root),
+                (["-m", "hydra/launcher=joblib", *TINY, f"hydra.sweep.dir={workers}"], root),
                 ([*TINY, f"hydra.run.dir={again}"], root),
                 ([*base, "workload.gen_len=5", f"hydra.run.dir={again}"], root),
                 ([*reversed(TINY), "wandb.project=other", f"hydra.run.dir={again}"], root)]
-    done = kvbench_forked(commands[:3])
+    done = kvbench_forked(commands[:4])
     before = [(again / ".hydra" / "overrides.yaml").read_text(), (again / "results.json").read_bytes()]
-    [other] = kvbench_forked(commands[3:4])
+    [other] = kvbench_forked(commands[4:5])
     after = [(again / ".hydra" / "overrides.yaml").read_text(), (again / "results.json").read_bytes()]
-    [same] = kvbench_forked(commands[4:])
-    return dict(root=root, outside=outside, run=run, sweep=sweep, again=again, done=done, other=other, same=same,
-                before=before, after=after)
+    [same] = kvbench_forked(commands[5:])
+    return dict(root=root, outside=outside, run=run, sweep=sweep, workers=workers, again=again, done=done,
+                other=other, same=same, before=before, after=after)
 
 
 @pytest.mark.e2e
@@ -158,6 +164,7 @@ def test_nothing_is_written_through_a_link_hydra_or_kvbench_meets(planted):
             run / "results.json", sweep / "multirun.yaml", sweep / "0" / "cli.log",
             *(sweep / j / ".hydra" / "overrides.yaml" for j in ("0", "1")))
     assert "workload.gen_len=4" in (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
+    regular(planted["workers"] / "0" / ".hydra" / "config.yaml", planted["workers"] / "0" / "cli.log")
     assert read_record(run).status == "ok" and read_record(sweep / "1").status == "ok"
 
 
