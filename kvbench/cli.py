@@ -31,6 +31,7 @@ from kvbench.sinks.console import stderr
 register_configs()
 
 
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> Optional[float]:
     # Launchers (submitit, joblib) pickle this function by value, with the globals it names:

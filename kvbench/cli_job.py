@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import hydra.core.utils
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -21,10 +22,25 @@ from kvbench.config_errors import ConfigError
 from kvbench.jobs.claim import claim_holder, claim_job, completed_record
 from kvbench.jobs.isolation import launch_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
+from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.results import CHECKPOINT_NAME, RESULTS_FILE, RecordError, objective_value, read_record
 from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, turns_table, variants_table
 from kvbench.sinks.report import MD_FILE, write_report
 from kvbench.sinks.tracking import track
+
+
+def _save_hydra_file(cfg, filename: str, output_dir: Path) -> None:
+    """What Hydra's ``run_job`` calls to write ``.hydra/config.yaml``, ``hydra.yaml`` and
+    ``overrides.yaml`` into each job's directory, written as kvbench writes its own files: a
+    symlink planted at ``.hydra`` or at a file's name is replaced, its target never written (Hydra's
+    own ``open(path, "w")`` wrote through it). Hydra has no setting for this; it looks the function
+    up by name as each job starts. Installed by this module, which every process that runs jobs
+    imports: kvbench's own, and the joblib and submitit workers, to which the job's function is
+    pickled naming :func:`hydra_job` (kvbench.cli is not imported there)."""
+    write_text_atomic(real_dir(output_dir) / filename, OmegaConf.to_yaml(cfg))
+
+
+hydra.core.utils._save_config = _save_hydra_file
 
 
 def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:

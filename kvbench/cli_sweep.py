@@ -1,7 +1,8 @@
 """A sweep around its jobs (``hydra.callbacks.sweep`` in conf/config.yaml): refuse one that cannot
 run or would overwrite another before its first job (:func:`check_sweep_start`), count its jobs,
 and at its end print the table of its jobs, write its report and W&B workspace and give the exit
-code (:func:`sweep_end`).
+code (:func:`sweep_end`). A single run is refused the same way when it would replace another run's
+``ok`` record (:func:`check_run_start`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvbench.cli_job import report
 from kvbench.config_errors import ConfigError
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import job_overrides, sweep_records, sweep_size
-from kvbench.results import find_results
+from kvbench.jsonio import write_text_atomic
+from kvbench.results import RecordError, find_results, read_record, trustworthy_ok
 from kvbench.sinks.console import stderr, stdout, sweep_tables
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
 from kvbench.sinks.report import collect
@@ -108,8 +110,9 @@ def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
 
 
 class SweepRefused(BaseException):
-    """A sweep stopped before its first job. Not an ``Exception``: Hydra turns what a callback
-    raises into a warning and goes on, and this must reach :func:`main` (one line, exit 2)."""
+    """A sweep stopped before its first job, or a single run before its job. Not an ``Exception``:
+    Hydra turns what a callback raises into a warning and goes on, and this must reach
+    :func:`main` (one line, exit 2)."""
 
 
 
@@ -153,8 +156,11 @@ def check_sweep_start(config: DictConfig) -> None:
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "
                           "resume (the trials it would choose depend on the values measured, so its job "
                           "numbers would overwrite other jobs); give it a new hydra.sweep.dir")
+    saved = sweep_dir / MULTIRUN_FILE
+    if saved.is_symlink() or not saved.is_file():  # a link is replaced (below); a FIFO would block the read
+        return
     try:
-        before = OmegaConf.select(OmegaConf.load(sweep_dir / MULTIRUN_FILE), "hydra.overrides.task") or []
+        before = OmegaConf.select(OmegaConf.load(saved), "hydra.overrides.task") or []
     except (OSError, OmegaConfBaseException, ValueError):
         return  # a new directory, or one no sweep finished starting in
     if job_overrides(before) != job_overrides(config.hydra.overrides.task):
@@ -163,10 +169,37 @@ def check_sweep_start(config: DictConfig) -> None:
                           "(a sweep resumes only with the same overrides)")
 
 
+def check_run_start(config: DictConfig) -> None:
+    """Refuse, before Hydra writes anything into it, a single run into a ``hydra.run.dir`` whose
+    ``results.json`` is the ``ok`` record of other overrides: this run would replace it (and
+    Hydra its ``.hydra/`` files), as a sweep into another sweep's directory would (refused by
+    :func:`check_sweep_start`). The same overrides measure the same job again (its record is
+    replaced by the new one, a worse one kept beside it). Raises :class:`ConfigError`."""
+    run_dir = Path(str(config.hydra.run.dir))
+    try:
+        record = read_record(run_dir)
+    except RecordError:
+        return  # nothing measured there (or nothing readable): nothing to lose
+    if record.status != "ok" or not trustworthy_ok(record.metrics):
+        return
+    before, now = job_overrides(record.overrides) or [], job_overrides(config.hydra.overrides.task) or []
+    if sorted(before) != sorted(now):
+        had, has = [o for o in before if o not in now], [o for o in now if o not in before]
+        raise ConfigError(f"hydra.run.dir={str(run_dir)!r}: holds the ok record of another run, which this one "
+                          f"would replace (that run had {' '.join(had) or 'no other override'}, this one has "
+                          f"{' '.join(has) or 'no other override'}); give this run a new hydra.run.dir")
+
+
+# What Hydra's sweepers write into a sweep's directory (BasicSweeper, Optuna's), with open(path, "w")
+# that follows a link: a link planted there is removed before the sweep starts.
+SWEEPER_FILES = (MULTIRUN_FILE, "optimization_results.yaml")
+
+
 class SweepCallback(Callback):
     """Counts a sweep's jobs at the start; at the end prints a table of this sweep's jobs and
     sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
-    ``on_multirun_end``, unless the sweep is interrupted: then :func:`main` ends it."""
+    ``on_multirun_end``, unless the sweep is interrupted: then :func:`main` ends it. A single
+    run is checked at its start (:func:`check_run_start`)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         OUTCOME.sweep_started(config)
@@ -174,11 +207,13 @@ class SweepCallback(Callback):
             check_sweep_start(config)
         except ConfigError as exc:
             raise SweepRefused(str(exc)) from None
+        for name in SWEEPER_FILES:
+            if (Path(config.hydra.sweep.dir) / name).is_symlink():
+                (Path(config.hydra.sweep.dir) / name).unlink()  # the link goes, its target is untouched
         if not _basic_sweeper(config):
             # Hydra's basic sweeper saves the sweep's config as it starts, Optuna's does not: saved
             # here, it makes a later sweep into this directory a refused one (check_sweep_start).
-            Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(config, Path(config.hydra.sweep.dir) / MULTIRUN_FILE)
+            write_text_atomic(Path(config.hydra.sweep.dir) / MULTIRUN_FILE, OmegaConf.to_yaml(config))
         new_sweep(config.hydra.sweep.dir)
         try:
             # a search runs hydra.sweeper.n_trials jobs (Optuna's sweeper; "?" for another)
@@ -187,6 +222,12 @@ class SweepCallback(Callback):
             os.environ["KVBENCH_SWEEP_TOTAL"] = str(total)
         except Exception:  # noqa: BLE001 — a count is a nicety; never stop a sweep for it
             os.environ["KVBENCH_SWEEP_TOTAL"] = "?"
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_run_start(config)
+        except ConfigError as exc:
+            raise SweepRefused(str(exc)) from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if config.get("task") == "inspect":

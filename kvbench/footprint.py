@@ -92,7 +92,9 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     searches them) and count only the model here."""
     m, a = cfg.model, cfg.attention
     kv = 0
-    if cfg.task == "bench" and cfg.cache.impl != "none":
+    if cfg.task == "bench" and cfg.workload.name == "serving":  # the store its budget asks for, allocated whole
+        kv = serving_store_bytes(cfg)
+    elif cfg.task == "bench" and cfg.cache.impl != "none":
         # The record's formula (workloads/decode.py): each layer's own (MLA's latent, a window's ring).
         kv = build_layouts(m, a).cache_bytes(cfg.workload.total_len, cfg.workload.batch_size,
                                              DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
@@ -100,6 +102,23 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     if cfg.task == "recall":  # its model has the task's vocabulary (tasks/recall.py)
         m, data = dataclasses.replace(m, vocab_size=cfg.recall.vocab_size), recall_data_bytes(cfg)
     return Footprint(parameter_count(m, a) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(m), kv, data)
+
+
+def kv_bytes_per_token(cfg: BenchConfig) -> int:
+    """KV bytes one token of one sequence holds in all layers, from the config: what
+    :func:`kvbench.serving.paged.bytes_per_token` gives for the model once built."""
+    return build_layouts(cfg.model, cfg.attention).bytes_per_token(DTYPE_BYTES[cfg.runtime.dtype])
+
+
+def serving_store_bytes(cfg: BenchConfig) -> int:
+    """The KV store ``workload.kv_budget_mb`` (whole blocks of it) or ``workload.kv_budget_blocks``
+    asks for, bytes: blocks of ``cache.block_size`` tokens, or slots of ``workload.slot_len`` (else
+    the longest request's positions; a trace's are known once it is read: 1 here, a lower bound)."""
+    w = cfg.workload
+    size = cfg.cache.block_size if w.store == "paged" else (w.slot_len or max(w.total_len, 1))
+    block_bytes = size * kv_bytes_per_token(cfg)
+    blocks = w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // block_bytes)
+    return blocks * block_bytes
 
 
 def available_bytes(device: torch.device) -> int:
@@ -157,10 +176,19 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         m = cfg.model
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
                 + "".join(f", attention.{k}={getattr(cfg.attention, k)}" for k in _MLA_SIZES if cfg.attention.latent)
-                + (f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")
+                + (_store_keys(cfg) if cfg.workload.name == "serving" and cfg.task == "bench"
+                   else f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")
                 + (f", recall.vocab_size={cfg.recall.vocab_size}, recall.eval_sequences={cfg.recall.eval_sequences}"
                    if cfg.task == "recall" else ""))
         where = f"model.path={m.path}: " if m.path else ""
         raise ConfigError(f"{where}the job needs at least {human_bytes(need.total)} ({need.describe()}; {keys}), "
                           f"more than the {human_bytes(have)} {device.type} memory available; nothing was built")
     return need
+
+
+def _store_keys(cfg: BenchConfig) -> str:
+    w = cfg.workload
+    if w.kv_budget_mb is not None:
+        return f", workload.kv_budget_mb={w.kv_budget_mb}"
+    return f", workload.kv_budget_blocks={w.kv_budget_blocks}" + (
+        f" of cache.block_size={cfg.cache.block_size} tokens" if w.store == "paged" else " slots")

@@ -8,12 +8,17 @@ one. The rename replaces a symlink at the destination rather than writing throug
 temporary file is created with ``O_EXCL`` (never through a link either) and mode 0666 less the
 umask, as ``open()`` would create it (``tempfile.mkstemp`` makes 0600, and other users could not
 read the results).
+
+What cannot be renamed into place follows the same rule, never writing through a link planted at
+its name: a directory kvbench or a library writes into (:func:`real_dir`) and a log file that is
+appended to (:class:`NoFollowFileHandler`).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import secrets
 import stat
@@ -90,6 +95,43 @@ def _create_temp(path: Path) -> tuple[int, str]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:
             continue
+
+
+def real_dir(path: Path | str) -> Path:
+    """The directory ``path``, made if missing (with its parents), never a link: a symlink at its
+    name (planted where kvbench, Hydra or W&B write) is removed first, so what is written there
+    lands in the job's own directory and the link's target is never touched. A file at its name
+    is left alone and raises (FileExistsError), as ``mkdir`` would."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class NoFollowFileHandler(logging.FileHandler):
+    """``logging.FileHandler`` that never writes through a link (a job's ``<job>.log``, Hydra's
+    ``hydra.job_logging``): the file is opened with ``O_NOFOLLOW``, and a symlink at its name, a
+    dangling one included (which ``open(path, "a")`` would create a file through), is removed and a
+    regular file made there. Anything else that is not a regular file (a FIFO) is refused, never
+    waited on (OSError)."""
+
+    def _open(self):
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                 | (os.O_TRUNC if "w" in self.mode else os.O_APPEND))
+        path = Path(self.baseFilename)
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            path.unlink()  # the link goes, its target is untouched
+            fd = os.open(path, flags, 0o666)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 def plain(value: Any) -> Any:

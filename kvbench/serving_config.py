@@ -8,11 +8,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvbench.config_errors import check, check_choice, check_numbers
+from kvbench.config_errors import ConfigError, check, check_choice, check_numbers
 
 ARRIVALS = ("poisson", "gamma", "trace")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 STORES = ("paged", "slots")
+# A lognormal's spread beyond this puts nearly every length at lo or hi (and its sigma^2 =
+# ln(1 + cv^2) overflows near 1e154).
+MAX_CV = 100.0
+
+# What one run can do. Its record holds every request (a row of tables.serving_requests), every
+# output token's time (tables.serving_tokens) and, at worst one per output token (a CPU run decodes
+# one sequence an iteration), the scheduler's state after each iteration (tables.serving_samples and
+# the series): about these many bytes each in results.json (model=tiny records, rounded up). A
+# record larger than results.json is read back at (kvbench.results.MAX_RECORD_BYTES; a test holds the
+# two equal) would be written and then be unreadable: hours of serving lost to resume and reports.
+RECORD_BYTES_PER_REQUEST = 400
+RECORD_BYTES_PER_TOKEN = 300
+MAX_RECORD_BYTES = 64 * 2**20
+MAX_REQUESTS = MAX_RECORD_BYTES // RECORD_BYTES_PER_REQUEST  # requests of one output token each, at most
+# Arrivals spread over more than a day are a typo (workload.rate=1e-6) or a trace of absolute
+# timestamps: the scheduler would sleep until each one.
+MAX_SPAN_S = 86_400.0
 
 
 @dataclass
@@ -40,11 +57,18 @@ class LengthConfig:
             check(self.lo <= self.mean <= self.hi, f"{key}.mean", self.mean,
                   f"must be in [{key}.lo={self.lo}, {key}.hi={self.hi}]")
             check(self.cv > 0, f"{key}.cv", self.cv, "must be > 0 (dist=fixed for no spread)")
+            check(self.cv <= MAX_CV, f"{key}.cv", self.cv, f"must be <= {MAX_CV:g} (a larger spread puts nearly "
+                                                           f"every length at {key}.lo or {key}.hi)")
 
     @property
     def max_len(self) -> int:
         """The longest length this distribution gives."""
         return int(self.mean) if self.dist == "fixed" else self.hi
+
+    @property
+    def mean_len(self) -> float:
+        """The mean length this distribution gives (a lognormal's before clipping)."""
+        return (self.lo + self.hi) / 2 if self.dist == "uniform" else float(self.mean)
 
 
 @dataclass
@@ -103,6 +127,53 @@ def check_serving(w) -> None:
     w.search.check()
     check(not (w.search.enabled and w.arrival == "trace"), "workload.search.enabled", w.search.enabled,
           "a rate search draws arrivals at each rate; workload.arrival=trace has its own times")
+    if w.arrival != "trace":  # a trace's size and span are checked as it is read (serving/arrivals.py)
+        _check_run_size(w)
+
+
+def _check_run_size(w) -> None:
+    """A run of drawn arrivals that its record can hold and that ends within :data:`MAX_SPAN_S`
+    (the mean span; the drawn arrivals are checked again: :func:`kvbench.serving.arrivals.check_drawn`).
+    A rate search runs from ``search.lo`` (the longest span) to ``search.hi`` (the most requests in
+    a duration)."""
+    slowest, fastest = (w.search.lo, w.search.hi) if w.search.enabled else (w.rate, w.rate)
+    rate_key, fast_key = (("workload.search.lo", "workload.search.hi") if w.search.enabled
+                          else ("workload.rate", "workload.rate"))
+    if w.num_requests is not None:
+        check_record_size("workload.num_requests", w.num_requests, w.num_requests, w.output.mean_len)
+        span = w.num_requests / slowest
+        check(span <= MAX_SPAN_S, rate_key, slowest,
+              f"{w.num_requests} requests (workload.num_requests) at this rate arrive over ~{duration_text(span)}, "
+              f"more than the {duration_text(MAX_SPAN_S)} a serving run may span; raise the rate or lower "
+              "workload.num_requests")
+    else:
+        check(w.duration_s <= MAX_SPAN_S, "workload.duration_s", w.duration_s,
+              f"more than the {duration_text(MAX_SPAN_S)} a serving run may span")
+        check_record_size("workload.duration_s", w.duration_s, w.duration_s * fastest, w.output.mean_len,
+                          f"at {fast_key}={fastest:g} req/s, ")
+
+
+def check_record_size(key: str, value, requests: float, mean_output: float, how: str = "") -> None:
+    """Refuse (one line naming ``key``) a run of ``requests`` requests of ``mean_output`` output
+    tokens on average whose record would be larger than :data:`MAX_RECORD_BYTES`."""
+    size = requests * (RECORD_BYTES_PER_REQUEST + RECORD_BYTES_PER_TOKEN * mean_output)
+    if size > MAX_RECORD_BYTES:
+        most = int(MAX_RECORD_BYTES // (RECORD_BYTES_PER_REQUEST + RECORD_BYTES_PER_TOKEN * mean_output))
+        raise ConfigError(f"{key}={value!r}: {how}~{requests:.3g} requests of ~{mean_output:g} output tokens would "
+                          f"make a record of ~{size / 2**20:.3g} MiB (every request, every token's time and every "
+                          f"scheduler iteration), more than the {MAX_RECORD_BYTES // 2**20} MiB a results.json may "
+                          f"hold; at most ~{most:,} requests of these lengths in one run")
+
+
+def duration_text(seconds: float) -> str:
+    """``90 s``, ``12 min``, ``3.5 h``, ``41 days``: a span as a person reads it."""
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86_400:
+        return f"{seconds / 3600:.3g} h"
+    return f"{seconds / 86_400:.3g} days"
 
 
 def check_serving_run(cfg) -> None:

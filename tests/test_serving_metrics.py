@@ -117,7 +117,11 @@ def test_few_samples_give_no_interval_and_say_why():
     m = timeline_metrics(scripted())
     assert m["ttft_ms_p50_ci_low"] is None and "needs at least 6" in m["ttft_ms_p50_ci_reason"]
     assert m["ttft_ms_p99_ci_high"] is None and "needs at least 299" in m["ttft_ms_p99_ci_reason"]
-    assert "needs at least 100" in m["ttft_ms_p99_warning"]
+    # one line for every quantile short of samples, not one per latency
+    assert m["quantiles_warning"].startswith("p90 of ttft_ms, tpot_ms, itl_ms, e2e_ms, queue_ms from 2/3/5 samples")
+    assert "; p99 of ttft_ms, tpot_ms, itl_ms, e2e_ms, queue_ms from 2/3/5 samples (a 99% quantile needs 100)" in (
+        m["quantiles_warning"])
+    assert not [k for k in m if k.endswith("_warning") and k != "quantiles_warning"]
 
 
 def test_enough_requests_give_intervals_around_the_estimate():
@@ -130,7 +134,7 @@ def test_enough_requests_give_intervals_around_the_estimate():
     for key in ("ttft_ms_p50", "ttft_ms_p99"):
         assert m[f"{key}_ci_reason"] is None
         assert m[f"{key}_ci_low"] < m[key] < m[f"{key}_ci_high"]
-    assert "ttft_ms_p99_warning" not in m
+    assert "ttft_ms" not in (m["quantiles_warning"] or "")
     quick = timeline_metrics(t, intervals=False)
     assert quick["ttft_ms_p50_ci_low"] is None and "not computed" in quick["ttft_ms_p50_ci_reason"]
 

@@ -26,13 +26,14 @@ from typing import List, Optional
 
 import numpy as np
 
-from kvbench.config_errors import ConfigError
+from kvbench.config_errors import ConfigError, one_line
+from kvbench.jsonio import read_regular
 from kvbench.serving.trace import Request
-from kvbench.serving_config import LengthConfig
+from kvbench.serving_config import MAX_REQUESTS, MAX_SPAN_S, LengthConfig, check_record_size, duration_text
 
 MAX_TRACE_BYTES = 64 * 2**20  # a trace of more is not one this CPU-sized scheduler can serve
-MAX_TRACE_ROWS = 1_000_000
-MAX_DRAWN = 1_000_000  # arrivals drawn for a duration_s at most
+MAX_TRACE_ROWS = MAX_REQUESTS  # more than a record can hold (serving_config)
+MAX_DRAWN = MAX_REQUESTS  # arrivals drawn for a duration_s at most
 
 
 def inter_arrivals(rng: np.random.Generator, n: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
@@ -75,11 +76,26 @@ def make_requests(w) -> List[Request]:
     n = len(times)
     prompt = draw_lengths(rng, n, w.prompt)
     output = draw_lengths(rng, n, w.output)
+    check_drawn(w, float(times[-1]), n, float(output.sum()))
     prefixed = (rng.random(n) < w.prefix_fraction) if w.prefix_len > 0 else np.zeros(n, dtype=bool)
     groups = rng.integers(0, w.prefix_groups, n)
     return [Request(i, float(times[i]), int(prompt[i]) + (w.prefix_len if prefixed[i] else 0), int(output[i]),
                     int(groups[i]) if prefixed[i] else None, w.prefix_len if prefixed[i] else 0)
             for i in range(n)]
+
+
+def check_drawn(w, last_s: float, n: int, output_tokens: float) -> None:
+    """The drawn arrivals, checked as the config's means were (serving_config): they end within
+    :data:`MAX_SPAN_S` (a gamma of small ``burstiness`` draws a few enormous gaps whatever its
+    mean) and their record fits."""
+    if not last_s <= MAX_SPAN_S:  # NaN too: gaps that overflowed
+        key, value = (("workload.burstiness", w.burstiness) if w.arrival == "gamma" and w.burstiness < 1
+                      else ("workload.rate", w.rate))
+        raise ConfigError(f"{key}={value!r}: the drawn arrivals span {duration_text(last_s)}, more than the "
+                          f"{duration_text(MAX_SPAN_S)} a serving run may span (workload.arrival={w.arrival}, "
+                          f"workload.rate={w.rate:g}, workload.seed={w.seed})")
+    key = "workload.num_requests" if w.num_requests is not None else "workload.duration_s"
+    check_record_size(key, getattr(w, key.split(".")[1]), n, output_tokens / n, "the drawn ")
 
 
 def request_tokens(request: Request, vocab_size: int, seed: int) -> List[int]:
@@ -109,10 +125,12 @@ def read_trace(path: str, default_prefix_len: int = 0) -> List[Request]:
     size = p.stat().st_size
     if size > MAX_TRACE_BYTES:
         raise ConfigError(f"{key}: {size:,} bytes, more than the {MAX_TRACE_BYTES:,} a trace may have")
-    with open(p, "rb") as f:
-        raw = f.read(MAX_TRACE_BYTES + 1)
     try:
-        text = raw.decode("utf-8")
+        raw = read_regular(p, MAX_TRACE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot be read ({exc.strerror or exc})") from None
+    try:  # a byte-order mark (spreadsheets write one) is not part of the first column's name
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{key}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     rows = _jsonl_rows(text, key) if text.lstrip().startswith("{") else _csv_rows(text, key)
@@ -124,8 +142,13 @@ def read_trace(path: str, default_prefix_len: int = 0) -> List[Request]:
         if r.arrival_s < last:
             raise ConfigError(f"{key}: line {line}: arrival_s={r.arrival_s} is before the previous row's "
                               f"{last}; sort the trace by arrival")
+        if r.arrival_s > MAX_SPAN_S:  # the scheduler would sleep until it
+            raise ConfigError(f"{key}: line {line}: arrival_s={r.arrival_s:g} is {duration_text(r.arrival_s)} after "
+                              f"the run's start, more than the {duration_text(MAX_SPAN_S)} a serving run may span "
+                              "(arrival_s counts seconds from the start of the run, not a timestamp)")
         last = r.arrival_s
         out.append(r)
+    check_record_size("workload.trace", path, len(out), sum(r.output_len for r in out) / len(out))
     return out
 
 
@@ -138,6 +161,8 @@ def _jsonl_rows(text: str, key: str) -> List[tuple]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{key}: line {n}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{key}: line {n}: nested too deeply to parse") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{key}: line {n}: a JSON object is expected, got {type(row).__name__}")
         rows.append((n, row))
@@ -147,16 +172,20 @@ def _jsonl_rows(text: str, key: str) -> List[tuple]:
 
 
 def _csv_rows(text: str, key: str) -> List[tuple]:
-    reader = csv.DictReader(io.StringIO(text))
-    missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
-    if missing:
-        raise ConfigError(f"{key}: the header lacks {', '.join(missing)} (columns: {', '.join(_COLUMNS)}"
-                          ", optional prefix_id, prefix_len)")
+    # skipinitialspace: a header written "arrival_s, prompt_len, output_len" names the same columns
+    reader = csv.DictReader(io.StringIO(text), skipinitialspace=True)
     rows = []
-    for row in reader:
-        rows.append((reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}))
-        if len(rows) > MAX_TRACE_ROWS:
-            raise ConfigError(f"{key}: more than {MAX_TRACE_ROWS:,} requests")
+    try:
+        missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"{key}: the header lacks {', '.join(missing)} (columns: {', '.join(_COLUMNS)}"
+                              ", optional prefix_id, prefix_len)")
+        for row in reader:
+            rows.append((reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}))
+            if len(rows) > MAX_TRACE_ROWS:
+                raise ConfigError(f"{key}: more than {MAX_TRACE_ROWS:,} requests")
+    except csv.Error as exc:  # a field past csv's limit, a quote left open
+        raise ConfigError(f"{key}: line {max(1, reader.line_num)}: not CSV ({exc})") from None
     return rows
 
 
@@ -166,14 +195,17 @@ def _number(row: dict, name: str, where: str, kind, least, optional: bool = Fals
             return None
         raise ConfigError(f"{where}: no {name}")
     value = row[name]
+    shown = one_line(repr(value), 60)
     try:
+        if isinstance(value, (bool, list, dict)):  # float(True) is 1.0: a flag is no time, no length
+            raise TypeError
         number = kind(float(value)) if kind is float else int(str(value))
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {name}={value!r} is not a{'n integer' if kind is int else ' number'}") from None
+        raise ConfigError(f"{where}: {name}={shown} is not a{'n integer' if kind is int else ' number'}") from None
     if kind is float and not math.isfinite(number):
-        raise ConfigError(f"{where}: {name}={value!r} must be finite")
+        raise ConfigError(f"{where}: {name}={shown} must be finite")
     if number < least:
-        raise ConfigError(f"{where}: {name}={value!r} must be >= {least}")
+        raise ConfigError(f"{where}: {name}={shown} must be >= {least}")
     return number
 
 

@@ -70,7 +70,8 @@ def per_request(trace: RequestTrace) -> Dict[str, Optional[float]]:
 
 def _quantiles(name: str, groups: Sequence[Sequence[float]], what: str, intervals: bool) -> Dict[str, Any]:
     """Mean and :data:`QUANTILES` of every value of ``groups`` (blocks are drawn within a group),
-    each quantile's sample count and warning, and the intervals of :data:`CI_QUANTILES`."""
+    each quantile's sample count, and the intervals of :data:`CI_QUANTILES` (a quantile of too few
+    samples: :func:`quantiles_warning`)."""
     values = [v for g in groups for v in g]
     n = len(values)
     out: Dict[str, Any] = {f"{name}_mean": float(np.mean(values)) if n else None}
@@ -78,9 +79,6 @@ def _quantiles(name: str, groups: Sequence[Sequence[float]], what: str, interval
         key = f"{name}_{tag}"
         out[key] = percentile(values, q) if n else None
         out[f"{key}_n"] = n
-        if n < min_samples(q):
-            out[f"{key}_warning"] = (f"{key} from {n} {what}: the {q:.0%} quantile needs at least {min_samples(q)} "
-                                     "to be more than an extreme value (raise the number of requests)")
         if tag not in CI_QUANTILES:
             continue
         low = high = None
@@ -94,6 +92,24 @@ def _quantiles(name: str, groups: Sequence[Sequence[float]], what: str, interval
                 reason = "degenerate interval (an end at the estimate)"
         out[f"{key}_ci_low"], out[f"{key}_ci_high"], out[f"{key}_ci_reason"] = low, high, reason
     return out
+
+
+def quantiles_warning(metrics: Mapping[str, Any]) -> Optional[str]:
+    """One line for every latency quantile of ``metrics`` computed from fewer samples than it needs
+    to be more than an extreme value (:func:`kvbench.measure.stats.min_samples`: 100 for a p99),
+    grouped by quantile; None when every one has enough. One line, not one per latency: the
+    quantiles of a run share their requests, so they fall short together."""
+    parts = []
+    for tag, q in QUANTILES.items():
+        short = [(name, metrics[f"{name}_{tag}_n"]) for name in LATENCIES
+                 if f"{name}_{tag}_n" in metrics and metrics[f"{name}_{tag}_n"] < min_samples(q)]
+        if short:
+            counts = sorted({n for _, n in short})
+            parts.append(f"{tag} of {', '.join(name for name, _ in short)} from {'/'.join(map(str, counts))} samples "
+                         f"(a {q:.0%} quantile needs {min_samples(q)})")
+    if not parts:
+        return None
+    return "; ".join(parts) + ": each is little more than the run's extreme value (raise workload.num_requests)"
 
 
 def _rate(count: float, duration_s: float) -> Optional[float]:
@@ -127,6 +143,7 @@ def timeline_metrics(timeline: Timeline, slo: Any = None, intervals: bool = True
                               intervals))
     gaps = [list(np.diff(t.token_s[:t.request.output_len]) * 1e3) for t in finished]
     out.update(_quantiles("itl_ms", [[float(g) for g in gs] for gs in gaps], "token gaps", intervals))
+    out["quantiles_warning"] = quantiles_warning(out)
 
     output_tokens = sum(t.request.output_len for t in finished)
     prompt_tokens = sum(t.request.prompt_len for t in finished)
@@ -202,9 +219,7 @@ def _latency_metrics(name: str, what: str) -> List[Metric]:
         key = f"{name}_{tag}"
         out += [Metric(key, "ms", f"{what}: {q:.0%} quantile over finished requests ({STATS_METHODS['percentiles']}; "
                                   "vLLM bench serve's np.percentile)"),
-                Metric(f"{key}_n", "count", f"samples {key} is computed from"),
-                Metric(f"{key}_warning", "text", f"present when {key}_n < {min_samples(q)}: too few samples for the "
-                                                 f"{q:.0%} quantile to be more than an extreme value")]
+                Metric(f"{key}_n", "count", f"samples {key} is computed from")]
         if tag in CI_QUANTILES:
             out += [Metric(f"{key}_ci_low", "ms", f"low end of the 95% interval of {key}: moving-block bootstrap "
                                                   "(blocks of round(n^(1/3)), 2000 resamples, seed 0) over requests "
@@ -225,6 +240,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("requests_unfinished_reason", "text", "present when requests_unfinished > 0: says they are excluded"),
     Metric("duration_s", "s", "benchmark duration: the run's start to its last output token (vLLM's dur_s)"),
     *(m for name, what in LATENCIES.items() for m in _latency_metrics(name, what)),
+    Metric("quantiles_warning", "text", "the latency quantiles computed from fewer samples than they need to be more "
+                                        "than an extreme value (<name>_n < 10 for a p90, 100 for a p99), in one line; "
+                                        "null when every one has enough"),
     Metric("request_throughput", "requests/s", "finished requests / duration_s"),
     Metric("output_throughput", "tokens/s", "output tokens of finished requests / duration_s"),
     Metric("total_token_throughput", "tokens/s", "prompt + output tokens of finished requests / duration_s"),

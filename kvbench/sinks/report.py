@@ -16,7 +16,6 @@ how many jobs it leaves out.
 from __future__ import annotations
 
 import csv
-import html
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -33,6 +32,7 @@ from kvbench.sinks import serving_plots
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.comparison import UNTESTED, comparisons
 from kvbench.sinks.interleaved import interleaved_table
+from kvbench.sinks.markdown import md_text
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 from kvbench.sinks.tables import (
     AXES,
@@ -165,8 +165,8 @@ def _cell(value: Any) -> Any:
 
 
 def _md_escape(text: Any) -> str:
-    """A table cell's text as Markdown shows it literally: no raw HTML, no column breaks."""
-    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ").replace("\r", " ")
+    """A table cell's text as Markdown shows it literally: no raw HTML, no live link, no column breaks."""
+    return md_text(text)
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: int = 0) -> List[str]:
@@ -263,7 +263,7 @@ def _interleaved_md(records) -> List[str]:
     for rec in views(records):
         header, rows = interleaved_table(rec)
         if rows:
-            lines += [f"### job {rec.job}: {rec.metric('rounds')} rounds", "",
+            lines += [f"### job {_md_escape(rec.job)}: {_md_escape(rec.metric('rounds'))} rounds", "",
                       *_md_table(header, rows, len(header) - 1), ""]
     if lines:
         lines = ["## Interleaved comparisons (task=compare)", "",
@@ -280,7 +280,7 @@ def _recall_md(records) -> List[str]:
     lines: List[str] = []
     for group in recall_sink.groups(records):
         header, rows = recall_sink.recall_table(group)
-        lines += [f"## {recall_sink.title(group)}", "", *_md_table(header, rows, len(header) - 1), "",
+        lines += [f"## {_md_escape(recall_sink.title(group))}", "", *_md_table(header, rows, len(header) - 1), "",
                   _md_escape(recall_sink.COPY_NOTE) + ".", ""]
     left_out = recall_sink.malformed(records)
     if left_out:
@@ -300,14 +300,14 @@ def _choose_md(records) -> List[str]:
              "rules:", ""] + [f"- {scenario}: {rule}" for scenario, rule in RULES.items()] + [""]
     for choice in found:
         if choice.cell:
-            lines += [f"### {choice.cell}", ""]
+            lines += [f"### {_md_escape(choice.cell)}", ""]
         lines += [*_md_table(choice.header, choice.rows, len(choice.header) - 1), ""]
         if choice.chat_rows:
             lines += ["Multi-turn (`task=capacity workload=multiturn`): the most concurrent conversations of the "
                       "chat under the same budget and SLOs, with and without the shared cache:", "",
                       *_md_table(choice.chat_header, choice.chat_rows, len(choice.chat_header) - 1), ""]
-        lines += [f"- **{scenario}**: {line}" for scenario, line in choice.recommendations]
-        lines += [f"- note: {note}" for note in choice.notes] + [""]
+        lines += [f"- **{_md_escape(scenario)}**: {_md_escape(line)}" for scenario, line in choice.recommendations]
+        lines += [f"- note: {_md_escape(note)}" for note in choice.notes] + [""]
     return lines
 
 

@@ -16,8 +16,10 @@ panel per combination of the other swept axes, one line per attention variant in
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from kvbench.sinks.markdown import md_text
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, fmt, natural
 from kvbench.views import RecordView, Variant
 
@@ -30,9 +32,48 @@ _ROW_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "output
 Curves = Dict[str, Dict[str, List[Dict[str, Any]]]]  # panel -> variant -> rows sorted by rate
 
 
-def serving_records(records: Sequence[Record]) -> List[Record]:
-    """The ok ``workload=serving`` records."""
+# What the plots and tables compute with: numbers (or null) in every rate-curve row and in the metrics
+_ROW_NUMBERS = _ROW_KEYS + ("tokens_per_s_per_user",)
+_SEARCH_NUMBERS = ("max_rate_under_slo", "max_rate_failed_at", "max_rate_at_least", "max_rate_probes")
+
+
+def _ok_serving(records: Sequence[Record]) -> List[RecordView]:
     return [r for r in map(RecordView.of, records) if r.kind == "serving" and r.ok]
+
+
+def serving_records(records: Sequence[Record]) -> List[Record]:
+    """The ok ``workload=serving`` records that are :func:`well_formed`."""
+    return [r for r in _ok_serving(records) if well_formed(r)]
+
+
+def malformed(records: Sequence[Record]) -> int:
+    """How many ok serving records :func:`serving_records` leaves out (not :func:`well_formed`)."""
+    return sum(not well_formed(r) for r in _ok_serving(records))
+
+
+def _number(value: Any, none: bool = True) -> bool:
+    if value is None:
+        return none
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def well_formed(rec: Record) -> bool:
+    """An ok serving record whose figures mean what they say (a record read back is checked, not
+    trusted; another version, or a hand, may have written it): every row of its rate curve a rate
+    (a number > 0) with numbers or nulls for its latencies and throughputs and a boolean or null
+    ``ok``; its own rate (``workload.rate``), latencies, throughputs and search results numbers or
+    null. One that is not would sort text against numbers, or hash a list, in the plots."""
+    view = RecordView.of(rec)
+    raw = (view.to_dict().get("tables") or {}).get(CURVE_TABLE)
+    rows = view.table(CURVE_TABLE)
+    if raw is not None and (not isinstance(raw, list) or len(raw) != len(rows)):
+        return False  # rows that are no mapping: the view leaves them out
+    if not all(_number(r.get("rate"), none=False) and r["rate"] > 0 and r.get("ok") in (None, True, False)
+               and all(_number(r.get(k)) for k in _ROW_NUMBERS) for r in rows):
+        return False
+    rate = view.get(RATE_KEY)
+    return ((rate is None or (_number(rate) and rate > 0))
+            and all(_number(view.metric(k)) for k in _ROW_KEYS + _SEARCH_NUMBERS))
 
 
 def _m(rec: Record, key: str) -> Any:
@@ -43,7 +84,7 @@ def points(rec: Record) -> List[Dict[str, Any]]:
     """One record's runs: its rate curve's rows, or its own metrics at ``workload.rate``."""
     rows = RecordView.of(rec).table(CURVE_TABLE)
     if rows:
-        return [dict(r) for r in rows if r.get("rate") is not None]
+        return [dict(r) for r in rows]
     rate = RecordView.of(rec).get(RATE_KEY)
     if rate is None:
         return []
@@ -141,21 +182,26 @@ def slo_targets(records: Sequence[Record], axes: Sequence[Axis]) -> Dict[str, Di
 
 
 def markdown(records: Sequence[Record], axes: Sequence[Axis]) -> List[str]:
-    """The report's serving section: the highest rate within the SLO per variant (rate searches)."""
-    rows = max_rates(records, axes)
-    if not rows:
-        return []
-    lines = ["## Serving: the highest arrival rate within the SLO", "",
-             "Per variant, the highest request rate whose run met every SLO target (its p99 TTFT / TPOT by "
-             "default, every request finished), next to the lowest rate that failed and what it missed "
-             "(what sets the limit). One search per variant, each rate one run: no confidence interval.", ""]
+    """The report's serving section: the highest rate within the SLO per variant (rate searches),
+    and how many serving records were left out (not :func:`well_formed`). Values from records are
+    text (:func:`kvbench.sinks.markdown.md_text`)."""
+    rows, left_out = max_rates(records, axes), malformed(records)
+    lines: List[str] = []
+    if rows:
+        lines += ["## Serving: the highest arrival rate within the SLO", "",
+                  "Per variant, the highest request rate whose run met every SLO target (its p99 TTFT / TPOT by "
+                  "default, every request finished), next to the lowest rate that failed and what it missed "
+                  "(what sets the limit). One search per variant, each rate one run: no confidence interval.", ""]
     for panel in sorted({r["panel"] for r in rows}, key=natural):
         group = [r for r in rows if r["panel"] == panel]
         if panel:
-            lines += [f"### {panel}", ""]
+            lines += [f"### {md_text(panel)}", ""]
         lines += ["| " + " | ".join(MAX_RATE_HEADER) + " |", "|" + "---|" * len(MAX_RATE_HEADER)]
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in max_rate_table(group)]
-        lines += [f"- {r['variant']}: {r['reason']}" for r in group if r["reason"]] + [""]
+        lines += ["| " + " | ".join(md_text(cell) for cell in row) + " |" for row in max_rate_table(group)]
+        lines += [f"- {md_text(r['variant'])}: {md_text(r['reason'])}" for r in group if r["reason"]] + [""]
+    if left_out:
+        lines += [f"{left_out} serving record{'s' if left_out > 1 else ''} left out of the serving tables and plots: "
+                  "a rate, latency or throughput in it is not a number (another version's record, or edited).", ""]
     return lines
 
 

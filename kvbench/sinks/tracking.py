@@ -51,7 +51,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from kvbench.config import WandbConfig
 from kvbench.config_errors import one_line
-from kvbench.jsonio import write_text_atomic
+from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.results import RESULTS_FILE, RunResult
 from kvbench.views import RecordView
 
@@ -334,7 +334,9 @@ def _online_failure(exc: Exception, timeout_s: float) -> str:
 def _unwritable_dir(wandb, out_dir: Path) -> Optional[str]:
     """The first directory W&B must write that cannot be written, with why; None when all can.
     wandb-core logs to ``<WANDB_CACHE_DIR or the user cache dir>/wandb/logs``, the SDK caches
-    under ``WANDB_CACHE_DIR`` and stages artifacts under ``WANDB_DATA_DIR``."""
+    under ``WANDB_CACHE_DIR`` and stages artifacts under ``WANDB_DATA_DIR``. The run directory
+    (the job's ``wandb/``) is made a directory of the job's own: a link planted there would send
+    the run into its target (:func:`kvbench.jsonio.real_dir`)."""
     import platformdirs  # a dependency of wandb
 
     cache_root = os.environ.get("WANDB_CACHE_DIR") or platformdirs.user_cache_dir()
@@ -344,7 +346,7 @@ def _unwritable_dir(wandb, out_dir: Path) -> Optional[str]:
             ("the run directory", out_dir / "wandb")]
     for what, path in dirs:
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            real_dir(path) if path == out_dir / "wandb" else path.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=path):
                 pass
         except OSError as exc:

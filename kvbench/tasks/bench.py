@@ -32,6 +32,8 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     """``task=bench``: the workload ``cfg.workload.name`` on the decoder."""
     result.metrics["timing_method"] = timing_method(device)
     result.methods.update(JOB_METHODS)
+    # serving: its requests and KV budget, checked before the model is built or progress shown
+    requests = serving.check_requests(cfg) if cfg.workload.name == "serving" else None
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
@@ -41,10 +43,12 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     label = variant_label(cfg.attention, num_layers=cfg.model.num_layers)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
-    if cfg.workload.name == "serving":
-        label += f" {cfg.workload.store} rate={cfg.workload.rate:g}"
+    if requests is not None:
+        w = cfg.workload
+        label += (f" {w.store} {'trace' if w.arrival == 'trace' else f'rate={w.rate:g}'}"
+                  f"{serving.arrival_note(requests)}")
     # serving: one tick per finished request; the others one per trial
-    total = (serving.progress_total(cfg) if cfg.workload.name == "serving"
+    total = (serving.progress_total(cfg, requests) if requests is not None
              else cfg.runtime.warmup + cfg.runtime.repeats)
     with progress(label, total) as tick:
         WORKLOADS[cfg.workload.name](cfg, model, device, result, tick)

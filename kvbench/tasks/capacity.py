@@ -7,7 +7,7 @@ For each context length (``capacity.context_lens``, prompt tokens; every sequenc
 1. measures calibration probes at batches 1 and 4: their peak memory minus the weights and the KV
    formula is the activation overhead, split into a fixed part and a part per sequence (the
    difference between the two);
-2. predicts the largest batch from weights + KV formula (:func:`kvbench.cache.kv_cache_bytes`,
+2. predicts the largest batch from weights + KV formula (the layer layouts' formula,
    the formula ``task=inspect`` prints) + that overhead (:func:`predict_max_batch`);
 3. confirms and bisects with measured probes (:func:`search_capacity`, a pure function over a
    ``measure(batch) -> probe`` callable) until the answer is within ``capacity.batch_step`` of the

@@ -23,6 +23,7 @@ import torch
 
 from kvbench.config import BenchConfig
 from kvbench.config_errors import ConfigError
+from kvbench.footprint import kv_bytes_per_token
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
 from kvbench.serving import metrics as serving_metrics
@@ -33,7 +34,7 @@ from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_m
 from kvbench.serving.record import timeline_scalars, timeline_tables
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
-from kvbench.serving_config import kv_budget_note
+from kvbench.serving_config import duration_text, kv_budget_note
 
 Tick = Callable[..., None]
 
@@ -74,10 +75,10 @@ def slot_len_for(w, requests: Sequence[Request]) -> int:
     return w.slot_len
 
 
-def build_store(model, w, block_size: int, requests: Sequence[Request]) -> PagedStore:
-    """The store ``w`` asks for, its blocks (slots) as many as the budget holds; a budget that
+def store_size(w, block_size: int, requests: Sequence[Request], per_token: int) -> tuple[int, int]:
+    """(blocks, tokens per block) of the store ``w`` asks for (slots, and positions per slot, for
+    ``store=slots``), as many as the budget holds at ``per_token`` KV bytes a token; a budget that
     cannot hold the largest request is a one-line :class:`ConfigError` naming the budget's key."""
-    per_token = bytes_per_token(model)
     paged = w.store == "paged"
     size = block_size if paged else slot_len_for(w, requests)
     block_bytes = size * per_token
@@ -90,7 +91,40 @@ def build_store(model, w, block_size: int, requests: Sequence[Request]) -> Paged
         raise ConfigError(f"{kv_budget_note(w.kv_budget_mb, w.kv_budget_blocks)}: holds {blocks} {unit} "
                           f"({block_bytes:,} bytes each for this layout); request {largest.id} "
                           f"(prompt {largest.prompt_len} + output {largest.output_len} tokens) needs {need}; raise it")
-    return PagedStore(model, blocks, size, w.prefix_caching) if paged else SlotStore(model, blocks, size)
+    return blocks, size
+
+
+def build_store(model, w, block_size: int, requests: Sequence[Request]) -> PagedStore:
+    """The store ``w`` asks for (:func:`store_size`) on ``model``."""
+    blocks, size = store_size(w, block_size, requests, bytes_per_token(model))
+    return (PagedStore(model, blocks, size, w.prefix_caching) if w.store == "paged"
+            else SlotStore(model, blocks, size))
+
+
+def check_requests(cfg: BenchConfig) -> List[Request]:
+    """The run's requests, checked against the model's config and the KV budget before anything
+    is built (or any progress shown): a trace that cannot be read, a request longer than
+    ``model.max_seq_len``, a budget that cannot hold the largest request are one line each."""
+    requests = _checked_requests(cfg, cfg.workload)
+    store_size(cfg.workload, cfg.cache.block_size, requests, kv_bytes_per_token(cfg))
+    return requests
+
+
+def _checked_requests(cfg: BenchConfig, w) -> List[Request]:
+    requests = make_requests(w)
+    longest = max(requests, key=lambda r: r.prompt_len + r.output_len)
+    if longest.prompt_len + longest.output_len > cfg.model.max_seq_len:
+        key = "workload.trace" if w.arrival == "trace" else "workload.prompt"
+        raise ConfigError(f"{key}: request {longest.id} needs {longest.prompt_len} + {longest.output_len} positions, "
+                          f"more than model.max_seq_len={cfg.model.max_seq_len}")
+    return requests
+
+
+def arrival_note(requests: Sequence[Request]) -> str:
+    """`` (arrivals over ~12 min)`` when the requests arrive over a minute or more, so that a run
+    that waits for them says so as it starts; empty otherwise."""
+    span = max(r.arrival_s for r in requests)
+    return f" (arrivals over ~{duration_text(span)})" if span >= 60 else ""
 
 
 def requests_and_prompts(cfg: BenchConfig, rate: Optional[float] = None) -> tuple[List[Request], List[List[int]]]:
@@ -99,19 +133,14 @@ def requests_and_prompts(cfg: BenchConfig, rate: Optional[float] = None) -> tupl
     requests with every gap scaled by the ratio of the rates (numpy draws gaps as scale x a
     standard draw)."""
     w = cfg.workload if rate is None else replace(cfg.workload, rate=rate)
-    requests = make_requests(w)
-    longest = max(requests, key=lambda r: r.prompt_len + r.output_len)
-    if longest.prompt_len + longest.output_len > cfg.model.max_seq_len:
-        key = "workload.trace" if w.arrival == "trace" else "workload.prompt"
-        raise ConfigError(f"{key}: request {longest.id} needs {longest.prompt_len} + {longest.output_len} positions, "
-                          f"more than model.max_seq_len={cfg.model.max_seq_len}")
+    requests = _checked_requests(cfg, w)
     return requests, [request_tokens(r, cfg.model.vocab_size, w.seed) for r in requests]
 
 
-def progress_total(cfg: BenchConfig) -> int:
-    """Ticks a run gives: one per finished request (a rate search: of every probe, at most)."""
+def progress_total(cfg: BenchConfig, requests: Sequence[Request]) -> int:
+    """Ticks a run of ``requests`` gives: one per finished request (a rate search: of every probe, at most)."""
     probes = cfg.workload.search.max_probes if cfg.workload.search.enabled else 1
-    return probes * len(make_requests(cfg.workload))
+    return probes * len(requests)
 
 
 def warm_up(model, cfg: BenchConfig, requests: Sequence[Request], prompts: Sequence[List[int]]) -> None:
@@ -142,7 +171,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     result.methods.update(METHODS)
     check_model(model, cfg.cache.dtype)
     requests, prompts = requests_and_prompts(cfg)
-    store = build_store(model, w, cfg.cache.block_size, requests)  # a budget too small: refused before work
+    store = build_store(model, w, cfg.cache.block_size, requests)  # checked before the build (check_requests)
     element = torch.empty((), dtype=model.dtype).element_size()
     metrics.update(kv_budget_bytes=(int(w.kv_budget_mb * 1e6) if w.kv_budget_mb is not None
                                     else store.num_blocks * store.block_size * store.bytes_per_token),
