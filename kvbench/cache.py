@@ -32,6 +32,7 @@ import torch
 from kvbench.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
 from kvbench.layouts.base import LayerLayout, check_limits
+from kvbench.state_cache import StateLayer
 
 Runs = Sequence[Tuple[int, int]]  # runs of key positions, (first, count) each, in the order of the keys
 
@@ -399,17 +400,26 @@ def layer_cache(layout: LayerLayout, impl: str, batch_size: int, max_seq_len: in
                 device: torch.device, cache_dtype: str = "auto") -> LayerCache:
     """One layer's cache of ``impl`` for what its layout stores per position: a ring of W positions
     for a window shorter than the cache, else every position (static) or a growing tensor
-    (concat); none holds nothing."""
-    check_limits([layout], {"cache.impl": impl})
+    (concat); none holds nothing. A layer with a constant state holds it (static, concat)."""
+    check_limits([layout], {"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
     if impl == "none":
-        return Uncached(layout.window)
+        return uncached(layout)
+    if layout.state is not None:
+        return StateLayer(layout.state, batch_size, dtype, device)
     if impl == "concat":
         return ConcatLayer(heads, widths)
     ring = layout.window is not None and layout.window < max_seq_len
     length = layout.window if ring else max_seq_len
     stores = [KVStore((batch_size, heads, length, w), cache_dtype, dtype, device) for w in widths]
     return RingLayer(stores, layout.window) if ring else StaticLayer(stores, layout.window)
+
+
+def uncached(layout: LayerLayout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
+    """A layer's cache that holds nothing (``cache.impl=none``, a forward without a cache); ``mask``
+    as :class:`Uncached`'s (a recurrent layer reads no keys: it does not apply there)."""
+    return Uncached(layout.window, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,
+                                                                                  "cpu", held=False)
 
 
 def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> Cache:
