@@ -8,7 +8,9 @@ MLA); ``pos``: their :class:`Positions`. The result is what the layer attends ov
 values (B, H_kv, S, D), the mask over them (None: every key; ``causal``: SDPA's causal path, the
 keys being exactly the new tokens) and a batch-1 prefix every sequence attends first. Prefill,
 decode, a shared prefix, the fixed-shape compiled step and the serving store's batches all go
-through it; every mask is :func:`visible`'s rule.
+through it; every mask is :func:`visible`'s rule. A layer that holds a constant state instead of
+K/V (Gated DeltaNet) has a :class:`~kvbench.state_cache.StateLayer`, the same question answered
+for a recurrence: ``update(x, pos) -> Carry`` (what it continues from).
 
 ``cache.impl``:
 - ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V (:class:`~kvbench.kv_store.KVStore`,

@@ -159,10 +159,11 @@ def rule_inputs(T, B=2, H=3, d_k=8, d_v=6, seed=0):
     return q, k, v, g, beta, torch.randn(B, H, d_k, d_v, generator=gen)
 
 
-@pytest.mark.parametrize("T,chunk", [(2, 64), (63, 64), (65, 64), (130, 64), (37, 16), (50, 7)])
+@pytest.mark.parametrize("T,chunk", [(2, 64), (63, 64), (64, 64), (65, 64), (130, 64), (37, 16), (50, 7)])
 def test_the_chunked_form_equals_the_recurrent_form_token_by_token(T, chunk):
-    """Lengths that are not multiples of the chunk, from a state that is not zero: the chunked
-    form's outputs and final state equal the recurrent form's, and both equal a float64 loop."""
+    """Lengths that are not multiples of the chunk (and one that is), from a state that is not
+    zero: the chunked form's outputs and final state equal the recurrent form's, and both equal a
+    float64 loop."""
     q, k, v, g, beta, state = rule_inputs(T)
     chunked_state, recurrent_state = state.clone(), state.clone()
     chunked = chunked_delta_rule(q, k, v, g, beta, chunked_state, chunk)
