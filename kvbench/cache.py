@@ -8,7 +8,9 @@ MLA); ``pos``: their :class:`Positions`. The result is what the layer attends ov
 values (B, H_kv, S, D), the mask over them (None: every key; ``causal``: SDPA's causal path, the
 keys being exactly the new tokens) and a batch-1 prefix every sequence attends first. Prefill,
 decode, a shared prefix, the fixed-shape compiled step and the serving store's batches all go
-through it; every mask is :func:`visible`'s rule.
+through it; every mask is :func:`visible`'s rule. A layer that holds a constant state instead of
+K/V (Gated DeltaNet) has a :class:`~kvbench.state_cache.StateLayer`, the same question answered
+for a recurrence: ``update(x, pos) -> Carry`` (what it continues from).
 
 ``cache.impl``:
 - ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V (:class:`~kvbench.kv_store.KVStore`,
@@ -32,6 +34,7 @@ import torch
 from kvbench.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
 from kvbench.layouts.base import LayerLayout, check_limits
+from kvbench.state_cache import StateLayer
 
 Runs = Sequence[Tuple[int, int]]  # runs of key positions, (first, count) each, in the order of the keys
 
@@ -399,17 +402,26 @@ def layer_cache(layout: LayerLayout, impl: str, batch_size: int, max_seq_len: in
                 device: torch.device, cache_dtype: str = "auto") -> LayerCache:
     """One layer's cache of ``impl`` for what its layout stores per position: a ring of W positions
     for a window shorter than the cache, else every position (static) or a growing tensor
-    (concat); none holds nothing."""
-    check_limits([layout], {"cache.impl": impl})
+    (concat); none holds nothing. A layer with a constant state holds it (static, concat)."""
+    check_limits([layout], {"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
     if impl == "none":
-        return Uncached(layout.window)
+        return uncached(layout)
+    if layout.state is not None:
+        return StateLayer(layout.state, batch_size, dtype, device)
     if impl == "concat":
         return ConcatLayer(heads, widths)
     ring = layout.window is not None and layout.window < max_seq_len
     length = layout.window if ring else max_seq_len
     stores = [KVStore((batch_size, heads, length, w), cache_dtype, dtype, device) for w in widths]
     return RingLayer(stores, layout.window) if ring else StaticLayer(stores, layout.window)
+
+
+def uncached(layout: LayerLayout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
+    """A layer's cache that holds nothing (``cache.impl=none``, a forward without a cache); ``mask``
+    as :class:`Uncached`'s (a recurrent layer reads no keys: it does not apply there)."""
+    return Uncached(layout.window, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,
+                                                                                  "cpu", held=False)
 
 
 def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> Cache:

@@ -323,11 +323,13 @@ class BenchConfig:
     objective_caps: Dict[str, float] = field(default_factory=dict)
 
     def layout_settings(self) -> Dict[str, Any]:
-        """The settings a layer's layout may not run with (:class:`kvbench.layouts.Limit`): its cache,
-        the compiled step, the serving store (None when the job serves nothing)."""
+        """The settings a layer's layout may not run with (:class:`kvbench.layouts.Limit`): its cache
+        (a shared prefix only where a multi-turn chat shares one), the compiled step, the serving
+        store (None when the job serves nothing)."""
         serving = self.workload.name == "serving" and self.task == "bench"
-        return {"cache.impl": self.cache.impl, "runtime.compile": self.runtime.compile,
-                "workload.store": self.workload.store if serving else None}
+        return {"cache.impl": self.cache.impl, "cache.dtype": self.cache.dtype,
+                "cache.shared": self.cache.shared and self.workload.name == "multiturn",
+                "runtime.compile": self.runtime.compile, "workload.store": self.workload.store if serving else None}
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)

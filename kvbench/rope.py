@@ -38,7 +38,7 @@ def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
     blends interpolated and original frequencies over a ramp between the dimensions that turn
     ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context. ``dim``: the
     rotated width (default head_dim; MLA rotates only qk_rope_head_dim)."""
-    D = dim or cfg.head_dim
+    D = cfg.head_dim if dim is None else dim  # 0: no layer rotates, an empty table
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
     if cfg.rope_type == "yarn":
         def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times

@@ -125,4 +125,5 @@ def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq
                      cache_dtype: str = "auto") -> SharedPrefixCache:
     """A :class:`SharedPrefixCache` for ``model``: a prefix of ``prefix_len`` positions held once,
     and ``batch_size`` histories of ``impl`` up to ``max_seq_len`` positions in all."""
+    model.layouts.check({"cache.shared": True})  # a layer whose cache is not K/V refuses here, in one line
     return SharedPrefixCache(cache_for(model, impl, batch_size, max_seq_len - prefix_len, cache_dtype), prefix_len)

@@ -13,6 +13,7 @@ Notation: B batch, S positions held or read, H query heads, H_kv KV heads, W a w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -33,6 +34,21 @@ class Limit:
 
 
 @dataclass(frozen=True)
+class State:
+    """What a recurrent layer holds per sequence whatever its length: the last ``conv_tail``
+    inputs of its causal short convolution over ``conv_channels`` channels, in the compute dtype,
+    and a ``recurrent`` state, in float32 (recurrences accumulate over every token: transformers
+    and flash-linear-attention keep it in float32 whatever the model's dtype)."""
+
+    conv_channels: int
+    conv_tail: int
+    recurrent: Tuple[int, ...]
+
+    def nbytes(self, element: int) -> int:
+        return self.conv_channels * self.conv_tail * element + math.prod(self.recurrent) * 4
+
+
+@dataclass(frozen=True)
 class LayerLayout:
     """One layer's attention layout. Subclasses set ``kind`` and the stored tensors (``stored``:
     heads per position and the width of each tensor: K and V, or one latent) and build the
@@ -49,8 +65,14 @@ class LayerLayout:
 
     @property
     def rotary_dim(self) -> int:
-        """The width rotary embeddings rotate in this layer's queries and keys."""
+        """The width rotary embeddings rotate in this layer's queries and keys (0: none)."""
         raise NotImplementedError
+
+    @property
+    def state(self) -> Optional[State]:
+        """The constant state a sequence holds in this layer (None: K/V layers hold none); the
+        cache of such a layer is :class:`kvbench.state_cache.StateLayer`."""
+        return None
 
     # ---- bytes -------------------------------------------------------------------------------
 
@@ -65,7 +87,7 @@ class LayerLayout:
 
     def state_bytes(self, element: int, cache_dtype: str = "auto") -> int:
         """Bytes a sequence holds whatever its length (a recurrent state); none for K/V layers."""
-        return 0
+        return 0 if self.state is None else self.state.nbytes(element)
 
     def sequence_bytes(self, seq_len: float, element: int, cache_dtype: str = "auto") -> float:
         """Bytes one sequence of ``seq_len`` positions holds in this layer."""
@@ -150,8 +172,9 @@ class Layouts(tuple):
         return Layouts(layer.as_mha() for layer in self)
 
     def rotary_dim(self) -> int:
-        """The width of the decoder's one rotary table: the widest any layer rotates."""
-        return max(layer.rotary_dim for layer in self)
+        """The width of the decoder's one rotary table: the widest any layer rotates (0 when no
+        layer rotates: a stack of recurrent layers has no table)."""
+        return max((layer.rotary_dim for layer in self), default=0)
 
     def smallest_window(self) -> Optional[int]:
         return min((w for w in self.windows if w is not None), default=None)
