@@ -1,43 +1,51 @@
-"""The console scripts' first module: it imports nothing heavy, so that Ctrl-C while Python
-imports torch, Hydra and the rest (seconds) is one line and exit 130, not a traceback. The
-scripts themselves are in :mod:`kvbench.cli` and :mod:`kvbench.cli_tools`; a job's own process
-starts through :func:`child_main`.
+"""The console scripts' first module: it imports nothing heavy, so that Ctrl-C (or SIGTERM, or
+SIGHUP from a closed terminal) while Python imports torch, Hydra and the rest (seconds) is one
+line and exit 128 + the signal, not a traceback. The scripts themselves are in
+:mod:`kvbench.cli` and :mod:`kvbench.cli_tools`; a job's own process starts through
+:func:`child_main`, or is forked by the fork server :func:`forkserver_main` runs.
 """
 
 import os
 import signal
 import sys
 
+from kvbench.jobs.interrupts import STOP_SIGNALS, exit_on_stop, stop_like_ctrl_c
 
-def _interrupted(what: str) -> None:
-    print(f"kvbench: interrupted by SIGINT while {what}", file=sys.stderr)
-    sys.exit(128 + signal.SIGINT)
+
+def _interrupted(exc: KeyboardInterrupt, what: str) -> None:
+    code = 128 + getattr(exc, "signum", signal.SIGINT)
+    exit_on_stop(code)  # a second signal while Python tears down: no traceback from an exit hook
+    print(f"kvbench: interrupted by {signal.Signals(code - 128).name} while {what}", file=sys.stderr)
+    sys.exit(code)
 
 
 def main() -> None:
     """Console script ``kvbench``."""
+    stop_like_ctrl_c()
     try:
         from kvbench import cli
-    except KeyboardInterrupt:
-        _interrupted("starting (nothing was run)")
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, "starting (nothing was run)")
     cli.main()
 
 
 def report_main() -> None:
     """Console script ``kvbench-report``."""
+    stop_like_ctrl_c()
     try:
         from kvbench import cli_tools
-    except KeyboardInterrupt:
-        _interrupted("starting (nothing was written)")
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, "starting (nothing was written)")
     sys.exit(cli_tools.report_main())
 
 
 def dashboard_main() -> None:
     """Console script ``kvbench-dashboard``."""
+    stop_like_ctrl_c()
     try:
         from kvbench import cli_tools
-    except KeyboardInterrupt:
-        _interrupted("starting (nothing was written)")
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, "starting (nothing was written)")
     code = cli_tools.dashboard_main()
     # W&B's client keeps threads and its service process busy with a server that does not answer
     # (tens of seconds after the answer is printed); the spec is on disk, so nothing is left to do.
@@ -55,5 +63,32 @@ def child_main() -> None:
         from kvbench.jobs import runner  # noqa: F401
         from kvbench.jobs.isolation import child_main as measure_here
     except KeyboardInterrupt:
-        sys.exit(128 + signal.SIGINT)
+        _quiet_exit(128 + signal.SIGINT)
     measure_here()
+
+
+def _quiet_exit(code: int) -> None:
+    # The parent passes its own stop on to this process as well: a second signal must not
+    # interrupt the interpreter's exit (torch's finalizers) with a traceback.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)
+
+
+def forkserver_main() -> None:
+    """The fork server's process (kvbench.jobs.forkserver): it ignores the signals a terminal sends
+    its whole group from the start (it owns no job), imports the job's code once, and in each child
+    it forks returns that job, run here: interrupted before the job has taken over the signals, the
+    child exits 130 without a word, as :func:`child_main` does, and its parent records the job."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    from kvbench.jobs.forkserver import serve
+
+    job = serve(int(sys.argv[1]), sys.argv[2:])
+    if job is None:  # the process that used this server has ended
+        os._exit(0)
+    try:
+        code = job()
+    except KeyboardInterrupt:
+        _quiet_exit(128 + signal.SIGINT)
+    sys.exit(code)

@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import asdict
 
-import psutil
 import pytest
+from conftest import job_processes
 
 from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.jobs.isolation import death_status, run_isolated
@@ -68,7 +68,7 @@ def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(t
     result = run_isolated(tiny_job(), tmp_path, progress=lambda label, total: None)
     assert result.status == "error" and "pickle" in result.error.lower(), result.error
     assert read_record(tmp_path) == result
-    assert not [c for c in psutil.Process().children() if "child_main" in " ".join(c.cmdline())]
+    assert not job_processes(os.getpid())
 
 
 @pytest.mark.parametrize("exitcode, before, after, status, needle", [
@@ -130,7 +130,7 @@ def test_a_launchers_exit_on_preemption_is_recorded_interrupted_not_ok(tmp_path,
 
 def job_children(pid):
     """The processes measuring a job that ``pid`` started."""
-    return [c for c in psutil.Process(pid).children() if "child_main" in " ".join(c.cmdline())]
+    return job_processes(pid)
 
 
 @pytest.mark.e2e

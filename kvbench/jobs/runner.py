@@ -35,7 +35,7 @@ from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_av
 from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
-from kvbench.progress import Progress, no_progress
+from kvbench.progress import Progress, guarded, no_progress
 from kvbench.quality.fidelity import KV_POOL_METRICS
 from kvbench.results import RunResult, lookup, nonfinite_metrics, record_view, save, utc_now
 from kvbench.tasks import bench, capacity, compare, train
@@ -108,6 +108,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     record. An interruption is recorded, then raised again with ``exc.record`` set."""
     global _jobs_run
     out_dir = Path(out_dir)
+    progress = guarded(progress)  # a display that cannot be written never costs the measurement
     # "interrupted" until the task returns: whatever ends it early is never recorded ok.
     result = RunResult(status="interrupted", config=record_view(_as_given(cfg)), overrides=list(overrides or []),
                        started_at=utc_now(),

@@ -1,0 +1,96 @@
+"""Hostile input to kvbench as a process: signals at any moment (a closed terminal's SIGHUP, a
+second Ctrl-C while it exits), a disk that refuses a write, two sweeps started at once into one
+directory, a job directory it may not read, and the cost of starting a job's process."""
+
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import LiveKvbench, job_processes
+
+from kvbench.results import read_record
+
+TRIALS = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=100000",
+          "runtime.threads=1", "wandb.mode=disabled"]
+
+
+# ---- signals ---------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("isolate", ["true", "false"])
+def test_sighup_to_the_process_group_records_interrupted_and_exits_129(tmp_path, isolate):
+    """SIGHUP to every process of kvbench's group, as the kernel sends it when the terminal closes:
+    the job is recorded interrupted with what was complete, one line, exit 128 + 1. (Before: both
+    processes died on the spot; no record, no line, exit -1.)"""
+    out = tmp_path / "run"
+    run = LiveKvbench(*TRIALS, f"runtime.isolate={isolate}", f"hydra.run.dir={out}", cwd=tmp_path,
+                      start_new_session=True)
+    run.wait_for(r": 0/100000$")
+    measuring = job_processes(run.pid)
+    assert len(measuring) == (isolate == "true")
+    os.killpg(run.pid, signal.SIGHUP)
+    assert run.finish() == 129, run.output
+    rec = read_record(out)
+    assert rec.status == "interrupted" and rec.error == "interrupted by SIGHUP", rec.error
+    assert rec.metrics["weight_bytes"] > 0 and "decode_ms_p50" not in rec.metrics
+    assert run.err_lines[-1] == "kvbench: interrupted by SIGHUP" and "Traceback" not in run.stderr
+    assert not any(p.is_running() and p.status() != "zombie" for p in measuring)
+
+
+@pytest.mark.e2e
+def test_a_closed_terminal_leaves_an_interrupted_record_and_exit_129(tmp_path):
+    """kvbench on a real terminal (a pty, its controlling terminal) that is then closed: the kernel
+    hangs it up and signals the foreground group. The record is written although nothing can be
+    printed any more (a write to a hung-up terminal fails with EIO), and kvbench exits 129."""
+    out = tmp_path / "run"
+    master, slave = pty.openpty()
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+
+    def controlling_terminal():
+        os.setsid()
+        import fcntl
+        import termios
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *TRIALS, f"hydra.run.dir={out}"], cwd=tmp_path,
+                            env=env, stdin=slave, stdout=slave, stderr=slave, preexec_fn=controlling_terminal)
+    os.close(slave)
+    seen, deadline = b"", time.monotonic() + 180
+    while b" 0/100000" not in seen:  # the progress bar a terminal gets: the trials have started
+        assert time.monotonic() < deadline and proc.poll() is None, seen[-500:].decode(errors="replace")
+        try:
+            seen += os.read(master, 4096)
+        except OSError:
+            break
+    os.close(master)  # the terminal goes away
+    assert proc.wait(120) == 129
+    rec = read_record(out)
+    assert rec.status == "interrupted" and rec.error == "interrupted by SIGHUP", rec.error
+    assert rec.metrics["weight_bytes"] > 0
+
+
+EXIT_HOOK_SIGNALS = """
+import atexit, os, signal, sys, time
+# What a person's second Ctrl-C (or a parent passing its signal on) does while the interpreter
+# runs its exit hooks (W&B's teardown, torch's finalizers).
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))
+sys.argv = ["kvbench", *sys.argv[1:]]
+from kvbench.entry import main
+main()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args", [["--cfg", "job"], ["model.nme=1"]])
+def test_a_signal_while_kvbench_exits_is_one_line_not_a_traceback_from_an_exit_hook(tmp_path, args):
+    """A SIGINT inside an exit hook (a job's process interrupted while importing torch exited 130,
+    and the parent's forwarded SIGINT reached it in torch's finalizers: 7 lines of traceback) is
+    one line and 128 + the signal."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_HOOK_SIGNALS, *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "kvbench: interrupted by SIGINT" and "Traceback" not in proc.stderr
