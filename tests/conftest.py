@@ -214,6 +214,8 @@ def job_processes(pid: int):
     found = []
     for proc in psutil.Process(pid).children(recursive=True):
         try:
+            if proc.status() == psutil.STATUS_ZOMBIE:  # ended: its server reaps it as the next request comes
+                continue
             if proc.name() == "kvbench-job" or "child_main" in " ".join(proc.cmdline()):
                 found.append(proc)
         except psutil.NoSuchProcess:
