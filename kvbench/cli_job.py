@@ -21,6 +21,7 @@ from kvbench.config_errors import ConfigError
 from kvbench.jobs.claim import claim_holder, claim_job, completed_record
 from kvbench.jobs.isolation import launch_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
+from kvbench.jobs.sweep import override_list
 from kvbench.results import CHECKPOINT_NAME, RESULTS_FILE, RecordError, objective_value, read_record
 from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, turns_table, variants_table
 from kvbench.sinks.report import MD_FILE, write_report
@@ -30,7 +31,7 @@ from kvbench.sinks.tracking import track
 def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    return Path(hc.runtime.output_dir), multirun, list(hc.overrides.task), hc.job.get("num")
+    return Path(hc.runtime.output_dir), multirun, override_list(hc.overrides.task), hc.job.get("num")
 
 
 def hydra_job(cfg: DictConfig) -> Optional[float]:

@@ -6,19 +6,22 @@ code (:func:`sweep_end`).
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report
+from kvbench.config import to_bench_config
 from kvbench.config_errors import ConfigError
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.jobs.sweep import job_overrides, sweep_records, sweep_size
+from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size
 from kvbench.results import find_results
 from kvbench.sinks.console import stderr, stdout, sweep_tables
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
@@ -108,10 +111,21 @@ def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
 
 
 class SweepRefused(BaseException):
-    """A sweep stopped before its first job. Not an ``Exception``: Hydra turns what a callback
-    raises into a warning and goes on, and this must reach :func:`main` (one line, exit 2)."""
+    """A run or a sweep stopped before anything was made for it. Not an ``Exception``: Hydra turns
+    what a callback raises into a warning and goes on, and this must reach :func:`main` (one line,
+    exit 2)."""
 
 
+def check_run_start(config: DictConfig) -> None:
+    """Type a single run's config before Hydra makes its directory (and before anything imports
+    torch): a misspelled key, a value of the wrong type or out of range, an interpolation that
+    does not resolve is one line naming the key and nothing is created. Raises
+    :class:`ConfigError`. (A sweep types each job as it runs: one bad job is that job's record.)"""
+    HydraConfig.instance().set_config(config)  # a value may read ${hydra:...}, as the job will
+    job = copy.deepcopy(config)
+    with open_dict(job):
+        del job["hydra"]
+    to_bench_config(job)
 
 
 def _basic_sweeper(config: DictConfig) -> bool:
@@ -157,16 +171,23 @@ def check_sweep_start(config: DictConfig) -> None:
         before = OmegaConf.select(OmegaConf.load(sweep_dir / MULTIRUN_FILE), "hydra.overrides.task") or []
     except (OSError, OmegaConfBaseException, ValueError):
         return  # a new directory, or one no sweep finished starting in
-    if job_overrides(before) != job_overrides(config.hydra.overrides.task):
+    if job_overrides(before) != job_overrides(override_list(config.hydra.overrides.task)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
                           f"({' '.join(job_overrides(before))}); give this one a new hydra.sweep.dir "
                           "(a sweep resumes only with the same overrides)")
 
 
 class SweepCallback(Callback):
-    """Counts a sweep's jobs at the start; at the end prints a table of this sweep's jobs and
-    sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
-    ``on_multirun_end``, unless the sweep is interrupted: then :func:`main` ends it."""
+    """Checks a single run's config before anything is made for it. Counts a sweep's jobs at the
+    start; at the end prints a table of this sweep's jobs and sets the exit code. Jobs never
+    raise (failures are records), so Hydra always reaches ``on_multirun_end``, unless the sweep
+    is interrupted: then :func:`main` ends it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_run_start(config)
+        except ConfigError as exc:
+            raise SweepRefused(str(exc)) from None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         OUTCOME.sweep_started(config)

@@ -94,3 +94,38 @@ def test_a_signal_while_kvbench_exits_is_one_line_not_a_traceback_from_an_exit_h
                           text=True, timeout=120, env=dict(os.environ, WANDB_MODE="disabled"))
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.splitlines()[-1] == "kvbench: interrupted by SIGINT" and "Traceback" not in proc.stderr
+
+
+# ---- a config that cannot run: refused before anything is made or imported ------------------
+
+# kvbench as its console script runs it, saying at exit whether torch was ever imported.
+TORCH_AT_EXIT = """
+import atexit, sys
+atexit.register(lambda: print("torch imported:", "torch" in sys.modules, file=sys.stderr))
+sys.argv = ["kvbench", *sys.argv[1:]]
+from kvbench.entry import main
+main()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("override, line", [
+    ("model.nme=x", "model.nme='x': unknown key (did you mean model.name?)"),
+    ("model.name=${oops}", "model.name='${oops}': Interpolation key 'oops' not found"),
+    ("workload.prompt_len=abc", "workload.prompt_len='abc': Value 'abc' of type 'str'"),
+    ("runtime.threads=-1", "runtime.threads=-1"),
+])
+@pytest.mark.parametrize("task", ["bench", "inspect"])
+def test_a_config_that_cannot_run_is_one_line_before_any_directory_or_torch(tmp_path, override, line, task):
+    """A misspelled key, an interpolation to nothing, a wrong type, a value out of range: one line
+    naming the key, exit 2, no outputs/ directory and no torch imported. (Before: the misspelled
+    key was reported after 7-11 s of importing torch, into an outputs/ directory with an invalid
+    record; the interpolation was Hydra's two lines naming no key.)"""
+    proc = subprocess.run([sys.executable, "-c", TORCH_AT_EXIT, "model=tiny", f"task={task}", override],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0"))
+    assert proc.returncode == 2, proc.stderr
+    said, torch_line = proc.stderr.strip().splitlines()
+    assert said.startswith("kvbench: invalid config: ") and line in said, said
+    assert torch_line == "torch imported: False"
+    assert list(tmp_path.iterdir()) == [] and proc.stdout == ""

@@ -37,9 +37,18 @@ def sweep_jobs(config: DictConfig) -> List[SweepJob]:
 
     parser = OverridesParser.create()
     preset = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    arguments = [f"{k}={v}" for k, v in preset.items()] + list(config.hydra.overrides.task)
+    arguments = [f"{k}={v}" for k, v in preset.items()] + override_list(config.hydra.overrides.task)
     [jobs] = BasicSweeper.split_arguments(parser.parse_overrides(arguments), None)
     return [SweepJob(num, list(job), _job_dir(config, num, job, parser)) for num, job in enumerate(jobs)]
+
+
+def override_list(overrides: Any) -> List[str]:
+    """The command line's overrides as written: ``hydra.overrides.task`` holds them as strings
+    that OmegaConf would resolve on reading (``model.name=${oops}`` raised instead of naming
+    its key)."""
+    if OmegaConf.is_config(overrides):
+        return [str(o) for o in OmegaConf.to_container(overrides, resolve=False)]
+    return [str(o) for o in overrides]
 
 
 def sweep_size(config: DictConfig) -> int:
