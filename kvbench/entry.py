@@ -23,10 +23,25 @@ def main() -> None:
     """Console script ``kvbench``."""
     stop_like_ctrl_c()
     try:
+        if sys.argv[1:] in (["--help"], ["-h"]):
+            sys.exit(_help())
         from kvbench import cli
     except KeyboardInterrupt as exc:
         _interrupted(exc, "starting (nothing was run)")
     cli.main()
+
+
+def _help() -> int:
+    """``kvbench --help`` without composing the config (:mod:`kvbench.cli_help`): the console
+    script's own; with overrides or other flags Hydra prints it."""
+    from kvbench.cli_help import render
+
+    try:
+        print(render())
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvbench --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+    return 0
 
 
 def report_main() -> None:

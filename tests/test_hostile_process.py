@@ -129,3 +129,35 @@ def test_a_config_that_cannot_run_is_one_line_before_any_directory_or_torch(tmp_
     assert said.startswith("kvbench: invalid config: ") and line in said, said
     assert torch_line == "torch imported: False"
     assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
+
+
+# ---- --help --------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_help_names_every_task_workload_and_preset_and_imports_no_torch(tmp_path):
+    """`kvbench --help` was Hydra's generic page (the composed config, no list of tasks) after 5 s:
+    now each task, workload and experiment preset on a line of its own, the groups, how to see
+    every key; from the config files alone, without torch; the same text Hydra prints."""
+    from kvbench.config import CONF_DIR, TASKS
+
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    proc = subprocess.run([sys.executable, "-c", TORCH_AT_EXIT, "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stderr.strip() == "torch imported: False", proc.stderr
+    text = proc.stdout
+    lines = text.splitlines()
+    for section, names in (("Tasks (task=...)", TASKS),
+                           ("Workloads (workload=...", [p.stem for p in (CONF_DIR / "workload").glob("*.yaml")]),
+                           ("Experiments (experiment=...", [p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")])):
+        start = next(i for i, line in enumerate(lines) if line.startswith(section))
+        block = lines[start + 1:lines.index("", start)]
+        assert sorted(line.split()[0] for line in block) == sorted(names), block
+        assert all(len(line.split(maxsplit=1)) == 2 for line in block)  # each says what it is
+    groups = [p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"]
+    assert all(any(line.startswith(f"{group}: ") for line in lines) for group in groups)
+    assert "kvbench --cfg job" in text and "kvbench --hydra-help" in text
+    # What kvbench wrote fits 100 columns (the groups' lines are Hydra's listing of the options).
+    assert all(len(line) <= 100 for line in lines if ": " not in line or line.startswith(" "))
+    hydra = subprocess.run([sys.executable, "-m", "kvbench.cli", "--help"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert hydra.returncode == 0 and hydra.stdout == text

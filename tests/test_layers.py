@@ -37,7 +37,7 @@ LAYERS = [
     ["sinks.console", "sinks.plots"],
     ["sinks.serving_plots"],
     ["sinks.report"],
-    ["cli_job", "cli_tools"],
+    ["cli_job", "cli_tools", "cli_help"],
     ["cli_sweep"],
     ["cli"],
     ["entry"],
