@@ -59,8 +59,8 @@ def _main() -> None:
     try:
         _hydra_main()
     except SweepRefused as exc:
-        stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
-        sys.exit(EXIT_CODES["invalid"])
+        stderr.print(exc.line(), markup=False, soft_wrap=True)
+        sys.exit(exc.code)
     except Exception as exc:
         if isinstance(exc, OSError) and not full_error and not is_composition_error(exc):
             # outside any job: an output directory that cannot be made, say (Hydra's missing

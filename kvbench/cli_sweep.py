@@ -18,10 +18,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report
+from kvbench.cli_tools import os_error_line
 from kvbench.config import to_bench_config
-from kvbench.config_errors import ConfigError
+from kvbench.config_errors import ConfigError, one_line
+from kvbench.jobs.claim import sweep_lock
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size
+from kvbench.jsonio import write_text_atomic
 from kvbench.results import find_results
 from kvbench.sinks.console import stderr, stdout, sweep_tables
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
@@ -113,7 +116,14 @@ def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
 class SweepRefused(BaseException):
     """A run or a sweep stopped before anything was made for it. Not an ``Exception``: Hydra turns
     what a callback raises into a warning and goes on, and this must reach :func:`main` (one line,
-    exit 2)."""
+    exit ``code``: 2 for a config that cannot run, 1 for a file that cannot be written)."""
+
+    def __init__(self, message: str, code: int = EXIT_CODES["invalid"]):
+        super().__init__(message)
+        self.code = code
+
+    def line(self) -> str:
+        return f"kvbench: invalid config: {self}" if self.code == EXIT_CODES["invalid"] else f"kvbench: {self}"
 
 
 def check_run_start(config: DictConfig) -> None:
@@ -163,18 +173,32 @@ def check_sweep_start(config: DictConfig) -> None:
         check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
                         str(OmegaConf.select(config, "workload.name", default="decode")))
     sweep_dir = Path(config.hydra.sweep.dir)
+    # Whose the directory is, is decided and written down under one lock: two sweeps started at the
+    # same instant both found no multirun.yaml (Hydra's sweeper writes it later) and both ran.
+    with sweep_lock(sweep_dir):
+        _claim_sweep_dir(config, sweep_dir, basic)
+
+
+def _claim_sweep_dir(config: DictConfig, sweep_dir: Path, basic: bool) -> None:
+    """Refuse ``sweep_dir`` when it holds another sweep (or any sweep, for a search), else make it
+    this sweep's: its config in multirun.yaml, which Hydra's basic sweeper writes again as it
+    starts (Optuna's writes none)."""
     if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "
                           "resume (the trials it would choose depend on the values measured, so its job "
                           "numbers would overwrite other jobs); give it a new hydra.sweep.dir")
     try:
-        before = OmegaConf.select(OmegaConf.load(sweep_dir / MULTIRUN_FILE), "hydra.overrides.task") or []
+        before = OmegaConf.select(OmegaConf.load(sweep_dir / MULTIRUN_FILE), "hydra.overrides.task")
     except (OSError, OmegaConfBaseException, ValueError):
-        return  # a new directory, or one no sweep finished starting in
-    if job_overrides(before) != job_overrides(override_list(config.hydra.overrides.task)):
+        before = None  # a new directory, or one no sweep finished starting in
+    if before is None:
+        if sweep_dir.is_dir():
+            write_text_atomic(sweep_dir / MULTIRUN_FILE, OmegaConf.to_yaml(config))
+        return
+    if job_overrides(override_list(before)) != job_overrides(override_list(config.hydra.overrides.task)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
-                          f"({' '.join(job_overrides(before))}); give this one a new hydra.sweep.dir "
-                          "(a sweep resumes only with the same overrides)")
+                          f"({' '.join(job_overrides(override_list(before)))}); give this one a new "
+                          "hydra.sweep.dir (a sweep resumes only with the same overrides)")
 
 
 class SweepCallback(Callback):
@@ -195,11 +219,8 @@ class SweepCallback(Callback):
             check_sweep_start(config)
         except ConfigError as exc:
             raise SweepRefused(str(exc)) from None
-        if not _basic_sweeper(config):
-            # Hydra's basic sweeper saves the sweep's config as it starts, Optuna's does not: saved
-            # here, it makes a later sweep into this directory a refused one (check_sweep_start).
-            Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(config, Path(config.hydra.sweep.dir) / MULTIRUN_FILE)
+        except OSError as exc:  # multirun.yaml refused (a full disk): not a warning and a sweep that fails later
+            raise SweepRefused(one_line(os_error_line(exc)), EXIT_CODES["error"]) from None
         new_sweep(config.hydra.sweep.dir)
         try:
             # a search runs hydra.sweeper.n_trials jobs (Optuna's sweeper; "?" for another)

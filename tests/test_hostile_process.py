@@ -9,9 +9,13 @@ import subprocess
 import sys
 import time
 
-import pytest
-from conftest import LiveKvbench, job_processes
+import threading
 
+import pytest
+from conftest import LiveKvbench, compose, job_processes
+
+from kvbench.cli_sweep import check_sweep_start
+from kvbench.config_errors import ConfigError
 from kvbench.results import read_record
 
 TRIALS = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=100000",
@@ -161,3 +165,77 @@ def test_help_names_every_task_workload_and_preset_and_imports_no_torch(tmp_path
     hydra = subprocess.run([sys.executable, "-m", "kvbench.cli", "--help"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=120, env=env)
     assert hydra.returncode == 0 and hydra.stdout == text
+
+
+# ---- two sweeps into one directory at once -------------------------------------------------
+
+def sweep_config(sweep_dir, *task):
+    """The config a sweep's callbacks see for the command line ``task``."""
+    cfg = compose(*[o.split(",")[0] for o in task], hydra=True)
+    cfg.hydra.overrides.task = list(task)
+    cfg.hydra.sweep.dir = str(sweep_dir)
+    return cfg
+
+
+def start_together(sweep_dir, *commands):
+    """``check_sweep_start`` of each command's sweep into ``sweep_dir``, all released at once
+    from one barrier: each one's ConfigError, or None when it may run."""
+    configs = [sweep_config(sweep_dir, *c) for c in commands]
+    barrier, outcome = threading.Barrier(len(configs)), [None] * len(configs)
+
+    def start(i):
+        barrier.wait()
+        try:
+            check_sweep_start(configs[i])
+        except ConfigError as exc:
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(configs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcome
+
+
+A, B = ["model=tiny", "attention=mha,mqa"], ["model=tiny", "attention=gqa,mqa"]
+
+
+def test_a_sweep_directory_is_the_first_sweeps_even_before_its_jobs_start(tmp_path):
+    """The check read multirun.yaml, which Hydra's sweeper writes only after the check: a second
+    sweep started before that (at the same instant, in 1 of 3 tries) found nothing and both ran."""
+    check_sweep_start(sweep_config(tmp_path, *A))
+    with pytest.raises(ConfigError, match="holds another sweep .*attention=mha,mqa"):
+        check_sweep_start(sweep_config(tmp_path, *B))
+    check_sweep_start(sweep_config(tmp_path, *A))  # the same sweep again: a resume
+
+
+def test_two_sweeps_released_at_once_into_one_directory_never_both_start(tmp_path):
+    """Two sweeps with other overrides released from one barrier, 40 times (two threads, two
+    opens of the lock file: flock excludes them as it excludes two processes): exactly one of
+    each pair starts. Two starts of the same sweep both may (their jobs' claims share them out)."""
+    for i in range(40):
+        refused = [exc is not None for exc in start_together(tmp_path / f"other{i}", A, B)]
+        assert sorted(refused) == [False, True], (i, refused)
+    for i in range(5):
+        assert start_together(tmp_path / f"same{i}", A, A) == [None, None]
+
+
+@pytest.mark.e2e
+def test_two_kvbench_sweeps_started_together_into_one_directory_one_is_refused(tmp_path):
+    """The real thing, three times: two kvbench processes started at once with other overrides;
+    one runs its sweep, the other exits 2 in one line naming the directory, having run nothing."""
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    jobs = ["workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=1",
+            "runtime.isolate=false", "wandb.mode=disabled"]
+    for i in range(3):
+        sweep = tmp_path / f"sweep{i}"
+        procs = [subprocess.Popen([sys.executable, "-m", "kvbench.cli", "-m", *a, *jobs, f"hydra.sweep.dir={sweep}"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for a in (A, B)]
+        done = [(p.wait(300), *p.communicate()) for p in procs]
+        assert sorted(code for code, _, _ in done) == [0, 2], done
+        [(_, _, err)] = [d for d in done if d[0] == 2]
+        [line] = err.strip().splitlines()
+        assert line.startswith(f"kvbench: invalid config: hydra.sweep.dir='{sweep}': holds another sweep (")
+        assert len(list(sweep.glob("*/results.json"))) == 2  # the winner's two jobs, nothing of the other's
