@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
+import os
 import stat
 import typing
 from dataclasses import asdict, dataclass, field
@@ -285,10 +286,33 @@ def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
     return clean, reasons
 
 
-def find_results(root: Path | str) -> List[Path]:
-    """Every results.json under ``root`` (a job directory or a sweep), in path order."""
-    root = Path(root)
-    return sorted(root.rglob(RESULTS_FILE))
+def find_results(root: Path | str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
+    """Every results.json under ``root`` (a job directory or a sweep), in path order, as
+    ``rglob`` finds them (links to directories not followed). A directory that cannot be listed
+    (mode 000, another user's) is appended to ``unlisted`` with why, when it is given: rglob
+    passes over it without a word, and its job vanished from the report."""
+    found: List[Path] = []
+    pending = [Path(root)]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except FileNotFoundError:
+            continue  # gone meanwhile, or never there
+        except OSError as exc:
+            if unlisted is not None and directory.is_dir():
+                unlisted.append((directory, exc))
+            continue
+        for entry in entries:
+            if entry.name == RESULTS_FILE:
+                found.append(Path(entry.path))
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+            except OSError:
+                continue
+    return sorted(found)
 
 
 def objective_value(record: RunResult, objective: str,

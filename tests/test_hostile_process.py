@@ -7,16 +7,17 @@ import pty
 import signal
 import subprocess
 import sys
-import time
-
 import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from conftest import LiveKvbench, compose, job_processes
 
 from kvbench.cli_sweep import check_sweep_start
 from kvbench.config_errors import ConfigError
-from kvbench.results import read_record
+from kvbench.results import RunResult, read_record
 
 TRIALS = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=100000",
           "runtime.threads=1", "wandb.mode=disabled"]
@@ -239,3 +240,93 @@ def test_two_kvbench_sweeps_started_together_into_one_directory_one_is_refused(t
         [line] = err.strip().splitlines()
         assert line.startswith(f"kvbench: invalid config: hydra.sweep.dir='{sweep}': holds another sweep (")
         assert len(list(sweep.glob("*/results.json"))) == 2  # the winner's two jobs, nothing of the other's
+
+
+# ---- a job directory kvbench may not read ----------------------------------------------------
+
+@contextmanager
+def unreadable(directory: Path):
+    """``directory`` as mode 000 makes it for anyone but root (these tests run as root too): listing
+    it, and reaching anything inside it, fails with EACCES."""
+    import errno
+
+    inside = str(directory)
+
+    def refused(path) -> bool:
+        path = os.fspath(path) if not isinstance(path, int) else ""
+        path = os.path.abspath(path) if path else path
+        return path == inside or path.startswith(inside + os.sep)
+
+    def guard(real, only_inside=False):
+        def call(path, *args, **kwargs):
+            p = os.path.abspath(os.fspath(path)) if not isinstance(path, int) else ""
+            if (p.startswith(inside + os.sep) if only_inside else refused(path)):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "scandir", guard(os.scandir))
+        for name in ("stat", "lstat", "open"):  # the directory itself can be stat'ed, as with mode 000
+            mp.setattr(os, name, guard(getattr(os, name), only_inside=True))
+        yield
+
+
+def two_jobs(sweep: Path):
+    for job, kv in (("0", 2), ("1", 4)):
+        RunResult("ok", {"task": "bench", "attention": {"num_kv_heads": kv}}, metrics={"decode_ms_p50": 1.0},
+                  overrides=["model=tiny", f"attention.num_kv_heads={kv}"]).write(sweep / job)
+
+
+def test_an_unreadable_job_directory_is_an_unreadable_row_naming_it_in_the_report(tmp_path, capsys):
+    """A sweep whose job 1 kvbench may not read (mode 000): its row says unreadable and names the
+    directory, in the report and in kvbench-report's count. (Before: the job vanished, no row,
+    no warning: "1 jobs (1 ok)".)"""
+    from kvbench.cli_tools import report_main
+    from kvbench.sinks.report import MD_FILE, collect
+
+    sweep = tmp_path / "sweep"
+    two_jobs(sweep)
+    with unreadable(sweep / "1"):
+        rows = {r["job"]: r for r in collect(sweep)}
+        assert report_main([str(sweep), "--no-plots"]) == 0
+    assert rows["0"]["status"] == "ok"
+    assert rows["1"]["status"] == "unreadable" and rows["1"]["error"] == f"{sweep / '1'}: cannot be listed " \
+                                                                         "(Permission denied)"
+    assert "2 jobs (1 ok, 1 unreadable)" in capsys.readouterr().out
+    assert f"{sweep / '1'}: cannot be listed" in (sweep / MD_FILE).read_text()
+
+
+def test_the_end_of_a_sweep_counts_an_unreadable_job_directory_as_unreadable(tmp_path):
+    """The sweep's own end table reads each job directory it launched: one it may not read is
+    unreadable (pathlib's exists() raised PermissionError and the table was lost)."""
+    from kvbench.jobs.sweep import sweep_records
+
+    sweep = tmp_path / "sweep"
+    two_jobs(sweep)
+    with unreadable(sweep / "1"):
+        rows = sweep_records(sweep, sweep_config(sweep, "model=tiny", "attention.num_kv_heads=2,4"))
+    assert [r["status"] for r in rows] == ["ok", "unreadable"]
+    assert "Permission denied" in rows[1]["error"] and str(sweep / "1") in rows[1]["error"]
+
+
+@pytest.mark.e2e
+def test_a_mode_000_job_directory_is_unreadable_for_kvbench_report_for_real(tmp_path):
+    """The same with the kernel saying no: chmod 000, kvbench-report as a process that the mode
+    binds (root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, as setpriv drops them)."""
+    sweep = tmp_path / "sweep"
+    two_jobs(sweep)
+    (sweep / "1").chmod(0)
+    try:
+        command = [sys.executable, "-c", "from kvbench.entry import report_main; report_main()", str(sweep),
+                   "--no-plots", "--out", str(tmp_path / "report")]
+        if os.geteuid() == 0:
+            caps = "-dac_override,-dac_read_search"
+            command = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *command]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, MPLBACKEND="Agg"))
+    finally:
+        (sweep / "1").chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 jobs (1 ok, 1 unreadable)" in proc.stdout
+    assert f"{sweep / '1'}: cannot be listed (Permission denied)" in (tmp_path / "report" / "summary.md").read_text()

@@ -128,12 +128,24 @@ def _job_row(job_dir: Path, overrides: List[str], sweep_dir: Path, exact: bool) 
         return None
     if holder is not None:
         return {**row, "status": "running", "error": f"claimed by {holder}"}
-    if problem is not None and (job_dir / RESULTS_FILE).exists():
+    if problem is not None and _present(job_dir / RESULTS_FILE):
         return {**row, "status": "unreadable", "error": str(problem)}
     # Hydra writes .hydra/overrides.yaml as a job starts
     started = job_overrides(_read_overrides(job_dir)) == job_overrides(overrides)
     return {**row, "status": "missing" if started else "not run",
             "error": "no results.json: the job was killed" if started else "this sweep has not run it"}
+
+
+def _present(path: Path) -> bool:
+    """``path`` is there, or kvbench may not look (a job directory of mode 000: EACCES, which
+    pathlib's exists() raises): either way not a job that never ran."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _read_overrides(job_dir: Path) -> Any:
