@@ -18,7 +18,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Optional
+from typing import IO, Any, Callable, List, Mapping, Optional, Tuple
 
 
 def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
@@ -44,6 +44,34 @@ def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
         return json.loads(data.decode("utf-8"))  # bytes would let json guess UTF-16
     except RecursionError:
         raise ValueError(f"{path}: nested too deeply to parse") from None
+
+
+def find_named(root: Path | str, name: str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
+    """Every entry called ``name`` under ``root``, in path order, as ``rglob`` finds them (links to
+    directories not followed). A directory that cannot be listed (mode 000, another user's) is
+    appended to ``unlisted`` with why, when it is given: rglob passes over it without a word."""
+    found: List[Path] = []
+    pending = [Path(root)]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except FileNotFoundError:
+            continue  # gone meanwhile, or never there
+        except OSError as exc:
+            if unlisted is not None and directory.is_dir():
+                unlisted.append((directory, exc))
+            continue
+        for entry in entries:
+            if entry.name == name:
+                found.append(Path(entry.path))
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+            except OSError:
+                continue
+    return sorted(found)
 
 
 def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = False,

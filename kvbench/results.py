@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
-import os
 import stat
 import typing
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config import BenchConfig, objective_metric
-from kvbench.jsonio import plain, read_json, write_json_atomic
+from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
 from kvbench.model_config import MLA_FIELDS
 
 RESULTS_FILE = "results.json"
@@ -287,32 +286,9 @@ def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
 
 
 def find_results(root: Path | str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
-    """Every results.json under ``root`` (a job directory or a sweep), in path order, as
-    ``rglob`` finds them (links to directories not followed). A directory that cannot be listed
-    (mode 000, another user's) is appended to ``unlisted`` with why, when it is given: rglob
-    passes over it without a word, and its job vanished from the report."""
-    found: List[Path] = []
-    pending = [Path(root)]
-    while pending:
-        directory = pending.pop()
-        try:
-            with os.scandir(directory) as listing:
-                entries = list(listing)
-        except FileNotFoundError:
-            continue  # gone meanwhile, or never there
-        except OSError as exc:
-            if unlisted is not None and directory.is_dir():
-                unlisted.append((directory, exc))
-            continue
-        for entry in entries:
-            if entry.name == RESULTS_FILE:
-                found.append(Path(entry.path))
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(Path(entry.path))
-            except OSError:
-                continue
-    return sorted(found)
+    """Every results.json under ``root`` (a job directory or a sweep), in path order; the
+    directories that could not be listed go to ``unlisted`` (:func:`kvbench.jsonio.find_named`)."""
+    return find_named(root, RESULTS_FILE, unlisted)
 
 
 def objective_value(record: RunResult, objective: str,
