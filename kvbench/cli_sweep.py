@@ -18,13 +18,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report
-from kvbench.cli_tools import os_error_line
 from kvbench.config import to_bench_config
 from kvbench.config_errors import ConfigError, one_line
 from kvbench.jobs.claim import sweep_lock
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size
-from kvbench.jsonio import write_text_atomic
+from kvbench.jsonio import os_error_line, write_text_atomic
 from kvbench.results import find_results
 from kvbench.sinks.console import stderr, stdout, sweep_tables
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard

@@ -13,10 +13,12 @@ read the results).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import secrets
 import stat
+import traceback
 from pathlib import Path
 from typing import IO, Any, Callable, List, Mapping, Optional, Tuple
 
@@ -81,17 +83,55 @@ def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = F
     removes the temporary file and raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temp(path)
+    try:
+        fd, tmp = _create_temp(path)
+    except OSError as exc:
+        raise _naming(exc, path, None) from None
     try:
         with os.fdopen(fd, "wb" if binary else "w", newline=None if binary else newline) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # renames over a symlink at path, never through it
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _naming(exc, path, tmp) from None
         raise
     return path
+
+
+def _naming(exc: OSError, path: Path, tmp: Optional[str]) -> OSError:
+    # A full disk fails the write, flush or fsync without a file name (ENOSPC, EFBIG, EDQUOT),
+    # the temporary file's name means nothing to a user: the error names the file being written.
+    if exc.filename is None or exc.filename == tmp or (tmp is None and str(exc.filename).endswith(".tmp")):
+        exc.filename = str(path)
+    return exc
+
+
+def name_the_file(exc: OSError) -> OSError:
+    """``exc`` with the file it is about in ``filename`` when it has none: a write that fails at
+    flush or close (a full disk) is raised without one (Hydra's own files, a log file). The file
+    is the innermost open, writable file object a frame of its traceback holds."""
+    if exc.filename is not None:
+        return exc
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        for value in frame.f_locals.values():
+            name = getattr(value, "name", None)
+            if isinstance(value, io.IOBase) and isinstance(name, str) and not name.startswith("<") and \
+                    any(c in getattr(value, "mode", "") for c in "wax+"):
+                exc.filename = name
+                return exc
+    return exc
+
+
+def os_error_line(exc: OSError) -> str:
+    """``cannot write PATH: reason`` for an OSError about a file (its name found, if it has
+    none, by :func:`name_the_file`), its text otherwise."""
+    name_the_file(exc)
+    if exc.filename is not None:
+        return f"cannot write {exc.filename}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def write_text_atomic(path: Path | str, text: str, newline: Optional[str] = None) -> Path:

@@ -2,6 +2,7 @@
 second Ctrl-C while it exits), a disk that refuses a write, two sweeps started at once into one
 directory, a job directory it may not read, and the cost of starting a job's process."""
 
+import errno
 import os
 import pty
 import signal
@@ -330,3 +331,121 @@ def test_a_mode_000_job_directory_is_unreadable_for_kvbench_report_for_real(tmp_
     assert proc.returncode == 0, proc.stderr
     assert "2 jobs (1 ok, 1 unreadable)" in proc.stdout
     assert f"{sweep / '1'}: cannot be listed (Permission denied)" in (tmp_path / "report" / "summary.md").read_text()
+
+
+# ---- a disk that refuses a write: the one line names the file ---------------------------------
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as the kernel raises it: no file name
+
+
+@pytest.mark.parametrize("write", ["summary.csv", "plot.png", "checkpoint.pt", "workspace.json"])
+def test_a_file_the_disk_refuses_is_named_in_the_error(tmp_path, monkeypatch, write):
+    """Every file kvbench writes goes through jsonio.atomic_write: a full disk fails its write,
+    flush or fsync with no file name (or the temporary file's), and the lines built from the error
+    named nothing ("report failed: OSError: [Errno 28] No space left on device")."""
+    from kvbench.jsonio import atomic_write, os_error_line
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    target = tmp_path / "out" / write
+    with pytest.raises(OSError) as err:
+        atomic_write(target, lambda f: f.write("x"))
+    assert err.value.filename == str(target)
+    assert os_error_line(err.value) == f"cannot write {target}: No space left on device"
+    assert os.listdir(target.parent) == []  # no temporary file left behind
+
+
+def test_a_checkpoint_the_disk_refuses_names_the_checkpoint(tmp_path, monkeypatch):
+    from conftest import make_decoder
+
+    from kvbench.checkpoint import save_checkpoint
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError) as err:
+        save_checkpoint(tmp_path / "checkpoint.pt", make_decoder(), {"step": 1})
+    assert err.value.filename == str(tmp_path / "checkpoint.pt")
+
+
+def test_a_report_the_disk_refuses_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    from kvbench.cli_job import report
+
+    two_jobs(tmp_path)
+    monkeypatch.setattr(os, "fsync", no_space)
+    report(tmp_path, plots=False)
+    err = capsys.readouterr().err.strip()
+    assert err == (f"kvbench: report failed: cannot write {tmp_path / 'summary.csv'}: No space left on device "
+                   f"(run kvbench-report {tmp_path})")
+
+
+def test_an_error_txt_the_disk_refuses_is_said_in_the_record(tmp_path, monkeypatch):
+    """A job that fails writes its traceback to error.txt; when the disk refuses that, the record
+    (still written) says so, naming the file, instead of nothing."""
+    from kvbench.jobs import runner
+
+    def crash(job, device, out_dir, result, progress):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(runner.TASKS, "bench", crash)
+    monkeypatch.setattr(runner, "write_text_atomic", no_space)
+    cfg = compose("model=tiny", "runtime.device=cpu", "wandb.mode=disabled")
+    result = runner.run_job(cfg, tmp_path)
+    assert result.status == "error" and result.error.startswith("RuntimeError: boom"), result.error
+    assert f"(traceback not saved: cannot write {tmp_path / 'error.txt'}: No space left on device)" in result.error
+    assert read_record(tmp_path).error == result.error
+
+
+def test_a_claim_file_the_disk_refuses_names_it(tmp_path, monkeypatch):
+    import io
+
+    from kvbench.jobs import claim
+
+    class Full(io.TextIOWrapper):
+        def flush(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(claim.os, "fdopen", lambda fd, mode: Full(io.FileIO(fd, "r+")))
+    with pytest.raises(OSError) as err:
+        claim.claim_job(tmp_path)
+    assert err.value.filename == str(tmp_path / claim.CLAIM_FILE)
+
+
+def test_a_log_file_the_disk_refuses_is_one_line_not_a_traceback_per_record(tmp_path, capsys):
+    """Hydra's job log (<job>.log beside results.json) on a full disk: logging printed '--- Logging
+    error ---' and a traceback for every record; now one line naming the file, then no more."""
+    import logging
+
+    from kvbench.cli_job import guard_log_files
+
+    class Full(logging.FileHandler):
+        def flush(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    handler = Full(tmp_path / "cli.log")
+    logging.getLogger().addHandler(handler)
+    try:
+        guard_log_files()
+        for _ in range(3):
+            logging.getLogger("kvbench.test").warning("a line for the log")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.stream.close()  # what the disk refused stays unwritten
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert err.count(f"kvbench: cannot write {tmp_path / 'cli.log'}: No space left on device") == 1
+
+
+@pytest.mark.e2e
+def test_hydras_own_file_refused_by_the_disk_is_one_line_naming_it(tmp_path):
+    """The kernel refuses to grow a file past RLIMIT_FSIZE (EFBIG; a full disk's ENOSPC takes the
+    same path): Hydra's .hydra/config.yaml, written before the job, is named. (Before:
+    'kvbench: OSError: [Errno 28] No space left on device'.)"""
+    import resource
+
+    out = tmp_path / "run"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "model=tiny", "wandb.mode=disabled",
+                           f"hydra.run.dir={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0"), preexec_fn=limit)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"kvbench: cannot write {out / '.hydra' / 'config.yaml'}: "
+                                                "File too large"]

@@ -59,11 +59,19 @@ def claim_job(directory: Path | str) -> Optional[JobClaim]:
     except BlockingIOError:
         handle.close()
         return None
-    handle.seek(0)
-    handle.truncate()
     since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
+        handle.flush()
+    except OSError as exc:  # a full disk: the descriptor's file has no name of its own
+        try:
+            handle.close()  # flushes what the disk refused once more, and fails again
+        except OSError:
+            pass
+        exc.filename = str(directory / CLAIM_FILE)
+        raise
     return JobClaim(directory, handle)
 
 
