@@ -106,4 +106,17 @@ def forkserver_main() -> None:
         code = job()
     except KeyboardInterrupt:
         _quiet_exit(128 + signal.SIGINT)
-    sys.exit(code)
+    # The job is over and its record handed back. The exit hooks run (a pool the job started is
+    # shut down), the interpreter is not torn down: its module-by-module teardown of a process
+    # holding torch took a second a job, copying on write the pages it shares with the server.
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
