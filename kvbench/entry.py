@@ -97,9 +97,11 @@ def forkserver_main() -> None:
     child exits 130 without a word, as :func:`child_main` does, and its parent records the job."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    import json
+
     from kvbench.jobs.forkserver import serve
 
-    job = serve(int(sys.argv[1]), sys.argv[2:])
+    job = serve(int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:])
     if job is None:  # the process that used this server has ended
         os._exit(0)
     try:

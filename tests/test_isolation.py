@@ -230,3 +230,16 @@ def test_without_a_fork_server_each_job_is_a_new_interpreter(tmp_path, monkeypat
     monkeypatch.setenv("KVBENCH_FORK_SERVER", "0")
     result = run_isolated(tiny_job(), tmp_path, measure=hold_little)
     assert result.status == "ok" and result.metrics["parent"] == os.getpid()
+
+
+@pytest.mark.e2e
+def test_a_fork_server_that_dies_starting_leaves_the_job_to_a_new_interpreter(tmp_path, monkeypatch):
+    """A server that ends before it is ready (an import that crashes it): the job runs all the
+    same, in a new interpreter, which would show the import's own failure in the record."""
+    from kvbench.jobs import isolation
+
+    monkeypatch.setattr(isolation, "_server", None)
+    monkeypatch.setattr(isolation, "PRELOAD", ("fork_server_crash",))
+    result = run_isolated(tiny_job(), tmp_path, measure=hold_little)
+    assert result.status == "ok" and result.metrics["parent"] == os.getpid()
+    isolation._server.close()

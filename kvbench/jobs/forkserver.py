@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import pickle
 import resource
@@ -45,6 +46,7 @@ IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA_", "NVIDI
 SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                   signal.SIGALRM)
 _HEADER = struct.Struct("!Q")
+_PENDING = object()  # no message yet
 _MAX_FDS = 8
 START_TIMEOUT_S = 60.0  # a fork takes milliseconds: a server that does not answer is broken
 
@@ -106,13 +108,14 @@ class ForkServer:
     """A running fork server that preloads the modules ``preload``; :meth:`fork` starts a job."""
 
     def __init__(self, preload: Sequence[str]):
-        self.key = server_key()
+        self.key, self.owner = server_key(), os.getpid()
         self.job: Optional[ForkedProcess] = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", "from kvbench.entry import forkserver_main; forkserver_main()",
-                 str(theirs.fileno()), *preload], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                 str(theirs.fileno()), json.dumps(sys.path), *preload], pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()
             raise
@@ -184,9 +187,6 @@ class ForkServer:
             self.proc.wait()
 
 
-_PENDING = object()
-
-
 class ForkedProcess:
     """A job's process as :class:`subprocess.Popen` shows one (``pid``, ``poll``, ``wait``,
     ``kill``, ``send_signal``, ``returncode``: negative for a signal), for a process that is the
@@ -251,14 +251,16 @@ def _limits() -> dict:
 
 # ---- the server's side ------------------------------------------------------------------------
 
-def serve(sock_fd: int, preload: Sequence[str]) -> Optional[Callable[[], int]]:
-    """The server's loop. Returns None in the server when the requester has gone (the server then
-    exits), and in each forked child the job to run (its return value: the exit status)."""
+def serve(sock_fd: int, path: Sequence[str], preload: Sequence[str]) -> Optional[Callable[[], int]]:
+    """The server's loop, with the requester's ``sys.path`` (``path``) to import ``preload`` by.
+    Returns None in the server when the requester has gone (the server then exits), and in each
+    forked child the job to run (its return value: the exit status)."""
     import importlib
 
     _set_name(SERVER_NAME)
     for signum in SERVER_IGNORES:
         signal.signal(signum, signal.SIG_IGN)
+    sys.path[:] = path
     for name in preload:
         try:
             importlib.import_module(name)

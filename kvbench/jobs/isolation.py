@@ -50,7 +50,7 @@ from typing import Callable, List, Optional, Tuple
 from omegaconf import DictConfig
 
 from kvbench.config import BenchConfig, to_bench_config
-from kvbench.jobs.forkserver import ForkServer, available
+from kvbench.jobs.forkserver import ForkServer, ServerGone, available
 from kvbench.jobs.interrupts import (
     STOP_SIGNALS,
     Interrupted,
@@ -156,6 +156,9 @@ def fork_server() -> Optional[ForkServer]:
     global _server
     if not available() or os.environ.get("KVBENCH_FORK_SERVER", "1") == "0":
         return None
+    if _server is not None and _server.owner != os.getpid():  # inherited through a fork: the parent's
+        _server.sock.close()
+        _server = None
     if _server is not None and not _server.usable():
         _server.close()
         _server = None
@@ -182,8 +185,11 @@ class _Child:
         alive_r, self._alive = os.pipe()  # only this process holds the writing end
         try:
             if server is not None:
-                self.proc = server.fork(pickle.dumps((run_forked, (setup[1], job))), (record_w, alive_r))
-            else:
+                try:
+                    self.proc = server.fork(pickle.dumps((run_forked, (setup[1], job))), (record_w, alive_r))
+                except ServerGone:  # it died starting (an import that crashes?): a new interpreter says why
+                    server = None
+            if server is None:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-c", "from kvbench.entry import child_main; child_main()",
                      str(record_w), str(alive_r)], stdin=subprocess.PIPE, pass_fds=(record_w, alive_r))
