@@ -233,13 +233,15 @@ def test_without_a_fork_server_each_job_is_a_new_interpreter(tmp_path, monkeypat
 
 
 @pytest.mark.e2e
-def test_a_fork_server_that_dies_starting_leaves_the_job_to_a_new_interpreter(tmp_path, monkeypatch):
-    """A server that ends before it is ready (an import that crashes it): the job runs all the
-    same, in a new interpreter, which would show the import's own failure in the record."""
+@pytest.mark.parametrize("preload", ["fork_server_crash", "fork_server_cuda"])
+def test_a_fork_server_that_dies_starting_leaves_the_job_to_a_new_interpreter(tmp_path, monkeypatch, preload):
+    """A server that ends before it is ready (an import that crashes it; CUDA initialised by an
+    import, which a forked child could not use): the job runs all the same, in a new interpreter,
+    which would show the import's own failure in the record."""
     from kvbench.jobs import isolation
 
     monkeypatch.setattr(isolation, "_server", None)
-    monkeypatch.setattr(isolation, "PRELOAD", ("fork_server_crash",))
+    monkeypatch.setattr(isolation, "PRELOAD", ("kvbench.jobs.isolation", preload))
     result = run_isolated(tiny_job(), tmp_path, measure=hold_little)
     assert result.status == "ok" and result.metrics["parent"] == os.getpid()
     isolation._server.close()

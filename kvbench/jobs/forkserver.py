@@ -266,6 +266,9 @@ def serve(sock_fd: int, path: Sequence[str], preload: Sequence[str]) -> Optional
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 — a job that needs it fails in its own process, with its traceback
             pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return None  # CUDA does not survive a fork: no server (the requester starts interpreters instead)
     sock = socket.socket(fileno=sock_fd)
     os.set_inheritable(sock.fileno(), False)
     unreaped: Optional[int] = None
