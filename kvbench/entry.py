@@ -5,6 +5,7 @@ line and exit 128 + the signal, not a traceback. The scripts themselves are in
 :func:`child_main`, or is forked by the fork server :func:`forkserver_main` runs.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -22,6 +23,10 @@ def _interrupted(exc: KeyboardInterrupt, what: str) -> None:
 def main() -> None:
     """Console script ``kvbench``."""
     stop_like_ctrl_c()
+    # Registered first, so it runs last of the exit hooks: after it nothing is left to say, and a
+    # signal in the interpreter's own teardown would kill the process without a word (Python puts
+    # back the default handlers there); it is ignored instead, and the exit status is the run's.
+    atexit.register(_ignore_stop_signals)
     try:
         if sys.argv[1:] in (["--help"], ["-h"]):
             sys.exit(_help())
@@ -82,11 +87,15 @@ def child_main() -> None:
     measure_here()
 
 
+def _ignore_stop_signals() -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _quiet_exit(code: int) -> None:
     # The parent passes its own stop on to this process as well: a second signal must not
     # interrupt the interpreter's exit (torch's finalizers) with a traceback.
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+    _ignore_stop_signals()
     sys.exit(code)
 
 
@@ -111,8 +120,6 @@ def forkserver_main() -> None:
     # The job is over and its record handed back. The exit hooks run (a pool the job started is
     # shut down), the interpreter is not torn down: its module-by-module teardown of a process
     # holding torch took a second a job, copying on write the pages it shares with the server.
-    import atexit
-
     try:
         atexit._run_exitfuncs()
     finally:

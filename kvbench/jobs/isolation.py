@@ -34,6 +34,7 @@ gone (a resumed sweep could otherwise run it a second time, at once).
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import select
@@ -164,7 +165,15 @@ def fork_server() -> Optional[ForkServer]:
         _server = None
     if _server is None:
         _server = ForkServer(PRELOAD)
+        atexit.register(_close_server, _server)
     return _server
+
+
+def _close_server(server: ForkServer) -> None:
+    # At this process's exit: the server would exit by itself (end of file on its socket), after
+    # this process; closed here, it is gone when this process is, as a process's children should be.
+    if server.owner == os.getpid() and server.proc.poll() is None:
+        server.close()
 
 
 def _record_of(message: dict) -> RunResult:
