@@ -6,8 +6,9 @@
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key),
 or a command line Hydra cannot compose (an unknown group option, bad override syntax);
 3 out of memory; 1 an internal error, or a record that could not be written; 128 + the signal
-when interrupted (130 for Ctrl-C, 143 for SIGTERM). A multirun records invalid and oom jobs as
-data and exits 1 when a job of this sweep errored, was interrupted or has no readable record.
+when interrupted (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP: the terminal was closed).
+A multirun records invalid and oom jobs as data and exits 1 when a job of this sweep errored,
+was interrupted or has no readable record.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cli_job import hydra_job
 from kvbench.cli_sweep import SweepRefused, sweep_end
-from kvbench.cli_tools import os_error_line
 from kvbench.config import CONF_DIR, register_configs, schema_defaults
 from kvbench.config_errors import config_error_line, is_composition_error, one_line
+from kvbench.jobs.interrupts import exit_on_stop
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
+from kvbench.jsonio import os_error_line
 from kvbench.sinks.console import stderr
 
 register_configs()
@@ -41,6 +43,15 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
 
 def main() -> None:
     """Console script ``kvbench``."""
+    try:
+        _main()
+    finally:
+        # Done, whichever way: a signal while the interpreter shuts down (W&B's and torch's exit
+        # hooks) is one line and 128 + the signal, not a KeyboardInterrupt traceback from a hook.
+        exit_on_stop(line="kvbench: interrupted by {signal}")
+
+
+def _main() -> None:
     # Let Hydra's composition errors reach us (instead of its multi-line report and exit 1):
     # a bad value is the user's input, so one line naming the key and exit 2. A user who set
     # HYDRA_FULL_ERROR=1 gets the traceback, as Hydra documents.
@@ -49,8 +60,8 @@ def main() -> None:
     try:
         _hydra_main()
     except SweepRefused as exc:
-        stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
-        sys.exit(EXIT_CODES["invalid"])
+        stderr.print(exc.line(), markup=False, soft_wrap=True)
+        sys.exit(exc.code)
     except Exception as exc:
         if isinstance(exc, OSError) and not full_error and not is_composition_error(exc):
             # outside any job: an output directory that cannot be made, say (Hydra's missing
@@ -71,11 +82,14 @@ def main() -> None:
         stderr.print(f"kvbench: invalid config: {config_error_line(exc, _top_level_names())}", markup=False,
                      soft_wrap=True)
         sys.exit(EXIT_CODES["invalid"])
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM (runner.Interrupted): what finished, then 128 + signal
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP (Interrupted): what finished, then 128 + signal
         signum = getattr(exc, "signum", signal.SIGINT)
+        line = f"kvbench: interrupted by {signal.Signals(signum).name}"
+        # A second signal while the sweep's table is written ends the process at once, with this line.
+        exit_on_stop(128 + signum, line)
         if OUTCOME.sweep is not None and OUTCOME.sweep.get("task") != "inspect":
             sweep_end(OUTCOME.sweep, interrupted=True)
-        stderr.print(f"kvbench: interrupted by {signal.Signals(signum).name}", markup=False)
+        stderr.print(line, markup=False)
         sys.exit(128 + signum)
     sys.exit(OUTCOME.exit_code)
 

@@ -5,7 +5,9 @@ print it; what the job returns to a search sweeper is its ``objective`` read fro
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict
@@ -18,11 +20,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config import to_bench_config
-from kvbench.config_errors import ConfigError
+from kvbench.config_errors import ConfigError, one_line
 from kvbench.jobs.claim import claim_holder, claim_job, completed_record
 from kvbench.jobs.isolation import launch_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.jsonio import real_dir, write_text_atomic
+from kvbench.jobs.sweep import override_list
+from kvbench.jsonio import os_error_line, real_dir, write_text_atomic
 from kvbench.results import CHECKPOINT_NAME, RESULTS_FILE, RecordError, objective_value, read_record
 from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, turns_table, variants_table
 from kvbench.sinks.report import MD_FILE, write_report
@@ -46,7 +49,7 @@ hydra.core.utils._save_config = _save_hydra_file
 def _job_context() -> tuple[Path, bool, List[str], Optional[int]]:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    return Path(hc.runtime.output_dir), multirun, list(hc.overrides.task), hc.job.get("num")
+    return Path(hc.runtime.output_dir), multirun, override_list(hc.overrides.task), hc.job.get("num")
 
 
 def hydra_job(cfg: DictConfig) -> Optional[float]:
@@ -54,13 +57,20 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
     track and print. Returns the job's ``objective`` read from its record (what a search
     sweeper optimises): None without an objective, and for a job with no value for it."""
     out_dir, multirun, overrides, num = _job_context()
+    guard_log_files()
     if OmegaConf.select(cfg, "task", throw_on_resolution_failure=False) == "inspect":
         OUTCOME.job_ended(_inspect(cfg))
         return None
     if multirun:
         total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
         stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
-    claim = claim_job(out_dir)
+    try:
+        claim = claim_job(out_dir)
+    except OSError as exc:  # a full disk refuses the claim file: the job cannot run here
+        stderr.print(f"kvbench: {one_line(os_error_line(exc))} (the job was not run)", markup=False, soft_wrap=True)
+        if not multirun:
+            OUTCOME.job_ended(EXIT_CODES["error"])
+        return _objective(cfg, None, "its job directory cannot be written")
     if claim is None:
         # Another kvbench (or a job process a killed sweep left behind) is running this job.
         stderr.print(f"  skipped: {out_dir} is being run by {claim_holder(out_dir) or 'another process'} "
@@ -119,8 +129,28 @@ def _already_done(out_dir: Path, cfg: DictConfig) -> bool:
     return not job.rerun and completed_record(out_dir, asdict(job)) is not None
 
 
+def guard_log_files() -> None:
+    """A log file Hydra's logging writes (``<job>.log`` beside results.json) that the disk refuses
+    is one line naming it, then left out: logging printed a traceback for every record."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and not getattr(handler, "kvbench_guarded", False):
+            handler.handleError = functools.partial(_log_file_failed, handler)
+            handler.kvbench_guarded = True
+
+
+def _log_file_failed(handler: logging.FileHandler, record: logging.LogRecord) -> None:
+    exc = sys.exc_info()[1]
+    logging.getLogger().removeHandler(handler)
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+    stderr.print(f"kvbench: cannot write {handler.baseFilename}: {why} (its log lines are left out from here on)",
+                 markup=False, soft_wrap=True)
+
+
 def _track(cfg: DictConfig, result, out_dir: Path, multirun: bool) -> Optional[Path]:
-    """The job's W&B run (after results.json is written; a W&B failure is only a warning)."""
+    """The job's W&B run (after results.json is written; a W&B failure is only a warning). None
+    when the record could not be written: a run is the record's copy, and the disk is full."""
+    if result.unsaved:
+        return None
     sweep_dir = HydraConfig.get().sweep.dir if multirun else None
     # The record's copy: validated for a valid job, as given (never raising) for an invalid one.
     wandb_cfg = result.config.get("wandb")
@@ -137,7 +167,8 @@ def report(directory: Path, announce: bool = True, plots: bool = True,
         if announce:
             stdout.print(f"report: {Path(directory) / MD_FILE}", markup=False, soft_wrap=True)
     except Exception as exc:  # noqa: BLE001 — the records are on disk; kvbench-report can redo this
-        stderr.print(f"kvbench: report failed: {type(exc).__name__}: {exc} (run kvbench-report {directory})",
+        why = os_error_line(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        stderr.print(f"kvbench: report failed: {one_line(why)} (run kvbench-report {directory})",
                      markup=False, soft_wrap=True)
 
 

@@ -1,26 +1,30 @@
 """A sweep around its jobs (``hydra.callbacks.sweep`` in conf/config.yaml): refuse one that cannot
 run or would overwrite another before its first job (:func:`check_sweep_start`), count its jobs,
 and at its end print the table of its jobs, write its report and W&B workspace and give the exit
-code (:func:`sweep_end`). A single run is refused the same way when it would replace another run's
-``ok`` record (:func:`check_run_start`).
+code (:func:`sweep_end`). A single run's config is typed, and the run refused when it would replace
+another run's ``ok`` record, before Hydra makes anything for it (:func:`check_run_start`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report
-from kvbench.config_errors import ConfigError
+from kvbench.config import to_bench_config
+from kvbench.config_errors import ConfigError, one_line
+from kvbench.jobs.claim import sweep_lock
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
-from kvbench.jobs.sweep import job_overrides, sweep_records, sweep_size
-from kvbench.jsonio import write_text_atomic
+from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size
+from kvbench.jsonio import os_error_line, write_text_atomic
 from kvbench.results import RecordError, find_results, read_record, trustworthy_ok
 from kvbench.sinks.console import stderr, stdout, sweep_tables
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
@@ -110,11 +114,29 @@ def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
 
 
 class SweepRefused(BaseException):
-    """A sweep stopped before its first job, or a single run before its job. Not an ``Exception``:
-    Hydra turns what a callback raises into a warning and goes on, and this must reach
-    :func:`main` (one line, exit 2)."""
+    """A run or a sweep stopped before anything was made for it. Not an ``Exception``: Hydra turns
+    what a callback raises into a warning and goes on, and this must reach :func:`main` (one line,
+    exit ``code``: 2 for a config that cannot run, 1 for a file that cannot be written)."""
+
+    def __init__(self, message: str, code: int = EXIT_CODES["invalid"]):
+        super().__init__(message)
+        self.code = code
+
+    def line(self) -> str:
+        return f"kvbench: invalid config: {self}" if self.code == EXIT_CODES["invalid"] else f"kvbench: {self}"
 
 
+def check_run_start(config: DictConfig) -> None:
+    """Type a single run's config before Hydra makes its directory (and before anything imports
+    torch): a misspelled key, a value of the wrong type or out of range, an interpolation that
+    does not resolve is one line naming the key and nothing is created. Raises
+    :class:`ConfigError`. (A sweep types each job as it runs: one bad job is that job's record.)"""
+    HydraConfig.instance().set_config(config)  # a value may read ${hydra:...}, as the job will
+    job = copy.deepcopy(config)
+    with open_dict(job):
+        del job["hydra"]
+    to_bench_config(job)
+    check_run_dir(config)
 
 
 def _basic_sweeper(config: DictConfig) -> bool:
@@ -152,24 +174,39 @@ def check_sweep_start(config: DictConfig) -> None:
         check_objective(None if objective is None else str(objective), dict(caps), str(config.get("task", "bench")),
                         str(OmegaConf.select(config, "workload.name", default="decode")))
     sweep_dir = Path(config.hydra.sweep.dir)
+    # Whose the directory is, is decided and written down under one lock: two sweeps started at the
+    # same instant both found no multirun.yaml (Hydra's sweeper writes it later) and both ran.
+    with sweep_lock(sweep_dir):
+        _claim_sweep_dir(config, sweep_dir, basic)
+
+
+def _claim_sweep_dir(config: DictConfig, sweep_dir: Path, basic: bool) -> None:
+    """Refuse ``sweep_dir`` when it holds another sweep (or any sweep, for a search), else make it
+    this sweep's: its config in multirun.yaml, which Hydra's basic sweeper writes again as it
+    starts (Optuna's writes none)."""
     if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "
                           "resume (the trials it would choose depend on the values measured, so its job "
                           "numbers would overwrite other jobs); give it a new hydra.sweep.dir")
     saved = sweep_dir / MULTIRUN_FILE
-    if saved.is_symlink() or not saved.is_file():  # a link is replaced (below); a FIFO would block the read
+    before = None  # a new directory, or one no sweep finished starting in
+    # A link planted there is replaced by the write below, never read through; a FIFO would block the read.
+    if saved.is_file() and not saved.is_symlink():
+        try:
+            before = OmegaConf.select(OmegaConf.load(saved), "hydra.overrides.task")
+        except (OSError, OmegaConfBaseException, ValueError):
+            before = None
+    if before is None:
+        if sweep_dir.is_dir():
+            write_text_atomic(sweep_dir / MULTIRUN_FILE, OmegaConf.to_yaml(config))
         return
-    try:
-        before = OmegaConf.select(OmegaConf.load(saved), "hydra.overrides.task") or []
-    except (OSError, OmegaConfBaseException, ValueError):
-        return  # a new directory, or one no sweep finished starting in
-    if job_overrides(before) != job_overrides(config.hydra.overrides.task):
+    if job_overrides(override_list(before)) != job_overrides(override_list(config.hydra.overrides.task)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds another sweep "
-                          f"({' '.join(job_overrides(before))}); give this one a new hydra.sweep.dir "
-                          "(a sweep resumes only with the same overrides)")
+                          f"({' '.join(job_overrides(override_list(before)))}); give this one a new "
+                          "hydra.sweep.dir (a sweep resumes only with the same overrides)")
 
 
-def check_run_start(config: DictConfig) -> None:
+def check_run_dir(config: DictConfig) -> None:
     """Refuse, before Hydra writes anything into it, a single run into a ``hydra.run.dir`` whose
     ``results.json`` is the ``ok`` record of other overrides: this run would replace it (and
     Hydra its ``.hydra/`` files), as a sweep into another sweep's directory would (refused by
@@ -196,10 +233,10 @@ SWEEPER_FILES = (MULTIRUN_FILE, "optimization_results.yaml")
 
 
 class SweepCallback(Callback):
-    """Counts a sweep's jobs at the start; at the end prints a table of this sweep's jobs and
-    sets the exit code. Jobs never raise (failures are records), so Hydra always reaches
-    ``on_multirun_end``, unless the sweep is interrupted: then :func:`main` ends it. A single
-    run is checked at its start (:func:`check_run_start`)."""
+    """Checks a single run's config and directory before anything is made for it. Counts a sweep's
+    jobs at the start; at the end prints a table of this sweep's jobs and sets the exit code. Jobs
+    never raise (failures are records), so Hydra always reaches ``on_multirun_end``, unless the
+    sweep is interrupted: then :func:`main` ends it."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         OUTCOME.sweep_started(config)
@@ -207,6 +244,8 @@ class SweepCallback(Callback):
             check_sweep_start(config)
         except ConfigError as exc:
             raise SweepRefused(str(exc)) from None
+        except OSError as exc:  # multirun.yaml refused (a full disk): not a warning and a sweep that fails later
+            raise SweepRefused(one_line(os_error_line(exc)), EXIT_CODES["error"]) from None
         for name in SWEEPER_FILES:
             if (Path(config.hydra.sweep.dir) / name).is_symlink():
                 (Path(config.hydra.sweep.dir) / name).unlink()  # the link goes, its target is untouched

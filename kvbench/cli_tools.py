@@ -11,16 +11,10 @@ import sys
 from typing import Optional, Sequence
 
 from kvbench.config_errors import one_line
+from kvbench.jsonio import os_error_line
 from kvbench.results import RESULTS_FILE
 from kvbench.sinks.dashboard import PublishError, publish, write_dashboard
 from kvbench.sinks.report import collect, write_report
-
-
-def os_error_line(exc: OSError) -> str:
-    """``cannot write PATH: reason`` for an OSError that names its file, its text otherwise."""
-    if exc.filename is not None:
-        return f"cannot write {exc.filename}: {exc.strerror or exc}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _seconds(text: str) -> float:

@@ -17,13 +17,15 @@ appended to (:class:`NoFollowFileHandler`).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
 import secrets
 import stat
+import traceback
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Optional
+from typing import IO, Any, Callable, List, Mapping, Optional, Tuple
 
 
 def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
@@ -51,6 +53,34 @@ def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
         raise ValueError(f"{path}: nested too deeply to parse") from None
 
 
+def find_named(root: Path | str, name: str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
+    """Every entry called ``name`` under ``root``, in path order, as ``rglob`` finds them (links to
+    directories not followed). A directory that cannot be listed (mode 000, another user's) is
+    appended to ``unlisted`` with why, when it is given: rglob passes over it without a word."""
+    found: List[Path] = []
+    pending = [Path(root)]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except FileNotFoundError:
+            continue  # gone meanwhile, or never there
+        except OSError as exc:
+            if unlisted is not None and directory.is_dir():
+                unlisted.append((directory, exc))
+            continue
+        for entry in entries:
+            if entry.name == name:
+                found.append(Path(entry.path))
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+            except OSError:
+                continue
+    return sorted(found)
+
+
 def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = False,
                  newline: Optional[str] = None) -> Path:
     """Call ``write(f)`` on a temporary file beside ``path`` (text, or bytes when ``binary``),
@@ -58,17 +88,55 @@ def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = F
     removes the temporary file and raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temp(path)
+    try:
+        fd, tmp = _create_temp(path)
+    except OSError as exc:
+        raise _naming(exc, path, None) from None
     try:
         with os.fdopen(fd, "wb" if binary else "w", newline=None if binary else newline) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # renames over a symlink at path, never through it
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _naming(exc, path, tmp) from None
         raise
     return path
+
+
+def _naming(exc: OSError, path: Path, tmp: Optional[str]) -> OSError:
+    # A full disk fails the write, flush or fsync without a file name (ENOSPC, EFBIG, EDQUOT),
+    # the temporary file's name means nothing to a user: the error names the file being written.
+    if exc.filename is None or exc.filename == tmp or (tmp is None and str(exc.filename).endswith(".tmp")):
+        exc.filename = str(path)
+    return exc
+
+
+def name_the_file(exc: OSError) -> OSError:
+    """``exc`` with the file it is about in ``filename`` when it has none: a write that fails at
+    flush or close (a full disk) is raised without one (Hydra's own files, a log file). The file
+    is the innermost open, writable file object a frame of its traceback holds."""
+    if exc.filename is not None:
+        return exc
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        for value in frame.f_locals.values():
+            name = getattr(value, "name", None)
+            if isinstance(value, io.IOBase) and isinstance(name, str) and not name.startswith("<") and \
+                    any(c in getattr(value, "mode", "") for c in "wax+"):
+                exc.filename = name
+                return exc
+    return exc
+
+
+def os_error_line(exc: OSError) -> str:
+    """``cannot write PATH: reason`` for an OSError about a file (its name found, if it has
+    none, by :func:`name_the_file`), its text otherwise."""
+    name_the_file(exc)
+    if exc.filename is not None:
+        return f"cannot write {exc.filename}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def write_text_atomic(path: Path | str, text: str, newline: Optional[str] = None) -> Path:

@@ -15,3 +15,42 @@ Progress = Callable[[str, int], ContextManager[Optional[Callable[..., None]]]]
 @contextmanager
 def no_progress(label: str, total: int):
     yield None
+
+
+def guarded(progress: Progress) -> Progress:
+    """``progress`` that can never fail the job it shows: a display that cannot be written (a
+    terminal closed under it fails each write with EIO, a pipe whose reader left with EPIPE)
+    shows nothing from then on, and the job measures on (until the signal that usually comes
+    with it, SIGHUP or SIGPIPE, stops it as such)."""
+
+    @contextmanager
+    def shown(label: str, total: int):
+        try:
+            context = progress(label, total)
+            tick = context.__enter__()
+        except OSError:
+            yield None
+            return
+
+        def safe_tick(*args, **kwargs) -> None:
+            try:
+                tick(*args, **kwargs)
+            except OSError:
+                pass
+
+        try:
+            yield None if tick is None else safe_tick
+        except BaseException as exc:
+            try:
+                if context.__exit__(type(exc), exc, exc.__traceback__):
+                    return
+            except OSError:
+                pass
+            raise
+        else:
+            try:
+                context.__exit__(None, None, None)
+            except OSError:
+                pass
+
+    return shown

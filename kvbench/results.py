@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config import BenchConfig, objective_metric
-from kvbench.jsonio import plain, read_json, write_json_atomic
+from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
 from kvbench.model_config import MLA_FIELDS
 
 RESULTS_FILE = "results.json"
@@ -285,10 +285,10 @@ def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
     return clean, reasons
 
 
-def find_results(root: Path | str) -> List[Path]:
-    """Every results.json under ``root`` (a job directory or a sweep), in path order."""
-    root = Path(root)
-    return sorted(root.rglob(RESULTS_FILE))
+def find_results(root: Path | str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
+    """Every results.json under ``root`` (a job directory or a sweep), in path order; the
+    directories that could not be listed go to ``unlisted`` (:func:`kvbench.jsonio.find_named`)."""
+    return find_named(root, RESULTS_FILE, unlisted)
 
 
 def objective_value(record: RunResult, objective: str,

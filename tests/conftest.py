@@ -206,12 +206,29 @@ def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
     return hf_dir(tmp_path, num_kv_heads, tie, "llama", **overrides)
 
 
+def job_processes(pid: int):
+    """The processes measuring a job that the kvbench process ``pid`` started: forked by its fork
+    server (named kvbench-job), or new interpreters running child_main (KVBENCH_FORK_SERVER=0)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:  # ended: its server reaps it as the next request comes
+                continue
+            if proc.name() == "kvbench-job" or "child_main" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 class LiveKvbench:
     """A ``python -m kvbench.cli ...`` process driven by a test: its stderr is read as it runs,
     so a test can wait for a line (``  mha kv=8: 0/1000`` when a job's trials start, since
     stderr is not a terminal) and then signal it mid-job, as a person or a scheduler would."""
 
-    def __init__(self, *args, cwd, env=None):
+    def __init__(self, *args, cwd, env=None, start_new_session=False):
         import os
         import subprocess
         import sys
@@ -219,7 +236,8 @@ class LiveKvbench:
 
         env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *args], cwd=cwd, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=start_new_session)
         self.pid = self.proc.pid
         self.err_lines, self.out_lines = [], []
         self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
@@ -249,9 +267,7 @@ class LiveKvbench:
 
     def job_process(self):
         """The process measuring the current job (runtime.isolate=true)."""
-        import psutil
-
-        children = [c for c in psutil.Process(self.pid).children() if "child_main" in " ".join(c.cmdline())]
+        children = job_processes(self.pid)
         assert len(children) == 1, children
         return children[0]
 

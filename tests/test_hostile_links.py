@@ -11,7 +11,7 @@ import pytest
 from conftest import compose, kvbench_forked
 
 import kvbench.cli_job  # noqa: F401 — installs the writer of Hydra's .hydra/ files
-from kvbench.cli_sweep import SweepCallback, SweepRefused, check_run_start
+from kvbench.cli_sweep import SweepCallback, SweepRefused, check_run_dir
 from kvbench.config_errors import ConfigError
 from kvbench.jsonio import NoFollowFileHandler, real_dir
 from kvbench.results import RunResult, read_record
@@ -98,21 +98,21 @@ def test_a_single_run_into_another_runs_ok_record_is_refused_naming_both(tmp_pat
     RunResult("ok", {"task": "bench"}, metrics={"decode_ms_p50": 1.0},
               overrides=["model=tiny", "workload.gen_len=4"]).write(tmp_path)
     with pytest.raises(ConfigError) as err:
-        check_run_start(run_config(tmp_path, "model=tiny", "workload.gen_len=8"))
+        check_run_dir(run_config(tmp_path, "model=tiny", "workload.gen_len=8"))
     assert str(err.value) == (f"hydra.run.dir={str(tmp_path)!r}: holds the ok record of another run, which this one "
                               "would replace (that run had workload.gen_len=4, this one has workload.gen_len=8); "
                               "give this run a new hydra.run.dir")
     with pytest.raises(SweepRefused):  # Hydra turns an Exception from a callback into a warning
         SweepCallback().on_run_start(run_config(tmp_path, "model=tiny"))
     # the same job again (in another order, tracked otherwise): measured again, as before
-    check_run_start(run_config(tmp_path, "workload.gen_len=4", "model=tiny", "wandb=disabled"))
+    check_run_dir(run_config(tmp_path, "workload.gen_len=4", "model=tiny", "wandb=disabled"))
 
 
 @pytest.mark.parametrize("status", ["invalid", "error", "interrupted"])
 def test_a_run_over_a_record_that_measured_nothing_is_not_refused(tmp_path, status):
     RunResult(status, {"task": "bench"}, overrides=["model=tiny"], error="x").write(tmp_path)
-    check_run_start(run_config(tmp_path, "model=tiny", "workload.gen_len=8"))
-    check_run_start(run_config(tmp_path / "new", "model=tiny"))  # an empty directory
+    check_run_dir(run_config(tmp_path, "model=tiny", "workload.gen_len=8"))
+    check_run_dir(run_config(tmp_path / "new", "model=tiny"))  # an empty directory
 
 
 # ---- end to end: kvbench with links planted -----------------------------------------------------

@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import asdict
 
-import psutil
 import pytest
+from conftest import job_processes
 
 from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.jobs.isolation import death_status, run_isolated
@@ -68,7 +68,7 @@ def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(t
     result = run_isolated(tiny_job(), tmp_path, progress=lambda label, total: None)
     assert result.status == "error" and "pickle" in result.error.lower(), result.error
     assert read_record(tmp_path) == result
-    assert not [c for c in psutil.Process().children() if "child_main" in " ".join(c.cmdline())]
+    assert not job_processes(os.getpid())
 
 
 @pytest.mark.parametrize("exitcode, before, after, status, needle", [
@@ -130,7 +130,7 @@ def test_a_launchers_exit_on_preemption_is_recorded_interrupted_not_ok(tmp_path,
 
 def job_children(pid):
     """The processes measuring a job that ``pid`` started."""
-    return [c for c in psutil.Process(pid).children() if "child_main" in " ".join(c.cmdline())]
+    return job_processes(pid)
 
 
 @pytest.mark.e2e
@@ -147,3 +147,101 @@ def test_a_job_process_stops_when_kvbench_is_killed(tmp_path):
         time.sleep(0.05)
     rec = read_record(tmp_path / "job")
     assert rec.status == "interrupted" and "parent process ended" in rec.error, rec.error
+
+
+# ---- the fork server: a fresh process per job without a fresh interpreter ----
+
+def _report(job, **extra):
+    import torch
+
+    from kvbench.measure.memory import peak_rss_bytes
+
+    return RunResult("ok", asdict(job), metrics={
+        "peak_rss_bytes": peak_rss_bytes(), "parent": os.getppid(), "threads": torch.get_num_threads(),
+        "mark": os.environ.get("KVBENCH_TEST_MARK"), "cwd": os.getcwd(), "sighup_ignored":
+        signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, **extra})
+
+
+def hold_600_mb(job, out_dir, overrides, progress):
+    import torch
+
+    torch.set_num_threads(1)  # a job's own setting, which must not reach the next job
+    block = b"\x01" * (600 << 20)  # written, so resident
+    return _report(job, held=len(block))
+
+
+def hold_little(job, out_dir, overrides, progress):
+    return _report(job)
+
+
+def kill_the_server_then_exit(job, out_dir, overrides, progress):
+    if os.getppid() != int(os.environ["KVBENCH_TEST_PID"]):  # never the test's own process
+        os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(3)
+
+
+@pytest.mark.e2e
+def test_jobs_forked_by_one_server_each_report_their_own_peak_rss_threads_and_environment(tmp_path, monkeypatch):
+    """Two jobs in turn from one fork server (their parent, not this process): the first holds
+    600 MB and sets torch's threads to 1; the second's peak RSS is its own (a forked process starts
+    with its parent's high-water mark; the server never ran a job) and its thread count is torch's
+    default; each sees this process's environment and directory as they are when it starts."""
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                 capture_output=True, text=True, check=True).stdout)
+    monkeypatch.setenv("KVBENCH_TEST_MARK", "first")
+    first = run_isolated(tiny_job(), tmp_path / "a", measure=hold_600_mb).metrics
+    monkeypatch.setenv("KVBENCH_TEST_MARK", "second")
+    monkeypatch.chdir(tmp_path)
+    second = run_isolated(tiny_job(), tmp_path / "b", measure=hold_little).metrics
+    assert first["parent"] == second["parent"] != os.getpid()  # forked by the same server
+    assert first["peak_rss_bytes"] >= 600 << 20
+    assert second["peak_rss_bytes"] <= first["peak_rss_bytes"] - (500 << 20), (first, second)
+    assert (first["threads"], second["threads"]) == (1, default)
+    assert (first["mark"], second["mark"]) == ("first", "second") and second["cwd"] == str(tmp_path)
+    assert not job_processes(os.getpid())  # each job's process is gone (reaped) once its record is back
+
+
+@pytest.mark.e2e
+def test_a_changed_import_time_environment_or_ignored_sighup_reaches_the_job(tmp_path, monkeypatch):
+    """OMP_NUM_THREADS counts when torch is imported: a job after it changes comes from a new server.
+    A parent that ignores SIGHUP (nohup) has jobs that ignore it, as a new interpreter would inherit."""
+    before = run_isolated(tiny_job(), tmp_path / "a", measure=hold_little).metrics
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        after = run_isolated(tiny_job(), tmp_path / "b", measure=hold_little).metrics
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert after["parent"] != before["parent"] and after["threads"] == 1
+    assert after["sighup_ignored"] and not before["sighup_ignored"]
+
+
+@pytest.mark.e2e
+def test_a_fork_server_killed_under_a_job_is_an_error_record_and_the_next_job_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_TEST_PID", str(os.getpid()))
+    lost = run_isolated(tiny_job(), tmp_path / "a", measure=kill_the_server_then_exit)
+    assert lost.status == "error" and "fork server" in lost.error, lost.error
+    assert read_record(tmp_path / "a") == lost
+    assert run_isolated(tiny_job(), tmp_path / "b", measure=hold_little).status == "ok"
+
+
+@pytest.mark.e2e
+def test_without_a_fork_server_each_job_is_a_new_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_FORK_SERVER", "0")
+    result = run_isolated(tiny_job(), tmp_path, measure=hold_little)
+    assert result.status == "ok" and result.metrics["parent"] == os.getpid()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("preload", ["fork_server_crash", "fork_server_cuda"])
+def test_a_fork_server_that_dies_starting_leaves_the_job_to_a_new_interpreter(tmp_path, monkeypatch, preload):
+    """A server that ends before it is ready (an import that crashes it; CUDA initialised by an
+    import, which a forked child could not use): the job runs all the same, in a new interpreter,
+    which would show the import's own failure in the record."""
+    from kvbench.jobs import isolation
+
+    monkeypatch.setattr(isolation, "_server", None)
+    monkeypatch.setattr(isolation, "PRELOAD", ("kvbench.jobs.isolation", preload))
+    result = run_isolated(tiny_job(), tmp_path, measure=hold_little)
+    assert result.status == "ok" and result.metrics["parent"] == os.getpid()
+    isolation._server.close()

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config_errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
-     "serving.trace", "progress", "dtypes", "norm"],
+     "jobs.forkserver", "serving.trace", "progress", "dtypes", "norm"],
     ["hf_config", "hf_weights", "serving.record", "layouts.base"],
     ["layouts.kv_heads"],
     ["layouts.latent", "layouts.gated_deltanet"],
@@ -42,7 +42,7 @@ LAYERS = [
     ["sinks.console", "sinks.plots"],
     ["sinks.serving_plots"],
     ["sinks.report"],
-    ["cli_job", "cli_tools"],
+    ["cli_job", "cli_tools", "cli_help"],
     ["cli_sweep"],
     ["cli"],
     ["entry"],

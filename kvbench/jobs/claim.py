@@ -2,7 +2,8 @@
 is done already (resume).
 
 The claim (:func:`claim_job`) is an ``flock`` that says a process is running the job now, so
-that two kvbench processes never measure one job at the same time. :func:`completed_record` is
+that two kvbench processes never measure one job at the same time; :func:`sweep_lock` is the
+same for the moment a sweep decides that a directory is its own. :func:`completed_record` is
 resume's "is this job done?": an ``ok`` record of the same config.
 """
 
@@ -15,12 +16,14 @@ import json
 import os
 import socket
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from kvbench.results import RecordError, RunResult, read_record, record_view, trustworthy_ok
 
 CLAIM_FILE = ".kvbench-claim"
+SWEEP_LOCK = ".kvbench-sweep"  # in a sweep's directory: held while a sweep decides the directory is its
 # Keys of a job's config that say how it is scheduled or recorded, not what it measures.
 NOT_IDENTITY = ("rerun", "wandb", "objective", "objective_caps")
 
@@ -56,12 +59,41 @@ def claim_job(directory: Path | str) -> Optional[JobClaim]:
     except BlockingIOError:
         handle.close()
         return None
-    handle.seek(0)
-    handle.truncate()
     since = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{socket.gethostname()} pid {os.getpid()} since {since}\n")
+        handle.flush()
+    except OSError as exc:  # a full disk: the descriptor's file has no name of its own
+        try:
+            handle.close()  # flushes what the disk refused once more, and fails again
+        except OSError:
+            pass
+        exc.filename = str(directory / CLAIM_FILE)
+        raise
     return JobClaim(directory, handle)
+
+
+@contextmanager
+def sweep_lock(directory: Path | str) -> Iterator[None]:
+    """Held, no other kvbench holds it for ``directory``: an exclusive ``flock`` on its
+    :data:`SWEEP_LOCK` file (made with the directory), waited for: a sweep holds it for the
+    milliseconds it takes to read and write whose the directory is. The kernel drops it when the
+    holder exits in any way, so it is never stale. Where the directory or the file cannot be
+    made nothing is held (whatever writes there next fails, naming the path)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = _open_claim(directory / SWEEP_LOCK)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()
 
 
 def _open_claim(path: Path):

@@ -1,24 +1,29 @@
 """How a job notices that it is being stopped from outside, so that it can record it.
 
-Python turns SIGINT into KeyboardInterrupt but lets SIGTERM end the process on the spot, with
-no chance to write a record. :func:`interruptible` turns both into :class:`Interrupted` for the
-length of a block, unless a launcher already handles the signal (submitit's SIGUSR2 requeues),
-and protects the writing of the record from a second signal. Under SLURM the reason names what
-the scheduler did (:func:`slurm_reason`).
+Python turns SIGINT into KeyboardInterrupt but lets SIGTERM and SIGHUP (a closed terminal) end
+the process on the spot, with no chance to write a record. :func:`interruptible` turns all three
+into :class:`Interrupted` for the length of a block, unless a launcher already handles the
+signal (submitit's SIGUSR2 requeues), and protects the writing of the record from a second
+signal; :func:`stop_like_ctrl_c` does the same for the whole of kvbench's own process. Once a
+process has decided to exit, :func:`exit_on_stop` makes a further signal end it at once instead of
+raising in an exit hook (a traceback). Under SLURM the reason names what the scheduler did
+(:func:`slurm_reason`).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
-# What ends a job from outside: Ctrl-C (SIGINT) and SIGTERM (kill, timeout(1), SLURM, the
-# submitit local executor).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What ends a job from outside: Ctrl-C (SIGINT), SIGTERM (kill, timeout(1), SLURM, the submitit
+# local executor) and SIGHUP (the terminal was closed: the kernel signals its foreground group).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Why a signal was sent, when this process sent it to itself (a watchdog), by signal number.
 stop_reasons: Dict[int, str] = {}
 
@@ -49,6 +54,8 @@ class Stops:
         self.holding = True
 
     def __call__(self, signum: int, frame) -> None:
+        if signum == signal.SIGHUP:
+            release_hung_up_terminal()
         if self.holding:
             self.held = self.held or signum
             return
@@ -56,6 +63,68 @@ class Stops:
             return
         self.fired.append(signum)
         raise Interrupted(signum, stop_reasons.pop(signum, "") or slurm_reason(signum))
+
+
+def raise_stop(signum: int, frame) -> None:
+    """kvbench's own process-wide handler of SIGTERM and SIGHUP (:func:`stop_like_ctrl_c`)."""
+    if signum == signal.SIGHUP:
+        release_hung_up_terminal()
+    raise Interrupted(signum, stop_reasons.pop(signum, "") or slurm_reason(signum))
+
+
+def stop_like_ctrl_c() -> None:
+    """From now on SIGTERM and SIGHUP raise :class:`Interrupted` in this process wherever it is, as
+    Ctrl-C raises KeyboardInterrupt: one line and 128 + the signal instead of a silent death.
+    A signal someone else handles or ignores (``nohup`` ignores SIGHUP) is left as it is."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, raise_stop)
+
+
+def ours(handler) -> bool:
+    """``handler`` is Python's default or kvbench's own way of stopping, so kvbench may replace it
+    for a block (:func:`interruptible`) and a job's process takes the signal as "stop" too."""
+    return (handler in (signal.SIG_DFL, signal.default_int_handler, raise_stop) or isinstance(handler, Stops)
+            or bypassed(handler))
+
+
+def exit_on_stop(code: Optional[int] = None, line: str = "") -> None:
+    """This process is exiting: from now on a stop signal (a second Ctrl-C, SIGTERM, SIGHUP) ends it
+    at once with ``code`` (128 + that signal when None), after ``line`` on stderr, instead of
+    raising inside whatever exit hook runs then (torch's and W&B's finalizers printed a traceback).
+    An ignored signal stays ignored."""
+    def now(signum: int, frame) -> None:
+        try:
+            if line:
+                sys.stderr.write(line.format(signal=signal.Signals(signum).name) + "\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass  # a closed terminal: nothing to say it on
+        os._exit(code if code is not None else 128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, now)
+
+
+def release_hung_up_terminal() -> None:
+    """After SIGHUP: if stdin, stdout or stderr is a terminal that has hung up, put /dev/null in
+    its place, so that what the process still prints (the record's line, its table) cannot fail
+    with EIO and cost the record. A hung-up terminal is no terminal any more (isatty is false)
+    and polls as POLLHUP | POLLERR; a terminal that is still there, a file or a pipe is kept."""
+    for fd in (0, 1, 2):
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if not any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0)):
+                continue
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, fd)
+            os.close(null)
+        except OSError:
+            continue
 
 
 def bypassed(handler) -> bool:
@@ -110,8 +179,7 @@ def interruptible(signals=STOP_SIGNALS, once: bool = True):
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for signum in signals:
-            handler = signal.getsignal(signum)
-            if handler in (signal.SIG_DFL, signal.default_int_handler) or bypassed(handler):
+            if ours(signal.getsignal(signum)):
                 previous[signum] = signal.signal(signum, stops)
     try:
         yield stops

@@ -2,13 +2,17 @@
 
 A process remembers: ``getrusage``'s peak RSS is the peak since the process started, and
 torch's thread count and CUDA allocator outlive a job, so in one process every job after the
-first would carry the earlier jobs' figures. So the Hydra job function (the parent) starts a
-child, a new Python interpreter (``python -c "...child_main()"``: nothing inherited but the
-environment, CUDA works in it), feeds it the job on stdin; the child resolves the device,
-measures, writes ``results.json`` and hands its record back over a pipe. optimum-benchmark's
-process launcher works the same way. (Not multiprocessing: its ``spawn`` re-imports the
-parent's ``__main__`` and carries over the parent's start method, which in a joblib worker is
-``loky``, unknown to a fresh interpreter.)
+first would carry the earlier jobs' figures. So the Hydra job function (the parent) runs each
+job in a process of its own, which resolves the device, measures, writes ``results.json`` and
+hands its record back over a pipe (optimum-benchmark's process launcher works the same way).
+That process is forked by this process's fork server (:mod:`kvbench.jobs.forkserver`), an
+interpreter that imported torch and the tasks once and never runs a job itself, so a job pays a
+fork rather than a Python start and ``import torch`` (seconds); where there can be no fork server
+(or with ``KVBENCH_FORK_SERVER=0``) it is a new interpreter (``python -c "...child_main()"``) fed
+the job on stdin. (Not multiprocessing: its ``spawn`` and ``forkserver`` re-import the parent's
+``__main__`` and carry over the parent's start method, which in a joblib worker is ``loky``,
+unknown to a fresh interpreter; a plain ``fork`` of the parent would hand the job the parent's
+memory, threads and W&B state.)
 
 The parent turns every way a child can end into a record (written by the parent when the
 child left none):
@@ -30,6 +34,7 @@ gone (a resumed sweep could otherwise run it a second time, at once).
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import select
@@ -46,7 +51,16 @@ from typing import Callable, List, Optional, Tuple
 from omegaconf import DictConfig
 
 from kvbench.config import BenchConfig, to_bench_config
-from kvbench.jobs.interrupts import Interrupted, bypassed, describe_stop, interruptible, launcher_stop, stop_reasons
+from kvbench.jobs.forkserver import ForkServer, ServerGone, available
+from kvbench.jobs.interrupts import (
+    STOP_SIGNALS,
+    Interrupted,
+    describe_stop,
+    interruptible,
+    launcher_stop,
+    ours,
+    stop_reasons,
+)
 from kvbench.progress import Progress, no_progress
 from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record, save, utc_now
 
@@ -89,16 +103,14 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
     (they are pickled by reference); ``measure`` is a seam for tests that crash a child."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # A signal a launcher handles here is the launcher's to act on: the child ignores it and
-    # the parent stops the child itself (with SIGINT) when the launcher says so.
-    # submitit's bypass of SIGTERM is no handling: both processes take SIGTERM (interrupts.bypassed).
-    ignored = [s for s in _LAUNCHER_SIGNALS if callable(signal.getsignal(s)) and not bypassed(signal.getsignal(s))]
+    ignored = child_ignores()
     before, oom_before, started = _file_id(out_dir), oom_kills(), utc_now()
     lost = lambda status, error: _lost(job, out_dir, overrides, started, before, status, error)
     child = None
     with interruptible(once=False):
         try:
-            child = _Child((sys.path, ignored), (measure, job, str(out_dir), list(overrides or []), progress))
+            child = _Child((sys.path, ignored), (measure, job, str(out_dir), list(overrides or []), progress),
+                           fork_server())
             message = child.collect()
         except BaseException as exc:  # Ctrl-C, SIGTERM, a launcher's SystemExit: record, then raise again
             if isinstance(exc, Exception) and not launcher_stop(exc):  # the parent's side failed: a record too
@@ -118,7 +130,50 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
                 child.close()
     if message is not None:
         return _record_of(message)
+    if getattr(child.proc, "lost", None):
+        return lost("error", f"the job's process ended without a record and {child.proc.lost}")
     return lost(*death_status(child.proc.returncode, oom_before, oom_kills()))
+
+
+def child_ignores() -> List[int]:
+    """The signals a job's process must ignore: those a launcher handles in this process (the
+    launcher acts on them, and the parent stops the child itself with SIGINT when it says so;
+    submitit's bypass of SIGTERM is no handling: both processes take SIGTERM), and those this
+    process ignores (``nohup`` ignores SIGHUP; a forked child would not inherit that)."""
+    handlers = {s: signal.getsignal(s) for s in (*_LAUNCHER_SIGNALS, signal.SIGINT, signal.SIGQUIT)}
+    return [s for s, h in handlers.items() if h is signal.SIG_IGN or (s in _LAUNCHER_SIGNALS and callable(h)
+                                                                      and not ours(h))]
+
+
+_server: Optional[ForkServer] = None
+PRELOAD = ("kvbench.jobs.runner", "kvbench.jobs.isolation")  # what the fork server imports once
+
+
+def fork_server() -> Optional[ForkServer]:
+    """This process's fork server, started at its first isolated job, started again when it is gone
+    or no longer matches this process (kvbench.jobs.forkserver); None where there can be none, or
+    with KVBENCH_FORK_SERVER=0 (a new interpreter per job, as before: for a library that does not
+    survive a fork)."""
+    global _server
+    if not available() or os.environ.get("KVBENCH_FORK_SERVER", "1") == "0":
+        return None
+    if _server is not None and _server.owner != os.getpid():  # inherited through a fork: the parent's
+        _server.sock.close()
+        _server = None
+    if _server is not None and not _server.usable():
+        _server.close()
+        _server = None
+    if _server is None:
+        _server = ForkServer(PRELOAD)
+        atexit.register(_close_server, _server)
+    return _server
+
+
+def _close_server(server: ForkServer) -> None:
+    # At this process's exit: the server would exit by itself (end of file on its socket), after
+    # this process; closed here, it is gone when this process is, as a process's children should be.
+    if server.owner == os.getpid() and server.proc.poll() is None:
+        server.close()
 
 
 def _record_of(message: dict) -> RunResult:
@@ -129,23 +184,32 @@ def _record_of(message: dict) -> RunResult:
 
 
 class _Child:
-    """A job's process: a new interpreter running :func:`child_main`, given its set-up and job
-    on stdin (two pickles: what to do before importing anything, then the job), handing its
-    record back on one pipe and watching another for the end of this process."""
+    """A job's process, given its set-up (what to do before the job: sys.path, the signals it
+    ignores) and its job, handing its record back on one pipe and watching another for the end of
+    this process. Forked by the fork server (:mod:`kvbench.jobs.forkserver`) when there is one,
+    else a new interpreter running :func:`child_main`, which reads both as pickles on stdin."""
 
-    def __init__(self, setup: tuple, job: tuple):
+    def __init__(self, setup: tuple, job: tuple, server: Optional[ForkServer] = None):
         self.records, record_w = os.pipe()
         alive_r, self._alive = os.pipe()  # only this process holds the writing end
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from kvbench.entry import child_main; child_main()",
-                 str(record_w), str(alive_r)], stdin=subprocess.PIPE, pass_fds=(record_w, alive_r))
+            if server is not None:
+                try:
+                    self.proc = server.fork(pickle.dumps((run_forked, (setup[1], job))), (record_w, alive_r))
+                except ServerGone:  # it died starting (an import that crashes?): a new interpreter says why
+                    server = None
+            if server is None:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", "from kvbench.entry import child_main; child_main()",
+                     str(record_w), str(alive_r)], stdin=subprocess.PIPE, pass_fds=(record_w, alive_r))
         except BaseException:
             self.close()
             raise
         finally:
             os.close(record_w)
             os.close(alive_r)
+        if server is not None:
+            return
         try:
             with self.proc.stdin as stdin:
                 pickle.dump(setup, stdin)
@@ -182,27 +246,38 @@ class _Child:
 
 
 def child_main() -> None:
-    """Entry point of a job's process (see :class:`_Child`): measure, hand the record back,
-    exit 0 (128 + signal when interrupted)."""
+    """Entry point of a job's process started as a new interpreter (see :class:`_Child`): measure,
+    hand the record back, exit 0 (128 + signal when interrupted)."""
     record_fd, alive_fd = int(sys.argv[1]), int(sys.argv[2])
-    for fd in (record_fd, alive_fd):
-        os.set_inheritable(fd, False)  # processes the job starts must not hold them open
     stdin = sys.stdin.buffer
     sys.path[:], ignored = pickle.load(stdin)  # the parent's, so that its functions import here
+    sys.exit(_measure_and_hand_over(record_fd, alive_fd, ignored, lambda: pickle.load(stdin)))
+
+
+def run_forked(fds: List[int], ignored: List[int], job: tuple) -> int:
+    """Entry point of a job's process forked by the fork server (which has set sys.path, the
+    environment and the streams): as :func:`child_main`; returns the exit status."""
+    record_fd, alive_fd = fds
+    return _measure_and_hand_over(record_fd, alive_fd, ignored, lambda: job)
+
+
+def _measure_and_hand_over(record_fd: int, alive_fd: int, ignored: List[int], job: Callable[[], tuple]) -> int:
+    for fd in (record_fd, alive_fd):
+        os.set_inheritable(fd, False)  # processes the job starts must not hold them open
     for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)
     _watch_parent(alive_fd)
     code, result = 0, None
     try:
-        measure, job, out_dir, overrides, progress = pickle.load(stdin)
-        result = measure(job, out_dir, overrides, progress)
+        measure, config, out_dir, overrides, progress = job()
+        result = measure(config, out_dir, overrides, progress)
     except BaseException as exc:  # noqa: BLE001 — an interruption: its record is written; hand it over below
         result = getattr(exc, "record", None)
         code = 128 + exc.signum if isinstance(exc, Interrupted) else 1
         if result is None and not isinstance(exc, KeyboardInterrupt):
             raise  # no record to hand over: the traceback is the evidence, the parent records the exit
-    # The job is over: a late signal must not cut the hand-over short.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # The job is over: a late signal must not cut the hand-over (or the interpreter's exit) short.
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     try:
         with os.fdopen(record_fd, "wb") as pipe:
@@ -211,7 +286,7 @@ def child_main() -> None:
                              "written_to": result.written_to}, pipe)
     except OSError:
         pass  # the parent is gone (the record is on disk, if the disk took it)
-    sys.exit(code)
+    return code
 
 
 def _watch_parent(alive_fd: int) -> None:
@@ -236,8 +311,8 @@ def _stop(child: Optional[_Child], exc: Optional[BaseException], ignored: List[i
     if child is None:
         return None  # never started
     signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-    if signum in ignored:
-        signum = signal.SIGINT  # the child always takes SIGINT as "stop"
+    if signum in ignored:  # the child takes SIGINT as "stop" (else SIGTERM; else it is killed below)
+        signum = signal.SIGINT if signal.SIGINT not in ignored else signal.SIGTERM
     message = None
     try:
         if exc is not None:

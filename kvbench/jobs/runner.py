@@ -30,12 +30,12 @@ from kvbench.config_errors import ConfigError, one_line
 from kvbench.device import resolve_device
 from kvbench.footprint import check_fits
 from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop
-from kvbench.jsonio import write_text_atomic
+from kvbench.jsonio import name_the_file, write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
-from kvbench.progress import Progress, no_progress
+from kvbench.progress import Progress, guarded, no_progress
 from kvbench.quality.fidelity import KV_POOL_METRICS
 from kvbench.results import RunResult, lookup, nonfinite_metrics, record_view, save, utc_now
 from kvbench.tasks import bench, capacity, compare, train
@@ -108,6 +108,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     record. An interruption is recorded, then raised again with ``exc.record`` set."""
     global _jobs_run
     out_dir = Path(out_dir)
+    progress = guarded(progress)  # a display that cannot be written never costs the measurement
     # "interrupted" until the task returns: whatever ends it early is never recorded ok.
     result = RunResult(status="interrupted", config=record_view(_as_given(cfg)), overrides=list(overrides or []),
                        started_at=utc_now(),
@@ -148,11 +149,14 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
                 stopped = exc
             else:
                 result.status = "oom" if is_oom(exc) else "error"
+                if isinstance(exc, OSError):
+                    name_the_file(exc)  # a checkpoint, a GPU lock: the file a full disk refused
                 result.error = one_line(f"{type(exc).__name__}: {exc}")
                 try:
                     write_text_atomic(out_dir / "error.txt", _bounded(traceback.format_exc(), MAX_TRACEBACK_CHARS))
-                except OSError:
-                    pass  # a full disk: the record below says what failed, or is printed if it cannot be written
+                except OSError as unsaved:  # a full disk: the record says so (or is printed if it cannot be written)
+                    result.error = one_line(f"{result.error} (traceback not saved: cannot write "
+                                            f"{out_dir / 'error.txt'}: {unsaved.strerror or unsaved})")
         except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again
             result.status, result.error = "interrupted", describe_stop(exc)
             stopped = exc

@@ -37,9 +37,18 @@ def sweep_jobs(config: DictConfig) -> List[SweepJob]:
 
     parser = OverridesParser.create()
     preset = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    arguments = [f"{k}={v}" for k, v in preset.items()] + list(config.hydra.overrides.task)
+    arguments = [f"{k}={v}" for k, v in preset.items()] + override_list(config.hydra.overrides.task)
     [jobs] = BasicSweeper.split_arguments(parser.parse_overrides(arguments), None)
     return [SweepJob(num, list(job), _job_dir(config, num, job, parser)) for num, job in enumerate(jobs)]
+
+
+def override_list(overrides: Any) -> List[str]:
+    """The command line's overrides as written: ``hydra.overrides.task`` holds them as strings
+    that OmegaConf would resolve on reading (``model.name=${oops}`` raised instead of naming
+    its key)."""
+    if OmegaConf.is_config(overrides):
+        return [str(o) for o in OmegaConf.to_container(overrides, resolve=False)]
+    return [str(o) for o in overrides]
 
 
 def sweep_size(config: DictConfig) -> int:
@@ -119,12 +128,24 @@ def _job_row(job_dir: Path, overrides: List[str], sweep_dir: Path, exact: bool) 
         return None
     if holder is not None:
         return {**row, "status": "running", "error": f"claimed by {holder}"}
-    if problem is not None and (job_dir / RESULTS_FILE).exists():
+    if problem is not None and _present(job_dir / RESULTS_FILE):
         return {**row, "status": "unreadable", "error": str(problem)}
     # Hydra writes .hydra/overrides.yaml as a job starts
     started = job_overrides(_read_overrides(job_dir)) == job_overrides(overrides)
     return {**row, "status": "missing" if started else "not run",
             "error": "no results.json: the job was killed" if started else "this sweep has not run it"}
+
+
+def _present(path: Path) -> bool:
+    """``path`` is there, or kvbench may not look (a job directory of mode 000: EACCES, which
+    pathlib's exists() raises): either way not a job that never ran."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _read_overrides(job_dir: Path) -> Any:

@@ -24,9 +24,11 @@ from kvbench.metrics import Metric, metric_table, record_methods
 
 MEMORY_METRICS: Dict[str, Metric] = metric_table(
     Metric("peak_rss_bytes", "bytes", "Linux: VmHWM of /proc/self/status, the peak resident set of the job's "
-                                      "process since it was exec'd (not getrusage's ru_maxrss, which a process "
-                                      "started by fork+exec inherits from its parent); elsewhere ru_maxrss / psutil's "
-                                      "peak; in one process with earlier jobs: null, and peak_rss_reason says so"),
+                                      "process since it started: forked by the fork server (VmHWM reset at the fork "
+                                      "through /proc/self/clear_refs; the server's pages the job maps count, its "
+                                      "import-time peak does not) or exec'd (not getrusage's ru_maxrss, which a "
+                                      "process inherits from its parent); elsewhere ru_maxrss / psutil's peak; in one "
+                                      "process with earlier jobs: null, and peak_rss_reason says so"),
     Metric("torch_peak_allocated_bytes", "bytes", "torch.cuda.max_memory_allocated after "
                                   "reset_peak_memory_stats at enter (tensors of this process)"),
     Metric("torch_peak_reserved_bytes", "bytes", "torch.cuda.max_memory_reserved, same window "

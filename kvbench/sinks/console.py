@@ -61,6 +61,17 @@ stdout, stderr = _console(False), _console(True)
 PROGRESS_LINES = 10  # without a terminal, about this many progress lines per bar
 
 
+def fit(table: Table) -> Table:
+    """``table`` laid out to lose nothing at a narrow width: a cell or header too wide for its
+    column wraps inside it instead of being cut to an ellipsis, and a title is one line (the table
+    is at least as wide as it, up to the console's width)."""
+    for column in table.columns:
+        column.overflow = "fold"
+    if isinstance(table.title, str):
+        table.min_width = len(table.title)
+    return table
+
+
 @contextmanager
 def trial_progress(label: str, total: int):
     """Progress over a job's trials or steps; yields ``tick(description=None)``. A transient
@@ -130,7 +141,7 @@ def run_table(record: Dict[str, Any]) -> Group:
         if metrics.get(column.key) is not None:
             table.add_row(column.title, value_text(record, column))
     notes = [Text.from_markup(f"{key}: {text}") for key, text in record_notes(record)]
-    return Group(table, *notes)
+    return Group(fit(table), *notes)
 
 
 def record_notes(record: Any) -> List[tuple]:
@@ -176,7 +187,7 @@ def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: s
         values, metrics = job_cells(rec, axes, columns)
         status = rec.status
         table.add_row(rec.job or "", *values, f"[{_STATUS_STYLE.get(status, 'red')}]{status}[/]", *metrics)
-    return table
+    return fit(table)
 
 
 def comparison_table(comparison: Comparison) -> Table:
@@ -189,7 +200,7 @@ def comparison_table(comparison: Comparison) -> Table:
         table.add_column(name, justify="right" if i >= len(header) - len(comparison.variants) else "left")
     for i, row in enumerate(rows):
         table.add_row(*row, end_section=i + 1 in starts)
-    return table
+    return fit(table)
 
 
 def choice_tables(choice: Choice) -> List[Table]:
@@ -208,7 +219,7 @@ def choice_tables(choice: Choice) -> List[Table]:
             table.add_column(name, justify="left" if i == 0 else "right")
         for row in rows:
             table.add_row(*row)
-        tables.append(table)
+        tables.append(fit(table))
     return tables
 
 
@@ -237,7 +248,7 @@ def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
         table.add_column(name, justify="left" if i == 0 else "right")
     for i, row in enumerate(rows):
         table.add_row(*row, end_section=i == len(rows) - 3)  # the conditions, then KV / token and decode
-    return table
+    return fit(table)
 
 
 def variants_table(record: Dict[str, Any]) -> Table:
@@ -250,7 +261,7 @@ def variants_table(record: Dict[str, Any]) -> Table:
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*row)
-    return table
+    return fit(table)
 
 
 # (row key, column title, format) of a multi-turn chat's per-turn table.
@@ -271,7 +282,7 @@ def turns_table(record: Dict[str, Any]) -> Table:
         table.add_column(name, justify="right")
     for row in record.table("turns"):
         table.add_row(*[fmt(row.get(key), spec) for key, _, spec in TURN_COLUMNS])
-    return table
+    return fit(table)
 
 
 def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -310,4 +321,4 @@ def ttft_comparison_table(records: Sequence[Dict[str, Any]]) -> Optional[Table]:
     for r in rows:
         table.add_row(r["variant"], str(r["turn"]), f"{r['ttft_ms_unshared']:.2f}", f"{r['ttft_ms_shared']:.2f}",
                       f"{r['speedup']:.2f}x", f"{r['prefill_tokens_unshared']:,}", f"{r['prefill_tokens_shared']:,}")
-    return table
+    return fit(table)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -95,7 +95,8 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
     path relative to ``root``) and ``status``; jobs without results.json come from ``.hydra/``."""
     root = Path(root)
     records: Dict[str, Dict[str, Any]] = {}
-    for path in find_results(root):
+    unlisted: List[Tuple[Path, OSError]] = []
+    for path in find_results(root, unlisted):
         if _hidden(path, root):
             continue
         job = _rel(path.parent, root)
@@ -109,6 +110,11 @@ def collect(root: Path | str) -> List[Dict[str, Any]]:
                    "overrides": overrides if isinstance(overrides, list) else []}
         rec["job"] = job
         records[job] = rec
+    for directory, exc in unlisted:  # a job directory kvbench may not read: a row saying so
+        if not _hidden(directory / RESULTS_FILE, root):
+            records[_rel(directory, root)] = {"job": _rel(directory, root), "status": "unreadable", "config": {},
+                                              "metrics": {}, "overrides": [],
+                                              "error": f"{directory}: cannot be listed ({exc.strerror or exc})"}
     for overrides_file in root.rglob(".hydra/overrides.yaml"):
         job_dir = overrides_file.parent.parent
         job = _rel(job_dir, root)

@@ -11,8 +11,8 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
+from conftest import job_processes
 
 from kvbench.jobs.interrupts import bypassed, launcher_stop
 from kvbench.results import read_record
@@ -48,7 +48,7 @@ def start_job(tmp_path, isolate):
                             text=True, start_new_session=True, env=dict(env, WANDB_MODE="disabled"))
     for line in proc.stderr:  # "  gqa kv=2: 0/100000": the trials have started
         if line.rstrip().endswith(": 0/100000"):
-            return proc, [c for c in psutil.Process(proc.pid).children() if "child_main" in " ".join(c.cmdline())]
+            return proc, job_processes(proc.pid)
     raise AssertionError(f"the job never started its trials (exit {proc.wait()})")
 
 
