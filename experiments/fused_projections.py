@@ -26,8 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import cache_for
-from kvbench.model import MLP, Attention, Decoder, apply_rope, grouped_attention
+from kvbench.layouts.kv_heads_attention import KVHeadsAttention as Attention
+from kvbench.layouts.kv_heads_attention import grouped_attention
+from kvbench.model import MLP, Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig, attention_type
+from kvbench.rope import apply_rope
 
 ROOT = Path(__file__).resolve().parents[1]
 # Wall clock, and this process's CPU time, which is not charged while it waits for a core.
@@ -36,7 +39,7 @@ SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, pres
                     vocab_size=32000, max_seq_len=4096)
 
 
-def fused_attention(self, x, cos, sin, mask, cache, start_pos):
+def fused_attention(self, x, cos, sin, cache, pos):
     B, T, _ = x.shape
     H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
     q, k, v = F.linear(x, self.wqkv).split([H * D, H_kv * D, H_kv * D], dim=-1)  # one matmul, then views
@@ -44,8 +47,8 @@ def fused_attention(self, x, cos, sin, mask, cache, start_pos):
     k = k.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
     v = v.view(B, T, H_kv, D).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k, v = cache.update(self.layer, start_pos, k, v)
-    out = grouped_attention(q, k, v, mask, cache.shared_prefix(self.layer, start_pos))
+    att = cache.update(k, v, pos)
+    out = grouped_attention(q, att.k, att.v, att.mask, att.prefix)
     return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

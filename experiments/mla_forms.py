@@ -20,7 +20,7 @@ from _common import compose_config, write_report
 
 from kvbench.cache import cache_for
 from kvbench.config import to_bench_config
-from kvbench.model import mla_decode
+from kvbench.layouts.latent_attention import mla_decode
 from kvbench.tasks.common import build_model
 
 OUT = Path(__file__).resolve().parent / "results" / "mla_forms.md"

@@ -27,7 +27,7 @@ from _common import write_report
 from compare_transformers import hf_model, kvbench_model
 
 from kvbench.config import ModelConfig, attention_type
-from kvbench.model import grouped_attention
+from kvbench.layouts.kv_heads_attention import grouped_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -61,7 +61,7 @@ def time_layout(model_name: str, attention: str, batch: int, context: int, steps
             if not all(store.grow(s, s.length + 1) for s in seqs):
                 raise RuntimeError("the store is sized for every step: a block ran out")
             view = store.view(seqs, 1)
-            model(token, view, 0, positions=view.positions, mask=view.mask, last_only=True)
+            model(token, view, view.positions, last_only=True)
             store.written(seqs, 1)
             paged_ms.append((time.perf_counter() - t) * 1e3)
     ratios = [p / s for p, s in zip(paged_ms[1:], static_ms[1:])]

@@ -1,65 +1,270 @@
-"""KV caches behind one interface, chosen by name (``cache.impl``).
+"""KV caches behind one interface: a model's cache is one :class:`LayerCache` per decoder layer
+(made by that layer's layout, :mod:`kvbench.layouts`), and every one of them answers
 
-- ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V written in place at explicit
-  positions; a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors).
+    update(k, v, pos) -> Attend(k, v, mask, causal, prefix)
+
+``k``, ``v``: the new keys and values of T tokens, (B, H_kv, T, D) (``v`` None: one latent tensor,
+MLA); ``pos``: their :class:`Positions`. The result is what the layer attends over: keys and
+values (B, H_kv, S, D), the mask over them (None: every key; ``causal``: SDPA's causal path, the
+keys being exactly the new tokens) and a batch-1 prefix every sequence attends first. Prefill,
+decode, a shared prefix, the fixed-shape compiled step and the serving store's batches all go
+through it; every mask is :func:`visible`'s rule. A layer that holds a constant state instead of
+K/V (Gated DeltaNet) has a :class:`~kvbench.state_cache.StateLayer`, the same question answered
+for a recurrence: ``update(x, pos) -> Carry`` (what it continues from).
+
+``cache.impl``:
+- ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V (:class:`~kvbench.kv_store.KVStore`,
+  also int8 / float8 codes) written in place; a local layer whose window W is shorter keeps a ring
+  of W positions; a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors).
+  It lends a fixed-shape view for a compiled step (:meth:`Cache.fixed`).
 - ``concat``: the textbook cache that grows with ``torch.cat`` every step (a baseline).
 - ``none``: holds nothing; the caller recomputes the whole sequence every step.
+:class:`~kvbench.shared_prefix.SharedPrefixCache` puts a prefix held once (a system prompt) before
+a static or concat cache of each conversation's own history.
 
-Any of them (and the shared prefix) is a latent cache for MLA (``latent``): one tensor per layer,
-(B, 1, S, R + d_rope), holding each token's latent and rotary key; ``update``'s ``v`` is None.
-
-``update(layer, start_pos, k, v)`` stores the new keys/values of one layer at positions
-``start_pos .. start_pos + T`` and returns the keys/values to attend over, (B, H_kv, S, D).
-
-``cache.dtype`` (static caches and a shared prefix): ``auto`` stores K/V in the compute dtype;
-``int8`` and ``float8_e4m3fn`` store codes with a float32 scale per (sequence, KV head, position),
-quantized on write (:func:`quantize`) and dequantized on read (:func:`dequantize`); see
-:class:`KVStore`.
-
-A static cache (alone or under a shared prefix) also lends a :class:`FixedWindow` for a
-fixed-shape decode step (``window``): the step's position is a tensor and the keys it reads a
-fixed bucket of positions, so one compiled graph (one CUDA graph) serves every step of a bucket.
+Notation: B batch, T new tokens, S keys attended, H_kv KV heads, D width, P a prefix, W a window.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.config import CACHE_DTYPE_BYTES, CACHE_IMPLS
-from kvbench.kv_store import SCALE_BYTES, KVStore, dequantize, quantize, storage_dtype  # noqa: F401 (re-exported)
+from kvbench.dtypes import CACHE_IMPLS
+from kvbench.kv_store import KVStore
+from kvbench.layouts.base import LayerLayout, check_limits
+from kvbench.state_cache import StateLayer
+
+Runs = Sequence[Tuple[int, int]]  # runs of key positions, (first, count) each, in the order of the keys
 
 
-def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                   batch_size: int, bytes_per_element: int, cache_dtype: str = "auto",
-                   windows: Optional[Sequence[Optional[int]]] = None, *,
-                   latent: bool = False, v_head_dim: Optional[int] = None) -> int:
-    """The one KV-bytes formula (inspect, the record, capacity and the roofline all call it):
-    kv_heads · batch · Σ over the stored tensors of (width · bytes per element + scale bytes) · the
-    sum over layers of min(seq_len, W_layer). K and V of ``head_dim`` each (V of ``v_head_dim`` when
-    it differs: MLA's heads expanded), or with ``latent`` one tensor of ``head_dim`` =
-    kv_lora_rank + qk_rope_head_dim and ``num_kv_heads`` = 1 (MLA's cache).
+class Positions:
+    """The positions of T new tokens. ``ids`` is always a tensor, (T,) or (B, T) (rotary rows,
+    masks, index writes); ``start``, the first of them as a Python int, where the host knows it
+    (eager steps slice the cache with it), None in a fixed-shape step, where the position is data
+    and nothing may depend on its value."""
 
-    ``cache_dtype`` auto: elements of ``bytes_per_element`` (the compute dtype), no scales;
-    int8 / float8_e4m3fn: 1-byte codes and one float32 scale per (sequence, head, position).
-    ``windows``: per layer the window W of a local layer (its ring holds at most W positions) or
-    None for a global one; None: every layer global."""
-    widths = [head_dim] if latent else [head_dim, head_dim if v_head_dim is None else v_head_dim]
-    if cache_dtype == "auto":
-        per_head = sum(widths) * bytes_per_element
-    else:
-        per_head = sum(widths) * CACHE_DTYPE_BYTES[cache_dtype] + SCALE_BYTES * len(widths)
-    windows = [None] * num_layers if windows is None else windows
-    if len(windows) != num_layers:
-        raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
-    positions = sum(seq_len if w is None else min(seq_len, w) for w in windows)
-    return num_kv_heads * positions * batch_size * per_head
+    __slots__ = ("start", "T", "device", "_ids")
+
+    def __init__(self, start: Optional[int], T: int, device: torch.device | str = "cpu",
+                 ids: Optional[torch.Tensor] = None):
+        self.start, self.T, self.device, self._ids = start, T, device, ids
+
+    @classmethod
+    def of(cls, ids: torch.Tensor) -> "Positions":
+        """Positions given as a tensor only (a compiled step's, a serving batch's (B, T))."""
+        return cls(None, ids.shape[-1], ids.device, ids)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        if self._ids is None:  # made on demand: a plain decode step never needs it
+            self._ids = torch.arange(self.start, self.start + self.T, device=self.device)
+        return self._ids
+
+    @property
+    def end(self) -> int:
+        return self.start + self.T
+
+    @property
+    def rows(self):
+        """Which rows of the rotary tables the tokens take: a slice (a view, no gather) unless the
+        positions were given as a tensor."""
+        return slice(self.start, self.end) if self._ids is None else self._ids
+
+    def shifted(self, offset: int) -> "Positions":
+        return Positions(self.start + offset, self.T, self.device)
 
 
-def layer_capacity(max_seq_len: int, window: Optional[int]) -> int:
-    """Positions a layer's cache allocates: all ``max_seq_len``, or a local layer's W (a ring)."""
-    return max_seq_len if window is None else min(max_seq_len, window)
+class Attend(NamedTuple):
+    """What one layer attends over (see the module's docstring)."""
+
+    k: torch.Tensor
+    v: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor] = None
+    causal: bool = False
+    prefix: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """(..., T, S) bool, True = attend: a query at position q sees a key at position k when
+    k <= q, and with a window W also k > q - W (W keys, itself included: the rule of
+    transformers' ``sliding_window_overlay``). q_pos (..., T), k_pos (..., S)."""
+    q, k = q_pos[..., :, None], k_pos[..., None, :]
+    seen = k <= q
+    return seen if window is None else seen & (k > q - window)
+
+
+def causal_mask(T: int, S: int, device, window: Optional[int] = None, key_start: Optional[int] = None,
+                query_start: Optional[int] = None) -> torch.Tensor:
+    """(T, S) :func:`visible` for keys at positions ``key_start`` .. + S - 1 and queries at
+    ``query_start`` .. + T - 1 (default: keys 0..S-1, the queries the last T of them: bottom-right
+    causal, new token i at key index S - T + i)."""
+    key_start = 0 if key_start is None else key_start
+    query_start = key_start + S - T if query_start is None else query_start
+    return visible(torch.arange(query_start, query_start + T, device=device),
+                   torch.arange(key_start, key_start + S, device=device), window)
+
+
+def mask_over(pos: Positions, runs: Runs, window: Optional[int] = None) -> Tuple[Optional[torch.Tensor], bool]:
+    """(mask, causal) for queries at ``pos`` over keys at the positions ``runs``: no mask where
+    every key is visible to every query (a decode step), SDPA's causal path where the keys are
+    exactly the queries and no window cuts them, else :func:`visible`'s (T, S) mask."""
+    first, last = min(s for s, _ in runs), max(s + n - 1 for s, n in runs)
+    if last <= pos.start and (window is None or first > pos.end - 1 - window):
+        return None, False
+    if window is None and len(runs) == 1 and runs[0] == (pos.start, pos.T):
+        return None, True
+    keys = torch.cat([torch.arange(s, s + n, device=pos.device) for s, n in runs])
+    return visible(torch.arange(pos.start, pos.end, device=pos.device), keys, window), False
+
+
+class LayerCache:
+    """One layer's cache. :meth:`store` keeps the new K/V and returns the keys to attend over
+    with the runs of their positions; :meth:`update` adds the mask."""
+
+    window: Optional[int] = None
+
+    def update(self, k: torch.Tensor, v: Optional[torch.Tensor], pos: Positions) -> Attend:
+        keys, values, runs = self.store(k, v, pos)
+        return Attend(keys, values, *mask_over(pos, runs, self.window))
+
+    def store(self, k, v, pos: Positions):
+        raise NotImplementedError
+
+    def tensors(self) -> List[torch.Tensor]:
+        return []
+
+    def truncate(self, length: int, held: int) -> None:
+        """Forget positions >= ``length`` of the ``held`` ones."""
+
+    def fixed_view(self, length: int) -> "FixedLayer":
+        """This layer as a fixed-shape step reads it: its first ``length`` positions."""
+        raise ValueError("cache.impl has no fixed-shape view (its keys are not preallocated); use cache.impl=static")
+
+
+class Uncached(LayerCache):
+    """No history: the tokens attend to each other (``cache.impl=none``, a forward without a
+    cache). ``mask``: one given by the caller instead of the causal one (an ablation)."""
+
+    def __init__(self, window: Optional[int] = None, mask: Optional[torch.Tensor] = None):
+        self.window, self.mask = window, mask
+
+    def update(self, k, v, pos):
+        if self.mask is not None:
+            return Attend(k, v, self.mask)
+        return super().update(k, v, pos)
+
+    def store(self, k, v, pos):
+        return k, v, [(pos.start, pos.T)]
+
+
+class StaticLayer(LayerCache):
+    """Positions 0..S_max-1 preallocated, written in place; a read is a view (auto) of the
+    positions held."""
+
+    def __init__(self, stores: List[KVStore], window: Optional[int] = None):
+        self.stores, self.window = stores, window  # K and V, or one latent store
+
+    def store(self, k, v, pos):
+        out = []
+        for store, x in zip(self.stores, (k, v)):
+            store.write(pos.start, x)
+            out.append(store.read(pos.end, k.shape[0]))
+        return out[0], out[1] if len(out) > 1 else None, [(0, pos.end)]
+
+    def tensors(self):
+        return [t for s in self.stores for t in s.tensors()]
+
+    def fixed_view(self, length):
+        return FixedLayer(self.stores, length)
+
+
+class RingLayer(StaticLayer):
+    """A local layer: position p lives at index p % W. A decode step reads the whole ring (its W
+    keys are exactly the step's window, in any order); a prompt of T > 1 tokens reads the held
+    positions its first query still sees, max(0, start - W + 1) .. start - 1, in order before its
+    own T keys, gathered before they are overwritten."""
+
+    def store(self, k, v, pos):
+        W, B, T, start, end = self.window, k.shape[0], pos.T, pos.start, pos.end
+        new = (k, v)[:len(self.stores)]
+        if T == 1:
+            for store, x in zip(self.stores, new):  # one position: a slice write, no index tensor
+                store.write(start % W, x)
+            held = min(end, W)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
+            out = [store.read(held, B) for store in self.stores]
+            runs = [(end - held, held)]
+        else:
+            first = max(0, start - W + 1)
+            earlier = torch.arange(first, start, device=k.device) % W
+            old = [store.gather(earlier, B) for store in self.stores]
+            kept = min(T, W)  # of a prompt longer than W only its last W positions stay
+            slots = torch.arange(end - kept, end, device=k.device) % W
+            for store, x in zip(self.stores, new):
+                store.write(slots, x[:, :, T - kept:])
+            out = [torch.cat([o, x], dim=2) for o, x in zip(old, new)]  # (B, H_kv, S, D), S <= W - 1 + T
+            runs = [(first, end - first)]
+        return out[0], out[1] if len(out) > 1 else None, runs
+
+    def fixed_view(self, length):
+        raise ValueError("a sliding-window cache has no fixed-shape view (its rings are read whole); "
+                         "use runtime.compile=false|default")
+
+    def truncate(self, length, held):
+        """A ring keeps only W positions: rolling back is refused where a later position
+        overwrote one the next step must see (p is lost once p + W was written)."""
+        W = self.window
+        if length and max(0, length - W + 1) + W < held:
+            raise ValueError(f"cannot truncate to {length}: a window of {W} positions already overwrote "
+                             f"position {max(0, length - W + 1)} ({held} written); only reset() "
+                             "or a roll back within the ring works")
+
+
+class ConcatLayer(LayerCache):
+    """The naive cache: every step allocates a new, one-longer K and V with ``torch.cat``."""
+
+    def __init__(self, heads: int, widths: Sequence[int]):
+        self.heads, self.widths = heads, tuple(widths)  # what a position of each tensor holds
+        self.held: List[Optional[torch.Tensor]] = [None] * len(widths)
+
+    def store(self, k, v, pos):
+        for i, x in enumerate((k, v)[:len(self.held)]):
+            old = self.held[i]
+            # After a roll back the stored tensors can be longer than the start.
+            self.held[i] = x if pos.start == 0 or old is None else torch.cat([old[:, :, :pos.start], x], dim=2)
+        return self.held[0], self.held[1] if len(self.held) > 1 else None, [(0, pos.end)]
+
+    def truncate(self, length, held):
+        self.held = [None if t is None else t[:, :, :length].clone() for t in self.held]
+
+    def tensors(self):
+        return [t for t in self.held if t is not None]
+
+
+class FixedLayer(LayerCache):
+    """A static layer as a fixed-shape decode step sees it: K/V written at a position given as a
+    tensor, and always the first ``length`` positions read, those after the position masked.
+
+    Only ``length`` is a Python value, fixed per window (a context bucket); the position is data.
+    So a step compiled for a window has the same shapes and constants at every position of its
+    bucket: one graph, and on a GPU one CUDA graph, per bucket, reading ``length`` positions per
+    KV head (the roofline counts those, not the context). ``prefix``: a shared prefix's K/V
+    (1, H_kv, P, D), attended first; positions are then absolute and the storage holds position
+    p at index p - P."""
+
+    def __init__(self, stores: List[KVStore], length: int, prefix=None):
+        self.stores, self.length, self.prefix = stores, length, prefix
+        self.offset = 0 if prefix is None else prefix[0].shape[2]
+
+    def update(self, k, v, pos):
+        index = pos.ids - self.offset if self.offset else pos.ids
+        out = []
+        for store, x in zip(self.stores, (k, v)):
+            store.write(index, x)
+            out.append(store.codes[:, :, :self.length])
+        mask = visible(pos.ids, torch.arange(self.offset + self.length, device=pos.ids.device))  # (1, P + length)
+        return Attend(out[0], out[1] if len(out) > 1 else None, mask, False, self.prefix)
 
 
 def bucket_length(end: int, bucket: int, capacity: int) -> int:
@@ -68,62 +273,62 @@ def bucket_length(end: int, bucket: int, capacity: int) -> int:
     return min(capacity, -(-end // bucket) * bucket)
 
 
-class KVCache:
-    """Common bookkeeping: shape, the number of positions held, bytes held."""
+class Cache:
+    """A model's cache: its layers' caches, the batch and positions they hold, and the checks a
+    forward's positions must pass before any layer writes (:meth:`begin`)."""
 
-    impl = "base"
-    stores_history = True  # False: the generator must re-feed the whole sequence
+    def __init__(self, impl: str, layers: List[LayerCache], batch_size: int, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", cache_dtype: str = "auto"):
+        self.impl, self.layers, self.batch_size, self.max_seq_len = impl, layers, batch_size, max_seq_len
+        self.dtype, self.device = dtype, torch.device(device)  # what attention reads
+        self.cache_dtype = cache_dtype  # how K/V are stored (cache.dtype)
+        self.length = 0  # positions held
+        self._fixed_views = {}
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 max_seq_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", cache_dtype: str = "auto",
-                 windows: Optional[Sequence[Optional[int]]] = None, latent: bool = False):
-        # latent: one tensor per layer (MLA's [c, k_rope], head_dim wide, one head); update's v is None
-        self.latent = latent
-        self.num_layers, self.batch_size, self.num_kv_heads = num_layers, batch_size, num_kv_heads
-        # per layer: a local layer's window W (its cache keeps the last W positions) or None
-        self.windows = list(windows) if windows is not None else [None] * num_layers
-        if len(self.windows) != num_layers:
-            raise ValueError(f"{len(self.windows)} layer windows for {num_layers} layers")
-        if any(w is not None for w in self.windows) and self.impl not in ("static", "none", "shared"):
-            raise ValueError(f"cache.impl={self.impl!r} keeps every position; a sliding window needs "
-                             "cache.impl=static (a ring of W positions per local layer) or none")
-        self.head_dim, self.max_seq_len = head_dim, max_seq_len
-        self.dtype, self.device = dtype, torch.device(device)
-        self.cache_dtype = cache_dtype  # how K/V are stored (cache.dtype); dtype: what attention reads
-        if cache_dtype != "auto" and self.impl not in ("static", "shared"):
-            raise ValueError(f"cache.dtype={cache_dtype!r} needs a preallocated cache: cache.impl={self.impl!r} "
-                             "stores K/V as given; use cache.impl=static")
-        self.length = 0  # positions held (after the last layer's update)
-        self._windows: Dict[int, FixedWindow] = {}
+    @property
+    def stores_history(self) -> bool:
+        """False: the generator must re-feed the whole sequence."""
+        return self.impl != "none"
 
-    def _check(self, layer: int, start_pos: int, k: torch.Tensor) -> int:
-        return self._check_positions(layer, start_pos, k.shape[0], k.shape[2])
+    def begin(self, pos: Positions, batch_size: int) -> List[LayerCache]:
+        """The layers' caches for a forward of ``batch_size`` sequences at ``pos``, its bounds checked."""
+        if batch_size > self.batch_size:
+            raise ValueError(f"batch of {batch_size} sequences exceeds the cache's batch_size={self.batch_size}")
+        if pos.end > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: positions {pos.start}..{pos.end - 1} do not fit in "
+                             f"max_seq_len={self.max_seq_len}")
+        if pos.start > self.length:
+            raise ValueError(f"KV cache gap: writing at position {pos.start} but only "
+                             f"{self.length} positions are held")
+        if not self.stores_history and pos.start != 0:
+            raise ValueError("cache.impl='none' keeps no history: feed the whole sequence from position 0")
+        return self.layers
 
-    def _check_positions(self, layer: int, start_pos: int, B: int, T: int) -> int:
-        end = start_pos + T
-        if B > self.batch_size:
-            raise ValueError(f"batch of {B} sequences exceeds the cache's batch_size={self.batch_size}")
-        if end > self.max_seq_len:
-            raise ValueError(f"KV cache overflow: positions {start_pos}..{end - 1} do not fit in "
-                             f"max_seq_len={self.max_seq_len} (layer {layer})")
-        if start_pos > self.length:
-            raise ValueError(f"KV cache gap: writing at position {start_pos} but only "
-                             f"{self.length} positions are held (layer {layer})")
-        return end
-
-    def _written(self, layer: int, end: int) -> None:
-        if layer == self.num_layers - 1:
-            self.length = end
+    def commit(self, pos: Positions) -> None:
+        """After the forward: the positions up to ``pos``'s last are held."""
+        if self.stores_history:
+            self.length = pos.end
 
     def truncate(self, length: int) -> None:
         """Forget positions >= ``length`` (roll back); the next write starts there."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: the cache holds {self.length} positions")
+        for layer in self.layers:
+            layer.truncate(length, self.length)
         self.length = length
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def rewind(self, length: int) -> None:
+        """Move back to ``length`` positions to repeat steps whose cost, not their output, is
+        timed: a roll back where every layer allows one; a ring that a later position already
+        overwrote still reads as many keys at the repeated positions (min(position + 1, W)), so
+        there only the held length moves back."""
+        try:
+            self.truncate(length)
+        except ValueError:
+            self.length = length
 
     @property
     def nbytes(self) -> int:
@@ -131,307 +336,94 @@ class KVCache:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def tensors(self) -> List[torch.Tensor]:
-        return []
+        return [t for layer in self.layers for t in layer.tensors()]
 
-    def shared_prefix(self, layer: int, start_pos: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """K/V (1, H_kv, P, D) every sequence attends before its own keys; None: no such prefix."""
-        return None
-
-    def window(self, start_pos: int, batch_size: int, bucket: int) -> "FixedWindow":
-        """The :class:`FixedWindow` a fixed-shape decode step of ``batch_size`` sequences at
+    def fixed(self, start_pos: int, batch_size: int, bucket: int) -> "FixedCache":
+        """The :class:`FixedCache` a fixed-shape decode step of ``batch_size`` sequences at
         ``start_pos`` writes and reads (the first multiple of ``bucket`` positions that holds it,
         at most ``max_seq_len``); the position counts as held from here on."""
-        raise ValueError(f"cache.impl={self.impl!r} has no fixed-shape window (its keys are not "
-                         "preallocated); use cache.impl=static")
+        self._check_fixed(batch_size)
+        fixed = self._fixed(bucket_length(start_pos + 1, bucket, self.max_seq_len))
+        self.begin(Positions(start_pos, 1), batch_size)
+        self.length = start_pos + 1
+        return fixed
 
-    def _window(self, length: int, k, v, prefix=None) -> "FixedWindow":
-        # One window object per length: a compiled step then sees the same object at every step.
-        if length not in self._windows:
-            self._windows[length] = FixedWindow(k, v, length, prefix)
-        return self._windows[length]
-
-
-class StaticKVCache(KVCache):
-    """Preallocated (B, H_kv, S_max, D) per layer; in-place writes, views on read."""
-
-    impl = "static"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        shape = (self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        # A local layer whose window is shorter than the cache holds a ring of W positions.
-        self.rings = [w if w is not None and w < self.max_seq_len else None for w in self.windows]
-        lengths = [layer_capacity(self.max_seq_len, w) for w in self.rings]
-        store = lambda: KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device,  # noqa: E731
-                                lengths)
-        self.k_store, self.v_store = store(), None if self.latent else store()  # a latent cache: one store
-        self.k = self.k_store.codes  # per layer (B, H_kv, S_max or W, D)
-        self.v = None if self.v_store is None else self.v_store.codes
-
-    def update(self, layer, start_pos, k, v):
-        end = self._check(layer, start_pos, k)
-        B = k.shape[0]
-        W = self.rings[layer]
-        if W is not None:
-            return self._update_ring(layer, W, start_pos, end, k, v)
-        self.k_store.write(layer, start_pos, k)
-        if v is not None:
-            self.v_store.write(layer, start_pos, v)
-        self._written(layer, end)
-        return self.k_store.read(layer, B, end), None if v is None else self.v_store.read(layer, B, end)
-
-    def _update_ring(self, layer, W, start_pos, end, k, v):
-        """A local layer: position p lives at index p % W. A decode step reads the whole ring (its
-        W keys are exactly the step's window, in any order); a prompt of T > 1 tokens reads the
-        held positions its first query still sees, max(0, start_pos - W + 1) .. start_pos - 1, in
-        order before its own T keys, gathered before they are overwritten."""
-        B, T = k.shape[0], k.shape[2]
-        stores = [(self.k_store, k)] + ([] if v is None else [(self.v_store, v)])  # a latent ring: one store
-        if T == 1:
-            for store, new in stores:  # one position: a slice write, no index tensor on the decode step
-                store.write(layer, start_pos % W, new)
-            self._written(layer, end)
-            held = min(end, W)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
-            out = [store.read(layer, B, held) for store, _ in stores]
-        else:
-            earlier = torch.arange(max(0, start_pos - W + 1), start_pos, device=k.device) % W
-            old = [store.gather(layer, B, earlier) for store, _ in stores]
-            kept = min(T, W)  # of a prompt longer than W only its last W positions stay
-            slots = torch.arange(end - kept, end, device=k.device) % W
-            for store, new in stores:
-                store.write_slots(layer, slots, new[:, :, T - kept:])
-            self._written(layer, end)
-            out = [torch.cat([o, new], dim=2) for o, (_, new) in zip(old, stores)]  # (B, H_kv, S, D), S <= W - 1 + T
-        return out[0], out[1] if len(out) > 1 else None
-
-    def tensors(self):
-        return self.k_store.tensors() + (self.v_store.tensors() if self.v_store else [])
-
-    def truncate(self, length):
-        """Roll back to ``length`` positions. A ring keeps only W positions: rolling back is refused
-        where a later position overwrote one the next step must see (p is lost once p + W was
-        written)."""
-        for W in {w for w in self.rings if w is not None}:
-            if length and max(0, length - W + 1) + W < self.length:
-                raise ValueError(f"cannot truncate to {length}: a window of {W} positions already overwrote "
-                                 f"position {max(0, length - W + 1)} ({self.length} written); only reset() "
-                                 "or a roll back within the ring works")
-        super().truncate(length)
-
-    def window(self, start_pos, batch_size, bucket):
-        if any(w is not None for w in self.rings):
-            raise ValueError("a sliding-window cache has no fixed-shape window (its rings are read whole); "
-                             "use runtime.compile=false|default")
+    def _check_fixed(self, batch_size: int) -> None:
+        if self.impl != "static":
+            raise ValueError(f"cache.impl={self.impl!r} has no fixed-shape view (its keys are not "
+                             "preallocated); use cache.impl=static")
         if self.cache_dtype != "auto":
-            raise ValueError(f"cache.dtype={self.cache_dtype!r} has no fixed-shape window (a compiled step "
+            raise ValueError(f"cache.dtype={self.cache_dtype!r} has no fixed-shape view (a compiled step "
                              "would write unquantized K/V into its codes); use cache.dtype=auto")
         if batch_size != self.batch_size:
             raise ValueError(f"a fixed-shape step writes all {self.batch_size} sequences of the cache, "
                              f"got a batch of {batch_size}")
-        end = self._check_positions(self.num_layers - 1, start_pos, batch_size, 1)
-        self._written(self.num_layers - 1, end)
-        return self._window(bucket_length(end, bucket, self.max_seq_len), self.k, self.v)
+
+    def _fixed(self, length: int) -> "FixedCache":
+        # One view per length: a compiled step then sees the same object at every step.
+        if length not in self._fixed_views:
+            self._fixed_views[length] = FixedCache([layer.fixed_view(length) for layer in self.layers], length)
+        return self._fixed_views[length]
 
 
-class FixedWindow:
-    """A static cache as a fixed-shape decode step sees it: K/V written at a position given as a
-    tensor, and always the first ``length`` positions read, those after the position masked.
+class FixedCache:
+    """A static cache as a fixed-shape step sees it: :class:`FixedLayer` views of one context
+    bucket; bounds and the held length were settled by :meth:`Cache.fixed`."""
 
-    Only ``length`` is a Python value, fixed per window (a context bucket); the position is data.
-    So a step compiled for a window has the same shapes and constants at every position of its
-    bucket: one graph, and on a GPU one CUDA graph, per bucket, reading ``length`` positions per
-    KV head (the roofline counts those, not the context). ``prefix``: a shared prefix's K/V lists
-    (1, H_kv, P, D) per layer, attended first; positions are then absolute and the storage holds
-    position p at index p - P.
-    """
+    stores_history = True
 
-    def __init__(self, k: List[torch.Tensor], v: List[torch.Tensor], length: int,
-                 prefix: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None):
-        self.k, self.v, self.length, self.prefix = k, v, length, prefix
-        self.offset = 0 if prefix is None else prefix[0][0].shape[2]
+    def __init__(self, layers: List[FixedLayer], length: int):
+        self.layers, self.length = layers, length
 
-    def update(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, H_kv, 1, D) at ``pos`` (1,); the window's keys/values (B, H_kv, length, D)."""
-        index = pos - self.offset if self.offset else pos
-        self.k[layer].index_copy_(2, index, k)
-        if v is None:  # a latent cache: one tensor
-            return self.k[layer][:, :, :self.length], None
-        self.v[layer].index_copy_(2, index, v)
-        return self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
+    def begin(self, pos: Positions, batch_size: int) -> List[LayerCache]:
+        return self.layers
 
-    def shared_prefix(self, layer: int, pos: torch.Tensor):
-        if self.prefix is None:
-            return None
-        return self.prefix[0][layer], None if self.prefix[1] is None else self.prefix[1][layer]
-
-    def mask(self, pos: torch.Tensor) -> torch.Tensor:
-        """(1, P + length) bool: key j holds position j (prefix first) and is attended up to ``pos``."""
-        return (torch.arange(self.offset + self.length, device=pos.device) <= pos)[None]
+    def commit(self, pos: Positions) -> None:
+        pass
 
 
-class ConcatKVCache(KVCache):
-    """The naive cache: every step allocates a new, one-longer K and V with ``torch.cat``."""
-
-    impl = "concat"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.k: List[Optional[torch.Tensor]] = [None] * self.num_layers
-        self.v: List[Optional[torch.Tensor]] = [None] * self.num_layers
-
-    def update(self, layer, start_pos, k, v):
-        end = self._check(layer, start_pos, k)
-        old_k, old_v = self.k[layer], self.v[layer]
-        if start_pos == 0 or old_k is None:
-            new_k, new_v = k, v
-        else:
-            # After a roll back the stored tensors can be longer than start_pos.
-            new_k = torch.cat([old_k[:, :, :start_pos], k], dim=2)
-            new_v = None if v is None else torch.cat([old_v[:, :, :start_pos], v], dim=2)
-        self.k[layer], self.v[layer] = new_k, new_v
-        self._written(layer, end)
-        return new_k, new_v
-
-    def truncate(self, length):
-        super().truncate(length)
-        self.k = [None if t is None else t[:, :, :length].clone() for t in self.k]
-        self.v = [None if t is None else t[:, :, :length].clone() for t in self.v]
-
-    def tensors(self):
-        return [t for t in self.k + self.v if t is not None]
-
-
-class NoKVCache(KVCache):
-    """Holds nothing: every step recomputes K/V of the whole sequence."""
-
-    impl = "none"
-    stores_history = False
-
-    def _check(self, layer, start_pos, k):
-        if start_pos != 0:
-            raise ValueError("cache.impl='none' keeps no history: feed the whole sequence from position 0")
-        return super()._check(layer, start_pos, k)
-
-    def update(self, layer, start_pos, k, v):
-        self._check(layer, start_pos, k)
-        return k, v
-
-
-_IMPLS = {c.impl: c for c in (StaticKVCache, ConcatKVCache, NoKVCache)}
-
-
-def make_cache(impl: str, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-               max_seq_len: int, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", cache_dtype: str = "auto",
-               windows: Optional[Sequence[Optional[int]]] = None, latent: bool = False) -> KVCache:
-    """The cache named ``impl`` (static | concat | none) for the given shape, storing K/V in
-    ``cache_dtype`` (auto: ``dtype``; int8 / float8_e4m3fn: static only); ``windows``: per layer
-    a local layer's W (static: a ring of W positions) or None; ``latent``: one tensor per layer
-    instead of K and V (MLA)."""
-    if impl not in _IMPLS:
+def make_cache(impl: str, layouts: Sequence, batch_size: int, max_seq_len: int,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               cache_dtype: str = "auto") -> Cache:
+    """The cache named ``impl`` (static | concat | none) for ``layouts`` (the decoder's layer
+    layouts: each makes its own layer's cache), storing K/V in ``cache_dtype`` (auto: ``dtype``;
+    int8 / float8_e4m3fn: static only)."""
+    if impl not in CACHE_IMPLS:
         raise ValueError(f"cache.impl={impl!r}: must be one of {', '.join(CACHE_IMPLS)}")
-    storage_dtype(cache_dtype, dtype)  # a clear error for an unknown cache.dtype
-    return _IMPLS[impl](num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype, device, cache_dtype,
-                        windows, latent)
+    if cache_dtype != "auto" and impl != "static":
+        raise ValueError(f"cache.dtype={cache_dtype!r} needs a preallocated cache: cache.impl={impl!r} "
+                         "stores K/V as given; use cache.impl=static")
+    device = torch.device(device)
+    layers = [layer_cache(layout, impl, batch_size, max_seq_len, dtype, device, cache_dtype) for layout in layouts]
+    return Cache(impl, layers, batch_size, max_seq_len, dtype, device, cache_dtype)
 
 
-def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> KVCache:
-    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`: K/V heads, or MLA's latent)
-    in its dtype and device, with a ring for each of its local layers."""
-    heads, width, latent = model.kv_dims()
-    return make_cache(impl, model.config.num_layers, batch_size, heads, width, max_seq_len, model.dtype,
-                      model.device, cache_dtype, getattr(model, "layer_windows", None), latent)
+def layer_cache(layout: LayerLayout, impl: str, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                device: torch.device, cache_dtype: str = "auto") -> LayerCache:
+    """One layer's cache of ``impl`` for what its layout stores per position: a ring of W positions
+    for a window shorter than the cache, else every position (static) or a growing tensor
+    (concat); none holds nothing. A layer with a constant state holds it (static, concat)."""
+    check_limits([layout], {"cache.impl": impl, "cache.dtype": cache_dtype})
+    heads, widths = layout.stored
+    if impl == "none":
+        return uncached(layout)
+    if layout.state is not None:
+        return StateLayer(layout.state, batch_size, dtype, device)
+    if impl == "concat":
+        return ConcatLayer(heads, widths)
+    ring = layout.window is not None and layout.window < max_seq_len
+    length = layout.window if ring else max_seq_len
+    stores = [KVStore((batch_size, heads, length, w), cache_dtype, dtype, device) for w in widths]
+    return RingLayer(stores, layout.window) if ring else StaticLayer(stores, layout.window)
 
 
-class SharedPrefixCache(KVCache):
-    """B conversations after one shared prefix (a system prompt): the prefix's K/V is held once
-    with batch 1, each conversation's own history in ``history`` (a static or concat cache).
-
-    Positions are absolute in the conversation: the prefix holds 0..P-1 and history position p
-    sits at index p - P of ``history``. An update at position 0 with batch 1 writes the whole
-    prefix; later updates write history, and :meth:`shared_prefix` hands the prefix to the
-    attention, so every conversation reads it without a copy and never reads another's
-    history. ``segments`` records what each span of positions is (see :meth:`describe`).
-    """
-
-    impl = "shared"
-
-    def __init__(self, history: KVCache, prefix_len: int):
-        if not history.stores_history:
-            raise ValueError(f"cache.impl={history.impl!r} keeps no history to share; use static or concat")
-        super().__init__(history.num_layers, history.batch_size, history.num_kv_heads, history.head_dim,
-                         prefix_len + history.max_seq_len, history.dtype, history.device, history.cache_dtype,
-                         history.windows, history.latent)
-        self.history, self.prefix_len = history, prefix_len
-        shape = (1, self.num_kv_heads, prefix_len, self.head_dim)
-        # The prefix is stored like the history (cache.dtype, one tensor if latent), once for every
-        # conversation; a local layer keeps only its last W positions, the only ones a later token can still see.
-        self.prefix_lengths = [layer_capacity(prefix_len, w) for w in self.windows]
-        store = lambda: KVStore(self.num_layers, shape, self.cache_dtype, self.dtype, self.device,  # noqa: E731
-                                self.prefix_lengths)
-        self.prefix_k_store, self.prefix_v_store = store(), None if self.latent else store()
-        self.prefix_k = self.prefix_k_store.codes
-        self.prefix_v = None if self.prefix_v_store is None else self.prefix_v_store.codes
-
-    def update(self, layer, start_pos, k, v):
-        P = self.prefix_len
-        if start_pos < P:
-            if start_pos != 0 or k.shape[0] != 1 or k.shape[2] != P or self.length not in (0, P):
-                raise ValueError(f"the shared prefix is written whole and once, with batch 1: got batch "
-                                 f"{k.shape[0]} at positions {start_pos}..{start_pos + k.shape[2] - 1} "
-                                 f"(prefix_len={P}, {self.length} positions held)")
-            kept = self.prefix_lengths[layer]
-            self.prefix_k_store.write(layer, 0, k[:, :, P - kept:])
-            if v is not None:
-                self.prefix_v_store.write(layer, 0, v[:, :, P - kept:])
-            self._written(layer, P)
-            if kept == P:  # read back: with cache.dtype int8 the prompt attends what later tokens read
-                return self.shared_prefix(layer, P)
-            return k, v  # a local layer keeps its last W: the prompt attends all of itself, masked
-        if self.length < P:
-            raise ValueError(f"write the shared prefix (positions 0..{P - 1}) before position {start_pos}")
-        k, v = self.history.update(layer, start_pos - P, k, v)  # (B, H_kv, S - P, D)
-        self._written(layer, P + self.history.length)
-        return k, v
-
-    def shared_prefix(self, layer, start_pos):
-        if start_pos < self.prefix_len:
-            return None
-        kept = self.prefix_lengths[layer]  # positions P - kept .. P - 1
-        v = None if self.prefix_v_store is None else self.prefix_v_store.read(layer, 1, kept)
-        return self.prefix_k_store.read(layer, 1, kept), v
-
-    def window(self, start_pos, batch_size, bucket):
-        P = self.prefix_len
-        if start_pos < P or self.length < P:
-            raise ValueError(f"a fixed-shape step decodes after the shared prefix of {P} positions "
-                             f"(position {start_pos}, {self.length} held)")
-        history = self.history.window(start_pos - P, batch_size, bucket)  # static only
-        self._written(self.num_layers - 1, start_pos + 1)
-        return self._window(history.length, history.k, history.v, (self.prefix_k, self.prefix_v))
-
-    def truncate(self, length):
-        """Roll back to ``length`` positions: 0 forgets everything, P keeps only the prefix."""
-        if 0 < length < self.prefix_len:
-            raise ValueError(f"cannot truncate to {length}: inside the shared prefix of {self.prefix_len}")
-        super().truncate(length)
-        self.history.truncate(max(0, length - self.prefix_len) if length else 0)
-
-    def storage_of(self, start: int, end: int) -> str:
-        """Where the K/V of positions ``start .. end - 1`` live, as text."""
-        B, P = self.batch_size, self.prefix_len
-        if end <= P:
-            return f"prefix[0:{P}], once for {B} conversations"
-        return f"history[0:{B}, {start - P}:{end - P}]"
-
-    def tensors(self):
-        v = self.prefix_v_store.tensors() if self.prefix_v_store else []
-        return self.prefix_k_store.tensors() + v + self.history.tensors()
+def uncached(layout: LayerLayout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
+    """A layer's cache that holds nothing (``cache.impl=none``, a forward without a cache); ``mask``
+    as :class:`Uncached`'s (a recurrent layer reads no keys: it does not apply there)."""
+    return Uncached(layout.window, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,
+                                                                                  "cpu", held=False)
 
 
-def shared_cache_for(model, impl: str, batch_size: int, prefix_len: int, max_seq_len: int,
-                     cache_dtype: str = "auto") -> SharedPrefixCache:
-    """A :class:`SharedPrefixCache` for ``model``: a prefix of ``prefix_len`` positions held once,
-    and ``batch_size`` histories of ``impl`` up to ``max_seq_len`` positions in all."""
-    return SharedPrefixCache(cache_for(model, impl, batch_size, max_seq_len - prefix_len, cache_dtype),
-                             prefix_len)
+def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> Cache:
+    """A cache shaped for ``model`` (a :class:`kvbench.model.Decoder`) in its dtype and device."""
+    return make_cache(impl, model.layouts, batch_size, max_seq_len, model.dtype, model.device, cache_dtype)

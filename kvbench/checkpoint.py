@@ -33,8 +33,10 @@ from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write
-from kvbench.model import Decoder, rope_tables, torch_dtype
+from kvbench.layouts.build import build_layouts
+from kvbench.model import Decoder, torch_dtype
 from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
+from kvbench.rope import rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -270,13 +272,14 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
         asked, own = getattr(attention, name), getattr(model.attention, name)
         if asked != own:
             raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
-    if attention.layer_windows(model.config.num_layers) != model.layer_windows:
+    if attention.layer_windows(model.config.num_layers) != list(model.layouts.windows):
         pattern = replace(model.attention, **_window_fields(model.config, attention))
         model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
     if attention.latent:
         for block in model.blocks:
             block.attn.absorbed = attention.mla_decode == "absorbed"
         model.attention = replace(model.attention, mla_decode=attention.mla_decode)
+        model.layouts = build_layouts(model.config, model.attention)
     return model, how
 
 

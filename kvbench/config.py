@@ -29,6 +29,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa: F401 (re-exported)
 from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.dtypes import (  # noqa: F401 (re-exported: what a stored element costs)
+    CACHE_DTYPE_BYTES,
+    CACHE_DTYPES,
+    CACHE_IMPLS,
+    DTYPE_BYTES,
+    SCALE_BYTES,
+    element_bytes,
+)
+from kvbench.layouts.build import build_layouts
 from kvbench.model_config import (  # noqa: F401 (variant_label, variant_key: re-exported for the sinks)
     ATTENTION_TYPES,
     AttentionConfig,
@@ -54,15 +63,9 @@ def _find_conf_dir() -> Path:
 
 CONF_DIR = _find_conf_dir()
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # No memory a torch device reads streams 100 TB/s: HBM3e, the fastest DRAM shipping, gives a device
 # 8 TB/s, a CPU's last-level cache a few TB/s. The roofline's peak is refused (or re-probed) past it.
 MAX_GB_PER_S = 1e5
-CACHE_IMPLS = ("static", "concat", "none")
-# cache.dtype: how K/V are stored. auto: the compute dtype (runtime.dtype); the others store codes
-# of this many bytes per element plus a float32 scale per (sequence, KV head, position), K and V each.
-CACHE_DTYPE_BYTES = {"int8": 1, "float8_e4m3fn": 1}
-CACHE_DTYPES = ("auto", *CACHE_DTYPE_BYTES)
 TASKS = ("bench", "inspect", "train", "eval", "capacity", "compare", "recall")
 COMPILE_MODES = ("false", "default", "graph")
 OBJECTIVE_SYNTAX = re.compile(r"-?[A-Za-z_][A-Za-z0-9_]*")  # a metric name, optionally negated
@@ -319,6 +322,15 @@ class BenchConfig:
     # metric -> the most it may be: a job above any cap returns no objective (a failed trial).
     objective_caps: Dict[str, float] = field(default_factory=dict)
 
+    def layout_settings(self) -> Dict[str, Any]:
+        """The settings a layer's layout may not run with (:class:`kvbench.layouts.Limit`): its cache
+        (a shared prefix only where a multi-turn chat shares one), the compiled step, the serving
+        store (None when the job serves nothing)."""
+        serving = self.workload.name == "serving" and self.task == "bench"
+        return {"cache.impl": self.cache.impl, "cache.dtype": self.cache.dtype,
+                "cache.shared": self.cache.shared and self.workload.name == "multiturn",
+                "runtime.compile": self.runtime.compile, "workload.store": self.workload.store if serving else None}
+
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
         if self.objective is not None:
@@ -330,7 +342,7 @@ class BenchConfig:
         # attention is resolved against the checkpoint there, not against the model preset.
         if self.task != "eval":
             self.attention = self.attention.resolved(self.model)
-            self.attention.check_runs_with(self.cache.impl, self.runtime.compile)
+            build_layouts(self.model, self.attention).check(self.layout_settings())
         w = self.workload
         if self.task == "capacity":
             self._check_capacity()

@@ -18,9 +18,9 @@ from typing import Optional
 import psutil
 import torch
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.config_errors import ConfigError
+from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.units import human_bytes
@@ -95,11 +95,9 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     if cfg.task == "bench" and cfg.workload.name == "serving":  # the store its budget asks for, allocated whole
         kv = serving_store_bytes(cfg)
     elif cfg.task == "bench" and cfg.cache.impl != "none":
-        # The record's formula (workloads/decode.py): MLA's latent, a window's ring.
-        heads, width, latent = a.kv_dims(m)
-        kv = kv_cache_bytes(m.num_layers, heads, width, cfg.workload.total_len, cfg.workload.batch_size,
-                            DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype, a.layer_windows(m.num_layers),
-                            latent=latent)
+        # The record's formula (workloads/decode.py): each layer's own (MLA's latent, a window's ring).
+        kv = build_layouts(m, a).cache_bytes(cfg.workload.total_len, cfg.workload.batch_size,
+                                             DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
     data = 0
     if cfg.task == "recall":  # its model has the task's vocabulary (tasks/recall.py)
         m, data = dataclasses.replace(m, vocab_size=cfg.recall.vocab_size), recall_data_bytes(cfg)
@@ -109,8 +107,7 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
 def kv_bytes_per_token(cfg: BenchConfig) -> int:
     """KV bytes one token of one sequence holds in all layers, from the config: what
     :func:`kvbench.serving.paged.bytes_per_token` gives for the model once built."""
-    heads, width, latent = cfg.attention.kv_dims(cfg.model)
-    return kv_cache_bytes(cfg.model.num_layers, heads, width, 1, 1, DTYPE_BYTES[cfg.runtime.dtype], latent=latent)
+    return build_layouts(cfg.model, cfg.attention).bytes_per_token(DTYPE_BYTES[cfg.runtime.dtype])
 
 
 def serving_store_bytes(cfg: BenchConfig) -> int:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from kvbench.cache import KVCache, bucket_length
+from kvbench.cache import Cache, Positions, bucket_length
 from kvbench.config_errors import ConfigError
 from kvbench.measure.timing import sync
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -40,7 +40,7 @@ def _region(timer, name: str):
 
 
 @torch.inference_mode()  # a cache must never hold autograd's graph of the prompt, whoever calls
-def prefill(model, prompt: torch.Tensor, cache: KVCache, start_pos: int = 0) -> torch.Tensor:
+def prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 0) -> torch.Tensor:
     """Run ``prompt`` (B, P) whose first token sits at ``start_pos``; logits of its last token (B, V).
     Without autograd whatever the caller's mode: the K/V written into ``cache`` would otherwise keep
     the whole prefill's graph alive for as long as the cache lives (30 MB more peak memory for a
@@ -49,25 +49,25 @@ def prefill(model, prompt: torch.Tensor, cache: KVCache, start_pos: int = 0) -> 
     return model(prompt, cache, start_pos, last_only=True)[:, -1]
 
 
-def decode_step(model, token: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+def decode_step(model, token: torch.Tensor, cache: Cache, pos: int) -> torch.Tensor:
     """One new token (B, 1) at position ``pos`` against the cached keys; its logits (B, V)."""
     return model(token, cache, pos)[:, -1]
 
 
-def _fixed_step(model, token: torch.Tensor, window, pos: torch.Tensor) -> torch.Tensor:
-    # The compiled unit: its inputs are tensors and a window whose one Python value (its length)
+def _fixed_step(model, token: torch.Tensor, view, pos: torch.Tensor) -> torch.Tensor:
+    # The compiled unit: its inputs are tensors and a fixed view whose one Python value (its length)
     # is fixed per context bucket, so it compiles once per bucket and never per position.
-    return model(token, window, pos)[:, -1]
+    return model(token, view, Positions.of(pos))[:, -1]
 
 
 class FixedShapeStep:
     """:func:`decode_step` with fixed shapes, for compilation and CUDA graphs.
 
     The position goes in as a (1,) tensor updated in place (no host-to-device copy, no new
-    input), the cache is read through a :class:`~kvbench.cache.FixedWindow` of the first multiple
+    input), the cache is read through a :class:`~kvbench.cache.FixedCache` of the first multiple
     of ``bucket`` positions that holds the step (at most the cache's length), and rotary rows
     are gathered by that tensor. The Python bookkeeping (bounds, ``cache.length``) stays out here,
-    in ``cache.window``. ``mode``: None runs eagerly, ``"graph"`` compiles the step with
+    in ``cache.fixed``. ``mode``: None runs eagerly, ``"graph"`` compiles the step with
     ``fullgraph=True`` and static shapes, adding ``mode="reduce-overhead"`` (CUDA graphs) on a GPU.
     Same call signature as :func:`decode_step`, so :func:`greedy_generate` takes it as ``step``.
     """
@@ -89,15 +89,15 @@ class FixedShapeStep:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._static = weakref.WeakSet()  # caches whose storage CUDA graphs may keep addresses of
 
-    def lengths(self, cache: KVCache, positions) -> list[int]:
+    def lengths(self, cache: Cache, positions) -> list[int]:
         """Keys each step at ``positions`` reads (prefix included): what the roofline counts."""
         prefix = getattr(cache, "prefix_len", 0)
         return [prefix + bucket_length(p + 1 - prefix, self.bucket, cache.max_seq_len - prefix) for p in positions]
 
-    def __call__(self, model, token: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+    def __call__(self, model, token: torch.Tensor, cache: Cache, pos: int) -> torch.Tensor:
         if pos >= model.config.max_seq_len:
             raise ValueError(f"position {pos} exceeds model.max_seq_len={model.config.max_seq_len}")
-        window = cache.window(pos, token.shape[0], self.bucket)
+        view = cache.fixed(pos, token.shape[0], self.bucket)
         if self.cuda_graphs:
             if cache not in self._static:
                 # The cache is written in place every step: a CUDA graph must read and write its
@@ -107,13 +107,13 @@ class FixedShapeStep:
                 self._static.add(cache)
             torch.compiler.cudagraph_mark_step_begin()
         self.pos.fill_(pos)
-        logits = self.fn(model, token, window, self.pos)
+        logits = self.fn(model, token, view, self.pos)
         # A CUDA graph's outputs are overwritten by its next replay: hand out a copy.
         return logits.clone() if self.cuda_graphs else logits
 
 
 @torch.inference_mode()
-def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: KVCache,
+def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: Cache,
                     timer=None, keep_logits: bool = False, start_pos: int = 0,
                     step=decode_step) -> Generation:
     """Prefill ``prompt`` (B, P), then ``gen_len`` decode steps, each feeding the previous token.

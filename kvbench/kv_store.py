@@ -1,18 +1,20 @@
-"""How a cache stores K or V: in the compute dtype, or as int8 / float8_e4m3fn codes with a
-float32 scale per (sequence, KV head, position), quantized on write and dequantized on read
-(``cache.dtype``). :class:`KVStore` holds every layer's tensors; the caches in
-:mod:`kvbench.cache` decide which positions go where."""
+"""The one K/V storage under every cache and the serving store: one layer's keys (or values, or
+MLA's latents) in the compute dtype, or as int8 / float8_e4m3fn codes with a float32 scale per
+(position, head), quantized on write and dequantized on read (``cache.dtype``).
+
+The caches of :mod:`kvbench.cache` decide which positions go where; a store only writes and
+reads along its position axis: (B, H_kv, S, D) with positions on axis 2 for a sequence's cache,
+(slots, H_kv, D) with positions on axis 0 for the serving store's pool of blocks.
+"""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from kvbench.config import CACHE_DTYPES
+from kvbench.dtypes import CACHE_DTYPES, SCALE_BYTES  # noqa: F401 (SCALE_BYTES: what a quantized vector adds)
 
-# A quantized cache keeps one float32 scale per (sequence, KV head, position) for K and one for V.
-SCALE_BYTES = 4
 # The largest code: symmetric int8 uses -127..127 (not -128, so that -x quantizes as -q);
 # float8_e4m3fn's largest finite value is 448.
 _CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
@@ -47,59 +49,56 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 
 class KVStore:
-    """K or V of every layer, (B, H_kv, S, D) each, in ``cache.dtype``: as given (auto), or as
-    codes with a float32 scale per (sequence, head, position), (B, H_kv, S, 1).
+    """One tensor of ``shape`` in ``cache.dtype``: as given (auto), or codes with a float32 scale
+    per vector of the last dimension. Positions lie along ``axis``; with ``axis`` 2 the first
+    dimension is the batch, and a write or read of B' sequences touches rows 0..B'-1.
 
     Why a scale per position and head (not KIVI's per-channel keys): a write quantizes only what
     it writes, so earlier positions are never requantized and a static cache stays static; with
     int8's 255 levels the per-channel outliers of keys cost little (KIVI needs channel scales at
     2 bits, with a full-precision residual of recent tokens to fill a channel group)."""
 
-    def __init__(self, num_layers: int, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype,
-                 device: torch.device, lengths: Optional[Sequence[int]] = None):
-        # lengths: per layer the positions held (a local layer's ring: W), default shape[2]
-        self.cache_dtype, self.dtype = cache_dtype, dtype
-        shapes = [shape[:2] + (n,) + shape[3:] for n in (lengths or [shape[2]] * num_layers)]
-        self.codes = [torch.zeros(sh, dtype=storage_dtype(cache_dtype, dtype), device=device) for sh in shapes]
-        self.scales = ([] if cache_dtype == "auto" else
-                       [torch.ones(sh[:-1] + (1,), device=device) for sh in shapes])
+    def __init__(self, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype, device: torch.device,
+                 axis: int = 2):
+        self.cache_dtype, self.dtype, self.axis = cache_dtype, dtype, axis
+        self.codes = torch.zeros(shape, dtype=storage_dtype(cache_dtype, dtype), device=device)
+        self.scales = None if cache_dtype == "auto" else torch.ones(shape[:-1] + (1,), device=device)
 
-    def write(self, layer: int, start: int, x: torch.Tensor) -> None:
-        """Store ``x`` (B', H_kv, T, D) at sequences 0..B'-1, positions ``start .. start + T``."""
-        B, end = x.shape[0], start + x.shape[2]
-        if not self.scales:
-            self.codes[layer][:B, :, start:end] = x
-            return
-        codes, scale = quantize(x, self.cache_dtype)
-        self.codes[layer][:B, :, start:end] = codes
-        self.scales[layer][:B, :, start:end] = scale
+    @property
+    def length(self) -> int:
+        """Positions the store holds."""
+        return self.codes.shape[self.axis]
 
-    def write_slots(self, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Store ``x`` (B', H_kv, n, D) at storage indices ``slots`` (n,) of sequences 0..B'-1."""
-        B = x.shape[0]
-        if not self.scales:
-            self.codes[layer][:B].index_copy_(2, slots, x)
-            return
-        codes, scale = quantize(x, self.cache_dtype)
-        self.codes[layer][:B].index_copy_(2, slots, codes)
-        self.scales[layer][:B].index_copy_(2, slots, scale)
+    def _rows(self, t: torch.Tensor, batch: Optional[int]) -> torch.Tensor:
+        return t if batch is None or self.axis == 0 else t[:batch]
 
-    def gather(self, layer: int, batch_size: int, slots: torch.Tensor) -> torch.Tensor:
-        """Storage indices ``slots`` (n,) of the first ``batch_size`` sequences, (B, H_kv, n, D), a copy."""
-        codes = self.codes[layer][:batch_size].index_select(2, slots)
-        if not self.scales:
+    def write(self, where: int | torch.Tensor, x: torch.Tensor) -> None:
+        """Store ``x`` at positions ``where`` (an int: the first of a run of x's positions; a
+        tensor: one index per position of x), for x's first dimension's sequences."""
+        batch = x.shape[0]
+        parts = [(self.codes, x)] if self.scales is None else list(zip((self.codes, self.scales),
+                                                                        quantize(x, self.cache_dtype)))
+        for store, value in parts:
+            store = self._rows(store, batch)
+            if isinstance(where, int):
+                store.narrow(self.axis, where, value.shape[self.axis]).copy_(value)
+            else:
+                store.index_copy_(self.axis, where, value)
+
+    def read(self, end: int, batch: Optional[int] = None) -> torch.Tensor:
+        """Positions 0..end-1 of the first ``batch`` sequences in the compute dtype: a view for
+        auto, a dequantized copy otherwise."""
+        codes = self._rows(self.codes, batch).narrow(self.axis, 0, end)
+        if self.scales is None:
             return codes
-        return dequantize(codes, self.scales[layer][:batch_size].index_select(2, slots), self.dtype)
+        return dequantize(codes, self._rows(self.scales, batch).narrow(self.axis, 0, end), self.dtype)
 
-    def read(self, layer: int, batch_size: int, end: int) -> torch.Tensor:
-        """Positions 0..end-1 of the first ``batch_size`` sequences, (B, H_kv, end, D), in the compute
-        dtype: a view for auto, a dequantized copy otherwise."""
-        codes = self.codes[layer][:batch_size, :, :end]
-        if not self.scales:
+    def gather(self, index: torch.Tensor, batch: Optional[int] = None) -> torch.Tensor:
+        """Positions ``index`` (n,) of the first ``batch`` sequences, a copy in the compute dtype."""
+        codes = self._rows(self.codes, batch).index_select(self.axis, index)
+        if self.scales is None:
             return codes
-        return dequantize(codes, self.scales[layer][:batch_size, :, :end], self.dtype)
+        return dequantize(codes, self._rows(self.scales, batch).index_select(self.axis, index), self.dtype)
 
     def tensors(self) -> List[torch.Tensor]:
-        return self.codes + self.scales
-
-
+        return [self.codes] + ([] if self.scales is None else [self.scales])

@@ -38,7 +38,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
     its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
     counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
-    global_every k reads (k-1):1), a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), a cache
+    dtype other than the compute dtype ``mha kv=8 int8``.
     ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
     kind = get("type")
@@ -48,6 +49,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
         ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
         if ratio and ratio[1]:
             label += f" {ratio[0]}:{ratio[1]}"
+    if get("sinks"):
+        label += " sinks"
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
@@ -157,6 +160,7 @@ class ModelConfig:
     preset_window: Optional[int] = None
     preset_global_every: Optional[int] = None
     preset_layer_types: Optional[List[str]] = None
+    preset_sinks: bool = False  # learned attention sinks in every layer (GPT-OSS)
     # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
@@ -274,6 +278,9 @@ class AttentionConfig:
     # none; layer_types lists each layer as transformers does (sliding_attention | full_attention).
     global_every: Optional[int] = None
     layer_types: Optional[List[str]] = None
+    # Learned attention sinks (GPT-OSS): one logit per query head joins every softmax, taking
+    # weight from the keys at no cache cost. null: the model's own (model.preset_sinks).
+    sinks: Optional[bool] = None
     q_lora_rank: Optional[int] = None  # 0: queries by one full-rank projection
     kv_lora_rank: Optional[int] = None  # R: the latent each token's keys and values come from
     qk_nope_head_dim: Optional[int] = None  # per-head key/query width without rotary
@@ -296,19 +303,6 @@ class AttentionConfig:
                 check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
                        f"is a multi-head latent attention rank; attention.type={self.type} has none "
                        "(use attention=mla)")
-
-    def check_runs_with(self, cache_impl: str, compile_mode: str) -> None:
-        """What a sliding window does not run with yet (cache.impl, runtime.compile), one line
-        each naming the key; nothing without a window. Every task runs one (task=compare and
-        task=capacity measure windowed variants too)."""
-        if not self.window:
-            return
-        why = f"is not supported with a sliding window (attention.window={self.window})"
-        check(cache_impl in ("static", "none"), "cache.impl", cache_impl,
-              f"keeps every position; with attention.window={self.window} use cache.impl=static "
-              "(a ring of W positions per local layer) or none")
-        check(compile_mode != "graph", "runtime.compile", compile_mode,
-              f"{why}: the fixed-shape step reads a context bucket, a ring is read whole; use false or default")
 
     def layer_windows(self, num_layers: int) -> List[Optional[int]]:
         """Each layer's window (None: global) for a resolved config (:meth:`resolved`)."""
@@ -348,6 +342,7 @@ class AttentionConfig:
         check(self.type in (expected, MODEL_ATTENTION), "attention.type", self.type,
               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
         return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
+                               sinks=model.preset_sinks if self.sinks is None else self.sinks,
                                **self._resolved_window(model))
 
     def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
@@ -383,17 +378,12 @@ class AttentionConfig:
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
         # a window as for K/V heads: a local layer's cache is a ring of W latents
-        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims,
+        check(not self.sinks, "attention.sinks", self.sinks, "are a logit per query head of K/V-head attention; "
+              "attention=mla has none")
+        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, sinks=False, **dims,
                               **self._resolved_window(model))
         check_mla_dims("attention", out)
         return out
-
-    def kv_dims(self, model: ModelConfig) -> tuple[int, int, bool]:
-        """(heads, width, latent) of what the cache stores per token and layer, for a resolved
-        config: K/V heads of model.head_dim, or MLA's one latent of kv_lora_rank + qk_rope_head_dim."""
-        if self.latent:
-            return 1, self.kv_lora_rank + self.qk_rope_head_dim, True
-        return self.num_kv_heads, model.head_dim, False
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:

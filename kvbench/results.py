@@ -365,6 +365,9 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(a, dict) and a.get("type") != "mla":  # the latent's ranks mean nothing for K/V heads
         out["attention"] = {k: v for k, v in a.items() if k not in MLA_FIELDS + ("mla_decode",)}
     a = out.get("attention")
+    if isinstance(a, dict) and not a.get("sinks"):  # a record without sinks reads as before sinks existed
+        out["attention"] = {k: v for k, v in a.items() if k != "sinks"}
+    a = out.get("attention")
     if isinstance(a, dict) and a.get("window") is None:  # no window: which layers are local means nothing
         out["attention"] = {k: v for k, v in a.items() if k not in ("window", "global_every", "layer_types")}
     if task != "compare":

@@ -178,8 +178,8 @@ def duration_text(seconds: float) -> str:
 
 def check_serving_run(cfg) -> None:
     """Cross-group rules of a serving run (a :class:`kvbench.config.BenchConfig`, its attention
-    resolved): a rate search needs a latency target; the stores hold every position (no window)
-    in the compute dtype; the forwards are eager."""
+    resolved): a rate search needs a latency target; the stores hold K/V in the compute dtype;
+    the forwards are eager (what a layer's layout does not run with is its own Limit)."""
     w = cfg.workload
     check(not w.search.enabled or any(v is not None for v in (cfg.slo.ttft_ms, cfg.slo.tpot_ms, cfg.slo.e2e_ms)),
           "workload.search.enabled", w.search.enabled, "the rate search needs an SLO: set slo.ttft_ms, "
@@ -188,9 +188,6 @@ def check_serving_run(cfg) -> None:
           "workload=serving judges TPOT against slo.tpot_ms (a multiple of the batch-1 step is task=capacity's)")
     check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
           "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
-    check(not cfg.attention.window, "attention.window", cfg.attention.window,
-          "workload=serving's KV stores keep every position of every layer; a sliding window is not supported "
-          "there (use attention.window=0)")
     check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
           "workload=serving runs eager forwards (the batch's shapes change every iteration); use runtime.compile=false")
 

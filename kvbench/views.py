@@ -71,6 +71,7 @@ class Variant:
     shared: Optional[bool] = None
     model: Optional[str] = None
     num_layers: Optional[int] = None  # counts a global_every pattern's layers (12 layers, every 6: 5:1)
+    sinks: Optional[bool] = None  # learned attention sinks (GPT-OSS)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Variant":
@@ -94,14 +95,15 @@ class Variant:
                    layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
                    model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None,
-                   num_layers=_int(_get(config, "model.num_layers")))
+                   num_layers=_int(_get(config, "model.num_layers")),
+                   sinks=_get(config, "attention.sinks") is True or None)
 
     @classmethod
     def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None,
                      num_layers: Optional[int] = None) -> "Variant":
         """The variant of an ``AttentionConfig`` (resolved or not): a progress line's name."""
         fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", "window", "global_every",
-                  "layer_types")
+                  "layer_types", "sinks")
         attn = {f: getattr(attention, f, None) for f in fields}
         return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype},
                                 "model": {"num_layers": num_layers}})
@@ -133,7 +135,8 @@ class Variant:
         ``shared=on|off``: the name built once, by :func:`kvbench.model_config.variant_label` (which
         progress lines and task=compare's metric prefixes use too)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
-                     "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types}
+                     "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types,
+                     "sinks": self.sinks}
         parts = [variant_label(attention, self.cache_dtype, self.num_layers)]
         if self.shared is not None:
             parts.append(f"shared={'on' if self.shared else 'off'}")

@@ -1,12 +1,13 @@
-"""Every path of :func:`kvbench.model.grouped_attention` (decode fold, SDPA's causal path, a
+"""Every path of :func:`kvbench.layouts.kv_heads_attention.grouped_attention` (decode fold, SDPA's causal path, a
 prompt after cached keys, a window, a given mask, a shared prefix) against textbook attention
-with K/V copied per query head; and prefill that costs no more for fewer KV heads (issue 28)."""
+with K/V copied per query head; and prefill that costs no more for fewer KV heads."""
 
 
 import pytest
 import torch
 
-from kvbench.model import causal_mask, grouped_attention
+from kvbench.cache import causal_mask
+from kvbench.layouts.kv_heads_attention import grouped_attention
 
 
 def reference(q, k, v, mask):
@@ -76,7 +77,7 @@ def test_shared_prefix_path_equals_reference_with_the_prefix_copied(num_kv_heads
 
 
 def test_mqa_prefill_attention_costs_no_more_than_mha():
-    """Issue 28: folding G query heads into the rows made MQA's prefill attention ~2x MHA's. What
+    """Folding G query heads into the rows made MQA's prefill attention ~2x MHA's. What
     decides the cost is which kernel runs and what it allocates, so that is what is checked, on
     profiler records (deterministic): every KV-head count takes the same fused SDPA kernel as MHA,
     nothing copies K/V out to the query heads (no repeat, expand or copy) and the largest
@@ -111,7 +112,7 @@ def test_a_latent_prefill_of_two_head_widths_takes_the_fused_kernel_and_equals_t
     experiment=choose was set by that). Forced to the flash kernel, it must run and agree."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kvbench.attention import latent_attention
+    from kvbench.layouts.latent_attention import latent_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 64, Dk), torch.randn(2, 4, 64, Dk), torch.randn(2, 4, 64, Dv)

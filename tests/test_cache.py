@@ -3,8 +3,33 @@
 import pytest
 import torch
 from conftest import make_decoder
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import SharedPrefixCache, dequantize, kv_cache_bytes, make_cache, quantize
+from kvbench.cache import Positions
+from kvbench.cache import make_cache as make_cache_of
+from kvbench.kv_store import dequantize, quantize
+from kvbench.layouts.base import Layouts
+from kvbench.layouts.kv_heads import KVHeads
+from kvbench.shared_prefix import SharedPrefixCache
+
+
+def make_cache(impl, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype=torch.float32,
+               cache_dtype="auto", windows=None):
+    """A cache for ``num_layers`` KV-head layers of ``num_kv_heads`` x ``head_dim``."""
+    layers = Layouts(KVHeads(i, w, num_kv_heads, num_kv_heads, head_dim)
+                     for i, w in enumerate(windows or [None] * num_layers))
+    return make_cache_of(impl, layers, batch_size, max_seq_len, dtype, "cpu", cache_dtype)
+
+
+def update(cache, layer, start, k, v):
+    """One layer's update at positions start.. as the decoder's forward makes it (the positions
+    count as held once the last layer has written); (keys, values) to attend over."""
+    pos = Positions(start, k.shape[2])
+    layers = cache.begin(pos, k.shape[0])
+    att = layers[layer].update(k, v, pos)
+    if layer == len(layers) - 1:
+        cache.commit(pos)
+    return att.k, att.v
 
 
 def test_seed_numbers():
@@ -33,7 +58,7 @@ def test_concat_grows_and_none_holds_nothing():
         cache = make_cache(impl, 2, 3, 2, 8, 32)
         k = torch.randn(3, 2, 10, 8)
         for layer in range(2):
-            cache.update(layer, 0, k, k)
+            update(cache, layer, 0, k, k)
         held = kv_cache_bytes(2, 2, 8, 10, 3, 4) if expect else 0
         assert cache.nbytes == held
     del model
@@ -42,24 +67,25 @@ def test_concat_grows_and_none_holds_nothing():
 def test_static_decode_step_allocates_nothing():
     """Decode writes in place: the storage pointers of the cache never change."""
     cache = make_cache("static", 1, 2, 2, 8, 16)
-    ptr = cache.k[0].data_ptr()
-    cache.update(0, 0, torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8))
-    k, v = cache.update(0, 4, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
-    assert k.shape == (2, 2, 5, 8) and k.data_ptr() == ptr and cache.k[0].data_ptr() == ptr
+    keys = cache.layers[0].stores[0].codes
+    ptr = keys.data_ptr()
+    update(cache, 0, 0, torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8))
+    k, v = update(cache, 0, 4, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    assert k.shape == (2, 2, 5, 8) and k.data_ptr() == ptr and cache.layers[0].stores[0].codes.data_ptr() == ptr
 
 
 @pytest.mark.parametrize("impl", ["static", "concat"])
 def test_overflow_raises(impl):
     cache = make_cache(impl, 1, 1, 1, 4, 8)
-    cache.update(0, 0, torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
+    update(cache, 0, 0, torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
     with pytest.raises(ValueError, match="overflow.*max_seq_len=8"):
-        cache.update(0, 6, torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+        update(cache, 0, 6, torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
 
 
 def test_batch_larger_than_cache_raises():
     cache = make_cache("static", 1, 2, 1, 4, 8)
     with pytest.raises(ValueError, match="batch of 3 .* batch_size=2"):
-        cache.update(0, 0, torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
+        update(cache, 0, 0, torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
 
 
 def test_unknown_impl_names_the_key():
@@ -71,9 +97,9 @@ def test_unknown_impl_names_the_key():
 def test_truncate_then_rewrite(impl):
     cache = make_cache(impl, 1, 1, 1, 2, 8)
     a, b = torch.randn(1, 1, 5, 2), torch.randn(1, 1, 2, 2)
-    cache.update(0, 0, a, a)
+    update(cache, 0, 0, a, a)
     cache.truncate(3)
-    k, _ = cache.update(0, 3, b, b)
+    k, _ = update(cache, 0, 3, b, b)
     assert torch.equal(k, torch.cat([a[:, :, :3], b], dim=2)) and cache.length == 5
 
 
@@ -81,25 +107,26 @@ def test_fixed_window_writes_at_a_tensor_position_and_reads_its_bucket():
     """A fixed-shape step's view: it writes the position given as a tensor, reads the first
     multiple of the bucket that holds it (capped at max_seq_len) and masks the positions after."""
     cache = make_cache("static", 2, 3, 2, 4, 20)
-    cache.update(0, 0, torch.randn(3, 2, 11, 4), torch.randn(3, 2, 11, 4))
-    cache.update(1, 0, torch.randn(3, 2, 11, 4), torch.randn(3, 2, 11, 4))
-    window = cache.window(11, 3, bucket=8)
-    assert window.length == 16 and cache.length == 12  # the position counts as held
+    update(cache, 0, 0, torch.randn(3, 2, 11, 4), torch.randn(3, 2, 11, 4))
+    update(cache, 1, 0, torch.randn(3, 2, 11, 4), torch.randn(3, 2, 11, 4))
+    fixed = cache.fixed(11, 3, bucket=8)
+    assert fixed.length == 16 and cache.length == 12  # the position counts as held
     k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
-    pos = torch.tensor([11])
-    keys, values = window.update(1, pos, k, v)
-    assert keys.shape == (3, 2, 16, 4) and keys.data_ptr() == cache.k[1].data_ptr()  # a view, no copy
-    assert torch.equal(cache.k[1][:, :, 11:12], k) and torch.equal(cache.v[1][:, :, 11:12], v)
-    assert window.mask(pos).tolist() == [[j <= 11 for j in range(16)]]
-    assert cache.window(12, 3, bucket=8) is window  # one object per bucket: the compiled step sees the same
-    assert [cache.window(p, 3, bucket=8).length for p in (13, 14, 15, 16)] == [16, 16, 16, 20]  # 24 > max_seq_len
+    pos = Positions.of(torch.tensor([11]))
+    att = fixed.begin(pos, 3)[1].update(k, v, pos)
+    stored_k, stored_v = (s.codes for s in cache.layers[1].stores)
+    assert att.k.shape == (3, 2, 16, 4) and att.k.data_ptr() == stored_k.data_ptr()  # a view, no copy
+    assert torch.equal(stored_k[:, :, 11:12], k) and torch.equal(stored_v[:, :, 11:12], v)
+    assert att.mask.tolist() == [[j <= 11 for j in range(16)]]
+    assert cache.fixed(12, 3, bucket=8) is fixed  # one object per bucket: the compiled step sees the same
+    assert [cache.fixed(p, 3, bucket=8).length for p in (13, 14, 15, 16)] == [16, 16, 16, 20]  # 24 > max_seq_len
     with pytest.raises(ValueError, match="all 3 sequences"):
-        cache.window(17, 2, bucket=8)
+        cache.fixed(17, 2, bucket=8)
     with pytest.raises(ValueError, match="gap"):
-        cache.window(19, 3, bucket=8)
+        cache.fixed(19, 3, bucket=8)
     for impl in ("concat", "none"):
-        with pytest.raises(ValueError, match=f"cache.impl='{impl}' has no fixed-shape window"):
-            make_cache(impl, 1, 1, 1, 4, 8).window(0, 1, bucket=8)
+        with pytest.raises(ValueError, match=f"cache.impl='{impl}' has no fixed-shape view"):
+            make_cache(impl, 1, 1, 1, 4, 8).fixed(0, 1, bucket=8)
 
 
 def test_fixed_window_over_a_shared_prefix_reads_prefix_then_history():
@@ -108,19 +135,19 @@ def test_fixed_window_over_a_shared_prefix_reads_prefix_then_history():
     P = 5
     cache = SharedPrefixCache(make_cache("static", 1, 2, 1, 4, 12), P)
     prefix = torch.randn(1, 1, P, 4)
-    cache.update(0, 0, prefix, prefix)
+    update(cache, 0, 0, prefix, prefix)
     history = torch.randn(2, 1, 3, 4)
-    cache.update(0, P, history, history)
+    update(cache, 0, P, history, history)
     with pytest.raises(ValueError, match="after the shared prefix"):
-        cache.window(P - 1, 2, bucket=4)
-    window = cache.window(P + 3, 2, bucket=4)
-    assert window.length == 4 and cache.length == P + 4 and cache.history.length == 4
+        cache.fixed(P - 1, 2, bucket=4)
+    fixed = cache.fixed(P + 3, 2, bucket=4)
+    assert fixed.length == 4 and cache.length == P + 4 and cache.history.length == 4
     k = torch.randn(2, 1, 1, 4)
-    pos = torch.tensor([P + 3])
-    keys, _ = window.update(0, pos, k, k)
-    assert keys.shape == (2, 1, 4, 4) and torch.equal(cache.history.k[0][:, :, 3:4], k)
-    assert torch.equal(window.shared_prefix(0, pos)[0], prefix)
-    assert window.mask(pos).tolist() == [[j <= P + 3 for j in range(P + 4)]]
+    pos = Positions.of(torch.tensor([P + 3]))
+    att = fixed.begin(pos, 2)[0].update(k, k, pos)
+    assert att.k.shape == (2, 1, 4, 4) and torch.equal(cache.history.layers[0].stores[0].codes[:, :, 3:4], k)
+    assert torch.equal(att.prefix[0], prefix)
+    assert att.mask.tolist() == [[j <= P + 3 for j in range(P + 4)]]
 
 
 # ---- cache.dtype: int8 / float8_e4m3fn codes with a scale per (sequence, head, position) ----
@@ -177,10 +204,10 @@ def test_shared_prefix_is_stored_quantized_once(cache_dtype):
     once = kv_cache_bytes(2, 2, 8, 6, 1, 4, cache_dtype)  # the prefix, batch 1
     assert cache.nbytes == once + kv_cache_bytes(2, 2, 8, 20, 3, 4, cache_dtype)
     prefix = torch.randn(1, 2, 6, 8)
-    k, _ = cache.update(0, 0, prefix, prefix)
+    k, _ = update(cache, 0, 0, prefix, prefix)
     codes, scale = quantize(prefix, cache_dtype)
     assert torch.equal(k, dequantize(codes, scale, torch.float32))
-    assert torch.equal(cache.shared_prefix(0, 6)[0], k)
+    assert torch.equal(cache.layers[0].read_prefix()[0], k)
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
@@ -189,9 +216,9 @@ def test_quantized_update_returns_what_was_stored(cache_dtype):
     read back exactly the dequantized codes of what was written, nothing of other sequences."""
     cache = make_cache("static", 1, 3, 2, 8, 16, cache_dtype=cache_dtype)
     k0, v0 = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
-    cache.update(0, 0, k0, v0)
+    update(cache, 0, 0, k0, v0)
     k1, v1 = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
-    k, v = cache.update(0, 4, k1, v1)
+    k, v = update(cache, 0, 4, k1, v1)
     assert k.shape == v.shape == (2, 2, 5, 8) and k.dtype == torch.float32
     expect = lambda x: dequantize(*quantize(x, cache_dtype), torch.float32)
     assert torch.equal(k, torch.cat([expect(k0[:2]), expect(k1)], 2))
@@ -204,5 +231,5 @@ def test_quantized_cache_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="cache.dtype='int4': must be one of auto, int8, float8_e4m3fn"):
         make_cache("static", 1, 1, 1, 4, 8, cache_dtype="int4")
     cache = make_cache("static", 1, 1, 1, 4, 8, cache_dtype="int8")
-    with pytest.raises(ValueError, match="cache.dtype='int8' has no fixed-shape window"):
-        cache.window(0, 1, 4)
+    with pytest.raises(ValueError, match="cache.dtype='int8' has no fixed-shape view"):
+        cache.fixed(0, 1, 4)

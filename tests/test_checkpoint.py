@@ -14,8 +14,9 @@ from kvbench.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from kvbench.model import Decoder, rope_inv_freq
+from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.rope import rope_inv_freq
 
 
 @pytest.mark.parametrize("num_kv_heads,tie", [(4, False), (2, False), (1, True)],

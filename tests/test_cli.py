@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from conftest import LiveKvbench, compose, kvbench_forked, llama_dir
+from kv_formula import kv_cache_bytes
 from omegaconf import OmegaConf, open_dict
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import CONF_DIR, BenchConfig, to_bench_config
 from kvbench.jobs.sweep import sweep_jobs, sweep_size
 from kvbench.model_config import AttentionConfig, ModelConfig

@@ -96,7 +96,7 @@ def test_group_errors(factory, needle):
     one_line_error(factory, needle)
 
 
-# ---- every key, typed per job (issue 13) -------------------------------------------------------
+# ---- every key, typed per job ----------------------------------------------------------------
 
 GROUPS = [ModelConfig, AttentionConfig, WorkloadConfig, CacheConfig, RuntimeConfig, WandbConfig, DataConfig,
           TrainConfig]

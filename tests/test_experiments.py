@@ -118,3 +118,25 @@ def test_serving_gather_writes_its_table_to_out_in_process(tmp_path):
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith(("| mha", "| gqa", "| mqa"))]
     assert [r[1] for r in rows] == ["8", "2", "1"]  # tiny's KV heads per layout
     assert digests() == before
+
+
+def test_gdn_step_prints_the_long_over_short_ratios_in_process(tmp_path):
+    """experiments/gdn_step.py on a small stack, in this process: a row per stack with its ratios,
+    the bytes of a Gated DeltaNet stack the same at both contexts, the committed results untouched."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import gdn_step
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    before = digests()
+    out = tmp_path / "gdn_step.md"
+    assert gdn_step.main(["--contexts", "8,40", "--layers", "1", "--d-model", "64", "--rounds", "2",
+                          "--out", str(out)]) == 0
+    text = out.read_text()
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines()
+            if line.startswith(("| gdn", "| gqa"))}
+    assert sorted(rows) == ["| gdn", "| gqa"]
+    assert all(float(rows[k][i]) > 0 for k in rows for i in (3, 4, 5))
+    short_bytes, long_bytes = rows["| gdn"][6].strip(" |").split(" / ")
+    assert short_bytes == long_bytes and "Gated DeltaNet: a step at 40 positions takes" in text
+    assert digests() == before

@@ -44,7 +44,7 @@ def test_generation_in_each_dtype(dtype):
     prompt = torch.randint(0, 97, (2, 6))
     out = greedy_generate(model, prompt, 4, cache_for(model, "static", 2, 10), keep_logits=True)
     assert out.tokens.shape == (2, 5) and out.logits.dtype == torch.float32
-    assert cache_for(model, "static", 2, 10).k[0].dtype == dtype
+    assert cache_for(model, "static", 2, 10).tensors()[0].dtype == dtype
     # the low-precision run stays close to float32 with the same weights
     ref = make_decoder(2, dtype=torch.float32)
     ref_out = greedy_generate(ref, prompt, 0, cache_for(ref, "static", 2, 10), keep_logits=True)
@@ -69,9 +69,8 @@ def test_fixed_shape_step_counts_the_positions_its_windows_read():
     """What the roofline counts for a fixed-shape step is what each step's window reads."""
     model = make_decoder(2)
     cache, step = cache_for(model, "static", 1, 20), FixedShapeStep(bucket=8)
-    cache.update(0, 0, *[torch.zeros(1, 2, 11, 8)] * 2)
-    cache.update(1, 0, *[torch.zeros(1, 2, 11, 8)] * 2)
-    read = [cache.window(p, 1, 8).length for p in range(11, 20)]
+    prefill(model, torch.zeros(1, 11, dtype=torch.long), cache)
+    read = [cache.fixed(p, 1, 8).length for p in range(11, 20)]
     assert step.lengths(cache_for(model, "static", 1, 20), range(11, 20)) == read == [16] * 5 + [20] * 4
 
 
@@ -158,7 +157,7 @@ def test_prefill_outside_inference_mode_leaves_no_graph_in_the_cache(impl):
     cache = cache_for(model, impl, 2, 32)
     logits = prefill(model, prompt, cache)
     for layer in range(len(model.blocks)):
-        for t in (cache.k[layer], cache.v[layer]):
+        for t in cache.layers[layer].tensors():
             assert t.grad_fn is None and not t.requires_grad
     with torch.no_grad():
         reference = model(prompt)[:, -1]

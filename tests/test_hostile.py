@@ -1,4 +1,4 @@
-"""Careless and hostile input (issue 29): each test plants what a user or an attacker could leave
+"""Careless and hostile input: each test plants what a user or an attacker could leave
 behind (a formula in a config value, raw HTML, an ``ok`` record with nothing or NaN in it, a
 typo in a group name, a sweep whose every job is invalid) and checks what kvbench makes of it."""
 

@@ -274,7 +274,7 @@ def test_train_init_from_trains_and_saves_the_window_its_record_names(trained, t
     assert result.status == "ok", result.error
     assert result.config["attention"]["window"] == 8
     saved = checkpoint.load_checkpoint(tmp_path / "checkpoint.pt")
-    assert saved.layer_windows == windows and saved.num_kv_heads == kv
+    assert list(saved.layouts.windows) == windows and saved.num_kv_heads == kv
     assert saved.attention.window == 8
 
 
@@ -302,12 +302,12 @@ def test_a_checkpoint_directory_run_with_another_window_runs_that_window(checkpo
     from kvbench.tasks.common import build_model
 
     cfg = to_bench_config(compose(*FAST, "model=hf_dir", f"model.path={checkpoints['llama']}", "attention.window=4"))
-    assert build_model(cfg, torch.device("cpu")).layer_windows == [4, 4]
+    assert build_model(cfg, torch.device("cpu")).layouts.windows == (4, 4)
     # and a checkpoint's own window can be switched off (0), or kept (null)
     qwen = ["model=hf_dir", f"model.path={checkpoints['qwen3']}"]
     assert build_model(to_bench_config(compose(*FAST, *qwen, "attention.window=0")),
-                       torch.device("cpu")).layer_windows == [None, None]
-    assert build_model(to_bench_config(compose(*FAST, *qwen)), torch.device("cpu")).layer_windows == [None, 8]
+                       torch.device("cpu")).layouts.windows == (None, None)
+    assert build_model(to_bench_config(compose(*FAST, *qwen)), torch.device("cpu")).layouts.windows == (None, 8)
 
 
 RECALL = ["task=recall", "model=tiny", "model.num_layers=2", "model.d_model=32", "model.num_heads=4",
@@ -341,7 +341,7 @@ def test_recall_uptrain_scores_the_variant_with_its_window(tmp_path, monkeypatch
     scored = []
     real = recall._scores
     monkeypatch.setattr(recall, "_scores", lambda model, *a: scored.append(
-        (model.layer_windows, model.num_kv_heads, model.attention.latent)) or real(model, *a))
+        (list(model.layouts.windows), model.num_kv_heads, model.attention.latent)) or real(model, *a))
     result = job(tmp_path, *RECALL, *overrides, "recall.uptrain_steps=1")
     assert result.status == "ok", result.error
     kv = result.config["attention"]["num_kv_heads"]
@@ -508,7 +508,7 @@ def test_eval_of_a_windowed_kvbench_checkpoint_is_the_model_it_saved_unless_aske
     path = save_checkpoint(tmp_path / "windowed.pt", windowed)
     seen = []
     real = train_module.evaluate
-    monkeypatch.setattr(train_module, "evaluate", lambda model, *a, **k: seen.append(model.layer_windows) or
+    monkeypatch.setattr(train_module, "evaluate", lambda model, *a, **k: seen.append(list(model.layouts.windows)) or
                         real(model, *a, **k))
     result = job(tmp_path / "eval", "task=eval", f"train.checkpoint={path}", f"data.path={corpus}", *TRAIN, *overrides)
     assert result.status == "ok", result.error

@@ -1,4 +1,4 @@
-"""Hostile and careless input to the layouts and tasks added since round 3 (issue 29's classes):
+"""Hostile and careless input to the layouts and tasks added since round 3:
 multi-head latent attention's ranks, sliding windows and layer patterns, task=recall's knobs, the
 large presets on a CPU, and kvbench-report on malformed recall records. Each is one line naming
 the key and the value (a ConfigError: the job is ``invalid``, a single run exits 2), sized from

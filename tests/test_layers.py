@@ -16,13 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config_errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
-     "jobs.forkserver", "attention", "serving.trace", "progress"],
-    ["hf_config", "hf_weights", "serving.record"],
-    ["model_config", "recall_config", "capacity_config", "serving_config"],
-    ["workload_config"],
-    ["config", "serving.arrivals"],
-    ["kv_store"],
-    ["model", "cache", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
+     "jobs.forkserver", "serving.trace", "progress", "dtypes", "norm"],
+    ["hf_config", "hf_weights", "serving.record", "layouts.base"],
+    ["layouts.kv_heads"],
+    ["layouts.latent", "layouts.gated_deltanet"],
+    ["layouts.build", "model_config", "recall_config", "capacity_config", "serving_config"],
+    ["workload_config", "rope"],
+    ["config", "serving.arrivals", "kv_store", "state_cache"],
+    ["cache"],
+    ["shared_prefix"],
+    ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention"],
+    ["layouts.attention"],
+    ["model", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
     ["footprint", "views", "serving.metrics", "serving.paged"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",
      "serving.scheduler"],
@@ -167,3 +172,13 @@ def test_the_docs_layout_page_lists_the_layers():
     """docs/layout.md's table is LAYERS: every module, on its layer, in this order."""
     rows = re.findall(r"^\| (\d+) \| `([\w.]+)` \|", LAYOUT_PAGE.read_text(), re.M)
     assert [(int(layer), mod) for layer, mod in rows] == [(i, m) for i, layer in enumerate(LAYERS) for m in layer]
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject lists the packages a wheel holds (setuptools does not find them itself there): a
+    package missing from the list works in an editable install and is absent from a real one."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert {f"kvbench.{name}" if name else "kvbench" for name in found} <= listed

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from conftest import VOCAB, deepseek_dir, llama_dir
 from hydra import compose, initialize_config_dir
+from kv_formula import kv_cache_bytes
 from test_checkpoint import PROMPT, STEPS, logits_with_cache, rope
 from test_cli import TINY, kvbench
 
-from kvbench.cache import cache_for, kv_cache_bytes, shared_cache_for
+from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config import (
     CONF_DIR,
@@ -30,10 +31,14 @@ from kvbench.config import (
     WorkloadConfig,
     to_bench_config,
 )
-from kvbench.model import Decoder, mla_decode, rope_attention_factor, rope_inv_freq
+from kvbench.layouts.build import build_layouts
+from kvbench.layouts.latent_attention import mla_decode
+from kvbench.model import Decoder
 from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.fidelity import mla_form_fidelity
 from kvbench.quality.train import run_eval
+from kvbench.rope import rope_attention_factor, rope_inv_freq
+from kvbench.shared_prefix import shared_cache_for
 from kvbench.tasks.inspect import describe
 
 MODEL = ModelConfig(name="t", num_layers=2, d_model=64, num_heads=8, ffn_dim=96, vocab_size=VOCAB, max_seq_len=64)
@@ -48,7 +53,7 @@ def test_defaults_follow_deepseek_ratios_and_a_models_own_layout_wins():
     a = AttentionConfig(type="mla").resolved(MODEL)  # head_dim 8
     assert (a.num_kv_heads, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
             a.v_head_dim) == (1, 0, 32, 8, 4, 8)
-    assert a.kv_dims(MODEL) == (1, 36, True)
+    assert build_layouts(MODEL, a)[0].stored == (1, (36,))
     own = ModelConfig(**{**vars(MODEL), "preset_mla": {"kv_lora_rank": 16, "qk_rope_head_dim": 2}})
     a = AttentionConfig(type="mla", v_head_dim=4).resolved(own)
     assert (a.kv_lora_rank, a.qk_rope_head_dim, a.v_head_dim) == (16, 2, 4)
@@ -133,7 +138,7 @@ def test_latent_cache_allocates_exactly_the_formula(cache_dtype, dtype):
 def test_deepseek_v3_inspect_prints_70272_bytes_per_token_in_bf16_and_mha_for_comparison(tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=["model=deepseek_v3", "task=inspect"]))
-    assert cfg.attention.type == "mla" and cfg.attention.kv_dims(cfg.model) == (1, 576, True)
+    assert cfg.attention.type == "mla" and build_layouts(cfg.model, cfg.attention)[0].stored == (1, (576,))
     text = describe(cfg)
     bf16 = next(line for line in text.splitlines() if line.startswith("bfloat16"))
     assert "(70,272)" in bf16 and 61 * (512 + 64) * 2 == 70_272
@@ -156,7 +161,7 @@ def test_deepseek_checkpoints_match_transformers_over_prefill_and_cached_decode(
     prompt and 16 cached decode steps, in each decode form."""
     path, hf = deepseek_dir(tmp_path, family, max_position_embeddings=PROMPT + STEPS, **overrides)
     model, _ = load_llama_dir(path, torch.float32)
-    assert model.attention.kv_dims(model.config) == (1, 16 + 4, True)
+    assert model.layouts[0].stored == (1, (16 + 4,))
     tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
     with mla_decode(model, form):
         ours, theirs = logits_with_cache(model, hf, tokens)

@@ -6,10 +6,13 @@ formula (a local layer holds min(S, W) latents of kv_lora_rank + qk_rope_head_di
 import pytest
 import torch
 from conftest import VOCAB, tiny_model_config
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import cache_for, kv_cache_bytes, shared_cache_for
-from kvbench.model import Decoder, mla_decode
+from kvbench.cache import cache_for
+from kvbench.layouts.latent_attention import mla_decode
+from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig
+from kvbench.shared_prefix import shared_cache_for
 
 W, R, ROPE = 5, 16, 4
 
@@ -57,8 +60,8 @@ def test_a_latent_ring_allocates_the_formula(pattern):
     model = latent_windowed(**pattern)
     S, B = 40, 3
     cache = cache_for(model, "static", B, S)
-    by_hand = sum(S if w is None else min(S, w) for w in model.layer_windows) * (R + ROPE) * 4 * B
-    assert cache.nbytes == by_hand == kv_cache_bytes(3, 1, R + ROPE, S, B, 4, windows=model.layer_windows,
+    by_hand = sum(S if w is None else min(S, w) for w in list(model.layouts.windows)) * (R + ROPE) * 4 * B
+    assert cache.nbytes == by_hand == kv_cache_bytes(3, 1, R + ROPE, S, B, 4, windows=list(model.layouts.windows),
                                                      latent=True)
 
 
@@ -79,5 +82,6 @@ def test_windowed_decode_on_cuda_equals_recompute(latent):
         got = [model(tokens[:, :2 * W - 1], cache, 0)]
         got += [model(tokens[:, p:p + 1], cache, p) for p in range(2 * W - 1, 5 * W)]
     torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-4, rtol=1e-4)
-    assert cache.nbytes == kv_cache_bytes(6, *model.kv_dims()[:2], 5 * W, 2, 4, windows=model.layer_windows,
+    heads, width = (1, R + ROPE) if latent else (8, 8)  # MLA's latent, or MHA's 8 heads of 64 / 8
+    assert cache.nbytes == kv_cache_bytes(6, heads, width, 5 * W, 2, 4, windows=list(model.layouts.windows),
                                           latent=latent)

@@ -8,7 +8,8 @@ from conftest import make_decoder
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench.config_errors import ConfigError
-from kvbench.model import grouped_attention, kv_group_map
+from kvbench.layouts.kv_heads import kv_group_map
+from kvbench.layouts.kv_heads_attention import grouped_attention
 
 
 def reference_attention(q, k, v, causal_mask):
@@ -37,7 +38,7 @@ def test_attention_takes_the_output_layout_of_cuda_kernels(monkeypatch, num_kv_h
     """CUDA's fused SDPA kernels return (B, H_kv, M, D) strided as (B, M, H_kv, D); GQA once failed on
     a GPU with "view size is not compatible" (seen in the first GPU check). The same values in that
     layout must give the same result."""
-    import kvbench.model as model_module
+    import kvbench.layouts.kv_heads_attention as model_module
 
     plain = model_module.F.scaled_dot_product_attention
 

@@ -88,7 +88,9 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=llama2_7b attention=mha workload.prompt_len=4000 workload.gen_len=96 "
         "workload.batch_size=64": Step(),
         "kvbench task=inspect model=llama2_7b": Step(),
+        "kvbench task=inspect model=gpt_oss_120b": Step(),
     },
+    "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
     "slurm": {
         "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
         "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import byte_decoder, call_with_timeout, compose, llama_dir
+from kv_formula import kv_cache_bytes
 from safetensors.torch import load_file, save_file
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import save_checkpoint
 from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError
 from kvbench.jobs import runner
@@ -129,7 +129,7 @@ def test_in_process_jobs_do_not_inherit_threads_or_peak_rss(tmp_path, monkeypatc
     assert "runtime.isolate=false" in second.metrics["peak_rss_reason"]
 
 
-# ---- bad input is the user's: invalid, one line naming the key or the file (issue 13) ----------
+# ---- bad input is the user's: invalid, one line naming the key or the file -----------------------
 
 @pytest.mark.parametrize("overrides, needle", [
     (["model=llama_dir"], "model.path=???"),  # once: a random 2-layer model, "ok"
@@ -389,7 +389,7 @@ def test_every_metric_of_every_kind_of_record_has_a_unit_a_method_and_a_readme_r
             "kv_heads_conversion", "checkpoint_num_kv_heads", "roofline_bound", "max_batch_longest",
             "kv_pool_kl_nats"} <= \
         {k for r in records.values() for k in r.metrics}
-    # compile_s needs a compiler toolchain (issue 15's compiled-decode tests run it): its method is there
+    # compile_s needs a compiler toolchain: its method is there
     assert DECODE["compile_s"].startswith("s;") and "`compile_s`" in readme
 
 

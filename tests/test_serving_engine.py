@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_decoder, tiny_model_config
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cache import cache_for
 from kvbench.config_errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.model import Decoder
@@ -98,7 +99,9 @@ def held_positions(scheduler):
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_the_budget_holds_and_block_accounting_is_the_formula_every_iteration(layout, prefix_caching):
     model = MODELS[layout]()
-    heads, width, latent = model.kv_dims()
+    a = model.attention
+    heads, width, latent = ((1, a.kv_lora_rank + a.qk_rope_head_dim, True) if layout == "mla"
+                            else (a.num_kv_heads, model.config.head_dim, False))
     per_token = kv_cache_bytes(model.config.num_layers, heads, width, 1, 1, 4, latent=latent)
     requests, prompts = workload(model.config.vocab_size, n=12, prefix=8 if prefix_caching else 0)
     store = PagedStore(model, 12, BS, prefix_caching)

@@ -76,7 +76,7 @@ def test_slurm_preset_submits_an_array_with_one_gpu_per_job(tmp_path):
 
 @pytest.mark.e2e
 def test_submitit_local_multirun_writes_every_record(tmp_path):
-    from kvbench.cache import kv_cache_bytes
+    from kv_formula import kv_cache_bytes
 
     sweep = tmp_path / "sweep"
     proc = subprocess.run(

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import VOCAB, corpus, hf_dir, tiny_model_config  # noqa: F401 (corpus: a fixture)
+from kv_formula import kv_cache_bytes
 from test_checkpoint import PROMPT, STEPS, logits_with_cache
 
-from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config import (
     AttentionConfig,
@@ -82,9 +83,9 @@ def test_bytes_allocated_equal_the_formula(pattern, cache_dtype):
     model = windowed(2, **pattern)
     S, B = 40, 3
     cache = cache_for(model, "static", B, S, cache_dtype)
-    by_hand = sum(S if w is None else min(S, w) for w in model.layer_windows) * 2 * 2 * 8 * B
+    by_hand = sum(S if w is None else min(S, w) for w in list(model.layouts.windows)) * 2 * 2 * 8 * B
     by_hand *= 4 if cache_dtype == "auto" else (1 + 4 / 8)  # int8 codes + a float32 scale per vector of 8
-    assert cache.nbytes == by_hand == kv_cache_bytes(3, 2, 8, S, B, 4, cache_dtype, model.layer_windows)
+    assert cache.nbytes == by_hand == kv_cache_bytes(3, 2, 8, S, B, 4, cache_dtype, list(model.layouts.windows))
 
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2])
@@ -95,7 +96,7 @@ def test_shared_prefix_with_a_window_equals_recompute(num_kv_heads, pattern):
     to 20 positions past it: the logits of each conversation recomputed whole with the prompt in
     front. A local layer keeps only the prompt's last min(P, W) positions (the only ones a later
     token still sees) and a ring of W per conversation: bytes == the formula of both parts."""
-    from kvbench.cache import shared_cache_for
+    from kvbench.shared_prefix import shared_cache_for
 
     model = windowed(num_kv_heads, **pattern)
     P, B, N = 8, 2, 20
@@ -107,7 +108,7 @@ def test_shared_prefix_with_a_window_equals_recompute(num_kv_heads, pattern):
         got = [model(own[:, :3], cache, P), model(own[:, 3:10], cache, P + 3)]
         got += [model(own[:, i:i + 1], cache, P + i) for i in range(10, N)]
     torch.testing.assert_close(torch.cat(got, 1), full, atol=2e-5, rtol=1e-5)
-    windows = model.layer_windows
+    windows = list(model.layouts.windows)
     assert cache.nbytes == kv_cache_bytes(3, num_kv_heads, 8, P, 1, 4, "auto", windows) + kv_cache_bytes(
         3, num_kv_heads, 8, N, B, 4, "auto", windows)
 
@@ -138,7 +139,7 @@ def test_windowed_checkpoints_match_transformers_past_the_window(tmp_path, famil
     each side with its own cache: max logit difference <= 1e-5 (float32)."""
     path, hf = hf_dir(tmp_path, num_kv_heads, False, family, max_position_embeddings=PROMPT + STEPS, **overrides)
     model, _ = load_llama_dir(path, torch.float32)
-    assert model.layer_windows == windows
+    assert list(model.layouts.windows) == windows
     tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
     ours, theirs = logits_with_cache(model, hf, tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5

@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import MAX_GB_PER_S
 from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
@@ -79,23 +78,16 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
     embed = model.embed.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
-    # a local layer reads at most its W positions (the same formula as the cache's allocation)
-    heads, width, latent = model.kv_dims()
-    kv = int(kv_cache_bytes(cfg.num_layers, heads, width, context_len, batch_size, element, cache_dtype,
-                            getattr(model, "layer_windows", None), latent=latent))
+    # each layer reads what it holds at that context (a local layer at most its W positions)
+    kv = model.layouts.cache_bytes(context_len, batch_size, element, cache_dtype)
     return weights + kv, kv
 
 
 def decode_flops(model, batch_size: int, context_len: float) -> float:
     """Floating-point operations of one decode step: a multiply-add per weight (the embedding is
-    a lookup) and per K/V element read by the attention (MLA: the absorbed form, each head's query
-    against R + d_rope latent elements and its output over R)."""
-    cfg = model.config
+    a lookup) and each layer's attention over the positions it reads (its layout's formula)."""
     weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.embed.weight.numel()
-    _, width, latent = model.kv_dims()
-    per_head = 2 * width - model.attention.qk_rope_head_dim if latent else 2 * cfg.head_dim  # QK^T and PV
-    attention = cfg.num_layers * cfg.num_heads * per_head * context_len
-    return 2.0 * batch_size * (weights + attention)
+    return batch_size * (2.0 * weights + model.layouts.step_flops(context_len))
 
 
 def _machine_key(device: torch.device) -> str:

@@ -14,11 +14,12 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache import KVCache, cache_for
+from kvbench.cache import Cache, cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads
 from kvbench.generate import decode_step, greedy_generate
+from kvbench.layouts.latent_attention import mla_decode
 from kvbench.metrics import Metric, metric_table, record_methods
-from kvbench.model import Decoder, mla_decode
+from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig
 
 # Units and methods of the metrics below (merged into a decode record's ``methods``).
@@ -82,7 +83,7 @@ def _compare(logits: torch.Tensor, reference: torch.Tensor) -> Tuple[float, floa
 
 @torch.inference_mode()
 def cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str = "static",
-                   step=decode_step, cache: Optional[KVCache] = None, rows: Optional[int] = None,
+                   step=decode_step, cache: Optional[Cache] = None, rows: Optional[int] = None,
                    cache_dtype: str = "auto") -> Dict[str, float]:
     """A cached greedy decode against one uncached forward pass over the same tokens.
 
@@ -156,7 +157,7 @@ def dtype_fidelity(model_lowp: Decoder, model_fp32: Optional[Decoder], prompt: t
 
 
 def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtype: str,
-             step=decode_step, cache: Optional[KVCache] = None, cache_dtype: str = "auto") -> Dict[str, Any]:
+             step=decode_step, cache: Optional[Cache] = None, cache_dtype: str = "auto") -> Dict[str, Any]:
     """Quality of what was timed, on up to 2 sequences and 16 steps (cheap next to the trials):
     cached decode vs a full recompute, for a quantized cache (``cache_dtype``) vs the unquantized
     one, and for half precision vs float32 with the same weights.

@@ -9,11 +9,12 @@
 - :class:`SlotStore` (``workload.store=slots``): the static cache, one slot of ``slot_len``
   positions per running request, taken whole when it is admitted.
 
-Both hold one (slots, H_kv, D) tensor per layer for K and one for V (MLA's latent: one
-(slots, 1, R + d_rope) tensor), slots = blocks x block size, so the bytes allocated equal the
-KV formula (:func:`kvbench.cache.kv_cache_bytes`) for that many positions. :class:`BatchView` is
-what the decoder's attention sees for one forward: each sequence's new K/V written into its
-blocks and the K/V of all its positions gathered back, padded to the longest, with a key mask.
+Both hold per layer what its layout stores per position (K and V (slots, H_kv, D), MLA's one
+latent (slots, 1, R + d_rope)) in :class:`~kvbench.kv_store.KVStore`'s, slots = blocks x block
+size, so the bytes allocated equal the layouts' KV formula for that many positions.
+:class:`BatchView` is the cache the decoder sees for one forward: each sequence's new K/V
+written into its blocks and the K/V of all its positions gathered back, padded to the longest,
+with a key mask.
 
 Notation: B sequences, T new tokens each, S keys (positions) attended, H_kv KV heads, D width.
 """
@@ -26,24 +27,20 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from kvbench.cache import kv_cache_bytes
+from kvbench.cache import Attend, LayerCache, Positions, mask_over, visible
 from kvbench.config_errors import ConfigError
+from kvbench.kv_store import KVStore
 
 
 def bytes_per_token(model) -> int:
     """KV bytes one token of one sequence holds in all layers (the formula at seq_len 1)."""
-    heads, width, latent = model.kv_dims()
-    element = torch.empty((), dtype=model.dtype).element_size()
-    return kv_cache_bytes(model.config.num_layers, heads, width, 1, 1, element, latent=latent)
+    return model.layouts.bytes_per_token(model.dtype.itemsize)
 
 
-def check_model(model, cache_dtype: str = "auto") -> None:
-    """A one-line refusal of what the serving stores do not hold: sliding windows (every layer
-    keeps every position here) and quantized K/V."""
-    windows = [w for w in getattr(model, "layer_windows", []) if w is not None]
-    if windows:
-        raise ConfigError(f"attention.window={windows[0]}: workload=serving's KV stores keep every position of "
-                          "every layer; a sliding window is not supported there (use attention.window=0)")
+def check_model(model, cache_dtype: str = "auto", store: str = "paged") -> None:
+    """A one-line refusal of what the serving stores do not hold: what a layer's layout does not
+    run with in a serving store (its limits), and quantized K/V."""
+    model.layouts.check({"workload.store": store})
     if cache_dtype != "auto":
         raise ConfigError(f"cache.dtype={cache_dtype!r}: workload=serving stores K/V in the compute dtype; "
                           "use cache.dtype=auto")
@@ -66,15 +63,13 @@ class PagedStore:
     kind = "paged"
 
     def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        heads, width, latent = model.kv_dims()
-        self.num_blocks, self.block_size, self.latent = num_blocks, block_size, latent
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = prefix_caching and self.kind == "paged"
         self.bytes_per_token = bytes_per_token(model)
         slots = num_blocks * block_size
-        make = lambda: [torch.zeros(slots, heads, width, dtype=model.dtype, device=model.device)  # noqa: E731
-                        for _ in range(model.config.num_layers)]
-        self.k = make()  # per layer (slots, H_kv, D); slot = block * block_size + offset
-        self.v = None if latent else make()
+        # per layer, per stored tensor (K and V, or one latent): (slots, H_kv, D); slot = block * block_size + offset
+        self.layers = [[KVStore((slots, layout.stored[0], width), "auto", model.dtype, model.device, axis=0)
+                        for width in layout.stored[1]] for layout in model.layouts]
         self.device = model.device
         self.ref = [0] * num_blocks
         self.filled = [0] * num_blocks  # positions written in each block
@@ -106,7 +101,7 @@ class PagedStore:
     @property
     def nbytes(self) -> int:
         """Bytes of K/V storage allocated (all blocks)."""
-        return sum(t.untyped_storage().nbytes() for t in self.k + (self.v or []))
+        return sum(t.untyped_storage().nbytes() for stores in self.layers for s in stores for t in s.tensors())
 
     def can_grow(self, seq: SeqBlocks, length: int) -> bool:
         return self.blocks_for(length) - len(seq.table) <= len(self.free)
@@ -210,10 +205,10 @@ class SlotStore(PagedStore):
 
 
 class BatchView:
-    """One forward's view of a store, passed to the decoder as its cache: ``update`` writes the
-    new K/V (B, H_kv, T, D) of every sequence at its own positions and returns the K/V of all its
-    positions (B, H_kv, S, D), S the longest sequence's, shorter ones padded (``mask`` hides the
-    padding; None when B = 1: no padding, the decoder's causal mask is right)."""
+    """One forward's view of a store, passed to the decoder as its cache: each layer writes the
+    new K/V (B, H_kv, T, D) of every sequence at its own positions and reads the K/V of all its
+    positions (B, H_kv, S, D), S the longest sequence's, shorter ones padded (the mask hides the
+    padding: a query sees the keys at positions up to its own)."""
 
     def __init__(self, store: PagedStore, seqs: Sequence[SeqBlocks], T: int):
         self.store, self.T = store, T
@@ -231,26 +226,36 @@ class BatchView:
         self.write = read.gather(1, new).reshape(-1).to(dev)  # (B*T,)
         self.read = read.to(dev)
         self.flat_read = self.read.reshape(-1)
-        self.positions = new.to(dev)  # (B, T) rotary positions
-        # (B, T, S): query t of sequence b sees keys at positions <= its own
-        self.mask = None if len(seqs) == 1 else (pos[None, None] <= new[:, :, None]).to(dev)
+        if len(seqs) == 1:  # no padding: the plain causal rule over positions 0..S-1
+            self.positions = Positions(seqs[0].length, T, dev)
+            self.mask, self.causal = mask_over(self.positions, [(0, S)])
+        else:
+            self.positions = Positions.of(new.to(dev))  # (B, T) rotary positions
+            self.mask, self.causal = visible(self.positions.ids, pos.to(dev)), False  # (B, T, S)
+        self.layers = [PagedLayer(self, stores) for stores in store.layers]
 
-    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
-        # index_select of the flat (B*S,) index: ~15x faster on a CPU than slots[self.read]'s
-        # advanced indexing, for the same copy
+    def begin(self, pos: Positions, batch_size: int) -> List[LayerCache]:
+        return self.layers
+
+    def commit(self, pos: Positions) -> None:
+        pass  # the store counts what was written (PagedStore.written)
+
+    def gather(self, store: KVStore) -> torch.Tensor:
+        # index_select of the flat (B*S,) index: ~15x faster on a CPU than advanced indexing, for the same copy
         B, S = self.read.shape
-        return slots.index_select(0, self.flat_read).view(B, S, *slots.shape[1:]).transpose(1, 2)
+        return store.gather(self.flat_read).view(B, S, *store.codes.shape[1:]).transpose(1, 2)
 
-    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: Optional[torch.Tensor]):
-        B, H, T, D = k.shape
-        keys = self.store.k[layer]
-        keys.index_copy_(0, self.write, k.transpose(1, 2).reshape(B * T, H, D))
-        k_all = self._gather(keys)  # (B, H_kv, S, D)
-        if v is None:  # a latent store: one tensor
-            return k_all, None
-        values = self.store.v[layer]
-        values.index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, H, v.shape[-1]))
-        return k_all, self._gather(values)
 
-    def shared_prefix(self, layer: int, start_pos: int):
-        return None  # shared blocks are gathered like any other
+class PagedLayer(LayerCache):
+    """One layer of a :class:`BatchView`."""
+
+    def __init__(self, view: BatchView, stores: List[KVStore]):
+        self.view, self.stores = view, stores
+
+    def update(self, k, v, pos):
+        out = []
+        for store, x in zip(self.stores, (k, v)):
+            B, H, T, D = x.shape
+            store.write(self.view.write, x.transpose(1, 2).reshape(B * T, H, D))
+            out.append(self.view.gather(store))  # (B, H_kv, S, D)
+        return Attend(out[0], out[1] if len(out) > 1 else None, self.view.mask, self.view.causal)

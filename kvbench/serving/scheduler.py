@@ -170,7 +170,7 @@ class Scheduler:
         view = self.store.view([s.blocks for s in seqs], T)
         ids = torch.tensor([s.tokens[s.blocks.length:s.blocks.length + T] for s in seqs],
                            dtype=torch.long, device=self.model.device)  # (B, T)
-        logits = self.model(ids, view, 0, positions=view.positions, mask=view.mask, last_only=True)  # (B, 1, V)
+        logits = self.model(ids, view, view.positions, last_only=True)  # (B, 1, V)
         self.store.written([s.blocks for s in seqs], T)
         for s in seqs:
             self.store.register(s.blocks, s.tokens)

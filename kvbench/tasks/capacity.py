@@ -7,7 +7,7 @@ For each context length (``capacity.context_lens``, prompt tokens; every sequenc
 1. measures calibration probes at batches 1 and 4: their peak memory minus the weights and the KV
    formula is the activation overhead, split into a fixed part and a part per sequence (the
    difference between the two);
-2. predicts the largest batch from weights + KV formula (:func:`kvbench.cache.kv_cache_bytes`,
+2. predicts the largest batch from weights + KV formula (the layer layouts' formula,
    the formula ``task=inspect`` prints) + that overhead (:func:`predict_max_batch`);
 3. confirms and bisects with measured probes (:func:`search_capacity`, a pure function over a
    ``measure(batch) -> probe`` callable) until the answer is within ``capacity.batch_step`` of the
@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from kvbench.cache import KVCache, cache_for
+from kvbench.cache import Cache, cache_for
 from kvbench.config import BenchConfig
 from kvbench.config_errors import ConfigError
 from kvbench.generate import decode_step
@@ -154,7 +154,7 @@ class Stepper:
     decode steps wrote), again and again, rolled back to ``start`` when they run out. It feeds a
     fixed token: what a step costs depends on the shapes, not on the token."""
 
-    def __init__(self, model: Decoder, cache: KVCache, start: int, end: int, step=decode_step):
+    def __init__(self, model: Decoder, cache: Cache, start: int, end: int, step=decode_step):
         if not (cache.stores_history and 0 <= start < end <= cache.length):
             raise ValueError(f"cannot step positions {start}..{end - 1} of a {cache.impl} cache holding "
                              f"{cache.length}")
@@ -169,26 +169,12 @@ class Stepper:
     def ready(self) -> None:
         """Roll back when the positions ran out (outside the timed step)."""
         if self.pos == self.end:
-            rewind(self.cache, self.start)
+            self.cache.rewind(self.start)
             self.pos = self.start
 
     def __call__(self) -> None:
         self.step(self.model, self.token, self.cache, self.pos)
         self.pos += 1
-
-
-def rewind(cache: KVCache, length: int) -> None:
-    """Roll ``cache`` back to ``length`` positions to repeat steps whose cost, not their output, is
-    timed. A sliding window's ring refuses a true roll back (:meth:`KVCache.truncate`) once a later
-    position overwrote one the repeated step would read; that step still reads the same number of
-    keys, min(position + 1, W) per local layer, so for a ring only the held lengths move back."""
-    if all(w is None for w in cache.windows):
-        cache.truncate(length)
-        return
-    history = getattr(cache, "history", None)  # a shared prefix's own conversations
-    if history is not None:
-        history.length = length - cache.prefix_len
-    cache.length = length
 
 
 def time_pairs(probe: Stepper, reference: Stepper, pairs: int,

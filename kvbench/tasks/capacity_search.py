@@ -3,7 +3,7 @@
 For one context, :func:`search_capacity` starts at a prediction, gallops away from it until the
 boundary is bracketed, then bisects, over a ``measure(batch) -> probe`` callable (its only side
 effect); :func:`predict_max_batch` / :func:`formula_max_batch` predict the largest batch from
-weights + the KV formula (:func:`kvbench.cache.kv_cache_bytes`, the formula ``task=inspect``
+weights + the KV formula (the layer layouts' :meth:`~kvbench.layouts.Layouts.cache_bytes`, the formula ``task=inspect``
 prints) + the activation overhead the calibration probes measured (:func:`split_activation`);
 :func:`violations` judges a probe against the budget and the SLOs. The probes themselves are
 :mod:`kvbench.tasks.capacity`'s.
@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.layouts.build import build_layouts
 
 SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed
 
@@ -119,18 +119,17 @@ def contexts(cfg: BenchConfig) -> List[int]:
 
 
 def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
-    """KV formula (:func:`kvbench.cache.kv_cache_bytes`, the one formula) of what the probe's cache
+    """KV formula (the layer layouts', the one formula) of what the probe's cache
     holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
     a chat, ``context`` positions per conversation, of which the system prompt's are held once
     when ``cache.shared``; ``cache.impl=none`` holds nothing (its recomputed K/V are activations)."""
     m, w = cfg.model, cfg.workload
     if cfg.cache.impl == "none":
         return 0
-    heads, width, latent = cfg.attention.kv_dims(m)
+    layers = build_layouts(m, cfg.attention)
 
     def held(positions: int, sequences: int) -> int:
-        return kv_cache_bytes(m.num_layers, heads, width, positions, sequences, DTYPE_BYTES[cfg.runtime.dtype],
-                              windows=cfg.attention.layer_windows(m.num_layers), latent=latent)
+        return layers.cache_bytes(positions, sequences, DTYPE_BYTES[cfg.runtime.dtype])
 
     if w.name != "multiturn":
         return held(context + w.gen_len, batch)

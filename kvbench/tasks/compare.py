@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cache import cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import decode_step, prefill
@@ -71,7 +71,7 @@ METRICS: Dict[str, Metric] = metric_table(
                            "the context costs"),
     Metric("<v>_kv_bytes_per_token", "bytes",
            "what the cache stores for one position of one sequence in every layer "
-                              "(kvbench.cache.kv_cache_bytes at one position): 2 * layers * kv_heads * head_dim "
+                              "(the layer layouts' formula at one position): 2 * layers * kv_heads * head_dim "
                               "* bytes_per_element, or MLA's layers * (kv_lora_rank + qk_rope_head_dim) * "
                               "bytes_per_element"),
     Metric("<v>_kv_bytes_ctx<C>", "bytes", "the KV formula for one sequence holding C positions (a local layer "
@@ -115,9 +115,10 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 
 
 @dataclass
-class Variant:
-    """One attention variant of the comparison: its label (metric prefix), layout and model, and
-    what its attention weights are (``weights``: mha's, mean-pooled from them, or drawn)."""
+class VariantModel:
+    """The model of one attention variant of the comparison: its label (metric prefix), attention
+    config and model, and what its attention weights are (``weights``: mha's, mean-pooled from
+    them, or drawn). The variant as a record names it is :class:`kvbench.views.Variant`."""
 
     label: str
     attention: AttentionConfig
@@ -156,30 +157,22 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
     return build_decoder(base.config, attention, {**shared, **own}, device=base.device).eval(), how
 
 
-def variants(cfg: BenchConfig, base: Decoder) -> List[Variant]:
+def variants(cfg: BenchConfig, base: Decoder) -> List[VariantModel]:
     """``compare.variants`` of ``base`` (a model with one KV head per query head): :func:`variant_model`
     of each. A checkpoint's own window is left out of ``base``: each variant names its own."""
     H = base.config.num_heads
     if base.num_kv_heads != H or base.attention.latent:
         raise ValueError(f"the base model must be MHA ({H} KV heads), has {variant_label(base.attention)}")
-    if any(w is not None for w in base.layer_windows):
+    if base.layouts.smallest_window() is not None:
         base = build_decoder(base.config, AttentionConfig(type="mha", num_kv_heads=H, window=0), base.state_dict(),
                              device=base.device).eval()
-    return [Variant(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
+    return [VariantModel(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
             for a in cfg.compare.attentions(cfg.model)]
 
 
-def formula_bytes(model: Decoder, positions: int, batch: int, bytes_per_element: int) -> int:
-    """The KV formula (:func:`kvbench.cache.kv_cache_bytes`) of ``model``'s cache: its heads or
-    latent, its layers' windows."""
-    heads, width, latent = model.kv_dims()
-    return kv_cache_bytes(model.config.num_layers, heads, width, positions, batch, bytes_per_element,
-                          windows=model.layer_windows, latent=latent)
-
-
-def window_split(runs: Sequence[Variant]) -> Optional[int]:
+def window_split(runs: Sequence[VariantModel]) -> Optional[int]:
     """The smallest window of any variant's local layer (None: no variant has one)."""
-    return min((w for v in runs for w in v.model.layer_windows if w is not None), default=None)
+    return min((w for v in runs if (w := v.model.layouts.smallest_window()) is not None), default=None)
 
 
 def round_order(n_variants: int, round_index: int) -> List[int]:
@@ -238,10 +231,10 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
                 tick()
     dtype_bytes = DTYPE_BYTES[rt.dtype]
     # One position, every context, and the shape the timed cache has, for one sequence unless said
-    kv = {v.label: {"kv_bytes_per_token": formula_bytes(v.model, 1, 1, dtype_bytes),
-                    **{f"kv_bytes_ctx{ctx}": formula_bytes(v.model, ctx, 1, dtype_bytes) for ctx in contexts},
+    kv = {v.label: {"kv_bytes_per_token": v.model.layouts.bytes_per_token(dtype_bytes),
+                    **{f"kv_bytes_ctx{ctx}": v.model.layouts.cache_bytes(ctx, 1, dtype_bytes) for ctx in contexts},
                     "kv_cache_bytes": cache.nbytes,
-                    "kv_cache_bytes_formula": formula_bytes(v.model, cache.max_seq_len, B, dtype_bytes)}
+                    "kv_cache_bytes_formula": v.model.layouts.cache_bytes(cache.max_seq_len, B, dtype_bytes)}
           for v, cache in zip(runs, caches)}
     split = window_split(runs)
     rows = summarize(trials, [v.label for v in runs], contexts, kv, split)

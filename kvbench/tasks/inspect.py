@@ -7,12 +7,13 @@ sliding-window layers) or MLA's one latent per token and layer.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List
 
-from kvbench.cache import SCALE_BYTES, kv_cache_bytes
-from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, BenchConfig
+from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, BenchConfig
 from kvbench.footprint import parameter_count as count_parameters
-from kvbench.model import kv_group_map
+from kvbench.layouts.base import Layouts
+from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.model_config import kv_layout_change
 from kvbench.units import human_bytes
 
@@ -28,52 +29,38 @@ def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
     return "\n".join(lines)
 
 
-def kv_memory_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                    batch_size: int, num_heads: Optional[int] = None,
-                    windows: Optional[List[Optional[int]]] = None, latent: bool = False,
-                    mha: Optional[Tuple[int, int, int]] = None) -> List[dict]:
+def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True) -> List[dict]:
     """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can
-    hold (the compute dtypes, then the quantized
-    ``cache.dtype`` values with their scales), for the layout :func:`kv_cache_bytes` takes
-    (``windows``: a local layer holds W; ``latent``: MLA's one tensor); with ``num_heads``, also
-    the fraction of a full MHA cache of the same model at ``seq_len`` (``mha``: its heads, K and V
-    widths when they are not num_heads x head_dim each). Per token is per sequence / ``seq_len``
-    (all layers): any one position's bytes without a window; with one, a local layer holds at most
-    W of the positions, so it is that of this ``seq_len`` and falls as it grows (task=capacity's
-    ``kv_bytes_per_token``, the same definition)."""
+    hold (the compute dtypes, then the quantized ``cache.dtype`` values with their scales), by the
+    layouts' own formulas; with ``vs_mha``, also the fraction of a full MHA cache of the same model
+    at ``seq_len`` (one K and V per query head in every layer, no window). Per token is per
+    sequence / ``seq_len`` (all layers): any one position's bytes without a window; with one, a
+    local layer holds at most W of the positions, so it is that of this ``seq_len`` and falls as it
+    grows (task=capacity's ``kv_bytes_per_token``, the same definition)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES]  # the compute size is not used
     for dtype, size, cache_dtype in stored:
-        def held(n, b, size=size, cache_dtype=cache_dtype):
-            return kv_cache_bytes(num_layers, num_kv_heads, head_dim, n, b, size, cache_dtype, windows,
-                                  latent=latent)
-
-        per_sequence = held(seq_len, 1)
-        row = {"dtype": dtype, "per_sequence": per_sequence, "per_batch": held(seq_len, batch_size),
+        per_sequence = layers.cache_bytes(seq_len, 1, size, cache_dtype)
+        row = {"dtype": dtype, "per_sequence": per_sequence,
+               "per_batch": layers.cache_bytes(seq_len, batch_size, size, cache_dtype),
                "per_token": per_sequence // seq_len if per_sequence % seq_len == 0 else per_sequence / seq_len}
-        if num_heads:
-            heads, k_dim, v_dim = mha or (num_heads, head_dim, head_dim)
-            row["vs_mha"] = row["per_sequence"] / kv_cache_bytes(num_layers, heads, k_dim, seq_len, 1, size,
-                                                                 cache_dtype, v_head_dim=v_dim)
+        if vs_mha:
+            row["vs_mha"] = per_sequence / layers.as_mha().cache_bytes(seq_len, 1, size, cache_dtype)
         rows.append(row)
     return rows
 
 
-def layer_kind_table(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int, batch_size: int,
-                     bytes_per_element: int, windows: List[Optional[int]]) -> List[dict]:
+def layer_kind_table(layers: Layouts, seq_len: int, batch_size: int, bytes_per_element: int) -> List[dict]:
     """Per kind of layer (global, local of window W): how many layers, the positions each holds at
     ``seq_len`` and their KV bytes per sequence and per batch (the same formula, layer by layer)."""
     rows = []
-    for w in sorted(set(windows), key=lambda w: (w is not None, w or 0)):
-        kind = [x for x in windows if x == w]
-
-        def held(b, kind=kind):
-            return kv_cache_bytes(len(kind), num_kv_heads, head_dim, seq_len, b, bytes_per_element, "auto", kind)
-
+    for w in sorted(set(layers.windows), key=lambda w: (w is not None, w or 0)):
+        kind = Layouts(layer for layer in layers if layer.window == w)
         rows.append({"kind": "global" if w is None else f"local W={w}", "layers": len(kind),
-                     "positions": seq_len if w is None else min(seq_len, w),
-                     "per_sequence": held(1), "per_batch": held(batch_size)})
+                     "positions": kind[0].positions_held(seq_len),
+                     "per_sequence": kind.cache_bytes(seq_len, 1, bytes_per_element),
+                     "per_batch": kind.cache_bytes(seq_len, batch_size, bytes_per_element)})
     return rows
 
 
@@ -86,9 +73,9 @@ def parameter_count(cfg: BenchConfig) -> int:
 def describe(cfg: BenchConfig) -> str:
     m, a, w = cfg.model, cfg.attention, cfg.workload
     seq_len = w.total_len
-    heads, width, latent = a.kv_dims(m)
+    layers = build_layouts(m, a)
     params = parameter_count(cfg)
-    layout = _latent_lines(cfg) if latent else _kv_head_lines(cfg)
+    layout = _latent_lines(cfg) if a.latent else _kv_head_lines(cfg)
     lines = [
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
         f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
@@ -97,30 +84,28 @@ def describe(cfg: BenchConfig) -> str:
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         *layout[1:],
     ]
-    windows = a.layer_windows(m.num_layers)
-    mha = (m.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if latent else None
     header = ["KV dtype", f"per token (at {seq_len})" if a.window else "per token", f"per sequence ({seq_len})",
               f"per batch (x{w.batch_size})", "vs full MHA" if a.window else "vs MHA"]
     rows = [[r["dtype"], _cell(r["per_token"]), _cell(r["per_sequence"]), _cell(r["per_batch"]),
              f"{r['vs_mha']:.3f}"]
-            for r in kv_memory_table(m.num_layers, heads, width, seq_len, w.batch_size, m.num_heads, windows,
-                                     latent, mha)]
+            for r in kv_memory_table(layers, seq_len, w.batch_size)]
     lines += _aligned(header, rows)
-    if latent:  # the same model with K/V heads, for comparison (vs MHA above is the ratio)
-        as_mha = {d: kv_cache_bytes(m.num_layers, m.num_heads, mha[1], 1, 1, size, v_head_dim=mha[2])
-                  for d, size in DTYPE_BYTES.items()}
-        lines.append(f"the same model as MHA ({m.num_heads} heads, K {mha[1]} + V {mha[2]} per head) holds per token: "
-                     + ", ".join(f"{d} {_cell(n)}" for d, n in as_mha.items()))
-    if any(x is not None for x in windows):
+    if a.latent:  # the same model with K/V heads, for comparison (vs MHA above is the ratio)
+        mha = layers.as_mha()
+        widths = mha[0].stored[1]
+        per_token = ", ".join(f"{d} {_cell(mha.bytes_per_token(size))}" for d, size in DTYPE_BYTES.items())
+        lines.append(f"the same model as MHA ({m.num_heads} heads, K {widths[0]} + V {widths[1]} per head) holds per "
+                     f"token: {per_token}")
+    if layers.smallest_window() is not None:
         size = DTYPE_BYTES[cfg.runtime.dtype]
-        first = kv_cache_bytes(m.num_layers, heads, width, 1, 1, size, windows=windows, latent=latent)
+        first = layers.bytes_per_token(size)
         lines.append(f"per token (at {seq_len}): per sequence / {seq_len}; a local layer holds at most W of the "
                      f"positions, so it falls as seq_len grows (a position before any window fills: "
                      f"{_cell(first)} in {cfg.runtime.dtype})")
         lines += ["", f"sliding window: a local layer holds min(seq_len, W) positions (a ring of W); "
                       f"KV by kind of layer in {cfg.runtime.dtype}, "
                       "bytes = sum over layers of min(seq_len, W_layer) · 2 · kv_heads · head_dim · bytes:"]
-        kinds = layer_kind_table(m.num_layers, a.num_kv_heads, m.head_dim, seq_len, w.batch_size, size, windows)
+        kinds = layer_kind_table(layers, seq_len, w.batch_size, size)
         lines += _aligned(["layers", "count", "positions held", f"per sequence ({seq_len})",
                            f"per batch (x{w.batch_size})"],
                           [[k["kind"], str(k["layers"]), f"{k['positions']:,}", _cell(k["per_sequence"]),
@@ -132,7 +117,7 @@ def _kv_head_lines(cfg: BenchConfig) -> List[str]:
     m, a, w = cfg.model, cfg.attention, cfg.workload
     return [
         f"attention {a.type}: {a.num_kv_heads} KV heads, G = {m.num_heads // a.num_kv_heads} query heads per KV head"
-        + (f"; window {a.window} in {sum(x is not None for x in a.layer_windows(m.num_layers))} of "
+        + (f"; window {a.window} in {sum(x is not None for x in build_layouts(m, a).windows)} of "
            f"{m.num_layers} layers" if a.window else ""),
         "",
         "head → KV group map:",

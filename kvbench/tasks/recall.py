@@ -106,7 +106,7 @@ def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
     """The model scored is the layout its label names (heads or latent, window pattern): a
     conversion that dropped either would score another model under the variant's label."""
     n = model.config.num_layers
-    own = (model.attention.latent, model.num_kv_heads, model.layer_windows)
+    own = (model.attention.latent, model.num_kv_heads, list(model.layouts.windows))
     if own != (attention.latent, attention.num_kv_heads, attention.layer_windows(n)):
         raise RuntimeError(f"the recall model is {own}, not the variant {variant_label(attention)} it is scored as")
 

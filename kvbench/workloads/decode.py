@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from kvbench.cache import KVCache, cache_for, kv_cache_bytes
+from kvbench.cache import Cache, cache_for
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.generate import (
     COMPILE_METRICS,
@@ -130,7 +130,7 @@ class DecodeTimings:
     decode_host_ms: List[List[float]]  # the same steps, host time (on CUDA: time to enqueue)
 
 
-def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: KVCache, warmup: int,
+def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: Cache, warmup: int,
                 repeats: int, device, tick: Optional[Tick] = None, step=decode_step, min_time_s: float = 0.0,
                 clock: Callable[[], float] = time.perf_counter) -> DecodeTimings:
     """``warmup`` untimed then timed runs of :func:`greedy_generate` on a reset cache: ``repeats``
@@ -225,12 +225,10 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     generator = torch.Generator().manual_seed(rt.seed)
     prompt = torch.randint(0, cfg.model.vocab_size, (w.batch_size, w.prompt_len), generator=generator)
     prompt = prompt.to(device)
-    heads, width, latent = cfg.attention.kv_dims(cfg.model)
     # what this run's cache holds: cache.impl=none holds nothing, and the layout's bytes beside
     # kv_cache_bytes=0 would contradict the allocation (and the plausibility check)
-    metrics["kv_cache_bytes_formula"] = 0 if cfg.cache.impl == "none" else kv_cache_bytes(
-        cfg.model.num_layers, heads, width, seq_len, w.batch_size, DTYPE_BYTES[rt.dtype], cfg.cache.dtype,
-        cfg.attention.layer_windows(cfg.model.num_layers), latent=latent)
+    metrics["kv_cache_bytes_formula"] = 0 if cfg.cache.impl == "none" else model.layouts.cache_bytes(
+        seq_len, w.batch_size, DTYPE_BYTES[rt.dtype], cfg.cache.dtype)
     with allocation_delta(device) as allocated:
         cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len, cfg.cache.dtype)
     if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.cache import SharedPrefixCache, cache_for, kv_cache_bytes, shared_cache_for
+from kvbench.cache import cache_for
 from kvbench.config import BenchConfig, WorkloadConfig
 from kvbench.generate import (
     COMPILE_METRICS,
@@ -43,6 +43,7 @@ from kvbench.measure.stats import (
 from kvbench.measure.timing import RegionTimer
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
+from kvbench.shared_prefix import SharedPrefixCache, shared_cache_for
 
 Tick = Callable[..., None]
 
@@ -222,9 +223,8 @@ class ChatSession:
         """Bytes the positions the cache holds need: the system prompt once when shared, else
         B times; each conversation's history B times."""
         c = self.cache
-        held = lambda positions, batch: kv_cache_bytes(c.num_layers, c.num_kv_heads, c.head_dim,  # noqa: E731
-                                                       positions, batch, c.dtype.itemsize, c.cache_dtype,
-                                                       c.windows, latent=c.latent)
+        held = lambda positions, batch: self.model.layouts.cache_bytes(  # noqa: E731
+            positions, batch, c.dtype.itemsize, c.cache_dtype)
         if isinstance(c, SharedPrefixCache):
             return held(min(c.length, c.prefix_len), 1) + held(c.history.length, c.batch_size)
         return held(c.length, c.batch_size)

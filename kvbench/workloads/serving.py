@@ -21,7 +21,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import BenchConfig
 from kvbench.config_errors import ConfigError
 from kvbench.footprint import kv_bytes_per_token
@@ -43,7 +42,7 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_budget_bytes", "bytes", "the KV memory the store may hold: workload.kv_budget_mb x 1e6, or "
                                        "workload.kv_budget_blocks x the bytes of a block"),
     Metric("kv_bytes_per_token", "bytes", "the KV formula's bytes for one token of one sequence, all layers "
-                                          "(kvbench.cache.kv_cache_bytes at seq_len 1)"),
+                                          "(the layer layouts' formula at seq_len 1)"),
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
     Metric("kv_store_bytes_formula", "bytes", "the KV formula for kv_blocks_total x block_size positions"),
     Metric("iterations", "count", "scheduler iterations (one batched decode and the prefill chunks each)"),
@@ -173,14 +172,12 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     check_model(model, cfg.cache.dtype)
     requests, prompts = requests_and_prompts(cfg)
     store = build_store(model, w, cfg.cache.block_size, requests)  # checked before the build (check_requests)
-    heads, width, latent = model.kv_dims()
     element = torch.empty((), dtype=model.dtype).element_size()
     metrics.update(kv_budget_bytes=(int(w.kv_budget_mb * 1e6) if w.kv_budget_mb is not None
                                     else store.num_blocks * store.block_size * store.bytes_per_token),
                    kv_store_bytes=store.nbytes,
-                   kv_store_bytes_formula=kv_cache_bytes(cfg.model.num_layers, heads, width,
-                                                         store.num_blocks * store.block_size, 1, element,
-                                                         latent=latent))
+                   kv_store_bytes_formula=model.layouts.cache_bytes(store.num_blocks * store.block_size, 1,
+                                                                    element))
     del store
     warm_up(model, cfg, requests, prompts)
     progress = (lambda: tick()) if tick is not None else None

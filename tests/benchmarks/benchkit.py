@@ -18,8 +18,8 @@ from typing import Callable, Dict
 
 import pytest
 import torch
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from benchkit import BATCH_SIZE, bench_decoder, pinned_threads, record_config  # noqa: F401
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import WorkloadConfig
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
 

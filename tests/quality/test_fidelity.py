@@ -160,7 +160,7 @@ def test_kv_pool_fidelity_of_a_hybrid_scores_the_window_too():
     tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     hybrid = AttentionConfig(type="gqa", num_kv_heads=2, window=6, global_every=2)
     twin = build_decoder(mha.config, hybrid, convert_kv_heads(mha, 2).state_dict(), device=mha.device).eval()
-    assert [w for w in twin.layer_windows] == [6, None]  # layer 2 of 2 global
+    assert [w for w in twin.layouts.windows] == [6, None]  # layer 2 of 2 global
     with torch.no_grad():
         p = softmax(mha(tokens).double().numpy(), axis=-1)
         q = softmax(twin(tokens).double().numpy(), axis=-1)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 from conftest import tiny_model_config
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult, record_view

@@ -1,4 +1,4 @@
-"""The report's KV cost across a sweep's prompt lengths (issue 14, item 3): the fit against
+"""The report's KV cost across a sweep's prompt lengths: the fit against
 hand-made decode records whose p50 is an exact line in the context, so the expected intercept,
 slope and ratios are known without running the fit."""
 

@@ -14,9 +14,9 @@ import matplotlib.image
 import pytest
 from conftest import saved_figures
 from fake_sweep import BATCHES, GEN, PROMPTS, TURN_TTFT, VARIANTS, bench, build_sweep, decode_ms, hydra_files
+from kv_formula import kv_cache_bytes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.cli_tools import report_main as main
 from kvbench.results import RunResult
 from kvbench.sinks.comparison import LEGEND, UNTESTED

@@ -10,6 +10,7 @@ from conftest import compose
 
 from kvbench.config import BenchConfig, to_bench_config
 from kvbench.config_errors import ConfigError
+from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status
 from kvbench.measure.memory import PeakWindow, is_oom
 from kvbench.results import RunResult, record_view
@@ -87,7 +88,8 @@ def test_prediction_is_the_inspect_formula_for_llama2_7b():
     # budget of the weights + exactly that KV cache: one formula, so the answer is 64.
     cfg = config("model=llama2_7b", "attention=mha", "runtime.dtype=float16", "workload.gen_len=96",
                  "capacity.context_lens=[4000]", "runtime.memory_budget_gb=80")
-    fp16 = next(r for r in kv_memory_table(32, 32, 128, 4096, 64, 32) if r["dtype"] == "float16")
+    fp16 = next(r for r in kv_memory_table(build_layouts(cfg.model, cfg.attention), 4096, 64)
+                if r["dtype"] == "float16")
     assert fp16["per_batch"] == 2 * 32 * 32 * 128 * 4096 * 64 * 2 == 137_438_953_472  # 128 GiB
     assert capacity.kv_bytes(cfg, 4000, 64) == fp16["per_batch"]
     weights = parameter_count(cfg) * 2
@@ -408,8 +410,9 @@ def test_a_relative_tpot_target_follows_a_load_that_drifts_between_probes(monkey
 def test_a_stepper_repeats_the_positions_of_the_last_decode_steps(impl, shared):
     # an independent recompute: decode steps at positions P..P+2 fed token 0, their logits; the
     # stepper over the same filled cache rolls back and reproduces them step for step, twice
-    from kvbench.cache import cache_for, shared_cache_for
+    from kvbench.cache import cache_for
     from kvbench.generate import decode_step, prefill
+    from kvbench.shared_prefix import shared_cache_for
     from kvbench.tasks.common import build_model
 
     torch.manual_seed(0)

@@ -75,10 +75,10 @@ def test_variants_hold_the_mha_models_tensors_outside_attention():
             if ".attn." not in name:  # shared, not copied
                 assert tensor.data_ptr() == base_state[name].data_ptr(), (v.label, name)
     hybrid = runs[3].model
-    assert hybrid.layer_windows == [W] * 5 + [None]
+    assert list(hybrid.layouts.windows) == [W] * 5 + [None]
     for name in base_state:  # a window is only a mask: the hybrid is MHA's weights exactly
         assert torch.equal(hybrid.state_dict()[name], base_state[name])
-    assert runs[2].model.kv_dims() == (1, R + ROPE, True)
+    assert runs[2].model.layouts[0].stored == (1, (R + ROPE,))
 
 
 def test_a_windowed_cost_flattens_past_w_on_synthetic_trials():

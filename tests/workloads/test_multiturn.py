@@ -9,15 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_decoder
+from kv_formula import kv_cache_bytes
 from test_cli import kvbench
 
-from kvbench.cache import SharedPrefixCache, kv_cache_bytes, make_cache, shared_cache_for
+from kvbench.cache import Positions, make_cache
 from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
 from kvbench.config_errors import ConfigError
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
 from kvbench.jobs.runner import run_job
-from kvbench.model import grouped_attention
+from kvbench.layouts.base import Layouts
+from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.kv_heads_attention import grouped_attention
 from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.shared_prefix import SharedPrefixCache, shared_cache_for
 from kvbench.sinks.console import ttft_side_by_side
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
@@ -79,7 +83,8 @@ def test_int8_shared_prefix_chat_equals_the_unshared_int8_chat(num_kv_heads):
     per = lambda positions, batch: kv_cache_bytes(2, num_kv_heads, 8, positions, batch, 4, "int8")
     held = P + TURNS * (U + R) - 1
     assert shared[-1][1].kv_cache_bytes_formula == per(P, 1) + per(held - P, B) == session.cache.nbytes
-    assert session.cache.prefix_k[0].dtype == session.cache.history.k[0].dtype == torch.int8
+    layer = session.cache.layers[0]
+    assert layer.prefix_stores[0].codes.dtype == layer.history.stores[0].codes.dtype == torch.int8
 
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
@@ -164,9 +169,11 @@ def test_a_shared_chat_keeps_no_autograd_graph_in_its_cache():
         assert not any(t.requires_grad for t in session.cache.tensors()), shared
 
 
-def _first_token_logits(model, cache, user, start_pos, positions=None, mask=None):
+def _first_token_logits(model, cache, user, start_pos, rotary=None):
+    """The logits after ``user`` at ``start_pos``; ``rotary``: other rotary positions for its tokens."""
+    pos = start_pos if rotary is None else Positions(start_pos, user.shape[1], ids=rotary)
     with torch.no_grad():
-        return model(user, cache, start_pos, positions=positions, mask=mask, last_only=True)[:, -1]
+        return model(user, cache, pos, last_only=True)[:, -1]
 
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
@@ -188,9 +195,9 @@ def test_boundary_bugs_change_the_logits(num_kv_heads):
     correct = _first_token_logits(model, fresh_prefix_cache(), user, P)
     torch.testing.assert_close(correct, reference, **TOL)
     # Bug 1: positions restart at 0 in each segment (the message reuses the system's positions).
-    restart = _first_token_logits(model, fresh_prefix_cache(), user, P, positions=torch.arange(U))
+    restart = _first_token_logits(model, fresh_prefix_cache(), user, P, rotary=torch.arange(U))
     # Bug 2: off by one at the boundary (the message's first token takes the system's last position).
-    overlap = _first_token_logits(model, fresh_prefix_cache(), user, P, positions=torch.arange(P - 1, P - 1 + U))
+    overlap = _first_token_logits(model, fresh_prefix_cache(), user, P, rotary=torch.arange(P - 1, P - 1 + U))
     for wrong in (restart, overlap):
         assert (wrong - reference).abs().max() > BUG
     # Bug 3: conversations packed into one history, so conversation 1 attends conversation 0.
@@ -273,7 +280,7 @@ def test_kv_bytes_system_prompt_once_plus_histories(impl):
             assert off.kv_cache_bytes == per(MAX_LEN, B)
     assert shared[-1][1].kv_cache_bytes == shared[-1][1].kv_cache_bytes_formula  # full at the end
     # the storage itself: one (1, H_kv, P, D) prefix per layer, histories of batch B
-    assert all(t.shape == (1, 2, P, 8) for t in session.cache.prefix_k + session.cache.prefix_v)
+    assert all(s.codes.shape == (1, 2, P, 8) for layer in session.cache.layers for s in layer.prefix_stores)
     assert all(t.shape[0] == B for t in session.cache.history.tensors())
 
 
@@ -322,13 +329,20 @@ def test_segments_are_recorded_printed_and_rolled_back():
 
 
 def test_shared_cache_rejects_misuse():
-    cache = SharedPrefixCache(make_cache("static", 1, 2, 1, 4, 8), prefix_len=3)
+    cache = SharedPrefixCache(make_cache("static", Layouts([KVHeads(0, None, 1, 1, 4)]), 2, 8), prefix_len=3)
+
+    def write(start, batch, T):
+        pos = Positions(start, T)
+        x = torch.randn(batch, 1, T, 4)
+        cache.begin(pos, batch)[0].update(x, x, pos)
+        cache.commit(pos)
+
     with pytest.raises(ValueError, match="write the shared prefix"):
-        cache.update(0, 3, torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))
+        write(3, 2, 1)
     with pytest.raises(ValueError, match="batch 2"):
-        cache.update(0, 0, torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))
-    cache.update(0, 0, torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
-    cache.update(0, 3, torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4))
+        write(0, 2, 3)
+    write(0, 1, 3)
+    write(3, 2, 2)
     with pytest.raises(ValueError, match="inside the shared prefix"):
         cache.truncate(2)
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 from conftest import compose
+from kv_formula import kv_cache_bytes
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.config import to_bench_config
 from kvbench.config_errors import ConfigError
 from kvbench.jobs.runner import run_job
@@ -65,8 +65,9 @@ def test_other_layouts_serve_through_the_config(tmp_path, attention):
     record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.2", f"attention={attention}"), tmp_path)
     assert record.status == "ok", record.error
     m = record.metrics
-    heads, width, latent = to_bench_config(compose(*SMALL, f"attention={attention}")).attention.kv_dims(
-        to_bench_config(compose(*SMALL)).model)
+    cfg = to_bench_config(compose(*SMALL, f"attention={attention}"))
+    heads, width, latent = ((1, cfg.attention.kv_lora_rank + cfg.attention.qk_rope_head_dim, True) if attention == "mla"
+                            else (cfg.attention.num_kv_heads, cfg.model.head_dim, False))
     assert m["kv_bytes_per_token"] == kv_cache_bytes(2, heads, width, 1, 1, 4, latent=latent)
     assert m["requests_finished"] == 10 and m["kv_store_bytes"] == m["kv_store_bytes_formula"]
 

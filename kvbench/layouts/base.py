@@ -1,0 +1,181 @@
+"""What every kind of layer layout answers, and the list of them a decoder is built from.
+
+A :class:`LayerLayout` is one decoder layer's attention as data: what its cache stores per position
+(:mod:`kvbench.cache` builds the cache from it), the bytes it holds per token and per sequence,
+the bytes it reads and the FLOPs it spends per decode step, the fields that name it, and what it
+does not run with (:class:`Limit`); its attention module is :mod:`kvbench.layouts.attention`'s.
+Nothing here imports torch: kvbench's own process checks a config against its layouts before
+any job imports torch. :class:`Layouts` is the decoder's tuple of them, with the totals every byte
+figure of kvbench is taken from (the record, inspect, capacity, the roofline, serving).
+
+Notation: B batch, S positions held or read, H query heads, H_kv KV heads, W a window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+
+from kvbench.config_errors import ConfigError
+from kvbench.dtypes import element_bytes
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Something a layer does not run with: setting ``key`` must be one of ``allowed``; ``why``
+    ends the one-line refusal ``key=value: why`` (``names``: what the line names instead, when the
+    refusal is the layout's own key, e.g. ``attention.window=64``)."""
+
+    key: str
+    allowed: Tuple[Any, ...]
+    why: str
+    names: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class State:
+    """What a recurrent layer holds per sequence whatever its length: the last ``conv_tail``
+    inputs of its causal short convolution over ``conv_channels`` channels, in the compute dtype,
+    and a ``recurrent`` state, in float32 (recurrences accumulate over every token: transformers
+    and flash-linear-attention keep it in float32 whatever the model's dtype)."""
+
+    conv_channels: int
+    conv_tail: int
+    recurrent: Tuple[int, ...]
+
+    def nbytes(self, element: int) -> int:
+        return self.conv_channels * self.conv_tail * element + math.prod(self.recurrent) * 4
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer's attention layout. Subclasses set ``kind`` and the stored tensors (``stored``:
+    heads per position and the width of each tensor: K and V, or one latent) and build the
+    attention module; the byte formulas and the cache follow from those."""
+
+    index: int
+    window: Optional[int] = None  # W: the layer attends, and keeps, only the last W positions
+
+    kind: ClassVar[str] = ""
+
+    @property
+    def stored(self) -> Tuple[int, Tuple[int, ...]]:
+        raise NotImplementedError
+
+    @property
+    def rotary_dim(self) -> int:
+        """The width rotary embeddings rotate in this layer's queries and keys (0: none)."""
+        raise NotImplementedError
+
+    @property
+    def state(self) -> Optional[State]:
+        """The constant state a sequence holds in this layer (None: K/V layers hold none); the
+        cache of such a layer is :class:`kvbench.state_cache.StateLayer`."""
+        return None
+
+    # ---- bytes -------------------------------------------------------------------------------
+
+    def positions_held(self, seq_len: float) -> float:
+        """Positions of a sequence of ``seq_len`` the layer's cache holds (and a step reads)."""
+        return seq_len if self.window is None else min(seq_len, self.window)
+
+    def bytes_per_position(self, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes one cached position takes: every stored tensor's vector in every stored head."""
+        heads, widths = self.stored
+        return heads * sum(element_bytes(w, element, cache_dtype) for w in widths)
+
+    def state_bytes(self, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes a sequence holds whatever its length (a recurrent state); none for K/V layers."""
+        return 0 if self.state is None else self.state.nbytes(element)
+
+    def sequence_bytes(self, seq_len: float, element: int, cache_dtype: str = "auto") -> float:
+        """Bytes one sequence of ``seq_len`` positions holds in this layer."""
+        return self.positions_held(seq_len) * self.bytes_per_position(element, cache_dtype) + \
+            self.state_bytes(element, cache_dtype)
+
+    def step_flops(self, context: float) -> float:
+        """Attention FLOPs of one decode step of one sequence at ``context`` positions (QK^T and
+        PV over the positions it reads; projections are weights, counted by the model)."""
+        raise NotImplementedError
+
+    # ---- what it is and what it runs with ----------------------------------------------------
+
+    def fields(self) -> Dict[str, Any]:
+        """The fields that name the layer (its label's parts, table columns)."""
+        return {} if self.window is None else {"window": self.window}
+
+    def as_mha(self) -> "LayerLayout":
+        """The same layer with one K and one V head per query head and no window (full MHA):
+        what the article's ratios are taken against."""
+        raise NotImplementedError
+
+    def limits(self) -> Tuple[Limit, ...]:
+        """What the layer does not run with; a window is read whole as a ring, which no
+        fixed-shape step, concatenating cache or serving store reads."""
+        if self.window is None:
+            return ()
+        W = self.window
+        return (Limit("cache.impl", ("static", "none"),
+                      f"keeps every position; with attention.window={W} use cache.impl=static (a ring of W "
+                      "positions per local layer) or none"),
+                Limit("runtime.compile", ("false", "default"),
+                      f"is not supported with a sliding window (attention.window={W}): the fixed-shape step reads "
+                      "a context bucket, a ring is read whole; use false or default"),
+                Limit("workload.store", (None,), "workload=serving's KV stores keep every position of every layer; "
+                      "a sliding window is not supported there (use attention.window=0)", f"attention.window={W}"))
+
+
+def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> None:
+    """Refuse, in one line naming the key and its value, the first setting a layer does not run
+    with: every refusal of a layout's capabilities is derived here from its :class:`Limit`s."""
+    for layer in layers:
+        for limit in layer.limits():
+            if limit.key in settings and settings[limit.key] not in limit.allowed:
+                raise ConfigError(f"{limit.names or f'{limit.key}={settings[limit.key]!r}'}: {limit.why}")
+
+
+class Layouts(tuple):
+    """The decoder's layers' layouts, in order, with the totals over them."""
+
+    def kinds(self) -> Tuple[str, ...]:
+        return tuple(dict.fromkeys(layer.kind for layer in self))
+
+    @property
+    def windows(self) -> Tuple[Optional[int], ...]:
+        return tuple(layer.window for layer in self)
+
+    def cache_bytes(self, seq_len: float, batch_size: int, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes the cache of ``batch_size`` sequences of ``seq_len`` positions holds: the KV
+        formula, 2 · layers · kv_heads · head_dim · seq_len · batch · bytes per element, per layer
+        with its own positions (a window's W) and stored widths (MLA's latent)."""
+        return int(batch_size * sum(layer.sequence_bytes(seq_len, element, cache_dtype) for layer in self))
+
+    def bytes_per_token(self, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes one more token of one sequence adds while no window is full: every layer's
+        cached position (past a window a local layer adds nothing; see :meth:`cache_bytes`)."""
+        return sum(layer.bytes_per_position(element, cache_dtype) for layer in self)
+
+    def state_bytes(self, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes a sequence holds whatever its length."""
+        return sum(layer.state_bytes(element, cache_dtype) for layer in self)
+
+    def step_flops(self, context: float) -> float:
+        """Attention FLOPs of one decode step of one sequence at ``context`` positions."""
+        return sum(layer.step_flops(context) for layer in self)
+
+    def check(self, settings: Mapping[str, Any]) -> None:
+        """Refuse a setting some layer does not run with (:func:`check_limits`)."""
+        check_limits(self, settings)
+
+    def as_mha(self) -> "Layouts":
+        return Layouts(layer.as_mha() for layer in self)
+
+    def rotary_dim(self) -> int:
+        """The width of the decoder's one rotary table: the widest any layer rotates (0 when no
+        layer rotates: a stack of recurrent layers has no table)."""
+        return max((layer.rotary_dim for layer in self), default=0)
+
+    def smallest_window(self) -> Optional[int]:
+        return min((w for w in self.windows if w is not None), default=None)
+

@@ -1,0 +1,19 @@
+"""The decoder's layer layouts from its config: the one place a config becomes layouts."""
+
+from __future__ import annotations
+
+from kvbench.layouts.base import Layouts
+from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.latent import Latent
+
+
+def build_layouts(model, attention) -> Layouts:
+    """One layout per layer of ``model`` (a ModelConfig) under ``attention`` (an
+    AttentionConfig resolved against it)."""
+    windows = attention.layer_windows(model.num_layers)
+    if attention.latent:
+        return Layouts(Latent(i, w, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
+                              attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
+                              attention.mla_decode == "absorbed") for i, w in enumerate(windows))
+    return Layouts(KVHeads(i, w, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks))
+                   for i, w in enumerate(windows))

@@ -1,0 +1,89 @@
+"""Gated DeltaNet layers: linear attention by the gated delta rule (Qwen3.5, Qwen3-Next's
+``linear_attention`` layers), as transformers' Qwen3_5GatedDeltaNet.
+
+A token's q and k (H_k heads of d_k) and v (H_v heads of d_v) pass a causal depthwise convolution
+of ``linear_conv_kernel_dim`` taps; each value head then keeps a d_k x d_v state S, decayed by
+exp(g_t) and corrected towards v_t at k_t with strength beta_t (the delta rule); the output reads
+S at q_t. Value head j uses key head j // (H_v / H_k). Nothing is stored per position: a sequence
+holds one :class:`~kvbench.layouts.base.State` per layer whatever its length, so a decode step
+costs the same at any context. The attention itself is
+:mod:`kvbench.layouts.gated_deltanet_attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+from kvbench.layouts.base import LayerLayout, Limit, State
+from kvbench.layouts.kv_heads import KVHeads
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet(LayerLayout):
+    """A Gated DeltaNet layer, its fields named as Qwen3.5's and Qwen3-Next's config.json name
+    them (defaults: transformers' Qwen3_5TextConfig). ``num_heads`` and ``head_dim``: the model's
+    attention heads, what the layer is as full MHA (:meth:`as_mha`)."""
+
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_heads: int = 16
+    head_dim: int = 256
+
+    kind = "gated_deltanet"
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def stored(self) -> Tuple[int, Tuple[int, ...]]:
+        return 0, ()
+
+    @property
+    def rotary_dim(self) -> int:
+        return 0  # positions enter through the recurrence and the convolution, not a rotation
+
+    @property
+    def state(self) -> State:
+        # the convolution runs over q, k and v before they split; it needs the last kernel - 1 inputs
+        # (transformers keeps kernel: one column that no later step reads)
+        return State(2 * self.key_dim + self.value_dim, self.linear_conv_kernel_dim - 1,
+                     (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim))
+
+    def positions_held(self, seq_len: float) -> float:
+        return 0
+
+    def step_flops(self, context: float) -> float:
+        # per value head, whatever the context: decay S (d_k d_v), read k^T S, write the rank-1
+        # correction k delta^T and read q^T S (a multiply-add per element each)
+        return 7.0 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+
+    def as_mha(self) -> LayerLayout:
+        return KVHeads(self.index, None, self.num_heads, self.num_heads, self.head_dim)
+
+    def fields(self) -> Dict[str, Any]:
+        return {"linear_num_key_heads": self.linear_num_key_heads,
+                "linear_num_value_heads": self.linear_num_value_heads,
+                "linear_key_head_dim": self.linear_key_head_dim, "linear_value_head_dim": self.linear_value_head_dim,
+                "linear_conv_kernel_dim": self.linear_conv_kernel_dim}
+
+    def limits(self) -> Tuple[Limit, ...]:
+        return super().limits() + (
+            Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a Gated DeltaNet "
+                  "layer's state is each sequence's own (prefix caching for state layers is not built); use "
+                  "cache.shared=false"),
+            Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V; a Gated DeltaNet layer keeps its "
+                  "recurrent state in float32 and its convolution state in the compute dtype; use cache.dtype=auto"),
+            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
+                  "Gated DeltaNet layer's state has no such view (not built); use false or default"),
+            Limit("workload.store", (None,), "workload=serving's KV stores hold blocks of positions; a Gated DeltaNet "
+                  "layer's per-sequence state is not stored there yet"),
+            Limit("kv_conversion", ("none",), "converting K/V heads to or from a recurrent state is not built"))

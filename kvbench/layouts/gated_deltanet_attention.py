@@ -1,0 +1,138 @@
+"""The attention of a Gated DeltaNet layer (:class:`kvbench.layouts.gated_deltanet.GatedDeltaNet`),
+as transformers' Qwen3_5GatedDeltaNet, in plain torch (CPU and CUDA).
+
+Per token: ``w_qkv`` x passes a causal depthwise convolution of K taps and SiLU, then splits into
+q, k (H_k heads of d_k) and v (H_v heads of d_v); q and k are L2-normalised per head and q scaled
+by d_k^-0.5; beta = sigmoid(``w_beta`` x) is each value head's write strength and
+g = -exp(``log_decay_rate``) softplus(``w_decay`` x + ``decay_bias``) its log decay. With S the
+head's d_k x d_v state (float32), the gated delta rule is
+
+    S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+A prompt runs its chunked form (:func:`chunked_delta_rule`), a decode step its recurrent form
+(:func:`recurrent_delta_rule`). The output is RMS-normalised per head, gated by
+silu(``w_gate`` x) and projected by ``wo``. :data:`HF_NAMES` maps transformers' parameter names.
+
+Notation: B batch, T new tokens, H_k key heads, H_v value heads (G = H_v / H_k share a key head),
+d_k, d_v their widths, N chunks of C tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbench.layouts.gated_deltanet import GatedDeltaNet
+from kvbench.norm import RMSNorm
+
+CHUNK = 64  # transformers' and flash-linear-attention's chunk
+
+# transformers' Qwen3_5GatedDeltaNet parameter -> this module's
+HF_NAMES = {"in_proj_qkv.weight": "w_qkv.weight", "in_proj_z.weight": "w_gate.weight",
+            "in_proj_b.weight": "w_beta.weight", "in_proj_a.weight": "w_decay.weight", "conv1d.weight": "conv.weight",
+            "A_log": "log_decay_rate", "dt_bias": "decay_bias", "norm.weight": "norm.weight",
+            "out_proj.weight": "wo.weight"}
+
+
+class GatedDeltaNetAttention(nn.Module):
+    """The attention of a :class:`GatedDeltaNet` layer; its cache is a
+    :class:`~kvbench.state_cache.StateLayer` (``cache.update(x, pos) -> Carry``)."""
+
+    def __init__(self, cfg, layout: GatedDeltaNet):
+        super().__init__()
+        C, K = cfg.d_model, layout.linear_conv_kernel_dim
+        self.H_k, self.H_v = layout.linear_num_key_heads, layout.linear_num_value_heads
+        self.d_k, self.d_v = layout.linear_key_head_dim, layout.linear_value_head_dim
+        self.key_dim, self.value_dim = layout.key_dim, layout.value_dim
+        channels = 2 * self.key_dim + self.value_dim
+        self.w_qkv = nn.Linear(C, channels, bias=False)
+        self.w_gate = nn.Linear(C, self.value_dim, bias=False)  # z: the output gate
+        self.w_beta = nn.Linear(C, self.H_v, bias=False)  # b: the write strength, through a sigmoid
+        self.w_decay = nn.Linear(C, self.H_v, bias=False)  # a: the decay's input
+        # depthwise and causal: the cache hands the last K - 1 inputs before the new ones, so no padding
+        self.conv = nn.Conv1d(channels, channels, K, groups=channels, bias=False)
+        self.log_decay_rate = nn.Parameter(torch.zeros(self.H_v))  # A_log
+        self.decay_bias = nn.Parameter(torch.ones(self.H_v))  # dt_bias
+        self.norm = RMSNorm(self.d_v, cfg.norm_eps)  # weight around 1 (not zero-centred as Qwen3.5's block norms)
+        self.wo = nn.Linear(self.value_dim, C, bias=False)
+
+    def forward(self, x, cos, sin, cache, pos):
+        B, T, _ = x.shape
+        carry = cache.update(self.w_qkv(x).transpose(1, 2), pos)  # conv inputs (B, channels, K - 1 + T)
+        qkv = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, channels)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = self.w_beta(x).sigmoid()  # (B, T, H_v)
+        # in float32: in half precision exp(A_log) can overflow
+        g = -self.log_decay_rate.float().exp() * F.softplus(self.w_decay(x).float() + self.decay_bias)
+        q, k = (_unit_heads(t.reshape(B, T, self.H_k, self.d_k), self.H_v) for t in (q, k))  # (B, H_v, T, d_k)
+        q = q * self.d_k ** -0.5
+        v, g, beta = (t.float().transpose(1, 2) for t in (v.reshape(B, T, self.H_v, self.d_v), g, beta))
+        rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
+        out = rule(q, k, v, g, beta, carry.state).transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
+        gate = self.w_gate(x).view(B, T, self.H_v, self.d_v)
+        out = (self.norm(out) * F.silu(gate.float())).to(x.dtype)  # transformers' RMSNormGated
+        return self.wo(out.reshape(B, T, self.value_dim))
+
+
+def _unit_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, T, H_k, d) -> (B, heads, T, d) in float32, each vector of unit length (eps 1e-6, as
+    flash-linear-attention), key head h read by value heads h*G .. h*G + G - 1."""
+    x = x.float()
+    x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    if heads != x.shape[2]:
+        x = x.repeat_interleave(heads // x.shape[2], dim=2)
+    return x.transpose(1, 2)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule one token at a time. q, k (B, H, T, d_k), v (B, H, T, d_v), g, beta
+    (B, H, T), all float32; ``state`` (B, H, d_k, d_v) float32, advanced in place (no new state
+    is allocated). Returns the outputs (B, H, T, d_v)."""
+    B, H, T, d_k = k.shape
+    d_v = v.shape[-1]
+    S = state.view(B * H, d_k, d_v)
+    decay = g.exp()
+    out = v.new_empty(B, H, T, d_v)
+    for t in range(T):
+        k_t = k[:, :, t].reshape(B * H, 1, d_k)
+        S.mul_(decay[:, :, t].reshape(B * H, 1, 1))
+        delta = (v[:, :, t].reshape(B * H, 1, d_v) - torch.bmm(k_t, S)) * beta[:, :, t].reshape(B * H, 1, 1)
+        S.baddbmm_(k_t.transpose(1, 2), delta)  # the rank-1 correction k_t delta^T
+        out[:, :, t] = torch.bmm(q[:, :, t].reshape(B * H, 1, d_k), S).view(B, H, d_v)
+    return out
+
+
+def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """The gated delta rule over chunks of ``chunk`` tokens, as transformers'
+    torch_chunk_gated_delta_rule (arguments as :func:`recurrent_delta_rule`).
+
+    Within a chunk the delta rule's corrections u_i = beta_i (v_i - sum_{j<i} decay(i, j) (k_i . k_j) u_j)
+    form a unit lower-triangular system (the WY form): one triangular solve gives them all, and the
+    chunk's outputs are its queries against the state it started from plus a causal, decayed
+    attention over its own corrections; the state then passes to the next chunk. A prompt that is
+    not a multiple of ``chunk`` is padded with zero keys and zero write strength, which change nothing."""
+    B, H, T, d_k = k.shape
+    pad = -T % chunk
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, -1, chunk, t.shape[-1]) for t in (q, k, v))  # (B, H, N, C, d)
+    g, beta = (F.pad(t, (0, pad)).view(B, H, -1, chunk) for t in (g, beta))  # (B, H, N, C)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    decay = g.cumsum(-1)  # log of the decay from the chunk's start through each position
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, N, C, C)
+    system = (k_beta @ k.transpose(-1, -2)) * pair  # its strict lower triangle; the diagonal reads as 1
+    corrections = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
+                                              unitriangular=True)  # what each correction reads of the old state
+    intra = (q @ k.transpose(-1, -2)) * pair  # (B, H, N, C, C), causal: the upper triangle is exp(-inf) = 0
+    q = q * decay.exp()[..., None]
+    k = k * (decay[..., -1:] - decay).exp()[..., None]  # decayed to the chunk's end
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
+    S = state.to(torch.float32)
+    out = corrections.new_empty(corrections.shape)  # contiguous (a solve may return column-major)
+    for n in range(q.shape[2]):
+        u = corrections[:, :, n] - k_decayed[:, :, n] @ S
+        out[:, :, n] = q[:, :, n] @ S + intra[:, :, n] @ u
+        S = S * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ u
+    state.copy_(S)
+    return out.view(B, H, -1, v.shape[-1])[:, :, :T]

@@ -1,0 +1,76 @@
+"""Rotary position embeddings in the rotate-half layout of transformers' Llama-family checkpoints:
+the tables (with linear, llama3 and yarn scaling, as transformers computes them) and their
+application to query and key heads."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from kvbench.model_config import ModelConfig
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched ``scale`` times (transformers' formula)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: 1, or yarn's attention factor (given, else from
+    rope_factor, rope_mscale and rope_mscale_all_dim, as transformers' yarn computes it)."""
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
+
+
+def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
+    """Rotary inverse frequencies (D/2,) in float64, scaled by ``cfg.rope_type`` as transformers'
+    rope type of that name: ``linear`` divides all by ``rope_factor``; ``llama3`` divides those
+    whose wavelength exceeds ``rope_original_max_seq_len / rope_low_freq_factor``, keeps those
+    below ``rope_original_max_seq_len / rope_high_freq_factor`` and blends linearly in between
+    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``); ``yarn``
+    blends interpolated and original frequencies over a ramp between the dimensions that turn
+    ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context. ``dim``: the
+    rotated width (default head_dim; MLA rotates only qk_rope_head_dim)."""
+    D = cfg.head_dim if dim is None else dim  # 0: no layer rotates, an empty table
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    if cfg.rope_type == "yarn":
+        def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
+            return D * math.log(cfg.rope_original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low = max(math.floor(turns_dim(cfg.rope_beta_fast)), 0)
+        high = min(math.ceil(turns_dim(cfg.rope_beta_slow)), D - 1)
+        high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
+        keep = 1 - ((torch.arange(D // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        return inv_freq / cfg.rope_factor * (1 - keep) + inv_freq * keep
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        keep = ((cfg.rope_original_max_seq_len / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - keep) * inv_freq / cfg.rope_factor + keep * inv_freq
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints
+    (times yarn's attention factor); ``dim`` as in :func:`rope_inv_freq`."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, dim))
+    angles = torch.cat([angles, angles], dim=-1)
+    factor = rope_attention_factor(cfg)
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, heads, T, D); cos/sin (T, D) or (B, T, D) broadcast over heads
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)

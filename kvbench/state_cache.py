@@ -1,0 +1,78 @@
+"""The cache of a recurrent layer (:class:`~kvbench.layouts.base.State`): per sequence the last
+inputs of its short convolution and one recurrent state, whatever the sequence's length.
+
+It answers the cache's one question the way a recurrent layer needs it answered:
+
+    update(x, pos) -> Carry(inputs, state)
+
+``x``: the new convolution inputs of T tokens, (B, C, T); ``pos``: their positions. ``inputs``
+(B, C, K - 1 + T) is what the causal convolution reads, the held tail first, exactly as a
+sliding-window K/V cache returns its held keys before the new ones (the tail is a window of K - 1
+positions, updated here); ``state`` (B, ...) is the recurrent state before these tokens, which
+the layer advances in place. A write at position 0 starts a sequence from zeros. Unlike K/V, a
+state folds every position into one tensor: it cannot roll back (:meth:`StateLayer.truncate`).
+
+Notation: B batch, T new tokens, C convolution channels, K its taps.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple
+
+import torch
+
+from kvbench.layouts.base import State
+
+
+class Carry(NamedTuple):
+    """What a recurrent layer continues from (see the module's docstring)."""
+
+    inputs: torch.Tensor
+    state: torch.Tensor
+
+
+class StateLayer:
+    """One recurrent layer's cache for ``batch_size`` sequences: a (B, C, K - 1) convolution tail
+    in ``dtype`` and a float32 recurrent state, allocated once and written in place. ``held``
+    False (``cache.impl=none``, a forward without a cache): nothing is kept, every forward starts
+    from zeros. It has the methods :class:`kvbench.cache.Cache` calls on a layer's cache."""
+
+    window = None  # every position is folded in: a recurrent layer has no window
+
+    def __init__(self, state: State, batch_size: int, dtype: torch.dtype, device: torch.device | str,
+                 held: bool = True):
+        self.shape, self.held = state, held
+        self.conv = torch.zeros(batch_size if held else 0, state.conv_channels, state.conv_tail, dtype=dtype,
+                                device=device)
+        self.recurrent = torch.zeros((batch_size if held else 0,) + state.recurrent, device=device)
+
+    def update(self, x: torch.Tensor, pos) -> Carry:
+        B, tail = x.shape[0], self.shape.conv_tail
+        if not self.held:
+            return Carry(torch.cat([x.new_zeros(B, x.shape[1], tail), x], -1),
+                         torch.zeros((B,) + self.shape.recurrent, device=x.device))
+        conv, state = self.conv[:B], self.recurrent[:B]
+        if pos.start == 0:  # a new sequence
+            conv.zero_()
+            state.zero_()
+        inputs = torch.cat([conv, x], -1)  # (B, C, K - 1 + T)
+        if tail:
+            conv.copy_(inputs[..., inputs.shape[-1] - tail:])
+        return Carry(inputs, state)
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [self.conv, self.recurrent] if self.held else []
+
+    def truncate(self, length: int, held: int) -> None:
+        """A state folds positions 0..held-1 together: only forgetting all of them (0) or none
+        (``held``) is possible."""
+        if length not in (0, held):
+            raise ValueError(f"cannot truncate to {length}: a recurrent state folds positions 0..{held - 1} "
+                             f"together and cannot roll back; only reset() (0) or {held} works")
+        if length == 0:
+            self.conv.zero_()
+            self.recurrent.zero_()
+
+    def fixed_view(self, length: int):
+        raise ValueError("a recurrent state has no fixed-shape view (the step reads a context bucket of K/V); "
+                         "use runtime.compile=false|default")
