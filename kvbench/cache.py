@@ -33,7 +33,6 @@ import torch
 
 from kvbench.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
-from kvbench.layouts.base import LayerLayout, check_limits
 from kvbench.state_cache import StateLayer
 
 Runs = Sequence[Tuple[int, int]]  # runs of key positions, (first, count) each, in the order of the keys
@@ -398,12 +397,13 @@ def make_cache(impl: str, layouts: Sequence, batch_size: int, max_seq_len: int,
     return Cache(impl, layers, batch_size, max_seq_len, dtype, device, cache_dtype)
 
 
-def layer_cache(layout: LayerLayout, impl: str, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                 device: torch.device, cache_dtype: str = "auto") -> LayerCache:
-    """One layer's cache of ``impl`` for what its layout stores per position: a ring of W positions
-    for a window shorter than the cache, else every position (static) or a growing tensor
-    (concat); none holds nothing. A layer with a constant state holds it (static, concat)."""
-    check_limits([layout], {"cache.impl": impl, "cache.dtype": cache_dtype})
+    """One layer's cache of ``impl`` for what its layout (a :class:`kvbench.layouts.base.LayerLayout`)
+    stores per position: a ring of W positions for a window shorter than the cache, else every
+    position (static) or a growing tensor (concat); none holds nothing. A layer with a constant
+    state holds it (static, concat)."""
+    layout.check({"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
     if impl == "none":
         return uncached(layout)
@@ -417,7 +417,7 @@ def layer_cache(layout: LayerLayout, impl: str, batch_size: int, max_seq_len: in
     return RingLayer(stores, layout.window) if ring else StaticLayer(stores, layout.window)
 
 
-def uncached(layout: LayerLayout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
+def uncached(layout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
     """A layer's cache that holds nothing (``cache.impl=none``, a forward without a cache); ``mask``
     as :class:`Uncached`'s (a recurrent layer reads no keys: it does not apply there)."""
     return Uncached(layout.window, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,

@@ -21,8 +21,6 @@ from typing import List, NamedTuple
 
 import torch
 
-from kvbench.layouts.base import State
-
 
 class Carry(NamedTuple):
     """What a recurrent layer continues from (see the module's docstring)."""
@@ -39,7 +37,7 @@ class StateLayer:
 
     window = None  # every position is folded in: a recurrent layer has no window
 
-    def __init__(self, state: State, batch_size: int, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str,
                  held: bool = True):
         self.shape, self.held = state, held
         self.conv = torch.zeros(batch_size if held else 0, state.conv_channels, state.conv_tail, dtype=dtype,

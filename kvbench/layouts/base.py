@@ -110,6 +110,10 @@ class LayerLayout:
         what the article's ratios are taken against."""
         raise NotImplementedError
 
+    def check(self, settings: Mapping[str, Any]) -> None:
+        """Refuse a setting this layer does not run with (:func:`check_limits`)."""
+        check_limits([self], settings)
+
     def limits(self) -> Tuple[Limit, ...]:
         """What the layer does not run with; a window is read whole as a ring, which no
         fixed-shape step, concatenating cache or serving store reads."""
