@@ -40,10 +40,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import _llama_name, build_decoder
+from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.generate import FixedShapeStep, decode_step
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, probe_bandwidth
 from kvbench.measure.timing import sync
-from kvbench.model_config import AttentionConfig, ModelConfig, attention_type
 
 SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, preset_kv_heads=4, ffn_dim=2816,
                     vocab_size=32000, max_seq_len=4096)

@@ -28,11 +28,11 @@ import torch
 from _common import write_report
 
 from kvbench.cache import Positions, make_cache
+from kvbench.config.model import ModelConfig
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.gated_deltanet import GatedDeltaNet
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.model import Block
-from kvbench.model_config import ModelConfig
 from kvbench.rope import rope_tables
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig, attention_type
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, preset_kv_heads=4, ffn_dim=2816,

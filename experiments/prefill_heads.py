@@ -26,7 +26,7 @@ import torch
 from _common import write_report
 from compare_transformers import hf_model, kvbench_model
 
-from kvbench.config import ModelConfig, attention_type
+from kvbench.config.model import ModelConfig, attention_type
 from kvbench.layouts.kv_heads_attention import grouped_attention
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,8 +25,9 @@ from omegaconf import OmegaConf
 
 from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import read_checkpoint
-from kvbench.config import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig, WorkloadConfig
-from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.quality.train import CHECKPOINT_NAME, run_train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.recall import mqar
 
 torch.set_num_threads(1)

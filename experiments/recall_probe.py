@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from kvbench.config import TrainConfig
+from kvbench.config.bench import TrainConfig
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.recall import Condition, accuracy, eval_set, train_stream
 from kvbench.quality.train import train
 

@@ -24,9 +24,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench.cache import cache_for
+from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, probe_bandwidth
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig, attention_type
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(name="small", num_layers=4, d_model=1024, num_heads=16, preset_kv_heads=4, ffn_dim=2816,

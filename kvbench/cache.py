@@ -31,7 +31,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.dtypes import CACHE_IMPLS
+from kvbench.config.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
 from kvbench.state_cache import StateLayer
 

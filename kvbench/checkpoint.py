@@ -3,7 +3,7 @@
 - kvbench's own checkpoints: one ``torch.save`` of the two configs as dicts, the state dict and
   any extra (train metrics, the loss curve).
 - transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
-  names) of the architectures in :data:`~kvbench.hf_config.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
+  names) of the architectures in :data:`~kvbench.config.hf.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
   scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms), MHA, GQA or MQA. The
   decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
   unpermuted (tests/test_checkpoint.py compares logits against transformers for each family).
@@ -27,15 +27,15 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from kvbench import hf_config
-from kvbench.config_errors import ConfigError, typed
+from kvbench.config import hf as hf_config
+from kvbench.config.errors import ConfigError, typed
+from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.rope import rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from kvbench.config import CONF_DIR
+from kvbench.config.bench import CONF_DIR
 
 HELP_FILE = CONF_DIR / "hydra" / "help" / "kvbench.yaml"
 

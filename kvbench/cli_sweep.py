@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report
-from kvbench.config import to_bench_config
-from kvbench.config_errors import ConfigError, one_line
+from kvbench.config.bench import to_bench_config
+from kvbench.config.errors import ConfigError, one_line
 from kvbench.jobs.claim import sweep_lock
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
 
 FREE_GPU = "cuda:free"
 

@@ -18,11 +18,12 @@ from typing import Optional
 import psutil
 import torch
 
-from kvbench.config import DTYPE_BYTES, BenchConfig
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import BenchConfig
+from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.units import human_bytes
 
 # The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
 from kvbench.jsonio import read_json
 
 INDEX_FILE = "model.safetensors.index.json"

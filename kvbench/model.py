@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbench.cache import Positions, uncached
-from kvbench.config import DTYPE_BYTES
+from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.norm import RMSNorm
 from kvbench.rope import rope_tables
 

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config import BenchConfig, objective_metric
+from kvbench.config.bench import BenchConfig, objective_metric
+from kvbench.config.model import MLA_FIELDS
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
-from kvbench.model_config import MLA_FIELDS
 
 RESULTS_FILE = "results.json"
 CHECKPOINT_NAME = "checkpoint.pt"  # task=train's checkpoint, beside its results.json

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from kvbench.model_config import ModelConfig
+from kvbench.config.model import ModelConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from kvbench.config.model import ATTENTION_TYPES, attention_type, local_global_layers, variant_label
 from kvbench.metrics import matches
-from kvbench.model_config import ATTENTION_TYPES, attention_type, local_global_layers, variant_label
 from kvbench.units_v1 import V1_UNITS
 
 # What a Variant's fields are read from in a record's config.
@@ -132,7 +132,7 @@ class Variant:
     def label(self) -> str:
         """``mha kv=8``, ``mla r=512``, ``mha kv=8 w=4096`` (every layer local), ``gqa kv=2 w=1024 5:1``
         (5 local layers to 1 global), then the cache dtype (``int8``) and, for a chat's variant,
-        ``shared=on|off``: the name built once, by :func:`kvbench.model_config.variant_label` (which
+        ``shared=on|off``: the name built once, by :func:`kvbench.config.model.variant_label` (which
         progress lines and task=compare's metric prefixes use too)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
                      "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types,

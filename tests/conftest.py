@@ -13,9 +13,9 @@ import torch
 from joblib.externals.loky.backend import fork_exec as loky_fork_exec
 from omegaconf import DictConfig
 
-from kvbench.config import register_configs
+from kvbench.config.bench import register_configs
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 
 # A shell starts a background job (`pytest ... &`, nohup, some CI runners) with SIGINT ignored, and
 # an ignored signal stays ignored across exec: every kvbench a test starts would then ignore the

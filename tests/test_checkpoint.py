@@ -14,8 +14,8 @@ from kvbench.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.rope import rope_inv_freq
 
 

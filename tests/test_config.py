@@ -7,19 +7,19 @@ from typing import Optional, get_type_hints
 import pytest
 from conftest import compose
 
-from kvbench.config import (
+from kvbench.config.bench import (
     BenchConfig,
     CacheConfig,
     DataConfig,
     RuntimeConfig,
     TrainConfig,
     WandbConfig,
-    WorkloadConfig,
     objective_metric,
     to_bench_config,
 )
-from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError, typed
-from kvbench.model_config import AttentionConfig, ModelConfig, attention_type, default_gqa_kv_heads
+from kvbench.config.errors import MAX_ERROR_CHARS, ConfigError, typed
+from kvbench.config.model import AttentionConfig, ModelConfig, attention_type, default_gqa_kv_heads
+from kvbench.config.workload import WorkloadConfig
 
 
 def one_line_error(fn, needle):
@@ -259,7 +259,7 @@ def test_what_the_decoder_does_not_model_is_refused_naming_the_key(change, needl
     ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None, None),
 ])
 def test_a_sliding_window_is_read_where_it_applies(config, window, layer_types):
-    from kvbench.config import AttentionConfig
+    from kvbench.config.model import AttentionConfig
 
     model = ModelConfig.from_hf_config({**HF_LLAMA, **config}, "ck/config.json")
     assert (model.preset_window, model.preset_layer_types) == (window, layer_types)

@@ -11,8 +11,8 @@ import torch
 from conftest import compose, tiny_model_config
 
 from kvbench.cache import Positions, make_cache, uncached
-from kvbench.config import to_bench_config
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import to_bench_config
+from kvbench.config.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.gated_deltanet import GatedDeltaNet

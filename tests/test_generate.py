@@ -8,8 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import _llama_name, build_decoder
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.generate import FixedShapeStep, compiled_graphs, greedy_generate, prefill
-from kvbench.model_config import AttentionConfig, ModelConfig
 
 KV_SPLITS = [8, 4, 2, 1]  # MHA, two GQA splits, MQA for 8 query heads
 

@@ -22,20 +22,13 @@ from hydra import compose, initialize_config_dir
 from kvbench.checkpoint import CheckpointError, load_checkpoint, load_llama_dir, save_checkpoint
 from kvbench.cli import _top_level_names
 from kvbench.cli_sweep import sweep_exit
-from kvbench.config import (
-    CONF_DIR,
-    BenchConfig,
-    CacheConfig,
-    RuntimeConfig,
-    WandbConfig,
-    WorkloadConfig,
-    to_bench_config,
-)
-from kvbench.config_errors import ConfigError, config_error_line
+from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, to_bench_config
+from kvbench.config.errors import ConfigError, config_error_line
+from kvbench.config.model import AttentionConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
 from kvbench.jobs.claim import completed_record
 from kvbench.jobs.runner import run_job
-from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult, read_record, record_view
 from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import LiveKvbench, compose, job_processes
 
 from kvbench.cli_sweep import check_sweep_start
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
 from kvbench.results import RunResult, read_record
 
 TRIALS = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=100000",
@@ -162,7 +162,7 @@ def test_help_names_every_task_workload_and_preset_and_imports_no_torch(tmp_path
     """`kvbench --help` was Hydra's generic page (the composed config, no list of tasks) after 5 s:
     now each task, workload and experiment preset on a line of its own, the groups, how to see
     every key; from the config files alone, without torch; the same text Hydra prints."""
-    from kvbench.config import CONF_DIR, TASKS
+    from kvbench.config.bench import CONF_DIR, TASKS
 
     env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
     proc = subprocess.run([sys.executable, "-c", TORCH_AT_EXIT, "--help"], cwd=tmp_path, capture_output=True,

@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 from conftest import compose
 
-from kvbench.config import to_bench_config
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import to_bench_config
+from kvbench.config.errors import ConfigError
+from kvbench.config.serving import MAX_RECORD_BYTES as SERVING_RECORD_LIMIT
+from kvbench.config.serving import MAX_SPAN_S, RECORD_BYTES_PER_REQUEST, RECORD_BYTES_PER_TOKEN
 from kvbench.footprint import check_fits, job_footprint
 from kvbench.jobs.runner import run_job
 from kvbench.results import MAX_RECORD_BYTES, RunResult
 from kvbench.serving import arrivals, scheduler
 from kvbench.serving.arrivals import check_drawn, read_trace
-from kvbench.serving_config import MAX_RECORD_BYTES as SERVING_RECORD_LIMIT
-from kvbench.serving_config import MAX_SPAN_S, RECORD_BYTES_PER_REQUEST, RECORD_BYTES_PER_TOKEN
 from kvbench.sinks import console
 from kvbench.sinks.choose import choices
 from kvbench.sinks.report import MD_FILE, write_report

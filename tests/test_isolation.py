@@ -18,9 +18,10 @@ from dataclasses import asdict
 import pytest
 from conftest import job_processes
 
-from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.jobs.isolation import death_status, run_isolated
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.results import RunResult, read_record
 
 
@@ -89,7 +90,9 @@ def test_death_status_tells_oom_from_kill_from_crash(exitcode, before, after, st
 # SIGUSR2 handler and then calls sys.exit(-1) wherever the parent happens to be.
 PARENT = """
 import signal, sys
-from kvbench.config import *
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 if sys.argv[2] == "submitit":

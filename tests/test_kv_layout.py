@@ -11,7 +11,8 @@ import yaml
 from conftest import hf_dir
 from hydra import compose, initialize_config_dir
 
-from kvbench.config import CONF_DIR, ModelConfig, to_bench_config
+from kvbench.config.bench import CONF_DIR, to_bench_config
+from kvbench.config.model import ModelConfig
 from kvbench.jobs.runner import run_job
 from kvbench.quality.data import byte_data, eval_windows
 from kvbench.sinks.console import run_table, stdout
@@ -112,7 +113,7 @@ def test_eval_of_an_mha_checkpoint_evaluates_it_unconverted(tmp_path_factory, co
 
 def test_model_attention_type_takes_a_count():
     model = ModelConfig(d_model=64, num_heads=8, preset_kv_heads=8)
-    from kvbench.config import AttentionConfig
+    from kvbench.config.model import AttentionConfig
     assert AttentionConfig().resolved(model).num_kv_heads == 8
     assert AttentionConfig(num_kv_heads=2).resolved(model).type == "gqa"
     with pytest.raises(Exception, match="attention.num_kv_heads=3"):

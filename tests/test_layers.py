@@ -15,14 +15,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config_errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
-     "jobs.forkserver", "serving.trace", "progress", "dtypes", "norm"],
-    ["hf_config", "hf_weights", "serving.record", "layouts.base"],
+    ["config.errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
+     "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
+    ["config.hf", "hf_weights", "serving.record", "layouts.base"],
     ["layouts.kv_heads"],
     ["layouts.latent", "layouts.gated_deltanet"],
-    ["layouts.build", "model_config", "recall_config", "capacity_config", "serving_config"],
-    ["workload_config", "rope"],
-    ["config", "serving.arrivals", "kv_store", "state_cache"],
+    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving"],
+    ["config.workload", "rope"],
+    ["config.bench", "serving.arrivals", "kv_store", "state_cache"],
     ["cache"],
     ["shared_prefix"],
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention"],
@@ -49,7 +49,7 @@ LAYERS = [
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
 # measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.
-SINK_ALLOWED = ("results", "views", "units", "metrics", "config", "measure.stats", "jsonio", "jobs.claim", "sinks.")
+SINK_ALLOWED = ("results", "views", "units", "metrics", "config.", "measure.stats", "jsonio", "jobs.claim", "sinks.")
 
 
 def module_name(path: Path) -> str:

@@ -16,21 +16,20 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config import (
+from kvbench.config.bench import (
     CONF_DIR,
-    AttentionConfig,
     BenchConfig,
     CacheConfig,
     CompareConfig,
-    ConfigError,
     DataConfig,
-    ModelConfig,
     RuntimeConfig,
     TrainConfig,
     WandbConfig,
-    WorkloadConfig,
     to_bench_config,
 )
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.model import Decoder

@@ -9,9 +9,9 @@ from conftest import VOCAB, tiny_model_config
 from kv_formula import kv_cache_bytes
 
 from kvbench.cache import cache_for
+from kvbench.config.model import AttentionConfig
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig
 from kvbench.shared_prefix import shared_cache_for
 
 W, R, ROPE = 5, 16, 4

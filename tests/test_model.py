@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import make_decoder
 from torch.profiler import ProfilerActivity, profile
 
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.layouts.kv_heads_attention import grouped_attention
 
@@ -112,7 +112,7 @@ def test_attention_memory_does_not_grow_with_group_size(T):
 
 @pytest.mark.parametrize("kv, needle", [(6, "attention.num_kv_heads=6"), (0, "attention.num_kv_heads=0")])
 def test_bad_groupings_rejected_naming_the_field(kv, needle):
-    from kvbench.model_config import AttentionConfig, ModelConfig
+    from kvbench.config.model import AttentionConfig, ModelConfig
     model = ModelConfig(num_layers=1, d_model=4096, num_heads=32, preset_kv_heads=32)
     with pytest.raises(ConfigError) as err:
         AttentionConfig(type="gqa", num_kv_heads=kv).resolved(model)
@@ -131,8 +131,8 @@ def test_a_decoder_on_the_meta_device_has_the_cpu_decoders_tensors(kind):
     parameters and buffers still have the names, shapes and dtypes of the same decoder on the CPU."""
     from conftest import tiny_model_config
 
+    from kvbench.config.model import AttentionConfig
     from kvbench.model import Decoder
-    from kvbench.model_config import AttentionConfig
 
     cfg = tiny_model_config()
     attention = {"mha": AttentionConfig.for_heads(8, 8), "gqa": AttentionConfig.for_heads(8, 2),

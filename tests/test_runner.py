@@ -15,7 +15,7 @@ from kv_formula import kv_cache_bytes
 from safetensors.torch import load_file, save_file
 
 from kvbench.checkpoint import save_checkpoint
-from kvbench.config_errors import MAX_ERROR_CHARS, ConfigError
+from kvbench.config.errors import MAX_ERROR_CHARS, ConfigError
 from kvbench.jobs import runner
 from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
@@ -261,8 +261,8 @@ def test_eval_records_the_shape_it_measured_not_the_preset(tmp_path):
     function: the same perplexity) and the record says mha/4 with the checkpoint's shape, not
     model=small's; a count neither pooled nor repeated is invalid, naming the key."""
     from kvbench.checkpoint import save_checkpoint
+    from kvbench.config.model import AttentionConfig, ModelConfig
     from kvbench.model import Decoder
-    from kvbench.model_config import AttentionConfig, ModelConfig
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
@@ -311,8 +311,8 @@ def test_eval_of_a_llama_directory_records_its_shape(tmp_path):
 
 def test_uptraining_from_a_checkpoint_of_another_shape_is_invalid(tmp_path):
     from kvbench.checkpoint import save_checkpoint
+    from kvbench.config.model import AttentionConfig, ModelConfig
     from kvbench.model import Decoder
-    from kvbench.model_config import AttentionConfig, ModelConfig
 
     saved = ModelConfig(name="train_small", num_layers=1, d_model=32, num_heads=8, preset_kv_heads=8, ffn_dim=64,
                         vocab_size=256, max_seq_len=64)

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from kvbench.config import WorkloadConfig
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
+from kvbench.config.serving import LengthConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.serving.arrivals import draw_lengths, inter_arrivals, make_requests, read_trace, request_tokens
-from kvbench.serving_config import LengthConfig
 
 N = 20_000
 Z = 5.0  # standard errors: a seeded draw this far out happens about once in 1.7 million

@@ -11,10 +11,10 @@ from conftest import make_decoder, tiny_model_config
 from kv_formula import kv_cache_bytes
 
 from kvbench.cache import cache_for
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig
 from kvbench.generate import greedy_generate
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig
 from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request

@@ -9,13 +9,13 @@ import torch
 from conftest import make_decoder, tiny_model_config
 
 from kvbench.cache import Positions, cache_for, causal_mask, make_cache
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig
 from kvbench.generate import FixedShapeStep, greedy_generate
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.kv_heads_attention import KVHeadsAttention, grouped_attention
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig
 from kvbench.shared_prefix import shared_cache_for
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import LiveKvbench, compose
 from omegaconf import OmegaConf
 
-from kvbench.config import to_bench_config
+from kvbench.config.bench import to_bench_config
 from kvbench.jobs.claim import claim_job
 from kvbench.jobs.isolation import oom_kills
 from kvbench.results import RunResult, find_results, read_record
@@ -358,7 +358,7 @@ def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials
     a trial over the cap returned no objective (and says so); kvbench's own end of sweep counts
     the 6 jobs; the search's directory then refuses another sweep."""
     from kvbench.cli_sweep import check_sweep_start
-    from kvbench.config_errors import ConfigError
+    from kvbench.config.errors import ConfigError
 
     sweep = tmp_path / "search"
     proc = subprocess.run(kvbench_cmd("-m", *SEARCH, f"hydra.sweep.dir={sweep}"), cwd=tmp_path, env=run_env(),
@@ -396,7 +396,7 @@ def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials
 ])
 def test_a_search_that_could_not_mean_anything_is_refused_before_any_job(tmp_path, change, needle):
     from kvbench.cli_sweep import check_sweep_start
-    from kvbench.config_errors import ConfigError
+    from kvbench.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         check_sweep_start(search_config(tmp_path / "new", *SEARCH, *change))

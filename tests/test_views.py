@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.config.model import AttentionConfig
 from kvbench.metrics import matches
-from kvbench.model_config import AttentionConfig
 from kvbench.results import RunResult
 from kvbench.tasks.common import variant_label
 from kvbench.units_v1 import V1_UNITS

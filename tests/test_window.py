@@ -13,18 +13,10 @@ from test_checkpoint import PROMPT, STEPS, logits_with_cache
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config import (
-    AttentionConfig,
-    BenchConfig,
-    CacheConfig,
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WandbConfig,
-    WorkloadConfig,
-)
+from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.model import Decoder
 from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.train import run_eval
@@ -204,7 +196,7 @@ def test_presets_inspect_their_kv_by_kind_of_layer(preset, local, W, kv, D, L):
     bfloat16 worked out by hand from the published shapes."""
     from hydra import compose, initialize_config_dir
 
-    from kvbench.config import CONF_DIR, to_bench_config
+    from kvbench.config.bench import CONF_DIR, to_bench_config
     from kvbench.tasks.inspect import describe
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -50,7 +50,7 @@ from typing import Callable, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from kvbench.config import BenchConfig, to_bench_config
+from kvbench.config.bench import BenchConfig, to_bench_config
 from kvbench.jobs.forkserver import ForkServer, ServerGone, available
 from kvbench.jobs.interrupts import (
     STOP_SIGNALS,

@@ -25,8 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.config import BenchConfig, objective_metric, to_bench_config
-from kvbench.config_errors import ConfigError, one_line
+from kvbench.config.bench import BenchConfig, objective_metric, to_bench_config
+from kvbench.config.errors import ConfigError, one_line
 from kvbench.device import resolve_device
 from kvbench.footprint import check_fits
 from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop

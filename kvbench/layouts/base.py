@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config_errors import ConfigError
-from kvbench.dtypes import element_bytes
+from kvbench.config.dtypes import element_bytes
+from kvbench.config.errors import ConfigError
 
 
 @dataclass(frozen=True)

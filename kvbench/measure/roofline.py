@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from kvbench.config import MAX_GB_PER_S
+from kvbench.config.bench import MAX_GB_PER_S
 from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
 from kvbench.metrics import Metric, metric_table, record_methods

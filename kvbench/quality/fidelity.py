@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from kvbench.cache import Cache, cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads
+from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, greedy_generate
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig
 
 # Units and methods of the metrics below (merged into a decode record's ``methods``).
 FIDELITY_METRICS: Dict[str, Metric] = metric_table(

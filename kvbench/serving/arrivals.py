@@ -9,7 +9,7 @@ same requests at the same times (one numpy ``Generator`` seeded with ``workload.
 - ``trace``: a JSONL or CSV file of ``arrival_s, prompt_len, output_len`` and optionally
   ``prefix_id`` (and ``prefix_len``), read bounded, each bad row a one-line error naming it.
 
-Lengths: :class:`~kvbench.serving_config.LengthConfig` (fixed, uniform, lognormal with mean and
+Lengths: :class:`~kvbench.config.serving.LengthConfig` (fixed, uniform, lognormal with mean and
 CV). A prefixed request (``prefix_fraction`` of them) starts with one of ``prefix_groups`` system
 prompts of ``prefix_len`` tokens: its prompt is that prefix plus its own drawn length.
 :func:`request_tokens` gives the token ids, from the seed, the request's id and its prefix id.
@@ -26,13 +26,13 @@ from typing import List, Optional
 
 import numpy as np
 
-from kvbench.config_errors import ConfigError, one_line
+from kvbench.config.errors import ConfigError, one_line
+from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S, LengthConfig, check_record_size, duration_text
 from kvbench.jsonio import read_regular
 from kvbench.serving.trace import Request
-from kvbench.serving_config import MAX_REQUESTS, MAX_SPAN_S, LengthConfig, check_record_size, duration_text
 
 MAX_TRACE_BYTES = 64 * 2**20  # a trace of more is not one this CPU-sized scheduler can serve
-MAX_TRACE_ROWS = MAX_REQUESTS  # more than a record can hold (serving_config)
+MAX_TRACE_ROWS = MAX_REQUESTS  # more than a record can hold (config.serving)
 MAX_DRAWN = MAX_REQUESTS  # arrivals drawn for a duration_s at most
 
 
@@ -56,7 +56,7 @@ def draw_lengths(rng: np.random.Generator, n: int, dist: LengthConfig) -> np.nda
 
 
 def make_requests(w) -> List[Request]:
-    """The requests of ``w`` (a serving :class:`~kvbench.config.WorkloadConfig`), by arrival."""
+    """The requests of ``w`` (a serving :class:`~kvbench.config.bench.WorkloadConfig`), by arrival."""
     if w.arrival == "trace":
         return read_trace(w.trace, w.prefix_len)
     rng = np.random.default_rng(w.seed)
@@ -85,7 +85,7 @@ def make_requests(w) -> List[Request]:
 
 
 def check_drawn(w, last_s: float, n: int, output_tokens: float) -> None:
-    """The drawn arrivals, checked as the config's means were (serving_config): they end within
+    """The drawn arrivals, checked as the config's means were (config.serving): they end within
     :data:`MAX_SPAN_S` (a gamma of small ``burstiness`` draws a few enormous gaps whatever its
     mean) and their record fits."""
     if not last_s <= MAX_SPAN_S:  # NaN too: gaps that overflowed

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kvbench.cache import Attend, LayerCache, Positions, mask_over, visible
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
 from kvbench.kv_store import KVStore
 
 

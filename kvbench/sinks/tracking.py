@@ -49,8 +49,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from kvbench.config import WandbConfig
-from kvbench.config_errors import one_line
+from kvbench.config.bench import WandbConfig
+from kvbench.config.errors import one_line
 from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.results import RESULTS_FILE, RunResult
 from kvbench.views import RecordView

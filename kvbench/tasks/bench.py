@@ -8,7 +8,7 @@ from typing import Dict
 import torch
 
 from kvbench.checkpoint import kv_conversion
-from kvbench.config import BenchConfig
+from kvbench.config.bench import BenchConfig
 from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric, metric_table

@@ -38,8 +38,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from kvbench.cache import Cache, cache_for
-from kvbench.config import BenchConfig
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import BenchConfig
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
 from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, weight_bytes
@@ -47,7 +48,6 @@ from kvbench.measure.stats import median, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig
 from kvbench.progress import Progress
 from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
 from kvbench.results import RunResult

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.layouts.build import build_layouts
 
 SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed

@@ -8,11 +8,11 @@ from typing import Any, Dict, Optional
 import torch
 
 from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
-from kvbench.config import BenchConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.model import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
 
 # Methods of the fields every model-running job records.
 JOB_METRICS: Dict[str, Metric] = metric_table(

@@ -35,13 +35,14 @@ import torch
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion
-from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.config.model import AttentionConfig, variant_key, variant_label
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, variant_key, variant_label
 from kvbench.progress import Progress
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, build_model
@@ -49,7 +50,7 @@ from kvbench.tasks.common import JOB_METHODS, build_model
 Tick = Callable[..., None]
 
 # Units and methods of what this task reports; ``<v>`` is a variant's label (``mha_kv16``,
-# ``mla_r256``, ``mha_kv16_w1024_5to1``: model_config.variant_key), ``<C>`` the longest context.
+# ``mla_r256``, ``mha_kv16_w1024_5to1``: config.model.variant_key), ``<C>`` the longest context.
 # Every ratio is the variant's over the first variant's.
 METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.trials", "", "one row per (round, turn, variant, context) in the order run: the decode step times "
@@ -57,7 +58,7 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.compare", "",
            "one row per variant: the metrics below without the variant prefix, step_ms_ctx<C> "
                       "(with _ci_low/_ci_high), step_ratio_ctx<C> and kv_bytes_ctx<C> at every context, layout "
-                      "(the variant's name in tables and plots: model_config.variant_label) and weights (how its "
+                      "(the variant's name in tables and plots: config.model.variant_label) and weights (how its "
                       "attention weights relate to the MHA model's: mha's, K/V mean-pooled from mha's, or drawn "
                       "from runtime.seed for MLA)"),
     Metric("<v>_step_ms_ctx<C>", "ms", "decode step at context C: median over rounds of each round's median step, "

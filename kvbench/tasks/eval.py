@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from kvbench.config import BenchConfig
-from kvbench.model_config import kv_layout_change
+from kvbench.config.bench import BenchConfig
+from kvbench.config.model import kv_layout_change
 from kvbench.progress import Progress
 from kvbench.quality.train import EVAL_METHODS, EVAL_METRICS, checkpoint_for_eval, run_eval
 from kvbench.results import RunResult, record_view

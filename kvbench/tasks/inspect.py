@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import List
 
-from kvbench.config import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, BenchConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES
+from kvbench.config.model import kv_layout_change
 from kvbench.footprint import parameter_count as count_parameters
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
-from kvbench.model_config import kv_layout_change
 from kvbench.units import human_bytes
 
 

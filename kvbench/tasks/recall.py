@@ -26,17 +26,17 @@ import torch
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads
-from kvbench.config import BenchConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.model import AttentionConfig
+from kvbench.config.recall import RecallConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.model_config import AttentionConfig
 from kvbench.progress import Progress
 from kvbench.quality.recall import Condition, accuracy, chance, copy_baseline, eval_set, train_stream
 from kvbench.quality.train import train
-from kvbench.recall_config import RecallConfig
 from kvbench.results import RunResult
 from kvbench.tasks.common import variant_label
 
@@ -151,7 +151,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     attention = cfg.attention
     converting = r.uptrain_steps is not None
     # recall.seq_len against model.max_seq_len and what recall.uptrain_steps can convert: checked
-    # when the config was typed (recall_config.check_recall_run), before any step
+    # when the config was typed (config.recall.check_recall_run), before any step
     h = model_cfg.num_heads
     seeds = [cfg.runtime.seed + i for i in range(r.seeds)]
     stages = ["before_uptrain", "final"] if converting else ["final"]

@@ -8,8 +8,8 @@ from typing import Dict
 
 import torch
 
-from kvbench.config import BenchConfig
-from kvbench.model_config import kv_layout_change
+from kvbench.config.bench import BenchConfig
+from kvbench.config.model import kv_layout_change
 from kvbench.progress import Progress
 from kvbench.quality.train import TRAIN_METHODS, TRAIN_METRICS, run_train
 from kvbench.results import RunResult

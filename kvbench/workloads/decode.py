@@ -18,7 +18,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from kvbench.cache import Cache, cache_for
-from kvbench.config import DTYPE_BYTES, BenchConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.generate import (
     COMPILE_METRICS,
     FixedShapeStep,
@@ -49,7 +51,6 @@ from kvbench.measure.stats import (
 from kvbench.measure.timing import RegionTimer
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.fidelity import FIDELITY_METRICS, fidelity
 from kvbench.results import RunResult
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kvbench.cache import cache_for
-from kvbench.config import BenchConfig, WorkloadConfig
+from kvbench.config.bench import BenchConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.generate import (
     COMPILE_METRICS,
     Generation,

@@ -21,8 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from kvbench.config import BenchConfig
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import BenchConfig
+from kvbench.config.errors import ConfigError
+from kvbench.config.serving import duration_text, kv_budget_note
 from kvbench.footprint import kv_bytes_per_token
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
@@ -34,7 +35,6 @@ from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_m
 from kvbench.serving.record import timeline_scalars, timeline_tables
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
-from kvbench.serving_config import duration_text, kv_budget_note
 
 Tick = Callable[..., None]
 

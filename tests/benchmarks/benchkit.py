@@ -20,8 +20,8 @@ import pytest
 import torch
 from kv_formula import kv_cache_bytes
 
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 
 # Shapes: a decode step attends over 128 cached positions (~0.5 ms on one core); a prefill or
 # a cache-less step stays near 3.5 ms. Short calls keep a timed run to ~13 s, and calls much

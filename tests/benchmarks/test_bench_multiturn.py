@@ -15,7 +15,7 @@ import torch
 from benchkit import BATCH_SIZE, bench_decoder, pinned_threads, record_config  # noqa: F401
 from kv_formula import kv_cache_bytes
 
-from kvbench.config import WorkloadConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
 WORKLOAD = WorkloadConfig(name="multiturn", batch_size=BATCH_SIZE, system_len=96, turns=2,

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from kvbench.config.model import ModelConfig
 from kvbench.measure import host, memory
 from kvbench.measure.memory import MEMORY_METHODS, MemoryMonitor, peak_rss_bytes, weight_bytes
 from kvbench.model import Decoder
-from kvbench.model_config import ModelConfig
 
 UUID = "ffc79498-8ff3-c2dc-3b0d-fafd804516ae"  # as str(torch props.uuid) prints it
 

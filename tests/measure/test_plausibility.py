@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_memory import UUID, FakeNVML, install
 
-from kvbench.config import AttentionConfig, ModelConfig
+from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.measure import memory, plausibility
 from kvbench.measure.memory import MemoryMonitor, allocation_delta
 from kvbench.measure.roofline import attainable_metrics, probe_step_gemms, roofline_metrics

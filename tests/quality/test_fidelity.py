@@ -8,7 +8,7 @@ import torch
 from conftest import TEXT, byte_decoder, make_decoder
 
 from kvbench.checkpoint import convert_kv_heads
-from kvbench.config import TrainConfig
+from kvbench.config.bench import TrainConfig
 from kvbench.quality.data import TokenData
 from kvbench.quality.fidelity import cache_fidelity, dtype_fidelity, float32_copy, quantized_cache_fidelity
 from kvbench.quality.train import train
@@ -153,7 +153,7 @@ def test_kv_pool_fidelity_of_a_hybrid_scores_the_window_too():
     from scipy.special import rel_entr, softmax
 
     from kvbench.checkpoint import build_decoder, convert_kv_heads
-    from kvbench.model_config import AttentionConfig
+    from kvbench.config.model import AttentionConfig
     from kvbench.quality.fidelity import kv_pool_fidelity
 
     mha = _sharp(make_decoder(8, seed=3))

@@ -10,12 +10,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import stats as sps
 
-from kvbench.config import CONF_DIR, TrainConfig
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import CONF_DIR, TrainConfig
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.recall import RecallConfig
 from kvbench.jobs.runner import run_job
 from kvbench.measure.stats import t_interval, welch_interval
 from kvbench.model import Decoder
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.quality.recall import (
     IGNORE,
     KEY,
@@ -32,7 +33,6 @@ from kvbench.quality.recall import (
     train_stream,
 )
 from kvbench.quality.train import train
-from kvbench.recall_config import RecallConfig
 
 
 def test_mqar_answers_are_the_values_stored_with_the_keys():
@@ -216,7 +216,7 @@ def test_recall_longer_than_the_model_is_invalid(tmp_path):
 @pytest.mark.parametrize("preset", ["recall", "recall_gpu"])
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mqa", "recall/mla", "recall/swa"])
 def test_recall_presets_compose_for_every_variant(preset, attention):
-    from kvbench.config import to_bench_config
+    from kvbench.config.bench import to_bench_config
     from kvbench.tasks.recall import conditions
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[f"experiment={preset}", f"attention={attention}"]))

@@ -10,9 +10,10 @@ from conftest import TEXT, byte_decoder, hf_dir
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
-from kvbench.config import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig, WorkloadConfig
-from kvbench.config_errors import ConfigError
-from kvbench.model_config import AttentionConfig, ModelConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.quality.data import TokenData, byte_data, eval_windows
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 

@@ -10,8 +10,9 @@ import yaml
 from conftest import tiny_model_config
 from kv_formula import kv_cache_bytes
 
-from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
-from kvbench.model_config import AttentionConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
+from kvbench.config.model import AttentionConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.results import RunResult, record_view
 
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}

@@ -24,7 +24,9 @@ PARENT = """
 import logging, signal, sys
 from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import UncompletedJobError
-from kvbench.config import *
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 handler = object.__new__(SignalHandler)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import compose
 
-from kvbench.config import BenchConfig, to_bench_config
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import BenchConfig, to_bench_config
+from kvbench.config.errors import ConfigError
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status
 from kvbench.measure.memory import PeakWindow, is_oom

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import compose
 
-from kvbench.config import to_bench_config
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import to_bench_config
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig
 from kvbench.jobs.runner import run_job
-from kvbench.model_config import AttentionConfig
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import round_order, summarize, variants
 

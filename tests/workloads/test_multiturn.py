@@ -13,14 +13,15 @@ from kv_formula import kv_cache_bytes
 from test_cli import kvbench
 
 from kvbench.cache import Positions, make_cache
-from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, WorkloadConfig
-from kvbench.config_errors import ConfigError
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.workload import WorkloadConfig
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.kv_heads_attention import grouped_attention
-from kvbench.model_config import AttentionConfig, ModelConfig
 from kvbench.shared_prefix import SharedPrefixCache, shared_cache_for
 from kvbench.sinks.console import ttft_side_by_side
 from kvbench.workloads.multiturn import ChatSession, chat_prompts

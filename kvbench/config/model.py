@@ -2,7 +2,7 @@
 
 A run's attention layout is its KV-head count, ``attention.num_kv_heads`` (mha: one per query head,
 mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is written. With
-``model.path`` the checkpoint's ``config.json`` sets the shape (:mod:`kvbench.hf_config`).
+``model.path`` the checkpoint's ``config.json`` sets the shape (:mod:`kvbench.config.hf`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench import hf_config
-from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
-from kvbench.hf_config import LAYER_TYPES, ROPE_TYPES
+from kvbench.config import hf as hf_config
+from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.config.hf import LAYER_TYPES, ROPE_TYPES
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
@@ -222,7 +222,7 @@ class ModelConfig:
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
         """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
         names the file in errors (every error names it: the file is the user's input). Refuses
-        what the decoder does not model (:func:`kvbench.hf_config.model_fields`); values of the
+        what the decoder does not model (:func:`kvbench.config.hf.model_fields`); values of the
         wrong type name their key."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: not a JSON object")

@@ -1,15 +1,15 @@
 """The ``workload`` group's schema: what a ``task=bench`` run feeds the model (``conf/workload/``):
 ``decode`` (a prompt, then greedy steps), ``multiturn`` (a chat over a shared system prompt) and
 ``serving`` (open-loop arrivals served by continuous batching; its lengths, store and rate search
-in :mod:`kvbench.serving_config`). Cross-group rules live in :class:`kvbench.config.BenchConfig`."""
+in :mod:`kvbench.config.serving`). Cross-group rules live in :class:`kvbench.config.bench.BenchConfig`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvbench.config_errors import check_choice, check_numbers, check_positive
-from kvbench.serving_config import LengthConfig, RateSearchConfig, check_serving, serving_total_len
+from kvbench.config.errors import check_choice, check_numbers, check_positive
+from kvbench.config.serving import LengthConfig, RateSearchConfig, check_serving, serving_total_len
 
 WORKLOADS = ("decode", "multiturn", "serving")
 
@@ -28,14 +28,14 @@ class WorkloadConfig:
     turns: int = 4
     user_len: int = 64
     reply_len: int = 32
-    # serving (kvbench/serving_config.py): open-loop arrivals served by continuous batching
+    # serving (kvbench/config/serving.py): open-loop arrivals served by continuous batching
     arrival: str = "poisson"  # poisson | gamma (burstiness) | trace (workload.trace)
     rate: float = 4.0  # requests per second (mean); arrival=trace ignores it
     burstiness: float = 1.0  # gamma's shape: 1 = Poisson, < 1 burstier, > 1 more regular (CV^2 = 1/burstiness)
     num_requests: Optional[int] = 32  # requests drawn (null: until duration_s)
     duration_s: Optional[float] = None  # draw arrivals until this many seconds (num_requests null)
     trace: Optional[str] = None  # arrival=trace: JSONL or CSV of arrival_s, prompt_len, output_len[, prefix_id]
-    # a request's own prompt tokens: .dist fixed|uniform|lognormal, .mean, .cv, .lo, .hi (serving_config.LengthConfig)
+    # a request's own prompt tokens: .dist fixed|uniform|lognormal, .mean, .cv, .lo, .hi (config.serving.LengthConfig)
     prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 128, 0.5, 16, 512))
     output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))  # as prompt
     prefix_len: int = 0  # a shared system prompt of this many tokens before a prefixed request's own prompt

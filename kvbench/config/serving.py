@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvbench.config_errors import ConfigError, check, check_choice, check_numbers
+from kvbench.config.errors import ConfigError, check, check_choice, check_numbers
 
 ARRIVALS = ("poisson", "gamma", "trace")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
@@ -96,7 +96,7 @@ class RateSearchConfig:
 
 
 def check_serving(w) -> None:
-    """The serving fields of a :class:`kvbench.config.WorkloadConfig` (``w.name == "serving"``)."""
+    """The serving fields of a :class:`kvbench.config.bench.WorkloadConfig` (``w.name == "serving"``)."""
     check_choice("workload.arrival", w.arrival, ARRIVALS)
     check(w.rate > 0, "workload.rate", w.rate, "must be > 0 requests per second")
     check(w.burstiness > 0, "workload.burstiness", w.burstiness, "must be > 0 (1 = Poisson, < 1 burstier)")
@@ -177,7 +177,7 @@ def duration_text(seconds: float) -> str:
 
 
 def check_serving_run(cfg) -> None:
-    """Cross-group rules of a serving run (a :class:`kvbench.config.BenchConfig`, its attention
+    """Cross-group rules of a serving run (a :class:`kvbench.config.bench.BenchConfig`, its attention
     resolved): a rate search needs a latency target; the stores hold K/V in the compute dtype;
     the forwards are eager (what a layer's layout does not run with is its own Limit)."""
     w = cfg.workload

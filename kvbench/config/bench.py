@@ -10,8 +10,8 @@ failure is a one-line :class:`ConfigError` that names the key and the value.
 Cross-group rules (the attention type against the model's head count, the sequence
 against ``max_seq_len``) live in :class:`BenchConfig`, which owns both sides.
 
-Below it are only its errors (:mod:`kvbench.config_errors`: ConfigError, typing a composed
-config) and a checkpoint's ``config.json`` (:mod:`kvbench.hf_config`, which
+Below it are only its errors (:mod:`kvbench.config.errors`: ConfigError, typing a composed
+config) and a checkpoint's ``config.json`` (:mod:`kvbench.config.hf`, which
 :meth:`ModelConfig.from_hf_config` types); every other module may import it.
 """
 
@@ -27,9 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from kvbench.capacity_config import SLO_STATS, CapacityConfig, SloConfig  # noqa: F401 (re-exported)
-from kvbench.config_errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
-from kvbench.dtypes import (  # noqa: F401 (re-exported: what a stored element costs)
+from kvbench.config.capacity import SLO_STATS, CapacityConfig, SloConfig  # noqa: F401 (re-exported)
+from kvbench.config.dtypes import (  # noqa: F401 (re-exported: what a stored element costs)
     CACHE_DTYPE_BYTES,
     CACHE_DTYPES,
     CACHE_IMPLS,
@@ -37,8 +36,8 @@ from kvbench.dtypes import (  # noqa: F401 (re-exported: what a stored element c
     SCALE_BYTES,
     element_bytes,
 )
-from kvbench.layouts.build import build_layouts
-from kvbench.model_config import (  # noqa: F401 (variant_label, variant_key: re-exported for the sinks)
+from kvbench.config.errors import INT64_MAX, ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.config.model import (  # noqa: F401 (variant_label, variant_key: re-exported for the sinks)
     ATTENTION_TYPES,
     AttentionConfig,
     ModelConfig,
@@ -46,15 +45,16 @@ from kvbench.model_config import (  # noqa: F401 (variant_label, variant_key: re
     variant_key,
     variant_label,
 )
-from kvbench.recall_config import RecallConfig, check_recall_run
-from kvbench.serving_config import check_serving_run
-from kvbench.workload_config import WORKLOADS, WorkloadConfig  # noqa: F401 (re-exported)
+from kvbench.config.recall import RecallConfig, check_recall_run
+from kvbench.config.serving import check_serving_run
+from kvbench.config.workload import WORKLOADS, WorkloadConfig  # noqa: F401 (re-exported)
+from kvbench.layouts.build import build_layouts
 
 
 def _find_conf_dir() -> Path:
     """The Hydra configs: ``conf/`` beside the package in a checkout (and an editable install),
     ``kvbench/conf`` inside an installed wheel (pyproject maps the top-level ``conf/`` there)."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # kvbench/
     for candidate in (package / "conf", package.parent / "conf"):
         if (candidate / "config.yaml").is_file() and (candidate / "model").is_dir():
             return candidate

@@ -2,7 +2,7 @@
 about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
-turns its contents into :class:`kvbench.model_config.ModelConfig` fields, refusing what the decoder
+turns its contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder
 does not model (another architecture, MoE, multimodal, other rope types); a sliding window
 becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
 with one line naming the key. Every value read is checked against its JSON type where it is read
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-from kvbench.config_errors import ConfigError
+from kvbench.config.errors import ConfigError
 from kvbench.jsonio import read_json
 
 CONFIG_FILE = "config.json"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from kvbench.config_errors import ConfigError, check, check_choice, check_numbers, check_positive
+from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive
 
 RECALL_KINDS = ("mqar", "passkey")
 

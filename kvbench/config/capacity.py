@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from kvbench.config_errors import check, check_choice, check_numbers, check_positive
+from kvbench.config.errors import check, check_choice, check_numbers, check_positive
 
 SLO_STATS = ("p50", "p99")
 
