@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config import BenchConfig, objective_metric
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
-from kvbench.model_config import MLA_FIELDS
+from kvbench.model_config import INDEX_FIELDS, MLA_FIELDS
 
 RESULTS_FILE = "results.json"
 CHECKPOINT_NAME = "checkpoint.pt"  # task=train's checkpoint, beside its results.json
@@ -367,6 +367,11 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
     a = out.get("attention")
     if isinstance(a, dict) and not a.get("sinks"):  # a record without sinks reads as before sinks existed
         out["attention"] = {k: v for k, v in a.items() if k != "sinks"}
+    a = out.get("attention")
+    if isinstance(a, dict):  # a record without DSA's indexer or KV sharing reads as before they existed
+        drop = (() if a.get("index_topk") else INDEX_FIELDS) + (() if a.get("kv_shared_layers")
+                                                               else ("kv_shared_layers",))
+        out["attention"] = {k: v for k, v in a.items() if k not in drop}
     a = out.get("attention")
     if isinstance(a, dict) and a.get("window") is None:  # no window: which layers are local means nothing
         out["attention"] = {k: v for k, v in a.items() if k not in ("window", "global_every", "layer_types")}

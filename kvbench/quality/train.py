@@ -270,7 +270,8 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     a = cfg.attention
     asked = {name: getattr(a, name) for name in MLA_FIELDS} if a.latent else {}
     attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
-                                layer_types=a.layer_types, mla_decode=a.mla_decode, **asked).resolved(model.config)
+                                layer_types=a.layer_types, mla_decode=a.mla_decode, kv_shared_layers=a.kv_shared_layers,
+                                **asked).resolved(model.config)
     model, how = to_layout(model, attention)  # with attention's window pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
