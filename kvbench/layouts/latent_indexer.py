@@ -17,6 +17,11 @@ kvbench differs in form, not in result:
   so it reads k latents, not S. A prompt (T > 1) uses the mask, as transformers does.
 - a prompt's scores are taken in blocks of query rows (:data:`SCORE_ELEMENTS`), not as one
   (B, T, H_i, S) float32 tensor (4 GB per sequence at T = S = 4096 with 64 heads).
+- equal scores are broken towards the earlier token (a stable sort), so a decode step selects what
+  a recompute of the whole sequence selects; transformers' ``topk`` breaks them in its kernel's
+  order, which depends on the shape of the call. Only exact ties at the k-th place can differ: a
+  token whose every indexer head's ReLU is 0 scores exactly 0, common with few heads and random
+  weights, rare otherwise.
 - transformers keeps ``weights_proj`` in float32 when it loads a model in half precision; here it
   runs in the model's dtype (its output is cast to float32 before the sum, as there).
 
@@ -89,5 +94,7 @@ class Indexer(nn.Module):
             index = torch.matmul(w[:, t:t + rows].unsqueeze(-2), scores).squeeze(-2)  # (B, t', S)
             if visible is not None:
                 index = index.masked_fill(~visible[..., t:t + rows, :], float("-inf"))
-            out.append(index.topk(self.topk, dim=-1).indices)
+            # a stable sort, not topk: equal scores (a token all of whose heads' ReLUs are 0 scores
+            # exactly 0) go to the earlier token, so a selection never depends on the call's shape
+            out.append(index.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk])
         return torch.cat(out, 1)
