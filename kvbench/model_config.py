@@ -298,10 +298,9 @@ class AttentionConfig:
     # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
     # per head: the reference). Prefill is always expanded.
     mla_decode: str = "absorbed"
-    # DSA (DeepSeek-V3.2, mla): an indexer's key per token; a query attends its top index_topk (0: none)
-    index_n_heads: Optional[int] = None
-    index_head_dim: Optional[int] = None
-    index_topk: Optional[int] = None
+    index_n_heads: Optional[int] = None  # DSA's (DeepSeek-V3.2, with mla) indexer heads; null: the model's own
+    index_head_dim: Optional[int] = None  # the width of its key, cached per token beside the latent
+    index_topk: Optional[int] = None  # DSA: each query attends its top index_topk tokens; 0: no indexer
     # Gemma 3n: the last N layers read an earlier layer's K/V, storing none (null: the model's own; 0: none)
     kv_shared_layers: Optional[int] = None
 
