@@ -37,6 +37,7 @@ from kvbench.model import Decoder
 from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.train import run_eval
 from kvbench.rope import rope_tables
+from kvbench.tasks import capacity
 from kvbench.tasks.inspect import describe
 
 MODEL = ModelConfig(name="t", num_layers=2, d_model=64, num_heads=8, ffn_dim=96, vocab_size=VOCAB, max_seq_len=64)
@@ -296,6 +297,10 @@ def test_inspect_of_deepseek_v32_prints_bytes_per_token_and_per_sequence_by_hand
     bf16 = next(line for line in text.splitlines() if line.startswith("bfloat16"))
     assert f"({per_token:,})" in bf16 and per_token == 85_888 and f"({per_sequence:,})" in bf16
     assert f"({read:,}) read of" in text and f"({per_sequence:,}) held per sequence" in text
+    capacity_cfg = to_bench_config(compose("model=deepseek_v32", "task=capacity", "runtime.memory_budget_gb=1",
+                                           "runtime.dtype=bfloat16", "workload.gen_len=96",
+                                           "capacity.context_lens=[4000]"))
+    assert capacity.kv_bytes(capacity_cfg, 4000, 8) == per_token * 4096 * 8  # task=capacity's prediction
 
 
 def test_to_layout_keeps_a_dsa_checkpoint_as_it_is(tmp_path):

@@ -18,6 +18,7 @@ from kvbench.generate import greedy_generate
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.rope import apply_rope
+from kvbench.tasks import capacity
 from kvbench.tasks.inspect import describe
 
 MODEL = ModelConfig(name="t", num_layers=6, d_model=64, num_heads=8, preset_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,
@@ -149,6 +150,10 @@ def test_inspect_of_gemma3n_e4b_prints_bytes_per_token_and_per_sequence_by_hand(
     assert rows["global"][1:3] == ["4", "8,192"] and f"({4 * 8192 * position:,})" in rows["global"][-1]
     assert rows["local W=512"][2:4] == ["16", "512"]
     assert rows["global, reads layer 19"][4:6] == ["3", "0"] and rows["local W=512, reads layer 18"][5] == "12"
+    capacity_cfg = to_bench_config(compose("model=gemma3n_e4b", "task=capacity", "runtime.memory_budget_gb=1",
+                                           "runtime.dtype=bfloat16", "workload.gen_len=96",
+                                           "capacity.context_lens=[4000]"))
+    assert capacity.kv_bytes(capacity_cfg, 4000, 8) == (4 * 4096 + 16 * 512) * position * 8  # task=capacity's
 
 
 FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2"]
