@@ -269,10 +269,12 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
     elif not attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
                               "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
-    for name in (*MLA_FIELDS, "kv_shared_layers") if attention.latent else ("kv_shared_layers",):
-        asked, own = getattr(attention, name) or 0, getattr(model.attention, name) or 0  # null: none
-        if asked != own:
-            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
+    # what the weights are: a layout property asked other than the checkpoint's is refused, not dropped
+    for name in (*(MLA_FIELDS if attention.latent else ()), "kv_shared_layers", "sinks"):
+        asked, own = getattr(attention, name), getattr(model.attention, name)
+        if (asked or 0) != (own or 0):  # null: none
+            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {0 if own is None else own} "
+                                  "(leave it null)")
     if attention.layer_windows(model.config.num_layers) != list(model.layouts.windows):
         pattern = replace(model.attention, **_window_fields(model.config, attention))
         model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)

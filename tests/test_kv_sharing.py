@@ -183,12 +183,17 @@ def test_what_kv_sharing_does_not_run_with_is_one_line_naming_the_key(overrides,
     assert message.startswith(line), message
 
 
-def test_sharing_asked_of_a_checkpoint_is_refused_naming_the_key(tmp_path):
+@pytest.mark.parametrize("asked, line", [
+    ({"kv_shared_layers": 1}, "attention.kv_shared_layers=1: the checkpoint's is 0"),
+    ({"sinks": True}, "attention.sinks=True: the checkpoint's is False")])
+def test_a_layer_property_asked_of_a_checkpoint_without_it_is_refused_not_dropped(tmp_path, asked, line):
+    """A checkpoint's weights have no shared layers or sinks: asking for them was silently dropped
+    (the run measured the checkpoint as it is while its record named the asked layout)."""
     path, _ = llama_dir(tmp_path, 2)
     model = load_llama_dir(path)[0]
-    with pytest.raises(CheckpointError, match=r"^attention.kv_shared_layers=1: the checkpoint's is 0 \(leave it "
-                                              r"null\)$"):
-        to_layout(model, AttentionConfig(type="gqa", num_kv_heads=2, kv_shared_layers=1).resolved(model.config))
+    with pytest.raises(CheckpointError) as info:
+        to_layout(model, AttentionConfig(type="gqa", num_kv_heads=2, **asked).resolved(model.config))
+    assert str(info.value) == f"{line} (leave it null)"
 
 
 @pytest.mark.e2e
@@ -202,3 +207,26 @@ def test_cli_run_with_shared_layers_is_an_ok_record_with_their_bytes(tmp_path):
     # tiny: 2 layers, the second shared: 1 layer x K and V x 2 heads x head_dim 8 x 4 bytes x 18 positions x batch 2
     assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == 1 * 2 * 2 * 8 * 4 * 18 * 2
     assert m["fidelity_max_abs_logit_diff"] <= 1e-5 and rec["config"]["attention"]["kv_shared_layers"] == 1
+
+
+@pytest.mark.parametrize("attention", [{"kv_shared_layers": 1}, {"sinks": True}])
+def test_a_kvbench_checkpoint_with_shared_layers_or_sinks_is_evaluated_as_saved(tmp_path, attention):
+    """task=eval of a saved model with shared layers (or sinks) and attention=model: the model as
+    saved, its own layout being the checkpoint's (not refused as another layout, not dropped)."""
+    from kvbench.checkpoint import save_checkpoint
+    from kvbench.config import BenchConfig, CacheConfig, RuntimeConfig, TrainConfig, WandbConfig, WorkloadConfig
+    from kvbench.quality.train import checkpoint_for_eval
+
+    torch.manual_seed(0)
+    saved = Decoder(MODEL, AttentionConfig(type="gqa", num_kv_heads=2, **attention)).eval()
+    path = save_checkpoint(tmp_path / "model.pt", saved)
+    cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(),
+                      workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                      runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
+                      train=TrainConfig(checkpoint=str(path)))
+    model, _, converted = checkpoint_for_eval(cfg, torch.device("cpu"))
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert converted["kv_heads_conversion"] == "none" and torch.equal(model(tokens), saved(tokens))
+    assert [layer.kv_source for layer in model.layouts] == [layer.kv_source for layer in saved.layouts]
+    assert model.layouts[0].sinks == saved.layouts[0].sinks
