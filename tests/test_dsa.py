@@ -323,3 +323,13 @@ def test_cli_run_of_dsa_is_an_ok_record_with_its_bytes_held_and_read(tmp_path):
     context = 12 + (6 + 1) / 2  # the mean context of the decode steps
     assert m["kv_bytes_read_per_step"] == int(2 * 2 * (context * 8 + 4 * 36) * 4)
     assert m["fidelity_max_abs_logit_diff"] <= 1e-5 and rec["config"]["attention"]["index_topk"] == 4
+
+
+def test_records_with_and_without_the_indexer_are_two_variants():
+    """The tables, the report and W&B name a record by its Variant: a sweep over index_topk has a
+    row per k (they were one name, mla r=32, for both)."""
+    from kvbench.views import Variant
+
+    rows = [Variant.from_config({"attention": {"type": "mla", "kv_lora_rank": 32, "index_topk": k}}) for k in (0, 4)]
+    assert [v.label for v in rows] == ["mla r=32", "mla r=32 topk=4"]
+    assert Variant.of_attention(AttentionConfig(type="mla", index_topk=4).resolved(MODEL)).label == "mla r=32 topk=4"

@@ -230,3 +230,12 @@ def test_a_kvbench_checkpoint_with_shared_layers_or_sinks_is_evaluated_as_saved(
         assert converted["kv_heads_conversion"] == "none" and torch.equal(model(tokens), saved(tokens))
     assert [layer.kv_source for layer in model.layouts] == [layer.kv_source for layer in saved.layouts]
     assert model.layouts[0].sinks == saved.layouts[0].sinks
+
+
+def test_records_with_and_without_sharing_are_two_variants():
+    from kvbench.views import Variant
+
+    rows = [Variant.from_config({"attention": {"type": "gqa", "num_kv_heads": 2, "kv_shared_layers": n}})
+            for n in (0, 3)]
+    assert [v.label for v in rows] == ["gqa kv=2", "gqa kv=2 kvshare=3"]
+    assert Variant.of_attention(shared_decoder().attention, num_layers=6).label == "gqa kv=2 kvshare=3"
