@@ -152,7 +152,8 @@ def _llama_name(name: str) -> str:
                     # DeepSeek-V2/V3's latent attention (model.LatentAttention)
                     (".self_attn.q_a_proj.", ".attn.wq.0."), (".self_attn.q_a_layernorm.", ".attn.wq.1."),
                     (".self_attn.q_b_proj.", ".attn.wq.2."), (".self_attn.kv_a_proj_with_mqa.", ".attn.wkv_a."),
-                    (".self_attn.kv_a_layernorm.", ".attn.kv_norm."), (".self_attn.kv_b_proj.", ".attn.wkv_b.")]
+                    (".self_attn.kv_a_layernorm.", ".attn.kv_norm."), (".self_attn.kv_b_proj.", ".attn.wkv_b."),
+                    (".self_attn.indexer.", ".attn.indexer.")]  # DeepSeek-V3.2's (layouts.latent_indexer)
     for old, new in replacements:
         name = name.replace(old, new)
     return name
@@ -268,10 +269,12 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
     elif not attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
                               "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
-    for name in MLA_FIELDS if attention.latent else ():
+    # what the weights are: a layout property asked other than the checkpoint's is refused, not dropped
+    for name in (*(MLA_FIELDS if attention.latent else ()), "kv_shared_layers", "sinks"):
         asked, own = getattr(attention, name), getattr(model.attention, name)
-        if asked != own:
-            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
+        if (asked or 0) != (own or 0):  # null: none
+            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {0 if own is None else own} "
+                                  "(leave it null)")
     if attention.layer_windows(model.config.num_layers) != list(model.layouts.windows):
         pattern = replace(model.attention, **_window_fields(model.config, attention))
         model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)

@@ -39,16 +39,21 @@ _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
     """The decoder's exact parameter count without building its layers: one- and two-layer
     decoders on the meta device (no memory) give the fixed part and one layer's, and every layer
-    of a decoder has the same shape."""
+    of a decoder has the same shape, but for a layer reading another's K/V (no K/V weights)."""
+    shared = model.preset_kv_shared_layers if attention is None or attention.kv_shared_layers is None \
+        else attention.kv_shared_layers
     # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
     small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
-                                preset_layer_types=None)
+                                preset_layer_types=None, preset_kv_shared_layers=0)
     if attention is not None:
-        attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None)
+        attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None, kv_shared_layers=0)
     with torch.device("meta"):
         one = Decoder(small, attention).num_params()
         two = Decoder(dataclasses.replace(small, num_layers=2), attention).num_params()
-    return one + (model.num_layers - 1) * (two - one)
+        reader = two if not shared else Decoder(dataclasses.replace(small, num_layers=2, preset_kv_shared_layers=1),
+                                                attention and dataclasses.replace(attention, kv_shared_layers=1)
+                                                ).num_params()
+    return one + (model.num_layers - 1 - shared) * (two - one) + shared * (reader - one)
 
 
 def rope_peak_bytes(model: ModelConfig) -> int:

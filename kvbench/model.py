@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.cache import Positions, uncached
+from kvbench.cache import Positions, uncached_layers
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.attention import attention_module
@@ -123,7 +123,7 @@ class Decoder(nn.Module):
         if pos.start is not None and pos.end > self.config.max_seq_len:
             raise ValueError(f"sequence of {pos.end} positions exceeds model.max_seq_len={self.config.max_seq_len}")
         if cache is None:
-            layer_caches = [uncached(layout, mask) for layout in self.layouts]
+            layer_caches = uncached_layers(self.layouts, mask)
         else:
             layer_caches = cache.begin(pos, B)
         x = self.embed(tokens)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.bench import BenchConfig, objective_metric
-from kvbench.config.model import MLA_FIELDS
+from kvbench.config.model import INDEX_FIELDS, MLA_FIELDS
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
 
 RESULTS_FILE = "results.json"
@@ -367,6 +367,11 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
     a = out.get("attention")
     if isinstance(a, dict) and not a.get("sinks"):  # a record without sinks reads as before sinks existed
         out["attention"] = {k: v for k, v in a.items() if k != "sinks"}
+    a = out.get("attention")
+    if isinstance(a, dict):  # a record without DSA's indexer or KV sharing reads as before they existed
+        drop = (() if a.get("index_topk") else INDEX_FIELDS) + (() if a.get("kv_shared_layers")
+                                                               else ("kv_shared_layers",))
+        out["attention"] = {k: v for k, v in a.items() if k not in drop}
     a = out.get("attention")
     if isinstance(a, dict) and a.get("window") is None:  # no window: which layers are local means nothing
         out["attention"] = {k: v for k, v in a.items() if k not in ("window", "global_every", "layer_types")}

@@ -91,6 +91,10 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=gpt_oss_120b": Step(),
     },
     "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
+    "dsa": {"kvbench model=tiny attention=mla attention.index_topk=64": Step(TINY),
+            "kvbench task=inspect model=deepseek_v32": Step()},
+    "kv sharing": {"kvbench model=tiny attention=gqa attention.kv_shared_layers=1": Step(TINY),
+                   "kvbench task=inspect model=gemma3n_e4b": Step()},
     "slurm": {
         "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
         "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),
@@ -172,6 +176,8 @@ NOT_RUN = {
     "kvbench experiment=recall recall.uptrain_steps=100 attention=gqa,mqa":
         "the converted variants' recall (minutes); tests/quality/test_recall.py runs the uptraining path",
     "kvbench experiment=recall_gpu": "sized for a GPU (composed and validated below)",
+    "kvbench model=hf_dir model.path=/path/to/deepseek-v3.2": "a placeholder directory; tests/test_dsa.py loads "
+                                                              "DeepseekV32ForCausalLM directories",
     "kvbench-report <sweep dir>": "a placeholder for the recall sweep's directory; the demo sweep's report runs here",
     "kvbench model=tiny attention=mla": "tests/test_mla.py runs this command end to end",
     "kvbench -m model=small attention=mha,gqa,mqa,mla": "minutes on model=small; experiments/results/mla_small.md "
@@ -478,6 +484,20 @@ def test_multiturn_commands_print_their_ttft_tables(ran):
     assert len(recs) == 6 and all(len(r["tables"]["turns"]) == 2 for r in recs)
     single = result(ran, "kvbench model=tiny workload=multiturn cache.shared=true")
     assert "turns (cache.shared=True)" in single.stdout
+
+
+@pytest.mark.parametrize("ran", ["sinks", "dsa", "kv sharing"], indirect=True, ids=["sinks", "dsa", "kv_sharing"])
+def test_the_layout_pages_commands_run_and_name_their_layout(ran):
+    """docs/layouts-sinks.md, layouts-dsa.md and layouts-kv-sharing.md: each run is an ok record of
+    the layout the page names; each inspect prints bytes per token and per sequence."""
+    for command in ran:
+        proc = result(ran, command)
+        if "task=inspect" in command:
+            assert "per token" in proc.stdout and "per sequence" in proc.stdout
+            continue
+        rec = written(proc)
+        a = rec["config"]["attention"]
+        assert rec["status"] == "ok" and (a.get("sinks") or a.get("index_topk") == 64 or a.get("kv_shared_layers") == 1)
 
 
 @chain("choose")

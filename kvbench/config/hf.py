@@ -34,9 +34,11 @@ HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
 }
-# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json): dense layers only.
+# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json) and V3.2 (+ DSA's
+# indexer, index_topk in config.json): dense layers only.
 HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
+                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+                         "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
@@ -90,9 +92,11 @@ def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
 
 def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
     """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
-    (complex rotation), V3 with ``rope_interleave`` (its default)."""
-    v2 = "DeepseekV2ForCausalLM" in _get(cfg, "architectures", "list", [])
-    return v2 or _get(cfg, "rope_interleave", "bool", True)
+    (complex rotation), V3.2 always (its latent attention; its indexer rotates halves), V3 with
+    ``rope_interleave`` (its default)."""
+    archs = _get(cfg, "architectures", "list", [])
+    return bool({"DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM"} & set(archs)) or \
+        _get(cfg, "rope_interleave", "bool", True)
 
 
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
@@ -182,6 +186,8 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     (transformers >= 5 writes it) lists each layer's kind."""
     window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
     layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
+        layer_types = None
     if layer_types is not None:
         if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
             raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry "
@@ -201,13 +207,19 @@ def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
     """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json; a layer whose MLP is a mixture
     of experts (transformers: layer >= first_k_dense_replace) is refused naming the key."""
     layers, dense = _get(cfg, "num_hidden_layers", "int", _REQUIRED), _get(cfg, "first_k_dense_replace", "int", 0)
-    if not (_counts(layers) and dense >= layers):
+    mlps = _get(cfg, "mlp_layer_types", "list")  # V3.2 writes each layer's (dense | sparse), else first_k_dense_replace
+    if mlps is not None and any(t != "dense" for t in mlps):
+        raise ConfigError(f"{where}: mlp_layer_types={mlps!r}: a 'sparse' layer's MLP is a mixture of experts, not "
+                          "supported; only dense DeepSeek layers")
+    if mlps is None and not (_counts(layers) and dense >= layers):
         raise ConfigError(f"{where}: first_k_dense_replace={dense!r}: layers {dense}.. of {layers} use a "
                           f"mixture-of-experts MLP (n_routed_experts={cfg.get('n_routed_experts')!r}), not "
                           "supported; only dense DeepSeek layers (first_k_dense_replace >= num_hidden_layers)")
     shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                          "v_head_dim")}
     shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
+    if "index_topk" in cfg:  # DeepSeek-V3.2's lightning indexer (DSA)
+        shape.update({k: _get(cfg, k, "int", _REQUIRED) for k in ("index_topk", "index_n_heads", "index_head_dim")})
     rope_interleaved(cfg)  # read by the loader: checked here, where the file is named
     # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
     return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],

@@ -15,12 +15,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import LAYER_TYPES, ROPE_TYPES
+from kvbench.layouts.latent import check_indexer, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLA_DECODE_FORMS = ("absorbed", "expanded")
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's indexer (DeepSeek-V3.2), with mla only
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *INDEX_FIELDS)
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -38,8 +40,9 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
     its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
     counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
-    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), a cache
-    dtype other than the compute dtype ``mha kv=8 int8``.
+    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), DSA's top-k
+    ``mla r=512 topk=2048``, KV shared by the last N layers ``gqa kv=2 w=512 4:1 kvshare=15`` (Gemma 3n),
+    a cache dtype other than the compute dtype ``mha kv=8 int8``.
     ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
     kind = get("type")
@@ -49,8 +52,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
         ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
         if ratio and ratio[1]:
             label += f" {ratio[0]}:{ratio[1]}"
-    if get("sinks"):
-        label += " sinks"
+    for key, part in (("sinks", " sinks"), ("index_topk", " topk={}"), ("kv_shared_layers", " kvshare={}")):
+        label += part.format(get(key)) if get(key) else ""
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
@@ -105,9 +108,13 @@ class MLAShape:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0  # DSA: each query attends its top index_topk tokens (0: no indexer)
 
     def __post_init__(self) -> None:
         check_mla_dims("model.preset_mla", self)
+        check_indexer("model.preset_mla", self)
 
 
 def check_mla_dims(prefix: str, dims: Any) -> None:
@@ -164,6 +171,7 @@ class ModelConfig:
     # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
+    preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
 
     def __post_init__(self) -> None:
         if self.path:
@@ -290,6 +298,11 @@ class AttentionConfig:
     # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
     # per head: the reference). Prefill is always expanded.
     mla_decode: str = "absorbed"
+    index_n_heads: Optional[int] = None  # DSA's (DeepSeek-V3.2, with mla) indexer heads; null: the model's own
+    index_head_dim: Optional[int] = None  # the width of its key, cached per token beside the latent
+    index_topk: Optional[int] = None  # DSA: each query attends its top index_topk tokens; 0: no indexer
+    # Gemma 3n: the last N layers read an earlier layer's K/V, storing none (null: the model's own; 0: none)
+    kv_shared_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
@@ -343,7 +356,10 @@ class AttentionConfig:
               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
         return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
                                sinks=model.preset_sinks if self.sinks is None else self.sinks,
-                               **self._resolved_window(model))
+                               kv_shared_layers=self._resolved_sharing(model), **self._resolved_window(model))
+
+    def _resolved_sharing(self, model: ModelConfig) -> int:  # checked against the layers by build_layouts
+        return model.preset_kv_shared_layers if self.kv_shared_layers is None else self.kv_shared_layers
 
     def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
         """window, global_every and layer_types: each null one is the model's own; checked against
@@ -377,12 +393,14 @@ class AttentionConfig:
                                            qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
+        dims.update(indexer_defaults(own, self, model.num_heads))
         # a window as for K/V heads: a local layer's cache is a ring of W latents
         check(not self.sinks, "attention.sinks", self.sinks, "are a logit per query head of K/V-head attention; "
               "attention=mla has none")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, sinks=False, **dims,
-                              **self._resolved_window(model))
+                              kv_shared_layers=self._resolved_sharing(model), **self._resolved_window(model))
         check_mla_dims("attention", out)
+        check_indexer("attention", out, out.window)
         return out
 
 

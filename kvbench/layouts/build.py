@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.kv_sharing import share_kv
 from kvbench.layouts.latent import Latent
 
 
@@ -12,8 +13,11 @@ def build_layouts(model, attention) -> Layouts:
     AttentionConfig resolved against it)."""
     windows = attention.layer_windows(model.num_layers)
     if attention.latent:
-        return Layouts(Latent(i, w, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
-                              attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
-                              attention.mla_decode == "absorbed") for i, w in enumerate(windows))
-    return Layouts(KVHeads(i, w, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks))
-                   for i, w in enumerate(windows))
+        layers = [Latent(i, w, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
+                         attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
+                         attention.mla_decode == "absorbed", attention.index_n_heads or 0,
+                         attention.index_head_dim or 0, attention.index_topk or 0) for i, w in enumerate(windows)]
+    else:
+        layers = [KVHeads(i, w, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks))
+                  for i, w in enumerate(windows)]
+    return Layouts(share_kv(layers, attention.kv_shared_layers))

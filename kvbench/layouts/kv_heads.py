@@ -34,13 +34,14 @@ class KVHeads(LayerLayout):
     v_head_dim: Optional[int] = None  # values of another width than keys (an MLA model's heads as MHA)
 
     kind = "kv_heads"
+    reads_shared_kv = True
 
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
         return self.num_kv_heads, (self.head_dim, self.head_dim if self.v_head_dim is None else self.v_head_dim)
 
     def as_mha(self) -> "KVHeads":
-        return replace(self, num_kv_heads=self.num_heads, window=None, sinks=False)
+        return replace(self, num_kv_heads=self.num_heads, window=None, sinks=False, kv_source=None)
 
     @property
     def rotary_dim(self) -> int:

@@ -78,8 +78,9 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
     embed = model.embed.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
-    # each layer reads what it holds at that context (a local layer at most its W positions)
-    kv = model.layouts.cache_bytes(context_len, batch_size, element, cache_dtype)
+    # each layer reads what it attends at that context (a local layer at most its W positions, DSA
+    # every index key and its top-k latents, a layer sharing another's K/V that cache again)
+    kv = model.layouts.read_bytes(context_len, batch_size, element, cache_dtype)
     return weights + kv, kv
 
 

@@ -150,10 +150,12 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
         how = "drawn from runtime.seed (no MHA -> MLA conversion); the rest mha's"
     else:
         conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
-        if conversion == "none" and not attention.window:
+        if conversion == "none" and not attention.window and not attention.kv_shared_layers:
             return base, "mha's"
         source = base if conversion == "none" else convert_kv_heads(base, attention.num_kv_heads)
-        own = {k: t for k, t in source.state_dict().items() if ".attn." in k}
+        with torch.device("meta"):  # a layer that reads another's K/V has no K/V weights to keep
+            kept = Decoder(base.config, attention).state_dict().keys()
+        own = {k: t for k, t in source.state_dict().items() if ".attn." in k and k in kept}
         how = "mha's" if conversion == "none" else "K/V mean-pooled from mha's"
     return build_decoder(base.config, attention, {**shared, **own}, device=base.device).eval(), how
 

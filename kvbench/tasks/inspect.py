@@ -2,7 +2,8 @@
 
 The head→group map and a KV-memory table (per token, per sequence, per batch, for each dtype)
 that can be checked by hand against published model shapes: K/V heads (MHA, GQA, MQA, with
-sliding-window layers) or MLA's one latent per token and layer.
+sliding-window layers and layers that read an earlier layer's K/V) or MLA's one latent per token
+and layer (with DSA, also its indexer's key).
 """
 
 from __future__ import annotations
@@ -53,13 +54,19 @@ def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool
 
 
 def layer_kind_table(layers: Layouts, seq_len: int, batch_size: int, bytes_per_element: int) -> List[dict]:
-    """Per kind of layer (global, local of window W): how many layers, the positions each holds at
-    ``seq_len`` and their KV bytes per sequence and per batch (the same formula, layer by layer)."""
+    """Per kind of layer (global, local of window W; each split into layers with a cache of their
+    own and layers reading an earlier layer's): how many layers, the positions each holds at
+    ``seq_len``, bytes per token (one position of one sequence) and their KV bytes per sequence
+    and per batch (the same formula, layer by layer)."""
     rows = []
-    for w in sorted(set(layers.windows), key=lambda w: (w is not None, w or 0)):
-        kind = Layouts(layer for layer in layers if layer.window == w)
-        rows.append({"kind": "global" if w is None else f"local W={w}", "layers": len(kind),
-                     "positions": kind[0].positions_held(seq_len),
+    for w, shared in sorted({(layer.window, layer.kv_source is not None) for layer in layers},
+                            key=lambda k: (k[0] is not None, k[0] or 0, k[1])):
+        kind = Layouts(layer for layer in layers if layer.window == w and (layer.kv_source is not None) == shared)
+        donors = sorted({layer.kv_source for layer in kind}) if shared else []
+        rows.append({"kind": ("global" if w is None else f"local W={w}")
+                     + (f", reads layer {', '.join(map(str, donors))}" if shared else ""),
+                     "layers": len(kind), "positions": 0 if shared else kind[0].positions_held(seq_len),
+                     "per_token": kind.bytes_per_token(bytes_per_element),
                      "per_sequence": kind.cache_bytes(seq_len, 1, bytes_per_element),
                      "per_batch": kind.cache_bytes(seq_len, batch_size, bytes_per_element)})
     return rows
@@ -97,21 +104,37 @@ def describe(cfg: BenchConfig) -> str:
         per_token = ", ".join(f"{d} {_cell(mha.bytes_per_token(size))}" for d, size in DTYPE_BYTES.items())
         lines.append(f"the same model as MHA ({m.num_heads} heads, K {widths[0]} + V {widths[1]} per head) holds per "
                      f"token: {per_token}")
+    size = DTYPE_BYTES[cfg.runtime.dtype]
     if layers.smallest_window() is not None:
-        size = DTYPE_BYTES[cfg.runtime.dtype]
         first = layers.bytes_per_token(size)
         lines.append(f"per token (at {seq_len}): per sequence / {seq_len}; a local layer holds at most W of the "
                      f"positions, so it falls as seq_len grows (a position before any window fills: "
                      f"{_cell(first)} in {cfg.runtime.dtype})")
-        lines += ["", f"sliding window: a local layer holds min(seq_len, W) positions (a ring of W); "
-                      f"KV by kind of layer in {cfg.runtime.dtype}, "
-                      "bytes = sum over layers of min(seq_len, W_layer) · 2 · kv_heads · head_dim · bytes:"]
+    notes = ["sliding window: a local layer holds min(seq_len, W) positions (a ring of W)"] \
+        if layers.smallest_window() is not None else []
+    if a.kv_shared_layers:
+        notes.append(f"cross-layer KV sharing: the last {a.kv_shared_layers} layers read the K/V of the last earlier "
+                     "layer of their kind and hold none")
+    if notes:
+        lines += ["", "; ".join(notes) + f"; KV by kind of layer in {cfg.runtime.dtype}, bytes = sum over layers of "
+                  "min(seq_len, W_layer) · bytes per position:"]
         kinds = layer_kind_table(layers, seq_len, w.batch_size, size)
-        lines += _aligned(["layers", "count", "positions held", f"per sequence ({seq_len})",
+        lines += _aligned(["layers", "count", "positions held", "per token", f"per sequence ({seq_len})",
                            f"per batch (x{w.batch_size})"],
-                          [[k["kind"], str(k["layers"]), f"{k['positions']:,}", _cell(k["per_sequence"]),
-                            _cell(k["per_batch"])] for k in kinds])
+                          [[k["kind"], str(k["layers"]), f"{k['positions']:,}", _cell(k["per_token"]),
+                            _cell(k["per_sequence"]), _cell(k["per_batch"])] for k in kinds])
+    if a.latent and a.index_topk:
+        lines += ["", *_indexer_lines(cfg, layers, size)]
     return "\n".join(lines)
+
+
+def _indexer_lines(cfg: BenchConfig, layers: Layouts, size: int) -> List[str]:
+    """What DSA's top-k changes: a decode step reads every index key but at most index_topk latents."""
+    a, seq_len, dtype = cfg.attention, cfg.workload.total_len, cfg.runtime.dtype
+    return [f"DSA: a decode step at context S reads every index key and min(S, index_topk={a.index_topk}) latents "
+            f"(layers · (S · {a.index_head_dim} + min(S, {a.index_topk}) · {a.kv_lora_rank + a.qk_rope_head_dim}) · "
+            f"bytes); in {dtype} at S = {seq_len}: {_cell(layers.read_bytes(seq_len, 1, size))} read of "
+            f"{_cell(layers.cache_bytes(seq_len, 1, size))} held per sequence"]
 
 
 def _kv_head_lines(cfg: BenchConfig) -> List[str]:
@@ -125,7 +148,9 @@ def _kv_head_lines(cfg: BenchConfig) -> List[str]:
         describe_kv_groups(m.num_heads, a.num_kv_heads),
         "",
         f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
-        f"= 2 · {m.num_layers} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes"
+        f"= 2 · {m.num_layers - (a.kv_shared_layers or 0)} · {a.num_kv_heads} · {m.head_dim} · seq_len · batch · bytes"
+        + (f" (the {a.kv_shared_layers} of {m.num_layers} layers that read an earlier layer's K/V hold none)"
+           if a.kv_shared_layers else "")
         + (" before the windows fill (then a local layer holds W of the seq_len positions)" if a.window else ""),
         _elements_line(2 * a.num_kv_heads * m.head_dim, cfg.workload.total_len, w.batch_size),
         f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
@@ -137,16 +162,20 @@ def _latent_lines(cfg: BenchConfig) -> List[str]:
     m, a, w = cfg.model, cfg.attention, cfg.workload
     width = a.kv_lora_rank + a.qk_rope_head_dim
     q = f"q_lora_rank {a.q_lora_rank}" if a.q_lora_rank else "q by a full-rank projection"
+    dsa = (f"; DSA: an indexer of {a.index_n_heads} heads x {a.index_head_dim} keeps a key of {a.index_head_dim} "
+           f"per token and each query attends its top index_topk = {a.index_topk} tokens") if a.index_topk else ""
+    index = " + index_head_dim" if a.index_topk else ""
     return [
         f"attention mla: multi-head latent attention, one latent per token and layer (kv_lora_rank "
         f"{a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim} = {width}) for all {m.num_heads} query heads "
-        f"(qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim {a.v_head_dim}, {q}); decode {a.mla_decode}",
+        f"(qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim {a.v_head_dim}, {q}); decode {a.mla_decode}{dsa}",
         "",
-        f"KV cache = layers · (kv_lora_rank + qk_rope_head_dim) · seq_len · batch · bytes "
-        f"= {m.num_layers} · {width} · seq_len · batch · bytes",
-        _elements_line(width, cfg.workload.total_len, w.batch_size, "latent"),
+        f"KV cache = layers · (kv_lora_rank + qk_rope_head_dim{index}) · seq_len · batch · bytes "
+        f"= {m.num_layers} · {width + (a.index_head_dim if a.index_topk else 0)} · seq_len · batch · bytes",
+        _elements_line(width + (a.index_head_dim if a.index_topk else 0), cfg.workload.total_len, w.batch_size,
+                       "latent + index key" if a.index_topk else "latent"),
         f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
-        "(sequence, position), one per latent",
+        "(sequence, position), one per latent" + (" and one per index key" if a.index_topk else ""),
     ]
 
 
