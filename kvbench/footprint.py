@@ -20,6 +20,7 @@ import torch
 
 from kvbench.config import DTYPE_BYTES, BenchConfig
 from kvbench.config_errors import ConfigError
+from kvbench.hf_config import LINEAR
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.model_config import AttentionConfig, ModelConfig
@@ -37,17 +38,24 @@ _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
     """The decoder's exact parameter count without building its layers: one- and two-layer
-    decoders on the meta device (no memory) give the fixed part and one layer's, and every layer
-    of a decoder has the same shape."""
+    decoders of each kind of layer on the meta device (no memory) give the fixed part and one
+    layer's of that kind (a Gated DeltaNet layer's or an attention layer's), and every layer of
+    a kind has the same shape."""
+    kinds = (attention or AttentionConfig(type="mha")).resolved(model).layer_kinds(model.num_layers)
     # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
     small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
                                 preset_layer_types=None)
-    if attention is not None:
-        attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None)
-    with torch.device("meta"):
-        one = Decoder(small, attention).num_params()
-        two = Decoder(dataclasses.replace(small, num_layers=2), attention).num_params()
-    return one + (model.num_layers - 1) * (two - one)
+    attention = dataclasses.replace(attention or AttentionConfig(type="mha"), window=0, global_every=None,
+                                    full_attention_interval=None)
+    per_layer, fixed = {}, 0
+    for kind in dict.fromkeys(k if k == LINEAR else "full_attention" for k in kinds):
+        types = (lambda n: [LINEAR] * n) if kind == LINEAR else (lambda n: None)
+        with torch.device("meta"):
+            one = Decoder(small, dataclasses.replace(attention, layer_types=types(1))).num_params()
+            two = Decoder(dataclasses.replace(small, num_layers=2),
+                          dataclasses.replace(attention, layer_types=types(2))).num_params()
+        per_layer[kind], fixed = two - one, 2 * one - two
+    return fixed + sum(per_layer[k if k == LINEAR else "full_attention"] for k in kinds)
 
 
 def rope_peak_bytes(model: ModelConfig) -> int:

@@ -51,9 +51,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: LayerLayout):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, pos):
@@ -80,7 +80,7 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
         self.blocks = nn.ModuleList(Block(model, layout) for layout in self.layouts)
-        self.norm = RMSNorm(model.d_model, model.norm_eps)
+        self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()
         if meta:  # rope_tables' shapes and dtype, no values

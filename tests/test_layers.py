@@ -18,7 +18,7 @@ LAYERS = [
     ["config_errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
      "jobs.forkserver", "serving.trace", "progress", "dtypes", "norm"],
     ["hf_config", "hf_weights", "serving.record", "layouts.base"],
-    ["layouts.kv_heads"],
+    ["layouts.kv_heads", "layer_pattern"],
     ["layouts.latent", "layouts.gated_deltanet"],
     ["layouts.build", "model_config", "recall_config", "capacity_config", "serving_config"],
     ["workload_config", "rope"],
