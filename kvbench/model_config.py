@@ -100,20 +100,17 @@ class ModelConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
-    # Qwen3.5 / Qwen3-Next: every norm scales by (1 + weight), in float32; the full-attention layers'
-    # q_proj emits [query | gate] per head and the output is multiplied by sigmoid(gate) before o_proj;
-    # rotary embeddings turn the first int(head_dim * partial_rotary_factor) dimensions of a head.
-    norm_zero_centered: bool = False
-    attn_output_gate: bool = False
-    partial_rotary_factor: float = 1.0
-    # Gated DeltaNet layers (attention.layer_types' linear_attention), config.json's names. Their
-    # weights are the model's, so their shape is too; null: from the attention shape, in Qwen3.5's
-    # proportions (num_heads key heads, twice as many value heads, head_dim / 2 wide, 4 taps).
-    linear_num_key_heads: Optional[int] = None
-    linear_num_value_heads: Optional[int] = None
-    linear_key_head_dim: Optional[int] = None
-    linear_value_head_dim: Optional[int] = None
-    linear_conv_kernel_dim: Optional[int] = None
+    # Qwen3.5 / Qwen3-Next (transformers' Qwen3_5RMSNorm, Qwen3_5Attention):
+    norm_zero_centered: bool = False  # every RMSNorm scales by (1 + weight), multiplied in float32
+    attn_output_gate: bool = False  # q_proj emits [query | gate] per head; output x sigmoid(gate) before o_proj
+    partial_rotary_factor: float = 1.0  # rotary embeddings turn the first int(head_dim x factor) dims of a head
+    # Gated DeltaNet layers (attention.layer_types' linear_attention), config.json's names: their
+    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's.
+    linear_num_key_heads: Optional[int] = None  # H_k, heads of q and k (null: num_heads)
+    linear_num_value_heads: Optional[int] = None  # H_v, heads of v and of the state (null: 2 x num_heads)
+    linear_key_head_dim: Optional[int] = None  # d_k (null: head_dim / 2)
+    linear_value_head_dim: Optional[int] = None  # d_v (null: head_dim / 2)
+    linear_conv_kernel_dim: Optional[int] = None  # taps of the causal short convolution over q, k, v (null: 4)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
     # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window):
     # W positions for local layers, which layers are local as in AttentionConfig.
@@ -159,7 +156,8 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def linear_shape(self) -> Dict[str, int]:
-        """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields)."""
+        """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields: the
+        ratios of Qwen3.5, whose heads of 256 have 16 key heads of 128 beside 16 query heads)."""
         derived = {"linear_num_key_heads": self.num_heads, "linear_num_value_heads": 2 * self.num_heads,
                    "linear_key_head_dim": self.head_dim // 2, "linear_value_head_dim": self.head_dim // 2,
                    "linear_conv_kernel_dim": 4}

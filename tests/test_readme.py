@@ -91,6 +91,13 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=gpt_oss_120b": Step(),
     },
     "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
+    "gdn": {
+        "kvbench task=inspect model=qwen3_5_9b": Step(),
+        "kvbench task=inspect model=qwen3_next_80b": Step(),
+        "kvbench model=tiny attention.full_attention_interval=2": Step(TINY),
+        "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]": Step(
+            ["compare.contexts=[8,16,32]", "compare.steps=1", *QUICK]),
+    },
     "slurm": {
         "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
         "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),
