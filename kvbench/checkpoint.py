@@ -212,14 +212,20 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         attention = AttentionConfig(type="mla").resolved(model_cfg)
     else:
         attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
-    layouts = build_layouts(model_cfg, attention.resolved(model_cfg))
-    expected = _expected_tensors(model_cfg, attention)
+    layouts = build_layouts(model_cfg, attention.resolved(model_cfg))  # data only: what names mean per layer
     model_name = f"a {hf_config.architecture(hf)} as {directory / 'config.json'} describes it"
     # Headers first: names, shapes and dtypes against config.json before anything is built or read.
-    stored, fused = _stored_tensors(directory, hf, layouts, expected)
+    stored, fused = _stored_tensors(directory, hf, layouts)
     if hf_config.tied_embeddings(hf) and "lm_head.weight" not in stored and "embed.weight" in stored:
         stored["lm_head.weight"] = stored["embed.weight"]  # tied: the head reuses the embedding
     _check_layers(directory, model_cfg, stored)
+    expected = _expected_tensors(model_cfg, attention)
+    for keys in fused.values():  # a fused projection holds its parts' rows, each part stored with its shape
+        tensor, want = stored[keys[0]], (sum(expected[k][0] for k in keys), *expected[keys[0]][1:])
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{directory}: tensor {tensor.name} has shape {tuple(tensor.shape)}, config.json "
+                                  f"implies {want}")
+        stored.update({k: replace(tensor, shape=tuple(expected[k])) for k in keys})
     check_tensors(directory, expected, stored, model=model_name)
     tensors = load_tensors({k: stored[k] for k in expected})
     for (i, name), parts in fused.items():  # each part was read as the whole fused tensor
@@ -237,12 +243,11 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     return decoder, tokenizer
 
 
-def _stored_tensors(directory: Path, hf: Mapping[str, Any], layouts: Sequence[LayerLayout],
-                    expected: Mapping[str, torch.Size]) -> Tuple[Dict[str, StoredTensor], Dict[tuple, list]]:
+def _stored_tensors(directory: Path, hf: Mapping[str, Any],
+                    layouts: Sequence[LayerLayout]) -> Tuple[Dict[str, StoredTensor], Dict[tuple, list]]:
     """The checkpoint's tensor headers by the decoder's names (a multimodal checkpoint's language
     model, without the tensors transformers leaves unread), and its fused projections: (layer,
-    transformers' name) -> the decoder's names of its parts, each stored as the fused header with
-    the part's shape once the fused shape is the parts' together."""
+    transformers' name) -> the decoder's names of its parts, each stored as the fused header."""
     arch = hf_config.checkpoint_architecture(hf)
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
     stored: Dict[str, StoredTensor] = {}
@@ -261,13 +266,7 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any], layouts: Sequence[La
                                       "weight of the decoder: which one is meant is not defined")
             stored[key] = tensor
         if parts:
-            keys = [f"blocks.{match.group(1)}.attn.{p}" for p in parts]
-            want = (sum(expected[k][0] for k in keys), *expected[keys[0]][1:])
-            if tuple(tensor.shape) != want:
-                raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, config.json "
-                                      f"implies {want}")
-            stored.update({k: replace(tensor, shape=tuple(expected[k])) for k in keys})
-            fused[(int(match.group(1)), match.group(2))] = keys
+            fused[(int(match.group(1)), match.group(2))] = [f"blocks.{match.group(1)}.attn.{p}" for p in parts]
     return stored, fused
 
 

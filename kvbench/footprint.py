@@ -60,7 +60,7 @@ def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = N
 
 def rope_peak_bytes(model: ModelConfig) -> int:
     """Bytes the rotary tables take while they are built (float64 intermediates)."""
-    return model.max_seq_len * model.head_dim * ROPE_PEAK_BYTES_PER_ELEMENT
+    return model.max_seq_len * model.rotary_dim * ROPE_PEAK_BYTES_PER_ELEMENT  # partial rotary: its width
 
 
 def recall_data_bytes(cfg: BenchConfig) -> int:

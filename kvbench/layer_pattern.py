@@ -133,8 +133,12 @@ def _linear_layers(attention: Any, model: Any, window: Optional[int],
               "attention.global_every", attention.global_every, f"would replace model {model.name}'s layer pattern, "
               "which has linear_attention layers; list each layer in attention.layer_types")
         return layer_types
-    check(attention.layer_types is None, "attention.full_attention_interval", k,
+    check(attention.layer_types is None or (k == 0 and LINEAR not in attention.layer_types),
+          "attention.full_attention_interval", k,
           "and attention.layer_types both say which layers are linear; give one")
+    if k == 0:  # no linear layer: the model's own become full attention
+        types = ["full_attention" if t == LINEAR else t for t in layer_types or ()]
+        return types if "sliding_attention" in types else None
     check(not window, "attention.full_attention_interval", k, f"beside a window (attention.window={window}): list "
           "which layers are sliding, full and linear in attention.layer_types (or set attention.window=0)")
     return interval_layer_types(k, model.num_layers)
