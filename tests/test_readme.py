@@ -378,6 +378,23 @@ def test_flagship_sweep_has_24_jobs_and_ends_with_the_variants_side_by_side(ran)
     assert len(kv) == 8 and all(r[5].endswith("(0.250×)") and r[6].endswith("(0.125×)") for r in kv)
 
 
+@chain("gdn")
+def test_the_gated_deltanet_page_runs_and_its_table_is_what_inspect_prints(ran):
+    """docs/layouts-gdn.md: each preset's state per sequence and per token as inspect prints them in
+    its KV table (bfloat16 rows), a hybrid benchmarked, GQA compared with its hybrid."""
+    for preset, per_token, state in (("qwen3_5_9b", "32.00 KiB", "49.12 MiB"),
+                                     ("qwen3_next_80b", "24.00 KiB", "73.69 MiB")):
+        out = result(ran, f"kvbench task=inspect model={preset}").stdout
+        row = next(line for line in out.splitlines() if line.startswith("bfloat16"))
+        assert row.split()[1:3] == per_token.split() and state in row, row
+        page_row = next(line for line in (ROOT / "docs" / "layouts-gdn.md").read_text().splitlines()
+                        if line.startswith(f"| `{preset}` |"))
+        assert per_token in page_row and state in page_row, page_row
+    assert written(result(ran, "kvbench model=tiny attention.full_attention_interval=2"))["status"] == "ok"
+    compared = written(result(ran, "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]"))
+    assert [r["layout"] for r in compared["tables"]["compare"]] == ["gqa kv=2", "gqa kv=2 gdn 1:1"]
+
+
 @chain("inspect")
 def test_inspect_prints_the_numbers_the_readme_quotes(ran):
     result(ran, "kvbench task=inspect model=llama2_70b attention=gqa")
