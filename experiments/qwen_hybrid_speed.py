@@ -10,9 +10,9 @@ flash-linear-attention on a CPU, SDPA for the full layers), kvbench with its sta
 times, for each contender in an order that alternates round by round (AB, BA, ...), one prefill of
 ``--prompt`` tokens (last-token logits only, as generate() asks) and then ``--steps`` greedy decode
 steps after it; a round's decode figure is the median of its steps. The ratios kvbench /
-transformers are printed of the medians over rounds, of the minima (which drop the rounds another
-job interrupted) and as the median of the per-round ratios (a load that slows a round slows both
-contenders of that round alike: the headline). Below 1: kvbench faster.
+transformers are printed of the medians over rounds with a 95% paired-bootstrap interval over
+rounds (``kvbench.measure.stats.paired_ratio``: the headline), of the minima (which drop the rounds
+another job interrupted) and as the median of the per-round ratios. Below 1: kvbench faster.
 
     python experiments/qwen_hybrid_speed.py --threads 1 --out experiments/results/qwen_hybrid_speed.md
 """
@@ -36,6 +36,7 @@ from _common import write_report
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.generate import decode_step, prefill
+from kvbench.measure import stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,18 +146,21 @@ def main(argv: Optional[List[str]] = None) -> int:
              f"{model.layouts[3].head_dim} (rotary over {model.layouts[3].rotary_dim}, output gate); linear layers "
              f"{model.layouts[0].linear_num_key_heads} key / {model.layouts[0].linear_num_value_heads} value heads of "
              f"{model.layouts[0].linear_key_head_dim}. Greedy tokens of the two equal in every round: {same}.", "",
-             "| figure | kvbench ms (median) | transformers ms (median) | kvbench / transformers (medians) "
-             "| (minima) | (median of per-round ratios) |",
+             "| figure | kvbench ms (median) | transformers ms (median) | kvbench / transformers (medians, "
+             "95% paired-bootstrap interval over rounds) | (minima) | (median of per-round ratios) |",
              "|---|---:|---:|---:|---:|---:|"]
-    ratios = {}
+    verdicts = []
     for i, what in ((0, f"prefill of {args.prompt} tokens"), (1, f"decode step (median of {args.steps})")):
         ours, theirs = ([run[i] for run in runs[name]] for name in ("kvbench", "transformers"))
-        ratios[what] = per_round = statistics.median(a / b for a, b in zip(ours, theirs))
+        ratio, low, high = stats.paired_ratio(theirs, ours)  # median(ours) / median(theirs)
+        interval = "" if low is None else f" ({low:.3f}-{high:.3f})"
+        per_round = statistics.median(a / b for a, b in zip(ours, theirs))
         lines.append(f"| {what} | {statistics.median(ours) * 1e3:.2f} | {statistics.median(theirs) * 1e3:.2f} | "
-                     f"{statistics.median(ours) / statistics.median(theirs):.3f} | {min(ours) / min(theirs):.3f} | "
-                     f"{per_round:.3f} |")
-    lines += ["", "; ".join(f"{what}: kvbench takes {r:.3f}x transformers' time "
-                             f"({'no slower' if r <= 1.0 else 'slower'})" for what, r in ratios.items()) + "."]
+                     f"{ratio:.3f}{interval} | {min(ours) / min(theirs):.3f} | {per_round:.3f} |")
+        verdict = ("no interval (too few rounds)" if low is None else "kvbench faster" if high < 1
+                   else "kvbench slower" if low > 1 else "no difference resolved: the interval holds 1")
+        verdicts.append(f"{what}: kvbench takes {ratio:.3f}x transformers' time, {verdict}")
+    lines += ["", "; ".join(verdicts) + "."]
     write_report(args.out, "\n".join(lines) + "\n")
     return 0
 
