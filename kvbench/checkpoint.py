@@ -4,9 +4,11 @@
   any extra (train metrics, the loss curve).
 - transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
   names) of the architectures in :data:`~kvbench.hf_config.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
-  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms), MHA, GQA or MQA. The
-  decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
-  unpermuted (tests/test_checkpoint.py compares logits against transformers for each family).
+  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, DeepSeek's MLA, Qwen3.5
+  and dense Qwen3-Next with their Gated DeltaNet layers), MHA, GQA or MQA. Each layer's attention
+  module declares its transformers names (``HF_MODULE``, ``HF_NAMES``, fused ones ``HF_FUSED``).
+  The decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
+  unpermuted (tests/test_checkpoint.py and tests/test_qwen_hybrid.py compare against transformers).
 - A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
   2023), or repeating them, exactly, to more heads (GQA → MHA).
 

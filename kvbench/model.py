@@ -1,8 +1,10 @@
 """The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU), with the
-switches that make it Qwen2 (q/k/v biases) or Qwen3 (per-head q/k RMSNorm) as config fields.
+switches that make it Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) or Qwen3.5 (zero-centred
+norms) as config fields.
 
 Each block's attention is its layer's layout (:mod:`kvbench.layouts`): MHA, GQA or MQA by the
-KV-head count, MLA's latent, a window or sinks as properties of a layer. The decoder builds them
+KV-head count, MLA's latent, a Gated DeltaNet layer's recurrence, a window, sinks, an output gate
+or partial rotary as properties of a layer. The decoder builds them
 from the config once and never branches on them; each layer's cache tells its attention what to
 attend over (:mod:`kvbench.cache`).
 
