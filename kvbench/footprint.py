@@ -21,6 +21,7 @@ import torch
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
+from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
@@ -38,27 +39,33 @@ _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
     """The decoder's exact parameter count without building its layers: one- and two-layer
-    decoders on the meta device (no memory) give the fixed part and one layer's, and every layer
-    of a decoder has the same shape, but for a layer reading another's K/V (no K/V weights)."""
-    shared = model.preset_kv_shared_layers if attention is None or attention.kv_shared_layers is None \
-        else attention.kv_shared_layers
+    decoders of each kind of layer on the meta device (no memory) give the fixed part and one
+    layer's of that kind (a Gated DeltaNet layer's, an attention layer's, or one reading another
+    layer's K/V: no K/V weights), and every layer of a kind has the same shape."""
+    resolved = (attention or AttentionConfig(type="mha")).resolved(model)
+    first_shared = model.num_layers - (resolved.kv_shared_layers or 0)
+    kinds = [k if k == LINEAR else "shared" if i >= first_shared else "full_attention"
+             for i, k in enumerate(resolved.layer_kinds(model.num_layers))]
     # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
     small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
                                 preset_layer_types=None, preset_kv_shared_layers=0)
-    if attention is not None:
-        attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None, kv_shared_layers=0)
-    with torch.device("meta"):
-        one = Decoder(small, attention).num_params()
-        two = Decoder(dataclasses.replace(small, num_layers=2), attention).num_params()
-        reader = two if not shared else Decoder(dataclasses.replace(small, num_layers=2, preset_kv_shared_layers=1),
-                                                attention and dataclasses.replace(attention, kv_shared_layers=1)
-                                                ).num_params()
-    return one + (model.num_layers - 1 - shared) * (two - one) + shared * (reader - one)
+    attention = dataclasses.replace(attention or AttentionConfig(type="mha"), window=0, global_every=None,
+                                    full_attention_interval=None, kv_shared_layers=0)
+    per_layer, fixed = {}, 0
+    for kind in dict.fromkeys(kinds):
+        types = (lambda n: [LINEAR] * n) if kind == LINEAR else (lambda n: None)
+        with torch.device("meta"):
+            one = Decoder(small, dataclasses.replace(attention, layer_types=types(1))).num_params()
+            two = Decoder(dataclasses.replace(small, num_layers=2),
+                          dataclasses.replace(attention, layer_types=types(2),
+                                              kv_shared_layers=1 if kind == "shared" else 0)).num_params()
+        per_layer[kind], fixed = two - one, 2 * one - two
+    return fixed + sum(per_layer[k] for k in kinds)
 
 
 def rope_peak_bytes(model: ModelConfig) -> int:
     """Bytes the rotary tables take while they are built (float64 intermediates)."""
-    return model.max_seq_len * model.head_dim * ROPE_PEAK_BYTES_PER_ELEMENT
+    return model.max_seq_len * model.rotary_dim * ROPE_PEAK_BYTES_PER_ELEMENT  # partial rotary: its width
 
 
 def recall_data_bytes(cfg: BenchConfig) -> int:

@@ -1,8 +1,10 @@
 """The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU), with the
-switches that make it Qwen2 (q/k/v biases) or Qwen3 (per-head q/k RMSNorm) as config fields.
+switches that make it Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) or Qwen3.5 (zero-centred
+norms) as config fields.
 
 Each block's attention is its layer's layout (:mod:`kvbench.layouts`): MHA, GQA or MQA by the
-KV-head count, MLA's latent, a window or sinks as properties of a layer. The decoder builds them
+KV-head count, MLA's latent, a Gated DeltaNet layer's recurrence, a window, sinks, an output gate
+or partial rotary as properties of a layer. The decoder builds them
 from the config once and never branches on them; each layer's cache tells its attention what to
 attend over (:mod:`kvbench.cache`).
 
@@ -51,9 +53,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: LayerLayout):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, pos):
@@ -80,7 +82,7 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
         self.blocks = nn.ModuleList(Block(model, layout) for layout in self.layouts)
-        self.norm = RMSNorm(model.d_model, model.norm_eps)
+        self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()
         if meta:  # rope_tables' shapes and dtype, no values

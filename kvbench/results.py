@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.bench import BenchConfig, objective_metric
+from kvbench.config.hf import LINEAR
 from kvbench.config.model import INDEX_FIELDS, MLA_FIELDS
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
 
@@ -343,6 +344,10 @@ _CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
                            "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}
 _CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype"),
                "serving": ("block_size", "dtype")}
+# model keys whose value here means what a record written before them meant
+_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
+                     **{f"linear_{k}": None for k in ("num_key_heads", "num_value_heads", "key_head_dim",
+                                                      "value_head_dim", "conv_kernel_dim")}}
 _RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
 _TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
 
@@ -361,20 +366,16 @@ def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(out.get(section), dict):
             out[section] = {k: v for k, v in out[section].items() if k in keys}
 
-    a = out.get("attention")
-    if isinstance(a, dict) and a.get("type") != "mla":  # the latent's ranks mean nothing for K/V heads
-        out["attention"] = {k: v for k, v in a.items() if k not in MLA_FIELDS + ("mla_decode",)}
-    a = out.get("attention")
-    if isinstance(a, dict) and not a.get("sinks"):  # a record without sinks reads as before sinks existed
-        out["attention"] = {k: v for k, v in a.items() if k != "sinks"}
-    a = out.get("attention")
-    if isinstance(a, dict):  # a record without DSA's indexer or KV sharing reads as before they existed
-        drop = (() if a.get("index_topk") else INDEX_FIELDS) + (() if a.get("kv_shared_layers")
-                                                               else ("kv_shared_layers",))
+    a, m = out.get("attention"), out.get("model")
+    if isinstance(a, dict):  # keys that mean nothing for this attention, or nothing yet (as before they existed)
+        drop = (MLA_FIELDS + ("mla_decode",)) * (a.get("type") != "mla") + ("sinks",) * (not a.get("sinks")) \
+            + ("full_attention_interval",) * (a.get("full_attention_interval") is None) \
+            + INDEX_FIELDS * (not a.get("index_topk")) + ("kv_shared_layers",) * (not a.get("kv_shared_layers"))
+        if a.get("window") is None:  # which layers are local means nothing, unless some are Gated DeltaNet's
+            drop += ("window", "global_every") + ("layer_types",) * (LINEAR not in (a.get("layer_types") or ()))
         out["attention"] = {k: v for k, v in a.items() if k not in drop}
-    a = out.get("attention")
-    if isinstance(a, dict) and a.get("window") is None:  # no window: which layers are local means nothing
-        out["attention"] = {k: v for k, v in a.items() if k not in ("window", "global_every", "layer_types")}
+    if isinstance(m, dict):  # a model without Qwen3.5's switches or linear layers reads as before they existed
+        out["model"] = {k: v for k, v in m.items() if k not in _ABSENT_AS_BEFORE or v != _ABSENT_AS_BEFORE[k]}
     if task != "compare":
         out.pop("compare", None)
     if task != "recall":

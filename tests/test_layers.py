@@ -18,7 +18,7 @@ LAYERS = [
     ["config.errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
      "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
     ["config.hf", "hf_weights", "serving.record", "layouts.base"],
-    ["layouts.kv_heads"],
+    ["layouts.kv_heads", "config.layer_pattern"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing"],
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving"],
     ["config.workload", "rope"],

@@ -95,6 +95,13 @@ CHAINS: Dict[str, Dict[str, Step]] = {
             "kvbench task=inspect model=deepseek_v32": Step()},
     "kv sharing": {"kvbench model=tiny attention=gqa attention.kv_shared_layers=1": Step(TINY),
                    "kvbench task=inspect model=gemma3n_e4b": Step()},
+    "gdn": {
+        "kvbench task=inspect model=qwen3_5_9b": Step(),
+        "kvbench task=inspect model=qwen3_next_80b": Step(),
+        "kvbench model=tiny attention.full_attention_interval=2": Step(TINY),
+        "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]": Step(
+            ["compare.contexts=[8,16,32]", "compare.steps=1", *QUICK]),
+    },
     "slurm": {
         "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
         "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),
@@ -375,6 +382,23 @@ def test_flagship_sweep_has_24_jobs_and_ends_with_the_variants_side_by_side(ran)
     # one block per (batch, prompt, dtype); KV bytes follow the formula exactly: GQA (2 of 8 heads)
     # and MQA hold 1/4 and 1/8 of MHA's
     assert len(kv) == 8 and all(r[5].endswith("(0.250×)") and r[6].endswith("(0.125×)") for r in kv)
+
+
+@chain("gdn")
+def test_the_gated_deltanet_page_runs_and_its_table_is_what_inspect_prints(ran):
+    """docs/layouts-gdn.md: each preset's state per sequence and per token as inspect prints them in
+    its KV table (bfloat16 rows), a hybrid benchmarked, GQA compared with its hybrid."""
+    for preset, per_token, state in (("qwen3_5_9b", "32.00 KiB", "49.12 MiB"),
+                                     ("qwen3_next_80b", "24.00 KiB", "73.69 MiB")):
+        out = result(ran, f"kvbench task=inspect model={preset}").stdout
+        row = next(line for line in out.splitlines() if line.startswith("bfloat16"))
+        assert row.split()[1:3] == per_token.split() and state in row, row
+        page_row = next(line for line in (ROOT / "docs" / "layouts-gdn.md").read_text().splitlines()
+                        if line.startswith(f"| `{preset}` |"))
+        assert per_token in page_row and state in page_row, page_row
+    assert written(result(ran, "kvbench model=tiny attention.full_attention_interval=2"))["status"] == "ok"
+    compared = written(result(ran, "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]"))
+    assert [r["layout"] for r in compared["tables"]["compare"]] == ["gqa kv=2", "gqa kv=2 gdn 1:1"]
 
 
 @chain("inspect")

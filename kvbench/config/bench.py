@@ -224,33 +224,34 @@ class TrainConfig:
         check(self.grad_clip > 0, "train.grad_clip", self.grad_clip, "must be > 0")
 
 
-# compare.variants options after the layout (``gqa:w1024:g6``): a window, every k-th layer global,
-# MLA's latent rank; the AttentionConfig field each sets.
-VARIANT_OPTIONS = {"w": "window", "g": "global_every", "r": "kv_lora_rank", "k": "index_topk", "s": "kv_shared_layers"}
+# compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets.
+VARIANT_OPTIONS = {"w": "window", "g": "global_every", "r": "kv_lora_rank", "k": "index_topk", "s": "kv_shared_layers",
+                   "d": "full_attention_interval"}
 
 
 def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
     """AttentionConfig fields of one ``compare.variants`` entry: ``<type or KV-head count>`` then
-    options ``:w<W>`` (a window of W positions on local layers), ``:g<k>`` (every k-th layer
-    global, needs :w), ``:r<R>`` (attention=mla's kv_lora_rank), ``:k<K>`` (DSA's index_topk) and
-    ``:s<N>`` (the last N layers share K/V); no ``:w`` is no window, no ``:s`` no sharing."""
+    options :w<W> (a window on local layers), :g<k> (every k-th layer global, needs :w), :r<R>
+    (MLA's kv_lora_rank), :k<K> (DSA's index_topk), :s<N> (the last N layers share K/V), :d<k>
+    (every k-th layer full, the others Gated DeltaNet); an option left out is none of it."""
     where = ("compare.variants", spec if variants is None else variants)
     head, *options = str(spec).split(":")
     check(head in ATTENTION_TYPES or (head.isdigit() and int(head) >= 1), *where,
           f"{spec!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1 "
           "(options: :w<window>, :g<every k-th layer global>, :r<mla kv_lora_rank>, :k<dsa index_topk>, "
-          ":s<kv_shared_layers>, e.g. gqa:w1024:g6)")
+          ":s<kv_shared_layers>, :d<every k-th layer full, the others Gated DeltaNet>, e.g. gqa:w1024:g6, gqa:d4)")
     out: Dict[str, Any] = {"type": head} if head in ATTENTION_TYPES else {"num_kv_heads": int(head)}
     for option in options:
         key = VARIANT_OPTIONS.get(option[:1])
         check(key is not None and option[1:].isdigit() and int(option[1:]) >= 1 and key not in out, *where,
-              f"{spec!r}: option {option!r} must be one of :w<W>, :g<k>, :r<R>, :k<K>, :s<N> with a number >= 1, "
-              "each once")
+              f"{spec!r}: option {option!r} must be one of :w<W>, :g<k>, :r<R>, :k<K>, :s<N>, :d<k> with a number "
+              ">= 1, each once")
         out[key] = int(option[1:])
     check("global_every" not in out or "window" in out, *where,
           f"{spec!r}: :g<k> says which layers are global, and needs a window (:w<W>) for the others")
     out.setdefault("window", 0)  # no option: no window, whatever the model's own
     out.setdefault("kv_shared_layers", 0)  # nor sharing
+    out.setdefault("full_attention_interval", 0)  # and no Gated DeltaNet layer
     return out
 
 

@@ -28,7 +28,7 @@ MAX_CONFIG_BYTES = 16 * 2**20
 # and the README's table of accepted architectures follow it. Every architecture also takes the
 # rope types in ROPE_TYPES and sliding windows; everything else (MoE, multimodal, biases beyond
 # q/k/v, other rope types) is refused naming its config.json key.
-HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
+HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
@@ -39,9 +39,25 @@ HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
 HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
+# Qwen3.5 (its dense text model, also as the language model of its multimodal checkpoint) and
+# Qwen3-Next (dense layers only): Gated DeltaNet layers beside full attention whose output is gated,
+# whose rotary embeddings turn part of a head, and whose norms are zero-centred (transformers'
+# Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
+_HYBRID = {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True, "norm_zero_centered": True}
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
+HF_ARCHITECTURES.update({arch: _HYBRID for arch in HYBRID_ARCHITECTURES})
+# Their config classes' defaults for keys a config.json may leave out (Qwen3_5TextConfig, Qwen3NextConfig).
+HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+# A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
+TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+# Tensors transformers' causal LM leaves unread: a multi-token-prediction head, a vision tower.
+UNREAD_TENSORS = {arch: ("mtp.", "model.visual.") for arch in HYBRID_ARCHITECTURES}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
+LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
+LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names of a layer's kind
 
 
 # JSON types of the values read from a config.json (a bool is not a number, as JSON says).
@@ -68,6 +84,11 @@ def _get(cfg: Mapping[str, Any], key: str, kind: str, default: Any = None, prefi
     if not ok(value):
         raise ConfigError(f"{prefix}{key}={value!r}: must be {what}")
     return value
+
+
+def checkpoint_architecture(cfg: Mapping[str, Any]) -> Optional[str]:
+    """The class of :data:`HF_ARCHITECTURES` a config.json names (None: none of them)."""
+    return next((a for a in _get(cfg, "architectures", "list", []) if a in HF_ARCHITECTURES), None)
 
 
 def architecture(cfg: Mapping[str, Any]) -> str:
@@ -108,14 +129,17 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     if arch is None:
         raise ConfigError(f"{where}: architectures={archs!r}: not supported "
                           f"(accepted: {', '.join(HF_ARCHITECTURES)})")
-    switches = HF_ARCHITECTURES[arch]
+    switches, hybrid = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES
+    if arch in TEXT_MODEL_PREFIX:  # the language model of a multimodal checkpoint; its head's tying is the top's
+        cfg = {**_get(cfg, "text_config", "object", _REQUIRED), "architectures": archs,
+               "tie_word_embeddings": cfg.get("tie_word_embeddings")}
     refused = {  # key: why, for a value that is set and not the default
         "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
                                                              "q/k/v biases are modelled)",
         "mlp_bias": "the decoder's MLP has no biases",
         "text_config": "multimodal checkpoints are not supported",
         "vision_config": "multimodal checkpoints are not supported",
-        "num_experts": "mixture-of-experts is not supported",
+        "num_experts": None if hybrid else "mixture-of-experts is not supported",  # there: per layer
         "num_local_experts": "mixture-of-experts is not supported",
     }
     for key, why in refused.items():
@@ -127,35 +151,45 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
     mla = _hf_mla(cfg, where) if arch.startswith("Deepseek") else {}
     heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
+    layers = _get(cfg, "num_hidden_layers", "int", _REQUIRED)
+    head_dim = HYBRID_DEFAULTS["head_dim"] if hybrid else hidden // heads if _counts(hidden, heads) else None
     shape = dict(
-        num_layers=_get(cfg, "num_hidden_layers", "int", _REQUIRED), d_model=hidden, num_heads=heads,
+        num_layers=layers, d_model=hidden, num_heads=heads,
         preset_kv_heads=_get(cfg, "num_key_value_heads", "int") or heads,
         # transformers' default; left to ModelConfig's checks when the values are not counts
-        head_dim=_get(cfg, "head_dim", "int") or (hidden // heads if _counts(hidden, heads) else None),
+        head_dim=_get(cfg, "head_dim", "int") or head_dim,
         ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions,
-        norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions),
-        **_hf_window(cfg))
+        norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
+        **_hf_window(cfg, hybrid))
     shape.update(mla)
+    if hybrid:
+        shape.update(_hf_hybrid(cfg, where, layers))
     return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
 
 
-def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
+def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> Dict[str, Any]:
     """ModelConfig's rope fields from a config.json: transformers >= 5 writes ``rope_parameters``
     (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45).
-    A rope type the decoder does not compute is refused naming the key."""
+    A rope type the decoder does not compute is refused naming the key; ``partial_rotary_factor``
+    too, unless ``partial`` (an architecture whose attention rotates part of a head)."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     rope = _get(cfg, key, "object", {})
     prefix = f"{key}."
     rope_type = _get(rope, "rope_type", "str", None, prefix) or _get(rope, "type", "str", "default", prefix)
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{key}.rope_type={rope_type!r}: not supported (accepted: {', '.join(ROPE_TYPES)})")
-    for where, found in ((prefix, rope), ("", cfg)):
+    out = {}
+    if partial:  # transformers' order: rope_parameters', the top level's, the config class's default
+        factor = _get(rope, "partial_rotary_factor", "number", None, prefix)
+        out["partial_rotary_factor"] = factor if factor is not None else _get(
+            cfg, "partial_rotary_factor", "number", HYBRID_DEFAULTS["partial_rotary_factor"])
+    for where, found in ((prefix, rope), ("", cfg)) if not partial else ():
         if _get(found, "partial_rotary_factor", "number", 1.0, where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor={found['partial_rotary_factor']!r}: not supported "
-                              "(the decoder rotates every dimension)")
+                              "(the decoder rotates every dimension of this architecture's heads)")
     theta = _get(rope, "rope_theta", "number", None, prefix)
-    out = {"rope_type": rope_type, "rope_theta": _get(cfg, "rope_theta", "number", 10000.0) if theta is None else theta}
+    out.update(rope_type=rope_type, rope_theta=_get(cfg, "rope_theta", "number", 10000.0) if theta is None else theta)
     needed = {"linear": {"rope_factor": "factor"},
               "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                          "rope_high_freq_factor": "high_freq_factor"},
@@ -179,19 +213,29 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     return out
 
 
-def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False) -> Dict[str, Any]:
     """ModelConfig's window fields from a config.json, as transformers reads them: Mistral's
     ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
     ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
-    (transformers >= 5 writes it) lists each layer's kind."""
+    (transformers >= 5 writes it) lists each layer's kind. A ``hybrid`` architecture's layer_types
+    names its Gated DeltaNet layers (linear_attention; without the key, every
+    ``full_attention_interval``-th layer is full attention and the others linear)."""
     window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
         layer_types = None
+    kinds = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
+    if layer_types is None and hybrid:
+        k = _get(cfg, "full_attention_interval", "int", HYBRID_DEFAULTS["full_attention_interval"])
+        if k < 1:
+            raise ConfigError(f"full_attention_interval={k!r}: must be >= 1 (every k-th layer full attention)")
+        layer_types = [LINEAR if (i + 1) % k else "full_attention"
+                       for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
     if layer_types is not None:
-        if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
-            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry "
-                              f"{' or '.join(LAYER_TYPES)})")
+        if not isinstance(layer_types, list) or any(t not in kinds for t in layer_types):
+            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry {' or '.join(kinds)})")
+        if LINEAR in layer_types and "sliding_attention" not in layer_types:
+            return {"preset_layer_types": layer_types}
         if "sliding_attention" not in layer_types:
             window = layer_types = None
     elif window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
@@ -201,6 +245,26 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     if not window:
         return {}
     return {"preset_window": window, "preset_layer_types": layer_types}
+
+
+def _hf_hybrid(cfg: Mapping[str, Any], where: str, layers: int) -> Dict[str, Any]:
+    """The Gated DeltaNet layers' shape from a Qwen3.5 / Qwen3-Next config.json (its class's
+    defaults for keys it leaves out); a layer whose MLP is a mixture of experts (transformers: not
+    in ``mlp_only_layers``, ``num_experts`` > 0 and (i + 1) % ``decoder_sparse_step`` == 0) is
+    refused naming the keys."""
+    shape = {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
+    experts, step = _get(cfg, "num_experts", "int", 0), _get(cfg, "decoder_sparse_step", "int", 1)
+    dense = _get(cfg, "mlp_only_layers", "list", [])
+    moe = [i for i in range(layers) if i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0]
+    if moe:
+        raise ConfigError(f"{where}: mlp_only_layers={dense!r}: layers {_span(moe)} of {layers} use a mixture-of-"
+                          f"experts MLP (num_experts={experts}), not supported; only dense layers (mlp_only_layers "
+                          "listing every layer, or num_experts=0)")
+    return shape
+
+
+def _span(layers: list) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 4 else f"{layers[0]}, {layers[1]}, ..., {layers[-1]}"
 
 
 def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:

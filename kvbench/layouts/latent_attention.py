@@ -35,7 +35,13 @@ def mla_softmax_scale(cfg, qk_head_dim: int) -> float:
 
 
 class LatentAttention(nn.Module):
-    """The attention of a :class:`Latent` layer (DeepSeek's weights, under kvbench's names)."""
+    """The attention of a :class:`Latent` layer (DeepSeek's weights, under kvbench's names:
+    :data:`HF_NAMES` maps transformers' under ``HF_MODULE``)."""
+
+    HF_MODULE = "self_attn"
+    HF_NAMES = {"q_proj.": "wq.", "q_a_proj.": "wq.0.", "q_a_layernorm.": "wq.1.", "q_b_proj.": "wq.2.",
+                "kv_a_proj_with_mqa.": "wkv_a.", "kv_a_layernorm.": "kv_norm.", "kv_b_proj.": "wkv_b.",
+                "o_proj.": "wo.", "indexer.": "indexer."}
 
     def __init__(self, cfg, a: Latent):
         super().__init__()
