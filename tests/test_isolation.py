@@ -62,6 +62,29 @@ def test_every_end_of_a_job_process_is_a_record(tmp_path, measure, status, needl
         assert on_disk.metrics == {"decode_ms_p50": 1.5}
 
 
+def typing_counted(job, out_dir, overrides, progress):
+    """run_job in the job's process, saying in the record's env how often the config was typed there."""
+    from kvbench.jobs.isolation import run_here
+
+    calls = []
+    post_init = BenchConfig.__post_init__
+    BenchConfig.__post_init__ = lambda self: (calls.append(1), post_init(self))[1]
+    try:
+        result = run_here(job, out_dir, overrides, progress)
+    finally:
+        BenchConfig.__post_init__ = post_init
+    result.env["typed_in_the_jobs_process"] = len(calls)
+    return result
+
+
+@pytest.mark.e2e
+def test_the_jobs_process_runs_the_config_typed_by_its_parent(tmp_path):
+    """The fork server's child is handed the typed config (pickled: not typed again) and runs it."""
+    result = run_isolated(tiny_job(warmup=0, repeats=1, fidelity=False), tmp_path, measure=typing_counted)
+    assert result.status == "ok", result.error
+    assert result.env["typed_in_the_jobs_process"] == 0
+
+
 @pytest.mark.e2e
 def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(tmp_path):
     """A progress function that cannot be pickled (a lambda) fails while the job is handed to

@@ -111,7 +111,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     stopped: Optional[BaseException] = None
     with interruptible() as stops:
         try:
-            job = to_bench_config(cfg)
+            job = to_bench_config(cfg)  # a BenchConfig (the CLI types a job once) passes as it is
             check_objective(job.objective, job.objective_caps, job.task, job.workload.name)
             # with derived values (head_dim, num_kv_heads) filled in, and only the keys the task reads
             result.config = record_config(asdict(job))
