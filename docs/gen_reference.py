@@ -231,7 +231,7 @@ def configuration_page() -> str:
     lines += [f"| `{f.name}` | {cell(type_name(hints[f.name]))} | {cell(default_text(f))} "
               f"| {cell(comments.get(f.name, ''))} | {cell('; '.join(checks.get(f.name, [])))} |" for f in top]
     lines.append("")
-    for extra in ("serving", "experiment"):  # groups that only set other groups' keys
+    for extra in ("scenario", "experiment"):  # groups that only set other groups' keys
         found = options(extra)
         lines += [f"`{extra}=` options (they set keys of the groups below): "
                   + ", ".join(f"`{o}`" for o in found) + ".", ""]

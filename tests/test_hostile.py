@@ -107,6 +107,16 @@ def test_a_misspelled_group_suggests_the_group(tmp_path):
     assert line == "atention=mha: no such config group or key (did you mean attention?)"
 
 
+def test_the_renamed_scenario_group_names_its_new_name():
+    """conf/serving (task=capacity's scenarios) is conf/scenario: "serving" is the workload."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(Exception) as info:
+            compose("config", overrides=["experiment=choose", "serving=chat"])
+        assert compose("config", overrides=["experiment=choose", "scenario=chat"]).workload.name == "multiturn"
+    line = config_error_line(info.value, _top_level_names())
+    assert line == "serving=chat: the group serving is renamed to scenario (scenario=chat)"
+
+
 def test_a_saved_checkpoint_with_a_model_key_kvbench_does_not_know_is_refused(tmp_path):
     path = save_checkpoint(tmp_path / "ck.pt", make_decoder(4))
     payload = torch.load(path, weights_only=True)

@@ -100,11 +100,11 @@ INVALID = {
     'task=compare compare.steps=0': {
         'workload': 'batch_size', 'cache': 'impl', 'runtime': TIMED, 'wandb': WANDB_GIVEN,
         'compare': 'contexts steps variants', **TOP},
-    'experiment=choose serving=decode runtime.memory_budget_gb=-1': {
+    'experiment=choose scenario=decode runtime.memory_budget_gb=-1': {
         'attention': 'num_kv_heads type', 'workload': 'gen_len name', 'cache': 'dtype impl',
         'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
         'capacity': 'batch_step context_lens max_batch tpot_pairs', **TOP},
-    'experiment=choose serving=chat runtime.memory_budget_gb=-1': {
+    'experiment=choose scenario=chat runtime.memory_budget_gb=-1': {
         'attention': 'num_kv_heads type', 'workload': 'name reply_len system_len turns user_len',
         'cache': 'dtype impl shared', 'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
         'capacity': 'batch_step max_batch', **TOP},
