@@ -136,13 +136,13 @@ def _objective(cfg: DictConfig, job: Optional[BenchConfig], invalid: Optional[st
                                                                         throw_on_resolution_failure=False)
     if objective is None:
         return None
-    try:
-        if job is None:
-            raise ConfigError(invalid)
-        value, why = (None, why_not) if out_dir is None else objective_value(
-            read_record(out_dir), job.objective, job.objective_caps)
-    except (ConfigError, RecordError) as exc:
-        value, why = None, str(exc)
+    value, why = None, invalid
+    if job is not None:
+        try:
+            value, why = (None, why_not) if out_dir is None else objective_value(
+                read_record(out_dir), job.objective, job.objective_caps)
+        except RecordError as exc:
+            value, why = None, str(exc)
     if value is None:
         stderr.print(f"  objective: none, {why} (a failed trial for a search sweeper)", markup=False, soft_wrap=True)
     else:
