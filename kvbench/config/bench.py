@@ -200,11 +200,11 @@ class BenchConfig:
         """The settings a layer's layout may not run with (:class:`kvbench.layouts.Limit`): its cache
         (a shared prefix only where a multi-turn chat shares one), the compiled step, the serving
         store (None when the job serves nothing)."""
-        runs = TASKS[self.task].runs_workload
-        return {"cache.impl": self.cache.impl, "cache.dtype": self.cache.dtype,
-                "cache.shared": self.cache.shared and runs and self.workload.name == "multiturn",
-                "runtime.compile": self.runtime.compile,
-                "workload.store": self.workload.store if runs and self.workload.name == "serving" else None}
+        settings = {"cache.impl": self.cache.impl, "cache.dtype": self.cache.dtype, "cache.shared": False,
+                    "runtime.compile": self.runtime.compile, "workload.store": None}
+        if TASKS[self.task].runs_workload:
+            settings.update(self.workload.layout_settings(self))
+        return settings
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, tuple(TASKS))

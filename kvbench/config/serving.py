@@ -177,6 +177,9 @@ class ServingWorkload:
             return 0
         return self.prefix_len + self.prompt.max_len + self.output.max_len
 
+    def layout_settings(self, cfg: Any) -> Dict[str, Any]:
+        return {"workload.store": self.store}
+
     def check_run(self, cfg: Any) -> None:
         """Rules across groups (``cfg``: the job's config, its attention resolved): a rate search
         needs a latency target; the stores hold K/V in the compute dtype; the forwards are eager

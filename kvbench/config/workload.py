@@ -42,6 +42,10 @@ class DecodeWorkload:
     def check_run(self, cfg: Any) -> None:
         """No rule across groups."""
 
+    def layout_settings(self, cfg: Any) -> Dict[str, Any]:
+        """What of it a layer's layout may refuse (kvbench.layouts.Limit): nothing."""
+        return {}
+
 
 @dataclass
 class MultiturnWorkload:
@@ -68,6 +72,9 @@ class MultiturnWorkload:
     def total_len(self) -> int:
         """Positions one conversation holds at its end."""
         return self.system_len + self.turns * (self.user_len + self.reply_len)
+
+    def layout_settings(self, cfg: Any) -> Dict[str, Any]:
+        return {"cache.shared": cfg.cache.shared}  # a shared system prompt's K/V
 
     def check_run(self, cfg: Any) -> None:
         if cfg.cache.shared:
