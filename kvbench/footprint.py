@@ -59,7 +59,9 @@ def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = N
             two = Decoder(dataclasses.replace(small, num_layers=2),
                           dataclasses.replace(attention, layer_types=types(2),
                                               kv_shared_layers=1 if kind == "shared" else 0)).num_params()
-        per_layer[kind], fixed = two - one, 2 * one - two
+        per_layer[kind] = two - one
+        if kind != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
+            fixed = 2 * one - two
     return fixed + sum(per_layer[k] for k in kinds)
 
 

@@ -285,15 +285,12 @@ class RecordView:
 
     @property
     def kind(self) -> str:
-        """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` |
-        ``compare`` | ``recall``."""
-        if self.task in ("train", "eval", "capacity", "compare", "recall"):
-            return self.task
-        return self.workload or "decode"
+        """The workload's name for task=bench (``decode``, ``multiturn``, ``serving``), else the task."""
+        return (self.workload or "decode") if self.task == "bench" else self.task
 
     @property
     def workload(self) -> Optional[str]:
-        """``workload.name`` (decode, multiturn) where the record keeps it."""
+        """``workload.name`` where the record keeps it."""
         name = self.get("workload.name")
         return name if isinstance(name, str) else None
 

@@ -27,7 +27,7 @@ from kvbench.config.bench import (
 )
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.generate import greedy_generate
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
@@ -224,7 +224,7 @@ def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
     perplexity over the same windows, 1e-4 relative; another top-k on its weights is refused."""
     path, hf = deepseek_dir(tmp_path / "ds", "deepseek_v32", vocab_size=256, max_position_embeddings=64, **DSA_SHAPE)
     cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(type="mla"),
-                      workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
                       data=DataConfig(path=str(corpus), val_fraction=0.2),
                       train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, checkpoint=str(path)))

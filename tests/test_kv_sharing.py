@@ -217,14 +217,14 @@ def test_a_kvbench_checkpoint_with_shared_layers_or_sinks_is_evaluated_as_saved(
     saved, its own layout being the checkpoint's (not refused as another layout, not dropped)."""
     from kvbench.checkpoint import save_checkpoint
     from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, TrainConfig, WandbConfig
-    from kvbench.config.workload import WorkloadConfig
+    from kvbench.config.workload import DecodeWorkload
     from kvbench.quality.train import checkpoint_for_eval
 
     torch.manual_seed(0)
     saved = Decoder(MODEL, AttentionConfig(type="gqa", num_kv_heads=2, **attention)).eval()
     path = save_checkpoint(tmp_path / "model.pt", saved)
     cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(),
-                      workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
                       train=TrainConfig(checkpoint=str(path)))
     model, _, converted = checkpoint_for_eval(cfg, torch.device("cpu"))

@@ -15,13 +15,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config.errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
-     "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
+    ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
+     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
     ["config.hf", "hf_weights", "serving.record", "layouts.base"],
     ["layouts.kv_heads", "config.layer_pattern"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing"],
-    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving"],
-    ["config.workload", "rope"],
+    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving", "config.train"],
+    ["config.workload", "config.compare", "rope"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv"],
     ["cache"],
     ["shared_prefix", "layouts.latent_indexer"],

@@ -108,7 +108,7 @@ def test_each_family_is_transformers_in_logits_perplexity_and_45_greedy_cached_s
 def test_task_eval_of_a_hybrid_checkpoint_is_transformers_perplexity(tmp_path, family):
     """task=eval (the record's perplexity) through the decoder's own windows of the byte corpus."""
     from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
-    from kvbench.config.workload import WorkloadConfig
+    from kvbench.config.workload import DecodeWorkload
     from kvbench.quality.data import byte_data, eval_windows
     from kvbench.quality.train import run_eval
 
@@ -118,7 +118,7 @@ def test_task_eval_of_a_hybrid_checkpoint_is_transformers_perplexity(tmp_path, f
     model = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64, vocab_size=256,
                         max_seq_len=128)  # the checkpoint's shape replaces it (task=eval)
     cfg = BenchConfig(task="train", model=model, attention=AttentionConfig(),
-                      workload=WorkloadConfig(prompt_len=8, gen_len=8),
+                      workload=DecodeWorkload(prompt_len=8, gen_len=8),
                       cache=CacheConfig(), runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
                       data=DataConfig(path=str(corpus), val_fraction=0.25),
                       train=TrainConfig(seq_len=100, batch_size=2, eval_batches=2, checkpoint=str(path)))

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
-from kvbench.config.bench import BenchConfig, TrainConfig
+from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.hf import LINEAR
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, MLAShape
+from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data

@@ -46,7 +46,7 @@ from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.progress import Progress
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, build_model
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model
 
 Tick = Callable[..., None]
 
@@ -114,6 +114,11 @@ METRICS: Dict[str, Metric] = metric_table(
     *(Metric(k, "", stats.METHODS[k]) for k in ("ci_trials", "kv_cost", "paired_ratio")),
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
+
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a job of this task may record."""
+    return {"timing_method": JOB_METRICS["timing_method"], **METRICS}
+
 
 
 @dataclass
