@@ -161,3 +161,16 @@ def test_qwen_hybrid_speed_prints_kvbench_over_transformers_in_process(tmp_path)
     assert all(float(r[i].strip(" |").split()[0]) > 0 for r in rows for i in range(1, 6))
     assert "Greedy tokens of the two equal in every round: True." in text
     assert digests() == before
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "experiments").glob("*.py")
+                                          if 'if __name__ == "__main__"' in p.read_text()))
+def test_every_experiment_script_imports(script, monkeypatch):
+    """An experiment that runs only when asked must still import against today's package: one
+    that names a moved or removed function (kv_cache_bytes, once) fails here, not on the day it
+    is needed."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))  # as `python experiments/<script>` has it
+    spec = importlib.util.spec_from_file_location(f"experiment_{script[:-3]}", ROOT / "experiments" / script)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
