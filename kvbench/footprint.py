@@ -41,8 +41,9 @@ def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = N
     """The decoder's exact parameter count without building its layers: one- and two-layer
     decoders of each kind of layer on the meta device (no memory) give the fixed part and one
     layer's of that kind (a Gated DeltaNet layer's, an attention layer's, or one reading another
-    layer's K/V: no K/V weights), and every layer of a kind has the same shape."""
-    resolved = (attention or AttentionConfig(type="mha")).resolved(model)
+    layer's K/V: no K/V weights), and every layer of a kind has the same shape. ``attention``: as
+    the job resolved it against ``model`` (None: MHA)."""
+    resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     first_shared = model.num_layers - (resolved.kv_shared_layers or 0)
     kinds = [k if k == LINEAR else "shared" if i >= first_shared else "full_attention"
              for i, k in enumerate(resolved.layer_kinds(model.num_layers))]

@@ -367,10 +367,15 @@ def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
             out[name] = kept(value, reads[name]) if isinstance(value, dict) else value
     if isinstance(out.get("attention"), dict):
         out["attention"] = attention_record(out["attention"])
-    if isinstance(out.get("model"), dict):  # a model without Qwen3.5's switches or linear layers reads as before
-        out["model"] = {k: v for k, v in out["model"].items()
-                        if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
+    if isinstance(out.get("model"), dict):
+        out["model"] = model_record(out["model"])
     return out
+
+
+def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
+    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, sinks or
+    shared KV layers reads as a record written before those existed."""
+    return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
 
 
 def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:

@@ -13,7 +13,7 @@ from kvbench.config.model import kv_layout_change
 from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.quality.train import EVAL_METHODS, EVAL_METRICS, checkpoint_for_eval, run_eval
-from kvbench.results import RunResult, attention_record
+from kvbench.results import RunResult, attention_record, model_record
 
 METRICS = EVAL_METRICS
 
@@ -28,7 +28,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     attention are the checkpoint's shape as evaluated, not the preset's."""
     result.methods.update(EVAL_METHODS)
     loaded = checkpoint_for_eval(cfg, device)
-    result.config["model"] = asdict(loaded[0].config)
+    result.config["model"] = model_record(asdict(loaded[0].config))
     result.config["attention"] = attention_record(asdict(loaded[0].attention))
     result.metrics.update(run_eval(cfg, device, loaded))
     saved, how = loaded[2]["checkpoint_num_kv_heads"], loaded[2]["kv_heads_conversion"]
