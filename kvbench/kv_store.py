@@ -48,6 +48,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (codes.float() * scale).to(dtype)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8 codes as their bytes: index_copy_ and index_select have no float8 kernel on a CPU,
+    and moving codes needs none (the same bits either way)."""
+    return t.view(torch.uint8) if t.dtype == getattr(torch, "float8_e4m3fn", None) else t
+
+
 class KVStore:
     """One tensor of ``shape`` in ``cache.dtype``: as given (auto), or codes with a float32 scale
     per vector of the last dimension. Positions lie along ``axis``; with ``axis`` 2 the first
@@ -72,6 +78,7 @@ class KVStore:
     def _rows(self, t: torch.Tensor, batch: Optional[int]) -> torch.Tensor:
         return t if batch is None or self.axis == 0 else t[:batch]
 
+
     def write(self, where: int | torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x`` at positions ``where`` (an int: the first of a run of x's positions; a
         tensor: one index per position of x), for x's first dimension's sequences."""
@@ -83,7 +90,7 @@ class KVStore:
             if isinstance(where, int):
                 store.narrow(self.axis, where, value.shape[self.axis]).copy_(value)
             else:
-                store.index_copy_(self.axis, where, value)
+                _bytes(store).index_copy_(self.axis, where, _bytes(value))
 
     def read(self, end: int, batch: Optional[int] = None) -> torch.Tensor:
         """Positions 0..end-1 of the first ``batch`` sequences in the compute dtype: a view for
@@ -95,7 +102,7 @@ class KVStore:
 
     def gather(self, index: torch.Tensor, batch: Optional[int] = None) -> torch.Tensor:
         """Positions ``index`` (n,) of the first ``batch`` sequences, a copy in the compute dtype."""
-        codes = self._rows(self.codes, batch).index_select(self.axis, index)
+        codes = _bytes(self._rows(self.codes, batch)).index_select(self.axis, index).view(self.codes.dtype)
         if self.scales is None:
             return codes
         return dequantize(codes, self._rows(self.scales, batch).index_select(self.axis, index), self.dtype)

@@ -16,15 +16,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
-     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
-    ["config.hf", "hf_weights", "serving.record", "layouts.base"],
+     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool"],
+    ["config.hf", "hf_weights", "serving.record", "layouts.base", "serving.allocator"],
     ["layouts.kv_heads", "config.layer_pattern"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing"],
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving", "config.train"],
     ["config.workload", "config.compare", "rope"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv"],
     ["cache"],
-    ["shared_prefix", "layouts.latent_indexer"],
+    ["shared_prefix", "layouts.latent_indexer", "serving.batch"],
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention"],
     ["layouts.attention"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],

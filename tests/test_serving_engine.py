@@ -4,6 +4,8 @@ slot stores, with prefix sharing and with preemptions forced by a small budget, 
 and MLA; the store never exceeds its budget and its bytes equal the KV formula every iteration;
 no request starves; a scripted clock gives the exact timeline the rules imply."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import greedy_generate
 from kvbench.model import Decoder
-from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model
+from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model, plan_for
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
 
@@ -36,6 +38,36 @@ def mla_decoder() -> Decoder:
                                                         qk_nope_head_dim=8, v_head_dim=8)).eval()
 
 
+def windowed_decoder() -> Decoder:
+    """GPT-OSS's alternation (local, global, ...) on 4 layers, windows of 5, GQA."""
+    torch.manual_seed(0)
+    return Decoder(tiny_model_config(num_layers=4), AttentionConfig(type="gqa", num_kv_heads=2, window=5,
+                                                                     global_every=2)).eval()
+
+
+def gdn_decoder() -> Decoder:
+    """Qwen3.5's pattern in small: 3 Gated DeltaNet layers, then one full attention layer."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(num_layers=4, num_heads=4, preset_kv_heads=2, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                            linear_conv_kernel_dim=4)
+    return Decoder(cfg, AttentionConfig(layer_types=["linear_attention"] * 3 + ["full_attention"])).eval()
+
+
+def shared_kv_decoder() -> Decoder:
+    """Gemma 3n's cross-layer sharing: the last 2 of 4 layers read their donors' K/V, windows 5 and global."""
+    torch.manual_seed(0)
+    return Decoder(tiny_model_config(num_layers=4), AttentionConfig(type="gqa", num_kv_heads=2, window=5,
+                                                                     global_every=2, kv_shared_layers=2)).eval()
+
+
+def dsa_decoder() -> Decoder:
+    """DeepSeek-V3.2's indexer selecting 5 of up to 30 tokens."""
+    torch.manual_seed(0)
+    return Decoder(tiny_model_config(), AttentionConfig(type="mla", kv_lora_rank=16, qk_rope_head_dim=4,
+                                                        qk_nope_head_dim=8, v_head_dim=8, index_topk=5)).eval()
+
+
 def workload(vocab, n=10, seed=0, prefix=0):
     """``n`` requests 5 ms apart with random lengths; with ``prefix``, all share that many tokens."""
     rng = np.random.default_rng(seed)
@@ -48,9 +80,10 @@ def workload(vocab, n=10, seed=0, prefix=0):
     return requests, prompts
 
 
-def isolated(model, request, prompt):
-    """What the request alone gives: prefill then output_len - 1 greedy steps on a static cache."""
-    cache = cache_for(model, "static", 1, request.prompt_len + request.output_len)
+def isolated(model, request, prompt, cache_dtype="auto"):
+    """What the request alone gives: prefill then output_len - 1 greedy steps on a static cache
+    (storing K/V in ``cache_dtype``, as the store under test does)."""
+    cache = cache_for(model, "static", 1, request.prompt_len + request.output_len, cache_dtype)
     prompt = torch.tensor([prompt], device=model.device)
     return greedy_generate(model, prompt, request.output_len - 1, cache).tokens[0].tolist()
 
@@ -62,28 +95,50 @@ def run(model, store, requests, prompts, observe=None, **kw):
 
 
 MODELS = {"mha": lambda: make_decoder(8), "gqa": lambda: make_decoder(2), "mqa": lambda: make_decoder(1),
-          "mla": mla_decoder}
+          "mla": mla_decoder, "window": windowed_decoder, "gdn": gdn_decoder, "shared_kv": shared_kv_decoder,
+          "dsa": dsa_decoder}
+# K/V stored as codes and scales: int8 everywhere, float8 where this torch has it on the CPU
+CODES = ["int8"] + (["float8_e4m3fn"] if hasattr(torch, "float8_e4m3fn") else [])
 
 
-@pytest.mark.parametrize("layout", list(MODELS))
-@pytest.mark.parametrize("store", ["paged", "paged_small", "prefix_small", "slots"])
-def test_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout, store):
+@pytest.mark.parametrize("layout, cache_dtype", [(name, "auto") for name in MODELS] +
+                         [("gqa", c) for c in CODES] + [("window", "int8")])
+@pytest.mark.parametrize("store", ["paged", "paged_small", "prefix_small", "slots", "unified_prefix"])
+def test_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout, cache_dtype, store):
+    """A quantized store against an isolated decode through a static cache of the same codes; a
+    recurrent hybrid's prefix hits need a saved state (every block here); the unified pool raises
+    the attention block to hold a state."""
     model = MODELS[layout]()
-    requests, prompts = workload(model.config.vocab_size, prefix=9 if store.startswith("prefix") else 0)
+    requests, prompts = workload(model.config.vocab_size, prefix=9 if "prefix" in store else 0)
     longest = max(r.prompt_len + r.output_len - 1 for r in requests)
     if store == "slots":
-        s = SlotStore(model, 3, longest)
+        s = SlotStore(model, 3, longest, cache_dtype)
     else:
-        blocks = -(-longest // BS) + (1 if store.endswith("small") else 40)  # small: the largest fits, little else
-        s = PagedStore(model, blocks, BS, prefix_caching=store.startswith("prefix"))
+        small = store.endswith("small")
+        if store.startswith("unified"):
+            plan = plan_for(model, 200, BS, cache_dtype, "unified", longest)
+            s = PagedStore(model, 0, BS, True, cache_dtype, plan)
+        else:
+            def paged(blocks):
+                return PagedStore(model, blocks, BS, "prefix" in store, cache_dtype,
+                                  plan_for(model, blocks, BS, cache_dtype, longest=longest, chunk=8))
+            blocks = -(-longest // BS)
+            while paged(blocks).unfit(longest, 8):  # small: the largest request fits, little else
+                blocks += 1
+            s = paged(blocks + (1 if small else 40))
+            if small and s.plan.groups[-1].is_state:  # room for 3 states, K/V for the largest request alone
+                s = PagedStore(model, 0, BS, "prefix" in store, cache_dtype,
+                               replace(s.plan, capacity=s.plan.need(longest, 8)[:-1] + (3,),
+                                       pages=s.plan.need(longest, 8)[:-1] + (3,)))
     scheduler, timeline = run(model, s, requests, prompts)
     outputs = scheduler.outputs()
     for r, p in zip(requests, prompts):
-        assert outputs[r.id] == isolated(model, r, p), r
+        assert outputs[r.id] == isolated(model, r, p, cache_dtype), r
     preemptions = sum(t.preemptions for t in timeline.traces)
     assert (preemptions > 0) == store.endswith("small")  # the small budget did force recomputes
     hits = sum(t.prefix_hit_tokens for t in timeline.traces)
-    assert (hits > 0) == store.startswith("prefix")
+    assert (hits > 0) == ("prefix" in store and (s.block_size <= 8 or layout != "gdn"))
+    assert s.used_blocks == 0 and s.bytes_needed == 0  # everything given back
     assert all(t.finished and len(t.token_s) == t.request.output_len for t in timeline.traces)
 
 
@@ -131,7 +186,7 @@ def test_the_budget_holds_and_block_accounting_is_the_formula_every_iteration(la
     assert len(seen) == scheduler.iterations == len(timeline.samples)
     assert max(s.kv_blocks_used for s in timeline.samples) == 12  # the budget was reached
     assert timeline.bytes_per_token == per_token and timeline.kv_blocks_total == 12
-    assert store.used_blocks == 0 and all(r == 0 for r in store.ref)  # all freed at completion
+    assert store.used_blocks == 0 and all(r == 0 for pool in store.pools for r in pool.ref)  # all freed at completion
 
 
 def test_no_request_starves_when_the_budget_holds_only_the_largest():
@@ -190,12 +245,14 @@ def test_a_slot_store_admits_only_as_many_requests_as_it_has_slots():
 
 
 def test_what_the_stores_do_not_hold_is_refused_in_one_line():
-    torch.manual_seed(0)
-    windowed = Decoder(tiny_model_config(), AttentionConfig(type="gqa", num_kv_heads=2, window=4)).eval()
-    with pytest.raises(ConfigError, match=r"^attention.window=4: workload=serving"):
-        check_model(windowed)
-    with pytest.raises(ConfigError, match=r"^cache.dtype='int8'"):
-        check_model(make_decoder(2), "int8")
+    """Every layout is served; what remains refused is a layer's own limit (a recurrent state is
+    not quantized) and a request larger than the store."""
+    check_model(windowed_decoder())
+    check_model(make_decoder(2), "int8")
+    with pytest.raises(ConfigError, match=r"^cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"):
+        check_model(gdn_decoder(), "int8")
+    with pytest.raises(ConfigError, match=r"^cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"):
+        PagedStore(gdn_decoder(), 8, BS, cache_dtype="int8")
     model = make_decoder(2)
     with pytest.raises(ValueError, match="request 0 needs 3 blocks, the store has 2"):
         Scheduler(model, PagedStore(model, 2, BS), [Request(0, 0.0, 8, 4)], [list(range(8))])

@@ -132,17 +132,15 @@ class LayerLayout:
 
     def limits(self) -> Tuple[Limit, ...]:
         """What the layer does not run with; a window is read whole as a ring, which no
-        fixed-shape step, concatenating cache or serving store reads; a layer that reads another
-        layer's cache has no storage of its own for those to hold."""
+        fixed-shape step or concatenating cache reads; a layer that reads another layer's cache
+        has no storage of its own for those to hold."""
         return self._window_limits() + (() if self.kv_source is None else self._shared_limits())
 
     def _shared_limits(self) -> Tuple[Limit, ...]:
         why = (f"layer {self.index} reads layer {self.kv_source}'s K/V (attention.kv_shared_layers): "
                "cross-layer KV sharing is not built for")
         return (Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"),
-                Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"),
-                Limit("workload.store", (None,),
-                      f"{why} workload=serving's KV stores; use attention.kv_shared_layers=0"))
+                Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"))
 
     def _window_limits(self) -> Tuple[Limit, ...]:
         if self.window is None:
@@ -153,9 +151,7 @@ class LayerLayout:
                       "positions per local layer) or none"),
                 Limit("runtime.compile", ("false", "default"),
                       f"is not supported with a sliding window (attention.window={W}): the fixed-shape step reads "
-                      "a context bucket, a ring is read whole; use false or default"),
-                Limit("workload.store", (None,), "workload=serving's KV stores keep every position of every layer; "
-                      "a sliding window is not supported there (use attention.window=0)", f"attention.window={W}"))
+                      "a context bucket, a ring is read whole; use false or default"))
 
 
 def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> None:

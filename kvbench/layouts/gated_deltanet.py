@@ -84,6 +84,4 @@ class GatedDeltaNet(LayerLayout):
                   "recurrent state in float32 and its convolution state in the compute dtype; use cache.dtype=auto"),
             Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
                   "Gated DeltaNet layer's state has no such view (not built); use false or default"),
-            Limit("workload.store", (None,), "workload=serving's KV stores hold blocks of positions; a Gated DeltaNet "
-                  "layer's per-sequence state is not stored there yet"),
             Limit("kv_conversion", ("none",), "converting K/V heads to or from a recurrent state is not built"))

@@ -81,9 +81,7 @@ class Latent(LayerLayout):
         if self.index_topk:
             why = f"attention.index_topk={self.index_topk} (DSA's top-k selection) is not built for"
             own += (Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"),
-                    Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"),
-                    Limit("workload.store", (None,),
-                          f"{why} workload=serving's KV stores yet; use attention.index_topk=0"))
+                    Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"))
         return super().limits() + own
 
 

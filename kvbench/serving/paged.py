@@ -1,136 +1,206 @@
-"""The serving stores of K/V: a pool of fixed-size blocks shared by every running request.
+"""The serving stores: pools of fixed-size blocks shared by every running request, one pool (or
+one share of a pool) per group of layers (:mod:`kvbench.serving.allocator`).
 
 - :class:`PagedStore` (``workload.store=paged``): blocks of ``cache.block_size`` tokens allocated
   on demand as a sequence grows, freed when it finishes or is preempted; each sequence has a
-  block table (vLLM's PagedAttention layout). Full blocks are shared across requests by content
-  (vLLM's automatic prefix caching): a block's key is the hash of its tokens and of the block
-  chain before it, a freed block keeps its key until it is reallocated (least recently freed
-  first), and a new request starts from the longest chain of cached full blocks of its prompt.
+  block table per K/V group (vLLM's PagedAttention layout). A local layer's blocks are freed as
+  soon as every position in them falls behind the window; a recurrent layer holds one state page
+  per running sequence. Full blocks are shared across requests by content (vLLM's automatic
+  prefix caching): a block's key is the hash of its tokens and of the block chain before it, a
+  freed block keeps its key until it is evicted (least recently freed first), and a new request
+  starts from the longest chain of cached blocks of its prompt that every group can continue
+  from: all the blocks of a full layer, the window's last blocks of a local layer, and a saved
+  state at exactly that position for a recurrent layer (``workload.state_checkpoint`` decides
+  where states are saved; a prefill chunk ends at each save).
 - :class:`SlotStore` (``workload.store=slots``): the static cache, one slot of ``slot_len``
   positions per running request, taken whole when it is admitted.
 
-Both hold per layer what its layout stores per position (K and V (slots, H_kv, D), MLA's one
-latent (slots, 1, R + d_rope)) in :class:`~kvbench.kv_store.KVStore`'s, slots = blocks x block
-size, so the bytes allocated equal the layouts' KV formula for that many positions.
-:class:`BatchView` is the cache the decoder sees for one forward: each sequence's new K/V
-written into its blocks and the K/V of all its positions gathered back, padded to the longest,
-with a key mask.
-
-Notation: B sequences, T new tokens each, S keys (positions) attended, H_kv KV heads, D width.
+K/V are held per layer in :class:`~kvbench.kv_store.KVStore`'s (slots, H_kv, D), slot = block x
+block size + offset, in ``cache.dtype`` (int8 / float8 codes and their scales, as the static
+cache stores them); a state page per layer as the static cache's
+(:class:`~kvbench.state_cache.StateLayer`). The forwards read them through
+:class:`~kvbench.serving.batch.BatchView`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from kvbench.cache import Attend, LayerCache, Positions, mask_over, visible
-from kvbench.config.errors import ConfigError
 from kvbench.kv_store import KVStore
+from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan
+from kvbench.serving.batch import BatchView
+from kvbench.serving.pool import BlockPool, Pages
 
 
-def bytes_per_token(model) -> int:
+def bytes_per_token(model, cache_dtype: str = "auto") -> int:
     """KV bytes one token of one sequence holds in all layers (the formula at seq_len 1)."""
-    return model.layouts.bytes_per_token(model.dtype.itemsize)
+    return model.layouts.bytes_per_token(model.dtype.itemsize, cache_dtype)
 
 
 def check_model(model, cache_dtype: str = "auto", store: str = "paged") -> None:
-    """A one-line refusal of what the serving stores do not hold: what a layer's layout does not
-    run with in a serving store (its limits), and quantized K/V."""
-    model.layouts.check({"workload.store": store})
-    if cache_dtype != "auto":
-        raise ConfigError(f"cache.dtype={cache_dtype!r}: workload=serving stores K/V in the compute dtype; "
-                          "use cache.dtype=auto")
+    """A one-line refusal of what a layer's layout does not run with in a serving store (its limits)."""
+    model.layouts.check({"workload.store": store, "cache.dtype": cache_dtype})
+
+
+def plan_for(model, num_blocks: int, block_size: int, cache_dtype: str = "auto", allocator: str = "per_kind",
+             longest: Optional[int] = None, chunk: int = 1) -> Plan:
+    """The pools of a budget of ``num_blocks`` blocks of every K/V layer (or of one state, for a
+    model without K/V): :func:`~kvbench.serving.allocator.make_plan`."""
+    groups = groups_of(model.layouts, model.dtype.itemsize, cache_dtype)
+    per_block = block_size * bytes_per_token(model, cache_dtype) or groups[-1].state_bytes
+    return make_plan(groups, allocator, block_size, num_blocks * per_block, longest or model.config.max_seq_len,
+                     chunk)
 
 
 @dataclass
 class SeqBlocks:
-    """One sequence's place in a store: its block table and the positions whose K/V it holds;
-    ``hashed``: how many of its leading blocks are registered (full, with a chain key)."""
+    """One sequence's place in a store: a block table per group (None: a block behind a window,
+    released), its state page, the positions whose K/V it holds, and the content keys of its
+    first ``len(keys)`` full blocks (registered)."""
 
-    table: List[int] = field(default_factory=list)
+    tables: Dict[int, List[Optional[int]]] = field(default_factory=dict)
     length: int = 0
-    hashed: int = 0
-    chain: Optional[int] = None  # the key of its last registered block
+    keys: List[int] = field(default_factory=list)
+    state: Optional[int] = None
+    prompt_len: int = 0  # the request's prompt (workload.state_checkpoint=prompt_end saves its state there)
+
+    @property
+    def table(self) -> List[Optional[int]]:
+        """The first K/V group's table (the only one of a model without windows or states)."""
+        return next(iter(self.tables.values()), [])
 
 
 class PagedStore:
-    """A pool of ``num_blocks`` blocks of ``block_size`` tokens for ``model``'s KV layout."""
+    """A paged store for ``model``: ``num_blocks`` blocks of ``block_size`` tokens of every K/V
+    layer as the budget (per_kind, split by :func:`plan_for`), or the pools of ``plan``."""
 
     kind = "paged"
 
-    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 cache_dtype: str = "auto", plan: Optional[Plan] = None, checkpoint: Optional[Checkpoint] = None):
+        check_model(model, cache_dtype, self.kind)
+        self.plan = plan or plan_for(model, num_blocks, block_size, cache_dtype)
+        self.block_size = self.plan.block_size
         self.prefix_caching = prefix_caching and self.kind == "paged"
-        self.bytes_per_token = bytes_per_token(model)
-        slots = num_blocks * block_size
-        # per layer, per stored tensor (K and V, or one latent): (slots, H_kv, D); slot = block * block_size + offset
-        self.layers = [[KVStore((slots, layout.stored[0], width), "auto", model.dtype, model.device, axis=0)
-                        for width in layout.stored[1]] for layout in model.layouts]
-        self.device = model.device
-        self.ref = [0] * num_blocks
-        self.filled = [0] * num_blocks  # positions written in each block
-        # free blocks, the next to reuse first: uncached ones, then cached ones least recently freed
-        self.free: "OrderedDict[int, None]" = OrderedDict((b, None) for b in range(num_blocks))
-        self.key_of: Dict[int, int] = {}  # block -> chain key (a cached full block)
-        self.block_of: Dict[int, int] = {}  # chain key -> block
+        self.checkpoint = checkpoint or Checkpoint()
+        self.checkpoint.check(self.block_size, self.plan.allocator)
+        self.layouts, self.device = model.layouts, model.device
+        self.bytes_per_token = bytes_per_token(model, cache_dtype)
+        shared = Pages(self.plan.pages[0]) if self.plan.allocator == "unified" else None
+        self.pools = [BlockPool(n, c, shared or Pages(n)) for n, c in zip(self.plan.capacity, self.plan.cost)]
+        self.kv: Dict[int, List[List[KVStore]]] = {}  # group -> its layers -> K and V (or one latent): (slots, H_kv, D)
+        self.states: List[tuple] = []  # per recurrent layer: (conv (pages, C, K - 1), recurrent (pages, ...))
+        for g, group in enumerate(self.plan.groups):
+            n = self.plan.capacity[g]
+            if group.is_state:
+                self.state_group = g
+                for i in group.layers:
+                    s = model.layouts[i].state
+                    self.states.append((torch.zeros(n, s.conv_channels, s.conv_tail, dtype=model.dtype,
+                                                    device=model.device),
+                                        torch.zeros((n,) + s.recurrent, device=model.device)))
+            else:
+                self.kv[g] = [[KVStore((n * self.block_size, model.layouts[i].stored[0], w), cache_dtype, model.dtype,
+                                       model.device, axis=0) for w in model.layouts[i].stored[1]]
+                              for i in group.layers]
+        self.checkpoints_saved = 0
 
     # ---- capacity -----------------------------------------------------------------------
 
-    def blocks_for(self, length: int) -> int:
-        """Blocks a sequence of ``length`` positions holds."""
-        return -(-length // self.block_size)
+    @property
+    def num_blocks(self) -> int:
+        """Pages the store holds in all (per_kind: every pool's blocks; unified: the one pool's pages)."""
+        return sum(p.total for p in {id(pool.pages): pool.pages for pool in self.pools}.values())
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        """Pages with a holder (a cached block nobody holds is reclaimable, so not in use)."""
+        return sum(pool.in_use * pool.cost for pool in self.pools)
 
     @property
     def bytes_used(self) -> int:
-        """Bytes of the blocks in use (a cached free block is reclaimable, so not in use)."""
-        return self.used_blocks * self.block_size * self.bytes_per_token
+        """Bytes the pages in use reserve."""
+        return sum(pool.in_use * b for pool, b in zip(self.pools, self.plan.page_bytes))
 
     @property
     def bytes_needed(self) -> int:
-        """The formula's bytes for the positions the blocks in use hold (a shared block once)."""
-        return sum(self.filled[b] for b in range(self.num_blocks) if self.ref[b]) * self.bytes_per_token
+        """The formula's bytes for the positions and states the blocks in use hold (a shared block once)."""
+        out = 0
+        for pool, group in zip(self.pools, self.plan.groups):
+            if group.is_state:
+                out += pool.in_use * group.state_bytes
+            else:
+                out += sum(f for f, r in zip(pool.filled, pool.ref) if r) * group.position_bytes
+        return out
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the saved states nobody runs from (cached state pages)."""
+        g = getattr(self, "state_group", None)
+        return 0 if g is None else self.pools[g].cached_blocks * self.plan.page_bytes[g]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V storage allocated (all blocks)."""
-        return sum(t.untyped_storage().nbytes() for stores in self.layers for s in stores for t in s.tensors())
+        """Bytes of K/V and state storage allocated (all blocks)."""
+        tensors = [t for layers in self.kv.values() for stores in layers for s in stores for t in s.tensors()]
+        return sum(t.untyped_storage().nbytes() for t in tensors + [t for pair in self.states for t in pair])
 
-    def can_grow(self, seq: SeqBlocks, length: int) -> bool:
-        return self.blocks_for(length) - len(seq.table) <= len(self.free)
+    def blocks_for(self, length: int) -> int:
+        """Blocks a sequence of ``length`` positions holds in a full layer."""
+        return -(-length // self.block_size)
+
+    def unfit(self, length: int, chunk: int) -> Optional[str]:
+        """Why a request of ``length`` positions, prefilled ``chunk`` at a time, can never run alone
+        (None: it can)."""
+        for need, pool in zip(self.plan.need(length, chunk), {id(p.pages): p.pages for p in self.pools}.values()):
+            if need > pool.total:
+                return f"needs {need} blocks, the store has {pool.total}"
+        return None
 
     def grow(self, seq: SeqBlocks, length: int) -> bool:
-        """Blocks for ``seq`` to hold ``length`` positions; False (nothing taken) if too few are free."""
-        if not self.can_grow(seq, length):
-            return False
-        while len(seq.table) < self.blocks_for(length):
-            seq.table.append(self._take())
+        """Blocks for ``seq`` to hold ``length`` positions (and its state page); False, with
+        nothing taken, if some group has too few."""
+        taken = []
+        for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools)):
+            if group.is_state:
+                want = 0 if seq.state is not None else 1
+            else:
+                want = self.blocks_for(length) - len(seq.tables.setdefault(g, []))
+            for _ in range(want):
+                block = pool.take()
+                if block is None:
+                    for g2, b in reversed(taken):
+                        self._drop(seq, g2, b)
+                    return False
+                taken.append((g, block))
+                if group.is_state:
+                    seq.state = block
+                    for conv, recurrent in self.states:
+                        conv[block].zero_()
+                        recurrent[block].zero_()
+                else:
+                    seq.tables[g].append(block)
         return True
 
-    def _take(self) -> int:
-        block, _ = self.free.popitem(last=False)
-        key = self.key_of.pop(block, None)
-        if key is not None:  # evicted from the prefix cache
-            del self.block_of[key]
-        self.ref[block], self.filled[block] = 1, 0
-        return block
+    def _drop(self, seq: SeqBlocks, g: int, block: int) -> None:
+        self.pools[g].free(block)
+        if self.plan.groups[g].is_state:
+            seq.state = None
+        else:
+            seq.tables[g].pop()
 
     def release(self, seq: SeqBlocks) -> None:
-        """Give back ``seq``'s blocks (finished or preempted); cached full blocks stay findable."""
-        for block in reversed(seq.table):  # a chain's tail is evicted before its head
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
-                self.free[block] = None
-                if block not in self.key_of:
-                    self.free.move_to_end(block, last=False)
-        seq.table, seq.length, seq.hashed, seq.chain = [], 0, 0, None
+        """Give back ``seq``'s blocks (finished or preempted); cached blocks stay findable."""
+        for g, table in seq.tables.items():
+            for block in reversed(table):  # a chain's tail is evicted before its head
+                if block is not None:
+                    self.pools[g].free(block)
+        if seq.state is not None:
+            self.pools[self.state_group].free(seq.state)
+        seq.tables, seq.length, seq.keys, seq.state = {}, 0, [], None
 
     # ---- prefix cache ---------------------------------------------------------------------
 
@@ -138,55 +208,129 @@ class PagedStore:
         return hash((parent, tuple(tokens)))
 
     def cached_prefix(self, seq: SeqBlocks, tokens: Sequence[int]) -> int:
-        """Attach to ``seq`` (empty) the longest chain of cached full blocks of ``tokens``, at most
-        ``len(tokens) - 1`` positions (the last token is computed for its logits, as vLLM does);
-        returns the positions found."""
+        """Attach to ``seq`` (empty) the longest cached prefix of ``tokens`` that every group can
+        continue from, at most ``len(tokens) - 1`` positions (the last token is computed for its
+        logits, as vLLM does), in whole blocks; returns the positions found."""
         if not self.prefix_caching:
             return 0
-        bs, parent = self.block_size, None
+        bs, keys, parent = self.block_size, [], None
         for i in range((len(tokens) - 1) // bs):
-            key = self._key(parent, tokens[i * bs:(i + 1) * bs])
-            block = self.block_of.get(key)
-            if block is None:
+            parent = self._key(parent, tokens[i * bs:(i + 1) * bs])
+            keys.append(parent)
+        for m in range(len(keys), 0, -1):
+            found = self._found(keys, m)
+            if found is not None:
                 break
-            if self.ref[block] == 0:
-                del self.free[block]
-            self.ref[block] += 1
-            seq.table.append(block)
-            parent = key
-        seq.length = seq.hashed = len(seq.table)
-        seq.length *= bs
-        seq.chain = parent
+        else:
+            return 0
+        for g, blocks in found.items():  # held first: taking the state page below may evict what is not
+            if self.plan.groups[g].is_state:
+                self.pools[g].attach(blocks)
+                continue
+            for block in blocks:
+                if block is not None:
+                    self.pools[g].attach(block)
+            seq.tables[g] = list(blocks)
+        seq.length, seq.keys = m * bs, keys[:m]
+        g = getattr(self, "state_group", None)
+        if g is not None:
+            saved, seq.state = found[g], self.pools[g].take()
+            if seq.state is not None:
+                for conv, recurrent in self.states:
+                    conv[seq.state].copy_(conv[saved])
+                    recurrent[seq.state].copy_(recurrent[saved])
+            self.pools[g].free(saved)
+            if seq.state is None:  # no page for its state: it starts from the beginning
+                self.release(seq)
+                return 0
         return seq.length
 
+    def _found(self, keys: List[int], m: int) -> Optional[dict]:
+        """Per group, the cached blocks (a state: its saved page) to continue from position
+        m x block_size, or None where some group lacks one."""
+        found, h = {}, m * self.block_size
+        for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools)):
+            if group.is_state:
+                found[g] = pool.lookup(keys[m - 1])
+                if found[g] is None:
+                    return None
+                continue
+            behind = 0 if group.window is None else max(0, h - group.window + 1) // self.block_size
+            blocks = [None] * behind + [pool.lookup(k) for k in keys[behind:m]]
+            if any(b is None for b in blocks[behind:]):
+                return None
+            found[g] = blocks
+        return found
+
     def register(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
-        """Make ``seq``'s newly full blocks findable by content (``tokens``: its token ids)."""
-        if not self.prefix_caching:
-            return
+        """After a forward of ``seq``: make its newly full blocks findable by content (``tokens``: its
+        token ids), save its state where the checkpoint policy says (it is exactly at ``seq.length``
+        now), then release the blocks its windows have passed (a cached one stays findable)."""
+        if self.prefix_caching:
+            self._register(seq, tokens)
+        self.release_behind(seq)
+
+    def _register(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
         bs = self.block_size
-        while seq.hashed < seq.length // bs:
-            i = seq.hashed
-            key = self._key(seq.chain, tokens[i * bs:(i + 1) * bs])
-            block = seq.table[i]
-            if key not in self.block_of and block not in self.key_of:
-                self.block_of[key], self.key_of[block] = block, key
-            seq.chain, seq.hashed = key, i + 1
+        while len(seq.keys) < seq.length // bs:
+            i = len(seq.keys)
+            seq.keys.append(self._key(seq.keys[-1] if seq.keys else None, tokens[i * bs:(i + 1) * bs]))
+            for g, table in seq.tables.items():
+                if table[i] is not None:
+                    self.pools[g].register(table[i], seq.keys[i])
+        if seq.state is not None and seq.keys and self.checkpoint.saves(seq.length, bs, seq.prompt_len):
+            self._save_state(seq)
+
+    def _save_state(self, seq: SeqBlocks) -> None:
+        pool, key = self.pools[self.state_group], seq.keys[-1]
+        if pool.lookup(key) is not None:
+            return
+        page = pool.take()
+        if page is None:  # no page free of a holder: the state is not saved
+            return
+        for conv, recurrent in self.states:
+            conv[page].copy_(conv[seq.state])
+            recurrent[page].copy_(recurrent[seq.state])
+        pool.register(page, key)
+        pool.free(page)  # nobody runs from it: cached, evictable
+        self.checkpoints_saved += 1
+
+    def chunk_limit(self, seq: SeqBlocks) -> Optional[int]:
+        """The most positions the next forward of ``seq`` may add: up to the next saved state of a
+        recurrent layer (None: no limit)."""
+        if not self.prefix_caching or getattr(self, "state_group", None) is None:
+            return None
+        stop = self.checkpoint.next_save(seq.length, self.block_size, seq.prompt_len)
+        return None if stop is None else stop - seq.length
 
     # ---- reading and writing --------------------------------------------------------------
 
-    def view(self, seqs: Sequence[SeqBlocks], T: int) -> "BatchView":
+    def view(self, seqs: Sequence[SeqBlocks], T: int) -> BatchView:
         """The :class:`BatchView` of a forward that adds ``T`` positions to each of ``seqs``
         (their blocks already grown to hold them)."""
         return BatchView(self, seqs, T)
 
     def written(self, seqs: Sequence[SeqBlocks], T: int) -> None:
-        """After the forward: each sequence holds ``T`` more positions."""
+        """After the forward: each sequence holds ``T`` more positions (:meth:`register` follows)."""
         bs = self.block_size
         for s in seqs:
-            for pos in range(s.length, s.length + T):
-                b = s.table[pos // bs]
-                self.filled[b] = max(self.filled[b], pos % bs + 1)
+            for g, table in s.tables.items():
+                filled = self.pools[g].filled
+                for pos in range(s.length, s.length + T):
+                    b = table[pos // bs]
+                    filled[b] = max(filled[b], pos % bs + 1)
             s.length += T
+
+    def release_behind(self, seq: SeqBlocks) -> None:
+        """Free ``seq``'s blocks that every later query's window has passed."""
+        for g, table in seq.tables.items():
+            window = self.plan.groups[g].window
+            if window is None:
+                continue
+            for i in range(max(0, seq.length - window + 1) // self.block_size):
+                if table[i] is not None:
+                    self.pools[g].free(table[i])
+                    table[i] = None
 
 
 class SlotStore(PagedStore):
@@ -195,67 +339,18 @@ class SlotStore(PagedStore):
 
     kind = "slots"
 
-    def __init__(self, model, num_slots: int, slot_len: int):
-        super().__init__(model, num_slots, slot_len, prefix_caching=False)
+    def __init__(self, model, num_slots: int, slot_len: int, cache_dtype: str = "auto"):
+        groups = groups_of(model.layouts, model.dtype.itemsize, cache_dtype)
+        # every group holds one slot (one state) per request: the same number of each
+        plan = Plan("per_kind", slot_len, groups,
+                    tuple(g.state_bytes if g.is_state else slot_len * g.position_bytes for g in groups),
+                    (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups))
+        super().__init__(model, num_slots, slot_len, False, cache_dtype, plan)
 
     def blocks_for(self, length: int) -> int:
         if length > self.block_size:
             raise ValueError(f"{length} positions do not fit a slot of {self.block_size} (workload.slot_len)")
         return 1 if length > 0 else 0
 
-
-class BatchView:
-    """One forward's view of a store, passed to the decoder as its cache: each layer writes the
-    new K/V (B, H_kv, T, D) of every sequence at its own positions and reads the K/V of all its
-    positions (B, H_kv, S, D), S the longest sequence's, shorter ones padded (the mask hides the
-    padding: a query sees the keys at positions up to its own)."""
-
-    def __init__(self, store: PagedStore, seqs: Sequence[SeqBlocks], T: int):
-        self.store, self.T = store, T
-        bs, dev = store.block_size, store.device
-        ends = [s.length + T for s in seqs]
-        S = max(ends)
-        width = store.blocks_for(S) if store.kind == "paged" else 1
-        table = torch.tensor([s.table + [0] * (width - len(s.table)) for s in seqs], dtype=torch.long)  # (B, blocks)
-        pos = torch.arange(S)
-        read = table[:, pos // bs] * bs + pos % bs  # (B, S) slots; padding reads slot of block 0
-        valid = pos[None] < torch.tensor(ends)[:, None]  # (B, S)
-        read = torch.where(valid, read, torch.zeros_like(read))
-        starts = torch.tensor([s.length for s in seqs])
-        new = starts[:, None] + torch.arange(T)[None]  # (B, T) positions written
-        self.write = read.gather(1, new).reshape(-1).to(dev)  # (B*T,)
-        self.read = read.to(dev)
-        self.flat_read = self.read.reshape(-1)
-        if len(seqs) == 1:  # no padding: the plain causal rule over positions 0..S-1
-            self.positions = Positions(seqs[0].length, T, dev)
-            self.mask, self.causal = mask_over(self.positions, [(0, S)])
-        else:
-            self.positions = Positions.of(new.to(dev))  # (B, T) rotary positions
-            self.mask, self.causal = visible(self.positions.ids, pos.to(dev)), False  # (B, T, S)
-        self.layers = [PagedLayer(self, stores) for stores in store.layers]
-
-    def begin(self, pos: Positions, batch_size: int) -> List[LayerCache]:
-        return self.layers
-
-    def commit(self, pos: Positions) -> None:
-        pass  # the store counts what was written (PagedStore.written)
-
-    def gather(self, store: KVStore) -> torch.Tensor:
-        # index_select of the flat (B*S,) index: ~15x faster on a CPU than advanced indexing, for the same copy
-        B, S = self.read.shape
-        return store.gather(self.flat_read).view(B, S, *store.codes.shape[1:]).transpose(1, 2)
-
-
-class PagedLayer(LayerCache):
-    """One layer of a :class:`BatchView`."""
-
-    def __init__(self, view: BatchView, stores: List[KVStore]):
-        self.view, self.stores = view, stores
-
-    def update(self, k, v, pos):
-        out = []
-        for store, x in zip(self.stores, (k, v)):
-            B, H, T, D = x.shape
-            store.write(self.view.write, x.transpose(1, 2).reshape(B * T, H, D))
-            out.append(self.view.gather(store))  # (B, H_kv, S, D)
-        return Attend(out[0], out[1] if len(out) > 1 else None, self.view.mask, self.view.causal)
+    def release_behind(self, seq: SeqBlocks) -> None:
+        """A slot is taken whole: nothing is released before the request ends."""

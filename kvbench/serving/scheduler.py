@@ -31,7 +31,7 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 
-from kvbench.serving.paged import PagedStore, SeqBlocks, check_model
+from kvbench.serving.paged import PagedStore, SeqBlocks
 from kvbench.serving.trace import Request, RequestTrace, Sample, Timeline
 
 
@@ -95,7 +95,6 @@ class Scheduler:
                  max_prefill_tokens: int = 512, max_running: int = 64, clock=None,
                  observe: Optional[Callable[["Scheduler"], None]] = None,
                  progress: Optional[Callable[[], None]] = None):
-        check_model(model)
         if len(prompts) != len(requests):
             raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
         self.model, self.store = model, store
@@ -108,11 +107,12 @@ class Scheduler:
             if r.prompt_len + r.output_len > model.config.max_seq_len:
                 raise ValueError(f"request {r.id}: {r.prompt_len} + {r.output_len} positions exceed "
                                  f"model.max_seq_len={model.config.max_seq_len}")
-            if store.blocks_for(r.prompt_len + r.output_len - 1) > store.num_blocks:
-                raise ValueError(f"request {r.id} needs {store.blocks_for(r.prompt_len + r.output_len - 1)} "
-                                 f"blocks, the store has {store.num_blocks}")
+            unfit = store.unfit(r.prompt_len + r.output_len - 1, max_prefill_tokens)
+            if unfit:
+                raise ValueError(f"request {r.id} {unfit}")
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, requests[i].id))
-        self.all = [Running(requests[i], list(prompts[i]), RequestTrace(requests[i])) for i in order]
+        self.all = [Running(requests[i], list(prompts[i]), RequestTrace(requests[i]),
+                            SeqBlocks(prompt_len=requests[i].prompt_len)) for i in order]
         self.pending: Deque[Running] = deque(self.all)
         self.waiting: Deque[Running] = deque()
         self.running: List[Running] = []
@@ -132,7 +132,7 @@ class Scheduler:
         i, preempted = 0, False
         while i < len(self.running):
             s = self.running[i]
-            T = 1 if s.todo == 1 else min(s.todo, budget)
+            T = 1 if s.todo == 1 else min(s.todo, budget, self._chunk(s))
             if T == 0:
                 i += 1
                 continue
@@ -150,7 +150,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             s = self.waiting[0]
             hit = store.cached_prefix(s.blocks, s.tokens)
-            T = min(s.todo, budget)
+            T = min(s.todo, budget, self._chunk(s))
             if not store.grow(s.blocks, s.blocks.length + T):
                 store.release(s.blocks)  # undo the prefix it attached; it waits for blocks
                 break
@@ -163,6 +163,12 @@ class Scheduler:
             out.append((s, T))
             budget -= T
         return out
+
+    def _chunk(self, s: Running) -> int:
+        """The most positions ``s``'s next forward may add as far as the store is concerned (a
+        recurrent layer's state can be saved only where a forward ends)."""
+        limit = self.store.chunk_limit(s.blocks)
+        return s.todo if limit is None else limit
 
     def _forward(self, seqs: List[Running], T: int) -> List[int]:
         """Positions ``length .. length + T - 1`` of each of ``seqs`` (one forward); the greedy

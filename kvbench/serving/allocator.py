@@ -1,0 +1,185 @@
+"""How a serving store's memory budget becomes blocks: the groups of layers a store keeps apart,
+the two allocators (``workload.allocator``) and the bytes each reserves, as formulas (torch-free,
+so a config is checked against them before any model is built).
+
+A **group** is the layers whose blocks come and go together: the K/V layers of one window (None:
+full attention, every position kept; W: a block is released once every position in it falls
+behind the window), and the recurrent layers (Gated DeltaNet), which hold one state page per
+running sequence whatever its length. A layer that reads another layer's K/V holds nothing.
+
+- ``per_kind`` (kvbench's pools): each group has its own pool of its own block size in bytes
+  (``cache.block_size`` positions of its layers, or one state of all its layers). The budget is
+  split between the pools in proportion to what the longest request holds at its worst in each
+  (a full layer its every position, a local layer its window and a prefill chunk kept whole in
+  blocks, a state layer one page), each pool rounded down to whole blocks.
+- ``unified`` (vLLM's hybrid allocator): one pool of equal pages, a page being one layer's block
+  or one layer's state; the attention block is raised to the first multiple of
+  ``cache.block_size`` whose page holds a state (:func:`unified_block_size`), and every page is
+  as large as the largest of them. A group's block takes one page per layer of the group.
+
+Notation: L positions of a sequence, bs tokens per block, W a window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from kvbench.config.errors import ConfigError
+
+ALLOCATORS = ("per_kind", "unified")
+CHECKPOINTS = ("block", "every_n", "prompt_end")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Layers whose blocks come and go together. K/V: ``position_bytes`` per position over all its
+    layers (``layer_bytes`` per layer); state: ``state_bytes`` per sequence over all its layers."""
+
+    layers: Tuple[int, ...]
+    window: Optional[int]
+    position_bytes: int = 0
+    state_bytes: int = 0
+    layer_bytes: int = 0  # the largest one layer's: a position (K/V) or a state
+
+    @property
+    def is_state(self) -> bool:
+        return self.state_bytes > 0
+
+
+def groups_of(layouts: Sequence, element: int, cache_dtype: str = "auto") -> Tuple[Group, ...]:
+    """The store's groups of ``layouts``: full-attention K/V first, then each window, then the state."""
+    kv, state = {}, []
+    for layout in layouts:
+        if layout.state is not None:
+            state.append(layout)
+        elif layout.bytes_per_position(element, cache_dtype):
+            kv.setdefault(layout.window, []).append(layout)
+    out = [Group(tuple(x.index for x in ls), w, sum(x.bytes_per_position(element, cache_dtype) for x in ls),
+                 layer_bytes=max(x.bytes_per_position(element, cache_dtype) for x in ls))
+           for w, ls in sorted(kv.items(), key=lambda item: (item[0] is not None, item[0] or 0))]
+    if state:
+        out.append(Group(tuple(x.index for x in state), None, state_bytes=sum(x.state_bytes(element) for x in state),
+                         layer_bytes=max(x.state_bytes(element) for x in state)))
+    return tuple(out)
+
+
+def blocks_held(group: Group, length: int, bs: int) -> int:
+    """Blocks one sequence of ``length`` positions holds in ``group`` between forwards: every block
+    of a full layer, the blocks from the one holding position length - W + 1 on for a window
+    (the next query sees W keys, itself included), one page for a state."""
+    if group.is_state:
+        return 1
+    behind = 0 if group.window is None else max(0, length - group.window + 1) // bs
+    return -(-length // bs) - behind
+
+
+def worst_blocks(group: Group, length: int, bs: int, chunk: int = 1) -> int:
+    """The most blocks a sequence of up to ``length`` positions holds in ``group`` while it grows by
+    forwards of at most ``chunk`` positions: a full layer all of them; a window its W - 1 earlier
+    keys and a chunk, in whole blocks at the worst alignment (the window kept whole); a state one."""
+    if group.is_state:
+        return 1
+    every = -(-length // bs)
+    if group.window is None:
+        return every
+    return min(every, -(-(group.window - 1 + chunk + bs - 1) // bs))
+
+
+def unified_block_size(groups: Sequence[Group], block_size: int) -> int:
+    """The attention block of the unified pool: the first multiple of ``block_size`` whose page
+    (that many positions of the smallest K/V layer) holds the largest layer's state (vLLM raises
+    it so; 528 tokens for Qwen3.5 in bfloat16 with blocks of 16)."""
+    state = max((g.layer_bytes for g in groups if g.is_state), default=0)
+    per_position = min((g.position_bytes // len(g.layers) for g in groups if not g.is_state), default=0)
+    if not state or not per_position:
+        return block_size
+    return -(-state // (per_position * block_size)) * block_size
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A store's groups and pools. ``block_size``: attention positions per block; ``page_bytes``:
+    the bytes one block of each group reserves; ``capacity``: blocks each group's storage has;
+    ``pages``: the pool's pages (per_kind: each group's own, ``cost`` 1; unified: one pool, a
+    group's block taking ``cost`` = its layers' pages)."""
+
+    allocator: str
+    block_size: int
+    groups: Tuple[Group, ...]
+    page_bytes: Tuple[int, ...]
+    cost: Tuple[int, ...]
+    capacity: Tuple[int, ...]
+    pages: Tuple[int, ...]  # per_kind: one per group; unified: one
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the pools set aside of the budget (whole blocks, whole pages)."""
+        if self.allocator == "per_kind":
+            return sum(n * b for n, b in zip(self.pages, self.page_bytes))
+        return self.pages[0] * self.page_bytes[0] // self.cost[0]
+
+    def sequence_bytes(self, length: int) -> int:
+        """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""
+        return sum(blocks_held(g, length, self.block_size) * b for g, b in zip(self.groups, self.page_bytes))
+
+    def need(self, length: int, chunk: int) -> Tuple[int, ...]:
+        """Pages a request of ``length`` positions needs at its worst, per pool."""
+        per_group = [worst_blocks(g, length, self.block_size, chunk) * c for g, c in zip(self.groups, self.cost)]
+        return tuple(per_group) if self.allocator == "per_kind" else (sum(per_group),)
+
+
+def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_bytes: float, longest: int,
+              chunk: int = 1) -> Plan:
+    """The pools ``allocator`` makes of ``budget_bytes`` for ``groups`` (``longest``: the longest
+    request's positions, prefilled ``chunk`` at a time, sets per_kind's split)."""
+    if allocator not in ALLOCATORS:
+        raise ConfigError(f"workload.allocator={allocator!r}: must be one of {', '.join(ALLOCATORS)}")
+    groups = tuple(groups)
+    if allocator == "per_kind":
+        page = tuple(g.state_bytes if g.is_state else block_size * g.position_bytes for g in groups)
+        weight = [worst_blocks(g, longest, block_size, chunk) * b for g, b in zip(groups, page)]
+        pages = tuple(int(budget_bytes * w // sum(weight) // b) for w, b in zip(weight, page))
+        return Plan(allocator, block_size, groups, page, (1,) * len(groups), pages, pages)
+    bs = unified_block_size(groups, block_size)
+    one = max(g.layer_bytes if g.is_state else bs * g.layer_bytes for g in groups)  # a page: one layer's block
+    total = int(budget_bytes // one)
+    cost = tuple(len(g.layers) for g in groups)
+    return Plan(allocator, bs, groups, tuple(c * one for c in cost), cost, tuple(total // c for c in cost), (total,))
+
+
+class Checkpoint:
+    """Where a recurrent layer's state is saved for prefix caching (``workload.state_checkpoint``):
+    at every block boundary (``block``), at every multiple of ``every`` positions (``every_n``), or
+    at the prompt's last block boundary only (``prompt_end``). A saved state is reused only at the
+    position it was saved at, and K/V are reused in whole blocks: a save off a block boundary
+    could never be hit, so ``every`` must be a multiple of the attention block."""
+
+    def __init__(self, policy: str = "block", every: int = 0):
+        if policy not in CHECKPOINTS:
+            raise ConfigError(f"workload.state_checkpoint={policy!r}: must be one of {', '.join(CHECKPOINTS)}")
+        self.policy, self.every = policy, every
+
+    def check(self, block_size: int, allocator: str) -> None:
+        if self.policy == "every_n" and (self.every < 1 or self.every % block_size):
+            raise ConfigError(f"workload.state_checkpoint_tokens={self.every}: with workload.state_checkpoint=every_n "
+                              f"it must be a positive multiple of the attention block ({block_size} tokens with "
+                              f"workload.allocator={allocator}): a state is reused only at a block boundary")
+
+    def saves(self, position: int, block_size: int, prompt_len: int) -> bool:
+        """Whether the state after ``position`` positions is saved."""
+        if position <= 0 or position % block_size:
+            return False
+        if self.policy == "block":
+            return True
+        if self.policy == "every_n":
+            return position % self.every == 0
+        return position == prompt_len // block_size * block_size
+
+    def next_save(self, length: int, block_size: int, prompt_len: int) -> Optional[int]:
+        """The first position after ``length`` whose state is saved (a prefill chunk ends there)."""
+        if self.policy == "prompt_end":
+            end = prompt_len // block_size * block_size
+            return end if end > length else None
+        step = block_size if self.policy == "block" else self.every
+        return (length // step + 1) * step

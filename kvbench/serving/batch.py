@@ -1,0 +1,134 @@
+"""One forward's view of a serving store (:class:`~kvbench.serving.paged.PagedStore`), passed to the
+decoder as its cache: each layer's cache answers the cache's one question over the sequences'
+blocks.
+
+- a K/V layer (:class:`PagedLayer`) writes each sequence's new K/V (B, H_kv, T, D) into its
+  blocks and gathers back the keys its queries may see: every position for a full layer, the
+  positions from start - W + 1 on for a window W (its older blocks may be released), padded to
+  the longest, under :func:`~kvbench.cache.visible`'s mask with the window;
+- a recurrent layer (:class:`PagedStateLayer`) reads each sequence's state page and convolution
+  tail, and writes both back when the forward commits;
+- a layer that reads another layer's K/V answers with its donor's answer (:func:`kvbench.shared_kv.link`).
+
+Notation: B sequences, T new tokens each, S keys gathered, H_kv KV heads, D width, W a window.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from kvbench.cache import Attend, LayerCache, Positions, mask_over, visible
+from kvbench.kv_store import KVStore
+from kvbench.shared_kv import SharedLayer, link
+from kvbench.state_cache import Carry
+
+
+class GroupView:
+    """A K/V group's slots for this forward: ``write`` (B*T,) where the new positions go, ``read``
+    (B, S) the slots gathered (padding reads slot 0, hidden by the mask), and the mask."""
+
+    def __init__(self, tables: Sequence[List], starts: Sequence[int], T: int, bs: int, window, positions: Positions,
+                 device):
+        ends = [s + T for s in starts]
+        firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
+        S = max(e - f for e, f in zip(ends, firsts))
+        width = max(len(t) for t in tables)
+        table = torch.tensor([[-1 if b is None else b for b in t] + [-1] * (width - len(t)) for t in tables],
+                             dtype=torch.long)  # (B, blocks); -1: released or beyond the sequence
+        keys = torch.tensor(firsts)[:, None] + torch.arange(S)[None]  # (B, S) key positions
+        valid = keys < torch.tensor(ends)[:, None]
+        blocks = table.gather(1, torch.where(valid, keys // bs, torch.zeros_like(keys)))
+        read = torch.where(valid & (blocks >= 0), blocks * bs + keys % bs, torch.zeros_like(keys))
+        new = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # (B, T)
+        self.write = read.gather(1, new - torch.tensor(firsts)[:, None]).reshape(-1).to(device)
+        self.read = read.to(device)
+        self.flat_read = self.read.reshape(-1)
+        if len(starts) == 1:  # no padding: the plain rule over positions firsts[0]..ends[0]-1
+            self.mask, self.causal = mask_over(positions, [(firsts[0], S)], window)
+        else:  # a padded key sits past its sequence's end, so the causal rule hides it
+            self.mask, self.causal = visible(positions.ids, keys.to(device), window), False  # (B, T, S)
+
+    def gather(self, store: KVStore) -> torch.Tensor:
+        # index_select of the flat (B*S,) index: ~15x faster on a CPU than advanced indexing, for the same copy
+        B, S = self.read.shape
+        return store.gather(self.flat_read).view(B, S, *store.codes.shape[1:]).transpose(1, 2)
+
+
+class PagedLayer(LayerCache):
+    """One K/V layer of a :class:`BatchView`."""
+
+    def __init__(self, view: GroupView, stores: List[KVStore]):
+        self.view, self.stores, self.window = view, stores, None
+
+    def update(self, k, v, pos):
+        out = []
+        for store, x in zip(self.stores, (k, v)):
+            B, H, T, D = x.shape
+            store.write(self.view.write, x.transpose(1, 2).reshape(B * T, H, D))
+            out.append(self.view.gather(store))  # (B, H_kv, S, D)
+        return Attend(out[0], out[1] if len(out) > 1 else None, self.view.mask, self.view.causal)
+
+
+class PagedStateLayer:
+    """One recurrent layer of a :class:`BatchView`: the sequences' state pages ``pages`` (B,) of
+    ``conv`` (pages, C, K - 1) and ``recurrent`` (pages, ...), read as a batch and written back at
+    :meth:`commit` (the layer advances the state it was handed in place)."""
+
+    window = None
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, pages: torch.Tensor):
+        self.conv, self.recurrent, self.pages = conv, recurrent, pages
+        self.state = None
+
+    def update(self, x: torch.Tensor, pos) -> Carry:
+        tail = self.conv.shape[-1]
+        inputs = torch.cat([self.conv.index_select(0, self.pages), x], -1)  # (B, C, K - 1 + T)
+        if tail:
+            self.conv.index_copy_(0, self.pages, inputs[..., inputs.shape[-1] - tail:])
+        self.state = self.recurrent.index_select(0, self.pages)
+        return Carry(inputs, self.state)
+
+    def commit(self) -> None:
+        if self.state is not None:
+            self.recurrent.index_copy_(0, self.pages, self.state)
+            self.state = None
+
+
+class BatchView:
+    """The cache of one forward that adds ``T`` positions to each of ``seqs`` in ``store`` (their
+    blocks grown to hold them)."""
+
+    stores_history = True
+
+    def __init__(self, store, seqs: Sequence, T: int):
+        dev = store.device
+        starts = [s.length for s in seqs]
+        new = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # (B, T) positions written
+        self.positions = Positions(starts[0], T, dev) if len(seqs) == 1 else Positions.of(new.to(dev))
+        layers: List = [None] * len(store.layouts)
+        self.states: List[PagedStateLayer] = []
+        for g, group in enumerate(store.plan.groups):
+            if group.is_state:
+                pages = torch.tensor([s.state for s in seqs], dtype=torch.long, device=dev)
+                for i, layer in enumerate(group.layers):
+                    conv, recurrent = store.states[i]
+                    layers[layer] = PagedStateLayer(conv, recurrent, pages)
+                    self.states.append(layers[layer])
+                continue
+            view = GroupView([s.tables[g] for s in seqs], starts, T, store.block_size, group.window,
+                             self.positions, dev)
+            for i, layer in enumerate(group.layers):
+                layers[layer] = PagedLayer(view, store.kv[g][i])
+        for i, layout in enumerate(store.layouts):
+            if layout.kv_source is not None:
+                layers[i] = SharedLayer(layout.window)
+        self.layers = link(store.layouts, layers)
+
+    def begin(self, pos: Positions, batch_size: int) -> List:
+        return self.layers
+
+    def commit(self, pos: Positions) -> None:
+        for layer in self.states:  # the store counts the positions written (PagedStore.written)
+            layer.commit()
