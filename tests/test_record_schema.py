@@ -24,9 +24,9 @@ TRAIN = ("batch_size eval_batches eval_every grad_clip init_from log_every lr mi
 MLA = "kv_lora_rank mla_decode num_kv_heads q_lora_rank qk_nope_head_dim qk_rope_head_dim type v_head_dim"
 WANDB = "entity group init_timeout_s mode project tags"
 WANDB_GIVEN = "entity group mode project tags"  # conf/wandb's files: init_timeout_s is the schema's default
-SERVING = ("arrival burstiness duration_s kv_budget_blocks kv_budget_mb max_prefill_tokens max_running name "
-           "num_requests output prefix_caching prefix_fraction prefix_groups prefix_len prompt rate search seed "
-           "slot_len store trace")
+SERVING = ("allocator arrival burstiness duration_s kv_budget_blocks kv_budget_mb max_prefill_tokens max_running "
+           "name num_requests output prefix_caching prefix_fraction prefix_groups prefix_len prompt rate search seed "
+           "slot_len state_checkpoint state_checkpoint_tokens store trace")
 SLO = "e2e_ms name stat tpot_ms tpot_x_batch1 ttft_ms"
 TOP = {"rerun": None, "objective": None, "objective_caps": ""}
 

@@ -13,6 +13,8 @@ from kvbench.config.task import ALL, Keys
 ARRIVALS = ("poisson", "gamma", "trace")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 STORES = ("paged", "slots")
+ALLOCATORS = ("per_kind", "unified")  # kvbench.serving.allocator's
+CHECKPOINTS = ("block", "every_n", "prompt_end")
 # A lognormal's spread beyond this puts nearly every length at lo or hi (and its sigma^2 =
 # ln(1 + cv^2) overflows near 1e154).
 MAX_CV = 100.0
@@ -117,6 +119,13 @@ class ServingWorkload:
     prefix_caching: bool = True  # paged: reuse full blocks of equal token chains across requests (vLLM's APC)
     kv_budget_mb: Optional[float] = None  # KV memory the store may hold, MB (1e6 bytes)
     kv_budget_blocks: Optional[int] = None  # or as blocks (slots: as slots); exactly one of the two
+    # paged: per_kind (a pool per group of layers: full, each window, recurrent states) | unified (one pool
+    # of equal pages, the attention block raised until a page holds a state: vLLM's hybrid allocator)
+    allocator: str = "per_kind"
+    # prefix caching of a recurrent (Gated DeltaNet) layer: where its state is saved, block (every block
+    # boundary) | every_n (every state_checkpoint_tokens) | prompt_end (the prompt's last block boundary)
+    state_checkpoint: str = "block"
+    state_checkpoint_tokens: int = 0  # state_checkpoint=every_n: a multiple of the attention block
     max_prefill_tokens: int = 512  # prompt tokens prefilled per iteration; a longer prompt is chunked
     max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
     slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
@@ -152,6 +161,19 @@ class ServingWorkload:
         check(0 <= w.prefix_fraction <= 1, "workload.prefix_fraction", w.prefix_fraction, "must be in [0, 1]")
         check(w.prefix_groups >= 1, "workload.prefix_groups", w.prefix_groups, "must be >= 1")
         check_choice("workload.store", w.store, STORES)
+        check_choice("workload.allocator", w.allocator, ALLOCATORS)
+        check(w.allocator == "per_kind" or w.store == "paged", "workload.allocator", w.allocator,
+              f"pages blocks on demand; workload.store={w.store} takes a whole slot per request (use "
+              "workload.allocator=per_kind or workload.store=paged)")
+        check_choice("workload.state_checkpoint", w.state_checkpoint, CHECKPOINTS)
+        if w.state_checkpoint == "every_n":
+            check(w.state_checkpoint_tokens >= 1, "workload.state_checkpoint_tokens", w.state_checkpoint_tokens,
+                  "workload.state_checkpoint=every_n needs the tokens between saves (>= 1, a multiple of the "
+                  "attention block)")
+        else:
+            check(w.state_checkpoint_tokens == 0, "workload.state_checkpoint_tokens", w.state_checkpoint_tokens,
+                  f"only workload.state_checkpoint=every_n reads it (state_checkpoint={w.state_checkpoint}); "
+                  "set it to 0")
         check(w.kv_budget_mb is None or w.kv_budget_mb > 0, "workload.kv_budget_mb", w.kv_budget_mb,
               "must be > 0 or null")
         check(w.kv_budget_blocks is None or w.kv_budget_blocks >= 1, "workload.kv_budget_blocks",
@@ -182,16 +204,14 @@ class ServingWorkload:
 
     def check_run(self, cfg: Any) -> None:
         """Rules across groups (``cfg``: the job's config, its attention resolved): a rate search
-        needs a latency target; the stores hold K/V in the compute dtype; the forwards are eager
-        (what a layer's layout does not run with is its own Limit)."""
+        needs a latency target; the forwards are eager (what a layer's layout does not run with,
+        a quantized state, is its own Limit)."""
         check(not self.search.enabled or any(v is not None for v in (cfg.slo.ttft_ms, cfg.slo.tpot_ms,
                                                                        cfg.slo.e2e_ms)),
               "workload.search.enabled", self.search.enabled, "the rate search needs an SLO: set slo.ttft_ms, "
               "slo.tpot_ms and/or slo.e2e_ms (or slo=llama2_70b_server)")
         check(cfg.slo.tpot_x_batch1 is None, "slo.tpot_x_batch1", cfg.slo.tpot_x_batch1,
               "workload=serving judges TPOT against slo.tpot_ms (a multiple of the batch-1 step is task=capacity's)")
-        check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
-              "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
         check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
               "workload=serving runs eager forwards (the batch's shapes change every iteration); use "
               "runtime.compile=false")

@@ -119,6 +119,13 @@ class Plan:
             return sum(n * b for n, b in zip(self.pages, self.page_bytes))
         return self.pages[0] * self.page_bytes[0] // self.cost[0]
 
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes the layouts' formula gives for what the groups' storage holds: each K/V group's
+        blocks of ``block_size`` positions, each state page's states."""
+        return sum(n * (g.state_bytes if g.is_state else self.block_size * g.position_bytes)
+                   for g, n in zip(self.groups, self.capacity))
+
     def sequence_bytes(self, length: int) -> int:
         """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""
         return sum(blocks_held(g, length, self.block_size) * b for g, b in zip(self.groups, self.page_bytes))

@@ -106,7 +106,7 @@ class PagedStore:
                 self.kv[g] = [[KVStore((n * self.block_size, model.layouts[i].stored[0], w), cache_dtype, model.dtype,
                                        model.device, axis=0) for w in model.layouts[i].stored[1]]
                               for i in group.layers]
-        self.checkpoints_saved = 0
+        self.checkpoints_saved = self.checkpoint_bytes_max = 0
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -294,6 +294,7 @@ class PagedStore:
         pool.register(page, key)
         pool.free(page)  # nobody runs from it: cached, evictable
         self.checkpoints_saved += 1
+        self.checkpoint_bytes_max = max(self.checkpoint_bytes_max, self.checkpoint_bytes)
 
     def chunk_limit(self, seq: SeqBlocks) -> Optional[int]:
         """The most positions the next forward of ``seq`` may add: up to the next saved state of a

@@ -22,14 +22,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from kvbench.config.bench import BenchConfig
+from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.config.serving import duration_text, kv_budget_note
-from kvbench.footprint import kv_bytes_per_token
+from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
 from kvbench.serving import metrics as serving_metrics
+from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan
 from kvbench.serving.arrivals import make_requests, request_tokens
-from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model
+from kvbench.serving.paged import PagedStore, SlotStore, check_model
 from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
 from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_metrics
 from kvbench.serving.record import timeline_scalars, timeline_tables
@@ -44,7 +46,17 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_bytes_per_token", "bytes", "the KV formula's bytes for one token of one sequence, all layers "
                                           "(the layer layouts' formula at seq_len 1)"),
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
-    Metric("kv_store_bytes_formula", "bytes", "the KV formula for kv_blocks_total x block_size positions"),
+    Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
+                                              "x block_size positions of its layers, each state page x the states "
+                                              "of the recurrent layers"),
+    Metric("kv_reserved_bytes", "bytes", "what the allocator sets aside of the budget: per_kind, each pool's whole "
+                                         "blocks x its block's bytes; unified, its pages x the page's bytes"),
+    Metric("kv_allocator", "text", "workload.allocator: per_kind (a pool per group of layers) or unified (one "
+                                   "pool of equal pages)"),
+    Metric("state_checkpoints_saved", "count", "recurrent states saved for prefix caching "
+                                               "(workload.state_checkpoint)"),
+    Metric("state_checkpoint_bytes_max", "bytes", "most bytes the saved states nobody ran from held at once "
+                                                  "(cached state pages x their page's bytes)"),
     Metric("iterations", "count", "scheduler iterations (one batched decode and the prefill chunks each)"),
     Metric("timeline_rate", "requests/s", "the arrival rate of the run whose timeline the record holds: "
                                           "workload.rate, or with workload.search.enabled the search's answer (else "
@@ -76,30 +88,67 @@ def slot_len_for(w, requests: Sequence[Request]) -> int:
     return w.slot_len
 
 
-def store_size(w, block_size: int, requests: Sequence[Request], per_token: int) -> tuple[int, int]:
-    """(blocks, tokens per block) of the store ``w`` asks for (slots, and positions per slot, for
-    ``store=slots``), as many as the budget holds at ``per_token`` KV bytes a token; a budget that
-    cannot hold the largest request is a one-line :class:`ConfigError` naming the budget's key."""
-    paged = w.store == "paged"
-    size = block_size if paged else slot_len_for(w, requests)
-    block_bytes = size * per_token
-    blocks = (w.kv_budget_blocks if w.kv_budget_blocks is not None
-              else int(w.kv_budget_mb * 1e6 // block_bytes))
-    unit = f"blocks of {size} tokens" if paged else f"slots of {size} positions"
-    need = max(-(-(r.prompt_len + r.output_len - 1) // size) for r in requests)
+def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element: int, cache_dtype: str) -> Plan:
+    """The pools of the store ``w`` asks for (:mod:`kvbench.serving.allocator`), as many blocks
+    (slots, of the longest request's positions or ``workload.slot_len``, for ``store=slots``) as
+    the budget holds for ``layouts`` at ``element`` bytes in ``cache_dtype``; a budget that cannot
+    hold the largest request, or a checkpoint off the attention block, is a one-line
+    :class:`ConfigError` naming its key."""
+    groups = groups_of(layouts, element, cache_dtype)
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
     largest = max(requests, key=lambda r: r.prompt_len + r.output_len)
-    if blocks < need:
-        raise ConfigError(f"{kv_budget_note(w.kv_budget_mb, w.kv_budget_blocks)}: holds {blocks} {unit} "
-                          f"({block_bytes:,} bytes each for this layout); request {largest.id} "
-                          f"(prompt {largest.prompt_len} + output {largest.output_len} tokens) needs {need}; raise it")
-    return blocks, size
+    if w.store == "slots":
+        size = slot_len_for(w, requests)
+        slot = sum(g.state_bytes if g.is_state else size * g.position_bytes for g in groups)
+        n = w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // slot)
+        if n < 1:
+            raise ConfigError(f"{kv_budget_note(w.kv_budget_mb, w.kv_budget_blocks)}: holds 0 slots of {size} "
+                              f"positions ({slot:,} bytes each for this layout); request {largest.id} (prompt "
+                              f"{largest.prompt_len} + output {largest.output_len} tokens) needs 1; raise it")
+        return Plan("per_kind", size, groups, tuple(g.state_bytes if g.is_state else size * g.position_bytes
+                                                    for g in groups), (1,) * len(groups), (n,) * len(groups),
+                    (n,) * len(groups))
+    plan = make_plan(groups, w.allocator, block_size, budget_bytes(w, block_size, groups), longest,
+                     w.max_prefill_tokens)
+    Checkpoint(w.state_checkpoint, w.state_checkpoint_tokens).check(plan.block_size, w.allocator)
+    for g, (pages, need) in enumerate(zip(plan.pages, plan.need(longest, w.max_prefill_tokens))):
+        if need > pages:
+            unit = _unit(plan, g)
+            raise ConfigError(f"{kv_budget_note(w.kv_budget_mb, w.kv_budget_blocks)}: holds {pages} {unit}; request "
+                              f"{largest.id} (prompt {largest.prompt_len} + output {largest.output_len} tokens) "
+                              f"needs {need}; raise it")
+    return plan
 
 
-def build_store(model, w, block_size: int, requests: Sequence[Request]) -> PagedStore:
-    """The store ``w`` asks for (:func:`store_size`) on ``model``."""
-    blocks, size = store_size(w, block_size, requests, bytes_per_token(model))
-    return (PagedStore(model, blocks, size, w.prefix_caching) if w.store == "paged"
-            else SlotStore(model, blocks, size))
+def _unit(plan: Plan, g: int) -> str:
+    """What pool ``g`` of ``plan`` counts, for error lines."""
+    if plan.allocator == "unified":
+        return (f"pages ({plan.page_bytes[0] // plan.cost[0]:,} bytes each: one layer's block of {plan.block_size} "
+                "tokens or one layer's state)")
+    group = plan.groups[g]
+    what = "states" if group.is_state else f"blocks of {plan.block_size} tokens"
+    where = "" if len(plan.groups) == 1 else (" of its recurrent layers" if group.is_state else
+                                              " of its full layers" if group.window is None else
+                                              f" of its layers of window {group.window}")
+    return f"{what} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
+
+
+def budget_bytes(w, block_size: int, groups) -> float:
+    """The budget in bytes: ``workload.kv_budget_mb`` x 1e6, or ``workload.kv_budget_blocks`` x a
+    block of ``block_size`` positions of every K/V layer (of a model without K/V: x one state)."""
+    if w.kv_budget_blocks is None:
+        return w.kv_budget_mb * 1e6
+    per_block = block_size * sum(g.position_bytes for g in groups) or sum(g.state_bytes for g in groups)
+    return w.kv_budget_blocks * per_block
+
+
+def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dtype: str = "auto") -> PagedStore:
+    """The store ``w`` asks for (:func:`store_plan`) on ``model``."""
+    plan = store_plan(w, block_size, requests, model.layouts, model.dtype.itemsize, cache_dtype)
+    if w.store == "slots":
+        return SlotStore(model, plan.pages[0], plan.block_size, cache_dtype)
+    return PagedStore(model, 0, block_size, w.prefix_caching, cache_dtype, plan,
+                      Checkpoint(w.state_checkpoint, w.state_checkpoint_tokens))
 
 
 def check_requests(cfg: BenchConfig) -> List[Request]:
@@ -107,7 +156,8 @@ def check_requests(cfg: BenchConfig) -> List[Request]:
     is built (or any progress shown): a trace that cannot be read, a request longer than
     ``model.max_seq_len``, a budget that cannot hold the largest request are one line each."""
     requests = _checked_requests(cfg, cfg.workload)
-    store_size(cfg.workload, cfg.cache.block_size, requests, kv_bytes_per_token(cfg))
+    store_plan(cfg.workload, cfg.cache.block_size, requests, build_layouts(cfg.model, cfg.attention),
+               DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
     return requests
 
 
@@ -147,11 +197,15 @@ def progress_total(cfg: BenchConfig, requests: Sequence[Request]) -> int:
 def warm_up(model, cfg: BenchConfig, requests: Sequence[Request], prompts: Sequence[List[int]]) -> None:
     """Serve the first requests untimed on a scratch store (a fake clock: nothing waits)."""
     first = [replace(r, arrival_s=0.0) for r in requests[:WARMUP_REQUESTS]]
+    blocks = sum(-(-(r.prompt_len + r.output_len) // cfg.cache.block_size) for r in first)
     for _ in range(cfg.runtime.warmup):
-        w = replace(cfg.workload, kv_budget_mb=None, kv_budget_blocks=sum(
-            -(-(r.prompt_len + r.output_len) // cfg.cache.block_size) for r in first), prefix_caching=False,
-            slot_len=None)
-        store = build_store(model, w, cfg.cache.block_size, first)
+        while True:  # the least budget in blocks whose every pool holds the first requests
+            w = replace(cfg.workload, kv_budget_mb=None, kv_budget_blocks=blocks, prefix_caching=False, slot_len=None)
+            try:
+                store = build_store(model, w, cfg.cache.block_size, first, cfg.cache.dtype)
+                break
+            except ConfigError:
+                blocks *= 2
         Scheduler(model, store, first, prompts[:WARMUP_REQUESTS], cfg.workload.max_prefill_tokens,
                   cfg.workload.max_running, FakeClock()).run()
 
@@ -160,7 +214,7 @@ def serve_at(cfg: BenchConfig, model, rate: Optional[float] = None, progress=Non
     """One serving run at ``rate`` (default ``workload.rate``) on a fresh store: (scheduler, timeline, store)."""
     w = cfg.workload
     requests, prompts = requests_and_prompts(cfg, rate)
-    store = build_store(model, w, cfg.cache.block_size, requests)
+    store = build_store(model, w, cfg.cache.block_size, requests, cfg.cache.dtype)
     scheduler = Scheduler(model, store, requests, prompts, w.max_prefill_tokens, w.max_running, progress=progress)
     return scheduler, scheduler.run(), store
 
@@ -172,13 +226,11 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     result.methods.update(METHODS)
     check_model(model, cfg.cache.dtype)
     requests, prompts = requests_and_prompts(cfg)
-    store = build_store(model, w, cfg.cache.block_size, requests)  # checked before the build (check_requests)
-    element = torch.empty((), dtype=model.dtype).element_size()
-    metrics.update(kv_budget_bytes=(int(w.kv_budget_mb * 1e6) if w.kv_budget_mb is not None
-                                    else store.num_blocks * store.block_size * store.bytes_per_token),
-                   kv_store_bytes=store.nbytes,
-                   kv_store_bytes_formula=model.layouts.cache_bytes(store.num_blocks * store.block_size, 1,
-                                                                    element))
+    # checked before the build (check_requests)
+    store = build_store(model, w, cfg.cache.block_size, requests, cfg.cache.dtype)
+    metrics.update(kv_budget_bytes=int(budget_bytes(w, cfg.cache.block_size, store.plan.groups)),
+                   kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.plan.storage_bytes,
+                   kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
     del store
     warm_up(model, cfg, requests, prompts)
     progress = (lambda: tick()) if tick is not None else None
@@ -199,6 +251,10 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
         scheduler, timeline, _ = serve_at(cfg, model, None, progress)
     metrics["timeline_rate"] = rate
     metrics["iterations"] = scheduler.iterations
+    store = scheduler.store
+    if any(g.is_state for g in store.plan.groups):
+        metrics.update(state_checkpoints_saved=store.checkpoints_saved,
+                       state_checkpoint_bytes_max=store.checkpoint_bytes_max)
     metrics.update(timeline_scalars(timeline))
     result.tables.update(timeline_tables(timeline))
     metrics.update(serving_metrics.timeline_metrics(timeline, cfg.slo))

@@ -16,7 +16,7 @@ from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
 from kvbench.serving.metrics import timeline_metrics
 from kvbench.serving.record import timeline_from_record
-from kvbench.workloads.serving import build_store, requests_and_prompts
+from kvbench.workloads.serving import build_store, check_requests, requests_and_prompts
 
 SMALL = ["workload=serving", "model=tiny", "model.max_seq_len=256", "workload.num_requests=10", "workload.rate=50",
          "workload.prompt.mean=24", "workload.prompt.lo=8", "workload.prompt.hi=48", "workload.output.lo=2",
@@ -115,14 +115,56 @@ def test_the_job_records_the_refusal_as_invalid(tmp_path):
     ("workload.rate=0", "workload.rate=0"), ("workload.arrival=closed", "workload.arrival='closed'"),
     ("workload.prompt.dist=zipf", "workload.prompt.dist='zipf'"), ("cache.block_size=0", "cache.block_size=0"),
     ("workload.kv_budget_blocks=4", "workload.kv_budget_mb=64"), ("workload.prompt.hi=4096", "workload.prompt="),
-    ("workload.max_prefill_tokens=0", "workload.max_prefill_tokens=0"), ("cache.dtype=int8", "cache.dtype='int8'"),
-    ("attention.window=16", "attention.window=16: workload=serving"),
+    ("workload.max_prefill_tokens=0", "workload.max_prefill_tokens=0"),
     ("runtime.compile=graph", "runtime.compile='graph'"),
+    ("workload.allocator=buddy", "workload.allocator='buddy'"),
+    ("workload.allocator=unified workload.store=slots", "workload.allocator='unified': pages blocks on demand"),
+    ("workload.state_checkpoint=sometimes", "workload.state_checkpoint='sometimes'"),
+    ("workload.state_checkpoint=every_n", "workload.state_checkpoint_tokens=0: workload.state_checkpoint=every_n"),
+    ("workload.state_checkpoint_tokens=64", "workload.state_checkpoint_tokens=64: only workload.state_checkpoint"),
+    ("attention.layer_types=[linear_attention,full_attention] cache.dtype=int8",
+     "cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"),
 ])
 def test_bad_serving_values_are_refused_before_work(override, key):
     with pytest.raises(ConfigError) as err:
-        to_bench_config(compose("workload=serving", "model=tiny", override))
+        to_bench_config(compose("workload=serving", "model=tiny", *override.split()))
     assert str(err.value).startswith(key), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_off_the_raised_block_is_refused_before_the_model_is_built():
+    """every_n must be a multiple of the attention block, which the unified allocator raises to
+    hold a state: the plan, not the config alone, knows it."""
+    hybrid = [*SMALL, "workload.kv_budget_mb=1", "attention.layer_types=[linear_attention,full_attention]",
+              "model.linear_key_head_dim=32", "model.linear_value_head_dim=32", "workload.state_checkpoint=every_n",
+              "workload.state_checkpoint_tokens=16"]  # a state of ~17 KB: 48 positions of the attention layer
+    check_requests(to_bench_config(compose(*hybrid)))  # per_kind keeps blocks of 16
+    cfg = to_bench_config(compose(*hybrid, "workload.allocator=unified"))
+    with pytest.raises(ConfigError, match=r"^workload.state_checkpoint_tokens=16: with workload.state_checkpoint="
+                                          r"every_n it must be a positive multiple of the attention block \(\d+ "
+                                          r"tokens with workload.allocator=unified\)"):
+        check_requests(cfg)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["attention=gqa", "attention.window=8", "attention.global_every=2"],
+    ["attention.layer_types=[linear_attention,full_attention]"],
+    ["attention.layer_types=[linear_attention,full_attention]", "workload.allocator=unified"],
+    ["attention=gqa", "cache.dtype=int8"],
+    ["attention=gqa", "attention.window=8", "cache.dtype=float8_e4m3fn"],
+])
+def test_every_layout_serves_through_the_config(tmp_path, overrides):
+    """Windows, a Gated DeltaNet hybrid under both allocators, int8 and float8 pages: served end to
+    end, the store's bytes the formula of its groups, the reserve within the budget."""
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.4", "workload.prefix_len=16", *overrides), tmp_path)
+    assert record.status == "ok", record.error
+    m = record.metrics
+    assert m["requests_finished"] == 10
+    assert m["kv_reserved_bytes"] <= m["kv_budget_bytes"]
+    if m["kv_allocator"] == "per_kind":
+        assert m["kv_store_bytes"] == m["kv_store_bytes_formula"]
+    if "linear_attention" in str(overrides):
+        assert m["state_checkpoints_saved"] > 0 and m["state_checkpoint_bytes_max"] > 0
 
 
 @pytest.mark.parametrize("ttft_ms, probes", [(1e6, [50.0, 100.0, 200.0]), (1e-6, [50.0])])
