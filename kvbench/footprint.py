@@ -25,6 +25,7 @@ from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
+from kvbench.serving.allocator import budget_bytes, groups_of
 from kvbench.units import human_bytes
 
 # The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at
@@ -127,14 +128,18 @@ def kv_bytes_per_token(cfg: BenchConfig) -> int:
 
 
 def serving_store_bytes(cfg: BenchConfig) -> int:
-    """The KV store ``workload.kv_budget_mb`` (whole blocks of it) or ``workload.kv_budget_blocks``
-    asks for, bytes: blocks of ``cache.block_size`` tokens, or slots of ``workload.slot_len`` (else
-    the longest request's positions; a trace's are known once it is read: 1 here, a lower bound)."""
+    """The store ``workload.kv_budget_mb`` or ``workload.kv_budget_blocks`` asks for, bytes: the
+    budget (blocks of ``cache.block_size`` tokens, or slots of ``workload.slot_len``, else of the
+    longest request's positions; a trace's are known once it is read: 1 here, a lower bound). The
+    unified allocator's groups each keep storage for the whole pool: the budget once per group."""
     w = cfg.workload
-    size = cfg.cache.block_size if w.store == "paged" else (w.slot_len or max(w.total_len, 1))
-    block_bytes = size * kv_bytes_per_token(cfg)
-    blocks = w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // block_bytes)
-    return blocks * block_bytes
+    groups = groups_of(build_layouts(cfg.model, cfg.attention), DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
+    if w.store == "paged":
+        return int(budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, groups)) * (
+            len(groups) if w.allocator == "unified" else 1)
+    size = w.slot_len or max(w.total_len, 1)
+    slot = sum(g.state_bytes if g.is_state else size * g.position_bytes for g in groups)
+    return (w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // slot)) * slot
 
 
 def available_bytes(device: torch.device) -> int:

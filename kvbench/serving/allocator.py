@@ -136,6 +136,16 @@ class Plan:
         return tuple(per_group) if self.allocator == "per_kind" else (sum(per_group),)
 
 
+def budget_bytes(kv_budget_mb: Optional[float], kv_budget_blocks: Optional[int], block_size: int,
+                 groups: Sequence[Group]) -> float:
+    """The budget in bytes: ``workload.kv_budget_mb`` x 1e6, or ``workload.kv_budget_blocks`` x a
+    block of ``block_size`` positions of every K/V layer (of a model without K/V: x one state)."""
+    if kv_budget_blocks is None:
+        return kv_budget_mb * 1e6
+    per_block = block_size * sum(g.position_bytes for g in groups) or sum(g.state_bytes for g in groups)
+    return kv_budget_blocks * per_block
+
+
 def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_bytes: float, longest: int,
               chunk: int = 1) -> Plan:
     """The pools ``allocator`` makes of ``budget_bytes`` for ``groups`` (``longest``: the longest

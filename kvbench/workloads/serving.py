@@ -29,7 +29,7 @@ from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
 from kvbench.serving import metrics as serving_metrics
-from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan
+from kvbench.serving.allocator import Checkpoint, Plan, budget_bytes, groups_of, make_plan
 from kvbench.serving.arrivals import make_requests, request_tokens
 from kvbench.serving.paged import PagedStore, SlotStore, check_model
 from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
@@ -108,8 +108,8 @@ def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element
         return Plan("per_kind", size, groups, tuple(g.state_bytes if g.is_state else size * g.position_bytes
                                                     for g in groups), (1,) * len(groups), (n,) * len(groups),
                     (n,) * len(groups))
-    plan = make_plan(groups, w.allocator, block_size, budget_bytes(w, block_size, groups), longest,
-                     w.max_prefill_tokens)
+    budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, block_size, groups)
+    plan = make_plan(groups, w.allocator, block_size, budget, longest, w.max_prefill_tokens)
     Checkpoint(w.state_checkpoint, w.state_checkpoint_tokens).check(plan.block_size, w.allocator)
     for g, (pages, need) in enumerate(zip(plan.pages, plan.need(longest, w.max_prefill_tokens))):
         if need > pages:
@@ -131,15 +131,6 @@ def _unit(plan: Plan, g: int) -> str:
                                               " of its full layers" if group.window is None else
                                               f" of its layers of window {group.window}")
     return f"{what} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
-
-
-def budget_bytes(w, block_size: int, groups) -> float:
-    """The budget in bytes: ``workload.kv_budget_mb`` x 1e6, or ``workload.kv_budget_blocks`` x a
-    block of ``block_size`` positions of every K/V layer (of a model without K/V: x one state)."""
-    if w.kv_budget_blocks is None:
-        return w.kv_budget_mb * 1e6
-    per_block = block_size * sum(g.position_bytes for g in groups) or sum(g.state_bytes for g in groups)
-    return w.kv_budget_blocks * per_block
 
 
 def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dtype: str = "auto") -> PagedStore:
@@ -228,7 +219,8 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     requests, prompts = requests_and_prompts(cfg)
     # checked before the build (check_requests)
     store = build_store(model, w, cfg.cache.block_size, requests, cfg.cache.dtype)
-    metrics.update(kv_budget_bytes=int(budget_bytes(w, cfg.cache.block_size, store.plan.groups)),
+    budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, store.plan.groups)
+    metrics.update(kv_budget_bytes=int(budget),
                    kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.plan.storage_bytes,
                    kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
     del store
