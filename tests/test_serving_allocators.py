@@ -1,0 +1,166 @@
+"""The two allocators of the serving store against their formulas, written out here by hand from
+the layer shapes (not from kvbench's allocator): what each sets aside of a budget (whole blocks,
+windows kept whole, state pages, the unified page raised to hold a state) and, at every scheduler
+iteration, what the running sequences reserve (block rounding, the blocks a window still needs,
+one state page per running sequence, taken at admission). Prefix caching and state checkpoints:
+a state is reused only where it was saved, and a saved state's bytes are counted."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model_config
+
+from kvbench.config.model import AttentionConfig
+from kvbench.model import Decoder
+from kvbench.serving.allocator import Checkpoint
+from kvbench.serving.paged import PagedStore, plan_for
+from kvbench.serving.scheduler import FakeClock, Scheduler
+from kvbench.serving.trace import Request
+
+BS, W, CHUNK = 4, 5, 8
+# 4 layers: Gated DeltaNet, local (window 5), Gated DeltaNet, global; GQA 4 heads over 2 of width 16
+KINDS = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+KV_LAYER = 2 * 2 * 16 * 4  # K and V, 2 heads of 16, float32: bytes per position of one layer
+STATE_LAYER = 4 * 8 * 12 * 4 + (2 * 2 * 8 + 4 * 12) * 3 * 4  # H_v d_k d_v float32 + conv tail (K - 1) x channels
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def hybrid() -> Decoder:
+    torch.manual_seed(0)
+    cfg = tiny_model_config(num_layers=4, num_heads=4, preset_kv_heads=2, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                            linear_conv_kernel_dim=4)
+    return Decoder(cfg, AttentionConfig(window=W, layer_types=KINDS)).eval()
+
+
+def requests_of(n=10, seed=0, prefix=0, vocab=97):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, prefix).tolist()
+    requests, prompts = [], []
+    for i in range(n):
+        own = int(rng.integers(2, 20))
+        requests.append(Request(i, 0.005 * i, prefix + own, int(rng.integers(1, 12)), 0 if prefix else None, prefix))
+        prompts.append(shared + rng.integers(0, vocab, own).tolist())
+    return requests, prompts
+
+
+def hand_per_kind(budget, longest):
+    """Pools (blocks, block bytes) of full, window, state: the budget split by what the longest
+    request holds at its worst in each, rounded down to whole blocks."""
+    full = (math.ceil(longest / BS), BS * KV_LAYER)
+    window = (min(math.ceil(longest / BS), math.ceil((W - 1 + CHUNK + BS - 1) / BS)), BS * KV_LAYER)
+    state = (1, 2 * STATE_LAYER)
+    weights = [n * b for n, b in (full, window, state)]
+    return [(int(budget * w // sum(weights) // b), b) for w, (_, b) in zip(weights, (full, window, state))]
+
+
+def hand_unified():
+    """(attention block, page bytes): the first multiple of 4 tokens whose one-layer page holds a state."""
+    bs = BS * math.ceil(STATE_LAYER / (BS * KV_LAYER))
+    return bs, max(bs * KV_LAYER, STATE_LAYER)
+
+
+def hand_sequence(n, bs, full_page, window_page, state_page):
+    """Bytes one running sequence of n positions reserves: every block of the global layer, the
+    blocks from position n - W + 1's on of the local one, one state page per recurrent layer group."""
+    blocks = math.ceil(n / bs)
+    return blocks * full_page + (blocks - max(0, n - W + 1) // bs) * window_page + state_page
+
+
+@pytest.mark.parametrize("allocator", ["per_kind", "unified"])
+def test_each_allocator_reserves_its_own_formula(allocator):
+    model = hybrid()
+    requests, prompts = requests_of()
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
+    blocks = 40
+    budget = blocks * BS * 2 * KV_LAYER  # kv_budget_blocks: blocks of every K/V layer
+    plan = plan_for(model, blocks, BS, "auto", allocator, longest, CHUNK)
+    store = PagedStore(model, 0, BS, False, plan=plan)
+    if allocator == "per_kind":
+        pools = hand_per_kind(budget, longest)
+        assert [n for n, _ in pools] == list(plan.pages) == [p.capacity for p in store.pools]
+        reserved = sum(n * b for n, b in pools)
+        # storage allocated: each pool's blocks of its layers' K/V (or their states), nothing more
+        assert store.nbytes == pools[0][0] * BS * KV_LAYER + pools[1][0] * BS * KV_LAYER + pools[2][0] * 2 * STATE_LAYER
+        pages = (pools[0][1], pools[1][1], pools[2][1])
+    else:
+        bs, page = hand_unified()
+        assert bs == plan.block_size == 12  # 1048 bytes of state: 12 positions of 256 bytes hold it
+        total = int(budget // page)
+        reserved = total * page
+        pages = (page, page, 2 * page)  # a block of the global or local layer: 1 page; a state: 1 per layer
+    assert plan.reserved_bytes == reserved <= budget
+    seen = []
+
+    def observe(sch):
+        st = sch.store
+        want = sum(hand_sequence(s.blocks.length, st.block_size, *pages) for s in sch.running)
+        assert st.bytes_used == want <= reserved
+        seen.append(want)
+
+    scheduler = Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01, 1e-4, 1e-3),
+                          observe=observe)
+    scheduler.run()
+    assert len(seen) == scheduler.iterations and max(seen) > 0
+    assert store.used_blocks == 0
+
+
+def test_a_windows_blocks_are_released_and_its_pool_holds_more_sequences_than_a_full_one():
+    """Past its window a local layer holds a bounded number of blocks whatever the length."""
+    model = hybrid()
+    plan = plan_for(model, 40, BS, longest=60)
+    window = plan.groups[1]
+    assert window.window == W
+    lengths = (20, 41, 62)
+    held = [plan.sequence_bytes(n) for n in lengths]
+    full, local = plan.page_bytes[0], plan.page_bytes[1]
+    assert held[2] - held[1] == 5 * full  # 21 positions more: 5 more blocks of the global layer, none of the local one
+    assert held == [hand_sequence(n, BS, full, local, 2 * STATE_LAYER) for n in lengths]
+    # the next query sees positions n - 4 .. n: at 20, block 4 (16..19) alone; at 41, blocks 9 and 10
+    assert [math.ceil(n / BS) - max(0, n - W + 1) // BS for n in lengths] == [1, 2, 2]
+
+
+@pytest.mark.parametrize("policy, every, hit", [("block", 0, 12), ("every_n", 8, 8), ("prompt_end", 0, 12)])
+def test_a_state_is_reused_only_where_it_was_saved(policy, every, hit):
+    """Two requests share 14 tokens: the second hits the longest prefix whose state was saved
+    (block: 12 = 3 blocks; every 8 tokens: 8; the first prompt's last block boundary: 12), its tokens those of
+    an isolated decode; the saved states' bytes are counted."""
+    from test_serving_engine import isolated
+
+    model = hybrid()
+    shared = list(range(14))
+    requests = [Request(0, 0.0, 14, 3, 0, 14), Request(1, 1.0, 17, 3, 0, 14)]
+    prompts = [shared, shared + [50, 51, 52]]
+    store = PagedStore(model, 400, BS, True, checkpoint=Checkpoint(policy, every))  # room: nothing evicted
+    scheduler = Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01))
+    a, b = scheduler.run().traces
+    assert (a.prefix_hit_tokens, b.prefix_hit_tokens) == (0, hit)
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p)
+    # request 0 saves at 4, 8, 12, 16 / 8, 16 / 12; request 1 at 16 (its tokens 12..15 differ from request 0's)
+    assert store.checkpoints_saved == {"block": 5, "every_n": 3, "prompt_end": 2}[policy]
+    assert store.checkpoint_bytes_max == store.checkpoint_bytes == store.checkpoints_saved * 2 * STATE_LAYER
+
+
+def test_the_unified_block_loses_a_prefix_that_does_not_fill_it():
+    """The raised block of 12 tokens: a shared prefix of 10 gives no hit (vLLM #40696); per kind
+    with blocks of 4 the same requests hit 8 tokens."""
+    model = hybrid()
+    shared = list(range(10))
+    requests = [Request(0, 0.0, 13, 2, 0, 10), Request(1, 1.0, 13, 2, 0, 10)]
+    prompts = [shared + [60, 61, 62], shared + [70, 71, 72]]
+    hits = {}
+    for allocator in ("per_kind", "unified"):
+        store = PagedStore(model, 0, BS, True, plan=plan_for(model, 64, BS, "auto", allocator, 16, CHUNK))
+        scheduler = Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01))
+        hits[allocator] = scheduler.run().traces[1].prefix_hit_tokens
+    assert hits == {"per_kind": 8, "unified": 0}
