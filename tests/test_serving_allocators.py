@@ -114,7 +114,7 @@ def test_each_allocator_reserves_its_own_formula(allocator):
     assert store.used_blocks == 0
 
 
-def test_a_windows_blocks_are_released_and_its_pool_holds_more_sequences_than_a_full_one():
+def test_a_window_holds_a_bounded_number_of_blocks_whatever_the_length():
     """Past its window a local layer holds a bounded number of blocks whatever the length."""
     model = hybrid()
     plan = plan_for(model, 40, BS, longest=60)

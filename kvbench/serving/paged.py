@@ -348,6 +348,11 @@ class SlotStore(PagedStore):
                     (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups))
         super().__init__(model, num_slots, slot_len, False, cache_dtype, plan)
 
+    def unfit(self, length: int, chunk: int) -> Optional[str]:
+        if length > self.block_size:
+            return f"needs {length} positions, a slot holds {self.block_size} (workload.slot_len)"
+        return super().unfit(length, chunk)
+
     def blocks_for(self, length: int) -> int:
         if length > self.block_size:
             raise ValueError(f"{length} positions do not fit a slot of {self.block_size} (workload.slot_len)")

@@ -11,9 +11,9 @@ Every iteration:
 3. waiting requests are admitted in order while the token budget, ``max_running`` and the
    store allow (a paged store first attaches the cached blocks of its prompt's prefix);
 4. the decode steps run as one batched forward (each sequence at its own position, its blocks
-   gathered into a padded K/V with a key mask), each prefill chunk as its own forward; a
-   request whose last position was computed gets its next token (greedy), stamped with the
-   iteration's end time.
+   gathered into a padded K/V with a key mask), each prefill chunk as its own forward (split into
+   several where the store saves a recurrent layer's state); a request whose last position was
+   computed gets its next token (greedy), stamped with the iteration's end time.
 
 The clock is injectable: :class:`WallClock` (``time.perf_counter``, sleeping until the next
 arrival when idle) or :class:`FakeClock`, which advances by scripted costs of each iteration,
@@ -132,7 +132,7 @@ class Scheduler:
         i, preempted = 0, False
         while i < len(self.running):
             s = self.running[i]
-            T = 1 if s.todo == 1 else min(s.todo, budget, self._chunk(s))
+            T = 1 if s.todo == 1 else min(s.todo, budget)
             if T == 0:
                 i += 1
                 continue
@@ -150,7 +150,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             s = self.waiting[0]
             hit = store.cached_prefix(s.blocks, s.tokens)
-            T = min(s.todo, budget, self._chunk(s))
+            T = min(s.todo, budget)
             if not store.grow(s.blocks, s.blocks.length + T):
                 store.release(s.blocks)  # undo the prefix it attached; it waits for blocks
                 break
@@ -164,11 +164,17 @@ class Scheduler:
             budget -= T
         return out
 
-    def _chunk(self, s: Running) -> int:
-        """The most positions ``s``'s next forward may add as far as the store is concerned (a
-        recurrent layer's state can be saved only where a forward ends)."""
-        limit = self.store.chunk_limit(s.blocks)
-        return s.todo if limit is None else limit
+    def _prefill(self, s: Running, T: int) -> int:
+        """Positions ``length .. length + T - 1`` of ``s`` as one forward, or as several where the
+        store saves a recurrent layer's state inside them (a state exists only where a forward
+        ends); the greedy next token after the last."""
+        while True:
+            limit = self.store.chunk_limit(s.blocks)
+            step = T if limit is None else min(T, limit)
+            token = self._forward([s], step)[0]
+            T -= step
+            if T == 0:
+                return token
 
     def _forward(self, seqs: List[Running], T: int) -> List[int]:
         """Positions ``length .. length + T - 1`` of each of ``seqs`` (one forward); the greedy
@@ -196,7 +202,7 @@ class Scheduler:
         for s, T in self.scheduled:
             if T > 1:
                 prefill_tokens += T
-                done.append((s, self._forward([s], T)[0]))
+                done.append((s, self._prefill(s, T)))
         self.clock.spent(prefill_tokens, len(decodes))
         t = self.now()
         for s, tok in done:

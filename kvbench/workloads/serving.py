@@ -190,12 +190,14 @@ def warm_up(model, cfg: BenchConfig, requests: Sequence[Request], prompts: Seque
     first = [replace(r, arrival_s=0.0) for r in requests[:WARMUP_REQUESTS]]
     blocks = sum(-(-(r.prompt_len + r.output_len) // cfg.cache.block_size) for r in first)
     for _ in range(cfg.runtime.warmup):
-        while True:  # the least budget in blocks whose every pool holds the first requests
+        for _ in range(64):  # the least doubling of the budget in blocks whose every pool holds the first requests
             w = replace(cfg.workload, kv_budget_mb=None, kv_budget_blocks=blocks, prefix_caching=False, slot_len=None)
             try:
                 store = build_store(model, w, cfg.cache.block_size, first, cfg.cache.dtype)
                 break
             except ConfigError:
+                if blocks > 2**40:
+                    raise
                 blocks *= 2
         Scheduler(model, store, first, prompts[:WARMUP_REQUESTS], cfg.workload.max_prefill_tokens,
                   cfg.workload.max_running, FakeClock()).run()
