@@ -257,8 +257,6 @@ FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "wor
                                 "built for the fixed-shape step; use false or default"),
     (["workload=multiturn", "cache.shared=true"], "cache.shared=True: attention.index_topk=4 (DSA's top-k "
                                                   "selection) is not built for a shared prefix"),
-    (["workload=serving"], "workload.store='paged': attention.index_topk=4 (DSA's top-k selection) is not built "
-                           "for workload=serving's KV stores yet"),
     (["attention.window=8"], "attention.index_topk=4: selects among every cached token; with a window (8)"),
     (["attention.q_lora_rank=0"], "attention.q_lora_rank=0: must be >= 1 with attention.index_topk=4"),
     (["attention.index_head_dim=2"], "attention.index_head_dim=2: must be even and >= qk_rope_head_dim=4"),

@@ -174,3 +174,22 @@ def test_every_experiment_script_imports(script, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))  # as `python experiments/<script>` has it
     spec = importlib.util.spec_from_file_location(f"experiment_{script[:-3]}", ROOT / "experiments" / script)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.e2e  # 14 small serving jobs in its own interpreter
+def test_state_checkpoint_writes_its_table_to_out(tmp_path):
+    """experiments/state_checkpoint.py with 3 requests: a row per prefix length, allocator and
+    policy; the prefix that fills no unified block gets no hit there, the aligned one does."""
+    before = digests()
+    out = tmp_path / "checkpoint"
+    proc = subprocess.run([sys.executable, "experiments/state_checkpoint.py", "--requests", "3", "--repeats", "1",
+                           "--runs", str(tmp_path / "runs"), "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| 40 ")
+            or line.startswith("| 96 ")]
+    assert len(rows) == 14
+    hits = {(r[0].strip("| "), r[1], r[2]): float(r[4]) for r in rows}
+    assert all(hits[("40", "unified", p)] == 0 for p in ("block", "every_n (96)", "prompt_end"))
+    assert hits[("40", "per_kind", "block")] > 0 and hits[("96", "unified", "block")] > 0
+    assert digests() == before

@@ -276,8 +276,6 @@ REFUSED = {  # setting: the one line
                      "cache.shared=false"),
     "runtime.compile": ("runtime.compile='graph': the fixed-shape step reads a context bucket of K/V; a Gated "
                         "DeltaNet layer's state has no such view (not built); use false or default"),
-    "workload.store": ("workload.store='paged': workload=serving's KV stores hold blocks of positions; a Gated "
-                       "DeltaNet layer's per-sequence state is not stored there yet"),
 }
 
 
@@ -288,13 +286,13 @@ def test_refused_combinations_are_one_line_naming_the_key():
         "cache.dtype": lambda: make_cache("static", layers, 1, 16, cache_dtype="int8"),
         "cache.shared": lambda: shared_cache_for(model, "static", 2, 4, 16),
         "runtime.compile": lambda: check_limits(layers, {"runtime.compile": "graph"}),
-        "workload.store": lambda: check_limits(layers, {"workload.store": "paged"}),
     }
     for key, attempt in attempts.items():
         with pytest.raises(ConfigError) as info:
             attempt()
         assert str(info.value) == REFUSED[key]
-    check_limits(layers, {"runtime.compile": "default", "cache.shared": False, "workload.store": None})
+    # the serving store holds a state page per sequence (tests/test_serving_engine.py)
+    check_limits(layers, {"runtime.compile": "default", "cache.shared": False, "workload.store": "paged"})
     with pytest.raises(ValueError, match="^a recurrent state has no fixed-shape view"):
         make_cache("static", layers, 1, 16).fixed(0, 1, 8)
 

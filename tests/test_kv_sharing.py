@@ -174,9 +174,6 @@ FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "wor
     (["attention.kv_shared_layers=1", "workload=multiturn", "cache.shared=true"],
      "cache.shared=True: layer 1 reads layer 0's K/V (attention.kv_shared_layers): cross-layer KV sharing is not "
      "built for a shared prefix"),
-    (["attention.kv_shared_layers=1", "workload=serving"],
-     "workload.store='paged': layer 1 reads layer 0's K/V (attention.kv_shared_layers): cross-layer KV sharing is "
-     "not built for workload=serving's KV stores"),
 ])
 def test_what_kv_sharing_does_not_run_with_is_one_line_naming_the_key(overrides, line):
     with pytest.raises(ConfigError) as info:

@@ -9,12 +9,12 @@ from typing import Any, ClassVar, Dict, Optional
 
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers
 from kvbench.config.task import ALL, Keys
+from kvbench.serving.allocator import ALLOCATORS, CHECKPOINTS
 
 ARRIVALS = ("poisson", "gamma", "trace")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 STORES = ("paged", "slots")
-ALLOCATORS = ("per_kind", "unified")  # kvbench.serving.allocator's
-CHECKPOINTS = ("block", "every_n", "prompt_end")
+
 # A lognormal's spread beyond this puts nearly every length at lo or hi (and its sigma^2 =
 # ln(1 + cv^2) overflows near 1e154).
 MAX_CV = 100.0

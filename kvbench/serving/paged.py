@@ -93,6 +93,7 @@ class PagedStore:
         self.pools = [BlockPool(n, c, shared or Pages(n)) for n, c in zip(self.plan.capacity, self.plan.cost)]
         self.kv: Dict[int, List[List[KVStore]]] = {}  # group -> its layers -> K and V (or one latent): (slots, H_kv, D)
         self.states: List[tuple] = []  # per recurrent layer: (conv (pages, C, K - 1), recurrent (pages, ...))
+        self.state_group: Optional[int] = None  # the group of the recurrent layers
         for g, group in enumerate(self.plan.groups):
             n = self.plan.capacity[g]
             if group.is_state:
@@ -139,7 +140,7 @@ class PagedStore:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes of the saved states nobody runs from (cached state pages)."""
-        g = getattr(self, "state_group", None)
+        g = self.state_group
         return 0 if g is None else self.pools[g].cached_blocks * self.plan.page_bytes[g]
 
     @property
@@ -232,7 +233,7 @@ class PagedStore:
                     self.pools[g].attach(block)
             seq.tables[g] = list(blocks)
         seq.length, seq.keys = m * bs, keys[:m]
-        g = getattr(self, "state_group", None)
+        g = self.state_group
         if g is not None:
             saved, seq.state = found[g], self.pools[g].take()
             if seq.state is not None:
@@ -299,7 +300,7 @@ class PagedStore:
     def chunk_limit(self, seq: SeqBlocks) -> Optional[int]:
         """The most positions the next forward of ``seq`` may add: up to the next saved state of a
         recurrent layer (None: no limit)."""
-        if not self.prefix_caching or getattr(self, "state_group", None) is None:
+        if not self.prefix_caching or self.state_group is None:
             return None
         stop = self.checkpoint.next_save(seq.length, self.block_size, seq.prompt_len)
         return None if stop is None else stop - seq.length

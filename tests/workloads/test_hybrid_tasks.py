@@ -20,6 +20,7 @@ from kvbench.results import RunResult
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import formula_max_batch
 from kvbench.tasks.inspect import describe, kv_memory_table, layer_kind_table
+from kvbench.workloads.serving import check_requests
 
 # the released shapes (conf/model/*.yaml): layers, full layers, KV heads, head_dim, linear key heads,
 # value heads, d_k, d_v, conv kernel
@@ -164,10 +165,12 @@ def test_real_capacity_probes_of_a_hybrid():
 
 
 @pytest.mark.parametrize("preset", ["model=qwen3_5_9b", "model=tiny"])
-def test_serving_refuses_a_hybrid_in_one_line(preset):
+def test_serving_takes_a_hybrid(preset):
+    """A Gated DeltaNet hybrid is served (a state page per running sequence, tests/test_serving_engine.py):
+    its config composes, and the tiny one's store plan holds its requests."""
     overrides = [preset, "workload=serving"] + (["attention.full_attention_interval=2"] if preset == "model=tiny"
                                                 else [])
-    with pytest.raises(ConfigError) as info:
-        to_bench_config(compose(*overrides))
-    assert str(info.value) == ("workload.store='paged': workload=serving's KV stores hold blocks of positions; a Gated "
-                               "DeltaNet layer's per-sequence state is not stored there yet")
+    cfg = to_bench_config(compose(*overrides))
+    assert "linear_attention" in cfg.attention.layer_kinds(cfg.model.num_layers)
+    if preset == "model=tiny":
+        assert len(check_requests(cfg)) == cfg.workload.num_requests
