@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model_config
+from conftest import make_decoder, tiny_model_config
 
 from kvbench.config.model import AttentionConfig
 from kvbench.model import Decoder
@@ -164,3 +164,23 @@ def test_the_unified_block_loses_a_prefix_that_does_not_fill_it():
         scheduler = Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01))
         hits[allocator] = scheduler.run().traces[1].prefix_hit_tokens
     assert hits == {"per_kind": 8, "unified": 0}
+
+
+def test_the_store_logs_each_evicted_key_once_in_order():
+    """A store too small to keep every prompt's blocks evicts cached blocks and says which (a
+    returning conversation's history lost is read from this log; a hybrid's key is logged once per
+    group that held it)."""
+    model = make_decoder(2)
+    requests = [Request(i, float(i), 9, 2) for i in range(4)]
+    prompts = [[10 * i + j for j in range(9)] for i in range(4)]
+    store = PagedStore(model, 5, BS, True)
+    registered = []
+
+    def observe(sch):
+        for s in sch.running:
+            registered.extend(k for k in s.blocks.keys if k not in registered)
+
+    Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01), observe=observe).run()
+    assert store.evicted and len(set(store.evicted)) == len(store.evicted)
+    assert set(store.evicted) <= set(registered) and len(store.evicted) == len(registered) - len(store.pools[0].key_of)
+    assert all(k not in p.block_of for p in store.pools for k in store.evicted)

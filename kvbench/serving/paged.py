@@ -89,8 +89,10 @@ class PagedStore:
         self.checkpoint.check(self.block_size, self.plan.allocator)
         self.layouts, self.device = model.layouts, model.device
         self.bytes_per_token = bytes_per_token(model, cache_dtype)
-        shared = Pages(self.plan.pages[0]) if self.plan.allocator == "unified" else None
-        self.pools = [BlockPool(n, c, shared or Pages(n)) for n, c in zip(self.plan.capacity, self.plan.cost)]
+        self.evicted: List[int] = []  # content keys of the cached blocks evicted, in order (any group)
+        shared = Pages(self.plan.pages[0], self.evicted) if self.plan.allocator == "unified" else None
+        self.pools = [BlockPool(n, c, shared or Pages(n, self.evicted))
+                      for n, c in zip(self.plan.capacity, self.plan.cost)]
         self.kv: Dict[int, List[List[KVStore]]] = {}  # group -> its layers -> K and V (or one latent): (slots, H_kv, D)
         self.states: List[tuple] = []  # per recurrent layer: (conv (pages, C, K - 1), recurrent (pages, ...))
         self.state_group: Optional[int] = None  # the group of the recurrent layers

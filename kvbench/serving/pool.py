@@ -15,11 +15,14 @@ from typing import Dict, Hashable, List, Optional, Tuple
 
 
 class Pages:
-    """``total`` pages; ``used``: those held or cached; ``cached``: (pool, block) by time freed."""
+    """``total`` pages; ``used``: those held or cached; ``cached``: (pool, block) by time freed;
+    ``evicted``: the content key of every cached block evicted, in order (a list shared by the
+    pages of one store: what a test or a study of evictions reads)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, evicted: Optional[List[Hashable]] = None):
         self.total, self.used = total, 0
         self.cached: "OrderedDict[Tuple[BlockPool, int], None]" = OrderedDict()
+        self.evicted = [] if evicted is None else evicted
 
     def make_room(self, pool: "BlockPool") -> bool:
         """Evict cached blocks until ``pool`` has an id never cached and its cost in free pages."""
@@ -37,6 +40,7 @@ class Pages:
     def evict(self, key: Tuple["BlockPool", int]) -> None:
         del self.cached[key]
         pool, block = key
+        self.evicted.append(pool.key_of[block])
         del pool.block_of[pool.key_of.pop(block)]
         pool.unused.append(block)
         self.used -= pool.cost
