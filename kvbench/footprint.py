@@ -25,7 +25,7 @@ from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
-from kvbench.serving.allocator import budget_bytes, groups_of
+from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
 from kvbench.units import human_bytes
 
 # The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at
@@ -138,7 +138,7 @@ def serving_store_bytes(cfg: BenchConfig) -> int:
         return int(budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, groups)) * (
             len(groups) if w.allocator == "unified" else 1)
     size = w.slot_len or max(w.total_len, 1)
-    slot = sum(g.state_bytes if g.is_state else size * g.position_bytes for g in groups)
+    slot = sum(slot_bytes(g, size) for g in groups)
     return (w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // slot)) * slot
 
 

@@ -165,6 +165,19 @@ def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_b
     return Plan(allocator, bs, groups, tuple(c * one for c in cost), cost, tuple(total // c for c in cost), (total,))
 
 
+def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int) -> Plan:
+    """The static cache's pools: ``num_slots`` slots of ``slot_len`` positions in every group (a
+    state group: a state per slot), one per running request, taken whole."""
+    groups = tuple(groups)
+    return Plan("per_kind", slot_len, groups, tuple(slot_bytes(g, slot_len) for g in groups), (1,) * len(groups),
+                (num_slots,) * len(groups), (num_slots,) * len(groups))
+
+
+def slot_bytes(group: Group, slot_len: int) -> int:
+    """Bytes one slot of ``slot_len`` positions (a state) takes in ``group``."""
+    return group.state_bytes if group.is_state else slot_len * group.position_bytes
+
+
 class Checkpoint:
     """Where a recurrent layer's state is saved for prefix caching (``workload.state_checkpoint``):
     at every block boundary (``block``), at every multiple of ``every`` positions (``every_n``), or

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kvbench.kv_store import KVStore
-from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan
+from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan, slot_plan
 from kvbench.serving.batch import BatchView
 from kvbench.serving.pool import BlockPool, Pages
 
@@ -344,11 +344,7 @@ class SlotStore(PagedStore):
     kind = "slots"
 
     def __init__(self, model, num_slots: int, slot_len: int, cache_dtype: str = "auto"):
-        groups = groups_of(model.layouts, model.dtype.itemsize, cache_dtype)
-        # every group holds one slot (one state) per request: the same number of each
-        plan = Plan("per_kind", slot_len, groups,
-                    tuple(g.state_bytes if g.is_state else slot_len * g.position_bytes for g in groups),
-                    (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups))
+        plan = slot_plan(groups_of(model.layouts, model.dtype.itemsize, cache_dtype), slot_len, num_slots)
         super().__init__(model, num_slots, slot_len, False, cache_dtype, plan)
 
     def unfit(self, length: int, chunk: int) -> Optional[str]:

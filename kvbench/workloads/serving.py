@@ -29,7 +29,8 @@ from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
 from kvbench.serving import metrics as serving_metrics
-from kvbench.serving.allocator import Checkpoint, Plan, budget_bytes, groups_of, make_plan
+from kvbench.serving.allocator import Checkpoint, budget_bytes, groups_of, make_plan, slot_bytes, slot_plan
+from kvbench.serving.allocator import Plan as StorePlan
 from kvbench.serving.arrivals import make_requests, request_tokens
 from kvbench.serving.paged import PagedStore, SlotStore, check_model
 from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
@@ -88,7 +89,7 @@ def slot_len_for(w, requests: Sequence[Request]) -> int:
     return w.slot_len
 
 
-def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element: int, cache_dtype: str) -> Plan:
+def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element: int, cache_dtype: str) -> StorePlan:
     """The pools of the store ``w`` asks for (:mod:`kvbench.serving.allocator`), as many blocks
     (slots, of the longest request's positions or ``workload.slot_len``, for ``store=slots``) as
     the budget holds for ``layouts`` at ``element`` bytes in ``cache_dtype``; a budget that cannot
@@ -99,15 +100,13 @@ def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element
     largest = max(requests, key=lambda r: r.prompt_len + r.output_len)
     if w.store == "slots":
         size = slot_len_for(w, requests)
-        slot = sum(g.state_bytes if g.is_state else size * g.position_bytes for g in groups)
+        slot = sum(slot_bytes(g, size) for g in groups)
         n = w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // slot)
         if n < 1:
             raise ConfigError(f"{kv_budget_note(w.kv_budget_mb, w.kv_budget_blocks)}: holds 0 slots of {size} "
                               f"positions ({slot:,} bytes each for this layout); request {largest.id} (prompt "
                               f"{largest.prompt_len} + output {largest.output_len} tokens) needs 1; raise it")
-        return Plan("per_kind", size, groups, tuple(g.state_bytes if g.is_state else size * g.position_bytes
-                                                    for g in groups), (1,) * len(groups), (n,) * len(groups),
-                    (n,) * len(groups))
+        return slot_plan(groups, size, n)
     budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, block_size, groups)
     plan = make_plan(groups, w.allocator, block_size, budget, longest, w.max_prefill_tokens)
     Checkpoint(w.state_checkpoint, w.state_checkpoint_tokens).check(plan.block_size, w.allocator)
@@ -120,7 +119,7 @@ def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element
     return plan
 
 
-def _unit(plan: Plan, g: int) -> str:
+def _unit(plan: StorePlan, g: int) -> str:
     """What pool ``g`` of ``plan`` counts, for error lines."""
     if plan.allocator == "unified":
         return (f"pages ({plan.page_bytes[0] // plan.cost[0]:,} bytes each: one layer's block of {plan.block_size} "
