@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TEXT
+from conftest import TEXT, eval_job, transformers_perplexity
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
@@ -107,9 +107,6 @@ def test_each_family_is_transformers_in_logits_perplexity_and_45_greedy_cached_s
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_task_eval_of_a_hybrid_checkpoint_is_transformers_perplexity(tmp_path, family):
     """task=eval (the record's perplexity) through the decoder's own windows of the byte corpus."""
-    from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
-    from kvbench.config.workload import DecodeWorkload
-    from kvbench.quality.data import byte_data, eval_windows
     from kvbench.quality.train import run_eval
 
     path, hf = qwen_dir(tmp_path / family, family, vocab_size=256)
@@ -117,18 +114,9 @@ def test_task_eval_of_a_hybrid_checkpoint_is_transformers_perplexity(tmp_path, f
     corpus.write_bytes(TEXT)
     model = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64, vocab_size=256,
                         max_seq_len=128)  # the checkpoint's shape replaces it (task=eval)
-    cfg = BenchConfig(task="train", model=model, attention=AttentionConfig(),
-                      workload=DecodeWorkload(prompt_len=8, gen_len=8),
-                      cache=CacheConfig(), runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                      data=DataConfig(path=str(corpus), val_fraction=0.25),
-                      train=TrainConfig(seq_len=100, batch_size=2, eval_batches=2, checkpoint=str(path)))
+    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=100, batch_size=2)
     m = run_eval(cfg, torch.device("cpu"))
-    val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, 4)[:, None] + torch.arange(T + 1)]
-    with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    ce = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
-    assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
+    assert m["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-4)
 
 
 def hf_json(**change):
