@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from kvbench.config import serving
 from kvbench.config.errors import check, check_choice, check_numbers
-from kvbench.config.serving import MAX_CV, MAX_SPAN_S, LengthConfig, ServingWorkload, check_record_size
+from kvbench.config.serving import LengthConfig, RateSearchConfig, ServingWorkload
 
 THINK_DISTS = ("fixed", "exponential", "uniform", "lognormal")
 
@@ -31,15 +32,15 @@ class ThinkConfig:
         check_numbers(key, self)
         check_choice(f"{key}.dist", self.dist, THINK_DISTS)
         check(self.mean >= 0, f"{key}.mean", self.mean, "must be >= 0 seconds")
-        check(self.mean <= MAX_SPAN_S, f"{key}.mean", self.mean, f"must be <= {MAX_SPAN_S:g} s (a day)")
+        check(self.mean <= serving.MAX_SPAN_S, f"{key}.mean", self.mean, f"must be <= {serving.MAX_SPAN_S:g} s (a day)")
         if self.dist in ("uniform", "lognormal"):
             check(self.lo >= 0, f"{key}.lo", self.lo, "must be >= 0 seconds")
             check(self.hi >= self.lo, f"{key}.hi", self.hi, f"must be >= {key}.lo={self.lo}")
-            check(self.hi <= MAX_SPAN_S, f"{key}.hi", self.hi, f"must be <= {MAX_SPAN_S:g} s (a day)")
+            check(self.hi <= serving.MAX_SPAN_S, f"{key}.hi", self.hi, f"must be <= {serving.MAX_SPAN_S:g} s (a day)")
         if self.dist == "lognormal":
             check(self.lo <= self.mean <= self.hi and self.mean > 0, f"{key}.mean", self.mean,
                   f"must be > 0 and in [{key}.lo={self.lo}, {key}.hi={self.hi}]")
-            check(0 < self.cv <= MAX_CV, f"{key}.cv", self.cv, f"must be in (0, {MAX_CV:g}]")
+            check(0 < self.cv <= serving.MAX_CV, f"{key}.cv", self.cv, f"must be in (0, {serving.MAX_CV:g}]")
 
     @property
     def max_s(self) -> float:
@@ -57,6 +58,11 @@ class ConversationsWorkload(ServingWorkload):
     conversation, turn, arrival_s, user_len, output_len (optional think_s)."""
 
     name: str = "conversations"  # the option, conf/workload/<name>.yaml
+    rate: float = 1.0  # conversations per second (mean); arrival=trace ignores it
+    num_requests: Optional[int] = 16  # conversations drawn (null: until duration_s)
+    prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 64, 0.5, 8, 256))  # a message
+    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 48))  # an answer's
+    search: RateSearchConfig = field(default_factory=lambda: RateSearchConfig(lo=0.25, hi=16.0))  # conversations/s
     turns: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 4, 0.5, 2, 6))  # per conversation
     think: ThinkConfig = field(default_factory=ThinkConfig)  # seconds from an answer to the next message
     sharegpt: Optional[str] = None  # a ShareGPT-style JSON of conversations (their turns and lengths)
@@ -66,6 +72,7 @@ class ConversationsWorkload(ServingWorkload):
     def __post_init__(self) -> None:
         super().__post_init__()
         w = self
+        check_choice("workload.name", w.name, ("conversations",))
         w.turns.check("workload.turns")
         w.think.check("workload.think")
         if w.arrival == "trace":
@@ -79,7 +86,7 @@ class ConversationsWorkload(ServingWorkload):
             count = (w.num_requests if w.num_requests is not None
                      else w.duration_s * (w.search.hi if w.search.enabled else w.rate))
             key = "workload.num_requests" if w.num_requests is not None else "workload.duration_s"
-            check_record_size(key, getattr(w, key.split(".")[1]), count * turns, w.output.mean_len,
+            serving.check_record_size(key, getattr(w, key.split(".")[1]), count * turns, w.output.mean_len,
                               f"{turns:g} turns a conversation on average, ")
 
     @property

@@ -134,7 +134,8 @@ class ServingWorkload:
     def __post_init__(self) -> None:
         w = self
         check_numbers("workload", w)
-        check_choice("workload.name", w.name, (self.OPTION,))
+        if w.OPTION == "serving":  # a subclass checks its own name
+            check_choice("workload.name", w.name, ("serving",))
         check_choice("workload.arrival", w.arrival, ARRIVALS)
         check(w.rate > 0, "workload.rate", w.rate, "must be > 0 requests per second")
         check(w.burstiness > 0, "workload.burstiness", w.burstiness, "must be > 0 (1 = Poisson, < 1 burstier)")
