@@ -1,16 +1,19 @@
 """Conversations at serving scale against independent references: a returning turn whose history
 was evicted finds nothing and prefills it all, one whose history stayed finds its full blocks
-(counted position by position); a run's per-turn TTFT and prefix hits, and its cached / evicted
-returning turns, recomputed from the record's tables and from the store's blocks as the run went."""
+(counted position by position); cached / evicted as the store's own log of evictions says; a
+run's per-turn TTFT and prefix hits, and its cached / evicted returning turns, recomputed from the
+record's tables."""
 
 import numpy as np
 import pytest
 import torch
 from conftest import compose, make_decoder
 
+from kvbench.config.conversations import ConversationsWorkload, ThinkConfig
+from kvbench.config.serving import LengthConfig
 from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
-from kvbench.serving.conversations import Chats
+from kvbench.serving.conversations import Chats, make_chats
 from kvbench.serving.paged import PagedStore
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
@@ -83,6 +86,54 @@ def test_a_returning_turn_whose_history_stayed_finds_its_full_blocks(other_len):
     assert (m["returning_cached"], m["returning_evicted"], m["history_recomputed_tokens"]) == (1, 0, 0)
     assert m["returning_cached_ttft_ms_n"] == 1
     assert m["returning_cached_ttft_ms_p50"] == pytest.approx(1e3 * (back.token_s[0] - back.request.arrival_s))
+
+
+class LoggingStore(PagedStore):
+    """A paged store that logs the key of every cached block it reuses (an eviction)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.evicted = []
+
+    def _take(self):
+        block = next(iter(self.free))
+        if block in self.key_of:
+            self.evicted.append(self.key_of[block])
+        return super()._take()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cached_or_evicted_is_what_the_stores_evictions_say(seed):
+    """A returning turn is evicted exactly when a block its previous turn left registered was
+    reused for something else between that turn's end and this one's admission (the store's own
+    log, not the hit counts)."""
+    model = make_decoder(2)
+    w = ConversationsWorkload(num_requests=6, rate=30.0, prompt=LengthConfig("uniform", 8, 0.5, 3, 12),
+                              output=LengthConfig("uniform", 4, 0.5, 2, 6), turns=LengthConfig("uniform", 3, 0.5, 2, 4),
+                              think=ThinkConfig("exponential", 0.03), kv_budget_mb=None, kv_budget_blocks=1, seed=seed)
+    plan = make_chats(w, model.config.vocab_size).plan()
+    store = LoggingStore(model, -(-max(r.prompt_len + r.output_len for r in plan.requests) // BS) + 6, BS)
+    keys, at_end, at_admission = {}, {}, {}
+
+    def observe(s):
+        for x in s.running:
+            at_admission.setdefault(x.request.id, len(store.evicted))
+            if x.trace.finished:  # observed before its blocks are released
+                keys[x.request.id] = {store.key_of[b] for b in x.blocks.table[:x.blocks.hashed] if b in store.key_of}
+                at_end[x.request.id] = len(store.evicted)
+
+    timeline = Scheduler(model, store, plan.arrivals, plan.prompts, max_prefill_tokens=8,
+                         clock=FakeClock(0.01, 1e-4, 1e-3), observe=observe, follow=plan.follow).run()
+    by_turn = {(t.request.conversation, t.request.turn): t.request.id for t in timeline.traces}
+    expected = {}
+    for (c, k), i in by_turn.items():
+        if k:
+            prev = by_turn[(c, k - 1)]
+            lost = keys[prev] & set(store.evicted[at_end[prev]:at_admission[i]])
+            expected[i] = "evicted" if lost else "cached"
+    got = {i: kind for i, kind in classify(timeline).items() if kind is not None}
+    assert got == expected
+    assert "evicted" in got.values() and "cached" in got.values()
 
 
 CONV = ["workload=conversations", "model=tiny", "model.max_seq_len=512", "workload.num_requests=6",
