@@ -197,3 +197,16 @@ def test_turn_rows_of_a_run_without_a_prefix_cache_say_why_nothing_is_classified
     assert (m["returning_turns"], m["returning_cached"], m["returning_evicted"]) == (1, 0, 0)
     assert m["returning_reason"].startswith("no returning turn was looked up in a prefix cache")
     assert [r["prefix_query_tokens"] for r in turn_rows(timeline)] == [0, 0]
+
+
+def test_the_console_prints_the_record_per_turn_table(conv_record):
+    from rich.console import Console
+
+    from kvbench.sinks.console import conversation_turns_table
+
+    console = Console(record=True, width=140)
+    console.print(conversation_turns_table(conv_record.to_dict()))
+    lines = [line.split("│")[1:-1] for line in console.export_text().splitlines() if line.startswith("│")]
+    table = conv_record.tables["conversation_turns"]
+    assert [int(cells[0]) for cells in lines] == [t["turn"] for t in table]
+    assert [(int(c[5]), int(c[6])) for c in lines] == [(t["cached"], t["evicted"]) for t in table]
