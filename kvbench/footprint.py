@@ -23,6 +23,7 @@ from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.serving import ServingWorkload
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.units import human_bytes
@@ -108,7 +109,8 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     searches them) and count only the model here."""
     m, a = cfg.model, cfg.attention
     kv = 0
-    if cfg.task == "bench" and cfg.workload.name == "serving":  # the store its budget asks for, allocated whole
+    # a served workload (serving, conversations): the store its budget asks for, allocated whole
+    if cfg.task == "bench" and isinstance(cfg.workload, ServingWorkload):
         kv = serving_store_bytes(cfg)
     elif cfg.task == "bench" and cfg.cache.impl != "none":
         # The record's formula (workloads/decode.py): each layer's own (MLA's latent, a window's ring).
@@ -192,7 +194,7 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         m = cfg.model
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
                 + "".join(f", attention.{k}={getattr(cfg.attention, k)}" for k in _MLA_SIZES if cfg.attention.latent)
-                + (_store_keys(cfg) if cfg.workload.name == "serving" and cfg.task == "bench"
+                + (_store_keys(cfg) if isinstance(cfg.workload, ServingWorkload) and cfg.task == "bench"
                    else f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")
                 + (f", recall.vocab_size={cfg.recall.vocab_size}, recall.eval_sequences={cfg.recall.eval_sequences}"
                    if cfg.task == "recall" else ""))

@@ -174,3 +174,24 @@ def test_every_experiment_script_imports(script, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))  # as `python experiments/<script>` has it
     spec = importlib.util.spec_from_file_location(f"experiment_{script[:-3]}", ROOT / "experiments" / script)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.e2e  # ~45 configurations composed as the CLI composes them
+def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
+    """experiments/capacity_report.py without the rate searches: a row per preset and tiny variant
+    and precision, the formula's bytes, the plot beside it; the committed results and docs untouched."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import capacity_report
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    before, docs_png = digests(), (ROOT / "docs" / "capacity_report.png").read_bytes()
+    out = tmp_path / "report" / "capacity.md"
+    capacity_report.main(["--no-serve", "--out", str(out)])
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line.split("|") for line in out.read_text().splitlines()
+            if line.startswith("| tiny")}
+    mha = rows[("tiny", "mha kv=8", "auto")]
+    assert mha[6].strip() == "1,024" and mha[7].strip() == "512.00 KiB"  # 2 layers x K,V x 8 heads x 8 x 4 B
+    assert mha[9].strip() == "3"  # 2 MB // 512 KiB
+    assert len(rows) == 15 and (tmp_path / "report" / "capacity_report.png").is_file()
+    assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png

@@ -171,6 +171,18 @@ NOT_RUN = {
     "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.search.enabled=true slo.ttft_ms=500 "
     "slo.tpot_ms=50": "3 searches of up to 10 serving runs each (minutes); composed and validated below; "
                       "tests/workloads/test_serving.py runs a search in process",
+    "kvbench model=tiny workload=conversations": "16 conversations over ~30 s of wall clock; "
+                                                 "tests/test_serving_conversations.py runs a smaller one in process "
+                                                 "(composed and validated below)",
+    "kvbench -m model=tiny workload=conversations attention=mha,mqa workload.kv_budget_mb=2,16 "
+    "hydra.sweep.dir=multirun/conversations": "4 such runs (2-3 minutes); experiments/conversations_eviction.py runs "
+                                              "the same jobs and committed their table",
+    "kvbench model=tiny workload=conversations workload.sharegpt=docs/examples/sharegpt_sample.json "
+    "workload.num_requests=4": "~15 s of think times; tests/test_hostile_conversations.py reads ShareGPT files and "
+                               "plans their turns in process",
+    "kvbench model=tiny workload=conversations workload.arrival=trace "
+    "workload.trace=docs/examples/conversation_turns.csv": "~6 s of arrivals; tests/test_hostile_conversations.py "
+                                                           "reads turn traces in process",
     "kvbench model=tiny workload=serving workload.arrival=trace workload.trace=/path/to/trace.jsonl":
         "a placeholder trace; tests/workloads/test_serving.py serves a trace file in process",
     "pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e .[dev]": "installs packages: .ci/run does "
