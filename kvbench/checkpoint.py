@@ -4,7 +4,8 @@
   any extra (train metrics, the loss curve).
 - transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
   names) of the architectures in :data:`~kvbench.config.hf.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
-  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms), MHA, GQA or MQA. The
+  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, the mixtures of experts
+  of Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS: :mod:`kvbench.mlp.weights`), MHA, GQA or MQA. The
   decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
   unpermuted (tests/test_checkpoint.py compares logits against transformers for each family).
 - A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
@@ -35,6 +36,7 @@ from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write
 from kvbench.layouts.build import build_layouts
+from kvbench.mlp.weights import MOE_NAMES, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
 
@@ -152,8 +154,9 @@ def _llama_name(name: str) -> str:
                     # DeepSeek-V2/V3's latent attention (model.LatentAttention)
                     (".self_attn.q_a_proj.", ".attn.wq.0."), (".self_attn.q_a_layernorm.", ".attn.wq.1."),
                     (".self_attn.q_b_proj.", ".attn.wq.2."), (".self_attn.kv_a_proj_with_mqa.", ".attn.wkv_a."),
-                    (".self_attn.kv_a_layernorm.", ".attn.kv_norm."), (".self_attn.kv_b_proj.", ".attn.wkv_b.")]
-    for old, new in replacements:
+                    (".self_attn.kv_a_layernorm.", ".attn.kv_norm."), (".self_attn.kv_b_proj.", ".attn.wkv_b."),
+                    (".self_attn.sinks", ".attn.sinks")]  # GPT-OSS
+    for old, new in MOE_NAMES + replacements:  # a mixture of experts' names first (kvbench.mlp.weights)
         name = name.replace(old, new)
     return name
 
@@ -202,6 +205,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if hf_config.tied_embeddings(hf) and "lm_head.weight" not in stored and "embed.weight" in stored:
         stored["lm_head.weight"] = stored["embed.weight"]  # tied: the head reuses the embedding
     _check_layers(directory, model_cfg, stored)
+    stored = expert_tensors(directory, model_cfg, stored)  # per-expert or stacked: the decoder's stacked weights
     if model_cfg.preset_mla is not None:
         attention = AttentionConfig(type="mla").resolved(model_cfg)
     else:
@@ -209,7 +213,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     expected = _expected_tensors(model_cfg, attention)
     model_name = f"a {hf_config.architecture(hf)} as {directory / 'config.json'} describes it"
     check_tensors(directory, expected, stored, model=model_name)
-    tensors = load_tensors({k: stored[k] for k in expected})
+    tensors = read_assembled(load_tensors, {k: stored[k] for k in expected})
     check_tensors(directory, expected, tensors, model=model_name)  # the values: finite
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
         _deinterleave_rope(tensors, model_cfg, attention)

@@ -11,6 +11,7 @@ then recorded ``oom`` as before.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -23,7 +24,7 @@ from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.build import build_layouts
-from kvbench.model import Decoder
+from kvbench.model import Block, Decoder
 from kvbench.units import human_bytes
 
 # The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at
@@ -36,19 +37,55 @@ ROPE_PEAK_BYTES_PER_ELEMENT = 3 * 8
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
-    """The decoder's exact parameter count without building its layers: one- and two-layer
-    decoders on the meta device (no memory) give the fixed part and one layer's, and every layer
-    of a decoder has the same shape."""
-    # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
-    small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
-                                preset_layer_types=None)
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A decoder's parameters: ``total``; ``active``, those one token's forward uses (each
+    mixture-of-experts layer's k routed experts, not all E) with the input embedding table left
+    out (a token reads one row of it; GPT-OSS's model card counts this way, Qwen's counts the
+    table: ``active + embedding``); ``embedding``, that table."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> ParameterCounts:
+    """The decoder's exact parameter counts without building its layers: the fixed part from a
+    one-layer decoder on the meta device (no memory), and one block on the meta device per kind
+    of layer (its layout and its MLP: dense or the mixture of experts), counted once per layer of
+    that kind; the experts' share from :class:`~kvbench.config.moe.MoEShape`'s formulas."""
+    # Windows decide masks and caches, not parameters.
+    flat = dataclasses.replace(model, max_seq_len=1, preset_window=None, preset_global_every=None,
+                               preset_layer_types=None)
     if attention is not None:
         attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None)
     with torch.device("meta"):
-        one = Decoder(small, attention).num_params()
-        two = Decoder(dataclasses.replace(small, num_layers=2), attention).num_params()
-    return one + (model.num_layers - 1) * (two - one)
+        one = Decoder(dataclasses.replace(flat, num_layers=1, moe=None), attention)
+        fixed = one.num_params() - sum(p.numel() for p in one.blocks.parameters())
+        embedding = one.embed.weight.numel()
+        # Layers of one layout kind differ in their index and window only, which change no parameter;
+        # counted by C-level passes (a config of a million layers is refused in seconds, not minutes).
+        layouts = build_layouts(flat, one.attention)
+        kinds = list(map(type, layouts))
+        dense = set(range(flat.num_layers)) if flat.moe is None else set(flat.moe.dense_layers)
+        total = active = fixed
+        for kind, count in Counter(kinds).items():
+            first = layouts[kinds.index(kind)]
+            n_dense = sum(1 for i in dense if kinds[i] is kind)
+            for sparse, layers in ((False, n_dense), (True, count - n_dense)):
+                if not layers:
+                    continue
+                layer = dataclasses.replace(first, index=next(i for i in range(flat.num_layers)
+                                                              if kinds[i] is kind and (i not in dense) == sparse))
+                n = sum(p.numel() for p in Block(flat, layer).parameters())
+                unused = (flat.moe.num_experts - flat.moe.top_k) * flat.moe.expert_params(flat.d_model) if sparse else 0
+                total, active = total + layers * n, active + layers * (n - unused)
+    return ParameterCounts(total, active - embedding, embedding)
+
+
+def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
+    """The decoder's exact parameter count (:func:`parameter_counts`), every expert included."""
+    return parameter_counts(model, attention).total
 
 
 def rope_peak_bytes(model: ModelConfig) -> int:

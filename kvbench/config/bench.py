@@ -45,6 +45,7 @@ from kvbench.config.model import (  # noqa: F401 (variant_label, variant_key: re
     variant_key,
     variant_label,
 )
+from kvbench.config.moe import check_run
 from kvbench.config.recall import RecallConfig, check_recall_run
 from kvbench.config.serving import check_serving_run
 from kvbench.config.workload import WORKLOADS, WorkloadConfig  # noqa: F401 (re-exported)
@@ -343,6 +344,7 @@ class BenchConfig:
         if self.task != "eval":
             self.attention = self.attention.resolved(self.model)
             build_layouts(self.model, self.attention).check(self.layout_settings())
+            check_run(self.model.moe, self.layout_settings())
         w = self.workload
         if self.task == "capacity":
             self._check_capacity()

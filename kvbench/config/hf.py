@@ -3,7 +3,8 @@ about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
 turns its contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder
-does not model (another architecture, MoE, multimodal, other rope types); a sliding window
+does not model (another architecture, multimodal, quantized weights, other rope types); a mixture
+of experts becomes ``model.moe`` (:func:`_hf_moe`); a sliding window
 becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
 with one line naming the key. Every value read is checked against its JSON type where it is read
 (:func:`_get`), so a string where a number belongs is one line naming the config.json key and the
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
 from kvbench.config.errors import ConfigError
+from kvbench.config.moe import check_moe
 from kvbench.jsonio import read_json
 
 CONFIG_FILE = "config.json"
@@ -37,6 +39,14 @@ HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
 # DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json): dense layers only.
 HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
+# Mixture-of-experts architectures (whose MLPs _hf_moe reads) and their routing; GPT-OSS also has
+# biases on q, k, v and o (attention_bias) and learned sinks in every layer.
+HF_ARCHITECTURES.update({"Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+                         "GptOssForCausalLM": {"qkv_bias": True, "qk_norm": False}})
+MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_shared",
+                "Qwen3_5MoeForCausalLM": "qwen_shared", "DeepseekV2ForCausalLM": "deepseek_v2",
+                "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v3",
+                "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
@@ -111,9 +121,15 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         "mlp_bias": "the decoder's MLP has no biases",
         "text_config": "multimodal checkpoints are not supported",
         "vision_config": "multimodal checkpoints are not supported",
-        "num_experts": "mixture-of-experts is not supported",
-        "num_local_experts": "mixture-of-experts is not supported",
+        "num_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
+        "num_local_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
+        "quantization_config": "quantized checkpoints (fp8 blocks, MXFP4 experts) are not read; use a "
+                               "bfloat16 or float32 copy",
     }
+    if arch == "GptOssForCausalLM":  # attention_bias there is on q, k, v and o alike; sinks in every layer
+        bias = _get(cfg, "attention_bias", "bool", True)
+        refused["attention_bias"] = None
+        switches = {**switches, "qkv_bias": bias, "o_bias": bias, "preset_sinks": True}
     for key, why in refused.items():
         if why and cfg.get(key):
             raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
@@ -121,7 +137,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
     positions = _get(cfg, "max_position_embeddings", "int", 2048)
     tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
-    mla = _hf_mla(cfg, where) if arch.startswith("Deepseek") else {}
+    mla = _hf_mla(cfg) if arch.startswith("Deepseek") else {}
     heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
     shape = dict(
         num_layers=_get(cfg, "num_hidden_layers", "int", _REQUIRED), d_model=hidden, num_heads=heads,
@@ -133,6 +149,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions),
         **_hf_window(cfg))
     shape.update(mla)
+    shape.update(_hf_moe(cfg, arch, shape["num_layers"]))
     return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
 
 
@@ -163,8 +180,7 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
         out["rope_original_max_seq_len"] = _get(rope, "original_max_position_embeddings", "int", positions, prefix)
     if rope_type == "yarn":
-        if _get(rope, "truncate", "bool", True, prefix) is not True:
-            raise ConfigError(f"{key}.truncate={rope['truncate']!r}: not supported (yarn's truncated range only)")
+        out["rope_truncate"] = _get(rope, "truncate", "bool", True, prefix)
         for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
                               ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
                               ("rope_attention_factor", "attention_factor")):
@@ -197,14 +213,8 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     return {"preset_window": window, "preset_layer_types": layer_types}
 
 
-def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
-    """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json; a layer whose MLP is a mixture
-    of experts (transformers: layer >= first_k_dense_replace) is refused naming the key."""
-    layers, dense = _get(cfg, "num_hidden_layers", "int", _REQUIRED), _get(cfg, "first_k_dense_replace", "int", 0)
-    if not (_counts(layers) and dense >= layers):
-        raise ConfigError(f"{where}: first_k_dense_replace={dense!r}: layers {dense}.. of {layers} use a "
-                          f"mixture-of-experts MLP (n_routed_experts={cfg.get('n_routed_experts')!r}), not "
-                          "supported; only dense DeepSeek layers (first_k_dense_replace >= num_hidden_layers)")
+def _hf_mla(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json (its mixture of experts: :func:`_hf_moe`)."""
     shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                          "v_head_dim")}
     shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
@@ -216,3 +226,69 @@ def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
 
 def _counts(*values: Any) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+# ---- mixture-of-experts MLPs --------------------------------------------------------------------
+
+def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any]:
+    """``model.moe`` from the config.json of a :data:`MOE_FAMILIES`
+    architecture, as transformers builds each family's layers: Qwen's sparse layers are those not
+    in ``mlp_only_layers`` whose index + 1 is a multiple of ``decoder_sparse_step``; DeepSeek's
+    those from ``first_k_dense_replace`` on; GPT-OSS's all. Each value is checked where it is read
+    (:func:`kvbench.config.moe.check_moe`), naming the config.json key. No sparse layer: {}."""
+    family = MOE_FAMILIES.get(arch)
+    if family is None or not _counts(num_layers):
+        return {}
+    counts = {key: _get(cfg, key, "int") for key in ("num_experts", "num_local_experts", "n_routed_experts")}
+    given = {key: n for key, n in counts.items() if n is not None}
+    if len(set(given.values())) > 1:  # transformers maps these names onto one another: two counts contradict
+        raise ConfigError(", ".join(f"{key}={n}" for key, n in given.items()) + ": inconsistent expert counts "
+                          "(one model has one number of routed experts)")
+    experts_key = next(iter(given), "n_routed_experts" if family.startswith("deepseek") else "num_experts")
+    keys = {"num_experts": experts_key, "top_k": "num_experts_per_tok", "expert_ffn_dim": "moe_intermediate_size",
+            "router": "scoring_func", "n_group": "n_group", "topk_group": "topk_group",
+            "routed_scaling_factor": "routed_scaling_factor", "shared_ffn_dim": "shared_expert_intermediate_size",
+            "shared_gate": "shared_expert_intermediate_size", "swiglu_limit": "swiglu_limit",
+            "dense_layers": "mlp_only_layers"}
+    moe: Dict[str, Any] = {"num_experts": given.get(experts_key), "top_k": _get(cfg, "num_experts_per_tok", "int"),
+                           "router": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                           "shared_ffn_dim": 0, "shared_gate": False, "swiglu_limit": None}
+    if family == "gpt_oss":
+        moe.update(expert_ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), router="softmax_topk",
+                   router_bias=True, expert_bias=True, swiglu_limit=_get(cfg, "swiglu_limit", "number", 7.0),
+                   swiglu_alpha=_get(cfg, "swiglu_alpha", "number", 1.702))
+        keys["expert_ffn_dim"], dense = "intermediate_size", []
+    elif family.startswith("deepseek"):
+        first = _get(cfg, "first_k_dense_replace", "int", 0)
+        dense, keys["dense_layers"] = list(range(min(first, num_layers))), "first_k_dense_replace"
+        if first >= num_layers:
+            return {}
+        v3 = family == "deepseek_v3"
+        grouped = v3 or _get(cfg, "topk_method", "str", "greedy") == "group_limited_greedy"
+        width = _get(cfg, "moe_intermediate_size", "int", _REQUIRED)
+        shared = _get(cfg, "n_shared_experts", "int", 1 if v3 else 2)
+        moe.update(expert_ffn_dim=width, router="sigmoid" if v3 else "softmax",
+                   norm_topk_prob=v3 and _get(cfg, "norm_topk_prob", "bool", True),
+                   routed_scaling_factor=_get(cfg, "routed_scaling_factor", "number", 2.5 if v3 else 1.0),
+                   n_group=_get(cfg, "n_group", "int", 8 if v3 else 1) if grouped else 1,
+                   topk_group=_get(cfg, "topk_group", "int", 4 if v3 else 1) if grouped else 1,
+                   shared_ffn_dim=width * shared if _counts(width, shared) else shared)
+        keys.update(shared_ffn_dim="n_shared_experts", router="topk_method")
+    else:
+        step, only = _get(cfg, "decoder_sparse_step", "int", 1), _get(cfg, "mlp_only_layers", "list", [])
+        if not _counts(step):
+            raise ConfigError(f"decoder_sparse_step={step!r}: must be >= 1")
+        if moe["num_experts"] in (None, 0):  # transformers: no experts, every layer dense
+            return {}
+        dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
+        shared = _get(cfg, "shared_expert_intermediate_size", "int", 0) if family == "qwen_shared" else 0
+        moe.update(expert_ffn_dim=_get(cfg, "moe_intermediate_size", "int", _REQUIRED), shared_ffn_dim=shared,
+                   shared_gate=bool(shared), norm_topk_prob=_get(cfg, "norm_topk_prob", "bool", family != "qwen"))
+    if len(dense) == num_layers:
+        return {}
+    for name in ("num_experts", "top_k"):
+        if moe[name] is None:
+            raise ConfigError(f"missing key {keys[name]!r} (a mixture-of-experts {arch} needs it)")
+    moe["dense_layers"] = dense
+    check_moe(moe, keys)
+    return {"moe": moe}

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import LAYER_TYPES, ROPE_TYPES
+from kvbench.config.moe import MoEShape
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
@@ -151,8 +152,10 @@ class ModelConfig:
     rope_mscale: float = 0.0  # 0: not set
     rope_mscale_all_dim: float = 0.0  # 0: not set
     rope_attention_factor: Optional[float] = None  # null: from factor, mscale and mscale_all_dim
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (GPT-OSS: false)
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # a bias on the attention's output projection (GPT-OSS)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
     # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window):
@@ -164,12 +167,19 @@ class ModelConfig:
     # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
+    # Mixture-of-experts MLPs (kvbench.config.moe); null: every layer's MLP is the dense SwiGLU of ffn_dim.
+    moe: Optional[MoEShape] = None
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
         if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
             self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
+        if isinstance(self.moe, Mapping):
+            self.moe = typed(MoEShape, dict(self.moe), "model.moe.")
+        if self.moe is not None:
+            check(max(self.moe.dense_layers, default=0) < self.num_layers, "model.moe.dense_layers",
+                  self.moe.dense_layers, f"must name layers below model.num_layers={self.num_layers}")
         check_numbers("model", self)
         check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len", "preset_kv_heads"))
