@@ -181,7 +181,8 @@ def check_model_fits(model: ModelConfig, device: torch.device | str, where: str)
     need = Footprint(parameter_count(model) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
     have = available_bytes(torch.device(device))
     if need.total > have:
-        raise ConfigError(f"{where}: a model of {model.num_layers} layers, d_model {model.d_model} and "
+        experts = "" if model.moe is None else f", {model.moe.num_experts} experts of {model.moe.expert_ffn_dim}"
+        raise ConfigError(f"{where}: a model of {model.num_layers} layers, d_model {model.d_model}{experts} and "
                           f"{model.max_seq_len} positions needs at least {human_bytes(need.total)} "
                           f"({need.describe()}), more than the {human_bytes(have)} available; nothing was built")
 
@@ -208,11 +209,13 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         return Footprint(0, 0, 0)
     need = job_footprint(cfg)
     have = available_bytes(device)
-    if cfg.task == "capacity":
+    if need.total <= have and cfg.task == "capacity":  # a model that does not fit at all is said so below
         _check_probe_range(cfg, need, have)
     if need.total > have:
         m = cfg.model
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
+                + (f", model.moe.num_experts={m.moe.num_experts}, model.moe.expert_ffn_dim={m.moe.expert_ffn_dim}"
+                   if m.moe is not None else "")
                 + "".join(f", attention.{k}={getattr(cfg.attention, k)}" for k in _MLA_SIZES if cfg.attention.latent)
                 + (_store_keys(cfg) if cfg.workload.name == "serving" and cfg.task == "bench"
                    else f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")

@@ -44,7 +44,7 @@ HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm":
 HF_ARCHITECTURES.update({"Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
                          "GptOssForCausalLM": {"qkv_bias": True, "qk_norm": False}})
 MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_shared",
-                "Qwen3_5MoeForCausalLM": "qwen_shared", "DeepseekV2ForCausalLM": "deepseek_v2",
+                "Qwen3_5MoeForCausalLM": "qwen3_5", "DeepseekV2ForCausalLM": "deepseek_v2",
                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v3",
                 "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
@@ -232,8 +232,9 @@ def _counts(*values: Any) -> bool:
 
 def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any]:
     """``model.moe`` from the config.json of a :data:`MOE_FAMILIES`
-    architecture, as transformers builds each family's layers: Qwen's sparse layers are those not
-    in ``mlp_only_layers`` whose index + 1 is a multiple of ``decoder_sparse_step``; DeepSeek's
+    architecture, as transformers builds each family's layers: Qwen3-MoE's and Qwen3-Next's sparse
+    layers are those not in ``mlp_only_layers`` whose index + 1 is a multiple of
+    ``decoder_sparse_step`` (Qwen3.5-MoE's: all); DeepSeek's
     those from ``first_k_dense_replace`` on; GPT-OSS's all. Each value is checked where it is read
     (:func:`kvbench.config.moe.check_moe`), naming the config.json key. No sparse layer: {}."""
     family = MOE_FAMILIES.get(arch)
@@ -280,10 +281,12 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
             raise ConfigError(f"decoder_sparse_step={step!r}: must be >= 1")
         if moe["num_experts"] in (None, 0):  # transformers: no experts, every layer dense
             return {}
-        dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
-        shared = _get(cfg, "shared_expert_intermediate_size", "int", 0) if family == "qwen_shared" else 0
+        # Qwen3.5-MoE: every layer sparse, its k weights always renormalised
+        dense = [] if family == "qwen3_5" else [i for i in range(num_layers) if i in only or (i + 1) % step]
+        shared = _get(cfg, "shared_expert_intermediate_size", "int", 0) if family != "qwen" else 0
+        norm = family == "qwen3_5" or _get(cfg, "norm_topk_prob", "bool", family != "qwen")
         moe.update(expert_ffn_dim=_get(cfg, "moe_intermediate_size", "int", _REQUIRED), shared_ffn_dim=shared,
-                   shared_gate=bool(shared), norm_topk_prob=_get(cfg, "norm_topk_prob", "bool", family != "qwen"))
+                   shared_gate=bool(shared), norm_topk_prob=norm)
     if len(dense) == num_layers:
         return {}
     for name in ("num_experts", "top_k"):

@@ -67,10 +67,11 @@ class MoEShape:
         return 3 * C * I + (2 * I + C if self.expert_bias else 0)
 
     def layer_params(self, d_model: int) -> int:
-        """A mixture-of-experts layer's MLP parameters: the router (and its bias or correction
-        bias), every routed expert, the shared expert and its gate."""
+        """A mixture-of-experts layer's MLP parameters: the router (and its bias), every routed
+        expert, the shared expert and its gate (the sigmoid router's correction bias is a buffer,
+        as in transformers: E values per layer, not counted)."""
         C, E = d_model, self.num_experts
-        router = E * C + (E if self.router_bias or self.router == "sigmoid" else 0)
+        router = E * C + (E if self.router_bias else 0)
         shared = 3 * C * self.shared_ffn_dim + (C if self.shared_gate else 0)
         return router + E * self.expert_params(C) + shared
 
