@@ -16,11 +16,14 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config import hf as hf_config
 from kvbench.config.bench import to_bench_config
+from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.moe import MoEShape
 from kvbench.footprint import parameter_counts
-from kvbench.generate import greedy_generate
-from kvbench.mlp.experts import MoE
+from kvbench.generate import compiled_graphs, compiled_step, greedy_generate
+from kvbench.jobs.runner import run_job
+from kvbench.measure.roofline import decode_bytes_read, decode_flops
+from kvbench.mlp.experts import MoE, record_routing
 from kvbench.model import Decoder
 from kvbench.rope import rope_inv_freq
 
@@ -237,7 +240,8 @@ def test_the_sparse_layers_of_each_family_follow_transformers_rules():
     assert moe["moe"]["dense_layers"] == [0, 2, 3, 4] and moe["moe"]["norm_topk_prob"] is False
     moe = hf_config._hf_moe({**qwen, "shared_expert_intermediate_size": 24, "norm_topk_prob": False,
                              "decoder_sparse_step": 2}, "Qwen3_5MoeForCausalLM", 4)["moe"]
-    assert (moe["dense_layers"], moe["norm_topk_prob"], moe["shared_ffn_dim"], moe["shared_gate"]) == ([], True, 24, True)
+    assert (moe["dense_layers"], moe["norm_topk_prob"], moe["shared_ffn_dim"], moe["shared_gate"]) == \
+        ([], True, 24, True)
     moe = hf_config._hf_moe({**qwen, "shared_expert_intermediate_size": 24}, "Qwen3NextForCausalLM", 2)["moe"]
     assert (moe["norm_topk_prob"], moe["shared_gate"]) == (True, True)
     assert hf_config._hf_moe({**qwen, "num_experts": 0}, "Qwen3MoeForCausalLM", 2) == {}
@@ -294,3 +298,82 @@ def test_the_presets_count_what_the_model_cards_say(preset, total, active, with_
     counts = parameter_counts(cfg.model, cfg.attention)
     assert counts.total == pytest.approx(total, rel=0.01)
     assert counts.active + (counts.embedding if with_embedding else 0) == pytest.approx(active, rel=0.01)
+
+
+# ---- what a decode step reads ---------------------------------------------------------------------
+
+def _small_moe_decoder(**moe):
+    torch.manual_seed(0)
+    return Decoder(ModelConfig(num_layers=3, d_model=C, num_heads=4, preset_kv_heads=4, ffn_dim=48, vocab_size=VOCAB,
+                               max_seq_len=64, moe={"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16,
+                                                    "dense_layers": [0], **moe})).eval()
+
+
+def test_a_steps_bytes_are_the_distinct_experts_its_router_chose(monkeypatch):
+    """A fixed routing: the 3 sequences of a batch go to experts (0, 1), (1, 2) and (5, 1), so each
+    of the 2 MoE layers runs 4 distinct experts, and a step reads 2 x 4 experts' weights, not all
+    16 (nor the 2 x 6 = min(8, 3 x 2) per layer that a step could read at most)."""
+    table = torch.tensor([[0, 1], [1, 2], [5, 1]])
+
+    def fixed(moe, logits, correction_bias=None):
+        n = logits.shape[0]  # token n of a batch-major (B, T) input is sequence n // T
+        return torch.full((n, 2), 0.5), table[torch.arange(n) // (n // 3)]
+
+    monkeypatch.setattr("kvbench.mlp.experts.route", fixed)
+    model = _small_moe_decoder()
+    with record_routing(model) as routing, torch.no_grad():
+        cache = cache_for(model, "static", 3, 12)
+        model(torch.zeros(3, 8, dtype=torch.long), cache, 0)  # prefill
+        model(torch.zeros(3, 1, dtype=torch.long), cache, 8)  # one decode step
+    assert routing.forwards() == [(4, 4), (4, 4)]
+    per_expert = (2 * 16 * C + C * 16) * 4  # w_gate_up and w_down of one expert, float32
+    assert routing.bytes_per_forward() == [2 * 4 * per_expert] * 2
+    params = sum(p.numel() for p in model.parameters())
+    dense = (params - 2 * 8 * (3 * 16 * C) - VOCAB * C + 3 * C) * 4  # all but the experts; 3 rows of the embedding
+    total, kv = decode_bytes_read(model, 3, 9, routed_bytes=2 * 4 * per_expert)
+    assert kv == model.layouts.cache_bytes(9, 3, 4) and total == dense + 2 * 4 * per_expert + kv
+    assert decode_bytes_read(model, 3, 9)[0] == dense + 2 * 6 * per_expert + kv  # no routing: the most it can read
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2) - VOCAB * C
+    assert decode_flops(model, 3, 9) == 3 * (2.0 * (matrices + 2 * 2 * 3 * 16 * C) + model.layouts.step_flops(9))
+
+
+def test_a_decode_record_reads_the_bytes_its_router_chose_and_is_plausible(tmp_path):
+    """model=tiny_moe end to end: the record's routed experts per step (a series, counted from the
+    router as the timed steps ran), its bytes read per step from them, and no figure flagged
+    implausible (the roofline does not count the 8 experts of which a step reads a few)."""
+    result = run_job(compose("wandb.mode=disabled", "runtime.peak_gb_per_s=10", "model=tiny_moe",
+                             "workload.prompt_len=16", "workload.gen_len=6", "workload.batch_size=3",
+                             "runtime.repeats=1"), tmp_path)
+    m, series = result.metrics, result.series["routed_experts"]
+    assert result.status == "ok", result.error
+    assert len(series) == 6 and all(1 <= n <= 6 for n in series)  # one MoE layer: at most min(8, 3 x 2)
+    assert m["routed_experts_per_step"] == pytest.approx(sum(series) / 6)
+    per_expert = (2 * 64 * 64 + 64 * 64) * 4
+    assert m["routed_expert_bytes_per_step"] == pytest.approx(m["routed_experts_per_step"] * per_expert)
+    model = Decoder(to_bench_config(compose("model=tiny_moe")).model)
+    weights = (sum(p.numel() for p in model.parameters()) - 8 * 3 * 64 * 64 - 256 * 64 + 3 * 64) * 4
+    kv = m["kv_bytes_read_per_step"]
+    assert m["bytes_read_per_step"] == pytest.approx(weights + m["routed_expert_bytes_per_step"] + kv)
+    assert result.implausible == []
+    assert {"routed_experts_per_step", "series.routed_experts", "routed_expert_bytes_per_step"} <= set(result.methods)
+
+
+def test_a_compiled_fixed_shape_step_is_refused_for_a_mixture_of_experts():
+    with pytest.raises(ConfigError) as err:
+        to_bench_config(compose("model=tiny_moe", "runtime.compile=graph", "cache.impl=static"))
+    assert str(err.value).startswith("runtime.compile=graph: the mixture-of-experts MLP") and "\n" not in str(err.value)
+
+
+@pytest.mark.e2e
+def test_a_mixture_of_experts_compiles_with_dynamic_shapes_and_decodes_as_eager():
+    """runtime.compile=default: the experts' loop runs eagerly between compiled graphs (it follows the
+    routing), the tokens are eager's and a second generation compiles nothing new."""
+    model = _small_moe_decoder()
+    prompt = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    eager = greedy_generate(model, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True)
+    compiled, step = compiled_step("default", model, torch.device("cpu"))
+    first = greedy_generate(compiled, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
+    graphs = compiled_graphs()
+    again = greedy_generate(compiled, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
+    assert torch.equal(first.tokens, eager.tokens) and torch.equal(again.tokens, eager.tokens)
+    assert (first.logits - eager.logits).abs().max().item() <= 1e-5 and compiled_graphs() == graphs
