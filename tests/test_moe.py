@@ -377,3 +377,18 @@ def test_a_mixture_of_experts_compiles_with_dynamic_shapes_and_decodes_as_eager(
     again = greedy_generate(compiled, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
     assert torch.equal(first.tokens, eager.tokens) and torch.equal(again.tokens, eager.tokens)
     assert (first.logits - eager.logits).abs().max().item() <= 1e-5 and compiled_graphs() == graphs
+
+
+@pytest.mark.parametrize("preset, printed", [
+    ("gpt_oss_120b", ["parameters: 116,829,156,672", "active parameters per token: 5,132,849,472 without the "
+                      "embedding table", "mixture of experts in 36 of 36 layers: 128 experts of 2880, top 4"]),
+    ("deepseek_v3", ["parameters: 671,026,404,352", "36,625,603,584 without", "37,552,282,624 with it",
+                     "58 of 61 layers (dense MLP of 18432 in layers 0, 1, 2)", "the best 4 of 8 groups"]),
+])
+def test_inspect_prints_total_and_active_parameters(preset, printed):
+    """kvbench task=inspect model=gpt_oss_120b (docs/moe.md): what it prints, in process."""
+    from kvbench.tasks.inspect import describe
+
+    text = describe(to_bench_config(compose(f"model={preset}", "task=inspect")))
+    for line in printed:
+        assert line in text
