@@ -155,3 +155,24 @@ def test_a_non_finite_expert_weight_is_named_after_assembly(tmp_path):
     path, _ = moe_dir(tmp_path, "qwen3_moe")
     _edit_tensors(path, lambda t: t["model.layers.0.mlp.experts.2.down_proj.weight"].__setitem__((0, 0), torch.nan))
     assert "tensor blocks.0.mlp.experts.w_down holds NaN or infinite values" in _load_error(path)
+
+
+def test_uptraining_a_checkpoint_with_experts_under_a_dense_preset_is_refused_naming_model_moe(tmp_path):
+    """train.init_from a model=tiny_moe checkpoint with model=tiny: the record would name a dense
+    model while the experts were trained; refused naming model.moe before training."""
+    from conftest import TEXT
+
+    from kvbench.checkpoint import save_checkpoint
+    from kvbench.jobs.runner import run_job
+    from kvbench.model import Decoder
+
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "moe.pt", Decoder(to_bench_config(compose("model=tiny_moe")).model))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    result = run_job(compose("wandb=disabled", "runtime.isolate=false", "task=train", "model=tiny",
+                             f"train.init_from={tmp_path / 'moe.pt'}", "train.steps=1", f"data.path={corpus}",
+                             "train.batch_size=2", "train.seq_len=16", "train.eval_batches=1"), tmp_path / "job")
+    assert result.status == "invalid"
+    [line] = result.error.splitlines()
+    assert "the checkpoint has model.moe=MoEShape(num_experts=8" in line and "model=tiny has None" in line

@@ -25,6 +25,7 @@ from kvbench.jobs.runner import run_job
 from kvbench.measure.roofline import decode_bytes_read, decode_flops
 from kvbench.mlp.experts import MoE, record_routing
 from kvbench.model import Decoder
+from kvbench.results import RunResult
 from kvbench.rope import rope_inv_freq
 
 C = 32  # d_model of every small model here
@@ -392,3 +393,43 @@ def test_inspect_prints_total_and_active_parameters(preset, printed):
     text = describe(to_bench_config(compose(f"model={preset}", "task=inspect")))
     for line in printed:
         assert line in text
+
+
+def test_capacity_counts_every_expert_in_the_weights():
+    """task=capacity on model=tiny_moe: the weights it measures are every expert's (the footprint's
+    count x 4 bytes), and its memory-only prediction under a budget of those weights + 3.5
+    sequences' KV is 3 sequences (with one expert's weights instead of 8 it would be more)."""
+    from kvbench.tasks import capacity
+    from kvbench.tasks.common import build_model
+
+    torch.set_num_threads(1)
+    weights = parameter_counts(to_bench_config(compose("model=tiny_moe")).model).total * 4
+    per_sequence = 2 * 2 * 8 * 8 * (16 + 2) * 4  # layers x K and V x heads x head_dim x positions x bytes
+    budget_gb = (weights + 3.5 * per_sequence) / 1e9
+    cfg = to_bench_config(compose("task=capacity", "model=tiny_moe", "capacity.context_lens=[16]",
+                                  "capacity.max_batch=8", "workload.gen_len=2", "runtime.warmup=0", "runtime.repeats=1",
+                                  f"runtime.memory_budget_gb={budget_gb}", "slo.tpot_ms=100000", "slo.stat=p50"))
+    model = build_model(cfg, torch.device("cpu"))
+    result = RunResult(status="ok", config={})
+    capacity.run_probes(cfg, model, torch.device("cpu"), result, capacity.baseline_bytes(torch.device("cpu")))
+    assert result.metrics["weight_bytes_measured"] == weights == model.num_params() * 4
+    assert result.tables["capacity"][0]["formula_max_batch"] == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_an_moe_checkpoint_on_cuda_is_transformers_on_cuda(tmp_path, family):
+    """The same checkpoints on a GPU (float32, TF32 off): perplexity within 1e-4 relative and 40
+    greedy cached steps token for token against transformers on the same GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, hf = moe_dir(tmp_path, family)
+    hf = hf.cuda()
+    model, _ = load_llama_dir(path, device="cuda")
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        ours, theirs = _perplexity(model(tokens), tokens), _perplexity(hf(tokens).logits, tokens)
+    assert ours == pytest.approx(theirs, rel=1e-4)
+    prompt = tokens[:, :16]
+    with torch.no_grad():
+        gen = greedy_generate(model, prompt, STEPS, cache_for(model, "static", 2, 16 + STEPS))
+    assert torch.equal(gen.tokens[:, :STEPS], _hf_greedy(hf, prompt, STEPS))
