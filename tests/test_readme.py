@@ -134,7 +134,8 @@ CHAINS: Dict[str, Dict[str, Step]] = {
     },
     "moe": {
         # docs/moe.md: a random GPT-OSS directory (sinks, windows, experts) benchmarked as it is
-        "python scripts/make_hf_dir.py --family gpt_oss --out gpt_oss_tiny": Step(swap={"scripts/": f"{ROOT}/scripts/"}),
+        "python scripts/make_hf_dir.py --family gpt_oss --out gpt_oss_tiny":
+            Step(swap={"scripts/": f"{ROOT}/scripts/"}),
         "kvbench model=hf_dir model.path=gpt_oss_tiny workload.prompt_len=64": Step(["workload.gen_len=3", *QUICK]),
     },
     "demo": {
