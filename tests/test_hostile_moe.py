@@ -45,6 +45,8 @@ GPT_OSS = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2, "hidd
     (DEEPSEEK, {"topk_group": 1, "num_experts_per_tok": 3},
      "num_experts_per_tok=3: must be <= topk_group=1 groups x 2 experts per group"),
     (DEEPSEEK, {"n_group": 8}, "n_group=8: leaves 1 expert per group"),
+    (DEEPSEEK, {"mlp_layer_types": ["dense", "moe"]}, "mlp_layer_types=['dense', 'moe']: must name each of "
+                                                      "num_hidden_layers=2 layers dense or sparse"),
     (QWEN, {"num_experts_per_tok": None}, "missing key 'num_experts_per_tok'"),
     (QWEN, {"num_experts": "8"}, "num_experts='8': must be an integer"),
     (QWEN, {"moe_intermediate_size": 0}, "moe_intermediate_size=0: must be >= 1"),

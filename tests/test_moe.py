@@ -253,6 +253,8 @@ def test_the_sparse_layers_of_each_family_follow_transformers_rules():
     moe = hf_config._hf_moe(ds, "DeepseekV2ForCausalLM", 5)["moe"]  # greedy: no groups
     assert (moe["router"], moe["n_group"], moe["norm_topk_prob"], moe["shared_ffn_dim"]) == ("softmax", 1, False, 16)
     assert hf_config._hf_moe({**ds, "first_k_dense_replace": 5}, "DeepseekV3ForCausalLM", 5) == {}
+    v32 = {**ds, "mlp_layer_types": ["dense", "sparse", "dense", "sparse", "sparse"]}  # DeepSeek-V3.2 names each layer
+    assert hf_config._hf_moe(v32, "DeepseekV32ForCausalLM", 5)["moe"]["dense_layers"] == [0, 2]
     assert hf_config._hf_moe({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
                              "GptOssForCausalLM", 2)["moe"]["dense_layers"] == []
 

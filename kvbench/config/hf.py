@@ -235,7 +235,8 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
     architecture, as transformers builds each family's layers: Qwen3-MoE's and Qwen3-Next's sparse
     layers are those not in ``mlp_only_layers`` whose index + 1 is a multiple of
     ``decoder_sparse_step`` (Qwen3.5-MoE's: all); DeepSeek's
-    those from ``first_k_dense_replace`` on; GPT-OSS's all. Each value is checked where it is read
+    those from ``first_k_dense_replace`` on, or the ``sparse`` ones of ``mlp_layer_types`` (V3.2);
+    GPT-OSS's all. Each value is checked where it is read
     (:func:`kvbench.config.moe.check_moe`), naming the config.json key. No sparse layer: {}."""
     family = MOE_FAMILIES.get(arch)
     if family is None or not _counts(num_layers):
@@ -262,7 +263,13 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
     elif family.startswith("deepseek"):
         first = _get(cfg, "first_k_dense_replace", "int", 0)
         dense, keys["dense_layers"] = list(range(min(first, num_layers))), "first_k_dense_replace"
-        if first >= num_layers:
+        kinds = _get(cfg, "mlp_layer_types", "list")  # DeepSeek-V3.2 names each layer's MLP (dense | sparse)
+        if kinds is not None:
+            if len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
+                raise ConfigError(f"mlp_layer_types={kinds!r}: must name each of num_hidden_layers={num_layers} "
+                                  "layers dense or sparse")
+            dense, keys["dense_layers"] = [i for i, k in enumerate(kinds) if k == "dense"], "mlp_layer_types"
+        if len(dense) == num_layers:
             return {}
         v3 = family == "deepseek_v3"
         grouped = v3 or _get(cfg, "topk_method", "str", "greedy") == "group_limited_greedy"
