@@ -39,9 +39,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import _llama_name, build_decoder
+from kvbench.checkpoint import build_decoder, hf_to_decoder_name
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.generate import FixedShapeStep, decode_step
+from kvbench.layouts.build import build_layouts
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, probe_bandwidth
 from kvbench.measure.timing import sync
 
@@ -63,9 +64,11 @@ def hf_model(cfg: ModelConfig, num_kv_heads: int, dtype, device) -> LlamaForCaus
 
 
 def kvbench_model(hf: LlamaForCausalLM, cfg: ModelConfig, num_kv_heads: int, dtype, device):
-    state = {_llama_name(k): v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
     model_cfg = ModelConfig(**{**vars(cfg), "preset_kv_heads": num_kv_heads, "head_dim": None})
-    return build_decoder(model_cfg, AttentionConfig.for_heads(cfg.num_heads, num_kv_heads), state, dtype, device).eval()
+    attention = AttentionConfig.for_heads(cfg.num_heads, num_kv_heads)
+    layouts = build_layouts(model_cfg, attention.resolved(model_cfg))
+    state = {hf_to_decoder_name(k, layouts): v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
+    return build_decoder(model_cfg, attention, state, dtype, device).eval()
 
 
 class Contender:

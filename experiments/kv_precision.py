@@ -9,7 +9,7 @@ interleaved over all six caches, one step of each in turn (the order rotated eve
 drifts hit every configuration alike. The int8 cache decodes greedily; its float32 twin is fed
 the same tokens (teacher-forced), so at every step the two differ only in how K/V were stored:
 that gives the max |logit difference| and the top-1 agreement (prefill's last position and every
-decode step, all sequences). KV bytes: the formula (``kv_cache_bytes``), equal to the cache's
+decode step, all sequences). KV bytes: the layouts' formula (``Layouts.cache_bytes``), equal to the cache's
 tensors (asserted). Writes ``--out`` (default ``outputs/experiments/kv_precision.md``; the
 committed copy is ``experiments/results/kv_precision.md``).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench.cache import cache_for, kv_cache_bytes
+from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.model import Decoder
 
@@ -64,7 +64,7 @@ def main() -> None:
         model = Decoder(SMALL, AttentionConfig.for_heads(SMALL.num_heads, kv)).eval()
         for cache_dtype in ("auto", "int8"):
             cache = cache_for(model, "static", B, P + N, cache_dtype)
-            formula = kv_cache_bytes(SMALL.num_layers, kv, SMALL.head_dim, P + N, B, 4, cache_dtype)
+            formula = model.layouts.cache_bytes(P + N, B, 4, cache_dtype)
             assert cache.nbytes == sum(t.nbytes for t in cache.tensors()) == formula
             logits = prefill(model, prompt, cache)
             runs.append(dict(kv=kv, cache_dtype=cache_dtype, model=model, cache=cache, logits=[logits], ms=[],

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.cache import kv_cache_bytes
 from kvbench.checkpoint import read_checkpoint
-from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.train import DataConfig, TrainConfig
+from kvbench.config.workload import DecodeWorkload
+from kvbench.layouts.build import build_layouts
 from kvbench.quality.train import CHECKPOINT_NAME, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def bench_config(model: ModelConfig, num_kv_heads: int, train: TrainConfig, seed: int,
                  threads: int) -> BenchConfig:
     return BenchConfig(task="train", model=model, attention=AttentionConfig.for_heads(model.num_heads, num_kv_heads),
-                       workload=WorkloadConfig(prompt_len=64, gen_len=16), cache=CacheConfig(),
+                       workload=DecodeWorkload(prompt_len=64, gen_len=16), cache=CacheConfig(),
                        runtime=RuntimeConfig(device="cpu", seed=seed, threads=threads),
                        wandb=WandbConfig(mode="disabled"), data=DataConfig(), train=train)
 
@@ -64,8 +65,7 @@ def run(name: str, cfg: BenchConfig, out_root: Path, reuse: bool) -> dict:
 def _row(name: str, cfg: BenchConfig, out: Path, metrics: dict) -> dict:
     m = cfg.model
     return {"run": name, "num_kv_heads": cfg.attention.num_kv_heads,
-           "kv_bytes_per_token_fp16": kv_cache_bytes(m.num_layers, cfg.attention.num_kv_heads,
-                                                     m.head_dim, 1, 1, 2),
+           "kv_bytes_per_token_fp16": build_layouts(m, cfg.attention).bytes_per_token(2),
            **metrics, "checkpoint": str(out / CHECKPOINT_NAME)}
 
 

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from kvbench.config.bench import TrainConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.train import TrainConfig
 from kvbench.model import Decoder
 from kvbench.quality.recall import Condition, accuracy, eval_set, train_stream
 from kvbench.quality.train import train

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rounds(variant: str, args) -> dict:
-    overrides = ["experiment=choose", f"attention={variant}", "serving=decode", f"workload.gen_len={args.gen_len}",
+    overrides = ["experiment=choose", f"attention={variant}", "scenario=decode", f"workload.gen_len={args.gen_len}",
                  f"capacity.tpot_pairs={args.pairs}", "hydra.mode=RUN"]
     if args.model:
         overrides.append(f"model={args.model}")

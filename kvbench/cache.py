@@ -8,7 +8,9 @@ MLA); ``pos``: their :class:`Positions`. The result is what the layer attends ov
 values (B, H_kv, S, D), the mask over them (None: every key; ``causal``: SDPA's causal path, the
 keys being exactly the new tokens) and a batch-1 prefix every sequence attends first. Prefill,
 decode, a shared prefix, the fixed-shape compiled step and the serving store's batches all go
-through it; every mask is :func:`visible`'s rule. A layer that holds a constant state instead of
+through it; every mask is :func:`visible`'s rule. A layer that reads another layer's K/V
+(cross-layer sharing) has a :class:`~kvbench.shared_kv.SharedLayer`, which answers with its
+donor's answer. A layer that holds a constant state instead of
 K/V (Gated DeltaNet) has a :class:`~kvbench.state_cache.StateLayer`, the same question answered
 for a recurrence: ``update(x, pos) -> Carry`` (what it continues from).
 
@@ -33,6 +35,7 @@ import torch
 
 from kvbench.config.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
+from kvbench.shared_kv import SharedLayer, link
 from kvbench.state_cache import StateLayer
 
 Runs = Sequence[Tuple[int, int]]  # runs of key positions, (first, count) each, in the order of the keys
@@ -393,7 +396,8 @@ def make_cache(impl: str, layouts: Sequence, batch_size: int, max_seq_len: int,
         raise ValueError(f"cache.dtype={cache_dtype!r} needs a preallocated cache: cache.impl={impl!r} "
                          "stores K/V as given; use cache.impl=static")
     device = torch.device(device)
-    layers = [layer_cache(layout, impl, batch_size, max_seq_len, dtype, device, cache_dtype) for layout in layouts]
+    layers = link(layouts, [layer_cache(layout, impl, batch_size, max_seq_len, dtype, device, cache_dtype)
+                            for layout in layouts])
     return Cache(impl, layers, batch_size, max_seq_len, dtype, device, cache_dtype)
 
 
@@ -405,7 +409,7 @@ def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: tor
     state holds it (static, concat)."""
     layout.check({"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
-    if impl == "none":
+    if impl == "none" or layout.kv_source is not None:
         return uncached(layout)
     if layout.state is not None:
         return StateLayer(layout.state, batch_size, dtype, device)
@@ -420,8 +424,15 @@ def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: tor
 def uncached(layout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
     """A layer's cache that holds nothing (``cache.impl=none``, a forward without a cache); ``mask``
     as :class:`Uncached`'s (a recurrent layer reads no keys: it does not apply there)."""
+    if layout.kv_source is not None:
+        return SharedLayer(layout.window)  # its donor's, once linked (:func:`kvbench.shared_kv.link`)
     return Uncached(layout.window, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,
                                                                                   "cpu", held=False)
+
+
+def uncached_layers(layouts: Sequence, mask: Optional[torch.Tensor] = None) -> List:
+    """Every layer's :func:`uncached` cache, shared layers reading their donors' (a forward without a cache)."""
+    return link(layouts, [uncached(layout, mask) for layout in layouts])
 
 
 def cache_for(model, impl: str, batch_size: int, max_seq_len: int, cache_dtype: str = "auto") -> Cache:

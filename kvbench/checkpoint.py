@@ -4,10 +4,13 @@
   any extra (train metrics, the loss curve).
 - transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
   names) of the architectures in :data:`~kvbench.config.hf.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
-  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, the mixtures of experts
-  of Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS: :mod:`kvbench.mlp.weights`), MHA, GQA or MQA. The
-  decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
-  unpermuted (tests/test_checkpoint.py compares logits against transformers for each family).
+  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, DeepSeek's MLA and V3.2's DSA, Qwen3.5
+  and Qwen3-Next with their Gated DeltaNet layers, the mixtures of experts of Qwen3-MoE, Qwen3-Next,
+  DeepSeek-V2/V3 and GPT-OSS: :mod:`kvbench.mlp.weights`), MHA, GQA or MQA. Each layer's attention
+  module declares its transformers names (``HF_MODULE``, ``HF_NAMES``, fused ones ``HF_FUSED``).
+  The decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
+  unpermuted (tests/test_checkpoint.py, tests/test_qwen_hybrid.py and tests/test_moe.py compare against
+  transformers).
 - A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
   2023), or repeating them, exactly, to more heads (GQA → MHA).
 
@@ -24,18 +27,22 @@ import re
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, typed
+from kvbench.config.hf import LINEAR
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write
+from kvbench.layouts.attention import MODULES
+from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.gated_deltanet_attention import unfuse
 from kvbench.mlp.weights import MOE_NAMES, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
@@ -142,23 +149,34 @@ def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
 
 # ---- Llama-format directories ---------------------------------------------------------------
 
-def _llama_name(name: str) -> str:
-    """transformers' parameter name → the decoder's (unknown names pass through unchanged)."""
-    replacements = [("model.embed_tokens.", "embed."), ("model.layers.", "blocks."),
-                    ("model.norm.", "norm."), (".self_attn.q_proj.", ".attn.wq."),
-                    (".self_attn.k_proj.", ".attn.wk."), (".self_attn.v_proj.", ".attn.wv."),
-                    (".self_attn.o_proj.", ".attn.wo."), (".self_attn.q_norm.", ".attn.q_norm."),
-                    (".self_attn.k_norm.", ".attn.k_norm."), (".mlp.gate_proj.", ".mlp.w_gate."),
-                    (".mlp.up_proj.", ".mlp.w_up."), (".mlp.down_proj.", ".mlp.w_down."),
-                    (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".mlp_norm."),
-                    # DeepSeek-V2/V3's latent attention (model.LatentAttention)
-                    (".self_attn.q_a_proj.", ".attn.wq.0."), (".self_attn.q_a_layernorm.", ".attn.wq.1."),
-                    (".self_attn.q_b_proj.", ".attn.wq.2."), (".self_attn.kv_a_proj_with_mqa.", ".attn.wkv_a."),
-                    (".self_attn.kv_a_layernorm.", ".attn.kv_norm."), (".self_attn.kv_b_proj.", ".attn.wkv_b."),
-                    (".self_attn.sinks", ".attn.sinks")]  # GPT-OSS
-    for old, new in MOE_NAMES + replacements:  # a mixture of experts' names first (kvbench.mlp.weights)
-        name = name.replace(old, new)
+# transformers' names outside a layer's attention module -> the decoder's (the attention module's own
+# are declared by its class: HF_MODULE, HF_NAMES, and HF_FUSED for projections stored fused)
+_MODEL_NAMES = {"model.embed_tokens.": "embed.", "model.norm.": "norm."}
+_BLOCK_NAMES = {"input_layernorm.": "attn_norm.", "post_attention_layernorm.": "mlp_norm.",
+                "mlp.gate_proj.": "mlp.w_gate.", "mlp.up_proj.": "mlp.w_up.", "mlp.down_proj.": "mlp.w_down."}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _renamed(name: str, names: Mapping[str, str]) -> str:
+    """``name`` with the first key of ``names`` it is (a parameter) or starts with (a key ending in
+    ".": a submodule) replaced by its value; unknown names pass through (and are then unexpected)."""
+    for old, new in names.items():
+        if name == old or (old.endswith(".") and name.startswith(old)):
+            return new + name[len(old):]
     return name
+
+
+def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
+    """transformers' parameter name -> the decoder's, layer by layer: a layer's attention names are
+    those its layout's module declares (``self_attn`` or ``linear_attn``)."""
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return _renamed(name, _MODEL_NAMES)
+    i, rest = int(match.group(1)), match.group(2)
+    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    if module is not None and rest.startswith(module.HF_MODULE + "."):
+        return f"blocks.{i}.attn." + _renamed(rest[len(module.HF_MODULE) + 1:], module.HF_NAMES)
+    return f"blocks.{i}." + _renamed(rest, {**MOE_NAMES, **_BLOCK_NAMES})
 
 
 def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
@@ -195,25 +213,29 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         check_model_fits(model_cfg, device, f"{directory / 'config.json'}")  # before any tensor is made
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    # Headers first: names, shapes and dtypes against config.json before anything is built or read.
-    stored: Dict[str, StoredTensor] = {}
-    for name, tensor in read_headers(directory).items():
-        if _llama_name(name) in stored:  # two spellings of one weight
-            raise CheckpointError(f"{directory}: tensors {stored[_llama_name(name)].name} and {name} are the same "
-                                  "weight of the decoder: which one is meant is not defined")
-        stored[_llama_name(name)] = tensor
-    if hf_config.tied_embeddings(hf) and "lm_head.weight" not in stored and "embed.weight" in stored:
-        stored["lm_head.weight"] = stored["embed.weight"]  # tied: the head reuses the embedding
-    _check_layers(directory, model_cfg, stored)
-    stored = expert_tensors(directory, model_cfg, stored)  # per-expert or stacked: the decoder's stacked weights
     if model_cfg.preset_mla is not None:
         attention = AttentionConfig(type="mla").resolved(model_cfg)
     else:
         attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
-    expected = _expected_tensors(model_cfg, attention)
+    layouts = build_layouts(model_cfg, attention.resolved(model_cfg))  # data only: what names mean per layer
     model_name = f"a {hf_config.architecture(hf)} as {directory / 'config.json'} describes it"
+    # Headers first: names, shapes and dtypes against config.json before anything is built or read.
+    stored, fused = _stored_tensors(directory, hf, layouts)
+    if hf_config.tied_embeddings(hf) and "lm_head.weight" not in stored and "embed.weight" in stored:
+        stored["lm_head.weight"] = stored["embed.weight"]  # tied: the head reuses the embedding
+    _check_layers(directory, model_cfg, stored)
+    stored = expert_tensors(directory, model_cfg, stored)  # per-expert or stacked: the decoder's stacked weights
+    expected = _expected_tensors(model_cfg, attention)
+    for keys in fused.values():  # a fused projection holds its parts' rows, each part stored with its shape
+        tensor, want = stored[keys[0]], (sum(expected[k][0] for k in keys), *expected[keys[0]][1:])
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{directory}: tensor {tensor.name} has shape {tuple(tensor.shape)}, config.json "
+                                  f"implies {want}")
+        stored.update({k: replace(tensor, shape=tuple(expected[k])) for k in keys})
     check_tensors(directory, expected, stored, model=model_name)
     tensors = read_assembled(load_tensors, {k: stored[k] for k in expected})
+    for (i, name), parts in fused.items():  # each part was read as the whole fused tensor
+        tensors.update({f"blocks.{i}.attn.{k}": t for k, t in unfuse(layouts[i], name, tensors[parts[0]]).items()})
     check_tensors(directory, expected, tensors, model=model_name)  # the values: finite
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
         _deinterleave_rope(tensors, model_cfg, attention)
@@ -225,6 +247,33 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         path = directory / "tokenizer.json"
         tokenizer = _reading(path, "tokenizer.json (tokenizers)", partial(Tokenizer.from_file, str(path)))
     return decoder, tokenizer
+
+
+def _stored_tensors(directory: Path, hf: Mapping[str, Any],
+                    layouts: Sequence[LayerLayout]) -> Tuple[Dict[str, StoredTensor], Dict[tuple, list]]:
+    """The checkpoint's tensor headers by the decoder's names (a multimodal checkpoint's language
+    model, without the tensors transformers leaves unread), and its fused projections: (layer,
+    transformers' name) -> the decoder's names of its parts, each stored as the fused header."""
+    arch = hf_config.checkpoint_architecture(hf)
+    prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
+    stored: Dict[str, StoredTensor] = {}
+    fused: Dict[tuple, list] = {}
+    for name, tensor in read_headers(directory).items():
+        full = "model." + name[len(prefix):] if prefix and name.startswith(prefix) else name
+        if full.startswith(unread):
+            continue
+        ours = hf_to_decoder_name(full, layouts)
+        match = re.fullmatch(r"blocks\.(\d+)\.attn\.(.+)", ours)
+        parts = match and int(match.group(1)) < len(layouts) and getattr(
+            MODULES[type(layouts[int(match.group(1))])], "HF_FUSED", {}).get(match.group(2))
+        for key in [f"blocks.{match.group(1)}.attn.{p}" for p in parts] if parts else [ours]:
+            if key in stored:  # two spellings of one weight
+                raise CheckpointError(f"{directory}: tensors {stored[key].name} and {name} are the same "
+                                      "weight of the decoder: which one is meant is not defined")
+            stored[key] = tensor
+        if parts:
+            fused[(int(match.group(1)), match.group(2))] = [f"blocks.{match.group(1)}.attn.{p}" for p in parts]
+    return stored, fused
 
 
 def _check_layers(directory: Path, model: ModelConfig, stored: Mapping[str, StoredTensor]) -> None:
@@ -272,10 +321,19 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
     elif not attention.latent:
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
                               "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
-    for name in MLA_FIELDS if attention.latent else ():
+    # what the weights are: a layout property asked other than the checkpoint's is refused, not dropped
+    for name in (*(MLA_FIELDS if attention.latent else ()), "kv_shared_layers", "sinks"):
         asked, own = getattr(attention, name), getattr(model.attention, name)
-        if asked != own:
-            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {own} (leave it null)")
+        if (asked or 0) != (own or 0):  # null: none
+            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {0 if own is None else own} "
+                                  "(leave it null)")
+    n = model.config.num_layers
+    linear = [k == LINEAR for k in attention.layer_kinds(n)]
+    if linear != [k == LINEAR for k in model.attention.layer_kinds(n)]:
+        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's Gated DeltaNet layers "
+                              f"are {[i for i, k in enumerate(model.attention.layer_kinds(n)) if k == LINEAR]} "
+                              "(converting between linear and full attention layers is not built; leave "
+                              "attention.full_attention_interval and attention.layer_types null)")
     if attention.layer_windows(model.config.num_layers) != list(model.layouts.windows):
         pattern = replace(model.attention, **_window_fields(model.config, attention))
         model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
@@ -293,7 +351,8 @@ def _window_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str,
     if attention.window:
         return {"window": attention.window, "global_every": attention.global_every,
                 "layer_types": attention.layer_types}
-    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": None}
+    linear = attention.layer_types if LINEAR in (attention.layer_types or ()) else None  # its Gated DeltaNet layers
+    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": linear}
 
 
 # ---- changing the KV-head count ------------------------------------------------------------

@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.cli_job import report
+from kvbench.cli_job import report, typed_at_start
 from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError, one_line
 from kvbench.jobs.claim import sweep_lock
@@ -129,13 +129,14 @@ class SweepRefused(BaseException):
 def check_run_start(config: DictConfig) -> None:
     """Type a single run's config before Hydra makes its directory (and before anything imports
     torch): a misspelled key, a value of the wrong type or out of range, an interpolation that
-    does not resolve is one line naming the key and nothing is created. Raises
-    :class:`ConfigError`. (A sweep types each job as it runs: one bad job is that job's record.)"""
+    does not resolve is one line naming the key and nothing is created; the job takes the typed
+    config from here. Raises :class:`ConfigError`. (A sweep types each job as it runs: one bad job
+    is that job's record.)"""
     HydraConfig.instance().set_config(config)  # a value may read ${hydra:...}, as the job will
     job = copy.deepcopy(config)
     with open_dict(job):
         del job["hydra"]
-    to_bench_config(job)
+    typed_at_start(job, to_bench_config(job))
     check_run_dir(config)
 
 

@@ -11,7 +11,6 @@ then recorded ``oom`` as before.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -22,9 +21,10 @@ import torch
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
+from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.build import build_layouts
-from kvbench.model import Block, Decoder
+from kvbench.model import Decoder
 from kvbench.units import human_bytes
 
 # The decoder is built in float32 and then cast (kvbench.runner.build_model): its weights peak at
@@ -50,37 +50,39 @@ class ParameterCounts:
 
 
 def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> ParameterCounts:
-    """The decoder's exact parameter counts without building its layers: the fixed part from a
-    one-layer decoder on the meta device (no memory), and one block on the meta device per kind
-    of layer (its layout and its MLP: dense or the mixture of experts), counted once per layer of
-    that kind; the experts' share from :class:`~kvbench.config.moe.MoEShape`'s formulas."""
-    # Windows decide masks and caches, not parameters.
-    flat = dataclasses.replace(model, max_seq_len=1, preset_window=None, preset_global_every=None,
-                               preset_layer_types=None)
-    if attention is not None:
-        attention = dataclasses.replace(attention, window=0, global_every=None, layer_types=None)
-    with torch.device("meta"):
-        one = Decoder(dataclasses.replace(flat, num_layers=1, moe=None), attention)
-        fixed = one.num_params() - sum(p.numel() for p in one.blocks.parameters())
+    """The decoder's exact parameter counts without building its layers: one- and two-layer
+    decoders of each kind of layer on the meta device (no memory) give the fixed part and one
+    layer's of that kind, and every layer of a kind has the same shape. A layer's kind is its mixer
+    (a Gated DeltaNet layer, an attention layer, or one reading another layer's K/V: no K/V
+    weights) and its MLP (dense, or the mixture of experts); the experts a token is not routed to
+    (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas. ``attention``:
+    as the job resolved it against ``model`` (None: MHA)."""
+    resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
+    first_shared = model.num_layers - (resolved.kv_shared_layers or 0)
+    moe = model.moe
+    kinds = [(k if k == LINEAR else "shared" if i >= first_shared else "full_attention",
+              moe is not None and moe.sparse(i)) for i, k in enumerate(resolved.layer_kinds(model.num_layers))]
+    # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
+    small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
+                                preset_layer_types=None, preset_kv_shared_layers=0, moe=None)
+    attention = dataclasses.replace(attention or AttentionConfig(type="mha"), window=0, global_every=None,
+                                    full_attention_interval=None, kv_shared_layers=0)
+    per_layer, fixed, embedding = {}, 0, 0
+    for mixer, sparse in dict.fromkeys(kinds):
+        types = (lambda n: [LINEAR] * n) if mixer == LINEAR else (lambda n: None)
+        mlp = dataclasses.replace(moe, dense_layers=[]) if sparse else None  # every layer of the small models
+        with torch.device("meta"):
+            one = Decoder(dataclasses.replace(small, moe=mlp), dataclasses.replace(attention, layer_types=types(1)))
+            two = Decoder(dataclasses.replace(small, num_layers=2, moe=mlp),
+                          dataclasses.replace(attention, layer_types=types(2),
+                                              kv_shared_layers=1 if mixer == "shared" else 0)).num_params()
+        per_layer[mixer, sparse] = two - one.num_params()
         embedding = one.embed.weight.numel()
-        # Layers of one layout kind differ in their index and window only, which change no parameter;
-        # counted by C-level passes (a config of a million layers is refused in seconds, not minutes).
-        layouts = build_layouts(flat, one.attention)
-        kinds = list(map(type, layouts))
-        dense = set(range(flat.num_layers)) if flat.moe is None else set(flat.moe.dense_layers)
-        total = active = fixed
-        for kind, count in Counter(kinds).items():
-            first = layouts[kinds.index(kind)]
-            n_dense = sum(1 for i in dense if kinds[i] is kind)
-            for sparse, layers in ((False, n_dense), (True, count - n_dense)):
-                if not layers:
-                    continue
-                layer = dataclasses.replace(first, index=next(i for i in range(flat.num_layers)
-                                                              if kinds[i] is kind and (i not in dense) == sparse))
-                n = sum(p.numel() for p in Block(flat, layer).parameters())
-                unused = (flat.moe.num_experts - flat.moe.top_k) * flat.moe.expert_params(flat.d_model) if sparse else 0
-                total, active = total + layers * n, active + layers * (n - unused)
-    return ParameterCounts(total, active - embedding, embedding)
+        if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
+            fixed = 2 * one.num_params() - two
+    total = fixed + sum(per_layer[k] for k in kinds)
+    unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model)
+    return ParameterCounts(total, total - unused * sum(sparse for _, sparse in kinds) - embedding, embedding)
 
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
@@ -90,7 +92,7 @@ def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = N
 
 def rope_peak_bytes(model: ModelConfig) -> int:
     """Bytes the rotary tables take while they are built (float64 intermediates)."""
-    return model.max_seq_len * model.head_dim * ROPE_PEAK_BYTES_PER_ELEMENT
+    return model.max_seq_len * model.rotary_dim * ROPE_PEAK_BYTES_PER_ELEMENT  # partial rotary: its width
 
 
 def recall_data_bytes(cfg: BenchConfig) -> int:

@@ -1,9 +1,11 @@
 """The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU), with the
-switches that make it Qwen2 (q/k/v biases) or Qwen3 (per-head q/k RMSNorm) as config fields, and
-a mixture of experts for the MLP of a layer where ``model.moe`` says so (:mod:`kvbench.mlp`).
+switches that make it Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) or Qwen3.5 (zero-centred
+norms) as config fields, and a mixture of experts for the MLP of a layer where ``model.moe`` says
+so (:mod:`kvbench.mlp`).
 
 Each block's attention is its layer's layout (:mod:`kvbench.layouts`): MHA, GQA or MQA by the
-KV-head count, MLA's latent, a window or sinks as properties of a layer. The decoder builds them
+KV-head count, MLA's latent, a Gated DeltaNet layer's recurrence, a window, sinks, an output gate
+or partial rotary as properties of a layer. The decoder builds them
 from the config once and never branches on them; each layer's cache tells its attention what to
 attend over (:mod:`kvbench.cache`).
 
@@ -17,7 +19,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from kvbench.cache import Positions, uncached
+from kvbench.cache import Positions, uncached_layers
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.layouts.attention import attention_module
@@ -39,9 +41,9 @@ def torch_dtype(name: str) -> torch.dtype:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: LayerLayout):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.mlp = mlp_module(cfg, layout.index)  # dense, or a mixture of experts (kvbench.mlp)
 
     def forward(self, x, cos, sin, cache, pos):
@@ -68,7 +70,7 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
         self.blocks = nn.ModuleList(Block(model, layout) for layout in self.layouts)
-        self.norm = RMSNorm(model.d_model, model.norm_eps)
+        self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()
         if meta:  # rope_tables' shapes and dtype, no values
@@ -111,7 +113,7 @@ class Decoder(nn.Module):
         if pos.start is not None and pos.end > self.config.max_seq_len:
             raise ValueError(f"sequence of {pos.end} positions exceeds model.max_seq_len={self.config.max_seq_len}")
         if cache is None:
-            layer_caches = [uncached(layout, mask) for layout in self.layouts]
+            layer_caches = uncached_layers(self.layouts, mask)
         else:
             layer_caches = cache.begin(pos, B)
         x = self.embed(tokens)

@@ -5,13 +5,18 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``zero_centered`` (Qwen3.5, Qwen3-Next, Gemma): the weight is stored around 0 and scales by
+    (1 + weight), multiplied in float32 before the cast back (Llama casts first, then multiplies)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as Llama does: half-precision sums of squares lose accuracy.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)

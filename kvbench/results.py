@@ -3,7 +3,7 @@
 This module is the only reader and writer of records. Everything downstream (W&B, the sweep
 table, the report, resumption) reads a record through :class:`RunResult` /
 :func:`read_record`. A record is written atomically (:func:`kvbench.jsonio.atomic_write`), so a
-reader or a job killed mid-write never sees a torn file. :func:`record_view` says which keys of a
+reader or a job killed mid-write never sees a torn file. :func:`record_config` says which keys of a
 job's config its record keeps.
 
 Records are strict JSON: a NaN or an infinity is written as null, and ``null_reasons`` says
@@ -21,8 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config.bench import BenchConfig, objective_metric
-from kvbench.config.model import MLA_FIELDS
+from kvbench.config.bench import TASKS, BenchConfig, objective_metric
+from kvbench.config.hf import LINEAR
+from kvbench.config.model import INDEX_FIELDS, MLA_FIELDS
+from kvbench.config.task import ALL, kept
+from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
 
 RESULTS_FILE = "results.json"
@@ -329,96 +332,70 @@ def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str
 
 # ---- what a record keeps ---------------------------------------------------------------------
 
-# The keys of each section that a job's task (and, for task=bench, its workload) reads. A key
-# that means nothing for a job (train.* for a decode run, workload.* for training) is left out
-# of its record, so the record describes what was measured and nothing else.
-_WORKLOAD_KEYS = {"decode": ("name", "batch_size", "prompt_len", "gen_len"),
-                  "multiturn": ("name", "batch_size", "system_len", "turns", "user_len", "reply_len"),
-                  "serving": ("name", "arrival", "rate", "burstiness", "num_requests", "duration_s", "trace",
-                              "prompt", "output", "prefix_len", "prefix_fraction", "prefix_groups", "store",
-                              "prefix_caching", "kv_budget_mb", "kv_budget_blocks", "max_prefill_tokens",
-                              "max_running", "slot_len", "seed", "search")}
-# task=capacity searches the batch (and, for decode, the prompt length: capacity.context_lens)
-_CAPACITY_WORKLOAD_KEYS = {"decode": ("name", "gen_len"),
-                           "multiturn": ("name", "system_len", "turns", "user_len", "reply_len")}
-_CACHE_KEYS = {"decode": ("impl", "dtype"), "multiturn": ("impl", "shared", "dtype"),
-               "serving": ("block_size", "dtype")}
-_RUNTIME_KEYS_QUALITY = ("device", "dtype", "seed", "threads")  # train and eval time nothing
-_TRAIN_KEYS_EVAL = ("checkpoint", "batch_size", "seq_len", "eval_batches")
+# Every record keeps these, whatever its task reads: the model built, how the job was recorded
+# and scheduled.
+ALWAYS_KEPT = ("task", "model", "wandb", "rerun", "objective", "objective_caps")
+# model keys whose value here means what a record written before them meant
+MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
+                          "preset_sinks": False, "preset_kv_shared_layers": 0, "moe": None, "o_bias": False,
+                          "rope_truncate": True,
+                          **{f"linear_{k}": None for k in ("num_key_heads", "num_value_heads", "key_head_dim",
+                                                           "value_head_dim", "conv_kernel_dim")}}
 
 
-def record_view(config: Dict[str, Any]) -> Dict[str, Any]:
+def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
     """The part of a job's config (``asdict`` of a :class:`BenchConfig`, or the mapping Hydra
-    saved) that its task reads: a decode run keeps no ``train``/``data`` section and no chat
-    keys, a multi-turn chat no prompt length, training no workload or cache. Unknown tasks and
-    workloads keep everything; a partial config (an invalid run's) keeps what it has."""
+    saved) that its record keeps: what its task reads (``TASKS``: a decode run keeps no ``train``
+    section, training no workload), its workload option's own fields, and the attention's
+    (:func:`attention_record`). A config whose task is unknown keeps everything it has."""
     if not isinstance(config, dict):
         return config
-    task = config.get("task", "bench")
-    out = dict(config)
-
-    def keep(section: str, keys) -> None:
-        if isinstance(out.get(section), dict):
-            out[section] = {k: v for k, v in out[section].items() if k in keys}
-
-    a = out.get("attention")
-    if isinstance(a, dict) and a.get("type") != "mla":  # the latent's ranks mean nothing for K/V heads
-        out["attention"] = {k: v for k, v in a.items() if k not in MLA_FIELDS + ("mla_decode",)}
-    a = out.get("attention")
-    if isinstance(a, dict) and not a.get("sinks"):  # a record without sinks reads as before sinks existed
-        out["attention"] = {k: v for k, v in a.items() if k != "sinks"}
-    a = out.get("attention")
-    if isinstance(a, dict) and a.get("window") is None:  # no window: which layers are local means nothing
-        out["attention"] = {k: v for k, v in a.items() if k not in ("window", "global_every", "layer_types")}
-    if task != "compare":
-        out.pop("compare", None)
-    if task != "recall":
-        out.pop("recall", None)
-    else:  # trains from generated sequences: no text, no workload, no cache
-        for section in ("workload", "cache", "data"):
-            out.pop(section, None)
-        keep("runtime", _RUNTIME_KEYS_QUALITY)
-        if isinstance(out.get("train"), dict):
-            keep("train", [k for k in out["train"] if k not in ("checkpoint", "init_from", "seq_len", "eval_batches")])
-    if task == "compare":  # many variants, none of them the record's attention
-        out.pop("attention", None)
-        out.pop("train", None)
-        out.pop("data", None)
-        keep("workload", ("batch_size",))
-        keep("cache", ("impl",))
-    w = out.get("workload")
-    serving = isinstance(w, dict) and w.get("name") == "serving"
-    if task != "capacity":
-        if not serving:  # a serving run's goodput is judged by slo.*
-            out.pop("slo", None)
-        out.pop("capacity", None)
-        if isinstance(out.get("runtime"), dict):
-            out["runtime"] = {k: v for k, v in out["runtime"].items() if k != "memory_budget_gb"}
-    if task in ("bench", "inspect", "capacity"):
-        out.pop("train", None)
-        out.pop("data", None)
-        w = out.get("workload")
-        workload = w.get("name", "decode") if isinstance(w, dict) else None
-        if task == "capacity" and workload in _CAPACITY_WORKLOAD_KEYS:
-            keep("workload", _CAPACITY_WORKLOAD_KEYS[workload])
-            keep("cache", _CACHE_KEYS[workload])
-            if workload == "multiturn":
-                keep("capacity", ("max_batch", "batch_step"))
-        elif workload in _WORKLOAD_KEYS:
-            keep("workload", _WORKLOAD_KEYS[workload])
-            keep("cache", _CACHE_KEYS[workload])
-    elif task in ("train", "eval"):
-        out.pop("workload", None)
-        if task == "eval":  # scored through a cache of cache.dtype (auto: none)
-            keep("cache", ("dtype",))
-        else:
-            out.pop("cache", None)
-        keep("runtime", _RUNTIME_KEYS_QUALITY)
-        if task == "eval":
-            keep("train", _TRAIN_KEYS_EVAL)
-        elif isinstance(out.get("train"), dict):
-            keep("train", [k for k in out["train"] if k != "checkpoint"])
+    task = TASKS.get(config.get("task", "bench"))
+    if task is None:
+        return dict(config)
+    w = config.get("workload")
+    schema = WORKLOADS.get(w.get("name", DEFAULT_WORKLOAD)) if isinstance(w, dict) else None
+    reads = task.sections(schema)
+    if task.runs_workload and schema is None:  # an unknown workload: what it reads is unknown too
+        reads.setdefault("cache", ALL)
+    out: Dict[str, Any] = {}
+    for name, value in config.items():
+        if name in ALWAYS_KEPT:
+            out[name] = value
+        elif name in reads:
+            if name == "workload" and isinstance(value, dict) and schema is not None:
+                value = own_keys(value, schema)
+            out[name] = kept(value, reads[name]) if isinstance(value, dict) else value
+    if isinstance(out.get("attention"), dict):
+        out["attention"] = attention_record(out["attention"])
+    if isinstance(out.get("model"), dict):
+        out["model"] = model_record(out["model"])
     return out
+
+
+def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
+    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, sinks, shared
+    KV layers, experts or GPT-OSS's switches reads as a record written before those existed."""
+    return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
+
+
+def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
+    """The attention as a record keeps it: a latent's ranks only for MLA, DSA's indexer, sinks and
+    KV sharing only when it has them, the layer pattern only with a window or linear layers."""
+    unused = set()
+    if attention.get("type") != "mla":
+        unused.update(MLA_FIELDS + ("mla_decode",))
+    if not attention.get("index_topk"):  # DSA's indexer, KV sharing, Gated DeltaNet layers: as before they existed
+        unused.update(INDEX_FIELDS)
+    for key in ("sinks", "kv_shared_layers"):
+        if not attention.get(key):
+            unused.add(key)
+    if attention.get("full_attention_interval") is None:
+        unused.add("full_attention_interval")
+    if attention.get("window") is None:  # which layers are local means nothing, unless some are Gated DeltaNet's
+        linear = LINEAR in (attention.get("layer_types") or ())
+        unused.update(("window", "global_every") + ("layer_types",) * (not linear))
+    return {k: v for k, v in attention.items() if k not in unused}
 
 
 def lookup(config: Any, dotted: str) -> Any:

@@ -71,9 +71,13 @@ def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, heads, T, D); cos/sin (T, D) or (B, T, D) broadcast over heads
+    # x (B, heads, T, D); cos/sin (T, R) or (B, T, R) broadcast over heads: the first R <= D dims
+    # rotate (rotate-half within them), the rest pass (partial rotary, transformers' order)
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :R], cos, sin), x[..., R:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

@@ -31,7 +31,8 @@ from kvbench.units_v1 import V1_UNITS
 
 # What a Variant's fields are read from in a record's config.
 VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
-                "attention.global_every", "attention.layer_types", "cache.dtype")
+                "attention.global_every", "attention.layer_types", "attention.index_topk",
+                "attention.kv_shared_layers", "cache.dtype")
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -72,6 +73,8 @@ class Variant:
     model: Optional[str] = None
     num_layers: Optional[int] = None  # counts a global_every pattern's layers (12 layers, every 6: 5:1)
     sinks: Optional[bool] = None  # learned attention sinks (GPT-OSS)
+    index_topk: Optional[int] = None  # DSA: the tokens each query attends (DeepSeek-V3.2)
+    kv_shared_layers: Optional[int] = None  # the last N layers read an earlier layer's K/V (Gemma 3n)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Variant":
@@ -96,14 +99,16 @@ class Variant:
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
                    model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None,
                    num_layers=_int(_get(config, "model.num_layers")),
-                   sinks=_get(config, "attention.sinks") is True or None)
+                   sinks=_get(config, "attention.sinks") is True or None,
+                   index_topk=_int(_get(config, "attention.index_topk")) or None,
+                   kv_shared_layers=_int(_get(config, "attention.kv_shared_layers")) or None)
 
     @classmethod
     def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None,
                      num_layers: Optional[int] = None) -> "Variant":
         """The variant of an ``AttentionConfig`` (resolved or not): a progress line's name."""
         fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", "window", "global_every",
-                  "layer_types", "sinks")
+                  "layer_types", "sinks", "index_topk", "kv_shared_layers")
         attn = {f: getattr(attention, f, None) for f in fields}
         return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype},
                                 "model": {"num_layers": num_layers}})
@@ -136,7 +141,7 @@ class Variant:
         progress lines and task=compare's metric prefixes use too)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
                      "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types,
-                     "sinks": self.sinks}
+                     "sinks": self.sinks, "index_topk": self.index_topk, "kv_shared_layers": self.kv_shared_layers}
         parts = [variant_label(attention, self.cache_dtype, self.num_layers)]
         if self.shared is not None:
             parts.append(f"shared={'on' if self.shared else 'off'}")
@@ -280,15 +285,12 @@ class RecordView:
 
     @property
     def kind(self) -> str:
-        """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` |
-        ``compare`` | ``recall``."""
-        if self.task in ("train", "eval", "capacity", "compare", "recall"):
-            return self.task
-        return self.workload or "decode"
+        """The workload's name for task=bench (``decode``, ``multiturn``, ``serving``), else the task."""
+        return (self.workload or "decode") if self.task == "bench" else self.task
 
     @property
     def workload(self) -> Optional[str]:
-        """``workload.name`` (decode, multiturn) where the record keeps it."""
+        """``workload.name`` where the record keeps it."""
         name = self.get("workload.name")
         return name if isinstance(name, str) else None
 

@@ -164,7 +164,8 @@ VOCAB = 97
 HF_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
-               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+               "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM")}
 # A tiny dense DeepSeek attention (every layer's MLP dense: first_k_dense_replace >= the 2 layers).
 DEEPSEEK_SHAPE = dict(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
                       first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2)

@@ -339,3 +339,42 @@ def test_a_job_returns_its_objective_read_from_the_record_its_own_process_wrote(
     # No objective (a grid sweep): nothing is returned.
     grid = compose(*TINY, "runtime.fidelity=false")
     assert cli_job.hydra_job(grid) is None
+
+
+def count_config_work(monkeypatch):
+    """How often a job's config is typed (BenchConfig.__post_init__: its checks and rules) and its
+    attention resolved against the model (a Decoder's own check of what it is built with aside)."""
+    calls = {"typed": 0, "resolved": 0}
+    post_init, resolved = BenchConfig.__post_init__, AttentionConfig.resolved
+
+    def typed(self):
+        calls["typed"] += 1
+        post_init(self)
+
+    def resolving(self, model):
+        calls["resolved"] += sys._getframe(1).f_code.co_name != "__init__"  # Decoder.__init__
+        return resolved(self, model)
+
+    monkeypatch.setattr(BenchConfig, "__post_init__", typed)
+    monkeypatch.setattr(AttentionConfig, "resolved", resolving)
+    return calls
+
+
+def test_a_jobs_config_is_typed_once_and_handed_on(tmp_path, monkeypatch):
+    """Typed where the job first needs it (a single run: before Hydra makes its directory; a job
+    of a sweep: resume's check), then handed on: the run, its record and its objective take that
+    one typed config (each typed it again: three times a job, ~0.1 s each)."""
+    from kvbench import cli_job, cli_sweep
+
+    calls = count_config_work(monkeypatch)
+    args = [*IN_PROCESS, "runtime.fidelity=false", "objective=tokens_per_s"]
+    full = compose(*args, f"hydra.run.dir={tmp_path / 'run'}", hydra=True)
+    cli_sweep.check_run_start(full)
+    monkeypatch.setattr(cli_job, "_job_context", lambda: (tmp_path / "run", False, [], None))
+    assert cli_job.hydra_job(compose(*args)) == read_record(tmp_path / "run").metrics["tokens_per_s"]
+    assert calls == {"typed": 1, "resolved": 1}
+    for _ in range(2):  # a job of a sweep, then the same job again (resumed: done already)
+        calls.update(typed=0, resolved=0)
+        monkeypatch.setattr(cli_job, "_job_context", lambda: (tmp_path / "0", True, [], 0))
+        assert cli_job.hydra_job(compose(*args)) == read_record(tmp_path / "0").metrics["tokens_per_s"]
+        assert calls == {"typed": 1, "resolved": 1}

@@ -2,24 +2,17 @@
 
 import math
 import os
+from dataclasses import asdict
 from typing import Optional, get_type_hints
 
 import pytest
 from conftest import compose
 
-from kvbench.config.bench import (
-    BenchConfig,
-    CacheConfig,
-    DataConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WandbConfig,
-    objective_metric,
-    to_bench_config,
-)
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, objective_metric, to_bench_config
 from kvbench.config.errors import MAX_ERROR_CHARS, ConfigError, typed
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type, default_gqa_kv_heads
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.train import DataConfig, TrainConfig
+from kvbench.config.workload import WORKLOADS, DecodeWorkload
 
 
 def one_line_error(fn, needle):
@@ -70,7 +63,7 @@ def test_defaults_per_type():
 
 def bench(**workload):
     return BenchConfig(model=ModelConfig(max_seq_len=128), attention=AttentionConfig("mha"),
-                       workload=WorkloadConfig(**workload), cache=CacheConfig(),
+                       workload=dict(workload), cache=CacheConfig(),
                        runtime=RuntimeConfig(), wandb=WandbConfig())
 
 
@@ -86,7 +79,7 @@ def test_sequence_longer_than_max_seq_len():
     (lambda: RuntimeConfig(device="tpu"), "runtime.device='tpu'"),
     (lambda: RuntimeConfig(repeats=0), "runtime.repeats=0"),
     (lambda: CacheConfig(impl="paged"), "cache.impl='paged'"),
-    (lambda: WorkloadConfig(batch_size=0), "workload.batch_size=0"),
+    (lambda: DecodeWorkload(batch_size=0), "workload.batch_size=0"),
     (lambda: WandbConfig(mode="sometimes"), "wandb.mode='sometimes'"),
     (lambda: RuntimeConfig(compile="cudagraphs"), "runtime.compile='cudagraphs'"),
     (lambda: RuntimeConfig(graph_bucket=0), "runtime.graph_bucket=0"),
@@ -98,9 +91,10 @@ def test_group_errors(factory, needle):
 
 # ---- every key, typed per job ----------------------------------------------------------------
 
-GROUPS = [ModelConfig, AttentionConfig, WorkloadConfig, CacheConfig, RuntimeConfig, WandbConfig, DataConfig,
+GROUPS = [ModelConfig, AttentionConfig, *WORKLOADS.values(), CacheConfig, RuntimeConfig, WandbConfig, DataConfig,
           TrainConfig]
-PREFIX = {ModelConfig: "model", AttentionConfig: "attention", WorkloadConfig: "workload", CacheConfig: "cache",
+PREFIX = {ModelConfig: "model", AttentionConfig: "attention", **dict.fromkeys(WORKLOADS.values(), "workload"),
+          CacheConfig: "cache",
           RuntimeConfig: "runtime", WandbConfig: "wandb", DataConfig: "data", TrainConfig: "train"}
 
 
@@ -221,8 +215,9 @@ HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidd
 @pytest.mark.parametrize("change, needle", [
     ({"architectures": ["MixtralForCausalLM"]},
      "architectures=['MixtralForCausalLM']: not supported (accepted: LlamaForCausalLM, MistralForCausalLM, "
-     "Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, "
-     "GptOssForCausalLM)"),
+     "Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+     "DeepseekV32ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM, "
+     "Qwen3MoeForCausalLM, GptOssForCausalLM)"),
     ({"num_local_experts": 8}, "num_local_experts=8: mixture-of-experts is not supported"),
     ({"vision_config": {"hidden_size": 8}}, "vision_config={'hidden_size': 8}: multimodal checkpoints"),
     ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
@@ -288,7 +283,7 @@ def test_compile_modes_keep_the_old_booleans(given, mode):
 
 def test_graph_mode_needs_the_static_cache():
     runtime = RuntimeConfig(compile="graph")
-    one_line_error(lambda: BenchConfig(model=ModelConfig(), attention=AttentionConfig("mha"), workload=WorkloadConfig(
+    one_line_error(lambda: BenchConfig(model=ModelConfig(), attention=AttentionConfig("mha"), workload=DecodeWorkload(
         prompt_len=8, gen_len=4), cache=CacheConfig(impl="concat"), runtime=runtime, wandb=WandbConfig()),
                    "cache.impl='concat'")
 
@@ -299,7 +294,7 @@ def test_cache_dtype_choices_and_what_they_need():
                    "cache.impl='concat': cache.dtype=int8 is stored in a preallocated cache")
     assert CacheConfig(dtype="float8_e4m3fn").dtype == "float8_e4m3fn"
     bench = lambda runtime, dtype: BenchConfig(
-        model=ModelConfig(), attention=AttentionConfig("mha"), workload=WorkloadConfig(prompt_len=8, gen_len=4),
+        model=ModelConfig(), attention=AttentionConfig("mha"), workload=DecodeWorkload(prompt_len=8, gen_len=4),
         cache=CacheConfig(dtype=dtype), runtime=runtime, wandb=WandbConfig())
     one_line_error(lambda: bench(RuntimeConfig(compile="graph"), "int8"),
                    "cache.dtype='int8': runtime.compile=graph is not supported with a quantized cache")
@@ -324,3 +319,27 @@ def test_the_attention_type_resolver_names_what_a_kv_head_count_is(kv, kind):
     assert (job.attention.type, job.attention.num_kv_heads) == (kind, kv) == (attention_type(8, kv), kv)
     one_line_error(lambda: to_bench_config(compose("model=tiny", type_of, "attention.num_kv_heads=3")),
                    "attention.num_kv_heads=3: must divide model.num_heads=8")
+
+
+# ---- one dataclass per workload option ---------------------------------------------------------
+
+def test_a_job_holds_only_its_workload_options_keys():
+    """A key only another option has is left out (every job of a sweep over workload options gets
+    the sweep's overrides), so a decode job has no chat lengths and its record none either."""
+    job = to_bench_config(compose("model=tiny", "workload=decode", "+workload.turns=3", "+workload.rate=2"))
+    assert type(job.workload) is WORKLOADS["decode"] and not hasattr(job.workload, "turns")
+    assert "turns" not in asdict(job)["workload"] and "rate" not in asdict(job)["workload"]
+    chat = to_bench_config(compose("model=tiny", "workload=multiturn", "workload.turns=3", "+workload.prompt_len=9"))
+    assert chat.workload.turns == 3 and not hasattr(chat.workload, "prompt_len")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["workload=multiturn", "+workload.turn=3"], "workload.turn=3: unknown key (did you mean workload.turns?)"),
+    (["workload=serving", "+workload.rates=3"], "workload.rates=3: unknown key (did you mean workload.rate?)"),
+    (["workload.name=nope"], "workload.name='nope': must be one of decode, multiturn, serving"),
+    # capacity searched a decode batch with a gen_len serving has no key for, and recorded serving's keys
+    (["task=capacity", "workload=serving", "runtime.memory_budget_gb=1"],
+     "workload='serving': task=capacity searches the batch of workload=decode or workload=multiturn"),
+])
+def test_a_workload_key_is_checked_against_its_own_option(overrides, needle):
+    one_line_error(lambda: to_bench_config(compose("model=tiny", *overrides)), needle)

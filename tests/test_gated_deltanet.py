@@ -13,6 +13,7 @@ from conftest import compose, tiny_model_config
 from kvbench.cache import Positions, make_cache, uncached
 from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig
 from kvbench.generate import greedy_generate
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.gated_deltanet import GatedDeltaNet
@@ -218,16 +219,18 @@ def test_a_hybrid_pays_per_token_only_for_its_attention_layers():
 
 
 @pytest.fixture
-def gdn_decoder(monkeypatch):
-    """A Decoder whose layers are the given layouts: what build_layouts will return once it reads
-    attention.layer_types (the seam: kvbench.model's build_layouts replaced)."""
+def gdn_decoder():
+    """A Decoder whose layers are ``kinds`` (attention.layer_types), its linear layers of the
+    shape above (the model's linear_* fields)."""
     def make(kinds, seed=0):
-        cfg = tiny_model_config(num_heads=4, preset_kv_heads=2, max_seq_len=96)
-        layers = Layouts(layout(2, 4, 8, 12, 4, i) if kind == "linear_attention" else KVHeads(i, None, 4, 2, 16)
-                         for i, kind in enumerate(kinds))
-        monkeypatch.setattr("kvbench.model.build_layouts", lambda model, attention: layers)
+        cfg = tiny_model_config(num_layers=len(kinds), num_heads=4, preset_kv_heads=2, max_seq_len=96,
+                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                linear_value_head_dim=12, linear_conv_kernel_dim=4)
         torch.manual_seed(seed)
-        return Decoder(cfg).eval()
+        model = Decoder(cfg, AttentionConfig(layer_types=list(kinds))).eval()
+        assert list(model.layouts) == [layout(2, 4, 8, 12, 4, i) if kind == "linear_attention"
+                                       else KVHeads(i, None, 4, 2, 16) for i, kind in enumerate(kinds)]
+        return model
     return make
 
 

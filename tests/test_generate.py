@@ -7,9 +7,10 @@ from conftest import BENCH_SHAPE, make_decoder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import _llama_name, build_decoder
+from kvbench.checkpoint import build_decoder, hf_to_decoder_name
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.generate import FixedShapeStep, compiled_graphs, greedy_generate, prefill
+from kvbench.layouts.build import build_layouts
 
 KV_SPLITS = [8, 4, 2, 1]  # MHA, two GQA splits, MQA for 8 query heads
 
@@ -112,10 +113,12 @@ def test_long_prompt_prefill_and_fixed_step_match_transformers(num_kv_heads):
                          rms_norm_eps=1e-5, tie_word_embeddings=False)
     hf_cfg._attn_implementation = "eager"
     hf = LlamaForCausalLM(hf_cfg).eval()
-    state = {_llama_name(k): v for k, v in hf.state_dict().items()}
     cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, preset_kv_heads=num_kv_heads, ffn_dim=48, vocab_size=97,
                       max_seq_len=2048, norm_eps=1e-5)
-    model = build_decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads), state).eval()
+    attention = AttentionConfig.for_heads(4, num_kv_heads)
+    layouts = build_layouts(cfg, attention.resolved(cfg))
+    state = {hf_to_decoder_name(k, layouts): v for k, v in hf.state_dict().items()}
+    model = build_decoder(cfg, attention, state).eval()
     prompt = torch.randint(0, 97, (2, 1500))
     gen = greedy_generate(model, prompt, 4, cache_for(model, "static", 2, 1504), keep_logits=True,
                           step=FixedShapeStep(bucket=256))

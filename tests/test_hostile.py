@@ -25,24 +25,24 @@ from kvbench.cli_sweep import sweep_exit
 from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, to_bench_config
 from kvbench.config.errors import ConfigError, config_error_line
 from kvbench.config.model import AttentionConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
 from kvbench.jobs.claim import completed_record
 from kvbench.jobs.runner import run_job
-from kvbench.results import RunResult, read_record, record_view
+from kvbench.results import RunResult, read_record, record_config
 from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
 
 
 def bench(kind, kv):
     return BenchConfig(model=tiny_model_config(), attention=AttentionConfig(type=kind, num_kv_heads=kv),
-                       workload=WorkloadConfig(prompt_len=8, gen_len=4), cache=CacheConfig(),
+                       workload=DecodeWorkload(prompt_len=8, gen_len=4), cache=CacheConfig(),
                        runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"))
 
 
 def _record(tmp_path, name, value, error=None):
     cfg = asdict(bench("mha", 8))
     cfg["model"]["name"] = value
-    RunResult("ok", record_view(cfg), metrics={"decode_ms_p50": 1.5, "note": value}, error=error,
+    RunResult("ok", record_config(cfg), metrics={"decode_ms_p50": 1.5, "note": value}, error=error,
               overrides=[f"model.name={value}"]).write(tmp_path / name)
 
 
@@ -57,7 +57,7 @@ def test_summary_csv_never_writes_a_cell_a_spreadsheet_would_run(tmp_path, start
     assert any(payload in cell for cell in cells)  # the value is kept, as text
     assert not [cell for cell in cells if cell.startswith(("=", "+", "-", "@", "\t", "\r"))]
     # a number stays a number: a negative figure is not text
-    RunResult("ok", record_view(asdict(bench("mha", 8))), metrics={"decode_ms_p50": -2.5}).write(tmp_path / "1")
+    RunResult("ok", record_config(asdict(bench("mha", 8))), metrics={"decode_ms_p50": -2.5}).write(tmp_path / "1")
     write_report(tmp_path, plots=False)
     with (tmp_path / CSV_FILE).open(newline="") as f:
         assert "-2.5" in [row["decode_ms_p50"] for row in csv.DictReader(f)]
@@ -66,7 +66,7 @@ def test_summary_csv_never_writes_a_cell_a_spreadsheet_would_run(tmp_path, start
 def test_summary_md_shows_config_values_as_text_never_as_html(tmp_path):
     payload = '<img src=x onerror="alert(1)">'
     _record(tmp_path, "0", payload, error=f"boom {payload}")
-    RunResult("error", record_view(asdict(bench("mha", 8))), error=f"<b>{payload}</b>",
+    RunResult("error", record_config(asdict(bench("mha", 8))), error=f"<b>{payload}</b>",
               overrides=[f"model.name={payload}"]).write(tmp_path / "1")
     write_report(tmp_path, plots=False)
     text = (tmp_path / MD_FILE).read_text()
@@ -76,7 +76,7 @@ def test_summary_md_shows_config_values_as_text_never_as_html(tmp_path):
 
 @pytest.mark.parametrize("metrics", ["{}", '{"decode_ms_p50": NaN}', '{"tokens_per_s": Infinity, "x": 1}'])
 def test_resume_measures_again_an_ok_record_with_no_metrics_or_a_bare_nan(tmp_path, metrics):
-    config = record_view(asdict(bench("mha", 8)))
+    config = record_config(asdict(bench("mha", 8)))
     (tmp_path / "results.json").write_text(f'{{"status": "ok", "config": {json.dumps(config)}, '
                                            f'"metrics": {metrics}}}')
     assert completed_record(tmp_path, config) is None
@@ -105,6 +105,16 @@ def test_a_misspelled_group_suggests_the_group(tmp_path):
             compose("config", overrides=["atention=mha"])
     line = config_error_line(info.value, _top_level_names())
     assert line == "atention=mha: no such config group or key (did you mean attention?)"
+
+
+def test_the_renamed_scenario_group_names_its_new_name():
+    """conf/serving (task=capacity's scenarios) is conf/scenario: "serving" is the workload."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(Exception) as info:
+            compose("config", overrides=["experiment=choose", "serving=chat"])
+        assert compose("config", overrides=["experiment=choose", "scenario=chat"]).workload.name == "multiturn"
+    line = config_error_line(info.value, _top_level_names())
+    assert line == "serving=chat: the group serving is renamed to scenario (scenario=chat)"
 
 
 def test_a_saved_checkpoint_with_a_model_key_kvbench_does_not_know_is_refused(tmp_path):
@@ -296,7 +306,7 @@ def test_a_sweep_along_a_long_axis_is_reported_without_drawing_thousands_of_pane
         cfg = asdict(bench("mha", 8))
         cfg["runtime"]["seed"], cfg["workload"]["prompt_len"] = i // 2, 8 + 8 * (i % 2)
         overrides = [f"runtime.seed={i // 2}", f"workload.prompt_len={8 + 8 * (i % 2)}"]
-        RunResult("ok", record_view(cfg), metrics={"decode_ms_p50": 1.0 + i, "tokens_per_s": 10.0},
+        RunResult("ok", record_config(cfg), metrics={"decode_ms_p50": 1.0 + i, "tokens_per_s": 10.0},
                   overrides=overrides).write(tmp_path / str(i))
     report = write_report(tmp_path, plots=True)
     assert "decode_vs_context" in report.skipped_plots
@@ -383,7 +393,7 @@ def test_a_symlink_planted_in_a_job_directory_is_replaced_never_written_through(
             assert claim is not None and "pid" in claim_holder(job)
     elif name.startswith("summary") or name.endswith(".png"):
         for i, kv in enumerate((8, 2, 1)):
-            RunResult("ok", record_view(asdict(bench("mha" if kv == 8 else "gqa" if kv == 2 else "mqa", kv))),
+            RunResult("ok", record_config(asdict(bench("mha" if kv == 8 else "gqa" if kv == 2 else "mqa", kv))),
                       metrics={"decode_ms_p50": 1.0, "kv_cache_bytes": 100.0 * kv,
                                "kv_cache_bytes_formula": 100.0 * kv}).write(job / str(i))
         write_report(job, plots=True)

@@ -454,13 +454,13 @@ def test_kv_per_token_is_one_figure_at_a_stated_length_in_the_record_and_in_choo
     from kvbench.sinks.tables import fmt
     from kvbench.tasks.capacity_search import kv_bytes, kv_bytes_per_token
 
-    cfg = to_bench_config(compose("experiment=choose", "attention=choose/hybrid", "serving=decode"))
+    cfg = to_bench_config(compose("experiment=choose", "attention=choose/hybrid", "scenario=decode"))
     per_token, positions = kv_bytes_per_token(cfg)
     assert positions == 256 + 8  # the longest context + gen_len
     # 8 layers of GQA-2 x head_dim 32, K and V in float32 (512 B a position): 2 global hold 264, 6 local a ring of 64
     assert per_token == kv_bytes(cfg, 256, 1) / 264 == (2 * 264 + 6 * 64) * 512 / 264
     assert fmt(per_token, "bytes") == "1.73 KiB"
-    full = to_bench_config(compose("experiment=choose", "attention=gqa", "serving=decode"))
+    full = to_bench_config(compose("experiment=choose", "attention=gqa", "scenario=decode"))
     assert kv_bytes_per_token(full) == (8 * 512, 264)  # no window: any one position's bytes (4.00 KiB)
     record = {"job": "4", "status": "ok",
               "config": {"task": "capacity", "model": {"name": "small"}, "workload": {"name": "decode", "gen_len": 8},
@@ -522,8 +522,8 @@ def test_a_capacity_search_without_a_cache_counts_no_kv_bytes():
     from kvbench.config.bench import to_bench_config
     from kvbench.tasks.capacity_search import kv_bytes, kv_bytes_per_token
 
-    cfg = to_bench_config(compose("experiment=choose", "attention=gqa", "serving=decode", "cache.impl=none",
+    cfg = to_bench_config(compose("experiment=choose", "attention=gqa", "scenario=decode", "cache.impl=none",
                                   "slo.tpot_x_batch1=null", "slo.tpot_ms=1000"))
     assert kv_bytes(cfg, 256, 4) == 0 and kv_bytes_per_token(cfg) == (0, 264)
-    static = to_bench_config(compose("experiment=choose", "attention=gqa", "serving=decode"))
+    static = to_bench_config(compose("experiment=choose", "attention=gqa", "scenario=decode"))
     assert kv_bytes(static, 256, 4) == 4 * 264 * 8 * 512

@@ -403,7 +403,7 @@ def test_an_error_txt_the_disk_refuses_is_said_in_the_record(tmp_path, monkeypat
     def crash(job, device, out_dir, result, progress):
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(runner.TASKS, "bench", crash)
+    monkeypatch.setattr(runner.TASKS["bench"], "run", crash)
     monkeypatch.setattr(runner, "write_text_atomic", no_space)
     cfg = compose("model=tiny", "runtime.device=cpu", "wandb.mode=disabled")
     result = runner.run_job(cfg, tmp_path)

@@ -20,14 +20,14 @@ from conftest import job_processes
 
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.jobs.isolation import death_status, run_isolated
 from kvbench.results import RunResult, read_record
 
 
 def tiny_job(**runtime) -> BenchConfig:
     return BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
-                       workload=WorkloadConfig(prompt_len=12, gen_len=6), cache=CacheConfig(),
+                       workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
                        runtime=RuntimeConfig(device="cpu", **runtime), wandb=WandbConfig(mode="disabled"))
 
 
@@ -62,6 +62,29 @@ def test_every_end_of_a_job_process_is_a_record(tmp_path, measure, status, needl
         assert on_disk.metrics == {"decode_ms_p50": 1.5}
 
 
+def typing_counted(job, out_dir, overrides, progress):
+    """run_job in the job's process, saying in the record's env how often the config was typed there."""
+    from kvbench.jobs.isolation import run_here
+
+    calls = []
+    post_init = BenchConfig.__post_init__
+    BenchConfig.__post_init__ = lambda self: (calls.append(1), post_init(self))[1]
+    try:
+        result = run_here(job, out_dir, overrides, progress)
+    finally:
+        BenchConfig.__post_init__ = post_init
+    result.env["typed_in_the_jobs_process"] = len(calls)
+    return result
+
+
+@pytest.mark.e2e
+def test_the_jobs_process_runs_the_config_typed_by_its_parent(tmp_path):
+    """The fork server's child is handed the typed config (pickled: not typed again) and runs it."""
+    result = run_isolated(tiny_job(warmup=0, repeats=1, fidelity=False), tmp_path, measure=typing_counted)
+    assert result.status == "ok", result.error
+    assert result.env["typed_in_the_jobs_process"] == 0
+
+
 @pytest.mark.e2e
 def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(tmp_path):
     """A progress function that cannot be pickled (a lambda) fails while the job is handed to
@@ -92,13 +115,13 @@ PARENT = """
 import signal, sys
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 if sys.argv[2] == "submitit":
     signal.signal(signal.SIGUSR2, lambda signum, frame: sys.exit(-1))
 job = BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
-                  workload=WorkloadConfig(prompt_len=12, gen_len=6), cache=CacheConfig(),
+                  workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
                   runtime=RuntimeConfig(device="cpu", warmup=0, repeats=100000, threads=1,
                                         isolate=sys.argv[3] == "isolate"),
                   wandb=WandbConfig(mode="disabled"))

@@ -15,16 +15,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config.errors", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts", "jobs.outcome",
-     "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
+    ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
+     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "config.hf"],
-    ["layouts.latent", "layouts.gated_deltanet"],
-    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving"],
-    ["config.workload", "rope"],
-    ["config.bench", "serving.arrivals", "kv_store", "state_cache"],
+    ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing", "config.layer_pattern"],
+    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.serving", "config.train"],
+    ["config.workload", "config.compare", "rope"],
+    ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv"],
     ["cache"],
-    ["shared_prefix"],
+    ["shared_prefix", "layouts.latent_indexer"],
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention"],
     ["layouts.attention", "mlp.experts"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],

@@ -16,20 +16,12 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.bench import (
-    CONF_DIR,
-    BenchConfig,
-    CacheConfig,
-    CompareConfig,
-    DataConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WandbConfig,
-    to_bench_config,
-)
+from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, to_bench_config
+from kvbench.config.compare import CompareConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.train import DataConfig, TrainConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.model import Decoder
@@ -192,7 +184,7 @@ def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
     relative; attention=gqa on it is refused naming the key."""
     path, hf = deepseek_dir(tmp_path / "ds", vocab_size=256, max_position_embeddings=64)
     cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(type="mla"),
-                      workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
                       data=DataConfig(path=str(corpus), val_fraction=0.2),
                       train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, checkpoint=str(path)))

@@ -91,6 +91,17 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=gpt_oss_120b": Step(),
     },
     "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
+    "dsa": {"kvbench model=tiny attention=mla attention.index_topk=64": Step(TINY),
+            "kvbench task=inspect model=deepseek_v32": Step()},
+    "kv sharing": {"kvbench model=tiny attention=gqa attention.kv_shared_layers=1": Step(TINY),
+                   "kvbench task=inspect model=gemma3n_e4b": Step()},
+    "gdn": {
+        "kvbench task=inspect model=qwen3_5_9b": Step(),
+        "kvbench task=inspect model=qwen3_next_80b": Step(),
+        "kvbench model=tiny attention.full_attention_interval=2": Step(TINY),
+        "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]": Step(
+            ["compare.contexts=[8,16,32]", "compare.steps=1", *QUICK]),
+    },
     "slurm": {
         "kvbench -m hydra/launcher=slurm hydra.launcher.partition=gpu attention=mha,gqa,mqa "
         "workload.prompt_len=512,2048 workload.batch_size=1,8 hydra.sweep.dir=multirun/kv_sweep": Step(path="no slurm"),
@@ -178,6 +189,8 @@ NOT_RUN = {
     "kvbench experiment=recall recall.uptrain_steps=100 attention=gqa,mqa":
         "the converted variants' recall (minutes); tests/quality/test_recall.py runs the uptraining path",
     "kvbench experiment=recall_gpu": "sized for a GPU (composed and validated below)",
+    "kvbench model=hf_dir model.path=/path/to/deepseek-v3.2": "a placeholder directory; tests/test_dsa.py loads "
+                                                              "DeepseekV32ForCausalLM directories",
     "kvbench-report <sweep dir>": "a placeholder for the recall sweep's directory; the demo sweep's report runs here",
     "kvbench model=tiny attention=mla": "tests/test_mla.py runs this command end to end",
     "kvbench -m model=small attention=mha,gqa,mqa,mla": "minutes on model=small; experiments/results/mla_small.md "
@@ -377,6 +390,23 @@ def test_flagship_sweep_has_24_jobs_and_ends_with_the_variants_side_by_side(ran)
     assert len(kv) == 8 and all(r[5].endswith("(0.250×)") and r[6].endswith("(0.125×)") for r in kv)
 
 
+@chain("gdn")
+def test_the_gated_deltanet_page_runs_and_its_table_is_what_inspect_prints(ran):
+    """docs/layouts-gdn.md: each preset's state per sequence and per token as inspect prints them in
+    its KV table (bfloat16 rows), a hybrid benchmarked, GQA compared with its hybrid."""
+    for preset, per_token, state in (("qwen3_5_9b", "32.00 KiB", "49.12 MiB"),
+                                     ("qwen3_next_80b", "24.00 KiB", "73.69 MiB")):
+        out = result(ran, f"kvbench task=inspect model={preset}").stdout
+        row = next(line for line in out.splitlines() if line.startswith("bfloat16"))
+        assert row.split()[1:3] == per_token.split() and state in row, row
+        page_row = next(line for line in (ROOT / "docs" / "layouts-gdn.md").read_text().splitlines()
+                        if line.startswith(f"| `{preset}` |"))
+        assert per_token in page_row and state in page_row, page_row
+    assert written(result(ran, "kvbench model=tiny attention.full_attention_interval=2"))["status"] == "ok"
+    compared = written(result(ran, "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]"))
+    assert [r["layout"] for r in compared["tables"]["compare"]] == ["gqa kv=2", "gqa kv=2 gdn 1:1"]
+
+
 @chain("inspect")
 def test_inspect_prints_the_numbers_the_readme_quotes(ran):
     result(ran, "kvbench task=inspect model=llama2_70b attention=gqa")
@@ -496,6 +526,20 @@ def test_multiturn_commands_print_their_ttft_tables(ran):
     assert len(recs) == 6 and all(len(r["tables"]["turns"]) == 2 for r in recs)
     single = result(ran, "kvbench model=tiny workload=multiturn cache.shared=true")
     assert "turns (cache.shared=True)" in single.stdout
+
+
+@pytest.mark.parametrize("ran", ["sinks", "dsa", "kv sharing"], indirect=True, ids=["sinks", "dsa", "kv_sharing"])
+def test_the_layout_pages_commands_run_and_name_their_layout(ran):
+    """docs/layouts-sinks.md, layouts-dsa.md and layouts-kv-sharing.md: each run is an ok record of
+    the layout the page names; each inspect prints bytes per token and per sequence."""
+    for command in ran:
+        proc = result(ran, command)
+        if "task=inspect" in command:
+            assert "per token" in proc.stdout and "per sequence" in proc.stdout
+            continue
+        rec = written(proc)
+        a = rec["config"]["attention"]
+        assert rec["status"] == "ok" and (a.get("sinks") or a.get("index_topk") == 64 or a.get("kv_shared_layers") == 1)
 
 
 @chain("choose")

@@ -8,16 +8,15 @@ import numpy as np
 import pytest
 
 from kvbench.config.errors import ConfigError
-from kvbench.config.serving import LengthConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.serving import LengthConfig, ServingWorkload
 from kvbench.serving.arrivals import draw_lengths, inter_arrivals, make_requests, read_trace, request_tokens
 
 N = 20_000
 Z = 5.0  # standard errors: a seeded draw this far out happens about once in 1.7 million
 
 
-def serving(**kw) -> WorkloadConfig:
-    return WorkloadConfig(name="serving", kv_budget_mb=1.0, **kw)
+def serving(**kw) -> ServingWorkload:
+    return ServingWorkload(kv_budget_mb=1.0, **kw)
 
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])

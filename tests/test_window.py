@@ -13,10 +13,11 @@ from test_checkpoint import PROMPT, STEPS, logits_with_cache
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.train import DataConfig, TrainConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.model import Decoder
 from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.train import run_eval
@@ -147,7 +148,7 @@ def test_eval_of_a_windowed_checkpoint_is_transformers_perplexity(tmp_path, corp
     model = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64, vocab_size=1000,
                         max_seq_len=64)
     cfg = BenchConfig(task="eval", model=model, attention=AttentionConfig(type="gqa"),
-                      workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
                       data=DataConfig(path=str(corpus), val_fraction=0.2),
                       train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, checkpoint=str(path)))
@@ -162,7 +163,7 @@ def test_eval_of_a_windowed_checkpoint_is_transformers_perplexity(tmp_path, corp
 
 def _bench(**changes):
     parts = dict(model=tiny_model_config(), attention=AttentionConfig(type="mha", window=16),
-                 workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                 workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                  runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"))
     parts.update(changes)
     return BenchConfig(**parts)

@@ -1,13 +1,14 @@
 """``task=capacity``'s sections of the config: its latency targets (:class:`SloConfig`, the ``slo``
-group) and its search (:class:`CapacityConfig`). Checked where the values enter, each failure one
-line naming the key and the value."""
+group) and its search (:class:`CapacityConfig`), and what the task reads. Checked where the values
+enter, each failure one line naming the key and the value."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from kvbench.config.errors import check, check_choice, check_numbers, check_positive
+from kvbench.config.task import ALL, Task, Without
 
 SLO_STATS = ("p50", "p99")
 
@@ -54,3 +55,36 @@ class CapacityConfig:
         check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
                "capacity.context_lens", self.context_lens, "must be a non-empty list of lengths >= 1")
         check_positive("capacity", self, ("max_batch", "batch_step", "tpot_pairs"))
+
+
+def check_capacity_run(cfg: Any) -> None:
+    w = cfg.workload
+    check(w.name in ("decode", "multiturn"), "workload", w.name,
+          "task=capacity searches the batch of workload=decode or workload=multiturn; workload=serving finds "
+          "its highest rate under the SLO itself (task=bench workload.search.enabled=true)")
+    check(cfg.slo.e2e_ms is None, "slo.e2e_ms", cfg.slo.e2e_ms,
+          "task=capacity judges TTFT and TPOT only (an E2E target is workload=serving's)")
+    # the probes' caches are in the compute dtype, as the KV formula they are judged by
+    check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
+          "task=capacity stores K/V in the compute dtype only; use cache.dtype=auto")
+    if cfg.slo.tpot_x_batch1 is not None:
+        check(cfg.cache.impl != "none", "cache.impl", cfg.cache.impl,
+              "keeps no history, and slo.tpot_x_batch1 times a probe's filled cache stepping again; "
+              "use static or concat")
+    if w.name == "multiturn":  # one chat, its length the workload's (checked for every task)
+        check(w.reply_len >= 2 or (cfg.slo.tpot_ms is None and cfg.slo.tpot_x_batch1 is None),
+              "workload.reply_len", w.reply_len, "a one-token reply has no decode step to judge against "
+              "slo.tpot_ms / slo.tpot_x_batch1; use >= 2, or no TPOT target")
+        return
+    longest = max(cfg.capacity.context_lens) + w.gen_len
+    check(longest <= cfg.model.max_seq_len, "capacity.context_lens", cfg.capacity.context_lens,
+          f"the longest context + workload.gen_len is {longest} positions, more than "
+          f"model.max_seq_len={cfg.model.max_seq_len}")
+
+
+# The batch it searches, and for decode the prompt length (capacity.context_lens), are its own; a
+# chat's context is the conversation.
+CAPACITY = Task(reads={"attention": ALL, "workload": Without("batch_size", "prompt_len"), "runtime": ALL,
+                       "slo": ALL, "capacity": ALL},
+                runs_workload=True, by_workload={"multiturn": {"capacity": ("max_batch", "batch_step")}},
+                check=check_capacity_run)

@@ -82,6 +82,9 @@ RENAMED_KEYS = {
                           "run uses is attention.num_kv_heads)",
 }
 
+# Config groups that were renamed: an override of the old name gets the new one.
+RENAMED_GROUPS = {"serving": "scenario"}  # task=capacity's scenarios; "serving" is the workload
+
 T = TypeVar("T")
 
 
@@ -163,6 +166,10 @@ def config_error_line(exc: BaseException, names: Sequence[str] = ()) -> str:
             if key in RENAMED_KEYS:
                 return f"{key}: renamed to {RENAMED_KEYS[key]}"
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            if "not in struct" in msg and key in RENAMED_GROUPS:
+                override = _override_being_composed(exc) or key
+                return one_line(f"{override}: the group {key} is renamed to {RENAMED_GROUPS[key]} "
+                                f"({RENAMED_GROUPS[key]}{override[len(key):]})")
             if "not in struct" in msg and "." not in key and names:
                 close = difflib.get_close_matches(key, list(names), n=1)
                 why = (f"did you mean {close[0]}?" if close else f"groups and keys: {', '.join(names)}")

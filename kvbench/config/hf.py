@@ -28,17 +28,34 @@ MAX_CONFIG_BYTES = 16 * 2**20
 # The transformers architectures whose config.json and tensor names the decoder reads, each with
 # the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
 # and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES and sliding windows; everything else (MoE, multimodal, biases beyond
+# rope types in ROPE_TYPES and sliding windows; everything else (other MoE such as Mixtral, multimodal, biases beyond
 # q/k/v, other rope types) is refused naming its config.json key.
-HF_ARCHITECTURES: Dict[str, Dict[str, bool]] = {
+HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
 }
-# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json): dense layers only.
+# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json) and V3.2 (+ DSA's
+# indexer, index_topk in config.json); their mixtures of experts: MOE_FAMILIES.
 HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
+                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+                         "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
+# Qwen3.5 (its dense text model, also as the language model of its multimodal checkpoint) and
+# Qwen3-Next (its experts: MOE_FAMILIES): Gated DeltaNet layers beside full attention whose output is gated,
+# whose rotary embeddings turn part of a head, and whose norms are zero-centred (transformers'
+# Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
+_HYBRID = {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True, "norm_zero_centered": True}
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
+HF_ARCHITECTURES.update({arch: _HYBRID for arch in HYBRID_ARCHITECTURES})
+# Their config classes' defaults for keys a config.json may leave out (Qwen3_5TextConfig, Qwen3NextConfig).
+HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+# A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
+TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+# Tensors transformers' causal LM leaves unread: a multi-token-prediction head, a vision tower.
+UNREAD_TENSORS = {arch: ("mtp.", "model.visual.") for arch in HYBRID_ARCHITECTURES}
 # Mixture-of-experts architectures (whose MLPs _hf_moe reads) and their routing; GPT-OSS also has
 # biases on q, k, v and o (attention_bias) and learned sinks in every layer.
 HF_ARCHITECTURES.update({"Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
@@ -49,7 +66,8 @@ MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_sha
                 "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names of a layer's attention
+LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
+LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names of a layer's kind
 
 
 # JSON types of the values read from a config.json (a bool is not a number, as JSON says).
@@ -78,6 +96,11 @@ def _get(cfg: Mapping[str, Any], key: str, kind: str, default: Any = None, prefi
     return value
 
 
+def checkpoint_architecture(cfg: Mapping[str, Any]) -> Optional[str]:
+    """The class of :data:`HF_ARCHITECTURES` a config.json names (None: none of them)."""
+    return next((a for a in _get(cfg, "architectures", "list", []) if a in HF_ARCHITECTURES), None)
+
+
 def architecture(cfg: Mapping[str, Any]) -> str:
     """The class of :data:`HF_ARCHITECTURES` a config.json names, with its ``model_type``
     (``DeepseekV3ForCausalLM (model_type deepseek_v3)``): what an error about its tensors names."""
@@ -100,9 +123,11 @@ def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
 
 def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
     """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
-    (complex rotation), V3 with ``rope_interleave`` (its default)."""
-    v2 = "DeepseekV2ForCausalLM" in _get(cfg, "architectures", "list", [])
-    return v2 or _get(cfg, "rope_interleave", "bool", True)
+    (complex rotation), V3.2 always (its latent attention; its indexer rotates halves), V3 with
+    ``rope_interleave`` (its default)."""
+    archs = _get(cfg, "architectures", "list", [])
+    return bool({"DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM"} & set(archs)) or \
+        _get(cfg, "rope_interleave", "bool", True)
 
 
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
@@ -114,7 +139,10 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     if arch is None:
         raise ConfigError(f"{where}: architectures={archs!r}: not supported "
                           f"(accepted: {', '.join(HF_ARCHITECTURES)})")
-    switches = HF_ARCHITECTURES[arch]
+    switches, hybrid = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES
+    if arch in TEXT_MODEL_PREFIX:  # the language model of a multimodal checkpoint; its head's tying is the top's
+        cfg = {**_get(cfg, "text_config", "object", _REQUIRED), "architectures": archs,
+               "tie_word_embeddings": cfg.get("tie_word_embeddings")}
     refused = {  # key: why, for a value that is set and not the default
         "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
                                                              "q/k/v biases are modelled)",
@@ -139,36 +167,46 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
     mla = _hf_mla(cfg) if arch.startswith("Deepseek") else {}
     heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
+    layers = _get(cfg, "num_hidden_layers", "int", _REQUIRED)
+    head_dim = HYBRID_DEFAULTS["head_dim"] if hybrid else hidden // heads if _counts(hidden, heads) else None
     shape = dict(
-        num_layers=_get(cfg, "num_hidden_layers", "int", _REQUIRED), d_model=hidden, num_heads=heads,
+        num_layers=layers, d_model=hidden, num_heads=heads,
         preset_kv_heads=_get(cfg, "num_key_value_heads", "int") or heads,
         # transformers' default; left to ModelConfig's checks when the values are not counts
-        head_dim=_get(cfg, "head_dim", "int") or (hidden // heads if _counts(hidden, heads) else None),
+        head_dim=_get(cfg, "head_dim", "int") or head_dim,
         ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions,
-        norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions),
-        **_hf_window(cfg))
+        norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
+        **_hf_window(cfg, hybrid))
     shape.update(mla)
-    shape.update(_hf_moe(cfg, arch, shape["num_layers"]))
+    shape.update(_hf_moe(cfg, arch, layers))
+    if hybrid:
+        shape.update(_hf_hybrid(cfg))
     return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
 
 
-def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
+def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> Dict[str, Any]:
     """ModelConfig's rope fields from a config.json: transformers >= 5 writes ``rope_parameters``
     (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45).
-    A rope type the decoder does not compute is refused naming the key."""
+    A rope type the decoder does not compute is refused naming the key; ``partial_rotary_factor``
+    too, unless ``partial`` (an architecture whose attention rotates part of a head)."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     rope = _get(cfg, key, "object", {})
     prefix = f"{key}."
     rope_type = _get(rope, "rope_type", "str", None, prefix) or _get(rope, "type", "str", "default", prefix)
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{key}.rope_type={rope_type!r}: not supported (accepted: {', '.join(ROPE_TYPES)})")
-    for where, found in ((prefix, rope), ("", cfg)):
+    out = {}
+    if partial:  # transformers' order: rope_parameters', the top level's, the config class's default
+        factor = _get(rope, "partial_rotary_factor", "number", None, prefix)
+        out["partial_rotary_factor"] = factor if factor is not None else _get(
+            cfg, "partial_rotary_factor", "number", HYBRID_DEFAULTS["partial_rotary_factor"])
+    for where, found in ((prefix, rope), ("", cfg)) if not partial else ():
         if _get(found, "partial_rotary_factor", "number", 1.0, where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor={found['partial_rotary_factor']!r}: not supported "
-                              "(the decoder rotates every dimension)")
+                              "(the decoder rotates every dimension of this architecture's heads)")
     theta = _get(rope, "rope_theta", "number", None, prefix)
-    out = {"rope_type": rope_type, "rope_theta": _get(cfg, "rope_theta", "number", 10000.0) if theta is None else theta}
+    out.update(rope_type=rope_type, rope_theta=_get(cfg, "rope_theta", "number", 10000.0) if theta is None else theta)
     needed = {"linear": {"rope_factor": "factor"},
               "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                          "rope_high_freq_factor": "high_freq_factor"},
@@ -191,17 +229,29 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any) -> Dict[str, Any]:
     return out
 
 
-def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False) -> Dict[str, Any]:
     """ModelConfig's window fields from a config.json, as transformers reads them: Mistral's
     ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
     ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
-    (transformers >= 5 writes it) lists each layer's kind."""
+    (transformers >= 5 writes it) lists each layer's kind. A ``hybrid`` architecture's layer_types
+    names its Gated DeltaNet layers (linear_attention; without the key, every
+    ``full_attention_interval``-th layer is full attention and the others linear)."""
     window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
     layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
+        layer_types = None
+    kinds = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
+    if layer_types is None and hybrid:
+        k = _get(cfg, "full_attention_interval", "int", HYBRID_DEFAULTS["full_attention_interval"])
+        if k < 1:
+            raise ConfigError(f"full_attention_interval={k!r}: must be >= 1 (every k-th layer full attention)")
+        layer_types = [LINEAR if (i + 1) % k else "full_attention"
+                       for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
     if layer_types is not None:
-        if not isinstance(layer_types, list) or any(t not in LAYER_TYPES for t in layer_types):
-            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry "
-                              f"{' or '.join(LAYER_TYPES)})")
+        if not isinstance(layer_types, list) or any(t not in kinds for t in layer_types):
+            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry {' or '.join(kinds)})")
+        if LINEAR in layer_types and "sliding_attention" not in layer_types:
+            return {"preset_layer_types": layer_types}
         if "sliding_attention" not in layer_types:
             window = layer_types = None
     elif window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
@@ -213,11 +263,19 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     return {"preset_window": window, "preset_layer_types": layer_types}
 
 
+def _hf_hybrid(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """The Gated DeltaNet layers' shape from a Qwen3.5 / Qwen3-Next config.json (its class's
+    defaults for keys it leaves out); its mixture of experts: :func:`_hf_moe`."""
+    return {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
+
+
 def _hf_mla(cfg: Mapping[str, Any]) -> Dict[str, Any]:
-    """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json (its mixture of experts: :func:`_hf_moe`)."""
+    """ModelConfig's MLA fields from a DeepSeek-V2/V3/V3.2 config.json (its mixture of experts: :func:`_hf_moe`)."""
     shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                          "v_head_dim")}
     shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
+    if "index_topk" in cfg:  # DeepSeek-V3.2's lightning indexer (DSA)
+        shape.update({k: _get(cfg, k, "int", _REQUIRED) for k in ("index_topk", "index_n_heads", "index_head_dim")})
     rope_interleaved(cfg)  # read by the loader: checked here, where the file is named
     # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
     return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
@@ -290,6 +348,8 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
             return {}
         # Qwen3.5-MoE: every layer sparse, its k weights always renormalised
         dense = [] if family == "qwen3_5" else [i for i in range(num_layers) if i in only or (i + 1) % step]
+        if len(dense) == num_layers:  # every layer dense: no expert key is read
+            return {}
         shared = _get(cfg, "shared_expert_intermediate_size", "int", 0) if family != "qwen" else 0
         norm = family == "qwen3_5" or _get(cfg, "norm_topk_prob", "bool", family != "qwen")
         moe.update(expert_ffn_dim=_get(cfg, "moe_intermediate_size", "int", _REQUIRED), shared_ffn_dim=shared,

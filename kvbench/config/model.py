@@ -7,21 +7,31 @@ mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
-from kvbench.config.hf import LAYER_TYPES, ROPE_TYPES
+from kvbench.config.hf import LINEAR, ROPE_TYPES
+from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant_key, local_global_layers: their home is here)
+    check_window_pattern,
+    interval_layer_types,
+    linear_full_layers,
+    local_global_layers,
+    resolve_layer_pattern,
+    variant_key,
+    variant_label,
+)
 from kvbench.config.moe import MoEShape
+from kvbench.layouts.latent import check_indexer, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLA_DECODE_FORMS = ("absorbed", "expanded")
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's indexer (DeepSeek-V3.2), with mla only
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *INDEX_FIELDS)
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -34,68 +44,6 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
 
 
-def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
-    """The one name of a variant, in progress lines, tables, plots, reports and (as
-    :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
-    its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
-    counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
-    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), a cache
-    dtype other than the compute dtype ``mha kv=8 int8``.
-    ``attention``: a resolved AttentionConfig or a record's attention mapping."""
-    get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
-    kind = get("type")
-    label = f"mla r={get('kv_lora_rank')}" if kind == "mla" else f"{kind} kv={get('num_kv_heads')}"
-    if get("window"):
-        label += f" w={get('window')}"
-        ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
-        if ratio and ratio[1]:
-            label += f" {ratio[0]}:{ratio[1]}"
-    if get("sinks"):
-        label += " sinks"
-    return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
-
-
-def local_global_layers(window: Optional[int], global_every: Optional[int], layer_types: Optional[Sequence[str]],
-                        num_layers: Optional[int] = None) -> Optional[Tuple[int, int]]:
-    """The local:global ratio of the layers, reduced (Gemma 3's 5:1); (1, 0) when every layer is
-    local; None without a window. ``global_every`` k counts the layers when ``num_layers`` is known
-    (12 layers, k=6: 10 local, 2 global), else reads (k-1):1."""
-    if not window:
-        return None
-    if layer_types is not None:
-        local, total = sum(t == "sliding_attention" for t in layer_types), len(layer_types)
-    elif global_every and num_layers:
-        local, total = sum(1 for i in range(num_layers) if (i + 1) % global_every), num_layers
-    elif global_every:
-        local, total = global_every - 1, global_every
-    else:
-        return (1, 0)
-    g = math.gcd(local, total - local) or 1
-    return (local // g, (total - local) // g)
-
-
-def variant_key(label: str) -> str:
-    """:func:`variant_label` as a metric prefix: ``gqa_kv4``, ``mla_r256``, ``gqa_kv4_w1024_5to1``."""
-    return label.replace("=", "").replace(":", "to").replace(" ", "_")
-
-
-def check_window_pattern(prefix: str, window: Optional[int], global_every: Optional[int],
-                         layer_types: Optional[List[str]], num_layers: Optional[int] = None) -> None:
-    """A window is 0 (none) or >= 1 positions; global_every >= 0; layer_types names each layer
-    (``num_layers`` of them, when known) sliding_attention or full_attention; not both patterns."""
-    check(window is None or window >= 0, f"{prefix}window", window, "must be >= 1 positions, 0 (no window) or null")
-    check(global_every is None or global_every >= 0, f"{prefix}global_every", global_every,
-          "must be >= 0 (0: no global layer; k: every k-th layer global) or null")
-    if layer_types is None:
-        return
-    check(global_every is None, f"{prefix}global_every", global_every,
-          f"and {prefix}layer_types both say which layers are local; give one")
-    check(all(t in LAYER_TYPES for t in layer_types), f"{prefix}layer_types", layer_types,
-          f"each entry must be one of {', '.join(LAYER_TYPES)}")
-    check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
-          f"must name each of model.num_layers={num_layers} layers")
-
-
 @dataclass
 class MLAShape:
     """A model's own multi-head latent attention layout (DeepSeek's names; what its weights are
@@ -106,9 +54,13 @@ class MLAShape:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0  # DSA: each query attends its top index_topk tokens (0: no indexer)
 
     def __post_init__(self) -> None:
         check_mla_dims("model.preset_mla", self)
+        check_indexer("model.preset_mla", self)
 
 
 def check_mla_dims(prefix: str, dims: Any) -> None:
@@ -157,6 +109,17 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the attention's output projection (GPT-OSS)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
+    # Qwen3.5 / Qwen3-Next (transformers' Qwen3_5RMSNorm, Qwen3_5Attention):
+    norm_zero_centered: bool = False  # every RMSNorm scales by (1 + weight), multiplied in float32
+    attn_output_gate: bool = False  # q_proj emits [query | gate] per head; output x sigmoid(gate) before o_proj
+    partial_rotary_factor: float = 1.0  # rotary embeddings turn the first int(head_dim x factor) dims of a head
+    # Gated DeltaNet layers (attention.layer_types' linear_attention), config.json's names: their
+    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's.
+    linear_num_key_heads: Optional[int] = None  # H_k, heads of q and k (null: num_heads)
+    linear_num_value_heads: Optional[int] = None  # H_v, heads of v and of the state (null: 2 x num_heads)
+    linear_key_head_dim: Optional[int] = None  # d_k (null: head_dim / 2)
+    linear_value_head_dim: Optional[int] = None  # d_v (null: head_dim / 2)
+    linear_conv_kernel_dim: Optional[int] = None  # taps of the causal short convolution over q, k, v (null: 4)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
     # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window):
     # W positions for local layers, which layers are local as in AttentionConfig.
@@ -167,6 +130,7 @@ class ModelConfig:
     # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
+    preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
     # Mixture-of-experts MLPs (kvbench.config.moe); null: every layer's MLP is the dense SwiGLU of ffn_dim.
     moe: Optional[MoEShape] = None
 
@@ -192,11 +156,38 @@ class ModelConfig:
             self.head_dim = self.d_model // self.num_heads
         check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
                "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
+        rotated = self.rotary_dim
+        check(0 < self.partial_rotary_factor <= 1 and rotated >= 2 and rotated % 2 == 0, "model.partial_rotary_factor",
+              self.partial_rotary_factor, f"must be in (0, 1] and rotate an even number >= 2 of the head_dim="
+              f"{self.head_dim} dimensions (int(head_dim x factor) = {rotated})")
+        self._check_linear_shape()
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
         check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
                              self.preset_layer_types, self.num_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a query or key head that rotary embeddings turn (transformers' int())."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def linear_shape(self) -> Dict[str, int]:
+        """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields: the
+        ratios of Qwen3.5, whose heads of 256 have 16 key heads of 128 beside 16 query heads)."""
+        derived = {"linear_num_key_heads": self.num_heads, "linear_num_value_heads": 2 * self.num_heads,
+                   "linear_key_head_dim": self.head_dim // 2, "linear_value_head_dim": self.head_dim // 2,
+                   "linear_conv_kernel_dim": 4}
+        return {k: d if getattr(self, k) is None else getattr(self, k) for k, d in derived.items()}
+
+    def _check_linear_shape(self) -> None:
+        shape = self.linear_shape()
+        for key, value in shape.items():
+            check(value >= 1, f"model.{key}", value, "must be >= 1")
+        heads, value_heads = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
+        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads,
+              f"must be a multiple of model.linear_num_key_heads={heads} (each key head serves the same number of "
+              "value heads)")
 
     def _check_rope_scaling(self) -> None:
         check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
@@ -288,6 +279,10 @@ class AttentionConfig:
     # none; layer_types lists each layer as transformers does (sliding_attention | full_attention).
     global_every: Optional[int] = None
     layer_types: Optional[List[str]] = None
+    # Gated DeltaNet layers (linear attention: a constant state per sequence, no K/V): every k-th
+    # layer full attention, the others linear (Qwen3.5, Qwen3-Next: 4); 0: none; null: the model's own
+    # (model.preset_layer_types). layer_types may list linear_attention layers instead.
+    full_attention_interval: Optional[int] = None
     # Learned attention sinks (GPT-OSS): one logit per query head joins every softmax, taking
     # weight from the keys at no cache cost. null: the model's own (model.preset_sinks).
     sinks: Optional[bool] = None
@@ -300,6 +295,11 @@ class AttentionConfig:
     # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
     # per head: the reference). Prefill is always expanded.
     mla_decode: str = "absorbed"
+    index_n_heads: Optional[int] = None  # DSA's (DeepSeek-V3.2, with mla) indexer heads; null: the model's own
+    index_head_dim: Optional[int] = None  # the width of its key, cached per token beside the latent
+    index_topk: Optional[int] = None  # DSA: each query attends its top index_topk tokens; 0: no indexer
+    # Gemma 3n: the last N layers read an earlier layer's K/V, storing none (null: the model's own; 0: none)
+    kv_shared_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
@@ -308,6 +308,9 @@ class AttentionConfig:
         if self.num_kv_heads is not None:
             check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
         check_window_pattern("attention.", self.window, self.global_every, self.layer_types)
+        check(self.full_attention_interval is None or self.full_attention_interval >= 0,
+              "attention.full_attention_interval", self.full_attention_interval,
+              "must be >= 0 (0: no linear layer; k: every k-th layer full attention, the others linear) or null")
         if self.type != "mla":
             for name in MLA_FIELDS:
                 check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
@@ -322,6 +325,11 @@ class AttentionConfig:
             return [self.window if t == "sliding_attention" else None for t in self.layer_types]
         k = self.global_every or 0
         return [None if k and (i + 1) % k == 0 else self.window for i in range(num_layers)]
+
+    def layer_kinds(self, num_layers: int) -> List[str]:
+        """Each layer's transformers name for a resolved config (:meth:`resolved`): linear_attention
+        (Gated DeltaNet) or an attention layer (sliding_attention where a window applies)."""
+        return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
 
     @property
     def latent(self) -> bool:
@@ -353,31 +361,10 @@ class AttentionConfig:
               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
         return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
                                sinks=model.preset_sinks if self.sinks is None else self.sinks,
-                               **self._resolved_window(model))
+                               kv_shared_layers=self._resolved_sharing(model), **resolve_layer_pattern(self, model))
 
-    def _resolved_window(self, model: ModelConfig) -> Dict[str, Any]:
-        """window, global_every and layer_types: each null one is the model's own; checked against
-        the model's layer count."""
-        check(self.window is None or self.window <= model.max_seq_len, "attention.window", self.window,
-              f"must be <= model.max_seq_len={model.max_seq_len} (a window that long drops no position; "
-              "0: no window)")
-        window = model.preset_window if self.window is None else self.window
-        if self.layer_types is not None or self.global_every is not None:
-            global_every, layer_types = self.global_every, self.layer_types
-        else:
-            global_every, layer_types = model.preset_global_every, model.preset_layer_types
-        check_window_pattern("attention.", window, global_every, layer_types, model.num_layers)
-        if window is None:
-            self._check_no_pattern(f"model {model.name} has none and attention.window is null; "
-                                   "set attention.window=W")
-            return {}
-        return {"window": window, "global_every": global_every, "layer_types": layer_types}
-
-    def _check_no_pattern(self, why: str) -> None:
-        """A layer pattern with no window to apply it to would be dropped from the run: refuse it."""
-        for key in ("layer_types", "global_every"):
-            check(getattr(self, key) is None, f"attention.{key}", getattr(self, key),
-                  f"says which layers are local, but there is no window: {why}")
+    def _resolved_sharing(self, model: ModelConfig) -> int:  # checked against the layers by build_layouts
+        return model.preset_kv_shared_layers if self.kv_shared_layers is None else self.kv_shared_layers
 
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
@@ -387,12 +374,20 @@ class AttentionConfig:
                                            qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
+        dims.update(indexer_defaults(own, self, model.num_heads))
         # a window as for K/V heads: a local layer's cache is a ring of W latents
         check(not self.sinks, "attention.sinks", self.sinks, "are a logit per query head of K/V-head attention; "
               "attention=mla has none")
+        for key in ("attn_output_gate", "partial_rotary_factor"):  # what only K/V-head layers have
+            check(getattr(model, key) == getattr(ModelConfig, key), f"model.{key}", getattr(model, key),
+                  "is a property of K/V-head attention; attention=mla has none")
+        pattern = resolve_layer_pattern(self, model)
+        check(LINEAR not in (pattern.get("layer_types") or ()), "attention.type", self.type,
+              "mla beside linear_attention (Gated DeltaNet) layers is not built; use a K/V-head type")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, sinks=False, **dims,
-                              **self._resolved_window(model))
+                              kv_shared_layers=self._resolved_sharing(model), **pattern)
         check_mla_dims("attention", out)
+        check_indexer("attention", out, out.window)
         return out
 
 

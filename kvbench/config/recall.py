@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive
+from kvbench.config.task import ALL, QUALITY_RUNTIME, Task, Without
 
 RECALL_KINDS = ("mqar", "passkey")
 
@@ -81,3 +82,10 @@ def check_recall_run(r: RecallConfig, max_seq_len: int, num_heads: int, attentio
     check(kv < num_heads, "recall.uptrain_steps", r.uptrain_steps,
           f"converts a trained MHA model to fewer KV heads; attention.num_kv_heads={kv} of model.num_heads="
           f"{num_heads} is that MHA model (use attention=gqa or mqa, or recall.uptrain_steps=null)")
+
+
+# Trains from generated sequences: no text, no workload, no cache.
+RECALL = Task(reads={"attention": ALL, "runtime": QUALITY_RUNTIME,
+                     "train": Without("checkpoint", "init_from", "seq_len", "eval_batches"), "recall": ALL},
+              check=lambda cfg: check_recall_run(cfg.recall, cfg.model.max_seq_len, cfg.model.num_heads,
+                                                 cfg.attention))

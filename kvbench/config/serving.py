@@ -1,14 +1,14 @@
-"""``workload=serving``'s part of the config: the arrival process, the length distributions, the
-shared prefix and the KV store the scheduler serves them from. :class:`WorkloadConfig` holds the
-fields (``workload.rate`` ...); :func:`check_serving` checks them where they enter, one line
-naming the key and the value."""
+"""``workload=serving``'s dataclass (:class:`ServingWorkload`): the arrival process, the length
+distributions, the shared prefix and the KV store the scheduler serves them from, each checked
+where it enters, one line naming the key and the value."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, Optional
 
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers
+from kvbench.config.task import ALL, Keys
 
 ARRIVALS = ("poisson", "gamma", "trace")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
@@ -95,40 +95,106 @@ class RateSearchConfig:
         check(self.max_probes >= 2, "workload.search.max_probes", self.max_probes, "must be >= 2")
 
 
-def check_serving(w) -> None:
-    """The serving fields of a :class:`kvbench.config.bench.WorkloadConfig` (``w.name == "serving"``)."""
-    check_choice("workload.arrival", w.arrival, ARRIVALS)
-    check(w.rate > 0, "workload.rate", w.rate, "must be > 0 requests per second")
-    check(w.burstiness > 0, "workload.burstiness", w.burstiness, "must be > 0 (1 = Poisson, < 1 burstier)")
-    if w.arrival == "trace":
-        check(bool(w.trace), "workload.trace", w.trace, "workload.arrival=trace needs a trace file (JSONL or CSV)")
-    else:
-        check((w.num_requests is None) != (w.duration_s is None), "workload.num_requests", w.num_requests,
-              f"give exactly one of workload.num_requests and workload.duration_s (duration_s={w.duration_s})")
-        check(w.num_requests is None or w.num_requests >= 1, "workload.num_requests", w.num_requests,
-              "must be >= 1 or null")
-        check(w.duration_s is None or w.duration_s > 0, "workload.duration_s", w.duration_s, "must be > 0 or null")
-    w.prompt.check("workload.prompt")
-    w.output.check("workload.output")
-    check(w.prefix_len >= 0, "workload.prefix_len", w.prefix_len, "must be >= 0")
-    check(0 <= w.prefix_fraction <= 1, "workload.prefix_fraction", w.prefix_fraction, "must be in [0, 1]")
-    check(w.prefix_groups >= 1, "workload.prefix_groups", w.prefix_groups, "must be >= 1")
-    check_choice("workload.store", w.store, STORES)
-    check(w.kv_budget_mb is None or w.kv_budget_mb > 0, "workload.kv_budget_mb", w.kv_budget_mb, "must be > 0 or null")
-    check(w.kv_budget_blocks is None or w.kv_budget_blocks >= 1, "workload.kv_budget_blocks",
-          w.kv_budget_blocks, "must be >= 1 or null")
-    check((w.kv_budget_mb is None) != (w.kv_budget_blocks is None), "workload.kv_budget_mb", w.kv_budget_mb,
-          f"give exactly one of workload.kv_budget_mb and workload.kv_budget_blocks (kv_budget_blocks="
-          f"{w.kv_budget_blocks}); for a budget in blocks set workload.kv_budget_mb=null")
-    check(w.max_prefill_tokens >= 1, "workload.max_prefill_tokens", w.max_prefill_tokens, "must be >= 1")
-    check(w.max_running >= 1, "workload.max_running", w.max_running, "must be >= 1")
-    check(w.slot_len is None or w.slot_len >= 2, "workload.slot_len", w.slot_len, "must be >= 2 or null")
-    check(w.seed >= 0, "workload.seed", w.seed, "must be >= 0")
-    w.search.check()
-    check(not (w.search.enabled and w.arrival == "trace"), "workload.search.enabled", w.search.enabled,
-          "a rate search draws arrivals at each rate; workload.arrival=trace has its own times")
-    if w.arrival != "trace":  # a trace's size and span are checked as it is read (serving/arrivals.py)
-        _check_run_size(w)
+@dataclass
+class ServingWorkload:
+    """Open-loop arrivals served by continuous batching from a KV store of a fixed budget
+    (docs/serving.md). The same ``seed`` gives every variant the same requests."""
+
+    name: str = "serving"  # the option, conf/workload/<name>.yaml
+    arrival: str = "poisson"  # poisson | gamma (burstiness) | trace (workload.trace)
+    rate: float = 4.0  # requests per second (mean); arrival=trace ignores it
+    burstiness: float = 1.0  # gamma's shape: 1 = Poisson, < 1 burstier, > 1 more regular (CV^2 = 1/burstiness)
+    num_requests: Optional[int] = 32  # requests drawn (null: until duration_s)
+    duration_s: Optional[float] = None  # draw arrivals until this many seconds (num_requests null)
+    trace: Optional[str] = None  # arrival=trace: JSONL or CSV of arrival_s, prompt_len, output_len[, prefix_id]
+    # a request's own prompt tokens: .dist fixed|uniform|lognormal, .mean, .cv, .lo, .hi (LengthConfig)
+    prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 128, 0.5, 16, 512))
+    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))  # as prompt
+    prefix_len: int = 0  # a shared system prompt of this many tokens before a prefixed request's own prompt
+    prefix_fraction: float = 1.0  # share of requests that carry a prefix (when prefix_len > 0)
+    prefix_groups: int = 1  # distinct system prompts (prefix_id 0 .. groups - 1)
+    store: str = "paged"  # paged (blocks of cache.block_size, on demand) | slots (a static slot per request)
+    prefix_caching: bool = True  # paged: reuse full blocks of equal token chains across requests (vLLM's APC)
+    kv_budget_mb: Optional[float] = None  # KV memory the store may hold, MB (1e6 bytes)
+    kv_budget_blocks: Optional[int] = None  # or as blocks (slots: as slots); exactly one of the two
+    max_prefill_tokens: int = 512  # prompt tokens prefilled per iteration; a longer prompt is chunked
+    max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
+    slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
+    seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
+    search: RateSearchConfig = field(default_factory=RateSearchConfig)  # the highest rate under the SLO
+
+    # its goodput and rate search are judged by the slo group's targets
+    READS: ClassVar[Dict[str, Keys]] = {"cache": ("block_size", "dtype"), "slo": ALL}
+    LENGTH_KEY: ClassVar[str] = "workload.prompt"
+    # The scheduler forms each batch; a task that reads only a batch size (compare, inspect) sees one
+    # sequence.
+    batch_size: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        w = self
+        check_numbers("workload", w)
+        check_choice("workload.name", w.name, ("serving",))
+        check_choice("workload.arrival", w.arrival, ARRIVALS)
+        check(w.rate > 0, "workload.rate", w.rate, "must be > 0 requests per second")
+        check(w.burstiness > 0, "workload.burstiness", w.burstiness, "must be > 0 (1 = Poisson, < 1 burstier)")
+        if w.arrival == "trace":
+            check(bool(w.trace), "workload.trace", w.trace, "workload.arrival=trace needs a trace file (JSONL or CSV)")
+        else:
+            check((w.num_requests is None) != (w.duration_s is None), "workload.num_requests", w.num_requests,
+                  f"give exactly one of workload.num_requests and workload.duration_s (duration_s={w.duration_s})")
+            check(w.num_requests is None or w.num_requests >= 1, "workload.num_requests", w.num_requests,
+                  "must be >= 1 or null")
+            check(w.duration_s is None or w.duration_s > 0, "workload.duration_s", w.duration_s,
+                  "must be > 0 or null")
+        w.prompt.check("workload.prompt")
+        w.output.check("workload.output")
+        check(w.prefix_len >= 0, "workload.prefix_len", w.prefix_len, "must be >= 0")
+        check(0 <= w.prefix_fraction <= 1, "workload.prefix_fraction", w.prefix_fraction, "must be in [0, 1]")
+        check(w.prefix_groups >= 1, "workload.prefix_groups", w.prefix_groups, "must be >= 1")
+        check_choice("workload.store", w.store, STORES)
+        check(w.kv_budget_mb is None or w.kv_budget_mb > 0, "workload.kv_budget_mb", w.kv_budget_mb,
+              "must be > 0 or null")
+        check(w.kv_budget_blocks is None or w.kv_budget_blocks >= 1, "workload.kv_budget_blocks",
+              w.kv_budget_blocks, "must be >= 1 or null")
+        check((w.kv_budget_mb is None) != (w.kv_budget_blocks is None), "workload.kv_budget_mb", w.kv_budget_mb,
+              f"give exactly one of workload.kv_budget_mb and workload.kv_budget_blocks (kv_budget_blocks="
+              f"{w.kv_budget_blocks}); for a budget in blocks set workload.kv_budget_mb=null")
+        check(w.max_prefill_tokens >= 1, "workload.max_prefill_tokens", w.max_prefill_tokens, "must be >= 1")
+        check(w.max_running >= 1, "workload.max_running", w.max_running, "must be >= 1")
+        check(w.slot_len is None or w.slot_len >= 2, "workload.slot_len", w.slot_len, "must be >= 2 or null")
+        check(w.seed >= 0, "workload.seed", w.seed, "must be >= 0")
+        w.search.check()
+        check(not (w.search.enabled and w.arrival == "trace"), "workload.search.enabled", w.search.enabled,
+              "a rate search draws arrivals at each rate; workload.arrival=trace has its own times")
+        if w.arrival != "trace":  # a trace's size and span are checked as it is read (serving/arrivals.py)
+            _check_run_size(w)
+
+    @property
+    def total_len(self) -> int:
+        """The longest request the distributions give (prefix + prompt + output positions); a trace's
+        lengths are checked when it is read (0 here)."""
+        if self.arrival == "trace":
+            return 0
+        return self.prefix_len + self.prompt.max_len + self.output.max_len
+
+    def layout_settings(self, cfg: Any) -> Dict[str, Any]:
+        return {"workload.store": self.store}
+
+    def check_run(self, cfg: Any) -> None:
+        """Rules across groups (``cfg``: the job's config, its attention resolved): a rate search
+        needs a latency target; the stores hold K/V in the compute dtype; the forwards are eager
+        (what a layer's layout does not run with is its own Limit)."""
+        check(not self.search.enabled or any(v is not None for v in (cfg.slo.ttft_ms, cfg.slo.tpot_ms,
+                                                                       cfg.slo.e2e_ms)),
+              "workload.search.enabled", self.search.enabled, "the rate search needs an SLO: set slo.ttft_ms, "
+              "slo.tpot_ms and/or slo.e2e_ms (or slo=llama2_70b_server)")
+        check(cfg.slo.tpot_x_batch1 is None, "slo.tpot_x_batch1", cfg.slo.tpot_x_batch1,
+              "workload=serving judges TPOT against slo.tpot_ms (a multiple of the batch-1 step is task=capacity's)")
+        check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
+              "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
+        check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
+              "workload=serving runs eager forwards (the batch's shapes change every iteration); use "
+              "runtime.compile=false")
 
 
 def _check_run_size(w) -> None:
@@ -174,30 +240,6 @@ def duration_text(seconds: float) -> str:
     if seconds < 3 * 86_400:
         return f"{seconds / 3600:.3g} h"
     return f"{seconds / 86_400:.3g} days"
-
-
-def check_serving_run(cfg) -> None:
-    """Cross-group rules of a serving run (a :class:`kvbench.config.bench.BenchConfig`, its attention
-    resolved): a rate search needs a latency target; the stores hold K/V in the compute dtype;
-    the forwards are eager (what a layer's layout does not run with is its own Limit)."""
-    w = cfg.workload
-    check(not w.search.enabled or any(v is not None for v in (cfg.slo.ttft_ms, cfg.slo.tpot_ms, cfg.slo.e2e_ms)),
-          "workload.search.enabled", w.search.enabled, "the rate search needs an SLO: set slo.ttft_ms, "
-          "slo.tpot_ms and/or slo.e2e_ms (or slo=llama2_70b_server)")
-    check(cfg.slo.tpot_x_batch1 is None, "slo.tpot_x_batch1", cfg.slo.tpot_x_batch1,
-          "workload=serving judges TPOT against slo.tpot_ms (a multiple of the batch-1 step is task=capacity's)")
-    check(cfg.cache.dtype == "auto", "cache.dtype", cfg.cache.dtype,
-          "workload=serving stores K/V in the compute dtype; use cache.dtype=auto")
-    check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
-          "workload=serving runs eager forwards (the batch's shapes change every iteration); use runtime.compile=false")
-
-
-def serving_total_len(w) -> int:
-    """The longest request the distributions give (prefix + prompt + output positions); a trace's
-    lengths are checked when it is read (0 here)."""
-    if w.arrival == "trace":
-        return 0
-    return w.prefix_len + w.prompt.max_len + w.output.max_len
 
 
 def kv_budget_note(kv_budget_mb: Optional[float], kv_budget_blocks: Optional[int]) -> str:

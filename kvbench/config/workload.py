@@ -1,69 +1,115 @@
-"""The ``workload`` group's schema: what a ``task=bench`` run feeds the model (``conf/workload/``):
-``decode`` (a prompt, then greedy steps), ``multiturn`` (a chat over a shared system prompt) and
-``serving`` (open-loop arrivals served by continuous batching; its lengths, store and rate search
-in :mod:`kvbench.config.serving`). Cross-group rules live in :class:`kvbench.config.bench.BenchConfig`."""
+"""The ``workload`` group: one dataclass per option (``conf/workload/<name>.yaml``), what a run
+feeds the model, and :func:`workload_config`, which types a job's ``workload`` by its ``name``. A
+new workload is its dataclass and one entry in :data:`WORKLOADS`; the code that runs it is
+``kvbench/workloads/<name>.py``, registered in :data:`kvbench.tasks.bench.WORKLOADS`.
+
+Each dataclass declares what else of the config it reads (``READS``: its record keeps it), the
+key named when it does not fit the model (``LENGTH_KEY``), and its rules across groups
+(``check_run``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Dict, Mapping
 
-from kvbench.config.errors import check_choice, check_numbers, check_positive
-from kvbench.config.serving import LengthConfig, RateSearchConfig, check_serving, serving_total_len
-
-WORKLOADS = ("decode", "multiturn", "serving")
+from kvbench.config.errors import check, check_choice, check_numbers, check_positive, typed
+from kvbench.config.serving import ServingWorkload
+from kvbench.config.task import ALL, TIMED_RUNTIME, Keys, Task
 
 
 @dataclass
-class WorkloadConfig:
-    """What a run feeds the model. ``decode``: prefill ``prompt_len`` then ``gen_len`` greedy
-    steps. ``multiturn``: a chat of ``turns`` turns after a shared system prompt."""
+class DecodeWorkload:
+    """Prefill ``prompt_len`` tokens, then ``gen_len`` greedy decode steps, ``batch_size`` sequences."""
 
-    name: str = "decode"
-    batch_size: int = 1
-    prompt_len: int = 512
-    gen_len: int = 64
-    # multiturn
-    system_len: int = 512
-    turns: int = 4
-    user_len: int = 64
-    reply_len: int = 32
-    # serving (kvbench/config/serving.py): open-loop arrivals served by continuous batching
-    arrival: str = "poisson"  # poisson | gamma (burstiness) | trace (workload.trace)
-    rate: float = 4.0  # requests per second (mean); arrival=trace ignores it
-    burstiness: float = 1.0  # gamma's shape: 1 = Poisson, < 1 burstier, > 1 more regular (CV^2 = 1/burstiness)
-    num_requests: Optional[int] = 32  # requests drawn (null: until duration_s)
-    duration_s: Optional[float] = None  # draw arrivals until this many seconds (num_requests null)
-    trace: Optional[str] = None  # arrival=trace: JSONL or CSV of arrival_s, prompt_len, output_len[, prefix_id]
-    # a request's own prompt tokens: .dist fixed|uniform|lognormal, .mean, .cv, .lo, .hi (config.serving.LengthConfig)
-    prompt: LengthConfig = field(default_factory=lambda: LengthConfig("lognormal", 128, 0.5, 16, 512))
-    output: LengthConfig = field(default_factory=lambda: LengthConfig("uniform", 32, 0.5, 16, 64))  # as prompt
-    prefix_len: int = 0  # a shared system prompt of this many tokens before a prefixed request's own prompt
-    prefix_fraction: float = 1.0  # share of requests that carry a prefix (when prefix_len > 0)
-    prefix_groups: int = 1  # distinct system prompts (prefix_id 0 .. groups - 1)
-    store: str = "paged"  # paged (blocks of cache.block_size, on demand) | slots (a static slot per request)
-    prefix_caching: bool = True  # paged: reuse full blocks of equal token chains across requests (vLLM's APC)
-    kv_budget_mb: Optional[float] = None  # KV memory the store may hold, MB (1e6 bytes)
-    kv_budget_blocks: Optional[int] = None  # or as blocks (slots: as slots); exactly one of the two
-    max_prefill_tokens: int = 512  # prompt tokens prefilled per iteration; a longer prompt is chunked
-    max_running: int = 64  # requests running at once at most (vLLM's max_num_seqs)
-    slot_len: Optional[int] = None  # store=slots: positions per slot; null: the longest request
-    seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
-    search: RateSearchConfig = field(default_factory=RateSearchConfig)  # the highest rate under the SLO
+    name: str = "decode"  # the option, conf/workload/<name>.yaml
+    batch_size: int = 1  # sequences decoded together (B)
+    prompt_len: int = 512  # prompt tokens prefilled (time to first token)
+    gen_len: int = 64  # greedy decode steps after the prompt
+
+    READS: ClassVar[Dict[str, Keys]] = {"cache": ("impl", "dtype")}
+    LENGTH_KEY: ClassVar[str] = "workload.prompt_len"
 
     def __post_init__(self) -> None:
         check_numbers("workload", self)
-        check_choice("workload.name", self.name, WORKLOADS)
-        check_positive("workload", self, ("batch_size", "prompt_len", "gen_len", "system_len",
-                                           "turns", "user_len", "reply_len"))
-        if self.name == "serving":
-            check_serving(self)
+        check_choice("workload.name", self.name, ("decode",))
+        check_positive("workload", self, ("batch_size", "prompt_len", "gen_len"))
 
     @property
     def total_len(self) -> int:
         """Longest sequence the workload builds (what the cache must hold)."""
-        if self.name == "multiturn":
-            return self.system_len + self.turns * (self.user_len + self.reply_len)
-        if self.name == "serving":
-            return serving_total_len(self)
         return self.prompt_len + self.gen_len
+
+    def check_run(self, cfg: Any) -> None:
+        """No rule across groups."""
+
+    def layout_settings(self, cfg: Any) -> Dict[str, Any]:
+        """What of it a layer's layout may refuse (kvbench.layouts.Limit): nothing."""
+        return {}
+
+
+@dataclass
+class MultiturnWorkload:
+    """A chat: ``batch_size`` conversations share a system prompt of ``system_len`` tokens; each of
+    ``turns`` turns is a user message of ``user_len`` tokens, then a greedy reply of ``reply_len``.
+    ``cache.shared`` chooses whether the history is kept between turns."""
+
+    name: str = "multiturn"  # the option, conf/workload/<name>.yaml
+    batch_size: int = 1  # conversations served together
+    system_len: int = 512  # the system prompt's tokens, the same for every conversation
+    turns: int = 4
+    user_len: int = 64  # tokens of each user message
+    reply_len: int = 32  # greedy tokens of each reply
+
+    READS: ClassVar[Dict[str, Keys]] = {"cache": ("impl", "shared", "dtype")}
+    LENGTH_KEY: ClassVar[str] = "workload.system_len"
+
+    def __post_init__(self) -> None:
+        check_numbers("workload", self)
+        check_choice("workload.name", self.name, ("multiturn",))
+        check_positive("workload", self, ("batch_size", "system_len", "turns", "user_len", "reply_len"))
+
+    @property
+    def total_len(self) -> int:
+        """Positions one conversation holds at its end."""
+        return self.system_len + self.turns * (self.user_len + self.reply_len)
+
+    def layout_settings(self, cfg: Any) -> Dict[str, Any]:
+        return {"cache.shared": cfg.cache.shared}  # a shared system prompt's K/V
+
+    def check_run(self, cfg: Any) -> None:
+        if cfg.cache.shared:
+            check(cfg.cache.impl != "none", "cache.impl", cfg.cache.impl,
+                  "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
+
+
+WORKLOADS = {"decode": DecodeWorkload, "multiturn": MultiturnWorkload, "serving": ServingWorkload}
+DEFAULT_WORKLOAD = "decode"
+
+
+def workload_schema(name: Any) -> type:
+    """The dataclass of the option ``workload.name=name``."""
+    check_choice("workload.name", name, tuple(WORKLOADS))
+    return WORKLOADS[name]
+
+
+def workload_config(data: Any) -> Any:
+    """A job's ``workload`` typed by the dataclass of its ``name`` (an instance passes through).
+
+    Keys that only other options have are left out, not refused: a sweep's overrides reach every
+    workload option it sweeps, and experiment=choose sets the chat's lengths for its decode jobs
+    too. A key no option has is refused, naming the nearest key of this option."""
+    if not isinstance(data, Mapping):
+        return data
+    schema = workload_schema(data.get("name", DEFAULT_WORKLOAD))
+    return typed(schema, own_keys(data, schema), "workload.")
+
+
+def own_keys(data: Mapping[str, Any], schema: type) -> Dict[str, Any]:
+    """``data`` without the keys of other workload options."""
+    own = {f.name for f in fields(schema)}
+    others = {f.name for cls in WORKLOADS.values() for f in fields(cls)} - own
+    return {k: v for k, v in data.items() if k not in others}
+
+
+# task=bench (and task=inspect, which prints what it would run): the workload on the decoder.
+BENCH = Task(reads={"attention": ALL, "workload": ALL, "runtime": TIMED_RUNTIME}, runs_workload=True)

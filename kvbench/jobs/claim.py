@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
-from kvbench.results import RecordError, RunResult, read_record, record_view, trustworthy_ok
+from kvbench.results import RecordError, RunResult, read_record, record_config, trustworthy_ok
 
 CLAIM_FILE = ".kvbench-claim"
 SWEEP_LOCK = ".kvbench-sweep"  # in a sweep's directory: held while a sweep decides the directory is its
@@ -159,6 +159,6 @@ def _identity(config: Any) -> Any:
     # not change a job.
     if not isinstance(config, dict):
         return None
-    plain = json.loads(json.dumps(record_view(config), default=str))
+    plain = json.loads(json.dumps(record_config(config), default=str))
     return {k: v for k, v in plain.items() if k not in NOT_IDENTITY}
 

@@ -85,10 +85,12 @@ def run_here(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Opti
 
 def launch_job(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
                progress: Progress = no_progress) -> RunResult:
-    """Run one job as ``runtime.isolate`` says: in a fresh process, or in this one. A config
-    that does not validate is recorded ``invalid`` here: there is nothing to isolate."""
+    """Run one job as ``runtime.isolate`` says: in a fresh process, or in this one. ``cfg`` is
+    typed here unless it comes typed (kvbench.cli_job types a job once); the job's process is
+    handed the typed config. A config that does not validate is recorded ``invalid`` here: there
+    is nothing to isolate."""
     try:
-        job = to_bench_config(cfg)
+        job = to_bench_config(cfg)  # a BenchConfig passes as it is
     except Exception:  # noqa: BLE001 — run_job records any config failure with its message
         return run_here(cfg, out_dir, overrides, progress)
     if not job.runtime.isolate:

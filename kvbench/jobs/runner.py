@@ -36,12 +36,11 @@ from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
 from kvbench.progress import Progress, guarded, no_progress
-from kvbench.quality.fidelity import KV_POOL_METRICS
-from kvbench.results import RunResult, lookup, nonfinite_metrics, record_view, save, utc_now
+from kvbench.results import RunResult, lookup, nonfinite_metrics, record_config, save, utc_now
 from kvbench.tasks import bench, capacity, compare, train
 from kvbench.tasks import eval as eval_task
 from kvbench.tasks import recall as recall_task
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, job_kv_conversion
+from kvbench.tasks.common import JOB_METHODS, job_kv_conversion
 
 MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback longer than this
 
@@ -50,19 +49,15 @@ MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback
 DEFAULT_THREADS = torch.get_num_threads()
 _jobs_run = 0  # jobs whose task ran in this process (runtime.isolate=false runs several)
 
-TASKS = {"bench": bench.run, "train": train.run, "eval": eval_task.run, "capacity": capacity.run,
-         "compare": compare.run, "recall": recall_task.run}
+# The code of each task= value that runs a job (its module's run() and metrics()); what it reads of
+# the config is declared in kvbench.config.bench.TASKS.
+TASKS = {"bench": bench, "capacity": capacity, "compare": compare, "train": train, "eval": eval_task,
+         "recall": recall_task}
 
 
 def task_metrics(task: str, workload: str = "decode") -> Dict[str, Metric]:
-    """Every metric a job of ``task`` (for task=bench: of ``workload``) may record: the
-    ``*_METRICS`` tables the task's code merges into its records."""
-    per_task = {"bench": bench.metrics(workload),
-                "train": train.METRICS, "eval": eval_task.METRICS,
-                "capacity": {**JOB_METRICS, **capacity.METRICS, **KV_POOL_METRICS},
-                "compare": {"timing_method": JOB_METRICS["timing_method"], **compare.METRICS},
-                "recall": recall_task.METRICS}
-    return {**LOAD_METRICS, **per_task.get(task, {})}
+    """Every metric a job of ``task`` (for task=bench: of ``workload``) may record."""
+    return {**LOAD_METRICS, **(TASKS[task].metrics(workload) if task in TASKS else {})}
 
 
 def job_units(result: RunResult) -> Dict[str, str]:
@@ -110,16 +105,16 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
     out_dir = Path(out_dir)
     progress = guarded(progress)  # a display that cannot be written never costs the measurement
     # "interrupted" until the task returns: whatever ends it early is never recorded ok.
-    result = RunResult(status="interrupted", config=record_view(_as_given(cfg)), overrides=list(overrides or []),
+    result = RunResult(status="interrupted", config=record_config(_as_given(cfg)), overrides=list(overrides or []),
                        started_at=utc_now(),
                        env={"hostname": socket.gethostname()})  # even a job that fails early says where
     stopped: Optional[BaseException] = None
     with interruptible() as stops:
         try:
-            job = to_bench_config(cfg)
+            job = to_bench_config(cfg)  # a BenchConfig (the CLI types a job once) passes as it is
             check_objective(job.objective, job.objective_caps, job.task, job.workload.name)
             # with derived values (head_dim, num_kv_heads) filled in, and only the keys the task reads
-            result.config = record_view(asdict(job))
+            result.config = record_config(asdict(job))
             result.kv_conversion = job_kv_conversion(job)
             # Device and threads are resolved here, once per job; every task receives them.
             device = resolve_device(job.runtime.device)
@@ -132,7 +127,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             _jobs_run += 1
             result.methods.update(LOAD_METHODS)
             result.metrics.update(usable_cpus=usable_cpus(), load_avg_before=load_average())
-            TASKS[job.task](job, device, out_dir, result, progress)
+            TASKS[job.task].run(job, device, out_dir, result, progress)
             if earlier_jobs:
                 _not_this_jobs_peak(result)
             result.status = "ok"

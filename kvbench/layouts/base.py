@@ -14,7 +14,7 @@ Notation: B batch, S positions held or read, H query heads, H_kv KV heads, W a w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.dtypes import element_bytes
@@ -56,8 +56,12 @@ class LayerLayout:
 
     index: int
     window: Optional[int] = None  # W: the layer attends, and keeps, only the last W positions
+    # The layer whose cache this one reads instead of keeping its own (cross-layer KV sharing,
+    # :mod:`kvbench.layouts.kv_sharing`): it stores nothing and attends the donor's keys.
+    kv_source: Optional[int] = field(default=None, kw_only=True)
 
     kind: ClassVar[str] = ""
+    reads_shared_kv: ClassVar[bool] = False  # whether its attention can attend a donor's cache instead of its own
 
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
@@ -81,7 +85,12 @@ class LayerLayout:
         return seq_len if self.window is None else min(seq_len, self.window)
 
     def bytes_per_position(self, element: int, cache_dtype: str = "auto") -> int:
-        """Bytes one cached position takes: every stored tensor's vector in every stored head."""
+        """Bytes one cached position takes: every stored tensor's vector in every stored head
+        (none where the layer reads another layer's cache)."""
+        return 0 if self.kv_source is not None else self.position_bytes(element, cache_dtype)
+
+    def position_bytes(self, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes of one position of what the layer attends over, wherever it is held."""
         heads, widths = self.stored
         return heads * sum(element_bytes(w, element, cache_dtype) for w in widths)
 
@@ -94,6 +103,12 @@ class LayerLayout:
         return self.positions_held(seq_len) * self.bytes_per_position(element, cache_dtype) + \
             self.state_bytes(element, cache_dtype)
 
+    def read_bytes(self, context: float, element: int, cache_dtype: str = "auto") -> float:
+        """Bytes one decode step of one sequence reads at ``context`` positions: what it attends
+        over (a shared layer reads its donor's cache again) and its state."""
+        return self.positions_held(context) * self.position_bytes(element, cache_dtype) + \
+            self.state_bytes(element, cache_dtype)
+
     def step_flops(self, context: float) -> float:
         """Attention FLOPs of one decode step of one sequence at ``context`` positions (QK^T and
         PV over the positions it reads; projections are weights, counted by the model)."""
@@ -103,7 +118,8 @@ class LayerLayout:
 
     def fields(self) -> Dict[str, Any]:
         """The fields that name the layer (its label's parts, table columns)."""
-        return {} if self.window is None else {"window": self.window}
+        return {**({} if self.window is None else {"window": self.window}),
+                **({} if self.kv_source is None else {"kv_source": self.kv_source})}
 
     def as_mha(self) -> "LayerLayout":
         """The same layer with one K and one V head per query head and no window (full MHA):
@@ -116,7 +132,19 @@ class LayerLayout:
 
     def limits(self) -> Tuple[Limit, ...]:
         """What the layer does not run with; a window is read whole as a ring, which no
-        fixed-shape step, concatenating cache or serving store reads."""
+        fixed-shape step, concatenating cache or serving store reads; a layer that reads another
+        layer's cache has no storage of its own for those to hold."""
+        return self._window_limits() + (() if self.kv_source is None else self._shared_limits())
+
+    def _shared_limits(self) -> Tuple[Limit, ...]:
+        why = (f"layer {self.index} reads layer {self.kv_source}'s K/V (attention.kv_shared_layers): "
+               "cross-layer KV sharing is not built for")
+        return (Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"),
+                Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"),
+                Limit("workload.store", (None,),
+                      f"{why} workload=serving's KV stores; use attention.kv_shared_layers=0"))
+
+    def _window_limits(self) -> Tuple[Limit, ...]:
         if self.window is None:
             return ()
         W = self.window
@@ -167,6 +195,11 @@ class Layouts(tuple):
     def step_flops(self, context: float) -> float:
         """Attention FLOPs of one decode step of one sequence at ``context`` positions."""
         return sum(layer.step_flops(context) for layer in self)
+
+    def read_bytes(self, context: float, batch_size: int, element: int, cache_dtype: str = "auto") -> int:
+        """Bytes one decode step of ``batch_size`` sequences reads from their caches at ``context``
+        positions (:meth:`LayerLayout.read_bytes`; what they hold is :meth:`cache_bytes`)."""
+        return int(batch_size * sum(layer.read_bytes(context, element, cache_dtype) for layer in self))
 
     def check(self, settings: Mapping[str, Any]) -> None:
         """Refuse a setting some layer does not run with (:func:`check_limits`)."""

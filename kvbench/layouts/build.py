@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+from kvbench.config.hf import LINEAR
 from kvbench.layouts.base import Layouts
+from kvbench.layouts.gated_deltanet import GatedDeltaNet
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.kv_sharing import share_kv
 from kvbench.layouts.latent import Latent
 
 
 def build_layouts(model, attention) -> Layouts:
     """One layout per layer of ``model`` (a ModelConfig) under ``attention`` (an
-    AttentionConfig resolved against it)."""
+    AttentionConfig resolved against it): a Gated DeltaNet layer where attention.layer_types
+    says linear_attention, else the attention layout (K/V heads or a latent) with its window;
+    then the last attention.kv_shared_layers layers read their donors' K/V."""
     windows = attention.layer_windows(model.num_layers)
+    kinds = attention.layer_kinds(model.num_layers)
+    linear = model.linear_shape()
+    rotary = None if model.rotary_dim == model.head_dim else model.rotary_dim
     if attention.latent:
-        return Layouts(Latent(i, w, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
-                              attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
-                              attention.mla_decode == "absorbed") for i, w in enumerate(windows))
-    return Layouts(KVHeads(i, w, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks))
-                   for i, w in enumerate(windows))
+        def layer(i, w):
+            return Latent(i, w, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
+                          attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
+                          attention.mla_decode == "absorbed", attention.index_n_heads or 0,
+                          attention.index_head_dim or 0, attention.index_topk or 0)
+    else:
+        def layer(i, w):
+            return KVHeads(i, w, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks),
+                           output_gate=model.attn_output_gate, rotary=rotary)
+    layers = [GatedDeltaNet(i, None, **linear, num_heads=model.num_heads, head_dim=model.head_dim)
+              if kind == LINEAR else layer(i, w) for i, (w, kind) in enumerate(zip(windows, kinds))]
+    return Layouts(share_kv(layers, attention.kv_shared_layers))

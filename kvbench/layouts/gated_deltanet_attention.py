@@ -37,7 +37,14 @@ HF_NAMES = {"in_proj_qkv.weight": "w_qkv.weight", "in_proj_z.weight": "w_gate.we
 
 class GatedDeltaNetAttention(nn.Module):
     """The attention of a :class:`GatedDeltaNet` layer; its cache is a
-    :class:`~kvbench.state_cache.StateLayer` (``cache.update(x, pos) -> Carry``)."""
+    :class:`~kvbench.state_cache.StateLayer` (``cache.update(x, pos) -> Carry``). Checkpoints:
+    transformers' names under ``HF_MODULE`` (:data:`HF_NAMES`); Qwen3-Next's fused projections
+    (:data:`HF_FUSED`) are split by :func:`unfuse`."""
+
+    HF_MODULE = "linear_attn"
+    HF_NAMES = HF_NAMES
+    HF_FUSED = {"in_proj_qkvz.weight": ("w_qkv.weight", "w_gate.weight"),
+                "in_proj_ba.weight": ("w_beta.weight", "w_decay.weight")}
 
     def __init__(self, cfg, layout: GatedDeltaNet):
         super().__init__()
@@ -136,3 +143,18 @@ def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
         S = S * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ u
     state.copy_(S)
     return out.view(B, H, -1, v.shape[-1])[:, :, :T]
+
+
+def unfuse(layout: GatedDeltaNet, name: str, w: torch.Tensor) -> dict:
+    """Qwen3-Next's fused projection ``name`` (:data:`GatedDeltaNetAttention.HF_FUSED`) as this
+    module's two. Its rows are grouped per key head: in_proj_qkvz holds, for each, the head's q (d_k
+    rows), k (d_k), then its G = H_v / H_k value heads' v (G d_v) and z (G d_v); in_proj_ba its G b
+    rows, then its G a rows. w_qkv stacks all q, then all k, then all v (Qwen3.5's in_proj_qkv)."""
+    H_k, G, d_k, d_v, C = (layout.linear_num_key_heads, layout.linear_num_value_heads // layout.linear_num_key_heads,
+                           layout.linear_key_head_dim, layout.linear_value_head_dim, w.shape[1])
+    first, second = GatedDeltaNetAttention.HF_FUSED[name]
+    if name == "in_proj_ba.weight":
+        b, a = w.view(H_k, 2 * G, C).split([G, G], 1)
+        return {first: b.reshape(-1, C), second: a.reshape(-1, C)}
+    q, k, v, z = w.view(H_k, -1, C).split([d_k, d_k, G * d_v, G * d_v], 1)
+    return {first: torch.cat([q.reshape(-1, C), k.reshape(-1, C), v.reshape(-1, C)]), second: z.reshape(-1, C)}

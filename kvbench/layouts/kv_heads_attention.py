@@ -28,30 +28,46 @@ from kvbench.rope import apply_rope
 
 
 class KVHeadsAttention(nn.Module):
-    """The attention of a :class:`KVHeads` layer (its parameter names are what checkpoints map to)."""
+    """The attention of a :class:`KVHeads` layer; :data:`HF_NAMES` maps transformers' parameter
+    names under ``HF_MODULE`` to its own."""
+
+    HF_MODULE = "self_attn"
+    HF_NAMES = {"q_proj.": "wq.", "k_proj.": "wk.", "v_proj.": "wv.", "o_proj.": "wo.", "q_norm.": "q_norm.",
+                "k_norm.": "k_norm.", "sinks": "sinks"}
 
     def __init__(self, cfg, layout: KVHeads):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        self.wq = nn.Linear(cfg.d_model, H * D, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.d_model, H_kv * D, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.d_model, H_kv * D, bias=cfg.qkv_bias)
+        self.gated = layout.output_gate
+        self.wq = nn.Linear(cfg.d_model, H * D * (2 if self.gated else 1), bias=cfg.qkv_bias)  # per head [q | gate]
+        self.shared = layout.kv_source is not None  # attends another layer's K/V: no K/V weights of its own
+        if not self.shared:
+            self.wk = nn.Linear(cfg.d_model, H_kv * D, bias=cfg.qkv_bias)
+            self.wv = nn.Linear(cfg.d_model, H_kv * D, bias=cfg.qkv_bias)
         self.wo = nn.Linear(H * D, cfg.d_model, bias=cfg.o_bias)
         # Qwen3: each query and key head normalised over D before rotary (one weight for all heads).
-        self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        norm = cfg.norm_zero_centered
+        self.q_norm = RMSNorm(D, cfg.norm_eps, norm) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(D, cfg.norm_eps, norm) if cfg.qk_norm and not self.shared else nn.Identity()
         self.sinks = nn.Parameter(torch.zeros(H)) if layout.sinks else None
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
-        q = self.q_norm(self.wq(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_norm(self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.wq(x).view(B, T, self.num_heads, -1)  # (B, T, H, D), or (B, T, H, 2D): [query | gate]
+        gate = None
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, H, T, D): the first cos.shape[-1] dims
+        k = v = None  # (B, H_kv, T, D) each; a shared layer's cache answers with its donor's
+        if not self.shared:
+            k = self.k_norm(self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+            k, v = apply_rope(k, cos, sin), self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         att = cache.update(k, v, pos)  # what to attend over: (B, H_kv, S, D), its mask
-        out = grouped_attention(q, att.k, att.v, att.mask, att.prefix, self.sinks)  # (B, H, T, D)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = grouped_attention(q, att.k, att.v, att.mask, att.prefix, self.sinks).transpose(1, 2)  # (B, T, H, D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out.reshape(B, T, -1))
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,

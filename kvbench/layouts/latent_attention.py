@@ -5,6 +5,10 @@ Expanded form (prefill, and the reference decode): K = [c W_UK^T, k_rope] and V 
 head. Absorbed form (a decode step): q_nope W_UK is a query in latent space, so every head
 attends [c, k_rope] directly (MQA over one R + d_rope wide head, values c) and W_UV maps the
 result to d_v afterwards; the two agree to rounding.
+
+With DSA's indexer (:mod:`kvbench.layouts.latent_indexer`) the cache holds an index key beside
+each latent and, past ``index_topk`` cached tokens, each query attends only its selected ones:
+a decode step gathers those k latents first, so either form reads k latents, not S.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbench.layouts.latent import Latent
+from kvbench.layouts.latent_indexer import Indexer
 from kvbench.norm import RMSNorm
 from kvbench.rope import apply_rope, yarn_mscale
 
@@ -30,7 +35,13 @@ def mla_softmax_scale(cfg, qk_head_dim: int) -> float:
 
 
 class LatentAttention(nn.Module):
-    """The attention of a :class:`Latent` layer (DeepSeek's weights, under kvbench's names)."""
+    """The attention of a :class:`Latent` layer (DeepSeek's weights, under kvbench's names:
+    :data:`HF_NAMES` maps transformers' under ``HF_MODULE``)."""
+
+    HF_MODULE = "self_attn"
+    HF_NAMES = {"q_proj.": "wq.", "q_a_proj.": "wq.0.", "q_a_layernorm.": "wq.1.", "q_b_proj.": "wq.2.",
+                "kv_a_proj_with_mqa.": "wkv_a.", "kv_a_layernorm.": "kv_norm.", "kv_b_proj.": "wkv_b.",
+                "o_proj.": "wo.", "indexer.": "indexer."}
 
     def __init__(self, cfg, a: Latent):
         super().__init__()
@@ -49,18 +60,23 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.r, H * (self.d_nope + self.d_v), bias=False)
         self.wo = nn.Linear(H * self.d_v, C, bias=False)
         self.scale = mla_softmax_scale(cfg, d_qk)
+        self.indexer = Indexer(cfg, a) if a.index_topk else None
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.num_heads, -1).transpose(1, 2)  # (B, H, T, d_nope + d_rope)
-        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+        q_latent = self.wq[:2](x) if self.indexer is not None else None  # (B, T, q_lora_rank): the indexer reads it
+        q = (self.wq(x) if q_latent is None else self.wq[2](q_latent)).view(B, T, self.num_heads, -1).transpose(1, 2)
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # (B, H, T, d_nope), (B, H, T, d_rope)
         c, k_rope = self.wkv_a(x).split([self.r, self.d_rope], dim=-1)  # (B, T, R), (B, T, d_rope)
-        # (B, 1, T, R + d_rope): what the cache holds
+        # (B, 1, T, R + d_rope): what the cache holds (with an indexer, also its (B, 1, T, D_i) keys)
         latent = torch.cat([self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)], -1)
-        att = cache.update(latent, None, pos)  # keys: (B, 1, S, R + d_rope)
-        mask = att.mask[:, None] if att.mask is not None and att.mask.dim() == 3 else att.mask  # same for all heads
+        att = cache.update(latent, None if self.indexer is None else self.indexer.key(x, cos, sin), pos)
+        keys, mask, causal = att.k, att.mask, att.causal  # keys: (B, 1, S, R + d_rope)
+        if self.indexer is not None and keys.shape[2] > self.indexer.topk:
+            (keys, mask), causal = self.indexer.select(x, q_latent, cos, sin, att), False
+        mask = mask[:, None] if mask is not None and mask.dim() == 3 else mask  # the same for all heads
         form = self._absorbed if T == 1 and self.absorbed else self._expanded
-        out = form(q_nope, apply_rope(q_rope, cos, sin), att.k, mask, att.prefix, att.causal)  # (B, H, T, d_v)
+        out = form(q_nope, apply_rope(q_rope, cos, sin), keys, mask, att.prefix, causal)  # (B, H, T, d_v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
     def _up(self, latent):

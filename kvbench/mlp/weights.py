@@ -28,12 +28,13 @@ import torch
 
 from kvbench.hf_weights import CheckpointError, StoredTensor
 
-# transformers' names of a mixture of experts' other tensors -> the decoder's (kvbench.mlp.experts.MoE),
-# applied before the dense MLP's names
-MOE_NAMES = [(".mlp.gate.e_score_correction_bias", ".mlp.correction_bias"), (".mlp.gate.weight", ".mlp.router.weight"),
-             (".mlp.shared_expert_gate.", ".mlp.shared_gate."), (".mlp.shared_experts.", ".mlp.shared."),
-             (".mlp.shared_expert.", ".mlp.shared."), (".mlp.shared.gate_proj.", ".mlp.shared.w_gate."),
-             (".mlp.shared.up_proj.", ".mlp.shared.w_up."), (".mlp.shared.down_proj.", ".mlp.shared.w_down.")]
+# transformers' names of a mixture of experts' other tensors, within a layer -> the decoder's
+# (kvbench.mlp.experts.MoE), as kvbench.checkpoint renames a layer's names: a key ending in "." a
+# submodule, else a parameter. The experts' own names pass through (expert_tensors reads them).
+MOE_NAMES = {"mlp.gate.e_score_correction_bias": "mlp.correction_bias", "mlp.gate.weight": "mlp.router.weight",
+             "mlp.shared_expert_gate.": "mlp.shared_gate.",
+             **{f"mlp.{shared}.{p}_proj.": f"mlp.shared.w_{p}." for shared in ("shared_experts", "shared_expert")
+                for p in ("gate", "up", "down")}}
 _PER_EXPERT = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
-from kvbench.config.bench import BenchConfig, TrainConfig
+from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
+from kvbench.config.hf import LINEAR
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, MLAShape
+from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
@@ -265,12 +267,16 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     # heads, window pattern and latent, so attention=model evaluates the model as it was saved
     model.config = replace(model.config, preset_kv_heads=saved, preset_window=own.window or None,
                            preset_global_every=own.global_every if own.window else None,
-                           preset_layer_types=own.layer_types if own.window else None,
-                           preset_mla=MLAShape(**{k: getattr(own, k) for k in MLA_FIELDS}) if own.latent else None)
+                           preset_layer_types=own.layer_types if own.window or LINEAR in (own.layer_types or ())
+                           else None,
+                           preset_mla=MLAShape(**{k: getattr(own, k) for k in MLA_FIELDS}) if own.latent else None,
+                           preset_sinks=bool(own.sinks), preset_kv_shared_layers=own.kv_shared_layers or 0)
     a = cfg.attention
     asked = {name: getattr(a, name) for name in MLA_FIELDS} if a.latent else {}
     attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
-                                layer_types=a.layer_types, mla_decode=a.mla_decode, **asked).resolved(model.config)
+                                layer_types=a.layer_types, full_attention_interval=a.full_attention_interval,
+                                mla_decode=a.mla_decode, sinks=a.sinks, kv_shared_layers=a.kv_shared_layers,
+                                **asked).resolved(model.config)
     model, how = to_layout(model, attention)  # with attention's window pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 

@@ -56,7 +56,7 @@ def draw_lengths(rng: np.random.Generator, n: int, dist: LengthConfig) -> np.nda
 
 
 def make_requests(w) -> List[Request]:
-    """The requests of ``w`` (a serving :class:`~kvbench.config.bench.WorkloadConfig`), by arrival."""
+    """The requests of ``w`` (a :class:`~kvbench.config.serving.ServingWorkload`), by arrival."""
     if w.arrival == "trace":
         return read_trace(w.trace, w.prefix_len)
     rng = np.random.default_rng(w.seed)

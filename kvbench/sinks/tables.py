@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.results import flatten, record_view
+from kvbench.results import flatten, record_config
 from kvbench.units import human_bytes
 from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
 from kvbench.views import RecordView
@@ -242,7 +242,7 @@ def viewed(record: Record) -> Record:
     """The record with only the config keys its task reads (records written before records
     left the others out, and Hydra's saved configs of jobs that left no record)."""
     view = RecordView.of(record)
-    return {**view.to_dict(), "config": record_view(dict(view.config))}
+    return {**view.to_dict(), "config": record_config(dict(view.config))}
 
 
 # ---- one row per job ------------------------------------------------------------------------------

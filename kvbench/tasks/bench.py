@@ -11,21 +11,20 @@ from kvbench.checkpoint import kv_conversion
 from kvbench.config.bench import BenchConfig
 from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
-from kvbench.metrics import Metric, metric_table
+from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
 from kvbench.workloads import decode, multiturn, serving
 
-WORKLOADS = {"decode": decode.run, "multiturn": multiturn.run, "serving": serving.run}
-WORKLOAD_METRICS = {"decode": decode.METRICS,
-                    "multiturn": metric_table(*multiturn.METRICS.values(), multiturn.TURN_TTFT),
-                    "serving": serving.METRICS}
+# The code of each workload= option (kvbench/workloads/<name>.py: run() and what it RECORDED); its
+# config is kvbench.config.workload.WORKLOADS.
+WORKLOADS = {"decode": decode, "multiturn": multiturn, "serving": serving}
 
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a task=bench job of ``workload`` may record."""
-    return {**JOB_METRICS, **WORKLOAD_METRICS.get(workload, {})}
+    return {**JOB_METRICS, **(WORKLOADS[workload].RECORDED if workload in WORKLOADS else {})}
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
@@ -51,4 +50,4 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     total = (serving.progress_total(cfg, requests) if requests is not None
              else cfg.runtime.warmup + cfg.runtime.repeats)
     with progress(label, total) as tick:
-        WORKLOADS[cfg.workload.name](cfg, model, device, result, tick)
+        WORKLOADS[cfg.workload.name].run(cfg, model, device, result, tick)

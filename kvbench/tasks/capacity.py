@@ -49,7 +49,7 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.progress import Progress
-from kvbench.quality.fidelity import KV_POOL_METHODS, kv_pool_fidelity
+from kvbench.quality.fidelity import KV_POOL_METHODS, KV_POOL_METRICS, kv_pool_fidelity
 from kvbench.results import RunResult
 from kvbench.tasks.capacity_search import (
     SEARCH_LIMIT,
@@ -64,7 +64,7 @@ from kvbench.tasks.capacity_search import (
     split_activation,
     violations,
 )
-from kvbench.tasks.common import JOB_METHODS, build_model, variant_label
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
@@ -137,6 +137,11 @@ METRICS: Dict[str, Metric] = metric_table(
                               "decode_ms_p50, tokens_per_s, oom, error"),
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
+
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a job of this task may record."""
+    return {**JOB_METRICS, **METRICS, **KV_POOL_METRICS}
+
 
 
 def memory_budget(cfg: BenchConfig, device: torch.device) -> int:

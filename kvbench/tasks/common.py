@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
-from kvbench.config.bench import BenchConfig
+from kvbench.config.bench import TASKS, BenchConfig
 from kvbench.config.model import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -47,9 +47,11 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
 
 def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
     """What the record's ``kv_conversion`` says for a job whose attention is resolved against
-    its model (task=eval says it once the checkpoint is read; task=compare compares variants of
-    one model, each named in its columns): null for the model's own KV-head count."""
-    if cfg.task in ("eval", "compare"):
+    its model: null for the model's own KV-head count, and for a task whose record keeps no
+    attention (task=compare: its variants are named in its columns) or whose shape is its
+    checkpoint's (task=eval says it once the checkpoint is read)."""
+    task = TASKS[cfg.task]
+    if task.own_shape or "attention" not in task.reads:
         return None
     if cfg.task == "train" and cfg.train.init_from:
         return None  # the checkpoint's count is known once it is loaded (tasks/train.py)

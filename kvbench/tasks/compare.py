@@ -37,6 +37,7 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, variant_key, variant_label
 from kvbench.generate import decode_step, prefill
 from kvbench.measure import stats
@@ -45,7 +46,7 @@ from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.progress import Progress
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, build_model
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model
 
 Tick = Callable[..., None]
 
@@ -114,6 +115,11 @@ METRICS: Dict[str, Metric] = metric_table(
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
 
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a job of this task may record."""
+    return {"timing_method": JOB_METRICS["timing_method"], **METRICS}
+
+
 
 @dataclass
 class VariantModel:
@@ -139,22 +145,31 @@ def label(attention: AttentionConfig, num_layers: Optional[int] = None) -> str:
 def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple[Decoder, str]:
     """``attention``'s model of ``base`` (MHA, no window) and what its attention weights are. Every
     tensor outside attention is ``base``'s own (shared, not copied); K/V projections mean-pooled for
-    fewer KV heads; a latent (MLA) variant's attention drawn from ``seed``."""
+    fewer KV heads; a latent (MLA) variant's attention, and a Gated DeltaNet layer's, drawn from
+    ``seed`` (there is no conversion to either)."""
     shared = {k: t for k, t in base.state_dict().items() if ".attn." not in k}
-    if attention.latent:
+    linear = LINEAR in (attention.layer_types or ())
+    drawn = {}
+    if attention.latent or linear:
         torch.manual_seed(seed)
         with base.device:
-            drawn = Decoder(base.config, attention)
-        own = {k: t.to(base.dtype) for k, t in drawn.state_dict().items() if ".attn." in k}
-        del drawn
-        how = "drawn from runtime.seed (no MHA -> MLA conversion); the rest mha's"
+            model = Decoder(base.config, attention)
+        drawn = {k: t.to(base.dtype) for k, t in model.state_dict().items() if ".attn." in k}
+        del model
+    if attention.latent:
+        own, how = drawn, "drawn from runtime.seed (no MHA -> MLA conversion); the rest mha's"
     else:
         conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
-        if conversion == "none" and not attention.window:
+        if conversion == "none" and not attention.window and not linear and not attention.kv_shared_layers:
             return base, "mha's"
         source = base if conversion == "none" else convert_kv_heads(base, attention.num_kv_heads)
-        own = {k: t for k, t in source.state_dict().items() if ".attn." in k}
+        with torch.device("meta"):  # a layer that reads another's K/V has no K/V weights to keep
+            kept = Decoder(base.config, attention).state_dict().keys()
+        own = {k: t for k, t in source.state_dict().items() if ".attn." in k and k in kept}
         how = "mha's" if conversion == "none" else "K/V mean-pooled from mha's"
+        if linear:  # the full layers' K/V as above; the linear layers' own weights drawn
+            own = {k: own[k] if k in own and own[k].shape == t.shape else t for k, t in drawn.items()}
+            how += "; Gated DeltaNet layers drawn from runtime.seed"
     return build_decoder(base.config, attention, {**shared, **own}, device=base.device).eval(), how
 
 
@@ -255,12 +270,13 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
     """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
-    heads repeated to MHA, exactly, its own window left out) in alternating trials in this
-    process (:func:`run_trials`)."""
+    heads repeated to MHA, exactly, its own window left out; its Gated DeltaNet layers, if any,
+    cannot be: refused) in alternating trials in this process (:func:`run_trials`)."""
     result.metrics["timing_method"] = timing_method(device)
     result.methods["timing_method"] = JOB_METHODS["timing_method"]
     h = cfg.model.num_heads
-    base = build_model(replace(cfg, attention=AttentionConfig(type="mha", num_kv_heads=h, window=0)), device)
+    base = build_model(replace(cfg, attention=AttentionConfig(type="mha", num_kv_heads=h, window=0,
+                                                              full_attention_interval=0)), device)
     total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
     with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
         run_trials(cfg, base, device, result, tick)

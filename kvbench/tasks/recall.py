@@ -84,6 +84,11 @@ METRICS: Dict[str, Metric] = metric_table(
 )
 
 
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a job of this task may record."""
+    return METRICS
+
+
 def conditions(cfg: RecallConfig) -> List[Condition]:
     """Every condition of the config: (num_pairs x seq_len) for mqar, (seq_len x distances) for passkey."""
     if cfg.kind == "mqar":

@@ -10,11 +10,17 @@ import torch
 
 from kvbench.config.bench import BenchConfig
 from kvbench.config.model import kv_layout_change
+from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.quality.train import TRAIN_METHODS, TRAIN_METRICS, run_train
 from kvbench.results import RunResult
 
 METRICS = TRAIN_METRICS
+
+def metrics(workload: str = "decode") -> Dict[str, Metric]:
+    """Every metric a job of this task may record."""
+    return METRICS
+
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:

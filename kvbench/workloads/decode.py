@@ -125,6 +125,7 @@ METRICS: Dict[str, Metric] = metric_table(
     *FIDELITY_METRICS.values(),
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
+RECORDED = METRICS  # what a record may hold
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 
 from kvbench.cache import cache_for
 from kvbench.config.bench import BenchConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import MultiturnWorkload
 from kvbench.generate import (
     COMPILE_METRICS,
     Generation,
@@ -89,6 +89,7 @@ METRICS: Dict[str, Metric] = metric_table(
     *COMPILE_METRICS.values(),
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
+RECORDED = metric_table(*METRICS.values(), TURN_TTFT)  # what a record may hold: the turns' too
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Segment:
     end: int
 
 
-def chat_prompts(w: WorkloadConfig, vocab_size: int, seed: int,
+def chat_prompts(w: MultiturnWorkload, vocab_size: int, seed: int,
                  device: torch.device | str = "cpu") -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The system prompt (P,) and one user message (B, U) per turn, drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)

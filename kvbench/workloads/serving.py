@@ -60,6 +60,7 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
 METRICS: Dict[str, Metric] = metric_table(*serving_metrics.METRICS.values(), *OWN_METRICS.values(),
                                           *SEARCH_METRICS.values())
 METHODS: Dict[str, str] = record_methods(METRICS)
+RECORDED = METRICS  # what a record may hold
 WARMUP_REQUESTS = 2
 
 

@@ -15,10 +15,10 @@ import torch
 from benchkit import BATCH_SIZE, bench_decoder, pinned_threads, record_config  # noqa: F401
 from kv_formula import kv_cache_bytes
 
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import MultiturnWorkload
 from kvbench.workloads.multiturn import ChatSession, chat_prompts
 
-WORKLOAD = WorkloadConfig(name="multiturn", batch_size=BATCH_SIZE, system_len=96, turns=2,
+WORKLOAD = MultiturnWorkload(batch_size=BATCH_SIZE, system_len=96, turns=2,
                           user_len=16, reply_len=4)
 ROUNDS = 40  # pedantic rounds: a turn is 2-6 ms here
 

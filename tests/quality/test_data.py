@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import TEXT, call_with_timeout
 
-from kvbench.config.bench import DataConfig
 from kvbench.config.errors import ConfigError
+from kvbench.config.train import DataConfig
 from kvbench.quality.data import batches, byte_data, corpus_files
 
 
@@ -72,7 +72,7 @@ def test_the_cap_bounds_what_is_read_not_only_what_is_kept(tmp_path):
         f.truncate(16 * 2**30)
     code = f"""
 import resource
-from kvbench.config.bench import DataConfig
+from kvbench.config.train import DataConfig
 from kvbench.quality.data import byte_data
 with open("/proc/self/statm") as f:
     used = int(f.read().split()[0]) * resource.getpagesize()

@@ -8,7 +8,7 @@ import torch
 from conftest import TEXT, byte_decoder, make_decoder
 
 from kvbench.checkpoint import convert_kv_heads
-from kvbench.config.bench import TrainConfig
+from kvbench.config.train import TrainConfig
 from kvbench.quality.data import TokenData
 from kvbench.quality.fidelity import cache_fidelity, dtype_fidelity, float32_copy, quantized_cache_fidelity
 from kvbench.quality.train import train

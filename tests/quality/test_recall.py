@@ -10,10 +10,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import stats as sps
 
-from kvbench.config.bench import CONF_DIR, TrainConfig
+from kvbench.config.bench import CONF_DIR
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.recall import RecallConfig
+from kvbench.config.train import TrainConfig
 from kvbench.jobs.runner import run_job
 from kvbench.measure.stats import t_interval, welch_interval
 from kvbench.model import Decoder

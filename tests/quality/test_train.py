@@ -10,10 +10,11 @@ from conftest import TEXT, byte_decoder, hf_dir
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
-from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.train import DataConfig, TrainConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.quality.data import TokenData, byte_data, eval_windows
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 
@@ -61,7 +62,7 @@ def bench(tmp_path, corpus, **train):
     kv = {"mha": 4, "gqa": 2, "mqa": 1}[train.pop("attention", "mha")]
     return BenchConfig(task="train", model=model,
                        attention=AttentionConfig.for_heads(4, kv),
-                       workload=WorkloadConfig(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                       workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                        runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
                        data=DataConfig(path=str(corpus), val_fraction=0.2),
                        train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, warmup_steps=2,

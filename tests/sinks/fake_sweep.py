@@ -1,6 +1,6 @@
 """A sweep directory written by hand as kvbench writes one: ok, invalid, oom, missing and
 unreadable jobs, with made-up but distinct numbers that the sink tests check their tables and
-plots against. Records carry the config keys their task reads (``record_view``), as the runner
+plots against. Records carry the config keys their task reads (``record_config``), as the runner
 writes them; the Hydra files carry the whole config, as Hydra saves it."""
 
 from dataclasses import asdict
@@ -12,8 +12,7 @@ from kv_formula import kv_cache_bytes
 
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig
-from kvbench.config.workload import WorkloadConfig
-from kvbench.results import RunResult, record_view
+from kvbench.results import RunResult, record_config
 
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}
 PROMPTS, BATCHES, GEN = (16, 32), (1, 2), 8
@@ -28,8 +27,8 @@ def decode_ms(kv, prompt):
 def bench(kind, kv, prompt=16, batch=1, workload="decode", shared=False):
     return BenchConfig(model=tiny_model_config(max_seq_len=512),
                        attention=AttentionConfig(type=kind, num_kv_heads=kv),
-                       workload=WorkloadConfig(name=workload, batch_size=batch, prompt_len=prompt, gen_len=GEN,
-                                               system_len=32, turns=4, user_len=8, reply_len=4),
+                       workload=dict(name=workload, batch_size=batch, prompt_len=prompt, gen_len=GEN,
+                                     system_len=32, turns=4, user_len=8, reply_len=4),
                        cache=CacheConfig(shared=shared), runtime=RuntimeConfig(device="cpu"),
                        wandb=WandbConfig(mode="disabled"))
 
@@ -52,7 +51,7 @@ def build_sweep(root: Path) -> Path:
                 kv_bytes = kv_cache_bytes(2, kv, 8, prompt + GEN, batch, 4)
                 overrides = [f"attention={kind}", f"workload.prompt_len={prompt}", f"workload.batch_size={batch}"]
                 hydra_files(root / str(n), asdict(cfg), overrides)
-                RunResult("ok", record_view(asdict(cfg)), overrides=overrides, metrics={
+                RunResult("ok", record_config(asdict(cfg)), overrides=overrides, metrics={
                     "prefill_ms": 2.0 * prompt, "decode_ms_p50": ms, "decode_ms_p90": 1.5 * ms,
                     "tokens_per_s": batch * 1000.0 / ms, "kv_cache_bytes": kv_bytes,
                     "kv_cache_bytes_formula": kv_bytes, "nvml_reason": "device is cpu"},
@@ -61,14 +60,14 @@ def build_sweep(root: Path) -> Path:
     raw = asdict(bench("gqa", 2))
     raw["attention"]["num_kv_heads"], raw["model"]["head_dim"] = 3, None  # as saved before validation
     hydra_files(root / "12", raw, ["attention.num_kv_heads=3"])
-    RunResult("invalid", record_view(raw), error="attention.num_kv_heads=3: must divide model.num_heads=8",
+    RunResult("invalid", record_config(raw), error="attention.num_kv_heads=3: must divide model.num_heads=8",
               overrides=["attention.num_kv_heads=3"]).write(root / "12")
     killed = asdict(bench("gqa", 2, prompt=64))
     killed["attention"]["num_kv_heads"] = None  # Hydra saves the config before it is resolved
     hydra_files(root / "13", killed, ["workload.prompt_len=64"])
     oom = asdict(bench("mha", 8, batch=512))
     hydra_files(root / "14", oom, ["workload.batch_size=512"])
-    RunResult("oom", record_view(oom), error="OutOfMemoryError: CUDA out of memory",
+    RunResult("oom", record_config(oom), error="OutOfMemoryError: CUDA out of memory",
               overrides=["workload.batch_size=512"],
               metrics={"kv_cache_bytes_formula": 123}).write(root / "14")
     for n, shared in ((15, True), (16, False)):
@@ -77,7 +76,7 @@ def build_sweep(root: Path) -> Path:
         hydra_files(root / str(n), asdict(cfg), overrides)
         rows = [{"turn": t, "ttft_ms": v, "context_tokens": 32 + 12 * t,
                  "prefill_tokens": 12 if shared else 32 + 12 * t} for t, v in enumerate(TURN_TTFT[shared])]
-        RunResult("ok", record_view(asdict(cfg)), overrides=overrides,
+        RunResult("ok", record_config(asdict(cfg)), overrides=overrides,
                   metrics={"turn1_ttft_ms": rows[0]["ttft_ms"],
                            "mean_ttft_ms_turns_2_n": sum(TURN_TTFT[shared][1:]) / 3},
                   tables={"turns": rows}).write(root / str(n))

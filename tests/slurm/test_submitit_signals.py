@@ -26,7 +26,7 @@ from submitit.core.job_environment import SignalHandler
 from submitit.core.utils import UncompletedJobError
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import DecodeWorkload
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 handler = object.__new__(SignalHandler)
@@ -36,7 +36,7 @@ def not_requeued(signum, frame):
     raise UncompletedJobError("Job not requeued because: timed-out too many times.")
 signal.signal(signal.SIGUSR2, not_requeued)
 job = BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
-                  workload=WorkloadConfig(prompt_len=12, gen_len=6), cache=CacheConfig(),
+                  workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
                   runtime=RuntimeConfig(device="cpu", warmup=0, repeats=100000, threads=1,
                                         isolate=sys.argv[2] == "isolate"),
                   wandb=WandbConfig(mode="disabled"))

@@ -13,7 +13,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status
 from kvbench.measure.memory import PeakWindow, is_oom
-from kvbench.results import RunResult, record_view
+from kvbench.results import RunResult, record_config
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import (
     Probe,
@@ -257,7 +257,7 @@ def test_chat_kv_formula_holds_the_system_prompt_once_when_shared():
         assert formula_max_batch(cfg, context, budget, 10_000, (0, 50)) == 7
         assert formula_max_batch(cfg, context, budget - 1, 10_000, (0, 50)) == 6
         # the record says which chat and which serving it measured, and no prompt lengths it did not search
-        view = record_view(asdict(cfg))
+        view = record_config(asdict(cfg))
         assert view["cache"] == {"impl": "static", "shared": shared, "dtype": "auto"}
         assert view["workload"] == {"name": "multiturn", "system_len": 24, "turns": 2, "user_len": 4, "reply_len": 2}
         assert view["capacity"] == {"max_batch": 256, "batch_step": 1}

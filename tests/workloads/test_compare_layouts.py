@@ -129,3 +129,28 @@ def test_bad_variant_options_name_the_key(variants_, needle):
     with pytest.raises(ConfigError) as err:
         to_bench_config(compose(*TINY, f"compare.variants={variants_}", "compare.contexts=[4,8,16]"))
     assert str(err.value).startswith("compare.variants") and needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dsa_and_shared_kv_variants_run_side_by_side(tmp_path):
+    """:k<K> (DSA's top-k) and :s<N> (the last N layers share K/V) are variants like the others:
+    named by their layout, their caches allocating the arithmetic of their shapes (DSA: a latent
+    and an index key of 2 x d_rope per position; 3 of 6 shared layers: half of MHA's), the shared
+    variant holding MHA's weights except the shared layers' K/V projections; :s0 is refused."""
+    cfg = compose(*TINY, "compare.variants=[mha,mla:k4,mha:s3]", "compare.contexts=[4,8,16]", "compare.steps=1",
+                  "runtime.warmup=0", "runtime.repeats=2", f"workload.batch_size={B}")
+    record = run_job(cfg, tmp_path)
+    assert record.status == "ok", record.error
+    rows = {r["variant"]: r for r in record.tables["compare"]}
+    assert list(rows) == ["mha_kv8", f"mla_r{R}_topk4", "mha_kv8_kvshare3"]
+    S = 17
+    assert rows[f"mla_r{R}_topk4"]["kv_cache_bytes"] == (R + ROPE + 2 * ROPE) * 4 * L * S * B
+    assert rows["mha_kv8_kvshare3"]["kv_cache_bytes"] == 2 * H * D * 4 * (L - 3) * S * B
+    typed = to_bench_config(cfg)
+    base = build_model(typed.__class__(**{**typed.__dict__, "attention": AttentionConfig("mha", window=0)}),
+                       torch.device("cpu"))
+    shared = variants(typed, base)[2].model
+    assert [layer.kv_source for layer in shared.layouts] == [None] * 3 + [2] * 3
+    assert set(base.state_dict()) - set(shared.state_dict()) == {f"blocks.{i}.attn.{w}.weight" for i in (3, 4, 5)
+                                                                  for w in ("wk", "wv")}
+    with pytest.raises(ConfigError, match="option 's0'"):
+        to_bench_config(compose(*TINY, "compare.variants=[mha,mha:s0]", "compare.contexts=[4,8,16]"))

@@ -16,7 +16,7 @@ from kvbench.cache import Positions, make_cache
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import WorkloadConfig
+from kvbench.config.workload import MultiturnWorkload
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.base import Layouts
@@ -352,7 +352,7 @@ def bench_config(shared, impl="static", **workload):
     w = dict(name="multiturn", batch_size=2, system_len=12, turns=3, user_len=4, reply_len=3)
     w.update(workload)
     return BenchConfig(model=ModelConfig(name="t", max_seq_len=64, vocab_size=V), attention=AttentionConfig("gqa", 2),
-                       workload=WorkloadConfig(**w), cache=CacheConfig(impl, shared),
+                       workload=MultiturnWorkload(**w), cache=CacheConfig(impl, shared),
                        runtime=RuntimeConfig(device="cpu", warmup=0, repeats=2), wandb=WandbConfig(mode="disabled"))
 
 
@@ -393,7 +393,7 @@ def test_run_job_records_turns_and_totals(tmp_path):
 def test_prompts_come_from_the_seed_alone():
     """Every variant of a sweep must chat with the same tokens: the prompts depend on the seed,
     not on torch's global random state that model initialisation and other jobs advance."""
-    w = WorkloadConfig(name="multiturn", batch_size=2, system_len=6, turns=3, user_len=4, reply_len=2)
+    w = MultiturnWorkload(batch_size=2, system_len=6, turns=3, user_len=4, reply_len=2)
     torch.manual_seed(123)
     system, users = chat_prompts(w, V, seed=0)
     torch.manual_seed(456)

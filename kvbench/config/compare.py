@@ -1,0 +1,102 @@
+"""``task=compare``'s section of the config (:class:`CompareConfig`): attention variants timed in one
+process, and what the task reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from kvbench.config.errors import ConfigError, check, check_positive
+from kvbench.config.model import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type, variant_label
+from kvbench.config.task import ALL, TIMED_RUNTIME, Task
+
+# compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets.
+VARIANT_OPTIONS = {"w": "window", "g": "global_every", "r": "kv_lora_rank", "k": "index_topk", "s": "kv_shared_layers",
+                   "d": "full_attention_interval"}
+
+
+def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
+    """AttentionConfig fields of one ``compare.variants`` entry: ``<type or KV-head count>`` then
+    options :w<W> (a window on local layers), :g<k> (every k-th layer global, needs :w), :r<R>
+    (MLA's kv_lora_rank), :k<K> (DSA's index_topk), :s<N> (the last N layers share K/V), :d<k>
+    (every k-th layer full, the others Gated DeltaNet); an option left out is none of it."""
+    where = ("compare.variants", spec if variants is None else variants)
+    head, *options = str(spec).split(":")
+    check(head in ATTENTION_TYPES or (head.isdigit() and int(head) >= 1), *where,
+          f"{spec!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1 "
+          "(options: :w<window>, :g<every k-th layer global>, :r<mla kv_lora_rank>, :k<dsa index_topk>, "
+          ":s<kv_shared_layers>, :d<every k-th layer full, the others Gated DeltaNet>, e.g. gqa:w1024:g6, gqa:d4)")
+    out: Dict[str, Any] = {"type": head} if head in ATTENTION_TYPES else {"num_kv_heads": int(head)}
+    for option in options:
+        key = VARIANT_OPTIONS.get(option[:1])
+        check(key is not None and option[1:].isdigit() and int(option[1:]) >= 1 and key not in out, *where,
+              f"{spec!r}: option {option!r} must be one of :w<W>, :g<k>, :r<R>, :k<K>, :s<N>, :d<k> with a number "
+              ">= 1, each once")
+        out[key] = int(option[1:])
+    check("global_every" not in out or "window" in out, *where,
+          f"{spec!r}: :g<k> says which layers are global, and needs a window (:w<W>) for the others")
+    out.setdefault("window", 0)  # no option: no window, whatever the model's own
+    out.setdefault("kv_shared_layers", 0)  # nor sharing
+    out.setdefault("full_attention_interval", 0)  # and no Gated DeltaNet layer
+    return out
+
+
+@dataclass
+class CompareConfig:
+    """``task=compare``: attention variants timed in one process, alternating trial by trial.
+
+    ``variants``: attention types (``mha``, ``gqa``, ``mqa``, ``mla``) or KV-head counts, each
+    optionally with a window (``mha:w1024``: every layer local; ``gqa:w1024:g6``: Gemma 3's five
+    local to one global) or MLA's rank (``mla:r256``), see :func:`variant_fields`; the first is
+    the baseline of every ratio. ``contexts``: the context lengths (positions already in the
+    cache) a decode step is timed at; three or more distinct ones give the KV cost slope (three on
+    each side of a window give the slope below and past it). ``steps``: timed steps per context
+    per trial."""
+
+    variants: List[str] = field(default_factory=lambda: ["mha", "gqa", "mqa"])
+    contexts: List[int] = field(default_factory=lambda: [256, 512, 1024, 1536, 2048])
+    steps: int = 8
+
+    def __post_init__(self) -> None:
+        check_positive("compare", self, ("steps",))
+        check(len(self.variants) >= 2, "compare.variants", self.variants, "needs two or more variants to compare")
+        for v in self.variants:
+            variant_fields(v, self.variants)
+        check(len(self.contexts) >= 1 and all(c >= 1 for c in self.contexts), "compare.contexts", self.contexts,
+               "must list one or more context lengths >= 1")
+        check(len(set(self.contexts)) == len(self.contexts), "compare.contexts", self.contexts,
+               "lists a context length twice")
+
+    def attentions(self, model: "ModelConfig") -> List["AttentionConfig"]:
+        """Each variant as a resolved :class:`AttentionConfig` for ``model`` (a count is typed by
+        :func:`attention_type`); a variant the model cannot have names ``compare.variants``."""
+        out = []
+        for v in self.variants:
+            fields_ = variant_fields(v, self.variants)
+            if "num_kv_heads" in fields_:
+                fields_["type"] = attention_type(model.num_heads, fields_["num_kv_heads"])
+            try:
+                out.append(AttentionConfig(**fields_).resolved(model))
+            except ConfigError as exc:
+                raise ConfigError(f"compare.variants={self.variants!r}: {v!r}: {exc}") from None
+        labels = [variant_label(a, num_layers=model.num_layers) for a in out]
+        check(len(set(labels)) == len(labels), "compare.variants", self.variants,
+               f"two variants are the same layout ({', '.join(labels)})")
+        return out
+
+
+def check_compare_run(cfg: Any) -> None:
+    cfg.compare.attentions(cfg.model)
+    longest = max(cfg.compare.contexts)
+    check(longest < cfg.model.max_seq_len, "compare.contexts", cfg.compare.contexts,
+          f"a step at context {longest} needs {longest + 1} positions, more than model.max_seq_len="
+          f"{cfg.model.max_seq_len}")
+    check(cfg.cache.impl == "static", "cache.impl", cfg.cache.impl,
+          "task=compare sets the filled length of a preallocated cache; use cache.impl=static")
+    check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
+          "task=compare times eager steps only (use task=bench for compiled decoding)")
+
+
+# Many variants, none of them the record's attention; of the workload only its batch size.
+COMPARE = Task(reads={"workload": ("batch_size",), "cache": ("impl",), "runtime": TIMED_RUNTIME, "compare": ALL},
+               check=check_compare_run)

@@ -1,0 +1,145 @@
+"""Which layers of a decoder are local (a sliding window), linear (Gated DeltaNet) or full
+attention, as transformers' ``layer_types`` names them, and the one name of a variant built from
+its layout and that pattern (:func:`variant_label`). Torch-free: configs are checked with it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from kvbench.config.errors import check
+from kvbench.config.hf import LAYER_TYPES, LINEAR
+
+
+def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
+    """The one name of a variant, in progress lines, tables, plots, reports and (as
+    :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
+    its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
+    counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
+    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), DSA's top-k
+    ``mla r=512 topk=2048``, KV shared by the last N layers ``gqa kv=2 w=512 4:1 kvshare=15`` (Gemma
+    3n), Gated DeltaNet layers and their linear:full counts ``gqa kv=4 gdn 3:1`` (Qwen3.5; ``gdn``
+    alone: every layer linear), a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    ``attention``: a resolved AttentionConfig or a record's attention mapping."""
+    get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
+    kind = get("type")
+    label = f"mla r={get('kv_lora_rank')}" if kind == "mla" else f"{kind} kv={get('num_kv_heads')}"
+    if get("window"):
+        label += f" w={get('window')}"
+        ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
+        if ratio and ratio[1]:
+            label += f" {ratio[0]}:{ratio[1]}"
+    for key, part in (("sinks", " sinks"), ("index_topk", " topk={}"), ("kv_shared_layers", " kvshare={}")):
+        label += part.format(get(key)) if get(key) else ""
+    linear = linear_full_layers(get("layer_types"))
+    if linear:
+        label += f" gdn {linear[0]}:{linear[1]}" if linear[1] else " gdn"
+    return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
+
+
+def local_global_layers(window: Optional[int], global_every: Optional[int], layer_types: Optional[Sequence[str]],
+                        num_layers: Optional[int] = None) -> Optional[Tuple[int, int]]:
+    """The local:global ratio of the layers, reduced (Gemma 3's 5:1); (1, 0) when every layer is
+    local; None without a window. ``global_every`` k counts the layers when ``num_layers`` is known
+    (12 layers, k=6: 10 local, 2 global), else reads (k-1):1."""
+    if not window:
+        return None
+    if layer_types is not None:  # among the attention layers (a Gated DeltaNet layer has no window)
+        local, total = sum(t == "sliding_attention" for t in layer_types), sum(t != LINEAR for t in layer_types)
+    elif global_every and num_layers:
+        local, total = sum(1 for i in range(num_layers) if (i + 1) % global_every), num_layers
+    elif global_every:
+        local, total = global_every - 1, global_every
+    else:
+        return (1, 0)
+    g = math.gcd(local, total - local) or 1
+    return (local // g, (total - local) // g)
+
+
+def linear_full_layers(layer_types: Optional[Sequence[str]]) -> Optional[Tuple[int, int]]:
+    """The linear:attention ratio of the layers (Qwen3.5's 3:1), reduced; None without a Gated
+    DeltaNet layer."""
+    if not layer_types or LINEAR not in layer_types:
+        return None
+    linear = sum(t == LINEAR for t in layer_types)
+    g = math.gcd(linear, len(layer_types) - linear)
+    return (linear // g, (len(layer_types) - linear) // g)
+
+
+def interval_layer_types(k: int, num_layers: int) -> Optional[List[str]]:
+    """transformers' full_attention_interval k: layers k-1, 2k-1, ... full attention, the others
+    linear (Gated DeltaNet); None when no layer is linear (k 0 or 1)."""
+    types = [LINEAR if k and (i + 1) % k else "full_attention" for i in range(num_layers)]
+    return types if LINEAR in types else None
+
+
+def variant_key(label: str) -> str:
+    """:func:`variant_label` as a metric prefix: ``gqa_kv4``, ``mla_r256``, ``gqa_kv4_w1024_5to1``."""
+    return label.replace("=", "").replace(":", "to").replace(" ", "_")
+
+
+def check_window_pattern(prefix: str, window: Optional[int], global_every: Optional[int],
+                         layer_types: Optional[List[str]], num_layers: Optional[int] = None) -> None:
+    """A window is 0 (none) or >= 1 positions; global_every >= 0; layer_types names each layer
+    (``num_layers`` of them, when known) sliding_attention, full_attention or linear_attention; not
+    both patterns; a window with layer_types applies to some sliding_attention layer."""
+    check(window is None or window >= 0, f"{prefix}window", window, "must be >= 1 positions, 0 (no window) or null")
+    check(global_every is None or global_every >= 0, f"{prefix}global_every", global_every,
+          "must be >= 0 (0: no global layer; k: every k-th layer global) or null")
+    if layer_types is None:
+        return
+    check(global_every is None, f"{prefix}global_every", global_every,
+          f"and {prefix}layer_types both say which layers are local; give one")
+    check(all(t in LAYER_TYPES for t in layer_types), f"{prefix}layer_types", layer_types,
+          f"each entry must be one of {', '.join(LAYER_TYPES)}")
+    check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
+          f"must name each of model.num_layers={num_layers} layers")
+    check(not window or "sliding_attention" in layer_types, f"{prefix}window", window,
+          f"applies to the sliding_attention layers of {prefix}layer_types, and it lists none")
+
+
+def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
+    """An AttentionConfig's window, global_every and layer_types against ``model`` (a
+    ModelConfig): each null one is the model's own, checked against its layer count. Gated
+    DeltaNet layers are layer_types' linear_attention entries (:func:`_linear_layers`)."""
+    check(attention.window is None or attention.window <= model.max_seq_len, "attention.window", attention.window,
+          f"must be <= model.max_seq_len={model.max_seq_len} (a window that long drops no position; 0: no window)")
+    window = model.preset_window if attention.window is None else attention.window
+    if attention.layer_types is not None or attention.global_every is not None:
+        global_every, layer_types = attention.global_every, attention.layer_types
+    else:
+        global_every, layer_types = model.preset_global_every, model.preset_layer_types
+    layer_types = _linear_layers(attention, model, window, layer_types)
+    check_window_pattern("attention.", window, global_every, layer_types, model.num_layers)
+    if window is None:
+        # a pattern with no window to apply it to would be dropped from the run: refused, unless
+        # its layers are full or linear (none sliding), which needs none
+        linear = layer_types is not None and "sliding_attention" not in layer_types
+        for key in ("global_every",) if linear else ("layer_types", "global_every"):
+            check(getattr(attention, key) is None, f"attention.{key}", getattr(attention, key),
+                  f"says which layers are local, but there is no window: model {model.name} has none and "
+                  "attention.window is null; set attention.window=W")
+        return {"layer_types": layer_types} if linear else {}
+    return {"window": window, "global_every": global_every, "layer_types": layer_types}
+
+
+def _linear_layers(attention: Any, model: Any, window: Optional[int],
+                   layer_types: Optional[List[str]]) -> Optional[List[str]]:
+    """``layer_types`` with the Gated DeltaNet layers asked for: attention.full_attention_interval's,
+    else those it lists, else the model's own. A window pattern given without them over a model
+    that has them would drop them silently: refused, as is an interval beside a window."""
+    k = attention.full_attention_interval
+    if k is None:
+        check(attention.global_every is None or LINEAR not in (model.preset_layer_types or ()),
+              "attention.global_every", attention.global_every, f"would replace model {model.name}'s layer pattern, "
+              "which has linear_attention layers; list each layer in attention.layer_types")
+        return layer_types
+    check(attention.layer_types is None or (k == 0 and LINEAR not in attention.layer_types),
+          "attention.full_attention_interval", k,
+          "and attention.layer_types both say which layers are linear; give one")
+    if k == 0:  # no linear layer: the model's own become full attention
+        types = ["full_attention" if t == LINEAR else t for t in layer_types or ()]
+        return types if "sliding_attention" in types else None
+    check(not window, "attention.full_attention_interval", k, f"beside a window (attention.window={window}): list "
+          "which layers are sliding, full and linear in attention.layer_types (or set attention.window=0)")
+    return interval_layer_types(k, model.num_layers)
