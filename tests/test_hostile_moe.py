@@ -30,6 +30,9 @@ DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2, 
             "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5, "n_routed_experts": 8,
             "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4, "topk_group": 2,
             "first_k_dense_replace": 1}
+# Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet hybrids) with a sigmoid-gated shared expert
+QWEN_NEXT = {**QWEN, "architectures": ["Qwen3NextForCausalLM"], "shared_expert_intermediate_size": 24}
+QWEN3_5_MOE = {**QWEN_NEXT, "architectures": ["Qwen3_5MoeForCausalLM"], "intermediate_size": None}
 GPT_OSS = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16, "vocab_size": 97, "num_local_experts": 8,
            "num_experts_per_tok": 2}
@@ -48,6 +51,12 @@ GPT_OSS = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2, "hidd
     (DEEPSEEK, {"mlp_layer_types": ["dense", "moe"]}, "mlp_layer_types=['dense', 'moe']: must name each of "
                                                       "num_hidden_layers=2 layers dense or sparse"),
     (QWEN, {"num_experts_per_tok": None}, "missing key 'num_experts_per_tok'"),
+    # transformers' defaults (128 to 512 experts, a shared expert of 512) are not guessed: the model
+    # was read as dense, or without its shared expert
+    (QWEN, {"num_experts": None}, "missing key 'num_experts'"),
+    (QWEN3_5_MOE, {"num_experts": None}, "missing key 'num_experts'"),
+    (QWEN_NEXT, {"shared_expert_intermediate_size": None}, "missing key 'shared_expert_intermediate_size'"),
+    (QWEN3_5_MOE, {"moe_intermediate_size": None}, "missing key 'moe_intermediate_size'"),
     (QWEN, {"num_experts": "8"}, "num_experts='8': must be an integer"),
     (QWEN, {"moe_intermediate_size": 0}, "moe_intermediate_size=0: must be >= 1"),
     (QWEN, {"decoder_sparse_step": 0}, "decoder_sparse_step=0: must be >= 1"),

@@ -41,19 +41,21 @@ HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
 HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
-# Qwen3.5 (its dense text model, also as the language model of its multimodal checkpoint) and
-# Qwen3-Next (its experts: MOE_FAMILIES): Gated DeltaNet layers beside full attention whose output is gated,
-# whose rotary embeddings turn part of a head, and whose norms are zero-centred (transformers'
-# Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
+# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal
+# checkpoints) and Qwen3-Next (their experts: MOE_FAMILIES): Gated DeltaNet layers beside full
+# attention whose output is gated, whose rotary embeddings turn part of a head, and whose norms are
+# zero-centred (transformers' Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
 _HYBRID = {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True, "norm_zero_centered": True}
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
+                        "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 HF_ARCHITECTURES.update({arch: _HYBRID for arch in HYBRID_ARCHITECTURES})
 # Their config classes' defaults for keys a config.json may leave out (Qwen3_5TextConfig, Qwen3NextConfig).
 HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
                    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 # A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
-TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model.",
+                     "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
 # Tensors transformers' causal LM leaves unread: a multi-token-prediction head, a vision tower.
 UNREAD_TENSORS = {arch: ("mtp.", "model.visual.") for arch in HYBRID_ARCHITECTURES}
 # Mixture-of-experts architectures (whose MLPs _hf_moe reads) and their routing; GPT-OSS also has
@@ -61,7 +63,8 @@ UNREAD_TENSORS = {arch: ("mtp.", "model.visual.") for arch in HYBRID_ARCHITECTUR
 HF_ARCHITECTURES.update({"Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
                          "GptOssForCausalLM": {"qkv_bias": True, "qk_norm": False}})
 MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_shared",
-                "Qwen3_5MoeForCausalLM": "qwen3_5", "DeepseekV2ForCausalLM": "deepseek_v2",
+                "Qwen3_5MoeForCausalLM": "qwen3_5", "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+                "DeepseekV2ForCausalLM": "deepseek_v2",
                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v3",
                 "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
@@ -174,7 +177,10 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         preset_kv_heads=_get(cfg, "num_key_value_heads", "int") or heads,
         # transformers' default; left to ModelConfig's checks when the values are not counts
         head_dim=_get(cfg, "head_dim", "int") or head_dim,
-        ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
+        # Qwen3.5-MoE has no dense MLP (nor intermediate_size): ffn_dim, unused, is the experts' width
+        ffn_dim=_get(cfg, "moe_intermediate_size" if MOE_FAMILIES.get(arch) == "qwen3_5" else "intermediate_size",
+                     "int", _REQUIRED),
+        vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions,
         norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
         **_hf_window(cfg, hybrid))
@@ -344,13 +350,12 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
         step, only = _get(cfg, "decoder_sparse_step", "int", 1), _get(cfg, "mlp_only_layers", "list", [])
         if not _counts(step):
             raise ConfigError(f"decoder_sparse_step={step!r}: must be >= 1")
-        if moe["num_experts"] in (None, 0):  # transformers: no experts, every layer dense
-            return {}
         # Qwen3.5-MoE: every layer sparse, its k weights always renormalised
         dense = [] if family == "qwen3_5" else [i for i in range(num_layers) if i in only or (i + 1) % step]
-        if len(dense) == num_layers:  # every layer dense: no expert key is read
+        if len(dense) == num_layers or moe["num_experts"] == 0:  # every layer dense: no expert key is read
             return {}
-        shared = _get(cfg, "shared_expert_intermediate_size", "int", 0) if family != "qwen" else 0
+        # a shared expert transformers builds 512 wide when the key is left out: required, not guessed
+        shared = _get(cfg, "shared_expert_intermediate_size", "int", _REQUIRED) if family != "qwen" else 0
         norm = family == "qwen3_5" or _get(cfg, "norm_topk_prob", "bool", family != "qwen")
         moe.update(expert_ffn_dim=_get(cfg, "moe_intermediate_size", "int", _REQUIRED), shared_ffn_dim=shared,
                    shared_gate=bool(shared), norm_topk_prob=norm)
