@@ -303,6 +303,17 @@ def test_the_presets_count_what_the_model_cards_say(preset, total, active, with_
     assert counts.active + (counts.embedding if with_embedding else 0) == pytest.approx(active, rel=0.01)
 
 
+def test_deepseek_v32_is_deepseek_v3_and_its_indexer_by_hand():
+    """V3.2's MLPs are V3's; each of its 61 layers adds DSA's indexer (transformers'
+    DeepseekV32Indexer): wq_b (1536 -> 64 heads x 128), wk (7168 -> 128), k_norm (a LayerNorm of
+    128, weight and bias), weights_proj (7168 -> 64); every token runs it."""
+    v3, v32 = (parameter_counts((cfg := to_bench_config(compose(f"model={p}", "task=inspect"))).model, cfg.attention)
+               for p in ("deepseek_v3", "deepseek_v32"))
+    indexer = 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64)
+    assert (v32.total, v32.active, v32.embedding) == (v3.total + indexer, v3.active + indexer, v3.embedding)
+    assert v32.total == 671_877_929_216
+
+
 # ---- what a decode step reads ---------------------------------------------------------------------
 
 def _small_moe_decoder(**moe):
