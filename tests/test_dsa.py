@@ -222,13 +222,19 @@ def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
         run_eval(cfg, torch.device("cpu"))
 
 
-def test_a_mixture_of_experts_layer_is_refused_in_one_line_naming_the_key(tmp_path):
-    path, _ = deepseek_dir(tmp_path, "deepseek_v32", first_k_dense_replace=1, **DSA_SHAPE)
-    with pytest.raises(CheckpointError) as info:
-        load_llama_dir(path)
-    message = str(info.value)
-    assert "mlp_layer_types=['dense', 'sparse']" in message and "mixture of experts" in message
-    assert "\n" not in message
+def test_a_deepseek_v32_checkpoint_with_a_mixture_of_experts_layer_matches_transformers(tmp_path):
+    """A V3.2 layer whose MLP is a mixture of experts (config.json's mlp_layer_types 'sparse') is
+    read as one beside DSA's indexer: max logit difference <= 1e-5 against transformers (prompt and
+    16 cached steps)."""
+    path, hf = deepseek_dir(tmp_path, "deepseek_v32", first_k_dense_replace=1, moe_intermediate_size=12,
+                            max_position_embeddings=PROMPT + STEPS, **DSA_SHAPE)
+    assert json.loads((path / "config.json").read_text())["mlp_layer_types"] == ["dense", "sparse"]
+    model, _ = load_llama_dir(path, torch.float32)
+    assert model.config.moe.dense_layers == [0] and model.config.moe.num_experts == 4
+    assert model.attention.index_topk == 8
+    tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+    ours, theirs = logits_with_cache(model, hf, tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
 
 
 FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2"]

@@ -187,12 +187,20 @@ def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
         run_eval(cfg, torch.device("cpu"))
 
 
-def test_mixture_of_experts_is_refused_in_one_line_naming_the_key(tmp_path):
-    path, _ = deepseek_dir(tmp_path, first_k_dense_replace=1)
-    with pytest.raises(CheckpointError) as info:
-        load_llama_dir(path)
-    message = str(info.value)
-    assert "first_k_dense_replace=1" in message and "mixture-of-experts" in message and "\n" not in message
+def test_a_deepseek_with_mixture_of_experts_layers_loads_as_transformers_builds_it(tmp_path):
+    """Once refused in one line, a DeepSeek checkpoint whose layers from first_k_dense_replace on
+    are a mixture of experts now loads: layer 0 dense, layer 1 its experts (tests/test_moe.py
+    checks the routing against transformers in depth)."""
+    from kvbench.mlp.dense import MLP
+    from kvbench.mlp.experts import MoE
+
+    path, hf = deepseek_dir(tmp_path, first_k_dense_replace=1)
+    model, _ = load_llama_dir(path)
+    assert model.config.moe.dense_layers == [0]
+    assert isinstance(model.blocks[0].mlp, MLP) and isinstance(model.blocks[1].mlp, MoE)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
 def test_refusals_name_the_key(tmp_path):
