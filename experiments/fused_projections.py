@@ -29,7 +29,8 @@ from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.layouts.kv_heads_attention import KVHeadsAttention as Attention
 from kvbench.layouts.kv_heads_attention import grouped_attention
-from kvbench.model import MLP, Decoder
+from kvbench.mlp.dense import MLP
+from kvbench.model import Decoder
 from kvbench.rope import apply_rope
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,10 +5,12 @@
 - transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
   names) of the architectures in :data:`~kvbench.config.hf.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
   scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, DeepSeek's MLA and V3.2's DSA, Qwen3.5
-  and dense Qwen3-Next with their Gated DeltaNet layers), MHA, GQA or MQA. Each layer's attention
+  and Qwen3-Next with their Gated DeltaNet layers, the mixtures of experts of Qwen3-MoE, Qwen3-Next,
+  DeepSeek-V2/V3 and GPT-OSS: :mod:`kvbench.mlp.weights`), MHA, GQA or MQA. Each layer's attention
   module declares its transformers names (``HF_MODULE``, ``HF_NAMES``, fused ones ``HF_FUSED``).
   The decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
-  unpermuted (tests/test_checkpoint.py and tests/test_qwen_hybrid.py compare against transformers).
+  unpermuted (tests/test_checkpoint.py, tests/test_qwen_hybrid.py and tests/test_moe.py compare against
+  transformers).
 - A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
   2023), or repeating them, exactly, to more heads (GQA → MHA).
 
@@ -41,6 +43,7 @@ from kvbench.layouts.attention import MODULES
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.gated_deltanet_attention import unfuse
+from kvbench.mlp.weights import MOE_NAMES, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
 
@@ -173,7 +176,7 @@ def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
     module = MODULES[type(layouts[i])] if i < len(layouts) else None
     if module is not None and rest.startswith(module.HF_MODULE + "."):
         return f"blocks.{i}.attn." + _renamed(rest[len(module.HF_MODULE) + 1:], module.HF_NAMES)
-    return f"blocks.{i}." + _renamed(rest, _BLOCK_NAMES)
+    return f"blocks.{i}." + _renamed(rest, {**MOE_NAMES, **_BLOCK_NAMES})
 
 
 def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
@@ -221,6 +224,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     if hf_config.tied_embeddings(hf) and "lm_head.weight" not in stored and "embed.weight" in stored:
         stored["lm_head.weight"] = stored["embed.weight"]  # tied: the head reuses the embedding
     _check_layers(directory, model_cfg, stored)
+    stored = expert_tensors(directory, model_cfg, stored)  # per-expert or stacked: the decoder's stacked weights
     expected = _expected_tensors(model_cfg, attention)
     for keys in fused.values():  # a fused projection holds its parts' rows, each part stored with its shape
         tensor, want = stored[keys[0]], (sum(expected[k][0] for k in keys), *expected[keys[0]][1:])
@@ -229,7 +233,7 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
                                   f"implies {want}")
         stored.update({k: replace(tensor, shape=tuple(expected[k])) for k in keys})
     check_tensors(directory, expected, stored, model=model_name)
-    tensors = load_tensors({k: stored[k] for k in expected})
+    tensors = read_assembled(load_tensors, {k: stored[k] for k in expected})
     for (i, name), parts in fused.items():  # each part was read as the whole fused tensor
         tensors.update({f"blocks.{i}.attn.{k}": t for k, t in unfuse(layouts[i], name, tensors[parts[0]]).items()})
     check_tensors(directory, expected, tensors, model=model_name)  # the values: finite

@@ -27,7 +27,15 @@ from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import override_list
 from kvbench.jsonio import os_error_line, real_dir, write_text_atomic
 from kvbench.results import CHECKPOINT_NAME, RESULTS_FILE, RecordError, objective_value, read_record
-from kvbench.sinks.console import progress_bar, run_table, stderr, stdout, turns_table, variants_table
+from kvbench.sinks.console import (
+    conversation_turns_table,
+    progress_bar,
+    run_table,
+    stderr,
+    stdout,
+    turns_table,
+    variants_table,
+)
 from kvbench.sinks.report import MD_FILE, write_report
 from kvbench.sinks.tracking import track
 
@@ -216,6 +224,8 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
             stdout.print(turns_table(result.to_dict()))
         if result.tables.get("compare"):
             stdout.print(variants_table(result.to_dict()))
+        if result.tables.get("conversation_turns"):
+            stdout.print(conversation_turns_table(result.to_dict()))
     stdout.print(f"results: {where}", markup=False, soft_wrap=True)
     if result.config.get("task") == "train" and (out_dir / CHECKPOINT_NAME).is_file():
         stdout.print(f"checkpoint: {out_dir / CHECKPOINT_NAME}", markup=False, soft_wrap=True)

@@ -23,6 +23,7 @@ from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.serving import ServingWorkload
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
@@ -38,33 +39,57 @@ ROPE_PEAK_BYTES_PER_ELEMENT = 3 * 8
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
-    """The decoder's exact parameter count without building its layers: one- and two-layer
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A decoder's parameters: ``total``; ``active``, those one token's forward uses (each
+    mixture-of-experts layer's k routed experts, not all E) with the input embedding table left
+    out (a token reads one row of it; GPT-OSS's model card counts this way, Qwen's counts the
+    table: ``active + embedding``); ``embedding``, that table."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> ParameterCounts:
+    """The decoder's exact parameter counts without building its layers: one- and two-layer
     decoders of each kind of layer on the meta device (no memory) give the fixed part and one
-    layer's of that kind (a Gated DeltaNet layer's, an attention layer's, or one reading another
-    layer's K/V: no K/V weights), and every layer of a kind has the same shape. ``attention``: as
-    the job resolved it against ``model`` (None: MHA)."""
+    layer's of that kind, and every layer of a kind has the same shape. A layer's kind is its mixer
+    (a Gated DeltaNet layer, an attention layer, or one reading another layer's K/V: no K/V
+    weights) and its MLP (dense, or the mixture of experts); the experts a token is not routed to
+    (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas. ``attention``:
+    as the job resolved it against ``model`` (None: MHA)."""
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     first_shared = model.num_layers - (resolved.kv_shared_layers or 0)
-    kinds = [k if k == LINEAR else "shared" if i >= first_shared else "full_attention"
-             for i, k in enumerate(resolved.layer_kinds(model.num_layers))]
+    moe = model.moe
+    kinds = [(k if k == LINEAR else "shared" if i >= first_shared else "full_attention",
+              moe is not None and moe.sparse(i)) for i, k in enumerate(resolved.layer_kinds(model.num_layers))]
     # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
     small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
-                                preset_layer_types=None, preset_kv_shared_layers=0)
+                                preset_layer_types=None, preset_kv_shared_layers=0, moe=None)
     attention = dataclasses.replace(attention or AttentionConfig(type="mha"), window=0, global_every=None,
                                     full_attention_interval=None, kv_shared_layers=0)
-    per_layer, fixed = {}, 0
-    for kind in dict.fromkeys(kinds):
-        types = (lambda n: [LINEAR] * n) if kind == LINEAR else (lambda n: None)
+    per_layer, fixed, embedding = {}, 0, 0
+    for mixer, sparse in dict.fromkeys(kinds):
+        types = (lambda n: [LINEAR] * n) if mixer == LINEAR else (lambda n: None)
+        mlp = dataclasses.replace(moe, dense_layers=[]) if sparse else None  # every layer of the small models
         with torch.device("meta"):
-            one = Decoder(small, dataclasses.replace(attention, layer_types=types(1))).num_params()
-            two = Decoder(dataclasses.replace(small, num_layers=2),
+            one = Decoder(dataclasses.replace(small, moe=mlp), dataclasses.replace(attention, layer_types=types(1)))
+            two = Decoder(dataclasses.replace(small, num_layers=2, moe=mlp),
                           dataclasses.replace(attention, layer_types=types(2),
-                                              kv_shared_layers=1 if kind == "shared" else 0)).num_params()
-        per_layer[kind] = two - one
-        if kind != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
-            fixed = 2 * one - two
-    return fixed + sum(per_layer[k] for k in kinds)
+                                              kv_shared_layers=1 if mixer == "shared" else 0)).num_params()
+        per_layer[mixer, sparse] = two - one.num_params()
+        embedding = one.embed.weight.numel()
+        if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
+            fixed = 2 * one.num_params() - two
+    total = fixed + sum(per_layer[k] for k in kinds)
+    unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model)
+    return ParameterCounts(total, total - unused * sum(sparse for _, sparse in kinds) - embedding, embedding)
+
+
+def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:
+    """The decoder's exact parameter count (:func:`parameter_counts`), every expert included."""
+    return parameter_counts(model, attention).total
 
 
 def rope_peak_bytes(model: ModelConfig) -> int:
@@ -109,7 +134,8 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     searches them) and count only the model here."""
     m, a = cfg.model, cfg.attention
     kv = 0
-    if cfg.task == "bench" and cfg.workload.name == "serving":  # the store its budget asks for, allocated whole
+    # a served workload (serving, conversations): the store its budget asks for, allocated whole
+    if cfg.task == "bench" and isinstance(cfg.workload, ServingWorkload):
         kv = serving_store_bytes(cfg)
     elif cfg.task == "bench" and cfg.cache.impl != "none":
         # The record's formula (workloads/decode.py): each layer's own (MLA's latent, a window's ring).
@@ -164,7 +190,8 @@ def check_model_fits(model: ModelConfig, device: torch.device | str, where: str)
     need = Footprint(parameter_count(model) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
     have = available_bytes(torch.device(device))
     if need.total > have:
-        raise ConfigError(f"{where}: a model of {model.num_layers} layers, d_model {model.d_model} and "
+        experts = "" if model.moe is None else f", {model.moe.num_experts} experts of {model.moe.expert_ffn_dim}"
+        raise ConfigError(f"{where}: a model of {model.num_layers} layers, d_model {model.d_model}{experts} and "
                           f"{model.max_seq_len} positions needs at least {human_bytes(need.total)} "
                           f"({need.describe()}), more than the {human_bytes(have)} available; nothing was built")
 
@@ -191,13 +218,15 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         return Footprint(0, 0, 0)
     need = job_footprint(cfg)
     have = available_bytes(device)
-    if cfg.task == "capacity":
+    if need.total <= have and cfg.task == "capacity":  # a model that does not fit at all is said so below
         _check_probe_range(cfg, need, have)
     if need.total > have:
         m = cfg.model
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
+                + (f", model.moe.num_experts={m.moe.num_experts}, model.moe.expert_ffn_dim={m.moe.expert_ffn_dim}"
+                   if m.moe is not None else "")
                 + "".join(f", attention.{k}={getattr(cfg.attention, k)}" for k in _MLA_SIZES if cfg.attention.latent)
-                + (_store_keys(cfg) if cfg.workload.name == "serving" and cfg.task == "bench"
+                + (_store_keys(cfg) if isinstance(cfg.workload, ServingWorkload) and cfg.task == "bench"
                    else f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")
                 + (f", recall.vocab_size={cfg.recall.vocab_size}, recall.eval_sequences={cfg.recall.eval_sequences}"
                    if cfg.task == "recall" else ""))

@@ -1,6 +1,7 @@
 """The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU), with the
 switches that make it Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) or Qwen3.5 (zero-centred
-norms) as config fields.
+norms) as config fields, and a mixture of experts for the MLP of a layer where ``model.moe`` says
+so (:mod:`kvbench.mlp`).
 
 Each block's attention is its layer's layout (:mod:`kvbench.layouts`): MHA, GQA or MQA by the
 KV-head count, MLA's latent, a Gated DeltaNet layer's recurrence, a window, sinks, an output gate
@@ -16,7 +17,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbench.cache import Positions, uncached_layers
@@ -26,6 +26,7 @@ from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
+from kvbench.mlp.experts import mlp_module
 from kvbench.norm import RMSNorm
 from kvbench.rope import rope_tables
 
@@ -37,26 +38,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-
-    def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: LayerLayout):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp_module(cfg, layout.index)  # dense, or a mixture of experts (kvbench.mlp)
 
     def forward(self, x, cos, sin, cache, pos):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)

@@ -337,7 +337,8 @@ def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str
 ALWAYS_KEPT = ("task", "model", "wandb", "rerun", "objective", "objective_caps")
 # model keys whose value here means what a record written before them meant
 MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
-                          "preset_sinks": False, "preset_kv_shared_layers": 0,
+                          "preset_sinks": False, "preset_kv_shared_layers": 0, "moe": None, "o_bias": False,
+                          "rope_truncate": True,
                           **{f"linear_{k}": None for k in ("num_key_heads", "num_value_heads", "key_head_dim",
                                                            "value_head_dim", "conv_kernel_dim")}}
 
@@ -373,8 +374,8 @@ def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
-    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, sinks or
-    shared KV layers reads as a record written before those existed."""
+    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, sinks, shared
+    KV layers, experts or GPT-OSS's switches reads as a record written before those existed."""
     return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
 
 

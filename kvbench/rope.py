@@ -36,15 +36,18 @@ def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
     below ``rope_original_max_seq_len / rope_high_freq_factor`` and blends linearly in between
     (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``); ``yarn``
     blends interpolated and original frequencies over a ramp between the dimensions that turn
-    ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context. ``dim``: the
+    ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context (rounded outwards
+to whole dimensions unless ``rope_truncate`` is false). ``dim``: the
     rotated width (default head_dim; MLA rotates only qk_rope_head_dim)."""
     D = cfg.head_dim if dim is None else dim  # 0: no layer rotates, an empty table
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
     if cfg.rope_type == "yarn":
         def turns_dim(turns: float) -> float:  # the dimension whose wavelength fits `turns` times
             return D * math.log(cfg.rope_original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-        low = max(math.floor(turns_dim(cfg.rope_beta_fast)), 0)
-        high = min(math.ceil(turns_dim(cfg.rope_beta_slow)), D - 1)
+        low, high = turns_dim(cfg.rope_beta_fast), turns_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:  # whole dimensions (transformers' default; GPT-OSS keeps the fractions)
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, D - 1)
         high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
         keep = 1 - ((torch.arange(D // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
         return inv_freq / cfg.rope_factor * (1 - keep) + inv_freq * keep

@@ -4,6 +4,7 @@ downloading weights:
 
     python scripts/make_hf_dir.py --out llama32_tiny            # Llama-3.2-shaped, 3 layers
     python scripts/make_hf_dir.py --family qwen3 --out qwen3_tiny
+    python scripts/make_hf_dir.py --family gpt_oss --out gpt_oss_tiny   # a mixture of experts
 
 ``llama3.2`` keeps Llama-3.2-1B's architecture (32 query heads, 8 KV heads, tied embeddings,
 rope_theta 5e5 and its llama3 rope scaling: factor 32 over an original 8192-token context, up to
@@ -31,6 +32,19 @@ FAMILIES = {
                                                       rope_theta=1000000.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(max_position_embeddings=32768, sliding_window=None,
                                                             rope_theta=1000000.0)),
+    # mixtures of experts (docs/moe.md): 16 experts of 64, 4 per token, in the families' own routing
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        max_position_embeddings=40960, rope_theta=1000000.0, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=64, norm_topk_prob=True)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(  # sinks, alternating windows of 128, yarn, clamped SwiGLU
+        max_position_embeddings=131072, rope_theta=150000.0, intermediate_size=64, num_local_experts=16,
+        num_experts_per_tok=4, sliding_window=128,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # MLA; layer 0 dense, then experts
+        max_position_embeddings=4096, rope_theta=10000.0, num_key_value_heads=32, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+        topk_group=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1)),
 }
 
 
@@ -51,7 +65,7 @@ def make(out: Path, family: str = "llama3.2", layers: int = 3, seed: int = 0) ->
     import transformers
 
     config_name, model_name, settings = FAMILIES[family]
-    config = getattr(transformers, config_name)(num_hidden_layers=layers, **COMMON, **rope_keys(settings))
+    config = getattr(transformers, config_name)(num_hidden_layers=layers, **{**COMMON, **rope_keys(settings)})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     model.save_pretrained(out)

@@ -202,6 +202,35 @@ def hf_dir(tmp_path, num_kv_heads, tie=False, family="llama", **overrides):
     return tmp_path, hf
 
 
+def eval_job(model: ModelConfig, attention: AttentionConfig, corpus, checkpoint, val_fraction=0.2, seq_len=32,
+             batch_size=4):
+    """A task=eval job of ``checkpoint`` on the byte corpus: two batches of ``seq_len`` windows."""
+    from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
+    from kvbench.config.workload import DecodeWorkload
+
+    return BenchConfig(task="eval", model=model, attention=attention, workload=DecodeWorkload(prompt_len=8, gen_len=8),
+                       cache=CacheConfig(), runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
+                       data=DataConfig(path=str(corpus), val_fraction=val_fraction),
+                       train=TrainConfig(batch_size=batch_size, seq_len=seq_len, eval_batches=2,
+                                         checkpoint=str(checkpoint)))
+
+
+def transformers_perplexity(hf, cfg) -> float:
+    """Perplexity of transformers' ``hf`` on the validation windows task=eval of ``cfg`` scores."""
+    import math
+
+    import torch.nn.functional as F
+
+    from kvbench.quality.data import byte_data, eval_windows
+
+    val, T = byte_data(cfg.data).val, cfg.train.seq_len
+    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
+                  + torch.arange(T + 1)]
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    return math.exp(F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item())
+
+
 def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
     """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
     return hf_dir(tmp_path, num_kv_heads, tie, "llama", **overrides)

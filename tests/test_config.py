@@ -216,13 +216,15 @@ HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidd
     ({"architectures": ["MixtralForCausalLM"]},
      "architectures=['MixtralForCausalLM']: not supported (accepted: LlamaForCausalLM, MistralForCausalLM, "
      "Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-     "DeepseekV32ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM)"),
+     "DeepseekV32ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM, "
+     "Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3MoeForCausalLM, GptOssForCausalLM)"),
     ({"num_local_experts": 8}, "num_local_experts=8: mixture-of-experts is not supported"),
     ({"vision_config": {"hidden_size": 8}}, "vision_config={'hidden_size': 8}: multimodal checkpoints"),
     ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
      "rope_parameters.rope_type='longrope': not supported (accepted: default, linear, llama3, yarn)"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": False}},
-     "rope_parameters.truncate=False: not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}},
+     "rope_parameters.truncate='no': must be true or false"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config={'quant_method': 'fp8'}: quantized"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic': not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor: missing"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "model.rope_factor=0.5: must be >= 1"),

@@ -9,31 +9,22 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import VOCAB, compose, deepseek_dir
+from conftest import VOCAB, compose, deepseek_dir, eval_job, transformers_perplexity
 from test_checkpoint import PROMPT, STEPS, logits_with_cache
 from test_cli import TINY, kvbench
 
 from kvbench.cache import Positions, cache_for, make_cache
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config.bench import (
-    BenchConfig,
-    CacheConfig,
-    DataConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WandbConfig,
     to_bench_config,
 )
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.workload import DecodeWorkload
 from kvbench.generate import greedy_generate
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.latent_attention import LatentAttention, mla_decode
 from kvbench.model import Decoder
-from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.train import run_eval
 from kvbench.rope import rope_tables
 from kvbench.tasks import capacity
@@ -223,30 +214,27 @@ def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
     """task=eval of a DeepSeek-V3.2 directory (windows of 32 tokens, top 8): transformers'
     perplexity over the same windows, 1e-4 relative; another top-k on its weights is refused."""
     path, hf = deepseek_dir(tmp_path / "ds", "deepseek_v32", vocab_size=256, max_position_embeddings=64, **DSA_SHAPE)
-    cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(type="mla"),
-                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
-                      runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                      data=DataConfig(path=str(corpus), val_fraction=0.2),
-                      train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, checkpoint=str(path)))
+    cfg = eval_job(MODEL, AttentionConfig(type="mla"), corpus, path)
     m = run_eval(cfg, torch.device("cpu"))
-    val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
-                  + torch.arange(T + 1)]
-    with torch.no_grad():
-        ce = F.cross_entropy(hf(windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten()).item()
-    assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
+    assert m["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-4)
     cfg.attention = AttentionConfig(type="mla", index_topk=4)
     with pytest.raises(CheckpointError, match=r"^attention.index_topk=4: the checkpoint's is 8 \(leave it null\)$"):
         run_eval(cfg, torch.device("cpu"))
 
 
-def test_a_mixture_of_experts_layer_is_refused_in_one_line_naming_the_key(tmp_path):
-    path, _ = deepseek_dir(tmp_path, "deepseek_v32", first_k_dense_replace=1, **DSA_SHAPE)
-    with pytest.raises(CheckpointError) as info:
-        load_llama_dir(path)
-    message = str(info.value)
-    assert "mlp_layer_types=['dense', 'sparse']" in message and "mixture of experts" in message
-    assert "\n" not in message
+def test_a_deepseek_v32_checkpoint_with_a_mixture_of_experts_layer_matches_transformers(tmp_path):
+    """A V3.2 layer whose MLP is a mixture of experts (config.json's mlp_layer_types 'sparse') is
+    read as one beside DSA's indexer: max logit difference <= 1e-5 against transformers (prompt and
+    16 cached steps)."""
+    path, hf = deepseek_dir(tmp_path, "deepseek_v32", first_k_dense_replace=1, moe_intermediate_size=12,
+                            max_position_embeddings=PROMPT + STEPS, **DSA_SHAPE)
+    assert json.loads((path / "config.json").read_text())["mlp_layer_types"] == ["dense", "sparse"]
+    model, _ = load_llama_dir(path, torch.float32)
+    assert model.config.moe.dense_layers == [0] and model.config.moe.num_experts == 4
+    assert model.attention.index_topk == 8
+    tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+    ours, theirs = logits_with_cache(model, hf, tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
 
 
 FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2"]

@@ -193,3 +193,24 @@ def test_state_checkpoint_writes_its_table_to_out(tmp_path):
     assert all(hits[("40", "unified", p)] == 0 for p in ("block", "every_n (96)", "prompt_end"))
     assert hits[("40", "per_kind", "block")] > 0 and hits[("96", "unified", "block")] > 0
     assert digests() == before
+
+
+@pytest.mark.e2e  # ~45 configurations composed as the CLI composes them
+def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
+    """experiments/capacity_report.py without the rate searches: a row per preset and tiny variant
+    and precision, the formula's bytes, the plot beside it; the committed results and docs untouched."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import capacity_report
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    before, docs_png = digests(), (ROOT / "docs" / "capacity_report.png").read_bytes()
+    out = tmp_path / "report" / "capacity.md"
+    capacity_report.main(["--no-serve", "--out", str(out)])
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line.split("|") for line in out.read_text().splitlines()
+            if line.startswith("| tiny")}
+    mha = rows[("tiny", "mha kv=8", "auto")]
+    assert mha[6].strip() == "1,024" and mha[7].strip() == "512.00 KiB"  # 2 layers x K,V x 8 heads x 8 x 4 B
+    assert mha[9].strip() == "3"  # 2 MB // 512 KiB
+    assert len(rows) == 15 and (tmp_path / "report" / "capacity_report.png").is_file()
+    assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png

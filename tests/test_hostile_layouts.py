@@ -176,8 +176,8 @@ def test_the_recall_footprint_counts_the_tasks_vocabulary_and_its_held_out_sets(
 @pytest.mark.parametrize("preset", ["deepseek_v3", "gemma3_27b", "gpt_oss_120b"])
 def test_a_large_preset_on_a_laptop_is_one_line_invalid_from_the_footprint(laptop, tmp_path, preset):
     """task=bench of each on a machine with 8 GiB available: ``invalid`` with the weights and
-    the memory available, before a byte is built (gpt_oss_120b's dense stand-in, 3.0 B
-    parameters: 11.2 GiB of weights as built, fits a 23 GB machine and runs there, slowly)."""
+    the memory available, before a byte is built (gpt_oss_120b with its 128 experts per layer:
+    116.8 B parameters, 435 GiB of weights as built; its dense stand-in of 3.0 B once fit)."""
     result = run_job(compose(*FAST, f"model={preset}", "task=bench"), tmp_path)
     assert result.status == "invalid", result.error
     [line] = result.error.splitlines()

@@ -2,19 +2,15 @@
 count (a preset's ``preset_kv_heads``, a checkpoint's ``num_key_value_heads``); a conversion
 happens only when asked for, and the record and the console say it in words."""
 
-import math
 
 import pytest
-import torch
-import torch.nn.functional as F
 import yaml
-from conftest import hf_dir
+from conftest import hf_dir, transformers_perplexity
 from hydra import compose, initialize_config_dir
 
 from kvbench.config.bench import CONF_DIR, to_bench_config
 from kvbench.config.model import ModelConfig
 from kvbench.jobs.runner import run_job
-from kvbench.quality.data import byte_data, eval_windows
 from kvbench.sinks.console import run_table, stdout
 from kvbench.tasks.common import job_kv_conversion
 from kvbench.tasks.inspect import describe
@@ -77,15 +73,6 @@ def test_a_checkpoint_directory_is_benchmarked_in_its_own_layout(tmp_path):
     assert job_kv_conversion(job)["method"] == "mean-pool"
 
 
-def _transformers_perplexity(hf, cfg):
-    val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
-                  + torch.arange(T + 1)]
-    with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    return math.exp(F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item())
-
-
 def test_eval_of_an_mha_checkpoint_evaluates_it_unconverted(tmp_path_factory, corpus):
     """task=eval train.checkpoint=DIR on an MHA checkpoint: its own perplexity (transformers'), not a
     mean-pooled GQA model's; asking attention=gqa converts, and the record and console say so."""
@@ -97,7 +84,7 @@ def test_eval_of_an_mha_checkpoint_evaluates_it_unconverted(tmp_path_factory, co
     own = run_job(compose_job(*common), tmp_path / "own")
     assert own.status == "ok", own.error
     assert own.metrics["num_kv_heads"] == 4 and own.kv_conversion is None
-    expected = _transformers_perplexity(hf, to_bench_config(compose_job(*common)))
+    expected = transformers_perplexity(hf, to_bench_config(compose_job(*common)))
     assert own.metrics["perplexity"] == pytest.approx(expected, rel=1e-4)
 
     pooled = run_job(compose_job(*common, "attention=gqa"), tmp_path / "gqa")

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import VOCAB, deepseek_dir, llama_dir
+from conftest import VOCAB, deepseek_dir, eval_job, llama_dir, transformers_perplexity
 from hydra import compose, initialize_config_dir
 from kv_formula import kv_cache_bytes
 from test_checkpoint import PROMPT, STEPS, logits_with_cache, rope
@@ -16,16 +15,13 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, to_bench_config
+from kvbench.config.bench import CONF_DIR, to_bench_config
 from kvbench.config.compare import CompareConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.train import DataConfig, TrainConfig
-from kvbench.config.workload import DecodeWorkload
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.model import Decoder
-from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.fidelity import mla_form_fidelity
 from kvbench.quality.train import run_eval
 from kvbench.rope import rope_attention_factor, rope_inv_freq
@@ -183,29 +179,28 @@ def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
     """task=eval of a DeepSeek-V3 directory: transformers' perplexity over the same windows, 1e-4
     relative; attention=gqa on it is refused naming the key."""
     path, hf = deepseek_dir(tmp_path / "ds", vocab_size=256, max_position_embeddings=64)
-    cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(type="mla"),
-                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
-                      runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                      data=DataConfig(path=str(corpus), val_fraction=0.2),
-                      train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, checkpoint=str(path)))
+    cfg = eval_job(MODEL, AttentionConfig(type="mla"), corpus, path)
     m = run_eval(cfg, torch.device("cpu"))
-    val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
-                  + torch.arange(T + 1)]
-    with torch.no_grad():
-        ce = F.cross_entropy(hf(windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten()).item()
-    assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
+    assert m["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-4)
     cfg.attention = AttentionConfig(type="gqa")
     with pytest.raises(CheckpointError, match=r"^attention.type='gqa': the checkpoint is multi-head latent"):
         run_eval(cfg, torch.device("cpu"))
 
 
-def test_mixture_of_experts_is_refused_in_one_line_naming_the_key(tmp_path):
-    path, _ = deepseek_dir(tmp_path, first_k_dense_replace=1)
-    with pytest.raises(CheckpointError) as info:
-        load_llama_dir(path)
-    message = str(info.value)
-    assert "first_k_dense_replace=1" in message and "mixture-of-experts" in message and "\n" not in message
+def test_a_deepseek_with_mixture_of_experts_layers_loads_as_transformers_builds_it(tmp_path):
+    """Once refused in one line, a DeepSeek checkpoint whose layers from first_k_dense_replace on
+    are a mixture of experts now loads: layer 0 dense, layer 1 its experts (tests/test_moe.py
+    checks the routing against transformers in depth)."""
+    from kvbench.mlp.dense import MLP
+    from kvbench.mlp.experts import MoE
+
+    path, hf = deepseek_dir(tmp_path, first_k_dense_replace=1)
+    model, _ = load_llama_dir(path)
+    assert model.config.moe.dense_layers == [0]
+    assert isinstance(model.blocks[0].mlp, MLP) and isinstance(model.blocks[1].mlp, MoE)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
 def test_refusals_name_the_key(tmp_path):

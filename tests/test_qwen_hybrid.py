@@ -1,5 +1,6 @@
-"""Qwen3.5 and dense Qwen3-Next on kvbench's decoder: Gated DeltaNet layers beside full attention
-with an output gate, partial rotary and zero-centred norms, loaded from config.json +
+"""Qwen3.5, Qwen3-Next and Qwen3.5-MoE on kvbench's decoder: Gated DeltaNet layers beside full attention
+with an output gate, partial rotary and zero-centred norms, dense MLPs or mixtures of experts with
+a sigmoid-gated shared expert, loaded from config.json +
 safetensors and exact against transformers' own classes with random weights (logits, perplexity
 within 1e-4 relative, 45 greedy cached decode steps token for token); what does not fit is one
 line naming the key."""
@@ -11,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TEXT
+from conftest import TEXT, eval_job, transformers_perplexity
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
@@ -28,7 +29,10 @@ SHAPE = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key
              intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=160, rms_norm_eps=1e-5,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
              initializer_range=0.1)
-FAMILIES = ["qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_tied_half_rotary"]
+FAMILIES = ["qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_tied_half_rotary", "qwen3_next_moe", "qwen3_5_moe"]
+# 8 experts of 24, 2 per token, and a shared expert of 40 scaled by sigmoid(x . w)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+MOE_DENSE_LAYERS = {"qwen3_next_moe": [0, 2, 4, 5, 6], "qwen3_5_moe": []}
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +55,13 @@ def qwen_dir(tmp_path, family, **overrides):
     if family == "qwen3_next":  # dense: every layer's MLP is listed as a plain one
         config = transformers.Qwen3NextConfig(**shape, num_experts=4, mlp_only_layers=list(range(8)))
         hf = transformers.Qwen3NextForCausalLM(config)
+    elif family == "qwen3_next_moe":  # experts where (i + 1) % 2 == 0 but in layer 5 (mlp_only_layers)
+        config = transformers.Qwen3NextConfig(**shape, **MOE, decoder_sparse_step=2, mlp_only_layers=[5])
+        hf = transformers.Qwen3NextForCausalLM(config)
+    elif family == "qwen3_5_moe":  # experts in every layer (no intermediate_size: no dense MLP)
+        config = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in shape.items() if k != "intermediate_size"},
+                                                   **MOE)
+        hf = transformers.Qwen3_5MoeForCausalLM(config)
     elif family == "qwen3_5_vl":  # the multimodal checkpoint: its language model under model.language_model.
         vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4)
         config = transformers.Qwen3_5Config(text_config=shape, vision_config=vision)
@@ -88,6 +99,12 @@ def test_each_family_is_transformers_in_logits_perplexity_and_45_greedy_cached_s
     full = model.layouts[3]
     assert full.output_gate and full.rotary_dim == (8 if half else 4) and model.config.norm_zero_centered
     assert model.config.linear_num_value_heads == 4 and model.layouts[0].linear_value_head_dim == 12
+    moe = model.config.moe
+    if family in MOE_DENSE_LAYERS:
+        assert moe.dense_layers == MOE_DENSE_LAYERS[family] and moe.shared_gate and moe.norm_topk_prob
+        assert (moe.num_experts, moe.top_k, moe.expert_ffn_dim, moe.shared_ffn_dim) == (8, 2, 24, 40)
+    else:
+        assert moe is None
 
     tokens = torch.randint(0, VOCAB, (2, 150), generator=torch.Generator().manual_seed(1))
     ours, theirs = model(tokens), hf(tokens).logits
@@ -107,9 +124,6 @@ def test_each_family_is_transformers_in_logits_perplexity_and_45_greedy_cached_s
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_task_eval_of_a_hybrid_checkpoint_is_transformers_perplexity(tmp_path, family):
     """task=eval (the record's perplexity) through the decoder's own windows of the byte corpus."""
-    from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
-    from kvbench.config.workload import DecodeWorkload
-    from kvbench.quality.data import byte_data, eval_windows
     from kvbench.quality.train import run_eval
 
     path, hf = qwen_dir(tmp_path / family, family, vocab_size=256)
@@ -117,18 +131,9 @@ def test_task_eval_of_a_hybrid_checkpoint_is_transformers_perplexity(tmp_path, f
     corpus.write_bytes(TEXT)
     model = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64, vocab_size=256,
                         max_seq_len=128)  # the checkpoint's shape replaces it (task=eval)
-    cfg = BenchConfig(task="train", model=model, attention=AttentionConfig(),
-                      workload=DecodeWorkload(prompt_len=8, gen_len=8),
-                      cache=CacheConfig(), runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                      data=DataConfig(path=str(corpus), val_fraction=0.25),
-                      train=TrainConfig(seq_len=100, batch_size=2, eval_batches=2, checkpoint=str(path)))
+    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=100, batch_size=2)
     m = run_eval(cfg, torch.device("cpu"))
-    val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, 4)[:, None] + torch.arange(T + 1)]
-    with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    ce = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
-    assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
+    assert m["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-4)
 
 
 def hf_json(**change):
@@ -160,9 +165,12 @@ def test_a_release_style_config_reads_transformers_defaults():
 
 
 @pytest.mark.parametrize("change, line", [
-    ({"mlp_only_layers": [0, 1, 2]}, "ck/config.json: mlp_only_layers=[0, 1, 2]: layers 3, 4, ..., 7 of 8 use a "
-     "mixture-of-experts MLP (num_experts=512), not supported; only dense layers (mlp_only_layers listing every "
-     "layer, or num_experts=0)"),
+    # layers 3.. are mixtures of experts (model.moe), checked as they are read; transformers' default
+    # shared expert (512 wide) is not guessed
+    ({"mlp_only_layers": [0, 1, 2]}, "ck/config.json: missing key 'shared_expert_intermediate_size'"),
+    ({"mlp_only_layers": [0, 1, 2], "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16,
+      "num_experts_per_tok": 513},
+     "ck/config.json: num_experts_per_tok=513: must be <= num_experts=512 (a token picks k of the experts)"),
     ({"mlp_only_layers": list(range(8)), "decoder_sparse_step": 2, "mlp_only_layers_": None}, None),
     ({"layer_types": ["linear_attention", "mamba"] * 4},
      "ck/config.json: layer_types=['linear_attention', 'mamba', 'linear_attention', 'mamba', 'linear_attention', "

@@ -143,6 +143,12 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench -m task=eval train.checkpoint=llama32_tiny attention=gqa,mqa hydra.sweep.dir=multirun/llama32_eval":
             Step(["runtime.isolate=false", *SMALL_TEXT]),
     },
+    "moe": {
+        # docs/moe.md: a random GPT-OSS directory (sinks, windows, experts) benchmarked as it is
+        "python scripts/make_hf_dir.py --family gpt_oss --out gpt_oss_tiny":
+            Step(swap={"scripts/": f"{ROOT}/scripts/"}),
+        "kvbench model=hf_dir model.path=gpt_oss_tiny workload.prompt_len=64": Step(["workload.gen_len=3", *QUICK]),
+    },
     "demo": {
         "kvbench -m model=tiny attention=mha,gqa,mqa workload.prompt_len=64,256 workload.batch_size=1,4 "
         "workload.gen_len=16 hydra.sweep.dir=multirun/kv_demo": Step(SWEEP, {"workload.prompt_len=64,256":
@@ -171,6 +177,18 @@ NOT_RUN = {
     "kvbench -m model=tiny workload=serving attention=mha,gqa,mqa workload.search.enabled=true slo.ttft_ms=500 "
     "slo.tpot_ms=50": "3 searches of up to 10 serving runs each (minutes); composed and validated below; "
                       "tests/workloads/test_serving.py runs a search in process",
+    "kvbench model=tiny workload=conversations": "16 conversations over ~30 s of wall clock; "
+                                                 "tests/test_serving_conversations.py runs a smaller one in process "
+                                                 "(composed and validated below)",
+    "kvbench -m model=tiny workload=conversations attention=mha,mqa workload.kv_budget_mb=2,16 "
+    "hydra.sweep.dir=multirun/conversations": "4 such runs (2-3 minutes); experiments/conversations_eviction.py runs "
+                                              "the same jobs and committed their table",
+    "kvbench model=tiny workload=conversations workload.sharegpt=docs/examples/sharegpt_sample.json "
+    "workload.num_requests=4": "~15 s of think times; tests/test_hostile_conversations.py reads ShareGPT files and "
+                               "plans their turns in process",
+    "kvbench model=tiny workload=conversations workload.arrival=trace "
+    "workload.trace=docs/examples/conversation_turns.csv": "~6 s of arrivals; tests/test_hostile_conversations.py "
+                                                           "reads turn traces in process",
     "kvbench model=tiny workload=serving workload.arrival=trace workload.trace=/path/to/trace.jsonl":
         "a placeholder trace; tests/workloads/test_serving.py serves a trace file in process",
     "pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e .[dev]": "installs packages: .ci/run does "
@@ -494,6 +512,18 @@ def test_the_llama32_example_benchmarks_and_evaluates_gqa_and_pooled_mqa(ran):
         assert recs[1]["metrics"]["kv_heads_conversion"] == "mean-pool"
     perplexity = {kv: r["metrics"]["perplexity"] for kv, r in records_by_kv(cwd / "multirun" / "llama32_eval").items()}
     assert 100 < perplexity[8] < 1000 and perplexity[1] != perplexity[8]  # a random model over 256 bytes
+
+
+@chain("moe")
+def test_a_gpt_oss_directory_is_benchmarked_with_its_experts_routing(ran):
+    """docs/moe.md's example: a random GPT-OSS directory benchmarked as GPT-OSS (sinks, its
+    alternating windows, 16 experts), the bytes each step read counted from its router."""
+    result(ran, "python scripts/make_hf_dir.py --family gpt_oss --out gpt_oss_tiny")
+    rec = written(result(ran, "kvbench model=hf_dir model.path=gpt_oss_tiny workload.prompt_len=64"))
+    assert rec["status"] == "ok" and rec["implausible"] == []
+    assert rec["config"]["attention"]["sinks"] is True and rec["config"]["model"]["moe"]["num_experts"] == 16
+    assert rec["series"]["routed_experts"] == [12, 12, 12]  # batch 1: 4 experts in each of 3 layers
+    assert rec["metrics"]["routed_expert_bytes_per_step"] < rec["metrics"]["weight_bytes"] / 3
 
 
 def records_by_kv(directory: Path) -> Dict[int, dict]:

@@ -27,6 +27,7 @@ WANDB_GIVEN = "entity group mode project tags"  # conf/wandb's files: init_timeo
 SERVING = ("allocator arrival burstiness duration_s kv_budget_blocks kv_budget_mb max_prefill_tokens max_running "
            "name num_requests output prefix_caching prefix_fraction prefix_groups prefix_len prompt rate search seed "
            "slot_len state_checkpoint state_checkpoint_tokens store trace")
+CONVERSATIONS = SERVING + " sharegpt think turns"
 SLO = "e2e_ms name stat tpot_ms tpot_x_batch1 ttft_ms"
 TOP = {"rerun": None, "objective": None, "objective_caps": ""}
 
@@ -40,6 +41,9 @@ VALID = {
         'cache': 'dtype impl shared', 'runtime': TIMED, 'wandb': WANDB, **TOP},
     'task=bench workload=serving': {
         'attention': 'num_kv_heads type', 'workload': SERVING, 'cache': 'block_size dtype', 'runtime': TIMED,
+        'wandb': WANDB, 'slo': SLO, **TOP},
+    'task=bench workload=conversations': {
+        'attention': 'num_kv_heads type', 'workload': CONVERSATIONS, 'cache': 'block_size dtype', 'runtime': TIMED,
         'wandb': WANDB, 'slo': SLO, **TOP},
     'task=capacity runtime.memory_budget_gb=1': {
         'attention': 'num_kv_heads type', 'workload': 'gen_len name', 'cache': 'dtype impl',

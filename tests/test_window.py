@@ -2,12 +2,10 @@
 recompute past W, bytes as allocated == the formula), transformers' Mistral / Qwen2 / Qwen3 with
 their windows (logits and task=eval perplexity), and one-line refusals."""
 
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import VOCAB, corpus, hf_dir, tiny_model_config  # noqa: F401 (corpus: a fixture)
+from conftest import VOCAB, corpus, eval_job, hf_dir, tiny_model_config, transformers_perplexity  # noqa: F401 (corpus: a fixture)
 from kv_formula import kv_cache_bytes
 from test_checkpoint import PROMPT, STEPS, logits_with_cache
 
@@ -16,10 +14,8 @@ from kvbench.checkpoint import load_llama_dir
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.model import Decoder
-from kvbench.quality.data import byte_data, eval_windows
 from kvbench.quality.train import run_eval
 
 W = 5
@@ -147,18 +143,9 @@ def test_eval_of_a_windowed_checkpoint_is_transformers_perplexity(tmp_path, corp
     path, hf = hf_dir(tmp_path / family, 2, family=family, vocab_size=256, **overrides)
     model = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64, vocab_size=1000,
                         max_seq_len=64)
-    cfg = BenchConfig(task="eval", model=model, attention=AttentionConfig(type="gqa"),
-                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
-                      runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                      data=DataConfig(path=str(corpus), val_fraction=0.2),
-                      train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, checkpoint=str(path)))
+    cfg = eval_job(model, AttentionConfig(type="gqa"), corpus, path)
     m = run_eval(cfg, torch.device("cpu"))
-    val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, 8)[:, None] + torch.arange(T + 1)]
-    with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    ce = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
-    assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
+    assert m["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-4)
 
 
 def _bench(**changes):

@@ -30,6 +30,7 @@ from kvbench.config.compare import COMPARE, CompareConfig
 from kvbench.config.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
 from kvbench.config.errors import INT64_MAX, check, check_choice, check_numbers, typed
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
+from kvbench.config.moe import check_run
 from kvbench.config.recall import RECALL, RecallConfig
 from kvbench.config.task import Task
 from kvbench.config.train import EVAL, TRAIN, DataConfig, TrainConfig
@@ -220,6 +221,7 @@ class BenchConfig:
         if not task.own_shape:
             self.attention = self.attention.resolved(self.model)
             build_layouts(self.model, self.attention).check(self.layout_settings())
+            check_run(self.model.moe, self.layout_settings())
         task.check(self)
         if task.runs_workload:
             w = self.workload

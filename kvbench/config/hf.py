@@ -3,7 +3,8 @@ about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
 turns its contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder
-does not model (another architecture, MoE, multimodal, other rope types); a sliding window
+does not model (another architecture, multimodal, quantized weights, other rope types); a mixture
+of experts becomes ``model.moe`` (:func:`_hf_moe`); a sliding window
 becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
 with one line naming the key. Every value read is checked against its JSON type where it is read
 (:func:`_get`), so a string where a number belongs is one line naming the config.json key and the
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
 from kvbench.config.errors import ConfigError
+from kvbench.config.moe import check_moe
 from kvbench.jsonio import read_json
 
 CONFIG_FILE = "config.json"
@@ -26,7 +28,7 @@ MAX_CONFIG_BYTES = 16 * 2**20
 # The transformers architectures whose config.json and tensor names the decoder reads, each with
 # the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
 # and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES and sliding windows; everything else (MoE, multimodal, biases beyond
+# rope types in ROPE_TYPES and sliding windows; everything else (other MoE such as Mixtral, multimodal, biases beyond
 # q/k/v, other rope types) is refused naming its config.json key.
 HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
@@ -35,25 +37,36 @@ HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
 }
 # DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json) and V3.2 (+ DSA's
-# indexer, index_topk in config.json): dense layers only.
+# indexer, index_topk in config.json); their mixtures of experts: MOE_FAMILIES.
 HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
                          "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
-# Qwen3.5 (its dense text model, also as the language model of its multimodal checkpoint) and
-# Qwen3-Next (dense layers only): Gated DeltaNet layers beside full attention whose output is gated,
-# whose rotary embeddings turn part of a head, and whose norms are zero-centred (transformers'
-# Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
+# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal
+# checkpoints) and Qwen3-Next (their experts: MOE_FAMILIES): Gated DeltaNet layers beside full
+# attention whose output is gated, whose rotary embeddings turn part of a head, and whose norms are
+# zero-centred (transformers' Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
 _HYBRID = {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True, "norm_zero_centered": True}
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
+                        "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 HF_ARCHITECTURES.update({arch: _HYBRID for arch in HYBRID_ARCHITECTURES})
 # Their config classes' defaults for keys a config.json may leave out (Qwen3_5TextConfig, Qwen3NextConfig).
 HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
                    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 # A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
-TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model."}
+TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model.",
+                     "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
 # Tensors transformers' causal LM leaves unread: a multi-token-prediction head, a vision tower.
 UNREAD_TENSORS = {arch: ("mtp.", "model.visual.") for arch in HYBRID_ARCHITECTURES}
+# Mixture-of-experts architectures (whose MLPs _hf_moe reads) and their routing; GPT-OSS also has
+# biases on q, k, v and o (attention_bias) and learned sinks in every layer.
+HF_ARCHITECTURES.update({"Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+                         "GptOssForCausalLM": {"qkv_bias": True, "qk_norm": False}})
+MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_shared",
+                "Qwen3_5MoeForCausalLM": "qwen3_5", "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+                "DeepseekV2ForCausalLM": "deepseek_v2",
+                "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v3",
+                "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
@@ -139,9 +152,15 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         "mlp_bias": "the decoder's MLP has no biases",
         "text_config": "multimodal checkpoints are not supported",
         "vision_config": "multimodal checkpoints are not supported",
-        "num_experts": None if hybrid else "mixture-of-experts is not supported",  # there: per layer
-        "num_local_experts": "mixture-of-experts is not supported",
+        "num_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
+        "num_local_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
+        "quantization_config": "quantized checkpoints (fp8 blocks, MXFP4 experts) are not read; use a "
+                               "bfloat16 or float32 copy",
     }
+    if arch == "GptOssForCausalLM":  # attention_bias there is on q, k, v and o alike; sinks in every layer
+        bias = _get(cfg, "attention_bias", "bool", True)
+        refused["attention_bias"] = None
+        switches = {**switches, "qkv_bias": bias, "o_bias": bias, "preset_sinks": True}
     for key, why in refused.items():
         if why and cfg.get(key):
             raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
@@ -149,7 +168,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
     positions = _get(cfg, "max_position_embeddings", "int", 2048)
     tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
-    mla = _hf_mla(cfg, where) if arch.startswith("Deepseek") else {}
+    mla = _hf_mla(cfg) if arch.startswith("Deepseek") else {}
     heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
     layers = _get(cfg, "num_hidden_layers", "int", _REQUIRED)
     head_dim = HYBRID_DEFAULTS["head_dim"] if hybrid else hidden // heads if _counts(hidden, heads) else None
@@ -158,13 +177,17 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         preset_kv_heads=_get(cfg, "num_key_value_heads", "int") or heads,
         # transformers' default; left to ModelConfig's checks when the values are not counts
         head_dim=_get(cfg, "head_dim", "int") or head_dim,
-        ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
+        # Qwen3.5-MoE has no dense MLP (nor intermediate_size): ffn_dim, unused, is the experts' width
+        ffn_dim=_get(cfg, "moe_intermediate_size" if MOE_FAMILIES.get(arch) == "qwen3_5" else "intermediate_size",
+                     "int", _REQUIRED),
+        vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions,
         norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
         **_hf_window(cfg, hybrid))
     shape.update(mla)
+    shape.update(_hf_moe(cfg, arch, layers))
     if hybrid:
-        shape.update(_hf_hybrid(cfg, where, layers))
+        shape.update(_hf_hybrid(cfg))
     return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
 
 
@@ -201,8 +224,7 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> D
     if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
         out["rope_original_max_seq_len"] = _get(rope, "original_max_position_embeddings", "int", positions, prefix)
     if rope_type == "yarn":
-        if _get(rope, "truncate", "bool", True, prefix) is not True:
-            raise ConfigError(f"{key}.truncate={rope['truncate']!r}: not supported (yarn's truncated range only)")
+        out["rope_truncate"] = _get(rope, "truncate", "bool", True, prefix)
         for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
                               ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
                               ("rope_attention_factor", "attention_factor")):
@@ -247,38 +269,14 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False) -> Dict[str, Any]:
     return {"preset_window": window, "preset_layer_types": layer_types}
 
 
-def _hf_hybrid(cfg: Mapping[str, Any], where: str, layers: int) -> Dict[str, Any]:
+def _hf_hybrid(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     """The Gated DeltaNet layers' shape from a Qwen3.5 / Qwen3-Next config.json (its class's
-    defaults for keys it leaves out); a layer whose MLP is a mixture of experts (transformers: not
-    in ``mlp_only_layers``, ``num_experts`` > 0 and (i + 1) % ``decoder_sparse_step`` == 0) is
-    refused naming the keys."""
-    shape = {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
-    experts, step = _get(cfg, "num_experts", "int", 0), _get(cfg, "decoder_sparse_step", "int", 1)
-    dense = _get(cfg, "mlp_only_layers", "list", [])
-    moe = [i for i in range(layers) if i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0]
-    if moe:
-        raise ConfigError(f"{where}: mlp_only_layers={dense!r}: layers {_span(moe)} of {layers} use a mixture-of-"
-                          f"experts MLP (num_experts={experts}), not supported; only dense layers (mlp_only_layers "
-                          "listing every layer, or num_experts=0)")
-    return shape
+    defaults for keys it leaves out); its mixture of experts: :func:`_hf_moe`."""
+    return {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
 
 
-def _span(layers: list) -> str:
-    return ", ".join(map(str, layers)) if len(layers) <= 4 else f"{layers[0]}, {layers[1]}, ..., {layers[-1]}"
-
-
-def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
-    """ModelConfig's MLA fields from a DeepSeek-V2/V3 config.json; a layer whose MLP is a mixture
-    of experts (transformers: layer >= first_k_dense_replace) is refused naming the key."""
-    layers, dense = _get(cfg, "num_hidden_layers", "int", _REQUIRED), _get(cfg, "first_k_dense_replace", "int", 0)
-    mlps = _get(cfg, "mlp_layer_types", "list")  # V3.2 writes each layer's (dense | sparse), else first_k_dense_replace
-    if mlps is not None and any(t != "dense" for t in mlps):
-        raise ConfigError(f"{where}: mlp_layer_types={mlps!r}: a 'sparse' layer's MLP is a mixture of experts, not "
-                          "supported; only dense DeepSeek layers")
-    if mlps is None and not (_counts(layers) and dense >= layers):
-        raise ConfigError(f"{where}: first_k_dense_replace={dense!r}: layers {dense}.. of {layers} use a "
-                          f"mixture-of-experts MLP (n_routed_experts={cfg.get('n_routed_experts')!r}), not "
-                          "supported; only dense DeepSeek layers (first_k_dense_replace >= num_hidden_layers)")
+def _hf_mla(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """ModelConfig's MLA fields from a DeepSeek-V2/V3/V3.2 config.json (its mixture of experts: :func:`_hf_moe`)."""
     shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                          "v_head_dim")}
     shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
@@ -292,3 +290,80 @@ def _hf_mla(cfg: Mapping[str, Any], where: str) -> Dict[str, Any]:
 
 def _counts(*values: Any) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+# ---- mixture-of-experts MLPs --------------------------------------------------------------------
+
+def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any]:
+    """``model.moe`` from the config.json of a :data:`MOE_FAMILIES`
+    architecture, as transformers builds each family's layers: Qwen3-MoE's and Qwen3-Next's sparse
+    layers are those not in ``mlp_only_layers`` whose index + 1 is a multiple of
+    ``decoder_sparse_step`` (Qwen3.5-MoE's: all); DeepSeek's
+    those from ``first_k_dense_replace`` on, or the ``sparse`` ones of ``mlp_layer_types`` (V3.2);
+    GPT-OSS's all. Each value is checked where it is read
+    (:func:`kvbench.config.moe.check_moe`), naming the config.json key. No sparse layer: {}."""
+    family = MOE_FAMILIES.get(arch)
+    if family is None or not _counts(num_layers):
+        return {}
+    counts = {key: _get(cfg, key, "int") for key in ("num_experts", "num_local_experts", "n_routed_experts")}
+    given = {key: n for key, n in counts.items() if n is not None}
+    if len(set(given.values())) > 1:  # transformers maps these names onto one another: two counts contradict
+        raise ConfigError(", ".join(f"{key}={n}" for key, n in given.items()) + ": inconsistent expert counts "
+                          "(one model has one number of routed experts)")
+    experts_key = next(iter(given), "n_routed_experts" if family.startswith("deepseek") else "num_experts")
+    keys = {"num_experts": experts_key, "top_k": "num_experts_per_tok", "expert_ffn_dim": "moe_intermediate_size",
+            "router": "scoring_func", "n_group": "n_group", "topk_group": "topk_group",
+            "routed_scaling_factor": "routed_scaling_factor", "shared_ffn_dim": "shared_expert_intermediate_size",
+            "shared_gate": "shared_expert_intermediate_size", "swiglu_limit": "swiglu_limit",
+            "dense_layers": "mlp_only_layers"}
+    moe: Dict[str, Any] = {"num_experts": given.get(experts_key), "top_k": _get(cfg, "num_experts_per_tok", "int"),
+                           "router": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                           "shared_ffn_dim": 0, "shared_gate": False, "swiglu_limit": None}
+    if family == "gpt_oss":
+        moe.update(expert_ffn_dim=_get(cfg, "intermediate_size", "int", _REQUIRED), router="softmax_topk",
+                   router_bias=True, expert_bias=True, swiglu_limit=_get(cfg, "swiglu_limit", "number", 7.0),
+                   swiglu_alpha=_get(cfg, "swiglu_alpha", "number", 1.702))
+        keys["expert_ffn_dim"], dense = "intermediate_size", []
+    elif family.startswith("deepseek"):
+        first = _get(cfg, "first_k_dense_replace", "int", 0)
+        dense, keys["dense_layers"] = list(range(min(first, num_layers))), "first_k_dense_replace"
+        kinds = _get(cfg, "mlp_layer_types", "list")  # DeepSeek-V3.2 names each layer's MLP (dense | sparse)
+        if kinds is not None:
+            if len(kinds) != num_layers or any(k not in ("dense", "sparse") for k in kinds):
+                raise ConfigError(f"mlp_layer_types={kinds!r}: must name each of num_hidden_layers={num_layers} "
+                                  "layers dense or sparse")
+            dense, keys["dense_layers"] = [i for i, k in enumerate(kinds) if k == "dense"], "mlp_layer_types"
+        if len(dense) == num_layers:
+            return {}
+        v3 = family == "deepseek_v3"
+        grouped = v3 or _get(cfg, "topk_method", "str", "greedy") == "group_limited_greedy"
+        width = _get(cfg, "moe_intermediate_size", "int", _REQUIRED)
+        shared = _get(cfg, "n_shared_experts", "int", 1 if v3 else 2)
+        moe.update(expert_ffn_dim=width, router="sigmoid" if v3 else "softmax",
+                   norm_topk_prob=v3 and _get(cfg, "norm_topk_prob", "bool", True),
+                   routed_scaling_factor=_get(cfg, "routed_scaling_factor", "number", 2.5 if v3 else 1.0),
+                   n_group=_get(cfg, "n_group", "int", 8 if v3 else 1) if grouped else 1,
+                   topk_group=_get(cfg, "topk_group", "int", 4 if v3 else 1) if grouped else 1,
+                   shared_ffn_dim=width * shared if _counts(width, shared) else shared)
+        keys.update(shared_ffn_dim="n_shared_experts", router="topk_method")
+    else:
+        step, only = _get(cfg, "decoder_sparse_step", "int", 1), _get(cfg, "mlp_only_layers", "list", [])
+        if not _counts(step):
+            raise ConfigError(f"decoder_sparse_step={step!r}: must be >= 1")
+        # Qwen3.5-MoE: every layer sparse, its k weights always renormalised
+        dense = [] if family == "qwen3_5" else [i for i in range(num_layers) if i in only or (i + 1) % step]
+        if len(dense) == num_layers or moe["num_experts"] == 0:  # every layer dense: no expert key is read
+            return {}
+        # a shared expert transformers builds 512 wide when the key is left out: required, not guessed
+        shared = _get(cfg, "shared_expert_intermediate_size", "int", _REQUIRED) if family != "qwen" else 0
+        norm = family == "qwen3_5" or _get(cfg, "norm_topk_prob", "bool", family != "qwen")
+        moe.update(expert_ffn_dim=_get(cfg, "moe_intermediate_size", "int", _REQUIRED), shared_ffn_dim=shared,
+                   shared_gate=bool(shared), norm_topk_prob=norm)
+    if len(dense) == num_layers:
+        return {}
+    for name in ("num_experts", "top_k"):
+        if moe[name] is None:
+            raise ConfigError(f"missing key {keys[name]!r} (a mixture-of-experts {arch} needs it)")
+    moe["dense_layers"] = dense
+    check_moe(moe, keys)
+    return {"moe": moe}

@@ -23,6 +23,7 @@ from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant
     variant_key,
     variant_label,
 )
+from kvbench.config.moe import MoEShape
 from kvbench.layouts.latent import check_indexer, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
@@ -103,8 +104,10 @@ class ModelConfig:
     rope_mscale: float = 0.0  # 0: not set
     rope_mscale_all_dim: float = 0.0  # 0: not set
     rope_attention_factor: Optional[float] = None  # null: from factor, mscale and mscale_all_dim
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (GPT-OSS: false)
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # a bias on the attention's output projection (GPT-OSS)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
     # Qwen3.5 / Qwen3-Next (transformers' Qwen3_5RMSNorm, Qwen3_5Attention):
     norm_zero_centered: bool = False  # every RMSNorm scales by (1 + weight), multiplied in float32
@@ -128,12 +131,19 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
+    # Mixture-of-experts MLPs (kvbench.config.moe); null: every layer's MLP is the dense SwiGLU of ffn_dim.
+    moe: Optional[MoEShape] = None
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
         if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
             self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
+        if isinstance(self.moe, Mapping):
+            self.moe = typed(MoEShape, dict(self.moe), "model.moe.")
+        if self.moe is not None:
+            check(max(self.moe.dense_layers, default=0) < self.num_layers, "model.moe.dense_layers",
+                  self.moe.dense_layers, f"must name layers below model.num_layers={self.num_layers}")
         check_numbers("model", self)
         check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
                                         "vocab_size", "max_seq_len", "preset_kv_heads"))

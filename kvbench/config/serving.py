@@ -132,6 +132,7 @@ class ServingWorkload:
     seed: int = 0  # arrivals, lengths and token ids: the same seed gives every variant the same requests
     search: RateSearchConfig = field(default_factory=RateSearchConfig)  # the highest rate under the SLO
 
+    OPTION: ClassVar[str] = "serving"  # its workload= option (a subclass: conversations)
     # its goodput and rate search are judged by the slo group's targets
     READS: ClassVar[Dict[str, Keys]] = {"cache": ("block_size", "dtype"), "slo": ALL}
     LENGTH_KEY: ClassVar[str] = "workload.prompt"
@@ -142,7 +143,8 @@ class ServingWorkload:
     def __post_init__(self) -> None:
         w = self
         check_numbers("workload", w)
-        check_choice("workload.name", w.name, ("serving",))
+        if w.OPTION == "serving":  # a subclass checks its own name
+            check_choice("workload.name", w.name, ("serving",))
         check_choice("workload.arrival", w.arrival, ARRIVALS)
         check(w.rate > 0, "workload.rate", w.rate, "must be > 0 requests per second")
         check(w.burstiness > 0, "workload.burstiness", w.burstiness, "must be > 0 (1 = Poisson, < 1 burstier)")

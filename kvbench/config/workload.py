@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, Mapping
 
+from kvbench.config.conversations import ConversationsWorkload
 from kvbench.config.errors import check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.serving import ServingWorkload
 from kvbench.config.task import ALL, TIMED_RUNTIME, Keys, Task
@@ -82,7 +83,8 @@ class MultiturnWorkload:
                   "keeps no history, so cache.shared=true has nothing to share (use static or concat)")
 
 
-WORKLOADS = {"decode": DecodeWorkload, "multiturn": MultiturnWorkload, "serving": ServingWorkload}
+WORKLOADS = {"decode": DecodeWorkload, "multiturn": MultiturnWorkload, "serving": ServingWorkload,
+             "conversations": ConversationsWorkload}
 DEFAULT_WORKLOAD = "decode"
 
 

@@ -45,7 +45,7 @@ class KVHeadsAttention(nn.Module):
         if not self.shared:
             self.wk = nn.Linear(cfg.d_model, H_kv * D, bias=cfg.qkv_bias)
             self.wv = nn.Linear(cfg.d_model, H_kv * D, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(H * D, cfg.d_model, bias=False)
+        self.wo = nn.Linear(H * D, cfg.d_model, bias=cfg.o_bias)
         # Qwen3: each query and key head normalised over D before rotary (one weight for all heads).
         norm = cfg.norm_zero_centered
         self.q_norm = RMSNorm(D, cfg.norm_eps, norm) if cfg.qk_norm else nn.Identity()

@@ -18,7 +18,7 @@ import platform
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ from kvbench.config.bench import MAX_GB_PER_S
 from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
 from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.mlp.experts import Experts
 
 CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "kvbench")) / "bandwidth.json"
 # No device multiplies float32 matrices at 10 PFLOP/s (B200's TF32 tensor cores: about 2.2 dense).
@@ -33,12 +34,17 @@ MAX_GFLOPS = 1e7
 
 ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
     Metric("bytes_read_per_step", "bytes",
-           "weights read by a decode step (all but the embedding table, of which B rows)"
-                           " + K/V read at the mean context length of the decode steps"),
+           "weights read by a decode step (all but the embedding table, of which B rows; of a mixture of experts only "
+           "the experts the router chose: routed_expert_bytes_per_step) + K/V read at the mean context length of the "
+           "decode steps"),
+    Metric("routed_expert_bytes_per_step", "bytes",
+           "mixture-of-experts models: the weights of the distinct experts each timed decode step's router chose, "
+           "summed over the MoE layers (distinct experts x bytes per expert), mean over the steps"),
     Metric("kv_bytes_read_per_step", "bytes", "K/V read by one decode step at the mean context length, as stored "
                               "(cache.dtype int8/float8: codes + scales, what a fused kernel reads; kvbench "
                               "dequantizes into a compute-dtype copy first, which it does not count)"),
-    Metric("flops_per_step", "FLOP", "2 x batch x (weights multiplied) + attention (QK and PV) at the mean context"),
+    Metric("flops_per_step", "FLOP", "2 x batch x (weights multiplied; of a mixture of experts the top_k experts of "
+                                     "each token) + attention (QK and PV) at the mean context"),
     Metric("roofline_ms", "ms", "max(bytes_read_per_step / peak bandwidth, flops_per_step / peak compute): the fastest"
                    " a decode step can be; roofline_bound says which bound binds"),
     Metric("achieved_gb_per_s", "GB/s", "bytes_read_per_step / decode_ms_p50"),
@@ -54,8 +60,9 @@ ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
            "where peak_gb_per_s comes from: runtime.peak_gb_per_s, or probe:gemv_gb_per_s and where "
                    "the probe was taken (next to this run, or the cache file and the date it was probed)"),
     Metric("gemm_ms_at_batch", "ms", "the step's weight GEMMs alone, timed next to the run: every nn.Linear of the "
-                                     "model in order, F.linear on a (batch, in_features) input (M = batch), best of "
-                                     "5 passes"),
+                                     "model in order, F.linear on a (batch, in_features) input (M = batch), and of a "
+                                     "mixture of experts as many experts per layer as its router chose per step "
+                                     "(the mean, rounded down; M = batch x top_k / that), best of 5 passes"),
     Metric("attainable_ms", "ms", "gemm_ms_at_batch + kv_bytes_read_per_step / peak_gb_per_s: the fastest step this "
                                   "machine's own GEMM kernels allow at this batch (at M > 1 no torch kernel streams "
                                   "weights at the GEMV rate: experiments/results/small_batch_gemm.md)"),
@@ -67,17 +74,26 @@ ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
 ROOFLINE_METHODS: Dict[str, str] = record_methods(ROOFLINE_METRICS)
 
 
-def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: str = "auto") -> Tuple[int, int]:
+def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: str = "auto",
+                      routed_bytes: Optional[float] = None) -> Tuple[float, int]:
     """(total, kv) bytes one decode step reads with ``context_len`` positions in the cache, K/V
     stored in ``cache_dtype``.
 
-    Every weight matrix is streamed once per step; the embedding is a lookup of B rows.
+    Every weight matrix is streamed once per step; the embedding is a lookup of B rows. Of a
+    mixture of experts' routed experts only those the step's router chose are read:
+    ``routed_bytes``, counted from the router during the run (kvbench.mlp.experts.record_routing);
+    without it, the most a step can read (min(E, B x k) experts per layer).
     """
     cfg = model.config
     element = model.dtype.itemsize
     embed = model.embed.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if experts:
+        if routed_bytes is None:
+            routed_bytes = sum(min(m.moe.num_experts, batch_size * m.moe.top_k) * m.bytes_per_expert() for m in experts)
+        weights += routed_bytes - sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
     # each layer reads what it attends at that context (a local layer at most its W positions, DSA
     # every index key and its top-k latents, a layer sharing another's K/V that cache again)
     kv = model.layouts.read_bytes(context_len, batch_size, element, cache_dtype)
@@ -86,8 +102,11 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
 
 def decode_flops(model, batch_size: int, context_len: float) -> float:
     """Floating-point operations of one decode step: a multiply-add per weight (the embedding is
-    a lookup) and each layer's attention over the positions it reads (its layout's formula)."""
+    a lookup; of a mixture of experts, each token's top_k experts) and each layer's attention over
+    the positions it reads (its layout's formula)."""
     weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.embed.weight.numel()
+    # each token runs its top_k routed experts (their stacked weights are 3-D, left out above)
+    weights += sum(m.moe.top_k * m.matrix_params_per_expert() for m in model.modules() if isinstance(m, Experts))
     return batch_size * (2.0 * weights + model.layouts.step_flops(context_len))
 
 
@@ -182,15 +201,17 @@ def _valid_probe(probe: Any, ceilings: Dict[str, float]) -> bool:
 
 def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, decode_ms_p50: float,
                      peak_gb_per_s: float, peak_gflops: float,
-                     kv_positions: Optional[float] = None, cache_dtype: str = "auto") -> Dict[str, Any]:
+                     kv_positions: Optional[float] = None, cache_dtype: str = "auto",
+                     routed_bytes: Optional[float] = None) -> Dict[str, Any]:
     """Roofline fields for a decode run whose median step took ``decode_ms_p50``, K/V stored in
     ``cache_dtype``.
 
     ``kv_positions``: the mean number of positions per KV head a step reads, when that is not
-    the context (a fixed-shape step reads its whole context bucket)."""
+    the context (a fixed-shape step reads its whole context bucket). ``routed_bytes``: a mixture
+    of experts' routed-expert bytes per step, from its router (:func:`decode_bytes_read`)."""
     # Step i (0-based) attends prompt_len + i + 1 positions; the mean over the run:
     context = prompt_len + (gen_len + 1) / 2 if kv_positions is None else kv_positions
-    total, kv = decode_bytes_read(model, batch_size, context, cache_dtype)
+    total, kv = decode_bytes_read(model, batch_size, context, cache_dtype, routed_bytes)
     flops = decode_flops(model, batch_size, context)
     memory_ms, compute_ms = total / (peak_gb_per_s * 1e9) * 1e3, flops / (peak_gflops * 1e9) * 1e3
     achieved = total / (decode_ms_p50 / 1e3) / 1e9
@@ -206,6 +227,8 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
         "peak_gb_per_s": peak_gb_per_s,
         "percent_of_peak": 100.0 * achieved / peak_gb_per_s,
     }
+    if routed_bytes is not None:
+        out["routed_expert_bytes_per_step"] = routed_bytes
     if achieved > 1.05 * peak_gb_per_s:
         # A probe taken while other work shared the memory bus underestimates the machine.
         out["peak_note"] = (f"achieved {achieved:.1f} GB/s exceeds the peak {peak_gb_per_s:.1f} GB/s: "
@@ -215,21 +238,31 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
 
 
 def probe_step_gemms(model, batch_size: int, device: torch.device, repeats: int = 5,
-                     clock: Callable[[], float] = time.perf_counter) -> float:
+                     clock: Callable[[], float] = time.perf_counter, routed: Sequence[int] = ()) -> float:
     """Milliseconds of one decode step's weight GEMMs at M = ``batch_size``: every ``nn.Linear`` of
     ``model`` in module order (as a step meets them, so each weight is streamed from memory, not
     a cache), F.linear on a random (batch, in_features) input; the best of ``repeats`` passes
-    after one untimed pass."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=device, dtype=m.weight.dtype)
-              for m in linears}
+    after one untimed pass. A mixture of experts' layer runs ``routed[i]`` of its experts (the
+    distinct experts a step's router chose, rounded down), each on B x k / that many rows."""
+    calls = []  # (weight, bias, rows), in the order a step meets them
+    per_layer = iter(routed)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            calls.append((m.weight, m.bias, batch_size))
+        elif isinstance(m, Experts):
+            n = next(per_layer, 0)
+            rows = max(1, batch_size * m.moe.top_k // n) if n else 0
+            for e in range(n):
+                calls += [(m.w_gate_up[e], None if m.b_gate_up is None else m.b_gate_up[e], rows),
+                          (m.w_down[e], None if m.b_down is None else m.b_down[e], rows)]
+    inputs = {(w.shape[1], rows): torch.randn(rows, w.shape[1], device=device, dtype=w.dtype) for w, _, rows in calls}
     times = []
     with torch.no_grad():
         for i in range(repeats + 1):
             sync(device)
             t0 = clock()
-            for m in linears:
-                torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+            for w, b, rows in calls:
+                torch.nn.functional.linear(inputs[(w.shape[1], rows)], w, b)
             sync(device)
             if i:
                 times.append(clock() - t0)

@@ -89,27 +89,24 @@ class Running:
 
 class Scheduler:
     """Continuous batching of ``requests`` (with their prompt token ids ``prompts``) on ``model``
-    over ``store``. ``observe``: called with the scheduler after every iteration (a test seam)."""
+    over ``store``. ``observe``: called with the scheduler after every iteration (a test seam).
+    ``follow(request, tokens, t)``: called when a request finishes at ``t`` with all its tokens
+    (prompt and output); the request it releases and that one's prompt (a conversation's next turn,
+    arriving a think time later), or None."""
 
     def __init__(self, model, store: PagedStore, requests: Sequence[Request], prompts: Sequence[List[int]],
                  max_prefill_tokens: int = 512, max_running: int = 64, clock=None,
                  observe: Optional[Callable[["Scheduler"], None]] = None,
-                 progress: Optional[Callable[[], None]] = None):
+                 progress: Optional[Callable[[], None]] = None,
+                 follow: Optional[Callable[[Request, List[int], float], Optional[tuple]]] = None):
         if len(prompts) != len(requests):
             raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
         self.model, self.store = model, store
         self.max_prefill_tokens, self.max_running = max_prefill_tokens, max_running
         self.clock = clock or WallClock()
-        self.observe, self.progress = observe, progress
+        self.observe, self.progress, self.follow = observe, progress, follow
         for r, p in zip(requests, prompts):
-            if len(p) != r.prompt_len:
-                raise ValueError(f"request {r.id}: {len(p)} prompt tokens, prompt_len={r.prompt_len}")
-            if r.prompt_len + r.output_len > model.config.max_seq_len:
-                raise ValueError(f"request {r.id}: {r.prompt_len} + {r.output_len} positions exceed "
-                                 f"model.max_seq_len={model.config.max_seq_len}")
-            unfit = store.unfit(r.prompt_len + r.output_len - 1, max_prefill_tokens)
-            if unfit:
-                raise ValueError(f"request {r.id} {unfit}")
+            self._check(r, p)
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, requests[i].id))
         self.all = [Running(requests[i], list(prompts[i]), RequestTrace(requests[i]),
                             SeqBlocks(prompt_len=requests[i].prompt_len)) for i in order]
@@ -119,6 +116,25 @@ class Scheduler:
         self.samples: List[Sample] = []
         self.scheduled: List[tuple] = []  # this iteration's (request, positions)
         self.iterations = 0
+
+    def _check(self, r: Request, prompt: List[int]) -> None:
+        if len(prompt) != r.prompt_len:
+            raise ValueError(f"request {r.id}: {len(prompt)} prompt tokens, prompt_len={r.prompt_len}")
+        if r.prompt_len + r.output_len > self.model.config.max_seq_len:
+            raise ValueError(f"request {r.id}: {r.prompt_len} + {r.output_len} positions exceed "
+                             f"model.max_seq_len={self.model.config.max_seq_len}")
+        unfit = self.store.unfit(r.prompt_len + r.output_len - 1, self.max_prefill_tokens)
+        if unfit:
+            raise ValueError(f"request {r.id} {unfit}")
+
+    def _arrive(self, request: Request, prompt: List[int]) -> None:
+        """A request released during the run joins the pending ones in arrival order."""
+        self._check(request, prompt)
+        s = Running(request, list(prompt), RequestTrace(request), SeqBlocks(prompt_len=request.prompt_len))
+        self.all.append(s)
+        at = next((i for i, p in enumerate(self.pending)
+                   if (p.request.arrival_s, p.request.id) > (request.arrival_s, request.id)), len(self.pending))
+        self.pending.insert(at, s)
 
     # ---- one iteration ----------------------------------------------------------------------
 
@@ -159,7 +175,7 @@ class Scheduler:
             s.trace.prefix_hit_tokens += hit
             s.trace.prefix_query_tokens += len(s.tokens) if store.prefix_caching else 0
             if s.trace.scheduled_s is None:
-                s.trace.scheduled_s = self.now()
+                s.trace.scheduled_s, s.trace.first_hit_tokens = self.now(), hit
             out.append((s, T))
             budget -= T
         return out
@@ -217,6 +233,9 @@ class Scheduler:
         for s in [s for s in self.running if s.trace.finished]:
             self.running.remove(s)
             self.store.release(s.blocks)
+            released = self.follow(s.request, s.tokens, t) if self.follow is not None else None
+            if released is not None:
+                self._arrive(*released)
             if self.progress is not None:
                 self.progress()
 

@@ -16,7 +16,8 @@ class Request:
     """One request of the arrival process: when it arrives and how long it is.
 
     ``prefix_id``: requests with the same id share their first ``prefix_len`` prompt tokens (a
-    system prompt); None shares nothing.
+    system prompt); None shares nothing. ``conversation``: the chat a turn belongs to (None: a
+    single-turn request) and ``turn`` its index there; a turn's prompt is the whole history before it.
     """
 
     id: int
@@ -25,6 +26,8 @@ class Request:
     output_len: int
     prefix_id: Optional[int] = None
     prefix_len: int = 0
+    conversation: Optional[int] = None
+    turn: int = 0
 
 
 @dataclass
@@ -36,7 +39,8 @@ class RequestTrace:
     its prefill), so TTFT = ``token_s[0] - arrival_s``. A finished request has ``output_len`` of them.
     ``preemptions``: times it was evicted and recomputed. ``prefix_hit_tokens`` /
     ``prefix_query_tokens``: prompt tokens found in the prefix cache / looked up there (vLLM's
-    counting: hit rate = hits / queries over all requests).
+    counting: hit rate = hits / queries over all requests). ``first_hit_tokens``: the tokens found
+    at its first admission (None if never admitted): what a returning turn found of its history.
     """
 
     request: Request
@@ -45,6 +49,7 @@ class RequestTrace:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    first_hit_tokens: Optional[int] = None
 
     @property
     def finished(self) -> bool:

@@ -285,6 +285,26 @@ def turns_table(record: Dict[str, Any]) -> Table:
     return fit(table)
 
 
+CONVERSATION_TURN_COLUMNS = [
+    ("turn", "turn", "{}"), ("turns", "turns", "{}"), ("ttft_ms_p50", "p50 TTFT ms", "{:.2f}"),
+    ("ttft_ms_p99", "p99 TTFT ms", "{:.2f}"), ("prefix_hit_rate", "prefix hits", "{:.0%}"), ("cached", "cached", "{}"),
+    ("evicted", "evicted", "{}"), ("ttft_ms_p50_cached", "p50 TTFT cached", "{:.2f}"),
+    ("ttft_ms_p50_evicted", "p50 TTFT evicted", "{:.2f}"),
+]
+
+
+def conversation_turns_table(record: Dict[str, Any]) -> Table:
+    """A conversation job's ``tables.conversation_turns``: one row per turn index, its returning
+    turns whose history was cached or evicted."""
+    record = RecordView.of(record)
+    table = Table(title="turns of the conversations", title_justify="left")
+    for _, name, _ in CONVERSATION_TURN_COLUMNS:
+        table.add_column(name, justify="right")
+    for row in record.table("conversation_turns"):
+        table.add_row(*[fmt(row.get(key), spec) for key, _, spec in CONVERSATION_TURN_COLUMNS])
+    return fit(table)
+
+
 def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Pair results.json records that differ only in ``cache.shared``: per turn, TTFT without
     and with sharing and their ratio. Records without a turns table are ignored."""

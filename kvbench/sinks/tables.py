@@ -107,6 +107,17 @@ COLUMNS: Dict[str, List[Column]] = {
                 Column("goodput", "goodput req/s", "{:.3g}", brief=True, compared=True), Column("output_throughput",
                 "out tok/s", "{:.1f}", brief=True, compared=True), Column("preemptions", "preempted", "{}", brief=True),
                 Column("kv_block_usage_max", "peak KV blocks", "{:.0%}", brief=True), _NOISY],
+    # per turn index: tables.conversation_turns
+    "conversations": [
+        *(Column(k, t, "{:.2f}", brief=True, compared=True, sampled=True) for k, t in (
+            ("ttft_ms_p99", "p99 TTFT ms"), ("returning_cached_ttft_ms_p50", "p50 TTFT cached ms"),
+            ("returning_evicted_ttft_ms_p50", "p50 TTFT evicted ms"))),
+        Column("returning_evicted", "evicted turns", "{}", brief=True, compared=True),
+        Column("returning_turns", "returning turns", "{}", brief=True),
+        Column("history_recomputed_tokens", "recomputed", "{:,}", brief=True, compared=True),
+        Column("prefix_hit_rate", "prefix hits", "{:.0%}", brief=True, compared=True),
+        Column("max_rate_under_slo", "max rate in SLO", "{:.3g}", brief=True, compared=True),
+        Column("preemptions", "preempted", "{}", brief=True), _NOISY],
     # its variants' metrics are per variant: :func:`interleaved_table` shows them
     "compare": [Column("rounds", "rounds", "{}", brief=True)],
     # per condition: kvbench/sinks/recall.py
@@ -120,7 +131,8 @@ COLUMNS: Dict[str, List[Column]] = {
 }
 KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "training", "eval": "evaluation",
                "capacity": "capacity at the longest context", "compare": "interleaved comparison",
-               "recall": "recall", "serving": "serving (open-loop arrivals, continuous batching)"}
+               "recall": "recall", "serving": "serving (open-loop arrivals, continuous batching)",
+               "conversations": "conversations (multi-turn chats, continuous batching)"}
 
 
 def kind(record: Record) -> str:

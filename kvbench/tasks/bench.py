@@ -9,17 +9,18 @@ import torch
 
 from kvbench.checkpoint import kv_conversion
 from kvbench.config.bench import BenchConfig
+from kvbench.config.serving import ServingWorkload
 from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
-from kvbench.workloads import decode, multiturn, serving
+from kvbench.workloads import conversations, decode, multiturn, serving
 
 # The code of each workload= option (kvbench/workloads/<name>.py: run() and what it RECORDED); its
 # config is kvbench.config.workload.WORKLOADS.
-WORKLOADS = {"decode": decode, "multiturn": multiturn, "serving": serving}
+WORKLOADS = {"decode": decode, "multiturn": multiturn, "serving": serving, "conversations": conversations}
 
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
@@ -32,7 +33,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     result.metrics["timing_method"] = timing_method(device)
     result.methods.update(JOB_METHODS)
     # serving: its requests and KV budget, checked before the model is built or progress shown
-    requests = serving.check_requests(cfg) if cfg.workload.name == "serving" else None
+    requests = serving.check_requests(cfg) if isinstance(cfg.workload, ServingWorkload) else None
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()

@@ -3,7 +3,7 @@
 The head→group map and a KV-memory table (per token, per sequence, per batch, for each dtype)
 that can be checked by hand against published model shapes: K/V heads (MHA, GQA, MQA, with
 sliding-window layers and layers that read an earlier layer's K/V) or MLA's one latent per token
-and layer (with DSA, also its indexer's key).
+and layer (with DSA, also its indexer's key); a mixture of experts' total and active parameters.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import kv_layout_change
-from kvbench.footprint import parameter_count as count_parameters
+from kvbench.footprint import ParameterCounts, parameter_counts
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
@@ -92,14 +92,15 @@ def layer_kind_table(layers: Layouts, seq_len: int, batch_size: int, bytes_per_e
 def parameter_count(cfg: BenchConfig) -> int:
     """Exact parameter count, from one- and two-layer models on the meta device (no memory is
     allocated, and a model of a million layers is counted as fast as one of two)."""
-    return count_parameters(cfg.model, cfg.attention)
+    return parameter_counts(cfg.model, cfg.attention).total
 
 
 def describe(cfg: BenchConfig) -> str:
     m, a, w = cfg.model, cfg.attention, cfg.workload
     seq_len = w.total_len
     layers = build_layouts(m, a)
-    params = parameter_count(cfg)
+    counts = parameter_counts(m, a)
+    params = counts.total
     layout = _latent_lines(cfg) if a.latent else _kv_head_lines(cfg)
     lines = [
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
@@ -107,6 +108,7 @@ def describe(cfg: BenchConfig) -> str:
         layout[0],
         _layout_line(cfg),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
+        *_moe_lines(cfg, counts),
         *layout[1:],
     ]
     state = layers.state_bytes(DTYPE_BYTES[cfg.runtime.dtype]) > 0
@@ -147,6 +149,23 @@ def describe(cfg: BenchConfig) -> str:
     if a.latent and a.index_topk:
         lines += ["", *_indexer_lines(cfg, layers, size)]
     return "\n".join(lines)
+
+
+def _moe_lines(cfg: BenchConfig, counts: ParameterCounts) -> List[str]:
+    """A mixture of experts' MLPs and the parameters one token uses (none for a dense model)."""
+    m = cfg.model
+    if m.moe is None:
+        return []
+    dense = sorted(m.moe.dense_layers)
+    sparse = m.num_layers - len(dense)
+    where = f"{sparse} of {m.num_layers} layers" + (f" (dense MLP of {m.ffn_dim} in layers "
+                                                   f"{', '.join(map(str, dense))})" if dense else "")
+    active = counts.active
+    sizes = ", ".join(f"{d} {human_bytes(active * size)}" for d, size in DTYPE_BYTES.items())
+    return [f"mixture of experts in {where}: {m.moe.describe()}",
+            f"active parameters per token: {active:,} without the embedding table (a token reads one row of it), "
+            f"{active + counts.embedding:,} with it ({sizes} without); a decode step reads the experts its batch "
+            f"routes to: at most min({m.moe.num_experts}, batch x {m.moe.top_k}) per layer"]
 
 
 def _indexer_lines(cfg: BenchConfig, layers: Layouts, size: int) -> List[str]:

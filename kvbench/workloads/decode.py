@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,6 +50,7 @@ from kvbench.measure.stats import (
 )
 from kvbench.measure.timing import RegionTimer
 from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.mlp.experts import Routing, record_routing
 from kvbench.model import Decoder
 from kvbench.quality.fidelity import FIDELITY_METRICS, fidelity
 from kvbench.results import RunResult
@@ -111,6 +112,10 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("overhead_share", "fraction", "overhead_ms_per_step / decode_ms_p50: near 1 (or above, on CUDA) the step is "
                       "bound by Python and kernel launches, not by the bytes it reads"),
     Metric("series.decode_ms", "ms", "every decode step of the last timed trial, in order"),
+    Metric("series.routed_experts", "count", "mixture-of-experts models: the distinct experts each decode step of the "
+           "last timed trial ran, summed over the MoE layers (counted from the router as the step ran)"),
+    Metric("routed_experts_per_step", "count", "mixture-of-experts models: the distinct experts a timed decode step "
+           "ran, summed over the MoE layers, mean over every step of every timed trial"),
     Metric("energy_mj_per_token", "mJ/token",
            "CUDA with NVML: the mean power over the energy counter's window (energy_mj / energy_window_s) x "
            "the timed trials' own time (prefill + decode) / the tokens they produced (batch x (gen_len + 1) per "
@@ -191,14 +196,32 @@ def energy_per_token(energy_mj: Optional[float], window_s: Optional[float], time
     return energy_mj / window_s * min(timed_s, window_s) / tokens
 
 
+def routed_steps(routing: Routing, gen_len: int, result: RunResult) -> Tuple[Optional[float], List[int]]:
+    """What a mixture of experts' timed decode steps read, from ``routing`` (every forward of the
+    timed trials: each trial's prefill, then ``gen_len`` steps): (the mean routed-expert bytes of a
+    step, the mean distinct experts per MoE layer rounded down), and ``series.routed_experts`` and
+    ``routed_experts_per_step`` into ``result``; (None, []) for a dense model."""
+    forwards, sizes = routing.forwards(), routing.bytes_per_forward()
+    if not forwards or not gen_len:
+        return None, []
+    n = gen_len + 1
+    steps = [i for i in range(len(forwards)) if i % n]  # every forward but each trial's prefill
+    result.series["routed_experts"] = [sum(forwards[i]) for i in steps[-gen_len:]]
+    result.metrics["routed_experts_per_step"] = statistics.mean(sum(forwards[i]) for i in steps)
+    per_layer = [int(statistics.mean(forwards[i][layer] for i in steps)) for layer in range(len(forwards[0]))]
+    return statistics.mean(sizes[i] for i in steps), per_layer
+
+
 def floor_model(model: Decoder) -> Decoder:
     """``model``'s layers and dtype with one 2-dim head and everything else 2 wide: a decode step of
     it runs every operation of the real one (the head count and grouping change sizes, not the
     operations) but reads almost nothing, so its time is the per-step cost of Python, dispatch and
     launches. One floor per layer count, so a sweep over attention variants compiles it once."""
     c = model.config
+    # a mixture of experts keeps its experts, router and shared expert, each 2 wide
+    moe = None if c.moe is None else replace(c.moe, expert_ffn_dim=2, shared_ffn_dim=2 if c.moe.shared_ffn_dim else 0)
     cfg = ModelConfig(name=f"floor-{c.num_layers}-layers", num_layers=c.num_layers, d_model=2, num_heads=1,
-                      preset_kv_heads=1, head_dim=2, ffn_dim=2, vocab_size=2, max_seq_len=64)
+                      preset_kv_heads=1, head_dim=2, ffn_dim=2, vocab_size=2, max_seq_len=64, moe=moe)
     with model.device:
         floor = Decoder(cfg, AttentionConfig("mha"))
     return floor.to(model.dtype).eval()
@@ -250,7 +273,7 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     # Warm-up outside the monitor: its one-off costs (kernel loading, per-shape plans: the first GPU
     # check saw a warm-up of 1000 steps take ~45 s of 55) must not count in memory or energy.
     time_decode(run_model, prompt, w.gen_len, cache, rt.warmup, 0, device, tick, step)
-    with MemoryMonitor(device, rt.nvml_interval_ms) as monitor:
+    with MemoryMonitor(device, rt.nvml_interval_ms) as monitor, record_routing(model) as routing:
         timings = time_decode(run_model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick, step, rt.min_time_s)
     if compiled:
         metrics["recompiles"] = compiled_graphs() - graphs
@@ -277,9 +300,12 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     # A fixed-shape step reads its whole context bucket, so that is what the roofline counts.
     positions = range(w.prompt_len, seq_len)
     kv_positions = statistics.mean(step.lengths(cache, positions)) if isinstance(step, FixedShapeStep) else None
+    routed_bytes, routed = routed_steps(routing, w.gen_len, result)
     metrics.update(roofline_metrics(model, w.batch_size, w.prompt_len, w.gen_len, metrics["decode_ms_p50"],
-                                    peaks["peak_gb_per_s"], peaks["peak_gflops"], kv_positions, cfg.cache.dtype))
-    metrics.update(attainable_metrics(metrics["decode_ms_p50"], probe_step_gemms(model, w.batch_size, device),
+                                    peaks["peak_gb_per_s"], peaks["peak_gflops"], kv_positions, cfg.cache.dtype,
+                                    routed_bytes))
+    metrics.update(attainable_metrics(metrics["decode_ms_p50"], probe_step_gemms(model, w.batch_size, device,
+                                                                                 routed=routed),
                                       metrics["kv_bytes_read_per_step"], peaks["peak_gb_per_s"]))
     if rt.fidelity:
         # A compiled fixed-shape step is checked itself, on the cache it was compiled for.

@@ -32,6 +32,7 @@ from kvbench.serving import metrics as serving_metrics
 from kvbench.serving.allocator import Checkpoint, budget_bytes, groups_of, make_plan, slot_bytes, slot_plan
 from kvbench.serving.allocator import Plan as StorePlan
 from kvbench.serving.arrivals import make_requests, request_tokens
+from kvbench.serving.conversations import Plan, make_chats
 from kvbench.serving.paged import PagedStore, SlotStore, check_model
 from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
 from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_metrics
@@ -64,7 +65,9 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
                                           "the highest rate that passed, else the lowest tried)"),
     Metric("tables.serving_requests", "", "one row per request: id, arrival_s, prompt_len, output_len, prefix_id, "
                                           "prefix_len, scheduled_s (first admission), first_token_s, last_token_s, "
-                                          "output_tokens, preemptions, prefix_hit_tokens, prefix_query_tokens"),
+                                          "output_tokens, preemptions, prefix_hit_tokens, prefix_query_tokens, "
+                                          "first_hit_tokens (found at the first admission); a conversation's "
+                                          "turn: conversation, turn"),
     Metric("tables.serving_tokens", "s", "every output token's time since the run's start (request, t_s)"),
     Metric("tables.serving_samples", "", "the scheduler after each iteration: t_s, running, waiting, "
                                          "kv_blocks_used, kv_bytes_used, kv_bytes_needed (the formula's bytes "
@@ -142,23 +145,36 @@ def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dt
 
 
 def check_requests(cfg: BenchConfig) -> List[Request]:
-    """The run's requests, checked against the model's config and the KV budget before anything
-    is built (or any progress shown): a trace that cannot be read, a request longer than
-    ``model.max_seq_len``, a budget that cannot hold the largest request are one line each."""
-    requests = _checked_requests(cfg, cfg.workload)
+    """The run's requests (a conversation's every turn), checked against the model's config and
+    the KV budget before anything is built (or any progress shown): a trace that cannot be read, a
+    request longer than ``model.max_seq_len``, a budget that cannot hold the largest request are
+    one line each."""
+    requests = _checked_plan(cfg, cfg.workload).requests
     store_plan(cfg.workload, cfg.cache.block_size, requests, build_layouts(cfg.model, cfg.attention),
                DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
     return requests
 
 
-def _checked_requests(cfg: BenchConfig, w) -> List[Request]:
+def _plan(cfg: BenchConfig, w) -> Plan:
+    """What ``w`` serves: its requests and their prompts; a conversation's later turns are
+    released as the run goes (:mod:`kvbench.serving.conversations`)."""
+    if w.name == "conversations":
+        return make_chats(w, cfg.model.vocab_size).plan()
     requests = make_requests(w)
-    longest = max(requests, key=lambda r: r.prompt_len + r.output_len)
+    return Plan(requests, requests, [request_tokens(r, cfg.model.vocab_size, w.seed) for r in requests])
+
+
+def _checked_plan(cfg: BenchConfig, w) -> Plan:
+    plan = _plan(cfg, w)
+    longest = max(plan.requests, key=lambda r: r.prompt_len + r.output_len)
     if longest.prompt_len + longest.output_len > cfg.model.max_seq_len:
-        key = "workload.trace" if w.arrival == "trace" else "workload.prompt"
-        raise ConfigError(f"{key}: request {longest.id} needs {longest.prompt_len} + {longest.output_len} positions, "
+        key = ("workload.trace" if w.arrival == "trace" else "workload.sharegpt" if getattr(w, "sharegpt", None)
+               else "workload.prompt")
+        what = f"request {longest.id}" if longest.conversation is None else \
+            f"conversation {longest.conversation}'s turn {longest.turn} (its whole history)"
+        raise ConfigError(f"{key}: {what} needs {longest.prompt_len} + {longest.output_len} positions, "
                           f"more than model.max_seq_len={cfg.model.max_seq_len}")
-    return requests
+    return plan
 
 
 def arrival_note(requests: Sequence[Request]) -> str:
@@ -169,13 +185,17 @@ def arrival_note(requests: Sequence[Request]) -> str:
 
 
 def requests_and_prompts(cfg: BenchConfig, rate: Optional[float] = None) -> tuple[List[Request], List[List[int]]]:
-    """The run's requests (at ``rate``, default ``workload.rate``) and their prompt token ids (from
-    ``workload.seed``), checked against the model. The same seed at another rate gives the same
+    """The run's first requests (at ``rate``, default ``workload.rate``) and their prompt token ids
+    (from ``workload.seed``), checked against the model. The same seed at another rate gives the same
     requests with every gap scaled by the ratio of the rates (numpy draws gaps as scale x a
     standard draw)."""
-    w = cfg.workload if rate is None else replace(cfg.workload, rate=rate)
-    requests = _checked_requests(cfg, w)
-    return requests, [request_tokens(r, cfg.model.vocab_size, w.seed) for r in requests]
+    plan = plan_at(cfg, rate)
+    return plan.arrivals, plan.prompts
+
+
+def plan_at(cfg: BenchConfig, rate: Optional[float] = None) -> Plan:
+    """The :class:`~kvbench.serving.conversations.Plan` of the run at ``rate`` (default ``workload.rate``)."""
+    return _checked_plan(cfg, cfg.workload if rate is None else replace(cfg.workload, rate=rate))
 
 
 def progress_total(cfg: BenchConfig, requests: Sequence[Request]) -> int:
@@ -205,9 +225,10 @@ def warm_up(model, cfg: BenchConfig, requests: Sequence[Request], prompts: Seque
 def serve_at(cfg: BenchConfig, model, rate: Optional[float] = None, progress=None) -> tuple:
     """One serving run at ``rate`` (default ``workload.rate``) on a fresh store: (scheduler, timeline, store)."""
     w = cfg.workload
-    requests, prompts = requests_and_prompts(cfg, rate)
-    store = build_store(model, w, cfg.cache.block_size, requests, cfg.cache.dtype)
-    scheduler = Scheduler(model, store, requests, prompts, w.max_prefill_tokens, w.max_running, progress=progress)
+    plan = plan_at(cfg, rate)
+    store = build_store(model, w, cfg.cache.block_size, plan.requests, cfg.cache.dtype)
+    scheduler = Scheduler(model, store, plan.arrivals, plan.prompts, w.max_prefill_tokens, w.max_running,
+                          progress=progress, follow=plan.follow)
     return scheduler, scheduler.run(), store
 
 
@@ -217,15 +238,15 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     w, metrics = cfg.workload, result.metrics
     result.methods.update(METHODS)
     check_model(model, cfg.cache.dtype)
-    requests, prompts = requests_and_prompts(cfg)
+    plan = plan_at(cfg)
     # checked before the build (check_requests)
-    store = build_store(model, w, cfg.cache.block_size, requests, cfg.cache.dtype)
+    store = build_store(model, w, cfg.cache.block_size, plan.requests, cfg.cache.dtype)
     budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, store.plan.groups)
     metrics.update(kv_budget_bytes=int(budget),
                    kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.plan.storage_bytes,
                    kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
     del store
-    warm_up(model, cfg, requests, prompts)
+    warm_up(model, cfg, plan.arrivals, plan.prompts)
     progress = (lambda: tick()) if tick is not None else None
     runs: Dict[float, tuple] = {}
     if w.search.enabled:

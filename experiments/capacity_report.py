@@ -1,0 +1,161 @@
+"""The capacity report: per layout and KV precision, at a context and a KV memory budget, the bytes
+per token and per sequence by the layouts' formula, the sequences that fit, and the highest
+request rate within an SLO where the serving store can run it.
+
+Two kinds of rows. Presets (real configurations, nothing run): each layer's own formula
+(windows kept whole, Gated DeltaNet states, MLA's latent, 1-byte codes and their scales) against
+"bytes per token x context", the figure an estimator that treats every layer as full attention
+gives. model=tiny variants: the same figures at a small context and budget, and the highest rate
+of workload=serving's rate search (kvbench/serving/rate_search.py) on this CPU; a variant the
+serving store refuses says so in the line it refuses with.
+
+    python experiments/capacity_report.py                     # presets at 8192 tokens / 40 GB; tiny
+    python experiments/capacity_report.py --no-serve --out /tmp/capacity.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compose_config, write_report  # noqa: E402
+
+from kvbench.config.bench import to_bench_config  # noqa: E402
+from kvbench.config.dtypes import DTYPE_BYTES  # noqa: E402
+from kvbench.config.errors import ConfigError  # noqa: E402
+from kvbench.jobs.runner import run_job  # noqa: E402
+from kvbench.layouts.build import build_layouts  # noqa: E402
+from kvbench.results import read_record  # noqa: E402
+from kvbench.tasks.common import variant_label  # noqa: E402
+from kvbench.units import human_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "experiments" / "results" / "capacity_report.md"
+PLOT = "capacity_report.png"  # beside the report, and copied into docs/
+PRESETS = ("llama3_8b", "gemma3_27b", "gpt_oss_120b", "qwen3_5_9b", "deepseek_v3")
+TINY = (("mha", []), ("gqa", ["attention.num_kv_heads=2"]), ("mqa", []), ("mla", []),
+        ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]))
+PRECISIONS = ("auto", "int8", "float8_e4m3fn")
+SERVE = ["workload=serving", "workload.search.enabled=true", "slo.ttft_ms=250", "slo.tpot_ms=40",
+         "workload.num_requests=32", "workload.search.max_probes=6", "workload.search.lo=1",
+         "runtime.isolate=false", "runtime.threads=1", "wandb=disabled", "runtime.warmup=1"]
+
+
+def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
+    """The formula's figures of one configuration (nothing built), or the line refusing it."""
+    try:
+        cfg = to_bench_config(compose_config(overrides))
+    except ConfigError as exc:
+        return {"refused": str(exc)}
+    layouts = build_layouts(cfg.model, cfg.attention)
+    element, dtype = DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype
+    per_token = layouts.bytes_per_token(element, dtype)
+    per_seq = layouts.cache_bytes(context, 1, element, dtype)
+    return {"label": variant_label(cfg.attention, num_layers=cfg.model.num_layers), "per_token": per_token,
+            "per_seq": per_seq, "naive": per_token * context, "fit": budget // per_seq if per_seq else None}
+
+
+def serve_rate(overrides: List[str], budget_mb: float, tmp: Path) -> tuple:
+    """(highest rate within the SLO, what bound it) of workload=serving's search, or (None, the refusal)."""
+    out = tmp / str(len(list(tmp.iterdir())))
+    run_job(compose_config([*overrides, *SERVE, f"workload.kv_budget_mb={budget_mb}"]), out)
+    record = read_record(out / "results.json")
+    if record.status != "ok":
+        return None, f"{record.status}: {record.error}"
+    m = record.metrics
+    if m.get("max_rate_under_slo") is None and m.get("max_rate_at_least") is not None:
+        return m["max_rate_at_least"], "at least: no rate tried failed"
+    return m.get("max_rate_under_slo"), m.get("max_rate_bound")
+
+
+def plot(rows: List[Dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.get("fit")]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown) + 1.6))
+    names = [f"{r['model']}  {r['label']}  {r['precision']}" for r in shown]
+    colours = ["#4477aa" if r["model"] != "tiny" else "#ee6677" for r in shown]
+    ax.barh(range(len(shown)), [r["fit"] for r in shown], color=colours)
+    for i, r in enumerate(shown):
+        note = f" {r['fit']:,}" + (f"  ({r['rate']:.3g} req/s)" if r.get("rate") else "")
+        ax.text(r["fit"], i, note, va="center", fontsize=7)
+    ax.set_yticks(range(len(shown)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("sequences that fit the KV budget (formula; log scale)")
+    ax.set_title("Capacity per layout and KV precision\nblue: presets at their context and budget (formula); "
+                 "red: model=tiny (in brackets: its highest rate in the SLO)", fontsize=8)
+    fig.subplots_adjust(left=0.36, right=0.9, top=0.94, bottom=0.06)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--budget-gb", type=float, default=40.0)
+    parser.add_argument("--tiny-context", type=int, default=512)
+    parser.add_argument("--tiny-budget-mb", type=float, default=2.0)
+    parser.add_argument("--no-serve", action="store_true", help="formula only: no rate search")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows: List[Dict] = []
+    budget = int(args.budget_gb * 1e9)
+    for model in PRESETS:
+        for precision in PRECISIONS:
+            over = [f"model={model}", "runtime.dtype=bfloat16", f"cache.dtype={precision}"]
+            rows.append({"model": model, "precision": precision, "context": args.context, "budget": budget,
+                         **formula_row(over, args.context, budget), "rate_note": "not run (formula only)"})
+    tiny_budget = int(args.tiny_budget_mb * 1e6)
+    with tempfile.TemporaryDirectory() as tmp:
+        for attention, extra in TINY:
+            for precision in PRECISIONS:
+                over = ["model=tiny", f"attention={attention}", *extra, f"cache.dtype={precision}"]
+                row = {"model": "tiny", "precision": precision, "context": args.tiny_context, "budget": tiny_budget,
+                       **formula_row(over, args.tiny_context, tiny_budget)}
+                if "refused" not in row and not args.no_serve:
+                    row["rate"], row["rate_note"] = serve_rate(over, args.tiny_budget_mb, Path(tmp))
+                rows.append(row)
+    lines = [
+        "# Capacity per layout and KV precision", "",
+        f"Made by `python experiments/capacity_report.py` (presets in bfloat16 at {args.context} tokens and a "
+        f"{args.budget_gb:g} GB KV budget, formula only; model=tiny in float32 at {args.tiny_context} tokens and "
+        f"{args.tiny_budget_mb:g} MB, its highest rate from workload=serving's rate search on a shared 2-core CPU "
+        "with slo.ttft_ms=250 and slo.tpot_ms=40 at p99). Bytes are the layouts' formula "
+        "(`kvbench/layouts/`): per token, what one more token adds while no window is full; per sequence, "
+        "every layer with its own positions (a window's W) and state. `x context` is per token x context, "
+        "what an estimator that treats every layer as full attention gives. Reserved bytes per allocator "
+        "(block rounding, state pages) are not in this table yet.", "",
+        "| model | variant | KV precision | context | budget | bytes / token | bytes / sequence | x context | "
+        "sequences that fit | highest rate in SLO (req/s) | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['model']} | | {r['precision']} | | | | | | | | refused: {r['refused']} |")
+            continue
+        rate = f"{r['rate']:.3g}" if r.get("rate") else "-"
+        note = (r.get("rate_note") or "").replace("|", "/")
+        lines.append(f"| {r['model']} | {r['label']} | {r['precision']} | {r['context']} | {human_bytes(r['budget'])} "
+                     f"| {r['per_token']:,} | {human_bytes(r['per_seq'])} | {human_bytes(r['naive'])} | {r['fit']:,} "
+                     f"| {rate} | {note} |")
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, out.parent / PLOT)
+    lines += ["", f"![sequences that fit per layout and precision]({PLOT})", ""]
+    write_report(out, "\n".join(lines))
+    if out == OUT:
+        shutil.copyfile(out.parent / PLOT, ROOT / "docs" / PLOT)
+
+
+if __name__ == "__main__":
+    main()

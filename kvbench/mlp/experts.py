@@ -1,0 +1,155 @@
+"""The mixture-of-experts MLP of a block (:class:`MoE`), and which MLP each layer has
+(:func:`mlp_module`).
+
+Plain torch on any device: the router picks each token's k experts, the (token, slot) pairs are
+grouped by expert with one sort, and each expert that got tokens runs one matmul over them (as
+transformers' eager experts do; no fused grouped GEMM). Which experts a step ran is known on the
+host (the loop needs it), so :func:`record_routing` can count the distinct experts each forward
+read: what a decode step's bytes are (:mod:`kvbench.measure.roofline`).
+
+Notation: B batch, T tokens, N = B*T, C d_model, E experts, I an expert's width, k experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbench.mlp.dense import MLP
+from kvbench.mlp.router import route
+
+
+def mlp_module(cfg, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP in ``cfg`` (a ModelConfig): its mixture of experts, or the dense SwiGLU."""
+    return MoE(cfg) if cfg.moe is not None and cfg.moe.sparse(layer) else MLP(cfg)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights: ``w_gate_up`` (E, 2I, C) (gate rows, then up rows),
+    ``w_down`` (E, C, I); with ``expert_bias`` their biases (E, 2I) and (E, C)."""
+
+    def __init__(self, d_model: int, moe):
+        super().__init__()
+        E, I, C = moe.num_experts, moe.expert_ffn_dim, d_model  # noqa: E741
+        self.moe = moe
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, C))
+        self.w_down = nn.Parameter(torch.empty(E, C, I))
+        self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * I)) if moe.expert_bias else None
+        self.b_down = nn.Parameter(torch.zeros(E, C)) if moe.expert_bias else None
+        if not self.w_down.is_meta:  # nn.Linear's default: uniform within 1/sqrt(fan_in)
+            nn.init.uniform_(self.w_gate_up, -1 / math.sqrt(C), 1 / math.sqrt(C))
+            nn.init.uniform_(self.w_down, -1 / math.sqrt(I), 1 / math.sqrt(I))
+
+    def bytes_per_expert(self) -> int:
+        """Bytes one expert's weights (and biases) take: what a step reads per expert it routes to."""
+        return sum(p[0].numel() * p.element_size() for p in self.parameters())
+
+    def matrix_params_per_expert(self) -> int:
+        """One expert's matrix entries: a routed token's multiply-adds in it."""
+        return self.w_gate_up[0].numel() + self.w_down[0].numel()
+
+    def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        limit = self.moe.swiglu_limit
+        if limit is None:
+            return F.silu(gate) * up
+        # GPT-OSS (transformers' GptOssExperts): clamped, a sigmoid gain alpha, and (up + 1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.moe.swiglu_alpha))
+
+    @torch.compiler.disable  # the loop follows the routing: torch.compile would recompile per routing
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        """x (N, C), weights and chosen (N, k) -> (the weighted sum of each token's experts (N, C),
+        the number of distinct experts that ran)."""
+        k = chosen.shape[1]
+        flat = chosen.flatten()  # pair n*k + j: token n's j-th expert
+        order = flat.argsort(stable=True)  # the pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.w_down.shape[0]).tolist()  # the one host sync
+        out = torch.zeros_like(x)
+        w = weights.flatten()
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // k
+            h = F.linear(x[tokens], self.w_gate_up[e], None if self.b_gate_up is None else self.b_gate_up[e])
+            gate, up = h.chunk(2, dim=-1)  # (n, I) each
+            y = F.linear(self._swiglu(gate, up), self.w_down[e], None if self.b_down is None else self.b_down[e])
+            out.index_add_(0, tokens, (y * w[pairs, None]).to(out.dtype))
+        return out, sum(1 for n in counts if n)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (``cfg.moe``: :class:`~kvbench.config.moe.MoEShape`): the router,
+    the routed experts, and a shared expert every token also goes through (sigmoid-gated with
+    ``shared_gate``)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        moe, C = cfg.moe, cfg.d_model
+        self.moe = moe
+        self.router = nn.Linear(C, moe.num_experts, bias=moe.router_bias)
+        if moe.router == "sigmoid":  # DeepSeek-V3's e_score_correction_bias: moves the choice, not the weights
+            self.register_buffer("correction_bias", torch.zeros(moe.num_experts))
+        else:
+            self.correction_bias = None
+        self.experts = Experts(C, moe)
+        self.shared = MLP(cfg, moe.shared_ffn_dim) if moe.shared_ffn_dim else None
+        self.shared_gate = nn.Linear(C, 1, bias=False) if moe.shared_gate else None
+        self.log: Optional[List[int]] = None  # distinct experts per forward, while record_routing runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)
+        if self.moe.router == "sigmoid":  # DeepSeek computes its router in float32 whatever the model's dtype
+            logits = F.linear(flat.float(), self.router.weight.float())
+        else:
+            logits = self.router(flat)  # (N, E)
+        weights, chosen = route(self.moe, logits, self.correction_bias)
+        out, distinct = self.experts(flat, weights, chosen)
+        if self.log is not None:
+            self.log.append(distinct)
+        if self.shared is not None:
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        return out.view(B, T, C)
+
+
+@dataclass
+class Routing:
+    """What :func:`record_routing` saw: per model forward, the distinct experts each MoE layer ran."""
+
+    logs: List[List[int]]  # per MoE layer, one count per forward
+    sizes: List[int]  # per MoE layer, the bytes of one expert
+
+    def forwards(self) -> List[Tuple[int, ...]]:
+        return list(zip(*self.logs))
+
+    def bytes_per_forward(self) -> List[int]:
+        """Bytes of routed-expert weights each forward read: sum over layers of distinct experts x
+        bytes per expert."""
+        return [sum(n * size for n, size in zip(counts, self.sizes)) for counts in self.forwards()]
+
+
+@contextmanager
+def record_routing(model: nn.Module) -> Iterator[Routing]:
+    """Count, for every forward of ``model`` inside the block, the distinct experts each of its MoE
+    layers ran (an empty record for a dense model)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    routing = Routing([[] for _ in layers], [layer.experts.bytes_per_expert() for layer in layers])
+    for layer, log in zip(layers, routing.logs):
+        layer.log = log
+    try:
+        yield routing
+    finally:
+        for layer in layers:
+            layer.log = None

@@ -1,0 +1,241 @@
+"""Conversation files as turns: a ShareGPT-style JSON, or a CSV / JSONL of turns with times.
+
+- **ShareGPT** (``workload.sharegpt``): a JSON list of ``{"conversations": [{"from": "human",
+  "value": "..."}, {"from": "gpt", "value": "..."}, ...]}``. A turn is a human message and the gpt
+  answer after it (``user`` / ``assistant`` are read as the same roles); a leading ``system``
+  message is part of the first turn's message; a last human message with no answer is not a turn.
+  Lengths are the UTF-8 bytes of the text (a byte tokenizer: one token per byte, the ids the bytes
+  modulo the vocabulary), whatever the model's own tokenizer would give. The file has no times:
+  its conversations arrive at ``workload.rate``.
+- **Turns** (``workload.arrival=trace``, ``workload.trace``): JSONL (an object a line) or CSV with a
+  header, columns ``conversation`` (any id), ``turn`` (0, 1, 2 ... in file order within a
+  conversation), ``arrival_s`` (required on turn 0: seconds from the run's start; on a later turn
+  optional, the earliest it is sent), ``user_len``, ``output_len`` and optional ``think_s`` (the
+  least time after the previous answer; 0 when absent: the trace's times are the ones that count).
+
+Every problem is one :class:`~kvbench.config.errors.ConfigError` naming the key, the file, the line
+and the field.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from kvbench.config.errors import ConfigError, one_line
+from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S, duration_text
+from kvbench.jsonio import read_regular
+
+MAX_FILE_BYTES = 64 * 2**20  # as a single-turn trace's (serving/arrivals.py)
+MAX_TURNS = MAX_REQUESTS  # more than a record can hold (config.serving)
+USER_ROLES, ANSWER_ROLES = ("human", "user"), ("gpt", "assistant")
+TURN_COLUMNS = ("conversation", "turn", "user_len", "output_len")
+_WS = re.compile(r"\s*")
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """One turn as a file or the config gives it: the new message's and the answer's lengths;
+    ``think_s`` after the previous answer (None: drawn from ``workload.think``); ``arrival_s`` the
+    earliest it is sent (turn 0: when its conversation arrives); ``text``: the message's bytes."""
+
+    user_len: int
+    output_len: int
+    think_s: Optional[float] = None
+    arrival_s: Optional[float] = None
+    text: Optional[bytes] = None
+
+
+def _read_text(key: str, path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{key}: no such file")
+    size = p.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(f"{key}: {size:,} bytes, more than the {MAX_FILE_BYTES:,} a conversation file may have")
+    try:
+        raw = read_regular(p, MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot be read ({exc.strerror or exc})") from None
+    try:  # a byte-order mark (spreadsheets write one) is not part of the first column's name
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{key}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+# ---- ShareGPT ----------------------------------------------------------------------------------
+
+
+def _json_items(text: str, key: str) -> List[Tuple[int, Any]]:
+    """The items of the JSON list ``text``, each with the line it starts on (one pass: a file of
+    64 MiB is read in linear time)."""
+    decoder, items = json.JSONDecoder(), []
+    line, seen = 1, 0  # the line of offset ``seen``
+
+    def line_of(i: int) -> int:
+        nonlocal line, seen
+        line, seen = line + text.count("\n", seen, i), i
+        return line
+
+    i = _WS.match(text, 0).end()
+    try:
+        if not text.startswith("[", i):
+            raise ConfigError(f"{key}: line {line_of(i)}: a JSON list of conversations is expected")
+        i = _WS.match(text, i + 1).end()
+        while not (text.startswith("]", i) and not items):
+            item, end = decoder.raw_decode(text, i)
+            items.append((line_of(i), item))
+            if len(items) > MAX_TURNS:
+                raise ConfigError(f"{key}: more than {MAX_TURNS:,} conversations")
+            i = _WS.match(text, end).end()
+            if text.startswith("]", i):
+                break
+            if not text.startswith(",", i):
+                raise ConfigError(f"{key}: line {line_of(i)}: ',' or ']' expected after a conversation")
+            i = _WS.match(text, i + 1).end()
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{key}: line {exc.lineno}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{key}: line {line_of(i)}: nested too deeply to parse") from None
+    after = _WS.match(text, i + 1).end()
+    if after < len(text):
+        raise ConfigError(f"{key}: line {line_of(after)}: text after the list")
+    return items
+
+
+def read_sharegpt(path: str) -> List[List[TurnSpec]]:
+    """The conversations of a ShareGPT-style JSON file, in file order (see the module's docstring)."""
+    key = f"workload.sharegpt={path!r}"
+    items = _json_items(_read_text(key, path), key)
+    if not items:
+        raise ConfigError(f"{key}: holds no conversations")
+    chats, total = [], 0
+    for n, (line, item) in enumerate(items):
+        where = f"{key}: line {line} (conversation {n})"
+        messages = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(messages, list):
+            raise ConfigError(f"{where}: conversations: a list of messages is expected, got "
+                              f"{one_line(repr(messages if isinstance(item, dict) else item), 60)}")
+        turns: List[TurnSpec] = []
+        system, pending = b"", None
+        for j, m in enumerate(messages):
+            field = f"conversations[{j}]"
+            if not isinstance(m, dict):
+                raise ConfigError(f"{where}: {field}: an object with from and value is expected")
+            role, value = m.get("from"), m.get("value")
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: {field}.value={one_line(repr(value), 60)}: a string is expected")
+            if role == "system" and j == 0:
+                system = value.encode("utf-8")
+            elif role in USER_ROLES and pending is None:
+                pending = system + value.encode("utf-8")
+                system = b""
+                if not pending:
+                    raise ConfigError(f"{where}: {field}.value='': a message of no tokens")
+            elif role in ANSWER_ROLES and pending is not None:
+                answer = len(value.encode("utf-8"))
+                if answer == 0:
+                    raise ConfigError(f"{where}: {field}.value='': an answer of no tokens")
+                turns.append(TurnSpec(len(pending), answer, text=pending))
+                pending = None
+            else:
+                expected = "human" if pending is None else "gpt"
+                raise ConfigError(f"{where}: {field}.from={one_line(repr(role), 40)}: {expected} expected "
+                                  "(turns alternate human, gpt; a system message only first)")
+        if not turns:
+            raise ConfigError(f"{where}: conversations: no human message with a gpt answer")
+        total += len(turns)
+        if total > MAX_TURNS:
+            raise ConfigError(f"{key}: more than {MAX_TURNS:,} turns")
+        chats.append(turns)
+    return chats
+
+
+# ---- a CSV / JSONL of turns ----------------------------------------------------------------------
+
+
+def _rows(text: str, key: str) -> List[Tuple[int, Dict[str, Any]]]:
+    rows: List[Tuple[int, Dict[str, Any]]] = []
+    if text.lstrip().startswith("{"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: line {n}: not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ConfigError(f"{key}: line {n}: nested too deeply to parse") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{key}: line {n}: a JSON object is expected, got {type(row).__name__}")
+            rows.append((n, row))
+            if len(rows) > MAX_TURNS:
+                raise ConfigError(f"{key}: more than {MAX_TURNS:,} turns")
+        return rows
+    reader = csv.DictReader(io.StringIO(text), skipinitialspace=True)
+    try:
+        missing = [c for c in TURN_COLUMNS + ("arrival_s",) if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"{key}: the header lacks {', '.join(missing)} (columns: conversation, turn, arrival_s, "
+                              "user_len, output_len, optional think_s)")
+        for row in reader:
+            rows.append((reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}))
+            if len(rows) > MAX_TURNS:
+                raise ConfigError(f"{key}: more than {MAX_TURNS:,} turns")
+    except csv.Error as exc:  # a field past csv's limit, a quote left open
+        raise ConfigError(f"{key}: line {max(1, reader.line_num)}: not CSV ({exc})") from None
+    return rows
+
+
+def _number(row: Dict[str, Any], name: str, where: str, kind, least, optional: bool = False):
+    if name not in row:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: no {name}")
+    value = row[name]
+    shown = one_line(repr(value), 60)
+    try:
+        if isinstance(value, (bool, list, dict)):  # float(True) is 1.0: a flag is no time, no length
+            raise TypeError
+        number = float(value) if kind is float else int(str(value))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {name}={shown} is not a{'n integer' if kind is int else ' number'}") from None
+    if kind is float and not math.isfinite(number):
+        raise ConfigError(f"{where}: {name}={shown} must be finite")
+    if number < least:
+        raise ConfigError(f"{where}: {name}={shown} must be >= {least}")
+    if kind is float and number > MAX_SPAN_S:  # the scheduler would sleep until it
+        raise ConfigError(f"{where}: {name}={shown} is {duration_text(number)}, more than the "
+                          f"{duration_text(MAX_SPAN_S)} a serving run may span (seconds from the run's start)")
+    return number
+
+
+def read_turns(path: str) -> List[List[TurnSpec]]:
+    """The conversations of a CSV / JSONL file of turns, in order of their first row."""
+    key = f"workload.trace={path!r}"
+    rows = _rows(_read_text(key, path), key)
+    if not rows:
+        raise ConfigError(f"{key}: holds no turns")
+    chats: Dict[str, List[TurnSpec]] = {}
+    for line, row in rows:
+        where = f"{key}: line {line}"
+        if "conversation" not in row:
+            raise ConfigError(f"{where}: no conversation")
+        conversation = one_line(str(row["conversation"]), 60)
+        if isinstance(row["conversation"], (dict, list)):
+            raise ConfigError(f"{where}: conversation={conversation}: an id (a number or a name) is expected")
+        turns = chats.setdefault(conversation, [])
+        turn = _number(row, "turn", where, int, 0)
+        if turn != len(turns):
+            raise ConfigError(f"{where}: turn={turn}: conversation {conversation!r} expects turn {len(turns)} next "
+                              "(turns count 0, 1, 2 ... in file order)")
+        arrival = _number(row, "arrival_s", where, float, 0, optional=turn > 0)
+        turns.append(TurnSpec(_number(row, "user_len", where, int, 1), _number(row, "output_len", where, int, 1),
+                              _number(row, "think_s", where, float, 0, optional=True) or 0.0, arrival))
+    return list(chats.values())

@@ -1,0 +1,37 @@
+"""The conversation workload (``workload=conversations``): multi-turn chats served as
+``workload=serving`` serves requests (:mod:`kvbench.workloads.serving`: the same arrivals, store,
+scheduler, rate search, timeline and metrics), each turn a request whose prompt is the whole
+history and a new message, sent a think time after the previous answer
+(:mod:`kvbench.serving.conversations`). The record adds, from its own timeline
+(:mod:`kvbench.serving.turn_metrics`), each turn index's TTFT and prefix hits
+(``tables.conversation_turns``) and the TTFT of returning turns whose history was still cached
+against those whose history had been evicted and was recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from kvbench.config.bench import BenchConfig
+from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.results import RunResult
+from kvbench.serving import turn_metrics
+from kvbench.serving.record import timeline_from_record
+from kvbench.workloads import serving
+
+METRICS: Dict[str, Metric] = metric_table(*serving.METRICS.values(), *turn_metrics.METRICS.values())
+METHODS: Dict[str, str] = record_methods(METRICS)
+RECORDED = METRICS  # what a record may hold
+
+
+def run(cfg: BenchConfig, model, device: torch.device, result: RunResult,
+        tick: Optional[serving.Tick] = None) -> None:
+    """Serve the conversations (:func:`kvbench.workloads.serving.run`), then add the per-turn
+    figures, computed from the timeline the record holds."""
+    serving.run(cfg, model, device, result, tick)
+    result.methods.update(METHODS)
+    timeline = timeline_from_record(result.tables, result.metrics)
+    result.tables["conversation_turns"] = turn_metrics.turn_rows(timeline)
+    result.metrics.update(turn_metrics.conversation_metrics(timeline))
