@@ -185,6 +185,21 @@ def test_turn_rows_of_a_run_without_a_prefix_cache_say_why_nothing_is_classified
     assert [r["prefix_query_tokens"] for r in turn_rows(timeline)] == [0, 0]
 
 
+def test_a_hybrids_returning_turns_are_not_classified_and_the_record_says_why(tmp_path):
+    """A Gated DeltaNet hybrid resumes a history only from a state saved in prefill: its prefix hits
+    are recorded, its returning turns are neither cached nor evicted, and returning_reason says why."""
+    torch.set_num_threads(1)
+    run_job(compose(*CONV, "attention.full_attention_interval=2"), tmp_path)
+    record = read_record(tmp_path / "results.json")
+    assert record.status == "ok", record.error
+    m, table = record.metrics, record.tables["conversation_turns"]
+    assert m["returning_turns"] > 0 and (m["returning_cached"], m["returning_evicted"]) == (0, 0)
+    assert m["returning_reason"].startswith("not classified: a recurrent (Gated DeltaNet) layer resumes only")
+    assert sum(t["cached"] + t["evicted"] for t in table) == 0
+    rows = record.tables["serving_requests"]
+    assert sum(t["prefix_hit_tokens"] for t in table) == sum(r["prefix_hit_tokens"] for r in rows)
+
+
 def test_the_console_prints_the_record_per_turn_table(conv_record):
     from rich.console import Console
 

@@ -188,11 +188,10 @@ def test_every_turn_of_a_conversation_gets_the_tokens_of_an_isolated_greedy_deco
     if store.startswith("paged"):
         assert kinds == []  # nothing was looked up
     if layout == "gdn":
-        # A recurrent layer resumes only from a saved state, saved in prefill and not at the end of
-        # an answer, so a returning turn finds less than its history's full blocks whether or not
-        # they were evicted: classify counts blocks, and for a Gated DeltaNet hybrid its cached /
-        # evicted split is not asserted (docs/serving.md says so), nor its preemptions (a state
-        # pool's own size); its tokens are, above.
+        # A recurrent layer resumes only from a state saved in prefill, never at an answer's end:
+        # blocks cannot tell its cached histories from evicted ones, so none is classified (nor are
+        # its preemptions asserted: a state pool's own size); its tokens are, above.
+        assert [k for k in classify(timeline, recurrent=True).values() if k is not None] == []
         return
     if not store.startswith("paged"):
         assert ("evicted" in kinds) == store.endswith("small") and "cached" in kinds

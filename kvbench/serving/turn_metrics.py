@@ -15,6 +15,10 @@ meanwhile (evicted, least recently freed first). So a returning turn can find
 
 Without a prefix cache (``workload.prefix_caching=false``, a slot store) nothing is looked up and
 every turn recomputes its history: returning turns are neither (``returning_reason`` says so).
+Nor are they on a model with recurrent layers (Gated DeltaNet): such a layer resumes only from a
+state saved in prefill (``workload.state_checkpoint``), never at the end of an answer, so a turn
+whose blocks were all kept still finds fewer than ``reusable`` tokens, and blocks cannot tell a
+cached history from an evicted one.
 TTFT is as in :mod:`kvbench.serving.metrics` (first output token - arrival, the arrival being the
 end of the think time), over finished turns.
 """
@@ -43,14 +47,15 @@ def _by_turn(timeline: Timeline) -> Dict[tuple, RequestTrace]:
     return {(t.request.conversation, t.request.turn): t for t in timeline.traces if t.request.conversation is not None}
 
 
-def classify(timeline: Timeline) -> Dict[int, Optional[str]]:
+def classify(timeline: Timeline, recurrent: bool = False) -> Dict[int, Optional[str]]:
     """Request id -> ``cached`` | ``evicted`` for each admitted returning turn looked up in a prefix
-    cache; None for the rest (first turns, never admitted, no prefix cache)."""
+    cache; None for the rest (first turns, never admitted, no prefix cache, every turn of a model
+    with ``recurrent`` layers)."""
     by_turn = _by_turn(timeline)
     out: Dict[int, Optional[str]] = {}
     for (c, k), t in by_turn.items():
         kind = None
-        if k > 0 and t.first_hit_tokens is not None and t.prefix_query_tokens > 0:
+        if k > 0 and t.first_hit_tokens is not None and t.prefix_query_tokens > 0 and not recurrent:
             reusable = reusable_tokens(by_turn[(c, k - 1)], t, timeline.block_size)
             kind = "cached" if t.first_hit_tokens >= reusable else "evicted"
         out[t.request.id] = kind
@@ -67,11 +72,11 @@ def _stats(prefix: str, values: Sequence[float]) -> Dict[str, Any]:
     return out
 
 
-def turn_rows(timeline: Timeline) -> List[Dict[str, Any]]:
+def turn_rows(timeline: Timeline, recurrent: bool = False) -> List[Dict[str, Any]]:
     """A row per turn index: turns sent and finished, TTFT (mean, p50/p90/p99) over finished ones,
     prefix hits and queries (vLLM's counting), and the returning turns cached / evicted, with the
     p50 TTFT of each."""
-    kinds = classify(timeline)
+    kinds = classify(timeline, recurrent)
     turns = sorted({t.request.turn for t in timeline.traces if t.request.conversation is not None})
     rows = []
     for k in turns:
@@ -90,10 +95,11 @@ def turn_rows(timeline: Timeline) -> List[Dict[str, Any]]:
     return rows
 
 
-def conversation_metrics(timeline: Timeline) -> Dict[str, Any]:
+def conversation_metrics(timeline: Timeline, recurrent: bool = False) -> Dict[str, Any]:
     """The run's returning turns, cached against evicted: counts, TTFT statistics of each, the
-    history tokens recomputed, and the conversations' sizes."""
-    kinds = classify(timeline)
+    history tokens recomputed, and the conversations' sizes (``recurrent``: a model with recurrent
+    layers, whose turns are not classified)."""
+    kinds = classify(timeline, recurrent)
     traces = {t.request.id: t for t in timeline.traces}
     chats = {t.request.conversation for t in timeline.traces if t.request.conversation is not None}
     returning = [t for t in timeline.traces if t.request.conversation is not None and t.request.turn > 0]
@@ -111,6 +117,9 @@ def conversation_metrics(timeline: Timeline) -> Dict[str, Any]:
             recomputed += max(0, r - t.first_hit_tokens)
     out.update(history_reusable_tokens=reusable, history_recomputed_tokens=recomputed,
                returning_reason=None if any(kinds.values()) or not returning else
+               "not classified: a recurrent (Gated DeltaNet) layer resumes only from a state saved in prefill "
+               "(workload.state_checkpoint), never at an answer's end, so blocks cannot tell a cached history from "
+               "an evicted one" if recurrent else
                "no returning turn was looked up in a prefix cache (workload.prefix_caching=false, a slot store, "
                "or none was admitted): each recomputed its whole history")
     return out
@@ -136,7 +145,8 @@ METRICS: Dict[str, Metric] = metric_table(
                                                 "to block_size)"),
     Metric("history_recomputed_tokens", "tokens", "over returning turns looked up: reusable history tokens not found "
                                                   "at first admission (evicted), prefilled again"),
-    Metric("returning_reason", "text", "why no returning turn is cached or evicted: nothing was looked up"),
+    Metric("returning_reason", "text", "why no returning turn is cached or evicted: nothing was looked up, or the "
+           "model has recurrent layers"),
     Metric("tables.conversation_turns", "", "one row per turn index: turns, finished, ttft_ms_mean/_p50/_p90/_p99 "
                                             "(and _n), prefix_hit_tokens, prefix_query_tokens, prefix_hit_rate, "
                                             "cached, evicted, ttft_ms_p50_cached, ttft_ms_p50_evicted"),

@@ -33,5 +33,6 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult,
     serving.run(cfg, model, device, result, tick)
     result.methods.update(METHODS)
     timeline = timeline_from_record(result.tables, result.metrics)
-    result.tables["conversation_turns"] = turn_metrics.turn_rows(timeline)
-    result.metrics.update(turn_metrics.conversation_metrics(timeline))
+    recurrent = any(layer.state is not None for layer in model.layouts)
+    result.tables["conversation_turns"] = turn_metrics.turn_rows(timeline, recurrent)
+    result.metrics.update(turn_metrics.conversation_metrics(timeline, recurrent))
