@@ -17,18 +17,14 @@ prompts of ``prefix_len`` tokens: its prompt is that prefix plus its own drawn l
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
-from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
 
-from kvbench.config.errors import ConfigError, one_line
+from kvbench.config.errors import ConfigError
 from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S, LengthConfig, check_record_size, duration_text
-from kvbench.jsonio import read_regular
+from kvbench.serving.table_files import number, read_text, table_rows
 from kvbench.serving.trace import Request
 
 MAX_TRACE_BYTES = 64 * 2**20  # a trace of more is not one this CPU-sized scheduler can serve
@@ -119,21 +115,9 @@ def read_trace(path: str, default_prefix_len: int = 0) -> List[Request]:
     (default ``workload.prefix_len``); arrivals in non-decreasing order. Every problem is one
     :class:`ConfigError` naming ``workload.trace``, the file and the row."""
     key = f"workload.trace={path!r}"
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{key}: no such file")
-    size = p.stat().st_size
-    if size > MAX_TRACE_BYTES:
-        raise ConfigError(f"{key}: {size:,} bytes, more than the {MAX_TRACE_BYTES:,} a trace may have")
-    try:
-        raw = read_regular(p, MAX_TRACE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot be read ({exc.strerror or exc})") from None
-    try:  # a byte-order mark (spreadsheets write one) is not part of the first column's name
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{key}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    rows = _jsonl_rows(text, key) if text.lstrip().startswith("{") else _csv_rows(text, key)
+    text = read_text(key, path, MAX_TRACE_BYTES, "a trace")
+    rows = table_rows(text, key, _COLUMNS, f"{', '.join(_COLUMNS)}, optional prefix_id, prefix_len", MAX_TRACE_ROWS,
+                      "requests")
     if not rows:
         raise ConfigError(f"{key}: holds no requests")
     out, last = [], -math.inf
@@ -152,69 +136,12 @@ def read_trace(path: str, default_prefix_len: int = 0) -> List[Request]:
     return out
 
 
-def _jsonl_rows(text: str, key: str) -> List[tuple]:
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{key}: line {n}: not JSON ({exc.msg})") from None
-        except RecursionError:
-            raise ConfigError(f"{key}: line {n}: nested too deeply to parse") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{key}: line {n}: a JSON object is expected, got {type(row).__name__}")
-        rows.append((n, row))
-        if len(rows) > MAX_TRACE_ROWS:
-            raise ConfigError(f"{key}: more than {MAX_TRACE_ROWS:,} requests")
-    return rows
-
-
-def _csv_rows(text: str, key: str) -> List[tuple]:
-    # skipinitialspace: a header written "arrival_s, prompt_len, output_len" names the same columns
-    reader = csv.DictReader(io.StringIO(text), skipinitialspace=True)
-    rows = []
-    try:
-        missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ConfigError(f"{key}: the header lacks {', '.join(missing)} (columns: {', '.join(_COLUMNS)}"
-                              ", optional prefix_id, prefix_len)")
-        for row in reader:
-            rows.append((reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}))
-            if len(rows) > MAX_TRACE_ROWS:
-                raise ConfigError(f"{key}: more than {MAX_TRACE_ROWS:,} requests")
-    except csv.Error as exc:  # a field past csv's limit, a quote left open
-        raise ConfigError(f"{key}: line {max(1, reader.line_num)}: not CSV ({exc})") from None
-    return rows
-
-
-def _number(row: dict, name: str, where: str, kind, least, optional: bool = False):
-    if name not in row:
-        if optional:
-            return None
-        raise ConfigError(f"{where}: no {name}")
-    value = row[name]
-    shown = one_line(repr(value), 60)
-    try:
-        if isinstance(value, (bool, list, dict)):  # float(True) is 1.0: a flag is no time, no length
-            raise TypeError
-        number = kind(float(value)) if kind is float else int(str(value))
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {name}={shown} is not a{'n integer' if kind is int else ' number'}") from None
-    if kind is float and not math.isfinite(number):
-        raise ConfigError(f"{where}: {name}={shown} must be finite")
-    if number < least:
-        raise ConfigError(f"{where}: {name}={shown} must be >= {least}")
-    return number
-
-
 def _request(i: int, row: dict, default_prefix_len: int, where: str) -> Request:
-    arrival = _number(row, "arrival_s", where, float, 0)
-    prompt = _number(row, "prompt_len", where, int, 1)
-    output = _number(row, "output_len", where, int, 1)
-    prefix_id: Optional[int] = _number(row, "prefix_id", where, int, 0, optional=True)
-    prefix_len = _number(row, "prefix_len", where, int, 0, optional=True)
+    arrival = number(row, "arrival_s", where, float, 0)
+    prompt = number(row, "prompt_len", where, int, 1)
+    output = number(row, "output_len", where, int, 1)
+    prefix_id: Optional[int] = number(row, "prefix_id", where, int, 0, optional=True)
+    prefix_len = number(row, "prefix_len", where, int, 0, optional=True)
     if prefix_id is None:
         return Request(i, arrival, prompt, output)
     prefix_len = default_prefix_len if prefix_len is None else prefix_len

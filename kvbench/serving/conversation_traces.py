@@ -19,18 +19,14 @@ and the field.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.config.errors import ConfigError, one_line
-from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S, duration_text
-from kvbench.jsonio import read_regular
+from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S
+from kvbench.serving.table_files import number, read_text, table_rows
 
 MAX_FILE_BYTES = 64 * 2**20  # as a single-turn trace's (serving/arrivals.py)
 MAX_TURNS = MAX_REQUESTS  # more than a record can hold (config.serving)
@@ -50,23 +46,6 @@ class TurnSpec:
     think_s: Optional[float] = None
     arrival_s: Optional[float] = None
     text: Optional[bytes] = None
-
-
-def _read_text(key: str, path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{key}: no such file")
-    size = p.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise ConfigError(f"{key}: {size:,} bytes, more than the {MAX_FILE_BYTES:,} a conversation file may have")
-    try:
-        raw = read_regular(p, MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot be read ({exc.strerror or exc})") from None
-    try:  # a byte-order mark (spreadsheets write one) is not part of the first column's name
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{key}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 # ---- ShareGPT ----------------------------------------------------------------------------------
@@ -112,7 +91,7 @@ def _json_items(text: str, key: str) -> List[Tuple[int, Any]]:
 def read_sharegpt(path: str) -> List[List[TurnSpec]]:
     """The conversations of a ShareGPT-style JSON file, in file order (see the module's docstring)."""
     key = f"workload.sharegpt={path!r}"
-    items = _json_items(_read_text(key, path), key)
+    items = _json_items(read_text(key, path, MAX_FILE_BYTES, "a conversation file"), key)
     if not items:
         raise ConfigError(f"{key}: holds no conversations")
     chats, total = [], 0
@@ -160,66 +139,11 @@ def read_sharegpt(path: str) -> List[List[TurnSpec]]:
 # ---- a CSV / JSONL of turns ----------------------------------------------------------------------
 
 
-def _rows(text: str, key: str) -> List[Tuple[int, Dict[str, Any]]]:
-    rows: List[Tuple[int, Dict[str, Any]]] = []
-    if text.lstrip().startswith("{"):
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{key}: line {n}: not JSON ({exc.msg})") from None
-            except RecursionError:
-                raise ConfigError(f"{key}: line {n}: nested too deeply to parse") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{key}: line {n}: a JSON object is expected, got {type(row).__name__}")
-            rows.append((n, row))
-            if len(rows) > MAX_TURNS:
-                raise ConfigError(f"{key}: more than {MAX_TURNS:,} turns")
-        return rows
-    reader = csv.DictReader(io.StringIO(text), skipinitialspace=True)
-    try:
-        missing = [c for c in TURN_COLUMNS + ("arrival_s",) if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ConfigError(f"{key}: the header lacks {', '.join(missing)} (columns: conversation, turn, arrival_s, "
-                              "user_len, output_len, optional think_s)")
-        for row in reader:
-            rows.append((reader.line_num, {k: v for k, v in row.items() if v not in ("", None)}))
-            if len(rows) > MAX_TURNS:
-                raise ConfigError(f"{key}: more than {MAX_TURNS:,} turns")
-    except csv.Error as exc:  # a field past csv's limit, a quote left open
-        raise ConfigError(f"{key}: line {max(1, reader.line_num)}: not CSV ({exc})") from None
-    return rows
-
-
-def _number(row: Dict[str, Any], name: str, where: str, kind, least, optional: bool = False):
-    if name not in row:
-        if optional:
-            return None
-        raise ConfigError(f"{where}: no {name}")
-    value = row[name]
-    shown = one_line(repr(value), 60)
-    try:
-        if isinstance(value, (bool, list, dict)):  # float(True) is 1.0: a flag is no time, no length
-            raise TypeError
-        number = float(value) if kind is float else int(str(value))
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {name}={shown} is not a{'n integer' if kind is int else ' number'}") from None
-    if kind is float and not math.isfinite(number):
-        raise ConfigError(f"{where}: {name}={shown} must be finite")
-    if number < least:
-        raise ConfigError(f"{where}: {name}={shown} must be >= {least}")
-    if kind is float and number > MAX_SPAN_S:  # the scheduler would sleep until it
-        raise ConfigError(f"{where}: {name}={shown} is {duration_text(number)}, more than the "
-                          f"{duration_text(MAX_SPAN_S)} a serving run may span (seconds from the run's start)")
-    return number
-
-
 def read_turns(path: str) -> List[List[TurnSpec]]:
     """The conversations of a CSV / JSONL file of turns, in order of their first row."""
     key = f"workload.trace={path!r}"
-    rows = _rows(_read_text(key, path), key)
+    rows = table_rows(read_text(key, path, MAX_FILE_BYTES, "a conversation file"), key, TURN_COLUMNS + ("arrival_s",),
+                      "conversation, turn, arrival_s, user_len, output_len, optional think_s", MAX_TURNS, "turns")
     if not rows:
         raise ConfigError(f"{key}: holds no turns")
     chats: Dict[str, List[TurnSpec]] = {}
@@ -231,11 +155,12 @@ def read_turns(path: str) -> List[List[TurnSpec]]:
         if isinstance(row["conversation"], (dict, list)):
             raise ConfigError(f"{where}: conversation={conversation}: an id (a number or a name) is expected")
         turns = chats.setdefault(conversation, [])
-        turn = _number(row, "turn", where, int, 0)
+        turn = number(row, "turn", where, int, 0)
         if turn != len(turns):
             raise ConfigError(f"{where}: turn={turn}: conversation {conversation!r} expects turn {len(turns)} next "
                               "(turns count 0, 1, 2 ... in file order)")
-        arrival = _number(row, "arrival_s", where, float, 0, optional=turn > 0)
-        turns.append(TurnSpec(_number(row, "user_len", where, int, 1), _number(row, "output_len", where, int, 1),
-                              _number(row, "think_s", where, float, 0, optional=True) or 0.0, arrival))
+        arrival = number(row, "arrival_s", where, float, 0, optional=turn > 0, longest_s=MAX_SPAN_S)
+        think = number(row, "think_s", where, float, 0, optional=True, longest_s=MAX_SPAN_S) or 0.0
+        turns.append(TurnSpec(number(row, "user_len", where, int, 1), number(row, "output_len", where, int, 1),
+                              think, arrival))
     return list(chats.values())
