@@ -86,6 +86,15 @@ def byte_decoder(num_kv_heads=4, seed=0) -> Decoder:
     return Decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads))
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

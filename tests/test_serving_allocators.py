@@ -26,12 +26,7 @@ KV_LAYER = 2 * 2 * 16 * 4  # K and V, 2 heads of 16, float32: bytes per position
 STATE_LAYER = 4 * 8 * 12 * 4 + (2 * 2 * 8 + 4 * 12) * 3 * 4  # H_v d_k d_v float32 + conv tail (K - 1) x channels
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # timelines of one thread, as a job runs
 
 
 def hybrid() -> Decoder:

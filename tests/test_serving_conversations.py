@@ -22,12 +22,7 @@ from kvbench.serving.turn_metrics import classify, conversation_metrics, turn_ro
 BS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # timelines of one thread, as a job runs
 
 
 def two_chats(other_len):

@@ -30,12 +30,7 @@ from kvbench.serving.turn_metrics import classify
 BS = 4  # tokens per block
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # timelines of one thread, as a job runs
 
 
 def mla_decoder() -> Decoder:
