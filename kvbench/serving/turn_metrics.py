@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from kvbench.measure.stats import percentile
+from kvbench.measure.stats import min_samples, percentile
 from kvbench.metrics import Metric, metric_table
 from kvbench.serving.trace import RequestTrace, Timeline
 
@@ -66,9 +66,16 @@ def _ttft_ms(t: RequestTrace) -> float:
     return 1e3 * (t.token_s[0] - t.request.arrival_s)
 
 
+def _quantile(values: Sequence[float], q: float) -> Optional[float]:
+    """The ``q`` quantile of ``values``; None from fewer samples than it needs to be more than
+    their extreme value (:func:`~kvbench.measure.stats.min_samples`: 2 for p50, 10 for p90, 100
+    for p99): a turn index holds few turns, and a p99 of 8 is their maximum under another name."""
+    return percentile(list(values), q) if len(values) >= min_samples(q) else None
+
+
 def _stats(prefix: str, values: Sequence[float]) -> Dict[str, Any]:
     out: Dict[str, Any] = {f"{prefix}_n": len(values), f"{prefix}_mean": float(np.mean(values)) if values else None}
-    out.update({f"{prefix}_{tag}": percentile(list(values), q) if values else None for tag, q in QUANTILES.items()})
+    out.update({f"{prefix}_{tag}": _quantile(values, q) for tag, q in QUANTILES.items()})
     return out
 
 
@@ -90,7 +97,7 @@ def turn_rows(timeline: Timeline, recurrent: bool = False) -> List[Dict[str, Any
         for kind in KINDS:
             values = [_ttft_ms(t) for t in done if kinds[t.request.id] == kind]
             row[kind] = sum(kinds[t.request.id] == kind for t in ts)
-            row[f"ttft_ms_p50_{kind}"] = percentile(values, 0.5) if values else None
+            row[f"ttft_ms_p50_{kind}"] = _quantile(values, 0.5)
         rows.append(row)
     return rows
 
@@ -149,5 +156,7 @@ METRICS: Dict[str, Metric] = metric_table(
            "model has recurrent layers"),
     Metric("tables.conversation_turns", "", "one row per turn index: turns, finished, ttft_ms_mean/_p50/_p90/_p99 "
                                             "(and _n), prefix_hit_tokens, prefix_query_tokens, prefix_hit_rate, "
-                                            "cached, evicted, ttft_ms_p50_cached, ttft_ms_p50_evicted"),
+                                            "cached, evicted, ttft_ms_p50_cached, ttft_ms_p50_evicted; a quantile "
+                                            "from fewer turns than it needs (2 for p50, 10 for p90, 100 for p99) is "
+                                            "null"),
 )

@@ -287,7 +287,7 @@ def turns_table(record: Dict[str, Any]) -> Table:
 
 CONVERSATION_TURN_COLUMNS = [
     ("turn", "turn", "{}"), ("turns", "turns", "{}"), ("ttft_ms_p50", "p50 TTFT ms", "{:.2f}"),
-    ("ttft_ms_p99", "p99 TTFT ms", "{:.2f}"), ("prefix_hit_rate", "prefix hits", "{:.0%}"), ("cached", "cached", "{}"),
+    ("ttft_ms_p90", "p90 TTFT ms", "{:.2f}"), ("prefix_hit_rate", "prefix hits", "{:.0%}"), ("cached", "cached", "{}"),
     ("evicted", "evicted", "{}"), ("ttft_ms_p50_cached", "p50 TTFT cached", "{:.2f}"),
     ("ttft_ms_p50_evicted", "p50 TTFT evicted", "{:.2f}"),
 ]
