@@ -15,6 +15,7 @@ from conftest import make_decoder, tiny_model_config
 from kvbench.config.model import AttentionConfig
 from kvbench.model import Decoder
 from kvbench.serving.allocator import Checkpoint
+from kvbench.serving.metrics import block_metrics
 from kvbench.serving.paged import PagedStore, plan_for
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
@@ -104,9 +105,16 @@ def test_each_allocator_reserves_its_own_formula(allocator):
 
     scheduler = Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01, 1e-4, 1e-3),
                           observe=observe)
-    scheduler.run()
+    timeline = scheduler.run()
     assert len(seen) == scheduler.iterations and max(seen) > 0
     assert store.used_blocks == 0
+    # the most one sequence's pages hold beyond the formula: each K/V page less one position, the
+    # state pages less the states (per_kind: none; unified: the page raised to hold a state)
+    waste = pages[0] - KV_LAYER + pages[1] - KV_LAYER + pages[2] - 2 * STATE_LAYER
+    assert plan.waste_per_sequence == timeline.waste_per_sequence == waste
+    m = block_metrics(timeline)
+    assert m["block_waste_within_bound"] and m["block_waste_over_bound_samples"] == 0
+    assert m["block_waste_bound_bytes_max"] == waste * max(x.running for x in timeline.samples)
 
 
 def test_a_window_holds_a_bounded_number_of_blocks_whatever_the_length():

@@ -126,6 +126,14 @@ class Plan:
         return sum(n * (g.state_bytes if g.is_state else self.block_size * g.position_bytes)
                    for g, n in zip(self.groups, self.capacity))
 
+    @property
+    def waste_per_sequence(self) -> int:
+        """The most bytes one running sequence's pages reserve beyond what the formula gives for what
+        they hold: in each K/V group a last block with one position filled (a page raised to hold
+        a state adds its slack to every block), in the state group a page's room beyond its state."""
+        return sum(b - (g.state_bytes if g.is_state else g.position_bytes)
+                   for g, b in zip(self.groups, self.page_bytes))
+
     def sequence_bytes(self, length: int) -> int:
         """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""
         return sum(blocks_held(g, length, self.block_size) * b for g, b in zip(self.groups, self.page_bytes))

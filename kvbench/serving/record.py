@@ -38,7 +38,8 @@ def timeline_tables(timeline: Timeline) -> Dict[str, List[Dict[str, Any]]]:
 def timeline_scalars(timeline: Timeline) -> Dict[str, Any]:
     """The Timeline's own scalars as the record's metrics name them."""
     return {"duration_s": timeline.duration_s, "kv_store": timeline.store, "block_size": timeline.block_size,
-            "kv_blocks_total": timeline.kv_blocks_total, "kv_bytes_per_token": timeline.bytes_per_token}
+            "kv_blocks_total": timeline.kv_blocks_total, "kv_bytes_per_token": timeline.bytes_per_token,
+            "block_waste_per_sequence_bytes": timeline.waste_per_sequence}
 
 
 def timeline_from_record(tables: Mapping[str, List[Mapping[str, Any]]], metrics: Mapping[str, Any]) -> Timeline:
@@ -56,4 +57,5 @@ def timeline_from_record(tables: Mapping[str, List[Mapping[str, Any]]], metrics:
                                    row.get("first_hit_tokens")))
     samples = [Sample(**{f: row[f] for f in SAMPLE_FIELDS}) for row in tables.get("serving_samples", [])]
     return Timeline(traces, samples, float(metrics["duration_s"]), str(metrics["kv_store"]),
-                    int(metrics["block_size"]), int(metrics["kv_blocks_total"]), int(metrics["kv_bytes_per_token"]))
+                    int(metrics["block_size"]), int(metrics["kv_blocks_total"]), int(metrics["kv_bytes_per_token"]),
+                    metrics.get("block_waste_per_sequence_bytes"))

@@ -255,7 +255,7 @@ class Scheduler:
         traces = sorted((s.trace for s in self.all), key=lambda tr: tr.request.id)
         end = max((tr.token_s[-1] for tr in traces if tr.token_s), default=0.0)
         return Timeline(traces, self.samples, end, self.store.kind, self.store.block_size,
-                        self.store.num_blocks, self.store.bytes_per_token)
+                        self.store.num_blocks, self.store.bytes_per_token, self.store.plan.waste_per_sequence)
 
     def outputs(self) -> dict:
         """Request id -> the tokens it generated."""

@@ -75,7 +75,8 @@ class Timeline:
     ``duration_s``: from the run's start to its last token (the engines' benchmark duration).
     ``store``: ``"paged"`` or ``"slots"``; ``block_size`` tokens per block (slots: the slot's length);
     ``kv_blocks_total`` the store's capacity in blocks; ``bytes_per_token`` the KV formula's bytes
-    for one token of one sequence (all layers).
+    for one token of one sequence (all layers); ``waste_per_sequence`` the most bytes one running
+    sequence's blocks reserve beyond the formula's (the store's plan).
     """
 
     traces: List[RequestTrace]
@@ -85,3 +86,4 @@ class Timeline:
     block_size: int
     kv_blocks_total: int
     bytes_per_token: int
+    waste_per_sequence: Optional[int] = None  # None: a record written before the store kept it
