@@ -317,3 +317,19 @@ def test_records_of_one_variant_on_other_seeds_pool_into_one_column():
     assert recall_table(many) == recall_table(one)
     assert recall_table(many)[1][0][2] == "0.600 [{:.3f}, {:.3f}] (0.50 0.70 0.60)".format(
         *t_interval([0.5, 0.7, 0.6], (0, 1)))
+
+
+def test_recall_trains_gated_deltanet_models_from_scratch_with_their_state_apart(tmp_path):
+    """experiment=recall's hybrid (layer 0 Gated DeltaNet, layer 1 full MHA) and pure stack train
+    from scratch (a backward through the chunked delta rule) and record the state per sequence
+    apart from the K/V per token: 4 key heads and 8 value heads of 8, kernel 4, float32 -> per
+    linear layer a 8 x 8 x 8 state and the last 3 inputs of q, k (4 x 8 each) and v (8 x 8)."""
+    state = 8 * 8 * 8 * 4 + (2 * 4 * 8 + 8 * 8) * 3 * 4
+    hybrid = _job(tmp_path / "gdn", "attention=recall/gdn", "recall.seeds=2")
+    pure = _job(tmp_path / "pure", "attention=recall/gdn_pure", "recall.seeds=1")
+    assert hybrid.status == "ok" and pure.status == "ok", (hybrid.error, pure.error)
+    assert hybrid.config["attention"]["layer_types"] == ["linear_attention", "full_attention"]
+    assert (hybrid.metrics["kv_bytes_per_token"], hybrid.metrics["kv_state_bytes_per_sequence"]) == (
+        2 * 4 * 16 * 4, state)  # K and V of the full layer's 4 heads of 16
+    assert (pure.metrics["kv_bytes_per_token"], pure.metrics["kv_state_bytes_per_sequence"]) == (0, 2 * state)
+    assert all(p["train_loss"] > 0 for p in hybrid.tables["train_curve"])
