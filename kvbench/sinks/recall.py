@@ -131,7 +131,8 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
     """(header, rows): a row per condition, a column per variant: accuracy [95 % interval] over
     the pooled seeds; for every variant after the first its gap to the first; the condition's
     chance and copy baseline (``-`` where the record has none: passkey, or an older record); then
-    rows of KV / token and decode step (of the variant's first record)."""
+    rows of KV / token, the state per sequence where a variant holds one, and decode step (of the
+    variant's first record)."""
     rows_by_variant = pooled(group)
     labels = list(rows_by_variant)
     first_record = {label: next(r for r in map(RecordView.of, group) if r.variant.label == label) for label in labels}
@@ -148,6 +149,8 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
     pad = [""] * (len(labels) + 1)
     metrics = [first_record[v].metrics for v in labels]
     rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
+    if any(m.get("kv_state_bytes_per_sequence") for m in metrics):  # a Gated DeltaNet layer's, whatever the length
+        rows.append(["state / sequence", *[fmt(m.get("kv_state_bytes_per_sequence"), "bytes") for m in metrics], *pad])
     rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
     return header, rows
 

@@ -217,12 +217,25 @@ def test_recall_longer_than_the_model_is_invalid(tmp_path):
 @pytest.mark.parametrize("preset", ["recall", "recall_gpu"])
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mqa", "recall/mla", "recall/swa"])
 def test_recall_presets_compose_for_every_variant(preset, attention):
+    _composes(preset, attention)
+
+
+@pytest.mark.parametrize("attention,types", [("recall/gdn", ["linear_attention", "full_attention"]),
+                                             ("recall/gdn_pure", ["linear_attention", "linear_attention"])])
+def test_the_recall_preset_composes_its_gated_deltanet_variants(attention, types):
+    """experiment=recall sweeps them (its 2 layers: recall/gdn_pure lists both as linear)."""
+    cfg = _composes("recall", attention)
+    assert cfg.attention.layer_types == types and cfg.attention.num_kv_heads == cfg.model.num_heads
+
+
+def _composes(preset, attention):
     from kvbench.config.bench import to_bench_config
     from kvbench.tasks.recall import conditions
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[f"experiment={preset}", f"attention={attention}"]))
     assert cfg.task == "recall" and cfg.recall.seeds >= 3
-    heads = {"mha": cfg.model.num_heads, "gqa": 2, "mqa": 1, "recall/mla": 1, "recall/swa": cfg.model.num_heads}
+    heads = {"mha": cfg.model.num_heads, "gqa": 2, "mqa": 1, "recall/mla": 1, "recall/swa": cfg.model.num_heads,
+             "recall/gdn": cfg.model.num_heads, "recall/gdn_pure": cfg.model.num_heads}
     assert cfg.attention.num_kv_heads == heads[attention]
     assert len(conditions(cfg.recall)) >= 2
     if attention == "recall/swa":  # the window must be shorter than the reach the task asks for
@@ -230,6 +243,7 @@ def test_recall_presets_compose_for_every_variant(preset, attention):
         assert reach < max(cfg.recall.seq_len) - 2  # MQAR: the first pair's value to the last query
         assert any(d > reach for d in cfg.recall.distances)
         assert preset != "recall" or any(d < reach for d in cfg.recall.distances)  # passkey: both sides on a CPU
+    return cfg
 
 
 def test_a_seed_count_says_how_many_solved_with_its_exact_interval():
@@ -292,6 +306,22 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     # each condition's floors beside it: chance, and the copy baseline a recall result must clear
     assert [r[-2:] for r in rows[:2]] == [["0.0312", "0.273"], ["0.0312", "0.152"]]
     assert [r[0] for r in rows[2:]] == ["KV / token", "decode p50 ms"] and rows[2][1:3] == ["512 B", "128 B"]
+
+
+def test_a_state_per_sequence_is_a_row_of_the_recall_table():
+    """A Gated DeltaNet variant's K/V per token counts its full layers only; its state is a row
+    of its own (K/V layouts: 0 B), absent where no variant holds one (the test above)."""
+    from kvbench.sinks.recall import groups, recall_table
+    mha = _record(("mha", 4), {4: [1.0, 1.0, 1.0]})
+    gdn = _record(("mha", 4), {4: [0.4, 0.5, 0.6]})
+    gdn["config"]["attention"]["layer_types"] = ["linear_attention", "full_attention"]
+    gdn["metrics"].update(kv_bytes_per_token=256, kv_state_bytes_per_sequence=3584)
+    mha["metrics"]["kv_state_bytes_per_sequence"] = 0
+    [group] = groups([gdn, mha])
+    header, rows = recall_table(group)
+    assert header[1:3] == ["mha kv=4", "mha kv=4 gdn 1:1"]
+    assert [r[:3] for r in rows[1:4]] == [["KV / token", "512 B", "256 B"], ["state / sequence", "0 B", "3.50 KiB"],
+                                         ["decode p50 ms", "0.500", "0.500"]]
 
 
 def test_a_gap_interval_stays_within_the_points_a_difference_of_accuracies_can_take():
