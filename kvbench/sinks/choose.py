@@ -320,6 +320,6 @@ def _context_table(rows: Dict[str, Dict[str, Any]]) -> Tuple[List[str], List[Lis
     table = []
     for label, r in rows.items():
         cells = [r["by_context"].get(c) for c in contexts]
-        table.append([label, *("-" if a is None else f"{fmt(a.get('max_batch'), '{}')} ({fmt(a.get('stopped_by'), '{}')})"
-                               for a in cells)])
+        table.append([label, *("-" if a is None else
+                               f"{fmt(a.get('max_batch'), '{}')} ({fmt(a.get('stopped_by'), '{}')})" for a in cells)])
     return header, table

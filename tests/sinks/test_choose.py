@@ -203,7 +203,8 @@ def test_a_gated_deltanet_hybrid_is_a_row_with_its_state_and_the_batch_per_conte
         rec["metrics"]["kv_state_bytes_per_sequence"] = 0
     (choice,) = choices(records)
     rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
-    assert rows["gqa kv=2 gdn 3:1"]["state / sequence"] == "132.00 KiB" and rows["gqa kv=2"]["state / sequence"] == "0 B"
+    assert rows["gqa kv=2 gdn 3:1"]["state / sequence"] == "132.00 KiB"
+    assert rows["gqa kv=2"]["state / sequence"] == "0 B"
     assert rows["gqa kv=2 gdn 3:1"]["KV / token (at longest)"] == "1.50 KiB"
     assert dict(choice.recommendations)["memory tight"].startswith("gqa kv=2 gdn 3:1: the largest max batch, 45")
     assert any(n.startswith("state / sequence: what a sequence of gqa kv=2 gdn 3:1 holds whatever its length")
