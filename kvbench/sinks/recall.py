@@ -96,12 +96,14 @@ def malformed(records: Sequence[Record]) -> int:
 
 def groups(records: Sequence[Record]) -> List[List[Record]]:
     """ok, :func:`well_formed` recall records grouped by everything in their config but the
-    variant and the seeds (records of one variant on other seeds are pooled by :func:`pooled`)."""
+    variant, the seeds and how the job was tracked (records of one variant on other seeds are
+    pooled by :func:`pooled`)."""
     out: Dict[str, List[Record]] = {}
     for rec in _recall_records(records):
         if not well_formed(rec):
             continue
-        key = {k: v for k, v in rec.config.items() if k != "attention"}
+        # how a job was tracked or scheduled (wandb, rerun) is not what it measured
+        key = {k: v for k, v in rec.config.items() if k not in ("attention", "wandb", "rerun")}
         key["runtime"] = {k: v for k, v in (key.get("runtime") or {}).items() if k != "seed"}
         key["recall"] = {k: v for k, v in (key.get("recall") or {}).items() if k != "seeds"}
         out.setdefault(repr(sorted(key.items(), key=lambda kv: kv[0])), []).append(rec)

@@ -308,6 +308,18 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     assert [r[0] for r in rows[2:]] == ["KV / token", "decode p50 ms"] and rows[2][1:3] == ["512 B", "128 B"]
 
 
+def test_records_tracked_differently_are_one_table():
+    """Two sweeps of one preset, one with W&B offline and one disabled, measured the same thing:
+    one table, not two."""
+    from kvbench.sinks.recall import groups
+    mha, mqa = _record(("mha", 4), {4: [1.0, 1.0, 1.0]}), _record(("mqa", 1), {4: [0.9, 0.8, 0.85]})
+    mha["config"]["wandb"], mqa["config"]["wandb"] = {"mode": "offline"}, {"mode": "disabled"}
+    mqa["config"]["rerun"] = True
+    assert [len(g) for g in groups([mha, mqa])] == [2]
+    mqa["config"]["train"] = {"steps": 10}  # a different budget is another table
+    assert [len(g) for g in groups([mha, mqa])] == [1, 1]
+
+
 def test_a_state_per_sequence_is_a_row_of_the_recall_table():
     """A Gated DeltaNet variant's K/V per token counts its full layers only; its state is a row
     of its own (K/V layouts: 0 B), absent where no variant holds one (the test above)."""
