@@ -176,7 +176,7 @@ NOT_RUN = {
     "pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e .[dev]": "installs packages: .ci/run does "
                                                                           "exactly this",
     "python -m pytest -n 3 --dist loadgroup": "the suite this test is part of",
-    "kvbench experiment=recall": "5 variants trained on 4 seeds each (7.5 minutes); tests/quality/test_recall.py "
+    "kvbench experiment=recall": "7 variants trained on 4 seeds each (~20 minutes); tests/quality/test_recall.py "
                                  "trains and scores the task on a tiny model (composed and validated below)",
     "kvbench experiment=recall recall.kind=passkey recall.seeds=3": "the same preset on passkey (minutes; "
                                                                     "composed and validated below)",
