@@ -307,9 +307,9 @@ def _fit_fields(rounds: Dict, v: str, contexts: Sequence[int], n_rounds: int, su
 
 def _paired(name: str, a: List[Optional[float]], b: List[Optional[float]], n_rounds: int) -> Dict:
     """``name``: median(b) / median(a) paired over rounds, with its interval (null where a round
-    has no value)."""
+    has no value, or a side has no fit: a window past every context leaves none past it)."""
     ratio = low = high = None
-    if a and None not in a and None not in b:
+    if a and b and None not in a and None not in b:
         ratio, low, high = stats.paired_ratio(a, b)
     return {name: ratio, f"{name}_ci_low": low, f"{name}_ci_high": high,
             f"{name}_ci_reason": ratio and stats.paired_ratio_reason(n_rounds, ratio, low)}
