@@ -16,10 +16,15 @@ bounded in time and each judged pass / FAIL / inconclusive:
    allocated; oom when only the allocation finds out;
 5. two concurrent jobs with runtime.device=cuda:free on the one GPU: one runs, the other says clearly
    that every GPU is held;
-6. the layouts: one task=compare of MHA, GQA, MLA (absorbed decode) and a 5:1 hybrid (five layers with a
-   window of 1024, one global) in one process, the variants alternating trial by trial: every variant's
-   cache as allocated == the KV formula, and each one's KV cost per 1k tokens of context with its
-   interval, the hybrid's below and past its window (past W only its global layer grows);
+6. the layouts: one task=compare of MHA, GQA, MLA (absorbed decode), a 5:1 hybrid (five layers with a
+   window of 1024, one global), a Gated DeltaNet hybrid (4 linear, 2 full), DSA (MLA with a top-k of
+   1024) and KV sharing (the last 2 layers read layer 3's) in one process, the variants alternating
+   trial by trial: every variant's cache as allocated == the KV formula, the bytes each adds per 1k
+   tokens the formula's share of MHA's (the GDN hybrid's only its full layers', with its state apart),
+   and each one's KV cost per 1k tokens of context with its interval, below and past W = k; then the
+   new layouts exact on the device: tests/test_layouts_device.py (a GDN hybrid and pure stack, DSA
+   whose top-k binds, sinks over a window, KV sharing) decodes greedily on CUDA in float32 against the
+   same weights' CPU recompute, logits within 1e-4 and every clear argmax the same;
 7. the graph-mode sweep (the compiled, fixed-shape decode step; CUDA graphs on a GPU) next to eager, for
    MHA, GQA and MLA (its absorbed decode);
 8. the report: records.jsonl, summary.md (the table a person reads), summary.csv and two plots.
@@ -65,7 +70,8 @@ PLANS: Dict[str, Dict[str, Any]] = {
         # head_dim 128 takes DeepSeek-V3's own ranks (kv_lora_rank 512, rotary 64). Batch 8 so the KV
         # (MHA: 12 GB at 8192) is a visible part of a step; ~1 min (4 prefills of 8 x 8192, 7 rounds).
         "layouts": ["task=compare", "model.num_layers=6", "model.max_seq_len=8193", "workload.batch_size=8",
-                    "compare.variants=[mha,gqa,mla,mha:w1024:g6]", "compare.contexts=[256,512,1024,2048,4096,8192]",
+                    "compare.variants=[mha,gqa,mla,mha:w1024:g6,mha:d3,mla:k1024,mha:s2]",
+                    "compare.contexts=[256,512,1024,2048,4096,8192]",
                     "compare.steps=4", "runtime.warmup=1", "runtime.repeats=6", "runtime.compile=false"],
         # A static cache of a million 1001-position sequences (2 layers x 2 x 8 KV heads x 128 x 2 bytes
         # each: ~8 KB a position, 2 TB a tensor) cannot fit; the batch-1 job after it must still run.
@@ -86,7 +92,8 @@ PLANS: Dict[str, Dict[str, Any]] = {
         "eager": ["attention=mha,mqa", "workload.prompt_len=16,32", "workload.batch_size=1,2", "workload.gen_len=8"],
         "graph": ["attention=mha,mla", "workload.prompt_len=32", "workload.batch_size=1", "workload.gen_len=8"],
         "layouts": ["task=compare", "model.num_layers=6", "model.max_seq_len=64", "workload.batch_size=2",
-                    "compare.variants=[mha,gqa,mla,mha:w16:g6]", "compare.contexts=[4,8,16,24,32,48]",
+                    "compare.variants=[mha,gqa,mla,mha:w16:g6,mha:d3,mla:k16,mha:s2]",
+                    "compare.contexts=[4,8,16,24,32,48]",
                     "compare.steps=2", "runtime.warmup=0", "runtime.repeats=6", "runtime.compile=false"],
         # Ten million 201-position sequences: a 128 GB tensor per layer, refused by the allocator.
         "oom": ["attention=gqa", "workload.prompt_len=1", "workload.gen_len=200", "workload.batch_size=10000000,1"],
@@ -102,7 +109,8 @@ PLANS: Dict[str, Dict[str, Any]] = {
 # --steps key -> (name in the summary, Check method), in the order they run.
 STEPS = {"preflight": ("preflight", "preflight"), "cuda": ("cuda tests", "cuda_tests"),
          "eager": ("eager sweep", "eager"), "oom": ("oom goes on", "oom"), "free": ("cuda:free", "cuda_free"),
-         "layouts": ("layouts compare", "layouts"), "graph": ("graph sweep", "graph"),
+         "layouts": ("layouts compare", "layouts"), "exact": ("layouts exact", "layouts_exact"),
+         "graph": ("graph sweep", "graph"),
          "serving": ("serving sweep", "serving")}
 GRAPH_MODE = os.environ.get("GPU_CHECK_GRAPH_MODE", "graph")  # the value of runtime.compile for step 6
 
@@ -315,9 +323,9 @@ class Check:
                 "CUDA is not available" in e for e in errors) else "FAIL"
 
     def layouts(self, step: Step) -> None:
-        """task=compare of MHA, GQA, MLA and a 5:1 hybrid (eager: task=compare times eager steps).
-        pass: one ok record, the four variants under their names, every cache as allocated == the
-        KV formula, the hybrid's formula growing a sixth as fast past W; the timings are reported."""
+        """task=compare of the plan's variants (eager: task=compare times eager steps). pass: one ok
+        record, every variant under its own name, the bytes as :func:`layout_faults` checks them; the
+        timings are reported."""
         run_dir = self.work / "layouts"
         model = [o for o in self.plan["model"] if not o.startswith("model.num_layers=")]
         proc = self.run(self.kvbench(*model, *self.plan["layouts"], "wandb=disabled", f"hydra.run.dir={run_dir}"),
@@ -329,15 +337,29 @@ class Check:
             return
         rows = (rec.get("tables") or {}).get("compare") or []
         names = [r["variant"] for r in rows]
-        wrong = [r["variant"] for r in rows if r["kv_cache_bytes"] != r["kv_cache_bytes_formula"]]
+        faults = layout_faults(rows, variant_count(self.plan["layouts"]), layer_count(self.plan["layouts"]))
         hybrid = next((r for r in rows if "_w" in r["variant"]), {})
-        below, past = hybrid.get("kv_bytes_per_1k_ctx_below_w"), hybrid.get("kv_bytes_per_1k_ctx_past_w")
-        sixth = bool(below) and past is not None and abs(past / below - 1 / 6) < 1e-9
-        step.detail = (f"{', '.join(names)}; allocated == formula: {'all' if not wrong else 'NOT ' + ', '.join(wrong)}"
+        step.detail = (f"{', '.join(names)}; bytes: {'as the formula' if not faults else '; '.join(faults)}"
                        f"; KV µs/1k ctx: " + ", ".join(f"{r['variant']} {_fmt(r.get('decode_us_per_1k_ctx'), '{:.1f}')}"
                                                      for r in rows)
                        + f"; hybrid past/below W {_fmt(hybrid.get('past_w_slope_ratio'), '{:.2f}')} (bytes 1/6)")
-        step.verdict = "pass" if len(rows) == 4 and not wrong and sixth and len(set(names)) == 4 else "FAIL"
+        step.verdict = "FAIL" if faults else "pass"
+
+    def layouts_exact_command(self) -> tuple[List[str], dict]:
+        """The exactness tests of the new layouts on this plan's device (cuda, or the dry run's cpu)."""
+        dev = "cuda" if self.plan_name == "gpu" else "cpu"
+        return ([sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_layouts_device.py"), "-q", "-rs",
+                 "-p", "no:cacheprovider"], dict(os.environ, KVBENCH_LAYOUTS_DEVICE=dev))
+
+    def layouts_exact(self, step: Step) -> None:
+        """pass: every test ran and passed on the device (a skip is a FAIL: nothing was checked)."""
+        cmd, env = self.layouts_exact_command()
+        proc = self.run(cmd, timeout=150, env=env)
+        summary = next((ln for ln in reversed(proc.stdout.splitlines()) if " in " in ln and "=" in ln or
+                        (" passed" in ln or " failed" in ln)), "")
+        said = summary.strip("= ").strip() or f"exit {proc.returncode}"
+        step.detail = f"on {env['KVBENCH_LAYOUTS_DEVICE']}: {said}"
+        step.verdict = "pass" if proc.returncode == 0 and "passed" in summary and "skipped" not in summary else "FAIL"
 
     # -- the report --
     def report(self, step: Step) -> None:
@@ -373,6 +395,57 @@ class Check:
         lines += decode_table(eager, graph)
         lines += layouts_table(next((s.records for s in self.steps if s.name == "layouts compare"), []))
         return "\n".join(lines) + "\n"
+
+
+def variant_count(overrides: Sequence[str]) -> int:
+    """How many compare.variants the plan's layouts step lists."""
+    spec = next(o for o in overrides if o.startswith("compare.variants="))
+    return len(spec.split("=", 1)[1].strip("[]").split(","))
+
+
+def layer_count(overrides: Sequence[str]) -> int:
+    return int(next(o for o in overrides if o.startswith("model.num_layers=")).split("=", 1)[1])
+
+
+def layout_faults(rows: List[Dict[str, Any]], expected: int, layers: int) -> List[str]:
+    """What is wrong with a task=compare record's rows (empty: nothing): a variant missing or named
+    twice, a cache whose allocation is not the KV formula, or bytes that do not grow as the layout
+    says against MHA's (the first row): the window hybrid's a sixth past W, the Gated DeltaNet
+    hybrid's per 1k tokens its full layers' share with a state apart, KV sharing's its storing
+    layers' share, DSA's MLA's latent plus an index key."""
+    names = [r.get("variant") for r in rows]
+    faults = [] if len(rows) == expected and len(set(names)) == expected else [f"{len(rows)} variants of {expected}"]
+    faults += [f"{r['variant']} allocated {r.get('kv_cache_bytes')} != formula {r.get('kv_cache_bytes_formula')}"
+               for r in rows if r.get("kv_cache_bytes") != r.get("kv_cache_bytes_formula")]
+    if not rows:
+        return faults or ["no rows"]
+    mha = rows[0]
+
+    def share(row: Dict[str, Any]) -> Optional[float]:
+        a, b = row.get("kv_bytes_per_1k_ctx"), mha.get("kv_bytes_per_1k_ctx")
+        return a / b if a is not None and b else None
+
+    for r in rows[1:]:
+        v, layout = r["variant"], r.get("layout", "")
+        if "_w" in v:
+            below, past = r.get("kv_bytes_per_1k_ctx_below_w"), r.get("kv_bytes_per_1k_ctx_past_w")
+            if not (below and past is not None and abs(past / below - 1 / 6) < 1e-9):
+                faults.append(f"{v}: bytes past W {past} not a sixth of below {below}")
+        elif "gdn" in layout:
+            linear, full = (int(n) for n in layout.rsplit(" ", 1)[1].split(":"))
+            if not (r.get("kv_state_bytes") and share(r) is not None
+                    and abs(share(r) - full / (linear + full)) < 1e-9):
+                faults.append(f"{v}: state {r.get('kv_state_bytes')}, bytes per 1k ctx {share(r)} of MHA's "
+                              f"(want a state and {full}/{linear + full})")
+        elif "kvshare" in v:
+            n = int(v.rsplit("kvshare", 1)[1])
+            if share(r) is None or abs(share(r) - (1 - n / layers)) > 1e-9:
+                faults.append(f"{v}: bytes per 1k ctx {share(r)} of MHA's (want {layers - n}/{layers})")
+        elif "topk" in v:
+            latent = next((x for x in rows if x.get("layout", "").startswith("mla") and "topk" not in x["variant"]), {})
+            if not latent or not r.get("kv_bytes_per_token", 0) > latent.get("kv_bytes_per_token", 0):
+                faults.append(f"{v}: {r.get('kv_bytes_per_token')} bytes per token, not MLA's plus an index key")
+    return faults
 
 
 def grid_size(grid: Sequence[str]) -> int:
@@ -449,20 +522,23 @@ def _ci(row: Dict[str, Any], key: str, spec: str = "{:.1f}") -> str:
 
 
 def layouts_table(records: List[Dict[str, Any]]) -> List[str]:
-    """The layouts step's comparison: per variant the KV bytes (allocated, formula), the KV cost per
-    1k tokens of context with its interval, and below / past the hybrid's window W."""
+    """The layouts step's comparison: per variant the KV bytes (allocated, formula), its state per
+    sequence and what its cache adds per 1k tokens, the KV cost per 1k tokens of context with its
+    interval, and below / past the hybrid's window W."""
     rows = next(((r.get("tables") or {}).get("compare") for r in records if r.get("status") == "ok"), None)
     if not rows:
         return []
     split = next((r["metrics"].get("window_split_ctx") for r in records if r.get("metrics")), None)
     lines = ["", "## Layouts (task=compare, eager, variants alternating)", "",
-             f"| variant | layout | weights | KV bytes allocated | = formula | KV µs / 1k ctx | ≤{split} | ≥{split} | "
-             "past/below W | bytes past/below |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+             f"| variant | layout | weights | KV bytes allocated | = formula | state bytes / sequence | "
+             f"KV bytes / 1k ctx | KV µs / 1k ctx | ≤{split} | ≥{split} | past/below W | bytes past/below |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         below, past = r.get("kv_bytes_per_1k_ctx_below_w"), r.get("kv_bytes_per_1k_ctx_past_w")
         lines.append("| " + " | ".join([
             r["variant"], r.get("layout", ""), r.get("weights", ""), f"{r['kv_cache_bytes']:,}",
             "yes" if r["kv_cache_bytes"] == r["kv_cache_bytes_formula"] else "NO",
+            _fmt(r.get("kv_state_bytes"), "{:,}"), _fmt(r.get("kv_bytes_per_1k_ctx"), "{:,.0f}"),
             _ci(r, "decode_us_per_1k_ctx"), _ci(r, "decode_us_per_1k_ctx_below_w"),
             _ci(r, "decode_us_per_1k_ctx_past_w"),
             _ci(r, "past_w_slope_ratio", "{:.2f}"), _fmt(past / below if below else None, "{:.3f}")]) + " |")

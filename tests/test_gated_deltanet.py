@@ -308,3 +308,20 @@ def test_a_jobs_config_names_the_settings_a_state_layer_refuses():
     with pytest.raises(ConfigError, match="^cache.dtype='int8': "):
         layers.check(quantized.layout_settings())
     layers.check(to_bench_config(compose("model=tiny", "workload=multiturn")).layout_settings())
+
+
+def test_the_chunked_form_trains_its_gradients_equal_the_float64_loops():
+    """Training a Gated DeltaNet layer from scratch (task=recall, task=train) backpropagates through
+    the chunked form from a zero state, as a forward without a cache starts: its gradients with
+    respect to every input equal those of the float64 loop (the state it writes back is not read
+    by the backward)."""
+    inputs = [t.clone().requires_grad_() for t in rule_inputs(50)[:5]]
+    state = torch.zeros(2, 3, 8, 6)
+    out = chunked_delta_rule(*inputs, state, 16)
+    grads = torch.autograd.grad((out * out.detach().sin()).sum(), inputs)
+    doubles = [t.detach().double().requires_grad_() for t in inputs]
+    want_out, _ = naive_rule(*doubles, torch.zeros(2, 3, 8, 6))
+    want = torch.autograd.grad((want_out * want_out.detach().sin()).sum(), doubles)
+    for got, ref in zip(grads, want):
+        assert (got.double() - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    assert not state.requires_grad and state.abs().max() > 0  # the cache got the final state, without a graph

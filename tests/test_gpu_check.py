@@ -55,8 +55,12 @@ def test_dry_run_passes_and_writes_what_a_gpu_run_brings_back(tmp_path):
     assert "| eager sweep | pass |" in summary and "| attention | KV heads | prompt | batch |" in summary
     assert summary.count("| mha | 8 |") == 4 and summary.count("| mqa | 1 |") == 4
     assert summary.count("| mla | 1 |") == 1  # graph mode only (the absorbed decode, fixed-shape)
-    # the layouts: one task=compare record of MHA, GQA, MLA and the 5:1 hybrid, each cache the formula
+    # the layouts: one task=compare record of MHA, GQA, MLA, the 5:1 hybrid, the Gated DeltaNet
+    # hybrid, DSA and KV sharing, each cache the formula; then the new layouts exact on the device
     (layouts,) = by_step["layouts compare"]
     assert layouts["status"] == "ok"
-    assert [r["variant"] for r in layouts["tables"]["compare"]] == ["mha_kv8", "gqa_kv2", "mla_r32", "mha_kv8_w16_5to1"]
+    assert [r["variant"] for r in layouts["tables"]["compare"]] == [
+        "mha_kv8", "gqa_kv2", "mla_r32", "mha_kv8_w16_5to1", "mha_kv8_gdn_2to1", "mla_r32_topk16", "mha_kv8_kvshare2"]
     assert "| layouts compare | pass |" in summary and "| mha_kv8_w16_5to1 | mha kv=8 w=16 5:1 |" in summary
+    assert "| mha_kv8_gdn_2to1 | mha kv=8 gdn 2:1 |" in summary
+    assert "| layouts exact | pass |" in summary and "on cpu: 6 passed" in summary

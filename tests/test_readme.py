@@ -194,7 +194,7 @@ NOT_RUN = {
     "pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e .[dev]": "installs packages: .ci/run does "
                                                                           "exactly this",
     "python -m pytest -n 3 --dist loadgroup": "the suite this test is part of",
-    "kvbench experiment=recall": "5 variants trained on 4 seeds each (7.5 minutes); tests/quality/test_recall.py "
+    "kvbench experiment=recall": "7 variants trained on 4 seeds each (~20 minutes); tests/quality/test_recall.py "
                                  "trains and scores the task on a tiny model (composed and validated below)",
     "kvbench experiment=recall recall.kind=passkey recall.seeds=3": "the same preset on passkey (minutes; "
                                                                     "composed and validated below)",
@@ -208,8 +208,9 @@ NOT_RUN = {
     "kvbench -m model=small attention=mha,gqa,mqa,mla": "minutes on model=small; experiments/results/mla_small.md "
                                                         "has the run (composed and validated below)",
     "kvbench experiment=layouts": "~20 minutes of model=small decode steps to 4096 tokens of context; "
-                                  "tests/workloads/test_compare_layouts.py runs the same four layouts on model=tiny, "
-                                  "experiments/results/layouts_compare.md has the run",
+                                  "tests/workloads/test_compare_layouts.py runs the first four layouts on model=tiny, "
+                                  "tests/test_gpu_check_plan.py all seven, tests/test_experiment_layouts.py composes "
+                                  "the preset; experiments/results/layouts_compare.md has the run",
     "kvbench experiment=layouts compare.variants=[gqa,gqa:w1024:g6,mla,mla:w1024:g6]":
         "the same preset with other variants (minutes); composed and validated below",
     "kvbench -m model=small attention=mha,gqa,mqa,mla attention.window=null,256 workload.prompt_len=512 "
@@ -220,7 +221,8 @@ NOT_RUN = {
         "tests/workloads/test_capacity_layouts.py probes a hybrid on model=tiny (composed and validated below)",
     "kvbench -m experiment=choose attention=mha,gqa,mqa,mla": "12 capacity searches (minutes); "
         "the article table's sweep with MLA, composed and validated below",
-    "kvbench experiment=choose attention.window=64": "9 capacity searches (minutes) with every layer local; "
+    "kvbench -m experiment=choose attention=mha,gqa,mqa,mla attention.window=64": "12 capacity searches (minutes) "
+        "with every layer local; "
         "tests/workloads/test_capacity_layouts.py probes windowed caches (composed and validated below)",
     "kvbench task=inspect model=deepseek_v3": "tests/test_mla.py runs it and checks the 70,272 bytes it prints",
     "kvbench model=hf_dir model.path=/path/to/deepseek attention=mla": "a placeholder path; tests/test_mla.py "

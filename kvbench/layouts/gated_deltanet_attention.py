@@ -135,13 +135,15 @@ def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     q = q * decay.exp()[..., None]
     k = k * (decay[..., -1:] - decay).exp()[..., None]  # decayed to the chunk's end
     chunk_decay = decay[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-    S = state.to(torch.float32)
+    # a copy: the backward of a training step reads the state each chunk started from, so the
+    # cache's tensor, written below, must not be that state
+    S = state.to(torch.float32, copy=True)
     out = corrections.new_empty(corrections.shape)  # contiguous (a solve may return column-major)
     for n in range(q.shape[2]):
         u = corrections[:, :, n] - k_decayed[:, :, n] @ S
         out[:, :, n] = q[:, :, n] @ S + intra[:, :, n] @ u
         S = S * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ u
-    state.copy_(S)
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
     return out.view(B, H, -1, v.shape[-1])[:, :, :T]
 
 

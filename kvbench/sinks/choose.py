@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from kvbench.config.layer_pattern import linear_full_layers
 from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import VARIANT_KEYS, Record, fmt, natural, ratio_text, swept_axes
 from kvbench.views import RecordView
@@ -36,6 +37,8 @@ RULES = {
 }
 # The KV bytes per token column: one figure at a stated length (a windowed layout's depends on it)
 KV_PER_TOKEN = "KV / token (at longest)"
+# A state layer's bytes per sequence, whatever its length (Gated DeltaNet): a column where a variant has one
+STATE = "state / sequence"
 # What tells the rows of one table apart, not the tables: every field of a variant (heads, latent,
 # window and layer pattern, KV dtype), the kind of job and the shared cache.
 _NOT_CELL = (*VARIANT_KEYS, "task", "workload.name", "cache.shared")
@@ -52,6 +55,9 @@ class Choice:
     notes: List[str] = field(default_factory=list)
     chat_header: List[str] = field(default_factory=list)  # the multi-turn capacity table (empty: none)
     chat_rows: List[List[str]] = field(default_factory=list)
+    # max batch (and what stopped it) per variant at every context: the capacity as a function of context
+    context_header: List[str] = field(default_factory=list)
+    context_rows: List[List[str]] = field(default_factory=list)
 
 
 def _m(rec: Record, key: str) -> Any:
@@ -217,16 +223,19 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         if (rec.variant.window and _m(rec, "kv_bytes_per_token_positions") is None
                 and isinstance(longest.get("kv_bytes_per_sequence"), (int, float)) and positions):
             kv_per_token = longest["kv_bytes_per_sequence"] / positions
+        linear = linear_full_layers(rec.variant.layer_types) is not None
         rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
                        "full_context": not rec.variant.window, "beyond_heads": rec.variant.layout == "mla"
-                       or bool(rec.variant.window),
+                       or bool(rec.variant.window) or linear, "linear": linear,
+                       "state": _m(rec, "kv_state_bytes_per_sequence"), "by_context": _by_context(rec),
                        "kv_per_token": kv_per_token, "max_batch": _max_batch(rec),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),
                        "kl": _m(rec, "kv_pool_kl_nats"), "top1": _m(rec, "kv_pool_top1_agreement")}
-    header = ["variant", KV_PER_TOKEN, "vs MHA", "context", "decode p50 ms (B=1)", "tok/s at max batch",
-              "max batch", "stopped by", "memory-only prediction"]
+    with_state = any(r["state"] for r in rows.values())
+    header = ["variant", KV_PER_TOKEN, "vs MHA", *([STATE] if with_state else []), "context", "decode p50 ms (B=1)",
+              "tok/s at max batch", "max batch", "stopped by", "memory-only prediction"]
     with_pool = any(r["kl"] is not None for r in rows.values())
     if with_pool:
         header += ["quality: KL vs MHA, nats (pooled)", "top-1 = MHA (pooled)"]
@@ -259,7 +268,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         base = rows[_baseline(rows)]
         for label, r in rows.items():
             share = r["kv_per_token"] / base["kv_per_token"] if r["kv_per_token"] and base["kv_per_token"] else None
-            line = [label, fmt(r["kv_per_token"], "bytes"), fmt(share, "{:.3f}"), fmt(r["context"], "{}"),
+            line = [label, fmt(r["kv_per_token"], "bytes"), fmt(share, "{:.3f}"),
+                    *([fmt(r["state"] or 0, "bytes")] if with_state else []), fmt(r["context"], "{}"),
                     fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"), fmt(r["max_batch"], "{}"),
                     fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
             if with_pool:
@@ -275,12 +285,41 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                          f"its positions, the jobs table's kv_bytes_per_token: for {', '.join(windowed)} it falls as "
                          "the context grows (a local layer's ring holds at most W positions); for the others it is "
                          "any one position's")
+        stateful = [label for label, r in rows.items() if r["state"]]
+        if stateful:
+            notes.append(f"{STATE}: what a sequence of {', '.join(stateful)} holds whatever its length (its Gated "
+                         f"DeltaNet layers' recurrent states and convolution tails); {KV_PER_TOKEN} counts it over "
+                         "the sequence's positions, so it falls as the context grows towards the full layers' "
+                         "K/V per token, and at short contexts the state is most of a sequence's cost")
         beyond = [label for label, r in rows.items() if r["beyond_heads"]]
         if beyond:
             notes.append(f"memory ample counts KV heads, the article's stand-in for quality; it cannot rank "
                          f"{', '.join(beyond)} (a latent is one head in the absorbed decode; a window sees only "
-                         "its last W positions): their quality is the recall column where this sweep has "
-                         "task=recall records (experiment=recall), and is not measured otherwise")
+                         "its last W positions; a Gated DeltaNet layer keeps a fixed-size state, not the tokens): "
+                         "their quality is the recall column where this sweep has task=recall records "
+                         "(experiment=recall), and is not measured otherwise")
     chat_rows, chat_table = _chat_table(chat_records)
+    context_header, context_rows = _context_table(rows)
     return Choice(cell, header, table, recommend(rows, multiturn, chat_capacity(chat_rows)) if rows else [], notes,
-                  CHAT_HEADER if chat_table else [], chat_table)
+                  CHAT_HEADER if chat_table else [], chat_table, context_header, context_rows)
+
+
+def _by_context(rec: RecordView) -> Dict[int, Mapping[str, Any]]:
+    """The record's answer at each context (``tables.capacity``), by context."""
+    return {r["context"]: r for r in rec.table("capacity")
+            if isinstance(r.get("context"), int) and not isinstance(r.get("context"), bool)}
+
+
+def _context_table(rows: Dict[str, Dict[str, Any]]) -> Tuple[List[str], List[List[str]]]:
+    """Max batch per variant at every context the records searched (what stopped it in brackets):
+    a per-sequence state bounds short contexts, K/V per token long ones. Empty with one context."""
+    contexts = sorted({c for r in rows.values() for c in r["by_context"]})
+    if len(contexts) < 2:
+        return [], []
+    header = ["variant", *(f"max batch @{c}" for c in contexts)]
+    table = []
+    for label, r in rows.items():
+        cells = [r["by_context"].get(c) for c in contexts]
+        table.append([label, *("-" if a is None else
+                               f"{fmt(a.get('max_batch'), '{}')} ({fmt(a.get('stopped_by'), '{}')})" for a in cells)])
+    return header, table

@@ -211,6 +211,7 @@ def choice_tables(choice: Choice) -> List[Table]:
     tables = []
     for title, header, rows, caption in (
             ("which attention to deploy", choice.header, choice.rows, "\n".join(lines) or None),
+            ("max batch by context", choice.context_header, choice.context_rows, None),
             ("multi-turn: concurrent conversations", choice.chat_header, choice.chat_rows, None)):
         if not header:
             continue

@@ -45,7 +45,9 @@ SECTIONS: Dict[str, Tuple[Tuple[str, ...], ...]] = {
     "Latency": (("decode_ms_p50", "decode_ms_p99"), ("prefill_ms",), ("turn1_ttft_ms", "mean_ttft_ms_turns_2_n"),
                 ("decode_ms_p50_longest",), ("decode_us_per_1k_ctx",)),
     "Memory": (("kv_cache_bytes", "kv_cache_bytes_formula", "kv_cache_bytes_torch", "kv_cache_bytes_nvml"),
-               ("peak_rss_bytes",), ("nvml_peak_used_bytes", "torch_peak_allocated_bytes"), ("kv_bytes_per_token",)),
+               ("peak_rss_bytes",), ("nvml_peak_used_bytes", "torch_peak_allocated_bytes"),
+               # beside the bytes a token adds, what a sequence holds whatever its length (a Gated DeltaNet state)
+               ("kv_bytes_per_token", "kv_state_bytes_per_sequence")),
     "Throughput": (("tokens_per_s",), ("tokens_per_s_longest",), ("max_batch_longest",), ("achieved_gb_per_s",),
                    ("percent_of_peak",)),
     "Quality": (("perplexity", "ppl_before_uptrain"), ("val_loss",), ("bits_per_byte",),

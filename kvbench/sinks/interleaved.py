@@ -32,7 +32,8 @@ def _ratio_cell(row: Mapping[str, Any], key: str, baseline: bool) -> str:
 def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
     """(header, rows) of a ``task=compare`` record's ``tables.compare``: per variant the step at
     each context, the KV cost slope, and ratios to the first variant (paired over rounds, with
-    intervals) beside the ratio the KV bytes predict. Empty for any other record."""
+    intervals) beside the ratio the KV bytes predict; what each cache adds per 1k tokens of context
+    and, where a variant holds one, its state per sequence. Empty for any other record."""
     view = RecordView.of(record)
     rows = view.table("compare")
     contexts = _contexts(view, rows[0]) if rows else []
@@ -45,6 +46,14 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
             with_interval(row, "decode_us_per_1k_ctx", "{:.1f}"), _ratio_cell(row, "slope_ratio", i == 0),
             ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
             fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
+    if any("kv_bytes_per_1k_ctx" in row for row in rows):  # what the cache adds: only layers holding positions
+        header.append("KV bytes / 1k ctx")
+        for line, row in zip(out, rows):
+            line.append(fmt(row.get("kv_bytes_per_1k_ctx"), "bytes"))
+    if any(row.get("kv_state_bytes") for row in rows):  # a Gated DeltaNet layer's, whatever the context
+        header.append("state / sequence")
+        for line, row in zip(out, rows):
+            line.append(fmt(row.get("kv_state_bytes"), "bytes"))
     if any("decode_us_per_1k_ctx_past_w" in row for row in rows):  # a windowed variant: below and past W
         W, base = view.metric("window_split_ctx"), rows[0]["kv_bytes_per_1k_ctx_past_w"] or 1
         header += [f"KV µs / 1k ctx ≤{W}", f"KV µs / 1k ctx ≥{W}", f"slope ratio ≥{W} (KV bytes ratio)"]

@@ -96,12 +96,14 @@ def malformed(records: Sequence[Record]) -> int:
 
 def groups(records: Sequence[Record]) -> List[List[Record]]:
     """ok, :func:`well_formed` recall records grouped by everything in their config but the
-    variant and the seeds (records of one variant on other seeds are pooled by :func:`pooled`)."""
+    variant, the seeds and how the job was tracked (records of one variant on other seeds are
+    pooled by :func:`pooled`)."""
     out: Dict[str, List[Record]] = {}
     for rec in _recall_records(records):
         if not well_formed(rec):
             continue
-        key = {k: v for k, v in rec.config.items() if k != "attention"}
+        # how a job was tracked or scheduled (wandb, rerun) is not what it measured
+        key = {k: v for k, v in rec.config.items() if k not in ("attention", "wandb", "rerun")}
         key["runtime"] = {k: v for k, v in (key.get("runtime") or {}).items() if k != "seed"}
         key["recall"] = {k: v for k, v in (key.get("recall") or {}).items() if k != "seeds"}
         out.setdefault(repr(sorted(key.items(), key=lambda kv: kv[0])), []).append(rec)
@@ -131,7 +133,8 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
     """(header, rows): a row per condition, a column per variant: accuracy [95 % interval] over
     the pooled seeds; for every variant after the first its gap to the first; the condition's
     chance and copy baseline (``-`` where the record has none: passkey, or an older record); then
-    rows of KV / token and decode step (of the variant's first record)."""
+    rows of KV / token, the state per sequence where a variant holds one, and decode step (of the
+    variant's first record)."""
     rows_by_variant = pooled(group)
     labels = list(rows_by_variant)
     first_record = {label: next(r for r in map(RecordView.of, group) if r.variant.label == label) for label in labels}
@@ -148,6 +151,8 @@ def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
     pad = [""] * (len(labels) + 1)
     metrics = [first_record[v].metrics for v in labels]
     rows.append(["KV / token", *[fmt(m.get("kv_bytes_per_token"), "bytes") for m in metrics], *pad])
+    if any(m.get("kv_state_bytes_per_sequence") for m in metrics):  # a Gated DeltaNet layer's, whatever the length
+        rows.append(["state / sequence", *[fmt(m.get("kv_state_bytes_per_sequence"), "bytes") for m in metrics], *pad])
     rows.append(["decode p50 ms", *[fmt(m.get("decode_ms_p50"), "{:.3f}") for m in metrics], *pad])
     return header, rows
 

@@ -308,6 +308,10 @@ def _choose_md(records) -> List[str]:
         if choice.cell:
             lines += [f"### {_md_escape(choice.cell)}", ""]
         lines += [*_md_table(choice.header, choice.rows, len(choice.header) - 1), ""]
+        if choice.context_rows:
+            lines += ["Max batch at every context searched (what stopped it): the capacity as a function of the "
+                      "context (`capacity_vs_context.png` plots it):", "",
+                      *_md_table(choice.context_header, choice.context_rows, len(choice.context_header) - 1), ""]
         if choice.chat_rows:
             lines += ["Multi-turn (`task=capacity workload=multiturn`): the most concurrent conversations of the "
                       "chat under the same budget and SLOs, with and without the shared cache:", "",

@@ -220,8 +220,9 @@ def ratio_text(ratio: Optional[float]) -> str:
 def _values(records: Sequence[Record], key: str) -> List[str]:
     # None means "left to its default" in a config Hydra saved before validation filled it in
     # (or a key the job's kind does not read), so it never makes a key look swept; a window's None
-    # is "no window", a value of its own.
-    none_is_value = key in ("attention.window", "attention.global_every")
+    # is "no window", a value of its own, and a layer pattern's None "every layer full attention" (a
+    # sweep of GQA beside its Gated DeltaNet hybrid differs only there).
+    none_is_value = key in ("attention.window", "attention.global_every", "attention.layer_types")
     return [repr(v) for v in (RecordView.of(r).get(key) for r in records) if v is not None or none_is_value]
 
 

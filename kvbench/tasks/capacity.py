@@ -62,6 +62,7 @@ from kvbench.tasks.capacity_search import (
     probes_expected,
     search_capacity,
     split_activation,
+    state_bytes_per_sequence,
     violations,
 )
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
@@ -92,6 +93,9 @@ METRICS: Dict[str, Metric] = metric_table(
                           "element per position; MLA: layers * (kv_lora_rank + qk_rope_head_dim) * bytes per "
                           "element): any one position's bytes without a window; a local layer's ring stops at W, "
                           "so a windowed layout's figure is that of this length, and falls as the context grows"),
+    Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (the layouts' "
+           "formula: a Gated DeltaNet layer's recurrent state and convolution tail; 0 for K/V layers), included in "
+           "kv_bytes_per_token's sequence"),
     Metric("kv_bytes_per_token_positions", "tokens", "the positions of one sequence kv_bytes_per_token is taken at: "
                                     "the longest context + workload.gen_len (a chat: a conversation's positions)"),
     Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
@@ -349,7 +353,8 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     per_token, positions = kv_bytes_per_token(cfg)
     metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
-                   kv_bytes_per_token=per_token, kv_bytes_per_token_positions=positions)
+                   kv_bytes_per_token=per_token, kv_bytes_per_token_positions=positions,
+                   kv_state_bytes_per_sequence=state_bytes_per_sequence(cfg))
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])
     limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step

@@ -150,6 +150,14 @@ def kv_bytes_per_token(cfg: BenchConfig) -> Tuple[float, int]:
     return kv_bytes(cfg, context, 1) / positions, positions
 
 
+def state_bytes_per_sequence(cfg: BenchConfig) -> int:
+    """What one sequence holds whatever its length (Gated DeltaNet layers' states; 0 for K/V
+    layers, or with ``cache.impl=none``): part of :func:`kv_bytes`, which no context shrinks."""
+    if cfg.cache.impl == "none":
+        return 0
+    return build_layouts(cfg.model, cfg.attention).state_bytes(DTYPE_BYTES[cfg.runtime.dtype])
+
+
 def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
                       activation: Tuple[int, int] = (0, 0)) -> int:
     """The memory-only prediction: weights + KV formula (+ the activations' fixed part and part per

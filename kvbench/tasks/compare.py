@@ -78,6 +78,11 @@ METRICS: Dict[str, Metric] = metric_table(
                               "bytes_per_element"),
     Metric("<v>_kv_bytes_ctx<C>", "bytes", "the KV formula for one sequence holding C positions (a local layer "
                                            "holds min(C, W)); the table has every context"),
+    Metric("<v>_kv_state_bytes", "bytes", "what one sequence holds whatever its context (a Gated DeltaNet layer's "
+                                          "state and convolution tail; 0 for K/V layers), inside kv_bytes_ctx<C>"),
+    Metric("<v>_kv_bytes_per_1k_ctx", "bytes per 1,000 tokens of context",
+           "what the KV formula adds per 1,000 positions from the shortest context to the longest: the bytes "
+           "beside the time slope (only layers that hold positions grow; past W a local layer stops)"),
     Metric("<v>_kv_cache_bytes", "bytes", "allocated: the storage of the variant's timed cache (batch_size "
                                           "sequences, longest context + 1 positions; a ring of W per local layer)"),
     Metric("<v>_kv_cache_bytes_formula", "bytes", "the KV formula for that cache's shape"),
@@ -248,6 +253,7 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
     dtype_bytes = DTYPE_BYTES[rt.dtype]
     # One position, every context, and the shape the timed cache has, for one sequence unless said
     kv = {v.label: {"kv_bytes_per_token": v.model.layouts.bytes_per_token(dtype_bytes),
+                    "kv_state_bytes": v.model.layouts.state_bytes(dtype_bytes),
                     **{f"kv_bytes_ctx{ctx}": v.model.layouts.cache_bytes(ctx, 1, dtype_bytes) for ctx in contexts},
                     "kv_cache_bytes": cache.nbytes,
                     "kv_cache_bytes_formula": v.model.layouts.cache_bytes(cache.max_seq_len, B, dtype_bytes)}
@@ -301,9 +307,9 @@ def _fit_fields(rounds: Dict, v: str, contexts: Sequence[int], n_rounds: int, su
 
 def _paired(name: str, a: List[Optional[float]], b: List[Optional[float]], n_rounds: int) -> Dict:
     """``name``: median(b) / median(a) paired over rounds, with its interval (null where a round
-    has no value)."""
+    has no value, or a side has no fit: a window past every context leaves none past it)."""
     ratio = low = high = None
-    if a and None not in a and None not in b:
+    if a and b and None not in a and None not in b:
         ratio, low, high = stats.paired_ratio(a, b)
     return {name: ratio, f"{name}_ci_low": low, f"{name}_ci_high": high,
             f"{name}_ci_reason": ratio and stats.paired_ratio_reason(n_rounds, ratio, low)}
@@ -347,6 +353,8 @@ def summarize(trials: Sequence[Dict], labels: Sequence[str], contexts: Sequence[
                     f"kv_share_ctx{longest}": (None if slope is None else
                                                slope * longest / 1e6 / row[f"step_ms_ctx{longest}"]),
                     **kv[v], "kv_bytes_ratio": kv[v][bytes_key] / kv[labels[0]][bytes_key]})
+        if f"kv_bytes_ctx{contexts[0]}" in kv[v]:
+            row["kv_bytes_per_1k_ctx"] = bytes_per_1k(v, contexts[0], longest)
         for ctx in contexts:
             ratio, low, high = stats.paired_ratio(rounds[labels[0], ctx], rounds[v, ctx])
             row.update({f"step_ratio_ctx{ctx}": ratio, f"step_ratio_ctx{ctx}_ci_low": low,

@@ -61,7 +61,9 @@ METRICS: Dict[str, Metric] = metric_table(
            "for P pairs of values drawn from M = V - V // 2): the floor a recall result must clear, far above "
            "chance"),
     Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
-           "model (its layout's formula) over its length"),
+           "model (its layout's formula) less its per-sequence state, over its length"),
+    Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (a Gated DeltaNet "
+           "layer's recurrent state and convolution tail; 0 for K/V layers): the layouts' formula"),
     Metric("decode_ms_p50", "ms", f"median of the batch-1 decode steps at the last {DECODE_STEPS} positions of the "
            "longest recall.seq_len (a prefill of the positions before them and one warm-up step first; "
            "timing_method), the last seed's model"),
@@ -206,11 +208,13 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     if converting:
         result.metrics["accuracy_before_uptrain"] = summarise(pooled["before_uptrain"])["accuracy"]
     longest = max(c.seq_len for c in conds)
+    state = model.layouts.state_bytes(model.dtype.itemsize)
     if r.kind == "mqar":
         result.metrics["copy_accuracy"] = sum(copy_baseline(c, r.vocab_size) for c in conds) / len(conds)
     result.metrics.update(
         chance_accuracy=sum(chance(c, r.vocab_size, r.digits) for c in conds) / len(conds),
-        kv_bytes_per_token=cache_for(model, "static", 1, longest).nbytes / longest,
+        kv_bytes_per_token=(cache_for(model, "static", 1, longest).nbytes - state) / longest,
+        kv_state_bytes_per_sequence=state,
         decode_ms_p50=decode_step_ms(model.eval(), longest, r.vocab_size, device),
         timing_method=timing_method(device), train_seconds=seconds, tokens_seen=tokens, steps=steps,
         num_params=model.num_params(), num_kv_heads=model.num_kv_heads,

@@ -217,12 +217,25 @@ def test_recall_longer_than_the_model_is_invalid(tmp_path):
 @pytest.mark.parametrize("preset", ["recall", "recall_gpu"])
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mqa", "recall/mla", "recall/swa"])
 def test_recall_presets_compose_for_every_variant(preset, attention):
+    _composes(preset, attention)
+
+
+@pytest.mark.parametrize("attention,types", [("recall/gdn", ["linear_attention", "full_attention"]),
+                                             ("recall/gdn_pure", ["linear_attention", "linear_attention"])])
+def test_the_recall_preset_composes_its_gated_deltanet_variants(attention, types):
+    """experiment=recall sweeps them (its 2 layers: recall/gdn_pure lists both as linear)."""
+    cfg = _composes("recall", attention)
+    assert cfg.attention.layer_types == types and cfg.attention.num_kv_heads == cfg.model.num_heads
+
+
+def _composes(preset, attention):
     from kvbench.config.bench import to_bench_config
     from kvbench.tasks.recall import conditions
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[f"experiment={preset}", f"attention={attention}"]))
     assert cfg.task == "recall" and cfg.recall.seeds >= 3
-    heads = {"mha": cfg.model.num_heads, "gqa": 2, "mqa": 1, "recall/mla": 1, "recall/swa": cfg.model.num_heads}
+    heads = {"mha": cfg.model.num_heads, "gqa": 2, "mqa": 1, "recall/mla": 1, "recall/swa": cfg.model.num_heads,
+             "recall/gdn": cfg.model.num_heads, "recall/gdn_pure": cfg.model.num_heads}
     assert cfg.attention.num_kv_heads == heads[attention]
     assert len(conditions(cfg.recall)) >= 2
     if attention == "recall/swa":  # the window must be shorter than the reach the task asks for
@@ -230,6 +243,7 @@ def test_recall_presets_compose_for_every_variant(preset, attention):
         assert reach < max(cfg.recall.seq_len) - 2  # MQAR: the first pair's value to the last query
         assert any(d > reach for d in cfg.recall.distances)
         assert preset != "recall" or any(d < reach for d in cfg.recall.distances)  # passkey: both sides on a CPU
+    return cfg
 
 
 def test_a_seed_count_says_how_many_solved_with_its_exact_interval():
@@ -294,6 +308,34 @@ def test_recall_table_puts_variants_side_by_side_with_welch_gaps():
     assert [r[0] for r in rows[2:]] == ["KV / token", "decode p50 ms"] and rows[2][1:3] == ["512 B", "128 B"]
 
 
+def test_records_tracked_differently_are_one_table():
+    """Two sweeps of one preset, one with W&B offline and one disabled, measured the same thing:
+    one table, not two."""
+    from kvbench.sinks.recall import groups
+    mha, mqa = _record(("mha", 4), {4: [1.0, 1.0, 1.0]}), _record(("mqa", 1), {4: [0.9, 0.8, 0.85]})
+    mha["config"]["wandb"], mqa["config"]["wandb"] = {"mode": "offline"}, {"mode": "disabled"}
+    mqa["config"]["rerun"] = True
+    assert [len(g) for g in groups([mha, mqa])] == [2]
+    mqa["config"]["train"] = {"steps": 10}  # a different budget is another table
+    assert [len(g) for g in groups([mha, mqa])] == [1, 1]
+
+
+def test_a_state_per_sequence_is_a_row_of_the_recall_table():
+    """A Gated DeltaNet variant's K/V per token counts its full layers only; its state is a row
+    of its own (K/V layouts: 0 B), absent where no variant holds one (the test above)."""
+    from kvbench.sinks.recall import groups, recall_table
+    mha = _record(("mha", 4), {4: [1.0, 1.0, 1.0]})
+    gdn = _record(("mha", 4), {4: [0.4, 0.5, 0.6]})
+    gdn["config"]["attention"]["layer_types"] = ["linear_attention", "full_attention"]
+    gdn["metrics"].update(kv_bytes_per_token=256, kv_state_bytes_per_sequence=3584)
+    mha["metrics"]["kv_state_bytes_per_sequence"] = 0
+    [group] = groups([gdn, mha])
+    header, rows = recall_table(group)
+    assert header[1:3] == ["mha kv=4", "mha kv=4 gdn 1:1"]
+    assert [r[:3] for r in rows[1:4]] == [["KV / token", "512 B", "256 B"], ["state / sequence", "0 B", "3.50 KiB"],
+                                         ["decode p50 ms", "0.500", "0.500"]]
+
+
 def test_a_gap_interval_stays_within_the_points_a_difference_of_accuracies_can_take():
     from kvbench.sinks.recall import gap_text
     base, other = [1.0, 1.0, 0.99], [0.06, 0.14, 0.04]  # the committed passkey run's window at distance 8
@@ -317,3 +359,19 @@ def test_records_of_one_variant_on_other_seeds_pool_into_one_column():
     assert recall_table(many) == recall_table(one)
     assert recall_table(many)[1][0][2] == "0.600 [{:.3f}, {:.3f}] (0.50 0.70 0.60)".format(
         *t_interval([0.5, 0.7, 0.6], (0, 1)))
+
+
+def test_recall_trains_gated_deltanet_models_from_scratch_with_their_state_apart(tmp_path):
+    """experiment=recall's hybrid (layer 0 Gated DeltaNet, layer 1 full MHA) and pure stack train
+    from scratch (a backward through the chunked delta rule) and record the state per sequence
+    apart from the K/V per token: 4 key heads and 8 value heads of 8, kernel 4, float32 -> per
+    linear layer a 8 x 8 x 8 state and the last 3 inputs of q, k (4 x 8 each) and v (8 x 8)."""
+    state = 8 * 8 * 8 * 4 + (2 * 4 * 8 + 8 * 8) * 3 * 4
+    hybrid = _job(tmp_path / "gdn", "attention=recall/gdn", "recall.seeds=2")
+    pure = _job(tmp_path / "pure", "attention=recall/gdn_pure", "recall.seeds=1")
+    assert hybrid.status == "ok" and pure.status == "ok", (hybrid.error, pure.error)
+    assert hybrid.config["attention"]["layer_types"] == ["linear_attention", "full_attention"]
+    assert (hybrid.metrics["kv_bytes_per_token"], hybrid.metrics["kv_state_bytes_per_sequence"]) == (
+        2 * 4 * 16 * 4, state)  # K and V of the full layer's 4 heads of 16
+    assert (pure.metrics["kv_bytes_per_token"], pure.metrics["kv_state_bytes_per_sequence"]) == (0, 2 * state)
+    assert all(p["train_loss"] > 0 for p in hybrid.tables["train_curve"])

@@ -187,3 +187,31 @@ def test_mla_and_a_hybrid_are_rows_of_the_same_table_not_tables_of_their_own():
     assert lines["memory ample"].startswith("gqa kv=2:") and lines["memory tight"].startswith("gqa kv=2 w=64 3:1:")
     [note] = [n for n in choice.notes if n.startswith("memory ample counts KV heads")]
     assert "gqa kv=2 w=64 3:1, mla r=32" in note
+
+
+def test_a_gated_deltanet_hybrid_is_a_row_with_its_state_and_the_batch_per_context():
+    """experiment=choose's GDN hybrid: its per-sequence state in a column of its own (the K/V layouts
+    0 B), the note that its KV / token carries the state over the positions, not ranked by KV
+    heads, and the max batch at every context in a table (the state bounds short contexts)."""
+    records = sweep()
+    gdn = capacity_record(3, "gqa", 2, {128: 50, 256: 45}, {128: 52, 256: 46}, 1536)
+    gdn["config"]["attention"]["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+    gdn["metrics"]["kv_state_bytes_per_sequence"] = 135_168
+    gdn["tables"]["capacity"][0]["stopped_by"] = "tpot"
+    records.append(gdn)
+    for rec in records[:3]:
+        rec["metrics"]["kv_state_bytes_per_sequence"] = 0
+    (choice,) = choices(records)
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert rows["gqa kv=2 gdn 3:1"]["state / sequence"] == "132.00 KiB"
+    assert rows["gqa kv=2"]["state / sequence"] == "0 B"
+    assert rows["gqa kv=2 gdn 3:1"]["KV / token (at longest)"] == "1.50 KiB"
+    assert dict(choice.recommendations)["memory tight"].startswith("gqa kv=2 gdn 3:1: the largest max batch, 45")
+    assert any(n.startswith("state / sequence: what a sequence of gqa kv=2 gdn 3:1 holds whatever its length")
+               for n in choice.notes)
+    assert any("cannot rank gqa kv=2 gdn 3:1" in n for n in choice.notes)
+    assert choice.context_header == ["variant", "max batch @128", "max batch @256"]
+    assert dict((r[0], r[1:]) for r in choice.context_rows)["gqa kv=2 gdn 3:1"] == ["50 (tpot)", "45 (-)"]
+    # records without the state (older ones, K/V layouts only): no column
+    (old,) = choices(sweep())
+    assert "state / sequence" not in old.header

@@ -204,3 +204,22 @@ def test_a_chart_holds_one_unit_read_from_the_records():
     assert bars([rec("mha", 8, "µs"), rec("mqa", 1, "µs")]) == {
         "decode_ms_p50 (ms) by attn": ["decode_ms_p50"], "decode_ms_p99 (µs) by attn": ["decode_ms_p99"],
         "kv_cache_bytes (bytes) by attn": ["kv_cache_bytes"]}
+
+
+def test_a_hybrids_state_per_sequence_is_charted_beside_the_bytes_per_token():
+    """experiment=choose's records: a Gated DeltaNet hybrid's state per sequence is a bar beside
+    the bytes per token, in the one bytes chart of the Memory section."""
+    def rec(layer_types, state):
+        config = {"task": "capacity", "attention": {"type": "gqa", "num_kv_heads": 2, "layer_types": layer_types},
+                  "wandb": {"mode": "offline"}}
+        return {"status": "ok", "schema_version": 2, "config": config,
+                "metrics": {"kv_bytes_per_token": 1536.0 if state else 4096.0, "kv_state_bytes_per_sequence": state,
+                            "max_batch_longest": 45 if state else 8},
+                "units": {"kv_bytes_per_token": "bytes", "kv_state_bytes_per_sequence": "bytes",
+                          "max_batch_longest": "sequences"}}
+
+    board = build([rec(None, 0), rec(["linear_attention"] * 3 + ["full_attention"], 135_168)], "multirun/x")
+    memory = [p for section, p in board.panels() if section == "Memory" and type(p).__name__ == "BarPlot"]
+    assert [list(p.metrics) for p in memory] == [["kv_bytes_per_token", "kv_state_bytes_per_sequence"]]
+    # the two differ only in their layer pattern, GQA's None (every layer full) a value of its own
+    assert memory[0].title == "kv_bytes_per_token, kv_state_bytes_per_sequence (bytes) by attention.layer_types"

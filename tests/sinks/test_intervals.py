@@ -84,6 +84,20 @@ def test_the_interleaved_table_shows_paired_ratios_and_their_significance():
     assert interleaved_table(decode("mha", 8, decode_ms_p50=1.0)) == ([], [])
 
 
+def test_the_interleaved_table_shows_what_a_cache_adds_per_1k_tokens_and_a_state():
+    """A Gated DeltaNet hybrid's row: its bytes per 1k tokens of context (its full layers' only)
+    and its state per sequence, the K/V layouts' 0 B beside it."""
+    record = compare_record()
+    for row, per_1k, state in zip(record["tables"]["compare"], (8_192_000, 2_048_000, 1_024_000), (0, 0, 270_336)):
+        row.update(kv_bytes_per_1k_ctx=per_1k, kv_state_bytes=state)
+    header, rows = interleaved_table(record)
+    assert header[-2:] == ["KV bytes / 1k ctx", "state / sequence"]
+    assert [r[-2:] for r in rows] == [["7.81 MiB", "0 B"], ["1.95 MiB", "0 B"], ["1000.00 KiB", "264.00 KiB"]]
+    for row in record["tables"]["compare"]:
+        row["kv_state_bytes"] = 0
+    assert interleaved_table(record)[0][-1] == "KV bytes / 1k ctx"  # no state: no column
+
+
 def write(root, name, record):
     RunResult(status=record["status"], config=record["config"], metrics=record["metrics"],
               tables=record.get("tables", {})).write(root / name)

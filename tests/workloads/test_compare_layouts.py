@@ -154,3 +154,16 @@ def test_dsa_and_shared_kv_variants_run_side_by_side(tmp_path):
                                                                   for w in ("wk", "wv")}
     with pytest.raises(ConfigError, match="option 's0'"):
         to_bench_config(compose(*TINY, "compare.variants=[mha,mha:s0]", "compare.contexts=[4,8,16]"))
+
+
+@pytest.mark.parametrize("contexts", [[256, 512, 768], [2048, 3072, 4096]])
+def test_a_window_beyond_or_below_every_context_gives_no_split_fit_and_no_error(contexts):
+    """A windowed variant whose W is past every context timed (or below every one) leaves one side
+    of the split empty: that side's fit and the ratio across it are null, the rest of the table is
+    there (it raised a ValueError from the paired ratio, and the job's record was an error)."""
+    trials = [{"round": r, "variant": v, "context": c, "step_ms": 5.0 + 1e-3 * c * (1 + r / 10)}
+              for r in range(3) for v in ("full", "hybrid") for c in contexts]
+    kv = {v: {"kv_bytes_per_token": 6, **{f"kv_bytes_ctx{c}": 6 * c for c in contexts}} for v in ("full", "hybrid")}
+    full, hybrid = summarize(trials, ["full", "hybrid"], contexts, kv, 1024)
+    assert hybrid["past_w_slope_ratio"] is None and hybrid["decode_us_per_1k_ctx"] > 0
+    assert hybrid["slope_ratio"] == pytest.approx(1.0)

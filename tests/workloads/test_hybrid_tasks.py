@@ -118,6 +118,10 @@ def test_compare_takes_a_hybrid_variant_whose_kv_grows_with_its_full_layers_only
     for ctx in (4, 8, 16, 32):
         assert hybrid[f"kv_bytes_ctx{ctx}"] == STATE + 2 * per_position * ctx
     assert hybrid["kv_cache_bytes"] == hybrid["kv_cache_bytes_formula"] == 2 * (STATE + 2 * per_position * 33)
+    # the state apart, and the bytes per 1k tokens of context: the full layers' positions only
+    assert (gqa["kv_state_bytes"], hybrid["kv_state_bytes"]) == (0, STATE)
+    assert hybrid["kv_bytes_per_1k_ctx"] == 2 * per_position * 1000
+    assert gqa["kv_bytes_per_1k_ctx"] == L * per_position * 1000
     assert compared.metrics["gqa_kv2_gdn_2to1_step_ms_ctx32"] > 0
 
 
@@ -145,6 +149,8 @@ def test_capacity_counts_a_state_per_sequence_and_the_full_layers_per_position()
     assert formula_max_batch(cfg, 32, weights + room, weights) == room // (STATE + per_position * 36) == 39
     per_token, positions = capacity.kv_bytes_per_token(cfg)
     assert (per_token, positions) == ((STATE + per_position * 36) / 36, 36)
+    assert capacity.state_bytes_per_sequence(cfg) == STATE
+    assert capacity.state_bytes_per_sequence(to_bench_config(compose("task=capacity", *TINY, "attention=gqa"))) == 0
 
 
 def test_real_capacity_probes_of_a_hybrid():
@@ -159,7 +165,7 @@ def test_real_capacity_probes_of_a_hybrid():
     capacity.run_probes(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result,
                         capacity.baseline_bytes(torch.device("cpu")))
     (answer,) = result.tables["capacity"]
-    assert answer["max_batch"] == 4
+    assert answer["max_batch"] == 4 and result.metrics["kv_state_bytes_per_sequence"] == STATE
     for p in result.tables["capacity_probes"]:
         assert p["measured"] and p["ok"] and p["kv_bytes"] == p["batch"] * (STATE + 2 * 2 * 2 * D * 4 * 18)
 

@@ -1,0 +1,83 @@
+"""experiment=layouts, experiment=choose and experiment=recall expand to the jobs their YAML and
+their committed results say, each with a Gated DeltaNet hybrid (and DSA and KV sharing where a
+compare takes them); the committed results' tables regenerate from the committed records by the
+report code."""
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+from conftest import compose
+
+from kvbench.config.bench import to_bench_config
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import variant_label
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+
+
+def sweep_jobs(experiment: str):
+    """Each job's overrides, as Hydra's basic sweeper expands the experiment's sweeper params."""
+    params = compose(f"experiment={experiment}", hydra=True).hydra.sweeper.params
+    axes = [[f"{key}={value}" for value in str(values).split(",")] for key, values in params.items()]
+    return [[f"experiment={experiment}", *job] for job in itertools.product(*axes)]
+
+
+def test_layouts_times_seven_layouts_the_new_ones_beside_the_old():
+    cfg = to_bench_config(compose("experiment=layouts"))
+    labels = [variant_label(a, num_layers=cfg.model.num_layers) for a in cfg.compare.attentions(cfg.model)]
+    assert labels == ["mha kv=16", "gqa kv=4", "mla r=256", "mha kv=16 w=1024 5:1", "mha kv=16 gdn 2:1",
+                      "mla r=256 topk=1024", "mha kv=16 kvshare=2"]
+    # three contexts or more on each side of W = k = 1024: a slope below and past both
+    assert sum(c <= 1024 for c in cfg.compare.contexts) >= 3 and sum(c >= 1024 for c in cfg.compare.contexts) >= 3
+
+
+def test_choose_is_eighteen_jobs_and_only_the_shared_chat_of_the_hybrid_is_refused():
+    """Six variants x decode, chat, chat_shared; a Gated DeltaNet state is each sequence's own, so
+    its shared chat is refused in one line when the job starts (the sweep goes on)."""
+    jobs = sweep_jobs("choose")
+    assert len(jobs) == 18
+    refused = []
+    for overrides in jobs:
+        try:
+            cfg = to_bench_config(compose(*overrides))
+        except ConfigError as exc:
+            refused.append((overrides, str(exc)))
+            continue
+        assert cfg.task == "capacity" and cfg.capacity.context_lens == [32, 64, 128, 256]
+    [(overrides, line)] = refused
+    assert overrides[1:] == ["attention=choose/gdn", "scenario=chat_shared"]
+    assert line.startswith("cache.shared=True") and "\n" not in line
+    gdn = to_bench_config(compose("experiment=choose", "attention=choose/gdn"))
+    assert gdn.attention.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+
+
+def test_recall_trains_seven_variants_two_of_them_gated_deltanet():
+    jobs = sweep_jobs("recall")
+    attentions = [job[1].split("=", 1)[1] for job in jobs]
+    assert attentions == ["mha", "gqa", "mqa", "recall/mla", "recall/swa", "recall/gdn", "recall/gdn_pure"]
+    kinds = [to_bench_config(compose(*job)).attention.layer_types for job in jobs[-2:]]
+    assert kinds == [["linear_attention", "full_attention"], ["linear_attention"] * 2]
+
+
+@pytest.mark.parametrize("directory", ["layouts_compare", "choose", "recall/mqar"])
+def test_the_committed_reports_regenerate_from_the_committed_records(directory, tmp_path):
+    """summary.md under experiments/results is what the report code writes from the records
+    beside it today (the directory line and the plots' paths aside)."""
+    import shutil
+
+    from kvbench.sinks.report import write_report
+
+    src = RESULTS / directory
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.png", "summary.*", "README.md"))
+    write_report(dst, dst)
+
+    def body(path: Path) -> str:
+        text = path.read_text()
+        return re.sub(r"^# kvbench report: .*$", "", text, count=1, flags=re.M)
+
+    assert body(dst / "summary.md") == body(src / "summary.md")
