@@ -9,7 +9,9 @@ from typing import Any, ClassVar, Dict, Optional
 
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers
 from kvbench.config.task import ALL, Keys
-from kvbench.serving.allocator import ALLOCATORS, CHECKPOINTS
+
+ALLOCATORS = ("per_kind", "unified")  # workload.allocator: kvbench.serving.allocator
+CHECKPOINTS = ("block", "every_n", "prompt_end")  # workload.state_checkpoint: where a state is saved
 
 ARRIVALS = ("poisson", "gamma", "trace")
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")

@@ -26,9 +26,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from kvbench.config.errors import ConfigError
-
-ALLOCATORS = ("per_kind", "unified")
-CHECKPOINTS = ("block", "every_n", "prompt_end")
+from kvbench.config.serving import ALLOCATORS, CHECKPOINTS
 
 
 @dataclass(frozen=True)
