@@ -129,8 +129,10 @@ def test_the_report_tables_each_allocators_capacity_beside_the_formulas(tmp_path
     for i, rec in enumerate(recs):
         RunResult(status="ok", config=rec["config"], metrics=rec["metrics"], tables=rec["tables"]).write(
             tmp_path / "sweep" / str(i))
-    write_report(tmp_path / "sweep", plots=False)
+    write_report(tmp_path / "sweep")
     md = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "![serving_capacity](serving_capacity.png)" in md
+    assert (tmp_path / "sweep" / "serving_capacity.png").stat().st_size > 10_000
     section = md.split("## Serving capacity per layout, KV precision and allocator")[1].split("\n## ")[0]
     assert "fit (allocator's plan)" in section and "store allocated (measured)" in section
     rows = [line for line in section.splitlines() if line.startswith("| gqa")]
