@@ -43,7 +43,8 @@ OUT = ROOT / "experiments" / "results" / "capacity_report.md"
 PLOT = "capacity_report.png"  # beside the report, and copied into docs/
 PRESETS = ("llama3_8b", "gemma3_27b", "gpt_oss_120b", "qwen3_5_9b", "deepseek_v3")
 TINY = (("mha", []), ("gqa", ["attention.num_kv_heads=2"]), ("mqa", []), ("mla", []),
-        ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]))
+        ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]),
+        ("gqa", ["attention.num_kv_heads=2", "attention.layer_types=[linear_attention,full_attention]"]))
 PRECISIONS = ("auto", "int8", "float8_e4m3fn")
 SERVE = ["workload=serving", "workload.search.enabled=true", "slo.ttft_ms=250", "slo.tpot_ms=40",
          "workload.num_requests=32", "workload.search.max_probes=6", "workload.search.lo=1",
