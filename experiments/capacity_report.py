@@ -1,6 +1,8 @@
 """The capacity report: per layout and KV precision, at a context and a KV memory budget, the bytes
-per token and per sequence by the layouts' formula, the sequences that fit, and the highest
-request rate within an SLO where the serving store can run it.
+per token and per sequence by the layouts' formula, the sequences that fit, what each serving
+allocator reserves for one sequence and how many its pools hold (its own plan,
+kvbench/serving/allocator.py), and the highest request rate within an SLO where the serving
+store can run it. Served runs' records hold the same figures; kvbench-report tables them.
 
 Two kinds of rows. Presets (real configurations, nothing run): each layer's own formula
 (windows kept whole, Gated DeltaNet states, MLA's latent, 1-byte codes and their scales) against
@@ -171,8 +173,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         "until a page holds a state); `/ seq`, what one sequence at the context reserves at its worst while it "
         "decodes (block rounding, a window's blocks kept whole, its state page); `fit`, the sequences at the "
         "context its pools hold at once (the scarcest pool decides); `reserved`, what those sequences reserve. "
-        "The same figures for a served run are in its record (`kv_reserved_bytes`) and in `kvbench-report`'s "
-        "serving capacity table.", "",
+        "The same figures for a served run are in its record (`kv_sequence_reserved_bytes`, `kv_sequences_fit`, "
+        "`kv_reserved_bytes`) and in `kvbench-report`'s serving capacity table (docs/capacity.md).", "",
         "| model | variant | KV precision | context | budget | bytes / token | bytes / sequence | x context | fit "
         "(formula) | per_kind / seq | per_kind fit | per_kind reserved | unified block | unified / seq | "
         "unified fit | unified reserved | highest rate in SLO (req/s) | note |",
