@@ -1,6 +1,8 @@
 """The capacity report: per layout and KV precision, at a context and a KV memory budget, the bytes
-per token and per sequence by the layouts' formula, the sequences that fit, and the highest
-request rate within an SLO where the serving store can run it.
+per token and per sequence by the layouts' formula, the sequences that fit, what each serving
+allocator reserves for one sequence and how many its pools hold (its own plan,
+kvbench/serving/allocator.py), and the highest request rate within an SLO where the serving
+store can run it. Served runs' records hold the same figures; kvbench-report tables them.
 
 Two kinds of rows. Presets (real configurations, nothing run): each layer's own formula
 (windows kept whole, Gated DeltaNet states, MLA's latent, 1-byte codes and their scales) against
@@ -30,9 +32,11 @@ from _common import compose_config, write_report  # noqa: E402
 from kvbench.config.bench import to_bench_config  # noqa: E402
 from kvbench.config.dtypes import DTYPE_BYTES  # noqa: E402
 from kvbench.config.errors import ConfigError  # noqa: E402
+from kvbench.config.serving import ServingWorkload  # noqa: E402
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.layouts.build import build_layouts  # noqa: E402
 from kvbench.results import read_record  # noqa: E402
+from kvbench.serving.allocator import ALLOCATORS, groups_of, make_plan  # noqa: E402
 from kvbench.tasks.common import variant_label  # noqa: E402
 from kvbench.units import human_bytes  # noqa: E402
 
@@ -41,15 +45,32 @@ OUT = ROOT / "experiments" / "results" / "capacity_report.md"
 PLOT = "capacity_report.png"  # beside the report, and copied into docs/
 PRESETS = ("llama3_8b", "gemma3_27b", "gpt_oss_120b", "qwen3_5_9b", "deepseek_v3")
 TINY = (("mha", []), ("gqa", ["attention.num_kv_heads=2"]), ("mqa", []), ("mla", []),
-        ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]))
+        ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]),
+        ("gqa", ["attention.num_kv_heads=2", "attention.layer_types=[linear_attention,full_attention]"]))
 PRECISIONS = ("auto", "int8", "float8_e4m3fn")
 SERVE = ["workload=serving", "workload.search.enabled=true", "slo.ttft_ms=250", "slo.tpot_ms=40",
          "workload.num_requests=32", "workload.search.max_probes=6", "workload.search.lo=1",
          "runtime.isolate=false", "runtime.threads=1", "wandb=disabled", "runtime.warmup=1"]
 
 
+def allocator_figures(layouts, element: int, dtype: str, block_size: int, context: int, budget: int) -> Dict:
+    """What each allocator (kvbench/serving/allocator.py, the serving store's own plan) makes of
+    ``budget`` for requests of ``context`` positions, prefilled in the serving workload's default
+    chunks: the attention block, what one sequence at ``context`` reserves at its worst while it
+    decodes (block rounding, a window kept whole, its state page), how many such sequences the
+    pools hold at once, and what those reserve."""
+    groups = groups_of(layouts, element, dtype)
+    out = {}
+    for allocator in ALLOCATORS:
+        plan = make_plan(groups, allocator, block_size, budget, context, ServingWorkload.max_prefill_tokens)
+        fit = plan.sequences_fit(context)
+        out[allocator] = {"block": plan.block_size, "per_seq": plan.worst_sequence_bytes(context), "fit": fit,
+                          "reserved": fit * plan.worst_sequence_bytes(context), "pools": plan.reserved_bytes}
+    return out
+
+
 def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
-    """The formula's figures of one configuration (nothing built), or the line refusing it."""
+    """The formula's figures of one configuration (nothing built) and each allocator's, or the line refusing it."""
     try:
         cfg = to_bench_config(compose_config(overrides))
     except ConfigError as exc:
@@ -59,7 +80,8 @@ def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
     per_token = layouts.bytes_per_token(element, dtype)
     per_seq = layouts.cache_bytes(context, 1, element, dtype)
     return {"label": variant_label(cfg.attention, num_layers=cfg.model.num_layers), "per_token": per_token,
-            "per_seq": per_seq, "naive": per_token * context, "fit": budget // per_seq if per_seq else None}
+            "per_seq": per_seq, "naive": per_token * context, "fit": budget // per_seq if per_seq else None,
+            "allocators": allocator_figures(layouts, element, dtype, cfg.cache.block_size, context, budget)}
 
 
 def serve_rate(overrides: List[str], budget_mb: float, tmp: Path) -> tuple:
@@ -81,20 +103,26 @@ def plot(rows: List[Dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.get("fit")]
-    fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown) + 1.6))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(shown) + 1.6))
     names = [f"{r['model']}  {r['label']}  {r['precision']}" for r in shown]
-    colours = ["#4477aa" if r["model"] != "tiny" else "#ee6677" for r in shown]
-    ax.barh(range(len(shown)), [r["fit"] for r in shown], color=colours)
-    for i, r in enumerate(shown):
-        note = f" {r['fit']:,}" + (f"  ({r['rate']:.3g} req/s)" if r.get("rate") else "")
-        ax.text(r["fit"], i, note, va="center", fontsize=7)
+    bars = (("formula", lambda r: r["fit"], "#4477aa"), ("per_kind", lambda r: r["allocators"]["per_kind"]["fit"],
+            "#228833"), ("unified", lambda r: r["allocators"]["unified"]["fit"], "#ee6677"))
+    height = 0.27
+    for k, (name, value, colour) in enumerate(bars):
+        ys = [i + (k - 1) * height for i in range(len(shown))]
+        ax.barh(ys, [max(value(r), 0.5) for r in shown], height=height, color=colour, label=name)
+        for y, r in zip(ys, shown):
+            note = f" {value(r):,}" + (f"  ({r['rate']:.3g} req/s)" if k == 0 and r.get("rate") else "")
+            ax.text(max(value(r), 0.5), y, note, va="center", fontsize=6)
     ax.set_yticks(range(len(shown)), names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("sequences that fit the KV budget (formula; log scale)")
-    ax.set_title("Capacity per layout and KV precision\nblue: presets at their context and budget (formula); "
-                 "red: model=tiny (in brackets: its highest rate in the SLO)", fontsize=8)
-    fig.subplots_adjust(left=0.36, right=0.9, top=0.94, bottom=0.06)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("sequences at the context that fit the KV budget (computed, not measured; log scale)")
+    ax.set_title("Capacity per layout and KV precision: by the layouts' formula and by each allocator's plan\n"
+                 "presets at their context and budget; model=tiny at its own (in brackets: its highest rate "
+                 "in the SLO, measured)", fontsize=8)
+    fig.subplots_adjust(left=0.36, right=0.9, top=0.96, bottom=0.04)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -125,29 +153,44 @@ def main(argv: Optional[List[str]] = None) -> None:
                        **formula_row(over, args.tiny_context, tiny_budget)}
                 if "refused" not in row and not args.no_serve:
                     row["rate"], row["rate_note"] = serve_rate(over, args.tiny_budget_mb, Path(tmp))
+                elif "refused" not in row:
+                    row["rate_note"] = "not run (--no-serve)"
                 rows.append(row)
+    command = " ".join(["python experiments/capacity_report.py", *(argv if argv is not None else sys.argv[1:])])
+    rate_how = ("not run (--no-serve)" if args.no_serve else "from workload=serving's rate search on a shared "
+                "2-core CPU with slo.ttft_ms=250 and slo.tpot_ms=40 at p99")
     lines = [
         "# Capacity per layout and KV precision", "",
-        f"Made by `python experiments/capacity_report.py` (presets in bfloat16 at {args.context} tokens and a "
-        f"{args.budget_gb:g} GB KV budget, formula only; model=tiny in float32 at {args.tiny_context} tokens and "
-        f"{args.tiny_budget_mb:g} MB, its highest rate from workload=serving's rate search on a shared 2-core CPU "
-        "with slo.ttft_ms=250 and slo.tpot_ms=40 at p99). Bytes are the layouts' formula "
-        "(`kvbench/layouts/`): per token, what one more token adds while no window is full; per sequence, "
-        "every layer with its own positions (a window's W) and state. `x context` is per token x context, "
-        "what an estimator that treats every layer as full attention gives. Reserved bytes per allocator "
-        "(block rounding, state pages) are not in this table yet.", "",
-        "| model | variant | KV precision | context | budget | bytes / token | bytes / sequence | x context | "
-        "sequences that fit | highest rate in SLO (req/s) | note |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        f"Made by `{command}` (presets in bfloat16 at {args.context} tokens and a {args.budget_gb:g} GB KV budget, "
+        f"nothing run; model=tiny in float32 at {args.tiny_context} tokens and {args.tiny_budget_mb:g} MB, its "
+        f"highest rate {rate_how}). Every byte figure here is computed, none measured. Formula: the layouts' "
+        "(`kvbench/layouts/`): per token, what one more token adds while no window is full; per sequence, every "
+        "layer with its own positions (a window's W) and state; `x context` is per token x context, what an "
+        "estimator that treats every layer as full attention gives; `fit` is budget // per sequence. Per "
+        "allocator: the serving store's own plan (`kvbench/serving/allocator.py`, `workload.allocator`) of the "
+        f"budget for requests of the context prefilled in chunks of {ServingWorkload.max_prefill_tokens} (the "
+        "serving default, which sets per_kind's split): `block`, its attention block in tokens (unified raises it "
+        "until a page holds a state); `/ seq`, what one sequence at the context reserves at its worst while it "
+        "decodes (block rounding, a window's blocks kept whole, its state page); `fit`, the sequences at the "
+        "context its pools hold at once (the scarcest pool decides); `reserved`, what those sequences reserve. "
+        "The same figures for a served run are in its record (`kv_sequence_reserved_bytes`, `kv_sequences_fit`, "
+        "`kv_reserved_bytes`) and in `kvbench-report`'s serving capacity table (docs/capacity.md).", "",
+        "| model | variant | KV precision | context | budget | bytes / token | bytes / sequence | x context | fit "
+        "(formula) | per_kind / seq | per_kind fit | per_kind reserved | unified block | unified / seq | "
+        "unified fit | unified reserved | highest rate in SLO (req/s) | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['model']} | | {r['precision']} | | | | | | | | refused: {r['refused']} |")
+            lines.append(f"| {r['model']} | | {r['precision']} |{' |' * 14} refused: {r['refused']} |")
             continue
         rate = f"{r['rate']:.3g}" if r.get("rate") else "-"
         note = (r.get("rate_note") or "").replace("|", "/")
+        pk, un = r["allocators"]["per_kind"], r["allocators"]["unified"]
         lines.append(f"| {r['model']} | {r['label']} | {r['precision']} | {r['context']} | {human_bytes(r['budget'])} "
                      f"| {r['per_token']:,} | {human_bytes(r['per_seq'])} | {human_bytes(r['naive'])} | {r['fit']:,} "
-                     f"| {rate} | {note} |")
+                     f"| {human_bytes(pk['per_seq'])} | {pk['fit']:,} | {human_bytes(pk['reserved'])} | {un['block']} "
+                     f"| {human_bytes(un['per_seq'])} | {un['fit']:,} | {human_bytes(un['reserved'])} | {rate} "
+                     f"| {note} |")
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, out.parent / PLOT)

@@ -212,5 +212,9 @@ def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     mha = rows[("tiny", "mha kv=8", "auto")]
     assert mha[6].strip() == "1,024" and mha[7].strip() == "512.00 KiB"  # 2 layers x K,V x 8 heads x 8 x 4 B
     assert mha[9].strip() == "3"  # 2 MB // 512 KiB
-    assert len(rows) == 15 and (tmp_path / "report" / "capacity_report.png").is_file()
+    # each allocator: whole blocks of 16 of 512 positions reserve the formula's bytes, 3 sequences fit
+    assert [mha[i].strip() for i in (10, 11, 13, 14, 15)] == ["512.00 KiB", "3", "16", "512.00 KiB", "3"]
+    gdn = rows[("tiny", "gqa kv=2 gdn 1:1", "auto")]  # unified raises the block until a page holds a state
+    assert gdn[13].strip() == "32" and int(gdn[15]) < int(gdn[11]) <= int(gdn[9])
+    assert len(rows) == 18 and (tmp_path / "report" / "capacity_report.png").is_file()
     assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png

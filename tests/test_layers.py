@@ -40,7 +40,7 @@ LAYERS = [
     ["jobs.isolation", "jobs.sweep"],
     ["sinks.tables", "sinks.tracking", "sinks.markdown"],
     ["sinks.serving", "sinks.comparison"],
-    ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved"],
+    ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved", "sinks.capacity"],
     ["sinks.console", "sinks.plots"],
     ["sinks.serving_plots"],
     ["sinks.report"],

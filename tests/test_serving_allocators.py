@@ -187,3 +187,46 @@ def test_the_store_logs_each_evicted_key_once_in_order():
     assert store.evicted and len(set(store.evicted)) == len(store.evicted)
     assert set(store.evicted) <= set(registered) and len(store.evicted) == len(registered) - len(store.pools[0].key_of)
     assert all(k not in p.block_of for p in store.pools for k in store.evicted)
+
+
+@pytest.mark.parametrize("allocator", ["per_kind", "unified"])
+@pytest.mark.parametrize("layout", ["windowed", "gdn_hybrid"])
+def test_a_capacity_rows_reserved_bytes_and_fit_equal_the_hand_formula(layout, allocator):
+    """The capacity report's per-allocator figures (what one sequence at the context reserves at its
+    worst while it decodes, how many fit, what they reserve) against the layer shapes by hand: a
+    windowed model (local, global, local, global) and the Gated DeltaNet hybrid."""
+    from kvbench.serving.allocator import groups_of, make_plan
+
+    context, budget = 30, 40 * BS * 2 * KV_LAYER
+    if layout == "windowed":
+        cfg = tiny_model_config(num_layers=4, num_heads=4, preset_kv_heads=2)
+        model = Decoder(cfg, AttentionConfig(window=W, layer_types=["sliding_attention", "full_attention"] * 2))
+    else:
+        model = hybrid()
+    groups = groups_of(model.layouts, model.dtype.itemsize)
+    plan = make_plan(groups, allocator, BS, budget, context, CHUNK)
+    window_blocks = lambda bs: min(math.ceil(context / bs), math.ceil((W - 1 + 1 + bs - 1) / bs))  # noqa: E731
+    if layout == "windowed":  # two full layers, two local ones, no state
+        if allocator == "per_kind":
+            weights = [math.ceil(context / BS) * BS * 2 * KV_LAYER,
+                       min(math.ceil(context / BS), math.ceil((W - 1 + CHUNK + BS - 1) / BS)) * BS * 2 * KV_LAYER]
+            pools = [int(budget * w // sum(weights) // (BS * 2 * KV_LAYER)) for w in weights]
+            need = [math.ceil(context / BS), window_blocks(BS)]
+            per_seq = sum(need) * BS * 2 * KV_LAYER
+            fit = min(p // n for p, n in zip(pools, need))
+        else:  # no state: the block stays, a page is one layer's block
+            page = BS * KV_LAYER
+            need = 2 * math.ceil(context / BS) + 2 * window_blocks(BS)
+            per_seq, fit = need * page, int(budget // page) // need
+    elif allocator == "per_kind":
+        pools = [n for n, _ in hand_per_kind(budget, context)]
+        need = [math.ceil(context / BS), window_blocks(BS), 1]
+        per_seq = (need[0] + need[1]) * BS * KV_LAYER + 2 * STATE_LAYER
+        fit = min(p // n for p, n in zip(pools, need))
+    else:  # blocks of 12 tokens, a page of max(12 positions of one layer, one state); a state: a page per layer
+        bs, page = hand_unified()
+        need = math.ceil(context / bs) + window_blocks(bs) + 2
+        per_seq, fit = need * page, int(budget // page) // need
+    assert plan.worst_sequence_bytes(context) == per_seq
+    assert plan.sequences_fit(context) == fit > 0
+    assert fit * per_seq <= plan.reserved_bytes <= budget

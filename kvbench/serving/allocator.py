@@ -136,6 +136,18 @@ class Plan:
         """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""
         return sum(blocks_held(g, length, self.block_size) * b for g, b in zip(self.groups, self.page_bytes))
 
+    def worst_sequence_bytes(self, length: int, chunk: int = 1) -> int:
+        """Bytes one sequence of up to ``length`` positions reserves at its worst while it grows by
+        ``chunk`` (block rounding, a window kept whole, its state page): :func:`worst_blocks` x
+        each group's block bytes."""
+        return sum(worst_blocks(g, length, self.block_size, chunk) * b for g, b in zip(self.groups, self.page_bytes))
+
+    def sequences_fit(self, length: int, chunk: int = 1) -> int:
+        """How many sequences of ``length`` positions the pools hold at once, each at its worst
+        while it grows by ``chunk`` (nothing shared): the scarcest pool's pages over one sequence's
+        need of them."""
+        return min(p // n for p, n in zip(self.pages, self.need(length, chunk)) if n)
+
     def need(self, length: int, chunk: int) -> Tuple[int, ...]:
         """Pages a request of ``length`` positions needs at its worst, per pool."""
         per_group = [worst_blocks(g, length, self.block_size, chunk) * c for g, c in zip(self.groups, self.cost)]

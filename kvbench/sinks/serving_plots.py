@@ -4,7 +4,10 @@
   dashed, runs that missed the SLO crossed, each variant's highest rate within the SLO dotted;
 - ``serving_pareto``: tokens/s per user (1000 / the run's median TPOT: one stream's speed) against
   the run's total output tokens/s, as vLLM's ``plot_pareto``; up and to the right is better, and a
-  variant's frontier (bold) is where raising the rate buys total throughput only at the users' expense.
+  variant's frontier (bold) is where raising the rate buys total throughput only at the users' expense;
+- ``serving_capacity``: per serving run (layout, KV precision, allocator), the sequences at its
+  longest request that fit its budget by the layouts' formula and by its allocator's plan
+  (:mod:`kvbench.sinks.capacity`'s table; computed, not measured).
 
 The points are :func:`kvbench.sinks.serving.curves`' (one panel per combination of the other swept
 axes, one line per variant in its colour of every plot).
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from kvbench.jsonio import atomic_write
+from kvbench.sinks import capacity
 from kvbench.sinks.plots import MAX_PANELS, _grid, _legend, excluded_note, palette
 from kvbench.sinks.serving import RATE_KEY, Curves, curves, max_rates, pareto_front, slo_targets, xy
 from kvbench.sinks.tables import Axis, Record, kind
@@ -104,8 +108,39 @@ def pareto_plot(path: Path, data: Curves, colours: Dict[str, str], note: str) ->
     return _save(fig, axes, path, *legend, note)
 
 
+def capacity_plot(path: Path, rows: Sequence[Dict], note: str) -> Path:
+    """Sequences that fit per serving run: by the layouts' formula and by the run's allocator's plan."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 1.6 + 0.5 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    names = [f"{r['variant']}  {r['allocator']}  (job {r['job']})" for r in rows]
+    for k, (key, label, colour) in enumerate((("kv_sequences_fit_formula", "layouts' formula", "#4477aa"),
+                                               ("kv_sequences_fit", "the allocator's plan", "#ee6677"))):
+        ys = [i + (k - 0.5) * 0.4 for i in range(len(rows))]
+        ax.barh(ys, [r[key] for r in rows], height=0.4, color=colour, label=label)
+        for y, r in zip(ys, rows):
+            ax.text(r[key], y, f" {r[key]:,}", va="center", fontsize="x-small")
+    ax.set_yticks(range(len(rows)), names, fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlabel("sequences at the run's longest request that fit its KV budget (computed, not measured)")
+    ax.set_title("Serving capacity per layout, KV precision and allocator", fontsize="small")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize="small", title=note or None, title_fontsize="x-small", frameon=False)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=100, format="png"), binary=True)
+    return path
+
+
 def draw(records: Sequence[Record], axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict[str, str]]:
     """The serving plots the records support, into ``out``: (PNG paths, {plot: why not})."""
+    drawn, skipped = _rate_plots(records, axes, out)
+    rows = capacity.rows(records)
+    if rows:
+        drawn.append(capacity_plot(Path(out) / "serving_capacity.png", rows, excluded_note(records)))
+    return drawn, skipped
+
+
+def _rate_plots(records: Sequence[Record], axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict[str, str]]:
     if not any(kind(r) == "serving" for r in records):
         return [], {}
     data = curves(records, axes)

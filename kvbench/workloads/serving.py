@@ -55,6 +55,17 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
                                          "blocks x its block's bytes; unified, its pages x the page's bytes"),
     Metric("kv_allocator", "text", "workload.allocator: per_kind (a pool per group of layers) or unified (one "
                                    "pool of equal pages)"),
+    Metric("kv_sequence_positions", "tokens", "the longest request's positions (prompt + output - 1): the context "
+                                              "the capacity figures below are at"),
+    Metric("kv_sequence_bytes_formula", "bytes", "the layouts' formula for one sequence at kv_sequence_positions "
+                                                 "(a window's W positions, a state once)"),
+    Metric("kv_sequences_fit_formula", "count", "kv_budget_bytes // kv_sequence_bytes_formula"),
+    Metric("kv_sequence_reserved_bytes", "bytes", "what one sequence at kv_sequence_positions reserves under the "
+                                                  "allocator at its worst while it decodes (block rounding, a "
+                                                  "window's blocks kept whole, its state page): the plan's formula"),
+    Metric("kv_sequences_fit", "count", "sequences at kv_sequence_positions the allocator's pools hold at once, "
+                                        "each at its worst while it decodes (the scarcest pool decides): the "
+                                        "plan's formula"),
     Metric("state_checkpoints_saved", "count", "recurrent states saved for prefix caching "
                                                "(workload.state_checkpoint)"),
     Metric("state_checkpoint_bytes_max", "bytes", "most bytes the saved states nobody ran from held at once "
@@ -120,6 +131,19 @@ def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element
                               f"{largest.id} (prompt {largest.prompt_len} + output {largest.output_len} tokens) "
                               f"needs {need}; raise it")
     return plan
+
+
+def sequence_capacity(plan: StorePlan, layouts, element: int, cache_dtype: str, requests: Sequence[Request],
+                      budget: float) -> Dict:
+    """The capacity figures of ``plan`` at the longest request's positions: the layouts' formula
+    for one sequence and how many fit ``budget`` by it, and what the allocator reserves for one
+    and how many its pools hold (each at its worst while it decodes)."""
+    length = max(r.prompt_len + r.output_len - 1 for r in requests)
+    formula = layouts.cache_bytes(length, 1, element, cache_dtype)
+    return {"kv_sequence_positions": length, "kv_sequence_bytes_formula": formula,
+            "kv_sequences_fit_formula": int(budget // formula) if formula else None,
+            "kv_sequence_reserved_bytes": plan.worst_sequence_bytes(length),
+            "kv_sequences_fit": plan.sequences_fit(length)}
 
 
 def _unit(plan: StorePlan, g: int) -> str:
@@ -245,6 +269,8 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     metrics.update(kv_budget_bytes=int(budget),
                    kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.plan.storage_bytes,
                    kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
+    metrics.update(sequence_capacity(store.plan, model.layouts, model.dtype.itemsize,
+                                     cfg.cache.dtype, plan.requests, budget))
     del store
     warm_up(model, cfg, plan.arrivals, plan.prompts)
     progress = (lambda: tick()) if tick is not None else None

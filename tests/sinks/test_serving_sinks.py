@@ -106,3 +106,40 @@ def test_choose_gains_the_max_rate_column_when_serving_searches_are_there():
     other_model = [{**r, "config": config("mha", 4, model="small")} for r in records()[:1]]
     (choice,) = choices(capacity + other_model)
     assert "max rate under SLO" not in choice.header  # a search of another model is not this table's
+
+
+def allocator_record(job, allocator, fit, per_seq, **extra):
+    """A serving run's capacity figures (what workload=serving records) under ``allocator``."""
+    rec = search_record(job, "gqa", 2, 5.0, 4.9, 5.3)
+    rec["config"]["cache"] = {"dtype": "int8"}
+    rec["config"]["workload"]["allocator"] = allocator
+    rec["metrics"].update(kv_allocator=allocator, kv_budget_bytes=400_000, kv_sequence_positions=26,
+                          kv_bytes_per_token=512, kv_sequence_bytes_formula=15_872, kv_sequences_fit_formula=25,
+                          kv_sequence_reserved_bytes=per_seq, kv_sequences_fit=fit, kv_reserved_bytes=393_216,
+                          kv_store_bytes=516_096, **extra)
+    return rec
+
+
+def test_the_report_tables_each_allocators_capacity_beside_the_formulas(tmp_path):
+    """Both allocators of one layout side by side, figures computed from the plan labelled so, the
+    measured ones measured; a record whose figure is not a whole number is left out; a sweep
+    without the figures has no such section."""
+    recs = [allocator_record(0, "unified", 16, 24_576), allocator_record(1, "per_kind", 21, 18_944),
+            allocator_record(2, "per_kind", 21, "18 KiB")]
+    for i, rec in enumerate(recs):
+        RunResult(status="ok", config=rec["config"], metrics=rec["metrics"], tables=rec["tables"]).write(
+            tmp_path / "sweep" / str(i))
+    write_report(tmp_path / "sweep")
+    md = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "![serving_capacity](serving_capacity.png)" in md
+    assert (tmp_path / "sweep" / "serving_capacity.png").stat().st_size > 10_000
+    section = md.split("## Serving capacity per layout, KV precision and allocator")[1].split("\n## ")[0]
+    assert "fit (allocator's plan)" in section and "store allocated (measured)" in section
+    rows = [line for line in section.splitlines() if line.startswith("| gqa")]
+    assert rows == [
+        "| gqa kv=2 int8 | per_kind | 390.62 KiB | 26 | 512 | 15.50 KiB | 25 | 18.50 KiB | 21 | 388.50 KiB | "
+        "384.00 KiB | 504.00 KiB | 4.9 req/s (ttft_ms) |",
+        "| gqa kv=2 int8 | unified | 390.62 KiB | 26 | 512 | 15.50 KiB | 25 | 24.00 KiB | 16 | 384.00 KiB | "
+        "384.00 KiB | 504.00 KiB | 4.9 req/s (ttft_ms) |"]
+    write_report(tmp_path / "sweep", tmp_path / "plain", plots=False, records=records())
+    assert "Serving capacity" not in (tmp_path / "plain" / "summary.md").read_text()

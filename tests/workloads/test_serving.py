@@ -163,6 +163,10 @@ def test_every_layout_serves_through_the_config(tmp_path, overrides):
     assert m["kv_reserved_bytes"] <= m["kv_budget_bytes"]
     if m["kv_allocator"] == "per_kind":
         assert m["kv_store_bytes"] == m["kv_store_bytes_formula"]
+    # the capacity figures: at least the formula's bytes per sequence (block rounding, whole windows and pages)
+    assert m["kv_sequence_reserved_bytes"] >= m["kv_sequence_bytes_formula"] > 0
+    assert 1 <= m["kv_sequences_fit"] <= m["kv_sequences_fit_formula"]
+    assert m["kv_sequences_fit"] * m["kv_sequence_reserved_bytes"] <= m["kv_reserved_bytes"]
     if "linear_attention" in str(overrides):
         assert m["state_checkpoints_saved"] > 0 and m["state_checkpoint_bytes_max"] > 0
 
