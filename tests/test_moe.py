@@ -205,7 +205,14 @@ def test_each_moe_checkpoint_is_transformers_over_prefill_and_40_greedy_cached_s
     path, hf = moe_dir(tmp_path, family)
     model, _ = load_llama_dir(path)
     assert model.config.moe is not None and any(isinstance(b.mlp, MoE) for b in model.blocks)
-    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    gen = _assert_exact(model, hf, "cpu")
+    assert len(set(gen.tokens.flatten().tolist())) > 4  # not one token repeated
+
+
+def _assert_exact(model, hf, device):
+    """Perplexity of a 64-token prefill within 1e-4 relative of transformers', and STEPS greedy
+    cached steps its tokens; returns kvbench's generation."""
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         ours, theirs = _perplexity(model(tokens), tokens), _perplexity(hf(tokens).logits, tokens)
     assert ours == pytest.approx(theirs, rel=1e-4)
@@ -213,7 +220,7 @@ def test_each_moe_checkpoint_is_transformers_over_prefill_and_40_greedy_cached_s
     with torch.no_grad():
         gen = greedy_generate(model, prompt, STEPS, cache_for(model, "static", 2, 16 + STEPS))
     assert torch.equal(gen.tokens[:, :STEPS], _hf_greedy(hf, prompt, STEPS))
-    assert len(set(gen.tokens.flatten().tolist())) > 4  # not one token repeated
+    return gen
 
 
 def test_gpt_oss_yarn_is_transformers_untruncated_ramp(tmp_path):
@@ -436,13 +443,5 @@ def test_an_moe_checkpoint_on_cuda_is_transformers_on_cuda(tmp_path, family):
     greedy cached steps token for token against transformers on the same GPU."""
     torch.backends.cuda.matmul.allow_tf32 = False
     path, hf = moe_dir(tmp_path, family)
-    hf = hf.cuda()
     model, _ = load_llama_dir(path, device="cuda")
-    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
-    with torch.no_grad():
-        ours, theirs = _perplexity(model(tokens), tokens), _perplexity(hf(tokens).logits, tokens)
-    assert ours == pytest.approx(theirs, rel=1e-4)
-    prompt = tokens[:, :16]
-    with torch.no_grad():
-        gen = greedy_generate(model, prompt, STEPS, cache_for(model, "static", 2, 16 + STEPS))
-    assert torch.equal(gen.tokens[:, :STEPS], _hf_greedy(hf, prompt, STEPS))
+    _assert_exact(model, hf.cuda(), "cuda")

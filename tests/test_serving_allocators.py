@@ -7,10 +7,10 @@ a state is reused only where it was saved, and a saved state's bytes are counted
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from conftest import make_decoder, tiny_model_config
+from test_serving_engine import isolated, workload
 
 from kvbench.config.model import AttentionConfig
 from kvbench.model import Decoder
@@ -36,17 +36,6 @@ def hybrid() -> Decoder:
                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                             linear_conv_kernel_dim=4)
     return Decoder(cfg, AttentionConfig(window=W, layer_types=KINDS)).eval()
-
-
-def requests_of(n=10, seed=0, prefix=0, vocab=97):
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(0, vocab, prefix).tolist()
-    requests, prompts = [], []
-    for i in range(n):
-        own = int(rng.integers(2, 20))
-        requests.append(Request(i, 0.005 * i, prefix + own, int(rng.integers(1, 12)), 0 if prefix else None, prefix))
-        prompts.append(shared + rng.integers(0, vocab, own).tolist())
-    return requests, prompts
 
 
 def hand_per_kind(budget, longest):
@@ -75,7 +64,7 @@ def hand_sequence(n, bs, full_page, window_page, state_page):
 @pytest.mark.parametrize("allocator", ["per_kind", "unified"])
 def test_each_allocator_reserves_its_own_formula(allocator):
     model = hybrid()
-    requests, prompts = requests_of()
+    requests, prompts = workload(97)
     longest = max(r.prompt_len + r.output_len - 1 for r in requests)
     blocks = 40
     budget = blocks * BS * 2 * KV_LAYER  # kv_budget_blocks: blocks of every K/V layer
@@ -137,7 +126,6 @@ def test_a_state_is_reused_only_where_it_was_saved(policy, every, hit):
     """Two requests share 14 tokens: the second hits the longest prefix whose state was saved
     (block: 12 = 3 blocks; every 8 tokens: 8; the first prompt's last block boundary: 12), its tokens those of
     an isolated decode; the saved states' bytes are counted."""
-    from test_serving_engine import isolated
 
     model = hybrid()
     shared = list(range(14))
