@@ -149,6 +149,13 @@ CHAINS: Dict[str, Dict[str, Step]] = {
             Step(swap={"scripts/": f"{ROOT}/scripts/"}),
         "kvbench model=hf_dir model.path=gpt_oss_tiny workload.prompt_len=64": Step(["workload.gen_len=3", *QUICK]),
     },
+    "capacity": {  # docs/capacity.md: each allocator's capacity beside the formula's, in the report
+        "kvbench -m model=tiny model.num_layers=4 workload=serving workload.kv_budget_mb=2 workload.num_requests=8 "
+        "attention.layer_types=[sliding_attention,full_attention,sliding_attention,full_attention],"
+        "[linear_attention,sliding_attention,linear_attention,full_attention] attention.window=64 "
+        "workload.allocator=per_kind,unified hydra.sweep.dir=multirun/capacity": Step(QUICK),
+        "kvbench-report multirun/capacity": Step(),
+    },
     "demo": {
         "kvbench -m model=tiny attention=mha,gqa,mqa workload.prompt_len=64,256 workload.batch_size=1,4 "
         "workload.gen_len=16 hydra.sweep.dir=multirun/kv_demo": Step(SWEEP, {"workload.prompt_len=64,256":
@@ -576,6 +583,26 @@ def test_experiment_choose_prints_the_article_table_and_writes_its_plot(ran):
     assert [r["config"]["attention"]["type"] for r in recs[::3]] == ["mha", "mla", "gqa"]
     assert recs[6]["config"]["attention"]["window"] == 64
     assert (sweep / "capacity_vs_context.png").is_file()
+
+
+@chain("capacity")
+def test_the_capacity_sweep_reports_each_allocator_beside_the_formula(ran):
+    """docs/capacity.md's sweep: a windowed and a Gated DeltaNet hybrid under each allocator, each
+    record's reserve per sequence at least the formula's, and the report's capacity table and plot."""
+    command = next(c for c in RUN if "multirun/capacity" in c and c.startswith("kvbench -m"))
+    result(ran, command)
+    sweep = ran[command][2] / "multirun" / "capacity"
+    recs = records(sweep)
+    assert [r["status"] for r in recs] == ["ok"] * 4
+    assert sorted(r["metrics"]["kv_allocator"] for r in recs) == ["per_kind", "per_kind", "unified", "unified"]
+    for r in recs:
+        m = r["metrics"]
+        assert m["kv_sequence_reserved_bytes"] >= m["kv_sequence_bytes_formula"] > 0
+        assert 0 < m["kv_sequences_fit"] <= m["kv_sequences_fit_formula"]
+    result(ran, "kvbench-report multirun/capacity")
+    summary = (sweep / "summary.md").read_text()
+    assert "## Serving capacity per layout, KV precision and allocator" in summary
+    assert (sweep / "serving_capacity.png").is_file()
 
 
 @chain("demo")
