@@ -3,28 +3,28 @@
 
     update(k, v, pos) -> Attend(k, v, mask, causal, prefix)
 
-``k``, ``v``: the new keys and values of T tokens, (B, H_kv, T, D) (``v`` None: one latent tensor,
-MLA); ``pos``: their :class:`Positions`. The result is what the layer attends over: keys and
-values (B, H_kv, S, D), the mask over them (None: every key; ``causal``: SDPA's causal path, the
-keys being exactly the new tokens) and a batch-1 prefix every sequence attends first. Prefill,
-decode, a shared prefix, the fixed-shape compiled step and the serving store's batches all go
-through it; every mask is :func:`visible`'s rule. A layer that reads another layer's K/V
-(cross-layer sharing) has a :class:`~kvbench.shared_kv.SharedLayer`, which answers with its
-donor's answer. A layer that holds a constant state instead of
-K/V (Gated DeltaNet) has a :class:`~kvbench.state_cache.StateLayer`, the same question answered
+``k``, ``v``: the new keys and values of T tokens, (B, H_kv, T, D) (``v`` None: the layout stores
+one tensor, MLA); ``pos``: their :class:`Positions`. The result is what the layer attends over:
+keys and values (B, H_kv, S, D), the mask over them (None: every key; ``causal``: SDPA's causal
+path, the keys being exactly the new tokens) and a batch-1 prefix every sequence attends first.
+Prefill, decode, a shared prefix, the fixed-shape compiled step and the serving store's batches
+all go through it; every mask is :func:`visible`'s, the rule of the layer's layout. A layer that
+reads another layer's K/V (cross-layer sharing) has a :class:`~kvbench.shared_kv.SharedLayer`,
+which answers with its donor's answer. A layer that holds a constant state instead of K/V
+(Gated DeltaNet) has a :class:`~kvbench.state_cache.StateLayer`, the same question answered
 for a recurrence: ``update(x, pos) -> Carry`` (what it continues from).
 
 ``cache.impl``:
 - ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V (:class:`~kvbench.kv_store.KVStore`,
-  also int8 / float8 codes) written in place; a local layer whose window W is shorter keeps a ring
-  of W positions; a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors).
+  also int8 / float8 codes) written in place; a layer that keeps fewer positions keeps a ring of
+  those (:class:`RingLayer`); a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors).
   It lends a fixed-shape view for a compiled step (:meth:`Cache.fixed`).
 - ``concat``: the textbook cache that grows with ``torch.cat`` every step (a baseline).
 - ``none``: holds nothing; the caller recomputes the whole sequence every step.
 :class:`~kvbench.shared_prefix.SharedPrefixCache` puts a prefix held once (a system prompt) before
 a static or concat cache of each conversation's own history.
 
-Notation: B batch, T new tokens, S keys attended, H_kv KV heads, D width, P a prefix, W a window.
+Notation: B batch, T new tokens, S keys attended, H_kv KV heads, D width, P a prefix, R a ring's positions.
 """
 
 from __future__ import annotations
@@ -88,16 +88,20 @@ class Attend(NamedTuple):
     prefix: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
 
-def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
-    """(..., T, S) bool, True = attend: a query at position q sees a key at position k when
-    k <= q, and with a window W also k > q - W (W keys, itself included: the rule of
-    transformers' ``sliding_window_overlay``). q_pos (..., T), k_pos (..., S)."""
-    q, k = q_pos[..., :, None], k_pos[..., None, :]
-    seen = k <= q
-    return seen if window is None else seen & (k > q - window)
+def sees(layout, query, key):
+    """Whether a query at position ``query`` sees the key at ``key`` (numbers or tensors): the
+    rule of ``layout`` (:meth:`~kvbench.layouts.base.LayerLayout.sees`); None: every key at or
+    before it."""
+    return key <= query if layout is None else layout.sees(query, key)
 
 
-def causal_mask(T: int, S: int, device, window: Optional[int] = None, key_start: Optional[int] = None,
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, layout=None) -> torch.Tensor:
+    """(..., T, S) bool, True = attend: which keys each query sees by :func:`sees`.
+    q_pos (..., T), k_pos (..., S)."""
+    return sees(layout, q_pos[..., :, None], k_pos[..., None, :])
+
+
+def causal_mask(T: int, S: int, device, layout=None, key_start: Optional[int] = None,
                 query_start: Optional[int] = None) -> torch.Tensor:
     """(T, S) :func:`visible` for keys at positions ``key_start`` .. + S - 1 and queries at
     ``query_start`` .. + T - 1 (default: keys 0..S-1, the queries the last T of them: bottom-right
@@ -105,31 +109,32 @@ def causal_mask(T: int, S: int, device, window: Optional[int] = None, key_start:
     key_start = 0 if key_start is None else key_start
     query_start = key_start + S - T if query_start is None else query_start
     return visible(torch.arange(query_start, query_start + T, device=device),
-                   torch.arange(key_start, key_start + S, device=device), window)
+                   torch.arange(key_start, key_start + S, device=device), layout)
 
 
-def mask_over(pos: Positions, runs: Runs, window: Optional[int] = None) -> Tuple[Optional[torch.Tensor], bool]:
+def mask_over(pos: Positions, runs: Runs, layout=None) -> Tuple[Optional[torch.Tensor], bool]:
     """(mask, causal) for queries at ``pos`` over keys at the positions ``runs``: no mask where
     every key is visible to every query (a decode step), SDPA's causal path where the keys are
-    exactly the queries and no window cuts them, else :func:`visible`'s (T, S) mask."""
+    exactly the queries and the layout keeps every position, else :func:`visible`'s (T, S) mask."""
     first, last = min(s for s, _ in runs), max(s + n - 1 for s, n in runs)
-    if last <= pos.start and (window is None or first > pos.end - 1 - window):
+    if sees(layout, pos.start, last) and sees(layout, pos.end - 1, first):  # the nearest and the farthest pair
         return None, False
-    if window is None and len(runs) == 1 and runs[0] == (pos.start, pos.T):
+    if (layout is None or layout.keeps_every_position) and len(runs) == 1 and runs[0] == (pos.start, pos.T):
         return None, True
     keys = torch.cat([torch.arange(s, s + n, device=pos.device) for s, n in runs])
-    return visible(torch.arange(pos.start, pos.end, device=pos.device), keys, window), False
+    return visible(torch.arange(pos.start, pos.end, device=pos.device), keys, layout), False
 
 
 class LayerCache:
     """One layer's cache. :meth:`store` keeps the new K/V and returns the keys to attend over
-    with the runs of their positions; :meth:`update` adds the mask."""
+    with the runs of their positions; :meth:`update` adds the mask, by the rule of ``layout`` (the
+    layer's :class:`~kvbench.layouts.base.LayerLayout`; None: every earlier key)."""
 
-    window: Optional[int] = None
+    layout = None
 
     def update(self, k: torch.Tensor, v: Optional[torch.Tensor], pos: Positions) -> Attend:
         keys, values, runs = self.store(k, v, pos)
-        return Attend(keys, values, *mask_over(pos, runs, self.window))
+        return Attend(keys, values, *mask_over(pos, runs, self.layout))
 
     def store(self, k, v, pos: Positions):
         raise NotImplementedError
@@ -149,8 +154,8 @@ class Uncached(LayerCache):
     """No history: the tokens attend to each other (``cache.impl=none``, a forward without a
     cache). ``mask``: one given by the caller instead of the causal one (an ablation)."""
 
-    def __init__(self, window: Optional[int] = None, mask: Optional[torch.Tensor] = None):
-        self.window, self.mask = window, mask
+    def __init__(self, layout=None, mask: Optional[torch.Tensor] = None):
+        self.layout, self.mask = layout, mask
 
     def update(self, k, v, pos):
         if self.mask is not None:
@@ -165,8 +170,8 @@ class StaticLayer(LayerCache):
     """Positions 0..S_max-1 preallocated, written in place; a read is a view (auto) of the
     positions held."""
 
-    def __init__(self, stores: List[KVStore], window: Optional[int] = None):
-        self.stores, self.window = stores, window  # K and V, or one latent store
+    def __init__(self, stores: List[KVStore], layout=None):
+        self.stores, self.layout = stores, layout  # K and V, or the layout's one stored tensor
 
     def store(self, k, v, pos):
         out = []
@@ -183,29 +188,30 @@ class StaticLayer(LayerCache):
 
 
 class RingLayer(StaticLayer):
-    """A local layer: position p lives at index p % W. A decode step reads the whole ring (its W
-    keys are exactly the step's window, in any order); a prompt of T > 1 tokens reads the held
-    positions its first query still sees, max(0, start - W + 1) .. start - 1, in order before its
-    own T keys, gathered before they are overwritten."""
+    """A layer that keeps only its last R positions: position p lives at index p % R. A decode
+    step reads the whole ring (its R keys are exactly the ones the step sees, in any order); a
+    prompt of T > 1 tokens reads the held positions its first query still sees (the layout's
+    ``first_kept(start)`` .. start - 1), in order before its own T keys, gathered before they are
+    overwritten."""
 
     def store(self, k, v, pos):
-        W, B, T, start, end = self.window, k.shape[0], pos.T, pos.start, pos.end
+        R, B, T, start, end = self.stores[0].length, k.shape[0], pos.T, pos.start, pos.end
         new = (k, v)[:len(self.stores)]
         if T == 1:
             for store, x in zip(self.stores, new):  # one position: a slice write, no index tensor
-                store.write(start % W, x)
-            held = min(end, W)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
+                store.write(start % R, x)
+            held = min(end, R)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
             out = [store.read(held, B) for store in self.stores]
             runs = [(end - held, held)]
         else:
-            first = max(0, start - W + 1)
-            earlier = torch.arange(first, start, device=k.device) % W
+            first = self.layout.first_kept(start)
+            earlier = torch.arange(first, start, device=k.device) % R
             old = [store.gather(earlier, B) for store in self.stores]
-            kept = min(T, W)  # of a prompt longer than W only its last W positions stay
-            slots = torch.arange(end - kept, end, device=k.device) % W
+            kept = min(T, R)  # of a prompt longer than R only its last R positions stay
+            slots = torch.arange(end - kept, end, device=k.device) % R
             for store, x in zip(self.stores, new):
                 store.write(slots, x[:, :, T - kept:])
-            out = [torch.cat([o, x], dim=2) for o, x in zip(old, new)]  # (B, H_kv, S, D), S <= W - 1 + T
+            out = [torch.cat([o, x], dim=2) for o, x in zip(old, new)]  # (B, H_kv, S, D), S <= R - 1 + T
             runs = [(first, end - first)]
         return out[0], out[1] if len(out) > 1 else None, runs
 
@@ -214,20 +220,20 @@ class RingLayer(StaticLayer):
                          "use runtime.compile=false|default")
 
     def truncate(self, length, held):
-        """A ring keeps only W positions: rolling back is refused where a later position
-        overwrote one the next step must see (p is lost once p + W was written)."""
-        W = self.window
-        if length and max(0, length - W + 1) + W < held:
-            raise ValueError(f"cannot truncate to {length}: a window of {W} positions already overwrote "
-                             f"position {max(0, length - W + 1)} ({held} written); only reset() "
-                             "or a roll back within the ring works")
+        """A ring keeps only R positions: rolling back is refused where a later position
+        overwrote one the next step must see (p is lost once p + R was written)."""
+        R, first = self.stores[0].length, self.layout.first_kept(length)
+        if length and first + R < held:
+            raise ValueError(f"cannot truncate to {length}: a window of {R} positions already overwrote "
+                             f"position {first} ({held} written); only reset() or a roll back within the ring works")
 
 
 class ConcatLayer(LayerCache):
     """The naive cache: every step allocates a new, one-longer K and V with ``torch.cat``."""
 
-    def __init__(self, heads: int, widths: Sequence[int]):
+    def __init__(self, heads: int, widths: Sequence[int], layout=None):
         self.heads, self.widths = heads, tuple(widths)  # what a position of each tensor holds
+        self.layout = layout
         self.held: List[Optional[torch.Tensor]] = [None] * len(widths)
 
     def store(self, k, v, pos):
@@ -248,10 +254,10 @@ class FixedLayer(LayerCache):
     """A static layer as a fixed-shape decode step sees it: K/V written at a position given as a
     tensor, and always the first ``length`` positions read, those after the position masked.
 
-    Only ``length`` is a Python value, fixed per window (a context bucket); the position is data.
-    So a step compiled for a window has the same shapes and constants at every position of its
-    bucket: one graph, and on a GPU one CUDA graph, per bucket, reading ``length`` positions per
-    KV head (the roofline counts those, not the context). ``prefix``: a shared prefix's K/V
+    Only ``length`` is a Python value, fixed per context bucket; the position is data. So a step
+    compiled for a bucket has the same shapes and constants at every position of it: one graph,
+    and on a GPU one CUDA graph, per bucket, reading ``length`` positions per KV head (the
+    roofline counts those, not the context). ``prefix``: a shared prefix's K/V
     (1, H_kv, P, D), attended first; positions are then absolute and the storage holds position
     p at index p - P."""
 
@@ -325,7 +331,7 @@ class Cache:
     def rewind(self, length: int) -> None:
         """Move back to ``length`` positions to repeat steps whose cost, not their output, is
         timed: a roll back where every layer allows one; a ring that a later position already
-        overwrote still reads as many keys at the repeated positions (min(position + 1, W)), so
+        overwrote still reads as many keys at the repeated positions (min(position + 1, R)), so
         there only the held length moves back."""
         try:
             self.truncate(length)
@@ -404,8 +410,8 @@ def make_cache(impl: str, layouts: Sequence, batch_size: int, max_seq_len: int,
 def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                 device: torch.device, cache_dtype: str = "auto") -> LayerCache:
     """One layer's cache of ``impl`` for what its layout (a :class:`kvbench.layouts.base.LayerLayout`)
-    stores per position: a ring of W positions for a window shorter than the cache, else every
-    position (static) or a growing tensor (concat); none holds nothing. A layer with a constant
+    stores per position: a ring of the positions it keeps where the layout keeps fewer than the
+    cache holds, else every position (static) or a growing tensor (concat); none holds nothing. A layer with a constant
     state holds it (static, concat)."""
     layout.check({"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
@@ -414,19 +420,19 @@ def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: tor
     if layout.state is not None:
         return StateLayer(layout.state, batch_size, dtype, device)
     if impl == "concat":
-        return ConcatLayer(heads, widths)
-    ring = layout.window is not None and layout.window < max_seq_len
-    length = layout.window if ring else max_seq_len
+        return ConcatLayer(heads, widths, layout)
+    ring = layout.keeps_ring(max_seq_len)
+    length = layout.positions_held(max_seq_len) if ring else max_seq_len
     stores = [KVStore((batch_size, heads, length, w), cache_dtype, dtype, device) for w in widths]
-    return RingLayer(stores, layout.window) if ring else StaticLayer(stores, layout.window)
+    return (RingLayer if ring else StaticLayer)(stores, layout)
 
 
 def uncached(layout, mask: Optional[torch.Tensor] = None) -> LayerCache | StateLayer:
     """A layer's cache that holds nothing (``cache.impl=none``, a forward without a cache); ``mask``
     as :class:`Uncached`'s (a recurrent layer reads no keys: it does not apply there)."""
     if layout.kv_source is not None:
-        return SharedLayer(layout.window)  # its donor's, once linked (:func:`kvbench.shared_kv.link`)
-    return Uncached(layout.window, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,
+        return SharedLayer()  # its donor's, once linked (:func:`kvbench.shared_kv.link`)
+    return Uncached(layout, mask) if layout.state is None else StateLayer(layout.state, 0, torch.float32,
                                                                                   "cpu", held=False)
 
 

@@ -17,7 +17,6 @@ class Donor:
 
     def __init__(self, inner, readers: int):
         self.inner, self.readers = inner, readers
-        self.window = inner.window
         self._last, self._left = None, 0
 
     def update(self, k, v, pos):
@@ -35,15 +34,15 @@ class Donor:
             self._last = None
         return att
 
-    def __getattr__(self, name):  # everything else is the donor's cache's own (store, stores, tensors, ...)
+    def __getattr__(self, name):  # everything else is the donor's cache's own (layout, store, stores, tensors, ...)
         return getattr(self.inner, name)
 
 
 class SharedLayer:
     """A layer that attends another layer's cache (:class:`Donor`, set by :func:`link`) and stores nothing."""
 
-    def __init__(self, window=None):
-        self.window, self.donor = window, None
+    def __init__(self):
+        self.donor = None
 
     def update(self, k, v, pos):
         return self.donor.read(pos)

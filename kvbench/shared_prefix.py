@@ -2,7 +2,7 @@
 system prompt every conversation starts with), behind the one cache interface of
 :mod:`kvbench.cache`.
 
-Notation: B conversations, P the prefix's positions, W a window, H_kv KV heads, D width.
+Notation: B conversations, P the prefix's positions, H_kv KV heads, D width.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from kvbench.kv_store import KVStore
 
 
 class PrefixLayer(LayerCache):
-    """A prefix of P positions held once with batch 1 (the last min(P, W) of them for a local
-    layer, the only ones a later token can still see), before each sequence's own history."""
+    """A prefix of P positions held once with batch 1 (the last of them the layer's layout holds,
+    the only ones a later token can still see), before each sequence's own history."""
 
     def __init__(self, history: LayerCache, prefix: List[KVStore], prefix_len: int):
         self.history, self.prefix_stores, self.prefix_len = history, prefix, prefix_len
-        self.window = history.window
+        self.layout = history.layout
         self.kept = prefix[0].length
 
     def update(self, k, v, pos):
@@ -29,10 +29,10 @@ class PrefixLayer(LayerCache):
                 store.write(0, x[:, :, P - kept:])
             if kept == P:  # read back: with cache.dtype int8 the prompt attends what later tokens read
                 k, v = self.read_prefix()
-            return Attend(k, v, *mask_over(pos, [(0, P)], self.window))
+            return Attend(k, v, *mask_over(pos, [(0, P)], self.layout))
         keys, values, runs = self.history.store(k, v, pos.shifted(-P))
         runs = [(P - kept, kept)] + [(s + P, n) for s, n in runs]
-        mask, _ = mask_over(pos, runs, self.window)
+        mask, _ = mask_over(pos, runs, self.layout)
         return Attend(keys, values, mask, False, self.read_prefix())
 
     def read_prefix(self):
@@ -65,8 +65,8 @@ class SharedPrefixCache(Cache):
                          history.device, history.cache_dtype)
 
     def _prefix_stores(self, layer: LayerCache, history: Cache) -> List[KVStore]:
-        # Stored like the history (cache.dtype, one tensor if latent), once for every conversation.
-        kept = self.prefix_len if layer.window is None else min(self.prefix_len, layer.window)
+        # Stored like the history (cache.dtype, the layout's tensors), once for every conversation.
+        kept = layer.layout.positions_held(self.prefix_len)
         if isinstance(layer, ConcatLayer):
             heads, widths = layer.heads, layer.widths
         else:

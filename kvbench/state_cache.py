@@ -6,9 +6,9 @@ It answers the cache's one question the way a recurrent layer needs it answered:
     update(x, pos) -> Carry(inputs, state)
 
 ``x``: the new convolution inputs of T tokens, (B, C, T); ``pos``: their positions. ``inputs``
-(B, C, K - 1 + T) is what the causal convolution reads, the held tail first, exactly as a
-sliding-window K/V cache returns its held keys before the new ones (the tail is a window of K - 1
-positions, updated here); ``state`` (B, ...) is the recurrent state before these tokens, which
+(B, C, K - 1 + T) is what the causal convolution reads, the held tail first, exactly as a ring
+K/V cache returns its held keys before the new ones (the tail is the last K - 1 positions,
+updated here); ``state`` (B, ...) is the recurrent state before these tokens, which
 the layer advances in place. A write at position 0 starts a sequence from zeros. Unlike K/V, a
 state folds every position into one tensor: it cannot roll back (:meth:`StateLayer.truncate`).
 
@@ -34,8 +34,6 @@ class StateLayer:
     in ``dtype`` and a float32 recurrent state, allocated once and written in place. ``held``
     False (``cache.impl=none``, a forward without a cache): nothing is kept, every forward starts
     from zeros. It has the methods :class:`kvbench.cache.Cache` calls on a layer's cache."""
-
-    window = None  # every position is folded in: a recurrent layer has no window
 
     def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str,
                  held: bool = True):

@@ -93,7 +93,7 @@ def naive_logits(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
             kv[layout.index] = (k, a.wv(h).view(B, T, a.num_kv_heads, -1).transpose(1, 2))
         k, v = (t.repeat_interleave(a.num_heads // a.num_kv_heads, 1) for t in kv[layout.kv_source or layout.index])
         scores = (q @ k.transpose(-1, -2)) / a.head_dim ** 0.5
-        scores = scores.masked_fill(~causal_mask(T, T, "cpu", layout.window), float("-inf"))
+        scores = scores.masked_fill(~causal_mask(T, T, "cpu", layout), float("-inf"))
         x = x + a.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
         x = x + block.mlp(block.mlp_norm(x))
     return model.lm_head(model.norm(x))

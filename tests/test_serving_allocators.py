@@ -111,7 +111,7 @@ def test_a_window_holds_a_bounded_number_of_blocks_whatever_the_length():
     model = hybrid()
     plan = plan_for(model, 40, BS, longest=60)
     window = plan.groups[1]
-    assert window.window == W
+    assert window.keeps.window == W
     lengths = (20, 41, 62)
     held = [plan.sequence_bytes(n) for n in lengths]
     full, local = plan.page_bytes[0], plan.page_bytes[1]

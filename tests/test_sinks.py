@@ -12,7 +12,7 @@ from kvbench.cache import Positions, cache_for, causal_mask, make_cache
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import FixedShapeStep, greedy_generate
-from kvbench.layouts.base import Layouts
+from kvbench.layouts.base import LayerLayout, Layouts
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.kv_heads_attention import KVHeadsAttention, grouped_attention
 from kvbench.model import Decoder
@@ -36,8 +36,8 @@ CASES = {  # name: (T, S, mask); None: the function's own causal mask
     "decode, fixed-window mask": (1, 13, torch.arange(13)[None] <= 9),
     "causal prefill": (7, 7, None),
     "prompt after cached keys": (5, 12, None),
-    "window over a prompt": (9, 9, causal_mask(9, 9, "cpu", 4)),
-    "window after cached keys": (4, 10, causal_mask(4, 10, "cpu", 3)),
+    "window over a prompt": (9, 9, causal_mask(9, 9, "cpu", LayerLayout(0, 4))),
+    "window after cached keys": (4, 10, causal_mask(4, 10, "cpu", LayerLayout(0, 3))),
 }
 
 
@@ -112,7 +112,7 @@ def test_gpt_oss_attention_module_prefill_and_cached_decode_past_the_window(laye
     S = P + N
     x = torch.randn(B, S, 64, generator=torch.Generator().manual_seed(4))
     cos, sin = rotary(x, torch.arange(S)[None])  # (1, S, D/2): GPT-OSS's halves
-    allowed = causal_mask(S, S, "cpu", W)
+    allowed = causal_mask(S, S, "cpu", layout)
     additive = torch.zeros(S, S).masked_fill(~allowed, float("-inf"))[None, None]
     with torch.no_grad():
         want, _ = hf(x, (cos, sin), additive)  # (B, S, C): every position, no cache

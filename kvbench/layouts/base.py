@@ -114,6 +114,46 @@ class LayerLayout:
         PV over the positions it reads; projections are weights, counted by the model)."""
         raise NotImplementedError
 
+    # ---- what a layer keeps of a sequence ----
+
+    @property
+    def retention(self) -> Tuple[int, ...]:
+        """Which positions of a sequence the layer keeps, as a key: layers of one key keep the same
+        positions (a serving store's group), and keys sort full attention first, then each window
+        from the shortest. (0,): every position; (1, W): the last W."""
+        return (0,) if self.window is None else (1, self.window)
+
+    @property
+    def keeps_every_position(self) -> bool:
+        """Whether every query sees every earlier key (no window cuts them: SDPA's causal rule)."""
+        return self.window is None
+
+    def sees(self, query: Any, key: Any) -> Any:
+        """Whether a query at position ``query`` sees the key at ``key`` (numbers, or tensors that
+        broadcast): k <= q, and with a window W also k > q - W (W keys, itself included: the rule
+        of transformers' ``sliding_window_overlay``)."""
+        seen = key <= query
+        return seen if self.window is None else seen & (key > query - self.window)
+
+    def first_kept(self, length: int) -> int:
+        """The first position a query at position ``length`` or later still sees: what a sequence
+        of ``length`` positions may drop lies before it (a window W: length - W + 1)."""
+        return 0 if self.window is None else max(0, length - self.window + 1)
+
+    def most_kept(self, length: int, chunk: int = 1) -> int:
+        """The most positions a sequence of up to ``length`` positions holds while it grows by
+        forwards of at most ``chunk``: every one, or a window's W - 1 earlier keys and a chunk."""
+        return length if self.window is None else min(length, self.window - 1 + chunk)
+
+    def keeps_ring(self, max_seq_len: int) -> bool:
+        """Whether a static cache of ``max_seq_len`` positions holds the layer's positions in a ring
+        of :meth:`positions_held` (fewer) slots, position p at slot p % that length."""
+        return self.window is not None and self.window < max_seq_len
+
+    def layers_text(self) -> str:
+        """How a group of layers that keep what this one keeps is named in a sentence."""
+        return "full layers" if self.window is None else f"layers of window {self.window}"
+
     # ---- what it is and what it runs with ----------------------------------------------------
 
     def fields(self) -> Dict[str, Any]:

@@ -2,22 +2,23 @@
 the two allocators (``workload.allocator``) and the bytes each reserves, as formulas (torch-free,
 so a config is checked against them before any model is built).
 
-A **group** is the layers whose blocks come and go together: the K/V layers of one window (None:
-full attention, every position kept; W: a block is released once every position in it falls
-behind the window), and the recurrent layers (Gated DeltaNet), which hold one state page per
-running sequence whatever its length. A layer that reads another layer's K/V holds nothing.
+A **group** is the layers whose blocks come and go together: the K/V layers that keep the same
+positions of a sequence (their layout's ``retention``: every position, or a block is released
+once no later query sees a position in it), and the recurrent layers (Gated DeltaNet), which hold
+one state page per running sequence whatever its length. A layer that reads another layer's K/V
+holds nothing.
 
 - ``per_kind`` (kvbench's pools): each group has its own pool of its own block size in bytes
   (``cache.block_size`` positions of its layers, or one state of all its layers). The budget is
   split between the pools in proportion to what the longest request holds at its worst in each
-  (a full layer its every position, a local layer its window and a prefill chunk kept whole in
-  blocks, a state layer one page), each pool rounded down to whole blocks.
+  (a full layer its every position, a local layer the keys a prefill chunk sees and the chunk,
+  kept whole in blocks, a state layer one page), each pool rounded down to whole blocks.
 - ``unified`` (vLLM's hybrid allocator): one pool of equal pages, a page being one layer's block
   or one layer's state; the attention block is raised to the first multiple of
   ``cache.block_size`` whose page holds a state (:func:`unified_block_size`), and every page is
   as large as the largest of them. A group's block takes one page per layer of the group.
 
-Notation: L positions of a sequence, bs tokens per block, W a window.
+Notation: L positions of a sequence, bs tokens per block.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ from typing import Optional, Sequence, Tuple
 
 from kvbench.config.errors import ConfigError
 from kvbench.config.serving import ALLOCATORS, CHECKPOINTS
+from kvbench.layouts.base import LayerLayout
 
 
 @dataclass(frozen=True)
 class Group:
-    """Layers whose blocks come and go together. K/V: ``position_bytes`` per position over all its
-    layers (``layer_bytes`` per layer); state: ``state_bytes`` per sequence over all its layers."""
+    """Layers whose blocks come and go together. ``keeps``: its first layer's layout, which says
+    what every layer of the group keeps of a sequence. K/V: ``position_bytes`` per position over
+    all its layers (``layer_bytes`` per layer); state: ``state_bytes`` per sequence over all its layers."""
 
     layers: Tuple[int, ...]
-    window: Optional[int]
+    keeps: LayerLayout
     position_bytes: int = 0
     state_bytes: int = 0
     layer_bytes: int = 0  # the largest one layer's: a position (K/V) or a state
@@ -46,42 +49,42 @@ class Group:
 
 
 def groups_of(layouts: Sequence, element: int, cache_dtype: str = "auto") -> Tuple[Group, ...]:
-    """The store's groups of ``layouts``: full-attention K/V first, then each window, then the state."""
+    """The store's groups of ``layouts``: the K/V layers by what they keep (in the order of their
+    layouts' ``retention``: full attention first), then the state."""
     kv, state = {}, []
     for layout in layouts:
         if layout.state is not None:
             state.append(layout)
         elif layout.bytes_per_position(element, cache_dtype):
-            kv.setdefault(layout.window, []).append(layout)
-    out = [Group(tuple(x.index for x in ls), w, sum(x.bytes_per_position(element, cache_dtype) for x in ls),
+            kv.setdefault(layout.retention, []).append(layout)
+    out = [Group(tuple(x.index for x in ls), ls[0], sum(x.bytes_per_position(element, cache_dtype) for x in ls),
                  layer_bytes=max(x.bytes_per_position(element, cache_dtype) for x in ls))
-           for w, ls in sorted(kv.items(), key=lambda item: (item[0] is not None, item[0] or 0))]
+           for _, ls in sorted(kv.items())]
     if state:
-        out.append(Group(tuple(x.index for x in state), None, state_bytes=sum(x.state_bytes(element) for x in state),
+        out.append(Group(tuple(x.index for x in state), state[0],
+                         state_bytes=sum(x.state_bytes(element) for x in state),
                          layer_bytes=max(x.state_bytes(element) for x in state)))
     return tuple(out)
 
 
 def blocks_held(group: Group, length: int, bs: int) -> int:
-    """Blocks one sequence of ``length`` positions holds in ``group`` between forwards: every block
-    of a full layer, the blocks from the one holding position length - W + 1 on for a window
-    (the next query sees W keys, itself included), one page for a state."""
+    """Blocks one sequence of ``length`` positions holds in ``group`` between forwards: the blocks
+    from the one holding the first position the next query sees on (every block of a full layer),
+    one page for a state."""
     if group.is_state:
         return 1
-    behind = 0 if group.window is None else max(0, length - group.window + 1) // bs
-    return -(-length // bs) - behind
+    return -(-length // bs) - group.keeps.first_kept(length) // bs
 
 
 def worst_blocks(group: Group, length: int, bs: int, chunk: int = 1) -> int:
     """The most blocks a sequence of up to ``length`` positions holds in ``group`` while it grows by
-    forwards of at most ``chunk`` positions: a full layer all of them; a window its W - 1 earlier
-    keys and a chunk, in whole blocks at the worst alignment (the window kept whole); a state one."""
+    forwards of at most ``chunk`` positions: a full layer all of them; else the most its layout
+    keeps (:meth:`~kvbench.layouts.base.LayerLayout.most_kept`) in whole blocks at the worst
+    alignment; a state one."""
     if group.is_state:
         return 1
-    every = -(-length // bs)
-    if group.window is None:
-        return every
-    return min(every, -(-(group.window - 1 + chunk + bs - 1) // bs))
+    every, kept = -(-length // bs), group.keeps.most_kept(length, chunk)
+    return every if kept >= length else min(every, -(-(kept + bs - 1) // bs))
 
 
 def unified_block_size(groups: Sequence[Group], block_size: int) -> int:
@@ -138,8 +141,8 @@ class Plan:
 
     def worst_sequence_bytes(self, length: int, chunk: int = 1) -> int:
         """Bytes one sequence of up to ``length`` positions reserves at its worst while it grows by
-        ``chunk`` (block rounding, a window kept whole, its state page): :func:`worst_blocks` x
-        each group's block bytes."""
+        ``chunk`` (block rounding at the worst alignment, its state page): :func:`worst_blocks` x each
+        group's block bytes."""
         return sum(worst_blocks(g, length, self.block_size, chunk) * b for g, b in zip(self.groups, self.page_bytes))
 
     def sequences_fit(self, length: int, chunk: int = 1) -> int:

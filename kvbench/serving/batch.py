@@ -3,14 +3,14 @@ decoder as its cache: each layer's cache answers the cache's one question over t
 blocks.
 
 - a K/V layer (:class:`PagedLayer`) writes each sequence's new K/V (B, H_kv, T, D) into its
-  blocks and gathers back the keys its queries may see: every position for a full layer, the
-  positions from start - W + 1 on for a window W (its older blocks may be released), padded to
-  the longest, under :func:`~kvbench.cache.visible`'s mask with the window;
+  blocks and gathers back the keys its queries may see: the positions from the first one its
+  layout keeps for the first query on (every position for a full layer; older blocks may be
+  released), padded to the longest, under :func:`~kvbench.cache.visible`'s mask by the layout;
 - a recurrent layer (:class:`PagedStateLayer`) reads each sequence's state page and convolution
   tail, and writes both back when the forward commits;
 - a layer that reads another layer's K/V answers with its donor's answer (:func:`kvbench.shared_kv.link`).
 
-Notation: B sequences, T new tokens each, S keys gathered, H_kv KV heads, D width, W a window.
+Notation: B sequences, T new tokens each, S keys gathered, H_kv KV heads, D width.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from kvbench.state_cache import Carry
 
 class GroupView:
     """A K/V group's slots for this forward: ``write`` (B*T,) where the new positions go, ``read``
-    (B, S) the slots gathered (padding reads slot 0, hidden by the mask), and the mask."""
+    (B, S) the slots gathered (padding reads slot 0, hidden by the mask), and the mask by the rule
+    of ``layout`` (what the group's layers keep)."""
 
-    def __init__(self, tables: Sequence[List], starts: Sequence[int], T: int, bs: int, window, positions: Positions,
+    def __init__(self, tables: Sequence[List], starts: Sequence[int], T: int, bs: int, layout, positions: Positions,
                  device):
         ends = [s + T for s in starts]
-        firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
+        firsts = [layout.first_kept(s) for s in starts]
         S = max(e - f for e, f in zip(ends, firsts))
         width = max(len(t) for t in tables)
         table = torch.tensor([[-1 if b is None else b for b in t] + [-1] * (width - len(t)) for t in tables],
@@ -46,9 +47,9 @@ class GroupView:
         self.read = read.to(device)
         self.flat_read = self.read.reshape(-1)
         if len(starts) == 1:  # no padding: the plain rule over positions firsts[0]..ends[0]-1
-            self.mask, self.causal = mask_over(positions, [(firsts[0], S)], window)
+            self.mask, self.causal = mask_over(positions, [(firsts[0], S)], layout)
         else:  # a padded key sits past its sequence's end, so the causal rule hides it
-            self.mask, self.causal = visible(positions.ids, keys.to(device), window), False  # (B, T, S)
+            self.mask, self.causal = visible(positions.ids, keys.to(device), layout), False  # (B, T, S)
 
     def gather(self, store: KVStore) -> torch.Tensor:
         # index_select of the flat (B*S,) index: ~15x faster on a CPU than advanced indexing, for the same copy
@@ -60,7 +61,7 @@ class PagedLayer(LayerCache):
     """One K/V layer of a :class:`BatchView`."""
 
     def __init__(self, view: GroupView, stores: List[KVStore]):
-        self.view, self.stores, self.window = view, stores, None
+        self.view, self.stores = view, stores
 
     def update(self, k, v, pos):
         out = []
@@ -75,8 +76,6 @@ class PagedStateLayer:
     """One recurrent layer of a :class:`BatchView`: the sequences' state pages ``pages`` (B,) of
     ``conv`` (pages, C, K - 1) and ``recurrent`` (pages, ...), read as a batch and written back at
     :meth:`commit` (the layer advances the state it was handed in place)."""
-
-    window = None
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, pages: torch.Tensor):
         self.conv, self.recurrent, self.pages = conv, recurrent, pages
@@ -117,13 +116,13 @@ class BatchView:
                     layers[layer] = PagedStateLayer(conv, recurrent, pages)
                     self.states.append(layers[layer])
                 continue
-            view = GroupView([s.tables[g] for s in seqs], starts, T, store.block_size, group.window,
+            view = GroupView([s.tables[g] for s in seqs], starts, T, store.block_size, group.keeps,
                              self.positions, dev)
             for i, layer in enumerate(group.layers):
                 layers[layer] = PagedLayer(view, store.kv[g][i])
         for i, layout in enumerate(store.layouts):
             if layout.kv_source is not None:
-                layers[i] = SharedLayer(layout.window)
+                layers[i] = SharedLayer()
         self.layers = link(store.layouts, layers)
 
     def begin(self, pos: Positions, batch_size: int) -> List:

@@ -4,12 +4,12 @@ one share of a pool) per group of layers (:mod:`kvbench.serving.allocator`).
 - :class:`PagedStore` (``workload.store=paged``): blocks of ``cache.block_size`` tokens allocated
   on demand as a sequence grows, freed when it finishes or is preempted; each sequence has a
   block table per K/V group (vLLM's PagedAttention layout). A local layer's blocks are freed as
-  soon as every position in them falls behind the window; a recurrent layer holds one state page
+  soon as no later query sees a position in them; a recurrent layer holds one state page
   per running sequence. Full blocks are shared across requests by content (vLLM's automatic
   prefix caching): a block's key is the hash of its tokens and of the block chain before it, a
   freed block keeps its key until it is evicted (least recently freed first), and a new request
   starts from the longest chain of cached blocks of its prompt that every group can continue
-  from: all the blocks of a full layer, the window's last blocks of a local layer, and a saved
+  from: all the blocks of a full layer, the blocks the next query sees of a local layer, and a saved
   state at exactly that position for a recurrent layer (``workload.state_checkpoint`` decides
   where states are saved; a prefill chunk ends at each save).
 - :class:`SlotStore` (``workload.store=slots``): the static cache, one slot of ``slot_len``
@@ -57,8 +57,8 @@ def plan_for(model, num_blocks: int, block_size: int, cache_dtype: str = "auto",
 
 @dataclass
 class SeqBlocks:
-    """One sequence's place in a store: a block table per group (None: a block behind a window,
-    released), its state page, the positions whose K/V it holds, and the content keys of its
+    """One sequence's place in a store: a block table per group (None: a block no later query
+    sees, released), its state page, the positions whose K/V it holds, and the content keys of its
     first ``len(keys)`` full blocks (registered)."""
 
     tables: Dict[int, List[Optional[int]]] = field(default_factory=dict)
@@ -69,7 +69,7 @@ class SeqBlocks:
 
     @property
     def table(self) -> List[Optional[int]]:
-        """The first K/V group's table (the only one of a model without windows or states)."""
+        """The first K/V group's table (the only one of a model whose K/V layers keep alike and hold no state)."""
         return next(iter(self.tables.values()), [])
 
 
@@ -93,7 +93,7 @@ class PagedStore:
         shared = Pages(self.plan.pages[0], self.evicted) if self.plan.allocator == "unified" else None
         self.pools = [BlockPool(n, c, shared or Pages(n, self.evicted))
                       for n, c in zip(self.plan.capacity, self.plan.cost)]
-        self.kv: Dict[int, List[List[KVStore]]] = {}  # group -> its layers -> K and V (or one latent): (slots, H_kv, D)
+        self.kv: Dict[int, List[List[KVStore]]] = {}  # group -> its layers -> its stored tensors: (slots, H_kv, D)
         self.states: List[tuple] = []  # per recurrent layer: (conv (pages, C, K - 1), recurrent (pages, ...))
         self.state_group: Optional[int] = None  # the group of the recurrent layers
         for g, group in enumerate(self.plan.groups):
@@ -258,7 +258,7 @@ class PagedStore:
                 if found[g] is None:
                     return None
                 continue
-            behind = 0 if group.window is None else max(0, h - group.window + 1) // self.block_size
+            behind = group.keeps.first_kept(h) // self.block_size
             blocks = [None] * behind + [pool.lookup(k) for k in keys[behind:m]]
             if any(b is None for b in blocks[behind:]):
                 return None
@@ -268,7 +268,7 @@ class PagedStore:
     def register(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
         """After a forward of ``seq``: make its newly full blocks findable by content (``tokens``: its
         token ids), save its state where the checkpoint policy says (it is exactly at ``seq.length``
-        now), then release the blocks its windows have passed (a cached one stays findable)."""
+        now), then release the blocks no later query sees (a cached one stays findable)."""
         if self.prefix_caching:
             self._register(seq, tokens)
         self.release_behind(seq)
@@ -326,12 +326,9 @@ class PagedStore:
             s.length += T
 
     def release_behind(self, seq: SeqBlocks) -> None:
-        """Free ``seq``'s blocks that every later query's window has passed."""
+        """Free ``seq``'s blocks that no later query sees."""
         for g, table in seq.tables.items():
-            window = self.plan.groups[g].window
-            if window is None:
-                continue
-            for i in range(max(0, seq.length - window + 1) // self.block_size):
+            for i in range(self.plan.groups[g].keeps.first_kept(seq.length) // self.block_size):
                 if table[i] is not None:
                     self.pools[g].free(table[i])
                     table[i] = None

@@ -154,8 +154,7 @@ def _unit(plan: StorePlan, g: int) -> str:
     group = plan.groups[g]
     what = "states" if group.is_state else f"blocks of {plan.block_size} tokens"
     where = "" if len(plan.groups) == 1 else (" of its recurrent layers" if group.is_state else
-                                              " of its full layers" if group.window is None else
-                                              f" of its layers of window {group.window}")
+                                              f" of its {group.keeps.layers_text()}")
     return f"{what} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
 
 
