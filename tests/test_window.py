@@ -15,6 +15,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.layouts.base import LayerLayout
 from kvbench.model import Decoder
 from kvbench.quality.train import run_eval
 
@@ -100,6 +101,22 @@ def test_shared_prefix_with_a_window_equals_recompute(num_kv_heads, pattern):
     windows = list(model.layouts.windows)
     assert cache.nbytes == kv_cache_bytes(3, num_kv_heads, 8, P, 1, 4, "auto", windows) + kv_cache_bytes(
         3, num_kv_heads, 8, N, B, 4, "auto", windows)
+
+
+def test_a_layout_says_which_positions_it_keeps():
+    """What the caches and the serving store ask a layer's layout: a query at position n sees
+    first_kept(n) .. n (the last W with a window), a sequence grown by chunks holds at most W - 1
+    earlier keys and a chunk, a ring only when W is shorter than the cache, and its groups sort
+    full attention first, then the shortest window."""
+    full, local, wider = LayerLayout(0), LayerLayout(1, W), LayerLayout(2, 2 * W)
+    for n in range(3 * W):
+        for layout in (full, local):
+            assert [k for k in range(n + 1) if layout.sees(n, k)] == list(range(layout.first_kept(n), n + 1))
+    assert (local.first_kept(10), full.first_kept(10)) == (10 - W + 1, 0)
+    assert (local.most_kept(100, 3), local.most_kept(6, 3), full.most_kept(100, 3)) == (W - 1 + 3, 6, 100)
+    assert local.keeps_ring(W + 1) and not local.keeps_ring(W) and not full.keeps_ring(W)
+    assert sorted([wider, local, full], key=lambda x: x.retention) == [full, local, wider]
+    assert [x.layers_text() for x in (full, local)] == ["full layers", f"layers of window {W}"]
 
 
 def test_a_ring_refuses_a_roll_back_past_what_it_still_holds():
