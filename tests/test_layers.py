@@ -24,7 +24,7 @@ LAYERS = [
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train"],
     ["config.workload", "config.compare", "rope"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv", "serving.conversation_traces"],
-    ["cache", "serving.conversations"],
+    ["cache", "serving.conversations", "job_config"],
     ["shared_prefix", "layouts.latent_indexer", "serving.batch"],
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention"],
     ["layouts.attention", "mlp.experts"],
