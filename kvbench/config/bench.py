@@ -208,8 +208,8 @@ class BenchConfig:
         return settings
 
     def __post_init__(self) -> None:
-        """Each field's values, and the attention resolved against the model (also for a copy made
-        by ``dataclasses.replace``); the rules across groups are :meth:`check_rules`'."""
+        """Each field's values, and the attention resolved against the model; a copy made by
+        ``dataclasses.replace`` runs this again, not :meth:`check_rules`."""
         check_choice("task", self.task, tuple(TASKS))
         if self.objective is not None:
             check(OBJECTIVE_SYNTAX.fullmatch(self.objective) is not None, "objective", self.objective,
