@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from kvbench.cache import cache_for
-from kvbench.config.bench import CONF_DIR, BenchConfig, register_configs, to_bench_config
+from kvbench.config.bench import CONF_DIR, BenchConfig, register_configs
+from kvbench.job_config import to_bench_config
 from kvbench.jsonio import write_text_atomic
 from kvbench.tasks.common import build_model
 

@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compose_config, write_report  # noqa: E402
 
-from kvbench.config.bench import to_bench_config  # noqa: E402
 from kvbench.config.dtypes import DTYPE_BYTES  # noqa: E402
 from kvbench.config.errors import ConfigError  # noqa: E402
 from kvbench.config.serving import ServingWorkload  # noqa: E402
+from kvbench.job_config import to_bench_config  # noqa: E402
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.layouts.build import build_layouts  # noqa: E402
 from kvbench.results import read_record  # noqa: E402

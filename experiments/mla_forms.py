@@ -19,7 +19,7 @@ import torch
 from _common import compose_config, write_report
 
 from kvbench.cache import cache_for
-from kvbench.config.bench import to_bench_config
+from kvbench.job_config import to_bench_config
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.tasks.common import build_model
 

@@ -28,6 +28,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.job_config import check_job
 from kvbench.layouts.build import build_layouts
 from kvbench.quality.train import CHECKPOINT_NAME, run_train
 
@@ -36,10 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench_config(model: ModelConfig, num_kv_heads: int, train: TrainConfig, seed: int,
                  threads: int) -> BenchConfig:
-    return BenchConfig(task="train", model=model, attention=AttentionConfig.for_heads(model.num_heads, num_kv_heads),
-                       workload=DecodeWorkload(prompt_len=64, gen_len=16), cache=CacheConfig(),
-                       runtime=RuntimeConfig(device="cpu", seed=seed, threads=threads),
-                       wandb=WandbConfig(mode="disabled"), data=DataConfig(), train=train)
+    return check_job(BenchConfig(task="train", model=model,
+                                 attention=AttentionConfig.for_heads(model.num_heads, num_kv_heads),
+                                 workload=DecodeWorkload(prompt_len=64, gen_len=16), cache=CacheConfig(),
+                                 runtime=RuntimeConfig(device="cpu", seed=seed, threads=threads),
+                                 wandb=WandbConfig(mode="disabled"), data=DataConfig(), train=train))
 
 
 def run(name: str, cfg: BenchConfig, out_root: Path, reuse: bool) -> dict:

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compose_config, write_report  # noqa: E402
 
 from kvbench.cache import cache_for  # noqa: E402
-from kvbench.config.bench import to_bench_config  # noqa: E402
 from kvbench.generate import decode_step, prefill  # noqa: E402
+from kvbench.job_config import to_bench_config  # noqa: E402
 from kvbench.serving.paged import PagedStore, SeqBlocks  # noqa: E402
 from kvbench.tasks.common import build_model  # noqa: E402
 

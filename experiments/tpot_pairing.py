@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from _common import compose_config, write_report
 
-from kvbench.config.bench import to_bench_config
+from kvbench.job_config import to_bench_config
 from kvbench.measure.host import release_heap
 from kvbench.tasks import capacity
 from kvbench.tasks.common import build_model

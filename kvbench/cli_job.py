@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.config.bench import BenchConfig, to_bench_config
+from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError, one_line
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_holder, claim_job, completed_record
 from kvbench.jobs.isolation import launch_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME

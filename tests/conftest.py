@@ -216,12 +216,13 @@ def eval_job(model: ModelConfig, attention: AttentionConfig, corpus, checkpoint,
     """A task=eval job of ``checkpoint`` on the byte corpus: two batches of ``seq_len`` windows."""
     from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
     from kvbench.config.workload import DecodeWorkload
+    from kvbench.job_config import check_job
 
-    return BenchConfig(task="eval", model=model, attention=attention, workload=DecodeWorkload(prompt_len=8, gen_len=8),
-                       cache=CacheConfig(), runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                       data=DataConfig(path=str(corpus), val_fraction=val_fraction),
-                       train=TrainConfig(batch_size=batch_size, seq_len=seq_len, eval_batches=2,
-                                         checkpoint=str(checkpoint)))
+    return check_job(BenchConfig(
+        task="eval", model=model, attention=attention, workload=DecodeWorkload(prompt_len=8, gen_len=8),
+        cache=CacheConfig(), runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
+        data=DataConfig(path=str(corpus), val_fraction=val_fraction),
+        train=TrainConfig(batch_size=batch_size, seq_len=seq_len, eval_batches=2, checkpoint=str(checkpoint))))
 
 
 def transformers_perplexity(hf, cfg) -> float:

@@ -16,8 +16,9 @@ from conftest import LiveKvbench, compose, kvbench_forked, llama_dir
 from kv_formula import kv_cache_bytes
 from omegaconf import OmegaConf, open_dict
 
-from kvbench.config.bench import CONF_DIR, BenchConfig, to_bench_config
+from kvbench.config.bench import CONF_DIR, BenchConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.sweep import sweep_jobs, sweep_size
 from kvbench.results import read_record
 

@@ -8,11 +8,12 @@ from typing import Optional, get_type_hints
 import pytest
 from conftest import compose
 
-from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, objective_metric, to_bench_config
+from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, objective_metric
 from kvbench.config.errors import MAX_ERROR_CHARS, ConfigError, typed
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type, default_gqa_kv_heads
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import WORKLOADS, DecodeWorkload
+from kvbench.job_config import check_job, to_bench_config
 
 
 def one_line_error(fn, needle):
@@ -62,9 +63,9 @@ def test_defaults_per_type():
 
 
 def bench(**workload):
-    return BenchConfig(model=ModelConfig(max_seq_len=128), attention=AttentionConfig("mha"),
-                       workload=dict(workload), cache=CacheConfig(),
-                       runtime=RuntimeConfig(), wandb=WandbConfig())
+    return check_job(BenchConfig(model=ModelConfig(max_seq_len=128), attention=AttentionConfig("mha"),
+                                 workload=dict(workload), cache=CacheConfig(),
+                                 runtime=RuntimeConfig(), wandb=WandbConfig()))
 
 
 def test_sequence_longer_than_max_seq_len():
@@ -283,8 +284,10 @@ def test_compile_modes_keep_the_old_booleans(given, mode):
 
 def test_graph_mode_needs_the_static_cache():
     runtime = RuntimeConfig(compile="graph")
-    one_line_error(lambda: BenchConfig(model=ModelConfig(), attention=AttentionConfig("mha"), workload=DecodeWorkload(
-        prompt_len=8, gen_len=4), cache=CacheConfig(impl="concat"), runtime=runtime, wandb=WandbConfig()),
+    one_line_error(lambda: check_job(BenchConfig(model=ModelConfig(), attention=AttentionConfig("mha"),
+                                                 workload=DecodeWorkload(prompt_len=8, gen_len=4),
+                                                 cache=CacheConfig(impl="concat"), runtime=runtime,
+                                                 wandb=WandbConfig())),
                    "cache.impl='concat'")
 
 
@@ -293,9 +296,9 @@ def test_cache_dtype_choices_and_what_they_need():
     one_line_error(lambda: CacheConfig(impl="concat", dtype="int8"),
                    "cache.impl='concat': cache.dtype=int8 is stored in a preallocated cache")
     assert CacheConfig(dtype="float8_e4m3fn").dtype == "float8_e4m3fn"
-    bench = lambda runtime, dtype: BenchConfig(
+    bench = lambda runtime, dtype: check_job(BenchConfig(
         model=ModelConfig(), attention=AttentionConfig("mha"), workload=DecodeWorkload(prompt_len=8, gen_len=4),
-        cache=CacheConfig(dtype=dtype), runtime=runtime, wandb=WandbConfig())
+        cache=CacheConfig(dtype=dtype), runtime=runtime, wandb=WandbConfig()))
     one_line_error(lambda: bench(RuntimeConfig(compile="graph"), "int8"),
                    "cache.dtype='int8': runtime.compile=graph is not supported with a quantized cache")
     assert bench(RuntimeConfig(compile="graph"), "auto").cache.dtype == "auto"

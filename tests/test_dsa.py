@@ -15,12 +15,10 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import Positions, cache_for, make_cache
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.bench import (
-    to_bench_config,
-)
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.generate import greedy_generate
+from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.latent_attention import LatentAttention, mla_decode

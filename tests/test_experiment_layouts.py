@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import variant_label
+from kvbench.job_config import to_bench_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"

@@ -11,10 +11,10 @@ import torch
 from conftest import compose, tiny_model_config
 
 from kvbench.cache import Positions, make_cache, uncached
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import greedy_generate
+from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.gated_deltanet import GatedDeltaNet
 from kvbench.layouts.gated_deltanet_attention import (

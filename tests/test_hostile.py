@@ -22,11 +22,12 @@ from hydra import compose, initialize_config_dir
 from kvbench.checkpoint import CheckpointError, load_checkpoint, load_llama_dir, save_checkpoint
 from kvbench.cli import _top_level_names
 from kvbench.cli_sweep import sweep_exit
-from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, to_bench_config
+from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.errors import ConfigError, config_error_line
 from kvbench.config.model import AttentionConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
+from kvbench.job_config import check_job, to_bench_config
 from kvbench.jobs.claim import completed_record
 from kvbench.jobs.runner import run_job
 from kvbench.results import RunResult, read_record, record_config
@@ -34,9 +35,9 @@ from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report
 
 
 def bench(kind, kv):
-    return BenchConfig(model=tiny_model_config(), attention=AttentionConfig(type=kind, num_kv_heads=kv),
-                       workload=DecodeWorkload(prompt_len=8, gen_len=4), cache=CacheConfig(),
-                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"))
+    return check_job(BenchConfig(model=tiny_model_config(), attention=AttentionConfig(type=kind, num_kv_heads=kv),
+                                 workload=DecodeWorkload(prompt_len=8, gen_len=4), cache=CacheConfig(),
+                                 runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled")))
 
 
 def _record(tmp_path, name, value, error=None):

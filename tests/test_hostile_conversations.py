@@ -9,8 +9,8 @@ import json
 import pytest
 from conftest import compose, kvbench_forked
 
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.serving.conversation_traces import read_sharegpt, read_turns
 from kvbench.serving.conversations import make_chats

@@ -6,8 +6,8 @@ process, through the config path the CLI composes (tests/conftest.compose)."""
 import pytest
 from conftest import compose
 
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
+from kvbench.job_config import to_bench_config
 
 HYBRID = ["model=tiny", "attention.full_attention_interval=2"]
 LINEAR_FULL = "[linear_attention,full_attention]"

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from test_moe import moe_dir
 
 from kvbench.checkpoint import CheckpointError, load_llama_dir
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import ModelConfig
+from kvbench.job_config import to_bench_config
 
 
 def one_line(info) -> str:

@@ -21,14 +21,15 @@ from conftest import job_processes
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.job_config import check_job
 from kvbench.jobs.isolation import death_status, run_isolated
 from kvbench.results import RunResult, read_record
 
 
 def tiny_job(**runtime) -> BenchConfig:
-    return BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
-                       workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
-                       runtime=RuntimeConfig(device="cpu", **runtime), wandb=WandbConfig(mode="disabled"))
+    return check_job(BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
+                                 workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
+                                 runtime=RuntimeConfig(device="cpu", **runtime), wandb=WandbConfig(mode="disabled")))
 
 
 # ---- what the child runs instead of run_job (importable, so spawn can pickle them) ----
@@ -116,15 +117,16 @@ import signal, sys
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.job_config import check_job
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 if sys.argv[2] == "submitit":
     signal.signal(signal.SIGUSR2, lambda signum, frame: sys.exit(-1))
-job = BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
-                  workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
-                  runtime=RuntimeConfig(device="cpu", warmup=0, repeats=100000, threads=1,
-                                        isolate=sys.argv[3] == "isolate"),
-                  wandb=WandbConfig(mode="disabled"))
+job = check_job(BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
+                            workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
+                            runtime=RuntimeConfig(device="cpu", warmup=0, repeats=100000, threads=1,
+                                                  isolate=sys.argv[3] == "isolate"),
+                            wandb=WandbConfig(mode="disabled")))
 launch_job(job, sys.argv[1], progress=progress_lines)
 """
 

@@ -12,11 +12,11 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import cache_for, causal_mask
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.footprint import parameter_count
 from kvbench.generate import greedy_generate
+from kvbench.job_config import check_job, to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.rope import apply_rope
@@ -220,10 +220,10 @@ def test_a_kvbench_checkpoint_with_shared_layers_or_sinks_is_evaluated_as_saved(
     torch.manual_seed(0)
     saved = Decoder(MODEL, AttentionConfig(type="gqa", num_kv_heads=2, **attention)).eval()
     path = save_checkpoint(tmp_path / "model.pt", saved)
-    cfg = BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(),
-                      workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
-                      runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                      train=TrainConfig(checkpoint=str(path)))
+    cfg = check_job(BenchConfig(task="eval", model=MODEL, attention=AttentionConfig(),
+                                workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                                runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
+                                train=TrainConfig(checkpoint=str(path))))
     model, _, converted = checkpoint_for_eval(cfg, torch.device("cpu"))
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -15,10 +15,11 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.bench import CONF_DIR, to_bench_config
+from kvbench.config.bench import CONF_DIR
 from kvbench.config.compare import CompareConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.latent_attention import mla_decode
 from kvbench.model import Decoder

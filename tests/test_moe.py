@@ -15,12 +15,12 @@ from conftest import VOCAB, compose
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config import hf as hf_config
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.moe import MoEShape
 from kvbench.footprint import parameter_counts
 from kvbench.generate import compiled_graphs, compiled_step, greedy_generate
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.measure.roofline import decode_bytes_read, decode_flops
 from kvbench.mlp.experts import MoE, record_routing

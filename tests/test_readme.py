@@ -659,7 +659,7 @@ def composed_jobs(command: str) -> List[List[str]]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", COMPOSED)
 def test_a_command_not_run_here_composes_and_every_job_validates(command):
-    from kvbench.config.bench import to_bench_config
+    from kvbench.job_config import to_bench_config
 
     jobs = composed_jobs(command)
     for overrides in jobs:

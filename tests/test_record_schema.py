@@ -9,9 +9,10 @@ from dataclasses import asdict, fields
 import pytest
 from conftest import compose
 
-from kvbench.config.bench import TASKS, to_bench_config
+from kvbench.config.bench import TASKS
 from kvbench.config.model import ModelConfig
 from kvbench.config.workload import WORKLOADS
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import TASKS as TASK_CODE
 from kvbench.jobs.runner import _as_given
 from kvbench.results import MODEL_ABSENT_AS_BEFORE, record_config

@@ -16,7 +16,7 @@ import pytest
 from conftest import LiveKvbench, compose
 from omegaconf import OmegaConf
 
-from kvbench.config.bench import to_bench_config
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_job
 from kvbench.jobs.isolation import oom_kills
 from kvbench.results import RunResult, find_results, read_record

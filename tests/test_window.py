@@ -15,6 +15,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.job_config import check_job
 from kvbench.layouts.base import LayerLayout
 from kvbench.model import Decoder
 from kvbench.quality.train import run_eval
@@ -170,7 +171,7 @@ def _bench(**changes):
                  workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
                  runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"))
     parts.update(changes)
-    return BenchConfig(**parts)
+    return check_job(BenchConfig(**parts))
 
 
 @pytest.mark.parametrize("changes, needle", [
@@ -201,7 +202,8 @@ def test_presets_inspect_their_kv_by_kind_of_layer(preset, local, W, kv, D, L):
     bfloat16 worked out by hand from the published shapes."""
     from hydra import compose, initialize_config_dir
 
-    from kvbench.config.bench import CONF_DIR, to_bench_config
+    from kvbench.config.bench import CONF_DIR
+    from kvbench.job_config import to_bench_config
     from kvbench.tasks.inspect import describe
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -1,16 +1,18 @@
 """The whole job's config (:class:`BenchConfig`, one field per Hydra group), the groups with no module
-of their own (cache, runtime, wandb), the task registry, and typing a composed config.
+of their own (cache, runtime, wandb), the task registry and the rules every job obeys.
 
 The YAML files under ``conf/<group>/`` only set values. Hydra composes them over the schemas'
-defaults as plain values (:func:`register_configs`); :func:`to_bench_config` then types the
-job's config against the dataclasses (unknown keys, wrong types and missing ``???`` values
-rejected) and ``__post_init__`` checks the values. Checking per job, not at composition, makes
-one bad value in a sweep that job's ``invalid`` record instead of the end of the sweep. Every
-failure is a one-line :class:`ConfigError` that names the key and the value.
+defaults as plain values (:func:`register_configs`); ``kvbench.job_config.to_bench_config`` then
+types the job's config against the dataclasses (unknown keys, wrong types and missing ``???``
+values rejected), ``__post_init__`` checks the values, and the rules across groups follow. Checking
+per job, not at composition, makes one bad value in a sweep that job's ``invalid`` record instead
+of the end of the sweep. Every failure is a one-line :class:`ConfigError` that names the key and
+the value.
 
-Rules across groups that every job obeys (the attention against the model, what each layer's layout
-runs with, the sequence against ``max_seq_len``) live in :class:`BenchConfig`; a task's own rules
-and reads beside its section (:data:`TASKS`), a workload's with its dataclass.
+Rules across groups that every job obeys (the attention against the model, the sequence against
+``max_seq_len``) live in :class:`BenchConfig`; a task's own rules and reads beside its section
+(:data:`TASKS`), a workload's with its dataclass. What each layer's layout runs with is the
+layouts' to say (they read this config): ``kvbench.job_config`` checks it between the two.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, get_type_hints
+from typing import Any, Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -28,14 +30,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvbench.config.capacity import CAPACITY, CapacityConfig, SloConfig
 from kvbench.config.compare import COMPARE, CompareConfig
 from kvbench.config.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
-from kvbench.config.errors import INT64_MAX, check, check_choice, check_numbers, typed
+from kvbench.config.errors import INT64_MAX, check, check_choice, check_numbers
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
-from kvbench.config.moe import check_run
 from kvbench.config.recall import RECALL, RecallConfig
 from kvbench.config.task import Task
 from kvbench.config.train import EVAL, TRAIN, DataConfig, TrainConfig
 from kvbench.config.workload import BENCH, workload_config
-from kvbench.layouts.build import build_layouts
 
 
 def _find_conf_dir() -> Path:
@@ -208,6 +208,8 @@ class BenchConfig:
         return settings
 
     def __post_init__(self) -> None:
+        """Each field's values, and the attention resolved against the model; a copy made by
+        ``dataclasses.replace`` runs this again, not :meth:`check_rules`."""
         check_choice("task", self.task, tuple(TASKS))
         if self.objective is not None:
             check(OBJECTIVE_SYNTAX.fullmatch(self.objective) is not None, "objective", self.objective,
@@ -220,8 +222,12 @@ class BenchConfig:
         # attention is resolved against the checkpoint there, not against the model preset.
         if not task.own_shape:
             self.attention = self.attention.resolved(self.model)
-            build_layouts(self.model, self.attention).check(self.layout_settings())
-            check_run(self.model.moe, self.layout_settings())
+
+    def check_rules(self) -> None:
+        """The rules across groups: the task's, the workload's and its length against
+        ``model.max_seq_len``, the compiled step's cache. Run once per job by
+        ``kvbench.job_config.check_job``, after what each layer's layout does not run with."""
+        task = TASKS[self.task]
         task.check(self)
         if task.runs_workload:
             w = self.workload
@@ -245,7 +251,7 @@ def schema_defaults() -> DictConfig:
     list fills (``model`` ... ``wandb``), so that a ``???`` in a group's YAML file is not merged
     over a default and lost. Every group node is open: an override of a key the chosen YAML
     file does not list (``model.rope_theta`` for ``model=tiny``) needs no ``+``, and a misspelt
-    key reaches :func:`to_bench_config`, which rejects it naming the nearest real key."""
+    key reaches ``kvbench.job_config.to_bench_config``, which rejects it naming the nearest real key."""
     node = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(BenchConfig)))
     for name in get_type_hints(BenchConfig):
         if OmegaConf.is_missing(node, name):  # chosen in conf/config.yaml's defaults list
@@ -267,12 +273,7 @@ def register_configs() -> None:
 
     Not the typed schema: Hydra types a structured config when it composes, and a sweep
     composes every job before the first one runs, so one job's bad value would end the whole
-    sweep with no record. :func:`to_bench_config` types each job instead."""
+    sweep with no record. ``kvbench.job_config.to_bench_config`` types each job instead."""
     cs = ConfigStore.instance()
     cs.store(name="kvbench_defaults", node=schema_defaults())
-
-
-def to_bench_config(cfg: DictConfig | Mapping[str, Any] | BenchConfig) -> BenchConfig:
-    """Typed, validated config (raises :class:`ConfigError` naming the bad key)."""
-    return cfg if isinstance(cfg, BenchConfig) else typed(BenchConfig, cfg)
 

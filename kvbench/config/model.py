@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import LINEAR, ROPE_TYPES
+from kvbench.config.indexer import check_indexer, indexer_defaults
 from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant_key, local_global_layers: their home is here)
     check_window_pattern,
     interval_layer_types,
@@ -24,7 +25,6 @@ from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant
     variant_label,
 )
 from kvbench.config.moe import MoEShape
-from kvbench.layouts.latent import check_indexer, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).

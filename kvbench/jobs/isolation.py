@@ -50,7 +50,8 @@ from typing import Callable, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from kvbench.config.bench import BenchConfig, to_bench_config
+from kvbench.config.bench import BenchConfig
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.forkserver import ForkServer, ServerGone, available
 from kvbench.jobs.interrupts import (
     STOP_SIGNALS,

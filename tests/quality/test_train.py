@@ -15,6 +15,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.job_config import check_job
 from kvbench.quality.data import TokenData, byte_data, eval_windows
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 
@@ -60,13 +61,13 @@ def bench(tmp_path, corpus, **train):
     model = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64,
                         vocab_size=1000, max_seq_len=64)
     kv = {"mha": 4, "gqa": 2, "mqa": 1}[train.pop("attention", "mha")]
-    return BenchConfig(task="train", model=model,
-                       attention=AttentionConfig.for_heads(4, kv),
-                       workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
-                       runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
-                       data=DataConfig(path=str(corpus), val_fraction=0.2),
-                       train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, warmup_steps=2,
-                                         **train))
+    return check_job(BenchConfig(task="train", model=model,
+                                 attention=AttentionConfig.for_heads(4, kv),
+                                 workload=DecodeWorkload(prompt_len=8, gen_len=8), cache=CacheConfig(),
+                                 runtime=RuntimeConfig(device="cpu"), wandb=WandbConfig(mode="disabled"),
+                                 data=DataConfig(path=str(corpus), val_fraction=0.2),
+                                 train=TrainConfig(batch_size=4, seq_len=32, eval_batches=2, warmup_steps=2,
+                                                   **train)))
 
 
 def test_run_train_then_convert_and_eval(tmp_path, corpus):

@@ -12,6 +12,7 @@ from kv_formula import kv_cache_bytes
 
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig
+from kvbench.job_config import check_job
 from kvbench.results import RunResult, record_config
 
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}
@@ -25,12 +26,12 @@ def decode_ms(kv, prompt):
 
 
 def bench(kind, kv, prompt=16, batch=1, workload="decode", shared=False):
-    return BenchConfig(model=tiny_model_config(max_seq_len=512),
-                       attention=AttentionConfig(type=kind, num_kv_heads=kv),
-                       workload=dict(name=workload, batch_size=batch, prompt_len=prompt, gen_len=GEN,
-                                     system_len=32, turns=4, user_len=8, reply_len=4),
-                       cache=CacheConfig(shared=shared), runtime=RuntimeConfig(device="cpu"),
-                       wandb=WandbConfig(mode="disabled"))
+    return check_job(BenchConfig(model=tiny_model_config(max_seq_len=512),
+                                 attention=AttentionConfig(type=kind, num_kv_heads=kv),
+                                 workload=dict(name=workload, batch_size=batch, prompt_len=prompt, gen_len=GEN,
+                                               system_len=32, turns=4, user_len=8, reply_len=4),
+                                 cache=CacheConfig(shared=shared), runtime=RuntimeConfig(device="cpu"),
+                                 wandb=WandbConfig(mode="disabled")))
 
 
 def hydra_files(job_dir, config, overrides):

@@ -27,6 +27,7 @@ from submitit.core.utils import UncompletedJobError
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.job_config import check_job
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 handler = object.__new__(SignalHandler)
@@ -35,11 +36,11 @@ signal.signal(signal.SIGTERM, handler.bypass)
 def not_requeued(signum, frame):
     raise UncompletedJobError("Job not requeued because: timed-out too many times.")
 signal.signal(signal.SIGUSR2, not_requeued)
-job = BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
-                  workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
-                  runtime=RuntimeConfig(device="cpu", warmup=0, repeats=100000, threads=1,
-                                        isolate=sys.argv[2] == "isolate"),
-                  wandb=WandbConfig(mode="disabled"))
+job = check_job(BenchConfig(model=ModelConfig(name="t"), attention=AttentionConfig("gqa", 2),
+                            workload=DecodeWorkload(prompt_len=12, gen_len=6), cache=CacheConfig(),
+                            runtime=RuntimeConfig(device="cpu", warmup=0, repeats=100000, threads=1,
+                                                  isolate=sys.argv[2] == "isolate"),
+                            wandb=WandbConfig(mode="disabled")))
 launch_job(job, sys.argv[1], progress=progress_lines)
 """
 

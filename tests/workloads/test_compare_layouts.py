@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import compose
 
-from kvbench.config.bench import to_bench_config
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, variant_key, variant_label
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import summarize, variants

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import compose
 
-from kvbench.config.bench import to_bench_config
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.footprint import parameter_count
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.build import build_layouts
 from kvbench.results import RunResult

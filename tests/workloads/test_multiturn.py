@@ -18,6 +18,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import MultiturnWorkload
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
+from kvbench.job_config import check_job
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
@@ -351,9 +352,11 @@ def test_shared_cache_rejects_misuse():
 def bench_config(shared, impl="static", **workload):
     w = dict(name="multiturn", batch_size=2, system_len=12, turns=3, user_len=4, reply_len=3)
     w.update(workload)
-    return BenchConfig(model=ModelConfig(name="t", max_seq_len=64, vocab_size=V), attention=AttentionConfig("gqa", 2),
-                       workload=MultiturnWorkload(**w), cache=CacheConfig(impl, shared),
-                       runtime=RuntimeConfig(device="cpu", warmup=0, repeats=2), wandb=WandbConfig(mode="disabled"))
+    return check_job(BenchConfig(model=ModelConfig(name="t", max_seq_len=64, vocab_size=V),
+                                 attention=AttentionConfig("gqa", 2), workload=MultiturnWorkload(**w),
+                                 cache=CacheConfig(impl, shared),
+                                 runtime=RuntimeConfig(device="cpu", warmup=0, repeats=2),
+                                 wandb=WandbConfig(mode="disabled")))
 
 
 def test_shared_with_no_cache_is_invalid():

@@ -1,0 +1,38 @@
+"""A job's config typed and checked, once per job: :func:`to_bench_config`.
+
+Above both the config and the layouts: the layouts read the config, so the config cannot ask a
+layer what it does not run with. Here every rule runs in one order: each field's values (the
+dataclasses' ``__post_init__``), what each layer's layout and the MoE do not run with (the layouts'
+:class:`~kvbench.layouts.base.Limit`s), then the rules across groups
+(:meth:`~kvbench.config.bench.BenchConfig.check_rules`). Torch-free: the CLI types every job of a
+command line with it before any job runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omegaconf import DictConfig
+
+from kvbench.config.bench import TASKS, BenchConfig
+from kvbench.config.errors import typed
+from kvbench.config.moe import check_run
+from kvbench.layouts.build import build_layouts
+
+
+def check_job(job: BenchConfig) -> BenchConfig:
+    """Refuse, in one line naming the key and the value, what ``job`` (built, so its fields are
+    checked and its attention resolved) may not run: a setting some layer's layout or the MoE
+    does not run with, then a rule across groups. Returns ``job``."""
+    if not TASKS[job.task].own_shape:  # task=eval: its checkpoint sets the shape, read by the task
+        settings = job.layout_settings()
+        build_layouts(job.model, job.attention).check(settings)
+        check_run(job.model.moe, settings)
+    job.check_rules()
+    return job
+
+
+def to_bench_config(cfg: DictConfig | Mapping[str, Any] | BenchConfig) -> BenchConfig:
+    """Typed, validated config (raises :class:`~kvbench.config.errors.ConfigError` naming the bad
+    key); a :class:`BenchConfig` passes as it is (checked where it was typed)."""
+    return cfg if isinstance(cfg, BenchConfig) else check_job(typed(BenchConfig, cfg))
