@@ -173,6 +173,10 @@ class LayerLayout:
         """The layer's row name in inspect's table of kinds of layer."""
         return "global" if self.window is None else f"local W={self.window}"
 
+    def in_words(self) -> str:
+        """The layer's layout in a few words (inspect's name for a model's own layout)."""
+        raise NotImplementedError
+
     def describe_layers(self, layers: "Layouts", attention: Any, seq_len: int, batch_size: int) -> List[str]:
         """The line naming the attention of ``layers`` (this layer's kind leads them), then those
         of its cache formula; ``attention``: the resolved config, for its type's name."""
@@ -279,6 +283,12 @@ class Layouts(tuple):
         (a recurrent layer beside it is named in its line)."""
         lead = next((layer for layer in self if layer.state is None), self[0])
         return lead.describe_layers(self, attention, seq_len, batch_size)
+
+    def in_words(self) -> Optional[str]:
+        """The attention in a few words (``4 KV heads``), said by its first attending layer (None:
+        no layer attends)."""
+        lead = next((layer for layer in self if layer.state is None), None)
+        return None if lead is None else lead.in_words()
 
     def _leads(self) -> List[LayerLayout]:
         """One layer of each kind, those holding a state first."""

@@ -73,6 +73,9 @@ class KVHeads(LayerLayout):
 
     # ---- how inspect describes it ----
 
+    def in_words(self) -> str:
+        return f"{self.num_kv_heads} KV heads"
+
     def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
         L, H, kv, d = len(layers), self.num_heads, self.num_kv_heads, self.head_dim
         attending = sum(layer.state is None for layer in layers)  # the others hold a constant state instead

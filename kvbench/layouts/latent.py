@@ -92,6 +92,9 @@ class Latent(LayerLayout):
 
     # ---- how inspect describes it ----
 
+    def in_words(self) -> str:
+        return "multi-head latent attention"
+
     def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
         width = self.kv_lora_rank + self.qk_rope_head_dim
         index = self.index_head_dim if self.index_topk else 0

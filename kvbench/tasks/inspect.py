@@ -159,5 +159,7 @@ def _layout_line(cfg: BenchConfig, layers: Layouts) -> str:
     pooled = m.path and layers.converts_kv_heads()
     method = ("repeat" if a.num_kv_heads > m.preset_kv_heads else "mean-pool") if pooled else "shape"
     change = kv_layout_change(m, a, method)
-    own = "multi-head latent attention" if m.preset_mla is not None else f"{m.preset_kv_heads} KV heads"
-    return change["text"] if change else f"the model's own layout ({own}): no conversion"
+    if change:
+        return change["text"]
+    # no change: the layout asked is the model's own (no layer attends: its KV-head count)
+    return f"the model's own layout ({layers.in_words() or f'{m.preset_kv_heads} KV heads'}): no conversion"
