@@ -4,8 +4,8 @@ norms) as config fields, and a mixture of experts for the MLP of a layer where `
 so (:mod:`kvbench.mlp`).
 
 Each block's attention is its layer's layout (:mod:`kvbench.layouts`: each kind of layer and its
-properties). The decoder builds them from the config once and never branches on them; each layer's cache tells its attention what to
-attend over (:mod:`kvbench.cache`).
+properties). The decoder builds them from the config once and never branches on them; each
+layer's cache tells its attention what to attend over (:mod:`kvbench.cache`).
 
 Notation: B batch, T new tokens, V vocab.
 """
