@@ -35,8 +35,6 @@ BUILD_BYTES_PER_PARAM = 4
 # rope_tables: float64 angles (S, D/2), their concatenation (S, D), cos and sin in float64, then
 # float32 copies of both: about 3 float64 tables of (S, D) alive at once at the peak.
 ROPE_PEAK_BYTES_PER_ELEMENT = 3 * 8
-# MLA's ranks and widths size its projections and its latent cache: a refusal names them.
-_MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
     if cfg.task == "bench" and isinstance(cfg.workload, ServingWorkload):
         kv = serving_store_bytes(cfg)
     elif cfg.task == "bench" and cfg.cache.impl != "none":
-        # The record's formula (workloads/decode.py): each layer's own (MLA's latent, a window's ring).
+        # The record's formula (workloads/decode.py): each layer's own positions and widths (kvbench.layouts).
         kv = build_layouts(m, a).cache_bytes(cfg.workload.total_len, cfg.workload.batch_size,
                                              DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
     data = 0
@@ -225,7 +223,9 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         keys = (f"model.num_layers={m.num_layers}, model.d_model={m.d_model}, model.max_seq_len={m.max_seq_len}"
                 + (f", model.moe.num_experts={m.moe.num_experts}, model.moe.expert_ffn_dim={m.moe.expert_ffn_dim}"
                    if m.moe is not None else "")
-                + "".join(f", attention.{k}={getattr(cfg.attention, k)}" for k in _MLA_SIZES if cfg.attention.latent)
+                # the attention keys that size the layers' weights and caches (Layouts.size_keys)
+                + "".join(f", attention.{k}={getattr(cfg.attention, k)}"
+                          for k in build_layouts(m, cfg.attention).size_keys())
                 + (_store_keys(cfg) if isinstance(cfg.workload, ServingWorkload) and cfg.task == "bench"
                    else f", workload.batch_size={cfg.workload.batch_size}" if need.kv_cache else "")
                 + (f", recall.vocab_size={cfg.recall.vocab_size}, recall.eval_sequences={cfg.recall.eval_sequences}"

@@ -1,6 +1,7 @@
-"""The one K/V storage under every cache and the serving store: one layer's keys (or values, or
-MLA's latents) in the compute dtype, or as int8 / float8_e4m3fn codes with a float32 scale per
-(position, head), quantized on write and dequantized on read (``cache.dtype``).
+"""The one K/V storage under every cache and the serving store: one of a layer's stored tensors
+(:attr:`kvbench.layouts.base.LayerLayout.stored`: its keys, or values) in the compute dtype, or
+as int8 / float8_e4m3fn codes with a float32 scale per (position, head), quantized on write and
+dequantized on read (``cache.dtype``).
 
 The caches of :mod:`kvbench.cache` decide which positions go where; a store only writes and
 reads along its position axis: (B, H_kv, S, D) with positions on axis 2 for a sequence's cache,

@@ -3,11 +3,9 @@ switches that make it Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) or Qwen
 norms) as config fields, and a mixture of experts for the MLP of a layer where ``model.moe`` says
 so (:mod:`kvbench.mlp`).
 
-Each block's attention is its layer's layout (:mod:`kvbench.layouts`): MHA, GQA or MQA by the
-KV-head count, MLA's latent, a Gated DeltaNet layer's recurrence, a window, sinks, an output gate
-or partial rotary as properties of a layer. The decoder builds them
-from the config once and never branches on them; each layer's cache tells its attention what to
-attend over (:mod:`kvbench.cache`).
+Each block's attention is its layer's layout (:mod:`kvbench.layouts`: each kind of layer and its
+properties). The decoder builds them from the config once and never branches on them; each
+layer's cache tells its attention what to attend over (:mod:`kvbench.cache`).
 
 Notation: B batch, T new tokens, V vocab.
 """

@@ -1,8 +1,8 @@
 """task=inspect's text: the head→group map."""
 
 from kvbench.layouts.base import Layouts
-from kvbench.layouts.kv_heads import KVHeads, kv_group_map
-from kvbench.tasks.inspect import describe_kv_groups, kv_memory_table
+from kvbench.layouts.kv_heads import KVHeads, describe_kv_groups, kv_group_map
+from kvbench.tasks.inspect import kv_memory_table
 
 
 def test_group_map_32_query_8_kv_heads():

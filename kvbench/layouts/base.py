@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.dtypes import element_bytes
 from kvbench.config.errors import ConfigError
+from kvbench.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,42 @@ class LayerLayout:
                       f"is not supported with a sliding window (attention.window={W}): the fixed-shape step reads "
                       "a context bucket, a ring is read whole; use false or default"))
 
+    # ---- what the tasks ask of it ----
+
+    # Whether a model of another KV-head count becomes this layer by repeating or mean-pooling its
+    # K/V heads (checkpoint.convert_kv_heads); a layer without K/V heads keeps its own weights.
+    converts_kv_heads: ClassVar[bool] = True
+    # The attention.* keys beyond the model's shape that size the layer's weights and cache (a
+    # refusal for memory names them).
+    size_keys: ClassVar[Tuple[str, ...]] = ()
+    # Whether a decode step has a second form of the same arithmetic, which fidelity compares.
+    has_decode_forms: ClassVar[bool] = False
+
+    # ---- how inspect describes it ----
+
+    note: ClassVar[str] = ""  # said once beside inspect's table of kinds of layer when one is present
+
+    def table_name(self) -> str:
+        """The layer's row name in inspect's table of kinds of layer."""
+        return "global" if self.window is None else f"local W={self.window}"
+
+    def in_words(self) -> str:
+        """The layer's layout in a few words (inspect's name for a model's own layout)."""
+        raise NotImplementedError
+
+    def describe_layers(self, layers: "Layouts", attention: Any, seq_len: int, batch_size: int) -> List[str]:
+        """The line naming the attention of ``layers`` (this layer's kind leads them), then those
+        of its cache formula; ``attention``: the resolved config, for its type's name."""
+        raise NotImplementedError
+
+    def memory_lines(self, layers: "Layouts", dtype: str, element: int) -> List[str]:
+        """Lines of this kind of layer after inspect's memory table (in ``dtype``, ``element`` bytes)."""
+        return []
+
+    def closing_lines(self, layers: "Layouts", seq_len: int, dtype: str, element: int) -> List[str]:
+        """Lines of this kind of layer at the end of inspect's text."""
+        return []
+
 
 def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> None:
     """Refuse, in one line naming the key and its value, the first setting a layer does not run
@@ -252,3 +289,96 @@ class Layouts(tuple):
     def smallest_window(self) -> Optional[int]:
         return min((w for w in self.windows if w is not None), default=None)
 
+
+    def accepts(self, settings: Mapping[str, Any]) -> bool:
+        """Whether every layer runs with ``settings`` (:meth:`check` would refuse nothing)."""
+        try:
+            self.check(settings)
+        except ConfigError:
+            return False
+        return True
+
+    # ---- what the tasks ask of them ----
+
+    def converts_kv_heads(self) -> bool:
+        """Whether a model of another KV-head count becomes these layers by repeating or
+        mean-pooling K/V heads (:attr:`LayerLayout.converts_kv_heads` of every layer)."""
+        return all(layer.converts_kv_heads for layer in self)
+
+    def size_keys(self) -> Tuple[str, ...]:
+        return tuple(dict.fromkeys(key for layer in self for key in layer.size_keys))
+
+    def has_decode_forms(self) -> bool:
+        return any(layer.has_decode_forms for layer in self)
+
+    def caps_positions(self) -> bool:
+        """Whether some layer's cache stops growing at a length (a ring of W): bytes per token
+        are then those of a given length, and fall as it grows."""
+        return self.smallest_window() is not None
+
+    # ---- how inspect describes them ----
+
+    def describe(self, attention: Any, seq_len: int, batch_size: int) -> List[str]:
+        """The attention's line, then its cache formula's: said by the first layer that attends
+        (a recurrent layer beside it is named in its line)."""
+        lead = next((layer for layer in self if layer.state is None), self[0])
+        return lead.describe_layers(self, attention, seq_len, batch_size)
+
+    def in_words(self) -> Optional[str]:
+        """The attention in a few words (``4 KV heads``), said by its first attending layer (None:
+        no layer attends)."""
+        lead = next((layer for layer in self if layer.state is None), None)
+        return None if lead is None else lead.in_words()
+
+    def _leads(self) -> List[LayerLayout]:
+        """One layer of each kind, those holding a state first."""
+        leads: Dict[type, LayerLayout] = {}
+        for layer in sorted(self, key=lambda layer: layer.state is None):
+            leads.setdefault(type(layer), layer)
+        return list(leads.values())
+
+    def memory_lines(self, seq_len: int, dtype: str, element: int) -> List[str]:
+        """inspect's lines after its memory table: each kind's, then what a ring does to per token."""
+        lines = [line for lead in self._leads() for line in lead.memory_lines(self, dtype, element)]
+        if self.caps_positions() and not self.state_bytes(element):
+            lines.append(f"per token (at {seq_len}): per sequence / {seq_len}; a local layer holds at most W of the "
+                         f"positions, so it falls as seq_len grows (a position before any window fills: "
+                         f"{bytes_cell(self.bytes_per_token(element))} in {dtype})")
+        return lines
+
+    def kind_notes(self) -> List[str]:
+        """What inspect says before its table of kinds of layer (none: no such table)."""
+        shared = sum(layer.kv_source is not None for layer in self)
+        return ((["sliding window: a local layer holds min(seq_len, W) positions (a ring of W)"]
+                 if self.caps_positions() else [])
+                + ([f"cross-layer KV sharing: the last {shared} layers read the K/V of the last earlier layer of their "
+                    "kind and hold none"] if shared else [])
+                + list(dict.fromkeys(layer.note for layer in self if layer.note)))
+
+    def closing_lines(self, seq_len: int, dtype: str, element: int) -> List[str]:
+        return [line for lead in self._leads() for line in lead.closing_lines(self, seq_len, dtype, element)]
+
+
+# ---- how inspect writes a layout's numbers ----
+
+def bytes_cell(n: float) -> str:
+    """``1536`` -> ``1.50 KiB (1,536)``; under 1 KiB ``512 B``."""
+    exact = f"{n:,}" if isinstance(n, int) else f"{n:,.1f}"  # a windowed layout's per token is a mean
+    return f"{exact} B" if n < 1024 else f"{human_bytes(n)} ({exact})"
+
+
+def si(n: float) -> str:
+    """``33554432`` -> ``33.6 M``: a count in decimal units, three significant digits."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:g}"
+
+
+def elements_line(per_token: int, seq_len: int, batch_size: int, what: str = "K+V") -> str:
+    """K and V (or latent) elements of one layer's cache: per token, per sequence, per batch (the
+    arithmetic of a KV-cache budget, before the bytes of a dtype)."""
+    per_sequence = per_token * seq_len
+    return (f"elements per layer ({what}): per token {per_token:,} · per sequence ({seq_len}) {per_sequence:,} "
+            f"≈ {si(per_sequence)} · per batch (x{batch_size}) {per_sequence * batch_size:,} "
+            f"≈ {si(per_sequence * batch_size)}")

@@ -13,7 +13,7 @@ costs the same at any context. The attention itself is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from kvbench.layouts.base import LayerLayout, Limit, State
 from kvbench.layouts.kv_heads import KVHeads
@@ -85,3 +85,26 @@ class GatedDeltaNet(LayerLayout):
             Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
                   "Gated DeltaNet layer's state has no such view (not built); use false or default"),
             Limit("kv_conversion", ("none",), "converting K/V heads to or from a recurrent state is not built"))
+
+    # ---- how inspect describes it ----
+
+    note = "a Gated DeltaNet layer holds a state per sequence"
+
+    def table_name(self) -> str:
+        return self.kind
+
+    def in_words(self) -> str:
+        """The layer's shape in config.json's words."""
+        return (f"Gated DeltaNet ({self.linear_num_key_heads} key heads of {self.linear_key_head_dim}, "
+                f"{self.linear_num_value_heads} value heads of {self.linear_value_head_dim}, conv kernel "
+                f"{self.linear_conv_kernel_dim})")
+
+    def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
+        # no layer attends: the K/V-head line of the attention asked for, over none of them
+        heads = KVHeads(self.index, None, self.num_heads, attention.num_kv_heads, self.head_dim)
+        return heads.describe_layers(layers, attention, seq_len, batch_size)
+
+    def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
+        return ["a Gated DeltaNet layer stores nothing per token: per sequence it holds its recurrent state "
+                "(value heads x d_k x d_v, float32) and its convolution's last kernel - 1 inputs (compute dtype), "
+                "whatever the length; per token counts the attention layers only"]

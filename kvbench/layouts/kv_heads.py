@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvbench.layouts.base import LayerLayout
+from kvbench.config.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
+from kvbench.layouts.base import LayerLayout, elements_line
 
 
 def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
@@ -21,6 +22,17 @@ def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
         raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     group = num_heads // num_kv_heads
     return [h // group for h in range(num_heads)]
+
+
+def describe_kv_groups(num_heads: int, num_kv_heads: int) -> str:
+    """The head→group map as text, one line per KV head: ``query heads 0-3 → KV head 0``."""
+    mapping = kv_group_map(num_heads, num_kv_heads)
+    lines = []
+    for kv in range(num_kv_heads):
+        heads = [h for h, g in enumerate(mapping) if g == kv]
+        span = f"heads {heads[0]}-{heads[-1]}" if len(heads) > 1 else f"head {heads[0]}"
+        lines.append(f"query {span} → KV head {kv}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -58,3 +70,32 @@ class KVHeads(LayerLayout):
 
     def fields(self) -> Dict[str, Any]:
         return {"num_kv_heads": self.num_kv_heads, **super().fields(), **({"sinks": True} if self.sinks else {})}
+
+    # ---- how inspect describes it ----
+
+    def in_words(self) -> str:
+        return f"{self.num_kv_heads} KV heads"
+
+    def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
+        L, H, kv, d = len(layers), self.num_heads, self.num_kv_heads, self.head_dim
+        attending = sum(layer.state is None for layer in layers)  # the others hold a constant state instead
+        shared = sum(layer.kv_source is not None for layer in layers)  # and these read another layer's K/V
+        local = sum(w is not None for w in layers.windows)
+        recurrent = next((layer for layer in layers if layer.state is not None), None)
+        linear = "" if recurrent is None else f"; {L - attending} of {L} layers {recurrent.in_words()}"
+        return [
+            f"attention {attention.type}: {kv} KV heads, G = {H // kv} query heads per KV head"
+            + (f"; window {layers.smallest_window()} in {local} of {L} layers" if local else "") + linear,
+            "",
+            "head → KV group map:",
+            describe_kv_groups(H, kv),
+            "",
+            f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
+            f"= 2 · {attending - shared} · {kv} · {d} · seq_len · batch · bytes"
+            + (f" (the {shared} of {L} layers that read an earlier layer's K/V hold none)" if shared else "")
+            + (" before the windows fill (then a local layer holds W of the seq_len positions)" if local else "")
+            + (" (the attention layers; the others hold a state per sequence)" if linear else ""),
+            elements_line(2 * kv * d, seq_len, batch_size),
+            *([f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
+               f"(sequence, KV head, position), K and V each"] if layers.accepts({"cache.dtype": "int8"}) else []),
+        ]

@@ -14,10 +14,10 @@ decode step reads every index key but only k latents. The attention itself is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
-from kvbench.config.dtypes import element_bytes
-from kvbench.layouts.base import LayerLayout, Limit
+from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
+from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line
 from kvbench.layouts.kv_heads import KVHeads
 
 
@@ -82,4 +82,53 @@ class Latent(LayerLayout):
             own += (Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"),
                     Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"))
         return super().limits() + own
+
+    # ---- what the tasks ask of it ----
+
+    converts_kv_heads = False  # its K/V come from a latent, not heads a checkpoint's could be pooled to
+    size_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    has_decode_forms = True  # absorbed and expanded (attention.mla_decode)
+
+    # ---- how inspect describes it ----
+
+    def in_words(self) -> str:
+        return "multi-head latent attention"
+
+    def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        index = self.index_head_dim if self.index_topk else 0
+        q = f"q_lora_rank {self.q_lora_rank}" if self.q_lora_rank else "q by a full-rank projection"
+        dsa = (f"; DSA: an indexer of {self.index_n_heads} heads x {self.index_head_dim} keeps a key of "
+               f"{self.index_head_dim} per token and each query attends its top index_topk = {self.index_topk} "
+               "tokens") if self.index_topk else ""
+        return [
+            f"attention mla: multi-head latent attention, one latent per token and layer (kv_lora_rank "
+            f"{self.kv_lora_rank} + qk_rope_head_dim {self.qk_rope_head_dim} = {width}) for all {self.num_heads} "
+            f"query heads (qk_nope_head_dim {self.qk_nope_head_dim}, v_head_dim {self.v_head_dim}, {q}); decode "
+            f"{'absorbed' if self.absorbed else 'expanded'}{dsa}",
+            "",
+            f"KV cache = layers · (kv_lora_rank + qk_rope_head_dim{' + index_head_dim' if index else ''}) · seq_len · "
+            f"batch · bytes = {len(layers)} · {width + index} · seq_len · batch · bytes",
+            elements_line(width + index, seq_len, batch_size, "latent + index key" if index else "latent"),
+            f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
+            "(sequence, position), one per latent" + (" and one per index key" if index else ""),
+        ]
+
+    def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
+        # the same model with K/V heads, for comparison (vs MHA in the table is the ratio)
+        mha = layers.as_mha()
+        widths = self.as_mha().stored[1]
+        per_token = ", ".join(f"{d} {bytes_cell(mha.bytes_per_token(size))}" for d, size in DTYPE_BYTES.items())
+        return [f"the same model as MHA ({self.num_heads} heads, K {widths[0]} + V {widths[1]} per head) holds per "
+                f"token: {per_token}"]
+
+    def closing_lines(self, layers, seq_len: int, dtype: str, element: int) -> List[str]:
+        """What DSA's top-k changes: a decode step reads every index key but at most index_topk latents."""
+        if not self.index_topk:
+            return []
+        k, width = self.index_topk, self.kv_lora_rank + self.qk_rope_head_dim
+        return ["", f"DSA: a decode step at context S reads every index key and min(S, index_topk={k}) latents "
+                f"(layers · (S · {self.index_head_dim} + min(S, {k}) · {width}) · bytes); in {dtype} at S = "
+                f"{seq_len}: {bytes_cell(layers.read_bytes(seq_len, 1, element))} read of "
+                f"{bytes_cell(layers.cache_bytes(seq_len, 1, element))} held per sequence"]
 

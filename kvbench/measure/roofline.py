@@ -94,8 +94,7 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
         if routed_bytes is None:
             routed_bytes = sum(min(m.moe.num_experts, batch_size * m.moe.top_k) * m.bytes_per_expert() for m in experts)
         weights += routed_bytes - sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
-    # each layer reads what it attends at that context (a local layer at most its W positions, DSA
-    # every index key and its top-k latents, a layer sharing another's K/V that cache again)
+    # each layer reads what it attends at that context, by its layout's own formula (kvbench.layouts)
     kv = model.layouts.read_bytes(context_len, batch_size, element, cache_dtype)
     return weights + kv, kv
 

@@ -38,8 +38,8 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
     if cfg.model.path:
-        result.metrics["kv_heads_conversion"] = ("none" if cfg.attention.latent else
-                                                 kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads))
+        result.metrics["kv_heads_conversion"] = (kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
+                                                 if model.layouts.converts_kv_heads() else "none")
     label = variant_label(cfg.attention, num_layers=cfg.model.num_layers)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"

@@ -418,9 +418,9 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
                                                                           cfg.capacity.batch_step)
     with progress(label, expected) as tick:
         run_probes(cfg, model, device, result, baseline, tick)
-    # quality of this KV-head count, after the probes (its models are not theirs); a latent (MLA) is
-    # not a pooling of the MHA model's heads, so there is no such measure of it
-    if cfg.runtime.fidelity and not cfg.attention.latent:
+    # quality of this KV-head count, after the probes (its models are not theirs); a layout that is
+    # not a pooling of the MHA model's heads (Layouts.converts_kv_heads) has no such measure
+    if cfg.runtime.fidelity and model.layouts.converts_kv_heads():
         del model
         result.methods.update(KV_POOL_METHODS)
         h = cfg.model.num_heads

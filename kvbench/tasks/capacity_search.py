@@ -141,10 +141,11 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
 
 def kv_bytes_per_token(cfg: BenchConfig) -> Tuple[float, int]:
     """(bytes, positions): the KV formula of one sequence as the longest probe holds it, over its
-    positions (context + gen_len; a chat's positions per conversation). For a layout without a
-    window that is any one position's bytes; a local layer's ring stops at W, so a windowed
-    layout's bytes per token fall as the context grows and are given at this stated length: the
-    one definition the record, the jobs table and experiment=choose's table share."""
+    positions (context + gen_len; a chat's positions per conversation). Where every layer's cache
+    grows with the sequence that is any one position's bytes; where some layer's stops
+    (:meth:`~kvbench.layouts.base.Layouts.caps_positions`), bytes per token fall as the context
+    grows and are given at this stated length: the one definition the record, the jobs table and
+    experiment=choose's table share."""
     context = contexts(cfg)[-1]
     positions = context if cfg.workload.name == "multiturn" else context + cfg.workload.gen_len
     return kv_bytes(cfg, context, 1) / positions, positions

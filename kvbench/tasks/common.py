@@ -10,6 +10,7 @@ import torch
 from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
 from kvbench.config.bench import TASKS, BenchConfig
 from kvbench.config.model import kv_layout_change, variant_label  # noqa: F401 (variant_label: re-exported)
+from kvbench.layouts.build import build_layouts
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
@@ -56,6 +57,7 @@ def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
     if cfg.task == "train" and cfg.train.init_from:
         return None  # the checkpoint's count is known once it is loaded (tasks/train.py)
     method = "random-init"
-    if cfg.model.path and not (cfg.attention.latent or cfg.model.preset_mla is not None):
+    # a checkpoint's K/V heads are repeated or mean-pooled only where both layouts hold K/V heads
+    if cfg.model.path and cfg.model.preset_mla is None and build_layouts(cfg.model, cfg.attention).converts_kv_heads():
         method = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
     return kv_layout_change(cfg.model, cfg.attention, method)

@@ -40,6 +40,7 @@ from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, variant_key, variant_label
 from kvbench.generate import decode_step, prefill
+from kvbench.layouts.build import build_layouts
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -154,14 +155,15 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
     ``seed`` (there is no conversion to either)."""
     shared = {k: t for k, t in base.state_dict().items() if ".attn." not in k}
     linear = LINEAR in (attention.layer_types or ())
+    pooled = build_layouts(base.config, attention).converts_kv_heads()  # else its attention has no MHA source
     drawn = {}
-    if attention.latent or linear:
+    if not pooled or linear:
         torch.manual_seed(seed)
         with base.device:
             model = Decoder(base.config, attention)
         drawn = {k: t.to(base.dtype) for k, t in model.state_dict().items() if ".attn." in k}
         del model
-    if attention.latent:
+    if not pooled:
         own, how = drawn, "drawn from runtime.seed (no MHA -> MLA conversion); the rest mha's"
     else:
         conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
@@ -182,7 +184,7 @@ def variants(cfg: BenchConfig, base: Decoder) -> List[VariantModel]:
     """``compare.variants`` of ``base`` (a model with one KV head per query head): :func:`variant_model`
     of each. A checkpoint's own window is left out of ``base``: each variant names its own."""
     H = base.config.num_heads
-    if base.num_kv_heads != H or base.attention.latent:
+    if base.num_kv_heads != H or not base.layouts.converts_kv_heads():
         raise ValueError(f"the base model must be MHA ({H} KV heads), has {variant_label(base.attention)}")
     if base.layouts.smallest_window() is not None:
         base = build_decoder(base.config, AttentionConfig(type="mha", num_kv_heads=H, window=0), base.state_dict(),

@@ -30,6 +30,7 @@ from kvbench.config.bench import BenchConfig
 from kvbench.config.model import AttentionConfig
 from kvbench.config.recall import RecallConfig
 from kvbench.generate import decode_step, prefill
+from kvbench.layouts.build import build_layouts
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -110,12 +111,11 @@ def summarise(per_seed: List[float]) -> Dict[str, Any]:
 
 
 def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
-    """The model scored is the layout its label names (heads or latent, window pattern): a
-    conversion that dropped either would score another model under the variant's label."""
-    n = model.config.num_layers
-    own = (model.attention.latent, model.num_kv_heads, list(model.layouts.windows))
-    if own != (attention.latent, attention.num_kv_heads, attention.layer_windows(n)):
-        raise RuntimeError(f"the recall model is {own}, not the variant {variant_label(attention)} it is scored as")
+    """The model scored is the layout its label names, layer by layer: a conversion that dropped
+    part of it would score another model under the variant's label."""
+    if model.layouts != build_layouts(model.config, attention):
+        raise RuntimeError(f"the recall model is {variant_label(model.attention)}, not the variant "
+                           f"{variant_label(attention)} it is scored as")
 
 
 def _scores(model: Decoder, sets: Dict[Condition, Any], kind: str) -> Dict[Condition, float]:
@@ -171,7 +171,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
             sets = {c: eval_set(c, r.eval_sequences, r.vocab_size, r.digits, EVAL_SEED_OFFSET + seed) for c in conds}
             torch.manual_seed(seed)
             with device:
-                # converting: the MHA model of the variant's own window pattern, so only its heads change
+                # converting: the MHA model of the variant's own layer pattern, so only its heads change
                 start = replace(attention, type="mha", num_kv_heads=h) if converting else attention
                 model = Decoder(model_cfg, start).to(torch_dtype("float32"))
             fitted = _fit(model, cfg, cfg.train.steps, seed, conds, tick)
