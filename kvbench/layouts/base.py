@@ -289,7 +289,6 @@ class Layouts(tuple):
     def smallest_window(self) -> Optional[int]:
         return min((w for w in self.windows if w is not None), default=None)
 
-
     def accepts(self, settings: Mapping[str, Any]) -> bool:
         """Whether every layer runs with ``settings`` (:meth:`check` would refuse nothing)."""
         try:
