@@ -3,6 +3,8 @@ recompute past W, bytes as allocated == the formula), transformers' Mistral / Qw
 their windows (logits and task=eval perplexity), and one-line refusals."""
 
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import VOCAB, corpus, eval_job, hf_dir, tiny_model_config, transformers_perplexity  # noqa: F401 (corpus: a fixture)
@@ -118,6 +120,25 @@ def test_a_layout_says_which_positions_it_keeps():
     assert local.keeps_ring(W + 1) and not local.keeps_ring(W) and not full.keeps_ring(W)
     assert sorted([wider, local, full], key=lambda x: x.retention) == [full, local, wider]
     assert [x.layers_text() for x in (full, local)] == ["full layers", f"layers of window {W}"]
+
+
+def test_a_jobs_layouts_are_built_once_and_follow_its_config(monkeypatch):
+    """A job asks for its layouts from its check, footprint and model: built once per pair of
+    configs (a million-layer config once took 13 s to refuse, building them five times), and a
+    config changed in place gets the layouts it now says."""
+    from kvbench.footprint import job_footprint, kv_bytes_per_token
+    from kvbench.layouts import build
+
+    built = []
+    monkeypatch.setattr(build, "_build", lambda m, a, real=build._build: built.append((m, a)) or real(m, a))
+    cfg = _bench(model=tiny_model_config(num_layers=5), attention=AttentionConfig(type="gqa", num_kv_heads=2, window=W))
+    job_footprint(cfg), kv_bytes_per_token(cfg)
+    first = build.build_layouts(cfg.model, cfg.attention)
+    assert build.build_layouts(dataclasses.replace(cfg.model), dataclasses.replace(cfg.attention)) is first
+    own = [pair for pair in built if pair == (cfg.model, cfg.attention)]  # the rest: footprint's 1-layer models
+    assert len(own) == 1 and first.windows == (W,) * 5
+    before, cfg.attention.window = len(built), W + 1
+    assert build.build_layouts(cfg.model, cfg.attention).windows == (W + 1,) * 5 and len(built) == before + 1
 
 
 def test_a_ring_refuses_a_roll_back_past_what_it_still_holds():

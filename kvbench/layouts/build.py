@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvbench.config.hf import LINEAR
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.gated_deltanet import GatedDeltaNet
@@ -11,6 +13,22 @@ from kvbench.layouts.latent import Latent
 
 
 def build_layouts(model, attention) -> Layouts:
+    """The layouts of ``model`` under ``attention`` (:func:`_build`), built once per pair of
+    configs: a job asks for them from its check, footprint, store and model, and layouts are
+    immutable, so callers share them. The configs are mutable dataclasses: the key is what they
+    say now (their repr), not which objects they are."""
+    key = (repr(model), repr(attention))
+    if key not in _BUILT:
+        _BUILT[key] = _build(model, attention)
+        if len(_BUILT) > 16:
+            _BUILT.popitem(last=False)
+    return _BUILT[key]
+
+
+_BUILT: "OrderedDict[tuple, Layouts]" = OrderedDict()
+
+
+def _build(model, attention) -> Layouts:
     """One layout per layer of ``model`` (a ModelConfig) under ``attention`` (an
     AttentionConfig resolved against it): a Gated DeltaNet layer where attention.layer_types
     says linear_attention, else the attention layout (K/V heads or a latent) with its window;
