@@ -6,6 +6,9 @@ counts against the model cards; the bytes a decode step reads, from its router."
 
 import inspect
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -445,3 +448,32 @@ def test_an_moe_checkpoint_on_cuda_is_transformers_on_cuda(tmp_path, family):
     path, hf = moe_dir(tmp_path, family)
     model, _ = load_llama_dir(path, device="cuda")
     _assert_exact(model, hf.cuda(), "cuda")
+
+
+
+_LOADS_DYNAMO = """import importlib, pkgutil, runpy, sys
+import kvbench
+for module in pkgutil.walk_packages(kvbench.__path__, "kvbench."):
+    importlib.import_module(module.name)
+print("torch._dynamo" in sys.modules)
+sys.argv = ["kvbench", *sys.argv[1:]]
+try:
+    runpy.run_module("kvbench.cli", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
+print("torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model", ["gpt_oss_120b", "qwen3_next_80b", "deepseek_v32"])
+def test_importing_kvbench_and_inspecting_a_model_do_not_load_torch_dynamo(tmp_path, model):
+    """torch._dynamo costs about 1.3 s of CPU to import: only a compiled step may pay it. A decorator
+    such as torch.compiler.disable, applied at import, would load it in every job; inspect builds
+    the model's layers on the meta device, where initialising a tensor would load it too."""
+    run = subprocess.run([sys.executable, "-c", _LOADS_DYNAMO, "task=inspect", f"model={model}",
+                          f"hydra.run.dir={tmp_path}"], env=dict(os.environ, WANDB_MODE="disabled"),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()  # loaded after the imports, after the job
+    assert "parameters:" in run.stdout and (lines[0], lines[-1]) == ("False", "False")

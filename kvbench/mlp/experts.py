@@ -12,6 +12,7 @@ Notation: B batch, T tokens, N = B*T, C d_model, E experts, I an expert's width,
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,20 @@ from kvbench.mlp.router import route
 def mlp_module(cfg, layer: int) -> nn.Module:
     """Layer ``layer``'s MLP in ``cfg`` (a ModelConfig): its mixture of experts, or the dense SwiGLU."""
     return MoE(cfg) if cfg.moe is not None and cfg.moe.sparse(layer) else MLP(cfg)
+
+
+def _eager(method):
+    """``torch.compiler.disable(method)``, made at the first call: made at import, it loads
+    torch._dynamo (about 1.3 s of CPU) in every job, compiled or not."""
+    disabled = None
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(method)
+        return disabled(*args, **kwargs)
+    return call
 
 
 class Experts(nn.Module):
@@ -62,7 +77,7 @@ class Experts(nn.Module):
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.moe.swiglu_alpha))
 
-    @torch.compiler.disable  # the loop follows the routing: torch.compile would recompile per routing
+    @_eager  # the loop follows the routing: torch.compile would recompile per routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, int]:
         """x (N, C), weights and chosen (N, k) -> (the weighted sum of each token's experts (N, C),
         the number of distinct experts that ran)."""
