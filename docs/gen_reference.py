@@ -138,6 +138,14 @@ def field_checks(cls: type) -> Dict[str, List[str]]:
     return out
 
 
+def option_checks() -> Dict[str, List[str]]:
+    """The refusals the layer options declare (``kvbench.config.layer_options``), made by
+    ``resolve_options`` rather than by a ``check`` call in AttentionConfig."""
+    from kvbench.config.layer_options import LAYER_OPTIONS
+
+    return {f"attention.{o.key}": [o.latent_refusal] for o in LAYER_OPTIONS if o.latent_refusal}
+
+
 def type_name(tp: object) -> str:
     """``Optional[int]`` -> ``int or null``; plain names for the rest."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -183,6 +191,8 @@ def group_section(name: str, cls: type, picked: Dict[str, str], option: str = ""
     # the dataclass's own comment, else the one on the key in the group's default YAML file
     comments = {**yaml_comments(config.CONF_DIR / name / f"{option or picked.get(name)}.yaml"), **field_comments(cls)}
     checks = field_checks(cls)
+    for key, why in option_checks().items():
+        checks.setdefault(key, []).extend(why)
     out = [f"### `{name}={option}`" if option else f"## `{name}`", "", " ".join(doc.split()), ""]
     if found and not option:
         default = picked.get(name)

@@ -34,6 +34,7 @@ import torch
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, typed
 from kvbench.config.hf import LINEAR
+from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
@@ -322,7 +323,7 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
                               "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
     # what the weights are: a layout property asked other than the checkpoint's is refused, not dropped
-    for name in (*(MLA_FIELDS if attention.latent else ()), "kv_shared_layers", "sinks"):
+    for name in (*(MLA_FIELDS if attention.latent else ()), *(option.key for option in PRESET_OPTIONS)):
         asked, own = getattr(attention, name), getattr(model.attention, name)
         if (asked or 0) != (own or 0):  # null: none
             raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {0 if own is None else own} "

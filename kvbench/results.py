@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.bench import TASKS, BenchConfig, objective_metric
 from kvbench.config.hf import LINEAR
+from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
 from kvbench.config.model import INDEX_FIELDS, MLA_FIELDS
 from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
@@ -335,9 +336,10 @@ def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str
 # Every record keeps these, whatever its task reads: the model built, how the job was recorded
 # and scheduled.
 ALWAYS_KEPT = ("task", "model", "wandb", "rerun", "objective", "objective_caps")
-# model keys whose value here means what a record written before them meant
+# model keys whose value here means what a record written before them meant (a layer option's
+# preset off: the model has none)
 MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
-                          "preset_sinks": False, "preset_kv_shared_layers": 0, "moe": None, "o_bias": False,
+                          **{option.preset: option.off for option in PRESET_OPTIONS}, "moe": None, "o_bias": False,
                           "rope_truncate": True,
                           **{f"linear_{k}": None for k in ("num_key_heads", "num_value_heads", "key_head_dim",
                                                            "value_head_dim", "conv_kernel_dim")}}
@@ -374,22 +376,21 @@ def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
-    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, sinks, shared
-    KV layers, experts or GPT-OSS's switches reads as a record written before those existed."""
+    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, layer options,
+    experts or GPT-OSS's switches reads as a record written before those existed."""
     return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
 
 
 def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
-    """The attention as a record keeps it: a latent's ranks only for MLA, DSA's indexer, sinks and
-    KV sharing only when it has them, the layer pattern only with a window or linear layers."""
+    """The attention as a record keeps it: a latent's ranks only for MLA, DSA's indexer and each
+    layer option (:data:`~kvbench.config.layer_options.LAYER_OPTIONS`) only when it has them, the
+    layer pattern only with a window or linear layers."""
     unused = set()
     if attention.get("type") != "mla":
         unused.update(MLA_FIELDS + ("mla_decode",))
-    if not attention.get("index_topk"):  # DSA's indexer, KV sharing, Gated DeltaNet layers: as before they existed
+    if not attention.get("index_topk"):  # DSA's indexer, layer options, Gated DeltaNet layers: as before they existed
         unused.update(INDEX_FIELDS)
-    for key in ("sinks", "kv_shared_layers"):
-        if not attention.get(key):
-            unused.add(key)
+    unused.update(option.key for option in LAYER_OPTIONS if not attention.get(option.key))
     if attention.get("full_attention_interval") is None:
         unused.add("full_attention_interval")
     if attention.get("window") is None:  # which layers are local means nothing, unless some are Gated DeltaNet's

@@ -25,14 +25,15 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.config.model import ATTENTION_TYPES, attention_type, local_global_layers, variant_label
 from kvbench.metrics import matches
 from kvbench.units_v1 import V1_UNITS
 
 # What a Variant's fields are read from in a record's config.
 VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
-                "attention.global_every", "attention.layer_types", "attention.index_topk",
-                "attention.kv_shared_layers", "cache.dtype")
+                "attention.global_every", "attention.layer_types",
+                *(f"attention.{option.key}" for option in LAYER_OPTIONS), "cache.dtype")
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -58,7 +59,8 @@ class Variant:
     window); ``global_every`` / ``layer_types``: which layers are global (none: every layer local);
     ``cache_dtype``: the KV precision when it is not the compute dtype (int8, float8_e4m3fn; None:
     ``auto``); ``shared``: a multi-turn chat's shared prefix cache on/off (None: not part of the
-    variant); ``model``: the model's name."""
+    variant); ``model``: the model's name; ``options``: the layer options that are on, as (key,
+    value) in the order of :data:`~kvbench.config.layer_options.LAYER_OPTIONS`."""
 
     layout: Optional[str]
     num_heads: Optional[int] = None
@@ -72,9 +74,7 @@ class Variant:
     shared: Optional[bool] = None
     model: Optional[str] = None
     num_layers: Optional[int] = None  # counts a global_every pattern's layers (12 layers, every 6: 5:1)
-    sinks: Optional[bool] = None  # learned attention sinks (GPT-OSS)
-    index_topk: Optional[int] = None  # DSA: the tokens each query attends (DeepSeek-V3.2)
-    kv_shared_layers: Optional[int] = None  # the last N layers read an earlier layer's K/V (Gemma 3n)
+    options: Tuple[Tuple[str, Any], ...] = ()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "Variant":
@@ -99,16 +99,15 @@ class Variant:
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
                    model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None,
                    num_layers=_int(_get(config, "model.num_layers")),
-                   sinks=_get(config, "attention.sinks") is True or None,
-                   index_topk=_int(_get(config, "attention.index_topk")) or None,
-                   kv_shared_layers=_int(_get(config, "attention.kv_shared_layers")) or None)
+                   options=tuple((option.key, value) for option in LAYER_OPTIONS
+                                 if (value := option.on(_get(config, f"attention.{option.key}"))) is not None))
 
     @classmethod
     def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None,
                      num_layers: Optional[int] = None) -> "Variant":
         """The variant of an ``AttentionConfig`` (resolved or not): a progress line's name."""
         fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", "window", "global_every",
-                  "layer_types", "sinks", "index_topk", "kv_shared_layers")
+                  "layer_types", *(option.key for option in LAYER_OPTIONS))
         attn = {f: getattr(attention, f, None) for f in fields}
         return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype},
                                 "model": {"num_layers": num_layers}})
@@ -141,7 +140,7 @@ class Variant:
         progress lines and task=compare's metric prefixes use too)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
                      "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types,
-                     "sinks": self.sinks, "index_topk": self.index_topk, "kv_shared_layers": self.kv_shared_layers}
+                     **dict(self.options)}
         parts = [variant_label(attention, self.cache_dtype, self.num_layers)]
         if self.shared is not None:
             parts.append(f"shared={'on' if self.shared else 'off'}")

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.errors import check
 from kvbench.config.hf import LAYER_TYPES, LINEAR
+from kvbench.config.layer_options import LAYER_OPTIONS
 
 
 def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
@@ -16,10 +17,12 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
     its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
     counts ``gqa kv=4 w=1024 5:1`` (Gemma 3's pattern over 6 layers; with ``num_layers`` unknown,
-    global_every k reads (k-1):1), learned sinks ``gqa kv=8 w=128 1:1 sinks`` (GPT-OSS), DSA's top-k
-    ``mla r=512 topk=2048``, KV shared by the last N layers ``gqa kv=2 w=512 4:1 kvshare=15`` (Gemma
-    3n), Gated DeltaNet layers and their linear:full counts ``gqa kv=4 gdn 3:1`` (Qwen3.5; ``gdn``
-    alone: every layer linear), a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    global_every k reads (k-1):1), each layer option that is on, in the order of
+    :data:`~kvbench.config.layer_options.LAYER_OPTIONS` (learned sinks ``gqa kv=8 w=128 1:1 sinks``
+    (GPT-OSS), DSA's top-k ``mla r=512 topk=2048``, KV shared by the last N layers ``gqa kv=2 w=512
+    4:1 kvshare=15`` (Gemma 3n)), Gated DeltaNet layers and their linear:full counts ``gqa kv=4 gdn
+    3:1`` (Qwen3.5; ``gdn`` alone: every layer linear), a cache dtype other than the compute dtype
+    ``mha kv=8 int8``.
     ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
     kind = get("type")
@@ -29,8 +32,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
         ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
         if ratio and ratio[1]:
             label += f" {ratio[0]}:{ratio[1]}"
-    for key, part in (("sinks", " sinks"), ("index_topk", " topk={}"), ("kv_shared_layers", " kvshare={}")):
-        label += part.format(get(key)) if get(key) else ""
+    for option in LAYER_OPTIONS:
+        label += option.part(get(option.key))
     linear = linear_full_layers(get("layer_types"))
     if linear:
         label += f" gdn {linear[0]}:{linear[1]}" if linear[1] else " gdn"

@@ -15,6 +15,7 @@ from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import LINEAR, ROPE_TYPES
 from kvbench.config.indexer import check_indexer, indexer_defaults
+from kvbench.config.layer_options import resolve_options
 from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant_key, local_global_layers: their home is here)
     check_window_pattern,
     interval_layer_types,
@@ -359,12 +360,9 @@ class AttentionConfig:
         expected = attention_type(h, kv)
         check(self.type in (expected, MODEL_ATTENTION), "attention.type", self.type,
               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
+        # the layer options' values are checked against the layers by build_layouts (a count of shared layers)
         return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
-                               sinks=model.preset_sinks if self.sinks is None else self.sinks,
-                               kv_shared_layers=self._resolved_sharing(model), **resolve_layer_pattern(self, model))
-
-    def _resolved_sharing(self, model: ModelConfig) -> int:  # checked against the layers by build_layouts
-        return model.preset_kv_shared_layers if self.kv_shared_layers is None else self.kv_shared_layers
+                               **resolve_options(self, model, latent=False), **resolve_layer_pattern(self, model))
 
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
@@ -375,17 +373,15 @@ class AttentionConfig:
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
         dims.update(indexer_defaults(own, self, model.num_heads))
-        # a window as for K/V heads: a local layer's cache is a ring of W latents
-        check(not self.sinks, "attention.sinks", self.sinks, "are a logit per query head of K/V-head attention; "
-              "attention=mla has none")
+        options = resolve_options(self, model, latent=True)  # refuses those of K/V-head attention only (sinks)
         for key in ("attn_output_gate", "partial_rotary_factor"):  # what only K/V-head layers have
             check(getattr(model, key) == getattr(ModelConfig, key), f"model.{key}", getattr(model, key),
                   "is a property of K/V-head attention; attention=mla has none")
+        # a window as for K/V heads: a local layer's cache is a ring of W latents
         pattern = resolve_layer_pattern(self, model)
         check(LINEAR not in (pattern.get("layer_types") or ()), "attention.type", self.type,
               "mla beside linear_attention (Gated DeltaNet) layers is not built; use a K/V-head type")
-        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, sinks=False, **dims,
-                              kv_shared_layers=self._resolved_sharing(model), **pattern)
+        out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)
         check_mla_dims("attention", out)
         check_indexer("attention", out, out.window)
         return out

@@ -25,6 +25,7 @@ from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint,
 from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.hf import LINEAR
+from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, MLAShape
 from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -270,13 +271,12 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
                            preset_layer_types=own.layer_types if own.window or LINEAR in (own.layer_types or ())
                            else None,
                            preset_mla=MLAShape(**{k: getattr(own, k) for k in MLA_FIELDS}) if own.latent else None,
-                           preset_sinks=bool(own.sinks), preset_kv_shared_layers=own.kv_shared_layers or 0)
+                           **{o.preset: o.own(getattr(own, o.key)) for o in PRESET_OPTIONS})
     a = cfg.attention
-    asked = {name: getattr(a, name) for name in MLA_FIELDS} if a.latent else {}
+    asked = {name: getattr(a, name) for name in (*(MLA_FIELDS if a.latent else ()), *(o.key for o in PRESET_OPTIONS))}
     attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
                                 layer_types=a.layer_types, full_attention_interval=a.full_attention_interval,
-                                mla_decode=a.mla_decode, sinks=a.sinks, kv_shared_layers=a.kv_shared_layers,
-                                **asked).resolved(model.config)
+                                mla_decode=a.mla_decode, **asked).resolved(model.config)
     model, how = to_layout(model, attention)  # with attention's window pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
