@@ -26,8 +26,8 @@ stop_reasons: Dict[int, str] = {}
 
 
 class Interrupted(KeyboardInterrupt):
-    """A job stopped by a signal. A KeyboardInterrupt, so that whatever lets Ctrl-C through
-    lets a SIGTERM through too; ``signum`` says which, and the exit status is 128 + signum."""
+    """A job stopped by a signal: a KeyboardInterrupt, so that whatever lets Ctrl-C through lets a
+    SIGTERM through too."""
 
     def __init__(self, signum: int, reason: str = ""):
         self.signum = signum
@@ -79,8 +79,7 @@ def stop_like_ctrl_c() -> None:
 
 
 def ours(handler) -> bool:
-    """``handler`` is Python's default or kvbench's own way of stopping, so kvbench may replace it
-    for a block (:func:`interruptible`) and a job's process takes the signal as "stop" too."""
+    """``handler`` is Python's default or kvbench's own, so kvbench may replace it for a block."""
     return (handler in (signal.SIG_DFL, signal.default_int_handler, raise_stop) or isinstance(handler, Stops)
             or bypassed(handler))
 
@@ -142,8 +141,8 @@ SLURM_ENDS = {"TIMEOUT": "past its time limit (--time)", "CANCELLED": "cancelled
 
 
 def slurm_reason(signum: int) -> str:
-    """Why SLURM sent SIGTERM to this job, from its accounting (``sacct``): "" outside a SLURM
-    job or for another signal. Bounded to 2 s: SIGKILL follows SIGTERM after ``KillWait``."""
+    """Why SLURM sent SIGTERM to this job, from ``sacct``; bounded to 2 s: SIGKILL follows after
+    ``KillWait``."""
     job = os.environ.get("SLURM_JOB_ID")
     if signum != signal.SIGTERM or not job:
         return ""

@@ -1,8 +1,7 @@
 """What a serving run leaves behind: every request's timeline and the scheduler's samples.
 
-This is the contract between the scheduler (which writes a :class:`Timeline`) and the metrics
-(which read one, and nothing else). Times are seconds on one clock, the scheduler's, whose zero is
-the run's start; a fake clock in tests gives scripted timelines.
+The contract between the scheduler, which writes a :class:`Timeline`, and the metrics, which read
+nothing else. Times are seconds on the scheduler's clock, zero at the run's start.
 """
 
 from __future__ import annotations
@@ -13,11 +12,8 @@ from typing import List, Optional
 
 @dataclass(frozen=True)
 class Request:
-    """One request of the arrival process: when it arrives and how long it is.
-
-    ``prefix_id``: requests with the same id share their first ``prefix_len`` prompt tokens (a
-    system prompt); None shares nothing. ``conversation``: the chat a turn belongs to (None: a
-    single-turn request) and ``turn`` its index there; a turn's prompt is the whole history before it.
+    """One request of the arrival process. Requests of one ``prefix_id`` share their first
+    ``prefix_len`` prompt tokens (a system prompt); a conversation's turn's prompt is its whole history.
     """
 
     id: int
