@@ -1,7 +1,6 @@
 """The entry point ``kvbench`` (Hydra). With :mod:`kvbench.cli_job` (one Hydra job) and
-:mod:`kvbench.cli_sweep` (the sweep around its jobs) it wires the Hydra app to the jobs layer
-(kvbench/jobs/) and the sinks; nothing imports them back. ``kvbench-report`` and
-``kvbench-dashboard`` are :mod:`kvbench.cli_tools`, which reads records and never imports torch.
+:mod:`kvbench.cli_sweep` (the sweep around its jobs) it wires the Hydra app to the jobs layer and
+the sinks; nothing imports them back.
 
 Exit codes: 0 ok; 2 a single run with an invalid value (one line on stderr naming the key),
 or a command line Hydra cannot compose (an unknown group option, bad override syntax);

@@ -1,9 +1,7 @@
-"""``kvbench --help``: conf/hydra/help/kvbench.yaml, the option of Hydra's ``hydra/help`` group that
-conf/config.yaml selects, rendered without composing the config. Hydra renders the same template
-for ``--help`` (``python -m kvbench.cli --help`` still goes that way) but first composes the whole
-config and lists every group's options once per group through a fresh copy of its config
-repository: about 1.5 s of CPU for a page of text. The groups here are read off the config
-directory, as Hydra lists them (tests/test_hostile_process.py checks that both print the same).
+"""``kvbench --help``: conf/hydra/help/kvbench.yaml rendered without composing the config. Hydra
+renders the same template but first composes the whole config and lists every group through a fresh
+copy of its config repository: about 1.5 s of CPU for a page of text. The groups here are read off
+the config directory, as Hydra lists them (tests/test_hostile_process.py checks that both agree).
 """
 
 from __future__ import annotations

@@ -42,13 +42,11 @@ from kvbench.sinks.tracking import track
 
 
 def _save_hydra_file(cfg, filename: str, output_dir: Path) -> None:
-    """What Hydra's ``run_job`` calls to write ``.hydra/config.yaml``, ``hydra.yaml`` and
-    ``overrides.yaml`` into each job's directory, written as kvbench writes its own files: a
-    symlink planted at ``.hydra`` or at a file's name is replaced, its target never written (Hydra's
-    own ``open(path, "w")`` wrote through it). Hydra has no setting for this; it looks the function
-    up by name as each job starts. Installed by this module, which every process that runs jobs
-    imports: kvbench's own, and the joblib and submitit workers, to which the job's function is
-    pickled naming :func:`hydra_job` (kvbench.cli is not imported there)."""
+    """Hydra's ``.hydra/*.yaml`` written as kvbench writes its own files: a symlink planted at
+    ``.hydra`` or a file's name is replaced, never written through (Hydra's ``open(path, "w")``
+    would). Hydra has no setting for this; it looks the function up by name as each job starts, so
+    it is installed by this module, which every process that runs jobs imports (the joblib and
+    submitit workers too, which do not import kvbench.cli)."""
     write_text_atomic(real_dir(output_dir) / filename, OmegaConf.to_yaml(cfg))
 
 
@@ -73,8 +71,7 @@ def typed_at_start(cfg: DictConfig, job: BenchConfig) -> None:
 
 
 def typed_job(cfg: DictConfig) -> Tuple[Optional[BenchConfig], Optional[str]]:
-    """The job's config typed once, every later step of the job is handed it (the job's process
-    too); or None and the one line saying why it is invalid."""
+    """The job's config typed once, for every later step of the job; or None and why it is invalid."""
     job = _typed_at_start.pop(OmegaConf.to_yaml(cfg), None) if _typed_at_start else None
     if job is not None:
         return job, None
@@ -85,9 +82,8 @@ def typed_job(cfg: DictConfig) -> Tuple[Optional[BenchConfig], Optional[str]]:
 
 
 def hydra_job(cfg: DictConfig) -> Optional[float]:
-    """One Hydra job: inspect, or claim the job directory, then skip (resume) or run, record,
-    track and print. Returns the job's ``objective`` read from its record (what a search
-    sweeper optimises): None without an objective, and for a job with no value for it."""
+    """One Hydra job; returns the job's ``objective`` read from its record (what a search sweeper
+    optimises), or None."""
     out_dir, multirun, overrides, num = _job_context()
     guard_log_files()
     if OmegaConf.select(cfg, "task", throw_on_resolution_failure=False) == "inspect":
@@ -138,9 +134,8 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
 
 def _objective(cfg: DictConfig, job: Optional[BenchConfig], invalid: Optional[str], out_dir: Optional[Path],
                why_not: str = "") -> Optional[float]:
-    """The job's ``objective``, read from the results.json in ``out_dir`` (the one the job's own
-    process wrote when it ran isolated), or None and one line saying why: a search sweeper
-    records None as a failed trial. None without a line when no objective is set."""
+    """The job's ``objective``, read from the results.json in ``out_dir`` (the job's own process wrote
+    it), or None and one line saying why (a search sweeper records None as a failed trial)."""
     objective = job.objective if job is not None else OmegaConf.select(cfg, "objective",
                                                                         throw_on_resolution_failure=False)
     if objective is None:
@@ -160,8 +155,8 @@ def _objective(cfg: DictConfig, job: Optional[BenchConfig], invalid: Optional[st
 
 
 def guard_log_files() -> None:
-    """A log file Hydra's logging writes (``<job>.log`` beside results.json) that the disk refuses
-    is one line naming it, then left out: logging printed a traceback for every record."""
+    """A log file Hydra's logging writes that the disk refuses is one line naming it, then left out:
+    logging would print a traceback for every record."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler) and not getattr(handler, "kvbench_guarded", False):
             handler.handleError = functools.partial(_log_file_failed, handler)
@@ -177,8 +172,7 @@ def _log_file_failed(handler: logging.FileHandler, record: logging.LogRecord) ->
 
 
 def _track(result, out_dir: Path, multirun: bool) -> Optional[Path]:
-    """The job's W&B run (after results.json is written; a W&B failure is only a warning). None
-    when the record could not be written: a run is the record's copy, and the disk is full."""
+    """The job's W&B run; None when the record could not be written (a run is the record's copy)."""
     if result.unsaved:
         return None
     sweep_dir = HydraConfig.get().sweep.dir if multirun else None
@@ -190,8 +184,7 @@ def _track(result, out_dir: Path, multirun: bool) -> Optional[Path]:
 
 def report(directory: Path, announce: bool = True, plots: bool = True,
             records: Optional[List[Dict[str, Any]]] = None) -> None:
-    """Write the local report (summary.csv, summary.md, plots) of ``records`` (default: every
-    job under ``directory``); never fails the run."""
+    """Write the local report of ``records`` (default: every job under ``directory``); never fails the run."""
     try:
         write_report(directory, plots=plots, records=records)
         if announce:
@@ -203,8 +196,7 @@ def report(directory: Path, announce: bool = True, plots: bool = True,
 
 
 def _after_job(result, out_dir: Path, multirun: bool) -> None:
-    """Print the job's outcome; in a single run an invalid value is one line on stderr. A record
-    that could not be written goes to stderr as one line of JSON, after one line saying why."""
+    """Print the job's outcome; a record that could not be written goes to stderr as one line of JSON."""
     where = result.written_to or out_dir / RESULTS_FILE
     if result.written_to is not None and result.written_to.name != RESULTS_FILE:
         stderr.print(f"kvbench: {out_dir / RESULTS_FILE} keeps the earlier ok record; this run's {result.status} "

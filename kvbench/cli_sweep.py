@@ -70,10 +70,8 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
 
 
 def sweep_exit(counts: Dict[str, int]) -> tuple[int, Optional[str]]:
-    """A sweep's exit code for the statuses of its jobs, and the line that says why it is not 0.
-    0 only when every job is accounted for and at least one measured: a sweep whose jobs were
-    all invalid (a typo in a swept key) is 2, as a single invalid run is; one with a job that
-    failed, has no record or is still being run by another process is 1."""
+    """A sweep's exit code for the statuses of its jobs, and why it is not 0: 0 only when every job is
+    accounted for and at least one measured; every job invalid (a typo in a swept key) is 2."""
     total = sum(counts.values())
     if not total:
         return EXIT_CODES["error"], "the sweep has no jobs"
@@ -91,8 +89,7 @@ def sweep_exit(counts: Dict[str, int]) -> tuple[int, Optional[str]]:
 
 
 def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
-    """The sweep's W&B workspace: its spec beside the report, created on W&B when the sweep's
-    runs went online; the commands that publish it later otherwise. Never fails the sweep."""
+    """The sweep's W&B workspace, created on W&B when the runs went online; never fails the sweep."""
     try:
         if not tracked(rows):
             return
@@ -128,10 +125,8 @@ class SweepRefused(BaseException):
 
 def check_run_start(config: DictConfig) -> None:
     """Type a single run's config before Hydra makes its directory (and before anything imports
-    torch): a misspelled key, a value of the wrong type or out of range, an interpolation that
-    does not resolve is one line naming the key and nothing is created; the job takes the typed
-    config from here. Raises :class:`ConfigError`. (A sweep types each job as it runs: one bad job
-    is that job's record.)"""
+    torch), so a bad value is one line and nothing is created. (A sweep types each job as it runs:
+    one bad job is that job's record.)"""
     HydraConfig.instance().set_config(config)  # a value may read ${hydra:...}, as the job will
     job = copy.deepcopy(config)
     with open_dict(job):
@@ -147,12 +142,9 @@ def _basic_sweeper(config: DictConfig) -> bool:
 
 
 def check_sweep_start(config: DictConfig) -> None:
-    """Refuse, before any job starts, a sweep that cannot run or would overwrite another:
-    a SLURM launcher without SLURM, an ``objective`` no job of the task records (or none for
-    a search sweeper), or a ``hydra.sweep.dir`` that holds a sweep with other overrides (its
-    jobs would be renumbered and overwritten) or any sweep for a search (its trials depend
-    on the values measured, so job N of a second search is another job). Raises
-    :class:`ConfigError`."""
+    """Refuse, before any job starts, a sweep that cannot run or would overwrite another (a directory
+    holding a sweep of other overrides, or any sweep for a search, whose job N depends on the values
+    measured)."""
     target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
     if target.endswith("SlurmLauncher") and not (shutil.which("sbatch") and shutil.which("srun")):
         raise ConfigError("hydra/launcher=slurm: no SLURM on this machine (sbatch and srun are not on PATH); "
@@ -176,15 +168,14 @@ def check_sweep_start(config: DictConfig) -> None:
                         str(OmegaConf.select(config, "workload.name", default="decode")))
     sweep_dir = Path(config.hydra.sweep.dir)
     # Whose the directory is, is decided and written down under one lock: two sweeps started at the
-    # same instant both found no multirun.yaml (Hydra's sweeper writes it later) and both ran.
+    # same instant would both find no multirun.yaml (Hydra's sweeper writes it later) and both run.
     with sweep_lock(sweep_dir):
         _claim_sweep_dir(config, sweep_dir, basic)
 
 
 def _claim_sweep_dir(config: DictConfig, sweep_dir: Path, basic: bool) -> None:
-    """Refuse ``sweep_dir`` when it holds another sweep (or any sweep, for a search), else make it
-    this sweep's: its config in multirun.yaml, which Hydra's basic sweeper writes again as it
-    starts (Optuna's writes none)."""
+    """Refuse ``sweep_dir`` when it holds another sweep (any sweep, for a search), else write this
+    sweep's config into its multirun.yaml."""
     if not basic and ((sweep_dir / MULTIRUN_FILE).exists() or find_results(sweep_dir)):
         raise ConfigError(f"hydra.sweep.dir={str(sweep_dir)!r}: holds jobs already, and a search does not "
                           "resume (the trials it would choose depend on the values measured, so its job "
@@ -208,11 +199,9 @@ def _claim_sweep_dir(config: DictConfig, sweep_dir: Path, basic: bool) -> None:
 
 
 def check_run_dir(config: DictConfig) -> None:
-    """Refuse, before Hydra writes anything into it, a single run into a ``hydra.run.dir`` whose
-    ``results.json`` is the ``ok`` record of other overrides: this run would replace it (and
-    Hydra its ``.hydra/`` files), as a sweep into another sweep's directory would (refused by
-    :func:`check_sweep_start`). The same overrides measure the same job again (its record is
-    replaced by the new one, a worse one kept beside it). Raises :class:`ConfigError`."""
+    """Refuse, before Hydra writes anything into it, a single run into a ``hydra.run.dir`` holding the
+    ``ok`` record of other overrides, which this run would replace. The same overrides measure the
+    same job again."""
     run_dir = Path(str(config.hydra.run.dir))
     try:
         record = read_record(run_dir)
@@ -234,10 +223,9 @@ SWEEPER_FILES = (MULTIRUN_FILE, "optimization_results.yaml")
 
 
 class SweepCallback(Callback):
-    """Checks a single run's config and directory before anything is made for it. Counts a sweep's
-    jobs at the start; at the end prints a table of this sweep's jobs and sets the exit code. Jobs
-    never raise (failures are records), so Hydra always reaches ``on_multirun_end``, unless the
-    sweep is interrupted: then :func:`main` ends it."""
+    """Checks a run or a sweep before anything is made for it, and ends a sweep. Jobs never raise
+    (failures are records), so Hydra always reaches ``on_multirun_end`` unless the sweep is
+    interrupted: then :func:`main` ends it."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         OUTCOME.sweep_started(config)

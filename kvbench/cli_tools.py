@@ -55,8 +55,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def dashboard_main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console script ``kvbench-dashboard DIR``: rebuild the sweep's W&B workspace from its
-    records (``workspace.json``, ``workspace.md``) and create it on W&B."""
+    """Console script ``kvbench-dashboard DIR``: rebuild the sweep's W&B workspace and create it on W&B."""
     parser = argparse.ArgumentParser(
         prog="kvbench-dashboard",
         description="Build the W&B workspace of a kvbench sweep from its records and save it to W&B "

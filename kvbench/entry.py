@@ -1,8 +1,5 @@
-"""The console scripts' first module: it imports nothing heavy, so that Ctrl-C (or SIGTERM, or
-SIGHUP from a closed terminal) while Python imports torch, Hydra and the rest (seconds) is one
-line and exit 128 + the signal, not a traceback. The scripts themselves are in
-:mod:`kvbench.cli` and :mod:`kvbench.cli_tools`; a job's own process starts through
-:func:`child_main`, or is forked by the fork server :func:`forkserver_main` runs.
+"""The console scripts' first module: it imports nothing heavy, so that a stop signal while Python
+imports torch, Hydra and the rest (seconds) is one line and exit 128 + the signal, not a traceback.
 """
 
 import atexit
@@ -37,8 +34,7 @@ def main() -> None:
 
 
 def _help() -> int:
-    """``kvbench --help`` without composing the config (:mod:`kvbench.cli_help`): the console
-    script's own; with overrides or other flags Hydra prints it."""
+    """``kvbench --help`` without composing the config; with overrides or other flags Hydra prints it."""
     from kvbench.cli_help import render
 
     try:
@@ -100,10 +96,8 @@ def _quiet_exit(code: int) -> None:
 
 
 def forkserver_main() -> None:
-    """The fork server's process (kvbench.jobs.forkserver): it ignores the signals a terminal sends
-    its whole group from the start (it owns no job), imports the job's code once, and in each child
-    it forks returns that job, run here: interrupted before the job has taken over the signals, the
-    child exits 130 without a word, as :func:`child_main` does, and its parent records the job."""
+    """The fork server's process: it ignores the signals a terminal sends its whole group (it owns no
+    job); a child interrupted before its job has taken over the signals exits 130 without a word."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     import json
@@ -119,7 +113,7 @@ def forkserver_main() -> None:
         _quiet_exit(128 + signal.SIGINT)
     # The job is over and its record handed back. The exit hooks run (a pool the job started is
     # shut down), the interpreter is not torn down: its module-by-module teardown of a process
-    # holding torch took a second a job, copying on write the pages it shares with the server.
+    # holding torch takes a second a job, copying on write the pages it shares with the server.
     try:
         atexit._run_exitfuncs()
     finally:

@@ -1,10 +1,8 @@
 """A job directory's state besides its record: who is running it now (the claim) and whether it
 is done already (resume).
 
-The claim (:func:`claim_job`) is an ``flock`` that says a process is running the job now, so
-that two kvbench processes never measure one job at the same time; :func:`sweep_lock` is the
-same for the moment a sweep decides that a directory is its own. :func:`completed_record` is
-resume's "is this job done?": an ``ok`` record of the same config.
+The claim is an ``flock``, so that two kvbench processes never measure one job at the same time;
+the kernel drops it when the holder exits in any way (even SIGKILL), so it never goes stale.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ NOT_IDENTITY = ("rerun", "wandb", "objective", "objective_caps")
 
 
 class JobClaim:
-    """This process is running the job in ``directory``: an exclusive ``flock`` on its claim
-    file, which names the host, pid and start. Released by :meth:`release` or when the process
-    ends in any way (the kernel drops the lock, even on SIGKILL), so a claim never goes stale."""
+    """This process is running the job in ``directory``: an exclusive ``flock`` on its claim file,
+    which names the host, pid and start."""
 
     def __init__(self, directory: Path, handle: Any):
         self.directory, self._handle = directory, handle
@@ -77,11 +74,9 @@ def claim_job(directory: Path | str) -> Optional[JobClaim]:
 
 @contextmanager
 def sweep_lock(directory: Path | str) -> Iterator[None]:
-    """Held, no other kvbench holds it for ``directory``: an exclusive ``flock`` on its
-    :data:`SWEEP_LOCK` file (made with the directory), waited for: a sweep holds it for the
-    milliseconds it takes to read and write whose the directory is. The kernel drops it when the
-    holder exits in any way, so it is never stale. Where the directory or the file cannot be
-    made nothing is held (whatever writes there next fails, naming the path)."""
+    """An exclusive, waited-for ``flock`` on ``directory``'s :data:`SWEEP_LOCK`, held for the
+    milliseconds a sweep takes to decide the directory is its own. Where the file cannot be made
+    nothing is held (whatever writes there next fails, naming the path)."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -97,10 +92,8 @@ def sweep_lock(directory: Path | str) -> Iterator[None]:
 
 
 def _open_claim(path: Path):
-    """The claim file, opened for reading and writing without truncating it (that would erase the
-    holder's name) and never through a link: a symlink planted at its name is removed, so the
-    claim never truncates the file it points to; anything else that is not a regular file is
-    refused (OSError)."""
+    """The claim file, opened without truncating it (that would erase the holder's name) and never
+    through a link: a symlink planted at its name is removed, so the claim never truncates its target."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o666)
@@ -116,8 +109,7 @@ def _open_claim(path: Path):
 
 
 def claim_holder(directory: Path | str) -> Optional[str]:
-    """Who holds the claim on ``directory`` (``"host pid N since T"``), or None when nobody
-    does. A claim this process holds through another :class:`JobClaim` counts as held."""
+    """Who holds the claim on ``directory`` (``"host pid N since T"``), or None when nobody does."""
     path = Path(directory) / CLAIM_FILE
     try:  # never through a link, never blocking on a FIFO
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -138,12 +130,8 @@ def claim_holder(directory: Path | str) -> Optional[str]:
 
 
 def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[RunResult]:
-    """The record in ``out_dir`` if it is ``ok`` and was produced by the same ``config`` (the
-    job's validated config as a dict), else None: resume's "is this job done?".
-
-    A missing, unreadable or non-ok record (``interrupted`` included), or one for a different
-    config (the sweep's override list changed, so this job number now means another job), means
-    the job must run."""
+    """The record in ``out_dir`` if it is ``ok`` and of the same ``config``, else None: resume's "is
+    this job done?" (a changed override list makes a job number mean another job)."""
     try:
         record = read_record(out_dir)
     except RecordError:
@@ -154,9 +142,8 @@ def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[Ru
 
 
 def _identity(config: Any) -> Any:
-    # Compare as results.json stores it (JSON types), the keys the job's task reads (a record
-    # written before records left the others out compares the same), without the keys that do
-    # not change a job.
+    # Compare as results.json stores it (JSON types), only the keys the job's task reads (so an
+    # older record holding others compares the same), without the keys that do not change a job.
     if not isinstance(config, dict):
         return None
     plain = json.loads(json.dumps(record_config(config), default=str))

@@ -2,21 +2,16 @@
 process for every job, so that an isolated job pays a ``fork()`` instead of a Python start and
 ``import torch`` (seconds) each time.
 
-The server is started the way a job's process used to be, a new interpreter
-(``python -c "...forkserver_main()"``), and never runs a job itself: it imports, then waits. Each
-job is a child it forks, so what a job changes (its peak resident set, torch's threads, the
-allocators' state, CUDA, which the server never initialises) dies with that child and the next
-job starts from the server's state again, which is the state of an interpreter that has just
-imported the job's code. The child takes on what the requesting process has now rather than what
-the server had when it started: environment, working directory, umask, CPU affinity, resource
-limits, ``sys.path``, stdout and stderr; a process whose environment changed in a way that counts
-at import time (thread counts, CUDA, the loader: :data:`IMPORT_TIME_ENV`) gets a new server.
+The server is a new interpreter that imports, then waits, and never runs a job itself: what a job
+changes (its peak resident set, torch's threads, the allocators, CUDA, which the server never
+initialises) dies with its child. The child takes on the requester's current environment, working
+directory, umask, affinity, limits, ``sys.path`` and streams; a change that counts at import time
+(:data:`IMPORT_TIME_ENV`) gets a new server.
 
-Only the server can wait for its children, so it reports each one's exit status over the
-control socket, holding the child's process ID until the requester has read it (``waitid``
-with ``WNOWAIT``, then a ``reap`` message): a signal the requester sends to a job's process can
-never reach a recycled ID. The server ends when the requester does (end of file on the socket), and a job's
-process does not depend on it: it runs to its end (or stops itself) if the server dies.
+Only the server can wait for its children, so it reports each exit status over the socket and
+holds the child's process ID until the requester has read it (``waitid`` with ``WNOWAIT``, then a
+``reap`` message): a signal the requester sends can never reach a recycled ID. The server ends when
+the requester does; a job runs to its end (or stops itself) if the server dies.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ def available() -> bool:
 
 
 def server_key() -> tuple:
-    """What a server's jobs inherit from the moment it started, which must match the requester's
-    now: the interpreter, ``sys.path``, the import-time environment and the CPU affinity."""
+    """What a server's jobs inherit from the moment it started, which must match the requester's now."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV)))
     cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
     return sys.executable, tuple(sys.path), env, cpus
@@ -136,11 +130,9 @@ class ForkServer:
             self.ready = True
 
     def fork(self, call: bytes, fds: Sequence[int]) -> "ForkedProcess":
-        """A new process, forked by the server, that runs ``pickle.loads(call)``: a pair
-        ``(function, args)``, called as ``function(fds, *args)`` with the descriptors ``fds``
-        (numbered anew in that process), whose return value is the process's exit status. Its
-        stdout and stderr are this process's. Signals are held while the request is made, so
-        that every job forked is a job this process knows the ID of."""
+        """A new process that runs ``function(fds, *args)`` of ``pickle.loads(call)``, its return value
+        the exit status. Signals are held during the request, so that every job forked is one this
+        process knows the ID of."""
         self.wait_ready()
         setup = {"env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(), "path": list(sys.path),
                  "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -160,9 +152,8 @@ class ForkServer:
         return self.job
 
     def _expect(self, kind: str, timeout: Optional[float]):
-        """The server's next message, which must be ``kind``: its value; :data:`_PENDING` when none
-        came within ``timeout``. A wait cut short by a signal consumes nothing; a message cut short
-        leaves the server unusable."""
+        """The value of the server's next message, which must be ``kind``; :data:`_PENDING` when none
+        came within ``timeout``. A message cut short leaves the server unusable."""
         if not select.select([self.sock], [], [], timeout)[0]:
             return _PENDING
         try:
@@ -188,9 +179,8 @@ class ForkServer:
 
 
 class ForkedProcess:
-    """A job's process as :class:`subprocess.Popen` shows one (``pid``, ``poll``, ``wait``,
-    ``kill``, ``send_signal``, ``returncode``: negative for a signal), for a process that is the
-    fork server's child. ``lost`` says why there is no exit status when the server died first."""
+    """A fork server's child with :class:`subprocess.Popen`'s interface; ``lost`` says why there is no
+    exit status when the server died first."""
 
     def __init__(self, server: ForkServer, pid: int):
         self.server, self.pid = server, pid
@@ -252,9 +242,8 @@ def _limits() -> dict:
 # ---- the server's side ------------------------------------------------------------------------
 
 def serve(sock_fd: int, path: Sequence[str], preload: Sequence[str]) -> Optional[Callable[[], int]]:
-    """The server's loop, with the requester's ``sys.path`` (``path``) to import ``preload`` by.
-    Returns None in the server when the requester has gone (the server then exits), and in each
-    forked child the job to run (its return value: the exit status)."""
+    """The server's loop. Returns None in the server when the requester has gone, and in each forked
+    child the job to run."""
     import importlib
 
     _set_name(SERVER_NAME)
@@ -319,7 +308,7 @@ def _wait_exit(pid: int, sock: socket.socket) -> Optional[int]:
 
 
 def _child(setup: dict, call: bytes, fds: List[int]) -> int:
-    """A job's process, just forked: the requester's environment and streams, then the job."""
+    """A job's process, just forked: the requester's environment, then the job."""
     _set_name(JOB_NAME)
     for signum in SERVER_IGNORES:
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)

@@ -2,12 +2,9 @@
 
 Python turns SIGINT into KeyboardInterrupt but lets SIGTERM and SIGHUP (a closed terminal) end
 the process on the spot, with no chance to write a record. :func:`interruptible` turns all three
-into :class:`Interrupted` for the length of a block, unless a launcher already handles the
-signal (submitit's SIGUSR2 requeues), and protects the writing of the record from a second
-signal; :func:`stop_like_ctrl_c` does the same for the whole of kvbench's own process. Once a
-process has decided to exit, :func:`exit_on_stop` makes a further signal end it at once instead of
-raising in an exit hook (a traceback). Under SLURM the reason names what the scheduler did
-(:func:`slurm_reason`).
+into :class:`Interrupted` for a block (unless a launcher already handles the signal) and protects
+the writing of the record from a second signal; :func:`stop_like_ctrl_c` does the same for the
+whole process.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ stop_reasons: Dict[int, str] = {}
 
 
 class Interrupted(KeyboardInterrupt):
-    """A job stopped by a signal. A KeyboardInterrupt, so that whatever lets Ctrl-C through
-    lets a SIGTERM through too; ``signum`` says which, and the exit status is 128 + signum."""
+    """A job stopped by a signal: a KeyboardInterrupt, so that whatever lets Ctrl-C through lets a
+    SIGTERM through too."""
 
     def __init__(self, signum: int, reason: str = ""):
         self.signum = signum
@@ -66,33 +63,31 @@ class Stops:
 
 
 def raise_stop(signum: int, frame) -> None:
-    """kvbench's own process-wide handler of SIGTERM and SIGHUP (:func:`stop_like_ctrl_c`)."""
+    """kvbench's process-wide handler of SIGTERM and SIGHUP."""
     if signum == signal.SIGHUP:
         release_hung_up_terminal()
     raise Interrupted(signum, stop_reasons.pop(signum, "") or slurm_reason(signum))
 
 
 def stop_like_ctrl_c() -> None:
-    """From now on SIGTERM and SIGHUP raise :class:`Interrupted` in this process wherever it is, as
-    Ctrl-C raises KeyboardInterrupt: one line and 128 + the signal instead of a silent death.
-    A signal someone else handles or ignores (``nohup`` ignores SIGHUP) is left as it is."""
+    """From now on SIGTERM and SIGHUP raise :class:`Interrupted`, as Ctrl-C raises KeyboardInterrupt:
+    one line and 128 + the signal instead of a silent death. A signal someone else handles or
+    ignores (``nohup``) is left as it is."""
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, raise_stop)
 
 
 def ours(handler) -> bool:
-    """``handler`` is Python's default or kvbench's own way of stopping, so kvbench may replace it
-    for a block (:func:`interruptible`) and a job's process takes the signal as "stop" too."""
+    """``handler`` is Python's default or kvbench's own, so kvbench may replace it for a block."""
     return (handler in (signal.SIG_DFL, signal.default_int_handler, raise_stop) or isinstance(handler, Stops)
             or bypassed(handler))
 
 
 def exit_on_stop(code: Optional[int] = None, line: str = "") -> None:
-    """This process is exiting: from now on a stop signal (a second Ctrl-C, SIGTERM, SIGHUP) ends it
-    at once with ``code`` (128 + that signal when None), after ``line`` on stderr, instead of
-    raising inside whatever exit hook runs then (torch's and W&B's finalizers printed a traceback).
-    An ignored signal stays ignored."""
+    """This process is exiting: from now on a stop signal ends it at once with ``code`` (128 + that
+    signal when None), after ``line`` on stderr, instead of raising inside an exit hook (torch's and
+    W&B's finalizers would print a traceback)."""
     def now(signum: int, frame) -> None:
         try:
             if line:
@@ -110,10 +105,9 @@ def exit_on_stop(code: Optional[int] = None, line: str = "") -> None:
 
 
 def release_hung_up_terminal() -> None:
-    """After SIGHUP: if stdin, stdout or stderr is a terminal that has hung up, put /dev/null in
-    its place, so that what the process still prints (the record's line, its table) cannot fail
-    with EIO and cost the record. A hung-up terminal is no terminal any more (isatty is false)
-    and polls as POLLHUP | POLLERR; a terminal that is still there, a file or a pipe is kept."""
+    """After SIGHUP: put /dev/null in place of a standard stream whose terminal has hung up, so that
+    what the process still prints cannot fail with EIO and cost the record. Such a terminal is no
+    longer a tty and polls as POLLHUP | POLLERR."""
     for fd in (0, 1, 2):
         try:
             poller = select.poll()
@@ -128,18 +122,16 @@ def release_hung_up_terminal() -> None:
 
 
 def bypassed(handler) -> bool:
-    """``handler`` is submitit's ``bypass``, which it installs for SIGTERM in every job and which
-    only logs the signal (it expects SIGUSR2 to come with it). On SLURM a job's SIGTERM is the
-    scheduler ending it (time limit, scancel, requeue, preemption) with SIGKILL ``KillWait``
-    seconds later: left bypassed, the job would be killed without a record, so kvbench takes it."""
+    """``handler`` is submitit's ``bypass`` of SIGTERM, which only logs the signal. On SLURM a SIGTERM
+    is the scheduler ending the job, with SIGKILL ``KillWait`` seconds later: left bypassed, the job
+    would be killed without a record, so kvbench takes it."""
     owner = getattr(handler, "__self__", None)
     return getattr(handler, "__name__", "") == "bypass" and type(owner).__module__.startswith("submitit")
 
 
 def launcher_stop(exc: BaseException) -> bool:
-    """``exc`` is a launcher ending the job rather than the job failing: submitit's handler of
-    SIGUSR2 (SLURM's warning before ``--time``) raises UncompletedJobError, in whatever the job
-    is doing, when it will not requeue the job (``max_num_timeout`` timeouts used up)."""
+    """``exc`` is a launcher ending the job rather than the job failing: submitit raises
+    UncompletedJobError on SLURM's SIGUSR2 when it will not requeue the job."""
     return type(exc).__name__ == "UncompletedJobError" and type(exc).__module__.startswith("submitit")
 
 
@@ -149,8 +141,8 @@ SLURM_ENDS = {"TIMEOUT": "past its time limit (--time)", "CANCELLED": "cancelled
 
 
 def slurm_reason(signum: int) -> str:
-    """Why SLURM sent SIGTERM to this job, from its accounting (``sacct``): "" outside a SLURM
-    job or for another signal. Bounded to 2 s: SIGKILL follows SIGTERM after ``KillWait``."""
+    """Why SLURM sent SIGTERM to this job, from ``sacct``; bounded to 2 s: SIGKILL follows after
+    ``KillWait``."""
     job = os.environ.get("SLURM_JOB_ID")
     if signum != signal.SIGTERM or not job:
         return ""
@@ -167,14 +159,9 @@ def slurm_reason(signum: int) -> str:
 
 @contextmanager
 def interruptible(signals=STOP_SIGNALS, once: bool = True):
-    """Within the block each of ``signals`` raises :class:`Interrupted` in the main thread;
-    yields the :class:`Stops` handler.
-
-    A signal whose handler someone else installed (submitit requeues on SIGUSR2) is left to
-    them, except submitit's bypass of SIGTERM (:func:`bypassed`). With ``once``, only the first
-    signal raises and later ones are ignored, so that a second Ctrl-C cannot cut short the
-    writing of the first one's record. Outside the main thread (where Python cannot install
-    handlers) nothing is installed."""
+    """Within the block each of ``signals`` raises :class:`Interrupted` in the main thread; yields the
+    :class:`Stops` handler. A signal someone else handles is left to them. With ``once``, later
+    signals are ignored, so that a second Ctrl-C cannot cut short the writing of the first's record."""
     stops = Stops(once)
     previous = {}
     if threading.current_thread() is threading.main_thread():

@@ -1,35 +1,19 @@
 """One job in a fresh process (``runtime.isolate=true``, the default).
 
-A process remembers: ``getrusage``'s peak RSS is the peak since the process started, and
-torch's thread count and CUDA allocator outlive a job, so in one process every job after the
-first would carry the earlier jobs' figures. So the Hydra job function (the parent) runs each
-job in a process of its own, which resolves the device, measures, writes ``results.json`` and
-hands its record back over a pipe (optimum-benchmark's process launcher works the same way).
-That process is forked by this process's fork server (:mod:`kvbench.jobs.forkserver`), an
-interpreter that imported torch and the tasks once and never runs a job itself, so a job pays a
-fork rather than a Python start and ``import torch`` (seconds); where there can be no fork server
-(or with ``KVBENCH_FORK_SERVER=0``) it is a new interpreter (``python -c "...child_main()"``) fed
-the job on stdin. (Not multiprocessing: its ``spawn`` and ``forkserver`` re-import the parent's
-``__main__`` and carry over the parent's start method, which in a joblib worker is ``loky``,
-unknown to a fresh interpreter; a plain ``fork`` of the parent would hand the job the parent's
-memory, threads and W&B state.)
+A process remembers: the peak RSS, torch's thread count and CUDA allocator outlive a job, so in
+one process every job after the first would carry the earlier jobs' figures. So the parent runs
+each job in a process of its own, which measures, writes ``results.json`` and hands its record back
+over a pipe (as optimum-benchmark's process launcher does). That process is forked by a fork server
+(:mod:`kvbench.jobs.forkserver`) that imported torch once, so a job pays a fork rather than seconds
+of ``import torch``; else it is a new interpreter fed the job on stdin. Not multiprocessing: its
+``spawn`` and ``forkserver`` re-import the parent's ``__main__`` and inherit its start method (in a
+joblib worker ``loky``, unknown to a fresh interpreter); a plain ``fork`` of the parent would hand
+the job the parent's memory, threads and W&B state.
 
-The parent turns every way a child can end into a record (written by the parent when the
-child left none):
-
-- the child hands back its record: that record, whatever its status;
-- it dies without one: SIGKILL is ``oom`` when the kernel's OOM-kill count rose during the
-  job, or when the count cannot be read (the error then says the OOM killer is only the likely
-  cause), else ``interrupted`` (something killed it); SIGINT, SIGTERM, SIGHUP and the like are
-  ``interrupted``; a crash (SIGSEGV, SIGABRT, ...) or an exit code is ``error``, named;
-- the parent itself is stopped (Ctrl-C, SIGTERM, a launcher's SystemExit on preemption): it
-  passes the signal on, gives the child :data:`GRACE_S` to write its ``interrupted`` record,
-  kills it if it has not, and raises the interruption again with ``exc.record`` set.
-
-The child watches its parent (a pipe whose writing end only the parent holds, so it reads
-end-of-file when the parent dies, even by SIGKILL) and then stops as if interrupted. A killed
-sweep therefore leaves no job measuring on its own after its claim on the job directory is
-gone (a resumed sweep could otherwise run it a second time, at once).
+Every way a child can end becomes a record (:func:`death_status`); a stopped parent passes the
+signal on and gives the child :data:`GRACE_S` to write its ``interrupted`` record. The child reads
+end-of-file on a pipe when its parent dies (even by SIGKILL) and stops, so a killed sweep leaves no
+job measuring after its claim is gone (a resumed sweep could otherwise run it a second time).
 """
 
 from __future__ import annotations
@@ -77,8 +61,8 @@ Measure = Callable[..., RunResult]  # run_job's signature
 
 def run_here(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
              progress: Progress = no_progress) -> RunResult:
-    """:func:`kvbench.jobs.runner.run_job` in this process, imported when called: a process
-    whose jobs all run in their own processes never imports torch and the tasks."""
+    """:func:`kvbench.jobs.runner.run_job` in this process, imported when called: a parent whose
+    jobs all run isolated never imports torch."""
     from kvbench.jobs.runner import run_job
 
     return run_job(cfg, out_dir, overrides, progress)
@@ -86,10 +70,8 @@ def run_here(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Opti
 
 def launch_job(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
                progress: Progress = no_progress) -> RunResult:
-    """Run one job as ``runtime.isolate`` says: in a fresh process, or in this one. ``cfg`` is
-    typed here unless it comes typed (kvbench.cli_job types a job once); the job's process is
-    handed the typed config. A config that does not validate is recorded ``invalid`` here: there
-    is nothing to isolate."""
+    """Run one job as ``runtime.isolate`` says: in a fresh process, or in this one. A config that does
+    not validate is recorded ``invalid`` here: there is nothing to isolate."""
     try:
         job = to_bench_config(cfg)  # a BenchConfig passes as it is
     except Exception:  # noqa: BLE001 — run_job records any config failure with its message
@@ -101,9 +83,8 @@ def launch_job(cfg: DictConfig | BenchConfig, out_dir: Path | str, overrides: Op
 
 def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List[str]] = None,
                  progress: Progress = no_progress, measure: Measure = run_here) -> RunResult:
-    """``measure(job, out_dir, overrides, progress)`` in a new process; returns its record,
-    or the record of how it died. ``measure`` and ``progress`` must be importable functions
-    (they are pickled by reference); ``measure`` is a seam for tests that crash a child."""
+    """``measure(job, out_dir, overrides, progress)`` in a new process; its record, or the record of
+    how it died. ``measure`` and ``progress`` are pickled by reference; ``measure`` is a test seam."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ignored = child_ignores()
@@ -139,10 +120,9 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
 
 
 def child_ignores() -> List[int]:
-    """The signals a job's process must ignore: those a launcher handles in this process (the
-    launcher acts on them, and the parent stops the child itself with SIGINT when it says so;
-    submitit's bypass of SIGTERM is no handling: both processes take SIGTERM), and those this
-    process ignores (``nohup`` ignores SIGHUP; a forked child would not inherit that)."""
+    """The signals a job's process must ignore: those a launcher handles in this process (the parent
+    stops the child itself when told; submitit's SIGTERM bypass is no handling), and those this
+    process ignores (``nohup``'s SIGHUP, which a child of the fork server would not inherit)."""
     handlers = {s: signal.getsignal(s) for s in (*_LAUNCHER_SIGNALS, signal.SIGINT, signal.SIGQUIT)}
     return [s for s, h in handlers.items() if h is signal.SIG_IGN or (s in _LAUNCHER_SIGNALS and callable(h)
                                                                       and not ours(h))]
@@ -153,10 +133,9 @@ PRELOAD = ("kvbench.jobs.runner", "kvbench.jobs.isolation")  # what the fork ser
 
 
 def fork_server() -> Optional[ForkServer]:
-    """This process's fork server, started at its first isolated job, started again when it is gone
-    or no longer matches this process (kvbench.jobs.forkserver); None where there can be none, or
-    with KVBENCH_FORK_SERVER=0 (a new interpreter per job, as before: for a library that does not
-    survive a fork)."""
+    """This process's fork server, started at its first isolated job and again when it is gone or
+    no longer matches this process; None where there can be none, or with KVBENCH_FORK_SERVER=0
+    (for a library that does not survive a fork)."""
     global _server
     if not available() or os.environ.get("KVBENCH_FORK_SERVER", "1") == "0":
         return None
@@ -187,10 +166,8 @@ def _record_of(message: dict) -> RunResult:
 
 
 class _Child:
-    """A job's process, given its set-up (what to do before the job: sys.path, the signals it
-    ignores) and its job, handing its record back on one pipe and watching another for the end of
-    this process. Forked by the fork server (:mod:`kvbench.jobs.forkserver`) when there is one,
-    else a new interpreter running :func:`child_main`, which reads both as pickles on stdin."""
+    """A job's process: hands its record back on one pipe and watches another for the end of this
+    process. Forked by the fork server, else a new interpreter running :func:`child_main`."""
 
     def __init__(self, setup: tuple, job: tuple, server: Optional[ForkServer] = None):
         self.records, record_w = os.pipe()
@@ -224,9 +201,8 @@ class _Child:
             raise
 
     def collect(self, timeout: Optional[float] = None) -> Optional[dict]:
-        """The child's message once it has exited (None if it sent none), read while it runs
-        (a record larger than the pipe's buffer would otherwise block it). With ``timeout``,
-        gives up after that many seconds, leaving the child running."""
+        """The child's message once it has exited (None if it sent none), read while it runs (a
+        record larger than the pipe's buffer would otherwise block it); ``timeout`` leaves it running."""
         chunks = []
         end = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -249,8 +225,7 @@ class _Child:
 
 
 def child_main() -> None:
-    """Entry point of a job's process started as a new interpreter (see :class:`_Child`): measure,
-    hand the record back, exit 0 (128 + signal when interrupted)."""
+    """Entry point of a job's process started as a new interpreter; exits 128 + signal when interrupted."""
     record_fd, alive_fd = int(sys.argv[1]), int(sys.argv[2])
     stdin = sys.stdin.buffer
     sys.path[:], ignored = pickle.load(stdin)  # the parent's, so that its functions import here
@@ -258,8 +233,7 @@ def child_main() -> None:
 
 
 def run_forked(fds: List[int], ignored: List[int], job: tuple) -> int:
-    """Entry point of a job's process forked by the fork server (which has set sys.path, the
-    environment and the streams): as :func:`child_main`; returns the exit status."""
+    """Entry point of a job's process forked by the fork server; returns the exit status."""
     record_fd, alive_fd = fds
     return _measure_and_hand_over(record_fd, alive_fd, ignored, lambda: job)
 
@@ -293,8 +267,7 @@ def _measure_and_hand_over(record_fd: int, alive_fd: int, ignored: List[int], jo
 
 
 def _watch_parent(alive_fd: int) -> None:
-    """When the parent process ends (even by SIGKILL), interrupt this child's job so that it
-    records ``interrupted`` and exits; after GRACE_S, exit regardless."""
+    """When the parent ends (even by SIGKILL), interrupt the job; after GRACE_S, exit regardless."""
 
     def watch() -> None:
         while os.read(alive_fd, 1):
@@ -308,9 +281,8 @@ def _watch_parent(alive_fd: int) -> None:
 
 
 def _stop(child: Optional[_Child], exc: Optional[BaseException], ignored: List[int]) -> Optional[RunResult]:
-    """The parent was stopped by ``exc``: pass it on to the child, wait up to GRACE_S for its
-    record (a second Ctrl-C stops the wait), then make sure the child is gone. Without
-    ``exc`` (the parent's side failed) the child is killed at once."""
+    """Pass ``exc`` on to the child, wait up to GRACE_S for its record (a second Ctrl-C stops the
+    wait), then make sure it is gone; without ``exc`` it is killed at once."""
     if child is None:
         return None  # never started
     signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
@@ -347,9 +319,8 @@ def _lost(job: BenchConfig, out_dir: Path, overrides: Optional[List[str]], start
 
 
 def death_status(exitcode: Optional[int], oom_before: Optional[int], oom_after: Optional[int]) -> Tuple[str, str]:
-    """(status, error) of a job process that ended with ``exitcode`` (negative: killed by
-    that signal, as subprocess reports it) without handing back a record; the OOM-kill
-    counts from before and after the job tell an OOM kill from any other SIGKILL."""
+    """(status, error) of a job process that ended with ``exitcode`` (negative: that signal) without
+    a record; the OOM-kill counts tell an OOM kill from any other SIGKILL."""
     if exitcode is None or exitcode >= 0:
         return "error", f"the job's process exited with code {exitcode} without writing a record"
     signum = -exitcode
@@ -369,8 +340,7 @@ def death_status(exitcode: Optional[int], oom_before: Optional[int], oom_after: 
 
 
 def oom_kills() -> Optional[int]:
-    """How many processes the kernel's OOM killer has killed since boot, in any cgroup
-    (``oom_kill`` in /proc/vmstat, Linux >= 4.13); None where that cannot be read."""
+    """How many processes the kernel's OOM killer has killed since boot (/proc/vmstat, Linux >= 4.13)."""
     try:
         with open("/proc/vmstat") as f:
             for line in f:

@@ -1,8 +1,7 @@
 """What this process reports when Hydra returns: its exit code, and the sweep that is running.
 
-Hydra calls the job function and instantiates the sweep callback itself, and hands neither's
-result back to :func:`kvbench.cli.main`; both report here, through the methods below, and
-``main`` reads the one :data:`OUTCOME` of the process (nothing else keeps state between them).
+Hydra hands neither the job function's result nor the sweep callback's back to
+:func:`kvbench.cli.main`: both report to the one :data:`OUTCOME` of the process, which ``main`` reads.
 """
 
 from __future__ import annotations

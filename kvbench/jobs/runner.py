@@ -1,13 +1,9 @@
 """One job, start to finish: config -> device and threads (once) -> the task -> results.json.
 
-A job never raises for a bad value or an out-of-memory: it records ``invalid`` / ``oom`` with
-the message, keeps every metric measured before the failure, and writes the record
-atomically. A job stopped from outside (Ctrl-C, SIGTERM, a launcher's exit on preemption) is
-recorded ``interrupted`` with what was complete by then, and the interruption is raised again
-with the record attached (``exc.record``): a job is ``ok`` only when its task returned with
-finite metrics (NaN or infinity makes it an ``error``). The tasks are kvbench/tasks/, one module
-per ``task=`` value. Only the CLI decides what a status means for the exit code, and only the CLI
-builds progress bars: it hands :func:`run_job` a factory for them.
+A job never raises for a bad value or an out-of-memory: it records ``invalid`` / ``oom`` with the
+message and every metric measured before the failure. A job stopped from outside is recorded
+``interrupted`` and the interruption raised again with ``exc.record`` set. A job is ``ok`` only when
+its task returned with finite metrics.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ MAX_TRACEBACK_CHARS = 200_000  # error.txt: the head and the tail of a traceback
 DEFAULT_THREADS = torch.get_num_threads()
 _jobs_run = 0  # jobs whose task ran in this process (runtime.isolate=false runs several)
 
-# The code of each task= value that runs a job (its module's run() and metrics()); what it reads of
-# the config is declared in kvbench.config.bench.TASKS.
+# What each task reads of the config is declared in kvbench.config.bench.TASKS.
 TASKS = {"bench": bench, "capacity": capacity, "compare": compare, "train": train, "eval": eval_task,
          "recall": recall_task}
 
@@ -62,8 +57,7 @@ def task_metrics(task: str, workload: str = "decode") -> Dict[str, Metric]:
 
 
 def job_units(result: RunResult) -> Dict[str, str]:
-    """The record's ``units``: the unit of each metric its ``methods`` declares, from the registry
-    (:func:`task_metrics` of the record's task and workload), so that sinks read units as data."""
+    """The unit of each metric the record's ``methods`` declares, so that sinks read units as data."""
     task, workload = result.config.get("task"), lookup(result.config, "workload.name")
     declared = task_metrics(task if isinstance(task, str) else "bench",
                             workload if isinstance(workload, str) else "decode")
@@ -76,15 +70,15 @@ def task_methods(task: str, workload: str = "decode") -> Dict[str, str]:
 
 
 def objective_metrics(task: str, workload: str = "decode") -> List[str]:
-    """The metrics of :func:`task_metrics` an ``objective`` may name: numbers, not text, series
-    or tables. Names declared as patterns (task=compare's ``<v>_step_ms_ctx<C>``) stay patterns."""
+    """The metrics an ``objective`` may name: numbers, not text, series or tables (patterns such as
+    ``<v>_step_ms_ctx<C>`` stay patterns)."""
     return sorted(name for name, metric in task_metrics(task, workload).items()
                   if "." not in name and metric.unit not in ("text", "bool"))
 
 
 def check_objective(objective: Optional[str], caps: Dict[str, float], task: str, workload: str = "decode") -> None:
-    """Raise :class:`ConfigError` when ``objective`` or a key of ``caps`` names a metric that a
-    job of ``task`` never records (before any job runs: a typo would fail every trial)."""
+    """Raise :class:`ConfigError` when ``objective`` or ``caps`` names a metric that ``task`` never
+    records (before any job runs: a typo would fail every trial)."""
     known = objective_metrics(task, workload)
     patterns = [re.compile("".join(r"\w+" if part.startswith("<") else re.escape(part)
                                    for part in re.split(r"(<[^>]+>)", n))) for n in known if "<" in n]
@@ -100,8 +94,7 @@ def check_objective(objective: Optional[str], caps: Dict[str, float], task: str,
 
 def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             overrides: Optional[List[str]] = None, progress: Progress = no_progress) -> RunResult:
-    """Run one job in this process and write ``results.json`` into ``out_dir``; returns the
-    record. An interruption is recorded, then raised again with ``exc.record`` set."""
+    """Run one job in this process and write ``results.json`` into ``out_dir``; returns the record."""
     global _jobs_run
     out_dir = Path(out_dir)
     progress = guarded(progress)  # a display that cannot be written never costs the measurement

@@ -21,8 +21,8 @@ from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 
 @dataclass
 class SweepJob:
-    """One job of a multirun as Hydra's basic sweeper numbers it: its overrides and directory
-    (None when ``hydra.sweep.subdir`` cannot be resolved outside Hydra)."""
+    """One job of a multirun as Hydra's basic sweeper numbers it; ``dir`` is None when
+    ``hydra.sweep.subdir`` cannot be resolved outside Hydra."""
 
     num: int
     overrides: List[str]
@@ -30,8 +30,7 @@ class SweepJob:
 
 
 def sweep_jobs(config: DictConfig) -> List[SweepJob]:
-    """The jobs a basic-sweeper multirun of ``config`` launches (preset sweeper params, then
-    the command line), in job-number order: the same split Hydra's BasicSweeper makes."""
+    """The jobs a basic-sweeper multirun of ``config`` launches, in job-number order."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -43,9 +42,8 @@ def sweep_jobs(config: DictConfig) -> List[SweepJob]:
 
 
 def override_list(overrides: Any) -> List[str]:
-    """The command line's overrides as written: ``hydra.overrides.task`` holds them as strings
-    that OmegaConf would resolve on reading (``model.name=${oops}`` raised instead of naming
-    its key)."""
+    """The command line's overrides as written, unresolved (OmegaConf would resolve
+    ``model.name=${oops}`` on reading and raise instead of naming its key)."""
     if OmegaConf.is_config(overrides):
         return [str(o) for o in OmegaConf.to_container(overrides, resolve=False)]
     return [str(o) for o in overrides]
@@ -78,7 +76,7 @@ def _job_dir(config: DictConfig, num: int, overrides: List[str], parser) -> Opti
 
 
 # Overrides that change how a job is scheduled or recorded, not what it measures (the config keys
-# of results.NOT_IDENTITY, and the launcher): a resume may add them without making other jobs.
+# of claim.NOT_IDENTITY, and the launcher): a resume may add them without making other jobs.
 NOT_JOB = (*(f"{key}{sep}" for key in NOT_IDENTITY for sep in "=."), "hydra/launcher=", "hydra.launcher.")
 
 
@@ -91,11 +89,8 @@ def job_overrides(overrides: Any) -> Optional[List[str]]:
 
 
 def sweep_records(sweep_dir: Path | str, config: DictConfig) -> List[Dict[str, Any]]:
-    """One row per job of the sweep ``config`` describes, from what is on disk, whatever that
-    is: the job's record; ``running`` (another process holds its claim), ``unreadable`` (a
-    results.json that is not a record), ``missing`` (Hydra started it, no record: killed) or
-    ``not run``. A record another sweep left in the directory (other overrides) is not this
-    sweep's."""
+    """One row per job of the sweep ``config`` describes, from what is on disk, whatever that is; a
+    record another sweep left in the directory (other overrides) is not this sweep's."""
     sweep_dir, jobs = Path(sweep_dir), sweep_jobs(config)
     # With a custom hydra.sweep.subdir, any job directory may hold a job: match by overrides.
     anywhere = [path.parent for path in find_results(sweep_dir)] if any(j.dir is None for j in jobs) else []
@@ -112,8 +107,8 @@ def sweep_records(sweep_dir: Path | str, config: DictConfig) -> List[Dict[str, A
 
 
 def _job_row(job_dir: Path, overrides: List[str], sweep_dir: Path, exact: bool) -> Optional[Dict[str, Any]]:
-    """The row of the job with ``overrides`` in ``job_dir``. With ``exact`` (the directory is
-    that job's) always a row; else None unless the directory holds that job's record."""
+    """The row of the job with ``overrides`` in ``job_dir``; without ``exact``, None unless the
+    directory holds that job's record."""
     rel = os.path.relpath(job_dir, sweep_dir)
     row = {"job": rel, "config": {}, "metrics": {}, "overrides": overrides}
     record, problem = None, None

@@ -78,11 +78,8 @@ _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples"
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of what a checkpoint of ``model`` holds: parameters and persistent buffers.
-
-    Non-persistent buffers (the Decoder's rope tables) are derived, not weights, so they are
-    excluded; tied parameters are one tensor and are counted once.
-    """
+    """Bytes of what a checkpoint of ``model`` holds: parameters and persistent buffers (the rope
+    tables are derived, not weights); tied parameters count once."""
     # keep_vars=True returns the Parameter objects themselves, so tied weights share an id.
     tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -98,10 +95,9 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process, in bytes. Linux: VmHWM, the high-water mark of this
-    process's own address space (since its exec, or since a clear_refs reset). Not ru_maxrss: the
-    kernel carries it across fork+exec, so a job process started by a parent of 800 MiB reported
-    813 MiB whatever the job held."""
+    """Peak resident set size of this process, in bytes. Linux: VmHWM (since exec or a clear_refs
+    reset). Not ru_maxrss: the kernel carries it across fork+exec, so a job started by a parent of
+    800 MiB would report 813 MiB whatever it held."""
     if sys.platform.startswith("linux"):
         try:
             return rss_status()[1]
@@ -150,11 +146,8 @@ def nvml_uuid(torch_uuid: str) -> str:
 
 
 def open_nvml() -> Tuple[Any, Optional[str]]:
-    """``(pynvml, None)`` after a successful nvmlInit, else ``(None, reason)``; never raises.
-
-    The caller owns the matching ``nvmlShutdown``. Imported here, not at module load, so that a
-    machine without nvidia-ml-py still imports kvbench (and tests can inject a fake module).
-    """
+    """``(pynvml, None)`` after a successful nvmlInit, else ``(None, reason)``; the caller shuts it
+    down. Imported here so that a machine without nvidia-ml-py still imports kvbench."""
     try:
         nvml = importlib.import_module("pynvml")
     except ImportError as e:
@@ -180,8 +173,7 @@ def nvml_driver_version() -> Optional[str]:
 
 
 def nvml_used_bytes(device: torch.device) -> Tuple[Optional[int], Optional[str]]:
-    """Device memory used right now as NVML reports it (v2 API, else v1), for the GPU behind the
-    torch ``device``; ``(None, reason)`` when it cannot be read. Never raises."""
+    """Device memory used now by the GPU behind ``device`` (NVML v2 API, else v1), or ``(None, reason)``."""
     nvml, reason = open_nvml()
     if nvml is None:
         return None, reason
@@ -199,9 +191,8 @@ def nvml_used_bytes(device: torch.device) -> Tuple[Optional[int], Optional[str]]
 
 @contextmanager
 def allocation_delta(device: torch.device | str, prefix: str = "kv_cache_bytes") -> Iterator[Dict[str, Any]]:
-    """Memory an allocation inside the block took, as torch and as the driver see it: yields a dict
-    filled at exit with ``<prefix>_torch``, ``<prefix>_nvml`` and ``<prefix>_alloc_reason`` (None
-    unless a figure is missing). CUDA only: on the CPU both are None with the reason."""
+    """Memory an allocation inside the block took, as torch and as the driver see it (CUDA only): a
+    dict filled at exit."""
     device = torch.device(device)
     out: Dict[str, Any] = {f"{prefix}_torch": None, f"{prefix}_nvml": None, f"{prefix}_alloc_reason": None}
     if device.type != "cuda":
@@ -209,7 +200,7 @@ def allocation_delta(device: torch.device | str, prefix: str = "kv_cache_bytes")
         yield out
         return
     # Blocks the caching allocator keeps from earlier work would serve the allocation without the
-    # driver seeing it (the first GPU check read 0 bytes from NVML for every cache): release them.
+    # driver seeing it (NVML would read 0 bytes for every cache): release them.
     _torch_empty_cache(device)
     torch_before = _torch_allocated(device)
     nvml_before, reason = nvml_used_bytes(device)
@@ -233,13 +224,8 @@ def _text(value: Any) -> str:
 
 
 class MemoryMonitor:
-    """Measures memory (and GPU energy) over a ``with`` block; read it with ``result()``.
-
-    ``with MemoryMonitor(device, interval_ms=10.0) as mon: ...`` then ``mon.result()`` is a flat
-    dict of JSON-able values keyed as in ``MEMORY_METHODS`` plus ``nvml_reason``,
-    ``nvml_process_reason`` and ``energy_reason`` (None unless the matching field is None).
-    On CPU only ``peak_rss_bytes`` is measured.
-    """
+    """Measures memory (and GPU energy) over a ``with`` block; ``result()`` is keyed as
+    ``MEMORY_METHODS``. On CPU only ``peak_rss_bytes`` is measured."""
 
     def __init__(self, device: torch.device | str = "cpu", interval_ms: float = 10.0):
         self.device = torch.device(device)
@@ -247,7 +233,6 @@ class MemoryMonitor:
         self._lock = threading.Lock()
         self._result: Dict[str, Any] = {}
 
-    # -- lifecycle --
     def __enter__(self) -> "MemoryMonitor":
         # Per-block state lives here so one monitor can measure several blocks in turn.
         self._nvml: Any = None
@@ -291,7 +276,6 @@ class MemoryMonitor:
     def result(self) -> Dict[str, Any]:
         return dict(self._result)
 
-    # -- NVML --
     def _nvml_unavailable(self, reason: str) -> None:
         self._result.update(nvml_reason=reason, nvml_process_reason=reason, energy_reason=reason)
 
@@ -349,7 +333,7 @@ class MemoryMonitor:
             try:
                 self._sample()
             except Exception:  # noqa: BLE001 — a missed sample only lowers the count
-                pass  # a missed sample only lowers the count; the exit sample still lands
+                pass  # the exit sample still lands
 
     def _finish_nvml(self) -> None:
         nvml, r = self._nvml, self._result
@@ -364,7 +348,7 @@ class MemoryMonitor:
         self._nvml = self._handle = None
 
     def _read_energy(self) -> None:
-        """energy_mj and the window it covers (energy_window_s), once per block."""
+        """energy_mj and its window, once per block."""
         if self._energy_start is None or self._nvml is None or self._result["energy_mj"] is not None:
             return
         try:
@@ -394,7 +378,7 @@ def _shutdown(nvml: Any) -> None:
     try:
         nvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 — nothing left to measure; a failed shutdown must not fail the run
-        pass  # nothing left to measure; a failed shutdown must not fail the run
+        pass
 
 
 # ---- the peak of one window of a process (task=capacity's probes) -----------------------------
@@ -415,10 +399,8 @@ def peak_window_reason(device: torch.device) -> Optional[str]:
 class PeakWindow:
     """The peak memory this process holds between enter and exit, in bytes (``peak``).
 
-    CPU (Linux): VmHWM, reset at enter by writing 5 to /proc/self/clear_refs after
-    :func:`release_heap`; the whole resident set, so weights and anything else live count.
-    CUDA: ``torch.cuda.max_memory_reserved`` after emptying the allocator's cache and resetting
-    its peak: what torch held from the device (the CUDA context is not in it)."""
+    CPU (Linux): VmHWM reset through /proc/self/clear_refs, the whole resident set (weights
+    included). CUDA: ``torch.cuda.max_memory_reserved`` (the CUDA context is not in it)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)

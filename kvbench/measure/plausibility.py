@@ -1,24 +1,10 @@
 """Physical bounds a record's figures must respect, checked on every record before it is written.
 
-A figure that breaks one is not silently true: the record keeps it and carries ``implausible``,
-a list of ``{metric, value, bound, reason}`` that the console and the report show. Every bound is
-measured or read on the machine the record was taken on, never a constant of some other machine:
-
-- bandwidth: a step cannot stream bytes faster than the probed peak (``achieved_gb_per_s <=
-  peak_gb_per_s``);
-- time: a decode step cannot beat the roofline (``decode_ms_p50 >= roofline_ms``), nor the
-  weight GEMMs it runs, timed at its own batch next to the run (``decode_ms_p50 >= gemm_ms_at_batch``);
-- power: the energy of a window over its duration cannot exceed NVML's enforced power limit
-  (``energy_mj / energy_window_s``, and ``energy_mj_per_token`` x the tokens per ms of a trial);
-- memory: what was allocated shows up (``kv_cache_bytes*`` > 0 when the formula says bytes were
-  allocated; the torch peak holds the weights and the cache; a CPU process's peak resident set
-  holds its weights);
-- statistics: an estimate lies inside its own interval, and a KV cost (a step's time per 1,000
-  positions of context) whose whole interval is below zero is a step that got cheaper as it read
-  more, which no cache does: drift, not cost.
-
-A small tolerance (:data:`TOLERANCE`) absorbs the probes' own error (a best-of-8 probe on a shared
-machine, NVML's power averaging); a figure beyond it is flagged.
+A figure that breaks one is not silently true: the record keeps it and carries ``implausible``
+(the bounds are listed in :data:`PLAUSIBILITY_METHODS`), which the console and the report show.
+Every bound is measured or read on the machine the record was taken on, never a constant of some
+other machine. A KV cost whose whole interval is below zero is a step that got cheaper as it read
+more, which no cache does: drift, not cost.
 """
 
 from __future__ import annotations
@@ -143,8 +129,7 @@ def check(record: Dict[str, Any]) -> List[Item]:
 
 
 def flag_implausible(result: Any) -> Tuple[Item, ...]:
-    """Set ``result.implausible`` (a :class:`~kvbench.results.RunResult`) from :func:`check` and,
-    when something is flagged, the field's method; returns what was flagged."""
+    """Set ``result.implausible`` (and its method when something is flagged); returns what was flagged."""
     found = check(result.to_dict())
     result.implausible = found
     if found:

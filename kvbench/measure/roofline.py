@@ -1,13 +1,10 @@
 """The memory-bandwidth roofline of a decode step.
 
-A decode step is memory-bound: it cannot beat (bytes of weights read + bytes of KV read) /
-peak bandwidth. A decode step is a stream of matrix-vector products, so the peak is the read
-rate of a float32 GEMV over a matrix much larger than the caches, probed on this machine (a
-plain copy's rate is probed and reported beside it), or the user's ``runtime.peak_gb_per_s``.
+A decode step is memory-bound: it cannot beat (bytes of weights read + bytes of KV read) / peak
+bandwidth. It is a stream of matrix-vector products, so the peak is the read rate of a float32 GEMV
+over a matrix much larger than the caches, probed on this machine, or ``runtime.peak_gb_per_s``.
 The probe runs next to each run (``runtime.probe=run``: a shared machine's rate moves within
-minutes) or once per machine, cached in ``~/.cache/kvbench/bandwidth.json``; a cached rate that
-is not a positive number within the device's physical ceiling (:func:`physical_ceilings`) is
-probed again. Units: bytes, GB/s (1e9 bytes per second), percent.
+minutes) or once per machine, cached. Units: bytes, GB/s (1e9 bytes per second), percent.
 """
 
 from __future__ import annotations
@@ -76,13 +73,11 @@ ROOFLINE_METHODS: Dict[str, str] = record_methods(ROOFLINE_METRICS)
 
 def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: str = "auto",
                       routed_bytes: Optional[float] = None) -> Tuple[float, int]:
-    """(total, kv) bytes one decode step reads with ``context_len`` positions in the cache, K/V
-    stored in ``cache_dtype``.
+    """(total, kv) bytes one decode step reads with ``context_len`` positions in the cache.
 
     Every weight matrix is streamed once per step; the embedding is a lookup of B rows. Of a
-    mixture of experts' routed experts only those the step's router chose are read:
-    ``routed_bytes``, counted from the router during the run (kvbench.mlp.experts.record_routing);
-    without it, the most a step can read (min(E, B x k) experts per layer).
+    mixture of experts only the experts the router chose are read (``routed_bytes``, from
+    kvbench.mlp.experts.record_routing); without it, the most a step can read (min(E, B x k)).
     """
     cfg = model.config
     element = model.dtype.itemsize
@@ -100,9 +95,8 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
 
 
 def decode_flops(model, batch_size: int, context_len: float) -> float:
-    """Floating-point operations of one decode step: a multiply-add per weight (the embedding is
-    a lookup; of a mixture of experts, each token's top_k experts) and each layer's attention over
-    the positions it reads (its layout's formula)."""
+    """Floating-point operations of one decode step: a multiply-add per weight (the embedding is a
+    lookup) and each layer's attention over the positions it reads."""
     weights = sum(p.numel() for p in model.parameters() if p.dim() == 2) - model.embed.weight.numel()
     # each token runs its top_k routed experts (their stacked weights are 3-D, left out above)
     weights += sum(m.moe.top_k * m.matrix_params_per_expert() for m in model.modules() if isinstance(m, Experts))
@@ -116,9 +110,9 @@ def _machine_key(device: torch.device) -> str:
 
 def probe_bandwidth(device: torch.device, mib: int = 256, repeats: int = 8,
                     clock: Callable[[], float] = time.perf_counter) -> Dict[str, float]:
-    """Best-of-``repeats`` GB/s of a device copy (read + write counted) and a float32 GEMV, and
-    the GFLOP/s of a float32 GEMM. ``clock``: wall time, or on a CPU shared with other jobs
-    ``time.process_time`` (this process's CPU time, not charged while it waits for a core)."""
+    """Best-of-``repeats`` GB/s of a device copy (read + write counted) and a float32 GEMV, and the
+    GFLOP/s of a float32 GEMM. ``clock``: on a CPU shared with other jobs ``time.process_time``,
+    which is not charged while the process waits for a core."""
     n = mib * 2**20 // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -145,9 +139,7 @@ def probe_bandwidth(device: torch.device, mib: int = 256, repeats: int = 8,
 
 def machine_peaks(device: torch.device, override_gb_per_s: Optional[float] = None,
                   cache_file: Path = CACHE_FILE, fresh: bool = False) -> Dict[str, Any]:
-    """The roofline's peaks as record fields: ``peak_gb_per_s`` (the override, else the GEMV
-    rate), ``peak_gflops``, ``peak_method``, and both probed rates. ``fresh``: probe now (next to
-    the run) instead of reading the probe cached for this machine."""
+    """The roofline's peaks as record fields; ``fresh``: probe now instead of reading the cache."""
     if fresh:
         probe, where = probe_bandwidth(device), "probed next to this run"
     else:
@@ -179,10 +171,9 @@ def _cached_probe(device: torch.device, cache_file: Path) -> Tuple[Dict[str, flo
 
 def physical_ceilings(device: torch.device) -> Dict[str, float]:
     """The most each probed rate can be on ``device``: a rate beyond is a cache entry edited or
-    miscomputed, and as the roofline's peak it would make every run look idle. Bandwidth:
-    config.MAX_GB_PER_S anywhere, and on CUDA twice the device's DRAM rate from its memory clock
-    and bus width (2 transfers a clock; twice, so that a part of the probe served from L2 never
-    trips it) where the driver reports them; float32 GEMM: :data:`MAX_GFLOPS`."""
+    miscomputed, and as the roofline's peak it would make every run look idle. On CUDA, twice the
+    DRAM rate from memory clock and bus width, so that a part of the probe served from L2 never
+    trips it."""
     gb = MAX_GB_PER_S
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -202,12 +193,10 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
                      peak_gb_per_s: float, peak_gflops: float,
                      kv_positions: Optional[float] = None, cache_dtype: str = "auto",
                      routed_bytes: Optional[float] = None) -> Dict[str, Any]:
-    """Roofline fields for a decode run whose median step took ``decode_ms_p50``, K/V stored in
-    ``cache_dtype``.
+    """Roofline fields for a decode run whose median step took ``decode_ms_p50``.
 
-    ``kv_positions``: the mean number of positions per KV head a step reads, when that is not
-    the context (a fixed-shape step reads its whole context bucket). ``routed_bytes``: a mixture
-    of experts' routed-expert bytes per step, from its router (:func:`decode_bytes_read`)."""
+    ``kv_positions``: the mean positions per KV head a step reads, when that is not the context (a
+    fixed-shape step reads its whole context bucket)."""
     # Step i (0-based) attends prompt_len + i + 1 positions; the mean over the run:
     context = prompt_len + (gen_len + 1) / 2 if kv_positions is None else kv_positions
     total, kv = decode_bytes_read(model, batch_size, context, cache_dtype, routed_bytes)
@@ -238,11 +227,9 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
 
 def probe_step_gemms(model, batch_size: int, device: torch.device, repeats: int = 5,
                      clock: Callable[[], float] = time.perf_counter, routed: Sequence[int] = ()) -> float:
-    """Milliseconds of one decode step's weight GEMMs at M = ``batch_size``: every ``nn.Linear`` of
-    ``model`` in module order (as a step meets them, so each weight is streamed from memory, not
-    a cache), F.linear on a random (batch, in_features) input; the best of ``repeats`` passes
-    after one untimed pass. A mixture of experts' layer runs ``routed[i]`` of its experts (the
-    distinct experts a step's router chose, rounded down), each on B x k / that many rows."""
+    """Milliseconds of one decode step's weight GEMMs at M = ``batch_size``, in module order (as a
+    step meets them, so each weight is streamed from memory, not a cache); best of ``repeats``. A
+    mixture of experts' layer runs ``routed[i]`` of its experts, each on B x k / that many rows."""
     calls = []  # (weight, bias, rows), in the order a step meets them
     per_layer = iter(routed)
     for m in model.modules():

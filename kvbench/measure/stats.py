@@ -1,29 +1,14 @@
 """How samples become headline numbers: order statistics, 95% confidence intervals, sample
-sufficiency, the KV cost as a slope, and paired ratios of interleaved variants.
+sufficiency, the KV cost as a slope, and paired ratios of interleaved variants. One method each,
+stated in :data:`METHODS` and written into every record that uses it. Decode steps get a block
+bootstrap because they are autocorrelated (a descheduled thread slows several in a row); the KV
+cost a Theil-Sen fit because it is robust to preempted steps.
 
-One method each, stated in :data:`METHODS` and written into every record that uses it:
-
-- percentiles: numpy's ``linear`` method (Hyndman & Fan type 7; the median of an even count is the
-  mean of the two middle values);
-- intervals of statistics of independent trials: percentile bootstrap (scipy.stats.bootstrap,
-  2000 resamples, seeded);
-- intervals of statistics of decode steps: a moving-block bootstrap within trials (steps are
-  autocorrelated: a descheduled thread slows several in a row), blocks of ``round(n ** (1/3))``
-  consecutive steps; numpy does the resampling (scipy has no block bootstrap);
-- the KV cost: step time against context length fitted with the Theil-Sen estimator
-  (scipy.stats.theilslopes: the median of pairwise slopes, robust to preempted steps), with its
-  95% interval;
-- paired ratios: B over A on the same rounds of an interleaved comparison, paired percentile
-  bootstrap.
-
-The rule for every interval (:func:`min_interval_samples`, :func:`interval_reason`): a 95% interval
-of the ``q`` quantile needs at least the ``n`` samples for which even the widest distribution-free
-interval, from the smallest to the largest sample, covers that quantile with 95% probability
-(``1 - q**n - (1 - q)**n >= 0.95``: 6 for a median or a ratio of medians, 29 for p90, 299 for p99).
-Below it a bootstrap only echoes the few values it was given (3 trials once gave a ratio of 0.8035
-the interval [0.8035, 0.8068]); an interval with an end at its estimate while the samples differ
-is degenerate the same way. Either way the interval is null, ``<name>_ci_reason`` says why, and
-no sink calls a difference significant without intervals.
+The rule for every interval (:func:`min_interval_samples`): a 95% interval of the ``q`` quantile
+needs at least the ``n`` samples whose [min, max] covers that quantile with 95% probability (6 for a
+median, 29 for p90, 299 for p99). Below it a bootstrap only echoes the few values it was given (3
+trials gave a ratio of 0.8035 the interval [0.8035, 0.8068]); an interval with an end at its
+estimate is degenerate the same way. Either way the interval is null and ``<name>_ci_reason`` says why.
 """
 
 from __future__ import annotations
@@ -72,7 +57,7 @@ def _array(values: Sequence[float]) -> np.ndarray:
 
 
 def median(values: Sequence[float]) -> float:
-    """The true median (mean of the two middle values for an even count)."""
+    """The median (mean of the two middle values for an even count)."""
     return float(np.median(_array(values)))
 
 
@@ -89,9 +74,8 @@ def min_samples(q: float) -> int:
 
 
 def min_interval_samples(q: float = 0.5) -> int:
-    """Fewest samples a :data:`CONFIDENCE` interval of the ``q`` quantile can rest on: the least
-    ``n`` with ``1 - q**n - (1 - q)**n >= CONFIDENCE``, the coverage of [min, max] of ``n``
-    independent samples (6 for the median, 29 for p90, 299 for p99)."""
+    """Fewest samples a :data:`CONFIDENCE` interval of the ``q`` quantile can rest on: the least ``n``
+    with ``1 - q**n - (1 - q)**n >= CONFIDENCE``, the coverage of [min, max] of ``n`` samples."""
     n = 1
     while 1 - q ** n - (1 - q) ** n < CONFIDENCE - 1e-12:
         n += 1
@@ -117,8 +101,7 @@ def degenerate(estimate: Optional[float], low: Optional[float], high: Optional[f
 
 def bootstrap_ci(samples: Sequence[float], statistic: Callable = np.median) -> Interval:
     """Percentile-bootstrap interval of ``statistic`` over independent samples (trials); ``(None,
-    None)`` with fewer than :func:`min_interval_samples` samples (the rule above); a constant
-    sample gives a zero-width interval."""
+    None)`` with fewer than :func:`min_interval_samples` samples."""
     x = _array(samples)
     if x.size < max(2, min_interval_samples(0.5)):
         return None, None
@@ -145,12 +128,8 @@ def block_starts(sizes: Sequence[int], block: int) -> np.ndarray:
 
 
 def block_bootstrap_ci(trials: Sequence[Sequence[float]], q: float, block: Optional[int] = None) -> Interval:
-    """Moving-block bootstrap interval of the ``q`` quantile of all steps of all trials.
-
-    Blocks of ``block`` consecutive steps (default ``round(n ** (1/3))`` of the shortest trial) are
-    drawn uniformly from within trials (a block never spans two trials) and concatenated to the
-    original number of steps, :data:`N_RESAMPLES` times; the interval is the percentile interval
-    of the resampled quantiles."""
+    """Moving-block bootstrap interval of the ``q`` quantile of all steps of all trials; a block
+    (default ``round(n ** (1/3))`` steps of the shortest trial) never spans two trials."""
     series = [_array(t) for t in trials if len(t)]
     total = sum(s.size for s in series)
     if total < max(2, min_interval_samples(q)):
@@ -176,10 +155,8 @@ def block_bootstrap_ci(trials: Sequence[Sequence[float]], q: float, block: Optio
 
 
 def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str, Optional[float]]:
-    """Step time against context length: ``at_ctx0_ms`` (intercept) and ``us_per_1k_ctx`` (the
-    slope per 1,000 positions of context) with the slope's interval, by Theil-Sen; None where
-    fewer than 3 distinct context lengths were measured; the interval null (``ci_reason``) with
-    fewer than :func:`min_interval_samples` points."""
+    """Theil-Sen fit of step time against context length: ``at_ctx0_ms`` and ``us_per_1k_ctx`` with
+    the slope's interval; None with fewer than 3 distinct context lengths."""
     x, y = _array(context), _array(step_ms)
     out: Dict[str, Optional[float]] = {"at_ctx0_ms": None, "us_per_1k_ctx": None, "us_per_1k_ctx_ci_low": None,
                                        "us_per_1k_ctx_ci_high": None, "n": int(x.size), "ci_reason": None}
@@ -201,8 +178,7 @@ def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str,
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
-    """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval; no interval
-    with fewer rounds than :func:`min_interval_samples`, or when it is :func:`degenerate`."""
+    """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval."""
     x, y = _array(a), _array(b)
     if x.size != y.size or x.size == 0:
         raise ValueError(f"paired samples must have the same, non-zero length: {x.size} vs {y.size}")
@@ -233,9 +209,7 @@ MIN_SEEDS = 2  # a t-interval needs a standard deviation
 
 
 def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.inf, math.inf)) -> Interval:
-    """Student t-interval of the mean of ``samples`` (independent seeds), clipped to ``bounds``
-    (an accuracy's [0, 1]); ``(None, None)`` below :data:`MIN_SEEDS`; equal samples give a
-    zero-width interval."""
+    """Student t-interval of the mean of ``samples`` (independent seeds), clipped to ``bounds``."""
     x = _array(samples)
     if x.size < MIN_SEEDS:
         return None, None
@@ -247,8 +221,7 @@ def t_interval(samples: Sequence[float], bounds: Tuple[float, float] = (-math.in
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
-    """``mean(b) - mean(a)`` and its Welch t-interval; the interval is None with fewer than
-    :data:`MIN_SEEDS` samples on either side, and zero-width when both sides are constant."""
+    """``mean(b) - mean(a)`` and its Welch t-interval."""
     x, y = _array(a), _array(b)
     diff = float(y.mean() - x.mean())
     if min(x.size, y.size) < MIN_SEEDS:
@@ -262,8 +235,8 @@ def welch_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optio
 
 
 def proportion_interval(k: int, n: int) -> Interval:
-    """Clopper-Pearson (exact binomial) interval of the proportion ``k / n``: valid at any ``n``
-    (1 of 1 gives [0.025, 1]), never narrower than the count allows; ``(None, None)`` for n = 0."""
+    """Clopper-Pearson (exact binomial) interval of ``k / n``: valid at any ``n`` (1 of 1 gives
+    [0.025, 1])."""
     if n < 1:
         return None, None
     from scipy import stats as sps
@@ -279,9 +252,8 @@ SOLVED_AT = 0.9
 
 
 def seed_summary(per_seed: Sequence[float]) -> Dict[str, Optional[float]]:
-    """An accuracy over training seeds: its mean with the t-interval (ci_seeds, clipped to [0, 1]),
-    the seed count, and the seeds that solved it (>= SOLVED_AT) as a count and a fraction with
-    its Clopper-Pearson interval (solved_seeds); a ``<name>_ci_*`` pair is always of ``<name>``."""
+    """An accuracy over training seeds: its mean with the t-interval, and the seeds that solved it
+    (>= SOLVED_AT) with the Clopper-Pearson interval of their fraction."""
     low, high = t_interval(per_seed, (0.0, 1.0))
     n = len(per_seed)
     solved = sum(acc >= SOLVED_AT for acc in per_seed)
@@ -317,8 +289,7 @@ def _sufficiency(name: str, q: float, n: int) -> Dict[str, Optional[object]]:
 
 
 def trial_metric(name: str, per_trial: Sequence[float], what: str = "timed trials") -> Dict[str, Optional[object]]:
-    """``name``: the median over timed trials, with its bootstrap interval over trials
-    (``<name>_ci_low``/``_ci_high``; null with one trial), the trial count and its warning."""
+    """``name``: the median over timed trials, its bootstrap interval, the trial count and warning."""
     low, high = bootstrap_ci(per_trial)
     estimate = median(per_trial)
     reason = interval_reason(len(per_trial), 0.5, what)
@@ -330,9 +301,7 @@ def trial_metric(name: str, per_trial: Sequence[float], what: str = "timed trial
 
 
 def step_metrics(trials: Sequence[Sequence[float]], prefix: str = "decode_ms") -> Dict[str, Optional[object]]:
-    """Quantiles (:data:`STEP_QUANTILES`) and the mean of every step of every trial; the
-    quantiles in :data:`STEP_CI` with their moving-block bootstrap interval (blocks within
-    trials); each quantile's sample count and warning."""
+    """Quantiles and the mean of every step of every trial, with intervals for :data:`STEP_CI`."""
     steps = [ms for trial in trials for ms in trial]
     out: Dict[str, Optional[object]] = {}
     for tag, q in STEP_QUANTILES.items():
@@ -381,22 +350,20 @@ def step_metric_metrics(prefix: str = "decode_ms") -> List[Metric]:
 
 
 def trial_metric_methods(name: str, unit: str) -> Dict[str, str]:
-    """Methods of the fields :func:`trial_metric` adds beside ``name`` (as a record keeps them)."""
+    """Methods of the fields :func:`trial_metric` adds beside ``name``."""
     return record_methods(trial_metric_metrics(name, unit))
 
 
 def step_metric_methods(prefix: str = "decode_ms") -> Dict[str, str]:
-    """Methods of the fields :func:`step_metrics` adds beside the quantiles (as a record keeps them)."""
+    """Methods of the fields :func:`step_metrics` adds beside the quantiles."""
     return record_methods(step_metric_metrics(prefix))
 
 
 def step_rate(steps: Dict[str, Optional[object]], batch_size: int, prefix: str = "decode_ms",
               name: str = "tokens_per_s") -> Dict[str, Optional[object]]:
-    """Tokens per second derived from the step statistics themselves (:func:`step_metrics`' output),
-    so the two can never disagree: ``name`` = batch x 1000 / the median step, its interval the
-    median's inverted, ``<name>_mean`` = batch x 1000 / the mean step (every token over all decode
-    time, stalls included). A median over whole trials instead let one stalled trial of three halve
-    tokens/s while the median step moved 8 %."""
+    """Tokens per second from :func:`step_metrics`' output, so the two can never disagree (a median
+    over whole trials would let one stalled trial of three halve tokens/s while the median step
+    moved 8 %)."""
     p50, mean = steps[f"{prefix}_p50"], steps[f"{prefix}_mean"]
     low, high = steps.get(f"{prefix}_p50_ci_low"), steps.get(f"{prefix}_p50_ci_high")
     rate = (lambda ms: batch_size * 1e3 / ms if ms else None)  # noqa: E731 — one formula, three uses
@@ -418,5 +385,5 @@ def step_rate_metrics(prefix: str = "decode_ms", name: str = "tokens_per_s") -> 
 
 
 def step_rate_methods(prefix: str = "decode_ms", name: str = "tokens_per_s") -> Dict[str, str]:
-    """Methods of the fields :func:`step_rate` reports (as a record keeps them)."""
+    """Methods of the fields :func:`step_rate` reports."""
     return record_methods(step_rate_metrics(prefix, name))

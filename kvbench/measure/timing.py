@@ -1,10 +1,9 @@
 """Wall-clock timing of code regions.
 
-On CUDA each region is bracketed by CUDA events and nothing synchronises until the times are
-read, so timing does not stall the stream; on CPU, where torch runs synchronously, regions
-use ``time.perf_counter``. On CUDA the host's own time to get through each region (to enqueue
-its kernels) is kept too: a region whose host time is near its event time is launch-bound.
-Unit: milliseconds.
+On CUDA each region is bracketed by CUDA events and nothing synchronises until the times are read,
+so timing does not stall the stream; on CPU, where torch runs synchronously, ``time.perf_counter``.
+On CUDA the host's time to enqueue each region is kept too: a region whose host time is near its
+event time is launch-bound. Unit: milliseconds.
 """
 
 from __future__ import annotations
@@ -56,8 +55,8 @@ class RegionTimer:
         return self.host_ms(name)
 
     def host_ms(self, name: str) -> List[float]:
-        """Host (perf_counter) durations of every ``name`` region in milliseconds: on CUDA the
-        time to enqueue it, unless something in it synchronised; on CPU the same as :meth:`ms`."""
+        """Host durations of every ``name`` region in milliseconds: on CUDA the time to enqueue it,
+        unless something in it synchronised."""
         return [s * 1e3 for s in self._host.get(name, [])]
 
 

@@ -3,20 +3,15 @@ the two allocators (``workload.allocator``) and the bytes each reserves, as form
 so a config is checked against them before any model is built).
 
 A **group** is the layers whose blocks come and go together: the K/V layers that keep the same
-positions of a sequence (their layout's ``retention``: every position, or a block is released
-once no later query sees a position in it), and the recurrent layers (Gated DeltaNet), which hold
-one state page per running sequence whatever its length. A layer that reads another layer's K/V
-holds nothing.
+positions of a sequence (their layout's ``retention``), and the recurrent layers, which hold one
+state page per running sequence whatever its length. A layer that reads another layer's K/V holds
+nothing.
 
-- ``per_kind`` (kvbench's pools): each group has its own pool of its own block size in bytes
-  (``cache.block_size`` positions of its layers, or one state of all its layers). The budget is
-  split between the pools in proportion to what the longest request holds at its worst in each
-  (a full layer its every position, a local layer the keys a prefill chunk sees and the chunk,
-  kept whole in blocks, a state layer one page), each pool rounded down to whole blocks.
-- ``unified`` (vLLM's hybrid allocator): one pool of equal pages, a page being one layer's block
-  or one layer's state; the attention block is raised to the first multiple of
-  ``cache.block_size`` whose page holds a state (:func:`unified_block_size`), and every page is
-  as large as the largest of them. A group's block takes one page per layer of the group.
+- ``per_kind`` (kvbench's pools): a pool per group, of its own block size in bytes; the budget is
+  split in proportion to what the longest request holds at its worst in each.
+- ``unified`` (vLLM's hybrid allocator): one pool of equal pages, a page being one layer's block or
+  one layer's state; the attention block is raised until its page holds a state
+  (:func:`unified_block_size`). A group's block takes one page per layer of the group.
 
 Notation: L positions of a sequence, bs tokens per block.
 """
@@ -33,9 +28,8 @@ from kvbench.layouts.base import LayerLayout
 
 @dataclass(frozen=True)
 class Group:
-    """Layers whose blocks come and go together. ``keeps``: its first layer's layout, which says
-    what every layer of the group keeps of a sequence. K/V: ``position_bytes`` per position over
-    all its layers (``layer_bytes`` per layer); state: ``state_bytes`` per sequence over all its layers."""
+    """Layers whose blocks come and go together. ``keeps``: its first layer's layout, which says what
+    every layer of the group keeps; the bytes are summed over the group's layers."""
 
     layers: Tuple[int, ...]
     keeps: LayerLayout
@@ -49,8 +43,7 @@ class Group:
 
 
 def groups_of(layouts: Sequence, element: int, cache_dtype: str = "auto") -> Tuple[Group, ...]:
-    """The store's groups of ``layouts``: the K/V layers by what they keep (in the order of their
-    layouts' ``retention``: full attention first), then the state."""
+    """The store's groups: the K/V layers by what they keep (full attention first), then the state."""
     kv, state = {}, []
     for layout in layouts:
         if layout.state is not None:
@@ -68,9 +61,8 @@ def groups_of(layouts: Sequence, element: int, cache_dtype: str = "auto") -> Tup
 
 
 def blocks_held(group: Group, length: int, bs: int) -> int:
-    """Blocks one sequence of ``length`` positions holds in ``group`` between forwards: the blocks
-    from the one holding the first position the next query sees on (every block of a full layer),
-    one page for a state."""
+    """Blocks one sequence of ``length`` positions holds in ``group`` between forwards: from the one
+    holding the first position the next query sees; one page for a state."""
     if group.is_state:
         return 1
     return -(-length // bs) - group.keeps.first_kept(length) // bs
@@ -78,9 +70,7 @@ def blocks_held(group: Group, length: int, bs: int) -> int:
 
 def worst_blocks(group: Group, length: int, bs: int, chunk: int = 1) -> int:
     """The most blocks a sequence of up to ``length`` positions holds in ``group`` while it grows by
-    forwards of at most ``chunk`` positions: a full layer all of them; else the most its layout
-    keeps (:meth:`~kvbench.layouts.base.LayerLayout.most_kept`) in whole blocks at the worst
-    alignment; a state one."""
+    forwards of at most ``chunk`` positions (what its layout keeps, at the worst block alignment)."""
     if group.is_state:
         return 1
     every, kept = -(-length // bs), group.keeps.most_kept(length, chunk)
@@ -100,10 +90,8 @@ def unified_block_size(groups: Sequence[Group], block_size: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """A store's groups and pools. ``block_size``: attention positions per block; ``page_bytes``:
-    the bytes one block of each group reserves; ``capacity``: blocks each group's storage has;
-    ``pages``: the pool's pages (per_kind: each group's own, ``cost`` 1; unified: one pool, a
-    group's block taking ``cost`` = its layers' pages)."""
+    """A store's groups and pools. ``page_bytes``: the bytes one block of each group reserves;
+    ``capacity``: blocks each group's storage has; ``cost``: pages a group's block takes."""
 
     allocator: str
     block_size: int
@@ -122,16 +110,14 @@ class Plan:
 
     @property
     def storage_bytes(self) -> int:
-        """Bytes the layouts' formula gives for what the groups' storage holds: each K/V group's
-        blocks of ``block_size`` positions, each state page's states."""
+        """Bytes the layouts' formula gives for what the groups' storage holds."""
         return sum(n * (g.state_bytes if g.is_state else self.block_size * g.position_bytes)
                    for g, n in zip(self.groups, self.capacity))
 
     @property
     def waste_per_sequence(self) -> int:
-        """The most bytes one running sequence's pages reserve beyond what the formula gives for what
-        they hold: in each K/V group a last block with one position filled (a page raised to hold
-        a state adds its slack to every block), in the state group a page's room beyond its state."""
+        """The most bytes one running sequence's pages reserve beyond the formula: a last block with one
+        position filled in each K/V group, a page's room beyond its state in the state group."""
         return sum(b - (g.state_bytes if g.is_state else g.position_bytes)
                    for g, b in zip(self.groups, self.page_bytes))
 
@@ -140,15 +126,12 @@ class Plan:
         return sum(blocks_held(g, length, self.block_size) * b for g, b in zip(self.groups, self.page_bytes))
 
     def worst_sequence_bytes(self, length: int, chunk: int = 1) -> int:
-        """Bytes one sequence of up to ``length`` positions reserves at its worst while it grows by
-        ``chunk`` (block rounding at the worst alignment, its state page): :func:`worst_blocks` x each
-        group's block bytes."""
+        """Bytes one sequence of up to ``length`` positions reserves at its worst while it grows by ``chunk``."""
         return sum(worst_blocks(g, length, self.block_size, chunk) * b for g, b in zip(self.groups, self.page_bytes))
 
     def sequences_fit(self, length: int, chunk: int = 1) -> int:
-        """How many sequences of ``length`` positions the pools hold at once, each at its worst
-        while it grows by ``chunk`` (nothing shared): the scarcest pool's pages over one sequence's
-        need of them."""
+        """How many sequences of ``length`` positions the pools hold at once, each at its worst (nothing
+        shared): the scarcest pool decides."""
         return min(p // n for p, n in zip(self.pages, self.need(length, chunk)) if n)
 
     def need(self, length: int, chunk: int) -> Tuple[int, ...]:
@@ -169,8 +152,7 @@ def budget_bytes(kv_budget_mb: Optional[float], kv_budget_blocks: Optional[int],
 
 def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_bytes: float, longest: int,
               chunk: int = 1) -> Plan:
-    """The pools ``allocator`` makes of ``budget_bytes`` for ``groups`` (``longest``: the longest
-    request's positions, prefilled ``chunk`` at a time, sets per_kind's split)."""
+    """The pools ``allocator`` makes of ``budget_bytes`` (``longest`` and ``chunk`` set per_kind's split)."""
     if allocator not in ALLOCATORS:
         raise ConfigError(f"workload.allocator={allocator!r}: must be one of {', '.join(ALLOCATORS)}")
     groups = tuple(groups)
@@ -187,8 +169,8 @@ def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_b
 
 
 def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int) -> Plan:
-    """The static cache's pools: ``num_slots`` slots of ``slot_len`` positions in every group (a
-    state group: a state per slot), one per running request, taken whole."""
+    """The static cache's pools: ``num_slots`` slots of ``slot_len`` positions in every group, one per
+    running request."""
     groups = tuple(groups)
     return Plan("per_kind", slot_len, groups, tuple(slot_bytes(g, slot_len) for g in groups), (1,) * len(groups),
                 (num_slots,) * len(groups), (num_slots,) * len(groups))
@@ -200,11 +182,9 @@ def slot_bytes(group: Group, slot_len: int) -> int:
 
 
 class Checkpoint:
-    """Where a recurrent layer's state is saved for prefix caching (``workload.state_checkpoint``):
-    at every block boundary (``block``), at every multiple of ``every`` positions (``every_n``), or
-    at the prompt's last block boundary only (``prompt_end``). A saved state is reused only at the
-    position it was saved at, and K/V are reused in whole blocks: a save off a block boundary
-    could never be hit, so ``every`` must be a multiple of the attention block."""
+    """Where a recurrent layer's state is saved for prefix caching (``workload.state_checkpoint``). A
+    state is reused only at the position it was saved at, and K/V in whole blocks: a save off a block
+    boundary could never be hit."""
 
     def __init__(self, policy: str = "block", every: int = 0):
         if policy not in CHECKPOINTS:

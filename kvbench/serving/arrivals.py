@@ -81,9 +81,8 @@ def make_requests(w) -> List[Request]:
 
 
 def check_drawn(w, last_s: float, n: int, output_tokens: float) -> None:
-    """The drawn arrivals, checked as the config's means were (config.serving): they end within
-    :data:`MAX_SPAN_S` (a gamma of small ``burstiness`` draws a few enormous gaps whatever its
-    mean) and their record fits."""
+    """The drawn arrivals, checked as the config's means were: a gamma of small ``burstiness`` draws a
+    few enormous gaps whatever its mean."""
     if not last_s <= MAX_SPAN_S:  # NaN too: gaps that overflowed
         key, value = (("workload.burstiness", w.burstiness) if w.arrival == "gamma" and w.burstiness < 1
                       else ("workload.rate", w.rate))
@@ -110,10 +109,8 @@ _COLUMNS = ("arrival_s", "prompt_len", "output_len")
 
 
 def read_trace(path: str, default_prefix_len: int = 0) -> List[Request]:
-    """A trace file as requests: JSONL (one object a line) or CSV with a header row, columns
-    ``arrival_s, prompt_len, output_len`` and optionally ``prefix_id`` and ``prefix_len``
-    (default ``workload.prefix_len``); arrivals in non-decreasing order. Every problem is one
-    :class:`ConfigError` naming ``workload.trace``, the file and the row."""
+    """A trace file (JSONL or CSV with a header row, arrivals in order) as requests; every problem is
+    one :class:`ConfigError` naming the file and the row."""
     key = f"workload.trace={path!r}"
     text = read_text(key, path, MAX_TRACE_BYTES, "a trace")
     rows = table_rows(text, key, _COLUMNS, f"{', '.join(_COLUMNS)}, optional prefix_id, prefix_len", MAX_TRACE_ROWS,

@@ -1,14 +1,7 @@
-"""One forward's view of a serving store (:class:`~kvbench.serving.paged.PagedStore`), passed to the
-decoder as its cache: each layer's cache answers the cache's one question over the sequences'
-blocks.
-
-- a K/V layer (:class:`PagedLayer`) writes each sequence's new K/V (B, H_kv, T, D) into its
-  blocks and gathers back the keys its queries may see: the positions from the first one its
-  layout keeps for the first query on (every position for a full layer; older blocks may be
-  released), padded to the longest, under :func:`~kvbench.cache.visible`'s mask by the layout;
-- a recurrent layer (:class:`PagedStateLayer`) reads each sequence's state page and convolution
-  tail, and writes both back when the forward commits;
-- a layer that reads another layer's K/V answers with its donor's answer (:func:`kvbench.shared_kv.link`).
+"""One forward's view of a serving store, passed to the decoder as its cache: each layer's cache
+answers the cache's one question over the sequences' blocks. A K/V layer gathers the keys its
+queries may see, padded to the longest sequence and masked by its layout; a recurrent layer reads
+each sequence's state page and writes it back when the forward commits.
 
 Notation: B sequences, T new tokens each, S keys gathered, H_kv KV heads, D width.
 """
@@ -27,8 +20,7 @@ from kvbench.state_cache import Carry
 
 class GroupView:
     """A K/V group's slots for this forward: ``write`` (B*T,) where the new positions go, ``read``
-    (B, S) the slots gathered (padding reads slot 0, hidden by the mask), and the mask by the rule
-    of ``layout`` (what the group's layers keep)."""
+    (B, S) the slots gathered (padding reads slot 0, hidden by the mask)."""
 
     def __init__(self, tables: Sequence[List], starts: Sequence[int], T: int, bs: int, layout, positions: Positions,
                  device):
@@ -73,9 +65,8 @@ class PagedLayer(LayerCache):
 
 
 class PagedStateLayer:
-    """One recurrent layer of a :class:`BatchView`: the sequences' state pages ``pages`` (B,) of
-    ``conv`` (pages, C, K - 1) and ``recurrent`` (pages, ...), read as a batch and written back at
-    :meth:`commit` (the layer advances the state it was handed in place)."""
+    """One recurrent layer of a :class:`BatchView`: the sequences' state pages (B,), read as a batch
+    and written back at :meth:`commit` (the layer advances the state it was handed in place)."""
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, pages: torch.Tensor):
         self.conv, self.recurrent, self.pages = conv, recurrent, pages

@@ -1,17 +1,9 @@
 """The turns of a conversation workload as the scheduler's requests, and what a serving run serves.
 
-A conversation's turn ``k`` is one request: its prompt is the whole history (the system prompt if
-any, every earlier message and the answer the model gave to it) followed by the new user message,
-so ``prompt_len(k) = prompt_len(k-1) + output_len(k-1) + user_len(k)``. Every turn's lengths are
-known before the run (the budget and ``model.max_seq_len`` are checked on them), but a later turn's
-tokens and arrival are not: it is released when the previous answer is finished, a think time
-later (a trace's turn: not before its own ``arrival_s``), with the previous turn's tokens as its
-history (:meth:`Plan.follow`, the scheduler's ``follow``).
-
-Conversations come from the config (turn counts, message and answer lengths and think times drawn
-from ``workload.seed``, arriving as ``workload=serving``'s requests do), a ShareGPT-style file
-(its turns and lengths, arriving at ``workload.rate``) or a trace of turns (its own times):
-:mod:`kvbench.serving.conversation_traces`.
+A conversation's turn ``k`` is one request whose prompt is the whole history followed by the new
+message: ``prompt_len(k) = prompt_len(k-1) + output_len(k-1) + user_len(k)``. Every turn's lengths
+are known before the run (so the budget is checked on them), but a later turn's tokens and arrival
+are not: it is released a think time after the previous answer is finished.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ Follow = Callable[[Request, List[int], float], Optional[Tuple[Request, List[int]
 
 @dataclass
 class Plan:
-    """What one serving run serves: ``requests`` every request (its lengths; a later turn's
-    ``arrival_s`` the earliest it may be sent), ``arrivals`` those the run starts with and their
-    ``prompts``, ``follow`` what releases the rest (None: nothing does)."""
+    """What one serving run serves: every request, those the run starts with and their prompts, and
+    ``follow``, what releases the rest."""
 
     requests: List[Request]
     arrivals: List[Request]
@@ -57,8 +48,7 @@ class Chats:
                         if a.conversation == b.conversation}
 
     def follow(self, request: Request, tokens: List[int], t: float) -> Optional[Tuple[Request, List[int]]]:
-        """The turn after ``request`` (finished at ``t`` with ``tokens``: its prompt and answer):
-        sent ``think_s`` later, not before its own earliest ``arrival_s``; None after the last."""
+        """The turn after ``request`` (finished at ``t``), sent ``think_s`` later; None after the last."""
         nxt = self.next_of.get(request.id)
         if nxt is None:
             return None
@@ -91,8 +81,8 @@ def message_tokens(seed: int, vocab_size: int, conversation: int, turn: int, spe
 
 
 def synthetic_chats(w, first: List[Request]) -> List[List[TurnSpec]]:
-    """Turn counts, message and answer lengths from ``w``'s distributions; the first turns' are
-    those of the arrival process's requests ``first`` (:func:`~kvbench.serving.arrivals.make_requests`)."""
+    """Turn counts, message and answer lengths from ``w``'s distributions; the first turns are the
+    arrival process's requests ``first``."""
     rng = np.random.default_rng([w.seed, 3])
     counts = draw_lengths(rng, len(first), w.turns)
     later = int(counts.sum()) - len(first)

@@ -13,12 +13,10 @@ which ``vllm bench serve`` runs), per finished request ``r`` with output tokens 
 - goodput (vLLM's ``--goodput``): finished requests whose TTFT, TPOT and E2E are each at most the
   target given (``<=``, as ``s >= r`` there), per second of the same duration.
 
-Unfinished requests (the run ended before their last token) are counted in ``requests_unfinished``
-and excluded from every latency and throughput figure, and ``requests_unfinished_reason`` says so.
-Percentiles are numpy's ``linear`` method (vLLM's ``np.percentile`` default); the intervals of the
-p50 and p99 follow :mod:`kvbench.measure.stats`' rule (null below the samples a 95 % interval of
-that quantile needs, ``<name>_ci_reason`` says why), by a moving-block bootstrap over requests in
-arrival order (a queue makes neighbours' latencies alike) or, for ITL, over gaps within requests.
+Unfinished requests are excluded from every latency and throughput figure. Percentiles are numpy's
+``linear`` method (vLLM's ``np.percentile`` default); the intervals follow :mod:`kvbench.measure.stats`'
+rule, by a moving-block bootstrap over requests in arrival order (a queue makes neighbours'
+latencies alike) or, for ITL, over gaps within requests.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ LATENCIES = {  # name -> what it is, for the methods
 
 
 def slo_targets(slo: Any) -> Dict[str, float]:
-    """The targets of ``slo`` that are set: a mapping or an object (``SloConfig``) with any of
-    :data:`SLO_KEYS`; None, missing or null keys set none."""
+    """The targets of ``slo`` (a mapping or an ``SloConfig``) that are set."""
     if slo is None:
         return {}
     get = slo.get if isinstance(slo, Mapping) else (lambda k: getattr(slo, k, None))
@@ -69,9 +66,8 @@ def per_request(trace: RequestTrace) -> Dict[str, Optional[float]]:
 
 
 def _quantiles(name: str, groups: Sequence[Sequence[float]], what: str, intervals: bool) -> Dict[str, Any]:
-    """Mean and :data:`QUANTILES` of every value of ``groups`` (blocks are drawn within a group),
-    each quantile's sample count, and the intervals of :data:`CI_QUANTILES` (a quantile of too few
-    samples: :func:`quantiles_warning`)."""
+    """Mean and :data:`QUANTILES` of every value of ``groups`` with their sample counts, and the
+    intervals of :data:`CI_QUANTILES` (bootstrap blocks are drawn within a group)."""
     values = [v for g in groups for v in g]
     n = len(values)
     out: Dict[str, Any] = {f"{name}_mean": float(np.mean(values)) if n else None}
@@ -95,10 +91,8 @@ def _quantiles(name: str, groups: Sequence[Sequence[float]], what: str, interval
 
 
 def quantiles_warning(metrics: Mapping[str, Any]) -> Optional[str]:
-    """One line for every latency quantile of ``metrics`` computed from fewer samples than it needs
-    to be more than an extreme value (:func:`kvbench.measure.stats.min_samples`: 100 for a p99),
-    grouped by quantile; None when every one has enough. One line, not one per latency: the
-    quantiles of a run share their requests, so they fall short together."""
+    """One line for every latency quantile computed from too few samples to be more than an extreme
+    value, grouped by quantile (a run's quantiles share their requests, so they fall short together)."""
     parts = []
     for tag, q in QUANTILES.items():
         short = [(name, metrics[f"{name}_{tag}_n"]) for name in LATENCIES
@@ -122,8 +116,8 @@ def good_request(row: Mapping[str, Optional[float]], targets: Mapping[str, float
 
 
 def timeline_metrics(timeline: Timeline, slo: Any = None, intervals: bool = True) -> Dict[str, Any]:
-    """Every scalar metric of :data:`METRICS` from ``timeline``; ``slo`` (see :func:`slo_targets`)
-    sets goodput's targets. ``intervals=False`` skips the bootstraps (a rate search's probes)."""
+    """Every scalar metric of :data:`METRICS` from ``timeline``; ``slo`` sets goodput's targets.
+    ``intervals=False`` skips the bootstraps (a rate search's probes)."""
     finished = _finished(timeline)
     rows = [per_request(t) for t in finished]
     total, done = len(timeline.traces), len(finished)
@@ -174,7 +168,7 @@ def block_metrics(timeline: Timeline) -> Dict[str, Any]:
     s = timeline.samples
     waste = [x.kv_bytes_used - x.kv_bytes_needed for x in s]
     # a sequence's last block holds at least one token: at most block_size - 1 empty slots each
-    # (a record written before the store kept its own bound: of K/V blocks of block_size alone)
+    # (the bound of an older record, which has no plan's bound of its own)
     per_sequence = timeline.waste_per_sequence
     if per_sequence is None:
         per_sequence = (timeline.block_size - 1) * timeline.bytes_per_token
@@ -206,10 +200,8 @@ def timeline_series(timeline: Timeline) -> Dict[str, List[float]]:
 
 
 def slo_violations(metrics: Mapping[str, Any], slo: Any, stat: Optional[str] = None) -> List[str]:
-    """Which targets of ``slo`` a run's ``stat`` (default ``slo.stat``, else p99) of TTFT / TPOT /
-    E2E misses (``<key>`` names it); ``unfinished`` when requests did not finish (their latency
-    is unknown, so the run cannot be said to meet anything); a target whose statistic is null (no
-    request had two tokens: no TPOT) is not missed."""
+    """Which targets of ``slo`` a run's ``stat`` (default ``slo.stat``, else p99) misses; ``unfinished``
+    when requests did not finish (their latency is unknown); a null statistic misses nothing."""
     stat = stat or (slo.get("stat") if isinstance(slo, Mapping) else getattr(slo, "stat", None)) or "p99"
     missed = [k for k, v in slo_targets(slo).items() if (metrics.get(f"{k}_{stat}") or 0.0) > v]
     if metrics.get("requests_unfinished"):

@@ -1,25 +1,16 @@
 """The serving stores: pools of fixed-size blocks shared by every running request, one pool (or
 one share of a pool) per group of layers (:mod:`kvbench.serving.allocator`).
 
-- :class:`PagedStore` (``workload.store=paged``): blocks of ``cache.block_size`` tokens allocated
-  on demand as a sequence grows, freed when it finishes or is preempted; each sequence has a
-  block table per K/V group (vLLM's PagedAttention layout). A local layer's blocks are freed as
-  soon as no later query sees a position in them; a recurrent layer holds one state page
-  per running sequence. Full blocks are shared across requests by content (vLLM's automatic
-  prefix caching): a block's key is the hash of its tokens and of the block chain before it, a
-  freed block keeps its key until it is evicted (least recently freed first), and a new request
-  starts from the longest chain of cached blocks of its prompt that every group can continue
-  from: all the blocks of a full layer, the blocks the next query sees of a local layer, and a saved
-  state at exactly that position for a recurrent layer (``workload.state_checkpoint`` decides
-  where states are saved; a prefill chunk ends at each save).
-- :class:`SlotStore` (``workload.store=slots``): the static cache, one slot of ``slot_len``
-  positions per running request, taken whole when it is admitted.
+- :class:`PagedStore` (``workload.store=paged``): blocks allocated on demand, a block table per
+  sequence and K/V group (vLLM's PagedAttention layout). A local layer's blocks are freed as soon as
+  no later query sees them. Full blocks are shared across requests by content (vLLM's automatic
+  prefix caching): a block's key hashes its tokens and the chain before it, a freed block keeps its
+  key until evicted (least recently freed first), and a new request starts from the longest cached
+  chain every group can continue from (for a recurrent layer, a state saved at exactly that position).
+- :class:`SlotStore` (``workload.store=slots``): the static cache, one slot per running request.
 
 K/V are held per layer in :class:`~kvbench.kv_store.KVStore`'s (slots, H_kv, D), slot = block x
-block size + offset, in ``cache.dtype`` (int8 / float8 codes and their scales, as the static
-cache stores them); a state page per layer as the static cache's
-(:class:`~kvbench.state_cache.StateLayer`). The forwards read them through
-:class:`~kvbench.serving.batch.BatchView`.
+block size + offset, in ``cache.dtype``.
 """
 
 from __future__ import annotations
@@ -47,8 +38,7 @@ def check_model(model, cache_dtype: str = "auto", store: str = "paged") -> None:
 
 def plan_for(model, num_blocks: int, block_size: int, cache_dtype: str = "auto", allocator: str = "per_kind",
              longest: Optional[int] = None, chunk: int = 1) -> Plan:
-    """The pools of a budget of ``num_blocks`` blocks of every K/V layer (or of one state, for a
-    model without K/V): :func:`~kvbench.serving.allocator.make_plan`."""
+    """The pools of a budget of ``num_blocks`` blocks of every K/V layer (of one state without K/V)."""
     groups = groups_of(model.layouts, model.dtype.itemsize, cache_dtype)
     per_block = block_size * bytes_per_token(model, cache_dtype) or groups[-1].state_bytes
     return make_plan(groups, allocator, block_size, num_blocks * per_block, longest or model.config.max_seq_len,
@@ -57,9 +47,8 @@ def plan_for(model, num_blocks: int, block_size: int, cache_dtype: str = "auto",
 
 @dataclass
 class SeqBlocks:
-    """One sequence's place in a store: a block table per group (None: a block no later query
-    sees, released), its state page, the positions whose K/V it holds, and the content keys of its
-    first ``len(keys)`` full blocks (registered)."""
+    """One sequence's place in a store: a block table per group (None: released, no later query sees
+    it), its state page, and the content keys of its first ``len(keys)`` full blocks."""
 
     tables: Dict[int, List[Optional[int]]] = field(default_factory=dict)
     length: int = 0
@@ -69,13 +58,12 @@ class SeqBlocks:
 
     @property
     def table(self) -> List[Optional[int]]:
-        """The first K/V group's table (the only one of a model whose K/V layers keep alike and hold no state)."""
+        """The first K/V group's table."""
         return next(iter(self.tables.values()), [])
 
 
 class PagedStore:
-    """A paged store for ``model``: ``num_blocks`` blocks of ``block_size`` tokens of every K/V
-    layer as the budget (per_kind, split by :func:`plan_for`), or the pools of ``plan``."""
+    """A paged store for ``model``: a budget of ``num_blocks`` blocks of every K/V layer, or ``plan``."""
 
     kind = "paged"
 
@@ -211,9 +199,9 @@ class PagedStore:
         return hash((parent, tuple(tokens)))
 
     def cached_prefix(self, seq: SeqBlocks, tokens: Sequence[int]) -> int:
-        """Attach to ``seq`` (empty) the longest cached prefix of ``tokens`` that every group can
-        continue from, at most ``len(tokens) - 1`` positions (the last token is computed for its
-        logits, as vLLM does), in whole blocks; returns the positions found."""
+        """Attach to ``seq`` the longest cached prefix of ``tokens`` that every group can continue
+        from, at most ``len(tokens) - 1`` positions (the last token is computed for its logits, as
+        vLLM does); returns the positions found."""
         if not self.prefix_caching:
             return 0
         bs, keys, parent = self.block_size, [], None
@@ -266,9 +254,8 @@ class PagedStore:
         return found
 
     def register(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
-        """After a forward of ``seq``: make its newly full blocks findable by content (``tokens``: its
-        token ids), save its state where the checkpoint policy says (it is exactly at ``seq.length``
-        now), then release the blocks no later query sees (a cached one stays findable)."""
+        """After a forward of ``seq``: make its newly full blocks findable by content, save its state
+        where the checkpoint policy says, then release the blocks no later query sees."""
         if self.prefix_caching:
             self._register(seq, tokens)
         self.release_behind(seq)
@@ -310,8 +297,7 @@ class PagedStore:
     # ---- reading and writing --------------------------------------------------------------
 
     def view(self, seqs: Sequence[SeqBlocks], T: int) -> BatchView:
-        """The :class:`BatchView` of a forward that adds ``T`` positions to each of ``seqs``
-        (their blocks already grown to hold them)."""
+        """The :class:`BatchView` of a forward that adds ``T`` positions to each of ``seqs``."""
         return BatchView(self, seqs, T)
 
     def written(self, seqs: Sequence[SeqBlocks], T: int) -> None:
@@ -335,8 +321,7 @@ class PagedStore:
 
 
 class SlotStore(PagedStore):
-    """The static cache: ``num_slots`` slots of ``slot_len`` positions, one per running request,
-    taken whole on admission (a block of ``slot_len`` tokens), never shared."""
+    """The static cache: ``num_slots`` slots of ``slot_len`` positions, taken whole on admission, never shared."""
 
     kind = "slots"
 

@@ -1,11 +1,9 @@
 """Blocks and the pages they cost: the bookkeeping under a serving store, torch-free.
 
-A :class:`BlockPool` numbers one group's blocks (:mod:`kvbench.serving.allocator`) and counts who
-holds each; a block whose holders are gone keeps its content key (a cached block: prefix caching
-finds it) until it is evicted. Its blocks are paid for in :class:`Pages`: a pool of its own
-(``workload.allocator=per_kind``: a page is a block) or one pool shared by every group
-(``unified``: a block costs one page per layer of its group). A new block takes a page never
-cached first, then evicts the least recently freed cached block of any group sharing the pages.
+A :class:`BlockPool` counts who holds each of one group's blocks; a block whose holders are gone
+keeps its content key (prefix caching finds it) until evicted. Blocks are paid for in
+:class:`Pages`, a pool's own or shared by every group (``unified``). A new block takes a page never
+cached first, then evicts the least recently freed cached block.
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ from typing import Dict, Hashable, List, Optional, Tuple
 
 
 class Pages:
-    """``total`` pages; ``used``: those held or cached; ``cached``: (pool, block) by time freed;
-    ``evicted``: the content key of every cached block evicted, in order (a list shared by the
-    pages of one store: what a test or a study of evictions reads)."""
+    """``total`` pages; ``used``: held or cached; ``cached``: (pool, block) by time freed; ``evicted``:
+    the content key of every cached block evicted, in order (for tests and studies of evictions)."""
 
     def __init__(self, total: int, evicted: Optional[List[Hashable]] = None):
         self.total, self.used = total, 0

@@ -43,13 +43,8 @@ class RatePoint:
 
 @dataclass
 class RateSearch:
-    """What :func:`max_rate_under_slo` found.
-
-    ``max_rate``: the highest measured rate that met every target, below the lowest that failed
-    (None when not even ``lo`` passed, or when none failed up to ``hi``: then ``at_least`` is
-    ``hi``); ``failed_at``: the lowest failing rate and ``bound`` the targets it missed (what
-    sets the limit); ``reason`` says why ``max_rate`` is null; ``curve``: every point in the
-    order measured."""
+    """What :func:`max_rate_under_slo` found: ``bound`` is the targets the lowest failing rate missed
+    (what sets the limit); ``curve`` every point in the order measured."""
 
     max_rate: Optional[float]
     failed_at: Optional[float]
@@ -76,9 +71,8 @@ def _check(lo: float, hi: float, growth: float, rel_tol: float, max_probes: int)
 def max_rate_under_slo(measure: Callable[[float], Mapping[str, Any]], slo: Any, lo: float, hi: float,
                        growth: float = 2.0, rel_tol: float = 0.1, max_probes: int = 10,
                        check_above: bool = True) -> RateSearch:
-    """The largest rate in [``lo``, ``hi``] whose run meets every target of ``slo`` (a mapping or
-    ``SloConfig``; :func:`~kvbench.serving.metrics.slo_violations` judges), to within
-    ``1 + rel_tol``; at most ``max_probes`` calls of ``measure(rate) -> metrics``."""
+    """The largest rate in [``lo``, ``hi``] whose run meets every target of ``slo``, to within
+    ``1 + rel_tol``, in at most ``max_probes`` calls of ``measure(rate) -> metrics``."""
     _check(lo, hi, growth, rel_tol, max_probes)
     if not slo_targets(slo):
         raise ValueError("the rate search needs an SLO target: set slo.ttft_ms, slo.tpot_ms or slo.e2e_ms")

@@ -88,11 +88,9 @@ class Running:
 
 
 class Scheduler:
-    """Continuous batching of ``requests`` (with their prompt token ids ``prompts``) on ``model``
-    over ``store``. ``observe``: called with the scheduler after every iteration (a test seam).
-    ``follow(request, tokens, t)``: called when a request finishes at ``t`` with all its tokens
-    (prompt and output); the request it releases and that one's prompt (a conversation's next turn,
-    arriving a think time later), or None."""
+    """Continuous batching of ``requests`` on ``model`` over ``store``. ``observe``: a test seam called
+    after every iteration. ``follow(request, tokens, t)``: when a request finishes, the request it
+    releases and that one's prompt (a conversation's next turn), or None."""
 
     def __init__(self, model, store: PagedStore, requests: Sequence[Request], prompts: Sequence[List[int]],
                  max_prefill_tokens: int = 512, max_running: int = 64, clock=None,
@@ -181,9 +179,8 @@ class Scheduler:
         return out
 
     def _prefill(self, s: Running, T: int) -> int:
-        """Positions ``length .. length + T - 1`` of ``s`` as one forward, or as several where the
-        store saves a recurrent layer's state inside them (a state exists only where a forward
-        ends); the greedy next token after the last."""
+        """Positions ``length .. length + T - 1`` of ``s``, split where the store saves a recurrent
+        layer's state (a state exists only where a forward ends); the greedy next token."""
         while True:
             limit = self.store.chunk_limit(s.blocks)
             step = T if limit is None else min(T, limit)
@@ -193,8 +190,8 @@ class Scheduler:
                 return token
 
     def _forward(self, seqs: List[Running], T: int) -> List[int]:
-        """Positions ``length .. length + T - 1`` of each of ``seqs`` (one forward); the greedy
-        next token of each (meaningful for those whose last position this was)."""
+        """Positions ``length .. length + T - 1`` of each of ``seqs`` in one forward; the greedy next
+        token of each."""
         view = self.store.view([s.blocks for s in seqs], T)
         ids = torch.tensor([s.tokens[s.blocks.length:s.blocks.length + T] for s in seqs],
                            dtype=torch.long, device=self.model.device)  # (B, T)

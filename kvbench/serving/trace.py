@@ -1,8 +1,7 @@
 """What a serving run leaves behind: every request's timeline and the scheduler's samples.
 
-This is the contract between the scheduler (which writes a :class:`Timeline`) and the metrics
-(which read one, and nothing else). Times are seconds on one clock, the scheduler's, whose zero is
-the run's start; a fake clock in tests gives scripted timelines.
+The contract between the scheduler, which writes a :class:`Timeline`, and the metrics, which read
+nothing else. Times are seconds on the scheduler's clock, zero at the run's start.
 """
 
 from __future__ import annotations
@@ -13,11 +12,8 @@ from typing import List, Optional
 
 @dataclass(frozen=True)
 class Request:
-    """One request of the arrival process: when it arrives and how long it is.
-
-    ``prefix_id``: requests with the same id share their first ``prefix_len`` prompt tokens (a
-    system prompt); None shares nothing. ``conversation``: the chat a turn belongs to (None: a
-    single-turn request) and ``turn`` its index there; a turn's prompt is the whole history before it.
+    """One request of the arrival process. Requests of one ``prefix_id`` share their first
+    ``prefix_len`` prompt tokens (a system prompt); a conversation's turn's prompt is its whole history.
     """
 
     id: int
@@ -34,13 +30,10 @@ class Request:
 class RequestTrace:
     """What happened to one request.
 
-    ``scheduled_s``: when it was first admitted (its prefill began); None if it never was.
-    ``token_s``: when each output token was produced; ``token_s[0]`` is the first token (the end of
-    its prefill), so TTFT = ``token_s[0] - arrival_s``. A finished request has ``output_len`` of them.
-    ``preemptions``: times it was evicted and recomputed. ``prefix_hit_tokens`` /
-    ``prefix_query_tokens``: prompt tokens found in the prefix cache / looked up there (vLLM's
-    counting: hit rate = hits / queries over all requests). ``first_hit_tokens``: the tokens found
-    at its first admission (None if never admitted): what a returning turn found of its history.
+    ``scheduled_s``: when it was first admitted; ``token_s[0]`` is the first token (the end of its
+    prefill), so TTFT = ``token_s[0] - arrival_s``. ``prefix_hit_tokens`` / ``prefix_query_tokens``:
+    vLLM's counting (hit rate = hits / queries over all requests). ``first_hit_tokens``: what a
+    returning turn found of its history at its first admission.
     """
 
     request: Request
@@ -72,11 +65,9 @@ class Sample:
 class Timeline:
     """A whole serving run: every request's trace, the samples, and the store it ran on.
 
-    ``duration_s``: from the run's start to its last token (the engines' benchmark duration).
-    ``store``: ``"paged"`` or ``"slots"``; ``block_size`` tokens per block (slots: the slot's length);
-    ``kv_blocks_total`` the store's capacity in blocks; ``bytes_per_token`` the KV formula's bytes
-    for one token of one sequence (all layers); ``waste_per_sequence`` the most bytes one running
-    sequence's blocks reserve beyond the formula's (the store's plan).
+    ``duration_s``: from the run's start to its last token (the engines' benchmark duration);
+    ``block_size``: tokens per block (slots: the slot's length); ``bytes_per_token``: the KV formula's
+    for one token of one sequence, all layers.
     """
 
     traces: List[RequestTrace]
@@ -86,4 +77,4 @@ class Timeline:
     block_size: int
     kv_blocks_total: int
     bytes_per_token: int
-    waste_per_sequence: Optional[int] = None  # None: a record written before the store kept it
+    waste_per_sequence: Optional[int] = None  # None: an older record

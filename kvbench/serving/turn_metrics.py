@@ -1,26 +1,14 @@
 """A conversation run's figures per turn index, from its :class:`~kvbench.serving.trace.Timeline`.
 
-A returning turn (index 1 or more) is sent after its previous turn's answer; when that turn
-finished, its history (prompt and answer but the last token, whose K/V was never computed) was in
-the store, and every full block of it stayed findable unless it was reused for another request
-meanwhile (evicted, least recently freed first). So a returning turn can find
-``reusable = floor(min(history - 1, prompt_len - 1) / block_size) x block_size`` tokens, where
-``history = prompt_len + output_len`` of the previous turn. At its first admission it found
-``first_hit_tokens``:
+When a turn finished, its history (prompt and answer but the last token, whose K/V was never
+computed) was in the store, and every full block of it stays findable unless evicted meanwhile. So
+the next turn can find ``reusable = floor(min(history - 1, prompt_len - 1) / block_size) x
+block_size`` tokens; at its first admission it found ``first_hit_tokens``: all of them (**cached**)
+or fewer (**evicted**: it recomputes the rest, and its TTFT pays for them).
 
-- **cached**: all of them (``first_hit_tokens >= reusable``): it prefilled only its new message
-  and the tail of the history's last block;
-- **evicted**: fewer (part or all of its history had been evicted): it recomputes
-  ``reusable - first_hit_tokens`` tokens of history, and its TTFT pays for them.
-
-Without a prefix cache (``workload.prefix_caching=false``, a slot store) nothing is looked up and
-every turn recomputes its history: returning turns are neither (``returning_reason`` says so).
-Nor are they on a model with recurrent layers (Gated DeltaNet): such a layer resumes only from a
-state saved in prefill (``workload.state_checkpoint``), never at the end of an answer, so a turn
-whose blocks were all kept still finds fewer than ``reusable`` tokens, and blocks cannot tell a
-cached history from an evicted one.
-TTFT is as in :mod:`kvbench.serving.metrics` (first output token - arrival, the arrival being the
-end of the think time), over finished turns.
+Without a prefix cache returning turns are neither. Nor are they on a model with recurrent layers:
+such a layer resumes only from a state saved in prefill, never at the end of an answer, so blocks
+cannot tell a cached history from an evicted one.
 """
 
 from __future__ import annotations
@@ -49,8 +37,7 @@ def _by_turn(timeline: Timeline) -> Dict[tuple, RequestTrace]:
 
 def classify(timeline: Timeline, recurrent: bool = False) -> Dict[int, Optional[str]]:
     """Request id -> ``cached`` | ``evicted`` for each admitted returning turn looked up in a prefix
-    cache; None for the rest (first turns, never admitted, no prefix cache, every turn of a model
-    with ``recurrent`` layers)."""
+    cache; None for the rest."""
     by_turn = _by_turn(timeline)
     out: Dict[int, Optional[str]] = {}
     for (c, k), t in by_turn.items():
@@ -67,9 +54,8 @@ def _ttft_ms(t: RequestTrace) -> float:
 
 
 def _quantile(values: Sequence[float], q: float) -> Optional[float]:
-    """The ``q`` quantile of ``values``; None from fewer samples than it needs to be more than
-    their extreme value (:func:`~kvbench.measure.stats.min_samples`: 2 for p50, 10 for p90, 100
-    for p99): a turn index holds few turns, and a p99 of 8 is their maximum under another name."""
+    """The ``q`` quantile of ``values``; None from too few samples (a turn index holds few turns, and
+    a p99 of 8 is their maximum under another name)."""
     return percentile(list(values), q) if len(values) >= min_samples(q) else None
 
 
@@ -80,9 +66,8 @@ def _stats(prefix: str, values: Sequence[float]) -> Dict[str, Any]:
 
 
 def turn_rows(timeline: Timeline, recurrent: bool = False) -> List[Dict[str, Any]]:
-    """A row per turn index: turns sent and finished, TTFT (mean, p50/p90/p99) over finished ones,
-    prefix hits and queries (vLLM's counting), and the returning turns cached / evicted, with the
-    p50 TTFT of each."""
+    """A row per turn index: turns, TTFT over finished ones, prefix hits, and the returning turns
+    cached / evicted."""
     kinds = classify(timeline, recurrent)
     turns = sorted({t.request.turn for t in timeline.traces if t.request.conversation is not None})
     rows = []
@@ -103,9 +88,7 @@ def turn_rows(timeline: Timeline, recurrent: bool = False) -> List[Dict[str, Any
 
 
 def conversation_metrics(timeline: Timeline, recurrent: bool = False) -> Dict[str, Any]:
-    """The run's returning turns, cached against evicted: counts, TTFT statistics of each, the
-    history tokens recomputed, and the conversations' sizes (``recurrent``: a model with recurrent
-    layers, whose turns are not classified)."""
+    """The run's returning turns, cached against evicted, and the history tokens recomputed."""
     kinds = classify(timeline, recurrent)
     traces = {t.request.id: t for t in timeline.traces}
     chats = {t.request.conversation for t in timeline.traces if t.request.conversation is not None}

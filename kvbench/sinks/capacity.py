@@ -1,9 +1,6 @@
-"""The report's serving capacity table: per ok ``workload=serving`` record (a layout, a KV
-precision, an allocator), at the longest request's positions, the bytes per sequence and the
-sequences that fit the budget by the layouts' formula, and what the run's allocator reserves for
-one and how many its pools hold (both computed by the serving store's plan, not measured), beside
-what the store allocated and the highest rate within the SLO (both measured). A sweep over
-``workload.allocator=per_kind,unified`` puts both allocators of a layout side by side.
+"""The report's serving capacity table: per serving record, the sequences that fit the budget by the
+layouts' formula and by the allocator's plan (computed, not measured), beside what the store
+allocated and the highest rate within the SLO (measured).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def _count(value: Any) -> bool:
 
 
 def rows(records: Sequence[Record]) -> List[Dict[str, Any]]:
-    """One row per ok serving record that holds every capacity figure as a whole number, sorted by
-    variant, precision and allocator."""
+    """One row per ok serving record that holds every capacity figure as a whole number."""
     out = []
     for rec in serving_records(records):
         m = {k: RecordView.of(rec).metric(k) for k in FIGURES}

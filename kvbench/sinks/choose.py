@@ -1,17 +1,9 @@
 """"Which attention should I deploy?": the article's comparison table filled with measured numbers.
 
-From the ``task=capacity`` records of a sweep over attention (``experiment=choose``): per variant
-the KV bytes per token (and the fraction of MHA's), decode ms and tokens/s at the longest context,
-the max batch under the memory budget and SLOs (and what stopped it), and quality: the capacity
-job's own ``kv_pool_*`` metrics (MHA of the same weights mean-pooled to the variant's KV heads)
-and, where the same records hold them, perplexity of ``task=train`` / ``task=eval`` jobs of the
-variant. ``task=capacity workload=multiturn`` jobs (with ``cache.shared=false,true``) give a second
-table: the most concurrent conversations per variant with and without the shared cache. Then one
-recommendation per scenario, derived from those numbers by the rules in :data:`RULES` (also in
-docs/capacity.md); nothing here names a variant.
-
-One table per combination of the other swept axes (model, dtype, budget, SLO ...), like the
-side-by-side comparison. Rendering is elsewhere (console.py: rich; report.py: markdown).
+From the ``task=capacity`` records of a sweep over attention (``experiment=choose``), one table per
+combination of the other swept axes, plus the quality and serving figures the same records hold.
+Each recommendation is derived from the numbers by :data:`RULES` (quoted in docs/capacity.md):
+nothing here names a variant.
 """
 
 from __future__ import annotations
@@ -24,7 +16,6 @@ from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import VARIANT_KEYS, Record, fmt, natural, ratio_text, swept_axes
 from kvbench.views import RecordView
 
-# The rules each recommendation follows; quoted in docs/capacity.md.
 AMPLE_SHARE = 0.5
 RULES = {
     "memory ample": f"the variant with the most KV heads (closest to MHA's quality) whose max batch at the "
@@ -65,8 +56,8 @@ def _m(rec: Record, key: str) -> Any:
 
 
 def _max_batch(rec: Record) -> Optional[int]:
-    """The record's largest batch at the longest context, when it is one (a count >= 0): a value
-    read back is checked, not trusted (a negative one broke the recommendations)."""
+    """The record's largest batch at the longest context, when it is a count >= 0: a value read back
+    is checked, not trusted."""
     value = _m(rec, "max_batch_longest")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
@@ -215,9 +206,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             notes.append(f"{label}: {rec.status} (job {rec.job})")
             continue
         longest = _longest(rec) or {}
-        # the record's figure, at the longest probe's length (tasks/capacity_search.kv_bytes_per_token);
-        # a record without kv_bytes_per_token_positions holds a windowed layout's first position
-        # instead: the same definition from its longest row
+        # the figure at the longest probe's length (tasks/capacity_search.kv_bytes_per_token); an older
+        # record without kv_bytes_per_token_positions gets the same definition from its longest row
         kv_per_token = _m(rec, "kv_bytes_per_token")
         positions = (longest.get("context") or 0) + (rec.get("workload.gen_len") or 0)
         if (rec.variant.window and _m(rec, "kv_bytes_per_token_positions") is None
@@ -248,7 +238,6 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         header.append("recall accuracy [95%]")
         notes.append("recall: task=recall accuracy on held-out sequences of the same variant label (mean over "
                      "seeds [t-interval]); a variant's model there is trained from scratch, not these weights")
-    # the serving load a variant sustains: workload=serving rate searches of the same model
     model = RecordView.of(records[0]).get("model.name") if records else None
     rates = max_rate_by_variant(all_records, {"model.name": model} if model else None)
     with_rate = any(label in rates for label in rows)
@@ -311,8 +300,8 @@ def _by_context(rec: RecordView) -> Dict[int, Mapping[str, Any]]:
 
 
 def _context_table(rows: Dict[str, Dict[str, Any]]) -> Tuple[List[str], List[List[str]]]:
-    """Max batch per variant at every context the records searched (what stopped it in brackets):
-    a per-sequence state bounds short contexts, K/V per token long ones. Empty with one context."""
+    """Max batch per variant at every context searched (what stopped it in brackets): a per-sequence
+    state bounds short contexts, K/V per token long ones. Empty with one context."""
     contexts = sorted({c for r in rows.values() for c in r["by_context"]})
     if len(contexts) < 2:
         return [], []

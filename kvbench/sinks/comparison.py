@@ -8,20 +8,13 @@ between jobs: on a loaded machine two runs of one sweep gave GQA's decode p50 2.
 0.955x, the first read as significant from intervals that did not overlap. So a ratio of timed
 figures is judged only on the spread between jobs:
 
-- a variant's figure is the median of its ok jobs in the cell: jobs that differ only in
-  :data:`REPEAT_KEYS` (``runtime.seed``) repeat one config, and so do two jobs of one config (two
-  sweeps reported together);
-- the ratio is tested when the variant's and the baseline's jobs are enough for a two-sided
-  Mann-Whitney rank test to reject at 5% at all (4 and 4 jobs: 2 / C(8, 4) = 0.029) and ran
-  interleaved in time (by ``started_at``: never more than :data:`MAX_IN_A_ROW` of one side in a
-  row, so that a drift of the machine falls on both alike; ``kvbench -m runtime.seed=0,1,2,3
-  attention=mha,gqa,mqa`` runs every variant once per seed). A bare ratio is then significant,
-  else *not significant*;
-- otherwise it is *untested*, and the table's legend says why and how to test it.
+- a variant's figure is the median of its ok jobs in the cell (jobs that differ only in
+  :data:`REPEAT_KEYS` repeat one config);
+- the ratio is tested (Mann-Whitney, 5%) when both sides have enough jobs for the test to reject at
+  all and ran interleaved in time, so that a drift of the machine falls on both alike
+  (``kvbench -m runtime.seed=0,1,2,3 attention=mha,gqa,mqa``); otherwise it is *untested*.
 
-Exact figures (bytes, counts) carry no mark. Where a job of the comparison was ``noisy`` (other
-work competed for the cores) every cell has a ``noisy`` row, and where a config ran as several
-jobs a ``jobs`` row.
+Exact figures (bytes, counts) carry no mark.
 """
 
 from __future__ import annotations
@@ -86,15 +79,13 @@ def interleaved(a: Sequence[RecordView], b: Sequence[RecordView]) -> bool:
 
 
 def enough_jobs(n_a: int, n_b: int) -> bool:
-    """Whether a two-sided rank test of ``n_a`` values against ``n_b`` can reject at 5% at all: its
-    smallest p-value, 2 / C(n_a + n_b, n_a) (every value of one side below every one of the other),
-    is at most 0.05 (3 and 3 jobs: 0.1, never; 4 and 4: 0.029)."""
+    """Whether a two-sided rank test can reject at 5% at all: its smallest p-value is
+    2 / C(n_a + n_b, n_a) (3 and 3 jobs: 0.1, never; 4 and 4: 0.029)."""
     return n_a >= 1 and n_b >= 1 and 2 / math.comb(n_a + n_b, n_a) <= 1 - CONFIDENCE
 
 
 def rank_test(a: Sequence[float], b: Sequence[float]) -> float:
-    """The two-sided Mann-Whitney p-value of ``a`` against ``b`` (exact for small samples without
-    ties, scipy's default); 1 where every value is the same."""
+    """The two-sided Mann-Whitney p-value; 1 where every value is the same."""
     from scipy.stats import mannwhitneyu  # ~1 s at import: only a sweep of repeated jobs pays it
 
     p = float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
@@ -110,13 +101,11 @@ class Cell:
     jobs: Dict[str, List[RecordView]] = field(default_factory=dict)
 
     def ok(self, label: Optional[str]) -> List[RecordView]:
-        """The variant's ok jobs in this cell."""
         return [r for r in self.jobs.get(label or "", ()) if r.ok]
 
     def baseline(self) -> Optional[str]:
-        """The variant ratios are taken to: the cell's ok MHA job, else its ok job with the most
-        KV heads (the ratio then says which); of those, the one whose cache holds the compute dtype
-        and every layer's positions (no window)."""
+        """The variant ratios are taken to: MHA, else the most KV heads; of those, unquantized and
+        without a window."""
         ok = [(label, jobs[0].variant) for label, jobs in self.jobs.items() if self.ok(label)]
         if not ok:
             return None
@@ -141,7 +130,7 @@ class Comparison:
     notes: List[str] = field(default_factory=list)
 
     def value(self, cell: Cell, label: Optional[str], column: Column) -> Optional[float]:
-        """The median of the variant's ok jobs' ``column`` (the one job's value when it ran once)."""
+        """The median of the variant's ok jobs' ``column``."""
         numbers = _numbers(cell.ok(label), column.key)
         return statistics.median(numbers) if numbers else None
 
@@ -153,14 +142,13 @@ class Comparison:
         return a / b if a is not None and b else None
 
     def sampled(self, cell: Cell, label: str, column: Column) -> bool:
-        """Whether ``column`` is a statistic of samples (a timed column, or its records declare an
-        interval for it, given or null), whose ratio needs a test; bytes and counts are exact."""
+        """Whether ``column`` is a statistic of samples, whose ratio needs a test (bytes and counts are
+        exact)."""
         return column.sampled or any(r.declares_interval(column.key)
                                      for r in cell.ok(label) + cell.ok(cell.baseline()))
 
     def verdict(self, cell: Cell, label: str, column: Column) -> Optional[str]:
-        """None for an exact figure; else :data:`SIGNIFICANT`, ``not significant`` (tested on the
-        spread between repeated, interleaved jobs) or :data:`UNTESTED`."""
+        """None for an exact figure; else :data:`SIGNIFICANT`, ``not significant`` or :data:`UNTESTED`."""
         if not self.sampled(cell, label, column):
             return None
         jobs = [[r for r in cell.ok(v) if r.number(column.key) is not None] for v in (label, cell.baseline())]
@@ -170,8 +158,7 @@ class Comparison:
         return SIGNIFICANT if rank_test(a, b) <= 1 - CONFIDENCE else NOT_SIGNIFICANT
 
     def text(self, cell: Cell, label: str, column: Column) -> str:
-        """The cell's value (the job's own, or the median of its repeats) and its ratio, marked
-        ``untested`` or ``not significant`` (see the module's docstring)."""
+        """The cell's value and its ratio, marked ``untested`` or ``not significant``."""
         jobs, ok = cell.jobs.get(label), cell.ok(label)
         if not jobs:
             return ""
@@ -195,8 +182,7 @@ class Comparison:
         return f"{sum(f is True for f in flags)} of {len(flags)}" if flags else ""
 
     def extra_rows(self) -> List[Tuple[str, Callable[[Cell, str], str]]]:
-        """(title, cell text) of the rows every cell adds: ``jobs`` where a config ran as several
-        jobs, ``noisy`` where a job of the comparison was noisy."""
+        """(title, cell text) of the ``jobs`` and ``noisy`` rows, where the comparison needs them."""
         jobs = [r for c in self.cells for group in c.jobs.values() for r in group]
         rows = []
         if any(len(group) > 1 for c in self.cells for group in c.jobs.values()):
@@ -206,7 +192,7 @@ class Comparison:
         return rows
 
     def legend(self) -> List[str]:
-        """One line for each mark and extra row the table shows, saying what it means."""
+        """What each mark and extra row the table shows means."""
         marks = {self.verdict(c, label, col) for c in self.cells for label in c.jobs for col in self.columns
                  if self.ratio(c, label, col) is not None}
         lines = [LEGEND[UNTESTED]] if UNTESTED in marks else []
@@ -215,7 +201,6 @@ class Comparison:
         return lines + [LEGEND[title] for title, _ in self.extra_rows()]
 
     def variant_of(self, label: str) -> Variant:
-        """The variant a column's label names."""
         return next(c.jobs[label][0].variant for c in self.cells if label in c.jobs)
 
     def baselines(self) -> List[str]:
@@ -229,8 +214,7 @@ class Comparison:
         return f"{KIND_TITLES.get(self.kind, self.kind)}: attention variants side by side, value (ratio to {to})"
 
     def table(self) -> Tuple[List[str], List[List[str]], List[int]]:
-        """(header, rows, index of the first row of each cell): the axes' values on a cell's
-        first row only, then the metric (and the extra rows), then one column per variant."""
+        """(header, rows, index of the first row of each cell)."""
         several = len(self.baselines()) > 1
         header = [t for _, t in self.axes] + (["ratio to"] if several else []) + ["metric"] + self.variants
         extra = self.extra_rows()
@@ -248,8 +232,7 @@ class Comparison:
 
 
 def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None) -> List[Comparison]:
-    """One :class:`Comparison` per kind of job whose records hold two or more attention
-    variants of one cell; ``axes`` default to :func:`swept_axes` of the records."""
+    """One :class:`Comparison` per kind of job with two or more variants in one cell."""
     axes = list(axes) if axes is not None else swept_axes(records)
     out = []
     for kind_name, group in by_kind(records).items():

@@ -1,7 +1,6 @@
 """What a person sees in the terminal: progress and summary tables (rich, on stderr/stdout).
 
-The tables' data (which axes, which columns, the comparison of variants) comes from
-:mod:`kvbench.sinks.tables`; this module only lays it out.
+The tables' data comes from :mod:`kvbench.sinks.tables`; this module only lays it out.
 """
 
 from __future__ import annotations
@@ -44,14 +43,13 @@ PIPED_WIDTH = 100  # columns of output that goes to a file or a pipe, unless COL
 
 def piped_width(environ: Mapping[str, str] = os.environ) -> int:
     """How wide to lay out output that is no terminal's: ``COLUMNS`` where it is a width, else
-    :data:`PIPED_WIDTH`, which a log read in an 80-to-100-column terminal or a CI page shows
-    without wrapping a table's line in the middle of a cell (rich wraps inside cells instead)."""
+    :data:`PIPED_WIDTH`, which a CI page or an 80-to-100-column terminal shows without wrapping a
+    table's line mid-cell (rich wraps inside cells instead)."""
     columns = environ.get("COLUMNS", "").strip()
     return int(columns) if columns.isdigit() and 20 <= int(columns) <= 1000 else PIPED_WIDTH
 
 
 def _console(to_stderr: bool) -> Console:
-    """A console on stdout or stderr: a terminal's own width, else :func:`piped_width`."""
     stream = sys.stderr if to_stderr else sys.stdout
     return Console(stderr=to_stderr, highlight=False, width=None if stream.isatty() else piped_width())
 
@@ -62,9 +60,8 @@ PROGRESS_LINES = 10  # without a terminal, about this many progress lines per ba
 
 
 def fit(table: Table) -> Table:
-    """``table`` laid out to lose nothing at a narrow width: a cell or header too wide for its
-    column wraps inside it instead of being cut to an ellipsis, and a title is one line (the table
-    is at least as wide as it, up to the console's width)."""
+    """``table`` laid out to lose nothing at a narrow width: cells wrap instead of being cut to an
+    ellipsis, and the title stays on one line."""
     for column in table.columns:
         column.overflow = "fold"
     if isinstance(table.title, str):
@@ -74,9 +71,8 @@ def fit(table: Table) -> Table:
 
 @contextmanager
 def trial_progress(label: str, total: int):
-    """Progress over a job's trials or steps; yields ``tick(description=None)``. A transient
-    bar on a terminal; elsewhere (a log file, CI) a plain line every ~1/10 of the way, so a
-    long job is never silent."""
+    """Progress over a job's trials or steps; yields ``tick(description=None)``. Without a terminal,
+    a plain line every ~1/10 of the way, so a long job is never silent."""
     if not stderr.is_terminal:
         yield _progress_lines(label, total)
         return
@@ -100,9 +96,8 @@ def _progress_lines(label: str, total: int) -> Callable[..., None]:
 
 
 def progress_bar(label: str, total: int):
-    """:func:`trial_progress` when there is more than one trial to show, else nothing. Where
-    stderr is no terminal (a log file, a pipe) a bar would not show: a line as the trials
-    start and one as they end instead."""
+    """:func:`trial_progress` when there is more than one trial, else nothing; without a terminal,
+    a line as the trials start and one as they end."""
     if total <= 1:
         return nullcontext(None)
     return trial_progress(label, total) if stderr.is_terminal else progress_lines(label, total)
@@ -125,9 +120,8 @@ def progress_lines(label: str, total: int):
 
 
 def run_table(record: Dict[str, Any]) -> Group:
-    """A single job as two columns: its axes, status, headline metrics (for one run); then, below
-    the table, one line per thing a person must read beside the figures (:func:`record_notes`), so
-    that a long reason wraps at the terminal's width instead of pushing the values off to the right."""
+    """A single job as two columns (axes, status, headline metrics), then :func:`record_notes` below
+    the table, so that a long reason wraps instead of pushing the values off to the right."""
     record = RecordView(viewed(record))
     table = Table(title="kvbench result", title_justify="left", show_header=False)
     table.add_column("key", style="bold")
@@ -145,10 +139,8 @@ def run_table(record: Dict[str, Any]) -> Group:
 
 
 def record_notes(record: Any) -> List[tuple]:
-    """(key, text) a person must read beside the figures, markup included: a figure with too few
-    samples for its quantile, why the machine was busy (``noisy_reason``), a KV layout that is not
-    the model's own, a figure that breaks a physical bound (measure/plausibility.py), a figure left
-    null with its reason."""
+    """(key, text) a person must read beside the figures (warnings, noise, a KV conversion,
+    implausible figures, nulls and their reasons), markup included."""
     record = RecordView.of(record)
     metrics = record.metrics
     rows = [(f"[yellow]{key}[/]", f"[yellow]{escape(str(metrics[key]))}[/]")
@@ -171,8 +163,7 @@ _STATUS_STYLE = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running"
 
 
 def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: str) -> Table:
-    """One row per job of one kind: the axes that vary among them, status and the brief
-    columns of that kind (columns no record has are left out)."""
+    """One row per job of one kind: the varying axes, status and the kind's brief columns."""
     axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")
             + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
     columns = job_columns(records, kind_name, brief=True)
@@ -191,9 +182,8 @@ def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: s
 
 
 def comparison_table(comparison: Comparison) -> Table:
-    """The variants of each cell side by side (:class:`~kvbench.sinks.tables.Comparison`)."""
+    """The variants of each cell side by side."""
     header, rows, starts = comparison.table()
-    # The legend (what "untested", "jobs", "noisy" mean) and the notes, a line each under the table.
     table = Table(title=comparison.title(), title_justify="left",
                   caption="\n".join(comparison.legend() + comparison.notes) or None, caption_justify="left")
     for i, name in enumerate(header):
@@ -204,8 +194,8 @@ def comparison_table(comparison: Comparison) -> Table:
 
 
 def choice_tables(choice: Choice) -> List[Table]:
-    """The article's comparison with measured numbers, the recommendations in its caption; then
-    the multi-turn capacity (conversations with and without the shared cache) when measured."""
+    """The article's comparison with measured numbers and its recommendations; then the multi-turn
+    capacity when measured."""
     lines = [f"{scenario}: {line}" for scenario, line in choice.recommendations] + choice.notes
     cell = f" ({choice.cell})" if choice.cell else ""
     tables = []
@@ -225,9 +215,8 @@ def choice_tables(choice: Choice) -> List[Table]:
 
 
 def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
-    """The end of a sweep: one table of jobs per kind (decode, multi-turn, training,
-    evaluation), in job order (2 before 10); then the attention variants side by side; then,
-    for multi-turn chats swept over ``cache.shared``, TTFT per turn without and with sharing."""
+    """The end of a sweep: one table of jobs per kind, in job order (2 before 10), then the
+    comparisons."""
     records = sorted((viewed(r) for r in records), key=lambda r: natural(RecordView(r).job or ""))
     axes = swept_axes(records)
     groups = by_kind(records)
@@ -253,7 +242,7 @@ def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
 
 
 def variants_table(record: Dict[str, Any]) -> Table:
-    """A ``task=compare`` record's variants (:func:`~kvbench.sinks.tables.interleaved_table`)."""
+    """A ``task=compare`` record's variants."""
     header, rows = interleaved_table(record)
     rounds = RecordView.of(record).metric("rounds")
     table = Table(title=f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first "
@@ -265,7 +254,7 @@ def variants_table(record: Dict[str, Any]) -> Table:
     return fit(table)
 
 
-# (row key, column title, format) of a multi-turn chat's per-turn table.
+# (row key, column title, format)
 TURN_COLUMNS = [
     ("turn", "turn", "{}"), ("ttft_ms", "TTFT ms", "{:.2f}"), ("prefill_tokens", "prefill", "{:,}"),
     ("reused_tokens", "reused", "{:,}"), ("context_tokens", "context", "{:,}"),
@@ -275,8 +264,8 @@ TURN_COLUMNS = [
 
 
 def turns_table(record: Dict[str, Any]) -> Table:
-    """A multi-turn job's ``tables.turns``: one row per turn (token counts summed over the
-    batch, context per conversation)."""
+    """A multi-turn job's ``tables.turns`` (token counts summed over the batch, context per
+    conversation)."""
     record = RecordView.of(record)
     table = Table(title=f"turns (cache.shared={record.get('cache.shared')})", title_justify="left")
     for _, name, _ in TURN_COLUMNS:
@@ -295,8 +284,7 @@ CONVERSATION_TURN_COLUMNS = [
 
 
 def conversation_turns_table(record: Dict[str, Any]) -> Table:
-    """A conversation job's ``tables.conversation_turns``: one row per turn index, its returning
-    turns whose history was cached or evicted."""
+    """A conversation job's ``tables.conversation_turns``."""
     record = RecordView.of(record)
     table = Table(title="turns of the conversations", title_justify="left")
     for _, name, _ in CONVERSATION_TURN_COLUMNS:
@@ -307,8 +295,7 @@ def conversation_turns_table(record: Dict[str, Any]) -> Table:
 
 
 def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Pair results.json records that differ only in ``cache.shared``: per turn, TTFT without
-    and with sharing and their ratio. Records without a turns table are ignored."""
+    """Per turn of records that differ only in ``cache.shared``: TTFT without and with sharing."""
     groups: Dict[str, Dict[bool, RecordView]] = {}
     for rec in views(records):
         if not rec.ok or not rec.table("turns"):
@@ -330,8 +317,7 @@ def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]
 
 
 def ttft_comparison_table(records: Sequence[Dict[str, Any]]) -> Optional[Table]:
-    """TTFT per turn without and with ``cache.shared`` side by side, for every pair of
-    multi-turn records that differ only in it; None when there is no such pair."""
+    """:func:`ttft_side_by_side` as a table; None when no pair differs only in ``cache.shared``."""
     rows = ttft_side_by_side(records)
     if not rows:
         return None

@@ -1,26 +1,14 @@
 """A W&B workspace (dashboard) for a sweep, built from its records with ``wandb-workspaces``.
 
-The workspace shows the sweep's runs only (filtered to its W&B group), grouped by attention
-variant, in sections (:data:`SECTIONS`): latency, memory, throughput, quality and the
-multi-turn turns, after an overview (a parallel-coordinates plot of every swept axis and the
-headline metrics). Panels are chosen from what the records hold:
+The workspace shows the sweep's runs only (its W&B group), grouped by attention variant, in
+:data:`SECTIONS` after a parallel-coordinates overview. Panels are chosen from what the records
+hold: a numeric swept axis is a scatter plot's x, the variant and other categorical axes group bar
+plots, and a chart's metrics share one unit (from the records' registry), which its title names.
 
-- an axis is a config key whose value differs across the jobs (:func:`compare.swept_axes`, the
-  report's axes); a numeric axis that is not the variant is a scatter plot's x, the variant
-  and any other categorical axis group a bar plot;
-- a metric is a panel's y only where some record has a number for it; a chart's metrics share
-  one unit, read from the records' registry (``RecordView.unit``), which its title names
-  (``decode_ms_p50, decode_ms_p99 (ms) by kv``): a family whose records give its members
-  different units is drawn as one chart per unit.
-
-Keys are written the way :mod:`tracking` records a run: config keys as ``wr.Config("a.b")`` (the
-run config is nested dicts, which W&B stores as ``a.value.b``: the form ``wr.Config`` writes),
-metrics as summary keys under their record names, stepped tables as ``<table>/<column>``
-history against their step column (``tracking.TABLE_STEPS``).
-
-Offline (the default) the spec is written beside the report (``workspace.json``, the library's
-own model, and ``workspace.md``, the panels in words); :func:`publish` saves it to W&B.
-``wandb_workspaces`` (and so ``wandb``) is imported only when a workspace is built.
+Keys are written the way :mod:`tracking` records a run (config keys as ``wr.Config("a.b")``, which
+W&B stores as ``a.value.b`` for the nested run config). Offline (the default) the spec is written
+beside the report as ``workspace.json`` and ``workspace.md``; :func:`publish` saves it to W&B.
+``wandb_workspaces`` is imported only when a workspace is built.
 """
 
 from __future__ import annotations
@@ -61,8 +49,7 @@ TURNS = "turns"
 
 @dataclass
 class Dashboard:
-    """A sweep's workspace: the ``wandb_workspaces.Workspace``, the axes and metrics its panels
-    use, and (after :func:`write_dashboard`) the files written."""
+    """A sweep's workspace, the axes its panels use and (after :func:`write_dashboard`) its files."""
 
     workspace: Any
     axes: List[Axis]
@@ -84,7 +71,7 @@ def _numeric_axis(records: Sequence[Any], key: str) -> bool:
 
 
 def unit_of(records: Sequence[Any], metric: str) -> Optional[str]:
-    """The unit of ``metric`` as the records' registry gives it (the first record that declares one)."""
+    """The unit of ``metric`` in the first record that declares one."""
     return next((u for r in views(records) if (u := r.unit(metric)) is not None), None)
 
 
@@ -101,9 +88,8 @@ def by_unit(records: Sequence[Any], family: Sequence[str]) -> List[Tuple[Optiona
 
 
 def _finest(records: Sequence[Dict[str, Any]], axes: Sequence[Axis]) -> List[Axis]:
-    """The variant axes that group the runs differently: one of two that determine each other
-    (``attention.type`` and ``num_kv_heads`` for mha vs mqa: the first), and of two where one is
-    finer (gqa kv=2 and kv=4: the KV heads) the finer."""
+    """The variant axes that group the runs differently: the first of two that determine each other
+    (``attention.type`` and ``num_kv_heads`` for mha vs mqa), else the finer (gqa kv=2 and kv=4)."""
     def redundant(a: Axis) -> bool:
         return any(determined_by(records, a[0], b[0]) and (not determined_by(records, b[0], a[0]) or i < axes.index(a))
                    for i, b in enumerate(axes) if b != a)
@@ -121,8 +107,7 @@ def _wandb_settings(records: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = None,
           entity: Optional[str] = None) -> Dashboard:
-    """The workspace of a sweep's records (``report.collect`` rows): see the module docstring.
-    ``entity`` defaults to the records' ``wandb.entity`` (empty: the publisher's default entity)."""
+    """The workspace of a sweep's records; ``entity`` defaults to the records' ``wandb.entity``."""
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
 
@@ -134,7 +119,6 @@ def build(records: Sequence[Dict[str, Any]], sweep_dir: Optional[Path | str] = N
     bar_axes = _finest(records, variant_axes) + [a for a in axes if a not in variant_axes and a not in x_axes]
     present = {name: [kept for family in families if (kept := [m for m in family if _numbers(records, m)])]
                [:HEADLINE] for name, families in SECTIONS.items()}
-    # a chart holds one unit (a family the records give two units is split)
     present = {name: [ms for family in families for _, ms in by_unit(records, family)]
                for name, families in present.items()}
 
@@ -228,8 +212,7 @@ def _panel_text(panel: Any) -> str:
 
 
 def publish_commands(sweep_dir: Path | str, runs_online: bool = False) -> List[str]:
-    """The commands that put an offline sweep on W&B: upload its runs, then create its workspace
-    (only the second when the runs went online)."""
+    """The commands that put an offline sweep on W&B (only the workspace when the runs went online)."""
     sync = [] if runs_online else [f"wandb sync {Path(sweep_dir)}/*/wandb/offline-run-*"]
     return sync + [f"kvbench-dashboard {Path(sweep_dir)}"]
 
@@ -244,8 +227,7 @@ def tracked(records: Sequence[Dict[str, Any]]) -> bool:
 
 def write_dashboard(sweep_dir: Path | str, records: Sequence[Dict[str, Any]],
                     entity: Optional[str] = None) -> Dashboard:
-    """Build the workspace of ``records`` and write ``workspace.json`` and ``workspace.md`` into
-    ``sweep_dir``."""
+    """Build the workspace and write ``workspace.json`` and ``workspace.md`` into ``sweep_dir``."""
     dashboard = build(records, sweep_dir, entity)
     out = Path(sweep_dir)
     write_json_atomic(out / WORKSPACE_JSON, spec(dashboard))
@@ -268,9 +250,8 @@ class PublishError(RuntimeError):
 
 
 def publish(dashboard: Dashboard, timeout_s: float = 30.0) -> str:
-    """Save the workspace to W&B (``Workspace.save()``); its URL. Raises :class:`PublishError`
-    with one line: no credentials (checked first, without a prompt), or no answer within
-    ``timeout_s`` (W&B's client retries for minutes without a network)."""
+    """Save the workspace to W&B; its URL. Bounded by ``timeout_s``: W&B's client retries for minutes
+    without a network."""
     import wandb
 
     outcome: Dict[str, Any] = {}

@@ -30,10 +30,7 @@ def _ratio_cell(row: Mapping[str, Any], key: str, baseline: bool) -> str:
 
 
 def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
-    """(header, rows) of a ``task=compare`` record's ``tables.compare``: per variant the step at
-    each context, the KV cost slope, and ratios to the first variant (paired over rounds, with
-    intervals) beside the ratio the KV bytes predict; what each cache adds per 1k tokens of context
-    and, where a variant holds one, its state per sequence. Empty for any other record."""
+    """(header, rows) of a ``task=compare`` record's ``tables.compare``; empty for any other record."""
     view = RecordView.of(record)
     rows = view.table("compare")
     contexts = _contexts(view, rows[0]) if rows else []

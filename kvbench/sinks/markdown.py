@@ -1,8 +1,6 @@
-"""Markdown from records' values: a value a user wrote (a config value, an override, an error, a
-directory's name) is shown as the text it is, never as markup. Raw HTML is escaped; so is the ``](``
-or ``][`` that closes a link's or an image's text (``[l](javascript:...)`` is text, not a live link
-on the docs site or GitHub), the backslash that could undo that escape, a table's column break and
-line breaks. A bracket that opens or closes nothing (``[9.8, 10.6]``) is left as it is."""
+"""Markdown from records' values: a value a user wrote (a config value, an error, a directory's
+name) is shown as the text it is, never as markup (``[l](javascript:...)`` is text, not a live link).
+A bracket that opens or closes nothing (``[9.8, 10.6]``) is left as it is."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ _ESCAPES = (("\\", "\\\\"), ("](", "\\]("), ("][", "\\]["), ("|", "\\|"))
 
 
 def md_text(value: Any) -> str:
-    """``value`` as Markdown that renders it literally, on one line (a table cell, a heading, a
-    list item)."""
+    """``value`` as Markdown that renders it literally, on one line."""
     text = html.escape(str(value), quote=False)
     for raw, escaped in _ESCAPES:
         text = text.replace(raw, escaped)

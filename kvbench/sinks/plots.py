@@ -1,21 +1,9 @@
-"""The report's PNG plots: the first charts a person looks at after a sweep.
+"""The report's PNG plots (listed in docs/tracking.md): the first charts a person looks at after a sweep.
 
-- ``decode_vs_context``: decode ms/token (p50; band to p90 for up to 4 variants) vs context length
-- ``tokens_vs_batch``: decode tokens/s vs batch size
-- ``kv_bytes_vs_heads``: KV-cache bytes per cached token vs KV heads, measured (points) and the
-  formula (dashed)
-- ``kv_memory``: KV-cache bytes vs positions held, one panel per batch size on a shared y axis,
-  measured (solid) and the formula (dashed): how KV memory grows with batch and sequence length
-- ``ttft_per_turn``: multi-turn time to first token per turn, cache sharing on (solid) vs off (dashed)
-- ``capacity_vs_context``: ``task=capacity``'s max batch under the budget and SLOs vs context length,
-  measured (solid) and the memory-only prediction (dashed)
-
-Every plot is small multiples: one panel per combination of the swept axes other than its x
-axis and the attention variant (batch, dtype, cache, ...), one line per attention variant in a
-colour that is the variant's in every plot (:func:`palette`), and one legend outside the
-panels. The data behind each plot is computed by :func:`panels`, separately from drawing, so it
-can be checked against the records. Drawing uses matplotlib's object API (a ``Figure`` rendered
-by Agg, no pyplot state), so it runs headless and in any thread.
+Every plot is small multiples: one panel per combination of the other swept axes, one line per
+attention variant in the variant's colour in every plot, one legend outside the panels. The data of
+each plot is computed apart from drawing (:func:`panels`), so it can be checked against the records.
+Drawing uses matplotlib's object API (no pyplot state), so it runs headless and in any thread.
 """
 
 from __future__ import annotations
@@ -50,8 +38,7 @@ _NOT_PANEL = VARIANT_KEYS + ("task", "workload.name")
 
 
 def palette(variants: Sequence[Variant]) -> Dict[str, str]:
-    """One colour per attention variant (by its label), the same in every plot of a report: plain
-    MHA blue, plain MQA red, every other variant (GQA, MLA, a window, a quantized cache) its own."""
+    """One colour per attention variant (by its label), the same in every plot of a report."""
     colours: Dict[str, str] = {}
     gqa = iter(GQA_COLOURS)
     for v in ordered([v.with_sharing(None) for v in variants]):
@@ -96,9 +83,8 @@ def panel_title(record: Record, axes: Sequence[Axis]) -> str:
 
 def panels(records, axes: Sequence[Axis], x: Callable[[Record], Any], y: Callable[[Record], Optional[float]],
            fold: Sequence[str]) -> Panels:
-    """panel -> variant -> [(x, y)] sorted by x, over the records where both are known. A
-    panel is a combination of the swept axes that vary among ``records``, other than the
-    variant and the keys in ``fold`` (the x axis, and what ``y`` divides out)."""
+    """panel -> variant -> [(x, y)] sorted by x, where both are known. A panel is a combination of
+    the varying axes other than the variant and ``fold`` (the x axis, and what ``y`` divides out)."""
     panel_axes = [a for a in varying(records, axes) if a[0] not in _NOT_PANEL + tuple(fold)]
     out: Panels = {}
     variants: Dict[str, Variant] = {}
@@ -140,8 +126,7 @@ def per_token(key: str) -> Callable[[Record], Optional[float]]:
 
 
 def turn_panels(records, axes: Sequence[Axis]) -> Panels:
-    """panel -> ``<variant> shared=on|off`` -> [(turn, TTFT ms)] for every ok multi-turn job
-    with a per-turn table."""
+    """panel -> ``<variant> shared=on|off`` -> [(turn, TTFT ms)] of the ok multi-turn jobs."""
     chats = [r for r in _ok(records, "multiturn") if r.table("turns")]
     panel_axes = [a for a in varying(chats, axes) if a[0] not in _NOT_PANEL + ("cache.shared",)]
     out: Panels = {}
@@ -157,8 +142,7 @@ def turn_panels(records, axes: Sequence[Axis]) -> Panels:
 
 
 def capacity_panels(records, axes: Sequence[Axis], column: str) -> Panels:
-    """panel -> variant -> [(context, ``column`` of tables.capacity)] for every ok capacity job
-    (``max_batch`` measured, ``predicted_max_batch`` the memory-only prediction)."""
+    """panel -> variant -> [(context, ``column`` of tables.capacity)] of the ok capacity jobs."""
     jobs = [r for r in _ok(decode_capacity(records)) if r.table("capacity")]
     panel_axes = [a for a in varying(jobs, axes) if a[0] not in _NOT_PANEL]
     out: Panels = {}
@@ -245,9 +229,8 @@ def _xs(data: Panels) -> List[Any]:
 
 def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xlabel: str, ylabel: str,
               note: str, band: Optional[Panels] = None, errors: Optional[Panels] = None) -> Path:
-    """One line per variant in each panel; with ``band``, a shaded band up to it (when a panel
-    has at most :data:`MAX_BANDS` lines); with ``errors`` (points ``(x, (low, high))``), error
-    bars at the points that have an interval."""
+    """One line per variant in each panel; ``band``: a shaded band up to it; ``errors`` (points
+    ``(x, (low, high))``): error bars."""
     banded = band is not None and all(len(series) <= MAX_BANDS for series in data.values())
     bars = bool(errors) and any(errors.values())
     fig, axes = _grid(len(data), title, xlabel, ylabel + (" (p50, band to p90)" if banded else "")
@@ -284,8 +267,8 @@ def line_plot(path: Path, data: Panels, colours: Dict[str, str], title: str, xla
 
 
 def _clip(ax, series: Dict[str, Any], reach: Sequence[Tuple[Any, float, str]], colours: Dict[str, str]) -> bool:
-    """Cut the y axis at :data:`HEADROOM` x the highest line where a band or bar (``reach``: x, top,
-    variant) goes past it, a triangle in the variant's colour on each cut; True when one was cut."""
+    """Cut the y axis at :data:`HEADROOM` x the highest line where ``reach`` (x, top, variant) goes
+    past it, a triangle on each cut; True when one was cut."""
     top = HEADROOM * max((y for points in series.values() for _, y in points), default=0.0)
     past = [(x, label) for x, high, label in reach if high is not None and high > top]
     if top <= 0 or not past:
@@ -306,9 +289,8 @@ def _scaled(data: Panels, scale: int) -> Panels:
 
 
 def kv_heads_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[str, str], note: str) -> Path:
-    """KV bytes per cached token against KV heads: each job's measured value a point in its
-    variant's colour (jobs of other batch sizes and lengths fall on the same point when the
-    cache holds exactly what it needs); the formula a dashed line through the same x values."""
+    """KV bytes per cached token against KV heads: measured points (jobs of other batch sizes and
+    lengths fall on one point when the cache holds exactly what it needs), the formula dashed."""
     names = sorted(set(measured) | set(formula), key=natural)
     fig, axes = _grid(len(names), "KV-cache bytes per token vs KV heads: measured vs formula",
                       "KV heads (attention.num_kv_heads)", "KV cache per token, all layers (bytes)")
@@ -324,9 +306,8 @@ def kv_heads_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[s
 
 
 def kv_memory_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[str, str], note: str) -> Path:
-    """KV bytes against positions held, a panel per batch size (shared y axis, so growth with
-    the batch shows across panels and with the sequence within one); measured solid in the
-    variant's colour, the formula dashed black on top."""
+    """KV bytes against positions held, a panel per batch size on a shared y axis (growth with the
+    batch shows across panels); measured solid, the formula dashed."""
     unit, scale = _byte_unit(measured, formula)
     measured, formula = _scaled(measured, scale), _scaled(formula, scale)
     names = sorted(set(measured) | set(formula), key=natural)
@@ -344,8 +325,7 @@ def kv_memory_plot(path: Path, measured: Panels, formula: Panels, colours: Dict[
 
 
 def turn_plot(path: Path, data: Panels, colours: Dict[str, str], note: str, variants: Dict[str, Variant]) -> Path:
-    """TTFT per turn: the variant's colour, solid with cache sharing, dashed without; ``variants``:
-    label -> variant of each line (:func:`variants_of`)."""
+    """TTFT per turn: solid with cache sharing, dashed without."""
     fig, axes = _grid(len(data), "Time to first token per turn: KV sharing on vs off", "turn", "TTFT (ms)")
     for ax, (name, series) in zip(axes, data.items()):
         ax.set_title(name, fontsize="small")
@@ -360,8 +340,8 @@ def turn_plot(path: Path, data: Panels, colours: Dict[str, str], note: str, vari
 
 
 def capacity_plot(path: Path, measured: Panels, predicted: Panels, colours: Dict[str, str], note: str) -> Path:
-    """Max batch against context length: measured (the search's answer, solid with points) and the
-    memory-only prediction (weights + KV formula + measured activations, dashed), one colour per variant."""
+    """Max batch against context length: measured (solid) and the memory-only prediction (weights +
+    KV formula + measured activations, dashed)."""
     names = sorted(set(measured) | set(predicted), key=natural)
     fig, axes = _grid(len(names), "Max batch under the memory budget and SLOs vs context length",
                       "context length (prompt tokens)", "max batch (sequences)")
@@ -419,7 +399,7 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     # Per token: batch size and length divide out, so a panel is a dtype (or model, cache ...).
     heads, fold = config_value("attention.num_kv_heads"), ["workload.batch_size", "workload.prompt_len",
                                                            "workload.gen_len"]
-    # MLA's one latent head is not a KV-head count on this axis: its bytes are in kv_memory below
+    # MLA's one latent head is not a KV-head count: its bytes are in kv_memory
     by_heads = [r for r in decode if not r.variant.latent]
     measured = panels(by_heads, axes, heads, per_token("kv_cache_bytes"), fold)
     formula = panels(by_heads, axes, heads, per_token("kv_cache_bytes_formula"), fold)

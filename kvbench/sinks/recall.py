@@ -1,10 +1,6 @@
-"""``task=recall`` records side by side: accuracy per condition for each variant, with its 95 %
-interval over seeds, each variant's gap to the first (MHA where there is one) in points with a
-Welch interval over seeds, the condition's floors (chance, and for MQAR the copy baseline: a model
-that copies any value of its context without knowing whose it is), and the KV bytes per token and
-decode step of the same models.
-
-The data only; console.py and report.py lay it out.
+"""``task=recall`` records side by side: accuracy per condition for each variant with its interval
+over seeds, each variant's gap to the first, the condition's floors (chance, MQAR's copy baseline)
+and the same models' costs. The data only; console.py and report.py lay it out.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from kvbench.measure.stats import seed_summary, welch_interval
 from kvbench.sinks.tables import Record, fmt
 from kvbench.views import RecordView
 
-# What the copy baseline column means, under every recall table.
 COPY_NOTE = ("copy baseline (MQAR): the accuracy of a model that copies any value of its context without learning "
              "which key it belongs to, (1 + (P - 1) / M) / P for P pairs of M values: above chance, and a result "
              "near it is no recall")
@@ -41,10 +36,9 @@ def _cell(row: Mapping[str, Any]) -> str:
 
 
 def gap_text(base: Sequence[float], other: Sequence[float]) -> str:
-    """``-3.1 pts [-5.0, -1.2]``: mean(other) - mean(base) in accuracy points (x100), Welch
-    interval over seeds, clipped to the -100 .. +100 points a difference of two accuracies can
-    take (a t-interval knows no bounds: 3 seeds at 0.08 against 1.00 gave -105.9); ``*`` when the
-    interval excludes 0 (the gap is real at 95 %)."""
+    """``-3.1 pts [-5.0, -1.2]``: mean(other) - mean(base) in accuracy points, Welch interval over
+    seeds clipped to +-100 points (a t-interval knows no bounds: 3 seeds at 0.08 against 1.00 give
+    -105.9); ``*`` when the interval excludes 0."""
     diff, low, high = welch_interval(base, other)
     if low is None:
         return f"{100 * diff:+.1f} pts (no interval: < 2 seeds)"
@@ -72,10 +66,8 @@ def _row_ok(row: Any) -> bool:
 
 
 def well_formed(rec: Record) -> bool:
-    """An ok recall record whose table means what it says (a record read back is checked, not
-    trusted): ``runtime.seed`` and ``recall.seeds`` >= 1 integers, and each accuracy row a
-    condition (``stage`` text, integer ``seq_len``, ``num_pairs``, ``distance``) with a non-empty
-    ``per_seed`` of accuracies in [0, 1]."""
+    """An ok recall record whose seeds are integers and each accuracy row a condition with accuracies
+    in [0, 1] (a record read back is checked, not trusted)."""
     view = RecordView.of(rec)
     accuracy = view.table("accuracy")
     seed = view.get("runtime.seed")
@@ -95,14 +87,12 @@ def malformed(records: Sequence[Record]) -> int:
 
 
 def groups(records: Sequence[Record]) -> List[List[Record]]:
-    """ok, :func:`well_formed` recall records grouped by everything in their config but the
-    variant, the seeds and how the job was tracked (records of one variant on other seeds are
-    pooled by :func:`pooled`)."""
+    """Well-formed recall records grouped by their config but the variant, the seeds and how the job
+    was tracked."""
     out: Dict[str, List[Record]] = {}
     for rec in _recall_records(records):
         if not well_formed(rec):
             continue
-        # how a job was tracked or scheduled (wandb, rerun) is not what it measured
         key = {k: v for k, v in rec.config.items() if k not in ("attention", "wandb", "rerun")}
         key["runtime"] = {k: v for k, v in (key.get("runtime") or {}).items() if k != "seed"}
         key["recall"] = {k: v for k, v in (key.get("recall") or {}).items() if k != "seeds"}
@@ -111,9 +101,8 @@ def groups(records: Sequence[Record]) -> List[List[Record]]:
 
 
 def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
-    """variant -> condition -> row, the rows of all the variant's records pooled over their seeds
-    (a seed measured twice counts once): per_seed, its mean, t-interval and solved count
-    (stats.seed_summary, as the task computes them)."""
+    """variant -> condition -> row, pooled over the variant's records' seeds (a seed measured twice
+    counts once) and summarised as the task does (stats.seed_summary)."""
     out: Dict[str, Dict[Tuple, Dict[str, Any]]] = {}
     for rec in map(RecordView.of, group):
         label, ids = rec.variant.label, _seed_ids(rec)
@@ -130,11 +119,8 @@ def pooled(group: Sequence[Record]) -> Dict[str, Dict[Tuple, Dict[str, Any]]]:
 
 
 def recall_table(group: Sequence[Record]) -> Tuple[List[str], List[List[str]]]:
-    """(header, rows): a row per condition, a column per variant: accuracy [95 % interval] over
-    the pooled seeds; for every variant after the first its gap to the first; the condition's
-    chance and copy baseline (``-`` where the record has none: passkey, or an older record); then
-    rows of KV / token, the state per sequence where a variant holds one, and decode step (of the
-    variant's first record)."""
+    """(header, rows): a row per condition and a column per variant, then the gaps to the first
+    variant and the condition's floors; then the variants' costs (of each one's first record)."""
     rows_by_variant = pooled(group)
     labels = list(rows_by_variant)
     first_record = {label: next(r for r in map(RecordView.of, group) if r.variant.label == label) for label in labels}

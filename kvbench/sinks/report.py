@@ -1,16 +1,8 @@
 """Local side-by-side report of a run or a sweep: ``summary.csv``, ``summary.md`` and PNG plots.
 
 Reads only the results.json records (and, for a job that left none, the ``.hydra/`` files Hydra
-wrote when the job started), so it works on any directory, with or without W&B, during or
-after a sweep. Written at the end of every multirun by the CLI and on demand by
-``kvbench-report DIR``.
-
-Every job is a row: ``ok``, ``invalid``, ``oom``, ``error``, ``interrupted``, ``running`` (a
-job directory another process holds the claim of), ``missing`` (a Hydra job directory without
-results.json: the job was killed, e.g. by SIGKILL, or has not finished) and ``unreadable`` (a
-results.json that is not a record: it does not parse, or a field has the wrong type). Non-ok
-jobs are also listed with their overrides and error in their own section, and every plot notes
-how many jobs it leaves out.
+wrote when the job started), so it works on any directory, with or without W&B, during or after a
+sweep. Every job is a row, whatever its status (``running``, ``missing`` and ``unreadable`` included).
 """
 
 from __future__ import annotations
@@ -202,12 +194,9 @@ def _comparison_md(records, axes) -> List[str]:
 
 
 def kv_cost_across_prompts(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The KV cost across a sweep's prompt lengths: for each attention variant in each cell of the
-    other swept axes, the Theil-Sen fit of its jobs' ``decode_ms_p50`` against the mean context
-    their decode steps attended (``prompt_len + (gen_len + 1) / 2``): ``at_ctx0_ms`` and
-    ``us_per_1k_ctx`` with the slope's 95% interval. A variant needs ok decode jobs at 3 or more
-    prompt lengths. ``slope_ratio`` and ``kv_bytes_ratio`` are to the cell's first variant (MHA, or
-    the one with the most KV heads), the KV bytes compared at a prompt length both ran."""
+    """Per variant and cell of the other swept axes, the Theil-Sen fit of ``decode_ms_p50`` against
+    the mean context the decode steps attended (``prompt_len + (gen_len + 1) / 2``), with ratios to
+    the cell's first variant; the KV bytes are compared at a prompt length both ran."""
     decode = [r for r in views(records) if r.ok and r.kind == "decode" and r.number("decode_ms_p50") is not None]
     others = [k for k, _ in swept_axes(decode) if k != "workload.prompt_len" and k not in VARIANT_KEYS]
     groups: Dict[tuple, Dict[str, list]] = {}
@@ -323,8 +312,7 @@ def _choose_md(records) -> List[str]:
 
 
 def _flags_md(records) -> List[str]:
-    """Figures that break a physical bound (a record's ``implausible``) and runs whose KV layout is
-    not the named model's own (``kv_conversion``): one row each, in words."""
+    """Figures that break a physical bound and runs whose KV layout is not the named model's own."""
     rows = [[rec.job, f"`{item.get('metric')}`", _cell(item.get("value")), item.get("bound") or "",
              item.get("reason") or ""] for rec in views(records) for item in rec.implausible]
     conversions = [[rec.job, rec.kv_conversion.get("text", "")] for rec in views(records) if rec.kv_conversion]
@@ -341,8 +329,7 @@ def _flags_md(records) -> List[str]:
 
 
 def markdown(report: Report, plots: Sequence[Path]) -> str:
-    """The report as markdown: counts, the variants side by side, one table of jobs per kind,
-    the non-ok jobs, the plots (or why there are none)."""
+    """The report as markdown."""
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{len(records)} jobs: {counts}.", ""]
@@ -382,10 +369,8 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
 
 def write_report(root: Path | str, out_dir: Optional[Path | str] = None, plots: bool = True,
                  records: Optional[List[Dict[str, Any]]] = None) -> Report:
-    """Gather every job under ``root`` (or the given ``records``, e.g. only the jobs of the
-    sweep that just ended) into ``summary.csv``, ``summary.md`` and plots in ``out_dir``
-    (default ``root``). Raises FileNotFoundError / ValueError with a clear message for a
-    missing directory or one without any job."""
+    """Every job under ``root`` (or the given ``records``: the sweep that just ended) into
+    ``summary.csv``, ``summary.md`` and plots in ``out_dir`` (default ``root``)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no such directory: {root}")

@@ -1,17 +1,9 @@
-"""What the serving records hold for the report: every run's point (rate, latency, throughput), the
-highest rate each variant serves within its SLO, and the report's table of it; the plots are
-:mod:`kvbench.sinks.serving_plots`'.
+"""What the serving records hold for the report: every run's point (rate, latency, throughput) and
+the highest rate each variant serves within its SLO; the plots are :mod:`kvbench.sinks.serving_plots`'.
 
-A point is one serving run at one rate: a row of a record's ``tables.serving_rate_curve`` (a rate
-search, ``workload.search.enabled=true``) or, for a sweep over ``workload.rate``, a record's own
-metrics at its rate. Points are grouped like every other plot (:mod:`kvbench.sinks.plots`): one
-panel per combination of the other swept axes, one line per attention variant in its colour.
-
-- ``rate_latency``: p99 TTFT and p99 TPOT against the rate (a panel each), the SLO's targets
-  dashed, runs that missed the SLO crossed, each variant's highest rate within the SLO dotted;
-- ``serving_pareto``: tokens/s per user (1000 / the run's median TPOT: one stream's speed) against
-  the run's total output tokens/s, as vLLM's ``plot_pareto``; up and to the right is better, and a
-  variant's frontier is where raising the rate buys total throughput only at the users' expense.
+A point is one serving run at one rate: a row of a rate search's ``tables.serving_rate_curve``, or
+a record's own metrics at its ``workload.rate``. Points are grouped like every other plot: a panel
+per combination of the other swept axes, a line per attention variant.
 """
 
 from __future__ import annotations
@@ -25,14 +17,13 @@ from kvbench.views import RecordView, Variant
 
 RATE_KEY = "workload.rate"
 CURVE_TABLE = "serving_rate_curve"
-# Not a panel of their own: the variant, the rate (the x axis) and the search's own settings.
 _NOT_PANEL = VARIANT_KEYS + ("task", "workload.name", RATE_KEY)
 _ROW_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "output_throughput", "request_throughput",
              "goodput")
 Curves = Dict[str, Dict[str, List[Dict[str, Any]]]]  # panel -> variant -> rows sorted by rate
 
 
-# What the plots and tables compute with: numbers (or null) in every rate-curve row and in the metrics
+# numbers (or null) in every rate-curve row and in the metrics
 _ROW_NUMBERS = _ROW_KEYS + ("tokens_per_s_per_user",)
 _SEARCH_NUMBERS = ("max_rate_under_slo", "max_rate_failed_at", "max_rate_at_least", "max_rate_probes")
 
@@ -58,11 +49,8 @@ def _number(value: Any, none: bool = True) -> bool:
 
 
 def well_formed(rec: Record) -> bool:
-    """An ok serving record whose figures mean what they say (a record read back is checked, not
-    trusted; another version, or a hand, may have written it): every row of its rate curve a rate
-    (a number > 0) with numbers or nulls for its latencies and throughputs and a boolean or null
-    ``ok``; its own rate (``workload.rate``), latencies, throughputs and search results numbers or
-    null. One that is not would sort text against numbers, or hash a list, in the plots."""
+    """An ok serving record whose rates, latencies and throughputs are numbers or null (a record read
+    back is checked, not trusted): one that is not would sort text against numbers in the plots."""
     view = RecordView.of(rec)
     raw = (view.to_dict().get("tables") or {}).get(CURVE_TABLE)
     rows = view.table(CURVE_TABLE)
@@ -94,7 +82,6 @@ def points(rec: Record) -> List[Dict[str, Any]]:
 
 
 def _panel_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
-    """The swept axes that vary among ``records``, other than the variant, the rate and the search's."""
     return [(key, title) for key, title in axes if key not in _NOT_PANEL and not key.startswith("workload.search")
             and len({repr(RecordView.of(r).get(key)) for r in records}) > 1]
 
@@ -182,9 +169,8 @@ def slo_targets(records: Sequence[Record], axes: Sequence[Axis]) -> Dict[str, Di
 
 
 def markdown(records: Sequence[Record], axes: Sequence[Axis]) -> List[str]:
-    """The report's serving section: the highest rate within the SLO per variant (rate searches),
-    and how many serving records were left out (not :func:`well_formed`). Values from records are
-    text (:func:`kvbench.sinks.markdown.md_text`)."""
+    """The report's serving section: the highest rate within the SLO per variant, and how many
+    serving records were left out."""
     rows, left_out = max_rates(records, axes), malformed(records)
     lines: List[str] = []
     if rows:
@@ -206,8 +192,7 @@ def markdown(records: Sequence[Record], axes: Sequence[Axis]) -> List[str]:
 
 
 def max_rate_by_variant(records: Sequence[Record], config_match: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
-    """variant -> :func:`max_rate_text` of the ok serving records with a rate search whose config
-    has the values in ``config_match`` (a choose table's cell): the article's column."""
+    """variant -> :func:`max_rate_text` of the rate searches whose config has ``config_match``."""
     out: Dict[str, str] = {}
     for rec in serving_records(records):
         if _m(rec, "max_rate_probes") and all(rec.get(k) == v for k, v in (config_match or {}).items()):

@@ -1,16 +1,6 @@
-"""The serving plots: latency against arrival rate, and the Pareto of per-user against total throughput.
-
-- ``rate_latency``: p99 TTFT and p99 TPOT against the rate (a panel each), the SLO's targets
-  dashed, runs that missed the SLO crossed, each variant's highest rate within the SLO dotted;
-- ``serving_pareto``: tokens/s per user (1000 / the run's median TPOT: one stream's speed) against
-  the run's total output tokens/s, as vLLM's ``plot_pareto``; up and to the right is better, and a
-  variant's frontier (bold) is where raising the rate buys total throughput only at the users' expense;
-- ``serving_capacity``: per serving run (layout, KV precision, allocator), the sequences at its
-  longest request that fit its budget by the layouts' formula and by its allocator's plan
-  (:mod:`kvbench.sinks.capacity`'s table; computed, not measured).
-
-The points are :func:`kvbench.sinks.serving.curves`' (one panel per combination of the other swept
-axes, one line per variant in its colour of every plot).
+"""The serving plots: latency against arrival rate, the Pareto of per-user against total throughput
+(as vLLM's ``plot_pareto``: a variant's frontier is where raising the rate buys total throughput only
+at the users' expense), and the sequences that fit per serving run.
 """
 
 from __future__ import annotations
@@ -89,8 +79,7 @@ def rate_latency_plot(path: Path, data: Curves, targets: Dict[str, Dict[str, flo
 
 
 def pareto_plot(path: Path, data: Curves, colours: Dict[str, str], note: str) -> Path:
-    """Tokens/s per user against total output tokens/s: every run of a variant a small point, its
-    Pareto frontier (the runs no other run of it beats on both) a bold line."""
+    """Tokens/s per user against total output tokens/s: every run a point, the frontier a bold line."""
     names = list(data)
     fig, axes = _grid(len(names), "Per-user vs total throughput (serving runs at each rate)",
                       "output tokens/s, all requests", "tokens/s per user (1000 / p50 TPOT)")

@@ -1,16 +1,8 @@
 """Which jobs sit side by side, and how their numbers are written: the data behind every table.
 
-- the axes a job is identified by and the metric columns of each kind of job (a decode run, a
-  multi-turn chat, training, evaluation): a decode row carries no chat or training column;
-- :func:`swept_axes`: the config keys whose value differs across a sweep;
-- :func:`variant`: a record's attention variant (``gqa kv=2``), the column of a comparison and
-  the key of the plots' colours;
-- the view a person came for, the variants of each cell side by side with each metric's ratio
-  to MHA, is built from these in :mod:`kvbench.sinks.comparison`.
-
-Rendering is elsewhere (console.py: rich tables; report.py: markdown; plots.py: PNGs). Every
-value is written by :func:`value_text`, which takes the record, so that a value's interval
-(``<metric>_ci_low`` / ``_ci_high``, once records carry one) is added in this one place.
+The axes a job is identified by, the metric columns of each kind of job (a decode row carries no
+chat or training column), the swept axes and the variant. Rendering is elsewhere (console, report,
+plots). Every value is written by :func:`value_text`, so a value's interval is added in one place.
 """
 
 from __future__ import annotations
@@ -24,12 +16,10 @@ from kvbench.units import human_bytes
 from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
 from kvbench.views import RecordView
 
-# What a sink is handed: a record as report.collect reads it (a mapping), a RunResult or a view;
-# every sink reads it through :class:`~kvbench.views.RecordView`.
+# A record as report.collect reads it (a mapping), a RunResult or a view: read through RecordView.
 Record = Any
 Axis = Tuple[str, str]  # (config key, column title)
 
-# (config key, column title) identifying a job, in the order tables show them.
 AXES: List[Axis] = [
     ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
     ("attention.kv_lora_rank", "R"), ("attention.window", "W"), ("attention.global_every", "global every"),
@@ -39,8 +29,6 @@ AXES: List[Axis] = [
     ("task", "task"), ("workload.system_len", "system"), ("workload.turns", "turns"),
     ("train.steps", "train steps"), ("train.init_from", "init from"),
 ]
-# A variant is a way to hold less KV: fewer KV heads, a latent (MLA's rank), a window on some
-# layers, or fewer bits per element (cache.dtype): the keys kvbench.views.Variant is read from.
 VARIANT_KEYS = VIEW_VARIANT_KEYS
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
@@ -136,7 +124,7 @@ KIND_TITLES = {"decode": "decode", "multiturn": "multi-turn chat", "train": "tra
 
 
 def kind(record: Record) -> str:
-    """``decode`` | ``multiturn`` (task=bench, by workload) | ``train`` | ``eval`` | ``capacity`` | ``compare``."""
+    """The kind of job: its workload for task=bench, else its task."""
     return RecordView.of(record).kind
 
 
@@ -171,16 +159,16 @@ def fmt(value: Any, spec: str) -> str:
 
 
 def interval(values: Mapping[str, Any], key: str) -> Optional[Tuple[float, float]]:
-    """The 95% interval ``<key>_ci_low`` / ``<key>_ci_high`` of ``values`` (a record's metrics or
-    a table row); None where either bound is missing (older records carry none)."""
+    """The 95% interval ``<key>_ci_low`` / ``<key>_ci_high``; None where either bound is missing
+    (older records carry none)."""
     low, high = values.get(f"{key}_ci_low"), values.get(f"{key}_ci_high")
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high))
     return (low, high) if numbers else None
 
 
 def with_interval(values: Mapping[str, Any], key: str, spec: str) -> str:
-    """``values[key]`` as ``spec`` says, followed by its interval ``[low, high]`` when it has one
-    (bootstrap intervals are not symmetric, so both ends are shown)."""
+    """``values[key]`` with its interval ``[low, high]`` when it has one (bootstrap intervals are
+    not symmetric, so both ends are shown)."""
     text, ci = fmt(values.get(key), spec), interval(values, key)
     if values.get(key) is None or ci is None or spec == "bytes":
         return text
@@ -194,9 +182,8 @@ NO_INTERVAL = "no interval"
 
 
 def spec_for(record: Record, column: Column) -> str:
-    """How ``column``'s value is written for ``record``: in binary byte units where the record's
-    registry says its unit is bytes, as a plain number where it names another unit for a column
-    declared in bytes, else the column's own format (a record that declares no unit)."""
+    """The record's registry decides bytes or not; the column's format applies where the record
+    declares no unit."""
     unit = RecordView.of(record).unit(column.key)
     if unit == "bytes":
         return "bytes"
@@ -204,8 +191,7 @@ def spec_for(record: Record, column: Column) -> str:
 
 
 def value_text(record: Record, column: Column) -> str:
-    """A metric of a record as a table cell, with its interval where the record has one: the one
-    place a value is written."""
+    """A metric of a record as a table cell, with its interval where the record has one."""
     view = RecordView.of(record)
     return with_interval(view.metrics, column.key, spec_for(view, column))
 
@@ -218,10 +204,9 @@ def ratio_text(ratio: Optional[float]) -> str:
 # ---- axes -----------------------------------------------------------------------------------------
 
 def _values(records: Sequence[Record], key: str) -> List[str]:
-    # None means "left to its default" in a config Hydra saved before validation filled it in
-    # (or a key the job's kind does not read), so it never makes a key look swept; a window's None
-    # is "no window", a value of its own, and a layer pattern's None "every layer full attention" (a
-    # sweep of GQA beside its Gated DeltaNet hybrid differs only there).
+    # None is "left to its default" (or a key the job's kind does not read), so it never makes a key
+    # look swept; but a window's None is "no window" and a layer pattern's None "every layer full
+    # attention" (GQA beside its Gated DeltaNet hybrid differs only there).
     none_is_value = key in ("attention.window", "attention.global_every", "attention.layer_types")
     return [repr(v) for v in (RecordView.of(r).get(key) for r in records) if v is not None or none_is_value]
 
@@ -239,9 +224,8 @@ def determined_by(records: Sequence[Record], key: str, by: str) -> bool:
 
 
 def swept_axes(records: Sequence[Record]) -> List[Axis]:
-    """(config key, column title) of every key whose value differs across records: the usual
-    axes first, then the rest; a key that is a function of an axis already chosen is dropped
-    (``model.d_model`` when ``model.name`` is swept)."""
+    """(config key, column title) of every key that differs across records, the usual axes first;
+    a key that is a function of one already chosen is dropped (``model.d_model`` of ``model.name``)."""
     keys = {k for view in map(RecordView.of, records) for k in flatten(view.config)}
     varying = {k for k in keys if not k.startswith(_NOT_AXES) and len(set(_values(records, k))) > 1}
     chosen = [(k, t) for k, t in AXES if k in varying]
@@ -252,8 +236,8 @@ def swept_axes(records: Sequence[Record]) -> List[Axis]:
 
 
 def viewed(record: Record) -> Record:
-    """The record with only the config keys its task reads (records written before records
-    left the others out, and Hydra's saved configs of jobs that left no record)."""
+    """The record with only the config keys its task reads (older records and Hydra's saved
+    configs hold the others)."""
     view = RecordView.of(record)
     return {**view.to_dict(), "config": record_config(dict(view.config))}
 
@@ -280,6 +264,5 @@ def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -
 # ---- the variant ------------------------------------------------------------------------------------
 
 def variant(record: Record) -> str:
-    """``mha kv=8``, ``gqa kv=2 w=1024 5:1``, ``mla r=32 int8``: the record's attention variant as
-    every table and plot names it (:attr:`kvbench.views.Variant.label`)."""
+    """``mha kv=8``, ``gqa kv=2 w=1024 5:1``, ``mla r=32 int8``: as every table and plot names it."""
     return RecordView.of(record).variant.label

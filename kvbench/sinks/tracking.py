@@ -1,40 +1,15 @@
 """Weights & Biases sink: one W&B run per job, made from the job's results.json record.
 
-The CLI calls :func:`track` after the runner has written results.json, so nothing here can lose
-or change that record: every W&B error is caught and reported as one warning (through
-``logging``, so it also lands in Hydra's job log beside results.json). ``wandb`` is imported only
-when a run is made; ``wandb.mode=disabled`` never imports it.
+It runs after results.json is written, so nothing here can lose or change that record: every W&B
+error is one warning (through ``logging``, so it also lands in Hydra's job log). ``wandb`` is
+imported only when a run is made. What a run holds is described in docs/tracking.md.
 
-What a run holds:
-- group = the sweep (its multirun directory name) unless ``wandb.group`` is set; job_type = the
-  workload (or the task); name = the job's overrides of the keys the sweep varies
-  (``attention=mqa workload.batch_size=2``), or for a single run its model, variant and workload
-  (``tiny gqa kv=2 decode``).
-- config = the resolved config as nested dicts (``{"attention": {"type": ..}, "workload": ..}``),
-  which W&B shows, filters and groups by as ``attention.type``, ``workload.prompt_len``, ...,
-  plus ``overrides`` and the environment under ``env``.
-- config also holds ``units``: each summary metric's unit, from the registry the record keeps
-  (``RecordView.unit``), so that W&B shows ``decode_ms_p50`` in ms without parsing its name.
-- summary = every scalar metric, ``status`` and ``error``; each metric with a direction gets a
-  ``define_metric`` summary goal (:func:`metric_goal`, from the metric's unit: lower is better for
-  times, energy, the bytes a job holds and losses, higher for tokens/s and batch capacity).
-- every per-step series (``decode_ms``) logged against its own ``step`` axis (a serving run's
-  ``serving_running`` / ``_waiting`` / ``_kv_blocks_used`` against its ``serving_t_s``), every table
-  (the multi-turn ``turns``) as a ``wandb.Table``, a table with a step column (``turns``: the
-  turn index; a rate search's ``serving_rate_curve``: the rate) also as history against that
-  column (``turns/ttft_ms`` by ``turn``, ``serving_rate_curve/ttft_ms_p99`` by ``rate``), and
-  results.json as a ``results`` artifact.
-
-``online`` never stalls a sweep: ``wandb.init`` may try to reach the server for
-``wandb.init_timeout_s`` seconds (W&B's own default is 90 s), and when it cannot (no network,
-no credentials) the run is written offline instead, to be uploaded later with ``wandb sync``.
-A marker file in the sweep directory then sends the sweep's later jobs straight to offline, so
-the warning is said once per sweep and the wait paid once. W&B's own error reporting (its
-OpenTelemetry exporter, whose exit hook waited 10 s on a server that never answers, and the
-service's observability) is off unless ``WANDB_ERROR_REPORTING`` says otherwise. A directory W&B
-must write (the run's, ``WANDB_CACHE_DIR`` where wandb-core logs, ``WANDB_DATA_DIR`` where it
-stages artifacts) that cannot be written is one warning and no run, before W&B starts: wandb-core
-prints 17 lines of its log to stderr when its log directory cannot be made.
+``online`` never stalls a sweep: a run that cannot reach the server within
+``wandb.init_timeout_s`` (W&B's default is 90 s) is written offline, and a marker file sends the
+sweep's later jobs straight offline, so the wait is paid once. W&B's error reporting is off unless
+``WANDB_ERROR_REPORTING`` says otherwise: its OpenTelemetry exit hook waits 10 s on a server that
+never answers. An unwritable W&B directory is one warning and no run, checked before W&B starts
+(wandb-core prints 17 lines of its log to stderr when it cannot make its log directory).
 """
 
 from __future__ import annotations
@@ -86,8 +61,7 @@ def sweep_group(sweep_dir: Optional[Path | str]) -> Optional[str]:
 
 def run_name(overrides: Iterable[str], swept: Optional[Iterable[str]] = None,
              config: Optional[Mapping[str, Any]] = None) -> str:
-    """A display name: the job's overrides of the ``swept`` keys (``attention=gqa
-    workload.batch_size=8``); with none swept (a single run), :func:`short_name` of its config."""
+    """The job's overrides of the ``swept`` keys, else (a single run) :func:`short_name`."""
     swept = set(swept or ())
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NAME_SKIP) and _override_key(o) in swept]
     name = " ".join(kept) or short_name(config or {})
@@ -109,9 +83,8 @@ def _override_key(override: str) -> str:
 
 
 def swept_keys(sweep_dir: Optional[Path | str]) -> List[str]:
-    """The keys a sweep varies: the sweep overrides (``attention=mha,mqa``, ``range(..)``,
-    ``choice(..)``) of its command line and of its preset's ``hydra.sweeper.params``, as Hydra
-    saved them in ``multirun.yaml``. Empty for a single run or a directory without that file."""
+    """The keys a sweep varies, from the command line and ``hydra.sweeper.params`` that Hydra saved in
+    ``multirun.yaml``; empty without that file."""
     path = Path(sweep_dir) / "multirun.yaml" if sweep_dir is not None else None
     if path is None or not path.is_file():
         return []
@@ -130,9 +103,8 @@ def swept_keys(sweep_dir: Optional[Path | str]) -> List[str]:
 
 
 def run_config(result: RunResult | RecordView) -> Dict[str, Any]:
-    """The W&B config of a job: the resolved config as nested dicts (W&B flattens them to
-    ``attention.type`` in its UI and in workspace keys), the overrides, ``env``, and ``units``:
-    the unit of each summary metric that has one (from the record's registry)."""
+    """The resolved config as nested dicts (W&B flattens them to ``attention.type``), the overrides,
+    ``env``, and ``units`` (each summary metric's unit, so W&B need not parse it from the name)."""
     view = RecordView.of(result)
     units = {k: unit for k in run_summary(view) if (unit := view.unit(k))}
     return {**copy.deepcopy(dict(view.config)), "overrides": view.overrides, "env": copy.deepcopy(dict(view.env)),
@@ -151,10 +123,8 @@ _LOWER_IS_BETTER = ("perplexity", "ppl_before_uptrain")  # unit "ratio": a ratio
 
 
 def metric_goal(key: str, unit: Optional[str]) -> Optional[str]:
-    """``min`` (lower is better) or ``max`` for the metric ``key`` of ``unit`` (the registry's,
-    :meth:`RecordView.unit`): lower for times, energy, losses and the bytes a job holds (its KV
-    cache, its peaks), higher for tokens/s and batch capacity; None for the rest (counts, ratios,
-    the interval fields ``_ci_low`` / ``_ci_high`` / ``_n``, a metric without a unit)."""
+    """``min`` (lower is better), ``max``, or None for a metric without a direction (counts,
+    ratios, interval fields)."""
     if key.endswith(("_ci_low", "_ci_high", "_n")):
         return None
     if unit in HIGHER_UNITS or key in _HIGHER_IS_BETTER:
@@ -207,12 +177,10 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
 
 @contextlib.contextmanager
 def _wandb_logs_kept_to_wandb():
-    """W&B's own log records go to its run's debug.log and nowhere else while kvbench drives it.
+    """W&B's own log records go only to its run's debug.log while kvbench drives it.
 
-    The ``wandb`` logger does not propagate, but a handler that attaches itself to every
-    non-propagating logger (pytest's log capture does, as can a user's logging setup) would show
-    the user W&B's internals (``ERROR wandb: error in wandb.init()`` beside kvbench's own one
-    line). Handlers W&B did not install are detached for the call and put back after it."""
+    A handler attached to every non-propagating logger (pytest's log capture, a user's logging
+    setup) would otherwise show W&B's internals beside kvbench's one line."""
     logger = logging.getLogger("wandb")
     foreign = [h for h in logger.handlers if not _is_wandb_handler(h)]
     for handler in foreign:
@@ -292,9 +260,7 @@ def _init_timeout(wandb_cfg: Mapping[str, Any]) -> float:
 
 
 def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str], timeout_s: float):
-    """An online run, or an offline one when W&B cannot be reached: said once per sweep, in one
-    line with the ``wandb sync`` command that uploads it, after which the sweep's later jobs go
-    offline without trying (the marker file)."""
+    """An online run, or an offline one when W&B cannot be reached (said once per sweep)."""
     marker = Path(sweep_dir) / UNREACHABLE_MARKER if sweep_dir is not None else None
     if marker is not None and marker.exists():
         return start("offline")
@@ -333,10 +299,8 @@ def _online_failure(exc: Exception, timeout_s: float) -> str:
 
 def _unwritable_dir(wandb, out_dir: Path) -> Optional[str]:
     """The first directory W&B must write that cannot be written, with why; None when all can.
-    wandb-core logs to ``<WANDB_CACHE_DIR or the user cache dir>/wandb/logs``, the SDK caches
-    under ``WANDB_CACHE_DIR`` and stages artifacts under ``WANDB_DATA_DIR``. The run directory
-    (the job's ``wandb/``) is made a directory of the job's own: a link planted there would send
-    the run into its target (:func:`kvbench.jsonio.real_dir`)."""
+    The run directory goes through :func:`kvbench.jsonio.real_dir`: a link planted there would send
+    the run into its target."""
     import platformdirs  # a dependency of wandb
 
     cache_root = os.environ.get("WANDB_CACHE_DIR") or platformdirs.user_cache_dir()
@@ -423,8 +387,7 @@ def _artifact_name(name: str) -> str:
 
 
 def _finish(wandb, run, exit_code: int, raise_errors: bool = False) -> None:
-    """Finish the run, then stop W&B's service process so it cannot perturb the timing of the
-    next job of a multirun (the next ``wandb.init`` starts a fresh one)."""
+    """Finish the run, then stop W&B's service so it cannot perturb the next job's timing."""
     try:
         run.finish(exit_code=exit_code)
     except Exception:

@@ -18,8 +18,7 @@ from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
 from kvbench.workloads import conversations, decode, multiturn, serving
 
-# The code of each workload= option (kvbench/workloads/<name>.py: run() and what it RECORDED); its
-# config is kvbench.config.workload.WORKLOADS.
+# Each workload's config is kvbench.config.workload.WORKLOADS.
 WORKLOADS = {"decode": decode, "multiturn": multiturn, "serving": serving, "conversations": conversations}
 
 

@@ -1,32 +1,15 @@
 """``task=capacity``: the largest batch that fits a memory budget and meets latency targets (the
 probes; the search and its prediction are :mod:`kvbench.tasks.capacity_search`).
 
-For each context length (``capacity.context_lens``, prompt tokens; every sequence then decodes
-``workload.gen_len`` tokens) the search
+For each context length the search calibrates the activation overhead on probes at batches 1 and
+4, predicts the largest batch from weights + KV formula + that overhead, then confirms and bisects
+with measured probes (:func:`~kvbench.tasks.capacity_search.search_capacity`). With
+``workload=multiturn`` the batch is the number of concurrent conversations of the chat.
 
-1. measures calibration probes at batches 1 and 4: their peak memory minus the weights and the KV
-   formula is the activation overhead, split into a fixed part and a part per sequence (the
-   difference between the two);
-2. predicts the largest batch from weights + KV formula (the layer layouts' formula,
-   the formula ``task=inspect`` prints) + that overhead (:func:`predict_max_batch`);
-3. confirms and bisects with measured probes (:func:`search_capacity`, a pure function over a
-   ``measure(batch) -> probe`` callable) until the answer is within ``capacity.batch_step`` of the
-   smallest batch that failed.
-
-With ``workload=multiturn`` the one context is the chat (``system_len`` + ``turns`` x (``user_len`` +
-``reply_len``) positions per conversation), the batch is the number of concurrent conversations,
-and a probe serves them as ``workload=multiturn`` does, with or without the shared cache
-(``cache.shared``: the system prompt held once and the history kept, each turn prefilling only
-its new tokens; or every turn re-prefilling the whole history).
-
-A probe is a real decode of that batch (``runtime.warmup`` + ``runtime.repeats`` trials) whose
-peak memory (:class:`kvbench.measure.memory.PeakWindow`) is checked against the budget and whose
-time to first token and time per output token are checked against ``slo``. A CUDA out-of-memory
-is caught and is the probe's answer (memory). With ``slo.tpot_x_batch1`` the probe's filled cache
-then steps again, one step at a time interleaved with the steps of one sequence at the same
-context (:func:`time_pairs`), and the ratio of the two is judged. Every probe is kept
-(``tables.capacity_probes``), and each context's answer says which bound stopped it
-(``tables.capacity``).
+A probe is a real decode of that batch whose peak memory is checked against the budget and whose
+TTFT and TPOT are checked against ``slo``; an out-of-memory is the probe's answer. With
+``slo.tpot_x_batch1`` its TPOT is judged against one sequence's, stepped interleaved with it
+(:func:`time_pairs`). Every probe is kept (``tables.capacity_probes``).
 """
 
 from __future__ import annotations
@@ -75,7 +58,7 @@ STAT_Q = {"p50": 0.5, "p99": 0.99}
 # many budgets is not run (it could take the machine's memory from everyone else on it).
 CPU_REFUSE_FACTOR = 2.0
 # The calibration's second batch: far enough from batch 1 that the slope per sequence is not lost
-# in one-off growth (batch 1 -> 2 once read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
+# in one-off growth (batch 1 -> 2 read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
 CALIBRATION_BATCH = 4
 
 METRICS: Dict[str, Metric] = metric_table(
@@ -188,12 +171,9 @@ class Stepper:
 
 def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
                device: torch.device) -> Tuple[List[float], List[float]]:
-    """``pairs`` decode steps of ``probe`` and as many of ``reference``, interleaved one by one
-    (which goes first alternates), so that what the machine does meanwhile (another process's
-    phase, a clock change) falls on both alike. Over 8 rounds of batch 20 against batch 1 at 128
-    tokens (experiment=choose's model, one CPU thread, load 1) their ratio spread 1.09-1.13x
-    (max/min) where the medians of the probe and of batch-1 runs just before and after it spread
-    1.33-1.53x (experiments/results/tpot_pairing.md). Milliseconds of each, in order."""
+    """``pairs`` decode steps of ``probe`` and as many of ``reference``, interleaved one by one (which
+    goes first alternates), so that what the machine does meanwhile falls on both alike: their ratio
+    spread 1.09-1.13x where separate runs spread 1.33-1.53x (experiments/results/tpot_pairing.md)."""
     timer = RegionTimer(device)
     with torch.inference_mode():
         for i in range(pairs):
@@ -206,9 +186,7 @@ def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
 
 @dataclass
 class Latency:
-    """What a probe's trials took: every time to first token, every decode step (ms), and the
-    throughput (median over trials of batch x steps / decode time); ``stepper``: its filled cache,
-    ready to step again (None: it has no decode steps to repeat)."""
+    """What a probe's trials took (ms); ``stepper``: its filled cache, ready to step again."""
 
     ttft_ms: List[float]
     step_ms: List[float]
@@ -229,9 +207,7 @@ def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, conte
 
 
 def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
-    """``batch`` conversations of the workload's chat (``context``: the positions each holds at
-    the end), served with or without the shared cache (``cache.shared``): every turn's time to
-    first token and every decode step of every turn."""
+    """``batch`` conversations of the workload's chat (``context``: the positions each holds at the end)."""
     w, rt = replace(cfg.workload, batch_size=batch), cfg.runtime
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
     session = ChatSession(model, system, batch, cfg.cache.shared, cfg.cache.impl, context)
@@ -264,9 +240,8 @@ class Prober:
         return min(targets, default=None)
 
     def paired_steps(self, context: int, probe: Optional[Stepper]) -> Optional[Tuple[List[float], List[float]]]:
-        """slo.tpot_x_batch1: ``capacity.tpot_pairs`` more steps of the probe's filled cache, each
-        interleaved with a step of one sequence at the same context (served as the probe was and
-        filled for this, outside any memory window); None when the target is absolute."""
+        """slo.tpot_x_batch1: more steps of the probe's filled cache, each interleaved with a step of
+        one sequence at the same context (outside any memory window); None when the target is absolute."""
         if self.cfg.slo.tpot_x_batch1 is None or probe is None:
             return None
         reference = self.latency(self.cfg, self.model, self.device, context, 1).stepper
@@ -403,8 +378,8 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=capacity``: the largest batch per context under the memory budget and the SLOs
-    (:func:`run_probes`); what the process held before the model is the baseline."""
+    """``task=capacity``: the largest batch per context under the memory budget and the SLOs; what the
+    process held before the model is the baseline."""
     result.metrics["timing_method"] = timing_method(device)
     result.methods.update(JOB_METHODS)
     baseline = baseline_bytes(device)

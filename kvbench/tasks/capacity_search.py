@@ -1,12 +1,7 @@
 """The pure part of ``task=capacity``: the search over batch sizes and its memory-only prediction.
 
-For one context, :func:`search_capacity` starts at a prediction, gallops away from it until the
-boundary is bracketed, then bisects, over a ``measure(batch) -> probe`` callable (its only side
-effect); :func:`predict_max_batch` / :func:`formula_max_batch` predict the largest batch from
-weights + the KV formula (the layer layouts' :meth:`~kvbench.layouts.Layouts.cache_bytes`, the formula ``task=inspect``
-prints) + the activation overhead the calibration probes measured (:func:`split_activation`);
-:func:`violations` judges a probe against the budget and the SLOs. The probes themselves are
-:mod:`kvbench.tasks.capacity`'s.
+The prediction is weights + the KV formula (the one ``task=inspect`` prints) + the activation
+overhead the calibration probes measured. The probes themselves are :mod:`kvbench.tasks.capacity`'s.
 """
 
 from __future__ import annotations
@@ -49,8 +44,8 @@ class Probe:
 
 @dataclass
 class Search:
-    """What :func:`search_capacity` found: ``max_batch`` passed (0: not even the smallest), the
-    smallest failing batch ``failed_at`` (None: none up to the limit), every probe in order."""
+    """What :func:`search_capacity` found (``max_batch`` 0: not even the smallest passed;
+    ``failed_at`` None: none failed up to the limit)."""
 
     max_batch: int
     failed_at: Optional[int]
@@ -59,12 +54,9 @@ class Search:
 
 def search_capacity(measure: Callable[[int], Probe], start: int, limit: int, step: int = 1,
                     known: Sequence[Probe] = ()) -> Search:
-    """The largest batch in [1, ``limit``] whose probe is ok, to within ``step``.
-
-    Starts at the prediction ``start``, gallops away from it (steps of ``step``, doubling) until
-    the boundary is bracketed, then bisects. Assumes the bounds are monotone in the batch (memory
-    and latency grow with it); a noisy pass above a failure does not move the bracket.
-    ``known`` probes (a calibration) count as measured. ``measure`` is the only side effect."""
+    """The largest batch in [1, ``limit``] whose probe is ok, to within ``step``: gallop from the
+    prediction ``start`` until the boundary is bracketed, then bisect. Assumes the bounds are
+    monotone in the batch; a noisy pass above a failure does not move the bracket."""
     tried: Dict[int, Probe] = {p.batch: p for p in known}
     order: List[Probe] = list(known)
 
@@ -111,8 +103,7 @@ def predict_max_batch(budget: int, fixed: int, per_sequence: int, limit: int) ->
 
 
 def contexts(cfg: BenchConfig) -> List[int]:
-    """The contexts searched, shortest first: ``capacity.context_lens`` (prompt tokens) for
-    workload=decode; for workload=multiturn the one chat, as the positions each conversation
+    """The contexts searched, shortest first; for workload=multiturn the positions each conversation
     holds at its end (its last reply token is never fed back)."""
     if cfg.workload.name == "multiturn":
         return [cfg.workload.total_len - 1]
@@ -120,10 +111,8 @@ def contexts(cfg: BenchConfig) -> List[int]:
 
 
 def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
-    """KV formula (the layer layouts', the one formula) of what the probe's cache
-    holds: decode, ``batch`` sequences of ``context`` prompt + ``gen_len`` generated positions;
-    a chat, ``context`` positions per conversation, of which the system prompt's are held once
-    when ``cache.shared``; ``cache.impl=none`` holds nothing (its recomputed K/V are activations)."""
+    """The KV formula of what the probe's cache holds (a shared system prompt once;
+    ``cache.impl=none`` nothing: its recomputed K/V are activations)."""
     m, w = cfg.model, cfg.workload
     if cfg.cache.impl == "none":
         return 0
@@ -141,19 +130,16 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
 
 def kv_bytes_per_token(cfg: BenchConfig) -> Tuple[float, int]:
     """(bytes, positions): the KV formula of one sequence as the longest probe holds it, over its
-    positions (context + gen_len; a chat's positions per conversation). Where every layer's cache
-    grows with the sequence that is any one position's bytes; where some layer's stops
-    (:meth:`~kvbench.layouts.base.Layouts.caps_positions`), bytes per token fall as the context
-    grows and are given at this stated length: the one definition the record, the jobs table and
-    experiment=choose's table share."""
+    positions. Where some layer's cache stops growing (a window), bytes per token fall as the context
+    grows, so they are given at this stated length: the one definition every table shares."""
     context = contexts(cfg)[-1]
     positions = context if cfg.workload.name == "multiturn" else context + cfg.workload.gen_len
     return kv_bytes(cfg, context, 1) / positions, positions
 
 
 def state_bytes_per_sequence(cfg: BenchConfig) -> int:
-    """What one sequence holds whatever its length (Gated DeltaNet layers' states; 0 for K/V
-    layers, or with ``cache.impl=none``): part of :func:`kv_bytes`, which no context shrinks."""
+    """What one sequence holds whatever its length (Gated DeltaNet layers' states): part of
+    :func:`kv_bytes` that no context shrinks."""
     if cfg.cache.impl == "none":
         return 0
     return build_layouts(cfg.model, cfg.attention).state_bytes(DTYPE_BYTES[cfg.runtime.dtype])
@@ -189,9 +175,8 @@ def over_budget(probe: Probe, budget: int) -> bool:
 
 def violations(probe: Probe, budget: int, ttft_ms: Optional[float], tpot_ms: Optional[float],
                tpot_x_batch1: Optional[float] = None) -> List[str]:
-    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge).
-    TPOT: ``tpot_ms`` judges the probe's own steps (``tpot_ms``), ``tpot_x_batch1`` its paired
-    steps against their reference (not judged over the budget: not timed there)."""
+    """The bounds ``probe`` violates, memory first (an out-of-memory has no latency to judge); paired
+    steps are not judged over the budget (not timed there)."""
     out = ["memory"] if over_budget(probe, budget) else []
     if ttft_ms is not None and (probe.ttft_ms is None or probe.ttft_ms > ttft_ms):
         out.append("ttft")

@@ -15,7 +15,6 @@ from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 
-# Methods of the fields every model-running job records.
 JOB_METRICS: Dict[str, Metric] = metric_table(
     Metric("peak_rss_reason", "text",
            "only when peak_rss_bytes is null: why (runtime.isolate=false, and an earlier job ran "
@@ -31,10 +30,8 @@ JOB_METHODS: Dict[str, str] = record_methods(JOB_METRICS)
 
 
 def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
-    """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights
-    wherever their shapes agree; with ``model.path`` the checkpoint's weights, brought to
-    ``attention.num_kv_heads`` when that differs from the checkpoint's own count (repeated,
-    exactly, to more heads; mean-pooled to fewer)."""
+    """The decoder for ``cfg``, seeded so every variant of a sweep draws the same weights wherever
+    their shapes agree; with ``model.path`` the checkpoint's weights brought to the asked layout."""
     dtype = torch_dtype(cfg.runtime.dtype)
     if cfg.model.path:
         model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
@@ -47,10 +44,8 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
 
 
 def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
-    """What the record's ``kv_conversion`` says for a job whose attention is resolved against
-    its model: null for the model's own KV-head count, and for a task whose record keeps no
-    attention (task=compare: its variants are named in its columns) or whose shape is its
-    checkpoint's (task=eval says it once the checkpoint is read)."""
+    """The record's ``kv_conversion``: null for the model's own layout, and for a task whose record
+    keeps no attention (task=compare) or whose shape is its checkpoint's (task=eval says it later)."""
     task = TASKS[cfg.task]
     if task.own_shape or "attention" not in task.reads:
         return None

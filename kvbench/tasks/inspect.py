@@ -21,14 +21,10 @@ from kvbench.units import human_bytes
 
 
 def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True) -> List[dict]:
-    """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can
-    hold (the compute dtypes, then the quantized ``cache.dtype`` values with their scales), by the
-    layouts' own formulas; with ``vs_mha``, also the fraction of a full MHA cache of the same model
-    at ``seq_len`` (:meth:`~kvbench.layouts.base.Layouts.as_mha`). Per token is per sequence /
-    ``seq_len`` (all layers): any one position's bytes where every layer's cache grows with the
-    sequence; where some layer's stops (:meth:`~kvbench.layouts.base.Layouts.caps_positions`), that
-    of this ``seq_len``, falling as it grows (task=capacity's ``kv_bytes_per_token``, the same
-    definition)."""
+    """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can hold,
+    by the layouts' own formulas; ``vs_mha``: the fraction of a full MHA cache. Per token is the
+    growing part per sequence / ``seq_len``, task=capacity's definition (a window's falls as
+    ``seq_len`` grows)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     # the compute size is not used; a dtype a layer refuses (a recurrent state's) is no row
@@ -47,11 +43,8 @@ def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool
 
 
 def layer_kind_table(layers: Layouts, seq_len: int, batch_size: int, bytes_per_element: int) -> List[dict]:
-    """Per kind of layer (each layer's :meth:`~kvbench.layouts.base.LayerLayout.table_name`, split
-    into layers with a cache of their own and layers reading an earlier layer's): how many layers, the positions each
-    holds at ``seq_len``, their bytes per token (a position of every layer of the kind) and per
-    sequence whatever its length (a recurrent state), and per sequence and per batch at ``seq_len``
-    (the same formula, layer by layer)."""
+    """Per kind of layer (a layer reading an earlier layer's K/V is a kind of its own): how many, the
+    positions each holds at ``seq_len`` and their bytes."""
     def key(layer):
         return (layer.table_name(), layer.kv_source is not None)
 
@@ -77,8 +70,8 @@ def layer_kind_table(layers: Layouts, seq_len: int, batch_size: int, bytes_per_e
 
 
 def parameter_count(cfg: BenchConfig) -> int:
-    """Exact parameter count, from one- and two-layer models on the meta device (no memory is
-    allocated, and a model of a million layers is counted as fast as one of two)."""
+    """Exact parameter count, from one- and two-layer models on the meta device (a model of a million
+    layers is counted as fast as one of two)."""
     return parameter_counts(cfg.model, cfg.attention).total
 
 

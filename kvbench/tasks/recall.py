@@ -3,17 +3,10 @@ synthetic recall task (kvbench/quality/recall.py: MQAR or passkey) from scratch,
 under the same ``train`` budget, and is scored on held-out sequences per condition; accuracy is
 the mean over seeds with a 95 % t-interval (kvbench/measure/stats.py, ``ci_seeds``).
 
-The variant is whatever ``cfg.attention`` builds (``Decoder(model, attention)``): a sweep over
-``attention=mha,gqa,mqa`` (or any layout the decoder learns later) compares them, each job on
-the same seeds, so the same training streams and the same held-out sequences. With
-``recall.uptrain_steps`` the variant is instead converted: an MHA model trained with the same
-budget, its KV heads mean-pooled to ``attention.num_kv_heads``, scored before and after
-``uptrain_steps`` more steps.
-
-Beside the accuracy the record holds what the variant costs: KV bytes per token (a static
-cache of the trained model, whose bytes are its layout's formula) and the median decode step
-at the longest length. The record's ``tables.accuracy`` has one row per condition, with each
-seed's accuracy, so a gap between two variants' records can be tested (``stats.welch_interval``).
+A sweep over ``attention=mha,gqa,mqa`` compares the variants, each job on the same seeds, so the
+same training streams and held-out sequences. With ``recall.uptrain_steps`` the variant is instead
+an MHA model converted by mean-pooling its KV heads, scored before and after uptraining. Each
+seed's accuracy is kept per condition, so a gap between two variants' records can be tested.
 """
 
 from __future__ import annotations
@@ -100,8 +93,7 @@ def conditions(cfg: RecallConfig) -> List[Condition]:
 
 
 def summarise(per_seed: List[float]) -> Dict[str, Any]:
-    """Mean over seeds with its t-interval, the seed count, the seeds that solved it with its
-    exact interval (stats.seed_summary), and why there is no interval."""
+    """:func:`kvbench.measure.stats.seed_summary`, and why there is no interval."""
     out: Dict[str, Any] = stats.seed_summary(per_seed)
     low = out["ci_low"]
     if low is None:
@@ -132,8 +124,7 @@ def _fit(model: Decoder, cfg: BenchConfig, steps: int, seed: int, conds: List[Co
 
 
 def decode_step_ms(model: Decoder, length: int, vocab_size: int, device: torch.device) -> float:
-    """Median batch-1 decode step over the last positions of a ``length``-token sequence (a
-    prefill of the ones before, one warm-up step, then up to DECODE_STEPS timed): it needs no
+    """Median batch-1 decode step over the last positions of a ``length``-token sequence: it needs no
     position past ``length``, so a recall.seq_len of model.max_seq_len is timed like any other."""
     steps = max(1, min(DECODE_STEPS, length - 2))
     gen = torch.Generator().manual_seed(0)
@@ -150,8 +141,8 @@ def decode_step_ms(model: Decoder, length: int, vocab_size: int, device: torch.d
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """Train and score the variant on every seed; metrics, the per-condition table and the costs
-    go into ``result`` (one seed's numbers are never recorded alone: the table is written at the end)."""
+    """Train and score the variant on every seed (the table is written at the end: one seed's numbers
+    are never recorded alone)."""
     r = cfg.recall
     conds = conditions(r)
     model_cfg = replace(cfg.model, vocab_size=r.vocab_size)

@@ -24,8 +24,7 @@ def metrics(workload: str = "decode") -> Dict[str, Metric]:
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=train``: the loss curve goes into the record as it is logged (so a failure keeps
-    it), the final metrics at the end, the checkpoint into the job directory."""
+    """``task=train``: the loss curve goes into the record as it is logged, so a failure keeps it."""
     curve = result.tables.setdefault("curve", [])
 
     def on_log(step: int, point: Dict[str, float]) -> None:

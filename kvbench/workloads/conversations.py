@@ -1,11 +1,7 @@
 """The conversation workload (``workload=conversations``): multi-turn chats served as
-``workload=serving`` serves requests (:mod:`kvbench.workloads.serving`: the same arrivals, store,
-scheduler, rate search, timeline and metrics), each turn a request whose prompt is the whole
-history and a new message, sent a think time after the previous answer
-(:mod:`kvbench.serving.conversations`). The record adds, from its own timeline
-(:mod:`kvbench.serving.turn_metrics`), each turn index's TTFT and prefix hits
-(``tables.conversation_turns``) and the TTFT of returning turns whose history was still cached
-against those whose history had been evicted and was recomputed.
+``workload=serving`` serves requests, each turn a request whose prompt is the whole history and a
+new message, sent a think time after the previous answer. The record adds per-turn figures: cached
+against evicted histories (:mod:`kvbench.serving.turn_metrics`).
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ RECORDED = METRICS  # what a record may hold
 
 def run(cfg: BenchConfig, model, device: torch.device, result: RunResult,
         tick: Optional[serving.Tick] = None) -> None:
-    """Serve the conversations (:func:`kvbench.workloads.serving.run`), then add the per-turn
-    figures, computed from the timeline the record holds."""
+    """Serve the conversations, then add the per-turn figures from the timeline the record holds."""
     serving.run(cfg, model, device, result, tick)
     result.methods.update(METHODS)
     timeline = timeline_from_record(result.tables, result.metrics)

@@ -1,9 +1,7 @@
 """The decode workload (``workload=decode``): prefill ``prompt_len`` tokens, then ``gen_len``
 greedy decode steps, ``runtime.warmup`` untimed and ``runtime.repeats`` timed times.
 
-It owns the metrics it emits and their methods (:data:`METHODS`): time to first token, per-step
-decode latency, throughput, KV bytes, the roofline and, after timing, the fidelity of what was
-timed.
+It owns the metrics it emits and their methods (:data:`METHODS`).
 
 Notation: B batch, P prompt length, N decode steps, V vocab.
 """
@@ -57,17 +55,13 @@ from kvbench.results import RunResult
 
 Tick = Callable[..., None]
 
-# Why a decode record carries no KV cost of its own: within one decode, the context a step attends
-# and the time since the trial began rise together, so any drift of the machine (a neighbour's load,
-# clocks, the cache warming) reads as a KV cost. On a quiet machine it once read -1745 µs per 1k
-# positions, [-2062, -1431]: a step that got cheaper as it read more. task=compare times steps at
-# chosen contexts in alternating order, which separates the two.
+# A decode record carries no KV cost of its own: on a quiet machine a fit within one decode read
+# -1745 µs per 1k positions, [-2062, -1431], a step that got cheaper as it read more.
 KV_COST_REASON = ("not measured per record: within one decode the context and the time since the trial began "
                   "rise together, so a drift of the machine would read as KV cost; task=compare times steps "
                   "at chosen contexts in alternating order (compare.contexts), and a sweep over "
                   "workload.prompt_len gives the report's KV cost across prompts")
 
-# Units and methods of every metric this workload reports (merged into the record's ``methods``).
 METRICS: Dict[str, Metric] = metric_table(
     Metric("prefill_ms", "ms", "time to first token: prompt forward + argmax, median over timed trials"),
     Metric("decode_ms_p50", "ms",
@@ -140,12 +134,9 @@ class DecodeTimings:
 def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: Cache, warmup: int,
                 repeats: int, device, tick: Optional[Tick] = None, step=decode_step, min_time_s: float = 0.0,
                 clock: Callable[[], float] = time.perf_counter) -> DecodeTimings:
-    """``warmup`` untimed then timed runs of :func:`greedy_generate` on a reset cache: ``repeats``
-    of them, and more until ``min_time_s`` (by ``clock``) has passed since the first timed one
-    started (as optimum-benchmark does).
-
-    ``tick``, if given, is called once per finished trial (for a progress bar).
-    """
+    """``warmup`` untimed then ``repeats`` timed runs of :func:`greedy_generate` on a reset cache, and
+    more until ``min_time_s`` has passed since the first timed one started (as optimum-benchmark
+    does); ``tick`` once per finished trial."""
     prefill, decode, host = [], [], []
     trial, started = 0, None
     while trial < warmup + repeats or (started is not None and clock() - started < min_time_s):
@@ -178,29 +169,25 @@ def summarize_decode(t: DecodeTimings, batch_size: int) -> Dict[str, object]:
 
 
 def kv_cost() -> Dict[str, object]:
-    """A decode record's KV cost: null with :data:`KV_COST_REASON` (context and time within a
-    trial are confounded; task=compare measures it)."""
+    """A decode record's KV cost: null with :data:`KV_COST_REASON`."""
     return {"decode_ms_at_ctx0": None, "decode_us_per_1k_ctx": None, "decode_us_per_1k_ctx_ci_low": None,
             "decode_us_per_1k_ctx_ci_high": None, "decode_us_per_1k_ctx_reason": KV_COST_REASON}
 
 
 def energy_per_token(energy_mj: Optional[float], window_s: Optional[float], timed_s: float,
                      tokens: int) -> Optional[float]:
-    """mJ per token with energy and tokens of one window: the counter's mean power over its own
-    window (``energy_mj / window_s``) times the time the tokens took (``timed_s``), per token. The
-    counter's window is wider than the trials (NVML calls, the sampler's join); the energy of the
-    whole window over the trials' tokens once read 3,197 mJ/token at 568 tok/s: 1.8 kW on a 700 W
-    board."""
+    """mJ per token with energy and tokens of one window: the counter's mean power over its own window
+    times the time the tokens took. The counter's window is wider than the trials; its whole energy
+    over the trials' tokens read 3,197 mJ/token at 568 tok/s: 1.8 kW on a 700 W board."""
     if not energy_mj or not window_s or not tokens:
         return None
     return energy_mj / window_s * min(timed_s, window_s) / tokens
 
 
 def routed_steps(routing: Routing, gen_len: int, result: RunResult) -> Tuple[Optional[float], List[int]]:
-    """What a mixture of experts' timed decode steps read, from ``routing`` (every forward of the
-    timed trials: each trial's prefill, then ``gen_len`` steps): (the mean routed-expert bytes of a
-    step, the mean distinct experts per MoE layer rounded down), and ``series.routed_experts`` and
-    ``routed_experts_per_step`` into ``result``; (None, []) for a dense model."""
+    """What a mixture of experts' timed decode steps read: (the mean routed-expert bytes of a step,
+    the mean distinct experts per MoE layer rounded down), with the routing metrics into ``result``;
+    (None, []) for a dense model."""
     forwards, sizes = routing.forwards(), routing.bytes_per_forward()
     if not forwards or not gen_len:
         return None, []
@@ -229,8 +216,7 @@ def floor_model(model: Decoder) -> Decoder:
 
 def overhead_floor_ms(model: Decoder, mode: str, bucket: int, batch_size: int, impl: str,
                       device: torch.device, steps: int = 16) -> float:
-    """Median decode step of :func:`floor_model` under the same ``runtime.compile``, batch and
-    cache (its compilation and a warm-up generation untimed)."""
+    """Median decode step of :func:`floor_model` under the same ``runtime.compile``, batch and cache."""
     floor = floor_model(model)
     run_model, step = compiled_step(mode, floor, device, bucket)
     prompt = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -241,8 +227,8 @@ def overhead_floor_ms(model: Decoder, mode: str, bucket: int, batch_size: int, i
 
 def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResult,
         tick: Optional[Tick] = None) -> None:
-    """Prefill then ``gen_len`` decode steps, ``warmup`` + ``repeats`` times; latency, memory,
-    roofline and fidelity into ``result.metrics`` as they are measured (a failure keeps them)."""
+    """Prefill then ``gen_len`` decode steps, ``warmup`` + ``repeats`` times; metrics into ``result`` as
+    they are measured (a failure keeps them)."""
     w, rt = cfg.workload, cfg.runtime
     metrics = result.metrics
     result.methods.update(METHODS)
@@ -270,8 +256,8 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
         metrics.update(compile_phase(lambda: [greedy_generate(run_model, prompt, w.gen_len, cache, step=step)
                                               for _ in range(passes)], device, rt.compile))
         graphs = compiled_graphs()
-    # Warm-up outside the monitor: its one-off costs (kernel loading, per-shape plans: the first GPU
-    # check saw a warm-up of 1000 steps take ~45 s of 55) must not count in memory or energy.
+    # Warm-up outside the monitor: its one-off costs (kernel loading, per-shape plans: a GPU warm-up of
+    # 1000 steps took ~45 s of 55) must not count in memory or energy.
     time_decode(run_model, prompt, w.gen_len, cache, rt.warmup, 0, device, tick, step)
     with MemoryMonitor(device, rt.nvml_interval_ms) as monitor, record_routing(model) as routing:
         timings = time_decode(run_model, prompt, w.gen_len, cache, 0, rt.repeats, device, tick, step, rt.min_time_s)

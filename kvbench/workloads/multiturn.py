@@ -48,7 +48,6 @@ from kvbench.shared_prefix import SharedPrefixCache, shared_cache_for
 
 Tick = Callable[..., None]
 
-# Units and methods of what run_multiturn records (merged into the record's ``methods``).
 # A chat's turn{k}_ttft_ms, one per turn, is declared as it is measured: here as a pattern.
 TURN_TTFT = Metric("turn<k>_ttft_ms", "ms", "this turn's prefill + argmax of its first reply token, median over "
                    "timed trials (turn 1 with cache.shared=true includes the one batch-1 system-prompt prefill)")
@@ -94,9 +93,9 @@ RECORDED = metric_table(*METRICS.values(), TURN_TTFT)  # what a record may hold:
 
 @dataclass
 class Segment:
-    """A span of a conversation: ``role`` system | user | assistant, its ``turn`` (0 for the
-    system prompt) and its tokens ``start .. end - 1``, which are also its rotary positions.
-    The chat keeps these; the cache knows only positions."""
+    """A span of a conversation: ``role`` system | user | assistant, its ``turn`` (0 for the system
+    prompt) and its tokens ``start .. end - 1``, which are also its rotary positions (the cache knows
+    only positions)."""
 
     role: str
     turn: int
@@ -131,13 +130,10 @@ class TurnStats:
 class ChatSession:
     """B conversations after one system prompt, served turn by turn.
 
-    ``shared=True``: a :class:`SharedPrefixCache` holds the system prompt's K/V once (batch 1,
-    prefilled at the first turn) and each conversation's history across turns; a turn
-    prefills only what the cache lacks (the previous reply's last token and the new message)
-    at its absolute positions. ``shared=False``: a stateless server; every turn empties the
-    cache and re-prefills system prompt + history + message for each conversation. ``impl``
-    is the cache (static | concat | none; none only without sharing). ``max_len`` bounds the
-    positions of a conversation. ``step``: the decode step (a compiled one under ``runtime.compile``).
+    ``shared=True``: a :class:`SharedPrefixCache` holds the system prompt's K/V once (batch 1) and
+    each conversation's history; a turn prefills only what the cache lacks (the previous reply's last
+    token and the new message). ``shared=False``: a stateless server; every turn re-prefills system
+    prompt + history + message for each conversation.
     """
 
     def __init__(self, model, system: torch.Tensor, batch_size: int, shared: bool, impl: str, max_len: int,
@@ -163,8 +159,8 @@ class ChatSession:
         self.turn_starts: List[int] = []  # position of each turn's user message
 
     def _mark(self, role: str, turn: int, start: int, end: int) -> Segment:
-        """Record that positions ``start .. end - 1`` are ``role``'s span of ``turn``; segments
-        follow each other without gap or overlap (mixing their boundaries corrupts the context)."""
+        """Record that positions ``start .. end - 1`` are ``role``'s span of ``turn``, without gap or
+        overlap (mixing their boundaries corrupts the context)."""
         last = self.segments[-1].end if self.segments else 0
         if start != last or end <= start:
             raise ValueError(f"segment {role} {turn} at {start}..{end - 1} does not follow the last one "
@@ -178,11 +174,8 @@ class ChatSession:
 
     def ask(self, user: torch.Tensor, reply_len: int, timer=None,
             keep_logits: bool = False) -> Tuple[Generation, TurnStats]:
-        """One turn: ``user`` (B, U) then a greedy reply of ``reply_len`` tokens.
-
-        Regions timed: ``prefill`` (turn 1 with sharing: the system prompt's, then the
-        message's; their sum is the TTFT) and one ``decode`` per step.
-        """
+        """One turn: ``user`` (B, U) then a greedy reply of ``reply_len`` tokens. The TTFT is the sum
+        of the ``prefill`` regions (turn 1 with sharing: the system prompt's, then the message's)."""
         timer = timer or RegionTimer(self.cache.device)
         B, U = user.shape
         start, computed = self.tokens.shape[1], 0
@@ -222,8 +215,7 @@ class ChatSession:
             self.cache.truncate(min(self.cache.length, start))
 
     def kv_bytes_formula(self) -> int:
-        """Bytes the positions the cache holds need: the system prompt once when shared, else
-        B times; each conversation's history B times."""
+        """Bytes the positions the cache holds need (the system prompt once when shared, else B times)."""
         c = self.cache
         held = lambda positions, batch: self.model.layouts.cache_bytes(  # noqa: E731
             positions, batch, c.dtype.itemsize, c.cache_dtype)
@@ -249,9 +241,8 @@ class ChatSession:
 def time_chat(session: ChatSession, users: Sequence[torch.Tensor], reply_len: int, warmup: int,
               repeats: int, device, tick: Optional[Tick] = None, min_time_s: float = 0.0,
               clock: Callable[[], float] = time.perf_counter) -> List[List[TurnStats]]:
-    """``warmup`` untimed then timed chats from a cold cache: ``repeats`` of them, and more until
-    ``min_time_s`` (by ``clock``) has passed since the first timed one started; per timed trial,
-    one :class:`TurnStats` per turn. ``tick`` is called once per finished trial."""
+    """``warmup`` untimed then timed chats from a cold cache, as :func:`~kvbench.workloads.decode.time_decode`
+    times decodes; per timed trial, one :class:`TurnStats` per turn."""
     trials = []
     trial, started = 0, None
     while trial < warmup + repeats or (started is not None and clock() - started < min_time_s):
@@ -268,8 +259,8 @@ def time_chat(session: ChatSession, users: Sequence[torch.Tensor], reply_len: in
 
 
 def summarize_turns(trials: List[List[TurnStats]]) -> List[Dict[str, Any]]:
-    """One row per turn: medians over trials for times, the last trial's counts and bytes
-    (they are the same in every trial)."""
+    """One row per turn: medians over trials for times, the last trial's counts and bytes (the same in
+    every trial)."""
     rows = []
     for k, last in enumerate(trials[-1]):
         steps = [ms for trial in trials for ms in trial[k].decode_ms]
@@ -291,7 +282,7 @@ def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batc
     later = len(rows) - 1
     m["mean_ttft_ms_turns_2_n"] = None
     if later:  # one statistic, estimate and interval: the per-chat mean over turns 2..N, median over chats
-        # (the mean of per-turn medians beside an interval of this once read 22.28 outside [20.94, 21.78])
+        # (the mean of per-turn medians beside this interval read 22.28 outside [20.94, 21.78])
         per_chat = [sum(turn.ttft_ms for turn in t[1:]) / later for t in trials]
         m.update(trial_metric("mean_ttft_ms_turns_2_n", per_chat))
     m["total_prefill_tokens"] = sum(r["prefill_tokens"] for r in rows)
@@ -309,8 +300,7 @@ def chat_metrics(rows: List[Dict[str, Any]], trials: List[List[TurnStats]], batc
 
 
 def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: Optional[Tick] = None) -> None:
-    """The chat ``warmup`` + ``repeats`` times from a cold cache; per-turn rows in
-    ``result.tables["turns"]``, totals in ``result.metrics``."""
+    """The chat ``warmup`` + ``repeats`` times from a cold cache; per-turn rows in ``tables.turns``."""
     w, rt = cfg.workload, cfg.runtime
     metrics = result.metrics
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)

@@ -3,15 +3,9 @@ burstiness, or a trace file; :mod:`kvbench.serving.arrivals`) and a continuous-b
 (:mod:`kvbench.serving.scheduler`) serves them from a KV store of a fixed memory budget, paged
 blocks of ``cache.block_size`` tokens or one static slot per request (:mod:`kvbench.serving.paged`).
 
-The same ``workload.seed`` gives every variant the same requests (times, lengths, token ids); the
-budget in bytes is the same too, so a layout with a smaller K/V per token gets more blocks, runs
-more requests at once and preempts fewer. The record holds the whole timeline
-(:mod:`kvbench.serving.record`: tables ``serving_requests``, ``serving_tokens``, ``serving_samples``),
-the metrics computed from it (:mod:`kvbench.serving.metrics`: TTFT, TPOT, ITL, E2E, throughput,
-goodput against ``slo.*``, preemptions, prefix hit rate, block waste) and its series.
-
-``runtime.warmup`` untimed passes serve the first two requests on a scratch store (kernels and
-allocator warmed, nothing of it recorded); then one timed run on the wall clock.
+The same ``workload.seed`` gives every variant the same requests and the budget in bytes is the
+same too, so a layout with a smaller K/V per token gets more blocks, runs more requests at once and
+preempts fewer. The record holds the whole timeline, so its metrics can be recomputed from it.
 """
 
 from __future__ import annotations
@@ -104,11 +98,8 @@ def slot_len_for(w, requests: Sequence[Request]) -> int:
 
 
 def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element: int, cache_dtype: str) -> StorePlan:
-    """The pools of the store ``w`` asks for (:mod:`kvbench.serving.allocator`), as many blocks
-    (slots, of the longest request's positions or ``workload.slot_len``, for ``store=slots``) as
-    the budget holds for ``layouts`` at ``element`` bytes in ``cache_dtype``; a budget that cannot
-    hold the largest request, or a checkpoint off the attention block, is a one-line
-    :class:`ConfigError` naming its key."""
+    """The pools of the store ``w`` asks for, as many blocks (or slots) as the budget holds; a budget
+    that cannot hold the largest request is a one-line :class:`ConfigError` naming its key."""
     groups = groups_of(layouts, element, cache_dtype)
     longest = max(r.prompt_len + r.output_len - 1 for r in requests)
     largest = max(requests, key=lambda r: r.prompt_len + r.output_len)
@@ -135,9 +126,8 @@ def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element
 
 def sequence_capacity(plan: StorePlan, layouts, element: int, cache_dtype: str, requests: Sequence[Request],
                       budget: float) -> Dict:
-    """The capacity figures of ``plan`` at the longest request's positions: the layouts' formula
-    for one sequence and how many fit ``budget`` by it, and what the allocator reserves for one
-    and how many its pools hold (each at its worst while it decodes)."""
+    """How many sequences at the longest request's positions fit ``budget``, by the layouts' formula
+    and by the allocator's plan."""
     length = max(r.prompt_len + r.output_len - 1 for r in requests)
     formula = layouts.cache_bytes(length, 1, element, cache_dtype)
     return {"kv_sequence_positions": length, "kv_sequence_bytes_formula": formula,
@@ -168,10 +158,8 @@ def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dt
 
 
 def check_requests(cfg: BenchConfig) -> List[Request]:
-    """The run's requests (a conversation's every turn), checked against the model's config and
-    the KV budget before anything is built (or any progress shown): a trace that cannot be read, a
-    request longer than ``model.max_seq_len``, a budget that cannot hold the largest request are
-    one line each."""
+    """The run's requests (a conversation's every turn), checked against the model's config and the
+    KV budget before anything is built or any progress shown."""
     requests = _checked_plan(cfg, cfg.workload).requests
     store_plan(cfg.workload, cfg.cache.block_size, requests, build_layouts(cfg.model, cfg.attention),
                DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
@@ -208,10 +196,8 @@ def arrival_note(requests: Sequence[Request]) -> str:
 
 
 def requests_and_prompts(cfg: BenchConfig, rate: Optional[float] = None) -> tuple[List[Request], List[List[int]]]:
-    """The run's first requests (at ``rate``, default ``workload.rate``) and their prompt token ids
-    (from ``workload.seed``), checked against the model. The same seed at another rate gives the same
-    requests with every gap scaled by the ratio of the rates (numpy draws gaps as scale x a
-    standard draw)."""
+    """The run's first requests at ``rate`` and their prompt token ids. The same seed at another rate
+    gives the same requests with every gap scaled (numpy draws gaps as scale x a standard draw)."""
     plan = plan_at(cfg, rate)
     return plan.arrivals, plan.prompts
 
@@ -256,8 +242,8 @@ def serve_at(cfg: BenchConfig, model, rate: Optional[float] = None, progress=Non
 
 
 def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: Optional[Tick] = None) -> None:
-    """Build the arrivals and the store, serve them (at ``workload.rate``, or at each rate of a rate
-    search), and record the timeline and its metrics."""
+    """Serve the arrivals (at ``workload.rate``, or at each rate of a rate search) and record the
+    timeline and its metrics."""
     w, metrics = cfg.workload, result.metrics
     result.methods.update(METHODS)
     check_model(model, cfg.cache.dtype)
