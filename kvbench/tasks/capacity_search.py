@@ -130,7 +130,7 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
 
 def kv_bytes_per_token(cfg: BenchConfig) -> Tuple[float, int]:
     """(bytes, positions): the KV formula of one sequence as the longest probe holds it, over its
-    positions. Where some layer's cache stops growing (a window), bytes per token fall as the context
+    positions. Where some layer's cache stops growing, bytes per token fall as the context
     grows, so they are given at this stated length: the one definition every table shares."""
     context = contexts(cfg)[-1]
     positions = context if cfg.workload.name == "multiturn" else context + cfg.workload.gen_len

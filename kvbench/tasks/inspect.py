@@ -23,8 +23,8 @@ from kvbench.units import human_bytes
 def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True) -> List[dict]:
     """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can hold,
     by the layouts' own formulas; ``vs_mha``: the fraction of a full MHA cache. Per token is the
-    growing part per sequence / ``seq_len``, task=capacity's definition (a window's falls as
-    ``seq_len`` grows)."""
+    growing part per sequence / ``seq_len``, task=capacity's definition (it falls as ``seq_len``
+    grows where a layer's cache stops growing)."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     # the compute size is not used; a dtype a layer refuses (a recurrent state's) is no row
