@@ -18,7 +18,7 @@ LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.indexer", "mlp.dense", "mlp.router"],
-    ["layouts.kv_heads", "config.hf", "config.serving"],
+    ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing", "config.layer_pattern", "config.conversations",
      "serving.table_files", "serving.allocator"],
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train"],

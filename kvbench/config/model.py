@@ -24,14 +24,13 @@ from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant
     variant_key,
     variant_label,
 )
+from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLA_DECODE_FORMS = ("absorbed", "expanded")
-INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's indexer (DeepSeek-V3.2), with mla only
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *INDEX_FIELDS)
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -42,34 +41,6 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
     The one place this rule is written."""
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
-
-
-@dataclass
-class MLAShape:
-    """A model's own multi-head latent attention layout (DeepSeek's names; what its weights are
-    shaped by). ``q_lora_rank`` 0: queries by one full-rank projection (DeepSeek-V2-Lite's null)."""
-
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    index_topk: int = 0  # DSA: each query attends its top index_topk tokens (0: no indexer)
-
-    def __post_init__(self) -> None:
-        check_mla_dims("model.preset_mla", self)
-        check_indexer("model.preset_mla", self)
-
-
-def check_mla_dims(prefix: str, dims: Any) -> None:
-    """Latent ranks and head widths: counts, the rotary part even (it rotates pairs)."""
-    check_numbers(prefix, dims)
-    check(dims.q_lora_rank >= 0, f"{prefix}.q_lora_rank", dims.q_lora_rank, "must be >= 0 (0: a full-rank q)")
-    check_positive(prefix, dims, ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
-    check(dims.qk_rope_head_dim >= 2 and dims.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim",
-           dims.qk_rope_head_dim, "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
 
 
 @dataclass
