@@ -7,7 +7,7 @@ mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -150,6 +150,22 @@ class ModelConfig:
                    "linear_key_head_dim": self.head_dim // 2, "linear_value_head_dim": self.head_dim // 2,
                    "linear_conv_kernel_dim": 4}
         return {k: d if getattr(self, k) is None else getattr(self, k) for k, d in derived.items()}
+
+    def without_pattern(self) -> "ModelConfig":
+        """This shape with no layer pattern of its own (no window, Gated DeltaNet layers or KV sharing:
+        every layer full attention unless attention.* asks otherwise). Not re-read from ``path``: a
+        replace() of a config with one reads its checkpoint again, pattern and all."""
+        return replace(self, path=None, preset_window=None, preset_global_every=None, preset_layer_types=None,
+                       preset_kv_shared_layers=0)
+
+    def with_own_layout(self, attention: "AttentionConfig") -> "ModelConfig":
+        """This shape whose own layout (what attention=model runs) is ``attention``, resolved against
+        it: its KV heads or latent, its window pattern and its Gated DeltaNet layers."""
+        window, types = attention.window or None, attention.layer_types
+        latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
+        return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
+                       preset_global_every=attention.global_every if window else None,
+                       preset_layer_types=types if window or LINEAR in (types or ()) else None)
 
     def _check_linear_shape(self) -> None:
         shape = self.linear_shape()
@@ -301,6 +317,12 @@ class AttentionConfig:
         """Each layer's transformers name for a resolved config (:meth:`resolved`): linear_attention
         (Gated DeltaNet) or an attention layer (sliding_attention where a window applies)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
+
+    def without_pattern(self) -> "AttentionConfig":
+        """This layout (its KV heads or latent, sinks) with every layer full attention whatever the
+        model's own pattern: no window, no Gated DeltaNet layer, no layer reading another's K/V."""
+        return replace(self, window=0, global_every=None, layer_types=None, full_attention_interval=0,
+                       kv_shared_layers=0)
 
     @property
     def latent(self) -> bool:
