@@ -335,15 +335,22 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
                               f"are {[i for i, k in enumerate(model.attention.layer_kinds(n)) if k == LINEAR]} "
                               "(converting between linear and full attention layers is not built; leave "
                               "attention.full_attention_interval and attention.layer_types null)")
-    if attention.layer_windows(model.config.num_layers) != list(model.layouts.windows):
-        pattern = replace(model.attention, **_window_fields(model.config, attention))
-        model = build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
+    model = with_windows(model, attention)
     if attention.latent:
         for block in model.blocks:
             block.attn.absorbed = attention.mla_decode == "absorbed"
         model.attention = replace(model.attention, mla_decode=attention.mla_decode)
         model.layouts = build_layouts(model.config, model.attention)
     return model, how
+
+
+def with_windows(model: Decoder, attention: AttentionConfig) -> Decoder:
+    """``model``'s weights with ``attention``'s windows (none, where it has none): a window is only a
+    mask, so the same weights serve any. ``model`` itself when its windows are those already."""
+    if attention.layer_windows(model.config.num_layers) == list(model.layouts.windows):
+        return model
+    pattern = replace(model.attention, **_window_fields(model.config, attention))
+    return build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
 
 
 def _window_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str, Any]:

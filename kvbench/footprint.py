@@ -62,11 +62,11 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     moe = model.moe
     kinds = [(k if k == LINEAR else "shared" if i >= first_shared else "full_attention",
               moe is not None and moe.sparse(i)) for i, k in enumerate(resolved.layer_kinds(model.num_layers))]
-    # Windows decide masks and caches, not parameters: the one- and two-layer models have none.
-    small = dataclasses.replace(model, num_layers=1, max_seq_len=1, preset_window=None, preset_global_every=None,
-                                preset_layer_types=None, preset_kv_shared_layers=0, moe=None)
-    attention = dataclasses.replace(attention or AttentionConfig(type="mha"), window=0, global_every=None,
-                                    full_attention_interval=None, kv_shared_layers=0)
+    # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
+    # have none, and one kind of layer each (linear ones named in layer_types, which an interval contradicts).
+    small = dataclasses.replace(model.without_pattern(), num_layers=1, max_seq_len=1, moe=None)
+    attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
+                                    full_attention_interval=None)
     per_layer, fixed, embedding = {}, 0, 0
     for mixer, sparse in dict.fromkeys(kinds):
         types = (lambda n: [LINEAR] * n) if mixer == LINEAR else (lambda n: None)

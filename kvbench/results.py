@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from kvbench.config.bench import TASKS, BenchConfig, objective_metric
 from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
-from kvbench.config.model import INDEX_FIELDS, MLA_FIELDS
+from kvbench.config.mla import INDEX_FIELDS, MLA_FIELDS
 from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic

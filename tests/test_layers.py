@@ -19,7 +19,7 @@ LAYERS = [
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.indexer", "config.layer_options",
      "mlp.dense", "mlp.router"],
-    ["layouts.kv_heads", "config.hf", "config.serving"],
+    ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing", "config.layer_pattern", "config.conversations",
      "serving.table_files", "serving.allocator"],
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train"],

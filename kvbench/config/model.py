@@ -7,7 +7,7 @@ mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -15,7 +15,7 @@ from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import LINEAR, ROPE_TYPES
 from kvbench.config.indexer import check_indexer, indexer_defaults
-from kvbench.config.layer_options import resolve_options
+from kvbench.config.layer_options import PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant_key, local_global_layers: their home is here)
     check_window_pattern,
     interval_layer_types,
@@ -25,14 +25,13 @@ from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant
     variant_key,
     variant_label,
 )
+from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLA_DECODE_FORMS = ("absorbed", "expanded")
-INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's indexer (DeepSeek-V3.2), with mla only
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *INDEX_FIELDS)
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -43,34 +42,6 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
     """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
     The one place this rule is written."""
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
-
-
-@dataclass
-class MLAShape:
-    """A model's own multi-head latent attention layout (DeepSeek's names; what its weights are
-    shaped by). ``q_lora_rank`` 0: queries by one full-rank projection (DeepSeek-V2-Lite's null)."""
-
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    index_topk: int = 0  # DSA: each query attends its top index_topk tokens (0: no indexer)
-
-    def __post_init__(self) -> None:
-        check_mla_dims("model.preset_mla", self)
-        check_indexer("model.preset_mla", self)
-
-
-def check_mla_dims(prefix: str, dims: Any) -> None:
-    """Latent ranks and head widths: counts, the rotary part even (it rotates pairs)."""
-    check_numbers(prefix, dims)
-    check(dims.q_lora_rank >= 0, f"{prefix}.q_lora_rank", dims.q_lora_rank, "must be >= 0 (0: a full-rank q)")
-    check_positive(prefix, dims, ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
-    check(dims.qk_rope_head_dim >= 2 and dims.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim",
-           dims.qk_rope_head_dim, "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
 
 
 @dataclass
@@ -180,6 +151,23 @@ class ModelConfig:
                    "linear_key_head_dim": self.head_dim // 2, "linear_value_head_dim": self.head_dim // 2,
                    "linear_conv_kernel_dim": 4}
         return {k: d if getattr(self, k) is None else getattr(self, k) for k, d in derived.items()}
+
+    def without_pattern(self) -> "ModelConfig":
+        """This shape with no layer pattern of its own (no window, Gated DeltaNet layers or KV sharing:
+        every layer full attention unless attention.* asks otherwise). Not re-read from ``path``: a
+        replace() of a config with one reads its checkpoint again, pattern and all."""
+        return replace(self, path=None, preset_window=None, preset_global_every=None, preset_layer_types=None,
+                       preset_kv_shared_layers=0)
+
+    def with_own_layout(self, attention: "AttentionConfig") -> "ModelConfig":
+        """This shape whose own layout (what attention=model runs) is ``attention``, resolved against
+        it: its KV heads or latent, its window pattern, its Gated DeltaNet layers and its layer options."""
+        window, types = attention.window or None, attention.layer_types
+        latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
+        return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
+                       preset_global_every=attention.global_every if window else None,
+                       preset_layer_types=types if window or LINEAR in (types or ()) else None,
+                       **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
 
     def _check_linear_shape(self) -> None:
         shape = self.linear_shape()
@@ -331,6 +319,12 @@ class AttentionConfig:
         """Each layer's transformers name for a resolved config (:meth:`resolved`): linear_attention
         (Gated DeltaNet) or an attention layer (sliding_attention where a window applies)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
+
+    def without_pattern(self) -> "AttentionConfig":
+        """This layout (its KV heads or latent, sinks) with every layer full attention whatever the
+        model's own pattern: no window, no Gated DeltaNet layer, no layer reading another's K/V."""
+        return replace(self, window=0, global_every=None, layer_types=None, full_attention_interval=0,
+                       kv_shared_layers=0)
 
     @property
     def latent(self) -> bool:

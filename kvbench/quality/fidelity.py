@@ -8,14 +8,13 @@ Notation: B batch, P prompt length, N decode steps, V vocab.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.cache import Cache, cache_for
-from kvbench.checkpoint import build_decoder, convert_kv_heads
+from kvbench.checkpoint import convert_kv_heads, with_windows
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, greedy_generate
 from kvbench.layouts.latent_attention import mla_decode
@@ -183,14 +182,10 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
 def kv_pool_fidelity(reference: Decoder, num_kv_heads: int, tokens: torch.Tensor,
                      attention: Optional[AttentionConfig] = None) -> Dict[str, float]:
     """How far mean-pooling ``reference``'s K/V heads to ``num_kv_heads`` moves its outputs on
-    ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement. With an
-    ``attention`` that has a window, the pooled model's local layers see only their last W
-    positions too (a window is only a mask on the same weights), so a hybrid is scored as itself,
-    not as its head count."""
-    pooled = convert_kv_heads(reference, num_kv_heads)
-    if attention is not None and attention.window:
-        pooled = build_decoder(pooled.config, replace(attention, num_kv_heads=num_kv_heads), pooled.state_dict(),
-                               device=pooled.device).eval()
+    ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement. The pooled
+    model has the windows of ``attention`` (the variant, resolved; None: the reference's), only a
+    mask on the same weights, so a hybrid is scored as itself, not as its head count."""
+    pooled = with_windows(convert_kv_heads(reference, num_kv_heads), attention or reference.attention).eval()
     log_p = F.log_softmax(reference(tokens).float(), dim=-1)  # (B, T, V)
     log_q = F.log_softmax(pooled(tokens).float(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()

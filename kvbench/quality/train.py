@@ -24,9 +24,8 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
 from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
-from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import PRESET_OPTIONS
-from kvbench.config.model import MLA_FIELDS, AttentionConfig, MLAShape
+from kvbench.config.model import MLA_FIELDS, AttentionConfig
 from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
@@ -266,12 +265,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     saved, own = model.num_kv_heads, model.attention
     # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's): its KV
     # heads, window pattern and latent, so attention=model evaluates the model as it was saved
-    model.config = replace(model.config, preset_kv_heads=saved, preset_window=own.window or None,
-                           preset_global_every=own.global_every if own.window else None,
-                           preset_layer_types=own.layer_types if own.window or LINEAR in (own.layer_types or ())
-                           else None,
-                           preset_mla=MLAShape(**{k: getattr(own, k) for k in MLA_FIELDS}) if own.latent else None,
-                           **{o.preset: o.own(getattr(own, o.key)) for o in PRESET_OPTIONS})
+    model.config = model.config.with_own_layout(own)
     a = cfg.attention
     asked = {name: getattr(a, name) for name in (*(MLA_FIELDS if a.latent else ()), *(o.key for o in PRESET_OPTIONS))}
     attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion
+from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion, with_windows
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.hf import LINEAR
@@ -153,9 +153,12 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
     tensor outside attention is ``base``'s own (shared, not copied); K/V projections mean-pooled for
     fewer KV heads; a latent (MLA) variant's attention, and a Gated DeltaNet layer's, drawn from
     ``seed`` (there is no conversion to either)."""
+    layouts = build_layouts(base.config, attention)
+    if layouts == base.layouts:  # every layer as base's: the variant is base
+        return base, "mha's"
     shared = {k: t for k, t in base.state_dict().items() if ".attn." not in k}
     linear = LINEAR in (attention.layer_types or ())
-    pooled = build_layouts(base.config, attention).converts_kv_heads()  # else its attention has no MHA source
+    pooled = layouts.converts_kv_heads()  # else its attention has no MHA source
     drawn = {}
     if not pooled or linear:
         torch.manual_seed(seed)
@@ -167,8 +170,6 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
         own, how = drawn, "drawn from runtime.seed (no MHA -> MLA conversion); the rest mha's"
     else:
         conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
-        if conversion == "none" and not attention.window and not linear and not attention.kv_shared_layers:
-            return base, "mha's"
         source = base if conversion == "none" else convert_kv_heads(base, attention.num_kv_heads)
         with torch.device("meta"):  # a layer that reads another's K/V has no K/V weights to keep
             kept = Decoder(base.config, attention).state_dict().keys()
@@ -186,9 +187,7 @@ def variants(cfg: BenchConfig, base: Decoder) -> List[VariantModel]:
     H = base.config.num_heads
     if base.num_kv_heads != H or not base.layouts.converts_kv_heads():
         raise ValueError(f"the base model must be MHA ({H} KV heads), has {variant_label(base.attention)}")
-    if base.layouts.smallest_window() is not None:
-        base = build_decoder(base.config, AttentionConfig(type="mha", num_kv_heads=H, window=0), base.state_dict(),
-                             device=base.device).eval()
+    base = with_windows(base, base.attention.without_pattern())
     return [VariantModel(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
             for a in cfg.compare.attentions(cfg.model)]
 
@@ -277,14 +276,14 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=compare``: ``compare.variants`` of one seeded MHA model (or the checkpoint, its KV
-    heads repeated to MHA, exactly, its own window left out; its Gated DeltaNet layers, if any,
-    cannot be: refused) in alternating trials in this process (:func:`run_trials`)."""
+    """``task=compare``: ``compare.variants`` of one seeded MHA model, every layer full attention
+    (or the checkpoint, its KV heads repeated to MHA, exactly, its own window left out; its Gated
+    DeltaNet layers, if any, cannot be: refused) in alternating trials in this process
+    (:func:`run_trials`)."""
     result.metrics["timing_method"] = timing_method(device)
     result.methods["timing_method"] = JOB_METHODS["timing_method"]
     h = cfg.model.num_heads
-    base = build_model(replace(cfg, attention=AttentionConfig(type="mha", num_kv_heads=h, window=0,
-                                                              full_attention_interval=0)), device)
+    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h).without_pattern()), device)
     total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
     with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
         run_trials(cfg, base, device, result, tick)

@@ -167,3 +167,29 @@ def test_kv_pool_fidelity_of_a_hybrid_scores_the_window_too():
     got = kv_pool_fidelity(mha, 2, tokens, hybrid)
     assert got["kv_pool_kl_nats"] == pytest.approx(rel_entr(p, q).sum(-1).mean(), rel=1e-3, abs=1e-6)
     assert got["kv_pool_kl_nats"] > kv_pool_fidelity(mha, 2, tokens)["kv_pool_kl_nats"] * 1.01
+
+
+def test_kv_pool_fidelity_of_a_variant_without_the_models_window_scores_no_window():
+    """A variant that leaves the model's own window out (attention.window=0) is scored as itself:
+    the recompute is its pooled model built without the window (before: the reference's window was
+    kept, and the score was that of the same heads with it)."""
+    from scipy.special import rel_entr, softmax
+
+    from kvbench.checkpoint import build_decoder, convert_kv_heads
+    from kvbench.config.model import AttentionConfig
+    from kvbench.quality.fidelity import kv_pool_fidelity
+
+    mha = _sharp(make_decoder(8, seed=3, preset_window=6, preset_global_every=2))
+    assert list(mha.layouts.windows) == [6, None]
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    variant = AttentionConfig(type="gqa", num_kv_heads=2, window=0).resolved(mha.config)
+    twin = build_decoder(mha.config, variant, convert_kv_heads(mha, 2).state_dict(), device=mha.device).eval()
+    assert list(twin.layouts.windows) == [None, None]
+    with torch.no_grad():
+        p = softmax(mha(tokens).double().numpy(), axis=-1)
+        q = softmax(twin(tokens).double().numpy(), axis=-1)
+    got = kv_pool_fidelity(mha, 2, tokens, variant)
+    assert got["kv_pool_kl_nats"] == pytest.approx(rel_entr(p, q).sum(-1).mean(), rel=1e-3, abs=1e-6)
+    own = AttentionConfig(type="gqa", num_kv_heads=2).resolved(mha.config)  # the model's window: pooling alone
+    assert kv_pool_fidelity(mha, 2, tokens, own) == kv_pool_fidelity(mha, 2, tokens)
+    assert got["kv_pool_kl_nats"] > kv_pool_fidelity(mha, 2, tokens)["kv_pool_kl_nats"] * 1.01

@@ -156,6 +156,31 @@ def test_dsa_and_shared_kv_variants_run_side_by_side(tmp_path):
         to_bench_config(compose(*TINY, "compare.variants=[mha,mha:s0]", "compare.contexts=[4,8,16]"))
 
 
+def test_the_models_own_pattern_is_left_out_of_the_mha_base(tmp_path):
+    """Every variant names its own pattern, so the MHA base has none of the model's: no window, no KV
+    sharing (a base that kept the model's 2 shared layers had no K/V of theirs for a variant without
+    sharing, which failed to load); a base given with the model's window is built again without it,
+    holding the same weights (a window is only a mask)."""
+    own = ["model.preset_window=4", "model.preset_global_every=3"]
+    cfg = compose(*TINY, *own, "model.preset_kv_shared_layers=2", "compare.variants=[mha,gqa,mha:s3]",
+                  "compare.contexts=[4,8,16]", "compare.steps=1", "runtime.warmup=0", "runtime.repeats=2",
+                  f"workload.batch_size={B}")
+    record = run_job(cfg, tmp_path)
+    assert record.status == "ok", record.error
+    rows = {r["variant"]: r for r in record.tables["compare"]}
+    assert list(rows) == ["mha_kv8", "gqa_kv2", "mha_kv8_kvshare3"]
+    S = 17
+    assert rows["mha_kv8"]["kv_cache_bytes"] == 2 * H * D * 4 * L * S * B  # every layer its own K/V, no ring
+    assert rows["mha_kv8_kvshare3"]["kv_cache_bytes"] == 2 * H * D * 4 * (L - 3) * S * B
+    typed = to_bench_config(compose(*TINY, *own, "compare.variants=[mha,gqa]", "compare.contexts=[4,8,16]"))
+    base = build_model(typed.__class__(**{**typed.__dict__, "attention": AttentionConfig("mha")}), torch.device("cpu"))
+    assert list(base.layouts.windows) == [4, 4, None] * 2  # the model's own
+    mha = variants(typed, base)[0].model
+    assert list(mha.layouts.windows) == [None] * L
+    for name, tensor in base.state_dict().items():
+        assert torch.equal(mha.state_dict()[name], tensor)
+
+
 @pytest.mark.parametrize("contexts", [[256, 512, 768], [2048, 3072, 4096]])
 def test_a_window_beyond_or_below_every_context_gives_no_split_fit_and_no_error(contexts):
     """A windowed variant whose W is past every context timed (or below every one) leaves one side
