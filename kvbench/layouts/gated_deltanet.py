@@ -6,8 +6,7 @@ of ``linear_conv_kernel_dim`` taps; each value head then keeps a d_k x d_v state
 exp(g_t) and corrected towards v_t at k_t with strength beta_t (the delta rule); the output reads
 S at q_t. Value head j uses key head j // (H_v / H_k). Nothing is stored per position: a sequence
 holds one :class:`~kvbench.layouts.base.State` per layer whatever its length, so a decode step
-costs the same at any context. The attention itself is
-:mod:`kvbench.layouts.gated_deltanet_attention`.
+costs the same at any context.
 """
 
 from __future__ import annotations
