@@ -235,9 +235,8 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
 
 def _stored_tensors(directory: Path, hf: Mapping[str, Any],
                     layouts: Sequence[LayerLayout]) -> Tuple[Dict[str, StoredTensor], Dict[tuple, list]]:
-    """The checkpoint's tensor headers by the decoder's names (a multimodal checkpoint's language
-    model, without the tensors transformers leaves unread), and its fused projections: (layer,
-    transformers' name) -> the decoder's names of its parts, each stored as the fused header."""
+    """The checkpoint's headers by the decoder's names (a multimodal one's language model only), and
+    its fused projections: (layer, transformers' name) -> the decoder's names of their parts."""
     arch = hf_config.checkpoint_architecture(hf)
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
     stored: Dict[str, StoredTensor] = {}
@@ -261,9 +260,8 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any],
 
 
 def _check_layers(directory: Path, model: ModelConfig, stored: Mapping[str, StoredTensor]) -> None:
-    """The layers the files hold against config.json's ``num_hidden_layers``, from the names
-    alone: a config of 100,000 layers over 2 layers of tensors is refused here, not after
-    building 100,000 layers to learn which tensors they would need."""
+    """The layers the files hold against ``num_hidden_layers``, from the names alone: 100,000 layers
+    over 2 layers of tensors are refused here, not after building them."""
     layers = sorted({int(m.group(1)) for name in stored if (m := re.match(r"blocks\.(\d+)\.", name))})
     if layers == list(range(model.num_layers)):
         return

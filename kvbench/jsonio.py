@@ -46,9 +46,8 @@ def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
 
 
 def find_named(root: Path | str, name: str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
-    """Every entry called ``name`` under ``root``, in path order, as ``rglob`` finds them (links to
-    directories not followed). A directory that cannot be listed (mode 000, another user's) is
-    appended to ``unlisted`` with why, when it is given: rglob passes over it without a word."""
+    """Every entry called ``name`` under ``root``, in path order, links not followed; a directory that
+    cannot be listed goes to ``unlisted`` with why (rglob would pass over it without a word)."""
     found: List[Path] = []
     pending = [Path(root)]
     while pending:
@@ -133,8 +132,7 @@ def write_text_atomic(path: Path | str, text: str, newline: Optional[str] = None
 
 
 def write_json_atomic(path: Path | str, data: Any) -> Path:
-    """Write ``data`` to ``path`` as strict JSON (a NaN or an infinity is a ValueError, never a
-    bare ``NaN`` that strict parsers reject), atomically (:func:`atomic_write`)."""
+    """Write ``data`` to ``path`` atomically as strict JSON (a NaN is a ValueError: strict parsers reject it)."""
     def dump(f: IO) -> None:
         json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
         f.write("\n")
@@ -191,6 +189,5 @@ def plain(value: Any) -> Any:
 
 
 def _json_default(obj: Any) -> Any:
-    # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
     value = plain(obj)
     return str(obj) if value is obj else value

@@ -97,8 +97,7 @@ class RunResult:
         return write_json_atomic(directory / RESULTS_FILE, self.to_dict())
 
     def null_nonfinite(self) -> None:
-        """Replace every NaN / infinity in the record by None and say why in ``null_reasons``,
-        so that the record in memory is the strict JSON written to disk."""
+        """Replace every NaN / infinity by None, saying why in ``null_reasons`` (memory matches disk)."""
         data, reasons = without_nonfinite({k: v for k, v in self.to_dict().items() if k != "null_reasons"})
         for name, value in data.items():
             setattr(self, name, value)
@@ -245,8 +244,7 @@ def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:
 
 
 def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
-    """``tree`` with every non-finite float replaced by None, and the dotted path of each
-    replaced value -> its kind (``nan (3 values)`` for several in one list)."""
+    """``tree`` with non-finite floats as None, and each one's dotted path -> its kind (``nan (3 values)``)."""
     found: Dict[str, List[str]] = {}
 
     def walk(node: Any, path: str) -> Any:

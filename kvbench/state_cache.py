@@ -27,9 +27,8 @@ class Carry(NamedTuple):
 
 
 class StateLayer:
-    """One recurrent layer's cache: a (B, C, K - 1) convolution tail in ``dtype`` and a float32
-    state, allocated once and written in place; ``held`` False (cache ``none``): every forward
-    starts from zeros."""
+    """One recurrent layer's cache: a (B, C, K - 1) convolution tail and a float32 state, written in
+    place; ``held`` False (cache ``none``): every forward starts from zeros."""
 
     def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str,
                  held: bool = True):

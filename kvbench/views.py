@@ -113,8 +113,7 @@ class Variant:
         return bool(self.window) and self.local_global() != (0, 1)
 
     def local_global(self) -> Optional[Tuple[int, int]]:
-        """The local:global ratio of the layers (reduced: Gemma 3's 5:1), (1, 0) when every layer is
-        local, None without a window."""
+        """The reduced local:global layer ratio (Gemma 3's 5:1); (1, 0) all local, None without a window."""
         return local_global_layers(self.window, self.global_every, self.layer_types, self.num_layers)
 
     @property

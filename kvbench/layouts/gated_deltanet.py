@@ -20,9 +20,8 @@ from kvbench.layouts.kv_heads import KVHeads
 
 @dataclass(frozen=True)
 class GatedDeltaNet(LayerLayout):
-    """A Gated DeltaNet layer, its fields named as Qwen3.5's and Qwen3-Next's config.json name
-    them (defaults: transformers' Qwen3_5TextConfig). ``num_heads`` and ``head_dim``: the model's
-    attention heads, what the layer is as full MHA (:meth:`as_mha`)."""
+    """A Gated DeltaNet layer, fields as config.json names them (defaults: Qwen3_5TextConfig's);
+    ``num_heads`` and ``head_dim``: the model's attention heads, for :meth:`as_mha`."""
 
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32

@@ -78,8 +78,7 @@ class Experts(nn.Module):
 
     @_eager  # the loop follows the routing: torch.compile would recompile per routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """x (N, C), weights and chosen (N, k) -> (the weighted sum of each token's experts (N, C),
-        the number of distinct experts that ran)."""
+        """x (N, C), weights and chosen (N, k) -> (weighted sum (N, C), number of distinct experts run)."""
         k = chosen.shape[1]
         flat = chosen.flatten()  # pair n*k + j: token n's j-th expert
         order = flat.argsort(stable=True)  # the pairs grouped by expert
