@@ -1,22 +1,15 @@
-"""Weights in and out of the shared :class:`~kvbench.model.Decoder`.
+"""Weights in and out of the :class:`~kvbench.model.Decoder`.
 
-- kvbench's own checkpoints: one ``torch.save`` of the two configs as dicts, the state dict and
-  any extra (train metrics, the loss curve).
-- transformers checkpoint directories (``config.json`` + ``*.safetensors`` with transformers'
-  names) of the architectures in :data:`~kvbench.config.hf.HF_ARCHITECTURES` (Llama incl. 3.1+ rope
-  scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, DeepSeek's MLA and V3.2's DSA, Qwen3.5
-  and Qwen3-Next with their Gated DeltaNet layers, the mixtures of experts of Qwen3-MoE, Qwen3-Next,
-  DeepSeek-V2/V3 and GPT-OSS: :mod:`kvbench.mlp.weights`), MHA, GQA or MQA. Each layer's attention
-  module declares its transformers names (``HF_MODULE``, ``HF_NAMES``, fused ones ``HF_FUSED``).
-  The decoder's rotary embedding uses transformers' rotate-half layout, so q/k weights load
-  unpermuted (tests/test_checkpoint.py, tests/test_qwen_hybrid.py and tests/test_moe.py compare against
-  transformers).
-- A new KV-head count: mean-pooling K/V heads within each group (MHA → GQA/MQA, Ainslie et al.
-  2023), or repeating them, exactly, to more heads (GQA → MHA).
+- kvbench's own checkpoints: one ``torch.save`` of the two configs, the state dict and extras.
+- transformers checkpoint directories of :data:`~kvbench.config.hf.HF_ARCHITECTURES`: each
+  attention module declares its transformers names (``HF_MODULE``, ``HF_NAMES``, ``HF_FUSED``),
+  experts are :mod:`kvbench.mlp.weights`'. The decoder's rope is transformers' rotate-half, so
+  q/k weights load unpermuted.
+- A new KV-head count: K/V heads mean-pooled within each group (MHA → GQA/MQA, Ainslie et al.
+  2023) or repeated, exactly (GQA → MHA).
 
-Every file read here is the user's input: one that does not parse, is truncated, holds the
-wrong tensors or non-finite weights is a :class:`CheckpointError` naming the file, never a
-library's multi-page traceback.
+Every file read here is the user's input: one that does not parse, is truncated or holds wrong or
+non-finite tensors is a :class:`CheckpointError` naming the file, never a library's traceback.
 
 Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 """
@@ -55,10 +48,8 @@ _RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
 
 def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
                   config_name: str = "config.json", model: str = "the decoder its saved config describes") -> None:
-    """The tensors a decoder needs, by name and shape, as finite floating-point values; the
-    first difference is a CheckpointError naming ``where``, the tensor and the ``model`` the
-    names are read as (the shapes are what ``config_name`` implies). ``tensors`` may be headers
-    (:class:`~kvbench.hf_weights.StoredTensor`: names, shapes and dtypes, no values yet)."""
+    """Check ``tensors`` are the ones a decoder needs, by name and shape, finite floating point; ``tensors``
+    may be headers (:class:`~kvbench.hf_weights.StoredTensor`), whose values are not checked yet."""
     missing = sorted(expected.keys() - tensors.keys())
     # Rotary inverse frequencies some exporters store are recomputed, not loaded.
     unexpected = sorted(k for k in tensors.keys() - expected.keys() if not str(k).endswith("rotary_emb.inv_freq"))
@@ -86,11 +77,8 @@ def _expected_tensors(model: ModelConfig, attention: AttentionConfig) -> Dict[st
 
 def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Dict[str, torch.Tensor],
                   dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> Decoder:
-    """A Decoder holding ``state_dict``, built without a throw-away random initialisation.
-
-    Modules are created on the meta device and the tensors assigned; only the rotary tables
-    (non-persistent buffers) are recomputed. Names and shapes must already match.
-    """
+    """A Decoder holding ``state_dict``, built on the meta device (no throw-away random initialisation)
+    with the tensors assigned; only the rotary tables are recomputed."""
     with torch.device("meta"):
         decoder = Decoder(model, attention)
     params = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state_dict.items()}
@@ -150,8 +138,7 @@ def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
 
 # ---- Llama-format directories ---------------------------------------------------------------
 
-# transformers' names outside a layer's attention module -> the decoder's (the attention module's own
-# are declared by its class: HF_MODULE, HF_NAMES, and HF_FUSED for projections stored fused)
+# transformers' names outside a layer's attention module (which declares its own) -> the decoder's
 _MODEL_NAMES = {"model.embed_tokens.": "embed.", "model.norm.": "norm."}
 _BLOCK_NAMES = {"input_layernorm.": "attn_norm.", "post_attention_layernorm.": "mlp_norm.",
                 "mlp.gate_proj.": "mlp.w_gate.", "mlp.up_proj.": "mlp.w_up.", "mlp.down_proj.": "mlp.w_down."}
@@ -168,8 +155,7 @@ def _renamed(name: str, names: Mapping[str, str]) -> str:
 
 
 def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
-    """transformers' parameter name -> the decoder's, layer by layer: a layer's attention names are
-    those its layout's module declares (``self_attn`` or ``linear_attn``)."""
+    """transformers' parameter name -> the decoder's; a layer's attention names are its module's."""
     match = _LAYER.fullmatch(name)
     if match is None:
         return _renamed(name, _MODEL_NAMES)
@@ -201,11 +187,8 @@ def _llama_config(directory: str | Path, max_seq_len: Optional[int]) -> Tuple[Mo
 def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float32,
                    device: torch.device | str = "cpu", max_seq_len: Optional[int] = None
                    ) -> Tuple[Decoder, Optional["tokenizers.Tokenizer"]]:  # noqa: F821
-    """A transformers checkpoint directory (an architecture of ``HF_ARCHITECTURES``) as a Decoder,
-    plus its tokenizer if it has one.
-
-    ``max_seq_len`` caps the rotary table (default: the config's max_position_embeddings).
-    """
+    """A transformers checkpoint directory as a Decoder, and its tokenizer if it has one;
+    ``max_seq_len`` caps the rotary table (default: max_position_embeddings)."""
     directory = Path(directory)
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
@@ -252,9 +235,8 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
 
 def _stored_tensors(directory: Path, hf: Mapping[str, Any],
                     layouts: Sequence[LayerLayout]) -> Tuple[Dict[str, StoredTensor], Dict[tuple, list]]:
-    """The checkpoint's tensor headers by the decoder's names (a multimodal checkpoint's language
-    model, without the tensors transformers leaves unread), and its fused projections: (layer,
-    transformers' name) -> the decoder's names of its parts, each stored as the fused header."""
+    """The checkpoint's headers by the decoder's names (a multimodal one's language model only), and
+    its fused projections: (layer, transformers' name) -> the decoder's names of their parts."""
     arch = hf_config.checkpoint_architecture(hf)
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
     stored: Dict[str, StoredTensor] = {}
@@ -278,9 +260,8 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any],
 
 
 def _check_layers(directory: Path, model: ModelConfig, stored: Mapping[str, StoredTensor]) -> None:
-    """The layers the files hold against config.json's ``num_hidden_layers``, from the names
-    alone: a config of 100,000 layers over 2 layers of tensors is refused here, not after
-    building 100,000 layers to learn which tensors they would need."""
+    """The layers the files hold against ``num_hidden_layers``, from the names alone: 100,000 layers
+    over 2 layers of tensors are refused here, not after building them."""
     layers = sorted({int(m.group(1)) for name in stored if (m := re.match(r"blocks\.(\d+)\.", name))})
     if layers == list(range(model.num_layers)):
         return
@@ -306,12 +287,9 @@ def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, att
 
 
 def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]:
-    """``model`` (a loaded checkpoint) as ``attention`` (resolved) asks for it, and how: KV heads
-    repeated or mean-pooled (:func:`kv_conversion`); a latent (MLA) model only as itself, in the
-    decode form asked for; either with ``attention``'s window pattern (another window over the
-    same weights is only a mask), so the model run is the one the record names. A latent asked
-    of a K/V-head model, or K/V heads of a latent one, or other ranks, is a CheckpointError naming
-    the key (conversions between them are not built)."""
+    """``model`` (a loaded checkpoint) as ``attention`` asks, and how (:func:`kv_conversion`), so the
+    model run is the one the record names: K/V heads repeated or mean-pooled, a latent model only
+    as itself, either with ``attention``'s windows (over the same weights a window is only a mask)."""
     how = "none"
     if not (attention.latent or model.attention.latent):
         how = kv_conversion(model.num_kv_heads, attention.num_kv_heads)
@@ -366,10 +344,8 @@ def _window_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str,
 # ---- changing the KV-head count ------------------------------------------------------------
 
 def kv_conversion(old: int, new: int) -> str:
-    """How :func:`convert_kv_heads` takes ``old`` KV heads to ``new``: ``none``, ``repeat``
-    (exact: every query head reads the same K/V as before) or ``mean-pool`` (an approximation,
-    Ainslie et al. 2023). Raises :class:`CheckpointError` naming ``attention.num_kv_heads``
-    when neither applies."""
+    """How :func:`convert_kv_heads` takes ``old`` KV heads to ``new``: ``none``, ``repeat`` (exact) or
+    ``mean-pool`` (an approximation, Ainslie et al. 2023)."""
     if new < 1:
         raise CheckpointError(f"attention.num_kv_heads={new}: must be >= 1")
     if new == old:
@@ -385,10 +361,9 @@ def kv_conversion(old: int, new: int) -> str:
 def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
     """A new Decoder with ``num_kv_heads`` KV heads; queries and outputs are kept.
 
-    Query head h reads KV head h // G with contiguous groups. Fewer heads: new KV head j is the
-    mean of old heads j*r .. (j+1)*r - 1, r = old / new (MHA → GQA/MQA, Ainslie et al. 2023).
-    More heads: new head j is a copy of old head j // r, r = new / old, so every query head
-    reads exactly the K/V it read before and the model computes the same function (GQA → MHA).
+    Fewer heads: new KV head j is the mean of old heads j*r .. (j+1)*r - 1, r = old / new. More
+    heads: new head j copies old head j // r, r = new / old, so every query head reads exactly the
+    K/V it read before and the model computes the same function (query head h reads KV head h // G).
     """
     old = model.num_kv_heads
     how = kv_conversion(old, num_kv_heads)

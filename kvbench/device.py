@@ -1,12 +1,10 @@
 """``runtime.device``: which device a job runs on, one GPU per concurrent job on a multi-GPU node.
 
-Scheduling itself is Hydra's launchers' job (submitit for SLURM, joblib for one node); this
-module answers the question a job asks itself when it starts: which device is mine?
-``auto`` is CUDA when present, else the CPU; ``cuda:free`` is the first GPU of this host that
-no other kvbench process holds. The hold is an ``flock`` on a lock file per GPU UUID, kept for
-the life of the process and released by the kernel when the process exits, even on SIGKILL.
-With ``runtime.isolate=true`` (the default) that process is the job's own, so a job holds its
-GPU while it runs; with ``false`` a joblib worker runs many jobs in one process and keeps one GPU.
+Hydra's launchers schedule; this answers what a job asks when it starts: which device is mine?
+``cuda:free`` is the first GPU of this host no other kvbench process holds: an ``flock`` per GPU
+UUID, held for the process's life and released by the kernel when it exits, even on SIGKILL.
+With ``runtime.isolate=true`` that process is the job's own; with ``false`` a joblib worker runs
+many jobs and keeps one GPU.
 """
 
 from __future__ import annotations
@@ -31,10 +29,8 @@ def default_lock_dir() -> Path:
 
 
 def hold_free_gpu(keys: Sequence[str], lock_dir: Path | str | None = None) -> int:
-    """Index into ``keys`` (one stable id per visible GPU) of a GPU this process now holds.
-
-    The first call takes the first key whose lock no other process holds; later calls in the
-    same process return the same index. Raises :class:`ConfigError` when every GPU is held."""
+    """Index into ``keys`` (a stable id per visible GPU) of the GPU this process holds, taking the
+    first free one on the first call."""
     lock_dir = Path(lock_dir) if lock_dir is not None else default_lock_dir()
     held = _held.get(str(lock_dir))
     if held is not None:

@@ -1,11 +1,8 @@
-"""Greedy generation as small verbs: :func:`prefill`, :func:`decode_step` and
-:func:`greedy_generate`, the loop of them (gpt-fast's shape, so compilation can target the step).
-:class:`FixedShapeStep` is ``decode_step`` with shapes that do not change from step to step
-(gpt-fast's ``decode_one_token``): what ``runtime.compile=graph`` compiles, with CUDA graphs on GPUs.
-
-A timer, when given, brackets the regions ``prefill`` (time to first token) and ``decode``
-(one per step); anything with a ``region(name)`` context manager will do
-(:class:`kvbench.measure.timing.RegionTimer`).
+"""Greedy generation as small verbs (gpt-fast's shape, so compilation can target the step):
+:func:`prefill`, :func:`decode_step` and :func:`greedy_generate`, the loop of them.
+:class:`FixedShapeStep` is ``decode_step`` with shapes fixed from step to step (gpt-fast's
+``decode_one_token``): what ``runtime.compile=graph`` compiles, with CUDA graphs on GPUs.
+A timer, when given, brackets the regions ``prefill`` and ``decode`` (one per step).
 
 Notation: B batch, P prompt length, N decode steps, V vocab.
 """
@@ -41,11 +38,9 @@ def _region(timer, name: str):
 
 @torch.inference_mode()  # a cache must never hold autograd's graph of the prompt, whoever calls
 def prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 0) -> torch.Tensor:
-    """Run ``prompt`` (B, P) whose first token sits at ``start_pos``; logits of its last token (B, V).
-    Without autograd whatever the caller's mode: the K/V written into ``cache`` would otherwise keep
-    the whole prefill's graph alive for as long as the cache lives (30 MB more peak memory for a
-    192-token prompt on the small model). ``decode_step``, the hot path, adds no context of its
-    own: its callers (``greedy_generate``, task=compare) run under inference mode."""
+    """Run ``prompt`` (B, P) from ``start_pos``; logits of its last token (B, V). Without autograd, or
+    the cache's K/V would keep the prefill's graph alive as long as the cache (30 MB more peak for a
+    192-token prompt on the small model); ``decode_step``, the hot path, relies on its callers'."""
     return model(prompt, cache, start_pos, last_only=True)[:, -1]
 
 
@@ -63,13 +58,11 @@ def _fixed_step(model, token: torch.Tensor, view, pos: torch.Tensor) -> torch.Te
 class FixedShapeStep:
     """:func:`decode_step` with fixed shapes, for compilation and CUDA graphs.
 
-    The position goes in as a (1,) tensor updated in place (no host-to-device copy, no new
-    input), the cache is read through a :class:`~kvbench.cache.FixedCache` of the first multiple
-    of ``bucket`` positions that holds the step (at most the cache's length), and rotary rows
-    are gathered by that tensor. The Python bookkeeping (bounds, ``cache.length``) stays out here,
-    in ``cache.fixed``. ``mode``: None runs eagerly, ``"graph"`` compiles the step with
-    ``fullgraph=True`` and static shapes, adding ``mode="reduce-overhead"`` (CUDA graphs) on a GPU.
-    Same call signature as :func:`decode_step`, so :func:`greedy_generate` takes it as ``step``.
+    The position is a (1,) tensor updated in place (no host-to-device copy, no new input); the
+    cache is read through a :class:`~kvbench.cache.FixedCache` of the first multiple of ``bucket``
+    positions that holds the step, and the Python bookkeeping stays outside, in ``cache.fixed``.
+    ``mode``: None eager; ``"graph"`` ``fullgraph=True`` with static shapes, plus
+    ``mode="reduce-overhead"`` (CUDA graphs) on a GPU.
     """
 
     def __init__(self, bucket: int = 256, mode: Optional[str] = None, device: torch.device | str = "cpu"):
@@ -118,10 +111,9 @@ def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: Cache,
                     step=decode_step) -> Generation:
     """Prefill ``prompt`` (B, P), then ``gen_len`` decode steps, each feeding the previous token.
 
-    ``start_pos``: position of the prompt's first token, when the cache already holds the
-    positions before it (a later turn of a chat). With a cache that keeps no history
-    (``none``) every step re-runs the whole sequence, as a server without a KV cache would.
-    ``step`` replaces :func:`decode_step` (a compiled one, say).
+    ``start_pos``: where the prompt starts when the cache holds earlier positions (a later chat
+    turn). With cache ``none`` every step re-runs the whole sequence, as a server without a KV
+    cache would.
     """
     B, P = prompt.shape
     if start_pos and not cache.stores_history:
@@ -147,7 +139,6 @@ def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: Cache,
 
 # ---- runtime.compile -------------------------------------------------------------------------
 
-# Units and methods of the compile fields a workload records (its compile_s says what it ran).
 COMPILE_METRICS: Dict[str, Metric] = metric_table(
     Metric("compiled_graphs", "count",
            "graphs torch.compile compiled during compile_s (graph: one per context bucket)"),
@@ -158,10 +149,8 @@ COMPILE_METHODS: Dict[str, str] = record_methods(COMPILE_METRICS)
 
 
 def compiled_step(mode: str, model, device: torch.device, bucket: int = 256):
-    """(model, step) to generate with under ``runtime.compile=mode``: ``false`` the eager model
-    and :func:`decode_step`; ``default`` the whole model through ``torch.compile`` with dynamic
-    shapes (the KV length grows every step); ``graph`` the eager model and a compiled
-    :class:`FixedShapeStep` (prefill stays eager)."""
+    """(model, step) under ``runtime.compile=mode``: ``default`` compiles the model with dynamic shapes
+    (the KV length grows every step); ``graph`` a :class:`FixedShapeStep` (prefill stays eager)."""
     if mode == "default":
         return torch.compile(model, dynamic=True), decode_step
     if mode == "graph":
@@ -170,17 +159,15 @@ def compiled_step(mode: str, model, device: torch.device, bucket: int = 256):
 
 
 def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (dynamo's own counter): a rise
-    during timed trials is a recompile."""
+    """Graphs torch.compile has compiled in this process (a rise during timed trials is a recompile)."""
     from torch._dynamo.utils import counters  # dynamo loads only when compiling is asked for
 
     return counters["stats"]["unique_graphs"]
 
 
 def compile_phase(generate: Callable[[], Any], device: torch.device, mode: str) -> Dict[str, Any]:
-    """Run ``generate`` (a generation through the compiled model or step) so that compilation is
-    done, and timed as ``compile_s``, before any trial; a machine where compile cannot work is a
-    one-line ConfigError naming ``runtime.compile``."""
+    """Run ``generate`` once so compilation is done, and timed as ``compile_s``, before any trial; a
+    machine where compile cannot work is a one-line ConfigError naming ``runtime.compile``."""
     graphs = compiled_graphs()
     t0 = time.perf_counter()
     try:

@@ -1,16 +1,13 @@
-"""The safetensors files of a transformers checkpoint directory, read as their headers first.
+"""A transformers checkpoint directory's safetensors files, read as their headers first.
 
-Which files hold the weights: those ``model.safetensors.index.json`` names (its ``weight_map``,
-tensor -> file, as transformers reads a sharded checkpoint), else every ``*.safetensors`` file of
-the directory. :func:`read_headers` reads each file's header only (names, shapes, dtypes: a few
-kilobytes, whatever the weights weigh), so a checkpoint is checked against its config.json before
-anything is built or loaded; :func:`load_tensors` then reads the tensors themselves.
+The weights are in the files ``model.safetensors.index.json`` names (as transformers reads a
+sharded checkpoint), else in every ``*.safetensors`` file. :func:`read_headers` reads only the
+headers (a few kilobytes), so a checkpoint is checked against its config.json before anything is
+built; :func:`load_tensors` then reads the tensors.
 
-A tensor name in two files, an index that names a file that is not there or places a tensor in a
-file that does not hold it, a shard of ``-NNNNN-of-MMMMM`` missing: each a :class:`CheckpointError`
-naming the tensor and the files, since reading every file into one dict would let the last file
-win (two copies of a shard, or a stray file beside ``model.safetensors``, would run with whichever
-tensors sorted last).
+A tensor in two files, an index naming a missing or wrong file, a missing shard of a
+``-NNNNN-of-MMMMM`` series: each is a :class:`CheckpointError`, since one dict over every file
+would run with whichever copy sorted last (a duplicated shard, a stray file).
 """
 
 from __future__ import annotations
@@ -36,14 +33,12 @@ _SHARD = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint cannot be read into the decoder: the user's input is at fault (a run
-    records ``invalid``). The message names the file or tensor."""
+    """A checkpoint the decoder cannot read: the user's input is at fault (a run records ``invalid``)."""
 
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One tensor as a safetensors header describes it: its file and name there, its shape and
-    dtype (safetensors' name: F32, BF16, I64 ...)."""
+    """One tensor as a safetensors header describes it (dtype in safetensors' names: F32, BF16 ...)."""
 
     file: Path
     name: str
@@ -56,9 +51,8 @@ class StoredTensor:
 
 
 def reading(path: Path | str, what: str, read: Callable[[], Any]) -> Any:
-    """``read()``, with any failure but running out of memory turned into a CheckpointError
-    that names ``path``: torch, safetensors and tokenizers raise their own types (and torch a
-    page of advice) for a file that is truncated or not what it claims to be."""
+    """``read()``, any failure but running out of memory as a CheckpointError naming ``path``: torch,
+    safetensors and tokenizers each raise their own types (torch with a page of advice)."""
     try:
         with warnings.catch_warnings():  # torch warns about a file's pickle protocol before refusing it
             warnings.simplefilter("ignore")
@@ -105,8 +99,7 @@ def _index(directory: Path) -> Optional[Dict[str, str]]:
 
 
 def weight_files(directory: Path | str) -> List[Path]:
-    """The files holding the weights: the index's, else every ``*.safetensors``; each a regular
-    file, every shard of a ``-NNNNN-of-MMMMM`` series present."""
+    """The files holding the weights: the index's, else every ``*.safetensors``, checked."""
     return _files(Path(directory), _index(Path(directory)))
 
 
@@ -139,8 +132,7 @@ def _check_series(directory: Path, files: Iterable[Path]) -> None:
 
 
 def read_headers(directory: Path | str) -> Dict[str, StoredTensor]:
-    """Every tensor of the checkpoint ``directory`` by its stored name, from the files' headers
-    only; a name in two files, or in another file than the index says, is a CheckpointError."""
+    """Every tensor of the checkpoint ``directory`` by its stored name, from the headers only."""
     from safetensors import safe_open
 
     directory = Path(directory)

@@ -1,17 +1,11 @@
 """Files in and out: bounded reads of regular files, and the one atomic writer.
 
-Every file kvbench writes (records, checkpoints, the roofline cache, summary.csv / summary.md,
-the W&B workspace spec, the experiments' reports) goes through :func:`atomic_write`: a new
-temporary file beside the destination, written, flushed and fsynced, then renamed over it. A
-reader, or a process killed mid-write, sees the old file or the complete new one, never half of
-one. The rename replaces a symlink at the destination rather than writing through it, and the
-temporary file is created with ``O_EXCL`` (never through a link either) and mode 0666 less the
-umask, as ``open()`` would create it (``tempfile.mkstemp`` makes 0600, and other users could not
-read the results).
-
-What cannot be renamed into place follows the same rule, never writing through a link planted at
-its name: a directory kvbench or a library writes into (:func:`real_dir`) and a log file that is
-appended to (:class:`NoFollowFileHandler`).
+Every file kvbench writes goes through :func:`atomic_write`: a temporary file beside the
+destination, written, fsynced and renamed over it, so a reader or a killed process sees the old
+file or the complete new one. The rename replaces a symlink rather than writing through it; the
+temporary file is made with ``O_EXCL`` and mode 0666 less the umask (``mkstemp``'s 0600 would
+hide results from other users). What cannot be renamed into place (:func:`real_dir`,
+:class:`NoFollowFileHandler`) never writes through a link planted at its name either.
 """
 
 from __future__ import annotations
@@ -29,10 +23,9 @@ from typing import IO, Any, Callable, List, Mapping, Optional, Tuple
 
 
 def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
-    """At most ``limit`` bytes of ``path`` (all of it for None). Anything but a regular file is
-    an OSError: a FIFO blocks its reader until a writer comes (forever, in a job) and a device
-    such as /dev/zero never ends. The check is made on the descriptor, opened non-blocking, so
-    a file replaced after it was listed cannot slip through."""
+    """At most ``limit`` bytes of ``path``; anything but a regular file is an OSError (a FIFO blocks
+    forever, /dev/zero never ends), checked on the non-blocking descriptor so a swapped file cannot
+    slip through."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -41,9 +34,8 @@ def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
 
 
 def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
-    """Parsed JSON of the regular file ``path`` of at most ``limit`` bytes; OSError / ValueError
-    pass through (a ValueError too for a larger file, never read whole, and for one nested too
-    deeply to parse)."""
+    """Parsed JSON of the regular file ``path``; a ValueError for one over ``limit`` bytes (never read
+    whole) or nested too deeply."""
     data = read_regular(path, None if limit is None else limit + 1)
     if limit is not None and len(data) > limit:
         raise ValueError(f"{path}: larger than {limit:,} bytes, more than a file of its kind has")
@@ -54,9 +46,8 @@ def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
 
 
 def find_named(root: Path | str, name: str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
-    """Every entry called ``name`` under ``root``, in path order, as ``rglob`` finds them (links to
-    directories not followed). A directory that cannot be listed (mode 000, another user's) is
-    appended to ``unlisted`` with why, when it is given: rglob passes over it without a word."""
+    """Every entry called ``name`` under ``root``, in path order, links not followed; a directory that
+    cannot be listed goes to ``unlisted`` with why (rglob would pass over it without a word)."""
     found: List[Path] = []
     pending = [Path(root)]
     while pending:
@@ -83,9 +74,7 @@ def find_named(root: Path | str, name: str, unlisted: Optional[List[Tuple[Path, 
 
 def atomic_write(path: Path | str, write: Callable[[IO], None], binary: bool = False,
                  newline: Optional[str] = None) -> Path:
-    """Call ``write(f)`` on a temporary file beside ``path`` (text, or bytes when ``binary``),
-    then make it ``path`` in one rename: either the old file or the complete new one. A failure
-    removes the temporary file and raises."""
+    """Call ``write(f)`` on a temporary file beside ``path``, then rename it to ``path`` in one step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -115,9 +104,8 @@ def _naming(exc: OSError, path: Path, tmp: Optional[str]) -> OSError:
 
 
 def name_the_file(exc: OSError) -> OSError:
-    """``exc`` with the file it is about in ``filename`` when it has none: a write that fails at
-    flush or close (a full disk) is raised without one (Hydra's own files, a log file). The file
-    is the innermost open, writable file object a frame of its traceback holds."""
+    """``exc`` with a ``filename`` when it has none (a write failing at flush or close, a full disk):
+    the innermost open, writable file object a frame of its traceback holds."""
     if exc.filename is not None:
         return exc
     for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
@@ -131,8 +119,7 @@ def name_the_file(exc: OSError) -> OSError:
 
 
 def os_error_line(exc: OSError) -> str:
-    """``cannot write PATH: reason`` for an OSError about a file (its name found, if it has
-    none, by :func:`name_the_file`), its text otherwise."""
+    """``cannot write PATH: reason`` for an OSError about a file, its text otherwise."""
     name_the_file(exc)
     if exc.filename is not None:
         return f"cannot write {exc.filename}: {exc.strerror or exc}"
@@ -145,8 +132,7 @@ def write_text_atomic(path: Path | str, text: str, newline: Optional[str] = None
 
 
 def write_json_atomic(path: Path | str, data: Any) -> Path:
-    """Write ``data`` to ``path`` as strict JSON (a NaN or an infinity is a ValueError, never a
-    bare ``NaN`` that strict parsers reject), atomically (:func:`atomic_write`)."""
+    """Write ``data`` to ``path`` atomically as strict JSON (a NaN is a ValueError: strict parsers reject it)."""
     def dump(f: IO) -> None:
         json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
         f.write("\n")
@@ -155,8 +141,7 @@ def write_json_atomic(path: Path | str, data: Any) -> Path:
 
 
 def _create_temp(path: Path) -> tuple[int, str]:
-    """A new temporary file beside ``path``, created with mode 0666 less the umask, as
-    ``open()`` would (``tempfile.mkstemp`` makes 0600, and other users could not read records)."""
+    """A new temporary file beside ``path``, mode 0666 less the umask (module docstring)."""
     while True:
         tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
@@ -166,10 +151,8 @@ def _create_temp(path: Path) -> tuple[int, str]:
 
 
 def real_dir(path: Path | str) -> Path:
-    """The directory ``path``, made if missing (with its parents), never a link: a symlink at its
-    name (planted where kvbench, Hydra or W&B write) is removed first, so what is written there
-    lands in the job's own directory and the link's target is never touched. A file at its name
-    is left alone and raises (FileExistsError), as ``mkdir`` would."""
+    """The directory ``path``, made if missing, never a link: a symlink planted at its name is removed
+    first, so its target is never touched; a file there raises, as ``mkdir`` would."""
     path = Path(path)
     if path.is_symlink():
         path.unlink()
@@ -178,11 +161,9 @@ def real_dir(path: Path | str) -> Path:
 
 
 class NoFollowFileHandler(logging.FileHandler):
-    """``logging.FileHandler`` that never writes through a link (a job's ``<job>.log``, Hydra's
-    ``hydra.job_logging``): the file is opened with ``O_NOFOLLOW``, and a symlink at its name, a
-    dangling one included (which ``open(path, "a")`` would create a file through), is removed and a
-    regular file made there. Anything else that is not a regular file (a FIFO) is refused, never
-    waited on (OSError)."""
+    """``logging.FileHandler`` that never writes through a link: a symlink at its name, dangling ones
+    included (``open(path, "a")`` would create a file through those), is replaced by a regular file;
+    any other non-regular file (a FIFO) is an OSError, never waited on."""
 
     def _open(self):
         flags = (os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -208,6 +189,5 @@ def plain(value: Any) -> Any:
 
 
 def _json_default(obj: Any) -> Any:
-    # torch / numpy scalars and paths end up in metrics and env; store them as plain values.
     value = plain(obj)
     return str(obj) if value is obj else value

@@ -1,11 +1,8 @@
-"""The one K/V storage under every cache and the serving store: one of a layer's stored tensors
-(:attr:`kvbench.layouts.base.LayerLayout.stored`: its keys, or values) in the compute dtype, or
-as int8 / float8_e4m3fn codes with a float32 scale per (position, head), quantized on write and
-dequantized on read (``cache.dtype``).
-
-The caches of :mod:`kvbench.cache` decide which positions go where; a store only writes and
-reads along its position axis: (B, H_kv, S, D) with positions on axis 2 for a sequence's cache,
-(slots, H_kv, D) with positions on axis 0 for the serving store's pool of blocks.
+"""The one K/V storage under every cache and the serving store: one stored tensor (keys, or
+values) in the compute dtype, or as int8 / float8_e4m3fn codes with a float32 scale per
+(position, head), quantized on write and dequantized on read (``cache.dtype``). A store only
+writes and reads along its position axis: 2 in a sequence cache's (B, H_kv, S, D), 0 in the
+serving pool's (slots, H_kv, D).
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ def storage_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor, cache_dtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (..., D) as (codes (..., D) in ``cache_dtype``, float32 scales (..., 1)): symmetric,
-    one scale per vector of D (one position of one head), ``scale = max|x| / code max``.
+    """``x`` (..., D) as (codes in ``cache_dtype``, float32 scales (..., 1)): symmetric, one scale per
+    vector of D, ``scale = max|x| / code max``.
 
     int8 rounds to the nearest code: |x - dequantize| <= scale / 2. float8_e4m3fn keeps 3 mantissa
     bits: a relative error <= 2**-4 for normal codes, an absolute one <= scale * 2**-10 below them.
@@ -56,14 +53,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class KVStore:
-    """One tensor of ``shape`` in ``cache.dtype``: as given (auto), or codes with a float32 scale
-    per vector of the last dimension. Positions lie along ``axis``; with ``axis`` 2 the first
-    dimension is the batch, and a write or read of B' sequences touches rows 0..B'-1.
+    """One tensor of ``shape`` in ``cache.dtype``, positions along ``axis`` (with 2, the first
+    dimension is the batch and B' sequences touch rows 0..B'-1).
 
-    Why a scale per position and head (not KIVI's per-channel keys): a write quantizes only what
-    it writes, so earlier positions are never requantized and a static cache stays static; with
-    int8's 255 levels the per-channel outliers of keys cost little (KIVI needs channel scales at
-    2 bits, with a full-precision residual of recent tokens to fill a channel group)."""
+    A scale per position and head, not KIVI's per-channel keys: a write quantizes only what it
+    writes, so earlier positions are never requantized; with int8's 255 levels the keys' channel
+    outliers cost little (KIVI needs channel scales at 2 bits)."""
 
     def __init__(self, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype, device: torch.device,
                  axis: int = 2):
@@ -81,8 +76,7 @@ class KVStore:
 
 
     def write(self, where: int | torch.Tensor, x: torch.Tensor) -> None:
-        """Store ``x`` at positions ``where`` (an int: the first of a run of x's positions; a
-        tensor: one index per position of x), for x's first dimension's sequences."""
+        """Store ``x`` at ``where``: an int starts a run of x's positions, a tensor indexes each."""
         batch = x.shape[0]
         parts = [(self.codes, x)] if self.scales is None else list(zip((self.codes, self.scales),
                                                                         quantize(x, self.cache_dtype)))
@@ -94,8 +88,7 @@ class KVStore:
                 _bytes(store).index_copy_(self.axis, where, _bytes(value))
 
     def read(self, end: int, batch: Optional[int] = None) -> torch.Tensor:
-        """Positions 0..end-1 of the first ``batch`` sequences in the compute dtype: a view for
-        auto, a dequantized copy otherwise."""
+        """Positions 0..end-1 of the first ``batch`` sequences: a view for auto, else a dequantized copy."""
         codes = self._rows(self.codes, batch).narrow(self.axis, 0, end)
         if self.scales is None:
             return codes

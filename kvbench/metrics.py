@@ -1,10 +1,8 @@
 """What a metric is: ``Metric(name, unit, method)``, the unit as data next to the method that took it.
 
-Every module that measures declares its metrics as a table of :class:`Metric` (``*_METRICS``,
-:func:`metric_table`) beside the code that takes them; a record keeps each one's unit and method
-as one line in its ``methods`` (``"ms; median decode step ..."``, :func:`record_methods`), the
-format results.json has always had. Code that needs a unit (which metrics an ``objective`` may
-name, the docs) reads :attr:`Metric.unit`, never the record's line.
+Each module that measures declares a ``*_METRICS`` table beside the code that takes them. A
+record keeps each as one ``methods`` line (``"ms; median decode step ..."``), but code that needs
+a unit reads :attr:`Metric.unit`, never that line.
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ from typing import Dict, Iterable, Mapping
 
 @dataclass(frozen=True)
 class Metric:
-    """One metric (or one table, ``tables.<name>``, or one method note) a job may record.
-    ``unit``: what its number counts (``ms``, ``bytes``, ``tokens/s``, ``count``, ``ratio``;
-    ``text`` for a string; empty for a table or a note); ``method``: how it was taken. A name
-    with ``<...>`` parts is a pattern (``<v>_step_ms_ctx<C>``: one per variant and context)."""
+    """One metric (or table, ``tables.<name>``, or method note) a job may record; ``unit`` is ``text``
+    for a string and empty for a table or note. A name with ``<...>`` parts is a pattern."""
 
     name: str
     unit: str
@@ -37,8 +33,7 @@ class Metric:
 
 
 def metric_table(*metrics: Metric) -> Dict[str, Metric]:
-    """name -> metric, in order; a later declaration of a name refines the earlier one (as a
-    task's table refines a shared one: eval's val_loss says how a quantized cache is scored)."""
+    """name -> metric, in order; a later declaration refines an earlier one (a task's table a shared one)."""
     return {m.name: m for m in metrics}
 
 
@@ -49,8 +44,7 @@ def record_methods(metrics: Mapping[str, Metric] | Iterable[Metric]) -> Dict[str
 
 
 def matches(pattern: str, name: str) -> bool:
-    """Whether the metric ``name`` is one of a pattern's (``<v>_step_ms_ctx<C>``: each ``<...>`` part
-    stands for a word, ``mha_kv8_step_ms_ctx256``); a name without ``<`` matches only itself."""
+    """Whether ``name`` is one of a pattern's (each ``<...>`` part a word: ``<v>_step_ms_ctx<C>``)."""
     if "<" not in pattern:
         return pattern == name
     regex = "".join(r"\w+" if part.startswith("<") else re.escape(part) for part in re.split(r"(<[^>]+>)", pattern))

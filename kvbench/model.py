@@ -1,11 +1,7 @@
-"""The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU), with the
-switches that make it Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) or Qwen3.5 (zero-centred
-norms) as config fields, and a mixture of experts for the MLP of a layer where ``model.moe`` says
-so (:mod:`kvbench.mlp`).
-
-Each block's attention is its layer's layout (:mod:`kvbench.layouts`: each kind of layer and its
-properties). The decoder builds them from the config once and never branches on them; each
-layer's cache tells its attention what to attend over (:mod:`kvbench.cache`).
+"""The one decoder kvbench measures: Llama-style (RMSNorm, rotary embeddings, SwiGLU); Qwen2's
+q/k/v biases, Qwen3's q/k norms and Qwen3.5's zero-centred norms are config fields, and an MLP is
+dense or a mixture of experts (:mod:`kvbench.mlp`). Each block's attention is its layer's layout
+(:mod:`kvbench.layouts`), built once; the decoder never branches on it.
 
 Notation: B batch, T new tokens, V vocab.
 """
@@ -37,6 +33,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class Block(nn.Module):
+    """Pre-norm residual block: the layer's attention, then its MLP."""
+
     def __init__(self, cfg: ModelConfig, layout: LayerLayout):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
@@ -50,20 +48,15 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Token embedding, ``num_layers`` blocks, final RMSNorm and LM head.
-
-    ``forward(tokens, cache, start_pos)`` runs T new tokens whose first position is ``start_pos``;
-    with a cache the keys of earlier positions come from it, without one the tokens attend only
-    to each other (a full recompute passes the whole sequence with ``start_pos=0``).
-    """
+    """Token embedding, ``num_layers`` blocks, final RMSNorm and LM head."""
 
     def __init__(self, model: ModelConfig, attention: Optional[AttentionConfig] = None):
         super().__init__()
         attention = (attention or AttentionConfig(type="mha")).resolved(model)
         self.config, self.attention = model, attention
         self.layouts = build_layouts(model, attention)
-        # On the meta device (parameter counts, footprints, checkpoint loads) a tensor holds no values:
-        # nothing is initialised or computed there (normal_ or arange on meta loads torch._dynamo, ~1.3 s of CPU).
+        # On the meta device (parameter counts, footprints, checkpoint loads) nothing is initialised:
+        # normal_ or arange on meta loads torch._dynamo (~1.3 s of CPU).
         meta = torch.empty(0).is_meta
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
@@ -99,12 +92,12 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int | Positions = 0,
                 mask: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last token with ``last_only``
-        (a prefill needs only that one; all T would cost B*T*V floats).
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) with ``last_only`` (a prefill needs only
+        the last; all T would cost B*T*V floats).
 
-        ``start_pos``: the first new token's position, or the :class:`~kvbench.cache.Positions`
-        of all of them (a fixed-shape step's tensor, a serving batch's (B, T)). ``mask`` (T, S):
-        without a cache, the keys each token sees instead of the causal rule (an ablation).
+        ``start_pos``: the first new token's position, or :class:`~kvbench.cache.Positions` for all.
+        Without a cache the tokens attend only to each other; ``mask`` (T, S) then replaces the
+        causal rule (an ablation).
         """
         B, T = tokens.shape
         pos = start_pos if isinstance(start_pos, Positions) else Positions(start_pos, T, tokens.device)

@@ -18,10 +18,8 @@ def no_progress(label: str, total: int):
 
 
 def guarded(progress: Progress) -> Progress:
-    """``progress`` that can never fail the job it shows: a display that cannot be written (a
-    terminal closed under it fails each write with EIO, a pipe whose reader left with EPIPE)
-    shows nothing from then on, and the job measures on (until the signal that usually comes
-    with it, SIGHUP or SIGPIPE, stops it as such)."""
+    """``progress`` that never fails the job it shows: a display that cannot be written (a closed
+    terminal's EIO, a pipe's EPIPE) goes quiet and the job measures on (until SIGHUP or SIGPIPE)."""
 
     @contextmanager
     def shown(label: str, total: int):

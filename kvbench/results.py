@@ -1,13 +1,6 @@
-"""The single record of a run: ``results.json`` in the Hydra job directory.
-
-This module is the only reader and writer of records. Everything downstream (W&B, the sweep
-table, the report, resumption) reads a record through :class:`RunResult` /
-:func:`read_record`. A record is written atomically (:func:`kvbench.jsonio.atomic_write`), so a
-reader or a job killed mid-write never sees a torn file. :func:`record_config` says which keys of a
-job's config its record keeps.
-
-Records are strict JSON: a NaN or an infinity is written as null, and ``null_reasons`` says
-which value was what.
+"""The record of a run, ``results.json`` in its job directory: the only reader and writer of records
+(everything downstream reads :class:`RunResult` / :func:`read_record`). Records are written
+atomically and as strict JSON: a NaN or an infinity becomes null, and ``null_reasons`` says which.
 """
 
 from __future__ import annotations
@@ -37,23 +30,19 @@ STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
 # 2: ``units`` (each declared metric's unit as data). A record of schema 1 has none: its units are
 # the heads of its ``methods`` lines, which kvbench.views reads for such records only.
 SCHEMA_VERSION = 2
-# A record is small (metrics, one series, a few tables); anything far larger is not one, and
-# reading it whole could exhaust memory.
+# a record is small; a far larger file is not one, and reading it whole could exhaust memory
 MAX_RECORD_BYTES = 64 * 2**20
 
 
 class RecordError(ValueError):
-    """A results.json that cannot be read as a record. The message names the file."""
+    """A results.json that cannot be read as a record."""
 
 
 @dataclass
 class RunResult:
-    """One job's outcome. ``metrics`` holds scalars; ``series`` per-step lists; ``tables`` rows;
-    ``methods`` the unit and method of each metric the job reported, as a line; ``units`` the
-    unit of each (the :class:`~kvbench.metrics.Metric` registry's, as data); ``null_reasons`` why a
-    value is null: a metric's name (or the dotted path of a value elsewhere in the record) ->
-    ``nan`` / ``inf`` / ``-inf``, the non-finite number it was, or in words why a measurement is
-    null (nothing seen, too few samples)."""
+    """One job's outcome: scalar ``metrics``, per-step ``series``, ``tables`` of rows, each metric's
+    ``methods`` line and ``units`` (the :class:`~kvbench.metrics.Metric` registry's), and
+    ``null_reasons``: a metric (or dotted path) -> why it is null (``nan``, ``inf``, or words)."""
 
     status: str
     config: Dict[str, Any]
@@ -75,10 +64,9 @@ class RunResult:
     # {metric, value, bound, reason}; the figure stays in metrics, flagged, never silently true
     implausible: List[Dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
-    # Not part of the record: why results.json could not be written (the disk was full, say),
-    # so that whoever prints the outcome can hand the record over another way.
+    # not part of the record: why results.json could not be written, so it can be handed over another way
     unsaved: Optional[str] = field(default=None, compare=False, repr=False)
-    # Not part of the record either: the file it was written to (results.json, or beside it).
+    # not part of the record either: the file it was written to
     written_to: Optional[Path] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,11 +83,8 @@ class RunResult:
         return lookup(self.config, dotted)
 
     def write(self, directory: Path | str) -> Path:
-        """Write results.json; non-finite numbers become nulls first (see :meth:`null_nonfinite`).
-
-        A worse record never replaces a better one: when results.json already holds a trusted
-        ``ok`` record and this one is not ok (a ``rerun=true`` interrupted, say), this one is
-        written beside it as ``results.<status>.json`` and the measurement stays."""
+        """Write results.json, non-finite numbers as nulls. A worse record never replaces a trusted
+        ``ok`` one (a ``rerun=true`` interrupted, say): it goes beside it as ``results.<status>.json``."""
         self.null_nonfinite()
         directory = Path(directory)
         if self.status != "ok":
@@ -112,8 +97,7 @@ class RunResult:
         return write_json_atomic(directory / RESULTS_FILE, self.to_dict())
 
     def null_nonfinite(self) -> None:
-        """Replace every NaN / infinity in the record by None and say why in ``null_reasons``,
-        so that the record in memory is the strict JSON written to disk."""
+        """Replace every NaN / infinity by None, saying why in ``null_reasons`` (memory matches disk)."""
         data, reasons = without_nonfinite({k: v for k, v in self.to_dict().items() if k != "null_reasons"})
         for name, value in data.items():
             setattr(self, name, value)
@@ -127,9 +111,8 @@ class RunResult:
         return cls(**known)
 
 
-# The JSON type each field of a record must have (None allowed where the field is Optional);
-# what sinks index into must be what they expect, so a file that parses but has, say, a list
-# for its metrics is unreadable, not a crash later.
+# The JSON type of each field: a file that parses but has, say, a list for its metrics is
+# unreadable here, not a crash later in a sink.
 _FIELD_TYPES = {"config": dict, "metrics": dict, "series": dict, "tables": dict, "env": dict,
                 "error": (str, type(None)), "overrides": list, "started_at": (str, type(None)),
                 "finished_at": (str, type(None)), "methods": dict, "units": dict, "null_reasons": dict,
@@ -180,9 +163,8 @@ _GROUP_SCHEMAS = {name: _schema(hint) for name, hint in typing.get_type_hints(Be
 
 
 def _config_type_error(config: Mapping[str, Any]) -> Optional[str]:
-    """A key of an ok record's config holding a value of another type than the schema's (a list
-    for model.name, a mapping for attention.num_kv_heads, true for the train group): the sinks
-    that compute from it would crash. Keys the schema does not know are left alone."""
+    """A key of an ok record's config whose value has another type than the schema's (the sinks that
+    compute from it would crash); keys the schema does not know are left alone."""
     for name, value in config.items():
         kinds = _CONFIG_SCHEMA.get(name)
         if kinds is not None and not _has_type(value, kinds):
@@ -214,11 +196,7 @@ def utc_now() -> str:
 
 
 def read_record(path: Path | str) -> RunResult:
-    """The record at ``path`` (a results.json or its job directory).
-
-    Raises :class:`RecordError` naming the file when it is missing, is not a regular file of a
-    sane size, does not parse or is not a kvbench record (no status, an unknown status, a field
-    of the wrong type)."""
+    """The record at ``path`` (a results.json or its job directory); anything else is a RecordError."""
     path = Path(path)
     if path.is_dir():
         path = path / RESULTS_FILE
@@ -255,9 +233,8 @@ def nonfinite_kind(value: Any) -> Optional[str]:
 
 
 def trustworthy_ok(metrics: Mapping[str, Any]) -> bool:
-    """Whether an ``ok`` record's metrics can stand for a finished job: at least one metric, and
-    none that is NaN or infinite (what versions before the non-finite check wrote as bare
-    ``NaN``). A record that fails this is measured again on resume, never trusted."""
+    """Whether an ``ok`` record's metrics can stand for a finished job: at least one, none NaN or
+    infinite (older records could hold a bare ``NaN``); one that fails is measured again on resume."""
     return bool(metrics) and not nonfinite_metrics(metrics)
 
 
@@ -267,8 +244,7 @@ def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:
 
 
 def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
-    """``tree`` with every non-finite float replaced by None, and the dotted path of each
-    replaced value -> its kind (``nan (3 values)`` for several in one list)."""
+    """``tree`` with non-finite floats as None, and each one's dotted path -> its kind (``nan (3 values)``)."""
     found: Dict[str, List[str]] = {}
 
     def walk(node: Any, path: str) -> Any:
@@ -290,18 +266,15 @@ def without_nonfinite(tree: Any) -> Tuple[Any, Dict[str, str]]:
 
 
 def find_results(root: Path | str, unlisted: Optional[List[Tuple[Path, OSError]]] = None) -> List[Path]:
-    """Every results.json under ``root`` (a job directory or a sweep), in path order; the
-    directories that could not be listed go to ``unlisted`` (:func:`kvbench.jsonio.find_named`)."""
+    """Every results.json under ``root``, in path order; unlistable directories go to ``unlisted``."""
     return find_named(root, RESULTS_FILE, unlisted)
 
 
 def objective_value(record: RunResult, objective: str,
                     caps: Optional[Mapping[str, float]] = None) -> Tuple[Optional[float], Optional[str]]:
-    """What a job returns to a search sweeper: the metric ``objective`` of ``record`` as a float
-    (negated for ``-name``), and None; or None and why there is no value: the job is not ``ok``,
-    a metric is missing, null or not a number, or a metric of ``caps`` is above its cap (or
-    absent, so the cap cannot be checked). Optuna's sweeper records a None as a failed trial:
-    never the best one, whichever the direction."""
+    """What a job returns to a search sweeper: (the ``objective`` metric, negated for ``-name``, None),
+    or (None, why not): not ok, no number, or a ``caps`` metric above its cap or missing. Optuna
+    records a None as a failed trial, never the best one whichever the direction."""
     if record.status != "ok":
         return None, f"the job is {record.status}" + (f": {record.error}" if record.error else "")
     for name, cap in (caps or {}).items():
@@ -333,11 +306,9 @@ def _number(record: RunResult, name: str) -> Tuple[Optional[float], Optional[str
 
 # ---- what a record keeps ---------------------------------------------------------------------
 
-# Every record keeps these, whatever its task reads: the model built, how the job was recorded
-# and scheduled.
+# every record keeps these, whatever its task reads
 ALWAYS_KEPT = ("task", "model", "wandb", "rerun", "objective", "objective_caps")
-# model keys whose value here means what a record written before them meant (a layer option's
-# preset off: the model has none)
+# model keys left out of a record at these values, so it reads as one written before the key existed
 MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
                           **{option.preset: option.off for option in PRESET_OPTIONS}, "moe": None, "o_bias": False,
                           "rope_truncate": True,
@@ -346,10 +317,8 @@ MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False
 
 
 def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The part of a job's config (``asdict`` of a :class:`BenchConfig`, or the mapping Hydra
-    saved) that its record keeps: what its task reads (``TASKS``: a decode run keeps no ``train``
-    section, training no workload), its workload option's own fields, and the attention's
-    (:func:`attention_record`). A config whose task is unknown keeps everything it has."""
+    """The part of a job's config its record keeps: what its task reads (``TASKS``), its workload
+    option's own fields and the attention's; a config whose task is unknown keeps everything."""
     if not isinstance(config, dict):
         return config
     task = TASKS.get(config.get("task", "bench"))
@@ -376,15 +345,13 @@ def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
-    """The model as a record keeps it: one without Qwen3.5's switches, linear layers, layer options,
-    experts or GPT-OSS's switches reads as a record written before those existed."""
+    """The model as a record keeps it (:data:`MODEL_ABSENT_AS_BEFORE` left out)."""
     return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
 
 
 def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
-    """The attention as a record keeps it: a latent's ranks only for MLA, DSA's indexer and each
-    layer option (:data:`~kvbench.config.layer_options.LAYER_OPTIONS`) only when it has them, the
-    layer pattern only with a window or linear layers."""
+    """The attention as a record keeps it: MLA's ranks, DSA's indexer and each layer option only when
+    used, the layer pattern only with a window or linear layers."""
     unused = set()
     if attention.get("type") != "mla":
         unused.update(MLA_FIELDS + ("mla_decode",))

@@ -18,8 +18,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by: 1, or yarn's attention factor (given, else from
-    rope_factor, rope_mscale and rope_mscale_all_dim, as transformers' yarn computes it)."""
+    """What cos and sin are multiplied by: 1, or yarn's attention factor (given, else transformers' formula)."""
     if cfg.rope_type != "yarn":
         return 1.0
     if cfg.rope_attention_factor is not None:
@@ -30,15 +29,11 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
-    """Rotary inverse frequencies (D/2,) in float64, scaled by ``cfg.rope_type`` as transformers'
-    rope type of that name: ``linear`` divides all by ``rope_factor``; ``llama3`` divides those
-    whose wavelength exceeds ``rope_original_max_seq_len / rope_low_freq_factor``, keeps those
-    below ``rope_original_max_seq_len / rope_high_freq_factor`` and blends linearly in between
-    (the clamp of the blend weight to [0, 1] is transformers' three-way ``where``); ``yarn``
-    blends interpolated and original frequencies over a ramp between the dimensions that turn
-    ``rope_beta_fast`` and ``rope_beta_slow`` times in the pretraining context (rounded outwards
-to whole dimensions unless ``rope_truncate`` is false). ``dim``: the
-    rotated width (default head_dim; MLA rotates only qk_rope_head_dim)."""
+    """Rotary inverse frequencies (D/2,) in float64, scaled as transformers' rope type ``cfg.rope_type``:
+    ``linear`` divides all by ``rope_factor``; ``llama3`` divides long wavelengths, keeps short ones
+    and blends linearly in between (the clamp is transformers' three-way ``where``); ``yarn`` blends
+    over a ramp between the dimensions that turn ``rope_beta_fast`` and ``rope_beta_slow`` times in
+    the pretraining context. ``dim``: the rotated width (default head_dim; MLA: qk_rope_head_dim)."""
     D = cfg.head_dim if dim is None else dim  # 0: no layer rotates, an empty table
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
     if cfg.rope_type == "yarn":
@@ -62,8 +57,7 @@ to whole dimensions unless ``rope_truncate`` is false). ``dim``: the
 
 
 def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (max_seq_len, D), in the rotate-half layout of HF Llama checkpoints
-    (times yarn's attention factor); ``dim`` as in :func:`rope_inv_freq`."""
+    """cos and sin, each (max_seq_len, D), rotate-half layout, times yarn's attention factor."""
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, dim))
     angles = torch.cat([angles, angles], dim=-1)
     factor = rope_attention_factor(cfg)
@@ -71,8 +65,8 @@ def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, heads, T, D); cos/sin (T, R) or (B, T, R) broadcast over heads: the first R <= D dims
-    # rotate (rotate-half within them), the rest pass (partial rotary, transformers' order)
+    """x (B, heads, T, D) rotated by cos/sin (T, R) or (B, T, R): the first R <= D dims rotate-half,
+    the rest pass (partial rotary, transformers' order)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     R = cos.shape[-1]

@@ -1,10 +1,8 @@
-"""The caches of cross-layer KV sharing (:mod:`kvbench.layouts.kv_sharing`), behind the cache's
-one interface: a shared layer's ``update(None, None, pos)`` returns what its donor's update
-returned for the same positions in this forward (the donor's keys, values and mask), so a shared
-layer attends exactly its donor's keys, prefill and decode, ring or full, and holds nothing.
-
-The donor's cache is wrapped in a :class:`Donor` that keeps its last answer until every layer
-reading it has read it (then drops it: a recompute's K/V are not kept past the forward).
+"""The caches of cross-layer KV sharing (:mod:`kvbench.layouts.kv_sharing`): a shared layer's
+``update(None, None, pos)`` returns what its donor's update returned for the same positions in
+this forward, so it attends exactly its donor's keys (prefill and decode, ring or full) and holds
+nothing. A :class:`Donor` keeps its last answer only until every reader has read it, so a
+recompute's K/V do not outlive the forward.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from kvbench.kv_store import KVStore
 
 
 class PrefixLayer(LayerCache):
-    """A prefix of P positions held once with batch 1 (the last of them the layer's layout holds,
-    the only ones a later token can still see), before each sequence's own history."""
+    """A prefix held once with batch 1 (the positions the layer's layout keeps of its P) before each
+    sequence's own history."""
 
     def __init__(self, history: LayerCache, prefix: List[KVStore], prefix_len: int):
         self.history, self.prefix_stores, self.prefix_len = history, prefix, prefix_len
@@ -47,14 +47,12 @@ class PrefixLayer(LayerCache):
 
 
 class SharedPrefixCache(Cache):
-    """B conversations after one shared prefix (a system prompt): the prefix's K/V is held once
-    with batch 1, each conversation's own history in ``history`` (a static or concat cache).
+    """B conversations after one shared prefix (a system prompt), its K/V held once with batch 1;
+    each conversation's own history in ``history`` (a static or concat cache).
 
-    Positions are absolute in the conversation: the prefix holds 0..P-1 and history position p
-    sits at index p - P of ``history``. A forward at position 0 with batch 1 writes the whole
-    prefix; later ones write history, and every conversation reads the prefix without a copy and
-    never reads another's history. ``segments`` records what each span of positions is (see
-    :meth:`describe`)."""
+    Positions are absolute: the prefix holds 0..P-1 and position p sits at index p - P of
+    ``history``. A forward at position 0 with batch 1 writes the whole prefix; every conversation
+    reads it without a copy and never reads another's history."""
 
     def __init__(self, history: Cache, prefix_len: int):
         if not history.stores_history:
@@ -65,7 +63,6 @@ class SharedPrefixCache(Cache):
                          history.device, history.cache_dtype)
 
     def _prefix_stores(self, layer: LayerCache, history: Cache) -> List[KVStore]:
-        # Stored like the history (cache.dtype, the layout's tensors), once for every conversation.
         kept = layer.layout.positions_held(self.prefix_len)
         if isinstance(layer, ConcatLayer):
             heads, widths = layer.heads, layer.widths

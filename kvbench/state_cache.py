@@ -1,16 +1,13 @@
 """The cache of a recurrent layer (:class:`~kvbench.layouts.base.State`): per sequence the last
 inputs of its short convolution and one recurrent state, whatever the sequence's length.
 
-It answers the cache's one question the way a recurrent layer needs it answered:
-
     update(x, pos) -> Carry(inputs, state)
 
-``x``: the new convolution inputs of T tokens, (B, C, T); ``pos``: their positions. ``inputs``
-(B, C, K - 1 + T) is what the causal convolution reads, the held tail first, exactly as a ring
-K/V cache returns its held keys before the new ones (the tail is the last K - 1 positions,
-updated here); ``state`` (B, ...) is the recurrent state before these tokens, which
-the layer advances in place. A write at position 0 starts a sequence from zeros. Unlike K/V, a
-state folds every position into one tensor: it cannot roll back (:meth:`StateLayer.truncate`).
+``x`` (B, C, T): the new convolution inputs. ``inputs`` (B, C, K - 1 + T): what the causal
+convolution reads, the held tail first (as a ring K/V cache returns held keys before new ones);
+``state`` (B, ...): the recurrent state before these tokens, which the layer advances in place.
+A write at position 0 starts a sequence from zeros. Unlike K/V, a state folds every position into
+one tensor, so it cannot roll back.
 
 Notation: B batch, T new tokens, C convolution channels, K its taps.
 """
@@ -30,10 +27,8 @@ class Carry(NamedTuple):
 
 
 class StateLayer:
-    """One recurrent layer's cache for ``batch_size`` sequences: a (B, C, K - 1) convolution tail
-    in ``dtype`` and a float32 recurrent state, allocated once and written in place. ``held``
-    False (``cache.impl=none``, a forward without a cache): nothing is kept, every forward starts
-    from zeros. It has the methods :class:`kvbench.cache.Cache` calls on a layer's cache."""
+    """One recurrent layer's cache: a (B, C, K - 1) convolution tail and a float32 state, written in
+    place; ``held`` False (cache ``none``): every forward starts from zeros."""
 
     def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str,
                  held: bool = True):
@@ -60,8 +55,7 @@ class StateLayer:
         return [self.conv, self.recurrent] if self.held else []
 
     def truncate(self, length: int, held: int) -> None:
-        """A state folds positions 0..held-1 together: only forgetting all of them (0) or none
-        (``held``) is possible."""
+        """Only to 0 or ``held``: a state folds positions 0..held-1 together."""
         if length not in (0, held):
             raise ValueError(f"cannot truncate to {length}: a recurrent state folds positions 0..{held - 1} "
                              f"together and cannot roll back; only reset() (0) or {held} works")

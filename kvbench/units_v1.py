@@ -1,12 +1,9 @@
 """The unit of every metric a schema-1 record can hold, as data.
 
-A schema-1 record (written before ``units`` existed, up to 2026-12-01) kept a metric's unit only
-inside the prose of its ``methods`` line. Schema 1 is no longer written, so the names such a record
-can hold are a closed set: every metric the registry declared when schema 2 replaced it, and the
-ones older records hold that were retired before (``tokens_per_s_warning``). :class:`kvbench.views.RecordView`
-reads an old record's units here, by name, never out of its text. ``tests/test_views.py`` checks
-this table against the registry (the same unit for every name still declared) and against every
-committed schema-1 record.
+A schema-1 record kept a metric's unit only inside the prose of its ``methods`` line. Since only
+schema 2 is written, the names a schema-1 record can hold are a closed set: every metric declared
+when schema 2 replaced it, and retired ones (``tokens_per_s_warning``). ``tests/test_views.py``
+checks this table against the registry and every committed schema-1 record.
 """
 
 from __future__ import annotations

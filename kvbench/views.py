@@ -1,22 +1,15 @@
-"""The typed, read-only views the sinks read records through: :class:`RecordView` and :class:`Variant`.
+"""The typed, read-only views sinks read records through: :class:`RecordView` and :class:`Variant`.
 
-A record on disk is a plain JSON mapping (:mod:`kvbench.results` reads and writes it). A sink
-never indexes into that mapping: it asks a :class:`RecordView` for a status, a metric (with its
-unit), a series, a table or a config value, and every accessor answers ``None`` (or an empty
-list / mapping) for what the record does not hold, so a record with missing keys (an invalid
-job's, a job that never finished, an older schema's) is read, never a ``KeyError``.
+A sink never indexes into a record's JSON mapping: every :class:`RecordView` accessor answers
+``None`` (or an empty list / mapping) for what the record lacks, so an invalid, unfinished or
+older record is read, never a ``KeyError``.
 
-A :class:`Variant` is an attention layout as a value with fields (layout, heads, latent rank,
-window and layer pattern, cache dtype, shared prefix), not a label to parse: :attr:`Variant.label`
-is the one place a variant's name is built (``gqa kv=2 w=1024 5:1 int8``) and
-:attr:`Variant.order` the one order every table, plot and report lists variants in, computed
-from the fields.
+A :class:`Variant` is an attention layout as fields, not a label to parse: :attr:`Variant.label`
+is the one place its name is built (``gqa kv=2 w=1024 5:1 int8``) and :attr:`Variant.order` the
+one order every listing uses.
 
-Units are data: a record written since schema 2 keeps each declared metric's unit in ``units``
-(from the :class:`kvbench.metrics.Metric` registry of the job's task); :meth:`RecordView.unit`
-reads it there. A schema-1 record kept the unit only inside the prose of its ``methods`` line: its
-units come from :data:`kvbench.units_v1.V1_UNITS` (the closed set of names schema 1 could hold), by
-name, never out of the text.
+Units are data: a schema-2 record keeps them in ``units``; a schema-1 record kept them only in the
+prose of its ``methods`` lines, so they come from :data:`kvbench.units_v1.V1_UNITS` by name.
 """
 
 from __future__ import annotations
@@ -53,14 +46,11 @@ def _int(value: Any) -> Optional[int]:
 
 @dataclass(frozen=True)
 class Variant:
-    """An attention variant as its fields. ``layout``: mha | gqa | mqa | mla (None: the record does
-    not say); ``num_kv_heads`` (MLA: 1, the latent head); ``kv_lora_rank`` / ``qk_rope_head_dim``:
-    MLA's latent R and shared rotary key; ``window``: W positions of a local layer (None: no
-    window); ``global_every`` / ``layer_types``: which layers are global (none: every layer local);
-    ``cache_dtype``: the KV precision when it is not the compute dtype (int8, float8_e4m3fn; None:
-    ``auto``); ``shared``: a multi-turn chat's shared prefix cache on/off (None: not part of the
-    variant); ``model``: the model's name; ``options``: the layer options that are on, as (key,
-    value) in the order of :data:`~kvbench.config.layer_options.LAYER_OPTIONS`."""
+    """An attention variant as its fields: ``layout`` mha | gqa | mqa | mla (None: unknown);
+    ``num_kv_heads`` (MLA: 1, the latent head); ``window`` W and which layers are global
+    (``global_every`` / ``layer_types``); ``cache_dtype`` (None: auto); ``shared``: a chat's shared
+    prefix (None: not part of the variant); ``options``: the layer options that are on, as (key,
+    value) in :data:`~kvbench.config.layer_options.LAYER_OPTIONS` order."""
 
     layout: Optional[str]
     num_heads: Optional[int] = None
@@ -123,8 +113,7 @@ class Variant:
         return bool(self.window) and self.local_global() != (0, 1)
 
     def local_global(self) -> Optional[Tuple[int, int]]:
-        """The local:global ratio of the layers (reduced: Gemma 3's 5:1), (1, 0) when every layer is
-        local, None without a window."""
+        """The reduced local:global layer ratio (Gemma 3's 5:1); (1, 0) all local, None without a window."""
         return local_global_layers(self.window, self.global_every, self.layer_types, self.num_layers)
 
     @property
@@ -134,10 +123,8 @@ class Variant:
 
     @property
     def label(self) -> str:
-        """``mha kv=8``, ``mla r=512``, ``mha kv=8 w=4096`` (every layer local), ``gqa kv=2 w=1024 5:1``
-        (5 local layers to 1 global), then the cache dtype (``int8``) and, for a chat's variant,
-        ``shared=on|off``: the name built once, by :func:`kvbench.config.model.variant_label` (which
-        progress lines and task=compare's metric prefixes use too)."""
+        """``mha kv=8``, ``mla r=512``, ``gqa kv=2 w=1024 5:1`` (5 local layers to 1 global), then the
+        cache dtype and a chat's ``shared=on|off`` (:func:`kvbench.config.model.variant_label`)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
                      "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types,
                      **dict(self.options)}
@@ -148,10 +135,9 @@ class Variant:
 
     @property
     def order(self) -> Tuple[Any, ...]:
-        """The sort key of every listing, from the fields: in ATTENTION_TYPES' order (MHA, GQA from
-        most to fewest KV heads, MQA, MLA from the largest latent); within one, every layer global
-        first, then hybrids (larger window first), then every layer local; the compute dtype before
-        a quantized cache; a shared cache after an unshared one."""
+        """The sort key of every listing: ATTENTION_TYPES' order (most KV heads or largest latent first);
+        then all global, hybrids (larger window first), all local; then the compute dtype before a
+        quantized cache, an unshared cache before a shared one."""
         rank = ATTENTION_TYPES.index(self.layout) if self.layout in ATTENTION_TYPES else len(ATTENTION_TYPES)
         size = self.kv_lora_rank if self.latent else self.num_kv_heads
         ratio = self.local_global() if self.windowed else None
@@ -177,9 +163,7 @@ def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str
 # ---- a record ------------------------------------------------------------------------------------
 
 def v1_units(methods: Mapping[str, Any]) -> Dict[str, str]:
-    """name -> unit of each metric a schema-1 record's ``methods`` declares, from
-    :data:`~kvbench.units_v1.V1_UNITS` (by name, or by pattern: ``<v>_step_ms_ctx<C>``); a name
-    kvbench never declared has no unit."""
+    """name -> unit of each metric a schema-1 record's ``methods`` declares (by name or pattern)."""
     out = {}
     for name in methods:
         unit = V1_UNITS.get(name)
@@ -192,8 +176,7 @@ def v1_units(methods: Mapping[str, Any]) -> Dict[str, str]:
 
 class RecordView:
     """A read-only view of one record (a results.json mapping, a :class:`~kvbench.results.RunResult`
-    or a report row with ``job``). Every accessor answers None, an empty list or an empty mapping
-    for what the record lacks."""
+    or a report row with ``job``)."""
 
     __slots__ = ("_data", "_variant")
 
@@ -358,8 +341,7 @@ class RecordView:
         return MappingProxyType(v1_units(self._section("methods")))
 
     def unit(self, name: str) -> Optional[str]:
-        """The unit of metric ``name`` (``ms``, ``bytes``, ``tokens/s``; ``text``; ``""`` for a note),
-        from the registry the job recorded; None when the record declares none for it."""
+        """The unit of metric ``name`` (``ms``, ``text``; ``""`` for a note); None when the record declares none."""
         units = self.units
         if name in units:
             return units[name]

@@ -1,12 +1,9 @@
-"""What every kind of layer layout answers, and the list of them a decoder is built from.
+"""What every kind of layer layout answers, and :class:`Layouts`, the list a decoder is built from.
 
-A :class:`LayerLayout` is one decoder layer's attention as data: what its cache stores per position
-(:mod:`kvbench.cache` builds the cache from it), the bytes it holds per token and per sequence,
-the bytes it reads and the FLOPs it spends per decode step, the fields that name it, and what it
-does not run with (:class:`Limit`); its attention module is :mod:`kvbench.layouts.attention`'s.
-Nothing here imports torch: kvbench's own process checks a config against its layouts before
-any job imports torch. :class:`Layouts` is the decoder's tuple of them, with the totals every byte
-figure of kvbench is taken from (the record, inspect, capacity, the roofline, serving).
+A :class:`LayerLayout` is one layer's attention as data: what its cache stores per position, the
+bytes it holds and reads and the FLOPs it spends per decode step, its label fields and what it
+does not run with (:class:`Limit`). Every byte figure of kvbench is a :class:`Layouts` total.
+No torch here: kvbench's own process checks a config against its layouts before a job imports it.
 
 Notation: B batch, S positions held or read, H query heads, H_kv KV heads, W a window.
 """
@@ -24,9 +21,8 @@ from kvbench.units import human_bytes
 
 @dataclass(frozen=True)
 class Limit:
-    """Something a layer does not run with: setting ``key`` must be one of ``allowed``; ``why``
-    ends the one-line refusal ``key=value: why`` (``names``: what the line names instead, when the
-    refusal is the layout's own key, e.g. ``attention.window=64``)."""
+    """Something a layer does not run with: ``key`` must be one of ``allowed``, else the refusal
+    reads ``key=value: why`` (``names: why`` when it names the layout's own key instead)."""
 
     key: str
     allowed: Tuple[Any, ...]
@@ -36,10 +32,9 @@ class Limit:
 
 @dataclass(frozen=True)
 class State:
-    """What a recurrent layer holds per sequence whatever its length: the last ``conv_tail``
-    inputs of its causal short convolution over ``conv_channels`` channels, in the compute dtype,
-    and a ``recurrent`` state, in float32 (recurrences accumulate over every token: transformers
-    and flash-linear-attention keep it in float32 whatever the model's dtype)."""
+    """What a recurrent layer holds per sequence at any length: its convolution's last ``conv_tail``
+    inputs (compute dtype) and a ``recurrent`` state in float32, as transformers and
+    flash-linear-attention keep it (it accumulates over every token)."""
 
     conv_channels: int
     conv_tail: int
@@ -51,14 +46,12 @@ class State:
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """One layer's attention layout. Subclasses set ``kind`` and the stored tensors (``stored``:
-    heads per position and the width of each tensor: K and V, or one latent) and build the
-    attention module; the byte formulas and the cache follow from those."""
+    """One layer's attention layout; subclasses set ``kind`` and ``stored`` (heads per position,
+    the width of each stored tensor) and the byte formulas follow."""
 
     index: int
     window: Optional[int] = None  # W: the layer attends, and keeps, only the last W positions
-    # The layer whose cache this one reads instead of keeping its own (cross-layer KV sharing,
-    # :mod:`kvbench.layouts.kv_sharing`): it stores nothing and attends the donor's keys.
+    # the layer whose cache this one reads instead of keeping its own (kvbench.layouts.kv_sharing)
     kv_source: Optional[int] = field(default=None, kw_only=True)
 
     kind: ClassVar[str] = ""
@@ -75,8 +68,7 @@ class LayerLayout:
 
     @property
     def state(self) -> Optional[State]:
-        """The constant state a sequence holds in this layer (None: K/V layers hold none); the
-        cache of such a layer is :class:`kvbench.state_cache.StateLayer`."""
+        """The constant state a sequence holds here (None for K/V layers; see state_cache.StateLayer)."""
         return None
 
     # ---- bytes -------------------------------------------------------------------------------
@@ -86,8 +78,7 @@ class LayerLayout:
         return seq_len if self.window is None else min(seq_len, self.window)
 
     def bytes_per_position(self, element: int, cache_dtype: str = "auto") -> int:
-        """Bytes one cached position takes: every stored tensor's vector in every stored head
-        (none where the layer reads another layer's cache)."""
+        """Bytes one cached position takes (0 where the layer reads another layer's cache)."""
         return 0 if self.kv_source is not None else self.position_bytes(element, cache_dtype)
 
     def position_bytes(self, element: int, cache_dtype: str = "auto") -> int:
@@ -105,23 +96,20 @@ class LayerLayout:
             self.state_bytes(element, cache_dtype)
 
     def read_bytes(self, context: float, element: int, cache_dtype: str = "auto") -> float:
-        """Bytes one decode step of one sequence reads at ``context`` positions: what it attends
-        over (a shared layer reads its donor's cache again) and its state."""
+        """Bytes one decode step of one sequence reads at ``context`` (a shared layer re-reads its donor's)."""
         return self.positions_held(context) * self.position_bytes(element, cache_dtype) + \
             self.state_bytes(element, cache_dtype)
 
     def step_flops(self, context: float) -> float:
-        """Attention FLOPs of one decode step of one sequence at ``context`` positions (QK^T and
-        PV over the positions it reads; projections are weights, counted by the model)."""
+        """Attention FLOPs (QK^T and PV; projections are the model's) of one decode step at ``context``."""
         raise NotImplementedError
 
     # ---- what a layer keeps of a sequence ----
 
     @property
     def retention(self) -> Tuple[int, ...]:
-        """Which positions of a sequence the layer keeps, as a key: layers of one key keep the same
-        positions (a serving store's group), and keys sort full attention first, then each window
-        from the shortest. (0,): every position; (1, W): the last W."""
+        """Which positions the layer keeps, as a key that groups layers (a serving store's group) and
+        sorts full attention first: (0,) every position, (1, W) the last W."""
         return (0,) if self.window is None else (1, self.window)
 
     @property
@@ -130,25 +118,21 @@ class LayerLayout:
         return self.window is None
 
     def sees(self, query: Any, key: Any) -> Any:
-        """Whether a query at position ``query`` sees the key at ``key`` (numbers, or tensors that
-        broadcast): k <= q, and with a window W also k > q - W (W keys, itself included: the rule
-        of transformers' ``sliding_window_overlay``)."""
+        """Whether query position ``query`` sees key position ``key``: k <= q, and with a window W
+        also k > q - W (transformers' ``sliding_window_overlay``)."""
         seen = key <= query
         return seen if self.window is None else seen & (key > query - self.window)
 
     def first_kept(self, length: int) -> int:
-        """The first position a query at position ``length`` or later still sees: what a sequence
-        of ``length`` positions may drop lies before it (a window W: length - W + 1)."""
+        """The first position a query at ``length`` or later still sees (window W: length - W + 1)."""
         return 0 if self.window is None else max(0, length - self.window + 1)
 
     def most_kept(self, length: int, chunk: int = 1) -> int:
-        """The most positions a sequence of up to ``length`` positions holds while it grows by
-        forwards of at most ``chunk``: every one, or a window's W - 1 earlier keys and a chunk."""
+        """Most positions held while a sequence grows to ``length`` in forwards of ``chunk``: all, or W - 1 + chunk."""
         return length if self.window is None else min(length, self.window - 1 + chunk)
 
     def keeps_ring(self, max_seq_len: int) -> bool:
-        """Whether a static cache of ``max_seq_len`` positions holds the layer's positions in a ring
-        of :meth:`positions_held` (fewer) slots, position p at slot p % that length."""
+        """Whether a static cache of ``max_seq_len`` keeps this layer's positions in a ring (slot p % W)."""
         return self.window is not None and self.window < max_seq_len
 
     def layers_text(self) -> str:
@@ -163,8 +147,7 @@ class LayerLayout:
                 **({} if self.kv_source is None else {"kv_source": self.kv_source})}
 
     def as_mha(self) -> "LayerLayout":
-        """The same layer with one K and one V head per query head and no window (full MHA):
-        what the article's ratios are taken against."""
+        """The same layer as full MHA (a K and V head per query head, no window): what ratios compare to."""
         raise NotImplementedError
 
     def check(self, settings: Mapping[str, Any]) -> None:
@@ -172,9 +155,7 @@ class LayerLayout:
         check_limits([self], settings)
 
     def limits(self) -> Tuple[Limit, ...]:
-        """What the layer does not run with; a window is read whole as a ring, which no
-        fixed-shape step or concatenating cache reads; a layer that reads another layer's cache
-        has no storage of its own for those to hold."""
+        """What the layer does not run with (each :class:`Limit` says why)."""
         return self._window_limits() + (() if self.kv_source is None else self._shared_limits())
 
     def _shared_limits(self) -> Tuple[Limit, ...]:
@@ -196,13 +177,11 @@ class LayerLayout:
 
     # ---- what the tasks ask of it ----
 
-    # Whether a model of another KV-head count becomes this layer by repeating or mean-pooling its
-    # K/V heads (checkpoint.convert_kv_heads); a layer without K/V heads keeps its own weights.
+    # checkpoint.convert_kv_heads may repeat or mean-pool another K/V-head count into this layer
     converts_kv_heads: ClassVar[bool] = True
-    # The attention.* keys beyond the model's shape that size the layer's weights and cache (a
-    # refusal for memory names them).
+    # attention.* keys beyond the model's shape that size weights and cache (a memory refusal names them)
     size_keys: ClassVar[Tuple[str, ...]] = ()
-    # Whether a decode step has a second form of the same arithmetic, which fidelity compares.
+    # a decode step has a second form of the same arithmetic, which fidelity compares
     has_decode_forms: ClassVar[bool] = False
 
     # ---- how inspect describes it ----
@@ -218,8 +197,7 @@ class LayerLayout:
         raise NotImplementedError
 
     def describe_layers(self, layers: "Layouts", attention: Any, seq_len: int, batch_size: int) -> List[str]:
-        """The line naming the attention of ``layers`` (this layer's kind leads them), then those
-        of its cache formula; ``attention``: the resolved config, for its type's name."""
+        """Lines naming the attention of ``layers`` (led by this kind), then its cache formula."""
         raise NotImplementedError
 
     def memory_lines(self, layers: "Layouts", dtype: str, element: int) -> List[str]:
@@ -232,8 +210,7 @@ class LayerLayout:
 
 
 def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> None:
-    """Refuse, in one line naming the key and its value, the first setting a layer does not run
-    with: every refusal of a layout's capabilities is derived here from its :class:`Limit`s."""
+    """Refuse, in one line naming key and value, the first setting a layer's :class:`Limit`s exclude."""
     for layer in layers:
         for limit in layer.limits():
             if limit.key in settings and settings[limit.key] not in limit.allowed:
@@ -251,14 +228,12 @@ class Layouts(tuple):
         return tuple(layer.window for layer in self)
 
     def cache_bytes(self, seq_len: float, batch_size: int, element: int, cache_dtype: str = "auto") -> int:
-        """Bytes the cache of ``batch_size`` sequences of ``seq_len`` positions holds: the KV
-        formula, 2 · layers · kv_heads · head_dim · seq_len · batch · bytes per element, per layer
-        with its own positions (a window's W) and stored widths (MLA's latent)."""
+        """Bytes ``batch_size`` sequences of ``seq_len`` hold: 2 · layers · kv_heads · head_dim · seq_len ·
+        batch · bytes, each layer with its own positions (a window's W) and widths (MLA's latent)."""
         return int(batch_size * sum(layer.sequence_bytes(seq_len, element, cache_dtype) for layer in self))
 
     def bytes_per_token(self, element: int, cache_dtype: str = "auto") -> int:
-        """Bytes one more token of one sequence adds while no window is full: every layer's
-        cached position (past a window a local layer adds nothing; see :meth:`cache_bytes`)."""
+        """Bytes one more token adds while no window is full (past it a local layer adds nothing)."""
         return sum(layer.bytes_per_position(element, cache_dtype) for layer in self)
 
     def state_bytes(self, element: int, cache_dtype: str = "auto") -> int:
@@ -270,8 +245,7 @@ class Layouts(tuple):
         return sum(layer.step_flops(context) for layer in self)
 
     def read_bytes(self, context: float, batch_size: int, element: int, cache_dtype: str = "auto") -> int:
-        """Bytes one decode step of ``batch_size`` sequences reads from their caches at ``context``
-        positions (:meth:`LayerLayout.read_bytes`; what they hold is :meth:`cache_bytes`)."""
+        """Bytes one decode step of ``batch_size`` sequences reads from their caches at ``context``."""
         return int(batch_size * sum(layer.read_bytes(context, element, cache_dtype) for layer in self))
 
     def check(self, settings: Mapping[str, Any]) -> None:
@@ -282,8 +256,7 @@ class Layouts(tuple):
         return Layouts(layer.as_mha() for layer in self)
 
     def rotary_dim(self) -> int:
-        """The width of the decoder's one rotary table: the widest any layer rotates (0 when no
-        layer rotates: a stack of recurrent layers has no table)."""
+        """Width of the decoder's one rotary table: the widest any layer rotates (0: none does)."""
         return max((layer.rotary_dim for layer in self), default=0)
 
     def smallest_window(self) -> Optional[int]:
@@ -300,8 +273,7 @@ class Layouts(tuple):
     # ---- what the tasks ask of them ----
 
     def converts_kv_heads(self) -> bool:
-        """Whether a model of another KV-head count becomes these layers by repeating or
-        mean-pooling K/V heads (:attr:`LayerLayout.converts_kv_heads` of every layer)."""
+        """Whether every layer takes a checkpoint's K/V heads repeated or mean-pooled."""
         return all(layer.converts_kv_heads for layer in self)
 
     def size_keys(self) -> Tuple[str, ...]:
@@ -311,21 +283,18 @@ class Layouts(tuple):
         return any(layer.has_decode_forms for layer in self)
 
     def caps_positions(self) -> bool:
-        """Whether some layer's cache stops growing at a length (a ring of W): bytes per token
-        are then those of a given length, and fall as it grows."""
+        """Whether some layer's cache stops growing (a ring of W), so bytes per token fall with length."""
         return self.smallest_window() is not None
 
     # ---- how inspect describes them ----
 
     def describe(self, attention: Any, seq_len: int, batch_size: int) -> List[str]:
-        """The attention's line, then its cache formula's: said by the first layer that attends
-        (a recurrent layer beside it is named in its line)."""
+        """The attention's line and cache formula, said by the first layer that attends."""
         lead = next((layer for layer in self if layer.state is None), self[0])
         return lead.describe_layers(self, attention, seq_len, batch_size)
 
     def in_words(self) -> Optional[str]:
-        """The attention in a few words (``4 KV heads``), said by its first attending layer (None:
-        no layer attends)."""
+        """The attention in a few words (``4 KV heads``); None when no layer attends."""
         lead = next((layer for layer in self if layer.state is None), None)
         return None if lead is None else lead.in_words()
 
@@ -375,8 +344,7 @@ def si(n: float) -> str:
 
 
 def elements_line(per_token: int, seq_len: int, batch_size: int, what: str = "K+V") -> str:
-    """K and V (or latent) elements of one layer's cache: per token, per sequence, per batch (the
-    arithmetic of a KV-cache budget, before the bytes of a dtype)."""
+    """K and V (or latent) elements of one layer's cache per token, sequence and batch, before dtype bytes."""
     per_sequence = per_token * seq_len
     return (f"elements per layer ({what}): per token {per_token:,} · per sequence ({seq_len}) {per_sequence:,} "
             f"≈ {si(per_sequence)} · per batch (x{batch_size}) {per_sequence * batch_size:,} "

@@ -13,10 +13,8 @@ from kvbench.layouts.latent import Latent
 
 
 def build_layouts(model, attention) -> Layouts:
-    """The layouts of ``model`` under ``attention`` (:func:`_build`), built once per pair of
-    configs: a job asks for them from its check, footprint, store and model, and layouts are
-    immutable, so callers share them. The configs are mutable dataclasses: the key is what they
-    say now (their repr), not which objects they are."""
+    """The layouts of ``model`` under ``attention``, built once per pair and shared (they are immutable).
+    The configs are mutable: the key is what they say now (their repr), not which objects they are."""
     key = (repr(model), repr(attention))
     if key not in _BUILT:
         _BUILT[key] = _build(model, attention)
@@ -29,10 +27,8 @@ _BUILT: "OrderedDict[tuple, Layouts]" = OrderedDict()
 
 
 def _build(model, attention) -> Layouts:
-    """One layout per layer of ``model`` (a ModelConfig) under ``attention`` (an
-    AttentionConfig resolved against it): a Gated DeltaNet layer where attention.layer_types
-    says linear_attention, else the attention layout (K/V heads or a latent) with its window;
-    then the last attention.kv_shared_layers layers read their donors' K/V."""
+    """One layout per layer: Gated DeltaNet where layer_types says linear_attention, else K/V heads or
+    a latent with its window; then the last attention.kv_shared_layers read their donors' K/V."""
     windows = attention.layer_windows(model.num_layers)
     kinds = attention.layer_kinds(model.num_layers)
     linear = model.linear_shape()

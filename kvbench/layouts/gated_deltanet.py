@@ -6,8 +6,7 @@ of ``linear_conv_kernel_dim`` taps; each value head then keeps a d_k x d_v state
 exp(g_t) and corrected towards v_t at k_t with strength beta_t (the delta rule); the output reads
 S at q_t. Value head j uses key head j // (H_v / H_k). Nothing is stored per position: a sequence
 holds one :class:`~kvbench.layouts.base.State` per layer whatever its length, so a decode step
-costs the same at any context. The attention itself is
-:mod:`kvbench.layouts.gated_deltanet_attention`.
+costs the same at any context.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from kvbench.layouts.kv_heads import KVHeads
 
 @dataclass(frozen=True)
 class GatedDeltaNet(LayerLayout):
-    """A Gated DeltaNet layer, its fields named as Qwen3.5's and Qwen3-Next's config.json name
-    them (defaults: transformers' Qwen3_5TextConfig). ``num_heads`` and ``head_dim``: the model's
-    attention heads, what the layer is as full MHA (:meth:`as_mha`)."""
+    """A Gated DeltaNet layer, fields as config.json names them (defaults: Qwen3_5TextConfig's);
+    ``num_heads`` and ``head_dim``: the model's attention heads, for :meth:`as_mha`."""
 
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32

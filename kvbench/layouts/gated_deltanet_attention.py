@@ -28,7 +28,6 @@ from kvbench.norm import RMSNorm
 
 CHUNK = 64  # transformers' and flash-linear-attention's chunk
 
-# transformers' Qwen3_5GatedDeltaNet parameter -> this module's
 HF_NAMES = {"in_proj_qkv.weight": "w_qkv.weight", "in_proj_z.weight": "w_gate.weight",
             "in_proj_b.weight": "w_beta.weight", "in_proj_a.weight": "w_decay.weight", "conv1d.weight": "conv.weight",
             "A_log": "log_decay_rate", "dt_bias": "decay_bias", "norm.weight": "norm.weight",
@@ -36,10 +35,8 @@ HF_NAMES = {"in_proj_qkv.weight": "w_qkv.weight", "in_proj_z.weight": "w_gate.we
 
 
 class GatedDeltaNetAttention(nn.Module):
-    """The attention of a :class:`GatedDeltaNet` layer; its cache is a
-    :class:`~kvbench.state_cache.StateLayer` (``cache.update(x, pos) -> Carry``). Checkpoints:
-    transformers' names under ``HF_MODULE`` (:data:`HF_NAMES`); Qwen3-Next's fused projections
-    (:data:`HF_FUSED`) are split by :func:`unfuse`."""
+    """The attention of a :class:`GatedDeltaNet` layer (its cache: state_cache.StateLayer); Qwen3-Next's
+    fused projections (:data:`HF_FUSED`) are split by :func:`unfuse`."""
 
     HF_MODULE = "linear_attn"
     HF_NAMES = HF_NAMES

@@ -3,8 +3,7 @@ learned attention sinks, an output gate and rotary embeddings over part of each 
 
 Query head h reads KV head h // G (contiguous groups, the Llama-checkpoint convention), G = H / H_kv.
 Sinks (GPT-OSS): one learned logit per query head joins every softmax as a column with no value,
-so a head can put weight on "nothing"; they cost no cache. The attention itself is
-:mod:`kvbench.layouts.kv_heads_attention`.
+so a head can put weight on "nothing"; they cost no cache.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ class KVHeads(LayerLayout):
     head_dim: int = 2
     sinks: bool = False
     v_head_dim: Optional[int] = None  # values of another width than keys (an MLA model's heads as MHA)
-    # Qwen3.5 / Qwen3-Next: the query projection also emits a gate per head that scales the output
-    # (sigmoid) before o_proj; rotary embeddings turn only the first ``rotary`` dimensions of a head.
-    # Neither changes what is cached or read per position.
+    # Qwen3.5 / Qwen3-Next: a sigmoid output gate per head from the query projection, and rotary on the
+    # first ``rotary`` dims only; neither changes what is cached or read.
     output_gate: bool = False
     rotary: Optional[int] = None  # None: every dimension of the head
 

@@ -28,8 +28,7 @@ from kvbench.rope import apply_rope
 
 
 class KVHeadsAttention(nn.Module):
-    """The attention of a :class:`KVHeads` layer; :data:`HF_NAMES` maps transformers' parameter
-    names under ``HF_MODULE`` to its own."""
+    """The attention of a :class:`KVHeads` layer; :data:`HF_NAMES` maps transformers' names under ``HF_MODULE``."""
 
     HF_MODULE = "self_attn"
     HF_NAMES = {"q_proj.": "wq.", "k_proj.": "wk.", "v_proj.": "wv.", "o_proj.": "wo.", "q_norm.": "q_norm.",
@@ -75,21 +74,18 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
                       sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention where query head h reads KV head h // G, without copying K/V per query head.
 
-    q (B, H, T, D); k, v (B, H_kv, S, D); mask bool (T, S) or (B, T, S), True = attend, or None
-    for causal (:func:`~kvbench.cache.causal_mask`; a decode step's one query sees every key).
-    ``prefix``: K/V (1, H_kv, P, D) that all B sequences attend before their own S keys (a shared
-    system prompt); the mask then covers P + S keys. ``sinks`` (H,): a learned logit per query
-    head (module docstring). Returns (B, H, T, D).
+    q (B, H, T, D); k, v (B, H_kv, S, D); mask bool (T, S) or (B, T, S), True = attend, None =
+    causal. ``prefix``: K/V (1, H_kv, P, D) every sequence attends before its own keys (a shared
+    system prompt; the mask then covers P + S). ``sinks`` (H,). Returns (B, H, T, D).
 
     Three paths, chosen by shape, never by a variant name:
-    - decode (T = 1): the G query heads of a group are folded into the query rows, (B, H_kv, G, D),
-      so one SDPA call reads each KV head once; a (1, S) mask broadcasts over the rows.
-    - causal prefill (no mask, S = T): SDPA's causal path (``is_causal``, which skips the masked
-      half) with ``enable_gqa``, for every KV-head count alike.
-    - anything else (a prompt after cached keys, a window, a given mask): SDPA with the (T, S)
-      mask broadcast over heads, not repeated per query head, and ``enable_gqa``.
-    Folding a T > 1 prompt instead (G*T rows with a G-times repeated mask) lost the causal path and
-    made prefill slower the fewer KV heads there were: MQA 2x MHA at T = 2048.
+    - decode (T = 1): a group's G query heads fold into the query rows, (B, H_kv, G, D), so one
+      SDPA call reads each KV head once.
+    - causal prefill (no mask, S = T): SDPA's ``is_causal`` path (it skips the masked half) with
+      ``enable_gqa``, for every KV-head count alike.
+    - anything else: SDPA with the (T, S) mask broadcast over heads and ``enable_gqa``.
+    Folding a T > 1 prompt too would lose the causal path: prefill would slow as KV heads fall
+    (MQA 2x MHA at T = 2048).
     """
     B, H, T, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
@@ -144,11 +140,10 @@ def _with_sink_key(q, k, v, mask, causal, sinks):
 def prefix_attention(q, k, v, mask, k_prefix, v_prefix, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One softmax over a batch-1 prefix's keys and each sequence's own keys (and a sink column).
 
-    q (B, H_kv, M, D) with M = G*T folded rows (row g*T + t: query head kv*G + g at token t);
-    k, v (B, H_kv, S, D); k_prefix, v_prefix (1, H_kv, P, D); mask None, (T, P + S) or
-    (B, T, P + S), broadcast over the G heads of a row block (never repeated G times). The B
-    sequences are folded into the query rows for the prefix, as the G heads are, so the prefix
-    is read once and never expanded to B copies. Returns (B, H_kv, M, D).
+    q (B, H_kv, M, D), M = G*T folded rows (row g*T + t: query head kv*G + g at token t); k, v
+    (B, H_kv, S, D); k_prefix, v_prefix (1, H_kv, P, D); mask None, (T, P + S) or (B, T, P + S),
+    broadcast over a row block's G heads. The B sequences fold into the query rows for the prefix,
+    so it is read once, never expanded to B copies. Returns (B, H_kv, M, D).
     """
     B, H_kv, M, D = q.shape
     P = k_prefix.shape[2]

@@ -2,11 +2,9 @@
 N layers compute queries only and attend the keys and values of an earlier layer of the same kind.
 
 Transformers' rule (``Gemma3nTextConfig.kv_sharing_modes``): layers L - N .. L - 1 share; each
-reads the last layer before L - N of its own kind (there: sliding or full attention; here: the
-same layout kind and window, so a shared local layer reads a local layer's ring of W). A shared
-layer stores nothing (:meth:`~kvbench.layouts.base.LayerLayout.bytes_per_position` is 0) and a
-decode step reads its donor's cache a second time; its cache is
-:class:`kvbench.shared_kv.SharedLayer`, which returns the donor's :class:`~kvbench.cache.Attend`.
+reads the last layer before L - N of its own kind (here: the same layout kind and window, so a
+shared local layer reads a local layer's ring of W). A shared layer stores nothing, and a decode
+step reads its donor's cache a second time (:class:`kvbench.shared_kv.SharedLayer`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ def kv_donor(layers: Sequence[LayerLayout], layer: LayerLayout, first_shared: in
 
 
 def share_kv(layers: Sequence[LayerLayout], shared: Optional[int]) -> list:
-    """``layers`` with the last ``shared`` of them reading their donors' caches (:func:`kv_donor`);
-    a count that leaves a layer without a donor, or a layer whose cache is not K/V, is one line
-    naming ``attention.kv_shared_layers``."""
+    """``layers`` with the last ``shared`` of them reading their donors' caches (:func:`kv_donor`)."""
     if not shared:
         return list(layers)
     key, L = f"attention.kv_shared_layers={shared}", len(layers)

@@ -7,8 +7,7 @@ Each token's keys and values come from one latent c (R = kv_lora_rank, RMS-norme
 (B, 1, S, R + d_rope). With DSA a lightning indexer also caches one key of ``index_head_dim``
 per token, scores every cached token for each query (``index_n_heads`` ReLU'd dot products,
 weighted per token) and each query attends only the ``index_topk`` best of those it may see: a
-decode step reads every index key but only k latents. The attention itself is
-:mod:`kvbench.layouts.latent_attention` (the indexer: :mod:`kvbench.layouts.latent_indexer`).
+decode step reads every index key but only k latents.
 """
 
 from __future__ import annotations

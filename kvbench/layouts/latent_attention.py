@@ -35,8 +35,7 @@ def mla_softmax_scale(cfg, qk_head_dim: int) -> float:
 
 
 class LatentAttention(nn.Module):
-    """The attention of a :class:`Latent` layer (DeepSeek's weights, under kvbench's names:
-    :data:`HF_NAMES` maps transformers' under ``HF_MODULE``)."""
+    """The attention of a :class:`Latent` layer; :data:`HF_NAMES` maps transformers' names under ``HF_MODULE``."""
 
     HF_MODULE = "self_attn"
     HF_NAMES = {"q_proj.": "wq.", "q_a_proj.": "wq.0.", "q_a_layernorm.": "wq.1.", "q_b_proj.": "wq.2.",
@@ -112,10 +111,9 @@ def latent_attention(q, k, v, mask, scale: float, prefix=None, causal: bool = Fa
     if prefix is None:
         Dk, Dv = q.shape[-1], v.shape[-1]
         if q.shape[-2] > 1 and Dk != Dv:
-            # SDPA's fused kernels (flash on CPU and CUDA) need one head width for q, k and v; with
-            # two it takes the math path, which holds the (M, S) scores of every head: at 256 tokens
-            # 4x the memory of a prefill, so MLA's capacity would be ours, not the layout's. Zero
-            # columns change no dot product and no output column (what vLLM does for MLA's prefill).
+            # SDPA's fused kernels need one head width for q, k and v; with two it takes the math path,
+            # which holds every head's (M, S) scores (4x a prefill's memory at 256 tokens). Zero columns
+            # change no dot product and no output column (vLLM pads MLA's prefill the same way).
             D = max(Dk, Dv)
             q, k, v = (F.pad(t, (0, D - t.shape[-1])) for t in (q, k, v))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)[..., :Dv]

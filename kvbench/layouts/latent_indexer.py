@@ -2,28 +2,25 @@
 ``index_topk``), as transformers' DeepseekV32Indexer computes it, and the top-k selection the
 latent attention then attends.
 
-Per token the indexer caches one key k_s = rope(LayerNorm(W_k x_s)) of ``index_head_dim``
-(beside the latent: the cache's second tensor). A query t scores every cached token s it may see:
+Per token the indexer caches one key k_s = rope(LayerNorm(W_k x_s)) of ``index_head_dim`` (the
+cache's second tensor). A query t scores every cached token s it may see:
 
     I(t, s) = sum_h w_{t,h} · ReLU(q_{t,h} · k_s / sqrt(D_i)),   w_t = W_w x_t / sqrt(H_i)
 
-with q_{t,h} from the query latent (q_lora) and rope on the first qk_rope_head_dim dimensions
-(rotate-half, not the latent attention's interleaved pairs), scored in float32; it attends the
-``index_topk`` tokens of highest score among those (all of them when it sees no more). Where
-kvbench differs in form, not in result:
+with q_{t,h} from the query latent and rope on the first qk_rope_head_dim dimensions (rotate-half,
+not the latent attention's interleaved pairs), in float32, and attends its ``index_topk``
+best-scored tokens. Where kvbench differs from transformers in form, not in result:
 
-- transformers folds the selection into a (B, 1, T, S) additive mask over every key, also in
-  decode; a decode step here gathers the k selected latents and attends only those (both forms),
-  so it reads k latents, not S. A prompt (T > 1) uses the mask, as transformers does.
+- a decode step gathers the k selected latents instead of masking all S keys, so it reads k
+  latents, not S; a prompt (T > 1) uses the mask, as transformers does.
 - a prompt's scores are taken in blocks of query rows (:data:`SCORE_ELEMENTS`), not as one
   (B, T, H_i, S) float32 tensor (4 GB per sequence at T = S = 4096 with 64 heads).
-- equal scores are broken towards the earlier token (a stable sort), so a decode step selects what
-  a recompute of the whole sequence selects; transformers' ``topk`` breaks them in its kernel's
-  order, which depends on the shape of the call. Only exact ties at the k-th place can differ: a
-  token whose every indexer head's ReLU is 0 scores exactly 0, common with few heads and random
-  weights, rare otherwise.
-- transformers keeps ``weights_proj`` in float32 when it loads a model in half precision; here it
-  runs in the model's dtype (its output is cast to float32 before the sum, as there).
+- ties go to the earlier token (a stable sort), so a decode step selects what a recompute
+  selects; transformers' ``topk`` breaks them in an order that depends on the call's shape. Exact
+  ties at the k-th place are common only with few heads and random weights (a token whose every
+  head's ReLU is 0 scores exactly 0).
+- ``weights_proj`` runs in the model's dtype (transformers keeps it in float32 under half
+  precision); its output is cast to float32 before the sum, as there.
 
 Notation: B batch, T new tokens, S cached tokens, H_i indexer heads, D_i their width, k index_topk.
 """
@@ -39,7 +36,7 @@ from torch import nn
 from kvbench.cache import Attend, causal_mask
 from kvbench.rope import apply_rope
 
-# A prompt's index scores are computed for at most this many (query, head, token) elements at a time.
+# (query, head, token) index scores a prompt computes at a time
 SCORE_ELEMENTS = 2**26
 
 
@@ -64,10 +61,9 @@ class Indexer(nn.Module):
         return self._rotate(self.k_norm(self.wk(x))[:, None], cos, sin)
 
     def select(self, x, q_latent, cos, sin, att: Attend) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The latents (B, 1, S', R + d_rope) the T new tokens attend and the mask over them:
-        a decode step's k selected latents, gathered (mask None: all of them), or for a prompt all
-        S latents with (B, T, S) = visible and selected. ``att``: the cache's answer, latents as
-        its keys and index keys as its values; called only when S > k."""
+        """The latents (B, 1, S', R + d_rope) the new tokens attend and their mask: a decode step's k
+        gathered latents, or a prompt's S with (B, T, S) = visible and selected. ``att``: the cache's
+        answer (latents as keys, index keys as values); called only when S > k."""
         B, T, _ = x.shape
         latents, S = att.k, att.k.shape[2]
         visible = causal_mask(T, S, x.device) if att.mask is None and att.causal else att.mask
@@ -94,7 +90,6 @@ class Indexer(nn.Module):
             index = torch.matmul(w[:, t:t + rows].unsqueeze(-2), scores).squeeze(-2)  # (B, t', S)
             if visible is not None:
                 index = index.masked_fill(~visible[..., t:t + rows, :], float("-inf"))
-            # a stable sort, not topk: equal scores (a token all of whose heads' ReLUs are 0 scores
-            # exactly 0) go to the earlier token, so a selection never depends on the call's shape
+            # a stable sort, not topk: ties go to the earlier token whatever the call's shape
             out.append(index.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk])
         return torch.cat(out, 1)

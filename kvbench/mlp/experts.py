@@ -1,11 +1,10 @@
 """The mixture-of-experts MLP of a block (:class:`MoE`), and which MLP each layer has
 (:func:`mlp_module`).
 
-Plain torch on any device: the router picks each token's k experts, the (token, slot) pairs are
-grouped by expert with one sort, and each expert that got tokens runs one matmul over them (as
-transformers' eager experts do; no fused grouped GEMM). Which experts a step ran is known on the
-host (the loop needs it), so :func:`record_routing` can count the distinct experts each forward
-read: what a decode step's bytes are (:mod:`kvbench.measure.roofline`).
+Plain torch on any device: the (token, slot) pairs are grouped by expert with one sort, and each
+expert that got tokens runs one matmul over them (as transformers' eager experts do; no fused
+grouped GEMM). The loop needs the routing on the host anyway, so :func:`record_routing` counts the
+distinct experts each forward read: a decode step's weight bytes (:mod:`kvbench.measure.roofline`).
 
 Notation: B batch, T tokens, N = B*T, C d_model, E experts, I an expert's width, k experts per token.
 """
@@ -32,7 +31,7 @@ def mlp_module(cfg, layer: int) -> nn.Module:
 
 
 def _eager(method):
-    """``torch.compiler.disable(method)``, made at the first call: made at import, it loads
+    """``torch.compiler.disable(method)``, made at the first call: at import it would load
     torch._dynamo (about 1.3 s of CPU) in every job, compiled or not."""
     disabled = None
 
@@ -79,8 +78,7 @@ class Experts(nn.Module):
 
     @_eager  # the loop follows the routing: torch.compile would recompile per routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """x (N, C), weights and chosen (N, k) -> (the weighted sum of each token's experts (N, C),
-        the number of distinct experts that ran)."""
+        """x (N, C), weights and chosen (N, k) -> (weighted sum (N, C), number of distinct experts run)."""
         k = chosen.shape[1]
         flat = chosen.flatten()  # pair n*k + j: token n's j-th expert
         order = flat.argsort(stable=True)  # the pairs grouped by expert
@@ -102,9 +100,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture-of-experts MLP (``cfg.moe``: :class:`~kvbench.config.moe.MoEShape`): the router,
-    the routed experts, and a shared expert every token also goes through (sigmoid-gated with
-    ``shared_gate``)."""
+    """A mixture-of-experts MLP: router, routed experts, and an optional shared expert every token
+    also goes through (sigmoid-gated with ``shared_gate``)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -150,15 +147,13 @@ class Routing:
         return list(zip(*self.logs))
 
     def bytes_per_forward(self) -> List[int]:
-        """Bytes of routed-expert weights each forward read: sum over layers of distinct experts x
-        bytes per expert."""
+        """Bytes of routed-expert weights each forward read (distinct experts x bytes, over layers)."""
         return [sum(n * size for n, size in zip(counts, self.sizes)) for counts in self.forwards()]
 
 
 @contextmanager
 def record_routing(model: nn.Module) -> Iterator[Routing]:
-    """Count, for every forward of ``model`` inside the block, the distinct experts each of its MoE
-    layers ran (an empty record for a dense model)."""
+    """Count the distinct experts each MoE layer of ``model`` runs per forward inside the block."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     routing = Routing([[] for _ in layers], [layer.experts.bytes_per_expert() for layer in layers])
     for layer, log in zip(layers, routing.logs):

@@ -13,9 +13,8 @@ import torch
 
 def route(moe, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None
           ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, E) -> (weights (N, k), experts (N, k)): which experts each token goes to and the
-    weight of each one's output. ``moe``: a :class:`~kvbench.config.moe.MoEShape`;
-    ``correction_bias`` (E,): the sigmoid router's bias on the choice (not on the weights)."""
+    """logits (N, E) -> (weights (N, k), experts (N, k)); ``correction_bias`` (E,): the sigmoid
+    router's bias on the choice, not on the weights."""
     k = moe.top_k
     if moe.router == "softmax_topk":  # GPT-OSS: the softmax over the k best logits only
         top, experts = logits.topk(k, dim=-1)

@@ -1,6 +1,6 @@
 """A checkpoint's expert tensors as the decoder's stacked expert weights, from the headers first.
 
-transformers' checkpoints store a layer's experts in one of two forms:
+Checkpoints store a layer's experts in one of two forms:
 
 - one tensor per expert and projection (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, DeepSeek):
   ``layers.L.mlp.experts.E.{gate,up,down}_proj.weight``, (I, C) and (C, I);
@@ -9,10 +9,8 @@ transformers' checkpoints store a layer's experts in one of two forms:
   its bias (E, C).
 
 :func:`expert_tensors` turns them, by their headers alone, into :class:`Assembled` entries of the
-decoder's names (``w_gate_up`` (E, 2I, C): gate rows then up rows; ``w_down`` (E, C, I); the biases),
-so every name and shape is checked against config.json before a tensor is read; a missing expert,
-one beyond the configured count, or a shape config.json does not imply is one line naming the
-stored tensor. :func:`read_assembled` reads and assembles them.
+decoder's names (``w_gate_up`` (E, 2I, C): gate rows then up rows; ``w_down`` (E, C, I); the
+biases), so every name and shape is checked against config.json before a tensor is read.
 
 Notation: E experts, I an expert's width, C d_model.
 """
@@ -28,9 +26,8 @@ import torch
 
 from kvbench.hf_weights import CheckpointError, StoredTensor
 
-# transformers' names of a mixture of experts' other tensors, within a layer -> the decoder's
-# (kvbench.mlp.experts.MoE), as kvbench.checkpoint renames a layer's names: a key ending in "." a
-# submodule, else a parameter. The experts' own names pass through (expert_tensors reads them).
+# transformers' names of an MoE layer's other tensors -> the decoder's (a key ending in "." is a
+# submodule); the experts' own names pass through to expert_tensors.
 MOE_NAMES = {"mlp.gate.e_score_correction_bias": "mlp.correction_bias", "mlp.gate.weight": "mlp.router.weight",
              "mlp.shared_expert_gate.": "mlp.shared_gate.",
              **{f"mlp.{shared}.{p}_proj.": f"mlp.shared.w_{p}." for shared in ("shared_experts", "shared_expert")
@@ -41,8 +38,7 @@ _FUSED = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bia
 
 @dataclass(frozen=True)
 class Assembled(StoredTensor):
-    """A decoder tensor made of stored ones (``parts``) by ``build`` once they are read; its
-    header fields are the result's."""
+    """A decoder tensor ``build`` makes from stored ``parts`` once read; its header fields are the result's."""
 
     parts: Tuple[StoredTensor, ...] = ()
     build: Callable[[List[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
@@ -62,8 +58,7 @@ def _shape_error(where: Path, tensor: StoredTensor, implied: tuple) -> Checkpoin
 
 
 def expert_tensors(where: Path, model, stored: Mapping[str, StoredTensor]) -> Dict[str, StoredTensor]:
-    """``stored`` (decoder names -> headers) with each mixture-of-experts layer's expert tensors
-    replaced by the decoder's stacked entries (:class:`Assembled`); ``model`` a ModelConfig."""
+    """``stored`` (decoder names -> headers) with each MoE layer's expert tensors as stacked :class:`Assembled` ones."""
     moe, C = model.moe, model.d_model
     out = dict(stored)
     layers: Dict[int, Dict[tuple, str]] = {}  # layer -> {(expert, projection) or (name, bias): key}
@@ -147,8 +142,7 @@ def _fused(where: Path, layer: int, found: Dict[tuple, StoredTensor], moe, C: in
 
 def read_assembled(load: Callable[[Mapping[str, StoredTensor]], Dict[str, torch.Tensor]],
                    stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:
-    """The tensors ``stored`` describes, read by ``load`` (:func:`kvbench.hf_weights.load_tensors`)
-    and each :class:`Assembled` one built from its parts."""
+    """The tensors ``stored`` describes, read by ``load``, each :class:`Assembled` one built from its parts."""
     parts = {f"{key}\0{j}": part for key, t in stored.items() if isinstance(t, Assembled)
              for j, part in enumerate(t.parts)}
     plain = {key: t for key, t in stored.items() if not isinstance(t, Assembled)}
