@@ -267,7 +267,9 @@ def _start_online(wandb, start, out_dir: Path, sweep_dir: Optional[Path | str], 
     try:
         # Without stored credentials an online run would open an interactive login prompt and
         # block the sweep: find the key without prompting. Silent, or login looks the user's
-        # name up on the server just to print it (5 s without a network).
+        # name up on the server just to print it (5 s without a network). A W&B set up earlier in
+        # this process keeps the environment of its time (WANDB_BASE_URL, the key): start afresh.
+        _teardown(wandb)
         wandb.setup(wandb.Settings(silent=True))
         if not wandb.login(prompt=False, verify=False):
             raise RuntimeError("no credentials (run `wandb login` or set WANDB_API_KEY)")

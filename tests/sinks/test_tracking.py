@@ -263,6 +263,26 @@ def unreachable_server(monkeypatch):
     server.close()
 
 
+def test_online_reads_the_environment_of_now_not_of_an_earlier_wandb_setup(tmp_path, in_process_wandb, monkeypatch):
+    """W&B set up earlier in the process (by another library, another test) keeps the settings of
+    that moment: the online attempt must still try the server WANDB_BASE_URL names now."""
+    import wandb
+
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    wandb.setup()  # its base URL: W&B's default
+    server = SilentServer()
+    monkeypatch.setenv("WANDB_BASE_URL", server.url)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    try:
+        run_dir = track(make_result(tmp_path / "0"), {"mode": "online", "init_timeout_s": 2.0}, tmp_path / "0",
+                        tmp_path)
+        assert server.connections, "wandb tried another server than WANDB_BASE_URL's"
+        assert run_dir is not None and run_dir.name.startswith("offline-run-")
+    finally:
+        server.close()
+        wandb.teardown()
+
+
 def test_online_without_a_network_waits_init_timeout_once_per_sweep(tmp_path, in_process_wandb,
                                                                      unreachable_server, caplog, monkeypatch):
     """W&B's own wait is 90 s per job. The first job waits wandb.init_timeout_s, writes its run
