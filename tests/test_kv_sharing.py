@@ -18,6 +18,7 @@ from kvbench.footprint import parameter_count
 from kvbench.generate import greedy_generate
 from kvbench.job_config import check_job, to_bench_config
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kv_sharing import share_kv
 from kvbench.model import Decoder
 from kvbench.rope import apply_rope
 from kvbench.tasks import capacity
@@ -54,6 +55,35 @@ def test_the_donor_rule_is_transformers_gemma3n(layers, shared, every):
     stores = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
     want = [stores[types[i]] if mode == "reuse" else None for i, mode in enumerate(modes)]
     assert [layer.kv_source for layer in build_layouts(model, attention)] == want
+
+
+class _Reads(list):
+    """A list of layouts that counts the layers read from it (one by one or in slices)."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        out = super().__getitem__(i)
+        _Reads.reads += len(out) if isinstance(i, slice) else 1
+        return out
+
+    def __iter__(self):
+        for layer in super().__iter__():
+            _Reads.reads += 1
+            yield layer
+
+
+def test_finding_the_donors_reads_each_layer_a_bounded_number_of_times():
+    """Half of 4,000 layers shared: the donors are found in one pass over the layers, not a scan back
+    per shared layer (which read ~4 million layers here, and hung a config of a million layers
+    before its memory refusal)."""
+    model = ModelConfig(name="g", num_layers=4000, d_model=32, num_heads=4, preset_kv_heads=2, max_seq_len=64)
+    attention = AttentionConfig(window=8, global_every=5).resolved(model)
+    layers = _Reads(build_layouts(model, attention))
+    _Reads.reads = 0
+    out = share_kv(layers, 2000)
+    assert _Reads.reads <= 3 * len(layers)
+    assert [layer.kv_source for layer in out[2000:2005]] == [1998, 1998, 1998, 1998, 1999]
 
 
 @pytest.mark.parametrize("attention, impls", [({}, ["static", "concat", "none"]), (LOCAL_GLOBAL, ["static", "none"])])

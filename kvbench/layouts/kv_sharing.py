@@ -10,20 +10,19 @@ step reads its donor's cache a second time (:class:`kvbench.shared_kv.SharedLaye
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout
 
 
-def kv_donor(layers: Sequence[LayerLayout], layer: LayerLayout, first_shared: int) -> Optional[int]:
-    """The last layer before ``first_shared`` of ``layer``'s kind and window (None: there is none)."""
-    return next((d.index for d in reversed(layers[:first_shared])
-                 if d.kind == layer.kind and d.window == layer.window), None)
+def kv_donors(layers: Sequence[LayerLayout], first_shared: int) -> Dict[Tuple[str, Optional[int]], int]:
+    """For each kind and window, the last layer before ``first_shared`` that has it (one pass)."""
+    return {(d.kind, d.window): d.index for d in layers[:first_shared]}
 
 
 def share_kv(layers: Sequence[LayerLayout], shared: Optional[int]) -> list:
-    """``layers`` with the last ``shared`` of them reading their donors' caches (:func:`kv_donor`)."""
+    """``layers`` with the last ``shared`` of them reading their donors' caches (:func:`kv_donors`)."""
     if not shared:
         return list(layers)
     key, L = f"attention.kv_shared_layers={shared}", len(layers)
@@ -31,12 +30,13 @@ def share_kv(layers: Sequence[LayerLayout], shared: Optional[int]) -> list:
         raise ConfigError(f"{key}: must be 0 (none) or fewer than the {L} layers (a shared layer reads an "
                           "earlier layer that keeps its own K/V)")
     first = L - shared
+    donors = kv_donors(layers, first)
     out = list(layers)
     for layer in layers[first:]:
         if not layer.reads_shared_kv:
             raise ConfigError(f"{key}: layer {layer.index} is a {layer.kind} layer; reading another layer's cache "
                               "is built for K/V-head layers only")
-        donor = kv_donor(layers, layer, first)
+        donor = donors.get((layer.kind, layer.window))
         if donor is None:
             kind = layer.kind if layer.window is None else f"{layer.kind} layer of window {layer.window}"
             raise ConfigError(f"{key}: layer {layer.index} ({kind}) has no layer of its kind before layer "
