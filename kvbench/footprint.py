@@ -11,6 +11,7 @@ then recorded ``oom`` as before.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -60,15 +61,19 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     first_shared = model.num_layers - (resolved.kv_shared_layers or 0)
     moe = model.moe
-    kinds = [(k if k == LINEAR else "shared" if i >= first_shared else "full_attention",
-              moe is not None and moe.sparse(i)) for i, k in enumerate(resolved.layer_kinds(model.num_layers))]
+    types, full = resolved.layer_kinds(model.num_layers)[:first_shared], "full_attention"
+    mixers = [k if k == LINEAR else full for k in types] if LINEAR in types else [full] * first_shared
+    mixers += ["shared"] * (model.num_layers - first_shared)
+    # how many layers of each kind
+    kinds = Counter(zip(mixers, map(moe.sparse, range(model.num_layers)))) if moe is not None else \
+        Counter({(mixer, False): n for mixer, n in Counter(mixers).items()})
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
     # have none, and one kind of layer each (linear ones named in layer_types, which an interval contradicts).
     small = dataclasses.replace(model.without_pattern(), num_layers=1, max_seq_len=1, moe=None)
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
     per_layer, fixed, embedding = {}, 0, 0
-    for mixer, sparse in dict.fromkeys(kinds):
+    for mixer, sparse in kinds:
         types = (lambda n: [LINEAR] * n) if mixer == LINEAR else (lambda n: None)
         mlp = dataclasses.replace(moe, dense_layers=[]) if sparse else None  # every layer of the small models
         with torch.device("meta"):
@@ -80,9 +85,10 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
         embedding = one.embed.weight.numel()
         if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
             fixed = 2 * one.num_params() - two
-    total = fixed + sum(per_layer[k] for k in kinds)
+    total = fixed + sum(per_layer[k] * n for k, n in kinds.items())
     unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model)
-    return ParameterCounts(total, total - unused * sum(sparse for _, sparse in kinds) - embedding, embedding)
+    return ParameterCounts(total, total - unused * sum(n for (_, sparse), n in kinds.items() if sparse) - embedding,
+                           embedding)
 
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:

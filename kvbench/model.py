@@ -35,12 +35,12 @@ def torch_dtype(name: str) -> torch.dtype:
 class Block(nn.Module):
     """Pre-norm residual block: the layer's attention, then its MLP."""
 
-    def __init__(self, cfg: ModelConfig, layout: LayerLayout):
+    def __init__(self, cfg: ModelConfig, layout: LayerLayout, index: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
-        self.mlp = mlp_module(cfg, layout.index)  # dense, or a mixture of experts (kvbench.mlp)
+        self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
 
     def forward(self, x, cos, sin, cache, pos):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
@@ -60,7 +60,7 @@ class Decoder(nn.Module):
         meta = torch.empty(0).is_meta
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
-        self.blocks = nn.ModuleList(Block(model, layout) for layout in self.layouts)
+        self.blocks = nn.ModuleList(Block(model, layout, i) for i, layout in enumerate(self.layouts))
         self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()

@@ -35,7 +35,7 @@ def naive_mask(T, S, window=None):
 @pytest.mark.parametrize("window", [None, 1, 3, 100])
 @pytest.mark.parametrize("T, S", [(1, 9), (6, 6), (4, 11)])
 def test_causal_mask_is_the_loop(T, S, window):
-    assert torch.equal(causal_mask(T, S, "cpu", LayerLayout(0, window)), naive_mask(T, S, window))
+    assert torch.equal(causal_mask(T, S, "cpu", LayerLayout(window)), naive_mask(T, S, window))
 
 
 CASES = {  # name: (T, S, mask builder); mask None = the function's own causal mask
@@ -44,10 +44,10 @@ CASES = {  # name: (T, S, mask builder); mask None = the function's own causal m
     "decode, per-sequence mask (B, 1, S)": (1, 13, lambda B: torch.rand(B, 1, 13) > 0.3),
     "causal prefill (S = T)": (7, 7, lambda B: None),
     "prompt after cached keys (S > T)": (5, 12, lambda B: None),
-    "window over a prompt": (9, 9, lambda B: causal_mask(9, 9, "cpu", LayerLayout(0, 4))),
-    "window after cached keys": (4, 10, lambda B: causal_mask(4, 10, "cpu", LayerLayout(0, 3))),
+    "window over a prompt": (9, 9, lambda B: causal_mask(9, 9, "cpu", LayerLayout(4))),
+    "window after cached keys": (4, 10, lambda B: causal_mask(4, 10, "cpu", LayerLayout(3))),
     "given per-sequence mask": (5, 8, lambda B: causal_mask(5, 8, "cpu") & (torch.rand(B, 5, 8) > 0.2)
-                                | causal_mask(5, 8, "cpu", LayerLayout(0, 1))),  # every row keeps its own key
+                                | causal_mask(5, 8, "cpu", LayerLayout(1))),  # every row keeps its own key
 }
 
 
@@ -71,7 +71,7 @@ def test_shared_prefix_path_equals_reference_with_the_prefix_copied(num_kv_heads
     q = torch.randn(B, H, T, D)
     k, v = torch.randn(B, num_kv_heads, S, D), torch.randn(B, num_kv_heads, S, D)
     kp, vp = torch.randn(1, num_kv_heads, P, D), torch.randn(1, num_kv_heads, P, D)
-    mask = None if window is None else causal_mask(T, P + S, "cpu", LayerLayout(0, window))
+    mask = None if window is None else causal_mask(T, P + S, "cpu", LayerLayout(window))
     full_k, full_v = torch.cat([kp.expand(B, -1, -1, -1), k], 2), torch.cat([vp.expand(B, -1, -1, -1), v], 2)
     want = reference(q, full_k, full_v, naive_mask(T, P + S, window) if T > 1 or window else None)
     torch.testing.assert_close(grouped_attention(q, k, v, mask, (kp, vp)), want, atol=2e-6, rtol=1e-5)

@@ -16,8 +16,7 @@ from kvbench.shared_prefix import SharedPrefixCache
 def make_cache(impl, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len, dtype=torch.float32,
                cache_dtype="auto", windows=None):
     """A cache for ``num_layers`` KV-head layers of ``num_kv_heads`` x ``head_dim``."""
-    layers = Layouts(KVHeads(i, w, num_kv_heads, num_kv_heads, head_dim)
-                     for i, w in enumerate(windows or [None] * num_layers))
+    layers = Layouts(KVHeads(w, num_kv_heads, num_kv_heads, head_dim) for w in windows or [None] * num_layers)
     return make_cache_of(impl, layers, batch_size, max_seq_len, dtype, "cpu", cache_dtype)
 
 

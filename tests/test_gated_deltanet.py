@@ -41,8 +41,8 @@ def _quiet_fallbacks():
     logging.disable(logging.NOTSET)
 
 
-def layout(H_k, H_v, d_k, d_v, K, index=0):
-    return GatedDeltaNet(index, None, H_k, H_v, d_k, d_v, K, num_heads=4, head_dim=16)
+def layout(H_k, H_v, d_k, d_v, K):
+    return GatedDeltaNet(None, H_k, H_v, d_k, d_v, K, num_heads=4, head_dim=16)
 
 
 def hf_config(family, H_k, H_v, d_k, d_v, K):
@@ -185,7 +185,7 @@ def hand_state_bytes(H_k, H_v, d_k, d_v, K, element):
 @pytest.mark.parametrize("impl", ["static", "concat"])
 def test_the_state_as_allocated_is_the_formula_and_does_not_grow(dtype, impl):
     shapes = [(2, 4, 8, 12, 4), (4, 4, 16, 16, 3)]
-    layers = Layouts(layout(*s, index=i) for i, s in enumerate(shapes))
+    layers = Layouts(layout(*s) for s in shapes)
     element, B = dtype.itemsize, 3
     per_sequence = sum(hand_state_bytes(*s, element) for s in shapes)
     cache = make_cache(impl, layers, B, 500, dtype)
@@ -209,13 +209,13 @@ def test_the_state_as_allocated_is_the_formula_and_does_not_grow(dtype, impl):
 
 
 def test_a_hybrid_pays_per_token_only_for_its_attention_layers():
-    gdn, full = layout(2, 4, 8, 12, 4, index=0), KVHeads(1, None, 4, 2, 16)
+    gdn, full = layout(2, 4, 8, 12, 4), KVHeads(None, 4, 2, 16)
     layers = Layouts([gdn, full])
     per_token = 2 * 2 * 16 * 4  # K and V, 2 heads of 16, float32
     assert layers.bytes_per_token(4) == per_token
     assert layers.cache_bytes(1000, 2, 4) == 2 * (hand_state_bytes(2, 4, 8, 12, 4, 4) + 1000 * per_token)
     assert layers.rotary_dim() == 16 and Layouts([gdn]).rotary_dim() == 0
-    assert gdn.as_mha() == KVHeads(0, None, 4, 4, 16)
+    assert gdn.as_mha() == KVHeads(None, 4, 4, 16)
 
 
 @pytest.fixture
@@ -228,8 +228,8 @@ def gdn_decoder():
                                 linear_value_head_dim=12, linear_conv_kernel_dim=4)
         torch.manual_seed(seed)
         model = Decoder(cfg, AttentionConfig(layer_types=list(kinds))).eval()
-        assert list(model.layouts) == [layout(2, 4, 8, 12, 4, i) if kind == "linear_attention"
-                                       else KVHeads(i, None, 4, 2, 16) for i, kind in enumerate(kinds)]
+        assert list(model.layouts) == [layout(2, 4, 8, 12, 4) if kind == "linear_attention"
+                                       else KVHeads(None, 4, 2, 16) for kind in kinds]
         return model
     return make
 
@@ -280,7 +280,7 @@ REFUSED = {  # setting: the one line
 
 
 def test_refused_combinations_are_one_line_naming_the_key():
-    layers = Layouts([KVHeads(0, None, 4, 2, 16), layout(2, 4, 8, 12, 4, 1)])
+    layers = Layouts([KVHeads(None, 4, 2, 16), layout(2, 4, 8, 12, 4)])
     model = SimpleNamespace(layouts=layers, dtype=torch.float32, device=torch.device("cpu"))
     attempts = {
         "cache.dtype": lambda: make_cache("static", layers, 1, 16, cache_dtype="int8"),

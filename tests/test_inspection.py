@@ -18,7 +18,7 @@ def test_group_map_32_query_8_kv_heads():
 def test_kv_table_has_a_row_per_cache_dtype():
     """Llama-2-7B's shape (32 layers, 32 KV heads, head_dim 128): 512 KiB per token in float16;
     an int8 cache stores 128 one-byte codes + one 4-byte scale per head, K and V, per layer."""
-    llama2_7b = Layouts(KVHeads(i, None, 32, 32, 128) for i in range(32))
+    llama2_7b = Layouts([KVHeads(None, 32, 32, 128)] * 32)
     rows = {r["dtype"]: r for r in kv_memory_table(llama2_7b, 4096, 2)}
     assert list(rows) == ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"]
     assert rows["float16"]["per_token"] == 2 * 32 * 32 * 128 * 2 == 524_288

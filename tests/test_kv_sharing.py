@@ -115,13 +115,14 @@ def naive_logits(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
     B, T = tokens.shape
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x, kv = model.embed(tokens), {}
-    for block, layout in zip(model.blocks, model.layouts):
+    for i, (block, layout) in enumerate(zip(model.blocks, model.layouts)):
         a, h = block.attn, block.attn_norm(x)
         q = apply_rope(a.wq(h).view(B, T, a.num_heads, -1).transpose(1, 2), cos, sin)  # (B, H, T, D)
         if layout.kv_source is None:
             k = apply_rope(a.wk(h).view(B, T, a.num_kv_heads, -1).transpose(1, 2), cos, sin)
-            kv[layout.index] = (k, a.wv(h).view(B, T, a.num_kv_heads, -1).transpose(1, 2))
-        k, v = (t.repeat_interleave(a.num_heads // a.num_kv_heads, 1) for t in kv[layout.kv_source or layout.index])
+            kv[i] = (k, a.wv(h).view(B, T, a.num_kv_heads, -1).transpose(1, 2))
+        own = i if layout.kv_source is None else layout.kv_source
+        k, v = (t.repeat_interleave(a.num_heads // a.num_kv_heads, 1) for t in kv[own])
         scores = (q @ k.transpose(-1, -2)) / a.head_dim ** 0.5
         scores = scores.masked_fill(~causal_mask(T, T, "cpu", layout), float("-inf"))
         x = x + a.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))

@@ -36,8 +36,8 @@ CASES = {  # name: (T, S, mask); None: the function's own causal mask
     "decode, fixed-window mask": (1, 13, torch.arange(13)[None] <= 9),
     "causal prefill": (7, 7, None),
     "prompt after cached keys": (5, 12, None),
-    "window over a prompt": (9, 9, causal_mask(9, 9, "cpu", LayerLayout(0, 4))),
-    "window after cached keys": (4, 10, causal_mask(4, 10, "cpu", LayerLayout(0, 3))),
+    "window over a prompt": (9, 9, causal_mask(9, 9, "cpu", LayerLayout(4))),
+    "window after cached keys": (4, 10, causal_mask(4, 10, "cpu", LayerLayout(3))),
 }
 
 
@@ -99,7 +99,7 @@ def test_gpt_oss_attention_module_prefill_and_cached_decode_past_the_window(laye
     each equal to transformers' attention over the whole sequence at that position."""
     config, hf, rotary = _gpt_oss_attention(layer_type)
     W = config.sliding_window if layer_type == "sliding_attention" else None
-    layout = KVHeads(0, W, 8, 2, 8, sinks=True)
+    layout = KVHeads(W, 8, 2, 8, sinks=True)
     model_cfg = tiny_model_config(d_model=64, num_heads=8, head_dim=8, qkv_bias=True)
     ours = KVHeadsAttention(model_cfg, layout).eval()
     with torch.no_grad():

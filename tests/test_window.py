@@ -111,7 +111,7 @@ def test_a_layout_says_which_positions_it_keeps():
     first_kept(n) .. n (the last W with a window), a sequence grown by chunks holds at most W - 1
     earlier keys and a chunk, a ring only when W is shorter than the cache, and its groups sort
     full attention first, then the shortest window."""
-    full, local, wider = LayerLayout(0), LayerLayout(1, W), LayerLayout(2, 2 * W)
+    full, local, wider = LayerLayout(), LayerLayout(W), LayerLayout(2 * W)
     for n in range(3 * W):
         for layout in (full, local):
             assert [k for k in range(n + 1) if layout.sees(n, k)] == list(range(layout.first_kept(n), n + 1))

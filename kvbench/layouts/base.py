@@ -11,7 +11,9 @@ Notation: B batch, S positions held or read, H query heads, H_kv KV heads, W a w
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.dtypes import element_bytes
@@ -47,9 +49,10 @@ class State:
 @dataclass(frozen=True)
 class LayerLayout:
     """One layer's attention layout; subclasses set ``kind`` and ``stored`` (heads per position,
-    the width of each stored tensor) and the byte formulas follow."""
+    the width of each stored tensor) and the byte formulas follow. A layout does not know its
+    position: layers of one shape share one (immutable) object, so a model of a million layers
+    holds a few layouts and a tuple of references."""
 
-    index: int
     window: Optional[int] = None  # W: the layer attends, and keeps, only the last W positions
     # the layer whose cache this one reads instead of keeping its own (kvbench.layouts.kv_sharing)
     kv_source: Optional[int] = field(default=None, kw_only=True)
@@ -154,13 +157,13 @@ class LayerLayout:
         """Refuse a setting this layer does not run with (:func:`check_limits`)."""
         check_limits([self], settings)
 
-    def limits(self) -> Tuple[Limit, ...]:
-        """What the layer does not run with (each :class:`Limit` says why)."""
-        return self._window_limits() + (() if self.kv_source is None else self._shared_limits())
+    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
+        """What the layer does not run with (each :class:`Limit` says why), as layer ``index`` of its model."""
+        return self._window_limits() + (() if self.kv_source is None else self._shared_limits(index))
 
-    def _shared_limits(self) -> Tuple[Limit, ...]:
-        why = (f"layer {self.index} reads layer {self.kv_source}'s K/V (attention.kv_shared_layers): "
-               "cross-layer KV sharing is not built for")
+    def _shared_limits(self, index: Optional[int]) -> Tuple[Limit, ...]:
+        why = (f"{'a layer' if index is None else f'layer {index}'} reads layer {self.kv_source}'s K/V "
+               "(attention.kv_shared_layers): cross-layer KV sharing is not built for")
         return (Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"),
                 Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"))
 
@@ -210,18 +213,50 @@ class LayerLayout:
 
 
 def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> None:
-    """Refuse, in one line naming key and value, the first setting a layer's :class:`Limit`s exclude."""
-    for layer in layers:
-        for limit in layer.limits():
+    """Refuse, in one line naming key and value, the first setting a layer's :class:`Limit`s exclude.
+    Each layout object is asked once, as the first layer that has it (layers of one shape share it)."""
+    for index, layer in first_of_each(layers):
+        for limit in layer.limits(index):
             if limit.key in settings and settings[limit.key] not in limit.allowed:
                 raise ConfigError(f"{limit.names or f'{limit.key}={settings[limit.key]!r}'}: {limit.why}")
 
 
+def first_of_each(layers: Sequence[LayerLayout]) -> List[Tuple[int, LayerLayout]]:
+    """``(position, layout)`` of each layout object's first layer, in order."""
+    if isinstance(layers, Layouts):
+        return [(index, layer) for index, layer, _ in layers.distinct]
+    first: Dict[int, Tuple[int, LayerLayout]] = {}
+    for index, layer in enumerate(layers):
+        first.setdefault(id(layer), (index, layer))
+    return list(first.values())
+
+
 class Layouts(tuple):
-    """The decoder's layers' layouts, in order, with the totals over them."""
+    """The decoder's layers' layouts, in order, with the totals over them (each layout object's
+    figure times the number of layers that have it)."""
+
+    @cached_property
+    def distinct(self) -> Tuple[Tuple[int, LayerLayout, int], ...]:
+        """``(first position, layout, layers)`` of each layout object, in order of first position."""
+        if self and self.count(self[0]) == len(self):  # every layer alike (compared by identity first)
+            return ((0, self[0], len(self)),)
+        counts = Counter(map(id, self))
+        first: Dict[int, int] = {}
+        for index, layer in enumerate(self):  # until every object has been seen once
+            if first.setdefault(id(layer), index) == index and len(first) == len(counts):
+                break
+        return tuple((index, self[index], counts[key]) for key, index in first.items())
+
+    def unique(self) -> Tuple[LayerLayout, ...]:
+        """Each layout object once, in order of its first layer."""
+        return tuple(layer for _, layer, _ in self.distinct)
+
+    def _total(self, figure) -> Any:
+        """The sum over the layers of ``figure(layer)``."""
+        return sum(n * figure(layer) for _, layer, n in self.distinct)
 
     def kinds(self) -> Tuple[str, ...]:
-        return tuple(dict.fromkeys(layer.kind for layer in self))
+        return tuple(dict.fromkeys(layer.kind for layer in self.unique()))
 
     @property
     def windows(self) -> Tuple[Optional[int], ...]:
@@ -230,37 +265,38 @@ class Layouts(tuple):
     def cache_bytes(self, seq_len: float, batch_size: int, element: int, cache_dtype: str = "auto") -> int:
         """Bytes ``batch_size`` sequences of ``seq_len`` hold: 2 · layers · kv_heads · head_dim · seq_len ·
         batch · bytes, each layer with its own positions (a window's W) and widths (MLA's latent)."""
-        return int(batch_size * sum(layer.sequence_bytes(seq_len, element, cache_dtype) for layer in self))
+        return int(batch_size * self._total(lambda layer: layer.sequence_bytes(seq_len, element, cache_dtype)))
 
     def bytes_per_token(self, element: int, cache_dtype: str = "auto") -> int:
         """Bytes one more token adds while no window is full (past it a local layer adds nothing)."""
-        return sum(layer.bytes_per_position(element, cache_dtype) for layer in self)
+        return self._total(lambda layer: layer.bytes_per_position(element, cache_dtype))
 
     def state_bytes(self, element: int, cache_dtype: str = "auto") -> int:
         """Bytes a sequence holds whatever its length."""
-        return sum(layer.state_bytes(element, cache_dtype) for layer in self)
+        return self._total(lambda layer: layer.state_bytes(element, cache_dtype))
 
     def step_flops(self, context: float) -> float:
         """Attention FLOPs of one decode step of one sequence at ``context`` positions."""
-        return sum(layer.step_flops(context) for layer in self)
+        return self._total(lambda layer: layer.step_flops(context))
 
     def read_bytes(self, context: float, batch_size: int, element: int, cache_dtype: str = "auto") -> int:
         """Bytes one decode step of ``batch_size`` sequences reads from their caches at ``context``."""
-        return int(batch_size * sum(layer.read_bytes(context, element, cache_dtype) for layer in self))
+        return int(batch_size * self._total(lambda layer: layer.read_bytes(context, element, cache_dtype)))
 
     def check(self, settings: Mapping[str, Any]) -> None:
         """Refuse a setting some layer does not run with (:func:`check_limits`)."""
         check_limits(self, settings)
 
     def as_mha(self) -> "Layouts":
-        return Layouts(layer.as_mha() for layer in self)
+        mha = {id(layer): layer.as_mha() for layer in self.unique()}
+        return Layouts(mha[id(layer)] for layer in self)
 
     def rotary_dim(self) -> int:
         """Width of the decoder's one rotary table: the widest any layer rotates (0: none does)."""
-        return max((layer.rotary_dim for layer in self), default=0)
+        return max((layer.rotary_dim for layer in self.unique()), default=0)
 
     def smallest_window(self) -> Optional[int]:
-        return min((w for w in self.windows if w is not None), default=None)
+        return min((layer.window for layer in self.unique() if layer.window is not None), default=None)
 
     def accepts(self, settings: Mapping[str, Any]) -> bool:
         """Whether every layer runs with ``settings`` (:meth:`check` would refuse nothing)."""
@@ -274,13 +310,13 @@ class Layouts(tuple):
 
     def converts_kv_heads(self) -> bool:
         """Whether every layer takes a checkpoint's K/V heads repeated or mean-pooled."""
-        return all(layer.converts_kv_heads for layer in self)
+        return all(layer.converts_kv_heads for layer in self.unique())
 
     def size_keys(self) -> Tuple[str, ...]:
-        return tuple(dict.fromkeys(key for layer in self for key in layer.size_keys))
+        return tuple(dict.fromkeys(key for layer in self.unique() for key in layer.size_keys))
 
     def has_decode_forms(self) -> bool:
-        return any(layer.has_decode_forms for layer in self)
+        return any(layer.has_decode_forms for layer in self.unique())
 
     def caps_positions(self) -> bool:
         """Whether some layer's cache stops growing (a ring of W), so bytes per token fall with length."""
@@ -301,7 +337,7 @@ class Layouts(tuple):
     def _leads(self) -> List[LayerLayout]:
         """One layer of each kind, those holding a state first."""
         leads: Dict[type, LayerLayout] = {}
-        for layer in sorted(self, key=lambda layer: layer.state is None):
+        for layer in sorted(self.unique(), key=lambda layer: layer.state is None):
             leads.setdefault(type(layer), layer)
         return list(leads.values())
 

@@ -28,21 +28,25 @@ _BUILT: "OrderedDict[tuple, Layouts]" = OrderedDict()
 
 def _build(model, attention) -> Layouts:
     """One layout per layer: Gated DeltaNet where layer_types says linear_attention, else K/V heads or
-    a latent with its window; then the last attention.kv_shared_layers read their donors' K/V."""
+    a latent with its window; then the last attention.kv_shared_layers read their donors' K/V. Layers
+    of one kind and window share one layout object."""
     windows = attention.layer_windows(model.num_layers)
     kinds = attention.layer_kinds(model.num_layers)
     linear = model.linear_shape()
     rotary = None if model.rotary_dim == model.head_dim else model.rotary_dim
-    if attention.latent:
-        def layer(i, w):
-            return Latent(i, w, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
+
+    def layer(key):  # LINEAR, or an attention layer's window
+        if key == LINEAR:
+            return GatedDeltaNet(None, **linear, num_heads=model.num_heads, head_dim=model.head_dim)
+        if attention.latent:
+            return Latent(key, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
                           attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
                           attention.mla_decode == "absorbed", attention.index_n_heads or 0,
                           attention.index_head_dim or 0, attention.index_topk or 0)
-    else:
-        def layer(i, w):
-            return KVHeads(i, w, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks),
-                           output_gate=model.attn_output_gate, rotary=rotary)
-    layers = [GatedDeltaNet(i, None, **linear, num_heads=model.num_heads, head_dim=model.head_dim)
-              if kind == LINEAR else layer(i, w) for i, (w, kind) in enumerate(zip(windows, kinds))]
+        return KVHeads(key, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks),
+                       output_gate=model.attn_output_gate, rotary=rotary)
+
+    keys = [LINEAR if kind == LINEAR else w for w, kind in zip(windows, kinds)] if LINEAR in kinds else windows
+    made = {key: layer(key) for key in dict.fromkeys(keys)}
+    layers = list(map(made.__getitem__, keys))
     return Layouts(share_kv(layers, attention.kv_shared_layers))

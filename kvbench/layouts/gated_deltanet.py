@@ -12,7 +12,7 @@ costs the same at any context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.layouts.base import LayerLayout, Limit, State
 from kvbench.layouts.kv_heads import KVHeads
@@ -65,7 +65,7 @@ class GatedDeltaNet(LayerLayout):
         return 7.0 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
 
     def as_mha(self) -> LayerLayout:
-        return KVHeads(self.index, None, self.num_heads, self.num_heads, self.head_dim)
+        return KVHeads(None, self.num_heads, self.num_heads, self.head_dim)
 
     def fields(self) -> Dict[str, Any]:
         return {"linear_num_key_heads": self.linear_num_key_heads,
@@ -73,8 +73,8 @@ class GatedDeltaNet(LayerLayout):
                 "linear_key_head_dim": self.linear_key_head_dim, "linear_value_head_dim": self.linear_value_head_dim,
                 "linear_conv_kernel_dim": self.linear_conv_kernel_dim}
 
-    def limits(self) -> Tuple[Limit, ...]:
-        return super().limits() + (
+    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
+        return super().limits(index) + (
             Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a Gated DeltaNet "
                   "layer's state is each sequence's own (prefix caching for state layers is not built); use "
                   "cache.shared=false"),
@@ -99,7 +99,7 @@ class GatedDeltaNet(LayerLayout):
 
     def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
         # no layer attends: the K/V-head line of the attention asked for, over none of them
-        heads = KVHeads(self.index, None, self.num_heads, attention.num_kv_heads, self.head_dim)
+        heads = KVHeads(None, self.num_heads, attention.num_kv_heads, self.head_dim)
         return heads.describe_layers(layers, attention, seq_len, batch_size)
 
     def memory_lines(self, layers, dtype: str, element: int) -> List[str]:

@@ -18,28 +18,30 @@ from kvbench.layouts.base import LayerLayout
 
 def kv_donors(layers: Sequence[LayerLayout], first_shared: int) -> Dict[Tuple[str, Optional[int]], int]:
     """For each kind and window, the last layer before ``first_shared`` that has it (one pass)."""
-    return {(d.kind, d.window): d.index for d in layers[:first_shared]}
+    return {(d.kind, d.window): i for i, d in enumerate(layers[:first_shared])}
 
 
-def share_kv(layers: Sequence[LayerLayout], shared: Optional[int]) -> list:
-    """``layers`` with the last ``shared`` of them reading their donors' caches (:func:`kv_donors`)."""
+def share_kv(layers: Sequence[LayerLayout], shared: Optional[int]) -> Sequence[LayerLayout]:
+    """``layers`` with the last ``shared`` of them reading their donors' caches (:func:`kv_donors`);
+    the layers reading one donor share one layout, as the others do."""
     if not shared:
-        return list(layers)
+        return layers
     key, L = f"attention.kv_shared_layers={shared}", len(layers)
     if not 0 < shared < L:
         raise ConfigError(f"{key}: must be 0 (none) or fewer than the {L} layers (a shared layer reads an "
                           "earlier layer that keeps its own K/V)")
     first = L - shared
     donors = kv_donors(layers, first)
-    out = list(layers)
-    for layer in layers[first:]:
+    out, readers = list(layers), {}
+    for index in range(first, L):
+        layer = layers[index]
         if not layer.reads_shared_kv:
-            raise ConfigError(f"{key}: layer {layer.index} is a {layer.kind} layer; reading another layer's cache "
+            raise ConfigError(f"{key}: layer {index} is a {layer.kind} layer; reading another layer's cache "
                               "is built for K/V-head layers only")
         donor = donors.get((layer.kind, layer.window))
         if donor is None:
             kind = layer.kind if layer.window is None else f"{layer.kind} layer of window {layer.window}"
-            raise ConfigError(f"{key}: layer {layer.index} ({kind}) has no layer of its kind before layer "
+            raise ConfigError(f"{key}: layer {index} ({kind}) has no layer of its kind before layer "
                               f"{first} to read K/V from")
-        out[layer.index] = replace(layer, kv_source=donor)
+        out[index] = readers.setdefault((id(layer), donor), replace(layer, kv_source=donor))
     return out

@@ -13,7 +13,7 @@ decode step reads every index key but only k latents.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line
@@ -67,20 +67,20 @@ class Latent(LayerLayout):
             if self.index_topk else latents
 
     def as_mha(self) -> LayerLayout:
-        return KVHeads(self.index, None, self.num_heads, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
+        return KVHeads(None, self.num_heads, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
                        v_head_dim=self.v_head_dim)
 
     def fields(self) -> Dict[str, Any]:
         return {"kv_lora_rank": self.kv_lora_rank, **super().fields(),
                 **({"index_topk": self.index_topk} if self.index_topk else {})}
 
-    def limits(self):
+    def limits(self, index: Optional[int] = None):
         own = (Limit("kv_conversion", ("none",), "converting K/V heads to or from a latent is not built"),)
         if self.index_topk:
             why = f"attention.index_topk={self.index_topk} (DSA's top-k selection) is not built for"
             own += (Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"),
                     Limit("runtime.compile", ("false", "default"), f"{why} the fixed-shape step; use false or default"))
-        return super().limits() + own
+        return super().limits(index) + own
 
     # ---- what the tasks ask of it ----
 

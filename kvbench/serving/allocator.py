@@ -45,18 +45,18 @@ class Group:
 def groups_of(layouts: Sequence, element: int, cache_dtype: str = "auto") -> Tuple[Group, ...]:
     """The store's groups: the K/V layers by what they keep (full attention first), then the state."""
     kv, state = {}, []
-    for layout in layouts:
+    for index, layout in enumerate(layouts):
         if layout.state is not None:
-            state.append(layout)
+            state.append((index, layout))
         elif layout.bytes_per_position(element, cache_dtype):
-            kv.setdefault(layout.retention, []).append(layout)
-    out = [Group(tuple(x.index for x in ls), ls[0], sum(x.bytes_per_position(element, cache_dtype) for x in ls),
-                 layer_bytes=max(x.bytes_per_position(element, cache_dtype) for x in ls))
-           for _, ls in sorted(kv.items())]
+            kv.setdefault(layout.retention, []).append((index, layout))
+    out = [Group(tuple(i for i, _ in ls), ls[0][1], sum(x.bytes_per_position(element, cache_dtype) for _, x in ls),
+                 layer_bytes=max(x.bytes_per_position(element, cache_dtype) for _, x in ls))
+           for _, ls in sorted(kv.items(), key=lambda item: item[0])]
     if state:
-        out.append(Group(tuple(x.index for x in state), state[0],
-                         state_bytes=sum(x.state_bytes(element) for x in state),
-                         layer_bytes=max(x.state_bytes(element) for x in state)))
+        out.append(Group(tuple(i for i, _ in state), state[0][1],
+                         state_bytes=sum(x.state_bytes(element) for _, x in state),
+                         layer_bytes=max(x.state_bytes(element) for _, x in state)))
     return tuple(out)
 
 

@@ -331,7 +331,7 @@ def test_segments_are_recorded_printed_and_rolled_back():
 
 
 def test_shared_cache_rejects_misuse():
-    cache = SharedPrefixCache(make_cache("static", Layouts([KVHeads(0, None, 1, 1, 4)]), 2, 8), prefix_len=3)
+    cache = SharedPrefixCache(make_cache("static", Layouts([KVHeads(None, 1, 1, 4)]), 2, 8), prefix_len=3)
 
     def write(start, batch, T):
         pos = Positions(start, T)
