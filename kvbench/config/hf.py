@@ -28,8 +28,8 @@ MAX_CONFIG_BYTES = 16 * 2**20
 # The transformers architectures whose config.json and tensor names the decoder reads, each with
 # the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
 # and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES and sliding windows; everything else (other MoE such as Mixtral, multimodal, biases beyond
-# q/k/v, other rope types) is refused naming its config.json key.
+# rope types in ROPE_TYPES and sliding windows (as WINDOW_KEYS_READ says); everything else (other MoE
+# such as Mixtral, multimodal, biases beyond q/k/v, other rope types) is refused naming its config.json key.
 HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
