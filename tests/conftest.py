@@ -241,6 +241,22 @@ def transformers_perplexity(hf, cfg) -> float:
     return math.exp(F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item())
 
 
+def edit_config_json(path, drop=(), **changes):
+    """The config.json in ``path`` with the keys ``drop`` left out and ``changes`` set, as a person or
+    an older exporter would write it (save_pretrained writes every key)."""
+    import json
+
+    cfg = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k not in drop}
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
+def reread(path):
+    """transformers' own reading of the checkpoint directory ``path`` (its config.json as it is now)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
 def llama_dir(tmp_path, num_kv_heads, tie=False, **overrides):
     """A tiny random LlamaForCausalLM saved with save_pretrained; returns (dir, hf model)."""
     return hf_dir(tmp_path, num_kv_heads, tie, "llama", **overrides)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import VOCAB, hf_dir, llama_dir
+from conftest import VOCAB, edit_config_json, hf_dir, llama_dir, reread
 
 from kvbench.checkpoint import (
     CheckpointError,
@@ -91,6 +91,25 @@ def test_each_family_matches_transformers_over_prefill_and_cached_decode(tmp_pat
     tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
     ours, theirs = logits_with_cache(model, hf, tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rope_keys", [
+    # both spellings: transformers (4 and 5 alike) reads rope_scaling
+    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    # a top-level original_max_position_embeddings overrides the rope's (transformers' rule, for Phi-3)
+    {**rope(LLAMA3_ROPE), "original_max_position_embeddings": 16},
+    {**rope({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+     "original_max_position_embeddings": 16},
+])
+def test_rope_keys_given_twice_are_read_as_transformers_reads_them(tmp_path, rope_keys):
+    """Where a config.json gives a rope setting twice, kvbench takes the one transformers takes:
+    the logits of 32 tokens against transformers reading the same file."""
+    path, _ = hf_dir(tmp_path, 2, family="llama", max_position_embeddings=96)
+    edit_config_json(path, **rope_keys)
+    model, _ = load_llama_dir(path, torch.float32)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - reread(path)(tokens).logits).abs().max().item() <= 1e-5
 
 
 def test_llama3_frequencies_are_transformers_and_differ_from_plain_rotary(tmp_path):

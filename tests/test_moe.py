@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, compose
+from conftest import VOCAB, compose, edit_config_json, reread
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
@@ -224,6 +224,26 @@ def _assert_exact(model, hf, device):
         gen = greedy_generate(model, prompt, STEPS, cache_for(model, "static", 2, 16 + STEPS))
     assert torch.equal(gen.tokens[:, :STEPS], _hf_greedy(hf, prompt, STEPS))
     return gen
+
+
+@pytest.mark.parametrize("family, drop, changes, windows", [
+    # GPT-OSS left without keys: GptOssConfig's alternating layers, yarn over theta 150000, eps 1e-5
+    ("gpt_oss", ("layer_types", "rope_parameters", "rms_norm_eps"), {}, [6, None, 6]),
+    # Qwen3-MoE's window is on every layer: max_window_layers and layer_types are not its keys
+    ("qwen3_moe", (), {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1}, [4, 4, 4]),
+    ("qwen3_moe", (), {"sliding_window": 4, "use_sliding_window": True,
+                       "layer_types": ["full_attention", "sliding_attention", "full_attention"]}, [4, 4, 4]),
+])
+def test_moe_config_json_is_read_as_its_transformers_class_reads_it(tmp_path, family, drop, changes, windows):
+    """Window keys the class does not read, and its own defaults for keys left out: the windows, and
+    the logits of 24 tokens (past the windows) against transformers reading the same file."""
+    path, _ = moe_dir(tmp_path, family)
+    edit_config_json(path, drop, **changes)
+    model, _ = load_llama_dir(path)
+    assert list(model.layouts.windows) == windows
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - reread(path)(tokens).logits).abs().max().item() <= 1e-4
 
 
 def test_gpt_oss_yarn_is_transformers_untruncated_ramp(tmp_path):

@@ -7,7 +7,16 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import VOCAB, corpus, eval_job, hf_dir, tiny_model_config, transformers_perplexity  # noqa: F401 (corpus: a fixture)
+from conftest import (  # noqa: F401 (corpus: a fixture)
+    VOCAB,
+    corpus,
+    edit_config_json,
+    eval_job,
+    hf_dir,
+    reread,
+    tiny_model_config,
+    transformers_perplexity,
+)
 from kv_formula import kv_cache_bytes
 from test_checkpoint import PROMPT, STEPS, logits_with_cache
 
@@ -173,6 +182,33 @@ def test_windowed_checkpoints_match_transformers_past_the_window(tmp_path, famil
     assert (ours - theirs).abs().max().item() <= 1e-5
     cache = cache_for(model, "static", 2, PROMPT + STEPS)
     assert cache.nbytes == kv_cache_bytes(2, num_kv_heads, model.config.head_dim, PROMPT + STEPS, 2, 4, "auto", windows)
+
+
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("family, drop, changes, windows", [
+    ("llama", (), {"sliding_window": 4, "layer_types": SLIDING_FULL}, [None, None]),  # Llama reads no window
+    # Mistral: sliding_window on every layer (use_sliding_window, max_window_layers unread), or on the
+    # sliding layers of layer_types (transformers' AutoConfig then reads the file as Ministral's)
+    ("mistral", (), {"sliding_window": 4, "use_sliding_window": False, "max_window_layers": 1}, [4, 4]),
+    ("mistral", (), {"sliding_window": 4, "layer_types": SLIDING_FULL, "max_window_layers": 1}, [4, None]),
+    # Qwen2/Qwen3 left without a key: their config class's (use_sliding_window false, max_window_layers 28)
+    ("qwen2", ("use_sliding_window", "layer_types"), {"sliding_window": 4, "max_window_layers": 0}, [None, None]),
+    ("qwen3", ("max_window_layers", "layer_types"), {"sliding_window": 4, "use_sliding_window": True}, [None, None]),
+])
+def test_window_keys_are_read_as_each_architectures_transformers_class_reads_them(tmp_path, family, drop, changes,
+                                                                                  windows):
+    """A config.json's window keys as transformers' class of that architecture reads them (keys it
+    does not read are not read; absent ones take its defaults): the windows, and the logits of 24
+    tokens (past the window of 4) against transformers reading the same file."""
+    path, _ = hf_dir(tmp_path, 2, False, family)
+    edit_config_json(path, drop, **changes)
+    model, _ = load_llama_dir(path, torch.float32)
+    assert list(model.layouts.windows) == windows
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - reread(path)(tokens).logits).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("family, overrides", [

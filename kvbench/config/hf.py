@@ -28,8 +28,8 @@ MAX_CONFIG_BYTES = 16 * 2**20
 # The transformers architectures whose config.json and tensor names the decoder reads, each with
 # the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
 # and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES and sliding windows; everything else (other MoE such as Mixtral, multimodal, biases beyond
-# q/k/v, other rope types) is refused naming its config.json key.
+# rope types in ROPE_TYPES and sliding windows (as WINDOW_KEYS_READ says); everything else (other MoE
+# such as Mixtral, multimodal, biases beyond q/k/v, other rope types) is refused naming its config.json key.
 HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -69,6 +69,27 @@ MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_sha
                 "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Their config classes' defaults for keys a config.json may leave out, where they are not kvbench's
+# own: absent, transformers reads these. rope_parameters: when neither it nor rope_scaling is set.
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+CLASS_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "Qwen2ForCausalLM": _QWEN_WINDOW, "Qwen3ForCausalLM": {**_QWEN_WINDOW, "head_dim": 128},
+    "Qwen3MoeForCausalLM": {"use_sliding_window": False, "sliding_window": 4096},
+    "GptOssForCausalLM": {"head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                          "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "truncate": False, "original_max_position_embeddings": 4096}},
+}
+# The window keys each architecture's transformers class reads; it ignores the others, so kvbench
+# does too (Llama: none; Mistral: sliding_window on every layer, or on layer_types' sliding layers,
+# as transformers' AutoConfig reads such a file: as Ministral's; Qwen3-MoE: on every layer when
+# use_sliding_window; GPT-OSS: on layer_types' sliding layers, which alternate when it is absent).
+# An architecture not listed reads all four (:func:`_hf_window`).
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
+WINDOW_KEYS_READ = {"LlamaForCausalLM": (), "MistralForCausalLM": ("sliding_window", "layer_types"),
+                    "Qwen2ForCausalLM": WINDOW_KEYS, "Qwen3ForCausalLM": WINDOW_KEYS,
+                    "Qwen3MoeForCausalLM": ("sliding_window", "use_sliding_window"),
+                    "GptOssForCausalLM": ("sliding_window", "layer_types")}
 LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
 LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names of a layer's kind
 
@@ -146,6 +167,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     if arch in TEXT_MODEL_PREFIX:  # the language model of a multimodal checkpoint; its head's tying is the top's
         cfg = {**_get(cfg, "text_config", "object", _REQUIRED), "architectures": archs,
                "tie_word_embeddings": cfg.get("tie_word_embeddings")}
+    cfg = _with_class_defaults(cfg, arch)
     refused = {  # key: why, for a value that is set and not the default
         "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
                                                              "q/k/v biases are modelled)",
@@ -183,7 +205,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions,
         norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
-        **_hf_window(cfg, hybrid))
+        **_hf_window(cfg, hybrid, arch))
     shape.update(mla)
     shape.update(_hf_moe(cfg, arch, layers))
     if hybrid:
@@ -191,12 +213,24 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
     return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
 
 
+def _with_class_defaults(cfg: Mapping[str, Any], arch: str) -> Mapping[str, Any]:
+    """``cfg`` with ``arch``'s :data:`CLASS_DEFAULTS` for the keys it leaves out."""
+    defaults = dict(CLASS_DEFAULTS.get(arch, {}))
+    if "rope_parameters" in defaults and (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+        del defaults["rope_parameters"]
+    # a null reads as absent (as _get reads it), but a null sliding_window is transformers' "no window"
+    given = {k: v for k, v in cfg.items() if v is not None or k not in defaults or k == "sliding_window"}
+    return {**defaults, **given}
+
+
 def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> Dict[str, Any]:
     """ModelConfig's rope fields from a config.json: transformers >= 5 writes ``rope_parameters``
-    (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45).
+    (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45);
+    given both, transformers (4 and 5) reads ``rope_scaling``. A top-level
+    ``original_max_position_embeddings`` overrides the rope's (transformers' rule, for Phi-3).
     A rope type the decoder does not compute is refused naming the key; ``partial_rotary_factor``
     too, unless ``partial`` (an architecture whose attention rotates part of a head)."""
-    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = _get(cfg, key, "object", {})
     prefix = f"{key}."
     rope_type = _get(rope, "rope_type", "str", None, prefix) or _get(rope, "type", "str", "default", prefix)
@@ -222,7 +256,8 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> D
             raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
         out[name] = _get(rope, hf_name, "number", None, prefix)
     if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
-        out["rope_original_max_seq_len"] = _get(rope, "original_max_position_embeddings", "int", positions, prefix)
+        out["rope_original_max_seq_len"] = _get(cfg, "original_max_position_embeddings", "int") or _get(
+            rope, "original_max_position_embeddings", "int", positions, prefix)
     if rope_type == "yarn":
         out["rope_truncate"] = _get(rope, "truncate", "bool", True, prefix)
         for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
@@ -235,35 +270,42 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> D
     return out
 
 
-def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False) -> Dict[str, Any]:
-    """ModelConfig's window fields from a config.json, as transformers reads them: Mistral's
-    ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
-    ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
-    (transformers >= 5 writes it) lists each layer's kind. A ``hybrid`` architecture's layer_types
-    names its Gated DeltaNet layers (linear_attention; without the key, every
-    ``full_attention_interval``-th layer is full attention and the others linear)."""
-    window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
+def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False, arch: str = "") -> Dict[str, Any]:
+    """ModelConfig's window fields from a config.json, as transformers reads them: ``arch``'s
+    :data:`WINDOW_KEYS_READ` only; ``sliding_window`` applies to every layer unless
+    ``use_sliding_window`` is false; Qwen2/Qwen3 to the layers from ``max_window_layers`` on, unless
+    ``layer_types`` (transformers >= 5 writes it) lists each layer's kind. A ``hybrid``
+    architecture's layer_types names its Gated DeltaNet layers (linear_attention; without the key,
+    every ``full_attention_interval``-th layer is full attention and the others linear)."""
+    kinds = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
         layer_types = None
-    kinds = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
+    if layer_types is not None and (not isinstance(layer_types, list) or any(t not in kinds for t in layer_types)):
+        # a kind of layer the decoder does not model, whether or not the architecture reads the key
+        raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry {' or '.join(kinds)})")
+    read = WINDOW_KEYS_READ.get(arch, WINDOW_KEYS)
+    cfg = {k: v for k, v in cfg.items() if k not in WINDOW_KEYS or k in read}
+    layer_types = layer_types if "layer_types" in read else None
+    if arch == "GptOssForCausalLM" and layer_types is None:  # GptOssConfig's: sliding, full, sliding ...
+        layer_types = ["full_attention" if i % 2 else "sliding_attention"
+                       for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
+    window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
     if layer_types is None and hybrid:
         k = _get(cfg, "full_attention_interval", "int", HYBRID_DEFAULTS["full_attention_interval"])
         if k < 1:
             raise ConfigError(f"full_attention_interval={k!r}: must be >= 1 (every k-th layer full attention)")
         layer_types = [LINEAR if (i + 1) % k else "full_attention"
                        for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
+    if layer_types is None and window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
+        first = _get(cfg, "max_window_layers", "int")
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
     if layer_types is not None:
-        if not isinstance(layer_types, list) or any(t not in kinds for t in layer_types):
-            raise ConfigError(f"layer_types={layer_types!r}: not supported (each entry {' or '.join(kinds)})")
         if LINEAR in layer_types and "sliding_attention" not in layer_types:
             return {"preset_layer_types": layer_types}
         if "sliding_attention" not in layer_types:
             window = layer_types = None
-    elif window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
-        first = _get(cfg, "max_window_layers", "int")
-        layer_types = ["sliding_attention" if i >= first else "full_attention"
-                       for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
     if not window:
         return {}
     return {"preset_window": window, "preset_layer_types": layer_types}
