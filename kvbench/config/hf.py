@@ -67,6 +67,11 @@ MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_sha
                 "DeepseekV2ForCausalLM": "deepseek_v2",
                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v3",
                 "GptOssForCausalLM": "gpt_oss"}
+# The architectures whose transformers config reads sliding_window (Qwen2/Qwen3's with use_sliding_window and
+# max_window_layers): elsewhere the key changes nothing in transformers, so nothing here either (DeepSeek,
+# Llama and the Gated DeltaNet hybrids have no such field; a window read there would mask what they attend).
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                          "GptOssForCausalLM")
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
@@ -183,7 +188,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions,
         norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
-        **_hf_window(cfg, hybrid))
+        **_hf_window(cfg, hybrid, arch in WINDOWED_ARCHITECTURES))
     shape.update(mla)
     shape.update(_hf_moe(cfg, arch, layers))
     if hybrid:
@@ -235,14 +240,15 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> D
     return out
 
 
-def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False) -> Dict[str, Any]:
+def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False, windowed: bool = True) -> Dict[str, Any]:
     """ModelConfig's window fields from a config.json, as transformers reads them: Mistral's
     ``sliding_window`` applies to every layer; Qwen2/Qwen3 apply it only with
     ``use_sliding_window`` and to the layers from ``max_window_layers`` on, unless ``layer_types``
     (transformers >= 5 writes it) lists each layer's kind. A ``hybrid`` architecture's layer_types
     names its Gated DeltaNet layers (linear_attention; without the key, every
-    ``full_attention_interval``-th layer is full attention and the others linear)."""
-    window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
+    ``full_attention_interval``-th layer is full attention and the others linear). Not ``windowed``
+    (:data:`WINDOWED_ARCHITECTURES`): ``sliding_window`` is not read, as transformers does not read it."""
+    window = _get(cfg, "sliding_window", "int") if windowed and _get(cfg, "use_sliding_window", "bool", True) else None
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
         layer_types = None
@@ -325,7 +331,8 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
                    swiglu_alpha=_get(cfg, "swiglu_alpha", "number", 1.702))
         keys["expert_ffn_dim"], dense = "intermediate_size", []
     elif family.startswith("deepseek"):
-        first = _get(cfg, "first_k_dense_replace", "int", 0)
+        v3 = family == "deepseek_v3"
+        first = _get(cfg, "first_k_dense_replace", "int", 3 if v3 else 0)  # the config classes' defaults
         dense, keys["dense_layers"] = list(range(min(first, num_layers))), "first_k_dense_replace"
         kinds = _get(cfg, "mlp_layer_types", "list")  # DeepSeek-V3.2 names each layer's MLP (dense | sparse)
         if kinds is not None:
@@ -335,7 +342,6 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
             dense, keys["dense_layers"] = [i for i, k in enumerate(kinds) if k == "dense"], "mlp_layer_types"
         if len(dense) == num_layers:
             return {}
-        v3 = family == "deepseek_v3"
         grouped = v3 or _get(cfg, "topk_method", "str", "greedy") == "group_limited_greedy"
         width = _get(cfg, "moe_intermediate_size", "int", _REQUIRED)
         shared = _get(cfg, "n_shared_experts", "int", 1 if v3 else 2)
