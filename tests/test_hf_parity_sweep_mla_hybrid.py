@@ -166,8 +166,8 @@ def _quiet():
 
 @pytest.mark.parametrize("family, seed", CASES, ids=[f"{f}-{s}" for f, s in CASES])
 @torch.no_grad()
-def test_a_random_checkpoint_is_transformers_in_prefill_cached_decode_and_chunks(tmp_path, monkeypatch, one_torch_thread,
-                                                                              family, seed):
+def test_a_random_checkpoint_is_transformers_in_prefill_cached_decode_and_chunks(
+        tmp_path, monkeypatch, one_torch_thread, family, seed):
     rng = random.Random(f"{family}-{seed}")
     cfg = deepseek_config(rng, family) if family.startswith("deepseek") else qwen_config(rng, family)
     hf = build(family, cfg, seed)
