@@ -53,7 +53,7 @@ def draw(family: str, rng: random.Random) -> dict:
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("family", list(CLASSES))
-def test_random_checkpoints_match_transformers(tmp_path, family, seed):
+def test_random_checkpoints_match_transformers(tmp_path, one_torch_thread, family, seed):
     import transformers
 
     rng = random.Random(f"{family}:{seed}")

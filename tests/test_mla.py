@@ -204,6 +204,22 @@ def test_a_deepseek_with_mixture_of_experts_layers_loads_as_transformers_builds_
         assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "deepseek_v32"])
+def test_a_sliding_window_in_a_deepseek_config_json_changes_nothing_as_in_transformers(tmp_path, family):
+    """transformers' DeepSeek classes have no sliding window: a ``sliding_window`` in their config.json
+    masks nothing there, so it masks nothing here either (it once windowed every layer: logits off
+    by 0.1; on V3.2 a refusal naming attention.window, a key nobody set)."""
+    dsa = dict(index_topk=8, index_n_heads=8, index_head_dim=8) if family == "deepseek_v32" else {}
+    path, hf = deepseek_dir(tmp_path, family, max_position_embeddings=PROMPT, **dsa)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 4, "use_sliding_window": True}))
+    model, _ = load_llama_dir(path)
+    assert list(model.layouts.windows) == [None, None]
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
+
+
 def test_refusals_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^attention.kv_lora_rank=32: .*attention=mla"):
         AttentionConfig(type="gqa", kv_lora_rank=32)

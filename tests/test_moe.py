@@ -5,6 +5,7 @@ perplexity, 40 greedy cached decode steps); config.json read per family; the pre
 counts against the model cards; the bytes a decode step reads, from its router."""
 
 import inspect
+import json
 import math
 import os
 import subprocess
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, compose, edit_config_json, reread
+from conftest import VOCAB, compose, deepseek_dir, edit_config_json, reread
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
@@ -244,6 +245,25 @@ def test_moe_config_json_is_read_as_its_transformers_class_reads_it(tmp_path, fa
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (model(tokens) - reread(path)(tokens).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_a_deepseek_v3_config_json_without_first_k_dense_replace_has_transformers_three_dense_layers(
+        tmp_path, family):
+    """DeepseekV3Config and DeepseekV32Config default first_k_dense_replace to 3 (V2's to 0): a
+    config.json that leaves it out (and V3.2's mlp_layer_types) has three dense layers, not none
+    (read as 0, the dense layers' tensors were refused as not the model's)."""
+    dsa = dict(index_topk=8, index_n_heads=8, index_head_dim=8) if family == "deepseek_v32" else {}
+    path, hf = deepseek_dir(tmp_path, family, num_hidden_layers=4, first_k_dense_replace=3,
+                            moe_intermediate_size=8, **dsa)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k not in ("first_k_dense_replace", "mlp_layer_types")}))
+    model, _ = load_llama_dir(path)
+    assert model.config.moe.dense_layers == [0, 1, 2]
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
 def test_gpt_oss_yarn_is_transformers_untruncated_ramp(tmp_path):

@@ -84,12 +84,14 @@ CLASS_DEFAULTS: Dict[str, Dict[str, Any]] = {
 # does too (Llama: none; Mistral: sliding_window on every layer, or on layer_types' sliding layers,
 # as transformers' AutoConfig reads such a file: as Ministral's; Qwen3-MoE: on every layer when
 # use_sliding_window; GPT-OSS: on layer_types' sliding layers, which alternate when it is absent).
-# An architecture not listed reads all four (:func:`_hf_window`).
 WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
 WINDOW_KEYS_READ = {"LlamaForCausalLM": (), "MistralForCausalLM": ("sliding_window", "layer_types"),
                     "Qwen2ForCausalLM": WINDOW_KEYS, "Qwen3ForCausalLM": WINDOW_KEYS,
                     "Qwen3MoeForCausalLM": ("sliding_window", "use_sliding_window"),
-                    "GptOssForCausalLM": ("sliding_window", "layer_types")}
+                    "GptOssForCausalLM": ("sliding_window", "layer_types"),
+                    # DeepSeek's configs have no window; the Gated DeltaNet hybrids' layer_types names linear layers
+                    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"), ()),
+                    **{arch: ("layer_types",) for arch in HYBRID_ARCHITECTURES}}
 LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
 LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names of a layer's kind
 
@@ -367,7 +369,8 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
                    swiglu_alpha=_get(cfg, "swiglu_alpha", "number", 1.702))
         keys["expert_ffn_dim"], dense = "intermediate_size", []
     elif family.startswith("deepseek"):
-        first = _get(cfg, "first_k_dense_replace", "int", 0)
+        v3 = family == "deepseek_v3"
+        first = _get(cfg, "first_k_dense_replace", "int", 3 if v3 else 0)  # the config classes' defaults
         dense, keys["dense_layers"] = list(range(min(first, num_layers))), "first_k_dense_replace"
         kinds = _get(cfg, "mlp_layer_types", "list")  # DeepSeek-V3.2 names each layer's MLP (dense | sparse)
         if kinds is not None:
@@ -377,7 +380,6 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
             dense, keys["dense_layers"] = [i for i, k in enumerate(kinds) if k == "dense"], "mlp_layer_types"
         if len(dense) == num_layers:
             return {}
-        v3 = family == "deepseek_v3"
         grouped = v3 or _get(cfg, "topk_method", "str", "greedy") == "group_limited_greedy"
         width = _get(cfg, "moe_intermediate_size", "int", _REQUIRED)
         shared = _get(cfg, "n_shared_experts", "int", 1 if v3 else 2)
