@@ -279,6 +279,38 @@ def job_processes(pid: int):
     return found
 
 
+# Processes a test started that must not outlive it: a test that fails while one runs (a timeout
+# under load) would otherwise leave it measuring for hours, slowing every later test.
+_STARTED: list = []
+
+
+def reap_after_test(proc):
+    """Kill ``proc`` (a Popen) and every process under it when the test ends, if it still runs."""
+    _STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _reap_started_processes():
+    yield
+    import psutil
+
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is not None:
+            continue
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in [*tree, psutil.Process(proc.pid)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait()
+
+
 class LiveKvbench:
     """A ``python -m kvbench.cli ...`` process driven by a test: its stderr is read as it runs,
     so a test can wait for a line (``  mha kv=8: 0/1000`` when a job's trials start, since
@@ -294,6 +326,7 @@ class LiveKvbench:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *args], cwd=cwd, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=start_new_session)
+        reap_after_test(self.proc)
         self.pid = self.proc.pid
         self.err_lines, self.out_lines = [], []
         self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import LiveKvbench, compose, job_processes
+from conftest import LiveKvbench, compose, job_processes, reap_after_test
 
 from kvbench.cli_sweep import check_sweep_start
 from kvbench.config.errors import ConfigError
@@ -64,6 +64,7 @@ def test_a_closed_terminal_leaves_an_interrupted_record_and_exit_129(tmp_path):
 
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *TRIALS, f"hydra.run.dir={out}"], cwd=tmp_path,
                             env=env, stdin=slave, stdout=slave, stderr=slave, preexec_fn=controlling_terminal)
+    reap_after_test(proc)
     os.close(slave)
     seen, deadline = b"", time.monotonic() + 180
     while b" 0/100000" not in seen:  # the progress bar a terminal gets: the trials have started

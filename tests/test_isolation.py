@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from conftest import job_processes
+from conftest import job_processes, reap_after_test
 
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
@@ -134,6 +134,7 @@ launch_job(job, sys.argv[1], progress=progress_lines)
 def start_parent(tmp_path, *mode):
     proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "job"), *mode], stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=dict(os.environ, WANDB_MODE="disabled"))
+    reap_after_test(proc)
     for line in proc.stderr:  # "  mha kv=8: 0/100000": the trials have started
         if line.rstrip().endswith(": 0/100000"):
             return proc

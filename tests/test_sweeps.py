@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from conftest import LiveKvbench, compose
+from conftest import LiveKvbench, compose, reap_after_test
 from omegaconf import OmegaConf
 
 from kvbench.job_config import to_bench_config
@@ -122,8 +122,8 @@ def test_sigkill_mid_sweep_then_rerun_completes_only_the_missing_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = kvbench_cmd("-m", *IN_PROCESS, "attention=gqa", "attention.num_kv_heads=2",
                        "workload.batch_size=1,2,3,4,5,6", f"hydra.sweep.dir={sweep}")
-    proc = subprocess.Popen(args, cwd=tmp_path, env=run_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = reap_after_test(subprocess.Popen(args, cwd=tmp_path, env=run_env(), stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True))
     deadline = time.monotonic() + 120
     while len(list(sweep.glob("*/results.json"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import job_processes
+from conftest import job_processes, reap_after_test
 
 from kvbench.jobs.interrupts import bypassed, launcher_stop
 from kvbench.results import read_record
@@ -49,6 +49,7 @@ def start_job(tmp_path, isolate):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not in a SLURM job
     proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "job"), isolate], stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=dict(env, WANDB_MODE="disabled"))
+    reap_after_test(proc)
     for line in proc.stderr:  # "  gqa kv=2: 0/100000": the trials have started
         if line.rstrip().endswith(": 0/100000"):
             return proc, job_processes(proc.pid)
