@@ -42,7 +42,7 @@ class Stack:
     """``layouts``' blocks, a cache prefilled to ``context`` positions, and one decode step there."""
 
     def __init__(self, cfg: ModelConfig, layouts: Layouts, context: int, batch: int):
-        self.blocks = [Block(cfg, layout).eval() for layout in layouts]
+        self.blocks = [Block(cfg, layout, i).eval() for i, layout in enumerate(layouts)]
         self.cos, self.sin = rope_tables(cfg, layouts.rotary_dim())
         self.cache = make_cache("static", layouts, batch, context + 1)
         self.context, self.d_model = context, cfg.d_model
@@ -78,8 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = ModelConfig(num_layers=args.layers, d_model=args.d_model, num_heads=8, preset_kv_heads=2,
                       ffn_dim=4 * args.d_model, max_seq_len=long + 1)
     # Qwen3.5's linear layers scaled down: 2 value heads per key head, d_k = d_v = 64
-    gdn = Layouts(GatedDeltaNet(i, None, 4, 8, 64, 64, 4, cfg.num_heads, cfg.head_dim) for i in range(args.layers))
-    gqa = Layouts(KVHeads(i, None, cfg.num_heads, 2, cfg.head_dim) for i in range(args.layers))
+    gdn = Layouts([GatedDeltaNet(None, 4, 8, 64, 64, 4, cfg.num_heads, cfg.head_dim)] * args.layers)
+    gqa = Layouts([KVHeads(None, cfg.num_heads, 2, cfg.head_dim)] * args.layers)
     with torch.inference_mode():
         stacks = {(kind, ctx): Stack(cfg, layouts, ctx, args.batch)
                   for kind, layouts in (("gdn", gdn), ("gqa", gqa)) for ctx in (short, long)}

@@ -36,8 +36,7 @@ def every_layer_full(model, attention):
     window and donor dropped, a linear (Gated DeltaNet) layer replaced by the attention layer at its index."""
     layouts = build_layouts(model, attention)
     lead = next(layer for layer in layouts if layer.state is None)
-    return tuple(replace(lead if layer.state is not None else layer, index=i, window=None, kv_source=None)
-                 for i, layer in enumerate(layouts))
+    return tuple(replace(lead if layer.state is not None else layer, window=None, kv_source=None) for layer in layouts)
 
 
 def attentions(model, own):
