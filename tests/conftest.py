@@ -24,6 +24,22 @@ from kvbench.model import Decoder
 # each child starts with the default disposition (and Python's KeyboardInterrupt).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# nohup does the same to SIGHUP, which the closed-terminal tests send.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+# The signals kvbench takes as "stop": a test that runs kvbench's code in this process may leave one
+# ignored or handled, and every kvbench a later test starts would inherit an ignored one.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _restore_stop_signals():
+    before = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    yield
+    for signum, handler in before.items():
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()
