@@ -38,7 +38,7 @@ def _restore_stop_signals():
     before = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
     yield
     for signum, handler in before.items():
-        if signal.getsignal(signum) is not handler:
+        if handler is not None and signal.getsignal(signum) is not handler:  # None: not set from Python
             signal.signal(signum, handler)
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
@@ -316,10 +316,11 @@ def _reap_started_processes():
         if proc.poll() is not None:
             continue
         try:
-            tree = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
+            top = psutil.Process(proc.pid)
+            tree = [*top.children(recursive=True), top]
+        except psutil.NoSuchProcess:  # it ended meanwhile
             tree = []
-        for p in [*tree, psutil.Process(proc.pid)]:
+        for p in tree:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
