@@ -22,7 +22,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.job_config import check_job
-from kvbench.jobs.isolation import death_status, run_isolated
+from kvbench.jobs.isolation import GRACE_S, death_status, run_isolated
 from kvbench.results import RunResult, read_record
 
 
@@ -131,9 +131,14 @@ launch_job(job, sys.argv[1], progress=progress_lines)
 """
 
 
-def start_parent(tmp_path, *mode):
+def start_parent(tmp_path, *mode, ignore_sigint=False):
+    """``ignore_sigint``: started as ``kvbench ... &`` from a script is (a shell without job control)."""
+    def ignore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "job"), *mode], stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env=dict(os.environ, WANDB_MODE="disabled"))
+                            text=True, start_new_session=True, env=dict(os.environ, WANDB_MODE="disabled"),
+                            preexec_fn=ignore if ignore_sigint else None)
     reap_after_test(proc)
     for line in proc.stderr:  # "  mha kv=8: 0/100000": the trials have started
         if line.rstrip().endswith(": 0/100000"):
@@ -163,14 +168,16 @@ def job_children(pid):
 
 
 @pytest.mark.e2e
-def test_a_job_process_stops_when_kvbench_is_killed(tmp_path):
+@pytest.mark.parametrize("ignore_sigint", [False, True])
+def test_a_job_process_stops_when_kvbench_is_killed(tmp_path, ignore_sigint):
     """SIGKILL to the parent (a killed sweep): its job's process notices, records interrupted
-    and exits, instead of measuring on after the parent's claim on the job is gone."""
-    proc = start_parent(tmp_path, "plain", "isolate")
+    and exits, instead of measuring on after the parent's claim on the job is gone; also when the
+    job ignores SIGINT, as one started in a script's background does."""
+    proc = start_parent(tmp_path, "plain", "isolate", ignore_sigint=ignore_sigint)
     [child] = job_children(proc.pid)
     proc.kill()
     proc.wait()
-    child.wait(40)
+    child.wait(GRACE_S + 10)  # past GRACE_S the watcher ends it without a record
     deadline = time.monotonic() + 10
     while not (tmp_path / "job" / "results.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -272,10 +272,13 @@ def _watch_parent(alive_fd: int) -> None:
     def watch() -> None:
         while os.read(alive_fd, 1):
             pass  # nothing is ever written: this returns at end of file, when the parent is gone
-        stop_reasons[signal.SIGINT] = "interrupted: the job's parent process ended"
-        os.kill(os.getpid(), signal.SIGINT)
+        # The first stop signal this process does not ignore: a job started in the background of a
+        # script ignores SIGINT, and would measure on for GRACE_S and write no record.
+        signum = next((s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN), signal.SIGINT)
+        stop_reasons[signum] = "interrupted: the job's parent process ended"
+        os.kill(os.getpid(), signum)
         time.sleep(GRACE_S)
-        os._exit(128 + signal.SIGINT)
+        os._exit(128 + signum)
 
     threading.Thread(target=watch, name="kvbench-parent-watch", daemon=True).start()
 
