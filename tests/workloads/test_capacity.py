@@ -13,7 +13,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status
-from kvbench.measure.memory import PeakWindow, is_oom
+from kvbench.measure.memory import PeakSpan, is_oom
 from kvbench.results import RunResult, record_config
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import (
@@ -157,13 +157,13 @@ def test_cpu_needs_a_budget_and_bad_values_are_one_line():
         assert "\n" not in str(exc.value)
 
 
-def test_peak_window_sees_an_allocation_and_forgets_it():
+def test_peak_span_sees_an_allocation_and_forgets_it():
     release_heap()
-    with PeakWindow(torch.device("cpu")) as big:
+    with PeakSpan(torch.device("cpu")) as big:
         x = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched
         del x
     release_heap()
-    with PeakWindow(torch.device("cpu")) as small:
+    with PeakSpan(torch.device("cpu")) as small:
         y = torch.ones(1024)
         del y
     current = rss_status()[0]
