@@ -344,7 +344,7 @@ def linear_step(batch):
 
 @pytest.mark.parametrize("x, boundary", [(2.0, 5), (1.5, 3)])
 def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkeypatch, x, boundary):
-    # the probe's own (window) steps say nothing of the relative target: 1000 ms at every batch
+    # the probe's own (peak span) steps say nothing of the relative target: 1000 ms at every batch
     def latency(cfg, model, device, context, batch):
         return capacity.Latency([1.0], [1000.0] * 4, 1.0, FakeStepper(batch))
 
