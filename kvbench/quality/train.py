@@ -29,7 +29,7 @@ from kvbench.config.model import MLA_FIELDS, AttentionConfig
 from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
+from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_starts, need_tokens, tokenized_data
 from kvbench.results import CHECKPOINT_NAME  # the job directory's file names live with the record
 
 _MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above this
@@ -95,13 +95,13 @@ Tick = Callable[..., None]
 @torch.no_grad()
 def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int,
              cache_dtype: str = "auto") -> Dict[str, float]:
-    """Mean next-token cross-entropy over fixed validation windows, as loss, perplexity, bits/byte;
+    """Mean next-token cross-entropy over fixed validation slices, as loss, perplexity, bits/byte;
     with ``cache_dtype`` int8/float8_e4m3fn, through a static cache that stores K/V so."""
     need_tokens(data.val, seq_len, "validation")
     was_training = model.training
     model.eval()
     device = model.device
-    starts = eval_windows(len(data.val), seq_len, batches * batch_size)
+    starts = eval_starts(len(data.val), seq_len, batches * batch_size)
     offsets = torch.arange(seq_len + 1)
     nll, count = 0.0, 0
     for chunk_starts in starts.split(batch_size):
@@ -137,7 +137,7 @@ def train(model: Decoder, cfg: TrainConfig, data: Optional[TokenData], on_log: O
     ``train_seconds``.
 
     Other data (the recall tasks): ``stream`` yields (inputs, targets), each (B, T), targets
-    -100 where no loss is taken, in place of windows of ``data.train``; ``evaluate_fn(model)``
+    -100 where no loss is taken, in place of slices of ``data.train``; ``evaluate_fn(model)``
     replaces the perplexity evaluation (``data`` may then be None).
     """
     device = model.device
