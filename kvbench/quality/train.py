@@ -24,8 +24,6 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
 from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
-from kvbench.config.layer_options import PRESET_OPTIONS
-from kvbench.config.model import MLA_FIELDS, AttentionConfig
 from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
@@ -266,11 +264,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's): its KV
     # heads, window pattern and latent, so attention=model evaluates the model as it was saved
     model.config = model.config.with_own_layout(own)
-    a = cfg.attention
-    asked = {name: getattr(a, name) for name in (*(MLA_FIELDS if a.latent else ()), *(o.key for o in PRESET_OPTIONS))}
-    attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
-                                layer_types=a.layer_types, full_attention_interval=a.full_attention_interval,
-                                mla_decode=a.mla_decode, **asked).resolved(model.config)
+    attention = cfg.attention.as_asked().resolved(model.config)
     model, how = to_layout(model, attention)  # with attention's window pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
