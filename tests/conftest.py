@@ -229,7 +229,7 @@ def hf_dir(tmp_path, num_kv_heads, tie=False, family="llama", **overrides):
 
 def eval_job(model: ModelConfig, attention: AttentionConfig, corpus, checkpoint, val_fraction=0.2, seq_len=32,
              batch_size=4):
-    """A task=eval job of ``checkpoint`` on the byte corpus: two batches of ``seq_len`` windows."""
+    """A task=eval job of ``checkpoint`` on the byte corpus: two batches of ``seq_len`` slices."""
     from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
     from kvbench.config.workload import DecodeWorkload
     from kvbench.job_config import check_job
@@ -242,19 +242,19 @@ def eval_job(model: ModelConfig, attention: AttentionConfig, corpus, checkpoint,
 
 
 def transformers_perplexity(hf, cfg) -> float:
-    """Perplexity of transformers' ``hf`` on the validation windows task=eval of ``cfg`` scores."""
+    """Perplexity of transformers' ``hf`` on the validation slices task=eval of ``cfg`` scores."""
     import math
 
     import torch.nn.functional as F
 
-    from kvbench.quality.data import byte_data, eval_windows
+    from kvbench.quality.data import byte_data, eval_starts
 
     val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
+    slices = val[eval_starts(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
                   + torch.arange(T + 1)]
     with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    return math.exp(F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item())
+        logits = hf(slices[:, :-1]).logits
+    return math.exp(F.cross_entropy(logits.flatten(0, 1), slices[:, 1:].flatten()).item())
 
 
 def edit_config_json(path, drop=(), **changes):

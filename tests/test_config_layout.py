@@ -2,7 +2,8 @@
 Mistral v0.1; hybrid linear: Qwen3.5, Qwen3-Next; latent: DeepSeek-V3/V3.2; and plain ones): the same
 attention without its layer pattern (``AttentionConfig.without_pattern``, ``ModelConfig.without_pattern``)
 and a model whose own layout is a resolved attention (``ModelConfig.with_own_layout``), checked against
-the hand-written replace()s they stand for and against the layouts they build."""
+the hand-written replace()s they stand for and against the layouts they build; the fields an attention asks
+for its type, as task=eval resolves them against a checkpoint (``AttentionConfig.as_asked``)."""
 
 from dataclasses import fields, replace
 from functools import lru_cache
@@ -123,3 +124,32 @@ def test_a_checkpoint_directory_without_its_pattern_is_not_read_again(tmp_path, 
     assert all(getattr(plain, f.name) == getattr(model, f.name) for f in fields(model)
                if f.name not in (*PATTERN, "path"))
     assert parameter_counts(model).total == Decoder(model).num_params()
+
+
+def by_hand_for_eval(a):
+    """task=eval's field-by-field form of the attention it resolves against a checkpoint (what
+    ``AttentionConfig.as_asked`` stands for)."""
+    from kvbench.config.layer_options import PRESET_OPTIONS
+
+    asked = {name: getattr(a, name) for name in (*(MLA_FIELDS if a.latent else ()), *(o.key for o in PRESET_OPTIONS))}
+    return AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
+                           layer_types=a.layer_types, full_attention_interval=a.full_attention_interval,
+                           mla_decode=a.mla_decode, **asked)
+
+
+def test_an_attention_as_asked_is_the_fields_task_eval_wrote_by_hand():
+    model, _ = preset("deepseek_v32")
+    asks = [AttentionConfig(), AttentionConfig(type="gqa", num_kv_heads=2, window=8, global_every=2),
+            AttentionConfig(type="mqa", window=16, layer_types=["sliding_attention", "full_attention"]),
+            AttentionConfig(type="gqa", full_attention_interval=4, kv_shared_layers=3),
+            AttentionConfig(type="mha", window=0, sinks=True), AttentionConfig(type="gqa", sinks=False),
+            AttentionConfig(type="mla", kv_lora_rank=64, q_lora_rank=96, index_n_heads=4, index_head_dim=32,
+                            index_topk=16, mla_decode="expanded"),
+            AttentionConfig(type="mla", window=32, global_every=4, index_topk=0),
+            AttentionConfig(type="mla").resolved(model)]  # resolved: every latent and indexer field set
+    stale = AttentionConfig(type="mla", kv_lora_rank=64)
+    stale.type = "gqa"  # a latent rank left on a K/V-head type: not one of its fields
+    for a in (*asks, stale):
+        mine = a.as_asked()
+        assert mine == by_hand_for_eval(a) and mine is not a, a
+    assert stale.as_asked().kv_lora_rank is None and asks[6].as_asked().index_topk == 16

@@ -208,9 +208,9 @@ def test_forty_greedy_cached_steps_are_transformers_tokens(tmp_path):
     assert not torch.equal(greedy_generate(unbound(model), prompt, 40, cache_for(model, "static", 2, 65)).tokens, ours)
 
 
-def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
-    """task=eval of a DeepSeek-V3.2 directory (windows of 32 tokens, top 8): transformers'
-    perplexity over the same windows, 1e-4 relative; another top-k on its weights is refused."""
+def test_eval_perplexity_is_transformers_on_the_same_slices(tmp_path, corpus):
+    """task=eval of a DeepSeek-V3.2 directory (slices of 32 tokens, top 8): transformers'
+    perplexity over the same slices, 1e-4 relative; another top-k on its weights is refused."""
     path, hf = deepseek_dir(tmp_path / "ds", "deepseek_v32", vocab_size=256, max_position_embeddings=64, **DSA_SHAPE)
     cfg = eval_job(MODEL, AttentionConfig(type="mla"), corpus, path)
     m = run_eval(cfg, torch.device("cpu"))

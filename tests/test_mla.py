@@ -176,8 +176,8 @@ def test_yarn_frequencies_and_attention_factor_are_transformers():
     assert rope_attention_factor(ours) == pytest.approx(factor)
 
 
-def test_eval_perplexity_is_transformers_on_the_same_windows(tmp_path, corpus):
-    """task=eval of a DeepSeek-V3 directory: transformers' perplexity over the same windows, 1e-4
+def test_eval_perplexity_is_transformers_on_the_same_slices(tmp_path, corpus):
+    """task=eval of a DeepSeek-V3 directory: transformers' perplexity over the same slices, 1e-4
     relative; attention=gqa on it is refused naming the key."""
     path, hf = deepseek_dir(tmp_path / "ds", vocab_size=256, max_position_embeddings=64)
     cfg = eval_job(MODEL, AttentionConfig(type="mla"), corpus, path)

@@ -326,6 +326,12 @@ class AttentionConfig:
         return replace(self, window=0, global_every=None, layer_types=None, full_attention_interval=0,
                        kv_shared_layers=0)
 
+    def as_asked(self) -> "AttentionConfig":
+        """A new, unresolved config of the fields this one asks for its type (the latent ranks and
+        indexer only with mla): task=eval resolves it against the checkpoint's shape, whose own
+        layout fills every null, not against the model the config names."""
+        return replace(self, **dict.fromkeys(() if self.latent else MLA_FIELDS))
+
     @property
     def latent(self) -> bool:
         """True when the cache holds one latent per token and layer (MLA), not K and V heads."""

@@ -1,5 +1,5 @@
 """The host process's memory: its resident set (VmRSS, VmHWM) and its heap, handed back to the OS
-before a window is measured (:class:`kvbench.measure.memory.PeakWindow`)."""
+before a span is measured (:class:`kvbench.measure.memory.PeakSpan`)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ def _libc() -> Any:
 
 
 def release_heap() -> None:
-    """Hand freed heap back to the OS, so a window's RSS starts from what is live.
+    """Hand freed heap back to the OS, so a span's RSS starts from what is live.
 
     glibc raises its mmap threshold after large frees, and then keeps later large blocks (a previous
-    probe's KV cache) on the heap after they are freed, counted in the next window's resident set. A
+    probe's KV cache) on the heap after they are freed, counted in the next span's resident set. A
     fixed 1 MiB threshold keeps every tensor past it in its own mapping, returned at free."""
     import gc
 

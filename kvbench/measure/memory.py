@@ -309,7 +309,7 @@ class MemoryMonitor:
         self._thread = threading.Thread(target=self._sample_loop, name="kvbench-nvml-sampler",
                                         daemon=True)
         self._thread.start()
-        try:  # last thing before the block, so its window is the block's
+        try:  # last thing before the block, so its span is the block's
             self._energy_start = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
             self._energy_t0 = time.perf_counter()
         except Exception as e:  # noqa: BLE001 — NVMLError_NotSupported on pre-Volta or some virtual GPUs
@@ -348,7 +348,7 @@ class MemoryMonitor:
         self._nvml = self._handle = None
 
     def _read_energy(self) -> None:
-        """energy_mj and its window, once per block."""
+        """energy_mj and energy_window_s (the span it covers), once per block."""
         if self._energy_start is None or self._nvml is None or self._result["energy_mj"] is not None:
             return
         try:
@@ -381,10 +381,10 @@ def _shutdown(nvml: Any) -> None:
         pass
 
 
-# ---- the peak of one window of a process (task=capacity's probes) -----------------------------
+# ---- the peak of one span of a process (task=capacity's probes) -------------------------------
 
-def peak_window_reason(device: torch.device) -> Optional[str]:
-    """Why :class:`PeakWindow` cannot measure on ``device`` here; None when it can."""
+def peak_span_reason(device: torch.device) -> Optional[str]:
+    """Why :class:`PeakSpan` cannot measure on ``device`` here; None when it can."""
     if device.type == "cuda":
         return None
     try:
@@ -396,7 +396,7 @@ def peak_window_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-class PeakWindow:
+class PeakSpan:
     """The peak memory this process holds between enter and exit, in bytes (``peak``).
 
     CPU (Linux): VmHWM reset through /proc/self/clear_refs, the whole resident set (weights
@@ -406,7 +406,7 @@ class PeakWindow:
         self.device = torch.device(device)
         self.peak: Optional[int] = None
 
-    def __enter__(self) -> "PeakWindow":
+    def __enter__(self) -> "PeakSpan":
         if self.device.type == "cuda":
             _torch_empty_cache(self.device)
             _torch_reset_peak(self.device)
@@ -417,7 +417,7 @@ class PeakWindow:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # An out-of-memory inside the window still has a peak: the attempt's.
+        # An out-of-memory inside the span still has a peak: the attempt's.
         if self.device.type == "cuda":
             self.peak = _torch_peaks(self.device)[1]
         else:

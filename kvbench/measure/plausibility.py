@@ -60,12 +60,12 @@ def _power(m: Dict[str, Any], config: Dict[str, Any]) -> Iterator[Item]:
     if not limit:
         return
     cap = limit * (1 + TOLERANCE["power"])
-    energy, window = _num(m.get("energy_mj")), _num(m.get("energy_window_s"))
-    if energy is not None and window:
-        watts = energy / 1e3 / window
+    energy, span_s = _num(m.get("energy_mj")), _num(m.get("energy_window_s"))
+    if energy is not None and span_s:
+        watts = energy / 1e3 / span_s
         if watts > cap:
             yield _item("energy_mj", energy, f"energy_mj / energy_window_s <= power_limit_w = {limit:.4g} W",
-                        f"{energy:.6g} mJ in {window:.3g} s is {watts:.4g} W, above the board's enforced limit of "
+                        f"{energy:.6g} mJ in {span_s:.3g} s is {watts:.4g} W, above the board's enforced limit of "
                         f"{limit:.4g} W: the energy and its window do not match")
     per_token, e2e = _num(m.get("energy_mj_per_token")), _num(m.get("e2e_ms"))
     w = config.get("workload") or {}

@@ -123,7 +123,7 @@ def tokenized_data(cfg: DataConfig, tokenizer) -> TokenData:
 
 def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0,
             device: torch.device | str = "cpu") -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """Endless random windows: (inputs, next-token targets), each (B, T), from a seeded generator."""
+    """Endless random slices: (inputs, next-token targets), each (B, T), from a seeded generator."""
     need_tokens(tokens, seq_len, "train")
     gen = torch.Generator().manual_seed(seed)
     offsets = torch.arange(seq_len + 1)
@@ -133,8 +133,9 @@ def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0,
         yield chunk[:, :-1], chunk[:, 1:]
 
 
-def eval_windows(num_tokens: int, seq_len: int, count: int) -> torch.Tensor:
-    """Start offsets of ``count`` windows spread evenly over the split: every model sees the same."""
+def eval_starts(num_tokens: int, seq_len: int, count: int) -> torch.Tensor:
+    """Start offsets of ``count`` validation slices of ``seq_len + 1`` tokens, spread evenly over the
+    split: every model sees the same."""
     last = num_tokens - seq_len - 1
     return torch.linspace(0, last, count).round().long().unique()
 

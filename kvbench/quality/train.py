@@ -24,12 +24,10 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
 from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
-from kvbench.config.layer_options import PRESET_OPTIONS
-from kvbench.config.model import MLA_FIELDS, AttentionConfig
 from kvbench.config.train import TrainConfig
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
-from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_windows, need_tokens, tokenized_data
+from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_starts, need_tokens, tokenized_data
 from kvbench.results import CHECKPOINT_NAME  # the job directory's file names live with the record
 
 _MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above this
@@ -95,13 +93,13 @@ Tick = Callable[..., None]
 @torch.no_grad()
 def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int,
              cache_dtype: str = "auto") -> Dict[str, float]:
-    """Mean next-token cross-entropy over fixed validation windows, as loss, perplexity, bits/byte;
+    """Mean next-token cross-entropy over fixed validation slices, as loss, perplexity, bits/byte;
     with ``cache_dtype`` int8/float8_e4m3fn, through a static cache that stores K/V so."""
     need_tokens(data.val, seq_len, "validation")
     was_training = model.training
     model.eval()
     device = model.device
-    starts = eval_windows(len(data.val), seq_len, batches * batch_size)
+    starts = eval_starts(len(data.val), seq_len, batches * batch_size)
     offsets = torch.arange(seq_len + 1)
     nll, count = 0.0, 0
     for chunk_starts in starts.split(batch_size):
@@ -137,7 +135,7 @@ def train(model: Decoder, cfg: TrainConfig, data: Optional[TokenData], on_log: O
     ``train_seconds``.
 
     Other data (the recall tasks): ``stream`` yields (inputs, targets), each (B, T), targets
-    -100 where no loss is taken, in place of windows of ``data.train``; ``evaluate_fn(model)``
+    -100 where no loss is taken, in place of slices of ``data.train``; ``evaluate_fn(model)``
     replaces the perplexity evaluation (``data`` may then be None).
     """
     device = model.device
@@ -266,11 +264,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's): its KV
     # heads, window pattern and latent, so attention=model evaluates the model as it was saved
     model.config = model.config.with_own_layout(own)
-    a = cfg.attention
-    asked = {name: getattr(a, name) for name in (*(MLA_FIELDS if a.latent else ()), *(o.key for o in PRESET_OPTIONS))}
-    attention = AttentionConfig(type=a.type, num_kv_heads=a.num_kv_heads, window=a.window, global_every=a.global_every,
-                                layer_types=a.layer_types, full_attention_interval=a.full_attention_interval,
-                                mla_decode=a.mla_decode, **asked).resolved(model.config)
+    attention = cfg.attention.as_asked().resolved(model.config)
     model, how = to_layout(model, attention)  # with attention's window pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 

@@ -26,7 +26,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
-from kvbench.measure.memory import PeakWindow, is_oom, peak_window_reason, weight_bytes
+from kvbench.measure.memory import PeakSpan, is_oom, peak_span_reason, weight_bytes
 from kvbench.measure.stats import median, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -241,7 +241,7 @@ class Prober:
 
     def paired_steps(self, context: int, probe: Optional[Stepper]) -> Optional[Tuple[List[float], List[float]]]:
         """slo.tpot_x_batch1: more steps of the probe's filled cache, each interleaved with a step of
-        one sequence at the same context (outside any memory window); None when the target is absolute."""
+        one sequence at the same context (outside any measured span); None when the target is absolute."""
         if self.cfg.slo.tpot_x_batch1 is None or probe is None:
             return None
         reference = self.latency(self.cfg, self.model, self.device, context, 1).stepper
@@ -267,9 +267,9 @@ class Prober:
                            f"budget on a CPU")
             return probe
         latency = None
-        window = PeakWindow(self.device)
+        span = PeakSpan(self.device)
         try:
-            with window:
+            with span:
                 latency = self.latency(cfg, self.model, self.device, context, batch)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
             if not is_oom(exc):
@@ -277,7 +277,7 @@ class Prober:
             probe.oom, probe.error = True, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
             release_heap()
-        probe.peak_bytes = window.peak - (self.baseline if self.device.type != "cuda" else 0)
+        probe.peak_bytes = span.peak - (self.baseline if self.device.type != "cuda" else 0)
         probe.activation_bytes = probe.peak_bytes - self.weights - probe.kv_bytes
         q = STAT_Q[cfg.slo.stat]
         if latency is not None:
@@ -301,8 +301,8 @@ class Prober:
 
 def baseline_bytes(device: torch.device) -> int:
     """What the process holds before the model exists (CPU: its resident set; CUDA: 0, torch's
-    counters start from nothing); checks first that the peak of a window can be measured here."""
-    reason = peak_window_reason(device)
+    counters start from nothing); checks first that the peak of a span can be measured here."""
+    reason = peak_span_reason(device)
     if reason:
         raise ConfigError(f"task=capacity on {device.type}: {reason}")
     if device.type == "cuda":

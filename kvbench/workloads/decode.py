@@ -174,14 +174,15 @@ def kv_cost() -> Dict[str, object]:
             "decode_us_per_1k_ctx_ci_high": None, "decode_us_per_1k_ctx_reason": KV_COST_REASON}
 
 
-def energy_per_token(energy_mj: Optional[float], window_s: Optional[float], timed_s: float,
+def energy_per_token(energy_mj: Optional[float], span_s: Optional[float], timed_s: float,
                      tokens: int) -> Optional[float]:
-    """mJ per token with energy and tokens of one window: the counter's mean power over its own window
-    times the time the tokens took. The counter's window is wider than the trials; its whole energy
-    over the trials' tokens read 3,197 mJ/token at 568 tok/s: 1.8 kW on a 700 W board."""
-    if not energy_mj or not window_s or not tokens:
+    """mJ per token with energy and tokens of one span: the counter's mean power over the ``span_s``
+    seconds between its two reads, times the time the tokens took. The counter's span is wider than
+    the trials; its whole energy over the trials' tokens read 3,197 mJ/token at 568 tok/s: 1.8 kW on
+    a 700 W board."""
+    if not energy_mj or not span_s or not tokens:
         return None
-    return energy_mj / window_s * min(timed_s, window_s) / tokens
+    return energy_mj / span_s * min(timed_s, span_s) / tokens
 
 
 def routed_steps(routing: Routing, gen_len: int, result: RunResult) -> Tuple[Optional[float], List[int]]:

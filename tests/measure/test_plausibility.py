@@ -117,9 +117,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(memory, "_torch_empty_cache", lambda device: None)
 
 
-def test_energy_is_the_energy_of_its_own_window(monkeypatch, fake_cuda):
-    """A 300 W board: the monitor's energy over its window is 300 W, and energy per token over the
-    trials' own time stays below the board's limit however long the window around them was."""
+def test_energy_is_the_energy_of_its_own_span(monkeypatch, fake_cuda):
+    """A 300 W board: the monitor's energy over its span is 300 W, and energy per token over the
+    trials' own time stays below the board's limit however long the span around them was."""
     install(monkeypatch, PowerNVML(watts=300.0))
     mon = MemoryMonitor("cuda:0", interval_ms=50.0)
     with mon:
@@ -127,7 +127,7 @@ def test_energy_is_the_energy_of_its_own_window(monkeypatch, fake_cuda):
     r = mon.result()
     assert r["power_limit_w"] == 700.0
     assert r["energy_mj"] / 1e3 / r["energy_window_s"] == pytest.approx(300.0, rel=0.05)
-    # H200 run 1: 422 J over a 16 s window around 3 trials of 59 ms, 33 tokens each
+    # H200 run 1: 422 J over a 16 s span around 3 trials of 59 ms, 33 tokens each
     per_token = energy_per_token(422_066, 16.0, 3 * 0.059, 3 * 33)
     watts = per_token * 33 / 59.0
     assert watts == pytest.approx(422_066 / 1e3 / 16.0, rel=1e-9) and watts < 700

@@ -16,7 +16,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.job_config import check_job
-from kvbench.quality.data import TokenData, byte_data, eval_windows
+from kvbench.quality.data import TokenData, byte_data, eval_starts
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
 
 CPU = torch.device("cpu")
@@ -26,7 +26,7 @@ def test_perplexity_is_exp_mean_cross_entropy():
     T, n = 16, 4
     val = torch.randint(0, 256, (n * T + 1,), generator=torch.Generator().manual_seed(0))
     data = TokenData(train=val, val=val)
-    metrics = evaluate(model, data, seq_len=T, batches=2, batch_size=2)  # 4 windows tile val
+    metrics = evaluate(model, data, seq_len=T, batches=2, batch_size=2)  # 4 slices tile val
     with torch.no_grad():
         logits = model(val[:-1].view(n, T))
     ce = F.cross_entropy(logits.reshape(-1, 256), val[1:]).item()
@@ -115,25 +115,25 @@ def test_eval_llama_dir_with_its_tokenizer(tmp_path, corpus):
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     ("mistral", {}), ("qwen2", {}), ("qwen3", {})])
-def test_eval_of_each_family_is_transformers_perplexity_on_the_same_windows(tmp_path, corpus, family, overrides):
+def test_eval_of_each_family_is_transformers_perplexity_on_the_same_slices(tmp_path, corpus, family, overrides):
     """task=eval on a directory of each accepted family: the perplexity transformers' own model
-    gives over the same validation windows, within 1e-4 relative."""
+    gives over the same validation slices, within 1e-4 relative."""
     path, hf = hf_dir(tmp_path / family, 2, family=family, vocab_size=256, **overrides)
     cfg = bench(tmp_path, corpus, attention="gqa", checkpoint=str(path))
     m = run_eval(cfg, CPU)
     assert m["num_kv_heads"] == 2 and m["kv_heads_conversion"] == "none"
     val, T = byte_data(cfg.data).val, cfg.train.seq_len
-    windows = val[eval_windows(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
+    slices = val[eval_starts(len(val), T, cfg.train.eval_batches * cfg.train.batch_size)[:, None]
                   + torch.arange(T + 1)]
     with torch.no_grad():
-        logits = hf(windows[:, :-1]).logits
-    ce = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+        logits = hf(slices[:, :-1]).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), slices[:, 1:].flatten()).item()
     assert m["perplexity"] == pytest.approx(math.exp(ce), rel=1e-4)
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
 def test_eval_through_a_quantized_cache_is_a_decode_through_it(cache_dtype):
-    """Independent reference: the same windows fed token by token through a static cache of
+    """Independent reference: the same slices fed token by token through a static cache of
     ``cache_dtype`` (what a decode reads); one pass through the cache must give that loss, and it
     must differ from the unquantized loss (the quantization is exercised), boundedly."""
     model = byte_decoder(2).eval()
@@ -142,10 +142,10 @@ def test_eval_through_a_quantized_cache_is_a_decode_through_it(cache_dtype):
     data = TokenData(train=val, val=val)
     got = evaluate(model, data, seq_len=T, batches=1, batch_size=n, cache_dtype=cache_dtype)["val_loss"]
     plain = evaluate(model, data, seq_len=T, batches=1, batch_size=n)["val_loss"]
-    windows = val[:-1].view(n, T)  # the 2 windows tile val, as in the perplexity test above
+    slices = val[:-1].view(n, T)  # the 2 slices tile val, as in the perplexity test above
     cache = cache_for(model, "static", n, T, cache_dtype)
     with torch.no_grad():
-        logits = torch.cat([model(windows[:, t:t + 1], cache, t) for t in range(T)], dim=1)
+        logits = torch.cat([model(slices[:, t:t + 1], cache, t) for t in range(T)], dim=1)
     decoded = F.cross_entropy(logits.reshape(-1, 256), val[1:]).item()
     assert got == pytest.approx(decoded, rel=1e-5)
     assert 0 < abs(got - plain) < 0.01 * plain

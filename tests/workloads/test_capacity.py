@@ -13,7 +13,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status
-from kvbench.measure.memory import PeakWindow, is_oom
+from kvbench.measure.memory import PeakSpan, is_oom
 from kvbench.results import RunResult, record_config
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import (
@@ -157,13 +157,13 @@ def test_cpu_needs_a_budget_and_bad_values_are_one_line():
         assert "\n" not in str(exc.value)
 
 
-def test_peak_window_sees_an_allocation_and_forgets_it():
+def test_peak_span_sees_an_allocation_and_forgets_it():
     release_heap()
-    with PeakWindow(torch.device("cpu")) as big:
+    with PeakSpan(torch.device("cpu")) as big:
         x = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched
         del x
     release_heap()
-    with PeakWindow(torch.device("cpu")) as small:
+    with PeakSpan(torch.device("cpu")) as small:
         y = torch.ones(1024)
         del y
     current = rss_status()[0]
@@ -344,7 +344,7 @@ def linear_step(batch):
 
 @pytest.mark.parametrize("x, boundary", [(2.0, 5), (1.5, 3)])
 def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkeypatch, x, boundary):
-    # the probe's own (window) steps say nothing of the relative target: 1000 ms at every batch
+    # the probe's own (peak span) steps say nothing of the relative target: 1000 ms at every batch
     def latency(cfg, model, device, context, batch):
         return capacity.Latency([1.0], [1000.0] * 4, 1.0, FakeStepper(batch))
 
