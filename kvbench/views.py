@@ -19,14 +19,20 @@ from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.layer_options import LAYER_OPTIONS
-from kvbench.config.model import ATTENTION_TYPES, attention_type, local_global_layers, variant_label
+from kvbench.config.model import ATTENTION_TYPES, attention_type, linear_full_layers, local_global_layers, variant_label
 from kvbench.metrics import matches
 from kvbench.units_v1 import V1_UNITS
 
+# Which layers are local or linear. Their None is a value (no window; every layer full attention),
+# not "left to its default": a table tells GQA from its windowed or Gated DeltaNet hybrid by them.
+NONE_IS_VALUE_KEYS = ("attention.window", "attention.global_every", "attention.layer_types")
 # What a Variant's fields are read from in a record's config.
-VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", "attention.window",
-                "attention.global_every", "attention.layer_types",
+VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", *NONE_IS_VALUE_KEYS,
                 *(f"attention.{option.key}" for option in LAYER_OPTIONS), "cache.dtype")
+# The attention keys a jobs table shows as columns (config key, header), in its order; the KV dtype's
+# column sits with the cache's, and the layer pattern and options show in the label only.
+VARIANT_COLUMNS = (("attention.type", "attn"), ("attention.num_kv_heads", "kv"), ("attention.kv_lora_rank", "R"),
+                   ("attention.window", "W"), ("attention.global_every", "global every"))
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -120,6 +126,37 @@ class Variant:
     def quantized(self) -> bool:
         """True when the cache holds fewer bits than the compute dtype (``cache.dtype``)."""
         return self.cache_dtype is not None
+
+    @property
+    def full_context(self) -> bool:
+        """True when every layer attends over the whole context (no layer keeps only its last W positions)."""
+        return not self.windowed
+
+    @property
+    def plain(self) -> bool:
+        """True for the layout as such: every layer over the whole context, the cache in the compute dtype."""
+        return self.full_context and not self.quantized
+
+    @property
+    def counts_kv_heads(self) -> bool:
+        """True when the cache's size is a count of K/V heads (not MLA's one latent per token)."""
+        return not self.latent
+
+    @property
+    def stateful(self) -> bool:
+        """True when some layer keeps a fixed-size recurrent state (Gated DeltaNet), not its tokens' K/V."""
+        return linear_full_layers(self.layer_types) is not None
+
+    @property
+    def ranked_by_kv_heads(self) -> bool:
+        """True when its KV-head count alone says how much of the context it keeps: K/V heads, at every
+        layer, over the whole context, no recurrent state (what a rule ranking by KV heads can compare)."""
+        return self.counts_kv_heads and self.full_context and not self.stateful
+
+    @property
+    def named(self) -> bool:
+        """True when the config names some attention field (a layout, a KV-head count or a rank)."""
+        return self.layout is not None or self.num_kv_heads is not None or self.kv_lora_rank is not None
 
     @property
     def label(self) -> str:

@@ -13,7 +13,7 @@ from kvbench.metrics import matches
 from kvbench.results import RunResult
 from kvbench.tasks.common import variant_label
 from kvbench.units_v1 import V1_UNITS
-from kvbench.views import RecordView, Variant, ordered, v1_units
+from kvbench.views import NONE_IS_VALUE_KEYS, VARIANT_COLUMNS, VARIANT_KEYS, RecordView, Variant, ordered, v1_units
 
 
 def record(attention, model=None, cache=None, workload="decode", **extra):
@@ -201,3 +201,81 @@ def test_the_workloads_sizes_are_typed():
         "decode", 2, 16, 4, 20)
     odd = RecordView({"status": "ok", "config": {"workload": {"prompt_len": "16", "gen_len": True}}})
     assert odd.prompt_len is None and odd.gen_len is None and odd.positions_held is None
+
+
+# (attention, cache.dtype, model.num_layers) of every kind of layout, for the derived properties.
+KINDS = {
+    "mha": ({"type": "mha", "num_kv_heads": 8}, None, 4),
+    "gqa": ({"type": "gqa", "num_kv_heads": 2}, None, 4),
+    "mqa": ({"type": "mqa", "num_kv_heads": 1}, None, 4),
+    "mla": ({"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16}, None, 4),
+    "mla windowed": ({"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 32, "window": 16}, None, 4),
+    "windowed": ({"type": "mha", "num_kv_heads": 8, "window": 64}, None, 4),
+    "local/global": ({"type": "gqa", "num_kv_heads": 2, "window": 32, "global_every": 6}, None, 12),
+    "local/global by layer_types": ({"type": "gqa", "num_kv_heads": 2, "window": 32,
+                                     "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}, None, 4),
+    "window, every layer global": ({"type": "gqa", "num_kv_heads": 2, "window": 32, "global_every": 1}, None, 4),
+    "gated deltanet": ({"type": "gqa", "num_kv_heads": 2,
+                        "layer_types": ["linear_attention"] * 3 + ["full_attention"]}, None, 4),
+    "gated deltanet + window": ({"type": "gqa", "num_kv_heads": 2, "window": 32, "layer_types": [
+        "sliding_attention", "linear_attention", "full_attention", "linear_attention"]}, None, 4),
+    "quantized": ({"type": "mha", "num_kv_heads": 8}, "int8", 4),
+    "quantized mla": ({"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 32}, "float8_e4m3fn", 4),
+    "auto dtype": ({"type": "mqa", "num_kv_heads": 1}, "auto", 4),
+    "quantized windowed": ({"type": "gqa", "num_kv_heads": 2, "window": 32, "global_every": 2}, "int8", 4),
+}
+
+
+def _whole_context_by_hand(attention, num_layers):
+    """Every layer attends over the whole context: no window, or one that no layer applies."""
+    if not attention.get("window"):
+        return True
+    if "layer_types" in attention:
+        return "sliding_attention" not in attention["layer_types"]
+    every = attention.get("global_every")
+    return bool(every) and all((i + 1) % every == 0 for i in range(num_layers))
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_the_derived_properties_agree_with_the_fields_they_come_from(name):
+    attention, dtype, num_layers = KINDS[name]
+    v = RecordView(record(attention, model={"num_layers": num_layers}, cache={"dtype": dtype})).variant
+    whole = _whole_context_by_hand(attention, num_layers)
+    heads = attention["type"] != "mla" and "kv_lora_rank" not in attention
+    state = "linear_attention" in attention.get("layer_types", ())
+    assert v.full_context is whole and v.full_context is not v.windowed
+    assert v.plain is (whole and dtype in (None, "auto"))
+    assert v.counts_kv_heads is heads and v.counts_kv_heads is not v.latent
+    assert v.stateful is state
+    assert v.ranked_by_kv_heads is (heads and whole and not state)
+    assert v.named is True
+
+
+def test_the_derived_properties_by_name():
+    v = {name: RecordView(record(a, model={"num_layers": n}, cache={"dtype": d})).variant
+         for name, (a, d, n) in KINDS.items()}
+    assert [name for name in KINDS if v[name].full_context] == [
+        "mha", "gqa", "mqa", "mla", "window, every layer global", "gated deltanet", "quantized", "quantized mla",
+        "auto dtype"]
+    assert [name for name in KINDS if v[name].plain] == [
+        "mha", "gqa", "mqa", "mla", "window, every layer global", "gated deltanet", "auto dtype"]
+    assert [name for name in KINDS if not v[name].counts_kv_heads] == ["mla", "mla windowed", "quantized mla"]
+    assert [name for name in KINDS if v[name].stateful] == ["gated deltanet", "gated deltanet + window"]
+    assert [name for name in KINDS if v[name].ranked_by_kv_heads] == [
+        "mha", "gqa", "mqa", "window, every layer global", "quantized", "auto dtype"]
+
+
+def test_a_config_names_a_variant_by_any_of_its_layout_count_or_rank():
+    assert not Variant.from_config({}).named and not Variant.from_config({"attention": {"window": 8}}).named
+    assert Variant.from_config({"attention": {"type": "gqa"}}).named
+    assert Variant.from_config({"attention": {"num_kv_heads": 2}}).named
+    assert Variant.from_config({"attention": {"kv_lora_rank": 16}}).named
+    assert Variant(None, kv_lora_rank=16).named and not Variant(None, window=8).named
+
+
+def test_the_variant_columns_and_none_keys_are_variant_keys_and_the_tables_use_them():
+    from kvbench.sinks.tables import AXES, VARIANT_AXES
+
+    assert set(NONE_IS_VALUE_KEYS) <= set(VARIANT_KEYS) and {k for k, _ in VARIANT_COLUMNS} <= set(VARIANT_KEYS)
+    assert AXES[1:1 + len(VARIANT_COLUMNS)] == list(VARIANT_COLUMNS)
+    assert VARIANT_AXES == [*VARIANT_COLUMNS, ("cache.dtype", "KV dtype")]

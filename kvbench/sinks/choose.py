@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config.layer_pattern import linear_full_layers
 from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import VARIANT_KEYS, Record, fmt, natural, ratio_text, swept_axes
 from kvbench.views import RecordView
@@ -30,8 +29,8 @@ RULES = {
 KV_PER_TOKEN = "KV / token (at longest)"
 # A state layer's bytes per sequence, whatever its length (Gated DeltaNet): a column where a variant has one
 STATE = "state / sequence"
-# What tells the rows of one table apart, not the tables: every field of a variant (heads, latent,
-# window and layer pattern, KV dtype), the kind of job and the shared cache.
+# What tells the rows of one table apart, not the tables: every field of a variant (views.VARIANT_KEYS),
+# the kind of job and the shared cache.
 _NOT_CELL = (*VARIANT_KEYS, "task", "workload.name", "cache.shared")
 
 
@@ -201,7 +200,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
     rows: Dict[str, Dict[str, Any]] = {}
     notes = []
     for rec in sorted(map(RecordView.of, records), key=lambda r: r.variant.order):
-        label = rec.variant.label
+        variant = rec.variant
+        label = variant.label
         if not rec.ok:
             notes.append(f"{label}: {rec.status} (job {rec.job})")
             continue
@@ -210,13 +210,12 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         # record without kv_bytes_per_token_positions gets the same definition from its longest row
         kv_per_token = _m(rec, "kv_bytes_per_token")
         positions = (longest.get("context") or 0) + (rec.get("workload.gen_len") or 0)
-        if (rec.variant.window and _m(rec, "kv_bytes_per_token_positions") is None
+        if (not variant.full_context and _m(rec, "kv_bytes_per_token_positions") is None
                 and isinstance(longest.get("kv_bytes_per_sequence"), (int, float)) and positions):
             kv_per_token = longest["kv_bytes_per_sequence"] / positions
-        linear = linear_full_layers(rec.variant.layer_types) is not None
-        rows[label] = {"kv_heads": rec.variant.num_kv_heads or 0, "mha": rec.variant.layout == "mha",
-                       "full_context": not rec.variant.window, "beyond_heads": rec.variant.layout == "mla"
-                       or bool(rec.variant.window) or linear, "linear": linear,
+        rows[label] = {"kv_heads": variant.num_kv_heads or 0, "mha": variant.layout == "mha",
+                       "full_context": variant.full_context, "beyond_heads": not variant.ranked_by_kv_heads,
+                       "linear": variant.stateful,
                        "state": _m(rec, "kv_state_bytes_per_sequence"), "by_context": _by_context(rec),
                        "kv_per_token": kv_per_token, "max_batch": _max_batch(rec),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
@@ -268,10 +267,10 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
             table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
         if not any(r["mha"] for r in rows.values()):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
-        windowed = [label for label, r in rows.items() if not r["full_context"]]
-        if windowed:
+        partial = [label for label, r in rows.items() if not r["full_context"]]
+        if partial:
             notes.append(f"{KV_PER_TOKEN}: one sequence's KV cache at the longest context (+ workload.gen_len) over "
-                         f"its positions, the jobs table's kv_bytes_per_token: for {', '.join(windowed)} it falls as "
+                         f"its positions, the jobs table's kv_bytes_per_token: for {', '.join(partial)} it falls as "
                          "the context grows (a local layer's ring holds at most W positions); for the others it is "
                          "any one position's")
         stateful = [label for label, r in rows.items() if r["state"]]

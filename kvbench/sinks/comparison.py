@@ -104,13 +104,13 @@ class Cell:
         return [r for r in self.jobs.get(label or "", ()) if r.ok]
 
     def baseline(self) -> Optional[str]:
-        """The variant ratios are taken to: MHA, else the most KV heads; of those, unquantized and
-        without a window."""
+        """The variant ratios are taken to: MHA, else the most KV heads; of those, unquantized, then
+        with every layer over the whole context."""
         ok = [(label, jobs[0].variant) for label, jobs in self.jobs.items() if self.ok(label)]
         if not ok:
             return None
         return max(ok, key=lambda item: (item[1].layout == "mha", item[1].num_kv_heads or 0,
-                                         not item[1].quantized, not item[1].windowed))[0]
+                                         not item[1].quantized, item[1].full_context))[0]
 
 
 def _numbers(jobs: Sequence[RecordView], key: str) -> List[float]:

@@ -44,8 +44,7 @@ def palette(variants: Sequence[Variant]) -> Dict[str, str]:
     for v in ordered([v.with_sharing(None) for v in variants]):
         if v.label in colours:  # the same variant of another model: one panel never holds two
             continue
-        plain = not (v.quantized or v.windowed)
-        colours[v.label] = ({"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(v.layout) if plain else None) \
+        colours[v.label] = ({"mha": MHA_COLOUR, "mqa": MQA_COLOUR}.get(v.layout) if v.plain else None) \
             or next(gqa, "black")
     return colours
 
@@ -399,8 +398,8 @@ def draw_all(records, axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict
     # Per token: batch size and length divide out, so a panel is a dtype (or model, cache ...).
     heads, fold = config_value("attention.num_kv_heads"), ["workload.batch_size", "workload.prompt_len",
                                                            "workload.gen_len"]
-    # MLA's one latent head is not a KV-head count: its bytes are in kv_memory
-    by_heads = [r for r in decode if not r.variant.latent]
+    # a KV-head count on the x axis; MLA's bytes are in kv_memory
+    by_heads = [r for r in decode if r.variant.counts_kv_heads]
     measured = panels(by_heads, axes, heads, per_token("kv_cache_bytes"), fold)
     formula = panels(by_heads, axes, heads, per_token("kv_cache_bytes_formula"), fold)
     if need_x("kv_bytes_vs_heads", formula or measured, "attention.num_kv_heads", "ok decode jobs"):

@@ -13,16 +13,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.results import flatten, record_config
 from kvbench.units import human_bytes
+from kvbench.views import NONE_IS_VALUE_KEYS, VARIANT_COLUMNS, RecordView
 from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
-from kvbench.views import RecordView
 
 # A record as report.collect reads it (a mapping), a RunResult or a view: read through RecordView.
 Record = Any
 Axis = Tuple[str, str]  # (config key, column title)
 
 AXES: List[Axis] = [
-    ("model.name", "model"), ("attention.type", "attn"), ("attention.num_kv_heads", "kv"),
-    ("attention.kv_lora_rank", "R"), ("attention.window", "W"), ("attention.global_every", "global every"),
+    ("model.name", "model"), *VARIANT_COLUMNS,
     ("workload.name", "workload"), ("workload.batch_size", "B"), ("workload.prompt_len", "prompt"),
     ("workload.gen_len", "gen"), ("runtime.dtype", "dtype"), ("cache.impl", "cache"), ("cache.dtype", "KV dtype"),
     ("cache.shared", "shared"),
@@ -205,9 +204,8 @@ def ratio_text(ratio: Optional[float]) -> str:
 
 def _values(records: Sequence[Record], key: str) -> List[str]:
     # None is "left to its default" (or a key the job's kind does not read), so it never makes a key
-    # look swept; but a window's None is "no window" and a layer pattern's None "every layer full
-    # attention" (GQA beside its Gated DeltaNet hybrid differs only there).
-    none_is_value = key in ("attention.window", "attention.global_every", "attention.layer_types")
+    # look swept, except where the variant reads None as a value (views.NONE_IS_VALUE_KEYS).
+    none_is_value = key in NONE_IS_VALUE_KEYS
     return [repr(v) for v in (RecordView.of(r).get(key) for r in records) if v is not None or none_is_value]
 
 

@@ -72,8 +72,7 @@ def short_name(config: Mapping[str, Any]) -> str:
     """``tiny gqa kv=2 decode``: the model, the attention and the workload (or task) a job ran."""
     view = RecordView({"config": dict(config)})
     v = view.variant
-    named = v.layout is not None or v.num_kv_heads is not None or v.kv_lora_rank is not None
-    parts = [view.get("model.name"), v.label if named else None,
+    parts = [view.get("model.name"), v.label if v.named else None,
              view.get("workload.name") if view.task == "bench" else view.task]
     return " ".join(str(p) for p in parts if p is not None) or "defaults"
 

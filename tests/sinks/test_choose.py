@@ -189,6 +189,27 @@ def test_mla_and_a_hybrid_are_rows_of_the_same_table_not_tables_of_their_own():
     assert "gqa kv=2 w=64 3:1, mla r=32" in note
 
 
+def test_a_window_that_no_layer_applies_is_read_as_the_whole_context():
+    """attention.global_every=1 makes every layer global: the variant keeps its W in the label
+    (``w=64 0:1``) but every layer attends over the whole context, as the comparison and the plots
+    read it too, so its KV / token is any one position's and KV heads rank it."""
+    records = sweep()
+    every_global = capacity_record(3, "gqa", 2, {128: 60, 256: 30}, {128: 60, 256: 30}, 1024, 1.5)
+    every_global["config"]["attention"].update(window=64, global_every=1)
+    every_global["tables"]["capacity"][-1]["kv_bytes_per_sequence"] = 4 * 264 * 128 + 1  # not read
+    windowed = capacity_record(4, "gqa", 2, {128: 70, 256: 50}, {128: 70, 256: 50}, 1024, 1.5)
+    windowed["config"]["attention"].update(window=64)
+    windowed["tables"]["capacity"][-1]["kv_bytes_per_sequence"] = 64 * 1024
+    (choice,) = choices([*records, every_global, windowed])
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert list(rows) == ["mha kv=8", "gqa kv=2", "gqa kv=2 w=64 0:1", "gqa kv=2 w=64", "mqa kv=1"]
+    assert rows["gqa kv=2 w=64 0:1"]["KV / token (at longest)"] == "1.00 KiB"
+    [falls] = [n for n in choice.notes if n.startswith("KV / token (at longest):")]
+    assert "for gqa kv=2 w=64 it falls as the context grows" in falls
+    [unranked] = [n for n in choice.notes if n.startswith("memory ample counts KV heads")]
+    assert "cannot rank gqa kv=2 w=64 (a latent" in unranked
+
+
 def test_a_gated_deltanet_hybrid_is_a_row_with_its_state_and_the_batch_per_context():
     """experiment=choose's GDN hybrid: its per-sequence state in a column of its own (the K/V layouts
     0 B), the note that its KV / token carries the state over the positions, not ranked by KV
