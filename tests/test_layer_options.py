@@ -13,8 +13,8 @@ from kvbench.checkpoint import CheckpointError, to_layout
 from kvbench.config.errors import ConfigError
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, variant_label
+from kvbench.config.record import attention_record, model_record
 from kvbench.model import Decoder
-from kvbench.results import attention_record, model_record
 from kvbench.views import VARIANT_KEYS, Variant
 
 MODEL = ModelConfig(name="t", num_layers=4, d_model=64, num_heads=8, preset_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,

@@ -21,7 +21,7 @@ LAYERS = [
      "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.kv_sharing", "config.layer_pattern", "config.conversations",
-     "serving.table_files", "serving.allocator"],
+     "config.record", "serving.table_files", "serving.allocator"],
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train"],
     ["config.workload", "config.compare", "rope"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv", "serving.conversation_traces"],

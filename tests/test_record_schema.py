@@ -11,11 +11,12 @@ from conftest import compose
 
 from kvbench.config.bench import TASKS
 from kvbench.config.model import ModelConfig
+from kvbench.config.record import MODEL_ABSENT_AS_BEFORE
 from kvbench.config.workload import WORKLOADS
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import TASKS as TASK_CODE
 from kvbench.jobs.runner import _as_given
-from kvbench.results import MODEL_ABSENT_AS_BEFORE, record_config
+from kvbench.results import record_config
 from kvbench.tasks.bench import WORKLOADS as WORKLOAD_CODE
 
 TIMED = ("compile device dtype fidelity graph_bucket isolate min_time_s nvml_interval_ms peak_gb_per_s probe "

@@ -10,10 +10,11 @@ import torch
 
 from kvbench.config.bench import BenchConfig
 from kvbench.config.model import kv_layout_change
+from kvbench.config.record import attention_record, model_record
 from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.quality.train import EVAL_METHODS, EVAL_METRICS, checkpoint_for_eval, run_eval
-from kvbench.results import RunResult, attention_record, model_record
+from kvbench.results import RunResult
 
 METRICS = EVAL_METRICS
 

@@ -1,0 +1,39 @@
+"""What a record keeps of a job's model and attention: the fields a job uses, each as a record
+written before the field existed reads it (absent means off)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from kvbench.config.hf import LINEAR
+from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
+from kvbench.config.mla import INDEX_FIELDS, MLA_FIELDS
+
+# model keys left out of a record at these values, so it reads as one written before the key existed
+MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
+                          **{option.preset: option.off for option in PRESET_OPTIONS}, "moe": None, "o_bias": False,
+                          "rope_truncate": True,
+                          **{f"linear_{k}": None for k in ("num_key_heads", "num_value_heads", "key_head_dim",
+                                                           "value_head_dim", "conv_kernel_dim")}}
+
+
+def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
+    """The model as a record keeps it (:data:`MODEL_ABSENT_AS_BEFORE` left out)."""
+    return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}
+
+
+def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
+    """The attention as a record keeps it: MLA's ranks, DSA's indexer and each layer option only when
+    used, the layer pattern only with a window or linear layers."""
+    unused = set()
+    if attention.get("type") != "mla":
+        unused.update(MLA_FIELDS + ("mla_decode",))
+    if not attention.get("index_topk"):  # DSA's indexer, layer options, Gated DeltaNet layers: as before they existed
+        unused.update(INDEX_FIELDS)
+    unused.update(option.key for option in LAYER_OPTIONS if not attention.get(option.key))
+    if attention.get("full_attention_interval") is None:
+        unused.add("full_attention_interval")
+    if attention.get("window") is None:  # which layers are local means nothing, unless some are Gated DeltaNet's
+        linear = LINEAR in (attention.get("layer_types") or ())
+        unused.update(("window", "global_every") + ("layer_types",) * (not linear))
+    return {k: v for k, v in attention.items() if k not in unused}
