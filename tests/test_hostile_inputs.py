@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import VOCAB, compose, deepseek_dir, hf_dir, llama_dir
+from conftest import VOCAB, compose, deepseek_dir, edit_config_json, hf_dir, llama_dir
 from safetensors.torch import load_file, save_file
 
 import kvbench.checkpoint as checkpoint
@@ -242,6 +242,107 @@ def test_a_rope_value_of_the_wrong_type_names_its_nested_key(rope, key):
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf_config(hf, "ck/config.json")
     assert one_line(info).startswith(f"ck/config.json: {key}: must be ")
+
+
+# ---- config.json: a bad value is named by the key the file holds it under -----------------
+
+RATIO = "(each key head serves the same number of value heads)"
+
+
+def _hybrid_config(path, family):
+    """The config.json save_pretrained writes for a tiny Qwen3.5 multimodal (its language model's keys
+    in text_config) or Qwen3-Next checkpoint; a value refused as the file is read needs no tensors."""
+    import transformers
+
+    text = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=160, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
+    if family == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    else:
+        config = transformers.Qwen3NextConfig(**text, num_experts=4, mlp_only_layers=list(range(8)))
+    config.architectures = [{"qwen3_5_vl": "Qwen3_5ForConditionalGeneration"}.get(family, "Qwen3NextForCausalLM")]
+    path.mkdir()
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family, drop, changes, line", [
+    ("llama", (), {"max_position_embeddings": 0}, "max_position_embeddings=0: must be >= 1"),
+    ("llama", (), {"num_attention_heads": 0}, "num_attention_heads=0: must be >= 1"),
+    ("llama", (), {"num_key_value_heads": 3}, "num_key_value_heads=3: must divide num_attention_heads=4"),
+    ("llama", (), {"rms_norm_eps": -1}, "rms_norm_eps=-1.0: must be > 0"),
+    ("llama", (), {"vocab_size": 0}, "vocab_size=0: must be >= 1"),
+    ("llama", (), {"num_hidden_layers": 0}, "num_hidden_layers=0: must be >= 1"),
+    ("llama", (), {"intermediate_size": 0}, "intermediate_size=0: must be >= 1"),
+    ("llama", (), {"head_dim": 7}, "head_dim=7: must be even and >= 2 (rotary embeddings rotate pairs of dimensions)"),
+    # a value the file leaves out is named by the key that would set it, and said to be unset
+    ("llama", ("head_dim",), {"hidden_size": 36}, "head_dim=9: must be even and >= 2 (rotary embeddings rotate "
+     "pairs of dimensions); config.json sets no head_dim: hidden_size / num_attention_heads"),
+    # rope keys by the object the file used (given both, transformers reads rope_scaling)
+    ("llama", (), {"rope_scaling": {"rope_type": "linear", "factor": 0}},
+     "rope_scaling.factor=0.0: must be >= 1 (the factor positions are stretched by)"),
+    ("llama", (), {"rope_parameters": {"rope_type": "linear", "factor": 0}},
+     "rope_parameters.factor=0.0: must be >= 1 (the factor positions are stretched by)"),
+    ("llama", (), {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}},
+     "rope_parameters.original_max_position_embeddings=0: must be >= 1 with rope_parameters.rope_type=yarn "
+     "(the pretraining context)"),
+    ("llama", ("rope_parameters",), {"rope_scaling": {"type": "yarn", "factor": 4.0},
+                                     "original_max_position_embeddings": -1},
+     "original_max_position_embeddings=-1: must be >= 1 with rope_scaling.type=yarn (the pretraining context)"),
+    ("llama", (), {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 0.5}},
+     "rope_parameters.beta_fast=0.5: must be > rope_parameters.beta_slow=1.0 > 0; config.json sets no "
+     "rope_parameters.beta_slow: the default"),
+    ("deepseek", (), {"kv_lora_rank": 0}, "kv_lora_rank=0: must be >= 1"),
+    ("qwen3", (), {"sliding_window": -1}, "sliding_window=-1: must be >= 1 positions, 0 (no window) or null"),
+    ("qwen3_next", (), {"layer_types": ["linear_attention", "full_attention"]},
+     "layer_types=['linear_attention', 'full_attention']: must name each of num_hidden_layers=8 layers"),
+    ("qwen3_next", (), {"linear_num_value_heads": 5},
+     f"linear_num_value_heads=5: must be a multiple of linear_num_key_heads=2 {RATIO}"),
+    ("qwen3_next", ("linear_num_value_heads",), {"linear_num_key_heads": 3}, "linear_num_value_heads=32: must be a "
+     f"multiple of linear_num_key_heads=3 {RATIO}; config.json sets no linear_num_value_heads: the default"),
+    ("qwen3_next", (), {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.1}},
+     "rope_parameters.partial_rotary_factor=0.1: must be in (0, 1] and rotate an even number >= 2 of the "
+     "head_dim=16 dimensions (int(head_dim x factor) = 1)"),
+    # a multimodal checkpoint's language model: its keys in text_config
+    ("qwen3_5_vl", (), {"num_attention_heads": 0}, "text_config.num_attention_heads=0: must be >= 1"),
+    ("qwen3_5_vl", (), {"num_key_value_heads": 3},
+     "text_config.num_key_value_heads=3: must divide text_config.num_attention_heads=4"),
+])
+def test_a_bad_value_in_config_json_is_named_by_its_key_in_the_file(checkpoints, tmp_path, family, drop, changes,
+                                                                      line):
+    """ModelConfig's checks named kvbench's fields (model.max_seq_len, model.num_heads), keys a
+    user who gave a checkpoint never wrote."""
+    if family in checkpoints:
+        path = copy(checkpoints, tmp_path, family)
+    else:
+        path = _hybrid_config(tmp_path / family, family)
+    if family == "qwen3_5_vl":
+        config = json.loads((path / "config.json").read_text())
+        edit_config_json(path, text_config={k: v for k, v in {**config["text_config"], **changes}.items()
+                                            if k not in drop})
+    else:
+        edit_config_json(path, drop, **changes)
+    for load, prefix in ((lambda: load_llama_dir(path), f"{path / 'config.json'}: "),
+                         (lambda: ModelConfig(path=str(path)), f"model.path={str(path)!r}: {path / 'config.json'}: ")):
+        with pytest.raises(ConfigError) as info:
+            load()
+        assert one_line(info) == prefix + line
+
+
+def test_a_max_seq_len_the_caller_gives_keeps_kvbenchs_key(checkpoints, tmp_path):
+    """max_seq_len passed with the checkpoint is not the file's: its refusal names kvbench's key."""
+    path = copy(checkpoints, tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_llama_dir(path, max_seq_len=-1)
+    assert one_line(info) == f"{path / 'config.json'}: model.max_seq_len=-1: must be >= 1"
+    # the file's own max_position_embeddings, when the caller gives none, is named by its key
+    edit_config_json(path, max_position_embeddings=-1)
+    with pytest.raises(ConfigError) as info:
+        load_llama_dir(path)
+    assert one_line(info) == f"{path / 'config.json'}: max_position_embeddings=-1: must be >= 1"
+    assert load_llama_dir(path, max_seq_len=32)[0].config.max_seq_len == 32
 
 
 # ---- the model run is the one the record names -------------------------------------------

@@ -177,13 +177,13 @@ def test_a_release_style_config_reads_transformers_defaults():
      "'mamba', 'linear_attention', 'mamba']: not supported (each entry sliding_attention or full_attention or "
      "linear_attention)"),
     ({"layer_types": ["linear_attention", "full_attention"]},
-     "ck/config.json: model.preset_layer_types=['linear_attention', 'full_attention']: must name each of "
-     "model.num_layers=8 layers"),
-    ({"linear_num_value_heads": 5}, "ck/config.json: model.linear_num_value_heads=5: must be a multiple of "
-     "model.linear_num_key_heads=2 (each key head serves the same number of value heads)"),
+     "ck/config.json: layer_types=['linear_attention', 'full_attention']: must name each of "
+     "num_hidden_layers=8 layers"),
+    ({"linear_num_value_heads": 5}, "ck/config.json: linear_num_value_heads=5: must be a multiple of "
+     "linear_num_key_heads=2 (each key head serves the same number of value heads)"),
     ({"full_attention_interval": 0}, "ck/config.json: full_attention_interval=0: must be >= 1 (every k-th layer full "
      "attention)"),
-    ({"partial_rotary_factor": 0.1}, "ck/config.json: model.partial_rotary_factor=0.1: must be in (0, 1] and rotate "
+    ({"partial_rotary_factor": 0.1}, "ck/config.json: partial_rotary_factor=0.1: must be in (0, 1] and rotate "
      "an even number >= 2 of the head_dim=16 dimensions (int(head_dim x factor) = 1)"),
 ])
 def test_what_does_not_fit_is_one_line_naming_the_key(change, line):

@@ -15,9 +15,10 @@ convert ``"32"`` silently and name only its own key, and the arithmetic here wou
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from kvbench.config.errors import ConfigError
+from kvbench.config.hf_keys import DEFAULT, Source, file_sources
 from kvbench.config.moe import check_moe
 from kvbench.jsonio import read_json
 
@@ -156,20 +157,23 @@ def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
         _get(cfg, "rope_interleave", "bool", True)
 
 
-def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
-    """The ModelConfig fields (untyped) that the config.json contents ``cfg`` describe; ``where``
-    names the file. Raises :class:`ConfigError` for what the decoder does not model; a missing
-    key is one too, naming it."""
+def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
+                 max_seq_len: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Source]]:
+    """The ModelConfig fields (untyped) that the config.json contents ``cfg`` describe, and the key
+    each came from (:class:`~kvbench.config.hf_keys.Source`; none for ``max_seq_len`` when it is
+    given: the caller's); ``where`` names the file. Raises :class:`ConfigError` for what the decoder
+    does not model; a missing key is one too, naming it."""
     archs = _get(cfg, "architectures", "list") or [_get(cfg, "model_type", "str", "unknown")]
     arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(f"{where}: architectures={archs!r}: not supported "
                           f"(accepted: {', '.join(HF_ARCHITECTURES)})")
-    switches, hybrid = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES
+    switches, hybrid, nested = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES, ""
     if arch in TEXT_MODEL_PREFIX:  # the language model of a multimodal checkpoint; its head's tying is the top's
         cfg = {**_get(cfg, "text_config", "object", _REQUIRED), "architectures": archs,
                "tie_word_embeddings": cfg.get("tie_word_embeddings")}
-    cfg = _with_class_defaults(cfg, arch)
+        nested = "text_config."
+    given, cfg = cfg, _with_class_defaults(cfg, arch)
     refused = {  # key: why, for a value that is set and not the default
         "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
                                                              "q/k/v biases are modelled)",
@@ -192,27 +196,34 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE, max_seq_len: 
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
     positions = _get(cfg, "max_position_embeddings", "int", 2048)
     tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
-    mla = _hf_mla(cfg) if arch.startswith("Deepseek") else {}
+    mla_keys: Dict[str, Any] = {}
+    mla = _hf_mla(cfg, mla_keys) if arch.startswith("Deepseek") else {}
     heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
     layers = _get(cfg, "num_hidden_layers", "int", _REQUIRED)
-    head_dim = HYBRID_DEFAULTS["head_dim"] if hybrid else hidden // heads if _counts(hidden, heads) else None
+    kv_heads, head_dim = _get(cfg, "num_key_value_heads", "int"), _get(cfg, "head_dim", "int")
+    # Qwen3.5-MoE has no dense MLP (nor intermediate_size): ffn_dim, unused, is the experts' width
+    ffn = "moe_intermediate_size" if MOE_FAMILIES.get(arch) == "qwen3_5" else "intermediate_size"
+    keys: Dict[str, Any] = dict(  # field -> the key its value was read from, or a Source saying how it was found
+        num_layers="num_hidden_layers", d_model="hidden_size", num_heads="num_attention_heads", ffn_dim=ffn,
+        preset_kv_heads="num_key_value_heads" if kv_heads else "num_attention_heads", vocab_size="vocab_size",
+        norm_eps="rms_norm_eps", **({} if max_seq_len else {"max_seq_len": "max_position_embeddings"}),
+        head_dim="head_dim" if head_dim else Source("head_dim", DEFAULT if hybrid else
+                                                    "hidden_size / num_attention_heads"))
     shape = dict(
-        num_layers=layers, d_model=hidden, num_heads=heads,
-        preset_kv_heads=_get(cfg, "num_key_value_heads", "int") or heads,
+        num_layers=layers, d_model=hidden, num_heads=heads, preset_kv_heads=kv_heads or heads,
         # transformers' default; left to ModelConfig's checks when the values are not counts
-        head_dim=_get(cfg, "head_dim", "int") or head_dim,
-        # Qwen3.5-MoE has no dense MLP (nor intermediate_size): ffn_dim, unused, is the experts' width
-        ffn_dim=_get(cfg, "moe_intermediate_size" if MOE_FAMILIES.get(arch) == "qwen3_5" else "intermediate_size",
-                     "int", _REQUIRED),
-        vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
-        max_seq_len=max_seq_len or positions,
-        norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches, **_hf_rope(cfg, positions, hybrid),
-        **_hf_window(cfg, hybrid, arch))
+        head_dim=head_dim or (HYBRID_DEFAULTS["head_dim"] if hybrid else hidden // heads if _counts(hidden, heads)
+                              else None),
+        ffn_dim=_get(cfg, ffn, "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
+        max_seq_len=max_seq_len or positions, norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches,
+        **_hf_rope(cfg, positions, hybrid, keys), **_hf_window(cfg, hybrid, arch, keys))
     shape.update(mla)
+    keys.update(mla_keys)
     shape.update(_hf_moe(cfg, arch, layers))
     if hybrid:
-        shape.update(_hf_hybrid(cfg))
-    return {"name": _get(cfg, "_name_or_path", "str") or Path(where).parent.name, **shape}
+        shape.update(_hf_hybrid(cfg, keys))
+    name = _get(cfg, "_name_or_path", "str") or Path(where).parent.name
+    return {"name": name, **shape}, file_sources(keys, given, nested)
 
 
 def _with_class_defaults(cfg: Mapping[str, Any], arch: str) -> Mapping[str, Any]:
@@ -225,17 +236,20 @@ def _with_class_defaults(cfg: Mapping[str, Any], arch: str) -> Mapping[str, Any]
     return {**defaults, **given}
 
 
-def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> Dict[str, Any]:
+def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool, keys: Dict[str, Any]) -> Dict[str, Any]:
     """ModelConfig's rope fields from a config.json: transformers >= 5 writes ``rope_parameters``
     (theta included), older versions ``rope_theta`` and ``rope_scaling`` (``type`` before 4.45);
     given both, transformers (4 and 5) reads ``rope_scaling``. A top-level
     ``original_max_position_embeddings`` overrides the rope's (transformers' rule, for Phi-3).
     A rope type the decoder does not compute is refused naming the key; ``partial_rotary_factor``
-    too, unless ``partial`` (an architecture whose attention rotates part of a head)."""
+    too, unless ``partial`` (an architecture whose attention rotates part of a head). ``keys``: where
+    each field was read (as :func:`model_fields` keeps them)."""
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = _get(cfg, key, "object", {})
     prefix = f"{key}."
-    rope_type = _get(rope, "rope_type", "str", None, prefix) or _get(rope, "type", "str", "default", prefix)
+    rope_type = _get(rope, "rope_type", "str", None, prefix)
+    keys["rope_type"] = prefix + ("rope_type" if rope_type or rope.get("type") is None else "type")
+    rope_type = rope_type or _get(rope, "type", "str", "default", prefix)
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{key}.rope_type={rope_type!r}: not supported (accepted: {', '.join(ROPE_TYPES)})")
     out = {}
@@ -243,12 +257,14 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> D
         factor = _get(rope, "partial_rotary_factor", "number", None, prefix)
         out["partial_rotary_factor"] = factor if factor is not None else _get(
             cfg, "partial_rotary_factor", "number", HYBRID_DEFAULTS["partial_rotary_factor"])
+        keys["partial_rotary_factor"] = ("" if factor is None else prefix) + "partial_rotary_factor"
     for where, found in ((prefix, rope), ("", cfg)) if not partial else ():
         if _get(found, "partial_rotary_factor", "number", 1.0, where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor={found['partial_rotary_factor']!r}: not supported "
                               "(the decoder rotates every dimension of this architecture's heads)")
     theta = _get(rope, "rope_theta", "number", None, prefix)
     out.update(rope_type=rope_type, rope_theta=_get(cfg, "rope_theta", "number", 10000.0) if theta is None else theta)
+    keys["rope_theta"] = ("" if theta is None else prefix) + "rope_theta"
     needed = {"linear": {"rope_factor": "factor"},
               "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                          "rope_high_freq_factor": "high_freq_factor"},
@@ -256,29 +272,34 @@ def _hf_rope(cfg: Mapping[str, Any], positions: Any, partial: bool = False) -> D
     for name, hf_name in needed.items():
         if rope.get(hf_name) is None:
             raise ConfigError(f"{key}.{hf_name}: missing (rope_type {rope_type!r} needs it)")
-        out[name] = _get(rope, hf_name, "number", None, prefix)
+        out[name], keys[name] = _get(rope, hf_name, "number", None, prefix), prefix + hf_name
     if rope_type in ("llama3", "yarn"):  # transformers falls back to max_position_embeddings too
-        out["rope_original_max_seq_len"] = _get(cfg, "original_max_position_embeddings", "int") or _get(
-            rope, "original_max_position_embeddings", "int", positions, prefix)
+        top, own = (_get(c, "original_max_position_embeddings", "int", None, p) for c, p in ((cfg, ""), (rope, prefix)))
+        out["rope_original_max_seq_len"] = top or (positions if own is None else own)
+        keys["rope_original_max_seq_len"] = "original_max_position_embeddings" if top else \
+            "max_position_embeddings" if own is None else prefix + "original_max_position_embeddings"
     if rope_type == "yarn":
         out["rope_truncate"] = _get(rope, "truncate", "bool", True, prefix)
         for name, hf_name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"),
                               ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"),
                               ("rope_attention_factor", "attention_factor")):
-            if _get(rope, hf_name, "number", None, prefix):  # transformers reads each with `or` its default
+            read = bool(_get(rope, hf_name, "number", None, prefix))  # transformers reads each with `or` its default
+            keys[name] = prefix + hf_name if read else Source(prefix + hf_name, DEFAULT)
+            if read:
                 out[name] = rope[hf_name]
     elif _get(rope, "mscale_all_dim", "number", None, prefix):  # DeepSeek's softmax scale: any rope type but default
-        out["rope_mscale_all_dim"] = rope["mscale_all_dim"]
+        out["rope_mscale_all_dim"], keys["rope_mscale_all_dim"] = rope["mscale_all_dim"], prefix + "mscale_all_dim"
     return out
 
 
-def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False, arch: str = "") -> Dict[str, Any]:
+def _hf_window(cfg: Mapping[str, Any], hybrid: bool, arch: str, keys: Dict[str, Any]) -> Dict[str, Any]:
     """ModelConfig's window fields from a config.json, as transformers reads them: ``arch``'s
     :data:`WINDOW_KEYS_READ` only; ``sliding_window`` applies to every layer unless
     ``use_sliding_window`` is false; Qwen2/Qwen3 to the layers from ``max_window_layers`` on, unless
     ``layer_types`` (transformers >= 5 writes it) lists each layer's kind. A ``hybrid``
     architecture's layer_types names its Gated DeltaNet layers (linear_attention; without the key,
-    every ``full_attention_interval``-th layer is full attention and the others linear)."""
+    every ``full_attention_interval``-th layer is full attention and the others linear). ``keys``:
+    where each field was read (as :func:`model_fields` keeps them)."""
     kinds = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
@@ -289,9 +310,11 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False, arch: str = "") -> 
     read = WINDOW_KEYS_READ.get(arch, WINDOW_KEYS)
     cfg = {k: v for k, v in cfg.items() if k not in WINDOW_KEYS or k in read}
     layer_types = layer_types if "layer_types" in read else None
+    keys.update(preset_window="sliding_window", preset_layer_types="layer_types")
     if arch == "GptOssForCausalLM" and layer_types is None:  # GptOssConfig's: sliding, full, sliding ...
         layer_types = ["full_attention" if i % 2 else "sliding_attention"
                        for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
+        keys["preset_layer_types"] = Source("layer_types", DEFAULT)
     window = _get(cfg, "sliding_window", "int") if _get(cfg, "use_sliding_window", "bool", True) else None
     if layer_types is None and hybrid:
         k = _get(cfg, "full_attention_interval", "int", HYBRID_DEFAULTS["full_attention_interval"])
@@ -299,10 +322,12 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False, arch: str = "") -> 
             raise ConfigError(f"full_attention_interval={k!r}: must be >= 1 (every k-th layer full attention)")
         layer_types = [LINEAR if (i + 1) % k else "full_attention"
                        for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
+        keys["preset_layer_types"] = Source("layer_types", f"from full_attention_interval={k}")
     if layer_types is None and window and "max_window_layers" in cfg:  # Qwen2/Qwen3 before layer_types
         first = _get(cfg, "max_window_layers", "int")
         layer_types = ["sliding_attention" if i >= first else "full_attention"
                        for i in range(_get(cfg, "num_hidden_layers", "int", _REQUIRED))]
+        keys["preset_layer_types"] = Source("layer_types", f"from max_window_layers={first}")
     if layer_types is not None:
         if LINEAR in layer_types and "sliding_attention" not in layer_types:
             return {"preset_layer_types": layer_types}
@@ -313,20 +338,25 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool = False, arch: str = "") -> 
     return {"preset_window": window, "preset_layer_types": layer_types}
 
 
-def _hf_hybrid(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+def _hf_hybrid(cfg: Mapping[str, Any], keys: Dict[str, Any]) -> Dict[str, Any]:
     """The Gated DeltaNet layers' shape from a Qwen3.5 / Qwen3-Next config.json (its class's
-    defaults for keys it leaves out); its mixture of experts: :func:`_hf_moe`."""
-    return {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
+    defaults for keys it leaves out; each field's key its own name); its mixture of experts: :func:`_hf_moe`."""
+    shape = {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
+    keys.update({key: key for key in shape})
+    return shape
 
 
-def _hf_mla(cfg: Mapping[str, Any]) -> Dict[str, Any]:
-    """ModelConfig's MLA fields from a DeepSeek-V2/V3/V3.2 config.json (its mixture of experts: :func:`_hf_moe`)."""
+def _hf_mla(cfg: Mapping[str, Any], keys: Dict[str, Any]) -> Dict[str, Any]:
+    """ModelConfig's MLA fields from a DeepSeek-V2/V3/V3.2 config.json (its mixture of experts: :func:`_hf_moe`);
+    ``keys``: where each was read (as :func:`model_fields` keeps them)."""
     shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                          "v_head_dim")}
     shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
     if "index_topk" in cfg:  # DeepSeek-V3.2's lightning indexer (DSA)
         shape.update({k: _get(cfg, k, "int", _REQUIRED) for k in ("index_topk", "index_n_heads", "index_head_dim")})
     rope_interleaved(cfg)  # read by the loader: checked here, where the file is named
+    keys.update({f"preset_mla.{k}": k for k in shape}, preset_kv_heads="num_attention_heads",
+                head_dim=Source("qk_nope_head_dim + qk_rope_head_dim"))
     # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
     return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
             "preset_kv_heads": _get(cfg, "num_attention_heads", "int", _REQUIRED)}

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import LINEAR, ROPE_TYPES
+from kvbench.config.hf_keys import Source, in_file_keys
 from kvbench.config.indexer import check_indexer, indexer_defaults
 from kvbench.config.layer_options import PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant_key, local_global_layers: their home is here)
@@ -211,16 +212,20 @@ class ModelConfig:
     def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
         """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
-        names the file in errors (every error names it: the file is the user's input). Refuses
-        what the decoder does not model (:func:`kvbench.config.hf.model_fields`); values of the
-        wrong type name their key."""
+        names the file in errors (every error names it: the file is the user's input), and a bad
+        value by the key the file holds it under (:func:`kvbench.config.hf_keys.in_file_keys`; a
+        value given here, ``max_seq_len`` or ``fields``, by kvbench's). Refuses what the decoder
+        does not model (:func:`kvbench.config.hf.model_fields`); values of the wrong type name their key."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: not a JSON object")
+        sources: Dict[str, Source] = {}
         try:
+            shape, sources = hf_config.model_fields(cfg, where, max_seq_len)
+            sources = {k: s for k, s in sources.items() if k not in fields}
             # Typed like a Hydra config: a string or a list where a number belongs names its key.
-            return typed(cls, {**hf_config.model_fields(cfg, where, max_seq_len), **fields})
+            return typed(cls, {**shape, **fields})
         except ConfigError as exc:
-            raise ConfigError(exc if where in str(exc) else f"{where}: {exc}") from None
+            raise ConfigError(exc if where in str(exc) else f"{where}: {in_file_keys(str(exc), sources)}") from None
         except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
             raise ConfigError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
 
