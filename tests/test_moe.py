@@ -213,6 +213,22 @@ def test_each_moe_checkpoint_is_transformers_over_prefill_and_40_greedy_cached_s
     assert len(set(gen.tokens.flatten().tolist())) > 4  # not one token repeated
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_a_deepseek_checkpoint_with_no_shared_expert_is_transformers(tmp_path, family):
+    """n_shared_experts=0: transformers builds a shared expert 0 wide (empty tensors in the file, an
+    output of 0); kvbench builds none and reads the rest: the same perplexity and greedy tokens. A
+    shared expert that holds weights beside n_shared_experts=0 is still refused, naming them."""
+    path, hf = moe_dir(tmp_path / "none", family, n_shared_experts=0)
+    model, _ = load_llama_dir(path)
+    experts = [b.mlp for b in model.blocks if isinstance(b.mlp, MoE)]
+    assert model.config.moe.shared_ffn_dim == 0 and experts and all(m.shared is None for m in experts)
+    _assert_exact(model, hf, "cpu")
+    path, _ = moe_dir(tmp_path / "one", family)
+    edit_config_json(path, n_shared_experts=0)
+    with pytest.raises(ConfigError, match=r"unexpected \['blocks\.1\.mlp\.shared\.w_down\.weight'"):
+        load_llama_dir(path)
+
+
 def _assert_exact(model, hf, device):
     """Perplexity of a 64-token prefill within 1e-4 relative of transformers', and STEPS greedy
     cached steps its tokens; returns kvbench's generation."""

@@ -34,6 +34,7 @@ MOE_NAMES = {"mlp.gate.e_score_correction_bias": "mlp.correction_bias", "mlp.gat
                 for p in ("gate", "up", "down")}}
 _PER_EXPERT = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_SHARED = re.compile(r"blocks\.\d+\.mlp\.shared\.w_(gate|up|down)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,14 @@ def _shape_error(where: Path, tensor: StoredTensor, implied: tuple) -> Checkpoin
 
 
 def expert_tensors(where: Path, model, stored: Mapping[str, StoredTensor]) -> Dict[str, StoredTensor]:
-    """``stored`` (decoder names -> headers) with each MoE layer's expert tensors as stacked :class:`Assembled` ones."""
+    """``stored`` (decoder names -> headers) with each MoE layer's expert tensors as stacked :class:`Assembled` ones,
+    and without the empty tensors of a shared expert 0 wide."""
     moe, C = model.moe, model.d_model
     out = dict(stored)
+    if moe is not None and not moe.shared_ffn_dim:
+        # DeepSeek's n_shared_experts=0: transformers builds a shared expert of width 0 (its output is 0), whose
+        # empty weights the decoder, which then has no shared expert, does not hold
+        out = {k: t for k, t in out.items() if not (_SHARED.match(k) and 0 in tuple(t.shape))}
     layers: Dict[int, Dict[tuple, str]] = {}  # layer -> {(expert, projection) or (name, bias): key}
     for key in stored:
         if (m := _PER_EXPERT.match(key)) or (m := _FUSED.match(key)):
