@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TEXT, eval_job, transformers_perplexity
+from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
@@ -52,15 +52,16 @@ def qwen_dir(tmp_path, family, **overrides):
 
     torch.manual_seed(0)
     shape = {**SHAPE, **overrides}
+    moe = {key: shape.pop(key, value) for key, value in MOE.items()}  # MOE, as overridden
     if family == "qwen3_next":  # dense: every layer's MLP is listed as a plain one
         config = transformers.Qwen3NextConfig(**shape, num_experts=4, mlp_only_layers=list(range(8)))
         hf = transformers.Qwen3NextForCausalLM(config)
     elif family == "qwen3_next_moe":  # experts where (i + 1) % 2 == 0 but in layer 5 (mlp_only_layers)
-        config = transformers.Qwen3NextConfig(**shape, **MOE, decoder_sparse_step=2, mlp_only_layers=[5])
+        config = transformers.Qwen3NextConfig(**shape, **moe, decoder_sparse_step=2, mlp_only_layers=[5])
         hf = transformers.Qwen3NextForCausalLM(config)
     elif family == "qwen3_5_moe":  # experts in every layer (no intermediate_size: no dense MLP)
         config = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in shape.items() if k != "intermediate_size"},
-                                                   **MOE)
+                                                   **moe)
         hf = transformers.Qwen3_5MoeForCausalLM(config)
     elif family == "qwen3_5_vl":  # the multimodal checkpoint: its language model under model.language_model.
         vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4)
@@ -119,6 +120,26 @@ def test_each_family_is_transformers_in_logits_perplexity_and_45_greedy_cached_s
     want = hf.generate(prompt, max_new_tokens=46, do_sample=False, min_new_tokens=46)[:, 23:]
     assert torch.equal(got, want)
     assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
+
+
+@pytest.mark.parametrize("family", list(MOE_DENSE_LAYERS))
+@torch.no_grad()
+def test_a_moe_checkpoint_without_a_shared_expert_is_transformers(tmp_path, family):
+    """shared_expert_intermediate_size=0: transformers builds a shared expert 0 wide (empty tensors)
+    and the gate that scales its output of 0; kvbench builds neither and matches its logits and
+    greedy tokens. A shared expert that holds weights beside a width of 0 is still refused."""
+    path, hf = qwen_dir(tmp_path / "none", family, shared_expert_intermediate_size=0)
+    model, _ = load_llama_dir(path)
+    assert model.config.moe.shared_ffn_dim == 0 and not model.config.moe.shared_gate
+    assert not any("shared" in name for name in model.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+    got = greedy_generate(model, tokens[:, :9], 20, cache_for(model, "static", 2, 30)).tokens
+    assert torch.equal(got, hf.generate(tokens[:, :9], max_new_tokens=21, do_sample=False, min_new_tokens=21)[:, 9:])
+    path, _ = qwen_dir(tmp_path / "one", family)
+    edit_config_json(path, shared_expert_intermediate_size=0)
+    with pytest.raises(CheckpointError, match=r"unexpected \['blocks\.\d\.mlp\.shared\.w_down\.weight'"):
+        load_llama_dir(path)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])

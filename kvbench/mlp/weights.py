@@ -34,7 +34,8 @@ MOE_NAMES = {"mlp.gate.e_score_correction_bias": "mlp.correction_bias", "mlp.gat
                 for p in ("gate", "up", "down")}}
 _PER_EXPERT = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-_SHARED = re.compile(r"blocks\.\d+\.mlp\.shared\.w_(gate|up|down)\.weight$")
+_SHARED = re.compile(r"(blocks\.\d+\.)mlp\.shared\.w_(?:gate|up|down)\.weight$")
+_SHARED_GATE = re.compile(r"(blocks\.\d+\.)mlp\.shared_gate\.weight$")
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,12 @@ def expert_tensors(where: Path, model, stored: Mapping[str, StoredTensor]) -> Di
     moe, C = model.moe, model.d_model
     out = dict(stored)
     if moe is not None and not moe.shared_ffn_dim:
-        # DeepSeek's n_shared_experts=0: transformers builds a shared expert of width 0 (its output is 0), whose
-        # empty weights the decoder, which then has no shared expert, does not hold
-        out = {k: t for k, t in out.items() if not (_SHARED.match(k) and 0 in tuple(t.shape))}
+        # n_shared_experts=0 (DeepSeek), shared_expert_intermediate_size=0 (Qwen3-Next, Qwen3.5-MoE): transformers
+        # builds a shared expert 0 wide, whose output is 0, and Qwen's gate that scales it; the decoder, which
+        # then has no shared expert, holds neither its empty weights nor that gate
+        empty = {m.group(1) for k, t in out.items() if (m := _SHARED.match(k)) and 0 in tuple(t.shape)}
+        out = {k: t for k, t in out.items() if not (_SHARED.match(k) and 0 in tuple(t.shape))
+               and not ((m := _SHARED_GATE.match(k)) and m.group(1) in empty)}
     layers: Dict[int, Dict[tuple, str]] = {}  # layer -> {(expert, projection) or (name, bias): key}
     for key in stored:
         if (m := _PER_EXPERT.match(key)) or (m := _FUSED.match(key)):
