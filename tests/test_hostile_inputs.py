@@ -309,6 +309,12 @@ def _hybrid_config(path, family):
     ("qwen3_5_vl", (), {"num_attention_heads": 0}, "text_config.num_attention_heads=0: must be >= 1"),
     ("qwen3_5_vl", (), {"num_key_value_heads": 3},
      "text_config.num_key_value_heads=3: must divide text_config.num_attention_heads=4"),
+    # ... also where the reader itself refuses one, or misses one
+    ("qwen3_5_vl", (), {"hidden_act": "gelu"}, "text_config.hidden_act='gelu': not supported (silu only)"),
+    ("qwen3_5_vl", (), {"linear_num_value_heads": "4"}, "text_config.linear_num_value_heads='4': must be an integer"),
+    ("qwen3_5_vl", (), {"linear_num_value_heads": 5},
+     f"text_config.linear_num_value_heads=5: must be a multiple of text_config.linear_num_key_heads=2 {RATIO}"),
+    ("qwen3_5_vl", ("vocab_size",), {}, "missing key 'text_config.vocab_size'"),
 ])
 def test_a_bad_value_in_config_json_is_named_by_its_key_in_the_file(checkpoints, tmp_path, family, drop, changes,
                                                                       line):

@@ -3,12 +3,10 @@ about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
 turns its contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder
-does not model (another architecture, multimodal, quantized weights, other rope types); a mixture
-of experts becomes ``model.moe`` (:func:`_hf_moe`); a sliding window
-becomes the model's own window pattern (``preset_window``, ``preset_layer_types``)
-with one line naming the key. Every value read is checked against its JSON type where it is read
-(:func:`_get`), so a string where a number belongs is one line naming the config.json key and the
-value: OmegaConf, which ``ModelConfig.from_hf_config`` types the fields with afterwards, would
+does not model (another architecture, multimodal, quantized weights, other rope types) in one line
+naming the key; a mixture of experts becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the
+model's own window pattern (``preset_window``, ``preset_layer_types``). Each value is checked against
+its JSON type where it is read (:func:`_get`): OmegaConf, which types the fields afterwards, would
 convert ``"32"`` silently and name only its own key, and the arithmetic here would raise first.
 """
 
@@ -18,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from kvbench.config.errors import ConfigError
-from kvbench.config.hf_keys import DEFAULT, Source, file_sources
+from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
 from kvbench.config.moe import check_moe
 from kvbench.jsonio import read_json
 
@@ -160,19 +158,28 @@ def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
                  max_seq_len: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Source]]:
     """The ModelConfig fields (untyped) that the config.json contents ``cfg`` describe, and the key
-    each came from (:class:`~kvbench.config.hf_keys.Source`; none for ``max_seq_len`` when it is
-    given: the caller's); ``where`` names the file. Raises :class:`ConfigError` for what the decoder
-    does not model; a missing key is one too, naming it."""
+    each came from (:class:`~kvbench.config.hf_keys.Source`; none for a ``max_seq_len`` given: the
+    caller's); ``where`` names the file. What the decoder does not model, or a missing key: ConfigError."""
     archs = _get(cfg, "architectures", "list") or [_get(cfg, "model_type", "str", "unknown")]
     arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(f"{where}: architectures={archs!r}: not supported "
                           f"(accepted: {', '.join(HF_ARCHITECTURES)})")
-    switches, hybrid, nested = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES, ""
-    if arch in TEXT_MODEL_PREFIX:  # the language model of a multimodal checkpoint; its head's tying is the top's
-        cfg = {**_get(cfg, "text_config", "object", _REQUIRED), "architectures": archs,
-               "tie_word_embeddings": cfg.get("tie_word_embeddings")}
-        nested = "text_config."
+    if arch not in TEXT_MODEL_PREFIX:
+        return _text_fields(cfg, arch, where, max_seq_len, "")
+    # the language model of a multimodal checkpoint, its keys named where they are; its head's tying is the top's
+    top = {"architectures": archs, "tie_word_embeddings": cfg.get("tie_word_embeddings")}
+    try:
+        return _text_fields({**_get(cfg, "text_config", "object", _REQUIRED), **top}, arch, where, max_seq_len,
+                            "text_config.")
+    except ConfigError as exc:
+        head = f"{where}: " * str(exc).startswith(f"{where}: ")
+        raise ConfigError(head + nested_keys(str(exc)[len(head):], "text_config.", top)) from None
+
+
+def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any, nested: str) -> Tuple[Dict, Dict]:
+    """:func:`model_fields` of a language model's keys ``cfg``, found at ``nested`` in the file."""
+    switches, hybrid = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES
     given, cfg = cfg, _with_class_defaults(cfg, arch)
     refused = {  # key: why, for a value that is set and not the default
         "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
