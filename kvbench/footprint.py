@@ -190,8 +190,9 @@ def available_bytes(device: torch.device) -> int:
 
 def check_model_fits(model: ModelConfig, device: torch.device | str, where: str) -> None:
     """Raise :class:`ConfigError` naming ``where`` (the checkpoint's config.json) when the model
-    it describes cannot be built in the memory ``device`` has available."""
-    need = Footprint(parameter_count(model) * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
+    it describes, in its own attention, cannot be built in the memory ``device`` has available."""
+    own = parameter_count(model, AttentionConfig().resolved(model))
+    need = Footprint(own * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
     have = available_bytes(torch.device(device))
     if need.total > have:
         experts = "" if model.moe is None else f", {model.moe.num_experts} experts of {model.moe.expert_ffn_dim}"

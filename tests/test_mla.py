@@ -162,6 +162,21 @@ def test_deepseek_checkpoints_match_transformers_over_prefill_and_cached_decode(
             assert (model(tokens) - hf(tokens).logits).abs().max().item() > 1e-4
 
 
+def test_an_odd_query_head_width_is_read_as_transformers_reads_it(tmp_path):
+    """qk_nope_head_dim 7 + qk_rope_head_dim 4: a latent layer rotates its 4 rope dimensions only, so
+    the odd head width of 11 is built, and matches transformers; K/V heads of that width, which
+    rotary embeddings would turn whole, are refused naming it."""
+    path, hf = deepseek_dir(tmp_path, qk_nope_head_dim=7, max_position_embeddings=PROMPT + STEPS)
+    model, _ = load_llama_dir(path, torch.float32)
+    assert model.config.head_dim == 11 and model.layouts.rotary_dim() == 4
+    tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+    ours, theirs = logits_with_cache(model, hf, tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    with pytest.raises(ConfigError, match=r"^model.head_dim=11: must be even and >= 2 for attention.type=gqa "
+                                          r"\(rotary embeddings rotate pairs of dimensions\)$"):
+        AttentionConfig(type="gqa", num_kv_heads=2).resolved(model.config)
+
+
 def test_yarn_frequencies_and_attention_factor_are_transformers():
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

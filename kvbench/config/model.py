@@ -127,18 +127,24 @@ class ModelConfig:
             check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
                    f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
             self.head_dim = self.d_model // self.num_heads
-        check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
-               "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
-        rotated = self.rotary_dim
-        check(0 < self.partial_rotary_factor <= 1 and rotated >= 2 and rotated % 2 == 0, "model.partial_rotary_factor",
-              self.partial_rotary_factor, f"must be in (0, 1] and rotate an even number >= 2 of the head_dim="
-              f"{self.head_dim} dimensions (int(head_dim x factor) = {rotated})")
+        check(self.head_dim >= 1, "model.head_dim", self.head_dim, "must be >= 1")
+        if self.preset_mla is None:  # a latent model's heads rotate preset_mla.qk_rope_head_dim of theirs
+            self.check_rotary()
         self._check_linear_shape()
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads,
                f"must divide model.num_heads={self.num_heads}")
         check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
                              self.preset_layer_types, self.num_layers)
+
+    def check_rotary(self, why: str = "") -> None:
+        """That a K/V-head layer's heads rotate an even number of dimensions (``why``: for what)."""
+        check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
+              f"must be even and >= 2{why} (rotary embeddings rotate pairs of dimensions)")
+        rotated = self.rotary_dim
+        check(0 < self.partial_rotary_factor <= 1 and rotated >= 2 and rotated % 2 == 0, "model.partial_rotary_factor",
+              self.partial_rotary_factor, f"must be in (0, 1] and rotate an even number >= 2 of the head_dim="
+              f"{self.head_dim} dimensions (int(head_dim x factor) = {rotated})")
 
     @property
     def rotary_dim(self) -> int:
@@ -353,6 +359,8 @@ class AttentionConfig:
         if self.latent or (self.type == MODEL_ATTENTION and model.preset_mla is not None
                            and self.num_kv_heads is None):
             return self._resolved_mla(model)
+        if model.preset_mla is not None:  # K/V heads of a latent model's width (qk_nope + qk_rope)
+            model.check_rotary(f" for attention.type={self.type}")
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:
