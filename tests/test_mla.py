@@ -172,8 +172,8 @@ def test_an_odd_query_head_width_is_read_as_transformers_reads_it(tmp_path):
     tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
     ours, theirs = logits_with_cache(model, hf, tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5
-    with pytest.raises(ConfigError, match=r"^model.head_dim=11: must be even and >= 2 for attention.type=gqa "
-                                          r"\(rotary embeddings rotate pairs of dimensions\)$"):
+    with pytest.raises(ConfigError, match=r"^model.head_dim=11: must be even and >= 2 \(rotary embeddings rotate "
+                                          r"pairs of dimensions\)$"):
         AttentionConfig(type="gqa", num_kv_heads=2).resolved(model.config)
 
 

@@ -137,10 +137,10 @@ class ModelConfig:
         check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
                              self.preset_layer_types, self.num_layers)
 
-    def check_rotary(self, why: str = "") -> None:
-        """That a K/V-head layer's heads rotate an even number of dimensions (``why``: for what)."""
+    def check_rotary(self) -> None:
+        """That a K/V-head layer's heads, which rotary embeddings turn, rotate pairs of dimensions."""
         check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", self.head_dim,
-              f"must be even and >= 2{why} (rotary embeddings rotate pairs of dimensions)")
+              "must be even and >= 2 (rotary embeddings rotate pairs of dimensions)")
         rotated = self.rotary_dim
         check(0 < self.partial_rotary_factor <= 1 and rotated >= 2 and rotated % 2 == 0, "model.partial_rotary_factor",
               self.partial_rotary_factor, f"must be in (0, 1] and rotate an even number >= 2 of the head_dim="
@@ -359,8 +359,8 @@ class AttentionConfig:
         if self.latent or (self.type == MODEL_ATTENTION and model.preset_mla is not None
                            and self.num_kv_heads is None):
             return self._resolved_mla(model)
-        if model.preset_mla is not None:  # K/V heads of a latent model's width (qk_nope + qk_rope)
-            model.check_rotary(f" for attention.type={self.type}")
+        if model.preset_mla is not None:  # K/V heads as wide as a latent model's (qk_nope + qk_rope), rotated whole
+            model.check_rotary()
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:
