@@ -228,8 +228,11 @@ def _inspect(cfg: DictConfig) -> int:
     """Print the head→group map and the KV-memory table; runs no model."""
     from kvbench.tasks.inspect import describe  # torch (a meta model): only when task=inspect
 
+    job, invalid = typed_job(cfg)  # a single run's: typed as it started
     try:
-        stdout.print(describe(to_bench_config(cfg)), markup=False, soft_wrap=True)
+        if job is None:
+            raise ConfigError(invalid)
+        stdout.print(describe(job), markup=False, soft_wrap=True)
     except ConfigError as exc:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         return EXIT_CODES["invalid"]
