@@ -432,8 +432,9 @@ def test_recall_uptrain_of_an_mla_variant_is_refused_naming_the_key(tmp_path, mo
     result = job(tmp_path, *RECALL, *overrides, "recall.uptrain_steps=1")
     assert result.status == "invalid"
     [line] = result.error.splitlines()
-    assert line.startswith("recall.uptrain_steps=1: converts a trained MHA model by mean-pooling its K/V heads; "
-                           "attention=mla caches a latent")
+    assert line == ("recall.uptrain_steps=1: converts K/V heads by mean-pooling them; attention=mla caches a latent, "
+                    "which pooling does not make (converting to MLA is not built); use recall.uptrain_steps=null to "
+                    "train the variant from scratch")
 
 
 @pytest.mark.parametrize("overrides, windows", [

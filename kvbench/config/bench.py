@@ -205,6 +205,7 @@ class BenchConfig:
                     "runtime.compile": self.runtime.compile, "workload.store": None}
         if TASKS[self.task].runs_workload:
             settings.update(self.workload.layout_settings(self))
+        settings.update(TASKS[self.task].settings(self))
         return settings
 
     def __post_init__(self) -> None:

@@ -5,10 +5,10 @@ values enter, each failure one line naming the key and the value."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
-from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive
-from kvbench.config.task import ALL, QUALITY_RUNTIME, Task, Without
+from kvbench.config.errors import check, check_choice, check_numbers, check_positive
+from kvbench.config.task import ALL, QUALITY_RUNTIME, Asked, Task, Without
 
 RECALL_KINDS = ("mqar", "passkey")
 
@@ -74,18 +74,23 @@ def check_recall_run(r: RecallConfig, max_seq_len: int, num_heads: int, attentio
     check(max(r.seq_len) <= max_seq_len, "recall.seq_len", r.seq_len, f"longer than model.max_seq_len={max_seq_len}")
     if r.uptrain_steps is None:
         return
-    if attention.latent:
-        raise ConfigError(f"recall.uptrain_steps={r.uptrain_steps}: converts a trained MHA model by mean-pooling its "
-                          "K/V heads; attention=mla caches a latent, which pooling does not make (converting to MLA "
-                          "is not built): use recall.uptrain_steps=null to train MLA from scratch")
     kv = attention.num_kv_heads  # a divisor of num_heads (the resolved attention's rule)
     check(kv < num_heads, "recall.uptrain_steps", r.uptrain_steps,
           f"converts a trained MHA model to fewer KV heads; attention.num_kv_heads={kv} of model.num_heads="
           f"{num_heads} is that MHA model (use attention=gqa or mqa, or recall.uptrain_steps=null)")
 
 
+def recall_settings(r: RecallConfig) -> Dict[str, Any]:
+    """What a layer's layout may refuse of task=recall: ``uptrain_steps`` mean-pools a trained MHA
+    model's K/V heads into the variant's (a ``kv_conversion``)."""
+    return {} if r.uptrain_steps is None else {
+        "kv_conversion": Asked("mean-pool", f"recall.uptrain_steps={r.uptrain_steps}",
+                               "use recall.uptrain_steps=null to train the variant from scratch")}
+
+
 # Trains from generated sequences: no text, no workload, no cache.
 RECALL = Task(reads={"attention": ALL, "runtime": QUALITY_RUNTIME,
                      "train": Without("checkpoint", "init_from", "seq_len", "eval_batches"), "recall": ALL},
               check=lambda cfg: check_recall_run(cfg.recall, cfg.model.max_seq_len, cfg.model.num_heads,
-                                                 cfg.attention))
+                                                 cfg.attention),
+              settings=lambda cfg: recall_settings(cfg.recall))

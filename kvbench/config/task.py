@@ -23,8 +23,23 @@ QUALITY_RUNTIME = ("device", "dtype", "seed", "threads")  # training and scoring
 TIMED_RUNTIME = Without("memory_budget_gb")  # the memory budget is task=capacity's
 
 
+@dataclass(frozen=True)
+class Asked:
+    """A setting's ``value`` as the job asks it by another key: ``named`` (``recall.uptrain_steps=200``
+    asks ``kv_conversion`` mean-pool), which a refusal names, and what to do ``instead``."""
+
+    value: Any
+    named: str
+    instead: str = ""
+
+
 def no_rules(cfg: Any) -> None:
     """A task that adds no rule across groups."""
+
+
+def no_settings(cfg: Any) -> Dict[str, Any]:
+    """A task that asks a layer's layout nothing beyond the job's cache and runtime."""
+    return {}
 
 
 @dataclass(frozen=True)
@@ -34,13 +49,15 @@ class Task:
     workload's own rules, its length and what it reads (``READS`` of its dataclass) apply too;
     ``by_workload``: keys that differ per workload option. ``own_shape``: the model's shape comes
     from the task's checkpoint, which resolves the attention itself. ``check``: its rules across
-    groups, given the job's config with its attention resolved."""
+    groups, given the job's config with its attention resolved. ``settings``: what of the job a layer's
+    layout may refuse beyond its cache and runtime (:class:`kvbench.layouts.base.Limit` keys)."""
 
     reads: Mapping[str, Keys]
     runs_workload: bool = False
     by_workload: Mapping[str, Mapping[str, Keys]] = field(default_factory=dict)
     own_shape: bool = False
     check: Callable[[Any], None] = no_rules
+    settings: Callable[[Any], Dict[str, Any]] = no_settings
 
     def sections(self, workload: Any) -> Dict[str, Keys]:
         """What a job of this task with ``workload`` (its dataclass, or None) reads, by section."""

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.dtypes import element_bytes
 from kvbench.config.errors import ConfigError
+from kvbench.config.task import Asked
 from kvbench.units import human_bytes
 
 
@@ -180,8 +181,6 @@ class LayerLayout:
 
     # ---- what the tasks ask of it ----
 
-    # checkpoint.convert_kv_heads may repeat or mean-pool another K/V-head count into this layer
-    converts_kv_heads: ClassVar[bool] = True
     # attention.* keys beyond the model's shape that size weights and cache (a memory refusal names them)
     size_keys: ClassVar[Tuple[str, ...]] = ()
     # a decode step has a second form of the same arithmetic, which fidelity compares
@@ -217,8 +216,14 @@ def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> 
     Each layout object is asked once, as the first layer that has it (layers of one shape share it)."""
     for index, layer in first_of_each(layers):
         for limit in layer.limits(index):
-            if limit.key in settings and settings[limit.key] not in limit.allowed:
-                raise ConfigError(f"{limit.names or f'{limit.key}={settings[limit.key]!r}'}: {limit.why}")
+            if limit.key not in settings:
+                continue
+            asked = settings[limit.key]
+            if not isinstance(asked, Asked):
+                asked = Asked(asked, f"{limit.key}={asked!r}")
+            if asked.value not in limit.allowed:
+                instead = asked.instead and f"; {asked.instead}"
+                raise ConfigError(f"{limit.names or asked.named}: {limit.why}{instead}")
 
 
 def first_of_each(layers: Sequence[LayerLayout]) -> List[Tuple[int, LayerLayout]]:
@@ -309,8 +314,9 @@ class Layouts(tuple):
     # ---- what the tasks ask of them ----
 
     def converts_kv_heads(self) -> bool:
-        """Whether every layer takes a checkpoint's K/V heads repeated or mean-pooled."""
-        return all(layer.converts_kv_heads for layer in self.unique())
+        """Whether every layer takes a checkpoint's K/V heads repeated or mean-pooled (its ``kv_conversion``
+        Limit: checkpoint.convert_kv_heads)."""
+        return self.accepts({"kv_conversion": "mean-pool"})
 
     def size_keys(self) -> Tuple[str, ...]:
         return tuple(dict.fromkeys(key for layer in self.unique() for key in layer.size_keys))

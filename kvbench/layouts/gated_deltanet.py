@@ -81,8 +81,7 @@ class GatedDeltaNet(LayerLayout):
             Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V; a Gated DeltaNet layer keeps its "
                   "recurrent state in float32 and its convolution state in the compute dtype; use cache.dtype=auto"),
             Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "Gated DeltaNet layer's state has no such view (not built); use false or default"),
-            Limit("kv_conversion", ("none",), "converting K/V heads to or from a recurrent state is not built"))
+                  "Gated DeltaNet layer's state has no such view (not built); use false or default"))
 
     # ---- how inspect describes it ----
 

@@ -75,7 +75,9 @@ class Latent(LayerLayout):
                 **({"index_topk": self.index_topk} if self.index_topk else {})}
 
     def limits(self, index: Optional[int] = None):
-        own = (Limit("kv_conversion", ("none",), "converting K/V heads to or from a latent is not built"),)
+        # a model's K/V heads repeated or mean-pooled (checkpoint.convert_kv_heads) make no latent
+        own = (Limit("kv_conversion", ("none",), "converts K/V heads by mean-pooling them; attention=mla caches a "
+                     "latent, which pooling does not make (converting to MLA is not built)"),)
         if self.index_topk:
             why = f"attention.index_topk={self.index_topk} (DSA's top-k selection) is not built for"
             own += (Limit("cache.shared", (False, None), f"{why} a shared prefix; use cache.shared=false"),
@@ -84,7 +86,6 @@ class Latent(LayerLayout):
 
     # ---- what the tasks ask of it ----
 
-    converts_kv_heads = False  # its K/V come from a latent, not heads a checkpoint's could be pooled to
     size_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     has_decode_forms = True  # absorbed and expanded (attention.mla_decode)
 
