@@ -134,8 +134,9 @@ class Variant:
 
     @property
     def plain(self) -> bool:
-        """True for the layout as such: every layer over the whole context, the cache in the compute dtype."""
-        return self.full_context and not self.quantized
+        """True for the layout as such, its label naming nothing else: no window (not even one no layer
+        applies), no linear layers, no layer option, the cache in the compute dtype."""
+        return not (self.window or self.stateful or self.options or self.quantized)
 
     @property
     def counts_kv_heads(self) -> bool:

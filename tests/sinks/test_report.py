@@ -155,6 +155,13 @@ def test_each_variant_has_one_colour_in_every_plot():
     assert colours["mha kv=8"] == colours["mha kv=16"] == MHA_COLOUR and colours["mqa kv=1"] == MQA_COLOUR
     gqa = [colours[f"gqa kv={k}"] for k in (8, 4, 2)]
     assert len(set(gqa)) == 3 and not {MHA_COLOUR, MQA_COLOUR} & set(gqa)
+    # what else its label names takes a colour of its own, beside the plain layout in one panel: a
+    # window no layer applies (w=64 0:1), linear layers, a layer option, a quantized cache
+    others = [Variant("mha", num_kv_heads=8, window=64, global_every=1, num_layers=4),
+              Variant("mha", num_kv_heads=8, layer_types=("linear_attention", "full_attention")),
+              Variant("mha", num_kv_heads=8, options=(("sinks", True),)), Variant("mqa", 8, 1, cache_dtype="int8")]
+    mixed = palette([Variant("mha", num_kv_heads=8), Variant("mqa", num_kv_heads=1), *others])
+    assert mixed["mha kv=8"] == MHA_COLOUR and mixed["mqa kv=1"] == MQA_COLOUR and len(set(mixed.values())) == 6
     many = palette([Variant("gqa", num_kv_heads=k) for k in range(2, 26)])
     assert len(set(many.values())) == 24  # a sweep of 24 GQA counts still has distinct colours
 
