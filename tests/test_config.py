@@ -211,6 +211,9 @@ def test_a_malformed_config_json_names_the_file_and_key(change, needle):
 HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
             "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 97,
             "max_position_embeddings": 128}
+# the same shape as a DeepSeek-V3 with multi-head latent attention (every layer's MLP dense)
+HF_DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+               "qk_rope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 2}
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -235,7 +238,8 @@ HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidd
      "rope_parameters.partial_rotary_factor=0.5: not supported"),
     ({"layer_types": ["chunked_attention", "full_attention"]},
      "layer_types=['chunked_attention', 'full_attention']: not supported"),
-    ({"attention_bias": True}, "attention_bias=True: biases on q, k, v and o"),
+    ({**HF_DEEPSEEK, "attention_bias": True},
+     "attention_bias=True: biases on the latent attention's projections are not modelled"),
     ({"mlp_bias": True}, "mlp_bias=True: the decoder's MLP has no biases"),
 ])
 def test_what_the_decoder_does_not_model_is_refused_naming_the_key(change, needle):

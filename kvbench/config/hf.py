@@ -52,6 +52,8 @@ HF_ARCHITECTURES.update({arch: _HYBRID for arch in HYBRID_ARCHITECTURES})
 HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
                    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+                  *HYBRID_ARCHITECTURES)  # their attention_bias: a bias on each of q, k, v and o
 # A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
 TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model.",
                      "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
@@ -181,9 +183,8 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
     """:func:`model_fields` of a language model's keys ``cfg``, found at ``nested`` in the file."""
     switches, hybrid = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES
     given, cfg = cfg, _with_class_defaults(cfg, arch)
-    refused = {  # key: why, for a value that is set and not the default
-        "attention_bias": None if switches["qkv_bias"] else "biases on q, k, v and o (only Qwen2's "
-                                                             "q/k/v biases are modelled)",
+    refused = {  # key: why, for a value that is set and not the default (Mistral's and Qwen2's classes ignore it)
+        "attention_bias": "biases on the latent attention's projections are not modelled" if "Deep" in arch else None,
         "mlp_bias": "the decoder's MLP has no biases",
         "text_config": "multimodal checkpoints are not supported",
         "vision_config": "multimodal checkpoints are not supported",
@@ -192,10 +193,9 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
         "quantization_config": "quantized checkpoints (fp8 blocks, MXFP4 experts) are not read; use a "
                                "bfloat16 or float32 copy",
     }
-    if arch == "GptOssForCausalLM":  # attention_bias there is on q, k, v and o alike; sinks in every layer
-        bias = _get(cfg, "attention_bias", "bool", True)
-        refused["attention_bias"] = None
-        switches = {**switches, "qkv_bias": bias, "o_bias": bias, "preset_sinks": True}
+    if arch in ATTENTION_BIAS:  # on q, k, v and o alike (GPT-OSS: unless set false); GPT-OSS: sinks in every layer
+        bias = _get(cfg, "attention_bias", "bool", arch == "GptOssForCausalLM")
+        switches = {**switches, "qkv_bias": bias, "o_bias": bias, "preset_sinks": arch == "GptOssForCausalLM"}
     for key, why in refused.items():
         if why and cfg.get(key):
             raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
