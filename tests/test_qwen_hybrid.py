@@ -122,6 +122,20 @@ def test_each_family_is_transformers_in_logits_perplexity_and_45_greedy_cached_s
     assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_vl", "qwen3_next_moe"])
+@torch.no_grad()
+def test_attention_bias_is_a_bias_on_q_k_v_and_o_as_transformers_reads_it(tmp_path, family):
+    path, hf = qwen_dir(tmp_path / "drawn", family, attention_bias=True)
+    for name, p in hf.named_parameters():
+        if name.endswith(".bias"):  # drawn, not transformers' zeros
+            p.normal_()
+    hf.save_pretrained(tmp_path / "ck")
+    model, _ = load_llama_dir(tmp_path / "ck")
+    assert model.config.qkv_bias and model.config.o_bias
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("family", list(MOE_DENSE_LAYERS))
 @torch.no_grad()
 def test_a_moe_checkpoint_without_a_shared_expert_is_transformers(tmp_path, family):
