@@ -59,14 +59,7 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas. ``attention``:
     as the job resolved it against ``model`` (None: MHA)."""
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
-    first_shared = model.num_layers - (resolved.kv_shared_layers or 0)
-    moe = model.moe
-    types, full = resolved.layer_kinds(model.num_layers)[:first_shared], "full_attention"
-    mixers = [k if k == LINEAR else full for k in types] if LINEAR in types else [full] * first_shared
-    mixers += ["shared"] * (model.num_layers - first_shared)
-    # how many layers of each kind
-    kinds = Counter(zip(mixers, map(moe.sparse, range(model.num_layers)))) if moe is not None else \
-        Counter({(mixer, False): n for mixer, n in Counter(mixers).items()})
+    moe, kinds = model.moe, _layer_kinds(model, resolved)
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
     # have none, and one kind of layer each (linear ones named in layer_types, which an interval contradicts).
     small = dataclasses.replace(model.without_pattern(), num_layers=1, max_seq_len=1, moe=None)
@@ -89,6 +82,22 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model)
     return ParameterCounts(total, total - unused * sum(n for (_, sparse), n in kinds.items() if sparse) - embedding,
                            embedding)
+
+
+def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:
+    """How many layers of each kind, (mixer, sparse), there are: from the linear and dense layers'
+    positions, not a pass over every layer (a hostile config may ask for 10^8)."""
+    L, first_shared = model.num_layers, model.num_layers - (attention.kv_shared_layers or 0)
+    types = attention.layer_kinds(L)
+    linear = {i for i, kind in enumerate(types[:first_shared]) if kind == LINEAR} if LINEAR in types else set()
+    sizes = {LINEAR: len(linear), "full_attention": first_shared - len(linear), "shared": L - first_shared}
+    if model.moe is None:
+        return Counter({(mixer, False): n for mixer, n in sizes.items() if n})
+    dense = {i for i in model.moe.dense_layers if 0 <= i < L}
+    dense_in = {LINEAR: len(dense & linear), "full_attention": sum(i < first_shared for i in dense - linear),
+                "shared": sum(i >= first_shared for i in dense)}
+    return Counter({(mixer, sparse): count for mixer, n in sizes.items()
+                    for sparse, count in ((False, dense_in[mixer]), (True, n - dense_in[mixer])) if count})
 
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:

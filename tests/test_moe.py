@@ -354,6 +354,20 @@ def test_parameter_counts_without_building_are_the_built_decoders(moe, attention
     assert sum(p.numel() for p in built.blocks[2].mlp.parameters()) == model.moe.layer_params(C)
 
 
+@pytest.mark.parametrize("dense", [[], [0], [1, 3], [0, 1, 2, 3]])
+def test_parameter_counts_of_linear_shared_and_dense_layers_mixed_are_the_built_decoders(dense):
+    """Gated DeltaNet, attention and K/V-sharing layers, each dense or a mixture of experts: the
+    footprint counts each kind from where the linear and dense layers are, as the built decoder."""
+    moe = None if len(dense) == 4 else dict(num_experts=4, top_k=2, expert_ffn_dim=8, dense_layers=dense)
+    model = ModelConfig(num_layers=4, d_model=C, num_heads=4, preset_kv_heads=4, ffn_dim=48, vocab_size=VOCAB,
+                        moe=moe)
+    attention = AttentionConfig(type="gqa", num_kv_heads=2, kv_shared_layers=1,
+                                layer_types=["linear_attention", "full_attention", "linear_attention",
+                                             "full_attention"]).resolved(model)
+    with torch.device("meta"):
+        assert parameter_counts(model, attention).total == Decoder(model, attention).num_params()
+
+
 # (preset, total, active as the card counts it, with the embedding table?) from the model cards, as
 # each preset's YAML cites them (written without internet access, from memory of the cards)
 CARDS = [("deepseek_v3", 671e9, 36.7e9, False),  # README_WEIGHTS.md: 671B main model, 36.7B activated

@@ -47,6 +47,8 @@ def _build(model, attention) -> Layouts:
                        output_gate=model.attn_output_gate, rotary=rotary)
 
     keys = [LINEAR if kind == LINEAR else w for w, kind in zip(windows, kinds)] if LINEAR in kinds else windows
+    if keys and keys.count(keys[0]) == len(keys):  # every layer alike (counted in C: a model may have 10^8)
+        return Layouts(share_kv((layer(keys[0]),) * len(keys), attention.kv_shared_layers))
     made = {key: layer(key) for key in dict.fromkeys(keys)}
     layers = list(map(made.__getitem__, keys))
     return Layouts(share_kv(layers, attention.kv_shared_layers))
