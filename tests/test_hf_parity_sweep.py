@@ -36,6 +36,8 @@ def draw(family: str, rng: random.Random) -> dict:
                rope_parameters={**rng.choice(ROPES), "rope_theta": rng.choice([100.0, 10000.0])})
     if family != "qwen2":
         cfg["head_dim"] = head_dim  # Qwen2 has none: hidden/heads
+    # biases on q, k, v and o where the class reads the key; Mistral's and Qwen2's ignore it
+    cfg["attention_bias"] = rng.random() < 0.5
     kinds = [rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers)]
     if family == "mistral":
         cfg["sliding_window"] = window
