@@ -254,7 +254,8 @@ def test_two_kvbench_sweeps_started_together_into_one_directory_one_is_refused(t
         procs = [subprocess.Popen([sys.executable, "-m", "kvbench.cli", "-m", *a, *jobs, f"hydra.sweep.dir={sweep}"],
                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for a in (A, B)]
-        done = [(p.wait(300), *p.communicate()) for p in procs]
+        outs = [p.communicate(timeout=300) for p in procs]  # reads the pipes as it waits: p.wait on a full one blocks
+        done = [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
         assert sorted(code for code, _, _ in done) == [0, 2], done
         [(_, _, err)] = [d for d in done if d[0] == 2]
         [line] = err.strip().splitlines()
