@@ -68,9 +68,10 @@ class RecallConfig:
 def check_recall_run(r: RecallConfig, max_seq_len: int, num_heads: int, attention: Any) -> None:
     """task=recall's rules across groups (``attention``: the resolved AttentionConfig), checked
     when the config is typed, before any seed trains: every length fits the model (the closing
-    decode timing included: it stays within the longest length), and ``uptrain_steps`` only where
-    mean-pooling a trained MHA model's K/V heads makes the variant (its window pattern kept) —
-    anything else would score another model under the variant's label."""
+    decode timing included: it stays within the longest length), and ``uptrain_steps`` only towards
+    fewer K/V heads than the trained MHA model's (a layout pooling cannot make refuses it by its
+    ``kv_conversion`` Limit: :func:`recall_settings`) — anything else would score another model
+    under the variant's label."""
     check(max(r.seq_len) <= max_seq_len, "recall.seq_len", r.seq_len, f"longer than model.max_seq_len={max_seq_len}")
     if r.uptrain_steps is None:
         return
