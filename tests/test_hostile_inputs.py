@@ -315,6 +315,8 @@ def _hybrid_config(path, family):
     ("qwen3_5_vl", (), {"linear_num_value_heads": 5},
      f"text_config.linear_num_value_heads=5: must be a multiple of text_config.linear_num_key_heads=2 {RATIO}"),
     ("qwen3_5_vl", ("vocab_size",), {}, "missing key 'text_config.vocab_size'"),
+    ("qwen3_5_vl", (), {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "text_config.rope_parameters.rope_type='dynamic': not supported (accepted: default, linear, llama3, yarn)"),
 ])
 def test_a_bad_value_in_config_json_is_named_by_its_key_in_the_file(checkpoints, tmp_path, family, drop, changes,
                                                                       line):

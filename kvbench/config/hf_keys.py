@@ -65,11 +65,11 @@ def in_file_keys(message: str, sources: Mapping[str, Source]) -> str:
     return "; ".join([_MENTION.sub(name, message), *notes])
 
 
-# A key a refusal names: ``key=value``, or ``missing key 'key'``.
-_KEY = re.compile(r"(?<![\w.])(?:(\w+)(?==[^=])|(?<=missing key ')(\w+)(?='))")
+# A key a refusal names, dotted where it is nested: ``key=value``, or ``missing key 'key'``.
+_KEY = re.compile(r"(?<![\w.])(?:(\w+(?:\.\w+)*)(?==[^=])|(?<=missing key ')(\w+(?:\.\w+)*)(?='))")
 
 
 def nested_keys(message: str, nested: str, top: Mapping[str, Any]) -> str:
     """``message`` (a refusal of keys read at ``nested`` in the file, ``text_config.``) with each
     key it names under ``nested``, but those of the file's top level ``top``."""
-    return _KEY.sub(lambda m: m.group(0) if m.group(0) in top else nested + m.group(0), message)
+    return _KEY.sub(lambda m: m.group(0) if m.group(0).split(".")[0] in top else nested + m.group(0), message)
