@@ -78,10 +78,12 @@ def logits_with_cache(model, hf, tokens):
     ("mistral", {}, {"qkv_bias": False, "qk_norm": False}),
     ("qwen2", {}, {"qkv_bias": True, "qk_norm": False}),
     ("qwen3", {}, {"qkv_bias": False, "qk_norm": True}),
-    # attention_bias: a bias on each of q, k, v and o where the class reads it; Mistral's ignores it
-    ("llama", {"attention_bias": True}, {"qkv_bias": True, "o_bias": True}),
+    # attention_bias: a bias on each of q, k, v and o where the class reads it, mlp_bias on the MLP's
+    # projections (Llama's); Mistral's class ignores both
+    ("llama", {"attention_bias": True}, {"qkv_bias": True, "o_bias": True, "mlp_bias": False}),
+    ("llama", {"mlp_bias": True}, {"qkv_bias": False, "o_bias": False, "mlp_bias": True}),
     ("qwen3", {"attention_bias": True}, {"qkv_bias": True, "o_bias": True, "qk_norm": True}),
-    ("mistral", {"attention_bias": True}, {"qkv_bias": False, "o_bias": False}),
+    ("mistral", {"attention_bias": True, "mlp_bias": True}, {"qkv_bias": False, "o_bias": False, "mlp_bias": False}),
 ])
 @pytest.mark.parametrize("num_kv_heads,tie", [(2, False), (1, True)], ids=["gqa", "mqa-tied"])
 def test_each_family_matches_transformers_over_prefill_and_cached_decode(tmp_path, family, overrides, switches,

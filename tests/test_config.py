@@ -240,7 +240,6 @@ HF_DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 16, "
      "layer_types=['chunked_attention', 'full_attention']: not supported"),
     ({**HF_DEEPSEEK, "attention_bias": True},
      "attention_bias=True: biases on the latent attention's projections are not modelled"),
-    ({"mlp_bias": True}, "mlp_bias=True: the decoder's MLP has no biases"),
 ])
 def test_what_the_decoder_does_not_model_is_refused_naming_the_key(change, needle):
     msg = one_line_error(lambda: ModelConfig.from_hf_config({**HF_LLAMA, **change}, "ck/config.json"), needle)

@@ -47,6 +47,8 @@ def draw(family: str, rng: random.Random) -> dict:
     if family == "qwen3_moe":
         cfg.update(num_experts=4, num_experts_per_tok=rng.choice([1, 2, 3]), moe_intermediate_size=8,
                    norm_topk_prob=rng.random() < 0.5, mlp_only_layers=[rng.randrange(layers)])
+    if family == "llama":
+        cfg["mlp_bias"] = rng.random() < 0.5
     if family == "gpt_oss":
         cfg.update(sliding_window=window, layer_types=kinds, attention_bias=rng.random() < 0.7, num_local_experts=4,
                    num_experts_per_tok=rng.choice([1, 2, 3]), swiglu_limit=rng.choice([0.5, 7.0]))

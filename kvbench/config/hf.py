@@ -185,17 +185,17 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
     given, cfg = cfg, _with_class_defaults(cfg, arch)
     refused = {  # key: why, for a value that is set and not the default (Mistral's and Qwen2's classes ignore it)
         "attention_bias": "biases on the latent attention's projections are not modelled" if "Deep" in arch else None,
-        "mlp_bias": "the decoder's MLP has no biases",
         "text_config": "multimodal checkpoints are not supported",
         "vision_config": "multimodal checkpoints are not supported",
         "num_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
         "num_local_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
-        "quantization_config": "quantized checkpoints (fp8 blocks, MXFP4 experts) are not read; use a "
-                               "bfloat16 or float32 copy",
+        "quantization_config": "quantized checkpoints (fp8 blocks, MXFP4 experts) are not read; use a bf16/fp32 copy",
     }
     if arch in ATTENTION_BIAS:  # on q, k, v and o alike (GPT-OSS: unless set false); GPT-OSS: sinks in every layer
         bias = _get(cfg, "attention_bias", "bool", arch == "GptOssForCausalLM")
         switches = {**switches, "qkv_bias": bias, "o_bias": bias, "preset_sinks": arch == "GptOssForCausalLM"}
+    if arch == "LlamaForCausalLM":  # mlp_bias: biases on its MLP's gate, up and down (other classes ignore the key)
+        switches = {**switches, "mlp_bias": _get(cfg, "mlp_bias", "bool", False)}
     for key, why in refused.items():
         if why and cfg.get(key):
             raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")

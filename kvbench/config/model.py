@@ -81,6 +81,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the attention's output projection (GPT-OSS)
+    mlp_bias: bool = False  # biases on the dense MLP's gate, up and down projections (Llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before rotary (Qwen3)
     # Qwen3.5 / Qwen3-Next (transformers' Qwen3_5RMSNorm, Qwen3_5Attention):
     norm_zero_centered: bool = False  # every RMSNorm scales by (1 + weight), multiplied in float32

@@ -10,14 +10,15 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x), ``ffn_dim`` wide (default the model's)."""
+    """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x), ``ffn_dim`` wide (default the model's, with
+    ``model.mlp_bias``'s biases; a shared expert's has none)."""
 
     def __init__(self, cfg, ffn_dim: Optional[int] = None):
         super().__init__()
-        width = cfg.ffn_dim if ffn_dim is None else ffn_dim
-        self.w_gate = nn.Linear(cfg.d_model, width, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, width, bias=False)
-        self.w_down = nn.Linear(width, cfg.d_model, bias=False)
+        width, bias = (cfg.ffn_dim, cfg.mlp_bias) if ffn_dim is None else (ffn_dim, False)
+        self.w_gate = nn.Linear(cfg.d_model, width, bias=bias)
+        self.w_up = nn.Linear(cfg.d_model, width, bias=bias)
+        self.w_down = nn.Linear(width, cfg.d_model, bias=bias)
 
     def forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

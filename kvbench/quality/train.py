@@ -34,7 +34,7 @@ _MAX_EXP = math.log(sys.float_info.max)  # math.exp raises OverflowError above t
 # What makes two decoders the same shape (the name and the preset's KV-head count do not).
 _SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "head_dim", "ffn_dim", "max_seq_len", "rope_theta",
                "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "rope_original_max_seq_len", "norm_eps", "qkv_bias", "qk_norm", "o_bias", "moe")
+               "rope_original_max_seq_len", "norm_eps", "qkv_bias", "qk_norm", "o_bias", "mlp_bias", "moe")
 
 _QUALITY_METRICS: Dict[str, Metric] = metric_table(
     Metric("val_loss", "nats/token", "mean next-token cross-entropy over train.eval_batches x train.batch_size fixed "
