@@ -143,7 +143,7 @@ def option_checks() -> Dict[str, List[str]]:
     ``resolve_options`` rather than by a ``check`` call in AttentionConfig."""
     from kvbench.config.layer_options import LAYER_OPTIONS
 
-    return {f"attention.{o.key}": [o.latent_refusal] for o in LAYER_OPTIONS if o.latent_refusal}
+    return {f"attention.{o.key}": [o.kv_heads_only] for o in LAYER_OPTIONS if o.kv_heads_only}
 
 
 def type_name(tp: object) -> str:

@@ -216,7 +216,7 @@ class RingLayer(StaticLayer):
         return out[0], out[1] if len(out) > 1 else None, runs
 
     def fixed_view(self, length):
-        raise ValueError("a sliding-window cache has no fixed-shape view (its rings are read whole); "
+        raise ValueError("a ring cache (a local layer's) has no fixed-shape view (its rings are read whole); "
                          "use runtime.compile=false|default")
 
     def truncate(self, length, held):
@@ -224,7 +224,7 @@ class RingLayer(StaticLayer):
         overwrote one the next step must see (p is lost once p + R was written)."""
         R, first = self.stores[0].length, self.layout.first_kept(length)
         if length and first + R < held:
-            raise ValueError(f"cannot truncate to {length}: a window of {R} positions already overwrote "
+            raise ValueError(f"cannot truncate to {length}: a ring of {R} positions already overwrote "
                              f"position {first} ({held} written); only reset() or a roll back within the ring works")
 
 

@@ -82,11 +82,11 @@ def test_a_models_own_option_is_resolved_and_recorded_only_when_on(option):
     assert model_record(asdict(own))[option.preset] == on
     without = model_record(asdict(MODEL))
     assert option.preset not in without and getattr(ModelConfig.from_dict(without), option.preset) == option.off
-    if option.latent_refusal:  # an MLA layer has none: the model's own does not carry over, asking is refused
+    if option.kv_heads_only:  # an MLA layer has none: the model's own does not carry over, asking is refused
         assert getattr(AttentionConfig(type="mla").resolved(own), option.key) == option.off
         with pytest.raises(ConfigError) as info:
             AttentionConfig(type="mla", **{option.key: on}).resolved(MODEL)
-        assert str(info.value) == f"attention.{option.key}={on!r}: {option.latent_refusal}"
+        assert str(info.value) == f"attention.{option.key}={on!r}: {option.kv_heads_only}"
 
 
 @pytest.mark.parametrize("option", LAYER_OPTIONS, ids=IDS)

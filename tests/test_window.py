@@ -156,7 +156,7 @@ def test_a_ring_refuses_a_roll_back_past_what_it_still_holds():
     with torch.no_grad():
         model(torch.zeros(1, 3 * W, dtype=torch.long), cache, 0)
     cache.truncate(3 * W - 1)  # within the ring: position 3W - 1 is rewritten next
-    with pytest.raises(ValueError, match="cannot truncate to 5: a window of 5 positions already overwrote"):
+    with pytest.raises(ValueError, match="cannot truncate to 5: a ring of 5 positions already overwrote"):
         cache.truncate(W)
     cache.reset()
 

@@ -1,6 +1,6 @@
 """DSA's lightning indexer (DeepSeek-V3.2, ``attention.index_topk``) as config: its fields of an MLA
 shape checked, and the shape an MLA config asks for defaulted (the layer itself:
-:mod:`kvbench.layouts.latent`)."""
+:mod:`kvbench.layouts`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any, Dict
 from kvbench.config.errors import check
 
 
-def check_indexer(prefix: str, dims: Any, window: Any = None) -> None:
+def check_indexer(prefix: str, dims: Any) -> None:
     """DSA's indexer fields of a resolved MLA shape: index_topk 0 (none) or >= 1 with >= 1 heads
-    whose keys hold the rotary part, a query latent to read (q_lora_rank), and no window."""
+    whose keys hold the rotary part, and a compressed query to read (q_lora_rank)."""
     check(dims.index_topk >= 0, f"{prefix}.index_topk", dims.index_topk, "must be >= 0 (0: no indexer)")
     if not dims.index_topk:
         return
@@ -20,14 +20,13 @@ def check_indexer(prefix: str, dims: Any, window: Any = None) -> None:
           dims.index_head_dim, f"must be even and >= qk_rope_head_dim={dims.qk_rope_head_dim} (the indexer rotates "
           "that many of its dimensions)")
     check(dims.q_lora_rank >= 1, f"{prefix}.q_lora_rank", dims.q_lora_rank,
-          f"must be >= 1 with {prefix}.index_topk={dims.index_topk}: the indexer's queries come from the query latent")
-    check(not window, f"{prefix}.index_topk", dims.index_topk, f"selects among every cached token; with a window "
-          f"({window}) it is not built (use attention.window=0)")
+          f"must be >= 1 with {prefix}.index_topk={dims.index_topk}: the indexer's queries come from the "
+          "compressed query")
 
 
 def indexer_defaults(own: Any, asked: Any, num_heads: int) -> Dict[str, int]:
     """The indexer shape an MLA config asks for (null: the model's own, else DeepSeek-V3.2's
-    ratios: index_n_heads H / 2, index_head_dim 2 x qk_rope_head_dim, a query latent of 3 x
+    ratios: index_n_heads H / 2, index_head_dim 2 x qk_rope_head_dim, a compressed query of 3 x
     kv_lora_rank where the model has none), where ``asked.index_topk`` turns an indexer on."""
     topk = own.index_topk if asked.index_topk is None else asked.index_topk
     if not topk:

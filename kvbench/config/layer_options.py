@@ -23,14 +23,14 @@ class LayerOption:
     ``label``: its part of a variant's label, formatted with the value (``" topk={}"``); ``off``: the
     value that means none, of the option's type (bool or int); ``preset``: the ModelConfig field
     holding the model's own (None: it is part of a layout's shape, resolved and compared with it,
-    as DSA's top-k is with MLA's indexer fields); ``latent_refusal``: attention=mla's error when it
-    is asked, why an MLA layer cannot have it (None: MLA layers may have it)."""
+    as DSA's top-k is with MLA's indexer fields); ``kv_heads_only``: why a layer without K/V heads
+    (attention=mla) cannot have it, its error when asked there (None: any layer may have it)."""
 
     key: str
     label: str
     off: Any
     preset: Optional[str] = None
-    latent_refusal: Optional[str] = None
+    kv_heads_only: Optional[str] = None
 
     def on(self, value: Any) -> Any:
         """``value`` when it is of this option's type and on, else None (a record's value as a
@@ -53,7 +53,7 @@ class LayerOption:
 # ``gqa kv=2 w=512 4:1 kvshare=15``).
 LAYER_OPTIONS = (
     LayerOption("sinks", " sinks", False, preset="preset_sinks",
-                latent_refusal="are a logit per query head of K/V-head attention; attention=mla has none"),
+                kv_heads_only="are a logit per query head of K/V-head attention; attention=mla has none"),
     LayerOption("index_topk", " topk={}", 0),  # its model's own: model.preset_mla (kvbench.config.indexer)
     LayerOption("kv_shared_layers", " kvshare={}", 0, preset="preset_kv_shared_layers"),
 )
@@ -61,15 +61,15 @@ LAYER_OPTIONS = (
 PRESET_OPTIONS = tuple(o for o in LAYER_OPTIONS if o.preset)
 
 
-def resolve_options(attention: Any, model: Any, latent: bool) -> Dict[str, Any]:
+def resolve_options(attention: Any, model: Any, kv_heads: bool) -> Dict[str, Any]:
     """The :data:`PRESET_OPTIONS` of ``attention`` (an AttentionConfig) resolved against ``model``
-    (a ModelConfig): each null one the model's own. On a latent (MLA) layout an option MLA layers
-    lack is refused when asked, and off otherwise (a K/V-head model's own does not carry over)."""
+    (a ModelConfig): each null one the model's own. Without ``kv_heads`` (MLA) an option only K/V-head
+    layers have is refused when asked, and off otherwise (a K/V-head model's own does not carry over)."""
     out = {}
     for option in PRESET_OPTIONS:
         asked = getattr(attention, option.key)
-        if latent and option.latent_refusal:
-            check(not asked, f"attention.{option.key}", asked, option.latent_refusal)
+        if not kv_heads and option.kv_heads_only:
+            check(not asked, f"attention.{option.key}", asked, option.kv_heads_only)
             out[option.key] = option.off
         else:
             out[option.key] = getattr(model, option.preset) if asked is None else asked

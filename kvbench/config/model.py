@@ -376,7 +376,7 @@ class AttentionConfig:
               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
         # the layer options' values are checked against the layers by build_layouts (a count of shared layers)
         return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
-                               **resolve_options(self, model, latent=False), **resolve_layer_pattern(self, model))
+                               **resolve_options(self, model, kv_heads=True), **resolve_layer_pattern(self, model))
 
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
@@ -387,7 +387,7 @@ class AttentionConfig:
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
         dims.update(indexer_defaults(own, self, model.num_heads))
-        options = resolve_options(self, model, latent=True)  # refuses those of K/V-head attention only (sinks)
+        options = resolve_options(self, model, kv_heads=False)  # refuses those of K/V-head attention only (sinks)
         for key in ("attn_output_gate", "partial_rotary_factor"):  # what only K/V-head layers have
             check(getattr(model, key) == getattr(ModelConfig, key), f"model.{key}", getattr(model, key),
                   "is a property of K/V-head attention; attention=mla has none")
@@ -397,7 +397,9 @@ class AttentionConfig:
               "mla beside linear_attention (Gated DeltaNet) layers is not built; use a K/V-head type")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)
         check_mla_dims("attention", out)
-        check_indexer("attention", out, out.window)
+        check_indexer("attention", out)
+        check(not (out.index_topk and out.window), "attention.index_topk", out.index_topk, "selects among every "
+              f"cached token; with a window ({out.window}) it is not built (use attention.window=0)")
         return out
 
 

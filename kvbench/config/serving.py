@@ -121,7 +121,7 @@ class ServingWorkload:
     prefix_caching: bool = True  # paged: reuse full blocks of equal token chains across requests (vLLM's APC)
     kv_budget_mb: Optional[float] = None  # KV memory the store may hold, MB (1e6 bytes)
     kv_budget_blocks: Optional[int] = None  # or as blocks (slots: as slots); exactly one of the two
-    # paged: per_kind (a pool per group of layers: full, each window, recurrent states) | unified (one pool
+    # paged: per_kind (a pool per group of layers: full, each ring size, recurrent states) | unified (one pool
     # of equal pages, the attention block raised until a page holds a state: vLLM's hybrid allocator)
     allocator: str = "per_kind"
     # prefix caching of a recurrent (Gated DeltaNet) layer: where its state is saved, block (every block
