@@ -20,7 +20,7 @@ from _common import compose_config, write_report
 
 from kvbench.cache import cache_for
 from kvbench.job_config import to_bench_config
-from kvbench.layouts.latent_attention import mla_decode
+from kvbench.layouts.attention import decode_form
 from kvbench.tasks.common import build_model
 
 OUT = Path(__file__).resolve().parent / "results" / "mla_forms.md"
@@ -49,7 +49,7 @@ def main() -> None:
                 order = ("absorbed", "expanded") if r % 2 == 0 else ("expanded", "absorbed")
                 for form in order:
                     cache.truncate(context)
-                    with mla_decode(model, form):
+                    with decode_form(model, form):
                         start = time.perf_counter()
                         model(tokens[:, context:context + 1], cache, context)
                         times[form].append((time.perf_counter() - start) * 1e3)

@@ -313,26 +313,26 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
                               f"are {[i for i, k in enumerate(model.attention.layer_kinds(n)) if k == LINEAR]} "
                               "(converting between linear and full attention layers is not built; leave "
                               "attention.full_attention_interval and attention.layer_types null)")
-    model = with_windows(model, attention)
+    model = with_layer_pattern(model, attention)
     if attention.latent:
         for block in model.blocks:
-            block.attn.absorbed = attention.mla_decode == "absorbed"
+            block.attn.form = attention.mla_decode
         model.attention = replace(model.attention, mla_decode=attention.mla_decode)
         model.layouts = build_layouts(model.config, model.attention)
     return model, how
 
 
-def with_windows(model: Decoder, attention: AttentionConfig) -> Decoder:
-    """``model``'s weights with ``attention``'s windows (none, where it has none): a window is only a
-    mask, so the same weights serve any. ``model`` itself when its windows are those already."""
+def with_layer_pattern(model: Decoder, attention: AttentionConfig) -> Decoder:
+    """``model``'s weights with ``attention``'s layer pattern: its windows (none, where it has none;
+    a window is only a mask, so the same weights serve any). ``model`` itself when they are its own."""
     if attention.layer_windows(model.config.num_layers) == list(model.layouts.windows):
         return model
-    pattern = replace(model.attention, **_window_fields(model.config, attention))
+    pattern = replace(model.attention, **_pattern_fields(model.config, attention))
     return build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
 
 
-def _window_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str, Any]:
-    """The window fields that make a model of ``config`` have ``attention``'s (resolved) window
+def _pattern_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str, Any]:
+    """The pattern fields that make a model of ``config`` have ``attention``'s (resolved) window
     pattern: for none, window 0 where ``config`` has a window of its own (null would bring it back)."""
     if attention.window:
         return {"window": attention.window, "global_every": attention.global_every,
@@ -378,5 +378,5 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
                 heads = w.view(old, D, -1).repeat_interleave(num_kv_heads // old, dim=0)
             state[name] = heads.reshape(num_kv_heads * D, *w.shape[1:])  # (H_kv, D, C) -> (H_kv * D, C)
     attention = replace(model.attention, type=attention_type(model.config.num_heads, num_kv_heads),
-                        num_kv_heads=num_kv_heads, **_window_fields(model.config, model.attention))  # the same windows
+                        num_kv_heads=num_kv_heads, **_pattern_fields(model.config, model.attention))  # the same windows
     return build_decoder(model.config, attention, state, device=model.device)

@@ -19,9 +19,10 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.generate import greedy_generate
 from kvbench.job_config import to_bench_config
+from kvbench.layouts.attention import decode_form
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.latent_attention import LatentAttention, mla_decode
+from kvbench.layouts.latent_attention import LatentAttention
 from kvbench.model import Decoder
 from kvbench.quality.train import run_eval
 from kvbench.rope import rope_tables
@@ -185,7 +186,7 @@ def test_a_deepseek_v32_checkpoint_matches_transformers_with_a_binding_top_k(tmp
     model, _ = load_llama_dir(path, torch.float32)
     assert model.layouts[0].stored == (1, (16 + 4, 8)) and model.attention.index_topk == 8
     tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
-    with mla_decode(model, form):
+    with decode_form(model, form):
         ours, theirs = logits_with_cache(model, hf, tokens)
         with torch.no_grad():
             dense = unbound(model)(tokens)

@@ -18,7 +18,7 @@ import torch
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
-from kvbench.layouts.latent_attention import mla_decode
+from kvbench.layouts.attention import decode_form
 
 CLASSES = {"deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
            "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
@@ -188,7 +188,7 @@ def test_a_random_checkpoint_is_transformers_in_prefill_cached_decode_and_chunks
     diffs = {"prefill": (model(tokens) - full).abs().max().item()}
     cuts = sorted(rng.sample(range(1, T), 2)) + [T]
     for form in ["absorbed", "expanded"] if family.startswith("deepseek") else [None]:
-        with mla_decode(model, form) if form else torch.no_grad():
+        with decode_form(model, form) if form else torch.no_grad():
             cache = cache_for(model, "static", 2, T)
             ours = [model(tokens[:, :P], cache, 0)] + [model(tokens[:, p:p + 1], cache, p) for p in range(P, T)]
             diffs[f"decode {form}"] = (torch.cat(ours, 1) - cached).abs().max().item()

@@ -20,10 +20,10 @@ from kvbench.config.compare import CompareConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.job_config import to_bench_config
+from kvbench.layouts.attention import decode_form
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.latent_attention import mla_decode
 from kvbench.model import Decoder
-from kvbench.quality.fidelity import mla_form_fidelity
+from kvbench.quality.fidelity import form_fidelity
 from kvbench.quality.train import run_eval
 from kvbench.rope import rope_attention_factor, rope_inv_freq
 from kvbench.shared_prefix import shared_cache_for
@@ -86,14 +86,14 @@ def test_absorbed_and_expanded_forms_agree_to_float32_rounding():
     the same tokens; and the absorbed form really is another computation (not the expanded one)."""
     model = mla_decoder()
     prompt = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
-    m = mla_form_fidelity(model, prompt, 8)
+    m = form_fidelity(model, prompt, 8, model.layouts.decode_forms())
     assert m["mla_forms_max_abs_logit_diff"] <= 1e-5 and m["mla_forms_top1_agreement"] == 1.0
     calls = []
     attn = model.blocks[0].attn
     for name in ("_absorbed", "_expanded"):
         original = getattr(attn, name)
         setattr(attn, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
-    with torch.no_grad(), mla_decode(model, "absorbed"):
+    with torch.no_grad(), decode_form(model, "absorbed"):
         cache = cache_for(model, "static", 2, 11)
         model(prompt, cache, 0)
         model(prompt[:, :1], cache, 10)
@@ -151,7 +151,7 @@ def test_deepseek_checkpoints_match_transformers_over_prefill_and_cached_decode(
     model, _ = load_llama_dir(path, torch.float32)
     assert model.layouts[0].stored == (1, (16 + 4,))
     tokens = torch.randint(0, VOCAB, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
-    with mla_decode(model, form):
+    with decode_form(model, form):
         ours, theirs = logits_with_cache(model, hf, tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5
     if "rope_parameters" in overrides or "rope_scaling" in overrides:  # yarn: its scale is exercised

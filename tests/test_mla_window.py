@@ -10,7 +10,7 @@ from kv_formula import kv_cache_bytes
 
 from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig
-from kvbench.layouts.latent_attention import mla_decode
+from kvbench.layouts.attention import decode_form
 from kvbench.model import Decoder
 from kvbench.shared_prefix import shared_cache_for
 
@@ -30,7 +30,7 @@ def test_cached_mla_decode_equals_recompute_past_the_window(form, pattern):
     recomputed; the window changes the logits (it is applied at all)."""
     model = latent_windowed(**pattern)
     tokens = torch.randint(0, VOCAB, (2, 5 * W))
-    with torch.no_grad(), mla_decode(model, form):
+    with torch.no_grad(), decode_form(model, form):
         full = model(tokens)
         assert (full - latent_windowed(window=0)(tokens)).abs().max() > 1e-3
         cache = cache_for(model, "static", 2, 5 * W)
@@ -44,7 +44,7 @@ def test_shared_prefix_longer_than_the_window_equals_recompute(form):
     model = latent_windowed(window=W, global_every=3)
     P, B, N = 8, 2, 16
     system, own = torch.randint(0, VOCAB, (1, P)), torch.randint(0, VOCAB, (B, N))
-    with torch.no_grad(), mla_decode(model, form):
+    with torch.no_grad(), decode_form(model, form):
         full = model(torch.cat([system.expand(B, -1), own], 1))[:, P:]
         cache = shared_cache_for(model, "static", B, P, P + N)
         model(system, cache, 0)

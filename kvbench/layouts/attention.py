@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from torch import nn
 
 from kvbench.layouts.base import LayerLayout
@@ -18,3 +20,18 @@ MODULES = {KVHeads: KVHeadsAttention, Latent: LatentAttention, GatedDeltaNet: Ga
 def attention_module(model, layout: LayerLayout) -> nn.Module:
     """The attention module of ``layout``'s layer in ``model`` (a ModelConfig)."""
     return MODULES[type(layout)](model, layout)
+
+
+@contextmanager
+def decode_form(model, form: str):
+    """Decode steps of ``model``'s layers that have two forms of the same arithmetic
+    (``LayerLayout.decode_forms``: MLA's absorbed | expanded) in ``form`` inside the block."""
+    layers = [block.attn for block, layout in zip(model.blocks, model.layouts) if form in layout.decode_forms]
+    before = [attn.form for attn in layers]
+    for attn in layers:
+        attn.form = form
+    try:
+        yield model
+    finally:
+        for attn, was in zip(layers, before):
+            attn.form = was

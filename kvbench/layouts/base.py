@@ -183,8 +183,8 @@ class LayerLayout:
 
     # attention.* keys beyond the model's shape that size weights and cache (a memory refusal names them)
     size_keys: ClassVar[Tuple[str, ...]] = ()
-    # a decode step has a second form of the same arithmetic, which fidelity compares
-    has_decode_forms: ClassVar[bool] = False
+    # a decode step's forms of the same arithmetic (the first decodes, fidelity steps the second after it)
+    decode_forms: ClassVar[Tuple[str, ...]] = ()
 
     # ---- how inspect describes it ----
 
@@ -321,8 +321,9 @@ class Layouts(tuple):
     def size_keys(self) -> Tuple[str, ...]:
         return tuple(dict.fromkeys(key for layer in self.unique() for key in layer.size_keys))
 
-    def has_decode_forms(self) -> bool:
-        return any(layer.has_decode_forms for layer in self.unique())
+    def decode_forms(self) -> Tuple[str, ...]:
+        """The forms some layer's decode step has (:func:`kvbench.layouts.attention.decode_form`); () for none."""
+        return next((layer.decode_forms for layer in self.unique() if layer.decode_forms), ())
 
     def caps_positions(self) -> bool:
         """Whether some layer's cache stops growing (a ring of W), so bytes per token fall with length."""

@@ -87,7 +87,7 @@ class Latent(LayerLayout):
     # ---- what the tasks ask of it ----
 
     size_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    has_decode_forms = True  # absorbed and expanded (attention.mla_decode)
+    decode_forms = ("absorbed", "expanded")  # attention.mla_decode
 
     # ---- how inspect describes it ----
 

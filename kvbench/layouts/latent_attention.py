@@ -13,8 +13,6 @@ a decode step gathers those k latents first, so either form reads k latents, not
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +58,15 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(H * self.d_v, C, bias=False)
         self.scale = mla_softmax_scale(cfg, d_qk)
         self.indexer = Indexer(cfg, a) if a.index_topk else None
+
+    @property
+    def form(self) -> str:
+        """How a decode step reads the latents: absorbed | expanded (``Latent.decode_forms``)."""
+        return "absorbed" if self.absorbed else "expanded"
+
+    @form.setter
+    def form(self, form: str) -> None:
+        self.absorbed = form == "absorbed"
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
@@ -128,17 +135,3 @@ def latent_attention(q, k, v, mask, scale: float, prefix=None, causal: bool = Fa
     p_prefix = probs[..., :P].transpose(0, 1).reshape(1, H_k, B * M, P)
     out_prefix = (p_prefix @ v_p).view(H_k, B, M, -1).transpose(0, 1)  # (B, H_k, M, Dv)
     return probs[..., P:] @ v + out_prefix
-
-
-@contextmanager
-def mla_decode(model, form: str):
-    """Decode steps of ``model``'s latent attention in ``form`` (absorbed | expanded) inside the block."""
-    layers = [b.attn for b in model.blocks if isinstance(b.attn, LatentAttention)]
-    before = [a.absorbed for a in layers]
-    for a in layers:
-        a.absorbed = form == "absorbed"
-    try:
-        yield model
-    finally:
-        for a, was in zip(layers, before):
-            a.absorbed = was

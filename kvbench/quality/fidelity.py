@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import Cache, cache_for
-from kvbench.checkpoint import convert_kv_heads, with_windows
+from kvbench.checkpoint import convert_kv_heads, with_layer_pattern
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, greedy_generate
-from kvbench.layouts.latent_attention import mla_decode
+from kvbench.layouts.attention import decode_form
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 
@@ -59,8 +59,8 @@ KV_POOL_METRICS: Dict[str, Metric] = metric_table(
                        "mean-pooled to attention.num_kv_heads (checkpoint.convert_kv_heads, Ainslie et al. 2023), "
                        "mean over positions of KL(MHA || pooled) of the next-token distributions; one forward pass "
                        "each over 2 sequences of runtime.seed random tokens (the longest context searched, at most "
-                       "256); with attention.window, the pooled model's local layers also see only their last W "
-                       "positions (the same weights, masked: a hybrid is scored as itself); 0 for MHA. Randomly "
+                       "256); the pooled model has the variant's layer pattern (checkpoint.with_layer_pattern: the "
+                       "same weights, masked, so a hybrid is scored as itself); 0 for MHA. Randomly "
                        "initialised heads are uncorrelated, so pooling them loses more "
                        "than pooling a trained model's"),
     Metric("kv_pool_top1_agreement", "fraction",
@@ -120,13 +120,13 @@ def quantized_cache_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int,
 
 
 @torch.inference_mode()
-def mla_form_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int) -> Dict[str, float]:
-    """MLA's absorbed decode against its expanded one: the absorbed form decodes greedily, the
-    expanded form then steps through the same tokens one at a time (both prefill expanded)."""
+def form_fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, forms: Tuple[str, str]) -> Dict[str, float]:
+    """A decode step's two forms of the same arithmetic against each other (MLA's absorbed and
+    expanded): the first decodes greedily, the second then steps through the same tokens one at a time."""
     B, P = prompt.shape
-    with mla_decode(model, "absorbed"):
+    with decode_form(model, forms[0]):
         gen = greedy_generate(model, prompt, gen_len, cache_for(model, "static", B, P + gen_len), keep_logits=True)
-    with mla_decode(model, "expanded"):
+    with decode_form(model, forms[1]):
         cache = cache_for(model, "static", B, P + gen_len)
         logits = [model(prompt, cache, 0, last_only=True)]  # (B, 1, V): chose token 0
         logits += [model(gen.tokens[:, i:i + 1], cache, P + i) for i in range(gen_len)]
@@ -171,8 +171,8 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
         out = cache_fidelity(model, prompt, steps, impl, step, cache, rows=2)
     if cache_dtype != "auto":
         out.update(quantized_cache_fidelity(model, prompt[:2], steps, cache_dtype))
-    if model.layouts.has_decode_forms():  # two forms of the same step: they must agree
-        out.update(mla_form_fidelity(model, prompt[:2], steps))
+    if model.layouts.decode_forms():  # two forms of the same step: they must agree
+        out.update(form_fidelity(model, prompt[:2], steps, model.layouts.decode_forms()))
     if dtype != "float32":
         out.update(dtype_fidelity(model, None, prompt[:2], steps))
     return out
@@ -183,9 +183,9 @@ def kv_pool_fidelity(reference: Decoder, num_kv_heads: int, tokens: torch.Tensor
                      attention: Optional[AttentionConfig] = None) -> Dict[str, float]:
     """How far mean-pooling ``reference``'s K/V heads to ``num_kv_heads`` moves its outputs on
     ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement. The pooled
-    model has the windows of ``attention`` (the variant, resolved; None: the reference's), only a
+    model has the layer pattern of ``attention`` (the variant, resolved; None: the reference's), only a
     mask on the same weights, so a hybrid is scored as itself, not as its head count."""
-    pooled = with_windows(convert_kv_heads(reference, num_kv_heads), attention or reference.attention).eval()
+    pooled = with_layer_pattern(convert_kv_heads(reference, num_kv_heads), attention or reference.attention).eval()
     log_p = F.log_softmax(reference(tokens).float(), dim=-1)  # (B, T, V)
     log_q = F.log_softmax(pooled(tokens).float(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()

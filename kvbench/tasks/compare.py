@@ -34,11 +34,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion, with_windows
+from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion, with_layer_pattern
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.hf import LINEAR
-from kvbench.config.model import AttentionConfig, variant_key, variant_label
+from kvbench.config.layer_pattern import variant_key, variant_label
+from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.layouts.build import build_layouts
 from kvbench.measure import stats
@@ -187,7 +188,7 @@ def variants(cfg: BenchConfig, base: Decoder) -> List[VariantModel]:
     H = base.config.num_heads
     if base.num_kv_heads != H or not base.layouts.converts_kv_heads():
         raise ValueError(f"the base model must be MHA ({H} KV heads), has {variant_label(base.attention)}")
-    base = with_windows(base, base.attention.without_pattern())
+    base = with_layer_pattern(base, base.attention.without_pattern())
     return [VariantModel(label(a, cfg.model.num_layers), a, *variant_model(base, a, cfg.runtime.seed))
             for a in cfg.compare.attentions(cfg.model)]
 
