@@ -27,7 +27,10 @@ CHECKPOINT_NAME = "checkpoint.pt"  # task=train's checkpoint, beside its results
 STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
 # 2: ``units`` (each declared metric's unit as data). A record of schema 1 has none: its units are
 # the heads of its ``methods`` lines, which kvbench.views reads for such records only.
-SCHEMA_VERSION = 2
+# 3: "window" names an attention window only; two spans of time or tokens got their own names
+# (RENAMED_IN_3), which kvbench.views gives an older record's metrics as it reads them.
+SCHEMA_VERSION = 3
+RENAMED_IN_3 = {"energy_window_s": "energy_span_s", "eval_tokens_per_window": "eval_seq_len"}
 # a record is small; a far larger file is not one, and reading it whole could exhaust memory
 MAX_RECORD_BYTES = 64 * 2**20
 

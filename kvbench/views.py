@@ -9,7 +9,8 @@ is the one place its name is built (``gqa kv=2 w=1024 5:1 int8``) and :attr:`Var
 one order every listing uses.
 
 Units are data: a schema-2 record keeps them in ``units``; a schema-1 record kept them only in the
-prose of its ``methods`` lines, so they come from :data:`kvbench.units_v1.V1_UNITS` by name.
+prose of its ``methods`` lines, so they come from :data:`kvbench.units_v1.V1_UNITS` by name. An
+older record's metrics are read under their schema-3 names (:data:`kvbench.results.RENAMED_IN_3`).
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.layer_options import LAYER_OPTIONS
-from kvbench.config.model import ATTENTION_TYPES, attention_type, linear_full_layers, local_global_layers, variant_label
+from kvbench.config.layer_pattern import PATTERN_COLUMNS, PATTERN_KEYS, LayerPattern, variant_label
+from kvbench.config.model import ATTENTION_TYPES, attention_type
 from kvbench.metrics import matches
+from kvbench.results import RENAMED_IN_3
 from kvbench.units_v1 import V1_UNITS
 
-# Which layers are local or linear. Their None is a value (no window; every layer full attention),
-# not "left to its default": a table tells GQA from its windowed or Gated DeltaNet hybrid by them.
-NONE_IS_VALUE_KEYS = ("attention.window", "attention.global_every", "attention.layer_types")
+# Which layers are local or linear: their None is a value (config.layer_pattern.PATTERN_KEYS).
+NONE_IS_VALUE_KEYS = tuple(f"attention.{key}" for key in PATTERN_KEYS)
 # What a Variant's fields are read from in a record's config.
 VARIANT_KEYS = ("attention.type", "attention.num_kv_heads", "attention.kv_lora_rank", *NONE_IS_VALUE_KEYS,
                 *(f"attention.{option.key}" for option in LAYER_OPTIONS), "cache.dtype")
 # The attention keys a jobs table shows as columns (config key, header), in its order; the KV dtype's
 # column sits with the cache's, and the layer pattern and options show in the label only.
 VARIANT_COLUMNS = (("attention.type", "attn"), ("attention.num_kv_heads", "kv"), ("attention.kv_lora_rank", "R"),
-                   ("attention.window", "W"), ("attention.global_every", "global every"))
+                   *((f"attention.{key}", header) for key, header in PATTERN_COLUMNS))
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -53,8 +55,8 @@ def _int(value: Any) -> Optional[int]:
 @dataclass(frozen=True)
 class Variant:
     """An attention variant as its fields: ``layout`` mha | gqa | mqa | mla (None: unknown);
-    ``num_kv_heads`` (MLA: 1, the latent head); ``window`` W and which layers are global
-    (``global_every`` / ``layer_types``); ``cache_dtype`` (None: auto); ``shared``: a chat's shared
+    ``num_kv_heads`` (MLA: 1, the cached head); ``pattern``: which layers are local, global or
+    linear; ``cache_dtype`` (None: auto); ``shared``: a chat's shared
     prefix (None: not part of the variant); ``options``: the layer options that are on, as (key,
     value) in :data:`~kvbench.config.layer_options.LAYER_OPTIONS` order."""
 
@@ -63,13 +65,10 @@ class Variant:
     num_kv_heads: Optional[int] = None
     kv_lora_rank: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
-    window: Optional[int] = None
-    global_every: Optional[int] = None
-    layer_types: Optional[Tuple[str, ...]] = None
+    pattern: LayerPattern = LayerPattern()
     cache_dtype: Optional[str] = None
     shared: Optional[bool] = None
     model: Optional[str] = None
-    num_layers: Optional[int] = None  # counts a global_every pattern's layers (12 layers, every 6: 5:1)
     options: Tuple[Tuple[str, Any], ...] = ()
 
     @classmethod
@@ -85,16 +84,13 @@ class Variant:
             layout = attention_type(heads, kv)
         elif layout is None and isinstance(kind, str):
             layout = kind  # a type the schema does not know (an invalid job's): shown as given
-        types = _get(config, "attention.layer_types")
         dtype = _get(config, "cache.dtype")
         return cls(layout=layout, num_heads=_int(heads), num_kv_heads=_int(kv),
                    kv_lora_rank=rank, qk_rope_head_dim=_int(_get(config, "attention.qk_rope_head_dim")),
-                   window=_int(_get(config, "attention.window")) or None,
-                   global_every=_int(_get(config, "attention.global_every")),
-                   layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
+                   pattern=LayerPattern.read(lambda key: _get(config, f"attention.{key}"),
+                                             _get(config, "model.num_layers")),
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
                    model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None,
-                   num_layers=_int(_get(config, "model.num_layers")),
                    options=tuple((option.key, value) for option in LAYER_OPTIONS
                                  if (value := option.on(_get(config, f"attention.{option.key}"))) is not None))
 
@@ -102,25 +98,11 @@ class Variant:
     def of_attention(cls, attention: Any, cache_dtype: Optional[str] = None,
                      num_layers: Optional[int] = None) -> "Variant":
         """The variant of an ``AttentionConfig`` (resolved or not): a progress line's name."""
-        fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", "window", "global_every",
-                  "layer_types", *(option.key for option in LAYER_OPTIONS))
+        fields = ("type", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim", *PATTERN_KEYS,
+                  *(option.key for option in LAYER_OPTIONS))
         attn = {f: getattr(attention, f, None) for f in fields}
         return cls.from_config({"attention": attn, "cache": {"dtype": cache_dtype},
                                 "model": {"num_layers": num_layers}})
-
-    @property
-    def latent(self) -> bool:
-        """True for MLA: the cache holds a latent per token, not K/V heads."""
-        return self.layout == "mla"
-
-    @property
-    def windowed(self) -> bool:
-        """True when some layer keeps only its last ``window`` positions."""
-        return bool(self.window) and self.local_global() != (0, 1)
-
-    def local_global(self) -> Optional[Tuple[int, int]]:
-        """The reduced local:global layer ratio (Gemma 3's 5:1); (1, 0) all local, None without a window."""
-        return local_global_layers(self.window, self.global_every, self.layer_types, self.num_layers)
 
     @property
     def quantized(self) -> bool:
@@ -130,23 +112,23 @@ class Variant:
     @property
     def full_context(self) -> bool:
         """True when every layer attends over the whole context (no layer keeps only its last W positions)."""
-        return not self.windowed
+        return not self.pattern.has_local
 
     @property
     def plain(self) -> bool:
-        """True for the layout as such, its label naming nothing else: no window (not even one no layer
-        applies), no linear layers, no layer option, the cache in the compute dtype."""
-        return not (self.window or self.stateful or self.options or self.quantized)
+        """True for the layout as such, its label naming nothing else: no layer pattern, no layer
+        option, the cache in the compute dtype."""
+        return not (self.pattern.named or self.options or self.quantized)
 
     @property
     def counts_kv_heads(self) -> bool:
-        """True when the cache's size is a count of K/V heads (not MLA's one latent per token)."""
-        return not self.latent
+        """True when the cache's size is a count of K/V heads (not MLA's one cached head per token)."""
+        return self.layout != "mla"
 
     @property
     def stateful(self) -> bool:
         """True when some layer keeps a fixed-size recurrent state (Gated DeltaNet), not its tokens' K/V."""
-        return linear_full_layers(self.layer_types) is not None
+        return self.pattern.has_linear
 
     @property
     def ranked_by_kv_heads(self) -> bool:
@@ -162,25 +144,22 @@ class Variant:
     @property
     def label(self) -> str:
         """``mha kv=8``, ``mla r=512``, ``gqa kv=2 w=1024 5:1`` (5 local layers to 1 global), then the
-        cache dtype and a chat's ``shared=on|off`` (:func:`kvbench.config.model.variant_label`)."""
+        cache dtype and a chat's ``shared=on|off`` (:func:`kvbench.config.layer_pattern.variant_label`)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
-                     "window": self.window, "global_every": self.global_every, "layer_types": self.layer_types,
-                     **dict(self.options)}
-        parts = [variant_label(attention, self.cache_dtype, self.num_layers)]
+                     **self.pattern.fields(), **dict(self.options)}
+        parts = [variant_label(attention, self.cache_dtype, self.pattern.num_layers)]
         if self.shared is not None:
             parts.append(f"shared={'on' if self.shared else 'off'}")
         return " ".join(parts)
 
     @property
     def order(self) -> Tuple[Any, ...]:
-        """The sort key of every listing: ATTENTION_TYPES' order (most KV heads or largest latent first);
-        then all global, hybrids (larger window first), all local; then the compute dtype before a
+        """The sort key of every listing: ATTENTION_TYPES' order (most KV heads or largest rank first);
+        then the layer pattern's (:attr:`LayerPattern.order`); then the compute dtype before a
         quantized cache, an unshared cache before a shared one."""
         rank = ATTENTION_TYPES.index(self.layout) if self.layout in ATTENTION_TYPES else len(ATTENTION_TYPES)
-        size = self.kv_lora_rank if self.latent else self.num_kv_heads
-        ratio = self.local_global() if self.windowed else None
-        window = (0, 0, 0) if ratio is None else (1, 1 if ratio[1] == 0 else 0, -(self.window or 0))
-        return (rank, -size if isinstance(size, int) else 0, window, self.quantized, self.cache_dtype or "",
+        size = self.num_kv_heads if self.counts_kv_heads else self.kv_lora_rank
+        return (rank, -size if isinstance(size, int) else 0, self.pattern.order, self.quantized, self.cache_dtype or "",
                 self.shared is True, self.model or "", self.label)
 
     def with_sharing(self, shared: Optional[bool]) -> "Variant":
@@ -200,6 +179,23 @@ def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str
 
 # ---- a record ------------------------------------------------------------------------------------
 
+def _as_current(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` (a record) as the current schema reads: a schema-1 record's units from its methods'
+    names, and each metric keyed by its schema-3 name."""
+    version = data.get("schema_version")
+    version = version if isinstance(version, int) and not isinstance(version, bool) else 1
+    if version >= 3:
+        return data
+    out = dict(data)
+    if version < 2:
+        methods = data.get("methods")
+        out["units"] = v1_units(methods if isinstance(methods, dict) else {})
+    for section in ("metrics", "units", "methods", "null_reasons"):
+        if isinstance(out.get(section), dict):
+            out[section] = {RENAMED_IN_3.get(name, name): value for name, value in out[section].items()}
+    return out
+
+
 def v1_units(methods: Mapping[str, Any]) -> Dict[str, str]:
     """name -> unit of each metric a schema-1 record's ``methods`` declares (by name or pattern)."""
     out = {}
@@ -216,11 +212,12 @@ class RecordView:
     """A read-only view of one record (a results.json mapping, a :class:`~kvbench.results.RunResult`
     or a report row with ``job``)."""
 
-    __slots__ = ("_data", "_variant")
+    __slots__ = ("_record", "_data", "_variant")
 
     def __init__(self, record: Any):
         data = record.to_dict() if hasattr(record, "to_dict") else record
-        self._data: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
+        self._record: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
+        self._data = _as_current(self._record)
         self._variant: Optional[Variant] = None
 
     @classmethod
@@ -374,9 +371,7 @@ class RecordView:
     @property
     def units(self) -> Mapping[str, str]:
         """name (or pattern, ``<v>_step_ms_ctx<C>``) -> unit of every metric the job declared."""
-        if self.schema_version >= 2:
-            return self._section("units")
-        return MappingProxyType(v1_units(self._section("methods")))
+        return self._section("units")
 
     def unit(self, name: str) -> Optional[str]:
         """The unit of metric ``name`` (``ms``, ``text``; ``""`` for a note); None when the record declares none."""
@@ -403,8 +398,8 @@ class RecordView:
         return [MappingProxyType(r) for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
     def to_dict(self) -> Dict[str, Any]:
-        """A copy of the record's mapping (for a sink that hands the whole record on: an artifact)."""
-        return dict(self._data)
+        """A copy of the record's mapping as written (for a sink that hands the whole record on: an artifact)."""
+        return dict(self._record)
 
     def __repr__(self) -> str:
         return f"RecordView(job={self.job!r}, status={self.status!r}, variant={self.variant.label!r})"

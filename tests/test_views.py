@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.config.layer_pattern import LayerPattern
 from kvbench.config.model import AttentionConfig
 from kvbench.metrics import matches
-from kvbench.results import RunResult
+from kvbench.results import RENAMED_IN_3, RunResult
 from kvbench.tasks.common import variant_label
 from kvbench.units_v1 import V1_UNITS
 from kvbench.views import NONE_IS_VALUE_KEYS, VARIANT_COLUMNS, VARIANT_KEYS, RecordView, Variant, ordered, v1_units
@@ -53,8 +54,8 @@ def test_each_layout_has_its_label_and_fields(attention, cache, label):
     assert v.label == label
     assert v.layout == attention["type"] and v.num_kv_heads == attention["num_kv_heads"] and v.num_heads == 8
     assert v.kv_lora_rank == attention.get("kv_lora_rank") and v.qk_rope_head_dim == attention.get("qk_rope_head_dim")
-    assert v.window == attention.get("window") and v.cache_dtype == cache.get("dtype") and v.model == "small"
-    assert v.windowed == ("window" in attention) and v.quantized == ("dtype" in cache)
+    assert v.pattern.window == attention.get("window") and v.cache_dtype == cache.get("dtype") and v.model == "small"
+    assert v.pattern.has_local == ("window" in attention) and v.quantized == ("dtype" in cache)
 
 
 def test_the_order_comes_from_the_fields_not_the_labels():
@@ -123,8 +124,8 @@ def test_the_schema_1_units_agree_with_the_registry(task, workload):
     from kvbench.jobs.runner import task_metrics
 
     declared = task_metrics(task, workload)
-    assert {n: V1_UNITS[n] for n in declared if n in V1_UNITS} == {n: m.unit for n, m in declared.items()
-                                                                     if n in V1_UNITS}
+    v1 = {RENAMED_IN_3.get(n, n): unit for n, unit in V1_UNITS.items()}  # an old name reads as its new one
+    assert {n: v1[n] for n in declared if n in v1} == {n: m.unit for n, m in declared.items() if n in v1}
 
 
 def test_every_committed_schema_1_record_gets_the_units_its_methods_lines_name():
@@ -140,9 +141,29 @@ def test_every_committed_schema_1_record_gets_the_units_its_methods_lines_name()
         for name, text in rec.get("methods", {}).items():
             head, sep, _ = text.partition("; ")
             if sep and len(head) <= 40:
-                assert view.unit(name) == head, (path, name)
+                assert view.unit(RENAMED_IN_3.get(name, name)) == head, (path, name)
                 checked += 1
     assert checked > 100
+
+
+def test_a_schema_2_record_reads_its_renamed_metrics_under_their_schema_3_names():
+    root = Path(__file__).resolve().parents[1] / "experiments" / "results"
+    rec = json.loads((root / "choose" / "0" / "results.json").read_text())  # a CPU run: no energy figure
+    assert rec["schema_version"] == 2 and "energy_window_s" in rec["units"]
+    rec["metrics"]["energy_window_s"] = 1.5
+    view = RecordView(rec)
+    assert view.metric("energy_span_s") == 1.5 and view.metric("energy_window_s") is None
+    assert view.unit("energy_span_s") == "s" and "energy_window_s" not in view.units
+    assert view.to_dict() == rec  # handed on as written
+    eval_v2 = {"status": "ok", "schema_version": 2, "metrics": {"eval_tokens_per_window": 64},
+               "units": {"eval_tokens_per_window": "tokens"}, "null_reasons": {"eval_tokens_per_window": "why"}}
+    view = RecordView(eval_v2)
+    assert view.number("eval_seq_len") == 64 and view.unit("eval_seq_len") == "tokens"
+    assert dict(view.null_reasons) == {"eval_seq_len": "why"}
+    v1 = {"status": "ok", "metrics": {"energy_window_s": 2.0}, "methods": {"energy_window_s": "s; the span"}}
+    assert RecordView(v1).unit("energy_span_s") == "s" and RecordView(v1).number("energy_span_s") == 2.0
+    current = {"status": "ok", "schema_version": 3, "metrics": {"energy_window_s": 1.0}}
+    assert RecordView(current).metric("energy_window_s") == 1.0  # only an older record's names change
 
 
 def test_a_runresult_reads_through_the_view_too():
@@ -187,7 +208,7 @@ def test_a_job_records_each_metrics_unit_from_the_registry(tmp_path):
                     "runtime.warmup=0", "runtime.repeats=1"), tmp_path)
     record = read_record(tmp_path)
     declared = task_metrics("bench", "decode")
-    assert record.schema_version == SCHEMA_VERSION == 2 and record.units
+    assert record.schema_version == SCHEMA_VERSION == 3 and record.units
     assert record.units == {name: declared[name].unit for name in record.methods if name in declared}
     view = RecordView(record)
     assert view.unit("decode_ms_p50") == "ms" and view.unit("kv_cache_bytes") == "bytes"
@@ -243,10 +264,10 @@ def test_the_derived_properties_agree_with_the_fields_they_come_from(name):
     whole = _whole_context_by_hand(attention, num_layers)
     heads = attention["type"] != "mla" and "kv_lora_rank" not in attention
     state = "linear_attention" in attention.get("layer_types", ())
-    assert v.full_context is whole and v.full_context is not v.windowed
+    assert v.full_context is whole and v.full_context is not v.pattern.has_local
     # the layout as such: a label of nothing else (a window no layer applies, linear layers: not plain)
     assert v.plain is (not attention.get("window") and not state and dtype in (None, "auto"))
-    assert v.counts_kv_heads is heads and v.counts_kv_heads is not v.latent
+    assert v.counts_kv_heads is heads
     assert v.stateful is state
     assert v.ranked_by_kv_heads is (heads and whole and not state)
     assert v.named is True
@@ -270,7 +291,7 @@ def test_a_config_names_a_variant_by_any_of_its_layout_count_or_rank():
     assert Variant.from_config({"attention": {"type": "gqa"}}).named
     assert Variant.from_config({"attention": {"num_kv_heads": 2}}).named
     assert Variant.from_config({"attention": {"kv_lora_rank": 16}}).named
-    assert Variant(None, kv_lora_rank=16).named and not Variant(None, window=8).named
+    assert Variant(None, kv_lora_rank=16).named and not Variant(None, pattern=LayerPattern(window=8)).named
 
 
 def test_the_variant_columns_and_none_keys_are_variant_keys_and_the_tables_use_them():

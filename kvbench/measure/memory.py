@@ -31,7 +31,7 @@ MEMORY_METRICS: Dict[str, Metric] = metric_table(
                                       "process with earlier jobs: null, and peak_rss_reason says so"),
     Metric("torch_peak_allocated_bytes", "bytes", "torch.cuda.max_memory_allocated after "
                                   "reset_peak_memory_stats at enter (tensors of this process)"),
-    Metric("torch_peak_reserved_bytes", "bytes", "torch.cuda.max_memory_reserved, same window "
+    Metric("torch_peak_reserved_bytes", "bytes", "torch.cuda.max_memory_reserved, over the same span "
                                  "(allocator cache included)"),
     Metric("nvml_device_used_bytes", "bytes", "nvmlDeviceGetMemoryInfo(...).used at exit, all processes "
                               "on the device (v2 API excludes driver-reserved memory, v1 includes it)"),
@@ -43,10 +43,10 @@ MEMORY_METRICS: Dict[str, Metric] = metric_table(
                                "nvmlDeviceGetComputeRunningProcesses at exit (context included)"),
     Metric("energy_mj", "mJ", "delta of nvmlDeviceGetTotalEnergyConsumption between enter and exit "
                  "(whole device; the counter updates coarsely, so short regions read low)"),
-    Metric("energy_window_s", "s", "perf_counter time between the two energy counter reads behind energy_mj "
-                                   "(the window energy_mj is the energy of)"),
+    Metric("energy_span_s", "s", "perf_counter time between the two energy counter reads behind energy_mj "
+                                   "(the span energy_mj is the energy of)"),
     Metric("power_limit_w", "W", "nvmlDeviceGetEnforcedPowerLimit: the most the board may draw (the bound "
-                                 "energy_mj / energy_window_s is checked against)"),
+                                 "energy_mj / energy_span_s is checked against)"),
     Metric("nvml_driver_version", "text", "nvmlSystemGetDriverVersion"),
     Metric("nvml_device_uuid", "text", "NVML UUID the torch device was matched to (by UUID, not index)"),
     Metric("nvml_reason", "text", "why the nvml_* fields are null (no GPU, no NVML, a failed read); null when read"),
@@ -73,7 +73,7 @@ ALLOCATION_METRICS: Dict[str, Metric] = metric_table(
 ALLOCATION_METHODS: Dict[str, str] = record_methods(ALLOCATION_METRICS)
 
 _NVML_FIELDS = ("nvml_device_used_bytes", "nvml_peak_used_bytes", "nvml_samples",
-                "nvml_memory_api", "nvml_process_used_bytes", "energy_mj", "energy_window_s",
+                "nvml_memory_api", "nvml_process_used_bytes", "energy_mj", "energy_span_s",
                 "power_limit_w", "nvml_driver_version", "nvml_device_uuid")
 
 
@@ -109,7 +109,7 @@ def peak_rss_bytes() -> int:
         return peak * 1024 if sys.platform.startswith("linux") else peak  # Linux KiB, macOS bytes
     import psutil
     info = psutil.Process().memory_info()
-    return int(getattr(info, "peak_wset", info.rss))  # Windows keeps a peak; others only rss
+    return int(getattr(info, "peak_wset", info.rss))  # win32 keeps a peak; others only rss
 
 
 # --- seams: the only torch.cuda calls, so tests can drive the CUDA path on a CPU machine ---
@@ -348,12 +348,12 @@ class MemoryMonitor:
         self._nvml = self._handle = None
 
     def _read_energy(self) -> None:
-        """energy_mj and energy_window_s (the span it covers), once per block."""
+        """energy_mj and energy_span_s (the span it covers), once per block."""
         if self._energy_start is None or self._nvml is None or self._result["energy_mj"] is not None:
             return
         try:
             end = int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
-            self._result["energy_window_s"] = time.perf_counter() - self._energy_t0
+            self._result["energy_span_s"] = time.perf_counter() - self._energy_t0
             self._result["energy_mj"] = end - self._energy_start
         except Exception as e:  # noqa: BLE001 — the energy counter failing becomes energy_reason
             self._result["energy_reason"] = f"energy counter unavailable: {e}"
@@ -392,7 +392,7 @@ def peak_span_reason(device: torch.device) -> Optional[str]:
         with open(CLEAR_REFS, "w") as f:  # resets VmHWM to the current RSS (Linux >= 4.0)
             f.write("5")
     except (OSError, KeyError, ValueError) as exc:
-        return f"the peak resident set of a window needs Linux's /proc/self/status and clear_refs ({exc})"
+        return f"the peak resident set of a span needs Linux's /proc/self/status and clear_refs ({exc})"
     return None
 
 

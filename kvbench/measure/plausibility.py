@@ -60,13 +60,13 @@ def _power(m: Dict[str, Any], config: Dict[str, Any]) -> Iterator[Item]:
     if not limit:
         return
     cap = limit * (1 + TOLERANCE["power"])
-    energy, span_s = _num(m.get("energy_mj")), _num(m.get("energy_window_s"))
+    energy, span_s = _num(m.get("energy_mj")), _num(m.get("energy_span_s"))
     if energy is not None and span_s:
         watts = energy / 1e3 / span_s
         if watts > cap:
-            yield _item("energy_mj", energy, f"energy_mj / energy_window_s <= power_limit_w = {limit:.4g} W",
+            yield _item("energy_mj", energy, f"energy_mj / energy_span_s <= power_limit_w = {limit:.4g} W",
                         f"{energy:.6g} mJ in {span_s:.3g} s is {watts:.4g} W, above the board's enforced limit of "
-                        f"{limit:.4g} W: the energy and its window do not match")
+                        f"{limit:.4g} W: the energy and its span do not match")
     per_token, e2e = _num(m.get("energy_mj_per_token")), _num(m.get("e2e_ms"))
     w = config.get("workload") or {}
     batch, gen = w.get("batch_size"), w.get("gen_len")
@@ -77,7 +77,7 @@ def _power(m: Dict[str, Any], config: Dict[str, Any]) -> Iterator[Item]:
                         f"x tokens per ms of a trial <= power_limit_w = {limit:.4g} W",
                         f"{per_token:.4g} mJ/token at {batch * (gen + 1)} tokens per {e2e:.4g} ms trial is "
                         f"{watts:.4g} W, above the board's enforced limit of {limit:.4g} W: energy and tokens "
-                        "come from different windows")
+                        "come from different spans")
 
 
 def _memory(m: Dict[str, Any], env: Dict[str, Any]) -> Iterator[Item]:

@@ -38,7 +38,7 @@ _SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "head_dim", "ffn_dim", "max
 
 _QUALITY_METRICS: Dict[str, Metric] = metric_table(
     Metric("val_loss", "nats/token", "mean next-token cross-entropy over train.eval_batches x train.batch_size fixed "
-                "validation windows of train.seq_len tokens (the same windows for every run on the same data)"),
+                "validation sequences of train.seq_len tokens (the same sequences for every run on the same data)"),
     Metric("perplexity", "ratio", "exp(val_loss)"),
     Metric("bits_per_byte", "bits/byte", "val_loss / ln 2 / bytes per token (1 for the byte vocabulary)"),
     Metric("num_params", "count", "parameters of the decoder evaluated, tied tensors once"),
@@ -72,14 +72,14 @@ TRAIN_METHODS: Dict[str, str] = record_methods(TRAIN_METRICS)
 EVAL_METRICS: Dict[str, Metric] = metric_table(
     *_QUALITY_METRICS.values(),
     Metric("eval_seconds", "s", "wall time of the evaluation"),
-    Metric("eval_tokens_per_window", "tokens", "validation window length (train.seq_len capped at model.max_seq_len)"),
+    Metric("eval_seq_len", "tokens", "tokens per validation sequence (train.seq_len capped at model.max_seq_len)"),
     Metric("bytes_per_token", "bytes/token", "text bytes per token of the validation split (1 for bytes; more with a "
                        "tokenizer.json)"),
     Metric("checkpoint_num_kv_heads", "count", "KV heads of train.checkpoint as saved, before conversion"),
     Metric("val_loss", _QUALITY_METRICS["val_loss"].unit,
            _QUALITY_METRICS["val_loss"].method + "; with cache.dtype int8/float8_e4m3fn (the record's config) "
                 "each batch of "
-                "windows is written into a static cache of that dtype and every position attends to the dequantized "
+                "sequences is written into a static cache of that dtype and every position attends to the dequantized "
                 "K/V (quantized per position, so one pass scores what a token-by-token decode through that cache "
                 "would); auto: one causal forward, no cache"),
 )
@@ -261,11 +261,11 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
                           "transformers checkpoint directory (config.json + *.safetensors)")
     model, tokenizer = load_for_eval(cfg.train.checkpoint, cfg.runtime.dtype, device)
     saved, own = model.num_kv_heads, model.attention
-    # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's): its KV
-    # heads, window pattern and latent, so attention=model evaluates the model as it was saved
+    # the checkpoint's own layout is its model's (a kvbench checkpoint's config is its preset's), so
+    # attention=model evaluates the model as it was saved
     model.config = model.config.with_own_layout(own)
     attention = cfg.attention.as_asked().resolved(model.config)
-    model, how = to_layout(model, attention)  # with attention's window pattern
+    model, how = to_layout(model, attention)  # with attention's layer pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
 
@@ -285,5 +285,5 @@ def run_eval(cfg: BenchConfig, device: torch.device, loaded: Optional[Tuple[Deco
     start = time.perf_counter()
     metrics = evaluate(model, data, seq_len, cfg.train.eval_batches, cfg.train.batch_size, cfg.cache.dtype)
     return {**metrics, "eval_seconds": time.perf_counter() - start, "num_params": model.num_params(),
-            "num_kv_heads": model.num_kv_heads, "eval_tokens_per_window": seq_len,
+            "num_kv_heads": model.num_kv_heads, "eval_seq_len": seq_len,
             "bytes_per_token": data.bytes_per_token, **converted}

@@ -88,9 +88,10 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_cache_bytes", "bytes",
            "storage held by the cache tensors at the end of a trial (untyped_storage().nbytes())"),
     Metric("kv_cache_bytes_formula", "bytes",
-           "2 * kv_heads * batch * (head_dim * bytes_per_element + scale bytes) * sum over layers of "
-           "min(seq_len, W_layer) (W: a local layer's attention.window; a global layer holds seq_len): "
-           "cache.dtype auto: the compute dtype's bytes, no scales; int8 / float8_e4m3fn: 1 byte and a "
+           "batch * sum over layers of the layout's bytes per position (K/V heads: 2 * kv_heads * (head_dim "
+           "* bytes_per_element + scale bytes)) * the positions it holds (seq_len, or W on a local layer), and a "
+           "constant state once (kvbench.layouts): cache.dtype auto: the compute dtype's bytes, no scales; "
+           "int8 / float8_e4m3fn: 1 byte and a "
            "4-byte scale per (sequence, head, position); cache.impl=none: 0, it holds nothing (each step "
            "recomputes K/V of the whole sequence), as in workload=multiturn"),
     Metric("compile_s", "s", "runtime.compile=default|graph: the first generation through the compiled model or step, "
@@ -111,9 +112,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("routed_experts_per_step", "count", "mixture-of-experts models: the distinct experts a timed decode step "
            "ran, summed over the MoE layers, mean over every step of every timed trial"),
     Metric("energy_mj_per_token", "mJ/token",
-           "CUDA with NVML: the mean power over the energy counter's window (energy_mj / energy_window_s) x "
+           "CUDA with NVML: the mean power over the energy counter's span (energy_mj / energy_span_s) x "
            "the timed trials' own time (prefill + decode) / the tokens they produced (batch x (gen_len + 1) per "
-           "trial): energy and tokens of one window; null with energy_reason when the counter did not advance"),
+           "trial): energy and tokens of one span; null with energy_reason when the counter did not advance"),
     *ALLOCATION_METRICS.values(),
     *ROOFLINE_METRICS.values(),
     *FIDELITY_METRICS.values(),
@@ -267,7 +268,7 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     metrics.update(monitor.result())
     tokens = w.batch_size * (w.gen_len + 1) * len(timings.decode_ms)
     timed_s = (sum(timings.prefill_ms) + sum(map(sum, timings.decode_ms))) / 1e3
-    metrics["energy_mj_per_token"] = energy_per_token(metrics.get("energy_mj"), metrics.get("energy_window_s"),
+    metrics["energy_mj_per_token"] = energy_per_token(metrics.get("energy_mj"), metrics.get("energy_span_s"),
                                                       timed_s, tokens)
     if metrics.get("energy_mj") == 0:
         metrics["energy_reason"] = ("the energy counter did not advance over the timed trials "

@@ -45,8 +45,8 @@ def test_power_above_the_enforced_limit_is_flagged():
     # the committed H200 record: 3,197 mJ/token, 33 tokens per 59 ms trial = 1.8 kW on a 700 W board
     h200 = {"energy_mj_per_token": 3197.47, "e2e_ms": 59.02, "power_limit_w": 700.0}
     assert flagged(h200, config={"workload": {"batch_size": 1, "gen_len": 32}}) == {"energy_mj_per_token"}
-    assert flagged({"energy_mj": 2_000_000, "energy_window_s": 1.0, "power_limit_w": 700.0}) == {"energy_mj"}
-    assert flagged({"energy_mj": 300_000, "energy_window_s": 1.0, "power_limit_w": 700.0}) == set()
+    assert flagged({"energy_mj": 2_000_000, "energy_span_s": 1.0, "power_limit_w": 700.0}) == {"energy_mj"}
+    assert flagged({"energy_mj": 300_000, "energy_span_s": 1.0, "power_limit_w": 700.0}) == set()
 
 
 def test_an_allocation_that_shows_nothing_is_flagged():
@@ -126,7 +126,7 @@ def test_energy_is_the_energy_of_its_own_span(monkeypatch, fake_cuda):
         time.sleep(0.2)
     r = mon.result()
     assert r["power_limit_w"] == 700.0
-    assert r["energy_mj"] / 1e3 / r["energy_window_s"] == pytest.approx(300.0, rel=0.05)
+    assert r["energy_mj"] / 1e3 / r["energy_span_s"] == pytest.approx(300.0, rel=0.05)
     # H200 run 1: 422 J over a 16 s span around 3 trials of 59 ms, 33 tokens each
     per_token = energy_per_token(422_066, 16.0, 3 * 0.059, 3 * 33)
     watts = per_token * 33 / 59.0
