@@ -139,11 +139,13 @@ def field_checks(cls: type) -> Dict[str, List[str]]:
 
 
 def option_checks() -> Dict[str, List[str]]:
-    """The refusals the layer options declare (``kvbench.config.layer_options``), made by
-    ``resolve_options`` rather than by a ``check`` call in AttentionConfig."""
+    """The refusals the layer options declare (``kvbench.config.layer_options``), made from the
+    declarations rather than by a ``check`` call of their own in AttentionConfig."""
     from kvbench.config.layer_options import LAYER_OPTIONS
 
-    return {f"attention.{o.key}": [o.kv_heads_only] for o in LAYER_OPTIONS if o.kv_heads_only}
+    return {f"attention.{o.key}": [why for why in (o.kv_heads_only, o.every_position and
+                                                   f"{o.every_position}; beside a window it is not built") if why]
+            for o in LAYER_OPTIONS if o.kv_heads_only or o.every_position}
 
 
 def type_name(tp: object) -> str:

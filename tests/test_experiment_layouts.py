@@ -11,7 +11,7 @@ import pytest
 from conftest import compose
 
 from kvbench.config.errors import ConfigError
-from kvbench.config.model import variant_label
+from kvbench.config.layer_pattern import variant_label
 from kvbench.job_config import to_bench_config
 
 ROOT = Path(__file__).resolve().parents[1]

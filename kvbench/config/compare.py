@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 from kvbench.config.errors import ConfigError, check, check_positive
-from kvbench.config.model import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type, variant_label
+from kvbench.config.layer_pattern import variant_label
+from kvbench.config.model import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
 from kvbench.config.task import ALL, TIMED_RUNTIME, Task
 
 # compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets.

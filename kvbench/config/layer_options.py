@@ -24,13 +24,15 @@ class LayerOption:
     value that means none, of the option's type (bool or int); ``preset``: the ModelConfig field
     holding the model's own (None: it is part of a layout's shape, resolved and compared with it,
     as DSA's top-k is with MLA's indexer fields); ``kv_heads_only``: why a layer without K/V heads
-    (attention=mla) cannot have it, its error when asked there (None: any layer may have it)."""
+    (attention=mla) cannot have it, its error when asked there (None: any layer may have it);
+    ``every_position``: why it is not built where a layer keeps only its last positions (None: it is)."""
 
     key: str
     label: str
     off: Any
     preset: Optional[str] = None
     kv_heads_only: Optional[str] = None
+    every_position: Optional[str] = None
 
     def on(self, value: Any) -> Any:
         """``value`` when it is of this option's type and on, else None (a record's value as a
@@ -54,7 +56,8 @@ class LayerOption:
 LAYER_OPTIONS = (
     LayerOption("sinks", " sinks", False, preset="preset_sinks",
                 kv_heads_only="are a logit per query head of K/V-head attention; attention=mla has none"),
-    LayerOption("index_topk", " topk={}", 0),  # its model's own: model.preset_mla (kvbench.config.indexer)
+    LayerOption("index_topk", " topk={}", 0,  # its model's own: model.preset_mla (kvbench.config.indexer)
+                every_position="selects among every cached token"),
     LayerOption("kv_shared_layers", " kvshare={}", 0, preset="preset_kv_shared_layers"),
 )
 # Those a model sets by a preset field of its own: resolved, saved and compared one by one.

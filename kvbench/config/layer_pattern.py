@@ -5,7 +5,8 @@ its layout and that pattern (:func:`variant_label`). Torch-free: configs are che
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.errors import check
 from kvbench.config.hf import LAYER_TYPES, LINEAR
@@ -74,6 +75,72 @@ def interval_layer_types(k: int, num_layers: int) -> Optional[List[str]]:
     linear (Gated DeltaNet); None when no layer is linear (k 0 or 1)."""
     types = [LINEAR if k and (i + 1) % k else "full_attention" for i in range(num_layers)]
     return types if LINEAR in types else None
+
+
+# The attention keys of a layer pattern. Their None is a value (no window; every layer full
+# attention), not "left to its default": a table tells GQA from its windowed or Gated DeltaNet
+# hybrid by them. The jobs table shows the first two as columns (key, header).
+PATTERN_KEYS = ("window", "global_every", "layer_types")
+PATTERN_COLUMNS = (("window", "W"), ("global_every", "global every"))
+
+
+def unused_pattern_keys(attention: Mapping[str, Any]) -> Tuple[str, ...]:
+    """The pattern keys that mean nothing in ``attention`` (a resolved config as a mapping): without
+    a window, which layers are local, and layer_types too unless some are linear."""
+    if attention.get("window") is not None:
+        return ()
+    return ("window", "global_every") + ("layer_types",) * (LINEAR not in (attention.get("layer_types") or ()))
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class LayerPattern:
+    """Which layers are local (a window W on them), global or linear, as a record names them (any
+    value of another type reads as absent); ``num_layers`` counts a global_every pattern's layers
+    (12 layers, every 6: 5:1)."""
+
+    window: Optional[int] = None
+    global_every: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None
+    num_layers: Optional[int] = None
+
+    @classmethod
+    def read(cls, get: Callable[[str], Any], num_layers: Any = None) -> "LayerPattern":
+        """The pattern of the values ``get`` gives for each of :data:`PATTERN_KEYS`."""
+        types = get("layer_types")
+        return cls(window=_int(get("window")) or None, global_every=_int(get("global_every")),
+                   layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
+                   num_layers=_int(num_layers))
+
+    def fields(self) -> Dict[str, Any]:
+        return {key: getattr(self, key) for key in PATTERN_KEYS}
+
+    def local_global(self) -> Optional[Tuple[int, int]]:
+        return local_global_layers(self.window, self.global_every, self.layer_types, self.num_layers)
+
+    @property
+    def has_local(self) -> bool:
+        """True when some layer keeps only its last W positions."""
+        return bool(self.window) and self.local_global() != (0, 1)
+
+    @property
+    def has_linear(self) -> bool:
+        """True when some layer keeps a fixed-size recurrent state (Gated DeltaNet), not its tokens' K/V."""
+        return linear_full_layers(self.layer_types) is not None
+
+    @property
+    def named(self) -> bool:
+        """True when a label names the pattern: a window (even one no layer applies) or linear layers."""
+        return bool(self.window) or self.has_linear
+
+    @property
+    def order(self) -> Tuple[int, int, int]:
+        """All global first, then hybrids (larger window first), then all local."""
+        ratio = self.local_global() if self.has_local else None
+        return (0, 0, 0) if ratio is None else (1, 1 if ratio[1] == 0 else 0, -(self.window or 0))
 
 
 def variant_key(label: str) -> str:

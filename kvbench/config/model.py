@@ -16,16 +16,8 @@ from kvbench.config.errors import ConfigError, check, check_choice, check_number
 from kvbench.config.hf import LINEAR, ROPE_TYPES
 from kvbench.config.hf_keys import Source, in_file_keys
 from kvbench.config.indexer import check_indexer, indexer_defaults
-from kvbench.config.layer_options import PRESET_OPTIONS, resolve_options
-from kvbench.config.layer_pattern import (  # noqa: F401 (variant_label, variant_key, local_global_layers: their home is here)
-    check_window_pattern,
-    interval_layer_types,
-    linear_full_layers,
-    local_global_layers,
-    resolve_layer_pattern,
-    variant_key,
-    variant_label,
-)
+from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
+from kvbench.config.layer_pattern import check_window_pattern, resolve_layer_pattern
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 
@@ -376,7 +368,8 @@ class AttentionConfig:
               f"contradicts attention.num_kv_heads={kv} with model.num_heads={h} (that is {expected})")
         # the layer options' values are checked against the layers by build_layouts (a count of shared layers)
         return AttentionConfig(type=expected, num_kv_heads=kv, mla_decode=self.mla_decode,
-                               **resolve_options(self, model, kv_heads=True), **resolve_layer_pattern(self, model))
+                               **resolve_options(self, model, kv_heads=True),
+                               **resolve_layer_pattern(self, model))._with_options_checked()
 
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
@@ -398,9 +391,15 @@ class AttentionConfig:
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)
         check_mla_dims("attention", out)
         check_indexer("attention", out)
-        check(not (out.index_topk and out.window), "attention.index_topk", out.index_topk, "selects among every "
-              f"cached token; with a window ({out.window}) it is not built (use attention.window=0)")
-        return out
+        return out._with_options_checked()
+
+    def _with_options_checked(self) -> "AttentionConfig":
+        """This resolved config, its layer options checked against its window (``every_position``)."""
+        for option in LAYER_OPTIONS:
+            value = getattr(self, option.key)
+            check(not (option.every_position and value and self.window), f"attention.{option.key}", value,
+                  f"{option.every_position}; with a window ({self.window}) it is not built (use attention.window=0)")
+        return self
 
 
 def default_gqa_kv_heads(model: ModelConfig) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
+from kvbench.config.layer_pattern import unused_pattern_keys
 from kvbench.config.mla import INDEX_FIELDS, MLA_FIELDS
 
 # model keys left out of a record at these values, so it reads as one written before the key existed
@@ -24,7 +24,7 @@ def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
 
 def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
     """The attention as a record keeps it: MLA's ranks, DSA's indexer and each layer option only when
-    used, the layer pattern only with a window or linear layers."""
+    used, the layer pattern only where it says something (:func:`unused_pattern_keys`)."""
     unused = set()
     if attention.get("type") != "mla":
         unused.update(MLA_FIELDS + ("mla_decode",))
@@ -33,7 +33,5 @@ def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
     unused.update(option.key for option in LAYER_OPTIONS if not attention.get(option.key))
     if attention.get("full_attention_interval") is None:
         unused.add("full_attention_interval")
-    if attention.get("window") is None:  # which layers are local means nothing, unless some are Gated DeltaNet's
-        linear = LINEAR in (attention.get("layer_types") or ())
-        unused.update(("window", "global_every") + ("layer_types",) * (not linear))
+    unused.update(unused_pattern_keys(attention))
     return {k: v for k, v in attention.items() if k not in unused}

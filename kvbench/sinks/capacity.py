@@ -55,9 +55,10 @@ def markdown(records: Sequence[Record]) -> List[str]:
         return []
     return ["## Serving capacity per layout, KV precision and allocator", "",
             "Per serving run, at its longest request's positions (context): bytes per sequence and the sequences "
-            "that fit the budget by the layouts' formula (a window's W positions, a state once), and by the run's "
+            "that fit the budget by the layouts' formula (the positions each layer holds, a constant state once), and "
+            "by the run's "
             "allocator (`workload.allocator`): what one sequence reserves at its worst while it decodes (block "
-            "rounding, a window's blocks kept whole, its state page) and how many its pools hold at once. Both "
+            "rounding, a local layer's ring blocks kept whole, a state page) and how many its pools hold at once. Both "
             "are computed from the record's configuration, not measured; the store's allocated bytes and the "
             "highest rate within the SLO are measured. `experiments/capacity_report.py` gives the same figures "
             "for real models' presets.", "",

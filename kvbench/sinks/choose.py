@@ -25,7 +25,7 @@ RULES = {
                   "them, the memory-tight choice, with cache.shared=true when workload=multiturn bench jobs show it "
                   "lowering the mean TTFT of turns 2-N (else: not measured here)",
 }
-# The KV bytes per token column: one figure at a stated length (a windowed layout's depends on it)
+# The KV bytes per token column: one figure at a stated length (a layout with local layers depends on it)
 KV_PER_TOKEN = "KV / token (at longest)"
 # A state layer's bytes per sequence, whatever its length (Gated DeltaNet): a column where a variant has one
 STATE = "state / sequence"
@@ -132,7 +132,7 @@ def recommend(rows: Dict[str, Dict[str, Any]], multiturn: Optional[str],
     if not ranked:
         return [("all", "no ok capacity job: nothing to recommend")]
     best = max(r["max_batch"] for _, r in ranked)
-    # ties: more KV heads, then every layer seeing the whole context (a window sees less)
+    # ties: more KV heads, then every layer seeing the whole context (a local layer sees less)
     tight_label, tight = max(ranked, key=lambda item: (item[1]["max_batch"], item[1]["kv_heads"],
                                                        item[1].get("full_context", True)))
     ample = [(label, r) for label, r in ranked if r["max_batch"] >= AMPLE_SHARE * best]
@@ -282,8 +282,9 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         beyond = [label for label, r in rows.items() if r["beyond_heads"]]
         if beyond:
             notes.append(f"memory ample counts KV heads, the article's stand-in for quality; it cannot rank "
-                         f"{', '.join(beyond)} (a latent is one head in the absorbed decode; a window sees only "
-                         "its last W positions; a Gated DeltaNet layer keeps a fixed-size state, not the tokens): "
+                         f"{', '.join(beyond)} (MLA caches one head per token in the absorbed decode; a local "
+                         "layer sees only its last W positions; a Gated DeltaNet layer keeps a fixed-size state, "
+                         "not the tokens): "
                          "their quality is the recall column where this sweep has task=recall records "
                          "(experiment=recall), and is not measured otherwise")
     chat_rows, chat_table = _chat_table(chat_records)

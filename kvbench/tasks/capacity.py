@@ -74,8 +74,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_bytes_per_token", "bytes", "KV formula of one sequence as the longest probe holds it, all layers, "
                           "over its kv_bytes_per_token_positions (2 * layers * kv_heads * head_dim * bytes per "
                           "element per position; MLA: layers * (kv_lora_rank + qk_rope_head_dim) * bytes per "
-                          "element): any one position's bytes without a window; a local layer's ring stops at W, "
-                          "so a windowed layout's figure is that of this length, and falls as the context grows"),
+                          "element): any one position's bytes where every layer holds every position; a local "
+                          "layer's ring stops at W, so such a layout's figure is that of this length, and falls as "
+                          "the context grows"),
     Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (the layouts' "
            "formula: a Gated DeltaNet layer's recurrent state and convolution tail; 0 for K/V layers), included in "
            "kv_bytes_per_token's sequence"),
@@ -114,7 +115,7 @@ METRICS: Dict[str, Metric] = metric_table(
                               "workload=multiturn: over every turn's TTFT of every chat and every decode step of "
                               "every turn; with fewer than 100 samples a p99 is near their maximum; judged "
                               "against slo.tpot_ms), tpot_paired_ms and tpot_reference_ms (slo.tpot_x_batch1, "
-                              "after the probe, outside its memory window: slo.stat over capacity.tpot_pairs decode "
+                              "after the probe, outside its memory span: slo.stat over capacity.tpot_pairs decode "
                               "steps of the probe's filled cache, at the positions its last decode steps wrote "
                               "(workload=multiturn: the last turn's), each interleaved with a step of one "
                               "sequence at the same context and position, whose slo.stat is the reference; "

@@ -52,11 +52,12 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_sequence_positions", "tokens", "the longest request's positions (prompt + output - 1): the context "
                                               "the capacity figures below are at"),
     Metric("kv_sequence_bytes_formula", "bytes", "the layouts' formula for one sequence at kv_sequence_positions "
-                                                 "(a window's W positions, a state once)"),
+                                                 "(the positions each layer holds, a constant state once)"),
     Metric("kv_sequences_fit_formula", "count", "kv_budget_bytes // kv_sequence_bytes_formula"),
     Metric("kv_sequence_reserved_bytes", "bytes", "what one sequence at kv_sequence_positions reserves under the "
                                                   "allocator at its worst while it decodes (block rounding, a "
-                                                  "window's blocks kept whole, its state page): the plan's formula"),
+                                                  "local layer's ring blocks kept whole, a state page): the plan's "
+                                                  "formula"),
     Metric("kv_sequences_fit", "count", "sequences at kv_sequence_positions the allocator's pools hold at once, "
                                         "each at its worst while it decodes (the scarcest pool decides): the "
                                         "plan's formula"),

@@ -207,7 +207,7 @@ def test_a_window_that_no_layer_applies_is_read_as_the_whole_context():
     [falls] = [n for n in choice.notes if n.startswith("KV / token (at longest):")]
     assert "for gqa kv=2 w=64 it falls as the context grows" in falls
     [unranked] = [n for n in choice.notes if n.startswith("memory ample counts KV heads")]
-    assert "cannot rank gqa kv=2 w=64 (a latent" in unranked
+    assert "cannot rank gqa kv=2 w=64 (MLA caches" in unranked
 
 
 def test_a_gated_deltanet_hybrid_is_a_row_with_its_state_and_the_batch_per_context():

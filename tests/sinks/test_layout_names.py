@@ -1,5 +1,5 @@
 """A sweep over attention=mha,gqa,mqa,mla x attention.window=null,256 side by side: eight
-variants under eight names (kvbench.config.model.variant_label, the one name), in ATTENTION_TYPES'
+variants under eight names (kvbench.config.layer_pattern.variant_label, the one name), in ATTENTION_TYPES'
 order with each windowed variant after its full one, the ratios to MHA without a window, and a
 job table whose W column tells a windowed job from a full one."""
 

@@ -18,6 +18,7 @@ from kv_formula import kv_cache_bytes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from kvbench.cli_tools import report_main as main
+from kvbench.config.layer_pattern import LayerPattern
 from kvbench.results import RunResult
 from kvbench.sinks.comparison import LEGEND, UNTESTED
 from kvbench.sinks.plots import (
@@ -157,8 +158,9 @@ def test_each_variant_has_one_colour_in_every_plot():
     assert len(set(gqa)) == 3 and not {MHA_COLOUR, MQA_COLOUR} & set(gqa)
     # what else its label names takes a colour of its own, beside the plain layout in one panel: a
     # window no layer applies (w=64 0:1), linear layers, a layer option, a quantized cache
-    others = [Variant("mha", num_kv_heads=8, window=64, global_every=1, num_layers=4),
-              Variant("mha", num_kv_heads=8, layer_types=("linear_attention", "full_attention")),
+    others = [Variant("mha", num_kv_heads=8, pattern=LayerPattern(64, 1, num_layers=4)),
+              Variant("mha", num_kv_heads=8,
+                      pattern=LayerPattern(layer_types=("linear_attention", "full_attention"))),
               Variant("mha", num_kv_heads=8, options=(("sinks", True),)), Variant("mqa", 8, 1, cache_dtype="int8")]
     mixed = palette([Variant("mha", num_kv_heads=8), Variant("mqa", num_kv_heads=1), *others])
     assert mixed["mha kv=8"] == MHA_COLOUR and mixed["mqa kv=1"] == MQA_COLOUR and len(set(mixed.values())) == 6

@@ -9,7 +9,8 @@ import torch
 from conftest import compose
 
 from kvbench.config.errors import ConfigError
-from kvbench.config.model import AttentionConfig, variant_key, variant_label
+from kvbench.config.layer_pattern import variant_key, variant_label
+from kvbench.config.model import AttentionConfig
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.tasks.common import build_model
