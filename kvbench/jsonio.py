@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import IO, Any, Callable, List, Mapping, Optional, Tuple
 
 
+def as_int(value: Any) -> Optional[int]:
+    """``value`` where a document holds an integer (a boolean is not one), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
     """At most ``limit`` bytes of ``path``; anything but a regular file is an OSError (a FIFO blocks
     forever, /dev/zero never ends), checked on the non-blocking descriptor so a swapped file cannot

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.config.layer_pattern import PATTERN_COLUMNS, PATTERN_KEYS, LayerPattern, variant_label
 from kvbench.config.model import ATTENTION_TYPES, attention_type
+from kvbench.jsonio import as_int
 from kvbench.metrics import matches
 from kvbench.results import RENAMED_IN_3
 from kvbench.units_v1 import V1_UNITS
@@ -48,10 +49,6 @@ def _get(config: Any, dotted: str) -> Any:
     return node
 
 
-def _int(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 @dataclass(frozen=True)
 class Variant:
     """An attention variant as its fields: ``layout`` mha | gqa | mqa | mla (None: unknown);
@@ -76,17 +73,17 @@ class Variant:
         """The variant of a record's config (a nested mapping); absent keys are None."""
         config = config if isinstance(config, Mapping) else {}
         kind, heads, kv = (_get(config, k) for k in ("attention.type", "model.num_heads", "attention.num_kv_heads"))
-        rank = _int(_get(config, "attention.kv_lora_rank"))
+        rank = as_int(_get(config, "attention.kv_lora_rank"))
         layout = kind if kind in ATTENTION_TYPES else None
         if layout is None and rank is not None:
             layout = "mla"
-        elif layout is None and _int(heads) and _int(kv):
+        elif layout is None and as_int(heads) and as_int(kv):
             layout = attention_type(heads, kv)
         elif layout is None and isinstance(kind, str):
             layout = kind  # a type the schema does not know (an invalid job's): shown as given
         dtype = _get(config, "cache.dtype")
-        return cls(layout=layout, num_heads=_int(heads), num_kv_heads=_int(kv),
-                   kv_lora_rank=rank, qk_rope_head_dim=_int(_get(config, "attention.qk_rope_head_dim")),
+        return cls(layout=layout, num_heads=as_int(heads), num_kv_heads=as_int(kv),
+                   kv_lora_rank=rank, qk_rope_head_dim=as_int(_get(config, "attention.qk_rope_head_dim")),
                    pattern=LayerPattern.read(lambda key: _get(config, f"attention.{key}"),
                                              _get(config, "model.num_layers")),
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
@@ -312,7 +309,7 @@ class RecordView:
         return name if isinstance(name, str) else None
 
     def _count(self, dotted: str) -> Optional[int]:
-        return _int(self.get(dotted))
+        return as_int(self.get(dotted))
 
     @property
     def batch_size(self) -> Optional[int]:

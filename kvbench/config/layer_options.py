@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from kvbench.config.errors import check
+from kvbench.jsonio import as_int
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class LayerOption:
         variant reads it: anything else there is not this option)."""
         if type(self.off) is bool:
             return value if value is True else None
-        is_int = isinstance(value, int) and not isinstance(value, bool)
+        is_int = as_int(value) is not None
         return value if is_int and value != self.off else None
 
     def own(self, value: Any) -> Any:

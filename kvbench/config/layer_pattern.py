@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.config.errors import check
 from kvbench.config.hf import LAYER_TYPES, LINEAR
 from kvbench.config.layer_options import LAYER_OPTIONS
+from kvbench.jsonio import as_int
 
 
 def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
@@ -92,10 +93,6 @@ def unused_pattern_keys(attention: Mapping[str, Any]) -> Tuple[str, ...]:
     return ("window", "global_every") + ("layer_types",) * (LINEAR not in (attention.get("layer_types") or ()))
 
 
-def _int(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 @dataclass(frozen=True)
 class LayerPattern:
     """Which layers are local (a window W on them), global or linear, as a record names them (any
@@ -111,9 +108,9 @@ class LayerPattern:
     def read(cls, get: Callable[[str], Any], num_layers: Any = None) -> "LayerPattern":
         """The pattern of the values ``get`` gives for each of :data:`PATTERN_KEYS`."""
         types = get("layer_types")
-        return cls(window=_int(get("window")) or None, global_every=_int(get("global_every")),
+        return cls(window=as_int(get("window")) or None, global_every=as_int(get("global_every")),
                    layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
-                   num_layers=_int(num_layers))
+                   num_layers=as_int(num_layers))
 
     def fields(self) -> Dict[str, Any]:
         return {key: getattr(self, key) for key in PATTERN_KEYS}

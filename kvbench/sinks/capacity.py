@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
+from kvbench.jsonio import as_int
 from kvbench.sinks.markdown import md_text
 from kvbench.sinks.serving import max_rate_text, serving_records
 from kvbench.sinks.tables import Record, natural
@@ -23,7 +24,7 @@ HEADER = ["variant (with its KV precision)", "allocator", "budget", "context", "
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return as_int(value) is not None and value >= 0
 
 
 def rows(records: Sequence[Record]) -> List[Dict[str, Any]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from kvbench.jsonio import as_int
 from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import VARIANT_KEYS, Record, fmt, natural, ratio_text, swept_axes
 from kvbench.views import RecordView
@@ -58,7 +59,7 @@ def _max_batch(rec: Record) -> Optional[int]:
     """The record's largest batch at the longest context, when it is a count >= 0: a value read back
     is checked, not trusted."""
     value = _m(rec, "max_batch_longest")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    return value if as_int(value) is not None and value >= 0 else None
 
 
 def _longest(rec: Record) -> Optional[Mapping[str, Any]]:

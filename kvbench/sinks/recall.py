@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
+from kvbench.jsonio import as_int
 from kvbench.measure.stats import seed_summary, welch_interval
 from kvbench.sinks.tables import Record, fmt
 from kvbench.views import RecordView
@@ -54,7 +55,7 @@ def _seed_ids(rec: Record) -> List[int]:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return as_int(value) is not None
 
 
 def _row_ok(row: Any) -> bool:
