@@ -176,11 +176,16 @@ def in_order(labels: Sequence[str], variants: Mapping[str, Variant]) -> List[str
 
 # ---- a record ------------------------------------------------------------------------------------
 
+def _schema_version(data: Mapping[str, Any]) -> int:
+    """The record's schema (1 for records written before the field, and for report rows)."""
+    version = as_int(data.get("schema_version"))
+    return 1 if version is None else version
+
+
 def _as_current(data: Mapping[str, Any]) -> Mapping[str, Any]:
     """``data`` (a record) as the current schema reads: a schema-1 record's units from its methods'
     names, and each metric keyed by its schema-3 name."""
-    version = data.get("schema_version")
-    version = version if isinstance(version, int) and not isinstance(version, bool) else 1
+    version = _schema_version(data)
     if version >= 3:
         return data
     out = dict(data)
@@ -256,8 +261,7 @@ class RecordView:
     @property
     def schema_version(self) -> int:
         """The record's schema (1 for records written before the field, and for report rows)."""
-        version = self._data.get("schema_version")
-        return version if isinstance(version, int) and not isinstance(version, bool) else 1
+        return _schema_version(self._data)
 
     @property
     def overrides(self) -> List[str]:

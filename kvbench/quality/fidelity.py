@@ -171,8 +171,9 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
         out = cache_fidelity(model, prompt, steps, impl, step, cache, rows=2)
     if cache_dtype != "auto":
         out.update(quantized_cache_fidelity(model, prompt[:2], steps, cache_dtype))
-    if model.layouts.decode_forms():  # two forms of the same step: they must agree
-        out.update(form_fidelity(model, prompt[:2], steps, model.layouts.decode_forms()))
+    forms = model.layouts.decode_forms()
+    if forms:  # two forms of the same step: they must agree
+        out.update(form_fidelity(model, prompt[:2], steps, forms))
     if dtype != "float32":
         out.update(dtype_fidelity(model, None, prompt[:2], steps))
     return out
