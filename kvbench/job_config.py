@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig
 
 from kvbench.config.bench import TASKS, BenchConfig
-from kvbench.config.errors import typed
+from kvbench.config.errors import ConfigError, typed
 from kvbench.config.moe import check_run
 from kvbench.layouts.build import build_layouts
 
@@ -24,9 +24,14 @@ def check_job(job: BenchConfig) -> BenchConfig:
     """Refuse, in one line naming the key and the value, what ``job`` (built, so its fields are
     checked and its attention resolved) may not run: a setting some layer's layout or the MoE
     does not run with, then a rule across groups. Returns ``job``."""
-    if not TASKS[job.task].own_shape:  # task=eval: its checkpoint sets the shape, read by the task
+    task = TASKS[job.task]
+    if not task.own_shape:  # task=eval: its checkpoint sets the shape, checked where the task reads it
         settings = job.layout_settings()
-        build_layouts(job.model, job.attention).check(settings)
+        for where, attention in task.attentions(job):
+            try:
+                build_layouts(job.model, attention).check(settings)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}{exc}") from None
         check_run(job.model.moe, settings)
     job.check_rules()
     return job

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose
+from omegaconf import OmegaConf
 
 import kvbench.footprint as footprint
 import kvbench.jobs.runner as runner
@@ -18,7 +19,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.footprint import check_fits, job_footprint
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
-from kvbench.results import RecordError, read_record
+from kvbench.results import RecordError, read_record, record_config
 from kvbench.sinks.report import MD_FILE, write_report
 
 FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2",
@@ -122,6 +123,71 @@ def test_a_window_of_zero_or_a_pattern_beside_an_explicit_window_runs():
     assert job.attention.layer_windows(job.model.num_layers) == [None, None]
     job = to_bench_config(compose(*FAST, "model=gemma3_27b", "attention.global_every=2"))
     assert job.attention.layer_windows(4)[:2] == [1024, None]
+
+
+# ---- what a task reads is what a layout may refuse ------------------------------------------
+
+# A cache kind, a compiled step and a quantized cache a windowed and a Gated DeltaNet layer refuse.
+UNRUN = [["attention.window=8", "cache.impl=concat", "runtime.compile=graph"],
+         ["attention.full_attention_interval=2", "cache.dtype=int8", "runtime.compile=graph"]]
+
+
+@pytest.mark.parametrize("task", ["train", "recall", "eval", "compare", "bench", "capacity", "inspect"])
+def test_a_layout_is_refused_only_the_settings_its_task_reads(task):
+    """Each setting a layer's Limit is asked about is a key the task's record keeps (what it reads,
+    results.record_config): a training job that builds no cache is not refused cache.impl=concat."""
+    job = to_bench_config(compose("model=tiny", f"task={task}"))
+    kept = record_config(OmegaConf.to_container(compose("model=tiny", f"task={task}"), resolve=True))
+    for key in job.layout_settings():
+        if "." in key:  # else the task's own setting (recall's kv_conversion)
+            section, name = key.split(".")
+            assert name in kept.get(section, {}), (task, key)
+    asked = {f"{section}.{name}" for section in ("cache", "runtime") for name in kept.get(section, {})}
+    assert asked & {"cache.impl", "cache.dtype", "runtime.compile"} <= set(job.layout_settings())
+
+
+@pytest.mark.parametrize("unrun", UNRUN)
+@pytest.mark.parametrize("task", ["train", "recall"])
+def test_a_task_that_builds_no_cache_runs_any_layout_beside_any_cache_setting(task, unrun):
+    job = to_bench_config(compose("model=tiny", f"task={task}", *unrun))
+    assert job.layout_settings() == {}  # recall.uptrain_steps=null: no conversion either
+    with pytest.raises(ConfigError, match="^(cache.impl='concat'|cache.dtype='int8'|runtime.compile='graph')"):
+        to_bench_config(compose("model=tiny", "task=bench", *unrun))
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["task=bench", "cache.impl=concat"], "cache.impl='concat': keeps every position; with attention.window=8"),
+    (["task=capacity", "runtime.compile=graph"], "runtime.compile='graph': is not supported with a sliding window"),
+    (["task=compare", "runtime.compile=graph"], "runtime.compile='graph': task=compare times eager steps only"),
+])
+def test_a_task_that_reads_the_setting_is_refused_it(overrides, line):
+    assert refusal("model=tiny", "attention.window=8", *overrides).startswith(line)
+
+
+def test_each_compare_variant_is_checked_against_its_layers_limits(monkeypatch):
+    """A variant's layers' Limits refuse what the job runs it with, naming the variant."""
+    from kvbench.layouts.base import LayerLayout, Limit
+
+    own = LayerLayout._window_limits
+    monkeypatch.setattr(LayerLayout, "_window_limits", lambda self: own(self) + (
+        () if self.window is None else (Limit("cache.impl", ("none",), "refused for the test"),)))
+    line = refusal("model=tiny", "task=compare", "compare.variants=[mha,mha:w8]", "compare.contexts=[8]")
+    assert line == "compare.variants=['mha', 'mha:w8']: 'mha:w8': cache.impl='static': refused for the test"
+    to_bench_config(compose(*FAST, "model=tiny", "task=compare", "compare.variants=[mha,gqa]", "compare.contexts=[8]"))
+
+
+def test_eval_checks_the_checkpoints_layers_before_it_reads_any_data(tmp_path, monkeypatch):
+    """task=eval's shape is its checkpoint's: its layers' Limits are asked once the checkpoint is read,
+    before a batch is scored."""
+    from kvbench.quality import train
+
+    run_job(compose("model=tiny", "task=train", "attention.full_attention_interval=2", "train.steps=1",
+                    "train.eval_batches=1", "wandb=disabled", "runtime.isolate=false"), tmp_path / "train")
+    cfg = to_bench_config(compose("model=tiny", "task=eval", f"train.checkpoint={tmp_path / 'train' / 'checkpoint.pt'}",
+                                  "cache.dtype=int8", "wandb=disabled"))
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: pytest.fail("scored a batch"))
+    with pytest.raises(ConfigError, match=r"^cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"):
+        train.run_eval(cfg, torch.device("cpu"))
 
 
 # ---- task=recall --------------------------------------------------------------------------

@@ -197,16 +197,20 @@ class BenchConfig:
     # metric -> the most it may be: a job above any cap returns no objective (a failed trial).
     objective_caps: Dict[str, float] = field(default_factory=dict)
 
+    def reads(self, key: str) -> bool:
+        """Whether this job's task reads ``key`` (``section.name``) of the config."""
+        return TASKS[self.task].reads_key(key, self.workload)
+
     def layout_settings(self) -> Dict[str, Any]:
-        """The settings a layer's layout may not run with (:class:`kvbench.layouts.Limit`): its cache
-        (a shared prefix only where a multi-turn chat shares one), the compiled step, the serving
-        store (None when the job serves nothing)."""
+        """The settings a layer's layout may not run with (:class:`kvbench.layouts.Limit`), of those the
+        task reads: its cache (a shared prefix only where a multi-turn chat shares one), the compiled
+        step, the serving store."""
         settings = {"cache.impl": self.cache.impl, "cache.dtype": self.cache.dtype, "cache.shared": False,
-                    "runtime.compile": self.runtime.compile, "workload.store": None}
+                    "runtime.compile": self.runtime.compile}
         if TASKS[self.task].runs_workload:
             settings.update(self.workload.layout_settings(self))
         settings.update(TASKS[self.task].settings(self))
-        return settings
+        return {key: value for key, value in settings.items() if self.reads(key)}
 
     def __post_init__(self) -> None:
         """Each field's values, and the attention resolved against the model; a copy made by
@@ -236,12 +240,12 @@ class BenchConfig:
             check(w.total_len <= self.model.max_seq_len, w.LENGTH_KEY, getattr(w, w.LENGTH_KEY.split(".")[1]),
                   f"the workload needs {w.total_len} positions, more than model.max_seq_len="
                   f"{self.model.max_seq_len}")
-        if self.runtime.compile == "graph":
-            check(self.cache.impl == "static", "cache.impl", self.cache.impl,
+        if self.reads("runtime.compile") and self.runtime.compile == "graph":
+            check(not self.reads("cache.impl") or self.cache.impl == "static", "cache.impl", self.cache.impl,
                   "runtime.compile=graph reads a preallocated cache in fixed shapes; use cache.impl=static")
             # The fixed-shape step writes K/V with index_copy_ into the storage itself: a quantized
             # cache would need its quantize/dequantize inside the compiled step (not built).
-            check(self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
+            check(not self.reads("cache.dtype") or self.cache.dtype == "auto", "cache.dtype", self.cache.dtype,
                   "runtime.compile=graph is not supported with a quantized cache; use cache.dtype=auto "
                   "or runtime.compile=false|default")
 

@@ -4,7 +4,7 @@ process, and what the task reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from kvbench.config.errors import ConfigError, check, check_positive
 from kvbench.config.layer_pattern import variant_label
@@ -98,6 +98,12 @@ def check_compare_run(cfg: Any) -> None:
           "task=compare times eager steps only (use task=bench for compiled decoding)")
 
 
+def compare_attentions(cfg: Any) -> List[Tuple[str, AttentionConfig]]:
+    """Each variant's attention, after what a refusal of it names."""
+    return [(f"compare.variants={cfg.compare.variants!r}: {v!r}: ", attention)
+            for v, attention in zip(cfg.compare.variants, cfg.compare.attentions(cfg.model))]
+
+
 # Many variants, none of them the record's attention; of the workload only its batch size.
 COMPARE = Task(reads={"workload": ("batch_size",), "cache": ("impl",), "runtime": TIMED_RUNTIME, "compare": ALL},
-               check=check_compare_run)
+               check=check_compare_run, attentions=compare_attentions)

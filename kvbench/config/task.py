@@ -6,7 +6,7 @@ these declarations in a process that runs no model."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 ALL = None  # every key of the section
 
@@ -42,6 +42,11 @@ def no_settings(cfg: Any) -> Dict[str, Any]:
     return {}
 
 
+def the_job_attention(cfg: Any) -> Tuple[Tuple[str, Any], ...]:
+    """A task that runs the job's own attention (``attention``, resolved against ``model``)."""
+    return (("", cfg.attention),)
+
+
 @dataclass(frozen=True)
 class Task:
     """One ``task=`` value. ``reads``: section -> the keys the task reads besides ``model``,
@@ -50,7 +55,8 @@ class Task:
     ``by_workload``: keys that differ per workload option. ``own_shape``: the model's shape comes
     from the task's checkpoint, which resolves the attention itself. ``check``: its rules across
     groups, given the job's config with its attention resolved. ``settings``: what of the job a layer's
-    layout may refuse beyond its cache and runtime (:class:`kvbench.layouts.base.Limit` keys)."""
+    layout may refuse beyond its cache and runtime (:class:`kvbench.layouts.base.Limit` keys).
+    ``attentions``: each attention the job runs, resolved, with what a refusal of it is prefixed by."""
 
     reads: Mapping[str, Keys]
     runs_workload: bool = False
@@ -58,6 +64,13 @@ class Task:
     own_shape: bool = False
     check: Callable[[Any], None] = no_rules
     settings: Callable[[Any], Dict[str, Any]] = no_settings
+    attentions: Callable[[Any], Sequence[Tuple[str, Any]]] = the_job_attention
+
+    def reads_key(self, key: str, workload: Any) -> bool:
+        """Whether a job with ``workload`` reads ``key`` (``section.name``; a key without a section is
+        the task's own setting, always read)."""
+        section, dot, name = key.partition(".")
+        return not dot or bool(kept({name: None}, self.sections(workload).get(section, ())))
 
     def sections(self, workload: Any) -> Dict[str, Keys]:
         """What a job of this task with ``workload`` (its dataclass, or None) reads, by section."""

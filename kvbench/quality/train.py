@@ -25,6 +25,7 @@ from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint,
 from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError
 from kvbench.config.train import TrainConfig
+from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quality.data import BYTE_VOCAB, TokenData, batches, byte_data, eval_starts, need_tokens, tokenized_data
@@ -265,6 +266,7 @@ def checkpoint_for_eval(cfg: BenchConfig, device: torch.device) -> Tuple[Decoder
     # attention=model evaluates the model as it was saved
     model.config = model.config.with_own_layout(own)
     attention = cfg.attention.as_asked().resolved(model.config)
+    build_layouts(model.config, attention).check(cfg.layout_settings())  # as check_job does, once the shape is known
     model, how = to_layout(model, attention)  # with attention's layer pattern
     return model.eval(), tokenizer, {"checkpoint_num_kv_heads": saved, "kv_heads_conversion": how}
 
