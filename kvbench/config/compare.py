@@ -87,7 +87,7 @@ class CompareConfig:
 
 
 def check_compare_run(cfg: Any) -> None:
-    cfg.compare.attentions(cfg.model)
+    """The rules across groups; the variants were resolved before (:func:`compare_attentions`)."""
     longest = max(cfg.compare.contexts)
     check(longest < cfg.model.max_seq_len, "compare.contexts", cfg.compare.contexts,
           f"a step at context {longest} needs {longest + 1} positions, more than model.max_seq_len="
