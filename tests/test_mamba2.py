@@ -146,6 +146,51 @@ def test_prefill_then_40_decode_steps_equal_transformers_and_one_prefill(family)
 
 
 @torch.no_grad()
+def test_a_nemotron_h_greedy_decodes_40_tokens_as_transformers_generate():
+    """A Nemotron-H of blocks M * M (each block: norm, mixer, residual) with kvbench's Mamba-2
+    mixers and state caches in place of transformers' (its attention block kept, with its own K/V
+    cache: transformers cannot cache a model of mamba layers only): 40 greedy tokens after a 23-token
+    prompt equal transformers' generate (its chunked prefill, then cached recurrent steps), every
+    step's logits within TOL."""
+    from transformers import NemotronHForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    torch.manual_seed(1)
+    cfg = hf_config("nemotron_h", hybrid_override_pattern="M*M")
+    model = NemotronHForCausalLM(cfg).eval()
+    lay = mamba2_from_hf(config_json(cfg))
+    ours = {}  # block index -> (mixer, its state cache)
+    for i, block in enumerate(model.model.layers):
+        if block.block_type == "linear_attention":
+            block.mixer.A_log.copy_(torch.empty(8).uniform_(0.01, 0.3).log())
+            block.mixer.dt_bias.normal_()
+            mixer = Mamba2Mixer(tiny_model_config(d_model=D_MODEL, norm_eps=cfg.layer_norm_epsilon), lay).eval()
+            mixer.load_state_dict(hf_mixer_weights(block.mixer.state_dict()))
+            ours[i] = mixer, Mamba2StateLayer(lay.state, 2, torch.float32)
+    kv = DynamicCache(config=cfg)
+
+    def last_logits(ids, start):
+        h = model.model.embeddings(ids)
+        for i, block in enumerate(model.model.layers):
+            x = block.norm(h)
+            h = h + (run(ours[i][0], ours[i][1], x, start) if i in ours else block.mixer(x, cache=kv)[0])
+        return model.lm_head(model.model.norm_f(h))[:, -1]
+
+    prompt = torch.randint(0, 97, (2, 23))
+    want = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    tokens, logits, ids, start = [], [], prompt, 0
+    for _ in range(40):
+        logits.append(last_logits(ids, start))
+        start += ids.shape[1]
+        ids = logits[-1].argmax(-1, keepdim=True)
+        tokens.append(ids)
+    assert torch.equal(torch.cat(tokens, 1), want.sequences[:, 23:])
+    assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= TOL
+    assert len(set(torch.cat(tokens, 1)[0].tolist())) > 3  # not one token repeated
+
+
+@torch.no_grad()
 def test_the_time_step_clamp_binds_in_the_prompt_only_as_in_transformers():
     """dt biases of -9 put softplus(dt) under Nemotron-H's time_step_min (0.001): transformers
     clamps dt to it in the chunked scan and not in the decode step (mamba_ssm's step has no clamp).
@@ -387,6 +432,19 @@ def test_nemotron_h_reads_its_pattern_and_older_names_as_transformers_does():
     assert lay.state_dtype == "bfloat16" and lay.state.nbytes(2) == 8 * 4 * 128 * 2 + 1 * (32 + 2 * 4 * 128) * 2
     assert hf_layer_kinds(raw) == ["mamba", "mlp", "mamba", "attention", "mamba", "moe"]
     assert hf_layer_kinds(raw) == hf_layer_kinds(config_json(cfg))
+
+
+def test_granite_reads_the_older_layer_type_names_as_transformers_does():
+    """Granite 4's hub files name layers mamba / attention; transformers reads them as its
+    linear_attention / full_attention (and a mamba layer_type is a Mamba-2 layer there, not a Gated
+    DeltaNet one)."""
+    from transformers import GraniteMoeHybridConfig
+
+    raw = {"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64,
+           "mamba_n_heads": 8, "layer_types": ["mamba", "attention", "mamba", "mamba"]}
+    cfg = GraniteMoeHybridConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert hf_layer_kinds(raw) == hf_layer_kinds(config_json(cfg)) == ["mamba", "attention", "mamba", "mamba"]
+    assert mamba2_from_hf(raw).mamba_head_dim == cfg.mamba_d_head == 16
 
 
 NEMOTRON = {"architectures": ["NemotronHForCausalLM"], "mamba_num_heads": 8, "mamba_head_dim": 4}
