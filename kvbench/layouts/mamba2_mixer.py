@@ -105,7 +105,8 @@ def recurrent_step(x, dt, A, B, C, D, dt_bias, state: torch.Tensor) -> torch.Ten
     """One token of the SSD recurrence, as transformers' selective_state_update. x (B, 1, H, P),
     dt (B, 1, H) before its softplus (no clamp: mamba_ssm's step has none), A (H,) float32, B, C
     (B, 1, G, N); ``state`` (B, H, P, N) advanced in place, in its own dtype. Returns y (B, 1, H, P)
-    in float32."""
+    in float32. In float32 throughout, as mamba_ssm's kernel and the chunked scan: transformers' torch
+    step rounds dt B x and the state to a half-precision compute dtype first (a rounding or two apart)."""
     H = x.shape[2]
     dt = F.softplus(dt + dt_bias.to(dt.dtype))[:, 0].float()  # (B, H), in x's dtype first as transformers
     Bh, Ch = _heads(B[:, 0], H), _heads(C[:, 0], H)  # (B, H, N)
