@@ -440,12 +440,14 @@ def test_what_a_mamba2_layer_refuses_names_the_key_and_value(key, value):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_config_json_reads_as_transformers_builds_the_mixer(family):
     """The layout read from a config.json has the shape transformers' own mixer is built with."""
-    cfg, hf, _, lay = pair(family)
+    cfg, hf, ours, lay = pair(family)
     assert (lay.mamba_num_heads, lay.mamba_head_dim, lay.ssm_state_size, lay.n_groups, lay.conv_kernel,
             lay.chunk_size) == (hf.num_heads, hf.head_dim, hf.ssm_state_size, hf.n_groups, hf.conv_kernel_size,
                                 hf.chunk_size)
     assert lay.time_step_limit == tuple(hf.time_step_limit) and lay.conv_channels == hf.conv_dim
     assert lay.conv_bias == (hf.conv1d.bias is not None) and lay.proj_bias == (hf.in_proj.bias is not None)
+    count = lay.mixer_params(D_MODEL)
+    assert count == sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
     assert hf_layer_kinds(config_json(cfg)) == [{"linear_attention": "mamba", "full_attention": "attention"}.get(t, t)
                                                 for t in cfg.layers_block_type]
 

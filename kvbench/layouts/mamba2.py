@@ -87,6 +87,13 @@ class Mamba2(LayerLayout):
         """What the convolution runs over: x, then B and C of every group."""
         return self.inner_dim + 2 * self.n_groups * self.ssm_state_size
 
+    def mixer_params(self, d_model: int) -> int:
+        """Parameters of the layer's mixer: in_proj (z, xBC, dt), the depthwise convolution, dt_bias,
+        A_log and D per head, the gated norm's weight and out_proj (biases where the layout has them)."""
+        projected = 2 * self.inner_dim + 2 * self.n_groups * self.ssm_state_size + self.mamba_num_heads
+        return ((d_model + self.proj_bias) * projected + (self.conv_kernel + self.conv_bias) * self.conv_channels
+                + 3 * self.mamba_num_heads + self.inner_dim + (self.inner_dim + self.proj_bias) * d_model)
+
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
         return 0, ()
