@@ -435,6 +435,18 @@ def test_what_a_mamba2_layer_refuses_names_the_key_and_value(key, value):
     assert "\n" not in message and message.startswith(f"{key}={value!r}: ") and "Mamba-2" in message
 
 
+@pytest.mark.parametrize("fields,key,value", [
+    (dict(mamba_num_heads=0), "mamba_num_heads", 0), (dict(ssm_state_size=16.0), "ssm_state_size", 16.0),
+    (dict(chunk_size=True), "chunk_size", True), (dict(mamba_num_heads=8, n_groups=3), "n_groups", 3),
+    (dict(state_dtype="int8"), "mamba_ssm_cache_dtype", "int8"),
+    (dict(time_step_limit=(0.5, 0.1)), "time_step_limit", [0.5, 0.1]),
+])
+def test_a_layout_built_by_hand_is_held_to_the_same_rules(fields, key, value):
+    with pytest.raises(ConfigError) as info:
+        Mamba2(None, **fields)
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"{key}={value!r}: ")
+
+
 # ---- config.json and weights -----------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -125,6 +125,7 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     kept = torch.ones(L, L, dtype=torch.bool, device=a.device).tril()  # j <= i
     return a.masked_fill(~kept.tril(-1), 0).cumsum(-2).masked_fill(~kept, -torch.inf)
 
+
 def chunked_scan(x, dt, A, B, C, D, dt_bias, state: torch.Tensor, chunk: int,
                  dt_limit: Tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
     """The SSD recurrence over chunks of ``chunk`` tokens, as transformers' mamba2_chunk_scan,
