@@ -1,0 +1,272 @@
+"""Mamba-2 layers: a selective state space (SSD) per head, as the ``M`` layers of Nemotron-H
+(transformers' NemotronHMamba2Mixer) and the mamba layers of Granite 4 (GraniteMoeHybridMambaLayer).
+
+A token's x (H heads of P), B and C (G groups of N) pass a causal depthwise convolution of
+``conv_kernel`` taps; each head then keeps a P x N state, decayed by exp(A dt) and written with
+dt x B^T; the output reads the state at C, plus D x, gated and normalised. Head h uses group
+h // (H / G). Nothing is stored per position: a sequence holds one :class:`SSMState` per layer
+whatever its length, the SSM state in its own dtype (float32 by default, config.json's
+``mamba_ssm_cache_dtype``) and the convolution's last K - 1 inputs in the compute dtype.
+
+Notation: H heads, P their width (head_dim), N the state size, G groups of B and C, K taps,
+I = H P the inner width, conv channels I + 2 G N.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.config.errors import ConfigError
+from kvbench.layouts.base import LayerLayout, Limit, State
+from kvbench.layouts.kv_heads import KVHeads
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class SSMState(State):
+    """A Mamba-2 layer's state per sequence: the convolution's last ``conv_tail`` inputs of
+    ``conv_channels`` (compute dtype) and the SSM state ``recurrent`` (H, P, N) in ``state_dtype``
+    (transformers keeps it in float32; ``mamba_ssm_cache_dtype`` may ask for half of that)."""
+
+    state_dtype: str = "float32"
+
+    def nbytes(self, element: int) -> int:
+        return self.conv_channels * self.conv_tail * element + \
+            math.prod(self.recurrent) * DTYPE_BYTES[self.state_dtype]
+
+
+@dataclass(frozen=True)
+class Mamba2(LayerLayout):
+    """A Mamba-2 layer, fields as Nemotron-H's config.json names them (defaults: NemotronHConfig's);
+    ``time_step_limit`` the bounds dt is clamped to in the chunked scan, ``conv_bias`` and
+    ``proj_bias`` the biases of the convolution and of in_proj / out_proj; ``num_heads`` and
+    ``head_dim``: the model's attention heads, for :meth:`as_mha`."""
+
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    time_step_limit: Tuple[float, float] = (0.0, INF)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    state_dtype: str = "float32"
+    num_heads: int = 32
+    head_dim: int = 128
+
+    kind = "mamba2"
+
+    def __post_init__(self):
+        # a layout built by hand (a test, a preset) is held to what a config.json is (mamba2_from_hf)
+        for key in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key}={value!r}: must be a positive integer")
+        if self.mamba_num_heads % self.n_groups:
+            raise ConfigError(f"n_groups={self.n_groups!r}: must divide mamba_num_heads={self.mamba_num_heads} "
+                              "(each group's B and C serve a whole number of heads)")
+        if self.state_dtype not in DTYPE_BYTES:
+            raise ConfigError(f"mamba_ssm_cache_dtype={self.state_dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
+        low, high = self.time_step_limit
+        if not (0 <= low < high):
+            raise ConfigError(f"time_step_limit={list(self.time_step_limit)!r}: must be [low, high] with "
+                              "0 <= low < high")
+
+    @property
+    def inner_dim(self) -> int:
+        """I = H P: the width of x, of the gate z and of the scan's output."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """What the convolution runs over: x, then B and C of every group."""
+        return self.inner_dim + 2 * self.n_groups * self.ssm_state_size
+
+    def mixer_params(self, d_model: int) -> int:
+        """Parameters of the layer's mixer: in_proj (z, xBC, dt), the depthwise convolution, dt_bias,
+        A_log and D per head, the gated norm's weight and out_proj (biases where the layout has them)."""
+        projected = 2 * self.inner_dim + 2 * self.n_groups * self.ssm_state_size + self.mamba_num_heads
+        return ((d_model + self.proj_bias) * projected + (self.conv_kernel + self.conv_bias) * self.conv_channels
+                + 3 * self.mamba_num_heads + self.inner_dim + (self.inner_dim + self.proj_bias) * d_model)
+
+    @property
+    def stored(self) -> Tuple[int, Tuple[int, ...]]:
+        return 0, ()
+
+    @property
+    def rotary_dim(self) -> int:
+        return 0  # positions enter through the recurrence and the convolution, not a rotation
+
+    @property
+    def state(self) -> SSMState:
+        # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
+        # column that no later step reads)
+        return SSMState(self.conv_channels, self.conv_kernel - 1,
+                        (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size), self.state_dtype)
+
+    def positions_held(self, seq_len: float) -> float:
+        return 0
+
+    def step_flops(self, context: float) -> float:
+        # per head, whatever the context: decay the P x N state (a multiply per element), add the
+        # outer product (dt x) B^T and read it at C (a multiply-add per element each); the
+        # convolution, like the projections, is the model's
+        return 5.0 * self.mamba_num_heads * self.mamba_head_dim * self.ssm_state_size
+
+    def as_mha(self) -> LayerLayout:
+        return KVHeads(None, self.num_heads, self.num_heads, self.head_dim)
+
+    def fields(self) -> Dict[str, Any]:
+        return {"mamba_num_heads": self.mamba_num_heads, "mamba_head_dim": self.mamba_head_dim,
+                "ssm_state_size": self.ssm_state_size, "n_groups": self.n_groups, "conv_kernel": self.conv_kernel,
+                **({} if self.state_dtype == "float32" else {"mamba_ssm_cache_dtype": self.state_dtype})}
+
+    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
+        return super().limits(index) + (
+            Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a Mamba-2 "
+                  "layer's state is each sequence's own (prefix caching for state layers is not built); use "
+                  "cache.shared=false"),
+            Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V; a Mamba-2 layer keeps its SSM state "
+                  "in mamba_ssm_cache_dtype and its convolution state in the compute dtype; use cache.dtype=auto"),
+            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
+                  "Mamba-2 layer's state has no such view (not built); use false or default"))
+
+    # ---- how inspect describes it ----
+
+    note = "a Mamba-2 layer holds a state per sequence"
+
+    def table_name(self) -> str:
+        return self.kind
+
+    def in_words(self) -> str:
+        """The layer's shape in config.json's words."""
+        return (f"Mamba-2 ({self.mamba_num_heads} heads of {self.mamba_head_dim}, state {self.ssm_state_size}, "
+                f"{self.n_groups} groups, conv kernel {self.conv_kernel})")
+
+    def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
+        # no layer attends: the K/V-head line of the attention asked for, over none of them
+        heads = KVHeads(None, self.num_heads, attention.num_kv_heads, self.head_dim)
+        return heads.describe_layers(layers, attention, seq_len, batch_size)
+
+    def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
+        return [f"a Mamba-2 layer stores nothing per token: per sequence it holds its SSM state (heads x head_dim x "
+                f"state size, {self.state_dtype}) and its convolution's last kernel - 1 inputs of "
+                "heads x head_dim + 2 x groups x state size channels (compute dtype), whatever the length; per "
+                "token counts the attention layers only"]
+
+
+# ---- config.json ---------------------------------------------------------------------------
+
+# transformers' classes whose mamba layers this kind runs, and where their layers keep the mixer
+HF_MODULES = {"NemotronHForCausalLM": "mixer", "GraniteMoeHybridForCausalLM": "mamba"}
+# Nemotron-H's pattern letters (hybrid_override_pattern): M Mamba-2, * attention, - MLP, E experts
+PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# layer_types as config.json writes them (older Granite files: mamba / attention), by kind
+LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+               "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
+
+
+# JSON types of the values read (a bool is not a number, as JSON says)
+_KINDS = {"int": ((int,), "an integer"), "count": ((int,), "a positive integer"), "number": ((int, float), "a number"),
+          "bool": ((bool,), "true or false"), "str": ((str,), "a string"), "list": ((list,), "a list"),
+          "int or auto": ((int, str), 'an integer or "auto"')}
+
+
+def _read(cfg: Mapping[str, Any], keys: Tuple[str, ...], kind: str, default: Any) -> Tuple[str, Any]:
+    """``(key, value)`` of the first of ``keys`` set in ``cfg`` (Nemotron-H's older mamba_* names
+    first: transformers' NemotronHConfig lets them win), checked to be ``kind`` (:data:`_KINDS`); ``default`` when
+    none is set (or null)."""
+    types, what = _KINDS[kind]
+    for key in keys:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (kind != "bool" and isinstance(value, bool)) or \
+                (kind == "int or auto" and isinstance(value, str) and value != "auto") or \
+                (kind == "count" and value < 1):
+            raise ConfigError(f"{key}={value!r}: must be {what}")
+        return key, value
+    return keys[0], default
+
+
+def mamba2_from_hf(cfg: Mapping[str, Any], num_heads: int = 32, head_dim: int = 128) -> Mamba2:
+    """The Mamba-2 layout of a NemotronH or GraniteMoeHybrid config.json, with these classes'
+    defaults for absent keys; a value they cannot run refused in one line naming its key."""
+    arch = next((a for a in cfg.get("architectures") or () if a in HF_MODULES), None)
+    if arch is None:
+        raise ConfigError(f"architectures={cfg.get('architectures')!r}: a Mamba-2 layer is read from one of "
+                          f"{sorted(HF_MODULES)}")
+    nemotron = arch == "NemotronHForCausalLM"
+    if nemotron:
+        act_key, act = _read(cfg, ("mamba_hidden_act",), "str", "silu")
+        heads_key, H = _read(cfg, ("mamba_num_heads",), "count", 128)
+        _, P = _read(cfg, ("mamba_head_dim",), "count", 64)
+        _, N = _read(cfg, ("ssm_state_size",), "count", 128)
+        groups_key, G = _read(cfg, ("mamba_n_groups", "n_groups"), "count", 8)
+        _, K = _read(cfg, ("mamba_d_conv", "conv_kernel"), "count", 4)
+        _, chunk = _read(cfg, ("mamba_chunk_size", "chunk_size"), "count", 128)
+        _, conv_bias = _read(cfg, ("mamba_conv_bias", "use_conv_bias"), "bool", True)
+        _, proj_bias = _read(cfg, ("use_bias",), "bool", False)  # NemotronHMamba2Mixer's in_proj and out_proj
+        # the mixer clamps dt to [time_step_min, inf) and ignores time_step_limit
+        limit_key, low = _read(cfg, ("mamba_dt_min", "time_step_min"), "number", 0.001)
+        limit = (float(low), INF)
+        dtype_key, dtype = _read(cfg, ("mamba_ssm_cache_dtype",), "str", "float32")
+    else:
+        act_key, act = _read(cfg, ("hidden_act",), "str", "silu")
+        heads_key, H = _read(cfg, ("mamba_n_heads",), "count", 128)
+        _, expand = _read(cfg, ("mamba_expand",), "count", 2)
+        _, hidden = _read(cfg, ("hidden_size",), "count", 4096)
+        key, P = _read(cfg, ("mamba_d_head",), "int or auto", "auto")
+        if P == "auto":  # transformers' reading: the inner width over the heads
+            P = expand * hidden // H
+        if P < 1 or P * H != expand * hidden:
+            raise ConfigError(f"{key}={P!r}: mamba_d_head x mamba_n_heads must be mamba_expand x hidden_size "
+                              f"= {expand * hidden}")
+        _, N = _read(cfg, ("mamba_d_state",), "count", 256)
+        groups_key, G = _read(cfg, ("mamba_n_groups",), "count", 1)
+        _, K = _read(cfg, ("mamba_d_conv",), "count", 4)
+        _, chunk = _read(cfg, ("mamba_chunk_size",), "count", 256)
+        _, conv_bias = _read(cfg, ("mamba_conv_bias",), "bool", True)
+        _, proj_bias = _read(cfg, ("mamba_proj_bias",), "bool", False)
+        limit_key, limit = _read(cfg, ("time_step_limit",), "list", [0.0, INF])
+        if len(limit) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit):
+            raise ConfigError(f"{limit_key}={limit!r}: must be [low, high], two numbers")
+        limit = (float(limit[0]), float(limit[1]))
+        dtype_key, dtype = "mamba_ssm_cache_dtype", "float32"  # GraniteMoeHybrid keeps the state as its scan returns it
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{act_key}={act!r}: not supported in a Mamba-2 layer (silu only)")
+    if H % G:
+        raise ConfigError(f"{groups_key}={G!r}: must divide {heads_key}={H} (each group's B and C serve a whole "
+                          "number of heads)")
+    if not 0 <= limit[0] < limit[1]:
+        raise ConfigError(f"{limit_key}={cfg.get(limit_key)!r}: the time step's bounds must be 0 <= low < high")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"{dtype_key}={dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
+    return Mamba2(None, mamba_num_heads=H, mamba_head_dim=P, ssm_state_size=N, n_groups=G, conv_kernel=K,
+                  chunk_size=chunk, time_step_limit=limit, conv_bias=conv_bias, proj_bias=proj_bias,
+                  state_dtype=dtype, num_heads=num_heads, head_dim=head_dim)
+
+def hf_layer_kinds(cfg: Mapping[str, Any]) -> List[str]:
+    """Each layer's kind in a NemotronH or GraniteMoeHybrid config.json: mamba | attention | mlp | moe
+    (Nemotron-H gives a layer its mixer only; Granite's layers are mamba or attention, each with its MLP).
+    transformers 5 names a mamba layer ``linear_attention``, as it does a Gated DeltaNet one: the
+    architecture, not the layer type, says which."""
+    pattern = cfg.get("hybrid_override_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(PATTERN):
+            raise ConfigError(f"hybrid_override_pattern={pattern!r}: must be letters of {''.join(PATTERN)} "
+                              "(M Mamba-2, * attention, - MLP, E experts)")
+        return [PATTERN[c] for c in pattern]
+    key, types = _read(cfg, ("layers_block_type", "layer_types"), "list", None)
+    if types is None:  # GraniteMoeHybridConfig's default: every layer mamba
+        _, n = _read(cfg, ("num_hidden_layers",), "int", 32)
+        return ["mamba"] * n
+    bad = next((t for t in types if t not in LAYER_TYPES), None)
+    if bad is not None or not types:
+        raise ConfigError(f"{key}={types!r}: each must be one of {sorted(LAYER_TYPES)}")
+    return [LAYER_TYPES[t] for t in types]

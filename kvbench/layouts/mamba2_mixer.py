@@ -1,0 +1,203 @@
+"""The mixer of a Mamba-2 layer (:class:`kvbench.layouts.mamba2.Mamba2`), as transformers'
+NemotronHMamba2Mixer and GraniteMoeHybridMambaLayer (their torch paths), in plain torch.
+
+Per token: ``w_in`` x splits into the gate z (I), xBC (I + 2 G N) and dt (H); xBC passes a causal
+depthwise convolution of K taps (with bias) and SiLU, then splits into x (H heads of P), B and C
+(G groups of N). dt = softplus(dt + ``step_bias``), A = -exp(``log_decay_rate``). With S the
+head's P x N state, the SSD recurrence is
+
+    S <- exp(A dt_t) S + dt_t x_t B_t^T;   y_t = S C_t + D x_t
+
+A prompt runs its chunked form (:func:`chunked_scan`: a chunk at a time, the state carried from
+chunk to chunk, so its working memory is O(chunk) whatever the prompt's length), a decode step
+its recurrent form (:func:`recurrent_step`). dt is clamped to ``time_step_limit`` in the chunked
+form only, as transformers and mamba_ssm do. y is gated by silu(z), RMS-normalised per group of
+I / G channels (:class:`GatedRMSNorm`) and projected by ``wo``. :data:`HF_NAMES` maps
+transformers' parameter names.
+
+Notation: B batch, T new tokens, H heads of P, G groups (R = H / G heads each) of state size N,
+L tokens of a chunk, I = H P.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbench.layouts.mamba2 import Mamba2
+from kvbench.state_cache import StateLayer
+
+# transformers' names under a layer's mixer (Nemotron-H: ``mixer``, Granite: ``mamba``): a key
+# ending in "." renames a submodule (its weight and bias)
+HF_NAMES = {"in_proj.": "w_in.", "conv1d.": "conv.", "dt_bias": "step_bias", "A_log": "log_decay_rate", "D": "skip",
+            "norm.": "norm.", "out_proj.": "wo."}
+STATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z) over groups of ``group`` channels, in float32 (transformers'
+    NemotronHRMSNormGated: the gate before the norm, one variance per group)."""
+
+    def __init__(self, width: int, group: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.group, self.eps = group, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = y.float() * F.silu(z.float())
+        h = h.unflatten(-1, (-1, self.group))  # (..., G, I / G)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(y.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """The mixer of a :class:`Mamba2` layer (its cache: :class:`Mamba2StateLayer`); takes the
+    decoder's attention arguments (rotary tables unused) so that a block calls it like any layer's."""
+
+    HF_MODULES = ("mixer", "mamba")  # NemotronHBlock's, GraniteMoeHybridDecoderLayer's
+    HF_NAMES = HF_NAMES
+
+    def __init__(self, cfg, layout: Mamba2):
+        super().__init__()
+        C, inner, K = cfg.d_model, layout.inner_dim, layout.conv_kernel
+        self.H, self.P, self.N, self.G = (layout.mamba_num_heads, layout.mamba_head_dim, layout.ssm_state_size,
+                                          layout.n_groups)
+        self.chunk, self.time_step_limit = layout.chunk_size, layout.time_step_limit
+        channels = layout.conv_channels
+        self.split = [inner, channels, self.H]  # z, xBC, dt
+        self.w_in = nn.Linear(C, sum(self.split), bias=layout.proj_bias)
+        # depthwise and causal: the cache hands the last K - 1 inputs before the new ones, so no padding
+        self.conv = nn.Conv1d(channels, channels, K, groups=channels, bias=layout.conv_bias)
+        self.step_bias = nn.Parameter(torch.ones(self.H))  # dt_bias
+        self.log_decay_rate = nn.Parameter(torch.arange(1, self.H + 1, dtype=torch.float32).log())  # A_log
+        self.skip = nn.Parameter(torch.ones(self.H))  # D
+        self.norm = GatedRMSNorm(inner, inner // self.G, cfg.norm_eps)
+        self.wo = nn.Linear(inner, C, bias=layout.proj_bias)
+
+    def forward(self, x, cos, sin, cache, pos):
+        B, T, _ = x.shape
+        z, xBC, dt = self.w_in(x).split(self.split, dim=-1)
+        carry = cache.update(xBC.transpose(1, 2), pos)  # conv inputs (B, channels, K - 1 + T)
+        xBC = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, channels)
+        xs, Bs, Cs = xBC.split([self.H * self.P, self.G * self.N, self.G * self.N], dim=-1)
+        xs = xs.reshape(B, T, self.H, self.P)
+        Bs, Cs = Bs.reshape(B, T, self.G, self.N), Cs.reshape(B, T, self.G, self.N)
+        A = -self.log_decay_rate.float().exp()  # in float32: in half precision exp(A_log) can overflow
+        # one new token after a held state is a decode step; a first token is a prompt, as transformers takes it
+        if T == 1 and pos.start != 0:
+            y = recurrent_step(xs, dt, A, Bs, Cs, self.skip, self.step_bias, carry.state)
+        else:
+            y = chunked_scan(xs, dt, A, Bs, Cs, self.skip, self.step_bias, carry.state, self.chunk,
+                             self.time_step_limit)
+        y = self.norm(y.reshape(B, T, -1), z)  # float32, as transformers' scan output
+        return self.wo(y.to(x.dtype))
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, ..., G, N) -> (B, ..., H, N) in float32: group g read by heads g*R .. g*R + R - 1."""
+    return t.float().repeat_interleave(heads // t.shape[-2], dim=-2)
+
+
+def recurrent_step(x, dt, A, B, C, D, dt_bias, state: torch.Tensor) -> torch.Tensor:
+    """One token of the SSD recurrence, as transformers' selective_state_update. x (B, 1, H, P),
+    dt (B, 1, H) before its softplus (no clamp: mamba_ssm's step has none), A (H,) float32, B, C
+    (B, 1, G, N); ``state`` (B, H, P, N) advanced in place, in its own dtype. Returns y (B, 1, H, P)
+    in float32. In float32 throughout, as mamba_ssm's kernel and the chunked scan: transformers' torch
+    step rounds dt B x and the state to a half-precision compute dtype first (a rounding or two apart)."""
+    H = x.shape[2]
+    dt = F.softplus(dt + dt_bias.to(dt.dtype))[:, 0].float()  # (B, H), in x's dtype first as transformers
+    Bh, Ch = _heads(B[:, 0], H), _heads(C[:, 0], H)  # (B, H, N)
+    x = x[:, 0].float()  # (B, H, P)
+    S = state.float() * (dt * A).exp()[..., None, None] + (dt[..., None] * Bh)[:, :, None, :] * x[..., None]
+    state.copy_(S.detach())
+    y = (S @ Ch[..., None]).squeeze(-1) + x * D.float()[:, None]  # (B, H, P)
+    return y[:, None]
+
+
+def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """(..., L) -> (..., L, L): [i, j] = a[j+1] + ... + a[i] for j <= i, -inf above; summed, not
+    differenced, as transformers' segment_sum (a difference of two long cumulative sums loses digits)."""
+    L = a.shape[-1]
+    a = a[..., None].expand(*a.shape, L)  # [i, j] = a[i]
+    kept = torch.ones(L, L, dtype=torch.bool, device=a.device).tril()  # j <= i
+    return a.masked_fill(~kept.tril(-1), 0).cumsum(-2).masked_fill(~kept, -torch.inf)
+
+
+def chunked_scan(x, dt, A, B, C, D, dt_bias, state: torch.Tensor, chunk: int,
+                 dt_limit: Tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """The SSD recurrence over chunks of ``chunk`` tokens, as transformers' mamba2_chunk_scan,
+    but a chunk at a time (arguments as :func:`recurrent_step`, T tokens; dt clamped to ``dt_limit``
+    after its softplus). Returns y (B, T, H, P) in float32; ``state`` is advanced in place.
+
+    Within a chunk, y is a causal attention of C over B weighted by the decay between the two
+    positions (exp of a segment sum of A dt), applied to dt x, plus the chunk's start state read at
+    C and decayed to each position; the state then passes to the next chunk, decayed over the chunk
+    and added the chunk's own writes. Only the state crosses chunks: a chunk's L x L weights and
+    its slices of x, B, C and dt in float32 are all the memory it works in (a last chunk shorter
+    than ``chunk`` is not padded). transformers keeps every chunk's weights and states at once."""
+    Bsz, T, H, P = x.shape
+    G, N = B.shape[2:]
+    R = H // G
+    # a copy: the backward of a training step reads the state each chunk started from, so the
+    # cache's tensor, written at the end, must not be that state
+    S = state.to(torch.float32, copy=True)
+    out = x.new_empty(Bsz, T, H, P, dtype=torch.float32)
+    low, high = dt_limit
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        L = end - start
+        xc = x[:, start:end].float()  # (B, L, H, P)
+        step = F.softplus(dt[:, start:end] + dt_bias.to(dt.dtype)).clamp(low, high).float()  # (B, L, H)
+        Bc, Cc = (t[:, start:end].float().transpose(1, 2) for t in (B, C))  # (B, G, L, N)
+        a = (A * step).transpose(1, 2)  # (B, H, L): the log decay of each step
+        decay = a.cumsum(-1)  # from the chunk's start through each position
+        weights = _segment_sum(a).exp().view(Bsz, G, R, L, L) * (Cc @ Bc.transpose(-1, -2))[:, :, None]
+        xdt = (xc * step[..., None]).transpose(1, 2).reshape(Bsz, G, R, L, P)
+        y = weights @ xdt  # (B, G, R, L, P): the chunk's own tokens
+        y = y + (Cc[:, :, None] @ S.view(Bsz, G, R, P, N).transpose(-1, -2)) * \
+            decay.exp().view(Bsz, G, R, L, 1)  # the state it started from
+        to_end = (decay[..., -1:] - decay).exp().view(Bsz, G, R, L, 1)  # each position's decay to the chunk's end
+        S = S * decay[..., -1].exp()[..., None, None] + \
+            ((xdt * to_end).transpose(-1, -2) @ Bc[:, :, None]).view(Bsz, H, P, N)
+        out[:, start:end] = y.view(Bsz, H, L, P).transpose(1, 2) + xc * D.float()[:, None]
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+    return out
+
+
+class Mamba2StateLayer(StateLayer):
+    """A Mamba-2 layer's cache: :class:`~kvbench.state_cache.StateLayer` (the convolution's last
+    K - 1 inputs in the compute dtype, written in place; a write at position 0 starts afresh) with
+    the SSM state (B, H, P, N) in the layout's ``state_dtype``; ``nbytes`` is what it holds,
+    B x :meth:`SSMState.nbytes`."""
+
+    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 held: bool = True):
+        super().__init__(state, batch_size, dtype, device, held)
+        self.recurrent = self.recurrent.to(STATE_DTYPES[state.state_dtype])
+
+    def update(self, x: torch.Tensor, pos):
+        carry = super().update(x, pos)
+        if self.held:
+            return carry
+        # nothing held: the zero state every forward starts from, in the layer's dtype
+        return carry._replace(state=carry.state.to(STATE_DTYPES[self.shape.state_dtype]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+
+def hf_mixer_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """transformers' tensors of one mixer (names relative to it: ``in_proj.weight``, ``A_log`` …) as
+    :class:`Mamba2Mixer`'s state dict; a name it does not know refused in one line naming it."""
+    out = {}
+    for name, t in tensors.items():
+        new = next((new + name[len(old):] for old, new in HF_NAMES.items()
+                    if name == old or (old.endswith(".") and name.startswith(old))), None)
+        if new is None:
+            raise ValueError(f"{name}: not a Mamba-2 mixer tensor (expected one of {', '.join(HF_NAMES)})")
+        out[new] = t
+    return out
