@@ -59,3 +59,22 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
             line.append(f"{_ratio_cell(row, 'slope_ratio_past_w', i == 0)} "
                         f"({ratio_text((row['kv_bytes_per_1k_ctx_past_w'] or 0) / base)})")
     return header, out
+
+
+def interleaved_notes(record: Record) -> List[str]:
+    """What a reader of :func:`interleaved_table` needs to know: why a ratio has no interval (the
+    record's own reason), and why a slope, its ratio or a KV share is negative."""
+    view = RecordView.of(record)
+    rows = view.table("compare")
+    if not rows or not _contexts(view, rows[0]):
+        return []
+    reasons = sorted({str(row[k]) for row in rows for k in row if k.endswith("_ci_reason") and row[k]
+                      and (k.startswith(("slope_ratio", "step_ratio")))})
+    notes = [f"{NO_INTERVAL}: {reason}" for reason in reasons]
+    slopes = [k for k in ("decode_us_per_1k_ctx", "decode_us_per_1k_ctx_below_w", "decode_us_per_1k_ctx_past_w")
+              if any(isinstance(row.get(k), (int, float)) and row[k] < 0 for row in rows)]
+    if slopes:
+        notes.append("a negative µs / 1k ctx (and the ratio and KV share taken from it): the step time fell as the "
+                     "context grew, so the context's cost is smaller than the noise at these contexts (more "
+                     "compare.rounds or longer compare.contexts measure it)")
+    return notes

@@ -35,13 +35,14 @@ from kvbench.sinks.tables import (
     VARIANT_KEYS,
     Axis,
     by_kind,
-    job_axes,
     job_cells,
     job_columns,
     natural,
     swept_axes,
+    table_axes,
     viewed,
 )
+from kvbench.units import count
 from kvbench.views import Variant, views
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
@@ -332,14 +333,13 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     """The report as markdown."""
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{len(records)} jobs: {counts}.", ""]
+    lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{count(len(records), 'job')}: {counts}.", ""]
     lines += _choose_md(records) + _recall_md(records) + serving_sink.markdown(records, axes)
     lines += capacity_sink.markdown(records)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
     for kind_name, group in groups.items():
-        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")
-                     + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
+        job_axes_ = table_axes(group, axes, kind_name)
         columns = job_columns(group, kind_name)
         rows = [[rec.job, *values, rec.status, *metrics]
                 for rec in views(group) for values, metrics in [job_cells(rec, job_axes_, columns)]]

@@ -1,0 +1,121 @@
+"""A table that fits the width it is printed at without breaking a cell: :class:`Grid`.
+
+rich lays a table wider than its console out by wrapping cells inside their columns, a few
+characters at a time where a column gets narrow (``slop / e / rati / o``), and a pipe or a file is
+laid out 100 columns wide. A :class:`Grid` never wraps a cell: it measures its columns when it is
+printed and, where they do not fit, prints them as several tables that each repeat the key columns
+(the job, the variant), the way a wide spreadsheet is printed on several pages. A header may wrap
+between its words. Only a single cell wider than the whole console is folded, as rich would.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Union
+
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table
+from rich.text import Text
+
+Cell = Union[str, Text]
+CONTINUED = "(continued)"
+
+
+def _text(cell: Cell) -> Text:
+    # a str is shown as the text it is: a value such as "[0.6, 0.7]" or a user's override is no markup
+    return cell.copy() if isinstance(cell, Text) else Text(str(cell))
+
+
+def _width(cell: Cell) -> int:
+    return max((cell_len(line) for line in _text(cell).plain.splitlines()), default=0)
+
+
+def _longest_word(text: str) -> int:
+    return max((cell_len(word) for word in text.split()), default=0)
+
+
+def table_width(widths: Sequence[int]) -> int:
+    """The width of a boxed table whose columns' contents are ``widths`` wide: a space either side of
+    each and a rule between and around them."""
+    return sum(widths) + 3 * len(widths) + 1
+
+
+@dataclass
+class Grid:
+    """``header`` and ``rows`` of cells (a str is shown as it is, a rich Text keeps its style); the first
+    ``keys`` columns name a row and are repeated in every table it is split into; ``right``: the indexes
+    of the columns aligned right; ``sections``: the rows a rule follows; ``caption``: printed under the
+    last table."""
+
+    title: Optional[str]
+    header: List[str]
+    rows: List[List[Cell]]
+    keys: int = 1
+    right: Iterable[int] = ()
+    sections: Iterable[int] = ()
+    caption: Optional[str] = None
+    show_header: bool = True
+    key_style: Optional[str] = None
+    _right: frozenset = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._right = frozenset(self.right)
+        self.sections = frozenset(self.sections)
+
+    @property
+    def row_count(self) -> int:
+        return len(self.rows)
+
+    def widths(self, width: int) -> List[int]:
+        """Each column's width: its widest cell and its header, whose lines break between its words
+        where the whole table would not fit ``width`` otherwise."""
+        cells = [max([0, *(_width(row[i]) for row in self.rows if i < len(row))]) for i in range(len(self.header))]
+        if not self.show_header:
+            return cells
+        whole = [max(w, cell_len(name)) for w, name in zip(cells, self.header)]
+        if table_width(whole) <= width:
+            return whole
+        return [max(w, _longest_word(name)) for w, name in zip(cells, self.header)]
+
+    def groups(self, width: int) -> List[List[int]]:
+        """The columns of each table at ``width``: the key columns, then as many of the others as fit."""
+        widths = self.widths(width)
+        keys = list(range(min(self.keys, len(self.header))))
+        groups: List[List[int]] = []
+        current = list(keys)
+        for i in range(len(keys), len(self.header)):
+            if len(current) > len(keys) and table_width([widths[j] for j in current + [i]]) > width:
+                groups.append(current)
+                current = list(keys)
+            current.append(i)
+        groups.append(current)
+        return groups
+
+    def _table(self, columns: Sequence[int], title: Optional[str], caption: Optional[str], width: int) -> Table:
+        widths = self.widths(width)
+        table = Table(title=title, title_justify="left", caption=caption, caption_justify="left",
+                      show_header=self.show_header)
+        fits = table_width([widths[i] for i in columns]) <= width
+        for i in columns:
+            # a header wraps between its words to its column's width; a cell never wraps
+            name = "\n".join(textwrap.wrap(self.header[i], max(widths[i], 1), break_long_words=False)) or ""
+            table.add_column(name, justify="right" if i in self._right else "left", no_wrap=fits,
+                             overflow="fold", style=self.key_style if i < self.keys else None)
+        for n, row in enumerate(self.rows):
+            table.add_row(*(_text(row[i]) if i < len(row) else Text("") for i in columns),
+                          end_section=n in self.sections)
+        if title:  # the title on one line where the console is wide enough
+            table.min_width = min(cell_len(title), width)
+        return table
+
+    def tables(self, width: int) -> List[Table]:
+        """The tables to print at ``width`` columns."""
+        groups = self.groups(width)
+        last = len(groups) - 1
+        return [self._table(g, self.title if n == 0 else (f"{self.title} {CONTINUED}" if self.title else None),
+                            self.caption if n == last else None, width) for n, g in enumerate(groups)]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from self.tables(options.max_width)
