@@ -68,20 +68,37 @@ class Grid:
     def row_count(self) -> int:
         return len(self.rows)
 
-    def widths(self, width: int) -> List[int]:
-        """Each column's width: its widest cell and its header, whose lines break between its words
-        where the whole table would not fit ``width`` otherwise."""
-        cells = [max([0, *(_width(row[i]) for row in self.rows if i < len(row))]) for i in range(len(self.header))]
+    def _cells(self) -> List[int]:
+        return [max([0, *(_width(row[i]) for row in self.rows if i < len(row))]) for i in range(len(self.header))]
+
+    def narrowest(self) -> List[int]:
+        """Each column's narrowest width: its widest cell, and its header's longest word (a header
+        may break between its words)."""
         if not self.show_header:
-            return cells
-        whole = [max(w, cell_len(name)) for w, name in zip(cells, self.header)]
-        if table_width(whole) <= width:
-            return whole
-        return [max(w, _longest_word(name)) for w, name in zip(cells, self.header)]
+            return self._cells()
+        return [max(w, _longest_word(name)) for w, name in zip(self._cells(), self.header)]
+
+    def widths(self, columns: Sequence[int], width: int) -> dict:
+        """The width of each of ``columns`` in a table of at most ``width``: the narrowest, then as many
+        headers whole (on one line) as the width leaves room for, the closest to whole first."""
+        narrow = self.narrowest()
+        out = {i: narrow[i] for i in columns}
+        slack = width - table_width(list(out.values()))
+        whole = {i: cell_len(self.header[i]) if self.show_header else narrow[i] for i in columns}
+        for i in sorted(columns, key=lambda i: whole[i] - out[i]):
+            if 0 < whole[i] - out[i] <= slack:
+                slack -= whole[i] - out[i]
+                out[i] = whole[i]
+        for i in columns:  # what is left: fewer lines for the headers still broken
+            if slack > 0 and out[i] < whole[i]:
+                lines = textwrap.wrap(self.header[i], out[i] + slack, break_long_words=False)
+                wider = max(out[i], *(cell_len(line) for line in lines))
+                slack, out[i] = slack - (wider - out[i]), wider
+        return out
 
     def groups(self, width: int) -> List[List[int]]:
         """The columns of each table at ``width``: the key columns, then as many of the others as fit."""
-        widths = self.widths(width)
+        widths = self.narrowest()
         keys = list(range(min(self.keys, len(self.header))))
         groups: List[List[int]] = []
         current = list(keys)
@@ -94,10 +111,11 @@ class Grid:
         return groups
 
     def _table(self, columns: Sequence[int], title: Optional[str], caption: Optional[str], width: int) -> Table:
-        widths = self.widths(width)
-        table = Table(title=title, title_justify="left", caption=caption, caption_justify="left",
-                      show_header=self.show_header)
-        fits = table_width([widths[i] for i in columns]) <= width
+        widths = self.widths(columns, width)
+        # a title or caption is text, not markup: "[95%]" or "[t-interval]" is shown as it is
+        table = Table(title=Text(title) if title else None, title_justify="left",
+                      caption=Text(caption) if caption else None, caption_justify="left", show_header=self.show_header)
+        fits = table_width(list(widths.values())) <= width
         for i in columns:
             # a header wraps between its words to its column's width; a cell never wraps
             name = "\n".join(textwrap.wrap(self.header[i], max(widths[i], 1), break_long_words=False)) or ""
@@ -106,8 +124,6 @@ class Grid:
         for n, row in enumerate(self.rows):
             table.add_row(*(_text(row[i]) if i < len(row) else Text("") for i in columns),
                           end_section=n in self.sections)
-        if title:  # the title on one line where the console is wide enough
-            table.min_width = min(cell_len(title), width)
         return table
 
     def tables(self, width: int) -> List[Table]:
