@@ -257,14 +257,34 @@ def job_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
     return [a for a in axes if len(set(_values(records, a[0]))) > 1] or VARIANT_AXES
 
 
-def shown_axes(axes: Sequence[Axis]) -> List[Axis]:
+# A short title where a table shows a key as text of its own (:func:`axis_text`)
+_TITLES = {"attention.layer_types": "layers (s/f/l)"}
+
+
+def _label_tells_apart(records: Sequence[Record], key: str) -> bool:
+    """Whether the variant's label alone tells ``key``'s values apart across ``records`` (the order
+    of the local and global layers is not in it: ``w=8 1:1`` is s,f or f,s)."""
+    seen: Dict[str, str] = {}
+    for view in map(RecordView.of, records):
+        if seen.setdefault(view.variant.label, repr(view.get(key))) != repr(view.get(key)):
+            return False
+    return True
+
+
+def shown_axes(axes: Sequence[Axis], records: Sequence[Record] = ()) -> List[Axis]:
     """``axes`` as a table a person reads shows them: the variant's keys as one :data:`VARIANT_AXIS`
-    where the first of them was (:func:`job_axes` gives them all where nothing varies)."""
+    where the first of them was (:func:`job_axes` gives them all where nothing varies), followed by
+    those of them whose values the label leaves apart in ``records``."""
     out: List[Axis] = []
     for axis in axes:
         shown = VARIANT_AXIS if axis[0] in VARIANT_KEYS else axis
         if shown not in out:
             out.append(shown)
+    apart = [(key, _TITLES.get(key, title)) for key, title in axes
+             if key in VARIANT_KEYS and not _label_tells_apart(records, key)]
+    if apart:
+        at = out.index(VARIANT_AXIS) + 1
+        out[at:at] = apart
     return out
 
 
@@ -273,7 +293,7 @@ def table_axes(records: Sequence[Record], axes: Sequence[Axis], kind_name: str) 
     task and the workload (a table is of one kind) and, for task=compare, the variant (a comparison
     holds several)."""
     hidden = ("task", "workload.name") + ((*VARIANT_KEYS, VARIANT_AXIS[0]) if kind_name == "compare" else ())
-    return [a for a in shown_axes(job_axes(records, axes)) if a[0] not in hidden]
+    return [a for a in shown_axes(job_axes(records, axes), records) if a[0] not in hidden]
 
 
 def _length_text(value: Mapping[str, Any]) -> str:
@@ -296,6 +316,8 @@ def axis_text(record: Record, key: str) -> str:
             return f"from workload.{source}"
     if isinstance(value, Mapping) and "dist" in value:
         return _length_text(value)
+    if key == "attention.layer_types" and isinstance(value, list):  # s f l: sliding, full, linear (transformers')
+        return "".join(str(t)[:1] for t in value)
     return fmt(value, "{}")
 
 
