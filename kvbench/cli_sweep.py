@@ -106,8 +106,12 @@ def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
             return
         except PublishError as exc:
             stderr.print(f"kvbench: W&B workspace not created: {exc}", markup=False, soft_wrap=True)
-    stdout.print("publish it to W&B with: " + " && ".join(publish_commands(sweep_dir, runs_online)),
-                 markup=False, soft_wrap=True)
+    stdout.print(publish_text(sweep_dir, runs_online), markup=False, soft_wrap=True)
+
+
+def publish_text(sweep_dir: Path, runs_online: bool) -> str:
+    """How to publish the sweep: a command a line (one line joined by && was 135 columns)."""
+    return "\n".join(["publish it to W&B with:", *(f"  {c}" for c in publish_commands(sweep_dir, runs_online))])
 
 
 class SweepRefused(BaseException):

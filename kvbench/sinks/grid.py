@@ -10,6 +10,8 @@ between its words. Only a single cell wider than the whole console is folded, as
 
 from __future__ import annotations
 
+import html
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Union
@@ -135,3 +137,41 @@ class Grid:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield from self.tables(options.max_width)
+
+
+# A Markdown cell as kvbench.sinks.markdown.md_text escapes it, back to its text
+_MD_UNESCAPES = (("\\|", "|"), ("\\](", "]("), ("\\][", "]["), ("\\\\", "\\"))
+
+
+def _md_cells(line: str) -> List[str]:
+    cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+    out = []
+    for cell in cells:
+        text = cell.strip()
+        for escaped, raw in _MD_UNESCAPES:
+            text = text.replace(escaped, raw)
+        out.append(html.unescape(text))
+    return out
+
+
+def from_markdown(text: str, keys: int = 1) -> List[Union[str, Grid]]:
+    """A Markdown report as a terminal prints it: each table a :class:`Grid` (``keys`` columns name
+    a row), each other line as it is (a console wraps it between words). The file keeps the
+    Markdown; a 1,358-character table row is for a renderer, not a pipe."""
+    lines, out = text.splitlines(), []
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("|"):
+            out.append(lines[i])
+            i += 1
+            continue
+        block = []
+        while i < len(lines) and lines[i].startswith("|"):
+            block.append(lines[i])
+            i += 1
+        align = _md_cells(block[1]) if len(block) > 1 and re.fullmatch(r"\|[\s:|-]+\|", block[1].strip()) else None
+        header = _md_cells(block[0])
+        rows = [_md_cells(line) for line in block[(2 if align is not None else 1):]]
+        right = [n for n, a in enumerate(align or []) if a.endswith(":")]
+        out.append(Grid(None, header, rows, keys=keys, right=right))
+    return out
