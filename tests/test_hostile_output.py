@@ -101,3 +101,73 @@ def test_the_script_prints_through_write_report(script):
     """The script's terminal output is write_report's (its Markdown laid out to the width), not a print of its own."""
     source = (ROOT / "experiments" / script).read_text()
     assert "print(" not in source and "write_report(out, " in source
+
+
+# ---- smaller: units, counts, what a table's cell says it is -----------------------------------------
+
+def _conversation(job, **workload):
+    turns = {"dist": "uniform", "mean": 4, "cv": 0.5, "lo": 2, "hi": 6}
+    return {"job": job, "status": "ok", "metrics": {"ttft_ms_p99": 3.0, "tpot_ms_p99": 0.5},
+            "config": {"task": "bench", "attention": {"type": "mha", "num_kv_heads": 8},
+                       "workload": {"name": "conversations", "arrival": "poisson", "sharegpt": None, "turns": turns,
+                                    **workload}}}
+
+
+def _rows(renderable):
+    out = pipe()
+    out.print(renderable)
+    return {cells[0]: cells[1] for cells in ([c.strip() for c in line.split("│")[1:-1]]
+                                             for line in out.file.getvalue().splitlines() if line.startswith("│"))}
+
+
+def test_a_conversation_jobs_turns_say_where_they_came_from_and_tpot_has_its_unit():
+    from kvbench.sinks import console
+
+    synthetic = _rows(console.run_table(_conversation("0")))
+    assert synthetic["turns"] == "uniform 4 (2-6)"  # was {'dist': 'uniform', 'mean': 4, ...}
+    serving = {"status": "ok", "config": {"task": "bench", "workload": {"name": "serving"}},
+               "metrics": {"tpot_ms_p99": 0.5}}
+    assert _rows(console.run_table(serving))["p99 TPOT ms"] == "0.50"  # was "p99 TPOT", no unit
+    assert _rows(console.run_table(_conversation("1", sharegpt="/data/sharegpt.json")))["turns"] == \
+        "from workload.sharegpt"
+    assert _rows(console.run_table(_conversation("2", arrival="trace")))["turns"] == "from workload.trace"
+    from kvbench.sinks.tables import axis_text  # a sweep's flattened column reads the same
+    assert axis_text(_conversation("1", sharegpt="/data/sg.json"), "workload.turns.mean") == "from workload.sharegpt"
+
+
+def test_a_compare_jobs_summary_row_has_its_noisy_column_and_notes(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "sinks"))
+    try:
+        from test_intervals import compare_record
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "sinks"))
+    from kvbench.sinks.report import write_report
+
+    record = compare_record()
+    record["metrics"]["noisy"] = True
+    for row in record["tables"]["compare"][1:]:
+        row.update(slope_ratio=-0.682, slope_ratio_ci_low=None, slope_ratio_ci_high=None, decode_us_per_1k_ctx=-40.0,
+                   slope_ratio_ci_reason="4 rounds: a 95% interval of the 50% quantile needs at least 6")
+    write_report(tmp_path, records=[record], plots=False)
+    md = (tmp_path / "summary.md").read_text()
+    assert "| job | status | rounds | noisy |" in md and "| . | ok | 6 | True |" in md
+    assert "- no interval: 4 rounds: a 95% interval of the 50% quantile needs at least 6" in md
+    assert "- a negative µs / 1k ctx" in md and "1 job: 1 ok." in md
+
+
+def test_choose_names_only_a_plot_that_was_drawn(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "sinks"))
+    try:
+        from test_choose import sweep
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "sinks"))
+    from kvbench.results import RunResult
+    from kvbench.sinks.report import write_report
+
+    for i, rec in enumerate(sweep()):
+        RunResult(status="ok", config=rec["config"], metrics=rec["metrics"], tables=rec["tables"]).write(
+            tmp_path / str(i))
+    write_report(tmp_path, plots=False)
+    assert "capacity_vs_context.png" not in (tmp_path / "summary.md").read_text()
+    write_report(tmp_path)
+    assert "(`capacity_vs_context.png` plots it)" in (tmp_path / "summary.md").read_text()

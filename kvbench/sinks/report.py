@@ -24,7 +24,7 @@ from kvbench.sinks import serving as serving_sink
 from kvbench.sinks import serving_plots
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.comparison import UNTESTED, comparisons
-from kvbench.sinks.interleaved import interleaved_table
+from kvbench.sinks.interleaved import interleaved_notes, interleaved_table
 from kvbench.sinks.markdown import md_text
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 from kvbench.sinks.tables import (
@@ -262,6 +262,8 @@ def _interleaved_md(records) -> List[str]:
         if rows:
             lines += [f"### job {_md_escape(rec.job)}: {_md_escape(rec.metric('rounds'))} rounds", "",
                       *_md_table(header, rows, len(header) - 1), ""]
+            notes = interleaved_notes(rec)  # why a ratio has no interval, why a figure is negative
+            lines += [f"- {_md_escape(note)}" for note in notes] + ([""] if notes else [])
     if lines:
         lines = ["## Interleaved comparisons (task=compare)", "",
                  "Variants of one model timed in one process, alternating trial by trial. Step times: median "
@@ -286,8 +288,9 @@ def _recall_md(records) -> List[str]:
     return lines
 
 
-def _choose_md(records) -> List[str]:
-    """The article's table per cell of the capacity jobs, and the recommendations it supports."""
+def _choose_md(records, plots: Sequence[Path] = ()) -> List[str]:
+    """The article's table per cell of the capacity jobs, and the recommendations it supports;
+    ``plots``: those drawn (a plot not drawn is not named)."""
     found = choices(records)
     if not found:
         return []
@@ -300,8 +303,9 @@ def _choose_md(records) -> List[str]:
             lines += [f"### {_md_escape(choice.cell)}", ""]
         lines += [*_md_table(choice.header, choice.rows, len(choice.header) - 1), ""]
         if choice.context_rows:
+            drawn = any(p.name == "capacity_vs_context.png" for p in plots)
             lines += ["Max batch at every context searched (what stopped it): the capacity as a function of the "
-                      "context (`capacity_vs_context.png` plots it):", "",
+                      "context" + (" (`capacity_vs_context.png` plots it)" if drawn else "") + ":", "",
                       *_md_table(choice.context_header, choice.context_rows, len(choice.context_header) - 1), ""]
         if choice.chat_rows:
             lines += ["Multi-turn (`task=capacity workload=multiturn`): the most concurrent conversations of the "
@@ -334,7 +338,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{count(len(records), 'job')}: {counts}.", ""]
-    lines += _choose_md(records) + _recall_md(records) + serving_sink.markdown(records, axes)
+    lines += _choose_md(records, plots) + _recall_md(records) + serving_sink.markdown(records, axes)
     lines += capacity_sink.markdown(records)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)

@@ -93,8 +93,9 @@ COLUMNS: Dict[str, List[Column]] = {
                  Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True),
                  _NOISY],
     "serving": [Column("max_rate_under_slo", "max rate in SLO", "{:.3g}", brief=True, compared=True),
-                Column("max_rate_bound", "limited by", "{}", brief=True), *(Column(k, t, "{:.2f}", brief=True,
-                compared=True, sampled=True) for k, t in (("ttft_ms_p99", "p99 TTFT ms"), ("tpot_ms_p99", "p99 TPOT"))),
+                Column("max_rate_bound", "limited by", "{}", brief=True),
+                *(Column(k, t, "{:.2f}", brief=True, compared=True, sampled=True)
+                  for k, t in (("ttft_ms_p99", "p99 TTFT ms"), ("tpot_ms_p99", "p99 TPOT ms"))),
                 Column("goodput", "goodput req/s", "{:.3g}", brief=True, compared=True), Column("output_throughput",
                 "out tok/s", "{:.1f}", brief=True, compared=True), Column("preemptions", "preempted", "{}", brief=True),
                 Column("kv_block_usage_max", "peak KV blocks", "{:.0%}", brief=True), _NOISY],
@@ -309,7 +310,7 @@ def axis_text(record: Record, key: str) -> str:
     if key == VARIANT_AXIS[0]:
         return view.variant.label
     value = view.get(key)
-    if key == "workload.turns" and view.kind == "conversations":
+    if key.split(".")[:2] == ["workload", "turns"] and view.kind == "conversations":  # turns, or turns.mean
         source = "trace" if view.get("workload.arrival") == "trace" else "sharegpt" if view.get(
             "workload.sharegpt") else None
         if source:
