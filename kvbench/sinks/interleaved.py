@@ -39,7 +39,9 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
     longest = contexts[-1]
     header = ["variant", *[f"step ms @{c}" for c in contexts], "KV µs / 1k ctx", "slope ratio",
               "KV bytes ratio", f"step ratio @{longest}", f"KV share @{longest}"]
-    out = [[row["variant"], *[with_interval(row, f"step_ms_ctx{c}", "{:.3f}") for c in contexts],
+    # a variant by its label (row["layout"]), as its progress line and every other table name it; a
+    # record from before the label was kept shows its metric prefix
+    out = [[row.get("layout") or row["variant"], *[with_interval(row, f"step_ms_ctx{c}", "{:.3f}") for c in contexts],
             with_interval(row, "decode_us_per_1k_ctx", "{:.1f}"), _ratio_cell(row, "slope_ratio", i == 0),
             ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
             fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
@@ -75,6 +77,6 @@ def interleaved_notes(record: Record) -> List[str]:
               if any(isinstance(row.get(k), (int, float)) and row[k] < 0 for row in rows)]
     if slopes:
         notes.append("a negative µs / 1k ctx (and the ratio and KV share taken from it): the step time fell as the "
-                     "context grew, so the context's cost is smaller than the noise at these contexts (more "
-                     "compare.rounds or longer compare.contexts measure it)")
+                     "context grew, so the context's cost is smaller than the noise at these contexts (more rounds, "
+                     "runtime.repeats, or longer compare.contexts measure it)")
     return notes

@@ -137,9 +137,13 @@ def test_a_compare_records_table_with_a_window_and_no_interval():
                    kv_bytes_per_1k_ctx=131072, kv_state_bytes=4096, slope_ratio_past_w=-0.682,
                    slope_ratio_past_w_ci_reason="2 rounds: a 95% interval of the 50% quantile needs at least 6")
     record["metrics"]["window_split_ctx"] = 768
+    for row, label in zip(record["tables"]["compare"], ("mha kv=8", "gqa kv=2", "mqa kv=1")):
+        row["layout"] = label
     table = console.variants_table(record)
     lines = assert_fits_unbroken([table])
     text = "\n".join(lines)
+    # each variant by its label, as its progress line names it, not its metric prefix (gqa_kv2)
+    assert [row[0] for row in table.rows] == ["mha kv=8", "gqa kv=2", "mqa kv=1"] and "gqa_kv2" not in text
     # what the reader needs to read the figures: why there is no interval, why a figure is negative
     assert "no interval: 2 rounds: a 95% interval" in " ".join(text.split())
     assert "negative µs / 1k ctx" in text
