@@ -8,6 +8,7 @@ another run's ``ok`` record, before Hydra makes anything for it (:func:`check_ru
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -226,12 +227,18 @@ def check_run_dir(config: DictConfig) -> None:
 SWEEPER_FILES = (MULTIRUN_FILE, "optimization_results.yaml")
 
 
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher"
+
+
 class SweepCallback(Callback):
     """Checks a run or a sweep before anything is made for it, and ends a sweep. Jobs never raise
     (failures are records), so Hydra always reaches ``on_multirun_end`` unless the sweep is
     interrupted: then :func:`main` ends it."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Each job's own line names its overrides and its variant (cli_job.job_line); the basic
+        # launcher's "#0 : <every override>" said the same on one line of any length.
+        logging.getLogger(BASIC_LAUNCHER).setLevel(logging.WARNING)
         OUTCOME.sweep_started(config)
         try:
             check_sweep_start(config)
