@@ -16,6 +16,8 @@ from kvbench.cache import cache_for
 from kvbench.config.bench import CONF_DIR, BenchConfig, register_configs
 from kvbench.job_config import to_bench_config
 from kvbench.jsonio import write_text_atomic
+from kvbench.sinks.console import stdout
+from kvbench.sinks.grid import from_markdown
 from kvbench.tasks.common import build_model
 
 
@@ -37,10 +39,12 @@ def decode_setup(model: str, prompt_len: int,
     return cfg, decoder, prompt, cache_for(decoder, "static", 1, prompt_len + gen_len)
 
 
-def write_report(out: Path, text: str) -> Path:
+def write_report(out: Path, text: str, keys: int = 1) -> Path:
     """Write ``text`` to ``out`` atomically (a reader never sees half a report), print it and
-    where it went."""
+    where it went: its tables laid out to the terminal's width (a pipe's 100 columns), each split
+    into tables led by its first ``keys`` columns where it is wider; the file keeps the Markdown."""
     write_text_atomic(out, text)
-    print(text)
-    print(f"wrote {out}")
+    for item in from_markdown(text, keys):
+        stdout.print(item, markup=False, highlight=False)
+    stdout.print(f"wrote {out}", markup=False, soft_wrap=True)
     return out

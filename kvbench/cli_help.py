@@ -1,7 +1,9 @@
 """``kvbench --help``: conf/hydra/help/kvbench.yaml rendered without composing the config. Hydra
 renders the same template but first composes the whole config and lists every group through a fresh
-copy of its config repository: about 1.5 s of CPU for a page of text. The groups here are read off
-the config directory, as Hydra lists them (tests/test_hostile_process.py checks that both agree).
+copy of its config repository: about 1.5 s of CPU for a page of text (tests/test_hostile_process.py
+checks that both agree). The template lists the groups itself, wrapped to 100 columns (Hydra's
+``$APP_CONFIG_GROUPS`` puts the 20 model presets on one line of 245): :func:`app_config_groups` is
+what it must list, :func:`listed_groups` what it does (tests/test_hostile_output.py compares them).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ def app_config_groups(conf_dir: Path = CONF_DIR) -> str:
         if options:
             groups[group] = options
     return "".join(f"{group}: {', '.join(groups[group])}\n" for group in sorted(groups))
+
+
+def listed_groups(help_text: str) -> str:
+    """The ``group: option, ...`` lines of ``help_text``'s groups section, each joined from its
+    wrapped lines: what :func:`app_config_groups` gives for the config directory it lists."""
+    section = help_text.split("Groups (group=option", 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
+    return "".join(line + "\n" for line in section.replace("\n  ", " ").splitlines())
 
 
 def render() -> str:

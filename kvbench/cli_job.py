@@ -18,9 +18,11 @@ import hydra.core.utils
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from rich.text import Text
 
 from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError, one_line
+from kvbench.config.layer_pattern import job_variant_label
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_holder, claim_job, completed_record
 from kvbench.jobs.isolation import launch_job
@@ -81,6 +83,16 @@ def typed_job(cfg: DictConfig) -> Tuple[Optional[BenchConfig], Optional[str]]:
         return None, str(exc)
 
 
+def job_line(num: int, total: str, overrides: List[str], job: Optional[BenchConfig]) -> Text:
+    """``kvbench job 3/12: attention.layer_types=[...] workload.prompt_len=64 (gqa kv=4 gdn 3:1)``: the
+    overrides as written (text, not markup: a list's brackets stay) and the variant as the job's
+    progress line and tables name it (none for an invalid config)."""
+    line = Text.assemble(("kvbench", "bold"), f" job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
+    if job is not None:
+        line.append(f" ({job_variant_label(job)})")
+    return line
+
+
 def hydra_job(cfg: DictConfig) -> Optional[float]:
     """One Hydra job; returns the job's ``objective`` read from its record (what a search sweeper
     optimises), or None."""
@@ -88,11 +100,12 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
     guard_log_files()
     if OmegaConf.select(cfg, "task", throw_on_resolution_failure=False) == "inspect":
         OUTCOME.job_ended(_inspect(cfg))
+        if not multirun:
+            _remove_inspect_dir(out_dir)
         return None
-    if multirun:
-        total = os.environ.get("KVBENCH_SWEEP_TOTAL", "?")
-        stderr.print(f"[bold]kvbench[/] job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")
     job, invalid = typed_job(cfg)
+    if multirun:
+        stderr.print(job_line(num, os.environ.get("KVBENCH_SWEEP_TOTAL", "?"), overrides, job))
     try:
         claim = claim_job(out_dir)
     except OSError as exc:  # a full disk refuses the claim file: the job cannot run here
@@ -224,6 +237,36 @@ def _after_job(result, out_dir: Path, multirun: bool) -> None:
         stdout.print(f"checkpoint: {out_dir / CHECKPOINT_NAME}", markup=False, soft_wrap=True)
 
 
+# What Hydra leaves in a single run's directory before its job writes anything: its saved config and
+# the job's log file (task=inspect logs nothing: it prints).
+_HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+
+
+def _remove_inspect_dir(out_dir: Path) -> None:
+    """task=inspect records nothing: the run directory Hydra made for it (its saved config and an
+    empty log) is removed, and the folders above it that this leaves empty, up to the working
+    directory. A directory holding anything else, or holding the working directory, is kept."""
+    cwd, run = Path.cwd().resolve(), out_dir.resolve()
+    try:
+        entries = {p.name: p for p in run.iterdir()}
+        hydra = {p.name for p in entries[".hydra"].iterdir()} if ".hydra" in entries else set()
+        logs = [p for name, p in entries.items() if name != ".hydra"]
+        if (run == cwd or cwd.is_relative_to(run) or not hydra <= _HYDRA_FILES
+                or any(not p.is_file() or p.is_symlink() or p.suffix != ".log" or p.stat().st_size for p in logs)):
+            return
+        for path in [*(entries[".hydra"] / name for name in hydra), *logs]:
+            path.unlink()
+        if ".hydra" in entries:
+            entries[".hydra"].rmdir()
+        run.rmdir()
+        for parent in run.parents:  # outputs/<date>/ and outputs/ where nothing else is in them
+            if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
+                break
+            parent.rmdir()
+    except OSError:  # a directory in use or not ours to remove: it stays, as before
+        return
+
+
 def _inspect(cfg: DictConfig) -> int:
     """Print the head→group map and the KV-memory table; runs no model."""
     from kvbench.tasks.inspect import describe  # torch (a meta model): only when task=inspect
@@ -232,7 +275,7 @@ def _inspect(cfg: DictConfig) -> int:
     try:
         if job is None:
             raise ConfigError(invalid)
-        stdout.print(describe(job), markup=False, soft_wrap=True)
+        stdout.print(describe(job, stdout.width), markup=False, soft_wrap=True)
     except ConfigError as exc:
         stderr.print(f"kvbench: invalid config: {exc}", markup=False, soft_wrap=True)
         return EXIT_CODES["invalid"]

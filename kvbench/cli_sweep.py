@@ -8,6 +8,7 @@ another run's ``ok`` record, before Hydra makes anything for it (:func:`check_ru
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -106,8 +107,12 @@ def _dashboard(sweep_dir: Path, rows: List[Dict[str, Any]]) -> None:
             return
         except PublishError as exc:
             stderr.print(f"kvbench: W&B workspace not created: {exc}", markup=False, soft_wrap=True)
-    stdout.print("publish it to W&B with: " + " && ".join(publish_commands(sweep_dir, runs_online)),
-                 markup=False, soft_wrap=True)
+    stdout.print(publish_text(sweep_dir, runs_online), markup=False, soft_wrap=True)
+
+
+def publish_text(sweep_dir: Path, runs_online: bool) -> str:
+    """How to publish the sweep: a command a line (one line joined by && was 135 columns)."""
+    return "\n".join(["publish it to W&B with:", *(f"  {c}" for c in publish_commands(sweep_dir, runs_online))])
 
 
 class SweepRefused(BaseException):
@@ -222,12 +227,18 @@ def check_run_dir(config: DictConfig) -> None:
 SWEEPER_FILES = (MULTIRUN_FILE, "optimization_results.yaml")
 
 
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher"
+
+
 class SweepCallback(Callback):
     """Checks a run or a sweep before anything is made for it, and ends a sweep. Jobs never raise
     (failures are records), so Hydra always reaches ``on_multirun_end`` unless the sweep is
     interrupted: then :func:`main` ends it."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Each job's own line names its overrides and its variant (cli_job.job_line); the basic
+        # launcher's "#0 : <every override>" said the same on one line of any length.
+        logging.getLogger(BASIC_LAUNCHER).setLevel(logging.WARNING)
         OUTCOME.sweep_started(config)
         try:
             check_sweep_start(config)

@@ -15,6 +15,7 @@ from kvbench.jsonio import os_error_line
 from kvbench.results import RESULTS_FILE
 from kvbench.sinks.dashboard import PublishError, publish, write_dashboard
 from kvbench.sinks.report import collect, write_report
+from kvbench.units import count
 
 
 def _seconds(text: str) -> float:
@@ -46,7 +47,7 @@ def report_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kvbench-report: {one_line(os_error_line(exc))}", file=sys.stderr)
         return 1
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    print(f"{len(report.records)} jobs ({counts}) under {report.root}")
+    print(f"{count(len(report.records), 'job')} ({counts}) under {report.root}")
     for path in report.files:
         print(f"  {path}")
     for name, why in report.skipped_plots.items():

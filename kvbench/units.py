@@ -14,3 +14,8 @@ def human_bytes(n: Optional[float]) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+def count(n: int, noun: str) -> str:
+    """``1 job``, ``2 jobs``: a count and its noun, singular for one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -1,8 +1,13 @@
-"""task=inspect's text: the head→group map."""
+"""task=inspect's text: the head→group map, and the whole text laid out for a pipe."""
 
+import pytest
+from conftest import compose
+
+from kvbench.cli_job import _remove_inspect_dir
+from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads, describe_kv_groups, kv_group_map
-from kvbench.tasks.inspect import kv_memory_table
+from kvbench.tasks.inspect import describe, kv_memory_table
 
 
 def test_group_map_32_query_8_kv_heads():
@@ -24,3 +29,51 @@ def test_kv_table_has_a_row_per_cache_dtype():
     assert rows["float16"]["per_token"] == 2 * 32 * 32 * 128 * 2 == 524_288
     assert rows["int8"]["per_token"] == rows["float8_e4m3fn"]["per_token"] == 2 * 32 * 32 * (128 + 4) == 270_336
     assert rows["int8"]["per_batch"] == 270_336 * 4096 * 2
+
+
+# ---- what a person reads from a pipe ------------------------------------------------------------------
+
+PRESETS = ("gpt_oss_120b", "deepseek_v32", "gemma3n_e4b", "qwen3_5_9b", "deepseek_v3")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_inspect_fits_100_columns_and_loses_nothing(preset):
+    """Sentences wrap between words (lines of 251-339 characters before) and a table wider than the
+    console is printed as several, each led by its first column: every cell is still printed whole."""
+    job = to_bench_config(compose(f"model={preset}", "task=inspect"))
+    full, fitted = describe(job), describe(job, 100)
+    assert max(len(line) for line in fitted.splitlines()) <= 100 < max(len(line) for line in full.splitlines())
+    words = lambda text: sorted(w for w in text.split() if w.strip("-"))  # noqa: E731
+    # the same words, apart from a table's first column and header, which lead each part of it
+    assert set(words(full)) == set(words(fitted))
+
+
+def test_inspect_names_the_variant_as_its_tables_do_and_says_sinks():
+    job = to_bench_config(compose("model=gpt_oss_120b", "task=inspect"))
+    assert "variant: gqa kv=8 w=128 1:1 sinks (its name in progress lines and tables)" in describe(job, 100)
+    # a mean of whole bytes per token is shown to the byte: gemma3n_e4b's was "(74,638.2)"
+    text = describe(to_bench_config(compose("model=gemma3n_e4b", "task=inspect")))
+    float32 = next(line for line in text.splitlines() if line.startswith("float32"))
+    assert "(≈74,638)" in float32 and ".2)" not in text
+
+
+def test_inspects_empty_run_directory_is_removed_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "earlier").mkdir(parents=True)
+
+    def hydra_dir(path):
+        (path / ".hydra").mkdir(parents=True)
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (path / ".hydra" / name).write_text("x: 1\n")
+        (path / "cli.log").write_text("")
+        return path
+
+    _remove_inspect_dir(hydra_dir(tmp_path / "outputs" / "2026-12-06" / "19-00-00"))
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["earlier"]  # the date's folder too
+    logged = hydra_dir(tmp_path / "outputs" / "d" / "t")
+    (logged / "cli.log").write_text("a line\n")  # something written: kept
+    _remove_inspect_dir(logged)
+    assert (logged / "cli.log").read_text() == "a line\n"
+    monkeypatch.chdir(hydra_dir(tmp_path / "here"))  # hydra.run.dir=.: the working directory itself is kept
+    _remove_inspect_dir(tmp_path / "here")
+    assert (tmp_path / "here" / "cli.log").exists()

@@ -40,7 +40,7 @@ LAYERS = [
     ["tasks.bench", "tasks.train", "tasks.eval", "tasks.capacity", "tasks.compare", "tasks.recall"],
     ["jobs.runner"],
     ["jobs.isolation", "jobs.sweep"],
-    ["sinks.tables", "sinks.tracking", "sinks.markdown"],
+    ["sinks.grid", "sinks.tables", "sinks.tracking", "sinks.markdown"],
     ["sinks.serving", "sinks.comparison"],
     ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved", "sinks.capacity"],
     ["sinks.console", "sinks.plots"],

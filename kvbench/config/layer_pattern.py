@@ -42,6 +42,12 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
+def job_variant_label(job: Any) -> str:
+    """A job's (a BenchConfig's) :func:`variant_label`: its resolved attention, its cache dtype and its
+    layer count, as its progress line, its sweep line, inspect and its record's tables name it."""
+    return variant_label(job.attention, job.cache.dtype, job.model.num_layers)
+
+
 def local_global_layers(window: Optional[int], global_every: Optional[int], layer_types: Optional[Sequence[str]],
                         num_layers: Optional[int] = None) -> Optional[Tuple[int, int]]:
     """The local:global ratio of the layers, reduced (Gemma 3's 5:1); (1, 0) when every layer is

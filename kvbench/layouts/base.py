@@ -373,8 +373,10 @@ class Layouts(tuple):
 # ---- how inspect writes a layout's numbers ----
 
 def bytes_cell(n: float) -> str:
-    """``1536`` -> ``1.50 KiB (1,536)``; under 1 KiB ``512 B``."""
-    exact = f"{n:,}" if isinstance(n, int) else f"{n:,.1f}"  # a windowed layout's per token is a mean
+    """``1536`` -> ``1.50 KiB (1,536)``; under 1 KiB ``512 B``; a mean of whole bytes (a windowed
+    layout's per token) to the nearest byte, ``≈74,638`` (no tenth of a byte)."""
+    whole = isinstance(n, int) or float(n).is_integer()
+    exact = f"{int(n):,}" if whole else f"≈{round(n):,}"
     return f"{exact} B" if n < 1024 else f"{human_bytes(n)} ({exact})"
 
 

@@ -14,25 +14,27 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks.choose import Choice, choices
 from kvbench.sinks.comparison import Comparison, comparisons
-from kvbench.sinks.interleaved import interleaved_table
+from kvbench.sinks.grid import Grid
+from kvbench.sinks.interleaved import interleaved_notes, interleaved_table
 from kvbench.sinks.tables import (
     AXES,
     COLUMNS,
     KIND_TITLES,
-    VARIANT_KEYS,
+    VARIANT_AXIS,
+    axis_text,
     by_kind,
     fmt,
-    job_axes,
     job_cells,
     job_columns,
     natural,
+    shown_axes,
     swept_axes,
+    table_axes,
     value_text,
     viewed,
 )
@@ -57,16 +59,6 @@ def _console(to_stderr: bool) -> Console:
 stdout, stderr = _console(False), _console(True)
 
 PROGRESS_LINES = 10  # without a terminal, about this many progress lines per bar
-
-
-def fit(table: Table) -> Table:
-    """``table`` laid out to lose nothing at a narrow width: cells wrap instead of being cut to an
-    ellipsis, and the title stays on one line."""
-    for column in table.columns:
-        column.overflow = "fold"
-    if isinstance(table.title, str):
-        table.min_width = len(table.title)
-    return table
 
 
 @contextmanager
@@ -123,19 +115,17 @@ def run_table(record: Dict[str, Any]) -> Group:
     """A single job as two columns (axes, status, headline metrics), then :func:`record_notes` below
     the table, so that a long reason wraps instead of pushing the values off to the right."""
     record = RecordView(viewed(record))
-    table = Table(title="kvbench result", title_justify="left", show_header=False)
-    table.add_column("key", style="bold")
-    table.add_column("value", justify="right")
-    for key, name in AXES:
-        if record.get(key) is not None:  # a key the job's kind reads
-            table.add_row(name, fmt(record.get(key), "{}"))
-    table.add_row("status", record.status)
+    # the keys the job's kind reads; the variant by its label, as its progress line named it
+    axes = [a for a in shown_axes([a for a in AXES if record.get(a[0]) is not None])
+            if a != VARIANT_AXIS or record.variant.named]
+    rows = [[name, axis_text(record, key)] for key, name in axes] + [["status", record.status]]
     metrics = record.metrics
     for column in COLUMNS.get(record.kind, COLUMNS["decode"]):
         if metrics.get(column.key) is not None:
-            table.add_row(column.title, value_text(record, column))
+            rows.append([column.title, value_text(record, column)])
     notes = [Text.from_markup(f"{key}: {text}") for key, text in record_notes(record)]
-    return Group(fit(table), *notes)
+    table = Grid("kvbench result", ["key", "value"], rows, right={1}, show_header=False, key_style="bold")
+    return Group(table, *notes)
 
 
 def record_notes(record: Any) -> List[tuple]:
@@ -162,38 +152,28 @@ def record_notes(record: Any) -> List[tuple]:
 _STATUS_STYLE = {"ok": "green", "invalid": "yellow", "oom": "magenta", "running": "cyan"}
 
 
-def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: str) -> Table:
-    """One row per job of one kind: the varying axes, status and the kind's brief columns."""
-    axes = [a for a in job_axes(records, axes) if a[0] not in ("task", "workload.name")
-            + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
+def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: str) -> Grid:
+    """One row per job of one kind: the varying axes (the variant by its label), status and the kind's
+    brief columns; the job and its axes name each row of every table the columns are split into."""
+    axes = table_axes(records, axes, kind_name)
     columns = job_columns(records, kind_name, brief=True)
-    table = Table(title=title, title_justify="left")
-    table.add_column("job")
-    for _, name in axes:
-        table.add_column(name)
-    table.add_column("status")
-    for column in columns:
-        table.add_column(column.title, justify="right")
+    rows: List[List[Any]] = []
     for rec in views(records):
         values, metrics = job_cells(rec, axes, columns)
-        status = rec.status
-        table.add_row(rec.job or "", *values, f"[{_STATUS_STYLE.get(status, 'red')}]{status}[/]", *metrics)
-    return fit(table)
+        rows.append([rec.job or "", *values, Text(rec.status, style=_STATUS_STYLE.get(rec.status, "red")), *metrics])
+    header = ["job", *(name for _, name in axes), "status", *(c.title for c in columns)]
+    return Grid(title, header, rows, keys=1 + len(axes), right=range(len(header) - len(columns), len(header)))
 
 
-def comparison_table(comparison: Comparison) -> Table:
-    """The variants of each cell side by side."""
+def comparison_table(comparison: Comparison) -> Grid:
+    """The variants of each cell side by side (as many as fit a table, the cell and metric repeated)."""
     header, rows, starts = comparison.table()
-    table = Table(title=comparison.title(), title_justify="left",
-                  caption="\n".join(comparison.legend() + comparison.notes) or None, caption_justify="left")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="right" if i >= len(header) - len(comparison.variants) else "left")
-    for i, row in enumerate(rows):
-        table.add_row(*row, end_section=i + 1 in starts)
-    return fit(table)
+    first = len(header) - len(comparison.variants)
+    return Grid(comparison.title(), header, rows, keys=first, right=range(first, len(header)),
+                sections={i - 1 for i in starts}, caption="\n".join(comparison.legend() + comparison.notes) or None)
 
 
-def choice_tables(choice: Choice) -> List[Table]:
+def choice_tables(choice: Choice) -> List[Grid]:
     """The article's comparison with measured numbers and its recommendations; then the multi-turn
     capacity when measured."""
     lines = [f"{scenario}: {line}" for scenario, line in choice.recommendations] + choice.notes
@@ -205,16 +185,11 @@ def choice_tables(choice: Choice) -> List[Table]:
             ("multi-turn: concurrent conversations", choice.chat_header, choice.chat_rows, None)):
         if not header:
             continue
-        table = Table(title=title + cell, caption=caption, caption_justify="left")
-        for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        tables.append(fit(table))
+        tables.append(Grid(title + cell, header, rows, right=range(1, len(header)), caption=caption))
     return tables
 
 
-def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
+def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Grid]:
     """The end of a sweep: one table of jobs per kind, in job order (2 before 10), then the
     comparisons."""
     records = sorted((viewed(r) for r in records), key=lambda r: natural(RecordView(r).job or ""))
@@ -229,29 +204,21 @@ def sweep_tables(title: str, records: Sequence[Dict[str, Any]]) -> List[Table]:
     return tables + ([ttft] if ttft is not None else [])
 
 
-def recall_table(group: Sequence[Dict[str, Any]]) -> Table:
+def recall_table(group: Sequence[Dict[str, Any]]) -> Grid:
     """``task=recall`` records of one setting: accuracy per condition per variant, gaps, costs."""
     header, rows = recall_sink.recall_table(group)
-    table = Table(title=recall_sink.title(group), title_justify="left", caption=recall_sink.COPY_NOTE,
-                  caption_justify="left")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for i, row in enumerate(rows):
-        table.add_row(*row, end_section=i == len(rows) - 3)  # the conditions, then KV / token and decode
-    return fit(table)
+    costs = sum(row[0] in recall_sink.COST_ROWS for row in rows)  # the conditions, then KV / token and decode
+    return Grid(recall_sink.title(group), header, rows, right=range(1, len(header)), sections={len(rows) - costs - 1},
+                caption=recall_sink.COPY_NOTE)
 
 
-def variants_table(record: Dict[str, Any]) -> Table:
-    """A ``task=compare`` record's variants."""
+def variants_table(record: Dict[str, Any]) -> Grid:
+    """A ``task=compare`` record's variants, with what its ratios and shares mean below."""
     header, rows = interleaved_table(record)
     rounds = RecordView.of(record).metric("rounds")
-    table = Table(title=f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first "
-                        "variant, paired over rounds", title_justify="left")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    return fit(table)
+    return Grid(f"interleaved comparison: {rounds} rounds, median [95% interval]; ratios to the first variant, "
+                "paired over rounds", header, rows, right=range(1, len(header)),
+                caption="\n".join(interleaved_notes(record)) or None)
 
 
 # (row key, column title, format)
@@ -263,16 +230,13 @@ TURN_COLUMNS = [
 ]
 
 
-def turns_table(record: Dict[str, Any]) -> Table:
+def turns_table(record: Dict[str, Any]) -> Grid:
     """A multi-turn job's ``tables.turns`` (token counts summed over the batch, context per
     conversation)."""
     record = RecordView.of(record)
-    table = Table(title=f"turns (cache.shared={record.get('cache.shared')})", title_justify="left")
-    for _, name, _ in TURN_COLUMNS:
-        table.add_column(name, justify="right")
-    for row in record.table("turns"):
-        table.add_row(*[fmt(row.get(key), spec) for key, _, spec in TURN_COLUMNS])
-    return fit(table)
+    rows = [[fmt(row.get(key), spec) for key, _, spec in TURN_COLUMNS] for row in record.table("turns")]
+    return Grid(f"turns (cache.shared={record.get('cache.shared')})", [name for _, name, _ in TURN_COLUMNS], rows,
+                right=range(len(TURN_COLUMNS)))
 
 
 CONVERSATION_TURN_COLUMNS = [
@@ -283,15 +247,13 @@ CONVERSATION_TURN_COLUMNS = [
 ]
 
 
-def conversation_turns_table(record: Dict[str, Any]) -> Table:
+def conversation_turns_table(record: Dict[str, Any]) -> Grid:
     """A conversation job's ``tables.conversation_turns``."""
     record = RecordView.of(record)
-    table = Table(title="turns of the conversations", title_justify="left")
-    for _, name, _ in CONVERSATION_TURN_COLUMNS:
-        table.add_column(name, justify="right")
-    for row in record.table("conversation_turns"):
-        table.add_row(*[fmt(row.get(key), spec) for key, _, spec in CONVERSATION_TURN_COLUMNS])
-    return fit(table)
+    rows = [[fmt(row.get(key), spec) for key, _, spec in CONVERSATION_TURN_COLUMNS]
+            for row in record.table("conversation_turns")]
+    return Grid("turns of the conversations", [name for _, name, _ in CONVERSATION_TURN_COLUMNS], rows,
+                right=range(len(CONVERSATION_TURN_COLUMNS)))
 
 
 def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -316,16 +278,14 @@ def ttft_side_by_side(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]
     return rows
 
 
-def ttft_comparison_table(records: Sequence[Dict[str, Any]]) -> Optional[Table]:
+def ttft_comparison_table(records: Sequence[Dict[str, Any]]) -> Optional[Grid]:
     """:func:`ttft_side_by_side` as a table; None when no pair differs only in ``cache.shared``."""
     rows = ttft_side_by_side(records)
     if not rows:
         return None
-    table = Table(title="multi-turn TTFT: cache.shared=false vs true", title_justify="left")
-    for name in ("variant", "turn", "TTFT ms unshared", "TTFT ms shared", "unshared / shared",
-                 "prefilled unshared", "prefilled shared"):
-        table.add_column(name, justify="left" if name == "variant" else "right")
-    for r in rows:
-        table.add_row(r["variant"], str(r["turn"]), f"{r['ttft_ms_unshared']:.2f}", f"{r['ttft_ms_shared']:.2f}",
-                      f"{r['speedup']:.2f}x", f"{r['prefill_tokens_unshared']:,}", f"{r['prefill_tokens_shared']:,}")
-    return fit(table)
+    header = ["variant", "turn", "TTFT ms unshared", "TTFT ms shared", "unshared / shared", "prefilled unshared",
+              "prefilled shared"]
+    cells = [[r["variant"], str(r["turn"]), f"{r['ttft_ms_unshared']:.2f}", f"{r['ttft_ms_shared']:.2f}",
+              f"{r['speedup']:.2f}x", f"{r['prefill_tokens_unshared']:,}", f"{r['prefill_tokens_shared']:,}"]
+             for r in rows]
+    return Grid("multi-turn TTFT: cache.shared=false vs true", header, cells, keys=2, right=range(1, len(header)))

@@ -39,7 +39,9 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
     longest = contexts[-1]
     header = ["variant", *[f"step ms @{c}" for c in contexts], "KV µs / 1k ctx", "slope ratio",
               "KV bytes ratio", f"step ratio @{longest}", f"KV share @{longest}"]
-    out = [[row["variant"], *[with_interval(row, f"step_ms_ctx{c}", "{:.3f}") for c in contexts],
+    # a variant by its label (row["layout"]), as its progress line and every other table name it; a
+    # record from before the label was kept shows its metric prefix
+    out = [[row.get("layout") or row["variant"], *[with_interval(row, f"step_ms_ctx{c}", "{:.3f}") for c in contexts],
             with_interval(row, "decode_us_per_1k_ctx", "{:.1f}"), _ratio_cell(row, "slope_ratio", i == 0),
             ratio_text(row.get("kv_bytes_ratio")), _ratio_cell(row, f"step_ratio_ctx{longest}", i == 0),
             fmt(row.get(f"kv_share_ctx{longest}"), "{:.1%}")] for i, row in enumerate(rows)]
@@ -59,3 +61,22 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
             line.append(f"{_ratio_cell(row, 'slope_ratio_past_w', i == 0)} "
                         f"({ratio_text((row['kv_bytes_per_1k_ctx_past_w'] or 0) / base)})")
     return header, out
+
+
+def interleaved_notes(record: Record) -> List[str]:
+    """What a reader of :func:`interleaved_table` needs to know: why a ratio has no interval (the
+    record's own reason), and why a slope, its ratio or a KV share is negative."""
+    view = RecordView.of(record)
+    rows = view.table("compare")
+    if not rows or not _contexts(view, rows[0]):
+        return []
+    reasons = sorted({str(row[k]) for row in rows for k in row if k.endswith("_ci_reason") and row[k]
+                      and (k.startswith(("slope_ratio", "step_ratio")))})
+    notes = [f"{NO_INTERVAL}: {reason}" for reason in reasons]
+    slopes = [k for k in ("decode_us_per_1k_ctx", "decode_us_per_1k_ctx_below_w", "decode_us_per_1k_ctx_past_w")
+              if any(isinstance(row.get(k), (int, float)) and row[k] < 0 for row in rows)]
+    if slopes:
+        notes.append("a negative µs / 1k ctx (and the ratio and KV share taken from it): the step time fell as the "
+                     "context grew, so the context's cost is smaller than the noise at these contexts (more rounds, "
+                     "runtime.repeats, or longer compare.contexts measure it)")
+    return notes

@@ -15,6 +15,8 @@ from kvbench.views import RecordView
 COPY_NOTE = ("copy baseline (MQAR): the accuracy of a model that copies any value of its context without learning "
              "which key it belongs to, (1 + (P - 1) / M) / P for P pairs of M values: above chance, and a result "
              "near it is no recall")
+# The rows under the conditions: the variants' costs (a state row only where a variant has one).
+COST_ROWS = ("KV / token", "state / sequence", "decode p50 ms")
 # A row of tables.accuracy is one condition of one stage: these keys say which.
 _CONDITION_KEYS = ("stage", "kind", "num_pairs", "seq_len", "distance")
 

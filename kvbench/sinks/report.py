@@ -24,7 +24,7 @@ from kvbench.sinks import serving as serving_sink
 from kvbench.sinks import serving_plots
 from kvbench.sinks.choose import RULES, choices
 from kvbench.sinks.comparison import UNTESTED, comparisons
-from kvbench.sinks.interleaved import interleaved_table
+from kvbench.sinks.interleaved import interleaved_notes, interleaved_table
 from kvbench.sinks.markdown import md_text
 from kvbench.sinks.plots import draw_all  # matplotlib is imported only when drawing
 from kvbench.sinks.tables import (
@@ -35,13 +35,14 @@ from kvbench.sinks.tables import (
     VARIANT_KEYS,
     Axis,
     by_kind,
-    job_axes,
     job_cells,
     job_columns,
     natural,
     swept_axes,
+    table_axes,
     viewed,
 )
+from kvbench.units import count
 from kvbench.views import Variant, views
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
@@ -261,6 +262,8 @@ def _interleaved_md(records) -> List[str]:
         if rows:
             lines += [f"### job {_md_escape(rec.job)}: {_md_escape(rec.metric('rounds'))} rounds", "",
                       *_md_table(header, rows, len(header) - 1), ""]
+            notes = interleaved_notes(rec)  # why a ratio has no interval, why a figure is negative
+            lines += [f"- {_md_escape(note)}" for note in notes] + ([""] if notes else [])
     if lines:
         lines = ["## Interleaved comparisons (task=compare)", "",
                  "Variants of one model timed in one process, alternating trial by trial. Step times: median "
@@ -285,8 +288,9 @@ def _recall_md(records) -> List[str]:
     return lines
 
 
-def _choose_md(records) -> List[str]:
-    """The article's table per cell of the capacity jobs, and the recommendations it supports."""
+def _choose_md(records, plots: Sequence[Path] = ()) -> List[str]:
+    """The article's table per cell of the capacity jobs, and the recommendations it supports;
+    ``plots``: those drawn (a plot not drawn is not named)."""
     found = choices(records)
     if not found:
         return []
@@ -299,8 +303,9 @@ def _choose_md(records) -> List[str]:
             lines += [f"### {_md_escape(choice.cell)}", ""]
         lines += [*_md_table(choice.header, choice.rows, len(choice.header) - 1), ""]
         if choice.context_rows:
+            drawn = any(p.name == "capacity_vs_context.png" for p in plots)
             lines += ["Max batch at every context searched (what stopped it): the capacity as a function of the "
-                      "context (`capacity_vs_context.png` plots it):", "",
+                      "context" + (" (`capacity_vs_context.png` plots it)" if drawn else "") + ":", "",
                       *_md_table(choice.context_header, choice.context_rows, len(choice.context_header) - 1), ""]
         if choice.chat_rows:
             lines += ["Multi-turn (`task=capacity workload=multiturn`): the most concurrent conversations of the "
@@ -332,14 +337,13 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     """The report as markdown."""
     records, axes = report.records, report.axes or VARIANT_AXES
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{len(records)} jobs: {counts}.", ""]
-    lines += _choose_md(records) + _recall_md(records) + serving_sink.markdown(records, axes)
+    lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{count(len(records), 'job')}: {counts}.", ""]
+    lines += _choose_md(records, plots) + _recall_md(records) + serving_sink.markdown(records, axes)
     lines += capacity_sink.markdown(records)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
     for kind_name, group in groups.items():
-        job_axes_ = [a for a in job_axes(group, axes) if a[0] not in ("task", "workload.name")
-                     + (VARIANT_KEYS if kind_name == "compare" else ())]  # a comparison holds several
+        job_axes_ = table_axes(group, axes, kind_name)
         columns = job_columns(group, kind_name)
         rows = [[rec.job, *values, rec.status, *metrics]
                 for rec in views(group) for values, metrics in [job_cells(rec, job_axes_, columns)]]

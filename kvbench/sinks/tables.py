@@ -30,6 +30,10 @@ AXES: List[Axis] = [
 ]
 VARIANT_KEYS = VIEW_VARIANT_KEYS
 VARIANT_AXES: List[Axis] = [a for a in AXES if a[0] in VARIANT_KEYS]
+# The variant as one column of a table a person reads: its label (views.Variant.label), the name its
+# progress line gives it, in place of the attention keys' columns (a layer pattern, a layer option
+# and the KV dtype are in the label: no column shows them apart).
+VARIANT_AXIS: Axis = ("variant", "variant")
 _NOT_AXES = ("wandb.", "rerun")  # how a job was recorded or scheduled, not what it measured
 
 
@@ -89,8 +93,9 @@ COLUMNS: Dict[str, List[Column]] = {
                  Column("memory_budget_bytes", "budget", "bytes"), Column("probes_run", "probes", "{}", brief=True),
                  _NOISY],
     "serving": [Column("max_rate_under_slo", "max rate in SLO", "{:.3g}", brief=True, compared=True),
-                Column("max_rate_bound", "limited by", "{}", brief=True), *(Column(k, t, "{:.2f}", brief=True,
-                compared=True, sampled=True) for k, t in (("ttft_ms_p99", "p99 TTFT ms"), ("tpot_ms_p99", "p99 TPOT"))),
+                Column("max_rate_bound", "limited by", "{}", brief=True),
+                *(Column(k, t, "{:.2f}", brief=True, compared=True, sampled=True)
+                  for k, t in (("ttft_ms_p99", "p99 TTFT ms"), ("tpot_ms_p99", "p99 TPOT ms"))),
                 Column("goodput", "goodput req/s", "{:.3g}", brief=True, compared=True), Column("output_throughput",
                 "out tok/s", "{:.1f}", brief=True, compared=True), Column("preemptions", "preempted", "{}", brief=True),
                 Column("kv_block_usage_max", "peak KV blocks", "{:.0%}", brief=True), _NOISY],
@@ -106,7 +111,7 @@ COLUMNS: Dict[str, List[Column]] = {
         Column("max_rate_under_slo", "max rate in SLO", "{:.3g}", brief=True, compared=True),
         Column("preemptions", "preempted", "{}", brief=True), _NOISY],
     # its variants' metrics are per variant: :func:`interleaved_table` shows them
-    "compare": [Column("rounds", "rounds", "{}", brief=True)],
+    "compare": [Column("rounds", "rounds", "{}", brief=True), _NOISY],
     # per condition: kvbench/sinks/recall.py
     "recall": [Column("accuracy", "recall acc", "{:.3f}", brief=True, compared=True),
                Column("accuracy_before_uptrain", "acc before uptrain", "{:.3f}", brief=True, compared=True),
@@ -253,10 +258,74 @@ def job_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
     return [a for a in axes if len(set(_values(records, a[0]))) > 1] or VARIANT_AXES
 
 
+# A short title where a table shows a key as text of its own (:func:`axis_text`)
+_TITLES = {"attention.layer_types": "layers (s/f/l)"}
+
+
+def _label_tells_apart(records: Sequence[Record], key: str) -> bool:
+    """Whether the variant's label alone tells ``key``'s values apart across ``records`` (the order
+    of the local and global layers is not in it: ``w=8 1:1`` is s,f or f,s)."""
+    seen: Dict[str, str] = {}
+    for view in map(RecordView.of, records):
+        if seen.setdefault(view.variant.label, repr(view.get(key))) != repr(view.get(key)):
+            return False
+    return True
+
+
+def shown_axes(axes: Sequence[Axis], records: Sequence[Record] = ()) -> List[Axis]:
+    """``axes`` as a table a person reads shows them: the variant's keys as one :data:`VARIANT_AXIS`
+    where the first of them was (:func:`job_axes` gives them all where nothing varies), followed by
+    those of them whose values the label leaves apart in ``records``."""
+    out: List[Axis] = []
+    for axis in axes:
+        shown = VARIANT_AXIS if axis[0] in VARIANT_KEYS else axis
+        if shown not in out:
+            out.append(shown)
+    apart = [(key, _TITLES.get(key, title)) for key, title in axes
+             if key in VARIANT_KEYS and not _label_tells_apart(records, key)]
+    if apart:
+        at = out.index(VARIANT_AXIS) + 1
+        out[at:at] = apart
+    return out
+
+
+def table_axes(records: Sequence[Record], axes: Sequence[Axis], kind_name: str) -> List[Axis]:
+    """The axes a jobs table of ``kind_name`` shows: :func:`job_axes` as :func:`shown_axes`, less the
+    task and the workload (a table is of one kind) and, for task=compare, the variant (a comparison
+    holds several)."""
+    hidden = ("task", "workload.name") + ((*VARIANT_KEYS, VARIANT_AXIS[0]) if kind_name == "compare" else ())
+    return [a for a in shown_axes(job_axes(records, axes), records) if a[0] not in hidden]
+
+
+def _length_text(value: Mapping[str, Any]) -> str:
+    """A length distribution (config.conversations.LengthConfig) as ``uniform 4 (2-6)``."""
+    number = lambda v: fmt(v, "{:g}")  # noqa: E731
+    return f"{value.get('dist')} {number(value.get('mean'))} ({number(value.get('lo'))}-{number(value.get('hi'))})"
+
+
+def axis_text(record: Record, key: str) -> str:
+    """A job's value of an axis as a table cell: the variant's label for :data:`VARIANT_AXIS`; the
+    turns a conversation's file gave it, not the synthetic distribution that file replaced."""
+    view = RecordView.of(record)
+    if key == VARIANT_AXIS[0]:
+        return view.variant.label
+    value = view.get(key)
+    if key.split(".")[:2] == ["workload", "turns"] and view.kind == "conversations":  # turns, or turns.mean
+        source = "trace" if view.get("workload.arrival") == "trace" else "sharegpt" if view.get(
+            "workload.sharegpt") else None
+        if source:
+            return f"from workload.{source}"
+    if isinstance(value, Mapping) and "dist" in value:
+        return _length_text(value)
+    if key == "attention.layer_types" and isinstance(value, list):  # s f l: sliding, full, linear (transformers')
+        return "".join(str(t)[:1] for t in value)
+    return fmt(value, "{}")
+
+
 def job_cells(record: Record, axes: Sequence[Axis], columns: Sequence[Column]) -> Tuple[List[str], List[str]]:
     """(axis values, metric values) of one job as text."""
     view = RecordView.of(record)
-    return ([fmt(view.get(key), "{}") for key, _ in axes], [value_text(view, c) for c in columns])
+    return ([axis_text(view, key) for key, _ in axes], [value_text(view, c) for c in columns])
 
 
 # ---- the variant ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label
 from kvbench.workloads import conversations, decode, multiturn, serving
 
 # Each workload's config is kvbench.config.workload.WORKLOADS.
@@ -39,7 +39,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     if cfg.model.path:
         result.metrics["kv_heads_conversion"] = (kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
                                                  if model.layouts.converts_kv_heads() else "none")
-    label = variant_label(cfg.attention, num_layers=cfg.model.num_layers)
+    label = job_variant_label(cfg)
     if cfg.workload.name == "multiturn":
         label += f" shared={cfg.cache.shared}"
     if requests is not None:

@@ -48,7 +48,7 @@ from kvbench.tasks.capacity_search import (
     state_bytes_per_sequence,
     violations,
 )
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, variant_label
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
@@ -387,7 +387,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     model = build_model(cfg, device)
     result.metrics["weight_bytes"] = weight_bytes(model)
     result.metrics["num_params"] = model.num_params()
-    label = f"capacity {variant_label(cfg.attention, num_layers=cfg.model.num_layers)}"
+    label = f"capacity {job_variant_label(cfg)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"
     expected = len(contexts(cfg)) * probes_expected(cfg.capacity.max_batch,

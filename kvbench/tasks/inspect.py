@@ -9,10 +9,12 @@ parameters.
 from __future__ import annotations
 
 import math
-from typing import List
+import textwrap
+from typing import List, Optional
 
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES
+from kvbench.config.layer_pattern import job_variant_label
 from kvbench.config.model import kv_layout_change
 from kvbench.footprint import ParameterCounts, parameter_counts
 from kvbench.layouts.base import Layouts, bytes_cell
@@ -75,7 +77,9 @@ def parameter_count(cfg: BenchConfig) -> int:
     return parameter_counts(cfg.model, cfg.attention).total
 
 
-def describe(cfg: BenchConfig) -> str:
+def describe(cfg: BenchConfig, width: Optional[int] = None) -> str:
+    """What task=inspect prints; with ``width``, laid out to fit it: a sentence wraps between words
+    and a table wider than it is printed as several, each led by its first column."""
     m, a, w = cfg.model, cfg.attention, cfg.workload
     seq_len = w.total_len
     layers = build_layouts(m, a)
@@ -86,11 +90,13 @@ def describe(cfg: BenchConfig) -> str:
         f"model {m.name}: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} query heads x "
         f"head_dim {m.head_dim}, ffn {m.ffn_dim}, vocab {m.vocab_size}, max_seq_len {m.max_seq_len}",
         layout[0],
+        f"variant: {job_variant_label(cfg)} (its name in progress lines and tables)",
         _layout_line(cfg, layers),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         *_moe_lines(cfg, counts),
         *layout[1:],
     ]
+    lines = _wrapped(lines, width)
     size = DTYPE_BYTES[cfg.runtime.dtype]
     state = layers.state_bytes(DTYPE_BYTES[cfg.runtime.dtype]) > 0
     capped = layers.caps_positions()  # per token then depends on seq_len
@@ -100,15 +106,24 @@ def describe(cfg: BenchConfig) -> str:
     rows = [[r["dtype"], bytes_cell(r["per_token"]), *([bytes_cell(r["state"])] if state else []),
              bytes_cell(r["per_sequence"]), bytes_cell(r["per_batch"]), f"{r['vs_mha']:.3f}"]
             for r in kv_memory_table(layers, seq_len, w.batch_size)]
-    lines += _aligned(header, rows)
-    lines += layers.memory_lines(seq_len, cfg.runtime.dtype, size)
+    lines += _aligned(header, rows, width)
+    lines += _wrapped(layers.memory_lines(seq_len, cfg.runtime.dtype, size), width)
     notes = layers.kind_notes()
     if notes:
-        lines += ["", "; ".join(notes) + f"; KV by kind of layer in {cfg.runtime.dtype}: per sequence = positions "
-                  "held · bytes per position + state:"]
-        lines += _kind_lines(layers, seq_len, w.batch_size, size)
-    lines += layers.closing_lines(seq_len, cfg.runtime.dtype, size)
+        lines += _wrapped(["", "; ".join(notes) + f"; KV by kind of layer in {cfg.runtime.dtype}: per sequence = "
+                           "positions held · bytes per position + state:"], width)
+        lines += _kind_lines(layers, seq_len, w.batch_size, size, width)
+    lines += _wrapped(layers.closing_lines(seq_len, cfg.runtime.dtype, size), width)
     return "\n".join(lines)
+
+
+def _wrapped(lines: List[str], width: Optional[int]) -> List[str]:
+    """``lines`` with each longer than ``width`` broken between words, its rest indented."""
+    if width is None:
+        return list(lines)
+    return [part for text in lines for line in text.split("\n")
+            for part in (textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False,
+                                       break_on_hyphens=False) if len(line) > width else [line])]
 
 
 def _moe_lines(cfg: BenchConfig, counts: ParameterCounts) -> List[str]:
@@ -128,7 +143,7 @@ def _moe_lines(cfg: BenchConfig, counts: ParameterCounts) -> List[str]:
             f"routes to: at most min({m.moe.num_experts}, batch x {m.moe.top_k}) per layer"]
 
 
-def _kind_lines(layers: Layouts, seq_len: int, batch_size: int, size: int) -> List[str]:
+def _kind_lines(layers: Layouts, seq_len: int, batch_size: int, size: int, width: Optional[int] = None) -> List[str]:
     kinds = layer_kind_table(layers, seq_len, batch_size, size)
     state = any(k["state"] for k in kinds)
     return _aligned(["layers", "count", "positions held", "per token", *(["state per sequence"] if state else []),
@@ -136,13 +151,24 @@ def _kind_lines(layers: Layouts, seq_len: int, batch_size: int, size: int) -> Li
                     [[k["kind"], str(k["layers"]), f"{k['positions']:,}", bytes_cell(k["per_token"]),
                       *([bytes_cell(k["state"])] if state else []), bytes_cell(k["per_sequence"]),
                       bytes_cell(k["per_batch"])]
-                     for k in kinds])
+                     for k in kinds], width)
 
 
-def _aligned(header: List[str], rows: List[List[str]]) -> List[str]:
+def _aligned(header: List[str], rows: List[List[str]], width: Optional[int] = None) -> List[str]:
+    """A table as aligned text; where it is wider than ``width``, as several tables of its first
+    column and as many of the others as fit, a blank line between them."""
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    return [row[0].ljust(widths[0]) + "".join("  " + c.rjust(n) for c, n in zip(row[1:], widths[1:]))
-            for row in [header] + rows]
+    groups: List[List[int]] = [[]]
+    for i in range(1, len(header)):
+        if groups[-1] and width is not None and widths[0] + sum(2 + widths[j] for j in groups[-1] + [i]) > width:
+            groups.append([])
+        groups[-1].append(i)
+    out: List[str] = []
+    for n, group in enumerate(groups):
+        out += [""] if n else []
+        out += [row[0].ljust(widths[0]) + "".join("  " + row[i].rjust(widths[i]) for i in group)
+                for row in [header] + rows]
+    return out
 
 
 def _layout_line(cfg: BenchConfig, layers: Layouts) -> str:

@@ -73,7 +73,7 @@ def references(view: dict):
 def test_the_sweep_writes_a_workspace_whose_panels_match_its_runs(sweep):
     sweep_dir, proc = sweep
     assert f"workspace: {sweep_dir / WORKSPACE_MD}" in proc.stdout
-    assert "publish it to W&B with: " + " && ".join(publish_commands(sweep_dir)) in proc.stdout
+    assert "publish it to W&B with:\n" + "".join(f"  {c}\n" for c in publish_commands(sweep_dir)) in proc.stdout
     assert f"wandb sync {sweep_dir}/*/wandb/offline-run-*" in proc.stdout
     view = json.loads((sweep_dir / WORKSPACE_JSON).read_text())
     config, summary, history, grouping = references(view)
