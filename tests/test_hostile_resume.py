@@ -13,9 +13,9 @@ from dataclasses import asdict
 import pytest
 from conftest import compose
 
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import completed_record, resume_check
 from kvbench.jobs.runner import run_job
-from kvbench.job_config import to_bench_config
 from kvbench.results import SCHEMA_VERSION, RunResult, distrust, read_record, record_config
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=2",
