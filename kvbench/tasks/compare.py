@@ -126,6 +126,13 @@ METRICS: Dict[str, Metric] = metric_table(
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
 
+# Positions per prefill call. A signal is handled between torch ops, and a stopped job's process has
+# 30 s to write its record (jobs/isolation.py GRACE_S): experiment=layouts' 4096-token prefills in one
+# call were killed, record and all, by a Ctrl-C. Chunks fill the same cache (every layout continues
+# from a start position, as a chat's turns do).
+PREFILL_CHUNK = 512
+
+
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a job of this task may record."""
     return {"timing_method": JOB_METRICS["timing_method"], **METRICS}
@@ -246,7 +253,8 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
     with torch.inference_mode():
         for n, v in enumerate(runs, 1):  # one prefill per variant fills its cache to the longest context
             cache = cache_for(v.model, "static", B, contexts[-1] + 1)
-            prefill(v.model, prompt, cache)
+            for start in range(0, contexts[-1], PREFILL_CHUNK):
+                prefill(v.model, prompt[:, start:start + PREFILL_CHUNK], cache, start)
             caches.append(cache)
             # minutes at long contexts on a CPU: shown, so that a preset is never silent before its rounds
             tick(description=f"compare: prefill {n}/{len(runs)} ({v.label}, {contexts[-1]} positions)")

@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import compose
 
+from kvbench.cache import cache_for
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
@@ -190,3 +192,25 @@ def test_a_compare_interrupted_before_a_complete_round_keeps_only_its_trials(tmp
     assert record.status == "interrupted" and record.error == "interrupted by SIGINT"
     assert "partial" not in record.metrics and "rounds" not in record.metrics and "compare" not in record.tables
     assert len(record.tables["trials"]) == 3  # one trial: three contexts
+
+
+def test_a_prefill_in_chunks_fills_every_layouts_cache_as_one_call_does():
+    """compare fills each variant's cache in PREFILL_CHUNK-position calls (so that a Ctrl-C is handled
+    within seconds): for every kind of layer the next decode step reads what one call would have left."""
+    cfg = to_bench_config(config("model.num_layers=6", "model.max_seq_len=128",
+                                 "compare.variants=[mha,gqa,mla,mha:w16:g6,mha:d3,mla:k16,mha:s2]",
+                                 "compare.contexts=[8,100]"))
+    h = cfg.model.num_heads
+    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h).without_pattern()), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    vocab = cfg.model.vocab_size
+    prompt, token = torch.randint(vocab, (2, 100), generator=gen), torch.randint(vocab, (2, 1), generator=gen)
+    with torch.inference_mode():
+        for v in variants(cfg, base):
+            whole, chunked = (cache_for(v.model, "static", 2, 101) for _ in range(2))
+            prefill(v.model, prompt, whole)
+            for start in range(0, 100, 32):  # chunks across the window of 16 and DSA's k of 16
+                prefill(v.model, prompt[:, start:start + 32], chunked, start)
+            assert chunked.length == whole.length == 100
+            torch.testing.assert_close(decode_step(v.model, token, chunked, 100),
+                                       decode_step(v.model, token, whole, 100), rtol=1e-5, atol=1e-5)
