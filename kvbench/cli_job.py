@@ -24,7 +24,7 @@ from kvbench.config.bench import BenchConfig
 from kvbench.config.errors import ConfigError, one_line
 from kvbench.config.layer_pattern import job_variant_label
 from kvbench.job_config import to_bench_config
-from kvbench.jobs.claim import claim_holder, claim_job, completed_record
+from kvbench.jobs.claim import claim_holder, claim_job, resume_check
 from kvbench.jobs.isolation import launch_job
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import override_list
@@ -121,12 +121,17 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
             OUTCOME.job_ended(EXIT_CODES["error"])
         return _objective(cfg, job, invalid, None, "the job was not run here (another process holds it)")
     with claim:
-        if multirun and job is not None and not job.rerun and completed_record(out_dir, asdict(job)) is not None:
+        done, untrusted = (resume_check(out_dir, asdict(job), overrides) if multirun and job is not None
+                           and not job.rerun else (None, None))
+        if done is not None:
             # A re-run into the same sweep dir finishes only what is missing; the sweep table
             # at the end reads this job's record from disk like any other.
             stderr.print(f"  skipped: {out_dir / RESULTS_FILE} is already ok for this config "
                          "(rerun=true runs it again)", markup=False, soft_wrap=True)
             return _objective(cfg, job, invalid, out_dir)
+        if untrusted is not None:
+            stderr.print(f"  measured again: the ok record in {out_dir / RESULTS_FILE} is not trusted: {untrusted}",
+                         markup=False, soft_wrap=True)
         try:
             # an invalid config as given: the job records it invalid, with its one line
             result = launch_job(cfg if job is None else job, out_dir, overrides, progress=progress_bar)

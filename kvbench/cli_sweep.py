@@ -26,7 +26,7 @@ from kvbench.jobs.claim import sweep_lock
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size
 from kvbench.jsonio import os_error_line, write_text_atomic
-from kvbench.results import RecordError, find_results, read_record, trustworthy_ok
+from kvbench.results import RecordError, distrust, find_results, read_record
 from kvbench.sinks.console import stderr, stdout, sweep_tables
 from kvbench.sinks.dashboard import PublishError, online, publish, publish_commands, tracked, write_dashboard
 from kvbench.sinks.report import collect
@@ -212,7 +212,7 @@ def check_run_dir(config: DictConfig) -> None:
         record = read_record(run_dir)
     except RecordError:
         return  # nothing measured there (or nothing readable): nothing to lose
-    if record.status != "ok" or not trustworthy_ok(record.metrics):
+    if record.status != "ok" or distrust(record) is not None:
         return
     before, now = job_overrides(record.overrides) or [], job_overrides(config.hydra.overrides.task) or []
     if sorted(before) != sorted(now):

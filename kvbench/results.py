@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
+import re
 import stat
 import typing
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ from kvbench.config.record import attention_record, model_record
 from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
+from kvbench.metrics import matches
 
 RESULTS_FILE = "results.json"
 CHECKPOINT_NAME = "checkpoint.pt"  # task=train's checkpoint, beside its results.json
@@ -93,7 +95,7 @@ class RunResult:
                 earlier = read_record(directory)
             except RecordError:
                 earlier = None
-            if earlier is not None and earlier.status == "ok" and trustworthy_ok(earlier.metrics):
+            if earlier is not None and earlier.status == "ok" and distrust(earlier) is None:
                 return write_json_atomic(directory / f"results.{self.status}.json", self.to_dict())
         return write_json_atomic(directory / RESULTS_FILE, self.to_dict())
 
@@ -235,8 +237,72 @@ def nonfinite_kind(value: Any) -> Optional[str]:
 
 def trustworthy_ok(metrics: Mapping[str, Any]) -> bool:
     """Whether an ``ok`` record's metrics can stand for a finished job: at least one, none NaN or
-    infinite (older records could hold a bare ``NaN``); one that fails is measured again on resume."""
+    infinite (older records could hold a bare ``NaN``); one that fails is measured again on resume.
+    :func:`distrust` checks the whole record."""
     return bool(metrics) and not nonfinite_metrics(metrics)
+
+
+# Units whose figures may lie below zero: a fitted slope (a KV cost on a drifting machine), ratios and
+# shares made from one, logit differences. Every other numeric unit counts or measures something.
+SIGNED_UNITS = ("ratio", "fraction", "%", "logits", "nats per position", "µs per 1,000 tokens of context",
+                "µs per 1,000 positions", "bytes per 1,000 tokens of context")
+SIGNED_NAMES = ("_at_ctx0",)  # a fit's intercept (decode_ms_at_ctx0): in ms, and signed
+# the last word of a metric that is words about another (peak_rss_reason, ttft_ms_p99_warning)
+TEXT_WORDS = ("reason", "warning", "method", "source", "label", "note")
+
+
+def metric_unit(name: str, units: Mapping[str, Any]) -> Optional[str]:
+    """The unit of metric ``name``: the record's ``units`` (by name or pattern; an interval's bound has
+    its estimate's), else read off the vocabulary of its name (``_ms``, ``_bytes``, ``_s``) for a record
+    that declares none; None when neither says."""
+    for key in (name, _estimate(name)):
+        if isinstance(units.get(key), str):
+            return units[key]
+        unit = next((u for p, u in units.items() if "<" in p and isinstance(u, str) and matches(p, key)), None)
+        if unit is not None:
+            return unit
+    words = name.split("_")
+    if words[-1] in TEXT_WORDS:
+        return "text"
+    if "per" in words[:-1] and words[-1] in ("ctx", "w"):
+        return None  # a rate over context (decode_us_per_1k_ctx): signed
+    return next((unit for word, unit in (("bytes", "bytes"), ("ms", "ms"), ("s", "s")) if word in words), None)
+
+
+def _estimate(name: str) -> str:
+    """The figure an interval bound belongs to (``x`` for ``x_ci_low``)."""
+    return re.sub(r"_ci_(low|high)$", "", name)
+
+
+def distrust(record: RunResult) -> Optional[str]:
+    """Why an ``ok`` record cannot stand for a finished job, or None: the checks the runner wrote it
+    under, made again (a hand-edited or foreign record fails them), so resume measures it again.
+    A schema this kvbench does not know; no metrics, or one not finite; a figure whose value is not
+    of its unit (``"fast"`` in ms); a negative count, size or time the record does not flag
+    ``implausible`` (measure/plausibility.py keeps such a figure, flagged)."""
+    version = record.schema_version
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
+        return f"schema_version={version!r}: this kvbench reads 1 to {SCHEMA_VERSION}"
+    if not record.metrics:
+        return "metrics is empty"
+    flagged = {item.get("metric") for item in record.implausible if isinstance(item, dict)}
+    for name, value in record.metrics.items():
+        kind = nonfinite_kind(value)
+        if kind:
+            return f"metrics.{name}={kind}: not a finite number"
+        unit = metric_unit(name, record.units)
+        if value is None or unit is None or unit in ("", "text"):
+            continue
+        if unit == "bool":
+            if not isinstance(value, bool):
+                return f"metrics.{name}={value!r}: not true or false"
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"metrics.{name}={value!r}: not a number ({unit})"
+        signed = unit in SIGNED_UNITS or _estimate(name).endswith(SIGNED_NAMES) or name in flagged
+        if value < 0 and not signed:
+            return f"metrics.{name}={value!r}: negative, which no {unit} figure is"
+    return None
 
 
 def nonfinite_metrics(metrics: Mapping[str, Any]) -> Dict[str, str]:

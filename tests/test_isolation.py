@@ -22,7 +22,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.job_config import check_job
-from kvbench.jobs.isolation import GRACE_S, death_status, run_isolated
+from kvbench.jobs.isolation import GRACE_S, _no_record, death_status, run_isolated
 from kvbench.results import RunResult, read_record
 
 
@@ -94,6 +94,19 @@ def test_a_failure_on_the_parents_side_is_an_error_record_and_no_child_is_left(t
     assert result.status == "error" and "pickle" in result.error.lower(), result.error
     assert read_record(tmp_path) == result
     assert not job_processes(os.getpid())
+
+
+@pytest.mark.parametrize("returncode, said", [
+    (None, " before the job's process started: nothing was measured (this record is kvbench's own)"),
+    (130, " while the job's process was starting, before it measured anything (this record is kvbench's own)"),
+    (-signal.SIGKILL, f"; the job's process was killed before it handed back its record (after {GRACE_S:.0f} s, "
+                      "or a second signal): what it measured is lost (this record is kvbench's own)"),
+])
+def test_an_interrupted_job_without_its_processs_record_says_whose_record_it_has(returncode, said):
+    """Ctrl-C while the job's process starts: the record kvbench writes in its place says nothing was
+    measured and that it is kvbench's, never that the job 'left no record' above a ``results:`` path."""
+    child = None if returncode is None else type("Child", (), {"proc": type("Proc", (), {"returncode": returncode})})
+    assert _no_record(child) == said and "left no record" not in said
 
 
 @pytest.mark.parametrize("exitcode, before, after, status, needle", [

@@ -16,9 +16,9 @@ import socket
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
-from kvbench.results import RecordError, RunResult, read_record, record_config, trustworthy_ok
+from kvbench.results import RecordError, RunResult, distrust, read_record, record_config
 
 CLAIM_FILE = ".kvbench-claim"
 SWEEP_LOCK = ".kvbench-sweep"  # in a sweep's directory: held while a sweep decides the directory is its
@@ -129,16 +129,45 @@ def claim_holder(directory: Path | str) -> Optional[str]:
         return None  # closing the file drops the shared lock just taken
 
 
-def completed_record(out_dir: Path | str, config: Dict[str, Any]) -> Optional[RunResult]:
-    """The record in ``out_dir`` if it is ``ok`` and of the same ``config``, else None: resume's "is
-    this job done?" (a changed override list makes a job number mean another job)."""
+def completed_record(out_dir: Path | str, config: Dict[str, Any],
+                     overrides: Optional[Iterable[str]] = None) -> Optional[RunResult]:
+    """The record in ``out_dir`` if it is ``ok``, trusted and of the same ``config`` (and, given,
+    the same ``overrides``), else None: resume's "is this job done?" (:func:`resume_check`)."""
+    return resume_check(out_dir, config, overrides)[0]
+
+
+def resume_check(out_dir: Path | str, config: Dict[str, Any],
+                 overrides: Optional[Iterable[str]] = None) -> Tuple[Optional[RunResult], Optional[str]]:
+    """(the record, None) when the job in ``out_dir`` is done; else (None, why an ``ok`` record there
+    does not count, or None when there is none). A job has one identity: its config, and its
+    overrides as the sweep's table matches them (a record the table would list as missing is not
+    skipped as done). A changed override list makes a job number mean another job."""
     try:
         record = read_record(out_dir)
     except RecordError:
+        return None, None
+    if record.status != "ok":
+        return None, None
+    why = distrust(record)
+    if why is None and _identity(record.config) != _identity(config):
+        why = "its config is not this job's"
+    if why is None and overrides is not None and job_overrides(record.overrides) != job_overrides(overrides):
+        why = (f"its overrides ({' '.join(job_overrides(record.overrides) or []) or 'none'}) are not this job's "
+               f"({' '.join(job_overrides(overrides) or []) or 'none'})")
+    return (record, None) if why is None else (None, why)
+
+
+# Overrides that change how a job is scheduled or recorded, not what it measures (the config keys
+# of NOT_IDENTITY, and the launcher): a resume may add them without making other jobs.
+NOT_JOB = (*(f"{key}{sep}" for key in NOT_IDENTITY for sep in "=."), "hydra/launcher=", "hydra.launcher.")
+
+
+def job_overrides(overrides: Any) -> Optional[List[str]]:
+    """The overrides that say which job this is; None for anything but a sequence of them (a
+    record or an overrides.yaml may hold anything)."""
+    if isinstance(overrides, (str, bytes, Mapping)) or not isinstance(overrides, Iterable):
         return None
-    if record.status != "ok" or not trustworthy_ok(record.metrics):
-        return None
-    return record if _identity(record.config) == _identity(config) else None
+    return [str(o) for o in overrides if not str(o).startswith(NOT_JOB)]
 
 
 def _identity(config: Any) -> Any:

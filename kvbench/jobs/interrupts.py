@@ -188,3 +188,11 @@ def describe_stop(exc: BaseException) -> str:
         return (f"stopped by SystemExit({exc.code!r}): the process was told to exit (a launcher "
                 "does this on preemption or timeout, after requeueing the job)")
     return f"stopped by {type(exc).__name__}: {exc}"
+
+
+def stop_error(exc: BaseException, metrics: Dict) -> str:
+    """The ``error`` text of an interrupted record whose task may have kept what it measured: a task
+    that keeps the figures of its complete rounds says so (``partial_reason``), and so does the line."""
+    reason = metrics.get("partial_reason") if metrics.get("partial") is True else None
+    return describe_stop(exc) + (f"; partial: {reason}" if isinstance(reason, str) else "")
+

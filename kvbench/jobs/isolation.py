@@ -44,6 +44,7 @@ from kvbench.jobs.interrupts import (
     interruptible,
     launcher_stop,
     ours,
+    stop_error,
     stop_reasons,
 )
 from kvbench.progress import Progress, no_progress
@@ -102,10 +103,10 @@ def run_isolated(job: BenchConfig, out_dir: Path | str, overrides: Optional[List
                 return lost("error", f"{type(exc).__name__}: {exc} (running the job's process)")
             result = _stop(child, exc, ignored)
             if result is None:
-                result = lost("interrupted", describe_stop(exc) + "; the job's process left no record")
+                result = lost("interrupted", describe_stop(exc) + _no_record(child))
             elif result.status == "interrupted" and not isinstance(exc, Interrupted):
                 # The child only saw the SIGINT it was stopped with; the cause is the parent's.
-                result.error = describe_stop(exc)
+                result.error = stop_error(exc, result.metrics)
                 save(result, out_dir)
             exc.record = result
             raise
@@ -304,6 +305,18 @@ def _stop(child: Optional[_Child], exc: Optional[BaseException], ignored: List[i
             child.proc.kill()
             child.proc.wait()
     return None if message is None else _record_of(message)
+
+
+def _no_record(child: Optional[_Child]) -> str:
+    """Why a stopped job has only the record written here: said so, so that the ``results:`` path
+    printed after it is never read as a measurement."""
+    if child is None:
+        return " before the job's process started: nothing was measured (this record is kvbench's own)"
+    if child.proc.returncode == -signal.SIGKILL:
+        return (f"; the job's process was killed before it handed back its record (after {GRACE_S:.0f} s, or a "
+                "second signal): what it measured is lost (this record is kvbench's own)")
+    return (" while the job's process was starting, before it measured anything (this record is kvbench's "
+            "own)")
 
 
 def _lost(job: BenchConfig, out_dir: Path, overrides: Optional[List[str]], started: str,

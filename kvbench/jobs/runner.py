@@ -26,7 +26,7 @@ from kvbench.config.errors import ConfigError, one_line
 from kvbench.device import resolve_device
 from kvbench.footprint import check_fits
 from kvbench.job_config import to_bench_config
-from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop
+from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop, stop_error
 from kvbench.jsonio import name_the_file, write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import is_oom
@@ -147,7 +147,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
                     result.error = one_line(f"{result.error} (traceback not saved: cannot write "
                                             f"{out_dir / 'error.txt'}: {unsaved.strerror or unsaved})")
         except BaseException as exc:  # noqa: BLE001 — Ctrl-C, SIGTERM, SystemExit: recorded, then raised again
-            result.status, result.error = "interrupted", describe_stop(exc)
+            result.status, result.error = "interrupted", stop_error(exc, result.metrics)
             stopped = exc
         finally:
             stops.hold()  # a signal during the write waits for it: the record is the point

@@ -11,11 +11,11 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.jobs.claim import NOT_IDENTITY, claim_holder
+from kvbench.jobs.claim import claim_holder, job_overrides
 from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 
 
@@ -73,19 +73,6 @@ def _job_dir(config: DictConfig, num: int, overrides: List[str], parser) -> Opti
         return sweep / str(node.hydra.sweep.subdir)
     except Exception:  # noqa: BLE001 — a subdir that needs Hydra's runtime: match records by overrides
         return None
-
-
-# Overrides that change how a job is scheduled or recorded, not what it measures (the config keys
-# of claim.NOT_IDENTITY, and the launcher): a resume may add them without making other jobs.
-NOT_JOB = (*(f"{key}{sep}" for key in NOT_IDENTITY for sep in "=."), "hydra/launcher=", "hydra.launcher.")
-
-
-def job_overrides(overrides: Any) -> Optional[List[str]]:
-    """The overrides that say which job this is; None for anything but a sequence of them (a
-    record or an overrides.yaml may hold anything)."""
-    if isinstance(overrides, (str, bytes, Mapping)) or not isinstance(overrides, Iterable):
-        return None
-    return [str(o) for o in overrides if not str(o).startswith(NOT_JOB)]
 
 
 def sweep_records(sweep_dir: Path | str, config: DictConfig) -> List[Dict[str, Any]]:

@@ -59,6 +59,7 @@ def _console(to_stderr: bool) -> Console:
 stdout, stderr = _console(False), _console(True)
 
 PROGRESS_LINES = 10  # without a terminal, about this many progress lines per bar
+QUIET_S = 60.0  # without a terminal, the longest a job's progress goes without a line (but at a tick)
 
 
 @contextmanager
@@ -97,12 +98,19 @@ def progress_bar(label: str, total: int):
 
 @contextmanager
 def progress_lines(label: str, total: int):
-    """``  <label>: 0/<total>`` now and ``  <label>: <done>/<total> in <s> s`` at the end."""
+    """``  <label>: 0/<total>`` now, then a line every ~1/10 of the way and at any tick a minute or more
+    after the last line (with what the tick says: ``compare: prefill 2/7``, ``compare: round 3/10``),
+    and ``  <label>: <done>/<total> in <s> s`` at the end: a log of a long job is never silent for long."""
     stderr.print(f"  {label}: 0/{total}", markup=False, soft_wrap=True)
-    start, done = time.perf_counter(), [0]
+    every, start, done, last = max(1, total // PROGRESS_LINES), time.perf_counter(), [0], [time.perf_counter()]
 
     def tick(description=None):
         done[0] += 1
+        now = time.perf_counter()
+        if done[0] < total and (done[0] % every == 0 or now - last[0] >= QUIET_S):
+            last[0] = now
+            stderr.print(f"  {label}: {done[0]}/{total}{f' {description}' if description else ''} "
+                         f"({now - start:.0f} s)", markup=False, soft_wrap=True)
 
     try:
         yield tick

@@ -114,13 +114,24 @@ METRICS: Dict[str, Metric] = metric_table(
                        "fewer than 3 contexts"),
     Metric("<v>_step_ratio_ctx<C>", "ratio", "step at the longest context over the first variant's, paired over rounds "
                              "(see methods.paired_ratio)"),
-    Metric("rounds", "count", "timed rounds (runtime.repeats), each one trial of every variant"),
+    Metric("rounds", "count", "timed rounds (runtime.repeats), each one trial of every variant; in an interrupted "
+                              "record, the rounds complete by then, which every figure is over (partial)"),
+    Metric("partial", "bool", "only in an interrupted record: true when it keeps the figures of the rounds "
+                              "complete before the interruption (rounds says how many)"),
+    Metric("partial_reason", "text", "how many of the planned rounds the partial figures are over"),
     Metric("<v>_<metric>_ci_reason", "text", "why <v>_<metric>_ci_low/_ci_high are null: fewer rounds (or points) "
                                              "than a 95% interval needs (measure/stats.py min_interval_samples: 6), "
                                              "or a degenerate interval; null when the interval is given"),
     *(Metric(k, "", stats.METHODS[k]) for k in ("ci_trials", "kv_cost", "paired_ratio")),
 )
 METHODS: Dict[str, str] = record_methods(METRICS)
+
+# Positions per prefill call. A signal is handled between torch ops, and a stopped job's process has
+# 30 s to write its record (jobs/isolation.py GRACE_S): experiment=layouts' 4096-token prefills in one
+# call were killed, record and all, by a Ctrl-C. Chunks fill the same cache (every layout continues
+# from a start position, as a chat's turns do).
+PREFILL_CHUNK = 512
+
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a job of this task may record."""
@@ -237,21 +248,42 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
     vocab = base.config.vocab_size
     prompt = torch.randint(vocab, (B, contexts[-1]), generator=gen).to(device)
     token = torch.randint(vocab, (B, 1), generator=gen).to(device)
+    tick = tick or (lambda description=None: None)
     caches = []
     with torch.inference_mode():
-        for v in runs:  # one prefill per variant fills its cache to the longest context
+        for n, v in enumerate(runs, 1):  # one prefill per variant fills its cache to the longest context
             cache = cache_for(v.model, "static", B, contexts[-1] + 1)
-            prefill(v.model, prompt, cache)
+            for start in range(0, contexts[-1], PREFILL_CHUNK):
+                prefill(v.model, prompt[:, start:start + PREFILL_CHUNK], cache, start)
             caches.append(cache)
+            # minutes at long contexts on a CPU: shown, so that a preset is never silent before its rounds
+            tick(description=f"compare: prefill {n}/{len(runs)} ({v.label}, {contexts[-1]} positions)")
     trials = result.tables.setdefault("trials", [])
-    for r in range(rt.warmup + rt.repeats):
-        for turn, i in enumerate(round_order(len(runs), r - rt.warmup)):  # timed round 0 forward
-            times = time_trial(runs[i].model, caches[i], token, contexts, c.steps, device)
-            if r >= rt.warmup:
-                trials.extend({"round": r - rt.warmup, "turn": turn, "variant": runs[i].label, "context": ctx,
-                               "step_ms": stats.median(ms), "steps_ms": ms} for ctx, ms in times.items())
-            if tick is not None:
-                tick()
+    try:
+        for r in range(rt.warmup + rt.repeats):
+            for turn, i in enumerate(round_order(len(runs), r - rt.warmup)):  # timed round 0 forward
+                times = time_trial(runs[i].model, caches[i], token, contexts, c.steps, device)
+                if r >= rt.warmup:
+                    trials.extend({"round": r - rt.warmup, "turn": turn, "variant": runs[i].label, "context": ctx,
+                                   "step_ms": stats.median(ms), "steps_ms": ms} for ctx, ms in times.items())
+                tick(description=f"compare: warm-up {r + 1}/{rt.warmup}" if r < rt.warmup else
+                     f"compare: round {r - rt.warmup + 1}/{rt.repeats}")
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the rounds complete by then are kept, marked partial
+        done = len(trials) // (len(runs) * len(contexts))  # rounds with a row for every variant and context
+        if done > 0:
+            _summarize_into(result, cfg, runs, caches, [t for t in trials if t["round"] < done], done)
+            result.metrics.update(partial=True, partial_reason=(
+                f"interrupted after {done} of {rt.repeats} timed rounds: every figure is over those {done} "
+                "rounds only (tables.trials keeps every trial measured)"))
+        raise
+    _summarize_into(result, cfg, runs, caches, trials, rt.repeats)
+
+
+def _summarize_into(result: RunResult, cfg: BenchConfig, runs: Sequence[VariantModel], caches: Sequence,
+                    trials: Sequence[Dict], n_rounds: int) -> None:
+    """The comparison of ``n_rounds`` complete rounds of ``trials`` into ``result``: ``tables.compare``
+    and the metrics at the longest context (see :data:`METHODS`)."""
+    rt, B, contexts = cfg.runtime, cfg.workload.batch_size, sorted(cfg.compare.contexts)
     dtype_bytes = DTYPE_BYTES[rt.dtype]
     # One position, every context, and the shape the timed cache has, for one sequence unless said
     kv = {v.label: {"kv_bytes_per_token": v.model.layouts.bytes_per_token(dtype_bytes),
@@ -265,7 +297,7 @@ def run_trials(cfg: BenchConfig, base: Decoder, device: torch.device, result: Ru
     for row, v in zip(rows, runs):
         row.update(layout=variant_label(v.attention, num_layers=v.model.config.num_layers), weights=v.weights)
     result.tables["compare"] = rows
-    result.metrics["rounds"] = rt.repeats
+    result.metrics["rounds"] = n_rounds
     if split is not None:
         result.metrics["window_split_ctx"] = split
     # The record's metrics: the whole rows at the longest context; the other contexts stay in the table.
@@ -285,7 +317,8 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     result.methods["timing_method"] = JOB_METHODS["timing_method"]
     h = cfg.model.num_heads
     base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h).without_pattern()), device)
-    total = (cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
+    # a tick per variant's prefill, then one per trial (a variant's pass over the contexts)
+    total = (1 + cfg.runtime.warmup + cfg.runtime.repeats) * len(cfg.compare.variants)
     with progress("compare " + ",".join(cfg.compare.variants), total) as tick:
         run_trials(cfg, base, device, result, tick)
 

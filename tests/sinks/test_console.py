@@ -79,6 +79,21 @@ def test_progress_prints_lines_where_there_is_no_terminal(monkeypatch):
     assert [line.split(" (")[0] for line in lines] == [f"  train: {n}/25 loss {n - 1}" for n in [*range(2, 25, 2), 25]]
 
 
+def test_a_jobs_progress_without_a_terminal_is_a_line_per_tenth_of_the_way_with_what_each_tick_says(monkeypatch):
+    """What a job is handed when stderr is a log (``progress_bar``): the start, a line every ~1/10 of
+    the way naming the round (a long preset was a ``0/77`` line for minutes), and the end. Counted in
+    ticks: a tick a minute after the last line prints too, which no test here waits for."""
+    captured = Console(file=io.StringIO(), width=200)
+    monkeypatch.setattr(console, "stderr", captured)
+    with console.progress_bar("compare mha,gqa", 20) as tick:
+        for n in range(1, 21):
+            tick(description=f"compare: round {n}/20")
+    lines = [line.split(" (")[0] for line in captured.file.getvalue().splitlines()]
+    assert lines[0] == "  compare mha,gqa: 0/20"
+    assert lines[1:-1] == [f"  compare mha,gqa: {n}/20 compare: round {n}/20" for n in range(2, 20, 2)]
+    assert lines[-1].startswith("  compare mha,gqa: 20/20 in ") and lines[-1].endswith(" s")
+
+
 def test_piped_output_is_laid_out_at_100_columns_or_what_COLUMNS_says(monkeypatch):
     assert console.piped_width({}) == console.PIPED_WIDTH == 100
     assert console.piped_width({"COLUMNS": "80"}) == 80 and console.piped_width({"COLUMNS": " 132 "}) == 132

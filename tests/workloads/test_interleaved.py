@@ -1,6 +1,8 @@
 """task=compare: variants alternate trial by trial (the order is recorded), share the MHA weights,
 and the slope, intervals and paired ratios are what the stats module computes from the trials."""
 
+import signal
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -8,10 +10,13 @@ import pytest
 import torch
 from conftest import compose
 
+from kvbench.cache import cache_for
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
+from kvbench.results import read_record
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import round_order, summarize, variants
 
@@ -124,3 +129,88 @@ def test_bad_compare_values_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:
         to_bench_config(config("compare.contexts=[4,8,16]", override))
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def interrupting_progress(after: int, shown: list):
+    """A progress callback that records what it is shown and sends this process SIGINT at tick ``after``
+    (as Ctrl-C would, mid-job)."""
+
+    @contextmanager
+    def progress(label, total):
+        shown.append((label, total))
+
+        def tick(description=None):
+            shown.append(description)
+            if len(shown) - 1 == after:
+                signal.raise_signal(signal.SIGINT)
+        yield tick
+    return progress
+
+
+INTERRUPTED = ("compare.variants=[mha,2,mqa]", "compare.contexts=[8,4,16]", "compare.steps=2", "runtime.warmup=1",
+               "runtime.repeats=4")
+
+
+def test_an_interrupted_compare_keeps_its_complete_rounds_marked_partial(tmp_path):
+    """Ctrl-C in the third timed round: the record is interrupted, and keeps the comparison of the two
+    rounds complete by then (every figure recomputed from their trials), marked partial with its rounds;
+    the third round's trial is kept in tables.trials, out of every figure. Progress is shown per
+    prefill and per trial, each tick saying which."""
+    shown = []
+    with pytest.raises(KeyboardInterrupt) as stopped:  # 3 prefills, 3 warm-up trials, 2 rounds, 1 trial
+        run_job(config(*INTERRUPTED), tmp_path, progress=interrupting_progress(3 + 3 + 2 * 3 + 1, shown))
+    record = read_record(tmp_path)
+    assert stopped.value.record.to_dict() == record.to_dict()
+    assert record.status == "interrupted" and record.metrics["partial"] is True and record.metrics["rounds"] == 2
+    assert record.error == ("interrupted by SIGINT; partial: interrupted after 2 of 4 timed rounds: every figure is "
+                            "over those 2 rounds only (tables.trials keeps every trial measured)")
+    assert shown[0] == ("compare mha,2,mqa", (1 + 1 + 4) * 3)
+    assert shown[1:4] == [f"compare: prefill {n}/3 ({v}, 16 positions)"
+                          for n, v in enumerate(["mha_kv8", "gqa_kv2", "mqa_kv1"], 1)]
+    assert shown[4:] == ["compare: warm-up 1/1"] * 3 + ["compare: round 1/4"] * 3 + ["compare: round 2/4"] * 3 + [
+        "compare: round 3/4"]
+    trials = record.tables["trials"]
+    assert len(trials) == 2 * 3 * 3 + 3 and {t["round"] for t in trials} == {0, 1, 2}
+    for variant in ("mha_kv8", "gqa_kv2", "mqa_kv1"):
+        for ctx in (4, 8, 16):
+            medians = [np.median(t["steps_ms"]) for t in trials
+                       if t["variant"] == variant and t["context"] == ctx and t["round"] < 2]
+            row = next(r for r in record.tables["compare"] if r["variant"] == variant)
+            assert len(medians) == 2 and row[f"step_ms_ctx{ctx}"] == pytest.approx(np.median(medians))
+        assert record.metrics[f"{variant}_step_ms_ctx16"] == pytest.approx(
+            next(r for r in record.tables["compare"] if r["variant"] == variant)["step_ms_ctx16"])
+    assert record.units["partial"] == "bool" and record.units["rounds"] == "count"
+
+
+def test_a_compare_interrupted_before_a_complete_round_keeps_only_its_trials(tmp_path):
+    """Ctrl-C in the first timed round (after the prefills and the warm-up): no figure, nothing
+    marked partial; the trials measured are kept."""
+    shown = []
+    with pytest.raises(KeyboardInterrupt):
+        run_job(config(*INTERRUPTED), tmp_path, progress=interrupting_progress(3 + 3 + 1, shown))
+    record = read_record(tmp_path)
+    assert record.status == "interrupted" and record.error == "interrupted by SIGINT"
+    assert "partial" not in record.metrics and "rounds" not in record.metrics and "compare" not in record.tables
+    assert len(record.tables["trials"]) == 3  # one trial: three contexts
+
+
+def test_a_prefill_in_chunks_fills_every_layouts_cache_as_one_call_does():
+    """compare fills each variant's cache in PREFILL_CHUNK-position calls (so that a Ctrl-C is handled
+    within seconds): for every kind of layer the next decode step reads what one call would have left."""
+    cfg = to_bench_config(config("model.num_layers=6", "model.max_seq_len=128",
+                                 "compare.variants=[mha,gqa,mla,mha:w16:g6,mha:d3,mla:k16,mha:s2]",
+                                 "compare.contexts=[8,100]"))
+    h = cfg.model.num_heads
+    base = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h).without_pattern()), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    vocab = cfg.model.vocab_size
+    prompt, token = torch.randint(vocab, (2, 100), generator=gen), torch.randint(vocab, (2, 1), generator=gen)
+    with torch.inference_mode():
+        for v in variants(cfg, base):
+            whole, chunked = (cache_for(v.model, "static", 2, 101) for _ in range(2))
+            prefill(v.model, prompt, whole)
+            for start in range(0, 100, 32):  # chunks across the window of 16 and DSA's k of 16
+                prefill(v.model, prompt[:, start:start + 32], chunked, start)
+            assert chunked.length == whole.length == 100
+            torch.testing.assert_close(decode_step(v.model, token, chunked, 100),
+                                       decode_step(v.model, token, whole, 100), rtol=1e-5, atol=1e-5)
