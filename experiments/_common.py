@@ -70,13 +70,18 @@ def positive_float(text: str) -> float:
     return _number(text, float, lambda v: v > 0, "a finite number > 0")
 
 
-def list_of(item: Callable[[str], Any], what: str = "") -> Callable[[str], List[Any]]:
-    """argparse type: a comma-separated list (``2,16``), each entry typed by ``item``; none empty."""
-    def parse(text: str) -> List[Any]:
+def list_of(item: Callable[[str], Any], count: Optional[int] = None) -> Callable[[str], str]:
+    """argparse type: a comma-separated list (``2,16``), each entry checked by ``item`` (``count``
+    of them, when given). The text comes back as written: a script splits it where it uses it and
+    echoes it in its report's command."""
+    def parse(text: str) -> str:
         parts = text.split(",")
-        if not text or any(not p.strip() for p in parts):
-            raise argparse.ArgumentTypeError(f"{text!r}: must be a comma-separated list{what}")
-        return [item(p.strip()) for p in parts]
+        if any(not p.strip() for p in parts) or count is not None and len(parts) != count:
+            many = f" of {count} entries" if count else ""
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a comma-separated list{many}")
+        for part in parts:
+            item(part.strip())
+        return text
     return parse
 
 
@@ -143,7 +148,23 @@ def existing_dir(text: str) -> Path:
     return Path(text)
 
 
-def run(main: Callable[[Optional[List[str]]], Any], argv: Optional[List[str]] = None) -> Any:
+def named_dir(text: str) -> Tuple[str, Path]:
+    """argparse type of ``NAME=DIR`` (a kvbench tree to time): a name and an existing directory."""
+    name, eq, directory = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be NAME=DIR")
+    return name, existing_dir(directory).resolve()
+
+
+def torch_device(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N``, as torch names a device."""
+    kind, colon, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or colon and not (kind == "cuda" and index.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be cpu, cuda or cuda:N")
+    return text
+
+
+def run_main(main: Callable[[Optional[List[str]]], Any], argv: Optional[List[str]] = None) -> Any:
     """``main(argv)`` of a script, its failures as ``kvbench``'s: a config kvbench refuses (Hydra's
     composition errors included) one line, exit 2; a file that cannot be written one line, exit 1."""
     prog = Path(sys.argv[0]).name
