@@ -100,7 +100,7 @@ def conf_option(group: str) -> Callable[[str], str]:
     return choice(options, f" (the options of conf/{group}/)")
 
 
-def shape(text: str) -> Tuple[int, int]:
+def batch_x_prompt(text: str) -> Tuple[int, int]:
     """argparse type of one ``BATCHxPROMPT`` entry (``8x1024``): two integers >= 1."""
     batch, x, prompt = text.partition("x")
     if not x:
