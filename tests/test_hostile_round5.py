@@ -71,6 +71,8 @@ SLIDING_FULL = ["sliding_attention", "full_attention"] * 2
           layer_types=["linear_attention"] * 3 + ["full_attention"]), ("full_attention_interval=2",)),
     (qwen(rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
      ("rope_theta=10000.0", "rope_parameters.rope_theta=500000.0")),
+    ({**qwen("DeepseekV3ForCausalLM", head_dim=8, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=6,
+             qk_rope_head_dim=4, v_head_dim=5, first_k_dense_replace=4)}, ("head_dim=8", "qk_rope_head_dim=4")),
     (qwen(num_experts=8, num_local_experts=4, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=32,
           num_experts_per_tok=2), ("num_experts=8", "num_local_experts=4")),
 ])
@@ -113,6 +115,8 @@ def transformers_configs():
     yield t.MistralConfig(**shape, sliding_window=8)
     yield t.MistralConfig(**shape, sliding_window=None)
     yield t.LlamaConfig(**shape, rope_theta=50000.0)
+    yield t.DeepseekV3Config(**shape, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                             v_head_dim=5, first_k_dense_replace=4)
 
 
 @pytest.mark.parametrize("config", list(transformers_configs()), ids=lambda c: type(c).__name__)

@@ -2,7 +2,8 @@
 
 A file may state a layer pattern in several keys: ``layer_types`` beside ``sliding_window``,
 ``use_sliding_window`` (Qwen2, Qwen3) or ``full_attention_interval`` (Qwen3.5, Qwen3-Next), a rope's
-base both at the top and in ``rope_parameters``. transformers reads one of each pair and ignores
+base both at the top and in ``rope_parameters``, a latent attention's ``head_dim`` beside its
+``qk_rope_head_dim`` (DeepSeek). transformers reads one of each pair and ignores
 the other, silently: a GPT-OSS file with ``sliding_window: 0`` beside a ``layer_types`` listing
 sliding layers ran as all full attention. transformers derives one key of these pairs from the
 other, so a file it wrote agrees with itself; a disagreement is an edited or hand-written file,
@@ -35,6 +36,11 @@ def check_agreement(given: Mapping[str, Any], cfg: Mapping[str, Any], read: Coll
             _refuse(f"full_attention_interval={interval}", types, f"it makes every {interval}th layer full_attention, "
                     "the others linear_attention (transformers reads layer_types and ignores it)")
     _check_rope_theta(given)
+    rope, head = given.get("qk_rope_head_dim"), given.get("head_dim")
+    if "kv_lora_rank" in given and _count(rope) and _count(head) and rope != head:
+        # DeepSeek's latent attention: transformers sets head_dim to qk_rope_head_dim, whatever the file says
+        raise ConfigError(f"head_dim={head} and qk_rope_head_dim={rope} disagree: a latent attention's head_dim is "
+                          "its rotary width (transformers reads qk_rope_head_dim); give head_dim once, or alike")
 
 
 def _check_window_keys(given: Mapping[str, Any], cfg: Mapping[str, Any], read: Collection[str],
