@@ -17,7 +17,6 @@ serving store refuses says so in the line it refuses with.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compose_config, write_report  # noqa: E402
+from _common import Parser, compose_config, out_file, positive_float, positive_int, run_main, write_report  # noqa: E402
 
 from kvbench.config.dtypes import DTYPE_BYTES  # noqa: E402
 from kvbench.config.errors import ConfigError  # noqa: E402
@@ -75,6 +74,8 @@ def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
         cfg = to_bench_config(compose_config(overrides))
     except ConfigError as exc:
         return {"refused": str(exc)}
+    if context > cfg.model.max_seq_len:  # a sequence the model cannot hold: no figure, rather than a false one
+        return {"refused": f"context {context}: more than model.max_seq_len={cfg.model.max_seq_len}"}
     layouts = build_layouts(cfg.model, cfg.attention)
     element, dtype = DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype
     per_token = layouts.bytes_per_token(element, dtype)
@@ -89,7 +90,7 @@ def serve_rate(overrides: List[str], budget_mb: float, tmp: Path) -> tuple:
     out = tmp / str(len(list(tmp.iterdir())))
     run_job(compose_config([*overrides, *SERVE, f"workload.kv_budget_mb={budget_mb}"]), out)
     record = read_record(out / "results.json")
-    if record.status != "ok":
+    if record.status != "ok":  # a row of the report: the variant the serving store refuses says so
         return None, f"{record.status}: {record.error}"
     m = record.metrics
     if m.get("max_rate_under_slo") is None and m.get("max_rate_at_least") is not None:
@@ -128,13 +129,13 @@ def plot(rows: List[Dict], path: Path) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--budget-gb", type=float, default=40.0)
-    parser.add_argument("--tiny-context", type=int, default=512)
-    parser.add_argument("--tiny-budget-mb", type=float, default=2.0)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=positive_int, default=8192)
+    parser.add_argument("--budget-gb", type=positive_float, default=40.0)
+    parser.add_argument("--tiny-context", type=positive_int, default=512)
+    parser.add_argument("--tiny-budget-mb", type=positive_float, default=2.0)
     parser.add_argument("--no-serve", action="store_true", help="formula only: no rate search")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows: List[Dict] = []
@@ -201,4 +202,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

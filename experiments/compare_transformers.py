@@ -28,7 +28,6 @@ measures the wait; both are reported, and "x roofline" uses the same clock for s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import Parser, batch_x_prompt, choice, list_of, out_path, positive_int, run_main, torch_device
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvbench.cache import cache_for
@@ -232,21 +232,24 @@ def variant_table(rows, clock: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="1x512,8x1024,8x2048", help="BATCHxPROMPT list")
-    p.add_argument("--kv-heads", default="16,4,1", help="MHA, GQA, MQA for the small model's 16 heads")
-    p.add_argument("--contenders", default="hf,eager,graph", help="hf (transformers), eager, graph")
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--bucket", type=int, default=256, help="runtime.graph_bucket of the graph contender")
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=list_of(batch_x_prompt), default="1x512,8x1024,8x2048", help="BATCHxPROMPT list")
+    p.add_argument("--kv-heads", type=list_of(positive_int), default="16,4,1",
+                   help="MHA, GQA, MQA for the small model's 16 heads")
+    p.add_argument("--contenders", type=list_of(choice(("hf", "eager", "graph"))), default="hf,eager,graph",
+                   help="hf (transformers), eager, graph")
+    p.add_argument("--gen-len", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--bucket", type=positive_int, default=256, help="runtime.graph_bucket of the graph contender")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     # The committed results change only on purpose: --out experiments/results/compare_transformers
-    p.add_argument("--out", default=str(Path(__file__).parents[1] / "outputs" / "experiments" / "compare_transformers"),
+    p.add_argument("--out", type=out_path,
+                   default=str(Path(__file__).parents[1] / "outputs" / "experiments" / "compare_transformers"),
                    help="report path without suffix (.md and .json are written)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = p.parse_args()
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -280,4 +283,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

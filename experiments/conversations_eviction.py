@@ -14,7 +14,6 @@ p50 TTFT of each, and each turn index's TTFT and prefix hit rate for the first j
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,17 @@ from typing import List
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compose_config, write_report  # noqa: E402
+from _common import (  # noqa: E402
+    Parser,
+    compose_config,
+    conf_option,
+    list_of,
+    ok_record,
+    out_file,
+    positive_float,
+    run_main,
+    write_report,
+)
 
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.results import read_record  # noqa: E402
@@ -36,10 +45,12 @@ def cell(value, fmt: str = "{:.1f}") -> str:
 
 
 def main(argv: List[str] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="2,16", help="workload.kv_budget_mb values, comma-separated")
-    parser.add_argument("--attention", default="mha,mqa", help="attention= options, comma-separated")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=list_of(positive_float), default="2,16",
+                        help="workload.kv_budget_mb values, comma-separated")
+    parser.add_argument("--attention", type=list_of(conf_option("attention")), default="mha,mqa",
+                        help="attention= options, comma-separated")
+    parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows, first = [], None
@@ -51,9 +62,7 @@ def main(argv: List[str] = None) -> None:
                              "wandb=disabled"]
                 out = Path(tmp) / f"{attention}_{budget}"
                 run_job(compose_config(overrides), out)
-                record = read_record(out / "results.json")
-                if record.status != "ok":
-                    raise SystemExit(f"{' '.join(overrides)}: {record.status}: {record.error}")
+                record = ok_record(read_record(out / "results.json"), ' '.join(overrides))
                 m = record.metrics
                 rows.append(f"| {budget} | {attention} | {m['kv_blocks_total']} | {m['returning_turns']} | "
                             f"{m['returning_cached']} | {m['returning_evicted']} | "
@@ -81,4 +90,4 @@ def main(argv: List[str] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

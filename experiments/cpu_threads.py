@@ -12,13 +12,12 @@ Writes ``--out`` + ``.md`` (default ``outputs/experiments/cpu_threads.md``).
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import decode_setup, write_report
+from _common import Parser, conf_option, decode_setup, out_path, positive_int, run_main, write_report
 
 from kvbench.jobs.runner import DEFAULT_THREADS
 from kvbench.measure.env import load_average, usable_cpus
@@ -32,15 +31,15 @@ def load(value) -> str:
     return "unknown" if value is None else f"{value:.2f}"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "cpu_threads",
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=conf_option("model"), default="tiny")
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--gen-len", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=10)
+    p.add_argument("--out", type=out_path, default=ROOT / "outputs" / "experiments" / "cpu_threads",
                    help="the committed result changes only with --out experiments/results/cpu_threads")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg, model, prompt, cache = decode_setup(args.model, args.prompt_len, args.gen_len)
     device = torch.device("cpu")
     arms = {1: [], DEFAULT_THREADS: []}  # threads -> per round, the trial's step times
@@ -83,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

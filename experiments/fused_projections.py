@@ -15,7 +15,6 @@ committed copy is ``experiments/results/fused_projections.md``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import Parser, batch_x_prompt, list_of, out_file, positive_int, run_main
 
 from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
@@ -111,16 +111,16 @@ def measure(batch: int, prompt_len: int, kv: int, steps: int, rounds: int) -> di
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="1x512,8x1024", help="BATCHxPROMPT list")
-    p.add_argument("--kv-heads", default="16,4,1")
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "fused_projections.md",
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=list_of(batch_x_prompt), default="1x512,8x1024", help="BATCHxPROMPT list")
+    p.add_argument("--kv-heads", type=list_of(positive_int), default="16,4,1")
+    p.add_argument("--steps", type=positive_int, default=16)
+    p.add_argument("--rounds", type=positive_int, default=12)
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "fused_projections.md",
                    help="the committed results change only with --out experiments/results/fused_projections.md")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lines = ["| B | prompt | variant | clock | separate ms/step | fused ms/step | fused / separate (median, "
@@ -147,4 +147,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

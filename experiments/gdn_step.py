@@ -15,7 +15,6 @@ the median of those is the headline).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-from _common import write_report
+from _common import Parser, list_of, out_file, positive_int, run_main, write_report
 
 from kvbench.cache import Positions, make_cache
 from kvbench.config.model import ModelConfig
@@ -62,14 +61,14 @@ class Stack:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", default="256,4096", help="short,long")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "gdn_step.md")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=list_of(positive_int, 2), default="256,4096", help="short,long")
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--d-model", type=positive_int, default=512)
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--rounds", type=positive_int, default=60)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "gdn_step.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -119,4 +118,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

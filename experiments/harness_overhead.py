@@ -10,25 +10,24 @@ machine drift hits both alike; the overhead is the ratio of their medians.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from _common import decode_setup
+from _common import Parser, conf_option, decode_setup, positive_int, run_main
 
 from kvbench.generate import greedy_generate
 from kvbench.measure.timing import RegionTimer
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = p.parse_args()
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=conf_option("model"), default="small")
+    p.add_argument("--prompt-len", type=positive_int, default=512)
+    p.add_argument("--gen-len", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=7)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, model, prompt, cache = decode_setup(args.model, args.prompt_len, args.gen_len)
@@ -51,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -19,7 +19,6 @@ Writes ``--out`` + ``.md`` (default ``outputs/experiments/job_overhead.md``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import write_report
+from _common import Parser, named_dir, out_path, positive_int, run_main, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["model=tiny", "workload.prompt_len=16", "workload.gen_len=4", "runtime.warmup=0", "runtime.repeats=2",
@@ -49,15 +48,15 @@ def sweep_seconds(tree: Path, jobs: int, isolate: bool, where: Path) -> float:
     return seconds
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tree", action="append", default=[],
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--tree", type=named_dir, action="append", default=[],
                    help="NAME=DIR: a checkout of kvbench to time (repeatable; default: this tree as 'this')")
-    p.add_argument("--jobs", type=int, default=6, help="jobs in the long sweep (default 6)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="outputs/experiments/job_overhead", help="report path without .md")
-    args = p.parse_args()
-    trees = {name: Path(d).resolve() for name, d in (t.split("=", 1) for t in args.tree)} or {"this": ROOT}
+    p.add_argument("--jobs", type=positive_int, default=6, help="jobs in the long sweep (default 6)")
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--out", type=out_path, default="outputs/experiments/job_overhead", help="report path without .md")
+    args = p.parse_args(argv)
+    trees = dict(args.tree) or {"this": ROOT}
     last = list(trees)[-1]
     cases = [(name, tree, True) for name, tree in trees.items()] + [(f"{last}, in-process", trees[last], False)]
     times = {(case, n): [] for case, _, _ in cases for n in (1, args.jobs)}
@@ -94,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -16,13 +16,13 @@ committed copy is ``experiments/results/kv_precision.md``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _common import Parser, list_of, out_file, positive_int, run_main
 
 from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
@@ -43,16 +43,16 @@ def prefill(model, prompt, cache) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--kv-heads", default="16,4,1")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "kv_precision.md",
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--prompt", type=positive_int, default=2048)
+    p.add_argument("--steps", type=positive_int, default=16)
+    p.add_argument("--kv-heads", type=list_of(positive_int), default="16,4,1")
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "kv_precision.md",
                    help="the committed results change only with --out experiments/results/kv_precision.md")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     start, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -115,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -9,14 +9,13 @@ medians per context. 1 torch thread.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import compose_config, write_report
+from _common import Parser, compose_config, positive_int, run_main, write_report
 
 from kvbench.cache import cache_for
 from kvbench.job_config import to_bench_config
@@ -26,11 +25,11 @@ from kvbench.tasks.common import build_model
 OUT = Path(__file__).resolve().parent / "results" / "mla_forms.md"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048])
-    parser.add_argument("--rounds", type=int, default=15)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    parser = Parser()
+    parser.add_argument("--contexts", type=positive_int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--rounds", type=positive_int, default=15)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = to_bench_config(compose_config(["model=small", "attention=mla"]))
     model = build_model(cfg, torch.device("cpu"))
@@ -83,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

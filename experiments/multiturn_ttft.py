@@ -13,7 +13,6 @@ committed copy, on purpose only).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -21,7 +20,18 @@ import time
 from pathlib import Path
 
 import torch
-from _common import compose_config, write_report
+from _common import (
+    Parser,
+    compose_config,
+    conf_option,
+    natural_int,
+    ok_record,
+    out_dir,
+    out_path,
+    positive_int,
+    run_main,
+    write_report,
+)
 
 from kvbench.jobs.runner import run_job
 from kvbench.sinks.console import ttft_side_by_side
@@ -30,16 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-size", type=int, default=None, help="conversations (default: the yaml's)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", type=positive_int, default=None, help="conversations (default: the yaml's)")
+    ap.add_argument("--warmup", type=natural_int, default=1)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--cache", default="static", choices=["static", "concat"])
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch CPU threads (runtime.threads); 1 is steadier on a machine shared with other jobs")
-    ap.add_argument("--model", default="small", help="a conf/model preset (tiny for a quick try)")
-    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "multiturn_ttft", help="the jobs' directories")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "multiturn_ttft",
+    ap.add_argument("--model", type=conf_option("model"), default="small",
+                    help="a conf/model preset (tiny for a quick try)")
+    ap.add_argument("--runs", type=out_dir, default=ROOT / "outputs" / "multiturn_ttft", help="the jobs' directories")
+    ap.add_argument("--out", type=out_path, default=ROOT / "outputs" / "experiments" / "multiturn_ttft",
                     help="report path without suffix (.md is written)")
     args = ap.parse_args(argv)
 
@@ -54,9 +65,7 @@ def main(argv=None) -> None:
     for shared in (False, True):
         cfg = compose_config(overrides + [f"cache.shared={str(shared).lower()}"])
         t0 = time.perf_counter()
-        rec = run_job(cfg, args.runs / f"shared_{str(shared).lower()}").to_dict()
-        if rec["status"] != "ok":
-            raise SystemExit(f"cache.shared={shared}: {rec['status']}: {rec['error']}")
+        rec = ok_record(run_job(cfg, args.runs / f"shared_{str(shared).lower()}").to_dict(), f"cache.shared={shared}")
         print(f"cache.shared={str(shared).lower()}: {time.perf_counter() - t0:.0f} s", flush=True)
         records.append(rec)
     rows = ttft_side_by_side(records)
@@ -110,4 +119,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

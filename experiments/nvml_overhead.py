@@ -18,7 +18,6 @@ Writes ``--out`` + ``.md`` (default ``outputs/experiments/nvml_overhead.md``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import types
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import decode_setup, write_report
+from _common import Parser, conf_option, decode_setup, out_path, positive_float, positive_int, run_main, write_report
 
 from kvbench.measure import memory
 from kvbench.measure.stats import paired_ratio
@@ -79,17 +78,18 @@ def fake_gpu() -> FakeNVML:
     return fake
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--gen-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--interval-ms", type=float, default=10.0, help="sampling period (runtime.nvml_interval_ms)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "nvml_overhead",
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=conf_option("model"), default="small")
+    p.add_argument("--prompt-len", type=positive_int, default=256)
+    p.add_argument("--gen-len", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=20)
+    p.add_argument("--interval-ms", type=positive_float, default=10.0,
+                   help="sampling period (runtime.nvml_interval_ms)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--out", type=out_path, default=ROOT / "outputs" / "experiments" / "nvml_overhead",
                    help="the committed result changes only with --out experiments/results/nvml_overhead")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg, model, prompt, cache = decode_setup(args.model, args.prompt_len, args.gen_len)
     fake = fake_gpu()
@@ -165,4 +165,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

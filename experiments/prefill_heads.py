@@ -17,13 +17,12 @@ and the minimum drops the calls another job interrupted.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import write_report
+from _common import Parser, natural_int, out_file, positive_int, run_main, write_report
 from compare_transformers import hf_model, kvbench_model
 
 from kvbench.config.model import ModelConfig, attention_type
@@ -95,12 +94,12 @@ def model_table(cfg: ModelConfig, T: int, rounds: int) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--cached", type=int, default=512, help="cached keys before a prompt / a decode step")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "prefill_heads.md")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--prompt-len", type=positive_int, default=2048)
+    ap.add_argument("--cached", type=natural_int, default=512, help="cached keys before a prompt / a decode step")
+    ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "prefill_heads.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -115,4 +114,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,7 +12,6 @@ checkpoints go under ``--runs`` (default outputs/quality_tradeoff/, git-ignored)
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -21,6 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from _common import Parser, natural_int, out_dir, out_path, positive_float, positive_int, run_main
 from omegaconf import OmegaConf
 
 from kvbench.checkpoint import read_checkpoint
@@ -72,16 +72,16 @@ def _row(name: str, cfg: BenchConfig, out: Path, metrics: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=TrainConfig().steps)
-    ap.add_argument("--uptrain-steps", type=int, default=100)
-    ap.add_argument("--uptrain-lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=positive_int, default=TrainConfig().steps)
+    ap.add_argument("--uptrain-steps", type=natural_int, default=100)
+    ap.add_argument("--uptrain-lr", type=positive_float, default=1e-3)
+    ap.add_argument("--seed", type=natural_int, default=0)
     # One thread: on a shared 2-core machine two OpenMP threads per process thrash (6x slower).
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--reuse", action="store_true", help="keep runs whose checkpoint.pt exists")
-    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "quality_tradeoff", help="checkpoints")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "quality_tradeoff",
+    ap.add_argument("--runs", type=out_dir, default=ROOT / "outputs" / "quality_tradeoff", help="checkpoints")
+    ap.add_argument("--out", type=out_path, default=ROOT / "outputs" / "experiments" / "quality_tradeoff",
                     help="report path without suffix (.md and .json are written)")
     args = ap.parse_args(argv)
 
@@ -143,4 +143,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

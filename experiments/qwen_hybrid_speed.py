@@ -19,7 +19,6 @@ another job interrupted) and as the median of the per-round ratios. Below 1: kvb
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import platform
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-from _common import write_report
+from _common import Parser, out_file, positive_int, run_main, write_report
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
@@ -107,15 +106,15 @@ def time_round(contender, steps: int):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "qwen_hybrid_speed.md")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-model", type=positive_int, default=1024)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--vocab", type=positive_int, default=32000)
+    parser.add_argument("--prompt", type=positive_int, default=512)
+    parser.add_argument("--steps", type=positive_int, default=16)
+    parser.add_argument("--rounds", type=positive_int, default=12)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "qwen_hybrid_speed.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)  # the fast-path packages are not installed
@@ -172,4 +171,4 @@ def _version(package: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

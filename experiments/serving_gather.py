@@ -13,7 +13,6 @@ KV-head count: the price of the gather, which a GPU engine's paged attention ker
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ from typing import List
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compose_config, write_report  # noqa: E402
+from _common import Parser, compose_config, conf_option, out_file, positive_int, run_main, write_report  # noqa: E402
 
 from kvbench.cache import cache_for  # noqa: E402
 from kvbench.generate import decode_step, prefill  # noqa: E402
@@ -69,12 +68,12 @@ def time_layout(model_name: str, attention: str, batch: int, context: int, steps
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=conf_option("model"), default="small")
+    parser.add_argument("--batch", type=positive_int, default=16)
+    parser.add_argument("--context", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=16)
+    parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -98,4 +97,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

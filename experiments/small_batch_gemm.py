@@ -20,7 +20,6 @@ committed copy is ``experiments/results/small_batch_gemm.md``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import write_report
+from _common import Parser, list_of, out_file, positive_int, run_main, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"wq/wo (1024x1024)": (1024, 1024), "w1/w3 (2816x1024)": (2816, 1024),
@@ -68,13 +67,13 @@ def measure(shape, rows: int, repeats: int) -> dict:
     return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,2,4,8,16", help="M: the decode batch")
-    p.add_argument("--repeats", type=int, default=24)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "small_batch_gemm.md")
-    args = p.parse_args()
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=list_of(positive_int), default="1,2,4,8,16", help="M: the decode batch")
+    p.add_argument("--repeats", type=positive_int, default=24)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "small_batch_gemm.md")
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -110,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

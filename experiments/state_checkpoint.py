@@ -19,7 +19,6 @@ refreshes the committed copy, on purpose only).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -28,7 +27,17 @@ import time
 from pathlib import Path
 
 import torch
-from _common import compose_config, write_report
+from _common import (
+    Parser,
+    compose_config,
+    ok_record,
+    out_dir,
+    out_path,
+    positive_float,
+    positive_int,
+    run_main,
+    write_report,
+)
 
 from kvbench.jobs.runner import run_job
 
@@ -43,14 +52,14 @@ RUNS = [(prefix_len, allocator, policy, every) for prefix_len in (40, 96)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--rate", type=float, default=8.0, help="requests/s (Poisson)")
-    ap.add_argument("--threads", type=int, default=1, help="runtime.threads")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each configuration (TTFT: their median)")
-    ap.add_argument("--budget-mb", type=float, default=2.0, help="workload.kv_budget_mb")
-    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "state_checkpoint", help="the jobs' directories")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "state_checkpoint",
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=positive_int, default=24)
+    ap.add_argument("--rate", type=positive_float, default=8.0, help="requests/s (Poisson)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="runtime.threads")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="runs of each configuration (TTFT: their median)")
+    ap.add_argument("--budget-mb", type=positive_float, default=2.0, help="workload.kv_budget_mb")
+    ap.add_argument("--runs", type=out_dir, default=ROOT / "outputs" / "state_checkpoint", help="the jobs' directories")
+    ap.add_argument("--out", type=out_path, default=ROOT / "outputs" / "experiments" / "state_checkpoint",
                     help="report path without suffix (.md is written)")
     args = ap.parse_args(argv)
     base = MODEL + ["workload=serving", f"workload.num_requests={args.requests}", f"workload.rate={args.rate}",
@@ -67,9 +76,7 @@ def main(argv=None) -> None:
                 f"workload.state_checkpoint={policy}", f"workload.state_checkpoint_tokens={every}"]
             cfg = compose_config(base + [f"workload.prefix_len={prefix_len}", f"workload.allocator={allocator}",
                                          *caching])
-            rec = run_job(cfg, args.runs / name).to_dict()
-            if rec["status"] != "ok":
-                raise SystemExit(f"{name}: {rec['status']}: {rec['error']}")
+            rec = ok_record(run_job(cfg, args.runs / name).to_dict(), name)
             metrics.setdefault(run, []).append(rec["metrics"])
             print(f"{name}: hit rate {rec['metrics']['prefix_hit_rate']}, TTFT p50 "
                   f"{rec['metrics']['ttft_ms_p50']:.1f} ms", flush=True)
@@ -103,4 +110,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

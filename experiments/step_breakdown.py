@@ -14,13 +14,13 @@ write, Python) is reported as one figure. Writes ``--out`` (default
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _common import Parser, batch_x_prompt, list_of, out_file, positive_int, run_main
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench.cache import cache_for
@@ -68,15 +68,15 @@ def breakdown(batch: int, prompt_len: int, kv: int, steps: int) -> dict:
                 load=(load, os.getloadavg()[0]))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="1x512,8x1024,8x2048", help="BATCHxPROMPT list")
-    p.add_argument("--kv-heads", default="16,4,1")
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "step_breakdown.md",
+def main(argv=None) -> None:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", type=list_of(batch_x_prompt), default="1x512,8x1024,8x2048", help="BATCHxPROMPT list")
+    p.add_argument("--kv-heads", type=list_of(positive_int), default="16,4,1")
+    p.add_argument("--steps", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "step_breakdown.md",
                    help="the committed results change only with --out experiments/results/step_breakdown.md")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lines = ["| B | prompt | variant | step ms | x roofline | matmuls ms (weights MB; x GEMV; GFLOP/s) | "
@@ -105,4 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -15,7 +15,6 @@ experiments/results/tpot_pairing`` refreshes the committed copy, on purpose only
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import compose_config, write_report
+from _common import Parser, compose_config, conf_option, list_of, out_path, positive_int, run_main, write_report
 
 from kvbench.job_config import to_bench_config
 from kvbench.measure.host import release_heap
@@ -66,16 +65,17 @@ def table_row(variant: str, design: str, ratios: list) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="mha,gqa,mqa")
-    ap.add_argument("--batch", type=int, default=20)
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--gen-len", type=int, default=8, help="decode steps of a run (experiment=choose's)")
-    ap.add_argument("--pairs", type=int, default=32, help="capacity.tpot_pairs")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default=None, help="a conf/model preset instead of experiment=choose's (tiny to try)")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "experiments" / "tpot_pairing")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", type=list_of(conf_option("attention")), default="mha,gqa,mqa")
+    ap.add_argument("--batch", type=positive_int, default=20)
+    ap.add_argument("--context", type=positive_int, default=128)
+    ap.add_argument("--gen-len", type=positive_int, default=8, help="decode steps of a run (experiment=choose's)")
+    ap.add_argument("--pairs", type=positive_int, default=32, help="capacity.tpot_pairs")
+    ap.add_argument("--rounds", type=positive_int, default=8)
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--model", type=conf_option("model"), default=None,
+                    help="a conf/model preset instead of experiment=choose's (tiny to try)")
+    ap.add_argument("--out", type=out_path, default=ROOT / "outputs" / "experiments" / "tpot_pairing")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     started, load = time.time(), os.getloadavg()[0]
@@ -103,4 +103,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,6 @@ Writes ``--out`` + ``.md`` (default ``outputs/experiments/wandb_unreachable.md``
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -29,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import write_report
+from _common import Parser, named_dir, out_path, positive_float, positive_int, run_main, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("offline", "offline+silent", "silent", "refused")
@@ -90,14 +89,15 @@ def one(tree: Path, case: str, urls: dict, timeout_s: float, home: Path) -> tupl
         return tracked, time.monotonic() - returned
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", help="NAME=PATH of a kvbench tree (default: this one)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--init-timeout", type=float, default=5.0, help="wandb.init_timeout_s of every run")
-    parser.add_argument("--out", default="outputs/experiments/wandb_unreachable")
-    args = parser.parse_args()
-    trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(ROOT)}
+def main(argv=None) -> None:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=named_dir, action="append",
+                        help="NAME=PATH of a kvbench tree (default: this one)")
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--init-timeout", type=positive_float, default=5.0, help="wandb.init_timeout_s of every run")
+    parser.add_argument("--out", type=out_path, default="outputs/experiments/wandb_unreachable")
+    args = parser.parse_args(argv)
+    trees = dict(args.tree) if args.tree else {"this": str(ROOT)}
     trees = {name: Path(path).resolve() for name, path in trees.items()}
     silent = silent_server()
     urls = {"offline": refused_url(), "offline+silent": silent, "silent": silent, "refused": refused_url()}
@@ -122,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -131,6 +131,10 @@ def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
         raise
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    try:  # the saved config's size, as a config.json's: before the decoder is built, even on the meta device
+        check_model_fits(model, map_location, f"checkpoint {path}", attention)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
     check_tensors(f"checkpoint {path}", _expected_tensors(model, attention), payload["state_dict"],
                   "its saved config")
     return build_decoder(model, attention, payload["state_dict"], device=map_location)

@@ -197,10 +197,12 @@ def available_bytes(device: torch.device) -> int:
     return available
 
 
-def check_model_fits(model: ModelConfig, device: torch.device | str, where: str) -> None:
-    """Raise :class:`ConfigError` naming ``where`` (the checkpoint's config.json) when the model
-    it describes, in its own attention, cannot be built in the memory ``device`` has available."""
-    own = parameter_count(model, AttentionConfig().resolved(model))
+def check_model_fits(model: ModelConfig, device: torch.device | str, where: str,
+                     attention: Optional[AttentionConfig] = None) -> None:
+    """Raise :class:`ConfigError` naming ``where`` (the checkpoint's config.json or kvbench
+    checkpoint file) when the model it describes, in ``attention`` (default: its own), cannot be
+    built in the memory ``device`` has available."""
+    own = parameter_count(model, attention or AttentionConfig().resolved(model))
     need = Footprint(own * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
     have = available_bytes(torch.device(device))
     if need.total > have:
@@ -232,6 +234,8 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         return Footprint(0, 0, 0)
     need = job_footprint(cfg)
     have = available_bytes(device)
+    if cfg.task == "compare":
+        _check_variants(cfg, need, have, device)
     if need.total <= have and cfg.task == "capacity":  # a model that does not fit at all is said so below
         _check_probe_range(cfg, need, have)
     if need.total > have:
@@ -250,6 +254,26 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         raise ConfigError(f"{where}the job needs at least {human_bytes(need.total)} ({need.describe()}; {keys}), "
                           f"more than the {human_bytes(have)} {device.type} memory available; nothing was built")
     return need
+
+
+def _check_variants(cfg: BenchConfig, base: Footprint, have: int, device: torch.device) -> None:
+    """task=compare holds every variant at once beside its base model, each with a static cache for
+    its longest context: refuse variants whose weights and caches (one rank of 10^12, say) could not
+    all be held, naming the largest, before the base model is built (it was an ``oom`` minutes in)."""
+    element, longest = DTYPE_BYTES[cfg.runtime.dtype], max(cfg.compare.contexts) + 1
+    sizes = []
+    for spec, attention in zip(cfg.compare.variants, cfg.compare.attentions(cfg.model)):
+        layouts = build_layouts(cfg.model, attention)
+        sizes.append((spec, Footprint(parameter_count(cfg.model, attention) * BUILD_BYTES_PER_PARAM, 0,
+                                      layouts.cache_bytes(longest, cfg.workload.batch_size, element, cfg.cache.dtype))))
+    total = base.total + sum(f.total for _, f in sizes)
+    if total > have:
+        spec, largest = max(sizes, key=lambda s: s[1].total)
+        raise ConfigError(f"compare.variants={cfg.compare.variants!r}: the variants and their base need at least "
+                          f"{human_bytes(total)}, more than the {human_bytes(have)} {device.type} memory available; "
+                          f"the largest, {spec!r}: weights {human_bytes(largest.weights)} + KV cache "
+                          f"{human_bytes(largest.kv_cache)} (contexts up to {longest - 1}, "
+                          f"workload.batch_size={cfg.workload.batch_size}); nothing was built")
 
 
 def _store_keys(cfg: BenchConfig) -> str:

@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool"],
-    ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.hf_keys", "config.indexer",
-     "config.layer_options", "mlp.dense", "mlp.router"],
+    ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.hf_keys", "config.hf_agree",
+     "config.indexer", "config.layer_options", "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.kv_sharing", "config.layer_pattern",
      "config.conversations", "serving.table_files", "serving.allocator"],

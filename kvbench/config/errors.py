@@ -95,6 +95,8 @@ def typed(schema: Type[T], data: Any, prefix: str = "") -> T:
     interpolation that does not resolve are each a :class:`ConfigError` naming the key
     (``prefix`` + its dotted path) and the value; then the dataclasses are built, whose
     ``__post_init__`` checks the values. Keys ``data`` lacks take the schema's defaults."""
+    _check_bools(schema, OmegaConf.to_container(data, resolve=False) if isinstance(data, DictConfig) else data,
+                 prefix)
     try:
         # Before the merge: merging ``???`` over a default keeps the default (OmegaConf's rule),
         # which once benchmarked a random model for model=llama_dir without model.path.
@@ -110,6 +112,30 @@ def typed(schema: Type[T], data: Any, prefix: str = "") -> T:
 
 
 _ABSENT = object()
+_BOOL_WORDS = ("true", "false")
+
+
+def _check_bools(schema: type, data: Any, prefix: str) -> None:
+    """A bool field given anything but true or false is refused: OmegaConf reads any non-zero
+    number as true (``attention.sinks=2`` ran with sinks, ``runtime.fidelity=2`` with fidelity), so
+    a typo of another key's value would switch a setting silently. Nested dataclasses are walked;
+    an interpolation is left to OmegaConf."""
+    if not isinstance(data, Mapping) or not hasattr(schema, "__dataclass_fields__"):
+        return
+    hints = get_type_hints(schema)
+    for f in fields(schema):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints.get(f.name)
+        inner = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+        hint = inner[0] if len(inner) == 1 and type(None) in getattr(hint, "__args__", ()) else hint
+        if hint is bool:
+            words = isinstance(value, str) and (value.lower() in _BOOL_WORDS or value.startswith("${")
+                                                 or value == "???")
+            if value is not None and not isinstance(value, bool) and not words:
+                raise ConfigError(f"{prefix}{f.name}={value!r}: must be true or false")
+        elif hasattr(hint, "__dataclass_fields__"):
+            _check_bools(hint, value, f"{prefix}{f.name}.")
 
 
 def _omegaconf_error(exc: OmegaConfBaseException, schema: type, data: Any, prefix: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from kvbench.config.errors import ConfigError
+from kvbench.config.hf_agree import LINEAR, check_agreement
 from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
 from kvbench.config.moe import check_moe
 from kvbench.jsonio import read_json
@@ -93,8 +94,7 @@ WINDOW_KEYS_READ = {"LlamaForCausalLM": (), "MistralForCausalLM": ("sliding_wind
                     # DeepSeek's configs have no window; the Gated DeltaNet hybrids' layer_types names linear layers
                     **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"), ()),
                     **{arch: ("layer_types",) for arch in HYBRID_ARCHITECTURES}}
-LINEAR = "linear_attention"  # a Gated DeltaNet layer, as transformers' layer_types names it
-LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names of a layer's kind
+LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names; LINEAR: Gated DeltaNet
 
 
 # JSON types of the values read from a config.json (a bool is not a number, as JSON says).
@@ -183,6 +183,7 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
     """:func:`model_fields` of a language model's keys ``cfg``, found at ``nested`` in the file."""
     switches, hybrid = HF_ARCHITECTURES[arch], arch in HYBRID_ARCHITECTURES
     given, cfg = cfg, _with_class_defaults(cfg, arch)
+    check_agreement(given, cfg, WINDOW_KEYS_READ.get(arch, WINDOW_KEYS), hybrid)  # keys that say one thing twice
     refused = {  # key: why, for a value that is set and not the default (Mistral's and Qwen2's classes ignore it)
         "attention_bias": "biases on the latent attention's projections are not modelled" if "Deep" in arch else None,
         "text_config": "multimodal checkpoints are not supported",
@@ -227,8 +228,7 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
     shape.update(mla)
     keys.update(mla_keys)
     shape.update(_hf_moe(cfg, arch, layers))
-    if hybrid:
-        shape.update(_hf_hybrid(cfg, keys))
+    shape.update(_hf_hybrid(cfg, keys) if hybrid else {})
     name = _get(cfg, "_name_or_path", "str") or Path(where).parent.name
     return {"name": name, **shape}, file_sources(keys, given, nested)
 

@@ -171,12 +171,20 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
           f"applies to the sliding_attention layers of {prefix}layer_types, and it lists none")
 
 
+def check_within_context(key: str, value: Optional[int], model: Any, why: str) -> None:
+    """A count of positions a layer keeps or attends (``attention.window``, ``attention.index_topk``)
+    asked of a run is at most ``model.max_seq_len``: a larger one changes nothing a run could measure
+    (``why`` says what it would do), so it is a typo (1e12 for 1024), refused as one."""
+    check(value is None or value <= model.max_seq_len, key, value,
+          f"must be <= model.max_seq_len={model.max_seq_len} ({why})")
+
+
 def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
     """An AttentionConfig's window, global_every and layer_types against ``model`` (a
     ModelConfig): each null one is the model's own, checked against its layer count. Gated
     DeltaNet layers are layer_types' linear_attention entries (:func:`_linear_layers`)."""
-    check(attention.window is None or attention.window <= model.max_seq_len, "attention.window", attention.window,
-          f"must be <= model.max_seq_len={model.max_seq_len} (a window that long drops no position; 0: no window)")
+    check_within_context("attention.window", attention.window, model,
+                         "a window that long drops no position; 0: no window")
     window = model.preset_window if attention.window is None else attention.window
     if attention.layer_types is not None or attention.global_every is not None:
         global_every, layer_types = attention.global_every, attention.layer_types

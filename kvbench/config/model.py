@@ -17,7 +17,7 @@ from kvbench.config.hf import LINEAR, ROPE_TYPES
 from kvbench.config.hf_keys import Source, in_file_keys
 from kvbench.config.indexer import check_indexer, indexer_defaults
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
-from kvbench.config.layer_pattern import check_window_pattern, resolve_layer_pattern
+from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 
@@ -379,6 +379,9 @@ class AttentionConfig:
                                            qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
         dims = {name: getattr(own, name) if getattr(self, name) is None else getattr(self, name)
                 for name in MLA_FIELDS}
+        if self.index_topk != own.index_topk:  # asked of the run (a checkpoint's own is what it is)
+            check_within_context("attention.index_topk", self.index_topk, model,
+                                 "a top-k that large attends every visible token; 0: no indexer")
         dims.update(indexer_defaults(own, self, model.num_heads))
         options = resolve_options(self, model, kv_heads=False)  # refuses those of K/V-head attention only (sinks)
         for key in ("attn_output_gate", "partial_rotary_factor"):  # what only K/V-head layers have

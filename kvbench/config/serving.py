@@ -219,6 +219,14 @@ class ServingWorkload:
         check(cfg.runtime.compile == "false", "runtime.compile", cfg.runtime.compile,
               "workload=serving runs eager forwards (the batch's shapes change every iteration); use "
               "runtime.compile=false")
+        if self.state_checkpoint != "block":  # the default: a setting that does nothing is refused, not recorded
+            # where a recurrent layer's state is saved for prefix caching: without such a layer, or
+            # without prefix caching, no state is ever saved and the run would record a policy it never used
+            recurrent = "linear_attention" in cfg.attention.layer_kinds(cfg.model.num_layers)
+            why = ("workload.prefix_caching=false" if recurrent
+                   else f"model {cfg.model.name} with this attention has no linear_attention layer")
+            check(recurrent and self.prefix_caching, "workload.state_checkpoint", self.state_checkpoint,
+                  f"says where a Gated DeltaNet layer's state is saved for prefix caching, and {why}; leave it block")
 
 
 def _check_run_size(w) -> None:
