@@ -391,7 +391,10 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
     if len(set(given.values())) > 1:  # transformers maps these names onto one another: two counts contradict
         raise ConfigError(", ".join(f"{key}={n}" for key, n in given.items()) + ": inconsistent expert counts "
                           "(one model has one number of routed experts)")
-    experts_key = next(iter(given), "n_routed_experts" if family.startswith("deepseek") else "num_experts")
+    # Without a count, the key the family's own files write (and its transformers config names):
+    # a GPT-OSS file told to add num_experts would be told a key its own files never hold.
+    experts_key = next(iter(given), "n_routed_experts" if family.startswith("deepseek")
+                       else "num_local_experts" if family == "gpt_oss" else "num_experts")
     keys = {"num_experts": experts_key, "top_k": "num_experts_per_tok", "expert_ffn_dim": "moe_intermediate_size",
             "router": "scoring_func", "n_group": "n_group", "topk_group": "topk_group",
             "routed_scaling_factor": "routed_scaling_factor", "shared_ffn_dim": "shared_expert_intermediate_size",
