@@ -24,10 +24,15 @@ def app_config_groups(conf_dir: Path = CONF_DIR) -> str:
         group = folder.relative_to(conf_dir).as_posix()
         if not folder.is_dir() or group == "hydra" or group.startswith("hydra/"):
             continue
-        options = sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
+        options = group_options(folder)
         if options:
             groups[group] = options
     return "".join(f"{group}: {', '.join(groups[group])}\n" for group in sorted(groups))
+
+
+def group_options(folder: Path) -> list:
+    """The options of the config group in ``folder``: its YAML files' names."""
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
 
 
 def render() -> str:
