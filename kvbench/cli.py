@@ -77,10 +77,8 @@ def _main() -> None:
         if OUTCOME.sweep is not None and not full_error and not is_composition_error(exc):
             # The sweeper failed after its jobs (Optuna's, when no trial has a value): what the
             # jobs recorded is still this sweep's table and report.
-            stderr.print(f"kvbench: the sweeper failed: {one_line(f'{type(exc).__name__}: {exc}')}",
-                         markup=False, soft_wrap=True)
-            sweep_end(OUTCOME.sweep)
-            sys.exit(EXIT_CODES["error"])
+            sys.exit(sweep_end(OUTCOME.sweep, failure=f"the sweeper failed: {one_line(f'{type(exc).__name__}: {exc}')}")
+                     or EXIT_CODES["error"])
         if full_error or not is_composition_error(exc):
             raise
         stderr.print(f"kvbench: invalid config: {config_error_line(exc, _top_level_names())}", markup=False,
