@@ -32,7 +32,7 @@ from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, atten
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
-from kvbench.jsonio import atomic_write
+from kvbench.jsonio import atomic_write, path_problem
 from kvbench.layouts.attention import MODULES
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
@@ -108,8 +108,9 @@ def save_checkpoint(path: str | Path, model: Decoder, extra: Optional[dict] = No
 def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
     """The raw payload of a kvbench checkpoint (configs as dicts, state dict, extras)."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path}: no such file")
+    why = path_problem(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path}: {why}")
     payload = _reading(path, "kvbench checkpoint (torch.save)",
                        partial(torch.load, path, map_location=map_location, weights_only=True))
     if not isinstance(payload, dict) or FORMAT_KEY not in payload:

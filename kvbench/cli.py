@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.cli_help import group_options
 from kvbench.cli_job import hydra_job
 from kvbench.cli_sweep import SweepRefused, sweep_end
 from kvbench.config.bench import CONF_DIR, register_configs, schema_defaults
@@ -57,6 +58,10 @@ def _main() -> None:
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
+        bad_path = _group_path_override(sys.argv[1:])
+        if bad_path is not None:
+            stderr.print(f"kvbench: invalid config: {bad_path}", markup=False, soft_wrap=True)
+            sys.exit(EXIT_CODES["invalid"])
         _hydra_main()
     except SweepRefused as exc:
         stderr.print(exc.line(), markup=False, soft_wrap=True)
@@ -72,10 +77,8 @@ def _main() -> None:
         if OUTCOME.sweep is not None and not full_error and not is_composition_error(exc):
             # The sweeper failed after its jobs (Optuna's, when no trial has a value): what the
             # jobs recorded is still this sweep's table and report.
-            stderr.print(f"kvbench: the sweeper failed: {one_line(f'{type(exc).__name__}: {exc}')}",
-                         markup=False, soft_wrap=True)
-            sweep_end(OUTCOME.sweep)
-            sys.exit(EXIT_CODES["error"])
+            sys.exit(sweep_end(OUTCOME.sweep, failure=f"the sweeper failed: {one_line(f'{type(exc).__name__}: {exc}')}")
+                     or EXIT_CODES["error"])
         if full_error or not is_composition_error(exc):
             raise
         stderr.print(f"kvbench: invalid config: {config_error_line(exc, _top_level_names())}", markup=False,
@@ -91,6 +94,31 @@ def _main() -> None:
         stderr.print(line, markup=False)
         sys.exit(128 + signum)
     sys.exit(OUTCOME.exit_code)
+
+
+def _group_path_override(arguments: List[str]) -> Optional[str]:
+    """One line for a group override whose option is a path rather than an option of the group
+    (``workload=../config`` composed conf/config.yaml as a workload and failed on ``workload/slo=none``,
+    naming neither the override nor the problem; ``workload=../workload/decode`` ran): the override
+    and the group's options. None when every group override names options (or none is a path)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for argument in (a for a in arguments if not a.startswith("-")):
+        group = argument.lstrip("+~").partition("=")[0]
+        folder = CONF_DIR / group
+        if "=" not in argument or group.startswith("hydra") or not group or not folder.is_dir():
+            continue
+        try:
+            [override] = OverridesParser.create().parse_overrides([argument])
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        except Exception:  # noqa: BLE001 — bad syntax is Hydra's to name, with its own line
+            continue
+        # ``..`` or a root leaves the group; a nested name (``team/mine`` of a --config-dir) is Hydra's to find
+        if any(isinstance(v, str) and (".." in v.replace("\\", "/").split("/") or v.startswith(("/", "\\")))
+               for v in values):
+            return one_line(f"{argument}: no such option in {group}/ (a path is no option; available: "
+                            f"{', '.join(group_options(folder))})")
+    return None
 
 
 def _top_level_names() -> list:

@@ -26,7 +26,7 @@ def app_config_groups(conf_dir: Path = CONF_DIR) -> str:
         group = folder.relative_to(conf_dir).as_posix()
         if not folder.is_dir() or group == "hydra" or group.startswith("hydra/"):
             continue
-        options = sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
+        options = group_options(folder)
         if options:
             groups[group] = options
     return "".join(f"{group}: {', '.join(groups[group])}\n" for group in sorted(groups))
@@ -37,6 +37,11 @@ def listed_groups(help_text: str) -> str:
     wrapped lines: what :func:`app_config_groups` gives for the config directory it lists."""
     section = help_text.split("Groups (group=option", 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
     return "".join(line + "\n" for line in section.replace("\n  ", " ").splitlines())
+
+
+def group_options(folder: Path) -> list:
+    """The options of the config group in ``folder``: its YAML files' names."""
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())
 
 
 def render() -> str:

@@ -112,14 +112,14 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
         stderr.print(f"kvbench: {one_line(os_error_line(exc))} (the job was not run)", markup=False, soft_wrap=True)
         if not multirun:
             OUTCOME.job_ended(EXIT_CODES["error"])
-        return _objective(cfg, job, invalid, None, "its job directory cannot be written")
+        return _objective(cfg, job, invalid, None)
     if claim is None:
         # Another kvbench (or a job process a killed sweep left behind) is running this job.
         stderr.print(f"  skipped: {out_dir} is being run by {claim_holder(out_dir) or 'another process'} "
                      "(a job never runs twice at once)", markup=False, soft_wrap=True)
         if not multirun:
             OUTCOME.job_ended(EXIT_CODES["error"])
-        return _objective(cfg, job, invalid, None, "the job was not run here (another process holds it)")
+        return _objective(cfg, job, invalid, None)
     with claim:
         done, untrusted = (resume_check(out_dir, asdict(job), overrides) if multirun and job is not None
                            and not job.rerun else (None, None))
@@ -150,24 +150,28 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
     return _objective(cfg, job, invalid, out_dir)
 
 
-def _objective(cfg: DictConfig, job: Optional[BenchConfig], invalid: Optional[str], out_dir: Optional[Path],
-               why_not: str = "") -> Optional[float]:
+def _objective(cfg: DictConfig, job: Optional[BenchConfig], invalid: Optional[str],
+               out_dir: Optional[Path]) -> Optional[float]:
     """The job's ``objective``, read from the results.json in ``out_dir`` (the job's own process wrote
-    it), or None and one line saying why (a search sweeper records None as a failed trial)."""
+    it), or None and one line saying why, unless the job's own line did (a search sweeper records None
+    as a failed trial)."""
     objective = job.objective if job is not None else OmegaConf.select(cfg, "objective",
                                                                         throw_on_resolution_failure=False)
     if objective is None:
         return None
-    value, why = None, invalid
-    if job is not None:
+    # A job that was not run, or whose record is not ok, has had its one line (job invalid, job error,
+    # skipped, the job directory): an objective line would say it again.
+    value, why, said = None, invalid, True
+    if job is not None and out_dir is not None:
         try:
-            value, why = (None, why_not) if out_dir is None else objective_value(
-                read_record(out_dir), job.objective, job.objective_caps)
+            record = read_record(out_dir)
+            value, why = objective_value(record, job.objective, job.objective_caps)
+            said = record.status != "ok"
         except RecordError as exc:
-            value, why = None, str(exc)
-    if value is None:
+            value, why, said = None, str(exc), False
+    if value is None and not said:
         stderr.print(f"  objective: none, {why} (a failed trial for a search sweeper)", markup=False, soft_wrap=True)
-    else:
+    elif value is not None:
         stdout.print(f"  objective {job.objective}: {value:.6g}", markup=False, soft_wrap=True)
     return value
 

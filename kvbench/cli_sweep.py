@@ -37,9 +37,11 @@ MULTIRUN_FILE = "multirun.yaml"  # the sweep's config, in its directory
 FAILED_ROWS = ("error", "interrupted", "unreadable", "missing", "not run")
 
 
-def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
+def sweep_end(config: DictConfig, interrupted: bool = False, failure: Optional[str] = None) -> int:
     """Print the table of this sweep's jobs, write its report; the exit code for them. Never
-    raises for what it finds on disk: a part that fails is one line saying so."""
+    raises for what it finds on disk: a part that fails is one line saying so. ``failure``: why the
+    sweeper itself failed, the sweep's last line unless its jobs' statuses say why (every trial
+    invalid: one line, not that and the sweeper's "no trials are completed")."""
     sweep_dir = Path(config.hydra.sweep.dir)
     try:
         if _basic_sweeper(config):
@@ -65,6 +67,8 @@ def sweep_end(config: DictConfig, interrupted: bool = False) -> int:
         if not interrupted and counts.get("ok"):  # nothing to publish without a measurement
             _dashboard(sweep_dir, rows)
     code, why = sweep_exit(counts)
+    if failure is not None and why is None:
+        code, why = code or EXIT_CODES["error"], failure
     if why:
         stderr.print(f"kvbench: {why}", markup=False, soft_wrap=True)
     return code
@@ -156,6 +160,8 @@ def check_sweep_start(config: DictConfig) -> None:
                           "submit from the cluster's login node, or try the sweep here with hydra/launcher=local")
     objective = OmegaConf.select(config, "objective")
     basic = _basic_sweeper(config)
+    if not basic:
+        _quiet_failed_trials()
     if objective is None and not basic:
         raise ConfigError("objective=null: a search sweeper (hydra.sweeper._target_="
                           f"{OmegaConf.select(config, 'hydra.sweeper._target_')}) needs a metric to optimise "
@@ -176,6 +182,22 @@ def check_sweep_start(config: DictConfig) -> None:
     # same instant would both find no multirun.yaml (Hydra's sweeper writes it later) and both run.
     with sweep_lock(sweep_dir):
         _claim_sweep_dir(config, sweep_dir, basic)
+
+
+# Optuna's sweeper logs a trial that returned no objective as "Failed experiment: Return value must be
+# float-castable. Got 'None'.", a second line for what kvbench's own line (objective: none, why) says.
+_OPTUNA_LOG = "hydra_plugins.hydra_optuna_sweeper._impl"
+
+
+class _NoObjectiveFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "float-castable. Got 'None'" not in record.getMessage()
+
+
+def _quiet_failed_trials() -> None:
+    logger = logging.getLogger(_OPTUNA_LOG)
+    if not any(isinstance(f, _NoObjectiveFilter) for f in logger.filters):
+        logger.addFilter(_NoObjectiveFilter())
 
 
 def _claim_sweep_dir(config: DictConfig, sweep_dir: Path, basic: bool) -> None:

@@ -38,6 +38,34 @@ def read_regular(path: Path | str, limit: Optional[int] = None) -> bytes:
         return f.read() if limit is None else f.read(limit)
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISREG, "a file"))
+
+
+def path_problem(path: Path | str, want: str = "file") -> Optional[str]:
+    """Why ``path`` is not the ``want`` ("file": a regular file; "directory") a reader expects, in
+    words for a one-line refusal (``a directory, not a file``, ``no such file or directory``, ``a
+    link to X, which does not exist``); None when it is one. A single "no such file" hid that the
+    user had named a directory, or a link whose target had gone."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        if p.is_symlink():
+            return f"a link to {os.readlink(p)}, which does not exist"
+        return "no such file or directory"
+    except NotADirectoryError:
+        return "no such file or directory (a parent of it is a file)"
+    except OSError as exc:  # a loop of links, a name too long, a parent not searchable
+        return f"cannot be read ({exc.strerror or exc})"
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    if want == "directory":
+        return None if stat.S_ISDIR(mode) else f"{kind}, not a directory"
+    if stat.S_ISREG(mode):
+        return None if os.access(p, os.R_OK) else "not readable (permission denied)"
+    return f"{kind}, not a file" if kind == "a directory" else f"{kind}, not a regular file"
+
+
 def read_json(path: Path | str, limit: Optional[int] = None) -> Any:
     """Parsed JSON of the regular file ``path``; a ValueError for one over ``limit`` bytes (never read
     whole) or nested too deeply."""

@@ -114,6 +114,13 @@ BAD_INPUT = [
     # Hydra cannot compose these: one line before any job
     (["attention=paged"], "attention=paged: no such option in attention/ (available: gqa, mha, mla, model, mqa)"),
     (["attention=null"], "attention=null: Config group override must be a string"),  # once a traceback
+    (["workload=nope"], "workload=nope: no such option in workload/ (available: conversations, decode, multiturn, "
+                        "serving)"),
+    # a path out of the group: conf/config.yaml composed as a workload, whose error named neither (workload/slo=none)
+    (["workload=../config"], "workload=../config: no such option in workload/ (a path is no option; available: "
+                             "conversations, decode, multiturn, serving)"),
+    (["workload=../workload/decode"], "workload=../workload/decode: no such option in workload/ (a path"),  # it ran
+    (["model=/etc/passwd"], "model=/etc/passwd: no such option in model/ (a path is no option; available: "),
     (["workload.prompt_len=["], "workload.prompt_len=[: "),
     # typed before the run's directory is made: the same one line (they were once invalid records)
     (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'"),

@@ -138,6 +138,9 @@ def test_every_int_key_rejects_values_torch_cannot_hold(group, key):
     (lambda: TrainConfig(weight_decay=-0.1), "train.weight_decay=-0.1"),
     (lambda: TrainConfig(grad_clip=-1.0), "train.grad_clip=-1.0"),
     (lambda: WandbConfig(init_timeout_s=0.0), "wandb.init_timeout_s=0.0"),
+    # an unanswering server held the run (and W&B's service) for as long as this says
+    (lambda: WandbConfig(init_timeout_s=1e300), "wandb.init_timeout_s=1e+300: must be in (0, 600] seconds"),
+    (lambda: WandbConfig(init_timeout_s=600.5), "wandb.init_timeout_s=600.5"),
 ])
 def test_bounds_of_numeric_keys(factory, needle):
     one_line_error(factory, needle)
@@ -148,6 +151,7 @@ def test_values_at_the_bounds_are_accepted():
     assert RuntimeConfig(device="cuda:free").device == "cuda:free"
     assert RuntimeConfig(min_time_s=0.0).min_time_s == 0.0 and RuntimeConfig(min_time_s=86_400).min_time_s == 86_400
     assert DataConfig(max_bytes=1).max_bytes == 1 and DataConfig(max_bytes=None).max_bytes is None
+    assert WandbConfig(init_timeout_s=600).init_timeout_s == 600
 
 
 @pytest.mark.parametrize("overrides, needle", [

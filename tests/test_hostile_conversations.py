@@ -5,6 +5,7 @@ before anything is built. Files that are fine (a byte-order mark, a spaced heade
 interleaved conversations) are read as they are meant."""
 
 import json
+import os
 
 import pytest
 from conftest import compose, kvbench_forked
@@ -80,9 +81,25 @@ def test_a_sharegpt_file_that_breaks_the_parser_is_one_short_line(tmp_path, text
 
 
 def test_a_missing_or_binary_sharegpt_file_is_one_line(tmp_path):
-    assert one_line_error(read_sharegpt, str(tmp_path / "none.json")).endswith(": no such file")
+    assert one_line_error(read_sharegpt, str(tmp_path / "none.json")).endswith(": no such file or directory")
     (tmp_path / "bin.json").write_bytes(b"[\xff\xfe]")
     assert "not UTF-8 text" in one_line_error(read_sharegpt, str(tmp_path / "bin.json"))
+
+
+@pytest.mark.parametrize("reader, key", [(read_sharegpt, "workload.sharegpt"), (read_turns, "workload.trace")])
+def test_a_path_that_is_no_file_says_what_it_is(tmp_path, reader, key):
+    """Each said "no such file", whatever was there: a directory, a link whose target is gone."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "gone.json").symlink_to(tmp_path / "deleted.json")
+    (tmp_path / "a-file").write_text("[]")
+    os.mkfifo(tmp_path / "fifo")
+    cases = {"folder": "a directory, not a file", "gone.json": f"a link to {tmp_path / 'deleted.json'}, "
+             "which does not exist", "missing.json": "no such file or directory",
+             "a-file/x.json": "no such file or directory (a parent of it is a file)",
+             "fifo": "a FIFO, not a regular file"}
+    for name, why in cases.items():
+        path = str(tmp_path / name)
+        assert one_line_error(reader, path) == f"{key}={path!r}: {why}"
 
 
 def test_sharegpt_turns_are_human_messages_and_their_answers_in_utf8_bytes(tmp_path):
@@ -225,3 +242,12 @@ def test_the_cli_exits_2_with_one_line_for_a_bad_conversation_file(tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"kvbench: invalid config: workload.sharegpt='{path}': line 3 (conversation 1): "
                            "conversations[0].from='robot': human expected"), line
+
+
+@pytest.mark.e2e
+def test_the_cli_names_a_directory_given_as_the_sharegpt_file(tmp_path):
+    [proc] = kvbench_forked([(["model=tiny", "workload=conversations", f"workload.sharegpt={tmp_path}",
+                               "runtime.threads=1", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"kvbench: invalid config: workload.sharegpt='{tmp_path}': a directory, not a file "), line

@@ -55,6 +55,9 @@ GPT_OSS = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2, "hidd
     # was read as dense, or without its shared expert
     (QWEN, {"num_experts": None}, "missing key 'num_experts'"),
     (QWEN3_5_MOE, {"num_experts": None}, "missing key 'num_experts'"),
+    # each family is told the key its own files write (GPT-OSS was told to add num_experts)
+    (GPT_OSS, {"num_local_experts": None}, "missing key 'num_local_experts' (a mixture-of-experts GptOssForCausalLM"),
+    (DEEPSEEK, {"n_routed_experts": None}, "missing key 'n_routed_experts'"),
     (QWEN_NEXT, {"shared_expert_intermediate_size": None}, "missing key 'shared_expert_intermediate_size'"),
     (QWEN3_5_MOE, {"moe_intermediate_size": None}, "missing key 'moe_intermediate_size'"),
     (QWEN, {"num_experts": "8"}, "num_experts='8': must be an integer"),

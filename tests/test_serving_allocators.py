@@ -5,6 +5,7 @@ iteration, what the running sequences reserve (block rounding, the blocks a wind
 one state page per running sequence, taken at admission). Prefix caching and state checkpoints:
 a state is reused only where it was saved, and a saved state's bytes are counted."""
 
+import itertools
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from test_serving_engine import isolated, workload
 
 from kvbench.config.model import AttentionConfig
 from kvbench.model import Decoder
-from kvbench.serving.allocator import Checkpoint
+from kvbench.serving.allocator import Checkpoint, make_plan, usable_pages
 from kvbench.serving.metrics import block_metrics
 from kvbench.serving.paged import PagedStore, plan_for
 from kvbench.serving.scheduler import FakeClock, Scheduler
@@ -218,3 +219,71 @@ def test_a_capacity_rows_reserved_bytes_and_fit_equal_the_hand_formula(layout, a
     assert plan.worst_sequence_bytes(context) == per_seq
     assert plan.sequences_fit(context) == fit > 0
     assert fit * per_seq <= plan.reserved_bytes <= budget
+
+
+def _unified_case(name):
+    """(model, cost of each group's block in pages, bytes of one page, hand blocks held per group)
+    for a 3-layer MHA / GQA / MQA model, a 4-layer one of 2 local (window W) and 2 global layers, and
+    a 4-layer hybrid of 2 Gated DeltaNet and 2 global layers: every cost leaves pages of an odd
+    budget that no block can use."""
+    torch.manual_seed(0)
+    full = lambda n, bs: math.ceil(n / bs)  # noqa: E731 — every block of the sequence
+    window = lambda n, bs: math.ceil(n / bs) - max(0, n - W + 1) // bs  # noqa: E731 — from the window's first on
+    heads = {"mha": 4, "gqa": 2, "mqa": 1}
+    if name in heads:
+        cfg = tiny_model_config(num_layers=3, num_heads=4, preset_kv_heads=4)
+        model = Decoder(cfg, AttentionConfig(num_kv_heads=heads[name])).eval()
+        return model, (3,), BS * 2 * heads[name] * 16 * 4, (full,)
+    if name == "windowed":  # global layers 0 and 2, local 1 and 3 (full attention first)
+        cfg = tiny_model_config(num_layers=4, num_heads=4, preset_kv_heads=2)
+        model = Decoder(cfg, AttentionConfig(window=W, global_every=2)).eval()
+        return model, (2, 2), BS * KV_LAYER, (full, window)
+    kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    cfg = tiny_model_config(num_layers=4, num_heads=4, preset_kv_heads=2, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                            linear_conv_kernel_dim=4)
+    bs, page = hand_unified()
+    return Decoder(cfg, AttentionConfig(layer_types=kinds)).eval(), (2, 2), page, (full, lambda n, bs: 1)
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "windowed", "hybrid"])
+def test_unified_pages_are_only_those_a_block_can_use(name):
+    """The unified pool counted every page of the budget as reserved, also the last pages of a pool
+    whose blocks take 2 or 3 pages each: MQA in 2 MB reported 1,999,872 bytes reserved against
+    1,998,848 stored. Now the pool makes the pages its blocks can use (here: the budget's pages
+    rounded down to the cost), at every scheduler step the pages in use are what the running
+    sequences hold by the hand formula, and a single group's storage is exactly what is reserved."""
+    model, cost, page, held = _unified_case(name)
+    requests, prompts = workload(97)
+    budget = (12 * math.lcm(*cost) + 1) * page + page // 2  # one page more than the blocks can use
+    plan = plan_for(model, 0, BS, "auto", "unified", 30, CHUNK)  # the groups and the raised block
+    plan = make_plan(plan.groups, "unified", BS, budget, 30, CHUNK)
+    usable = 12 * math.lcm(*cost)
+    assert plan.cost == cost and plan.page_bytes == tuple(c * page for c in cost)
+    assert plan.pages == (usable,) and plan.reserved_bytes == usable * page < budget - page
+    store = PagedStore(model, 0, BS, False, plan=plan)
+    if len(cost) == 1:  # one group: its storage is the pool
+        assert store.nbytes == plan.storage_bytes == plan.reserved_bytes
+    steps = []
+
+    def observe(sch):
+        st = sch.store
+        want = sum(h(s.blocks.length, st.block_size) * c * page
+                   for s in sch.running for h, c in zip(held, cost))
+        assert st.bytes_used == want <= plan.reserved_bytes
+        assert st.used_blocks * page == want and st.num_blocks * page == plan.reserved_bytes
+        steps.append(want)
+
+    Scheduler(model, store, requests, prompts, max_prefill_tokens=CHUNK, clock=FakeClock(0.01, 1e-4, 1e-3),
+              observe=observe).run()
+    assert steps and max(steps) > 0 and store.used_blocks == 0
+
+
+@pytest.mark.parametrize("pages, cost, usable", [
+    (1953, (2,), 1952), (1953, (3,), 1953), (7, (2, 3), 7), (1, (2, 3), 0), (5, (2, 4), 4), (11, (4, 6), 10),
+    (13, (4, 6), 12), (0, (3,), 0), (9, (1, 2), 9)])
+def test_usable_pages_are_the_largest_sum_of_block_costs(pages, cost, usable):
+    # by brute force: every count of blocks of each cost that fits
+    best = max(sum(n * c for n, c in zip(ns, cost)) for ns in itertools.product(*(range(pages // c + 1) for c in cost))
+               if sum(n * c for n, c in zip(ns, cost)) <= pages)
+    assert usable_pages(pages, cost) == best == usable

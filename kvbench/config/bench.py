@@ -89,6 +89,9 @@ class CacheConfig:
 
 
 MAX_MIN_TIME_S = 86_400.0  # a day: beyond it, a typo (ms for s) rather than a plan
+# Ten minutes: W&B's own wait is 90 s; beyond it a run hangs on an unanswering server for as long as
+# the value says (1e300 never ends), its service process waiting with it.
+MAX_INIT_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -166,7 +169,8 @@ class WandbConfig:
     def __post_init__(self) -> None:
         check_numbers("wandb", self)
         check_choice("wandb.mode", self.mode, ("offline", "online", "disabled"))
-        check(self.init_timeout_s > 0, "wandb.init_timeout_s", self.init_timeout_s, "must be > 0")
+        check(0 < self.init_timeout_s <= MAX_INIT_TIMEOUT_S, "wandb.init_timeout_s", self.init_timeout_s,
+              f"must be in (0, {MAX_INIT_TIMEOUT_S:g}] seconds")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from kvbench.config.errors import ConfigError
 from kvbench.config.hf_agree import LINEAR, check_agreement
 from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
-from kvbench.config.moe import check_moe
+from kvbench.config.moe import EXPERTS_KEY, check_moe
 from kvbench.jsonio import read_json
 
 CONFIG_FILE = "config.json"
@@ -391,7 +391,7 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
     if len(set(given.values())) > 1:  # transformers maps these names onto one another: two counts contradict
         raise ConfigError(", ".join(f"{key}={n}" for key, n in given.items()) + ": inconsistent expert counts "
                           "(one model has one number of routed experts)")
-    experts_key = next(iter(given), "n_routed_experts" if family.startswith("deepseek") else "num_experts")
+    experts_key = next(iter(given), EXPERTS_KEY.get(family, "num_experts"))  # without one: the family's own key
     keys = {"num_experts": experts_key, "top_k": "num_experts_per_tok", "expert_ffn_dim": "moe_intermediate_size",
             "router": "scoring_func", "n_group": "n_group", "topk_group": "topk_group",
             "routed_scaling_factor": "routed_scaling_factor", "shared_ffn_dim": "shared_expert_intermediate_size",

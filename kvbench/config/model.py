@@ -20,6 +20,7 @@ from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
+from kvbench.jsonio import path_problem
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
@@ -230,6 +231,8 @@ class ModelConfig:
 
     def _shape_from_checkpoint(self) -> None:
         path = Path(self.path) / hf_config.CONFIG_FILE
+        if (why := path_problem(self.path, "directory")) is not None:  # not "cannot read PATH/config.json"
+            raise ConfigError(f"model.path={self.path!r}: {why} (a checkpoint directory with config.json)")
         if path.exists() and not path.is_file():  # a FIFO would block the read forever
             raise ConfigError(f"model.path={self.path!r}: {path} is not a regular file")
         try:

@@ -25,6 +25,10 @@ from kvbench.config.errors import ConfigError, check, check_choice
 
 ROUTERS = ("softmax", "sigmoid", "softmax_topk")
 # kvbench's key of each field whose value another field is checked against
+# The config.json key a family's own files count their routed experts with (kvbench.config.hf's
+# MOE_FAMILIES; transformers maps the other names onto it): the key a file without a count is told to
+# add (a GPT-OSS file was told num_experts, which its files never hold).
+EXPERTS_KEY = {"gpt_oss": "num_local_experts", "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}
 _KEYS = {f: f"model.moe.{f}" for f in ("num_experts", "top_k", "expert_ffn_dim", "router", "n_group", "topk_group",
                                       "routed_scaling_factor", "shared_ffn_dim", "shared_gate", "swiglu_limit",
                                       "dense_layers")}

@@ -22,7 +22,7 @@ import torch
 
 from kvbench.config.errors import ConfigError
 from kvbench.config.train import DataConfig
-from kvbench.jsonio import read_regular
+from kvbench.jsonio import path_problem, read_regular
 
 BYTE_VOCAB = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -54,8 +54,8 @@ def corpus_files(path: Optional[str]) -> List[Path]:
     tables in validation).
     """
     root = Path(path) if path else default_corpus_root()
-    if not root.exists():
-        raise ConfigError(f"data.path={path!r}: no such file or directory")
+    if not root.exists():  # a dangling link, a path under a file: said as such
+        raise ConfigError(f"data.path={path!r}: {path_problem(root) or 'no such file or directory'}")
     if root.is_file():  # a regular file (or a link to one)
         return [root]
     if not root.is_dir():

@@ -18,6 +18,7 @@ Notation: L positions of a sequence, bs tokens per block.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -163,9 +164,28 @@ def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_b
         return Plan(allocator, block_size, groups, page, (1,) * len(groups), pages, pages)
     bs = unified_block_size(groups, block_size)
     one = max(g.layer_bytes if g.is_state else bs * g.layer_bytes for g in groups)  # a page: one layer's block
-    total = int(budget_bytes // one)
     cost = tuple(len(g.layers) for g in groups)
+    total = usable_pages(int(budget_bytes // one), cost)
     return Plan(allocator, bs, groups, tuple(c * one for c in cost), cost, tuple(total // c for c in cost), (total,))
+
+
+def usable_pages(pages: int, cost: Sequence[int]) -> int:
+    """The most of ``pages`` that blocks costing ``cost`` pages each can fill together: the pool makes
+    no more (a 3-layer group's blocks never use the last page of 1,000; it was counted as reserved).
+
+    The smallest sum of costs in each residue modulo the cheapest cost (a shortest path over the
+    residues), then the largest total at most ``pages`` in the best residue."""
+    m = min(cost)
+    reach = [0] + [math.inf] * (m - 1)
+    changed = True
+    while changed:
+        changed = False
+        for r in (r for r in range(m) if reach[r] < math.inf):
+            for c in cost:
+                s = reach[r] + c
+                if s < reach[s % m]:
+                    reach[s % m], changed = s, True
+    return max(pages - (pages - x) % m for x in reach if x <= pages)
 
 
 def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int) -> Plan:

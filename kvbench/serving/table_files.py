@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config.errors import ConfigError, one_line
 from kvbench.config.serving import duration_text
-from kvbench.jsonio import read_regular
+from kvbench.jsonio import path_problem, read_regular
 
 Rows = List[Tuple[int, Dict[str, Any]]]  # (line, row)
 
@@ -23,8 +23,9 @@ def read_text(key: str, path: str, max_bytes: int, what: str) -> str:
     """The file at ``path`` as text: one that is missing, larger than ``max_bytes`` (``what``
     names the file in that line), unreadable or not UTF-8 is refused."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{key}: no such file")
+    why = path_problem(p)
+    if why is not None:
+        raise ConfigError(f"{key}: {why}")
     size = p.stat().st_size
     if size > max_bytes:
         raise ConfigError(f"{key}: {size:,} bytes, more than the {max_bytes:,} {what} may have")

@@ -17,14 +17,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from kvbench.config.bench import WandbConfig
+from kvbench.config.bench import MAX_INIT_TIMEOUT_S, WandbConfig
 from kvbench.config.errors import one_line
 from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.results import RESULTS_FILE, RunResult
@@ -171,7 +172,29 @@ def track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
     """Record one finished job as a W&B run in ``out_dir/wandb``; returns the run's directory
     (None when disabled or when W&B failed, which is logged as a warning and never raised)."""
     with _wandb_logs_kept_to_wandb():
-        return _track(result, wandb_cfg, out_dir, sweep_dir, task)
+        try:
+            return _track(result, wandb_cfg, out_dir, sweep_dir, task)
+        except BaseException:  # Ctrl-C, SIGTERM (Interrupted), SystemExit: stop W&B before going on
+            _kill_service()
+            raise
+
+
+def _kill_service() -> None:
+    """Stop W&B's service process at once, then drop W&B's state in this process.
+
+    Interrupted mid-call (a ``wandb.init`` waiting on a server that never answers), the service is
+    still waiting on the server: a graceful teardown (kvbench's or W&B's own exit hook) waits with it
+    until ``wandb.init_timeout_s`` runs out, and a process that exits without one leaves the service
+    running, holding the terminal's (or the caller's pipe's) stdout and stderr for minutes. Its
+    handle is W&B's private state; a W&B without it is torn down the graceful way."""
+    setup = sys.modules.get("wandb.sdk.wandb_setup")
+    connection = getattr(getattr(setup, "_singleton", None), "_connection", None)
+    process = getattr(getattr(connection, "_proc", None), "_process", None)
+    if isinstance(process, subprocess.Popen) and process.poll() is None:
+        process.kill()
+        process.wait()
+    if "wandb" in sys.modules:
+        _teardown(sys.modules["wandb"])
 
 
 @contextlib.contextmanager
@@ -254,7 +277,7 @@ def _track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
 def _init_timeout(wandb_cfg: Mapping[str, Any]) -> float:
     # An invalid job's record holds its config as given: never wait on a value that was rejected.
     timeout = wandb_cfg.get("init_timeout_s")
-    valid = isinstance(timeout, (int, float)) and 0 < timeout < math.inf
+    valid = isinstance(timeout, (int, float)) and 0 < timeout <= MAX_INIT_TIMEOUT_S
     return float(timeout) if valid else WandbConfig.init_timeout_s
 
 

@@ -5,6 +5,7 @@ measurement kept (results.json as it was) and no W&B output of its own on the te
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -123,6 +124,59 @@ def test_online_against_a_silent_server_costs_init_timeout_and_exits_with_its_re
     run_dir = Path(re.search(r"`wandb sync (\S+)`", warned).group(1))
     assert run_dir.is_dir() and run_dir.parent == job / "wandb" and run_dir.name.startswith("offline-run-")
     assert tail < 60, tail  # a sanity bound only: the exit hook's wait is ruled out above
+
+
+def service_pids(pid: int) -> list:
+    """W&B's service processes whose parent is ``pid`` (from /proc: ``pgrep`` may be absent)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if "wandb-core" in name and int(rest.split()[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_wandb_init_waits_stops_wandbs_service_with_kvbench(tmp_path, signum):
+    """Stopped while ``wandb.init`` waits on a server that never answers (the longest wait
+    ``wandb.init_timeout_s`` allows), kvbench exits with the signal's code and W&B's service goes
+    with it. Before: the exit waited in W&B's teardown for the whole timeout (1e300 never ended),
+    and a kvbench killed meanwhile left the service running, holding the caller's pipes, so a
+    ``kvbench ... | tee`` never ended. ``communicate`` returning proves the pipes were let go."""
+    server = SilentServer()
+    job = tmp_path / "job"
+    make_result(job)
+    code = ("from kvbench.jobs.interrupts import stop_like_ctrl_c; stop_like_ctrl_c(); "
+            "from kvbench.results import read_record; from kvbench.sinks.tracking import track; "
+            f"job = {str(job)!r}; track(read_record(job), {{'mode': 'online', 'init_timeout_s': 600}}, job)")
+    try:
+        env = {**wandb_home(tmp_path), "WANDB_BASE_URL": server.url, "WANDB_API_KEY": KEY,
+               "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while "/graphql" not in server.paths and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # until wandb.init is asking the server
+        services = service_pids(proc.pid)
+        assert "/graphql" in server.paths and len(services) == 1, (server.paths, services)
+        proc.send_signal(signum)
+        try:
+            _, err = proc.communicate(timeout=120)  # far below the 600 s W&B would wait
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            for pid in service_pids(1) + service_pids(proc.pid):
+                if pid in services:
+                    os.kill(pid, signal.SIGKILL)
+            raise
+    finally:
+        server.close()
+    assert proc.returncode in (-signum, 128 + signum, 1), err  # KeyboardInterrupt's traceback exits 1
+    assert not Path(f"/proc/{services[0]}").exists() or "zombie" in Path(f"/proc/{services[0]}/status").read_text()
+    assert read_record(job).status == "ok"
 
 
 @pytest.fixture

@@ -171,6 +171,20 @@ def test_every_layout_serves_through_the_config(tmp_path, overrides):
         assert m["state_checkpoints_saved"] > 0 and m["state_checkpoint_bytes_max"] > 0
 
 
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa"])
+def test_a_unified_pool_reserves_what_its_store_holds(tmp_path, attention):
+    """MQA in 2 MB (a page of one layer's block: 1,024 bytes; a block: 2 pages of the 2 layers)
+    reported 1,999,872 bytes reserved against 1,998,848 stored: the budget's 1,953rd page, which no
+    block can use, was counted. One group of layers: what is reserved is what is stored, the formula."""
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=2", f"attention={attention}",
+                             "workload.allocator=unified"), tmp_path)
+    assert record.status == "ok", record.error
+    m = record.metrics
+    assert m["kv_reserved_bytes"] == m["kv_store_bytes"] == m["kv_store_bytes_formula"] <= m["kv_budget_bytes"]
+    if attention == "mqa":
+        assert m["kv_reserved_bytes"] == 1_998_848
+
+
 @pytest.mark.parametrize("ttft_ms, probes", [(1e6, [50.0, 100.0, 200.0]), (1e-6, [50.0])])
 def test_a_rate_search_records_its_curve_and_the_run_at_its_answer(tmp_path, ttft_ms, probes):
     """Targets nothing can miss (the SLO never binds: every rate up to hi measured, the answer at
