@@ -33,8 +33,7 @@ MODEL_ATTENTION = "model"
 
 
 def attention_type(num_heads: int, num_kv_heads: int) -> str:
-    """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa``.
-    The one place this rule is written."""
+    """The name of a KV-head count: ``mha`` (one per query head), ``mqa`` (one), else ``gqa`` (only here)."""
     return "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
 
 
@@ -126,8 +125,7 @@ class ModelConfig:
             self.check_rotary()
         self._check_linear_shape()
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
-               "model.preset_kv_heads", self.preset_kv_heads,
-               f"must divide model.num_heads={self.num_heads}")
+               "model.preset_kv_heads", self.preset_kv_heads, f"must divide model.num_heads={self.num_heads}")
         check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
                              self.preset_layer_types, self.num_layers)
 
@@ -192,8 +190,7 @@ class ModelConfig:
             check(self.rope_beta_fast > self.rope_beta_slow > 0, "model.rope_beta_fast", self.rope_beta_fast,
                   f"must be > model.rope_beta_slow={self.rope_beta_slow} > 0")
             return
-        check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor,
-               "must be > 0")
+        check(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor", self.rope_low_freq_factor, "must be > 0")
         check(self.rope_high_freq_factor > self.rope_low_freq_factor, "model.rope_high_freq_factor",
                self.rope_high_freq_factor, f"must be > model.rope_low_freq_factor={self.rope_low_freq_factor}")
 
