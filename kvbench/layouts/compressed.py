@@ -339,7 +339,9 @@ def _ropes(cfg: Mapping[str, Any]) -> Tuple[Rope, Rope, float]:
         kind = p.get("rope_type", p.get("type", "default"))
         if kind not in ROPE_TYPES:
             raise ConfigError(f"rope_parameters.{label}.rope_type={kind!r}: must be one of {', '.join(ROPE_TYPES)}")
-        theta = _value({"rope_theta": p.get("rope_theta")}, "rope_theta", number=True)
+        theta = p.get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ConfigError(f"rope_parameters.{label}.rope_theta={theta!r}: must be a positive number")
         if kind == "default":
             ropes.append(Rope(float(theta)))
             continue

@@ -134,7 +134,7 @@ class CompressedCache:
         positions; the new tokens' last W written to the ring."""
         B, T, _ = kv.shape
         W = self.layout.window
-        held = torch.arange(max(0, start - W), start, device=kv.device)
+        held = torch.arange(max(0, start - W + 1), start, device=kv.device)  # what the new tokens may see
         keys = torch.cat([self.ring[:B, held % W], kv], 1)
         new = torch.arange(max(start, start + T - W), start + T, device=kv.device)
         self.ring[:B, new % W] = kv[:, new - start]
