@@ -303,20 +303,24 @@ def v4_mlp_layer_types(cfg: Mapping[str, Any]) -> List[str]:
 
 
 def compress_rates(cfg: Mapping[str, Any]) -> Dict[str, int]:
-    """m per compressing layer type: ``compress_rates``, the legacy ``compress_rate_csa`` /
-    ``compress_rate_hca`` winning over it as in DeepseekV4Config, defaults 4 and 128."""
-    rates = cfg.get("compress_rates")
-    if rates is None:
-        rates = dict(DEFAULT_RATES)
-    elif not isinstance(rates, dict) or set(rates) - {CSA, HCA}:
-        raise ConfigError(f"compress_rates={rates!r}: must map {CSA} and {HCA} to a positive integer each")
-    rates = {**DEFAULT_RATES, **rates}
+    """m per compressing layer type: ``compress_rates`` (default 4 and 128), the legacy
+    ``compress_rate_csa`` / ``compress_rate_hca`` winning over it as in DeepseekV4Config. A
+    ``compress_rates`` that leaves out a type some layer has is refused, as transformers fails to
+    build that layer (it does not fill the missing type with its default)."""
+    given = cfg.get("compress_rates")
+    if given is not None and (not isinstance(given, dict) or set(given) - {CSA, HCA}):
+        raise ConfigError(f"compress_rates={given!r}: must map {CSA} and {HCA} to a positive integer each")
+    rates = dict(DEFAULT_RATES if given is None else given)
     for key, layer_type in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
         if cfg.get(key) is not None:
             _count(key, cfg[key])
             rates[layer_type] = cfg[key]
     for layer_type, rate in rates.items():
         _count(f"compress_rates.{layer_type}", rate)
+    missing = [t for t in (CSA, HCA) if t in v4_layer_types(cfg) and t not in rates]
+    if missing:
+        raise ConfigError(f"compress_rates={given!r}: no rate for {missing[0]}, which layers "
+                          f"{[i for i, t in enumerate(v4_layer_types(cfg)) if t == missing[0]]} are")
     return rates
 
 
@@ -352,12 +356,20 @@ def _ropes(cfg: Mapping[str, Any]) -> Tuple[Rope, Rope, float]:
                 raise ConfigError(f"rope_parameters.{label}.{key}={value!r}: yarn needs a positive number")
         ropes.append(Rope(float(theta), "yarn", float(factor), int(original), float(p.get("beta_fast") or 32),
                           float(p.get("beta_slow") or 1), float(p.get("attention_factor", 1.0))))
-    factor = cfg.get("partial_rotary_factor", main.get("partial_rotary_factor"))
+    key, factor = "partial_rotary_factor", cfg.get("partial_rotary_factor", main.get("partial_rotary_factor"))
+    D = _value(cfg, "head_dim")
     if factor is None:  # legacy qk_rope_head_dim, else V4's 64 / 512
-        rope_dim = cfg.get("qk_rope_head_dim")
-        factor = 64 / 512 if rope_dim is None else rope_dim / _value(cfg, "head_dim")
+        key, rope_dim = "qk_rope_head_dim", cfg.get("qk_rope_head_dim")
+        factor = 64 / 512 if rope_dim is None else rope_dim / D if isinstance(rope_dim, int) else rope_dim
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ConfigError(f"partial_rotary_factor={factor!r}: must be a number in (0, 1]")
+        raise ConfigError(f"{key}={cfg.get(key)!r}: must be a number in (0, 1] (of head_dim) "
+                          if key == "partial_rotary_factor" else
+                          f"{key}={cfg.get(key)!r}: must be a positive integer at most head_dim={D}")
+    # transformers rotates int(head_dim x factor) channels in pairs: a width it would cut or pair
+    # unevenly is refused under the key the file wrote
+    if D * factor != int(D * factor) or int(D * factor) % 2:
+        raise ConfigError(f"{key}={cfg.get(key)!r}: head_dim={D} x partial_rotary_factor = {D * factor:g} rotated "
+                          "channels, which must be a whole even number")
     return ropes[0], ropes[1], factor
 
 
