@@ -242,6 +242,34 @@ def test_the_real_hca_rate_of_128_and_a_yarn_compress_rope_equal_transformers():
     assert lay.entries(140) == 1 and lay.entries(100) == 0
 
 
+@torch.no_grad()
+def test_a_bfloat16_checkpoint_loads_with_its_float32_keeps_and_rounds_as_transformers(generated, tmp_path):
+    """A checkpoint saved and loaded as transformers loads it in bfloat16 (its sinks, position biases
+    and norm weights kept in float32): kvbench's attention takes each tensor in the dtype it comes
+    in, its pools hold what transformers' do, and over the prompt and 40 steps each layer's outputs
+    are within two bfloat16 roundings of the largest (the same products, summed by other kernels: one
+    rounding apart here)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg, model, _, prompt, _ = generated
+    model.save_pretrained(tmp_path)
+    half = DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    with capture(half) as calls:
+        half.generate(prompt, max_new_tokens=41, min_new_tokens=41, do_sample=False)
+    for i in range(3):
+        hf = half.model.layers[i].self_attn
+        lay, ours = ours_for(cfg, model, i)
+        for name, p in ours.named_parameters():
+            p.data = p.data.to(hf.get_parameter(name).dtype)
+        ours.load_state_dict(hf.state_dict())
+        assert ours.sinks.dtype == torch.float32 and ours.q_b_proj.weight.dtype == torch.bfloat16
+        cache = CompressedCache(lay, 2, 64, torch.bfloat16)
+        for x, start, want in calls[i]:
+            got = run(ours, cache, x, start)
+            assert got.dtype == torch.bfloat16
+            assert (got.float() - want.float()).abs().max() <= 2 * 2 ** -7 * want.float().abs().max(), (i, start)
+
+
 class Swapped(nn.Module):
     """In place of a transformers layer's attention: kvbench's, with its own cache."""
 
