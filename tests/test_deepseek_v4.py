@@ -17,6 +17,7 @@ from torch import nn
 
 from kvbench.cache import Positions
 from kvbench.config.errors import ConfigError
+from kvbench.hyper_connection import HyperConnection, HyperHead, expand, residual
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.compressed import (
     CSA,
@@ -306,6 +307,73 @@ def test_the_model_with_kvbench_attention_greedy_decodes_40_tokens_as_transforme
     assert torch.equal(torch.cat(tokens, 1), want.sequences[:, 23:])
     assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= TOL
     assert len(set(torch.cat(tokens, 1)[0].tolist())) > 3  # not one token repeated
+
+
+@torch.no_grad()
+def test_hyper_connections_equal_transformers_and_comb_is_doubly_stochastic():
+    """kvbench's hyper-connection of 4 streams (transformers' fn, base and scale, random) on streams
+    that differ: the collapsed input, post and comb equal transformers'; comb's columns sum to 1
+    (its last normalisation) and its rows nearly, and it is not symmetric (the residual's transpose
+    matters); the head collapses as transformers' does."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+    cfg = DeepseekV4Config(**{**SHAPE, "hc_mult": 4})
+    ours = HyperConnection(D_MODEL, 4, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    ours.load_state_dict({"fn": 0.1 * torch.randn(24, 4 * D_MODEL), "base": 0.3 * torch.randn(24),
+                          "scale": 1 + 0.3 * torch.randn(3)})
+    theirs = DeepseekV4HyperConnection(cfg)
+    theirs.load_state_dict(ours.state_dict())
+    streams = torch.randn(2, 9, 4, D_MODEL)
+    for want, got in zip(theirs(streams), ours(streams)):
+        assert (want - got).abs().max() <= TOL
+    comb = ours(streams)[1]
+    assert (comb.sum(-2) - 1).abs().max() <= 1e-5 and (comb.sum(-1) - 1).abs().max() <= 0.05  # 20 iterations
+    assert (comb - comb.transpose(-1, -2)).abs().max() > 1e-2
+    head = HyperHead(D_MODEL, 4, cfg.hc_eps, cfg.rms_norm_eps)
+    head.load_state_dict({"hc_fn": 0.1 * torch.randn(4, 4 * D_MODEL), "hc_base": torch.randn(4),
+                          "hc_scale": torch.randn(1)})
+    theirs = DeepseekV4HyperHead(cfg)
+    theirs.load_state_dict(head.state_dict())
+    assert (head(streams) - theirs(streams)).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_a_model_of_kvbench_blocks_greedy_decodes_40_tokens_as_transformers_generate(generated):
+    """Every V4 block run by kvbench: its hyper-connections around kvbench's attention (with its
+    cache) and around transformers' MoE (hash-routed, then learned: not kvbench's yet), the head's
+    collapse, one token a step: 40 greedy tokens after the 23-token prompt equal transformers'
+    generate, every step's logits within TOL."""
+    cfg, model, _, prompt, want = generated
+    hf = model.model
+    blocks = []
+    for i, layer in enumerate(hf.layers):
+        lay, attention = ours_for(cfg, model, i)
+        hcs = [HyperConnection(D_MODEL, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+               for _ in range(2)]
+        hcs[0].load_state_dict(layer.attn_hc.state_dict())
+        hcs[1].load_state_dict(layer.ffn_hc.state_dict())
+        blocks.append((layer, attention, CompressedCache(lay, 2, 64, torch.float32), *hcs))
+    head = HyperHead(D_MODEL, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+    head.load_state_dict(hf.hc_head.state_dict())
+
+    def last_logits(ids, start):
+        h = expand(hf.embed_tokens(ids), cfg.hc_mult)  # (B, T, N, C)
+        for layer, attention, cache, attn_hc, ffn_hc in blocks:
+            post, comb, x = attn_hc(h)
+            h = residual(h, run(attention, cache, layer.input_layernorm(x), start), post, comb)
+            post, comb, x = ffn_hc(h)
+            h = residual(h, layer.mlp(layer.post_attention_layernorm(x), input_ids=ids), post, comb)
+        return model.lm_head(hf.norm(head(h)))[:, -1]
+
+    tokens, logits, ids, start = [], [], prompt, 0
+    for _ in range(41):
+        logits.append(last_logits(ids, start))
+        start += ids.shape[1]
+        ids = logits[-1].argmax(-1, keepdim=True)
+        tokens.append(ids)
+    assert torch.equal(torch.cat(tokens, 1), want.sequences[:, 23:])
+    assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= TOL
 
 
 # ---- bytes -----------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
-     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool"],
+     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool",
+     "hyper_connection"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.hf_keys", "config.indexer",
      "config.layer_options", "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
