@@ -222,6 +222,27 @@ def test_a_prompt_in_parts_not_multiples_of_m_then_steps_equal_transformers():
         assert torch.equal(cache.ring[:, torch.arange(72 - 5, 72) % 6], theirs.keys[:, 0])  # W - 1 = 5 held there
 
 
+@pytest.mark.parametrize("prompt", [1, 3, 4, 8, 9])
+@torch.no_grad()
+def test_prompts_shorter_than_a_window_or_on_its_boundary_then_steps_equal_transformers(prompt):
+    """A prompt of one token, of fewer than m, of exactly m and m', of m' + 1, then 12 steps (the
+    first windows closing during the steps, or the prompt closing them itself): every layer equals
+    transformers' model run with its cache."""
+    from transformers.cache_utils import DynamicCache
+
+    cfg, model = hf_model(seed=3)
+    ids = torch.randint(0, 97, (1, prompt + 12), generator=torch.Generator().manual_seed(prompt))
+    hf_cache = DynamicCache(config=cfg)
+    with capture(model) as calls:
+        for start, end in [(0, prompt)] + [(t, t + 1) for t in range(prompt, prompt + 12)]:
+            model(input_ids=ids[:, start:end], cache=hf_cache, use_cache=True)
+    for i in range(3):
+        lay, ours = ours_for(cfg, model, i)
+        cache = CompressedCache(lay, 1, prompt + 12, torch.float32)
+        for x, start, want in calls[i]:
+            assert (run(ours, cache, x, start) - want).abs().max() <= TOL, (i, start)
+
+
 @torch.no_grad()
 def test_the_real_hca_rate_of_128_and_a_yarn_compress_rope_equal_transformers():
     """m' = 128 as V4 ships it (a prompt of 100, then 40 steps: the first entry closes at step 28)
@@ -568,7 +589,8 @@ def test_a_layout_built_by_hand_is_held_to_the_same_rules(fields, key, value):
     assert "\n" not in str(info.value) and str(info.value).startswith(f"{key}={value!r}: ")
 
 
-@pytest.mark.parametrize("key,value", [("cache.dtype", "int8"), ("cache.shared", True), ("runtime.compile", "true")])
+@pytest.mark.parametrize("key,value", [("cache.dtype", "int8"), ("cache.shared", True), ("runtime.compile", "true"),
+                                       ("cache.impl", "concat")])
 def test_what_a_v4_layer_refuses_names_the_key_and_value(key, value):
     with pytest.raises(ConfigError) as info:
         check_limits([Compressed(128)], {key: value})

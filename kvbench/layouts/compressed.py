@@ -203,6 +203,9 @@ class Compressed(LayerLayout):
     def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
         # not the window's own limits: the ring here is this kind's, with its pool beside it
         return (
+            Limit("cache.impl", ("static", "none"), "a DeepSeek-V4 layer keeps a ring of W positions, a pool and its "
+                  "compressors' buffers, allocated once (a concatenating cache is not built for it); use "
+                  "cache.impl=static or none"),
             Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a DeepSeek-V4 "
                   "layer's compressor buffers are each sequence's own (not built); use cache.shared=false"),
             Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V heads; a DeepSeek-V4 layer keeps its "
