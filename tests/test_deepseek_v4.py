@@ -512,6 +512,8 @@ def test_config_json_reads_as_transformers_builds_the_layers(generated):
             hf.layer_type, hf.sliding_window, hf.num_heads, hf.head_dim, cfg.qk_rope_head_dim)
         assert lay.compress_rate == (hf.compressor.compress_rate if hf.compressor is not None else 0)
         ours = CompressedAttention(tiny_model_config(d_model=D_MODEL), lay)
+        count = lay.attention_params(D_MODEL)
+        assert count == sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
         assert sorted(ours.state_dict()) == sorted(hf.state_dict())
         assert all(ours.state_dict()[k].shape == v.shape for k, v in hf.state_dict().items())
     assert layers[0] is not layers[1] and compressed_from_hf(config_json(cfg))[1] == layers[1]

@@ -136,6 +136,22 @@ class Compressed(LayerLayout):
         n = self.entries(seq_len)
         return min(n, self.index_topk) if self.indexed else n
 
+    def attention_params(self, d_model: int) -> int:
+        """Parameters of the layer's attention (for the footprint's count once the kind is registered):
+        the query LoRA and its norm, the K=V projection and norm, the grouped output LoRA, the sinks,
+        and a compressor's kv and gate projections (two series for CSA), position bias and norm, with
+        CSA's indexer (its own such compressor at D_i, query projection and head weights)."""
+        C, H, D, q = d_model, self.num_heads, self.head_dim, self.q_lora_rank
+        params = C * q + q + q * H * D + C * D + D + H * D * self.o_lora_rank + \
+            self.o_groups * self.o_lora_rank * C + H
+        series = 2 if self.indexed else 1
+        if self.compresses:
+            params += (2 * C + self.compress_rate) * series * D + D
+        if self.indexed:
+            Di, Hi = self.index_head_dim, self.index_n_heads
+            params += (2 * C + self.compress_rate) * 2 * Di + Di + q * Hi * Di + C * Hi
+        return params
+
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
         return 1, (self.head_dim,)  # the ring: one K=V head per position
