@@ -481,6 +481,10 @@ def test_per_token_and_read_bytes_by_hand_for_deepseek_v4_flash():
         m = lay.compress_rate
         assert lay.sequence_bytes(S + m, 2) - lay.sequence_bytes(S, 2) == m * lay.token_bytes(2, window_full=True)
     assert csa.step_flops(S) == 4 * 64 * 512 * (128 + 512) + 2 * 64 * 129 * (S // 4)
+    lines = Layouts(layers).memory_lines(4096, "bfloat16", 2)  # what inspect says: each type's figures
+    assert [line.split(" layer adds ")[1].split(" B (exact")[0] for line in lines if "adds" in line] == [
+        "1024 B per token in bfloat16 while its ring fills, then 0", "1344 B per token in bfloat16 while its ring "
+        "fills, then 320", "1032 B per token in bfloat16 while its ring fills, then 8"]
 
 
 @pytest.mark.parametrize("i", [1, 2], ids=[CSA, HCA])

@@ -251,9 +251,10 @@ class Compressed(LayerLayout):
                 "times bytes per element (docs: layout)"]
 
     def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
-        return [f"a DeepSeek-V4 {self.layer_type} layer adds {self.token_bytes(element)} B per token in {dtype} "
-                "while its ring fills (exact: a pooled entry per m tokens), then "
-                f"{self.token_bytes(element, window_full=True)} B"]
+        # said once for the kind (inspect asks one layer of each kind): a line per layer type present
+        return [f"a DeepSeek-V4 {lay.layer_type} layer adds {lay.token_bytes(element)} B per token in {dtype} "
+                f"while its ring fills, then {lay.token_bytes(element, window_full=True)} B (exact: a pooled entry "
+                "per m tokens, averaged over them)" for lay in layers.unique() if isinstance(lay, Compressed)]
 
 
 def _count(key: str, value: Any) -> None:
