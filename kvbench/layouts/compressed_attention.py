@@ -288,7 +288,6 @@ class CompressedAttention(nn.Module):
         qpos = torch.arange(start, start + T, device=x.device)
         main = a.compress_rope if a.compresses else a.rope
         cos, sin = self._rope(self.inv_freq, main.attention_factor)(qpos, x.dtype)
-        compress_rope = self._rope(self.compress_inv_freq, a.compress_rope.attention_factor)
 
         q_residual = self.q_a_norm(self.q_a_proj(x))  # (B, T, q_lora_rank): the indexer reads it too
         q = unweighted_rms(self.q_b_proj(q_residual).view(B, T, H, D).transpose(1, 2), self.eps)
@@ -298,31 +297,12 @@ class CompressedAttention(nn.Module):
             keys, kpos = kv, qpos
         else:
             cache.begin(start, T)
-            keys, kpos = cache.ring_keys(start, kv)
+            keys, kpos = cache.ring_keys(start, kv)  # (B, S, D): held positions in the window, then the new
         # the ring: k <= t and k > t - W (transformers' sliding-window mask)
         visible = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - a.window)  # (T, S)
         visible = visible.expand(B, T, -1)
-        pools = {} if cache is None else cache.pools
         if self.compressor is not None:
-            entries = self.compressor(x, pools.get("compressor"), start, compress_rope)  # (B, N, D)
-            N, closed = entries.shape[1], (qpos + 1) // a.compress_rate
-            if self.layout.indexed and N:
-                indexer = self.compressor.indexer
-                index_keys = indexer(x, pools.get("indexer"), start, compress_rope)
-                q_cos, q_sin = compress_rope(qpos, x.dtype)
-                top, valid = indexer.top(x, q_residual, index_keys, qpos, q_cos, q_sin)  # (B, T, k)
-                if T == 1:  # a decode step reads only the k selected entries
-                    entries = entries.gather(1, top[:, 0, :, None].expand(-1, -1, D))
-                    seen = valid
-                else:
-                    seen = torch.zeros(B, T, N + 1, dtype=torch.bool, device=x.device)
-                    seen = seen.scatter_(-1, torch.where(valid, top, N), True)[..., :N]
-            elif self.layout.indexed:  # no entry yet; its indexer still folds its windows
-                indexer = self.compressor.indexer
-                indexer(x, pools.get("indexer"), start, compress_rope)
-                seen = visible.new_zeros(B, T, 0)
-            else:  # HCA: every entry whose window has closed
-                seen = (torch.arange(N, device=x.device) < closed[:, None]).expand(B, T, N)
+            entries, seen = self._pooled(x, q_residual, qpos, start, {} if cache is None else cache.pools)
             keys, visible = torch.cat([keys, entries], 1), torch.cat([visible, seen], -1)
         out = self._attend(q, keys, visible)  # (B, H, T, D)
         out = rotate(out, cos, -sin)  # K = V carried rope into the values: undone at the query's position
@@ -330,6 +310,27 @@ class CompressedAttention(nn.Module):
         grouped = out.transpose(1, 2).reshape(B, T, G, -1)  # (B, T, G, H D / G)
         w = self.o_a_proj.weight.view(G, a.o_lora_rank, -1)
         return self.o_b_proj(torch.einsum("btgi,goi->btgo", grouped, w).flatten(2))
+
+    def _pooled(self, x, q_residual, qpos, start: int, pools: Dict[str, Pool]):
+        """The pooled entries the new tokens attend (B, N', D) and which of them each query sees
+        (B, T, N'): HCA every entry whose window has closed by the query; CSA the indexer's top k of
+        those (a decode step gathers just them, N' = k; a prompt masks all N)."""
+        a, (B, T, _) = self.layout, x.shape
+        rope = self._rope(self.compress_inv_freq, a.compress_rope.attention_factor)
+        entries = self.compressor(x, pools.get("compressor"), start, rope)  # (B, N, D)
+        N = entries.shape[1]
+        if not a.indexed:
+            closed = (qpos + 1) // a.compress_rate  # entry w's window ends at (w + 1) m - 1
+            return entries, (torch.arange(N, device=x.device) < closed[:, None]).expand(B, T, N)
+        indexer = self.compressor.indexer
+        index_keys = indexer(x, pools.get("indexer"), start, rope)  # (B, N, D_i); its buffer kept even while N = 0
+        if not N:
+            return entries, torch.zeros(B, T, 0, dtype=torch.bool, device=x.device)
+        top, valid = indexer.top(x, q_residual, index_keys, qpos, *rope(qpos, x.dtype))  # (B, T, k)
+        if T == 1:
+            return entries.gather(1, top[:, 0, :, None].expand(-1, -1, entries.shape[-1])), valid
+        seen = torch.zeros(B, T, N + 1, dtype=torch.bool, device=x.device)  # column N: the invalid picks
+        return entries, seen.scatter_(-1, torch.where(valid, top, N), True)[..., :N]
 
     def _attend(self, q, kv, visible):
         """softmax over each head's scores and its sink (the sink's column dropped) times K = V.
