@@ -173,6 +173,35 @@ def test_without_a_cache_a_prompt_equals_transformers_without_one(generated, i):
     assert (run(ours, None, x, 0) - want).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("i", range(3), ids=KINDS)
+def test_gradients_equal_transformers(generated, i):
+    """A training step's gradients (task=train: no cache, the whole sequence) through kvbench's
+    attention equal those through transformers' for every parameter (the indexer's selection, as
+    there, passes none)."""
+    import copy
+
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    cfg, model, calls, _, _ = generated
+    hf = copy.deepcopy(model.model.layers[i].self_attn).train()
+    lay, ours = ours_for(cfg, model, i)
+    x = torch.cat([x for x, _, _ in calls[i]], 1)[:, :30]
+    ids = torch.arange(30)[None]
+    mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None,
+                                             position_ids=ids)
+    emb = {kind: model.model.rotary_emb(x, position_ids=ids, layer_type=kind) for kind in ("main", "compress")}
+    hf(x, position_embeddings=emb, position_ids=ids, attention_mask=mask)[0].pow(2).sum().backward()
+    run(ours.train(), None, x, 0).pow(2).sum().backward()
+    theirs, mine = dict(hf.named_parameters()), dict(ours.named_parameters())
+    assert sorted(theirs) == sorted(mine)
+    for name, want in theirs.items():
+        if want.grad is None:  # the indexer's weights: a top-k passes no gradient
+            assert mine[name].grad is None or not mine[name].grad.any(), name
+            continue
+        assert (mine[name].grad - want.grad).abs().max() <= 1e-5 * max(want.grad.abs().max(), 1e-3), name
+    assert sum(p.grad is not None and bool(p.grad.any()) for p in mine.values()) > 6
+
+
 def the_compressor_counts(cfg, model, calls, i):
     """How much another position bias (a shift would not do: the gate's softmax ignores it) changes
     a compressing layer's outputs before its first window closes, and late."""
