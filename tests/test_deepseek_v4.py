@@ -648,3 +648,9 @@ def test_a_cache_continues_only_from_what_it_holds():
                 run(ours, cache, x[:, :T], start)
             assert "\n" not in str(info.value) and str(info.value).startswith("position ")
         assert torch.equal(run(ours, cache, x, 0), first)
+        cache.truncate(12, 12)
+        with pytest.raises(ValueError, match=r"^cannot truncate to 7: "):
+            cache.truncate(7, 12)
+        cache.truncate(0, 12)
+        with pytest.raises(ValueError, match=r"^position 12: this cache holds 0 tokens"):
+            run(ours, cache, x[:, :1], 12)

@@ -144,6 +144,14 @@ class CompressedCache:
     def tensors(self):
         return [self.ring] + [t for pool in self.pools.values() for t in pool.tensors()]
 
+    def truncate(self, length: int, held: int) -> None:
+        """Only to 0 or ``held`` (a decoder's cache protocol): a pooled entry folds m positions and
+        the buffers a window's worth, so the cache cannot roll back to a length between."""
+        if length not in (0, held):
+            raise ValueError(f"cannot truncate to {length}: a DeepSeek-V4 layer's pool folds each window of "
+                             f"{self.layout.compress_rate or 1} tokens and cannot roll back; only 0 or {held} works")
+        self.length = length
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
