@@ -601,6 +601,11 @@ BASE = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2}
      "rope_parameters.compress.original_max_position_embeddings", None),
     ({**BASE, "compress_rope_theta": -1.0}, "compress_rope_theta", -1.0),
     ({"architectures": ["DeepseekV3ForCausalLM"]}, "architectures", ["DeepseekV3ForCausalLM"]),
+    ({"architectures": 4}, "architectures", 4),
+    ({**BASE, "num_key_value_heads": True}, "num_key_value_heads", True),
+    ({**BASE, "num_hidden_layers": 0}, "num_hidden_layers", 0),
+    ({**BASE, "rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_theta": 1e5}}},
+     "rope_parameters.main.rope_theta", None),
 ])
 def test_a_config_json_it_cannot_run_is_refused_in_one_line_naming_the_key(cfg, key, value):
     with pytest.raises(ConfigError) as info:

@@ -398,10 +398,10 @@ def compressed_from_hf(cfg: Mapping[str, Any]) -> List[Compressed]:
     absent keys; layers of one type share one layout); a value it cannot run refused in one line
     naming its key."""
     arch = cfg.get("architectures")
-    if arch is not None and ARCHITECTURE not in arch:
+    if arch is not None and (not isinstance(arch, list) or ARCHITECTURE not in arch):
         raise ConfigError(f"architectures={arch!r}: a DeepSeek-V4 layer is read from {ARCHITECTURE}")
-    kv_heads = cfg.get("num_key_value_heads", 1)
-    if kv_heads != 1:
+    kv_heads = cfg.get("num_key_value_heads")
+    if kv_heads is not None and (isinstance(kv_heads, bool) or kv_heads != 1):
         raise ConfigError(f"num_key_value_heads={kv_heads!r}: DeepSeek-V4 attends one K=V head (1)")
     types, rates = v4_layer_types(cfg), compress_rates(cfg)
     main, compress, factor = _ropes(cfg)
