@@ -205,6 +205,34 @@ def test_the_decay_gate_is_transformers_per_channel_and_with_a_lower_bound_glm5_
     assert (g - glm(x)).abs().max() <= TOL and -5 <= g.min() and g.max() <= 0
 
 
+@torch.no_grad()
+def test_with_a_lower_bound_the_layer_equals_glm5_nexts_kda():
+    """``gate_lower_bound`` (-5, GLM-5.3-Flash's safe gate) through the whole layer: a prompt of 150
+    in two parts and 40 cached decode steps equal transformers' Glm5NextTextLinearAttention (Kimi's
+    KDA with the bounded gate; A_log one per head) with its cache."""
+    from types import SimpleNamespace
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention
+
+    cfg, _, kimi, _ = pair()
+    glm = Glm5NextTextLinearAttention(SimpleNamespace(
+        hidden_size=D_MODEL, linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4, hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps, layer_types=TYPES, linear_lower_bound=-5.0), 0).eval()
+    lay = KDA(None, linear_num_heads=4, linear_head_dim=16, gate_lower_bound=-5.0)
+    ours = KDAAttention(model_config(cfg), lay).eval()
+    ours.load_state_dict(kimi.state_dict())
+    with torch.no_grad():
+        ours.log_decay_rate.normal_(0.0, 0.5)  # Glm5Next initialises 0 (rates of 1); these differ per head
+    names = dict(zip(glm.state_dict(), hf_kda_weights(glm.state_dict())))  # transformers' -> kvbench's
+    glm.load_state_dict({theirs: ours.state_dict()[mine] for theirs, mine in names.items()})
+    x = torch.randn(2, 190, D_MODEL)
+    parts = [(0, 90), (90, 150)] + [(t, t + 1) for t in range(150, 190)]
+    diffs, _ = step_both(glm, DynamicCache(config=cfg), ours, KDAStateLayer(lay.state, 2, torch.float32), x, parts)
+    assert len(diffs) == 42 and max(diffs) <= TOL, diffs
+    assert glm(x).abs().max() > 0.1
+
+
 # ---- the rule on its own -----------------------------------------------------------------------
 
 def rule_inputs(T, B=2, H=3, d=8, seed=0, bound=None):
