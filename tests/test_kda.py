@@ -18,7 +18,14 @@ from kvbench.cache import Positions, layer_cache
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf
-from kvbench.layouts.kda_mixer import KDAAttention, KDAStateLayer, chunked_kda, hf_kda_weights, recurrent_kda
+from kvbench.layouts.kda_mixer import (
+    KDAAttention,
+    KDAStateLayer,
+    chunked_kda,
+    decayed_scores,
+    hf_kda_weights,
+    recurrent_kda,
+)
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.latent_attention import LatentAttention
 from kvbench.layouts.latent_nope import kimi_latent_from_hf
@@ -235,14 +242,14 @@ def test_with_a_lower_bound_the_layer_equals_glm5_nexts_kda():
 
 # ---- the rule on its own -----------------------------------------------------------------------
 
-def rule_inputs(T, B=2, H=3, d=8, seed=0, bound=None):
+def rule_inputs(T, B=2, H=3, d=8, seed=0, bound=None, rate=0.3):
     """q (normalised, scaled), k (normalised), v, g (< 0 per channel), beta in (0, 1) and a state that
     is not zero, (B, H, T, ...) as the module hands them to the rule."""
     gen = torch.Generator().manual_seed(seed)
     randn = (lambda *shape: torch.randn(*shape, generator=gen))
     q, k = (torch.nn.functional.normalize(randn(B, H, T, d), dim=-1) for _ in range(2))
     f = randn(B, H, T, d)
-    g = bound * torch.sigmoid(f) if bound else -0.3 * torch.nn.functional.softplus(f)
+    g = bound * torch.sigmoid(f) if bound else -rate * torch.nn.functional.softplus(f)
     return q * d ** -0.5, k, randn(B, H, T, d), g, torch.rand(B, H, T, generator=gen), randn(B, H, d, d)
 
 
@@ -258,13 +265,15 @@ def naive_rule(q, k, v, g, beta, state):
     return torch.stack(out, 2), S
 
 
-@pytest.mark.parametrize("T,chunk,bound", [(1, 8, None), (7, 8, None), (8, 8, None), (9, 8, None), (50, 8, None),
-                                           (37, 16, -5.0), (50, 7, -5.0), (64, 64, None)])
-def test_the_chunked_rule_equals_the_recurrent_step_and_a_float64_loop(T, chunk, bound):
-    """Lengths that are not multiples of the chunk (and some that are), decays with and without a
-    lower bound, from a state that is not zero: the chunked rule's outputs and final state equal T
-    recurrent steps' and a float64 loop's."""
-    q, k, v, g, beta, state = rule_inputs(T, bound=bound)
+@pytest.mark.parametrize("T,chunk,bound,rate", [
+    (1, 8, None, 0.3), (7, 8, None, 0.3), (8, 8, None, 0.3), (9, 8, None, 0.3), (50, 8, None, 0.3),
+    (37, 16, -5.0, 0.3), (50, 7, -5.0, 0.3), (64, 64, None, 0.3), (100, 64, None, 0.05), (70, 64, None, 30.0)])
+def test_the_chunked_rule_equals_the_recurrent_step_and_a_float64_loop(T, chunk, bound, rate):
+    """Lengths that are not multiples of the chunk (and some that are, some of several sub-chunks),
+    decays with and without a lower bound, slow ones and fast ones (a chunk decaying by thousands of
+    nats, where exp(-G) overflows), from a state that is not zero: the chunked rule's outputs and
+    final state equal T recurrent steps' and a float64 loop's."""
+    q, k, v, g, beta, state = rule_inputs(T, bound=bound, rate=rate)
     want, want_state = naive_rule(q, k, v, g, beta, state)
     chunked_state, stepped_state = state.clone(), state.clone()
     chunked = chunked_kda(q, k, v, g, beta, chunked_state, chunk)
@@ -273,6 +282,18 @@ def test_the_chunked_rule_equals_the_recurrent_step_and_a_float64_loop(T, chunk,
     for out, final in ((chunked, chunked_state), (stepped, stepped_state)):
         assert (out.double() - want).abs().max() <= TOL and (final.double() - want_state).abs().max() <= TOL
     assert (want_state - state.double()).abs().max() > 0.1  # the tokens did change the state
+
+
+@pytest.mark.parametrize("L", [1, 16, 37, 64])
+def test_decayed_scores_are_the_per_channel_sum_a_block_of_rows_at_a_time(L):
+    """Blocks of 16 rows, the last one short: equal to the (L, L, d) sum transformers forms, in
+    float64; zero above the diagonal."""
+    gen = torch.Generator().manual_seed(L)
+    a, b = torch.randn(2, L, 8, generator=gen, dtype=torch.float64), torch.randn(2, L, 8, generator=gen,
+                                                                                dtype=torch.float64)
+    G = -torch.rand(2, L, 8, generator=gen, dtype=torch.float64).cumsum(-2)
+    want = (a[:, :, None] * b[:, None] * (G[:, :, None] - G[:, None]).exp()).sum(-1).tril()
+    assert (decayed_scores(a, b, G) - want).abs().max() <= 1e-12
 
 
 @torch.no_grad()

@@ -128,6 +128,31 @@ def recurrent_kda(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return out
 
 
+SUB = 16  # flash-linear-attention's sub-chunk: a chunk's decayed scores are formed a block of rows at a time
+
+
+def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, sub: int = SUB) -> torch.Tensor:
+    """[i, j] = sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c]) for j <= i, 0 above: a, b, G (..., L, d), G
+    a chunk's cumulative log decays (non-increasing: every gate is <= 0). Rows go a block of ``sub``
+    at a time: against earlier columns the weight factors at the block's first position r as
+    exp(G_i - G_r) exp(G_r - G_j), both <= 1 (no overflow, however fast the decay: a factored
+    exp(G_i) exp(-G_j) over a whole chunk overflows), so those are one matmul; the block's own
+    triangle is formed channel by channel, (sub, sub, d). Working memory O(L (d + sub d)), not the
+    (L, L, d) of transformers' form."""
+    L = a.shape[-2]
+    out = a.new_zeros(*a.shape[:-2], L, L)
+    for s in range(0, L, sub):
+        e = min(s + sub, L)
+        if s:
+            ref = G[..., s:s + 1, :]  # between every earlier column and every row of the block
+            out[..., s:e, :s] = (a[..., s:e, :] * (G[..., s:e, :] - ref).exp()) @ \
+                (b[..., :s, :] * (ref - G[..., :s, :]).exp()).transpose(-1, -2)
+        kept = torch.ones(e - s, e - s, dtype=torch.bool, device=a.device).tril()  # j <= i
+        pair = (G[..., s:e, None, :] - G[..., None, s:e, :]).masked_fill(~kept[..., None], -torch.inf).exp()
+        out[..., s:e, s:e] = (a[..., s:e, None, :] * b[..., None, s:e, :] * pair).sum(-1)
+    return out
+
+
 def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """The rule over chunks of ``chunk`` tokens, as transformers' chunk_kimi_delta_attention but a
     chunk at a time (arguments as :func:`recurrent_kda`). Returns (B, H, T, d) in float32;
@@ -135,13 +160,12 @@ def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
 
     Within a chunk the corrections u_i = beta_i (v_i - sum_{j<i} (k_i . k_j)_{decayed} u_j) form a unit
     lower-triangular system (the WY form) whose entries weigh each key channel c by its own decay
-    exp(G_i[c] - G_j[c]), G the gates' cumulative sum from the chunk's start: one triangular solve
-    gives them all; the chunk's outputs are its queries against the state it started from plus a
-    causal attention over its own corrections, and the state passes on, each row decayed over the
-    chunk. The per-channel weights are formed as transformers forms them, an (L, L, d) product per
-    head (exp(G_i - G_j) only where j <= i: a factored exp(G_i) exp(-G_j) overflows over a chunk of
-    fast decay), so a chunk's working memory is O(L^2 d); a last chunk shorter than ``chunk`` is not
-    padded. transformers keeps every chunk's weights at once."""
+    exp(G_i[c] - G_j[c]), G the gates' cumulative sum from the chunk's start (:func:`decayed_scores`):
+    one triangular solve gives them all; the chunk's outputs are its queries against the state it
+    started from plus a causal attention over its own corrections, and the state passes on, each
+    row decayed over the chunk. Only the state crosses chunks, so the working memory is a chunk's
+    whatever the prompt's length; a last chunk shorter than ``chunk`` is not padded. transformers
+    keeps every chunk's (L, L, d) weights at once."""
     B, H, T, d = k.shape
     # a copy: the backward of a training step reads the state each chunk started from, so the
     # cache's tensor, written at the end, must not be that state
@@ -149,19 +173,15 @@ def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
     out = v.new_empty(B, H, T, v.shape[-1])
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        L = end - start
         qc, kc, vc = (t[:, :, start:end] for t in (q, k, v))  # (B, H, L, d)
         G = g[:, :, start:end].cumsum(-2)  # (B, H, L, d): log decay from the chunk's start through each token
-        kept = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # j <= i
-        pair = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~kept[..., None], -torch.inf).exp()
         k_beta = kc * beta[:, :, start:end, None]
-        system = (k_beta[..., :, None, :] * kc[..., None, :, :] * pair).sum(-1)  # strictly lower read; diagonal 1
+        system = decayed_scores(k_beta, kc, G)  # its strict lower triangle read; the diagonal reads as 1
         corrections = torch.linalg.solve_triangular(system, vc * beta[:, :, start:end, None], upper=False,
                                                     unitriangular=True)
         k_decayed = torch.linalg.solve_triangular(system, k_beta * G.exp(), upper=False, unitriangular=True)
-        intra = (qc[..., :, None, :] * kc[..., None, :, :] * pair).sum(-1)  # (B, H, L, L), causal
         u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
-        out[:, :, start:end] = (qc * G.exp()) @ S + intra @ u
+        out[:, :, start:end] = (qc * G.exp()) @ S + decayed_scores(qc, kc, G) @ u
         S = S * G[..., -1, :, None].exp() + (kc * (G[..., -1:, :] - G).exp()).transpose(-1, -2) @ u
     state.copy_(S.detach())  # a cache carries the state on, never gradients through it
     return out
