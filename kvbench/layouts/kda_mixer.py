@@ -1,0 +1,224 @@
+"""The attention of a KDA layer (:class:`kvbench.layouts.kda.KDA`), as transformers'
+KimiLinearDeltaAttention (its torch path: chunk_kimi_delta_attention, recurrent_kimi_delta_attention),
+in plain torch.
+
+Per token: ``wq``, ``wk``, ``wv`` x pass a causal depthwise convolution of K taps and SiLU and
+split into H heads of d; q and k are L2-normalised per head and q scaled by d^-0.5. The decay
+gate is per key channel: f = ``gate_up``(``gate_down`` x) + ``decay_bias`` (H d), and
+g = -exp(``log_decay_rate``) softplus(f) per head, or with a lower bound L, g = L sigmoid(exp(A) f).
+beta = sigmoid(``w_beta`` x) is each head's write strength. With S the head's d x d state (rows:
+key channels), the gated delta rule is
+
+    S <- diag(exp(g_t)) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+A prompt runs its chunked form (:func:`chunked_kda`: a chunk at a time, the state carried from
+chunk to chunk, so its working memory is O(chunk) whatever the prompt's length), a decode step
+its recurrent form (:func:`recurrent_kda`). o is RMS-normalised per head, gated by
+sigmoid(``out_gate_up``(``out_gate_down`` x)) and projected by ``wo``. :data:`HF_NAMES` maps
+transformers' parameter names.
+
+Notation: B batch, T new tokens, H heads of d (key and value widths alike), L tokens of a chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbench.layouts.kda import KDA
+from kvbench.state_cache import StateLayer
+
+# transformers' names under a layer's ``self_attn``: a key ending in "." renames a submodule
+HF_NAMES = {"q_proj.": "wq.", "k_proj.": "wk.", "v_proj.": "wv.", "conv1d.": "conv.",
+            "forget_gate.f_a_proj.": "gate_down.", "forget_gate.f_b_proj.": "gate_up.",
+            "forget_gate.dt_bias": "decay_bias", "forget_gate.A_log": "log_decay_rate", "b_proj.": "w_beta.",
+            "g_a_proj.": "out_gate_down.", "g_b_proj.": "out_gate_up.", "o_norm.": "norm.", "o_proj.": "wo."}
+STATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class KDAAttention(nn.Module):
+    """The attention of a :class:`KDA` layer (its cache: :class:`KDAStateLayer`); takes the
+    decoder's attention arguments (rotary tables unused) so that a block calls it like any layer's."""
+
+    HF_MODULE = "self_attn"
+    HF_NAMES = HF_NAMES
+
+    def __init__(self, cfg, layout: KDA):
+        super().__init__()
+        C, K = cfg.d_model, layout.linear_conv_kernel_dim
+        self.H, self.d, inner = layout.linear_num_heads, layout.linear_head_dim, layout.inner_dim
+        self.chunk, self.lower_bound = layout.chunk_size, layout.gate_lower_bound
+        self.wq, self.wk, self.wv = (nn.Linear(C, inner, bias=False) for _ in range(3))
+        # depthwise and causal: the cache hands the last K - 1 inputs before the new ones, so no padding
+        self.conv = nn.Conv1d(3 * inner, 3 * inner, K, groups=3 * inner, bias=False)
+        # the decay gate, low rank through d (f_a_proj, f_b_proj), a bias per channel, a rate per head
+        self.gate_down, self.gate_up = nn.Linear(C, self.d, bias=False), nn.Linear(self.d, inner, bias=False)
+        self.decay_bias = nn.Parameter(torch.zeros(inner))  # dt_bias
+        self.log_decay_rate = nn.Parameter(torch.zeros(self.H))  # A_log, one per head
+        self.w_beta = nn.Linear(C, self.H, bias=False)  # b_proj
+        self.out_gate_down, self.out_gate_up = nn.Linear(C, self.d, bias=False), nn.Linear(self.d, inner, bias=False)
+        self.norm = SigmoidGatedRMSNorm(self.d, cfg.norm_eps)
+        self.wo = nn.Linear(inner, C, bias=False)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g (B, T, H, d), float32: each key channel's log decay at each token."""
+        f = self.gate_up(self.gate_down(x)).float() + self.decay_bias.float()
+        f = f.unflatten(-1, (self.H, self.d))
+        rate = self.log_decay_rate.float().exp()[:, None]  # (H, 1): in float32, exp(A_log) can overflow in half
+        if self.lower_bound is not None:  # flash-linear-attention's safe gate: g in (bound, 0)
+            return self.lower_bound * torch.sigmoid(rate * f)
+        # transformers' softplus, log(1 + exp(f)) below 20 (not log1p: the same roundings)
+        return -rate * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+
+    def forward(self, x, cos, sin, cache, pos):
+        B, T, _ = x.shape
+        qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1)
+        carry = cache.update(qkv.transpose(1, 2), pos)  # conv inputs (B, 3 H d, K - 1 + T)
+        qkv = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, 3 H d)
+        q, k, v = (t.unflatten(-1, (self.H, self.d)).transpose(1, 2).float() for t in qkv.chunk(3, -1))
+        q, k = _unit(q) * self.d ** -0.5, _unit(k)  # (B, H, T, d), in float32 as flash-linear-attention
+        g = self.decay(x).transpose(1, 2)  # (B, H, T, d)
+        beta = self.w_beta(x).sigmoid().float().transpose(1, 2)  # (B, H, T)
+        # one new token after a held state is a decode step; a first token is a prompt, as transformers takes it
+        if T == 1 and pos.start != 0:
+            out = recurrent_kda(q, k, v, g, beta, carry.state)
+        else:
+            out = chunked_kda(q, k, v, g, beta, carry.state, self.chunk)
+        out = out.transpose(1, 2).to(x.dtype)  # (B, T, H, d): transformers rounds to the compute dtype here
+        gate = self.out_gate_up(self.out_gate_down(x)).view(B, T, self.H, self.d)
+        return self.wo(self.norm(out, gate).reshape(B, T, -1))
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """RMSNorm over a head's d channels in float32, weight included, then times sigmoid(gate)
+    (transformers' KimiLinearRMSNormGated; Gated DeltaNet's gates by silu)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (h * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """Each vector over the last dim of unit length: x / sqrt(|x|^2 + 1e-6), flash-linear-attention's
+    (and transformers' l2norm: a division, not a multiply by rsqrt)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def recurrent_kda(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The rule one token at a time. q, k, v, g (B, H, T, d) float32 (q normalised and scaled, k
+    normalised), beta (B, H, T); ``state`` (B, H, d, d) advanced in place, in its own dtype (the
+    arithmetic in float32). Returns the outputs (B, H, T, d) in float32."""
+    S = state.float()
+    out = v.new_empty(v.shape)
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, :, None].exp()  # each key channel (a row of S) by its own gate
+        delta = (v[:, :, t] - (k[:, :, t, :, None] * S).sum(-2)) * beta[:, :, t, None]  # (B, H, d)
+        S = S + k[:, :, t, :, None] * delta[:, :, None]
+        out[:, :, t] = (q[:, :, t, :, None] * S).sum(-2)
+    state.copy_(S.detach())
+    return out
+
+
+SUB = 16  # flash-linear-attention's sub-chunk: a chunk's decayed scores are formed a block of rows at a time
+
+
+def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, sub: int = SUB) -> torch.Tensor:
+    """[i, j] = sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c]) for j <= i, 0 above: a, b, G (..., L, d), G
+    a chunk's cumulative log decays (non-increasing: every gate is <= 0). Rows go a block of ``sub``
+    at a time: against earlier columns the weight factors at the block's first position r as
+    exp(G_i - G_r) exp(G_r - G_j), both <= 1 (no overflow, however fast the decay: a factored
+    exp(G_i) exp(-G_j) over a whole chunk overflows), so those are one matmul; the block's own
+    triangle is formed channel by channel, (sub, sub, d). Working memory O(L (d + sub d)), not the
+    (L, L, d) of transformers' form."""
+    L = a.shape[-2]
+    out = a.new_zeros(*a.shape[:-2], L, L)
+    for s in range(0, L, sub):
+        e = min(s + sub, L)
+        if s:
+            ref = G[..., s:s + 1, :]  # between every earlier column and every row of the block
+            out[..., s:e, :s] = (a[..., s:e, :] * (G[..., s:e, :] - ref).exp()) @ \
+                (b[..., :s, :] * (ref - G[..., :s, :]).exp()).transpose(-1, -2)
+        kept = torch.ones(e - s, e - s, dtype=torch.bool, device=a.device).tril()  # j <= i
+        pair = (G[..., s:e, None, :] - G[..., None, s:e, :]).masked_fill(~kept[..., None], -torch.inf).exp()
+        out[..., s:e, s:e] = (a[..., s:e, None, :] * b[..., None, s:e, :] * pair).sum(-1)
+    return out
+
+
+def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The rule over chunks of ``chunk`` tokens, as transformers' chunk_kimi_delta_attention but a
+    chunk at a time (arguments as :func:`recurrent_kda`). Returns (B, H, T, d) in float32;
+    ``state`` is advanced in place.
+
+    Within a chunk the corrections u_i = beta_i (v_i - sum_{j<i} (k_i . k_j)_{decayed} u_j) form a unit
+    lower-triangular system (the WY form) whose entries weigh each key channel c by its own decay
+    exp(G_i[c] - G_j[c]), G the gates' cumulative sum from the chunk's start (:func:`decayed_scores`):
+    one triangular solve gives them all; the chunk's outputs are its queries against the state it
+    started from plus a causal attention over its own corrections, and the state passes on, each
+    row decayed over the chunk. Only the state crosses chunks, so the working memory is a chunk's
+    whatever the prompt's length; a last chunk shorter than ``chunk`` is not padded. transformers
+    keeps every chunk's (L, L, d) weights at once."""
+    B, H, T, d = k.shape
+    # a copy: the backward of a training step reads the state each chunk started from, so the
+    # cache's tensor, written at the end, must not be that state
+    S = state.to(torch.float32, copy=True)
+    out = v.new_empty(B, H, T, v.shape[-1])
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        qc, kc, vc = (t[:, :, start:end] for t in (q, k, v))  # (B, H, L, d)
+        G = g[:, :, start:end].cumsum(-2)  # (B, H, L, d): log decay from the chunk's start through each token
+        k_beta = kc * beta[:, :, start:end, None]
+        system = decayed_scores(k_beta, kc, G)  # its strict lower triangle read; the diagonal reads as 1
+        corrections = torch.linalg.solve_triangular(system, vc * beta[:, :, start:end, None], upper=False,
+                                                    unitriangular=True)
+        k_decayed = torch.linalg.solve_triangular(system, k_beta * G.exp(), upper=False, unitriangular=True)
+        u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
+        out[:, :, start:end] = (qc * G.exp()) @ S + decayed_scores(qc, kc, G) @ u
+        S = S * G[..., -1, :, None].exp() + (kc * (G[..., -1:, :] - G).exp()).transpose(-1, -2) @ u
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+    return out
+
+
+class KDAStateLayer(StateLayer):
+    """A KDA layer's cache: :class:`~kvbench.state_cache.StateLayer` (the convolution's last K - 1
+    inputs of q, k, v in the compute dtype, written in place; a write at position 0 starts afresh)
+    with the recurrent state (B, H, d, d) in the layout's ``state_dtype``; ``nbytes`` is what it
+    holds, B x :meth:`KDAState.nbytes`."""
+
+    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 held: bool = True):
+        super().__init__(state, batch_size, dtype, device, held)
+        self.recurrent = self.recurrent.to(STATE_DTYPES[state.state_dtype])
+
+    def update(self, x: torch.Tensor, pos):
+        carry = super().update(x, pos)
+        if self.held:
+            return carry
+        # nothing held: the zero state every forward starts from, in the layer's dtype
+        return carry._replace(state=carry.state.to(STATE_DTYPES[self.shape.state_dtype]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+
+def hf_kda_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """transformers' tensors of one KimiLinearDeltaAttention (names relative to it: ``q_proj.weight``,
+    ``forget_gate.A_log`` …) as :class:`KDAAttention`'s state dict; A_log, (1, 1, H, 1) in Kimi's
+    files, read as (H,); a name it does not know refused in one line naming it."""
+    out = {}
+    for name, t in tensors.items():
+        new = next((new + name[len(old):] for old, new in HF_NAMES.items()
+                    if name == old or (old.endswith(".") and name.startswith(old))), None)
+        if new is None:
+            raise ValueError(f"{name}: not a KDA tensor (expected one of {', '.join(HF_NAMES)})")
+        out[new] = t.reshape(-1) if new == "log_decay_rate" else t
+    return out
