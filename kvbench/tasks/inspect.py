@@ -12,7 +12,7 @@ import math
 from typing import List
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES
+from kvbench.config.dtypes import DTYPE_BYTES, QUANTIZED_DTYPES
 from kvbench.config.model import kv_layout_change
 from kvbench.footprint import ParameterCounts, parameter_counts
 from kvbench.layouts.base import Layouts, bytes_cell
@@ -28,7 +28,7 @@ def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
     # the compute size is not used; a dtype a layer refuses (a recurrent state's) is no row
-    stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES if layers.accepts({"cache.dtype": dtype})]
+    stored += [(dtype, 4, dtype) for dtype in QUANTIZED_DTYPES if layers.accepts({"cache.dtype": dtype})]
     for dtype, size, cache_dtype in stored:
         per_sequence = layers.cache_bytes(seq_len, 1, size, cache_dtype)
         state = layers.state_bytes(size, cache_dtype)  # held whatever the length: not per token
@@ -102,6 +102,8 @@ def describe(cfg: BenchConfig) -> str:
             for r in kv_memory_table(layers, seq_len, w.batch_size)]
     lines += _aligned(header, rows)
     lines += layers.memory_lines(seq_len, cfg.runtime.dtype, size)
+    if cfg.cache.dtype != "auto":
+        lines.append(layers.precision_text(cfg.cache.dtype, cfg.runtime.dtype))
     notes = layers.kind_notes()
     if notes:
         lines += ["", "; ".join(notes) + f"; KV by kind of layer in {cfg.runtime.dtype}: per sequence = positions "
