@@ -53,7 +53,7 @@ def check_finite(x: torch.Tensor, cache_dtype: str) -> None:
 def e2m1(scaled: torch.Tensor) -> torch.Tensor:
     """Codes 0..15 (uint8) of float32 values already divided by their scale: round to the nearest grid
     value, a tie to the even code, beyond ±6 to ±6."""
-    mag = scaled.abs()
+    mag = scaled.abs().contiguous()
     mids = torch.tensor(_MIDPOINTS, dtype=mag.dtype, device=mag.device)
     down = torch.bucketize(mag, mids)  # a value on a midpoint: the lower code
     up = torch.bucketize(mag, mids, right=True)  # ... the upper one
