@@ -20,15 +20,17 @@ from kvbench.layouts.build import build_layouts
 from kvbench.units import human_bytes
 
 
-def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True) -> List[dict]:
+def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True,
+                    element: int = 4) -> List[dict]:
     """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can hold,
     by the layouts' own formulas; ``vs_mha``: the fraction of a full MHA cache. Per token is the
     growing part per sequence / ``seq_len``, task=capacity's definition (it falls as ``seq_len``
-    grows where a layer's cache stops growing)."""
+    grows where a layer's cache stops growing). A quantized row's state (a recurrent layer's, not
+    quantized) is in the compute dtype of ``element`` bytes."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
-    # the compute size is not used; a dtype a layer refuses (a recurrent state's) is no row
-    stored += [(dtype, 4, dtype) for dtype in QUANTIZED_DTYPES if layers.accepts({"cache.dtype": dtype})]
+    # the compute size is the state's alone; a dtype a layer refuses (its blocks do not fit a head) is no row
+    stored += [(dtype, element, dtype) for dtype in QUANTIZED_DTYPES if layers.accepts({"cache.dtype": dtype})]
     for dtype, size, cache_dtype in stored:
         per_sequence = layers.cache_bytes(seq_len, 1, size, cache_dtype)
         state = layers.state_bytes(size, cache_dtype)  # held whatever the length: not per token
@@ -99,7 +101,7 @@ def describe(cfg: BenchConfig) -> str:
               f"per batch (x{w.batch_size})", "vs full MHA" if capped or state else "vs MHA"]
     rows = [[r["dtype"], bytes_cell(r["per_token"]), *([bytes_cell(r["state"])] if state else []),
              bytes_cell(r["per_sequence"]), bytes_cell(r["per_batch"]), f"{r['vs_mha']:.3f}"]
-            for r in kv_memory_table(layers, seq_len, w.batch_size)]
+            for r in kv_memory_table(layers, seq_len, w.batch_size, element=size)]
     lines += _aligned(header, rows)
     lines += layers.memory_lines(seq_len, cfg.runtime.dtype, size)
     if cfg.cache.dtype != "auto":
