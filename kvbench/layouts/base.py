@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.config.dtypes import CACHE_DTYPES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
 from kvbench.config.errors import ConfigError
 from kvbench.config.task import Asked
-from kvbench.units import human_bytes
+from kvbench.units import human_bytes, index_text
 
 
 @dataclass(frozen=True)
@@ -425,15 +425,6 @@ def fp4_bytes_lines(layers: "Layouts") -> List[str]:
     blocks = " / ".join(f"{FP4_BLOCK[d]} ({d})" for d in fits)
     return [f"cache.dtype {' / '.join(fits)}: bytes = 1/2 per element (two E2M1 codes a byte) + a 1-byte scale per "
             f"{blocks} values, K and V each"] if fits else []
-
-
-def index_text(indices: Sequence[int]) -> str:
-    """Layer indices in a few words: all of up to 32, else the first ones, a step and the last."""
-    if len(indices) <= 32:
-        return ", ".join(map(str, indices))
-    steps = {b - a for a, b in zip(indices, indices[1:])}
-    every = f" (every {steps.pop()})" if len(steps) == 1 else ""
-    return f"{', '.join(map(str, indices[:3]))}, …, {indices[-1]}{every}"
 
 
 def si(n: float) -> str:
