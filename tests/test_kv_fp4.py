@@ -28,7 +28,7 @@ from kvbench.model import Decoder
 from kvbench.quality.data import TokenData
 from kvbench.quality.fidelity import quantized_cache_fidelity
 from kvbench.quality.train import train
-from kvbench.serving.paged import PagedStore, plan_for
+from kvbench.serving.paged import PagedStore, SlotStore, plan_for
 from kvbench.state_cache import StateLayer
 from kvbench.tasks.inspect import describe
 
@@ -296,6 +296,14 @@ def test_the_serving_pools_allocate_the_formulas_bytes(fmt, allocator):
     solo = KVStore((6, 2, 32), fmt, torch.float32, torch.device("cpu"), axis=0)
     solo.write(0, k)
     assert torch.equal(kv.gather(torch.arange(6)), solo.read(6))
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_the_slot_store_allocates_the_formulas_bytes(fmt):
+    """workload.store=slots: 3 slots of 20 positions in each attention layer (a local layer's slot is not
+    trimmed to its window) and a state per slot in each Gated DeltaNet layer."""
+    store = SlotStore(hybrid(), 3, 20, fmt)
+    assert store.nbytes == 3 * 20 * 2 * (2 * 2 * (16 + 32 // BLOCK[fmt])) + 3 * 2 * STATE
 
 
 def test_served_requests_get_the_tokens_of_an_isolated_mxfp4_decode():
