@@ -81,10 +81,12 @@ class KVStore:
     def _encode(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.cache_dtype not in FP4_BLOCK:
             return quantize(x, self.cache_dtype)
-        if self.global_scale is not None and not self.global_scale > 0:
-            self.global_scale = quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated"
-                                                    else x)
-        return quant4.encode(x, self.cache_dtype, self.global_scale)
+        g = self.global_scale
+        if g is not None and not g > 0:
+            g = quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated" else x)
+        encoded = quant4.encode(x, self.cache_dtype, g)  # refuses a NaN or inf before the scale is kept
+        self.global_scale = g
+        return encoded
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         if self.cache_dtype not in FP4_BLOCK:

@@ -240,6 +240,14 @@ def test_a_nan_or_infinity_is_refused_and_what_was_stored_stays(fmt, bad):
     assert str(info.value).splitlines() == [str(info.value)]
     assert str(info.value).startswith(f"cache.dtype={fmt}: K/V hold {bad} (non-finite)")
     assert torch.equal(store.read(2), before)
+    # refused as the first write, it sets no per-tensor scale: the next write is encoded as if first
+    fresh = KVStore((1, 1, 2, 32), fmt, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"^cache.dtype={fmt}: K/V hold {bad}"):
+        fresh.write(0, x[1:])
+    fresh.write(0, good[:1])
+    first = KVStore((1, 1, 2, 32), fmt, torch.float32, torch.device("cpu"))
+    first.write(0, good[:1])
+    assert torch.equal(fresh.codes, first.codes) and torch.equal(fresh.read(2), first.read(2))
 
 
 # ---- bytes ----
