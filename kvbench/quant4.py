@@ -139,22 +139,23 @@ def mxfp4_decode(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
 
 def encode(x: torch.Tensor, cache_dtype: str, g: Optional[torch.Tensor] = None
            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) in ``cache_dtype``'s codes and block scales (``g``: nvfp4's per-tensor scale)."""
+    """x (..., D) in ``cache_dtype``'s codes and block scales (``g``: nvfp4's per-tensor scale; None:
+    x's own, :func:`global_scale` of what is encoded)."""
     check_finite(x, cache_dtype)
     if cache_dtype == "mxfp4":
         return mxfp4_encode(x)
-    return nvfp4_encode(hadamard(x) if cache_dtype == "nvfp4_rotated" else x, g)
+    x = hadamard(x) if cache_dtype == "nvfp4_rotated" else x
+    return nvfp4_encode(x, global_scale(x) if g is None else g)
 
 
 def decode(packed: torch.Tensor, scales: torch.Tensor, cache_dtype: str, dtype: torch.dtype,
            g: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The values :func:`encode` stored, in ``dtype`` (a rotated head turned back)."""
+    """The values :func:`encode` stored, in ``dtype`` (a rotated head turned back); nvfp4 needs the
+    ``g`` they were encoded with."""
     if cache_dtype == "mxfp4":
         return mxfp4_decode(packed, scales, dtype)
+    if g is None:
+        raise ValueError(f"cache.dtype={cache_dtype}: decoding needs the per-tensor scale the codes were written with")
     if cache_dtype == "nvfp4_rotated":
         return hadamard(nvfp4_decode(packed, scales, g, torch.float32)).to(dtype)
     return nvfp4_decode(packed, scales, g, dtype)
-
-
-def is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
