@@ -1,8 +1,8 @@
 """The one K/V storage under every cache and the serving store: one stored tensor (keys, or
-values) in the compute dtype, or as int8 / float8_e4m3fn codes with a float32 scale per
-(position, head), quantized on write and dequantized on read (``cache.dtype``). A store only
-writes and reads along its position axis: 2 in a sequence cache's (B, H_kv, S, D), 0 in the
-serving pool's (slots, H_kv, D).
+values) in the compute dtype, as int8 / float8_e4m3fn codes with a float32 scale per
+(position, head), or as 4-bit codes with a byte scale per block of a head (:mod:`kvbench.quant4`),
+quantized on write and dequantized on read (``cache.dtype``). A store only writes and reads along its
+position axis: 2 in a sequence cache's (B, H_kv, S, D), 0 in the serving pool's (slots, H_kv, D).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from kvbench.config.dtypes import CACHE_DTYPES, SCALE_BYTES  # noqa: F401 (SCALE_BYTES: what a quantized vector adds)
+from kvbench import quant4
+from kvbench.config.dtypes import CACHE_DTYPES, FP4_BLOCK, SCALE_BYTES  # noqa: F401 (SCALE_BYTES: what a quantized vector adds)
 
 # The largest code: symmetric int8 uses -127..127 (not -128, so that -x quantizes as -q);
 # float8_e4m3fn's largest finite value is 448.
@@ -19,9 +20,11 @@ _CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def storage_dtype(cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a cache stores K/V codes in: ``dtype`` (the compute dtype) for auto."""
+    """The dtype a cache stores K/V codes in: ``dtype`` (the compute dtype) for auto, bytes of two codes for 4-bit."""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"cache.dtype={cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}")
+    if cache_dtype in FP4_BLOCK:
+        return torch.uint8
     return dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
 
 
@@ -58,13 +61,37 @@ class KVStore:
 
     A scale per position and head, not KIVI's per-channel keys: a write quantizes only what it
     writes, so earlier positions are never requantized; with int8's 255 levels the keys' channel
-    outliers cost little (KIVI needs channel scales at 2 bits)."""
+    outliers cost little (KIVI needs channel scales at 2 bits). 4-bit codes keep a scale per block
+    of a head instead (16 or 32 values), and nvfp4 one float32 per store, set by its first write
+    (:mod:`kvbench.quant4`): the layer's constant, not a position's bytes, so not in :meth:`tensors`."""
 
     def __init__(self, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype, device: torch.device,
                  axis: int = 2):
         self.cache_dtype, self.dtype, self.axis = cache_dtype, dtype, axis
-        self.codes = torch.zeros(shape, dtype=storage_dtype(cache_dtype, dtype), device=device)
-        self.scales = None if cache_dtype == "auto" else torch.ones(shape[:-1] + (1,), device=device)
+        self.shape = tuple(shape)  # what is stored, before codes are packed: (..., D)
+        block = FP4_BLOCK.get(cache_dtype)
+        *lead, D = shape
+        self.codes = torch.zeros(shape if block is None else (*lead, D // 2),
+                                 dtype=storage_dtype(cache_dtype, dtype), device=device)
+        self.scales = (None if cache_dtype == "auto" else torch.ones(shape[:-1] + (1,), device=device)
+                       if block is None else torch.zeros((*lead, D // block), dtype=torch.uint8, device=device))
+        # nvfp4's per-tensor scale; 0 until a write holds a nonzero value
+        self.global_scale = torch.zeros((), device=device) if cache_dtype.startswith("nvfp4") else None
+
+    def _encode(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.cache_dtype not in FP4_BLOCK:
+            return quantize(x, self.cache_dtype)
+        g = self.global_scale
+        if g is not None and not g > 0:
+            g = quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated" else x)
+        encoded = quant4.encode(x, self.cache_dtype, g)  # refuses a NaN or inf before the scale is kept
+        self.global_scale = g
+        return encoded
+
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if self.cache_dtype not in FP4_BLOCK:
+            return dequantize(codes, scales, self.dtype)
+        return quant4.decode(codes, scales, self.cache_dtype, self.dtype, self.global_scale)
 
     @property
     def length(self) -> int:
@@ -78,8 +105,7 @@ class KVStore:
     def write(self, where: int | torch.Tensor, x: torch.Tensor) -> None:
         """Store ``x`` at ``where``: an int starts a run of x's positions, a tensor indexes each."""
         batch = x.shape[0]
-        parts = [(self.codes, x)] if self.scales is None else list(zip((self.codes, self.scales),
-                                                                        quantize(x, self.cache_dtype)))
+        parts = [(self.codes, x)] if self.scales is None else list(zip((self.codes, self.scales), self._encode(x)))
         for store, value in parts:
             store = self._rows(store, batch)
             if isinstance(where, int):
@@ -92,14 +118,14 @@ class KVStore:
         codes = self._rows(self.codes, batch).narrow(self.axis, 0, end)
         if self.scales is None:
             return codes
-        return dequantize(codes, self._rows(self.scales, batch).narrow(self.axis, 0, end), self.dtype)
+        return self._decode(codes, self._rows(self.scales, batch).narrow(self.axis, 0, end))
 
     def gather(self, index: torch.Tensor, batch: Optional[int] = None) -> torch.Tensor:
         """Positions ``index`` (n,) of the first ``batch`` sequences, a copy in the compute dtype."""
         codes = _bytes(self._rows(self.codes, batch)).index_select(self.axis, index).view(self.codes.dtype)
         if self.scales is None:
             return codes
-        return dequantize(codes, self._rows(self.scales, batch).index_select(self.axis, index), self.dtype)
+        return self._decode(codes, self._rows(self.scales, batch).index_select(self.axis, index))
 
     def tensors(self) -> List[torch.Tensor]:
         return [self.codes] + ([] if self.scales is None else [self.scales])

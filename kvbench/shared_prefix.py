@@ -67,7 +67,7 @@ class SharedPrefixCache(Cache):
         if isinstance(layer, ConcatLayer):
             heads, widths = layer.heads, layer.widths
         else:
-            heads, widths = layer.stores[0].codes.shape[1], [s.codes.shape[3] for s in layer.stores]
+            heads, widths = layer.stores[0].shape[1], [s.shape[3] for s in layer.stores]
         return [KVStore((1, heads, kept, w), history.cache_dtype, history.dtype, history.device) for w in widths]
 
     def begin(self, pos, batch_size):

@@ -1,8 +1,8 @@
-"""How numbers are written for people: bytes in binary units."""
+"""How numbers are written for people: bytes in binary units, lists of layer indices."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 
 def human_bytes(n: Optional[float]) -> str:
@@ -19,3 +19,12 @@ def human_bytes(n: Optional[float]) -> str:
 def count(n: int, noun: str) -> str:
     """``1 job``, ``2 jobs``: a count and its noun, singular for one."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def index_text(indices: Sequence[int]) -> str:
+    """Layer indices in a few words: all of up to 32, else the first ones, a step and the last."""
+    if len(indices) <= 32:
+        return ", ".join(map(str, indices))
+    steps = {b - a for a, b in zip(indices, indices[1:])}
+    every = f" (every {steps.pop()})" if len(steps) == 1 else ""
+    return f"{', '.join(map(str, indices[:3]))}, …, {indices[-1]}{every}"

@@ -269,8 +269,6 @@ def test_a_state_refuses_to_roll_back_but_resets(gdn_decoder):
 
 
 REFUSED = {  # setting: the one line
-    "cache.dtype": ("cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet layer keeps its recurrent "
-                    "state in float32 and its convolution state in the compute dtype; use cache.dtype=auto"),
     "cache.shared": ("cache.shared=True: a shared prefix holds K/V once for many sequences; a Gated DeltaNet layer's "
                      "state is each sequence's own (prefix caching for state layers is not built); use "
                      "cache.shared=false"),
@@ -283,7 +281,6 @@ def test_refused_combinations_are_one_line_naming_the_key():
     layers = Layouts([KVHeads(None, 4, 2, 16), layout(2, 4, 8, 12, 4)])
     model = SimpleNamespace(layouts=layers, dtype=torch.float32, device=torch.device("cpu"))
     attempts = {
-        "cache.dtype": lambda: make_cache("static", layers, 1, 16, cache_dtype="int8"),
         "cache.shared": lambda: shared_cache_for(model, "static", 2, 4, 16),
         "runtime.compile": lambda: check_limits(layers, {"runtime.compile": "graph"}),
     }
@@ -298,15 +295,14 @@ def test_refused_combinations_are_one_line_naming_the_key():
 
 
 def test_a_jobs_config_names_the_settings_a_state_layer_refuses():
-    """BenchConfig.layout_settings carries cache.shared (a multi-turn chat sharing its prompt) and
-    cache.dtype, so a job with a Gated DeltaNet layer is refused before it runs."""
+    """BenchConfig.layout_settings carries cache.shared (a multi-turn chat sharing its prompt), so a
+    job with a Gated DeltaNet layer is refused before it runs; cache.dtype is the attention layers'
+    (tests/test_kv_fp4.py), a state layer takes any."""
     layers = Layouts([layout(2, 4, 8, 12, 4)])
     shared = to_bench_config(compose("model=tiny", "workload=multiturn", "cache.shared=true"))
     with pytest.raises(ConfigError, match="^cache.shared=True: "):
         layers.check(shared.layout_settings())
-    quantized = to_bench_config(compose("model=tiny", "cache.dtype=int8"))
-    with pytest.raises(ConfigError, match="^cache.dtype='int8': "):
-        layers.check(quantized.layout_settings())
+    layers.check(to_bench_config(compose("model=tiny", "cache.dtype=int8")).layout_settings())
     layers.check(to_bench_config(compose("model=tiny", "workload=multiturn")).layout_settings())
 
 

@@ -57,9 +57,10 @@ def refusal(*overrides: str) -> str:
     (["model=tiny", "model.partial_rotary_factor=1.5"],
      "model.partial_rotary_factor=1.5: must be in (0, 1] and rotate an even number >= 2 of the head_dim=8 "
      "dimensions (int(head_dim x factor) = 12)"),
-    ([*HYBRID, "cache.dtype=int8"],
-     "cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet layer keeps its recurrent state in "
-     "float32 and its convolution state in the compute dtype; use cache.dtype=auto"),
+    # cache.dtype applies to the attention layers (their head_dim=8 is no whole block of 4-bit codes)
+    ([*HYBRID, "cache.dtype=nvfp4"],
+     "cache.dtype='nvfp4': stores blocks of 16 values of a head, and head_dim=8 is not a multiple of 16; use "
+     "cache.dtype=int8 or float8_e4m3fn"),
     ([*HYBRID, "runtime.compile=graph"],
      "runtime.compile='graph': the fixed-shape step reads a context bucket of K/V; a Gated DeltaNet layer's state "
      "has no such view (not built); use false or default"),

@@ -184,9 +184,10 @@ def test_eval_checks_the_checkpoints_layers_before_it_reads_any_data(tmp_path, m
     run_job(compose("model=tiny", "task=train", "attention.full_attention_interval=2", "train.steps=1",
                     "train.eval_batches=1", "wandb=disabled", "runtime.isolate=false"), tmp_path / "train")
     cfg = to_bench_config(compose("model=tiny", "task=eval", f"train.checkpoint={tmp_path / 'train' / 'checkpoint.pt'}",
-                                  "cache.dtype=int8", "wandb=disabled"))
+                                  "cache.dtype=nvfp4", "wandb=disabled"))
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: pytest.fail("scored a batch"))
-    with pytest.raises(ConfigError, match=r"^cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"):
+    blocks = r"^cache.dtype='nvfp4': stores blocks of 16 values of a head, and head_dim=8 is not"
+    with pytest.raises(ConfigError, match=blocks):
         train.run_eval(cfg, torch.device("cpu"))
 
 

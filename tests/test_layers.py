@@ -25,7 +25,7 @@ LAYERS = [
      "layouts.kv_sharing", "config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
     ["layouts.build", "layouts.latent_nope", "config.model", "config.recall", "config.capacity", "config.train",
      "config.record"],
-    ["config.workload", "config.compare", "rope"],
+    ["config.workload", "config.compare", "rope", "quant4"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv", "serving.conversation_traces"],
     ["cache", "serving.conversations", "job_config"],
     ["shared_prefix", "layouts.latent_indexer", "serving.batch"],

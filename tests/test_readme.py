@@ -91,6 +91,8 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=gpt_oss_120b": Step(),
     },
     "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
+    # model=small's shape, tiny's size: heads of 32 take nvfp4's blocks of 16 (tiny's 8 do not)
+    "kv precision": {"kvbench model=small cache.dtype=nvfp4": Step([*TINY, "model.head_dim=32"])},
     "dsa": {"kvbench model=tiny attention=mla attention.index_topk=64": Step(TINY),
             "kvbench task=inspect model=deepseek_v32": Step()},
     "kv sharing": {"kvbench model=tiny attention=gqa attention.kv_shared_layers=1": Step(TINY),
@@ -98,6 +100,7 @@ CHAINS: Dict[str, Dict[str, Step]] = {
     "gdn": {
         "kvbench task=inspect model=qwen3_5_9b": Step(),
         "kvbench task=inspect model=qwen3_next_80b": Step(),
+        "kvbench task=inspect model=qwen3_5_9b cache.dtype=int8": Step(),
         "kvbench model=tiny attention.full_attention_interval=2": Step(TINY),
         "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]": Step(
             ["compare.contexts=[8,16,32]", "compare.steps=1", *QUICK]),
@@ -426,6 +429,23 @@ def test_the_gated_deltanet_page_runs_and_its_table_is_what_inspect_prints(ran):
     assert written(result(ran, "kvbench model=tiny attention.full_attention_interval=2"))["status"] == "ok"
     compared = written(result(ran, "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]"))
     assert [r["layout"] for r in compared["tables"]["compare"]] == ["gqa kv=2", "gqa kv=2 gdn 1:1"]
+    out = result(ran, "kvbench task=inspect model=qwen3_5_9b cache.dtype=int8").stdout
+    line = next(line for line in out.splitlines() if line.startswith("cache.dtype=int8: "))
+    assert line.startswith("cache.dtype=int8: layers 3, 7, 11, 15, 19, 23, 27, 31 (8 of 32) store K/V as int8 ")
+    assert line.endswith("keep their state unquantized: recurrent state float32, convolution inputs float32")
+
+
+@chain("kv precision")
+def test_a_4bit_cache_records_the_hand_formulas_bytes_and_its_fidelity(ran):
+    """docs/kv-precision.md: 2 layers x 8 KV heads x (prompt + gen) positions, K and V, each vector of 32
+    values in 16 bytes of codes and 2 scale bytes."""
+    rec = written(result(ran, "kvbench model=small cache.dtype=nvfp4"))
+    w = rec["config"]["workload"]
+    hand = 2 * 2 * 8 * (w["prompt_len"] + w["gen_len"]) * w["batch_size"] * (16 + 2)
+    m = rec["metrics"]
+    assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == hand
+    assert 0 < m["kvq_max_abs_logit_diff"] < 1 and m["kvq_top1_agreement"] > 0.5
+    assert m["kv_quantized_layers"].startswith("cache.dtype=nvfp4: layers 0, 1 (2 of 2) store K/V as E2M1 codes")
 
 
 @chain("inspect")

@@ -296,14 +296,18 @@ def test_a_slot_store_admits_only_as_many_requests_as_it_has_slots():
 
 
 def test_what_the_stores_do_not_hold_is_refused_in_one_line():
-    """Every layout is served; what remains refused is a layer's own limit (a recurrent state is
-    not quantized) and a request larger than the store."""
+    """Every layout is served (a hybrid's attention layers quantized, its state not); what remains
+    refused is a layer's own limit (mxfp4's blocks of 32 a head of 16 does not fill) and a request
+    larger than the store."""
     check_model(windowed_decoder())
     check_model(make_decoder(2), "int8")
-    with pytest.raises(ConfigError, match=r"^cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"):
-        check_model(gdn_decoder(), "int8")
-    with pytest.raises(ConfigError, match=r"^cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"):
-        PagedStore(gdn_decoder(), 8, BS, cache_dtype="int8")
+    check_model(gdn_decoder(), "int8")
+    check_model(gdn_decoder(), "nvfp4")
+    blocks = r"^cache.dtype='mxfp4': stores blocks of 32 values of a head, and head_dim=16 "
+    with pytest.raises(ConfigError, match=blocks):
+        check_model(gdn_decoder(), "mxfp4")
+    with pytest.raises(ConfigError, match=blocks):
+        PagedStore(gdn_decoder(), 8, BS, cache_dtype="mxfp4")
     model = make_decoder(2)
     with pytest.raises(ValueError, match="request 0 needs 3 blocks, the store has 2"):
         Scheduler(model, PagedStore(model, 2, BS), [Request(0, 0.0, 8, 4)], [list(range(8))])

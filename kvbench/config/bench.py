@@ -70,7 +70,7 @@ def objective_metric(objective: str) -> tuple[str, float]:
 @dataclass
 class CacheConfig:
     """KV-cache implementation, whether a multi-turn chat keeps its history between turns, and
-    the precision K/V are stored in (``dtype``: auto = the compute dtype, or int8/float8_e4m3fn
+    the precision K/V are stored in (``dtype``: auto = the compute dtype, or int8/float8_e4m3fn/4-bit
     codes with scales, quantized on write and dequantized on read)."""
 
     impl: str = "static"

@@ -16,21 +16,26 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config.dtypes import element_bytes
+from kvbench.config.dtypes import CACHE_DTYPES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
 from kvbench.config.errors import ConfigError
 from kvbench.config.task import Asked
-from kvbench.units import human_bytes
+from kvbench.units import human_bytes, index_text
 
 
 @dataclass(frozen=True)
 class Limit:
-    """Something a layer does not run with: ``key`` must be one of ``allowed``, else the refusal
-    reads ``key=value: why`` (``names: why`` when it names the layout's own key instead)."""
+    """Something a layer does not run with: ``key`` must be one of ``allowed`` (None: any) and none of
+    ``refuses``, else the refusal reads ``key=value: why`` (``names: why`` when it names the layout's
+    own key instead). ``refuses`` leaves a value no layer knows to the key's own check."""
 
     key: str
-    allowed: Tuple[Any, ...]
+    allowed: Optional[Tuple[Any, ...]]
     why: str
     names: Optional[str] = None
+    refuses: Tuple[Any, ...] = ()
+
+    def excludes(self, value: Any) -> bool:
+        return (self.allowed is not None and value not in self.allowed) or value in self.refuses
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class LayerLayout:
     kv_source: Optional[int] = field(default=None, kw_only=True)
 
     kind: ClassVar[str] = ""
+    # what the config calls each width of ``stored`` (a 4-bit cache's refusal names it)
+    width_names: ClassVar[Tuple[str, ...]] = ("head_dim", "v_head_dim")
     reads_shared_kv: ClassVar[bool] = False  # whether its attention can attend a donor's cache instead of its own
 
     @property
@@ -160,7 +167,20 @@ class LayerLayout:
 
     def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
         """What the layer does not run with (each :class:`Limit` says why), as layer ``index`` of its model."""
-        return self._window_limits() + (() if self.kv_source is None else self._shared_limits(index))
+        return (self._window_limits() + (() if self.kv_source is None else self._shared_limits(index))
+                + self._precision_limits())
+
+    def _precision_limits(self) -> Tuple[Limit, ...]:
+        """A 4-bit cache.dtype whose blocks (or rotation) do not fit a stored width: one Limit each,
+        so the refusal names the dtype asked and the width."""
+        refused = {}
+        for dtype in FP4_BLOCK:
+            whys = [block_refusal(w, dtype, name) for w, name in zip(self.stored[1], self.width_names)]
+            refused[dtype] = next((why for why in whys if why), "")
+        fits = [d for d in CACHE_DTYPES if d != "auto" and not refused.get(d)]
+        return tuple(Limit("cache.dtype", None, f"{why}; use cache.dtype={_one_of(fits or ['auto'])}",
+                           refuses=(dtype,))
+                     for dtype, why in refused.items() if why)
 
     def _shared_limits(self, index: Optional[int]) -> Tuple[Limit, ...]:
         why = (f"{'a layer' if index is None else f'layer {index}'} reads layer {self.kv_source}'s K/V "
@@ -221,7 +241,7 @@ def check_limits(layers: Sequence[LayerLayout], settings: Mapping[str, Any]) -> 
             asked = settings[limit.key]
             if not isinstance(asked, Asked):
                 asked = Asked(asked, f"{limit.key}={asked!r}")
-            if asked.value not in limit.allowed:
+            if limit.excludes(asked.value):
                 instead = asked.instead and f"; {asked.instead}"
                 raise ConfigError(f"{limit.names or asked.named}: {limit.why}{instead}")
 
@@ -331,6 +351,22 @@ class Layouts(tuple):
 
     # ---- how inspect describes them ----
 
+    def precision_text(self, cache_dtype: str, dtype: str) -> str:
+        """Which layers ``cache.dtype`` quantizes (those holding K/V) and which keep a state in its own
+        dtype (a recurrent layer's: float32, its convolution inputs in ``dtype``), in one line."""
+        kv = [i for i, layer in enumerate(self) if layer.state is None and layer.kv_source is None]
+        state = [i for i, layer in enumerate(self) if layer.state is not None]
+        if cache_dtype == "auto":
+            text = f"cache.dtype=auto: K/V in the compute dtype ({dtype}), nothing quantized"
+        else:
+            text = (f"cache.dtype={cache_dtype}: layers {index_text(kv)} ({len(kv)} of {len(self)}) store K/V as "
+                    f"{STORED_AS[cache_dtype]}")
+        if state:
+            kinds = " / ".join(dict.fromkeys(self[i].kind for i in state))
+            text += (f"; the {len(state)} {kinds} layers ({index_text(state)}) keep their state unquantized: "
+                     f"recurrent state float32, convolution inputs {dtype}")
+        return text
+
     def describe(self, attention: Any, seq_len: int, batch_size: int) -> List[str]:
         """The attention's line and cache formula, said by the first layer that attends."""
         lead = next((layer for layer in self if layer.state is None), self[0])
@@ -378,6 +414,19 @@ def bytes_cell(n: float) -> str:
     whole = isinstance(n, int) or float(n).is_integer()
     exact = f"{int(n):,}" if whole else f"≈{round(n):,}"
     return f"{exact} B" if n < 1024 else f"{human_bytes(n)} ({exact})"
+
+
+def _one_of(names: Sequence[str]) -> str:
+    """``a, b or c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def fp4_bytes_lines(layers: "Layouts") -> List[str]:
+    """The 4-bit cache.dtypes' bytes, for the layers that take them (inspect's formula lines)."""
+    fits = [d for d in FP4_BLOCK if layers.accepts({"cache.dtype": d})]
+    blocks = " / ".join(f"{FP4_BLOCK[d]} ({d})" for d in fits)
+    return [f"cache.dtype {' / '.join(fits)}: bytes = 1/2 per element (two E2M1 codes a byte) + a 1-byte scale per "
+            f"{blocks} values, K and V each"] if fits else []
 
 
 def si(n: float) -> str:

@@ -78,8 +78,6 @@ class GatedDeltaNet(LayerLayout):
             Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a Gated DeltaNet "
                   "layer's state is each sequence's own (prefix caching for state layers is not built); use "
                   "cache.shared=false"),
-            Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V; a Gated DeltaNet layer keeps its "
-                  "recurrent state in float32 and its convolution state in the compute dtype; use cache.dtype=auto"),
             Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
                   "Gated DeltaNet layer's state has no such view (not built); use false or default"))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
-from kvbench.layouts.base import LayerLayout, elements_line
+from kvbench.layouts.base import LayerLayout, elements_line, fp4_bytes_lines
 
 
 def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
@@ -96,4 +96,5 @@ class KVHeads(LayerLayout):
             elements_line(2 * kv * d, seq_len, batch_size),
             *([f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
                f"(sequence, KV head, position), K and V each"] if layers.accepts({"cache.dtype": "int8"}) else []),
+            *fp4_bytes_lines(layers),
         ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
-from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line
+from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
 
 
@@ -37,6 +37,7 @@ class Latent(LayerLayout):
     index_topk: int = 0
 
     kind = "latent"
+    width_names = ("kv_lora_rank + qk_rope_head_dim", "index_head_dim")
 
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
@@ -112,6 +113,7 @@ class Latent(LayerLayout):
             elements_line(width + index, seq_len, batch_size, "latent + index key" if index else "latent"),
             f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
             "(sequence, position), one per latent" + (" and one per index key" if index else ""),
+            *fp4_bytes_lines(layers),
         ]
 
     def memory_lines(self, layers, dtype: str, element: int) -> List[str]:

@@ -27,14 +27,15 @@ FIDELITY_METRICS: Dict[str, Metric] = metric_table(
            "max |cached decode logits - one full forward over the same tokens|, "
                                    "on up to 2 sequences and 16 steps after timing"),
     Metric("fidelity_top1_agreement", "fraction", "positions where the cached decode and the full forward agree on "
-                               "the argmax, same tokens (with cache.dtype int8/float8 this includes the "
+                               "the argmax, same tokens (with a quantized cache.dtype this includes the "
                                "quantization; kvq_* isolates it)"),
     Metric("kvq_max_abs_logit_diff", "logits",
-           "cache.dtype int8/float8_e4m3fn: max |logits of the greedy decode through the "
-                              "quantized cache - logits of the same tokens through a cache.dtype=auto static cache| "
+           "a quantized cache.dtype (int8, float8_e4m3fn, nvfp4, mxfp4, nvfp4_rotated): max |logits of the "
+                              "greedy decode through the quantized cache - logits of the same tokens through a "
+                              "cache.dtype=auto static cache| "
                               "(prefill, then the generated tokens teacher-forced), up to 2 sequences and 16 steps"),
     Metric("kvq_top1_agreement", "fraction",
-           "cache.dtype int8/float8_e4m3fn: decode positions (prefill's last included) where "
+           "a quantized cache.dtype: decode positions (prefill's last included) where "
                           "the quantized and the unquantized cache agree on the argmax, same tokens"),
     Metric("mla_forms_max_abs_logit_diff", "logits",
            "attention=mla: max |logits of the greedy decode in the absorbed form - logits of the same tokens "

@@ -78,7 +78,7 @@ EVAL_METRICS: Dict[str, Metric] = metric_table(
                        "tokenizer.json)"),
     Metric("checkpoint_num_kv_heads", "count", "KV heads of train.checkpoint as saved, before conversion"),
     Metric("val_loss", _QUALITY_METRICS["val_loss"].unit,
-           _QUALITY_METRICS["val_loss"].method + "; with cache.dtype int8/float8_e4m3fn (the record's config) "
+           _QUALITY_METRICS["val_loss"].method + "; with a quantized cache.dtype (the record's config) "
                 "each batch of "
                 "sequences is written into a static cache of that dtype and every position attends to the dequantized "
                 "K/V (quantized per position, so one pass scores what a token-by-token decode through that cache "
@@ -95,7 +95,7 @@ Tick = Callable[..., None]
 def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int,
              cache_dtype: str = "auto") -> Dict[str, float]:
     """Mean next-token cross-entropy over fixed validation slices, as loss, perplexity, bits/byte;
-    with ``cache_dtype`` int8/float8_e4m3fn, through a static cache that stores K/V so."""
+    with a quantized ``cache_dtype`` (int8, float8_e4m3fn, 4-bit), through a static cache that stores K/V so."""
     need_tokens(data.val, seq_len, "validation")
     was_training = model.training
     model.eval()

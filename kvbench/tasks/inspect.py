@@ -13,7 +13,7 @@ import textwrap
 from typing import List, Optional
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES
+from kvbench.config.dtypes import DTYPE_BYTES, QUANTIZED_DTYPES
 from kvbench.config.layer_pattern import job_variant_label
 from kvbench.config.model import kv_layout_change
 from kvbench.footprint import ParameterCounts, parameter_counts
@@ -22,15 +22,17 @@ from kvbench.layouts.build import build_layouts
 from kvbench.units import human_bytes
 
 
-def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True) -> List[dict]:
+def kv_memory_table(layers: Layouts, seq_len: int, batch_size: int, vs_mha: bool = True,
+                    element: int = 4) -> List[dict]:
     """KV bytes per token, per sequence of ``seq_len`` and per batch, for each dtype a cache can hold,
     by the layouts' own formulas; ``vs_mha``: the fraction of a full MHA cache. Per token is the
     growing part per sequence / ``seq_len``, task=capacity's definition (it falls as ``seq_len``
-    grows where a layer's cache stops growing)."""
+    grows where a layer's cache stops growing). A quantized row's state (a recurrent layer's, not
+    quantized) is in the compute dtype of ``element`` bytes."""
     rows = []
     stored = [(dtype, size, "auto") for dtype, size in DTYPE_BYTES.items()]
-    # the compute size is not used; a dtype a layer refuses (a recurrent state's) is no row
-    stored += [(dtype, 4, dtype) for dtype in CACHE_DTYPE_BYTES if layers.accepts({"cache.dtype": dtype})]
+    # the compute size is the state's alone; a dtype a layer refuses (its blocks do not fit a head) is no row
+    stored += [(dtype, element, dtype) for dtype in QUANTIZED_DTYPES if layers.accepts({"cache.dtype": dtype})]
     for dtype, size, cache_dtype in stored:
         per_sequence = layers.cache_bytes(seq_len, 1, size, cache_dtype)
         state = layers.state_bytes(size, cache_dtype)  # held whatever the length: not per token
@@ -105,9 +107,11 @@ def describe(cfg: BenchConfig, width: Optional[int] = None) -> str:
               f"per batch (x{w.batch_size})", "vs full MHA" if capped or state else "vs MHA"]
     rows = [[r["dtype"], bytes_cell(r["per_token"]), *([bytes_cell(r["state"])] if state else []),
              bytes_cell(r["per_sequence"]), bytes_cell(r["per_batch"]), f"{r['vs_mha']:.3f}"]
-            for r in kv_memory_table(layers, seq_len, w.batch_size)]
+            for r in kv_memory_table(layers, seq_len, w.batch_size, element=size)]
     lines += _aligned(header, rows, width)
     lines += _wrapped(layers.memory_lines(seq_len, cfg.runtime.dtype, size), width)
+    if cfg.cache.dtype != "auto":
+        lines += _wrapped([layers.precision_text(cfg.cache.dtype, cfg.runtime.dtype)], width)
     notes = layers.kind_notes()
     if notes:
         lines += _wrapped(["", "; ".join(notes) + f"; KV by kind of layer in {cfg.runtime.dtype}: per sequence = "

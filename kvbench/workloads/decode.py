@@ -92,8 +92,12 @@ METRICS: Dict[str, Metric] = metric_table(
            "* bytes_per_element + scale bytes)) * the positions it holds (seq_len, or W on a local layer), and a "
            "constant state once (kvbench.layouts): cache.dtype auto: the compute dtype's bytes, no scales; "
            "int8 / float8_e4m3fn: 1 byte and a "
-           "4-byte scale per (sequence, head, position); cache.impl=none: 0, it holds nothing (each step "
-           "recomputes K/V of the whole sequence), as in workload=multiturn"),
+           "4-byte scale per (sequence, head, position); nvfp4 / nvfp4_rotated: half a byte per element and a "
+           "1-byte scale per 16 (72 B per 128 values), mxfp4: per 32 (68 B); cache.impl=none: 0, it holds nothing "
+           "(each step recomputes K/V of the whole sequence), as in workload=multiturn"),
+    Metric("kv_quantized_layers", "text",
+           "which layers cache.dtype stores quantized (those holding K/V) and which keep a recurrent state "
+           "unquantized (float32; convolution inputs in the compute dtype), from the model's layer layouts"),
     Metric("compile_s", "s", "runtime.compile=default|graph: the first generation through the compiled model or step, "
                  "the whole decode so that every shape (graph: every context bucket) is compiled (twice with CUDA "
                  "graphs, which record a graph at its second call), excluded from every trial"),
@@ -242,6 +246,7 @@ def run(cfg: BenchConfig, model: Decoder, device: torch.device, result: RunResul
     # kv_cache_bytes=0 would contradict the allocation (and the plausibility check)
     metrics["kv_cache_bytes_formula"] = 0 if cfg.cache.impl == "none" else model.layouts.cache_bytes(
         seq_len, w.batch_size, DTYPE_BYTES[rt.dtype], cfg.cache.dtype)
+    metrics["kv_quantized_layers"] = model.layouts.precision_text(cfg.cache.dtype, rt.dtype)
     with allocation_delta(device) as allocated:
         cache = cache_for(model, cfg.cache.impl, w.batch_size, seq_len, cfg.cache.dtype)
     if cfg.cache.impl != "static":  # the others allocate as they grow, not at creation

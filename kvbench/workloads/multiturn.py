@@ -61,7 +61,8 @@ METRICS: Dict[str, Metric] = metric_table(
            "storage held by the cache tensors at the end of the chat (untyped_storage().nbytes())"),
     Metric("kv_cache_bytes_formula", "bytes", "2 * layers * kv_heads * (head_dim * bytes_per_element + scale bytes) * "
                               "positions held at the end of the chat (system prompt once if cache.shared else B "
-                              "times, history B times); cache.dtype int8/float8: 1 byte + a 4-byte scale"),
+                              "times, history B times); cache.dtype int8/float8: 1 byte + a 4-byte scale; "
+                              "4-bit: half a byte + a byte per block of 16 (nvfp4) or 32 (mxfp4) values"),
     Metric("e2e_ms", "ms", "prefills + decode steps of all turns of a chat, median over timed trials"),
     Metric("tables.turns", "",
            "one row per turn: ttft_ms (median over trials) with ttft_ms_ci_low/_ci_high (percentile "

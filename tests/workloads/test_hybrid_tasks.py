@@ -48,7 +48,12 @@ def test_inspect_prints_bytes_per_token_and_per_sequence_by_kind_of_layer(preset
     row = next(r for r in kv_memory_table(layers, S, 4) if r["dtype"] == dtype)
     assert (row["per_token"], row["state"], row["per_sequence"], row["per_batch"]) == (
         per_token, state, per_sequence, 4 * per_sequence)
-    assert [r["dtype"] for r in kv_memory_table(layers, S, 4)] == list(DTYPE_BYTES)  # int8 / float8: refused
+    # a quantized cache stores the full layers' K/V as codes and scales; the states keep their bytes
+    rows = {r["dtype"]: r for r in kv_memory_table(layers, S, 4, element=element)}
+    assert list(rows) == [*DTYPE_BYTES, "int8", "float8_e4m3fn", "nvfp4", "mxfp4", "nvfp4_rotated"]
+    full_n, kv, D = PRESETS[preset][1:4]
+    for code, per_vector in (("int8", D + 4), ("nvfp4", D // 2 + D // 16), ("mxfp4", D // 2 + D // 32)):
+        assert (rows[code]["per_token"], rows[code]["state"]) == (full_n * 2 * kv * per_vector, state), code
     full, linear = layer_kind_table(layers, S, 4, element)
     layers_n, full_n = PRESETS[preset][:2]
     assert (full["layers"], full["per_token"], full["state"], full["per_sequence"]) == (

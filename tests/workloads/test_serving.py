@@ -122,8 +122,9 @@ def test_the_job_records_the_refusal_as_invalid(tmp_path):
     ("workload.state_checkpoint=sometimes", "workload.state_checkpoint='sometimes'"),
     ("workload.state_checkpoint=every_n", "workload.state_checkpoint_tokens=0: workload.state_checkpoint=every_n"),
     ("workload.state_checkpoint_tokens=64", "workload.state_checkpoint_tokens=64: only workload.state_checkpoint"),
-    ("attention.layer_types=[linear_attention,full_attention] cache.dtype=int8",
-     "cache.dtype='int8': int8 / float8 codes are for K/V; a Gated DeltaNet"),
+    # a hybrid's attention layers take a quantized cache, in whole blocks (tiny's heads of 8: no 4-bit block)
+    ("attention.layer_types=[linear_attention,full_attention] cache.dtype=mxfp4",
+     "cache.dtype='mxfp4': stores blocks of 32 values of a head, and head_dim=8 is not a multiple of 32"),
 ])
 def test_bad_serving_values_are_refused_before_work(override, key):
     with pytest.raises(ConfigError) as err:
