@@ -132,7 +132,8 @@ class Grid:
         """The tables to print at ``width`` columns."""
         groups = self.groups(width)
         last = len(groups) - 1
-        return [self._table(g, self.title if n == 0 else (f"{self.title} {CONTINUED}" if self.title else None),
+        # a part after the first is titled "(continued)" only: the title names one table, printed once
+        return [self._table(g, self.title if n == 0 else (CONTINUED if self.title else None),
                             self.caption if n == last else None, width) for n, g in enumerate(groups)]
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
