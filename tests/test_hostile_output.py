@@ -4,6 +4,7 @@ Markdown report (capacity_report.py printed rows of 1,358 characters). No line i
 split, never a cell; the files keep their full Markdown."""
 
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -171,3 +172,36 @@ def test_choose_names_only_a_plot_that_was_drawn(tmp_path):
     assert "capacity_vs_context.png" not in (tmp_path / "summary.md").read_text()
     write_report(tmp_path)
     assert "(`capacity_vs_context.png` plots it)" in (tmp_path / "summary.md").read_text()
+
+
+# ---- end to end: what the commands of the issue print to a pipe -------------------------------------
+
+@pytest.mark.e2e
+def test_the_commands_print_nothing_wider_than_a_pipe(tmp_path):
+    """task=inspect of a model with sinks, a sweep over two orders of layers and a run of a layout
+    option, each printed to a pipe: no line past 100 columns, the layout named as the progress line
+    names it, the overrides as written, and inspect leaves no directory behind."""
+    from conftest import kvbench_forked
+
+    tiny = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1", "runtime.repeats=2",
+            "wandb.mode=disabled", "runtime.isolate=false"]
+    (tmp_path / "i").mkdir()
+    (tmp_path / "s").mkdir()
+    inspect, sweep, single = kvbench_forked([
+        (["task=inspect", "model=gpt_oss_120b"], tmp_path / "i"),
+        (["-m", *tiny, "attention.window=4", "attention.layer_types=[sliding_attention,full_attention],"
+                                             "[full_attention,sliding_attention]"], tmp_path / "s"),
+        ([*tiny, "attention.full_attention_interval=2", f"hydra.run.dir={tmp_path / 'r'}"], tmp_path)])
+    for proc in (inspect, sweep, single):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # a line naming a path is as long as the path (pytest's own is long): the others fit
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if str(tmp_path) not in line]
+        assert max(map(len, lines)) <= WIDTH, max(lines, key=len)
+    assert "variant: gqa kv=8 w=128 1:1 sinks" in inspect.stdout and list((tmp_path / "i").iterdir()) == []
+    joined = " ".join(sweep.stderr.split())
+    assert "attention.layer_types=[sliding_attention,full_attention] (mha kv=8 w=4 1:1)" in joined
+    assert "attention.layer_types=[full_attention,sliding_attention] (mha kv=8 w=4 1:1)" in joined
+    assert "#0 :" not in sweep.stdout + sweep.stderr  # the launcher's own line of every override, once more
+    assert re.search(r"│ 0 +│ mha kv=8 w=4 1:1 +│ sf +│", sweep.stdout), sweep.stdout
+    assert "mha kv=8 gdn 1:1: 0/" in single.stderr  # the progress line, and the result table's row
+    assert re.search(r"│ variant +│ +mha kv=8 gdn 1:1 │", single.stdout), single.stdout

@@ -55,7 +55,10 @@ def test_inspect_fits_100_columns_and_loses_nothing(preset):
 
 def test_inspect_names_the_variant_as_its_tables_do_and_says_sinks():
     job = to_bench_config(compose("model=gpt_oss_120b", "task=inspect"))
-    assert "variant: gqa kv=8 w=128 1:1 sinks (its name in progress lines and tables)" in describe(job, 100)
+    text = " ".join(describe(job, 100).split())
+    assert "variant: gqa kv=8 w=128 1:1 sinks (its name in progress lines and tables)" in text
+    assert "learned attention sinks in 36 of 36 layers" in text  # said in words, where the layout is described
+    assert "sinks" not in describe(to_bench_config(compose("model=llama3_8b", "task=inspect")))
     # a mean of whole bytes per token is shown to the byte: gemma3n_e4b's was "(74,638.2)"
     text = describe(to_bench_config(compose("model=gemma3n_e4b", "task=inspect")))
     float32 = next(line for line in text.splitlines() if line.startswith("float32"))

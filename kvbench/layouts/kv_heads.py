@@ -81,9 +81,12 @@ class KVHeads(LayerLayout):
         local = sum(w is not None for w in layers.windows)
         recurrent = next((layer for layer in layers if layer.state is not None), None)
         linear = "" if recurrent is None else f"; {L - attending} of {L} layers {recurrent.in_words()}"
+        sinks = sum(bool(getattr(layer, "sinks", False)) for layer in layers)  # a logit per query head, not cached
         return [
             f"attention {attention.type}: {kv} KV heads, G = {H // kv} query heads per KV head"
-            + (f"; window {layers.smallest_window()} in {local} of {L} layers" if local else "") + linear,
+            + (f"; window {layers.smallest_window()} in {local} of {L} layers" if local else "") + linear
+            + (f"; learned attention sinks in {sinks} of {L} layers (a logit per query head, nothing cached)"
+               if sinks else ""),
             "",
             "head → KV group map:",
             describe_kv_groups(H, kv),

@@ -14,7 +14,7 @@ import html
 import re
 import textwrap
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -80,7 +80,7 @@ class Grid:
             return self._cells()
         return [max(w, _longest_word(name)) for w, name in zip(self._cells(), self.header)]
 
-    def widths(self, columns: Sequence[int], width: int) -> dict:
+    def widths(self, columns: Sequence[int], width: int) -> Dict[int, int]:
         """The width of each of ``columns`` in a table of at most ``width``: the narrowest, then as many
         headers whole (on one line) as the width leaves room for, the closest to whole first."""
         narrow = self.narrowest()
@@ -132,7 +132,8 @@ class Grid:
         """The tables to print at ``width`` columns."""
         groups = self.groups(width)
         last = len(groups) - 1
-        return [self._table(g, self.title if n == 0 else (f"{self.title} {CONTINUED}" if self.title else None),
+        # a part after the first is titled "(continued)" only: the title names one table, printed once
+        return [self._table(g, self.title if n == 0 else (CONTINUED if self.title else None),
                             self.caption if n == last else None, width) for n, g in enumerate(groups)]
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
