@@ -20,6 +20,7 @@ from kvbench.config.record import attention_record, model_record
 from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
+from kvbench.measure import plausibility
 from kvbench.metrics import matches
 
 RESULTS_FILE = "results.json"
@@ -278,14 +279,25 @@ def distrust(record: RunResult) -> Optional[str]:
     """Why an ``ok`` record cannot stand for a finished job, or None: the checks the runner wrote it
     under, made again (a hand-edited or foreign record fails them), so resume measures it again.
     A schema this kvbench does not know; no metrics, or one not finite; a figure whose value is not
-    of its unit (``"fast"`` in ms); a negative count, size or time the record does not flag
-    ``implausible`` (measure/plausibility.py keeps such a figure, flagged)."""
+    of its unit (``"fast"`` in ms); a figure past a physical bound (measure/plausibility.py) that the
+    record does not flag ``implausible``; a negative count, size or time that no bound flags."""
     version = record.schema_version
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
         return f"schema_version={version!r}: this kvbench reads 1 to {SCHEMA_VERSION}"
     if not record.metrics:
         return "metrics is empty"
-    flagged = {item.get("metric") for item in record.implausible if isinstance(item, dict)}
+    try:  # the physical bounds the runner checked before writing it, on the record as it is now
+        found = plausibility.check(record.to_dict())
+    except Exception as exc:  # noqa: BLE001 — a record the check cannot read is no record it wrote
+        return f"its figures cannot be checked against the machine's bounds ({type(exc).__name__}: {exc})"
+    recorded = {item.get("metric") for item in record.implausible if isinstance(item, dict)}
+    for item in found:
+        if item["metric"] not in recorded:
+            name = str(item["metric"])
+            where, value = (name, item["value"]) if name.startswith("tables.") else (
+                f"metrics.{name}", record.metrics.get(name, item["value"]))  # as the record holds it
+            return f"{where}={value!r}: past a physical bound ({item['bound']}) the record does not flag"
+    flagged = {item["metric"] for item in found}
     for name, value in record.metrics.items():
         kind = nonfinite_kind(value)
         if kind:

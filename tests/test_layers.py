@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
-     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool"],
+     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool",
+     "measure.plausibility"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.hf_keys", "config.indexer",
      "config.layer_options", "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
@@ -29,7 +30,7 @@ LAYERS = [
     ["shared_prefix", "layouts.latent_indexer", "serving.batch"],
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention"],
     ["layouts.attention", "mlp.experts"],
-    ["model", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
+    ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint", "views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",
      "serving.scheduler"],
