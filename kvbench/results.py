@@ -256,15 +256,17 @@ def metric_unit(name: str, units: Mapping[str, Any]) -> Optional[str]:
     """The unit of metric ``name``: the record's ``units`` (by name or pattern; an interval's bound has
     its estimate's), else read off the vocabulary of its name (``_ms``, ``_bytes``, ``_s``) for a record
     that declares none; None when neither says."""
+    words = name.split("_")
+    if isinstance(units.get(name), str):
+        return units[name]
+    if words[-1] in TEXT_WORDS:  # before the patterns: <v>_step_ms_ctx<C> matches ..._ctx16_ci_reason too
+        return "text"
     for key in (name, _estimate(name)):
         if isinstance(units.get(key), str):
             return units[key]
         unit = next((u for p, u in units.items() if "<" in p and isinstance(u, str) and matches(p, key)), None)
         if unit is not None:
             return unit
-    words = name.split("_")
-    if words[-1] in TEXT_WORDS:
-        return "text"
     if "per" in words[:-1] and words[-1] in ("ctx", "w"):
         return None  # a rate over context (decode_us_per_1k_ctx): signed
     return next((unit for word, unit in (("bytes", "bytes"), ("ms", "ms"), ("s", "s")) if word in words), None)

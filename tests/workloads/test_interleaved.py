@@ -17,7 +17,7 @@ from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
-from kvbench.results import read_record
+from kvbench.results import distrust, read_record
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import round_order, summarize, variants
 
@@ -51,6 +51,13 @@ def test_rounds_alternate_the_variants_and_record_the_order(record):
     assert [row["variant"] for row in record.tables["compare"]] == forward
     # many variants, none of them the record's attention
     assert "attention" not in record.config and record.config["compare"]["variants"] == ["mha", "2", "mqa"]
+
+
+def test_a_compare_record_is_trusted_on_resume(record):
+    """Its figures pass the checks resume makes again (kvbench.results.distrust): a
+    ``<v>_step_ms_ctx<C>_ci_reason`` is words, though the pattern of the step in ms matches its name."""
+    assert isinstance(record.metrics["mha_kv8_step_ms_ctx16_ci_reason"], str)
+    assert distrust(read_record(record.written_to)) is None
 
 
 def test_paired_ratios_and_intervals_match_a_recompute_from_the_trials(record):
