@@ -20,6 +20,7 @@ from kvbench.config.record import attention_record, model_record
 from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
+from kvbench.measure import plausibility
 from kvbench.metrics import matches
 
 RESULTS_FILE = "results.json"
@@ -255,15 +256,17 @@ def metric_unit(name: str, units: Mapping[str, Any]) -> Optional[str]:
     """The unit of metric ``name``: the record's ``units`` (by name or pattern; an interval's bound has
     its estimate's), else read off the vocabulary of its name (``_ms``, ``_bytes``, ``_s``) for a record
     that declares none; None when neither says."""
+    words = name.split("_")
+    if isinstance(units.get(name), str):
+        return units[name]
+    if words[-1] in TEXT_WORDS:  # before the patterns: <v>_step_ms_ctx<C> matches ..._ctx16_ci_reason too
+        return "text"
     for key in (name, _estimate(name)):
         if isinstance(units.get(key), str):
             return units[key]
         unit = next((u for p, u in units.items() if "<" in p and isinstance(u, str) and matches(p, key)), None)
         if unit is not None:
             return unit
-    words = name.split("_")
-    if words[-1] in TEXT_WORDS:
-        return "text"
     if "per" in words[:-1] and words[-1] in ("ctx", "w"):
         return None  # a rate over context (decode_us_per_1k_ctx): signed
     return next((unit for word, unit in (("bytes", "bytes"), ("ms", "ms"), ("s", "s")) if word in words), None)
@@ -278,14 +281,25 @@ def distrust(record: RunResult) -> Optional[str]:
     """Why an ``ok`` record cannot stand for a finished job, or None: the checks the runner wrote it
     under, made again (a hand-edited or foreign record fails them), so resume measures it again.
     A schema this kvbench does not know; no metrics, or one not finite; a figure whose value is not
-    of its unit (``"fast"`` in ms); a negative count, size or time the record does not flag
-    ``implausible`` (measure/plausibility.py keeps such a figure, flagged)."""
+    of its unit (``"fast"`` in ms); a figure past a physical bound (measure/plausibility.py) that the
+    record does not flag ``implausible``; a negative count, size or time that no bound flags."""
     version = record.schema_version
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
         return f"schema_version={version!r}: this kvbench reads 1 to {SCHEMA_VERSION}"
     if not record.metrics:
         return "metrics is empty"
-    flagged = {item.get("metric") for item in record.implausible if isinstance(item, dict)}
+    try:  # the physical bounds the runner checked before writing it, on the record as it is now
+        found = plausibility.check(record.to_dict())
+    except Exception as exc:  # noqa: BLE001 — a record the check cannot read is no record it wrote
+        return f"its figures cannot be checked against the machine's bounds ({type(exc).__name__}: {exc})"
+    recorded = {item.get("metric") for item in record.implausible if isinstance(item, dict)}
+    for item in found:
+        if item["metric"] not in recorded:
+            name = str(item["metric"])
+            where, value = (name, item["value"]) if name.startswith("tables.") else (
+                f"metrics.{name}", record.metrics.get(name, item["value"]))  # as the record holds it
+            return f"{where}={value!r}: past a physical bound ({item['bound']}) the record does not flag"
+    flagged = {item["metric"] for item in found}
     for name, value in record.metrics.items():
         kind = nonfinite_kind(value)
         if kind:

@@ -38,8 +38,11 @@ def plant(tmp_path, data):
 
 # (where, key, value, what the line says): each a figure no run writes
 EDITS = [("metrics", "decode_ms_p50", "fast", "metrics.decode_ms_p50='fast': not a number (ms)"),
-         ("metrics", "decode_ms_p50", -5, "metrics.decode_ms_p50=-5: negative"),
-         ("metrics", "kv_cache_bytes", -1, "metrics.kv_cache_bytes=-1: negative"),
+         # below the step's roofline, and negative; a cache that allocates nothing (plausibility's bounds)
+         ("metrics", "decode_ms_p50", -5, "metrics.decode_ms_p50=-5: past a physical bound (>= roofline_ms"),
+         ("metrics", "kv_cache_bytes", -1, "metrics.kv_cache_bytes=-1: past a physical bound (> 0"),
+         ("metrics", "prefill_ms", -5, "metrics.prefill_ms=-5: negative, which no ms figure is"),
+         ("metrics", "kv_bytes_per_token", -1, "metrics.kv_bytes_per_token=-1: negative, which no bytes figure is"),
          ("metrics", "num_params", "many", "metrics.num_params='many': not a number (count)"),
          ("metrics", "noisy", "no", "metrics.noisy='no': not true or false"),
          ("metrics", "tokens_per_s", True, "metrics.tokens_per_s=True: not a number"),
@@ -65,7 +68,7 @@ def test_an_ok_record_no_run_can_write_is_measured_again_with_one_line_naming_ke
     record, why = resume_check(plant(tmp_path, hostile), config)
     assert record is None and why.startswith(line) and "\n" not in why
     # and a negative figure the writer keeps flagged implausible (measure/plausibility.py) stays trusted
-    if value == -1:
+    if key == "kv_cache_bytes":
         hostile["implausible"] = [{"metric": key, "value": -1, "bound": "> 0", "reason": "not seen"}]
         assert completed_record(plant(tmp_path, hostile), config) is not None
 

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool",
-     "hyper_connection"],
+     "hyper_connection", "measure.plausibility"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.hf_keys", "config.hf_agree",
      "config.indexer", "config.layer_options", "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
@@ -32,7 +32,7 @@ LAYERS = [
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention",
      "layouts.mamba2_mixer", "layouts.compressed_attention", "layouts.kda_mixer"],
     ["layouts.attention", "layouts.latent_nope_attention", "mlp.experts"],
-    ["model", "results", "measure.timing", "measure.memory", "measure.stats", "measure.plausibility"],
+    ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint", "views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",
      "serving.scheduler"],

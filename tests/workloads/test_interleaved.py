@@ -1,6 +1,7 @@
 """task=compare: variants alternate trial by trial (the order is recorded), share the MHA weights,
 and the slope, intervals and paired ratios are what the stats module computes from the trials."""
 
+import os
 import signal
 from contextlib import contextmanager
 from dataclasses import replace
@@ -8,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import compose
+from conftest import LiveKvbench, compose
 
 from kvbench.cache import cache_for
 from kvbench.config.errors import ConfigError
@@ -16,7 +17,7 @@ from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
-from kvbench.results import read_record
+from kvbench.results import distrust, read_record
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import round_order, summarize, variants
 
@@ -50,6 +51,13 @@ def test_rounds_alternate_the_variants_and_record_the_order(record):
     assert [row["variant"] for row in record.tables["compare"]] == forward
     # many variants, none of them the record's attention
     assert "attention" not in record.config and record.config["compare"]["variants"] == ["mha", "2", "mqa"]
+
+
+def test_a_compare_record_is_trusted_on_resume(record):
+    """Its figures pass the checks resume makes again (kvbench.results.distrust): a
+    ``<v>_step_ms_ctx<C>_ci_reason`` is words, though the pattern of the step in ms matches its name."""
+    assert isinstance(record.metrics["mha_kv8_step_ms_ctx16_ci_reason"], str)
+    assert distrust(read_record(record.written_to)) is None
 
 
 def test_paired_ratios_and_intervals_match_a_recompute_from_the_trials(record):
@@ -214,3 +222,24 @@ def test_a_prefill_in_chunks_fills_every_layouts_cache_as_one_call_does():
             assert chunked.length == whole.length == 100
             torch.testing.assert_close(decode_step(v.model, token, chunked, 100),
                                        decode_step(v.model, token, whole, 100), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_ctrl_c_mid_compare_keeps_its_complete_rounds_from_the_command_line(tmp_path):
+    """``kvbench task=compare`` with its job in its own process, Ctrl-C (SIGINT to the process group, as
+    a terminal sends it) once the log says round 3 is done: exit 130, one line saying partial with its
+    rounds, and the record keeps the comparison of the rounds complete by then."""
+    run = LiveKvbench("task=compare", "model=tiny", "compare.variants=[mha,mqa]", "compare.contexts=[16,64]",
+                      "compare.steps=100", "runtime.warmup=0", "runtime.repeats=40", "runtime.threads=1",
+                      "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                      start_new_session=True)
+    # (1 prefill + 40 rounds) x 2 variants = 82 ticks, a line every 8: prefills, rounds 1 and 2, round 3
+    run.wait_for(r": 8/82 compare: round 3/40 \(")
+    os.killpg(run.pid, signal.SIGINT)
+    assert run.finish() == 130, run.output
+    record = read_record(tmp_path / "run")
+    rounds = record.metrics["rounds"]
+    assert record.status == "interrupted" and record.metrics["partial"] is True and 3 <= rounds < 40
+    assert f"interrupted by SIGINT; partial: interrupted after {rounds} of 40 timed rounds" in run.stderr
+    assert [row["variant"] for row in record.tables["compare"]] == ["mha_kv8", "mqa_kv1"]
+    assert max(t["round"] for t in record.tables["trials"]) in (rounds - 1, rounds)
