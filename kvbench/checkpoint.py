@@ -20,7 +20,7 @@ import re
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,14 +30,14 @@ from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
-from kvbench.hf_weights import CheckpointError, StoredTensor, load_tensors, read_headers
+from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write, path_problem
 from kvbench.layouts.attention import MODULES
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.gated_deltanet_attention import unfuse
-from kvbench.mlp.weights import MOE_NAMES, expert_tensors, read_assembled
+from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
 
@@ -47,12 +47,19 @@ _RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
 
 
 def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
-                  config_name: str = "config.json", model: str = "the decoder its saved config describes") -> None:
+                  config_name: str = "config.json", model: str = "the decoder its saved config describes",
+                  names: Optional[Mapping[str, str]] = None) -> None:
     """Check ``tensors`` are the ones a decoder needs, by name and shape, finite floating point; ``tensors``
-    may be headers (:class:`~kvbench.hf_weights.StoredTensor`), whose values are not checked yet."""
-    missing = sorted(expected.keys() - tensors.keys())
+    may be headers (:class:`~kvbench.hf_weights.StoredTensor`), whose values are not checked yet.
+    ``names``: the decoder's name -> the file's, so that every refusal names the tensor as the file
+    does (a transformers checkpoint's ``model.embed_tokens.weight``, not ``embed.weight``)."""
+    def named(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    missing = sorted(named(k) for k in expected.keys() - tensors.keys())
     # Rotary inverse frequencies some exporters store are recomputed, not loaded.
-    unexpected = sorted(k for k in tensors.keys() - expected.keys() if not str(k).endswith("rotary_emb.inv_freq"))
+    unexpected = sorted(named(k) for k in tensors.keys() - expected.keys()
+                        if not str(k).endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
         raise CheckpointError(f"{where}: tensor names do not match {model}: "
                               f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
@@ -61,13 +68,13 @@ def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors
         t = tensors[name]
         header = isinstance(t, StoredTensor)
         if not (t.is_floating_point if header else isinstance(t, torch.Tensor) and t.is_floating_point()):
-            raise CheckpointError(f"{where}: {name} is {getattr(t, 'dtype', type(t).__name__)}, "
+            raise CheckpointError(f"{where}: tensor {named(name)} is {getattr(t, 'dtype', type(t).__name__)}, "
                                   "not a floating-point tensor")
         if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(t.shape)}, "
+            raise CheckpointError(f"{where}: tensor {named(name)} has shape {tuple(t.shape)}, "
                                   f"{config_name} implies {tuple(shape)}")
         if not header and not torch.isfinite(t).all():
-            raise CheckpointError(f"{where}: tensor {name} holds NaN or infinite values")
+            raise CheckpointError(f"{where}: tensor {named(name)} holds NaN or infinite values")
 
 
 def _expected_tensors(model: ModelConfig, attention: AttentionConfig) -> Dict[str, torch.Size]:
@@ -171,6 +178,54 @@ def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
     return f"blocks.{i}." + _renamed(rest, {**MOE_NAMES, **_BLOCK_NAMES})
 
 
+def decoder_to_hf_name(name: str, layouts: Sequence[LayerLayout], stacked_experts: bool = False) -> str:
+    """The decoder's parameter name -> transformers' (:func:`hf_to_decoder_name` backwards), to name a
+    tensor the file lacks as the file would; an expert weight as its first per-expert tensor, or
+    GPT-OSS's stacked one (``stacked_experts``)."""
+    match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if match is None:
+        return _renamed(name, _inverse(_MODEL_NAMES))
+    i, rest = int(match.group(1)), match.group(2)
+    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    if module is not None and rest.startswith("attn."):
+        return f"model.layers.{i}.{module.HF_MODULE}." + _renamed(rest[len("attn."):], _inverse(module.HF_NAMES))
+    rest = expert_file_name(rest, stacked_experts) or _renamed(rest, _inverse({**MOE_NAMES, **_BLOCK_NAMES}))
+    return f"model.layers.{i}.{rest}"
+
+
+def _inverse(names: Mapping[str, str]) -> Dict[str, str]:
+    # longest first: the decoder's "wq.0." (q_a_proj) before "wq." (q_proj)
+    return dict(sorted(((new, old) for old, new in names.items()), key=lambda kv: -len(kv[0])))
+
+
+def file_names(expected: Iterable[str], stored: Mapping[str, StoredTensor], layouts: Sequence[LayerLayout],
+               prefix: Optional[str] = None) -> Dict[str, str]:
+    """The decoder's name -> the checkpoint's, for every name a refusal may give: a stored tensor's own
+    name (a fused or stacked one's for each of its parts); one the file lacks, spelled as the file
+    spells that tensor in its other layers (``shared_experts`` or ``shared_expert``, GPT-OSS's
+    ``mlp.router``, Qwen3-Next's fused ``in_proj_qkvz``), else as transformers names it."""
+    def kind(key: str) -> Optional[tuple]:  # (the layer's kind, the name below it), or None
+        m = re.match(r"blocks\.(\d+)\.", key)
+        i = int(m.group(1)) if m else len(layouts)
+        return (type(layouts[i]), key[m.end():], m.group(1)) if i < len(layouts) else None
+
+    spelled: Dict[tuple, str] = {}  # (layer kind, the decoder's name below it) -> the file's, layer blanked
+    for key, t in stored.items():
+        if (k := kind(key)) and f".layers.{k[2]}." in t.name:
+            spelled.setdefault(k[:2], t.name.replace(f".layers.{k[2]}.", ".layers.\0.", 1))  # not format: {} in a name
+    stacked = any(re.search(r"\.experts\.(gate_up|down)_proj", t.name) for t in stored.values())
+    plural = any(".mlp.shared_experts." in t.name for t in stored.values())  # DeepSeek's spelling, not Qwen's
+    out = {}
+    for key in expected:
+        if (k := kind(key)) and k[:2] in spelled:
+            out[key] = spelled[k[:2]].replace("\0", k[2])
+            continue
+        hf = decoder_to_hf_name(key, layouts, stacked)
+        hf = hf.replace(".mlp.shared_expert.", ".mlp.shared_experts.") if plural else hf
+        out[key] = prefix + hf[len("model."):] if prefix and hf.startswith("model.") else hf
+    return {**out, **{k: t.name for k, t in stored.items()}}
+
+
 def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) -> ModelConfig:
     """The decoder shape a checkpoint directory's config.json describes."""
     return _llama_config(directory, max_seq_len)[0]
@@ -221,11 +276,13 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
             raise CheckpointError(f"{directory}: tensor {tensor.name} has shape {tuple(tensor.shape)}, config.json "
                                   f"implies {want}")
         stored.update({k: replace(tensor, shape=tuple(expected[k])) for k in keys})
-    check_tensors(directory, expected, stored, model=model_name)
-    tensors = read_assembled(load_tensors, {k: stored[k] for k in expected})
+    prefix = hf_config.TEXT_MODEL_PREFIX.get(hf_config.checkpoint_architecture(hf))
+    names = file_names(expected, stored, layouts, prefix)  # every refusal below names the file's tensor
+    check_tensors(directory, expected, stored, model=model_name, names=names)
+    tensors = read_assembled(partial(load_finite_tensors, directory), {k: stored[k] for k in expected})
     for (i, name), parts in fused.items():  # each part was read as the whole fused tensor
         tensors.update({f"blocks.{i}.attn.{k}": t for k, t in unfuse(layouts[i], name, tensors[parts[0]]).items()})
-    check_tensors(directory, expected, tensors, model=model_name)  # the values: finite
+    check_tensors(directory, expected, tensors, model=model_name, names=names)
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
         _deinterleave_rope(tensors, model_cfg, attention)
     decoder = build_decoder(model_cfg, attention, tensors, dtype, device)

@@ -99,14 +99,14 @@ def _main() -> None:
 def _group_path_override(arguments: List[str]) -> Optional[str]:
     """One line for a group override whose option is a path rather than an option of the group
     (``workload=../config`` composed conf/config.yaml as a workload and failed on ``workload/slo=none``,
-    naming neither the override nor the problem; ``workload=../workload/decode`` ran): the override
-    and the group's options. None when every group override names options (or none is a path)."""
+    naming neither the override nor the problem; ``workload=../workload/decode`` ran;
+    ``hydra/sweeper=../config`` named ``hydra/sweeper/..=config``): the override and the group's
+    options. None when no group override's option is a path."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for argument in (a for a in arguments if not a.startswith("-")):
         group = argument.lstrip("+~").partition("=")[0]
-        folder = CONF_DIR / group
-        if "=" not in argument or group.startswith("hydra") or not group or not folder.is_dir():
+        if "=" not in argument or not group or "." in group or "@" in group:  # a key, or a package
             continue
         try:
             [override] = OverridesParser.create().parse_overrides([argument])
@@ -116,9 +116,24 @@ def _group_path_override(arguments: List[str]) -> Optional[str]:
         # ``..`` or a root leaves the group; a nested name (``team/mine`` of a --config-dir) is Hydra's to find
         if any(isinstance(v, str) and (".." in v.replace("\\", "/").split("/") or v.startswith(("/", "\\")))
                for v in values):
-            return one_line(f"{argument}: no such option in {group}/ (a path is no option; available: "
-                            f"{', '.join(group_options(folder))})")
+            options = _group_options(group)
+            if options is not None:
+                return one_line(f"{argument}: no such option in {group}/ (a path is no option; available: "
+                                f"{', '.join(options)})")
     return None
+
+
+def _group_options(group: str) -> Optional[List[str]]:
+    """The options of config group ``group`` as Hydra finds them (kvbench's conf/ and Hydra's plugins:
+    ``hydra/sweeper``); None when ``group`` is no group."""
+    try:  # Hydra's own repository (an internal API): kvbench's groups and the plugins'
+        from hydra._internal.config_repository import ConfigRepository
+        from hydra._internal.utils import create_config_search_path
+
+        repository = ConfigRepository(create_config_search_path(str(CONF_DIR)))
+        return repository.get_group_options(group) if repository.group_exists(group) else None
+    except Exception:  # noqa: BLE001 — another Hydra: the groups of conf/ alone
+        return group_options(CONF_DIR / group) if (CONF_DIR / group).is_dir() else None
 
 
 def _top_level_names() -> list:

@@ -173,3 +173,16 @@ def load_tensors(stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:
                 return {name: handle.get_tensor(name) for name in sorted(names)}
         read.update({(f, name): t for name, t in reading(f, "safetensors file", tensors).items()})
     return {key: read[(tensor.file, tensor.name)] for key, tensor in stored.items()}
+
+
+def load_finite_tensors(directory: Path, stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:
+    """:func:`load_tensors`, each floating-point tensor checked finite as the file holds it: a NaN in
+    one expert is named by that expert's tensor, not by the stacked weight it becomes."""
+    tensors = load_tensors(stored)
+    seen = set()
+    for key, t in tensors.items():
+        where = (stored[key].file, stored[key].name)
+        if where not in seen and t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"{directory}: tensor {stored[key].name} holds NaN or infinite values")
+        seen.add(where)
+    return tensors

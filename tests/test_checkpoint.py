@@ -175,7 +175,7 @@ def test_llama_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"architectures=\['GPT2LMHeadModel'\]: not supported"):
         load_llama_dir(path)
     _edit_config(path, architectures=["LlamaForCausalLM"], intermediate_size=64)
-    with pytest.raises(CheckpointError, match=r"blocks\.0\.mlp\.w_gate\.weight has shape \(48, 32\), "
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \(48, 32\), "
                                               r"config.json implies \(64, 32\)"):
         load_llama_dir(path)
     _edit_config(path, intermediate_size=48, num_hidden_layers=3)

@@ -121,6 +121,8 @@ BAD_INPUT = [
                              "conversations, decode, multiturn, serving)"),
     (["workload=../workload/decode"], "workload=../workload/decode: no such option in workload/ (a path"),  # it ran
     (["model=/etc/passwd"], "model=/etc/passwd: no such option in model/ (a path is no option; available: "),
+    (["hydra/sweeper=../config"], "hydra/sweeper=../config: no such option in hydra/sweeper/ (a path is no option; "
+                                  "available: basic, optuna)"),  # it named hydra/sweeper/..=config
     (["workload.prompt_len=["], "workload.prompt_len=[: "),
     # typed before the run's directory is made: the same one line (they were once invalid records)
     (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'"),

@@ -162,13 +162,16 @@ def test_experts_in_a_layer_config_json_makes_dense_are_named(tmp_path):
 def test_experts_stored_in_mixed_dtypes_are_named(tmp_path):
     path, _ = moe_dir(tmp_path, "qwen3_moe")
     _edit_tensors(path, lambda t: t.update({k: t[k].half() for k in ["model.layers.0.mlp.experts.5.gate_proj.weight"]}))
-    assert "the tensors of blocks.0.mlp.experts.w_gate_up mix dtypes ['F16', 'F32']" in _load_error(path)
+    # the file's tensors, not the decoder's stacked weight (blocks.0.mlp.experts.w_gate_up) they become
+    assert ("tensors model.layers.0.mlp.experts.0.gate_proj.weight (F32) and model.layers.0.mlp.experts.5.gate_proj."
+            "weight (F16) mix dtypes") in _load_error(path)
 
 
-def test_a_non_finite_expert_weight_is_named_after_assembly(tmp_path):
+def test_a_non_finite_expert_weight_is_named_as_the_file_names_it(tmp_path):
     path, _ = moe_dir(tmp_path, "qwen3_moe")
     _edit_tensors(path, lambda t: t["model.layers.0.mlp.experts.2.down_proj.weight"].__setitem__((0, 0), torch.nan))
-    assert "tensor blocks.0.mlp.experts.w_down holds NaN or infinite values" in _load_error(path)
+    # it named the stacked weight it becomes, blocks.0.mlp.experts.w_down
+    assert "tensor model.layers.0.mlp.experts.2.down_proj.weight holds NaN or infinite values" in _load_error(path)
 
 
 def test_uptraining_a_checkpoint_with_experts_under_a_dense_preset_is_refused_naming_model_moe(tmp_path):

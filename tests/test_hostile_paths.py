@@ -74,3 +74,13 @@ def test_a_job_given_a_file_as_its_model_directory_is_invalid_naming_the_key(pla
     assert result.status == "invalid"
     assert result.error == f"model.path={str(places / 'a-file')!r}: a file, not a directory (a checkpoint directory " \
                            "with config.json)"
+
+
+@pytest.mark.parametrize("name, why", [("missing.pt", "no such file or directory"),
+                                       ("fifo", "a FIFO, not a regular file")])
+def test_an_eval_checkpoint_path_that_is_no_checkpoint_is_invalid_saying_what_is_there(places, name, why):
+    result = run_job(compose("task=eval", f"train.checkpoint={places / name}", "model=tiny", "wandb=disabled",
+                             "runtime.isolate=false", "train.eval_batches=1", "train.batch_size=1", "train.seq_len=8"),
+                     places / "run")
+    assert result.status == "invalid", (result.status, result.error)
+    assert result.error == f"checkpoint {places / name}: {why}"

@@ -225,7 +225,7 @@ def test_a_deepseek_checkpoint_with_no_shared_expert_is_transformers(tmp_path, f
     _assert_exact(model, hf, "cpu")
     path, _ = moe_dir(tmp_path / "one", family)
     edit_config_json(path, n_shared_experts=0)
-    with pytest.raises(ConfigError, match=r"unexpected \['blocks\.1\.mlp\.shared\.w_down\.weight'"):
+    with pytest.raises(ConfigError, match=r"unexpected \['model\.layers\.1\.mlp\.shared_experts\.down_proj\.weight'"):
         load_llama_dir(path)
 
 

@@ -152,7 +152,8 @@ def test_a_moe_checkpoint_without_a_shared_expert_is_transformers(tmp_path, fami
     assert torch.equal(got, hf.generate(tokens[:, :9], max_new_tokens=21, do_sample=False, min_new_tokens=21)[:, 9:])
     path, _ = qwen_dir(tmp_path / "one", family)
     edit_config_json(path, shared_expert_intermediate_size=0)
-    with pytest.raises(CheckpointError, match=r"unexpected \['blocks\.\d\.mlp\.shared\.w_down\.weight'"):
+    with pytest.raises(CheckpointError, match=r"unexpected \['model\.layers\.\d\.mlp\.shared_expert\."
+                                              r"down_proj\.weight'"):
         load_llama_dir(path)
 
 

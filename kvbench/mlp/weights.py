@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -46,11 +46,25 @@ class Assembled(StoredTensor):
     build: Callable[[List[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
 
 
+def expert_file_name(name: str, stacked: bool) -> Optional[str]:
+    """A layer's stacked expert weight (the decoder's ``mlp.experts.w_gate_up``) as the checkpoint names
+    the tensor it starts from (``mlp.experts.0.gate_proj.weight``; GPT-OSS's ``mlp.experts.gate_up_proj``);
+    None for another name."""
+    match = re.fullmatch(r"mlp\.experts\.(w|b)_(gate_up|down)", name)
+    if match is None:
+        return None
+    kind, proj = match.groups()
+    if stacked:
+        return f"mlp.experts.{proj}_proj" + ("_bias" if kind == "b" else "")
+    return f"mlp.experts.0.{'gate' if proj == 'gate_up' else 'down'}_proj.weight"
+
+
 def _assembled(key: str, shape: tuple, parts: List[StoredTensor], build) -> Assembled:
     dtypes = sorted({p.dtype for p in parts})
     if len(dtypes) > 1:
-        raise CheckpointError(f"{parts[0].file.parent}: the tensors of {key} mix dtypes {dtypes} "
-                              f"({parts[0].name} ...): one expert's weights are stored unlike another's")
+        odd = next(p for p in parts if p.dtype != parts[0].dtype)
+        raise CheckpointError(f"{parts[0].file.parent}: tensors {parts[0].name} ({parts[0].dtype}) and {odd.name} "
+                              f"({odd.dtype}) mix dtypes: one expert's weights are stored unlike another's")
     return Assembled(parts[0].file, parts[0].name, shape, dtypes[0], tuple(parts), build)
 
 

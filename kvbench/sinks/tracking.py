@@ -271,6 +271,8 @@ def _track(result: RunResult, wandb_cfg: Mapping[str, Any], out_dir: Path | str,
     except Exception as exc:  # noqa: BLE001 — a sink never costs the run; say what failed
         log.warning("W&B tracking failed at %s: %s: %s (results.json is unaffected)",
                     stage, type(exc).__name__, exc)
+        if "wandb" in sys.modules:  # a run that failed to start leaves W&B's service up until the exit
+            _teardown(sys.modules["wandb"])
         return None
 
 
