@@ -236,7 +236,7 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         return Footprint(0, 0, 0)
     need = job_footprint(cfg)
     have = available_bytes(device)
-    if cfg.task == "compare":
+    if cfg.task == "compare" and need.total <= have:  # a base that does not fit at all is said so below
         _check_variants(cfg, need, have, device)
     if need.total <= have and cfg.task == "capacity":  # a model that does not fit at all is said so below
         _check_probe_range(cfg, need, have)
