@@ -98,12 +98,15 @@ def serve_rate(overrides: List[str], budget_mb: float, tmp: Path) -> tuple:
     return m.get("max_rate_under_slo"), m.get("max_rate_bound")
 
 
-def plot(rows: List[Dict], path: Path) -> None:
+def plot(rows: List[Dict], path: Path) -> bool:
+    """Draw the sequences that fit per row to ``path``; False (nothing drawn) when no row fits one."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.get("fit")]
+    if not shown:  # a budget below one sequence everywhere: a log axis of zeros cannot be drawn
+        return False
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(shown) + 1.6))
     names = [f"{r['model']}  {r['label']}  {r['precision']}" for r in shown]
     bars = (("formula", lambda r: r["fit"], "#4477aa"), ("per_kind", lambda r: r["allocators"]["per_kind"]["fit"],
@@ -137,6 +140,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--no-serve", action="store_true", help="formula only: no rate search")
     parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
+    for option, value, unit in (("--budget-gb", args.budget_gb, 1e9), ("--tiny-budget-mb", args.tiny_budget_mb, 1e6)):
+        if int(value * unit) < 1:  # the budgets are whole bytes: less than one is none at all
+            parser.error(f"argument {option}: {value!r}: less than one byte")
     torch.set_num_threads(1)
     rows: List[Dict] = []
     budget = int(args.budget_gb * 1e9)
@@ -194,10 +200,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                      f"| {note} |")
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    plot(rows, out.parent / PLOT)
-    lines += ["", f"![sequences that fit per layout and precision]({PLOT})", ""]
+    drawn = plot(rows, out.parent / PLOT)
+    lines += ["", f"![sequences that fit per layout and precision]({PLOT})" if drawn else
+              "(no plot: no row's budget holds one sequence at its context)", ""]
     write_report(out, "\n".join(lines), keys=3)  # model, variant, KV precision name a row
-    if out == OUT:
+    if out == OUT and drawn:
         shutil.copyfile(out.parent / PLOT, ROOT / "docs" / PLOT)
 
 

@@ -62,7 +62,9 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     moe, kinds = model.moe, _layer_kinds(model, resolved)
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
     # have none, and one kind of layer each (linear ones named in layer_types, which an interval contradicts).
-    small = dataclasses.replace(model.without_pattern(), num_layers=1, max_seq_len=1, moe=None)
+    # as long as a top-k asked of the run (DSA), which is checked again against the small models' length
+    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None,
+                                max_seq_len=max(1, getattr(attention, "index_topk", None) or 0))
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
     per_layer, fixed, embedding = {}, 0, 0
@@ -234,7 +236,7 @@ def check_fits(cfg: BenchConfig, device: torch.device) -> Footprint:
         return Footprint(0, 0, 0)
     need = job_footprint(cfg)
     have = available_bytes(device)
-    if cfg.task == "compare":
+    if cfg.task == "compare" and need.total <= have:  # a base that does not fit at all is said so below
         _check_variants(cfg, need, have, device)
     if need.total <= have and cfg.task == "capacity":  # a model that does not fit at all is said so below
         _check_probe_range(cfg, need, have)

@@ -44,6 +44,7 @@ CASES = [
     ("capacity_report", ["--context", "-1"], "argument --context: '-1': must be an integer >= 1"),
     ("capacity_report", ["--budget-gb", "nan"], "argument --budget-gb: 'nan': must be a finite number > 0"),
     ("capacity_report", ["--tiny-budget-mb", "inf"], "argument --tiny-budget-mb: 'inf'"),
+    ("capacity_report", ["--budget-gb", "1e-12"], "argument --budget-gb: 1e-12: less than one byte"),
     ("capacity_report", ["--tiny-context", "1e3"], "argument --tiny-context: '1e3': must be an integer >= 1"),
     ("conversations_eviction", ["--attention", "paged"], "argument --attention: 'paged': must be one of"),
     ("conversations_eviction", ["--budgets", "2,-1"], "argument --budgets: '-1'"),
@@ -185,6 +186,13 @@ def test_capacity_report_has_no_row_for_a_context_past_a_models_length(tmp_path,
     row = module.formula_row(["model=llama3_8b", "runtime.dtype=bfloat16"], 10000, 40 * 10**9)
     assert row == {"refused": "context 10000: more than model.max_seq_len=8192"}
     assert module.formula_row(["model=gemma3_27b", "runtime.dtype=bfloat16"], 10000, 40 * 10**9)["fit"] >= 1
+
+
+def test_capacity_report_draws_no_plot_where_no_row_holds_one_sequence(tmp_path, monkeypatch):
+    """A budget below one sequence in every row: a log axis of zeros raised ValueError after the rows."""
+    module = script("capacity_report", monkeypatch)
+    assert module.plot([{"fit": 0}, {"refused": "x"}], tmp_path / "p.png") is False
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.e2e  # the scripts in their own interpreters

@@ -191,10 +191,15 @@ def test_a_release_style_config_reads_transformers_defaults():
     assert m.preset_layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
         "full_attention"]
     assert m.rope_theta == 1e7 and m.linear_shape()["linear_num_value_heads"] == 4
-    # rope_parameters' factor before the top level's, as transformers standardises them
-    m = ModelConfig.from_hf_config(hf_json(partial_rotary_factor=0.75, rope_theta=None, rope_parameters={
+    # rope_parameters' factor and theta, as transformers standardises them; the top level's beside
+    # another value in rope_parameters is a file that disagrees with itself (tests/test_hostile_round5.py)
+    m = ModelConfig.from_hf_config(hf_json(partial_rotary_factor=None, rope_theta=None, rope_parameters={
         "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}), "ck/config.json")
     assert (m.partial_rotary_factor, m.rope_theta) == (0.5, 1e6)
+    with pytest.raises(ConfigError, match=r"^ck/config.json: partial_rotary_factor=0.75 and "
+                                          r"rope_parameters.partial_rotary_factor=0.5 disagree"):
+        ModelConfig.from_hf_config(hf_json(partial_rotary_factor=0.75, rope_theta=None, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}), "ck/config.json")
     assert ModelConfig.from_hf_config(hf_json(partial_rotary_factor=0.75)).rotary_dim == 12
     # every layer's MLP dense another way: no experts
     assert ModelConfig.from_hf_config(hf_json(num_experts=0, mlp_only_layers=None)).num_layers == 8

@@ -29,7 +29,10 @@ def check_agreement(given: Mapping[str, Any], cfg: Mapping[str, Any], read: Coll
     architecture reads (:data:`kvbench.config.hf.WINDOW_KEYS_READ`), ``hybrid`` whether its
     ``layer_types`` names Gated DeltaNet layers (and ``full_attention_interval`` is read)."""
     types = given.get("layer_types") if "layer_types" in read or hybrid else None
-    if isinstance(types, list) and all(isinstance(t, str) for t in types):
+    layers = given.get("num_hidden_layers")
+    # a layer_types that is wrong on its own (an unknown kind, another length) is refused as such, by its reader
+    if isinstance(types, list) and all(t in (SLIDING, FULL, LINEAR) for t in types) and (
+            not _count(layers) or len(types) == layers):
         _check_window_keys(given, cfg, read, types)
         interval = given.get("full_attention_interval")
         if hybrid and _count(interval) and types != _interval_types(interval, len(types)):
