@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config.dtypes import CACHE_DTYPES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
+from kvbench.config.dtypes import CACHE_DTYPES, DTYPE_BYTES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
 from kvbench.config.errors import ConfigError
 from kvbench.config.task import Asked
 from kvbench.units import human_bytes, index_text
@@ -41,15 +41,23 @@ class Limit:
 @dataclass(frozen=True)
 class State:
     """What a recurrent layer holds per sequence at any length: its convolution's last ``conv_tail``
-    inputs (compute dtype) and a ``recurrent`` state in float32, as transformers and
-    flash-linear-attention keep it (it accumulates over every token)."""
+    inputs (compute dtype) and a ``recurrent`` state in ``state_dtype``: float32 by default, as
+    transformers and flash-linear-attention keep it (it accumulates over every token); bfloat16 or
+    float16 where asked (``cache.state_dtype``, vLLM's ``mamba_ssm_cache_dtype``), computed in
+    float32 all the same and rounded once per write."""
 
     conv_channels: int
     conv_tail: int
     recurrent: Tuple[int, ...]
+    state_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.state_dtype not in DTYPE_BYTES:
+            raise ConfigError(f"cache.state_dtype={self.state_dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
 
     def nbytes(self, element: int) -> int:
-        return self.conv_channels * self.conv_tail * element + math.prod(self.recurrent) * 4
+        return self.conv_channels * self.conv_tail * element + \
+            math.prod(self.recurrent) * DTYPE_BYTES[self.state_dtype]
 
 
 @dataclass(frozen=True)
