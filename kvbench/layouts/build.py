@@ -12,12 +12,13 @@ from kvbench.layouts.kv_sharing import share_kv
 from kvbench.layouts.latent import Latent
 
 
-def build_layouts(model, attention) -> Layouts:
-    """The layouts of ``model`` under ``attention``, built once per pair and shared (they are immutable).
-    The configs are mutable: the key is what they say now (their repr), not which objects they are."""
-    key = (repr(model), repr(attention))
+def build_layouts(model, attention, state_dtype: str = "float32") -> Layouts:
+    """The layouts of ``model`` under ``attention``, a recurrent layer's state held in ``state_dtype``
+    (``cache.state_dtype``), built once per triple and shared (they are immutable). The configs are
+    mutable: the key is what they say now (their repr), not which objects they are."""
+    key = (repr(model), repr(attention), state_dtype)
     if key not in _BUILT:
-        _BUILT[key] = _build(model, attention)
+        _BUILT[key] = _build(model, attention, state_dtype)
         if len(_BUILT) > 16:
             _BUILT.popitem(last=False)
     return _BUILT[key]
@@ -26,7 +27,7 @@ def build_layouts(model, attention) -> Layouts:
 _BUILT: "OrderedDict[tuple, Layouts]" = OrderedDict()
 
 
-def _build(model, attention) -> Layouts:
+def _build(model, attention, state_dtype: str) -> Layouts:
     """One layout per layer: Gated DeltaNet where layer_types says linear_attention, else K/V heads or
     a latent with its window; then the last attention.kv_shared_layers read their donors' K/V. Layers
     of one kind and window share one layout object."""
@@ -37,7 +38,8 @@ def _build(model, attention) -> Layouts:
 
     def layer(key):  # LINEAR, or an attention layer's window
         if key == LINEAR:
-            return GatedDeltaNet(None, **linear, num_heads=model.num_heads, head_dim=model.head_dim)
+            return GatedDeltaNet(None, **linear, state_dtype=state_dtype, num_heads=model.num_heads,
+                                 head_dim=model.head_dim)
         if attention.latent:
             return Latent(key, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
                           attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,

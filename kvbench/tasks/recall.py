@@ -105,7 +105,7 @@ def summarise(per_seed: List[float]) -> Dict[str, Any]:
 def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
     """The model scored is the layout its label names, layer by layer: a conversion that dropped
     part of it would score another model under the variant's label."""
-    if model.layouts != build_layouts(model.config, attention):
+    if model.layouts != build_layouts(model.config, attention, model.state_dtype):
         raise RuntimeError(f"the recall model is {variant_label(model.attention)}, not the variant "
                            f"{variant_label(attention)} it is scored as")
 
@@ -164,7 +164,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
             with device:
                 # converting: the MHA model of the variant's own layer pattern, so only its heads change
                 start = replace(attention, type="mha", num_kv_heads=h) if converting else attention
-                model = Decoder(model_cfg, start).to(torch_dtype("float32"))
+                model = Decoder(model_cfg, start, cfg.cache.state_dtype).to(torch_dtype("float32"))
             fitted = _fit(model, cfg, cfg.train.steps, seed, conds, tick)
             seconds += fitted["train_seconds"]
             curve += [{"seed": seed, "stage": "train", **point} for point in fitted["curve"]]
