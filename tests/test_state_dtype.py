@@ -3,6 +3,8 @@ vLLM's ``mamba_ssm_cache_dtype`` allows). On a Gated DeltaNet hybrid: the bytes 
 and the serving store allocate equal a hand formula in either dtype, a bfloat16 state decodes the
 same greedy tokens as a float32 one, task=inspect says the dtype, and a bad value is one line."""
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from conftest import compose, tiny_model_config
@@ -116,3 +118,23 @@ def test_a_mamba2_layers_state_is_the_shared_state_in_its_checkpoints_dtype():
     assert layer.state_bytes(4) == channels * 3 * 4 + 4 * 8 * 6 * 2
     cache = StateLayer(layer.state, 3, torch.float32)
     assert cache.recurrent.dtype == torch.bfloat16 and cache.nbytes == 3 * layer.state_bytes(4)
+
+
+def test_the_label_and_the_record_name_a_half_precision_state():
+    """Two jobs that differ only in cache.state_dtype are two rows: the label says a state that is
+    not float32, on the layers that hold one; the record keeps the key (the decode workload reads it)."""
+    from kvbench.config.layer_pattern import job_variant_label
+    from kvbench.results import record_config
+    from kvbench.views import Variant
+
+    hybrid_keys = ["model=tiny", "attention.full_attention_interval=2"]
+    labels = {}
+    for state_dtype in ("float32", "bfloat16"):
+        job = to_bench_config(compose(*hybrid_keys, f"cache.state_dtype={state_dtype}"))
+        labels[state_dtype] = job_variant_label(job)
+        record = record_config(asdict(job))  # as the runner records a job (kvbench/jobs/runner.py)
+        assert record["cache"]["state_dtype"] == state_dtype
+        assert Variant.from_config(record).label == labels[state_dtype]
+    assert labels == {"float32": "mha kv=8 gdn 1:1", "bfloat16": "mha kv=8 gdn 1:1 state=bfloat16"}
+    plain = to_bench_config(compose("model=tiny", "cache.state_dtype=bfloat16"))
+    assert job_variant_label(plain) == "mha kv=8"  # no layer holds a state: nothing to name

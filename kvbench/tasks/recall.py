@@ -164,7 +164,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
             with device:
                 # converting: the MHA model of the variant's own layer pattern, so only its heads change
                 start = replace(attention, type="mha", num_kv_heads=h) if converting else attention
-                model = Decoder(model_cfg, start, cfg.cache.state_dtype).to(torch_dtype("float32"))
+                model = Decoder(model_cfg, start).to(torch_dtype("float32"))
             fitted = _fit(model, cfg, cfg.train.steps, seed, conds, tick)
             seconds += fitted["train_seconds"]
             curve += [{"seed": seed, "stage": "train", **point} for point in fitted["curve"]]
