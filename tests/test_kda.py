@@ -1,13 +1,14 @@
-"""KDA layers and Kimi Linear's full layers (kvbench.layouts.kda, kda_mixer, latent_nope,
-latent_nope_attention): exact against transformers' KimiLinearDeltaAttention and KimiLinearAttention
-(tiny random KimiLinearConfig, float32) in prefill and over cached decode steps, and a whole Kimi
-Linear built from them against transformers' generate; the chunked rule against the recurrent step
-and a float64 loop; the chunked rule's working memory against the prompt's length (and
-transformers', which grows with it); the state's bytes against a hand formula; config.json
-reading against KimiLinearConfig; what the layers refuse, in one line."""
+"""KDA layers and Kimi Linear's full layers (kvbench.layouts.kda, kda_mixer; latent layers without
+rotary embeddings: latent, latent_attention): exact against transformers' KimiLinearDeltaAttention
+and KimiLinearAttention (tiny random KimiLinearConfig, float32) in prefill and over cached decode
+steps, and a whole Kimi Linear built from them against transformers' generate; the chunked rule
+against the recurrent step and a float64 loop; the chunked rule's working memory against the
+prompt's length (and transformers', which grows with it); the state's bytes against a hand formula;
+config.json reading against KimiLinearConfig; what the layers refuse, in one line."""
 
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,9 +27,8 @@ from kvbench.layouts.kda_mixer import (
     recurrent_kda,
 )
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.latent import kimi_latent_from_hf
 from kvbench.layouts.latent_attention import LatentAttention
-from kvbench.layouts.latent_nope import kimi_latent_from_hf
-from kvbench.layouts.latent_nope_attention import LatentNoPEAttention
 from kvbench.state_cache import StateLayer
 
 TOL = 1e-5
@@ -518,7 +518,7 @@ def test_a_tensor_that_is_not_the_layers_is_refused_by_name():
 
 def latent_weights(hf_attention) -> dict:
     """transformers' KimiLinearAttention tensors under LatentAttention's names."""
-    names = LatentNoPEAttention.HF_NAMES
+    names = LatentAttention.HF_NAMES
     return {names[name.split(".")[0] + "."] + name.split(".", 1)[1]: t for name, t in hf_attention.state_dict().items()}
 
 
@@ -544,7 +544,7 @@ def test_the_full_layers_equal_transformers_latent_attention_without_rotation(fo
     cfg = hf_config()
     hf = KimiLinearForCausalLM(cfg).model.layers[1].self_attn.eval()
     lay = kimi_latent_from_hf(config_json(cfg))
-    ours = LatentNoPEAttention(model_config(cfg), lay).eval()
+    ours = LatentAttention(model_config(cfg), lay).eval()
     ours.load_state_dict(latent_weights(hf))
     ours.form = form
     cos, sin = rope_tables(model_config(cfg), 4)
@@ -554,7 +554,7 @@ def test_the_full_layers_equal_transformers_latent_attention_without_rotation(fo
         want, _ = hf(x[:, start:end], causal_mask(start, end - start), cache=kv)
         got = ours(x[:, start:end], cos[start:end], sin[start:end], cache, Positions(start, end - start))
         assert (want - got).abs().max() <= TOL, start
-    rotating = LatentAttention(model_config(cfg), lay).eval()
+    rotating = LatentAttention(model_config(cfg), replace(lay, rotary=True)).eval()  # the same shape, rotated
     rotating.load_state_dict(ours.state_dict())
     fresh = layer_cache(lay, "static", 2, 256, torch.float32, torch.device("cpu"))
     want = hf(x, causal_mask(0, 110))[0]
@@ -586,7 +586,7 @@ def test_a_kimi_linear_greedy_decodes_40_tokens_as_transformers_generate():
             attention, cache = KDAAttention(mc, kda), StateLayer(kda.state, 2, torch.float32)
             attention.load_state_dict(hf_kda_weights(layer.self_attn.state_dict()))
         else:
-            attention, cache = LatentNoPEAttention(mc, mla), layer_cache(mla, "static", 2, 256, torch.float32,
+            attention, cache = LatentAttention(mc, mla), layer_cache(mla, "static", 2, 256, torch.float32,
                                                                           torch.device("cpu"))
             attention.load_state_dict(latent_weights(layer.self_attn))
         layers.append((layer, attention.eval(), cache))

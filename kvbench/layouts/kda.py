@@ -10,7 +10,7 @@ q_t, is RMS-normalised per head and gated. Nothing is stored per position: a seq
 default, as transformers keeps it) and the convolution's last K - 1 inputs in the compute dtype.
 
 Kimi Linear's other layers (``full_attn_layers``) are multi-head latent attention without rotary
-embeddings (:mod:`kvbench.layouts.latent_nope`).
+embeddings (:class:`~kvbench.layouts.latent.Latent` with ``rotary`` false).
 
 Notation: H heads of d (linear_num_heads, linear_head_dim), K taps, conv channels 3 H d.
 """
