@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 from kvbench.config.hf import LINEAR
 from kvbench.layouts.base import Layouts
@@ -18,7 +19,8 @@ def build_layouts(model, attention, state_dtype: str = "float32") -> Layouts:
     mutable: the key is what they say now (their repr), not which objects they are."""
     key = (repr(model), repr(attention), state_dtype)
     if key not in _BUILT:
-        _BUILT[key] = _build(model, attention, state_dtype)
+        layouts = _build(model, attention)
+        _BUILT[key] = layouts if state_dtype == "float32" else holding_states_in(layouts, state_dtype)
         if len(_BUILT) > 16:
             _BUILT.popitem(last=False)
     return _BUILT[key]
@@ -27,7 +29,17 @@ def build_layouts(model, attention, state_dtype: str = "float32") -> Layouts:
 _BUILT: "OrderedDict[tuple, Layouts]" = OrderedDict()
 
 
-def _build(model, attention, state_dtype: str) -> Layouts:
+def holding_states_in(layouts: Layouts, state_dtype: str) -> Layouts:
+    """``layouts`` with every layer that holds a recurrent state holding it in ``state_dtype`` (its
+    ``state_dtype`` field); the others, and which layers share an object, as they were."""
+    made = {id(layer): replace(layer, state_dtype=state_dtype) if layer.state is not None else layer
+            for layer in layouts.unique()}
+    if len(made) == 1:  # every layer alike (counted in C: a model may have 10^8)
+        return Layouts((next(iter(made.values())),) * len(layouts))
+    return Layouts(made[id(layer)] for layer in layouts)
+
+
+def _build(model, attention) -> Layouts:
     """One layout per layer: Gated DeltaNet where layer_types says linear_attention, else K/V heads or
     a latent with its window; then the last attention.kv_shared_layers read their donors' K/V. Layers
     of one kind and window share one layout object."""
@@ -38,8 +50,7 @@ def _build(model, attention, state_dtype: str) -> Layouts:
 
     def layer(key):  # LINEAR, or an attention layer's window
         if key == LINEAR:
-            return GatedDeltaNet(None, **linear, state_dtype=state_dtype, num_heads=model.num_heads,
-                                 head_dim=model.head_dim)
+            return GatedDeltaNet(None, **linear, num_heads=model.num_heads, head_dim=model.head_dim)
         if attention.latent:
             return Latent(key, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
                           attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
