@@ -380,7 +380,7 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
         for block in model.blocks:
             block.attn.form = attention.mla_decode
         model.attention = replace(model.attention, mla_decode=attention.mla_decode)
-        model.layouts = build_layouts(model.config, model.attention)
+        model.layouts = build_layouts(model.config, model.attention, model.state_dtype)
     return model, how
 
 
@@ -390,7 +390,8 @@ def with_layer_pattern(model: Decoder, attention: AttentionConfig) -> Decoder:
     if attention.layer_windows(model.config.num_layers) == list(model.layouts.windows):
         return model
     pattern = replace(model.attention, **_pattern_fields(model.config, attention))
-    return build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(model.training)
+    return build_decoder(model.config, pattern, model.state_dict(), device=model.device).train(
+        model.training).hold_states_in(model.state_dtype)
 
 
 def _pattern_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str, Any]:
@@ -441,4 +442,4 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
             state[name] = heads.reshape(num_kv_heads * D, *w.shape[1:])  # (H_kv, D, C) -> (H_kv * D, C)
     attention = replace(model.attention, type=attention_type(model.config.num_heads, num_kv_heads),
                         num_kv_heads=num_kv_heads, **_pattern_fields(model.config, model.attention))  # the same windows
-    return build_decoder(model.config, attention, state, device=model.device)
+    return build_decoder(model.config, attention, state, device=model.device).hold_states_in(model.state_dtype)

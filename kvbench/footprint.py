@@ -154,7 +154,7 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
         kv = serving_store_bytes(cfg)
     elif cfg.task == "bench" and cfg.cache.impl != "none":
         # The record's formula (workloads/decode.py): each layer's own positions and widths (kvbench.layouts).
-        kv = build_layouts(m, a).cache_bytes(cfg.workload.total_len, cfg.workload.batch_size,
+        kv = build_layouts(m, a, cfg.cache.state_dtype).cache_bytes(cfg.workload.total_len, cfg.workload.batch_size,
                                              DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
     data = 0
     if cfg.task == "recall":  # its model has the task's vocabulary (tasks/recall.py)
@@ -165,7 +165,8 @@ def job_footprint(cfg: BenchConfig) -> Footprint:
 def kv_bytes_per_token(cfg: BenchConfig) -> int:
     """KV bytes one token of one sequence holds in all layers, from the config: what
     :func:`kvbench.serving.paged.bytes_per_token` gives for the model once built."""
-    return build_layouts(cfg.model, cfg.attention).bytes_per_token(DTYPE_BYTES[cfg.runtime.dtype])
+    return build_layouts(cfg.model, cfg.attention, cfg.cache.state_dtype).bytes_per_token(
+        DTYPE_BYTES[cfg.runtime.dtype])
 
 
 def serving_store_bytes(cfg: BenchConfig) -> int:
@@ -174,7 +175,8 @@ def serving_store_bytes(cfg: BenchConfig) -> int:
     longest request's positions; a trace's are known once it is read: 1 here, a lower bound). The
     unified allocator's groups each keep storage for the whole pool: the budget once per group."""
     w = cfg.workload
-    groups = groups_of(build_layouts(cfg.model, cfg.attention), DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
+    groups = groups_of(build_layouts(cfg.model, cfg.attention, cfg.cache.state_dtype), DTYPE_BYTES[cfg.runtime.dtype],
+                       cfg.cache.dtype)
     if w.store == "paged":
         return int(budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, groups)) * (
             len(groups) if w.allocator == "unified" else 1)
@@ -265,7 +267,7 @@ def _check_variants(cfg: BenchConfig, base: Footprint, have: int, device: torch.
     element, longest = DTYPE_BYTES[cfg.runtime.dtype], max(cfg.compare.contexts) + 1
     sizes = []
     for spec, attention in zip(cfg.compare.variants, cfg.compare.attentions(cfg.model)):
-        layouts = build_layouts(cfg.model, attention)
+        layouts = build_layouts(cfg.model, attention, cfg.cache.state_dtype)
         sizes.append((spec, Footprint(parameter_count(cfg.model, attention) * BUILD_BYTES_PER_PARAM, 0,
                                       layouts.cache_bytes(longest, cfg.workload.batch_size, element, cfg.cache.dtype))))
     total = base.total + sum(f.total for _, f in sizes)

@@ -50,11 +50,12 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token embedding, ``num_layers`` blocks, final RMSNorm and LM head."""
 
-    def __init__(self, model: ModelConfig, attention: Optional[AttentionConfig] = None):
+    def __init__(self, model: ModelConfig, attention: Optional[AttentionConfig] = None,
+                 state_dtype: str = "float32"):
         super().__init__()
         attention = (attention or AttentionConfig(type="mha")).resolved(model)
-        self.config, self.attention = model, attention
-        self.layouts = build_layouts(model, attention)
+        self.config, self.attention, self.state_dtype = model, attention, state_dtype
+        self.layouts = build_layouts(model, attention, state_dtype)
         # On the meta device (parameter counts, footprints, checkpoint loads) nothing is initialised:
         # normal_ or arange on meta loads torch._dynamo (~1.3 s of CPU).
         meta = torch.empty(0).is_meta
@@ -85,6 +86,12 @@ class Decoder(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def hold_states_in(self, state_dtype: str) -> "Decoder":
+        """Hold the recurrent layers' states in ``state_dtype`` (``cache.state_dtype``) from now on: a
+        checkpoint's decoder is built before the run's cache config reaches it. No weight changes."""
+        self.state_dtype, self.layouts = state_dtype, build_layouts(self.config, self.attention, state_dtype)
+        return self
 
     def num_params(self) -> int:
         """Parameters, a tied tensor counted once."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.bench import TASKS, BenchConfig, objective_metric
-from kvbench.config.record import attention_record, model_record
+from kvbench.config.record import attention_record, cache_record, model_record
 from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
@@ -416,6 +416,8 @@ def record_config(config: Dict[str, Any]) -> Dict[str, Any]:
         out["attention"] = attention_record(out["attention"])
     if isinstance(out.get("model"), dict):
         out["model"] = model_record(out["model"])
+    if isinstance(out.get("cache"), dict):
+        out["cache"] = cache_record(out["cache"])
     return out
 
 

@@ -18,6 +18,9 @@ from typing import List, NamedTuple
 
 import torch
 
+# a state's dtype as the layouts name it (cache.state_dtype): they import no torch
+STATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 class Carry(NamedTuple):
     """What a recurrent layer continues from (see the module's docstring)."""
@@ -27,21 +30,26 @@ class Carry(NamedTuple):
 
 
 class StateLayer:
-    """One recurrent layer's cache: a (B, C, K - 1) convolution tail and a float32 state, written in
-    place; ``held`` False (cache ``none``): every forward starts from zeros."""
+    """One recurrent layer's cache: a (B, C, K - 1) convolution tail in the compute dtype and the
+    state in the layout's ``state_dtype``, written in place; ``held`` False (cache ``none``): every
+    forward starts from zeros. The kernels read the state up-cast to float32 and write it back
+    down-cast (``copy_``), as transformers and mamba_ssm do, so a half-precision state rounds once
+    per forward, not once per operation. ``nbytes``: what it holds, B x ``State.nbytes``."""
 
-    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  held: bool = True):
         self.shape, self.held = state, held
+        self.state_dtype = STATE_DTYPES[state.state_dtype]
         self.conv = torch.zeros(batch_size if held else 0, state.conv_channels, state.conv_tail, dtype=dtype,
                                 device=device)
-        self.recurrent = torch.zeros((batch_size if held else 0,) + state.recurrent, device=device)
+        self.recurrent = torch.zeros((batch_size if held else 0,) + state.recurrent, dtype=self.state_dtype,
+                                     device=device)
 
     def update(self, x: torch.Tensor, pos) -> Carry:
         B, tail = x.shape[0], self.shape.conv_tail
         if not self.held:
             return Carry(torch.cat([x.new_zeros(B, x.shape[1], tail), x], -1),
-                         torch.zeros((B,) + self.shape.recurrent, device=x.device))
+                         torch.zeros((B,) + self.shape.recurrent, dtype=self.state_dtype, device=x.device))
         conv, state = self.conv[:B], self.recurrent[:B]
         if pos.start == 0:  # a new sequence
             conv.zero_()
@@ -53,6 +61,10 @@ class StateLayer:
 
     def tensors(self) -> List[torch.Tensor]:
         return [self.conv, self.recurrent] if self.held else []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
 
     def truncate(self, length: int, held: int) -> None:
         """Only to 0 or ``held``: a state folds positions 0..held-1 together."""

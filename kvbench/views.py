@@ -53,9 +53,9 @@ def _get(config: Any, dotted: str) -> Any:
 class Variant:
     """An attention variant as its fields: ``layout`` mha | gqa | mqa | mla (None: unknown);
     ``num_kv_heads`` (MLA: 1, the cached head); ``pattern``: which layers are local, global or
-    linear; ``cache_dtype`` (None: auto); ``shared``: a chat's shared
-    prefix (None: not part of the variant); ``options``: the layer options that are on, as (key,
-    value) in :data:`~kvbench.config.layer_options.LAYER_OPTIONS` order."""
+    linear; ``cache_dtype`` (None: auto); ``state_dtype``: a recurrent state's (None: float32);
+    ``shared``: a chat's shared prefix (None: not part of the variant); ``options``: the layer
+    options that are on, as (key, value) in :data:`~kvbench.config.layer_options.LAYER_OPTIONS` order."""
 
     layout: Optional[str]
     num_heads: Optional[int] = None
@@ -64,6 +64,7 @@ class Variant:
     qk_rope_head_dim: Optional[int] = None
     pattern: LayerPattern = LayerPattern()
     cache_dtype: Optional[str] = None
+    state_dtype: Optional[str] = None
     shared: Optional[bool] = None
     model: Optional[str] = None
     options: Tuple[Tuple[str, Any], ...] = ()
@@ -81,12 +82,13 @@ class Variant:
             layout = attention_type(heads, kv)
         elif layout is None and isinstance(kind, str):
             layout = kind  # a type the schema does not know (an invalid job's): shown as given
-        dtype = _get(config, "cache.dtype")
+        dtype, state = _get(config, "cache.dtype"), _get(config, "cache.state_dtype")
         return cls(layout=layout, num_heads=as_int(heads), num_kv_heads=as_int(kv),
                    kv_lora_rank=rank, qk_rope_head_dim=as_int(_get(config, "attention.qk_rope_head_dim")),
                    pattern=LayerPattern.read(lambda key: _get(config, f"attention.{key}"),
                                              _get(config, "model.num_layers")),
                    cache_dtype=None if dtype in (None, "auto") else str(dtype),
+                   state_dtype=None if state in (None, "float32") else str(state),
                    model=_get(config, "model.name") if isinstance(_get(config, "model.name"), str) else None,
                    options=tuple((option.key, value) for option in LAYER_OPTIONS
                                  if (value := option.on(_get(config, f"attention.{option.key}"))) is not None))
@@ -144,7 +146,7 @@ class Variant:
         cache dtype and a chat's ``shared=on|off`` (:func:`kvbench.config.layer_pattern.variant_label`)."""
         attention = {"type": self.layout, "num_kv_heads": self.num_kv_heads, "kv_lora_rank": self.kv_lora_rank,
                      **self.pattern.fields(), **dict(self.options)}
-        parts = [variant_label(attention, self.cache_dtype, self.pattern.num_layers)]
+        parts = [variant_label(attention, self.cache_dtype, self.pattern.num_layers, self.state_dtype)]
         if self.shared is not None:
             parts.append(f"shared={'on' if self.shared else 'off'}")
         return " ".join(parts)
@@ -157,7 +159,7 @@ class Variant:
         rank = ATTENTION_TYPES.index(self.layout) if self.layout in ATTENTION_TYPES else len(ATTENTION_TYPES)
         size = self.num_kv_heads if self.counts_kv_heads else self.kv_lora_rank
         return (rank, -size if isinstance(size, int) else 0, self.pattern.order, self.quantized, self.cache_dtype or "",
-                self.shared is True, self.model or "", self.label)
+                self.state_dtype or "", self.shared is True, self.model or "", self.label)
 
     def with_sharing(self, shared: Optional[bool]) -> "Variant":
         """This variant with a chat's shared-prefix setting (named in its label)."""

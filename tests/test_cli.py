@@ -127,6 +127,8 @@ BAD_INPUT = [
     # typed before the run's directory is made: the same one line (they were once invalid records)
     (["workload.prompt_len=abc"], "workload.prompt_len='abc': Value 'abc' of type 'str'"),
     (["model=llama_dir"], "model.path=???: a value is required"),  # once: exit 0, a random model
+    # a recurrent state's dtype: float32 was hard-coded; a dtype no state is held in is refused as typed
+    (["cache.state_dtype=int8"], "cache.state_dtype='int8': must be one of float32, float16, bfloat16"),
 ]
 MINE = ("name: mine\nnum_layers: 3\nd_model: 96\nnum_heads: 12\npreset_kv_heads: 12\nffn_dim: 64\nvocab_size: 50\n"
         "max_seq_len: 128\n")

@@ -1,13 +1,14 @@
-"""KDA layers and Kimi Linear's full layers (kvbench.layouts.kda, kda_mixer, latent_nope,
-latent_nope_attention): exact against transformers' KimiLinearDeltaAttention and KimiLinearAttention
-(tiny random KimiLinearConfig, float32) in prefill and over cached decode steps, and a whole Kimi
-Linear built from them against transformers' generate; the chunked rule against the recurrent step
-and a float64 loop; the chunked rule's working memory against the prompt's length (and
-transformers', which grows with it); the state's bytes against a hand formula; config.json
-reading against KimiLinearConfig; what the layers refuse, in one line."""
+"""KDA layers and Kimi Linear's full layers (kvbench.layouts.kda, kda_mixer; latent layers without
+rotary embeddings: latent, latent_attention): exact against transformers' KimiLinearDeltaAttention
+and KimiLinearAttention (tiny random KimiLinearConfig, float32) in prefill and over cached decode
+steps, and a whole Kimi Linear built from them against transformers' generate; the chunked rule
+against the recurrent step and a float64 loop; the chunked rule's working memory against the
+prompt's length (and transformers', which grows with it); the state's bytes against a hand formula;
+config.json reading against KimiLinearConfig; what the layers refuse, in one line."""
 
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,16 +21,15 @@ from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf
 from kvbench.layouts.kda_mixer import (
     KDAAttention,
-    KDAStateLayer,
     chunked_kda,
     decayed_scores,
     hf_kda_weights,
     recurrent_kda,
 )
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.latent import kimi_latent_from_hf
 from kvbench.layouts.latent_attention import LatentAttention
-from kvbench.layouts.latent_nope import kimi_latent_from_hf
-from kvbench.layouts.latent_nope_attention import LatentNoPEAttention
+from kvbench.state_cache import StateLayer
 
 TOL = 1e-5
 D_MODEL = 64
@@ -104,7 +104,7 @@ def test_a_prompt_equals_transformers(T):
     _, hf, ours, lay = pair()
     x = torch.randn(2, T, D_MODEL)
     want = hf(x)
-    got = run(ours, KDAStateLayer(lay.state, 2, torch.float32), x, 0)
+    got = run(ours, StateLayer(lay.state, 2, torch.float32), x, 0)
     assert (want - got).abs().max().item() <= TOL
     assert want.abs().max() > 0.1  # the comparison is not between zeros
 
@@ -130,17 +130,17 @@ def test_prefill_in_two_parts_then_40_decode_steps_equal_transformers_and_one_pr
 
     cfg, hf, ours, lay = pair()
     x = torch.randn(2, 190, D_MODEL)
-    cache = KDAStateLayer(lay.state, 2, torch.float32)
+    cache = StateLayer(lay.state, 2, torch.float32)
     parts = [(0, 90), (90, 150)] + [(t, t + 1) for t in range(150, 190)]
     diffs, outputs = step_both(hf, DynamicCache(config=cfg), ours, cache, x, parts)
     assert len(diffs) == 42 and max(diffs) <= TOL, diffs
-    once = run(ours, KDAStateLayer(lay.state, 2, torch.float32), x, 0)
+    once = run(ours, StateLayer(lay.state, 2, torch.float32), x, 0)
     assert (once - outputs).abs().max().item() <= TOL
     assert (hf(x) - outputs).abs().max().item() <= TOL
     # the late outputs depend on the early tokens through the state: another first token changes them
     other = x.clone()
     other[:, 0] += 1
-    assert (run(ours, KDAStateLayer(lay.state, 2, torch.float32), other, 0) - once)[:, 180:].abs().max() > 1e-4
+    assert (run(ours, StateLayer(lay.state, 2, torch.float32), other, 0) - once)[:, 180:].abs().max() > 1e-4
 
 
 @torch.no_grad()
@@ -149,7 +149,7 @@ def test_a_forward_without_a_cache_starts_from_zero_state():
     state, transformers' forward without a cache, and nothing is kept."""
     _, hf, ours, lay = pair()
     x = torch.randn(2, 70, D_MODEL)
-    cache = KDAStateLayer(lay.state, 0, torch.float32, held=False)
+    cache = StateLayer(lay.state, 0, torch.float32, held=False)
     for _ in range(2):
         assert (hf(x) - run(ours, cache, x, 0)).abs().max().item() <= TOL
     assert cache.tensors() == [] and cache.nbytes == 0
@@ -161,7 +161,7 @@ def test_gradients_equal_transformers():
     _, hf, ours, lay = pair()
     x = torch.randn(2, 80, D_MODEL)
     hf(x).pow(2).sum().backward()
-    run(ours.train(), KDAStateLayer(lay.state, 0, torch.float32, held=False), x, 0).pow(2).sum().backward()
+    run(ours.train(), StateLayer(lay.state, 0, torch.float32, held=False), x, 0).pow(2).sum().backward()
     theirs = hf_kda_weights({name: p.grad for name, p in hf.named_parameters()})
     mine = dict(ours.named_parameters())
     assert sorted(theirs) == sorted(mine)
@@ -178,7 +178,7 @@ def test_in_bfloat16_a_prompt_and_steps_round_as_transformers():
     cfg, hf, ours, lay = pair()
     hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
     x = torch.randn(2, 90, D_MODEL, dtype=torch.bfloat16)
-    cache, hf_cache = KDAStateLayer(lay.state, 2, torch.bfloat16), DynamicCache(config=cfg)
+    cache, hf_cache = StateLayer(lay.state, 2, torch.bfloat16), DynamicCache(config=cfg)
     for start, end in [(0, 70)] + [(t, t + 1) for t in range(70, 90)]:
         want, got = hf(x[:, start:end], cache=hf_cache).float(), run(ours, cache, x[:, start:end], start).float()
         assert (want - got).abs().max() <= 2.0 ** -7 * want.abs().max(), start
@@ -235,7 +235,7 @@ def test_with_a_lower_bound_the_layer_equals_glm5_nexts_kda():
     glm.load_state_dict({theirs: ours.state_dict()[mine] for theirs, mine in names.items()})
     x = torch.randn(2, 190, D_MODEL)
     parts = [(0, 90), (90, 150)] + [(t, t + 1) for t in range(150, 190)]
-    diffs, _ = step_both(glm, DynamicCache(config=cfg), ours, KDAStateLayer(lay.state, 2, torch.float32), x, parts)
+    diffs, _ = step_both(glm, DynamicCache(config=cfg), ours, StateLayer(lay.state, 2, torch.float32), x, parts)
     assert len(diffs) == 42 and max(diffs) <= TOL, diffs
     assert glm(x).abs().max() > 0.1
 
@@ -349,7 +349,7 @@ def test_the_state_as_allocated_is_the_formula_and_does_not_grow(dtype, state_dt
     assert [layers.cache_bytes(S, Bsz, element) for S in (1, 256, 10 ** 6)] == [Bsz * per_sequence] * 3
     assert [layers.read_bytes(S, Bsz, element) for S in (1, 10 ** 6)] == [Bsz * per_sequence] * 2
     assert layers.step_flops(256) == layers.step_flops(4096) == sum(7 * H * d * d for H, d, _ in SHAPES)
-    caches = [KDAStateLayer(lay.state, Bsz, dtype) for lay in layers]
+    caches = [StateLayer(lay.state, Bsz, dtype) for lay in layers]
     assert sum(c.nbytes for c in caches) == Bsz * per_sequence
     assert [(c.conv.dtype, c.recurrent.dtype) for c in caches] == [(dtype, getattr(torch, state_dtype))] * 2
     before = [t.data_ptr() for c in caches for t in c.tensors()]
@@ -373,7 +373,7 @@ def test_a_half_precision_state_follows_the_float32_one():
     x = torch.randn(2, 90, D_MODEL)
     outs = []
     for shape in (lay.state, half.state):
-        cache = KDAStateLayer(shape, 2, torch.float32)
+        cache = StateLayer(shape, 2, torch.float32)
         outs.append(torch.cat([run(ours, cache, x[:, s:e], s) for s, e in [(0, 70)] + [(t, t + 1)
                                                                                       for t in range(70, 90)]], 1))
     assert 0 < (outs[0] - outs[1]).abs().max() <= 0.05 * outs[0].abs().max()
@@ -518,7 +518,7 @@ def test_a_tensor_that_is_not_the_layers_is_refused_by_name():
 
 def latent_weights(hf_attention) -> dict:
     """transformers' KimiLinearAttention tensors under LatentAttention's names."""
-    names = LatentNoPEAttention.HF_NAMES
+    names = LatentAttention.HF_NAMES
     return {names[name.split(".")[0] + "."] + name.split(".", 1)[1]: t for name, t in hf_attention.state_dict().items()}
 
 
@@ -544,7 +544,7 @@ def test_the_full_layers_equal_transformers_latent_attention_without_rotation(fo
     cfg = hf_config()
     hf = KimiLinearForCausalLM(cfg).model.layers[1].self_attn.eval()
     lay = kimi_latent_from_hf(config_json(cfg))
-    ours = LatentNoPEAttention(model_config(cfg), lay).eval()
+    ours = LatentAttention(model_config(cfg), lay).eval()
     ours.load_state_dict(latent_weights(hf))
     ours.form = form
     cos, sin = rope_tables(model_config(cfg), 4)
@@ -554,7 +554,7 @@ def test_the_full_layers_equal_transformers_latent_attention_without_rotation(fo
         want, _ = hf(x[:, start:end], causal_mask(start, end - start), cache=kv)
         got = ours(x[:, start:end], cos[start:end], sin[start:end], cache, Positions(start, end - start))
         assert (want - got).abs().max() <= TOL, start
-    rotating = LatentAttention(model_config(cfg), lay).eval()
+    rotating = LatentAttention(model_config(cfg), replace(lay, rotary=True)).eval()  # the same shape, rotated
     rotating.load_state_dict(ours.state_dict())
     fresh = layer_cache(lay, "static", 2, 256, torch.float32, torch.device("cpu"))
     want = hf(x, causal_mask(0, 110))[0]
@@ -583,10 +583,10 @@ def test_a_kimi_linear_greedy_decodes_40_tokens_as_transformers_generate():
     layers = []  # (transformers' layer, kvbench's attention, its cache)
     for layer, kind in zip(model.model.layers, hf_layer_kinds(config_json(cfg))):
         if kind == "kda":
-            attention, cache = KDAAttention(mc, kda), KDAStateLayer(kda.state, 2, torch.float32)
+            attention, cache = KDAAttention(mc, kda), StateLayer(kda.state, 2, torch.float32)
             attention.load_state_dict(hf_kda_weights(layer.self_attn.state_dict()))
         else:
-            attention, cache = LatentNoPEAttention(mc, mla), layer_cache(mla, "static", 2, 256, torch.float32,
+            attention, cache = LatentAttention(mc, mla), layer_cache(mla, "static", 2, 256, torch.float32,
                                                                           torch.device("cpu"))
             attention.load_state_dict(latent_weights(layer.self_attn))
         layers.append((layer, attention.eval(), cache))

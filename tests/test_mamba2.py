@@ -21,11 +21,11 @@ from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.mamba2 import Mamba2, hf_layer_kinds, mamba2_from_hf
 from kvbench.layouts.mamba2_mixer import (
     Mamba2Mixer,
-    Mamba2StateLayer,
     chunked_scan,
     hf_mixer_weights,
     recurrent_step,
 )
+from kvbench.state_cache import StateLayer
 
 TOL = 1e-5
 D_MODEL = 64
@@ -105,7 +105,7 @@ def test_a_prompt_equals_transformers(family, T):
     _, hf, ours, lay = pair(family)
     x = torch.randn(2, T, D_MODEL)
     want = hf(x)
-    got = run(ours, Mamba2StateLayer(lay.state, 2, torch.float32), x, 0)
+    got = run(ours, StateLayer(lay.state, 2, torch.float32), x, 0)
     assert (want - got).abs().max().item() <= TOL
     assert want.abs().max() > 0.1  # the comparison is not between zeros
 
@@ -132,17 +132,17 @@ def test_prefill_then_40_decode_steps_equal_transformers_and_one_prefill(family)
 
     cfg, hf, ours, lay = pair(family)
     x = torch.randn(2, 110, D_MODEL)
-    cache = Mamba2StateLayer(lay.state, 2, torch.float32)
+    cache = StateLayer(lay.state, 2, torch.float32)
     parts = [(0, 50), (50, 70)] + [(t, t + 1) for t in range(70, 110)]
     diffs, outputs = step_both(hf, DynamicCache(config=cfg), ours, cache, x, parts)
     assert len(diffs) == 42 and max(diffs) <= TOL, diffs
-    once = run(ours, Mamba2StateLayer(lay.state, 2, torch.float32), x, 0)
+    once = run(ours, StateLayer(lay.state, 2, torch.float32), x, 0)
     assert (once - outputs).abs().max().item() <= TOL
     assert (hf(x) - outputs).abs().max().item() <= TOL
     # the late outputs depend on the early tokens through the state: another first token changes them
     other = x.clone()
     other[:, 0] += 1
-    assert (run(ours, Mamba2StateLayer(lay.state, 2, torch.float32), other, 0) - once)[:, 100:].abs().max() > 1e-4
+    assert (run(ours, StateLayer(lay.state, 2, torch.float32), other, 0) - once)[:, 100:].abs().max() > 1e-4
 
 
 @torch.no_grad()
@@ -166,7 +166,7 @@ def test_a_nemotron_h_greedy_decodes_40_tokens_as_transformers_generate():
             block.mixer.dt_bias.normal_()
             mixer = Mamba2Mixer(tiny_model_config(d_model=D_MODEL, norm_eps=cfg.layer_norm_epsilon), lay).eval()
             mixer.load_state_dict(hf_mixer_weights(block.mixer.state_dict()))
-            ours[i] = mixer, Mamba2StateLayer(lay.state, 2, torch.float32)
+            ours[i] = mixer, StateLayer(lay.state, 2, torch.float32)
     kv = DynamicCache(config=cfg)
 
     def last_logits(ids, start):
@@ -203,12 +203,12 @@ def test_the_time_step_clamp_binds_in_the_prompt_only_as_in_transformers():
             getattr(module, name).fill_(-9.0)
     assert lay.time_step_limit == (0.001, float("inf"))
     x = torch.randn(2, 40, D_MODEL)
-    cache = Mamba2StateLayer(lay.state, 2, torch.float32)
+    cache = StateLayer(lay.state, 2, torch.float32)
     diffs, outputs = step_both(hf, DynamicCache(config=cfg), ours, cache, x, [(0, 30)] + [(t, t + 1)
                                                                                          for t in range(30, 40)])
     assert max(diffs) <= TOL, diffs
     # the clamp did bind: a prefill of all 40 (clamped throughout) differs from the steps (unclamped)
-    assert (run(ours, Mamba2StateLayer(lay.state, 2, torch.float32), x, 0) - outputs)[:, 30:].abs().max() > 1e-4
+    assert (run(ours, StateLayer(lay.state, 2, torch.float32), x, 0) - outputs)[:, 30:].abs().max() > 1e-4
 
 
 @torch.no_grad()
@@ -217,7 +217,7 @@ def test_a_forward_without_a_cache_starts_from_zero_state():
     state, transformers' forward without a cache, and nothing is kept."""
     _, hf, ours, lay = pair("granitemoehybrid")
     x = torch.randn(2, 50, D_MODEL)
-    cache = Mamba2StateLayer(lay.state, 0, torch.float32, held=False)
+    cache = StateLayer(lay.state, 0, torch.float32, held=False)
     for _ in range(2):
         assert (hf(x) - run(ours, cache, x, 0)).abs().max().item() <= TOL
     assert cache.tensors() == [] and cache.nbytes == 0
@@ -230,7 +230,7 @@ def test_gradients_equal_transformers(family):
     _, hf, ours, lay = pair(family)
     x = torch.randn(2, 50, D_MODEL)
     hf(x).pow(2).sum().backward()
-    run(ours.train(), Mamba2StateLayer(lay.state, 0, torch.float32, held=False), x, 0).pow(2).sum().backward()
+    run(ours.train(), StateLayer(lay.state, 0, torch.float32, held=False), x, 0).pow(2).sum().backward()
     theirs, mine = hf_mixer_weights(dict(hf.named_parameters())), dict(ours.named_parameters())
     assert sorted(theirs) == sorted(mine)
     for name, want in theirs.items():
@@ -248,7 +248,7 @@ def test_in_bfloat16_a_prompt_rounds_as_transformers_and_steps_within_an_ulp_or_
     cfg, hf, ours, lay = pair(family)
     hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
     x = torch.randn(2, 60, D_MODEL, dtype=torch.bfloat16)
-    cache = Mamba2StateLayer(lay.state, 2, torch.bfloat16)
+    cache = StateLayer(lay.state, 2, torch.bfloat16)
     hf_cache = DynamicCache(config=cfg)
     for start, end in [(0, 40)] + [(t, t + 1) for t in range(40, 60)]:
         want, got = hf(x[:, start:end], cache=hf_cache).float(), run(ours, cache, x[:, start:end], start).float()
@@ -384,7 +384,7 @@ def test_the_state_as_allocated_is_the_formula_and_does_not_grow(dtype, state_dt
     assert [layers.cache_bytes(S, Bsz, element) for S in (1, 256, 10 ** 6)] == [Bsz * per_sequence] * 3
     assert [layers.read_bytes(S, Bsz, element) for S in (1, 10 ** 6)] == [Bsz * per_sequence] * 2
     assert layers.step_flops(256) == layers.step_flops(4096) == sum(5 * H * P * N for H, P, N, _, _ in SHAPES)
-    caches = [Mamba2StateLayer(lay.state, Bsz, dtype) for lay in layers]
+    caches = [StateLayer(lay.state, Bsz, dtype) for lay in layers]
     assert sum(c.nbytes for c in caches) == Bsz * per_sequence
     assert [(c.conv.dtype, c.recurrent.dtype) for c in caches] == [(dtype, getattr(torch, state_dtype))] * 2
     before = [t.data_ptr() for c in caches for t in c.tensors()]
@@ -408,7 +408,7 @@ def test_a_half_precision_state_follows_the_float32_one():
     x = torch.randn(2, 60, D_MODEL)
     outs = []
     for shape in (lay.state, half.state):
-        cache = Mamba2StateLayer(shape, 2, torch.float32)
+        cache = StateLayer(shape, 2, torch.float32)
         outs.append(torch.cat([run(ours, cache, x[:, s:e], s) for s, e in [(0, 40)] + [(t, t + 1)
                                                                                       for t in range(40, 60)]], 1))
     scale = outs[0].abs().max()

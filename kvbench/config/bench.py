@@ -71,11 +71,14 @@ def objective_metric(objective: str) -> tuple[str, float]:
 class CacheConfig:
     """KV-cache implementation, whether a multi-turn chat keeps its history between turns, and
     the precision K/V are stored in (``dtype``: auto = the compute dtype, or int8/float8_e4m3fn/4-bit
-    codes with scales, quantized on write and dequantized on read)."""
+    codes with scales, quantized on write and dequantized on read); a recurrent layer's state is
+    held in ``state_dtype`` (computed in float32 whatever it is held in)."""
 
     impl: str = "static"
     shared: bool = False
     dtype: str = "auto"
+    # float32 as transformers keeps it; bfloat16 / float16 halve it (vLLM's mamba_ssm_cache_dtype)
+    state_dtype: str = "float32"
     block_size: int = 16  # workload=serving, workload.store=paged: tokens per KV block
 
     def __post_init__(self) -> None:
@@ -83,6 +86,7 @@ class CacheConfig:
         check(self.block_size >= 1, "cache.block_size", self.block_size, "must be >= 1 tokens")
         check_choice("cache.impl", self.impl, CACHE_IMPLS)
         check_choice("cache.dtype", self.dtype, CACHE_DTYPES)
+        check_choice("cache.state_dtype", self.state_dtype, tuple(DTYPE_BYTES))
         if self.dtype != "auto":
             check(self.impl == "static", "cache.impl", self.impl,
                    f"cache.dtype={self.dtype} is stored in a preallocated cache; use cache.impl=static")

@@ -105,5 +105,6 @@ def compare_attentions(cfg: Any) -> List[Tuple[str, AttentionConfig]]:
 
 
 # Many variants, none of them the record's attention; of the workload only its batch size.
-COMPARE = Task(reads={"workload": ("batch_size",), "cache": ("impl",), "runtime": TIMED_RUNTIME, "compare": ALL},
+COMPARE = Task(reads={"workload": ("batch_size",), "cache": ("impl", "state_dtype"), "runtime": TIMED_RUNTIME,
+                      "compare": ALL},
                check=check_compare_run, attentions=compare_attentions)

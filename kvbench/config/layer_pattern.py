@@ -14,7 +14,8 @@ from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.jsonio import as_int
 
 
-def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None) -> str:
+def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None,
+                  state_dtype: Optional[str] = None) -> str:
     """The one name of a variant, in progress lines, tables, plots, reports and (as
     :func:`variant_key`) task=compare's metric prefixes: ``gqa kv=4``, ``mla r=256``, a window W on
     its local layers ``mha kv=16 w=1024`` and, when some layers are global, their local:global
@@ -23,8 +24,8 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     :data:`~kvbench.config.layer_options.LAYER_OPTIONS` (learned sinks ``gqa kv=8 w=128 1:1 sinks``
     (GPT-OSS), DSA's top-k ``mla r=512 topk=2048``, KV shared by the last N layers ``gqa kv=2 w=512
     4:1 kvshare=15`` (Gemma 3n)), Gated DeltaNet layers and their linear:full counts ``gqa kv=4 gdn
-    3:1`` (Qwen3.5; ``gdn`` alone: every layer linear), a cache dtype other than the compute dtype
-    ``mha kv=8 int8``.
+    3:1`` (Qwen3.5; ``gdn`` alone: every layer linear) and their state's dtype where it is not float32
+    ``gqa kv=4 gdn 3:1 state=bfloat16``, a cache dtype other than the compute dtype ``mha kv=8 int8``.
     ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
     kind = get("type")
@@ -39,13 +40,15 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     linear = linear_full_layers(get("layer_types"))
     if linear:
         label += f" gdn {linear[0]}:{linear[1]}" if linear[1] else " gdn"
+        if state_dtype not in (None, "float32"):  # cache.state_dtype: only a recurrent layer holds one
+            label += f" state={state_dtype}"
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
 def job_variant_label(job: Any) -> str:
-    """A job's (a BenchConfig's) :func:`variant_label`: its resolved attention, its cache dtype and its
-    layer count, as its progress line, its sweep line, inspect and its record's tables name it."""
-    return variant_label(job.attention, job.cache.dtype, job.model.num_layers)
+    """A job's (a BenchConfig's) :func:`variant_label`: its resolved attention, its cache and state dtypes
+    and its layer count, as its progress line, its sweep line, inspect and its record's tables name it."""
+    return variant_label(job.attention, job.cache.dtype, job.model.num_layers, job.cache.state_dtype)
 
 
 def local_global_layers(window: Optional[int], global_every: Optional[int], layer_types: Optional[Sequence[str]],

@@ -17,6 +17,15 @@ MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False
                                                            "value_head_dim", "conv_kernel_dim")}}
 
 
+# cache keys likewise: a recurrent state held in float32 is what every record before cache.state_dtype held
+CACHE_ABSENT_AS_BEFORE = {"state_dtype": "float32"}
+
+
+def cache_record(cache: Dict[str, Any]) -> Dict[str, Any]:
+    """The cache as a record keeps it (:data:`CACHE_ABSENT_AS_BEFORE` left out)."""
+    return {k: v for k, v in cache.items() if k not in CACHE_ABSENT_AS_BEFORE or v != CACHE_ABSENT_AS_BEFORE[k]}
+
+
 def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
     """The model as a record keeps it (:data:`MODEL_ABSENT_AS_BEFORE` left out)."""
     return {k: v for k, v in model.items() if k not in MODEL_ABSENT_AS_BEFORE or v != MODEL_ABSENT_AS_BEFORE[k]}

@@ -136,7 +136,7 @@ class ServingWorkload:
 
     OPTION: ClassVar[str] = "serving"  # its workload= option (a subclass: conversations)
     # its goodput and rate search are judged by the slo group's targets
-    READS: ClassVar[Dict[str, Keys]] = {"cache": ("block_size", "dtype"), "slo": ALL}
+    READS: ClassVar[Dict[str, Keys]] = {"cache": ("block_size", "dtype", "state_dtype"), "slo": ALL}
     LENGTH_KEY: ClassVar[str] = "workload.prompt"
     # The scheduler forms each batch; a task that reads only a batch size (compare, inspect) sees one
     # sequence.

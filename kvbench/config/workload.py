@@ -27,7 +27,7 @@ class DecodeWorkload:
     prompt_len: int = 512  # prompt tokens prefilled (time to first token)
     gen_len: int = 64  # greedy decode steps after the prompt
 
-    READS: ClassVar[Dict[str, Keys]] = {"cache": ("impl", "dtype")}
+    READS: ClassVar[Dict[str, Keys]] = {"cache": ("impl", "dtype", "state_dtype")}
     LENGTH_KEY: ClassVar[str] = "workload.prompt_len"
 
     def __post_init__(self) -> None:
@@ -61,7 +61,7 @@ class MultiturnWorkload:
     user_len: int = 64  # tokens of each user message
     reply_len: int = 32  # greedy tokens of each reply
 
-    READS: ClassVar[Dict[str, Keys]] = {"cache": ("impl", "shared", "dtype")}
+    READS: ClassVar[Dict[str, Keys]] = {"cache": ("impl", "shared", "dtype", "state_dtype")}
     LENGTH_KEY: ClassVar[str] = "workload.system_len"
 
     def __post_init__(self) -> None:

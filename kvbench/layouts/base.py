@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config.dtypes import CACHE_DTYPES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
-from kvbench.config.errors import ConfigError
+from kvbench.config.dtypes import CACHE_DTYPES, DTYPE_BYTES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
+from kvbench.config.errors import ConfigError, check_choice
 from kvbench.config.task import Asked
 from kvbench.units import human_bytes, index_text
 
@@ -40,16 +40,20 @@ class Limit:
 
 @dataclass(frozen=True)
 class State:
-    """What a recurrent layer holds per sequence at any length: its convolution's last ``conv_tail``
-    inputs (compute dtype) and a ``recurrent`` state in float32, as transformers and
-    flash-linear-attention keep it (it accumulates over every token)."""
+    """What a recurrent layer holds per sequence at any length: its convolution's last ``conv_tail`` inputs
+    (compute dtype) and a ``recurrent`` state in ``state_dtype``: float32 as transformers keeps it (it accumulates
+    over every token), or half that as vLLM's ``mamba_ssm_cache_dtype`` allows (computed in float32 all the same)."""
 
     conv_channels: int
     conv_tail: int
     recurrent: Tuple[int, ...]
+    state_dtype: str = "float32"
+
+    def __post_init__(self):
+        check_choice("cache.state_dtype", self.state_dtype, tuple(DTYPE_BYTES))
 
     def nbytes(self, element: int) -> int:
-        return self.conv_channels * self.conv_tail * element + math.prod(self.recurrent) * 4
+        return self.conv_channels * self.conv_tail * element + math.prod(self.recurrent) * DTYPE_BYTES[self.state_dtype]
 
 
 @dataclass(frozen=True)
@@ -353,7 +357,7 @@ class Layouts(tuple):
 
     def precision_text(self, cache_dtype: str, dtype: str) -> str:
         """Which layers ``cache.dtype`` quantizes (those holding K/V) and which keep a state in its own
-        dtype (a recurrent layer's: float32, its convolution inputs in ``dtype``), in one line."""
+        dtype (a recurrent layer's: its ``state_dtype``, its convolution inputs in ``dtype``), in one line."""
         kv = [i for i, layer in enumerate(self) if layer.state is None and layer.kv_source is None]
         state = [i for i, layer in enumerate(self) if layer.state is not None]
         if cache_dtype == "auto":
@@ -364,7 +368,8 @@ class Layouts(tuple):
         if state:
             kinds = " / ".join(dict.fromkeys(self[i].kind for i in state))
             text += (f"; the {len(state)} {kinds} layers ({index_text(state)}) keep their state unquantized: "
-                     f"recurrent state float32, convolution inputs {dtype}")
+                     f"recurrent state {' / '.join(dict.fromkeys(self[i].state.state_dtype for i in state))}, "
+                     f"convolution inputs {dtype}")
         return text
 
     def describe(self, attention: Any, seq_len: int, batch_size: int) -> List[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 from kvbench.config.hf import LINEAR
 from kvbench.layouts.base import Layouts
@@ -12,18 +13,30 @@ from kvbench.layouts.kv_sharing import share_kv
 from kvbench.layouts.latent import Latent
 
 
-def build_layouts(model, attention) -> Layouts:
-    """The layouts of ``model`` under ``attention``, built once per pair and shared (they are immutable).
-    The configs are mutable: the key is what they say now (their repr), not which objects they are."""
-    key = (repr(model), repr(attention))
+def build_layouts(model, attention, state_dtype: str = "float32") -> Layouts:
+    """The layouts of ``model`` under ``attention``, a recurrent layer's state held in ``state_dtype``
+    (``cache.state_dtype``), built once per triple and shared (they are immutable). The configs are
+    mutable: the key is what they say now (their repr), not which objects they are."""
+    key = (repr(model), repr(attention), state_dtype)
     if key not in _BUILT:
-        _BUILT[key] = _build(model, attention)
+        layouts = _build(model, attention)
+        _BUILT[key] = layouts if state_dtype == "float32" else holding_states_in(layouts, state_dtype)
         if len(_BUILT) > 16:
             _BUILT.popitem(last=False)
     return _BUILT[key]
 
 
 _BUILT: "OrderedDict[tuple, Layouts]" = OrderedDict()
+
+
+def holding_states_in(layouts: Layouts, state_dtype: str) -> Layouts:
+    """``layouts`` with every layer that holds a recurrent state holding it in ``state_dtype`` (its
+    ``state_dtype`` field); the others, and which layers share an object, as they were."""
+    made = {id(layer): replace(layer, state_dtype=state_dtype) if layer.state is not None else layer
+            for layer in layouts.unique()}
+    if len(made) == 1:  # every layer alike (counted in C: a model may have 10^8)
+        return Layouts((next(iter(made.values())),) * len(layouts))
+    return Layouts(made[id(layer)] for layer in layouts)
 
 
 def _build(model, attention) -> Layouts:

@@ -5,8 +5,8 @@ A token's q and k (H_k heads of d_k) and v (H_v heads of d_v) pass a causal dept
 of ``linear_conv_kernel_dim`` taps; each value head then keeps a d_k x d_v state S, decayed by
 exp(g_t) and corrected towards v_t at k_t with strength beta_t (the delta rule); the output reads
 S at q_t. Value head j uses key head j // (H_v / H_k). Nothing is stored per position: a sequence
-holds one :class:`~kvbench.layouts.base.State` per layer whatever its length, so a decode step
-costs the same at any context.
+holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (the state in
+``cache.state_dtype``), so a decode step costs the same at any context.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class GatedDeltaNet(LayerLayout):
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
+    state_dtype: str = "float32"  # cache.state_dtype: what the recurrent state is held in
     num_heads: int = 16
     head_dim: int = 256
 
@@ -54,7 +55,8 @@ class GatedDeltaNet(LayerLayout):
         # the convolution runs over q, k and v before they split; it needs the last kernel - 1 inputs
         # (transformers keeps kernel: one column that no later step reads)
         return State(2 * self.key_dim + self.value_dim, self.linear_conv_kernel_dim - 1,
-                     (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim))
+                     (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+                     self.state_dtype)
 
     def positions_held(self, seq_len: float) -> float:
         return 0
@@ -101,5 +103,5 @@ class GatedDeltaNet(LayerLayout):
 
     def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
         return ["a Gated DeltaNet layer stores nothing per token: per sequence it holds its recurrent state "
-                "(value heads x d_k x d_v, float32) and its convolution's last kernel - 1 inputs (compute dtype), "
-                "whatever the length; per token counts the attention layers only"]
+                f"(value heads x d_k x d_v, {self.state_dtype}) and its convolution's last kernel - 1 inputs "
+                "(compute dtype), whatever the length; per token counts the attention layers only"]

@@ -5,7 +5,7 @@ Per token: ``w_qkv`` x passes a causal depthwise convolution of K taps and SiLU,
 q, k (H_k heads of d_k) and v (H_v heads of d_v); q and k are L2-normalised per head and q scaled
 by d_k^-0.5; beta = sigmoid(``w_beta`` x) is each value head's write strength and
 g = -exp(``log_decay_rate``) softplus(``w_decay`` x + ``decay_bias``) its log decay. With S the
-head's d_k x d_v state (float32), the gated delta rule is
+head's d_k x d_v state (computed in float32, held in ``cache.state_dtype``), the gated delta rule is
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
@@ -91,11 +91,13 @@ def _unit_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """The gated delta rule one token at a time. q, k (B, H, T, d_k), v (B, H, T, d_v), g, beta
-    (B, H, T), all float32; ``state`` (B, H, d_k, d_v) float32, advanced in place (no new state
-    is allocated). Returns the outputs (B, H, T, d_v)."""
+    (B, H, T), all float32; ``state`` (B, H, d_k, d_v) advanced in place: a float32 state where it
+    lies (no new state is allocated), one in half precision read up-cast and written back once, so the
+    rule's arithmetic is float32 either way (as transformers and mamba_ssm). Returns the outputs (B, H, T, d_v)."""
     B, H, T, d_k = k.shape
     d_v = v.shape[-1]
-    S = state.view(B * H, d_k, d_v)
+    held = state if state.dtype == torch.float32 else state.float()
+    S = held.view(B * H, d_k, d_v)
     decay = g.exp()
     out = v.new_empty(B, H, T, d_v)
     for t in range(T):
@@ -104,6 +106,8 @@ def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
         delta = (v[:, :, t].reshape(B * H, 1, d_v) - torch.bmm(k_t, S)) * beta[:, :, t].reshape(B * H, 1, 1)
         S.baddbmm_(k_t.transpose(1, 2), delta)  # the rank-1 correction k_t delta^T
         out[:, :, t] = torch.bmm(q[:, :, t].reshape(B * H, 1, d_k), S).view(B, H, d_v)
+    if held is not state:
+        state.copy_(held)
     return out
 
 

@@ -6,11 +6,11 @@ A token's q, k and v (H heads of d each) pass a causal depthwise convolution of
 channels) decay each by its own gate exp(g_t[c]), corrected towards v_t at k_t with strength beta_t
 (the delta rule, as Gated DeltaNet's, whose decay is one scalar per head); the output reads S at
 q_t, is RMS-normalised per head and gated. Nothing is stored per position: a sequence holds one
-:class:`KDAState` per layer whatever its length, the recurrent state in its own dtype (float32 by
+:class:`~kvbench.layouts.base.State` per layer whatever its length, the recurrent state in its own dtype (float32 by
 default, as transformers keeps it) and the convolution's last K - 1 inputs in the compute dtype.
 
 Kimi Linear's other layers (``full_attn_layers``) are multi-head latent attention without rotary
-embeddings (:mod:`kvbench.layouts.latent_nope`).
+embeddings (:class:`~kvbench.layouts.latent.Latent` with ``rotary`` false).
 
 Notation: H heads of d (linear_num_heads, linear_head_dim), K taps, conv channels 3 H d.
 """
@@ -25,18 +25,6 @@ from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit, State
 from kvbench.layouts.kv_heads import KVHeads
-
-
-@dataclass(frozen=True)
-class KDAState(State):
-    """A KDA layer's state per sequence: the convolution's last ``conv_tail`` inputs of q, k and v
-    (compute dtype) and the recurrent state ``recurrent`` (H, d, d) in ``state_dtype``."""
-
-    state_dtype: str = "float32"
-
-    def nbytes(self, element: int) -> int:
-        return self.conv_channels * self.conv_tail * element + \
-            math.prod(self.recurrent) * DTYPE_BYTES[self.state_dtype]
 
 
 @dataclass(frozen=True)
@@ -101,11 +89,11 @@ class KDA(LayerLayout):
         return 0  # positions enter through the recurrence and the convolution, not a rotation
 
     @property
-    def state(self) -> KDAState:
+    def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
         # column that no later step reads)
         d = self.linear_head_dim
-        return KDAState(self.conv_channels, self.linear_conv_kernel_dim - 1, (self.linear_num_heads, d, d),
+        return State(self.conv_channels, self.linear_conv_kernel_dim - 1, (self.linear_num_heads, d, d),
                         self.state_dtype)
 
     def positions_held(self, seq_len: float) -> float:

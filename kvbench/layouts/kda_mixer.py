@@ -29,18 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbench.layouts.kda import KDA
-from kvbench.state_cache import StateLayer
 
 # transformers' names under a layer's ``self_attn``: a key ending in "." renames a submodule
 HF_NAMES = {"q_proj.": "wq.", "k_proj.": "wk.", "v_proj.": "wv.", "conv1d.": "conv.",
             "forget_gate.f_a_proj.": "gate_down.", "forget_gate.f_b_proj.": "gate_up.",
             "forget_gate.dt_bias": "decay_bias", "forget_gate.A_log": "log_decay_rate", "b_proj.": "w_beta.",
             "g_a_proj.": "out_gate_down.", "g_b_proj.": "out_gate_up.", "o_norm.": "norm.", "o_proj.": "wo."}
-STATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class KDAAttention(nn.Module):
-    """The attention of a :class:`KDA` layer (its cache: :class:`KDAStateLayer`); takes the
+    """The attention of a :class:`KDA` layer (its cache: :class:`~kvbench.state_cache.StateLayer`); takes the
     decoder's attention arguments (rotary tables unused) so that a block calls it like any layer's."""
 
     HF_MODULE = "self_attn"
@@ -185,29 +183,6 @@ def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
         S = S * G[..., -1, :, None].exp() + (kc * (G[..., -1:, :] - G).exp()).transpose(-1, -2) @ u
     state.copy_(S.detach())  # a cache carries the state on, never gradients through it
     return out
-
-
-class KDAStateLayer(StateLayer):
-    """A KDA layer's cache: :class:`~kvbench.state_cache.StateLayer` (the convolution's last K - 1
-    inputs of q, k, v in the compute dtype, written in place; a write at position 0 starts afresh)
-    with the recurrent state (B, H, d, d) in the layout's ``state_dtype``; ``nbytes`` is what it
-    holds, B x :meth:`KDAState.nbytes`."""
-
-    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 held: bool = True):
-        super().__init__(state, batch_size, dtype, device, held)
-        self.recurrent = self.recurrent.to(STATE_DTYPES[state.state_dtype])
-
-    def update(self, x: torch.Tensor, pos):
-        carry = super().update(x, pos)
-        if self.held:
-            return carry
-        # nothing held: the zero state every forward starts from, in the layer's dtype
-        return carry._replace(state=carry.state.to(STATE_DTYPES[self.shape.state_dtype]))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors())
 
 
 def hf_kda_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

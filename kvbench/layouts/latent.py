@@ -7,22 +7,27 @@ Each token's keys and values come from one latent c (R = kv_lora_rank, RMS-norme
 (B, 1, S, R + d_rope). With DSA a lightning indexer also caches one key of ``index_head_dim``
 per token, scores every cached token for each query (``index_n_heads`` ReLU'd dot products,
 weighted per token) and each query attends only the ``index_topk`` best of those it may see: a
-decode step reads every index key but only k latents.
+decode step reads every index key but only k latents. Kimi Linear's full layers (transformers'
+KimiLinearAttention) are latent layers with ``rotary`` false: the shared key part is held and read
+as projected, never rotated (positions enter that model through its KDA layers only), so the decoder
+builds no rotary tables for them; what a layer caches, reads and spends is the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
+from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
 
 
 @dataclass(frozen=True)
 class Latent(LayerLayout):
-    """A layer that caches one latent of ``kv_lora_rank`` plus a rotary key per token."""
+    """A layer that caches one latent of ``kv_lora_rank`` plus a rotary key per token (``rotary``
+    false: a key part of the same width left unrotated, Kimi Linear's)."""
 
     num_heads: int = 1
     q_lora_rank: int = 0
@@ -35,6 +40,7 @@ class Latent(LayerLayout):
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    rotary: bool = True  # whether the qk_rope_head_dim parts are rotated (Kimi Linear's full layers: not)
 
     kind = "latent"
     width_names = ("kv_lora_rank + qk_rope_head_dim", "index_head_dim")
@@ -58,7 +64,7 @@ class Latent(LayerLayout):
 
     @property
     def rotary_dim(self) -> int:
-        return self.qk_rope_head_dim
+        return self.qk_rope_head_dim if self.rotary else 0  # unrotated: held and read as projected
 
     def step_flops(self, context: float) -> float:
         # the absorbed form: each head's query against R + d_rope latent elements, its output over R;
@@ -93,7 +99,7 @@ class Latent(LayerLayout):
     # ---- how inspect describes it ----
 
     def in_words(self) -> str:
-        return "multi-head latent attention"
+        return "multi-head latent attention" + ("" if self.rotary else " without rotary embeddings")
 
     def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
         width = self.kv_lora_rank + self.qk_rope_head_dim
@@ -134,3 +140,32 @@ class Latent(LayerLayout):
                 f"{seq_len}: {bytes_cell(layers.read_bytes(seq_len, 1, element))} read of "
                 f"{bytes_cell(layers.cache_bytes(seq_len, 1, element))} held per sequence"]
 
+
+
+# ---- config.json ---------------------------------------------------------------------------
+
+def _count(cfg: Mapping[str, Any], key: str, default: int, least: int = 1) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= {least}")
+    return value
+
+
+def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
+    """The full layers' layout of a KimiLinearForCausalLM config.json (KimiLinearConfig's defaults
+    for absent keys): latent layers without rotary embeddings; what kvbench's latent attention cannot
+    run refused in one line naming its key."""
+    if cfg.get("attention_bias"):  # KimiLinearAttention's kv_a_proj_with_mqa and o_proj would have biases
+        raise ConfigError(f"attention_bias={cfg['attention_bias']!r}: a latent layer has no projection biases "
+                          "(use false)")
+    heads = _count(cfg, "num_attention_heads", 32)
+    kv_heads = cfg.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        # every head expands its own key from the latent: transformers' module fails on fewer K/V heads
+        raise ConfigError(f"num_key_value_heads={kv_heads!r}: must equal num_attention_heads={heads} in a latent "
+                          "layer (each head's key comes from the latent)")
+    q_rank = cfg.get("q_lora_rank")
+    return Latent(None, num_heads=heads, q_lora_rank=0 if q_rank is None else _count(cfg, "q_lora_rank", 0),
+                  kv_lora_rank=_count(cfg, "kv_lora_rank", 512), qk_nope_head_dim=_count(cfg, "qk_nope_head_dim", 128),
+                  qk_rope_head_dim=_count(cfg, "qk_rope_head_dim", 64, least=0),
+                  v_head_dim=_count(cfg, "v_head_dim", 128), rotary=False)

@@ -46,6 +46,7 @@ class LatentAttention(nn.Module):
         self.num_heads, self.absorbed = H, a.absorbed
         self.r, self.d_nope = a.kv_lora_rank, a.qk_nope_head_dim
         self.d_rope, self.d_v = a.qk_rope_head_dim, a.v_head_dim
+        self.rotary = a.rotary
         d_qk = self.d_nope + self.d_rope
         if a.q_lora_rank:  # DeepSeek's latent norms use RMSNorm's default eps, not rms_norm_eps
             self.wq = nn.Sequential(nn.Linear(C, a.q_lora_rank, bias=False), RMSNorm(a.q_lora_rank, 1e-6),
@@ -70,6 +71,8 @@ class LatentAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
+        if not self.rotary:  # whatever tables the decoder hands it (rotary layers beside): width 0 rotates nothing
+            cos, sin = cos[..., :0], sin[..., :0]
         q_latent = self.wq[:2](x) if self.indexer is not None else None  # (B, T, q_lora_rank): the indexer reads it
         q = (self.wq(x) if q_latent is None else self.wq[2](q_latent)).view(B, T, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)  # (B, H, T, d_nope), (B, H, T, d_rope)

@@ -4,7 +4,7 @@
 A token's x (H heads of P), B and C (G groups of N) pass a causal depthwise convolution of
 ``conv_kernel`` taps; each head then keeps a P x N state, decayed by exp(A dt) and written with
 dt x B^T; the output reads the state at C, plus D x, gated and normalised. Head h uses group
-h // (H / G). Nothing is stored per position: a sequence holds one :class:`SSMState` per layer
+h // (H / G). Nothing is stored per position: a sequence holds one :class:`~kvbench.layouts.base.State` per layer
 whatever its length, the SSM state in its own dtype (float32 by default, config.json's
 ``mamba_ssm_cache_dtype``) and the convolution's last K - 1 inputs in the compute dtype.
 
@@ -14,7 +14,6 @@ I = H P the inner width, conv channels I + 2 G N.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -24,19 +23,6 @@ from kvbench.layouts.base import LayerLayout, Limit, State
 from kvbench.layouts.kv_heads import KVHeads
 
 INF = float("inf")
-
-
-@dataclass(frozen=True)
-class SSMState(State):
-    """A Mamba-2 layer's state per sequence: the convolution's last ``conv_tail`` inputs of
-    ``conv_channels`` (compute dtype) and the SSM state ``recurrent`` (H, P, N) in ``state_dtype``
-    (transformers keeps it in float32; ``mamba_ssm_cache_dtype`` may ask for half of that)."""
-
-    state_dtype: str = "float32"
-
-    def nbytes(self, element: int) -> int:
-        return self.conv_channels * self.conv_tail * element + \
-            math.prod(self.recurrent) * DTYPE_BYTES[self.state_dtype]
 
 
 @dataclass(frozen=True)
@@ -103,10 +89,10 @@ class Mamba2(LayerLayout):
         return 0  # positions enter through the recurrence and the convolution, not a rotation
 
     @property
-    def state(self) -> SSMState:
+    def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
         # column that no later step reads)
-        return SSMState(self.conv_channels, self.conv_kernel - 1,
+        return State(self.conv_channels, self.conv_kernel - 1,
                         (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size), self.state_dtype)
 
     def positions_held(self, seq_len: float) -> float:

@@ -28,13 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbench.layouts.mamba2 import Mamba2
-from kvbench.state_cache import StateLayer
 
 # transformers' names under a layer's mixer (Nemotron-H: ``mixer``, Granite: ``mamba``): a key
 # ending in "." renames a submodule (its weight and bias)
 HF_NAMES = {"in_proj.": "w_in.", "conv1d.": "conv.", "dt_bias": "step_bias", "A_log": "log_decay_rate", "D": "skip",
             "norm.": "norm.", "out_proj.": "wo."}
-STATE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,7 +52,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """The mixer of a :class:`Mamba2` layer (its cache: :class:`Mamba2StateLayer`); takes the
+    """The mixer of a :class:`Mamba2` layer (its cache: :class:`~kvbench.state_cache.StateLayer`); takes the
     decoder's attention arguments (rotary tables unused) so that a block calls it like any layer's."""
 
     HF_MODULES = ("mixer", "mamba")  # NemotronHBlock's, GraniteMoeHybridDecoderLayer's
@@ -165,29 +163,6 @@ def chunked_scan(x, dt, A, B, C, D, dt_bias, state: torch.Tensor, chunk: int,
         out[:, start:end] = y.view(Bsz, H, L, P).transpose(1, 2) + xc * D.float()[:, None]
     state.copy_(S.detach())  # a cache carries the state on, never gradients through it
     return out
-
-
-class Mamba2StateLayer(StateLayer):
-    """A Mamba-2 layer's cache: :class:`~kvbench.state_cache.StateLayer` (the convolution's last
-    K - 1 inputs in the compute dtype, written in place; a write at position 0 starts afresh) with
-    the SSM state (B, H, P, N) in the layout's ``state_dtype``; ``nbytes`` is what it holds,
-    B x :meth:`SSMState.nbytes`."""
-
-    def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 held: bool = True):
-        super().__init__(state, batch_size, dtype, device, held)
-        self.recurrent = self.recurrent.to(STATE_DTYPES[state.state_dtype])
-
-    def update(self, x: torch.Tensor, pos):
-        carry = super().update(x, pos)
-        if self.held:
-            return carry
-        # nothing held: the zero state every forward starts from, in the layer's dtype
-        return carry._replace(state=carry.state.to(STATE_DTYPES[self.shape.state_dtype]))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors())
 
 
 def hf_mixer_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ FIDELITY_METRICS: Dict[str, Metric] = metric_table(
                                    "on up to 2 sequences and 16 steps after timing"),
     Metric("fidelity_top1_agreement", "fraction", "positions where the cached decode and the full forward agree on "
                                "the argmax, same tokens (with a quantized cache.dtype this includes the "
-                               "quantization; kvq_* isolates it)"),
+                               "quantization; kvq_* isolates it; a half-precision cache.state_dtype, its rounding)"),
     Metric("kvq_max_abs_logit_diff", "logits",
            "a quantized cache.dtype (int8, float8_e4m3fn, nvfp4, mxfp4, nvfp4_rotated): max |logits of the "
                               "greedy decode through the quantized cache - logits of the same tokens through a "

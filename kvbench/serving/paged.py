@@ -24,6 +24,7 @@ from kvbench.kv_store import KVStore
 from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan, slot_plan
 from kvbench.serving.batch import BatchView
 from kvbench.serving.pool import BlockPool, Pages
+from kvbench.state_cache import STATE_DTYPES
 
 
 def bytes_per_token(model, cache_dtype: str = "auto") -> int:
@@ -92,7 +93,8 @@ class PagedStore:
                     s = model.layouts[i].state
                     self.states.append((torch.zeros(n, s.conv_channels, s.conv_tail, dtype=model.dtype,
                                                     device=model.device),
-                                        torch.zeros((n,) + s.recurrent, device=model.device)))
+                                        torch.zeros((n,) + s.recurrent, dtype=STATE_DTYPES[s.state_dtype],
+                                                    device=model.device)))
             else:
                 self.kv[g] = [[KVStore((n * self.block_size, model.layouts[i].stored[0], w), cache_dtype, model.dtype,
                                        model.device, axis=0) for w in model.layouts[i].stored[1]]

@@ -116,7 +116,7 @@ def kv_bytes(cfg: BenchConfig, context: int, batch: int) -> int:
     m, w = cfg.model, cfg.workload
     if cfg.cache.impl == "none":
         return 0
-    layers = build_layouts(m, cfg.attention)
+    layers = build_layouts(m, cfg.attention, cfg.cache.state_dtype)
 
     def held(positions: int, sequences: int) -> int:
         return layers.cache_bytes(positions, sequences, DTYPE_BYTES[cfg.runtime.dtype])
@@ -142,7 +142,7 @@ def state_bytes_per_sequence(cfg: BenchConfig) -> int:
     :func:`kv_bytes` that no context shrinks."""
     if cfg.cache.impl == "none":
         return 0
-    return build_layouts(cfg.model, cfg.attention).state_bytes(DTYPE_BYTES[cfg.runtime.dtype])
+    return build_layouts(cfg.model, cfg.attention, cfg.cache.state_dtype).state_bytes(DTYPE_BYTES[cfg.runtime.dtype])
 
 
 def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,

@@ -37,10 +37,10 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     if cfg.model.path:
         model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
         model, _ = to_layout(model, cfg.attention)
-        return model.to(dtype).eval()
+        return model.hold_states_in(cfg.cache.state_dtype).to(dtype).eval()
     torch.manual_seed(cfg.runtime.seed)
     with device:
-        model = Decoder(cfg.model, cfg.attention)
+        model = Decoder(cfg.model, cfg.attention, cfg.cache.state_dtype)
     return model.to(dtype).eval()
 
 

@@ -165,7 +165,7 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
     tensor outside attention is ``base``'s own (shared, not copied); K/V projections mean-pooled for
     fewer KV heads; a latent (MLA) variant's attention, and a Gated DeltaNet layer's, drawn from
     ``seed`` (there is no conversion to either)."""
-    layouts = build_layouts(base.config, attention)
+    layouts = build_layouts(base.config, attention, base.state_dtype)
     if layouts == base.layouts:  # every layer as base's: the variant is base
         return base, "mha's"
     shared = {k: t for k, t in base.state_dict().items() if ".attn." not in k}
@@ -175,7 +175,7 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
     if not pooled or linear:
         torch.manual_seed(seed)
         with base.device:
-            model = Decoder(base.config, attention)
+            model = Decoder(base.config, attention, base.state_dtype)
         drawn = {k: t.to(base.dtype) for k, t in model.state_dict().items() if ".attn." in k}
         del model
     if not pooled:
@@ -184,7 +184,7 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
         conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
         source = base if conversion == "none" else convert_kv_heads(base, attention.num_kv_heads)
         with torch.device("meta"):  # a layer that reads another's K/V has no K/V weights to keep
-            kept = Decoder(base.config, attention).state_dict().keys()
+            kept = Decoder(base.config, attention, base.state_dtype).state_dict().keys()
         own = {k: t for k, t in source.state_dict().items() if ".attn." in k and k in kept}
         how = "mha's" if conversion == "none" else "K/V mean-pooled from mha's"
         if linear:  # the full layers' K/V as above; the linear layers' own weights drawn

@@ -84,7 +84,7 @@ def describe(cfg: BenchConfig, width: Optional[int] = None) -> str:
     and a table wider than it is printed as several, each led by its first column."""
     m, a, w = cfg.model, cfg.attention, cfg.workload
     seq_len = w.total_len
-    layers = build_layouts(m, a)
+    layers = build_layouts(m, a, cfg.cache.state_dtype)
     counts = parameter_counts(m, a)
     params = counts.total
     layout = layers.describe(a, seq_len, w.batch_size)

@@ -105,7 +105,7 @@ def summarise(per_seed: List[float]) -> Dict[str, Any]:
 def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
     """The model scored is the layout its label names, layer by layer: a conversion that dropped
     part of it would score another model under the variant's label."""
-    if model.layouts != build_layouts(model.config, attention):
+    if model.layouts != build_layouts(model.config, attention, model.state_dtype):
         raise RuntimeError(f"the recall model is {variant_label(model.attention)}, not the variant "
                            f"{variant_label(attention)} it is scored as")
 

@@ -162,8 +162,9 @@ def check_requests(cfg: BenchConfig) -> List[Request]:
     """The run's requests (a conversation's every turn), checked against the model's config and the
     KV budget before anything is built or any progress shown."""
     requests = _checked_plan(cfg, cfg.workload).requests
-    store_plan(cfg.workload, cfg.cache.block_size, requests, build_layouts(cfg.model, cfg.attention),
-               DTYPE_BYTES[cfg.runtime.dtype], cfg.cache.dtype)
+    store_plan(cfg.workload, cfg.cache.block_size, requests,
+               build_layouts(cfg.model, cfg.attention, cfg.cache.state_dtype), DTYPE_BYTES[cfg.runtime.dtype],
+               cfg.cache.dtype)
     return requests
 
 
