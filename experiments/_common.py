@@ -222,13 +222,13 @@ def print_report(text: str, keys: int = 1) -> None:
     pipe's 100 columns), each split into tables led by its first ``keys`` columns where it is wider
     (:func:`kvbench.sinks.grid.from_markdown`); its other lines wrapped between words."""
     for item in from_markdown(text, keys):
-        stdout.print(item, markup=False, highlight=False)
+        stdout.print(item, markup=False, highlight=False, emoji=False)
 
 
 def say(*parts: Any) -> None:
     """Print ``parts`` as ``print`` would, a line of progress or of figures, wrapped between words to
     the terminal's width (a pipe's 100 columns): a path or a run's accuracies make a line of any length."""
-    stdout.print(" ".join(map(str, parts)), markup=False, highlight=False)
+    stdout.print(" ".join(map(str, parts)), markup=False, highlight=False, emoji=False)
 
 
 def progress_row(lines: Sequence[str]) -> None:
@@ -236,7 +236,7 @@ def progress_row(lines: Sequence[str]) -> None:
     measurement: each cell after its column's name, ``B 8, prompt 1024, ...``, wrapped between the
     cells to the terminal's width (a table row of ten columns is 150 characters; a pipe gets 100)."""
     header, row = md_cells(lines[0]), md_cells(lines[-1])
-    stdout.print(", ".join(f"{name} {cell}" for name, cell in zip(header, row)), markup=False, highlight=False)
+    say(", ".join(f"{name} {cell}" for name, cell in zip(header, row)))
 
 
 def write_report(out: Path, text: str, keys: int = 1, data: Any = None) -> Path:
@@ -250,5 +250,6 @@ def write_report(out: Path, text: str, keys: int = 1, data: Any = None) -> Path:
     if data is not None:
         written.append(write_text_atomic(out.with_suffix(".json"), json.dumps(data, indent=1, default=str)))
     print_report(text, keys)
-    stdout.print(f"wrote {' and '.join(map(str, written))}", markup=False, soft_wrap=True)
+    for path in written:  # a line each: two paths side by side made a line of 120 columns; a path is never folded
+        stdout.print(f"wrote {path}", markup=False, emoji=False, soft_wrap=True)
     return out

@@ -328,7 +328,7 @@ def test_a_report_with_its_json_and_a_progress_row_in_100_columns(piped, tmp_pat
                               data={"rows": [1.5, float("nan")], "path": tmp_path})
     assert json.loads((tmp_path / "r.json").read_text(), parse_constant=str) == {"rows": [1.5, "NaN"],
                                                                                   "path": str(tmp_path)}
-    assert printed().rstrip().endswith(f"wrote {out} and {tmp_path / 'r.json'}")
+    assert printed().rstrip().endswith(f"wrote {out}\nwrote {tmp_path / 'r.json'}")
 
 
 def test_fused_projections_prints_its_progress_and_report_in_100_columns(piped, tmp_path):
