@@ -228,7 +228,7 @@ PIPE = 100
 SCRIPTS = sorted(p for p in (ROOT / "experiments").glob("*.py") if p.name != "_common.py")
 # what writes to the terminal or a file of its own: a script prints through _common (say, progress_row,
 # print_report, write_report), which lays its lines and tables out to the terminal's width
-OWN_OUTPUT = {"print", "write_text", "write_bytes", "pprint"}
+OWN_OUTPUT = {"print", "pprint", "write", "writelines", "write_text", "write_bytes", "dump"}
 
 
 def _own_output(path: Path) -> list:
