@@ -14,6 +14,7 @@ Each script runs as ``python experiments/<name>.py``, so this module is imported
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -30,7 +31,7 @@ from kvbench.config.errors import ConfigError, config_error_line, is_composition
 from kvbench.job_config import to_bench_config
 from kvbench.jsonio import os_error_line, write_text_atomic
 from kvbench.sinks.console import stdout
-from kvbench.sinks.grid import from_markdown
+from kvbench.sinks.grid import from_markdown, md_cells
 from kvbench.tasks.common import build_model
 
 INVALID, FAILED = 2, 1  # the exit codes of kvbench (kvbench/cli.py): invalid input, a run that failed
@@ -216,12 +217,39 @@ def decode_setup(model: str, prompt_len: int,
     return cfg, decoder, prompt, cache_for(decoder, "static", 1, prompt_len + gen_len)
 
 
-def write_report(out: Path, text: str, keys: int = 1) -> Path:
+def print_report(text: str, keys: int = 1) -> None:
+    """Print a Markdown report as a terminal shows it: its tables laid out to the terminal's width (a
+    pipe's 100 columns), each split into tables led by its first ``keys`` columns where it is wider
+    (:func:`kvbench.sinks.grid.from_markdown`); its other lines wrapped between words."""
+    for item in from_markdown(text, keys):
+        stdout.print(item, markup=False, highlight=False, emoji=False)
+
+
+def say(*parts: Any) -> None:
+    """Print ``parts`` as ``print`` would, a line of progress or of figures, wrapped between words to
+    the terminal's width (a pipe's 100 columns): a path or a run's accuracies make a line of any length."""
+    stdout.print(" ".join(map(str, parts)), markup=False, highlight=False, emoji=False)
+
+
+def progress_row(lines: Sequence[str]) -> None:
+    """Print the last row of the Markdown table ``lines`` (its header first) as the progress of a
+    measurement: each cell after its column's name, ``B 8, prompt 1024, ...``, wrapped between the
+    cells to the terminal's width (a table row of ten columns is 150 characters; a pipe gets 100)."""
+    header, row = md_cells(lines[0]), md_cells(lines[-1])
+    say(", ".join(f"{name} {cell}" for name, cell in zip(header, row)))
+
+
+def write_report(out: Path, text: str, keys: int = 1, data: Any = None) -> Path:
     """Write ``text`` to ``out`` atomically (a reader never sees half a report), print it and
     where it went: its tables laid out to the terminal's width (a pipe's 100 columns), each split
-    into tables led by its first ``keys`` columns where it is wider; the file keeps the Markdown."""
+    into tables led by its first ``keys`` columns where it is wider; the file keeps the Markdown.
+    ``data``, where given, is written beside it as ``out`` with the suffix ``.json`` (the figures
+    behind the tables), after the report: a value JSON cannot hold fails once the report is kept."""
     write_text_atomic(out, text)
-    for item in from_markdown(text, keys):
-        stdout.print(item, markup=False, highlight=False)
-    stdout.print(f"wrote {out}", markup=False, soft_wrap=True)
+    written = [out]
+    if data is not None:
+        written.append(write_text_atomic(out.with_suffix(".json"), json.dumps(data, indent=1, default=str)))
+    print_report(text, keys)
+    for path in written:  # a line each: two paths side by side made a line of 120 columns; a path is never folded
+        stdout.print(f"wrote {path}", markup=False, emoji=False, soft_wrap=True)
     return out

@@ -28,14 +28,24 @@ measures the wait; both are reported, and "x roofline" uses the same clock for s
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import Parser, batch_x_prompt, choice, list_of, out_path, positive_int, run_main, torch_device
+from _common import (
+    Parser,
+    batch_x_prompt,
+    choice,
+    list_of,
+    out_path,
+    positive_int,
+    print_report,
+    run_main,
+    torch_device,
+    write_report,
+)
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kvbench.cache import cache_for
@@ -260,7 +270,7 @@ def main(argv=None) -> None:
         for kv in map(int, args.kv_heads.split(",")):
             rows += compare(batch, prompt_len, kv, contenders, args.gen_len, args.rounds, args.bucket, dtype, device)
             for clock in rows[-1]["clocks"]:
-                print(clock, "\n" + table(rows[-len(contenders):], clock), flush=True)
+                print_report(f"{clock}\n\n" + table(rows[-len(contenders):], clock), keys=4)
     command = "python experiments/compare_transformers.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None)
     header = (f"# kvbench vs transformers decode and the roofline, model small, {args.dtype} on {device} "
@@ -271,15 +281,11 @@ def main(argv=None) -> None:
               "timed by the same clock. FLOP bound = FLOP per step / the 1024^3 GEMM rate probed with it. "
               "load = the 1-minute load average before and after the (shape, variant).\n\n")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = header
     for clock, title in (("cpu", "CPU time (time.process_time)"), ("wall", "Wall clock (time.perf_counter)")):
         if clock in rows[0]["clocks"]:
             text += (f"## {title}\n\n" + table(rows, clock) + "\n\n" + variant_table(rows, clock) + "\n\n")
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows), indent=1))
-    print(text)
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    write_report(out.with_suffix(".md"), text, keys=4, data=dict(command=command, rows=rows))
 
 
 if __name__ == "__main__":

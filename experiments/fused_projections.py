@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import Parser, batch_x_prompt, list_of, out_file, positive_int, run_main
+from _common import Parser, batch_x_prompt, list_of, out_file, positive_int, progress_row, run_main, write_report
 
 from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
@@ -136,14 +136,13 @@ def main(argv=None) -> None:
                              f"{t['separate_ms']:.2f} | {t['fused_ms']:.2f} | {t['ratio']:.3f} "
                              f"({t['ratio_range'][0]:.3f}-{t['ratio_range'][1]:.3f}, {r['rounds']} rounds) | "
                              f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
-                print(lines[-1], flush=True)
+                progress_row(lines)
     command = "python experiments/fused_projections.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None)
     text = (f"# Fused q/k/v and gate/up projections vs separate ones, model small, float32, CPU "
             f"({torch.get_num_threads()} torch threads), torch {torch.__version__}\n\n"
             f"Reproduce: `{command}` ({(time.perf_counter() - start) / 60:.0f} min).\n\n" + "\n".join(lines) + "\n")
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, text, keys=4)  # B, prompt, variant and clock name a row
 
 
 if __name__ == "__main__":

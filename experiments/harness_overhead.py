@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from _common import Parser, conf_option, decode_setup, positive_int, run_main
+from _common import Parser, conf_option, decode_setup, positive_int, run_main, say
 
 from kvbench.generate import greedy_generate
 from kvbench.measure.timing import RegionTimer
@@ -44,9 +44,9 @@ def main(argv=None) -> None:
         greedy_generate(model, prompt, args.gen_len, cache, timer)
         timed.append(time.perf_counter() - t0)
     bare_ms, timed_ms = statistics.median(bare[1:]) * 1e3, statistics.median(timed[1:]) * 1e3
-    print(f"model {args.model}, prompt {args.prompt_len}, {args.gen_len} decode steps, {args.rounds} rounds")
-    print(f"bare loop {bare_ms:.2f} ms, with timing harness {timed_ms:.2f} ms, "
-          f"overhead {100 * (timed_ms / bare_ms - 1):+.2f} %")
+    say(f"model {args.model}, prompt {args.prompt_len}, {args.gen_len} decode steps, {args.rounds} rounds")
+    say(f"bare loop {bare_ms:.2f} ms, with timing harness {timed_ms:.2f} ms, "
+        f"overhead {100 * (timed_ms / bare_ms - 1):+.2f} %")
 
 
 if __name__ == "__main__":

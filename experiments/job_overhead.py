@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Parser, named_dir, out_path, positive_int, run_main, write_report
+from _common import Parser, named_dir, out_path, positive_int, run_main, say, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["model=tiny", "workload.prompt_len=16", "workload.gen_len=4", "runtime.warmup=0", "runtime.repeats=2",
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
                 for n in (1, args.jobs):
                     where = Path(tmp) / f"round{r}-case{c}-jobs{n}"  # a plain name: a comma would be a sweep
                     times[(case, n)].append(sweep_seconds(tree, n, isolate, where))
-                    print(f"round {r + 1}: {case}, {n} job(s): {times[(case, n)][-1]:.1f} s", flush=True)
+                    say(f"round {r + 1}: {case}, {n} job(s): {times[(case, n)][-1]:.1f} s")
     marginal = {case: [(long - one) / (args.jobs - 1) for one, long in zip(times[(case, 1)], times[(case, args.jobs)])]
                 for case, _, _ in cases}
     floor = statistics.median(marginal[f"{last}, in-process"])

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Parser, list_of, out_file, positive_int, run_main
+from _common import Parser, list_of, out_file, positive_int, run_main, say, write_report
 
 from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
             logits = prefill(model, prompt, cache)
             runs.append(dict(kv=kv, cache_dtype=cache_dtype, model=model, cache=cache, logits=[logits], ms=[],
                              bytes=formula))
-            print(f"prefilled {attention_type(SMALL.num_heads, kv)} kv={kv} {cache_dtype}", flush=True)
+            say(f"prefilled {attention_type(SMALL.num_heads, kv)} kv={kv} {cache_dtype}")
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]  # (float32, int8) per variant
     tokens = {id(q): q["logits"][0].argmax(-1, keepdim=True) for _, q in pairs}  # the int8 run's greedy tokens
     for step in range(N):
@@ -109,9 +109,7 @@ def main(argv=None) -> None:
             "of the same variant (adjacent steps). Quality: the int8 cache's greedy decode against the float32 "
             f"cache fed the same tokens, over prefill's last position and {N} steps of all {B} sequences.\n\n"
             + "\n".join(lines) + "\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, text, keys=2)  # variant and KV cache name a row
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from _common import (
     out_path,
     positive_int,
     run_main,
+    say,
     write_report,
 )
 
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
         cfg = compose_config(overrides + [f"cache.shared={str(shared).lower()}"])
         t0 = time.perf_counter()
         rec = ok_record(run_job(cfg, args.runs / f"shared_{str(shared).lower()}").to_dict(), f"cache.shared={shared}")
-        print(f"cache.shared={str(shared).lower()}: {time.perf_counter() - t0:.0f} s", flush=True)
+        say(f"cache.shared={str(shared).lower()}: {time.perf_counter() - t0:.0f} s")
         records.append(rec)
     rows = ttft_side_by_side(records)
     off, on = (r["metrics"] for r in records)

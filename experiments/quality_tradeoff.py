@@ -12,7 +12,6 @@ checkpoints go under ``--runs`` (default outputs/quality_tradeoff/, git-ignored)
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -20,7 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from _common import Parser, natural_int, out_dir, out_path, positive_float, positive_int, run_main
+from _common import Parser, natural_int, out_dir, out_path, positive_float, positive_int, run_main, say, write_report
 from omegaconf import OmegaConf
 
 from kvbench.checkpoint import read_checkpoint
@@ -47,20 +46,19 @@ def bench_config(model: ModelConfig, num_kv_heads: int, train: TrainConfig, seed
 def run(name: str, cfg: BenchConfig, out_root: Path, reuse: bool) -> dict:
     out = out_root / name
     if reuse and (out / CHECKPOINT_NAME).is_file():
-        print(f"{name}: reusing {out / CHECKPOINT_NAME}", flush=True)
+        say(f"{name}: reusing {out / CHECKPOINT_NAME}")
         return {**_row(name, cfg, out, read_checkpoint(out / CHECKPOINT_NAME)["metrics"]), "reused": True}
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: kv_heads={cfg.attention.num_kv_heads} "
-          f"steps={cfg.train.steps} init_from={cfg.train.init_from}", flush=True)
+    say(f"[{time.strftime('%H:%M:%S')}] {name}: kv_heads={cfg.attention.num_kv_heads} "
+        f"steps={cfg.train.steps} init_from={cfg.train.init_from}")
 
     def on_log(step, m):
         if "val_loss" in m:
-            print(f"    step {step:5d}  train {m['train_loss']:.4f}  val {m['val_loss']:.4f}  "
-                  f"ppl {m['perplexity']:.3f}", flush=True)
+            say(f"    step {step:5d}  train {m['train_loss']:.4f}  val {m['val_loss']:.4f}  "
+                f"ppl {m['perplexity']:.3f}")
 
     row = _row(name, cfg, out, run_train(cfg, torch.device("cpu"), out, on_log=on_log))
-    print(f"    -> ppl {row['perplexity']:.3f}"
-          + (f" (before uptraining {row['ppl_before_uptrain']:.3f})" if "ppl_before_uptrain" in row else ""),
-          flush=True)
+    say(f"    -> ppl {row['perplexity']:.3f}"
+        + (f" (before uptraining {row['ppl_before_uptrain']:.3f})" if "ppl_before_uptrain" in row else ""))
     return row
 
 
@@ -128,9 +126,7 @@ def main(argv=None) -> None:
              f"this invocation {total / 60:.1f} min."
              + (f" Reused from an earlier invocation (train s as measured then): {', '.join(reused)}."
                 if reused else ""))
-    print("\n" + table + "\n\n" + setup)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(
+    text = (
         "# Quality vs KV-cache size (MHA / GQA / MQA, mean-pool conversion)\n\n"
         + setup + "\n\nPerplexity is per byte on the validation split, the same fixed windows for "
         "every row. 'MHA mean-pool' rows convert the trained MHA checkpoint with no further training; "
@@ -138,8 +134,7 @@ def main(argv=None) -> None:
     payload = {"setup": setup, "args": {k: str(v) for k, v in vars(args).items()},
                "model": asdict(model), "train": asdict(train), "uptrain": asdict(uptrain),
                "total_seconds": total, "rows": rows}
-    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
-    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
+    write_report(args.out.with_suffix(".md"), text, keys=2, data=payload)  # how and KV heads name a row
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ last logged loss: still falling (a slow learner at this budget) or flat (stuck).
 
 from typing import List, Optional
 
-from _common import Parser, existing_dir, run_main
+from _common import Parser, existing_dir, run_main, say
 
 from kvbench.results import find_results, read_record
 from kvbench.sinks.tables import variant
@@ -30,7 +30,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             curve = rec.tables.get("train_curve") or []
             seeds = sorted({p["seed"] for p in curve}) or list(range(len(rows[0]["per_seed"])))
             steps = rec.config["train"]["steps"]
-            print(f"{path.parent}  {variant({'config': rec.config})}  {steps} steps")
+            say(f"{path.parent}  {variant({'config': rec.config})}  {steps} steps")
             for i, seed in enumerate(seeds):
                 points = [p for p in curve if p["seed"] == seed and p["stage"] == "train"]
                 jump = next((p["step"] for p in points if p["train_loss"] < JUMP), None)
@@ -41,7 +41,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     half = points[len(points) // 2 - 1]
                     trend = (f" (still falling: {half['train_loss']:.2f} at {half['step']})"
                              if points[-1]["train_loss"] < half["train_loss"] - 0.1 else " (flat since half-way)")
-                print(f"  seed {seed}: {accs}  jump at {jump if jump is not None else 'never'}; {last}{trend}")
+                say(f"  seed {seed}: {accs}  jump at {jump if jump is not None else 'never'}; {last}{trend}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ repeated copies' gradients.
 
 import torch
 import torch.nn.functional as F
+from _common import say
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import convert_kv_heads
@@ -27,15 +28,15 @@ mha = convert_kv_heads(mqa, 4)  # (B, 4, T, D): each query head's copy of the on
 x, y = mqar(torch.Generator().manual_seed(1), 32, 64, 8, 40)
 for model in (mqa, mha):
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-print("logits max |diff|:", float((mqa(x) - mha(x)).detach().abs().max()))
+say("logits max |diff|:", float((mqa(x) - mha(x)).detach().abs().max()))
 worst = 0.0
 for (name, p), q in zip(mqa.named_parameters(), mha.parameters()):
     g = q.grad
     if name.endswith(("attn.wk.weight", "attn.wv.weight")):
         g = g.view(4, 16, -1).sum(0)  # the 4 copies' gradients sum to the shared head's
     worst = max(worst, float((p.grad - g).abs().max() / (p.grad.abs().max() + 1e-12)))
-print("gradients max relative |diff|:", worst)
+say("gradients max relative |diff|:", worst)
 with torch.no_grad():
     cache = cache_for(mqa, "static", 32, 40)
     steps = [mqa(x[:, :20], cache, 0)] + [mqa(x[:, t:t + 1], cache, t) for t in range(20, 40)]
-    print("cached decode vs full forward max |diff|:", float((torch.cat(steps, 1) - mha(x)).abs().max()))
+    say("cached decode vs full forward max |diff|:", float((torch.cat(steps, 1) - mha(x)).abs().max()))

@@ -12,7 +12,7 @@ import time
 from typing import List, Optional
 
 import torch
-from _common import Parser, positive_float, positive_int, run_main
+from _common import Parser, positive_float, positive_int, run_main, say
 
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import TrainConfig
@@ -41,8 +41,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = time.time()
     result = train(model, budget, None, seed=0, stream=train_stream([cond], 32, V, 4, 0), evaluate_fn=lambda m: {})
     x, y = eval_set(cond, 256, V, 4, 1)
-    print(f"V={V} P={P} T={T} steps={steps} d={d} L={L} kv={kv}: acc={accuracy(model, 'mqar', x, y):.3f} "
-          f"loss={result['train_loss']:.3f} {time.time() - start:.1f}s")
+    say(f"V={V} P={P} T={T} steps={steps} d={d} L={L} kv={kv}: acc={accuracy(model, 'mqar', x, y):.3f} "
+        f"loss={result['train_loss']:.3f} {time.time() - start:.1f}s")
 
 
 if __name__ == "__main__":

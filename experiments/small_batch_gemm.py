@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import Parser, list_of, out_file, positive_int, run_main, write_report
+from _common import Parser, list_of, out_file, positive_int, progress_row, run_main, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"wq/wo (1024x1024)": (1024, 1024), "w1/w3 (2816x1024)": (2816, 1024),
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
             cells = [f"{rates[f]:.1f}" if f in rates else "-" for f in
                      ("F.linear (MKL sgemm)", "oneDNN linear", "MKL packed GEMM", "torch.mv")]
             lines.append(f"| {rows} | {label} | " + " | ".join(cells) + f" | {lin * rows / 2:.1f} |")
-            print(lines[-1], flush=True)
+            progress_row(lines)
     load = os.getloadavg()[0]
     command = "python experiments/small_batch_gemm.py" + (f" --threads {args.threads}" if args.threads else "")
     text = (f"# Weight bytes streamed per second (GB/s) by a GEMM with M = batch rows, float32 on the CPU "

@@ -36,6 +36,7 @@ from _common import (
     positive_float,
     positive_int,
     run_main,
+    say,
     write_report,
 )
 
@@ -78,8 +79,8 @@ def main(argv=None) -> None:
                                          *caching])
             rec = ok_record(run_job(cfg, args.runs / name).to_dict(), name)
             metrics.setdefault(run, []).append(rec["metrics"])
-            print(f"{name}: hit rate {rec['metrics']['prefix_hit_rate']}, TTFT p50 "
-                  f"{rec['metrics']['ttft_ms_p50']:.1f} ms", flush=True)
+            say(f"{name}: hit rate {rec['metrics']['prefix_hit_rate']}, TTFT p50 "
+                f"{rec['metrics']['ttft_ms_p50']:.1f} ms")
     rows = []
     for run, ms in metrics.items():
         m = ms[0]  # hits, saves and bytes do not depend on the clock's order of events here; TTFT does

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import Parser, batch_x_prompt, list_of, out_file, positive_int, run_main
+from _common import Parser, batch_x_prompt, list_of, out_file, positive_int, progress_row, run_main, write_report
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench.cache import cache_for
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
                          f"{r['mm_gflops']:.0f}) | {r['attention_ms']:.2f} ({r['kv_mb']:.0f}; "
                          f"{r['attention_x']:.2f}) | "
                          f"{r['rest_ms']:.2f} | {r['gemv']:.1f} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |")
-            print(lines[-1], flush=True)
+            progress_row(lines)
     command = "python experiments/step_breakdown.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None)
     text = (f"# Where a decode step's time goes, model small, float32, static cache, eager, CPU "
@@ -100,8 +100,7 @@ def main(argv=None) -> None:
             f"Reproduce: `{command}` ({(time.perf_counter() - start) / 60:.0f} min). Operator self times from "
             "torch.profiler, per step; x GEMV = the part's time / (its bytes / the GEMV rate probed before and "
             "after).\n\n" + "\n".join(lines) + "\n")
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, text, keys=3)  # B, prompt and variant name a row
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import Parser, named_dir, out_path, positive_float, positive_int, run_main, write_report
+from _common import Parser, named_dir, out_path, positive_float, positive_int, run_main, say, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("offline", "offline+silent", "silent", "refused")
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
             for name, tree in trees.items() if r % 2 == 0 else reversed(trees.items()):
                 for case in CASES:
                     got[(name, case)].append(one(tree, case, urls, args.init_timeout, Path(home)))
-                    print(name, case, *got[(name, case)][-1], flush=True)
+                    say(name, case, *got[(name, case)][-1])
     lines = [f"# wandb=online against a server that does not answer (wandb.init_timeout_s={args.init_timeout:g})", "",
              f"`{' '.join(['python', *sys.argv])}` on {os.cpu_count()} CPUs; medians of {args.rounds} rounds "
              "(each a fresh interpreter), seconds.", "",

@@ -241,6 +241,20 @@ class RecordView:
         return status if isinstance(status, str) else "?"
 
     @property
+    def status_text(self) -> str:
+        """The status as a table's cell shows it: an interrupted record that kept the figures of its
+        complete rounds (task=compare's ``partial``) says so, ``interrupted (partial, 3 of 10 rounds)``:
+        its figures are real but over fewer rounds than asked, which the error column alone hid."""
+        metrics = self._section("metrics")
+        if self.status != "interrupted" or metrics.get("partial") is not True:
+            return self.status
+        done, planned = metrics.get("rounds"), self.get("runtime.repeats")
+        if not isinstance(done, int) or isinstance(done, bool):
+            return f"{self.status} (partial)"
+        of = f" of {planned}" if isinstance(planned, int) and not isinstance(planned, bool) else ""
+        return f"{self.status} (partial, {done}{of} round{'s' if of or done != 1 else ''})"
+
+    @property
     def ok(self) -> bool:
         return self.status == "ok"
 
@@ -269,6 +283,18 @@ class RecordView:
     def overrides(self) -> List[str]:
         value = self._data.get("overrides")
         return [str(o) for o in value] if isinstance(value, list) else []
+
+    @property
+    def label(self) -> str:
+        """The job's variant as its job line and progress line name it: the record's variant; a job
+        with no record (a sweep's ``not run``) by the label the sweep composed for it, else by its
+        overrides as written; never ``None kv=None``."""
+        if self.variant.named:
+            return self.variant.label
+        label = self._data.get("label")
+        if isinstance(label, str) and label:
+            return label
+        return " ".join(self.overrides) or (f"job {self.job}" if self.job is not None else "(defaults)")
 
     @property
     def env(self) -> Mapping[str, Any]:

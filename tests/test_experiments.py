@@ -2,9 +2,11 @@
 experiments/results/ alone unless told to write there."""
 
 import hashlib
+import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +220,133 @@ def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     assert gdn[13].strip() == "32" and int(gdn[15]) < int(gdn[11]) <= int(gdn[9])
     assert len(rows) == 18 and (tmp_path / "report" / "capacity_report.png").is_file()
     assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png
+
+
+# ---- what a pipe gets: 100 columns, no cell broken ---------------------------------------------
+
+PIPE = 100
+SCRIPTS = sorted(p for p in (ROOT / "experiments").glob("*.py") if p.name != "_common.py")
+# what writes to the terminal or a file of its own: a script prints through _common (say, progress_row,
+# print_report, write_report), which lays its lines and tables out to the terminal's width
+OWN_OUTPUT = {"print", "pprint", "write", "writelines", "write_text", "write_bytes", "dump"}
+
+
+def _own_output(path: Path) -> list:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in OWN_OUTPUT:
+                found.append(f"{path.name}:{node.lineno}: {name}()")
+        if isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr")\
+                and getattr(node.value, "id", "") == "sys":
+            found.append(f"{path.name}:{node.lineno}: sys.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("script", [p.name for p in SCRIPTS])
+def test_no_experiment_script_prints_or_writes_its_report_itself(script):
+    """A script's lines and tables reach the terminal through _common, never print(): a Markdown row
+    printed as it is was 150 to 1,358 characters on a 100-column pipe (code in a string, the child
+    process of wandb_unreachable, is no output of the script's)."""
+    assert _own_output(ROOT / "experiments" / script) == []
+
+
+def _tables(markdown: str) -> list:
+    """Each Markdown table of ``markdown`` as (header, rows) of cells as written ("\\|" is a "|" in its cell)."""
+    tables, previous = [], ""
+    for line in markdown.splitlines():
+        if line.startswith("|") and not set(line) <= set("|-: "):
+            row = [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if previous.startswith("|"):
+                tables[-1][1].append(row)
+            else:
+                tables.append((row, []))
+        previous = line
+    return tables
+
+
+def _assert_piped(printed: str, markdown: str) -> None:
+    """No line wider than the pipe, no Markdown table row; each cell whole on one line where it fits
+    one beside its row's first column (a wider one wraps between its words), each header word whole."""
+    # "wrote PATH" keeps a path whole, however long (a test's temporary folder is 90 columns)
+    lines = [line for line in printed.splitlines() if not line.startswith("wrote /")]
+    assert lines and max(map(len, lines)) <= PIPE, max(lines, key=len)
+    assert not any(line.startswith("|") for line in lines)  # tables laid out, not Markdown
+    words = []
+    for header, rows in _tables(markdown):
+        words += [word for name in header for word in name.split()]
+        key = max(len(row[0]) for row in rows) if rows else 0
+        for cell in (cell for row in rows for cell in row):
+            if key + len(cell) + 7 > PIPE:  # no table of the pipe's width holds it: wrapped between its words
+                words += cell.split()
+            else:
+                assert any(cell in line for line in lines), f"cell broken across lines: {cell!r}"
+    for word in words:
+        assert any(re.search(rf"(^|[\s│┃]){re.escape(word)}($|[\s│┃])", line) for line in lines), word
+
+
+@pytest.fixture
+def piped(monkeypatch):
+    """_common's console as a 100-column pipe; what it printed."""
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import _common
+
+    console = Console(file=io.StringIO(), width=PIPE, highlight=False, color_system=None)
+    monkeypatch.setattr(_common, "stdout", console)
+    return _common, lambda: console.file.getvalue()
+
+
+@pytest.mark.parametrize("report", sorted(p.name for p in COMMITTED.glob("*.md")))
+def test_every_committed_report_prints_to_a_pipe_in_100_columns(report, piped, tmp_path):
+    """Each committed report as write_report prints it: the file keeps the Markdown byte for byte;
+    the pipe gets no line over 100 columns, each table cell whole on one line."""
+    common, printed = piped
+    text = (COMMITTED / report).read_text()
+    out = common.write_report(tmp_path / report, text)
+    assert out.read_text() == text
+    _assert_piped(printed(), text)
+    assert printed().rstrip().endswith(f"wrote {out}")
+
+
+def test_a_report_with_its_json_and_a_progress_row_in_100_columns(piped, tmp_path):
+    """write_report's data goes beside the report as JSON; progress_row prints a 10-column row as
+    its cells after their column names, wrapped between cells to the pipe."""
+    common, printed = piped
+    header = "| " + " | ".join(f"column number {i} of ten" for i in range(10)) + " |"
+    row = "| " + " | ".join(f"{i}.25 ({i}.00-{i}.50)" for i in range(10)) + " |"
+    common.progress_row([header, "|" + "---|" * 10, row])
+    progress = " ".join(printed().split())
+    assert len(header) > PIPE and max(map(len, printed().splitlines())) <= PIPE
+    assert progress == ", ".join(f"column number {i} of ten {i}.25 ({i}.00-{i}.50)" for i in range(10))
+    out = common.write_report(tmp_path / "r.md", "# r\n\n" + header + "\n|" + "---|" * 10 + "\n" + row + "\n",
+                              data={"rows": [1.5, float("nan")], "path": tmp_path})
+    assert json.loads((tmp_path / "r.json").read_text(), parse_constant=str) == {"rows": [1.5, "NaN"],
+                                                                                  "path": str(tmp_path)}
+    assert printed().rstrip().endswith(f"wrote {out}\nwrote {tmp_path / 'r.json'}")
+
+
+def test_fused_projections_prints_its_progress_and_report_in_100_columns(piped, tmp_path):
+    """experiments/fused_projections.py in this process, one shape of a few steps: its progress and
+    its 8-column table (a 150-character header) reach a pipe in 100 columns, the file keeps the Markdown."""
+    import fused_projections
+
+    _, printed = piped
+    out = tmp_path / "fused.md"
+    fused_projections.main(["--shapes", "1x8", "--kv-heads", "4", "--steps", "2", "--rounds", "1",
+                            "--threads", "1", "--out", str(out)])
+    text = out.read_text()
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and len(table[0]) > PIPE  # header, rule, a row per clock; the header is wider
+    _assert_piped(printed(), text)
+    progress = " ".join(printed().split())  # a row per clock as it was measured, each cell after its name
+    for row in table[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert f"B {cells[0]}, prompt {cells[1]}, variant {cells[2]}, clock {cells[3]}, separate ms/step {cells[4]}," \
+            in progress

@@ -417,3 +417,34 @@ def test_a_search_whose_trials_all_fail_still_ends_with_the_sweeps_table_and_exi
     assert "kvbench: the sweeper failed: ValueError: No trials are completed yet." in proc.stderr
     assert "2 ok — results under" in proc.stdout and (sweep / "summary.md").is_file()
     assert not (sweep / "optimization_results.yaml").exists()
+
+
+def test_a_job_that_never_ran_is_named_as_its_job_line_names_it(tmp_path):
+    """A sweep's job with no record (not run) is named in the end tables by its variant as its job
+    line named it, composed from its overrides ("gqa kv=4 (not run, job 1)"), never "None kv=None"."""
+    import io
+
+    from rich.console import Console
+
+    from kvbench.config.layer_pattern import job_variant_label
+    from kvbench.jobs.sweep import sweep_records
+    from kvbench.sinks.console import sweep_tables
+
+    task = ["model=tiny", "attention=mha,gqa,mqa"]
+    cfg = sweep_config(tmp_path, *task)
+    labels = {}
+    for num, kind in enumerate(("mha", "gqa", "mqa")):  # the reference: each job composed as the CLI does
+        job = to_bench_config(compose("model=tiny", f"attention={kind}"))
+        labels[num] = job_variant_label(job)
+        if kind != "gqa":
+            RunResult("ok", asdict(job), overrides=["model=tiny", f"attention={kind}"],
+                      metrics={"decode_ms_p50": 1.0 + num, "tokens_per_s": 100.0, "prefill_ms": 2.0}).write(
+                tmp_path / str(num))
+    rows = sweep_records(tmp_path, cfg)
+    assert [r["status"] for r in rows] == ["ok", "not run", "ok"]
+    assert rows[1]["label"] == labels[1] and labels[1].startswith("gqa kv=")
+    out = Console(file=io.StringIO(), width=100, color_system=None)
+    for table in sweep_tables("S", rows):
+        out.print(table)
+    text = " ".join(out.file.getvalue().split())
+    assert f"{labels[1]} (not run, job 1)" in text and "None" not in text

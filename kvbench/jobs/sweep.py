@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from kvbench.config.layer_pattern import job_variant_label
+from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_holder, job_overrides
 from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 
@@ -81,7 +83,7 @@ def sweep_records(sweep_dir: Path | str, config: DictConfig) -> List[Dict[str, A
     sweep_dir, jobs = Path(sweep_dir), sweep_jobs(config)
     # With a custom hydra.sweep.subdir, any job directory may hold a job: match by overrides.
     anywhere = [path.parent for path in find_results(sweep_dir)] if any(j.dir is None for j in jobs) else []
-    rows = []
+    rows, labels = [], {}
     for job in jobs:
         row = None
         for job_dir in [job.dir] if job.dir is not None else anywhere:
@@ -90,7 +92,40 @@ def sweep_records(sweep_dir: Path | str, config: DictConfig) -> List[Dict[str, A
                 break
         rows.append(row or {"job": str(job.num), "status": "not run", "config": {}, "metrics": {},
                             "overrides": job.overrides, "error": "no record of this job"})
+        if not rows[-1]["config"]:  # no record: named as its job line names it, not "None kv=None"
+            # composed once per variant (a few tenths of a second each): a value of these groups'
+            # keys names no variant (kv_memory's 27 jobs are 3)
+            key = tuple(o for o in job.overrides if not o.startswith(_NOT_VARIANT))
+            if key not in labels:
+                labels[key] = planned_label(config, job.overrides)
+            if labels[key] is not None:
+                rows[-1]["label"] = labels[key]
     return rows
+
+
+_NOT_VARIANT = ("workload.", "runtime.", "wandb.", "slo.", "hydra.")  # dotted keys: a value, no preset
+
+
+def planned_label(config: DictConfig, overrides: List[str]) -> Optional[str]:
+    """The variant a job of the sweep ``config`` runs, as its job line names it (``gqa kv=2``): its
+    config composed from ``overrides`` as Hydra's sweeper composes it, typed. None where it cannot be
+    (no Hydra loaded, a config that is invalid): the job is then named by its overrides."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from kvbench.config.bench import CONF_DIR
+
+    try:
+        if GlobalHydra.instance().is_initialized():  # in the sweep: its own config path and plugins
+            composed = GlobalHydra.instance().config_loader().load_sweep_config(config, list(overrides))
+        else:  # kvbench-report, a test: kvbench's own conf/
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                composed = GlobalHydra.instance().config_loader().load_sweep_config(config, list(overrides))
+        with open_dict(composed):
+            del composed["hydra"]
+        return job_variant_label(to_bench_config(composed))
+    except Exception:  # noqa: BLE001 — a name for a row; the row and its overrides stay as they are
+        return None
 
 
 def _job_row(job_dir: Path, overrides: List[str], sweep_dir: Path, exact: bool) -> Optional[Dict[str, Any]]:

@@ -204,7 +204,7 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
         variant = rec.variant
         label = variant.label
         if not rec.ok:
-            notes.append(f"{label}: {rec.status} (job {rec.job})")
+            notes.append(f"{rec.label}: {rec.status_text} (job {rec.job})")
             continue
         longest = _longest(rec) or {}
         # the figure at the longest probe's length (tasks/capacity_search.kv_bytes_per_token); an older

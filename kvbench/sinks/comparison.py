@@ -248,7 +248,7 @@ def comparisons(records: Sequence[Record], axes: Optional[Sequence[Axis]] = None
             continue
         # A variant with no ok job anywhere (an invalid KV-head count) has nothing to compare.
         ran = {label: jobs[0].variant for c in cells.values() for label, jobs in c.jobs.items() if c.ok(label)}
-        failed = sorted({f"{label} ({r.status}, job {r.job})" for c in cells.values()
+        failed = sorted({f"{r.label} ({r.status_text}, job {r.job})" for c in cells.values()
                          for label, jobs in c.jobs.items() if label not in ran for r in jobs}, key=natural)
         notes = ["not compared, no ok job: " + ", ".join(failed)] if failed else []
         ordered = sorted(cells.values(), key=lambda c: [natural(repr(v)) for v in c.values])

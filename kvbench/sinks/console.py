@@ -126,7 +126,7 @@ def run_table(record: Dict[str, Any]) -> Group:
     # the keys the job's kind reads; the variant by its label, as its progress line named it
     axes = [a for a in shown_axes([a for a in AXES if record.get(a[0]) is not None])
             if a != VARIANT_AXIS or record.variant.named]
-    rows = [[name, axis_text(record, key)] for key, name in axes] + [["status", record.status]]
+    rows = [[name, axis_text(record, key)] for key, name in axes] + [["status", record.status_text]]
     metrics = record.metrics
     for column in COLUMNS.get(record.kind, COLUMNS["decode"]):
         if metrics.get(column.key) is not None:
@@ -168,7 +168,8 @@ def jobs_table(title: str, records: Sequence[Dict[str, Any]], axes, kind_name: s
     rows: List[List[Any]] = []
     for rec in views(records):
         values, metrics = job_cells(rec, axes, columns)
-        rows.append([rec.job or "", *values, Text(rec.status, style=_STATUS_STYLE.get(rec.status, "red")), *metrics])
+        status = Text(rec.status_text, style=_STATUS_STYLE.get(rec.status, "red"))
+        rows.append([rec.job or "", *values, status, *metrics])
     header = ["job", *(name for _, name in axes), "status", *(c.title for c in columns)]
     return Grid(title, header, rows, keys=1 + len(axes), right=range(len(header) - len(columns), len(header)))
 

@@ -93,7 +93,7 @@ class Grid:
                 out[i] = whole[i]
         for i in columns:  # what is left: fewer lines for the headers still broken
             if slack > 0 and out[i] < whole[i]:
-                lines = textwrap.wrap(self.header[i], out[i] + slack, break_long_words=False)
+                lines = textwrap.wrap(self.header[i], out[i] + slack, break_long_words=False, break_on_hyphens=False)
                 wider = max(out[i], *(cell_len(line) for line in lines))
                 slack, out[i] = slack - (wider - out[i]), wider
         return out
@@ -119,8 +119,10 @@ class Grid:
                       caption=Text(caption) if caption else None, caption_justify="left", show_header=self.show_header)
         fits = table_width(list(widths.values())) <= width
         for i in columns:
-            # a header wraps between its words to its column's width; a cell never wraps
-            name = "\n".join(textwrap.wrap(self.header[i], max(widths[i], 1), break_long_words=False)) or ""
+            # a header wraps between its words (never at a hyphen: "per-" / "round") to its column's width;
+            # a cell never wraps
+            name = "\n".join(textwrap.wrap(self.header[i], max(widths[i], 1), break_long_words=False,
+                                           break_on_hyphens=False)) or ""
             table.add_column(name, justify="right" if i in self._right else "left", no_wrap=fits,
                              overflow="fold", style=self.key_style if i < self.keys else None)
         for n, row in enumerate(self.rows):
@@ -144,7 +146,8 @@ class Grid:
 _MD_UNESCAPES = (("\\|", "|"), ("\\](", "]("), ("\\][", "]["), ("\\\\", "\\"))
 
 
-def _md_cells(line: str) -> List[str]:
+def md_cells(line: str) -> List[str]:
+    """The cells of one Markdown table row, unescaped to their text."""
     cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
     out = []
     for cell in cells:
@@ -170,9 +173,9 @@ def from_markdown(text: str, keys: int = 1) -> List[Union[str, Grid]]:
         while i < len(lines) and lines[i].startswith("|"):
             block.append(lines[i])
             i += 1
-        align = _md_cells(block[1]) if len(block) > 1 and re.fullmatch(r"\|[\s:|-]+\|", block[1].strip()) else None
-        header = _md_cells(block[0])
-        rows = [_md_cells(line) for line in block[(2 if align is not None else 1):]]
+        align = md_cells(block[1]) if len(block) > 1 and re.fullmatch(r"\|[\s:|-]+\|", block[1].strip()) else None
+        header = md_cells(block[0])
+        rows = [md_cells(line) for line in block[(2 if align is not None else 1):]]
         right = [n for n, a in enumerate(align or []) if a.endswith(":")]
         out.append(Grid(None, header, rows, keys=keys, right=right))
     return out

@@ -345,7 +345,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     for kind_name, group in groups.items():
         job_axes_ = table_axes(group, axes, kind_name)
         columns = job_columns(group, kind_name)
-        rows = [[rec.job, *values, rec.status, *metrics]
+        rows = [[rec.job, *values, rec.status_text, *metrics]
                 for rec in views(group) for values, metrics in [job_cells(rec, job_axes_, columns)]]
         title = "Results" + (f": {KIND_TITLES.get(kind_name, kind_name)}" if len(groups) > 1 else "")
         lines += [f"## {title}", "",
@@ -357,7 +357,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
         lines += ["## Jobs that are not ok", ""]
         overrides = [" ".join(rec.overrides) or "(defaults)" for rec in failed]
         lines += _md_table(["job", "status", "overrides", "error"],
-                           [[rec.job, rec.status, "`" + o.replace("`", "'") + "`", rec.error or ""]
+                           [[rec.job, rec.status_text, "`" + o.replace("`", "'") + "`", rec.error or ""]
                             for rec, o in zip(failed, overrides)])
         lines.append("")
     lines += ["## Plots", ""]

@@ -308,7 +308,7 @@ def axis_text(record: Record, key: str) -> str:
     turns a conversation's file gave it, not the synthetic distribution that file replaced."""
     view = RecordView.of(record)
     if key == VARIANT_AXIS[0]:
-        return view.variant.label
+        return view.label  # a job with no record: as its job line named it
     value = view.get(key)
     if key.split(".")[:2] == ["workload", "turns"] and view.kind == "conversations":  # turns, or turns.mean
         source = "trace" if view.get("workload.arrival") == "trace" else "sharegpt" if view.get(

@@ -269,3 +269,55 @@ def test_malformed_records_are_unreadable_rows_never_a_crash(tmp_path, capsys):
     assert "not a regular file" in rows["fifo"]["error"]
     assert rows["odd0"]["status"] == rows["odd1"]["status"] == "ok"
     assert "fifo_hydra" not in rows or rows["fifo_hydra"]["status"] == "missing"
+
+
+def _interrupted_compare(job, rounds, repeats, partial=True):
+    from test_intervals import compare_record
+
+    from kvbench.jobs.interrupts import stop_error
+
+    rec = compare_record()
+    rec.update(job=job, status="interrupted")
+    rec["config"]["runtime"] = {"repeats": repeats}
+    rec["metrics"]["rounds"] = rounds
+    if partial:  # as tasks/compare.py marks the figures of the complete rounds kept on Ctrl-C
+        rec["metrics"].update(partial=True, partial_reason=f"interrupted after {rounds} of {repeats} timed rounds")
+    rec["error"] = stop_error(KeyboardInterrupt(), rec["metrics"])
+    return rec
+
+
+def test_an_interrupted_compare_with_partial_figures_says_so_in_its_status_cell(tmp_path):
+    """summary.md's Results table and the console's jobs table: an interrupted compare that kept the
+    figures of its complete rounds reads "interrupted (partial, 3 of 10 rounds)" where its status is,
+    not only in the error column; one that kept nothing is "interrupted"."""
+    import io
+
+    from rich.console import Console
+
+    from kvbench.sinks.console import jobs_table, run_table
+
+    records = [_interrupted_compare("0", 3, 10), _interrupted_compare("1", 1, 10),
+               _interrupted_compare("2", 0, 10, partial=False)]
+    write_report(tmp_path, plots=False, records=records)
+    md = (tmp_path / MD_FILE).read_text()
+    results = md.split("## Results")[1].split("\n## ")[0]
+    header = next(line for line in results.splitlines() if line.startswith("| job"))
+    column = [c.strip() for c in header.split("|")].index("status")
+    status = {cells[1]: cells[column] for cells in ([c.strip() for c in line.split("|")]
+              for line in results.splitlines()[results.splitlines().index(header) + 2:] if line.startswith("|"))}
+    assert status == {"0": "interrupted (partial, 3 of 10 rounds)", "1": "interrupted (partial, 1 of 10 rounds)",
+                      "2": "interrupted"}
+    assert "| 0 | interrupted (partial, 3 of 10 rounds) |" in md.split("## Jobs that are not ok")[1]
+    out = Console(file=io.StringIO(), width=100, color_system=None)
+    out.print(jobs_table("jobs", records, [], "compare"))
+    out.print(run_table(records[0]))
+    lines = out.file.getvalue().splitlines()
+    assert sum("interrupted (partial, 3 of 10 rounds)" in line for line in lines) == 2  # whole, in each table
+    assert sum("interrupted (partial, 1 of 10 rounds)" in line for line in lines) == 1
+    # a record that does not say how many rounds were planned, or how many it kept
+    record = _interrupted_compare("3", 1, 10)
+    del record["config"]["runtime"]
+    assert RecordView(record).status_text == "interrupted (partial, 1 round)"
+    del record["metrics"]["rounds"]
+    assert RecordView(record).status_text == "interrupted (partial)"
+    assert RecordView({**record, "status": "ok"}).status_text == "ok"
