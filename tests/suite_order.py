@@ -139,10 +139,12 @@ def pytest_configure_node(node):
         node.workerinput[UNITS] = str(_units_file(node.config))
 
 
+@pytest.hookimpl(tryfirst=True)  # before the worker reports its collection, on which the controller reads it
 def pytest_collection_finish(session):
     path = getattr(session.config, "workerinput", {}).get(UNITS)
     if path:  # a worker: the units by their final nodeids (each worker writes the same file)
-        write_text_atomic(path, json.dumps({item.nodeid: item.stash[_unit] for item in session.items}))
+        units = {item.nodeid: item.stash.get(_unit, None) or unit_of(item) for item in session.items}
+        write_text_atomic(path, json.dumps(units))
 
 
 def pytest_unconfigure(config):
