@@ -55,8 +55,9 @@ def compose(*overrides: str, hydra: bool = False) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
-# The one-node SLURM of the tests marked slurm, and whether they run (tests/slurm/cluster.py).
-pytest_plugins = ["slurm.cluster"]
+# The one-node SLURM of the tests marked slurm, and whether they run (tests/slurm/cluster.py); the
+# order of the suite and how -n N --dist loadgroup spreads it (tests/suite_order.py).
+pytest_plugins = ["slurm.cluster", "suite_order"]
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -157,23 +158,9 @@ def _unit_tests_stay_in_process(request, monkeypatch):
     monkeypatch.setattr(torch, "compile", compile_)
 
 
-def _shares_a_module_fixture(item) -> bool:
-    return any(d.scope in ("module", "package") for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """How ``-n 3 --dist loadgroup`` (the README's command) spreads the suite: an e2e test
-    (seconds to a minute each) goes to whichever worker is free, and those run first, so that no
-    worker is left with a long file at the end; every other test stays with its file (one worker builds a module-scoped
-    fixture once), as --dist loadfile would. And tests marked ``cuda`` skip where torch sees no
-    GPU (CI, this machine); the GPU check runs them."""
-    spread = {item for item in items if item.get_closest_marker("e2e") is not None
-              and not _shares_a_module_fixture(item)}
-    for item in items:
-        if item not in spread:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item not in spread)  # stable: the order within each file is kept
+    """Tests marked ``cuda`` skip where torch sees no GPU (CI, this machine); the GPU check runs
+    them. (The suite's order and its spread over -n workers: tests/suite_order.py.)"""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (runs in scripts/gpu_check.sh)")
