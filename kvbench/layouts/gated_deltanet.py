@@ -11,7 +11,7 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.layouts.base import LayerLayout, Limit, State
@@ -28,9 +28,9 @@ class GatedDeltaNet(LayerLayout):
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
-    state_dtype: str = "float32"  # cache.state_dtype: what the recurrent state is held in
     num_heads: int = 16
     head_dim: int = 256
+    state_dtype: str = field(default="float32", kw_only=True)  # cache.state_dtype: the state's dtype
 
     kind = "gated_deltanet"
 
