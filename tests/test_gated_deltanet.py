@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import compose, tiny_model_config
+from test_mamba2 import LiveBytes
 
 from kvbench.cache import Positions, make_cache, uncached
 from kvbench.config.errors import ConfigError
@@ -321,3 +322,70 @@ def test_the_chunked_form_trains_its_gradients_equal_the_float64_loops():
     for got, ref in zip(grads, want):
         assert (got.double() - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
     assert not state.requires_grad and state.abs().max() > 0  # the cache got the final state, without a graph
+
+
+@pytest.mark.parametrize("T", [129, 194, 200])
+@torch.no_grad()
+def test_a_long_prompt_in_one_forward_is_transformers_and_the_recurrent_step(T):
+    """A prompt of several chunks in one forward (the layer goes a chunk of tokens at a time, the
+    conv tail and the state carried; 129 and 194 leave a last piece shorter than the kernel's tail),
+    then 5 decode steps from the cache it wrote: equal to transformers' recompute of the whole
+    sequence, and to the same tokens fed one at a time through the layer's recurrent step."""
+    _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
+    B = SHAPES[0][0]
+    x = torch.randn(B, T + 5, 64)
+    cache, stepped = (make_cache("static", Layouts([lay]), B, 256) for _ in range(2))
+    got = torch.cat([step(ours, cache, x[:, :T], 0)] + [step(ours, cache, x[:, t:t + 1], t)
+                                                         for t in range(T, T + 5)], 1)
+    one_by_one = torch.cat([step(ours, stepped, x[:, t:t + 1], t) for t in range(T + 5)], 1)
+    want = hf(x)
+    assert (want - got).abs().max().item() <= TOL and (one_by_one - got).abs().max().item() <= TOL
+    assert want.abs().max() > 0.1  # the comparison is not between zeros
+    assert all((a - b).abs().max() <= TOL for a, b in zip(cache.tensors(), stepped.tensors()))
+
+
+@torch.no_grad()
+def test_the_chunked_form_works_in_memory_of_a_chunk_whatever_the_length():
+    """Beyond its output, the chunked form's peak of live tensors at 4,096 tokens is within 1.5x its
+    peak at 512: only the state crosses chunks. transformers' torch_chunk_gated_delta_rule, which
+    keeps every chunk's matrices at once, grows with T under the same count (the count can see it)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    work, reference = {}, {}
+    for T in (512, 4096):
+        q, k, v, g, beta, state = inputs = rule_inputs(T, B=1, H=2, d_k=8, d_v=8)
+        with LiveBytes(*inputs) as count:
+            out = chunked_delta_rule(q, k, v, g, beta, state)
+        work[T] = count.peak - out.nbytes
+        assert count.now == out.nbytes  # nothing but the output outlives the call
+        # transformers' layout (B, T, H, d), scaling q itself: its inputs are new tensors, not counted
+        theirs = [t.transpose(1, 2).contiguous() for t in (q * 8 ** 0.5, k, v, g, beta)]
+        with LiveBytes(*inputs, *theirs) as count:
+            out, _ = torch_chunk_gated_delta_rule(*theirs, initial_state=state, output_final_state=True)
+        reference[T] = count.peak - out.nbytes
+    assert 0 < work[4096] <= 1.5 * work[512], work
+    assert reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference
+
+
+@pytest.mark.parametrize("held", [True, False])
+@torch.no_grad()
+def test_a_layers_prefill_works_in_memory_of_a_chunk_whatever_the_length(held):
+    """A whole layer's prefill (projections, convolution, rule, norm and gate), through a held
+    cache or none: beyond its input, output, weights and cache, its peak of live tensors at 4,096
+    tokens is within 1.5x its peak at 512. transformers' Qwen3_5GatedDeltaNet, which projects the
+    whole prompt and keeps every chunk's matrices at once, grows with T under the same count."""
+    _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
+    work, reference = {}, {}
+    for T in (512, 4096):
+        x = torch.randn(1, T, 64)
+        cache = make_cache("static", Layouts([lay]), 1, T) if held else None
+        layer = cache.begin(Positions(0, T), 1)[0] if held else uncached(lay)
+        with LiveBytes(x, *ours.parameters(), *layer.tensors()) as count:
+            out = ours(x, None, None, layer, Positions(0, T))
+        work[T] = count.peak - out.nbytes
+        assert count.now == out.nbytes  # nothing but the output outlives the call
+        with LiveBytes(x, *hf.parameters()) as count:
+            out = hf(x)
+        reference[T] = count.peak - out.nbytes
+    assert 0 < work[4096] <= 1.5 * work[512], work
+    assert reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference

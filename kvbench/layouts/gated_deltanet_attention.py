@@ -9,9 +9,11 @@ head's d_k x d_v state (float32), the gated delta rule is
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
-A prompt runs its chunked form (:func:`chunked_delta_rule`), a decode step its recurrent form
-(:func:`recurrent_delta_rule`). The output is RMS-normalised per head, gated by
-silu(``w_gate`` x) and projected by ``wo``. :data:`HF_NAMES` maps transformers' parameter names.
+A prompt runs its chunked form (:func:`chunked_delta_rule`) a chunk of tokens at a time, the
+conv tail and the state carried from chunk to chunk, so its working memory is O(chunk) whatever
+its length; a decode step runs the recurrent form (:func:`recurrent_delta_rule`). The output is
+RMS-normalised per head, gated by silu(``w_gate`` x) and projected by ``wo``. :data:`HF_NAMES`
+maps transformers' parameter names.
 
 Notation: B batch, T new tokens, H_k key heads, H_v value heads (G = H_v / H_k share a key head),
 d_k, d_v their widths, N chunks of C tokens.
@@ -63,8 +65,31 @@ class GatedDeltaNetAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
-        carry = cache.update(self.w_qkv(x).transpose(1, 2), pos)  # conv inputs (B, channels, K - 1 + T)
-        qkv = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, channels)
+        tail = self.conv.kernel_size[0] - 1
+        # A prompt goes a chunk of tokens at a time, the conv tail and the state carried between
+        # chunks, so its working memory is a chunk's whatever its length (its projections included).
+        # The last piece holds at least the conv tail: the cache is handed that piece's inputs only,
+        # and writes its tail from them (the held tail before the prompt comes back first).
+        bounds = list(range(0, T, CHUNK)) + [T]
+        if len(bounds) > 2 and T - bounds[-2] < tail:
+            del bounds[-2]  # a last piece shorter than the tail joins the one before
+        last = self.w_qkv(x[:, bounds[-2]:]).transpose(1, 2)  # (B, channels, T - start of the last piece)
+        carry = cache.update(last, pos)  # conv inputs (B, channels, K - 1 + that)
+        if len(bounds) == 2:
+            return self._mix(x, carry.inputs, carry.state)
+        out = x.new_empty(B, T, self.wo.out_features)
+        inputs = carry.inputs[..., :tail]
+        for start, end in zip(bounds, bounds[1:]):
+            new = last if end == T else self.w_qkv(x[:, start:end]).transpose(1, 2)
+            inputs = torch.cat([inputs[..., inputs.shape[-1] - tail:], new], -1)  # (B, channels, K - 1 + L)
+            out[:, start:end] = self._mix(x[:, start:end], inputs, carry.state)
+        return out
+
+    def _mix(self, x: torch.Tensor, inputs: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The layer's output for tokens x (B, L, C) from their conv inputs (B, channels, K - 1 + L),
+        advancing ``state`` in place."""
+        B, T, _ = x.shape
+        qkv = F.silu(self.conv(inputs)).transpose(1, 2)  # (B, T, channels)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = self.w_beta(x).sigmoid()  # (B, T, H_v)
         # in float32: in half precision exp(A_log) can overflow
@@ -73,7 +98,7 @@ class GatedDeltaNetAttention(nn.Module):
         q = q * self.d_k ** -0.5
         v, g, beta = (t.float().transpose(1, 2) for t in (v.reshape(B, T, self.H_v, self.d_v), g, beta))
         rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
-        out = rule(q, k, v, g, beta, carry.state).transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
+        out = rule(q, k, v, g, beta, state).transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
         gate = self.w_gate(x).view(B, T, self.H_v, self.d_v)
         out = (self.norm(out) * F.silu(gate.float())).to(x.dtype)  # transformers' RMSNormGated
         return self.wo(out.reshape(B, T, self.value_dim))
@@ -109,39 +134,38 @@ def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """The gated delta rule over chunks of ``chunk`` tokens, as transformers'
-    torch_chunk_gated_delta_rule (arguments as :func:`recurrent_delta_rule`).
+    torch_chunk_gated_delta_rule but a chunk at a time (arguments as :func:`recurrent_delta_rule`).
 
     Within a chunk the delta rule's corrections u_i = beta_i (v_i - sum_{j<i} decay(i, j) (k_i . k_j) u_j)
     form a unit lower-triangular system (the WY form): one triangular solve gives them all, and the
     chunk's outputs are its queries against the state it started from plus a causal, decayed
-    attention over its own corrections; the state then passes to the next chunk. A prompt that is
-    not a multiple of ``chunk`` is padded with zero keys and zero write strength, which change nothing."""
+    attention over its own corrections; the state then passes to the next chunk. Only the state
+    crosses chunks, so the working memory is a chunk's, O(B H chunk (chunk + d_k + d_v)), whatever
+    the prompt's length; a last chunk shorter than ``chunk`` is not padded (transformers pads with
+    zero keys and zero write strength, which change nothing, and keeps every chunk's matrices at once)."""
     B, H, T, d_k = k.shape
-    pad = -T % chunk
-    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, -1, chunk, t.shape[-1]) for t in (q, k, v))  # (B, H, N, C, d)
-    g, beta = (F.pad(t, (0, pad)).view(B, H, -1, chunk) for t in (g, beta))  # (B, H, N, C)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    decay = g.cumsum(-1)  # log of the decay from the chunk's start through each position
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, N, C, C)
-    system = (k_beta @ k.transpose(-1, -2)) * pair  # its strict lower triangle; the diagonal reads as 1
-    corrections = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
-                                              unitriangular=True)  # what each correction reads of the old state
-    intra = (q @ k.transpose(-1, -2)) * pair  # (B, H, N, C, C), causal: the upper triangle is exp(-inf) = 0
-    q = q * decay.exp()[..., None]
-    k = k * (decay[..., -1:] - decay).exp()[..., None]  # decayed to the chunk's end
-    chunk_decay = decay[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
     # a copy: the backward of a training step reads the state each chunk started from, so the
-    # cache's tensor, written below, must not be that state
+    # cache's tensor, written at the end, must not be that state
     S = state.to(torch.float32, copy=True)
-    out = corrections.new_empty(corrections.shape)  # contiguous (a solve may return column-major)
-    for n in range(q.shape[2]):
-        u = corrections[:, :, n] - k_decayed[:, :, n] @ S
-        out[:, :, n] = q[:, :, n] @ S + intra[:, :, n] @ u
-        S = S * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ u
+    out = v.new_empty(B, H, T, v.shape[-1])
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        qc, kc, vc = (t[:, :, start:end] for t in (q, k, v))  # (B, H, L, d)
+        b = beta[:, :, start:end, None]
+        decay = g[:, :, start:end].cumsum(-1)  # (B, H, L): log of the decay from the chunk's start through each token
+        later = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).triu(1)
+        pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, L, L)
+        k_beta = kc * b
+        system = (k_beta @ kc.transpose(-1, -2)) * pair  # its strict lower triangle; the diagonal reads as 1
+        corrections = torch.linalg.solve_triangular(system, vc * b, upper=False, unitriangular=True)
+        k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
+                                                  unitriangular=True)  # what each correction reads of the old state
+        u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
+        # causal: the upper triangle of pair is exp(-inf) = 0
+        out[:, :, start:end] = (qc * decay.exp()[..., None]) @ S + ((qc @ kc.transpose(-1, -2)) * pair) @ u
+        S = S * decay[..., -1:, None].exp() + (kc * (decay[..., -1:] - decay).exp()[..., None]).transpose(-1, -2) @ u
     state.copy_(S.detach())  # a cache carries the state on, never gradients through it
-    return out.view(B, H, -1, v.shape[-1])[:, :, :T]
+    return out
 
 
 def unfuse(layout: GatedDeltaNet, name: str, w: torch.Tensor) -> dict:
