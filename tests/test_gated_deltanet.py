@@ -1,7 +1,9 @@
 """Gated DeltaNet layers (kvbench.layouts.gated_deltanet): exact against transformers' own
 Qwen3_5GatedDeltaNet and Qwen3NextGatedDeltaNet modules (random weights, float32) in prefill and
-over cached decode steps; the chunked form against the recurrent form and a float64 loop of the
-rule; the state cache's bytes against a hand formula; what the layer refuses, in one line."""
+over cached decode steps, a long prompt in one forward too; the chunked form against the recurrent
+form and a float64 loop of the rule; the working memory of the rule and of the layer's prefill
+against the prompt's length (and transformers', which grows with it); the state cache's bytes
+against a hand formula; what the layer refuses, in one line."""
 
 import logging
 from types import SimpleNamespace
@@ -330,10 +332,9 @@ def test_the_chunked_form_trains_its_gradients_equal_the_float64_loops():
 def test_a_long_prompt_in_one_forward_is_transformers_and_the_recurrent_step(T):
     """A prompt of several chunks in one forward (the layer goes a chunk of tokens at a time, the
     conv tail and the state carried; 129 leaves a last piece shorter than the kernel's tail, 195 one
-    exactly as long),
-    then 5 decode steps from the cache it wrote: equal to transformers' recompute of the whole
-    sequence, and to the same tokens fed one at a time through the layer's recurrent step; a serving
-    store's state pages take the prompt's final conv tail and state as the cache does."""
+    exactly as long), then 5 decode steps from the cache it wrote: equal to transformers' recompute
+    of the whole sequence, and to the same tokens fed one at a time through the layer's recurrent
+    step; a serving store's state pages take the prompt's final conv tail and state as the cache does."""
     _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
     B = SHAPES[0][0]
     x = torch.randn(B, T + 5, 64)
