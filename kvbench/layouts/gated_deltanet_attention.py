@@ -150,22 +150,29 @@ def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     out = v.new_empty(B, H, T, v.shape[-1])
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        qc, kc, vc = (t[:, :, start:end] for t in (q, k, v))  # (B, H, L, d)
-        b = beta[:, :, start:end, None]
-        decay = g[:, :, start:end].cumsum(-1)  # (B, H, L): log of the decay from the chunk's start through each token
-        later = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).triu(1)
-        pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, L, L)
-        k_beta = kc * b
-        system = (k_beta @ kc.transpose(-1, -2)) * pair  # its strict lower triangle; the diagonal reads as 1
-        corrections = torch.linalg.solve_triangular(system, vc * b, upper=False, unitriangular=True)
-        k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
-                                                  unitriangular=True)  # what each correction reads of the old state
-        u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
-        # causal: the upper triangle of pair is exp(-inf) = 0
-        out[:, :, start:end] = (qc * decay.exp()[..., None]) @ S + ((qc @ kc.transpose(-1, -2)) * pair) @ u
-        S = S * decay[..., -1:, None].exp() + (kc * (decay[..., -1:] - decay).exp()[..., None]).transpose(-1, -2) @ u
+        out[:, :, start:end], S = _one_chunk(*(t[:, :, start:end] for t in (q, k, v, g, beta)), S)
     state.copy_(S.detach())  # a cache carries the state on, never gradients through it
     return out
+
+
+def _one_chunk(q, k, v, g, beta, S: torch.Tensor):
+    """One chunk of :func:`chunked_delta_rule` (q, k (B, H, L, d_k), v (B, H, L, d_v), g, beta (B, H, L))
+    from the state S it starts from: its outputs (B, H, L, d_v) and the state it ends with. A function
+    of its own, so that its (L, L) matrices are freed before the next chunk builds its own."""
+    L = k.shape[2]
+    decay = g.cumsum(-1)  # (B, H, L): log of the decay from the chunk's start through each token
+    later = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, L, L)
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * pair  # its strict lower triangle; the diagonal reads as 1
+    corrections = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
+                                              unitriangular=True)  # what each correction reads of the old state
+    del system  # one (L, L) matrix fewer alive while the outputs' is formed
+    u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
+    # causal: the upper triangle of pair is exp(-inf) = 0
+    out = (q * decay.exp()[..., None]) @ S + ((q @ k.transpose(-1, -2)) * pair) @ u
+    return out, S * decay[..., -1:, None].exp() + (k * (decay[..., -1:] - decay).exp()[..., None]).transpose(-1, -2) @ u
 
 
 def unfuse(layout: GatedDeltaNet, name: str, w: torch.Tensor) -> dict:
