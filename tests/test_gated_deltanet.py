@@ -404,3 +404,33 @@ def test_a_layers_prefill_works_in_memory_of_a_chunk_whatever_the_length(held):
         reference[T] = count.peak - out.nbytes
     assert 0 < work[4096] <= 1.5 * work[512], work
     assert reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference
+
+
+@torch.no_grad()
+def test_a_hybrids_prefill_costs_a_sequence_less_than_mhas_at_the_capacity_probes_context():
+    """experiment=choose's model at 256 tokens, prefilled as a capacity probe prefills (kvbench.generate's
+    prefill: every prompt of the batch at once): per sequence (the peak of live tensors at batch 4
+    less batch 1's, over 3) the Gated DeltaNet hybrid's working memory is within 1.5x that of the
+    same model all GQA-2 (its full layers' kind), and that plus what its cache holds is below MHA's
+    (issue 59: a prefill that kept every chunk's matrices at once cost the hybrid 3.5x GQA's per
+    sequence and, with its cache, more than MHA's)."""
+    from kvbench.generate import prefill
+    from kvbench.tasks.common import build_model
+
+    torch.set_num_threads(1)
+    work, held = {}, {}
+    for attention in ("mha", "gqa", "choose/gdn"):
+        cfg = to_bench_config(compose("experiment=choose", f"attention={attention}"))
+        model = build_model(cfg, torch.device("cpu")).eval()
+        peaks = {}
+        for B in (1, 4):
+            prompt = torch.randint(0, cfg.model.vocab_size, (B, 256), generator=torch.Generator().manual_seed(0))
+            cache = make_cache("static", model.layouts, B, 264)
+            with LiveBytes(prompt, *model.parameters(), *model.buffers(), *cache.tensors()) as count:
+                prefill(model, prompt, cache)
+            peaks[B] = count.peak
+        work[attention] = (peaks[4] - peaks[1]) / 3
+        held[attention] = sum(t.nbytes for t in cache.tensors()) / 4
+    assert 0 < work["choose/gdn"] <= 1.5 * work["gqa"], work
+    assert work["choose/gdn"] + held["choose/gdn"] < work["mha"] + held["mha"], (work, held)
+    assert held["choose/gdn"] < held["mha"] / 8  # what the formula promises: the working memory decided it
