@@ -359,6 +359,26 @@ def test_a_long_prompt_in_one_forward_is_transformers_and_the_recurrent_step(T):
         assert (held[pages] - want_held).abs().max() <= TOL and not held[1].any()
 
 
+def test_a_layers_gradients_over_a_prompt_of_several_chunks_equal_transformers():
+    """Training through a layer (task=train, task=recall): a prompt of 150 tokens (three pieces)
+    from a zero state; the gradients with respect to the input and every weight equal those of
+    transformers' module (autograd through its torch chunked rule): the state carried from piece
+    to piece keeps its graph."""
+    _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
+    x = torch.randn(1, 150, 64)
+    grads = []
+    for module, names in ((ours, None), (hf, HF_NAMES)):
+        t = x.clone().requires_grad_()
+        out = module(t, None, None, uncached(lay), Positions(0, 150)) if module is ours else module(t)
+        params = dict(module.named_parameters())
+        got = torch.autograd.grad((out * out.detach().sin()).sum(), [t, *params.values()])
+        grads.append(dict(zip(["x"] + [names[n] if names else n for n in params], got)))
+    assert grads[0].keys() == grads[1].keys()
+    for name, want in grads[1].items():
+        assert (grads[0][name] - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), name
+    assert grads[1]["x"].abs().max() > 0.1
+
+
 @torch.no_grad()
 def test_the_chunked_form_works_in_memory_of_a_chunk_whatever_the_length():
     """Beyond its output, the chunked form's peak of live tensors at 4,096 tokens is within 1.5x its

@@ -76,18 +76,25 @@ class GatedDeltaNetAttention(nn.Module):
         last = self.w_qkv(x[:, bounds[-2]:]).transpose(1, 2)  # (B, channels, T - start of the last piece)
         carry = cache.update(last, pos)  # conv inputs (B, channels, K - 1 + that)
         if len(bounds) == 2:
-            return self._mix(x, carry.inputs, carry.state)
+            q, k, v, g, beta = self._rule_inputs(x, carry.inputs)
+            rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
+            return self._output(x, rule(q, k, v, g, beta, carry.state))
         out = x.new_empty(B, T, self.wo.out_features)
         inputs = carry.inputs[..., :tail]
+        # the state carried from piece to piece keeps its graph (a training step backpropagates
+        # through it); a copy, as chunked_delta_rule's, and written back to the cache at the end
+        S = carry.state.to(torch.float32, copy=True)
         for start, end in zip(bounds, bounds[1:]):
             new = last if end == T else self.w_qkv(x[:, start:end]).transpose(1, 2)
             inputs = torch.cat([inputs[..., inputs.shape[-1] - tail:], new], -1)  # (B, channels, K - 1 + L)
-            out[:, start:end] = self._mix(x[:, start:end], inputs, carry.state)
+            piece, S = delta_rule_chunks(*self._rule_inputs(x[:, start:end], inputs), S)
+            out[:, start:end] = self._output(x[:, start:end], piece)
+        carry.state.copy_(S.detach())  # a cache carries the state on, never gradients through it
         return out
 
-    def _mix(self, x: torch.Tensor, inputs: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """The layer's output for tokens x (B, L, C) from their conv inputs (B, channels, K - 1 + L),
-        advancing ``state`` in place."""
+    def _rule_inputs(self, x: torch.Tensor, inputs: torch.Tensor):
+        """q, k (B, H_v, L, d_k), v (B, H_v, L, d_v), g, beta (B, H_v, L), all float32, of tokens x
+        (B, L, C) from their conv inputs (B, channels, K - 1 + L)."""
         B, T, _ = x.shape
         qkv = F.silu(self.conv(inputs)).transpose(1, 2)  # (B, T, channels)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -95,10 +102,13 @@ class GatedDeltaNetAttention(nn.Module):
         # in float32: in half precision exp(A_log) can overflow
         g = -self.log_decay_rate.float().exp() * F.softplus(self.w_decay(x).float() + self.decay_bias)
         q, k = (_unit_heads(t.reshape(B, T, self.H_k, self.d_k), self.H_v) for t in (q, k))  # (B, H_v, T, d_k)
-        q = q * self.d_k ** -0.5
         v, g, beta = (t.float().transpose(1, 2) for t in (v.reshape(B, T, self.H_v, self.d_v), g, beta))
-        rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
-        out = rule(q, k, v, g, beta, state).transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
+        return q * self.d_k ** -0.5, k, v, g, beta
+
+    def _output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output for tokens x (B, L, C) from the rule's (B, H_v, L, d_v)."""
+        B, T, _ = x.shape
+        out = out.transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
         gate = self.w_gate(x).view(B, T, self.H_v, self.d_v)
         out = (self.norm(out) * F.silu(gate.float())).to(x.dtype)  # transformers' RMSNormGated
         return self.wo(out.reshape(B, T, self.value_dim))
@@ -143,16 +153,22 @@ def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     crosses chunks, so the working memory is a chunk's, O(B H chunk (chunk + d_k + d_v)), whatever
     the prompt's length; a last chunk shorter than ``chunk`` is not padded (transformers pads with
     zero keys and zero write strength, which change nothing, and keeps every chunk's matrices at once)."""
-    B, H, T, d_k = k.shape
     # a copy: the backward of a training step reads the state each chunk started from, so the
     # cache's tensor, written at the end, must not be that state
-    S = state.to(torch.float32, copy=True)
+    out, S = delta_rule_chunks(q, k, v, g, beta, state.to(torch.float32, copy=True), chunk)
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+    return out
+
+
+def delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor, chunk: int = CHUNK):
+    """:func:`chunked_delta_rule` from the float32 state S, not written in place: the outputs
+    (B, H, T, d_v) and the state after them (its graph kept), for a caller that carries it on."""
+    B, H, T, _ = k.shape
     out = v.new_empty(B, H, T, v.shape[-1])
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         out[:, :, start:end], S = _one_chunk(*(t[:, :, start:end] for t in (q, k, v, g, beta)), S)
-    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
-    return out
+    return out, S
 
 
 def _one_chunk(q, k, v, g, beta, S: torch.Tensor):
