@@ -419,11 +419,12 @@ def test_a_layers_prefill_works_in_memory_of_a_chunk_whatever_the_length(held):
             out = ours(x, None, None, layer, Positions(0, T))
         work[T] = count.peak - out.nbytes
         assert count.now == out.nbytes  # nothing but the output outlives the call
-        with LiveBytes(x, *hf.parameters()) as count:
-            out = hf(x)
-        reference[T] = count.peak - out.nbytes
+        if not held:  # the reference once (it takes seconds)
+            with LiveBytes(x, *hf.parameters()) as count:
+                out = hf(x)
+            reference[T] = count.peak - out.nbytes
     assert 0 < work[4096] <= 1.5 * work[512], work
-    assert reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference
+    assert held or reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference
 
 
 @torch.no_grad()
