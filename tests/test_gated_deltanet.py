@@ -1,7 +1,9 @@
 """Gated DeltaNet layers (kvbench.layouts.gated_deltanet): exact against transformers' own
 Qwen3_5GatedDeltaNet and Qwen3NextGatedDeltaNet modules (random weights, float32) in prefill and
-over cached decode steps; the chunked form against the recurrent form and a float64 loop of the
-rule; the state cache's bytes against a hand formula; what the layer refuses, in one line."""
+over cached decode steps, a long prompt in one forward too; the chunked form against the recurrent
+form and a float64 loop of the rule; the working memory of the rule and of the layer's prefill
+against the prompt's length (and transformers', which grows with it); the state cache's bytes
+against a hand formula; what the layer refuses, in one line."""
 
 import logging
 from types import SimpleNamespace
@@ -9,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import compose, tiny_model_config
+from test_mamba2 import LiveBytes
 
 from kvbench.cache import Positions, make_cache, uncached
 from kvbench.config.errors import ConfigError
@@ -25,6 +28,7 @@ from kvbench.layouts.gated_deltanet_attention import (
 )
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.model import Decoder
+from kvbench.serving.batch import PagedStateLayer
 from kvbench.shared_prefix import shared_cache_for
 
 TOL = 1e-5
@@ -321,3 +325,133 @@ def test_the_chunked_form_trains_its_gradients_equal_the_float64_loops():
     for got, ref in zip(grads, want):
         assert (got.double() - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
     assert not state.requires_grad and state.abs().max() > 0  # the cache got the final state, without a graph
+
+
+@pytest.mark.parametrize("T", [129, 195])
+@torch.no_grad()
+def test_a_long_prompt_in_one_forward_is_transformers_and_the_recurrent_step(T):
+    """A prompt of several chunks in one forward (the layer goes a chunk of tokens at a time, the
+    conv tail and the state carried; 129 leaves a last piece shorter than the kernel's tail, 195 one
+    exactly as long), then 5 decode steps from the cache it wrote: equal to transformers' recompute
+    of the whole sequence, and to the same tokens fed one at a time through the layer's recurrent
+    step; a serving store's state pages take the prompt's final conv tail and state as the cache does."""
+    _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
+    B = SHAPES[0][0]
+    x = torch.randn(B, T + 5, 64)
+    cache, stepped = (make_cache("static", Layouts([lay]), B, 256) for _ in range(2))
+    got = torch.cat([step(ours, cache, x[:, :T], 0)] + [step(ours, cache, x[:, t:t + 1], t)
+                                                         for t in range(T, T + 5)], 1)
+    one_by_one = [step(ours, stepped, x[:, t:t + 1], t) for t in range(T)]
+    after_prompt = [t.clone() for t in stepped.tensors()]
+    one_by_one = torch.cat(one_by_one + [step(ours, stepped, x[:, t:t + 1], t) for t in range(T, T + 5)], 1)
+    want = hf(x)
+    assert (want - got).abs().max().item() <= TOL and (one_by_one - got).abs().max().item() <= TOL
+    assert want.abs().max() > 0.1  # the comparison is not between zeros
+    assert all((a - b).abs().max() <= TOL for a, b in zip(cache.tensors(), stepped.tensors()))
+    # a serving store's state pages (read as a batch, written back at commit) end where the cache did
+    conv, recurrent = (torch.zeros((3,) + t.shape[1:]) for t in after_prompt)
+    pages = [2, 0][:B]
+    paged = PagedStateLayer(conv, recurrent, torch.tensor(pages))
+    prefilled = ours(x[:, :T], None, None, paged, Positions(0, T))
+    paged.commit()
+    assert (prefilled - got[:, :T]).abs().max().item() <= TOL
+    for held, want_held in zip((conv, recurrent), after_prompt):
+        assert (held[pages] - want_held).abs().max() <= TOL and not held[1].any()
+
+
+def test_a_layers_gradients_over_a_prompt_of_several_chunks_equal_transformers():
+    """Training through a layer (task=train, task=recall): a prompt of 150 tokens (three pieces)
+    from a zero state; the gradients with respect to the input and every weight equal those of
+    transformers' module (autograd through its torch chunked rule): the state carried from piece
+    to piece keeps its graph."""
+    _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
+    x = torch.randn(1, 150, 64)
+    grads = []
+    for module, names in ((ours, None), (hf, HF_NAMES)):
+        t = x.clone().requires_grad_()
+        out = module(t, None, None, uncached(lay), Positions(0, 150)) if module is ours else module(t)
+        params = dict(module.named_parameters())
+        got = torch.autograd.grad((out * out.detach().sin()).sum(), [t, *params.values()])
+        grads.append(dict(zip(["x"] + [names[n] if names else n for n in params], got)))
+    assert grads[0].keys() == grads[1].keys()
+    for name, want in grads[1].items():
+        assert (grads[0][name] - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), name
+    assert grads[1]["x"].abs().max() > 0.1
+
+
+@torch.no_grad()
+def test_the_chunked_form_works_in_memory_of_a_chunk_whatever_the_length():
+    """Beyond its output, the chunked form's peak of live tensors at 4,096 tokens is within 1.5x its
+    peak at 512: only the state crosses chunks. transformers' torch_chunk_gated_delta_rule, which
+    keeps every chunk's matrices at once, grows with T under the same count (the count can see it)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    work, reference = {}, {}
+    for T in (512, 4096):
+        q, k, v, g, beta, state = inputs = rule_inputs(T, B=1, H=2, d_k=8, d_v=8)
+        with LiveBytes(*inputs) as count:
+            out = chunked_delta_rule(q, k, v, g, beta, state)
+        work[T] = count.peak - out.nbytes
+        assert count.now == out.nbytes  # nothing but the output outlives the call
+        # transformers' layout (B, T, H, d), scaling q itself: its inputs are new tensors, not counted
+        theirs = [t.transpose(1, 2).contiguous() for t in (q * 8 ** 0.5, k, v, g, beta)]
+        with LiveBytes(*inputs, *theirs) as count:
+            out, _ = torch_chunk_gated_delta_rule(*theirs, initial_state=state, output_final_state=True)
+        reference[T] = count.peak - out.nbytes
+    assert 0 < work[4096] <= 1.5 * work[512], work
+    assert reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference
+
+
+@pytest.mark.parametrize("held", [True, False])
+@torch.no_grad()
+def test_a_layers_prefill_works_in_memory_of_a_chunk_whatever_the_length(held):
+    """A whole layer's prefill (projections, convolution, rule, norm and gate), through a held
+    cache or none: beyond its input, output, weights and cache, its peak of live tensors at 4,096
+    tokens is within 1.5x its peak at 512. transformers' Qwen3_5GatedDeltaNet, which projects the
+    whole prompt and keeps every chunk's matrices at once, grows with T under the same count."""
+    _, hf, ours, lay = pair("qwen3_5", SHAPES[0])
+    work, reference = {}, {}
+    for T in (512, 4096):
+        x = torch.randn(1, T, 64)
+        cache = make_cache("static", Layouts([lay]), 1, T) if held else None
+        layer = cache.begin(Positions(0, T), 1)[0] if held else uncached(lay)
+        with LiveBytes(x, *ours.parameters(), *layer.tensors()) as count:
+            out = ours(x, None, None, layer, Positions(0, T))
+        work[T] = count.peak - out.nbytes
+        assert count.now == out.nbytes  # nothing but the output outlives the call
+        if not held:  # the reference once (it takes seconds)
+            with LiveBytes(x, *hf.parameters()) as count:
+                out = hf(x)
+            reference[T] = count.peak - out.nbytes
+    assert 0 < work[4096] <= 1.5 * work[512], work
+    assert held or reference[4096] > 4 * reference[512] and reference[4096] > 10 * work[4096], reference
+
+
+@torch.no_grad()
+def test_a_hybrids_prefill_costs_a_sequence_less_than_mhas_at_the_capacity_probes_context():
+    """experiment=choose's model at 256 tokens, prefilled as a capacity probe prefills (kvbench.generate's
+    prefill: every prompt of the batch at once): per sequence (the peak of live tensors at batch 4
+    less batch 1's, over 3) the Gated DeltaNet hybrid's working memory is within 1.5x that of the
+    same model all GQA-2 (its full layers' kind), and that plus what its cache holds is below MHA's
+    (issue 59: a prefill that kept every chunk's matrices at once cost the hybrid 3.5x GQA's per
+    sequence and, with its cache, more than MHA's)."""
+    from kvbench.generate import prefill
+    from kvbench.tasks.common import build_model
+
+    torch.set_num_threads(1)
+    work, held = {}, {}
+    for attention in ("mha", "gqa", "choose/gdn"):
+        cfg = to_bench_config(compose("experiment=choose", f"attention={attention}"))
+        model = build_model(cfg, torch.device("cpu")).eval()
+        peaks = {}
+        for B in (1, 4):
+            prompt = torch.randint(0, cfg.model.vocab_size, (B, 256), generator=torch.Generator().manual_seed(0))
+            cache = make_cache("static", model.layouts, B, 264)
+            with LiveBytes(prompt, *model.parameters(), *model.buffers(), *cache.tensors()) as count:
+                prefill(model, prompt, cache)
+            peaks[B] = count.peak
+        work[attention] = (peaks[4] - peaks[1]) / 3
+        held[attention] = sum(t.nbytes for t in cache.tensors()) / 4
+    assert 0 < work["choose/gdn"] <= 1.5 * work["gqa"], work
+    assert work["choose/gdn"] + held["choose/gdn"] < work["mha"] + held["mha"], (work, held)
+    assert held["choose/gdn"] < held["mha"] / 8  # what the formula promises: the working memory decided it

@@ -9,9 +9,11 @@ head's d_k x d_v state (computed in float32, held in ``cache.state_dtype``), the
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
-A prompt runs its chunked form (:func:`chunked_delta_rule`), a decode step its recurrent form
-(:func:`recurrent_delta_rule`). The output is RMS-normalised per head, gated by
-silu(``w_gate`` x) and projected by ``wo``. :data:`HF_NAMES` maps transformers' parameter names.
+A prompt runs its chunked form (:func:`chunked_delta_rule`) a chunk of tokens at a time, the
+conv tail and the state carried from chunk to chunk, so its working memory is O(chunk) whatever
+its length; a decode step runs the recurrent form (:func:`recurrent_delta_rule`). The output is
+RMS-normalised per head, gated by silu(``w_gate`` x) and projected by ``wo``. :data:`HF_NAMES`
+maps transformers' parameter names.
 
 Notation: B batch, T new tokens, H_k key heads, H_v value heads (G = H_v / H_k share a key head),
 d_k, d_v their widths, N chunks of C tokens.
@@ -63,17 +65,50 @@ class GatedDeltaNetAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
-        carry = cache.update(self.w_qkv(x).transpose(1, 2), pos)  # conv inputs (B, channels, K - 1 + T)
-        qkv = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, channels)
+        tail = self.conv.kernel_size[0] - 1
+        # A prompt goes a chunk of tokens at a time, the conv tail and the state carried between
+        # chunks, so its working memory is a chunk's whatever its length (its projections included).
+        # The last piece holds at least the conv tail: the cache is handed that piece's inputs only,
+        # and writes its tail from them (the held tail before the prompt comes back first).
+        bounds = list(range(0, T, CHUNK)) + [T]
+        if len(bounds) > 2 and T - bounds[-2] < tail:
+            del bounds[-2]  # a last piece shorter than the tail joins the one before
+        last = self.w_qkv(x[:, bounds[-2]:]).transpose(1, 2)  # (B, channels, T - start of the last piece)
+        carry = cache.update(last, pos)  # conv inputs (B, channels, K - 1 + that)
+        if len(bounds) == 2:
+            q, k, v, g, beta = self._rule_inputs(x, carry.inputs)
+            rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
+            return self._output(x, rule(q, k, v, g, beta, carry.state))
+        out = x.new_empty(B, T, self.wo.out_features)
+        inputs = carry.inputs[..., :tail]
+        # the state carried from piece to piece keeps its graph (a training step backpropagates
+        # through it); a copy, as chunked_delta_rule's, and written back to the cache at the end
+        S = carry.state.to(torch.float32, copy=True)
+        for start, end in zip(bounds, bounds[1:]):
+            new = last if end == T else self.w_qkv(x[:, start:end]).transpose(1, 2)
+            inputs = torch.cat([inputs[..., inputs.shape[-1] - tail:], new], -1)  # (B, channels, K - 1 + L)
+            piece, S = delta_rule_chunks(*self._rule_inputs(x[:, start:end], inputs), S)
+            out[:, start:end] = self._output(x[:, start:end], piece)
+        carry.state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+        return out
+
+    def _rule_inputs(self, x: torch.Tensor, inputs: torch.Tensor):
+        """q, k (B, H_v, L, d_k), v (B, H_v, L, d_v), g, beta (B, H_v, L), all float32, of tokens x
+        (B, L, C) from their conv inputs (B, channels, K - 1 + L)."""
+        B, T, _ = x.shape
+        qkv = F.silu(self.conv(inputs)).transpose(1, 2)  # (B, T, channels)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = self.w_beta(x).sigmoid()  # (B, T, H_v)
         # in float32: in half precision exp(A_log) can overflow
         g = -self.log_decay_rate.float().exp() * F.softplus(self.w_decay(x).float() + self.decay_bias)
         q, k = (_unit_heads(t.reshape(B, T, self.H_k, self.d_k), self.H_v) for t in (q, k))  # (B, H_v, T, d_k)
-        q = q * self.d_k ** -0.5
         v, g, beta = (t.float().transpose(1, 2) for t in (v.reshape(B, T, self.H_v, self.d_v), g, beta))
-        rule = recurrent_delta_rule if T == 1 else chunked_delta_rule
-        out = rule(q, k, v, g, beta, carry.state).transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
+        return q * self.d_k ** -0.5, k, v, g, beta
+
+    def _output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output for tokens x (B, L, C) from the rule's (B, H_v, L, d_v)."""
+        B, T, _ = x.shape
+        out = out.transpose(1, 2).to(x.dtype)  # (B, T, H_v, d_v)
         gate = self.w_gate(x).view(B, T, self.H_v, self.d_v)
         out = (self.norm(out) * F.silu(gate.float())).to(x.dtype)  # transformers' RMSNormGated
         return self.wo(out.reshape(B, T, self.value_dim))
@@ -113,39 +148,51 @@ def recurrent_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 def chunked_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """The gated delta rule over chunks of ``chunk`` tokens, as transformers'
-    torch_chunk_gated_delta_rule (arguments as :func:`recurrent_delta_rule`).
+    torch_chunk_gated_delta_rule but a chunk at a time (arguments as :func:`recurrent_delta_rule`).
 
     Within a chunk the delta rule's corrections u_i = beta_i (v_i - sum_{j<i} decay(i, j) (k_i . k_j) u_j)
     form a unit lower-triangular system (the WY form): one triangular solve gives them all, and the
     chunk's outputs are its queries against the state it started from plus a causal, decayed
-    attention over its own corrections; the state then passes to the next chunk. A prompt that is
-    not a multiple of ``chunk`` is padded with zero keys and zero write strength, which change nothing."""
-    B, H, T, d_k = k.shape
-    pad = -T % chunk
-    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, -1, chunk, t.shape[-1]) for t in (q, k, v))  # (B, H, N, C, d)
-    g, beta = (F.pad(t, (0, pad)).view(B, H, -1, chunk) for t in (g, beta))  # (B, H, N, C)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    decay = g.cumsum(-1)  # log of the decay from the chunk's start through each position
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, N, C, C)
+    attention over its own corrections; the state then passes to the next chunk. Only the state
+    crosses chunks, so the working memory is a chunk's, O(B H chunk (chunk + d_k + d_v)), whatever
+    the prompt's length; a last chunk shorter than ``chunk`` is not padded (transformers pads with
+    zero keys and zero write strength, which change nothing, and keeps every chunk's matrices at once)."""
+    # a copy: the backward of a training step reads the state each chunk started from, so the
+    # cache's tensor, written at the end, must not be that state
+    out, S = delta_rule_chunks(q, k, v, g, beta, state.to(torch.float32, copy=True), chunk)
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+    return out
+
+
+def delta_rule_chunks(q, k, v, g, beta, S: torch.Tensor, chunk: int = CHUNK):
+    """:func:`chunked_delta_rule` from the float32 state S, not written in place: the outputs
+    (B, H, T, d_v) and the state after them (its graph kept), for a caller that carries it on."""
+    B, H, T, _ = k.shape
+    out = v.new_empty(B, H, T, v.shape[-1])
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        out[:, :, start:end], S = _one_chunk(*(t[:, :, start:end] for t in (q, k, v, g, beta)), S)
+    return out, S
+
+
+def _one_chunk(q, k, v, g, beta, S: torch.Tensor):
+    """One chunk of :func:`chunked_delta_rule` (q, k (B, H, L, d_k), v (B, H, L, d_v), g, beta (B, H, L))
+    from the state S it starts from: its outputs (B, H, L, d_v) and the state it ends with. A function
+    of its own, so that its (L, L) matrices are freed before the next chunk builds its own."""
+    L = k.shape[2]
+    decay = g.cumsum(-1)  # (B, H, L): log of the decay from the chunk's start through each token
+    later = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # (B, H, L, L)
+    k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * pair  # its strict lower triangle; the diagonal reads as 1
-    corrections = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    corrections = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     k_decayed = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False,
                                               unitriangular=True)  # what each correction reads of the old state
-    intra = (q @ k.transpose(-1, -2)) * pair  # (B, H, N, C, C), causal: the upper triangle is exp(-inf) = 0
-    q = q * decay.exp()[..., None]
-    k = k * (decay[..., -1:] - decay).exp()[..., None]  # decayed to the chunk's end
-    chunk_decay = decay[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-    # a copy: the backward of a training step reads the state each chunk started from, so the
-    # cache's tensor, written below, must not be that state
-    S = state.to(torch.float32, copy=True)
-    out = corrections.new_empty(corrections.shape)  # contiguous (a solve may return column-major)
-    for n in range(q.shape[2]):
-        u = corrections[:, :, n] - k_decayed[:, :, n] @ S
-        out[:, :, n] = q[:, :, n] @ S + intra[:, :, n] @ u
-        S = S * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ u
-    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
-    return out.view(B, H, -1, v.shape[-1])[:, :, :T]
+    del system  # one (L, L) matrix fewer alive while the outputs' is formed
+    u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
+    # causal: the upper triangle of pair is exp(-inf) = 0
+    out = (q * decay.exp()[..., None]) @ S + ((q @ k.transpose(-1, -2)) * pair) @ u
+    return out, S * decay[..., -1:, None].exp() + (k * (decay[..., -1:] - decay).exp()[..., None]).transpose(-1, -2) @ u
 
 
 def unfuse(layout: GatedDeltaNet, name: str, w: torch.Tensor) -> dict:
