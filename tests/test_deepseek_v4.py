@@ -13,6 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 from conftest import tiny_model_config
+from recurrent_checks import greedy_steps
 from torch import nn
 
 from kvbench.cache import Positions
@@ -344,19 +345,16 @@ def test_the_model_with_kvbench_attention_greedy_decodes_40_tokens_as_transforme
         for i, layer in enumerate(model.model.layers):
             lay, ours = ours_for(cfg, model, i)
             layer.self_attn = Swapped(ours, CompressedCache(lay, 2, 64, torch.float32))
-        tokens, logits, ids, start = [], [], prompt, 0
-        for _ in range(41):
+
+        def last_logits(ids, start):
             positions = torch.arange(start, start + ids.shape[1])[None]
-            logits.append(model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1])
-            start += ids.shape[1]
-            ids = logits[-1].argmax(-1, keepdim=True)
-            tokens.append(ids)
+            return model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1]
+
+        tokens = greedy_steps(last_logits, prompt, want, TOL)
     finally:
         for layer, attention in zip(model.model.layers, originals):
             layer.self_attn = attention
-    assert torch.equal(torch.cat(tokens, 1), want.sequences[:, 23:])
-    assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= TOL
-    assert len(set(torch.cat(tokens, 1)[0].tolist())) > 3  # not one token repeated
+    assert len(set(tokens[0].tolist())) > 3  # not one token repeated
 
 
 @torch.no_grad()
@@ -416,14 +414,7 @@ def test_a_model_of_kvbench_blocks_greedy_decodes_40_tokens_as_transformers_gene
             h = residual(h, layer.mlp(layer.post_attention_layernorm(x), input_ids=ids), post, comb)
         return model.lm_head(hf.norm(head(h)))[:, -1]
 
-    tokens, logits, ids, start = [], [], prompt, 0
-    for _ in range(41):
-        logits.append(last_logits(ids, start))
-        start += ids.shape[1]
-        ids = logits[-1].argmax(-1, keepdim=True)
-        tokens.append(ids)
-    assert torch.equal(torch.cat(tokens, 1), want.sequences[:, 23:])
-    assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= TOL
+    greedy_steps(last_logits, prompt, want, TOL)
 
 
 # ---- bytes -----------------------------------------------------------------------------------

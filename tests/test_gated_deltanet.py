@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import compose, tiny_model_config
-from test_mamba2 import LiveBytes
+from recurrent_checks import LiveBytes
 
 from kvbench.cache import Positions, make_cache, uncached
 from kvbench.config.errors import ConfigError

@@ -6,13 +6,11 @@ transformers' scan, which grows with it); the state's bytes against a hand formu
 reading against transformers' config classes; what the layer refuses, in one line."""
 
 import logging
-import weakref
 
 import pytest
 import torch
 from conftest import tiny_model_config
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
 
 from kvbench.cache import Positions
 from kvbench.config.errors import ConfigError
@@ -179,15 +177,8 @@ def test_a_nemotron_h_greedy_decodes_40_tokens_as_transformers_generate():
     prompt = torch.randint(0, 97, (2, 23))
     want = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
                           return_dict_in_generate=True)
-    tokens, logits, ids, start = [], [], prompt, 0
-    for _ in range(40):
-        logits.append(last_logits(ids, start))
-        start += ids.shape[1]
-        ids = logits[-1].argmax(-1, keepdim=True)
-        tokens.append(ids)
-    assert torch.equal(torch.cat(tokens, 1), want.sequences[:, 23:])
-    assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= TOL
-    assert len(set(torch.cat(tokens, 1)[0].tolist())) > 3  # not one token repeated
+    tokens = greedy_steps(last_logits, prompt, want, TOL)
+    assert len(set(tokens[0].tolist())) > 3  # not one token repeated
 
 
 @torch.no_grad()
@@ -295,44 +286,6 @@ def test_the_chunked_scan_equals_the_recurrent_step_and_a_float64_loop(T, chunk)
     assert (want_state - state.double()).abs().max() > 0.1  # the tokens did change the state
 
 
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the tensors ops allocate while it is on, and their peak: each new storage counted
-    once while a tensor that any op returned still holds it (views share their base's). Storages
-    passed in (the inputs) are not counted."""
-
-    def __init__(self, *inputs: torch.Tensor):
-        super().__init__()
-        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
-        self.holders = {}  # storage address -> [bytes, tensors alive]
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._hold(t)
-        return out
-
-    def _hold(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        address, size = storage.data_ptr(), storage.nbytes()
-        if address in self.inputs or not size:
-            return
-        if address not in self.holders:
-            self.holders[address] = [size, 0]
-            self.now += size
-            self.peak = max(self.peak, self.now)
-        self.holders[address][1] += 1
-        weakref.finalize(t, self._drop, address)
-
-    def _drop(self, address: int) -> None:
-        entry = self.holders[address]
-        entry[1] -= 1
-        if not entry[1]:
-            self.now -= entry[0]
-            del self.holders[address]
-
-
 @torch.no_grad()
 def test_the_chunked_scan_works_in_memory_of_a_chunk_whatever_the_length():
     """Beyond its output (B, T, H, P), the chunked scan's peak of live tensors is the same at 256 and
@@ -377,26 +330,11 @@ def test_the_state_as_allocated_is_the_formula_and_does_not_grow(dtype, state_dt
     channels in the compute dtype, at any length; the cache allocates exactly that, in those dtypes,
     and a prompt and 10 decode steps write it in place."""
     state_element = {"float32": 4, "bfloat16": 2}[state_dtype]
-    element, Bsz = dtype.itemsize, 3
     layers = Layouts(layout(*s, state_dtype) for s in SHAPES)
-    per_sequence = sum(hand_state_bytes(*s, element, state_element) for s in SHAPES)
-    assert layers.state_bytes(element) == per_sequence and layers.bytes_per_token(element) == 0
-    assert [layers.cache_bytes(S, Bsz, element) for S in (1, 256, 10 ** 6)] == [Bsz * per_sequence] * 3
-    assert [layers.read_bytes(S, Bsz, element) for S in (1, 10 ** 6)] == [Bsz * per_sequence] * 2
-    assert layers.step_flops(256) == layers.step_flops(4096) == sum(5 * H * P * N for H, P, N, _, _ in SHAPES)
-    caches = [StateLayer(lay.state, Bsz, dtype) for lay in layers]
-    assert sum(c.nbytes for c in caches) == Bsz * per_sequence
-    assert [(c.conv.dtype, c.recurrent.dtype) for c in caches] == [(dtype, getattr(torch, state_dtype))] * 2
-    before = [t.data_ptr() for c in caches for t in c.tensors()]
-    modules = [Mamba2Mixer(tiny_model_config(d_model=D_MODEL), lay).to(dtype) for lay in layers]
-    with torch.no_grad():
-        for start, T in [(0, 40)] + [(t, 1) for t in range(40, 50)]:
-            x = torch.randn(Bsz, T, D_MODEL, dtype=dtype)
-            for module, cache in zip(modules, caches):
-                assert torch.isfinite(run(module, cache, x, start)).all()
-    assert sum(c.nbytes for c in caches) == Bsz * per_sequence
-    assert [t.data_ptr() for c in caches for t in c.tensors()] == before
-    assert all(t.abs().sum() > 0 for c in caches for t in c.tensors())
+    per_sequence = sum(hand_state_bytes(*s, dtype.itemsize, state_element) for s in SHAPES)
+    check_a_constant_state(layers, per_sequence, sum(5 * H * P * N for H, P, N, _, _ in SHAPES),
+                           lambda lay: Mamba2Mixer(tiny_model_config(d_model=D_MODEL), lay), run, dtype, state_dtype,
+                           D_MODEL)
 
 
 @torch.no_grad()
