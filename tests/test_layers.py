@@ -20,7 +20,7 @@ LAYERS = [
      "hyper_connection", "measure.plausibility"],
     ["hf_weights", "serving.record", "layouts.base", "config.moe", "config.hf_keys", "config.hf_agree",
      "config.indexer", "config.layer_options", "mlp.dense", "mlp.router"],
-    ["layouts.kv_heads", "config.hf", "config.serving", "config.mla"],
+    ["layouts.kv_heads", "layouts.recurrent", "config.hf", "config.serving", "config.mla"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed", "layouts.kda",
      "layouts.kv_sharing", "config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
     ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train",

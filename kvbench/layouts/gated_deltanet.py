@@ -12,14 +12,15 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
-from kvbench.layouts.base import LayerLayout, Limit, State
+from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.recurrent import Recurrent
 
 
 @dataclass(frozen=True)
-class GatedDeltaNet(LayerLayout):
+class GatedDeltaNet(Recurrent):
     """A Gated DeltaNet layer, fields as config.json names them (defaults: Qwen3_5TextConfig's);
     ``num_heads`` and ``head_dim``: the model's attention heads, for :meth:`as_mha`."""
 
@@ -33,6 +34,7 @@ class GatedDeltaNet(LayerLayout):
     state_dtype: str = field(default="float32", kw_only=True)  # cache.state_dtype: the state's dtype
 
     kind = "gated_deltanet"
+    title = "Gated DeltaNet"
 
     @property
     def key_dim(self) -> int:
@@ -75,20 +77,10 @@ class GatedDeltaNet(LayerLayout):
                 "linear_key_head_dim": self.linear_key_head_dim, "linear_value_head_dim": self.linear_value_head_dim,
                 "linear_conv_kernel_dim": self.linear_conv_kernel_dim}
 
-    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
-        return super().limits(index) + (
-            Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a Gated DeltaNet "
-                  "layer's state is each sequence's own (prefix caching for state layers is not built); use "
-                  "cache.shared=false"),
-            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "Gated DeltaNet layer's state has no such view (not built); use false or default"))
 
     # ---- how inspect describes it ----
 
     note = "a Gated DeltaNet layer holds a state per sequence"
-
-    def table_name(self) -> str:
-        return self.kind
 
     def in_words(self) -> str:
         """The layer's shape in config.json's words."""

@@ -23,12 +23,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
-from kvbench.layouts.base import LayerLayout, Limit, State
+from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.recurrent import Recurrent
 
 
 @dataclass(frozen=True)
-class KDA(LayerLayout):
+class KDA(Recurrent):
     """A KDA layer, fields as KimiLinearConfig names them (defaults: its own); ``chunk_size`` the
     chunk of a prompt's chunked delta rule (transformers' and flash-linear-attention's 64);
     ``gate_lower_bound`` the decay gate's lower bound where a model has one (flash-linear-attention's
@@ -47,6 +48,7 @@ class KDA(LayerLayout):
     v_head_dim: Optional[int] = 128
 
     kind = "kda"
+    title = "KDA"
 
     def __post_init__(self):
         # a layout built by hand (a test, a preset) is held to what a config.json is (kda_from_hf)
@@ -114,22 +116,10 @@ class KDA(LayerLayout):
                 **({} if self.gate_lower_bound is None else {"gate_lower_bound": self.gate_lower_bound}),
                 **({} if self.state_dtype == "float32" else {"state_dtype": self.state_dtype})}
 
-    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
-        return super().limits(index) + (
-            Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a KDA layer's "
-                  "state is each sequence's own (prefix caching for state layers is not built); use "
-                  "cache.shared=false"),
-            Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V; a KDA layer keeps its recurrent state "
-                  "in its state dtype and its convolution state in the compute dtype; use cache.dtype=auto"),
-            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "KDA layer's state has no such view (not built); use false or default"))
 
     # ---- how inspect describes it ----
 
     note = "a KDA layer holds a state per sequence"
-
-    def table_name(self) -> str:
-        return self.kind
 
     def in_words(self) -> str:
         """The layer's shape in config.json's words."""

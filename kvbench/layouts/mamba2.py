@@ -15,18 +15,19 @@ I = H P the inner width, conv channels I + 2 G N.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
-from kvbench.layouts.base import LayerLayout, Limit, State
+from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.recurrent import Recurrent
 
 INF = float("inf")
 
 
 @dataclass(frozen=True)
-class Mamba2(LayerLayout):
+class Mamba2(Recurrent):
     """A Mamba-2 layer, fields as Nemotron-H's config.json names them (defaults: NemotronHConfig's);
     ``time_step_limit`` the bounds dt is clamped to in the chunked scan, ``conv_bias`` and
     ``proj_bias`` the biases of the convolution and of in_proj / out_proj; ``num_heads`` and
@@ -46,6 +47,7 @@ class Mamba2(LayerLayout):
     head_dim: int = 128
 
     kind = "mamba2"
+    title = "Mamba-2"
 
     def __post_init__(self):
         # a layout built by hand (a test, a preset) is held to what a config.json is (mamba2_from_hf)
@@ -112,22 +114,10 @@ class Mamba2(LayerLayout):
                 "ssm_state_size": self.ssm_state_size, "n_groups": self.n_groups, "conv_kernel": self.conv_kernel,
                 **({} if self.state_dtype == "float32" else {"mamba_ssm_cache_dtype": self.state_dtype})}
 
-    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
-        return super().limits(index) + (
-            Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a Mamba-2 "
-                  "layer's state is each sequence's own (prefix caching for state layers is not built); use "
-                  "cache.shared=false"),
-            Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V; a Mamba-2 layer keeps its SSM state "
-                  "in mamba_ssm_cache_dtype and its convolution state in the compute dtype; use cache.dtype=auto"),
-            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "Mamba-2 layer's state has no such view (not built); use false or default"))
 
     # ---- how inspect describes it ----
 
     note = "a Mamba-2 layer holds a state per sequence"
-
-    def table_name(self) -> str:
-        return self.kind
 
     def in_words(self) -> str:
         """The layer's shape in config.json's words."""

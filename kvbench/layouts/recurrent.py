@@ -1,0 +1,29 @@
+"""What every recurrent layer kind shares (Gated DeltaNet, Mamba-2, KDA): nothing per position, a
+state per sequence, and the settings such a state cannot take yet, refused in the same words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Tuple
+
+from kvbench.layouts.base import LayerLayout, Limit
+
+
+@dataclass(frozen=True)
+class Recurrent(LayerLayout):
+    """A layer that keeps a state per sequence, not K/V per position; ``title`` names it in its
+    refusals. ``cache.dtype`` is not refused: it applies to the layers that keep K/V, and a state
+    keeps ``cache.state_dtype``."""
+
+    title: ClassVar[str] = ""
+
+    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
+        return super().limits(index) + (
+            Limit("cache.shared", (False, None), f"a shared prefix holds K/V once for many sequences; a {self.title} "
+                  "layer's state is each sequence's own (prefix caching for state layers is not built); use "
+                  "cache.shared=false"),
+            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
+                  f"{self.title} layer's state has no such view (not built); use false or default"))
+
+    def table_name(self) -> str:
+        return self.kind
