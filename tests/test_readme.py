@@ -101,6 +101,7 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=qwen3_5_9b": Step(),
         "kvbench task=inspect model=qwen3_next_80b": Step(),
         "kvbench task=inspect model=qwen3_5_9b cache.dtype=int8": Step(),
+        "kvbench task=inspect model=qwen3_5_9b cache.state_dtype=bfloat16": Step(),
         "kvbench model=tiny attention.full_attention_interval=2": Step(TINY),
         "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]": Step(
             ["compare.contexts=[8,16,32]", "compare.steps=1", *QUICK]),
@@ -451,10 +452,17 @@ def test_the_gated_deltanet_page_runs_and_its_table_is_what_inspect_prints(ran):
     assert written(result(ran, "kvbench model=tiny attention.full_attention_interval=2"))["status"] == "ok"
     compared = written(result(ran, "kvbench task=compare model=tiny compare.variants=[gqa,gqa:d2]"))
     assert [r["layout"] for r in compared["tables"]["compare"]] == ["gqa kv=2", "gqa kv=2 gdn 1:1"]
-    out = result(ran, "kvbench task=inspect model=qwen3_5_9b cache.dtype=int8").stdout
-    line = next(line for line in out.splitlines() if line.startswith("cache.dtype=int8: "))
+    lines = result(ran, "kvbench task=inspect model=qwen3_5_9b cache.dtype=int8").stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("cache.dtype=int8: "))
+    rest = itertools.takewhile(lambda line: line.startswith("  "), lines[first + 1:])  # wrapped to the width
+    line = " ".join([lines[first], *(part.strip() for part in rest)])
     assert line.startswith("cache.dtype=int8: layers 3, 7, 11, 15, 19, 23, 27, 31 (8 of 32) store K/V as int8 ")
     assert line.endswith("keep their state unquantized: recurrent state float32, convolution inputs float32")
+    # docs/kv-precision.md: a bfloat16 state halves the recurrent part, 24 layers x 32 value heads x 128 x 128
+    # (48 MiB in float32, 24 MiB) beside the convolution's 3 inputs of 8,192 channels in bfloat16 (1.125 MiB)
+    out = result(ran, "kvbench task=inspect model=qwen3_5_9b cache.state_dtype=bfloat16").stdout
+    row = next(line for line in out.splitlines() if line.startswith("bfloat16"))
+    assert "state=bfloat16" in out and f"({24 * 2 ** 20 + 24 * 3 * 8192 * 2:,})" in row, row
 
 
 @chain("kv precision")
