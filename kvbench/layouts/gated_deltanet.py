@@ -12,7 +12,7 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
@@ -45,23 +45,12 @@ class GatedDeltaNet(Recurrent):
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
-    def stored(self) -> Tuple[int, Tuple[int, ...]]:
-        return 0, ()
-
-    @property
-    def rotary_dim(self) -> int:
-        return 0  # positions enter through the recurrence and the convolution, not a rotation
-
-    @property
     def state(self) -> State:
         # the convolution runs over q, k and v before they split; it needs the last kernel - 1 inputs
         # (transformers keeps kernel: one column that no later step reads)
         return State(2 * self.key_dim + self.value_dim, self.linear_conv_kernel_dim - 1,
                      (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
                      self.state_dtype)
-
-    def positions_held(self, seq_len: float) -> float:
-        return 0
 
     def step_flops(self, context: float) -> float:
         # per value head, whatever the context: decay S (d_k d_v), read k^T S, write the rank-1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
@@ -83,23 +83,12 @@ class KDA(Recurrent):
                 + 2 * (d_model * d + d * inner) + inner + H + d_model * H + d + inner * d_model)
 
     @property
-    def stored(self) -> Tuple[int, Tuple[int, ...]]:
-        return 0, ()
-
-    @property
-    def rotary_dim(self) -> int:
-        return 0  # positions enter through the recurrence and the convolution, not a rotation
-
-    @property
     def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
         # column that no later step reads)
         d = self.linear_head_dim
         return State(self.conv_channels, self.linear_conv_kernel_dim - 1, (self.linear_num_heads, d, d),
                         self.state_dtype)
-
-    def positions_held(self, seq_len: float) -> float:
-        return 0
 
     def step_flops(self, context: float) -> float:
         # per head, whatever the context: decay S row by row (d x d multiplies), read k^T S, write the

@@ -83,22 +83,11 @@ class Mamba2(Recurrent):
                 + 3 * self.mamba_num_heads + self.inner_dim + (self.inner_dim + self.proj_bias) * d_model)
 
     @property
-    def stored(self) -> Tuple[int, Tuple[int, ...]]:
-        return 0, ()
-
-    @property
-    def rotary_dim(self) -> int:
-        return 0  # positions enter through the recurrence and the convolution, not a rotation
-
-    @property
     def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
         # column that no later step reads)
         return State(self.conv_channels, self.conv_kernel - 1,
                         (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size), self.state_dtype)
-
-    def positions_held(self, seq_len: float) -> float:
-        return 0
 
     def step_flops(self, context: float) -> float:
         # per head, whatever the context: decay the P x N state (a multiply per element), add the

@@ -17,6 +17,17 @@ class Recurrent(LayerLayout):
 
     title: ClassVar[str] = ""
 
+    @property
+    def stored(self) -> Tuple[int, Tuple[int, ...]]:
+        return 0, ()  # nothing per position
+
+    @property
+    def rotary_dim(self) -> int:
+        return 0  # positions enter through the recurrence and the convolution, not a rotation
+
+    def positions_held(self, seq_len: float) -> float:
+        return 0
+
     def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
         return super().limits(index) + (
             Limit("cache.shared", (False, None), f"a shared prefix holds K/V once for many sequences; a {self.title} "
