@@ -17,7 +17,7 @@ from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
 
 from kvbench.cache import Positions, layer_cache
 from kvbench.config.errors import ConfigError
-from kvbench.layouts.base import Layouts, check_limits
+from kvbench.layouts.base import Layouts
 from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf
 from kvbench.layouts.kda_mixer import (
     KDAAttention,
@@ -374,23 +374,6 @@ def test_a_kimi_linear_pays_per_token_only_for_its_latent_layers_and_rotates_not
     assert kda.as_mha() == mla.as_mha() == KVHeads(None, 4, 4, 12, v_head_dim=8)
     assert kda.kind == kda.table_name() == "kda" and "state_dtype" not in kda.fields()
     assert layout(4, 16, 4, "bfloat16").fields()["state_dtype"] == "bfloat16"
-
-
-@pytest.mark.parametrize("key,value", [("cache.shared", True), ("runtime.compile", "true")])
-def test_what_a_kda_layer_refuses_names_the_key_and_value(key, value):
-    with pytest.raises(ConfigError) as info:
-        check_limits([layout(*SHAPES[0])], {key: value})
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{key}={value!r}: ") and "KDA" in message
-
-
-@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn", "nvfp4", "mxfp4"])
-def test_a_quantized_kv_cache_leaves_the_state_in_its_own_dtype(cache_dtype):
-    """cache.dtype applies to the layers that keep K/V (as for Gated DeltaNet): a state layer takes
-    it, its bytes unchanged (its state keeps cache.state_dtype)."""
-    lay = layout(*SHAPES[0])
-    check_limits([lay], {"cache.dtype": cache_dtype})
-    assert lay.state_bytes(4, cache_dtype) == lay.state_bytes(4) > 0
 
 
 @pytest.mark.parametrize("fields,key,value", [

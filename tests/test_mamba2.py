@@ -14,7 +14,7 @@ from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
 
 from kvbench.cache import Positions
 from kvbench.config.errors import ConfigError
-from kvbench.layouts.base import Layouts, check_limits
+from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.mamba2 import Mamba2, hf_layer_kinds, mamba2_from_hf
 from kvbench.layouts.mamba2_mixer import (
@@ -363,23 +363,6 @@ def test_a_hybrid_pays_per_token_only_for_its_attention_layers():
     assert mamba.as_mha() == KVHeads(None, 4, 4, 16)
     assert mamba.kind == mamba.table_name() == "mamba2" and "mamba_ssm_cache_dtype" not in mamba.fields()
     assert layout(*SHAPES[0], "bfloat16").fields()["mamba_ssm_cache_dtype"] == "bfloat16"
-
-
-@pytest.mark.parametrize("key,value", [("cache.shared", True), ("runtime.compile", "true")])
-def test_what_a_mamba2_layer_refuses_names_the_key_and_value(key, value):
-    with pytest.raises(ConfigError) as info:
-        check_limits([layout(*SHAPES[0])], {key: value})
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{key}={value!r}: ") and "Mamba-2" in message
-
-
-@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn", "nvfp4", "mxfp4"])
-def test_a_quantized_kv_cache_leaves_the_state_in_its_own_dtype(cache_dtype):
-    """cache.dtype applies to the layers that keep K/V (as for Gated DeltaNet): a state layer takes
-    it, its bytes unchanged (its state keeps cache.state_dtype)."""
-    lay = layout(*SHAPES[0])
-    check_limits([lay], {"cache.dtype": cache_dtype})
-    assert lay.state_bytes(4, cache_dtype) == lay.state_bytes(4) > 0
 
 
 @pytest.mark.parametrize("fields,key,value", [
