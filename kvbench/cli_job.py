@@ -84,7 +84,7 @@ def typed_job(cfg: DictConfig) -> Tuple[Optional[BenchConfig], Optional[str]]:
 
 
 def job_line(num: int, total: str, overrides: List[str], job: Optional[BenchConfig]) -> Text:
-    """``kvbench job 3/12: attention.layer_types=[...] workload.prompt_len=64 (gqa kv=4 gdn 3:1)``: the
+    """``kvbench job 3/12: attention=mqa workload.prompt_len=[64] (mqa kv=1)``: the
     overrides as written (text, not markup: a list's brackets stay) and the variant as the job's
     progress line and tables name it (none for an invalid config)."""
     line = Text.assemble(("kvbench", "bold"), f" job {num + 1}/{total}: {' '.join(overrides) or '(defaults)'}")

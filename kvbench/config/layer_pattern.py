@@ -175,7 +175,7 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
 
 
 def check_within_context(key: str, value: Optional[int], model: Any, why: str) -> None:
-    """A count of positions a layer keeps or attends (``attention.window``, ``attention.index_topk``)
+    """A count of positions a layer keeps or attends (a window, a top-k of the cached positions)
     asked of a run is at most ``model.max_seq_len``: a larger one changes nothing a run could measure
     (``why`` says what it would do), so it is a typo (1e12 for 1024), refused as one."""
     check(value is None or value <= model.max_seq_len, key, value,
