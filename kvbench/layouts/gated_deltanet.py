@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
+from kvbench.layouts.registry import LayerKind, register
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,9 @@ class GatedDeltaNet(Recurrent):
         return ["a Gated DeltaNet layer stores nothing per token: per sequence it holds its recurrent state "
                 f"(value heads x d_k x d_v, {self.state_dtype}) and its convolution's last kernel - 1 inputs "
                 "(compute dtype), whatever the length; per token counts the attention layers only"]
+
+
+KIND = register(LayerKind(
+    "gated_deltanet", GatedDeltaNet, module="kvbench.layouts.gated_deltanet_attention:GatedDeltaNetAttention",
+    layer_types=("linear_attention",), recurrent=True, label="gdn",
+    examples={"gdn": ("model=tiny", "attention.layer_types=[linear_attention,full_attention]")}))

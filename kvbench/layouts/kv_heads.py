@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
 from kvbench.layouts.base import LayerLayout, elements_line, fp4_bytes_lines
+from kvbench.layouts.registry import LayerKind, register
 
 
 def kv_group_map(num_heads: int, num_kv_heads: int) -> List[int]:
@@ -101,3 +102,13 @@ class KVHeads(LayerLayout):
                f"(sequence, KV head, position), K and V each"] if layers.accepts({"cache.dtype": "int8"}) else []),
             *fp4_bytes_lines(layers),
         ]
+
+
+KIND = register(LayerKind(
+    "kv_heads", KVHeads, module="kvbench.layouts.kv_heads_attention:KVHeadsAttention",
+    layer_types=("full_attention", "sliding_attention"),
+    examples={"mha": ("model=tiny",), "gqa": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2"),
+              "mqa": ("model=tiny", "attention=mqa"),
+              "window": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.window=8"),
+              "sinks": ("model=tiny", "attention.sinks=true"),
+              "kv_shared": ("model=tiny", "model.num_layers=3", "attention.kv_shared_layers=1")}))

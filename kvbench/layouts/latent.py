@@ -22,6 +22,7 @@ from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, e
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.registry import LayerKind, register
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,9 @@ def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
                   kv_lora_rank=_count(cfg, "kv_lora_rank", 512), qk_nope_head_dim=_count(cfg, "qk_nope_head_dim", 128),
                   qk_rope_head_dim=_count(cfg, "qk_rope_head_dim", 64, least=0),
                   v_head_dim=_count(cfg, "v_head_dim", 128), rotary=False)
+
+
+KIND = register(LayerKind(
+    "latent", Latent, module="kvbench.layouts.latent_attention:LatentAttention",
+    letters={"r": "kv_lora_rank", "k": "index_topk"},
+    examples={"mla": ("model=tiny", "attention=mla"), "dsa": ("model=tiny", "attention=mla", "attention.index_topk=4")}))
