@@ -175,4 +175,5 @@ def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
 KIND = register(LayerKind(
     "latent", Latent, module="kvbench.layouts.latent_attention:LatentAttention",
     letters={"r": "kv_lora_rank", "k": "index_topk"},
-    examples={"mla": ("model=tiny", "attention=mla"), "dsa": ("model=tiny", "attention=mla", "attention.index_topk=4")}))
+    examples={"mla": ("model=tiny", "attention=mla"),
+              "dsa": ("model=tiny", "attention=mla", "attention.index_topk=4")}))
