@@ -67,7 +67,7 @@ VALID = {
         'attention': 'num_kv_heads type', 'cache': 'dtype', 'runtime': 'device dtype seed threads', 'wandb': WANDB,
         'data': 'max_bytes path val_fraction', 'train': 'batch_size checkpoint eval_batches seq_len', **TOP},
     'task=recall': {
-        'attention': 'num_kv_heads type', 'runtime': 'device dtype seed threads', 'wandb': WANDB,
+        'attention': 'num_kv_heads type', 'cache': 'dtype', 'runtime': 'device dtype seed threads', 'wandb': WANDB,
         'train': 'batch_size eval_every grad_clip log_every lr min_lr_ratio steps warmup_steps weight_decay',
         'recall': 'digits distances eval_sequences kind num_pairs seeds seq_len uptrain_steps vocab_size', **TOP},
     'task=bench attention=mla': {

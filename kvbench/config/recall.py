@@ -89,8 +89,9 @@ def recall_settings(r: RecallConfig) -> Dict[str, Any]:
                                "use recall.uptrain_steps=null to train the variant from scratch")}
 
 
-# Trains from generated sequences: no text, no workload, no cache.
-RECALL = Task(reads={"attention": ALL, "runtime": QUALITY_RUNTIME,
+# Trains from generated sequences (no text, no workload) and scores them through a cache of
+# cache.dtype (auto: none), as task=eval scores text.
+RECALL = Task(reads={"attention": ALL, "cache": ("dtype",), "runtime": QUALITY_RUNTIME,
                      "train": Without("checkpoint", "init_from", "seq_len", "eval_batches"), "recall": ALL},
               check=lambda cfg: check_recall_run(cfg.recall, cfg.model.max_seq_len, cfg.model.num_heads,
                                                  cfg.attention),

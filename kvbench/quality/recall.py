@@ -30,6 +30,8 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
+from kvbench.cache import cache_for
+
 IGNORE = -100
 DIGITS, KEY, QUERY, FIRST_FILLER = 10, 10, 11, 12
 EVAL_BUCKETS = 8  # one sequence in 8 (by hash) is eval's, the other 7 train's
@@ -160,16 +162,24 @@ def eval_set(cond: Condition, n: int, vocab_size: int, digits: int, seed: int) -
 
 @torch.no_grad()
 def accuracy(model, kind: str, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 64,
-             mask: Optional[torch.Tensor] = None) -> float:
+             mask: Optional[torch.Tensor] = None, cache_dtype: str = "auto") -> float:
     """Fraction answered right by the argmax: for ``mqar`` each query counts on its own (the
     Zoology metric), for ``passkey`` a sequence counts when every digit is right. ``mask``
-    (T, S) is passed to the model (an ablation: attention cut to the last few positions)."""
+    (T, S) is passed to the model (an ablation: attention cut to the last few positions).
+    A quantized ``cache_dtype`` (``cache.dtype``: int8, float8_e4m3fn, nvfp4, ...) scores each batch
+    through a static cache of that dtype: every position attends the dequantized K/V of the positions
+    before it (quantized per position, so one pass answers as a token-by-token decode through that
+    cache would; nvfp4's per-tensor scale is set by that first write, a layer's constant as an engine
+    calibrates it); ``auto``: one causal forward, no cache."""
+    if mask is not None and cache_dtype != "auto":
+        raise ValueError(f"cache_dtype={cache_dtype!r}: a mask ablation runs without a cache")
     was_training = model.training
     model.eval()
     right, total = 0, 0
     for x, y in zip(inputs.split(batch_size), targets.split(batch_size)):
         x, y = x.to(model.device), y.to(model.device)
-        pred = model(x, mask=mask).argmax(-1)  # (N, T)
+        cache = None if cache_dtype == "auto" else cache_for(model, "static", len(x), x.shape[1], cache_dtype)
+        pred = model(x, cache, mask=mask).argmax(-1)  # (N, T)
         answer = y != IGNORE
         if kind == "passkey":
             right += int(((pred == y) | ~answer).all(dim=1).sum())

@@ -39,7 +39,8 @@ DECODE_STEPS = 16  # timed decode steps of batch 1 after a prefill of the longes
 
 _ACC = ("mqar: queries whose argmax is the stored value, over all queries; passkey: sequences whose every digit's "
         "argmax is the passkey (what a greedy decode returns), over all sequences; recall.eval_sequences held-out "
-        "sequences per condition and seed, mean over recall.seeds seeds")
+        "sequences per condition and seed, mean over recall.seeds seeds; with a quantized cache.dtype each sequence "
+        "is scored through a static cache of that dtype, every position attending the dequantized K/V before it")
 METRICS: Dict[str, Metric] = metric_table(
     Metric("accuracy", "ratio", _ACC + "; all conditions pooled (each condition weighs the same)"),
     Metric("accuracy_ci_low", "ratio", "low end of the 95% interval of accuracy: " + stats.METHODS["ci_seeds"]),
@@ -55,7 +56,8 @@ METRICS: Dict[str, Metric] = metric_table(
            "for P pairs of values drawn from M = V - V // 2): the floor a recall result must clear, far above "
            "chance"),
     Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
-           "model (its layout's formula) less its per-sequence state, over its length"),
+           "model in cache.dtype (its layout's formula, the scales counted) less its per-sequence state, over its "
+           "length"),
     Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (a Gated DeltaNet "
            "layer's recurrent state and convolution tail; 0 for K/V layers): the layouts' formula"),
     Metric("decode_ms_p50", "ms", f"median of the batch-1 decode steps at the last {DECODE_STEPS} positions of the "
@@ -110,8 +112,8 @@ def _check_is_variant(model: Decoder, attention: AttentionConfig) -> None:
                            f"{variant_label(attention)} it is scored as")
 
 
-def _scores(model: Decoder, sets: Dict[Condition, Any], kind: str) -> Dict[Condition, float]:
-    return {cond: accuracy(model, kind, x, y) for cond, (x, y) in sets.items()}
+def _scores(model: Decoder, sets: Dict[Condition, Any], kind: str, cache_dtype: str) -> Dict[Condition, float]:
+    return {cond: accuracy(model, kind, x, y, cache_dtype=cache_dtype) for cond, (x, y) in sets.items()}
 
 
 def _fit(model: Decoder, cfg: BenchConfig, steps: int, seed: int, conds: List[Condition], tick) -> Dict[str, Any]:
@@ -170,14 +172,14 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
             curve += [{"seed": seed, "stage": "train", **point} for point in fitted["curve"]]
             if converting:
                 model = convert_kv_heads(model, attention.num_kv_heads).float()
-                for c, acc in _scores(model, sets, r.kind).items():
+                for c, acc in _scores(model, sets, r.kind, cfg.cache.dtype).items():
                     per_seed["before_uptrain"][c].append(acc)
                 if r.uptrain_steps:
                     uptrained = _fit(model, cfg, r.uptrain_steps, seed, conds, tick)
                     seconds += uptrained["train_seconds"]
                     curve += [{"seed": seed, "stage": "uptrain", **point} for point in uptrained["curve"]]
             _check_is_variant(model, attention)
-            for c, acc in _scores(model, sets, r.kind).items():
+            for c, acc in _scores(model, sets, r.kind, cfg.cache.dtype).items():
                 per_seed["final"][c].append(acc)
             tokens = fitted["tokens_seen"]
     rows = []
@@ -204,7 +206,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
         result.metrics["copy_accuracy"] = sum(copy_baseline(c, r.vocab_size) for c in conds) / len(conds)
     result.metrics.update(
         chance_accuracy=sum(chance(c, r.vocab_size, r.digits) for c in conds) / len(conds),
-        kv_bytes_per_token=(cache_for(model, "static", 1, longest).nbytes - state) / longest,
+        kv_bytes_per_token=(cache_for(model, "static", 1, longest, cfg.cache.dtype).nbytes - state) / longest,
         kv_state_bytes_per_sequence=state,
         decode_ms_p50=decode_step_ms(model.eval(), longest, r.vocab_size, device),
         timing_method=timing_method(device), train_seconds=seconds, tokens_seen=tokens, steps=steps,

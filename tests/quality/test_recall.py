@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from scipy import stats as sps
 
+from kvbench.cache import cache_for
 from kvbench.config.bench import CONF_DIR
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
@@ -184,6 +185,42 @@ def test_recall_record_carries_seeds_interval_costs(tmp_path):
     one = _job(tmp_path / "b", "attention=mha", "recall.seeds=1")
     assert one.status == "ok" and one.metrics["accuracy_ci_low"] is None
     assert "1 seed" in one.metrics["accuracy_interval_reason"]
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "nvfp4"])
+def test_a_quantized_cache_scores_what_a_decode_through_it_answers(cache_dtype):
+    """accuracy(cache_dtype=...) in one pass against a token-by-token decode through the same static cache
+    of that dtype (the same logits at every position; nvfp4's per-tensor scale is the one the first write
+    set), and against the float32 forward it departs from."""
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(name="t", num_layers=2, d_model=64, num_heads=4, preset_kv_heads=4, ffn_dim=128,
+                                vocab_size=32, max_seq_len=64), AttentionConfig(type="mha")).eval()
+    cond = Condition("mqar", 16, num_pairs=3)
+    x, y = eval_set(cond, 8, 32, 4, seed=5)
+    with torch.no_grad():
+        cache = cache_for(model, "static", len(x), x.shape[1], cache_dtype)
+        one_pass = model(x, cache)
+        cache.rewind(0)  # nvfp4's per-tensor scale stays what the first write set, a layer's constant
+        decoded = torch.cat([model(x[:, t:t + 1], cache, t) for t in range(x.shape[1])], dim=1)
+        plain = model(x)
+    torch.testing.assert_close(one_pass, decoded, rtol=1e-4, atol=1e-4)
+    assert (one_pass - plain).abs().max() > 1e-6  # the cache's rounding is there to be scored
+    answer = y != IGNORE
+    expected = int(((decoded.argmax(-1) == y) & answer).sum()) / int(answer.sum())
+    assert accuracy(model, "mqar", x, y, cache_dtype=cache_dtype) == expected
+    assert accuracy(model, "mqar", x, y) == int(((plain.argmax(-1) == y) & answer).sum()) / int(answer.sum())
+    with pytest.raises(ValueError, match="mask"):
+        accuracy(model, "mqar", x, y, mask=torch.ones(16, 16, dtype=torch.bool), cache_dtype=cache_dtype)
+
+
+def test_recall_with_a_quantized_cache_records_its_bytes_and_dtype(tmp_path):
+    """task=recall reads cache.dtype: the record keeps it, and its KV bytes per token are the int8 cache's
+    (one byte per value and a 4-byte scale per head and position: layouts' formula by hand)."""
+    rec = _job(tmp_path, "attention=mqa", "recall.seeds=1", "cache.dtype=int8")
+    assert rec.status == "ok", rec.error
+    assert rec.config["cache"] == {"dtype": "int8"}
+    # MQA of 4 heads of 16 over 2 layers: K and V, one head, 16 int8 values and a float32 scale each
+    assert rec.metrics["kv_bytes_per_token"] == 2 * 2 * 1 * (16 + 4)
 
 
 def test_converted_variant_is_scored_before_and_after_uptraining(tmp_path):
