@@ -96,23 +96,31 @@ def evaluate(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_
              cache_dtype: str = "auto") -> Dict[str, float]:
     """Mean next-token cross-entropy over fixed validation slices, as loss, perplexity, bits/byte;
     with a quantized ``cache_dtype`` (int8, float8_e4m3fn, 4-bit), through a static cache that stores K/V so."""
+    per_sequence = sequence_nll(model, data, seq_len, batches, batch_size, cache_dtype)
+    loss = per_sequence.sum().item() / (per_sequence.numel() * seq_len)
+    return {"val_loss": loss, "perplexity": math.inf if loss > _MAX_EXP else math.exp(loss),
+            "bits_per_byte": loss / math.log(2) / data.bytes_per_token}
+
+
+@torch.no_grad()
+def sequence_nll(model: Decoder, data: TokenData, seq_len: int, batches: int, batch_size: int,
+                 cache_dtype: str = "auto") -> torch.Tensor:
+    """The summed next-token cross-entropy of each fixed validation slice :func:`evaluate` scores
+    (float64, one per slice, in order): what a paired comparison of two caches on the same text needs."""
     need_tokens(data.val, seq_len, "validation")
     was_training = model.training
     model.eval()
-    device = model.device
     starts = eval_starts(len(data.val), seq_len, batches * batch_size)
     offsets = torch.arange(seq_len + 1)
-    nll, count = 0.0, 0
+    out = []
     for chunk_starts in starts.split(batch_size):
-        chunk = data.val[chunk_starts[:, None] + offsets].to(device)  # (B, T + 1)
+        chunk = data.val[chunk_starts[:, None] + offsets].to(model.device)  # (B, T + 1)
         cache = None if cache_dtype == "auto" else cache_for(model, "static", len(chunk), seq_len, cache_dtype)
         logits = model(chunk[:, :-1], cache).float()  # (B, T, V)
-        nll += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
-        count += chunk[:, 1:].numel()
+        nll = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")  # (B, T)
+        out.append(nll.double().sum(1).cpu())
     model.train(was_training)
-    loss = nll / count
-    return {"val_loss": loss, "perplexity": math.inf if loss > _MAX_EXP else math.exp(loss),
-            "bits_per_byte": loss / math.log(2) / data.bytes_per_token}
+    return torch.cat(out)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

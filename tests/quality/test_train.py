@@ -17,7 +17,7 @@ from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.job_config import check_job
 from kvbench.quality.data import TokenData, byte_data, eval_starts
-from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, train
+from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, sequence_nll, train
 
 CPU = torch.device("cpu")
 
@@ -33,6 +33,9 @@ def test_perplexity_is_exp_mean_cross_entropy():
     assert metrics["val_loss"] == pytest.approx(ce, rel=1e-5)
     assert metrics["perplexity"] == pytest.approx(math.exp(ce), rel=1e-5)
     assert metrics["bits_per_byte"] == pytest.approx(ce / math.log(2), rel=1e-5)
+    # each slice's own summed cross-entropy, in order: what a paired comparison of two caches reads
+    per_slice = F.cross_entropy(logits.transpose(1, 2), val[1:].view(n, T), reduction="none").sum(1)
+    torch.testing.assert_close(sequence_nll(model, data, T, 2, 2), per_slice.double(), rtol=1e-6, atol=1e-5)
 
 
 def test_lr_schedule_warms_up_then_decays():
