@@ -129,6 +129,7 @@ def plot(rows: List[Dict], path: Path) -> bool:
     fig.subplots_adjust(left=0.36, right=0.9, top=0.96, bottom=0.04)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main(argv: Optional[List[str]] = None) -> None:

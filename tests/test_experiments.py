@@ -218,7 +218,12 @@ def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     assert [mha[i].strip() for i in (10, 11, 13, 14, 15)] == ["512.00 KiB", "3", "16", "512.00 KiB", "3"]
     gdn = rows[("tiny", "gqa kv=2 gdn 1:1", "auto")]  # unified raises the block until a page holds a state
     assert gdn[13].strip() == "32" and int(gdn[15]) < int(gdn[11]) <= int(gdn[9])
+    # a hybrid quantizes its attention layers and keeps its state: 1 of 2 layers K,V x 2 heads x (8 + a 4 B
+    # scale) per token, and the same 2.5 KiB state as auto's row
+    gdn_int8 = rows[("tiny", "gqa kv=2 gdn 1:1", "int8")]
+    assert gdn_int8[6].strip() == "48" and gdn_int8[7].strip() == "26.50 KiB" and gdn[7].strip() == "66.50 KiB"
     assert len(rows) == 18 and (tmp_path / "report" / "capacity_report.png").is_file()
+    assert "![sequences that fit per layout and precision](capacity_report.png)" in out.read_text()
     assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png
 
 
