@@ -5,7 +5,7 @@ kvbench/serving/allocator.py), and the highest request rate within an SLO where 
 store can run it. Served runs' records hold the same figures; kvbench-report tables them.
 
 Two kinds of rows. Presets (real configurations, nothing run): each layer's own formula
-(windows kept whole, Gated DeltaNet states, MLA's latent, 1-byte codes and their scales) against
+(windows kept whole, Gated DeltaNet states, MLA's latent, 1-byte and 4-bit codes and their scales) against
 "bytes per token x context", the figure an estimator that treats every layer as full attention
 gives. model=tiny variants: the same figures at a small context and budget, and the highest rate
 of workload=serving's rate search (kvbench/serving/rate_search.py) on this CPU; a variant the
@@ -47,6 +47,8 @@ TINY = (("mha", []), ("gqa", ["attention.num_kv_heads=2"]), ("mqa", []), ("mla",
         ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]),
         ("gqa", ["attention.num_kv_heads=2", "attention.layer_types=[linear_attention,full_attention]"]))
 PRECISIONS = ("auto", "int8", "float8_e4m3fn")
+# the presets' heads (64 wide and more) also take the 4-bit caches; model=tiny's of 8 do not (a block is 16 or 32)
+PRESET_PRECISIONS = (*PRECISIONS, "nvfp4", "mxfp4")
 SERVE = ["workload=serving", "workload.search.enabled=true", "slo.ttft_ms=250", "slo.tpot_ms=40",
          "workload.num_requests=32", "workload.search.max_probes=6", "workload.search.lo=1",
          "runtime.isolate=false", "runtime.threads=1", "wandb=disabled", "runtime.warmup=1"]
@@ -148,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     rows: List[Dict] = []
     budget = int(args.budget_gb * 1e9)
     for model in PRESETS:
-        for precision in PRECISIONS:
+        for precision in PRESET_PRECISIONS:
             over = [f"model={model}", "runtime.dtype=bfloat16", f"cache.dtype={precision}"]
             rows.append({"model": model, "precision": precision, "context": args.context, "budget": budget,
                          **formula_row(over, args.context, budget), "rate_note": "not run (formula only)"})
