@@ -144,6 +144,36 @@ def test_gdn_step_prints_the_long_over_short_ratios_in_process(tmp_path):
     assert digests() == before
 
 
+def test_kv_precision_quality_pairs_each_precision_with_auto_in_process(tmp_path):
+    """experiments/kv_precision_quality.py at a few steps, in this process: each precision's bytes by hand,
+    auto its own reference (no difference, no interval), the quantized rows paired against it, the
+    committed results untouched."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import kv_precision_quality
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    before = digests()
+    out = tmp_path / "kvq.md"
+    kv_precision_quality.main(["--precisions", "auto,int8,nvfp4", "--lm-steps", "2", "--lm-slices", "16",
+                               "--gen", "2", "--corpus-bytes", "100000", "--seeds", "2", "--recall-steps", "2",
+                               "--recall-sequences", "16", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    lm = {r["precision"]: r for r in data["language_model"]}
+    # 4 layers x K,V x 4 heads of 32: bf16 2 B a value; int8 1 B + a 4 B scale per head; nvfp4 16 + 2 scales of 1 B
+    assert [lm[p]["bytes_per_token"] for p in ("auto", "int8", "nvfp4")] == [4 * 2 * 4 * 32 * 2, 4 * 2 * 4 * 36,
+                                                                            4 * 2 * 4 * 18]
+    assert lm["auto"]["delta"] == 0 and lm["auto"]["delta_low"] is None and lm["auto"]["top1"] == 1
+    for row in lm.values():
+        assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
+        assert row["delta"] == pytest.approx(row["loss"] - lm["auto"]["loss"], abs=1e-9)
+    assert lm["nvfp4"]["positions"] == 8 * 3 and lm["nvfp4"]["top1_low"] <= lm["nvfp4"]["top1"]
+    recall = {r["precision"]: r for r in data["recall"]}
+    assert recall["auto"]["delta"] == 0 and len(recall["int8"]["per_seed"]) == 2
+    assert recall["int8"]["delta"] == pytest.approx(recall["int8"]["accuracy"] - recall["auto"]["accuracy"])
+    assert "| nvfp4 |" in out.read_text() and digests() == before
+
+
 def test_qwen_hybrid_speed_prints_kvbench_over_transformers_in_process(tmp_path):
     """experiments/qwen_hybrid_speed.py on a small Qwen3.5 checkpoint, in this process: a row for
     the prefill and one for the decode step with their ratios, the two greedy continuations equal,
