@@ -31,7 +31,7 @@ from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits, first_of_each
 from kvbench.layouts.kinds import registered
-from kvbench.serving.paged import PagedStore, SlotStore, check_model, plan_for
+from kvbench.serving.paged import PagedStore, SlotStore, plan_for
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.state_cache import StateLayer
 from kvbench.tasks.common import build_model
@@ -280,13 +280,14 @@ def test_serving_replays_the_tokens_of_an_isolated_greedy_decode(kind, name, sto
     tests' isolated greedy decode on a static cache), the prefix found in the cache wherever it
     spans a block, and every block given back."""
     job, model = example(kind, name)
+    requests, prompts = workload(model.config.vocab_size, n=5, prefix=PREFIX)
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
     if not model.layouts.accepts({"workload.store": store, "workload.allocator": allocator}):
         with pytest.raises(ConfigError) as info:
-            check_model(model, store=store)
+            serving_store(model, store, allocator, longest)
         one_line(info)
         return
-    requests, prompts = workload(model.config.vocab_size, n=5, prefix=PREFIX)
-    s = serving_store(model, store, allocator, max(r.prompt_len + r.output_len - 1 for r in requests))
+    s = serving_store(model, store, allocator, longest)
     scheduler = Scheduler(model, s, requests, prompts, 8, clock=FakeClock(0.01, 1e-4, 1e-3))
     timeline = scheduler.run()
     outputs = scheduler.outputs()
