@@ -114,33 +114,40 @@ def group_formula(plan, layers, element, cache_dtype="auto"):
     return total
 
 
+def taken(layers):
+    """The cache.dtypes every layer takes (the others: the static cache's test asks their refusal)."""
+    return [cache_dtype for cache_dtype in CACHE_DTYPES if layers.accepts({"cache.dtype": cache_dtype})]
+
+
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_a_paged_store_allocates_the_formula_for_its_blocks(kind, name, allocator):
-    """Every layer that holds bytes is in one group of the store, and the store's tensors are the
-    formula's bytes for each group's blocks (per_kind: a pool per group; unified: pages raised to
-    hold a state)."""
+    """In every cache.dtype the layers take: every layer that holds bytes is in one group of the
+    store, and the store's tensors are the formula's bytes for each group's blocks (per_kind: a
+    pool per group; unified: pages raised to hold a state)."""
     job, model = example(kind, name)
     layers, element = model.layouts, model.dtype.itemsize
     if not layers.accepts({"workload.store": "paged", "workload.allocator": allocator}):
         with pytest.raises(ConfigError) as info:
-            PagedStore(model, 0, 4, plan=plan_for(model, 40, 4, allocator=allocator, longest=24))
+            PagedStore(model, 0, BLOCK, plan=plan_for(model, 40, BLOCK, allocator=allocator, longest=24))
         one_line(info)
         return
-    plan = plan_for(model, 40, 4, allocator=allocator, longest=24)
-    store = PagedStore(model, 0, 4, plan=plan)
-    holding = [i for i, lay in enumerate(layers) if lay.bytes_per_position(element) or lay.state_bytes(element)]
-    assert sorted(i for group in plan.groups for i in group.layers) == holding
-    assert all(n > 0 for n in plan.capacity)
-    assert store.nbytes == group_formula(plan, layers, element) > 0
+    for cache_dtype in taken(layers):
+        plan = plan_for(model, 40, BLOCK, cache_dtype, allocator, longest=24)
+        store = PagedStore(model, 0, BLOCK, cache_dtype=cache_dtype, plan=plan)
+        holding = [i for i, lay in enumerate(layers) if lay.bytes_per_position(element) or lay.state_bytes(element)]
+        assert sorted(i for group in plan.groups for i in group.layers) == holding
+        assert all(n > 0 for n in plan.capacity)
+        assert store.nbytes == group_formula(plan, layers, element, cache_dtype) > 0, cache_dtype
 
 
 def test_a_slot_store_allocates_the_formula_for_its_slots(kind, name):
-    """The serving store's static cache: each slot every layer's positions of ``slot_len`` (a slot
-    is taken whole: a local layer too) and each state once."""
+    """The serving store's static cache, in every cache.dtype the layers take: each slot every
+    layer's positions of ``slot_len`` (a slot is taken whole: a local layer too) and each state once."""
     job, model = example(kind, name)
     layers, element = model.layouts, model.dtype.itemsize
-    store = SlotStore(model, 3, 20)
-    assert store.nbytes == 3 * (20 * layers.bytes_per_token(element) + layers.state_bytes(element))
+    for cache_dtype in taken(layers):
+        store = SlotStore(model, 3, 20, cache_dtype)
+        assert store.nbytes == 3 * (20 * layers.bytes_per_token(element, cache_dtype) + layers.state_bytes(element))
 
 
 # ---- decoding: cached steps against a recompute ----------------------------------------------------------
