@@ -328,8 +328,9 @@ def table_row(text: str, first: str):
 
 def test_inspect_prints_the_bytes_per_token_and_per_sequence_a_cache_allocates(kind, name, capsys):
     """task=inspect, run in process as the CLI runs it: its float32 row's per sequence is the bytes a
-    static cache of that length allocates for one sequence, its state per sequence the state's
-    tensors, its per token the rest over the length, its per batch batch x per sequence."""
+    static cache of that length allocates for one sequence (and the layouts' formula), its state per
+    sequence the state's tensors (a column only where some layer holds one), its per token the rest
+    over the length, its per batch batch x per sequence."""
     S, batch = 40, 3
     overrides = ("task=inspect", "runtime.dtype=float32", "workload.prompt_len=32", "workload.gen_len=8",
                  f"workload.batch_size={batch}")
@@ -340,12 +341,14 @@ def test_inspect_prints_the_bytes_per_token_and_per_sequence_a_cache_allocates(k
     cache = cache_for(model, "static", 1, S)
     state = sum(t.nbytes for layer in cache.layers if isinstance(layer, StateLayer) for t in layer.tensors())
     per_sequence = cache.nbytes
+    layers, element = model.layouts, DTYPE_BYTES["float32"]
+    assert per_sequence == layers.cache_bytes(S, 1, element) and state == layers.state_bytes(element)
     assert cell_bytes(row[f"per sequence ({S})"]) == per_sequence
     assert cell_bytes(row[f"per batch (x{batch})"]) == batch * per_sequence
     per_token = next(v for k, v in row.items() if k.startswith("per token"))
     assert cell_bytes(per_token) == round((per_sequence - state) / S)
-    if model.layouts.state_bytes(DTYPE_BYTES["float32"]):
-        assert state and cell_bytes(row["state per sequence"]) == state
+    if state:
+        assert cell_bytes(row["state per sequence"]) == state
     else:
         assert "state per sequence" not in row
 
