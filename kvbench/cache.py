@@ -219,13 +219,12 @@ class RingLayer(StaticLayer):
         raise ValueError("a ring cache (a local layer's) has no fixed-shape view (its rings are read whole); "
                          "use runtime.compile=false|default")
 
-    def truncate(self, length, held):
+    def refusal(self, length, held) -> Optional[str]:
         """A ring keeps only R positions: rolling back is refused where a later position
         overwrote one the next step must see (p is lost once p + R was written)."""
         R, first = self.stores[0].length, self.layout.first_kept(length)
-        if length and first + R < held:
-            raise ValueError(f"cannot truncate to {length}: a ring of {R} positions already overwrote "
-                             f"position {first} ({held} written); only reset() or a roll back within the ring works")
+        return (f"cannot truncate to {length}: a ring of {R} positions already overwrote position {first} ({held} "
+                "written); only reset() or a roll back within the ring works") if length and first + R < held else None
 
 
 class ConcatLayer(LayerCache):
@@ -321,6 +320,11 @@ class Cache:
         """Forget positions >= ``length`` (roll back); the next write starts there."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: the cache holds {self.length} positions")
+        # every layer's refusal (a ring's, a state's) first: a refused roll back changes no layer's positions
+        why = next(filter(None, (getattr(layer, "refusal", lambda *_: None)(length, self.length)
+                                 for layer in self.layers)), None)
+        if why:
+            raise ValueError(why)
         for layer in self.layers:
             layer.truncate(length, self.length)
         self.length = length

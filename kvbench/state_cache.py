@@ -14,7 +14,7 @@ Notation: B batch, T new tokens, C convolution channels, K its taps.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -66,11 +66,17 @@ class StateLayer:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
-    def truncate(self, length: int, held: int) -> None:
+    def refusal(self, length: int, held: int) -> Optional[str]:
         """Only to 0 or ``held``: a state folds positions 0..held-1 together."""
         if length not in (0, held):
-            raise ValueError(f"cannot truncate to {length}: a recurrent state folds positions 0..{held - 1} "
-                             f"together and cannot roll back; only reset() (0) or {held} works")
+            return (f"cannot truncate to {length}: a recurrent state folds positions 0..{held - 1} together and "
+                    f"cannot roll back; only reset() (0) or {held} works")
+        return None
+
+    def truncate(self, length: int, held: int) -> None:
+        why = self.refusal(length, held)
+        if why:
+            raise ValueError(why)
         if length == 0:
             self.conv.zero_()
             self.recurrent.zero_()

@@ -102,6 +102,23 @@ def test_truncate_then_rewrite(impl):
     assert torch.equal(k, torch.cat([a[:, :, :3], b], dim=2)) and cache.length == 5
 
 
+@pytest.mark.parametrize("impl", ["static", "concat"])
+def test_a_refused_truncate_leaves_every_layer_as_it_was(impl):
+    """A recurrent layer after a K/V layer refuses a roll back: the K/V layer keeps its tail too (a
+    concatenating cache dropped it before the state refused), so the next step equals a recompute."""
+    model = make_decoder(2, num_heads=4, preset_kv_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                         preset_layer_types=["full_attention", "linear_attention"])
+    ids = torch.randint(model.config.vocab_size, (1, 9))
+    cache = make_cache_of(impl, model.layouts, 1, 9)
+    with torch.no_grad():
+        model(ids[:, :8], cache, 0)
+        with pytest.raises(ValueError, match=r"^cannot truncate to 7: a recurrent state folds positions 0\.\.7"):
+            cache.truncate(7)
+        assert cache.length == 8
+        torch.testing.assert_close(model(ids[:, 8:], cache, 8)[:, -1], model(ids)[:, -1], atol=1e-5, rtol=0)
+
+
 def test_fixed_window_writes_at_a_tensor_position_and_reads_its_bucket():
     """A fixed-shape step's view: it writes the position given as a tensor, reads the first
     multiple of the bucket that holds it (capped at max_seq_len) and masks the positions after."""

@@ -17,7 +17,7 @@ from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
 
 from kvbench.cache import Positions, layer_cache
 from kvbench.config.errors import ConfigError
-from kvbench.layouts.base import Layouts
+from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf
 from kvbench.layouts.kda_mixer import (
     KDAAttention,
@@ -386,6 +386,21 @@ def test_a_layout_built_by_hand_is_held_to_the_same_rules(fields, key, value):
     with pytest.raises(ConfigError) as info:
         KDA(None, **fields)
     assert "\n" not in str(info.value) and str(info.value).startswith(f"{key}={value!r}: ")
+
+
+@pytest.mark.parametrize("key,value", [("cache.shared", True), ("runtime.compile", "graph")])
+def test_what_a_kda_layer_refuses_names_the_key_the_value_and_the_kind(key, value):
+    """KDA is not a registered layer kind yet (tests/test_layer_kinds.py checks every registered one):
+    its refusals and its state under a quantized K/V cache are checked here until it registers."""
+    lay = layout(4, 16, 4)
+    with pytest.raises(ConfigError) as info:
+        check_limits([lay], {key: value})
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{key}={value!r}: ") and lay.title in message
+    for cache_dtype in ("int8", "float8_e4m3fn", "nvfp4", "mxfp4"):  # K/V layers' dtypes: the state keeps its own
+        check_limits([lay], {"cache.dtype": cache_dtype})
+        assert lay.bytes_per_position(4, cache_dtype) == lay.positions_held(10 ** 6) == 0
+        assert lay.state_bytes(4, cache_dtype) == lay.state_bytes(4) > 0
 
 
 # ---- config.json and weights -------------------------------------------------------------------

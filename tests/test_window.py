@@ -150,17 +150,6 @@ def test_a_jobs_layouts_are_built_once_and_follow_its_config(monkeypatch):
     assert build.build_layouts(cfg.model, cfg.attention).windows == (W + 1,) * 5 and len(built) == before + 1
 
 
-def test_a_ring_refuses_a_roll_back_past_what_it_still_holds():
-    model = windowed(2, window=W)
-    cache = cache_for(model, "static", 1, 4 * W)
-    with torch.no_grad():
-        model(torch.zeros(1, 3 * W, dtype=torch.long), cache, 0)
-    cache.truncate(3 * W - 1)  # within the ring: position 3W - 1 is rewritten next
-    with pytest.raises(ValueError, match="cannot truncate to 5: a ring of 5 positions already overwrote"):
-        cache.truncate(W)
-    cache.reset()
-
-
 HF_WINDOW = 8  # < PROMPT (64): the prompt and every decode step run past it
 
 

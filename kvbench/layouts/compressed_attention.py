@@ -144,12 +144,18 @@ class CompressedCache:
     def tensors(self):
         return [self.ring] + [t for pool in self.pools.values() for t in pool.tensors()]
 
-    def truncate(self, length: int, held: int) -> None:
+    def refusal(self, length: int, held: int) -> Optional[str]:
         """Only to 0 or ``held`` (a decoder's cache protocol): a pooled entry folds m positions and
         the buffers a window's worth, so the cache cannot roll back to a length between."""
         if length not in (0, held):
-            raise ValueError(f"cannot truncate to {length}: a DeepSeek-V4 layer's pool folds each window of "
-                             f"{self.layout.compress_rate or 1} tokens and cannot roll back; only 0 or {held} works")
+            return (f"cannot truncate to {length}: a DeepSeek-V4 layer's pool folds each window of "
+                    f"{self.layout.compress_rate or 1} tokens and cannot roll back; only 0 or {held} works")
+        return None
+
+    def truncate(self, length: int, held: int) -> None:
+        why = self.refusal(length, held)
+        if why:
+            raise ValueError(why)
         self.length = length
 
     @property
