@@ -151,6 +151,13 @@ def existing_dir(text: str) -> Path:
     return Path(text)
 
 
+def existing_file(text: str) -> Path:
+    """argparse type: a regular file that exists (figures to read)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file")
+    return Path(text)
+
+
 def named_dir(text: str) -> Tuple[str, Path]:
     """argparse type of ``NAME=DIR`` (a kvbench tree to time): a name and an existing directory."""
     name, eq, directory = text.partition("=")

@@ -30,6 +30,8 @@ the committed copy is ``experiments/results/kv_precision_quality.md``).
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import platform
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Parser, list_of, out_file, positive_int, run_main, say, write_report
+from _common import Parser, existing_file, list_of, out_file, positive_int, run_main, say, write_report
 
 from kvbench.config.dtypes import CACHE_DTYPES
 from kvbench.config.model import AttentionConfig, ModelConfig
@@ -173,13 +175,38 @@ def report(args, lm_rows, lm_s, recall_rows, recall_s, wall_s, loads) -> str:
         "| cache.dtype | accuracy | 95 % interval | Δ vs auto | 95 % interval | per seed |",
         "|---|---:|---|---:|---|---|",
     ]
+    auto = next(r for r in recall_rows if r["precision"] == "auto")
     for r in recall_rows:
         ref = r["precision"] == "auto"
+        deltas = [a - b for a, b in zip(r["per_seed"], auto["per_seed"])]
         delta = "0" if ref else f"{r['delta']:+.4f}"
-        lines.append(f"| {r['precision']} | {r['accuracy']:.4f} | {interval(r['low'], r['high'])} | {delta} "
-                     f"| {'—' if ref else interval(r['delta_low'], r['delta_high'])} "
+        # seeds that all score the same have no spread to take an interval from: a zero-width interval
+        # would claim a certainty the seeds do not give
+        spread = interval(r["low"], r["high"]) if len(set(r["per_seed"])) > 1 else "no spread (seeds alike)"
+        d_spread = ("—" if ref else interval(r["delta_low"], r["delta_high"]) if len(set(deltas)) > 1
+                    else "no spread (seeds alike)")
+        lines.append(f"| {r['precision']} | {r['accuracy']:.4f} | {spread} | {delta} | {d_spread} "
                      f"| {', '.join(f'{a:.3f}' for a in r['per_seed'])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *reading(lm_rows, recall_rows)]) + "\n"
+
+
+def reading(lm_rows, recall_rows) -> list:
+    """What each precision costs, in words, from the figures above (nothing here is typed by hand)."""
+    out = ["## What each precision costs", ""]
+    for r in lm_rows:
+        if r["precision"] == "auto":
+            continue
+        moved = r["delta_low"] is not None and r["delta_low"] > 0
+        out.append(f"- **{r['precision']}**: {1 / r['vs_bf16']:.2f}x fewer KV bytes than bfloat16; "
+                   + (f"perplexity up {100 * (math.exp(r['delta']) - 1):.2f} % (the loss's interval excludes 0)"
+                      if moved else "no perplexity change the slices can tell from 0")
+                   + f"; the greedy token agrees with the float32 cache's at {100 * r['top1']:.1f} % of positions.")
+    ceiling = all(a == 1 for r in recall_rows if r["precision"] == "auto" for a in r["per_seed"])
+    out += ["", "Recall: " + ("every seed answers every query right through the float32 cache, so this task is at "
+                              "its ceiling and cannot show a loss a harder one might; read its rows as no loss "
+                              "seen, not as no loss." if ceiling else
+                              "the paired differences above, over seeds."), ""]
+    return out
 
 
 def main(argv=None) -> None:
@@ -194,9 +221,18 @@ def main(argv=None) -> None:
     p.add_argument("--recall-steps", type=positive_int, default=800)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--from-json", type=existing_file, default=None,
+                   help="rewrite the report from a run's .json (its figures and command), training nothing")
     p.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "kv_precision_quality.md",
                    help="the committed results change only with --out experiments/results/kv_precision_quality.md")
     args = p.parse_args(argv)
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        run = data["run"]
+        text = report(argparse.Namespace(**run["args"]), data["language_model"], run["lm_s"], data["recall"],
+                      run["recall_s"], run["wall_s"], run["loads"])
+        write_report(args.out, text, data=data)
+        return
     precisions = [x.strip() for x in args.precisions.split(",")]
     bad = [x for x in precisions if x not in CACHE_DTYPES]
     if bad or "auto" not in precisions:
@@ -206,9 +242,11 @@ def main(argv=None) -> None:
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     lm_rows, lm_s = language_model(precisions, args.lm_steps, args.lm_slices, args.gen, args.seed, args.corpus_bytes)
     recall_rows, recall_s = recall(precisions, args.seeds, args.recall_steps, args.recall_sequences)
-    text = report(args, lm_rows, lm_s, recall_rows, recall_s, time.perf_counter() - start,
-                  (load0, os.getloadavg()[0]))
-    write_report(args.out, text, data={"language_model": lm_rows, "recall": recall_rows})
+    wall_s, loads = time.perf_counter() - start, (load0, os.getloadavg()[0])
+    text = report(args, lm_rows, lm_s, recall_rows, recall_s, wall_s, loads)
+    run = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "from_json")}, "lm_s": lm_s,
+           "recall_s": recall_s, "wall_s": wall_s, "loads": loads}
+    write_report(args.out, text, data={"run": run, "language_model": lm_rows, "recall": recall_rows})
 
 
 if __name__ == "__main__":

@@ -171,7 +171,10 @@ def test_kv_precision_quality_pairs_each_precision_with_auto_in_process(tmp_path
     recall = {r["precision"]: r for r in data["recall"]}
     assert recall["auto"]["delta"] == 0 and len(recall["int8"]["per_seed"]) == 2
     assert recall["int8"]["delta"] == pytest.approx(recall["int8"]["accuracy"] - recall["auto"]["accuracy"])
-    assert "| nvfp4 |" in out.read_text() and digests() == before
+    assert "| nvfp4 |" in out.read_text() and "## What each precision costs" in out.read_text()
+    again = tmp_path / "again.md"  # the report rewritten from its figures, training nothing
+    kv_precision_quality.main(["--from-json", str(out.with_suffix(".json")), "--out", str(again)])
+    assert again.read_text() == out.read_text() and digests() == before
 
 
 def test_qwen_hybrid_speed_prints_kvbench_over_transformers_in_process(tmp_path):

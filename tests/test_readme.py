@@ -92,7 +92,10 @@ CHAINS: Dict[str, Dict[str, Step]] = {
     },
     "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
     # model=small's shape, tiny's size: heads of 32 take nvfp4's blocks of 16 (tiny's 8 do not)
-    "kv precision": {"kvbench model=small cache.dtype=nvfp4": Step([*TINY, "model.head_dim=32"])},
+    "kv precision": {"kvbench model=small cache.dtype=nvfp4": Step([*TINY, "model.head_dim=32"]),
+                     "kvbench task=recall model=tiny model.num_heads=4 model.preset_kv_heads=4 model.head_dim=32 "
+                     "cache.dtype=nvfp4 train.steps=20 recall.seeds=2":
+                         Step(["wandb=disabled", "runtime.isolate=false", "runtime.threads=1"])},
     "dsa": {"kvbench model=tiny attention=mla attention.index_topk=64": Step(TINY),
             "kvbench task=inspect model=deepseek_v32": Step()},
     "kv sharing": {"kvbench model=tiny attention=gqa attention.kv_shared_layers=1": Step(TINY),
@@ -476,6 +479,10 @@ def test_a_4bit_cache_records_the_hand_formulas_bytes_and_its_fidelity(ran):
     assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == hand
     assert 0 < m["kvq_max_abs_logit_diff"] < 1 and m["kvq_top1_agreement"] > 0.5
     assert m["kv_quantized_layers"].startswith("cache.dtype=nvfp4: layers 0, 1 (2 of 2) store K/V as E2M1 codes")
+    recall = written(result(ran, "kvbench task=recall model=tiny model.num_heads=4 model.preset_kv_heads=4 "
+                                 "model.head_dim=32 cache.dtype=nvfp4 train.steps=20 recall.seeds=2"))
+    # the comment on the page: 2 layers x K,V x 4 heads x (16 bytes of codes + 2 scale bytes)
+    assert recall["status"] == "ok" and recall["metrics"]["kv_bytes_per_token"] == 2 * 2 * 4 * (16 + 2) == 288
 
 
 @chain("inspect")
