@@ -24,6 +24,7 @@ from kvbench.job_config import to_bench_config
 from kvbench.kv_store import KVStore
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.pages import StatePage
 from kvbench.model import Decoder
 from kvbench.quality.data import TokenData
 from kvbench.quality.fidelity import quantized_cache_fidelity
@@ -293,13 +294,13 @@ def test_the_serving_pools_allocate_the_formulas_bytes(fmt, allocator):
     plan = plan_for(model, 12, 4, fmt, allocator, 40, 8)
     store = PagedStore(model, 0, 4, False, fmt, plan=plan)
     per_position = 2 * 2 * (16 + 32 // BLOCK[fmt])  # K and V, 2 heads of 32, one attention layer
-    want = sum(n * len(g.layers) * (STATE if g.is_state else plan.block_size * per_position)
+    want = sum(n * len(g.layers) * (STATE if isinstance(g.spec, StatePage) else plan.block_size * per_position)
                for g, n in zip(plan.groups, plan.capacity))
     assert store.nbytes == want == plan.storage_bytes
     assert [len(g.layers) for g in plan.groups] == [1, 1, 2]  # full, window, the two states
     # the pool holds codes and reads back what a static cache of the same codes reads
     k = torch.randn(6, 2, 32)
-    kv = store.kv[0][0][0]
+    kv = store.managers[0].stores[0][0]
     kv.write(torch.arange(6), k)
     solo = KVStore((6, 2, 32), fmt, torch.float32, torch.device("cpu"), axis=0)
     solo.write(0, k)

@@ -1,7 +1,8 @@
 """One forward's view of a serving store, passed to the decoder as its cache: each layer's cache
-answers the cache's one question over the sequences' blocks. A K/V layer gathers the keys its
-queries may see, padded to the longest sequence and masked by its layout; a recurrent layer reads
-each sequence's state page and writes it back when the forward commits.
+answers the cache's one question over the sequences' pages, made by its group's manager
+(:mod:`kvbench.serving.managers`). A K/V layer gathers the keys its queries may see, padded to the
+longest sequence and masked by its layout; a recurrent layer reads each sequence's state page and
+writes it back when the forward commits.
 
 Notation: B sequences, T new tokens each, S keys gathered, H_kv KV heads, D width.
 """
@@ -98,19 +99,12 @@ class BatchView:
         new = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # (B, T) positions written
         self.positions = Positions(starts[0], T, dev) if len(seqs) == 1 else Positions.of(new.to(dev))
         layers: List = [None] * len(store.layouts)
-        self.states: List[PagedStateLayer] = []
-        for g, group in enumerate(store.plan.groups):
-            if group.is_state:
-                pages = torch.tensor([s.state for s in seqs], dtype=torch.long, device=dev)
-                for i, layer in enumerate(group.layers):
-                    conv, recurrent = store.states[i]
-                    layers[layer] = PagedStateLayer(conv, recurrent, pages)
-                    self.states.append(layers[layer])
-                continue
-            view = GroupView([s.tables[g] for s in seqs], starts, T, store.block_size, group.keeps,
-                             self.positions, dev)
-            for i, layer in enumerate(group.layers):
-                layers[layer] = PagedLayer(view, store.kv[g][i])
+        self.commits: List[PagedStateLayer] = []  # the caches that write back when the forward commits
+        for g, manager in enumerate(store.managers):  # each group's caches, by its spec's manager
+            caches = manager.caches([s.tables[g] for s in seqs], starts, T, self.positions, dev)
+            for layer, cache in caches.items():
+                layers[layer] = cache
+            self.commits += list(caches.values()) if manager.commits else []
         for i, layout in enumerate(store.layouts):
             if layout.kv_source is not None:
                 layers[i] = SharedLayer()
@@ -120,5 +114,5 @@ class BatchView:
         return self.layers
 
     def commit(self, pos: Positions) -> None:
-        for layer in self.states:  # the store counts the positions written (PagedStore.written)
+        for layer in self.commits:  # the store counts the positions written (PagedStore.written)
             layer.commit()

@@ -142,11 +142,9 @@ def _unit(plan: StorePlan, g: int) -> str:
     if plan.allocator == "unified":
         return (f"pages ({plan.page_bytes[0] // plan.cost[0]:,} bytes each: one layer's block of {plan.block_size} "
                 "tokens or one layer's state)")
-    group = plan.groups[g]
-    what = "states" if group.is_state else f"blocks of {plan.block_size} tokens"
-    where = "" if len(plan.groups) == 1 else (" of its recurrent layers" if group.is_state else
-                                              f" of its {group.keeps.layers_text()}")
-    return f"{what} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
+    spec = plan.groups[g].spec
+    where = "" if len(plan.groups) == 1 else f" of its {spec.layers_text()}"
+    return f"{spec.unit(plan.block_size)} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
 
 
 def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dtype: str = "auto") -> PagedStore:
@@ -279,7 +277,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     metrics["timeline_rate"] = rate
     metrics["iterations"] = scheduler.iterations
     store = scheduler.store
-    if any(g.is_state for g in store.plan.groups):
+    if store.saves_states:
         metrics.update(state_checkpoints_saved=store.checkpoints_saved,
                        state_checkpoint_bytes_max=store.checkpoint_bytes_max)
     metrics.update(timeline_scalars(timeline))

@@ -1,0 +1,201 @@
+"""One manager per page spec class (vLLM v1's ``SingleTypeKVCacheManager`` per ``KVCacheSpec``): a
+group's storage in a serving store, the pages a sequence's table takes to hold a length, the
+cached pages a new sequence may continue from, and the group's layers' caches in a forward. The
+store (:mod:`kvbench.serving.paged`) runs every group through its manager and never asks what
+kind a layer is.
+
+A sequence's table in a group is a list of page ids: a block per bs positions (None: released,
+no later query sees it), or one state page.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Type
+
+import torch
+
+from kvbench.config.errors import ConfigError
+from kvbench.kv_store import KVStore
+from kvbench.layouts.pages import Blocks, PageSpec, Ring, StatePage
+from kvbench.serving.allocator import Group
+from kvbench.serving.batch import GroupView, PagedLayer, PagedStateLayer
+from kvbench.serving.pool import BlockPool
+from kvbench.state_cache import STATE_DTYPES
+
+
+class Manager:
+    """The pages of ``group`` in ``pool``: ``capacity`` of them, blocks of ``block_size`` positions."""
+
+    commits = False  # whether its layers' caches write back when a forward commits
+    saves_states = False  # whether it saves what a sequence holds at a position (prefix caching of a state)
+
+    def __init__(self, model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str):
+        self.group, self.block_size, self.pool = group, block_size, pool
+
+    def tensors(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def table_len(self, blocks: int) -> int:
+        """Pages a table holds once its sequence holds ``blocks`` blocks of positions."""
+        raise NotImplementedError
+
+    def taken(self, page: int) -> None:
+        """``page`` was just taken for a sequence (a state starts from zero)."""
+
+    def needed_bytes(self) -> int:
+        """The formula's bytes for what the pages in use hold (a shared page once)."""
+        return sum(self.group.filled_bytes(f) for f, r in zip(self.pool.filled, self.pool.ref) if r)
+
+    def written(self, table: List[Optional[int]], start: int, T: int) -> None:
+        """A forward wrote positions ``start`` .. ``start + T - 1`` of the sequence of ``table``."""
+
+    def found(self, keys: Sequence[int], m: int) -> Optional[List[Optional[int]]]:
+        """The cached pages to continue from position m x block_size (``keys``: the content keys of
+        the blocks), or None where this group lacks one."""
+        raise NotImplementedError
+
+    def attach(self, pages: List[Optional[int]]) -> List[Optional[int]]:
+        """Hold the cached ``pages`` (:meth:`found`) for a sequence: its table."""
+        for page in pages:
+            if page is not None:
+                self.pool.attach(page)
+        return list(pages)
+
+    def own(self, table: List[Optional[int]]) -> bool:
+        """Make what ``table`` attached the sequence's own to write (False: no page for it)."""
+        return True
+
+    def register(self, table: List[Optional[int]], i: int, key: int) -> None:
+        """Block ``i`` of the sequence is full: make what this group holds of it findable by ``key``."""
+
+    def save(self, table: List[Optional[int]], key: int) -> bool:
+        """Save what the sequence holds at this position under ``key`` (True: a page was saved)."""
+        return False
+
+    def caches(self, tables: Sequence[List[Optional[int]]], starts: Sequence[int], T: int, positions,
+               device) -> Dict[int, object]:
+        """Each layer's cache of a forward adding ``T`` positions to sequences at ``starts``."""
+        raise NotImplementedError
+
+
+class BlockManager(Manager):
+    """Positions in blocks (:class:`~kvbench.layouts.pages.Blocks`): each layer's K/V in a
+    :class:`KVStore` of (pages x bs, H_kv, D), slot = block x bs + offset, in ``cache.dtype``."""
+
+    def __init__(self, model, group, capacity, block_size, pool, cache_dtype):
+        super().__init__(model, group, capacity, block_size, pool, cache_dtype)
+        self.stores = [[KVStore((capacity * block_size, model.layouts[i].stored[0], w), cache_dtype, model.dtype,
+                                 model.device, axis=0) for w in model.layouts[i].stored[1]]
+                       for i in group.layers]
+
+    def tensors(self):
+        return [t for stores in self.stores for s in stores for t in s.tensors()]
+
+    def table_len(self, blocks):
+        return blocks
+
+    def written(self, table, start, T):
+        bs, filled = self.block_size, self.pool.filled
+        for pos in range(start, start + T):
+            b = table[pos // bs]
+            filled[b] = max(filled[b], pos % bs + 1)
+
+    def found(self, keys, m):
+        behind = self.group.spec.first_kept(m * self.block_size) // self.block_size
+        blocks = [None] * behind + [self.pool.lookup(k) for k in keys[behind:m]]
+        return None if any(b is None for b in blocks[behind:]) else blocks
+
+    def register(self, table, i, key):
+        if table[i] is not None:
+            self.pool.register(table[i], key)
+
+    def caches(self, tables, starts, T, positions, device):
+        view = GroupView(tables, starts, T, self.block_size, self.group.keeps, positions, device)
+        return {layer: PagedLayer(view, stores) for layer, stores in zip(self.group.layers, self.stores)}
+
+
+class RingManager(BlockManager):
+    """A window's ring (:class:`~kvbench.layouts.pages.Ring`): blocks as :class:`BlockManager`'s,
+    each freed by the store once its every position falls out of the window (the spec's
+    ``first_kept``); a cached prefix needs only the blocks the window still sees."""
+
+
+class StateManager(Manager):
+    """A state per sequence (:class:`~kvbench.layouts.pages.StatePage`): per layer, its convolution's
+    last inputs (pages, C, K - 1) in the compute dtype and its recurrent state (pages, ...) in
+    ``state_dtype``; a state saved for prefix caching is a page nobody runs from, copied into a
+    fresh one when a sequence continues from it."""
+
+    commits = True
+    saves_states = True
+
+    def __init__(self, model, group, capacity, block_size, pool, cache_dtype):
+        super().__init__(model, group, capacity, block_size, pool, cache_dtype)
+        self.states = []
+        for i in group.layers:
+            s = model.layouts[i].state
+            self.states.append((torch.zeros(capacity, s.conv_channels, s.conv_tail, dtype=model.dtype,
+                                            device=model.device),
+                                torch.zeros((capacity,) + s.recurrent, dtype=STATE_DTYPES[s.state_dtype],
+                                            device=model.device)))
+
+    def tensors(self):
+        return [t for pair in self.states for t in pair]
+
+    def table_len(self, blocks):
+        return 1
+
+    def _copy(self, to: int, source: int) -> None:
+        for conv, recurrent in self.states:
+            conv[to].copy_(conv[source])
+            recurrent[to].copy_(recurrent[source])
+
+    def taken(self, page):
+        for conv, recurrent in self.states:
+            conv[page].zero_()
+            recurrent[page].zero_()
+
+    def found(self, keys, m):
+        saved = self.pool.lookup(keys[m - 1])
+        return None if saved is None else [saved]
+
+    def own(self, table):
+        page = self.pool.take()
+        if page is None:  # no page for its state: the saved one is let go with the rest
+            return False
+        self._copy(page, table[0])
+        self.pool.free(table[0])
+        table[0] = page
+        return True
+
+    def save(self, table, key):
+        if self.pool.lookup(key) is not None:
+            return False
+        page = self.pool.take()
+        if page is None:  # no page free of a holder: the state is not saved
+            return False
+        self._copy(page, table[0])
+        self.pool.register(page, key)
+        self.pool.free(page)  # nobody runs from it: cached, evictable
+        return True
+
+    def caches(self, tables, starts, T, positions, device):
+        pages = torch.tensor([t[0] for t in tables], dtype=torch.long, device=device)
+        return {layer: PagedStateLayer(conv, recurrent, pages)
+                for layer, (conv, recurrent) in zip(self.group.layers, self.states)}
+
+
+# the manager of each spec class (the class itself, not a subclass: a new spec says how it is served)
+MANAGERS: Dict[Type[PageSpec], Type[Manager]] = {Blocks: BlockManager, Ring: RingManager, StatePage: StateManager}
+
+
+def manager_for(model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str,
+                kind: str = "paged") -> Manager:
+    """The manager of ``group``'s spec class; a spec no manager serves is one line naming it (``kind``:
+    the store's ``workload.store``)."""
+    manager = MANAGERS.get(type(group.spec))
+    if manager is None:
+        raise ConfigError(f"workload.store={kind}: layers {', '.join(map(str, group.layers))} need "
+                          f"{type(group.spec).__name__} pages ({group.spec.layers_text()}), which no serving store "
+                          "manager serves yet; use workload=decode")
+    return manager(model, group, capacity, block_size, pool, cache_dtype)
