@@ -17,7 +17,10 @@ from kvbench.config.model import AttentionConfig
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.compressed import CSA, HCA, SLIDING, Compressed
 from kvbench.layouts.compressed_attention import CompressedCache
+from kvbench.layouts.kda import KDA
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.latent import Latent
+from kvbench.layouts.mamba2 import Mamba2
 from kvbench.layouts.pages import Blocks, CompressedPool, Ring, StatePage
 from kvbench.model import Decoder
 from kvbench.serving.allocator import Checkpoint, groups_of
@@ -144,6 +147,36 @@ def test_a_sliding_v4_layer_is_a_ring_and_the_store_refuses_a_pool_in_one_line()
     with pytest.raises(ConfigError) as e:  # past the layouts' check, the store has no manager for it
         manager_for(None, group, 4, BS, None, "auto")
     assert str(e.value).startswith("workload.store=paged: layers 0, 1 need CompressedPool pages")
+
+
+EVERY_LAYOUT = {
+    "gqa": KVHeads(None, 8, 2, 16), "gqa_window": KVHeads(W, 8, 2, 16),
+    "sinks_window": KVHeads(7, 8, 1, 32, sinks=True),
+    "mla": Latent(None, 8, kv_lora_rank=16, qk_rope_head_dim=4),
+    "mla_window": Latent(W, 8, kv_lora_rank=16, qk_rope_head_dim=4),
+    "dsa": Latent(None, 8, kv_lora_rank=16, qk_rope_head_dim=4, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "mamba2_bf16": Mamba2(state_dtype="bfloat16"), "kda": KDA(), "gdn": mixed().layouts[0],
+    "v4_csa": v4(CSA, 4), "v4_hca": v4(HCA, 8), "v4_sliding": v4(SLIDING, 0),
+}
+
+
+@pytest.mark.parametrize("name, element, cache_dtype", [
+    (name, element, cache_dtype) for name in EVERY_LAYOUT
+    for element, cache_dtype in ((4, "auto"), (2, "auto"), (2, "int8"))
+    if cache_dtype == "auto" or Layouts([EVERY_LAYOUT[name]]).accepts({"cache.dtype": cache_dtype})])  # V4: auto only
+def test_every_layouts_spec_holds_what_its_layout_says(name, element, cache_dtype):
+    """A spec's bytes per sequence are its layout's at every length (the layout's own formula, written
+    and tested with the kind), and a ring keeps what the layout's window rule keeps."""
+    layout = EVERY_LAYOUT[name]
+    spec = layout.page_spec(element, cache_dtype)
+    for length in (1, 3, 4, 5, 6, 9, 16, 17, 100):
+        assert spec.sequence_bytes(length) == layout.sequence_bytes(length, element, cache_dtype), length
+        assert spec.first_kept(length) == (layout.first_kept(length) if spec.position_bytes else 0)
+        if spec.position_bytes:
+            for chunk in (1, 3, 8):
+                kept = layout.most_kept(length, chunk)  # positions held, at the worst block alignment
+                worst = -(-length // BS) if kept >= length else min(-(-length // BS), -(-(kept + BS - 1) // BS))
+                assert spec.worst_blocks(length, BS, chunk) == worst
 
 
 def test_the_store_groups_layers_by_spec_and_allocates_what_the_specs_say():
