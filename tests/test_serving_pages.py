@@ -3,7 +3,8 @@ the layer shapes: a full layer's blocks, a window's ring, a recurrent state in f
 bfloat16, DeepSeek-V4's compressed pool (its spec against the bytes its static cache allocates).
 The store groups layers by spec and runs each group by its spec class's manager: a mixed model
 (Gated DeltaNet, a window, full attention) allocates what the specs say and every request it
-serves, under both allocators, gets the tokens of an isolated greedy decode."""
+serves, under both allocators, gets the tokens of an isolated greedy decode. The unified
+allocator's groups share one byte pool: what it allocates is what it reserves."""
 
 import math
 
@@ -23,7 +24,7 @@ from kvbench.layouts.latent import Latent
 from kvbench.layouts.mamba2 import Mamba2
 from kvbench.layouts.pages import Blocks, CompressedPool, Ring, StatePage
 from kvbench.model import Decoder
-from kvbench.serving.allocator import Checkpoint, groups_of
+from kvbench.serving.allocator import Checkpoint, groups_of, make_plan
 from kvbench.serving.managers import BlockManager, RingManager, StateManager, manager_for
 from kvbench.serving.paged import PagedStore, plan_for
 
@@ -207,3 +208,46 @@ def test_a_mixed_model_serves_the_tokens_of_an_isolated_greedy_decode(allocator,
     assert sum(t.prefix_hit_tokens for t in timeline.traces) > 0 and store.checkpoints_saved > 0
     assert 0 < max(seen) <= plan.reserved_bytes
     assert store.used_blocks == 0  # every page given back
+
+
+def test_the_unified_pool_allocates_what_it_reserves_and_no_two_blocks_share_a_page():
+    """One byte pool for every group: its pages (a layer's block of the raised size, 12 tokens x
+    256 B, or a layer's state of 2,496 B, each page 3,072 B) are what is allocated and reserved. A
+    budget small enough to preempt and evict hands a page from a state to K/V and back; at every
+    scheduler step the pages held (by running blocks and cached ones) are distinct, as many as
+    the pool counts used, and every request still decodes its isolated tokens."""
+    model = mixed()
+    requests, prompts = workload(model.config.vocab_size, n=8, prefix=13)
+    longest = max(r.prompt_len + r.output_len - 1 for r in requests)
+    bs = BS * math.ceil(hand_state("float32") / (BS * KV_POSITION))
+    plan = plan_for(model, 0, BS, "auto", "unified", longest, 8)
+    need = plan.need(longest, 8)[0]
+    plan = make_plan(plan.groups, "unified", BS, (need + 4) * bs * KV_POSITION, longest, 8)
+    store = PagedStore(model, 0, BS, True, plan=plan, checkpoint=Checkpoint("block"))
+    assert plan.block_size == bs == 12 and store.shared is not None
+    assert store.nbytes == plan.reserved_bytes == store.storage_bytes == plan.pages[0] * bs * KV_POSITION
+    steps = []
+
+    def observe(sch):
+        pages = sch.store.pools[0].pages
+        held = [p for pool in sch.store.pools for b, ids in enumerate(pool.page_ids)
+                if pool.ref[b] or (pool, b) in pages.cached for p in ids]
+        assert len(held) == len(set(held)) == pages.used <= plan.pages[0]
+        steps.append(len(held))
+
+    scheduler, timeline = run(model, store, requests, prompts, observe=observe)
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p), r
+    assert steps and sum(t.preemptions for t in timeline.traces) + len(store.evicted) > 0
+
+
+def test_a_part_a_page_cannot_align_keeps_storage_per_group():
+    """int8 codes of 1 KV head of 6 put its float32 scales off their alignment in a page's row: the
+    store keeps each group's storage of its own (as the per-kind pools do) and says so in its formula."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(num_layers=2, num_heads=2, preset_kv_heads=1, head_dim=6)
+    model = Decoder(cfg, AttentionConfig(window=W, layer_types=["sliding_attention", "full_attention"])).eval()
+    store = PagedStore(model, 0, BS, False, "int8", plan=plan_for(model, 10, BS, "int8", "unified", 20, 8))
+    assert store.shared is None
+    assert store.nbytes == store.storage_bytes == store.plan.storage_bytes == \
+        sum(store.plan.capacity) * BS * 2 * (6 + 4)  # K and V: 6 one-byte codes and a float32 scale

@@ -4,13 +4,17 @@ cached pages a new sequence may continue from, and the group's layers' caches in
 store (:mod:`kvbench.serving.paged`) runs every group through its manager and never asks what
 kind a layer is.
 
-A sequence's table in a group is a list of page ids: a block per bs positions (None: released,
-no later query sees it), or one state page.
+A sequence's table in a group is a list of block ids: a block per bs positions (None: released,
+no later query sees it), or one state page. With a pool of its own a group's storage is indexed by
+its block ids; under the unified allocator every group's tensors are views of one
+:class:`BytePool`, and a block holds one page of it per layer of its group (its ``page_ids``), so
+what is allocated is what the allocator reserves.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Type
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 
@@ -23,14 +27,61 @@ from kvbench.serving.pool import BlockPool
 from kvbench.state_cache import STATE_DTYPES
 
 
+class Misaligned(ValueError):
+    """A layer's tensors do not fit a page of the byte pool at their dtypes' alignment."""
+
+
+class BytePool:
+    """The unified allocator's one byte pool: ``pages`` pages of ``page_bytes`` (one layer's block,
+    or one layer's state), from which every layer's tensors are carved as views."""
+
+    def __init__(self, pages: int, page_bytes: int, device):
+        self.pages, self.page_bytes = pages, page_bytes
+        self.buffer = torch.zeros(pages * page_bytes, dtype=torch.uint8, device=device)
+
+    def carver(self, rows: int) -> Callable[[tuple, torch.dtype], torch.Tensor]:
+        """Views of one layer's tensors, placed one after another within each of a page's ``rows``
+        (a K/V layer: a row per position of the block; a state: the page whole). Each view is
+        (pages x rows, ...) in its dtype; a part that would straddle its dtype's alignment or a row's
+        end raises :class:`Misaligned`."""
+        if self.page_bytes % rows:
+            raise Misaligned(f"a page of {self.page_bytes} bytes is not {rows} rows")
+        width, used = self.page_bytes // rows, [0]
+        table = self.buffer.view(self.pages * rows, width)
+
+        def carve(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            size = torch.empty((), dtype=dtype).element_size()
+            n = math.prod(shape[1:]) * size
+            if used[0] % size or width % size or used[0] + n > width or shape[0] != self.pages * rows:
+                raise Misaligned(f"{tuple(shape)} {dtype} at byte {used[0]} of a row of {width}")
+            view = table[:, used[0]:used[0] + n].view(dtype).view(shape)
+            used[0] += n
+            return view
+        return carve
+
+
 class Manager:
-    """The pages of ``group`` in ``pool``: ``capacity`` of them, blocks of ``block_size`` positions."""
+    """The pages of ``group`` in ``pool``: ``capacity`` blocks of ``block_size`` positions, in storage
+    of the group's own or carved from ``shared`` (a block there holds a page per layer)."""
 
     commits = False  # whether its layers' caches write back when a forward commits
     saves_states = False  # whether it saves what a sequence holds at a position (prefix caching of a state)
 
-    def __init__(self, model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str):
-        self.group, self.block_size, self.pool = group, block_size, pool
+    def __init__(self, model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str,
+                 shared: Optional[BytePool] = None):
+        self.group, self.block_size, self.pool, self.shared = group, block_size, pool, shared
+        self.rows = capacity if shared is None else shared.pages  # the pages its tensors index
+
+    def carve(self, rows: int):
+        """Where a layer's tensors live: allocations of its own (None), or views of the byte pool."""
+        return None if self.shared is None else self.shared.carver(rows)
+
+    def page(self, block: int, j: int) -> int:
+        """The page holding layer ``j``'s part of ``block``: the block itself in the group's own storage."""
+        return block if self.shared is None else self.pool.page_ids[block][j]
+
+    def pages_of(self, tables: Sequence[List[Optional[int]]], j: int) -> List[List[Optional[int]]]:
+        return [[None if b is None else self.page(b, j) for b in t] for t in tables]
 
     def tensors(self) -> List[torch.Tensor]:
         raise NotImplementedError
@@ -82,11 +133,14 @@ class BlockManager(Manager):
     """Positions in blocks (:class:`~kvbench.layouts.pages.Blocks`): each layer's K/V in a
     :class:`KVStore` of (pages x bs, H_kv, D), slot = block x bs + offset, in ``cache.dtype``."""
 
-    def __init__(self, model, group, capacity, block_size, pool, cache_dtype):
-        super().__init__(model, group, capacity, block_size, pool, cache_dtype)
-        self.stores = [[KVStore((capacity * block_size, model.layouts[i].stored[0], w), cache_dtype, model.dtype,
-                                 model.device, axis=0) for w in model.layouts[i].stored[1]]
-                       for i in group.layers]
+    def __init__(self, model, group, capacity, block_size, pool, cache_dtype, shared=None):
+        super().__init__(model, group, capacity, block_size, pool, cache_dtype, shared)
+        self.stores = []
+        for i in group.layers:
+            carve = self.carve(block_size)  # a row per position: K's codes and scales, then V's
+            self.stores.append([KVStore((self.rows * block_size, model.layouts[i].stored[0], w), cache_dtype,
+                                        model.dtype, model.device, axis=0, carve=carve)
+                                for w in model.layouts[i].stored[1]])
 
     def tensors(self):
         return [t for stores in self.stores for s in stores for t in s.tensors()]
@@ -111,7 +165,9 @@ class BlockManager(Manager):
 
     def caches(self, tables, starts, T, positions, device):
         view = GroupView(tables, starts, T, self.block_size, self.group.keeps, positions, device)
-        return {layer: PagedLayer(view, stores) for layer, stores in zip(self.group.layers, self.stores)}
+        return {layer: PagedLayer(view, stores, view.slots if self.shared is None else
+                                  view.slots_of(self.pages_of(tables, j)))
+                for j, (layer, stores) in enumerate(zip(self.group.layers, self.stores))}
 
 
 class RingManager(BlockManager):
@@ -129,15 +185,18 @@ class StateManager(Manager):
     commits = True
     saves_states = True
 
-    def __init__(self, model, group, capacity, block_size, pool, cache_dtype):
-        super().__init__(model, group, capacity, block_size, pool, cache_dtype)
+    def __init__(self, model, group, capacity, block_size, pool, cache_dtype, shared=None):
+        super().__init__(model, group, capacity, block_size, pool, cache_dtype, shared)
         self.states = []
         for i in group.layers:
-            s = model.layouts[i].state
-            self.states.append((torch.zeros(capacity, s.conv_channels, s.conv_tail, dtype=model.dtype,
-                                            device=model.device),
-                                torch.zeros((capacity,) + s.recurrent, dtype=STATE_DTYPES[s.state_dtype],
-                                            device=model.device)))
+            s, carve = model.layouts[i].state, self.carve(1)
+            carve = carve or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=model.device))
+            parts = {"conv": ((self.rows, s.conv_channels, s.conv_tail), model.dtype),
+                     "recurrent": ((self.rows,) + s.recurrent, STATE_DTYPES[s.state_dtype])}
+            # the wider dtype first, so that each part starts at its alignment within the page
+            order = sorted(parts, key=lambda name: -torch.empty((), dtype=parts[name][1]).element_size())
+            made = {name: carve(*parts[name]) for name in order}
+            self.states.append((made["conv"], made["recurrent"]))
 
     def tensors(self):
         return [t for pair in self.states for t in pair]
@@ -146,14 +205,14 @@ class StateManager(Manager):
         return 1
 
     def _copy(self, to: int, source: int) -> None:
-        for conv, recurrent in self.states:
-            conv[to].copy_(conv[source])
-            recurrent[to].copy_(recurrent[source])
+        for j, (conv, recurrent) in enumerate(self.states):
+            conv[self.page(to, j)].copy_(conv[self.page(source, j)])
+            recurrent[self.page(to, j)].copy_(recurrent[self.page(source, j)])
 
     def taken(self, page):
-        for conv, recurrent in self.states:
-            conv[page].zero_()
-            recurrent[page].zero_()
+        for j, (conv, recurrent) in enumerate(self.states):
+            conv[self.page(page, j)].zero_()
+            recurrent[self.page(page, j)].zero_()
 
     def found(self, keys, m):
         saved = self.pool.lookup(keys[m - 1])
@@ -180,9 +239,9 @@ class StateManager(Manager):
         return True
 
     def caches(self, tables, starts, T, positions, device):
-        pages = torch.tensor([t[0] for t in tables], dtype=torch.long, device=device)
-        return {layer: PagedStateLayer(conv, recurrent, pages)
-                for layer, (conv, recurrent) in zip(self.group.layers, self.states)}
+        return {layer: PagedStateLayer(conv, recurrent, torch.tensor([self.page(t[0], j) for t in tables],
+                                                                     dtype=torch.long, device=device))
+                for j, (layer, (conv, recurrent)) in enumerate(zip(self.group.layers, self.states))}
 
 
 # the manager of each spec class (the class itself, not a subclass: a new spec says how it is served)
@@ -190,7 +249,7 @@ MANAGERS: Dict[Type[PageSpec], Type[Manager]] = {Blocks: BlockManager, Ring: Rin
 
 
 def manager_for(model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str,
-                kind: str = "paged") -> Manager:
+                kind: str = "paged", shared: Optional[BytePool] = None) -> Manager:
     """The manager of ``group``'s spec class; a spec no manager serves is one line naming it (``kind``:
     the store's ``workload.store``)."""
     manager = MANAGERS.get(type(group.spec))
@@ -198,4 +257,4 @@ def manager_for(model, group: Group, capacity: int, block_size: int, pool: Block
         raise ConfigError(f"workload.store={kind}: layers {', '.join(map(str, group.layers))} need "
                           f"{type(group.spec).__name__} pages ({group.spec.layers_text()}), which no serving store "
                           "manager serves yet; use workload=decode")
-    return manager(model, group, capacity, block_size, pool, cache_dtype)
+    return manager(model, group, capacity, block_size, pool, cache_dtype, shared)

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan, slot_plan
 from kvbench.serving.batch import BatchView
-from kvbench.serving.managers import Manager, manager_for
+from kvbench.serving.managers import BytePool, Manager, Misaligned, manager_for
 from kvbench.serving.pool import BlockPool, Pages
 
 
@@ -80,9 +80,19 @@ class PagedStore:
         shared = Pages(self.plan.pages[0], self.evicted) if self.plan.allocator == "unified" else None
         self.pools = [BlockPool(n, c, shared or Pages(n, self.evicted))
                       for n, c in zip(self.plan.capacity, self.plan.cost)]
-        self.managers: List[Manager] = [manager_for(model, group, n, self.block_size, pool, cache_dtype, self.kind)
-                                        for group, n, pool in zip(self.plan.groups, self.plan.capacity, self.pools)]
+        self.shared = None
+        if shared is not None:  # the unified pool's pages as one byte pool, every group's tensors views of it
+            self.shared = BytePool(self.plan.pages[0], self.plan.page_bytes[0] // self.plan.cost[0], model.device)
+        try:
+            self.managers = self._managers(model, cache_dtype)
+        except Misaligned:  # a part a page cannot hold at its alignment: storage per group (allocated > reserved)
+            self.shared = None
+            self.managers = self._managers(model, cache_dtype)
         self.checkpoints_saved = self.checkpoint_bytes_max = 0
+
+    def _managers(self, model, cache_dtype: str) -> List[Manager]:
+        return [manager_for(model, group, n, self.block_size, pool, cache_dtype, self.kind, self.shared)
+                for group, n, pool in zip(self.plan.groups, self.plan.capacity, self.pools)]
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -119,8 +129,16 @@ class PagedStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V and state storage allocated (all pages)."""
-        return sum(t.untyped_storage().nbytes() for m in self.managers for t in m.tensors())
+        """Bytes of K/V and state storage allocated (all pages; the byte pool once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for m in self.managers for t in m.tensors()}
+        return sum(storages.values())
+
+    @property
+    def storage_bytes(self) -> int:
+        """The formula's bytes of what the store allocates: the byte pool's pages (what the unified
+        allocator reserves), else each group's blocks of its layers (:attr:`Plan.storage_bytes`)."""
+        return self.plan.reserved_bytes if self.shared is not None else self.plan.storage_bytes
 
     def blocks_for(self, length: int) -> int:
         """Blocks a sequence of ``length`` positions holds in a full layer."""

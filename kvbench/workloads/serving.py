@@ -44,7 +44,8 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
     Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
                                               "x block_size positions of its layers, each state page x the states "
-                                              "of the recurrent layers"),
+                                              "of the recurrent layers; with workload.allocator=unified, its one "
+                                              "byte pool: its pages x a page's bytes"),
     Metric("kv_reserved_bytes", "bytes", "what the allocator sets aside of the budget: per_kind, each pool's whole "
                                          "blocks x its block's bytes; unified, its pages x the page's bytes"),
     Metric("kv_allocator", "text", "workload.allocator: per_kind (a pool per group of layers) or unified (one "
@@ -252,7 +253,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     store = build_store(model, w, cfg.cache.block_size, plan.requests, cfg.cache.dtype)
     budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, store.plan.groups)
     metrics.update(kv_budget_bytes=int(budget),
-                   kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.plan.storage_bytes,
+                   kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.storage_bytes,
                    kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
     metrics.update(sequence_capacity(store.plan, model.layouts, model.dtype.itemsize,
                                      cfg.cache.dtype, plan.requests, budget))
