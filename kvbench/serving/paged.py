@@ -12,6 +12,8 @@ manager of its page spec's class (:mod:`kvbench.serving.managers`).
 
 K/V are held per layer in :class:`~kvbench.kv_store.KVStore`'s (slots, H_kv, D), slot = block x
 block size + offset, in ``cache.dtype``; a recurrent state per page, in ``cache.state_dtype``.
+Under ``workload.allocator=unified`` all of them are views of one byte pool of the allocator's
+pages (:class:`~kvbench.serving.managers.BytePool`): what is allocated is what is reserved.
 """
 
 from __future__ import annotations
