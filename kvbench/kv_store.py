@@ -7,7 +7,7 @@ position axis: 2 in a sequence cache's (B, H_kv, S, D), 0 in the serving pool's 
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -63,18 +63,21 @@ class KVStore:
     writes, so earlier positions are never requantized; with int8's 255 levels the keys' channel
     outliers cost little (KIVI needs channel scales at 2 bits). 4-bit codes keep a scale per block
     of a head instead (16 or 32 values), and nvfp4 one float32 per store, set by its first write
-    (:mod:`kvbench.quant4`): the layer's constant, not a position's bytes, so not in :meth:`tensors`."""
+    (:mod:`kvbench.quant4`): the layer's constant, not a position's bytes, so not in :meth:`tensors`.
+
+    ``carve(shape, dtype)``: where its tensors live instead of allocations of their own (views of a
+    serving pool's shared bytes, :mod:`kvbench.serving.managers`), codes first, then scales."""
 
     def __init__(self, shape: Tuple[int, ...], cache_dtype: str, dtype: torch.dtype, device: torch.device,
-                 axis: int = 2):
+                 axis: int = 2, carve: Optional[Callable[[Tuple[int, ...], torch.dtype], torch.Tensor]] = None):
         self.cache_dtype, self.dtype, self.axis = cache_dtype, dtype, axis
         self.shape = tuple(shape)  # what is stored, before codes are packed: (..., D)
         block = FP4_BLOCK.get(cache_dtype)
         *lead, D = shape
-        self.codes = torch.zeros(shape if block is None else (*lead, D // 2),
-                                 dtype=storage_dtype(cache_dtype, dtype), device=device)
-        self.scales = (None if cache_dtype == "auto" else torch.ones(shape[:-1] + (1,), device=device)
-                       if block is None else torch.zeros((*lead, D // block), dtype=torch.uint8, device=device))
+        carve = carve or (lambda size, kind: torch.zeros(size, dtype=kind, device=device))
+        self.codes = carve(shape if block is None else (*lead, D // 2), storage_dtype(cache_dtype, dtype))
+        self.scales = (None if cache_dtype == "auto" else carve(shape[:-1] + (1,), torch.float32).fill_(1)
+                       if block is None else carve((*lead, D // block), torch.uint8))
         # nvfp4's per-tensor scale; 0 until a write holds a nonzero value
         self.global_scale = torch.zeros((), device=device) if cache_dtype.startswith("nvfp4") else None
 

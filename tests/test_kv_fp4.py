@@ -24,6 +24,7 @@ from kvbench.job_config import to_bench_config
 from kvbench.kv_store import KVStore
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.pages import StatePage
 from kvbench.model import Decoder
 from kvbench.quality.data import TokenData
 from kvbench.quality.fidelity import quantized_cache_fidelity
@@ -289,17 +290,23 @@ STATE = 4 * 8 * 12 * 4 + (2 * 2 * 8 + 4 * 12) * 3 * 4  # H_v d_k d_v float32 + c
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("allocator", ["per_kind", "unified"])
 def test_the_serving_pools_allocate_the_formulas_bytes(fmt, allocator):
+    """per_kind: each group's blocks of its layers; unified: one byte pool of its pages, each one
+    layer's block of the raised size or one layer's state, what the allocator reserves."""
     model = hybrid()
     plan = plan_for(model, 12, 4, fmt, allocator, 40, 8)
     store = PagedStore(model, 0, 4, False, fmt, plan=plan)
     per_position = 2 * 2 * (16 + 32 // BLOCK[fmt])  # K and V, 2 heads of 32, one attention layer
-    want = sum(n * len(g.layers) * (STATE if g.is_state else plan.block_size * per_position)
-               for g, n in zip(plan.groups, plan.capacity))
-    assert store.nbytes == want == plan.storage_bytes
+    if allocator == "per_kind":
+        want = sum(n * len(g.layers) * (STATE if isinstance(g.spec, StatePage) else plan.block_size * per_position)
+                   for g, n in zip(plan.groups, plan.capacity))
+        assert store.nbytes == want == plan.storage_bytes == store.storage_bytes
+    else:
+        want = plan.pages[0] * max(plan.block_size * per_position, STATE)
+        assert store.nbytes == want == plan.reserved_bytes == store.storage_bytes
     assert [len(g.layers) for g in plan.groups] == [1, 1, 2]  # full, window, the two states
     # the pool holds codes and reads back what a static cache of the same codes reads
     k = torch.randn(6, 2, 32)
-    kv = store.kv[0][0][0]
+    kv = store.managers[0].stores[0][0]
     kv.write(torch.arange(6), k)
     solo = KVStore((6, 2, 32), fmt, torch.float32, torch.device("cpu"), axis=0)
     solo.write(0, k)

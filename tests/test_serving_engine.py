@@ -20,6 +20,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
 from kvbench.config.serving import LengthConfig
 from kvbench.generate import greedy_generate
+from kvbench.layouts.pages import StatePage
 from kvbench.model import Decoder
 from kvbench.serving.conversations import make_chats
 from kvbench.serving.paged import PagedStore, SlotStore, bytes_per_token, check_model, plan_for
@@ -127,7 +128,8 @@ def test_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout, cach
             while paged(blocks).unfit(longest, 8):  # small: the largest request fits, little else
                 blocks += 1
             s = paged(blocks + (1 if small else 40))
-            if small and s.plan.groups[-1].is_state:  # room for 3 states, K/V for the largest request alone
+            # room for 3 states, K/V for the largest request alone
+            if small and isinstance(s.plan.groups[-1].spec, StatePage):
                 s = PagedStore(model, 0, BS, "prefix" in store, cache_dtype,
                                replace(s.plan, capacity=s.plan.need(longest, 8)[:-1] + (3,),
                                        pages=s.plan.need(longest, 8)[:-1] + (3,)))

@@ -16,6 +16,7 @@ from kvbench.generate import greedy_generate
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import State
 from kvbench.layouts.mamba2 import Mamba2
+from kvbench.layouts.pages import StatePage
 from kvbench.model import Decoder
 from kvbench.serving.paged import PagedStore, plan_for
 from kvbench.state_cache import StateLayer
@@ -61,13 +62,13 @@ def test_the_static_cache_allocates_the_formulas_bytes_in_the_state_dtype(state_
 def test_the_serving_stores_state_pages_hold_the_state_dtype(state_dtype):
     model, blocks, block_size = hybrid(state_dtype), 6, 4
     store = PagedStore(model, blocks, block_size, plan=plan_for(model, blocks, block_size, longest=24))
-    state = next(g for g, group in enumerate(store.plan.groups) if group.is_state)
-    assert store.plan.groups[state].state_bytes == 3 * hand_state_bytes(state_dtype)
+    state = next(g for g, group in enumerate(store.plan.groups) if isinstance(group.spec, StatePage))
+    assert store.plan.groups[state].page_bytes(block_size) == 3 * hand_state_bytes(state_dtype)
     pages = store.plan.capacity[state]
     kv = sum(n * block_size * 2 * 2 * 16 * 4 for g, n in enumerate(store.plan.capacity) if g != state)
     assert store.nbytes == pages * 3 * hand_state_bytes(state_dtype) + kv
     assert all(recurrent.dtype == getattr(torch, state_dtype) and conv.dtype == torch.float32
-               for conv, recurrent in store.states)
+               for conv, recurrent in store.managers[state].states)
 
 
 def test_a_bfloat16_state_decodes_the_float32_states_tokens():

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
 from kvbench.layouts.base import LayerLayout, elements_line, fp4_bytes_lines
+from kvbench.layouts.pages import positions_spec
 from kvbench.layouts.registry import LayerKind, register
 
 
@@ -58,6 +59,11 @@ class KVHeads(LayerLayout):
 
     def as_mha(self) -> "KVHeads":
         return replace(self, num_kv_heads=self.num_heads, window=None, sinks=False, kv_source=None)
+
+    def page_spec(self, element: int, cache_dtype: str = "auto"):
+        """What a serving store keeps of a sequence here: positions in blocks, a window's ring
+        (:mod:`kvbench.layouts.pages`), or nothing where the layer reads another's K/V."""
+        return positions_spec(self, element, cache_dtype)
 
     @property
     def rotary_dim(self) -> int:

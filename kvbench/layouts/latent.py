@@ -22,6 +22,7 @@ from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, e
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.pages import positions_spec
 from kvbench.layouts.registry import LayerKind, register
 
 
@@ -50,6 +51,11 @@ class Latent(LayerLayout):
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
         # with an indexer, its key is a second tensor per position (what the cache calls V)
         return 1, (self.kv_lora_rank + self.qk_rope_head_dim,) + ((self.index_head_dim,) if self.index_topk else ())
+
+    def page_spec(self, element: int, cache_dtype: str = "auto"):
+        """What a serving store keeps of a sequence here: positions in blocks, a window's ring
+        (:mod:`kvbench.layouts.pages`), or nothing where the layer reads another's K/V."""
+        return positions_spec(self, element, cache_dtype)
 
     def attended(self, context: float) -> float:
         """Latents one decode step of one sequence attends at ``context`` positions."""

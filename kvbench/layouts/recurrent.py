@@ -3,10 +3,12 @@ state per sequence, and the settings such a state cannot take yet, refused in th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple
 
 from kvbench.layouts.base import LayerLayout, Limit
+from kvbench.layouts.pages import StatePage
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,13 @@ class Recurrent(LayerLayout):
 
     def positions_held(self, seq_len: float) -> float:
         return 0
+
+    def page_spec(self, element: int, cache_dtype: str = "auto") -> StatePage:
+        """A page per sequence: the convolution's tail in the compute dtype, the recurrent state in
+        its own (``cache.state_dtype``; ``cache.dtype`` is for K/V)."""
+        s = self.state
+        return StatePage(conv_bytes=s.conv_channels * s.conv_tail * element, recurrent_elements=math.prod(s.recurrent),
+                         state_dtype=s.state_dtype)
 
     def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
         return super().limits(index) + (

@@ -2,9 +2,10 @@
 the two allocators (``workload.allocator``) and the bytes each reserves, as formulas (torch-free,
 so a config is checked against them before any model is built).
 
-A **group** is the layers whose blocks come and go together: the K/V layers that keep the same
-positions of a sequence (their layout's ``retention``), and the recurrent layers, which hold one
-state page per running sequence whatever its length. A layer that reads another layer's K/V holds
+A **group** is the layers whose pages come and go together: those whose layouts ask for equal
+page specs (:mod:`kvbench.layouts.pages`: positions in blocks, a window's ring of the same W, a
+per-sequence state, a compressed pool). Every figure of a group is its spec's, summed over its
+layers; nothing here asks what kind a layer is. A layer that reads another layer's K/V holds
 nothing.
 
 - ``per_kind`` (kvbench's pools): a pool per group, of its own block size in bytes; the budget is
@@ -25,65 +26,76 @@ from typing import Optional, Sequence, Tuple
 from kvbench.config.errors import ConfigError
 from kvbench.config.serving import ALLOCATORS, CHECKPOINTS
 from kvbench.layouts.base import LayerLayout
+from kvbench.layouts.pages import PageSpec
 
 
 @dataclass(frozen=True)
 class Group:
-    """Layers whose blocks come and go together. ``keeps``: its first layer's layout, which says what
-    every layer of the group keeps; the bytes are summed over the group's layers."""
+    """Layers whose pages come and go together. ``keeps``: its first layer's layout (the rule a
+    forward masks by); ``specs``: each layer's page spec, all of one :attr:`PageSpec.paging`."""
 
     layers: Tuple[int, ...]
     keeps: LayerLayout
-    position_bytes: int = 0
-    state_bytes: int = 0
-    layer_bytes: int = 0  # the largest one layer's: a position (K/V) or a state
+    specs: Tuple[PageSpec, ...]
 
     @property
-    def is_state(self) -> bool:
-        return self.state_bytes > 0
+    def spec(self) -> PageSpec:
+        """The group's paging rule (its first layer's spec: every layer's pages the same way)."""
+        return self.specs[0]
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position takes in all the group's layers (0: it keeps none)."""
+        return sum(s.position_bytes for s in self.specs)
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes one block of the group (a page in each of its layers) takes."""
+        return sum(s.page_bytes(block_size) for s in self.specs)
+
+    def layer_page_bytes(self, block_size: int) -> int:
+        """The largest one layer's page."""
+        return max(s.page_bytes(block_size) for s in self.specs)
+
+    def least_bytes(self) -> int:
+        """The formula's bytes of a block in use at its least (one position, or the states)."""
+        return sum(s.least_bytes() for s in self.specs)
+
+    def filled_bytes(self, filled: int) -> int:
+        """The formula's bytes of a block in use with ``filled`` positions written."""
+        return sum(s.filled_bytes(filled) for s in self.specs)
 
 
 def groups_of(layouts: Sequence, element: int, cache_dtype: str = "auto") -> Tuple[Group, ...]:
-    """The store's groups: the K/V layers by what they keep (full attention first), then the state."""
-    kv, state = {}, []
+    """The store's groups, by each layer's page spec: full attention first, then each window, the
+    states, the pools (:attr:`PageSpec.paging`)."""
+    by_paging = {}
     for index, layout in enumerate(layouts):
-        if layout.state is not None:
-            state.append((index, layout))
-        elif layout.bytes_per_position(element, cache_dtype):
-            kv.setdefault(layout.retention, []).append((index, layout))
-    out = [Group(tuple(i for i, _ in ls), ls[0][1], sum(x.bytes_per_position(element, cache_dtype) for _, x in ls),
-                 layer_bytes=max(x.bytes_per_position(element, cache_dtype) for _, x in ls))
-           for _, ls in sorted(kv.items(), key=lambda item: item[0])]
-    if state:
-        out.append(Group(tuple(i for i, _ in state), state[0][1],
-                         state_bytes=sum(x.state_bytes(element) for _, x in state),
-                         layer_bytes=max(x.state_bytes(element) for _, x in state)))
-    return tuple(out)
+        spec = layout.page_spec(element, cache_dtype)
+        if spec is not None:
+            by_paging.setdefault(spec.paging, []).append((index, layout, spec))
+    return tuple(Group(tuple(i for i, _, _ in ls), ls[0][1], tuple(s for _, _, s in ls))
+                 for _, ls in sorted(by_paging.items(), key=lambda item: item[0]))
 
 
 def blocks_held(group: Group, length: int, bs: int) -> int:
     """Blocks one sequence of ``length`` positions holds in ``group`` between forwards: from the one
     holding the first position the next query sees; one page for a state."""
-    if group.is_state:
-        return 1
-    return -(-length // bs) - group.keeps.first_kept(length) // bs
+    return group.spec.blocks_held(length, bs)
 
 
 def worst_blocks(group: Group, length: int, bs: int, chunk: int = 1) -> int:
     """The most blocks a sequence of up to ``length`` positions holds in ``group`` while it grows by
-    forwards of at most ``chunk`` positions (what its layout keeps, at the worst block alignment)."""
-    if group.is_state:
-        return 1
-    every, kept = -(-length // bs), group.keeps.most_kept(length, chunk)
-    return every if kept >= length else min(every, -(-(kept + bs - 1) // bs))
+    forwards of at most ``chunk`` positions (what its spec keeps, at the worst block alignment)."""
+    return group.spec.worst_blocks(length, bs, chunk)
 
 
 def unified_block_size(groups: Sequence[Group], block_size: int) -> int:
     """The attention block of the unified pool: the first multiple of ``block_size`` whose page
-    (that many positions of the smallest K/V layer) holds the largest layer's state (vLLM raises
-    it so; 528 tokens for Qwen3.5 in bfloat16 with blocks of 16)."""
-    state = max((g.layer_bytes for g in groups if g.is_state), default=0)
-    per_position = min((g.position_bytes // len(g.layers) for g in groups if not g.is_state), default=0)
+    (that many positions of the smallest layer that keeps positions) holds the largest layer's
+    page that is not positions (a state: vLLM raises it so; 528 tokens for Qwen3.5 in bfloat16
+    with blocks of 16)."""
+    state = max((s.page_bytes(block_size) for g in groups for s in g.specs if not s.position_bytes), default=0)
+    per_position = min((g.position_bytes // len(g.layers) for g in groups if g.position_bytes), default=0)
     if not state or not per_position:
         return block_size
     return -(-state // (per_position * block_size)) * block_size
@@ -112,15 +124,13 @@ class Plan:
     @property
     def storage_bytes(self) -> int:
         """Bytes the layouts' formula gives for what the groups' storage holds."""
-        return sum(n * (g.state_bytes if g.is_state else self.block_size * g.position_bytes)
-                   for g, n in zip(self.groups, self.capacity))
+        return sum(n * g.page_bytes(self.block_size) for g, n in zip(self.groups, self.capacity))
 
     @property
     def waste_per_sequence(self) -> int:
         """The most bytes one running sequence's pages reserve beyond the formula: a last block with one
         position filled in each K/V group, a page's room beyond its state in the state group."""
-        return sum(b - (g.state_bytes if g.is_state else g.position_bytes)
-                   for g, b in zip(self.groups, self.page_bytes))
+        return sum(b - g.least_bytes() for g, b in zip(self.groups, self.page_bytes))
 
     def sequence_bytes(self, length: int) -> int:
         """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""
@@ -147,7 +157,7 @@ def budget_bytes(kv_budget_mb: Optional[float], kv_budget_blocks: Optional[int],
     block of ``block_size`` positions of every K/V layer (of a model without K/V: x one state)."""
     if kv_budget_blocks is None:
         return kv_budget_mb * 1e6
-    per_block = block_size * sum(g.position_bytes for g in groups) or sum(g.state_bytes for g in groups)
+    per_block = block_size * sum(g.position_bytes for g in groups) or sum(g.page_bytes(block_size) for g in groups)
     return kv_budget_blocks * per_block
 
 
@@ -158,12 +168,12 @@ def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_b
         raise ConfigError(f"workload.allocator={allocator!r}: must be one of {', '.join(ALLOCATORS)}")
     groups = tuple(groups)
     if allocator == "per_kind":
-        page = tuple(g.state_bytes if g.is_state else block_size * g.position_bytes for g in groups)
+        page = tuple(g.page_bytes(block_size) for g in groups)
         weight = [worst_blocks(g, longest, block_size, chunk) * b for g, b in zip(groups, page)]
         pages = tuple(int(budget_bytes * w // sum(weight) // b) for w, b in zip(weight, page))
         return Plan(allocator, block_size, groups, page, (1,) * len(groups), pages, pages)
     bs = unified_block_size(groups, block_size)
-    one = max(g.layer_bytes if g.is_state else bs * g.layer_bytes for g in groups)  # a page: one layer's block
+    one = max(g.layer_page_bytes(bs) for g in groups)  # a page: one layer's block (or state)
     cost = tuple(len(g.layers) for g in groups)
     total = usable_pages(int(budget_bytes // one), cost)
     return Plan(allocator, bs, groups, tuple(c * one for c in cost), cost, tuple(total // c for c in cost), (total,))
@@ -198,7 +208,7 @@ def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int) -> Plan:
 
 def slot_bytes(group: Group, slot_len: int) -> int:
     """Bytes one slot of ``slot_len`` positions (a state) takes in ``group``."""
-    return group.state_bytes if group.is_state else slot_len * group.position_bytes
+    return group.page_bytes(slot_len)
 
 
 class Checkpoint:

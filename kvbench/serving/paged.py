@@ -1,5 +1,6 @@
 """The serving stores: pools of fixed-size blocks shared by every running request, one pool (or
-one share of a pool) per group of layers (:mod:`kvbench.serving.allocator`).
+one share of a pool) per group of layers (:mod:`kvbench.serving.allocator`), each group run by the
+manager of its page spec's class (:mod:`kvbench.serving.managers`).
 
 - :class:`PagedStore` (``workload.store=paged``): blocks allocated on demand, a block table per
   sequence and K/V group (vLLM's PagedAttention layout). A local layer's blocks are freed as soon as
@@ -10,7 +11,9 @@ one share of a pool) per group of layers (:mod:`kvbench.serving.allocator`).
 - :class:`SlotStore` (``workload.store=slots``): the static cache, one slot per running request.
 
 K/V are held per layer in :class:`~kvbench.kv_store.KVStore`'s (slots, H_kv, D), slot = block x
-block size + offset, in ``cache.dtype``.
+block size + offset, in ``cache.dtype``; a recurrent state per page, in ``cache.state_dtype``.
+Under ``workload.allocator=unified`` all of them are views of one byte pool of the allocator's
+pages (:class:`~kvbench.serving.managers.BytePool`): what is allocated is what is reserved.
 """
 
 from __future__ import annotations
@@ -18,13 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
-from kvbench.kv_store import KVStore
 from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan, slot_plan
 from kvbench.serving.batch import BatchView
+from kvbench.serving.managers import BytePool, Manager, Misaligned, manager_for
 from kvbench.serving.pool import BlockPool, Pages
-from kvbench.state_cache import STATE_DTYPES
 
 
 def bytes_per_token(model, cache_dtype: str = "auto") -> int:
@@ -41,20 +41,20 @@ def plan_for(model, num_blocks: int, block_size: int, cache_dtype: str = "auto",
              longest: Optional[int] = None, chunk: int = 1) -> Plan:
     """The pools of a budget of ``num_blocks`` blocks of every K/V layer (of one state without K/V)."""
     groups = groups_of(model.layouts, model.dtype.itemsize, cache_dtype)
-    per_block = block_size * bytes_per_token(model, cache_dtype) or groups[-1].state_bytes
+    per_block = block_size * bytes_per_token(model, cache_dtype) or groups[-1].page_bytes(block_size)
     return make_plan(groups, allocator, block_size, num_blocks * per_block, longest or model.config.max_seq_len,
                      chunk)
 
 
 @dataclass
 class SeqBlocks:
-    """One sequence's place in a store: a block table per group (None: released, no later query sees
-    it), its state page, and the content keys of its first ``len(keys)`` full blocks."""
+    """One sequence's place in a store: a table of pages per group (a block per bs positions, None:
+    released, no later query sees it; or its state page), and the content keys of its first
+    ``len(keys)`` full blocks."""
 
     tables: Dict[int, List[Optional[int]]] = field(default_factory=dict)
     length: int = 0
     keys: List[int] = field(default_factory=list)
-    state: Optional[int] = None
     prompt_len: int = 0  # the request's prompt (workload.state_checkpoint=prompt_end saves its state there)
 
     @property
@@ -82,24 +82,19 @@ class PagedStore:
         shared = Pages(self.plan.pages[0], self.evicted) if self.plan.allocator == "unified" else None
         self.pools = [BlockPool(n, c, shared or Pages(n, self.evicted))
                       for n, c in zip(self.plan.capacity, self.plan.cost)]
-        self.kv: Dict[int, List[List[KVStore]]] = {}  # group -> its layers -> its stored tensors: (slots, H_kv, D)
-        self.states: List[tuple] = []  # per recurrent layer: (conv (pages, C, K - 1), recurrent (pages, ...))
-        self.state_group: Optional[int] = None  # the group of the recurrent layers
-        for g, group in enumerate(self.plan.groups):
-            n = self.plan.capacity[g]
-            if group.is_state:
-                self.state_group = g
-                for i in group.layers:
-                    s = model.layouts[i].state
-                    self.states.append((torch.zeros(n, s.conv_channels, s.conv_tail, dtype=model.dtype,
-                                                    device=model.device),
-                                        torch.zeros((n,) + s.recurrent, dtype=STATE_DTYPES[s.state_dtype],
-                                                    device=model.device)))
-            else:
-                self.kv[g] = [[KVStore((n * self.block_size, model.layouts[i].stored[0], w), cache_dtype, model.dtype,
-                                       model.device, axis=0) for w in model.layouts[i].stored[1]]
-                              for i in group.layers]
+        self.shared = None
+        if shared is not None:  # the unified pool's pages as one byte pool, every group's tensors views of it
+            self.shared = BytePool(self.plan.pages[0], self.plan.page_bytes[0] // self.plan.cost[0], model.device)
+        try:
+            self.managers = self._managers(model, cache_dtype)
+        except Misaligned:  # a part a page cannot hold at its alignment: storage per group (allocated > reserved)
+            self.shared = None
+            self.managers = self._managers(model, cache_dtype)
         self.checkpoints_saved = self.checkpoint_bytes_max = 0
+
+    def _managers(self, model, cache_dtype: str) -> List[Manager]:
+        return [manager_for(model, group, n, self.block_size, pool, cache_dtype, self.kind, self.shared)
+                for group, n, pool in zip(self.plan.groups, self.plan.capacity, self.pools)]
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -121,25 +116,31 @@ class PagedStore:
     @property
     def bytes_needed(self) -> int:
         """The formula's bytes for the positions and states the blocks in use hold (a shared block once)."""
-        out = 0
-        for pool, group in zip(self.pools, self.plan.groups):
-            if group.is_state:
-                out += pool.in_use * group.state_bytes
-            else:
-                out += sum(f for f, r in zip(pool.filled, pool.ref) if r) * group.position_bytes
-        return out
+        return sum(m.needed_bytes() for m in self.managers)
+
+    @property
+    def saves_states(self) -> bool:
+        """Whether some group saves what a sequence holds at a position (a recurrent state) for prefix caching."""
+        return any(m.saves_states for m in self.managers)
 
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes of the saved states nobody runs from (cached state pages)."""
-        g = self.state_group
-        return 0 if g is None else self.pools[g].cached_blocks * self.plan.page_bytes[g]
+        return sum(self.pools[g].cached_blocks * self.plan.page_bytes[g]
+                   for g, m in enumerate(self.managers) if m.saves_states)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V and state storage allocated (all blocks)."""
-        tensors = [t for layers in self.kv.values() for stores in layers for s in stores for t in s.tensors()]
-        return sum(t.untyped_storage().nbytes() for t in tensors + [t for pair in self.states for t in pair])
+        """Bytes of K/V and state storage allocated (all pages; the byte pool once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for m in self.managers for t in m.tensors()}
+        return sum(storages.values())
+
+    @property
+    def storage_bytes(self) -> int:
+        """The formula's bytes of what the store allocates: the byte pool's pages (what the unified
+        allocator reserves), else each group's blocks of its layers (:attr:`Plan.storage_bytes`)."""
+        return self.plan.reserved_bytes if self.shared is not None else self.plan.storage_bytes
 
     def blocks_for(self, length: int) -> int:
         """Blocks a sequence of ``length`` positions holds in a full layer."""
@@ -154,46 +155,30 @@ class PagedStore:
         return None
 
     def grow(self, seq: SeqBlocks, length: int) -> bool:
-        """Blocks for ``seq`` to hold ``length`` positions (and its state page); False, with
-        nothing taken, if some group has too few."""
+        """Pages for ``seq`` to hold ``length`` positions in every group (blocks, its state page);
+        False, with nothing taken, if some group has too few."""
         taken = []
-        for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools)):
-            if group.is_state:
-                want = 0 if seq.state is not None else 1
-            else:
-                want = self.blocks_for(length) - len(seq.tables.setdefault(g, []))
-            for _ in range(want):
+        blocks = self.blocks_for(length)
+        for g, (manager, pool) in enumerate(zip(self.managers, self.pools)):
+            table = seq.tables.setdefault(g, [])
+            for _ in range(manager.table_len(blocks) - len(table)):
                 block = pool.take()
                 if block is None:
-                    for g2, b in reversed(taken):
-                        self._drop(seq, g2, b)
+                    for g2 in reversed(taken):
+                        self.pools[g2].free(seq.tables[g2].pop())
                     return False
-                taken.append((g, block))
-                if group.is_state:
-                    seq.state = block
-                    for conv, recurrent in self.states:
-                        conv[block].zero_()
-                        recurrent[block].zero_()
-                else:
-                    seq.tables[g].append(block)
+                taken.append(g)
+                manager.taken(block)
+                table.append(block)
         return True
 
-    def _drop(self, seq: SeqBlocks, g: int, block: int) -> None:
-        self.pools[g].free(block)
-        if self.plan.groups[g].is_state:
-            seq.state = None
-        else:
-            seq.tables[g].pop()
-
     def release(self, seq: SeqBlocks) -> None:
-        """Give back ``seq``'s blocks (finished or preempted); cached blocks stay findable."""
+        """Give back ``seq``'s pages (finished or preempted); cached blocks stay findable."""
         for g, table in seq.tables.items():
             for block in reversed(table):  # a chain's tail is evicted before its head
                 if block is not None:
                     self.pools[g].free(block)
-        if seq.state is not None:
-            self.pools[self.state_group].free(seq.state)
-        seq.tables, seq.length, seq.keys, seq.state = {}, 0, [], None
+        seq.tables, seq.length, seq.keys = {}, 0, []
 
     # ---- prefix cache ---------------------------------------------------------------------
 
@@ -216,43 +201,22 @@ class PagedStore:
                 break
         else:
             return 0
-        for g, blocks in found.items():  # held first: taking the state page below may evict what is not
-            if self.plan.groups[g].is_state:
-                self.pools[g].attach(blocks)
-                continue
-            for block in blocks:
-                if block is not None:
-                    self.pools[g].attach(block)
-            seq.tables[g] = list(blocks)
+        for g, pages in found.items():  # held first: taking a state's own page below may evict what is not
+            seq.tables[g] = self.managers[g].attach(pages)
         seq.length, seq.keys = m * bs, keys[:m]
-        g = self.state_group
-        if g is not None:
-            saved, seq.state = found[g], self.pools[g].take()
-            if seq.state is not None:
-                for conv, recurrent in self.states:
-                    conv[seq.state].copy_(conv[saved])
-                    recurrent[seq.state].copy_(recurrent[saved])
-            self.pools[g].free(saved)
-            if seq.state is None:  # no page for its state: it starts from the beginning
-                self.release(seq)
-                return 0
+        if not all(self.managers[g].own(table) for g, table in seq.tables.items()):
+            self.release(seq)  # no page for its state: it starts from the beginning
+            return 0
         return seq.length
 
     def _found(self, keys: List[int], m: int) -> Optional[dict]:
-        """Per group, the cached blocks (a state: its saved page) to continue from position
-        m x block_size, or None where some group lacks one."""
-        found, h = {}, m * self.block_size
-        for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools)):
-            if group.is_state:
-                found[g] = pool.lookup(keys[m - 1])
-                if found[g] is None:
-                    return None
-                continue
-            behind = group.keeps.first_kept(h) // self.block_size
-            blocks = [None] * behind + [pool.lookup(k) for k in keys[behind:m]]
-            if any(b is None for b in blocks[behind:]):
+        """Per group, the cached pages (blocks, a saved state) to continue from position
+        m x block_size, or None where some group lacks them."""
+        found = {}
+        for g, manager in enumerate(self.managers):
+            found[g] = manager.found(keys, m)
+            if found[g] is None:
                 return None
-            found[g] = blocks
         return found
 
     def register(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
@@ -268,30 +232,17 @@ class PagedStore:
             i = len(seq.keys)
             seq.keys.append(self._key(seq.keys[-1] if seq.keys else None, tokens[i * bs:(i + 1) * bs]))
             for g, table in seq.tables.items():
-                if table[i] is not None:
-                    self.pools[g].register(table[i], seq.keys[i])
-        if seq.state is not None and seq.keys and self.checkpoint.saves(seq.length, bs, seq.prompt_len):
-            self._save_state(seq)
-
-    def _save_state(self, seq: SeqBlocks) -> None:
-        pool, key = self.pools[self.state_group], seq.keys[-1]
-        if pool.lookup(key) is not None:
-            return
-        page = pool.take()
-        if page is None:  # no page free of a holder: the state is not saved
-            return
-        for conv, recurrent in self.states:
-            conv[page].copy_(conv[seq.state])
-            recurrent[page].copy_(recurrent[seq.state])
-        pool.register(page, key)
-        pool.free(page)  # nobody runs from it: cached, evictable
-        self.checkpoints_saved += 1
-        self.checkpoint_bytes_max = max(self.checkpoint_bytes_max, self.checkpoint_bytes)
+                self.managers[g].register(table, i, seq.keys[i])
+        if seq.keys and self.checkpoint.saves(seq.length, bs, seq.prompt_len):
+            for g, table in seq.tables.items():
+                if self.managers[g].save(table, seq.keys[-1]):
+                    self.checkpoints_saved += 1
+                    self.checkpoint_bytes_max = max(self.checkpoint_bytes_max, self.checkpoint_bytes)
 
     def chunk_limit(self, seq: SeqBlocks) -> Optional[int]:
         """The most positions the next forward of ``seq`` may add: up to the next saved state of a
         recurrent layer (None: no limit)."""
-        if not self.prefix_caching or self.state_group is None:
+        if not self.prefix_caching or not self.saves_states:
             return None
         stop = self.checkpoint.next_save(seq.length, self.block_size, seq.prompt_len)
         return None if stop is None else stop - seq.length
@@ -304,19 +255,15 @@ class PagedStore:
 
     def written(self, seqs: Sequence[SeqBlocks], T: int) -> None:
         """After the forward: each sequence holds ``T`` more positions (:meth:`register` follows)."""
-        bs = self.block_size
         for s in seqs:
             for g, table in s.tables.items():
-                filled = self.pools[g].filled
-                for pos in range(s.length, s.length + T):
-                    b = table[pos // bs]
-                    filled[b] = max(filled[b], pos % bs + 1)
+                self.managers[g].written(table, s.length, T)
             s.length += T
 
     def release_behind(self, seq: SeqBlocks) -> None:
-        """Free ``seq``'s blocks that no later query sees."""
+        """Free ``seq``'s blocks that no later query sees (a window's, as its spec says)."""
         for g, table in seq.tables.items():
-            for i in range(self.plan.groups[g].keeps.first_kept(seq.length) // self.block_size):
+            for i in range(self.plan.groups[g].spec.first_kept(seq.length) // self.block_size):
                 if table[i] is not None:
                     self.pools[g].free(table[i])
                     table[i] = None

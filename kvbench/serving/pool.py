@@ -2,8 +2,10 @@
 
 A :class:`BlockPool` counts who holds each of one group's blocks; a block whose holders are gone
 keeps its content key (prefix caching finds it) until evicted. Blocks are paid for in
-:class:`Pages`, a pool's own or shared by every group (``unified``). A new block takes a page never
-cached first, then evicts the least recently freed cached block.
+:class:`Pages`, a pool's own or shared by every group (``unified``): a block holds ``cost`` page ids
+from the time it is taken until it is unused again (freed without a key, or evicted), so groups
+sharing one byte pool never hold the same page. A new block takes a page never cached first, then
+evicts the least recently freed cached block.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ class Pages:
         self.total, self.used = total, 0
         self.cached: "OrderedDict[Tuple[BlockPool, int], None]" = OrderedDict()
         self.evicted = [] if evicted is None else evicted
+        self.free_ids: List[int] = list(range(total - 1, -1, -1))  # page ids no block holds: the next one last
+
+    def grab(self, n: int) -> List[int]:
+        """``n`` free page ids (room was made for them)."""
+        self.used += n
+        return [self.free_ids.pop() for _ in range(n)]
+
+    def give(self, ids: List[int]) -> None:
+        self.used -= len(ids)
+        self.free_ids.extend(reversed(ids))
 
     def make_room(self, pool: "BlockPool") -> bool:
         """Evict cached blocks until ``pool`` has an id never cached and its cost in free pages."""
@@ -40,7 +52,7 @@ class Pages:
         self.evicted.append(pool.key_of[block])
         del pool.block_of[pool.key_of.pop(block)]
         pool.unused.append(block)
-        self.used -= pool.cost
+        self.give(pool.page_ids[block])
 
 
 class BlockPool:
@@ -54,6 +66,7 @@ class BlockPool:
         self.key_of: Dict[int, Hashable] = {}  # block -> content key (cached or shared)
         self.block_of: Dict[Hashable, int] = {}
         self.in_use = 0  # blocks with a holder
+        self.page_ids: List[List[int]] = [[] for _ in range(capacity)]  # block -> the ids of the pages it holds
 
     def take(self) -> Optional[int]:
         """A fresh block with one holder, or None when no page can be freed for it."""
@@ -62,7 +75,7 @@ class BlockPool:
         block = self.unused.pop()
         self.ref[block], self.filled[block] = 1, 0
         self.in_use += 1
-        self.pages.used += self.cost
+        self.page_ids[block] = self.pages.grab(self.cost)
         return block
 
     def attach(self, block: int) -> None:
@@ -82,7 +95,7 @@ class BlockPool:
             self.pages.cached[(self, block)] = None
         else:
             self.unused.append(block)
-            self.pages.used -= self.cost
+            self.pages.give(self.page_ids[block])
 
     def register(self, block: int, key: Hashable) -> None:
         """Make ``block`` findable by ``key`` (the first block of a content keeps it)."""

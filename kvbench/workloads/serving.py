@@ -44,7 +44,8 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
     Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
                                               "x block_size positions of its layers, each state page x the states "
-                                              "of the recurrent layers"),
+                                              "of the recurrent layers; with workload.allocator=unified, its one "
+                                              "byte pool: its pages x a page's bytes"),
     Metric("kv_reserved_bytes", "bytes", "what the allocator sets aside of the budget: per_kind, each pool's whole "
                                          "blocks x its block's bytes; unified, its pages x the page's bytes"),
     Metric("kv_allocator", "text", "workload.allocator: per_kind (a pool per group of layers) or unified (one "
@@ -142,11 +143,9 @@ def _unit(plan: StorePlan, g: int) -> str:
     if plan.allocator == "unified":
         return (f"pages ({plan.page_bytes[0] // plan.cost[0]:,} bytes each: one layer's block of {plan.block_size} "
                 "tokens or one layer's state)")
-    group = plan.groups[g]
-    what = "states" if group.is_state else f"blocks of {plan.block_size} tokens"
-    where = "" if len(plan.groups) == 1 else (" of its recurrent layers" if group.is_state else
-                                              f" of its {group.keeps.layers_text()}")
-    return f"{what} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
+    spec = plan.groups[g].spec
+    where = "" if len(plan.groups) == 1 else f" of its {spec.layers_text()}"
+    return f"{spec.unit(plan.block_size)} ({plan.page_bytes[g]:,} bytes each for this layout{where})"
 
 
 def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dtype: str = "auto") -> PagedStore:
@@ -254,7 +253,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     store = build_store(model, w, cfg.cache.block_size, plan.requests, cfg.cache.dtype)
     budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, store.plan.groups)
     metrics.update(kv_budget_bytes=int(budget),
-                   kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.plan.storage_bytes,
+                   kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.storage_bytes,
                    kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
     metrics.update(sequence_capacity(store.plan, model.layouts, model.dtype.itemsize,
                                      cfg.cache.dtype, plan.requests, budget))
@@ -279,7 +278,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     metrics["timeline_rate"] = rate
     metrics["iterations"] = scheduler.iterations
     store = scheduler.store
-    if any(g.is_state for g in store.plan.groups):
+    if store.saves_states:
         metrics.update(state_checkpoints_saved=store.checkpoints_saved,
                        state_checkpoint_bytes_max=store.checkpoint_bytes_max)
     metrics.update(timeline_scalars(timeline))

@@ -186,6 +186,19 @@ def test_a_unified_pool_reserves_what_its_store_holds(tmp_path, attention):
         assert m["kv_reserved_bytes"] == 1_998_848
 
 
+def test_a_hybrids_unified_pool_allocates_what_it_reserves(tmp_path):
+    """Gated DeltaNet, a window of 8 and full attention in one unified pool of 1 MB: three groups
+    (full, window, states) share one byte pool, so the store holds what the allocator reserves (it
+    held about three times as much, a buffer per group), its pages x its page."""
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=1", "workload.allocator=unified", "model.num_layers=4",
+                             "attention.layer_types=[linear_attention,sliding_attention,full_attention,linear_attention]",
+                             "attention.window=8"), tmp_path)
+    assert record.status == "ok", record.error
+    m = record.metrics
+    assert m["kv_reserved_bytes"] == m["kv_store_bytes"] == m["kv_store_bytes_formula"] <= m["kv_budget_bytes"]
+    assert m["requests_finished"] == 10
+
+
 @pytest.mark.parametrize("ttft_ms, probes", [(1e6, [50.0, 100.0, 200.0]), (1e-6, [50.0])])
 def test_a_rate_search_records_its_curve_and_the_run_at_its_answer(tmp_path, ttft_ms, probes):
     """Targets nothing can miss (the SLO never binds: every rate up to hi measured, the answer at
