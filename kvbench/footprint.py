@@ -173,7 +173,9 @@ def serving_store_bytes(cfg: BenchConfig) -> int:
     """The store ``workload.kv_budget_mb`` or ``workload.kv_budget_blocks`` asks for, bytes: the
     budget (blocks of ``cache.block_size`` tokens, or slots of ``workload.slot_len``, else of the
     longest request's positions; a trace's are known once it is read: 1 here, a lower bound). The
-    unified allocator's groups each keep storage for the whole pool: the budget once per group."""
+    unified allocator is counted once per group, an upper bound: its groups' tensors are views of one
+    byte pool, except where a part cannot sit aligned in a page and each group keeps its own storage
+    (kvbench.serving.paged), which this check, made before anything is built, cannot tell."""
     w = cfg.workload
     groups = groups_of(build_layouts(cfg.model, cfg.attention, cfg.cache.state_dtype), DTYPE_BYTES[cfg.runtime.dtype],
                        cfg.cache.dtype)
