@@ -137,7 +137,14 @@ def test_a_paged_store_allocates_the_formula_for_its_blocks(kind, name, allocato
         holding = [i for i, lay in enumerate(layers) if lay.bytes_per_position(element) or lay.state_bytes(element)]
         assert sorted(i for group in plan.groups for i in group.layers) == holding
         assert all(n > 0 for n in plan.capacity)
-        assert store.nbytes == group_formula(plan, layers, element, cache_dtype) > 0, cache_dtype
+        if store.shared is None:  # a pool per group: each group's blocks of its layers
+            assert store.nbytes == group_formula(plan, layers, element, cache_dtype) > 0, cache_dtype
+            continue
+        # unified: one byte pool of pages, a page one layer's block of block_size positions (or its
+        # state), as big as the largest of them by the formula
+        one = max(plan.block_size * layers[i].bytes_per_position(element, cache_dtype) + layers[i].state_bytes(element)
+                  for group in plan.groups for i in group.layers)
+        assert store.nbytes == plan.pages[0] * one > 0, cache_dtype
 
 
 def test_a_slot_store_allocates_the_formula_for_its_slots(kind, name):
