@@ -1,0 +1,187 @@
+"""Quantized checkpoints dequantised on load (kvbench/quant_weights.py): DeepSeek-V3's FP8 blocks,
+GPT-OSS's MXFP4 experts and ModelOpt's NVFP4, each written by the tests' own encoders
+(tests/quant_checkpoints.py). The loaded decoder holds exactly the values the encoder's own
+element-wise decoding gives; task=eval scores the quantized directory as it scores the dequantised
+float copy (1e-5 relative) and as transformers scores that copy; GPT-OSS's MXFP4 directory gives
+transformers' own logits (transformers dequantises MXFP4 on a CPU). The stored bytes the roofline
+and task=inspect count against the files' own bytes."""
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, deepseek_dir, eval_job, reread, transformers_perplexity
+from quant_checkpoints import (
+    e2m1_value,
+    fp8_blocks,
+    fp8_encoder,
+    mxfp4_encoder,
+    mxfp4_rows,
+    nvfp4_encoder,
+    nvfp4_matrix,
+    rewrite,
+)
+from safetensors import safe_open
+
+from kvbench.checkpoint import load_llama_dir
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.hf_weights import read_headers
+from kvbench.measure.roofline import decode_bytes_read
+from kvbench.quality.train import run_eval
+from kvbench.quant_weights import E2M1_VALUES, module_stored_bytes
+
+MODEL = ModelConfig(name="t", num_layers=2, d_model=64, num_heads=8, ffn_dim=96, vocab_size=VOCAB, max_seq_len=64)
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"]}
+NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+
+
+def deepseek_moe(tmp_path, **overrides):
+    """A tiny random DeepSeek-V3: layer 0 dense, layer 1 four routed experts of 16 and a shared one."""
+    return deepseek_dir(tmp_path, vocab_size=256, max_position_embeddings=64, first_k_dense_replace=1,
+                        moe_intermediate_size=16, n_shared_experts=1, **overrides)
+
+
+def gpt_oss(tmp_path):
+    """A tiny random GPT-OSS (experts 32 wide: MXFP4 groups 32 input values, of d_model and of the experts)."""
+    cfg = transformers.GptOssConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                    vocab_size=256, max_position_embeddings=64, sliding_window=6, swiglu_limit=1.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path)
+    return tmp_path, hf
+
+
+def assert_loads_its_dequantised_values(quant, dequant):
+    """The decoder loaded from ``quant`` holds exactly the tensors of the one loaded from ``dequant``."""
+    ours, _ = load_llama_dir(quant)
+    copy, _ = load_llama_dir(dequant)
+    assert ours.config.weights_stored is not None and copy.config.weights_stored is None
+    for (name, a), (_, b) in zip(ours.state_dict().items(), copy.state_dict().items()):
+        assert torch.equal(a, b), name
+    return ours
+
+
+def assert_same_perplexity(quant, dequant, corpus):
+    """task=eval of ``quant``: within 1e-5 relative of the float copy's, and of transformers' on that copy."""
+    cfg = eval_job(MODEL, AttentionConfig(type="model"), corpus, quant)
+    ours = run_eval(cfg, torch.device("cpu"))["perplexity"]
+    copy = run_eval(eval_job(MODEL, AttentionConfig(type="model"), corpus, dequant), torch.device("cpu"))["perplexity"]
+    assert ours == pytest.approx(copy, rel=1e-5)
+    assert ours == pytest.approx(transformers_perplexity(reread(dequant), cfg), rel=1e-4)
+
+
+def file_bytes(directory, model):
+    """Bytes of the tensors the files hold, by their headers' dtypes and shapes, less ``model``'s persistent
+    buffers (DeepSeek's correction bias: a weight the files hold that is not a parameter)."""
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1}
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n in model.state_dict())
+    return sum(math.prod(t.shape) * sizes[t.dtype] for t in read_headers(directory).values()) - buffers
+
+
+def test_e2m1_table_is_the_formats_bit_fields():
+    assert E2M1_VALUES == tuple(e2m1_value(c) for c in range(16))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (8, 16)])
+def test_a_deepseek_v3_fp8_checkpoint_loads_and_evaluates_to_its_dequantised_weights(tmp_path, corpus, block):
+    """DeepSeek-V3's FP8 blocks, in the published [128, 128] (one block per tiny matrix) and in blocks of 8 x 16,
+    which leave partial blocks at the edges (kv_a_proj_with_mqa's 20 rows, q_a_proj's 12)."""
+    src, _ = deepseek_moe(tmp_path / "float")
+    rewrite(src, tmp_path / "fp8", tmp_path / "dequant", {**FP8, "weight_block_size": list(block)},
+            fp8_encoder(block))
+    model = assert_loads_its_dequantised_values(tmp_path / "fp8", tmp_path / "dequant")
+    assert model.config.weights_stored == f"fp8_e4m3_{block[0]}x{block[1]}"
+    assert_same_perplexity(tmp_path / "fp8", tmp_path / "dequant", corpus)
+    # the bytes as stored (quant_weights.stored_bytes' rule) are the files' own: a byte per weight + the scales
+    stored = module_stored_bytes(model, model.config.weights_stored)
+    assert stored == file_bytes(tmp_path / "fp8", model)
+    assert stored < module_stored_bytes(model, None)
+
+
+def test_a_gpt_oss_mxfp4_checkpoint_is_transformers_dequantising_it(tmp_path, corpus):
+    """GPT-OSS's MXFP4 experts: the values of the test's decoding, the perplexity of the float copy, and the
+    logits transformers computes from the MXFP4 directory itself (Mxfp4Config(dequantize=True) on a CPU)."""
+    src, _ = gpt_oss(tmp_path / "float")
+    rewrite(src, tmp_path / "mxfp4", tmp_path / "dequant", MXFP4, mxfp4_encoder)
+    model = assert_loads_its_dequantised_values(tmp_path / "mxfp4", tmp_path / "dequant")
+    assert_same_perplexity(tmp_path / "mxfp4", tmp_path / "dequant", corpus)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+    assert module_stored_bytes(model, "mxfp4") == file_bytes(tmp_path / "mxfp4", model)
+
+
+def test_an_nvfp4_checkpoint_loads_its_dequantised_weights(tmp_path, corpus):
+    """ModelOpt's NVFP4 (no CPU reader in transformers): the test's element-wise decoding and the float copy's
+    perplexity; the activations' input_scale is left unread."""
+    src, _ = deepseek_moe(tmp_path / "float", q_lora_rank=16, v_head_dim=4)  # every matrix 16 values wide
+    rewrite(src, tmp_path / "nvfp4", tmp_path / "dequant", NVFP4, nvfp4_encoder)
+    with safe_open(str(tmp_path / "nvfp4" / "model.safetensors"), "pt") as f:
+        assert any(k.endswith(".input_scale") for k in f.keys())
+    model = assert_loads_its_dequantised_values(tmp_path / "nvfp4", tmp_path / "dequant")
+    assert_same_perplexity(tmp_path / "nvfp4", tmp_path / "dequant", corpus)
+    inputs = sum(4 for k in read_headers(tmp_path / "nvfp4") if k.endswith(".input_scale"))
+    assert module_stored_bytes(model, "nvfp4") == file_bytes(tmp_path / "nvfp4", model) - inputs
+
+
+def test_the_encoders_reach_the_formats_edges():
+    """The encoders the checks rest on: saturation at 6 x scale, zero blocks, negative values, FP8's partial blocks."""
+    w = torch.zeros(3, 64)
+    w[0, :32] = torch.linspace(-5, 7, 32)
+    w[1, 32:] = -torch.arange(32.0)
+    blocks, scales, out = mxfp4_rows(w)
+    assert out[2].abs().sum() == 0 and out[1, :32].abs().sum() == 0
+    assert out.abs().max() <= 6 * 2.0 ** (scales.float() - 127).max()
+    assert (out[1, 32:] <= 0).all() and (out[1, 40:] < 0).all()  # -1 over a scale of 4: a tie, to zero
+    _, scale, _, dequant = nvfp4_matrix(w)
+    assert dequant[2].abs().sum() == 0 and (dequant[1, 40:] < 0).all()
+    q, s, out = fp8_blocks(torch.randn(20, 24), (8, 16))
+    assert s.shape == (3, 2) and out.shape == (20, 24)
+
+
+def test_the_roofline_counts_the_weights_as_stored(tmp_path):
+    """decode_bytes_read of a loaded FP8 checkpoint: its matrices at a byte each plus their scales (the embedding
+    table a row per sequence, in the compute dtype)."""
+    src, _ = deepseek_moe(tmp_path / "float")
+    rewrite(src, tmp_path / "fp8", tmp_path / "dequant", FP8, fp8_encoder((128, 128)))
+    quant, _ = load_llama_dir(tmp_path / "fp8")
+    copy, _ = load_llama_dir(tmp_path / "dequant")
+    total, kv = decode_bytes_read(quant, 1, 16.0, routed_bytes=None)
+    total_copy, kv_copy = decode_bytes_read(copy, 1, 16.0, routed_bytes=None)
+    assert kv == kv_copy
+    # by hand: every layer matrix 4 bytes -> 1 byte + one float32 scale (each tiny matrix is one block)
+    matrices = [(n, p) for n, p in copy.named_parameters() if n.startswith("blocks.") and p.dim() >= 2
+                and not n.endswith("router.weight")]
+    moe = copy.config.moe
+    routed = min(moe.num_experts, moe.top_k)  # batch 1: the most one token's step reads
+    saved = 0
+    for name, p in matrices:
+        experts = ".experts." in name
+        count = (2 if name.endswith("w_gate_up") else 1) * (p.shape[0] if p.dim() == 3 else 1)
+        fraction = routed / moe.num_experts if experts else 1
+        saved += fraction * (p.numel() * 3 - 4 * count)
+    assert total == pytest.approx(total_copy - saved)
+
+
+def test_the_record_keeps_the_stored_format_and_an_old_record_reads_as_before(tmp_path):
+    from dataclasses import asdict
+
+    from kvbench.config.record import model_record
+
+    src, _ = deepseek_moe(tmp_path / "float")
+    rewrite(src, tmp_path / "fp8", tmp_path / "dequant", FP8, fp8_encoder((128, 128)))
+    assert model_record(asdict(ModelConfig(path=str(tmp_path / "fp8"))))["weights_stored"] == "fp8_e4m3_128x128"
+    assert "weights_stored" not in model_record(asdict(ModelConfig(path=str(tmp_path / "dequant"))))
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"] == FP8
