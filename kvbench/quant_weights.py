@@ -42,6 +42,7 @@ SCALE_DTYPES = ("F32", "BF16", "F16")
 # tensors a ModelOpt checkpoint keeps beside its weights for activations and the KV cache
 _NOT_WEIGHTS = (".input_scale", ".k_scale", ".v_scale")
 _EXPERT_WEIGHTS = ("experts.w_gate_up", "experts.w_down")
+_SCALES = ("_scale_inv", ".weight_scale", ".weight_scale_2")
 
 
 def read_dequantised_headers(directory: Path, hf: Mapping[str, Any]) -> Dict[str, StoredTensor]:
@@ -50,6 +51,12 @@ def read_dequantised_headers(directory: Path, hf: Mapping[str, Any]) -> Dict[str
     stored = read_headers(directory)
     fmt = weights_stored(hf)
     if fmt is None:
+        # without it the FP8 values would be read unscaled: a checkpoint stripped of its config's key
+        scales = [n for n in sorted(stored) if n.endswith(_SCALES) or n.endswith("_blocks") and
+                  n[: -len("_blocks")] + "_scales" in stored]
+        if scales:
+            raise _fail(directory, f"tensor {scales[0]}: the scales of a quantized weight, but config.json has "
+                                   f"no {KEY}")
         return stored
     fold = _fold_mxfp4 if fmt == "mxfp4" else _fold_nvfp4 if fmt == "nvfp4" else partial(_fold_fp8, fp8_block(fmt))
     return fold(directory, dict(stored))
