@@ -216,10 +216,20 @@ def stored_bytes(name: str, shape: Sequence[int], element: int, stored: Optional
     return n + 4 * matrices * math.ceil(R / M) * math.ceil(C / N)
 
 
-def module_stored_bytes(module: torch.nn.Module, stored: Optional[str], prefix: str = "") -> int:
-    """Bytes of ``module``'s parameters (tied ones once) as a checkpoint of format ``stored`` holds them;
-    ``prefix``: the module's place in the decoder (``experts.`` for an Experts module's own names)."""
-    return sum(stored_bytes(prefix + n, p.shape, p.element_size(), stored) for n, p in module.named_parameters())
+def module_stored_bytes(module: torch.nn.Module, stored: Optional[str], element: Optional[int] = None) -> int:
+    """Bytes of ``module``'s parameters (tied ones once) as a checkpoint of format ``stored`` holds them, those
+    it does not quantize in ``element`` bytes a value (None: as ``module`` holds them)."""
+    return sum(stored_bytes(n, p.shape, element or p.element_size(), stored) for n, p in module.named_parameters())
+
+
+def describe_stored(stored: str) -> str:
+    """What format ``stored`` (:data:`~kvbench.config.quant.WEIGHTS_STORED`) keeps per weight, in words."""
+    if stored == "mxfp4":
+        return "MXFP4 experts: half a byte per weight + an E8M0 exponent per 32"
+    if stored == "nvfp4":
+        return "NVFP4 matrices: half a byte per weight + an E4M3 scale per 16 + a float32 per matrix"
+    M, N = fp8_block(stored)
+    return f"FP8 matrices: a byte per weight + a float32 scale per {M}x{N} block"
 
 
 def expert_stored_bytes(experts: torch.nn.Module, stored: Optional[str]) -> int:

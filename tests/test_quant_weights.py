@@ -185,3 +185,32 @@ def test_the_record_keeps_the_stored_format_and_an_old_record_reads_as_before(tm
     assert model_record(asdict(ModelConfig(path=str(tmp_path / "fp8"))))["weights_stored"] == "fp8_e4m3_128x128"
     assert "weights_stored" not in model_record(asdict(ModelConfig(path=str(tmp_path / "dequant"))))
     assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"] == FP8
+
+
+def _fp8_matrix(rows, cols, block=128):
+    return rows * cols + 4 * math.ceil(rows / block) * math.ceil(cols / block)
+
+
+def test_inspect_says_what_the_published_deepseek_v3_and_gpt_oss_files_weigh():
+    """task=inspect model=deepseek_v3: its FP8 files by hand from its config.json's shapes (every layer matrix a
+    byte per weight + a float32 per 128x128 block, the router, norms, embedding and head in bfloat16);
+    model=gpt_oss_120b: the model card's 60.8 GiB of MXFP4 experts and bfloat16 rest."""
+    from conftest import compose
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.tasks.inspect import describe
+    from kvbench.units import human_bytes
+
+    C, V, L, E, I, F = 7168, 129280, 61, 256, 2048, 18432  # noqa: E741
+    attention = (_fp8_matrix(1536, C) + _fp8_matrix(128 * 192, 1536) + _fp8_matrix(576, C)
+                 + _fp8_matrix(128 * 256, 512) + _fp8_matrix(C, 128 * 128) + 2 * (2 * C + 1536 + 512))
+    dense = 3 * (2 * _fp8_matrix(F, C) + _fp8_matrix(C, F))
+    experts = 58 * ((E + 1) * (2 * _fp8_matrix(I, C) + _fp8_matrix(C, I)) + 2 * E * C)  # + the bf16 router
+    total = L * attention + dense + experts + 2 * (2 * V * C + C)
+    lines = [line for line in describe(to_bench_config(compose("model=deepseek_v3", "task=inspect"))).splitlines()
+             if line.startswith("weights as published")]
+    assert lines == [f"weights as published (model.weights_stored=fp8_e4m3_128x128): {human_bytes(total)} (FP8 "
+                     "matrices: a byte per weight + a float32 scale per 128x128 block; the rest in bfloat16), "
+                     "against 1.22 TiB in bfloat16; kvbench dequantizes them on load to runtime.dtype=float32"]
+    gpt = describe(to_bench_config(compose("model=gpt_oss_120b", "task=inspect")))
+    assert "weights as published (model.weights_stored=mxfp4): 60.77 GiB (MXFP4 experts" in gpt
