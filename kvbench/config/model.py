@@ -87,7 +87,7 @@ class ModelConfig:
     linear_value_head_dim: Optional[int] = None  # d_v (null: head_dim / 2)
     linear_conv_kernel_dim: Optional[int] = None  # taps of the causal short convolution over q, k, v (null: 4)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
-    # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window), as AttentionConfig's
+    # The model's own sliding window of W positions (a checkpoint's or preset's; the run's: attention.window)
     preset_window: Optional[int] = None
     preset_global_every: Optional[int] = None
     preset_layer_types: Optional[List[str]] = None
@@ -97,7 +97,7 @@ class ModelConfig:
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
     moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: the dense SwiGLU of ffn_dim
-    weights_stored: Optional[str] = None  # as the checkpoint stores them (kvbench.config.quant); null: compute dtype
+    weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
 
     def __post_init__(self) -> None:
         if self.path:
