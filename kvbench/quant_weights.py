@@ -59,7 +59,11 @@ def read_dequantised_headers(directory: Path, hf: Mapping[str, Any]) -> Dict[str
                                    f"no {KEY}")
         return stored
     fold = _fold_mxfp4 if fmt == "mxfp4" else _fold_nvfp4 if fmt == "nvfp4" else partial(_fold_fp8, fp8_block(fmt))
-    return fold(directory, dict(stored))
+    folded = fold(directory, dict(stored))
+    if not any(isinstance(t, Derived) for t in folded.values()):  # the record would say a format the files lack
+        raise _fail(directory, f"{KEY}.quant_method={hf[KEY]['quant_method']!r}, but no tensor of the files is "
+                               f"stored so ({fmt}: {describe_stored(fmt)}); drop {KEY} from config.json")
+    return folded
 
 
 def _fail(directory: Path, what: str) -> CheckpointError:

@@ -175,6 +175,14 @@ def test_a_bad_scale_in_a_job_records_invalid_naming_the_tensor(quantized, tmp_p
         assert len(result.error.splitlines()) == 1
 
 
+@pytest.mark.parametrize("kind, method", [("fp8_float", "fp8"), ("mxfp4_float", "mxfp4"), ("nvfp4_float", "modelopt")])
+def test_a_quantization_config_over_float_files_is_one_line(quantized, tmp_path, kind, method):
+    """The float copy with the quantized one's config.json: the record would say a format the files do not hold."""
+    path = shutil.copytree(quantized / kind, tmp_path / kind)
+    shutil.copy(quantized / kind.replace("_float", "") / "config.json", path / "config.json")
+    refused(path, f"quantization_config.quant_method={method!r}, but no tensor of the files is stored so")
+
+
 def test_a_stray_scale_in_a_checkpoint_without_quantization_config_is_named(quantized, tmp_path):
     """A float copy holding a scale tensor (quantization_config dropped, scales kept): the scale is an unexpected
     tensor, by its file's name."""

@@ -100,6 +100,9 @@ def test_a_deepseek_v3_fp8_checkpoint_loads_and_evaluates_to_its_dequantised_wei
             fp8_encoder(block))
     model = assert_loads_its_dequantised_values(tmp_path / "fp8", tmp_path / "dequant")
     assert model.config.weights_stored == f"fp8_e4m3_{block[0]}x{block[1]}"
+    bf16, _ = load_llama_dir(tmp_path / "fp8", dtype="bfloat16")  # dequantized, then cast to the compute dtype
+    for (name, a), (_, b) in zip(bf16.state_dict().items(), model.state_dict().items()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16)), name
     assert_same_perplexity(tmp_path / "fp8", tmp_path / "dequant", corpus)
     # the bytes as stored (quant_weights.stored_bytes' rule) are the files' own: a byte per weight + the scales
     stored = module_stored_bytes(model, model.config.weights_stored)
