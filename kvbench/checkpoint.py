@@ -39,7 +39,7 @@ from kvbench.layouts.build import build_layouts
 from kvbench.layouts.gated_deltanet_attention import unfuse
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
-from kvbench.quant_weights import read_dequantised_headers
+from kvbench.quant_weights import read_dequantized_headers
 from kvbench.rope import rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"
@@ -304,7 +304,7 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any],
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
     stored: Dict[str, StoredTensor] = {}
     fused: Dict[tuple, list] = {}
-    for name, tensor in read_dequantised_headers(directory, hf).items():  # a quantized weight: its dequantised header
+    for name, tensor in read_dequantized_headers(directory, hf).items():  # a quantized weight: its dequantized header
         full = "model." + name[len(prefix):] if prefix and name.startswith(prefix) else name
         if full.startswith(unread):
             continue

@@ -1,9 +1,9 @@
-"""Quantized checkpoint weights (``model.weights_stored``, :mod:`kvbench.config.quant`), dequantised on
+"""Quantized checkpoint weights (``model.weights_stored``, :mod:`kvbench.config.quant`), dequantized on
 load, and the bytes they take as stored.
 
 The decoder runs in the compute dtype; a quantized checkpoint's tensors are read as float32 values
-(then cast to ``runtime.dtype`` with the rest). :func:`read_dequantised_headers` folds each quantized
-weight and its scales into one :class:`~kvbench.hf_weights.Derived` header of the dequantised
+(then cast to ``runtime.dtype`` with the rest). :func:`read_dequantized_headers` folds each quantized
+weight and its scales into one :class:`~kvbench.hf_weights.Derived` header of the dequantized
 tensor, by the headers alone, so names, shapes, dtypes and scale grids are checked before a byte is
 read; the scales' values are checked as they are read. Each refusal is one CheckpointError naming
 the tensor as the file names it; nothing is built until every tensor is read.
@@ -15,7 +15,7 @@ the tensor as the file names it; nothing is built until every tensor is read.
 - ``mxfp4`` (GPT-OSS; transformers' ``integrations/mxfp4.py``, ``convert_moe_packed_tensors``): ``X_blocks``
   (..., G, 16) uint8 holds 32 E2M1 values per row of G, the low nibble first, and ``X_scales`` (..., G)
   uint8 an E8M0 exponent per 32 (2^(byte - 127)); the stacked experts (E, R, G, 16) are (E, G x 32, R)
-  once dequantised (transformers' transpose), as GPT-OSS's bf16 files store ``X``.
+  once dequantized (transformers' transpose), as GPT-OSS's bf16 files store ``X``.
 - ``nvfp4`` (ModelOpt; transformers has no CPU reading of it, so written from NVIDIA's published
   description of the format, as vLLM's emulation reads it): ``X.weight`` (R, C/2) uint8 holds two E2M1
   values per byte, the low nibble first; ``X.weight_scale`` (R, C/16) F8_E4M3 a scale per 16 values and
@@ -45,9 +45,9 @@ _EXPERT_WEIGHTS = ("experts.w_gate_up", "experts.w_down")
 _SCALES = ("_scale_inv", ".weight_scale", ".weight_scale_2")
 
 
-def read_dequantised_headers(directory: Path, hf: Mapping[str, Any]) -> Dict[str, StoredTensor]:
+def read_dequantized_headers(directory: Path, hf: Mapping[str, Any]) -> Dict[str, StoredTensor]:
     """:func:`~kvbench.hf_weights.read_headers` of ``directory``, each quantized weight of the format
-    the config.json contents ``hf`` name folded with its scales into one header of what it dequantises to."""
+    the config.json contents ``hf`` name folded with its scales into one header of what it dequantizes to."""
     stored = read_headers(directory)
     fmt = weights_stored(hf)
     if fmt is None:
@@ -224,6 +224,14 @@ def module_stored_bytes(module: torch.nn.Module, stored: Optional[str], element:
     """Bytes of ``module``'s parameters (tied ones once) as a checkpoint of format ``stored`` holds them, those
     it does not quantize in ``element`` bytes a value (None: as ``module`` holds them)."""
     return sum(stored_bytes(n, p.shape, element or p.element_size(), stored) for n, p in module.named_parameters())
+
+
+def checkpoint_bytes(model: torch.nn.Module, stored: Optional[str]) -> int:
+    """Bytes of what ``model``'s checkpoint holds in format ``stored``: its parameters as stored (tied ones once)
+    and its persistent buffers as held (kvbench.measure.memory.weight_bytes, the weights as stored)."""
+    params = {id(p) for p in model.parameters()}
+    buffers = {id(t): t for t in model.state_dict(keep_vars=True).values() if id(t) not in params}
+    return module_stored_bytes(model, stored) + sum(t.numel() * t.element_size() for t in buffers.values())
 
 
 def describe_stored(stored: str) -> str:

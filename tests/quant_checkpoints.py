@@ -1,6 +1,6 @@
 """Quantized checkpoints written in the published formats by encoders of the tests' own (none of
 kvbench's code): a float checkpoint rewritten as DeepSeek's FP8 blocks, GPT-OSS's MXFP4 experts or
-ModelOpt's NVFP4, with the dequantised copy each encodes, element by element from the formats' bit
+ModelOpt's NVFP4, with the dequantized copy each encodes, element by element from the formats' bit
 fields (not kvbench's tables nor its vectorised arithmetic)."""
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def unpack_values(packed: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_blocks(w: torch.Tensor, block: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp8 weight, weight_scale_inv, dequantised) of a matrix (R, C): each M x N block (the last ones
-    partial) scaled by its absolute maximum / 448, as DeepSeek's weight quantisation does."""
+    """(fp8 weight, weight_scale_inv, dequantized) of a matrix (R, C): each M x N block (the last ones
+    partial) scaled by its absolute maximum / 448, as DeepSeek's weight quantization does."""
     (R, C), (M, N) = w.shape, block
     q = torch.empty(R, C, dtype=torch.float8_e4m3fn)
     scales = torch.empty(math.ceil(R / M), math.ceil(C / N))
@@ -65,7 +65,7 @@ def fp8_blocks(w: torch.Tensor, block: Tuple[int, int]) -> Tuple[torch.Tensor, t
 
 
 def mxfp4_rows(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(blocks (..., G, 16), scales (..., G), dequantised (..., C)) of rows of C values in groups of 32: each
+    """(blocks (..., G, 16), scales (..., G), dequantized (..., C)) of rows of C values in groups of 32: each
     group's E8M0 exponent the one that brings its largest magnitude below 8 (floor(log2(amax)) - 2)."""
     groups = w.float().unflatten(-1, (-1, 32))
     amax = groups.abs().amax(-1).clamp(min=2.0 ** -126)
@@ -79,7 +79,7 @@ def mxfp4_rows(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def nvfp4_matrix(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight (R, C/2) uint8, weight_scale (R, C/16) float8_e4m3fn, weight_scale_2 (), dequantised (R, C)), as
+    """(weight (R, C/2) uint8, weight_scale (R, C/16) float8_e4m3fn, weight_scale_2 (), dequantized (R, C)), as
     ModelOpt scales: the tensor's scale amax / (6 x 448), each 16 values' amax / 6 over it in E4M3."""
     groups = w.float().unflatten(-1, (-1, 16))
     scale_2 = torch.tensor(max(w.abs().max().item(), 1e-12) / (6 * E4M3_MAX))
@@ -94,8 +94,8 @@ def nvfp4_matrix(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
 def rewrite(src: Path, quant: Path, dequant: Path, quantization_config: dict,
             encode: Callable[[str, torch.Tensor], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """The float checkpoint ``src`` as ``quant`` (each tensor ``encode`` returns the file's tensors for, with
-    ``quantization_config``) and ``dequant`` (the same with the dequantised values under the tensor's own
-    name, config.json unchanged): what a loader of ``quant`` must compute. Returns the dequantised tensors."""
+    ``quantization_config``) and ``dequant`` (the same with the dequantized values under the tensor's own
+    name, config.json unchanged): what a loader of ``quant`` must compute. Returns the dequantized tensors."""
     tensors = load_file(src / "model.safetensors")
     stored, plain = {}, {}
     for name, t in tensors.items():

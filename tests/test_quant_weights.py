@@ -1,9 +1,9 @@
-"""Quantized checkpoints dequantised on load (kvbench/quant_weights.py): DeepSeek-V3's FP8 blocks,
+"""Quantized checkpoints dequantized on load (kvbench/quant_weights.py): DeepSeek-V3's FP8 blocks,
 GPT-OSS's MXFP4 experts and ModelOpt's NVFP4, each written by the tests' own encoders
 (tests/quant_checkpoints.py). The loaded decoder holds exactly the values the encoder's own
-element-wise decoding gives; task=eval scores the quantized directory as it scores the dequantised
+element-wise decoding gives; task=eval scores the quantized directory as it scores the dequantized
 float copy (1e-5 relative) and as transformers scores that copy; GPT-OSS's MXFP4 directory gives
-transformers' own logits (transformers dequantises MXFP4 on a CPU). The stored bytes the roofline
+transformers' own logits (transformers dequantizes MXFP4 on a CPU). The stored bytes the roofline
 and task=inspect count against the files' own bytes."""
 
 import json
@@ -60,7 +60,7 @@ def gpt_oss(tmp_path):
     return tmp_path, hf
 
 
-def assert_loads_its_dequantised_values(quant, dequant):
+def assert_loads_its_dequantized_values(quant, dequant):
     """The decoder loaded from ``quant`` holds exactly the tensors of the one loaded from ``dequant``."""
     ours, _ = load_llama_dir(quant)
     copy, _ = load_llama_dir(dequant)
@@ -92,13 +92,13 @@ def test_e2m1_table_is_the_formats_bit_fields():
 
 
 @pytest.mark.parametrize("block", [(128, 128), (8, 16)])
-def test_a_deepseek_v3_fp8_checkpoint_loads_and_evaluates_to_its_dequantised_weights(tmp_path, corpus, block):
+def test_a_deepseek_v3_fp8_checkpoint_loads_and_evaluates_to_its_dequantized_weights(tmp_path, corpus, block):
     """DeepSeek-V3's FP8 blocks, in the published [128, 128] (one block per tiny matrix) and in blocks of 8 x 16,
     which leave partial blocks at the edges (kv_a_proj_with_mqa's 20 rows, q_a_proj's 12)."""
     src, _ = deepseek_moe(tmp_path / "float")
     rewrite(src, tmp_path / "fp8", tmp_path / "dequant", {**FP8, "weight_block_size": list(block)},
             fp8_encoder(block))
-    model = assert_loads_its_dequantised_values(tmp_path / "fp8", tmp_path / "dequant")
+    model = assert_loads_its_dequantized_values(tmp_path / "fp8", tmp_path / "dequant")
     assert model.config.weights_stored == f"fp8_e4m3_{block[0]}x{block[1]}"
     bf16, _ = load_llama_dir(tmp_path / "fp8", dtype="bfloat16")  # dequantized, then cast to the compute dtype
     for (name, a), (_, b) in zip(bf16.state_dict().items(), model.state_dict().items()):
@@ -110,12 +110,12 @@ def test_a_deepseek_v3_fp8_checkpoint_loads_and_evaluates_to_its_dequantised_wei
     assert stored < module_stored_bytes(model, None)
 
 
-def test_a_gpt_oss_mxfp4_checkpoint_is_transformers_dequantising_it(tmp_path, corpus):
+def test_a_gpt_oss_mxfp4_checkpoint_is_transformers_dequantizing_it(tmp_path, corpus):
     """GPT-OSS's MXFP4 experts: the values of the test's decoding, the perplexity of the float copy, and the
     logits transformers computes from the MXFP4 directory itself (Mxfp4Config(dequantize=True) on a CPU)."""
     src, _ = gpt_oss(tmp_path / "float")
     rewrite(src, tmp_path / "mxfp4", tmp_path / "dequant", MXFP4, mxfp4_encoder)
-    model = assert_loads_its_dequantised_values(tmp_path / "mxfp4", tmp_path / "dequant")
+    model = assert_loads_its_dequantized_values(tmp_path / "mxfp4", tmp_path / "dequant")
     assert_same_perplexity(tmp_path / "mxfp4", tmp_path / "dequant", corpus)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "mxfp4", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
@@ -126,14 +126,14 @@ def test_a_gpt_oss_mxfp4_checkpoint_is_transformers_dequantising_it(tmp_path, co
     assert module_stored_bytes(model, "mxfp4") == file_bytes(tmp_path / "mxfp4", model)
 
 
-def test_an_nvfp4_checkpoint_loads_its_dequantised_weights(tmp_path, corpus):
+def test_an_nvfp4_checkpoint_loads_its_dequantized_weights(tmp_path, corpus):
     """ModelOpt's NVFP4 (no CPU reader in transformers): the test's element-wise decoding and the float copy's
     perplexity; the activations' input_scale is left unread."""
     src, _ = deepseek_moe(tmp_path / "float", q_lora_rank=16, v_head_dim=4)  # every matrix 16 values wide
     rewrite(src, tmp_path / "nvfp4", tmp_path / "dequant", NVFP4, nvfp4_encoder)
     with safe_open(str(tmp_path / "nvfp4" / "model.safetensors"), "pt") as f:
         assert any(k.endswith(".input_scale") for k in f.keys())
-    model = assert_loads_its_dequantised_values(tmp_path / "nvfp4", tmp_path / "dequant")
+    model = assert_loads_its_dequantized_values(tmp_path / "nvfp4", tmp_path / "dequant")
     assert_same_perplexity(tmp_path / "nvfp4", tmp_path / "dequant", corpus)
     inputs = sum(4 for k in read_headers(tmp_path / "nvfp4") if k.endswith(".input_scale"))
     assert module_stored_bytes(model, "nvfp4") == file_bytes(tmp_path / "nvfp4", model) - inputs
@@ -217,3 +217,46 @@ def test_inspect_says_what_the_published_deepseek_v3_and_gpt_oss_files_weigh():
                      "against 1.22 TiB in bfloat16; kvbench dequantizes them on load to runtime.dtype=float32"]
     gpt = describe(to_bench_config(compose("model=gpt_oss_120b", "task=inspect")))
     assert "weights as published (model.weights_stored=mxfp4): 60.77 GiB (MXFP4 experts" in gpt
+
+
+def test_a_bench_and_a_capacity_job_of_an_fp8_checkpoint_record_its_stored_weights(tmp_path):
+    """model=hf_dir over the FP8 directory: the record keeps model.weights_stored, weight_bytes_stored (the files'
+    weights) beside the dequantized weight_bytes, and a capacity answer formula_max_batch_stored, the batch the
+    memory-only formula fits with the weights as stored (more than with kvbench's float32 copy)."""
+    from conftest import compose
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.runner import run_job
+    from kvbench.results import RunResult
+    from kvbench.tasks import capacity
+    from kvbench.tasks.capacity_search import formula_max_batch, kv_bytes
+    from kvbench.tasks.common import build_model
+
+    src, _ = deepseek_moe(tmp_path / "float")
+    rewrite(src, tmp_path / "fp8", tmp_path / "dequant", FP8, fp8_encoder((128, 128)))
+    result = run_job(compose("model=hf_dir", f"model.path={tmp_path / 'fp8'}", "wandb=disabled",
+                             "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2"), tmp_path / "run")
+    assert result.status == "ok", result.error
+    model, _ = load_llama_dir(tmp_path / "fp8")
+    assert result.config["model"]["weights_stored"] == "fp8_e4m3_128x128"
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n in model.state_dict())
+    assert result.metrics["weight_bytes_stored"] == file_bytes(tmp_path / "fp8", model) + buffers
+    assert result.metrics["weight_bytes"] == model.num_params() * 4 + buffers
+    assert result.metrics["bytes_read_per_step"] < result.metrics["weight_bytes"]
+
+    def job(budget_gb):
+        return to_bench_config(compose(
+            "task=capacity", "model=hf_dir", f"model.path={tmp_path / 'fp8'}", "capacity.context_lens=[16]",
+            "capacity.max_batch=64", "workload.gen_len=2", "workload.prompt_len=8", "runtime.warmup=0",
+            "runtime.repeats=1", f"runtime.memory_budget_gb={budget_gb}", "slo.tpot_ms=100000", "slo.stat=p50"))
+
+    per_sequence = kv_bytes(job(1), 16, 2) - kv_bytes(job(1), 16, 1)
+    cfg = job((result.metrics["weight_bytes"] + 2.5 * per_sequence) / 1e9)  # the float32 copy and 2 sequences
+    model = build_model(cfg, torch.device("cpu"))
+    probes = RunResult(status="ok", config={})
+    capacity.run_probes(cfg, model, torch.device("cpu"), probes, capacity.baseline_bytes(torch.device("cpu")))
+    [answer] = probes.tables["capacity"]
+    budget = probes.metrics["memory_budget_bytes"]
+    assert answer["formula_max_batch_stored"] == formula_max_batch(cfg, 16, budget,
+                                                                   result.metrics["weight_bytes_stored"])
+    assert answer["formula_max_batch"] == 2 and answer["formula_max_batch_stored"] > 2

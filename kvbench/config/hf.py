@@ -225,7 +225,7 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
         ffn_dim=_get(cfg, ffn, "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions, norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches,
         **_hf_rope(cfg, positions, hybrid, keys), **_hf_window(cfg, hybrid, arch, keys))
-    shape.update(mla, weights_stored=weights_stored(cfg))  # FP8 blocks, MXFP4, NVFP4: dequantised on load
+    shape.update(mla, weights_stored=weights_stored(cfg))  # FP8 blocks, MXFP4, NVFP4: dequantized on load
     keys.update(mla_keys)
     shape.update(_hf_moe(cfg, arch, layers))
     shape.update(_hf_hybrid(cfg, keys) if hybrid else {})

@@ -1,7 +1,7 @@
 """How a checkpoint stores its weights: a config.json's ``quantization_config``, read into one
 ``model.weights_stored`` value (null: in the compute dtype, as a bf16/fp32 copy stores them).
 
-Three published formats are read (and dequantised on load by :mod:`kvbench.quant_weights`):
+Three published formats are read (and dequantized on load by :mod:`kvbench.quant_weights`):
 
 - ``fp8_e4m3_<M>x<N>``: DeepSeek-V3/V3.2's ``{"quant_method": "fp8", "fmt": "e4m3",
   "weight_block_size": [M, N]}``, each FP8 matrix with a float32 ``weight_scale_inv`` per M x N block;
