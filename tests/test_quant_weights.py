@@ -3,8 +3,9 @@ GPT-OSS's MXFP4 experts and ModelOpt's NVFP4, each written by the tests' own enc
 (tests/quant_checkpoints.py). The loaded decoder holds exactly the values the encoder's own
 element-wise decoding gives; task=eval scores the quantized directory as it scores the dequantized
 float copy (1e-5 relative) and as transformers scores that copy; GPT-OSS's MXFP4 directory gives
-transformers' own logits (transformers dequantizes MXFP4 on a CPU). The stored bytes the roofline
-and task=inspect count against the files' own bytes."""
+transformers' own logits (transformers dequantizes MXFP4 on a CPU), and each FP8 and MXFP4 tensor is
+transformers' own dequantization function's (its FP8 loader needs accelerate, not installed here).
+The stored bytes the roofline, the records and task=inspect count against the files' own bytes."""
 
 import json
 import math
@@ -260,3 +261,37 @@ def test_a_bench_and_a_capacity_job_of_an_fp8_checkpoint_record_its_stored_weigh
     assert answer["formula_max_batch_stored"] == formula_max_batch(cfg, 16, budget,
                                                                    result.metrics["weight_bytes_stored"])
     assert answer["formula_max_batch"] == 2 and answer["formula_max_batch_stored"] > 2
+
+
+def test_each_dequantized_tensor_is_transformers_dequantization(tmp_path):
+    """Tensor by tensor against transformers' own CPU functions: finegrained_fp8's Fp8Dequantize (which needs
+    whole blocks: the matrices blocks of 8 x 16 divide) and mxfp4's convert_moe_packed_tensors."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvbench.hf_weights import Derived, load_tensors
+    from kvbench.quant_weights import read_dequantized_headers
+
+    src, _ = deepseek_moe(tmp_path / "ds")
+    rewrite(src, tmp_path / "fp8", tmp_path / "fp8_float", {**FP8, "weight_block_size": [8, 16]}, fp8_encoder((8, 16)))
+    src, _ = gpt_oss(tmp_path / "oss")
+    rewrite(src, tmp_path / "mxfp4", tmp_path / "mxfp4_float", MXFP4, mxfp4_encoder)
+    compared = {"fp8": 0, "mxfp4": 0}
+    for kind in compared:
+        path = tmp_path / kind
+        raw = load_file(path / "model.safetensors")
+        headers = read_dequantized_headers(path, json.loads((path / "config.json").read_text()))
+        for name, header in headers.items():
+            if not isinstance(header, Derived):
+                continue
+            ours = load_tensors({name: header})[name]
+            if kind == "mxfp4":
+                theirs = convert_moe_packed_tensors(raw[name + "_blocks"], raw[name + "_scales"], dtype=torch.float32)
+            elif header.shape[0] % 8 or header.shape[1] % 16:
+                continue  # a partial block: transformers' function refuses it (DeepSeek's own kernel reads it)
+            else:
+                theirs = Fp8Dequantize(None)._dequantize_one(raw[name], raw[name + "_scale_inv"], torch.float32)
+            assert torch.equal(ours, theirs), name
+            compared[kind] += 1
+    assert compared["fp8"] >= 8 and compared["mxfp4"] == 4
