@@ -27,6 +27,7 @@ from quant_checkpoints import (
 from safetensors import safe_open
 
 from kvbench.checkpoint import load_llama_dir
+from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.hf_weights import read_headers
 from kvbench.measure.roofline import decode_bytes_read
@@ -295,3 +296,16 @@ def test_each_dequantized_tensor_is_transformers_dequantization(tmp_path):
             assert torch.equal(ours, theirs), name
             compared[kind] += 1
     assert compared["fp8"] >= 8 and compared["mxfp4"] == 4
+
+
+def test_a_multimodal_checkpoints_format_is_its_top_level_quantization_config():
+    """Qwen3.5's multimodal release: the language model's keys in text_config, the format at the top (where
+    transformers reads it); a format in text_config alone is not the checkpoint's."""
+    text = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 512}
+    top = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+    assert ModelConfig.from_hf_config({**top, "quantization_config": FP8}).weights_stored == "fp8_e4m3_128x128"
+    assert ModelConfig.from_hf_config({**top, "text_config": {**text, "quantization_config": FP8}}).weights_stored \
+        is None
+    with pytest.raises(ConfigError, match=r"^config.json: quantization_config.quant_method='awq': not a quantized"):
+        ModelConfig.from_hf_config({**top, "quantization_config": {"quant_method": "awq"}})

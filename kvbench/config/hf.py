@@ -170,7 +170,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
                           f"(accepted: {', '.join(HF_ARCHITECTURES)})")
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
-    # the language model of a multimodal checkpoint, its keys named where they are; its head's tying is the top's
+    # a multimodal checkpoint's language model, its keys named where they are; its tying and weights' format the top's
     top = {"architectures": archs, **{k: cfg.get(k) for k in ("tie_word_embeddings", "quantization_config")}}
     try:
         return _text_fields({**_get(cfg, "text_config", "object", _REQUIRED), **top}, arch, where, max_seq_len,
