@@ -30,7 +30,7 @@ from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
-from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors, read_headers
+from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write, path_problem
 from kvbench.layouts.attention import MODULES
@@ -39,6 +39,7 @@ from kvbench.layouts.build import build_layouts
 from kvbench.layouts.gated_deltanet_attention import unfuse
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
+from kvbench.quant_weights import read_dequantized_headers
 from kvbench.rope import rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"
@@ -303,7 +304,7 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any],
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
     stored: Dict[str, StoredTensor] = {}
     fused: Dict[tuple, list] = {}
-    for name, tensor in read_headers(directory).items():
+    for name, tensor in read_dequantized_headers(directory, hf).items():  # a quantized weight: its dequantized header
         full = "model." + name[len(prefix):] if prefix and name.startswith(prefix) else name
         if full.startswith(unread):
             continue

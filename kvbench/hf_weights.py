@@ -17,7 +17,7 @@ import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,8 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 16 * 2**20
 # safetensors' names of floating-point dtypes (its header's "dtype")
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# a quantized weight's header once folded with its scales (kvbench.quant_weights): float values when read
+DEQUANTISED_DTYPES = ("MXFP4", "NVFP4")
 _SHARD = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 
 
@@ -47,7 +49,17 @@ class StoredTensor:
 
     @property
     def is_floating_point(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
+        return self.dtype in FLOAT_DTYPES + DEQUANTISED_DTYPES
+
+
+@dataclass(frozen=True)
+class Derived(StoredTensor):
+    """A tensor ``build`` makes from the stored ``parts`` once they are read (a quantized weight and its
+    scales, :mod:`kvbench.quant_weights`); its header fields are the result's, its ``name`` the file's
+    weight, so that a refusal names what the file holds."""
+
+    parts: Tuple[StoredTensor, ...] = ()
+    build: Callable[[List[torch.Tensor]], torch.Tensor] = lambda ts: ts[0]
 
 
 def reading(path: Path | str, what: str, read: Callable[[], Any]) -> Any:
@@ -160,11 +172,15 @@ def read_headers(directory: Path | str) -> Dict[str, StoredTensor]:
 
 def load_tensors(stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:
     """The tensors ``stored`` describes (any key -> its header entry), read from their files,
-    by the same keys; keys of one entry (a tied weight) get the same tensor, read once."""
+    by the same keys; keys of one entry (a tied weight) get the same tensor, read once. A
+    :class:`Derived` entry is built from its parts, each read as any other."""
     from safetensors import safe_open
 
+    def leaves(tensor: StoredTensor) -> List[StoredTensor]:
+        return [leaf for part in tensor.parts for leaf in leaves(part)] if isinstance(tensor, Derived) else [tensor]
+
     by_file: Dict[Path, set] = {}
-    for tensor in stored.values():
+    for tensor in (leaf for t in stored.values() for leaf in leaves(t)):
         by_file.setdefault(tensor.file, set()).add(tensor.name)
     read: Dict[tuple, torch.Tensor] = {}
     for f, names in by_file.items():
@@ -172,7 +188,15 @@ def load_tensors(stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:
             with safe_open(str(f), framework="pt") as handle:
                 return {name: handle.get_tensor(name) for name in sorted(names)}
         read.update({(f, name): t for name, t in reading(f, "safetensors file", tensors).items()})
-    return {key: read[(tensor.file, tensor.name)] for key, tensor in stored.items()}
+    built: Dict[int, torch.Tensor] = {}
+
+    def value(tensor: StoredTensor) -> torch.Tensor:
+        if not isinstance(tensor, Derived):
+            return read[(tensor.file, tensor.name)]
+        if id(tensor) not in built:  # a tied weight's entry is built once
+            built[id(tensor)] = tensor.build([value(part) for part in tensor.parts])
+        return built[id(tensor)]
+    return {key: value(tensor) for key, tensor in stored.items()}
 
 
 def load_finite_tensors(directory: Path, stored: Mapping[str, StoredTensor]) -> Dict[str, torch.Tensor]:

@@ -232,7 +232,9 @@ HF_DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 16, "
      "rope_parameters.rope_type='longrope': not supported (accepted: default, linear, llama3, yarn)"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}},
      "rope_parameters.truncate='no': must be true or false"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config={'quant_method': 'fp8'}: quantized"),
+    # FP8 blocks, MXFP4 and NVFP4 are dequantized on load (tests/test_quant_weights.py); another format is refused
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config.quant_method='gptq': not a quantized checkpoint format kvbench reads"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic': not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor: missing"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "rope_scaling.factor=0.5: must be >= 1"),

@@ -3,7 +3,7 @@ about the decoder's shape.
 
 :func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
 turns its contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder
-does not model (another architecture, multimodal, quantized weights, other rope types) in one line
+does not model (another architecture, multimodal, other rope types) in one line
 naming the key; a mixture of experts becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the
 model's own window pattern (``preset_window``, ``preset_layer_types``). Each value is checked against
 its JSON type where it is read (:func:`_get`): OmegaConf, which types the fields afterwards, would
@@ -19,6 +19,7 @@ from kvbench.config.errors import ConfigError
 from kvbench.config.hf_agree import LINEAR, check_agreement
 from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
 from kvbench.config.moe import EXPERTS_KEY, check_moe
+from kvbench.config.quant import weights_stored
 from kvbench.jsonio import read_json
 
 CONFIG_FILE = "config.json"
@@ -169,8 +170,8 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
                           f"(accepted: {', '.join(HF_ARCHITECTURES)})")
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
-    # the language model of a multimodal checkpoint, its keys named where they are; its head's tying is the top's
-    top = {"architectures": archs, "tie_word_embeddings": cfg.get("tie_word_embeddings")}
+    # a multimodal checkpoint's language model, its keys named where they are; its tying and weights' format the top's
+    top = {"architectures": archs, **{k: cfg.get(k) for k in ("tie_word_embeddings", "quantization_config")}}
     try:
         return _text_fields({**_get(cfg, "text_config", "object", _REQUIRED), **top}, arch, where, max_seq_len,
                             "text_config.")
@@ -190,7 +191,6 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
         "vision_config": "multimodal checkpoints are not supported",
         "num_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
         "num_local_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
-        "quantization_config": "quantized checkpoints (fp8 blocks, MXFP4 experts) are not read; use a bf16/fp32 copy",
     }
     if arch in ATTENTION_BIAS:  # on q, k, v and o alike (GPT-OSS: unless set false); GPT-OSS: sinks in every layer
         bias = _get(cfg, "attention_bias", "bool", arch == "GptOssForCausalLM")
@@ -225,7 +225,7 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
         ffn_dim=_get(cfg, ffn, "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions, norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches,
         **_hf_rope(cfg, positions, hybrid, keys), **_hf_window(cfg, hybrid, arch, keys))
-    shape.update(mla)
+    shape.update(mla, weights_stored=weights_stored(cfg))  # FP8 blocks, MXFP4, NVFP4: dequantized on load
     keys.update(mla_keys)
     shape.update(_hf_moe(cfg, arch, layers))
     shape.update(_hf_hybrid(cfg, keys) if hybrid else {})

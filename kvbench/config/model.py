@@ -20,6 +20,7 @@ from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
+from kvbench.config.quant import check_weights_stored
 from kvbench.jsonio import path_problem
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
@@ -53,10 +54,9 @@ class ModelConfig:
     vocab_size: int = 256
     max_seq_len: int = 256
     rope_theta: float = 10000.0
-    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3
-    # (Llama 3.1+) divides those with wavelengths above rope_original_max_seq_len /
-    # rope_low_freq_factor, keeps those below rope_original_max_seq_len / rope_high_freq_factor,
-    # and interpolates between.
+    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3 (Llama 3.1+) divides
+    # those with wavelengths above rope_original_max_seq_len / rope_low_freq_factor, keeps those below
+    # rope_original_max_seq_len / rope_high_freq_factor, and interpolates between.
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -87,8 +87,7 @@ class ModelConfig:
     linear_value_head_dim: Optional[int] = None  # d_v (null: head_dim / 2)
     linear_conv_kernel_dim: Optional[int] = None  # taps of the causal short convolution over q, k, v (null: 4)
     path: Optional[str] = None  # a local checkpoint dir (HF_ARCHITECTURES): its config.json sets the shape
-    # The model's own sliding window (a checkpoint's or preset's; the run's is attention.window):
-    # W positions for local layers, which layers are local as in AttentionConfig.
+    # The model's own sliding window of W positions (a checkpoint's or preset's; the run's: attention.window)
     preset_window: Optional[int] = None
     preset_global_every: Optional[int] = None
     preset_layer_types: Optional[List[str]] = None
@@ -97,8 +96,8 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
-    # Mixture-of-experts MLPs (kvbench.config.moe); null: every layer's MLP is the dense SwiGLU of ffn_dim.
-    moe: Optional[MoEShape] = None
+    moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: the dense SwiGLU of ffn_dim
+    weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
 
     def __post_init__(self) -> None:
         if self.path:
@@ -116,6 +115,7 @@ class ModelConfig:
         check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
         self._check_rope_scaling()
         check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        check_weights_stored(self.weights_stored)
         if self.head_dim is None:
             check(self.d_model % self.num_heads == 0, "model.d_model", self.d_model,
                    f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")

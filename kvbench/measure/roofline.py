@@ -24,6 +24,7 @@ from kvbench.jsonio import read_json, write_json_atomic
 from kvbench.measure.timing import sync
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.mlp.experts import Experts
+from kvbench.quant_weights import expert_stored_bytes, module_stored_bytes
 
 CACHE_FILE = Path(os.environ.get("KVBENCH_CACHE_DIR", Path.home() / ".cache" / "kvbench")) / "bandwidth.json"
 # No device multiplies float32 matrices at 10 PFLOP/s (B200's TF32 tensor cores: about 2.2 dense).
@@ -32,11 +33,13 @@ MAX_GFLOPS = 1e7
 ROOFLINE_METRICS: Dict[str, Metric] = metric_table(
     Metric("bytes_read_per_step", "bytes",
            "weights read by a decode step (all but the embedding table, of which B rows; of a mixture of experts only "
-           "the experts the router chose: routed_expert_bytes_per_step) + K/V read at the mean context length of the "
-           "decode steps"),
+           "the experts the router chose: routed_expert_bytes_per_step), as the checkpoint stores them "
+           "(model.weights_stored: FP8 a byte per weight + block scales, MXFP4/NVFP4 half a byte + scales; kvbench "
+           "dequantizes on load and reads a compute-dtype copy, which it does not count) + K/V read at the mean "
+           "context length of the decode steps"),
     Metric("routed_expert_bytes_per_step", "bytes",
            "mixture-of-experts models: the weights of the distinct experts each timed decode step's router chose, "
-           "summed over the MoE layers (distinct experts x bytes per expert), mean over the steps"),
+           "summed over the MoE layers (distinct experts x bytes per expert as stored), mean over the steps"),
     Metric("kv_bytes_read_per_step", "bytes", "K/V read by one decode step at the mean context length, as stored "
                               "(cache.dtype int8/float8: codes + scales, what a fused kernel reads; kvbench "
                               "dequantizes into a compute-dtype copy first, which it does not count)"),
@@ -76,22 +79,34 @@ def decode_bytes_read(model, batch_size: int, context_len: float, cache_dtype: s
     """(total, kv) bytes one decode step reads with ``context_len`` positions in the cache.
 
     Every weight matrix is streamed once per step; the embedding is a lookup of B rows. Of a
-    mixture of experts only the experts the router chose are read (``routed_bytes``, from
-    kvbench.mlp.experts.record_routing); without it, the most a step can read (min(E, B x k)).
+    mixture of experts only the experts the router chose are read (``routed_bytes``, as stored:
+    :func:`stored_routed_bytes` of kvbench.mlp.experts.record_routing's); without it, the most a
+    step can read (min(E, B x k)).
     """
     cfg = model.config
     element = model.dtype.itemsize
     embed = model.embed.weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    stored = cfg.weights_stored  # a quantized checkpoint's weights count as its files hold them
+    weights = module_stored_bytes(model, stored)
     weights += -embed.numel() * embed.element_size() + batch_size * cfg.d_model * element
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if experts:
+        per_expert = {m: expert_stored_bytes(m, stored) for m in experts}
         if routed_bytes is None:
-            routed_bytes = sum(min(m.moe.num_experts, batch_size * m.moe.top_k) * m.bytes_per_expert() for m in experts)
-        weights += routed_bytes - sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+            routed_bytes = sum(min(m.moe.num_experts, batch_size * m.moe.top_k) * b for m, b in per_expert.items())
+        weights += routed_bytes - sum(m.moe.num_experts * b for m, b in per_expert.items())
     # each layer reads what it attends at that context, by its layout's own formula (kvbench.layouts)
     kv = model.layouts.read_bytes(context_len, batch_size, element, cache_dtype)
     return weights + kv, kv
+
+
+def stored_routed_bytes(model, routed_bytes: Optional[float]) -> Optional[float]:
+    """``routed_bytes`` (record_routing's, each expert in the compute dtype) as the checkpoint stores
+    those experts (``model.weights_stored``); every MoE layer's experts are alike."""
+    experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+    if routed_bytes is None or experts is None:
+        return routed_bytes
+    return routed_bytes * expert_stored_bytes(experts, model.config.weights_stored) / experts.bytes_per_expert()
 
 
 def decode_flops(model, batch_size: int, context_len: float) -> float:
@@ -199,6 +214,7 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
     fixed-shape step reads its whole context bucket)."""
     # Step i (0-based) attends prompt_len + i + 1 positions; the mean over the run:
     context = prompt_len + (gen_len + 1) / 2 if kv_positions is None else kv_positions
+    routed_bytes = stored_routed_bytes(model, routed_bytes)
     total, kv = decode_bytes_read(model, batch_size, context, cache_dtype, routed_bytes)
     flops = decode_flops(model, batch_size, context)
     memory_ms, compute_ms = total / (peak_gb_per_s * 1e9) * 1e3, flops / (peak_gflops * 1e9) * 1e3

@@ -117,7 +117,7 @@ LOWER_UNITS = ("ms", "mJ", "mJ/token", "µs per 1,000 positions", "µs per 1,000
                "nats/token", "bits/byte")
 HIGHER_UNITS = ("tokens/s", "sequences")
 # Bytes a job is given or reads off the machine, not bytes it holds: no direction.
-_GIVEN_BYTES = ("weight_bytes", "weight_bytes_measured", "memory_budget_bytes", "corpus_bytes",
+_GIVEN_BYTES = ("weight_bytes", "weight_bytes_measured", "weight_bytes_stored", "memory_budget_bytes", "corpus_bytes",
                 "nvml_device_used_bytes", "bytes_read_per_step")
 _LOWER_IS_BETTER = ("perplexity", "ppl_before_uptrain")  # unit "ratio": a ratio has no direction of its own
 

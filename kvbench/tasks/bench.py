@@ -10,12 +10,11 @@ import torch
 from kvbench.checkpoint import kv_conversion
 from kvbench.config.bench import BenchConfig
 from kvbench.config.serving import ServingWorkload
-from kvbench.measure.memory import weight_bytes
 from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.results import RunResult
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
 from kvbench.workloads import conversations, decode, multiturn, serving
 
 # Each workload's config is kvbench.config.workload.WORKLOADS.
@@ -34,8 +33,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     # serving: its requests and KV budget, checked before the model is built or progress shown
     requests = serving.check_requests(cfg) if isinstance(cfg.workload, ServingWorkload) else None
     model = build_model(cfg, device)
-    result.metrics["weight_bytes"] = weight_bytes(model)
-    result.metrics["num_params"] = model.num_params()
+    result.metrics.update(weight_metrics(model))
     if cfg.model.path:
         result.metrics["kv_heads_conversion"] = (kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
                                                  if model.layouts.converts_kv_heads() else "none")

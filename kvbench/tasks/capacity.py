@@ -33,6 +33,7 @@ from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.progress import Progress
 from kvbench.quality.fidelity import KV_POOL_METHODS, KV_POOL_METRICS, kv_pool_fidelity
+from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
 from kvbench.tasks.capacity_search import (
     SEARCH_LIMIT,
@@ -48,7 +49,7 @@ from kvbench.tasks.capacity_search import (
     state_bytes_per_sequence,
     violations,
 )
-from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label
+from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
@@ -99,8 +100,9 @@ METRICS: Dict[str, Metric] = metric_table(
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
                        "(weights + KV formula + activation_fixed_bytes + activation_bytes_per_sequence per "
                        "sequence, from the calibration probes at batches 1 and 4; memory only), "
-                       "formula_max_batch (weights + KV formula alone), kv_bytes_per_sequence (KV formula of one "
-                       "more sequence; with cache.shared the system prompt's, held once, is not in it), "
+                       "formula_max_batch (weights + KV formula alone; formula_max_batch_stored, a quantized "
+                       "checkpoint's: its weights as stored, weight_bytes_stored), kv_bytes_per_sequence (KV "
+                       "formula of one more sequence; with cache.shared the system prompt's, held once, is not in it), "
                        "activation_fixed_bytes and "
                        "activation_bytes_per_sequence (bytes), decode_ms_p50_batch1, the probe at max_batch: "
                        "peak_bytes (measured) next to predicted_bytes, ttft_ms, tpot_ms, tpot_paired_ms, "
@@ -229,6 +231,8 @@ class Prober:
         self.cfg, self.model, self.device = cfg, model, device
         self.budget, self.baseline = budget, baseline
         self.weights = weight_bytes(model)
+        stored = cfg.model.weights_stored
+        self.weights_stored = checkpoint_bytes(model, stored) if stored else None
         self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
         self.latency = chat_latency if cfg.workload.name == "multiturn" else decode_latency
 
@@ -362,6 +366,9 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
                            else f"{failed.bound} (predicted, not run)"),
             "predicted_max_batch": predicted,
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
+            # a quantized checkpoint's weights as an engine reading them holds them, not kvbench's dequantized copy
+            **({"formula_max_batch_stored": formula_max_batch(cfg, context, budget, prober.weights_stored)}
+               if prober.weights_stored is not None else {}),
             "probes": len(search.probes),
             "kv_bytes_per_sequence": kv_bytes(cfg, context, 2) - kv_bytes(cfg, context, 1),
             "activation_fixed_bytes": prober.activation[context][0],
@@ -385,8 +392,7 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     result.methods.update(JOB_METHODS)
     baseline = baseline_bytes(device)
     model = build_model(cfg, device)
-    result.metrics["weight_bytes"] = weight_bytes(model)
-    result.metrics["num_params"] = model.num_params()
+    result.metrics.update(weight_metrics(model))
     label = f"capacity {job_variant_label(cfg)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"

@@ -12,9 +12,10 @@ from kvbench.config.bench import TASKS, BenchConfig
 from kvbench.config.layer_pattern import job_variant_label, variant_label  # noqa: F401 (re-exported)
 from kvbench.config.model import kv_layout_change
 from kvbench.layouts.build import build_layouts
-from kvbench.measure.memory import MEMORY_METRICS
+from kvbench.measure.memory import MEMORY_METRICS, weight_bytes
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
+from kvbench.quant_weights import checkpoint_bytes
 
 JOB_METRICS: Dict[str, Metric] = metric_table(
     Metric("peak_rss_reason", "text",
@@ -22,6 +23,10 @@ JOB_METRICS: Dict[str, Metric] = metric_table(
                        "in the same process, whose peak would count as this job's)"),
     Metric("weight_bytes", "bytes", "parameters and persistent buffers (numel * element_size), tied tensors once"),
     Metric("num_params", "count", "parameters of the decoder, tied tensors once"),
+    Metric("weight_bytes_stored", "bytes", "model.weights_stored only: weight_bytes as the checkpoint stores them (FP8 "
+                                           "a byte per weight + block scales, MXFP4/NVFP4 half a byte + scales), what "
+                                           "an engine reading that format holds; kvbench holds the dequantized "
+                                           "weight_bytes"),
     Metric("timing_method", "text", "cuda_events (synchronised once after the trial) on CUDA, perf_counter on CPU"),
     Metric("kv_heads_conversion", "text", "model.path only: none | repeat | mean-pool, how the checkpoint's KV heads "
                            "(model.preset_kv_heads) were brought to attention.num_kv_heads (repeat is exact)"),
@@ -57,3 +62,11 @@ def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
     if cfg.model.path and cfg.model.preset_mla is None and build_layouts(cfg.model, cfg.attention).converts_kv_heads():
         method = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
     return kv_layout_change(cfg.model, cfg.attention, method)
+
+
+def weight_metrics(model: Decoder) -> Dict[str, Any]:
+    """What a job records of its model's weights: weight_bytes, num_params, and for a quantized checkpoint
+    (model.weights_stored) weight_bytes_stored."""
+    stored = model.config.weights_stored
+    return {"weight_bytes": weight_bytes(model), "num_params": model.num_params(),
+            **({"weight_bytes_stored": checkpoint_bytes(model, stored)} if stored else {})}

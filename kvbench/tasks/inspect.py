@@ -12,6 +12,8 @@ import math
 import textwrap
 from typing import List, Optional
 
+import torch
+
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES, QUANTIZED_DTYPES
 from kvbench.config.layer_pattern import job_variant_label
@@ -19,6 +21,8 @@ from kvbench.config.model import kv_layout_change
 from kvbench.footprint import ParameterCounts, parameter_counts
 from kvbench.layouts.base import Layouts, bytes_cell
 from kvbench.layouts.build import build_layouts
+from kvbench.model import Decoder
+from kvbench.quant_weights import describe_stored, module_stored_bytes
 from kvbench.units import human_bytes
 
 
@@ -96,6 +100,7 @@ def describe(cfg: BenchConfig, width: Optional[int] = None) -> str:
         _layout_line(cfg, layers),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
         *_moe_lines(cfg, counts),
+        *_stored_lines(cfg),
         *layout[1:],
     ]
     lines = _wrapped(lines, width)
@@ -145,6 +150,20 @@ def _moe_lines(cfg: BenchConfig, counts: ParameterCounts) -> List[str]:
             f"active parameters per token: {active:,} without the embedding table (a token reads one row of it), "
             f"{active + counts.embedding:,} with it ({sizes} without); a decode step reads the experts its batch "
             f"routes to: at most min({m.moe.num_experts}, batch x {m.moe.top_k}) per layer"]
+
+
+def _stored_lines(cfg: BenchConfig) -> List[str]:
+    """What a quantized checkpoint's files weigh (model.weights_stored), its other tensors in bfloat16 as
+    published; none for a model stored in the compute dtype."""
+    m = cfg.model
+    if m.weights_stored is None:
+        return []
+    with torch.device("meta"):  # shapes only: nothing allocated
+        decoder = Decoder(m, cfg.attention)
+    stored, bf16 = module_stored_bytes(decoder, m.weights_stored, 2), module_stored_bytes(decoder, None, 2)
+    return [f"weights as published (model.weights_stored={m.weights_stored}): {human_bytes(stored)} "
+            f"({describe_stored(m.weights_stored)}; the rest in bfloat16), against {human_bytes(bf16)} in bfloat16; "
+            f"kvbench dequantizes them on load to runtime.dtype={cfg.runtime.dtype}"]
 
 
 def _kind_lines(layers: Layouts, seq_len: int, batch_size: int, size: int, width: Optional[int] = None) -> List[str]:
