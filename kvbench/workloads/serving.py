@@ -42,6 +42,11 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_bytes_per_token", "bytes", "the KV formula's bytes for one token of one sequence, all layers "
                                           "(the layer layouts' formula at seq_len 1)"),
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
+    Metric("kv_block_tokens", "tokens", "positions per block of the store: cache.block_size, or, under "
+           "workload.allocator=unified on a model that keeps a state, raised until one layer's block fills a page as "
+           "large as one layer's state, as vLLM raises the attention block to the Mamba page (528 tokens for "
+           "Qwen3.5); a prefix is cached in whole blocks, so a raised block caches less of a shared prefix "
+           "shorter than it (prefix_hit_rate)"),
     Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
                                               "x block_size positions of its layers, each state page x the states "
                                               "of the recurrent layers; with workload.allocator=unified, its one "
@@ -254,7 +259,8 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, store.plan.groups)
     metrics.update(kv_budget_bytes=int(budget),
                    kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.storage_bytes,
-                   kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator)
+                   kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator,
+                   kv_block_tokens=store.plan.block_size)
     metrics.update(sequence_capacity(store.plan, model.layouts, model.dtype.itemsize,
                                      cfg.cache.dtype, plan.requests, budget))
     del store

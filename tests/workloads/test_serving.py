@@ -199,6 +199,22 @@ def test_a_hybrids_unified_pool_allocates_what_it_reserves(tmp_path):
     assert m["requests_finished"] == 10
 
 
+def test_a_state_raises_the_unified_block_and_the_record_shows_what_prefix_caching_loses(tmp_path):
+    """A Gated DeltaNet + MQA hybrid whose requests share a 32-token system prompt: per_kind pages attention
+    in blocks of cache.block_size=16 and caches the prefix's 2 whole blocks; unified raises the block to the
+    first multiple of 16 whose page holds a layer's state (vLLM's rule), longer than the prefix, so no
+    request finds it cached. The record says both: the block each used and the hit rate it gave."""
+    hybrid = [*SMALL, "workload.kv_budget_mb=1", "workload.prefix_len=32", "workload.rate=1000", "attention=mqa",
+              "attention.layer_types=[linear_attention,full_attention]"]
+    m = {a: run_job(compose(*hybrid, f"workload.allocator={a}"), tmp_path / a).metrics for a in ("per_kind", "unified")}
+    # tiny's Gated DeltaNet layer: 16 value heads' 4 x 4 float32 state + 3 conv taps of 2 x 8 x 4 + 16 x 4 channels
+    layer_state = 16 * 4 * 4 * 4 + 3 * (2 * 8 * 4 + 16 * 4) * 4
+    per_position = 2 * 1 * 8 * 4  # the MQA layer's K and V, one head of 8, float32
+    raised = -(-layer_state // (16 * per_position)) * 16
+    assert m["per_kind"]["kv_block_tokens"] == 16 and m["unified"]["kv_block_tokens"] == raised == 48
+    assert m["per_kind"]["prefix_hit_rate"] > 0 == m["unified"]["prefix_hit_tokens"]
+
+
 @pytest.mark.parametrize("ttft_ms, probes", [(1e6, [50.0, 100.0, 200.0]), (1e-6, [50.0])])
 def test_a_rate_search_records_its_curve_and_the_run_at_its_answer(tmp_path, ttft_ms, probes):
     """Targets nothing can miss (the SLO never binds: every rate up to hi measured, the answer at
