@@ -44,6 +44,23 @@ def prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 0) -> to
     return model(prompt, cache, start_pos, last_only=True)[:, -1]
 
 
+def chunked_prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 0,
+                    tokens: Optional[int] = None) -> torch.Tensor:
+    """:func:`prefill` of ``prompt`` (B, P) in forwards of at most ``tokens`` prompt tokens over the
+    batch (``max(1, tokens // B)`` positions of every sequence each), so that its working set is
+    bounded by the chunk, not by B x P; the last position's logits (B, V). None, or a cache that keeps
+    no history: one forward."""
+    B, P = prompt.shape
+    if tokens is None or not cache.stores_history:
+        return prefill(model, prompt, cache, start_pos)
+    if tokens < 1:
+        raise ValueError(f"prefill chunk of {tokens} tokens: must be >= 1")
+    step = max(1, tokens // B)
+    for i in range(0, P, step):
+        logits = prefill(model, prompt[:, i:i + step], cache, start_pos + i)
+    return logits
+
+
 def decode_step(model, token: torch.Tensor, cache: Cache, pos: int) -> torch.Tensor:
     """One new token (B, 1) at position ``pos`` against the cached keys; its logits (B, V)."""
     return model(token, cache, pos)[:, -1]
@@ -108,18 +125,19 @@ class FixedShapeStep:
 @torch.inference_mode()
 def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: Cache,
                     timer=None, keep_logits: bool = False, start_pos: int = 0,
-                    step=decode_step) -> Generation:
+                    step=decode_step, prefill_tokens: Optional[int] = None) -> Generation:
     """Prefill ``prompt`` (B, P), then ``gen_len`` decode steps, each feeding the previous token.
 
     ``start_pos``: where the prompt starts when the cache holds earlier positions (a later chat
     turn). With cache ``none`` every step re-runs the whole sequence, as a server without a KV
-    cache would.
+    cache would. ``prefill_tokens``: at most this many prompt tokens per forward over the batch
+    (:func:`chunked_prefill`), as an engine bounds a prefill's working set; None: one forward.
     """
     B, P = prompt.shape
     if start_pos and not cache.stores_history:
         raise ValueError(f"cache.impl={cache.impl!r} keeps no history: start_pos must be 0, got {start_pos}")
     with _region(timer, "prefill"):
-        logits = prefill(model, prompt, cache, start_pos)  # (B, V)
+        logits = chunked_prefill(model, prompt, cache, start_pos, prefill_tokens)  # (B, V)
         token = logits.argmax(-1, keepdim=True)  # (B, 1)
     tokens, kept = [token], [logits.float()] if keep_logits else None
     seq = prompt

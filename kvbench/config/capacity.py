@@ -49,12 +49,19 @@ class CapacityConfig:
     batch_step: int = 1
     # slo.tpot_x_batch1: decode steps of a probe timed one by one against as many of one sequence
     tpot_pairs: int = 32
+    # A probe's prompts are prefilled in forwards of at most this many tokens over the batch
+    # (max(1, prefill_chunk // batch) positions of each), as an engine's chunked prefill bounds its
+    # working set (vLLM's max_num_batched_tokens; workload=serving's max_prefill_tokens); null: the whole
+    # batch's prompts in one forward, whose working memory grows with batch x context.
+    prefill_chunk: Optional[int] = 512
 
     def __post_init__(self) -> None:
         check_numbers("capacity", self)
         check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
                "capacity.context_lens", self.context_lens, "must be a non-empty list of lengths >= 1")
         check_positive("capacity", self, ("max_batch", "batch_step", "tpot_pairs"))
+        check(self.prefill_chunk is None or (isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1),
+              "capacity.prefill_chunk", self.prefill_chunk, "must be an integer >= 1 (tokens per forward) or null")
 
 
 def check_capacity_run(cfg: Any) -> None:

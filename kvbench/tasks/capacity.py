@@ -198,12 +198,15 @@ class Latency:
 
 
 def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
-    """``batch`` prompts of ``context`` seeded tokens, prefilled and decoded ``workload.gen_len`` steps."""
+    """``batch`` prompts of ``context`` seeded tokens, prefilled in forwards of at most
+    ``capacity.prefill_chunk`` tokens over the batch (an engine's chunked prefill: its working set
+    bounded by the chunk, not by batch x context), then decoded ``workload.gen_len`` steps."""
     rt = cfg.runtime
     generator = torch.Generator().manual_seed(rt.seed)
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
     cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
-    timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device)
+    timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device,
+                          prefill_tokens=cfg.capacity.prefill_chunk)
     stepper = Stepper(model, cache, context, cache.length) if cache.stores_history and cache.length > context else None
     return Latency(timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
                    summarize_decode(timings, batch)["tokens_per_s"], stepper)

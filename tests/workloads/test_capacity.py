@@ -219,6 +219,40 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     assert result.metrics["probes_run"] == 0
 
 
+@pytest.mark.parametrize("chunk, batch, positions", [(512, 4, [24]), (8, 4, [2] * 12), (5, 4, [1] * 24),
+                                                     (None, 4, [24])])
+def test_a_probe_prefills_in_forwards_of_capacity_prefill_chunk_tokens(monkeypatch, chunk, batch, positions):
+    """capacity.prefill_chunk bounds the tokens of a prefill forward over the batch (max(1, chunk // B)
+    positions of each sequence per forward), as an engine's chunked prefill does; null: one forward of
+    every prompt. The tokens decoded are those of one forward."""
+    from kvbench.cache import cache_for
+    from kvbench.generate import greedy_generate
+    from kvbench.tasks.common import build_model
+
+    cfg = config("model=tiny", "attention.layer_types=[linear_attention,full_attention]", "workload.gen_len=2",
+                 "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64",
+                 "capacity.prefill_chunk=" + ("null" if chunk is None else str(chunk)))
+    model = build_model(cfg, torch.device("cpu"))
+    seen, forward = [], type(model).forward
+
+    def counting(self, tokens, *args, **kwargs):
+        seen.append(tokens.shape[1])
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    latency = capacity.decode_latency(cfg, model, torch.device("cpu"), 24, batch)
+    assert seen[:len(positions)] == positions and seen[len(positions):] == [1, 1]  # then 2 decode steps
+    assert all(p * batch <= (chunk or p * batch) or p == 1 for p in seen)
+    monkeypatch.setattr(type(model), "forward", forward)
+    gen = torch.Generator().manual_seed(cfg.runtime.seed)
+    prompt = torch.randint(0, cfg.model.vocab_size, (batch, 24), generator=gen)
+    whole = greedy_generate(model, prompt, 2, cache_for(model, "static", batch, 26))
+    stepped = latency.stepper
+    assert stepped.cache.length == 26
+    chunked = greedy_generate(model, prompt, 2, cache_for(model, "static", batch, 26), prefill_tokens=chunk)
+    assert torch.equal(chunked.tokens, whole.tokens)
+
+
 @pytest.mark.cuda
 def test_a_real_cuda_oom_is_a_probe_and_the_search_backs_off():
     # a budget of the whole device and batches far past it: the probes that run out of memory are
