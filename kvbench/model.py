@@ -33,18 +33,22 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: the layer's attention, then its MLP."""
+    """Pre-norm residual block: the layer's attention, then its MLP (none in ``model.no_mlp_layers``:
+    a checkpoint whose layers are one mixer each, as Nemotron-H's, runs a mixer directly followed by
+    another as a block without one)."""
 
     def __init__(self, cfg: ModelConfig, layout: LayerLayout, index: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
-        self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
+        self.mlp_norm = self.mlp = None
+        if index not in (cfg.no_mlp_layers or ()):
+            self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
+            self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
 
     def forward(self, x, cos, sin, cache, pos):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
-        return x + self.mlp(self.mlp_norm(x))
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(nn.Module):

@@ -22,10 +22,10 @@ from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 from kvbench.jsonio import path_problem
 
-# The attention layouts, in the order every table, plot and report lists them: the three KV-head
-# counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
+# The attention layouts, in the order every table, plot and report lists them: the three KV-head counts,
+# then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
-MLA_DECODE_FORMS = ("absorbed", "expanded")
+MLA_DECODE_FORMS, MLP_ACTS = ("absorbed", "expanded"), ("silu", "relu2")
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -39,9 +39,8 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
 
 @dataclass
 class ModelConfig:
-    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head
-    count, used by ``attention=gqa`` when no count is given; the one count a run uses is
-    ``attention.num_kv_heads``."""
+    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head count, used
+    by ``attention=gqa`` when no count is given; the one count a run uses is ``attention.num_kv_heads``."""
 
     name: str = "custom"
     num_layers: int = 2
@@ -53,11 +52,10 @@ class ModelConfig:
     vocab_size: int = 256
     max_seq_len: int = 256
     rope_theta: float = 10000.0
-    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3
-    # (Llama 3.1+) divides those with wavelengths above rope_original_max_seq_len /
-    # rope_low_freq_factor, keeps those below rope_original_max_seq_len / rope_high_freq_factor,
-    # and interpolates between.
-    rope_type: str = "default"
+    # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3 (Llama 3.1+) divides
+    # those with wavelengths above rope_original_max_seq_len / rope_low_freq_factor, keeps those below
+    # rope_original_max_seq_len / rope_high_freq_factor, and interpolates between.
+    rope_type: str = "default"  # none: no rotary embeddings (NoPE: Nemotron-H's and Granite 4's attention)
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -99,6 +97,9 @@ class ModelConfig:
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
     # Mixture-of-experts MLPs (kvbench.config.moe); null: every layer's MLP is the dense SwiGLU of ffn_dim.
     moe: Optional[MoEShape] = None
+    mlp_act: str = "silu"  # MLP_ACTS: silu, the gated SwiGLU; relu2, relu(up x)^2 ungated (Nemotron-H)
+    no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)
+    layer_shapes: Optional[Dict[str, Any]] = None  # a layer kind's own shape by its name (LayerKind.build reads it)
 
     def __post_init__(self) -> None:
         if self.path:
@@ -107,12 +108,14 @@ class ModelConfig:
             self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
         if isinstance(self.moe, Mapping):
             self.moe = typed(MoEShape, dict(self.moe), "model.moe.")
-        if self.moe is not None:
-            check(max(self.moe.dense_layers, default=0) < self.num_layers, "model.moe.dense_layers",
-                  self.moe.dense_layers, f"must name layers below model.num_layers={self.num_layers}")
+        for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
+                            ("no_mlp_layers", self.no_mlp_layers or ())):
+            check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
+                  f"must name layers below model.num_layers={self.num_layers}")
+        check_choice("model.mlp_act", self.mlp_act, MLP_ACTS)
         check_numbers("model", self)
-        check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
-                                        "vocab_size", "max_seq_len", "preset_kv_heads"))
+        check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                                        "preset_kv_heads"))
         check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
         self._check_rope_scaling()
         check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
@@ -121,7 +124,7 @@ class ModelConfig:
                    f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
             self.head_dim = self.d_model // self.num_heads
         check(self.head_dim >= 1, "model.head_dim", self.head_dim, "must be >= 1")
-        if self.preset_mla is None:  # a latent model's heads rotate preset_mla.qk_rope_head_dim of theirs
+        if self.preset_mla is None and self.rope_type != "none":  # a latent's heads rotate preset_mla.qk_rope_head_dim
             self.check_rotary()
         self._check_linear_shape()
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
@@ -141,7 +144,7 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """The dimensions of a query or key head that rotary embeddings turn (transformers' int())."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        return 0 if self.rope_type == "none" else int(self.head_dim * self.partial_rotary_factor)
 
     def linear_shape(self) -> Dict[str, int]:
         """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields: the
@@ -165,7 +168,7 @@ class ModelConfig:
         latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
         return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
                        preset_global_every=attention.global_every if window else None,
-                       preset_layer_types=types if window or LINEAR in (types or ()) else None,
+                       preset_layer_types=types if window or set(types or ()) - {"full_attention"} else None,
                        **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
 
     def _check_linear_shape(self) -> None:
@@ -173,12 +176,11 @@ class ModelConfig:
         for key, value in shape.items():
             check(value >= 1, f"model.{key}", value, "must be >= 1")
         heads, value_heads = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
-        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads,
-              f"must be a multiple of model.linear_num_key_heads={heads} (each key head serves the same number of "
-              "value heads)")
+        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads, f"must be a multiple of "
+              f"model.linear_num_key_heads={heads} (each key head serves the same number of value heads)")
 
     def _check_rope_scaling(self) -> None:
-        check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
+        check_choice("model.rope_type", self.rope_type, (*ROPE_TYPES, "none"))
         check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
                "must be >= 1 (the factor positions are stretched by)")
         if self.rope_type not in ("llama3", "yarn"):
@@ -208,11 +210,10 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
-        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
-        names the file in errors (every error names it: the file is the user's input), and a bad
-        value by the key the file holds it under (:func:`kvbench.config.hf_keys.in_file_keys`; a
-        value given here, ``max_seq_len`` or ``fields``, by kvbench's). Refuses what the decoder
-        does not model (:func:`kvbench.config.hf.model_fields`); values of the wrong type name their key."""
+        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where`` names the file
+        in errors (every error names it: the file is the user's input), and a bad value by the key the file
+        holds it under (:func:`kvbench.config.hf_keys.in_file_keys`; a value given here, ``max_seq_len`` or
+        ``fields``, by kvbench's). Refuses what the decoder does not model (:func:`~kvbench.config.hf.model_fields`)."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: not a JSON object")
         sources: Dict[str, Source] = {}
@@ -247,17 +248,17 @@ class ModelConfig:
 
 @dataclass
 class AttentionConfig:
-    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name
-    that must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between).
-    ``type=model`` (the default) is the model's own layout (``model.preset_kv_heads``, or its
-    ``preset_mla``): a run that names a model measures that model unless it asks for another.
+    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name that
+    must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between). ``type=model``
+    (the default) is the model's own layout (``model.preset_kv_heads``, or its ``preset_mla``): a run
+    that names a model measures that model unless it asks for another.
 
-    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from
-    one latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``;
-    the cache holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent
-    head of kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the
-    other types; null with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to
-    model.head_dim (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
+    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from one
+    latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``; the cache
+    holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent head of
+    kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the other types; null
+    with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to model.head_dim
+    (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
 
     type: str = MODEL_ATTENTION
     # null: model -> the model's own, mha -> num_heads, mqa -> 1, gqa -> the model's own if it is
@@ -419,18 +420,16 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
     return min(divisors, key=lambda d: (abs(d - h / 4), d))
 
 
-_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)",
+_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)", "random-init": "random weights in the asked layout",
                      "mean-pool": "its K/V heads mean-pooled per group (an approximation of the model)",
-                     "random-init": "random weights drawn in the asked layout",
                      "shape": "the arithmetic of the asked layout, not of the published model"}
 
 
 def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str) -> Optional[Dict[str, Any]]:
     """The record's ``kv_conversion``: null when the run measures the model's own KV-head count
-    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method``
-    says what was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init``
-    a preset's shape drawn with random weights in the asked layout, ``shape`` task=inspect's
-    arithmetic)."""
+    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method`` says what
+    was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init`` a preset's shape
+    drawn with random weights in the asked layout, ``shape`` task=inspect's arithmetic)."""
     if attention.latent or model.preset_mla is not None:  # MLA: a latent, not a KV-head count
         if attention.latent == (model.preset_mla is not None):
             return None
