@@ -33,10 +33,11 @@ from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write, path_problem
-from kvbench.layouts.attention import MODULES
+from kvbench.layouts.attention import module_class
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.gated_deltanet_attention import unfuse
+from kvbench.layouts.registry import hf_renaming
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
@@ -172,7 +173,7 @@ def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
     if match is None:
         return _renamed(name, _MODEL_NAMES)
     i, rest = int(match.group(1)), match.group(2)
-    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    module = module_class(layouts[i]) if i < len(layouts) else None
     if module is not None and rest.startswith(module.HF_MODULE + "."):
         return f"blocks.{i}.attn." + _renamed(rest[len(module.HF_MODULE) + 1:], module.HF_NAMES)
     return f"blocks.{i}." + _renamed(rest, {**MOE_NAMES, **_BLOCK_NAMES})
@@ -186,7 +187,7 @@ def decoder_to_hf_name(name: str, layouts: Sequence[LayerLayout], stacked_expert
     if match is None:
         return _renamed(name, _inverse(_MODEL_NAMES))
     i, rest = int(match.group(1)), match.group(2)
-    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    module = module_class(layouts[i]) if i < len(layouts) else None
     if module is not None and rest.startswith("attn."):
         return f"model.layers.{i}.{module.HF_MODULE}." + _renamed(rest[len("attn."):], _inverse(module.HF_NAMES))
     rest = expert_file_name(rest, stacked_experts) or _renamed(rest, _inverse({**MOE_NAMES, **_BLOCK_NAMES}))
@@ -303,14 +304,15 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any],
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
     stored: Dict[str, StoredTensor] = {}
     fused: Dict[tuple, list] = {}
+    renamed = hf_renaming(hf)  # a kind's home's architecture: its names in Llama's form (None: not read)
     for name, tensor in read_headers(directory).items():
-        full = "model." + name[len(prefix):] if prefix and name.startswith(prefix) else name
-        if full.startswith(unread):
+        full = renamed("model." + name[len(prefix):] if prefix and name.startswith(prefix) else name)
+        if full is None or full.startswith(unread):
             continue
         ours = hf_to_decoder_name(full, layouts)
         match = re.fullmatch(r"blocks\.(\d+)\.attn\.(.+)", ours)
         parts = match and int(match.group(1)) < len(layouts) and getattr(
-            MODULES[type(layouts[int(match.group(1))])], "HF_FUSED", {}).get(match.group(2))
+            module_class(layouts[int(match.group(1))]), "HF_FUSED", {}).get(match.group(2))
         for key in [f"blocks.{match.group(1)}.attn.{p}" for p in parts] if parts else [ours]:
             if key in stored:  # two spellings of one weight
                 raise CheckpointError(f"{directory}: tensors {stored[key].name} and {name} are the same "

@@ -24,7 +24,8 @@ LAYERS = [
     ["layouts.kv_heads", "layouts.recurrent", "config.hf", "config.serving", "config.mla"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed", "layouts.kda",
      "layouts.kv_sharing", "config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
-    ["layouts.build", "layouts.kinds", "config.model", "config.recall", "config.capacity", "config.train",
+    ["layouts.kinds"],  # every kind registered: below whatever asks the registry (config.model imports it)
+    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train",
      "config.record"],
     ["config.workload", "config.compare", "rope", "quant4"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv", "serving.conversation_traces"],

@@ -12,6 +12,7 @@ from kvbench.config.errors import check
 from kvbench.config.hf import LAYER_TYPES, LINEAR
 from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.jsonio import as_int
+from kvbench.layouts.registry import layer_type_names
 
 
 def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None,
@@ -166,8 +167,9 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
         return
     check(global_every is None, f"{prefix}global_every", global_every,
           f"and {prefix}layer_types both say which layers are local; give one")
-    check(all(t in LAYER_TYPES for t in layer_types), f"{prefix}layer_types", layer_types,
-          f"each entry must be one of {', '.join(LAYER_TYPES)}")
+    accepted = tuple(dict.fromkeys((*LAYER_TYPES, *layer_type_names())))  # and every registered kind's
+    check(all(t in accepted for t in layer_types), f"{prefix}layer_types", layer_types,
+          f"each entry must be one of {', '.join(accepted)}")
     check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
           f"must name each of model.num_layers={num_layers} layers")
     check(not window or "sliding_attention" in layer_types, f"{prefix}window", window,

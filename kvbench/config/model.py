@@ -21,6 +21,7 @@ from kvbench.config.layer_pattern import check_window_pattern, check_within_cont
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 from kvbench.jsonio import path_problem
+from kvbench.layouts import kinds  # noqa: F401  (every layer kind registered before a config asks the registry)
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head counts,
 # then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
