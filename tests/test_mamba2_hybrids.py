@@ -1,0 +1,130 @@
+"""Mamba-2 hybrid checkpoints through kvbench's loader (model.path), exact against transformers' own
+classes with random weights: Nemotron-H (NemotronHForCausalLM: one mixer per layer, M Mamba-2,
+* attention without rotary embeddings, - a relu2 MLP) as kvbench's blocks of a mixer and the MLP
+after it. Perplexity within 1e-5 relative (task=eval's record against transformers' logits), 40
+greedy cached decode steps token-equal to generate, the state per sequence against a hand formula
+in task=inspect, and what the reader refuses, in one line naming the key."""
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
+
+from kvbench.cache import cache_for
+from kvbench.checkpoint import load_llama_dir
+from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.generate import greedy_generate
+from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.mamba2 import Mamba2
+
+VOCAB = 256  # the byte corpus of task=eval
+# 9 Nemotron-H layers: mamba + MLP, attention + MLP, mamba alone (a mixer followed by a mixer),
+# mamba + MLP, attention alone, mamba + MLP: six kvbench blocks, two of them without an MLP
+PATTERN = "M-*-MM-*M-"
+NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2,
+                  conv_kernel=4, chunk_size=16, use_bias=True, initializer_range=0.1, max_position_embeddings=512,
+                  hybrid_override_pattern=PATTERN)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallbacks():
+    """transformers logs that mamba_ssm and causal-conv1d are not installed: the torch path it
+    falls back to is the one compared with."""
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def nemotron_h_dir(path, **overrides):
+    """A random NemotronHForCausalLM saved with save_pretrained; (dir, model). Decays slow enough that
+    the state carries across chunks and steps; dt biases, D and the norms off their initial values."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    hf = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_H, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
+            elif name.endswith(("dt_bias", ".D")):
+                p.normal_()
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # every step whatever is drawn
+    return path, hf
+
+
+@torch.no_grad()
+def test_a_nemotron_h_checkpoint_is_transformers_in_logits_and_40_greedy_cached_steps(tmp_path, one_torch_thread):
+    path, hf = nemotron_h_dir(tmp_path)
+    model, _ = load_llama_dir(path)
+    assert [type(layer) for layer in model.layouts] == [Mamba2, KVHeads, Mamba2, Mamba2, KVHeads, Mamba2]
+    assert model.config.no_mlp_layers == [2, 4] and model.layouts.rotary_dim() == 0
+    mamba = model.layouts[0]
+    assert (mamba.mamba_num_heads, mamba.mamba_head_dim, mamba.ssm_state_size, mamba.n_groups) == (8, 8, 16, 2)
+    assert model.num_params() == hf.num_parameters()
+
+    tokens = torch.randint(0, VOCAB, (2, 75), generator=torch.Generator().manual_seed(1))  # 4+ chunks of 16
+    ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.5
+
+    prompt = tokens[:, :21]  # a prompt that is no multiple of the chunk, then 40 cached steps
+    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens  # (2, 41)
+    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
+    assert torch.equal(got, want)
+    assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
+
+
+def test_task_eval_of_a_nemotron_h_checkpoint_is_transformers_perplexity(tmp_path, one_torch_thread):
+    """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
+    relative of transformers' over the same slices of the byte corpus."""
+    from kvbench.quality.train import run_eval
+
+    path, hf = nemotron_h_dir(tmp_path / "ck")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    model = ModelConfig(path=str(path))
+    assert model.preset_layer_types == ["mamba", "full_attention", "mamba", "mamba", "full_attention", "mamba"]
+    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=100, batch_size=2)
+    metrics = run_eval(cfg, torch.device("cpu"))
+    assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
+
+
+@pytest.mark.parametrize("change, line", [
+    ({"hybrid_override_pattern": "-M*"}, "hybrid_override_pattern='-M*': layer 0 is an MLP (-) that follows no "
+     "mixer layer (M or *); a block of an MLP alone is not built"),
+    ({"hybrid_override_pattern": "M--"}, "hybrid_override_pattern='M--': layer 2 is an MLP (-) that follows no "
+     "mixer layer (M or *); a block of an MLP alone is not built"),
+    ({"hybrid_override_pattern": "MX*"}, "hybrid_override_pattern='MX*': must be letters of M*-E"),
+    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act='gelu': not supported in a Nemotron-H MLP (relu2 only)"),
+    ({"mamba_num_heads": "8"}, "mamba_num_heads='8': must be a positive integer"),
+    ({"n_groups": 3}, "n_groups=3: must divide mamba_num_heads=8"),
+])
+def test_a_nemotron_h_config_json_it_cannot_run_is_refused_in_one_line_naming_the_key(tmp_path, change, line):
+    """A hand-edited config.json: refused where it is read, naming the file, the key and the value."""
+    (tmp_path / "config.json").write_text(json.dumps({**NEMOTRON_H, "architectures": ["NemotronHForCausalLM"],
+                                                      **change}))
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(path=str(tmp_path))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"model.path={str(tmp_path)!r}: ") and line in message
+
+
+def test_a_nemotron_h_checkpoint_missing_a_mixer_tensor_is_refused_naming_it(tmp_path):
+    from kvbench.hf_weights import CheckpointError
+
+    path, hf = nemotron_h_dir(tmp_path, hybrid_override_pattern="M-*")
+    state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.0.mixer.A_log"}
+    from safetensors.torch import save_file
+
+    (path / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    edit_config_json(path)
+    with pytest.raises(CheckpointError) as info:
+        load_llama_dir(path)
+    assert "missing" in str(info.value) and "A_log" in str(info.value) and "\n" not in str(info.value)
