@@ -128,3 +128,28 @@ def test_a_nemotron_h_checkpoint_missing_a_mixer_tensor_is_refused_naming_it(tmp
     with pytest.raises(CheckpointError) as info:
         load_llama_dir(path)
     assert "missing" in str(info.value) and "A_log" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("state_dtype, dtype", [("float32", "float32"), ("bfloat16", "float16")])
+def test_task_inspect_of_a_nemotron_h_checkpoint_prints_the_state_per_sequence_by_hand(tmp_path, state_dtype, dtype):
+    """task=inspect with model.path: the mamba layers' state per sequence is, per layer, the SSM state
+    H·P·N in cache.state_dtype plus the convolution's last K − 1 inputs of H·P + 2·G·N channels in the
+    compute dtype, whatever the length; the parameters counted are transformers'."""
+    from conftest import compose
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.tasks.inspect import describe
+
+    path, hf = nemotron_h_dir(tmp_path)
+    job = to_bench_config(compose("model=hf_dir", f"model.path={path}", "task=inspect", "workload.prompt_len=100",
+                                  f"cache.state_dtype={state_dtype}", f"runtime.dtype={dtype}"))
+    H, P, N, G, K = 8, 8, 16, 2, 4
+    bytes_of = {"float32": 4, "bfloat16": 2, "float16": 2}
+    per_layer = H * P * N * bytes_of[state_dtype] + (K - 1) * (H * P + 2 * G * N) * bytes_of[dtype]
+    lines = describe(job).splitlines()
+    row = next(line.split() for line in lines if line.startswith("mamba2 "))
+    assert row[:3] == ["mamba2", "4", "0"]  # 4 mamba layers, no position held
+    assert f"({4 * per_layer:,})" in " ".join(row)
+    state_column = [line for line in lines if line.startswith(f"{dtype} ")][0]
+    assert f"({4 * per_layer:,})" in state_column
+    assert f"{hf.num_parameters():,}" in describe(job)
