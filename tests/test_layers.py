@@ -18,7 +18,7 @@ LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool",
      "hyper_connection", "measure.plausibility"],
-    ["hf_weights", "serving.record", "layouts.base", "layouts.registry", "config.moe",
+    ["hf_weights", "serving.record", "layouts.base", "layouts.registry", "config.moe", "config.multipliers",
      "config.hf_keys", "config.hf_agree",
      "config.indexer", "config.layer_options", "mlp.dense", "mlp.router"],
     ["layouts.kv_heads", "layouts.recurrent", "config.hf", "config.serving", "config.mla"],

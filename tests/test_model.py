@@ -203,6 +203,8 @@ def test_without_rotary_embeddings_attention_does_not_see_absolute_positions():
     ({"mlp_act": "gelu"}, "model.mlp_act='gelu'"),
     ({"no_mlp_layers": [2]}, "model.no_mlp_layers=[2]: must name layers below model.num_layers=2"),
     ({"rope_type": "nope"}, "model.rope_type='nope'"),
+    ({"multipliers": {"logits_scaling": 0.0}}, "model.multipliers.logits_scaling=0.0: must be a finite number > 0"),
+    ({"multipliers": {"attention_multiplier": -1.0}}, "model.multipliers.attention_multiplier=-1.0: must be a finite"),
 ])
 def test_a_block_shape_it_cannot_build_is_refused_naming_the_key(override, needle):
     with pytest.raises(ConfigError) as err:

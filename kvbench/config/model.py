@@ -20,6 +20,7 @@ from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
+from kvbench.config.multipliers import Multipliers
 from kvbench.jsonio import path_problem
 from kvbench.layouts import kinds  # noqa: F401  (every layer kind registered before a config asks the registry)
 
@@ -96,19 +97,20 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
-    # Mixture-of-experts MLPs (kvbench.config.moe); null: every layer's MLP is the dense SwiGLU of ffn_dim.
-    moe: Optional[MoEShape] = None
+    moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
     mlp_act: str = "silu"  # MLP_ACTS: silu, the gated SwiGLU; relu2, relu(up x)^2 ungated (Nemotron-H)
     no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)
     layer_shapes: Optional[Dict[str, Any]] = None  # a layer kind's own shape by its name (LayerKind.build reads it)
+    multipliers: Optional[Multipliers] = None  # Granite's scalings of embedding, residual, attention, logits
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
         if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
             self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
-        if isinstance(self.moe, Mapping):
-            self.moe = typed(MoEShape, dict(self.moe), "model.moe.")
+        for key, schema in (("moe", MoEShape), ("multipliers", Multipliers)):  # from a dict (asdict of a saved config)
+            if isinstance(getattr(self, key), Mapping):
+                setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
         for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
                             ("no_mlp_layers", self.no_mlp_layers or ())):
             check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
@@ -431,20 +433,18 @@ def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str
     (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method`` says what
     was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init`` a preset's shape
     drawn with random weights in the asked layout, ``shape`` task=inspect's arithmetic)."""
+    old, new = model.preset_kv_heads, attention.num_kv_heads
     if attention.latent or model.preset_mla is not None:  # MLA: a latent, not a KV-head count
         if attention.latent == (model.preset_mla is not None):
             return None
-        own = "multi-head latent attention" if model.preset_mla is not None else f"{model.preset_kv_heads} KV heads"
+        own = "multi-head latent attention" if model.preset_mla is not None else f"{old} KV heads"
         measured = (f"multi-head latent attention (kv_lora_rank {attention.kv_lora_rank})" if attention.latent
-                    else f"{attention.num_kv_heads} KV heads ({attention.type})")
-        text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
-                f"{_CONVERSION_WORDS.get(method, method)}")
-        return {"from_kv_heads": model.preset_kv_heads, "to_kv_heads": attention.num_kv_heads, "method": method,
-                "text": text}
-    old, new = model.preset_kv_heads, attention.num_kv_heads
-    if new is None or old == new:
+                    else f"{new} KV heads ({attention.type})")
+    elif new is None or old == new:
         return None
-    text = (f"attention converted: model {model.name} has {old} KV heads "
-            f"({attention_type(model.num_heads, old)}); this run measures {new} "
-            f"({attention_type(model.num_heads, new)}), {_CONVERSION_WORDS.get(method, method)}")
+    else:
+        own, measured = f"{old} KV heads ({attention_type(model.num_heads, old)})", \
+            f"{new} ({attention_type(model.num_heads, new)})"
+    text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
+            f"{_CONVERSION_WORDS.get(method, method)}")
     return {"from_kv_heads": old, "to_kv_heads": new, "method": method, "text": text}
