@@ -95,6 +95,56 @@ def test_task_eval_of_a_nemotron_h_checkpoint_is_transformers_perplexity(tmp_pat
     assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
 
 
+# Granite 4 (dense): 4 layers, mamba and attention, each with the shared gated MLP; its multipliers off 1
+GRANITE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+               shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=12,
+               mamba_d_conv=3, mamba_chunk_size=24, mamba_expand=2, initializer_range=0.1, max_position_embeddings=512,
+               layer_types=["mamba", "attention", "mamba", "attention"], num_hidden_layers=4,
+               embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5)
+
+
+def granite_dir(path, **overrides):
+    """A random dense GraniteMoeHybridForCausalLM saved with save_pretrained; (dir, model)."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    hf = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**{**GRANITE, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
+            elif name.endswith(("dt_bias", ".D")):
+                p.normal_()
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None
+    return path, hf
+
+
+@pytest.mark.parametrize("position", ["nope", "rope"])
+@torch.no_grad()
+def test_a_granite_4_checkpoint_is_transformers_in_logits_perplexity_and_40_greedy_cached_steps(
+        tmp_path, one_torch_thread, position):
+    """Granite 4's multipliers (embedding, residual, attention logits, output logits) and its shared MLP
+    whose gate and up rows are one tensor, without rotary embeddings (nope: Granite 4.0-H) or with."""
+    path, hf = granite_dir(tmp_path, position_embedding_type=position)
+    model, _ = load_llama_dir(path)
+    assert [type(layer) for layer in model.layouts] == [Mamba2, KVHeads] * 2
+    assert model.layouts.rotary_dim() == (16 if position == "rope" else 0)
+    assert model.num_params() == hf.num_parameters()
+    tokens = torch.randint(0, VOCAB, (2, 75), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.1
+    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
+    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
+    prompt = tokens[:, :21]
+    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens
+    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
+    assert torch.equal(got, want)
+    assert len(set(got[0].tolist())) > 5
+
+
 @pytest.mark.parametrize("change, line", [
     ({"hybrid_override_pattern": "-M*"}, "hybrid_override_pattern='-M*': layer 0 is an MLP (-) that follows no "
      "mixer layer (M or *); a block of an MLP alone is not built"),

@@ -200,6 +200,9 @@ def mamba2_from_hf(cfg: Mapping[str, Any], num_heads: int = 32, head_dim: int = 
         _, conv_bias = _read(cfg, ("mamba_conv_bias",), "bool", True)
         _, proj_bias = _read(cfg, ("mamba_proj_bias",), "bool", False)
         limit_key, limit = _read(cfg, ("time_step_limit",), "list", [0.0, INF])
+        # transformers writes an infinite float as {"__float__": "Infinity"} (JSON has none)
+        limit = [float(v["__float__"]) if isinstance(v, Mapping) and v.get("__float__") == "Infinity" else v
+                 for v in limit]
         if len(limit) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit):
             raise ConfigError(f"{limit_key}={limit!r}: must be [low, high], two numbers")
         limit = (float(limit[0]), float(limit[1]))
@@ -295,11 +298,24 @@ def _pattern(kinds: List[str]) -> str:
     return "".join(letters[k] for k in kinds)
 
 
+def _shape(layout: Mamba2) -> Dict[str, Any]:
+    """``model.layer_shapes.mamba2`` of ``layout`` (what :func:`build` reads back)."""
+    limit = layout.time_step_limit
+    shape = {**layout.fields(), "chunk_size": layout.chunk_size, "conv_bias": layout.conv_bias,
+             "proj_bias": layout.proj_bias, "time_step_limit": [limit[0], None if limit[1] == INF else limit[1]]}
+    shape["state_dtype"] = shape.pop("mamba_ssm_cache_dtype", "float32")
+    return shape
+
+
 def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
-    """Every ModelConfig field of a Nemotron-H config.json, with NemotronHConfig's defaults for absent
-    keys: its mixers as blocks (:func:`_blocks`), the mamba layers' shape in ``layer_shapes``, its
-    attention without rotary embeddings nor biases (NemotronHAttention has neither) and its ungated
-    relu2 MLP. A value it cannot run refused in one line naming its key."""
+    """Every ModelConfig field of a Nemotron-H or Granite 4 config.json (:func:`_granite_fields`), with
+    its class's defaults for absent keys: Nemotron-H's mixers as blocks (:func:`_blocks`), the mamba
+    layers' shape in ``layer_shapes``, its attention without rotary embeddings nor biases
+    (NemotronHAttention has neither) and its ungated relu2 MLP. A value it cannot run refused in one
+    line naming its key."""
+    if arch == "GraniteMoeHybridForCausalLM":
+        return _granite_fields(cfg)
+
     def get(keys: Tuple[str, ...], kind: str, default: Any) -> Any:
         return _read(cfg, keys, kind, default)[1]
 
@@ -310,11 +326,7 @@ def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
         raise ConfigError(f"sliding_window={cfg['sliding_window']!r}: a window on Nemotron-H's attention is not read")
     blocks, kinds = _blocks(cfg), hf_layer_kinds(cfg)
     heads = get(("num_attention_heads",), "count", 32)
-    layout = mamba2_from_hf(cfg, heads)
-    limit = layout.time_step_limit
-    shape = {**layout.fields(), "chunk_size": layout.chunk_size, "conv_bias": layout.conv_bias,
-             "proj_bias": layout.proj_bias, "time_step_limit": [limit[0], None if limit[1] == INF else limit[1]]}
-    shape["state_dtype"] = shape.pop("mamba_ssm_cache_dtype", "float32")
+    shape = _shape(mamba2_from_hf(cfg, heads))
     return {"num_layers": len(blocks), "d_model": get(("hidden_size",), "count", 4096), "num_heads": heads,
             "preset_kv_heads": get(("num_key_value_heads",), "count", heads),
             "head_dim": get(("head_dim",), "count", 128), "ffn_dim": get(("intermediate_size",), "count", 21504),
@@ -327,11 +339,55 @@ def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
             "layer_shapes": {SHAPE_KEY: shape}}
 
 
+def _granite_fields(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """A dense Granite 4 (GraniteMoeHybrid, no routed experts): each layer a mamba or attention mixer
+    and the shared MLP (gated SiLU, ``shared_intermediate_size`` wide), rotary embeddings only with
+    ``position_embedding_type`` rope, and its multipliers (:class:`~kvbench.config.multipliers.Multipliers`)."""
+    def get(keys: Tuple[str, ...], kind: str, default: Any) -> Any:
+        return _read(cfg, keys, kind, default)[1]
+
+    experts = get(("num_local_experts",), "int", 8)
+    if experts:
+        raise ConfigError(f"num_local_experts={experts!r}: Granite 4's routed experts are not built (a dense "
+                          "Granite 4 has 0)")
+    act = get(("hidden_act",), "str", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r}: not supported (silu only)")
+    position = cfg.get("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+        raise ConfigError(f"position_embedding_type={position!r}: must be rope, nope or null")
+    rope = cfg.get("rope_parameters") or {}
+    if position == "rope" and (not isinstance(rope, Mapping) or rope.get("rope_type", "default") != "default"):
+        raise ConfigError(f"rope_parameters={rope!r}: only the default rope type is read for Granite 4")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if position == "rope" else 10000.0
+    kinds = hf_layer_kinds(cfg)
+    heads, hidden = get(("num_attention_heads",), "count", 32), get(("hidden_size",), "count", 4096)
+    bias = get(("attention_bias",), "bool", False)
+    scales = {key: get((key,), "number", 1.0) for key in ("embedding_multiplier", "residual_multiplier",
+                                                            "attention_multiplier", "logits_scaling")}
+    return {"num_layers": len(kinds), "d_model": hidden, "num_heads": heads,
+            "preset_kv_heads": get(("num_key_value_heads",), "count", heads), "head_dim": hidden // heads,
+            "ffn_dim": get(("shared_intermediate_size",), "count", 1024),
+            "vocab_size": get(("vocab_size",), "count", 32000),
+            "max_seq_len": get(("max_position_embeddings",), "count", 2048),
+            "norm_eps": get(("rms_norm_eps",), "number", 1e-6), "qkv_bias": bias, "o_bias": bias,
+            "rope_type": "default" if position == "rope" else "none", "rope_theta": theta, "multipliers": scales,
+            "preset_layer_types": ["mamba" if k == "mamba" else "full_attention" for k in kinds],
+            "layer_shapes": {SHAPE_KEY: _shape(mamba2_from_hf(cfg, heads, hidden // heads))}}
+
+
+# Granite 4's names where they are not Llama's: its mamba module, its shared MLP's fused gate and up
+GRANITE_NAMES = {"mamba.": "mixer.", "shared_mlp.input_linear.": "mlp.gate_up_proj.",
+                 "shared_mlp.output_linear.": "mlp.down_proj."}
+
+
 def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
     """A Nemotron-H checkpoint's tensor names (``backbone.`` or ``model.``) in Llama's form, by kvbench's
     blocks (:func:`_blocks`):
     a mixer's norm is its block's input_layernorm and its mixer the attention's ``self_attn`` or the
     mamba module's ``mixer``; the MLP after it, post_attention_layernorm and ``mlp``."""
+    if "GraniteMoeHybridForCausalLM" in (cfg.get("architectures") or ()):
+        return _granite_names
     kinds, where = hf_layer_kinds(cfg), {}
     for i, (mixer, mlp) in enumerate(_blocks(cfg)):
         where[mixer] = (i, "input_layernorm", "self_attn" if kinds[mixer] == "attention" else "mixer")
@@ -356,6 +412,15 @@ def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
 
 KIND = register(LayerKind(
     "mamba2", Mamba2, module="kvbench.layouts.mamba2_mixer:Mamba2Mixer", layer_types=("mamba",), recurrent=True,
-    label="mamba2", build=build, hf_architectures=("NemotronHForCausalLM",), hf_fields=hf_fields,
+    label="mamba2", build=build, hf_architectures=tuple(HF_MODULES), hf_fields=hf_fields,
     hf_names=hf_names, examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))
 
+
+def _granite_names(name: str) -> str:
+    """A Granite 4 tensor name in Llama's form (:data:`GRANITE_NAMES` below a layer)."""
+    parts = name.split(".", 3)  # model, layers, i, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for old, new in GRANITE_NAMES.items():
+            if parts[3].startswith(old):
+                return f"model.layers.{parts[2]}.{new}{parts[3][len(old):]}"
+    return name
