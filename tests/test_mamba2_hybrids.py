@@ -203,3 +203,43 @@ def test_task_inspect_of_a_nemotron_h_checkpoint_prints_the_state_per_sequence_b
     state_column = [line for line in lines if line.startswith(f"{dtype} ")][0]
     assert f"({4 * per_layer:,})" in state_column
     assert f"{hf.num_parameters():,}" in describe(job)
+
+
+def test_the_registry_example_builds_a_mamba2_hybrid_named_and_counted_by_its_kind():
+    """The kind's example (model=tiny, attention.layer_types=[mamba,full_attention]): a Mamba-2 layer in
+    the model's proportions (its 8 heads, expand 2: heads of 16, a state of head_dim 8, one group),
+    its state per sequence by hand, its label, and a parameter count equal to the built decoder's."""
+    from conftest import compose
+
+    from kvbench.config.layer_pattern import job_variant_label
+    from kvbench.footprint import parameter_counts
+    from kvbench.job_config import to_bench_config
+    from kvbench.layouts.registry import by_layer_type
+    from kvbench.model import Decoder
+
+    job = to_bench_config(compose(*by_layer_type("mamba").examples["mamba2"], "task=inspect"))
+    model = Decoder(job.model, job.attention)
+    mamba = model.layouts[0]
+    assert isinstance(mamba, Mamba2) and isinstance(model.layouts[1], KVHeads)
+    H, P, N, G, K = 8, 16, 8, 1, 4
+    assert (mamba.mamba_num_heads, mamba.mamba_head_dim, mamba.ssm_state_size, mamba.n_groups) == (H, P, N, G)
+    assert model.layouts.state_bytes(4) == H * P * N * 4 + (K - 1) * (H * P + 2 * G * N) * 4
+    assert job_variant_label(job) == "mha kv=8 mamba2 1:1"
+    assert parameter_counts(job.model, job.attention).total == model.num_params()
+
+
+@pytest.mark.parametrize("override, line", [
+    ("+model.layer_shapes.mamba2.n_groups=3", "model.layer_shapes.mamba2.n_groups=3: must divide mamba_num_heads=8"),
+    ("+model.layer_shapes.mamba2.heads=4", "model.layer_shapes.mamba2.heads=4: not a Mamba-2 field"),
+    ("+model.layer_shapes.mamba2.conv_kernel=0", "model.layer_shapes.mamba2.conv_kernel=0: must be a positive integer"),
+])
+def test_a_mamba2_shape_it_cannot_build_is_refused_naming_the_key(override, line):
+    from conftest import compose
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.layouts.build import build_layouts
+
+    with pytest.raises(ConfigError) as info:
+        job = to_bench_config(compose("model=tiny", "attention.layer_types=[mamba,full_attention]", override))
+        build_layouts(job.model, job.attention)
+    assert line in str(info.value) and "\n" not in str(info.value)
