@@ -80,6 +80,35 @@ def test_a_nemotron_h_checkpoint_is_transformers_in_logits_and_40_greedy_cached_
     assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
 
 
+@torch.no_grad()
+def test_a_nemotron_h_checkpoint_with_experts_is_transformers(tmp_path, one_torch_thread):
+    """E layers (NemotronHMoE): relu2 experts routed by the sigmoid router with its correction bias, in
+    groups (the best 1 of 2), one relu2 shared expert; beside - layers, the dense blocks. Logits,
+    perplexity and 40 greedy cached steps as transformers; the parameters counted without building."""
+    from kvbench.footprint import parameter_counts
+
+    path, hf = nemotron_h_dir(tmp_path, hybrid_override_pattern="ME*-ME", n_routed_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+                              topk_group=1, routed_scaling_factor=1.5)
+    with torch.no_grad():  # a correction bias off 0, so that it moves the choice
+        for layer in (1, 5):
+            hf.model.layers[layer].mixer.gate.e_score_correction_bias.normal_(0, 0.1)
+    hf.save_pretrained(path)
+    model, _ = load_llama_dir(path)
+    moe = model.config.moe
+    assert (moe.num_experts, moe.top_k, moe.router, moe.n_group, moe.dense_layers) == (8, 2, "sigmoid", 2, [1])
+    assert model.num_params() == hf.num_parameters() == parameter_counts(model.config, model.attention).total
+    tokens = torch.randint(0, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.5
+    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
+    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
+    prompt = tokens[:, :21]
+    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens
+    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
+    assert torch.equal(got, want)
+
+
 def test_task_eval_of_a_nemotron_h_checkpoint_is_transformers_perplexity(tmp_path, one_torch_thread):
     """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
     relative of transformers' over the same slices of the byte corpus."""
@@ -150,6 +179,9 @@ def test_a_granite_4_checkpoint_is_transformers_in_logits_perplexity_and_40_gree
      "mixer layer (M or *); a block of an MLP alone is not built"),
     ({"hybrid_override_pattern": "M--"}, "hybrid_override_pattern='M--': layer 2 is an MLP (-) that follows no "
      "mixer layer (M or *); a block of an MLP alone is not built"),
+    ({"hybrid_override_pattern": "EM"}, "hybrid_override_pattern='EM': layer 0 is an MLP (E) that follows no "
+     "mixer layer (M or *); a block of an MLP alone is not built"),
+    ({"hybrid_override_pattern": "ME", "moe_latent_size": 16}, "moe_latent_size=16: experts in a latent space"),
     ({"hybrid_override_pattern": "MX*"}, "hybrid_override_pattern='MX*': must be letters of M*-E"),
     ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act='gelu': not supported in a Nemotron-H MLP (relu2 only)"),
     ({"mamba_num_heads": "8"}, "mamba_num_heads='8': must be a positive integer"),

@@ -283,12 +283,10 @@ def _blocks(cfg: Mapping[str, Any]) -> List[Tuple[int, Optional[int]]]:
         if kind in ("mamba", "attention"):
             blocks.append((j, None))
             continue
-        if kind == "moe":
-            raise ConfigError(f"hybrid_override_pattern={_pattern(kinds)!r}: layer {j} is experts (E), not built "
-                              "in a Nemotron-H checkpoint yet (M, * and - layers are)")
         if not blocks or blocks[-1][1] is not None:
-            raise ConfigError(f"hybrid_override_pattern={_pattern(kinds)!r}: layer {j} is an MLP (-) that follows "
-                              "no mixer layer (M or *); a block of an MLP alone is not built")
+            letter = "E" if kind == "moe" else "-"
+            raise ConfigError(f"hybrid_override_pattern={_pattern(kinds)!r}: layer {j} is an MLP ({letter}) that "
+                              "follows no mixer layer (M or *); a block of an MLP alone is not built")
         blocks[-1] = (blocks[-1][0], j)
     return blocks
 
@@ -327,7 +325,8 @@ def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
     blocks, kinds = _blocks(cfg), hf_layer_kinds(cfg)
     heads = get(("num_attention_heads",), "count", 32)
     shape = _shape(mamba2_from_hf(cfg, heads))
-    return {"num_layers": len(blocks), "d_model": get(("hidden_size",), "count", 4096), "num_heads": heads,
+    return {"moe": _experts(cfg, blocks, kinds), "num_layers": len(blocks), "num_heads": heads,
+            "d_model": get(("hidden_size",), "count", 4096),
             "preset_kv_heads": get(("num_key_value_heads",), "count", heads),
             "head_dim": get(("head_dim",), "count", 128), "ffn_dim": get(("intermediate_size",), "count", 21504),
             "vocab_size": get(("vocab_size",), "count", 131072),
@@ -337,6 +336,28 @@ def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
             "no_mlp_layers": [i for i, (_, mlp) in enumerate(blocks) if mlp is None] or None,
             "preset_layer_types": ["mamba" if kinds[mixer] == "mamba" else "full_attention" for mixer, _ in blocks],
             "layer_shapes": {SHAPE_KEY: shape}}
+
+
+def _experts(cfg: Mapping[str, Any], blocks: List[Tuple[int, Optional[int]]], kinds: List[str]) -> Optional[Dict]:
+    """``model.moe`` of Nemotron-H's E layers (NemotronHMoE: relu2 experts, the sigmoid router with its
+    correction bias and groups, one relu2 shared expert): the blocks whose MLP is a - layer are its
+    dense layers; None without an E layer."""
+    if "moe" not in kinds:
+        return None
+    latent = cfg.get("moe_latent_size")
+    if latent is not None:
+        raise ConfigError(f"moe_latent_size={latent!r}: experts in a latent space (LatentMoE) are not built")
+
+    def get(key: str, kind: str, default: Any) -> Any:
+        return _read(cfg, (key,), kind, default)[1]
+
+    return {"num_experts": get("n_routed_experts", "count", 8), "top_k": get("num_experts_per_tok", "count", 2),
+            "expert_ffn_dim": get("moe_intermediate_size", "count", 7688), "router": "sigmoid",
+            "norm_topk_prob": get("norm_topk_prob", "bool", True),
+            "routed_scaling_factor": get("routed_scaling_factor", "number", 1.0),
+            "n_group": get("n_group", "count", 1), "topk_group": get("topk_group", "count", 1),
+            "shared_ffn_dim": get("moe_shared_expert_intermediate_size", "count", 7688),
+            "dense_layers": [i for i, (_, mlp) in enumerate(blocks) if mlp is not None and kinds[mlp] == "mlp"]}
 
 
 def _granite_fields(cfg: Mapping[str, Any]) -> Dict[str, Any]:
