@@ -275,3 +275,22 @@ def test_a_mamba2_shape_it_cannot_build_is_refused_naming_the_key(override, line
         job = to_bench_config(compose("model=tiny", "attention.layer_types=[mamba,full_attention]", override))
         build_layouts(job.model, job.attention)
     assert line in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_nemotron3_nano_preset_has_the_model_cards_parameters_and_state():
+    """conf/model/nemotron3_nano.yaml: 31.6 B parameters, 3.2 B active (the input embedding left out, as
+    its model card counts), and per sequence 23 Mamba-2 states of 64·64·128 float32 plus a bfloat16
+    convolution tail of 3 x (64·64 + 2·8·128) channels, whatever the length."""
+    from conftest import compose
+
+    from kvbench.footprint import parameter_counts
+    from kvbench.job_config import to_bench_config
+    from kvbench.layouts.build import build_layouts
+
+    job = to_bench_config(compose("model=nemotron3_nano", "task=inspect", "runtime.dtype=bfloat16"))
+    counts = parameter_counts(job.model, job.attention)
+    assert round(counts.total / 1e9, 1) == 31.6 and round(counts.active / 1e9, 1) == 3.2
+    layouts = build_layouts(job.model, job.attention)
+    assert sum(isinstance(layer, Mamba2) for layer in layouts) == 23
+    assert layouts.state_bytes(2) == 23 * (64 * 64 * 128 * 4 + 3 * (64 * 64 + 2 * 8 * 128) * 2)
+    assert layouts.bytes_per_token(2) == 6 * 2 * 2 * 128 * 2
