@@ -431,12 +431,6 @@ def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
     return renamed
 
 
-KIND = register(LayerKind(
-    "mamba2", Mamba2, module="kvbench.layouts.mamba2_mixer:Mamba2Mixer", layer_types=("mamba",), recurrent=True,
-    label="mamba2", build=build, hf_architectures=tuple(HF_MODULES), hf_fields=hf_fields,
-    hf_names=hf_names, examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))
-
-
 def _granite_names(name: str) -> str:
     """A Granite 4 tensor name in Llama's form (:data:`GRANITE_NAMES` below a layer)."""
     parts = name.split(".", 3)  # model, layers, i, rest
@@ -445,3 +439,9 @@ def _granite_names(name: str) -> str:
             if parts[3].startswith(old):
                 return f"model.layers.{parts[2]}.{new}{parts[3][len(old):]}"
     return name
+
+
+KIND = register(LayerKind(
+    "mamba2", Mamba2, module="kvbench.layouts.mamba2_mixer:Mamba2Mixer", layer_types=("mamba",), recurrent=True,
+    label="mamba2", build=build, hf_architectures=tuple(HF_MODULES), hf_fields=hf_fields,
+    hf_names=hf_names, examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))
