@@ -1,12 +1,12 @@
 """Weights in and out of the :class:`~kvbench.model.Decoder`.
 
 - kvbench's own checkpoints: one ``torch.save`` of the two configs, the state dict and extras.
-- transformers checkpoint directories of :data:`~kvbench.config.hf.HF_ARCHITECTURES`: each
-  attention module declares its transformers names (``HF_MODULE``, ``HF_NAMES``, ``HF_FUSED``),
-  experts are :mod:`kvbench.mlp.weights`'. The decoder's rope is transformers' rotate-half, so
-  q/k weights load unpermuted.
-- A new KV-head count: K/V heads mean-pooled within each group (MHA → GQA/MQA, Ainslie et al.
-  2023) or repeated, exactly (GQA → MHA).
+- transformers checkpoint directories of :data:`~kvbench.config.hf.HF_ARCHITECTURES` (and of a layer
+  kind's own, named in Llama's form by its ``hf_names``): each attention module declares its transformers
+  names (``HF_MODULE``, ``HF_NAMES``, ``HF_FUSED``), experts are :mod:`kvbench.mlp.weights`'. The
+  decoder's rope is transformers' rotate-half, so q/k weights load unpermuted.
+- A new KV-head count: K/V heads mean-pooled within each group (MHA → GQA/MQA, Ainslie et al. 2023) or
+  repeated, exactly (GQA → MHA).
 
 Every file read here is the user's input: one that does not parse, is truncated or holds wrong or
 non-finite tensors is a :class:`CheckpointError` naming the file, never a library's traceback.
@@ -33,10 +33,12 @@ from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write, path_problem
-from kvbench.layouts.attention import MODULES
+from kvbench.layouts.attention import module_class
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.gated_deltanet_attention import unfuse
+from kvbench.layouts.registry import hf_renaming
+from kvbench.mlp.dense import MLP
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quant_weights import read_dequantized_headers
@@ -144,8 +146,7 @@ def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") 
         check_model_fits(model, map_location, f"checkpoint {path}", attention)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    check_tensors(f"checkpoint {path}", _expected_tensors(model, attention), payload["state_dict"],
-                  "its saved config")
+    check_tensors(f"checkpoint {path}", _expected_tensors(model, attention), payload["state_dict"], "its saved config")
     return build_decoder(model, attention, payload["state_dict"], device=map_location)
 
 
@@ -173,7 +174,7 @@ def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
     if match is None:
         return _renamed(name, _MODEL_NAMES)
     i, rest = int(match.group(1)), match.group(2)
-    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    module = module_class(layouts[i]) if i < len(layouts) else None
     if module is not None and rest.startswith(module.HF_MODULE + "."):
         return f"blocks.{i}.attn." + _renamed(rest[len(module.HF_MODULE) + 1:], module.HF_NAMES)
     return f"blocks.{i}." + _renamed(rest, {**MOE_NAMES, **_BLOCK_NAMES})
@@ -187,7 +188,7 @@ def decoder_to_hf_name(name: str, layouts: Sequence[LayerLayout], stacked_expert
     if match is None:
         return _renamed(name, _inverse(_MODEL_NAMES))
     i, rest = int(match.group(1)), match.group(2)
-    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    module = module_class(layouts[i]) if i < len(layouts) else None
     if module is not None and rest.startswith("attn."):
         return f"model.layers.{i}.{module.HF_MODULE}." + _renamed(rest[len("attn."):], _inverse(module.HF_NAMES))
     rest = expert_file_name(rest, stacked_experts) or _renamed(rest, _inverse({**MOE_NAMES, **_BLOCK_NAMES}))
@@ -281,8 +282,10 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     names = file_names(expected, stored, layouts, prefix)  # every refusal below names the file's tensor
     check_tensors(directory, expected, stored, model=model_name, names=names)
     tensors = read_assembled(partial(load_finite_tensors, directory), {k: stored[k] for k in expected})
-    for (i, name), parts in fused.items():  # each part was read as the whole fused tensor
-        tensors.update({f"blocks.{i}.attn.{k}": t for k, t in unfuse(layouts[i], name, tensors[parts[0]]).items()})
+    for (i, part, name), parts in fused.items():  # each part was read as the whole fused tensor; an MLP's: halves
+        whole = tensors[parts[0]]
+        split = unfuse(layouts[i], name, whole) if part == "attn" else dict(zip(MLP.HF_FUSED[name], whole.chunk(2)))
+        tensors.update({f"blocks.{i}.{part}.{k}": t for k, t in split.items()})
     check_tensors(directory, expected, tensors, model=model_name, names=names)
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
         _deinterleave_rope(tensors, model_cfg, attention)
@@ -299,26 +302,27 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
 def _stored_tensors(directory: Path, hf: Mapping[str, Any],
                     layouts: Sequence[LayerLayout]) -> Tuple[Dict[str, StoredTensor], Dict[tuple, list]]:
     """The checkpoint's headers by the decoder's names (a multimodal one's language model only), and
-    its fused projections: (layer, transformers' name) -> the decoder's names of their parts."""
+    its fused projections: (layer, attn | mlp, transformers' name) -> the decoder's names of their parts."""
     arch = hf_config.checkpoint_architecture(hf)
     prefix, unread = hf_config.TEXT_MODEL_PREFIX.get(arch), hf_config.UNREAD_TENSORS.get(arch, ())
-    stored: Dict[str, StoredTensor] = {}
-    fused: Dict[tuple, list] = {}
+    stored, fused = {}, {}  # Dict[str, StoredTensor], Dict[tuple, list]
+    renamed = hf_renaming(hf)  # a kind's home's architecture: its names in Llama's form (None: not read)
     for name, tensor in read_dequantized_headers(directory, hf).items():  # a quantized weight: its dequantized header
-        full = "model." + name[len(prefix):] if prefix and name.startswith(prefix) else name
-        if full.startswith(unread):
+        full = renamed("model." + name[len(prefix):] if prefix and name.startswith(prefix) else name)
+        if full is None or full.startswith(unread):
             continue
         ours = hf_to_decoder_name(full, layouts)
-        match = re.fullmatch(r"blocks\.(\d+)\.attn\.(.+)", ours)
-        parts = match and int(match.group(1)) < len(layouts) and getattr(
-            MODULES[type(layouts[int(match.group(1))])], "HF_FUSED", {}).get(match.group(2))
-        for key in [f"blocks.{match.group(1)}.attn.{p}" for p in parts] if parts else [ours]:
+        match = re.fullmatch(r"blocks\.(\d+)\.(attn|mlp)\.(.+)", ours)  # a layer's mixer or its dense MLP
+        i, part = (int(match.group(1)), match.group(2)) if match else (len(layouts), "")
+        parts = i < len(layouts) and getattr(module_class(layouts[i]) if part == "attn" else MLP, "HF_FUSED",
+                                             {}).get(match.group(3))
+        for key in [f"blocks.{i}.{part}.{p}" for p in parts] if parts else [ours]:
             if key in stored:  # two spellings of one weight
                 raise CheckpointError(f"{directory}: tensors {stored[key].name} and {name} are the same "
                                       "weight of the decoder: which one is meant is not defined")
             stored[key] = tensor
         if parts:
-            fused[(int(match.group(1)), match.group(2))] = [f"blocks.{match.group(1)}.attn.{p}" for p in parts]
+            fused[(i, part, match.group(3))] = [f"blocks.{i}.{part}.{p}" for p in parts]
     return stored, fused
 
 

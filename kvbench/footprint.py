@@ -22,7 +22,6 @@ import torch
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
-from kvbench.config.hf import LINEAR
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.serving import ServingWorkload
 from kvbench.layouts.build import build_layouts
@@ -54,52 +53,66 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     """The decoder's exact parameter counts without building its layers: one- and two-layer
     decoders of each kind of layer on the meta device (no memory) give the fixed part and one
     layer's of that kind, and every layer of a kind has the same shape. A layer's kind is its mixer
-    (a Gated DeltaNet layer, an attention layer, or one reading another layer's K/V: no K/V
-    weights) and its MLP (dense, or the mixture of experts); the experts a token is not routed to
-    (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas. ``attention``:
-    as the job resolved it against ``model`` (None: MHA)."""
+    (its ``layer_types`` name: an attention layer, a recurrent one, or one reading another layer's
+    K/V: no K/V weights) and its MLP (dense, the mixture of experts, or none); the experts a token is
+    not routed to (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas.
+    ``attention``: as the job resolved it against ``model`` (None: MHA)."""
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     moe, kinds = model.moe, _layer_kinds(model, resolved)
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
-    # have none, and one kind of layer each (linear ones named in layer_types, which an interval contradicts).
-    # as long as a top-k asked of the run (DSA), which is checked again against the small models' length
-    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None,
+    # have none, and one kind of layer each (those not attending named in layer_types, which an interval
+    # contradicts), as long as a top-k asked of the run (DSA), which is checked again against their length
+    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None, no_mlp_layers=None,
                                 max_seq_len=max(1, getattr(attention, "index_topk", None) or 0))
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
     per_layer, fixed, embedding = {}, 0, 0
-    for mixer, sparse in kinds:
-        types = (lambda n: [LINEAR] * n) if mixer == LINEAR else (lambda n: None)
-        mlp = dataclasses.replace(moe, dense_layers=[]) if sparse else None  # every layer of the small models
+    for mixer, mlp in kinds:
+        def shaped(n: int, mixer=mixer, mlp=mlp):  # an n-layer model of this kind alone
+            sparse = dataclasses.replace(moe, dense_layers=[]) if mlp == "sparse" else None
+            return (dataclasses.replace(small, num_layers=n, moe=sparse,
+                                        no_mlp_layers=list(range(n)) if mlp == "none" else None),
+                    dataclasses.replace(attention, layer_types=None if mixer in _ATTENDING else [mixer] * n,
+                                        kv_shared_layers=1 if mixer == "shared" and n == 2 else 0))
         with torch.device("meta"):
-            one = Decoder(dataclasses.replace(small, moe=mlp), dataclasses.replace(attention, layer_types=types(1)))
-            two = Decoder(dataclasses.replace(small, num_layers=2, moe=mlp),
-                          dataclasses.replace(attention, layer_types=types(2),
-                                              kv_shared_layers=1 if mixer == "shared" else 0)).num_params()
-        per_layer[mixer, sparse] = two - one.num_params()
+            one, two = Decoder(*shaped(1)), Decoder(*shaped(2)).num_params()
+        per_layer[mixer, mlp] = two - one.num_params()
         embedding = one.embed.weight.numel()
         if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
             fixed = 2 * one.num_params() - two
     total = fixed + sum(per_layer[k] * n for k, n in kinds.items())
-    unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model)
-    return ParameterCounts(total, total - unused * sum(n for (_, sparse), n in kinds.items() if sparse) - embedding,
-                           embedding)
+    gated = model.mlp_act == "silu"  # relu2 experts have no gate projection
+    unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model, gated)
+    return ParameterCounts(total, total - unused * sum(n for (_, mlp), n in kinds.items() if mlp == "sparse")
+                           - embedding, embedding)
+
+
+_ATTENDING = ("full_attention", "sliding_attention", "shared")  # mixers of the same weights as full attention's
 
 
 def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:
-    """How many layers of each kind, (mixer, sparse), there are: from the linear and dense layers'
-    positions, not a pass over every layer (a hostile config may ask for 10^8)."""
+    """How many layers of each kind, (mixer, MLP), there are: from the positions of the layers that are
+    not plain (a mixer other than attention, a dense or absent MLP), not a pass in Python over every
+    layer (a hostile config may ask for 10^8)."""
     L, first_shared = model.num_layers, model.num_layers - (attention.kv_shared_layers or 0)
     types = attention.layer_kinds(L)
-    linear = {i for i, kind in enumerate(types[:first_shared]) if kind == LINEAR} if LINEAR in types else set()
-    sizes = {LINEAR: len(linear), "full_attention": first_shared - len(linear), "shared": L - first_shared}
-    if model.moe is None:
-        return Counter({(mixer, False): n for mixer, n in sizes.items() if n})
-    dense = {i for i in model.moe.dense_layers if 0 <= i < L}
-    dense_in = {LINEAR: len(dense & linear), "full_attention": sum(i < first_shared for i in dense - linear),
-                "shared": sum(i >= first_shared for i in dense)}
-    return Counter({(mixer, sparse): count for mixer, n in sizes.items()
-                    for sparse, count in ((False, dense_in[mixer]), (True, n - dense_in[mixer])) if count})
+    attending = types.count("full_attention") + types.count("sliding_attention")
+    mixers = {} if attending == len(types) else \
+        {i: t for i, t in enumerate(types[:first_shared]) if t not in _ATTENDING}
+    none = {i for i in model.no_mlp_layers or () if 0 <= i < L}
+    dense = {i for i in model.moe.dense_layers if 0 <= i < L} if model.moe is not None else set()
+    plain_mlp = "dense" if model.moe is None else "sparse"
+
+    def kind(i: int) -> tuple:
+        mixer = mixers.get(i, "shared" if i >= first_shared else "full_attention")
+        return mixer, "none" if i in none else "dense" if i in dense else plain_mlp
+
+    special = set(mixers) | none | dense
+    counts = Counter(kind(i) for i in special)
+    shared_special = sum(i >= first_shared for i in special)
+    counts["full_attention", plain_mlp] += first_shared - (len(special) - shared_special)
+    counts["shared", plain_mlp] += (L - first_shared) - shared_special
+    return Counter({k: n for k, n in counts.items() if n})
 
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:

@@ -33,18 +33,26 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: the layer's attention, then its MLP."""
+    """Pre-norm residual block: the layer's attention, then its MLP (none in ``model.no_mlp_layers``:
+    a checkpoint whose layers are one mixer each, as Nemotron-H's, runs a mixer directly followed by
+    another as a block without one)."""
 
     def __init__(self, cfg: ModelConfig, layout: LayerLayout, index: int):
         super().__init__()
+        self.residual = cfg.multipliers.residual_multiplier if cfg.multipliers else 1.0  # Granite's: each branch
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
-        self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
+        self.mlp_norm = self.mlp = None
+        if index not in (cfg.no_mlp_layers or ()):
+            self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
+            self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
 
     def forward(self, x, cos, sin, cache, pos):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self._scaled(self.attn(self.attn_norm(x), cos, sin, cache, pos))
+        return x if self.mlp is None else x + self._scaled(self.mlp(self.mlp_norm(x)))
+
+    def _scaled(self, branch):
+        return branch if self.residual == 1.0 else branch * self.residual
 
 
 class Decoder(nn.Module):
@@ -115,6 +123,9 @@ class Decoder(nn.Module):
         else:
             layer_caches = cache.begin(pos, B)
         x = self.embed(tokens)
+        scales = self.config.multipliers
+        if scales is not None and scales.embedding_multiplier != 1.0:  # Granite's
+            x = x * scales.embedding_multiplier
         cos, sin = self.rope_cos[pos.rows].to(x.dtype), self.rope_sin[pos.rows].to(x.dtype)
         for block, layer_cache in zip(self.blocks, layer_caches):
             x = block(x, cos, sin, layer_cache, pos)
@@ -122,5 +133,6 @@ class Decoder(nn.Module):
             cache.commit(pos)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        return logits if scales is None or scales.logits_scaling == 1.0 else logits / scales.logits_scaling
 

@@ -33,8 +33,8 @@ class StateLayer:
     """One recurrent layer's cache: a (B, C, K - 1) convolution tail in the compute dtype and the
     state in the layout's ``state_dtype``, written in place; ``held`` False (cache ``none``): every
     forward starts from zeros. The kernels read the state up-cast to float32 and write it back
-    down-cast (``copy_``), as transformers and mamba_ssm do, so a half-precision state rounds once
-    per forward, not once per operation. ``nbytes``: what it holds, B x ``State.nbytes``."""
+    down-cast (``copy_``), as transformers and the state-space kernels do, so a half-precision state
+    rounds once per forward, not once per operation. ``nbytes``: what it holds, B x ``State.nbytes``."""
 
     def __init__(self, state, batch_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  held: bool = True):

@@ -14,7 +14,6 @@ import torch
 from conftest import compose, deepseek_dir, hf_dir
 
 from kvbench.config.errors import ConfigError
-from kvbench.config.hf import LINEAR
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, MLAShape, ModelConfig
 from kvbench.footprint import parameter_counts
 from kvbench.job_config import to_bench_config
@@ -91,7 +90,9 @@ def test_a_model_with_an_attention_as_its_own_layout_runs_that_attention(name):
         mine = model.with_own_layout(a)
         by_hand = replace(model, preset_kv_heads=a.num_kv_heads, preset_window=a.window or None,
                           preset_global_every=a.global_every if a.window else None,
-                          preset_layer_types=a.layer_types if a.window or LINEAR in (a.layer_types or ()) else None,
+                          # kept with a window, or where some layer is recurrent (Gated DeltaNet, Mamba-2)
+                          preset_layer_types=a.layer_types if a.window or set(a.layer_types or ()) - {"full_attention"}
+                          else None,
                           preset_mla=MLAShape(**{k: getattr(a, k) for k in MLA_FIELDS}) if a.latent else None,
                           preset_sinks=bool(a.sinks), preset_kv_shared_layers=a.kv_shared_layers or 0)
         assert mine == by_hand, a

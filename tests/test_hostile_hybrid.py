@@ -32,9 +32,9 @@ def refusal(*overrides: str) -> str:
     (["model=tiny", "attention.layer_types=[linear_attention,full_attention,full_attention]"],
      "attention.layer_types=['linear_attention', 'full_attention', 'full_attention']: must name each of "
      "model.num_layers=2 layers"),
-    (["model=tiny", "attention.layer_types=[linear_attention,mamba]"],
-     "attention.layer_types=['linear_attention', 'mamba']: each entry must be one of sliding_attention, "
-     "full_attention, linear_attention"),
+    (["model=tiny", "attention.layer_types=[linear_attention,lstm]"],
+     "attention.layer_types=['linear_attention', 'lstm']: each entry must be one of sliding_attention, "
+     "full_attention, linear_attention, mamba"),
     # a window over layers none of which is sliding applied to nothing (silently, before)
     (["model=tiny", "attention.window=16", "attention.layer_types=[full_attention,full_attention]"],
      "attention.window=16: applies to the sliding_attention layers of attention.layer_types, and it lists none"),

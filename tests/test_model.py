@@ -4,12 +4,17 @@ with explicit repeat_interleave of K/V."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_decoder
+from conftest import make_decoder, tiny_model_config
 from torch.profiler import ProfilerActivity, profile
 
+from kvbench.cache import Positions, uncached_layers
 from kvbench.config.errors import ConfigError
+from kvbench.config.model import AttentionConfig
+from kvbench.footprint import parameter_counts
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.layouts.kv_heads_attention import grouped_attention
+from kvbench.mlp.dense import MLP
+from kvbench.model import Decoder
 
 
 def reference_attention(q, k, v, causal_mask):
@@ -144,3 +149,64 @@ def test_a_decoder_on_the_meta_device_has_the_cpu_decoders_tensors(kind):
     shapes = lambda m: {n: (tuple(t.shape), t.dtype) for n, t in [*m.named_parameters(), *m.named_buffers()]}
     assert shapes(meta) == shapes(cpu) and all(t.is_meta for t in meta.state_dict().values())
     assert meta.num_params() == cpu.num_params()
+
+
+# ---- blocks of one mixer, the ungated relu2 MLP, no rotary (the pieces Nemotron-H's layers need) ----
+
+def test_a_relu2_mlp_is_transformers_ungated_relu_squared():
+    """model.mlp_act=relu2 against transformers' ACT2FN["relu2"] written out: down(relu2(up x)), no gate."""
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    mlp = MLP(tiny_model_config(mlp_act="relu2"))
+    assert not hasattr(mlp, "w_gate")
+    x = torch.randn(2, 5, 64)
+    expected = mlp.w_down(ACT2FN["relu2"](mlp.w_up(x)))
+    torch.testing.assert_close(mlp(x), expected, rtol=0, atol=0)
+
+
+def test_a_block_without_an_mlp_is_its_mixer_alone_and_counted_so():
+    """model.no_mlp_layers: that block is x + mixer(norm x), with no MLP weights; the parameter count
+    from one- and two-layer models (footprint) equals the built decoder's, for every mix of kinds."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(num_layers=3, no_mlp_layers=[1], mlp_act="relu2")
+    model = Decoder(cfg).eval()
+    block = model.blocks[1]
+    assert block.mlp is None and block.mlp_norm is None
+    assert not any(".mlp" in name for name in dict(model.named_parameters()) if name.startswith("blocks.1."))
+    x = model.embed(torch.tensor([[3, 1, 4, 1, 5]]))
+    cos, sin = model.rope_cos[:5], model.rope_sin[:5]
+    caches = uncached_layers(model.layouts)
+    pos = Positions(0, 5, "cpu")
+    with torch.no_grad():
+        y = model.blocks[0](x, cos, sin, caches[0], pos)
+        expected = y + block.attn(block.attn_norm(y), cos, sin, caches[1], pos)
+        torch.testing.assert_close(block(y, cos, sin, caches[1], pos), expected, rtol=0, atol=0)
+    for attention in (None, AttentionConfig(layer_types=["linear_attention", "full_attention", "linear_attention"])):
+        resolved = (attention or AttentionConfig(type="mha")).resolved(cfg)
+        assert parameter_counts(cfg, resolved).total == Decoder(cfg, resolved).num_params()
+
+
+def test_without_rotary_embeddings_attention_does_not_see_absolute_positions():
+    """model.rope_type=none (NoPE: Nemotron-H's and Granite 4's attention): the same tokens give the
+    same logits wherever they start, as no rotary table turns them; with rotary they do not."""
+    torch.manual_seed(0)
+    tokens = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    for rope_type, same in (("none", True), ("default", False)):
+        model = make_decoder(rope_type=rope_type)
+        with torch.no_grad():
+            at0, at9 = model(tokens, start_pos=0), model(tokens, start_pos=9)
+        assert torch.equal(at0, at9) == same
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"mlp_act": "gelu"}, "model.mlp_act='gelu'"),
+    ({"no_mlp_layers": [2]}, "model.no_mlp_layers=[2]: must name layers below model.num_layers=2"),
+    ({"rope_type": "nope"}, "model.rope_type='nope'"),
+    ({"multipliers": {"logits_scaling": 0.0}}, "model.multipliers.logits_scaling=0.0: must be a finite number > 0"),
+    ({"multipliers": {"attention_multiplier": -1.0}}, "model.multipliers.attention_multiplier=-1.0: must be a finite"),
+])
+def test_a_block_shape_it_cannot_build_is_refused_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        tiny_model_config(**override)
+    assert needle in str(err.value) and "\n" not in str(err.value)

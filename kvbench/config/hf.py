@@ -1,13 +1,13 @@
-"""A transformers checkpoint's ``config.json``: the one reader of that file, and what it says
-about the decoder's shape.
+"""A transformers checkpoint's ``config.json``: the one reader of that file, and what it says about the
+decoder's shape.
 
-:func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields`
-turns its contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder
-does not model (another architecture, multimodal, other rope types) in one line
-naming the key; a mixture of experts becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the
-model's own window pattern (``preset_window``, ``preset_layer_types``). Each value is checked against
-its JSON type where it is read (:func:`_get`): OmegaConf, which types the fields afterwards, would
-convert ``"32"`` silently and name only its own key, and the arithmetic here would raise first.
+:func:`read_config_json` reads the file (bounded, regular files only); :func:`model_fields` turns its
+contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder does not model
+(another architecture, multimodal, other rope types) in one line naming the key; a mixture of experts
+becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the model's own window pattern
+(``preset_window``, ``preset_layer_types``); a layer kind's home reads its architectures' files
+(``LayerKind.hf_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
+OmegaConf, which types the fields afterwards, would convert ``"32"`` silently and name only its own key.
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
 from kvbench.config.moe import EXPERTS_KEY, check_moe
 from kvbench.config.quant import weights_stored
 from kvbench.jsonio import read_json
+from kvbench.layouts.registry import by_architecture, registered
 
 CONFIG_FILE = "config.json"
 # A config.json is a few kilobytes; anything far larger is not one.
 MAX_CONFIG_BYTES = 16 * 2**20
 
-# The transformers architectures whose config.json and tensor names the decoder reads, each with
-# the switches its attention needs (ModelConfig fields). The one list: the loader, the refusals
-# and the README's table of accepted architectures follow it. Every architecture also takes the
-# rope types in ROPE_TYPES and sliding windows (as WINDOW_KEYS_READ says); everything else (other MoE
-# such as Mixtral, multimodal, biases beyond q/k/v, other rope types) is refused naming its config.json key.
+# The transformers architectures whose config.json and tensor names the decoder reads, each with the switches
+# its attention needs (ModelConfig fields). The one list: the loader, the refusals and the README's table of
+# accepted architectures follow it. Every architecture also takes the rope types in ROPE_TYPES and sliding
+# windows (as WINDOW_KEYS_READ says); everything else (other MoE such as Mixtral, multimodal, biases beyond
+# q/k/v, other rope types) is refused naming its config.json key.
 HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},   # Llama 2, 3, 3.1, 3.2, 3.3
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -39,13 +40,12 @@ HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
 }
 # DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json) and V3.2 (+ DSA's
 # indexer, index_topk in config.json); their mixtures of experts: MOE_FAMILIES.
-HF_ARCHITECTURES.update({"DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-                         "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-                         "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False}})
-# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal
-# checkpoints) and Qwen3-Next (their experts: MOE_FAMILIES): Gated DeltaNet layers beside full
-# attention whose output is gated, whose rotary embeddings turn part of a head, and whose norms are
-# zero-centred (transformers' Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
+HF_ARCHITECTURES.update({arch: {"qkv_bias": False, "qk_norm": False}
+                         for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")})
+# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal checkpoints)
+# and Qwen3-Next (their experts: MOE_FAMILIES): Gated DeltaNet layers beside full attention whose output is
+# gated, whose rotary embeddings turn part of a head, and whose norms are zero-centred (transformers'
+# Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
 _HYBRID = {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True, "norm_zero_centered": True}
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
                         "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -57,8 +57,8 @@ HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attenti
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                   *HYBRID_ARCHITECTURES)  # their attention_bias: a bias on each of q, k, v and o
 # A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
-TEXT_MODEL_PREFIX = {"Qwen3_5ForConditionalGeneration": "model.language_model.",
-                     "Qwen3_5MoeForConditionalGeneration": "model.language_model."}
+TEXT_MODEL_PREFIX = dict.fromkeys(("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+                                  "model.language_model.")
 # Tensors transformers' causal LM leaves unread: a multi-token-prediction head, a vision tower.
 UNREAD_TENSORS = {arch: ("mtp.", "model.visual.") for arch in HYBRID_ARCHITECTURES}
 # Mixture-of-experts architectures (whose MLPs _hf_moe reads) and their routing; GPT-OSS also has
@@ -72,8 +72,8 @@ MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen", "Qwen3NextForCausalLM": "qwen_sha
                 "GptOssForCausalLM": "gpt_oss"}
 # model.rope_type: rotary frequencies as transformers' rope types of the same names compute them.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Their config classes' defaults for keys a config.json may leave out, where they are not kvbench's
-# own: absent, transformers reads these. rope_parameters: when neither it nor rope_scaling is set.
+# Their config classes' defaults for keys a config.json may leave out, where they are not kvbench's own:
+# absent, transformers reads these. rope_parameters: when neither it nor rope_scaling is set.
 _QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 CLASS_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": 4096},
@@ -102,8 +102,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' n
 _KINDS = {
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
     "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"), "str": (lambda v: isinstance(v, str), "a string"),
     "list": (lambda v: isinstance(v, list), "a list"),
     "object": (lambda v: isinstance(v, Mapping), "a JSON object"),
 }
@@ -164,10 +163,12 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
     each came from (:class:`~kvbench.config.hf_keys.Source`; none for a ``max_seq_len`` given: the
     caller's); ``where`` names the file. What the decoder does not model, or a missing key: ConfigError."""
     archs = _get(cfg, "architectures", "list") or [_get(cfg, "model_type", "str", "unknown")]
-    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in HF_ARCHITECTURES or by_architecture(a)), None)
     if arch is None:
-        raise ConfigError(f"{where}: architectures={archs!r}: not supported "
-                          f"(accepted: {', '.join(HF_ARCHITECTURES)})")
+        accepted = [*HF_ARCHITECTURES, *(a for kind in registered() for a in kind.hf_architectures)]
+        raise ConfigError(f"{where}: architectures={archs!r}: not supported (accepted: {', '.join(accepted)})")
+    if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_fields)
+        return {**by_architecture(arch).hf_fields(cfg, arch), "weights_stored": weights_stored(cfg)}, {}
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
     # a multimodal checkpoint's language model, its keys named where they are; its tying and weights' format the top's
@@ -187,10 +188,9 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
     check_agreement(given, cfg, WINDOW_KEYS_READ.get(arch, WINDOW_KEYS), hybrid)  # keys that say one thing twice
     refused = {  # key: why, for a value that is set and not the default (Mistral's and Qwen2's classes ignore it)
         "attention_bias": "biases on the latent attention's projections are not modelled" if "Deep" in arch else None,
-        "text_config": "multimodal checkpoints are not supported",
-        "vision_config": "multimodal checkpoints are not supported",
-        "num_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
-        "num_local_experts": None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}",
+        **dict.fromkeys(("text_config", "vision_config"), "multimodal checkpoints are not supported"),
+        **dict.fromkeys(("num_experts", "num_local_experts"),
+                        None if arch in MOE_FAMILIES else f"mixture-of-experts is not supported for {arch}"),
     }
     if arch in ATTENTION_BIAS:  # on q, k, v and o alike (GPT-OSS: unless set false); GPT-OSS: sinks in every layer
         bias = _get(cfg, "attention_bias", "bool", arch == "GptOssForCausalLM")

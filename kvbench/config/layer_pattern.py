@@ -12,6 +12,7 @@ from kvbench.config.errors import check
 from kvbench.config.hf import LAYER_TYPES, LINEAR
 from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.jsonio import as_int
+from kvbench.layouts.registry import layer_type_names, recurrent_layer_types, registered
 
 
 def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None,
@@ -37,11 +38,13 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
             label += f" {ratio[0]}:{ratio[1]}"
     for option in LAYER_OPTIONS:
         label += option.part(get(option.key))
-    linear = linear_full_layers(get("layer_types"))
-    if linear:
-        label += f" gdn {linear[0]}:{linear[1]}" if linear[1] else " gdn"
-        if state_dtype not in (None, "float32"):  # cache.state_dtype: only a recurrent layer holds one
-            label += f" state={state_dtype}"
+    recurrent = False
+    for kind in registered():  # each kind whose layers hold a state per sequence, by its label (gdn, ...)
+        ratio = kind.recurrent and kind.label and _ratio(get("layer_types"), kind.layer_types)
+        if ratio:
+            label, recurrent = label + (f" {kind.label} {ratio[0]}:{ratio[1]}" if ratio[1] else f" {kind.label}"), True
+    if recurrent and state_dtype not in (None, "float32"):  # cache.state_dtype: only a recurrent layer holds one
+        label += f" state={state_dtype}"
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
 
@@ -68,6 +71,15 @@ def local_global_layers(window: Optional[int], global_every: Optional[int], laye
         return (1, 0)
     g = math.gcd(local, total - local) or 1
     return (local // g, (total - local) // g)
+
+
+def _ratio(layer_types: Optional[Sequence[str]], named: Sequence[str]) -> Optional[Tuple[int, int]]:
+    """The ratio of the layers ``named`` to the others, reduced; None when none is."""
+    if not layer_types or not set(named) & set(layer_types):
+        return None
+    n = sum(t in named for t in layer_types)
+    g = math.gcd(n, len(layer_types) - n)
+    return (n // g, (len(layer_types) - n) // g)
 
 
 def linear_full_layers(layer_types: Optional[Sequence[str]]) -> Optional[Tuple[int, int]]:
@@ -99,7 +111,8 @@ def unused_pattern_keys(attention: Mapping[str, Any]) -> Tuple[str, ...]:
     a window, which layers are local, and layer_types too unless some are linear."""
     if attention.get("window") is not None:
         return ()
-    return ("window", "global_every") + ("layer_types",) * (LINEAR not in (attention.get("layer_types") or ()))
+    return ("window", "global_every") + ("layer_types",) * all(t == "full_attention"
+                                                                for t in attention.get("layer_types") or ())
 
 
 @dataclass(frozen=True)
@@ -134,8 +147,8 @@ class LayerPattern:
 
     @property
     def has_linear(self) -> bool:
-        """True when some layer keeps a fixed-size recurrent state (Gated DeltaNet), not its tokens' K/V."""
-        return linear_full_layers(self.layer_types) is not None
+        """True when some layer keeps a fixed-size recurrent state (a registered recurrent kind's), not K/V."""
+        return bool(set(self.layer_types or ()) & set(recurrent_layer_types()))
 
     @property
     def named(self) -> bool:
@@ -166,8 +179,9 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
         return
     check(global_every is None, f"{prefix}global_every", global_every,
           f"and {prefix}layer_types both say which layers are local; give one")
-    check(all(t in LAYER_TYPES for t in layer_types), f"{prefix}layer_types", layer_types,
-          f"each entry must be one of {', '.join(LAYER_TYPES)}")
+    accepted = tuple(dict.fromkeys((*LAYER_TYPES, *layer_type_names())))  # and every registered kind's
+    check(all(t in accepted for t in layer_types), f"{prefix}layer_types", layer_types,
+          f"each entry must be one of {', '.join(accepted)}")
     check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
           f"must name each of model.num_layers={num_layers} layers")
     check(not window or "sliding_attention" in layer_types, f"{prefix}window", window,

@@ -20,13 +20,15 @@ from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
+from kvbench.config.multipliers import Multipliers
 from kvbench.config.quant import check_weights_stored
 from kvbench.jsonio import path_problem
+from kvbench.layouts import kinds  # noqa: F401  (every layer kind registered before a config asks the registry)
 
-# The attention layouts, in the order every table, plot and report lists them: the three KV-head
-# counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
+# The attention layouts, in the order every table, plot and report lists them: the three KV-head counts,
+# then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
-MLA_DECODE_FORMS = ("absorbed", "expanded")
+MLA_DECODE_FORMS, MLP_ACTS = ("absorbed", "expanded"), ("silu", "relu2")
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -40,9 +42,8 @@ def attention_type(num_heads: int, num_kv_heads: int) -> str:
 
 @dataclass
 class ModelConfig:
-    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head
-    count, used by ``attention=gqa`` when no count is given; the one count a run uses is
-    ``attention.num_kv_heads``."""
+    """Decoder shape. ``preset_kv_heads`` is the preset's (or checkpoint's) published KV-head count, used
+    by ``attention=gqa`` when no count is given; the one count a run uses is ``attention.num_kv_heads``."""
 
     name: str = "custom"
     num_layers: int = 2
@@ -57,7 +58,7 @@ class ModelConfig:
     # Rotary scaling (ROPE_TYPES): linear divides every frequency by rope_factor; llama3 (Llama 3.1+) divides
     # those with wavelengths above rope_original_max_seq_len / rope_low_freq_factor, keeps those below
     # rope_original_max_seq_len / rope_high_freq_factor, and interpolates between.
-    rope_type: str = "default"
+    rope_type: str = "default"  # none: no rotary embeddings (NoPE: Nemotron-H's and Granite 4's attention)
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -96,22 +97,27 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
-    moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: the dense SwiGLU of ffn_dim
+    moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
     weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
+    mlp_act: str = "silu"  # MLP_ACTS: silu, the gated SwiGLU; relu2, relu(up x)^2 ungated (Nemotron-H), experts too
+    no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)
+    layer_shapes: Optional[Dict[str, Any]] = None  # a layer kind's own shape by its name (LayerKind.build reads it)
+    multipliers: Optional[Multipliers] = None  # Granite's scalings of embedding, residual, attention, logits
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
-        if isinstance(self.preset_mla, Mapping):  # from a dict (asdict of a saved config)
-            self.preset_mla = typed(MLAShape, dict(self.preset_mla), "model.preset_mla.")
-        if isinstance(self.moe, Mapping):
-            self.moe = typed(MoEShape, dict(self.moe), "model.moe.")
-        if self.moe is not None:
-            check(max(self.moe.dense_layers, default=0) < self.num_layers, "model.moe.dense_layers",
-                  self.moe.dense_layers, f"must name layers below model.num_layers={self.num_layers}")
+        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers)):  # from a dict
+            if isinstance(getattr(self, key), Mapping):
+                setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
+        for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
+                            ("no_mlp_layers", self.no_mlp_layers or ())):
+            check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
+                  f"must name layers below model.num_layers={self.num_layers}")
+        check_choice("model.mlp_act", self.mlp_act, MLP_ACTS)
         check_numbers("model", self)
-        check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim",
-                                        "vocab_size", "max_seq_len", "preset_kv_heads"))
+        check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                                        "preset_kv_heads"))
         check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
         self._check_rope_scaling()
         check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
@@ -121,7 +127,7 @@ class ModelConfig:
                    f"must be divisible by model.num_heads={self.num_heads} when model.head_dim is null")
             self.head_dim = self.d_model // self.num_heads
         check(self.head_dim >= 1, "model.head_dim", self.head_dim, "must be >= 1")
-        if self.preset_mla is None:  # a latent model's heads rotate preset_mla.qk_rope_head_dim of theirs
+        if self.preset_mla is None and self.rope_type != "none":  # a latent's heads rotate preset_mla.qk_rope_head_dim
             self.check_rotary()
         self._check_linear_shape()
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
@@ -141,7 +147,7 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         """The dimensions of a query or key head that rotary embeddings turn (transformers' int())."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        return 0 if self.rope_type == "none" else int(self.head_dim * self.partial_rotary_factor)
 
     def linear_shape(self) -> Dict[str, int]:
         """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields: the
@@ -165,7 +171,7 @@ class ModelConfig:
         latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
         return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
                        preset_global_every=attention.global_every if window else None,
-                       preset_layer_types=types if window or LINEAR in (types or ()) else None,
+                       preset_layer_types=types if window or set(types or ()) - {"full_attention"} else None,
                        **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
 
     def _check_linear_shape(self) -> None:
@@ -173,12 +179,11 @@ class ModelConfig:
         for key, value in shape.items():
             check(value >= 1, f"model.{key}", value, "must be >= 1")
         heads, value_heads = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
-        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads,
-              f"must be a multiple of model.linear_num_key_heads={heads} (each key head serves the same number of "
-              "value heads)")
+        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads, f"must be a multiple of "
+              f"model.linear_num_key_heads={heads} (each key head serves the same number of value heads)")
 
     def _check_rope_scaling(self) -> None:
-        check_choice("model.rope_type", self.rope_type, ROPE_TYPES)
+        check_choice("model.rope_type", self.rope_type, (*ROPE_TYPES, "none"))
         check(self.rope_factor >= 1, "model.rope_factor", self.rope_factor,
                "must be >= 1 (the factor positions are stretched by)")
         if self.rope_type not in ("llama3", "yarn"):
@@ -208,11 +213,10 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: Dict[str, Any], where: str = "config.json",
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
-        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where``
-        names the file in errors (every error names it: the file is the user's input), and a bad
-        value by the key the file holds it under (:func:`kvbench.config.hf_keys.in_file_keys`; a
-        value given here, ``max_seq_len`` or ``fields``, by kvbench's). Refuses what the decoder
-        does not model (:func:`kvbench.config.hf.model_fields`); values of the wrong type name their key."""
+        """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where`` names the file
+        in errors (every error names it: the file is the user's input), and a bad value by the key the file
+        holds it under (:func:`kvbench.config.hf_keys.in_file_keys`; a value given here, ``max_seq_len`` or
+        ``fields``, by kvbench's). Refuses what the decoder does not model (:func:`~kvbench.config.hf.model_fields`)."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: not a JSON object")
         sources: Dict[str, Source] = {}
@@ -247,17 +251,17 @@ class ModelConfig:
 
 @dataclass
 class AttentionConfig:
-    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name
-    that must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between).
-    ``type=model`` (the default) is the model's own layout (``model.preset_kv_heads``, or its
-    ``preset_mla``): a run that names a model measures that model unless it asks for another.
+    """Attention variant. For mha/gqa/mqa the variant *is* the KV-head count; ``type`` is a name that
+    must agree with it (mha: num_kv_heads == num_heads, mqa: 1, gqa: strictly between). ``type=model``
+    (the default) is the model's own layout (``model.preset_kv_heads``, or its ``preset_mla``): a run
+    that names a model measures that model unless it asks for another.
 
-    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from
-    one latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``;
-    the cache holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent
-    head of kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the
-    other types; null with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to
-    model.head_dim (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
+    ``mla`` (multi-head latent attention, DeepSeek-V2/V3): keys and values are up-projected from one
+    latent of ``kv_lora_rank`` per token plus one shared rotary key of ``qk_rope_head_dim``; the cache
+    holds those (num_kv_heads resolves to 1: the absorbed decode is MQA over one latent head of
+    kv_lora_rank + qk_rope_head_dim). Its fields, DeepSeek's names, are null for the other types; null
+    with mla: the model's own (model.preset_mla), else DeepSeek-V3's ratios to model.head_dim
+    (kv_lora_rank 4x, qk_nope 1x, qk_rope 1/2, v 1x, no q_lora)."""
 
     type: str = MODEL_ATTENTION
     # null: model -> the model's own, mha -> num_heads, mqa -> 1, gqa -> the model's own if it is
@@ -284,9 +288,8 @@ class AttentionConfig:
     qk_nope_head_dim: Optional[int] = None  # per-head key/query width without rotary
     qk_rope_head_dim: Optional[int] = None  # the rotary key shared by all heads, and each query's
     v_head_dim: Optional[int] = None
-    # how a decode step (one new token) reads the latents: absorbed (W_UK folded into the query,
-    # W_UV into the output: MQA over the latents, as vLLM runs it) | expanded (K/V up-projected
-    # per head: the reference). Prefill is always expanded.
+    # how a decode step reads the latents: absorbed (W_UK folded into the query, W_UV into the output: MQA over
+    # the latents, as vLLM runs it) | expanded (K/V up-projected per head: the reference); prefill: expanded
     mla_decode: str = "absorbed"
     index_n_heads: Optional[int] = None  # DSA's (DeepSeek-V3.2, with mla) indexer heads; null: the model's own
     index_head_dim: Optional[int] = None  # the width of its key, cached per token beside the latent
@@ -419,32 +422,28 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
     return min(divisors, key=lambda d: (abs(d - h / 4), d))
 
 
-_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)",
+_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)", "random-init": "random weights in the asked layout",
                      "mean-pool": "its K/V heads mean-pooled per group (an approximation of the model)",
-                     "random-init": "random weights drawn in the asked layout",
                      "shape": "the arithmetic of the asked layout, not of the published model"}
 
 
 def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str) -> Optional[Dict[str, Any]]:
     """The record's ``kv_conversion``: null when the run measures the model's own KV-head count
-    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method``
-    says what was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init``
-    a preset's shape drawn with random weights in the asked layout, ``shape`` task=inspect's
-    arithmetic)."""
+    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method`` says what
+    was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init`` a preset's shape
+    drawn with random weights in the asked layout, ``shape`` task=inspect's arithmetic)."""
+    old, new = model.preset_kv_heads, attention.num_kv_heads
     if attention.latent or model.preset_mla is not None:  # MLA: a latent, not a KV-head count
         if attention.latent == (model.preset_mla is not None):
             return None
-        own = "multi-head latent attention" if model.preset_mla is not None else f"{model.preset_kv_heads} KV heads"
+        own = "multi-head latent attention" if model.preset_mla is not None else f"{old} KV heads"
         measured = (f"multi-head latent attention (kv_lora_rank {attention.kv_lora_rank})" if attention.latent
-                    else f"{attention.num_kv_heads} KV heads ({attention.type})")
-        text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
-                f"{_CONVERSION_WORDS.get(method, method)}")
-        return {"from_kv_heads": model.preset_kv_heads, "to_kv_heads": attention.num_kv_heads, "method": method,
-                "text": text}
-    old, new = model.preset_kv_heads, attention.num_kv_heads
-    if new is None or old == new:
+                    else f"{new} KV heads ({attention.type})")
+    elif new is None or old == new:
         return None
-    text = (f"attention converted: model {model.name} has {old} KV heads "
-            f"({attention_type(model.num_heads, old)}); this run measures {new} "
-            f"({attention_type(model.num_heads, new)}), {_CONVERSION_WORDS.get(method, method)}")
+    else:
+        own, measured = f"{old} KV heads ({attention_type(model.num_heads, old)})", \
+            f"{new} ({attention_type(model.num_heads, new)})"
+    text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
+            f"{_CONVERSION_WORDS.get(method, method)}")
     return {"from_kv_heads": old, "to_kv_heads": new, "method": method, "text": text}

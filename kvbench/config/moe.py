@@ -65,10 +65,11 @@ class MoEShape:
 
     # ---- parameters, from the fields alone -------------------------------------------------
 
-    def expert_params(self, d_model: int) -> int:
-        """One routed expert's parameters: gate and up (d_model -> expert_ffn_dim), down, biases."""
+    def expert_params(self, d_model: int, gated: bool = True) -> int:
+        """One routed expert's parameters: gate (when ``gated``: model.mlp_act silu) and up (d_model ->
+        expert_ffn_dim), down, biases."""
         C, I = d_model, self.expert_ffn_dim  # noqa: E741
-        return 3 * C * I + (2 * I + C if self.expert_bias else 0)
+        return (3 if gated else 2) * C * I + (2 * I + C if self.expert_bias else 0)
 
     def layer_params(self, d_model: int) -> int:
         """A mixture-of-experts layer's MLP parameters: the router (and its bias), every routed

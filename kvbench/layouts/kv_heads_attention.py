@@ -50,6 +50,10 @@ class KVHeadsAttention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.norm_eps, norm) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(D, cfg.norm_eps, norm) if cfg.qk_norm and not self.shared else nn.Identity()
         self.sinks = nn.Parameter(torch.zeros(H)) if layout.sinks else None
+        # Granite's attention_multiplier replaces 1/sqrt(D) as the logits' scale: the query takes the ratio,
+        # so that every attention path (SDPA's own scale, sinks, a shared prefix) stays as it is
+        scale = getattr(getattr(cfg, "multipliers", None), "attention_multiplier", None)
+        self.q_scale = 1.0 if scale is None else scale * D ** 0.5
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
@@ -58,6 +62,8 @@ class KVHeadsAttention(nn.Module):
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, H, T, D): the first cos.shape[-1] dims
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         k = v = None  # (B, H_kv, T, D) each; a shared layer's cache answers with its donor's
         if not self.shared:
             k = self.k_norm(self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)

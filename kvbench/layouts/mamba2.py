@@ -15,13 +15,14 @@ I = H P the inner width, conv channels I + 2 G N.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
+from kvbench.layouts.registry import LayerKind, register
 
 INF = float("inf")
 
@@ -199,6 +200,9 @@ def mamba2_from_hf(cfg: Mapping[str, Any], num_heads: int = 32, head_dim: int = 
         _, conv_bias = _read(cfg, ("mamba_conv_bias",), "bool", True)
         _, proj_bias = _read(cfg, ("mamba_proj_bias",), "bool", False)
         limit_key, limit = _read(cfg, ("time_step_limit",), "list", [0.0, INF])
+        # transformers writes an infinite float as {"__float__": "Infinity"} (JSON has none)
+        limit = [float(v["__float__"]) if isinstance(v, Mapping) and v.get("__float__") == "Infinity" else v
+                 for v in limit]
         if len(limit) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit):
             raise ConfigError(f"{limit_key}={limit!r}: must be [low, high], two numbers")
         limit = (float(limit[0]), float(limit[1]))
@@ -235,3 +239,209 @@ def hf_layer_kinds(cfg: Mapping[str, Any]) -> List[str]:
     if bad is not None or not types:
         raise ConfigError(f"{key}={types!r}: each must be one of {sorted(LAYER_TYPES)}")
     return [LAYER_TYPES[t] for t in types]
+
+
+# ---- the decoder: its layers' layout, a Nemotron-H checkpoint as kvbench's blocks -------------
+
+SHAPE_KEY = "mamba2"  # model.layer_shapes' key: this kind's fields as Mamba2 names them
+
+
+def build(model) -> Mamba2:
+    """The Mamba-2 layout of ``model``'s mamba layers (a ModelConfig): ``model.layer_shapes.mamba2``
+    (a checkpoint's, :func:`hf_fields`), each field it leaves out in proportion to the model (its heads,
+    Granite's expand 2 over them, a state of head_dim in one group) or Mamba2's default; refused in one
+    line naming ``model.layer_shapes.mamba2.<key>``."""
+    prefix = f"model.layer_shapes.{SHAPE_KEY}."
+    given = (model.layer_shapes or {}).get(SHAPE_KEY) or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{prefix[:-1]}={given!r}: must be a mapping of Mamba-2 fields")
+    known = [f for f in Mamba2.__dataclass_fields__ if f not in ("window", "num_heads", "head_dim")]
+    unknown = next((key for key in given if key not in known), None)
+    if unknown is not None:
+        raise ConfigError(f"{prefix}{unknown}={given[unknown]!r}: not a Mamba-2 field (one of {', '.join(known)})")
+    shape = {"mamba_num_heads": model.num_heads, "mamba_head_dim": max(1, 2 * model.d_model // model.num_heads),
+             "ssm_state_size": model.head_dim, "n_groups": 1, **given}
+    if "time_step_limit" in given:  # [low, high], high null for no bound (a record holds no infinity)
+        limit = given["time_step_limit"]
+        if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+            raise ConfigError(f"{prefix}time_step_limit={limit!r}: must be [low, high] (high null: no bound)")
+        shape["time_step_limit"] = (limit[0], INF if limit[1] is None else limit[1])
+    try:
+        return Mamba2(None, **shape, num_heads=model.num_heads, head_dim=model.head_dim)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
+    except TypeError as exc:  # a value of the wrong type in the arithmetic of a check
+        raise ConfigError(f"{prefix[:-1]}={dict(given)!r}: malformed ({exc})") from None
+
+
+def _blocks(cfg: Mapping[str, Any]) -> List[Tuple[int, Optional[int]]]:
+    """Nemotron-H's layers (one mixer each, :func:`hf_layer_kinds`) as kvbench's blocks: (the layer of
+    its mixer, the layer of the MLP that follows it or None). A block's pre-norm residual mixer then
+    MLP is two Nemotron-H layers in a row, exactly."""
+    kinds, blocks = hf_layer_kinds(cfg), []
+    for j, kind in enumerate(kinds):
+        if kind in ("mamba", "attention"):
+            blocks.append((j, None))
+            continue
+        if not blocks or blocks[-1][1] is not None:
+            letter = "E" if kind == "moe" else "-"
+            raise ConfigError(f"hybrid_override_pattern={_pattern(kinds)!r}: layer {j} is an MLP ({letter}) that "
+                              "follows no mixer layer (M or *); a block of an MLP alone is not built")
+        blocks[-1] = (blocks[-1][0], j)
+    return blocks
+
+
+def _pattern(kinds: List[str]) -> str:
+    letters = {kind: letter for letter, kind in PATTERN.items()}
+    return "".join(letters[k] for k in kinds)
+
+
+def _shape(layout: Mamba2) -> Dict[str, Any]:
+    """``model.layer_shapes.mamba2`` of ``layout`` (what :func:`build` reads back)."""
+    limit = layout.time_step_limit
+    shape = {**layout.fields(), "chunk_size": layout.chunk_size, "conv_bias": layout.conv_bias,
+             "proj_bias": layout.proj_bias, "time_step_limit": [limit[0], None if limit[1] == INF else limit[1]]}
+    shape["state_dtype"] = shape.pop("mamba_ssm_cache_dtype", "float32")
+    return shape
+
+
+def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
+    """Every ModelConfig field of a Nemotron-H or Granite 4 config.json (:func:`_granite_fields`), with
+    its class's defaults for absent keys: Nemotron-H's mixers as blocks (:func:`_blocks`), the mamba
+    layers' shape in ``layer_shapes``, its attention without rotary embeddings nor biases
+    (NemotronHAttention has neither) and its ungated relu2 MLP. A value it cannot run refused in one
+    line naming its key."""
+    if arch == "GraniteMoeHybridForCausalLM":
+        return _granite_fields(cfg)
+
+    def get(keys: Tuple[str, ...], kind: str, default: Any) -> Any:
+        return _read(cfg, keys, kind, default)[1]
+
+    act = get(("mlp_hidden_act",), "str", "relu2")
+    if act != "relu2":
+        raise ConfigError(f"mlp_hidden_act={act!r}: not supported in a Nemotron-H MLP (relu2 only)")
+    if get(("sliding_window",), "int", None) is not None:
+        raise ConfigError(f"sliding_window={cfg['sliding_window']!r}: a window on Nemotron-H's attention is not read")
+    blocks, kinds = _blocks(cfg), hf_layer_kinds(cfg)
+    heads = get(("num_attention_heads",), "count", 32)
+    shape = _shape(mamba2_from_hf(cfg, heads))
+    return {"moe": _experts(cfg, blocks, kinds), "num_layers": len(blocks), "num_heads": heads,
+            "d_model": get(("hidden_size",), "count", 4096),
+            "preset_kv_heads": get(("num_key_value_heads",), "count", heads),
+            "head_dim": get(("head_dim",), "count", 128), "ffn_dim": get(("intermediate_size",), "count", 21504),
+            "vocab_size": get(("vocab_size",), "count", 131072),
+            "max_seq_len": get(("max_position_embeddings",), "count", 4096),
+            "norm_eps": get(("layer_norm_epsilon",), "number", 1e-5), "rope_type": "none", "mlp_act": "relu2",
+            "mlp_bias": get(("mlp_bias",), "bool", False),
+            "no_mlp_layers": [i for i, (_, mlp) in enumerate(blocks) if mlp is None] or None,
+            "preset_layer_types": ["mamba" if kinds[mixer] == "mamba" else "full_attention" for mixer, _ in blocks],
+            "layer_shapes": {SHAPE_KEY: shape}}
+
+
+def _experts(cfg: Mapping[str, Any], blocks: List[Tuple[int, Optional[int]]], kinds: List[str]) -> Optional[Dict]:
+    """``model.moe`` of Nemotron-H's E layers (NemotronHMoE: relu2 experts, the sigmoid router with its
+    correction bias and groups, one relu2 shared expert): the blocks whose MLP is a - layer are its
+    dense layers; None without an E layer."""
+    if "moe" not in kinds:
+        return None
+    latent = cfg.get("moe_latent_size")
+    if latent is not None:
+        raise ConfigError(f"moe_latent_size={latent!r}: experts in a latent space (LatentMoE) are not built")
+
+    def get(key: str, kind: str, default: Any) -> Any:
+        return _read(cfg, (key,), kind, default)[1]
+
+    return {"num_experts": get("n_routed_experts", "count", 8), "top_k": get("num_experts_per_tok", "count", 2),
+            "expert_ffn_dim": get("moe_intermediate_size", "count", 7688), "router": "sigmoid",
+            "norm_topk_prob": get("norm_topk_prob", "bool", True),
+            "routed_scaling_factor": get("routed_scaling_factor", "number", 1.0),
+            "n_group": get("n_group", "count", 1), "topk_group": get("topk_group", "count", 1),
+            "shared_ffn_dim": get("moe_shared_expert_intermediate_size", "count", 7688),
+            "dense_layers": [i for i, (_, mlp) in enumerate(blocks) if mlp is not None and kinds[mlp] == "mlp"]}
+
+
+def _granite_fields(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """A dense Granite 4 (GraniteMoeHybrid, no routed experts): each layer a mamba or attention mixer
+    and the shared MLP (gated SiLU, ``shared_intermediate_size`` wide), rotary embeddings only with
+    ``position_embedding_type`` rope, and its multipliers (:class:`~kvbench.config.multipliers.Multipliers`)."""
+    def get(keys: Tuple[str, ...], kind: str, default: Any) -> Any:
+        return _read(cfg, keys, kind, default)[1]
+
+    experts = get(("num_local_experts",), "int", 8)
+    if experts:
+        raise ConfigError(f"num_local_experts={experts!r}: Granite 4's routed experts are not built (a dense "
+                          "Granite 4 has 0)")
+    act = get(("hidden_act",), "str", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r}: not supported (silu only)")
+    position = cfg.get("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+        raise ConfigError(f"position_embedding_type={position!r}: must be rope, nope or null")
+    rope = cfg.get("rope_parameters") or {}
+    if position == "rope" and (not isinstance(rope, Mapping) or rope.get("rope_type", "default") != "default"):
+        raise ConfigError(f"rope_parameters={rope!r}: only the default rope type is read for Granite 4")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if position == "rope" else 10000.0
+    kinds = hf_layer_kinds(cfg)
+    heads, hidden = get(("num_attention_heads",), "count", 32), get(("hidden_size",), "count", 4096)
+    bias = get(("attention_bias",), "bool", False)
+    scales = {key: get((key,), "number", 1.0) for key in ("embedding_multiplier", "residual_multiplier",
+                                                            "attention_multiplier", "logits_scaling")}
+    return {"num_layers": len(kinds), "d_model": hidden, "num_heads": heads,
+            "preset_kv_heads": get(("num_key_value_heads",), "count", heads), "head_dim": hidden // heads,
+            "ffn_dim": get(("shared_intermediate_size",), "count", 1024),
+            "vocab_size": get(("vocab_size",), "count", 32000),
+            "max_seq_len": get(("max_position_embeddings",), "count", 2048),
+            "norm_eps": get(("rms_norm_eps",), "number", 1e-6), "qkv_bias": bias, "o_bias": bias,
+            "rope_type": "default" if position == "rope" else "none", "rope_theta": theta, "multipliers": scales,
+            "preset_layer_types": ["mamba" if k == "mamba" else "full_attention" for k in kinds],
+            "layer_shapes": {SHAPE_KEY: _shape(mamba2_from_hf(cfg, heads, hidden // heads))}}
+
+
+# Granite 4's names where they are not Llama's: its mamba module, its shared MLP's fused gate and up
+GRANITE_NAMES = {"mamba.": "mixer.", "shared_mlp.input_linear.": "mlp.gate_up_proj.",
+                 "shared_mlp.output_linear.": "mlp.down_proj."}
+
+
+def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
+    """A Nemotron-H checkpoint's tensor names (``backbone.`` or ``model.``) in Llama's form, by kvbench's
+    blocks (:func:`_blocks`):
+    a mixer's norm is its block's input_layernorm and its mixer the attention's ``self_attn`` or the
+    mamba module's ``mixer``; the MLP after it, post_attention_layernorm and ``mlp``."""
+    if "GraniteMoeHybridForCausalLM" in (cfg.get("architectures") or ()):
+        return _granite_names
+    kinds, where = hf_layer_kinds(cfg), {}
+    for i, (mixer, mlp) in enumerate(_blocks(cfg)):
+        where[mixer] = (i, "input_layernorm", "self_attn" if kinds[mixer] == "attention" else "mixer")
+        if mlp is not None:
+            where[mlp] = (i, "post_attention_layernorm", "mlp")
+    top = {"embeddings.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight"}
+
+    def renamed(name: str) -> Optional[str]:
+        # save_pretrained writes NVIDIA's names (backbone.*), transformers' modules are model.*
+        name = "model." + name[len("backbone."):] if name.startswith("backbone.") else name
+        parts = name.split(".", 4)  # model, layers, j, norm | mixer, rest
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or int(parts[2]) not in where:
+            return top.get(name[len("model."):], name) if name.startswith("model.") else name
+        i, norm, module = where[int(parts[2])]
+        if parts[3] == "norm":
+            return f"model.layers.{i}.{norm}.{'.'.join(parts[4:])}"
+        if parts[3] == "mixer":
+            return f"model.layers.{i}.{module}.{'.'.join(parts[4:])}"
+        return name
+    return renamed
+
+
+def _granite_names(name: str) -> str:
+    """A Granite 4 tensor name in Llama's form (:data:`GRANITE_NAMES` below a layer)."""
+    parts = name.split(".", 3)  # model, layers, i, rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for old, new in GRANITE_NAMES.items():
+            if parts[3].startswith(old):
+                return f"model.layers.{parts[2]}.{new}{parts[3][len(old):]}"
+    return name
+
+
+KIND = register(LayerKind(
+    "mamba2", Mamba2, module="kvbench.layouts.mamba2_mixer:Mamba2Mixer", layer_types=("mamba",), recurrent=True,
+    label="mamba2", build=build, hf_architectures=tuple(HF_MODULES), hf_fields=hf_fields,
+    hf_names=hf_names, examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))

@@ -55,7 +55,7 @@ class Mamba2Mixer(nn.Module):
     """The mixer of a :class:`Mamba2` layer (its cache: :class:`~kvbench.state_cache.StateLayer`); takes the
     decoder's attention arguments (rotary tables unused) so that a block calls it like any layer's."""
 
-    HF_MODULES = ("mixer", "mamba")  # NemotronHBlock's, GraniteMoeHybridDecoderLayer's
+    HF_MODULE = "mixer"  # NemotronHBlock's (Granite's ``mamba`` is renamed to it by its home's hf_names)
     HF_NAMES = HF_NAMES
 
     def __init__(self, cfg, layout: Mamba2):

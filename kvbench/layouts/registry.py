@@ -20,6 +20,13 @@ A kind's facets, each optional where the kind has nothing to say:
 - hooks (``None``: nothing to do): ``hf_fields(cfg, arch) -> dict`` (the ModelConfig fields its
   config.json keys give), ``unfuse(tensors, layout, prefix)`` (a checkpoint's fused projections to
   the module's), ``param_count(layout, model) -> int`` (its parameters per layer).
+- ``build(model) -> LayerLayout``: its layers' layout in a ModelConfig (its shape in
+  ``model.layer_shapes[name]``, what its home's ``hf_fields`` writes there).
+- ``hf_architectures``: the transformers classes whose whole config.json its home reads (a model
+  that is not a Llama-form decoder with this kind beside it, as Nemotron-H is): ``hf_fields(cfg, arch)``
+  gives every ModelConfig field, and ``hf_names(cfg)`` a function from each tensor name of the
+  checkpoint to the name a Llama-form checkpoint gives it (``model.layers.L.self_attn.q_proj.weight``;
+  the kind's own under its module's ``HF_MODULE``), None for one the decoder does not read.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class LayerKind:
     hf_fields: Optional[Callable[..., Dict[str, Any]]] = None
     unfuse: Optional[Callable[..., None]] = None
     param_count: Optional[Callable[..., int]] = None
+    build: Optional[Callable[..., Any]] = None
+    hf_architectures: Tuple[str, ...] = ()
+    hf_names: Optional[Callable[..., Callable[[str], Optional[str]]]] = None
 
 
 _KINDS: Dict[str, LayerKind] = {}
@@ -86,6 +96,24 @@ def by_layer_type(name: str) -> LayerKind:
             return kind
     accepted = [t for kind in _KINDS.values() for t in kind.layer_types]
     raise ConfigError(f"attention.layer_types: {name!r} is not a layer type (one of {', '.join(accepted)})")
+
+
+def by_architecture(arch: Optional[str]) -> Optional[LayerKind]:
+    """The kind whose home reads the whole config.json of transformers' class ``arch`` (None: none)."""
+    return next((kind for kind in _KINDS.values() if arch in kind.hf_architectures), None)
+
+
+def hf_renaming(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
+    """How a checkpoint of the config.json contents ``cfg`` names its tensors in Llama's form: the
+    ``hf_names`` of the kind whose home reads its architecture, else each name as it is."""
+    archs = cfg.get("architectures")
+    kind = next((k for a in archs if (k := by_architecture(a))), None) if isinstance(archs, list) else None
+    return kind.hf_names(cfg) if kind is not None and kind.hf_names is not None else (lambda name: name)
+
+
+def layer_type_names() -> Tuple[str, ...]:
+    """Every registered kind's ``layer_types`` names, in registration order."""
+    return tuple(t for kind in _KINDS.values() for t in kind.layer_types)
 
 
 def recurrent_layer_types() -> Tuple[str, ...]:

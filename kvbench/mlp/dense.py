@@ -11,14 +11,22 @@ from torch import nn
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x), ``ffn_dim`` wide (default the model's, with
-    ``model.mlp_bias``'s biases; a shared expert's has none)."""
+    ``model.mlp_bias``'s biases; a shared expert's has none). ``model.mlp_act=relu2`` (Nemotron-H):
+    w_down(relu(w_up x)^2), no gate. :data:`HF_FUSED`: a checkpoint's gate and up rows in one tensor (Granite's
+    shared_mlp.input_linear, as its home names it), gate rows first."""
+
+    HF_FUSED = {"gate_up_proj.weight": ("w_gate.weight", "w_up.weight")}
 
     def __init__(self, cfg, ffn_dim: Optional[int] = None):
         super().__init__()
         width, bias = (cfg.ffn_dim, cfg.mlp_bias) if ffn_dim is None else (ffn_dim, False)
-        self.w_gate = nn.Linear(cfg.d_model, width, bias=bias)
+        self.gated = getattr(cfg, "mlp_act", "silu") == "silu"
+        if self.gated:
+            self.w_gate = nn.Linear(cfg.d_model, width, bias=bias)
         self.w_up = nn.Linear(cfg.d_model, width, bias=bias)
         self.w_down = nn.Linear(width, cfg.d_model, bias=bias)
 
     def forward(self, x):
+        if not self.gated:
+            return self.w_down(F.relu(self.w_up(x)).square())
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

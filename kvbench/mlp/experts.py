@@ -46,19 +46,29 @@ def _eager(method):
 
 class Experts(nn.Module):
     """E SwiGLU experts as stacked weights: ``w_gate_up`` (E, 2I, C) (gate rows, then up rows),
-    ``w_down`` (E, C, I); with ``expert_bias`` their biases (E, 2I) and (E, C)."""
+    ``w_down`` (E, C, I); with ``expert_bias`` their biases (E, 2I) and (E, C). Not ``gated``
+    (``model.mlp_act=relu2``, Nemotron-H's experts): ``w_up`` (E, I, C) and relu(up x)^2."""
 
-    def __init__(self, d_model: int, moe):
+    def __init__(self, d_model: int, moe, gated: bool = True):
         super().__init__()
         E, I, C = moe.num_experts, moe.expert_ffn_dim, d_model  # noqa: E741
-        self.moe = moe
-        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, C))
+        self.moe, self.gated = moe, gated
+        w_in = nn.Parameter(torch.empty(E, (2 if gated else 1) * I, C))
+        if gated:
+            self.w_gate_up = w_in
+        else:
+            self.w_up = w_in
         self.w_down = nn.Parameter(torch.empty(E, C, I))
         self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * I)) if moe.expert_bias else None
         self.b_down = nn.Parameter(torch.zeros(E, C)) if moe.expert_bias else None
         if not self.w_down.is_meta:  # nn.Linear's default: uniform within 1/sqrt(fan_in)
-            nn.init.uniform_(self.w_gate_up, -1 / math.sqrt(C), 1 / math.sqrt(C))
+            nn.init.uniform_(w_in, -1 / math.sqrt(C), 1 / math.sqrt(C))
             nn.init.uniform_(self.w_down, -1 / math.sqrt(I), 1 / math.sqrt(I))
+
+    @property
+    def w_in(self) -> torch.Tensor:
+        """The projection from C: gate and up rows, or up alone."""
+        return self.w_gate_up if self.gated else self.w_up
 
     def bytes_per_expert(self) -> int:
         """Bytes one expert's weights (and biases) take: what a step reads per expert it routes to."""
@@ -66,7 +76,7 @@ class Experts(nn.Module):
 
     def matrix_params_per_expert(self) -> int:
         """One expert's matrix entries: a routed token's multiply-adds in it."""
-        return self.w_gate_up[0].numel() + self.w_down[0].numel()
+        return self.w_in[0].numel() + self.w_down[0].numel()
 
     def _swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         limit = self.moe.swiglu_limit
@@ -92,9 +102,9 @@ class Experts(nn.Module):
             pairs = order[start:start + n]
             start += n
             tokens = pairs // k
-            h = F.linear(x[tokens], self.w_gate_up[e], None if self.b_gate_up is None else self.b_gate_up[e])
-            gate, up = h.chunk(2, dim=-1)  # (n, I) each
-            y = F.linear(self._swiglu(gate, up), self.w_down[e], None if self.b_down is None else self.b_down[e])
+            h = F.linear(x[tokens], self.w_in[e], None if self.b_gate_up is None else self.b_gate_up[e])
+            act = self._swiglu(*h.chunk(2, dim=-1)) if self.gated else F.relu(h).square()  # (n, I)
+            y = F.linear(act, self.w_down[e], None if self.b_down is None else self.b_down[e])
             out.index_add_(0, tokens, (y * w[pairs, None]).to(out.dtype))
         return out, sum(1 for n in counts if n)
 
@@ -112,7 +122,7 @@ class MoE(nn.Module):
             self.register_buffer("correction_bias", torch.zeros(moe.num_experts))
         else:
             self.correction_bias = None
-        self.experts = Experts(C, moe)
+        self.experts = Experts(C, moe, getattr(cfg, "mlp_act", "silu") == "silu")
         self.shared = MLP(cfg, moe.shared_ffn_dim) if moe.shared_ffn_dim else None
         self.shared_gate = nn.Linear(C, 1, bias=False) if moe.shared_gate else None
         self.log: Optional[List[int]] = None  # distinct experts per forward, while record_routing runs

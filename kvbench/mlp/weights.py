@@ -50,13 +50,13 @@ def expert_file_name(name: str, stacked: bool) -> Optional[str]:
     """A layer's stacked expert weight (the decoder's ``mlp.experts.w_gate_up``) as the checkpoint names
     the tensor it starts from (``mlp.experts.0.gate_proj.weight``; GPT-OSS's ``mlp.experts.gate_up_proj``);
     None for another name."""
-    match = re.fullmatch(r"mlp\.experts\.(w|b)_(gate_up|down)", name)
+    match = re.fullmatch(r"mlp\.experts\.(w|b)_(gate_up|up|down)", name)
     if match is None:
         return None
     kind, proj = match.groups()
     if stacked:
         return f"mlp.experts.{proj}_proj" + ("_bias" if kind == "b" else "")
-    return f"mlp.experts.0.{'gate' if proj == 'gate_up' else 'down'}_proj.weight"
+    return f"mlp.experts.0.{'gate' if proj == 'gate_up' else proj}_proj.weight"
 
 
 def _assembled(key: str, shape: tuple, parts: List[StoredTensor], build) -> Assembled:
@@ -102,28 +102,36 @@ def expert_tensors(where: Path, model, stored: Mapping[str, StoredTensor]) -> Di
         build = _fused if fused else _per_expert
         for key in found.values():
             del out[key]
-        out.update(build(where, layer, {k: stored[v] for k, v in found.items()}, moe, C))
+        out.update(build(where, layer, {k: stored[v] for k, v in found.items()}, moe, C, model.mlp_act == "silu"))
     return out
 
 
-def _per_expert(where: Path, layer: int, found: Dict[tuple, StoredTensor], moe, C: int) -> Dict[str, Assembled]:
+def _per_expert(where: Path, layer: int, found: Dict[tuple, StoredTensor], moe, C: int,
+                gated: bool = True) -> Dict[str, Assembled]:
     E, I = moe.num_experts, moe.expert_ffn_dim  # noqa: E741
+    projections = ("gate", "up", "down") if gated else ("up", "down")  # relu2 experts (Nemotron-H): no gate
     template = next(iter(found.values())).name  # a stored name, to name a missing one like it
     implied = {"gate": (I, C), "up": (I, C), "down": (C, I)}
     for (expert, proj), tensor in sorted(found.items()):
         if int(expert) >= E:
             raise CheckpointError(f"{where}: tensor {tensor.name} is expert {expert}, but config.json has {E} "
                                   "routed experts per layer: inconsistent expert counts")
+        if proj not in projections:
+            raise CheckpointError(f"{where}: tensor {tensor.name}: the experts of config.json have no {proj} "
+                                  "projection (model.mlp_act relu2)")
         if tuple(tensor.shape) != implied[proj]:
             raise _shape_error(where, tensor, implied[proj])
     for expert in range(E):
-        for proj in ("gate", "up", "down"):
+        for proj in projections:
             if (str(expert), proj) not in found:
                 name = re.sub(r"experts\.\d+\.\w+_proj", f"experts.{expert}.{proj}_proj", template)
                 raise CheckpointError(f"{where}: missing tensor {name} (config.json: {E} routed experts per layer, "
                                       f"layer {layer} is a mixture of experts)")
-    part = [[found[(str(e), proj)] for e in range(E)] for proj in ("gate", "up", "down")]
+    part = [[found[(str(e), proj)] for e in range(E)] for proj in projections]
     prefix = f"blocks.{layer}.mlp.experts."
+    if not gated:
+        return {prefix + "w_up": _assembled(prefix + "w_up", (E, I, C), part[0], torch.stack),
+                prefix + "w_down": _assembled(prefix + "w_down", (E, C, I), part[1], torch.stack)}
     return {prefix + "w_gate_up": _assembled(prefix + "w_gate_up", (E, 2 * I, C), part[0] + part[1],
                                              lambda ts: torch.cat([torch.stack(ts[:E]), torch.stack(ts[E:])], 1)),
             prefix + "w_down": _assembled(prefix + "w_down", (E, C, I), part[2], torch.stack)}
@@ -134,8 +142,12 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[..., ::2], t[..., 1::2]], -1)
 
 
-def _fused(where: Path, layer: int, found: Dict[tuple, StoredTensor], moe, C: int) -> Dict[str, Assembled]:
+def _fused(where: Path, layer: int, found: Dict[tuple, StoredTensor], moe, C: int,
+           gated: bool = True) -> Dict[str, Assembled]:
     E, I = moe.num_experts, moe.expert_ffn_dim  # noqa: E741
+    if not gated:
+        raise CheckpointError(f"{where}: tensor {next(iter(found.values())).name}: stacked gate and up rows, but the "
+                              "experts of config.json have no gate (model.mlp_act relu2)")
     bias = "_bias" if moe.expert_bias else None
     stored_shapes = {("gate_up_proj", None): (E, C, 2 * I), ("down_proj", None): (E, I, C),
                      ("gate_up_proj", "_bias"): (E, 2 * I), ("down_proj", "_bias"): (E, C)}
