@@ -2,6 +2,7 @@
 experiments/results/ alone unless told to write there."""
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -15,6 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "experiments" / "results"
+
+
+
+def experiment(name: str):
+    """``experiments/<name>.py`` imported as a module (the scripts import their ``_common`` beside them)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
 
 
 def digests() -> dict:
@@ -90,11 +101,7 @@ def check_pairing_row(r):
 def test_the_pairing_row_check_holds_for_any_ratios_a_loaded_machine_measures():
     """In this process, the script's own row formatting: ratios from 0.1 to 10 (a loaded machine
     spreads them that far) never fail the check above, and a spread that is not max / min does."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        from tpot_pairing import table_row
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    table_row = experiment("tpot_pairing").table_row
     rng = random.Random(0)
     for _ in range(20000):
         ratios = [math.exp(rng.uniform(math.log(0.1), math.log(10))) for _ in range(2)]
@@ -108,11 +115,7 @@ def test_the_pairing_row_check_holds_for_any_ratios_a_loaded_machine_measures():
 def test_serving_gather_writes_its_table_to_out_in_process(tmp_path):
     """experiments/serving_gather.py on the tiny model, in this process: a row per layout with the
     ratio of the step times it printed, and the committed results untouched."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import serving_gather
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    serving_gather = experiment("serving_gather")
     before = digests()
     out = tmp_path / "gather.md"
     assert serving_gather.main(["--model", "tiny", "--batch", "2", "--context", "8", "--steps", "2",
@@ -125,11 +128,7 @@ def test_serving_gather_writes_its_table_to_out_in_process(tmp_path):
 def test_gdn_step_prints_the_long_over_short_ratios_in_process(tmp_path):
     """experiments/gdn_step.py on a small stack, in this process: a row per stack with its ratios,
     the bytes of a Gated DeltaNet stack the same at both contexts, the committed results untouched."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import gdn_step
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    gdn_step = experiment("gdn_step")
     before = digests()
     out = tmp_path / "gdn_step.md"
     assert gdn_step.main(["--contexts", "8,40", "--layers", "1", "--d-model", "64", "--rounds", "2",
@@ -148,11 +147,7 @@ def test_kv_precision_quality_pairs_each_precision_with_auto_in_process(tmp_path
     """experiments/kv_precision_quality.py at a few steps, in this process: each precision's bytes by hand,
     auto its own reference (no difference, no interval), the quantized rows paired against it, the
     committed results untouched."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import kv_precision_quality
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    kv_precision_quality = experiment("kv_precision_quality")
     before = digests()
     out = tmp_path / "kvq.md"
     kv_precision_quality.main(["--precisions", "auto,int8,nvfp4", "--lm-steps", "2", "--lm-slices", "16",
@@ -181,11 +176,7 @@ def test_qwen_hybrid_speed_prints_kvbench_over_transformers_in_process(tmp_path)
     """experiments/qwen_hybrid_speed.py on a small Qwen3.5 checkpoint, in this process: a row for
     the prefill and one for the decode step with their ratios, the two greedy continuations equal,
     the committed results untouched."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import qwen_hybrid_speed
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    qwen_hybrid_speed = experiment("qwen_hybrid_speed")
     before = digests()
     out = tmp_path / "speed.md"
     assert qwen_hybrid_speed.main(["--d-model", "128", "--layers", "4", "--vocab", "97", "--prompt", "70",
@@ -234,11 +225,7 @@ def test_state_checkpoint_writes_its_table_to_out(tmp_path):
 def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     """experiments/capacity_report.py without the rate searches: a row per preset and tiny variant
     and precision, the formula's bytes, the plot beside it; the committed results and docs untouched."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import capacity_report
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    capacity_report = experiment("capacity_report")
     before, docs_png = digests(), (ROOT / "docs" / "capacity_report.png").read_bytes()
     out = tmp_path / "report" / "capacity.md"
     capacity_report.main(["--no-serve", "--out", str(out)])
