@@ -1,4 +1,3 @@
-import gc
 import multiprocessing.util
 import os
 import shlex
@@ -116,25 +115,6 @@ def one_torch_thread():
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
-
-
-# A test process's heap is large (every collected test, torch, transformers, Hydra): a full
-# collection of it took 50-100 ms, and kvbench collects before each span it measures
-# (measure.host.release_heap: ~200 times in tests/workloads/test_capacity.py alone), Python on
-# its own every few thousand allocations; a fifth of some files' time. What lives once the suite
-# is collected is frozen (gc.freeze: kept, never scanned), so a collection scans what the tests
-# made since; a cycle made by a test is collected as before.
-def pytest_collection_finish(session):
-    gc.collect()
-    gc.freeze()
-
-
-@pytest.fixture(autouse=True)
-def _collected_heap_frozen():
-    yield
-    if gc.get_freeze_count() == 0:  # a job's long_lived_frozen unfreezes everything as it ends
-        gc.collect()  # this test's garbage first: a frozen cycle would never be collected
-        gc.freeze()
 
 
 # What makes a test ``e2e`` (pyproject.toml): a fresh interpreter costs ~3 s of importing torch
