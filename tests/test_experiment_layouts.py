@@ -39,10 +39,10 @@ def test_choose_is_eighteen_jobs_and_only_the_shared_chat_of_the_hybrid_is_refus
     its shared chat is refused in one line when the job starts (the sweep goes on)."""
     jobs = sweep_jobs("choose")
     assert len(jobs) == 18
-    refused = []
+    refused, typed = [], {}
     for overrides in jobs:
         try:
-            cfg = to_bench_config(compose(*overrides))
+            cfg = typed[tuple(overrides)] = to_bench_config(compose(*overrides))
         except ConfigError as exc:
             refused.append((overrides, str(exc)))
             continue
@@ -50,7 +50,7 @@ def test_choose_is_eighteen_jobs_and_only_the_shared_chat_of_the_hybrid_is_refus
     [(overrides, line)] = refused
     assert overrides[1:] == ["attention=choose/gdn", "scenario=chat_shared"]
     assert line.startswith("cache.shared=True") and "\n" not in line
-    gdn = to_bench_config(compose("experiment=choose", "attention=choose/gdn"))
+    gdn = typed[(overrides[0], "attention=choose/gdn", "scenario=decode")]  # the hybrid's decode job
     assert gdn.attention.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
         "full_attention"]
 

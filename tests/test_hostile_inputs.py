@@ -496,7 +496,9 @@ def test_a_length_past_the_model_is_refused_when_the_config_is_typed(overrides, 
 def test_a_run_without_a_cache_records_that_it_holds_nothing(tmp_path, workload):
     """cache.impl=none was ok with kv_cache_bytes=0 beside a formula of the layout's bytes, which
     the record's own plausibility check called implausible."""
-    result = job(tmp_path, "model=tiny", "cache.impl=none", f"workload={workload}")
+    chat = ["workload.system_len=16", "workload.turns=2", "workload.user_len=4", "workload.reply_len=2"]
+    result = job(tmp_path, "model=tiny", "cache.impl=none", f"workload={workload}",
+                 *(chat if workload == "multiturn" else []))  # a short chat: what is held is 0 at any length
     assert result.status == "ok", result.error
     assert result.metrics["kv_cache_bytes"] == result.metrics["kv_cache_bytes_formula"] == 0
     assert result.implausible == []

@@ -287,7 +287,9 @@ def test_the_end_of_a_sweep_counts_only_its_jobs_whatever_is_on_disk(tmp_path, c
     sweep = tmp_path / "sweep"
     task = ["model=tiny", "attention.num_kv_heads=2,4"]
     cfg = sweep_config(sweep, *task)
-    config = lambda kv: asdict(to_bench_config(compose("model=tiny", f"attention.num_kv_heads={kv}")))
+    # each job's config typed once (five records below share two configs; the records only read them)
+    configs = {kv: asdict(to_bench_config(compose("model=tiny", f"attention.num_kv_heads={kv}"))) for kv in (2, 4)}
+    config = configs.__getitem__
     RunResult("ok", config(2), overrides=["model=tiny", "attention.num_kv_heads=2"],
               metrics={"decode_ms_p50": 1.0}).write(sweep / "0")
     (sweep / "1").mkdir()

@@ -98,11 +98,11 @@ class Banded(Decoder):
 EASY = dict(vocab=32, cond=Condition("mqar", 24, num_pairs=4))
 
 
-def _trained(cls, steps=300, seed=0):
+def _trained(cls, steps=200, seed=0):
     torch.manual_seed(seed)
     model = cls(ModelConfig(name="t", num_layers=2, d_model=64, num_heads=4, preset_kv_heads=4, ffn_dim=128,
                             vocab_size=EASY["vocab"], max_seq_len=64), AttentionConfig(type="mha"))
-    budget = TrainConfig(steps=steps, batch_size=32, lr=3e-3, warmup_steps=20, eval_every=steps, log_every=steps)
+    budget = TrainConfig(steps=steps, batch_size=32, lr=6e-3, warmup_steps=20, eval_every=steps, log_every=steps)
     train(model, budget, None, seed=seed, stream=train_stream([EASY["cond"]], 32, EASY["vocab"], 4, seed),
           evaluate_fn=lambda m: {})
     x, y = eval_set(EASY["cond"], 256, EASY["vocab"], 4, seed=99)
@@ -113,7 +113,8 @@ def test_an_attending_model_recalls_and_a_model_blind_to_the_context_is_at_chanc
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread only waits, more so on a shared machine
     try:
-        # seed-fixed: 1.000 at 300 steps for MHA on this setting while tuning (0.66 with d_model=32)
+        # seed-fixed: 0.996 at 200 steps of lr 6e-3 for MHA on this setting while tuning (1.000 at 300
+        # steps of 3e-3, 0.73 at 150 of 6e-3, 0.66 with d_model=32); the blind one 0.08 (0.09 at 300)
         attending, blind = _trained(Decoder), _trained(Banded)
     finally:
         torch.set_num_threads(threads)
