@@ -26,17 +26,16 @@ import torch
 
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, typed
-from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import PRESET_OPTIONS
-from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
+from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors, read_headers
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write, path_problem
-from kvbench.layouts.attention import MODULES
+from kvbench.layouts.attention import module_class
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.gated_deltanet_attention import unfuse
+from kvbench.layouts.kinds import attention_kind, kind_of, recurrent_in, recurrent_layer_types, resolve
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
@@ -172,7 +171,7 @@ def hf_to_decoder_name(name: str, layouts: Sequence[LayerLayout]) -> str:
     if match is None:
         return _renamed(name, _MODEL_NAMES)
     i, rest = int(match.group(1)), match.group(2)
-    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    module = module_class(layouts[i]) if i < len(layouts) else None
     if module is not None and rest.startswith(module.HF_MODULE + "."):
         return f"blocks.{i}.attn." + _renamed(rest[len(module.HF_MODULE) + 1:], module.HF_NAMES)
     return f"blocks.{i}." + _renamed(rest, {**MOE_NAMES, **_BLOCK_NAMES})
@@ -186,7 +185,7 @@ def decoder_to_hf_name(name: str, layouts: Sequence[LayerLayout], stacked_expert
     if match is None:
         return _renamed(name, _inverse(_MODEL_NAMES))
     i, rest = int(match.group(1)), match.group(2)
-    module = MODULES[type(layouts[i])] if i < len(layouts) else None
+    module = module_class(layouts[i]) if i < len(layouts) else None
     if module is not None and rest.startswith("attn."):
         return f"model.layers.{i}.{module.HF_MODULE}." + _renamed(rest[len("attn."):], _inverse(module.HF_NAMES))
     rest = expert_file_name(rest, stacked_experts) or _renamed(rest, _inverse({**MOE_NAMES, **_BLOCK_NAMES}))
@@ -280,7 +279,8 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     names = file_names(expected, stored, layouts, prefix)  # every refusal below names the file's tensor
     check_tensors(directory, expected, stored, model=model_name, names=names)
     tensors = read_assembled(partial(load_finite_tensors, directory), {k: stored[k] for k in expected})
-    for (i, name), parts in fused.items():  # each part was read as the whole fused tensor
+    for (i, name), parts in fused.items():  # each part was read as the whole fused tensor; its kind splits it
+        unfuse = resolve(kind_of(layouts[i]).unfuse)
         tensors.update({f"blocks.{i}.attn.{k}": t for k, t in unfuse(layouts[i], name, tensors[parts[0]]).items()})
     check_tensors(directory, expected, tensors, model=model_name, names=names)
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
@@ -310,7 +310,7 @@ def _stored_tensors(directory: Path, hf: Mapping[str, Any],
         ours = hf_to_decoder_name(full, layouts)
         match = re.fullmatch(r"blocks\.(\d+)\.attn\.(.+)", ours)
         parts = match and int(match.group(1)) < len(layouts) and getattr(
-            MODULES[type(layouts[int(match.group(1))])], "HF_FUSED", {}).get(match.group(2))
+            module_class(layouts[int(match.group(1))]), "HF_FUSED", {}).get(match.group(2))
         for key in [f"blocks.{match.group(1)}.attn.{p}" for p in parts] if parts else [ours]:
             if key in stored:  # two spellings of one weight
                 raise CheckpointError(f"{directory}: tensors {stored[key].name} and {name} are the same "
@@ -350,35 +350,37 @@ def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, att
 
 def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]:
     """``model`` (a loaded checkpoint) as ``attention`` asks, and how (:func:`kv_conversion`), so the
-    model run is the one the record names: K/V heads repeated or mean-pooled, a latent model only
-    as itself, either with ``attention``'s windows (over the same weights a window is only a mask)."""
+    model run is the one the record names: K/V heads repeated or mean-pooled, any other kind of
+    attention layer only as itself, either with ``attention``'s windows (over the same weights a
+    window is only a mask)."""
     how = "none"
-    if not (attention.latent or model.attention.latent):
+    asked, own = attention_kind(attention.type), attention_kind(model.attention.type)
+    if asked is not own:  # the weights are of one kind of attention layer; none becomes another
+        held = f"is {own.title}" if own.preset else f"has {model.num_kv_heads} K/V heads"
+        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint {held}; converting it to "
+                              f"{asked.title} is not built (use attention={model.attention.type})")
+    if model.layouts.converts_kv_heads():
         how = kv_conversion(model.num_kv_heads, attention.num_kv_heads)
         model = model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)
-    elif not model.attention.latent:
-        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint has {model.num_kv_heads} K/V heads; "
-                              "converting it to multi-head latent attention is not built")
-    elif not attention.latent:
-        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
-                              "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
     # what the weights are: a layout property asked other than the checkpoint's is refused, not dropped
-    for name in (*(MLA_FIELDS if attention.latent else ()), *(option.key for option in PRESET_OPTIONS)):
-        asked, own = getattr(attention, name), getattr(model.attention, name)
-        if (asked or 0) != (own or 0):  # null: none
-            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {0 if own is None else own} "
-                                  "(leave it null)")
+    for name in (*asked.shape_keys, *(option.key for option in PRESET_OPTIONS)):
+        asked_value, own_value = getattr(attention, name), getattr(model.attention, name)
+        if (asked_value or 0) != (own_value or 0):  # null: none
+            raise CheckpointError(f"attention.{name}={asked_value}: the checkpoint's is "
+                                  f"{0 if own_value is None else own_value} (leave it null)")
     n = model.config.num_layers
-    linear = [k == LINEAR for k in attention.layer_kinds(n)]
-    if linear != [k == LINEAR for k in model.attention.layer_kinds(n)]:
-        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's Gated DeltaNet layers "
-                              f"are {[i for i, k in enumerate(model.attention.layer_kinds(n)) if k == LINEAR]} "
-                              "(converting between linear and full attention layers is not built; leave "
+    recurrent = recurrent_layer_types()
+    layers, own_layers = attention.layer_kinds(n), model.attention.layer_kinds(n)
+    if [t in recurrent and t for t in layers] != [t in recurrent and t for t in own_layers]:
+        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's recurrent layers "
+                              f"are {[i for i, t in enumerate(own_layers) if t in recurrent]} "
+                              "(converting between recurrent and attention layers is not built; leave "
                               "attention.full_attention_interval and attention.layer_types null)")
     model = with_layer_pattern(model, attention)
-    if attention.latent:
-        for block in model.blocks:
-            block.attn.form = attention.mla_decode
+    if model.layouts.decode_forms():  # layers whose decode step has two forms: the one asked
+        for block, layout in zip(model.blocks, model.layouts):
+            if layout.decode_forms:
+                block.attn.form = attention.mla_decode
         model.attention = replace(model.attention, mla_decode=attention.mla_decode)
         model.layouts = build_layouts(model.config, model.attention, model.state_dtype)
     return model, how
@@ -400,8 +402,9 @@ def _pattern_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str
     if attention.window:
         return {"window": attention.window, "global_every": attention.global_every,
                 "layer_types": attention.layer_types}
-    linear = attention.layer_types if LINEAR in (attention.layer_types or ()) else None  # its Gated DeltaNet layers
-    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": linear}
+    # without a window, layer_types says only which layers are recurrent (if any is)
+    recurrent = attention.layer_types if recurrent_in(attention.layer_types) else None
+    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": recurrent}
 
 
 # ---- changing the KV-head count ------------------------------------------------------------

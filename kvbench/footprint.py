@@ -22,10 +22,11 @@ import torch
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
-from kvbench.config.hf import LINEAR
+from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.serving import ServingWorkload
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kinds import recurrent_layer_types
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
 from kvbench.units import human_bytes
@@ -54,22 +55,22 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     """The decoder's exact parameter counts without building its layers: one- and two-layer
     decoders of each kind of layer on the meta device (no memory) give the fixed part and one
     layer's of that kind, and every layer of a kind has the same shape. A layer's kind is its mixer
-    (a Gated DeltaNet layer, an attention layer, or one reading another layer's K/V: no K/V
-    weights) and its MLP (dense, or the mixture of experts); the experts a token is not routed to
+    (a recurrent kind's layer, one per layer type, an attention layer, or one reading another layer's
+    K/V: no K/V weights) and its MLP (dense, or the mixture of experts); the experts a token is not routed to
     (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas. ``attention``:
     as the job resolved it against ``model`` (None: MHA)."""
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     moe, kinds = model.moe, _layer_kinds(model, resolved)
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
-    # have none, and one kind of layer each (linear ones named in layer_types, which an interval contradicts).
-    # as long as a top-k asked of the run (DSA), which is checked again against the small models' length
-    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None,
-                                max_seq_len=max(1, getattr(attention, "index_topk", None) or 0))
+    # have none, and one kind of layer each (recurrent ones named in layer_types, which an interval contradicts).
+    # as long as the positions a layer option asked of the run counts (a top-k), checked again against their length
+    counted = (getattr(attention, o.key, None) or 0 for o in LAYER_OPTIONS if o.positions)
+    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None, max_seq_len=max(1, *counted))
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
-    per_layer, fixed, embedding = {}, 0, 0
+    per_layer, fixed, embedding, recurrent = {}, 0, 0, recurrent_layer_types()
     for mixer, sparse in kinds:
-        types = (lambda n: [LINEAR] * n) if mixer == LINEAR else (lambda n: None)
+        types = (lambda n, t=mixer: [t] * n) if mixer in recurrent else (lambda n: None)
         mlp = dataclasses.replace(moe, dense_layers=[]) if sparse else None  # every layer of the small models
         with torch.device("meta"):
             one = Decoder(dataclasses.replace(small, moe=mlp), dataclasses.replace(attention, layer_types=types(1)))
@@ -87,16 +88,20 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
 
 
 def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:
-    """How many layers of each kind, (mixer, sparse), there are: from the linear and dense layers'
+    """How many layers of each kind, (mixer, sparse), there are: from the recurrent and dense layers'
     positions, not a pass over every layer (a hostile config may ask for 10^8)."""
     L, first_shared = model.num_layers, model.num_layers - (attention.kv_shared_layers or 0)
     types = attention.layer_kinds(L)
-    linear = {i for i, kind in enumerate(types[:first_shared]) if kind == LINEAR} if LINEAR in types else set()
-    sizes = {LINEAR: len(linear), "full_attention": first_shared - len(linear), "shared": L - first_shared}
+    recurrent = set(recurrent_layer_types()) & set(types)  # each recurrent layer type is a mixer of its own
+    own = {t: {i for i, kind in enumerate(types[:first_shared]) if kind == t} for t in recurrent}
+    stateful = set().union(*own.values())
+    sizes = {**{t: len(layers) for t, layers in own.items()}, "full_attention": first_shared - len(stateful),
+             "shared": L - first_shared}
     if model.moe is None:
         return Counter({(mixer, False): n for mixer, n in sizes.items() if n})
     dense = {i for i in model.moe.dense_layers if 0 <= i < L}
-    dense_in = {LINEAR: len(dense & linear), "full_attention": sum(i < first_shared for i in dense - linear),
+    dense_in = {**{t: len(dense & layers) for t, layers in own.items()},
+                "full_attention": sum(i < first_shared for i in dense - stateful),
                 "shared": sum(i >= first_shared for i in dense)}
     return Counter({(mixer, sparse): count for mixer, n in sizes.items()
                     for sparse, count in ((False, dense_in[mixer]), (True, n - dense_in[mixer])) if count})

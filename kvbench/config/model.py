@@ -13,14 +13,14 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
-from kvbench.config.hf import LINEAR, ROPE_TYPES
+from kvbench.config.hf import ROPE_TYPES
 from kvbench.config.hf_keys import Source, in_file_keys
-from kvbench.config.indexer import check_indexer, indexer_defaults
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
-from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 from kvbench.jsonio import path_problem
+from kvbench.layouts.kinds import by_layer_type, recurrent_in, recurrent_layer_types, registered
+from kvbench.layouts.latent_config import MLA_FIELDS, MLAShape, check_indexer, check_mla_dims, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head
 # counts, then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
@@ -165,7 +165,7 @@ class ModelConfig:
         latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
         return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
                        preset_global_every=attention.global_every if window else None,
-                       preset_layer_types=types if window or LINEAR in (types or ()) else None,
+                       preset_layer_types=types if window or recurrent_in(types) else None,
                        **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
 
     def _check_linear_shape(self) -> None:
@@ -304,11 +304,11 @@ class AttentionConfig:
         check(self.full_attention_interval is None or self.full_attention_interval >= 0,
               "attention.full_attention_interval", self.full_attention_interval,
               "must be >= 0 (0: no linear layer; k: every k-th layer full attention, the others linear) or null")
-        if self.type != "mla":
-            for name in MLA_FIELDS:
+        for kind in registered():  # a kind's own fields are null unless its type is asked
+            for name in kind.shape_keys if self.type not in kind.attention_types else ():
                 check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
-                       f"is a multi-head latent attention rank; attention.type={self.type} has none "
-                       "(use attention=mla)")
+                      f"is a {kind.title} rank; attention.type={self.type} has none "
+                      f"(use attention={kind.attention_types[0]})")
 
     def layer_windows(self, num_layers: int) -> List[Optional[int]]:
         """Each layer's window (None: global) for a resolved config (:meth:`resolved`)."""
@@ -320,9 +320,14 @@ class AttentionConfig:
         return [None if k and (i + 1) % k == 0 else self.window for i in range(num_layers)]
 
     def layer_kinds(self, num_layers: int) -> List[str]:
-        """Each layer's transformers name for a resolved config (:meth:`resolved`): linear_attention
-        (Gated DeltaNet) or an attention layer (sliding_attention where a window applies)."""
+        """Each layer's transformers name for a resolved config (:meth:`resolved`): a recurrent kind's
+        (:mod:`kvbench.layouts.kinds`) or an attention layer (sliding_attention where a window applies)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
+
+    @property
+    def recurrent(self) -> bool:
+        """True when some layer of a resolved config keeps a state per sequence (a recurrent kind's)."""
+        return recurrent_in(self.layer_types)
 
     def without_pattern(self) -> "AttentionConfig":
         """This layout (its KV heads or latent, sinks) with every layer full attention whatever the
@@ -331,10 +336,11 @@ class AttentionConfig:
                        kv_shared_layers=0)
 
     def as_asked(self) -> "AttentionConfig":
-        """A new, unresolved config of the fields this one asks for its type (the latent ranks and
-        indexer only with mla): task=eval resolves it against the checkpoint's shape, whose own
+        """A new, unresolved config of the fields this one asks for its type (a kind's own shape only
+        with its type): task=eval resolves it against the checkpoint's shape, whose own
         layout fills every null, not against the model the config names."""
-        return replace(self, **dict.fromkeys(() if self.latent else MLA_FIELDS))
+        return replace(self, **{name: None for kind in registered() if self.type not in kind.attention_types
+                                for name in kind.shape_keys})
 
     @property
     def latent(self) -> bool:
@@ -389,8 +395,9 @@ class AttentionConfig:
                   "is a property of K/V-head attention; attention=mla has none")
         # a window as for K/V heads: a local layer's cache is a ring of W latents
         pattern = resolve_layer_pattern(self, model)
-        check(LINEAR not in (pattern.get("layer_types") or ()), "attention.type", self.type,
-              "mla beside linear_attention (Gated DeltaNet) layers is not built; use a K/V-head type")
+        recurrent = [t for t in recurrent_layer_types() if t in (pattern.get("layer_types") or ())]
+        check(not recurrent, "attention.type", self.type, "mla beside " + " and ".join(
+            f"{t} ({by_layer_type(t).title})" for t in recurrent) + " layers is not built; use a K/V-head type")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)
         check_mla_dims("attention", out)
         check_indexer("attention", out)
@@ -417,34 +424,3 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
         raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
                           "use attention=mha or attention=mqa")
     return min(divisors, key=lambda d: (abs(d - h / 4), d))
-
-
-_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)",
-                     "mean-pool": "its K/V heads mean-pooled per group (an approximation of the model)",
-                     "random-init": "random weights drawn in the asked layout",
-                     "shape": "the arithmetic of the asked layout, not of the published model"}
-
-
-def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str) -> Optional[Dict[str, Any]]:
-    """The record's ``kv_conversion``: null when the run measures the model's own KV-head count
-    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method``
-    says what was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init``
-    a preset's shape drawn with random weights in the asked layout, ``shape`` task=inspect's
-    arithmetic)."""
-    if attention.latent or model.preset_mla is not None:  # MLA: a latent, not a KV-head count
-        if attention.latent == (model.preset_mla is not None):
-            return None
-        own = "multi-head latent attention" if model.preset_mla is not None else f"{model.preset_kv_heads} KV heads"
-        measured = (f"multi-head latent attention (kv_lora_rank {attention.kv_lora_rank})" if attention.latent
-                    else f"{attention.num_kv_heads} KV heads ({attention.type})")
-        text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
-                f"{_CONVERSION_WORDS.get(method, method)}")
-        return {"from_kv_heads": model.preset_kv_heads, "to_kv_heads": attention.num_kv_heads, "method": method,
-                "text": text}
-    old, new = model.preset_kv_heads, attention.num_kv_heads
-    if new is None or old == new:
-        return None
-    text = (f"attention converted: model {model.name} has {old} KV heads "
-            f"({attention_type(model.num_heads, old)}); this run measures {new} "
-            f"({attention_type(model.num_heads, new)}), {_CONVERSION_WORDS.get(method, method)}")
-    return {"from_kv_heads": old, "to_kv_heads": new, "method": method, "text": text}

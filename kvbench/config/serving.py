@@ -222,11 +222,11 @@ class ServingWorkload:
         if self.state_checkpoint != "block":  # the default: a setting that does nothing is refused, not recorded
             # where a recurrent layer's state is saved for prefix caching: without such a layer, or
             # without prefix caching, no state is ever saved and the run would record a policy it never used
-            recurrent = "linear_attention" in cfg.attention.layer_kinds(cfg.model.num_layers)
+            recurrent = cfg.attention.recurrent
             why = ("workload.prefix_caching=false" if recurrent
-                   else f"model {cfg.model.name} with this attention has no linear_attention layer")
+                   else f"model {cfg.model.name} with this attention has no recurrent layer")
             check(recurrent and self.prefix_caching, "workload.state_checkpoint", self.state_checkpoint,
-                  f"says where a Gated DeltaNet layer's state is saved for prefix caching, and {why}; leave it block")
+                  f"says where a recurrent layer's state is saved for prefix caching, and {why}; leave it block")
 
 
 def _check_run_size(w) -> None:

@@ -12,7 +12,7 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
@@ -89,7 +89,14 @@ class GatedDeltaNet(Recurrent):
                 "(compute dtype), whatever the length; per token counts the attention layers only"]
 
 
+def build(model, attention, window: Optional[int]) -> GatedDeltaNet:
+    """A layer of ``model`` (a ModelConfig): its shape is the model's ``linear_*`` fields (no window)."""
+    return GatedDeltaNet(None, **model.linear_shape(), num_heads=model.num_heads, head_dim=model.head_dim)
+
+
 KIND = register(LayerKind(
     "gated_deltanet", GatedDeltaNet, module="kvbench.layouts.gated_deltanet_attention:GatedDeltaNetAttention",
-    layer_types=("linear_attention",), recurrent=True, label="gdn",
+    layer_types=("linear_attention",), recurrent=True, label="gdn", title="Gated DeltaNet",
+    letters={"d": "full_attention_interval"}, build=build,
+    unfuse="kvbench.layouts.gated_deltanet_attention:unfuse",
     examples={"gdn": ("model=tiny", "attention.layer_types=[linear_attention,full_attention]")}))

@@ -4,6 +4,19 @@
 from __future__ import annotations
 
 from kvbench.layouts import gated_deltanet, kv_heads, latent  # noqa: F401  (each registers its kind)
-from kvbench.layouts.registry import LayerKind, by_layer_type, kind_of, recurrent_layer_types, registered
+from kvbench.layouts.registry import (
+                                      LayerKind,
+                                      LayerOption,
+                                      attention_kind,
+                                      by_layer_type,
+                                      kind_of,
+                                      layer_kind,
+                                      layer_types,
+                                      recurrent_in,
+                                      recurrent_layer_types,
+                                      registered,
+                                      resolve,
+)
 
-__all__ = ["LayerKind", "by_layer_type", "kind_of", "recurrent_layer_types", "registered"]
+__all__ = ["LayerKind", "LayerOption", "attention_kind", "by_layer_type", "kind_of", "layer_kind", "layer_types",
+           "recurrent_in", "recurrent_layer_types", "registered", "resolve"]

@@ -22,7 +22,8 @@ from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, e
 from kvbench.config.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
-from kvbench.layouts.registry import LayerKind, register
+from kvbench.layouts.latent_config import INDEX_FIELDS, MLA_FIELDS
+from kvbench.layouts.registry import LayerKind, LayerOption, register
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,24 @@ def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
                   v_head_dim=_count(cfg, "v_head_dim", 128), rotary=False)
 
 
+def build(model, attention, window: Optional[int]) -> Latent:
+    """A layer of ``model`` (a ModelConfig) under a resolved ``attention=mla``: its ranks, decode form
+    and indexer."""
+    return Latent(window, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
+                  attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
+                  attention.mla_decode == "absorbed", attention.index_n_heads or 0,
+                  attention.index_head_dim or 0, attention.index_topk or 0)
+
+
+# DSA's top-k: part of the latent shape (its model's own is model.preset_mla's), labelled as an option
+TOPK = LayerOption("index_topk", " topk={}", 0, every_position="selects among every cached token", positions=True,
+                   with_keys=tuple(k for k in INDEX_FIELDS if k != "index_topk"))
+
 KIND = register(LayerKind(
     "latent", Latent, module="kvbench.layouts.latent_attention:LatentAttention",
-    letters={"r": "kv_lora_rank", "k": "index_topk"},
+    letters={"r": "kv_lora_rank", "k": "index_topk"}, attention_types=("mla",),
+    title="multi-head latent attention", shape_keys=MLA_FIELDS, preset="preset_mla",
+    record_keys=(*MLA_FIELDS, "mla_decode"),
+    options=(TOPK,), build=build,
     examples={"mla": ("model=tiny", "attention=mla"),
               "dsa": ("model=tiny", "attention=mla", "attention.index_topk=4")}))

@@ -9,8 +9,8 @@ import torch
 
 from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
 from kvbench.config.bench import TASKS, BenchConfig
+from kvbench.config.conversion import kv_layout_change
 from kvbench.config.layer_pattern import job_variant_label, variant_label  # noqa: F401 (re-exported)
-from kvbench.config.model import kv_layout_change
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.memory import MEMORY_METRICS
 from kvbench.metrics import Metric, metric_table, record_methods
