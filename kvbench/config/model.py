@@ -395,9 +395,10 @@ class AttentionConfig:
                   "is a property of K/V-head attention; attention=mla has none")
         # a window as for K/V heads: a local layer's cache is a ring of W latents
         pattern = resolve_layer_pattern(self, model)
-        recurrent = [t for t in recurrent_layer_types() if t in (pattern.get("layer_types") or ())]
-        check(not recurrent, "attention.type", self.type, "mla beside " + " and ".join(
-            f"{t} ({by_layer_type(t).title})" for t in recurrent) + " layers is not built; use a K/V-head type")
+        recurrent = " and ".join(f"{t} ({by_layer_type(t).title})" for t in recurrent_layer_types()
+                                 if t in (pattern.get("layer_types") or ()))
+        check(not recurrent, "attention.type", self.type,
+              f"mla beside {recurrent} layers is not built; use a K/V-head type")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)
         check_mla_dims("attention", out)
         check_indexer("attention", out)
