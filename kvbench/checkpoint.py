@@ -35,7 +35,7 @@ from kvbench.jsonio import atomic_write, path_problem
 from kvbench.layouts.attention import module_class
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.kinds import attention_kind, kind_of, recurrent_in, recurrent_layer_types, resolve
+from kvbench.layouts.kinds import attention_kind, by_layer_type, kind_of, recurrent_in, recurrent_layer_types, resolve
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.rope import rope_tables
@@ -372,7 +372,8 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
     recurrent = recurrent_layer_types()
     layers, own_layers = attention.layer_kinds(n), model.attention.layer_kinds(n)
     if [t in recurrent and t for t in layers] != [t in recurrent and t for t in own_layers]:
-        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's recurrent layers "
+        titles = " and ".join(by_layer_type(t).title for t in recurrent if t in own_layers) or "recurrent"
+        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's {titles} layers "
                               f"are {[i for i, t in enumerate(own_layers) if t in recurrent]} "
                               "(converting between recurrent and attention layers is not built; leave "
                               "attention.full_attention_interval and attention.layer_types null)")

@@ -16,6 +16,7 @@ from kvbench.layouts.kinds import registered
 # a window's and KV sharing's, then each kind's own (LayerKind.letters: a rank, a top-k, a recurrent
 # kind's full_attention_interval ...), each with the words an error shows for it.
 _WORDS = {"w": "window", "g": "every k-th layer global", "s": "kv_shared_layers"}
+_SYMBOLS = {"window": "W", "global_every": "k", "kv_shared_layers": "N"}  # a kind's field shows its own name
 VARIANT_OPTIONS = {"w": "window", "g": "global_every", "s": "kv_shared_layers",
                    **{letter: key for kind in registered() for letter, key in kind.letters.items()}}
 _SYNTAX = ", ".join(f":{letter}<{_WORDS.get(letter, key)}>" for letter, key in VARIANT_OPTIONS.items())
@@ -35,7 +36,8 @@ def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
     for option in options:
         key = VARIANT_OPTIONS.get(option[:1])
         check(key is not None and option[1:].isdigit() and int(option[1:]) >= 1 and key not in out, *where,
-              f"{spec!r}: option {option!r} must be one of {', '.join(':' + letter for letter in VARIANT_OPTIONS)} "
+              f"{spec!r}: option {option!r} must be one of "
+              f"{', '.join(f':{letter}<{_SYMBOLS.get(key, key)}>' for letter, key in VARIANT_OPTIONS.items())} "
               "with a number >= 1, each once")
         out[key] = int(option[1:])
     check("global_every" not in out or "window" in out, *where,

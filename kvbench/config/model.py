@@ -324,11 +324,6 @@ class AttentionConfig:
         (:mod:`kvbench.layouts.kinds`) or an attention layer (sliding_attention where a window applies)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
 
-    @property
-    def recurrent(self) -> bool:
-        """True when some layer of a resolved config keeps a state per sequence (a recurrent kind's)."""
-        return recurrent_in(self.layer_types)
-
     def without_pattern(self) -> "AttentionConfig":
         """This layout (its KV heads or latent, sinks) with every layer full attention whatever the
         model's own pattern: no window, no Gated DeltaNet layer, no layer reading another's K/V."""

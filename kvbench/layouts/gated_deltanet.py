@@ -12,8 +12,9 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
+from kvbench.config.hf_read import get
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
@@ -89,6 +90,30 @@ class GatedDeltaNet(Recurrent):
                 "(compute dtype), whatever the length; per token counts the attention layers only"]
 
 
+# ---- config.json ---------------------------------------------------------------------------
+
+# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal
+# checkpoints) and Qwen3-Next: Gated DeltaNet layers beside full attention whose output is gated and
+# whose norms are zero-centred (transformers' Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention);
+# their rope, defaults and experts: kvbench.config.hf
+ARCHITECTURES = dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
+                               "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+                              {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True,
+                               "norm_zero_centered": True})
+# Their config classes' defaults for the layers' keys a config.json may leave out (Qwen3_5TextConfig,
+# Qwen3NextConfig), which are GatedDeltaNet's own defaults
+HF_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
+
+def hf_fields(cfg: Mapping[str, Any], arch: str, keys: Dict[str, Any]) -> Dict[str, Any]:
+    """The Gated DeltaNet layers' shape (ModelConfig's linear_* fields) from a Qwen3.5 / Qwen3-Next
+    config.json, its class's defaults for keys it leaves out; each field's key is its own name."""
+    shape = {key: get(cfg, key, "int", default) for key, default in HF_DEFAULTS.items()}
+    keys.update({key: key for key in shape})
+    return shape
+
+
 def build(model, attention, window: Optional[int]) -> GatedDeltaNet:
     """A layer of ``model`` (a ModelConfig): its shape is the model's ``linear_*`` fields (no window)."""
     return GatedDeltaNet(None, **model.linear_shape(), num_heads=model.num_heads, head_dim=model.head_dim)
@@ -98,5 +123,5 @@ KIND = register(LayerKind(
     "gated_deltanet", GatedDeltaNet, module="kvbench.layouts.gated_deltanet_attention:GatedDeltaNetAttention",
     layer_types=("linear_attention",), recurrent=True, label="gdn", title="Gated DeltaNet",
     letters={"d": "full_attention_interval"}, build=build,
-    unfuse="kvbench.layouts.gated_deltanet_attention:unfuse",
+    unfuse="kvbench.layouts.gated_deltanet_attention:unfuse", architectures=ARCHITECTURES, hf_fields=hf_fields,
     examples={"gdn": ("model=tiny", "attention.layer_types=[linear_attention,full_attention]")}))

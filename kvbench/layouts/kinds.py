@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-from kvbench.layouts import gated_deltanet, kv_heads, latent  # noqa: F401  (each registers its kind)
+# each registers its kind, in the order every list of them shows: attention layers, then recurrent ones
+from kvbench.layouts import kv_heads, latent  # noqa: F401
+
+# isort: split
+from kvbench.layouts import gated_deltanet  # noqa: F401
 from kvbench.layouts.registry import (
                                       LayerKind,
                                       LayerOption,

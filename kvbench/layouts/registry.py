@@ -14,6 +14,9 @@ A kind's facets, each optional where the kind has nothing to say:
   give its layers; ``recurrent``: a per-sequence state instead of positions.
 - ``label`` and ``letters``: the word a variant label shows, and compare's letters (``mla:r64``) with
   the ``attention.*`` field each sets.
+- ``architectures``: the transformers architectures whose layers of this kind it reads from a
+  ``config.json`` (``hf_fields``), each with the ModelConfig switches that architecture's attention
+  needs; :data:`kvbench.config.hf.HF_ARCHITECTURES` takes them in.
 - ``attention_types``: the ``attention.type`` values whose attention layers are this kind (a kind
   with none is chosen by its ``layer_types`` alone); ``title``: its name in a sentence.
 - ``shape_keys``: the ``attention.*`` fields that shape its weights (null for every other type,
@@ -101,6 +104,7 @@ class LayerKind:
     preset: str = ""  # the ModelConfig field holding a model's own shape of this kind ("": none has one)
     options: Tuple[LayerOption, ...] = ()
     build: Optional[Callable[..., Any]] = None
+    architectures: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 _KINDS: Dict[str, LayerKind] = {}
