@@ -354,7 +354,8 @@ def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]
     attention layer only as itself, either with ``attention``'s windows (over the same weights a
     window is only a mask)."""
     how = "none"
-    asked, own = attention_kind(attention.type), attention_kind(model.attention.type)
+    own = attention_kind(model.attention.type)
+    asked = attention_kind(attention.type) or own  # type=model (unresolved): the checkpoint's own kind
     if asked is not own:  # the weights are of one kind of attention layer; none becomes another
         held = f"is {own.title}" if own.preset else f"has {model.num_kv_heads} K/V heads"
         raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint {held}; converting it to "

@@ -28,7 +28,9 @@ A kind's facets, each optional where the kind has nothing to say:
   suite (``tests/test_layer_kinds.py``) checks.
 - hooks (``None``: nothing to do): ``build(model, attention, window) -> LayerLayout`` (its layout
   for a layer of ``model`` under a resolved ``attention``, ``window`` the layer's own or None),
-  ``hf_fields(cfg, arch) -> dict`` (the ModelConfig fields its config.json keys give),
+  ``hf_fields(cfg, arch, keys) -> dict`` (the ModelConfig fields the config.json contents ``cfg`` of
+  one of its ``architectures`` give, each field's key added to ``keys`` as
+  :func:`kvbench.config.hf.model_fields` keeps them; values read by :func:`kvbench.config.hf_read.get`),
   ``unfuse(layout, name, w) -> {part: tensor}`` (a checkpoint's fused projection ``name``, one the
   module's ``HF_FUSED`` declares, as the module's parts; a callable or, for a hook in a torch module
   above the layouts, ``"package.module:function"``: :func:`resolve`), ``param_count(layout, model)
