@@ -80,7 +80,8 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj emits [query | gate] per head; output x sigmoid(gate) before o_proj
     partial_rotary_factor: float = 1.0  # rotary embeddings turn the first int(head_dim x factor) dims of a head
     # Gated DeltaNet layers (attention.layer_types' linear_attention), config.json's names: their
-    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's.
+    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's
+    # (derived and checked by the kind's home: kvbench.layouts.gated_deltanet.model_shape).
     linear_num_key_heads: Optional[int] = None  # H_k, heads of q and k (null: num_heads)
     linear_num_value_heads: Optional[int] = None  # H_v, heads of v and of the state (null: 2 x num_heads)
     linear_key_head_dim: Optional[int] = None  # d_k (null: head_dim / 2)
@@ -123,7 +124,9 @@ class ModelConfig:
         check(self.head_dim >= 1, "model.head_dim", self.head_dim, "must be >= 1")
         if self.preset_mla is None:  # a latent model's heads rotate preset_mla.qk_rope_head_dim of theirs
             self.check_rotary()
-        self._check_linear_shape()
+        for kind in registered():  # each kind's own model.* fields (a recurrent layer's shape)
+            if kind.check_model:
+                kind.check_model(self)
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads, f"must divide model.num_heads={self.num_heads}")
         check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
@@ -143,14 +146,6 @@ class ModelConfig:
         """The dimensions of a query or key head that rotary embeddings turn (transformers' int())."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def linear_shape(self) -> Dict[str, int]:
-        """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields: the
-        ratios of Qwen3.5, whose heads of 256 have 16 key heads of 128 beside 16 query heads)."""
-        derived = {"linear_num_key_heads": self.num_heads, "linear_num_value_heads": 2 * self.num_heads,
-                   "linear_key_head_dim": self.head_dim // 2, "linear_value_head_dim": self.head_dim // 2,
-                   "linear_conv_kernel_dim": 4}
-        return {k: d if getattr(self, k) is None else getattr(self, k) for k, d in derived.items()}
-
     def without_pattern(self) -> "ModelConfig":
         """This shape with no layer pattern of its own (no window, Gated DeltaNet layers or KV sharing:
         every layer full attention unless attention.* asks otherwise). Not re-read from ``path``: a
@@ -167,15 +162,6 @@ class ModelConfig:
                        preset_global_every=attention.global_every if window else None,
                        preset_layer_types=types if window or recurrent_in(types) else None,
                        **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
-
-    def _check_linear_shape(self) -> None:
-        shape = self.linear_shape()
-        for key, value in shape.items():
-            check(value >= 1, f"model.{key}", value, "must be >= 1")
-        heads, value_heads = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
-        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads,
-              f"must be a multiple of model.linear_num_key_heads={heads} (each key head serves the same number of "
-              "value heads)")
 
     def _check_rope_scaling(self) -> None:
         check_choice("model.rope_type", self.rope_type, ROPE_TYPES)

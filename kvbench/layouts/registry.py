@@ -28,6 +28,7 @@ A kind's facets, each optional where the kind has nothing to say:
   suite (``tests/test_layer_kinds.py``) checks.
 - hooks (``None``: nothing to do): ``build(model, attention, window) -> LayerLayout`` (its layout
   for a layer of ``model`` under a resolved ``attention``, ``window`` the layer's own or None),
+  ``check_model(model)`` (its own ``model.*`` fields checked, each refusal naming its key),
   ``hf_fields(cfg, arch, keys) -> dict`` (the ModelConfig fields the config.json contents ``cfg`` of
   one of its ``architectures`` give, each field's key added to ``keys`` as
   :func:`kvbench.config.hf.model_fields` keeps them; values read by :func:`kvbench.config.hf_read.get`),
@@ -107,6 +108,7 @@ class LayerKind:
     options: Tuple[LayerOption, ...] = ()
     build: Optional[Callable[..., Any]] = None
     architectures: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    check_model: Optional[Callable[[Any], None]] = None
 
 
 _KINDS: Dict[str, LayerKind] = {}
