@@ -192,3 +192,19 @@ def test_every_package_ships_in_the_wheel():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
     assert {f"kvbench.{name}" if name else "kvbench" for name in found} <= listed
+
+
+# Outside its home under kvbench/layouts/ nothing names a layer kind (issue 54): the rest asks the
+# registry (kvbench.layouts.kinds). What still does, and why: config.hf (the one reader of config.json:
+# its architectures' attention switches, rope and window keys), config.hf_agree (keys of a config.json
+# that say one thing twice, below the registry) and config.model (the attention group's Hydra schema,
+# whose fields, keys users override and records keep, are the kinds' own).
+KIND_WORDS = {"gated_deltanet|gdn|linear_attention": {"config.hf", "config.hf_agree", "config.model"},
+              "latent|index_topk": {"config.hf", "config.hf_agree", "config.model"}}
+
+
+@pytest.mark.parametrize("words", KIND_WORDS)
+def test_no_module_outside_the_layouts_names_a_kind(words):
+    files, _ = graph()
+    naming = {m for m, p in files.items() if m.split(".")[0] != "layouts" and re.search(words, p.read_text(), re.I)}
+    assert naming <= KIND_WORDS[words], f"name a kind; ask kvbench.layouts.kinds: {sorted(naming - KIND_WORDS[words])}"
