@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from kvbench.config import hf as hf_config
+from kvbench.config.conversion import own_kind
 from kvbench.config.errors import ConfigError, typed
 from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
@@ -256,10 +257,9 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         check_model_fits(model_cfg, device, f"{directory / 'config.json'}")  # before any tensor is made
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    if model_cfg.preset_mla is not None:
-        attention = AttentionConfig(type="mla").resolved(model_cfg)
-    else:
-        attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
+    own = own_kind(model_cfg)  # a model shape of its own kind (LayerKind.preset), else a K/V-head count
+    attention = (AttentionConfig(type=own.attention_types[0]).resolved(model_cfg) if own is not None
+                 else AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads))
     layouts = build_layouts(model_cfg, attention.resolved(model_cfg))  # data only: what names mean per layer
     model_name = f"a {hf_config.architecture(hf)} as {directory / 'config.json'} describes it"
     # Headers first: names, shapes and dtypes against config.json before anything is built or read.

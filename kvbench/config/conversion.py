@@ -14,7 +14,7 @@ _CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)",
                      "shape": "the arithmetic of the asked layout, not of the published model"}
 
 
-def _own_kind(model: ModelConfig) -> Optional[LayerKind]:
+def own_kind(model: ModelConfig) -> Optional[LayerKind]:
     """The kind whose own shape ``model`` holds (None: K/V heads, told by ``preset_kv_heads``)."""
     return next((kind for kind in registered() if kind.preset and getattr(model, kind.preset) is not None), None)
 
@@ -31,14 +31,14 @@ def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str
     method, text}``; ``method`` says what was done to the weights (``repeat`` exact, ``mean-pool``
     approximate, ``random-init`` a preset's shape drawn with random weights in the asked layout,
     ``shape`` task=inspect's arithmetic)."""
-    own_kind, asked_kind = _own_kind(model), attention_kind(attention.type)
-    if own_kind is not None or (asked_kind is not None and asked_kind.preset):  # not a KV-head count
-        if own_kind is asked_kind:
+    own, asked_kind = own_kind(model), attention_kind(attention.type)
+    if own is not None or (asked_kind is not None and asked_kind.preset):  # not a KV-head count
+        if own is asked_kind:
             return None
-        own = own_kind.title if own_kind is not None else f"{model.preset_kv_heads} KV heads"
+        held = own.title if own is not None else f"{model.preset_kv_heads} KV heads"
         measured = (_in_words(asked_kind, attention) if asked_kind is not None and asked_kind.preset
                     else f"{attention.num_kv_heads} KV heads ({attention.type})")
-        text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
+        text = (f"attention converted: model {model.name} has {held}; this run measures {measured}, "
                 f"{_CONVERSION_WORDS.get(method, method)}")
         return {"from_kv_heads": model.preset_kv_heads, "to_kv_heads": attention.num_kv_heads, "method": method,
                 "text": text}
