@@ -260,6 +260,35 @@ def test_the_registry_example_builds_a_mamba2_hybrid_named_and_counted_by_its_ki
     assert parameter_counts(job.model, job.attention).total == model.num_params()
 
 
+def test_compare_names_a_mamba2_hybrid_by_its_letter_as_its_layer_types_would():
+    """``:m<k>`` is transformers' full_attention_interval k over Mamba-2 layers (layers k-1, 2k-1, ...
+    full attention, the others mamba), the same layout and label as listing them in
+    attention.layer_types; beside Gated DeltaNet's ``:d<k>`` it is its own variant, and both in one
+    variant, or with MLA, are refused in one line naming compare.variants and the entry."""
+    from conftest import compose
+
+    from kvbench.config.layer_pattern import job_variant_label, variant_label
+    from kvbench.job_config import to_bench_config
+
+    L, k = 6, 3
+    job = to_bench_config(compose("model=tiny", f"model.num_layers={L}", "task=compare",
+                                  f"compare.variants=[gqa,gqa:m{k},gqa:d{k}]"))
+    _, mamba, gdn = job.compare.attentions(job.model)
+    interval = ["full_attention" if (i + 1) % k == 0 else "mamba" for i in range(L)]  # transformers' rule
+    assert mamba.layer_types == interval and gdn.layer_types == [t.replace("mamba", "linear_attention")
+                                                                 for t in interval]
+    listed = to_bench_config(compose("model=tiny", f"model.num_layers={L}", "attention=gqa",
+                                     f"attention.layer_types=[{','.join(interval)}]"))
+    assert variant_label(mamba, num_layers=L) == job_variant_label(listed) == "gqa kv=2 mamba2 2:1"
+    for variants, line in [("[gqa,gqa:m3:d3]", "compare.variants=['gqa', 'gqa:m3:d3']: 'gqa:m3:d3': option 'd3'"),
+                           ("[mla,mla:m3]", "compare.variants=['mla', 'mla:m3']: 'mla:m3': attention.type='mla': "
+                                            "mla beside mamba (Mamba-2) layers is not built")]:
+        with pytest.raises(ConfigError) as info:
+            to_bench_config(compose("model=tiny", f"model.num_layers={L}", "task=compare",
+                                    f"compare.variants={variants}"))
+        assert str(info.value).startswith(line) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("override, line", [
     ("+model.layer_shapes.mamba2.n_groups=3", "model.layer_shapes.mamba2.n_groups=3: must divide mamba_num_heads=8"),
     ("+model.layer_shapes.mamba2.heads=4", "model.layer_shapes.mamba2.heads=4: not a Mamba-2 field"),

@@ -95,11 +95,12 @@ def linear_full_layers(layer_types: Optional[Sequence[str]], name: Optional[str]
     return (recurrent // g, (len(layer_types) - recurrent) // g)
 
 
-def interval_layer_types(k: int, num_layers: int) -> Optional[List[str]]:
-    """transformers' full_attention_interval k: layers k-1, 2k-1, ... full attention, the others the
-    recurrent kind's that ``compare``'s ``:d`` letter and the interval belong to (``LayerKind.letters``);
-    None when no layer is recurrent (k 0 or 1)."""
-    name = _interval_layer_type()
+def interval_layer_types(k: int, num_layers: int, name: Optional[str] = None) -> Optional[List[str]]:
+    """transformers' full_attention_interval k: layers k-1, 2k-1, ... full attention, the others
+    ``name`` (a recurrent kind's layer type; None: the kind that ``attention.full_attention_interval``
+    belongs to, whose compare letter sets it first in ``LayerKind.letters``); None when no layer is
+    recurrent (k 0 or 1)."""
+    name = name or _interval_layer_type()
     types = [name if k and (i + 1) % k else FULL for i in range(num_layers)]
     return types if name in types else None
 

@@ -443,5 +443,6 @@ def _granite_names(name: str) -> str:
 
 KIND = register(LayerKind(
     "mamba2", Mamba2, module="kvbench.layouts.mamba2_mixer:Mamba2Mixer", layer_types=("mamba",), recurrent=True,
-    label="mamba2", build=build, hf_architectures=tuple(HF_MODULES), hf_model_fields=hf_model_fields,
-    hf_names=hf_names, examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))
+    label="mamba2", title="Mamba-2", letters={"m": "full_attention_interval"}, build=build,
+    hf_architectures=tuple(HF_MODULES), hf_model_fields=hf_model_fields, hf_names=hf_names,
+    examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))
