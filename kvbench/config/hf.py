@@ -5,8 +5,8 @@ decoder's shape.
 contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder does not model
 (another architecture, multimodal, other rope types) in one line naming the key; a mixture of experts
 becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the model's own window pattern
-(``preset_window``, ``preset_layer_types``); a layer kind's home reads its architectures' files
-(``LayerKind.hf_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
+(``preset_window``, ``preset_layer_types``); a layer kind's home reads its own keys in its architectures'
+files (``LayerKind.hf_fields``), or the whole file of a model that is not Llama-form (``hf_model_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
 OmegaConf, which types the fields afterwards, would convert ``"32"`` silently and name only its own key.
 """
 
@@ -130,7 +130,7 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
     if arch is None:
         accepted = [*HF_ARCHITECTURES, *(a for kind in registered() for a in kind.hf_architectures)]
         raise ConfigError(f"{where}: architectures={archs!r}: not supported (accepted: {', '.join(accepted)})")
-    if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_fields)
+    if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_model_fields)
         return {**by_architecture(arch).hf_model_fields(cfg, arch), "weights_stored": weights_stored(cfg)}, {}
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
