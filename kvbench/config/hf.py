@@ -5,8 +5,9 @@ decoder's shape.
 contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder does not model
 (another architecture, multimodal, other rope types) in one line naming the key; a mixture of experts
 becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the model's own window pattern
-(``preset_window``, ``preset_layer_types``); a layer kind's home reads its own keys in its architectures'
-files (``LayerKind.hf_fields``), or the whole file of a model that is not Llama-form (``hf_model_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
+(``preset_window``, ``preset_layer_types``); a layer kind's home reads its own keys in its
+architectures' files (``LayerKind.hf_fields``), or the whole file of a model that is not Llama-form
+(``hf_model_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
 OmegaConf, which types the fields afterwards, would convert ``"32"`` silently and name only its own key.
 """
 
