@@ -323,3 +323,23 @@ def test_the_nemotron3_nano_preset_has_the_model_cards_parameters_and_state():
     assert sum(isinstance(layer, Mamba2) for layer in layouts) == 23
     assert layouts.state_bytes(2) == 23 * (64 * 64 * 128 * 4 + 3 * (64 * 64 + 2 * 8 * 128) * 2)
     assert layouts.bytes_per_token(2) == 6 * 2 * 2 * 128 * 2
+
+
+@pytest.mark.parametrize("claim, clash", [
+    ({"layer_types": ("mamba",)}, "['mamba']"),
+    ({"letters": {"m": "full_attention_interval"}}, "['m']"),
+    ({"hf_architectures": ("NemotronHForCausalLM",)}, "['NemotronHForCausalLM']"),  # its whole file: one reader
+    ({"architectures": {"GraniteMoeHybridForCausalLM": {}}}, "['GraniteMoeHybridForCausalLM']"),
+])
+def test_a_kind_claiming_what_mamba2_registered_is_refused_in_one_line(claim, clash):
+    """Layer types, compare letters and whole-file architectures have one owner each: a second kind
+    claiming Mamba-2's is refused naming both, and the registry keeps what it had."""
+    from kvbench.layouts.base import LayerLayout
+    from kvbench.layouts.kinds import LayerKind, registered
+    from kvbench.layouts.registry import register
+
+    before = registered()
+    with pytest.raises(ValueError) as info:
+        register(LayerKind("intruder", LayerLayout, **claim))
+    assert str(info.value) == f"layer kind 'intruder' claims {clash}, already 'mamba2''s"
+    assert registered() == before

@@ -126,13 +126,17 @@ _KINDS: Dict[str, LayerKind] = {}
 
 def register(kind: LayerKind) -> LayerKind:
     """Add ``kind`` (once per name; a second kind of the same name, or one claiming another's layer
-    type or compare letter, is a programming error named in one line)."""
+    type, compare letter or an architecture whose whole config.json another reads, is a programming
+    error named in one line)."""
     if kind.name in _KINDS and _KINDS[kind.name] is not kind:
         raise ValueError(f"layer kind {kind.name!r} is registered twice")
     for other in _KINDS.values():
         if other.name == kind.name:
             continue
         clash = (set(other.layer_types) & set(kind.layer_types)) | (set(other.letters) & set(kind.letters))
+        # a whole config.json has one reader; a Llama-form one may have several kinds' keys read from it
+        clash |= set(kind.hf_architectures) & {*other.hf_architectures, *other.architectures}
+        clash |= set(other.hf_architectures) & set(kind.architectures)
         if clash:
             raise ValueError(f"layer kind {kind.name!r} claims {sorted(clash)}, already {other.name!r}'s")
     _KINDS[kind.name] = kind
