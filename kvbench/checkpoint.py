@@ -25,10 +25,10 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from kvbench.config import hf as hf_config
+from kvbench.config.conversion import own_kind
 from kvbench.config.errors import ConfigError, typed
-from kvbench.config.hf import LINEAR
 from kvbench.config.layer_options import PRESET_OPTIONS
-from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig, attention_type
+from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors
 from kvbench.hf_weights import reading as _reading
@@ -36,13 +36,20 @@ from kvbench.jsonio import atomic_write, path_problem
 from kvbench.layouts.attention import module_class
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.gated_deltanet_attention import unfuse
-from kvbench.layouts.registry import hf_renaming
+from kvbench.layouts.kinds import (
+    attention_kind,
+    by_layer_type,
+    hf_renaming,
+    kind_of,
+    recurrent_in,
+    recurrent_layer_types,
+    resolve,
+)
 from kvbench.mlp.dense import MLP
 from kvbench.mlp.weights import MOE_NAMES, expert_file_name, expert_tensors, read_assembled
 from kvbench.model import Decoder, torch_dtype
 from kvbench.quant_weights import read_dequantized_headers
-from kvbench.rope import rope_tables
+from kvbench.rope import deinterleave_rope, rope_tables
 
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
@@ -259,10 +266,9 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
         check_model_fits(model_cfg, device, f"{directory / 'config.json'}")  # before any tensor is made
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
-    if model_cfg.preset_mla is not None:
-        attention = AttentionConfig(type="mla").resolved(model_cfg)
-    else:
-        attention = AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads)
+    own = own_kind(model_cfg)  # a model shape of its own kind (LayerKind.preset), else a K/V-head count
+    attention = (AttentionConfig(type=own.attention_types[0]).resolved(model_cfg) if own is not None
+                 else AttentionConfig.for_heads(model_cfg.num_heads, model_cfg.preset_kv_heads))
     layouts = build_layouts(model_cfg, attention.resolved(model_cfg))  # data only: what names mean per layer
     model_name = f"a {hf_config.architecture(hf)} as {directory / 'config.json'} describes it"
     # Headers first: names, shapes and dtypes against config.json before anything is built or read.
@@ -284,11 +290,12 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
     tensors = read_assembled(partial(load_finite_tensors, directory), {k: stored[k] for k in expected})
     for (i, part, name), parts in fused.items():  # each part was read as the whole fused tensor; an MLP's: halves
         whole = tensors[parts[0]]
-        split = unfuse(layouts[i], name, whole) if part == "attn" else dict(zip(MLP.HF_FUSED[name], whole.chunk(2)))
+        split = resolve(kind_of(layouts[i]).unfuse)(layouts[i], name, whole) if part == "attn" \
+            else dict(zip(MLP.HF_FUSED[name], whole.chunk(2)))
         tensors.update({f"blocks.{i}.{part}.{k}": t for k, t in split.items()})
     check_tensors(directory, expected, tensors, model=model_name, names=names)
     if model_cfg.preset_mla is not None and hf_config.rope_interleaved(hf):
-        _deinterleave_rope(tensors, model_cfg, attention)
+        deinterleave_rope(tensors, model_cfg, attention)
     decoder = build_decoder(model_cfg, attention, tensors, dtype, device)
 
     tokenizer = None
@@ -338,52 +345,41 @@ def _check_layers(directory: Path, model: ModelConfig, stored: Mapping[str, Stor
                           f"safetensors files hold tensors of {held}")
 
 
-def _deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, attention: AttentionConfig) -> None:
-    """DeepSeek rotates its rope dimensions in interleaved pairs (x0, x1), (x2, x3), ...; the
-    decoder rotates halves. Reordering the rows that produce them (evens, then odds) makes the
-    decoder's rotate-half compute what transformers' ``rope_interleave`` does (V3: the same
-    values; V2's complex rotation: the same dot products, its dimensions in pair order)."""
-    d_rope, d_qk = attention.qk_rope_head_dim, attention.qk_nope_head_dim + attention.qk_rope_head_dim
-    order = torch.cat([torch.arange(0, d_rope, 2), torch.arange(1, d_rope, 2)])
-    for i in range(model.num_layers):
-        q = f"blocks.{i}.attn.wq.{'2.' if attention.q_lora_rank else ''}weight"
-        w = tensors[q].view(model.num_heads, d_qk, -1)  # (H, d_nope + d_rope, C) rows per head
-        tensors[q] = torch.cat([w[:, :-d_rope], w[:, -d_rope:][:, order]], 1).reshape(tensors[q].shape)
-        kv = f"blocks.{i}.attn.wkv_a.weight"  # (R + d_rope, C): the rotary key's rows last
-        tensors[kv] = torch.cat([tensors[kv][:-d_rope], tensors[kv][-d_rope:][order]])
-
-
 def to_layout(model: Decoder, attention: AttentionConfig) -> Tuple[Decoder, str]:
     """``model`` (a loaded checkpoint) as ``attention`` asks, and how (:func:`kv_conversion`), so the
-    model run is the one the record names: K/V heads repeated or mean-pooled, a latent model only
-    as itself, either with ``attention``'s windows (over the same weights a window is only a mask)."""
+    model run is the one the record names: K/V heads repeated or mean-pooled, any other kind of
+    attention layer only as itself, either with ``attention``'s windows (over the same weights a
+    window is only a mask)."""
     how = "none"
-    if not (attention.latent or model.attention.latent):
+    own = attention_kind(model.attention.type)
+    asked = attention_kind(attention.type) or own  # type=model (unresolved): the checkpoint's own kind
+    if asked is not own:  # the weights are of one kind of attention layer; none becomes another
+        held = f"is {own.title}" if own.preset else f"has {model.num_kv_heads} K/V heads"
+        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint {held}; converting it to "
+                              f"{asked.title} is not built (use attention={model.attention.type})")
+    if model.layouts.converts_kv_heads():
         how = kv_conversion(model.num_kv_heads, attention.num_kv_heads)
         model = model if how == "none" else convert_kv_heads(model, attention.num_kv_heads)
-    elif not model.attention.latent:
-        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint has {model.num_kv_heads} K/V heads; "
-                              "converting it to multi-head latent attention is not built")
-    elif not attention.latent:
-        raise CheckpointError(f"attention.type={attention.type!r}: the checkpoint is multi-head latent attention "
-                              "(DeepSeek); use attention=mla (converting its latents to K/V heads is not built)")
     # what the weights are: a layout property asked other than the checkpoint's is refused, not dropped
-    for name in (*(MLA_FIELDS if attention.latent else ()), *(option.key for option in PRESET_OPTIONS)):
-        asked, own = getattr(attention, name), getattr(model.attention, name)
-        if (asked or 0) != (own or 0):  # null: none
-            raise CheckpointError(f"attention.{name}={asked}: the checkpoint's is {0 if own is None else own} "
-                                  "(leave it null)")
+    for name in (*asked.shape_keys, *(option.key for option in PRESET_OPTIONS)):
+        asked_value, own_value = getattr(attention, name), getattr(model.attention, name)
+        if (asked_value or 0) != (own_value or 0):  # null: none
+            raise CheckpointError(f"attention.{name}={asked_value}: the checkpoint's is "
+                                  f"{0 if own_value is None else own_value} (leave it null)")
     n = model.config.num_layers
-    linear = [k == LINEAR for k in attention.layer_kinds(n)]
-    if linear != [k == LINEAR for k in model.attention.layer_kinds(n)]:
-        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's Gated DeltaNet layers "
-                              f"are {[i for i, k in enumerate(model.attention.layer_kinds(n)) if k == LINEAR]} "
-                              "(converting between linear and full attention layers is not built; leave "
+    recurrent = recurrent_layer_types()
+    layers, own_layers = attention.layer_kinds(n), model.attention.layer_kinds(n)
+    if [t in recurrent and t for t in layers] != [t in recurrent and t for t in own_layers]:
+        titles = " and ".join(by_layer_type(t).title for t in recurrent if t in own_layers) or "recurrent"
+        raise CheckpointError(f"attention.layer_types={attention.layer_types}: the checkpoint's {titles} layers "
+                              f"are {[i for i, t in enumerate(own_layers) if t in recurrent]} "
+                              "(converting between recurrent and attention layers is not built; leave "
                               "attention.full_attention_interval and attention.layer_types null)")
     model = with_layer_pattern(model, attention)
-    if attention.latent:
-        for block in model.blocks:
-            block.attn.form = attention.mla_decode
+    if model.layouts.decode_forms():  # layers whose decode step has two forms: the one asked
+        for block, layout in zip(model.blocks, model.layouts):
+            if layout.decode_forms:
+                block.attn.form = attention.mla_decode
         model.attention = replace(model.attention, mla_decode=attention.mla_decode)
         model.layouts = build_layouts(model.config, model.attention, model.state_dtype)
     return model, how
@@ -405,8 +401,9 @@ def _pattern_fields(config: ModelConfig, attention: AttentionConfig) -> Dict[str
     if attention.window:
         return {"window": attention.window, "global_every": attention.global_every,
                 "layer_types": attention.layer_types}
-    linear = attention.layer_types if LINEAR in (attention.layer_types or ()) else None  # its Gated DeltaNet layers
-    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": linear}
+    # without a window, layer_types says only which layers are recurrent (if any is)
+    recurrent = attention.layer_types if recurrent_in(attention.layer_types) else None
+    return {"window": 0 if config.preset_window else None, "global_every": None, "layer_types": recurrent}
 
 
 # ---- changing the KV-head count ------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.errors import ConfigError
+from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.serving import ServingWorkload
 from kvbench.layouts.build import build_layouts
@@ -61,9 +62,11 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     moe, kinds = model.moe, _layer_kinds(model, resolved)
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models
     # have none, and one kind of layer each (those not attending named in layer_types, which an interval
-    # contradicts), as long as a top-k asked of the run (DSA), which is checked again against their length
+    # contradicts), as long as the positions a layer option asked of the run counts (a top-k), checked
+    # again against their length
+    counted = (getattr(attention, o.key, None) or 0 for o in LAYER_OPTIONS if o.positions)
     small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None, no_mlp_layers=None,
-                                max_seq_len=max(1, getattr(attention, "index_topk", None) or 0))
+                                max_seq_len=max(1, *counted))
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
     per_layer, fixed, embedding = {}, 0, 0

@@ -5,7 +5,7 @@ application to query and key heads."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -75,3 +75,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, attention: Any) -> None:
+    """DeepSeek rotates its rope dimensions in interleaved pairs (x0, x1), (x2, x3), ...; the
+    decoder rotates halves. Reordering the rows that produce them (evens, then odds) makes the
+    decoder's rotate-half compute what transformers' ``rope_interleave`` does (V3: the same
+    values; V2's complex rotation: the same dot products, its dimensions in pair order). ``tensors``:
+    a checkpoint's weights by the decoder's names, reordered in place for ``attention``'s shape."""
+    d_rope, d_qk = attention.qk_rope_head_dim, attention.qk_nope_head_dim + attention.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, d_rope, 2), torch.arange(1, d_rope, 2)])
+    for i in range(model.num_layers):
+        q = f"blocks.{i}.attn.wq.{'2.' if attention.q_lora_rank else ''}weight"
+        w = tensors[q].view(model.num_heads, d_qk, -1)  # (H, d_nope + d_rope, C) rows per head
+        tensors[q] = torch.cat([w[:, :-d_rope], w[:, -d_rope:][:, order]], 1).reshape(tensors[q].shape)
+        kv = f"blocks.{i}.attn.wkv_a.weight"  # (R + d_rope, C): the rotary key's rows last
+        tensors[kv] = torch.cat([tensors[kv][:-d_rope], tensors[kv][-d_rope:][order]])

@@ -63,6 +63,7 @@ CASES = [
     ("job_overhead", ["--tree", "nosuch"], "argument --tree: 'nosuch': must be NAME=DIR"),
     ("job_overhead", ["--tree", "a=/no/such/dir"], "argument --tree: '/no/such/dir': no such directory"),
     ("kv_precision", ["--batch", "nan"], "argument --batch: 'nan'"),
+    ("kv_precision_quality", ["--lm-steps", "0"], "argument --lm-steps: '0'"),
     ("mla_forms", ["--contexts", "512", "0"], "argument --contexts: '0'"),
     ("nvml_overhead", ["--interval-ms", "inf"], "argument --interval-ms: 'inf'"),
     ("prefill_heads", ["--cached", "-1"], "argument --cached: '-1': must be an integer >= 0"),

@@ -167,9 +167,11 @@ def test_true_and_false_still_read_as_bools():
 HYBRID = "attention.layer_types=[linear_attention,linear_attention,linear_attention,full_attention]"
 
 
+# every registered recurrent kind's layer type is named (Gated DeltaNet's, Mamba-2's)
 @pytest.mark.parametrize("overrides, says", [
-    (["workload.state_checkpoint=every_n", "workload.state_checkpoint_tokens=32"], "no linear_attention layer"),
-    (["workload.state_checkpoint=prompt_end"], "no linear_attention layer"),
+    (["workload.state_checkpoint=every_n", "workload.state_checkpoint_tokens=32"],
+     "no linear_attention or mamba layer"),
+    (["workload.state_checkpoint=prompt_end"], "no linear_attention or mamba layer"),
     (["workload.state_checkpoint=prompt_end", HYBRID, "workload.prefix_caching=false"],
      "workload.prefix_caching=false"),
 ])

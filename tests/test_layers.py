@@ -19,17 +19,19 @@ LAYERS = [
     ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool",
      "hyper_connection", "measure.plausibility"],
-    ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages", "config.moe",
-     "config.multipliers",
-     "config.hf_keys", "config.hf_agree",
-     "config.indexer", "config.layer_options", "mlp.dense", "mlp.router"],
-    ["layouts.kv_heads", "layouts.recurrent", "quant_weights", "config.hf", "config.serving", "config.mla"],
+    ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
+     "config.moe", "config.multipliers", "config.hf_keys", "config.hf_read", "config.hf_agree", "mlp.dense",
+     "mlp.router"],
+    # the layer kinds' homes (each with its config block), then the registry of them all, which
+    # every config module that asks about a kind sits above
+    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed", "layouts.kda",
-     "layouts.kv_sharing", "config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
-    ["layouts.kinds"],  # every kind registered: below whatever asks the registry (config.model imports it)
-    ["layouts.build", "config.model", "config.recall", "config.capacity", "config.train",
-     "config.record"],
-    ["config.workload", "config.compare", "rope", "quant4"],
+     "layouts.kv_sharing"],
+    ["layouts.kinds"],
+    ["layouts.build", "config.layer_options", "config.hf", "config.serving"],
+    ["config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
+    ["config.model", "config.recall", "config.capacity", "config.train", "config.record"],
+    ["config.conversion", "config.workload", "config.compare", "rope", "quant4"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv", "serving.conversation_traces"],
     ["cache", "serving.conversations", "job_config"],
     ["shared_prefix", "layouts.latent_indexer", "serving.batch"],
@@ -194,3 +196,19 @@ def test_every_package_ships_in_the_wheel():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
     assert {f"kvbench.{name}" if name else "kvbench" for name in found} <= listed
+
+
+# Outside its home under kvbench/layouts/ nothing names a layer kind (issue 54): the rest asks the
+# registry (kvbench.layouts.kinds). What still does, and why: config.hf (the one reader of config.json:
+# its architectures' attention switches, rope and window keys), config.hf_agree (keys of a config.json
+# that say one thing twice, below the registry) and config.model (the attention group's Hydra schema,
+# whose fields, keys users override and records keep, are the kinds' own).
+KIND_WORDS = {"gated_deltanet|gdn|linear_attention": {"config.hf", "config.hf_agree", "config.model"},
+              "latent|index_topk": {"config.hf", "config.hf_agree", "config.model"}}
+
+
+@pytest.mark.parametrize("words", KIND_WORDS)
+def test_no_module_outside_the_layouts_names_a_kind(words):
+    files, _ = graph()
+    naming = {m for m, p in files.items() if m.split(".")[0] != "layouts" and re.search(words, p.read_text(), re.I)}
+    assert naming <= KIND_WORDS[words], f"name a kind; ask kvbench.layouts.kinds: {sorted(naming - KIND_WORDS[words])}"

@@ -260,6 +260,35 @@ def test_the_registry_example_builds_a_mamba2_hybrid_named_and_counted_by_its_ki
     assert parameter_counts(job.model, job.attention).total == model.num_params()
 
 
+def test_compare_names_a_mamba2_hybrid_by_its_letter_as_its_layer_types_would():
+    """``:m<k>`` is transformers' full_attention_interval k over Mamba-2 layers (layers k-1, 2k-1, ...
+    full attention, the others mamba), the same layout and label as listing them in
+    attention.layer_types; beside Gated DeltaNet's ``:d<k>`` it is its own variant, and both in one
+    variant, or with MLA, are refused in one line naming compare.variants and the entry."""
+    from conftest import compose
+
+    from kvbench.config.layer_pattern import job_variant_label, variant_label
+    from kvbench.job_config import to_bench_config
+
+    L, k = 6, 3
+    job = to_bench_config(compose("model=tiny", f"model.num_layers={L}", "task=compare",
+                                  f"compare.variants=[gqa,gqa:m{k},gqa:d{k}]"))
+    _, mamba, gdn = job.compare.attentions(job.model)
+    interval = ["full_attention" if (i + 1) % k == 0 else "mamba" for i in range(L)]  # transformers' rule
+    assert mamba.layer_types == interval and gdn.layer_types == [t.replace("mamba", "linear_attention")
+                                                                 for t in interval]
+    listed = to_bench_config(compose("model=tiny", f"model.num_layers={L}", "attention=gqa",
+                                     f"attention.layer_types=[{','.join(interval)}]"))
+    assert variant_label(mamba, num_layers=L) == job_variant_label(listed) == "gqa kv=2 mamba2 2:1"
+    for variants, line in [("[gqa,gqa:m3:d3]", "compare.variants=['gqa', 'gqa:m3:d3']: 'gqa:m3:d3': option 'd3'"),
+                           ("[mla,mla:m3]", "compare.variants=['mla', 'mla:m3']: 'mla:m3': attention.type='mla': "
+                                            "mla beside mamba (Mamba-2) layers is not built")]:
+        with pytest.raises(ConfigError) as info:
+            to_bench_config(compose("model=tiny", f"model.num_layers={L}", "task=compare",
+                                    f"compare.variants={variants}"))
+        assert str(info.value).startswith(line) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("override, line", [
     ("+model.layer_shapes.mamba2.n_groups=3", "model.layer_shapes.mamba2.n_groups=3: must divide mamba_num_heads=8"),
     ("+model.layer_shapes.mamba2.heads=4", "model.layer_shapes.mamba2.heads=4: not a Mamba-2 field"),
@@ -294,3 +323,23 @@ def test_the_nemotron3_nano_preset_has_the_model_cards_parameters_and_state():
     assert sum(isinstance(layer, Mamba2) for layer in layouts) == 23
     assert layouts.state_bytes(2) == 23 * (64 * 64 * 128 * 4 + 3 * (64 * 64 + 2 * 8 * 128) * 2)
     assert layouts.bytes_per_token(2) == 6 * 2 * 2 * 128 * 2
+
+
+@pytest.mark.parametrize("claim, clash", [
+    ({"layer_types": ("mamba",)}, "['mamba']"),
+    ({"letters": {"m": "full_attention_interval"}}, "['m']"),
+    ({"hf_architectures": ("NemotronHForCausalLM",)}, "['NemotronHForCausalLM']"),  # its whole file: one reader
+    ({"architectures": {"GraniteMoeHybridForCausalLM": {}}}, "['GraniteMoeHybridForCausalLM']"),
+])
+def test_a_kind_claiming_what_mamba2_registered_is_refused_in_one_line(claim, clash):
+    """Layer types, compare letters and whole-file architectures have one owner each: a second kind
+    claiming Mamba-2's is refused naming both, and the registry keeps what it had."""
+    from kvbench.layouts.base import LayerLayout
+    from kvbench.layouts.kinds import LayerKind, registered
+    from kvbench.layouts.registry import register
+
+    before = registered()
+    with pytest.raises(ValueError) as info:
+        register(LayerKind("intruder", LayerLayout, **claim))
+    assert str(info.value) == f"layer kind 'intruder' claims {clash}, already 'mamba2''s"
+    assert registered() == before

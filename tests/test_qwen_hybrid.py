@@ -19,7 +19,7 @@ from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.generate import greedy_generate
-from kvbench.layouts.gated_deltanet import GatedDeltaNet
+from kvbench.layouts.gated_deltanet import GatedDeltaNet, model_shape
 from kvbench.layouts.kv_heads import KVHeads
 
 VOCAB = 97
@@ -190,7 +190,7 @@ def test_a_release_style_config_reads_transformers_defaults():
     assert m.partial_rotary_factor == 0.25 and m.rotary_dim == 4 and m.attn_output_gate and m.norm_zero_centered
     assert m.preset_layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
         "full_attention"]
-    assert m.rope_theta == 1e7 and m.linear_shape()["linear_num_value_heads"] == 4
+    assert m.rope_theta == 1e7 and model_shape(m)["linear_num_value_heads"] == 4
     # rope_parameters' factor and theta, as transformers standardises them; the top level's beside
     # another value in rope_parameters is a file that disagrees with itself (tests/test_hostile_round5.py)
     m = ModelConfig.from_hf_config(hf_json(partial_rotary_factor=None, rope_theta=None, rope_parameters={

@@ -7,38 +7,55 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 from kvbench.config.errors import ConfigError, check, check_positive
-from kvbench.config.layer_pattern import variant_label
+from kvbench.config.layer_pattern import interval_layer_types, variant_label
 from kvbench.config.model import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
 from kvbench.config.task import ALL, TIMED_RUNTIME, Task
+from kvbench.layouts.kinds import registered
 
-# compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets.
-VARIANT_OPTIONS = {"w": "window", "g": "global_every", "r": "kv_lora_rank", "k": "index_topk", "s": "kv_shared_layers",
-                   "d": "full_attention_interval"}
+# compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets:
+# a window's and KV sharing's, then each kind's own (LayerKind.letters: a rank, a top-k, a recurrent
+# kind's full_attention_interval ...), each with the words an error shows for it.
+_WORDS = {"w": "window", "g": "every k-th layer global", "s": "kv_shared_layers"}
+_SYMBOLS = {"window": "W", "global_every": "k", "kv_shared_layers": "N"}  # a kind's field shows its own name
+VARIANT_OPTIONS = {"w": "window", "g": "global_every", "s": "kv_shared_layers",
+                   **{letter: key for kind in registered() for letter, key in kind.letters.items()}}
+# A recurrent kind's interval letter (the letter it gives full_attention_interval): every k-th layer full
+# attention, the others that kind's layer type, whose layer_types compare builds for the model
+# (attention.full_attention_interval itself names one kind's layers only).
+INTERVAL = "full_attention_interval"
+_INTERVAL_TYPES = {letter: kind.layer_types[0] for kind in registered() if kind.recurrent
+                   for letter, key in kind.letters.items() if key == INTERVAL}
+_WORDS.update({letter: f"{INTERVAL} of {t} layers" for letter, t in _INTERVAL_TYPES.items()})
+_SYNTAX = ", ".join(f":{letter}<{_WORDS.get(letter, key)}>" for letter, key in VARIANT_OPTIONS.items())
+_OPTIONS = ", ".join(f":{letter}<{_SYMBOLS.get(key, key)}>" for letter, key in VARIANT_OPTIONS.items())
 
 
 def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
     """AttentionConfig fields of one ``compare.variants`` entry: ``<type or KV-head count>`` then
-    options :w<W> (a window on local layers), :g<k> (every k-th layer global, needs :w), :r<R>
-    (MLA's kv_lora_rank), :k<K> (DSA's index_topk), :s<N> (the last N layers share K/V), :d<k>
-    (every k-th layer full, the others Gated DeltaNet); an option left out is none of it."""
+    options :w<W> (a window on local layers), :g<k> (every k-th layer global, needs :w), :s<N> (the
+    last N layers share K/V) and each registered kind's letters (``LayerKind.letters``, each setting
+    the ``attention.*`` field it names: ``mla:r64``; a recurrent kind's interval, ``gqa:d4`` or ``gqa:m2``,
+    every k-th layer full attention and the others that kind's); an option left out is none of it."""
     where = ("compare.variants", spec if variants is None else variants)
     head, *options = str(spec).split(":")
     check(head in ATTENTION_TYPES or (head.isdigit() and int(head) >= 1), *where,
           f"{spec!r} is neither an attention type ({', '.join(ATTENTION_TYPES)}) nor a KV-head count >= 1 "
-          "(options: :w<window>, :g<every k-th layer global>, :r<mla kv_lora_rank>, :k<dsa index_topk>, "
-          ":s<kv_shared_layers>, :d<every k-th layer full, the others Gated DeltaNet>, e.g. gqa:w1024:g6, gqa:d4)")
+          f"(options: {_SYNTAX}, e.g. gqa:w1024:g6, gqa:d4)")
     out: Dict[str, Any] = {"type": head} if head in ATTENTION_TYPES else {"num_kv_heads": int(head)}
     for option in options:
         key = VARIANT_OPTIONS.get(option[:1])
         check(key is not None and option[1:].isdigit() and int(option[1:]) >= 1 and key not in out, *where,
-              f"{spec!r}: option {option!r} must be one of :w<W>, :g<k>, :r<R>, :k<K>, :s<N>, :d<k> with a number "
-              ">= 1, each once")
+              f"{spec!r}: option {option!r} must be one of "
+              f"{_OPTIONS} "
+              "with a number >= 1, each once")
         out[key] = int(option[1:])
+        if key == INTERVAL:  # which recurrent kind's layers the interval asks for (one letter per variant)
+            out["interval_layer_type"] = _INTERVAL_TYPES[option[:1]]
     check("global_every" not in out or "window" in out, *where,
           f"{spec!r}: :g<k> says which layers are global, and needs a window (:w<W>) for the others")
     out.setdefault("window", 0)  # no option: no window, whatever the model's own
     out.setdefault("kv_shared_layers", 0)  # nor sharing
-    out.setdefault("full_attention_interval", 0)  # and no Gated DeltaNet layer
+    out.setdefault(INTERVAL, 0)  # and no recurrent layer
     return out
 
 
@@ -74,6 +91,10 @@ class CompareConfig:
         out = []
         for v in self.variants:
             fields_ = variant_fields(v, self.variants)
+            name = fields_.pop("interval_layer_type", None)
+            if name is not None:  # the asked kind's layers by the interval, as layer_types (none: every layer full)
+                types = interval_layer_types(fields_[INTERVAL], model.num_layers, name)
+                fields_.update(layer_types=types, **{INTERVAL: None if types else 0})
             if "num_kv_heads" in fields_:
                 fields_["type"] = attention_type(model.num_heads, fields_["num_kv_heads"])
             try:

@@ -5,8 +5,9 @@ decoder's shape.
 contents into :class:`kvbench.config.model.ModelConfig` fields, refusing what the decoder does not model
 (another architecture, multimodal, other rope types) in one line naming the key; a mixture of experts
 becomes ``model.moe`` (:func:`_hf_moe`), a sliding window the model's own window pattern
-(``preset_window``, ``preset_layer_types``); a layer kind's home reads its architectures' files
-(``LayerKind.hf_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
+(``preset_window``, ``preset_layer_types``); a layer kind's home reads its own keys in its
+architectures' files (``LayerKind.hf_fields``), or the whole file of a model that is not Llama-form
+(``hf_model_fields``). Each value is checked against its JSON type where it is read (:func:`_get`):
 OmegaConf, which types the fields afterwards, would convert ``"32"`` silently and name only its own key.
 """
 
@@ -18,10 +19,13 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from kvbench.config.errors import ConfigError
 from kvbench.config.hf_agree import LINEAR, check_agreement
 from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
+from kvbench.config.hf_read import REQUIRED as _REQUIRED
+from kvbench.config.hf_read import get as _get
 from kvbench.config.moe import EXPERTS_KEY, check_moe
 from kvbench.config.quant import weights_stored
 from kvbench.jsonio import read_json
-from kvbench.layouts.registry import by_architecture, registered
+from kvbench.layouts.kinds import by_architecture, by_layer_type, registered
+from kvbench.layouts.latent import rope_interleaved  # noqa: F401  (the loader's, read through this module)
 
 CONFIG_FILE = "config.json"
 # A config.json is a few kilobytes; anything far larger is not one.
@@ -38,22 +42,17 @@ HF_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},    # Qwen2, Qwen2.5: biases on q, k, v
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},    # Qwen3 (dense): RMSNorm on q, k per head
 }
-# DeepSeek-V2/V3 (multi-head latent attention, kv_lora_rank in config.json) and V3.2 (+ DSA's
-# indexer, index_topk in config.json); their mixtures of experts: MOE_FAMILIES.
-HF_ARCHITECTURES.update({arch: {"qkv_bias": False, "qk_norm": False}
-                         for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")})
-# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal checkpoints)
-# and Qwen3-Next (their experts: MOE_FAMILIES): Gated DeltaNet layers beside full attention whose output is
-# gated, whose rotary embeddings turn part of a head, and whose norms are zero-centred (transformers'
-# Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention).
-_HYBRID = {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True, "norm_zero_centered": True}
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
-                        "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
-HF_ARCHITECTURES.update({arch: _HYBRID for arch in HYBRID_ARCHITECTURES})
-# Their config classes' defaults for keys a config.json may leave out (Qwen3_5TextConfig, Qwen3NextConfig).
-HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
-                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+# Each layer kind's own architectures (LayerKind.architectures, with the switches their attention
+# needs), whose layers of that kind its hf_fields reads: DeepSeek-V2/V3/V3.2's latent attention, the
+# Qwen3.5 / Qwen3-Next hybrids' recurrent layers; their mixtures of experts: MOE_FAMILIES.
+HF_ARCHITECTURES.update({arch: dict(switches) for kind in registered()
+                         for arch, switches in kind.architectures.items()})
+# The Qwen3.5 family (also as the language models of their multimodal checkpoints): the architectures
+# whose layer_types names linear_attention layers, beside attention whose rotary embeddings turn part of a head.
+HYBRID_ARCHITECTURES = tuple(by_layer_type(LINEAR).architectures)
+# Their config classes' defaults for keys a config.json may leave out (Qwen3_5TextConfig, Qwen3NextConfig;
+# their recurrent layers' own: the kind's hf_fields).
+HYBRID_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                   *HYBRID_ARCHITECTURES)  # their attention_bias: a bias on each of q, k, v and o
 # A multimodal checkpoint's language model: its keys in text_config, its tensors under this prefix.
@@ -95,32 +94,6 @@ WINDOW_KEYS_READ = {"LlamaForCausalLM": (), "MistralForCausalLM": ("sliding_wind
                     # DeepSeek's configs have no window; the Gated DeltaNet hybrids' layer_types names linear layers
                     **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"), ()),
                     **{arch: ("layer_types",) for arch in HYBRID_ARCHITECTURES}}
-LAYER_TYPES = ("sliding_attention", "full_attention", LINEAR)  # transformers' names; LINEAR: Gated DeltaNet
-
-
-# JSON types of the values read from a config.json (a bool is not a number, as JSON says).
-_KINDS = {
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"), "str": (lambda v: isinstance(v, str), "a string"),
-    "list": (lambda v: isinstance(v, list), "a list"),
-    "object": (lambda v: isinstance(v, Mapping), "a JSON object"),
-}
-_REQUIRED = object()
-
-
-def _get(cfg: Mapping[str, Any], key: str, kind: str, default: Any = None, prefix: str = "") -> Any:
-    """``cfg[key]`` checked to be of ``kind`` (:data:`_KINDS`); ``default`` when the key is absent
-    or null (transformers' reading), a ConfigError naming ``prefix + key`` when it is required."""
-    value = cfg.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ConfigError(f"missing key {prefix + key!r}")
-        return default
-    ok, what = _KINDS[kind]
-    if not ok(value):
-        raise ConfigError(f"{prefix}{key}={value!r}: must be {what}")
-    return value
 
 
 def checkpoint_architecture(cfg: Mapping[str, Any]) -> Optional[str]:
@@ -148,15 +121,6 @@ def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
     return _get(cfg, "tie_word_embeddings", "bool", False)
 
 
-def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
-    """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
-    (complex rotation), V3.2 always (its latent attention; its indexer rotates halves), V3 with
-    ``rope_interleave`` (its default)."""
-    archs = _get(cfg, "architectures", "list", [])
-    return bool({"DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM"} & set(archs)) or \
-        _get(cfg, "rope_interleave", "bool", True)
-
-
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
                  max_seq_len: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Source]]:
     """The ModelConfig fields (untyped) that the config.json contents ``cfg`` describe, and the key
@@ -167,8 +131,8 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
     if arch is None:
         accepted = [*HF_ARCHITECTURES, *(a for kind in registered() for a in kind.hf_architectures)]
         raise ConfigError(f"{where}: architectures={archs!r}: not supported (accepted: {', '.join(accepted)})")
-    if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_fields)
-        return {**by_architecture(arch).hf_fields(cfg, arch), "weights_stored": weights_stored(cfg)}, {}
+    if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_model_fields)
+        return {**by_architecture(arch).hf_model_fields(cfg, arch), "weights_stored": weights_stored(cfg)}, {}
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
     # a multimodal checkpoint's language model, its keys named where they are; its tying and weights' format the top's
@@ -204,8 +168,9 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
         raise ConfigError(f"{where}: hidden_act={cfg['hidden_act']!r}: not supported (silu only)")
     positions = _get(cfg, "max_position_embeddings", "int", 2048)
     tied_embeddings(cfg)  # read by the loader: checked here, where the file is named
-    mla_keys: Dict[str, Any] = {}
-    mla = _hf_mla(cfg, mla_keys) if arch.startswith("Deepseek") else {}
+    own_keys: Dict[str, Any] = {}  # each kind's own fields of the architectures it reads (LayerKind.hf_fields)
+    own = {k: v for kind in registered() if arch in kind.architectures and kind.hf_fields
+           for k, v in kind.hf_fields(cfg, arch, own_keys).items()}
     heads, hidden = _get(cfg, "num_attention_heads", "int", _REQUIRED), _get(cfg, "hidden_size", "int", _REQUIRED)
     layers = _get(cfg, "num_hidden_layers", "int", _REQUIRED)
     kv_heads, head_dim = _get(cfg, "num_key_value_heads", "int"), _get(cfg, "head_dim", "int")
@@ -225,10 +190,9 @@ def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any
         ffn_dim=_get(cfg, ffn, "int", _REQUIRED), vocab_size=_get(cfg, "vocab_size", "int", _REQUIRED),
         max_seq_len=max_seq_len or positions, norm_eps=_get(cfg, "rms_norm_eps", "number", 1e-6), **switches,
         **_hf_rope(cfg, positions, hybrid, keys), **_hf_window(cfg, hybrid, arch, keys))
-    shape.update(mla, weights_stored=weights_stored(cfg))  # FP8 blocks, MXFP4, NVFP4: dequantized on load
-    keys.update(mla_keys)
+    shape.update(own, weights_stored=weights_stored(cfg))  # FP8 blocks, MXFP4, NVFP4: dequantized on load
+    keys.update(own_keys)
     shape.update(_hf_moe(cfg, arch, layers))
-    shape.update(_hf_hybrid(cfg, keys) if hybrid else {})
     name = _get(cfg, "_name_or_path", "str") or Path(where).parent.name
     return {"name": name, **shape}, file_sources(keys, given, nested)
 
@@ -307,7 +271,9 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool, arch: str, keys: Dict[str, 
     architecture's layer_types names its Gated DeltaNet layers (linear_attention; without the key,
     every ``full_attention_interval``-th layer is full attention and the others linear). ``keys``:
     where each field was read (as :func:`model_fields` keeps them)."""
-    kinds = LAYER_TYPES if hybrid else LAYER_TYPES[:2]
+    # transformers' names: an attention layer's, and a recurrent kind's where the architecture is one it reads
+    kinds = tuple(t for kind in registered() if not kind.recurrent or arch in kind.architectures
+                  for t in kind.layer_types)
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA
         layer_types = None
@@ -343,30 +309,6 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool, arch: str, keys: Dict[str, 
     if not window:
         return {}
     return {"preset_window": window, "preset_layer_types": layer_types}
-
-
-def _hf_hybrid(cfg: Mapping[str, Any], keys: Dict[str, Any]) -> Dict[str, Any]:
-    """The Gated DeltaNet layers' shape from a Qwen3.5 / Qwen3-Next config.json (its class's
-    defaults for keys it leaves out; each field's key its own name); its mixture of experts: :func:`_hf_moe`."""
-    shape = {key: _get(cfg, key, "int", HYBRID_DEFAULTS[key]) for key in HYBRID_DEFAULTS if key.startswith("linear_")}
-    keys.update({key: key for key in shape})
-    return shape
-
-
-def _hf_mla(cfg: Mapping[str, Any], keys: Dict[str, Any]) -> Dict[str, Any]:
-    """ModelConfig's MLA fields from a DeepSeek-V2/V3/V3.2 config.json (its mixture of experts: :func:`_hf_moe`);
-    ``keys``: where each was read (as :func:`model_fields` keeps them)."""
-    shape = {k: _get(cfg, k, "int", _REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                                         "v_head_dim")}
-    shape["q_lora_rank"] = _get(cfg, "q_lora_rank", "int") or 0
-    if "index_topk" in cfg:  # DeepSeek-V3.2's lightning indexer (DSA)
-        shape.update({k: _get(cfg, k, "int", _REQUIRED) for k in ("index_topk", "index_n_heads", "index_head_dim")})
-    rope_interleaved(cfg)  # read by the loader: checked here, where the file is named
-    keys.update({f"preset_mla.{k}": k for k in shape}, preset_kv_heads="num_attention_heads",
-                head_dim=Source("qk_nope_head_dim + qk_rope_head_dim"))
-    # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
-    return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
-            "preset_kv_heads": _get(cfg, "num_attention_heads", "int", _REQUIRED)}
 
 
 def _counts(*values: Any) -> bool:

@@ -1,6 +1,7 @@
-"""Which layers of a decoder are local (a sliding window), linear (Gated DeltaNet) or full
-attention, as transformers' ``layer_types`` names them, and the one name of a variant built from
-its layout and that pattern (:func:`variant_label`). Torch-free: configs are checked with it."""
+"""Which layers of a decoder are local (a sliding window), recurrent (a kind that keeps a state per
+sequence) or full attention, as transformers' ``layer_types`` names them (the registered kinds'
+names: :mod:`kvbench.layouts.kinds`), and the one name of a variant built from its layout and that
+pattern (:func:`variant_label`). Torch-free: configs are checked with it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.config.errors import check
-from kvbench.config.hf import LAYER_TYPES, LINEAR
 from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.jsonio import as_int
-from kvbench.layouts.registry import layer_type_names, recurrent_layer_types, registered
+from kvbench.layouts.kinds import attention_kind, by_layer_type, recurrent_in, recurrent_layer_types
+from kvbench.layouts.kinds import layer_types as kind_layer_types
+
+# transformers' name of a layer that attends every position; a recurrent kind's layers become it when
+# asked for none (attention.full_attention_interval=0), and every layer is one without a pattern
+FULL = "full_attention"
 
 
 def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers: Optional[int] = None,
@@ -24,13 +29,17 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     global_every k reads (k-1):1), each layer option that is on, in the order of
     :data:`~kvbench.config.layer_options.LAYER_OPTIONS` (learned sinks ``gqa kv=8 w=128 1:1 sinks``
     (GPT-OSS), DSA's top-k ``mla r=512 topk=2048``, KV shared by the last N layers ``gqa kv=2 w=512
-    4:1 kvshare=15`` (Gemma 3n)), Gated DeltaNet layers and their linear:full counts ``gqa kv=4 gdn
-    3:1`` (Qwen3.5; ``gdn`` alone: every layer linear) and their state's dtype where it is not float32
-    ``gqa kv=4 gdn 3:1 state=bfloat16``, a cache dtype other than the compute dtype ``mha kv=8 int8``.
+    4:1 kvshare=15`` (Gemma 3n)), a recurrent kind's layers by its label (``LayerKind.label``) and
+    their recurrent:full counts ``gqa kv=4 <label> 3:1`` (Qwen3.5's; the label alone: every layer
+    recurrent) and their state's dtype where it is not float32 ``gqa kv=4 <label> 3:1 state=bfloat16``,
+    a cache dtype other than the compute dtype ``mha kv=8 int8``. A kind's first compare letter (``LayerKind.letters``)
+    names its size after its type (``mla r=256``), K/V heads their count.
     ``attention``: a resolved AttentionConfig or a record's attention mapping."""
     get = attention.get if isinstance(attention, Mapping) else lambda key: getattr(attention, key, None)
-    kind = get("type")
-    label = f"mla r={get('kv_lora_rank')}" if kind == "mla" else f"{kind} kv={get('num_kv_heads')}"
+    type_ = get("type")
+    kind = attention_kind(type_)
+    letter, key = next(iter(kind.letters.items())) if kind is not None and kind.letters else ("kv", "num_kv_heads")
+    label = f"{type_} {letter}={get(key)}"
     if get("window"):
         label += f" w={get('window')}"
         ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
@@ -38,12 +47,13 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
             label += f" {ratio[0]}:{ratio[1]}"
     for option in LAYER_OPTIONS:
         label += option.part(get(option.key))
-    recurrent = False
-    for kind in registered():  # each kind whose layers hold a state per sequence, by its label (gdn, ...)
-        ratio = kind.recurrent and kind.label and _ratio(get("layer_types"), kind.layer_types)
+    types = get("layer_types")
+    for name in recurrent_layer_types():  # each recurrent kind's layers, by its label
+        ratio = linear_full_layers(types, name)
         if ratio:
-            label, recurrent = label + (f" {kind.label} {ratio[0]}:{ratio[1]}" if ratio[1] else f" {kind.label}"), True
-    if recurrent and state_dtype not in (None, "float32"):  # cache.state_dtype: only a recurrent layer holds one
+            word = by_layer_type(name).label or name
+            label += f" {word} {ratio[0]}:{ratio[1]}" if ratio[1] else f" {word}"
+    if linear_full_layers(types) and state_dtype not in (None, "float32"):  # only a recurrent layer holds one
         label += f" state={state_dtype}"
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"
 
@@ -61,8 +71,9 @@ def local_global_layers(window: Optional[int], global_every: Optional[int], laye
     (12 layers, k=6: 10 local, 2 global), else reads (k-1):1."""
     if not window:
         return None
-    if layer_types is not None:  # among the attention layers (a Gated DeltaNet layer has no window)
-        local, total = sum(t == "sliding_attention" for t in layer_types), sum(t != LINEAR for t in layer_types)
+    if layer_types is not None:  # among the attention layers (a recurrent layer has no window)
+        recurrent = recurrent_layer_types()
+        local, total = sum(t == "sliding_attention" for t in layer_types), sum(t not in recurrent for t in layer_types)
     elif global_every and num_layers:
         local, total = sum(1 for i in range(num_layers) if (i + 1) % global_every), num_layers
     elif global_every:
@@ -73,30 +84,32 @@ def local_global_layers(window: Optional[int], global_every: Optional[int], laye
     return (local // g, (total - local) // g)
 
 
-def _ratio(layer_types: Optional[Sequence[str]], named: Sequence[str]) -> Optional[Tuple[int, int]]:
-    """The ratio of the layers ``named`` to the others, reduced; None when none is."""
-    if not layer_types or not set(named) & set(layer_types):
+def linear_full_layers(layer_types: Optional[Sequence[str]], name: Optional[str] = None) -> Optional[Tuple[int, int]]:
+    """The recurrent:other ratio of the layers (Qwen3.5's 3:1), reduced, counting the layers
+    ``layer_types`` calls ``name`` (None: any recurrent kind's); None without such a layer."""
+    names = recurrent_layer_types() if name is None else (name,)
+    if not layer_types or set(names).isdisjoint(layer_types):
         return None
-    n = sum(t in named for t in layer_types)
-    g = math.gcd(n, len(layer_types) - n)
-    return (n // g, (len(layer_types) - n) // g)
+    recurrent = sum(t in names for t in layer_types)
+    g = math.gcd(recurrent, len(layer_types) - recurrent)
+    return (recurrent // g, (len(layer_types) - recurrent) // g)
 
 
-def linear_full_layers(layer_types: Optional[Sequence[str]]) -> Optional[Tuple[int, int]]:
-    """The linear:attention ratio of the layers (Qwen3.5's 3:1), reduced; None without a Gated
-    DeltaNet layer."""
-    if not layer_types or LINEAR not in layer_types:
-        return None
-    linear = sum(t == LINEAR for t in layer_types)
-    g = math.gcd(linear, len(layer_types) - linear)
-    return (linear // g, (len(layer_types) - linear) // g)
-
-
-def interval_layer_types(k: int, num_layers: int) -> Optional[List[str]]:
+def interval_layer_types(k: int, num_layers: int, name: Optional[str] = None) -> Optional[List[str]]:
     """transformers' full_attention_interval k: layers k-1, 2k-1, ... full attention, the others
-    linear (Gated DeltaNet); None when no layer is linear (k 0 or 1)."""
-    types = [LINEAR if k and (i + 1) % k else "full_attention" for i in range(num_layers)]
-    return types if LINEAR in types else None
+    ``name`` (a recurrent kind's layer type; None: the kind that ``attention.full_attention_interval``
+    belongs to, whose compare letter sets it first in ``LayerKind.letters``); None when no layer is
+    recurrent (k 0 or 1)."""
+    name = name or _interval_layer_type()
+    types = [name if k and (i + 1) % k else FULL for i in range(num_layers)]
+    return types if name in types else None
+
+
+def _interval_layer_type() -> str:
+    """The layer type of the recurrent kind that owns ``attention.full_attention_interval`` (the
+    kind whose letters set it)."""
+    return next(t for t in recurrent_layer_types()
+                if "full_attention_interval" in by_layer_type(t).letters.values())
 
 
 # The attention keys of a layer pattern. Their None is a value (no window; every layer full
@@ -111,8 +124,7 @@ def unused_pattern_keys(attention: Mapping[str, Any]) -> Tuple[str, ...]:
     a window, which layers are local, and layer_types too unless some are linear."""
     if attention.get("window") is not None:
         return ()
-    return ("window", "global_every") + ("layer_types",) * all(t == "full_attention"
-                                                                for t in attention.get("layer_types") or ())
+    return ("window", "global_every") + ("layer_types",) * (linear_full_layers(attention.get("layer_types")) is None)
 
 
 @dataclass(frozen=True)
@@ -147,8 +159,8 @@ class LayerPattern:
 
     @property
     def has_linear(self) -> bool:
-        """True when some layer keeps a fixed-size recurrent state (a registered recurrent kind's), not K/V."""
-        return bool(set(self.layer_types or ()) & set(recurrent_layer_types()))
+        """True when some layer keeps a fixed-size recurrent state (a recurrent kind's), not its tokens' K/V."""
+        return linear_full_layers(self.layer_types) is not None
 
     @property
     def named(self) -> bool:
@@ -170,8 +182,9 @@ def variant_key(label: str) -> str:
 def check_window_pattern(prefix: str, window: Optional[int], global_every: Optional[int],
                          layer_types: Optional[List[str]], num_layers: Optional[int] = None) -> None:
     """A window is 0 (none) or >= 1 positions; global_every >= 0; layer_types names each layer
-    (``num_layers`` of them, when known) sliding_attention, full_attention or linear_attention; not
-    both patterns; a window with layer_types applies to some sliding_attention layer."""
+    (``num_layers`` of them, when known) by a registered kind's layer type (sliding_attention,
+    full_attention or a recurrent kind's); not both patterns; a window with layer_types applies to
+    some sliding_attention layer."""
     check(window is None or window >= 0, f"{prefix}window", window, "must be >= 1 positions, 0 (no window) or null")
     check(global_every is None or global_every >= 0, f"{prefix}global_every", global_every,
           "must be >= 0 (0: no global layer; k: every k-th layer global) or null")
@@ -179,9 +192,8 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
         return
     check(global_every is None, f"{prefix}global_every", global_every,
           f"and {prefix}layer_types both say which layers are local; give one")
-    accepted = tuple(dict.fromkeys((*LAYER_TYPES, *layer_type_names())))  # and every registered kind's
-    check(all(t in accepted for t in layer_types), f"{prefix}layer_types", layer_types,
-          f"each entry must be one of {', '.join(accepted)}")
+    check(all(t in kind_layer_types() for t in layer_types), f"{prefix}layer_types", layer_types,
+          f"each entry must be one of {', '.join(kind_layer_types())}")
     check(num_layers is None or len(layer_types) == num_layers, f"{prefix}layer_types", layer_types,
           f"must name each of model.num_layers={num_layers} layers")
     check(not window or "sliding_attention" in layer_types, f"{prefix}window", window,
@@ -198,8 +210,8 @@ def check_within_context(key: str, value: Optional[int], model: Any, why: str) -
 
 def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
     """An AttentionConfig's window, global_every and layer_types against ``model`` (a
-    ModelConfig): each null one is the model's own, checked against its layer count. Gated
-    DeltaNet layers are layer_types' linear_attention entries (:func:`_linear_layers`)."""
+    ModelConfig): each null one is the model's own, checked against its layer count. Recurrent
+    layers are layer_types' entries of a recurrent kind (:func:`_linear_layers`)."""
     check_within_context("attention.window", attention.window, model,
                          "a window that long drops no position; 0: no window")
     window = model.preset_window if attention.window is None else attention.window
@@ -223,20 +235,22 @@ def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
 
 def _linear_layers(attention: Any, model: Any, window: Optional[int],
                    layer_types: Optional[List[str]]) -> Optional[List[str]]:
-    """``layer_types`` with the Gated DeltaNet layers asked for: attention.full_attention_interval's,
+    """``layer_types`` with the recurrent layers asked for: attention.full_attention_interval's,
     else those it lists, else the model's own. A window pattern given without them over a model
     that has them would drop them silently: refused, as is an interval beside a window."""
     k = attention.full_attention_interval
     if k is None:
-        check(attention.global_every is None or LINEAR not in (model.preset_layer_types or ()),
+        own = [t for t in recurrent_layer_types() if t in (model.preset_layer_types or ())]
+        check(attention.global_every is None or not own,
               "attention.global_every", attention.global_every, f"would replace model {model.name}'s layer pattern, "
-              "which has linear_attention layers; list each layer in attention.layer_types")
+              f"which has {' and '.join(own)} layers; list each layer in attention.layer_types")
         return layer_types
-    check(attention.layer_types is None or (k == 0 and LINEAR not in attention.layer_types),
+    check(attention.layer_types is None or (k == 0 and not recurrent_in(attention.layer_types)),
           "attention.full_attention_interval", k,
           "and attention.layer_types both say which layers are linear; give one")
-    if k == 0:  # no linear layer: the model's own become full attention
-        types = ["full_attention" if t == LINEAR else t for t in layer_types or ()]
+    if k == 0:  # no recurrent layer: the model's own become full attention
+        recurrent = recurrent_layer_types()
+        types = [FULL if t in recurrent else t for t in layer_types or ()]
         return types if "sliding_attention" in types else None
     check(not window, "attention.full_attention_interval", k, f"beside a window (attention.window={window}): list "
           "which layers are sliding, full and linear in attention.layer_types (or set attention.window=0)")

@@ -13,17 +13,16 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config import hf as hf_config
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
-from kvbench.config.hf import LINEAR, ROPE_TYPES
+from kvbench.config.hf import ROPE_TYPES
 from kvbench.config.hf_keys import Source, in_file_keys
-from kvbench.config.indexer import check_indexer, indexer_defaults
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
-from kvbench.config.mla import MLA_FIELDS, MLAShape, check_mla_dims
 from kvbench.config.moe import MoEShape
 from kvbench.config.multipliers import Multipliers
 from kvbench.config.quant import check_weights_stored
 from kvbench.jsonio import path_problem
-from kvbench.layouts import kinds  # noqa: F401  (every layer kind registered before a config asks the registry)
+from kvbench.layouts.kinds import by_layer_type, recurrent_in, recurrent_layer_types, registered
+from kvbench.layouts.latent_config import MLA_FIELDS, MLAShape, check_indexer, check_mla_dims, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head counts,
 # then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
@@ -81,7 +80,8 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj emits [query | gate] per head; output x sigmoid(gate) before o_proj
     partial_rotary_factor: float = 1.0  # rotary embeddings turn the first int(head_dim x factor) dims of a head
     # Gated DeltaNet layers (attention.layer_types' linear_attention), config.json's names: their
-    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's.
+    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's
+    # (derived and checked by the kind's home: kvbench.layouts.gated_deltanet.model_shape).
     linear_num_key_heads: Optional[int] = None  # H_k, heads of q and k (null: num_heads)
     linear_num_value_heads: Optional[int] = None  # H_v, heads of v and of the state (null: 2 x num_heads)
     linear_key_head_dim: Optional[int] = None  # d_k (null: head_dim / 2)
@@ -129,7 +129,9 @@ class ModelConfig:
         check(self.head_dim >= 1, "model.head_dim", self.head_dim, "must be >= 1")
         if self.preset_mla is None and self.rope_type != "none":  # a latent's heads rotate preset_mla.qk_rope_head_dim
             self.check_rotary()
-        self._check_linear_shape()
+        for kind in registered():  # each kind's own model.* fields (a recurrent layer's shape)
+            if kind.check_model:
+                kind.check_model(self)
         check(self.preset_kv_heads <= self.num_heads and self.num_heads % self.preset_kv_heads == 0,
                "model.preset_kv_heads", self.preset_kv_heads, f"must divide model.num_heads={self.num_heads}")
         check_window_pattern("model.preset_", self.preset_window, self.preset_global_every,
@@ -149,14 +151,6 @@ class ModelConfig:
         """The dimensions of a query or key head that rotary embeddings turn (transformers' int())."""
         return 0 if self.rope_type == "none" else int(self.head_dim * self.partial_rotary_factor)
 
-    def linear_shape(self) -> Dict[str, int]:
-        """The Gated DeltaNet layers' linear_* fields, each null one derived (see the fields: the
-        ratios of Qwen3.5, whose heads of 256 have 16 key heads of 128 beside 16 query heads)."""
-        derived = {"linear_num_key_heads": self.num_heads, "linear_num_value_heads": 2 * self.num_heads,
-                   "linear_key_head_dim": self.head_dim // 2, "linear_value_head_dim": self.head_dim // 2,
-                   "linear_conv_kernel_dim": 4}
-        return {k: d if getattr(self, k) is None else getattr(self, k) for k, d in derived.items()}
-
     def without_pattern(self) -> "ModelConfig":
         """This shape with no layer pattern of its own (no window, Gated DeltaNet layers or KV sharing:
         every layer full attention unless attention.* asks otherwise). Not re-read from ``path``: a
@@ -171,16 +165,8 @@ class ModelConfig:
         latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
         return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
                        preset_global_every=attention.global_every if window else None,
-                       preset_layer_types=types if window or set(types or ()) - {"full_attention"} else None,
+                       preset_layer_types=types if window or recurrent_in(types) else None,
                        **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
-
-    def _check_linear_shape(self) -> None:
-        shape = self.linear_shape()
-        for key, value in shape.items():
-            check(value >= 1, f"model.{key}", value, "must be >= 1")
-        heads, value_heads = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
-        check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads, f"must be a multiple of "
-              f"model.linear_num_key_heads={heads} (each key head serves the same number of value heads)")
 
     def _check_rope_scaling(self) -> None:
         check_choice("model.rope_type", self.rope_type, (*ROPE_TYPES, "none"))
@@ -307,11 +293,11 @@ class AttentionConfig:
         check(self.full_attention_interval is None or self.full_attention_interval >= 0,
               "attention.full_attention_interval", self.full_attention_interval,
               "must be >= 0 (0: no linear layer; k: every k-th layer full attention, the others linear) or null")
-        if self.type != "mla":
-            for name in MLA_FIELDS:
+        for kind in registered():  # a kind's own fields are null unless its type is asked
+            for name in kind.shape_keys if self.type not in kind.attention_types else ():
                 check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
-                       f"is a multi-head latent attention rank; attention.type={self.type} has none "
-                       "(use attention=mla)")
+                      f"is a {kind.title} rank; attention.type={self.type} has none "
+                      f"(use attention={kind.attention_types[0]})")
 
     def layer_windows(self, num_layers: int) -> List[Optional[int]]:
         """Each layer's window (None: global) for a resolved config (:meth:`resolved`)."""
@@ -323,8 +309,8 @@ class AttentionConfig:
         return [None if k and (i + 1) % k == 0 else self.window for i in range(num_layers)]
 
     def layer_kinds(self, num_layers: int) -> List[str]:
-        """Each layer's transformers name for a resolved config (:meth:`resolved`): linear_attention
-        (Gated DeltaNet) or an attention layer (sliding_attention where a window applies)."""
+        """Each layer's transformers name for a resolved config (:meth:`resolved`): a recurrent kind's
+        (:mod:`kvbench.layouts.kinds`) or an attention layer (sliding_attention where a window applies)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
 
     def without_pattern(self) -> "AttentionConfig":
@@ -334,10 +320,11 @@ class AttentionConfig:
                        kv_shared_layers=0)
 
     def as_asked(self) -> "AttentionConfig":
-        """A new, unresolved config of the fields this one asks for its type (the latent ranks and
-        indexer only with mla): task=eval resolves it against the checkpoint's shape, whose own
+        """A new, unresolved config of the fields this one asks for its type (a kind's own shape only
+        with its type): task=eval resolves it against the checkpoint's shape, whose own
         layout fills every null, not against the model the config names."""
-        return replace(self, **dict.fromkeys(() if self.latent else MLA_FIELDS))
+        return replace(self, **{name: None for kind in registered() if self.type not in kind.attention_types
+                                for name in kind.shape_keys})
 
     @property
     def latent(self) -> bool:
@@ -392,8 +379,10 @@ class AttentionConfig:
                   "is a property of K/V-head attention; attention=mla has none")
         # a window as for K/V heads: a local layer's cache is a ring of W latents
         pattern = resolve_layer_pattern(self, model)
-        check(LINEAR not in (pattern.get("layer_types") or ()), "attention.type", self.type,
-              "mla beside linear_attention (Gated DeltaNet) layers is not built; use a K/V-head type")
+        recurrent = " and ".join(f"{t} ({by_layer_type(t).title})" for t in recurrent_layer_types()
+                                 if t in (pattern.get("layer_types") or ()))
+        check(not recurrent, "attention.type", self.type,
+              f"mla beside {recurrent} layers is not built; use a K/V-head type")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)
         check_mla_dims("attention", out)
         check_indexer("attention", out)
@@ -420,30 +409,3 @@ def default_gqa_kv_heads(model: ModelConfig) -> int:
         raise ConfigError(f"model.num_heads={h}: has no GQA split (no divisor between 1 and itself); "
                           "use attention=mha or attention=mqa")
     return min(divisors, key=lambda d: (abs(d - h / 4), d))
-
-
-_CONVERSION_WORDS = {"repeat": "its K/V heads repeated (exact)", "random-init": "random weights in the asked layout",
-                     "mean-pool": "its K/V heads mean-pooled per group (an approximation of the model)",
-                     "shape": "the arithmetic of the asked layout, not of the published model"}
-
-
-def kv_layout_change(model: ModelConfig, attention: AttentionConfig, method: str) -> Optional[Dict[str, Any]]:
-    """The record's ``kv_conversion``: null when the run measures the model's own KV-head count
-    (``model.preset_kv_heads``), else ``{from_kv_heads, to_kv_heads, method, text}``; ``method`` says what
-    was done to the weights (``repeat`` exact, ``mean-pool`` approximate, ``random-init`` a preset's shape
-    drawn with random weights in the asked layout, ``shape`` task=inspect's arithmetic)."""
-    old, new = model.preset_kv_heads, attention.num_kv_heads
-    if attention.latent or model.preset_mla is not None:  # MLA: a latent, not a KV-head count
-        if attention.latent == (model.preset_mla is not None):
-            return None
-        own = "multi-head latent attention" if model.preset_mla is not None else f"{old} KV heads"
-        measured = (f"multi-head latent attention (kv_lora_rank {attention.kv_lora_rank})" if attention.latent
-                    else f"{new} KV heads ({attention.type})")
-    elif new is None or old == new:
-        return None
-    else:
-        own, measured = f"{old} KV heads ({attention_type(model.num_heads, old)})", \
-            f"{new} ({attention_type(model.num_heads, new)})"
-    text = (f"attention converted: model {model.name} has {own}; this run measures {measured}, "
-            f"{_CONVERSION_WORDS.get(method, method)}")
-    return {"from_kv_heads": old, "to_kv_heads": new, "method": method, "text": text}

@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
 from kvbench.config.layer_pattern import unused_pattern_keys
-from kvbench.config.mla import INDEX_FIELDS, MLA_FIELDS
+from kvbench.layouts.kinds import registered
 
 # model keys left out of a record at these values, so it reads as one written before the key existed
 MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
@@ -32,14 +32,16 @@ def model_record(model: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
-    """The attention as a record keeps it: MLA's ranks, DSA's indexer and each layer option only when
-    used, the layer pattern only where it says something (:func:`unused_pattern_keys`)."""
+    """The attention as a record keeps it: a kind's keys only when its type is the run's
+    (``LayerKind.record_keys``), each layer option and the keys that come with it only when on, the
+    layer pattern only where it says something (:func:`unused_pattern_keys`)."""
     unused = set()
-    if attention.get("type") != "mla":
-        unused.update(MLA_FIELDS + ("mla_decode",))
-    if not attention.get("index_topk"):  # DSA's indexer, layer options, Gated DeltaNet layers: as before they existed
-        unused.update(INDEX_FIELDS)
-    unused.update(option.key for option in LAYER_OPTIONS if not attention.get(option.key))
+    for kind in registered():
+        if attention.get("type") not in kind.attention_types:
+            unused.update(kind.record_keys)
+    for option in LAYER_OPTIONS:  # an option off, or a recurrent layer's interval unused: as before they existed
+        if not attention.get(option.key):
+            unused.update((option.key, *option.with_keys))
     if attention.get("full_attention_interval") is None:
         unused.add("full_attention_interval")
     unused.update(unused_pattern_keys(attention))

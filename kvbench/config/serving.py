@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Dict, Optional
 
 from kvbench.config.errors import ConfigError, check, check_choice, check_numbers
 from kvbench.config.task import ALL, Keys
+from kvbench.layouts.kinds import recurrent_in, recurrent_layer_types
 
 ALLOCATORS = ("per_kind", "unified")  # workload.allocator: kvbench.serving.allocator
 CHECKPOINTS = ("block", "every_n", "prompt_end")  # workload.state_checkpoint: where a state is saved
@@ -222,11 +223,12 @@ class ServingWorkload:
         if self.state_checkpoint != "block":  # the default: a setting that does nothing is refused, not recorded
             # where a recurrent layer's state is saved for prefix caching: without such a layer, or
             # without prefix caching, no state is ever saved and the run would record a policy it never used
-            recurrent = "linear_attention" in cfg.attention.layer_kinds(cfg.model.num_layers)
+            recurrent = recurrent_in(cfg.attention.layer_types)
             why = ("workload.prefix_caching=false" if recurrent
-                   else f"model {cfg.model.name} with this attention has no linear_attention layer")
+                   else f"model {cfg.model.name} with this attention has no "
+                        f"{' or '.join(recurrent_layer_types())} layer")
             check(recurrent and self.prefix_caching, "workload.state_checkpoint", self.state_checkpoint,
-                  f"says where a Gated DeltaNet layer's state is saved for prefix caching, and {why}; leave it block")
+                  f"says where a recurrent layer's state is saved for prefix caching, and {why}; leave it block")
 
 
 def _check_run_size(w) -> None:

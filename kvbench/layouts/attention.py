@@ -1,32 +1,21 @@
-"""Each kind of layer's attention module: the one table from a layout to the module that runs it."""
+"""Each kind of layer's attention module: a layout's kind names the module that runs it
+(``LayerKind.module``, ``"package.module:Class"``), imported here when first asked for, so a new kind
+needs no line in this module."""
 
 from __future__ import annotations
 
-import importlib
 from contextlib import contextmanager
 
 from torch import nn
 
 from kvbench.layouts.base import LayerLayout
-from kvbench.layouts.gated_deltanet import GatedDeltaNet
-from kvbench.layouts.gated_deltanet_attention import GatedDeltaNetAttention
-from kvbench.layouts.kinds import kind_of
-from kvbench.layouts.kv_heads import KVHeads
-from kvbench.layouts.kv_heads_attention import KVHeadsAttention
-from kvbench.layouts.latent import Latent
-from kvbench.layouts.latent_attention import LatentAttention
-
-MODULES = {KVHeads: KVHeadsAttention, Latent: LatentAttention, GatedDeltaNet: GatedDeltaNetAttention}
+from kvbench.layouts.kinds import kind_of, resolve
 
 
 def module_class(layout: LayerLayout) -> type:
-    """The torch module class that runs ``layout``'s layers: :data:`MODULES`', else its registered
-    kind's ``module`` (``"package.module:Class"``, imported here, above every torch layer)."""
-    cls = MODULES.get(type(layout))
-    if cls is None:
-        where, name = kind_of(layout).module.split(":")
-        cls = MODULES[type(layout)] = getattr(importlib.import_module(where), name)
-    return cls
+    """The torch module class that runs ``layout``'s layer (its kind's ``module``); it declares the
+    layer's transformers names (``HF_MODULE``, ``HF_NAMES``, ``HF_FUSED``)."""
+    return resolve(kind_of(layout).module)
 
 
 def attention_module(model, layout: LayerLayout) -> nn.Module:

@@ -12,8 +12,10 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping, Optional
 
+from kvbench.config.errors import check
+from kvbench.config.hf_read import get
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
@@ -89,7 +91,61 @@ class GatedDeltaNet(Recurrent):
                 "(compute dtype), whatever the length; per token counts the attention layers only"]
 
 
+# ---- config.json ---------------------------------------------------------------------------
+
+# Qwen3.5 and Qwen3.5-MoE (their text models, also as the language models of their multimodal
+# checkpoints) and Qwen3-Next: Gated DeltaNet layers beside full attention whose output is gated and
+# whose norms are zero-centred (transformers' Qwen3_5Attention, Qwen3_5RMSNorm, Qwen3NextAttention);
+# their rope, defaults and experts: kvbench.config.hf
+ARCHITECTURES = dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM",
+                               "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+                              {"qkv_bias": False, "qk_norm": True, "attn_output_gate": True,
+                               "norm_zero_centered": True})
+# Their config classes' defaults for the layers' keys a config.json may leave out (Qwen3_5TextConfig,
+# Qwen3NextConfig), which are GatedDeltaNet's own defaults
+HF_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
+
+def hf_fields(cfg: Mapping[str, Any], arch: str, keys: Dict[str, Any]) -> Dict[str, Any]:
+    """The Gated DeltaNet layers' shape (ModelConfig's linear_* fields) from a Qwen3.5 / Qwen3-Next
+    config.json, its class's defaults for keys it leaves out; each field's key is its own name."""
+    shape = {key: get(cfg, key, "int", default) for key, default in HF_DEFAULTS.items()}
+    keys.update({key: key for key in shape})
+    return shape
+
+
+# ---- the model's fields (model.linear_*) ----------------------------------------------------
+
+def model_shape(model) -> Dict[str, int]:
+    """The layers' linear_* fields of ``model`` (a ModelConfig), each null one derived: the ratios of
+    Qwen3.5, whose heads of 256 have 16 key heads of 128 beside 16 query heads."""
+    derived = {"linear_num_key_heads": model.num_heads, "linear_num_value_heads": 2 * model.num_heads,
+               "linear_key_head_dim": model.head_dim // 2, "linear_value_head_dim": model.head_dim // 2,
+               "linear_conv_kernel_dim": 4}
+    return {k: d if getattr(model, k) is None else getattr(model, k) for k, d in derived.items()}
+
+
+def check_model(model) -> None:
+    """The linear_* fields of ``model`` as its layers would be built: counts, each key head serving a
+    whole number of value heads; a refusal names the model.* key."""
+    shape = model_shape(model)
+    for key, value in shape.items():
+        check(value >= 1, f"model.{key}", value, "must be >= 1")
+    heads, value_heads = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
+    check(value_heads % heads == 0, "model.linear_num_value_heads", value_heads,
+          f"must be a multiple of model.linear_num_key_heads={heads} (each key head serves the same number of "
+          "value heads)")
+
+
+def build(model, attention, window: Optional[int]) -> GatedDeltaNet:
+    """A layer of ``model`` (a ModelConfig): its shape is the model's ``linear_*`` fields (no window)."""
+    return GatedDeltaNet(None, **model_shape(model), num_heads=model.num_heads, head_dim=model.head_dim)
+
+
 KIND = register(LayerKind(
     "gated_deltanet", GatedDeltaNet, module="kvbench.layouts.gated_deltanet_attention:GatedDeltaNetAttention",
-    layer_types=("linear_attention",), recurrent=True, label="gdn",
+    layer_types=("linear_attention",), recurrent=True, label="gdn", title="Gated DeltaNet",
+    letters={"d": "full_attention_interval"}, build=build, check_model=check_model,
+    unfuse="kvbench.layouts.gated_deltanet_attention:unfuse", architectures=ARCHITECTURES, hf_fields=hf_fields,
     examples={"gdn": ("model=tiny", "attention.layer_types=[linear_attention,full_attention]")}))

@@ -1,9 +1,28 @@
 """Every registered layer kind: importing this module imports each kind's home, which registers it
-(:mod:`kvbench.layouts.registry`). A new kind is its home plus one line here."""
+(:mod:`kvbench.layouts.registry`). A new kind is its home plus one line here, in the order every list
+of them shows (the attention layers' kinds, then the recurrent ones)."""
 
 from __future__ import annotations
 
-from kvbench.layouts import gated_deltanet, kv_heads, latent, mamba2  # noqa: F401  (each registers its kind)
-from kvbench.layouts.registry import LayerKind, by_layer_type, kind_of, recurrent_layer_types, registered
+from kvbench.layouts import kv_heads, latent  # noqa: F401  (each registers its kind)
+from kvbench.layouts.registry import (
+    LayerKind,
+    LayerOption,
+    attention_kind,
+    by_architecture,
+    by_layer_type,
+    hf_renaming,
+    kind_of,
+    layer_kind,
+    layer_types,
+    recurrent_in,
+    recurrent_layer_types,
+    registered,
+    resolve,
+)
 
-__all__ = ["LayerKind", "by_layer_type", "kind_of", "recurrent_layer_types", "registered"]
+# isort: split
+from kvbench.layouts import gated_deltanet, mamba2  # noqa: F401  (the recurrent kinds)
+
+__all__ = ["LayerKind", "LayerOption", "attention_kind", "by_architecture", "by_layer_type", "hf_renaming", "kind_of",
+           "layer_kind", "layer_types", "recurrent_in", "recurrent_layer_types", "registered", "resolve"]

@@ -110,9 +110,18 @@ class KVHeads(LayerLayout):
         ]
 
 
+def build(model, attention, window: Optional[int]) -> KVHeads:
+    """A layer of ``model`` (a ModelConfig) under a resolved ``attention``: its K/V heads, sinks, output
+    gate and the part of each head that rotates."""
+    rotary = None if model.rotary_dim == model.head_dim else model.rotary_dim
+    return KVHeads(window, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks),
+                   output_gate=model.attn_output_gate, rotary=rotary)
+
+
 KIND = register(LayerKind(
     "kv_heads", KVHeads, module="kvbench.layouts.kv_heads_attention:KVHeadsAttention",
-    layer_types=("full_attention", "sliding_attention"),
+    layer_types=("sliding_attention", "full_attention"), attention_types=("mha", "gqa", "mqa"),
+    title="K/V-head attention", build=build,
     examples={"mha": ("model=tiny",), "gqa": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2"),
               "mqa": ("model=tiny", "attention=mqa"),
               "window": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.window=8"),

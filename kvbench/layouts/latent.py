@@ -20,10 +20,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
 from kvbench.config.errors import ConfigError
+from kvbench.config.hf_keys import Source
+from kvbench.config.hf_read import REQUIRED, get
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.latent_config import INDEX_FIELDS, MLA_FIELDS
 from kvbench.layouts.pages import positions_spec
-from kvbench.layouts.registry import LayerKind, register
+from kvbench.layouts.registry import LayerKind, LayerOption, register
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,37 @@ def _count(cfg: Mapping[str, Any], key: str, default: int, least: int = 1) -> in
     return value
 
 
+# DeepSeek-V2/V3 (kv_lora_rank in config.json) and V3.2 (+ DSA's indexer, index_topk in config.json), with
+# the switches their attention needs; their mixtures of experts: kvbench.config.hf.MOE_FAMILIES
+ARCHITECTURES = {arch: {"qkv_bias": False, "qk_norm": False}
+                 for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")}
+
+
+def rope_interleaved(cfg: Mapping[str, Any]) -> bool:
+    """Whether a DeepSeek checkpoint rotates its rope dimensions in interleaved pairs: V2 always
+    (complex rotation), V3.2 always (its latent attention; its indexer rotates halves), V3 with
+    ``rope_interleave`` (its default)."""
+    archs = get(cfg, "architectures", "list", [])
+    return bool({"DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM"} & set(archs)) or \
+        get(cfg, "rope_interleave", "bool", True)
+
+
+def hf_fields(cfg: Mapping[str, Any], arch: str, keys: Dict[str, Any]) -> Dict[str, Any]:
+    """ModelConfig's latent fields (``model.preset_mla``) from a DeepSeek-V2/V3/V3.2 config.json;
+    ``keys``: where each was read (as :func:`kvbench.config.hf.model_fields` keeps them)."""
+    shape = {k: get(cfg, k, "int", REQUIRED) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                       "v_head_dim")}
+    shape["q_lora_rank"] = get(cfg, "q_lora_rank", "int") or 0
+    if "index_topk" in cfg:  # DeepSeek-V3.2's lightning indexer (DSA)
+        shape.update({k: get(cfg, k, "int", REQUIRED) for k in ("index_topk", "index_n_heads", "index_head_dim")})
+    rope_interleaved(cfg)  # read by the loader: checked here, where the file is named
+    keys.update({f"preset_mla.{k}": k for k in shape}, preset_kv_heads="num_attention_heads",
+                head_dim=Source("qk_nope_head_dim + qk_rope_head_dim"))
+    # head_dim: the query/key head width (transformers' qk_head_dim; its config.json head_dim is the rope's)
+    return {"preset_mla": shape, "head_dim": shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"],
+            "preset_kv_heads": get(cfg, "num_attention_heads", "int", REQUIRED)}
+
+
 def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
     """The full layers' layout of a KimiLinearForCausalLM config.json (KimiLinearConfig's defaults
     for absent keys): latent layers without rotary embeddings; what kvbench's latent attention cannot
@@ -178,8 +212,24 @@ def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
                   v_head_dim=_count(cfg, "v_head_dim", 128), rotary=False)
 
 
+def build(model, attention, window: Optional[int]) -> Latent:
+    """A layer of ``model`` (a ModelConfig) under a resolved ``attention=mla``: its ranks, decode form
+    and indexer."""
+    return Latent(window, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
+                  attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
+                  attention.mla_decode == "absorbed", attention.index_n_heads or 0,
+                  attention.index_head_dim or 0, attention.index_topk or 0)
+
+
+# DSA's top-k: part of the latent shape (its model's own is model.preset_mla's), labelled as an option
+TOPK = LayerOption("index_topk", " topk={}", 0, every_position="selects among every cached token", positions=True,
+                   with_keys=tuple(k for k in INDEX_FIELDS if k != "index_topk"))
+
 KIND = register(LayerKind(
     "latent", Latent, module="kvbench.layouts.latent_attention:LatentAttention",
-    letters={"r": "kv_lora_rank", "k": "index_topk"},
+    letters={"r": "kv_lora_rank", "k": "index_topk"}, attention_types=("mla",),
+    title="multi-head latent attention", shape_keys=MLA_FIELDS, preset="preset_mla",
+    record_keys=(*MLA_FIELDS, "mla_decode"),
+    options=(TOPK,), build=build, architectures=ARCHITECTURES, hf_fields=hf_fields,
     examples={"mla": ("model=tiny", "attention=mla"),
               "dsa": ("model=tiny", "attention=mla", "attention.index_topk=4")}))

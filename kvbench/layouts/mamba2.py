@@ -246,11 +246,11 @@ def hf_layer_kinds(cfg: Mapping[str, Any]) -> List[str]:
 SHAPE_KEY = "mamba2"  # model.layer_shapes' key: this kind's fields as Mamba2 names them
 
 
-def build(model) -> Mamba2:
-    """The Mamba-2 layout of ``model``'s mamba layers (a ModelConfig): ``model.layer_shapes.mamba2``
-    (a checkpoint's, :func:`hf_fields`), each field it leaves out in proportion to the model (its heads,
-    Granite's expand 2 over them, a state of head_dim in one group) or Mamba2's default; refused in one
-    line naming ``model.layer_shapes.mamba2.<key>``."""
+def build(model, attention=None, window=None) -> Mamba2:
+    """The Mamba-2 layout of ``model``'s mamba layers (a ModelConfig; ``attention`` and the layer's window
+    shape none of it): ``model.layer_shapes.mamba2`` (a checkpoint's, :func:`hf_model_fields`), each field
+    it leaves out in proportion to the model (its heads, Granite's expand 2 over them, a state of head_dim
+    in one group) or Mamba2's default; refused in one line naming ``model.layer_shapes.mamba2.<key>``."""
     prefix = f"model.layer_shapes.{SHAPE_KEY}."
     given = (model.layer_shapes or {}).get(SHAPE_KEY) or {}
     if not isinstance(given, Mapping):
@@ -305,7 +305,7 @@ def _shape(layout: Mamba2) -> Dict[str, Any]:
     return shape
 
 
-def hf_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
+def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
     """Every ModelConfig field of a Nemotron-H or Granite 4 config.json (:func:`_granite_fields`), with
     its class's defaults for absent keys: Nemotron-H's mixers as blocks (:func:`_blocks`), the mamba
     layers' shape in ``layer_shapes``, its attention without rotary embeddings nor biases
@@ -443,5 +443,6 @@ def _granite_names(name: str) -> str:
 
 KIND = register(LayerKind(
     "mamba2", Mamba2, module="kvbench.layouts.mamba2_mixer:Mamba2Mixer", layer_types=("mamba",), recurrent=True,
-    label="mamba2", build=build, hf_architectures=tuple(HF_MODULES), hf_fields=hf_fields,
-    hf_names=hf_names, examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))
+    label="mamba2", title="Mamba-2", letters={"m": "full_attention_interval"}, build=build,
+    hf_architectures=tuple(HF_MODULES), hf_model_fields=hf_model_fields, hf_names=hf_names,
+    examples={"mamba2": ("model=tiny", "attention.layer_types=[mamba,full_attention]")}))

@@ -9,8 +9,8 @@ import torch
 
 from kvbench.checkpoint import kv_conversion, load_llama_dir, to_layout
 from kvbench.config.bench import TASKS, BenchConfig
+from kvbench.config.conversion import kv_layout_change, own_kind
 from kvbench.config.layer_pattern import job_variant_label, variant_label  # noqa: F401 (re-exported)
-from kvbench.config.model import kv_layout_change
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.memory import MEMORY_METRICS, weight_bytes
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -59,7 +59,7 @@ def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:
         return None  # the checkpoint's count is known once it is loaded (tasks/train.py)
     method = "random-init"
     # a checkpoint's K/V heads are repeated or mean-pooled only where both layouts hold K/V heads
-    if cfg.model.path and cfg.model.preset_mla is None and build_layouts(cfg.model, cfg.attention).converts_kv_heads():
+    if cfg.model.path and own_kind(cfg.model) is None and build_layouts(cfg.model, cfg.attention).converts_kv_heads():
         method = kv_conversion(cfg.model.preset_kv_heads, cfg.attention.num_kv_heads)
     return kv_layout_change(cfg.model, cfg.attention, method)
 

@@ -6,8 +6,9 @@ The variants share weights: one seeded model with one KV head per query head (MH
 and every variant holds its embedding, norms, MLPs and LM head (the same tensors, not copies); a
 variant with fewer KV heads has K/V projections mean-pooled from it
 (:func:`~kvbench.checkpoint.convert_kv_heads`), a windowed one (``mha:w1024:g6``) the projections
-of its head count (a window is only a mask and a ring cache), and ``mla`` latent projections drawn
-from the seed (there is no MHA -> MLA conversion), so only attention and cache differ between them.
+of its head count (a window is only a mask and a ring cache), and a variant of another kind
+(``mla``) its projections drawn from the seed (there is no conversion from MHA to it), so only
+attention and cache differ between them.
 
 A windowed variant's cache holds a ring of W positions per local layer; a step at context C reads
 min(C + 1, W) keys there and C + 1 in a global layer, as a real step at C does (the ring's slots
@@ -37,11 +38,11 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion, with_layer_pattern
 from kvbench.config.bench import BenchConfig
 from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.hf import LINEAR
 from kvbench.config.layer_pattern import variant_key, variant_label
 from kvbench.config.model import AttentionConfig
 from kvbench.generate import decode_step, prefill
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kinds import layer_kind, recurrent_layer_types
 from kvbench.measure import stats
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
@@ -163,16 +164,16 @@ def label(attention: AttentionConfig, num_layers: Optional[int] = None) -> str:
 def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple[Decoder, str]:
     """``attention``'s model of ``base`` (MHA, no window) and what its attention weights are. Every
     tensor outside attention is ``base``'s own (shared, not copied); K/V projections mean-pooled for
-    fewer KV heads; a latent (MLA) variant's attention, and a Gated DeltaNet layer's, drawn from
-    ``seed`` (there is no conversion to either)."""
+    fewer KV heads; the attention of a variant of another kind (MLA), and a recurrent layer's, drawn
+    from ``seed`` (there is no conversion to either)."""
     layouts = build_layouts(base.config, attention, base.state_dtype)
     if layouts == base.layouts:  # every layer as base's: the variant is base
         return base, "mha's"
     shared = {k: t for k, t in base.state_dict().items() if ".attn." not in k}
-    linear = LINEAR in (attention.layer_types or ())
+    recurrent = [t for t in dict.fromkeys(attention.layer_types or ()) if t in recurrent_layer_types()]
     pooled = layouts.converts_kv_heads()  # else its attention has no MHA source
     drawn = {}
-    if not pooled or linear:
+    if not pooled or recurrent:
         torch.manual_seed(seed)
         with base.device:
             model = Decoder(base.config, attention, base.state_dtype)
@@ -187,9 +188,9 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
             kept = Decoder(base.config, attention, base.state_dtype).state_dict().keys()
         own = {k: t for k, t in source.state_dict().items() if ".attn." in k and k in kept}
         how = "mha's" if conversion == "none" else "K/V mean-pooled from mha's"
-        if linear:  # the full layers' K/V as above; the linear layers' own weights drawn
+        if recurrent:  # the full layers' K/V as above; the recurrent layers' own weights drawn
             own = {k: own[k] if k in own and own[k].shape == t.shape else t for k, t in drawn.items()}
-            how += "; Gated DeltaNet layers drawn from runtime.seed"
+            how += "".join(f"; {layer_kind(attention, t).title} layers drawn from runtime.seed" for t in recurrent)
     return build_decoder(base.config, attention, {**shared, **own}, device=base.device).eval(), how
 
 

@@ -9,7 +9,7 @@ from typing import Dict
 import torch
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.model import kv_layout_change
+from kvbench.config.conversion import kv_layout_change
 from kvbench.config.record import attention_record, model_record
 from kvbench.metrics import Metric
 from kvbench.progress import Progress

@@ -9,7 +9,7 @@ from typing import Dict
 import torch
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.model import kv_layout_change
+from kvbench.config.conversion import kv_layout_change
 from kvbench.metrics import Metric
 from kvbench.progress import Progress
 from kvbench.quality.train import TRAIN_METHODS, TRAIN_METRICS, run_train

@@ -44,8 +44,8 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_store_bytes", "bytes", "K/V storage the store allocated (untyped_storage().nbytes(), all blocks)"),
     Metric("kv_block_tokens", "tokens", "positions per block of the store: cache.block_size, or, under "
            "workload.allocator=unified on a model that keeps a state, raised until one layer's block fills a page as "
-           "large as one layer's state, as vLLM raises the attention block to the Mamba page (528 tokens for "
-           "Qwen3.5); a prefix is cached in whole blocks, so a raised block caches less of a shared prefix "
+           "large as one layer's state, as vLLM raises the attention block to the recurrent state's page (528 "
+           "tokens for Qwen3.5); a prefix is cached in whole blocks, so a raised block caches less of a shared prefix "
            "shorter than it (prefix_hit_rate)"),
     Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
                                               "x block_size positions of its layers, each state page x the states "
