@@ -356,3 +356,20 @@ def test_a_job_holds_only_its_workload_options_keys():
 ])
 def test_a_workload_key_is_checked_against_its_own_option(overrides, needle):
     one_line_error(lambda: to_bench_config(compose("model=tiny", *overrides)), needle)
+
+
+def test_a_config_json_read_twice_is_typed_once_and_each_reader_gets_its_own_copy(tmp_path):
+    """from_hf_config types a config.json's fields once per distinct content (OmegaConf costs ~35 ms a
+    time): the second read equals a fresh typing, and changing what one reader got changes no other's."""
+    from kvbench.config import model as model_config
+
+    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 101, "num_key_value_heads": 2,
+          "max_position_embeddings": 64}
+    first = ModelConfig.from_hf_config(dict(hf))
+    second = ModelConfig.from_hf_config(dict(hf))
+    assert first == second and first is not second
+    first.num_layers = 7
+    assert ModelConfig.from_hf_config(dict(hf)).num_layers == 2 == second.num_layers
+    assert ModelConfig.from_hf_config({**hf, "num_hidden_layers": 3}).num_layers == 3  # other content, other entry
+    assert any(v.num_layers == 2 for v in model_config._TYPED.values())
