@@ -17,15 +17,18 @@ precisions differ only in how K/V are stored and every comparison is paired (sam
   an exact binomial interval over positions (the positions of one prompt are not independent, so read
   that interval as the least uncertainty there is, not all of it).
 - **Recall** (MQAR as ``experiment=recall`` sets it: 2 layers, d_model 64, 4 heads of 32, keys and
-  values of a 64-token vocabulary, 4 / 8 / 12 pairs in 40 positions, 800 steps; ``--seeds`` seeds): each
+  values of a 64-token vocabulary, 4 / 8 / 12 pairs in 40 positions, 800 steps; then passkey retrieval,
+  a 4-digit number 8 / 20 / 32 positions back, trained and scored alike; ``--seeds`` seeds): each
   seed's model scored on the same 256 held-out sequences per condition (:func:`kvbench.quality.recall.
   accuracy` with ``cache_dtype``); per precision the mean over seeds of its accuracy and of its paired
   difference to ``auto``, each with a t-interval over seeds (a seed is one trained model).
 
-Heads are 32 wide because mxfp4's scale block is 32 values (a head of 16 is refused). KV bytes per token:
-the layouts' formula (``Layouts.bytes_per_token``) for the language model, against bfloat16 (2 bytes per
-value) as a GPU would compute. Writes ``--out`` (default ``outputs/experiments/kv_precision_quality.md``;
-the committed copy is ``experiments/results/kv_precision_quality.md``).
+``--reuse RUN.json`` keeps the parts a run of the same settings measured and measures the others;
+``--from-json`` rewrites the report from a run's figures. Heads are 32 wide because mxfp4's scale
+block is 32 values (a head of 16 is refused). KV bytes per token: the layouts' formula
+(``Layouts.bytes_per_token``) for the language model, against bfloat16 (2 bytes per value) as a GPU
+would compute. Writes ``--out`` (default ``outputs/experiments/kv_precision_quality.md``; the committed
+copy is ``experiments/results/kv_precision_quality.md``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,10 @@ LM = ModelConfig(name="lm", num_layers=4, d_model=128, num_heads=4, preset_kv_he
                  vocab_size=256, max_seq_len=1024)
 RECALL = ModelConfig(name="recall", num_layers=2, d_model=64, num_heads=4, preset_kv_heads=4, head_dim=32,
                      ffn_dim=128, vocab_size=64, max_seq_len=64)
-CONDITIONS = [Condition("mqar", 40, num_pairs=p) for p in (4, 8, 12)]
+# experiment=recall's: MQAR with 4, 8, 12 pairs, and a passkey 8, 20, 32 positions back, in 40 positions
+CONDITIONS = {"mqar": [Condition("mqar", 40, num_pairs=p) for p in (4, 8, 12)],
+              "passkey": [Condition("passkey", 40, distance=d) for d in (8, 20, 32)]}
+RECALL_WHAT = {"mqar": "4, 8, 12 pairs in 40 positions", "passkey": "a 4-digit passkey 8, 20, 32 positions back in 40"}
 SEQ_LEN, PROMPT, PROMPTS = 128, 256, 8
 
 
@@ -103,23 +109,24 @@ def language_model(precisions, steps, slices, gen, seed, corpus_bytes):
     return rows, seconds
 
 
-def recall(precisions, seeds, steps, sequences):
-    """Per precision: each seed's accuracy (pooled over conditions, each weighing the same)."""
+def recall(precisions, seeds, steps, sequences, kind="mqar"):
+    """Per precision: each seed's accuracy at ``kind`` (pooled over its conditions, each weighing the same)."""
+    conditions = CONDITIONS[kind]
     per_seed = {p: [] for p in precisions}
     seconds = 0.0
     for seed in range(seeds):
-        sets = {c: eval_set(c, sequences, RECALL.vocab_size, 4, EVAL_SEED_OFFSET + seed) for c in CONDITIONS}
+        sets = {c: eval_set(c, sequences, RECALL.vocab_size, 4, EVAL_SEED_OFFSET + seed) for c in conditions}
         torch.manual_seed(seed)
         model = Decoder(RECALL, AttentionConfig(type="mha"))
         started = time.perf_counter()
         budget = TrainConfig(steps=steps, batch_size=32, lr=3e-3, warmup_steps=20, eval_every=steps, log_every=50)
-        train(model, budget, None, seed=seed, stream=train_stream(CONDITIONS, 32, RECALL.vocab_size, 4, seed),
+        train(model, budget, None, seed=seed, stream=train_stream(conditions, 32, RECALL.vocab_size, 4, seed),
               evaluate_fn=lambda m: {})
         seconds += time.perf_counter() - started
         for p in precisions:
-            scores = [accuracy(model, "mqar", x, y, cache_dtype=p) for x, y in sets.values()]
+            scores = [accuracy(model, kind, x, y, cache_dtype=p) for x, y in sets.values()]
             per_seed[p].append(sum(scores) / len(scores))
-        say(f"recall seed {seed}: " + ", ".join(f"{p} {per_seed[p][-1]:.4f}" for p in precisions))
+        say(f"{kind} seed {seed}: " + ", ".join(f"{p} {per_seed[p][-1]:.4f}" for p in precisions))
     rows = []
     for p in precisions:
         acc = per_seed[p]
@@ -131,14 +138,14 @@ def recall(precisions, seeds, steps, sequences):
     return rows, seconds
 
 
-def report(args, lm_rows, lm_s, recall_rows, recall_s, wall_s, loads) -> str:
+def report(args, lm_rows, train_s, recall_parts, wall_s, loads) -> str:
     lines = [
         "# KV precision and quality: a trained model scored through each cache.dtype, paired",
         "",
         f"Reproduce: `python experiments/kv_precision_quality.py --lm-steps {args.lm_steps} --lm-slices "
         f"{args.lm_slices} --gen {args.gen} --corpus-bytes {args.corpus_bytes} --seeds {args.seeds} "
         f"--recall-sequences {args.recall_sequences} --recall-steps {args.recall_steps} --threads "
-        f"{args.threads}` ({wall_s / 60:.1f} min of which training {(lm_s + recall_s) / 60:.1f} min; load average "
+        f"{args.threads}` ({wall_s / 60:.1f} min of which training {train_s / 60:.1f} min; load average "
         f"{loads[0]:.1f} at the start, {loads[1]:.1f} at the end; CPU, torch {torch.__version__}, "
         f"{platform.machine()}). What each column is, and how the models were trained: the script's docstring.",
         "",
@@ -164,19 +171,26 @@ def report(args, lm_rows, lm_s, recall_rows, recall_s, wall_s, loads) -> str:
             f"| {r['vs_bf16']:.3f} | {r['loss']:.4f} | {delta} "
             f"| {'—' if ref else interval(r['delta_low'], r['delta_high'], 5)} | {r['perplexity']:.4f} "
             f"| {diff} | {r['top1']:.4f} | {'—' if ref else interval(r['top1_low'], r['top1_high'])} |")
-    lines += [
+    for kind, rows in recall_parts.items():
+        lines += recall_table(kind, rows, args)
+    return "\n".join(lines + ["", *reading(lm_rows, recall_parts)]) + "\n"
+
+
+def recall_table(kind, rows, args) -> list:
+    """The recall table of ``kind``: accuracy per precision and its paired difference to auto, over seeds."""
+    lines = [
         "",
-        "## Recall: MQAR accuracy",
+        f"## Recall: {'MQAR' if kind == 'mqar' else 'passkey'} accuracy",
         "",
         f"MHA, 2 layers of 4 heads of 32, {args.recall_steps} steps per seed, {args.seeds} seeds; "
-        f"{args.recall_sequences} held-out sequences per condition (4, 8, 12 pairs in 40 positions), pooled; "
+        f"{args.recall_sequences} held-out sequences per condition ({RECALL_WHAT[kind]}), pooled; "
         "intervals: 95 % t-intervals over seeds (a seed is one trained model; the difference is paired per seed).",
         "",
         "| cache.dtype | accuracy | 95 % interval | Δ vs auto | 95 % interval | per seed |",
         "|---|---:|---|---:|---|---|",
     ]
-    auto = next(r for r in recall_rows if r["precision"] == "auto")
-    for r in recall_rows:
+    auto = next(r for r in rows if r["precision"] == "auto")
+    for r in rows:
         ref = r["precision"] == "auto"
         deltas = [a - b for a, b in zip(r["per_seed"], auto["per_seed"])]
         delta = "0" if ref else f"{r['delta']:+.4f}"
@@ -187,10 +201,10 @@ def report(args, lm_rows, lm_s, recall_rows, recall_s, wall_s, loads) -> str:
                     else "no spread (seeds alike)")
         lines.append(f"| {r['precision']} | {r['accuracy']:.4f} | {spread} | {delta} | {d_spread} "
                      f"| {', '.join(f'{a:.3f}' for a in r['per_seed'])} |")
-    return "\n".join(lines + ["", *reading(lm_rows, recall_rows)]) + "\n"
+    return lines
 
 
-def reading(lm_rows, recall_rows) -> list:
+def reading(lm_rows, recall_parts) -> list:
     """What each precision costs, in words, from the figures above (nothing here is typed by hand)."""
     out = ["## What each precision costs", ""]
     for r in lm_rows:
@@ -201,12 +215,21 @@ def reading(lm_rows, recall_rows) -> list:
                    + (f"perplexity up {100 * (math.exp(r['delta']) - 1):.2f} % (the loss's interval excludes 0)"
                       if moved else "no perplexity change the slices can tell from 0")
                    + f"; the greedy token agrees with the float32 cache's at {100 * r['top1']:.1f} % of positions.")
-    ceiling = all(a == 1 for r in recall_rows if r["precision"] == "auto" for a in r["per_seed"])
-    out += ["", "Recall: " + ("every seed answers every query right through the float32 cache, so this task is at "
-                              "its ceiling and cannot show a loss a harder one might; read its rows as no loss "
-                              "seen, not as no loss." if ceiling else
-                              "the paired differences above, over seeds."), ""]
-    return out
+    out.append("")
+    for kind, rows in recall_parts.items():
+        name = "MQAR" if kind == "mqar" else "Passkey"
+        ceiling = all(a == 1 for r in rows if r["precision"] == "auto" for a in r["per_seed"])
+        worst = min((r for r in rows if r["precision"] != "auto"), key=lambda r: r["delta"])
+        out.append(f"{name}: " + ("every seed answers every query right through the float32 cache, so this task "
+                                  "is at its ceiling and cannot show a loss a harder one might; read its rows as no "
+                                  "loss seen, not as no loss." if ceiling else
+                                  (f"the largest mean loss against auto is {worst['precision']}'s "
+                                   f"{worst['delta']:+.4f}, its paired interval clear of 0."
+                                   if worst["delta_high"] is not None and worst["delta_high"] < 0 else
+                                   f"no precision's loss against auto is clear of 0 over these seeds (the largest "
+                                   f"mean, {worst['precision']}'s {worst['delta']:+.4f}, has a paired interval "
+                                   f"{interval(worst['delta_low'], worst['delta_high'])}).")))
+    return out + [""]
 
 
 def main(argv=None) -> None:
@@ -221,6 +244,8 @@ def main(argv=None) -> None:
     p.add_argument("--recall-steps", type=positive_int, default=800)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--reuse", type=existing_file, default=None,
+                   help="an earlier run's .json: the parts it holds are kept, the others measured")
     p.add_argument("--from-json", type=existing_file, default=None,
                    help="rewrite the report from a run's .json (its figures and command), training nothing")
     p.add_argument("--out", type=out_file, default=ROOT / "outputs" / "experiments" / "kv_precision_quality.md",
@@ -228,10 +253,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
-        run = data["run"]
-        text = report(argparse.Namespace(**run["args"]), data["language_model"], run["lm_s"], data["recall"],
-                      run["recall_s"], run["wall_s"], run["loads"])
-        write_report(args.out, text, data=data)
+        write_report(args.out, text_of(data), data=data)
         return
     precisions = [x.strip() for x in args.precisions.split(",")]
     bad = [x for x in precisions if x not in CACHE_DTYPES]
@@ -240,13 +262,32 @@ def main(argv=None) -> None:
                 f"{', '.join(CACHE_DTYPES)}")
     torch.set_num_threads(args.threads)
     start, load0 = time.perf_counter(), os.getloadavg()[0]
-    lm_rows, lm_s = language_model(precisions, args.lm_steps, args.lm_slices, args.gen, args.seed, args.corpus_bytes)
-    recall_rows, recall_s = recall(precisions, args.seeds, args.recall_steps, args.recall_sequences)
-    wall_s, loads = time.perf_counter() - start, (load0, os.getloadavg()[0])
-    text = report(args, lm_rows, lm_s, recall_rows, recall_s, wall_s, loads)
-    run = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "from_json")}, "lm_s": lm_s,
-           "recall_s": recall_s, "wall_s": wall_s, "loads": loads}
-    write_report(args.out, text, data={"run": run, "language_model": lm_rows, "recall": recall_rows})
+    # --reuse: the parts an earlier run of the same settings measured are taken from its figures
+    asked = {k: v for k, v in vars(args).items() if k not in ("out", "from_json", "reuse")}
+    data = json.loads(args.reuse.read_text()) if args.reuse else {}
+    if data and data["run"]["args"] != asked:
+        differ = sorted(k for k in asked if data["run"]["args"].get(k) != asked[k])
+        p.error(f"argument --reuse: {str(args.reuse)!r}: measured with other settings ({', '.join(differ)})")
+    run = data.get("run", {"args": asked, "seconds": {}, "wall_s": 0.0, "loads": [load0, load0]})
+    if "language_model" not in data:
+        data["language_model"], run["seconds"]["lm"] = language_model(precisions, args.lm_steps, args.lm_slices,
+                                                                      args.gen, args.seed, args.corpus_bytes)
+    for kind, key in (("mqar", "recall"), ("passkey", "passkey")):
+        if key not in data:
+            data[key], run["seconds"][kind] = recall(precisions, args.seeds, args.recall_steps,
+                                                     args.recall_sequences, kind)
+    run["wall_s"] += time.perf_counter() - start
+    run["loads"] = [run["loads"][0], os.getloadavg()[0]]
+    data["run"] = run
+    write_report(args.out, text_of(data), data=data)
+
+
+def text_of(data) -> str:
+    """The report of a run's figures (``data``: what its .json holds)."""
+    run = data["run"]
+    parts = {kind: data[key] for kind, key in (("mqar", "recall"), ("passkey", "passkey")) if key in data}
+    return report(argparse.Namespace(**run["args"]), data["language_model"], sum(run["seconds"].values()), parts,
+                  run["wall_s"], run["loads"])
 
 
 if __name__ == "__main__":

@@ -150,9 +150,9 @@ def test_kv_precision_quality_pairs_each_precision_with_auto_in_process(tmp_path
     kv_precision_quality = experiment("kv_precision_quality")
     before = digests()
     out = tmp_path / "kvq.md"
-    kv_precision_quality.main(["--precisions", "auto,int8,nvfp4", "--lm-steps", "2", "--lm-slices", "16",
-                               "--gen", "2", "--corpus-bytes", "100000", "--seeds", "2", "--recall-steps", "2",
-                               "--recall-sequences", "16", "--out", str(out)])
+    args = ["--precisions", "auto,int8,nvfp4", "--lm-steps", "2", "--lm-slices", "16", "--gen", "2",
+            "--corpus-bytes", "100000", "--recall-sequences", "16", "--recall-steps", "2", "--seeds", "2"]
+    kv_precision_quality.main([*args, "--out", str(out)])
     data = json.loads(out.with_suffix(".json").read_text())
     lm = {r["precision"]: r for r in data["language_model"]}
     # 4 layers x K,V x 4 heads of 32: bf16 2 B a value; int8 1 B + a 4 B scale per head; nvfp4 16 + 2 scales of 1 B
@@ -163,13 +163,24 @@ def test_kv_precision_quality_pairs_each_precision_with_auto_in_process(tmp_path
         assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
         assert row["delta"] == pytest.approx(row["loss"] - lm["auto"]["loss"], abs=1e-9)
     assert lm["nvfp4"]["positions"] == 8 * 3 and lm["nvfp4"]["top1_low"] <= lm["nvfp4"]["top1"]
-    recall = {r["precision"]: r for r in data["recall"]}
-    assert recall["auto"]["delta"] == 0 and len(recall["int8"]["per_seed"]) == 2
-    assert recall["int8"]["delta"] == pytest.approx(recall["int8"]["accuracy"] - recall["auto"]["accuracy"])
-    assert "| nvfp4 |" in out.read_text() and "## What each precision costs" in out.read_text()
+    for part in ("recall", "passkey"):  # MQAR and passkey, each paired per seed
+        recall = {r["precision"]: r for r in data[part]}
+        assert recall["auto"]["delta"] == 0 and len(recall["int8"]["per_seed"]) == 2
+        assert recall["int8"]["delta"] == pytest.approx(recall["int8"]["accuracy"] - recall["auto"]["accuracy"])
+    text = out.read_text()
+    assert "| nvfp4 |" in text and "## What each precision costs" in text and "## Recall: passkey accuracy" in text
     again = tmp_path / "again.md"  # the report rewritten from its figures, training nothing
     kv_precision_quality.main(["--from-json", str(out.with_suffix(".json")), "--out", str(again)])
-    assert again.read_text() == out.read_text() and digests() == before
+    assert again.read_text() == text
+    # --reuse keeps the parts a run of the same settings measured and measures the rest
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({k: v for k, v in data.items() if k != "passkey"}))
+    kv_precision_quality.main([*args, "--reuse", str(partial), "--out", str(tmp_path / "reused.md")])
+    reused = json.loads((tmp_path / "reused.json").read_text())
+    assert reused["language_model"] == data["language_model"] and reused["passkey"] == data["passkey"]
+    with pytest.raises(SystemExit) as exit_info:  # other settings: refused, nothing measured
+        kv_precision_quality.main([*args[:-1], "3", "--reuse", str(partial), "--out", str(tmp_path / "x.md")])
+    assert exit_info.value.code == 2 and digests() == before
 
 
 def test_qwen_hybrid_speed_prints_kvbench_over_transformers_in_process(tmp_path):
