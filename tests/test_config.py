@@ -373,3 +373,16 @@ def test_a_config_json_read_twice_is_typed_once_and_each_reader_gets_its_own_cop
     assert ModelConfig.from_hf_config(dict(hf)).num_layers == 2 == second.num_layers
     assert ModelConfig.from_hf_config({**hf, "num_hidden_layers": 3}).num_layers == 3  # other content, other entry
     assert any(v.num_layers == 2 for v in model_config._TYPED.values())
+
+
+def test_an_attention_multiplier_on_latent_layers_is_refused_in_one_line():
+    """Granite's attention_multiplier scales K/V-head attention logits; a latent layer never reads it, so a
+    model that asks for it with attention=mla is refused, naming the key and the value, not run unscaled."""
+    from kvbench.config.multipliers import Multipliers
+
+    model = ModelConfig(name="t", num_layers=2, d_model=64, num_heads=4, preset_kv_heads=4, ffn_dim=96,
+                        vocab_size=97, max_seq_len=64, multipliers=Multipliers(attention_multiplier=0.5))
+    with pytest.raises(ConfigError) as info:
+        AttentionConfig(type="mla").resolved(model)
+    assert str(info.value).startswith("model.multipliers.attention_multiplier=0.5: ") and "\n" not in str(info.value)
+    assert AttentionConfig(type="gqa", num_kv_heads=2).resolved(model).num_kv_heads == 2  # K/V heads take it

@@ -383,6 +383,10 @@ class AttentionConfig:
     def _resolved_mla(self, model: ModelConfig) -> "AttentionConfig":
         check(self.num_kv_heads in (None, 1), "attention.num_kv_heads", self.num_kv_heads,
                "attention=mla caches one latent head per token (null or 1)")
+        scale = model.multipliers.attention_multiplier if model.multipliers else None
+        check(scale is None, "model.multipliers.attention_multiplier", scale, "scales the logits of K/V-head "
+              "attention (Granite's); a latent layer scales its own (the softmax of its yarn rope): use attention "
+              "with K/V heads, or leave it null")
         D = model.head_dim
         own = model.preset_mla or MLAShape(q_lora_rank=0, kv_lora_rank=4 * D, qk_nope_head_dim=D,
                                            qk_rope_head_dim=max(2, D // 2 - D // 2 % 2), v_head_dim=D)
