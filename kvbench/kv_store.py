@@ -85,8 +85,9 @@ class KVStore:
         if self.cache_dtype not in FP4_BLOCK:
             return quantize(x, self.cache_dtype)
         g = self.global_scale
-        if g is not None and not g > 0:
-            g = quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated" else x)
+        if g is not None:  # kept once a write set it; chosen on the device, so a decode step does not wait on it
+            g = torch.where(g > 0, g, quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated"
+                                                          else x))
         encoded = quant4.encode(x, self.cache_dtype, g)  # refuses a NaN or inf before the scale is kept
         self.global_scale = g
         return encoded
