@@ -1,3 +1,4 @@
+import logging
 import multiprocessing.util
 import os
 import shlex
@@ -101,6 +102,15 @@ def byte_decoder(num_kv_heads=4, seed=0) -> Decoder:
     cfg = ModelConfig(num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, ffn_dim=64,
                       vocab_size=256, max_seq_len=64)
     return Decoder(cfg, AttentionConfig.for_heads(4, num_kv_heads))
+
+
+@pytest.fixture
+def quiet_transformers():
+    """transformers' warnings off for a test (that an optional kernel package is not installed and it
+    falls back to the torch path compared with, or that a batch has no attention mask: it is not padded)."""
+    logging.disable(logging.WARNING)
+    yield
+    logging.disable(logging.NOTSET)
 
 
 @pytest.fixture

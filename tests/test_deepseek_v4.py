@@ -6,7 +6,6 @@ generate feeds them) and as the whole model's greedy tokens; the bytes a cache a
 and a step reads against hand formulas and transformers' own cache; config.json reading against
 transformers' DeepseekV4Config; what the layout refuses, in one line."""
 
-import logging
 from contextlib import contextmanager
 from fractions import Fraction
 
@@ -55,12 +54,8 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    """transformers warns that a batch without an attention mask may be padded: it is not."""
-    logging.disable(logging.WARNING)
-    yield
-    logging.disable(logging.NOTSET)
+# transformers' warnings off: it falls back to the torch path compared with (conftest.quiet_transformers)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def config_json(cfg) -> dict:

@@ -6,7 +6,6 @@ against the recurrent step and a float64 loop; the chunked rule's working memory
 prompt's length (and transformers', which grows with it); the state's bytes against a hand formula;
 config.json reading against KimiLinearConfig; what the layers refuse, in one line."""
 
-import logging
 import math
 from dataclasses import replace
 
@@ -41,13 +40,8 @@ SHAPE = dict(vocab_size=97, hidden_size=D_MODEL, intermediate_size=96, num_atten
 TYPES = ["linear_attention", "full_attention", "linear_attention"]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_fallbacks():
-    """transformers logs that flash-linear-attention and causal-conv1d are not installed: the torch
-    path it falls back to is the one compared with."""
-    logging.disable(logging.WARNING)
-    yield
-    logging.disable(logging.NOTSET)
+# transformers' warnings off: it falls back to the torch path compared with (conftest.quiet_transformers)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def hf_config(**overrides):

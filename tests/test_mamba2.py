@@ -5,7 +5,6 @@ loop of the recurrence; the chunked scan's working memory against the prompt's l
 transformers' scan, which grows with it); the state's bytes against a hand formula; config.json
 reading against transformers' config classes; what the layer refuses, in one line."""
 
-import logging
 
 import pytest
 import torch
@@ -39,13 +38,8 @@ FAMILIES = {
 ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 
-@pytest.fixture(autouse=True)
-def _quiet_fallbacks():
-    """transformers logs that mamba_ssm and causal-conv1d are not installed: the torch path it
-    falls back to is the one compared with."""
-    logging.disable(logging.WARNING)
-    yield
-    logging.disable(logging.NOTSET)
+# transformers' warnings off: it falls back to the torch path compared with (conftest.quiet_transformers)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def hf_config(family, **overrides):

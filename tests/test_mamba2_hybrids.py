@@ -6,7 +6,6 @@ greedy cached decode steps token-equal to generate, the state per sequence again
 in task=inspect, and what the reader refuses, in one line naming the key."""
 
 import json
-import logging
 
 import pytest
 import torch
@@ -30,22 +29,22 @@ NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_k
                   hybrid_override_pattern=PATTERN)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_fallbacks():
-    """transformers logs that mamba_ssm and causal-conv1d are not installed: the torch path it
-    falls back to is the one compared with."""
-    logging.disable(logging.WARNING)
-    yield
-    logging.disable(logging.NOTSET)
+# transformers' warnings off: it falls back to the torch path compared with (conftest.quiet_transformers)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def nemotron_h_dir(path, **overrides):
-    """A random NemotronHForCausalLM saved with save_pretrained; (dir, model). Decays slow enough that
-    the state carries across chunks and steps; dt biases, D and the norms off their initial values."""
+    """A random NemotronHForCausalLM saved with save_pretrained; (dir, model)."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
+    return _saved(path, lambda: NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_H, **overrides})))
+
+
+def _saved(path, make):
+    """``make``, a random transformers model built under seed 0, saved to ``path``; (dir, model). Decays slow
+    enough that the state carries across chunks and steps; dt biases, D and the norms off their initial values."""
     torch.manual_seed(0)
-    hf = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_H, **overrides})).eval()
+    hf = make().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("A_log"):
@@ -136,19 +135,7 @@ def granite_dir(path, **overrides):
     """A random dense GraniteMoeHybridForCausalLM saved with save_pretrained; (dir, model)."""
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    torch.manual_seed(0)
-    hf = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**{**GRANITE, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
-            elif name.endswith(("dt_bias", ".D")):
-                p.normal_()
-            elif "norm" in name:
-                p.normal_(1.0, 0.3)
-    hf.save_pretrained(path)
-    hf.generation_config.eos_token_id = None
-    return path, hf
+    return _saved(path, lambda: GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**{**GRANITE, **overrides})))
 
 
 @pytest.mark.parametrize("position", ["nope", "rope"])
