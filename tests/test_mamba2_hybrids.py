@@ -33,6 +33,22 @@ NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_k
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
+def assert_exact(model, hf, length, spread):
+    """``model`` against transformers' ``hf`` on 2 seeded sequences of ``length``: logits within 1e-5 of their
+    largest (their spread above ``spread``: not a flat output), perplexity within 1e-5, and 40 greedy cached
+    steps after 21 prompt tokens the tokens of ``hf.generate``; the tokens generated."""
+    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > spread
+    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
+    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
+    prompt = tokens[:, :21]
+    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens
+    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
+    assert torch.equal(got, want)
+    return got
+
+
 def nemotron_h_dir(path, **overrides):
     """A random NemotronHForCausalLM saved with save_pretrained; (dir, model)."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
@@ -97,15 +113,7 @@ def test_a_nemotron_h_checkpoint_with_experts_is_transformers(tmp_path, one_torc
     moe = model.config.moe
     assert (moe.num_experts, moe.top_k, moe.router, moe.n_group, moe.dense_layers) == (8, 2, "sigmoid", 2, [1])
     assert model.num_params() == hf.num_parameters() == parameter_counts(model.config, model.attention).total
-    tokens = torch.randint(0, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.5
-    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
-    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
-    prompt = tokens[:, :21]
-    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens
-    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
-    assert torch.equal(got, want)
+    assert_exact(model, hf, 60, spread=0.5)
 
 
 def test_task_eval_of_a_nemotron_h_checkpoint_is_transformers_perplexity(tmp_path, one_torch_thread):
@@ -149,15 +157,7 @@ def test_a_granite_4_checkpoint_is_transformers_in_logits_perplexity_and_40_gree
     assert [type(layer) for layer in model.layouts] == [Mamba2, KVHeads] * 2
     assert model.layouts.rotary_dim() == (16 if position == "rope" else 0)
     assert model.num_params() == hf.num_parameters()
-    tokens = torch.randint(0, VOCAB, (2, 75), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.1
-    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
-    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
-    prompt = tokens[:, :21]
-    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens
-    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
-    assert torch.equal(got, want)
+    got = assert_exact(model, hf, 75, spread=0.1)
     assert len(set(got[0].tolist())) > 5
 
 
