@@ -20,6 +20,7 @@ m the compression rate.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -32,21 +33,21 @@ def _blocks(positions: int, bs: int) -> int:
 
 
 @dataclass(frozen=True)
-class PageSpec:
+class PageSpec(ABC):
     """What a layer keeps of a sequence. ``position_bytes``: bytes one position takes in a block (0:
     none); a spec's figures are one layer's, a group's are summed over its layers."""
 
     position_bytes: int = 0
 
     @property
+    @abstractmethod
     def paging(self) -> Tuple:
         """Layers whose specs give equal keys come and go together (one group of a store); the key
         sorts full attention first, then each window, the states, the pools."""
-        raise NotImplementedError
 
+    @abstractmethod
     def page_bytes(self, block_size: int) -> int:
         """Bytes one page (one block, one state) of this layer takes."""
-        raise NotImplementedError
 
     def least_bytes(self) -> int:
         """Bytes the formula gives for a page in use at its least (one position filled, or the state)."""
@@ -56,9 +57,9 @@ class PageSpec:
         """Bytes the formula gives for a page in use with ``filled`` positions written."""
         return filled * self.position_bytes
 
+    @abstractmethod
     def sequence_bytes(self, length: int) -> int:
         """The formula's bytes one sequence of ``length`` positions holds here (the layout's figure)."""
-        raise NotImplementedError
 
     def first_kept(self, length: int) -> int:
         """The first position a query at ``length`` or later still sees."""
@@ -82,9 +83,9 @@ class PageSpec:
         """What a pool of these pages counts, for error lines."""
         return f"blocks of {block_size} tokens"
 
+    @abstractmethod
     def layers_text(self) -> str:
         """How a group of layers with this spec is named in a sentence."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

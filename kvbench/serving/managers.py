@@ -14,6 +14,7 @@ what is allocated is what the allocator reserves.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Callable, Dict, List, Optional, Sequence, Type
 
 import torch
@@ -60,7 +61,7 @@ class BytePool:
         return carve
 
 
-class Manager:
+class Manager(ABC):
     """The pages of ``group`` in ``pool``: ``capacity`` blocks of ``block_size`` positions, in storage
     of the group's own or carved from ``shared`` (a block there holds a page per layer)."""
 
@@ -83,15 +84,17 @@ class Manager:
     def pages_of(self, tables: Sequence[List[Optional[int]]], j: int) -> List[List[Optional[int]]]:
         return [[None if b is None else self.page(b, j) for b in t] for t in tables]
 
+    @abstractmethod
     def tensors(self) -> List[torch.Tensor]:
-        raise NotImplementedError
+        """Every tensor the group's storage holds (what the store's bytes are counted from)."""
 
+    @abstractmethod
     def table_len(self, blocks: int) -> int:
         """Pages a table holds once its sequence holds ``blocks`` blocks of positions."""
-        raise NotImplementedError
 
     def taken(self, page: int) -> None:
         """``page`` was just taken for a sequence (a state starts from zero)."""
+        return None  # nothing to do for most kinds of page
 
     def needed_bytes(self) -> int:
         """The formula's bytes for what the pages in use hold (a shared page once)."""
@@ -99,11 +102,12 @@ class Manager:
 
     def written(self, table: List[Optional[int]], start: int, T: int) -> None:
         """A forward wrote positions ``start`` .. ``start + T - 1`` of the sequence of ``table``."""
+        return None  # nothing to do for most kinds of page
 
+    @abstractmethod
     def found(self, keys: Sequence[int], m: int) -> Optional[List[Optional[int]]]:
         """The cached pages to continue from position m x block_size (``keys``: the content keys of
         the blocks), or None where this group lacks one."""
-        raise NotImplementedError
 
     def attach(self, pages: List[Optional[int]]) -> List[Optional[int]]:
         """Hold the cached ``pages`` (:meth:`found`) for a sequence: its table."""
@@ -118,15 +122,16 @@ class Manager:
 
     def register(self, table: List[Optional[int]], i: int, key: int) -> None:
         """Block ``i`` of the sequence is full: make what this group holds of it findable by ``key``."""
+        return None  # nothing to do for most kinds of page
 
     def save(self, table: List[Optional[int]], key: int) -> bool:
         """Save what the sequence holds at this position under ``key`` (True: a page was saved)."""
         return False
 
+    @abstractmethod
     def caches(self, tables: Sequence[List[Optional[int]]], starts: Sequence[int], T: int, positions,
                device) -> Dict[int, object]:
         """Each layer's cache of a forward adding ``T`` positions to sequences at ``starts``."""
-        raise NotImplementedError
 
 
 class BlockManager(Manager):
