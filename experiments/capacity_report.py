@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Parser, compose_config, out_file, positive_float, positive_int, run_main, write_report  # noqa: E402
 
-from kvbench.config.dtypes import DTYPE_BYTES  # noqa: E402
-from kvbench.config.errors import ConfigError  # noqa: E402
 from kvbench.config.serving import ServingWorkload  # noqa: E402
+from kvbench.core.dtypes import DTYPE_BYTES  # noqa: E402
+from kvbench.core.errors import ConfigError  # noqa: E402
 from kvbench.job_config import to_bench_config  # noqa: E402
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.layouts.build import build_layouts  # noqa: E402

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from _common import Parser, existing_file, list_of, out_file, positive_int, run_main, say, write_report
 
-from kvbench.config.dtypes import CACHE_DTYPES
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
+from kvbench.core.dtypes import CACHE_DTYPES
 from kvbench.measure.stats import bootstrap_ci, proportion_interval, t_interval
 from kvbench.model import Decoder
 from kvbench.quality.data import byte_data

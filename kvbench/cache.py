@@ -33,7 +33,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from kvbench.config.dtypes import CACHE_IMPLS
+from kvbench.core.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
 from kvbench.shared_kv import SharedLayer, link
 from kvbench.state_cache import StateLayer

@@ -26,9 +26,9 @@ import torch
 
 from kvbench.config import hf as hf_config
 from kvbench.config.conversion import own_kind
-from kvbench.config.errors import ConfigError, typed
 from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
+from kvbench.core.errors import ConfigError, typed
 from kvbench.footprint import check_model_fits
 from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors
 from kvbench.hf_weights import reading as _reading

@@ -24,7 +24,7 @@ from kvbench.cli_help import group_options
 from kvbench.cli_job import hydra_job
 from kvbench.cli_sweep import SweepRefused, sweep_end
 from kvbench.config.bench import CONF_DIR, register_configs, schema_defaults
-from kvbench.config.errors import config_error_line, is_composition_error, one_line
+from kvbench.core.errors import config_error_line, is_composition_error, one_line
 from kvbench.jobs.interrupts import exit_on_stop
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jsonio import os_error_line

@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.text import Text
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.errors import ConfigError, one_line
 from kvbench.config.layer_pattern import job_variant_label
+from kvbench.core.errors import ConfigError, one_line
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_holder, claim_job, resume_check
 from kvbench.jobs.isolation import launch_job

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report, typed_at_start
-from kvbench.config.errors import ConfigError, one_line
+from kvbench.core.errors import ConfigError, one_line
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import sweep_lock
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME

@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from kvbench.config.errors import one_line
+from kvbench.core.errors import one_line
 from kvbench.jsonio import os_error_line
 from kvbench.results import RESULTS_FILE
 from kvbench.sinks.dashboard import PublishError, publish, write_dashboard

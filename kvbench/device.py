@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 
 FREE_GPU = "cuda:free"
 

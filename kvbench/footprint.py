@@ -20,11 +20,11 @@ import psutil
 import torch
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.errors import ConfigError
 from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.serving import ServingWorkload
+from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes

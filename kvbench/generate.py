@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from kvbench.cache import Cache, Positions, bucket_length
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.measure.timing import sync
 from kvbench.metrics import Metric, metric_table, record_methods
 

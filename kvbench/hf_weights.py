@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.jsonio import read_json
 
 INDEX_FILE = "model.safetensors.index.json"

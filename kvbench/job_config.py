@@ -15,8 +15,8 @@ from typing import Any, Mapping
 from omegaconf import DictConfig
 
 from kvbench.config.bench import TASKS, BenchConfig
-from kvbench.config.errors import ConfigError, typed
 from kvbench.config.moe import check_run
+from kvbench.core.errors import ConfigError, typed
 from kvbench.layouts.build import build_layouts
 
 
@@ -38,6 +38,6 @@ def check_job(job: BenchConfig) -> BenchConfig:
 
 
 def to_bench_config(cfg: DictConfig | Mapping[str, Any] | BenchConfig) -> BenchConfig:
-    """Typed, validated config (raises :class:`~kvbench.config.errors.ConfigError` naming the bad
+    """Typed, validated config (raises :class:`~kvbench.core.errors.ConfigError` naming the bad
     key); a :class:`BenchConfig` passes as it is (checked where it was typed)."""
     return cfg if isinstance(cfg, BenchConfig) else check_job(typed(BenchConfig, cfg))

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from kvbench import quant4
-from kvbench.config.dtypes import CACHE_DTYPES, FP4_BLOCK, SCALE_BYTES  # noqa: F401 (SCALE_BYTES: what a quantized vector adds)
+from kvbench.core.dtypes import CACHE_DTYPES, FP4_BLOCK, SCALE_BYTES  # noqa: F401 (SCALE_BYTES: what a quantized vector adds)
 
 # The largest code: symmetric int8 uses -127..127 (not -128, so that -x quantizes as -q);
 # float8_e4m3fn's largest finite value is 448.

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from kvbench.cache import Positions, uncached_layers
-from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts

@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from kvbench.config.dtypes import FP4_BLOCK
+from kvbench.core.dtypes import FP4_BLOCK
 
 # the E2M1 magnitudes, indexed by the code's low 3 bits; bit 3 is the sign
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.bench import TASKS, BenchConfig, objective_metric
 from kvbench.config.record import attention_record, cache_record, model_record
-from kvbench.config.task import ALL, kept
 from kvbench.config.workload import DEFAULT_WORKLOAD, WORKLOADS, own_keys
+from kvbench.core.task import ALL, kept
 from kvbench.jsonio import find_named, plain, read_json, write_json_atomic
 from kvbench.measure import plausibility
 from kvbench.metrics import matches

@@ -9,7 +9,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from kvbench.config.model import ModelConfig
+# A ``cfg`` or ``model`` here is a kvbench.config.model.ModelConfig (its rope_* fields, head_dim, max_seq_len):
+# named, not imported, so that the attention modules below the config can use these tables.
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -17,7 +18,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_attention_factor(cfg: ModelConfig) -> float:
+def rope_attention_factor(cfg: Any) -> float:
     """What cos and sin are multiplied by: 1, or yarn's attention factor (given, else transformers' formula)."""
     if cfg.rope_type != "yarn":
         return 1.0
@@ -28,7 +29,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return yarn_mscale(cfg.rope_factor)
 
 
-def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
+def rope_inv_freq(cfg: Any, dim: Optional[int] = None) -> torch.Tensor:
     """Rotary inverse frequencies (D/2,) in float64, scaled as transformers' rope type ``cfg.rope_type``:
     ``linear`` divides all by ``rope_factor``; ``llama3`` divides long wavelengths, keeps short ones
     and blends linearly in between (the clamp is transformers' three-way ``where``); ``yarn`` blends
@@ -56,7 +57,7 @@ def rope_inv_freq(cfg: ModelConfig, dim: Optional[int] = None) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: Any, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (max_seq_len, D), rotate-half layout, times yarn's attention factor."""
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, dim))
     angles = torch.cat([angles, angles], dim=-1)
@@ -77,7 +78,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def deinterleave_rope(tensors: Dict[str, torch.Tensor], model: ModelConfig, attention: Any) -> None:
+def deinterleave_rope(tensors: Dict[str, torch.Tensor], model: Any, attention: Any) -> None:
     """DeepSeek rotates its rope dimensions in interleaved pairs (x0, x1), (x2, x3), ...; the
     decoder rotates halves. Reordering the rows that produce them (evens, then odds) makes the
     decoder's rotate-half compute what transformers' ``rope_interleave`` does (V3: the same

@@ -9,10 +9,10 @@ import pytest
 from conftest import compose
 
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig, objective_metric
-from kvbench.config.errors import MAX_ERROR_CHARS, ConfigError, typed
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type, default_gqa_kv_heads
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import WORKLOADS, DecodeWorkload
+from kvbench.core.errors import MAX_ERROR_CHARS, ConfigError, typed
 from kvbench.job_config import check_job, to_bench_config
 
 

@@ -16,7 +16,7 @@ from recurrent_checks import greedy_steps
 from torch import nn
 
 from kvbench.cache import Positions
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.hyper_connection import HyperConnection, HyperHead, expand, residual
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.compressed import (

@@ -15,8 +15,8 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import Positions, cache_for, make_cache
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.attention import decode_form

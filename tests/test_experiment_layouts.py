@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.layer_pattern import variant_label
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 
 ROOT = Path(__file__).resolve().parents[1]

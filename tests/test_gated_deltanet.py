@@ -14,8 +14,8 @@ from conftest import compose, tiny_model_config
 from recurrent_checks import LiveBytes
 
 from kvbench.cache import Positions, make_cache, uncached
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits

@@ -23,9 +23,9 @@ from kvbench.checkpoint import CheckpointError, load_checkpoint, load_llama_dir,
 from kvbench.cli import _top_level_names
 from kvbench.cli_sweep import sweep_exit
 from kvbench.config.bench import CONF_DIR, BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
-from kvbench.config.errors import ConfigError, config_error_line
 from kvbench.config.model import AttentionConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.core.errors import ConfigError, config_error_line
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
 from kvbench.job_config import check_job, to_bench_config
 from kvbench.jobs.claim import completed_record

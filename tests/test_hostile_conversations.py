@@ -10,7 +10,7 @@ import os
 import pytest
 from conftest import compose, kvbench_forked
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.serving.conversation_traces import read_sharegpt, read_turns

@@ -138,7 +138,7 @@ def test_an_override_hydra_cannot_compose_is_one_config_error_line(monkeypatch):
     """conversations_eviction --attention paged printed Hydra's 56-line traceback: the scripts'
     compose_config raises kvbench's ConfigError, one line naming the override and the options."""
     common = script("_common", monkeypatch)
-    from kvbench.config.errors import ConfigError
+    from kvbench.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         common.compose_config(["model=tiny", "attention=paged"])
@@ -151,7 +151,7 @@ def test_an_override_hydra_cannot_compose_is_one_config_error_line(monkeypatch):
 
 def test_a_config_kvbench_refuses_and_a_job_not_ok_end_a_script_in_one_line(monkeypatch, capsys):
     common = script("_common", monkeypatch)
-    from kvbench.config.errors import ConfigError
+    from kvbench.core.errors import ConfigError
 
     def refuses(argv):
         raise ConfigError("attention.num_kv_heads=3: must divide model.num_heads=4")

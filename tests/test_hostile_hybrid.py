@@ -6,7 +6,7 @@ process, through the config path the CLI composes (tests/conftest.compose)."""
 import pytest
 from conftest import compose
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 
 HYBRID = ["model=tiny", "attention.full_attention_interval=2"]

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import kvbench.checkpoint as checkpoint
 from kvbench.checkpoint import CheckpointError, load_llama_dir
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.jobs.runner import run_job
 
 FAST = ["wandb=disabled", "runtime.isolate=false", "workload.prompt_len=8", "workload.gen_len=2",

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import kvbench.footprint as footprint
 import kvbench.jobs.runner as runner
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.footprint import check_fits, job_footprint
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job

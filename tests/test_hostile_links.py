@@ -12,7 +12,7 @@ from conftest import compose, kvbench_forked
 
 import kvbench.cli_job  # noqa: F401 — installs the writer of Hydra's .hydra/ files
 from kvbench.cli_sweep import SweepCallback, SweepRefused, check_run_dir
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.jsonio import NoFollowFileHandler, real_dir
 from kvbench.results import RunResult, read_record
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from test_moe import moe_dir
 
 from kvbench.checkpoint import CheckpointError, load_llama_dir
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 
 

@@ -8,8 +8,8 @@ import pytest
 from conftest import compose
 
 from kvbench.checkpoint import CheckpointError, load_checkpoint
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.jobs.runner import run_job
 from kvbench.quality.data import corpus_files
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import LiveKvbench, compose, job_processes, reap_after_test
 
 from kvbench.cli_sweep import check_sweep_start
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.results import RunResult, read_record
 
 TRIALS = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=0", "runtime.repeats=100000",

@@ -8,10 +8,10 @@ import torch
 from conftest import compose
 
 from kvbench.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from kvbench.config.errors import ConfigError
 from kvbench.config.hf import WINDOW_KEYS, WINDOW_KEYS_READ
 from kvbench.config.hf_agree import check_agreement
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.build import build_layouts

@@ -15,7 +15,7 @@ from conftest import tiny_model_config
 from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
 
 from kvbench.cache import Positions, layer_cache
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf
 from kvbench.layouts.kda_mixer import (

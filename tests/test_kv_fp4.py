@@ -16,10 +16,10 @@ from test_serving_engine import isolated, run, workload
 
 from kvbench import quant4
 from kvbench.cache import StaticLayer, cache_for, make_cache
-from kvbench.config.dtypes import element_bytes
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import TrainConfig
+from kvbench.core.dtypes import element_bytes
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.kv_store import KVStore
 from kvbench.layouts.base import Layouts

@@ -12,8 +12,8 @@ from test_cli import TINY, kvbench
 
 from kvbench.cache import cache_for, causal_mask
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_count
 from kvbench.generate import greedy_generate
 from kvbench.job_config import check_job, to_bench_config

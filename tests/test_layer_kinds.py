@@ -21,12 +21,12 @@ from kvbench.cache import Cache, cache_for
 from kvbench.cli_job import _inspect
 from kvbench.config.bench import COMPILE_MODES
 from kvbench.config.compare import VARIANT_OPTIONS, CompareConfig, variant_fields
-from kvbench.config.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
-from kvbench.config.errors import ConfigError
 from kvbench.config.layer_pattern import job_variant_label, variant_key, variant_label
 from kvbench.config.model import attention_type
 from kvbench.config.serving import ALLOCATORS
 from kvbench.config.serving import STORES as STORE_KINDS
+from kvbench.core.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
+from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits, first_of_each

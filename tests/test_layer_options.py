@@ -10,11 +10,11 @@ import torch
 from conftest import VOCAB
 
 from kvbench.checkpoint import CheckpointError, to_layout
-from kvbench.config.errors import ConfigError
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS
 from kvbench.config.layer_pattern import variant_label
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig
 from kvbench.config.record import attention_record, model_record
+from kvbench.core.errors import ConfigError
 from kvbench.model import Decoder
 from kvbench.views import VARIANT_KEYS, Variant
 

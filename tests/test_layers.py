@@ -16,11 +16,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["config.errors", "config.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
-     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "config.dtypes", "norm", "serving.pool",
+    ["core.errors", "core.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
+     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm", "serving.pool",
      "hyper_connection", "measure.plausibility"],
     ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
-     "config.moe", "config.multipliers", "config.hf_keys", "config.hf_read", "config.hf_agree", "mlp.dense",
+     "config.moe", "config.multipliers", "core.hf_keys", "core.hf_read", "config.hf_agree", "mlp.dense",
      "mlp.router"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
@@ -61,7 +61,8 @@ LAYERS = [
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
 # measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.
-SINK_ALLOWED = ("results", "views", "units", "metrics", "config.", "measure.stats", "jsonio", "jobs.claim", "sinks.")
+SINK_ALLOWED = ("results", "views", "units", "metrics", "config.", "core.", "measure.stats", "jsonio", "jobs.claim",
+                "sinks.")
 
 
 def module_name(path: Path) -> str:

@@ -12,7 +12,7 @@ from conftest import tiny_model_config
 from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
 
 from kvbench.cache import Positions
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.mamba2 import Mamba2, hf_layer_kinds, mamba2_from_hf

@@ -13,8 +13,8 @@ from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.mamba2 import Mamba2

@@ -17,8 +17,8 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config.bench import CONF_DIR
 from kvbench.config.compare import CompareConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.attention import decode_form
 from kvbench.layouts.build import build_layouts

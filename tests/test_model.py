@@ -8,8 +8,8 @@ from conftest import make_decoder, tiny_model_config
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench.cache import Positions, uncached_layers
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.layouts.kv_heads_attention import grouped_attention

@@ -19,9 +19,9 @@ from conftest import VOCAB, compose, deepseek_dir, edit_config_json, reread
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config import hf as hf_config
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.moe import MoEShape
+from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
 from kvbench.generate import compiled_graphs, compiled_step, greedy_generate
 from kvbench.job_config import to_bench_config

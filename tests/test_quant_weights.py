@@ -27,8 +27,8 @@ from quant_checkpoints import (
 from safetensors import safe_open
 
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.hf_weights import read_headers
 from kvbench.measure.roofline import decode_bytes_read
 from kvbench.quality.train import run_eval

@@ -16,8 +16,8 @@ from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.layouts.gated_deltanet import GatedDeltaNet, model_shape
 from kvbench.layouts.kv_heads import KVHeads

@@ -101,7 +101,7 @@ def test_curve_rows_are_in_rate_order_with_tokens_per_user():
 def test_the_slo_keys_the_search_and_capacity_accept():
     from conftest import compose
 
-    from kvbench.config.errors import ConfigError
+    from kvbench.core.errors import ConfigError
     from kvbench.job_config import to_bench_config
 
     serving = ("model=tiny", "workload=serving", "workload.search.enabled=true")

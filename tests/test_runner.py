@@ -15,7 +15,7 @@ from kv_formula import kv_cache_bytes
 from safetensors.torch import load_file, save_file
 
 from kvbench.checkpoint import save_checkpoint
-from kvbench.config.errors import MAX_ERROR_CHARS, ConfigError
+from kvbench.core.errors import MAX_ERROR_CHARS, ConfigError
 from kvbench.jobs import runner
 from kvbench.jobs.runner import run_job
 from kvbench.results import read_record

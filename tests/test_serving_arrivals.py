@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.serving import LengthConfig, ServingWorkload
+from kvbench.core.errors import ConfigError
 from kvbench.serving.arrivals import draw_lengths, inter_arrivals, make_requests, read_trace, request_tokens
 
 N = 20_000

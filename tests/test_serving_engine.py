@@ -16,9 +16,9 @@ from kv_formula import kv_cache_bytes
 
 from kvbench.cache import cache_for
 from kvbench.config.conversations import ConversationsWorkload, ThinkConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
 from kvbench.config.serving import LengthConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.layouts.pages import StatePage
 from kvbench.model import Decoder

@@ -13,8 +13,8 @@ import torch
 from conftest import tiny_model_config
 from test_serving_engine import isolated, run, workload
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.compressed import CSA, HCA, SLIDING, Compressed
 from kvbench.layouts.compressed_attention import CompressedCache

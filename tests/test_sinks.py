@@ -9,8 +9,8 @@ import torch
 from conftest import make_decoder, tiny_model_config
 
 from kvbench.cache import Positions, cache_for, causal_mask, make_cache
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import FixedShapeStep, greedy_generate
 from kvbench.layouts.base import LayerLayout, Layouts
 from kvbench.layouts.kv_heads import KVHeads

@@ -10,8 +10,8 @@ import torch
 from conftest import compose, tiny_model_config
 
 from kvbench.cache import make_cache
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.base import State

@@ -360,7 +360,7 @@ def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials
     a trial over the cap returned no objective (and says so); kvbench's own end of sweep counts
     the 6 jobs; the search's directory then refuses another sweep."""
     from kvbench.cli_sweep import check_sweep_start
-    from kvbench.config.errors import ConfigError
+    from kvbench.core.errors import ConfigError
 
     sweep = tmp_path / "search"
     proc = subprocess.run(kvbench_cmd("-m", *SEARCH, f"hydra.sweep.dir={sweep}"), cwd=tmp_path, env=run_env(),
@@ -398,7 +398,7 @@ def test_an_optuna_search_reports_the_best_trial_of_its_records_and_fails_trials
 ])
 def test_a_search_that_could_not_mean_anything_is_refused_before_any_job(tmp_path, change, needle):
     from kvbench.cli_sweep import check_sweep_start
-    from kvbench.config.errors import ConfigError
+    from kvbench.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         check_sweep_start(search_config(tmp_path / "new", *SEARCH, *change))

@@ -23,9 +23,9 @@ from test_checkpoint import PROMPT, STEPS, logits_with_cache
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import check_job
 from kvbench.layouts.base import LayerLayout
 from kvbench.model import Decoder

@@ -29,13 +29,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvbench.config.capacity import CAPACITY, CapacityConfig, SloConfig
 from kvbench.config.compare import COMPARE, CompareConfig
-from kvbench.config.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
-from kvbench.config.errors import INT64_MAX, check, check_choice, check_numbers
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.config.recall import RECALL, RecallConfig
-from kvbench.config.task import Task
 from kvbench.config.train import EVAL, TRAIN, DataConfig, TrainConfig
 from kvbench.config.workload import BENCH, workload_config
+from kvbench.core.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
+from kvbench.core.errors import INT64_MAX, check, check_choice, check_numbers
+from kvbench.core.task import Task
 
 
 def _find_conf_dir() -> Path:
@@ -53,7 +53,7 @@ CONF_DIR = _find_conf_dir()
 # No memory a torch device reads streams 100 TB/s: HBM3e, the fastest DRAM shipping, gives a device
 # 8 TB/s, a CPU's last-level cache a few TB/s. The roofline's peak is refused (or re-probed) past it.
 MAX_GB_PER_S = 1e5
-# Every task= value: what it reads and its rules (kvbench/config/task.py); its code is registered in
+# Every task= value: what it reads and its rules (kvbench/core/task.py); its code is registered in
 # kvbench.jobs.runner.TASKS (task=inspect prints, in kvbench.cli_job).
 TASKS: Dict[str, Task] = {"bench": BENCH, "inspect": BENCH, "train": TRAIN, "eval": EVAL, "capacity": CAPACITY,
                           "compare": COMPARE, "recall": RECALL}

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
-from kvbench.config.errors import ConfigError, check, check_positive
 from kvbench.config.layer_pattern import interval_layer_types, variant_label
 from kvbench.config.model import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
-from kvbench.config.task import ALL, TIMED_RUNTIME, Task
+from kvbench.core.errors import ConfigError, check, check_positive
+from kvbench.core.task import ALL, TIMED_RUNTIME, Task
 from kvbench.layouts.kinds import registered
 
 # compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets:

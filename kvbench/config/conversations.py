@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from kvbench.config import serving
-from kvbench.config.errors import check, check_choice, check_numbers
 from kvbench.config.serving import LengthConfig, RateSearchConfig, ServingWorkload
+from kvbench.core.errors import check, check_choice, check_numbers
 
 THINK_DISTS = ("fixed", "exponential", "uniform", "lognormal")
 

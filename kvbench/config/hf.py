@@ -16,13 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.hf_agree import LINEAR, check_agreement
-from kvbench.config.hf_keys import DEFAULT, Source, file_sources, nested_keys
-from kvbench.config.hf_read import REQUIRED as _REQUIRED
-from kvbench.config.hf_read import get as _get
 from kvbench.config.moe import EXPERTS_KEY, check_moe
 from kvbench.config.quant import weights_stored
+from kvbench.core.errors import ConfigError
+from kvbench.core.hf_keys import DEFAULT, Source, file_sources, nested_keys
+from kvbench.core.hf_read import REQUIRED as _REQUIRED
+from kvbench.core.hf_read import get as _get
 from kvbench.jsonio import read_json
 from kvbench.layouts.kinds import by_architecture, by_layer_type, registered
 from kvbench.layouts.latent import rope_interleaved  # noqa: F401  (the loader's, read through this module)
@@ -124,7 +124,7 @@ def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
                  max_seq_len: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Source]]:
     """The ModelConfig fields (untyped) that the config.json contents ``cfg`` describe, and the key
-    each came from (:class:`~kvbench.config.hf_keys.Source`; none for a ``max_seq_len`` given: the
+    each came from (:class:`~kvbench.core.hf_keys.Source`; none for a ``max_seq_len`` given: the
     caller's); ``where`` names the file. What the decoder does not model, or a missing key: ConfigError."""
     archs = _get(cfg, "architectures", "list") or [_get(cfg, "model_type", "str", "unknown")]
     arch = next((a for a in archs if a in HF_ARCHITECTURES or by_architecture(a)), None)

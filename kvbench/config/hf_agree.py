@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, List, Mapping
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"  # transformers' names
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from kvbench.config.errors import check
+from kvbench.core.errors import check
 from kvbench.layouts.kinds import LayerOption, registered
 
 # In the order a variant's label names them (``gqa kv=8 w=128 1:1 sinks``, ``mla r=512 topk=2048``,

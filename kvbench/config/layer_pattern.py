@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config.errors import check
 from kvbench.config.layer_options import LAYER_OPTIONS
+from kvbench.core.errors import check
 from kvbench.jsonio import as_int
 from kvbench.layouts.kinds import attention_kind, by_layer_type, recurrent_in, recurrent_layer_types
 from kvbench.layouts.kinds import layer_types as kind_layer_types

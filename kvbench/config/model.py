@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config import hf as hf_config
-from kvbench.config.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.hf import ROPE_TYPES
-from kvbench.config.hf_keys import Source, in_file_keys
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.moe import MoEShape
 from kvbench.config.multipliers import Multipliers
 from kvbench.config.quant import check_weights_stored
+from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.core.hf_keys import Source, in_file_keys
 from kvbench.jsonio import path_problem
 from kvbench.layouts.kinds import by_layer_type, recurrent_in, recurrent_layer_types, registered
 from kvbench.layouts.latent_config import MLA_FIELDS, MLAShape, check_indexer, check_mla_dims, indexer_defaults
@@ -220,7 +220,7 @@ class ModelConfig:
                        max_seq_len: Optional[int] = None, **fields: Any) -> "ModelConfig":
         """The decoder shape a transformers ``config.json`` (as a dict) describes; ``where`` names the file
         in errors (every error names it: the file is the user's input), and a bad value by the key the file
-        holds it under (:func:`kvbench.config.hf_keys.in_file_keys`; a value given here, ``max_seq_len`` or
+        holds it under (:func:`kvbench.core.hf_keys.in_file_keys`; a value given here, ``max_seq_len`` or
         ``fields``, by kvbench's). Refuses what the decoder does not model (:func:`~kvbench.config.hf.model_fields`)."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: not a JSON object")

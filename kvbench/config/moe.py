@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, List, Mapping, Optional
 
-from kvbench.config.errors import ConfigError, check, check_choice
+from kvbench.core.errors import ConfigError, check, check_choice
 
 ROUTERS = ("softmax", "sigmoid", "softmax_topk")
 # kvbench's key of each field whose value another field is checked against

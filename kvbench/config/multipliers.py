@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvbench.config.errors import check
+from kvbench.core.errors import check
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Tuple
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 
 KEY = "quantization_config"
 QUANT_METHODS = ("fp8", "mxfp4", "modelopt")

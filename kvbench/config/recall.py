@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from kvbench.config.errors import check, check_choice, check_numbers, check_positive
-from kvbench.config.task import ALL, QUALITY_RUNTIME, Asked, Task, Without
+from kvbench.core.errors import check, check_choice, check_numbers, check_positive
+from kvbench.core.task import ALL, QUALITY_RUNTIME, Asked, Task, Without
 
 RECALL_KINDS = ("mqar", "passkey")
 

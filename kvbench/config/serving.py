@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Optional
 
-from kvbench.config.errors import ConfigError, check, check_choice, check_numbers
-from kvbench.config.task import ALL, Keys
+from kvbench.core.errors import ConfigError, check, check_choice, check_numbers
+from kvbench.core.task import ALL, Keys
 from kvbench.layouts.kinds import recurrent_in, recurrent_layer_types
 
 ALLOCATORS = ("per_kind", "unified")  # workload.allocator: kvbench.serving.allocator

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvbench.config.errors import check, check_numbers, check_positive
-from kvbench.config.task import ALL, QUALITY_RUNTIME, Task, Without
+from kvbench.core.errors import check, check_numbers, check_positive
+from kvbench.core.task import ALL, QUALITY_RUNTIME, Task, Without
 
 
 @dataclass

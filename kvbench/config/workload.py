@@ -13,9 +13,9 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, Mapping
 
 from kvbench.config.conversations import ConversationsWorkload
-from kvbench.config.errors import check, check_choice, check_numbers, check_positive, typed
 from kvbench.config.serving import ServingWorkload
-from kvbench.config.task import ALL, TIMED_RUNTIME, Keys, Task
+from kvbench.core.errors import check, check_choice, check_numbers, check_positive, typed
+from kvbench.core.task import ALL, TIMED_RUNTIME, Keys, Task
 
 
 @dataclass

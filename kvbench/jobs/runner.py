@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.config.bench import BenchConfig, objective_metric
-from kvbench.config.errors import ConfigError, one_line
+from kvbench.core.errors import ConfigError, one_line
 from kvbench.device import resolve_device
 from kvbench.footprint import check_fits
 from kvbench.job_config import to_bench_config

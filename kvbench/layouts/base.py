@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kvbench.config.dtypes import CACHE_DTYPES, DTYPE_BYTES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
-from kvbench.config.errors import ConfigError, check_choice
-from kvbench.config.task import Asked
+from kvbench.core.dtypes import CACHE_DTYPES, DTYPE_BYTES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
+from kvbench.core.errors import ConfigError, check_choice
+from kvbench.core.task import Asked
 from kvbench.units import human_bytes, index_text
 
 

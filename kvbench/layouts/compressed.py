@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.pages import CompressedPool, Ring

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
-from kvbench.config.errors import check
-from kvbench.config.hf_read import get
+from kvbench.core.errors import check
+from kvbench.core.hf_read import get
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent

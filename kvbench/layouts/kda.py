@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
-from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.errors import ConfigError
+from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent

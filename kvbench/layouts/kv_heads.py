@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvbench.config.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
+from kvbench.core.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
 from kvbench.layouts.base import LayerLayout, elements_line, fp4_bytes_lines
 from kvbench.layouts.pages import positions_spec
 from kvbench.layouts.registry import LayerKind, register

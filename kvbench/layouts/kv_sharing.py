@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, Optional, Sequence, Tuple
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
-from kvbench.config.errors import ConfigError
-from kvbench.config.hf_keys import Source
-from kvbench.config.hf_read import REQUIRED, get
+from kvbench.core.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
+from kvbench.core.errors import ConfigError
+from kvbench.core.hf_keys import Source
+from kvbench.core.hf_read import REQUIRED, get
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell, elements_line, fp4_bytes_lines
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.latent_config import INDEX_FIELDS, MLA_FIELDS

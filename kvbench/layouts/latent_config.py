@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict
 
-from kvbench.config.errors import check, check_numbers, check_positive
+from kvbench.core.errors import check, check_numbers, check_positive
 
 INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")  # DSA's indexer (DeepSeek-V3.2), with mla only
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", *INDEX_FIELDS)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.errors import ConfigError
+from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent

@@ -24,8 +24,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Tuple
 
-from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.errors import check_choice
+from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.core.errors import check_choice
 
 
 def _blocks(positions: int, bs: int) -> int:

@@ -32,7 +32,7 @@ A kind's facets, each optional where the kind has nothing to say:
   ``check_model(model)`` (its own ``model.*`` fields checked, each refusal naming its key),
   ``hf_fields(cfg, arch, keys) -> dict`` (the ModelConfig fields the config.json contents ``cfg`` of
   one of its ``architectures`` give, each field's key added to ``keys`` as
-  :func:`kvbench.config.hf.model_fields` keeps them; values read by :func:`kvbench.config.hf_read.get`),
+  :func:`kvbench.config.hf.model_fields` keeps them; values read by :func:`kvbench.core.hf_read.get`),
   ``unfuse(layout, name, w) -> {part: tensor}`` (a checkpoint's fused projection ``name``, one the
   module's ``HF_FUSED`` declares, as the module's parts; a callable or, for a hook in a torch module
   above the layouts, ``"package.module:function"``: :func:`resolve`), ``param_count(layout, model)
@@ -51,7 +51,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.jsonio import as_int
 
 

@@ -20,8 +20,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.train import DataConfig
+from kvbench.core.errors import ConfigError
 from kvbench.jsonio import path_problem, read_regular
 
 BYTE_VOCAB = 256

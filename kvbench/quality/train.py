@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, load_llama_dir, save_checkpoint, to_layout
 from kvbench.config.bench import BenchConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.train import TrainConfig
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype

@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.serving import ALLOCATORS, CHECKPOINTS
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.pages import PageSpec
 

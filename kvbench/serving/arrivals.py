@@ -22,8 +22,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S, LengthConfig, check_record_size, duration_text
+from kvbench.core.errors import ConfigError
 from kvbench.serving.table_files import number, read_text, table_rows
 from kvbench.serving.trace import Request
 

@@ -13,7 +13,7 @@
   optional, the earliest it is sent), ``user_len``, ``output_len`` and optional ``think_s`` (the
   least time after the previous answer; 0 when absent: the trace's times are the ones that count).
 
-Every problem is one :class:`~kvbench.config.errors.ConfigError` naming the key, the file, the line
+Every problem is one :class:`~kvbench.core.errors.ConfigError` naming the key, the file, the line
 and the field.
 """
 
@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvbench.config.errors import ConfigError, one_line
 from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S
+from kvbench.core.errors import ConfigError, one_line
 from kvbench.serving.table_files import number, read_text, table_rows
 
 MAX_FILE_BYTES = 64 * 2**20  # as a single-turn trace's (serving/arrivals.py)

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.serving import check_record_size
+from kvbench.core.errors import ConfigError
 from kvbench.serving.arrivals import draw_lengths, make_requests, request_tokens
 from kvbench.serving.conversation_traces import TurnSpec, read_sharegpt, read_turns
 from kvbench.serving.trace import Request

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.kv_store import KVStore
 from kvbench.layouts.pages import Blocks, PageSpec, Ring, StatePage
 from kvbench.serving.allocator import Group

@@ -12,8 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config.errors import ConfigError, one_line
 from kvbench.config.serving import duration_text
+from kvbench.core.errors import ConfigError, one_line
 from kvbench.jsonio import path_problem, read_regular
 
 Rows = List[Tuple[int, Dict[str, Any]]]  # (line, row)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kvbench.config.errors import one_line
+from kvbench.core.errors import one_line
 from kvbench.jsonio import write_json_atomic, write_text_atomic
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, determined_by, swept_axes
 from kvbench.sinks.tracking import STEP_AXIS, TABLE_STEPS, UNREACHABLE_MARKER, resolve_mode, sweep_group

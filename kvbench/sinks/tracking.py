@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from kvbench.config.bench import MAX_INIT_TIMEOUT_S, WandbConfig
-from kvbench.config.errors import one_line
+from kvbench.core.errors import one_line
 from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.results import RESULTS_FILE, RunResult
 from kvbench.views import RecordView

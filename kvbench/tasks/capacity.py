@@ -22,8 +22,8 @@ import torch
 
 from kvbench.cache import Cache, cache_for
 from kvbench.config.bench import BenchConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
 from kvbench.measure.memory import PeakSpan, is_oom, peak_span_reason, weight_bytes

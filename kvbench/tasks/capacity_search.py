@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import DTYPE_BYTES
+from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.layouts.build import build_layouts
 
 SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed

@@ -37,9 +37,9 @@ import torch
 from kvbench.cache import cache_for
 from kvbench.checkpoint import build_decoder, convert_kv_heads, kv_conversion, with_layer_pattern
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.layer_pattern import variant_key, variant_label
 from kvbench.config.model import AttentionConfig
+from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.generate import decode_step, prefill
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kinds import layer_kind, recurrent_layer_types

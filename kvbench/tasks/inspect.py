@@ -16,8 +16,8 @@ import torch
 
 from kvbench.config.bench import BenchConfig
 from kvbench.config.conversion import kv_layout_change
-from kvbench.config.dtypes import DTYPE_BYTES, QUANTIZED_DTYPES
 from kvbench.config.layer_pattern import job_variant_label
+from kvbench.core.dtypes import DTYPE_BYTES, QUANTIZED_DTYPES
 from kvbench.footprint import ParameterCounts, parameter_counts
 from kvbench.layouts.base import Layouts, bytes_cell
 from kvbench.layouts.build import build_layouts

@@ -17,8 +17,8 @@ import torch
 
 from kvbench.cache import Cache, cache_for
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import DTYPE_BYTES
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.generate import (
     COMPILE_METRICS,
     FixedShapeStep,

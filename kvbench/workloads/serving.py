@@ -16,9 +16,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.errors import ConfigError
 from kvbench.config.serving import duration_text, kv_budget_note
+from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.core.errors import ConfigError
 from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult

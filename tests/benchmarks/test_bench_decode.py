@@ -23,7 +23,7 @@ from benchkit import (  # noqa: F401
 )
 
 from kvbench.cache import cache_for
-from kvbench.config.dtypes import CACHE_IMPLS
+from kvbench.core.dtypes import CACHE_IMPLS
 
 
 @pytest.mark.parametrize("impl", CACHE_IMPLS)

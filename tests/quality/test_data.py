@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import TEXT, call_with_timeout
 
-from kvbench.config.errors import ConfigError
 from kvbench.config.train import DataConfig
+from kvbench.core.errors import ConfigError
 from kvbench.quality.data import batches, byte_data, corpus_files
 
 

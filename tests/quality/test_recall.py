@@ -12,10 +12,10 @@ from scipy import stats as sps
 
 from kvbench.cache import cache_for
 from kvbench.config.bench import CONF_DIR
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.recall import RecallConfig
 from kvbench.config.train import TrainConfig
+from kvbench.core.errors import ConfigError
 from kvbench.jobs.runner import run_job
 from kvbench.measure.stats import t_interval, welch_interval
 from kvbench.model import Decoder

@@ -11,10 +11,10 @@ from conftest import TEXT, byte_decoder, hf_dir
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_checkpoint, read_checkpoint
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import check_job
 from kvbench.quality.data import TokenData, byte_data, eval_starts
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, sequence_nll, train

@@ -9,7 +9,7 @@ import torch
 from conftest import compose
 
 from kvbench.config.bench import BenchConfig
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 from kvbench.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import compose
 
-from kvbench.config.dtypes import DTYPE_BYTES
-from kvbench.config.errors import ConfigError
+from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_count
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job

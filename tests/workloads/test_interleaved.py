@@ -12,8 +12,8 @@ import torch
 from conftest import LiveKvbench, compose
 
 from kvbench.cache import cache_for
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step, prefill
 from kvbench.job_config import to_bench_config
 from kvbench.jobs.runner import run_job

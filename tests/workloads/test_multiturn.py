@@ -14,9 +14,9 @@ from test_cli import kvbench
 
 from kvbench.cache import Positions, make_cache
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
-from kvbench.config.errors import ConfigError
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import MultiturnWorkload
+from kvbench.core.errors import ConfigError
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
 from kvbench.job_config import check_job
 from kvbench.jobs.runner import run_job

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvbench.config.errors import ConfigError
+from kvbench.core.errors import ConfigError
 
 # JSON types of the values read from a config.json (a bool is not a number, as JSON says).
 KINDS = {
