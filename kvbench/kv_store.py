@@ -80,16 +80,18 @@ class KVStore:
                        if block is None else carve((*lead, D // block), torch.uint8))
         # nvfp4's per-tensor scale; 0 until a write holds a nonzero value
         self.global_scale = torch.zeros((), device=device) if cache_dtype.startswith("nvfp4") else None
+        self.scale_set = False  # global_scale set by a write that held a nonzero value: kept from then on
 
     def _encode(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.cache_dtype not in FP4_BLOCK:
             return quantize(x, self.cache_dtype)
         g = self.global_scale
-        if g is not None:  # kept once a write set it; chosen on the device, so a decode step does not wait on it
-            g = torch.where(g > 0, g, quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated"
-                                                          else x))
+        if g is not None and not self.scale_set:  # until a write holding a nonzero value sets it
+            g = quant4.global_scale(quant4.hadamard(x) if self.cache_dtype == "nvfp4_rotated" else x)
         encoded = quant4.encode(x, self.cache_dtype, g)  # refuses a NaN or inf before the scale is kept
-        self.global_scale = g
+        if g is not None and not self.scale_set:
+            self.global_scale = g
+            self.scale_set = bool(g > 0)  # one wait on the device per store, not one per decode step
         return encoded
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
