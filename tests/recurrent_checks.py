@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from kvbench.cache import Positions
 from kvbench.state_cache import StateLayer
 
 
@@ -88,3 +89,39 @@ def greedy_steps(last_logits, prompt, want, tol):
     assert torch.equal(tokens, want.sequences[:, prompt.shape[1]:])
     assert (torch.stack(logits, 1) - torch.stack(want.logits, 1)).abs().max() <= tol
     return tokens
+
+
+def run(module, cache, x, start):
+    """One forward of a recurrent mixer over ``x`` (B, T, C) at ``start`` through its ``cache``, as a
+    decoder runs it (rotary tables of ones: a recurrent layer must not read them)."""
+    ones = torch.ones(x.shape[1], 4)
+    return module(x, ones, ones, cache, Positions(start, x.shape[1]))
+
+
+def step_both(hf, hf_cache, ours, cache, x, parts):
+    """Each (start, end) of ``parts`` through transformers' module ``hf`` and kvbench's ``ours`` with
+    their caches; the largest difference of each, and kvbench's outputs."""
+    diffs, outputs = [], []
+    for start, end in parts:
+        want, got = hf(x[:, start:end], cache=hf_cache), run(ours, cache, x[:, start:end], start)
+        diffs.append((want - got).abs().max().item())
+        outputs.append(got)
+    return diffs, torch.cat(outputs, 1)
+
+
+def check_parts_then_steps(cfg, hf, ours, state, x, prompt_parts, tol):
+    """A prompt of ``x`` in ``prompt_parts`` (start, end), then a recurrent step per remaining token,
+    each equal to transformers' module with its own cache; all outputs equal one prefill of ``x``,
+    kvbench's and transformers'; and the last ten depend on the first token through the state."""
+    from transformers.cache_utils import DynamicCache
+
+    B, T = x.shape[:2]
+    parts = list(prompt_parts) + [(t, t + 1) for t in range(prompt_parts[-1][1], T)]
+    diffs, outputs = step_both(hf, DynamicCache(config=cfg), ours, StateLayer(state, B, torch.float32), x, parts)
+    assert len(diffs) == len(parts) and max(diffs) <= tol, diffs
+    once = run(ours, StateLayer(state, B, torch.float32), x, 0)
+    assert (once - outputs).abs().max().item() <= tol
+    assert (hf(x) - outputs).abs().max().item() <= tol
+    other = x.clone()
+    other[:, 0] += 1
+    assert (run(ours, StateLayer(state, B, torch.float32), other, 0) - once)[:, T - 10:].abs().max() > 1e-4

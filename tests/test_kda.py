@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import tiny_model_config
-from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
+from recurrent_checks import LiveBytes, check_a_constant_state, check_parts_then_steps, greedy_steps, run, step_both
 
 from kvbench.cache import Positions, layer_cache
 from kvbench.core.errors import ConfigError
@@ -82,11 +82,6 @@ def pair(seed=0, **overrides):
     return cfg, hf, ours, lay
 
 
-def run(module, cache, x, start):
-    """One forward of ``x`` (B, T, C) at ``start`` through the layer's ``cache``, as a decoder runs it
-    (rotary tables of ones: the layers of this file must not read them)."""
-    ones = torch.ones(x.shape[1], 4)
-    return module(x, ones, ones, cache, Positions(start, x.shape[1]))
 
 
 @pytest.mark.parametrize("T", [1, 75, 200])
@@ -103,15 +98,6 @@ def test_a_prompt_equals_transformers(T):
     assert want.abs().max() > 0.1  # the comparison is not between zeros
 
 
-def step_both(hf, hf_cache, ours, cache, x, parts):
-    """Each (start, end) of ``parts`` through both modules and their caches; the largest difference
-    of each and kvbench's outputs."""
-    diffs, outputs = [], []
-    for start, end in parts:
-        want, got = hf(x[:, start:end], cache=hf_cache), run(ours, cache, x[:, start:end], start)
-        diffs.append((want - got).abs().max().item())
-        outputs.append(got)
-    return diffs, torch.cat(outputs, 1)
 
 
 @torch.no_grad()
@@ -120,21 +106,9 @@ def test_prefill_in_two_parts_then_40_decode_steps_equal_transformers_and_one_pr
     chunk, together past two chunks), then 40 recurrent decode steps: each equals transformers' module
     with its own cache, and all 190 outputs equal one prefill of the 190 tokens, kvbench's and
     transformers'."""
-    from transformers.cache_utils import DynamicCache
-
     cfg, hf, ours, lay = pair()
     x = torch.randn(2, 190, D_MODEL)
-    cache = StateLayer(lay.state, 2, torch.float32)
-    parts = [(0, 90), (90, 150)] + [(t, t + 1) for t in range(150, 190)]
-    diffs, outputs = step_both(hf, DynamicCache(config=cfg), ours, cache, x, parts)
-    assert len(diffs) == 42 and max(diffs) <= TOL, diffs
-    once = run(ours, StateLayer(lay.state, 2, torch.float32), x, 0)
-    assert (once - outputs).abs().max().item() <= TOL
-    assert (hf(x) - outputs).abs().max().item() <= TOL
-    # the late outputs depend on the early tokens through the state: another first token changes them
-    other = x.clone()
-    other[:, 0] += 1
-    assert (run(ours, StateLayer(lay.state, 2, torch.float32), other, 0) - once)[:, 180:].abs().max() > 1e-4
+    check_parts_then_steps(cfg, hf, ours, lay.state, x, [(0, 90), (90, 150)], TOL)
 
 
 @torch.no_grad()

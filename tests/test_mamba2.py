@@ -9,9 +9,8 @@ reading against transformers' config classes; what the layer refuses, in one lin
 import pytest
 import torch
 from conftest import tiny_model_config
-from recurrent_checks import LiveBytes, check_a_constant_state, greedy_steps
+from recurrent_checks import LiveBytes, check_a_constant_state, check_parts_then_steps, greedy_steps, run, step_both
 
-from kvbench.cache import Positions
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads
@@ -82,9 +81,6 @@ def pair(family, seed=0, **overrides):
     return cfg, hf, ours, lay
 
 
-def run(module, cache, x, start):
-    """One forward of ``x`` (B, T, C) at ``start`` through the layer's ``cache``, as a decoder runs it."""
-    return module(x, None, None, cache, Positions(start, x.shape[1]))
 
 
 @pytest.mark.parametrize("T", [1, 75, 200])
@@ -102,15 +98,6 @@ def test_a_prompt_equals_transformers(family, T):
     assert want.abs().max() > 0.1  # the comparison is not between zeros
 
 
-def step_both(hf, hf_cache, ours, cache, x, parts):
-    """Each (start, end) of ``parts`` through both modules and their caches; the largest difference
-    and kvbench's outputs."""
-    diffs, outputs = [], []
-    for start, end in parts:
-        want, got = hf(x[:, start:end], cache=hf_cache), run(ours, cache, x[:, start:end], start)
-        diffs.append((want - got).abs().max().item())
-        outputs.append(got)
-    return diffs, torch.cat(outputs, 1)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -120,21 +107,9 @@ def test_prefill_then_40_decode_steps_equal_transformers_and_one_prefill(family)
     chunk), then 40 recurrent decode steps: each equals transformers' module with its own cache (its
     chunked scan from an initial state, its selective_state_update), and all 110 outputs equal one
     prefill of the 110 tokens, kvbench's and transformers'."""
-    from transformers.cache_utils import DynamicCache
-
     cfg, hf, ours, lay = pair(family)
     x = torch.randn(2, 110, D_MODEL)
-    cache = StateLayer(lay.state, 2, torch.float32)
-    parts = [(0, 50), (50, 70)] + [(t, t + 1) for t in range(70, 110)]
-    diffs, outputs = step_both(hf, DynamicCache(config=cfg), ours, cache, x, parts)
-    assert len(diffs) == 42 and max(diffs) <= TOL, diffs
-    once = run(ours, StateLayer(lay.state, 2, torch.float32), x, 0)
-    assert (once - outputs).abs().max().item() <= TOL
-    assert (hf(x) - outputs).abs().max().item() <= TOL
-    # the late outputs depend on the early tokens through the state: another first token changes them
-    other = x.clone()
-    other[:, 0] += 1
-    assert (run(ours, StateLayer(lay.state, 2, torch.float32), other, 0) - once)[:, 100:].abs().max() > 1e-4
+    check_parts_then_steps(cfg, hf, ours, lay.state, x, [(0, 50), (50, 70)], TOL)
 
 
 @torch.no_grad()
