@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from kvbench.cache import cache_for
 from kvbench.config.bench import CONF_DIR, BenchConfig, register_configs
 from kvbench.core.errors import ConfigError, config_error_line, is_composition_error, one_line
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jsonio import os_error_line, write_text_atomic
 from kvbench.sinks.console import stdout
 from kvbench.sinks.grid import from_markdown, md_cells

@@ -31,7 +31,7 @@ from _common import Parser, compose_config, out_file, positive_float, positive_i
 from kvbench.config.serving import ServingWorkload  # noqa: E402
 from kvbench.core.dtypes import DTYPE_BYTES  # noqa: E402
 from kvbench.core.errors import ConfigError  # noqa: E402
-from kvbench.job_config import to_bench_config  # noqa: E402
+from kvbench.jobs.job_config import to_bench_config  # noqa: E402
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.layouts.build import build_layouts  # noqa: E402
 from kvbench.results import read_record  # noqa: E402

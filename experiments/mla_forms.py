@@ -18,7 +18,7 @@ import torch
 from _common import Parser, compose_config, positive_int, run_main, write_report
 
 from kvbench.cache import cache_for
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.attention import decode_form
 from kvbench.tasks.common import build_model
 

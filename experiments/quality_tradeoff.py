@@ -27,7 +27,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.layouts.build import build_layouts
 from kvbench.quality.train import CHECKPOINT_NAME, run_train
 

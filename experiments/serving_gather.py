@@ -27,7 +27,7 @@ from _common import Parser, compose_config, conf_option, out_file, positive_int,
 
 from kvbench.cache import cache_for  # noqa: E402
 from kvbench.generate import decode_step, prefill  # noqa: E402
-from kvbench.job_config import to_bench_config  # noqa: E402
+from kvbench.jobs.job_config import to_bench_config  # noqa: E402
 from kvbench.serving.paged import PagedStore, SeqBlocks  # noqa: E402
 from kvbench.tasks.common import build_model  # noqa: E402
 

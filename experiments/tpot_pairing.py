@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from _common import Parser, compose_config, conf_option, list_of, out_path, positive_int, run_main, write_report
 
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.measure.host import release_heap
 from kvbench.tasks import capacity
 from kvbench.tasks.common import build_model

@@ -23,9 +23,9 @@ from rich.text import Text
 from kvbench.config.bench import BenchConfig
 from kvbench.config.layer_pattern import job_variant_label
 from kvbench.core.errors import ConfigError, one_line
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_holder, claim_job, resume_check
 from kvbench.jobs.isolation import launch_job
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import override_list
 from kvbench.jsonio import os_error_line, real_dir, write_text_atomic

@@ -21,8 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.cli_job import report, typed_at_start
 from kvbench.core.errors import ConfigError, one_line
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import sweep_lock
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import job_overrides, override_list, sweep_records, sweep_size
 from kvbench.jsonio import os_error_line, write_text_atomic

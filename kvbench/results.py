@@ -29,9 +29,9 @@ CHECKPOINT_NAME = "checkpoint.pt"  # task=train's checkpoint, beside its results
 # it keeps the metrics complete by then, and resume runs the job again.
 STATUSES = ("ok", "invalid", "oom", "error", "interrupted")
 # 2: ``units`` (each declared metric's unit as data). A record of schema 1 has none: its units are
-# the heads of its ``methods`` lines, which kvbench.views reads for such records only.
+# the heads of its ``methods`` lines, which kvbench.sinks.views reads for such records only.
 # 3: "window" names an attention window only; two spans of time or tokens got their own names
-# (RENAMED_IN_3), which kvbench.views gives an older record's metrics as it reads them.
+# (RENAMED_IN_3), which kvbench.sinks.views gives an older record's metrics as it reads them.
 SCHEMA_VERSION = 3
 RENAMED_IN_3 = {"energy_window_s": "energy_span_s", "eval_tokens_per_window": "eval_seq_len"}
 # a record is small; a far larger file is not one, and reading it whole could exhaust memory

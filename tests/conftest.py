@@ -229,7 +229,7 @@ def eval_job(model: ModelConfig, attention: AttentionConfig, corpus, checkpoint,
     """A task=eval job of ``checkpoint`` on the byte corpus: two batches of ``seq_len`` slices."""
     from kvbench.config.bench import BenchConfig, CacheConfig, DataConfig, RuntimeConfig, TrainConfig, WandbConfig
     from kvbench.config.workload import DecodeWorkload
-    from kvbench.job_config import check_job
+    from kvbench.jobs.job_config import check_job
 
     return check_job(BenchConfig(
         task="eval", model=model, attention=attention, workload=DecodeWorkload(prompt_len=8, gen_len=8),

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf, open_dict
 
 from kvbench.config.bench import CONF_DIR, BenchConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.sweep import sweep_jobs, sweep_size
 from kvbench.results import read_record
 

@@ -13,7 +13,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig, attention_type, d
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import WORKLOADS, DecodeWorkload
 from kvbench.core.errors import MAX_ERROR_CHARS, ConfigError, typed
-from kvbench.job_config import check_job, to_bench_config
+from kvbench.jobs.job_config import check_job, to_bench_config
 
 
 def one_line_error(fn, needle):

@@ -16,7 +16,7 @@ from conftest import compose, deepseek_dir, hf_dir
 from kvbench.config.model import MLA_FIELDS, AttentionConfig, MLAShape, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
 

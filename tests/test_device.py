@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvbench.core.errors import ConfigError
-from kvbench.device import hold_free_gpu, resolve_device
+from kvbench.jobs.device import hold_free_gpu, resolve_device
 
-HOLD = ("import sys, time\nfrom kvbench.device import hold_free_gpu\nfrom kvbench.core.errors import ConfigError\n"
+HOLD = ("import sys, time\nfrom kvbench.jobs.device import hold_free_gpu\nfrom kvbench.core.errors import ConfigError\n"
         "try:\n    print(hold_free_gpu(['GPU-aa', 'GPU-bb'], sys.argv[1]), flush=True)\n"
         "except ConfigError as e:\n    print(e, flush=True)\n    sys.exit(2)\ntime.sleep(120)\n")
 
@@ -71,7 +71,7 @@ def test_cuda_free_on_a_real_gpu_is_held_by_one_process_at_a_time(tmp_path):
     import torch
 
     env = dict(os.environ, TMPDIR=str(tmp_path))  # a private lock directory for this test
-    hold = ("import time\nfrom kvbench.device import resolve_device\n"
+    hold = ("import time\nfrom kvbench.jobs.device import resolve_device\n"
             "print(resolve_device('cuda:free'), flush=True)\ntime.sleep(120)\n")
     holders = []
     try:
@@ -79,7 +79,7 @@ def test_cuda_free_on_a_real_gpu_is_held_by_one_process_at_a_time(tmp_path):
             p = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, env=env)
             holders.append(p)
             assert p.stdout.readline().strip() == f"cuda:{i}"
-        probe = ("from kvbench.device import resolve_device\nfrom kvbench.core.errors import ConfigError\n"
+        probe = ("from kvbench.jobs.device import resolve_device\nfrom kvbench.core.errors import ConfigError\n"
                  "try:\n    resolve_device('cuda:free')\nexcept ConfigError as e:\n    print(e)\n")
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
         assert f"all {torch.cuda.device_count()} GPUs" in out.stdout, out.stdout + out.stderr

@@ -18,7 +18,7 @@ from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.attention import decode_form
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.build import build_layouts
@@ -312,7 +312,7 @@ def test_cli_run_of_dsa_is_an_ok_record_with_its_bytes_held_and_read(tmp_path):
 def test_records_with_and_without_the_indexer_are_two_variants():
     """The tables, the report and W&B name a record by its Variant: a sweep over index_topk has a
     row per k (they were one name, mla r=32, for both)."""
-    from kvbench.views import Variant
+    from kvbench.sinks.views import Variant
 
     rows = [Variant.from_config({"attention": {"type": "mla", "kv_lora_rank": 32, "index_topk": k}}) for k in (0, 4)]
     assert [v.label for v in rows] == ["mla r=32", "mla r=32 topk=4"]

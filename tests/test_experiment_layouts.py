@@ -12,7 +12,7 @@ from conftest import compose
 
 from kvbench.config.layer_pattern import variant_label
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"

@@ -17,7 +17,7 @@ from kvbench.cache import Positions, make_cache, uncached
 from kvbench.config.model import AttentionConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.gated_deltanet import GatedDeltaNet
 from kvbench.layouts.gated_deltanet_attention import (

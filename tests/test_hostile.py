@@ -27,8 +27,8 @@ from kvbench.config.model import AttentionConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.core.errors import ConfigError, config_error_line
 from kvbench.footprint import available_bytes, job_footprint, parameter_count
-from kvbench.job_config import check_job, to_bench_config
 from kvbench.jobs.claim import completed_record
+from kvbench.jobs.job_config import check_job, to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import RunResult, read_record, record_config
 from kvbench.sinks.report import CSV_FILE, MD_FILE, write_report

@@ -11,7 +11,7 @@ import pytest
 from conftest import compose, kvbench_forked
 
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.serving.conversation_traces import read_sharegpt, read_turns
 from kvbench.serving.conversations import make_chats

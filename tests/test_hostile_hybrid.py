@@ -7,7 +7,7 @@ import pytest
 from conftest import compose
 
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 
 HYBRID = ["model=tiny", "attention.full_attention_interval=2"]
 LINEAR_FULL = "[linear_attention,full_attention]"

@@ -407,7 +407,7 @@ def test_train_init_from_a_layout_its_checkpoint_cannot_become_is_invalid_before
 
 def test_a_checkpoint_directory_run_with_another_window_runs_that_window(checkpoints):
     """model=hf_dir attention.window=4 recorded the window and ran the checkpoint without it."""
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.common import build_model
 
     cfg = to_bench_config(compose(*FAST, "model=hf_dir", f"model.path={checkpoints['llama']}", "attention.window=4"))
@@ -483,7 +483,7 @@ def test_the_recall_gpu_preset_runs_at_its_own_lengths(tmp_path):
 ])
 def test_a_length_past_the_model_is_refused_when_the_config_is_typed(overrides, line):
     """Found before the job's data, checkpoint or first step (the config, as a sweep types each job)."""
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
 
     with pytest.raises(ConfigError) as info:
         to_bench_config(compose(*FAST, *overrides))
@@ -548,7 +548,7 @@ def test_on_cuda_the_ceiling_is_the_devices_own_dram_rate(monkeypatch):
 
 
 def test_a_peak_no_device_reaches_is_refused_naming_the_key():
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
 
     with pytest.raises(ConfigError) as info:
         to_bench_config(compose(*FAST, "runtime.peak_gb_per_s=1e9"))
@@ -561,7 +561,7 @@ def test_a_peak_no_device_reaches_is_refused_naming_the_key():
 def test_kv_per_token_is_one_figure_at_a_stated_length_in_the_record_and_in_choose():
     """experiment=choose printed 4.00 KiB for the hybrid in the jobs table (one position, the
     window ignored) and 1.73 KiB in its recommendation table (the longest context's sequence)."""
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.sinks.choose import KV_PER_TOKEN, choices
     from kvbench.sinks.tables import fmt
     from kvbench.tasks.capacity_search import kv_bytes, kv_bytes_per_token
@@ -587,7 +587,7 @@ def test_kv_per_token_is_one_figure_at_a_stated_length_in_the_record_and_in_choo
 
 def test_inspect_per_token_of_a_windowed_model_follows_its_per_sequence():
     """task=inspect of a windowed model: 'per token' ignored the window while 'per sequence' did not."""
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.inspect import describe
 
     cfg = to_bench_config(compose("model=gemma3_27b", "task=inspect", "runtime.dtype=bfloat16",
@@ -631,7 +631,7 @@ def test_eval_of_a_windowed_kvbench_checkpoint_is_the_model_it_saved_unless_aske
 def test_a_capacity_search_without_a_cache_counts_no_kv_bytes():
     """The probes' KV formula is what their cache holds: with cache.impl=none, nothing (its
     recomputed K/V are part of the measured activations, not bytes of a cache it does not keep)."""
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.capacity_search import kv_bytes, kv_bytes_per_token
 
     cfg = to_bench_config(compose("experiment=choose", "attention=gqa", "scenario=decode", "cache.impl=none",

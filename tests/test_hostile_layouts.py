@@ -17,7 +17,7 @@ import kvbench.footprint as footprint
 import kvbench.jobs.runner as runner
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import check_fits, job_footprint
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import RecordError, read_record, record_config
 from kvbench.sinks.report import MD_FILE, write_report

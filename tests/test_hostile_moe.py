@@ -14,7 +14,7 @@ from test_moe import moe_dir
 from kvbench.checkpoint import CheckpointError, load_llama_dir
 from kvbench.config.model import ModelConfig
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 
 
 def one_line(info) -> str:

@@ -13,8 +13,8 @@ from dataclasses import asdict
 import pytest
 from conftest import compose
 
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import completed_record, resume_check
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import SCHEMA_VERSION, RunResult, distrust, read_record, record_config
 

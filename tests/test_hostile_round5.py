@@ -12,7 +12,7 @@ from kvbench.config.hf import WINDOW_KEYS, WINDOW_KEYS_READ
 from kvbench.config.hf_agree import check_agreement
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder

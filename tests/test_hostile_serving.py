@@ -14,7 +14,7 @@ from kvbench.config.serving import MAX_RECORD_BYTES as SERVING_RECORD_LIMIT
 from kvbench.config.serving import MAX_SPAN_S, RECORD_BYTES_PER_REQUEST, RECORD_BYTES_PER_TOKEN
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import check_fits, job_footprint
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import MAX_RECORD_BYTES, RunResult
 from kvbench.serving import arrivals, scheduler

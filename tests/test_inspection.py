@@ -4,7 +4,7 @@ import pytest
 from conftest import compose
 
 from kvbench.cli_job import _remove_inspect_dir
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads, describe_kv_groups, kv_group_map
 from kvbench.tasks.inspect import describe, kv_memory_table

@@ -21,8 +21,8 @@ from conftest import job_processes, reap_after_test
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
-from kvbench.job_config import check_job
 from kvbench.jobs.isolation import GRACE_S, _no_record, death_status, run_isolated
+from kvbench.jobs.job_config import check_job
 from kvbench.results import RunResult, read_record
 
 
@@ -130,7 +130,7 @@ import signal, sys
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 if sys.argv[2] == "submitit":

@@ -20,7 +20,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import TrainConfig
 from kvbench.core.dtypes import element_bytes
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.kv_store import KVStore
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads

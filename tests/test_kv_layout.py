@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from kvbench.config.bench import CONF_DIR
 from kvbench.config.model import ModelConfig
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.sinks.console import run_table, stdout
 from kvbench.tasks.common import job_kv_conversion

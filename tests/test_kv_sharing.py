@@ -16,7 +16,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_count
 from kvbench.generate import greedy_generate
-from kvbench.job_config import check_job, to_bench_config
+from kvbench.jobs.job_config import check_job, to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_sharing import share_kv
 from kvbench.model import Decoder
@@ -264,7 +264,7 @@ def test_a_kvbench_checkpoint_with_shared_layers_or_sinks_is_evaluated_as_saved(
 
 
 def test_records_with_and_without_sharing_are_two_variants():
-    from kvbench.views import Variant
+    from kvbench.sinks.views import Variant
 
     rows = [Variant.from_config({"attention": {"type": "gqa", "num_kv_heads": 2, "kv_shared_layers": n}})
             for n in (0, 3)]

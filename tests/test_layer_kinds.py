@@ -28,7 +28,7 @@ from kvbench.config.serving import STORES as STORE_KINDS
 from kvbench.core.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step, prefill
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits, first_of_each
 from kvbench.layouts.kinds import registered
 from kvbench.serving.paged import PagedStore, SlotStore, plan_for

@@ -16,7 +16,7 @@ from kvbench.config.model import MLA_FIELDS, AttentionConfig, ModelConfig
 from kvbench.config.record import attention_record, model_record
 from kvbench.core.errors import ConfigError
 from kvbench.model import Decoder
-from kvbench.views import VARIANT_KEYS, Variant
+from kvbench.sinks.views import VARIANT_KEYS, Variant
 
 MODEL = ModelConfig(name="t", num_layers=4, d_model=64, num_heads=8, preset_kv_heads=2, ffn_dim=96, vocab_size=VOCAB,
                     max_seq_len=64)

@@ -32,15 +32,16 @@ LAYERS = [
     ["config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
     ["config.model", "config.recall", "config.capacity", "config.train", "config.record"],
     ["config.conversion", "config.workload", "config.compare", "rope", "quant4"],
-    ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv", "serving.conversation_traces"],
-    ["cache", "serving.conversations", "job_config"],
+    ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv",
+     "serving.conversation_traces"],
+    ["cache", "serving.conversations", "jobs.job_config"],
     ["shared_prefix", "layouts.latent_indexer", "serving.batch"],
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention",
      "layouts.mamba2_mixer", "layouts.compressed_attention", "layouts.kda_mixer", "serving.managers"],
     ["layouts.attention", "mlp.experts"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
-    ["footprint", "views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights"],
-    ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",
+    ["footprint", "sinks.views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights"],
+    ["checkpoint", "generate", "jobs.device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",
      "serving.scheduler"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search",
      "workloads.serving"],
@@ -61,7 +62,7 @@ LAYERS = [
 ]
 # What a sink may import: the record, how numbers are written, the statistics over them (no
 # measuring), what a metric is, file I/O, who holds a job (its claim), and other sinks.
-SINK_ALLOWED = ("results", "views", "units", "metrics", "config.", "core.", "measure.stats", "jsonio", "jobs.claim",
+SINK_ALLOWED = ("results", "units", "metrics", "config.", "core.", "measure.stats", "jsonio", "jobs.claim",
                 "sinks.")
 
 

@@ -206,7 +206,7 @@ def test_task_inspect_of_a_nemotron_h_checkpoint_prints_the_state_per_sequence_b
     compute dtype, whatever the length; the parameters counted are transformers'."""
     from conftest import compose
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.inspect import describe
 
     path, hf = nemotron_h_dir(tmp_path)
@@ -232,7 +232,7 @@ def test_the_registry_example_builds_a_mamba2_hybrid_named_and_counted_by_its_ki
 
     from kvbench.config.layer_pattern import job_variant_label
     from kvbench.footprint import parameter_counts
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.layouts.registry import by_layer_type
     from kvbench.model import Decoder
 
@@ -255,7 +255,7 @@ def test_compare_names_a_mamba2_hybrid_by_its_letter_as_its_layer_types_would():
     from conftest import compose
 
     from kvbench.config.layer_pattern import job_variant_label, variant_label
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
 
     L, k = 6, 3
     job = to_bench_config(compose("model=tiny", f"model.num_layers={L}", "task=compare",
@@ -284,7 +284,7 @@ def test_compare_names_a_mamba2_hybrid_by_its_letter_as_its_layer_types_would():
 def test_a_mamba2_shape_it_cannot_build_is_refused_naming_the_key(override, line):
     from conftest import compose
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.layouts.build import build_layouts
 
     with pytest.raises(ConfigError) as info:
@@ -300,7 +300,7 @@ def test_the_nemotron3_nano_preset_has_the_model_cards_parameters_and_state():
     from conftest import compose
 
     from kvbench.footprint import parameter_counts
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.layouts.build import build_layouts
 
     job = to_bench_config(compose("model=nemotron3_nano", "task=inspect", "runtime.dtype=bfloat16"))

@@ -19,7 +19,7 @@ from kvbench.config.bench import CONF_DIR
 from kvbench.config.compare import CompareConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.attention import decode_form
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder

@@ -24,7 +24,7 @@ from kvbench.config.moe import MoEShape
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
 from kvbench.generate import compiled_graphs, compiled_step, greedy_generate
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.measure.roofline import decode_bytes_read, decode_flops
 from kvbench.mlp.experts import MoE, record_routing

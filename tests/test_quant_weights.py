@@ -202,7 +202,7 @@ def test_inspect_says_what_the_published_deepseek_v3_and_gpt_oss_files_weigh():
     model=gpt_oss_120b: the model card's 60.8 GiB of MXFP4 experts and bfloat16 rest."""
     from conftest import compose
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.inspect import describe
     from kvbench.units import human_bytes
 
@@ -227,7 +227,7 @@ def test_a_bench_and_a_capacity_job_of_an_fp8_checkpoint_record_its_stored_weigh
     memory-only formula fits with the weights as stored (more than with kvbench's float32 copy)."""
     from conftest import compose
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.jobs.runner import run_job
     from kvbench.results import RunResult
     from kvbench.tasks import capacity

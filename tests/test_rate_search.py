@@ -102,7 +102,7 @@ def test_the_slo_keys_the_search_and_capacity_accept():
     from conftest import compose
 
     from kvbench.core.errors import ConfigError
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
 
     serving = ("model=tiny", "workload=serving", "workload.search.enabled=true")
     assert to_bench_config(compose(*serving, "slo.e2e_ms=900")).slo.e2e_ms == 900  # an E2E target alone is one

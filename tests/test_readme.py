@@ -718,7 +718,7 @@ def composed_jobs(command: str) -> List[List[str]]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", COMPOSED)
 def test_a_command_not_run_here_composes_and_every_job_validates(command):
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
 
     jobs = composed_jobs(command)
     for overrides in jobs:

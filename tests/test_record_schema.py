@@ -13,7 +13,7 @@ from kvbench.config.bench import TASKS
 from kvbench.config.model import ModelConfig
 from kvbench.config.record import MODEL_ABSENT_AS_BEFORE
 from kvbench.config.workload import WORKLOADS
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import TASKS as TASK_CODE
 from kvbench.jobs.runner import _as_given
 from kvbench.results import record_config

@@ -13,8 +13,8 @@ from dataclasses import asdict
 import pytest
 from conftest import call_with_timeout, compose
 
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import CLAIM_FILE, claim_holder, claim_job, completed_record
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jsonio import write_json_atomic
 from kvbench.results import RecordError, RunResult, flatten, lookup, nonfinite_metrics, objective_value, read_record
 

@@ -13,7 +13,7 @@ from kvbench.cache import make_cache
 from kvbench.config.model import AttentionConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.base import State
 from kvbench.layouts.mamba2 import Mamba2
 from kvbench.layouts.pages import StatePage
@@ -127,7 +127,7 @@ def test_the_label_and_the_record_name_a_half_precision_state():
     decode workload reads it)."""
     from kvbench.config.layer_pattern import job_variant_label
     from kvbench.results import record_config
-    from kvbench.views import Variant
+    from kvbench.sinks.views import Variant
 
     hybrid_keys = ["model=tiny", "attention.full_attention_interval=2"]
     labels = {}

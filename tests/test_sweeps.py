@@ -16,9 +16,9 @@ import pytest
 from conftest import LiveKvbench, compose, reap_after_test
 from omegaconf import OmegaConf
 
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_job
 from kvbench.jobs.isolation import oom_kills
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.results import RunResult, find_results, read_record
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=6", "runtime.warmup=1",

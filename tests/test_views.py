@@ -1,4 +1,4 @@
-"""The typed view of a record (kvbench/views.py) against hand-built records of every layout: each
+"""The typed view of a record (kvbench/sinks/views.py) against hand-built records of every layout: each
 variant's label, the order the tables list them in, the units of its metrics; an old-schema
 record read the same way; a record with missing keys read with clear absent values."""
 
@@ -12,9 +12,17 @@ from kvbench.config.layer_pattern import LayerPattern
 from kvbench.config.model import AttentionConfig
 from kvbench.metrics import matches
 from kvbench.results import RENAMED_IN_3, RunResult
+from kvbench.sinks.views import (
+    NONE_IS_VALUE_KEYS,
+    VARIANT_COLUMNS,
+    VARIANT_KEYS,
+    RecordView,
+    Variant,
+    ordered,
+    v1_units,
+)
 from kvbench.tasks.common import variant_label
 from kvbench.units_v1 import V1_UNITS
-from kvbench.views import NONE_IS_VALUE_KEYS, VARIANT_COLUMNS, VARIANT_KEYS, RecordView, Variant, ordered, v1_units
 
 
 def record(attention, model=None, cache=None, workload="decode", **extra):

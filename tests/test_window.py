@@ -26,7 +26,7 @@ from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbC
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.layouts.base import LayerLayout
 from kvbench.model import Decoder
 from kvbench.quality.train import run_eval
@@ -249,7 +249,7 @@ def test_presets_inspect_their_kv_by_kind_of_layer(preset, local, W, kv, D, L):
     from hydra import compose, initialize_config_dir
 
     from kvbench.config.bench import CONF_DIR
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.inspect import describe
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

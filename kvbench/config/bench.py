@@ -2,7 +2,7 @@
 of their own (cache, runtime, wandb), the task registry and the rules every job obeys.
 
 The YAML files under ``conf/<group>/`` only set values. Hydra composes them over the schemas'
-defaults as plain values (:func:`register_configs`); ``kvbench.job_config.to_bench_config`` then
+defaults as plain values (:func:`register_configs`); ``kvbench.jobs.job_config.to_bench_config`` then
 types the job's config against the dataclasses (unknown keys, wrong types and missing ``???``
 values rejected), ``__post_init__`` checks the values, and the rules across groups follow. Checking
 per job, not at composition, makes one bad value in a sweep that job's ``invalid`` record instead
@@ -12,7 +12,7 @@ the value.
 Rules across groups that every job obeys (the attention against the model, the sequence against
 ``max_seq_len``) live in :class:`BenchConfig`; a task's own rules and reads beside its section
 (:data:`TASKS`), a workload's with its dataclass. What each layer's layout runs with is the
-layouts' to say (they read this config): ``kvbench.job_config`` checks it between the two.
+layouts' to say (they read this config): ``kvbench.jobs.job_config`` checks it between the two.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ MAX_INIT_TIMEOUT_S = 600.0
 class RuntimeConfig:
     """Where and how a run executes and is timed."""
 
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | cuda:free (kvbench/device.py)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | cuda:free (kvbench/jobs/device.py)
     dtype: str = "float32"
     seed: int = 0
     warmup: int = 1
@@ -239,7 +239,7 @@ class BenchConfig:
     def check_rules(self) -> None:
         """The rules across groups: the task's, the workload's and its length against
         ``model.max_seq_len``, the compiled step's cache. Run once per job by
-        ``kvbench.job_config.check_job``, after what each layer's layout does not run with."""
+        ``kvbench.jobs.job_config.check_job``, after what each layer's layout does not run with."""
         task = TASKS[self.task]
         task.check(self)
         if task.runs_workload:
@@ -264,7 +264,7 @@ def schema_defaults() -> DictConfig:
     list fills (``model`` ... ``wandb``), so that a ``???`` in a group's YAML file is not merged
     over a default and lost. Every group node is open: an override of a key the chosen YAML
     file does not list (``model.rope_theta`` for ``model=tiny``) needs no ``+``, and a misspelt
-    key reaches ``kvbench.job_config.to_bench_config``, which rejects it naming the nearest real key."""
+    key reaches ``kvbench.jobs.job_config.to_bench_config``, which rejects it naming the nearest real key."""
     node = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(BenchConfig)))
     for name in get_type_hints(BenchConfig):
         if OmegaConf.is_missing(node, name):  # chosen in conf/config.yaml's defaults list
@@ -286,7 +286,7 @@ def register_configs() -> None:
 
     Not the typed schema: Hydra types a structured config when it composes, and a sweep
     composes every job before the first one runs, so one job's bad value would end the whole
-    sweep with no record. ``kvbench.job_config.to_bench_config`` types each job instead."""
+    sweep with no record. ``kvbench.jobs.job_config.to_bench_config`` types each job instead."""
     cs = ConfigStore.instance()
     cs.store(name="kvbench_defaults", node=schema_defaults())
 

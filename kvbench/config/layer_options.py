@@ -4,7 +4,7 @@ attention sinks (GPT-OSS), K/V shared across layers (Gemma 3n) and those a layer
 
 Each is an ``attention.<key>`` field (null: the model's own) that is off at ``off`` (False, 0).
 Everything that names them reads :data:`LAYER_OPTIONS`: a config's resolution (:func:`resolve_options`),
-a variant's label and its view (``kvbench.views.Variant``), the record (kept only when on, so a record
+a variant's label and its view (``kvbench.sinks.views.Variant``), the record (kept only when on, so a record
 without one reads as one written before it existed), and a checkpoint (asked other than its own:
 refused). A new one is its layout module, its attention field (+ the model's preset field), its YAML
 and an entry here (or in its kind's ``options``).

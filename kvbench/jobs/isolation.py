@@ -35,7 +35,6 @@ from typing import Callable, List, Optional, Tuple
 from omegaconf import DictConfig
 
 from kvbench.config.bench import BenchConfig
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.forkserver import ForkServer, ServerGone, available
 from kvbench.jobs.interrupts import (
     STOP_SIGNALS,
@@ -47,6 +46,7 @@ from kvbench.jobs.interrupts import (
     stop_error,
     stop_reasons,
 )
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.progress import Progress, no_progress
 from kvbench.results import RESULTS_FILE, RecordError, RunResult, read_record, save, utc_now
 

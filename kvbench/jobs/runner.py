@@ -23,10 +23,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench.config.bench import BenchConfig, objective_metric
 from kvbench.core.errors import ConfigError, one_line
-from kvbench.device import resolve_device
 from kvbench.footprint import check_fits
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.device import resolve_device
 from kvbench.jobs.interrupts import Interrupted, describe_stop, interruptible, launcher_stop, stop_error
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jsonio import name_the_file, write_text_atomic
 from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_average, noisy, usable_cpus
 from kvbench.measure.memory import is_oom

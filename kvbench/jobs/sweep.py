@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kvbench.config.layer_pattern import job_variant_label
-from kvbench.job_config import to_bench_config
 from kvbench.jobs.claim import claim_holder, job_overrides
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 
 

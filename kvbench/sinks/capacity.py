@@ -11,8 +11,8 @@ from kvbench.jsonio import as_int
 from kvbench.sinks.markdown import md_text
 from kvbench.sinks.serving import max_rate_text, serving_records
 from kvbench.sinks.tables import Record, natural
+from kvbench.sinks.views import RecordView
 from kvbench.units import human_bytes
-from kvbench.views import RecordView
 
 FIGURES = ("kv_budget_bytes", "kv_sequence_positions", "kv_bytes_per_token", "kv_sequence_bytes_formula",
            "kv_sequences_fit_formula", "kv_sequence_reserved_bytes", "kv_sequences_fit", "kv_reserved_bytes",

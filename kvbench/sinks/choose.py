@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.jsonio import as_int
 from kvbench.sinks.serving import max_rate_by_variant
 from kvbench.sinks.tables import VARIANT_KEYS, Record, fmt, natural, ratio_text, swept_axes
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 AMPLE_SHARE = 0.5
 RULES = {

@@ -41,7 +41,7 @@ from kvbench.sinks.tables import (
     spec_for,
     swept_axes,
 )
-from kvbench.views import RecordView, Variant, in_order
+from kvbench.sinks.views import RecordView, Variant, in_order
 
 # Keys whose values repeat one measurement rather than change it: a seed draws other weights and
 # tokens of the same shapes, which time the same.

@@ -38,7 +38,7 @@ from kvbench.sinks.tables import (
     value_text,
     viewed,
 )
-from kvbench.views import RecordView, views
+from kvbench.sinks.views import RecordView, views
 
 PIPED_WIDTH = 100  # columns of output that goes to a file or a pipe, unless COLUMNS says otherwise
 

@@ -23,7 +23,7 @@ from kvbench.core.errors import one_line
 from kvbench.jsonio import write_json_atomic, write_text_atomic
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, determined_by, swept_axes
 from kvbench.sinks.tracking import STEP_AXIS, TABLE_STEPS, UNREACHABLE_MARKER, resolve_mode, sweep_group
-from kvbench.views import views
+from kvbench.sinks.views import views
 
 WORKSPACE_JSON, WORKSPACE_MD = "workspace.json", "workspace.md"
 # Section -> its charts, each a family of metrics in one unit and scale (a bar chart's bars), the

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, List, Mapping, Tuple
 
 from kvbench.sinks.tables import NO_INTERVAL, NOT_SIGNIFICANT, Record, fmt, interval, ratio_text, with_interval
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 
 def _contexts(view: RecordView, row: Mapping[str, Any]) -> List[int]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from kvbench.jsonio import atomic_write
 from kvbench.sinks.choose import decode_capacity
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, natural
-from kvbench.views import RecordView, Variant, in_order, ordered
+from kvbench.sinks.views import RecordView, Variant, in_order, ordered
 
 Point = Tuple[float, float]
 Series = Dict[str, List[Point]]  # attention variant's label -> points sorted by x

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 from kvbench.jsonio import as_int
 from kvbench.measure.stats import seed_summary, welch_interval
 from kvbench.sinks.tables import Record, fmt
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 COPY_NOTE = ("copy baseline (MQAR): the accuracy of a model that copies any value of its context without learning "
              "which key it belongs to, (1 + (P - 1) / M) / P for P pairs of M values: above chance, and a result "

@@ -42,8 +42,8 @@ from kvbench.sinks.tables import (
     table_axes,
     viewed,
 )
+from kvbench.sinks.views import Variant, views
 from kvbench.units import count
-from kvbench.views import Variant, views
 
 CSV_FILE, MD_FILE = "summary.csv", "summary.md"
 

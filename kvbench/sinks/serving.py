@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.sinks.markdown import md_text
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, fmt, natural
-from kvbench.views import RecordView, Variant
+from kvbench.sinks.views import RecordView, Variant
 
 RATE_KEY = "workload.rate"
 CURVE_TABLE = "serving_rate_curve"

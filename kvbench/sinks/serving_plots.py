@@ -14,7 +14,7 @@ from kvbench.sinks import capacity
 from kvbench.sinks.plots import MAX_PANELS, _grid, _legend, excluded_note, palette
 from kvbench.sinks.serving import RATE_KEY, Curves, curves, max_rates, pareto_front, slo_targets, xy
 from kvbench.sinks.tables import Axis, Record, kind
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 
 def _save(fig, axes, path: Path, handles, labels, note: str) -> Path:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.results import flatten, record_config
+from kvbench.sinks.views import NONE_IS_VALUE_KEYS, VARIANT_COLUMNS, RecordView
+from kvbench.sinks.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
 from kvbench.units import human_bytes
-from kvbench.views import NONE_IS_VALUE_KEYS, VARIANT_COLUMNS, RecordView
-from kvbench.views import VARIANT_KEYS as VIEW_VARIANT_KEYS
 
 # A record as report.collect reads it (a mapping), a RunResult or a view: read through RecordView.
 Record = Any

@@ -29,7 +29,7 @@ from kvbench.config.bench import MAX_INIT_TIMEOUT_S, WandbConfig
 from kvbench.core.errors import one_line
 from kvbench.jsonio import real_dir, write_text_atomic
 from kvbench.results import RESULTS_FILE, RunResult
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 log = logging.getLogger(__name__)
 

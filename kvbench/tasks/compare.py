@@ -144,7 +144,7 @@ def metrics(workload: str = "decode") -> Dict[str, Metric]:
 class VariantModel:
     """The model of one attention variant of the comparison: its label (metric prefix), attention
     config and model, and what its attention weights are (``weights``: mha's, mean-pooled from
-    them, or drawn). The variant as a record names it is :class:`kvbench.views.Variant`."""
+    them, or drawn). The variant as a record names it is :class:`kvbench.sinks.views.Variant`."""
 
     label: str
     attention: AttentionConfig

@@ -267,7 +267,7 @@ def test_the_recall_preset_composes_its_gated_deltanet_variants(attention, types
 
 
 def _composes(preset, attention):
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.tasks.recall import conditions
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = to_bench_config(compose("config", overrides=[f"experiment={preset}", f"attention={attention}"]))

@@ -15,7 +15,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.train import DataConfig, TrainConfig
 from kvbench.config.workload import DecodeWorkload
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.quality.data import TokenData, byte_data, eval_starts
 from kvbench.quality.train import evaluate, lr_factor, run_eval, run_train, sequence_nll, train
 

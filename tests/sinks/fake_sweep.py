@@ -12,7 +12,7 @@ from kv_formula import kv_cache_bytes
 
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.results import RunResult, record_config
 
 VARIANTS = {"mha": 8, "gqa": 2, "mqa": 1}

@@ -24,7 +24,7 @@ from kvbench.sinks.comparison import (
 )
 from kvbench.sinks.report import MD_FILE, write_report
 from kvbench.sinks.tables import NOT_SIGNIFICANT
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 KV = {"mha": 8, "gqa": 2, "mqa": 1}
 START = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)

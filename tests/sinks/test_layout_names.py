@@ -13,7 +13,7 @@ from rich.console import Console
 
 from kvbench.cli_job import job_line
 from kvbench.config.layer_pattern import job_variant_label
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.results import RunResult, record_config
 from kvbench.sinks import console
 from kvbench.sinks.comparison import comparisons

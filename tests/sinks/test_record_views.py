@@ -1,4 +1,4 @@
-"""The sinks read records only through kvbench.views: every layout named and ordered in the
+"""The sinks read records only through kvbench.sinks.views: every layout named and ordered in the
 side-by-side table and the plots' palette from its fields; a schema-1 record on disk reported
 with its units; records with missing keys read by every sink without a KeyError."""
 
@@ -13,7 +13,7 @@ from kvbench.sinks.comparison import comparisons
 from kvbench.sinks.plots import palette, variants_of
 from kvbench.sinks.report import collect, write_report
 from kvbench.sinks.tables import variant
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 # (attention, cache dtype, label), in the order the tables list them
 LAYOUTS = [

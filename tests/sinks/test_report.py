@@ -34,8 +34,8 @@ from kvbench.sinks.plots import (
 )
 from kvbench.sinks.report import CSV_FILE, MD_FILE, collect, write_report
 from kvbench.sinks.tables import swept_axes
+from kvbench.sinks.views import RecordView, Variant
 from kvbench.units import human_bytes
-from kvbench.views import RecordView, Variant
 
 PNGS = {"decode_vs_context", "kv_bytes_vs_heads", "kv_memory", "tokens_vs_batch", "ttft_per_turn"}
 

@@ -28,7 +28,7 @@ from kvbench.sinks.tracking import (
     swept_keys,
     track,
 )
-from kvbench.views import RecordView
+from kvbench.sinks.views import RecordView
 
 TINY = ["model=tiny", "workload.prompt_len=12", "workload.gen_len=5", "runtime.warmup=0",
         "runtime.repeats=1"]

@@ -27,7 +27,7 @@ from submitit.core.utils import UncompletedJobError
 from kvbench.config.bench import BenchConfig, CacheConfig, RuntimeConfig, WandbConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import DecodeWorkload
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.jobs.isolation import launch_job
 from kvbench.sinks.console import progress_lines
 handler = object.__new__(SignalHandler)

@@ -10,7 +10,7 @@ from conftest import compose
 
 from kvbench.config.bench import BenchConfig
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.measure.host import release_heap, rss_status
 from kvbench.measure.memory import PeakSpan, is_oom

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import compose
 
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.results import RunResult
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import formula_max_batch

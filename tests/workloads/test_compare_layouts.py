@@ -11,7 +11,7 @@ from conftest import compose
 from kvbench.config.layer_pattern import variant_key, variant_label
 from kvbench.config.model import AttentionConfig
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.tasks.common import build_model
 from kvbench.tasks.compare import summarize, variants

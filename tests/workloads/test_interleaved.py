@@ -15,7 +15,7 @@ from kvbench.cache import cache_for
 from kvbench.config.model import AttentionConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step, prefill
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import distrust, read_record
 from kvbench.tasks.common import build_model

@@ -18,7 +18,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.workload import MultiturnWorkload
 from kvbench.core.errors import ConfigError
 from kvbench.generate import FixedShapeStep, compiled_graphs, decode_step
-from kvbench.job_config import check_job
+from kvbench.jobs.job_config import check_job
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kv_heads import KVHeads

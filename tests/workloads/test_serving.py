@@ -11,7 +11,7 @@ from conftest import compose
 from kv_formula import kv_cache_bytes
 
 from kvbench.core.errors import ConfigError
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
 from kvbench.serving.metrics import timeline_metrics
