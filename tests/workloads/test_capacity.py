@@ -286,6 +286,28 @@ def test_a_probe_prefills_in_forwards_of_capacity_prefill_chunk_tokens(monkeypat
     assert torch.equal(chunked.tokens, whole.tokens)
 
 
+@pytest.mark.parametrize("slo, trials", [((), (0, 1)), (("slo.tpot_x_batch1=2",), (2, 3))])
+def test_a_probe_no_latency_target_judges_runs_one_trial(slo, trials):
+    """Repeated trials measure latency; the memory a probe holds is the same in each (issue 59: 14
+    probes of 4 trials each took 275 s where no target judged their times)."""
+    cfg = config("model=tiny", "capacity.context_lens=[16]", "runtime.warmup=2", "runtime.repeats=3",
+                 "runtime.min_time_s=5", "runtime.memory_budget_gb=64", *slo)
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def latency(probe_cfg, model, device, context, batch):
+        seen.append((probe_cfg.runtime.warmup, probe_cfg.runtime.repeats, probe_cfg.runtime.min_time_s))
+        raise Seen
+
+    prober = capacity.Prober(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 10 ** 12, 0)
+    prober.latency = latency
+    with pytest.raises(Seen):
+        prober.measure(16, 2)
+    assert seen == [(0, 1, 0.0) if not slo else (*trials, 5.0)]
+
+
 @pytest.mark.cuda
 def test_a_real_cuda_oom_is_a_probe_and_the_search_backs_off():
     # a budget of the whole device and batches far past it: the probes that run out of memory are
