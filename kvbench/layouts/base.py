@@ -86,6 +86,13 @@ class LayerLayout:
         """The constant state a sequence holds here (None for K/V layers; see state_cache.StateLayer)."""
         return None
 
+    @property
+    def prefill_piece(self) -> Optional[int]:
+        """Positions of each sequence its chunked prefill works on at once (a recurrent layer's chunk:
+        its working set is that many positions' matrices for every sequence of the batch); None: the
+        forward's own positions."""
+        return None
+
     # ---- bytes -------------------------------------------------------------------------------
 
     def positions_held(self, seq_len: float) -> float:
@@ -323,6 +330,10 @@ class Layouts(tuple):
     def rotary_dim(self) -> int:
         """Width of the decoder's one rotary table: the widest any layer rotates (0: none does)."""
         return max((layer.rotary_dim for layer in self.unique()), default=0)
+
+    def prefill_piece(self) -> Optional[int]:
+        """The smallest :attr:`LayerLayout.prefill_piece` of any layer (None: no layer has one)."""
+        return min((layer.prefill_piece for layer in self.unique() if layer.prefill_piece), default=None)
 
     def smallest_window(self) -> Optional[int]:
         return min((layer.window for layer in self.unique() if layer.window is not None), default=None)

@@ -22,6 +22,9 @@ from kvbench.layouts.recurrent import Recurrent
 from kvbench.layouts.registry import LayerKind, register
 
 
+CHUNK = 64  # a prompt's chunk of the delta rule: transformers' and flash-linear-attention's
+
+
 @dataclass(frozen=True)
 class GatedDeltaNet(Recurrent):
     """A Gated DeltaNet layer, fields as config.json names them (defaults: Qwen3_5TextConfig's);
@@ -38,6 +41,10 @@ class GatedDeltaNet(Recurrent):
 
     kind = "gated_deltanet"
     title = "Gated DeltaNet"
+
+    @property
+    def prefill_piece(self) -> int:
+        return CHUNK
 
     @property
     def key_dim(self) -> int:

@@ -83,6 +83,10 @@ class KDA(Recurrent):
                 + 2 * (d_model * d + d * inner) + inner + H + d_model * H + d + inner * d_model)
 
     @property
+    def prefill_piece(self) -> int:
+        return self.chunk_size
+
+    @property
     def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
         # column that no later step reads)

@@ -84,6 +84,10 @@ class Mamba2(Recurrent):
                 + 3 * self.mamba_num_heads + self.inner_dim + (self.inner_dim + self.proj_bias) * d_model)
 
     @property
+    def prefill_piece(self) -> int:
+        return self.chunk_size
+
+    @property
     def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one
         # column that no later step reads)

@@ -371,16 +371,17 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
         return one
 
     chunk = cfg.capacity.prefill_chunk if cfg.workload.name != "multiturn" else None
+    piece = model.layouts.prefill_piece()
     for context in contexts(cfg):
         calibration = [measure(context)(1)]
         # The line is drawn through batches whose prefill forwards are full chunks (batch 1 at a
         # short context prefills fewer tokens a forward, which a line through it would spread over
         # every sequence); they are for memory: a latency miss at batch 1 does not make them useless.
         if calibration[0].measured and "memory" not in calibration[0].violated:
-            for batch in calibration_batches(context, chunk, limit, CALIBRATION_BATCH - 1):
+            for batch in calibration_batches(context, chunk, limit, CALIBRATION_BATCH - 1, piece):
                 if batch > 1 and not any(p.violated == ["memory"] for p in calibration):
                     calibration.append(measure(context)(batch))
-        prober.activation[context] = split_activation(calibration, context, chunk)
+        prober.activation[context] = split_activation(calibration, context, chunk, piece)
         predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
         search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration)
         at = next((p for p in search.probes if p.batch == search.max_batch), None)

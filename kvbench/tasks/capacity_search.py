@@ -158,31 +158,40 @@ def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
                              kv_per_sequence + per_sequence, cfg.capacity.max_batch)
 
 
-def saturates(context: int, batch: int, chunk: Optional[int]) -> bool:
-    """Whether a probe of ``batch`` prompts of ``context`` tokens prefills in full forwards of
-    ``chunk`` tokens (``capacity.prefill_chunk``; None: one forward, never bounded). A smaller batch
-    prefills fewer tokens per forward, so its working set is smaller: on a line through it and a
-    saturated probe, the difference reads as bytes per sequence (issue 59: batch 1 at 256 tokens
-    held 5 MB less than batch 2, which the line from batch 1 to 4 spread as 1.7 MB a sequence)."""
-    return chunk is not None and batch * context >= chunk
+def saturation_batch(context: int, chunk: Optional[int], piece: Optional[int] = None) -> Optional[int]:
+    """The smallest batch whose prefill's working set is at its bound, a chunk's (None without
+    ``chunk``, ``capacity.prefill_chunk``: one forward, whose working set grows with B x context).
+    A smaller batch prefills fewer tokens a forward (B x context < chunk), and a layer that works
+    on ``piece`` positions of every sequence at once (a recurrent layer's chunk,
+    ``Layouts.prefill_piece``) holds B x piece positions' matrices until B reaches chunk / piece
+    (a forward's max(1, chunk // B) positions a sequence then fall below the piece). On a line
+    through such a batch and a saturated one, that difference reads as bytes per sequence (issue 59:
+    batch 1 at 256 tokens held 5 MB less than batch 2, which the line from batch 1 to 4 spread as
+    1.7 MB a sequence; a Gated DeltaNet hybrid's 2.1 MB a sequence from batches 2 and 5 were its
+    pieces filling up to batch 8, flat after)."""
+    if chunk is None:
+        return None
+    return max(1, -(-chunk // context), -(-chunk // piece) if piece else 1)
 
 
-def calibration_batches(context: int, chunk: Optional[int], limit: int, span: int = 3) -> Tuple[int, ...]:
-    """The batches whose measured probes draw the activation line at ``context``: the smallest
-    whose prefill forwards are full chunks, and ``span`` more (without a chunk: 1 and 1 + span, as
-    before); within [1, ``limit``], distinct."""
-    first = 1 if chunk is None else min(limit, max(1, -(-chunk // context)))
-    return tuple(dict.fromkeys(b for b in (first, min(limit, first + span)) if b >= 1))
+def calibration_batches(context: int, chunk: Optional[int], limit: int, span: int = 3,
+                        piece: Optional[int] = None) -> Tuple[int, ...]:
+    """The batches whose measured probes draw the activation line at ``context``: the
+    :func:`saturation_batch` and ``span`` more (without a chunk: 1 and 1 + span, as before); within
+    [1, ``limit``], distinct."""
+    first = min(limit, saturation_batch(context, chunk, piece) or 1)
+    return tuple(dict.fromkeys((first, min(limit, first + span))))
 
 
-def split_activation(probes: Sequence[Probe], context: Optional[int] = None,
-                     chunk: Optional[int] = None) -> Tuple[int, int]:
+def split_activation(probes: Sequence[Probe], context: Optional[int] = None, chunk: Optional[int] = None,
+                     piece: Optional[int] = None) -> Tuple[int, int]:
     """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
     through them); one probe: all of it per sequence; none: nothing known. With ``context`` and
-    ``chunk``, only probes whose prefill :func:`saturates` the chunk draw it, where there are two."""
+    ``chunk``, only probes at or past the :func:`saturation_batch` draw it, where there are two."""
     usable = [p for p in probes if p.measured and p.activation_bytes is not None]
-    if context is not None and chunk is not None:
-        full = [p for p in usable if saturates(context, p.batch, chunk)]
+    first = None if context is None else saturation_batch(context, chunk, piece)
+    if first is not None:
+        full = [p for p in usable if p.batch >= first]
         if len({p.batch for p in full}) >= 2:
             usable = full
     points = sorted((p.batch, p.activation_bytes) for p in usable)

@@ -21,7 +21,7 @@ from kvbench.tasks.capacity_search import (
     calibration_batches,
     formula_max_batch,
     prediction_finding,
-    saturates,
+    saturation_batch,
     predict_max_batch,
     search_capacity,
     split_activation,
@@ -123,10 +123,15 @@ def test_activation_is_split_into_a_fixed_part_and_a_part_per_sequence():
 def test_the_activation_line_is_drawn_through_probes_whose_prefill_fills_the_chunk():
     """issue 59: batch 1 at 256 tokens prefills 256 tokens a forward where batch 2 on prefill 512, and
     holds less; a line from batch 1 spreads that over every sequence. Only saturated probes draw it."""
-    assert [saturates(256, b, 512) for b in (1, 2, 5)] == [False, True, True] and not saturates(4096, 64, None)
+    assert [saturation_batch(c, 512) for c in (256, 2048, 32, 300)] == [2, 1, 16, 2]
+    assert saturation_batch(4096, None) is None and saturation_batch(256, 512, piece=64) == 8
+    # the layouts say which pieces their prefill works in: a Gated DeltaNet layer's chunk of 64, K/V heads none
+    pieces = {a: build_layouts(c.model, c.attention).prefill_piece()
+              for a in ("mha", "choose/gdn") for c in [config("experiment=choose", f"attention={a}")]}
+    assert pieces == {"mha": None, "choose/gdn": 64}
     assert calibration_batches(256, 512, 64, 3) == (2, 5) and calibration_batches(2048, 512, 64, 3) == (1, 4)
     assert calibration_batches(32, 512, 64, 3) == (16, 19) and calibration_batches(256, None, 64, 3) == (1, 4)
-    assert calibration_batches(256, 512, 1, 3) == (1,)
+    assert calibration_batches(256, 512, 1, 3) == (1,) and calibration_batches(256, 512, 64, 3, piece=64) == (8, 11)
 
     def probe(batch, activation):
         return Probe(256, batch, ok=True, activation_bytes=activation)
