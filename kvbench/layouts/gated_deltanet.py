@@ -21,7 +21,6 @@ from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
 from kvbench.layouts.registry import LayerKind, register
 
-
 CHUNK = 64  # a prompt's chunk of the delta rule: transformers' and flash-linear-attention's
 
 
