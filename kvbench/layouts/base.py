@@ -68,9 +68,9 @@ class LayerLayout:
     kv_source: Optional[int] = field(default=None, kw_only=True)
 
     kind: ClassVar[str] = ""
-    # what the config calls each width of ``stored`` (a 4-bit cache's refusal names it)
-    width_names: ClassVar[Tuple[str, ...]] = ("head_dim", "v_head_dim")
+    width_names: ClassVar[Tuple[str, ...]] = ("head_dim", "v_head_dim")  # what the config calls each of ``stored``
     reads_shared_kv: ClassVar[bool] = False  # whether its attention can attend a donor's cache instead of its own
+    prefill_piece: ClassVar[Optional[int]] = None  # positions of each sequence its chunked prefill works on at once
 
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
@@ -84,13 +84,6 @@ class LayerLayout:
     @property
     def state(self) -> Optional[State]:
         """The constant state a sequence holds here (None for K/V layers; see state_cache.StateLayer)."""
-        return None
-
-    @property
-    def prefill_piece(self) -> Optional[int]:
-        """Positions of each sequence its chunked prefill works on at once (a recurrent layer's chunk:
-        its working set is that many positions' matrices for every sequence of the batch); None: the
-        forward's own positions."""
         return None
 
     # ---- bytes -------------------------------------------------------------------------------
@@ -330,10 +323,6 @@ class Layouts(tuple):
     def rotary_dim(self) -> int:
         """Width of the decoder's one rotary table: the widest any layer rotates (0: none does)."""
         return max((layer.rotary_dim for layer in self.unique()), default=0)
-
-    def prefill_piece(self) -> Optional[int]:
-        """The smallest :attr:`LayerLayout.prefill_piece` of any layer (None: no layer has one)."""
-        return min((layer.prefill_piece for layer in self.unique() if layer.prefill_piece), default=None)
 
     def smallest_window(self) -> Optional[int]:
         return min((layer.window for layer in self.unique() if layer.window is not None), default=None)

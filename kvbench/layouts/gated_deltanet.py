@@ -40,10 +40,7 @@ class GatedDeltaNet(Recurrent):
 
     kind = "gated_deltanet"
     title = "Gated DeltaNet"
-
-    @property
-    def prefill_piece(self) -> int:
-        return CHUNK
+    prefill_piece = CHUNK
 
     @property
     def key_dim(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config.bench import BenchConfig
 from kvbench.core.dtypes import DTYPE_BYTES
@@ -172,6 +172,11 @@ def saturation_batch(context: int, chunk: Optional[int], piece: Optional[int] = 
     if chunk is None:
         return None
     return max(1, -(-chunk // context), -(-chunk // piece) if piece else 1)
+
+
+def prefill_piece(layouts: Sequence[Any]) -> Optional[int]:
+    """The smallest ``LayerLayout.prefill_piece`` of any layer (None: no layer works in pieces)."""
+    return min((layer.prefill_piece for layer in layouts if layer.prefill_piece), default=None)
 
 
 def calibration_batches(context: int, chunk: Optional[int], limit: int, span: int = 3,

@@ -22,6 +22,7 @@ from kvbench.tasks.capacity_search import (
     formula_max_batch,
     predict_max_batch,
     prediction_finding,
+    prefill_piece,
     saturation_batch,
     search_capacity,
     split_activation,
@@ -126,7 +127,7 @@ def test_the_activation_line_is_drawn_through_probes_whose_prefill_fills_the_chu
     assert [saturation_batch(c, 512) for c in (256, 2048, 32, 300)] == [2, 1, 16, 2]
     assert saturation_batch(4096, None) is None and saturation_batch(256, 512, piece=64) == 8
     # the layouts say which pieces their prefill works in: a Gated DeltaNet layer's chunk of 64, K/V heads none
-    pieces = {a: build_layouts(c.model, c.attention).prefill_piece()
+    pieces = {a: prefill_piece(build_layouts(c.model, c.attention))
               for a in ("mha", "choose/gdn") for c in [config("experiment=choose", f"attention={a}")]}
     assert pieces == {"mha": None, "choose/gdn": 64}
     assert calibration_batches(256, 512, 64, 3) == (2, 5) and calibration_batches(2048, 512, 64, 3) == (1, 4)
