@@ -26,7 +26,6 @@ import torch
 
 from kvbench.cache import Cache, cache_for
 from kvbench.config.bench import BenchConfig
-from kvbench.config.model import AttentionConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
@@ -36,9 +35,9 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.progress import Progress
-from kvbench.quality.fidelity import KV_POOL_METHODS, KV_POOL_METRICS, kv_pool_fidelity
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
+from kvbench.tasks.capacity_quality import QUALITY_METHODS, QUALITY_METRICS, variant_quality
 from kvbench.tasks.capacity_search import (
     SEARCH_LIMIT,
     Probe,
@@ -50,6 +49,7 @@ from kvbench.tasks.capacity_search import (
     latency_judged,
     over_budget,
     prediction_finding,
+    prefill_piece,
     probes_expected,
     search_capacity,
     split_activation,
@@ -145,7 +145,7 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a job of this task may record."""
-    return {**JOB_METRICS, **METRICS, **KV_POOL_METRICS}
+    return {**JOB_METRICS, **METRICS, **QUALITY_METRICS}
 
 
 
@@ -371,7 +371,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
         return one
 
     chunk = cfg.capacity.prefill_chunk if cfg.workload.name != "multiturn" else None
-    piece = model.layouts.prefill_piece()
+    piece = prefill_piece(model.layouts)
     for context in contexts(cfg):
         calibration = [measure(context)(1)]
         # The line is drawn through batches whose prefill forwards are full chunks (batch 1 at a
@@ -430,14 +430,10 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
                                                                           cfg.capacity.batch_step)
     with progress(label, expected) as tick:
         run_probes(cfg, model, device, result, baseline, tick)
-    # quality of this KV-head count, after the probes (its models are not theirs); a layout that is
-    # not a pooling of the MHA model's heads (Layouts.converts_kv_heads) has no such measure
-    if cfg.runtime.fidelity and model.layouts.converts_kv_heads():
+    # quality of this KV-head count, after the probes (its models are not theirs), measured on a model of
+    # the variant's own layer layouts or null with the reason (tasks/capacity_quality.py)
+    if cfg.runtime.fidelity:
+        layouts = model.layouts
         del model
-        result.methods.update(KV_POOL_METHODS)
-        h = cfg.model.num_heads
-        reference = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
-        length = min(max(contexts(cfg)), 256)
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, length),
-                               generator=torch.Generator().manual_seed(cfg.runtime.seed)).to(device)
-        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens, cfg.attention))
+        result.methods.update(QUALITY_METHODS)
+        result.metrics.update(variant_quality(cfg, layouts, device))
