@@ -140,8 +140,12 @@ class LayerPattern:
 
     @classmethod
     def read(cls, get: Callable[[str], Any], num_layers: Any = None) -> "LayerPattern":
-        """The pattern of the values ``get`` gives for each of :data:`PATTERN_KEYS`."""
-        types = get("layer_types")
+        """The pattern of the values ``get`` gives for each of :data:`PATTERN_KEYS`; a config as a user
+        wrote it (an invalid job's record, never resolved) may say its layers by
+        ``full_attention_interval`` instead, read as resolution reads it."""
+        types, k = get("layer_types"), as_int(get("full_attention_interval"))
+        if not isinstance(types, (list, tuple)) and k and as_int(num_layers):
+            types = interval_layer_types(k, as_int(num_layers))
         return cls(window=as_int(get("window")) or None, global_every=as_int(get("global_every")),
                    layer_types=tuple(types) if isinstance(types, (list, tuple)) else None,
                    num_layers=as_int(num_layers))

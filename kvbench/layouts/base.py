@@ -68,9 +68,9 @@ class LayerLayout:
     kv_source: Optional[int] = field(default=None, kw_only=True)
 
     kind: ClassVar[str] = ""
-    # what the config calls each width of ``stored`` (a 4-bit cache's refusal names it)
-    width_names: ClassVar[Tuple[str, ...]] = ("head_dim", "v_head_dim")
+    width_names: ClassVar[Tuple[str, ...]] = ("head_dim", "v_head_dim")  # what the config calls each of ``stored``
     reads_shared_kv: ClassVar[bool] = False  # whether its attention can attend a donor's cache instead of its own
+    prefill_piece: ClassVar[Optional[int]] = None  # positions of each sequence its chunked prefill works on at once
 
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:

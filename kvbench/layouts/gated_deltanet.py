@@ -21,6 +21,8 @@ from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
 from kvbench.layouts.registry import LayerKind, register
 
+CHUNK = 64  # a prompt's chunk of the delta rule: transformers' and flash-linear-attention's
+
 
 @dataclass(frozen=True)
 class GatedDeltaNet(Recurrent):
@@ -38,6 +40,7 @@ class GatedDeltaNet(Recurrent):
 
     kind = "gated_deltanet"
     title = "Gated DeltaNet"
+    prefill_piece = CHUNK
 
     @property
     def key_dim(self) -> int:

@@ -25,10 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.layouts.gated_deltanet import GatedDeltaNet
+from kvbench.layouts.gated_deltanet import CHUNK, GatedDeltaNet
 from kvbench.norm import RMSNorm
-
-CHUNK = 64  # transformers' and flash-linear-attention's chunk
 
 HF_NAMES = {"in_proj_qkv.weight": "w_qkv.weight", "in_proj_z.weight": "w_gate.weight",
             "in_proj_b.weight": "w_beta.weight", "in_proj_a.weight": "w_decay.weight", "conv1d.weight": "conv.weight",

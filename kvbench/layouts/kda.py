@@ -82,6 +82,8 @@ class KDA(Recurrent):
         return (3 * d_model * inner + self.linear_conv_kernel_dim * self.conv_channels
                 + 2 * (d_model * d + d * inner) + inner + H + d_model * H + d + inner * d_model)
 
+    prefill_piece = property(lambda self: self.chunk_size)  # its scan's chunk
+
     @property
     def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one

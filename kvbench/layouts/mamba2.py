@@ -83,6 +83,8 @@ class Mamba2(Recurrent):
         return ((d_model + self.proj_bias) * projected + (self.conv_kernel + self.conv_bias) * self.conv_channels
                 + 3 * self.mamba_num_heads + self.inner_dim + (self.inner_dim + self.proj_bias) * d_model)
 
+    prefill_piece = property(lambda self: self.chunk_size)  # its scan's chunk
+
     @property
     def state(self) -> State:
         # the causal convolution needs the last kernel - 1 inputs (transformers keeps kernel: one

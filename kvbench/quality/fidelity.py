@@ -182,12 +182,15 @@ def fidelity(model: Decoder, prompt: torch.Tensor, gen_len: int, impl: str, dtyp
 
 @torch.inference_mode()
 def kv_pool_fidelity(reference: Decoder, num_kv_heads: int, tokens: torch.Tensor,
-                     attention: Optional[AttentionConfig] = None) -> Dict[str, float]:
+                     attention: Optional[AttentionConfig] = None, pooled: Optional[Decoder] = None) -> Dict[str, float]:
     """How far mean-pooling ``reference``'s K/V heads to ``num_kv_heads`` moves its outputs on
     ``tokens`` (B, T): KL(reference || pooled) per position, mean, and top-1 agreement. The pooled
     model has the layer pattern of ``attention`` (the variant, resolved; None: the reference's), only a
-    mask on the same weights, so a hybrid is scored as itself, not as its head count."""
-    pooled = with_layer_pattern(convert_kv_heads(reference, num_kv_heads), attention or reference.attention).eval()
+    mask on the same weights (``pooled``: that model, built already); a pattern pooling cannot make (a
+    recurrent layer) is the caller's to refuse (:mod:`kvbench.tasks.capacity_quality`)."""
+    if pooled is None:
+        pooled = with_layer_pattern(convert_kv_heads(reference, num_kv_heads), attention or reference.attention)
+    pooled = pooled.eval()
     log_p = F.log_softmax(reference(tokens).float(), dim=-1)  # (B, T, V)
     log_q = F.log_softmax(pooled(tokens).float(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()

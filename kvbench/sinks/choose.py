@@ -68,13 +68,37 @@ def _longest(rec: Record) -> Optional[Mapping[str, Any]]:
     return max(rows, key=lambda r: r["context"]) if rows else None
 
 
-def _quality(records: Sequence[Record]) -> Dict[str, float]:
-    """Perplexity per variant from the ok train/eval records (the last one of a variant wins)."""
-    out: Dict[str, float] = {}
+def _quality(records: Sequence[Record]) -> Dict[str, str]:
+    """Perplexity per variant from the ok train/eval records (the last one of a variant wins), each
+    cell naming its source: the job of a model of that variant's own layout."""
+    out: Dict[str, str] = {}
     for rec in map(RecordView.of, records):
         if rec.kind in ("train", "eval") and rec.ok and rec.metric("perplexity") is not None:
-            out[rec.variant.label] = rec.metric("perplexity")
+            out[rec.variant.label] = f"{rec.metric('perplexity'):.3f} (task={rec.kind}, job {rec.job})"
     return out
+
+
+# The short word of a pooled figure's source in its cell (the record's quality_source says it in full)
+SOURCE_WORDS = {"pooled, not uptrained": "pooled, not uptrained", "pooled": "pooled", "MHA itself": "MHA itself",
+                "the checkpoint's own": "the checkpoint's own heads"}
+
+
+def _pooled(rec: RecordView) -> Tuple[Optional[float], Optional[float], str, Optional[str]]:
+    """(KL, top-1, source word, why none) of a capacity record's pooled quality: only a figure measured
+    on a model of the variant's own layouts (its quality_source). A record written before issue 59 has
+    no source: its figure stands where pooling makes the variant (K/V heads over the whole context or a
+    window, no recurrent layer, no latent, no layer option), else it was another model's."""
+    kl, top1 = rec.metric("kv_pool_kl_nats"), rec.metric("kv_pool_top1_agreement")
+    source, reason = rec.metric("quality_source"), rec.metric("quality_none_reason")
+    if kl is None:
+        return None, None, "none" if reason else "-", reason
+    if source is None:
+        v = rec.variant
+        if v.stateful or not v.counts_kv_heads or v.options:
+            return None, None, "none", ("a record before issue 59: its pooled figure was measured on a model "
+                                        "without this variant's own layers")
+        return kl, top1, "pooled", None
+    return kl, top1, next((w for k, w in SOURCE_WORDS.items() if str(source).startswith(k)), str(source)), None
 
 
 def _recall(records: Sequence[Record]) -> Dict[str, str]:
@@ -196,7 +220,7 @@ def _chat_table(records: Sequence[Record]) -> Tuple[Dict[Tuple[str, bool], Dict[
     return rows, table
 
 
-def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], multiturn: Optional[str],
+def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multiturn: Optional[str],
             chat_records: Sequence[Record] = (), all_records: Sequence[Record] = ()) -> Choice:
     rows: Dict[str, Dict[str, Any]] = {}
     notes = []
@@ -222,16 +246,22 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),
-                       "kl": _m(rec, "kv_pool_kl_nats"), "top1": _m(rec, "kv_pool_top1_agreement")}
+                       **dict(zip(("kl", "top1", "source", "no_quality"), _pooled(rec)))}
     with_state = any(r["state"] for r in rows.values())
     header = ["variant", KV_PER_TOKEN, "vs MHA", *([STATE] if with_state else []), "context", "decode p50 ms (B=1)",
               "tok/s at max batch", "max batch", "stopped by", "memory-only prediction"]
-    with_pool = any(r["kl"] is not None for r in rows.values())
+    with_pool = any(r["kl"] is not None or r["no_quality"] for r in rows.values())
     if with_pool:
-        header += ["quality: KL vs MHA, nats (pooled)", "top-1 = MHA (pooled)"]
+        header += ["quality: KL vs MHA, nats (pooled)", "top-1 = MHA (pooled)", "quality source"]
         notes.append("quality (pooled): the MHA model of the same weights with its K/V heads mean-pooled to the "
                      "variant's count, KL(MHA || variant) per token and top-1 agreement on random tokens "
-                     "(kv_pool_* in the records' methods)")
+                     "(kv_pool_* in the records' methods), measured on a model of the variant's own layer "
+                     "layouts (quality source: pooled from random weights; 'pooled, not uptrained' from a "
+                     "checkpoint) or none")
+        for label, r in rows.items():
+            if r["no_quality"]:
+                notes.append(f"quality of {label}: none pooled ({r['no_quality']}); a model of its layout measures "
+                             "it: task=train or task=recall jobs of it in this sweep, or task=eval of a checkpoint")
     recall = _recall(all_records)
     with_recall = any(label in recall for label in rows)
     if with_recall:  # the quality a layout decides: the answer is a token stored far back
@@ -262,10 +292,10 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, float], mul
                     fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"), fmt(r["max_batch"], "{}"),
                     fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
             if with_pool:
-                line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}")]
+                line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}"), r["source"]]
             line += [recall.get(label, "-")] if with_recall else []
             line += [rates.get(label, "-")] if with_rate else []
-            table.append(line + ([fmt(quality.get(label), "{:.3f}")] if with_quality else []))
+            table.append(line + ([quality.get(label, "-")] if with_quality else []))
         if not any(r["mha"] for r in rows.values()):
             notes.append(f"no MHA job: 'vs MHA' is relative to {_baseline(rows)}")
         partial = [label for label, r in rows.items() if not r["full_context"]]

@@ -267,7 +267,10 @@ def _label_tells_apart(records: Sequence[Record], key: str) -> bool:
     of the local and global layers is not in it: ``w=8 1:1`` is s,f or f,s)."""
     seen: Dict[str, str] = {}
     for view in map(RecordView.of, records):
-        if seen.setdefault(view.variant.label, repr(view.get(key))) != repr(view.get(key)):
+        value = view.get(key)
+        if value is None and key not in NONE_IS_VALUE_KEYS:  # left unset: the label says what it resolves to
+            continue
+        if seen.setdefault(view.variant.label, repr(value)) != repr(value):
             return False
     return True
 

@@ -74,6 +74,8 @@ class Variant:
         """The variant of a record's config (a nested mapping); absent keys are None."""
         config = config if isinstance(config, Mapping) else {}
         kind, heads, kv = (_get(config, k) for k in ("attention.type", "model.num_heads", "attention.num_kv_heads"))
+        if as_int(kv) is None and kind in ATTENTION_TYPES:  # as the user wrote it (an invalid job's): resolve it
+            kv = {"mha": heads, "mqa": 1}.get(kind, _get(config, "model.preset_kv_heads"))
         rank = as_int(_get(config, "attention.kv_lora_rank"))
         layout = kind if kind in ATTENTION_TYPES else None
         if layout is None and rank is not None:

@@ -1,9 +1,13 @@
 """``task=capacity``: the largest batch that fits a memory budget and meets latency targets (the
 probes; the search and its prediction are :mod:`kvbench.tasks.capacity_search`).
 
-For each context length the search calibrates the activation overhead on probes at batches 1 and
-4, predicts the largest batch from weights + KV formula + that overhead, then confirms and bisects
-with measured probes (:func:`~kvbench.tasks.capacity_search.search_capacity`). With
+For each context length the search probes batch 1, calibrates the activation overhead on two
+probes whose prefill forwards are full chunks of ``capacity.prefill_chunk`` tokens (the smallest
+such batch and 3 more), predicts the largest batch from weights + KV formula + that overhead,
+then confirms and bisects around the prediction with measured probes
+(:func:`~kvbench.tasks.capacity_search.search_capacity`); a measured answer beyond
+:data:`~kvbench.tasks.capacity_search.PREDICTION_TOLERANCE` of the prediction is a finding in the
+record. A probe that no latency target judges runs one trial (repeats measure latency). With
 ``workload=multiturn`` the batch is the number of concurrent conversations of the chat.
 
 A probe is a real decode of that batch whose peak memory is checked against the budget and whose
@@ -22,7 +26,6 @@ import torch
 
 from kvbench.cache import Cache, cache_for
 from kvbench.config.bench import BenchConfig
-from kvbench.config.model import AttentionConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
@@ -32,17 +35,21 @@ from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.progress import Progress
-from kvbench.quality.fidelity import KV_POOL_METHODS, KV_POOL_METRICS, kv_pool_fidelity
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
+from kvbench.tasks.capacity_quality import QUALITY_METHODS, QUALITY_METRICS, variant_quality
 from kvbench.tasks.capacity_search import (
     SEARCH_LIMIT,
     Probe,
+    calibration_batches,
     contexts,
     formula_max_batch,
     kv_bytes,
     kv_bytes_per_token,
+    latency_judged,
     over_budget,
+    prediction_finding,
+    prefill_piece,
     probes_expected,
     search_capacity,
     split_activation,
@@ -92,14 +99,22 @@ METRICS: Dict[str, Metric] = metric_table(
            "median decode step at batch 1 and the longest context (the calibration probe)"),
     Metric("tokens_per_s_longest", "tokens/s", "batch x 1000 / the median decode step (every step of every "
                                                 "trial) of the probe at max_batch at the longest context"),
-    Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted)"),
+    Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted); a probe that "
+           "no latency target judges (no slo.ttft_ms, slo.tpot_ms, slo.tpot_x_batch1) runs one trial, else "
+           "runtime.warmup + runtime.repeats"),
+    Metric("prediction_findings", "text", "the contexts whose memory-bound answer is more than 20% (of the larger) "
+           "from the memory-only prediction, each with both figures (tables.capacity's prediction_finding); "
+           "null: the prediction held everywhere memory bound"),
     Metric("tables.capacity", "",
            "one row per context (workload=multiturn: one row, context = the positions a conversation "
                        "holds at the chat's end, max_batch = concurrent conversations): max_batch (largest "
                        "batch whose probe met every bound; the search "
                        "assumes that a bound met at batch b is met below it), stopped_by, predicted_max_batch "
                        "(weights + KV formula + activation_fixed_bytes + activation_bytes_per_sequence per "
-                       "sequence, from the calibration probes at batches 1 and 4; memory only), "
+                       "sequence, a line through the calibration probes: the smallest batch whose prefill "
+                       "forwards are full capacity.prefill_chunk chunks and 3 more; without a chunk, or a "
+                       "chat, batches 1 and 4; memory only), prediction_finding (null, or the sentence when "
+                       "memory stopped the search more than 20% from that prediction), "
                        "formula_max_batch (weights + KV formula alone; formula_max_batch_stored, a quantized "
                        "checkpoint's: its weights as stored, weight_bytes_stored), kv_bytes_per_sequence (KV "
                        "formula of one more sequence; with cache.shared the system prompt's, held once, is not in it), "
@@ -130,7 +145,7 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a job of this task may record."""
-    return {**JOB_METRICS, **METRICS, **KV_POOL_METRICS}
+    return {**JOB_METRICS, **METRICS, **QUALITY_METRICS}
 
 
 
@@ -238,6 +253,9 @@ class Prober:
         self.weights_stored = checkpoint_bytes(model, stored) if stored else None
         self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
         self.latency = chat_latency if cfg.workload.name == "multiturn" else decode_latency
+        # what repeated trials measure is latency: a probe that no target judges runs one trial
+        self.probe_cfg = cfg if latency_judged(cfg) else replace(
+            cfg, runtime=replace(cfg.runtime, warmup=0, repeats=1, min_time_s=0.0))
 
     def tpot_target(self, reference_ms: Optional[float]) -> Optional[float]:
         """slo.tpot_ms, or slo.tpot_x_batch1 x ``reference_ms`` (the batch-1 TPOT), the tighter."""
@@ -278,7 +296,7 @@ class Prober:
         span = PeakSpan(self.device)
         try:
             with span:
-                latency = self.latency(cfg, self.model, self.device, context, batch)
+                latency = self.latency(self.probe_cfg, self.model, self.device, context, batch)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
             if not is_oom(exc):
                 raise
@@ -352,22 +370,29 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
             return probe
         return one
 
+    chunk = cfg.capacity.prefill_chunk if cfg.workload.name != "multiturn" else None
+    piece = prefill_piece(model.layouts)
     for context in contexts(cfg):
         calibration = [measure(context)(1)]
-        # The second point is for memory: a latency miss at batch 1 does not make it useless.
-        if calibration[0].measured and "memory" not in calibration[0].violated and limit >= 2:
-            calibration.append(measure(context)(min(CALIBRATION_BATCH, limit)))
-        prober.activation[context] = split_activation(calibration)
+        # The line is drawn through batches whose prefill forwards are full chunks (batch 1 at a
+        # short context prefills fewer tokens a forward, which a line through it would spread over
+        # every sequence); they are for memory: a latency miss at batch 1 does not make them useless.
+        if calibration[0].measured and "memory" not in calibration[0].violated:
+            for batch in calibration_batches(context, chunk, limit, CALIBRATION_BATCH - 1, piece):
+                if batch > 1 and not any(p.violated == ["memory"] for p in calibration):
+                    calibration.append(measure(context)(batch))
+        prober.activation[context] = split_activation(calibration, context, chunk, piece)
         predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
         search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration)
         at = next((p for p in search.probes if p.batch == search.max_batch), None)
         failed = next((p for p in search.probes if p.batch == search.failed_at), None)
+        # a refused probe's bound is a prediction, and the answer says so
+        stopped_by = (SEARCH_LIMIT if failed is None else failed.bound if failed.measured
+                      else f"{failed.bound} (predicted, not run)")
         answers.append({
-            "context": context, "max_batch": search.max_batch,
-            # a refused probe's bound is a prediction, and the answer says so
-            "stopped_by": (SEARCH_LIMIT if failed is None else failed.bound if failed.measured
-                           else f"{failed.bound} (predicted, not run)"),
+            "context": context, "max_batch": search.max_batch, "stopped_by": stopped_by,
             "predicted_max_batch": predicted,
+            "prediction_finding": prediction_finding(search.max_batch, predicted, stopped_by, limit),
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
             # a quantized checkpoint's weights as an engine reading them holds them, not kvbench's dequantized copy
             **({"formula_max_batch_stored": formula_max_batch(cfg, context, budget, prober.weights_stored)}
@@ -382,7 +407,9 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
                          "tokens_per_s")},
         })
     longest = answers[-1]
+    findings = [f"context {a['context']}: {a['prediction_finding']}" for a in answers if a["prediction_finding"]]
     metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],
+                   prediction_findings="; ".join(findings) or None,
                    decode_ms_p50_longest=longest["decode_ms_p50_batch1"],
                    tokens_per_s_longest=longest["tokens_per_s_at_max"],
                    probes_run=sum(1 for p in probes if p["measured"]))
@@ -403,14 +430,10 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
                                                                           cfg.capacity.batch_step)
     with progress(label, expected) as tick:
         run_probes(cfg, model, device, result, baseline, tick)
-    # quality of this KV-head count, after the probes (its models are not theirs); a layout that is
-    # not a pooling of the MHA model's heads (Layouts.converts_kv_heads) has no such measure
-    if cfg.runtime.fidelity and model.layouts.converts_kv_heads():
+    # quality of this KV-head count, after the probes (its models are not theirs), measured on a model of
+    # the variant's own layer layouts or null with the reason (tasks/capacity_quality.py)
+    if cfg.runtime.fidelity:
+        layouts = model.layouts
         del model
-        result.methods.update(KV_POOL_METHODS)
-        h = cfg.model.num_heads
-        reference = build_model(replace(cfg, attention=AttentionConfig.for_heads(h, h)), device)
-        length = min(max(contexts(cfg)), 256)
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, length),
-                               generator=torch.Generator().manual_seed(cfg.runtime.seed)).to(device)
-        result.metrics.update(kv_pool_fidelity(reference, cfg.attention.num_kv_heads, tokens, cfg.attention))
+        result.methods.update(QUALITY_METHODS)
+        result.metrics.update(variant_quality(cfg, layouts, device))

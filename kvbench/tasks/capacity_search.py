@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config.bench import BenchConfig
 from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.layouts.build import build_layouts
 
 SEARCH_LIMIT = "capacity.max_batch"  # what stopped a search that never failed
+# How far the memory-only prediction may be from the measured max batch (a fraction of the larger)
+# before the record calls the difference a finding instead of taking the measurement silently
+PREDICTION_TOLERANCE = 0.2
 
 
 @dataclass
@@ -155,10 +158,48 @@ def formula_max_batch(cfg: BenchConfig, context: int, budget: int, weights: int,
                              kv_per_sequence + per_sequence, cfg.capacity.max_batch)
 
 
-def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
+def saturation_batch(context: int, chunk: Optional[int], piece: Optional[int] = None) -> Optional[int]:
+    """The smallest batch whose prefill's working set is at its bound, a chunk's (None without
+    ``chunk``, ``capacity.prefill_chunk``: one forward, whose working set grows with B x context).
+    A smaller batch prefills fewer tokens a forward (B x context < chunk), and a layer that works
+    on ``piece`` positions of every sequence at once (a recurrent layer's chunk,
+    ``Layouts.prefill_piece``) holds B x piece positions' matrices until B reaches chunk / piece
+    (a forward's max(1, chunk // B) positions a sequence then fall below the piece). On a line
+    through such a batch and a saturated one, that difference reads as bytes per sequence (issue 59:
+    batch 1 at 256 tokens held 5 MB less than batch 2, which the line from batch 1 to 4 spread as
+    1.7 MB a sequence; a Gated DeltaNet hybrid's 2.1 MB a sequence from batches 2 and 5 were its
+    pieces filling up to batch 8, flat after)."""
+    if chunk is None:
+        return None
+    return max(1, -(-chunk // context), -(-chunk // piece) if piece else 1)
+
+
+def prefill_piece(layouts: Sequence[Any]) -> Optional[int]:
+    """The smallest ``LayerLayout.prefill_piece`` of any layer (None: no layer works in pieces)."""
+    return min((layer.prefill_piece for layer in layouts if layer.prefill_piece), default=None)
+
+
+def calibration_batches(context: int, chunk: Optional[int], limit: int, span: int = 3,
+                        piece: Optional[int] = None) -> Tuple[int, ...]:
+    """The batches whose measured probes draw the activation line at ``context``: the
+    :func:`saturation_batch` and ``span`` more (without a chunk: 1 and 1 + span, as before); within
+    [1, ``limit``], distinct."""
+    first = min(limit, saturation_batch(context, chunk, piece) or 1)
+    return tuple(dict.fromkeys((first, min(limit, first + span))))
+
+
+def split_activation(probes: Sequence[Probe], context: Optional[int] = None, chunk: Optional[int] = None,
+                     piece: Optional[int] = None) -> Tuple[int, int]:
     """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
-    through them); one probe: all of it per sequence; none: nothing known."""
-    points = sorted((p.batch, p.activation_bytes) for p in probes if p.measured and p.activation_bytes is not None)
+    through them); one probe: all of it per sequence; none: nothing known. With ``context`` and
+    ``chunk``, only probes at or past the :func:`saturation_batch` draw it, where there are two."""
+    usable = [p for p in probes if p.measured and p.activation_bytes is not None]
+    first = None if context is None else saturation_batch(context, chunk, piece)
+    if first is not None:
+        full = [p for p in usable if p.batch >= first]
+        if len({p.batch for p in full}) >= 2:
+            usable = full
+    points = sorted((p.batch, p.activation_bytes) for p in usable)
     if not points:
         return 0, 0
     if len(points) == 1 or points[-1][0] == points[0][0]:
@@ -166,6 +207,26 @@ def split_activation(probes: Sequence[Probe]) -> Tuple[int, int]:
     (b1, a1), (b2, a2) = points[0], points[-1]
     per_sequence = max(0, (a2 - a1) // (b2 - b1))
     return a1 - b1 * per_sequence, per_sequence
+
+
+def latency_judged(cfg: BenchConfig) -> bool:
+    """Whether some latency target judges a probe (slo.ttft_ms, slo.tpot_ms, slo.tpot_x_batch1)."""
+    slo = cfg.slo
+    return any(v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.tpot_x_batch1))
+
+
+def prediction_finding(max_batch: int, predicted: int, stopped_by: Optional[str], limit: int) -> Optional[str]:
+    """A sentence when a search that memory stopped ended more than :data:`PREDICTION_TOLERANCE` of
+    the larger from the memory-only ``predicted`` batch, else None (a latency bound or the search's
+    limit stopping it below the prediction is what the prediction does not model: not a finding)."""
+    if stopped_by != "memory" or predicted >= limit and max_batch >= limit:
+        return None
+    gap = abs(max_batch - predicted)
+    if gap <= PREDICTION_TOLERANCE * max(max_batch, predicted, 1):
+        return None
+    return (f"memory stopped the search at {max_batch} sequences, the memory-only prediction was {predicted} "
+            f"({gap / max(max_batch, predicted, 1):.0%} apart, beyond {PREDICTION_TOLERANCE:.0%}): the probes' "
+            "activation_bytes differ from the calibration line")
 
 
 def over_budget(probe: Probe, budget: int) -> bool:

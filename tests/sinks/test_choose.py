@@ -67,7 +67,8 @@ def test_quality_and_multiturn_come_from_records_when_present():
             "cache": {"shared": shared}}, "metrics": {"mean_ttft_ms_turns_2_n": ttft}})
     (choice,) = choices(records)
     rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
-    assert rows["gqa kv=2"]["perplexity"] == "5.200" and rows["mqa kv=1"]["perplexity"] == "-"
+    # each cell names the job of the variant's own model it comes from
+    assert rows["gqa kv=2"]["perplexity"] == "5.200 (task=eval, job 11)" and rows["mqa kv=1"]["perplexity"] == "-"
     assert dict(choice.recommendations)["multi-turn"] == (
         "mqa kv=1 with cache.shared=true: mean TTFT of turns 2-N 10.00 ms vs 40.00 ms unshared (0.250×)")
 
@@ -148,6 +149,31 @@ def test_pooled_quality_columns_from_the_capacity_records():
     assert rows["gqa kv=2"]["quality: KL vs MHA, nats (pooled)"] == "0.0123"
     assert rows["mqa kv=1"]["top-1 = MHA (pooled)"] == "0.750" and rows["mha kv=8"]["top-1 = MHA (pooled)"] == "1.000"
     assert any(n.startswith("quality (pooled): the MHA model of the same weights") for n in choice.notes)
+    assert [rows[label]["quality source"] for label in rows] == ["pooled"] * 3  # records before quality_source
+
+
+def test_no_quality_cell_shows_a_figure_measured_on_another_layout():
+    """issue 59: the GDN hybrid showed GQA-2's pooled figures. A record that says what its figure was
+    measured on is shown with that source; one that says none, none with its reason; an older record's
+    figure only where pooling makes the variant (not a recurrent layer, not MLA, no layer option)."""
+    records = sweep()
+    old_gdn = capacity_record(3, "gqa", 2, {128: 50, 256: 45}, {128: 52, 256: 46}, 1536)
+    old_gdn["config"]["attention"]["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+    mla = capacity_record(4, "mla", 1, {128: 20, 256: 10}, {128: 20, 256: 10}, 1000)
+    mla["config"]["attention"]["kv_lora_rank"] = 16
+    for rec in (*records, old_gdn, mla):
+        rec["metrics"].update(kv_pool_kl_nats=0.0052, kv_pool_top1_agreement=0.795)  # GQA-2's, everywhere
+    records[1]["metrics"]["quality_source"] = "pooled, not uptrained: the checkpoint's K/V heads mean-pooled"
+    records[2]["metrics"].update(kv_pool_kl_nats=None, kv_pool_top1_agreement=None, quality_source=None,
+                                 quality_none_reason="the variant's Gated DeltaNet layers 0 are not what pooling makes")
+    (choice,) = choices([*records, old_gdn, mla])
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    cells = {label: (r["quality: KL vs MHA, nats (pooled)"], r["quality source"]) for label, r in rows.items()}
+    assert cells == {"mha kv=8": ("0.0052", "pooled"), "gqa kv=2": ("0.0052", "pooled, not uptrained"),
+                     "mqa kv=1": ("-", "none"), "gqa kv=2 gdn 3:1": ("-", "none"), "mla r=16": ("-", "none")}
+    assert any(n.startswith("quality of mqa kv=1: none pooled (the variant's Gated DeltaNet layers 0")
+               for n in choice.notes)
+    assert any(n.startswith("quality of gqa kv=2 gdn 3:1: none pooled (a record before issue 59") for n in choice.notes)
 
 
 def test_recall_is_the_quality_column_when_recall_records_are_there():

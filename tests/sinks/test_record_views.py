@@ -129,3 +129,17 @@ def test_a_runs_w_and_b_name_is_its_variants_label():
     mla = {"model": {"name": "deepseek"}, "attention": {"type": "mla", "num_kv_heads": 1, "kv_lora_rank": 512},
            "cache": {"dtype": "int8"}, "task": "capacity"}
     assert tracking.short_name(mla) == "deepseek mla r=512 int8 capacity"
+
+
+@pytest.mark.parametrize("attention, label", [
+    ({"type": "gqa", "full_attention_interval": 4}, "gqa kv=2 gdn 3:1"),
+    ({"type": "gqa", "full_attention_interval": 4, "num_kv_heads": 1}, "gqa kv=1 gdn 3:1"),
+    ({"type": "mha", "window": 64, "global_every": 4}, "mha kv=8 w=64 3:1"),
+    ({"type": "mqa"}, "mqa kv=1")])
+def test_an_invalid_jobs_record_is_named_by_its_layout(attention, label):
+    """An invalid job's record keeps the attention as the user wrote it, never resolved (issue 59: the refused
+    GDN shared chat read 'gqa kv=None'): its label is what resolving it gives, the preset's KV heads for gqa and
+    the layers of full_attention_interval."""
+    rec = {"status": "invalid", "config": {"task": "capacity", "attention": attention,
+                                           "model": {"num_layers": 8, "num_heads": 8, "preset_kv_heads": 2}}}
+    assert RecordView.of(rec).variant.label == label

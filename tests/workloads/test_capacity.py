@@ -18,8 +18,12 @@ from kvbench.results import RunResult, record_config
 from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import (
     Probe,
+    calibration_batches,
     formula_max_batch,
     predict_max_batch,
+    prediction_finding,
+    prefill_piece,
+    saturation_batch,
     search_capacity,
     split_activation,
     violations,
@@ -117,6 +121,40 @@ def test_activation_is_split_into_a_fixed_part_and_a_part_per_sequence():
     assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70) - 1, 10_000, (500, 70)) == 2
 
 
+def test_the_activation_line_is_drawn_through_probes_whose_prefill_fills_the_chunk():
+    """issue 59: batch 1 at 256 tokens prefills 256 tokens a forward where batch 2 on prefill 512, and
+    holds less; a line from batch 1 spreads that over every sequence. Only saturated probes draw it."""
+    assert [saturation_batch(c, 512) for c in (256, 2048, 32, 300)] == [2, 1, 16, 2]
+    assert saturation_batch(4096, None) is None and saturation_batch(256, 512, piece=64) == 8
+    # the layouts say which pieces their prefill works in: a Gated DeltaNet layer's chunk of 64, K/V heads none
+    pieces = {a: prefill_piece(build_layouts(c.model, c.attention))
+              for a in ("mha", "choose/gdn") for c in [config("experiment=choose", f"attention={a}")]}
+    assert pieces == {"mha": None, "choose/gdn": 64}
+    assert calibration_batches(256, 512, 64, 3) == (2, 5) and calibration_batches(2048, 512, 64, 3) == (1, 4)
+    assert calibration_batches(32, 512, 64, 3) == (16, 19) and calibration_batches(256, None, 64, 3) == (1, 4)
+    assert calibration_batches(256, 512, 1, 3) == (1,) and calibration_batches(256, 512, 64, 3, piece=64) == (8, 11)
+
+    def probe(batch, activation):
+        return Probe(256, batch, ok=True, activation_bytes=activation)
+
+    # batch 1 is 5 MB lighter; from batch 2 on 0.1 MB a sequence: the line through 2 and 5 finds it
+    probes = [probe(1, 27_000_000), probe(2, 32_200_000), probe(5, 32_500_000)]
+    assert split_activation(probes, 256, 512) == (32_000_000, 100_000)
+    assert split_activation(probes[:2], 256, 512) == (21_800_000, 5_200_000)  # one saturated: the old line
+    assert split_activation(probes) == (25_625_000, 1_375_000)  # without a chunk: batches 1 and 5
+
+
+def test_a_prediction_more_than_the_tolerance_off_is_a_finding():
+    assert prediction_finding(10, 9, "memory", 64) is None  # 10 % apart
+    assert prediction_finding(10, 8, "memory", 64) is None  # 20 %: within
+    text = prediction_finding(5, 1, "memory", 64)
+    assert text.startswith("memory stopped the search at 5 sequences, the memory-only prediction was 1 (80% apart")
+    # a latency bound, the limit, or a refused batch is not the memory prediction's to meet
+    assert prediction_finding(2, 30, "tpot", 64) is None
+    assert prediction_finding(64, 64, "capacity.max_batch", 64) is None
+    assert prediction_finding(63, 64, "memory", 64) is None
+
+
 def test_predict_max_batch_bounds():
     assert predict_max_batch(100, 10, 30, 8) == 3
     assert predict_max_batch(100, 200, 30, 8) == 0  # the weights alone do not fit
@@ -196,7 +234,9 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
         assert p["kv_bytes"] == 2 * 2 * 8 * 8 * (p["context"] + 4) * p["batch"] * 4
         # measured peak (RSS above the pre-model baseline) holds at least the weights
         assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
-    assert [p["batch"] for p in probes[:2]] == [1, 4]  # the calibrations come first
+    # batch 1, then the calibrations: 16-token prompts fill a 512-token chunk from batch 32, past the limit
+    assert calibration_batches(16, 512, 8, 3) == (8,) and [p["batch"] for p in probes[:2]] == [1, 8]
+    assert all(a["prediction_finding"] is None for a in answers) and result.metrics["prediction_findings"] is None
     fixed, per_sequence = answers[0]["activation_fixed_bytes"], answers[0]["activation_bytes_per_sequence"]
     assert fixed + per_sequence == probes[0]["activation_bytes"]  # the line goes through batch 1
     assert result.metrics["max_batch_longest"] == 8 and result.metrics["kv_bytes_per_token"] == 2 * 2 * 8 * 8 * 4
@@ -251,6 +291,28 @@ def test_a_probe_prefills_in_forwards_of_capacity_prefill_chunk_tokens(monkeypat
     assert stepped.cache.length == 26
     chunked = greedy_generate(model, prompt, 2, cache_for(model, "static", batch, 26), prefill_tokens=chunk)
     assert torch.equal(chunked.tokens, whole.tokens)
+
+
+@pytest.mark.parametrize("slo, trials", [((), (0, 1)), (("slo.tpot_x_batch1=2",), (2, 3))])
+def test_a_probe_no_latency_target_judges_runs_one_trial(slo, trials):
+    """Repeated trials measure latency; the memory a probe holds is the same in each (issue 59: 14
+    probes of 4 trials each took 275 s where no target judged their times)."""
+    cfg = config("model=tiny", "capacity.context_lens=[16]", "runtime.warmup=2", "runtime.repeats=3",
+                 "runtime.min_time_s=5", "runtime.memory_budget_gb=64", *slo)
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def latency(probe_cfg, model, device, context, batch):
+        seen.append((probe_cfg.runtime.warmup, probe_cfg.runtime.repeats, probe_cfg.runtime.min_time_s))
+        raise Seen
+
+    prober = capacity.Prober(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 10 ** 12, 0)
+    prober.latency = latency
+    with pytest.raises(Seen):
+        prober.measure(16, 2)
+    assert seen == [(0, 1, 0.0) if not slo else (*trials, 5.0)]
 
 
 @pytest.mark.cuda
