@@ -65,8 +65,9 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
                                                   "local layer's ring blocks kept whole, a state page): the plan's "
                                                   "formula"),
     Metric("kv_sequences_fit", "count", "sequences at kv_sequence_positions the allocator's pools hold at once, "
-                                        "each at its worst while it decodes (the scarcest pool decides): the "
-                                        "plan's formula"),
+                                        "each at its worst while it decodes, beside the room one prefill chunk of "
+                                        "workload.max_prefill_tokens adds to a window's ring (the scarcest pool "
+                                        "decides): the plan's formula"),
     Metric("state_checkpoints_saved", "count", "recurrent states saved for prefix caching "
                                                "(workload.state_checkpoint)"),
     Metric("state_checkpoint_bytes_max", "bytes", "most bytes the saved states nobody ran from held at once "
