@@ -15,6 +15,7 @@ from kvbench.jobs.runner import run_job
 from kvbench.results import read_record
 from kvbench.serving.conversations import Chats, make_chats
 from kvbench.serving.paged import PagedStore
+from kvbench.serving.record import timeline_from_record
 from kvbench.serving.scheduler import FakeClock, Scheduler
 from kvbench.serving.trace import Request
 from kvbench.serving.turn_metrics import classify, conversation_metrics, turn_rows
@@ -118,6 +119,40 @@ def test_cached_or_evicted_is_what_the_stores_evictions_say(seed):
     assert "evicted" in got.values() and "cached" in got.values()
 
 
+@pytest.mark.parametrize("policy, other_len, resumable, found, kind", [
+    ("block", 0, 12, 12, "cached"),  # states saved at 4, 8 (prefill) and 12 (a decode step): all 12 resumable
+    ("prompt_end", 0, 8, 8, "cached"),  # saved only at its prompt's last block boundary: 8, though 12 have K/V
+    ("block", 30, 12, 0, "evicted"),  # conversation 1's 31 positions took the blocks meanwhile
+])
+def test_a_hybrids_returning_turn_is_cached_or_evicted_by_the_states_the_store_held(policy, other_len, resumable,
+                                                                                   found, kind):
+    """A Gated DeltaNet hybrid resumes a history only where a state was saved: the store says, when a
+    turn finishes, how much of it a new sequence could continue from (its blocks and a saved state
+    there), and the next turn is cached when it finds that much. Counted by hand from where the
+    checkpoint policy saves: turn 0 computes positions 0..11 (10 prompt tokens, 2 answer tokens fed back)."""
+    from dataclasses import replace
+
+    from test_serving_engine import gdn_decoder
+
+    from kvbench.serving.allocator import Checkpoint
+    from kvbench.serving.paged import plan_for
+
+    model = gdn_decoder()
+    plan = two_chats(other_len).plan()
+    pools = plan_for(model, 8, BS, longest=31, chunk=8)
+    pools = replace(pools, capacity=(8, 6), pages=(8, 6))  # 8 blocks of the full layer, 6 state pages
+    store = PagedStore(model, 0, BS, plan=pools, checkpoint=Checkpoint(policy))
+    timeline = Scheduler(model, store, plan.arrivals, plan.prompts, max_prefill_tokens=8,
+                         clock=FakeClock(0.01, 1e-4, 1e-3), follow=plan.follow).run()
+    first, back = timeline.traces[0], timeline.traces[1]
+    assert (first.resumable_tokens, back.first_hit_tokens) == (resumable, found)
+    assert classify(timeline, recurrent=True)[1] == kind
+    m = conversation_metrics(timeline, recurrent=True)
+    assert (m["returning_cached"], m["returning_evicted"]) == ((1, 0) if kind == "cached" else (0, 1))
+    assert (m["history_reusable_tokens"], m["history_recomputed_tokens"]) == (resumable, resumable - found)
+    assert m["returning_reason"] is None
+
+
 CONV = ["workload=conversations", "model=tiny", "model.max_seq_len=512", "workload.num_requests=6",
         "workload.rate=8", "workload.prompt.mean=24", "workload.prompt.lo=8", "workload.prompt.hi=40",
         "workload.output.lo=4", "workload.output.hi=12", "workload.think.mean=0.05", "workload.kv_budget_mb=0.25",
@@ -181,19 +216,34 @@ def test_turn_rows_of_a_run_without_a_prefix_cache_say_why_nothing_is_classified
     assert [r["prefix_query_tokens"] for r in turn_rows(timeline)] == [0, 0]
 
 
-def test_a_hybrids_returning_turns_are_not_classified_and_the_record_says_why(tmp_path):
-    """A Gated DeltaNet hybrid resumes a history only from a state saved in prefill: its prefix hits
-    are recorded, its returning turns are neither cached nor evicted, and returning_reason says why."""
+def test_a_hybrids_returning_turns_are_classified_from_the_record(tmp_path):
+    """A Gated DeltaNet hybrid's run: every returning turn is cached or evicted, by the rule in the
+    record's own columns (what the store could resume when the turn before finished, a whole number
+    of blocks no longer than what it computed, against what the turn found); an older record, without
+    resumable_tokens, is not classified and says why."""
     torch.set_num_threads(1)
     run_job(compose(*CONV, "attention.full_attention_interval=2"), tmp_path)
     record = read_record(tmp_path / "results.json")
     assert record.status == "ok", record.error
-    m, table = record.metrics, record.tables["conversation_turns"]
-    assert m["returning_turns"] > 0 and (m["returning_cached"], m["returning_evicted"]) == (0, 0)
-    assert m["returning_reason"].startswith("not classified: a recurrent (Gated DeltaNet) layer resumes only")
-    assert sum(t["cached"] + t["evicted"] for t in table) == 0
-    rows = record.tables["serving_requests"]
+    m, table, rows = record.metrics, record.tables["conversation_turns"], record.tables["serving_requests"]
+    by = {(r["conversation"], r["turn"]): r for r in rows}
+    cached = evicted = 0
+    for (c, k), r in by.items():
+        prev = by.get((c, k - 1))
+        if prev is None:
+            continue
+        left = prev["resumable_tokens"]
+        assert left % 16 == 0 and 0 <= left <= prev["prompt_len"] + prev["output_len"] - 1
+        cached += r["first_hit_tokens"] >= min(left, (r["prompt_len"] - 1) // 16 * 16)
+        evicted += r["first_hit_tokens"] < min(left, (r["prompt_len"] - 1) // 16 * 16)
+    assert m["returning_turns"] == cached + evicted > 0 and m["returning_reason"] is None
+    assert (m["returning_cached"], m["returning_evicted"]) == (cached, evicted)
+    assert sum(t["cached"] for t in table) == cached and sum(t["evicted"] for t in table) == evicted
     assert sum(t["prefix_hit_tokens"] for t in table) == sum(r["prefix_hit_tokens"] for r in rows)
+    old = {k: [{c: v for c, v in r.items() if c != "resumable_tokens"} for r in t] if k == "serving_requests" else t
+           for k, t in record.tables.items()}
+    timeline = timeline_from_record(old, record.metrics)
+    assert conversation_metrics(timeline, recurrent=True)["returning_reason"].startswith("not classified: a record")
 
 
 def test_the_console_prints_the_record_per_turn_table(conv_record):

@@ -119,6 +119,13 @@ class Plan:
     # pages of each pool a prefill chunk holds beyond a decoding sequence's worst (a window's ring grows
     # by the chunk), room kept once: per_kind sets them aside in its pools, unified keeps them free
     reserve: Tuple[int, ...] = ()
+    # positions a block of each group holds: a slot store's window keeps a ring shorter than its
+    # slot (empty: block_size each)
+    positions: Tuple[int, ...] = ()
+
+    def block_positions(self, g: int) -> int:
+        """Positions a block of group ``g`` holds."""
+        return self.positions[g] if self.positions else self.block_size
 
     @property
     def reserved_bytes(self) -> int:
@@ -130,7 +137,8 @@ class Plan:
     @property
     def storage_bytes(self) -> int:
         """Bytes the layouts' formula gives for what the groups' storage holds."""
-        return sum(n * g.page_bytes(self.block_size) for g, n in zip(self.groups, self.capacity))
+        return sum(n * g.page_bytes(self.block_positions(i))
+                   for i, (g, n) in enumerate(zip(self.groups, self.capacity)))
 
     @property
     def waste_per_sequence(self) -> int:
@@ -213,17 +221,19 @@ def usable_pages(pages: int, cost: Sequence[int]) -> int:
     return max(pages - (pages - x) % m for x in reach if x <= pages)
 
 
-def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int) -> Plan:
+def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int, chunk: int) -> Plan:
     """The static cache's pools: ``num_slots`` slots of ``slot_len`` positions in every group, one per
-    running request."""
+    running request; a window's slot is a ring of W - 1 + ``chunk`` positions where that is shorter
+    (a forward adds at most ``chunk``)."""
     groups = tuple(groups)
-    return Plan("per_kind", slot_len, groups, tuple(slot_bytes(g, slot_len) for g in groups), (1,) * len(groups),
-                (num_slots,) * len(groups), (num_slots,) * len(groups))
+    positions = tuple(g.spec.slot_positions(slot_len, chunk) for g in groups)
+    return Plan("per_kind", slot_len, groups, tuple(g.page_bytes(p) for g, p in zip(groups, positions)),
+                (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups), positions=positions)
 
 
-def slot_bytes(group: Group, slot_len: int) -> int:
-    """Bytes one slot of ``slot_len`` positions (a state) takes in ``group``."""
-    return group.page_bytes(slot_len)
+def slot_bytes(group: Group, slot_len: int, chunk: int) -> int:
+    """Bytes one slot of ``slot_len`` positions (a window's ring, a state) takes in ``group``."""
+    return group.page_bytes(group.spec.slot_positions(slot_len, chunk))
 
 
 class Checkpoint:
