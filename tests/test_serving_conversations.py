@@ -257,3 +257,61 @@ def test_the_console_prints_the_record_per_turn_table(conv_record):
     table = conv_record.tables["conversation_turns"]
     assert [int(cells[0]) for cells in lines] == [t["turn"] for t in table]
     assert [(int(c[5]), int(c[6])) for c in lines] == [(t["cached"], t["evicted"]) for t in table]
+
+
+SHAREGPT = [{"conversations": [{"from": "system", "value": "the"}, {"from": "human", "value": "hello world how are"},
+                               {"from": "gpt", "value": "fine thanks"}, {"from": "human", "value": "how is zzz"},
+                               {"from": "gpt", "value": "fine"}]},
+            {"conversations": [{"from": "human", "value": "héllo you"}, {"from": "gpt", "value": "a world"}]}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(tmp_path_factory):
+    """A tiny Llama checkpoint directory's config.json (a plan reads no weights) with a word-level
+    tokenizer.json of 11 words, and a ShareGPT file."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("tokenized")
+    path = root / "llama"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 97,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 500.0, "tie_word_embeddings": False}))
+    words = "hello world how are you fine thanks the a is".split()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (root / "chats.json").write_text(json.dumps(SHAREGPT))
+    return path, root / "chats.json"
+
+
+def test_sharegpt_lengths_and_ids_come_from_the_checkpoints_own_tokenizer(checkpoint_with_tokenizer):
+    """model=hf_dir with a tokenizer.json: each turn's message and answer are as many tokens as that
+    tokenizer gives (read here by the tokenizers library itself), the first prompt its ids (the
+    system message's, then the message's); without a checkpoint, the UTF-8 bytes."""
+    from tokenizers import Tokenizer
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.serving.tokenize import tokenizer_name
+    from kvbench.workloads.serving import plan_at
+
+    path, chats = checkpoint_with_tokenizer
+    ref = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ids = lambda text: ref.encode(text, add_special_tokens=False).ids  # noqa: E731
+    base = ["workload=conversations", f"workload.sharegpt={chats}", "workload.num_requests=2", "runtime.device=cpu"]
+    plan = plan_at(to_bench_config(compose(*base, "model=hf_dir", f"model.path={path}")))
+    assert ids("the") + ids("hello world how are") == [8, 1, 2, 3, 4]
+    first, second, third = (sorted(plan.requests, key=lambda r: r.id))
+    assert (first.prompt_len, first.output_len) == (5, len(ids("fine thanks"))) == (5, 2)
+    assert (second.prompt_len, second.output_len) == (5 + 2 + len(ids("how is zzz")), 1) == (10, 1)
+    assert (third.prompt_len, third.output_len) == (len(ids("héllo you")), len(ids("a world"))) == (2, 2)
+    assert plan.prompts == [[8, 1, 2, 3, 4], [0, 5]]  # "héllo" is no word of it: [UNK]
+    assert tokenizer_name(str(path)).endswith("tokenizer.json (AutoTokenizer)")
+    byte_plan = plan_at(to_bench_config(compose(*base, "model=tiny")))
+    lengths = [(r.prompt_len, r.output_len) for r in sorted(byte_plan.requests, key=lambda r: r.id)]
+    assert lengths == [(3 + 19, 11), (3 + 19 + 11 + 10, 4), (10, 7)]  # "héllo you": é is 2 bytes
+    assert byte_plan.prompts[1] == [b % 512 for b in "héllo you".encode()]
+    assert tokenizer_name(None) == "bytes (UTF-8, one token per byte)"

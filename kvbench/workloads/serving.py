@@ -32,6 +32,7 @@ from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
 from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_metrics
 from kvbench.serving.record import timeline_scalars, timeline_tables
 from kvbench.serving.scheduler import FakeClock, Scheduler
+from kvbench.serving.tokenize import byte_ids, checkpoint_encoder
 from kvbench.serving.trace import Request
 
 Tick = Callable[..., None]
@@ -181,7 +182,7 @@ def _plan(cfg: BenchConfig, w) -> Plan:
     """What ``w`` serves: its requests and their prompts; a conversation's later turns are
     released as the run goes (:mod:`kvbench.serving.conversations`)."""
     if w.name == "conversations":
-        return make_chats(w, cfg.model.vocab_size).plan()
+        return make_chats(w, cfg.model.vocab_size, checkpoint_encoder(cfg.model.path) or byte_ids).plan()
     requests = make_requests(w)
     return Plan(requests, requests, [request_tokens(r, cfg.model.vocab_size, w.seed) for r in requests])
 
