@@ -199,7 +199,7 @@ def serving_store_bytes(cfg: BenchConfig) -> int:
         return int(budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, cfg.cache.block_size, groups)) * (
             len(groups) if w.allocator == "unified" else 1)
     size = w.slot_len or max(w.total_len, 1)
-    slot = sum(slot_bytes(g, size) for g in groups)
+    slot = sum(slot_bytes(g, size, w.max_prefill_tokens) for g in groups)
     return (w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // slot)) * slot
 
 

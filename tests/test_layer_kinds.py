@@ -149,7 +149,8 @@ def test_a_paged_store_allocates_the_formula_for_its_blocks(kind, name, allocato
 
 def test_a_slot_store_allocates_the_formula_for_its_slots(kind, name):
     """The serving store's static cache, in every cache.dtype the layers take: each slot every
-    layer's positions of ``slot_len`` (a slot is taken whole: a local layer too) and each state once."""
+    layer's positions of ``slot_len`` (a local layer's too: a ring of W - 1 + 512 positions is longer
+    than a slot of 20) and each state once."""
     job, model = example(kind, name)
     layers, element = model.layouts, model.dtype.itemsize
     for cache_dtype in taken(layers):

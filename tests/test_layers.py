@@ -29,7 +29,7 @@ LAYERS = [
      "layouts.kv_sharing"],
     ["layouts.kinds"],
     ["layouts.build", "config.layer_options", "config.hf", "config.serving"],
-    ["config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],
+    ["config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator", "serving.tokenize"],
     ["config.model", "config.recall", "config.capacity", "config.train", "config.record"],
     ["config.conversion", "config.workload", "config.compare", "rope", "quant4"],
     ["config.bench", "serving.arrivals", "kv_store", "state_cache", "shared_kv",

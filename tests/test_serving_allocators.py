@@ -39,14 +39,24 @@ def hybrid() -> Decoder:
     return Decoder(cfg, AttentionConfig(window=W, layer_types=KINDS)).eval()
 
 
+def window_blocks(longest, chunk, bs=BS):
+    """Blocks a local layer holds at its worst while a forward adds ``chunk`` positions: the W - 1
+    before it and the chunk, at the worst alignment (never more than every block of the sequence)."""
+    return min(math.ceil(longest / bs), math.ceil((W - 1 + chunk + bs - 1) / bs))
+
+
 def hand_per_kind(budget, longest):
-    """Pools (blocks, block bytes) of full, window, state: the budget split by what the longest
-    request holds at its worst in each, rounded down to whole blocks."""
+    """Pools (blocks, block bytes) of full, window, state: what a prefill chunk holds beyond a
+    decoding sequence set aside once (the window's CHUNK - 1 more positions), the rest split by what
+    the longest request holds at its worst in each while it decodes, rounded down to whole blocks."""
     full = (math.ceil(longest / BS), BS * KV_LAYER)
-    window = (min(math.ceil(longest / BS), math.ceil((W - 1 + CHUNK + BS - 1) / BS)), BS * KV_LAYER)
+    window = (window_blocks(longest, 1), BS * KV_LAYER)
     state = (1, 2 * STATE_LAYER)
+    reserve = (0, window_blocks(longest, CHUNK) - window_blocks(longest, 1), 0)
+    left = budget - reserve[1] * window[1]
     weights = [n * b for n, b in (full, window, state)]
-    return [(int(budget * w // sum(weights) // b), b) for w, (_, b) in zip(weights, (full, window, state))]
+    return [(r + int(left * w // sum(weights) // b), b)
+            for r, w, (_, b) in zip(reserve, weights, (full, window, state))]
 
 
 def hand_unified():
@@ -194,28 +204,30 @@ def test_a_capacity_rows_reserved_bytes_and_fit_equal_the_hand_formula(layout, a
         model = hybrid()
     groups = groups_of(model.layouts, model.dtype.itemsize)
     plan = make_plan(groups, allocator, BS, budget, context, CHUNK)
-    window_blocks = lambda bs: min(math.ceil(context / bs), math.ceil((W - 1 + 1 + bs - 1) / bs))  # noqa: E731
+    # the window's blocks a prefill chunk holds beyond a decoding sequence's: kept once, not per sequence
+    extra = lambda bs: window_blocks(context, CHUNK, bs) - window_blocks(context, 1, bs)  # noqa: E731
     if layout == "windowed":  # two full layers, two local ones, no state
         if allocator == "per_kind":
-            weights = [math.ceil(context / BS) * BS * 2 * KV_LAYER,
-                       min(math.ceil(context / BS), math.ceil((W - 1 + CHUNK + BS - 1) / BS)) * BS * 2 * KV_LAYER]
-            pools = [int(budget * w // sum(weights) // (BS * 2 * KV_LAYER)) for w in weights]
-            need = [math.ceil(context / BS), window_blocks(BS)]
-            per_seq = sum(need) * BS * 2 * KV_LAYER
-            fit = min(p // n for p, n in zip(pools, need))
+            block = BS * 2 * KV_LAYER
+            need = [math.ceil(context / BS), window_blocks(context, 1)]
+            left = budget - extra(BS) * block
+            pools = [int(left * n // sum(need) // block) for n in need]
+            pools[1] += extra(BS)
+            per_seq = sum(need) * block
+            fit = min((p - r) // n for p, r, n in zip(pools, (0, extra(BS)), need))
         else:  # no state: the block stays, a page is one layer's block
             page = BS * KV_LAYER
-            need = 2 * math.ceil(context / BS) + 2 * window_blocks(BS)
-            per_seq, fit = need * page, int(budget // page) // need
+            need = 2 * math.ceil(context / BS) + 2 * window_blocks(context, 1)
+            per_seq, fit = need * page, (int(budget // page) - 2 * extra(BS)) // need
     elif allocator == "per_kind":
         pools = [n for n, _ in hand_per_kind(budget, context)]
-        need = [math.ceil(context / BS), window_blocks(BS), 1]
+        need = [math.ceil(context / BS), window_blocks(context, 1), 1]
         per_seq = (need[0] + need[1]) * BS * KV_LAYER + 2 * STATE_LAYER
-        fit = min(p // n for p, n in zip(pools, need))
+        fit = min((p - r) // n for p, r, n in zip(pools, (0, extra(BS), 0), need))
     else:  # blocks of 12 tokens, a page of max(12 positions of one layer, one state); a state: a page per layer
         bs, page = hand_unified()
-        need = math.ceil(context / bs) + window_blocks(bs) + 2
-        per_seq, fit = need * page, int(budget // page) // need
+        need = math.ceil(context / bs) + window_blocks(context, 1, bs) + 2
+        per_seq, fit = need * page, (int(budget // page) - extra(bs)) // need
     assert plan.worst_sequence_bytes(context) == per_seq
     assert plan.sequences_fit(context) == fit > 0
     assert fit * per_seq <= plan.reserved_bytes <= budget
@@ -287,3 +299,43 @@ def test_usable_pages_are_the_largest_sum_of_block_costs(pages, cost, usable):
     best = max(sum(n * c for n, c in zip(ns, cost)) for ns in itertools.product(*(range(pages // c + 1) for c in cost))
                if sum(n * c for n, c in zip(ns, cost)) <= pages)
     assert usable_pages(pages, cost) == best == usable
+
+
+@pytest.mark.parametrize("preset, local, window, kv, head_dim, layers, fit", [
+    ("gemma3_27b", 52, 1024, 16, 128, 62, 35),  # 5 local : 1 global
+    ("gpt_oss_120b", 18, 128, 8, 64, 36, 130),  # alternating
+])
+def test_per_kind_fits_as_many_decoding_sequences_as_unified_on_windowed_presets(preset, local, window, kv, head_dim,
+                                                                                   layers, fit):
+    """The capacity report's presets in bfloat16 at 8192 tokens and 40 GB, blocks of 16, chunks of 512,
+    from the published shapes by hand: per_kind sized its window pool for a 512-token chunk kept
+    whole in every sequence, so Gemma 3 27B fit 30 sequences against unified's 35. Sized for
+    decoding sequences with one chunk's room set aside once, both fit the same, and both keep
+    that room out of the count."""
+    from conftest import compose
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.layouts.build import build_layouts
+    from kvbench.serving.allocator import groups_of
+
+    cfg = to_bench_config(compose(f"model={preset}", "task=inspect", "runtime.dtype=bfloat16"))
+    groups = groups_of(build_layouts(cfg.model, cfg.attention), 2)
+    context, budget, bs, chunk = 8192, 40 * 10**9, 16, 512
+    position = 2 * kv * head_dim * 2  # K and V of one layer, bfloat16
+    full_need = context // bs  # every block, every global layer
+    window_need = math.ceil((window + bs - 1) / bs)  # W kept while it decodes, at the worst alignment
+    extra = math.ceil((window - 1 + chunk + bs - 1) / bs) - window_need  # what a chunk's forward adds
+    full_page, window_page = bs * position * (layers - local), bs * position * local
+    per_seq = full_need * full_page + window_need * window_page
+    left = budget - extra * window_page
+    pools = [int(left * full_need * full_page // per_seq // full_page),
+             extra + int(left * window_need * window_page // per_seq // window_page)]
+    per_kind = make_plan(groups, "per_kind", bs, budget, context, chunk)
+    assert per_kind.pages == tuple(pools) and per_kind.reserve == (0, extra)
+    assert per_kind.worst_sequence_bytes(context) == per_seq
+    assert per_kind.sequences_fit(context) == min(pools[0] // full_need, (pools[1] - extra) // window_need) == fit
+    unified = make_plan(groups, "unified", bs, budget, context, chunk)
+    page = bs * position  # one layer's block
+    need = full_need * (layers - local) + window_need * local
+    assert unified.reserve == (extra * local,)
+    assert unified.sequences_fit(context) == (budget // page - extra * local) // need == fit

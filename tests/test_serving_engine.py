@@ -113,8 +113,8 @@ def test_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout, cach
     model = MODELS[layout]()
     requests, prompts = workload(model.config.vocab_size, prefix=9 if "prefix" in store else 0)
     longest = max(r.prompt_len + r.output_len - 1 for r in requests)
-    if store == "slots":
-        s = SlotStore(model, 3, longest, cache_dtype)
+    if store == "slots":  # a window's slot: a ring of W - 1 + 8 positions (forwards of at most 8)
+        s = SlotStore(model, 3, longest, cache_dtype, chunk=8)
     else:
         small = store.endswith("small")
         if store.startswith("unified"):
@@ -168,7 +168,8 @@ def test_every_turn_of_a_conversation_gets_the_tokens_of_an_isolated_greedy_deco
     blocks = -(-longest // BS)
     while paged(blocks).unfit(longest, 8):  # small: the largest turn fits, little else
         blocks += 1
-    s = paged(blocks + (1 if store.endswith("small") else 80))
+    # small: a few blocks more, so that a local layer's pool (sized for decoding sequences) keeps one history
+    s = paged(blocks + (3 if store.endswith("small") else 80))
     scheduler = Scheduler(model, s, plan.arrivals, plan.prompts, 8, clock=FakeClock(0.01, 1e-4, 1e-3),
                           follow=plan.follow)
     timeline = scheduler.run()
@@ -181,14 +182,14 @@ def test_every_turn_of_a_conversation_gets_the_tokens_of_an_isolated_greedy_deco
             before = served[(c, k - 1)]
             assert prompt[:len(before.tokens)] == before.tokens
             assert x.request.arrival_s >= before.trace.token_s[-1]  # sent after the answer
-    kinds = [k for k in classify(timeline).values() if k is not None]
+    kinds = [k for k in classify(timeline, recurrent=layout == "gdn").values() if k is not None]
     if store.startswith("paged"):
         assert kinds == []  # nothing was looked up
     if layout == "gdn":
-        # A recurrent layer resumes only from a state saved in prefill, never at an answer's end:
-        # blocks cannot tell its cached histories from evicted ones, so none is classified (nor are
-        # its preemptions asserted: a state pool's own size); its tokens are, above.
-        assert [k for k in classify(timeline, recurrent=True).values() if k is not None] == []
+        # a recurrent layer resumes only where a state was saved: its returning turns are classified by
+        # the states the store held (tests/test_serving_conversations.py); its preemptions are not
+        # asserted (a state pool's own size), its tokens are, above
+        assert store.startswith("paged") or len(kinds) == sum(k > 0 for _, k in served)
         return
     if not store.startswith("paged"):
         assert ("evicted" in kinds) == store.endswith("small") and "cached" in kinds
@@ -283,6 +284,30 @@ def test_prefix_hits_are_full_blocks_of_the_prompt_but_its_last_token():
     assert (c.prefix_hit_tokens, c.prefix_query_tokens) == (4, 8)  # 8 tokens: at most 7 looked up, 1 block
     for r, p in zip(requests, prompts):
         assert scheduler.outputs()[r.id] == isolated(model, r, p)
+
+
+@pytest.mark.parametrize("layout", ["window", "shared_kv"])
+def test_a_slot_store_keeps_a_ring_of_the_window_for_local_layers(layout):
+    """A local layer's slot is a ring of W - 1 + chunk positions (5 - 1 + 8 = 12 here), not the slot's
+    30: what the store allocates is that by hand; requests longer than the ring wrap it and decode the
+    tokens of a static cache holding every position; a forward longer than the chunk it was sized for
+    is refused rather than overwriting keys it reads."""
+    model = MODELS[layout]()
+    requests, prompts = workload(model.config.vocab_size, n=6, seed=3)
+    slot = max(r.prompt_len + r.output_len - 1 for r in requests)
+    assert slot > 12  # some request wraps its ring
+    store = SlotStore(model, 2, slot, chunk=8)
+    position = 2 * 2 * 8 * 4  # K and V, 2 heads of 8, float32
+    # window: layers 0, 2 local (ring of 12), 1, 3 global; shared_kv: the last 2 hold nothing
+    local, full = (2, 2) if layout == "window" else (1, 1)
+    assert store.nbytes == 2 * (local * 12 + full * slot) * position
+    assert store.nbytes == store.storage_bytes == 2 * sum(store.plan.page_bytes)
+    scheduler, timeline = run(model, store, requests, prompts)
+    for r, p in zip(requests, prompts):
+        assert scheduler.outputs()[r.id] == isolated(model, r, p), r
+    # chunks of 9: the second (positions 9..17) reads keys 5..17, 13 of them
+    with pytest.raises(ValueError, match="reads 13 keys of a layer whose slot is a ring of 12"):
+        run(model, SlotStore(model, 1, 21, chunk=8), [Request(0, 0.0, 20, 2)], [list(range(20))], max_prefill_tokens=9)
 
 
 def test_a_slot_store_admits_only_as_many_requests_as_it_has_slots():

@@ -54,8 +54,9 @@ class ConversationsWorkload(ServingWorkload):
     ``duration_s``, ``rate`` and ``arrival`` are those of conversations; ``prompt`` is each user
     message's length, ``output`` each answer's; ``prefix_len`` a system prompt before the first
     message. ``sharegpt``: a ShareGPT-style JSON whose conversations give the turns and their
-    lengths (UTF-8 bytes: a byte tokenizer); ``arrival=trace``: ``trace`` is a CSV / JSONL of
-    conversation, turn, arrival_s, user_len, output_len (optional think_s)."""
+    lengths (the checkpoint's tokenizer.json at model.path, else UTF-8 bytes); ``arrival=trace``:
+    ``trace`` is a CSV / JSONL of conversation, turn, arrival_s, user_len, output_len (optional
+    think_s)."""
 
     name: str = "conversations"  # the option, conf/workload/<name>.yaml
     rate: float = 1.0  # conversations per second (mean); arrival=trace ignores it

@@ -79,6 +79,11 @@ class PageSpec(ABC):
         """Bytes the pages a sequence of ``length`` positions holds between forwards reserve."""
         return self.blocks_held(length, bs) * self.page_bytes(bs)
 
+    def slot_positions(self, slot_len: int, chunk: int) -> int:
+        """Positions a static slot of ``slot_len`` keeps of one sequence growing by forwards of at most
+        ``chunk`` positions (a ring wraps: position p at p mod this)."""
+        return slot_len
+
     def unit(self, block_size: int) -> str:
         """What a pool of these pages counts, for error lines."""
         return f"blocks of {block_size} tokens"
@@ -127,6 +132,10 @@ class Ring(Blocks):
         # W - 1 kept positions and a chunk, at the worst alignment
         every, kept = _blocks(length, bs), min(length, self.window - 1 + chunk)
         return every if kept >= length else min(every, _blocks(kept + bs - 1, bs))
+
+    def slot_positions(self, slot_len: int, chunk: int) -> int:
+        # a forward of T positions reads the W - 1 before it and writes T: W - 1 + T distinct slots
+        return min(slot_len, self.window - 1 + chunk)
 
     def layers_text(self) -> str:
         return f"layers of window {self.window}"
@@ -205,6 +214,9 @@ class CompressedPool(Ring):
         # the ring's blocks as a window's, whole pool blocks of bs entries, the buffer page
         return super().reserved_bytes(length, bs) + self.pool_blocks(length, bs) * bs * self.entry_bytes + \
             self.buffer_bytes
+
+    def slot_positions(self, slot_len: int, chunk: int) -> int:
+        return slot_len  # its pooled entries grow with the length: no ring of its ring's size holds them
 
     def layers_text(self) -> str:
         return f"compressed layers of window {self.window} and rate {self.rate}"

@@ -9,7 +9,10 @@ layers; nothing here asks what kind a layer is. A layer that reads another layer
 nothing.
 
 - ``per_kind`` (kvbench's pools): a pool per group, of its own block size in bytes; the budget is
-  split in proportion to what the longest request holds at its worst in each.
+  split in proportion to what the longest request holds at its worst in each while it *decodes*,
+  after setting aside once what a prefill chunk holds beyond that (a window's ring holds W - 1 +
+  chunk positions while a chunk is prefilled, W while it decodes): a forward prefills at most
+  ``chunk`` positions in all, so that room is needed once, not once per sequence.
 - ``unified`` (vLLM's hybrid allocator): one pool of equal pages, a page being one layer's block or
   one layer's state; the attention block is raised until its page holds a state
   (:func:`unified_block_size`). A group's block takes one page per layer of the group.
@@ -113,6 +116,16 @@ class Plan:
     cost: Tuple[int, ...]
     capacity: Tuple[int, ...]
     pages: Tuple[int, ...]  # per_kind: one per group; unified: one
+    # pages of each pool a prefill chunk holds beyond a decoding sequence's worst (a window's ring grows
+    # by the chunk), room kept once: per_kind sets them aside in its pools, unified keeps them free
+    reserve: Tuple[int, ...] = ()
+    # positions a block of each group holds: a slot store's window keeps a ring shorter than its
+    # slot (empty: block_size each)
+    positions: Tuple[int, ...] = ()
+
+    def block_positions(self, g: int) -> int:
+        """Positions a block of group ``g`` holds."""
+        return self.positions[g] if self.positions else self.block_size
 
     @property
     def reserved_bytes(self) -> int:
@@ -124,7 +137,8 @@ class Plan:
     @property
     def storage_bytes(self) -> int:
         """Bytes the layouts' formula gives for what the groups' storage holds."""
-        return sum(n * g.page_bytes(self.block_size) for g, n in zip(self.groups, self.capacity))
+        return sum(n * g.page_bytes(self.block_positions(i))
+                   for i, (g, n) in enumerate(zip(self.groups, self.capacity)))
 
     @property
     def waste_per_sequence(self) -> int:
@@ -142,8 +156,9 @@ class Plan:
 
     def sequences_fit(self, length: int, chunk: int = 1) -> int:
         """How many sequences of ``length`` positions the pools hold at once, each at its worst (nothing
-        shared): the scarcest pool decides."""
-        return min(p // n for p, n in zip(self.pages, self.need(length, chunk)) if n)
+        shared), beside the room set aside for a prefill chunk: the scarcest pool decides."""
+        reserve = self.reserve or (0,) * len(self.pages)
+        return min((p - r) // n for p, r, n in zip(self.pages, reserve, self.need(length, chunk)) if n)
 
     def need(self, length: int, chunk: int) -> Tuple[int, ...]:
         """Pages a request of ``length`` positions needs at its worst, per pool."""
@@ -163,20 +178,28 @@ def budget_bytes(kv_budget_mb: Optional[float], kv_budget_blocks: Optional[int],
 
 def make_plan(groups: Sequence[Group], allocator: str, block_size: int, budget_bytes: float, longest: int,
               chunk: int = 1) -> Plan:
-    """The pools ``allocator`` makes of ``budget_bytes`` (``longest`` and ``chunk`` set per_kind's split)."""
+    """The pools ``allocator`` makes of ``budget_bytes`` (``longest`` and ``chunk`` set per_kind's split:
+    sized for sequences of ``longest`` that decode, plus once the room a prefill chunk adds)."""
     if allocator not in ALLOCATORS:
         raise ConfigError(f"workload.allocator={allocator!r}: must be one of {', '.join(ALLOCATORS)}")
     groups = tuple(groups)
     if allocator == "per_kind":
         page = tuple(g.page_bytes(block_size) for g in groups)
-        weight = [worst_blocks(g, longest, block_size, chunk) * b for g, b in zip(groups, page)]
-        pages = tuple(int(budget_bytes * w // sum(weight) // b) for w, b in zip(weight, page))
-        return Plan(allocator, block_size, groups, page, (1,) * len(groups), pages, pages)
+        decode = [worst_blocks(g, longest, block_size) for g in groups]
+        reserve = tuple(worst_blocks(g, longest, block_size, chunk) - n for g, n in zip(groups, decode))
+        left = max(0.0, budget_bytes - sum(r * b for r, b in zip(reserve, page)))
+        weight = [n * b for n, b in zip(decode, page)]
+        pages = tuple(r + int(left * w // sum(weight) // b) for r, w, b in zip(reserve, weight, page))
+        return Plan(allocator, block_size, groups, page, (1,) * len(groups), pages, pages, reserve)
     bs = unified_block_size(groups, block_size)
     one = max(g.layer_page_bytes(bs) for g in groups)  # a page: one layer's block (or state)
     cost = tuple(len(g.layers) for g in groups)
     total = usable_pages(int(budget_bytes // one), cost)
-    return Plan(allocator, bs, groups, tuple(c * one for c in cost), cost, tuple(total // c for c in cost), (total,))
+    # nothing set aside: a prefill chunk's room is any free page, kept out of the sequences that fit
+    reserve = sum((worst_blocks(g, longest, bs, chunk) - worst_blocks(g, longest, bs)) * c
+                  for g, c in zip(groups, cost))
+    return Plan(allocator, bs, groups, tuple(c * one for c in cost), cost, tuple(total // c for c in cost), (total,),
+                (reserve,))
 
 
 def usable_pages(pages: int, cost: Sequence[int]) -> int:
@@ -198,17 +221,19 @@ def usable_pages(pages: int, cost: Sequence[int]) -> int:
     return max(pages - (pages - x) % m for x in reach if x <= pages)
 
 
-def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int) -> Plan:
+def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int, chunk: int) -> Plan:
     """The static cache's pools: ``num_slots`` slots of ``slot_len`` positions in every group, one per
-    running request."""
+    running request; a window's slot is a ring of W - 1 + ``chunk`` positions where that is shorter
+    (a forward adds at most ``chunk``)."""
     groups = tuple(groups)
-    return Plan("per_kind", slot_len, groups, tuple(slot_bytes(g, slot_len) for g in groups), (1,) * len(groups),
-                (num_slots,) * len(groups), (num_slots,) * len(groups))
+    positions = tuple(g.spec.slot_positions(slot_len, chunk) for g in groups)
+    return Plan("per_kind", slot_len, groups, tuple(g.page_bytes(p) for g, p in zip(groups, positions)),
+                (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups), positions=positions)
 
 
-def slot_bytes(group: Group, slot_len: int) -> int:
-    """Bytes one slot of ``slot_len`` positions (a state) takes in ``group``."""
-    return group.page_bytes(slot_len)
+def slot_bytes(group: Group, slot_len: int, chunk: int) -> int:
+    """Bytes one slot of ``slot_len`` positions (a window's ring, a state) takes in ``group``."""
+    return group.page_bytes(group.spec.slot_positions(slot_len, chunk))
 
 
 class Checkpoint:

@@ -36,16 +36,21 @@ class GroupView:
     """A K/V group's keys for this forward: which positions each sequence reads (a window's from its
     first visible one) under the mask, and their :class:`Slots` in the group's blocks (``slots``), or
     in any table of pages that holds the same blocks (:meth:`slots_of`: a layer's pages in a pool
-    shared by every group)."""
+    shared by every group). ``ring``: each table is one page of ``bs`` positions, position p at p mod
+    bs (a slot store's window)."""
 
     def __init__(self, tables: Sequence[List], starts: Sequence[int], T: int, bs: int, layout, positions: Positions,
-                 device):
+                 device, ring: bool = False):
         ends = [s + T for s in starts]
         firsts = [layout.first_kept(s) for s in starts]
         S = max(e - f for e, f in zip(ends, firsts))
+        if ring and S > bs:  # two positions read would share a slot: the newer overwrote the older
+            raise ValueError(f"a forward of {T} positions reads {S} keys of a layer whose slot is a ring of {bs}: "
+                             "forwards may add at most the chunk the slot store was sized for")
         keys = torch.tensor(firsts)[:, None] + torch.arange(S)[None]  # (B, S) key positions
         self.bs, self.device, self.valid = bs, device, keys < torch.tensor(ends)[:, None]
-        self.at, self.offset = torch.where(self.valid, keys // bs, torch.zeros_like(keys)), keys % bs
+        at = torch.zeros_like(keys) if ring else torch.where(self.valid, keys // bs, torch.zeros_like(keys))
+        self.at, self.offset = at, keys % bs
         new = torch.tensor(starts)[:, None] + torch.arange(T)[None]  # (B, T)
         self.new = new - torch.tensor(firsts)[:, None]  # the new positions among the S read
         self.slots = self.slots_of(tables)

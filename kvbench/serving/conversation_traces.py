@@ -4,9 +4,10 @@
   "value": "..."}, {"from": "gpt", "value": "..."}, ...]}``. A turn is a human message and the gpt
   answer after it (``user`` / ``assistant`` are read as the same roles); a leading ``system``
   message is part of the first turn's message; a last human message with no answer is not a turn.
-  Lengths are the UTF-8 bytes of the text (a byte tokenizer: one token per byte, the ids the bytes
-  modulo the vocabulary), whatever the model's own tokenizer would give. The file has no times:
-  its conversations arrive at ``workload.rate``.
+  Lengths are the text's tokens under the checkpoint's own tokenizer when the model is a checkpoint
+  directory with a tokenizer.json, else its UTF-8 bytes (a byte tokenizer: one token per byte):
+  :mod:`kvbench.serving.tokenize`. The file has no times: its conversations arrive at
+  ``workload.rate``.
 - **Turns** (``workload.arrival=trace``, ``workload.trace``): JSONL (an object a line) or CSV with a
   header, columns ``conversation`` (any id), ``turn`` (0, 1, 2 ... in file order within a
   conversation), ``arrival_s`` (required on turn 0: seconds from the run's start; on a later turn
@@ -22,11 +23,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvbench.config.serving import MAX_REQUESTS, MAX_SPAN_S
 from kvbench.core.errors import ConfigError, one_line
 from kvbench.serving.table_files import number, read_text, table_rows
+from kvbench.serving.tokenize import Encode, byte_ids
 
 MAX_FILE_BYTES = 64 * 2**20  # as a single-turn trace's (serving/arrivals.py)
 MAX_TURNS = MAX_REQUESTS  # more than a record can hold (config.serving)
@@ -39,13 +41,14 @@ _WS = re.compile(r"\s*")
 class TurnSpec:
     """One turn as a file or the config gives it: the new message's and the answer's lengths;
     ``think_s`` after the previous answer (None: drawn from ``workload.think``); ``arrival_s`` the
-    earliest it is sent (turn 0: when its conversation arrives); ``text``: the message's bytes."""
+    earliest it is sent (turn 0: when its conversation arrives); ``text``: the message's token ids
+    (a file's text, tokenized: its UTF-8 bytes under the byte tokenizer)."""
 
     user_len: int
     output_len: int
     think_s: Optional[float] = None
     arrival_s: Optional[float] = None
-    text: Optional[bytes] = None
+    text: Optional[Sequence[int]] = None
 
 
 # ---- ShareGPT ----------------------------------------------------------------------------------
@@ -88,8 +91,9 @@ def _json_items(text: str, key: str) -> List[Tuple[int, Any]]:
     return items
 
 
-def read_sharegpt(path: str) -> List[List[TurnSpec]]:
-    """The conversations of a ShareGPT-style JSON file, in file order (see the module's docstring)."""
+def read_sharegpt(path: str, encode: Encode = byte_ids) -> List[List[TurnSpec]]:
+    """The conversations of a ShareGPT-style JSON file, in file order (see the module's docstring),
+    their text as ``encode`` tokenizes it."""
     key = f"workload.sharegpt={path!r}"
     items = _json_items(read_text(key, path, MAX_FILE_BYTES, "a conversation file"), key)
     if not items:
@@ -102,7 +106,7 @@ def read_sharegpt(path: str) -> List[List[TurnSpec]]:
             raise ConfigError(f"{where}: conversations: a list of messages is expected, got "
                               f"{one_line(repr(messages if isinstance(item, dict) else item), 60)}")
         turns: List[TurnSpec] = []
-        system, pending = b"", None
+        system, pending = "", None
         for j, m in enumerate(messages):
             field = f"conversations[{j}]"
             if not isinstance(m, dict):
@@ -111,16 +115,17 @@ def read_sharegpt(path: str) -> List[List[TurnSpec]]:
             if not isinstance(value, str):
                 raise ConfigError(f"{where}: {field}.value={one_line(repr(value), 60)}: a string is expected")
             if role == "system" and j == 0:
-                system = value.encode("utf-8")
+                system = value
             elif role in USER_ROLES and pending is None:
-                pending = system + value.encode("utf-8")
-                system = b""
+                # tokenized apart: the system message's last word never merges with the message's first
+                pending = encode(system) + encode(value) if system else encode(value)
+                system = ""
                 if not pending:
-                    raise ConfigError(f"{where}: {field}.value='': a message of no tokens")
+                    raise ConfigError(f"{where}: {field}.value={one_line(repr(value), 60)}: a message of no tokens")
             elif role in ANSWER_ROLES and pending is not None:
-                answer = len(value.encode("utf-8"))
+                answer = len(encode(value))
                 if answer == 0:
-                    raise ConfigError(f"{where}: {field}.value='': an answer of no tokens")
+                    raise ConfigError(f"{where}: {field}.value={one_line(repr(value), 60)}: an answer of no tokens")
                 turns.append(TurnSpec(len(pending), answer, text=pending))
                 pending = None
             else:

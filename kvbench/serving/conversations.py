@@ -17,6 +17,7 @@ from kvbench.config.serving import check_record_size
 from kvbench.core.errors import ConfigError
 from kvbench.serving.arrivals import draw_lengths, make_requests, request_tokens
 from kvbench.serving.conversation_traces import TurnSpec, read_sharegpt, read_turns
+from kvbench.serving.tokenize import Encode, byte_ids
 from kvbench.serving.trace import Request
 
 Follow = Callable[[Request, List[int], float], Optional[Tuple[Request, List[int]]]]
@@ -73,7 +74,7 @@ def draw_think(rng: np.random.Generator, n: int, think) -> np.ndarray:
 
 
 def message_tokens(seed: int, vocab_size: int, conversation: int, turn: int, spec: TurnSpec) -> List[int]:
-    """A message's token ids: its text's bytes (modulo the vocabulary), else drawn from (seed,
+    """A message's token ids: its text's (modulo the vocabulary), else drawn from (seed,
     conversation, turn): the same in every variant."""
     if spec.text is not None:
         return [b % vocab_size for b in spec.text]
@@ -96,8 +97,9 @@ def synthetic_chats(w, first: List[Request]) -> List[List[TurnSpec]]:
     return chats
 
 
-def make_chats(w, vocab_size: int) -> Chats:
-    """The conversations of ``w`` (a :class:`~kvbench.config.conversations.ConversationsWorkload`)."""
+def make_chats(w, vocab_size: int, encode: Encode = byte_ids) -> Chats:
+    """The conversations of ``w`` (a :class:`~kvbench.config.conversations.ConversationsWorkload`); a
+    ShareGPT file's text tokenized by ``encode``."""
     if w.arrival == "trace":
         specs, first, key, value = read_turns(w.trace), None, "workload.trace", w.trace
     else:
@@ -107,7 +109,7 @@ def make_chats(w, vocab_size: int) -> Chats:
         if w.sharegpt is None:
             specs = synthetic_chats(w, first)
         else:
-            specs = read_sharegpt(w.sharegpt)
+            specs = read_sharegpt(w.sharegpt, encode)
             if len(specs) < len(first):
                 raise ConfigError(f"{key}={value!r}: {len(first)} conversations arrive, workload.sharegpt="
                                   f"{w.sharegpt!r} holds {len(specs)}; lower it")

@@ -69,8 +69,8 @@ class Manager(ABC):
     saves_states = False  # whether it saves what a sequence holds at a position (prefix caching of a state)
 
     def __init__(self, model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str,
-                 shared: Optional[BytePool] = None):
-        self.group, self.block_size, self.pool, self.shared = group, block_size, pool, shared
+                 shared: Optional[BytePool] = None, ring: bool = False):
+        self.group, self.block_size, self.pool, self.shared, self.ring = group, block_size, pool, shared, ring
         self.rows = capacity if shared is None else shared.pages  # the pages its tensors index
 
     def carve(self, rows: int):
@@ -138,8 +138,8 @@ class BlockManager(Manager):
     """Positions in blocks (:class:`~kvbench.layouts.pages.Blocks`): each layer's K/V in a
     :class:`KVStore` of (pages x bs, H_kv, D), slot = block x bs + offset, in ``cache.dtype``."""
 
-    def __init__(self, model, group, capacity, block_size, pool, cache_dtype, shared=None):
-        super().__init__(model, group, capacity, block_size, pool, cache_dtype, shared)
+    def __init__(self, model, group, capacity, block_size, pool, cache_dtype, shared=None, ring=False):
+        super().__init__(model, group, capacity, block_size, pool, cache_dtype, shared, ring)
         self.stores = []
         for i in group.layers:
             carve = self.carve(block_size)  # a row per position: K's codes and scales, then V's
@@ -156,8 +156,8 @@ class BlockManager(Manager):
     def written(self, table, start, T):
         bs, filled = self.block_size, self.pool.filled
         for pos in range(start, start + T):
-            b = table[pos // bs]
-            filled[b] = max(filled[b], pos % bs + 1)
+            b = table[0 if self.ring else pos // bs]
+            filled[b] = max(filled[b], pos % bs + 1)  # a ring's page, once it wraps: full
 
     def found(self, keys, m):
         behind = self.group.spec.first_kept(m * self.block_size) // self.block_size
@@ -169,7 +169,7 @@ class BlockManager(Manager):
             self.pool.register(table[i], key)
 
     def caches(self, tables, starts, T, positions, device):
-        view = GroupView(tables, starts, T, self.block_size, self.group.keeps, positions, device)
+        view = GroupView(tables, starts, T, self.block_size, self.group.keeps, positions, device, self.ring)
         return {layer: PagedLayer(view, stores, view.slots if self.shared is None else
                                   view.slots_of(self.pages_of(tables, j)))
                 for j, (layer, stores) in enumerate(zip(self.group.layers, self.stores))}
@@ -190,8 +190,8 @@ class StateManager(Manager):
     commits = True
     saves_states = True
 
-    def __init__(self, model, group, capacity, block_size, pool, cache_dtype, shared=None):
-        super().__init__(model, group, capacity, block_size, pool, cache_dtype, shared)
+    def __init__(self, model, group, capacity, block_size, pool, cache_dtype, shared=None, ring=False):
+        super().__init__(model, group, capacity, block_size, pool, cache_dtype, shared, ring)
         self.states = []
         for i in group.layers:
             s, carve = model.layouts[i].state, self.carve(1)
@@ -254,12 +254,12 @@ MANAGERS: Dict[Type[PageSpec], Type[Manager]] = {Blocks: BlockManager, Ring: Rin
 
 
 def manager_for(model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str,
-                kind: str = "paged", shared: Optional[BytePool] = None) -> Manager:
+                kind: str = "paged", shared: Optional[BytePool] = None, ring: bool = False) -> Manager:
     """The manager of ``group``'s spec class; a spec no manager serves is one line naming it (``kind``:
-    the store's ``workload.store``)."""
+    the store's ``workload.store``; ``ring``: a table holds one page, position p at p mod ``block_size``)."""
     manager = MANAGERS.get(type(group.spec))
     if manager is None:
         raise ConfigError(f"workload.store={kind}: layers {', '.join(map(str, group.layers))} need "
                           f"{type(group.spec).__name__} pages ({group.spec.layers_text()}), which no serving store "
                           "manager serves yet; use workload=decode")
-    return manager(model, group, capacity, block_size, pool, cache_dtype, shared)
+    return manager(model, group, capacity, block_size, pool, cache_dtype, shared, ring)

@@ -67,6 +67,7 @@ class PagedStore:
     """A paged store for ``model``: a budget of ``num_blocks`` blocks of every K/V layer, or ``plan``."""
 
     kind = "paged"
+    rings = False  # whether a table's one page keeps position p at p mod its positions (a slot)
 
     def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True,
                  cache_dtype: str = "auto", plan: Optional[Plan] = None, checkpoint: Optional[Checkpoint] = None):
@@ -93,8 +94,9 @@ class PagedStore:
         self.checkpoints_saved = self.checkpoint_bytes_max = 0
 
     def _managers(self, model, cache_dtype: str) -> List[Manager]:
-        return [manager_for(model, group, n, self.block_size, pool, cache_dtype, self.kind, self.shared)
-                for group, n, pool in zip(self.plan.groups, self.plan.capacity, self.pools)]
+        return [manager_for(model, group, n, self.plan.block_positions(g), pool, cache_dtype, self.kind, self.shared,
+                            self.rings)
+                for g, (group, n, pool) in enumerate(zip(self.plan.groups, self.plan.capacity, self.pools))]
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -209,6 +211,19 @@ class PagedStore:
             return 0
         return seq.length
 
+    def resumable(self, seq: SeqBlocks) -> Optional[int]:
+        """The longest prefix of ``seq``'s own positions a new sequence could continue from now: every
+        group holds what it needs there (blocks findable by content, a recurrent layer's state saved at
+        exactly that position); None without a prefix cache. What a conversation's next turn can find
+        of its history if nothing is evicted meanwhile."""
+        if not self.prefix_caching:
+            return None
+        for m in range(len(seq.keys), 0, -1):
+            # the state groups (last) first: a position with no saved state fails in one lookup
+            if all(manager.found(seq.keys, m) is not None for manager in reversed(self.managers)):
+                return m * self.block_size
+        return 0
+
     def _found(self, keys: List[int], m: int) -> Optional[dict]:
         """Per group, the cached pages (blocks, a saved state) to continue from position
         m x block_size, or None where some group lacks them."""
@@ -270,12 +285,15 @@ class PagedStore:
 
 
 class SlotStore(PagedStore):
-    """The static cache: ``num_slots`` slots of ``slot_len`` positions, taken whole on admission, never shared."""
+    """The static cache: ``num_slots`` slots of ``slot_len`` positions, taken whole on admission, never
+    shared. A window's slot is a ring of W - 1 + ``chunk`` positions where that is shorter (forwards
+    add at most ``chunk`` positions: the scheduler's ``max_prefill_tokens``)."""
 
     kind = "slots"
+    rings = True
 
-    def __init__(self, model, num_slots: int, slot_len: int, cache_dtype: str = "auto"):
-        plan = slot_plan(groups_of(model.layouts, model.dtype.itemsize, cache_dtype), slot_len, num_slots)
+    def __init__(self, model, num_slots: int, slot_len: int, cache_dtype: str = "auto", chunk: int = 512):
+        plan = slot_plan(groups_of(model.layouts, model.dtype.itemsize, cache_dtype), slot_len, num_slots, chunk)
         super().__init__(model, num_slots, slot_len, False, cache_dtype, plan)
 
     def unfit(self, length: int, chunk: int) -> Optional[str]:

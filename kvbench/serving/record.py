@@ -1,11 +1,12 @@
 """A serving run's :class:`~kvbench.serving.trace.Timeline` as a record's tables, and back.
 
 ``tables.serving_requests``: one row per request (its arrival, lengths, prefix, admission, first
-and last token, preemptions, prefix hits, those of its first admission; a conversation's turn: its
-conversation and turn index); ``tables.serving_tokens``: every output token's time
-(``request``, ``t_s``), in order per request; ``tables.serving_samples``: the scheduler's state
-after each iteration. The Timeline's scalars are metrics (``duration_s``, ``kv_store``,
-``block_size``, ``kv_blocks_total``, ``kv_bytes_per_token``). :func:`timeline_from_record` rebuilds
+and last token, preemptions, prefix hits, those of its first admission, what the store could
+resume of it when it finished; a conversation's turn: its conversation and turn index);
+``tables.serving_tokens``: every output token's time (``request``, ``t_s``), in order per request;
+``tables.serving_samples``: the scheduler's state after each iteration. The Timeline's scalars
+are metrics (``duration_s``, ``kv_store``, ``block_size``, ``kv_blocks_total``,
+``kv_bytes_per_token``). :func:`timeline_from_record` rebuilds
 the Timeline from them, so a record's metrics can be recomputed from the record alone.
 """
 
@@ -29,6 +30,7 @@ def timeline_tables(timeline: Timeline) -> Dict[str, List[Dict[str, Any]]]:
                          "last_token_s": tr.token_s[-1] if tr.token_s else None, "output_tokens": len(tr.token_s),
                          "preemptions": tr.preemptions, "prefix_hit_tokens": tr.prefix_hit_tokens,
                          "prefix_query_tokens": tr.prefix_query_tokens, "first_hit_tokens": tr.first_hit_tokens,
+                         "resumable_tokens": tr.resumable_tokens,
                          **({"conversation": r.conversation, "turn": r.turn} if r.conversation is not None else {})})
         tokens += [{"request": r.id, "t_s": t} for t in tr.token_s]
     samples = [{f: getattr(s, f) for f in SAMPLE_FIELDS} for s in timeline.samples]
@@ -54,7 +56,7 @@ def timeline_from_record(tables: Mapping[str, List[Mapping[str, Any]]], metrics:
                     int(row.get("turn") or 0))
         traces.append(RequestTrace(r, row.get("scheduled_s"), times.get(r.id, []), int(row["preemptions"]),
                                    int(row["prefix_hit_tokens"]), int(row["prefix_query_tokens"]),
-                                   row.get("first_hit_tokens")))
+                                   row.get("first_hit_tokens"), row.get("resumable_tokens")))
     samples = [Sample(**{f: row[f] for f in SAMPLE_FIELDS}) for row in tables.get("serving_samples", [])]
     return Timeline(traces, samples, float(metrics["duration_s"]), str(metrics["kv_store"]),
                     int(metrics["block_size"]), int(metrics["kv_blocks_total"]), int(metrics["kv_bytes_per_token"]),

@@ -229,6 +229,7 @@ class Scheduler:
             self.observe(self)
         for s in [s for s in self.running if s.trace.finished]:
             self.running.remove(s)
+            s.trace.resumable_tokens = self.store.resumable(s.blocks)
             self.store.release(s.blocks)
             released = self.follow(s.request, s.tokens, t) if self.follow is not None else None
             if released is not None:

@@ -33,7 +33,10 @@ class RequestTrace:
     ``scheduled_s``: when it was first admitted; ``token_s[0]`` is the first token (the end of its
     prefill), so TTFT = ``token_s[0] - arrival_s``. ``prefix_hit_tokens`` / ``prefix_query_tokens``:
     vLLM's counting (hit rate = hits / queries over all requests). ``first_hit_tokens``: what a
-    returning turn found of its history at its first admission.
+    returning turn found of its history at its first admission. ``resumable_tokens``: when it
+    finished, the longest prefix of its own positions the store could continue a new sequence
+    from (every group: its blocks findable, a recurrent layer's state saved at exactly that
+    position); None: the store keeps no prefix cache, or an older record.
     """
 
     request: Request
@@ -43,6 +46,7 @@ class RequestTrace:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     first_hit_tokens: Optional[int] = None
+    resumable_tokens: Optional[int] = None
 
     @property
     def finished(self) -> bool:

@@ -1,14 +1,16 @@
 """A conversation run's figures per turn index, from its :class:`~kvbench.serving.trace.Timeline`.
 
-When a turn finished, its history (prompt and answer but the last token, whose K/V was never
-computed) was in the store, and every full block of it stays findable unless evicted meanwhile. So
-the next turn can find ``reusable = floor(min(history - 1, prompt_len - 1) / block_size) x
-block_size`` tokens; at its first admission it found ``first_hit_tokens``: all of them (**cached**)
-or fewer (**evicted**: it recomputes the rest, and its TTFT pays for them).
+When a turn finished, the store said how much of its history (prompt and answer but the last
+token, whose K/V was never computed) a new sequence could continue from: ``resumable_tokens``,
+every full block of it on attention layers, up to the last state saved
+(``workload.state_checkpoint``) on a recurrent one. That stays findable unless evicted meanwhile,
+so the next turn can find ``reusable = min(resumable_tokens, floor((prompt_len - 1) / block_size)
+x block_size)`` tokens; at its first admission it found ``first_hit_tokens``: all of them
+(**cached**) or fewer (**evicted**: it recomputes the rest, and its TTFT pays for them).
 
-Without a prefix cache returning turns are neither. Nor are they on a model with recurrent layers:
-such a layer resumes only from a state saved in prefill, never at the end of an answer, so blocks
-cannot tell a cached history from an evicted one.
+Without a prefix cache returning turns are neither. A record written before the store said so
+has no ``resumable_tokens``: its attention models' turns are classified by every full block
+(``floor(min(history - 1, prompt_len - 1) / block_size) x block_size``), its recurrent ones not.
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 KINDS = ("cached", "evicted")
 
 
-def reusable_tokens(previous: RequestTrace, turn: RequestTrace, block_size: int) -> int:
-    """Tokens of ``turn``'s prompt that ``previous`` left in full, registered blocks."""
+def reusable_tokens(previous: RequestTrace, turn: RequestTrace, block_size: int,
+                    recurrent: bool = False) -> Optional[int]:
+    """Tokens of ``turn``'s prompt that ``previous`` left where the store could continue from them
+    (None: not known, an older record of a recurrent model)."""
+    looked_up = (turn.request.prompt_len - 1) // block_size * block_size
+    if previous.resumable_tokens is not None:
+        return min(previous.resumable_tokens, looked_up)
+    if recurrent:
+        return None
     prev = previous.request
-    return min(prev.prompt_len + prev.output_len - 1, turn.request.prompt_len - 1) // block_size * block_size
+    return min(prev.prompt_len + prev.output_len - 1, looked_up) // block_size * block_size
 
 
 def _by_turn(timeline: Timeline) -> Dict[tuple, RequestTrace]:
@@ -42,9 +51,10 @@ def classify(timeline: Timeline, recurrent: bool = False) -> Dict[int, Optional[
     out: Dict[int, Optional[str]] = {}
     for (c, k), t in by_turn.items():
         kind = None
-        if k > 0 and t.first_hit_tokens is not None and t.prefix_query_tokens > 0 and not recurrent:
-            reusable = reusable_tokens(by_turn[(c, k - 1)], t, timeline.block_size)
-            kind = "cached" if t.first_hit_tokens >= reusable else "evicted"
+        if k > 0 and t.first_hit_tokens is not None and t.prefix_query_tokens > 0:
+            reusable = reusable_tokens(by_turn[(c, k - 1)], t, timeline.block_size, recurrent)
+            if reusable is not None:
+                kind = "cached" if t.first_hit_tokens >= reusable else "evicted"
         out[t.request.id] = kind
     return out
 
@@ -102,14 +112,15 @@ def conversation_metrics(timeline: Timeline, recurrent: bool = False) -> Dict[st
     recomputed = reusable = 0
     for t in returning:
         if kinds[t.request.id] is not None:
-            r = reusable_tokens(by_turn[(t.request.conversation, t.request.turn - 1)], t, timeline.block_size)
+            r = reusable_tokens(by_turn[(t.request.conversation, t.request.turn - 1)], t, timeline.block_size,
+                                recurrent)
             reusable += r
             recomputed += max(0, r - t.first_hit_tokens)
+    looked_up = any(t.first_hit_tokens is not None and t.prefix_query_tokens > 0 for t in returning)
     out.update(history_reusable_tokens=reusable, history_recomputed_tokens=recomputed,
                returning_reason=None if any(kinds.values()) or not returning else
-               "not classified: a recurrent (Gated DeltaNet) layer resumes only from a state saved in prefill "
-               "(workload.state_checkpoint), never at an answer's end, so blocks cannot tell a cached history from "
-               "an evicted one" if recurrent else
+               "not classified: a record written before the store said which saved states it held (a recurrent "
+               "layer resumes only from a state saved at exactly that position)" if recurrent and looked_up else
                "no returning turn was looked up in a prefix cache (workload.prefix_caching=false, a slot store, "
                "or none was admitted): each recomputed its whole history")
     return out
@@ -125,18 +136,19 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("conversations", "count", "conversations that arrived"),
     Metric("returning_turns", "count", "turns after a conversation's first (each sent a think time after the answer "
                                        "before it)"),
-    *(m for kind, what in (("cached", "returning turns that found every full block of their history in the prefix "
-                                      "cache at their first admission"),
+    *(m for kind, what in (("cached", "returning turns that found, at their first admission, all the history the "
+                                      "store could resume when the previous turn finished (every full block; a "
+                                      "recurrent layer: up to its last saved state)"),
                            ("evicted", "returning turns that found less of their history than the previous turn left "
                                        "(blocks evicted meanwhile): they recompute the rest"))
       for m in (Metric(f"returning_{kind}", "count", what), *_metric_stats(f"returning_{kind}_ttft_ms", what))),
-    Metric("history_reusable_tokens", "tokens", "over returning turns looked up: tokens of history their previous "
-                                                "turn left in full blocks (min(history - 1, prompt - 1) rounded down "
-                                                "to block_size)"),
+    Metric("history_reusable_tokens", "tokens", "over returning turns looked up: tokens of history the store could "
+                                                "resume when their previous turn finished (its resumable_tokens, at "
+                                                "most prompt - 1 rounded down to block_size)"),
     Metric("history_recomputed_tokens", "tokens", "over returning turns looked up: reusable history tokens not found "
                                                   "at first admission (evicted), prefilled again"),
-    Metric("returning_reason", "text", "why no returning turn is cached or evicted: nothing was looked up, or the "
-           "model has recurrent layers"),
+    Metric("returning_reason", "text", "why no returning turn is cached or evicted: nothing was looked up, or a "
+           "record of a recurrent model written before the store said which saved states it held"),
     Metric("tables.conversation_turns", "", "one row per turn index: turns, finished, ttft_ms_mean/_p50/_p90/_p99 "
                                             "(and _n), prefix_hit_tokens, prefix_query_tokens, prefix_hit_rate, "
                                             "cached, evicted, ttft_ms_p50_cached, ttft_ms_p50_evicted; a quantile "

@@ -269,7 +269,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
         notes.append("recall: task=recall accuracy on held-out sequences of the same variant label (mean over "
                      "seeds [t-interval]); a variant's model there is trained from scratch, not these weights")
     model = RecordView.of(records[0]).get("model.name") if records else None
-    rates = max_rate_by_variant(all_records, {"model.name": model} if model else None)
+    # requests per second: a conversations search's rate counts conversations, another unit
+    rates = max_rate_by_variant(all_records, {"workload.name": "serving", **({"model.name": model} if model else {})})
     with_rate = any(label in rates for label in rows)
     if with_rate:
         header.append("max rate under SLO")

@@ -3,7 +3,9 @@ the highest rate each variant serves within its SLO; the plots are :mod:`kvbench
 
 A point is one serving run at one rate: a row of a rate search's ``tables.serving_rate_curve``, or
 a record's own metrics at its ``workload.rate``. Points are grouped like every other plot: a panel
-per combination of the other swept axes, a line per attention variant.
+per combination of the other swept axes, a line per attention variant. Both served workloads are
+read (:data:`SERVED`: ``workload=serving`` and ``workload=conversations``, whose rate is
+conversations per second); records of both get a panel per workload.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvbench.sinks.markdown import md_text
 from kvbench.sinks.tables import VARIANT_KEYS, Axis, Record, fmt, natural
 from kvbench.sinks.views import RecordView, Variant
 
+SERVED = ("serving", "conversations")  # the workloads served by the continuous-batching scheduler
 RATE_KEY = "workload.rate"
 CURVE_TABLE = "serving_rate_curve"
 _NOT_PANEL = VARIANT_KEYS + ("task", "workload.name", RATE_KEY)
@@ -29,11 +32,11 @@ _SEARCH_NUMBERS = ("max_rate_under_slo", "max_rate_failed_at", "max_rate_at_leas
 
 
 def _ok_serving(records: Sequence[Record]) -> List[RecordView]:
-    return [r for r in map(RecordView.of, records) if r.kind == "serving" and r.ok]
+    return [r for r in map(RecordView.of, records) if r.kind in SERVED and r.ok]
 
 
 def serving_records(records: Sequence[Record]) -> List[Record]:
-    """The ok ``workload=serving`` records that are :func:`well_formed`."""
+    """The ok ``workload=serving`` and ``workload=conversations`` records that are :func:`well_formed`."""
     return [r for r in _ok_serving(records) if well_formed(r)]
 
 
@@ -82,8 +85,11 @@ def points(rec: Record) -> List[Dict[str, Any]]:
 
 
 def _panel_axes(records: Sequence[Record], axes: Sequence[Axis]) -> List[Axis]:
-    return [(key, title) for key, title in axes if key not in _NOT_PANEL and not key.startswith("workload.search")
-            and len({repr(RecordView.of(r).get(key)) for r in records}) > 1]
+    shown = [(key, title) for key, title in axes if key not in _NOT_PANEL and not key.startswith("workload.search")
+             and len({repr(RecordView.of(r).get(key)) for r in records}) > 1]
+    if len({RecordView.of(r).kind for r in records}) > 1:  # requests and conversations per second: never one line
+        shown.insert(0, ("workload.name", "workload"))
+    return shown
 
 
 def panel_title(record: Record, axes: Sequence[Axis]) -> str:
@@ -136,14 +142,16 @@ def max_rates(records: Sequence[Record], axes: Sequence[Axis]) -> List[Dict[str,
 
 
 def max_rate_text(rec: Record) -> str:
-    """``4.36 req/s (ttft_ms)``; ``>= 64`` when the SLO never bound; ``< 0.5`` when the lowest failed."""
+    """``4.36 req/s (ttft_ms)``; ``>= 64`` when the SLO never bound; ``< 0.5`` when the lowest failed
+    (a conversations search: ``conv/s``, conversations arriving per second)."""
     best, failed, at_least = (_m(rec, k) for k in ("max_rate_under_slo", "max_rate_failed_at", "max_rate_at_least"))
+    unit = "conv/s" if RecordView.of(rec).kind == "conversations" else "req/s"
     if best is not None:
-        return f"{best:.3g} req/s ({_m(rec, 'max_rate_bound') or '?'})"
+        return f"{best:.3g} {unit} ({_m(rec, 'max_rate_bound') or '?'})"
     if at_least is not None:
-        return f">= {at_least:.3g} req/s (SLO never bound)"
+        return f">= {at_least:.3g} {unit} (SLO never bound)"
     if failed is not None:
-        return f"< {failed:.3g} req/s (fails at the lowest rate: {_m(rec, 'max_rate_bound') or '?'})"
+        return f"< {failed:.3g} {unit} (fails at the lowest rate: {_m(rec, 'max_rate_bound') or '?'})"
     return "-"
 
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 from kvbench.jsonio import atomic_write
 from kvbench.sinks import capacity
 from kvbench.sinks.plots import MAX_PANELS, _grid, _legend, excluded_note, palette
-from kvbench.sinks.serving import RATE_KEY, Curves, curves, max_rates, pareto_front, slo_targets, xy
+from kvbench.sinks.serving import RATE_KEY, SERVED, Curves, curves, max_rates, pareto_front, slo_targets, xy
 from kvbench.sinks.tables import Axis, Record, kind
 from kvbench.sinks.views import RecordView
 
@@ -48,7 +48,7 @@ def rate_latency_plot(path: Path, data: Curves, targets: Dict[str, Dict[str, flo
     axes = [ax for row in grid for ax in row]
     fig.suptitle("Serving latency vs arrival rate (p99)")
     for ax in grid[-1]:
-        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_xlabel("arrival rate (requests/s; workload=conversations: conversations/s)")
     for row in grid:
         row[0].set_ylabel("ms")
     for i, name in enumerate(names):
@@ -130,12 +130,13 @@ def draw(records: Sequence[Record], axes: Sequence[Axis], out: Path) -> Tuple[Li
 
 
 def _rate_plots(records: Sequence[Record], axes: Sequence[Axis], out: Path) -> Tuple[List[Path], Dict[str, str]]:
-    if not any(kind(r) == "serving" for r in records):
+    if not any(kind(r) in SERVED for r in records):
         return [], {}
     data = curves(records, axes)
     skipped: Dict[str, str] = {}
     if not data:
-        return [], {"rate_latency": "no ok workload=serving job", "serving_pareto": "no ok workload=serving job"}
+        why = "no ok workload=serving or workload=conversations job"
+        return [], {"rate_latency": why, "serving_pareto": why}
     if len(data) > MAX_PANELS // 2:
         why = f"{len(data)} panels, more than a figure can show; every value is in summary.md"
         return [], {"rate_latency": why, "serving_pareto": why}

@@ -15,9 +15,13 @@ from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.results import RunResult
 from kvbench.serving import turn_metrics
 from kvbench.serving.record import timeline_from_record
+from kvbench.serving.tokenize import tokenizer_name
 from kvbench.workloads import serving
 
-METRICS: Dict[str, Metric] = metric_table(*serving.METRICS.values(), *turn_metrics.METRICS.values())
+METRICS: Dict[str, Metric] = metric_table(
+    *serving.METRICS.values(), *turn_metrics.METRICS.values(),
+    Metric("sharegpt_tokenizer", "text", "with workload.sharegpt: how its text became tokens, the checkpoint's "
+                                         "tokenizer.json (model.path, transformers' AutoTokenizer) or UTF-8 bytes"))
 METHODS: Dict[str, str] = record_methods(METRICS)
 RECORDED = METRICS  # what a record may hold
 
@@ -31,3 +35,5 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult,
     recurrent = any(layer.state is not None for layer in model.layouts)
     result.tables["conversation_turns"] = turn_metrics.turn_rows(timeline, recurrent)
     result.metrics.update(turn_metrics.conversation_metrics(timeline, recurrent))
+    if cfg.workload.sharegpt is not None:
+        result.metrics["sharegpt_tokenizer"] = tokenizer_name(cfg.model.path)

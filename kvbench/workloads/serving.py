@@ -32,6 +32,7 @@ from kvbench.serving.rate_search import METRICS as SEARCH_METRICS
 from kvbench.serving.rate_search import curve_rows, max_rate_under_slo, search_metrics
 from kvbench.serving.record import timeline_scalars, timeline_tables
 from kvbench.serving.scheduler import FakeClock, Scheduler
+from kvbench.serving.tokenize import byte_ids, checkpoint_encoder
 from kvbench.serving.trace import Request
 
 Tick = Callable[..., None]
@@ -48,7 +49,9 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
            "tokens for Qwen3.5); a prefix is cached in whole blocks, so a raised block caches less of a shared prefix "
            "shorter than it (prefix_hit_rate)"),
     Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
-                                              "x block_size positions of its layers, each state page x the states "
+                                              "x the positions a block holds (block_size; a slot store's local "
+                                              "layers: a ring of W - 1 + workload.max_prefill_tokens) of its layers, "
+                                              "each state page x the states "
                                               "of the recurrent layers; with workload.allocator=unified, its one "
                                               "byte pool: its pages x a page's bytes"),
     Metric("kv_reserved_bytes", "bytes", "what the allocator sets aside of the budget: per_kind, each pool's whole "
@@ -65,8 +68,9 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
                                                   "local layer's ring blocks kept whole, a state page): the plan's "
                                                   "formula"),
     Metric("kv_sequences_fit", "count", "sequences at kv_sequence_positions the allocator's pools hold at once, "
-                                        "each at its worst while it decodes (the scarcest pool decides): the "
-                                        "plan's formula"),
+                                        "each at its worst while it decodes, beside the room one prefill chunk of "
+                                        "workload.max_prefill_tokens adds to a window's ring (the scarcest pool "
+                                        "decides): the plan's formula"),
     Metric("state_checkpoints_saved", "count", "recurrent states saved for prefix caching "
                                                "(workload.state_checkpoint)"),
     Metric("state_checkpoint_bytes_max", "bytes", "most bytes the saved states nobody ran from held at once "
@@ -78,8 +82,10 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.serving_requests", "", "one row per request: id, arrival_s, prompt_len, output_len, prefix_id, "
                                           "prefix_len, scheduled_s (first admission), first_token_s, last_token_s, "
                                           "output_tokens, preemptions, prefix_hit_tokens, prefix_query_tokens, "
-                                          "first_hit_tokens (found at the first admission); a conversation's "
-                                          "turn: conversation, turn"),
+                                          "first_hit_tokens (found at the first admission), resumable_tokens "
+                                          "(when it finished, the longest prefix of its positions the store could "
+                                          "continue from: blocks findable, a recurrent state saved there; null "
+                                          "without a prefix cache); a conversation's turn: conversation, turn"),
     Metric("tables.serving_tokens", "s", "every output token's time since the run's start (request, t_s)"),
     Metric("tables.serving_samples", "", "the scheduler after each iteration: t_s, running, waiting, "
                                          "kv_blocks_used, kv_bytes_used, kv_bytes_needed (the formula's bytes "
@@ -112,13 +118,13 @@ def store_plan(w, block_size: int, requests: Sequence[Request], layouts, element
     largest = max(requests, key=lambda r: r.prompt_len + r.output_len)
     if w.store == "slots":
         size = slot_len_for(w, requests)
-        slot = sum(slot_bytes(g, size) for g in groups)
+        slot = sum(slot_bytes(g, size, w.max_prefill_tokens) for g in groups)
         n = w.kv_budget_blocks if w.kv_budget_blocks is not None else int(w.kv_budget_mb * 1e6 // slot)
         if n < 1:
             raise ConfigError(f"{kv_budget_note(w.kv_budget_mb, w.kv_budget_blocks)}: holds 0 slots of {size} "
                               f"positions ({slot:,} bytes each for this layout); request {largest.id} (prompt "
                               f"{largest.prompt_len} + output {largest.output_len} tokens) needs 1; raise it")
-        return slot_plan(groups, size, n)
+        return slot_plan(groups, size, n, w.max_prefill_tokens)
     budget = budget_bytes(w.kv_budget_mb, w.kv_budget_blocks, block_size, groups)
     plan = make_plan(groups, w.allocator, block_size, budget, longest, w.max_prefill_tokens)
     Checkpoint(w.state_checkpoint, w.state_checkpoint_tokens).check(plan.block_size, w.allocator)
@@ -157,7 +163,7 @@ def build_store(model, w, block_size: int, requests: Sequence[Request], cache_dt
     """The store ``w`` asks for (:func:`store_plan`) on ``model``."""
     plan = store_plan(w, block_size, requests, model.layouts, model.dtype.itemsize, cache_dtype)
     if w.store == "slots":
-        return SlotStore(model, plan.pages[0], plan.block_size, cache_dtype)
+        return SlotStore(model, plan.pages[0], plan.block_size, cache_dtype, w.max_prefill_tokens)
     return PagedStore(model, 0, block_size, w.prefix_caching, cache_dtype, plan,
                       Checkpoint(w.state_checkpoint, w.state_checkpoint_tokens))
 
@@ -176,7 +182,7 @@ def _plan(cfg: BenchConfig, w) -> Plan:
     """What ``w`` serves: its requests and their prompts; a conversation's later turns are
     released as the run goes (:mod:`kvbench.serving.conversations`)."""
     if w.name == "conversations":
-        return make_chats(w, cfg.model.vocab_size).plan()
+        return make_chats(w, cfg.model.vocab_size, checkpoint_encoder(cfg.model.path) or byte_ids).plan()
     requests = make_requests(w)
     return Plan(requests, requests, [request_tokens(r, cfg.model.vocab_size, w.seed) for r in requests])
 

@@ -87,6 +87,31 @@ def test_plots_and_report(tmp_path):
     assert "![rate_latency](rate_latency.png)" in md and "![serving_pareto](serving_pareto.png)" in md
 
 
+def test_a_conversations_rate_search_has_its_curve_plot_and_row_in_the_report(tmp_path):
+    """workload=conversations searches rates too (conversations per second): the report draws its
+    curve and tables its highest rate; beside workload=serving records, each workload is a panel of
+    its own (requests and conversations per second are never one line)."""
+    chats = [search_record(3, "mqa", 1, 2.0, 1.9, 2.2), search_record(4, "gqa", 2, 1.5, 1.4, 1.6)]
+    for rec in chats:
+        rec["config"]["workload"]["name"] = "conversations"
+    data = curves(chats, [])
+    assert list(data) == [""] and [r["rate"] for r in data[""]["mqa kv=1"]] == [1, 1.9, 2, 2.2, 4]
+    assert [(r["variant"], r["max_rate"], r["text"]) for r in max_rates(chats, [])] == [
+        ("gqa kv=2", 1.4, "1.4 conv/s (ttft_ms)"), ("mqa kv=1", 1.9, "1.9 conv/s (ttft_ms)")]
+    drawn, skipped = draw(chats, [], tmp_path)
+    assert [p.name for p in drawn] == ["rate_latency.png", "serving_pareto.png"] and skipped == {}
+    both = curves(records() + chats, [])
+    assert list(both) == ["workload=conversations", "workload=serving"]
+    assert list(both["workload=serving"]) == ["mha kv=4", "gqa kv=2", "mqa kv=1"]
+    assert [r["rate"] for r in both["workload=conversations"]["mqa kv=1"]] == [1, 1.9, 2, 2.2, 4]
+    for i, rec in enumerate(chats):
+        RunResult(status="ok", config=rec["config"], metrics=rec["metrics"], tables=rec["tables"]).write(
+            tmp_path / "sweep" / str(i))
+    write_report(tmp_path / "sweep")
+    md = (tmp_path / "sweep" / "summary.md").read_text()
+    assert "| mqa kv=1 | 1.9 conv/s (ttft_ms) | 2.2 |" in md and "![rate_latency](rate_latency.png)" in md
+
+
 def capacity_record(job, kind, kv, max_batch):
     return {"job": str(job), "status": "ok",
             "config": {"task": "capacity", "model": {"name": "tiny"}, "attention": {"type": kind, "num_kv_heads": kv},
