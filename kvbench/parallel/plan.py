@@ -51,7 +51,7 @@ class RankKV:
     """One rank's share of a sequence's cache under ``tp`` ranks: ``per_token`` bytes one position
     adds while no window is full, ``per_sequence`` at ``seq_len``, ``whole_sequence`` the unsplit
     model's, and ``replication``: what the tp ranks hold together over what one unsplit copy holds
-    (1: the heads split evenly; tp for a layout of one latent or K/V head)."""
+    (1: the heads split evenly; tp for a layout of one cached head, MQA's or MLA's)."""
 
     tp: int
     seq_len: int

@@ -3,7 +3,7 @@
 attention and after its MLP sums the ranks' parts.
 
 A layer's part is its layout's :meth:`~kvbench.layouts.sharding.Sharding.shard` (fewer query
-heads; K/V heads cut, or one replicated where there are fewer than ranks; MLA's latent whole),
+heads; K/V heads cut, or one replicated where there are fewer than ranks, as MLA's one cached head is),
 built by its kind's own module, so no kind is named here: the part's weights are the whole
 module's, cut along each dimension where the part's shape is smaller. Query-side projections lose
 rows (column parallel), the output projection columns (row parallel, its bias added once: rank 0's),
