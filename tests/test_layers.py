@@ -43,7 +43,7 @@ LAYERS = [
     ["footprint", "views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights",
      "parallel.tensor"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",
-     "serving.scheduler"],
+     "serving.scheduler", "parallel.per_gpu"],
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search",
      "workloads.serving"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.conversations", "tasks.common"],

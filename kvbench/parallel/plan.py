@@ -85,6 +85,32 @@ def per_gpu(kv: RankKV, split: Split, weights_per_rank: int, gpu_bytes: int, gpu
             "kv_budget_bytes_gpu": budget, "sequences_per_node": node, "sequences_per_gpu": node / gpus_per_node}
 
 
+def cuts_whole(model: Any, layouts: Layouts, split: Split) -> bool:
+    """Whether ``split`` cuts ``model`` (a ModelConfig) into whole parts: query heads, each layer's heads
+    (or one replicated), MLP and expert widths, experts."""
+    tp, moe = split.tp, model.moe
+    ok = model.num_heads % tp == 0 and model.ffn_dim % tp == 0
+    ok = ok and all(layer.tensor_refusal(tp) is None for layer in layouts.unique())
+    if moe is not None:
+        ok = ok and moe.num_experts % split.ep == 0 and moe.shared_ffn_dim % tp == 0
+        ok = ok and moe.expert_ffn_dim % split.expert_width_ranks == 0
+    return ok
+
+
+def node_splits(model: Any, layouts: Layouts, gpus: int) -> list:
+    """The splits of a node of ``gpus`` GPUs worth comparing: each tensor-parallel size (1, 2, 4, ... gpus)
+    that cuts the model whole, the rest data parallel; with experts, also the experts split by expert over
+    the node under TP (TP=g EP=g) and under data-parallel attention (DP=g EP=g)."""
+    sizes, tp = [], 1
+    while tp <= gpus:
+        if gpus % tp == 0:
+            sizes.append(Split(tp, gpus // tp))
+        tp *= 2
+    if model.moe is not None:
+        sizes += [Split(gpus, 1, gpus), Split(1, gpus, gpus)]
+    return [split for split in sizes if cuts_whole(model, layouts, split)]
+
+
 def check_parallel(job: Any) -> None:
     """Refuse, in one line naming the key and the value, a ``runtime.tensor_parallel`` /
     ``runtime.expert_parallel`` the job cannot run: not a count, more ranks than the machine's CPUs

@@ -30,7 +30,7 @@ from kvbench.layouts.base import Layouts
 from kvbench.mlp.experts import Experts, mlp_module
 from kvbench.model import Decoder
 from kvbench.parallel.plan import Split
-from kvbench.quant_weights import checkpoint_bytes
+from kvbench.quant_weights import checkpoint_bytes, module_stored_bytes
 
 
 @dataclass
@@ -80,18 +80,21 @@ def join(group: Optional[RankGroup]) -> None:
 def shard_decoder(model: Decoder, ranks: int, rank: int, expert_parallel: int = 1,
                   group: Optional[RankGroup] = None) -> Decoder:
     """Cut ``model`` in place to rank ``rank``'s part of ``ranks``; with ``group``, an all-reduce after
-    each block's attention and MLP. The layouts become the rank's (its cache is the rank's part)."""
+    each block's attention and MLP. The layouts become the rank's (its cache is the rank's part). A layer
+    whose kind has no ``shard`` stays whole (the job's check refuses such a model before it runs; the
+    capacity figures count it by :func:`rank_weight_bytes`)."""
     cfg, split = model.config, Split(ranks, 1, expert_parallel)
     moe = cfg.moe
     mlp_cfg = replace(cfg, ffn_dim=cfg.ffn_dim // ranks, moe=None if moe is None else replace(
         moe, expert_ffn_dim=moe.expert_ffn_dim // split.expert_width_ranks, shared_ffn_dim=moe.shared_ffn_dim // ranks))
-    parts = {id(layout): layout.shard(ranks) for layout in model.layouts.unique()}
+    parts = {id(layout): layout.shard(ranks) or layout for layout in model.layouts.unique()}
     layouts = Layouts(parts[id(layout)] for layout in model.layouts)
     for index, (block, layout) in enumerate(zip(model.blocks, layouts)):
         with torch.device("meta"):
-            attn = attention_module(cfg, layout)
+            attn = None if layout is model.layouts[index] else attention_module(cfg, layout)
             mlp = None if block.mlp is None else mlp_module(mlp_cfg, index)
-        block.attn = _cut(block.attn, attn, rank, ranks)
+        if attn is not None:
+            block.attn = _cut(block.attn, attn, rank, ranks)
         if mlp is not None:
             if expert_parallel > 1 and hasattr(mlp, "experts"):
                 with torch.device("meta"):  # the rank's E / ep experts, whole
@@ -144,11 +147,18 @@ def _cut(whole: nn.Module, part: nn.Module, rank: int, ranks: int) -> nn.Module:
 
 
 def rank_weight_bytes(model: Decoder, split: Split, stored: Optional[str] = None) -> int:
-    """Bytes of weights one rank of ``split`` holds of ``model`` (built on the meta device): attention
-    and MLP cut over split.tp, the routed experts over split.ep by expert and split.expert_width_ranks by
-    width; as the checkpoint stores them with ``stored`` (``model.weights_stored``)."""
-    shard_decoder(model, split.tp, 0, split.ep) if split.tp > 1 else _experts_only(model, split.ep)
-    return checkpoint_bytes(model, stored)
+    """Bytes of weights one rank of ``split`` holds of ``model`` (built on the meta device; cut in place):
+    attention and MLP cut over split.tp, the routed experts over split.ep by expert and
+    split.expert_width_ranks by width; as the checkpoint stores them with ``stored``
+    (``model.weights_stored``). A layer whose kind runs whole here counts 1 / tp of its weights, as an
+    engine cutting it by heads holds them."""
+    if split.tp == 1:
+        _experts_only(model, split.ep)
+        return checkpoint_bytes(model, stored)
+    whole = [block.attn for block, layout in zip(model.blocks, model.layouts) if layout.shard(split.tp) is None]
+    uncut = sum(module_stored_bytes(attn, stored) for attn in whole)
+    shard_decoder(model, split.tp, 0, split.ep)
+    return checkpoint_bytes(model, stored) - uncut + uncut // split.tp
 
 
 def _experts_only(model: Decoder, ep: int) -> None:
