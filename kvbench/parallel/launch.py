@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from kvbench.core.errors import ConfigError, one_line
-from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.metrics import record_methods
 from kvbench.parallel import tensor
 from kvbench.results import RecordError, RunResult, read_record, save
 
@@ -30,18 +30,6 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # worst first: the job's status is its worst rank's
 STATUS_ORDER = ("interrupted", "error", "oom", "invalid", "ok")
 
-METRICS: Dict[str, Metric] = metric_table(
-    Metric("tensor_parallel_ranks", "count", "runtime.tensor_parallel: the processes the job ran as, one part of "
-                                             "the model each (kvbench/parallel/)"),
-    Metric("allreduce_ms_per_step", "ms", "a decode step's all-reduces on this rank (one after each block's "
-                                          "attention and one after its MLP): the median time of one, T = 1, "
-                                          "times their number per forward; each timed from the call to its return "
-                                          "(after a synchronize on CUDA), so a wait for a slower rank counts"),
-    Metric("allreduce_calls", "count", "all-reduces the rank ran over the whole job (warm-up, trials, fidelity)"),
-    Metric("tables.ranks", "", "per rank: status, kv_cache_bytes (allocated) and kv_cache_bytes_formula (the "
-                               "rank's layouts: each layer's bytes / its tensor_parts), weight_bytes, "
-                               "allreduce_ms_per_step, decode_ms_p50"),
-)
 RANK_KEYS = ("kv_cache_bytes", "kv_cache_bytes_formula", "weight_bytes", "num_params", "allreduce_ms_per_step",
              "decode_ms_p50")
 
@@ -81,7 +69,7 @@ def _rank(rank: int, ranks: int, port: int, job: Any, out_dir: str, overrides: L
     where = Path(out_dir) if rank == 0 else Path(out_dir) / RANKS_DIR / str(rank)
     try:
         result = run_job(job, where, overrides)
-        result.methods.update(record_methods(METRICS))
+        result.methods.update(record_methods(tensor.RANK_METRICS))
         result.metrics.update(tensor_parallel_ranks=ranks, allreduce_calls=group.calls,
                               allreduce_ms_per_step=(statistics.median(group.decode_ms) * group.hooks
                                                      if group.decode_ms else None))
@@ -114,7 +102,7 @@ def merge_ranks(out_dir: Path, ranks: int, failure: Optional[str] = None) -> Run
         head.error = one_line(f"rank {bad['rank']}: " + (records[bad["rank"]].error if records[bad["rank"]]
                                                           else bad.get("error", failure or worst)))
     head.tables["ranks"] = rows
-    head.methods.update(record_methods(METRICS))
+    head.methods.update(record_methods(tensor.RANK_METRICS))
     save(head, out_dir)
     return head
 

@@ -27,10 +27,25 @@ from torch import nn
 
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import Layouts
+from kvbench.metrics import Metric, metric_table
 from kvbench.mlp.experts import Experts, mlp_module
 from kvbench.model import Decoder
 from kvbench.parallel.plan import Split
 from kvbench.quant_weights import checkpoint_bytes, module_stored_bytes
+
+# what a job run as ranks records (kvbench.parallel.launch)
+RANK_METRICS: Dict[str, Metric] = metric_table(
+    Metric("tensor_parallel_ranks", "count", "runtime.tensor_parallel: the processes the job ran as, one part of "
+                                             "the model each (kvbench/parallel/)"),
+    Metric("allreduce_ms_per_step", "ms", "a decode step's all-reduces on this rank (one after each block's "
+                                          "attention and one after its MLP): the median time of one, T = 1, "
+                                          "times their number per forward; each timed from the call to its return "
+                                          "(after a synchronize on CUDA), so a wait for a slower rank counts"),
+    Metric("allreduce_calls", "count", "all-reduces the rank ran over the whole job (warm-up, trials, fidelity)"),
+    Metric("tables.ranks", "", "per rank: status, kv_cache_bytes (allocated) and kv_cache_bytes_formula (the "
+                               "rank's layouts: each layer's bytes / its tensor_parts), weight_bytes, "
+                               "allreduce_ms_per_step, decode_ms_p50"),
+)
 
 
 @dataclass
