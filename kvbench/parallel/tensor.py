@@ -31,7 +31,7 @@ from kvbench.metrics import Metric, metric_table
 from kvbench.mlp.experts import Experts, mlp_module
 from kvbench.model import Decoder
 from kvbench.parallel.plan import Split
-from kvbench.quant_weights import checkpoint_bytes, module_stored_bytes
+from kvbench.quant_weights import checkpoint_bytes, stored_bytes
 
 # what a job run as ranks records (kvbench.parallel.launch)
 RANK_METRICS: Dict[str, Metric] = metric_table(
@@ -170,8 +170,9 @@ def rank_weight_bytes(model: Decoder, split: Split, stored: Optional[str] = None
     if split.tp == 1:
         _experts_only(model, split.ep)
         return checkpoint_bytes(model, stored)
-    whole = [block.attn for block, layout in zip(model.blocks, model.layouts) if layout.shard(split.tp) is None]
-    uncut = sum(module_stored_bytes(attn, stored) for attn in whole)
+    whole = tuple(f"blocks.{i}.attn." for i, layout in enumerate(model.layouts) if layout.shard(split.tp) is None)
+    uncut = sum(stored_bytes(name, p.shape, p.element_size(), stored) for name, p in model.named_parameters()
+                if name.startswith(whole))
     shard_decoder(model, split.tp, 0, split.ep)
     return checkpoint_bytes(model, stored) - uncut + uncut // split.tp
 
