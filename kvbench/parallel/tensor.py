@@ -143,6 +143,9 @@ def _cut(whole: nn.Module, part: nn.Module, rank: int, ranks: int) -> nn.Module:
         value = full[name]
         owner, _, leaf = name.rpartition(".")
         module = part.get_submodule(owner) if owner else part
+        if value.is_meta:  # shapes only (a rank's weights counted): nothing to cut
+            cut[name] = torch.empty(t.shape, dtype=value.dtype, device="meta")
+            continue
         stacked, n_parts = getattr(module, "TP_PARTS", {}).get(leaf, (None, 1))
         for dim, (f, p) in enumerate(zip(value.shape, t.shape)):
             if f == p:
@@ -154,7 +157,7 @@ def _cut(whole: nn.Module, part: nn.Module, rank: int, ranks: int) -> nn.Module:
             else:
                 value = value.narrow(dim, _offset(f, p, rank, ranks), p)
         once = name in row_split or leaf in getattr(module, "TP_ONCE", ())
-        if once and value.shape == full[name].shape and rank and not value.is_meta:
+        if once and value.shape == full[name].shape and rank:
             value = torch.zeros_like(value)  # added after the sum: rank 0's alone
         cut[name] = value.contiguous()
     part.load_state_dict(cut, assign=True)
