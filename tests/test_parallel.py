@@ -45,13 +45,14 @@ class ThreadRanks(RankGroup):
         return out.copy_(total)
 
 
-def run_ranks(model, prompt, ranks=RANKS):
-    """Greedy decode of ``model`` cut over ``ranks`` thread ranks: per rank (tokens, cache bytes, weight bytes)."""
+def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1):
+    """Greedy decode of ``model`` cut over ``ranks`` thread ranks (the experts by expert with
+    ``expert_parallel``): per rank (tokens, cache bytes, weight bytes)."""
     shared = ([None] * ranks, threading.Barrier(ranks))
     outs = [None] * ranks
 
     def rank(r):
-        part = shard_decoder(copy.deepcopy(model), ranks, r, 1, ThreadRanks(r, ranks, shared))
+        part = shard_decoder(copy.deepcopy(model), ranks, r, expert_parallel, ThreadRanks(r, ranks, shared))
         cache = cache_for(part, "static", B, PROMPT + STEPS + 1)
         tokens = greedy_generate(part, prompt, STEPS, cache).tokens
         outs[r] = (tokens, cache.nbytes, sum(p.numel() * p.element_size() for p in part.parameters()))

@@ -80,3 +80,24 @@ def test_cli_refuses_zero_ranks_with_exit_2(tmp_path):
                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert "runtime.tensor_parallel=0: must be an integer >= 1" in proc.stderr
+
+
+@pytest.mark.parametrize("expert_parallel", [1, 2])
+def test_a_mixture_of_experts_cut_by_width_or_by_expert_decodes_token_equal(expert_parallel):
+    """tiny_moe (8 experts of 64, a gated shared expert, a dense first layer) with GPT-OSS's expert biases:
+    each expert's width cut over 2 thread ranks (gate and up rows cut alike, the down bias added once), or
+    4 whole experts a rank. In process (tests/test_parallel.py's thread ranks); e2e for the MoE's first
+    forward, which loads torch._dynamo (seconds)."""
+    from tests.test_parallel import run_ranks as thread_ranks
+
+    job = to_bench_config(compose("model=tiny_moe", "model.moe.expert_bias=true", "runtime.device=cpu"))
+    model = build_model(job, torch.device("cpu"))
+    for experts in model.modules():
+        if hasattr(experts, "b_down") and experts.b_down is not None:  # nonzero biases, so adding one twice shows
+            torch.nn.init.normal_(experts.b_down, std=0.5)
+            torch.nn.init.normal_(experts.b_gate_up, std=0.5)
+    prompt = torch.randint(0, job.model.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(5))
+    whole = greedy_generate(model, prompt, STEPS, cache_for(model, "static", B, PROMPT + STEPS + 1)).tokens
+    ranks = thread_ranks(model, prompt, 2, expert_parallel)
+    for tokens, _, _ in ranks:
+        assert torch.equal(tokens, whole)

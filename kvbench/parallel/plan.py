@@ -108,7 +108,7 @@ def node_splits(model: Any, layouts: Layouts, gpus: int) -> list:
         tp *= 2
     if model.moe is not None:
         sizes += [Split(gpus, 1, gpus), Split(1, gpus, gpus)]
-    return [split for split in sizes if cuts_whole(model, layouts, split)]
+    return [split for split in dict.fromkeys(sizes) if cuts_whole(model, layouts, split)]
 
 
 def check_parallel(job: Any) -> None:
