@@ -99,5 +99,6 @@ def check_capacity_run(cfg: Any) -> None:
 # chat's context is the conversation.
 CAPACITY = Task(reads={"attention": ALL, "workload": Without("batch_size", "prompt_len"), "runtime": ALL,
                        "slo": ALL, "capacity": ALL},
-                runs_workload=True, by_workload={"multiturn": {"capacity": ("max_batch", "batch_step")}},
+                runs_workload=True,
+                by_workload={"multiturn": {"capacity": ("max_batch", "batch_step", "gpus_per_node")}},
                 check=check_capacity_run)
