@@ -19,8 +19,8 @@ from kvbench.jobs.runner import _as_given
 from kvbench.results import record_config
 from kvbench.tasks.bench import WORKLOADS as WORKLOAD_CODE
 
-TIMED = ("compile device dtype fidelity graph_bucket isolate min_time_s nvml_interval_ms peak_gb_per_s probe "
-         "repeats seed threads warmup")
+TIMED = ("compile device dtype expert_parallel fidelity graph_bucket isolate min_time_s nvml_interval_ms "
+         "peak_gb_per_s probe repeats seed tensor_parallel threads warmup")
 TRAIN = ("batch_size eval_batches eval_every grad_clip init_from log_every lr min_lr_ratio seq_len steps warmup_steps "
          "weight_decay")
 MLA = "kv_lora_rank mla_decode num_kv_heads q_lora_rank qk_nope_head_dim qk_rope_head_dim type v_head_dim"
@@ -50,11 +50,11 @@ VALID = {
     'task=capacity runtime.memory_budget_gb=1': {
         'attention': 'num_kv_heads type', 'workload': 'gen_len name', 'cache': 'dtype impl',
         'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB, 'slo': SLO,
-        'capacity': 'batch_step context_lens max_batch prefill_chunk tpot_pairs', **TOP},
+        'capacity': 'batch_step context_lens gpus_per_node max_batch prefill_chunk tpot_pairs', **TOP},
     'task=capacity workload=multiturn runtime.memory_budget_gb=1': {
         'attention': 'num_kv_heads type', 'workload': 'name reply_len system_len turns user_len',
         'cache': 'dtype impl shared', 'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB, 'slo': SLO,
-        'capacity': 'batch_step max_batch', **TOP},
+        'capacity': 'batch_step gpus_per_node max_batch', **TOP},
     'task=compare': {
         'workload': 'batch_size', 'cache': 'impl', 'runtime': TIMED, 'wandb': WANDB,
         'compare': 'contexts steps variants', **TOP},
@@ -97,7 +97,7 @@ INVALID = {
     'task=capacity workload=multiturn workload.turns=0': {
         'attention': 'num_kv_heads type', 'workload': 'name reply_len system_len turns user_len',
         'cache': 'dtype impl shared', 'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
-        'capacity': 'batch_step max_batch', **TOP},
+        'capacity': 'batch_step gpus_per_node max_batch', **TOP},
     'task=train train.lr=-1': {
         'attention': 'num_kv_heads type', 'runtime': 'device dtype seed threads', 'wandb': WANDB_GIVEN,
         'data': 'max_bytes path val_fraction',
@@ -109,11 +109,11 @@ INVALID = {
     'experiment=choose scenario=decode runtime.memory_budget_gb=-1': {
         'attention': 'num_kv_heads type', 'workload': 'gen_len name', 'cache': 'dtype impl',
         'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
-        'capacity': 'batch_step context_lens max_batch prefill_chunk tpot_pairs', **TOP},
+        'capacity': 'batch_step context_lens gpus_per_node max_batch prefill_chunk tpot_pairs', **TOP},
     'experiment=choose scenario=chat runtime.memory_budget_gb=-1': {
         'attention': 'num_kv_heads type', 'workload': 'name reply_len system_len turns user_len',
         'cache': 'dtype impl shared', 'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
-        'capacity': 'batch_step max_batch', **TOP},
+        'capacity': 'batch_step gpus_per_node max_batch', **TOP},
 }
 
 

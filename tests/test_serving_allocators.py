@@ -314,7 +314,7 @@ def test_per_kind_fits_as_many_decoding_sequences_as_unified_on_windowed_presets
     that room out of the count."""
     from conftest import compose
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.layouts.build import build_layouts
     from kvbench.serving.allocator import groups_of
 

@@ -294,7 +294,7 @@ def test_sharegpt_lengths_and_ids_come_from_the_checkpoints_own_tokenizer(checkp
     system message's, then the message's); without a checkpoint, the UTF-8 bytes."""
     from tokenizers import Tokenizer
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.serving.tokenize import tokenizer_name
     from kvbench.workloads.serving import plan_at
 

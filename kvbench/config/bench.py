@@ -128,6 +128,10 @@ class RuntimeConfig:
     # task=capacity: the memory a job may use, in GB (1e9 bytes); null: the CUDA device's memory
     # (on a CPU the task needs a value: a machine's RAM is shared, not a budget)
     memory_budget_gb: Optional[float] = None
+    # one job as this many processes, the model split over them by heads and widths (kvbench/parallel/),
+    # and the experts split over them by expert instead (expert_parallel = tensor_parallel)
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_numbers("runtime", self)

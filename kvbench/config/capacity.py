@@ -11,6 +11,7 @@ from kvbench.core.errors import check, check_choice, check_numbers, check_positi
 from kvbench.core.task import ALL, Task, Without
 
 SLO_STATS = ("p50", "p99")
+MAX_GPUS_PER_NODE = 1024  # a node's GPUs: beyond it, a typo (the per-GPU table tries each power of two up to it)
 
 
 @dataclass
@@ -54,12 +55,17 @@ class CapacityConfig:
     # working set (vLLM's max_num_batched_tokens; workload=serving's max_prefill_tokens); null: the whole
     # batch's prompts in one forward, whose working memory grows with batch x context.
     prefill_chunk: Optional[int] = 512
+    # the record's per-GPU table (tables.per_gpu): the splits of a node of this many GPUs, each GPU's
+    # memory the job's budget (runtime.memory_budget_gb)
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         check_numbers("capacity", self)
         check(len(self.context_lens) > 0 and all(isinstance(n, int) and n >= 1 for n in self.context_lens),
                "capacity.context_lens", self.context_lens, "must be a non-empty list of lengths >= 1")
         check_positive("capacity", self, ("max_batch", "batch_step", "tpot_pairs"))
+        check(1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE, "capacity.gpus_per_node", self.gpus_per_node,
+              f"must be in [1, {MAX_GPUS_PER_NODE}]")
         check(self.prefill_chunk is None or (isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1),
               "capacity.prefill_chunk", self.prefill_chunk, "must be an integer >= 1 (tokens per forward) or null")
 
@@ -93,5 +99,6 @@ def check_capacity_run(cfg: Any) -> None:
 # chat's context is the conversation.
 CAPACITY = Task(reads={"attention": ALL, "workload": Without("batch_size", "prompt_len"), "runtime": ALL,
                        "slo": ALL, "capacity": ALL},
-                runs_workload=True, by_workload={"multiturn": {"capacity": ("max_batch", "batch_step")}},
+                runs_workload=True,
+                by_workload={"multiturn": {"capacity": ("max_batch", "batch_step", "gpus_per_node")}},
                 check=check_capacity_run)

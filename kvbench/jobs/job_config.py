@@ -18,6 +18,7 @@ from kvbench.config.bench import TASKS, BenchConfig
 from kvbench.config.moe import check_run
 from kvbench.core.errors import ConfigError, typed
 from kvbench.layouts.build import build_layouts
+from kvbench.parallel.plan import check_parallel
 
 
 def check_job(job: BenchConfig) -> BenchConfig:
@@ -34,6 +35,7 @@ def check_job(job: BenchConfig) -> BenchConfig:
                 raise ConfigError(f"{where}{exc}") from None
         check_run(job.model.moe, settings)
     job.check_rules()
+    check_parallel(job)  # the ranks a job runs as (kvbench.parallel)
     return job
 
 

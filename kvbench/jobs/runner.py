@@ -32,6 +32,8 @@ from kvbench.measure.env import LOAD_METHODS, LOAD_METRICS, collect_env, load_av
 from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
+from kvbench.parallel.launch import run_ranks
+from kvbench.parallel.tensor import current as current_ranks
 from kvbench.progress import Progress, guarded, no_progress
 from kvbench.results import RunResult, lookup, nonfinite_metrics, record_config, save, utc_now
 from kvbench.tasks import bench, capacity, compare, train
@@ -116,6 +118,9 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             result.env = {**collect_env(device), "device": str(device)}  # what it ran with
             if job.task not in TASKS:
                 raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
+            if job.runtime.tensor_parallel > 1 and current_ranks() is None:  # each rank runs it (kvbench.parallel)
+                result = run_ranks(job, out_dir, list(overrides or []), run_job, device)
+                return result  # rank 0's record, every rank's figures in it; saved again below
             check_fits(job, device)  # sizes from the config, before anything is built
             earlier_jobs = _jobs_run
             _jobs_run += 1

@@ -1,9 +1,8 @@
 """What every kind of layer layout answers, and :class:`Layouts`, the list a decoder is built from.
 
-A :class:`LayerLayout` is one layer's attention as data: what its cache stores per position, the
-bytes it holds and reads and the FLOPs it spends per decode step, its label fields and what it
-does not run with (:class:`Limit`). Every byte figure of kvbench is a :class:`Layouts` total.
-No torch here: kvbench's own process checks a config against its layouts before a job imports it.
+A :class:`LayerLayout` is one layer's attention as data: what its cache stores per position, the bytes it
+holds and reads, its FLOPs per decode step, labels, what it does not run with (:class:`Limit`), how it splits
+over ranks (:mod:`~kvbench.layouts.sharding`). Every byte figure is a :class:`Layouts` total. No torch here.
 
 Notation: B batch, S positions held or read, H query heads, H_kv KV heads, W a window.
 """
@@ -19,6 +18,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.core.dtypes import CACHE_DTYPES, DTYPE_BYTES, FP4_BLOCK, STORED_AS, block_refusal, element_bytes
 from kvbench.core.errors import ConfigError, check_choice
 from kvbench.core.task import Asked
+from kvbench.layouts.sharding import Sharding
 from kvbench.units import human_bytes, index_text
 
 
@@ -57,7 +57,7 @@ class State:
 
 
 @dataclass(frozen=True)
-class LayerLayout:
+class LayerLayout(Sharding):
     """One layer's attention layout; subclasses set ``kind`` and ``stored`` (heads per position,
     the width of each stored tensor) and the byte formulas follow. A layout does not know its
     position: layers of one shape share one (immutable) object, so a model of a million layers

@@ -65,6 +65,10 @@ class KVHeads(LayerLayout):
         (:mod:`kvbench.layouts.pages`), or nothing where the layer reads another's K/V."""
         return positions_spec(self, element, cache_dtype)
 
+    def shard(self, ranks: int) -> "KVHeads":
+        # each rank's query heads read whole K/V heads: 1 / ranks of them, or one replicated
+        return replace(self, num_heads=self.num_heads // ranks, num_kv_heads=max(1, self.num_kv_heads // ranks))
+
     @property
     def rotary_dim(self) -> int:
         return self.head_dim if self.rotary is None else self.rotary

@@ -15,7 +15,7 @@ builds no rotary tables for them; what a layer caches, reads and spends is the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.core.dtypes import CACHE_DTYPE_BYTES, DTYPE_BYTES, SCALE_BYTES, element_bytes
@@ -59,6 +59,10 @@ class Latent(LayerLayout):
         """What a serving store keeps of a sequence here: positions in blocks, a window's ring
         (:mod:`kvbench.layouts.pages`), or nothing where the layer reads another's K/V."""
         return positions_spec(self, element, cache_dtype)
+
+    def shard(self, ranks: int) -> "Latent":
+        # the latent (and an indexer's key) is every head's: each rank's heads read a whole copy
+        return replace(self, num_heads=self.num_heads // ranks)
 
     def attended(self, context: float) -> float:
         """Latents one decode step of one sequence attends at ``context`` positions."""

@@ -49,6 +49,13 @@ class Experts(nn.Module):
     ``w_down`` (E, C, I); with ``expert_bias`` their biases (E, 2I) and (E, C). Not ``gated``
     (``model.mlp_act=relu2``, Nemotron-H's experts): ``w_up`` (E, I, C) and relu(up x)^2."""
 
+    # how kvbench.parallel cuts them by width: w_gate_up's and b_gate_up's dim 1 holds gate rows then up rows,
+    # each cut alike; b_down is added once after the ranks' sum. ``first``: the first expert held, where a
+    # rank holds some of them (expert parallel): pairs routed to another rank's run nowhere here.
+    TP_PARTS = {"w_gate_up": (1, 2), "b_gate_up": (1, 2)}
+    TP_ONCE = ("b_down",)
+    first: Optional[int] = None
+
     def __init__(self, d_model: int, moe, gated: bool = True):
         super().__init__()
         E, I, C = moe.num_experts, moe.expert_ffn_dim, d_model  # noqa: E741
@@ -89,10 +96,13 @@ class Experts(nn.Module):
     @_eager  # the loop follows the routing: torch.compile would recompile per routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, int]:
         """x (N, C), weights and chosen (N, k) -> (weighted sum (N, C), number of distinct experts run)."""
-        k = chosen.shape[1]
+        k, E = chosen.shape[1], self.w_down.shape[0]
         flat = chosen.flatten()  # pair n*k + j: token n's j-th expert
+        if self.first is not None:  # experts held here as 0..E-1; another rank's as E, sorted last and skipped
+            flat = flat - self.first
+            flat = torch.where((flat >= 0) & (flat < E), flat, E)
         order = flat.argsort(stable=True)  # the pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.w_down.shape[0]).tolist()  # the one host sync
+        counts = torch.bincount(flat, minlength=E).tolist()[:E]  # the one host sync
         out = torch.zeros_like(x)
         w = weights.flatten()
         start = 0

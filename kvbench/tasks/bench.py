@@ -12,6 +12,7 @@ from kvbench.config.bench import BenchConfig
 from kvbench.config.serving import ServingWorkload
 from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric
+from kvbench.parallel.tensor import RANK_METRICS
 from kvbench.progress import Progress
 from kvbench.results import RunResult
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
@@ -23,7 +24,8 @@ WORKLOADS = {"decode": decode, "multiturn": multiturn, "serving": serving, "conv
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a task=bench job of ``workload`` may record."""
-    return {**JOB_METRICS, **(WORKLOADS[workload].RECORDED if workload in WORKLOADS else {})}
+    return {**JOB_METRICS, **(WORKLOADS[workload].RECORDED if workload in WORKLOADS else {}),
+            **(RANK_METRICS if workload == "decode" else {})}  # runtime.tensor_parallel > 1
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:

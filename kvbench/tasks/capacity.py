@@ -34,6 +34,8 @@ from kvbench.measure.stats import median, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
+from kvbench.parallel.per_gpu import TABLE as PER_GPU
+from kvbench.parallel.per_gpu import per_gpu_table
 from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
@@ -141,6 +143,7 @@ METRICS: Dict[str, Metric] = metric_table(
                               "tpot_reference_ms, or the tighter of both), "
                               "decode_ms_p50, tokens_per_s, oom, error"),
 )
+METRICS[PER_GPU.name] = PER_GPU
 METHODS: Dict[str, str] = record_methods(METRICS)
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
@@ -423,6 +426,9 @@ def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult
     baseline = baseline_bytes(device)
     model = build_model(cfg, device)
     result.metrics.update(weight_metrics(model))
+    # what the budget holds per GPU where the model is split over a node (formula: kvbench.parallel)
+    result.tables["per_gpu"] = per_gpu_table(cfg.model, cfg.attention, cfg.runtime.dtype, cfg.cache.dtype,
+                                             contexts(cfg), memory_budget(cfg, device), cfg.capacity.gpus_per_node)
     label = f"capacity {job_variant_label(cfg)}"
     if cfg.workload.name == "multiturn":
         label += f" chat shared={cfg.cache.shared}"

@@ -15,6 +15,8 @@ from kvbench.layouts.build import build_layouts
 from kvbench.measure.memory import MEMORY_METRICS, weight_bytes
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder, torch_dtype
+from kvbench.parallel.tensor import current as current_ranks
+from kvbench.parallel.tensor import shard_decoder
 from kvbench.quant_weights import checkpoint_bytes
 
 JOB_METRICS: Dict[str, Metric] = metric_table(
@@ -42,11 +44,18 @@ def build_model(cfg: BenchConfig, device: torch.device) -> Decoder:
     if cfg.model.path:
         model, _ = load_llama_dir(cfg.model.path, torch.float32, device)
         model, _ = to_layout(model, cfg.attention)
-        return model.hold_states_in(cfg.cache.state_dtype).to(dtype).eval()
+        return _rank_part(model.hold_states_in(cfg.cache.state_dtype).to(dtype).eval())
     torch.manual_seed(cfg.runtime.seed)
     with device:
         model = Decoder(cfg.model, cfg.attention, cfg.cache.state_dtype)
-    return model.to(dtype).eval()
+    return _rank_part(model.to(dtype).eval())
+
+
+def _rank_part(model: Decoder) -> Decoder:
+    """This rank's part of ``model`` where the job runs as tensor-parallel ranks (kvbench.parallel): every
+    rank builds the whole from the same seed, then keeps its part."""
+    group = current_ranks()
+    return model if group is None else shard_decoder(model, group.ranks, group.rank, group.expert_parallel, group)
 
 
 def job_kv_conversion(cfg: BenchConfig) -> Optional[Dict[str, Any]]:

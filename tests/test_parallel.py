@@ -1,0 +1,169 @@
+"""Tensor parallelism (kvbench/parallel/): a model cut over ranks decodes token-equal to the whole one,
+each rank's cache and weights equal the formula written out by hand (K/V heads split, MQA's head and
+MLA's latent replicated), and a split the job cannot run is refused in one line.
+
+The ranks here are threads of this process that sum at a barrier (:class:`ThreadRanks`, standing in
+for torch.distributed's all-reduce, same order of summation on every rank); the processes, gloo and the
+CLI's record are tests/e2e/test_parallel_ranks.py's.
+"""
+
+import copy
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvbench.cache import cache_for
+from kvbench.config.model import AttentionConfig
+from kvbench.core.errors import ConfigError
+from kvbench.generate import greedy_generate
+from kvbench.jobs.job_config import to_bench_config
+from kvbench.layouts.build import build_layouts
+from kvbench.model import Decoder
+from kvbench.parallel.plan import Split, check_parallel, rank_kv
+from kvbench.parallel.tensor import RankGroup, rank_weight_bytes, shard_decoder
+from tests.conftest import compose, tiny_model_config
+
+B, PROMPT, STEPS, RANKS = 2, 5, 6, 2
+
+
+class ThreadRanks(RankGroup):
+    """A rank of threads in one process: the all-reduce is a sum of every rank's tensor at a barrier."""
+
+    def __init__(self, rank, ranks, shared):
+        super().__init__(rank, ranks)
+        self.shared = shared
+
+    def all_reduce(self, out):
+        slots, barrier = self.shared
+        slots[self.rank] = out.clone()
+        barrier.wait()
+        total = sum(slots)  # rank 0's part first on every rank
+        barrier.wait()
+        self.calls += 1
+        return out.copy_(total)
+
+
+def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1):
+    """Greedy decode of ``model`` cut over ``ranks`` thread ranks (the experts by expert with
+    ``expert_parallel``): per rank (tokens, cache bytes, weight bytes)."""
+    shared = ([None] * ranks, threading.Barrier(ranks))
+    outs = [None] * ranks
+
+    def rank(r):
+        part = shard_decoder(copy.deepcopy(model), ranks, r, expert_parallel, ThreadRanks(r, ranks, shared))
+        cache = cache_for(part, "static", B, PROMPT + STEPS + 1)
+        tokens = greedy_generate(part, prompt, STEPS, cache).tokens
+        outs[r] = (tokens, cache.nbytes, sum(p.numel() * p.element_size() for p in part.parameters()))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+# (attention, model fields): a model of 2 layers, 64 wide, 8 query heads of 8; "bias": the biases a
+# row-parallel projection must add once (o_proj's, the MLP's down projection's) and GPT-OSS's sinks
+VARIANTS = {"gqa": (AttentionConfig(type="gqa", num_kv_heads=2), {}), "mqa": (AttentionConfig(type="mqa"), {}),
+            "mla": (AttentionConfig(type="mla"), {}),
+            "bias": (AttentionConfig(type="gqa", num_kv_heads=4, sinks=True), {"o_bias": True, "mlp_bias": True})}
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    """Each variant's (model config, attention, whole greedy decode, its two ranks')."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, (attention, fields) in VARIANTS.items():
+        cfg = tiny_model_config(ffn_dim=128, vocab_size=128, **fields)
+        attention = attention.resolved(cfg)
+        torch.manual_seed(0)
+        model = Decoder(cfg, attention).eval()
+        prompt = torch.randint(0, cfg.vocab_size, (B, PROMPT), generator=torch.Generator().manual_seed(1))
+        whole = greedy_generate(model, prompt, STEPS, cache_for(model, "static", B, PROMPT + STEPS + 1)).tokens
+        out[name] = (cfg, attention, whole, run_ranks(model, prompt))
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_ranks_decode_token_equal_to_one_process(decoded, name):
+    _, _, whole, ranks = decoded[name]
+    for tokens, _, _ in ranks:
+        assert torch.equal(tokens, whole)
+
+
+def test_each_ranks_cache_is_the_formula(decoded):
+    """By hand, float32, S = prompt + steps + 1 positions, 2 layers of head_dim 8: GQA's 2 K/V heads split
+    (1 a rank), MQA's one head and MLA's latent (kv_lora_rank + qk_rope_head_dim) whole on each rank."""
+    S, L, D, f32 = PROMPT + STEPS + 1, 2, 8, 4
+    mla = decoded["mla"][1]
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim  # 4 x 8 + 8 / 2 (the defaults of a model without its own)
+    assert latent == 36
+    expected = {"gqa": 2 * L * 1 * D * S * B * f32, "mqa": 2 * L * 1 * D * S * B * f32,
+                "mla": L * latent * S * B * f32, "bias": 2 * L * 2 * D * S * B * f32}
+    for name, nbytes in expected.items():
+        assert [cache for _, cache, _ in decoded[name][3]] == [nbytes] * RANKS, name
+    # the formula the capacity figures use: the whole model's layouts, each layer's bytes / its tensor_parts
+    for name in expected:
+        cfg, attention = decoded[name][:2]
+        kv = rank_kv(build_layouts(cfg, attention), RANKS, S, f32)
+        assert kv.per_sequence * B == expected[name]
+        assert kv.replication == {"gqa": 1, "mqa": 2, "mla": 2, "bias": 1}[name]
+
+
+def test_each_ranks_weights_are_the_formula(decoded):
+    """GQA by hand: per layer wq and wo H/2 heads, wk and wv one K/V head, the MLP's three projections
+    ffn/2 wide, two norms; embedding, LM head and the final norm whole on every rank."""
+    C, H, D, F, V, L = 64, 8, 8, 128, 128, 2
+    layer = C * (H // 2) * D * 2 + C * 1 * D * 2 + 3 * C * (F // 2) + 2 * C
+    expected = 4 * (L * layer + 2 * V * C + C)
+    assert [w for _, _, w in decoded["gqa"][3]] == [expected] * RANKS
+
+
+def test_a_rank_of_meta_weights_counts_as_the_built_one(decoded):
+    """rank_weight_bytes (the capacity figures' weights per rank, on the meta device) against the built rank's."""
+    cfg, attention, _, ranks = decoded["bias"]
+    with torch.device("meta"):
+        meta = Decoder(cfg, attention)
+    assert rank_weight_bytes(meta, Split(RANKS)) == ranks[0][2]
+
+
+@pytest.fixture(scope="module")
+def tiny_job():
+    return to_bench_config(compose("model=tiny", "runtime.device=cpu"))
+
+
+def test_a_split_it_cannot_run_is_one_line_from_the_command_line():
+    with pytest.raises(ConfigError, match=r"^runtime\.tensor_parallel=3: must divide model\.num_heads=8 "):
+        to_bench_config(compose("model=tiny", "runtime.tensor_parallel=3"))
+
+
+@pytest.mark.parametrize("runtime, other, line", [
+    ({"tensor_parallel": 0}, {}, "runtime.tensor_parallel=0: must be an integer >= 1"),
+    ({"tensor_parallel": 4096}, {}, "runtime.tensor_parallel=4096: more ranks than this machine's"),
+    ({"tensor_parallel": 2}, {"task": "capacity"}, "runtime.tensor_parallel=2: runs task=bench workload=decode"),
+    ({"tensor_parallel": 2, "compile": "default"}, {}, "runtime.compile='default': with runtime.tensor_parallel=2"),
+    ({"tensor_parallel": 8, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 4}, "model":
+                                                {"num_heads": 12, "preset_kv_heads": 4, "head_dim": 8}},
+     "runtime.tensor_parallel=8: must divide model.num_heads=12"),
+    ({"tensor_parallel": 2}, {"attention": {"layer_types": ["linear_attention", "full_attention"]}},
+     "runtime.tensor_parallel=2: layer 0 is Gated DeltaNet"),
+    ({"tensor_parallel": 4, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 6}, "model":
+                                                {"num_heads": 12, "preset_kv_heads": 6, "head_dim": 8}},
+     "runtime.tensor_parallel=4: layer 0: the layer's 6 heads split"),
+    ({"expert_parallel": 2}, {}, "runtime.expert_parallel=2: splits the experts over"),
+])
+def test_a_split_it_cannot_run_is_one_line(tiny_job, runtime, other, line):
+    job = tiny_job
+    fields = {}
+    if "model" in other:
+        fields["model"] = replace(job.model, **other["model"])
+    if "attention" in other:
+        fields["attention"] = replace(job.attention, **other["attention"])
+    job = replace(job, runtime=replace(job.runtime, **runtime), task=other.get("task", job.task), **fields)
+    with pytest.raises(ConfigError) as err:
+        check_parallel(job)
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
