@@ -116,6 +116,7 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
+    preset_k_eq_v: int = 0  # 1: a global layer's keys are its values, one tensor cached (Gemma 4's attention_k_eq_v)
     moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
     weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
     mlp_act: str = "silu"  # MLP_ACTS: silu, the gated SwiGLU; relu2, relu(up x)^2 ungated (Nemotron-H), experts too
@@ -301,6 +302,9 @@ class AttentionConfig:
     index_topk: Optional[int] = None  # DSA: each query attends its top index_topk tokens; 0: no indexer
     # Gemma 3n: the last N layers read an earlier layer's K/V, storing none (null: the model's own; 0: none)
     kv_shared_layers: Optional[int] = None
+    # Gemma 4: 1, a global layer's one projection serves as its keys and its values, so a position caches one
+    # tensor, not two (kvbench.layouts.global_heads); 0: K and V; null: the model's own (model.preset_k_eq_v)
+    k_eq_v: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
@@ -309,6 +313,7 @@ class AttentionConfig:
         if self.num_kv_heads is not None:
             check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
         check_window_pattern("attention.", self.window, self.global_every, self.layer_types)
+        check(self.k_eq_v in (None, 0, 1), "attention.k_eq_v", self.k_eq_v, "must be 1 (keys are values), 0 or null")
         check(self.full_attention_interval is None or self.full_attention_interval >= 0,
               "attention.full_attention_interval", self.full_attention_interval,
               "must be >= 0 (0: no linear layer; k: every k-th layer full attention, the others linear) or null")
