@@ -200,8 +200,8 @@ def remake(layers: Sequence, model, attention) -> Sequence:
         return layers
     shared = attention.kv_shared_layers or 0
     if k_eq_v and shared and any(id(layer) in made for layer in layers[len(layers) - shared:]):
-        raise ConfigError(f"attention.k_eq_v=1: with attention.kv_shared_layers={shared} a global layer would read a "
-                          "K=V layer's cache, whose keys need that layer's key norm; not built (use attention.k_eq_v=0)")
+        raise ConfigError(f"attention.k_eq_v=1: with attention.kv_shared_layers={shared} a global layer would read "
+                          "a K=V layer's cache, whose keys need its key norm; not built (use attention.k_eq_v=0)")
     if len(layers.distinct) == 1:  # every layer alike (counted in C: a model may have 10^8)
         return (made[id(layers[0])],) * len(layers)
     return [made.get(id(layer), layer) for layer in layers]
