@@ -11,9 +11,10 @@ then rotated. A position of such a layer caches that one tensor, not two: its by
 halve, a serving page of it is half as wide, and a decode step derives the keys from it again (an
 elementwise product and rotation over the positions read, no bytes).
 
-Here: ``model.layer_shapes.global_heads`` (a preset's or checkpoint's; null: the model's own heads)
-reshapes every full K/V-head layer of a run, and ``attention.k_eq_v`` (null: ``model.preset_k_eq_v``)
-makes those layers K=V, with or without a shape of their own. A layer that reads another's K/V
+Here (``model.v_norm``: every layer's values normed): ``model.layer_shapes.global_heads`` (a
+preset's or checkpoint's; null: the model's own heads) reshapes every full K/V-head layer of a run,
+and ``attention.k_eq_v`` (null: ``model.preset_k_eq_v``) makes those layers K=V, with or without a
+shape of their own. A layer that reads another's K/V
 (``attention.kv_shared_layers``) does not read a K=V donor (its keys need the donor's key norm).
 
 Notation: H query heads, H_kv KV heads, D head_dim, S positions.
@@ -34,18 +35,17 @@ ROPE_TYPES = ("default", "proportional")
 # model.layer_shapes.global_heads: each key, its type and its default (None: the model's own)
 SHAPE_FIELDS: Dict[str, Tuple[type, Any]] = {
     "num_kv_heads": (int, None), "head_dim": (int, None), "rope_theta": (float, None),
-    "partial_rotary_factor": (float, 1.0), "rope_type": (str, "default"), "value_norm": (bool, False)}
+    "partial_rotary_factor": (float, 1.0), "rope_type": (str, "default")}
 
 
 @dataclass(frozen=True)
 class GlobalHeads(KVHeads):
-    """A global K/V-head layer: ``k_eq_v``, its key projection's output (RMS-normed, ``value_norm``) is
+    """A global K/V-head layer: ``k_eq_v``, its key projection's output (RMS-normed: ``model.v_norm``) is
     cached once and serves as values, the keys derived from it; ``rope_theta`` its rotary base (None:
     the model's); ``proportional``, its rotated frequencies over the whole head (``rotary`` of them
     rotate in pairs i, i + D/2), else the first ``rotary`` dims rotate (kvbench's partial rotary)."""
 
     k_eq_v: bool = False
-    value_norm: bool = False
     rope_theta: Optional[float] = None
     proportional: bool = False
 
@@ -151,9 +151,6 @@ def global_shape(model) -> Dict[str, Any]:
                                                                      out["rope_type"]) < 2:
         raise ConfigError(f"{prefix}.partial_rotary_factor={out['partial_rotary_factor']!r}: must be in (0, 1] and "
                           f"rotate an even number >= 2 of the head_dim={D} dimensions")
-    if out["value_norm"] and not model.qk_norm:
-        raise ConfigError(f"{prefix}.value_norm=True: needs model.qk_norm=true (a K=V layer's keys are its normed "
-                          "values times the key norm's weight)")
     return out
 
 
@@ -164,6 +161,9 @@ def _rotated(D: int, factor: float, rope_type: str) -> int:
 
 def check_model(model) -> None:
     global_shape(model)
+    if model.v_norm and not model.qk_norm and (model.preset_k_eq_v or global_shape(model)):
+        raise ConfigError("model.v_norm=True: needs model.qk_norm=true beside K=V layers (their keys are the normed "
+                          "values times the key norm's weight)")
     if model.preset_k_eq_v not in (0, 1):
         raise ConfigError(f"model.preset_k_eq_v={model.preset_k_eq_v!r}: must be 1 (keys are values) or 0")
 
@@ -183,7 +183,7 @@ def global_layout(layer: KVHeads, model, k_eq_v: bool) -> GlobalHeads:
         rotary, theta, proportional = layer.rotary_dim, None, False
     return GlobalHeads(None, layer.num_heads, kv, D, layer.sinks, output_gate=layer.output_gate,
                        rotary=None if rotary == D else rotary, k_eq_v=k_eq_v,
-                       value_norm=bool(shape.get("value_norm")), rope_theta=theta, proportional=proportional)
+                       rope_theta=theta, proportional=proportional)
 
 
 def remake(layers: Sequence, model, attention) -> Sequence:

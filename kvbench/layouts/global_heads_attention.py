@@ -2,7 +2,7 @@
 and count, rotary embeddings of its own base and frequencies, and with ``k_eq_v`` one cached tensor.
 
 K=V (transformers' ``Gemma4TextAttention`` with ``attention_k_eq_v``): x = k_proj(h) per KV head; the
-value is v_norm(x) (an RMS norm without a scale) where the layout says ``value_norm``, else x; the key
+value is v_norm(x) (an RMS norm without a scale) with ``model.v_norm``, else x; the key
 is rope(k_norm(x)). Only the value is cached; the key is derived from it where it is read:
 k_norm(x) = v_norm(x) * w exactly (the same float32 normalisation times the key norm's weight), or
 k_norm(value) without a value norm. The positions a global layer's cache returns are 0..S-1 in order
@@ -26,13 +26,8 @@ from torch import nn
 
 from kvbench.layouts.global_heads import GlobalHeads
 from kvbench.layouts.kv_heads_attention import KVHeadsAttention, grouped_attention
+from kvbench.norm import unscaled_rms_norm
 from kvbench.rope import apply_rope, rope_attention_factor, rope_inv_freq
-
-
-def value_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the last dim without a scale, in float32 (transformers' Gemma4RMSNorm(with_scale=False))."""
-    xf = x.float()
-    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
 
 
 class GlobalHeadsAttention(KVHeadsAttention):
@@ -41,8 +36,7 @@ class GlobalHeadsAttention(KVHeadsAttention):
 
     def __init__(self, cfg, layout: GlobalHeads):
         super().__init__(cfg, layout)
-        self.k_eq_v, self.eps = layout.k_eq_v, cfg.norm_eps
-        self.value_norm = layout.value_norm
+        self.k_eq_v = layout.k_eq_v
         if self.k_eq_v and not self.shared:
             del self.wv
         D = layout.head_dim
@@ -87,10 +81,10 @@ class GlobalHeadsAttention(KVHeadsAttention):
         if not self.shared:
             raw = self.wk(x).view(B, T, H_kv, D)
             if self.k_eq_v:  # one tensor cached: the value; the keys follow from it below
-                k = (value_norm(raw, self.eps) if self.value_norm else raw).transpose(1, 2)
+                k = (unscaled_rms_norm(raw, self.eps) if self.v_norm else raw).transpose(1, 2)
             else:
                 v = self.wv(x).view(B, T, H_kv, D)
-                v = (value_norm(v, self.eps) if self.value_norm else v).transpose(1, 2)
+                v = (unscaled_rms_norm(v, self.eps) if self.v_norm else v).transpose(1, 2)
                 k = apply_rope(self.k_norm(raw).transpose(1, 2), q_cos, q_sin)
         att = cache.update(k, v, pos)  # (B, H_kv, S, D) each; K=V: the values, v None
         keys, values = att.k, att.v
@@ -109,7 +103,7 @@ class GlobalHeadsAttention(KVHeadsAttention):
     def _key_norm(self, values: torch.Tensor) -> torch.Tensor:
         """The keys (B, S, H_kv, D) before rotation from the cached values: k_norm(x) = v_norm(x) x its weight
         (exactly: the value is x's float32 normalisation), or k_norm(x) of x itself."""
-        if not self.value_norm or isinstance(self.k_norm, nn.Identity):
+        if not self.v_norm or isinstance(self.k_norm, nn.Identity):
             return self.k_norm(values)
         weight = self.k_norm.weight.float()
         scale = 1.0 + weight if self.k_norm.zero_centered else weight
