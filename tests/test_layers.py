@@ -24,7 +24,7 @@ LAYERS = [
      "config.hf_agree", "mlp.dense", "mlp.router"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
-    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights"],
+    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed", "layouts.kda",
      "layouts.kv_sharing", "layouts.global_heads"],
     ["layouts.kinds"],

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kvbench.core.errors import ConfigError
+from kvbench.layouts import global_heads_hf as hf
 from kvbench.layouts.base import Layouts, Limit, elements_line
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.registry import LayerKind, LayerOption, register
@@ -214,6 +215,7 @@ K_EQ_V = LayerOption("k_eq_v", " k=v", 0, preset="preset_k_eq_v",
 KIND = register(LayerKind(
     "global_heads", GlobalHeads, module="kvbench.layouts.global_heads_attention:GlobalHeadsAttention",
     title="global K/V-head attention of its own shape", letters={"v": "k_eq_v"}, options=(K_EQ_V,),
-    remake=remake, check_model=check_model,
+    remake=remake, check_model=check_model, hf_architectures=hf.ARCHITECTURES, hf_model_fields=hf.hf_model_fields,
+    hf_names=hf.hf_names,
     examples={"k_eq_v": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.k_eq_v=1"),
               "gemma4": ("model=tiny_gemma4",)}))

@@ -39,31 +39,39 @@ class GlobalHeadsAttention(KVHeadsAttention):
         self.k_eq_v = layout.k_eq_v
         if self.k_eq_v and not self.shared:
             del self.wv
-        D = layout.head_dim
-        if layout.proportional:  # the first rotary / 2 of D/2 frequencies over the whole head, the rest zero
-            half = layout.rotary_dims // 2
-            theta = layout.rope_theta or cfg.rope_theta
-            turning = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float() / D)
-            inv_freq, factor = torch.cat([turning, torch.zeros(D // 2 - half)]), 1.0
-        else:  # kvbench's partial rotary: the first `rotary` dims, the model's scaling, its base or the layer's
-            rope = cfg if layout.rope_theta is None else replace(cfg, rope_theta=layout.rope_theta, path=None)
-            inv_freq, factor = rope_inv_freq(rope, layout.rotary_dims).float(), rope_attention_factor(rope)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rope_factor = factor
+        self.layout, self.cfg = layout, cfg
+        self._inv_freq: torch.Tensor | None = None  # made where first asked: a decoder is built on the meta device
         self._table: Tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0..n-1 read so far
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The layer's rotary inverse frequencies (float32), on ``device``."""
+        if self._inv_freq is None or self._inv_freq.device != device:
+            layout, cfg, D = self.layout, self.cfg, self.layout.head_dim
+            with torch.device("cpu"):
+                if layout.proportional:  # the first rotary / 2 of D/2 frequencies over the whole head, the rest zero
+                    half, theta = layout.rotary_dims // 2, layout.rope_theta or cfg.rope_theta
+                    turning = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.int64).float() / D)
+                    inv_freq, self.rope_factor = torch.cat([turning, torch.zeros(D // 2 - half)]), 1.0
+                else:  # kvbench's partial rotary: the first `rotary` dims, the model's scaling, its base or the layer's
+                    rope = cfg if layout.rope_theta is None else replace(cfg, rope_theta=layout.rope_theta, path=None)
+                    inv_freq = rope_inv_freq(rope, layout.rotary_dims).float()
+                    self.rope_factor = rope_attention_factor(rope)
+            self._inv_freq = inv_freq.to(device)
+        return self._inv_freq
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (..., R) of ``positions`` as transformers computes them (float32 angles)."""
-        angles = positions.float()[..., None] * self.inv_freq.float()
+        angles = positions.float()[..., None] * self.inv_freq(positions.device)
         angles = torch.cat([angles, angles], dim=-1)
         return (angles.cos() * self.rope_factor).to(dtype), (angles.sin() * self.rope_factor).to(dtype)
 
     def _first(self, S: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions 0..S-1, from a table grown by doubling (a decode step adds no trig)."""
+        device = self.wq.weight.device
         if self._table is None or self._table[0].shape[0] < S or self._table[0].dtype != dtype \
-                or self._table[0].device != self.inv_freq.device:
+                or self._table[0].device != device:
             held = max(S, 2 * (0 if self._table is None else self._table[0].shape[0]))
-            self._table = self.rope(torch.arange(held, device=self.inv_freq.device), dtype)
+            self._table = self.rope(torch.arange(held, device=device), dtype)
         return self._table[0][:S], self._table[1][:S]
 
     def forward(self, x, cos, sin, cache, pos):
