@@ -99,7 +99,8 @@ class GlobalHeads(KVHeads):
 
     def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
         """Every layer global (the lead attends): its heads and its formula."""
-        n = sum(layer is self or (isinstance(layer, GlobalHeads) and layer.kv_source is None) for layer in layers)
+        n = sum(count for _, layer, count in layers.distinct
+                if isinstance(layer, GlobalHeads) and layer.kv_source is None)
         tensors = len(self.stored[1])
         return [f"attention {attention.type}: {self.in_words()} in {n} of {len(layers)} layers",
                 f"KV cache = {tensors} · layers · kv_heads · head_dim · seq_len · batch · bytes = {tensors} · {n} · "
@@ -109,12 +110,13 @@ class GlobalHeads(KVHeads):
                               "K=V" if self.k_eq_v else "K+V")]
 
     def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
-        globals_ = [layer for layer in layers if isinstance(layer, GlobalHeads) and layer.kv_source is None]
-        if len(globals_) == len([layer for layer in layers if layer.state is None and layer.kv_source is None]):
+        holding = [(layer, n) for _, layer, n in layers.distinct if layer.state is None and layer.kv_source is None]
+        globals_ = sum(n for layer, n in holding if isinstance(layer, GlobalHeads))
+        if globals_ == sum(n for _, n in holding):
             return []  # every attending layer is one: describe_layers said it
         tensors = len(self.stored[1])
         per = tensors * self.num_kv_heads * self.head_dim
-        return [f"global layers: {len(globals_)} of {len(layers)} hold {tensors} · {self.num_kv_heads} · "
+        return [f"global layers: {globals_} of {len(layers)} hold {tensors} · {self.num_kv_heads} · "
                 f"{self.head_dim} = {per:,} elements per position ({per * element:,} B in {dtype})"
                 + (", K=V: one tensor serves as keys and values" if self.k_eq_v else "")
                 + "; the formula above counts the other layers"]

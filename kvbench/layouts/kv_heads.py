@@ -85,8 +85,8 @@ class KVHeads(LayerLayout):
         L, H, kv, d = len(layers), self.num_heads, self.num_kv_heads, self.head_dim
         attending = sum(layer.state is None for layer in layers)  # the others hold a constant state instead
         # layers of another shape (a model's global layers of their own: kvbench.layouts.global_heads) say theirs
-        own = sum(layer.state is None and layer.stored == self.stored for layer in layers)
-        shared = sum(layer.kv_source is not None and layer.stored == self.stored for layer in layers)
+        mine = [(layer, n) for _, layer, n in layers.distinct if layer.state is None and layer.stored == self.stored]
+        own, shared = sum(n for _, n in mine), sum(n for layer, n in mine if layer.kv_source is not None)
         local = sum(w is not None for w in layers.windows)
         recurrent = next((layer for layer in layers if layer.state is not None), None)
         linear = "" if recurrent is None else f"; {L - attending} of {L} layers {recurrent.in_words()}"
