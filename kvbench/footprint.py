@@ -27,6 +27,7 @@ from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kinds import kind_of
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
 from kvbench.units import human_bytes
@@ -82,7 +83,7 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
             one, built = Decoder(*shaped(1)), Decoder(*shaped(2))
         two = built.num_params()
         per_layer[mixer, mlp] = two - one.num_params()
-        counted_as.setdefault(mixer, built.layouts[-1])
+        counted_as.setdefault(mixer, (built.layouts[-1], sum(p.numel() for p in built.blocks[-1].attn.parameters())))
         embedding = one.embed.weight.numel()
         if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
             fixed = 2 * one.num_params() - two
@@ -97,21 +98,18 @@ _ATTENDING = ("full_attention", "sliding_attention", "shared")  # mixers of the 
 
 
 def _other_shapes(model: ModelConfig, attention: AttentionConfig, counted_as: dict) -> int:
-    """The parameters that layers of another shape than their mixer's one in the small models add (a
-    model's global layers of heads of their own: kvbench.layouts.global_heads): each such layout's
-    attention module against that one, counted on the meta device, times its layers."""
-    def params(layout) -> int:
-        with torch.device("meta"):
-            return sum(p.numel() for p in attention_module(model, layout).parameters())
-
-    def shape(layout):
-        return dataclasses.replace(layout, window=None, kv_source=None)
-
+    """The parameters that layers of another shape than their mixer's one in the small models add, where a
+    kind remade one of them (``LayerKind.remake``: a model's global layers of heads of their own): each
+    such layout's attention module, built on the meta device, against the small model's."""
     out = 0
     for _, layout, n in build_layouts(model, attention).distinct:
-        base = counted_as.get("shared" if layout.kv_source is not None else "full_attention")
-        if base is not None and layout.state is None and shape(layout) != shape(base):
-            out += n * (params(layout) - params(base))
+        base, base_params = counted_as.get("shared" if layout.kv_source is not None else "full_attention", (None, 0))
+        if base is None or layout.state is not None or layout == base \
+                or not (kind_of(layout).remake or kind_of(base).remake):
+            continue
+        with torch.device("meta"):
+            params = sum(p.numel() for p in attention_module(model, layout).parameters())
+        out += n * (params - base_params)
     return out
 
 
