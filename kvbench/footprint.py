@@ -25,7 +25,9 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.config.serving import ServingWorkload
 from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
+from kvbench.layouts.attention import attention_module
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kinds import kind_of
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
 from kvbench.units import human_bytes
@@ -69,7 +71,7 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
                                 max_seq_len=max(1, *counted))
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
-    per_layer, fixed, embedding = {}, 0, 0
+    per_layer, fixed, embedding, counted_as = {}, 0, 0, {}
     for mixer, mlp in kinds:
         def shaped(n: int, mixer=mixer, mlp=mlp):  # an n-layer model of this kind alone
             sparse = dataclasses.replace(moe, dense_layers=[]) if mlp == "sparse" else None
@@ -78,12 +80,14 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
                     dataclasses.replace(attention, layer_types=None if mixer in _ATTENDING else [mixer] * n,
                                         kv_shared_layers=1 if mixer == "shared" and n == 2 else 0))
         with torch.device("meta"):
-            one, two = Decoder(*shaped(1)), Decoder(*shaped(2)).num_params()
+            one, built = Decoder(*shaped(1)), Decoder(*shaped(2))
+        two = built.num_params()
         per_layer[mixer, mlp] = two - one.num_params()
+        counted_as.setdefault(mixer, (built.layouts[-1], sum(p.numel() for p in built.blocks[-1].attn.parameters())))
         embedding = one.embed.weight.numel()
         if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
             fixed = 2 * one.num_params() - two
-    total = fixed + sum(per_layer[k] * n for k, n in kinds.items())
+    total = fixed + sum(per_layer[k] * n for k, n in kinds.items()) + _other_shapes(model, resolved, counted_as)
     gated = model.mlp_act == "silu"  # relu2 experts have no gate projection
     unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model, gated)
     return ParameterCounts(total, total - unused * sum(n for (_, mlp), n in kinds.items() if mlp == "sparse")
@@ -91,6 +95,22 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
 
 
 _ATTENDING = ("full_attention", "sliding_attention", "shared")  # mixers of the same weights as full attention's
+
+
+def _other_shapes(model: ModelConfig, attention: AttentionConfig, counted_as: dict) -> int:
+    """The parameters that layers of another shape than their mixer's one in the small models add, where a
+    kind remade one of them (``LayerKind.remake``: a model's global layers of heads of their own): each
+    such layout's attention module, built on the meta device, against the small model's."""
+    out = 0
+    for _, layout, n in build_layouts(model, attention).distinct:
+        base, base_params = counted_as.get("shared" if layout.kv_source is not None else "full_attention", (None, 0))
+        if base is None or layout.state is not None or layout == base \
+                or not (kind_of(layout).remake or kind_of(base).remake):
+            continue
+        with torch.device("meta"):
+            params = sum(p.numel() for p in attention_module(model, layout).parameters())
+        out += n * (params - base_params)
+    return out
 
 
 def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:

@@ -22,6 +22,7 @@ from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.mlp.experts import mlp_module
 from kvbench.norm import RMSNorm
+from kvbench.residual import PerLayerBranch, PerLayerInputs
 from kvbench.rope import rope_tables
 
 
@@ -35,21 +36,38 @@ def torch_dtype(name: str) -> torch.dtype:
 class Block(nn.Module):
     """Pre-norm residual block: the layer's attention, then its MLP (none in ``model.no_mlp_layers``:
     a checkpoint whose layers are one mixer each, as Nemotron-H's, runs a mixer directly followed by
-    another as a block without one)."""
+    another as a block without one). ``model.residual`` (Gemma 4): each branch's output normed before
+    it joins, a per-layer input's branch after the MLP's, the output times the layer's scalar."""
 
     def __init__(self, cfg: ModelConfig, layout: LayerLayout, index: int):
         super().__init__()
         self.residual = cfg.multipliers.residual_multiplier if cfg.multipliers else 1.0  # Granite's: each branch
+        form = cfg.residual
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = self.mlp = None
+        self.attn_post_norm = self.mlp_post_norm = self.mlp_norm = self.mlp = self.per_layer = None
+        if form is not None and form.post_norms:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         if index not in (cfg.no_mlp_layers or ()):
             self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
             self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
+            if form is not None and form.post_norms:
+                self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
+        if form is not None and form.per_layer_input_dim:
+            self.per_layer = PerLayerBranch(cfg)
+        self.register_buffer("layer_scalar", torch.ones(1) if form is not None and form.layer_scalar else None)
 
-    def forward(self, x, cos, sin, cache, pos):
-        x = x + self._scaled(self.attn(self.attn_norm(x), cos, sin, cache, pos))
-        return x if self.mlp is None else x + self._scaled(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, cos, sin, cache, pos, per_layer_input=None):
+        x = x + self._scaled(self._normed(self.attn_post_norm, self.attn(self.attn_norm(x), cos, sin, cache, pos)))
+        if self.mlp is not None:
+            x = x + self._scaled(self._normed(self.mlp_post_norm, self.mlp(self.mlp_norm(x))))
+        if self.per_layer is not None:
+            x = x + self.per_layer(x, per_layer_input)
+        return x if self.layer_scalar is None else x * self.layer_scalar
+
+    @staticmethod
+    def _normed(norm, branch):
+        return branch if norm is None else norm(branch)
 
     def _scaled(self, branch):
         return branch if self.residual == 1.0 else branch * self.residual
@@ -70,6 +88,8 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
         self.blocks = nn.ModuleList(Block(model, layout, i) for i, layout in enumerate(self.layouts))
+        form = model.residual
+        self.per_layer = PerLayerInputs(model) if form is not None and form.per_layer_input_dim else None
         self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()
@@ -123,16 +143,21 @@ class Decoder(nn.Module):
         else:
             layer_caches = cache.begin(pos, B)
         x = self.embed(tokens)
-        scales = self.config.multipliers
+        scales, form = self.config.multipliers, self.config.residual
         if scales is not None and scales.embedding_multiplier != 1.0:  # Granite's
             x = x * scales.embedding_multiplier
+        if form is not None and form.embed_scale is not None:  # Gemma's: the factor in the compute dtype
+            x = x * torch.tensor(form.embed_scale, dtype=x.dtype)
+        per_layer = None if self.per_layer is None else self.per_layer(tokens, x)  # (B, T, L, P)
         cos, sin = self.rope_cos[pos.rows].to(x.dtype), self.rope_sin[pos.rows].to(x.dtype)
-        for block, layer_cache in zip(self.blocks, layer_caches):
-            x = block(x, cos, sin, layer_cache, pos)
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, layer_caches)):
+            x = block(x, cos, sin, layer_cache, pos, None if per_layer is None else per_layer[:, :, i])
         if cache is not None:
             cache.commit(pos)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
+        if form is not None and form.logit_softcap is not None:
+            logits = torch.tanh(logits / form.logit_softcap) * form.logit_softcap
         return logits if scales is None or scales.logits_scaling == 1.0 else logits / scales.logits_scaling
 

@@ -20,3 +20,10 @@ class RMSNorm(nn.Module):
         if self.zero_centered:
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)
+
+
+def unscaled_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim without a weight, in float32 (Gemma 4's value norm: transformers'
+    Gemma4RMSNorm(with_scale=False), x * (mean(x^2) + eps)^-1/2)."""
+    xf = x.float()
+    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)

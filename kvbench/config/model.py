@@ -20,6 +20,7 @@ from kvbench.config.layer_pattern import check_window_pattern, check_within_cont
 from kvbench.config.moe import MoEShape
 from kvbench.config.multipliers import Multipliers
 from kvbench.config.quant import check_weights_stored
+from kvbench.config.residual import ResidualForm
 from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.core.hf_keys import Source, in_file_keys
 from kvbench.jsonio import path_problem
@@ -29,7 +30,7 @@ from kvbench.layouts.latent_config import MLA_FIELDS, MLAShape, check_indexer, c
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head counts,
 # then multi-head latent attention (DeepSeek-V2/V3: a latent per token, not K/V heads).
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
-MLA_DECODE_FORMS, MLP_ACTS = ("absorbed", "expanded"), ("silu", "relu2")
+MLA_DECODE_FORMS, MLP_ACTS = ("absorbed", "expanded"), ("silu", "relu2", "gelu_tanh")
 # attention.type=model (conf/attention/model.yaml, the default): the named model's own layout,
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
@@ -116,17 +117,21 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
+    preset_k_eq_v: int = 0  # 1: a global layer's keys are its values, one tensor cached (Gemma 4's attention_k_eq_v)
     moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
     weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
-    mlp_act: str = "silu"  # MLP_ACTS: silu, the gated SwiGLU; relu2, relu(up x)^2 ungated (Nemotron-H), experts too
+    mlp_act: str = "silu"  # MLP_ACTS: silu, gated (SwiGLU); relu2, relu(up x)^2 ungated (Nemotron-H); gelu_tanh (GeGLU)
     no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)
     layer_shapes: Optional[Dict[str, Any]] = None  # a layer kind's own shape by its name (LayerKind.build reads it)
     multipliers: Optional[Multipliers] = None  # Granite's scalings of embedding, residual, attention, logits
+    v_norm: bool = False  # values RMS-normed per head without a scale (Gemma 4)
+    residual: Optional[ResidualForm] = None  # Gemma 4's residual stream, embedding to logits (kvbench.config.residual)
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
-        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers)):  # from a dict
+        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers),
+                            ("residual", ResidualForm)):  # from a dict
             if isinstance(getattr(self, key), Mapping):
                 setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
         for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
@@ -134,6 +139,8 @@ class ModelConfig:
             check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
                   f"must name layers below model.num_layers={self.num_layers}")
         check_choice("model.mlp_act", self.mlp_act, MLP_ACTS)
+        check(self.mlp_act != "gelu_tanh" or self.moe is None, "model.mlp_act", self.mlp_act,
+              "is a dense MLP's (GeGLU); experts run silu or relu2")
         check_numbers("model", self)
         check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim", "vocab_size", "max_seq_len",
                                         "preset_kv_heads"))
@@ -301,6 +308,9 @@ class AttentionConfig:
     index_topk: Optional[int] = None  # DSA: each query attends its top index_topk tokens; 0: no indexer
     # Gemma 3n: the last N layers read an earlier layer's K/V, storing none (null: the model's own; 0: none)
     kv_shared_layers: Optional[int] = None
+    # Gemma 4: 1, a global layer's one projection serves as its keys and its values, so a position caches one
+    # tensor, not two (kvbench.layouts.global_heads); 0: K and V; null: the model's own (model.preset_k_eq_v)
+    k_eq_v: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
@@ -309,6 +319,7 @@ class AttentionConfig:
         if self.num_kv_heads is not None:
             check(self.num_kv_heads >= 1, "attention.num_kv_heads", self.num_kv_heads, "must be >= 1")
         check_window_pattern("attention.", self.window, self.global_every, self.layer_types)
+        check(self.k_eq_v in (None, 0, 1), "attention.k_eq_v", self.k_eq_v, "must be 1 (keys are values), 0 or null")
         check(self.full_attention_interval is None or self.full_attention_interval >= 0,
               "attention.full_attention_interval", self.full_attention_interval,
               "must be >= 0 (0: no linear layer; k: every k-th layer full attention, the others linear) or null")

@@ -4,7 +4,7 @@ of them shows (the attention layers' kinds, then the recurrent ones)."""
 
 from __future__ import annotations
 
-from kvbench.layouts import kv_heads, latent  # noqa: F401  (each registers its kind)
+from kvbench.layouts import global_heads, kv_heads, latent  # noqa: F401  (each registers its kind)
 from kvbench.layouts.registry import (
     LayerKind,
     LayerOption,

@@ -88,7 +88,9 @@ class KVHeads(LayerLayout):
     def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
         L, H, kv, d = len(layers), self.num_heads, self.num_kv_heads, self.head_dim
         attending = sum(layer.state is None for layer in layers)  # the others hold a constant state instead
-        shared = sum(layer.kv_source is not None for layer in layers)  # and these read another layer's K/V
+        # layers of another shape (a model's global layers of their own: kvbench.layouts.global_heads) say theirs
+        mine = [(layer, n) for _, layer, n in layers.distinct if layer.state is None and layer.stored == self.stored]
+        own, shared = sum(n for _, n in mine), sum(n for layer, n in mine if layer.kv_source is not None)
         local = sum(w is not None for w in layers.windows)
         recurrent = next((layer for layer in layers if layer.state is not None), None)
         linear = "" if recurrent is None else f"; {L - attending} of {L} layers {recurrent.in_words()}"
@@ -103,10 +105,11 @@ class KVHeads(LayerLayout):
             describe_kv_groups(H, kv),
             "",
             f"KV cache = 2 · layers · kv_heads · head_dim · seq_len · batch · bytes "
-            f"= 2 · {attending - shared} · {kv} · {d} · seq_len · batch · bytes"
+            f"= 2 · {own - shared} · {kv} · {d} · seq_len · batch · bytes"
             + (f" (the {shared} of {L} layers that read an earlier layer's K/V hold none)" if shared else "")
             + (" before the windows fill (then a local layer holds W of the seq_len positions)" if local else "")
-            + (" (the attention layers; the others hold a state per sequence)" if linear else ""),
+            + (" (the attention layers; the others hold a state per sequence)" if linear else "")
+            + (f" (the {attending - own} layers of another shape: below)" if own < attending else ""),
             elements_line(2 * kv * d, seq_len, batch_size),
             *([f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
                f"(sequence, KV head, position), K and V each"] if layers.accepts({"cache.dtype": "int8"}) else []),

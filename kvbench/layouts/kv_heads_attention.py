@@ -23,7 +23,7 @@ from torch import nn
 
 from kvbench.cache import causal_mask
 from kvbench.layouts.kv_heads import KVHeads
-from kvbench.norm import RMSNorm
+from kvbench.norm import RMSNorm, unscaled_rms_norm
 from kvbench.rope import apply_rope
 
 
@@ -54,6 +54,7 @@ class KVHeadsAttention(nn.Module):
         # so that every attention path (SDPA's own scale, sinks, a shared prefix) stays as it is
         scale = getattr(getattr(cfg, "multipliers", None), "attention_multiplier", None)
         self.q_scale = 1.0 if scale is None else scale * D ** 0.5
+        self.v_norm, self.eps = getattr(cfg, "v_norm", False), cfg.norm_eps  # Gemma 4: values RMS-normed, no weight
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
@@ -67,7 +68,8 @@ class KVHeadsAttention(nn.Module):
         k = v = None  # (B, H_kv, T, D) each; a shared layer's cache answers with its donor's
         if not self.shared:
             k = self.k_norm(self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-            k, v = apply_rope(k, cos, sin), self.wv(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim)
+            k, v = apply_rope(k, cos, sin), (unscaled_rms_norm(v, self.eps) if self.v_norm else v).transpose(1, 2)
         att = cache.update(k, v, pos)  # what to attend over: (B, H_kv, S, D), its mask
         out = grouped_attention(q, att.k, att.v, att.mask, att.prefix, self.sinks).transpose(1, 2)  # (B, T, H, D)
         if gate is not None:

@@ -36,7 +36,9 @@ A kind's facets, each optional where the kind has nothing to say:
   ``unfuse(layout, name, w) -> {part: tensor}`` (a checkpoint's fused projection ``name``, one the
   module's ``HF_FUSED`` declares, as the module's parts; a callable or, for a hook in a torch module
   above the layouts, ``"package.module:function"``: :func:`resolve`), ``param_count(layout, model)
-  -> int`` (its parameters per layer).
+  -> int`` (its parameters per layer), ``remake(layers, model, attention) -> layers`` (the built
+  layers with those of this kind that another kind's build made in its place: a model's global layers of
+  a shape of their own, :mod:`kvbench.layouts.global_heads`; each layout object replaced once).
 - ``hf_architectures``: the transformers classes whose WHOLE config.json its home reads (a model that
   is not a Llama-form decoder with this kind beside it, as Nemotron-H is; ``architectures`` is for a
   kind's own keys inside a Llama-form file): ``hf_model_fields(cfg, arch)`` gives every ModelConfig
@@ -119,6 +121,7 @@ class LayerKind:
     hf_architectures: Tuple[str, ...] = ()
     hf_model_fields: Optional[Callable[..., Dict[str, Any]]] = None
     hf_names: Optional[Callable[..., Callable[[str], Optional[str]]]] = None
+    remake: Optional[Callable[..., Any]] = None
 
 
 _KINDS: Dict[str, LayerKind] = {}

@@ -3,6 +3,7 @@ of a mixture of experts."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch.nn.functional as F
@@ -12,15 +13,17 @@ from torch import nn
 class MLP(nn.Module):
     """SwiGLU feed-forward: w_down(silu(w_gate x) * w_up x), ``ffn_dim`` wide (default the model's, with
     ``model.mlp_bias``'s biases; a shared expert's has none). ``model.mlp_act=relu2`` (Nemotron-H):
-    w_down(relu(w_up x)^2), no gate. :data:`HF_FUSED`: a checkpoint's gate and up rows in one tensor (Granite's
-    shared_mlp.input_linear, as its home names it), gate rows first."""
+    w_down(relu(w_up x)^2), no gate; ``gelu_tanh`` (Gemma's GeGLU): gelu (tanh form) in silu's place.
+    :data:`HF_FUSED`: a checkpoint's gate and up rows in one tensor (Granite's shared_mlp.input_linear,
+    as its home names it), gate rows first."""
 
     HF_FUSED = {"gate_up_proj.weight": ("w_gate.weight", "w_up.weight")}
 
     def __init__(self, cfg, ffn_dim: Optional[int] = None):
         super().__init__()
         width, bias = (cfg.ffn_dim, cfg.mlp_bias) if ffn_dim is None else (ffn_dim, False)
-        self.gated = getattr(cfg, "mlp_act", "silu") == "silu"
+        act = getattr(cfg, "mlp_act", "silu")
+        self.gated, self.act = act != "relu2", partial(F.gelu, approximate="tanh") if act == "gelu_tanh" else F.silu
         if self.gated:
             self.w_gate = nn.Linear(cfg.d_model, width, bias=bias)
         self.w_up = nn.Linear(cfg.d_model, width, bias=bias)
@@ -29,4 +32,4 @@ class MLP(nn.Module):
     def forward(self, x):
         if not self.gated:
             return self.w_down(F.relu(self.w_up(x)).square())
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))

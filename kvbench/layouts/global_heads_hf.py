@@ -1,0 +1,149 @@
+"""Gemma 4's config.json (transformers' ``Gemma4ForCausalLM`` and ``Gemma4TextConfig``), read whole by
+the global-heads kind (:mod:`kvbench.layouts.global_heads`): every ModelConfig field, with the config
+class's defaults for absent keys, and its tensor names in Llama's form.
+
+What it reads: sliding layers (``layer_types``; absent, every sixth layer global and the last one always,
+as the class forces it) of ``head_dim`` and ``num_key_value_heads`` with default rotary embeddings of
+their base; global layers of their own shape (``per_layer_config`` as save_pretrained writes it, else
+``global_head_dim`` and, where keys are values, ``num_global_key_value_heads``) with their
+rope_parameters (``proportional``: a fraction of the frequencies over the whole head); K=V
+(``attention_k_eq_v``), KV sharing over the last ``num_kv_shared_layers`` layers, per-layer inputs
+(``hidden_size_per_layer_input``), sandwich norms, layer scalars, the embedding times sqrt(hidden),
+q/k/v norms, attention logits unscaled, GeGLU and the final logit soft-capping. Refused in one line
+naming the key: the mixture-of-experts block (26B-A4B), the double-wide MLP of shared layers (E2B),
+bidirectional attention, per-layer overrides other than the global layers' heads, other rope types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from kvbench.core.errors import ConfigError
+from kvbench.core.hf_read import get
+
+ARCHITECTURES = ("Gemma4ForCausalLM",)
+SLIDING, FULL = "sliding_attention", "full_attention"
+# Gemma4TextConfig's defaults for keys a config.json may leave out
+DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+
+def _count(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = get(cfg, key, "int", default)
+    if value is not None and value < 1:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= 1")
+    return value
+
+
+def _layer_types(cfg: Mapping[str, Any], L: int) -> List[str]:
+    """``layer_types`` as Gemma4TextConfig makes it: absent, five sliding layers to one full; the last
+    layer full whatever it says (the class forces it, with a warning)."""
+    types = get(cfg, "layer_types", "list", None)
+    if types is None:
+        types = [SLIDING if (i + 1) % 6 else FULL for i in range(L)]
+    if len(types) != L or any(t not in (SLIDING, FULL) for t in types):
+        raise ConfigError(f"layer_types={types!r}: must list {L} layers (num_hidden_layers), each {SLIDING} or {FULL}")
+    return [*types[:-1], FULL]
+
+
+def _rope(cfg: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    given = get(cfg, "rope_parameters", "object", None)
+    rope = {t: dict(DEFAULT_ROPE[t] if given is None else given.get(t) or DEFAULT_ROPE[t]) for t in (SLIDING, FULL)}
+    for t, params in rope.items():
+        key = f"rope_parameters.{t}"
+        kind = params.get("rope_type", "default")
+        if kind not in ("default", "proportional") or (t == SLIDING and kind != "default"):
+            raise ConfigError(f"{key}.rope_type={kind!r}: not supported (sliding layers: default; full: default or "
+                              "proportional)")
+        if params.get("factor", 1.0) != 1.0:
+            raise ConfigError(f"{key}.factor={params['factor']!r}: a scaled proportional rope is not read (1.0 only)")
+        params["rope_theta"] = get(params, "rope_theta", "number", DEFAULT_ROPE[t]["rope_theta"], f"{key}.")
+        get(params, "partial_rotary_factor", "number", 1.0, f"{key}.")
+    return rope
+
+
+def _global_shape(cfg: Mapping[str, Any], types: List[str], k_eq_v: bool, rope: Mapping[str, Any]) -> Dict[str, Any]:
+    """``model.layer_shapes.global_heads``: per_layer_config's (as save_pretrained writes it: the same
+    head_dim and KV heads for every full layer, nothing for a sliding one), else the class's rule."""
+    given = get(cfg, "per_layer_config", "object", None)
+    if given is not None:
+        shapes = []
+        for index, overrides in given.items():
+            key = f"per_layer_config.{index}"
+            if not str(index).isdigit() or int(index) >= len(types) or types[int(index)] != FULL:
+                raise ConfigError(f"{key}: only the full-attention layers' heads are read (layer {index} is not one)")
+            extra = set(overrides or {}) - {"head_dim", "num_key_value_heads"}
+            if extra:
+                raise ConfigError(f"{key}.{sorted(extra)[0]}: not read (a global layer's head_dim and "
+                                  "num_key_value_heads only)")
+            shapes.append((overrides.get("head_dim"), overrides.get("num_key_value_heads")))
+        if len(set(shapes)) > 1:
+            raise ConfigError(f"per_layer_config: the full-attention layers' shapes differ ({sorted(set(shapes))}); "
+                              "kvbench reads one global shape")
+        head_dim, kv = shapes[0] if shapes else (None, None)
+    else:
+        head_dim = _count(cfg, "global_head_dim", 512)
+        kv = _count(cfg, "num_global_key_value_heads", None) if k_eq_v else None
+    full = rope[FULL]
+    proportional = full.get("rope_type") == "proportional"
+    return {"head_dim": head_dim, "num_kv_heads": kv, "rope_theta": float(full["rope_theta"]),
+            "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
+            "rope_type": "proportional" if proportional else "default"}
+
+
+def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
+    """Every ModelConfig field of a Gemma 4 text config.json; what the decoder does not run refused in
+    one line naming its key."""
+    for key, off in (("enable_moe_block", False), ("use_bidirectional_attention", None)):
+        if cfg.get(key) not in (off, None):
+            raise ConfigError(f"{key}={cfg[key]!r}: not supported (Gemma 4's mixture-of-experts block and "
+                              "bidirectional attention are not read)")
+    act = get(cfg, "hidden_activation", "str", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"hidden_activation={act!r}: not supported (gelu_pytorch_tanh only)")
+    L, d = _count(cfg, "num_hidden_layers", 30), _count(cfg, "hidden_size", 2304)
+    shared = get(cfg, "num_kv_shared_layers", "int", 0)
+    if get(cfg, "use_double_wide_mlp", "bool", False) and shared:
+        raise ConfigError("use_double_wide_mlp=True: the shared layers' double-wide MLP is not read")
+    types, rope = _layer_types(cfg, L), _rope(cfg)
+    k_eq_v = get(cfg, "attention_k_eq_v", "bool", False)
+    bias = get(cfg, "attention_bias", "bool", False)
+    per_layer = get(cfg, "hidden_size_per_layer_input", "int", 256) or 0
+    window = _count(cfg, "sliding_window", 512)
+    return {"num_layers": L, "d_model": d, "num_heads": _count(cfg, "num_attention_heads", 8),
+            "preset_kv_heads": _count(cfg, "num_key_value_heads", 4), "head_dim": _count(cfg, "head_dim", 256),
+            "ffn_dim": _count(cfg, "intermediate_size", 9216), "vocab_size": _count(cfg, "vocab_size", 262_144),
+            "max_seq_len": _count(cfg, "max_position_embeddings", 131_072),
+            "rope_theta": float(rope[SLIDING]["rope_theta"]), "norm_eps": get(cfg, "rms_norm_eps", "number", 1e-6),
+            "qkv_bias": bias, "o_bias": bias, "qk_norm": True, "v_norm": True, "mlp_act": "gelu_tanh",
+            "multipliers": {"attention_multiplier": 1.0},  # Gemma4TextAttention's scaling: 1.0
+            "preset_window": window if SLIDING in types else None, "preset_layer_types": types,
+            "preset_kv_shared_layers": shared, "preset_k_eq_v": int(k_eq_v),
+            "layer_shapes": {"global_heads": _global_shape(cfg, types, k_eq_v, rope)},
+            "residual": {"embed_scale": d ** 0.5, "post_norms": True, "layer_scalar": True,
+                         "per_layer_input_dim": per_layer, "per_layer_vocab_size":
+                             _count(cfg, "vocab_size_per_layer_input", 262_144) if per_layer else None,
+                         "logit_softcap": get(cfg, "final_logit_softcapping", "number", None)}}
+
+
+# a layer's tensors where Gemma 4 names them otherwise than Llama (its post_attention_layernorm is a post-norm)
+LAYER_NAMES = {"post_attention_layernorm.": "attn_post_norm.",
+               "pre_feedforward_layernorm.": "post_attention_layernorm.",
+               "post_feedforward_layernorm.": "mlp_post_norm.",
+               "per_layer_input_gate.": "per_layer.gate.", "per_layer_projection.": "per_layer.project.",
+               "post_per_layer_input_norm.": "per_layer.norm."}
+MODEL_NAMES = {"model.embed_tokens_per_layer.": "per_layer.embed.", "model.per_layer_model_projection.":
+               "per_layer.project.", "model.per_layer_projection_norm.": "per_layer.norm."}
+
+
+def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
+    """A Gemma 4 checkpoint's tensor names in Llama's form (:data:`LAYER_NAMES`, :data:`MODEL_NAMES`)."""
+    def renamed(name: str) -> Optional[str]:
+        parts = name.split(".", 3)  # model, layers, i, rest
+        names, head, rest = (LAYER_NAMES, ".".join(parts[:3]) + ".", parts[3]) \
+            if len(parts) == 4 and parts[:2] == ["model", "layers"] else (MODEL_NAMES, "", name)
+        for old, new in names.items():
+            if rest.startswith(old):
+                return head + new + rest[len(old):]
+        return name
+    return renamed

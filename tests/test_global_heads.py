@@ -1,0 +1,65 @@
+"""The global-heads kind (kvbench.layouts.global_heads) outside a checkpoint: K=V halves what a global
+layer holds, allocates and reads (the formula, and a static cache's tensors), compare's letter reads it
+back, a global shape of its own counts its own parameters, and what it does not run with is refused in
+one line naming the key and the value (tests/test_gemma4.py: against transformers)."""
+
+import pytest
+import torch
+from conftest import compose
+
+from kvbench.cache import cache_for
+from kvbench.config.compare import CompareConfig, variant_fields
+from kvbench.config.layer_pattern import variant_label
+from kvbench.core.errors import ConfigError
+from kvbench.footprint import parameter_counts
+from kvbench.job_config import to_bench_config
+from kvbench.layouts.global_heads import GlobalHeads
+from kvbench.model import Decoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """model=tiny (2 layers of 8 heads of 8) as GQA of 2 KV heads, with K=V (1) and without (0)."""
+    return {k: to_bench_config(compose("model=tiny", "attention=gqa", "attention.num_kv_heads=2",
+                                       f"attention.k_eq_v={k}")) for k in (0, 1)}
+
+
+def test_k_eq_v_halves_what_every_global_layer_holds_allocates_and_reads(tiny):
+    S, B = 24, 2
+    torch.manual_seed(0)
+    models = {k: Decoder(cfg.model, cfg.attention) for k, cfg in tiny.items()}
+    layers = {k: m.layouts for k, m in models.items()}
+    assert all(isinstance(layer, GlobalHeads) and layer.k_eq_v for layer in layers[1])
+    assert layers[1].cache_bytes(S, B, 4) * 2 == layers[0].cache_bytes(S, B, 4) == 2 * B * S * 2 * 2 * 8 * 4
+    assert layers[1].read_bytes(S, B, 4) * 2 == layers[0].read_bytes(S, B, 4)
+    assert cache_for(models[1], "static", B, S).nbytes * 2 == cache_for(models[0], "static", B, S).nbytes
+    # no value projection: a K=V layer's weights are those of its K/V-head twin less wv
+    wv = 2 * 8 * 64  # (H_kv D, C) per layer
+    assert models[0].num_params() - models[1].num_params() == 2 * wv
+    assert parameter_counts(tiny[1].model, tiny[1].attention).total == models[1].num_params()
+
+
+def test_compare_reads_k_eq_v_by_its_letter_and_labels_it(tiny):
+    cfg = tiny[1]
+    assert variant_fields("gqa:w8:g2:v1")["k_eq_v"] == 1
+    a, b = CompareConfig(variants=["2:w8:g2", "2:w8:g2:v1"]).attentions(cfg.model)
+    assert (a.k_eq_v, b.k_eq_v) == (0, 1)
+    assert variant_label(b, num_layers=2) == variant_label(a, num_layers=2) + " k=v" == "gqa kv=2 w=8 1:1 k=v"
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (("attention.k_eq_v=2",), "attention.k_eq_v=2: must be 1 (keys are values), 0 or null"),
+    (("attention=mla", "attention.k_eq_v=1"), "attention.k_eq_v=1: is a property of K/V-head layers"),
+    (("model=tiny_gemma4", "model.num_layers=6", "attention.kv_shared_layers=2"),
+     "attention.k_eq_v=1: with attention.kv_shared_layers=2 a global layer would read a K=V layer's cache"),
+    (("model=tiny_gemma4", "model.layer_shapes.global_heads.head_dim=-1"),
+     "model.layer_shapes.global_heads.head_dim=-1: must be a positive int"),
+    (("attention.k_eq_v=1", "workload=multiturn", "cache.shared=true"), "cache.shared=True: layer 0, K=V layer"),
+])
+def test_what_k_eq_v_and_a_global_shape_do_not_run_with_is_refused_in_one_line(overrides, line):
+    with pytest.raises(ConfigError) as info:
+        to_bench_config(compose("model=tiny", *overrides))
+    message = str(info.value)
+    assert "\n" not in message and line in message, message
