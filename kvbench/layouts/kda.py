@@ -274,7 +274,7 @@ def _read(cfg: Mapping[str, Any], keys: Tuple[str, ...], kind: str, default: Any
     return keys[0], default
 
 
-def _full_layers(cfg: Mapping[str, Any]) -> Dict[str, int]:
+def latent_fields(cfg: Mapping[str, Any]) -> Dict[str, int]:
     """The latent fields (``model.preset_mla``) of Kimi Linear's full layers, KimiLinearConfig's
     defaults for absent keys; what kvbench's latent attention cannot run refused naming its key."""
     if cfg.get("attention_bias"):  # KimiLinearAttention's kv_a_proj_with_mqa and o_proj would have biases
@@ -336,7 +336,7 @@ def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
     :func:`hf_layer_kinds`, and the mixture of experts (:func:`_experts`). A value it cannot run
     refused in one line naming its key."""
     kda = kda_from_hf(cfg)
-    kinds, mla = hf_layer_kinds(cfg), _full_layers(cfg)
+    kinds, mla = hf_layer_kinds(cfg), latent_fields(cfg)
     _, hidden = _read(cfg, ("hidden_size",), "int", 2304)
     shape = {"linear_num_heads": kda.linear_num_heads, "linear_head_dim": kda.linear_head_dim,
              "linear_conv_kernel_dim": kda.linear_conv_kernel_dim}

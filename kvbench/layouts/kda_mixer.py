@@ -212,6 +212,7 @@ def hf_kda_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tenso
         new = next((new + name[len(old):] for old, new in HF_NAMES.items()
                     if name == old or (old.endswith(".") and name.startswith(old))), None)
         if new is None:
-            raise ValueError(f"{name}: not a KDA tensor (expected one of {', '.join([*HF_NAMES, *KDAAttention.HF_FUSED])})")
+            known = ", ".join([*HF_NAMES, *KDAAttention.HF_FUSED])
+            raise ValueError(f"{name}: not a KDA tensor (expected one of {known})")
         out[new] = t
     return out
