@@ -119,14 +119,18 @@ class Latent(LayerLayout):
         dsa = (f"; DSA: an indexer of {self.index_n_heads} heads x {self.index_head_dim} keeps a key of "
                f"{self.index_head_dim} per token and each query attends its top index_topk = {self.index_topk} "
                "tokens") if self.index_topk else ""
+        attending = sum(layer.state is None for layer in layers)  # the others hold a constant state instead
+        recurrent = next((layer for layer in layers if layer.state is not None), None)
+        linear = "" if recurrent is None else f"; {len(layers) - attending} of {len(layers)} layers " \
+            f"{recurrent.in_words()}"
         return [
             f"attention mla: multi-head latent attention, one latent per token and layer (kv_lora_rank "
             f"{self.kv_lora_rank} + qk_rope_head_dim {self.qk_rope_head_dim} = {width}) for all {self.num_heads} "
             f"query heads (qk_nope_head_dim {self.qk_nope_head_dim}, v_head_dim {self.v_head_dim}, {q}); decode "
-            f"{'absorbed' if self.absorbed else 'expanded'}{dsa}",
+            f"{'absorbed' if self.absorbed else 'expanded'}{dsa}{linear}",
             "",
             f"KV cache = layers · (kv_lora_rank + qk_rope_head_dim{' + index_head_dim' if index else ''}) · seq_len · "
-            f"batch · bytes = {len(layers)} · {width + index} · seq_len · batch · bytes",
+            f"batch · bytes = {attending} · {width + index} · seq_len · batch · bytes",
             elements_line(width + index, seq_len, batch_size, "latent + index key" if index else "latent"),
             f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
             "(sequence, position), one per latent" + (" and one per index key" if index else ""),
