@@ -87,8 +87,9 @@ def turn_rows(timeline: Timeline, recurrent: bool = False) -> List[Dict[str, Any
     return rows
 
 
-def conversation_metrics(timeline: Timeline, recurrent: bool = False) -> Dict[str, Any]:
-    """The run's returning turns, cached against evicted, and the history tokens recomputed."""
+def conversation_metrics(timeline: Timeline, recurrent: bool | str = False) -> Dict[str, Any]:
+    """The run's returning turns, cached against evicted, and the history tokens recomputed;
+    ``recurrent``: whether a layer keeps a state (the names of its kinds, when given as words)."""
     kinds = classify(timeline, recurrent)
     traces = {t.request.id: t for t in timeline.traces}
     chats = {t.request.conversation for t in timeline.traces if t.request.conversation is not None}
@@ -107,7 +108,8 @@ def conversation_metrics(timeline: Timeline, recurrent: bool = False) -> Dict[st
             recomputed += max(0, r - t.first_hit_tokens)
     out.update(history_reusable_tokens=reusable, history_recomputed_tokens=recomputed,
                returning_reason=None if any(kinds.values()) or not returning else
-               "not classified: a recurrent (Gated DeltaNet) layer resumes only from a state saved in prefill "
+               f"not classified: a recurrent ({recurrent if isinstance(recurrent, str) else 'state'}) layer resumes "
+               "only from a state saved in prefill "
                "(workload.state_checkpoint), never at an answer's end, so blocks cannot tell a cached history from "
                "an evicted one" if recurrent else
                "no returning turn was looked up in a prefix cache (workload.prefix_caching=false, a slot store, "
