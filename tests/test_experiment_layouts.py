@@ -49,7 +49,7 @@ def test_choose_is_21_jobs_and_only_the_shared_chats_of_the_recurrent_hybrids_ar
         assert cfg.task == "capacity" and cfg.capacity.context_lens == [32, 64, 128, 256]
     assert [overrides[1:] for overrides, _ in refused] == [["attention=choose/gdn", "scenario=chat_shared"],
                                                            ["attention=choose/kda", "scenario=chat_shared"]]
-    for (overrides, line), title in zip(refused, ("Gated DeltaNet", "KDA")):
+    for (_, line), title in zip(refused, ("Gated DeltaNet", "KDA")):
         assert line.startswith("cache.shared=True") and "\n" not in line and title in line
     overrides = refused[0][0]
     gdn = typed[(overrides[0], "attention=choose/gdn", "scenario=decode")]  # the hybrid's decode job
