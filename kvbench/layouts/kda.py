@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.config.moe import check_moe
@@ -236,7 +237,7 @@ def hf_layer_kinds(cfg: Mapping[str, Any]) -> List[str]:
 
 LAYER_TYPE = "kda"  # attention.layer_types' name of a KDA layer
 SHAPE_KEY = "kda"  # model.layer_shapes' key: the KDA fields a model's layers have
-_OWN = ("window", "num_heads", "head_dim", "v_head_dim", "state_dtype")  # the model's, or cache.state_dtype
+_OWN = ("window", "kv_source", "num_heads", "head_dim", "v_head_dim", "state_dtype")  # the model's, or cache.state_dtype
 
 
 def build(model, attention=None, window=None) -> KDA:
@@ -249,7 +250,7 @@ def build(model, attention=None, window=None) -> KDA:
     given = (model.layer_shapes or {}).get(SHAPE_KEY) or {}
     if not isinstance(given, Mapping):
         raise ConfigError(f"{prefix[:-1]}={given!r}: must be a mapping of KDA fields")
-    known = [f for f in KDA.__dataclass_fields__ if f not in _OWN]
+    known = [f.name for f in dataclass_fields(KDA) if f.name not in _OWN]  # fields(): not the class's ClassVars
     unknown = next((key for key in given if key not in known), None)
     if unknown is not None:
         raise ConfigError(f"{prefix}{unknown}={given[unknown]!r}: not a KDA field (one of {', '.join(known)})")

@@ -192,3 +192,19 @@ def test_recall_trains_mqar_on_a_kda_hybrid_and_records_its_state(tmp_path):
     m = record.metrics
     assert m["kv_state_bytes_per_sequence"] == 4 * 16 * 16 * 4 + 3 * 3 * 64 * 4
     assert m["kv_bytes_per_token"] == 2 * 4 * 16 * 4  # the MHA layer's K and V, float32
+
+
+@pytest.mark.parametrize("override, line", [
+    ("+model.layer_shapes.kda.heads=4", "model.layer_shapes.kda.heads=4: not a KDA field (one of linear_num_heads, "),
+    ("+model.layer_shapes.kda.linear_num_heads=0", "model.layer_shapes.kda.linear_num_heads=0: must be a positive "
+                                                   "integer"),
+    ("+model.layer_shapes.kda.gate_lower_bound=2.0", "model.layer_shapes.kda.gate_lower_bound=2.0: must be a "
+                                                     "negative number"),
+])
+def test_a_kda_shape_it_cannot_build_is_refused_in_one_line_naming_the_key(override, line):
+    from kvbench.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        job = to_bench_config(compose("model=tiny", "attention.layer_types=[kda,full_attention]", override))
+        build_layouts(job.model, job.attention)
+    assert str(info.value).startswith(line) and "\n" not in str(info.value), str(info.value)
