@@ -237,7 +237,7 @@ def hf_layer_kinds(cfg: Mapping[str, Any]) -> List[str]:
 
 LAYER_TYPE = "kda"  # attention.layer_types' name of a KDA layer
 SHAPE_KEY = "kda"  # model.layer_shapes' key: the KDA fields a model's layers have
-_OWN = ("window", "kv_source", "num_heads", "head_dim", "v_head_dim", "state_dtype")  # the model's, or cache.state_dtype
+_OWN = ("window", "kv_source", "num_heads", "head_dim", "v_head_dim", "state_dtype")  # the model's, cache.state_dtype
 
 
 def build(model, attention=None, window=None) -> KDA:
