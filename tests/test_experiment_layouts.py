@@ -29,16 +29,17 @@ def test_layouts_times_eight_layouts_the_new_ones_beside_the_old():
     cfg = to_bench_config(compose("experiment=layouts"))
     labels = [variant_label(a, num_layers=cfg.model.num_layers) for a in cfg.compare.attentions(cfg.model)]
     assert labels == ["mha kv=16", "gqa kv=4", "mla r=256", "mha kv=16 w=1024 5:1", "mha kv=16 gdn 2:1",
-                      "mla r=256 topk=1024", "mha kv=16 kvshare=2", "mha kv=16 w=1024 5:1 k=v"]
+                      "mla r=256 topk=1024", "mha kv=16 kvshare=2", "mha kv=16 w=1024 5:1 k=v",
+                      "mha kv=16 kda 2:1"]
     # three contexts or more on each side of W = k = 1024: a slope below and past both
     assert sum(c <= 1024 for c in cfg.compare.contexts) >= 3 and sum(c >= 1024 for c in cfg.compare.contexts) >= 3
 
 
-def test_choose_is_eighteen_jobs_and_only_the_shared_chat_of_the_hybrid_is_refused():
-    """Six variants x decode, chat, chat_shared; a Gated DeltaNet state is each sequence's own, so
-    its shared chat is refused in one line when the job starts (the sweep goes on)."""
+def test_choose_is_21_jobs_and_only_the_shared_chats_of_the_recurrent_hybrids_are_refused():
+    """Seven variants x decode, chat, chat_shared; a Gated DeltaNet or KDA state is each sequence's
+    own, so their shared chats are refused in one line when the job starts (the sweep goes on)."""
     jobs = sweep_jobs("choose")
-    assert len(jobs) == 18
+    assert len(jobs) == 21
     refused, typed = [], {}
     for overrides in jobs:
         try:
@@ -47,20 +48,26 @@ def test_choose_is_eighteen_jobs_and_only_the_shared_chat_of_the_hybrid_is_refus
             refused.append((overrides, str(exc)))
             continue
         assert cfg.task == "capacity" and cfg.capacity.context_lens == [32, 64, 128, 256]
-    [(overrides, line)] = refused
-    assert overrides[1:] == ["attention=choose/gdn", "scenario=chat_shared"]
-    assert line.startswith("cache.shared=True") and "\n" not in line
+    assert [overrides[1:] for overrides, _ in refused] == [["attention=choose/gdn", "scenario=chat_shared"],
+                                                           ["attention=choose/kda", "scenario=chat_shared"]]
+    for (_, line), title in zip(refused, ("Gated DeltaNet", "KDA")):
+        assert line.startswith("cache.shared=True") and "\n" not in line and title in line
+    overrides = refused[0][0]
     gdn = typed[(overrides[0], "attention=choose/gdn", "scenario=decode")]  # the hybrid's decode job
     assert gdn.attention.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
         "full_attention"]
+    kda = typed[(overrides[0], "attention=choose/kda", "scenario=decode")]  # Kimi Linear's 3:1 of the same model
+    assert kda.attention.layer_types == [t.replace("linear_attention", "kda") for t in gdn.attention.layer_types]
+    assert kda.attention.num_kv_heads == gdn.attention.num_kv_heads == 2
 
 
-def test_recall_trains_seven_variants_two_of_them_gated_deltanet():
+def test_recall_trains_eight_variants_two_of_them_gated_deltanet_one_kda():
     jobs = sweep_jobs("recall")
     attentions = [job[1].split("=", 1)[1] for job in jobs]
-    assert attentions == ["mha", "gqa", "mqa", "recall/mla", "recall/swa", "recall/gdn", "recall/gdn_pure"]
-    kinds = [to_bench_config(compose(*job)).attention.layer_types for job in jobs[-2:]]
-    assert kinds == [["linear_attention", "full_attention"], ["linear_attention"] * 2]
+    assert attentions == ["mha", "gqa", "mqa", "recall/mla", "recall/swa", "recall/gdn", "recall/gdn_pure",
+                          "recall/kda"]
+    kinds = [to_bench_config(compose(*job)).attention.layer_types for job in jobs[-3:]]
+    assert kinds == [["linear_attention", "full_attention"], ["linear_attention"] * 2, ["kda", "full_attention"]]
 
 
 @pytest.mark.parametrize("directory", ["layouts_compare", "choose", "recall/mqar"])

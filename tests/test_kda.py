@@ -16,8 +16,8 @@ from recurrent_checks import LiveBytes, check_a_constant_state, check_parts_then
 
 from kvbench.cache import Positions, layer_cache
 from kvbench.core.errors import ConfigError
-from kvbench.layouts.base import Layouts, check_limits
-from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf
+from kvbench.layouts.base import Layouts
+from kvbench.layouts.kda import KDA, hf_layer_kinds, kda_from_hf, latent_fields
 from kvbench.layouts.kda_mixer import (
     KDAAttention,
     chunked_kda,
@@ -26,7 +26,7 @@ from kvbench.layouts.kda_mixer import (
     recurrent_kda,
 )
 from kvbench.layouts.kv_heads import KVHeads
-from kvbench.layouts.latent import kimi_latent_from_hf
+from kvbench.layouts.latent import Latent
 from kvbench.layouts.latent_attention import LatentAttention
 from kvbench.state_cache import StateLayer
 
@@ -50,6 +50,11 @@ def hf_config(**overrides):
     fields = {**SHAPE, "num_hidden_layers": len(TYPES), "layer_types": TYPES, "mlp_layer_types": ["dense"] * 3,
               **overrides}
     return KimiLinearConfig(**fields)
+
+
+def kimi_latent_from_hf(cfg: dict) -> Latent:
+    """Kimi Linear's full layers as its home reads them: latent layers whose key part is not rotated."""
+    return Latent(None, num_heads=cfg.get("num_attention_heads", 32), **latent_fields(cfg), rotary=False)
 
 
 def config_json(cfg) -> dict:
@@ -199,8 +204,14 @@ def test_with_a_lower_bound_the_layer_equals_glm5_nexts_kda():
     ours.load_state_dict(kimi.state_dict())
     with torch.no_grad():
         ours.log_decay_rate.normal_(0.0, 0.5)  # Glm5Next initialises 0 (rates of 1); these differ per head
-    names = dict(zip(glm.state_dict(), hf_kda_weights(glm.state_dict())))  # transformers' -> kvbench's
-    glm.load_state_dict({theirs: ours.state_dict()[mine] for theirs, mine in names.items()})
+    mine, theirs = ours.state_dict(), {}  # transformers' names -> kvbench's tensors
+    for name, t in glm.state_dict().items():
+        if name in KDAAttention.HF_FUSED:  # its one convolution over q, k and v
+            theirs[name] = torch.cat([mine[part] for part in KDAAttention.HF_FUSED[name]])
+        else:
+            (ours_name,) = hf_kda_weights({name: t})
+            theirs[name] = mine[ours_name].reshape(t.shape)  # A_log: one per head, (H,) here
+    glm.load_state_dict(theirs)
     x = torch.randn(2, 190, D_MODEL)
     parts = [(0, 90), (90, 150)] + [(t, t + 1) for t in range(150, 190)]
     diffs, _ = step_both(glm, DynamicCache(config=cfg), ours, StateLayer(lay.state, 2, torch.float32), x, parts)
@@ -356,21 +367,6 @@ def test_a_layout_built_by_hand_is_held_to_the_same_rules(fields, key, value):
     assert "\n" not in str(info.value) and str(info.value).startswith(f"{key}={value!r}: ")
 
 
-@pytest.mark.parametrize("key,value", [("cache.shared", True), ("runtime.compile", "graph")])
-def test_what_a_kda_layer_refuses_names_the_key_the_value_and_the_kind(key, value):
-    """KDA is not a registered layer kind yet (tests/test_layer_kinds.py checks every registered one):
-    its refusals and its state under a quantized K/V cache are checked here until it registers."""
-    lay = layout(4, 16, 4)
-    with pytest.raises(ConfigError) as info:
-        check_limits([lay], {key: value})
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{key}={value!r}: ") and lay.title in message
-    for cache_dtype in ("int8", "float8_e4m3fn", "nvfp4", "mxfp4"):  # K/V layers' dtypes: the state keeps its own
-        check_limits([lay], {"cache.dtype": cache_dtype})
-        assert lay.bytes_per_position(4, cache_dtype) == lay.positions_held(10 ** 6) == 0
-        assert lay.state_bytes(4, cache_dtype) == lay.state_bytes(4) > 0
-
-
 # ---- config.json and weights -------------------------------------------------------------------
 
 def test_config_json_reads_as_transformers_builds_the_layers():
@@ -469,7 +465,11 @@ def test_full_layers_it_cannot_run_are_refused_in_one_line_naming_the_key(cfg, k
 def test_a_tensor_that_is_not_the_layers_is_refused_by_name():
     _, hf, _, _ = pair()
     assert hf.forget_gate.A_log.shape == (1, 1, 4, 1)
-    assert hf_kda_weights(hf.state_dict())["log_decay_rate"].shape == (4,)
+    assert hf_kda_weights(hf.state_dict())["log_decay_rate"].shape == (1, 1, 4, 1)  # as Kimi's files hold it
+    # transformers' one convolution over q, k, v as kvbench's three (Kimi's files hold three)
+    parts = hf_kda_weights({"conv1d.weight": hf.conv1d.weight})
+    assert torch.equal(torch.cat([parts[k] for k in ("q_conv.weight", "k_conv.weight", "v_conv.weight")]),
+                       hf.conv1d.weight)
     with pytest.raises(ValueError, match=r"^in_proj_qkv.weight: not a KDA tensor"):
         hf_kda_weights({"in_proj_qkv.weight": torch.zeros(1)})
 

@@ -414,7 +414,7 @@ class AttentionConfig:
         # a window as for K/V heads: a local layer's cache is a ring of W latents
         pattern = resolve_layer_pattern(self, model)
         recurrent = " and ".join(f"{t} ({by_layer_type(t).title})" for t in recurrent_layer_types()
-                                 if t in (pattern.get("layer_types") or ()))
+                                 if t in (pattern.get("layer_types") or ()) and not by_layer_type(t).beside_latent)
         check(not recurrent, "attention.type", self.type,
               f"mla beside {recurrent} layers is not built; use a K/V-head type")
         out = AttentionConfig(type="mla", num_kv_heads=1, mla_decode=self.mla_decode, **dims, **options, **pattern)

@@ -10,7 +10,11 @@ q_t, is RMS-normalised per head and gated. Nothing is stored per position: a seq
 default, as transformers keeps it) and the convolution's last K - 1 inputs in the compute dtype.
 
 Kimi Linear's other layers (``full_attn_layers``) are multi-head latent attention without rotary
-embeddings (:class:`~kvbench.layouts.latent.Latent` with ``rotary`` false).
+embeddings (:class:`~kvbench.layouts.latent.Latent`, which rotates nothing in a model whose
+``rope_type`` is none). This home reads a Kimi Linear config.json whole (:func:`hf_model_fields`: the
+KDA layers' shape, the latent layers', the DeepSeek-V3-like mixture of experts) and names its tensors
+in Llama's form (:func:`hf_names`); ``attention.layer_types`` calls a KDA layer ``kda``
+(transformers' ``linear_attention`` is Gated DeltaNet's here).
 
 Notation: H heads of d (linear_num_heads, linear_head_dim), K taps, conv channels 3 H d.
 """
@@ -18,14 +22,19 @@ Notation: H heads of d (linear_num_heads, linear_head_dim), K taps, conv channel
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from dataclasses import fields as dataclass_fields
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from kvbench.config.moe import check_moe
 from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
+from kvbench.core.hf_read import get
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent
+from kvbench.layouts.registry import LayerKind, register
 
 
 @dataclass(frozen=True)
@@ -224,3 +233,149 @@ def hf_layer_kinds(cfg: Mapping[str, Any]) -> List[str]:
         raise ConfigError(f"linear_attn_config.kda_layers={lists['kda_layers']!r}: layers {missing} are in neither "
                           f"kda_layers nor full_attn_layers (each of the {n} layers, 1-indexed, in one)")
     return ["attention" if kind == "full_attn_layers" else "kda" for kind in kinds]
+
+
+# ---- the decoder: a KDA layer's layout, a Kimi Linear config.json and checkpoint as kvbench's ----
+
+LAYER_TYPE = "kda"  # attention.layer_types' name of a KDA layer
+SHAPE_KEY = "kda"  # model.layer_shapes' key: the KDA fields a model's layers have
+_OWN = ("window", "kv_source", "num_heads", "head_dim", "v_head_dim", "state_dtype")  # the model's, cache.state_dtype
+
+
+def build(model, attention=None, window=None) -> KDA:
+    """The KDA layout of ``model``'s KDA layers (a ModelConfig; ``attention`` and the layer's window
+    shape none of it): ``model.layer_shapes.kda`` (a checkpoint's, :func:`hf_model_fields`), each
+    field it leaves out as the model's heads (``linear_num_heads`` its num_heads, ``linear_head_dim``
+    its head_dim) or KDA's default; the state in float32 (``cache.state_dtype`` sets another). Refused
+    in one line naming ``model.layer_shapes.kda.<key>``."""
+    prefix = f"model.layer_shapes.{SHAPE_KEY}."
+    given = (model.layer_shapes or {}).get(SHAPE_KEY) or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{prefix[:-1]}={given!r}: must be a mapping of KDA fields")
+    known = [f.name for f in dataclass_fields(KDA) if f.name not in _OWN]  # fields(): not the class's ClassVars
+    unknown = next((key for key in given if key not in known), None)
+    if unknown is not None:
+        raise ConfigError(f"{prefix}{unknown}={given[unknown]!r}: not a KDA field (one of {', '.join(known)})")
+    mla = model.preset_mla  # the full layers' heads, for as_mha (a latent model's values have their own width)
+    shape = {"linear_num_heads": model.num_heads, "linear_head_dim": model.head_dim, **given}
+    try:
+        return KDA(None, **shape, num_heads=model.num_heads, head_dim=model.head_dim,
+                   v_head_dim=mla.v_head_dim if mla is not None else None)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
+    except TypeError as exc:  # a value of the wrong type in the arithmetic of a check
+        raise ConfigError(f"{prefix[:-1]}={dict(given)!r}: malformed ({exc})") from None
+
+
+def _read(cfg: Mapping[str, Any], keys: Tuple[str, ...], kind: str, default: Any) -> Tuple[str, Any]:
+    """``(key, value)`` of the first of ``keys`` set in ``cfg`` (Kimi's hub name first, then the
+    attribute KimiLinearConfig maps it to), typed as :func:`~kvbench.core.hf_read.get` types it;
+    ``default`` (under the first key) when none is set."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return key, get(cfg, key, kind)
+    return keys[0], default
+
+
+def latent_fields(cfg: Mapping[str, Any]) -> Dict[str, int]:
+    """The latent fields (``model.preset_mla``) of Kimi Linear's full layers, KimiLinearConfig's
+    defaults for absent keys; what kvbench's latent attention cannot run refused naming its key."""
+    if cfg.get("attention_bias"):  # KimiLinearAttention's kv_a_proj_with_mqa and o_proj would have biases
+        raise ConfigError(f"attention_bias={cfg['attention_bias']!r}: a latent layer has no projection biases "
+                          "(use false)")
+    heads = _count("num_attention_heads", cfg.get("num_attention_heads", 32))
+    kv_heads = cfg.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        # every head expands its own key from the latent: transformers' module fails on fewer K/V heads
+        raise ConfigError(f"num_key_value_heads={kv_heads!r}: must equal num_attention_heads={heads} in a latent "
+                          "layer (each head's key comes from the latent)")
+    shape = {"q_lora_rank": 0 if cfg.get("q_lora_rank") is None else _count("q_lora_rank", cfg["q_lora_rank"])}
+    for key, default in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
+                         ("v_head_dim", 128)):
+        shape[key] = _count(key, default if cfg.get(key) is None else cfg[key])
+    return shape
+
+
+def _experts(cfg: Mapping[str, Any], n: int) -> Optional[Dict[str, Any]]:
+    """``model.moe`` of Kimi Linear's sparse layers (KimiLinearMoE: DeepSeek-V3's sigmoid router with
+    its correction bias and groups, ``num_shared_experts`` shared experts as one SwiGLU), the others
+    dense, as KimiLinearConfig reads them: ``mlp_layer_types`` (dense | sparse), else the first
+    ``first_k_dense_replace`` (1) layers dense; None when every layer is."""
+    key, kinds = _read(cfg, ("mlp_layer_types",), "list", None)
+    if kinds is None:
+        _, first = _read(cfg, ("first_k_dense_replace",), "int", 1)
+        kinds = ["dense" if i < first else "sparse" for i in range(n)]
+    elif len(kinds) != n or any(k not in ("dense", "sparse") for k in kinds):
+        raise ConfigError(f"{key}={kinds!r}: must name each of num_hidden_layers={n} layers dense or sparse")
+    if "sparse" not in kinds:
+        return None
+    fields = {  # kvbench's field: (config.json's keys, hub name first; type; KimiLinearConfig's default)
+        "num_experts": (("num_experts", "num_local_experts"), "int", 256),
+        "top_k": (("num_experts_per_token", "num_experts_per_tok"), "int", 8),
+        "expert_ffn_dim": (("moe_intermediate_size",), "int", 1024),
+        "norm_topk_prob": (("moe_renormalize", "norm_topk_prob"), "bool", True),
+        "routed_scaling_factor": (("routed_scaling_factor",), "number", 2.446),
+        "n_group": (("num_expert_group", "n_group"), "int", 1), "topk_group": (("topk_group",), "int", 1),
+        "shared": (("num_shared_experts", "n_shared_experts"), "int", 1)}
+    read = {name: _read(cfg, keys, kind, default) for name, (keys, kind, default) in fields.items()}
+    moe = {name: value for name, (_, value) in read.items()}
+    keys = {name: key for name, (key, _) in read.items()}
+    shared, shared_key = moe.pop("shared"), keys.pop("shared")
+    if shared < 0:
+        raise ConfigError(f"{shared_key}={shared!r}: must be >= 0")
+    moe.update(router="sigmoid", shared_ffn_dim=moe["expert_ffn_dim"] * shared, shared_gate=False, swiglu_limit=None,
+               dense_layers=[i for i, k in enumerate(kinds) if k == "dense"])
+    # transformers' router is the sigmoid whatever the file says (moe_router_activation_func is not read)
+    check_moe(moe, {**keys, "router": "moe_router_activation_func", "shared_ffn_dim": shared_key,
+                    "shared_gate": shared_key, "swiglu_limit": "swiglu_limit", "dense_layers": key})
+    return moe
+
+
+def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
+    """Every ModelConfig field of a Kimi Linear config.json (KimiLinearConfig's defaults for absent
+    keys, its hub names first: ``model_max_length``, ``num_experts_per_token`` …): KDA layers
+    (``layer_shapes.kda``) beside latent layers without rotary embeddings (``preset_mla``,
+    ``rope_type`` none: positions enter through the KDA layers only), each typed by
+    :func:`hf_layer_kinds`, and the mixture of experts (:func:`_experts`). A value it cannot run
+    refused in one line naming its key."""
+    kda = kda_from_hf(cfg)
+    kinds, mla = hf_layer_kinds(cfg), latent_fields(cfg)
+    _, hidden = _read(cfg, ("hidden_size",), "int", 2304)
+    shape = {"linear_num_heads": kda.linear_num_heads, "linear_head_dim": kda.linear_head_dim,
+             "linear_conv_kernel_dim": kda.linear_conv_kernel_dim}
+    return {"num_layers": len(kinds), "d_model": hidden, "num_heads": kda.num_heads, "preset_kv_heads": kda.num_heads,
+            "head_dim": mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"],
+            "ffn_dim": _read(cfg, ("intermediate_size",), "int", 9216)[1],
+            "vocab_size": _read(cfg, ("vocab_size",), "int", 163840)[1],
+            "max_seq_len": _read(cfg, ("model_max_length", "max_position_embeddings"), "int", 1048576)[1],
+            "norm_eps": _read(cfg, ("rms_norm_eps",), "number", 1e-5)[1], "rope_type": "none", "preset_mla": mla,
+            "preset_layer_types": [LAYER_TYPE if k == "kda" else "full_attention" for k in kinds],
+            "layer_shapes": {SHAPE_KEY: shape}, "moe": _experts(cfg, len(kinds))}
+
+
+# Kimi's names where they are not Llama's: the MLP of every layer (dense or not) under block_sparse_moe,
+# an expert's gate, down and up as w1, w2, w3
+_EXPERT = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(?:(experts\.\d+\.)(w[123])(\..*)|(.*))")
+_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
+    """A Kimi Linear checkpoint's tensor names in Llama's form: ``block_sparse_moe.`` as ``mlp.``, an
+    expert's w1 / w2 / w3 as its gate_proj / down_proj / up_proj (the KDA module's own names: its
+    ``HF_NAMES``)."""
+    def renamed(name: str) -> str:
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            return name
+        layer, expert, w, rest, other = match.groups()
+        return f"{layer}mlp.{expert}{_EXPERT_NAMES[w]}{rest}" if expert else f"{layer}mlp.{other}"
+    return renamed
+
+
+KIND = register(LayerKind(
+    "kda", KDA, module="kvbench.layouts.kda_mixer:KDAAttention", layer_types=(LAYER_TYPE,), recurrent=True,
+    label="kda", title="KDA", letters={"a": "full_attention_interval"}, build=build,
+    unfuse="kvbench.layouts.kda_mixer:unfuse", hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields,
+    hf_names=hf_names, beside_latent=True,
+    examples={"kda": ("model=tiny", "attention.layer_types=[kda,full_attention]"),
+              "kimi": ("model=tiny", "attention=mla", "attention.layer_types=[kda,full_attention]")}))

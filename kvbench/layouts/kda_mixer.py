@@ -2,7 +2,7 @@
 KimiLinearDeltaAttention (its torch path: chunk_kimi_delta_attention, recurrent_kimi_delta_attention),
 in plain torch.
 
-Per token: ``wq``, ``wk``, ``wv`` x pass a causal depthwise convolution of K taps and SiLU and
+Per token: ``wq``, ``wk``, ``wv`` x pass causal depthwise convolutions of K taps (``q_conv`` …) and SiLU and
 split into H heads of d; q and k are L2-normalised per head and q scaled by d^-0.5. The decay
 gate is per key channel: f = ``gate_up``(``gate_down`` x) + ``decay_bias`` (H d), and
 g = -exp(``log_decay_rate``) softplus(f) per head, or with a lower bound L, g = L sigmoid(exp(A) f).
@@ -30,11 +30,15 @@ from torch import nn
 
 from kvbench.layouts.kda import KDA
 
-# transformers' names under a layer's ``self_attn``: a key ending in "." renames a submodule
-HF_NAMES = {"q_proj.": "wq.", "k_proj.": "wk.", "v_proj.": "wv.", "conv1d.": "conv.",
-            "forget_gate.f_a_proj.": "gate_down.", "forget_gate.f_b_proj.": "gate_up.",
-            "forget_gate.dt_bias": "decay_bias", "forget_gate.A_log": "log_decay_rate", "b_proj.": "w_beta.",
-            "g_a_proj.": "out_gate_down.", "g_b_proj.": "out_gate_up.", "o_norm.": "norm.", "o_proj.": "wo."}
+# transformers' names under a layer's ``self_attn``, as its modules hold them (the forget gate a
+# submodule) and as Kimi's files and save_pretrained write them (the gate's tensors at the top, a
+# convolution per q, k, v): a key ending in "." renames a submodule
+HF_NAMES = {"q_proj.": "wq.", "k_proj.": "wk.", "v_proj.": "wv.", "q_conv1d.": "q_conv.", "k_conv1d.": "k_conv.",
+            "v_conv1d.": "v_conv.", "b_proj.": "w_beta.", "g_a_proj.": "out_gate_down.", "g_b_proj.": "out_gate_up.",
+            "o_norm.": "norm.", "o_proj.": "wo.",
+            **{f"{where}{old}": new for where in ("forget_gate.", "")
+               for old, new in (("f_a_proj.", "gate_down."), ("f_b_proj.", "gate_up."), ("dt_bias", "decay_bias"),
+                                ("A_log", "log_decay_rate"))}}
 
 
 class KDAAttention(nn.Module):
@@ -43,6 +47,8 @@ class KDAAttention(nn.Module):
 
     HF_MODULE = "self_attn"
     HF_NAMES = HF_NAMES
+    # transformers' modules hold one depthwise convolution over q, k and v (its state dict's name)
+    HF_FUSED = {"conv1d.weight": ("q_conv.weight", "k_conv.weight", "v_conv.weight")}
 
     def __init__(self, cfg, layout: KDA):
         super().__init__()
@@ -50,12 +56,14 @@ class KDAAttention(nn.Module):
         self.H, self.d, inner = layout.linear_num_heads, layout.linear_head_dim, layout.inner_dim
         self.chunk, self.lower_bound = layout.chunk_size, layout.gate_lower_bound
         self.wq, self.wk, self.wv = (nn.Linear(C, inner, bias=False) for _ in range(3))
-        # depthwise and causal: the cache hands the last K - 1 inputs before the new ones, so no padding
-        self.conv = nn.Conv1d(3 * inner, 3 * inner, K, groups=3 * inner, bias=False)
+        # depthwise and causal, one per q, k and v as Kimi's files hold them: the cache hands the last
+        # K - 1 inputs before the new ones, so no padding
+        self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(inner, inner, K, groups=inner, bias=False)
+                                                 for _ in range(3))
         # the decay gate, low rank through d (f_a_proj, f_b_proj), a bias per channel, a rate per head
         self.gate_down, self.gate_up = nn.Linear(C, self.d, bias=False), nn.Linear(self.d, inner, bias=False)
         self.decay_bias = nn.Parameter(torch.zeros(inner))  # dt_bias
-        self.log_decay_rate = nn.Parameter(torch.zeros(self.H))  # A_log, one per head
+        self.log_decay_rate = nn.Parameter(torch.zeros(1, 1, self.H, 1))  # A_log, one per head (Kimi's shape)
         self.w_beta = nn.Linear(C, self.H, bias=False)  # b_proj
         self.out_gate_down, self.out_gate_up = nn.Linear(C, self.d, bias=False), nn.Linear(self.d, inner, bias=False)
         self.norm = SigmoidGatedRMSNorm(self.d, cfg.norm_eps)
@@ -65,7 +73,7 @@ class KDAAttention(nn.Module):
         """g (B, T, H, d), float32: each key channel's log decay at each token."""
         f = self.gate_up(self.gate_down(x)).float() + self.decay_bias.float()
         f = f.unflatten(-1, (self.H, self.d))
-        rate = self.log_decay_rate.float().exp()[:, None]  # (H, 1): in float32, exp(A_log) can overflow in half
+        rate = self.log_decay_rate.float().exp().view(self.H, 1)  # in float32: exp(A_log) can overflow in half
         if self.lower_bound is not None:  # flash-linear-attention's safe gate: g in (bound, 0)
             return self.lower_bound * torch.sigmoid(rate * f)
         # transformers' softplus, log(1 + exp(f)) below 20 (not log1p: the same roundings)
@@ -75,7 +83,8 @@ class KDAAttention(nn.Module):
         B, T, _ = x.shape
         qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1)
         carry = cache.update(qkv.transpose(1, 2), pos)  # conv inputs (B, 3 H d, K - 1 + T)
-        qkv = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, 3 H d)
+        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # (3 H d, 1, K)
+        qkv = F.silu(F.conv1d(carry.inputs, weight, groups=weight.shape[0])).transpose(1, 2)  # (B, T, 3 H d)
         q, k, v = (t.unflatten(-1, (self.H, self.d)).transpose(1, 2).float() for t in qkv.chunk(3, -1))
         q, k = _unit(q) * self.d ** -0.5, _unit(k)  # (B, H, T, d), in float32 as flash-linear-attention
         g = self.decay(x).transpose(1, 2)  # (B, H, T, d)
@@ -185,15 +194,25 @@ def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
     return out
 
 
+def unfuse(layout: KDA, name: str, w: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """transformers' fused tensor ``name`` (:data:`KDAAttention.HF_FUSED`: its one convolution over
+    q, k and v, channels in that order) as this module's three."""
+    return dict(zip(KDAAttention.HF_FUSED[name], w.chunk(3)))
+
+
 def hf_kda_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """transformers' tensors of one KimiLinearDeltaAttention (names relative to it: ``q_proj.weight``,
-    ``forget_gate.A_log`` …) as :class:`KDAAttention`'s state dict; A_log, (1, 1, H, 1) in Kimi's
-    files, read as (H,); a name it does not know refused in one line naming it."""
+    ``forget_gate.A_log`` …, or as Kimi's files write them) as :class:`KDAAttention`'s state dict;
+    a name it does not know refused in one line naming it."""
     out = {}
     for name, t in tensors.items():
+        if name in KDAAttention.HF_FUSED:
+            out.update(unfuse(None, name, t))
+            continue
         new = next((new + name[len(old):] for old, new in HF_NAMES.items()
                     if name == old or (old.endswith(".") and name.startswith(old))), None)
         if new is None:
-            raise ValueError(f"{name}: not a KDA tensor (expected one of {', '.join(HF_NAMES)})")
-        out[new] = t.reshape(-1) if new == "log_decay_rate" else t
+            known = ", ".join([*HF_NAMES, *KDAAttention.HF_FUSED])
+            raise ValueError(f"{name}: not a KDA tensor (expected one of {known})")
+        out[new] = t
     return out

@@ -22,7 +22,7 @@ from kvbench.layouts.registry import (
 )
 
 # isort: split
-from kvbench.layouts import gated_deltanet, mamba2  # noqa: F401  (the recurrent kinds)
+from kvbench.layouts import gated_deltanet, kda, mamba2  # noqa: F401  (the recurrent kinds)
 
 __all__ = ["LayerKind", "LayerOption", "attention_kind", "by_architecture", "by_layer_type", "hf_renaming", "kind_of",
            "layer_kind", "layer_types", "recurrent_in", "recurrent_layer_types", "registered", "resolve"]

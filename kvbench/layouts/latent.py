@@ -10,7 +10,8 @@ weighted per token) and each query attends only the ``index_topk`` best of those
 decode step reads every index key but only k latents. Kimi Linear's full layers (transformers'
 KimiLinearAttention) are latent layers with ``rotary`` false: the shared key part is held and read
 as projected, never rotated (positions enter that model through its KDA layers only), so the decoder
-builds no rotary tables for them; what a layer caches, reads and spends is the same.
+builds no rotary tables for them; what a layer caches, reads and spends is the same (their
+config.json: :mod:`kvbench.layouts.kda`).
 """
 
 from __future__ import annotations
@@ -122,14 +123,18 @@ class Latent(LayerLayout):
         dsa = (f"; DSA: an indexer of {self.index_n_heads} heads x {self.index_head_dim} keeps a key of "
                f"{self.index_head_dim} per token and each query attends its top index_topk = {self.index_topk} "
                "tokens") if self.index_topk else ""
+        attending = sum(layer.state is None for layer in layers)  # the others hold a constant state instead
+        recurrent = next((layer for layer in layers if layer.state is not None), None)
+        linear = "" if recurrent is None else f"; {len(layers) - attending} of {len(layers)} layers " \
+            f"{recurrent.in_words()}"
         return [
             f"attention mla: multi-head latent attention, one latent per token and layer (kv_lora_rank "
             f"{self.kv_lora_rank} + qk_rope_head_dim {self.qk_rope_head_dim} = {width}) for all {self.num_heads} "
             f"query heads (qk_nope_head_dim {self.qk_nope_head_dim}, v_head_dim {self.v_head_dim}, {q}); decode "
-            f"{'absorbed' if self.absorbed else 'expanded'}{dsa}",
+            f"{'absorbed' if self.absorbed else 'expanded'}{dsa}{linear}",
             "",
             f"KV cache = layers · (kv_lora_rank + qk_rope_head_dim{' + index_head_dim' if index else ''}) · seq_len · "
-            f"batch · bytes = {len(layers)} · {width + index} · seq_len · batch · bytes",
+            f"batch · bytes = {attending} · {width + index} · seq_len · batch · bytes",
             elements_line(width + index, seq_len, batch_size, "latent + index key" if index else "latent"),
             f"cache.dtype {' / '.join(CACHE_DTYPE_BYTES)}: bytes = 1 per element + a {SCALE_BYTES}-byte scale per "
             "(sequence, position), one per latent" + (" and one per index key" if index else ""),
@@ -196,33 +201,14 @@ def hf_fields(cfg: Mapping[str, Any], arch: str, keys: Dict[str, Any]) -> Dict[s
             "preset_kv_heads": get(cfg, "num_attention_heads", "int", REQUIRED)}
 
 
-def kimi_latent_from_hf(cfg: Mapping[str, Any]) -> Latent:
-    """The full layers' layout of a KimiLinearForCausalLM config.json (KimiLinearConfig's defaults
-    for absent keys): latent layers without rotary embeddings; what kvbench's latent attention cannot
-    run refused in one line naming its key."""
-    if cfg.get("attention_bias"):  # KimiLinearAttention's kv_a_proj_with_mqa and o_proj would have biases
-        raise ConfigError(f"attention_bias={cfg['attention_bias']!r}: a latent layer has no projection biases "
-                          "(use false)")
-    heads = _count(cfg, "num_attention_heads", 32)
-    kv_heads = cfg.get("num_key_value_heads")
-    if kv_heads is not None and kv_heads != heads:
-        # every head expands its own key from the latent: transformers' module fails on fewer K/V heads
-        raise ConfigError(f"num_key_value_heads={kv_heads!r}: must equal num_attention_heads={heads} in a latent "
-                          "layer (each head's key comes from the latent)")
-    q_rank = cfg.get("q_lora_rank")
-    return Latent(None, num_heads=heads, q_lora_rank=0 if q_rank is None else _count(cfg, "q_lora_rank", 0),
-                  kv_lora_rank=_count(cfg, "kv_lora_rank", 512), qk_nope_head_dim=_count(cfg, "qk_nope_head_dim", 128),
-                  qk_rope_head_dim=_count(cfg, "qk_rope_head_dim", 64, least=0),
-                  v_head_dim=_count(cfg, "v_head_dim", 128), rotary=False)
-
-
 def build(model, attention, window: Optional[int]) -> Latent:
     """A layer of ``model`` (a ModelConfig) under a resolved ``attention=mla``: its ranks, decode form
-    and indexer."""
+    and indexer; its shared key part unrotated in a model without rotary embeddings (``rope_type``
+    none: Kimi Linear's)."""
     return Latent(window, model.num_heads, attention.q_lora_rank, attention.kv_lora_rank,
                   attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
                   attention.mla_decode == "absorbed", attention.index_n_heads or 0,
-                  attention.index_head_dim or 0, attention.index_topk or 0)
+                  attention.index_head_dim or 0, attention.index_topk or 0, rotary=model.rope_type != "none")
 
 
 # DSA's top-k: part of the latent shape (its model's own is model.preset_mla's), labelled as an option

@@ -24,6 +24,8 @@ A kind's facets, each optional where the kind has nothing to say:
   record keeps for it (left out of a record that does not use it, so it reads as one written before
   they existed); ``options``: its :class:`LayerOption` s (a variant's label, record and checks
   learn them from :data:`kvbench.config.layer_options.LAYER_OPTIONS`).
+- ``beside_latent``: a recurrent kind whose layers a model may have beside latent attention layers
+  (Kimi Linear's KDA beside MLA); the others' are refused there, as not built.
 - ``examples``: Hydra overrides that build a small decoder using it, one per form the conformance
   suite (``tests/test_layer_kinds.py``) checks.
 - hooks (``None``: nothing to do): ``build(model, attention, window) -> LayerLayout`` (its layout
@@ -122,6 +124,7 @@ class LayerKind:
     hf_model_fields: Optional[Callable[..., Dict[str, Any]]] = None
     hf_names: Optional[Callable[..., Callable[[str], Optional[str]]]] = None
     remake: Optional[Callable[..., Any]] = None
+    beside_latent: bool = False
 
 
 _KINDS: Dict[str, LayerKind] = {}

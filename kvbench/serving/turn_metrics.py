@@ -97,8 +97,9 @@ def turn_rows(timeline: Timeline, recurrent: bool = False) -> List[Dict[str, Any
     return rows
 
 
-def conversation_metrics(timeline: Timeline, recurrent: bool = False) -> Dict[str, Any]:
-    """The run's returning turns, cached against evicted, and the history tokens recomputed."""
+def conversation_metrics(timeline: Timeline, recurrent: bool | str = False) -> Dict[str, Any]:
+    """The run's returning turns, cached against evicted, and the history tokens recomputed;
+    ``recurrent``: whether a layer keeps a state (the names of its kinds, when given as words)."""
     kinds = classify(timeline, recurrent)
     traces = {t.request.id: t for t in timeline.traces}
     chats = {t.request.conversation for t in timeline.traces if t.request.conversation is not None}

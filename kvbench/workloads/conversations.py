@@ -32,7 +32,8 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult,
     serving.run(cfg, model, device, result, tick)
     result.methods.update(METHODS)
     timeline = timeline_from_record(result.tables, result.metrics)
-    recurrent = any(layer.state is not None for layer in model.layouts)
+    # the recurrent kinds' names (Gated DeltaNet, KDA ...), empty without such a layer
+    recurrent = " and ".join(dict.fromkeys(layer.title for layer in model.layouts if layer.state is not None))
     result.tables["conversation_turns"] = turn_metrics.turn_rows(timeline, recurrent)
     result.metrics.update(turn_metrics.conversation_metrics(timeline, recurrent))
     if cfg.workload.sharegpt is not None:
