@@ -116,6 +116,7 @@ class ModelConfig:
     # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
     preset_mla: Optional[MLAShape] = None
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
+    preset_chunk: int = 0  # the local layers attend within chunks of C (Llama 4's attention_chunk_size); 0: none
     moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
     weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
     mlp_act: str = "silu"  # MLP_ACTS: silu, the gated SwiGLU; relu2, relu(up x)^2 ungated (Nemotron-H), experts too
@@ -301,6 +302,9 @@ class AttentionConfig:
     index_topk: Optional[int] = None  # DSA: each query attends its top index_topk tokens; 0: no indexer
     # Gemma 3n: the last N layers read an earlier layer's K/V, storing none (null: the model's own; 0: none)
     kv_shared_layers: Optional[int] = None
+    # Llama 4: the local layers attend within chunks of C positions, the mask reset at each multiple of C
+    # (kvbench.layouts.chunked; the window of those layers is C). null: the model's own; 0: none
+    chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)
