@@ -19,6 +19,7 @@ from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.moe import MoEShape
 from kvbench.config.multipliers import Multipliers
+from kvbench.config.nope import NoPE
 from kvbench.config.quant import check_weights_stored
 from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.core.hf_keys import Source, in_file_keys
@@ -123,15 +124,18 @@ class ModelConfig:
     no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)
     layer_shapes: Optional[Dict[str, Any]] = None  # a layer kind's own shape by its name (LayerKind.build reads it)
     multipliers: Optional[Multipliers] = None  # Granite's scalings of embedding, residual, attention, logits
+    nope: Optional[NoPE] = None  # Llama 4's layers without rotary embeddings, their query temperature, the L2 norm
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
-        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers)):  # from a dict
+        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers),
+                            ("nope", NoPE)):  # from a dict
             if isinstance(getattr(self, key), Mapping):
                 setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
         for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
-                            ("no_mlp_layers", self.no_mlp_layers or ())):
+                            ("no_mlp_layers", self.no_mlp_layers or ()),
+                            ("nope.layers", self.nope.layers if self.nope else ())):
             check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
                   f"must name layers below model.num_layers={self.num_layers}")
         check_choice("model.mlp_act", self.mlp_act, MLP_ACTS)
@@ -172,11 +176,11 @@ class ModelConfig:
         return 0 if self.rope_type == "none" else int(self.head_dim * self.partial_rotary_factor)
 
     def without_pattern(self) -> "ModelConfig":
-        """This shape with no layer pattern of its own (no window, Gated DeltaNet layers or KV sharing:
-        every layer full attention unless attention.* asks otherwise). Not re-read from ``path``: a
-        replace() of a config with one reads its checkpoint again, pattern and all."""
+        """This shape with no layer pattern of its own (no window, chunk, Gated DeltaNet layers, KV sharing or
+        layers without rotary embeddings: every layer full attention unless attention.* asks otherwise). Not
+        re-read from ``path``: a replace() of a config with one reads its checkpoint again, pattern and all."""
         return replace(self, path=None, preset_window=None, preset_global_every=None, preset_layer_types=None,
-                       preset_kv_shared_layers=0)
+                       preset_kv_shared_layers=0, preset_chunk=0, nope=None)
 
     def with_own_layout(self, attention: "AttentionConfig") -> "ModelConfig":
         """This shape whose own layout (what attention=model runs) is ``attention``, resolved against

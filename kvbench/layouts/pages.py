@@ -147,6 +147,12 @@ class Chunks(Ring):
     def first_kept(self, length: int) -> int:
         return length // self.window * self.window
 
+    def worst_blocks(self, length: int, bs: int, chunk: int = 1) -> int:
+        # a chunk that starts on a block (C a multiple of bs) holds no block of the one before
+        if self.window % bs:
+            return super().worst_blocks(length, bs, chunk)
+        return min(_blocks(length, bs), _blocks(self.window - 1 + chunk, bs))
+
     def layers_text(self) -> str:
         return f"layers of chunk {self.window}"
 
