@@ -88,7 +88,7 @@ def deinterleave_rope(tensors: Dict[str, torch.Tensor], model: Any, attention: A
     values; V2's complex rotation: the same dot products, its dimensions in pair order). ``tensors``:
     a checkpoint's weights by the decoder's names, reordered in place for ``attention``'s shape. Llama 4
     (K/V heads, complex rotation) too: each query and key head's rows (and biases), whole."""
-    if not attention.latent:
+    if model.preset_mla is None:
         D = model.head_dim
         order = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
         for name in [k for k in tensors if re.fullmatch(r"blocks\.\d+\.attn\.w[qk]\.(weight|bias)", k)]:

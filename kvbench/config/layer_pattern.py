@@ -217,8 +217,7 @@ def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
                          "a window that long drops no position; 0: no window")
     check_within_context("attention.chunk", attention.chunk, model, "a chunk that long never resets; 0: none")
     window = model.preset_window if attention.window is None else attention.window
-    if not attention.latent:  # a chunk is its local layers' window (K/V-head layers only: kvbench.layouts.chunked)
-        window = chunk_window(model.preset_chunk if attention.chunk is None else attention.chunk, window)
+    window = chunk_window(attention, model, window)  # a chunk is its local layers' window (kvbench.layouts.chunked)
     if attention.layer_types is not None or attention.global_every is not None:
         global_every, layer_types = attention.global_every, attention.layer_types
     else:

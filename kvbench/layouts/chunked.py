@@ -22,18 +22,21 @@ from typing import Any, Dict, List, Optional, Tuple
 from kvbench.core.errors import check
 from kvbench.layouts.base import LayerLayout, Limit, bytes_cell
 from kvbench.layouts.pages import Chunks
-from kvbench.layouts.registry import LayerOption
+from kvbench.layouts.registry import LayerOption, attention_kind
 
 # attention.chunk: C positions per chunk on the local layers (null: the model's own, model.preset_chunk; 0: none)
 CHUNK = LayerOption("chunk", " chunk={}", 0, preset="preset_chunk", positions=True,
                     kv_heads_only="is chunked attention of K/V-head layers (Llama 4's); attention=mla has none")
 
 
-def chunk_window(chunk: Optional[int], window: Optional[int]) -> Optional[int]:
-    """The window of a run's local layers when its chunk (resolved) is ``chunk``: C itself (a chunk is
-    its layers' locality), else ``window``. A sliding window of another size beside a chunk would make
-    each local layer two things: refused naming ``attention.chunk``."""
-    if not chunk:
+def chunk_window(attention: Any, model: Any, window: Optional[int]) -> Optional[int]:
+    """The window of the local layers of ``attention`` (an AttentionConfig being resolved against ``model``,
+    a ModelConfig) whose own window is ``window``: its chunk C (asked, else the model's), a chunk being its
+    layers' locality, else ``window``; a kind without chunks (MLA) keeps ``window``. A sliding window of
+    another size beside a chunk would make each local layer two things: refused naming ``attention.chunk``."""
+    kind = attention_kind(attention.type)
+    chunk = model.preset_chunk if attention.chunk is None else attention.chunk
+    if not chunk or (kind is not None and CHUNK not in kind.options):
         return window
     check(not window or window == chunk, "attention.chunk", chunk,
           f"makes the local layers attend within chunks of {chunk} positions, and attention.window={window} "
