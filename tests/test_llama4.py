@@ -140,3 +140,22 @@ def test_the_llama4_presets_have_the_model_cards_parameters(name, total, card_to
     assert counts.active == total - routed_off - 202048 * 5120  # without the embedding table
     assert abs((counts.active + counts.embedding) / 17e9 - 1) < 0.015
     assert job.attention.chunk == job.attention.window == 8192 and job.attention.global_every == 4
+
+
+def test_inspect_of_llama4_scout_prints_the_bytes_the_docs_derive_by_hand(capsys):
+    """docs/layouts-chunked.md: at 131,072 positions in bfloat16 a position of a layer is 2·8·128·2 B; 12
+    global layers hold every position, 36 chunked layers C = 8192 at the worst, (C + 1)/2 on average."""
+    from conftest import compose
+
+    from kvbench.cli_job import _inspect
+
+    assert _inspect(compose("model=llama4_scout", "task=inspect", "runtime.dtype=bfloat16",
+                            "workload.prompt_len=131064", "workload.gen_len=8")) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the lines as printed, rewrapped
+    position = 2 * 8 * 128 * 2
+    glob, worst, mean = 12 * 131072 * position, 36 * 8192 * position, 36 * (8192 + 1) / 2 * position
+    assert (glob, worst, int(mean)) == (6_442_450_944, 1_207_959_552, 604_053_504)
+    assert f"bfloat16 57.00 KiB ({(glob + worst) // 131072:,}) 7.12 GiB ({glob + worst:,})" in out
+    assert f"at the worst (C positions each) 1.12 GiB ({worst:,}), on average over its positions" in out
+    assert f"({int(mean):,}) in bfloat16" in out and f"192.00 KiB ({48 * position:,}) in bfloat16" in out
+    assert "chunk 8192 in 36 of 48 layers; no rotary embeddings in 12 of 48 layers" in out
