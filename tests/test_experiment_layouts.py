@@ -25,11 +25,11 @@ def sweep_jobs(experiment: str):
     return [[f"experiment={experiment}", *job] for job in itertools.product(*axes)]
 
 
-def test_layouts_times_seven_layouts_the_new_ones_beside_the_old():
+def test_layouts_times_eight_layouts_the_new_ones_beside_the_old():
     cfg = to_bench_config(compose("experiment=layouts"))
     labels = [variant_label(a, num_layers=cfg.model.num_layers) for a in cfg.compare.attentions(cfg.model)]
     assert labels == ["mha kv=16", "gqa kv=4", "mla r=256", "mha kv=16 w=1024 5:1", "mha kv=16 gdn 2:1",
-                      "mla r=256 topk=1024", "mha kv=16 kvshare=2"]
+                      "mla r=256 topk=1024", "mha kv=16 kvshare=2", "mha kv=16 w=1024 5:1 chunk=1024"]
     # three contexts or more on each side of W = k = 1024: a slope below and past both
     assert sum(c <= 1024 for c in cfg.compare.contexts) >= 3 and sum(c >= 1024 for c in cfg.compare.contexts) >= 3
 

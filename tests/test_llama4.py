@@ -15,6 +15,7 @@ from test_mamba2_hybrids import VOCAB, assert_exact
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
+from kvbench.layouts.build import build_layouts
 from kvbench.layouts.chunked import average_positions, live_positions
 from kvbench.layouts.kv_heads import ChunkedKVHeads, KVHeads
 from kvbench.layouts.pages import Chunks
@@ -159,3 +160,29 @@ def test_inspect_of_llama4_scout_prints_the_bytes_the_docs_derive_by_hand(capsys
     assert f"at the worst (C positions each) 1.12 GiB ({worst:,}), on average over its positions" in out
     assert f"({int(mean):,}) in bfloat16" in out and f"192.00 KiB ({48 * position:,}) in bfloat16" in out
     assert "chunk 8192 in 36 of 48 layers; no rotary embeddings in 12 of 48 layers" in out
+
+
+@pytest.mark.parametrize("asked, model, message", [
+    ({"chunk": -1}, {}, "attention.chunk=-1: must be >= 1 positions, 0 (none) or null"),
+    ({}, {"preset_chunk": -3}, "model.preset_chunk=-3: must be >= 1 positions, 0 (none) or null"),
+    ({"chunk": 9999}, {}, "attention.chunk=9999: must be <= model.max_seq_len=256"),
+    ({"chunk": 8, "window": 4}, {}, "attention.chunk=8: makes the local layers attend within chunks of 8"),
+    ({"type": "mla", "chunk": 8}, {}, "attention.chunk=8: is chunked attention of K/V-head layers"),
+    ({"chunk": 8}, {"nope": {"layers": [5]}}, "model.nope.layers=[5]: must name layers below model.num_layers=2"),
+    ({}, {"nope": {"floor_scale": -1.5}}, "model.nope.floor_scale=-1.5: must be a finite number > 0")])
+def test_a_chunk_or_nope_layers_out_of_range_are_refused_in_one_line_naming_the_key(asked, model, message):
+    with pytest.raises(ConfigError) as info:
+        AttentionConfig(**asked).resolved(ModelConfig(**model))
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
+def test_compare_reads_a_chunk_by_its_letter():
+    """``gqa:c8:g2``: the local layers (every second one global) chunked at 8, no window of their own."""
+    from kvbench.config.compare import CompareConfig
+    from kvbench.config.layer_pattern import variant_label
+
+    model = ModelConfig(num_layers=4)
+    chunked, windowed = CompareConfig(variants=["gqa:c8:g2", "gqa:w8:g2"]).attentions(model)
+    assert (chunked.chunk, chunked.window, windowed.chunk) == (8, 8, 0)
+    assert variant_label(chunked, num_layers=4) == "gqa kv=2 w=8 1:1 chunk=8"
+    assert [type(layer).__name__ for layer in build_layouts(model, chunked)] == ["ChunkedKVHeads", "KVHeads"] * 2

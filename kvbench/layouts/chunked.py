@@ -35,10 +35,12 @@ def chunk_window(attention: Any, model: Any, window: Optional[int]) -> Optional[
     layers' locality, else ``window``; a kind without chunks (MLA) keeps ``window``. A sliding window of
     another size beside a chunk would make each local layer two things: refused naming ``attention.chunk``."""
     kind = attention_kind(attention.type)
-    chunk = model.preset_chunk if attention.chunk is None else attention.chunk
+    key, chunk = ("model.preset_chunk", model.preset_chunk) if attention.chunk is None else \
+        ("attention.chunk", attention.chunk)
+    check(chunk >= 0, key, chunk, "must be >= 1 positions, 0 (none) or null")
     if not chunk or (kind is not None and CHUNK not in kind.options):
         return window
-    check(not window or window == chunk, "attention.chunk", chunk,
+    check(not window or window == chunk, key, chunk,
           f"makes the local layers attend within chunks of {chunk} positions, and attention.window={window} "
           "makes them slide: give one (attention.window=0 with a chunk)")
     return chunk
