@@ -200,7 +200,7 @@ class RingLayer(StaticLayer):
         if T == 1:
             for store, x in zip(self.stores, new):  # one position: a slice write, no index tensor
                 store.write(start % R, x)
-            held = min(end, R)  # before the ring fills, slots 0..end-1 hold positions 0..end-1
+            held = end - self.layout.first_kept(start)  # a window's min(end, R); a chunk's own, from slot 0
             out = [store.read(held, B) for store in self.stores]
             runs = [(end - held, held)]
         else:

@@ -294,8 +294,9 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
             else dict(zip(MLP.HF_FUSED[name], whole.chunk(2)))
         tensors.update({f"blocks.{i}.{part}.{k}": t for k, t in split.items()})
     check_tensors(directory, expected, tensors, model=model_name, names=names)
-    if model_cfg.preset_mla is not None and model_cfg.rope_type != "none" and hf_config.rope_interleaved(hf):
-        # (a model without rotary embeddings, as Kimi Linear, has no rotated rows to reorder)
+    # (a model without rotary embeddings, as Kimi Linear, has no rotated rows to reorder)
+    if ((model_cfg.preset_mla is not None and model_cfg.rope_type != "none") or model_cfg.nope is not None) \
+            and hf_config.rope_interleaved(hf):
         deinterleave_rope(tensors, model_cfg, attention)
     decoder = build_decoder(model_cfg, attention, tensors, dtype, device)
 

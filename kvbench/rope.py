@@ -5,6 +5,7 @@ application to query and key heads."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Dict, Optional
 
 import torch
@@ -71,6 +72,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     R = cos.shape[-1]
+    if R == 0:  # a layer without rotary embeddings (NoPE)
+        return x
     if R < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :R], cos, sin), x[..., R:]], dim=-1)
     half = x.shape[-1] // 2
@@ -83,7 +86,15 @@ def deinterleave_rope(tensors: Dict[str, torch.Tensor], model: Any, attention: A
     decoder rotates halves. Reordering the rows that produce them (evens, then odds) makes the
     decoder's rotate-half compute what transformers' ``rope_interleave`` does (V3: the same
     values; V2's complex rotation: the same dot products, its dimensions in pair order). ``tensors``:
-    a checkpoint's weights by the decoder's names, reordered in place for ``attention``'s shape."""
+    a checkpoint's weights by the decoder's names, reordered in place for ``attention``'s shape. Llama 4
+    (K/V heads, complex rotation) too: each query and key head's rows (and biases), whole."""
+    if model.preset_mla is None:
+        D = model.head_dim
+        order = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
+        for name in [k for k in tensors if re.fullmatch(r"blocks\.\d+\.attn\.w[qk]\.(weight|bias)", k)]:
+            w = tensors[name]
+            tensors[name] = w.view(-1, D, *w.shape[1:])[:, order].reshape(w.shape)  # (heads, D, C) rows per head
+        return
     d_rope, d_qk = attention.qk_rope_head_dim, attention.qk_nope_head_dim + attention.qk_rope_head_dim
     order = torch.cat([torch.arange(0, d_rope, 2), torch.arange(1, d_rope, 2)])
     for i in range(model.num_layers):

@@ -30,7 +30,7 @@ def test_layouts_times_eight_layouts_the_new_ones_beside_the_old():
     labels = [variant_label(a, num_layers=cfg.model.num_layers) for a in cfg.compare.attentions(cfg.model)]
     assert labels == ["mha kv=16", "gqa kv=4", "mla r=256", "mha kv=16 w=1024 5:1", "mha kv=16 gdn 2:1",
                       "mla r=256 topk=1024", "mha kv=16 kvshare=2", "mha kv=16 w=1024 5:1 k=v",
-                      "mha kv=16 kda 2:1"]
+                      "mha kv=16 kda 2:1", "mha kv=16 w=1024 5:1 chunk=1024"]
     # three contexts or more on each side of W = k = 1024: a slope below and past both
     assert sum(c <= 1024 for c in cfg.compare.contexts) >= 3 and sum(c >= 1024 for c in cfg.compare.contexts) >= 3
 

@@ -22,6 +22,8 @@ LAYERS = [
     ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
      "config.moe", "config.multipliers", "config.residual", "residual", "core.hf_keys", "core.hf_read",
      "config.hf_agree", "mlp.dense", "mlp.router"],
+    # what a kind's home builds on: chunked attention, NoPE layers and Llama 4's config.json
+    ["layouts.chunked", "layouts.nope", "layouts.nope_attention", "layouts.llama4", "config.nope"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
     ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf"],

@@ -15,9 +15,9 @@ from kvbench.layouts.kinds import registered
 # compare.variants options after the layout (``gqa:w1024:g6``) and the AttentionConfig field each sets:
 # a window's and KV sharing's, then each kind's own (LayerKind.letters: a rank, a top-k, a recurrent
 # kind's full_attention_interval ...), each with the words an error shows for it.
-_WORDS = {"w": "window", "g": "every k-th layer global", "s": "kv_shared_layers"}
-_SYMBOLS = {"window": "W", "global_every": "k", "kv_shared_layers": "N"}  # a kind's field shows its own name
-VARIANT_OPTIONS = {"w": "window", "g": "global_every", "s": "kv_shared_layers",
+_WORDS = {"w": "window", "c": "chunk", "g": "every k-th layer global", "s": "kv_shared_layers"}
+_SYMBOLS = {"window": "W", "chunk": "C", "global_every": "k", "kv_shared_layers": "N"}  # a kind's: its own name
+VARIANT_OPTIONS = {"w": "window", "c": "chunk", "g": "global_every", "s": "kv_shared_layers",
                    **{letter: key for kind in registered() for letter, key in kind.letters.items()}}
 # A recurrent kind's interval letter (the letter it gives full_attention_interval): every k-th layer full
 # attention, the others that kind's layer type, whose layer_types compare builds for the model
@@ -32,7 +32,8 @@ _OPTIONS = ", ".join(f":{letter}<{_SYMBOLS.get(key, key)}>" for letter, key in V
 
 def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
     """AttentionConfig fields of one ``compare.variants`` entry: ``<type or KV-head count>`` then
-    options :w<W> (a window on local layers), :g<k> (every k-th layer global, needs :w), :s<N> (the
+    options :w<W> (a window on local layers), :c<C> (local layers chunked instead, Llama 4's: ``gqa:c8192:g4``),
+    :g<k> (every k-th layer global, needs :w or :c), :s<N> (the
     last N layers share K/V) and each registered kind's letters (``LayerKind.letters``, each setting
     the ``attention.*`` field it names: ``mla:r64``; a recurrent kind's interval, ``gqa:d4`` or ``gqa:m2``,
     every k-th layer full attention and the others that kind's); an option left out is none of it."""
@@ -51,9 +52,10 @@ def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
         out[key] = int(option[1:])
         if key == INTERVAL:  # which recurrent kind's layers the interval asks for (one letter per variant)
             out["interval_layer_type"] = _INTERVAL_TYPES[option[:1]]
-    check("global_every" not in out or "window" in out, *where,
-          f"{spec!r}: :g<k> says which layers are global, and needs a window (:w<W>) for the others")
+    check("global_every" not in out or "window" in out or "chunk" in out, *where,
+          f"{spec!r}: :g<k> says which layers are global, and needs a window (:w<W>) or a chunk (:c<C>) for the others")
     out.setdefault("window", 0)  # no option: no window, whatever the model's own
+    out.setdefault("chunk", 0)  # nor chunk
     out.setdefault("kv_shared_layers", 0)  # nor sharing
     out.setdefault(INTERVAL, 0)  # and no recurrent layer
     return out

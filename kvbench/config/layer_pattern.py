@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.core.errors import check
 from kvbench.jsonio import as_int
+from kvbench.layouts.chunked import chunk_window
 from kvbench.layouts.kinds import attention_kind, by_layer_type, recurrent_in, recurrent_layer_types
 from kvbench.layouts.kinds import layer_types as kind_layer_types
 
@@ -218,7 +219,9 @@ def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
     layers are layer_types' entries of a recurrent kind (:func:`_linear_layers`)."""
     check_within_context("attention.window", attention.window, model,
                          "a window that long drops no position; 0: no window")
+    check_within_context("attention.chunk", attention.chunk, model, "a chunk that long never resets; 0: none")
     window = model.preset_window if attention.window is None else attention.window
+    window = chunk_window(attention, model, window)  # a chunk is its local layers' window (kvbench.layouts.chunked)
     if attention.layer_types is not None or attention.global_every is not None:
         global_every, layer_types = attention.global_every, attention.layer_types
     else:

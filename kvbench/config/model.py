@@ -19,6 +19,7 @@ from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.moe import MoEShape
 from kvbench.config.multipliers import Multipliers
+from kvbench.config.nope import NoPE
 from kvbench.config.quant import check_weights_stored
 from kvbench.config.residual import ResidualForm
 from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
@@ -99,9 +100,8 @@ class ModelConfig:
     norm_zero_centered: bool = False  # every RMSNorm scales by (1 + weight), multiplied in float32
     attn_output_gate: bool = False  # q_proj emits [query | gate] per head; output x sigmoid(gate) before o_proj
     partial_rotary_factor: float = 1.0  # rotary embeddings turn the first int(head_dim x factor) dims of a head
-    # Gated DeltaNet layers (attention.layer_types' linear_attention), config.json's names: their
-    # weights are the model's, so their shape is too; null: in Qwen3.5's proportions to the attention's
-    # (derived and checked by the kind's home: kvbench.layouts.gated_deltanet.model_shape).
+    # Gated DeltaNet layers (layer_types' linear_attention), config.json's names: the weights' shape; null: in
+    # Qwen3.5's proportions to the attention's (derived and checked by kvbench.layouts.gated_deltanet.model_shape).
     linear_num_key_heads: Optional[int] = None  # H_k, heads of q and k (null: num_heads)
     linear_num_value_heads: Optional[int] = None  # H_v, heads of v and of the state (null: 2 x num_heads)
     linear_key_head_dim: Optional[int] = None  # d_k (null: head_dim / 2)
@@ -113,11 +113,10 @@ class ModelConfig:
     preset_global_every: Optional[int] = None
     preset_layer_types: Optional[List[str]] = None
     preset_sinks: bool = False  # learned attention sinks in every layer (GPT-OSS)
-    # The model's own multi-head latent attention layout (DeepSeek presets and checkpoints), used by
-    # attention=mla when it names no ranks; null: not an MLA model. The run's layout is attention.*.
-    preset_mla: Optional[MLAShape] = None
+    preset_mla: Optional[MLAShape] = None  # its own MLA shape (DeepSeek), attention=mla's without ranks; null: none
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
     preset_k_eq_v: int = 0  # 1: a global layer's keys are its values, one tensor cached (Gemma 4's attention_k_eq_v)
+    preset_chunk: int = 0  # the local layers attend within chunks of C (Llama 4's attention_chunk_size); 0: none
     moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
     weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
     mlp_act: str = "silu"  # MLP_ACTS: silu, gated (SwiGLU); relu2, relu(up x)^2 ungated (Nemotron-H); gelu_tanh (GeGLU)
@@ -126,16 +125,18 @@ class ModelConfig:
     multipliers: Optional[Multipliers] = None  # Granite's scalings of embedding, residual, attention, logits
     v_norm: bool = False  # values RMS-normed per head without a scale (Gemma 4)
     residual: Optional[ResidualForm] = None  # Gemma 4's residual stream, embedding to logits (kvbench.config.residual)
+    nope: Optional[NoPE] = None  # Llama 4's layers without rotary embeddings, their query temperature, the L2 norm
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
         for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers),
-                            ("residual", ResidualForm)):  # from a dict
+                            ("residual", ResidualForm), ("nope", NoPE)):  # from a dict
             if isinstance(getattr(self, key), Mapping):
                 setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
         for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
-                            ("no_mlp_layers", self.no_mlp_layers or ())):
+                            ("no_mlp_layers", self.no_mlp_layers or ()),
+                            ("nope.layers", self.nope.layers if self.nope else ())):
             check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
                   f"must name layers below model.num_layers={self.num_layers}")
         check_choice("model.mlp_act", self.mlp_act, MLP_ACTS)
@@ -178,11 +179,11 @@ class ModelConfig:
         return 0 if self.rope_type == "none" else int(self.head_dim * self.partial_rotary_factor)
 
     def without_pattern(self) -> "ModelConfig":
-        """This shape with no layer pattern of its own (no window, Gated DeltaNet layers or KV sharing:
-        every layer full attention unless attention.* asks otherwise). Not re-read from ``path``: a
-        replace() of a config with one reads its checkpoint again, pattern and all."""
+        """This shape with no layer pattern of its own (no window, chunk, Gated DeltaNet layers, KV sharing or
+        layers without rotary embeddings: every layer full attention unless attention.* asks otherwise). Not
+        re-read from ``path``: a replace() of a config with one reads its checkpoint again, pattern and all."""
         return replace(self, path=None, preset_window=None, preset_global_every=None, preset_layer_types=None,
-                       preset_kv_shared_layers=0)
+                       preset_kv_shared_layers=0, preset_chunk=0, nope=None)
 
     def with_own_layout(self, attention: "AttentionConfig") -> "ModelConfig":
         """This shape whose own layout (what attention=model runs) is ``attention``, resolved against
@@ -311,6 +312,9 @@ class AttentionConfig:
     # Gemma 4: 1, a global layer's one projection serves as its keys and its values, so a position caches one
     # tensor, not two (kvbench.layouts.global_heads); 0: K and V; null: the model's own (model.preset_k_eq_v)
     k_eq_v: Optional[int] = None
+    # Llama 4: the local layers attend within chunks of C positions, the mask reset at each multiple of C
+    # (kvbench.layouts.chunked; the window of those layers is C). null: the model's own; 0: none
+    chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_numbers("attention", self)

@@ -9,7 +9,9 @@ Three routers, as transformers computes them (:mod:`kvbench.mlp.router` runs the
 - ``sigmoid`` (DeepSeek-V3/V3.2): a sigmoid per expert; the choice adds a learned correction bias
   and keeps the ``topk_group`` groups whose two best experts score highest; the weights are the
   sigmoids themselves, renormalised with ``norm_topk_prob``;
-- ``softmax_topk`` (GPT-OSS): the top k logits (the router has a bias), then a softmax over those.
+- ``softmax_topk`` (GPT-OSS): the top k logits (the router has a bias), then a softmax over those;
+- ``sigmoid_topk`` (Llama 4): the top k logits, each through a sigmoid; with ``weigh_inputs`` a
+  token is scaled by its weight before the expert (Llama4TextMoe), not the expert's output after.
 
 Every router's weights are then multiplied by ``routed_scaling_factor``. An expert is a SwiGLU of
 ``expert_ffn_dim``; GPT-OSS's clamps it (``swiglu_limit``) and adds biases (``expert_bias``). Imports
@@ -23,7 +25,7 @@ from typing import Any, List, Mapping, Optional
 
 from kvbench.core.errors import ConfigError, check, check_choice
 
-ROUTERS = ("softmax", "sigmoid", "softmax_topk")
+ROUTERS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk")
 # kvbench's key of each field whose value another field is checked against
 # The config.json key a family's own files count their routed experts with (kvbench.config.hf's
 # MOE_FAMILIES; transformers maps the other names onto it): the key a file without a count is told to
@@ -43,7 +45,8 @@ class MoEShape:
     num_experts: int = 8  # E routed experts (n_routed_experts, num_experts, num_local_experts)
     top_k: int = 2  # k experts per token (num_experts_per_tok)
     expert_ffn_dim: int = 64  # each expert's SwiGLU width (moe_intermediate_size; GPT-OSS: intermediate_size)
-    router: str = "softmax"  # softmax | sigmoid | softmax_topk (the module docstring)
+    router: str = "softmax"  # softmax | sigmoid | softmax_topk | sigmoid_topk (the module docstring)
+    weigh_inputs: bool = False  # the router's weight scales the token going in, not what comes out (Llama 4)
     norm_topk_prob: bool = False  # the k weights renormalised to sum 1
     routed_scaling_factor: float = 1.0
     n_group: int = 1  # experts in n_group equal groups; a token's k come from its topk_group best groups
@@ -88,7 +91,9 @@ class MoEShape:
     def describe(self) -> str:
         """The routing in words, for task=inspect."""
         route = {"softmax": "softmax", "sigmoid": "sigmoid + correction bias", "softmax_topk": "top-k logits, "
-                 "softmax over them"}[self.router]
+                 "softmax over them", "sigmoid_topk": "top-k logits, a sigmoid each"}[self.router]
+        if self.weigh_inputs:
+            route += ", weighing the expert's input"
         if self.n_group > 1:
             route += f", the best {self.topk_group} of {self.n_group} groups"
         if self.norm_topk_prob:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from kvbench.layouts.base import Layouts
 from kvbench.layouts.kinds import layer_kind, registered
 from kvbench.layouts.kv_sharing import share_kv
+from kvbench.layouts.nope import without_rope
 
 
 def build_layouts(model, attention, state_dtype: str = "float32") -> Layouts:
@@ -39,9 +40,9 @@ def holding_states_in(layouts: Layouts, state_dtype: str) -> Layouts:
 def _build(model, attention) -> Layouts:
     """One layout per layer, its kind's (:func:`~kvbench.layouts.registry.layer_kind`: a recurrent
     kind where layer_types names one, else the kind attention.type names) with its window; then the
-    last attention.kv_shared_layers read their donors' K/V. Layers of one kind and window share one
-    layout object; a kind that remakes layers another kind built (``LayerKind.remake``) does so before
-    the sharing."""
+    layers model.nope names rotate nothing; then the last attention.kv_shared_layers read their donors' K/V.
+    Layers of one kind and window share one layout object; a kind that remakes layers another kind built
+    (``LayerKind.remake``) does so before the sharing."""
     windows = attention.layer_windows(model.num_layers)
     types = attention.layer_kinds(model.num_layers)
     kinds = {t: layer_kind(attention, t) for t in dict.fromkeys(types)}
@@ -53,10 +54,10 @@ def _build(model, attention) -> Layouts:
         keys = [(kinds[t].name, w) for t, w in zip(types, windows)]
         layer = lambda key: by_name[key[0]].build(model, attention, key[1])  # noqa: E731
     if keys and keys.count(keys[0]) == len(keys):  # every layer alike (counted in C: a model may have 10^8)
-        layers = (layer(keys[0]),) * len(keys)
+        layers = without_rope((layer(keys[0]),) * len(keys), model)
     else:
         made = {key: layer(key) for key in dict.fromkeys(keys)}
-        layers = list(map(made.__getitem__, keys))
+        layers = without_rope(list(map(made.__getitem__, keys)), model)
     for kind in registered():
         if kind.remake is not None:
             layers = kind.remake(layers, model, attention)

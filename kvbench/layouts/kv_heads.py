@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvbench.core.dtypes import CACHE_DTYPE_BYTES, SCALE_BYTES
+from kvbench.layouts import llama4
 from kvbench.layouts.base import LayerLayout, elements_line, fp4_bytes_lines
+from kvbench.layouts.chunked import CHUNK, Chunked
 from kvbench.layouts.pages import positions_spec
 from kvbench.layouts.registry import LayerKind, register
 
@@ -95,9 +97,12 @@ class KVHeads(LayerLayout):
         recurrent = next((layer for layer in layers if layer.state is not None), None)
         linear = "" if recurrent is None else f"; {L - attending} of {L} layers {recurrent.in_words()}"
         sinks = sum(bool(getattr(layer, "sinks", False)) for layer in layers)  # a logit per query head, not cached
+        span = "chunk" if any(isinstance(layer, Chunked) for layer in layers.unique()) else "window"
+        nope = sum(layer.state is None and not layer.rotary_dim for layer in layers)  # Llama 4's global layers
         return [
             f"attention {attention.type}: {kv} KV heads, G = {H // kv} query heads per KV head"
-            + (f"; window {layers.smallest_window()} in {local} of {L} layers" if local else "") + linear
+            + (f"; {span} {layers.smallest_window()} in {local} of {L} layers" if local else "") + linear
+            + (f"; no rotary embeddings in {nope} of {L} layers" if nope and nope < L else "")
             + (f"; learned attention sinks in {sinks} of {L} layers (a logit per query head, nothing cached)"
                if sinks else ""),
             "",
@@ -117,20 +122,29 @@ class KVHeads(LayerLayout):
         ]
 
 
+@dataclass(frozen=True)
+class ChunkedKVHeads(Chunked, KVHeads):
+    """A K/V-head layer attending within chunks of ``window`` = C (:mod:`kvbench.layouts.chunked`)."""
+
+
 def build(model, attention, window: Optional[int]) -> KVHeads:
     """A layer of ``model`` (a ModelConfig) under a resolved ``attention``: its K/V heads, sinks, output
-    gate and the part of each head that rotates."""
+    gate and the part of each head that rotates; a local layer of a chunked run attends in chunks."""
     rotary = None if model.rotary_dim == model.head_dim else model.rotary_dim
-    return KVHeads(window, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks),
-                   output_gate=model.attn_output_gate, rotary=rotary)
+    layout = ChunkedKVHeads if window and getattr(attention, "chunk", None) else KVHeads
+    return layout(window, model.num_heads, attention.num_kv_heads, model.head_dim, bool(attention.sinks),
+                  output_gate=model.attn_output_gate, rotary=rotary)
 
 
 KIND = register(LayerKind(
     "kv_heads", KVHeads, module="kvbench.layouts.kv_heads_attention:KVHeadsAttention",
     layer_types=("sliding_attention", "full_attention"), attention_types=("mha", "gqa", "mqa"),
-    title="K/V-head attention", build=build,
+    title="K/V-head attention", build=build, options=(CHUNK,),
+    # Llama 4's whole config.json: its chunked and NoPE layers are K/V-head layers (kvbench.layouts.llama4)
+    hf_architectures=llama4.ARCHITECTURES, hf_model_fields=llama4.hf_model_fields, hf_names=llama4.hf_names,
     examples={"mha": ("model=tiny",), "gqa": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2"),
               "mqa": ("model=tiny", "attention=mqa"),
               "window": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.window=8"),
               "sinks": ("model=tiny", "attention.sinks=true"),
+              "chunked": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.chunk=8"),
               "kv_shared": ("model=tiny", "model.num_layers=3", "attention.kv_shared_layers=1")}))

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvbench.cache import causal_mask
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.nope_attention import query_key_norms
 from kvbench.norm import RMSNorm, unscaled_rms_norm
 from kvbench.rope import apply_rope
 
@@ -55,6 +56,8 @@ class KVHeadsAttention(nn.Module):
         scale = getattr(getattr(cfg, "multipliers", None), "attention_multiplier", None)
         self.q_scale = 1.0 if scale is None else scale * D ** 0.5
         self.v_norm, self.eps = getattr(cfg, "v_norm", False), cfg.norm_eps  # Gemma 4: values RMS-normed, no weight
+        # Llama 4 (model.nope): an L2 norm after rotary, or (no rotary) a query temperature by position
+        self.rotary, (self.l2_norm, self.temperature) = layout.rotary_dim, query_key_norms(cfg, layout)
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
@@ -62,14 +65,19 @@ class KVHeadsAttention(nn.Module):
         gate = None
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, H, T, D): the first cos.shape[-1] dims
+        if not self.rotary:  # a layer without rotary embeddings (NoPE, Llama 4's)
+            cos, sin = cos[..., :0], sin[..., :0]
+        q = self.l2_norm(apply_rope(self.q_norm(q).transpose(1, 2), cos, sin))  # (B, H, T, D): its first dims
+        if self.temperature is not None:
+            q = self.temperature(q, pos)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = v = None  # (B, H_kv, T, D) each; a shared layer's cache answers with its donor's
         if not self.shared:
             k = self.k_norm(self.wk(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+            k = self.l2_norm(apply_rope(k, cos, sin))
             v = self.wv(x).view(B, T, self.num_kv_heads, self.head_dim)
-            k, v = apply_rope(k, cos, sin), (unscaled_rms_norm(v, self.eps) if self.v_norm else v).transpose(1, 2)
+            v = (unscaled_rms_norm(v, self.eps) if self.v_norm else v).transpose(1, 2)
         att = cache.update(k, v, pos)  # what to attend over: (B, H_kv, S, D), its mask
         out = grouped_attention(q, att.k, att.v, att.mask, att.prefix, self.sinks).transpose(1, 2)  # (B, T, H, D)
         if gate is not None:

@@ -8,6 +8,8 @@ before any model is built.
 - :class:`Blocks`: positions in blocks of bs tokens (full attention): a block of bs positions.
 - :class:`Ring`: a window's ring, at most W positions per sequence; a block is freed as soon as
   every position in it falls out of the window.
+- :class:`Chunks`: a chunked layer's positions (Llama 4's local layers): every block of a chunk is
+  freed at the chunk's end, when no later query sees any of its positions.
 - :class:`StatePage`: a per-sequence recurrent state, one page whatever the length, its recurrent
   part in ``state_dtype`` (``cache.state_dtype``: float32, or half as vLLM's
   ``mamba_ssm_cache_dtype`` allows).
@@ -139,6 +141,29 @@ class Ring(Blocks):
 
     def layers_text(self) -> str:
         return f"layers of window {self.window}"
+
+
+@dataclass(frozen=True)
+class Chunks(Ring):
+    """The positions of the current chunk of ``window`` = C (:mod:`kvbench.layouts.chunked`): a query at L
+    sees floor(L / C)·C .. L, so at each boundary every block before it is freed; while a sequence grows
+    by forwards of ``chunk`` it holds at most C - 1 + chunk positions, as a ring of C would."""
+
+    @property
+    def paging(self) -> Tuple:
+        return (1, self.window, "chunk")
+
+    def first_kept(self, length: int) -> int:
+        return length // self.window * self.window
+
+    def worst_blocks(self, length: int, bs: int, chunk: int = 1) -> int:
+        # a chunk that starts on a block (C a multiple of bs) holds no block of the one before
+        if self.window % bs:
+            return super().worst_blocks(length, bs, chunk)
+        return min(_blocks(length, bs), _blocks(self.window - 1 + chunk, bs))
+
+    def layers_text(self) -> str:
+        return f"layers of chunk {self.window}"
 
 
 @dataclass(frozen=True)

@@ -111,11 +111,12 @@ class Experts(nn.Module):
                 continue
             pairs = order[start:start + n]
             start += n
-            tokens = pairs // k
-            h = F.linear(x[tokens], self.w_in[e], None if self.b_gate_up is None else self.b_gate_up[e])
+            tokens, weight = pairs // k, w[pairs, None]
+            inputs = (x[tokens] * weight).to(x.dtype) if self.moe.weigh_inputs else x[tokens]  # Llama 4: scaled in
+            h = F.linear(inputs, self.w_in[e], None if self.b_gate_up is None else self.b_gate_up[e])
             act = self._swiglu(*h.chunk(2, dim=-1)) if self.gated else F.relu(h).square()  # (n, I)
             y = F.linear(act, self.w_down[e], None if self.b_down is None else self.b_down[e])
-            out.index_add_(0, tokens, (y * w[pairs, None]).to(out.dtype))
+            out.index_add_(0, tokens, (y if self.moe.weigh_inputs else y * weight).to(out.dtype))
         return out, sum(1 for n in counts if n)
 
 

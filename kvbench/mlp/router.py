@@ -19,6 +19,9 @@ def route(moe, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = N
     if moe.router == "softmax_topk":  # GPT-OSS: the softmax over the k best logits only
         top, experts = logits.topk(k, dim=-1)
         return top.softmax(dim=-1) * moe.routed_scaling_factor, experts
+    if moe.router == "sigmoid_topk":  # Llama 4: each of the k best logits through a sigmoid, in float32
+        top, experts = logits.topk(k, dim=-1)
+        return top.float().sigmoid().to(logits.dtype) * moe.routed_scaling_factor, experts
     if moe.router == "sigmoid":  # DeepSeek-V3: in float32, its router's precision
         scores = logits.float().sigmoid()
         choice = scores + correction_bias.float()

@@ -6,7 +6,8 @@ Checkpoints store a layer's experts in one of two forms:
   ``layers.L.mlp.experts.E.{gate,up,down}_proj.weight``, (I, C) and (C, I);
 - GPT-OSS's stacked and transposed tensors, gate and up interleaved column by column:
   ``layers.L.mlp.experts.gate_up_proj`` (E, C, 2I) and its bias (E, 2I), ``down_proj`` (E, I, C) and
-  its bias (E, C).
+  its bias (E, C); Llama 4's the same without biases, its gate's columns then its up's
+  (``layers.L.feed_forward.experts.gate_up_proj``).
 
 :func:`expert_tensors` turns them, by their headers alone, into :class:`Assembled` entries of the
 decoder's names (``w_gate_up`` (E, 2I, C): gate rows then up rows; ``w_down`` (E, C, I); the
@@ -165,8 +166,11 @@ def _fused(where: Path, layer: int, found: Dict[tuple, StoredTensor], moe, C: in
             stem = next(iter(found.values())).name.rsplit(".", 1)[0]
             raise CheckpointError(f"{where}: missing tensor {stem}.{key[0]}{key[1] or ''} (layer {layer} is a "
                                   "mixture of experts)")
+    # GPT-OSS interleaves gate and up columns; Llama 4 (feed_forward.experts) stores the gate's, then up's
+    halves = ".feed_forward.experts." in found[("gate_up_proj", None)].name
+    gate_up = (lambda t: t) if halves else _deinterleave
     out = {prefix + "w_gate_up": _assembled(prefix + "w_gate_up", (E, 2 * I, C), [found[("gate_up_proj", None)]],
-                                            lambda ts: _deinterleave(ts[0]).transpose(1, 2).contiguous()),
+                                            lambda ts: gate_up(ts[0]).transpose(1, 2).contiguous()),
            prefix + "w_down": _assembled(prefix + "w_down", (E, C, I), [found[("down_proj", None)]],
                                          lambda ts: ts[0].transpose(1, 2).contiguous())}
     if bias:

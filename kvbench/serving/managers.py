@@ -21,7 +21,7 @@ import torch
 
 from kvbench.core.errors import ConfigError
 from kvbench.kv_store import KVStore
-from kvbench.layouts.pages import Blocks, PageSpec, Ring, StatePage
+from kvbench.layouts.pages import Blocks, Chunks, PageSpec, Ring, StatePage
 from kvbench.serving.allocator import Group
 from kvbench.serving.batch import GroupView, PagedLayer, PagedStateLayer
 from kvbench.serving.pool import BlockPool
@@ -250,7 +250,9 @@ class StateManager(Manager):
 
 
 # the manager of each spec class (the class itself, not a subclass: a new spec says how it is served)
-MANAGERS: Dict[Type[PageSpec], Type[Manager]] = {Blocks: BlockManager, Ring: RingManager, StatePage: StateManager}
+# (a chunk's blocks are a ring's, freed by their spec's first_kept: at each chunk boundary)
+MANAGERS: Dict[Type[PageSpec], Type[Manager]] = {Blocks: BlockManager, Ring: RingManager, Chunks: RingManager,
+                                                 StatePage: StateManager}
 
 
 def manager_for(model, group: Group, capacity: int, block_size: int, pool: BlockPool, cache_dtype: str,
