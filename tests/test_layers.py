@@ -25,8 +25,9 @@ LAYERS = [
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
     ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights"],
-    ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed", "layouts.kda",
+    ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed_layout", "layouts.kda",
      "layouts.kv_sharing"],
+    ["layouts.compressed"],
     ["layouts.kinds"],
     ["layouts.build", "config.layer_options", "config.hf", "config.serving"],
     ["config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator"],

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.layouts.compressed import Compressed, Rope
+from kvbench.layouts.compressed_layout import Compressed, Rope
 
 
 class V4RMSNorm(nn.Module):
@@ -114,7 +114,8 @@ class CompressedCache:
                  device: torch.device | str = "cpu"):
         self.layout, self.max_seq_len, self.length = layout, max_seq_len, 0
         B, m = batch_size, layout.compress_rate
-        self.ring = torch.zeros(B, layout.window, layout.head_dim, dtype=dtype, device=device)
+        # slot p % W: a cache shorter than the ring holds p < max_seq_len at p (as a K/V ring's does)
+        self.ring = torch.zeros(B, min(layout.window, max_seq_len), layout.head_dim, dtype=dtype, device=device)
         self.pools: Dict[str, Pool] = {}
         if layout.compresses:
             self.pools["compressor"] = Pool(B, max_seq_len // m, layout.head_dim, m, layout.indexed, dtype, device)
@@ -161,6 +162,10 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
+
+    def fixed_view(self, length: int):
+        raise ValueError("a DeepSeek-V4 layer's ring and pool have no fixed-shape view (the step reads a context "
+                         "bucket of K/V); use runtime.compile=false|default")
 
 
 class Compressor(nn.Module):
@@ -298,6 +303,7 @@ class CompressedAttention(nn.Module):
     def forward(self, x, cos, sin, cache: Optional[CompressedCache], pos):
         B, T, _ = x.shape
         a, H, D = self.layout, self.H, self.D
+        cache = cache if isinstance(cache, CompressedCache) else None  # the decoder's Uncached: nothing kept
         start = 0 if cache is None else pos.start
         qpos = torch.arange(start, start + T, device=x.device)
         main = a.compress_rope if a.compresses else a.rope
