@@ -16,6 +16,8 @@ from torch import nn
 from kvbench.cache import Positions, uncached_layers
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.hyper_block import HyperBlock
+from kvbench.hyper_connection import HyperHead, expand
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
@@ -47,7 +49,7 @@ class Block(nn.Module):
             self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
             self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
 
-    def forward(self, x, cos, sin, cache, pos):
+    def forward(self, x, cos, sin, cache, pos, tokens=None):
         x = x + self._scaled(self.attn(self.attn_norm(x), cos, sin, cache, pos))
         return x if self.mlp is None else x + self._scaled(self.mlp(self.mlp_norm(x)))
 
@@ -69,7 +71,10 @@ class Decoder(nn.Module):
         meta = torch.empty(0).is_meta
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
-        self.blocks = nn.ModuleList(Block(model, layout, i) for i, layout in enumerate(self.layouts))
+        hc = model.hyper_connections  # DeepSeek-V4's residual streams: its block, and a head collapsing them
+        self.blocks = nn.ModuleList((HyperBlock if hc else Block)(model, layout, i)
+                                    for i, layout in enumerate(self.layouts))
+        self.hc_head = HyperHead(model.d_model, hc.streams, hc.eps, model.norm_eps) if hc else None
         self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()
@@ -127,12 +132,16 @@ class Decoder(nn.Module):
         if scales is not None and scales.embedding_multiplier != 1.0:  # Granite's
             x = x * scales.embedding_multiplier
         cos, sin = self.rope_cos[pos.rows].to(x.dtype), self.rope_sin[pos.rows].to(x.dtype)
+        if self.hc_head is not None:
+            x = expand(x, self.config.hyper_connections.streams)  # (B, T, N, C)
         for block, layer_cache in zip(self.blocks, layer_caches):
-            x = block(x, cos, sin, layer_cache, pos)
+            x = block(x, cos, sin, layer_cache, pos, tokens)
         if cache is not None:
             cache.commit(pos)
         if last_only:
             x = x[:, -1:]
+        if self.hc_head is not None:
+            x = self.hc_head(x)
         logits = self.lm_head(self.norm(x))
         return logits if scales is None or scales.logits_scaling == 1.0 else logits / scales.logits_scaling
 

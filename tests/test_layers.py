@@ -20,7 +20,7 @@ LAYERS = [
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm", "serving.pool",
      "hyper_connection", "measure.plausibility"],
     ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
-     "config.moe", "config.multipliers", "core.hf_keys", "core.hf_read", "config.hf_agree", "mlp.dense",
+     "config.moe", "config.multipliers", "config.hyper", "core.hf_keys", "core.hf_read", "config.hf_agree", "mlp.dense",
      "mlp.router"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
@@ -39,6 +39,7 @@ LAYERS = [
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention",
      "layouts.mamba2_mixer", "layouts.compressed_attention", "layouts.kda_mixer", "serving.managers"],
     ["layouts.attention", "mlp.experts"],
+    ["hyper_block"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint", "views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights"],
     ["checkpoint", "generate", "device", "measure.env", "measure.roofline", "jobs.claim", "serving.rate_search",

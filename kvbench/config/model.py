@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config import hf as hf_config
 from kvbench.config.hf import ROPE_TYPES
+from kvbench.config.hyper import HyperConnections
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.moe import MoEShape
@@ -122,11 +123,13 @@ class ModelConfig:
     no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)
     layer_shapes: Optional[Dict[str, Any]] = None  # a layer kind's own shape by its name (LayerKind.build reads it)
     multipliers: Optional[Multipliers] = None  # Granite's scalings of embedding, residual, attention, logits
+    hyper_connections: Optional[HyperConnections] = None  # DeepSeek-V4's residual streams (mHC); null: plain
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
-        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers)):  # from a dict
+        for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers),
+                            ("hyper_connections", HyperConnections)):  # from a dict
             if isinstance(getattr(self, key), Mapping):
                 setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
         for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),

@@ -13,7 +13,8 @@ of a DeepseekV4 model as one DeepseekV4Attention), elsewhere a K/V-head layer wi
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import re
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.compressed_layout import (  # noqa: F401  (the kind's names, as its tests and docs use them)
@@ -245,10 +246,110 @@ def param_count(layout: Compressed, model) -> int:
     return layout.attention_params(model.d_model)
 
 
+# ---- a whole DeepseekV4ForCausalLM config.json -------------------------------------------
+
+def _number(cfg: Mapping[str, Any], key: str, default: Any, kind: str = "count") -> Any:
+    """``cfg[key]`` (``default`` when absent or null): a positive integer (``count``), a positive
+    number (``number``) or true / false (``bool``), else refused naming the key."""
+    value = cfg.get(key)
+    value = default if value is None else value
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    else:
+        ok = not isinstance(value, bool) and isinstance(value, int if kind == "count" else (int, float)) and \
+            0 < value < math.inf
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: must be {'true or false' if kind == 'bool' else f'a positive {kind}'}")
+    return value
+
+
+def hf_model_fields(cfg: Mapping[str, Any], arch: str = ARCHITECTURE) -> Dict[str, Any]:
+    """Every ModelConfig field of a DeepseekV4ForCausalLM config.json (DeepseekV4Config's defaults for
+    absent keys): its V4 layers (``layer_shapes.compressed``: :func:`compressed_from_hf`'s shape, the
+    ring as the window of its sliding layers), the residual streams (``hyper_connections``) and the
+    mixture of experts of every layer (DeepseekV4SparseMoeBlock: the sqrt(softplus) router, its
+    weights always renormalised, hash-routed layers by ``mlp_layer_types``, SwiGLU clamped at
+    ``swiglu_limit`` in the routed and the shared expert, one shared expert as wide as a routed one).
+    What kvbench cannot run refused in one line naming its key."""
+    layers = compressed_from_hf(cfg)
+    lay, types, mlp = layers[0], [lay.layer_type for lay in layers], v4_mlp_layer_types(cfg)
+    for key, want in (("hidden_act", "silu"), ("scoring_func", "sqrtsoftplus")):
+        if cfg.get(key, want) != want:
+            raise ConfigError(f"{key}={cfg[key]!r}: DeepSeek-V4 is read with {key}={want} only")
+    for key in ("attention_bias", "mlp_bias"):
+        if _number(cfg, key, False, "bool"):
+            raise ConfigError(f"{key}=True: DeepSeek-V4's projections have no biases (use false)")
+    if _number(cfg, "n_shared_experts", 1) != 1:  # transformers builds one shared expert whatever the count
+        raise ConfigError(f"n_shared_experts={cfg['n_shared_experts']!r}: DeepseekV4SparseMoeBlock has one "
+                          "shared expert (1)")
+    experts, width = _number(cfg, "n_routed_experts", 256), _number(cfg, "moe_intermediate_size", 2048)
+    shape = {key: getattr(lay, key) for key in SHAPE_FIELDS if hasattr(lay, key)}
+    shape.update(sliding_window=lay.window, compress_rates=compress_rates(cfg),
+                 rope=dict(vars(lay.rope)), compress_rope=dict(vars(lay.compress_rope)))
+    sliding = SLIDING in types
+    return {"num_layers": len(layers), "d_model": _number(cfg, "hidden_size", 4096), "num_heads": lay.num_heads,
+            "head_dim": lay.head_dim, "preset_kv_heads": 1, "ffn_dim": width,
+            "vocab_size": _number(cfg, "vocab_size", 129280), "max_seq_len": _value(cfg, "max_position_embeddings"),
+            "norm_eps": _number(cfg, "rms_norm_eps", 1e-6, "number"), "rope_type": "default",
+            "rope_theta": lay.rope.theta, "preset_window": lay.window if sliding else None,
+            "preset_layer_types": types, "layer_shapes": {SHAPE_KEY: shape},
+            "hyper_connections": {"streams": _number(cfg, "hc_mult", 4),
+                                  "sinkhorn_iters": _number(cfg, "hc_sinkhorn_iters", 20),
+                                  "eps": _number(cfg, "hc_eps", 1e-6, "number")},
+            "moe": {"num_experts": experts, "top_k": _number(cfg, "num_experts_per_tok", 6),
+                    "expert_ffn_dim": width, "router": "sqrtsoftplus", "norm_topk_prob": True,
+                    "routed_scaling_factor": _number(cfg, "routed_scaling_factor", 1.5, "number"),
+                    "shared_ffn_dim": width, "swiglu_limit": _number(cfg, "swiglu_limit", 10.0, "number"),
+                    "swiglu_alpha": 1.0, "swiglu_up_shift": 0.0,
+                    "hash_layers": [i for i, t in enumerate(mlp) if t == "hash_moe"]}}
+
+
+# DeepSeek's own names of a layer's tensors -> transformers', in order (transformers' conversion_mapping for
+# deepseek_v4, which save_pretrained writes back): a checkpoint may hold either
+ORIGINAL_NAMES = [(r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+                  (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+                  (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+                  (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+                  (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
+                  (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+                  (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+                  (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+                  (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+                  (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+                  (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj.")]
+# outside the layers, either spelling -> the decoder's reading (Llama's form, or the decoder's own hc_head)
+TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
+             "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+             **{f"hc_head{sep}{part}": f"hc_head.hc_{part}" for sep in ("_", ".hc_") for part in ("fn", "base", "scale")}}
+# transformers' names of a layer's tensors that are not Llama's form (nor the decoder's, which pass as they are)
+V4_NAMES = {"mlp.gate.tid2eid": "mlp.tid2eid", "mlp.experts.gate_up_proj": "mlp.experts.w_gate_up",
+            "mlp.experts.down_proj": "mlp.experts.w_down"}
+
+
+def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
+    """A DeepseekV4ForCausalLM checkpoint's tensor names (DeepSeek's own, :data:`ORIGINAL_NAMES`, or
+    transformers', with or without ``model.``) as the decoder reads them: its layers' in Llama's form
+    (the attention under ``self_attn`` by transformers' names, the hyper-connections as they are),
+    the hash table and stacked experts by :data:`V4_NAMES`, per-expert w1 / w3 / w2 as gate / up /
+    down, the head's streams collapse as the decoder's ``hc_head``."""
+    def renamed(name: str) -> Optional[str]:
+        bare = name[len("model."):] if name.startswith("model.") else name
+        if bare in TOP_NAMES or name == "lm_head.weight":
+            return TOP_NAMES.get(bare, name)
+        if not bare.startswith("layers."):
+            return name
+        for pattern, to in ORIGINAL_NAMES:
+            bare = re.sub(pattern, to, bare)
+        _, layer, rest = bare.split(".", 2)
+        return f"model.layers.{layer}.{V4_NAMES.get(rest, rest)}"
+    return renamed
+
+
 KIND = register(LayerKind(
     "compressed", Compressed, module="kvbench.layouts.compressed_attention:CompressedAttention",
     layer_types=(CSA, HCA), named=True, claims=(SLIDING,), cache="kvbench.layouts.compressed_attention:CompressedCache",
     label="v4", title="DeepSeek-V4 compressed attention", build=build, param_count=param_count,
+    hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names,
     examples={"csa_hca": ("model=tiny", "model.num_layers=3", "attention.window=6",
                           f"attention.layer_types=[{SLIDING},{CSA},{HCA}]",
                           f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:4,{HCA}:8}}}}}}")}))

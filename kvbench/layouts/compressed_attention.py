@@ -60,7 +60,8 @@ def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
     """(dim / 2,) float32 inverse frequencies as transformers computes them (its default and yarn
     paths, float32 throughout; yarn's ramp between whole correction dimensions)."""
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    # on the CPU whatever the default device: a decoder built on the meta device keeps these values
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
     if rope.type == "default":
         return 1.0 / pos_freqs
 
@@ -70,7 +71,7 @@ def rope_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
     low = max(math.floor(correction_dim(rope.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
     high = high + 0.001 if low == high else high
-    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
@@ -271,6 +272,8 @@ class CompressedAttention(nn.Module):
     arguments; ``cos`` and ``sin`` are unused: V4 rotates interleaved pairs at its own two bases."""
 
     HF_MODULE = "self_attn"
+    HF_NAMES: Dict[str, str] = {}  # transformers' own names below self_attn
+    HF_FUSED: Dict[str, Tuple[str, ...]] = {}
 
     def __init__(self, cfg, a: Compressed):
         super().__init__()
@@ -296,7 +299,7 @@ class CompressedAttention(nn.Module):
 
     def _rope(self, inv_freq: torch.Tensor, factor: float):
         def tables(positions: torch.Tensor, dtype: torch.dtype):
-            freqs = positions[None, :, None].float() * inv_freq  # (1, T, R / 2)
+            freqs = positions[None, :, None].float() * inv_freq.to(positions.device)  # (1, T, R / 2)
             return (freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype)
         return tables
 

@@ -17,8 +17,9 @@ class MLP(nn.Module):
 
     HF_FUSED = {"gate_up_proj.weight": ("w_gate.weight", "w_up.weight")}
 
-    def __init__(self, cfg, ffn_dim: Optional[int] = None):
+    def __init__(self, cfg, ffn_dim: Optional[int] = None, limit: Optional[float] = None):
         super().__init__()
+        self.limit = limit  # DeepSeek-V4's shared expert: gate clamped above, up to +-limit
         width, bias = (cfg.ffn_dim, cfg.mlp_bias) if ffn_dim is None else (ffn_dim, False)
         self.gated = getattr(cfg, "mlp_act", "silu") == "silu"
         if self.gated:
@@ -29,4 +30,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if not self.gated:
             return self.w_down(F.relu(self.w_up(x)).square())
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.limit is None:
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate(x).clamp(max=self.limit), self.w_up(x).clamp(min=-self.limit, max=self.limit)
+        return self.w_down(F.silu(gate) * up)
