@@ -306,21 +306,23 @@ def hf_model_fields(cfg: Mapping[str, Any], arch: str = ARCHITECTURE) -> Dict[st
 
 # DeepSeek's own names of a layer's tensors -> transformers', in order (transformers' conversion_mapping for
 # deepseek_v4, which save_pretrained writes back): a checkpoint may hold either
-ORIGINAL_NAMES = [(r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
-                  (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-                  (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
-                  (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-                  (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
-                  (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-                  (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
-                  (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-                  (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
-                  (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
-                  (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj.")]
+ORIGINAL_NAMES = [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"), (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj.")]
 # outside the layers, either spelling -> the decoder's reading (Llama's form, or the decoder's own hc_head)
 TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
              "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
-             **{f"hc_head{sep}{part}": f"hc_head.hc_{part}" for sep in ("_", ".hc_") for part in ("fn", "base", "scale")}}
+             **{f"hc_head{sep}{part}": f"hc_head.hc_{part}" for sep in ("_", ".hc_")
+                for part in ("fn", "base", "scale")}}
 # transformers' names of a layer's tensors that are not Llama's form (nor the decoder's, which pass as they are)
 V4_NAMES = {"mlp.gate.tid2eid": "mlp.tid2eid", "mlp.experts.gate_up_proj": "mlp.experts.w_gate_up",
             "mlp.experts.down_proj": "mlp.experts.w_down"}
