@@ -17,6 +17,7 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
+from kvbench.footprint import parameter_counts
 from kvbench.generate import greedy_generate
 from kvbench.layouts.compressed import CSA, HCA, SLIDING, hf_names
 from kvbench.mlp.experts import MoE
@@ -73,6 +74,8 @@ def test_a_deepseek_v4_checkpoint_is_transformers_in_logits_perplexity_and_40_gr
     assert [block.mlp.tid2eid is not None for block in model.blocks] == [True, False, False]
     assert all(isinstance(block.mlp, MoE) for block in model.blocks)
     assert model.num_params() == hf.num_parameters()
+    # counted from the config alone (its sliding layer a V4 one, not a K/V-head layer), as task=inspect does
+    assert parameter_counts(model.config, model.attention).total == hf.num_parameters()
 
     tokens = torch.randint(0, VOCAB, (2, 61), generator=torch.Generator().manual_seed(1))
     ours, theirs = model(tokens), hf(tokens).logits
