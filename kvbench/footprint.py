@@ -127,6 +127,8 @@ def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:
 def _claimed(attention: AttentionConfig, layer_type: str) -> Optional[str]:
     """The first layer type of the kind that claims ``layer_type`` in ``attention``'s pattern (None: its own
     kind's, as attention.type says)."""
+    if layer_type not in ("full_attention", "sliding_attention"):  # a recurrent kind's, or a shared layer
+        return None
     kind = layer_kind(attention, layer_type)
     return kind.layer_types[0] if layer_type in kind.claims else None
 

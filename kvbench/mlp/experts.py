@@ -137,13 +137,13 @@ class MoE(nn.Module):
             logits = F.linear(flat.float(), self.router.weight.float())
         else:
             logits = self.router(flat)  # (N, E)
-        hashed = None
-        if self.tid2eid is not None:
-            if tokens is None:
-                raise ValueError("a hash-routed mixture of experts (DeepSeek-V4's) chooses experts by token id: "
-                                 "the decoder must pass the tokens")
-            hashed = self.tid2eid[tokens.reshape(-1)]
-        weights, chosen = route(self.moe, logits, self.correction_bias, hashed)
+        if self.tid2eid is None:
+            weights, chosen = route(self.moe, logits, self.correction_bias)
+        elif tokens is None:
+            raise ValueError("a hash-routed mixture of experts (DeepSeek-V4's) chooses experts by token id: "
+                             "the decoder must pass the tokens")
+        else:
+            weights, chosen = route(self.moe, logits, None, self.tid2eid[tokens.reshape(-1)])
         out, distinct = self.experts(flat, weights, chosen)
         if self.log is not None:
             self.log.append(distinct)
