@@ -16,11 +16,10 @@ for a recurrence: ``update(x, pos) -> Carry`` (what it continues from).
 
 ``cache.impl``:
 - ``static``: per layer a preallocated (B, H_kv, S_max, D) K and V (:class:`~kvbench.kv_store.KVStore`,
-  also int8 / float8 codes) written in place; a layer that keeps fewer positions keeps a ring of
-  those (:class:`RingLayer`); a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors).
-  It lends a fixed-shape view for a compiled step (:meth:`Cache.fixed`).
-- ``concat``: the textbook cache that grows with ``torch.cat`` every step (a baseline).
-- ``none``: holds nothing; the caller recomputes the whole sequence every step.
+  also int8 / float8 codes) written in place, a ring where a layer keeps fewer positions (:class:`RingLayer`);
+  a decode step allocates nothing (gpt-fast's layout, torchtune's overflow errors). It lends a
+  fixed-shape view for a compiled step (:meth:`Cache.fixed`).
+- ``concat``: grows with ``torch.cat`` every step (a baseline); ``none``: holds nothing (recomputed).
 :class:`~kvbench.shared_prefix.SharedPrefixCache` puts a prefix held once (a system prompt) before
 a static or concat cache of each conversation's own history.
 
@@ -35,6 +34,7 @@ import torch
 
 from kvbench.core.dtypes import CACHE_IMPLS
 from kvbench.kv_store import KVStore
+from kvbench.layouts.kinds import kind_of, resolve
 from kvbench.shared_kv import SharedLayer, link
 from kvbench.state_cache import StateLayer
 
@@ -254,11 +254,10 @@ class FixedLayer(LayerCache):
     tensor, and always the first ``length`` positions read, those after the position masked.
 
     Only ``length`` is a Python value, fixed per context bucket; the position is data. So a step
-    compiled for a bucket has the same shapes and constants at every position of it: one graph,
-    and on a GPU one CUDA graph, per bucket, reading ``length`` positions per KV head (the
-    roofline counts those, not the context). ``prefix``: a shared prefix's K/V
-    (1, H_kv, P, D), attended first; positions are then absolute and the storage holds position
-    p at index p - P."""
+    compiled for a bucket has the same shapes and constants at every position of it: one graph (on
+    a GPU one CUDA graph) per bucket, reading ``length`` positions per KV head (the roofline counts
+    those, not the context). ``prefix``: a shared prefix's K/V (1, H_kv, P, D), attended first;
+    positions are then absolute and the storage holds position p at index p - P."""
 
     def __init__(self, stores: List[KVStore], length: int, prefix=None):
         self.stores, self.length, self.prefix = stores, length, prefix
@@ -413,14 +412,15 @@ def make_cache(impl: str, layouts: Sequence, batch_size: int, max_seq_len: int,
 
 def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                 device: torch.device, cache_dtype: str = "auto") -> LayerCache:
-    """One layer's cache of ``impl`` for what its layout (a :class:`kvbench.layouts.base.LayerLayout`)
-    stores per position: a ring of the positions it keeps where the layout keeps fewer than the
-    cache holds, else every position (static) or a growing tensor (concat); none holds nothing. A layer with a constant
-    state holds it (static, concat)."""
+    """One layer's cache of ``impl`` for what its layout stores per position: a ring where it keeps fewer
+    positions than the cache holds, else every position (static) or a growing tensor (concat); none holds
+    nothing. A layer with a constant state holds it; one whose kind has its own ``cache``, that."""
     layout.check({"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
     if impl == "none" or layout.kv_source is not None:
         return uncached(layout)
+    if kind_of(layout).cache:  # a layer that keeps more than K/V positions (a ring beside a pool): its kind's
+        return resolve(kind_of(layout).cache)(layout, batch_size, max_seq_len, dtype, device)
     if layout.state is not None:
         return StateLayer(layout.state, batch_size, dtype, device)
     if impl == "concat":

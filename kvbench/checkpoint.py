@@ -1,15 +1,14 @@
 """Weights in and out of the :class:`~kvbench.model.Decoder`.
 
 - kvbench's own checkpoints: one ``torch.save`` of the two configs, the state dict and extras.
-- transformers checkpoint directories of :data:`~kvbench.config.hf.HF_ARCHITECTURES` (and of a layer
-  kind's own, named in Llama's form by its ``hf_names``): each attention module declares its transformers
-  names (``HF_MODULE``, ``HF_NAMES``, ``HF_FUSED``), experts are :mod:`kvbench.mlp.weights`'. The
-  decoder's rope is transformers' rotate-half, so q/k weights load unpermuted.
+- transformers checkpoint directories of :data:`~kvbench.config.hf.HF_ARCHITECTURES` (and of a layer kind's own,
+  named in Llama's form by its ``hf_names``): each attention module declares its transformers names (``HF_MODULE``,
+  ``HF_NAMES``, ``HF_FUSED``), experts are :mod:`kvbench.mlp.weights`'. q/k load unpermuted (rotate-half rope).
 - A new KV-head count: K/V heads mean-pooled within each group (MHA → GQA/MQA, Ainslie et al. 2023) or
   repeated, exactly (GQA → MHA).
 
-Every file read here is the user's input: one that does not parse, is truncated or holds wrong or
-non-finite tensors is a :class:`CheckpointError` naming the file, never a library's traceback.
+Every file read here is the user's input: one that does not parse, is truncated or holds wrong or non-finite
+tensors is a :class:`CheckpointError` naming the file, never a library's traceback.
 
 Notation: H query heads, H_kv KV heads, D head_dim, C d_model.
 """
@@ -77,14 +76,18 @@ def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors
     for name, shape in expected.items():
         t = tensors[name]
         header = isinstance(t, StoredTensor)
-        if not (t.is_floating_point if header else isinstance(t, torch.Tensor) and t.is_floating_point()):
+        floating = t.is_floating_point if header else isinstance(t, torch.Tensor) and t.is_floating_point()
+        if floating == (name.rpartition(".")[2] in INTEGER_TENSORS):  # a table of ids holds whole numbers
             raise CheckpointError(f"{where}: tensor {named(name)} is {getattr(t, 'dtype', type(t).__name__)}, "
-                                  "not a floating-point tensor")
+                                  f"not {'an integer' if floating else 'a floating-point'} tensor")
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{where}: tensor {named(name)} has shape {tuple(t.shape)}, "
                                   f"{config_name} implies {tuple(shape)}")
         if not header and not torch.isfinite(t).all():
             raise CheckpointError(f"{where}: tensor {named(name)} holds NaN or infinite values")
+
+
+INTEGER_TENSORS = ("tid2eid",)  # the decoder's integer tensors by last name: DeepSeek-V4's token-id -> experts
 
 
 def _expected_tensors(model: ModelConfig, attention: AttentionConfig) -> Dict[str, torch.Size]:
@@ -98,7 +101,7 @@ def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Di
     with the tensors assigned; only the rotary tables are recomputed."""
     with torch.device("meta"):
         decoder = Decoder(model, attention)
-    params = {k: v.to(device=device, dtype=dtype or v.dtype) for k, v in state_dict.items()}
+    params = {k: v.to(device, (dtype or v.dtype) if v.is_floating_point() else v.dtype) for k, v in state_dict.items()}
     decoder.load_state_dict(params, strict=True, assign=True)
     cos, sin = rope_tables(model, decoder.rope_dim)
     decoder.rope_cos, decoder.rope_sin = cos.to(device), sin.to(device)
@@ -241,8 +244,7 @@ def read_llama_config(directory: str | Path, max_seq_len: Optional[int] = None) 
 
 
 def _llama_config(directory: str | Path, max_seq_len: Optional[int]) -> Tuple[ModelConfig, Mapping[str, Any]]:
-    # The shape and the parsed config.json it came from (read once: hf_config.read_config_json).
-    directory = Path(directory)
+    directory = Path(directory)  # the shape and the parsed config.json it came from (read once)
     config_path = directory / hf_config.CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a transformers checkpoint directory)")
@@ -294,9 +296,8 @@ def load_llama_dir(directory: str | Path, dtype: torch.dtype | str = torch.float
             else dict(zip(MLP.HF_FUSED[name], whole.chunk(2)))
         tensors.update({f"blocks.{i}.{part}.{k}": t for k, t in split.items()})
     check_tensors(directory, expected, tensors, model=model_name, names=names)
-    # (a model without rotary embeddings, as Kimi Linear, has no rotated rows to reorder)
-    if ((model_cfg.preset_mla is not None and model_cfg.rope_type != "none") or model_cfg.nope is not None) \
-            and hf_config.rope_interleaved(hf):
+    rotated = (model_cfg.preset_mla is not None and model_cfg.rope_type != "none") or model_cfg.nope is not None
+    if rotated and hf_config.rope_interleaved(hf):  # (Kimi Linear's full layers rotate nothing)
         deinterleave_rope(tensors, model_cfg, attention)
     decoder = build_decoder(model_cfg, attention, tensors, dtype, device)
 

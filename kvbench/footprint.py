@@ -27,7 +27,7 @@ from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.kinds import kind_of
+from kvbench.layouts.kinds import kind_of, layer_kind
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
 from kvbench.units import human_bytes
@@ -73,19 +73,24 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
                                     full_attention_interval=None)
     per_layer, fixed, embedding, counted_as = {}, 0, 0, {}
     for mixer, mlp in kinds:
-        def shaped(n: int, mixer=mixer, mlp=mlp):  # an n-layer model of this kind alone
+        # a layer type another kind claims beside its own (DeepSeek-V4's sliding layers): the 2-layer model
+        # is one of that kind's own layers, then this one
+        owner = _claimed(resolved, mixer)
+
+        def shaped(n: int, mixer=mixer, mlp=mlp, owner=owner):  # an n-layer model of this kind alone
             sparse = dataclasses.replace(moe, dense_layers=[]) if mlp == "sparse" else None
+            types = [owner, mixer][:n] if owner else None if mixer in _ATTENDING else [mixer] * n
             return (dataclasses.replace(small, num_layers=n, moe=sparse,
                                         no_mlp_layers=list(range(n)) if mlp == "none" else None),
-                    dataclasses.replace(attention, layer_types=None if mixer in _ATTENDING else [mixer] * n,
-                                        kv_shared_layers=1 if mixer == "shared" and n == 2 else 0))
+                    dataclasses.replace(attention, layer_types=types, kv_shared_layers=1 if mixer == "shared" and n == 2
+                                        else 0, window=1 if owner and n == 2 else attention.window))
         with torch.device("meta"):
             one, built = Decoder(*shaped(1)), Decoder(*shaped(2))
         two = built.num_params()
         per_layer[mixer, mlp] = two - one.num_params()
         counted_as.setdefault(mixer, (built.layouts[-1], sum(p.numel() for p in built.blocks[-1].attn.parameters())))
         embedding = one.embed.weight.numel()
-        if mixer != "shared":  # its two-layer model holds one layer of another kind: not the fixed part
+        if mixer != "shared" and not owner:  # its two-layer model holds a layer of another kind: not the fixed part
             fixed = 2 * one.num_params() - two
     total = fixed + sum(per_layer[k] * n for k, n in kinds.items()) + _other_shapes(model, resolved, counted_as)
     gated = model.mlp_act == "silu"  # relu2 experts have no gate projection
@@ -121,7 +126,7 @@ def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:
     types = attention.layer_kinds(L)
     attending = types.count("full_attention") + types.count("sliding_attention")
     mixers = {} if attending == len(types) else \
-        {i: t for i, t in enumerate(types[:first_shared]) if t not in _ATTENDING}
+        {i: t for i, t in enumerate(types[:first_shared]) if t not in _ATTENDING or _claimed(attention, t)}
     none = {i for i in model.no_mlp_layers or () if 0 <= i < L}
     dense = {i for i in model.moe.dense_layers if 0 <= i < L} if model.moe is not None else set()
     plain_mlp = "dense" if model.moe is None else "sparse"
@@ -136,6 +141,15 @@ def _layer_kinds(model: ModelConfig, attention: AttentionConfig) -> Counter:
     counts["full_attention", plain_mlp] += first_shared - (len(special) - shared_special)
     counts["shared", plain_mlp] += (L - first_shared) - shared_special
     return Counter({k: n for k, n in counts.items() if n})
+
+
+def _claimed(attention: AttentionConfig, layer_type: str) -> Optional[str]:
+    """The first layer type of the kind that claims ``layer_type`` in ``attention``'s pattern (None: its own
+    kind's, as attention.type says)."""
+    if layer_type not in ("full_attention", "sliding_attention"):  # a recurrent kind's, or a shared layer
+        return None
+    kind = layer_kind(attention, layer_type)
+    return kind.layer_types[0] if layer_type in kind.claims else None
 
 
 def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> int:

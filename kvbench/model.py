@@ -16,6 +16,8 @@ from torch import nn
 from kvbench.cache import Positions, uncached_layers
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.dtypes import DTYPE_BYTES
+from kvbench.hyper_block import HyperBlock
+from kvbench.hyper_connection import HyperHead, expand
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
@@ -57,7 +59,7 @@ class Block(nn.Module):
             self.per_layer = PerLayerBranch(cfg)
         self.register_buffer("layer_scalar", torch.ones(1) if form is not None and form.layer_scalar else None)
 
-    def forward(self, x, cos, sin, cache, pos, per_layer_input=None):
+    def forward(self, x, cos, sin, cache, pos, per_layer_input=None, tokens=None):
         x = x + self._scaled(self._normed(self.attn_post_norm, self.attn(self.attn_norm(x), cos, sin, cache, pos)))
         if self.mlp is not None:
             x = x + self._scaled(self._normed(self.mlp_post_norm, self.mlp(self.mlp_norm(x))))
@@ -87,7 +89,10 @@ class Decoder(nn.Module):
         meta = torch.empty(0).is_meta
         self.embed = nn.Embedding(model.vocab_size, model.d_model,
                                   _weight=torch.empty(model.vocab_size, model.d_model) if meta else None)
-        self.blocks = nn.ModuleList(Block(model, layout, i) for i, layout in enumerate(self.layouts))
+        hc = model.hyper_connections  # DeepSeek-V4's residual streams: its block, and a head collapsing them
+        self.blocks = nn.ModuleList((HyperBlock if hc else Block)(model, layout, i)
+                                    for i, layout in enumerate(self.layouts))
+        self.hc_head = HyperHead(model.d_model, hc.streams, hc.eps, model.norm_eps) if hc else None
         form = model.residual
         self.per_layer = PerLayerInputs(model) if form is not None and form.per_layer_input_dim else None
         self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
@@ -150,12 +155,16 @@ class Decoder(nn.Module):
             x = x * torch.tensor(form.embed_scale, dtype=x.dtype)
         per_layer = None if self.per_layer is None else self.per_layer(tokens, x)  # (B, T, L, P)
         cos, sin = self.rope_cos[pos.rows].to(x.dtype), self.rope_sin[pos.rows].to(x.dtype)
+        if self.hc_head is not None:
+            x = expand(x, self.config.hyper_connections.streams)  # (B, T, N, C)
         for i, (block, layer_cache) in enumerate(zip(self.blocks, layer_caches)):
-            x = block(x, cos, sin, layer_cache, pos, None if per_layer is None else per_layer[:, :, i])
+            x = block(x, cos, sin, layer_cache, pos, None if per_layer is None else per_layer[:, :, i], tokens=tokens)
         if cache is not None:
             cache.commit(pos)
         if last_only:
             x = x[:, -1:]
+        if self.hc_head is not None:
+            x = self.hc_head(x)
         logits = self.lm_head(self.norm(x))
         if form is not None and form.logit_softcap is not None:
             logits = torch.tanh(logits / form.logit_softcap) * form.logit_softcap

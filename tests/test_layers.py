@@ -20,15 +20,16 @@ LAYERS = [
      "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm", "serving.pool",
      "hyper_connection", "measure.plausibility", "layouts.sharding"],
     ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
-     "config.moe", "config.multipliers", "config.residual", "residual", "core.hf_keys", "core.hf_read",
-     "config.hf_agree", "mlp.dense", "mlp.router"],
+     "config.moe", "config.multipliers", "config.residual", "residual", "config.hyper", "core.hf_keys",
+     "core.hf_read", "config.hf_agree", "mlp.dense", "mlp.router"],
     # what a kind's home builds on: chunked attention, NoPE layers and Llama 4's config.json
     ["layouts.chunked", "layouts.nope", "layouts.nope_attention", "layouts.llama4", "config.nope"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
     ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf"],
-    ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed", "layouts.kda",
+    ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed_layout", "layouts.kda",
      "layouts.kv_sharing", "layouts.global_heads"],
+    ["layouts.compressed"],
     ["layouts.kinds"],
     ["layouts.build", "config.layer_options", "config.hf", "config.serving"],
     ["config.layer_pattern", "config.conversations", "serving.table_files", "serving.allocator", "serving.tokenize"],
@@ -41,6 +42,7 @@ LAYERS = [
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention",
      "layouts.mamba2_mixer", "layouts.compressed_attention", "layouts.kda_mixer", "serving.managers"],
     ["layouts.attention", "mlp.experts", "layouts.global_heads_attention"],
+    ["hyper_block"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint", "sinks.views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights",
      "parallel.tensor"],

@@ -13,7 +13,7 @@ from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.core.errors import check
 from kvbench.jsonio import as_int
 from kvbench.layouts.chunked import chunk_window
-from kvbench.layouts.kinds import attention_kind, by_layer_type, recurrent_in, recurrent_layer_types
+from kvbench.layouts.kinds import attention_kind, by_layer_type, recurrent_in, recurrent_layer_types, registered
 from kvbench.layouts.kinds import layer_types as kind_layer_types
 
 # transformers' name of a layer that attends every position; a recurrent kind's layers become it when
@@ -54,6 +54,9 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
         if ratio:
             word = by_layer_type(name).label or name
             label += f" {word} {ratio[0]}:{ratio[1]}" if ratio[1] else f" {word}"
+    for kind in registered():  # a kind chosen by its layer types alone (DeepSeek-V4's): its word, each type's count
+        if kind.named and not kind.recurrent and types and not set(kind.layer_types).isdisjoint(types):
+            label += f" {kind.label} " + ":".join(str(list(types).count(t)) for t in kind.layer_types)
     if linear_full_layers(types) and state_dtype not in (None, "float32"):  # only a recurrent layer holds one
         label += f" state={state_dtype}"
     return label if cache_dtype in (None, "auto") else f"{label} {cache_dtype}"

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.config import hf as hf_config
 from kvbench.config.hf import ROPE_TYPES
+from kvbench.config.hyper import HyperConnections
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
 from kvbench.config.moe import MoEShape
@@ -126,12 +127,13 @@ class ModelConfig:
     v_norm: bool = False  # values RMS-normed per head without a scale (Gemma 4)
     residual: Optional[ResidualForm] = None  # Gemma 4's residual stream, embedding to logits (kvbench.config.residual)
     nope: Optional[NoPE] = None  # Llama 4's layers without rotary embeddings, their query temperature, the L2 norm
+    hyper_connections: Optional[HyperConnections] = None  # DeepSeek-V4's residual streams (mHC); null: plain
 
     def __post_init__(self) -> None:
         if self.path:
             self._shape_from_checkpoint()
         for key, schema in (("preset_mla", MLAShape), ("moe", MoEShape), ("multipliers", Multipliers),
-                            ("residual", ResidualForm), ("nope", NoPE)):  # from a dict
+                            ("residual", ResidualForm), ("nope", NoPE), ("hyper_connections", HyperConnections)):
             if isinstance(getattr(self, key), Mapping):
                 setattr(self, key, typed(schema, dict(getattr(self, key)), f"model.{key}."))
         for key, layers in (("moe.dense_layers", self.moe.dense_layers if self.moe else ()),
@@ -219,8 +221,7 @@ class ModelConfig:
         data = dict(data)
         if "num_kv_heads" in data:
             data.setdefault("preset_kv_heads", data.pop("num_kv_heads"))
-        # Every other key is checked, not dropped: a key this version does not know means the
-        # checkpoint's model is not the one kvbench would build (typed() names it and the nearest).
+        # Every other key is checked, not dropped: an unknown one is not kvbench's model (typed() names it)
         return typed(cls, data, "model.")
 
     @classmethod

@@ -12,9 +12,13 @@ Three routers, as transformers computes them (:mod:`kvbench.mlp.router` runs the
 - ``softmax_topk`` (GPT-OSS): the top k logits (the router has a bias), then a softmax over those;
 - ``sigmoid_topk`` (Llama 4): the top k logits, each through a sigmoid; with ``weigh_inputs`` a
   token is scaled by its weight before the expert (Llama4TextMoe), not the expert's output after.
+- ``sqrtsoftplus`` (DeepSeek-V4): sqrt(softplus(logit)) per expert, chosen with the correction bias
+  as the sigmoid router's (no groups); in ``hash_layers`` a token's experts are instead a fixed
+  table's row for its token id (transformers' DeepseekV4HashRouter), the scores still weighing them.
 
 Every router's weights are then multiplied by ``routed_scaling_factor``. An expert is a SwiGLU of
-``expert_ffn_dim``; GPT-OSS's clamps it (``swiglu_limit``) and adds biases (``expert_bias``). Imports
+``expert_ffn_dim``; GPT-OSS's clamps it (``swiglu_limit``), adds one to up (``swiglu_up_shift``) and
+biases (``expert_bias``); DeepSeek-V4's clamps it alone (alpha 1, shift 0: SiLU). Imports
 no torch: inspect, capacity and the footprint check count experts from these fields alone.
 """
 
@@ -25,7 +29,7 @@ from typing import Any, List, Mapping, Optional
 
 from kvbench.core.errors import ConfigError, check, check_choice
 
-ROUTERS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk")
+ROUTERS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk", "sqrtsoftplus")
 # kvbench's key of each field whose value another field is checked against
 # The config.json key a family's own files count their routed experts with (kvbench.config.hf's
 # MOE_FAMILIES; transformers maps the other names onto it): the key a file without a count is told to
@@ -33,7 +37,7 @@ ROUTERS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk")
 EXPERTS_KEY = {"gpt_oss": "num_local_experts", "deepseek_v2": "n_routed_experts", "deepseek_v3": "n_routed_experts"}
 _KEYS = {f: f"model.moe.{f}" for f in ("num_experts", "top_k", "expert_ffn_dim", "router", "n_group", "topk_group",
                                       "routed_scaling_factor", "shared_ffn_dim", "shared_gate", "swiglu_limit",
-                                      "dense_layers")}
+                                      "dense_layers", "hash_layers")}
 
 
 @dataclass
@@ -57,6 +61,8 @@ class MoEShape:
     expert_bias: bool = False  # biases on the experts' projections (GPT-OSS)
     swiglu_limit: Optional[float] = None  # GPT-OSS: gate clamped above, up to +-limit, (up + 1) * glu
     swiglu_alpha: float = 1.702  # GPT-OSS: glu = gate * sigmoid(alpha * gate)
+    swiglu_up_shift: float = 1.0  # with swiglu_limit: (up + shift) * glu (GPT-OSS 1; DeepSeek-V4 0)
+    hash_layers: List[int] = field(default_factory=list)  # DeepSeek-V4's hash_moe layers: experts by token id
     dense_layers: List[int] = field(default_factory=list)  # layers with a dense MLP of model.ffn_dim
 
     def __post_init__(self) -> None:
@@ -91,9 +97,12 @@ class MoEShape:
     def describe(self) -> str:
         """The routing in words, for task=inspect."""
         route = {"softmax": "softmax", "sigmoid": "sigmoid + correction bias", "softmax_topk": "top-k logits, "
-                 "softmax over them", "sigmoid_topk": "top-k logits, a sigmoid each"}[self.router]
+                 "softmax over them", "sigmoid_topk": "top-k logits, a sigmoid each",
+                 "sqrtsoftplus": "sqrt(softplus) + correction bias"}[self.router]
         if self.weigh_inputs:
             route += ", weighing the expert's input"
+        if self.hash_layers:
+            route += f"; {len(self.hash_layers)} layers by a token-id table"
         if self.n_group > 1:
             route += f", the best {self.topk_group} of {self.n_group} groups"
         if self.norm_topk_prob:
@@ -132,9 +141,13 @@ def check_moe(values: Mapping[str, Any], keys: Mapping[str, str]) -> None:
           f"gates a shared expert, and {keys['shared_ffn_dim']}=0 has none")
     limit = values["swiglu_limit"]
     check(limit is None or limit > 0, keys["swiglu_limit"], limit, "must be > 0 or null (no clamp)")
-    dense = list(values["dense_layers"])
-    check(all(isinstance(i, int) and i >= 0 for i in dense) and len(set(dense)) == len(dense), keys["dense_layers"],
-          dense, "must be distinct layer indices >= 0")
+    for key in ("dense_layers", "hash_layers"):
+        layers = list(values.get(key) or ())
+        check(all(isinstance(i, int) and i >= 0 for i in layers) and len(set(layers)) == len(layers),
+              keys.get(key, f"model.moe.{key}"), layers, "must be distinct layer indices >= 0")
+    check(not values.get("hash_layers") or values["router"] == "sqrtsoftplus", keys.get("hash_layers", "hash_layers"),
+          values.get("hash_layers"), f"route by token id beside DeepSeek-V4's sqrtsoftplus router only (router="
+          f"{values['router']})")
 
 
 def check_run(moe: Optional[MoEShape], settings: Mapping[str, Any]) -> None:

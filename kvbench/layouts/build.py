@@ -47,12 +47,12 @@ def _build(model, attention) -> Layouts:
     types = attention.layer_kinds(model.num_layers)
     kinds = {t: layer_kind(attention, t) for t in dict.fromkeys(types)}
     by_name = {kind.name: kind for kind in kinds.values()}
-    if len(by_name) == 1:  # one kind: a layer's key is its window (no pass in Python over 10^8 layers)
-        only = next(iter(by_name.values()))
+    only = next(iter(by_name.values())) if len(by_name) == 1 else None
+    if only is not None and not only.named:  # one kind: a layer's key is its window (no pass over 10^8 layers)
         keys, layer = windows, lambda window: only.build(model, attention, window)
-    else:  # (the kind's name, the window); a recurrent kind's layers have none
-        keys = [(kinds[t].name, w) for t, w in zip(types, windows)]
-        layer = lambda key: by_name[key[0]].build(model, attention, key[1])  # noqa: E731
+    else:  # (the kind's name, the window, a named kind's layer type); a recurrent kind's layers have no window
+        keys = [(kinds[t].name, w, t if kinds[t].named else None) for t, w in zip(types, windows)]
+        layer = lambda key: by_name[key[0]].build(model, attention, key[1], *key[2:] if key[2] else ())  # noqa: E731
     if keys and keys.count(keys[0]) == len(keys):  # every layer alike (counted in C: a model may have 10^8)
         layers = without_rope((layer(keys[0]),) * len(keys), model)
     else:

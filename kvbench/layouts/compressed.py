@@ -1,278 +1,36 @@
-"""Compressed layers: DeepSeek-V4's attention, as transformers' DeepseekV4Attention (its three
-``layer_types``), as data: what a sequence holds and a decode step reads.
+"""Compressed layers (DeepSeek-V4): the kind's home. Its layout is
+:class:`~kvbench.layouts.compressed_layout.Compressed` (bytes held, per token and read, FLOPs,
+limits, inspect text); here are its config.json reading (:func:`compressed_from_hf`, and the whole
+file of a ``DeepseekV4ForCausalLM``: :func:`hf_model_fields`), its layers built for a model
+(:func:`build`, ``model.layer_shapes.compressed``) and its registration.
 
-Every layer attends a K=V sliding ring of the last W = ``sliding_window`` positions (one KV head of
-``head_dim`` D, read as key and value). A ``compressed_sparse_attention`` (CSA) layer also folds
-each m = ``compress_rates["compressed_sparse_attention"]`` tokens into one pooled entry (gated
-softmax over an overlapping window of 2m: the previous window's first half and this one's second)
-and its lightning indexer keeps one key of ``index_head_dim`` D_i per entry; a query attends the
-ring plus the indexer's top ``index_topk`` entries. A ``heavily_compressed_attention`` (HCA) layer
-folds each m' tokens (no overlap, no indexer) and attends the ring plus every entry. A
-``sliding_attention`` layer is the ring alone.
-
-Per sequence, at S tokens, a layer holds (e: bytes of the compute dtype; float32 where transformers
-keeps float32):
-
-    ring      min(S, W) · D · e
-    pool      floor(S / m) · (D + D_i) · e          (HCA: D only; sliding: none)
-    buffers   (m - 1) · 2 · (C + C_i) · e           the projected kv and gate of the < m tokens not yet
-                                                    folded (C = 2D for CSA, D for HCA; C_i = 2 D_i)
-    overlap   m · (D + D_i) · (e + 4)               CSA only: the last window's first-half kv (e) and
-                                                    its gate plus position bias (float32)
-
-The buffers and the overlap are held at their capacity whatever S (a static cache's allocation);
-:meth:`Compressed.token_bytes` is what one more token adds, exactly, as a ``Fraction`` (D · e for
-the ring while it fills, plus (D + D_i) · e / m for the pool). A decode step at S reads the ring,
-then every index key and min(k, floor(S / m)) entries (CSA) or every entry (HCA); the compressor's
-buffer is read once per m steps (when a window closes) and is left out of the step's bytes.
-
-Notation: S tokens, W window, D head_dim, D_i index_head_dim, H heads, H_i index heads, m the rate,
-k index_topk.
+A V4 layer is chosen by its layer type (``compressed_sparse_attention``,
+``heavily_compressed_attention``) whatever ``attention.type``; a ``sliding_attention`` layer of a
+pattern that names one of them is a V4 layer of the ring alone (transformers builds every layer
+of a DeepseekV4 model as one DeepseekV4Attention), elsewhere a K/V-head layer with a window.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from fractions import Fraction
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import re
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kvbench.core.errors import ConfigError
-from kvbench.layouts.base import LayerLayout, Limit
-from kvbench.layouts.kv_heads import KVHeads
-from kvbench.layouts.pages import CompressedPool, Ring
-
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA)
-# legacy config.json: one compress ratio per layer (transformers' _COMPRESS_RATIO_TO_LAYER_TYPE)
-RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
-MLP_LAYER_TYPES = ("hash_moe", "moe")
-GATE_BYTES = 4  # the overlap's gate has the float32 position bias added (transformers keeps it float32)
-ROPE_TYPES = ("default", "yarn")
-
-
-@dataclass(frozen=True)
-class Rope:
-    """One of V4's two rotary bases (``main``: sliding layers; ``compress``: CSA / HCA layers, their
-    compressors and indexer): ``theta``, and YaRN's ``factor``, ``original_max`` (pretraining
-    context), ``beta_fast``, ``beta_slow`` and ``attention_factor`` (V4 forces 1.0) when ``type`` is yarn."""
-
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    original_max: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
-
-
-@dataclass(frozen=True)
-class Compressed(LayerLayout):
-    """One DeepSeek-V4 layer of ``layer_type`` (config.json's names; ``window`` is sliding_window,
-    ``compress_rate`` m of its type, 0 for a sliding layer). ``rope_dim`` is qk_rope_head_dim =
-    head_dim x partial_rotary_factor, rotated at the end of each head, in interleaved pairs."""
-
-    layer_type: str = CSA
-    num_heads: int = 64
-    head_dim: int = 512
-    rope_dim: int = 64
-    q_lora_rank: int = 1024
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    compress_rate: int = 4
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
-    rope: Rope = Rope()
-    compress_rope: Rope = Rope(160000.0)
-
-    kind = "compressed"
-
-    def __post_init__(self):
-        # a layout built by hand (a test, a preset) is held to what a config.json is (compressed_from_hf)
-        if self.layer_type not in LAYER_TYPES:
-            raise ConfigError(f"layer_types={self.layer_type!r}: each must be one of {', '.join(LAYER_TYPES)}")
-        for key in ("window", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads",
-                    "index_head_dim", "index_topk"):
-            _count(key if key != "window" else "sliding_window", getattr(self, key))
-        if self.layer_type == SLIDING:
-            if self.compress_rate != 0:
-                raise ConfigError(f"compress_rate={self.compress_rate!r}: a sliding_attention layer compresses "
-                                  "nothing (0)")
-        else:
-            _count(f"compress_rates.{self.layer_type}", self.compress_rate)
-        if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) or self.rope_dim < 2 or \
-                self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            raise ConfigError(f"qk_rope_head_dim={self.rope_dim!r}: must be even, at least 2 and at most "
-                              f"head_dim={self.head_dim} (head_dim x partial_rotary_factor)")
-        if self.layer_type == CSA and self.rope_dim > self.index_head_dim:
-            raise ConfigError(f"index_head_dim={self.index_head_dim!r}: the indexer rotates the last "
-                              f"qk_rope_head_dim={self.rope_dim} of each of its heads, so it must be at least that")
-        if self.num_heads % self.o_groups:
-            raise ConfigError(f"o_groups={self.o_groups!r}: must divide num_attention_heads={self.num_heads} "
-                              "(the grouped output projection takes whole heads)")
-
-    # ---- what a sequence holds ----
-
-    @property
-    def compresses(self) -> bool:
-        return self.layer_type != SLIDING
-
-    @property
-    def indexed(self) -> bool:
-        """Whether the layer has a lightning indexer (and an overlapping compressor): CSA."""
-        return self.layer_type == CSA
-
-    @property
-    def entry_width(self) -> int:
-        """Elements of one pooled entry: its KV (D) and, with an indexer, its index key (D_i)."""
-        return self.head_dim + (self.index_head_dim if self.indexed else 0) if self.compresses else 0
-
-    def entries(self, seq_len: float) -> int:
-        """Pooled entries at ``seq_len`` tokens: one per whole window of m."""
-        return int(seq_len // self.compress_rate) if self.compresses else 0
-
-    def attended_entries(self, seq_len: float) -> int:
-        """Entries a decode step at ``seq_len`` attends: the top k (CSA) or all (HCA)."""
-        n = self.entries(seq_len)
-        return min(n, self.index_topk) if self.indexed else n
-
-    def attention_params(self, d_model: int) -> int:
-        """Parameters of the layer's attention (for the footprint's count once the kind is registered):
-        the query LoRA and its norm, the K=V projection and norm, the grouped output LoRA, the sinks,
-        and a compressor's kv and gate projections (two series for CSA), position bias and norm, with
-        CSA's indexer (its own such compressor at D_i, query projection and head weights)."""
-        C, H, D, q = d_model, self.num_heads, self.head_dim, self.q_lora_rank
-        params = C * q + q + q * H * D + C * D + D + H * D * self.o_lora_rank + \
-            self.o_groups * self.o_lora_rank * C + H
-        series = 2 if self.indexed else 1
-        if self.compresses:
-            params += (2 * C + self.compress_rate) * series * D + D
-        if self.indexed:
-            Di, Hi = self.index_head_dim, self.index_n_heads
-            params += (2 * C + self.compress_rate) * 2 * Di + Di + q * Hi * Di + C * Hi
-        return params
-
-    @property
-    def stored(self) -> Tuple[int, Tuple[int, ...]]:
-        return 1, (self.head_dim,)  # the ring: one K=V head per position
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.rope_dim
-
-    def buffer_bytes(self, element: int) -> int:
-        """What a sequence holds for the compressors whatever its length: the kv and gate of up to
-        m - 1 tokens not yet folded (the main compressor's, and the indexer's), and for CSA the
-        last window's first halves (kv in the compute dtype, gate in float32)."""
-        if not self.compresses:
-            return 0
-        width = (2 * self.head_dim + 2 * self.index_head_dim) if self.indexed else self.head_dim
-        buffers = (self.compress_rate - 1) * 2 * width * element
-        overlap = self.compress_rate * (self.head_dim + self.index_head_dim) * (element + GATE_BYTES) \
-            if self.indexed else 0
-        return buffers + overlap
-
-    def state_bytes(self, element: int, cache_dtype: str = "auto") -> int:
-        return self.buffer_bytes(element)
-
-    def positions_held(self, seq_len: float) -> float:
-        return min(seq_len, self.window)
-
-    def pool_bytes(self, seq_len: float, element: int) -> int:
-        return self.entries(seq_len) * self.entry_width * element
-
-    def sequence_bytes(self, seq_len: float, element: int, cache_dtype: str = "auto") -> float:
-        return self.positions_held(seq_len) * self.head_dim * element + self.pool_bytes(seq_len, element) + \
-            self.buffer_bytes(element)
-
-    def token_bytes(self, element: int, window_full: bool = False) -> Fraction:
-        """Bytes one more token adds, exactly, averaged over a window of m tokens (the pool grows by
-        one entry every m): the ring's D · e while it fills (none once ``window_full``), plus
-        (D + D_i) · e / m (CSA) or D · e / m' (HCA)."""
-        ring = 0 if window_full else self.head_dim * element
-        return ring + (Fraction(self.entry_width * element, self.compress_rate) if self.compresses else 0)
-
-    def page_spec(self, element: int, cache_dtype: str = "auto") -> Ring:
-        """The ring of W positions (one K=V head of D), and with a compressor its pool of one entry per
-        m tokens and its buffers: what :meth:`sequence_bytes` counts, as a serving store would page it."""
-        ring = self.head_dim * element
-        if not self.compresses:
-            return Ring(ring, self.window)
-        return CompressedPool(ring, self.window, self.entry_width * element, self.compress_rate,
-                              self.buffer_bytes(element))
-
-    def bytes_per_position(self, element: int, cache_dtype: str = "auto") -> float:
-        # Layouts.bytes_per_token's figure (while no window is full), as a float; exact as token_bytes
-        return float(self.token_bytes(element))
-
-    def read_bytes(self, context: float, element: int, cache_dtype: str = "auto") -> float:
-        index_keys = self.entries(context) * self.index_head_dim if self.indexed else 0
-        return (self.positions_held(context) + self.attended_entries(context)) * self.head_dim * element + \
-            index_keys * element
-
-    def step_flops(self, context: float) -> float:
-        # each head: q·k and p·v over D for every ring position and attended entry (K = V, one head);
-        # the indexer: each of its heads' q·k over D_i for every entry, and the weighted sum over heads
-        keys = self.positions_held(context) + self.attended_entries(context)
-        index = 2.0 * self.index_n_heads * (self.index_head_dim + 1) * self.entries(context) if self.indexed else 0
-        return 4.0 * self.num_heads * self.head_dim * keys + index
-
-    def as_mha(self) -> LayerLayout:
-        return KVHeads(None, self.num_heads, self.num_heads, self.head_dim)
-
-    def fields(self) -> Dict[str, Any]:
-        return {"layer_type": self.layer_type, "sliding_window": self.window,
-                **({"compress_rate": self.compress_rate} if self.compresses else {}),
-                **({"index_topk": self.index_topk} if self.indexed else {})}
-
-    def limits(self, index: Optional[int] = None) -> Tuple[Limit, ...]:
-        # not the window's own limits: the ring here is this kind's, with its pool beside it
-        return (
-            Limit("cache.impl", ("static", "none"), "a DeepSeek-V4 layer keeps a ring of W positions, a pool and its "
-                  "compressors' buffers, allocated once (a concatenating cache is not built for it); use "
-                  "cache.impl=static or none"),
-            Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a DeepSeek-V4 "
-                  "layer's compressor buffers are each sequence's own (not built); use cache.shared=false"),
-            Limit("workload.store", (), "a serving store pages a DeepSeek-V4 layer's ring and pool by their spec "
-                  "(kvbench.layouts.pages.CompressedPool), but no store manager serves it yet; use workload=decode"),
-            Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V heads; a DeepSeek-V4 layer keeps its "
-                  "ring, pool and compressor buffers in the compute dtype; use cache.dtype=auto"),
-            Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "DeepSeek-V4 layer's ring and pool have no such view (not built); use false or default"))
-
-    # ---- how inspect describes it ----
-
-    note = ("a DeepSeek-V4 layer holds a ring of W positions, one pooled entry per m tokens (CSA: and an index "
-            "key) and its compressors' buffers")
-
-    def table_name(self) -> str:
-        rate = f" m={self.compress_rate}" if self.compresses else ""
-        return f"{ {SLIDING: 'sliding', CSA: 'CSA', HCA: 'HCA'}[self.layer_type]} W={self.window}{rate}".strip()
-
-    def in_words(self) -> str:
-        what = {SLIDING: "the ring only", CSA: f"one entry per {self.compress_rate} tokens, top {self.index_topk}",
-                HCA: f"one entry per {self.compress_rate} tokens, all"}[self.layer_type]
-        return f"DeepSeek-V4 {self.layer_type} (K=V ring of {self.window} x {self.head_dim}; {what})"
-
-    def describe_layers(self, layers, attention, seq_len: int, batch_size: int) -> List[str]:
-        counts = {t: sum(getattr(layer, "layer_type", None) == t for layer in layers) for t in LAYER_TYPES}
-        return [f"DeepSeek-V4 attention: {self.num_heads} query heads over one K=V head of {self.head_dim}; "
-                + ", ".join(f"{n} {t}" for t, n in counts.items() if n),
-                "per sequence = ring min(S, W)·D + pool floor(S/m)·(D + D_i) + the compressors' buffers, "
-                "times bytes per element (docs: layout)"]
-
-    def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
-        # said once for the kind (inspect asks one layer of each kind): a line per layer type present
-        return [f"a DeepSeek-V4 {lay.layer_type} layer adds {lay.token_bytes(element)} B per token in {dtype} "
-                f"while its ring fills, then {lay.token_bytes(element, window_full=True)} B (exact: a pooled entry "
-                "per m tokens, averaged over them)" for lay in layers.unique() if isinstance(lay, Compressed)]
-
-
-def _count(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key}={value!r}: must be a positive integer")
-
+from kvbench.layouts.compressed_layout import (  # noqa: F401  (the kind's names, as its tests and docs use them)
+    CSA,
+    GATE_BYTES,
+    HCA,
+    LAYER_TYPES,
+    MLP_LAYER_TYPES,
+    RATIO_TYPES,
+    ROPE_TYPES,
+    SLIDING,
+    Compressed,
+    Rope,
+    _count,
+)
+from kvbench.layouts.registry import LayerKind, register
 
 # ---- config.json ---------------------------------------------------------------------------
 
@@ -426,3 +184,174 @@ def compressed_from_hf(cfg: Mapping[str, Any]) -> List[Compressed]:
     v4_mlp_layer_types(cfg)  # refused here too: a schedule transformers would not build
     kinds = {t: Compressed(layer_type=t, compress_rate=rates.get(t, 0), **shape) for t in dict.fromkeys(types)}
     return [kinds[t] for t in types]
+
+
+# ---- the decoder: its layers' layout ------------------------------------------------------
+
+SHAPE_KEY = "compressed"  # model.layer_shapes' key: the V4 layers' fields as Compressed names them
+# model.layer_shapes.compressed's keys beyond Compressed's fields: the ring and the rates by type
+SHAPE_FIELDS = ("sliding_window", "compress_rates", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
+                "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "rope", "compress_rope")
+
+
+def model_shape(model) -> Dict[str, Any]:
+    """The V4 layers' shape of ``model`` (a ModelConfig): ``model.layer_shapes.compressed`` (a
+    checkpoint's, :func:`hf_model_fields`), each field it leaves out in V4-Flash's proportions to the
+    model (its heads and head_dim; rope on an eighth of a head, query LoRA d_model / 4, output LoRA in
+    groups of 8 heads of rank 2 x head_dim, as many indexer heads of head_dim / 4, a ring of 128, top
+    512, m = 4 and m' = 128); a key it does not know refused naming ``model.layer_shapes.compressed.<key>``."""
+    prefix = f"model.layer_shapes.{SHAPE_KEY}"
+    given = (model.layer_shapes or {}).get(SHAPE_KEY) or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{prefix}={given!r}: must be a mapping of DeepSeek-V4 layer fields")
+    unknown = next((key for key in given if key not in SHAPE_FIELDS), None)
+    if unknown is not None:
+        raise ConfigError(f"{prefix}.{unknown}={given[unknown]!r}: not a DeepSeek-V4 layer field (one of "
+                          f"{', '.join(SHAPE_FIELDS)})")
+    D, H = model.head_dim, model.num_heads
+    rope_dim = max(2, D // 8 - D // 8 % 2)
+    shape = {"sliding_window": 128, "compress_rates": dict(DEFAULT_RATES), "num_heads": H, "head_dim": D,
+             "rope_dim": rope_dim, "q_lora_rank": max(1, model.d_model // 4), "o_groups": max(1, H // 8),
+             "o_lora_rank": 2 * D, "index_n_heads": H, "index_head_dim": max(rope_dim, D // 4),
+             "index_topk": 512, **given}
+    rates = shape["compress_rates"]
+    if not isinstance(rates, Mapping) or set(rates) - {CSA, HCA}:
+        raise ConfigError(f"{prefix}.compress_rates={rates!r}: must map {CSA} and {HCA} to a positive integer each")
+    for key in ("rope", "compress_rope"):
+        value = shape.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{prefix}.{key}={value!r}: must be a mapping of Rope's fields (theta, type, ...)")
+    return shape
+
+
+def build(model, attention, window: Optional[int] = None, layer_type: str = CSA) -> Compressed:
+    """One V4 layer of ``layer_type`` of ``model`` (a ModelConfig) under ``attention`` (:func:`model_shape`):
+    its ring is ``attention.window`` where the run asks one (every V4 layer's), else the shape's
+    ``sliding_window``. Refused in one line naming ``model.layer_shapes.compressed.<key>``."""
+    shape = model_shape(model)
+    window = getattr(attention, "window", None) or shape["sliding_window"]
+    rates = dict(shape["compress_rates"])
+    fields = {k: v for k, v in shape.items() if k not in ("sliding_window", "compress_rates", "rope", "compress_rope")}
+    ropes = {key: Rope(**shape[key]) for key in ("rope", "compress_rope") if shape.get(key) is not None}
+    try:
+        return Compressed(window, layer_type=layer_type, compress_rate=rates.get(layer_type, 0), **fields, **ropes)
+    except ConfigError as exc:
+        raise ConfigError(f"model.layer_shapes.{SHAPE_KEY}.{exc}") from None
+    except TypeError as exc:  # a value of the wrong type in a check's arithmetic, or a Rope field unknown
+        raise ConfigError(f"model.layer_shapes.{SHAPE_KEY}={dict(shape)!r}: malformed ({exc})") from None
+
+
+def param_count(layout: Compressed, model) -> int:
+    """A V4 layer's attention parameters (:meth:`Compressed.attention_params`)."""
+    return layout.attention_params(model.d_model)
+
+
+# ---- a whole DeepseekV4ForCausalLM config.json -------------------------------------------
+
+def _number(cfg: Mapping[str, Any], key: str, default: Any, kind: str = "count") -> Any:
+    """``cfg[key]`` (``default`` when absent or null): a positive integer (``count``), a positive
+    number (``number``) or true / false (``bool``), else refused naming the key."""
+    value = cfg.get(key)
+    value = default if value is None else value
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    else:
+        ok = not isinstance(value, bool) and isinstance(value, int if kind == "count" else (int, float)) and \
+            0 < value < math.inf
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: must be {'true or false' if kind == 'bool' else f'a positive {kind}'}")
+    return value
+
+
+def hf_model_fields(cfg: Mapping[str, Any], arch: str = ARCHITECTURE) -> Dict[str, Any]:
+    """Every ModelConfig field of a DeepseekV4ForCausalLM config.json (DeepseekV4Config's defaults for
+    absent keys): its V4 layers (``layer_shapes.compressed``: :func:`compressed_from_hf`'s shape, the
+    ring as the window of its sliding layers), the residual streams (``hyper_connections``) and the
+    mixture of experts of every layer (DeepseekV4SparseMoeBlock: the sqrt(softplus) router, its
+    weights always renormalised, hash-routed layers by ``mlp_layer_types``, SwiGLU clamped at
+    ``swiglu_limit`` in the routed and the shared expert, one shared expert as wide as a routed one).
+    What kvbench cannot run refused in one line naming its key."""
+    layers = compressed_from_hf(cfg)
+    lay, types, mlp = layers[0], [lay.layer_type for lay in layers], v4_mlp_layer_types(cfg)
+    for key, want in (("hidden_act", "silu"), ("scoring_func", "sqrtsoftplus")):
+        if cfg.get(key, want) != want:
+            raise ConfigError(f"{key}={cfg[key]!r}: DeepSeek-V4 is read with {key}={want} only")
+    for key in ("attention_bias", "mlp_bias"):
+        if _number(cfg, key, False, "bool"):
+            raise ConfigError(f"{key}=True: DeepSeek-V4's projections have no biases (use false)")
+    if _number(cfg, "n_shared_experts", 1) != 1:  # transformers builds one shared expert whatever the count
+        raise ConfigError(f"n_shared_experts={cfg['n_shared_experts']!r}: DeepseekV4SparseMoeBlock has one "
+                          "shared expert (1)")
+    experts, width = _number(cfg, "n_routed_experts", 256), _number(cfg, "moe_intermediate_size", 2048)
+    shape = {key: getattr(lay, key) for key in SHAPE_FIELDS if hasattr(lay, key)}
+    shape.update(sliding_window=lay.window, compress_rates=compress_rates(cfg),
+                 rope=dict(vars(lay.rope)), compress_rope=dict(vars(lay.compress_rope)))
+    sliding = SLIDING in types
+    return {"num_layers": len(layers), "d_model": _number(cfg, "hidden_size", 4096), "num_heads": lay.num_heads,
+            "head_dim": lay.head_dim, "preset_kv_heads": 1, "ffn_dim": width,
+            "vocab_size": _number(cfg, "vocab_size", 129280), "max_seq_len": _value(cfg, "max_position_embeddings"),
+            "norm_eps": _number(cfg, "rms_norm_eps", 1e-6, "number"), "rope_type": "default",
+            "rope_theta": lay.rope.theta, "preset_window": lay.window if sliding else None,
+            "preset_layer_types": types, "layer_shapes": {SHAPE_KEY: shape},
+            "hyper_connections": {"streams": _number(cfg, "hc_mult", 4),
+                                  "sinkhorn_iters": _number(cfg, "hc_sinkhorn_iters", 20),
+                                  "eps": _number(cfg, "hc_eps", 1e-6, "number")},
+            "moe": {"num_experts": experts, "top_k": _number(cfg, "num_experts_per_tok", 6),
+                    "expert_ffn_dim": width, "router": "sqrtsoftplus", "norm_topk_prob": True,
+                    "routed_scaling_factor": _number(cfg, "routed_scaling_factor", 1.5, "number"),
+                    "shared_ffn_dim": width, "swiglu_limit": _number(cfg, "swiglu_limit", 10.0, "number"),
+                    "swiglu_alpha": 1.0, "swiglu_up_shift": 0.0,
+                    "hash_layers": [i for i, t in enumerate(mlp) if t == "hash_moe"]}}
+
+
+# DeepSeek's own names of a layer's tensors -> transformers', in order (transformers' conversion_mapping for
+# deepseek_v4, which save_pretrained writes back): a checkpoint may hold either
+ORIGINAL_NAMES = [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"), (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj.")]
+# outside the layers, either spelling -> the decoder's reading (Llama's form, or the decoder's own hc_head)
+TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
+             "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+             **{f"hc_head{sep}{part}": f"hc_head.hc_{part}" for sep in ("_", ".hc_")
+                for part in ("fn", "base", "scale")}}
+# transformers' names of a layer's tensors that are not Llama's form (nor the decoder's, which pass as they are)
+V4_NAMES = {"mlp.gate.tid2eid": "mlp.tid2eid", "mlp.experts.gate_up_proj": "mlp.experts.w_gate_up",
+            "mlp.experts.down_proj": "mlp.experts.w_down"}
+
+
+def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
+    """A DeepseekV4ForCausalLM checkpoint's tensor names (DeepSeek's own, :data:`ORIGINAL_NAMES`, or
+    transformers', with or without ``model.``) as the decoder reads them: its layers' in Llama's form
+    (the attention under ``self_attn`` by transformers' names, the hyper-connections as they are),
+    the hash table and stacked experts by :data:`V4_NAMES`, per-expert w1 / w3 / w2 as gate / up /
+    down, the head's streams collapse as the decoder's ``hc_head``."""
+    def renamed(name: str) -> Optional[str]:
+        bare = name[len("model."):] if name.startswith("model.") else name
+        if bare in TOP_NAMES or name == "lm_head.weight":
+            return TOP_NAMES.get(bare, name)
+        if not bare.startswith("layers."):
+            return name
+        for pattern, to in ORIGINAL_NAMES:
+            bare = re.sub(pattern, to, bare)
+        _, layer, rest = bare.split(".", 2)
+        return f"model.layers.{layer}.{V4_NAMES.get(rest, rest)}"
+    return renamed
+
+
+KIND = register(LayerKind(
+    "compressed", Compressed, module="kvbench.layouts.compressed_attention:CompressedAttention",
+    layer_types=(CSA, HCA), named=True, claims=(SLIDING,), cache="kvbench.layouts.compressed_attention:CompressedCache",
+    label="v4", title="DeepSeek-V4 compressed attention", build=build, param_count=param_count,
+    hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names,
+    examples={"csa_hca": ("model=tiny", "model.num_layers=3", "attention.window=6",
+                          f"attention.layer_types=[{SLIDING},{CSA},{HCA}]",
+                          f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:4,{HCA}:8}}}}}}")}))

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.layouts.compressed import Compressed, Rope
+from kvbench.layouts.compressed_layout import Compressed, Rope
 
 
 class V4RMSNorm(nn.Module):
@@ -60,7 +60,8 @@ def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
     """(dim / 2,) float32 inverse frequencies as transformers computes them (its default and yarn
     paths, float32 throughout; yarn's ramp between whole correction dimensions)."""
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    # on the CPU whatever the default device: a decoder built on the meta device keeps these values
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
     if rope.type == "default":
         return 1.0 / pos_freqs
 
@@ -70,7 +71,7 @@ def rope_inv_freq(rope: Rope, dim: int) -> torch.Tensor:
     low = max(math.floor(correction_dim(rope.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
     high = high + 0.001 if low == high else high
-    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
@@ -114,7 +115,8 @@ class CompressedCache:
                  device: torch.device | str = "cpu"):
         self.layout, self.max_seq_len, self.length = layout, max_seq_len, 0
         B, m = batch_size, layout.compress_rate
-        self.ring = torch.zeros(B, layout.window, layout.head_dim, dtype=dtype, device=device)
+        # slot p % W: a cache shorter than the ring holds p < max_seq_len at p (as a K/V ring's does)
+        self.ring = torch.zeros(B, min(layout.window, max_seq_len), layout.head_dim, dtype=dtype, device=device)
         self.pools: Dict[str, Pool] = {}
         if layout.compresses:
             self.pools["compressor"] = Pool(B, max_seq_len // m, layout.head_dim, m, layout.indexed, dtype, device)
@@ -161,6 +163,10 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
+
+    def fixed_view(self, length: int):
+        raise ValueError("a DeepSeek-V4 layer's ring and pool have no fixed-shape view (the step reads a context "
+                         "bucket of K/V); use runtime.compile=false|default")
 
 
 class Compressor(nn.Module):
@@ -266,6 +272,8 @@ class CompressedAttention(nn.Module):
     arguments; ``cos`` and ``sin`` are unused: V4 rotates interleaved pairs at its own two bases."""
 
     HF_MODULE = "self_attn"
+    HF_NAMES: Dict[str, str] = {}  # transformers' own names below self_attn
+    HF_FUSED: Dict[str, Tuple[str, ...]] = {}
 
     def __init__(self, cfg, a: Compressed):
         super().__init__()
@@ -291,13 +299,14 @@ class CompressedAttention(nn.Module):
 
     def _rope(self, inv_freq: torch.Tensor, factor: float):
         def tables(positions: torch.Tensor, dtype: torch.dtype):
-            freqs = positions[None, :, None].float() * inv_freq  # (1, T, R / 2)
+            freqs = positions[None, :, None].float() * inv_freq.to(positions.device)  # (1, T, R / 2)
             return (freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype)
         return tables
 
     def forward(self, x, cos, sin, cache: Optional[CompressedCache], pos):
         B, T, _ = x.shape
         a, H, D = self.layout, self.H, self.D
+        cache = cache if isinstance(cache, CompressedCache) else None  # the decoder's Uncached: nothing kept
         start = 0 if cache is None else pos.start
         qpos = torch.arange(start, start + T, device=x.device)
         main = a.compress_rope if a.compresses else a.rope

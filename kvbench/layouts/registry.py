@@ -30,7 +30,8 @@ A kind's facets, each optional where the kind has nothing to say:
   suite (``tests/test_layer_kinds.py``) checks.
 - hooks (``None``: nothing to do): ``build(model, attention, window) -> LayerLayout`` (its layout
   for a layer of ``model`` under a resolved ``attention``, ``window`` the layer's own or None; a kind
-  whose shape a checkpoint gives takes it from ``model.layer_shapes[name]`` and may ignore the rest),
+  whose shape a checkpoint gives takes it from ``model.layer_shapes[name]`` and may ignore the rest;
+  a ``named`` kind's also takes the layer's type),
   ``check_model(model)`` (its own ``model.*`` fields checked, each refusal naming its key),
   ``hf_fields(cfg, arch, keys) -> dict`` (the ModelConfig fields the config.json contents ``cfg`` of
   one of its ``architectures`` give, each field's key added to ``keys`` as
@@ -41,6 +42,12 @@ A kind's facets, each optional where the kind has nothing to say:
   -> int`` (its parameters per layer), ``remake(layers, model, attention) -> layers`` (the built
   layers with those of this kind that another kind's build made in its place: a model's global layers of
   a shape of their own, :mod:`kvbench.layouts.global_heads`; each layout object replaced once).
+- ``named``: its layers are chosen by their layer type alone, whatever ``attention.type`` (a
+  recurrent kind's are too); ``claims``: another kind's layer types it builds in a pattern that
+  names one of its own (DeepSeek-V4's sliding_attention beside its compressed layers).
+- ``cache``: the cache class of a layer that keeps more than positions of K/V (a ring beside a pool
+  and buffers), ``"package.module:Class"`` built as ``Class(layout, batch_size, max_seq_len, dtype,
+  device)`` for ``cache.impl=static`` (:func:`kvbench.cache.layer_cache`); "": the K/V stores.
 - ``hf_architectures``: the transformers classes whose WHOLE config.json its home reads (a model that
   is not a Llama-form decoder with this kind beside it, as Nemotron-H is; ``architectures`` is for a
   kind's own keys inside a Llama-form file): ``hf_model_fields(cfg, arch)`` gives every ModelConfig
@@ -125,6 +132,9 @@ class LayerKind:
     hf_names: Optional[Callable[..., Callable[[str], Optional[str]]]] = None
     remake: Optional[Callable[..., Any]] = None
     beside_latent: bool = False
+    named: bool = False
+    claims: Tuple[str, ...] = ()
+    cache: str = ""
 
 
 _KINDS: Dict[str, LayerKind] = {}
@@ -191,6 +201,12 @@ def recurrent_layer_types() -> Tuple[str, ...]:
     return tuple(t for kind in _KINDS.values() if kind.recurrent for t in kind.layer_types)
 
 
+def named_layer_types() -> Tuple[str, ...]:
+    """The ``layer_types`` names of every kind chosen by its layer type alone (recurrent or ``named``),
+    each a word of a variant's label."""
+    return tuple(t for kind in _KINDS.values() if kind.recurrent or kind.named for t in kind.layer_types)
+
+
 def layer_types() -> Tuple[str, ...]:
     """Every ``layer_types`` name a registered kind takes, in registration order."""
     return tuple(t for kind in _KINDS.values() for t in kind.layer_types)
@@ -209,10 +225,15 @@ def attention_kind(type_: Optional[str]) -> Optional[LayerKind]:
 
 def layer_kind(attention: Any, layer_type: str) -> LayerKind:
     """The kind of a layer that ``layer_types`` calls ``layer_type`` under a resolved ``attention``:
-    a recurrent kind by its name alone, an attention layer's by ``attention.type`` (a latent or
-    K/V-head layer may both be full or sliding)."""
+    a recurrent or ``named`` kind by its name alone, one that ``claims`` it where the pattern names
+    that kind's own layers, an attention layer's by ``attention.type`` (a latent or K/V-head layer
+    may both be full or sliding)."""
     kind = by_layer_type(layer_type)
-    return kind if kind.recurrent else attention_kind(attention.type) or kind
+    if kind.recurrent or kind.named:
+        return kind
+    pattern = set(getattr(attention, "layer_types", None) or ())
+    owner = next((k for k in _KINDS.values() if layer_type in k.claims and pattern & set(k.layer_types)), None)
+    return owner or attention_kind(attention.type) or kind
 
 
 def resolve(hook: Union[str, Callable[..., Any]]) -> Any:

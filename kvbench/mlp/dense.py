@@ -19,8 +19,9 @@ class MLP(nn.Module):
 
     HF_FUSED = {"gate_up_proj.weight": ("w_gate.weight", "w_up.weight")}
 
-    def __init__(self, cfg, ffn_dim: Optional[int] = None):
+    def __init__(self, cfg, ffn_dim: Optional[int] = None, limit: Optional[float] = None):
         super().__init__()
+        self.limit = limit  # DeepSeek-V4's shared expert: gate clamped above, up to +-limit
         width, bias = (cfg.ffn_dim, cfg.mlp_bias) if ffn_dim is None else (ffn_dim, False)
         act = getattr(cfg, "mlp_act", "silu")
         self.gated, self.act = act != "relu2", partial(F.gelu, approximate="tanh") if act == "gelu_tanh" else F.silu
@@ -32,4 +33,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if not self.gated:
             return self.w_down(F.relu(self.w_up(x)).square())
-        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+        if self.limit is None:
+            return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate(x).clamp(max=self.limit), self.w_up(x).clamp(min=-self.limit, max=self.limit)
+        return self.w_down(self.act(gate) * up)

@@ -27,7 +27,7 @@ from kvbench.mlp.router import route
 
 def mlp_module(cfg, layer: int) -> nn.Module:
     """Layer ``layer``'s MLP in ``cfg`` (a ModelConfig): its mixture of experts, or the dense SwiGLU."""
-    return MoE(cfg) if cfg.moe is not None and cfg.moe.sparse(layer) else MLP(cfg)
+    return MoE(cfg, layer in cfg.moe.hash_layers) if cfg.moe is not None and cfg.moe.sparse(layer) else MLP(cfg)
 
 
 def _eager(method):
@@ -89,9 +89,10 @@ class Experts(nn.Module):
         limit = self.moe.swiglu_limit
         if limit is None:
             return F.silu(gate) * up
-        # GPT-OSS (transformers' GptOssExperts): clamped, a sigmoid gain alpha, and (up + 1)
+        # GPT-OSS (transformers' GptOssExperts): clamped, a sigmoid gain alpha, and (up + 1); DeepSeek-V4:
+        # clamped only (alpha 1, shift 0)
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.moe.swiglu_alpha))
+        return (up + self.moe.swiglu_up_shift) * (gate * torch.sigmoid(gate * self.moe.swiglu_alpha))
 
     @_eager  # the loop follows the routing: torch.compile would recompile per routing
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -122,30 +123,38 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """A mixture-of-experts MLP: router, routed experts, and an optional shared expert every token
-    also goes through (sigmoid-gated with ``shared_gate``)."""
+    also goes through (sigmoid-gated with ``shared_gate``). ``hashed`` (DeepSeek-V4's hash layers):
+    a token's experts are row ``token id`` of ``tid2eid`` (vocab, k), a table the checkpoint gives."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, hashed: bool = False):
         super().__init__()
         moe, C = cfg.moe, cfg.d_model
         self.moe = moe
         self.router = nn.Linear(C, moe.num_experts, bias=moe.router_bias)
-        if moe.router == "sigmoid":  # DeepSeek-V3's e_score_correction_bias: moves the choice, not the weights
-            self.register_buffer("correction_bias", torch.zeros(moe.num_experts))
-        else:
-            self.correction_bias = None
+        # DeepSeek's e_score_correction_bias moves the choice, not the weights; a hashed layer's table makes it
+        biased = moe.router in ("sigmoid", "sqrtsoftplus") and not hashed
+        self.register_buffer("correction_bias", torch.zeros(moe.num_experts) if biased else None)
+        self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, moe.top_k, dtype=torch.long) if hashed else None)
         self.experts = Experts(C, moe, getattr(cfg, "mlp_act", "silu") == "silu")
-        self.shared = MLP(cfg, moe.shared_ffn_dim) if moe.shared_ffn_dim else None
+        self.shared = MLP(cfg, moe.shared_ffn_dim, moe.swiglu_limit) if moe.shared_ffn_dim else None
         self.shared_gate = nn.Linear(C, 1, bias=False) if moe.shared_gate else None
         self.log: Optional[List[int]] = None  # distinct experts per forward, while record_routing runs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, C); ``tokens`` (B, T): their ids, which a hashed layer routes by."""
         B, T, C = x.shape
         flat = x.reshape(B * T, C)
         if self.moe.router == "sigmoid":  # DeepSeek computes its router in float32 whatever the model's dtype
             logits = F.linear(flat.float(), self.router.weight.float())
         else:
             logits = self.router(flat)  # (N, E)
-        weights, chosen = route(self.moe, logits, self.correction_bias)
+        if self.tid2eid is None:
+            weights, chosen = route(self.moe, logits, self.correction_bias)
+        elif tokens is None:
+            raise ValueError("a hash-routed mixture of experts (DeepSeek-V4's) chooses experts by token id: "
+                             "the decoder must pass the tokens")
+        else:
+            weights, chosen = route(self.moe, logits, None, self.tid2eid[tokens.reshape(-1)])
         out, distinct = self.experts(flat, weights, chosen)
         if self.log is not None:
             self.log.append(distinct)

@@ -1,5 +1,5 @@
 """Routing a token to its top-k experts, as transformers' routers of each family compute it
-(the three kinds of :data:`kvbench.config.moe.ROUTERS`).
+(the kinds of :data:`kvbench.config.moe.ROUTERS`).
 
 Notation: N tokens, E experts, k experts per token, G groups of E / G experts.
 """
@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
-def route(moe, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None
-          ) -> Tuple[torch.Tensor, torch.Tensor]:
+def route(moe, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None,
+          hashed: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits (N, E) -> (weights (N, k), experts (N, k)); ``correction_bias`` (E,): the sigmoid
-    router's bias on the choice, not on the weights."""
+    and sqrtsoftplus routers' bias on the choice, not on the weights; ``hashed`` (N, k): the experts
+    a token-id table chose (DeepSeek-V4's hash layers), weighed by the scores all the same."""
     k = moe.top_k
     if moe.router == "softmax_topk":  # GPT-OSS: the softmax over the k best logits only
         top, experts = logits.topk(k, dim=-1)
@@ -25,16 +27,19 @@ def route(moe, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = N
     if moe.router == "sigmoid":  # DeepSeek-V3: in float32, its router's precision
         scores = logits.float().sigmoid()
         choice = scores + correction_bias.float()
+    elif moe.router == "sqrtsoftplus":  # DeepSeek-V4: in its logits' dtype, as transformers scores them
+        scores = F.softplus(logits).sqrt()
+        choice = scores if hashed is not None else scores + correction_bias.to(scores.dtype)
     else:
         scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
     if moe.n_group > 1:
         choice = _best_groups(moe, choice)
-    experts = choice.topk(k, dim=-1)[1]
+    experts = hashed if hashed is not None else choice.topk(k, dim=-1)[1]
     weights = scores.gather(1, experts)
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * moe.routed_scaling_factor
-    # Qwen and DeepSeek-V2 weigh in the logits' dtype; DeepSeek-V3 keeps its router's float32.
+    # Qwen, DeepSeek-V2 and V4 weigh in the logits' dtype; DeepSeek-V3 keeps its router's float32.
     return (weights if moe.router == "sigmoid" else weights.to(logits.dtype)), experts
 
 

@@ -1,0 +1,144 @@
+"""DeepSeek-V4 checkpoints through kvbench's loader (model.path) into kvbench's own decoder, exact against
+transformers' DeepseekV4ForCausalLM with random weights: its three layer types (sliding, CSA m = 4, HCA
+m' = 8), the hyper-connection residual streams, a hash-routed then learned mixture of experts with its
+clamped SwiGLU and shared expert, query and output LoRA, the compressed branch's rotary base. Logits and
+perplexity within 1e-5 relative, 40 greedy cached steps after a 21-token prompt (no multiple of 4 or 8:
+the compressors' buffers carry across the prefill and the steps) token-equal to generate, the parameter
+count transformers' own, task=eval's perplexity transformers'; DeepSeek's own tensor names and
+transformers' load alike; what the reader refuses, one line naming the key."""
+
+import json
+
+import pytest
+import torch
+from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
+
+from kvbench.cache import cache_for
+from kvbench.checkpoint import load_llama_dir
+from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.core.errors import ConfigError
+from kvbench.footprint import parameter_counts
+from kvbench.generate import greedy_generate
+from kvbench.layouts.compressed import CSA, HCA, SLIDING, hf_names
+from kvbench.mlp.experts import MoE
+
+VOCAB = 256  # the byte corpus of task=eval
+# 4 heads of 32 (rope on the last 8), q LoRA 24, output LoRA 2 groups of 16, a ring of 6, CSA m = 4 with
+# 16 indexer heads of 16 keeping the top 3, HCA m' = 8, 2 residual streams, 4 experts (2 per token) of 32
+V4 = dict(vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+          q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4, sliding_window=6, hc_mult=2, o_groups=2,
+          o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3, partial_rotary_factor=0.25,
+          initializer_range=0.1, num_hidden_layers=3, layer_types=[SLIDING, CSA, HCA],
+          mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 8}, max_position_embeddings=256,
+          swiglu_limit=0.5)
+
+pytestmark = pytest.mark.usefixtures("quiet_transformers", "one_torch_thread")
+
+
+def v4_dir(path):
+    """A random DeepseekV4ForCausalLM saved with save_pretrained (DeepSeek's own tensor names); (dir, model).
+    The weights transformers starts at 0 or 1 (sinks, position biases, norms, the hash table, the
+    correction bias) moved off them, so that each one counts; a SwiGLU limit the activations reach."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    hf = DeepseekV4ForCausalLM(DeepseekV4Config(**V4)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.normal_()
+            elif name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+        for layer in hf.model.layers:
+            if layer.mlp.is_hash:
+                layer.mlp.gate.tid2eid.copy_(torch.randint(0, 4, layer.mlp.gate.tid2eid.shape))
+            else:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # every step whatever is drawn
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path, hf = v4_dir(tmp_path_factory.mktemp("v4"))
+    return path, hf, load_llama_dir(path)[0]
+
+
+@torch.no_grad()
+def test_a_deepseek_v4_checkpoint_is_transformers_in_logits_perplexity_and_40_greedy_cached_steps(loaded):
+    path, hf, model = loaded
+    assert [lay.layer_type for lay in model.layouts] == [SLIDING, CSA, HCA]
+    assert [lay.compress_rate for lay in model.layouts] == [0, 4, 8] and model.layouts[1].index_topk == 3
+    assert model.config.hyper_connections.streams == 2 and model.hc_head is not None
+    assert [block.mlp.tid2eid is not None for block in model.blocks] == [True, False, False]
+    assert all(isinstance(block.mlp, MoE) for block in model.blocks)
+    assert model.num_params() == hf.num_parameters()
+    # counted from the config alone (its sliding layer a V4 one, not a K/V-head layer), as task=inspect does
+    assert parameter_counts(model.config, model.attention).total == hf.num_parameters()
+
+    tokens = torch.randint(0, VOCAB, (2, 61), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.5
+    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
+    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
+
+    prompt = tokens[:, :21]  # 5 CSA windows and 2 HCA windows closed, a remainder buffered in each
+    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens  # (2, 41)
+    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
+    assert torch.equal(got, want)
+    assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
+
+
+@torch.no_grad()
+def test_transformers_tensor_names_load_as_deepseeks_own(loaded, tmp_path):
+    """The same weights under transformers' own names (its state dict: stacked experts, ``self_attn``,
+    ``attn_hc``, ``mlp.gate.tid2eid``) give the same decoder; every name of either spelling is read."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, hf, model = loaded
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "model.safetensors")
+    again = load_llama_dir(tmp_path)[0]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    with safe_open(path / "model.safetensors", "pt") as f:
+        original = list(f.keys())
+    assert any(".ffn.experts.0.w1." in name for name in original)  # DeepSeek's own spelling was read above
+    renamed = hf_names(json.loads((path / "config.json").read_text()))
+    assert all(renamed(name) is not None for name in [*original, *hf.state_dict()])
+
+
+def test_task_eval_of_a_deepseek_v4_checkpoint_is_transformers_perplexity(loaded, tmp_path):
+    """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
+    relative of transformers' over the same slices of the byte corpus (windows of 40: longer than the
+    ring and than several m')."""
+    from kvbench.quality.train import run_eval
+
+    path, hf, _ = loaded
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    model = ModelConfig(path=str(path))
+    assert model.preset_layer_types == [SLIDING, CSA, HCA] and model.moe.hash_layers == [0]
+    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=40, batch_size=2)
+    metrics = run_eval(cfg, torch.device("cpu"))
+    assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
+
+
+@pytest.mark.parametrize("change,line", [
+    ({"scoring_func": "softmax"}, "scoring_func='softmax': "),
+    ({"n_shared_experts": 2}, "n_shared_experts=2: "),
+    ({"attention_bias": True}, "attention_bias=True: "),
+    ({"hc_mult": 0}, "hc_mult=0: "),
+    ({"swiglu_limit": "10"}, "swiglu_limit='10': "),
+    ({"mlp_layer_types": ["hash_moe", "dense", "moe"]}, "mlp_layer_types=['hash_moe', 'dense', 'moe']: "),
+])
+def test_a_deepseek_v4_config_json_it_cannot_run_is_refused_in_one_line_naming_the_key(loaded, tmp_path, change,
+                                                                                      line):
+    path, _, _ = loaded
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    edit_config_json(tmp_path, **change)
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(path=str(tmp_path))
+    message = str(info.value)
+    assert "\n" not in message and line in message, message
