@@ -57,6 +57,9 @@ def group_options():
 def test_every_conf_file_composes_and_validates(group, option, tmp_path):
     hydra_node = group == "experiment" or group.startswith("hydra/")
     extra = []
+    folder = option.split("/")[0] if group == "attention" and "/" in option else None
+    if folder in ("choose", "recall"):  # an experiment's own variant: it names that experiment's model's layers
+        extra, hydra_node = [f"experiment={folder}"], True
     if option in ("hf_dir", "llama_dir"):  # needs a checkpoint to read its shape from
         extra = [f"model.path={llama_dir(tmp_path, num_kv_heads=2)[0]}", "workload.prompt_len=16",
                  "workload.gen_len=8"]

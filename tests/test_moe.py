@@ -461,14 +461,18 @@ def test_a_compiled_fixed_shape_step_is_refused_for_a_mixture_of_experts():
 @pytest.mark.e2e
 def test_a_mixture_of_experts_compiles_with_dynamic_shapes_and_decodes_as_eager():
     """runtime.compile=default: the experts' loop runs eagerly between compiled graphs (it follows the
-    routing), the tokens are eager's and a second generation compiles nothing new."""
-    model = _small_moe_decoder()
+    routing), the tokens are eager's and a second generation compiles nothing new. Two MoE layers
+    and no dense one: a dense block beside them is a second block type, whose guards recompile the
+    block's graphs (14 graphs instead of 11), and 4 new tokens reach the dynamic decode graph as 6 do."""
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(num_layers=2, d_model=C, num_heads=4, preset_kv_heads=4, ffn_dim=48, vocab_size=VOCAB,
+                                max_seq_len=64, moe={"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16})).eval()
     prompt = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
-    eager = greedy_generate(model, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True)
+    eager = greedy_generate(model, prompt, 4, cache_for(model, "static", 2, 20), keep_logits=True)
     compiled, step = compiled_step("default", model, torch.device("cpu"))
-    first = greedy_generate(compiled, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
+    first = greedy_generate(compiled, prompt, 4, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
     graphs = compiled_graphs()
-    again = greedy_generate(compiled, prompt, 6, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
+    again = greedy_generate(compiled, prompt, 4, cache_for(model, "static", 2, 20), keep_logits=True, step=step)
     assert torch.equal(first.tokens, eager.tokens) and torch.equal(again.tokens, eager.tokens)
     assert (first.logits - eager.logits).abs().max().item() <= 1e-5 and compiled_graphs() == graphs
 

@@ -307,15 +307,15 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
                          "any one position's")
         stateful = [label for label, r in rows.items() if r["state"]]
         if stateful:
-            notes.append(f"{STATE}: what a sequence of {', '.join(stateful)} holds whatever its length (its Gated "
-                         f"DeltaNet layers' recurrent states and convolution tails); {KV_PER_TOKEN} counts it over "
+            notes.append(f"{STATE}: what a sequence of {', '.join(stateful)} holds whatever its length (its recurrent "
+                         f"layers' states and convolution tails); {KV_PER_TOKEN} counts it over "
                          "the sequence's positions, so it falls as the context grows towards the full layers' "
                          "K/V per token, and at short contexts the state is most of a sequence's cost")
         beyond = [label for label, r in rows.items() if r["beyond_heads"]]
         if beyond:
             notes.append(f"memory ample counts KV heads, the article's stand-in for quality; it cannot rank "
                          f"{', '.join(beyond)} (MLA caches one head per token in the absorbed decode; a local "
-                         "layer sees only its last W positions; a Gated DeltaNet layer keeps a fixed-size state, "
+                         "layer sees only its last W positions; a recurrent layer keeps a fixed-size state, "
                          "not the tokens): "
                          "their quality is the recall column where this sweep has task=recall records "
                          "(experiment=recall), and is not measured otherwise")

@@ -88,7 +88,7 @@ METRICS: Dict[str, Metric] = metric_table(
                           "layer's ring stops at W, so such a layout's figure is that of this length, and falls as "
                           "the context grows"),
     Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (the layouts' "
-           "formula: a Gated DeltaNet layer's recurrent state and convolution tail; 0 for K/V layers), included in "
+           "formula: each recurrent layer's state and convolution tail; 0 for K/V layers), included in "
            "kv_bytes_per_token's sequence"),
     Metric("kv_bytes_per_token_positions", "tokens", "the positions of one sequence kv_bytes_per_token is taken at: "
                                     "the longest context + workload.gen_len (a chat: a conversation's positions)"),

@@ -81,7 +81,7 @@ METRICS: Dict[str, Metric] = metric_table(
                               "bytes_per_element"),
     Metric("<v>_kv_bytes_ctx<C>", "bytes", "the KV formula for one sequence holding C positions (a local layer "
                                            "holds min(C, W)); the table has every context"),
-    Metric("<v>_kv_state_bytes", "bytes", "what one sequence holds whatever its context (a Gated DeltaNet layer's "
+    Metric("<v>_kv_state_bytes", "bytes", "what one sequence holds whatever its context (each recurrent layer's "
                                           "state and convolution tail; 0 for K/V layers), inside kv_bytes_ctx<C>"),
     Metric("<v>_kv_bytes_per_1k_ctx", "bytes per 1,000 tokens of context",
            "what the KV formula adds per 1,000 positions from the shortest context to the longest: the bytes "

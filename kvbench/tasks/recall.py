@@ -58,8 +58,8 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("kv_bytes_per_token", "bytes", "KV cache of one position of one sequence: a static cache of the trained "
            "model in cache.dtype (its layout's formula, the scales counted) less its per-sequence state, over its "
            "length"),
-    Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (a Gated DeltaNet "
-           "layer's recurrent state and convolution tail; 0 for K/V layers): the layouts' formula"),
+    Metric("kv_state_bytes_per_sequence", "bytes", "what one sequence holds whatever its length (each recurrent "
+           "layer's state and convolution tail; 0 for K/V layers): the layouts' formula"),
     Metric("decode_ms_p50", "ms", f"median of the batch-1 decode steps at the last {DECODE_STEPS} positions of the "
            "longest recall.seq_len (a prefill of the positions before them and one warm-up step first; "
            "timing_method), the last seed's model"),
