@@ -226,7 +226,7 @@ HF_DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 16, "
      "Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
      "DeepseekV32ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM, "
      "Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3MoeForCausalLM, GptOssForCausalLM, "
-     "NemotronHForCausalLM, GraniteMoeHybridForCausalLM)"),
+     "KimiLinearForCausalLM, NemotronHForCausalLM, GraniteMoeHybridForCausalLM)"),
     ({"num_local_experts": 8}, "num_local_experts=8: mixture-of-experts is not supported"),
     ({"vision_config": {"hidden_size": 8}}, "vision_config={'hidden_size': 8}: multimodal checkpoints"),
     ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
