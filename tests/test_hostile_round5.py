@@ -170,8 +170,8 @@ HYBRID = "attention.layer_types=[linear_attention,linear_attention,linear_attent
 # every registered recurrent kind's layer type is named (Gated DeltaNet's, Mamba-2's)
 @pytest.mark.parametrize("overrides, says", [
     (["workload.state_checkpoint=every_n", "workload.state_checkpoint_tokens=32"],
-     "no linear_attention or mamba layer"),
-    (["workload.state_checkpoint=prompt_end"], "no linear_attention or mamba layer"),
+     "no linear_attention or kda or mamba layer"),
+    (["workload.state_checkpoint=prompt_end"], "no linear_attention or kda or mamba layer"),
     (["workload.state_checkpoint=prompt_end", HYBRID, "workload.prefix_caching=false"],
      "workload.prefix_caching=false"),
 ])

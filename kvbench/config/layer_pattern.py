@@ -264,4 +264,4 @@ def _linear_layers(attention: Any, model: Any, window: Optional[int],
         return types if "sliding_attention" in types else None
     check(not window, "attention.full_attention_interval", k, f"beside a window (attention.window={window}): list "
           "which layers are sliding, full and linear in attention.layer_types (or set attention.window=0)")
-    return interval_layer_types(k, model.num_layers)
+    return interval_layer_types(k, model.num_layers, attention.interval_type)

@@ -294,6 +294,9 @@ class AttentionConfig:
     # layer full attention, the others linear (Qwen3.5, Qwen3-Next: 4); 0: none; null: the model's own
     # (model.preset_layer_types). layer_types may list linear_attention layers instead.
     full_attention_interval: Optional[int] = None
+    # the recurrent layer type full_attention_interval's other layers are (null: linear_attention, Gated
+    # DeltaNet's; kda, mamba: another recurrent kind's, as compare's :a<k> and :m<k> ask)
+    interval_type: Optional[str] = None
     # Learned attention sinks (GPT-OSS): one logit per query head joins every softmax, taking
     # weight from the keys at no cache cost. null: the model's own (model.preset_sinks).
     sinks: Optional[bool] = None
@@ -328,6 +331,11 @@ class AttentionConfig:
         check(self.full_attention_interval is None or self.full_attention_interval >= 0,
               "attention.full_attention_interval", self.full_attention_interval,
               "must be >= 0 (0: no linear layer; k: every k-th layer full attention, the others linear) or null")
+        recurrent = recurrent_layer_types()
+        check(self.interval_type is None or self.interval_type in recurrent, "attention.interval_type",
+              self.interval_type, f"must be a recurrent kind's layer type ({', '.join(recurrent)}) or null")
+        check(self.interval_type is None or self.full_attention_interval is not None, "attention.interval_type",
+              self.interval_type, "says which layers attention.full_attention_interval makes, and it is null")
         for kind in registered():  # a kind's own fields are null unless its type is asked
             for name in kind.shape_keys if self.type not in kind.attention_types else ():
                 check(getattr(self, name) is None, f"attention.{name}", getattr(self, name),
@@ -352,7 +360,7 @@ class AttentionConfig:
         """This layout (its KV heads or latent, sinks) with every layer full attention whatever the
         model's own pattern: no window, no Gated DeltaNet layer, no layer reading another's K/V."""
         return replace(self, window=0, global_every=None, layer_types=None, full_attention_interval=0,
-                       kv_shared_layers=0)
+                       interval_type=None, kv_shared_layers=0)
 
     def as_asked(self) -> "AttentionConfig":
         """A new, unresolved config of the fields this one asks for its type (a kind's own shape only

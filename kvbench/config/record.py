@@ -45,5 +45,7 @@ def attention_record(attention: Dict[str, Any]) -> Dict[str, Any]:
             unused.update((option.key, *option.with_keys))
     if attention.get("full_attention_interval") is None:
         unused.add("full_attention_interval")
+    if attention.get("interval_type") is None:  # Gated DeltaNet's, as every record before the key
+        unused.add("interval_type")
     unused.update(unused_pattern_keys(attention))
     return {k: v for k, v in attention.items() if k not in unused}

@@ -377,5 +377,5 @@ KIND = register(LayerKind(
     label="kda", title="KDA", letters={"a": "full_attention_interval"}, build=build,
     unfuse="kvbench.layouts.kda_mixer:unfuse", hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields,
     hf_names=hf_names, beside_latent=True,
-    examples={"kda": ("model=tiny", "attention.layer_types=[kda,full_attention]"),
-              "kimi": ("model=tiny", "attention=mla", "attention.layer_types=[kda,full_attention]")}))
+    # Kimi Linear's form: KDA beside latent layers (beside K/V heads: tests/workloads/test_kda_tasks.py)
+    examples={"kimi": ("model=tiny", "attention=mla", "attention.layer_types=[kda,full_attention]")}))

@@ -121,24 +121,25 @@ PER_POSITION = 2 * 2 * D * 4  # a full layer's K and V, 2 KV heads (gqa), float3
 
 
 def test_bench_runs_a_kda_hybrid_and_allocates_its_formula(tmp_path):
-    record = run_job(compose(*TINY, "attention=gqa", KDA_EVERY_3, "workload.gen_len=4"), tmp_path)
+    record = run_job(compose(*TINY, "attention=gqa", KDA_EVERY_3, "workload.prompt_len=70", "workload.gen_len=4"),
+                     tmp_path)
     assert record.status == "ok", record.error
     m = record.metrics
-    # one sequence of 512 + 4 positions: 2 full layers' K/V, 4 KDA states
-    assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == STATE + 2 * PER_POSITION * 516
+    # one sequence of 70 + 4 positions (a prompt past the delta rule's chunk): 2 full layers' K/V, 4 KDA states
+    assert m["kv_cache_bytes"] == m["kv_cache_bytes_formula"] == STATE + 2 * PER_POSITION * 74
 
 
 def test_compare_takes_a_kda_variant_whose_kv_grows_with_its_full_layers_only(tmp_path):
     """compare's :a<k>: every k-th layer full attention, the others KDA (its weights drawn from the seed)."""
-    cfg = compose(*TINY, "task=compare", "model.max_seq_len=64", "compare.variants=[gqa,gqa:a3]",
+    cfg = compose(*TINY, "model.num_layers=3", "task=compare", "model.max_seq_len=64", "compare.variants=[gqa,gqa:a3]",
                   "compare.contexts=[4,8,16]", "compare.steps=1", "runtime.repeats=2", "workload.batch_size=2")
     compared = run_job(cfg, tmp_path)
     assert compared.status == "ok", compared.error
     gqa, hybrid = compared.tables["compare"]
-    assert (hybrid["layout"], hybrid["variant"]) == ("gqa kv=2 kda 2:1", "gqa_kv2_kda_2to1")
-    assert gqa["kv_bytes_per_token"] == L * PER_POSITION and hybrid["kv_bytes_per_token"] == 2 * PER_POSITION
+    assert (hybrid["layout"], hybrid["variant"]) == ("gqa kv=2 kda 2:1", "gqa_kv2_kda_2to1")  # layers 0, 1 KDA
+    assert gqa["kv_bytes_per_token"] == 3 * PER_POSITION and hybrid["kv_bytes_per_token"] == PER_POSITION
     for ctx in (4, 8, 16):
-        assert hybrid[f"kv_bytes_ctx{ctx}"] == STATE + 2 * PER_POSITION * ctx
+        assert hybrid[f"kv_bytes_ctx{ctx}"] == STATE // 2 + PER_POSITION * ctx
 
 
 def test_capacity_counts_a_kda_state_per_sequence_and_the_full_layers_per_position():
