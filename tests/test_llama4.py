@@ -186,3 +186,14 @@ def test_compare_reads_a_chunk_by_its_letter():
     assert (chunked.chunk, chunked.window, windowed.chunk) == (8, 8, 0)
     assert variant_label(chunked, num_layers=4) == "gqa kv=2 w=8 1:1 chunk=8"
     assert [type(layer).__name__ for layer in build_layouts(model, chunked)] == ["ChunkedKVHeads", "KVHeads"] * 2
+
+
+def test_a_llama4_config_json_is_read_with_its_own_context_unless_capped(llama4):
+    """The rotary table's rows: max_position_embeddings, or the cap a run gives (a checkpoint of 10M
+    positions, as Scout's card claims, would otherwise hold 10M rows)."""
+    import json
+
+    path, _ = llama4
+    cfg = json.loads((path / "config.json").read_text())
+    assert ModelConfig.from_hf_config(cfg).max_seq_len == 128
+    assert ModelConfig.from_hf_config(cfg, max_seq_len=64).max_seq_len == 64

@@ -132,7 +132,8 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
         accepted = [*HF_ARCHITECTURES, *(a for kind in registered() for a in kind.hf_architectures)]
         raise ConfigError(f"{where}: architectures={archs!r}: not supported (accepted: {', '.join(accepted)})")
     if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_model_fields)
-        return {**by_architecture(arch).hf_model_fields(cfg, arch), "weights_stored": weights_stored(cfg)}, {}
+        capped = {"max_seq_len": max_seq_len} if max_seq_len else {}  # the rotary table's rows, as below
+        return {**by_architecture(arch).hf_model_fields(cfg, arch), **capped, "weights_stored": weights_stored(cfg)}, {}
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
     # a multimodal checkpoint's language model, its keys named where they are; its tying and weights' format the top's

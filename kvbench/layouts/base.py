@@ -401,8 +401,8 @@ class Layouts(tuple):
     def kind_notes(self) -> List[str]:
         """What inspect says before its table of kinds of layer (none: no such table)."""
         shared = sum(layer.kv_source is not None for layer in self)
-        return ((["sliding window: a local layer holds min(seq_len, W) positions (a ring of W)"]
-                 if self.caps_positions() else [])
+        return ((["sliding window: a local layer holds min(seq_len, W) positions (a ring of W)"]  # not a chunk's
+                 if any(layer.retention[0] == 1 for layer in self.unique()) else [])
                 + ([f"cross-layer KV sharing: the last {shared} layers read the K/V of the last earlier layer of their "
                     "kind and hold none"] if shared else [])
                 + list(dict.fromkeys(layer.note for layer in self if layer.note)))

@@ -119,7 +119,12 @@ class Chunked(LayerLayout):
                       "per chunked layer, refilled from its first slot at each chunk) or none"),
                 Limit("runtime.compile", ("false", "default"),
                       f"is not supported with chunked attention (attention.chunk={C}): the fixed-shape step reads a "
-                      "context bucket, a chunk's ring is read to its own length; use false or default"))
+                      "context bucket, a chunk's ring is read to its own length; use false or default"),
+                # a shared prefix's history counts positions from the prefix's end, and a chunk starts at a
+                # multiple of C of the whole sequence's
+                Limit("cache.shared", (False, None), f"is not built with chunked attention (attention.chunk={C}): "
+                      "a conversation's history after a shared prefix would chunk from the prefix's end; use "
+                      "cache.shared=false"))
 
     def memory_lines(self, layers, dtype: str, element: int) -> List[str]:
         return chunk_lines(layers, dtype, element) + super().memory_lines(layers, dtype, element)
