@@ -435,11 +435,13 @@ def convert_kv_heads(model: Decoder, num_kv_heads: int) -> Decoder:
     """
     old = model.num_kv_heads
     how = kv_conversion(old, num_kv_heads)
-    D = model.config.head_dim
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name in list(state):
         if how != "none" and name.endswith((".attn.wk.weight", ".attn.wv.weight", ".attn.wk.bias", ".attn.wv.bias")):
-            w = state[name]  # weight (old H_kv * D, C) or bias (old H_kv * D,): rows are heads
+            layout = model.layouts[int(name.split(".")[1])]  # blocks.<i>.attn...
+            if layout.num_kv_heads != old:  # a layer of a shape of its own (Gemma 4's global heads) keeps it
+                continue
+            D, w = layout.head_dim, state[name]  # weight (old H_kv * D, C) or bias (old H_kv * D,): rows are heads
             if how == "mean-pool":
                 heads = w.float().view(num_kv_heads, old // num_kv_heads, D, -1).mean(dim=1).to(w.dtype)
             else:

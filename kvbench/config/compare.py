@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
+from kvbench.config.layer_options import LAYER_OPTIONS
 from kvbench.config.layer_pattern import interval_layer_types, variant_label
 from kvbench.config.model import ATTENTION_TYPES, AttentionConfig, ModelConfig, attention_type
 from kvbench.core.errors import ConfigError, check, check_positive
@@ -26,6 +27,8 @@ INTERVAL = "full_attention_interval"
 _INTERVAL_TYPES = {letter: kind.layer_types[0] for kind in registered() if kind.recurrent
                    for letter, key in kind.letters.items() if key == INTERVAL}
 _WORDS.update({letter: f"{INTERVAL} of {t} layers" for letter, t in _INTERVAL_TYPES.items()})
+# the layer options a model may have of its own (a preset field) that compare has a letter for
+LETTERED_OPTIONS = tuple(o for o in LAYER_OPTIONS if o.preset and o.key in VARIANT_OPTIONS.values())
 _SYNTAX = ", ".join(f":{letter}<{_WORDS.get(letter, key)}>" for letter, key in VARIANT_OPTIONS.items())
 _OPTIONS = ", ".join(f":{letter}<{_SYMBOLS.get(key, key)}>" for letter, key in VARIANT_OPTIONS.items())
 
@@ -58,6 +61,8 @@ def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
     out.setdefault("chunk", 0)  # nor chunk
     out.setdefault("kv_shared_layers", 0)  # nor sharing
     out.setdefault(INTERVAL, 0)  # and no recurrent layer
+    for option in LETTERED_OPTIONS:  # nor a layer option a model has of its own (K=V), unless its letter asks
+        out.setdefault(option.key, option.off)
     return out
 
 

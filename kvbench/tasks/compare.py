@@ -185,9 +185,17 @@ def variant_model(base: Decoder, attention: AttentionConfig, seed: int) -> Tuple
         conversion = kv_conversion(base.num_kv_heads, attention.num_kv_heads)
         source = base if conversion == "none" else convert_kv_heads(base, attention.num_kv_heads)
         with torch.device("meta"):  # a layer that reads another's K/V has no K/V weights to keep
-            kept = Decoder(base.config, attention, base.state_dtype).state_dict().keys()
-        own = {k: t for k, t in source.state_dict().items() if ".attn." in k and k in kept}
+            kept = {k: t.shape for k, t in Decoder(base.config, attention, base.state_dtype).state_dict().items()}
+        own = {k: t for k, t in source.state_dict().items() if ".attn." in k and kept.get(k) == t.shape}
         how = "mha's" if conversion == "none" else "K/V mean-pooled from mha's"
+        other = [k for k in kept if ".attn." in k and k not in own]  # a layer of another shape than base's
+        if other and not recurrent:  # (Gemma 4's sliding layers beside its global heads, K=V or not)
+            torch.manual_seed(seed)
+            with base.device:
+                model = Decoder(base.config, attention, base.state_dtype)
+            own.update({k: t.to(base.dtype) for k, t in model.state_dict().items() if k in other})
+            how += "; the layers of another shape than mha's drawn from runtime.seed"
+            del model
         if recurrent:  # the full layers' K/V as above; the recurrent layers' own weights drawn
             own = {k: own[k] if k in own and own[k].shape == t.shape else t for k, t in drawn.items()}
             how += "".join(f"; {layer_kind(attention, t).title} layers drawn from runtime.seed" for t in recurrent)
