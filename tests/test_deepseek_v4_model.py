@@ -142,3 +142,55 @@ def test_a_deepseek_v4_config_json_it_cannot_run_is_refused_in_one_line_naming_t
         ModelConfig(path=str(tmp_path))
     message = str(info.value)
     assert "\n" not in message and line in message, message
+
+
+# ---- V4 layers in any model: kvbench's decoder of model=tiny with a sliding, a CSA and an HCA layer ------------
+
+@pytest.fixture(scope="module")
+def tiny_v4():
+    from conftest import compose
+
+    from kvbench.job_config import to_bench_config
+    from kvbench.layouts.compressed import EXAMPLE
+    from kvbench.tasks.common import build_model
+
+    job = to_bench_config(compose(*EXAMPLE))
+    return job, build_model(job, torch.device("cpu"))
+
+
+@torch.no_grad()
+def test_a_decoder_of_v4_layers_decodes_from_its_cache_as_a_recompute_and_allocates_the_formula(tiny_v4):
+    """A prompt of 13 in two chunks (5 and 8: each ends mid-window of 4 and 8, longer than the ring of 6),
+    then 12 steps: the logits of a forward of the whole sequence without a cache; the static cache holds
+    the layouts' bytes (ring, pool, buffers) from its allocation on; cache.impl=none re-feeds the sequence."""
+    from kvbench.generate import decode_step, prefill
+
+    job, model = tiny_v4
+    assert [lay.layer_type for lay in model.layouts] == [SLIDING, CSA, HCA]
+    ids = torch.randint(0, model.config.vocab_size, (2, 25), generator=torch.Generator().manual_seed(3))
+    want = model(ids)
+    cache = cache_for(model, "static", 2, 25)
+    assert cache.nbytes == model.layouts.cache_bytes(25, 2, 4)
+    got = [prefill(model, ids[:, :5], cache), prefill(model, ids[:, 5:13], cache, 5)]
+    got += [decode_step(model, ids[:, p:p + 1], cache, p) for p in range(13, 25)]
+    torch.testing.assert_close(torch.stack(got, 1), want[:, [4] + list(range(12, 25))], atol=1e-5, rtol=0)
+    none = cache_for(model, "none", 2, 25)
+    torch.testing.assert_close(prefill(model, ids, none), want[:, -1], atol=1e-5, rtol=0)
+
+
+def test_what_a_decoder_of_v4_layers_cannot_do_is_one_line(tiny_v4):
+    """A concatenating cache and a roll back inside the pool's windows are refused in one line naming
+    them; back to 0 starts afresh."""
+    _, model = tiny_v4
+    with pytest.raises(ConfigError, match=r"^cache.impl='concat': [^\n]*DeepSeek-V4"):
+        cache_for(model, "concat", 2, 16)
+    cache = cache_for(model, "static", 2, 16)
+    with torch.no_grad():
+        model(torch.zeros(2, 9, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"^cannot truncate to 8: [^\n]*pool folds each window of 4 [^\n]*only 0 "
+                                         r"or 9 works$"):
+        cache.truncate(8)  # within the sliding layer's ring, not the CSA layer's pool
+    with pytest.raises(ValueError, match=r"^cannot truncate to 2: a ring of 6 positions already overwrote position"):
+        cache.truncate(2)
+    cache.truncate(0)
+    assert cache.length == 0

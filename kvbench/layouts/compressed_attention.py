@@ -147,11 +147,19 @@ class CompressedCache:
         return [self.ring] + [t for pool in self.pools.values() for t in pool.tensors()]
 
     def refusal(self, length: int, held: int) -> Optional[str]:
-        """Only to 0 or ``held`` (a decoder's cache protocol): a pooled entry folds m positions and
-        the buffers a window's worth, so the cache cannot roll back to a length between."""
+        """A compressing layer only to 0 or ``held`` (a decoder's cache protocol): a pooled entry folds
+        m positions and the buffers a window's worth, so it cannot roll back to a length between. A
+        sliding layer (the ring alone) as a K/V ring: where no later position overwrote one the next
+        query sees."""
+        W = self.layout.window
+        if not self.layout.compresses:
+            first = max(0, length - W + 1)
+            return (f"cannot truncate to {length}: a ring of {W} positions already overwrote position {first} "
+                    f"({held} written); only 0 or a roll back within the ring works") if length and first + W < held \
+                else None
         if length not in (0, held):
             return (f"cannot truncate to {length}: a DeepSeek-V4 layer's pool folds each window of "
-                    f"{self.layout.compress_rate or 1} tokens and cannot roll back; only 0 or {held} works")
+                    f"{self.layout.compress_rate} tokens and cannot roll back; only 0 or {held} works")
         return None
 
     def truncate(self, length: int, held: int) -> None:
