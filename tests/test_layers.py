@@ -58,7 +58,7 @@ LAYERS = [
     ["jobs.isolation", "jobs.sweep"],
     ["sinks.grid", "sinks.tables", "sinks.tracking", "sinks.markdown"],
     ["sinks.serving", "sinks.comparison"],
-    ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved", "sinks.capacity"],
+    ["sinks.choose", "sinks.dashboard", "sinks.recall", "sinks.interleaved", "sinks.capacity", "sinks.per_gpu"],
     ["sinks.console", "sinks.plots"],
     ["sinks.serving_plots"],
     ["sinks.report"],

@@ -144,7 +144,8 @@ def test_a_split_it_cannot_run_is_one_line_from_the_command_line():
 @pytest.mark.parametrize("runtime, other, line", [
     ({"tensor_parallel": 0}, {}, "runtime.tensor_parallel=0: must be an integer >= 1"),
     ({"tensor_parallel": 4096}, {}, "runtime.tensor_parallel=4096: more ranks than this machine's"),
-    ({"tensor_parallel": 2}, {"task": "capacity"}, "runtime.tensor_parallel=2: runs task=bench workload=decode"),
+    ({"tensor_parallel": 2}, {"task": "capacity"},
+     "runtime.tensor_parallel=2: only task=bench workload=decode runs as ranks, not task=capacity"),
     ({"tensor_parallel": 2, "compile": "default"}, {}, "runtime.compile='default': with runtime.tensor_parallel=2"),
     ({"tensor_parallel": 8, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 4}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 4, "head_dim": 8}},

@@ -88,6 +88,7 @@ def test_a_mixture_of_experts_cut_by_width_or_by_expert_decodes_token_equal(expe
     each expert's width cut over 2 thread ranks (gate and up rows cut alike, the down bias added once), or
     4 whole experts a rank. In process (tests/test_parallel.py's thread ranks); e2e for the MoE's first
     forward, which loads torch._dynamo (seconds)."""
+    from tests.test_parallel import PROMPT, STEPS
     from tests.test_parallel import run_ranks as thread_ranks
 
     job = to_bench_config(compose("model=tiny_moe", "model.moe.expert_bias=true", "runtime.device=cpu"))

@@ -128,10 +128,10 @@ def check_parallel(job: Any) -> None:
           f"splits the experts over the runtime.tensor_parallel={tp} ranks (1: each expert's width is cut instead)")
     cpus = os.cpu_count() or 1
     check(rt.device != "cpu" or tp <= cpus, key, value, f"more ranks than this machine's {cpus} CPUs")
+    runs = f"task={job.task}" + (f" workload={job.workload.name}" if job.task == "bench" else "")
     check(job.task == "bench" and job.workload.name == "decode", key, value,
-          f"runs task=bench workload=decode as {value} processes (task={job.task}"
-          + ("" if job.task != "bench" else f" workload={job.workload.name}") + " runs one; task=capacity records "
-          "every split's per-GPU figures by formula); use 1")
+          f"only task=bench workload=decode runs as ranks, not {runs} (task=capacity records every split's "
+          "per-GPU figures by formula: tables.per_gpu); use 1")
     check(rt.compile == "false", "runtime.compile", rt.compile,
           f"with runtime.tensor_parallel={tp}: the all-reduce between ranks runs eagerly (not built); use false")
     check(model.num_heads % tp == 0, key, value, f"must divide model.num_heads={model.num_heads} (each rank runs "

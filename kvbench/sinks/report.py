@@ -19,6 +19,7 @@ from kvbench.jsonio import atomic_write, write_text_atomic
 from kvbench.measure.stats import kv_cost_fit
 from kvbench.results import RESULTS_FILE, RecordError, find_results, read_record
 from kvbench.sinks import capacity as capacity_sink
+from kvbench.sinks import per_gpu as per_gpu_sink
 from kvbench.sinks import recall as recall_sink
 from kvbench.sinks import serving as serving_sink
 from kvbench.sinks import serving_plots
@@ -339,7 +340,7 @@ def markdown(report: Report, plots: Sequence[Path]) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     lines = [f"# kvbench report: {_md_escape(report.root)}", "", f"{count(len(records), 'job')}: {counts}.", ""]
     lines += _choose_md(records, plots) + _recall_md(records) + serving_sink.markdown(records, axes)
-    lines += capacity_sink.markdown(records)
+    lines += capacity_sink.markdown(records) + per_gpu_sink.markdown(records)
     lines += _interleaved_md(records) + _comparison_md(records, axes) + _kv_cost_md(records)
     groups = by_kind(records)
     for kind_name, group in groups.items():
