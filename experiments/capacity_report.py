@@ -11,6 +11,11 @@ gives. model=tiny variants: the same figures at a small context and budget, and 
 of workload=serving's rate search (kvbench/serving/rate_search.py) on this CPU; a variant the
 serving store refuses says so in the line it refuses with.
 
+The rate searches are what takes time: a run at r requests/s waits n / r seconds for its arrivals,
+so the search starts at 2 req/s with 24 requests and serves the cache.dtype=auto row of each tiny
+layout only (6 searches, a few minutes on a 2-core CPU); --serve-all-precisions adds the int8 and
+float8 rows (18), --serve-requests sets n.
+
     python experiments/capacity_report.py                     # presets at 8192 tokens / 40 GB; tiny
     python experiments/capacity_report.py --no-serve --out /tmp/capacity.md
 """
@@ -51,8 +56,9 @@ PRECISIONS = ("auto", "int8", "float8_e4m3fn")
 # the presets' heads (64 wide and more) also take the 4-bit caches; model=tiny's of 8 do not (a block is 16 or 32)
 PRESET_PRECISIONS = (*PRECISIONS, "nvfp4", "mxfp4")
 SERVE = ["workload=serving", "workload.search.enabled=true", "slo.ttft_ms=250", "slo.tpot_ms=40",
-         "workload.num_requests=32", "workload.search.max_probes=6", "workload.search.lo=1",
-         "runtime.isolate=false", "runtime.threads=1", "wandb=disabled", "runtime.warmup=1"]
+         "workload.search.max_probes=6", "workload.search.lo=2", "runtime.isolate=false", "runtime.threads=1",
+         "wandb=disabled", "runtime.warmup=1"]
+SERVE_REQUESTS = 24  # a run at 2 req/s waits 12 s for its arrivals, the first of the search the longest
 
 
 def allocator_figures(layouts, element: int, dtype: str, block_size: int, context: int, budget: int) -> Dict:
@@ -93,10 +99,11 @@ def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
     return {**row, "allocators": allocator_figures(layouts, element, dtype, cfg.cache.block_size, context, budget)}
 
 
-def serve_rate(overrides: List[str], budget_mb: float, tmp: Path) -> tuple:
+def serve_rate(overrides: List[str], budget_mb: float, tmp: Path, requests: int = SERVE_REQUESTS) -> tuple:
     """(highest rate within the SLO, what bound it) of workload=serving's search, or (None, the refusal)."""
     out = tmp / str(len(list(tmp.iterdir())))
-    run_job(compose_config([*overrides, *SERVE, f"workload.kv_budget_mb={budget_mb}"]), out)
+    run_job(compose_config([*overrides, *SERVE, f"workload.num_requests={requests}",
+                            f"workload.kv_budget_mb={budget_mb}"]), out)
     record = read_record(out / "results.json")
     if record.status != "ok":  # a row of the report: the variant the serving store refuses says so
         return None, f"{record.status}: {record.error}"
@@ -104,6 +111,16 @@ def serve_rate(overrides: List[str], budget_mb: float, tmp: Path) -> tuple:
     if m.get("max_rate_under_slo") is None and m.get("max_rate_at_least") is not None:
         return m["max_rate_at_least"], "at least: no rate tried failed"
     return m.get("max_rate_under_slo"), m.get("max_rate_bound")
+
+
+def tiny_rate(overrides: List[str], precision: str, args, tmp: Path) -> Dict:
+    """A tiny row's rate and its note: the search's answer, or why it was not run."""
+    if args.no_serve:
+        return {"rate_note": "not run (--no-serve)"}
+    if precision != "auto" and not args.serve_all_precisions:
+        return {"rate_note": "not run (auto's row only; --serve-all-precisions)"}
+    rate, note = serve_rate(overrides, args.tiny_budget_mb, tmp, args.serve_requests)
+    return {"rate": rate, "rate_note": note}
 
 
 def plot(rows: List[Dict], path: Path) -> bool:
@@ -149,6 +166,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--tiny-context", type=positive_int, default=512)
     parser.add_argument("--tiny-budget-mb", type=positive_float, default=2.0)
     parser.add_argument("--no-serve", action="store_true", help="formula only: no rate search")
+    parser.add_argument("--serve-all-precisions", action="store_true",
+                        help="a rate search for every tiny row, not only cache.dtype=auto's")
+    parser.add_argument("--serve-requests", type=positive_int, default=SERVE_REQUESTS,
+                        help="requests per run of a rate search")
     parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
     for option, value, unit in (("--budget-gb", args.budget_gb, 1e9), ("--tiny-budget-mb", args.tiny_budget_mb, 1e6)):
@@ -169,14 +190,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                 over = ["model=tiny", f"attention={attention}", *extra, f"cache.dtype={precision}"]
                 row = {"model": "tiny", "precision": precision, "context": args.tiny_context, "budget": tiny_budget,
                        **formula_row(over, args.tiny_context, tiny_budget)}
-                if "refused" not in row and not args.no_serve:
-                    row["rate"], row["rate_note"] = serve_rate(over, args.tiny_budget_mb, Path(tmp))
-                elif "refused" not in row:
-                    row["rate_note"] = "not run (--no-serve)"
+                if "refused" not in row:
+                    row.update(tiny_rate(over, precision, args, Path(tmp)))
                 rows.append(row)
     command = " ".join(["python experiments/capacity_report.py", *(argv if argv is not None else sys.argv[1:])])
     rate_how = ("not run (--no-serve)" if args.no_serve else "from workload=serving's rate search on a shared "
-                "2-core CPU with slo.ttft_ms=250 and slo.tpot_ms=40 at p99")
+                f"2-core CPU with slo.ttft_ms=250 and slo.tpot_ms=40 at p99, {args.serve_requests} requests a run, "
+                "from 2 req/s doubling, at most 6 runs, "
+                f"{'every row' if args.serve_all_precisions else 'the cache.dtype=auto rows'}")
     lines = [
         "# Capacity per layout and KV precision", "",
         f"Made by `{command}` (presets in bfloat16 at {args.context} tokens and a {args.budget_gb:g} GB KV budget, "
@@ -190,7 +211,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         "serving default, which sets per_kind's split): `block`, its attention block in tokens (unified raises it "
         "until a page holds a state); `/ seq`, what one sequence at the context reserves at its worst while it "
         "decodes (block rounding, a window's blocks kept whole, its state page); `fit`, the sequences at the "
-        "context its pools hold at once (the scarcest pool decides); `reserved`, what those sequences reserve. "
+        "context its pools hold at once beside the room one prefill chunk adds to a window's ring (the scarcest "
+        "pool decides); `reserved`, what those sequences reserve. "
         "The same figures for a served run are in its record (`kv_sequence_reserved_bytes`, `kv_sequences_fit`, "
         "`kv_reserved_bytes`) and in `kvbench-report`'s serving capacity table (docs/capacity.md).", "",
         "| model | variant | KV precision | context | budget | bytes / token | bytes / sequence | x context | fit "

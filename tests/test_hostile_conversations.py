@@ -251,3 +251,25 @@ def test_the_cli_names_a_directory_given_as_the_sharegpt_file(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"kvbench: invalid config: workload.sharegpt='{tmp_path}': a directory, not a file "), line
+
+
+def test_a_tokenizer_that_does_not_parse_or_gives_no_tokens_is_one_line(tmp_path):
+    """model.path's tokenizer.json tokenizes workload.sharegpt's text: one that does not parse is one
+    line naming the file; a message it turns into no tokens is refused as an empty one is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvbench.serving.tokenize import checkpoint_encoder
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    line = one_line_error(checkpoint_encoder, str(tmp_path / "bad"))
+    assert str(tmp_path / "bad" / "tokenizer.json") in line and "not a readable tokenizer" in line, line
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "good").mkdir()
+    tok.save(str(tmp_path / "good" / "tokenizer.json"))
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps([chat(("human", "hi"), ("gpt", "hi")), chat(("human", "  "), ("gpt", "hi"))]))
+    line = one_line_error(read_sharegpt, str(path), checkpoint_encoder(str(tmp_path / "good")))
+    # the value in one line: whitespace runs as one space
+    assert "line 1 (conversation 1): conversations[0].value=' ': a message of no tokens" in line, line

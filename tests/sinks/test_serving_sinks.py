@@ -6,7 +6,7 @@ import pytest
 from kvbench.results import RunResult
 from kvbench.sinks.choose import choices
 from kvbench.sinks.report import write_report
-from kvbench.sinks.serving import curves, max_rate_text, max_rates, pareto_front, xy
+from kvbench.sinks.serving import curves, markdown, max_rate_text, max_rates, pareto_front, xy
 from kvbench.sinks.serving_plots import draw
 
 SLO = {"name": "test", "ttft_ms": 500.0, "tpot_ms": 50.0, "stat": "p99"}
@@ -104,12 +104,9 @@ def test_a_conversations_rate_search_has_its_curve_plot_and_row_in_the_report(tm
     assert list(both) == ["workload=conversations", "workload=serving"]
     assert list(both["workload=serving"]) == ["mha kv=4", "gqa kv=2", "mqa kv=1"]
     assert [r["rate"] for r in both["workload=conversations"]["mqa kv=1"]] == [1, 1.9, 2, 2.2, 4]
-    for i, rec in enumerate(chats):
-        RunResult(status="ok", config=rec["config"], metrics=rec["metrics"], tables=rec["tables"]).write(
-            tmp_path / "sweep" / str(i))
-    write_report(tmp_path / "sweep")
-    md = (tmp_path / "sweep" / "summary.md").read_text()
-    assert "| mqa kv=1 | 1.9 conv/s (ttft_ms) | 2.2 |" in md and "![rate_latency](rate_latency.png)" in md
+    md = "\n".join(markdown(records() + chats, []))  # the report's serving section
+    assert "### workload=conversations" in md and "| mqa kv=1 | 1.9 conv/s (ttft_ms) | 2.2 |" in md
+    assert "### workload=serving" in md and "| mqa kv=1 | 5.8 req/s (ttft_ms) | 6.4 |" in md
 
 
 def capacity_record(job, kind, kv, max_batch):
