@@ -30,7 +30,7 @@ from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
 from kvbench.measure.memory import PeakSpan, is_oom, peak_span_reason, weight_bytes
-from kvbench.measure.stats import median, percentile
+from kvbench.measure.stats import median, paired_ratio, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
@@ -54,6 +54,7 @@ from kvbench.tasks.capacity_search import (
     search_capacity,
     split_activation,
     state_bytes_per_sequence,
+    tpot_support,
     violations,
 )
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
@@ -102,6 +103,10 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted); a probe that "
            "no latency target judges (no slo.ttft_ms, slo.tpot_ms, slo.tpot_x_batch1) runs one trial, else "
            "runtime.warmup + runtime.repeats"),
+    Metric("tpot_untested_longest", "text", "slo.tpot_x_batch1: null when the paired steps support the longest "
+           "context's answer (the median ratio's 95% paired-bootstrap interval of the probe at max_batch and of "
+           "the one that failed above it each clear of the target), else which interval holds the target: that "
+           "capacity moves with the machine's noise (tables.capacity's tpot_untested)"),
     Metric("prediction_findings", "text", "the contexts whose memory-bound answer is more than 20% (of the larger) "
            "from the memory-only prediction, each with both figures (tables.capacity's prediction_finding); "
            "null: the prediction held everywhere memory bound"),
@@ -114,7 +119,8 @@ METRICS: Dict[str, Metric] = metric_table(
                        "sequence, a line through the calibration probes: the smallest batch whose prefill "
                        "forwards are full capacity.prefill_chunk chunks and 3 more; without a chunk, or a "
                        "chat, batches 1 and 4; memory only), prediction_finding (null, or the sentence when "
-                       "memory stopped the search more than 20% from that prediction), "
+                       "memory stopped the search more than 20% from that prediction), tpot_untested (null, or the "
+                       "probes whose paired-step ratio interval holds slo.tpot_x_batch1: untested), "
                        "formula_max_batch (weights + KV formula alone; formula_max_batch_stored, a quantized "
                        "checkpoint's: its weights as stored, weight_bytes_stored), kv_bytes_per_sequence (KV "
                        "formula of one more sequence; with cache.shared the system prompt's, held once, is not in it), "
@@ -131,7 +137,9 @@ METRICS: Dict[str, Metric] = metric_table(
                               "(slo.stat over the trials' TTFTs and over every decode step of every trial; "
                               "workload=multiturn: over every turn's TTFT of every chat and every decode step of "
                               "every turn; with fewer than 100 samples a p99 is near their maximum; judged "
-                              "against slo.tpot_ms), tpot_paired_ms and tpot_reference_ms (slo.tpot_x_batch1, "
+                              "against slo.tpot_ms), tpot_paired_ms and tpot_reference_ms (slo.tpot_x_batch1, with "
+                              "tpot_ratio_low and tpot_ratio_high the 95% paired-bootstrap interval of their median "
+                              "ratio, "
                               "after the probe, outside its memory span: slo.stat over capacity.tpot_pairs decode "
                               "steps of the probe's filled cache, at the positions its last decode steps wrote "
                               "(workload=multiturn: the last turn's), each interleaved with a step of one "
@@ -316,6 +324,7 @@ class Prober:
                 paired = self.paired_steps(context, latency.stepper)
                 if paired is not None:
                     probe.tpot_paired_ms, probe.tpot_reference_ms = (percentile(ms, q) for ms in paired)
+                    _, probe.tpot_ratio_low, probe.tpot_ratio_high = paired_ratio(paired[1], paired[0])
             latency = None  # the probe's cache
             release_heap()
         probe.tpot_target_ms = self.tpot_target(probe.tpot_reference_ms)
@@ -393,6 +402,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
             "context": context, "max_batch": search.max_batch, "stopped_by": stopped_by,
             "predicted_max_batch": predicted,
             "prediction_finding": prediction_finding(search.max_batch, predicted, stopped_by, limit),
+            "tpot_untested": tpot_support(at, failed, cfg.slo.tpot_x_batch1),
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
             # a quantized checkpoint's weights as an engine reading them holds them, not kvbench's dequantized copy
             **({"formula_max_batch_stored": formula_max_batch(cfg, context, budget, prober.weights_stored)}
@@ -409,7 +419,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     longest = answers[-1]
     findings = [f"context {a['context']}: {a['prediction_finding']}" for a in answers if a["prediction_finding"]]
     metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],
-                   prediction_findings="; ".join(findings) or None,
+                   prediction_findings="; ".join(findings) or None, tpot_untested_longest=longest["tpot_untested"],
                    decode_ms_p50_longest=longest["decode_ms_p50_batch1"],
                    tokens_per_s_longest=longest["tokens_per_s_at_max"],
                    probes_run=sum(1 for p in probes if p["measured"]))

@@ -26,6 +26,7 @@ from kvbench.tasks.capacity_search import (
     saturation_batch,
     search_capacity,
     split_activation,
+    tpot_support,
     violations,
 )
 from kvbench.tasks.inspect import kv_memory_table, parameter_count
@@ -153,6 +154,31 @@ def test_a_prediction_more_than_the_tolerance_off_is_a_finding():
     assert prediction_finding(2, 30, "tpot", 64) is None
     assert prediction_finding(64, 64, "capacity.max_batch", 64) is None
     assert prediction_finding(63, 64, "memory", 64) is None
+
+
+def test_a_tpot_bound_capacity_within_the_paired_steps_noise_is_untested():
+    """issue 59: a TPOT-bound capacity that the paired steps cannot tell from the target is no figure.
+    The verdict is supported when the median ratio's 95% paired-bootstrap interval clears slo.tpot_x_batch1."""
+    from kvbench.measure.stats import paired_ratio
+
+    reference = [10.0 + 0.1 * (i % 7) for i in range(32)]
+
+    def probe(batch, ratios, ok):
+        paired = [r * ref for r, ref in zip(ratios, reference)]
+        _, low, high = paired_ratio(reference, paired)
+        return Probe(256, batch, ok=ok, violated=[] if ok else ["tpot"], tpot_paired_ms=sorted(paired)[16],
+                     tpot_reference_ms=sorted(reference)[16], tpot_ratio_low=low, tpot_ratio_high=high)
+
+    clear_pass = probe(4, [1.5 + 0.01 * (i % 5) for i in range(32)], True)
+    clear_fail = probe(5, [2.6 + 0.01 * (i % 5) for i in range(32)], False)
+    assert tpot_support(clear_pass, clear_fail, 2.0) is None
+    noisy_fail = probe(5, [1.2 + 1.6 * (i % 2) for i in range(32)], False)  # half 1.2, half 2.8: median ~2
+    assert noisy_fail.tpot_ratio_low <= 2.0 <= noisy_fail.tpot_ratio_high
+    text = tpot_support(clear_pass, noisy_fail, 2.0)
+    assert text.startswith("batch 5: paired TPOT ratio ") and "around the target 2" in text
+    # an absolute target, or a memory failure (not paired), is not this question
+    assert tpot_support(clear_pass, noisy_fail, None) is None
+    assert tpot_support(clear_pass, Probe(256, 5, ok=False, violated=["memory"]), 2.0) is None
 
 
 def test_predict_max_batch_bounds():
