@@ -54,6 +54,9 @@ class CapacityConfig:
     # working set (vLLM's max_num_batched_tokens; workload=serving's max_prefill_tokens); null: the whole
     # batch's prompts in one forward, whose working memory grows with batch x context.
     prefill_chunk: Optional[int] = 512
+    # true: the table from formulas and the serving store's plan only, no model built, no probe run
+    # (tasks/capacity_plan.py): a preset on a stated budget from any machine
+    plan: bool = False
 
     def __post_init__(self) -> None:
         check_numbers("capacity", self)

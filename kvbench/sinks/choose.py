@@ -87,7 +87,7 @@ def _pooled(rec: RecordView) -> Tuple[Optional[float], Optional[float], str, Opt
     """(KL, top-1, source word, why none) of a capacity record's pooled quality: only a figure measured
     on a model of the variant's own layouts (its quality_source). A record written before issue 59 has
     no source: its figure stands where pooling makes the variant (K/V heads over the whole context or a
-    window, no recurrent layer, no latent, no layer option), else it was another model's."""
+    window, no recurrent layer, no MLA, no layer option), else it was another model's."""
     kl, top1 = rec.metric("kv_pool_kl_nats"), rec.metric("kv_pool_top1_agreement")
     source, reason = rec.metric("quality_source"), rec.metric("quality_none_reason")
     if kl is None:

@@ -37,6 +37,7 @@ from kvbench.model import Decoder
 from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
+from kvbench.tasks.capacity_plan import plan_capacity
 from kvbench.tasks.capacity_quality import QUALITY_METHODS, QUALITY_METRICS, variant_quality
 from kvbench.tasks.capacity_search import (
     SEARCH_LIMIT,
@@ -154,7 +155,6 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a job of this task may record."""
     return {**JOB_METRICS, **METRICS, **QUALITY_METRICS}
-
 
 
 def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
@@ -426,10 +426,11 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=capacity``: the largest batch per context under the memory budget and the SLOs; what the
-    process held before the model is the baseline."""
+    """``task=capacity``: the largest batch per context under the budget and the SLOs (baseline: pre-model)."""
+    result.methods.update({**JOB_METHODS, **METHODS})
+    if cfg.capacity.plan:  # formulas and the serving store's plan: no model built, no probe run
+        return plan_capacity(cfg, memory_budget(cfg, device), result)
     result.metrics["timing_method"] = timing_method(device)
-    result.methods.update(JOB_METHODS)
     baseline = baseline_bytes(device)
     model = build_model(cfg, device)
     result.metrics.update(weight_metrics(model))

@@ -181,6 +181,31 @@ def test_a_tpot_bound_capacity_within_the_paired_steps_noise_is_untested():
     assert tpot_support(clear_pass, Probe(256, 5, ok=False, violated=["memory"]), 2.0) is None
 
 
+def test_a_plan_fills_the_table_from_formulas_without_building_a_model(monkeypatch):
+    """capacity.plan=true (issue 59): Llama 3 8B on an 80 GB budget in bfloat16, nothing built, nothing run:
+    weights (its published 8.03 B parameters) + 2 x 32 layers x 8 KV heads x 128 x 2 bytes per position."""
+    from kvbench.serving.allocator import ALLOCATORS
+
+    def never(*args, **kwargs):
+        raise AssertionError("a plan builds no model")
+
+    monkeypatch.setattr(capacity, "build_model", never)
+    cfg = config("model=llama3_8b", "runtime.dtype=bfloat16", "capacity.plan=true", "runtime.memory_budget_gb=80",
+                 "capacity.context_lens=[1024,8000]")
+    result = RunResult(status="ok", config={})
+    capacity.run(cfg, torch.device("cpu"), None, result, None)
+    weights = result.metrics["weight_bytes"]
+    assert 8.0e9 * 2 < weights < 8.1e9 * 2
+    per_sequence = 2 * 32 * 8 * 128 * 2 * (8000 + 64)
+    row = result.tables["capacity"][-1]
+    assert row["kv_bytes_per_sequence"] == per_sequence and row["max_batch"] == (80 * 10 ** 9 - weights) // per_sequence
+    # the serving store's plan: blocks of 16 hold 8064 positions exactly, so it reserves the formula's bytes
+    assert all(row[f"plan_bytes_per_sequence_{a}"] == per_sequence and row[f"plan_max_batch_{a}"] == row["max_batch"]
+               for a in ALLOCATORS)
+    assert result.tables["capacity"][0]["max_batch"] == 256  # capacity.max_batch: 1088 positions leave room for more
+    assert result.metrics["probes_run"] == 0 and result.metrics["stopped_by_longest"] == "memory (planned, not run)"
+
+
 def test_predict_max_batch_bounds():
     assert predict_max_batch(100, 10, 30, 8) == 3
     assert predict_max_batch(100, 200, 30, 8) == 0  # the weights alone do not fit
