@@ -58,6 +58,9 @@ class CapacityConfig:
     # the record's per-GPU table (tables.per_gpu): the splits of a node of this many GPUs, each GPU's
     # memory the job's budget (runtime.memory_budget_gb)
     gpus_per_node: int = 8
+    # true: the table from formulas and the serving store's plan only, no model built, no probe run
+    # (tasks/capacity_plan.py): a preset on a stated budget from any machine
+    plan: bool = False
 
     def __post_init__(self) -> None:
         check_numbers("capacity", self)

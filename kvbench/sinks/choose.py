@@ -242,7 +242,9 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
                        "full_context": variant.full_context, "beyond_heads": not variant.ranked_by_kv_heads,
                        "linear": variant.stateful,
                        "state": _m(rec, "kv_state_bytes_per_sequence"), "by_context": _by_context(rec),
-                       "kv_per_token": kv_per_token, "max_batch": _max_batch(rec),
+                       "kv_per_token": kv_per_token, "untested": longest.get("tpot_untested"),
+                       # a capacity the paired steps do not support is no number to rank by (issue 59)
+                       "max_batch": None if longest.get("tpot_untested") else _max_batch(rec),
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),
@@ -290,7 +292,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
             share = r["kv_per_token"] / base["kv_per_token"] if r["kv_per_token"] and base["kv_per_token"] else None
             line = [label, fmt(r["kv_per_token"], "bytes"), fmt(share, "{:.3f}"),
                     *([fmt(r["state"] or 0, "bytes")] if with_state else []), fmt(r["context"], "{}"),
-                    fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"), fmt(r["max_batch"], "{}"),
+                    fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"),
+                    "untested (tpot)" if r["untested"] else fmt(r["max_batch"], "{}"),
                     fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
             if with_pool:
                 line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}"), r["source"]]
@@ -305,6 +308,11 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
                          f"its positions, the jobs table's kv_bytes_per_token: for {', '.join(partial)} it falls as "
                          "the context grows (a local layer's ring holds at most W positions); for the others it is "
                          "any one position's")
+        for label, r in rows.items():
+            if r["untested"]:
+                notes.append(f"max batch of {label}: untested, not a number: slo.tpot_x_batch1's verdicts are within "
+                             f"the paired steps' noise ({r['untested']}); rerun on a quieter machine or with more "
+                             "capacity.tpot_pairs")
         stateful = [label for label, r in rows.items() if r["state"]]
         if stateful:
             notes.append(f"{STATE}: what a sequence of {', '.join(stateful)} holds whatever its length (its recurrent "
@@ -341,6 +349,12 @@ def _context_table(rows: Dict[str, Dict[str, Any]]) -> Tuple[List[str], List[Lis
     table = []
     for label, r in rows.items():
         cells = [r["by_context"].get(c) for c in contexts]
-        table.append([label, *("-" if a is None else
-                               f"{fmt(a.get('max_batch'), '{}')} ({fmt(a.get('stopped_by'), '{}')})" for a in cells)])
+        batches = [a.get("max_batch") for a in cells if a is not None and isinstance(a.get("max_batch"), int)]
+        # a sequence holds more at a longer context, never less: a capacity that falls, then rises again,
+        # moved with the machine (issue 59: MHA's 14 / 3 / 3 / 4 at 32-256 tokens, each bound by TPOT)
+        steps = [later - earlier for earlier, later in zip(batches, batches[1:])]
+        wobbles = any(d > 0 for i, d in enumerate(steps) if any(e < 0 for e in steps[:i]))
+        table.append([label + (" (falls and rises with context: noise)" if wobbles else ""),
+                      *("-" if a is None else "untested (tpot)" if a.get("tpot_untested") else
+                        f"{fmt(a.get('max_batch'), '{}')} ({fmt(a.get('stopped_by'), '{}')})" for a in cells)])
     return header, table

@@ -30,7 +30,7 @@ from kvbench.core.errors import ConfigError
 from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
 from kvbench.measure.memory import PeakSpan, is_oom, peak_span_reason, weight_bytes
-from kvbench.measure.stats import median, percentile
+from kvbench.measure.stats import median, paired_ratio, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
@@ -39,6 +39,7 @@ from kvbench.parallel.per_gpu import per_gpu_table
 from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
+from kvbench.tasks.capacity_plan import plan_capacity
 from kvbench.tasks.capacity_quality import QUALITY_METHODS, QUALITY_METRICS, variant_quality
 from kvbench.tasks.capacity_search import (
     SEARCH_LIMIT,
@@ -56,6 +57,7 @@ from kvbench.tasks.capacity_search import (
     search_capacity,
     split_activation,
     state_bytes_per_sequence,
+    tpot_support,
     violations,
 )
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
@@ -104,6 +106,10 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("probes_run", "count", "probes measured over all contexts (refused ones not counted); a probe that "
            "no latency target judges (no slo.ttft_ms, slo.tpot_ms, slo.tpot_x_batch1) runs one trial, else "
            "runtime.warmup + runtime.repeats"),
+    Metric("tpot_untested_longest", "text", "slo.tpot_x_batch1: null when the paired steps support the longest "
+           "context's answer (the median ratio's 95% paired-bootstrap interval of the probe at max_batch and of "
+           "the one that failed above it each clear of the target), else which interval holds the target: that "
+           "capacity moves with the machine's noise (tables.capacity's tpot_untested)"),
     Metric("prediction_findings", "text", "the contexts whose memory-bound answer is more than 20% (of the larger) "
            "from the memory-only prediction, each with both figures (tables.capacity's prediction_finding); "
            "null: the prediction held everywhere memory bound"),
@@ -116,7 +122,8 @@ METRICS: Dict[str, Metric] = metric_table(
                        "sequence, a line through the calibration probes: the smallest batch whose prefill "
                        "forwards are full capacity.prefill_chunk chunks and 3 more; without a chunk, or a "
                        "chat, batches 1 and 4; memory only), prediction_finding (null, or the sentence when "
-                       "memory stopped the search more than 20% from that prediction), "
+                       "memory stopped the search more than 20% from that prediction), tpot_untested (null, or the "
+                       "probes whose paired-step ratio interval holds slo.tpot_x_batch1: untested), "
                        "formula_max_batch (weights + KV formula alone; formula_max_batch_stored, a quantized "
                        "checkpoint's: its weights as stored, weight_bytes_stored), kv_bytes_per_sequence (KV "
                        "formula of one more sequence; with cache.shared the system prompt's, held once, is not in it), "
@@ -133,7 +140,9 @@ METRICS: Dict[str, Metric] = metric_table(
                               "(slo.stat over the trials' TTFTs and over every decode step of every trial; "
                               "workload=multiturn: over every turn's TTFT of every chat and every decode step of "
                               "every turn; with fewer than 100 samples a p99 is near their maximum; judged "
-                              "against slo.tpot_ms), tpot_paired_ms and tpot_reference_ms (slo.tpot_x_batch1, "
+                              "against slo.tpot_ms), tpot_paired_ms and tpot_reference_ms (slo.tpot_x_batch1, with "
+                              "tpot_ratio_low and tpot_ratio_high the 95% paired-bootstrap interval of their median "
+                              "ratio, "
                               "after the probe, outside its memory span: slo.stat over capacity.tpot_pairs decode "
                               "steps of the probe's filled cache, at the positions its last decode steps wrote "
                               "(workload=multiturn: the last turn's), each interleaved with a step of one "
@@ -149,7 +158,6 @@ METHODS: Dict[str, str] = record_methods(METRICS)
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
     """Every metric a job of this task may record."""
     return {**JOB_METRICS, **METRICS, **QUALITY_METRICS}
-
 
 
 def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
@@ -319,6 +327,7 @@ class Prober:
                 paired = self.paired_steps(context, latency.stepper)
                 if paired is not None:
                     probe.tpot_paired_ms, probe.tpot_reference_ms = (percentile(ms, q) for ms in paired)
+                    _, probe.tpot_ratio_low, probe.tpot_ratio_high = paired_ratio(paired[1], paired[0])
             latency = None  # the probe's cache
             release_heap()
         probe.tpot_target_ms = self.tpot_target(probe.tpot_reference_ms)
@@ -396,6 +405,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
             "context": context, "max_batch": search.max_batch, "stopped_by": stopped_by,
             "predicted_max_batch": predicted,
             "prediction_finding": prediction_finding(search.max_batch, predicted, stopped_by, limit),
+            "tpot_untested": tpot_support(at, failed, cfg.slo.tpot_x_batch1),
             "formula_max_batch": formula_max_batch(cfg, context, budget, prober.weights),
             # a quantized checkpoint's weights as an engine reading them holds them, not kvbench's dequantized copy
             **({"formula_max_batch_stored": formula_max_batch(cfg, context, budget, prober.weights_stored)}
@@ -412,17 +422,18 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     longest = answers[-1]
     findings = [f"context {a['context']}: {a['prediction_finding']}" for a in answers if a["prediction_finding"]]
     metrics.update(max_batch_longest=longest["max_batch"], stopped_by_longest=longest["stopped_by"],
-                   prediction_findings="; ".join(findings) or None,
+                   prediction_findings="; ".join(findings) or None, tpot_untested_longest=longest["tpot_untested"],
                    decode_ms_p50_longest=longest["decode_ms_p50_batch1"],
                    tokens_per_s_longest=longest["tokens_per_s_at_max"],
                    probes_run=sum(1 for p in probes if p["measured"]))
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
-    """``task=capacity``: the largest batch per context under the memory budget and the SLOs; what the
-    process held before the model is the baseline."""
+    """``task=capacity``: the largest batch per context under the budget and the SLOs (baseline: pre-model)."""
+    result.methods.update({**JOB_METHODS, **METHODS})
+    if cfg.capacity.plan:  # formulas and the serving store's plan: no model built, no probe run
+        return plan_capacity(cfg, memory_budget(cfg, device), result)
     result.metrics["timing_method"] = timing_method(device)
-    result.methods.update(JOB_METHODS)
     baseline = baseline_bytes(device)
     model = build_model(cfg, device)
     result.metrics.update(weight_metrics(model))

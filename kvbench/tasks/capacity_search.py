@@ -41,6 +41,8 @@ class Probe:
     tpot_paired_ms: Optional[float] = None  # slo.tpot_x_batch1: the probe's steps, interleaved with
     tpot_reference_ms: Optional[float] = None  # ... steps of one sequence at the same context
     tpot_target_ms: Optional[float] = None  # the TPOT target it was judged by (slo.tpot_ms and/or slo.tpot_x_batch1)
+    tpot_ratio_low: Optional[float] = None  # the paired steps' median ratio (probe / reference), its 95% interval
+    tpot_ratio_high: Optional[float] = None
     oom: bool = False
     error: Optional[str] = None
 
@@ -227,6 +229,28 @@ def prediction_finding(max_batch: int, predicted: int, stopped_by: Optional[str]
     return (f"memory stopped the search at {max_batch} sequences, the memory-only prediction was {predicted} "
             f"({gap / max(max_batch, predicted, 1):.0%} apart, beyond {PREDICTION_TOLERANCE:.0%}): the probes' "
             "activation_bytes differ from the calibration line")
+
+
+def tpot_undecided(probe: Optional[Probe], x: Optional[float]) -> bool:
+    """Whether ``probe``'s paired steps leave its slo.tpot_x_batch1 verdict to chance: their median
+    ratio's 95% interval holds the target ``x``, or they gave none (a probe over the budget is not paired)."""
+    if probe is None or x is None or not probe.measured or "memory" in probe.violated:
+        return False
+    low, high = probe.tpot_ratio_low, probe.tpot_ratio_high
+    return low is None or high is None or low <= x <= high
+
+
+def tpot_support(at: Optional[Probe], failed: Optional[Probe], x: Optional[float]) -> Optional[str]:
+    """None when the samples support the answer's TPOT verdicts (the pass at the max batch and the
+    failure above it), else which probe's interval holds the target: such a capacity moves with the
+    machine's noise, and the table says 'untested', not a number (issue 59)."""
+    undecided = [p for p in (at, failed) if tpot_undecided(p, x)]
+    if not undecided:
+        return None
+    return "; ".join(f"batch {p.batch}: paired TPOT ratio {p.tpot_paired_ms / p.tpot_reference_ms:.2f}, 95% "
+                     + (f"[{p.tpot_ratio_low:.2f}, {p.tpot_ratio_high:.2f}]" if p.tpot_ratio_low is not None
+                        else "interval none") + f" around the target {x:g}"
+                     for p in undecided if p.tpot_paired_ms and p.tpot_reference_ms) or "no paired steps"
 
 
 def over_budget(probe: Probe, budget: int) -> bool:

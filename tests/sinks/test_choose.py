@@ -262,3 +262,22 @@ def test_a_gated_deltanet_hybrid_is_a_row_with_its_state_and_the_batch_per_conte
     # records without the state (older ones, K/V layouts only): no column
     (old,) = choices(sweep())
     assert "state / sequence" not in old.header
+
+
+def test_an_untested_tpot_bound_is_not_a_number_and_a_capacity_that_falls_and_rises_is_flagged():
+    """issue 59: MHA's 14 / 3 / 3 / 4 at 32-256 tokens, each bound by TPOT, moved with the machine: a
+    capacity whose paired steps leave the verdict to chance reads 'untested' (and is not ranked), and one
+    that falls and then rises with the context, where the bytes only grow, is flagged."""
+    records = sweep()
+    mha = capacity_record(0, "mha", 8, {32: 14, 64: 3, 128: 3, 256: 4}, {32: 40, 64: 30, 128: 20, 256: 10}, 4096,
+                          stopped="tpot")
+    mha["tables"]["capacity"][-1]["tpot_untested"] = "batch 5: paired TPOT ratio 2.01, 95% [1.80, 2.30] around 2"
+    (choice,) = choices([mha, *records[1:]])
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert rows["mha kv=8"]["max batch"] == "untested (tpot)"
+    assert any(n.startswith("max batch of mha kv=8: untested, not a number") for n in choice.notes)
+    assert not dict(choice.recommendations)["memory tight"].startswith("mha")
+    context = {r[0]: r[1:] for r in choice.context_rows}
+    assert "mha kv=8 (falls and rises with context: noise)" in context
+    assert context["mha kv=8 (falls and rises with context: noise)"][-1] == "untested (tpot)"
+    assert "gqa kv=2" in context  # 60, 30: falls only

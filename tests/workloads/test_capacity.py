@@ -26,6 +26,7 @@ from kvbench.tasks.capacity_search import (
     saturation_batch,
     search_capacity,
     split_activation,
+    tpot_support,
     violations,
 )
 from kvbench.tasks.inspect import kv_memory_table, parameter_count
@@ -153,6 +154,56 @@ def test_a_prediction_more_than_the_tolerance_off_is_a_finding():
     assert prediction_finding(2, 30, "tpot", 64) is None
     assert prediction_finding(64, 64, "capacity.max_batch", 64) is None
     assert prediction_finding(63, 64, "memory", 64) is None
+
+
+def test_a_tpot_bound_capacity_within_the_paired_steps_noise_is_untested():
+    """issue 59: a TPOT-bound capacity that the paired steps cannot tell from the target is no figure.
+    The verdict is supported when the median ratio's 95% paired-bootstrap interval clears slo.tpot_x_batch1."""
+    from kvbench.measure.stats import paired_ratio
+
+    reference = [10.0 + 0.1 * (i % 7) for i in range(32)]
+
+    def probe(batch, ratios, ok):
+        paired = [r * ref for r, ref in zip(ratios, reference)]
+        _, low, high = paired_ratio(reference, paired)
+        return Probe(256, batch, ok=ok, violated=[] if ok else ["tpot"], tpot_paired_ms=sorted(paired)[16],
+                     tpot_reference_ms=sorted(reference)[16], tpot_ratio_low=low, tpot_ratio_high=high)
+
+    clear_pass = probe(4, [1.5 + 0.01 * (i % 5) for i in range(32)], True)
+    clear_fail = probe(5, [2.6 + 0.01 * (i % 5) for i in range(32)], False)
+    assert tpot_support(clear_pass, clear_fail, 2.0) is None
+    noisy_fail = probe(5, [1.2 + 1.6 * (i % 2) for i in range(32)], False)  # half 1.2, half 2.8: median ~2
+    assert noisy_fail.tpot_ratio_low <= 2.0 <= noisy_fail.tpot_ratio_high
+    text = tpot_support(clear_pass, noisy_fail, 2.0)
+    assert text.startswith("batch 5: paired TPOT ratio ") and "around the target 2" in text
+    # an absolute target, or a memory failure (not paired), is not this question
+    assert tpot_support(clear_pass, noisy_fail, None) is None
+    assert tpot_support(clear_pass, Probe(256, 5, ok=False, violated=["memory"]), 2.0) is None
+
+
+def test_a_plan_fills_the_table_from_formulas_without_building_a_model(monkeypatch):
+    """capacity.plan=true (issue 59): Llama 3 8B on an 80 GB budget in bfloat16, nothing built, nothing run:
+    weights (its published 8.03 B parameters) + 2 x 32 layers x 8 KV heads x 128 x 2 bytes per position."""
+    from kvbench.serving.allocator import ALLOCATORS
+
+    def never(*args, **kwargs):
+        raise AssertionError("a plan builds no model")
+
+    monkeypatch.setattr(capacity, "build_model", never)
+    cfg = config("model=llama3_8b", "runtime.dtype=bfloat16", "capacity.plan=true", "runtime.memory_budget_gb=80",
+                 "capacity.context_lens=[1024,8000]")
+    result = RunResult(status="ok", config={})
+    capacity.run(cfg, torch.device("cpu"), None, result, None)
+    weights = result.metrics["weight_bytes"]
+    assert 8.0e9 * 2 < weights < 8.1e9 * 2
+    per_sequence = 2 * 32 * 8 * 128 * 2 * (8000 + 64)
+    row = result.tables["capacity"][-1]
+    assert row["kv_bytes_per_sequence"] == per_sequence and row["max_batch"] == (80 * 10 ** 9 - weights) // per_sequence
+    # the serving store's plan: blocks of 16 hold 8064 positions exactly, so it reserves the formula's bytes
+    assert all(row[f"plan_bytes_per_sequence_{a}"] == per_sequence and row[f"plan_max_batch_{a}"] == row["max_batch"]
+               for a in ALLOCATORS)
+    assert result.tables["capacity"][0]["max_batch"] == 256  # capacity.max_batch: 1088 positions leave room for more
+    assert result.metrics["probes_run"] == 0 and result.metrics["stopped_by_longest"] == "memory (planned, not run)"
 
 
 def test_predict_max_batch_bounds():
