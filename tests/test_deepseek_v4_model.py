@@ -150,7 +150,7 @@ def test_a_deepseek_v4_config_json_it_cannot_run_is_refused_in_one_line_naming_t
 def tiny_v4():
     from conftest import compose
 
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
     from kvbench.layouts.compressed import EXAMPLE
     from kvbench.tasks.common import build_model
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import compose
 
 from kvbench.footprint import parameter_counts
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.compressed import CSA, HCA, SLIDING
 

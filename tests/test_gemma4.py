@@ -19,7 +19,7 @@ from kvbench.checkpoint import load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.global_heads import GlobalHeads
 from kvbench.layouts.kv_heads import KVHeads
 

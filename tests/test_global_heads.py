@@ -12,7 +12,7 @@ from kvbench.config.compare import CompareConfig, variant_fields
 from kvbench.config.layer_pattern import variant_label
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.global_heads import GlobalHeads
 from kvbench.model import Decoder
 

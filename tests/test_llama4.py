@@ -131,7 +131,7 @@ def test_the_llama4_presets_have_the_model_cards_parameters(name, total, card_to
     from conftest import compose
 
     from kvbench.footprint import parameter_counts
-    from kvbench.job_config import to_bench_config
+    from kvbench.jobs.job_config import to_bench_config
 
     job = to_bench_config(compose(f"model={name}", "task=inspect"))
     counts = parameter_counts(job.model, job.attention)

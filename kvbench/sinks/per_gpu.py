@@ -8,8 +8,8 @@ from typing import List, Sequence
 
 from kvbench.sinks.markdown import md_text
 from kvbench.sinks.tables import Record, natural
+from kvbench.sinks.views import RecordView
 from kvbench.units import human_bytes
-from kvbench.views import RecordView
 
 HEADER = ["variant", "job", "context", "split", "KV / token / rank", "KV / sequence / rank", "replication",
           "weights / GPU", "KV budget / GPU", "sequences / GPU", "sequences / node"]

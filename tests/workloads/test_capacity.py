@@ -408,7 +408,7 @@ def test_chat_kv_formula_holds_the_system_prompt_once_when_shared():
         view = record_config(asdict(cfg))
         assert view["cache"] == {"impl": "static", "shared": shared, "dtype": "auto"}
         assert view["workload"] == {"name": "multiturn", "system_len": 24, "turns": 2, "user_len": 4, "reply_len": 2}
-        assert view["capacity"] == {"max_batch": 256, "batch_step": 1}
+        assert view["capacity"] == {"max_batch": 256, "batch_step": 1, "gpus_per_node": 8}
 
 
 def test_chat_probe_kv_bytes_are_what_a_chat_session_allocates():

@@ -14,7 +14,7 @@ from conftest import compose
 
 from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.footprint import parameter_counts
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.jobs.runner import run_job
 from kvbench.layouts.build import build_layouts
 from kvbench.results import read_record
