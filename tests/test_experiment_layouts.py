@@ -70,7 +70,7 @@ def test_recall_trains_eight_variants_two_of_them_gated_deltanet_one_kda():
     assert kinds == [["linear_attention", "full_attention"], ["linear_attention"] * 2, ["kda", "full_attention"]]
 
 
-@pytest.mark.parametrize("directory", ["layouts_compare", "choose", "recall/mqar"])
+@pytest.mark.parametrize("directory", ["layouts_compare", "layouts_kda", "choose", "recall/mqar"])
 def test_the_committed_reports_regenerate_from_the_committed_records(directory, tmp_path):
     """summary.md under experiments/results is what the report code writes from the records
     beside it today (the directory line and the plots' paths aside)."""
