@@ -188,8 +188,8 @@ class StaticLayer(LayerCache):
 
 
 class RingLayer(StaticLayer):
-    """A layer that keeps only its last R positions: position p lives at index p % R. A decode
-    step reads the whole ring (its R keys are exactly the ones the step sees, in any order); a
+    """A layer that keeps only its last R positions: position p lives at index p % R. A decode step
+    reads the slots of the keys it sees (a full window's ring whole, in any order; a chunk's from slot 0); a
     prompt of T > 1 tokens reads the held positions its first query still sees (the layout's
     ``first_kept(start)`` .. start - 1), in order before its own T keys, gathered before they are
     overwritten."""

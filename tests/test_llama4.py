@@ -102,7 +102,10 @@ def test_the_llama4_reader_refuses_what_it_does_not_run_in_one_line(llama4, tmp_
              ({"layer_types": ["chunked_attention"] * 3}, "layer_types=['chunked_attention', "),
              ({"no_rope_layers": [1, 2, 1, 0]}, "no_rope_layers=[1, 2, 1, 0]: must hold a 0"),
              ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_parameters.rope_type='yarn': "),
-             ({"attention_chunk_size": 0}, "attention_chunk_size=0: must be >= 1")]
+             ({"attention_chunk_size": 0}, "attention_chunk_size=0: must be >= 1"),
+             ({"num_key_value_heads": 3}, "num_key_value_heads=3: must divide num_attention_heads=4"),
+             ({"attn_temperature_tuning": "yes"}, "attn_temperature_tuning='yes': must be a number"),
+             ({"moe_layers": [1, 9]}, "moe_layers=[1, 9]: must list layer indices below num_hidden_layers=4")]
     for changes, message in cases:
         import shutil
 

@@ -91,6 +91,8 @@ CHAINS: Dict[str, Dict[str, Step]] = {
         "kvbench task=inspect model=gpt_oss_120b": Step(),
     },
     "sinks": {"kvbench model=tiny attention=gqa attention.sinks=true": Step(TINY)},
+    "chunked": {"kvbench model=tiny attention=gqa attention.chunk=8": Step(TINY),
+                "kvbench task=inspect model=llama4_scout": Step()},
     # model=small's shape, tiny's size: heads of 32 take nvfp4's blocks of 16 (tiny's 8 do not)
     "kv precision": {"kvbench model=small cache.dtype=nvfp4": Step([*TINY, "model.head_dim=32"]),
                      "kvbench task=recall model=tiny model.num_heads=4 model.preset_kv_heads=4 model.head_dim=32 "
@@ -180,6 +182,9 @@ SLURM_PAGE_COMMANDS = [c for c in readme_commands() if c.startswith("kvbench -m 
     "hydra.launcher.partition=debug" in c or c.endswith("workload.gen_len=6 runtime.threads=1 attention=mha,mqa"))]
 
 NOT_RUN = {
+    "kvbench task=compare model=tiny compare.variants=[gqa:c8:g2,gqa:w8:g2,gqa] compare.contexts=[8,16,24]":
+        "three variants timed in turn (a minute); tests/test_llama4.py reads them by compare's syntax and "
+        "tests/test_layer_kinds.py round-trips the chunked label through it",
     "kvbench experiment=serving": "4 rate searches of up to 12 serving runs each (4-5 minutes on 2 vCPUs); composed "
                                   "and validated below; experiments/results/serving/ holds a run",
     "kvbench-report experiments/results/serving": "would rewrite the committed report; tests/sinks/"
@@ -608,10 +613,11 @@ def test_multiturn_commands_print_their_ttft_tables(ran):
     assert "turns (cache.shared=True)" in single.stdout
 
 
-@pytest.mark.parametrize("ran", ["sinks", "dsa", "kv sharing"], indirect=True, ids=["sinks", "dsa", "kv_sharing"])
+@pytest.mark.parametrize("ran", ["sinks", "dsa", "kv sharing", "chunked"], indirect=True,
+                         ids=["sinks", "dsa", "kv_sharing", "chunked"])
 def test_the_layout_pages_commands_run_and_name_their_layout(ran):
-    """docs/layouts-sinks.md, layouts-dsa.md and layouts-kv-sharing.md: each run is an ok record of
-    the layout the page names; each inspect prints bytes per token and per sequence."""
+    """docs/layouts-sinks.md, layouts-dsa.md, layouts-kv-sharing.md and layouts-chunked.md: each run is an
+    ok record of the layout the page names; each inspect prints bytes per token and per sequence."""
     for command in ran:
         proc = result(ran, command)
         if "task=inspect" in command:
@@ -619,7 +625,8 @@ def test_the_layout_pages_commands_run_and_name_their_layout(ran):
             continue
         rec = written(proc)
         a = rec["config"]["attention"]
-        assert rec["status"] == "ok" and (a.get("sinks") or a.get("index_topk") == 64 or a.get("kv_shared_layers") == 1)
+        assert rec["status"] == "ok" and (a.get("sinks") or a.get("index_topk") == 64 or a.get("kv_shared_layers") == 1
+                                          or a.get("chunk") == 8)
 
 
 @chain("choose")

@@ -108,6 +108,9 @@ def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
                           "chunked_attention (with an attention_chunk_size) or full_attention")
     chunked = "chunked_attention" in types
     positions = _count(cfg, "max_position_embeddings")
+    kv = get(cfg, "num_key_value_heads", "int", None) or heads
+    if kv < 1 or heads % kv:
+        raise ConfigError(f"num_key_value_heads={kv}: must divide num_attention_heads={heads}")
     bias = get(cfg, "attention_bias", "bool", False)
     nope = {"layers": [i for i, r in enumerate(rope_layers) if not r],
             "temperature_tuning": _truth(cfg, "attn_temperature_tuning"),
@@ -115,7 +118,7 @@ def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
             "attn_scale": get(cfg, "attn_scale", "number", DEFAULTS["attn_scale"]),
             "qk_l2_norm": get(cfg, "use_qk_norm", "bool", True)}
     return {"num_layers": layers, "d_model": _count(cfg, "hidden_size"), "num_heads": heads,
-            "preset_kv_heads": get(cfg, "num_key_value_heads", "int", None) or heads,
+            "preset_kv_heads": kv,
             "head_dim": get(cfg, "head_dim", "int", None) or _count(cfg, "hidden_size") // heads,
             "ffn_dim": _count(cfg, "intermediate_size_mlp"), "vocab_size": _count(cfg, "vocab_size"),
             "max_seq_len": positions, "norm_eps": get(cfg, "rms_norm_eps", "number", DEFAULTS["rms_norm_eps"]),
