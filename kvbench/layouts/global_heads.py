@@ -214,6 +214,10 @@ def remake(layers: Sequence, model, attention) -> Sequence:
             chosen = range(len(layers)) if full and type(layers[0]) is KVHeads else []
         else:
             chosen = [i for i, layer in enumerate(layers) if id(layer) in full]
+    shared = attention.kv_shared_layers or 0
+    if k_eq_v and shared and chosen and chosen[-1] >= len(layers) - shared:  # chosen ascends
+        raise ConfigError(f"attention.k_eq_v=1: with attention.kv_shared_layers={shared} a global layer would read "
+                          "a K=V layer's cache, whose keys need its key norm; not built (use attention.k_eq_v=0)")
     out = None
     for i in chosen:
         layer = layers[i]
@@ -228,13 +232,7 @@ def remake(layers: Sequence, model, attention) -> Sequence:
                 return (made[id(layer)],) * len(layers)
         out = out or list(layers)
         out[i] = made[id(layer)]
-    if out is None:
-        return layers
-    shared = attention.kv_shared_layers or 0
-    if k_eq_v and shared and any(i >= len(out) - shared for i in chosen):
-        raise ConfigError(f"attention.k_eq_v=1: with attention.kv_shared_layers={shared} a global layer would read "
-                          "a K=V layer's cache, whose keys need its key norm; not built (use attention.k_eq_v=0)")
-    return out
+    return layers if out is None else out
 
 
 K_EQ_V = LayerOption("k_eq_v", " k=v", 0, preset="preset_k_eq_v",
