@@ -244,5 +244,4 @@ KIND = register(LayerKind(
     title="global K/V-head attention of its own shape", letters={"v": "k_eq_v"}, options=(K_EQ_V,),
     remake=remake, check_model=check_model, hf_architectures=hf.ARCHITECTURES, hf_model_fields=hf.hf_model_fields,
     hf_names=hf.hf_names,
-    examples={"k_eq_v": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.k_eq_v=1"),
-              "gemma4": ("model=tiny_gemma4",)}))
+    examples={"gemma4": ("model=tiny_gemma4",)}))  # K=V global layers beside sliding ones, Gemma 4's residual
