@@ -27,7 +27,7 @@ from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.build import build_layouts
-from kvbench.layouts.kinds import kind_of, layer_kind
+from kvbench.layouts.kinds import kind_of, layer_kind, registered
 from kvbench.model import Decoder
 from kvbench.serving.allocator import budget_bytes, groups_of, slot_bytes
 from kvbench.units import human_bytes
@@ -67,8 +67,12 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     # contradicts), as long as the positions a layer option asked of the run counts (a top-k), checked
     # again against their length
     counted = (getattr(attention, o.key, None) or 0 for o in LAYER_OPTIONS if o.positions)
+    # a kind that remakes layers of another (Gemma 4's global heads, by index) is left out of them:
+    # their layers are alike, and _other_shapes adds what each remade layer differs by
+    remade = {kind.name for kind in registered() if kind.remake}
+    shapes = {k: v for k, v in (model.layer_shapes or {}).items() if k not in remade} or None
     small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None, no_mlp_layers=None,
-                                max_seq_len=max(1, *counted))
+                                max_seq_len=max(1, *counted), layer_shapes=shapes)
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
     per_layer, fixed, embedding, counted_as = {}, 0, 0, {}

@@ -52,8 +52,8 @@ def test_compare_reads_k_eq_v_by_its_letter_and_labels_it(tiny):
 @pytest.mark.parametrize("overrides, line", [
     (("attention.k_eq_v=2",), "attention.k_eq_v=2: must be 1 (keys are values), 0 or null"),
     (("attention=mla", "attention.k_eq_v=1"), "attention.k_eq_v=1: is a property of K/V-head layers"),
-    (("model=tiny_gemma4", "model.num_layers=6", "attention.kv_shared_layers=2"),
-     "attention.k_eq_v=1: with attention.kv_shared_layers=2 a global layer would read a K=V layer's cache"),
+    (("attention.k_eq_v=1", "model.num_layers=3", "attention.kv_shared_layers=1"),
+     "attention.k_eq_v=1: with attention.kv_shared_layers=1 a global layer would read a K=V layer's cache"),
     (("model=tiny_gemma4", "model.layer_shapes.global_heads.head_dim=-1"),
      "model.layer_shapes.global_heads.head_dim=-1: must be a positive int"),
     (("attention.k_eq_v=1", "workload=multiturn", "cache.shared=true"), "cache.shared=True: layer 0, K=V layer"),

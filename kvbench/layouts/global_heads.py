@@ -135,8 +135,16 @@ def global_shape(model) -> Dict[str, Any]:
         raise ConfigError(f"{prefix}={given!r}: must be a mapping of {', '.join(SHAPE_FIELDS)}")
     out = {}
     for key, value in given.items():
+        if key == "layers":  # which layers, by index (transformers' per_layer_config keys)
+            ok = value is None or not isinstance(value, (str, Mapping)) and isinstance(value, Sequence) and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i for i in value)
+            if not ok:
+                raise ConfigError(f"{prefix}.layers={value!r}: must list layer indices >= 0, or be null (every full "
+                                  "layer of a run)")
+            out[key] = None if value is None else sorted(set(value))
+            continue
         if key not in SHAPE_FIELDS:
-            raise ConfigError(f"{prefix}.{key}={value!r}: not a key of the global layers' shape (one of "
+            raise ConfigError(f"{prefix}.{key}={value!r}: not a key of the global layers' shape (one of layers, "
                               f"{', '.join(SHAPE_FIELDS)})")
         kind, _ = SHAPE_FIELDS[key]
         ok = value is None or (isinstance(value, kind) or kind is float and isinstance(value, int)) \
@@ -145,8 +153,8 @@ def global_shape(model) -> Dict[str, Any]:
             raise ConfigError(f"{prefix}.{key}={value!r}: must be a {'positive ' * (kind is not bool)}{kind.__name__}"
                               + (" or null (the model's own)" if SHAPE_FIELDS[key][1] is None else ""))
         out[key] = value
-    out = {key: out.get(key, default) if out.get(key) is not None else default
-           for key, (_, default) in SHAPE_FIELDS.items()}
+    out = {"layers": out.get("layers"), **{key: out.get(key, default) if out.get(key) is not None else default
+                                            for key, (_, default) in SHAPE_FIELDS.items()}}
     if out["rope_type"] not in ROPE_TYPES:
         raise ConfigError(f"{prefix}.rope_type={out['rope_type']!r}: must be one of {', '.join(ROPE_TYPES)}")
     D = out["head_dim"] or model.head_dim
@@ -190,24 +198,41 @@ def global_layout(layer: KVHeads, model, k_eq_v: bool) -> GlobalHeads:
 
 
 def remake(layers: Sequence, model, attention) -> Sequence:
-    """``layers`` with every full K/V-head layer global in the model's own global shape and K=V where the
-    run asks it (:func:`global_layout`); nothing where neither applies (a model of 10^8 layers, its
-    layout objects replaced once each)."""
-    k_eq_v = bool(attention.k_eq_v)
-    if not k_eq_v and not global_shape(model):
+    """``layers`` with the model's global layers in its global shape: those its shape's ``layers`` names
+    (by index, whatever the run's windows: the weights are theirs), else every full K/V-head layer of
+    the run; K=V where the run asks it (:func:`global_layout`). Nothing where neither applies (a model
+    of 10^8 layers keeps its tuple; layout objects replaced once each)."""
+    k_eq_v, shape = bool(attention.k_eq_v), global_shape(model)
+    if not k_eq_v and not shape:
         return layers
-    layers = Layouts(layers)
-    made = {id(layer): global_layout(layer, model, k_eq_v) for layer in layers.unique()
-            if type(layer) is KVHeads and layer.window is None and layer.kv_source is None}
-    if not made:
-        return layers
+    layers, made = Layouts(layers), {}
+    if shape.get("layers") is not None:
+        chosen = [i for i in shape["layers"] if i < len(layers)]  # past num_layers: no layer (a smaller model)
+    else:
+        full = {id(layer) for layer in layers.unique() if layer.window is None}
+        if len(layers.distinct) == 1:  # every layer alike (counted in C: a model may have 10^8)
+            chosen = range(len(layers)) if full and type(layers[0]) is KVHeads else []
+        else:
+            chosen = [i for i, layer in enumerate(layers) if id(layer) in full]
     shared = attention.kv_shared_layers or 0
-    if k_eq_v and shared and any(id(layer) in made for layer in layers[len(layers) - shared:]):
+    if k_eq_v and shared and chosen and chosen[-1] >= len(layers) - shared:  # chosen ascends
         raise ConfigError(f"attention.k_eq_v=1: with attention.kv_shared_layers={shared} a global layer would read "
                           "a K=V layer's cache, whose keys need its key norm; not built (use attention.k_eq_v=0)")
-    if len(layers.distinct) == 1:  # every layer alike (counted in C: a model may have 10^8)
-        return (made[id(layers[0])],) * len(layers)
-    return [made.get(id(layer), layer) for layer in layers]
+    out = None
+    for i in chosen:
+        layer = layers[i]
+        if type(layer) is not KVHeads or layer.kv_source is not None:
+            continue
+        if k_eq_v and layer.window is not None:
+            raise ConfigError(f"attention.k_eq_v=1: layer {i} is local (window {layer.window}); a K=V layer keeps "
+                              "every position (use attention.k_eq_v=0 or no window there)")
+        if id(layer) not in made:
+            made[id(layer)] = global_layout(layer, model, k_eq_v)
+            if len(chosen) == len(layers) and len(layers.distinct) == 1:
+                return (made[id(layer)],) * len(layers)
+        out = out or list(layers)
+        out[i] = made[id(layer)]
+    return layers if out is None else out
 
 
 K_EQ_V = LayerOption("k_eq_v", " k=v", 0, preset="preset_k_eq_v",
@@ -219,5 +244,4 @@ KIND = register(LayerKind(
     title="global K/V-head attention of its own shape", letters={"v": "k_eq_v"}, options=(K_EQ_V,),
     remake=remake, check_model=check_model, hf_architectures=hf.ARCHITECTURES, hf_model_fields=hf.hf_model_fields,
     hf_names=hf.hf_names,
-    examples={"k_eq_v": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.k_eq_v=1"),
-              "gemma4": ("model=tiny_gemma4",)}))
+    examples={"gemma4": ("model=tiny_gemma4",)}))  # K=V global layers beside sliding ones, Gemma 4's residual

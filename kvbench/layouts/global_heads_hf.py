@@ -86,7 +86,8 @@ def _global_shape(cfg: Mapping[str, Any], types: List[str], k_eq_v: bool, rope: 
         kv = _count(cfg, "num_global_key_value_heads", None) if k_eq_v else None
     full = rope[FULL]
     proportional = full.get("rope_type") == "proportional"
-    return {"head_dim": head_dim, "num_kv_heads": kv, "rope_theta": float(full["rope_theta"]),
+    return {"layers": [i for i, t in enumerate(types) if t == FULL], "head_dim": head_dim, "num_kv_heads": kv,
+            "rope_theta": float(full["rope_theta"]),
             "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
             "rope_type": "proportional" if proportional else "default"}
 
