@@ -7,9 +7,11 @@ heads; K/V heads cut, or one replicated where there are fewer than ranks, as MLA
 built by its kind's own module, so no kind is named here: the part's weights are the whole
 module's, cut along each dimension where the part's shape is smaller. Query-side projections lose
 rows (column parallel), the output projection columns (row parallel, its bias added once: rank 0's),
-a K/V head read by several ranks is each one's copy. A routed expert is cut by width (its
-``TP_PARTS``: gate and up rows stacked, cut alike), or with ``expert_parallel`` whole experts are
-split by expert. The embedding, the norms, the router and the LM head are whole on every rank.
+a K/V head read by several ranks is each one's copy. A parameter that stacks sections along a
+dimension (a module's ``tp_sections``: an expert's gate and up rows, Gated DeltaNet's q | k | v
+channels) has each section cut alike. A routed expert is cut by width, or with ``expert_parallel``
+whole experts are split by expert. The embedding, the norms, the router and the LM head are whole on
+every rank.
 
 :func:`shard_decoder` cuts a built decoder in place (on the meta device too: a rank's weights
 counted without memory, :func:`rank_weight_bytes`); :class:`RankGroup` is the process's rank and
