@@ -69,7 +69,10 @@ def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1):
 # row-parallel projection must add once (o_proj's, the MLP's down projection's) and GPT-OSS's sinks
 VARIANTS = {"gqa": (AttentionConfig(type="gqa", num_kv_heads=2), {}), "mqa": (AttentionConfig(type="mqa"), {}),
             "mla": (AttentionConfig(type="mla"), {}),
-            "bias": (AttentionConfig(type="gqa", num_kv_heads=4, sinks=True), {"o_bias": True, "mlp_bias": True})}
+            "bias": (AttentionConfig(type="gqa", num_kv_heads=4, sinks=True), {"o_bias": True, "mlp_bias": True}),
+            # a Gated DeltaNet hybrid: its q | k | v channels cut alike, its state split by heads
+            "gdn": (AttentionConfig(type="gqa", num_kv_heads=2, layer_types=["linear_attention", "full_attention"]),
+                    {})}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,10 @@ def test_each_ranks_cache_is_the_formula(decoded):
     latent = mla.kv_lora_rank + mla.qk_rope_head_dim  # 4 x 8 + 8 / 2 (the defaults of a model without its own)
     assert latent == 36
     expected = {"gqa": 2 * L * 1 * D * S * B * f32, "mqa": 2 * L * 1 * D * S * B * f32,
-                "mla": L * latent * S * B * f32, "bias": 2 * L * 2 * D * S * B * f32}
+                "mla": L * latent * S * B * f32, "bias": 2 * L * 2 * D * S * B * f32,
+                # GDN (8 key heads, 16 value heads, both 4 wide; a kernel of 4) beside one full layer: half the
+                # convolution's q | k | v channels x 3 taps and half the value heads' 4 x 4 states, and 1 K/V head
+                "gdn": ((2 * 8 * 4 + 16 * 4) // 2 * 3 + 16 // 2 * 4 * 4) * B * f32 + 2 * 1 * 1 * D * S * B * f32}
     for name, nbytes in expected.items():
         assert [cache for _, cache, _ in decoded[name][3]] == [nbytes] * RANKS, name
     # the formula the capacity figures use: the whole model's layouts, each layer's bytes / its tensor_parts
@@ -111,7 +117,7 @@ def test_each_ranks_cache_is_the_formula(decoded):
         cfg, attention = decoded[name][:2]
         kv = rank_kv(build_layouts(cfg, attention), RANKS, S, f32)
         assert kv.per_sequence * B == expected[name]
-        assert kv.replication == {"gqa": 1, "mqa": 2, "mla": 2, "bias": 1}[name]
+        assert kv.replication == {"gqa": 1, "mqa": 2, "mla": 2, "bias": 1, "gdn": 1}[name]
 
 
 def test_each_ranks_weights_are_the_formula(decoded):
@@ -150,8 +156,8 @@ def test_a_split_it_cannot_run_is_one_line_from_the_command_line():
     ({"tensor_parallel": 8, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 4}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 4, "head_dim": 8}},
      "runtime.tensor_parallel=8: must divide model.num_heads=12"),
-    ({"tensor_parallel": 2}, {"attention": {"layer_types": ["linear_attention", "full_attention"]}},
-     "runtime.tensor_parallel=2: layer 0 is Gated DeltaNet"),
+    ({"tensor_parallel": 2}, {"attention": {"layer_types": ["mamba", "full_attention"]}},
+     "runtime.tensor_parallel=2: layer 0 is Mamba-2"),
     ({"tensor_parallel": 4, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 6}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 6, "head_dim": 8}},
      "runtime.tensor_parallel=4: layer 0: the layer's 6 heads split"),

@@ -11,7 +11,7 @@ holds one :class:`~kvbench.layouts.base.State` per layer whatever its length (th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional
 
 from kvbench.core.errors import check
@@ -65,6 +65,16 @@ class GatedDeltaNet(Recurrent):
 
     def as_mha(self) -> LayerLayout:
         return KVHeads(None, self.num_heads, self.num_heads, self.head_dim)
+
+    def shard(self, ranks: int) -> "GatedDeltaNet":
+        # 1 / ranks of the value heads and of the key heads they read (value head h reads key head h // G)
+        return replace(self, linear_num_key_heads=self.linear_num_key_heads // ranks,
+                       linear_num_value_heads=self.linear_num_value_heads // ranks)
+
+    def tensor_refusal(self, ranks: int) -> Optional[str]:
+        heads = self.linear_num_key_heads
+        return (f"its {heads} key heads split over ranks in whole heads only (each rank's value heads read its own); "
+                f"use a divisor of {heads}") if heads % ranks else super().tensor_refusal(ranks)
 
     def fields(self) -> Dict[str, Any]:
         return {"linear_num_key_heads": self.linear_num_key_heads,

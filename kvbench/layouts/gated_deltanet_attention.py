@@ -61,6 +61,11 @@ class GatedDeltaNetAttention(nn.Module):
         self.norm = RMSNorm(self.d_v, cfg.norm_eps)  # weight around 1 (not zero-centred as Qwen3.5's block norms)
         self.wo = nn.Linear(self.value_dim, C, bias=False)
 
+    def tp_sections(self):
+        """How kvbench.parallel cuts the q | k | v channels (of the projection and the convolution): each alike."""
+        qkv = (0, (self.key_dim, self.key_dim, self.value_dim))
+        return {"w_qkv.weight": qkv, "conv.weight": qkv}
+
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
         tail = self.conv.kernel_size[0] - 1

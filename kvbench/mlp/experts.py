@@ -49,10 +49,9 @@ class Experts(nn.Module):
     ``w_down`` (E, C, I); with ``expert_bias`` their biases (E, 2I) and (E, C). Not ``gated``
     (``model.mlp_act=relu2``, Nemotron-H's experts): ``w_up`` (E, I, C) and relu(up x)^2."""
 
-    # how kvbench.parallel cuts them by width: w_gate_up's and b_gate_up's dim 1 holds gate rows then up rows,
-    # each cut alike; b_down is added once after the ranks' sum. ``first``: the first expert held, where a
-    # rank holds some of them (expert parallel): pairs routed to another rank's run nowhere here.
-    TP_PARTS = {"w_gate_up": (1, 2), "b_gate_up": (1, 2)}
+    # kvbench.parallel: b_down is added once after the ranks' sum (tp_sections: how the rest is cut by width).
+    # ``first``: the first expert held, where a rank holds some of them (expert parallel): pairs routed to
+    # another rank's run nowhere here.
     TP_ONCE = ("b_down",)
     first: Optional[int] = None
 
@@ -71,6 +70,12 @@ class Experts(nn.Module):
         if not self.w_down.is_meta:  # nn.Linear's default: uniform within 1/sqrt(fan_in)
             nn.init.uniform_(w_in, -1 / math.sqrt(C), 1 / math.sqrt(C))
             nn.init.uniform_(self.w_down, -1 / math.sqrt(I), 1 / math.sqrt(I))
+
+    def tp_sections(self):
+        """How kvbench.parallel cuts each expert's width: dim 1 of the stacked matrix (and bias) holds the gate
+        rows, then the up rows, each cut alike."""
+        I = self.w_down.shape[-1]  # noqa: E741
+        return {} if not self.gated else {"w_gate_up": (1, (I, I)), "b_gate_up": (1, (I, I))}
 
     @property
     def w_in(self) -> torch.Tensor:

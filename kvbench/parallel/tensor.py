@@ -7,9 +7,11 @@ heads; K/V heads cut, or one replicated where there are fewer than ranks, as MLA
 built by its kind's own module, so no kind is named here: the part's weights are the whole
 module's, cut along each dimension where the part's shape is smaller. Query-side projections lose
 rows (column parallel), the output projection columns (row parallel, its bias added once: rank 0's),
-a K/V head read by several ranks is each one's copy. A routed expert is cut by width (its
-``TP_PARTS``: gate and up rows stacked, cut alike), or with ``expert_parallel`` whole experts are
-split by expert. The embedding, the norms, the router and the LM head are whole on every rank.
+a K/V head read by several ranks is each one's copy. A parameter that stacks sections along a
+dimension (a module's ``tp_sections``: an expert's gate and up rows, Gated DeltaNet's q | k | v
+channels) has each section cut alike. A routed expert is cut by width, or with ``expert_parallel``
+whole experts are split by expert. The embedding, the norms, the router and the LM head are whole on
+every rank.
 
 :func:`shard_decoder` cuts a built decoder in place (on the meta device too: a rank's weights
 counted without memory, :func:`rank_weight_bytes`); :class:`RankGroup` is the process's rank and
@@ -141,27 +143,39 @@ def _cut(whole: nn.Module, part: nn.Module, rank: int, ranks: int) -> nn.Module:
                  and m.weight.shape[1] != full[f"{name}.weight".lstrip(".")].shape[1]}
     for name, t in part.state_dict(keep_vars=True).items():
         value = full[name]
-        owner, _, leaf = name.rpartition(".")
-        module = part.get_submodule(owner) if owner else part
         if value.is_meta:  # shapes only (a rank's weights counted): nothing to cut
             cut[name] = torch.empty(t.shape, dtype=value.dtype, device="meta")
             continue
-        stacked, n_parts = getattr(module, "TP_PARTS", {}).get(leaf, (None, 1))
+        stacked, sizes = _sections(whole, name) or (None, ())
+        _, part_sizes = _sections(part, name) or (None, ())
         for dim, (f, p) in enumerate(zip(value.shape, t.shape)):
             if f == p:
                 continue
-            if dim == stacked:  # stacked parts (gate rows, then up rows): each cut alike
-                chunks = value.chunk(n_parts, dim)
-                value = torch.cat([c.narrow(dim, _offset(f // n_parts, p // n_parts, rank, ranks), p // n_parts)
-                                   for c in chunks], dim)
+            if dim == stacked:  # sections stacked along it (gate rows, then up rows): each cut alike
+                value = torch.cat([c.narrow(dim, _offset(fs, ps, rank, ranks), ps)
+                                   for c, fs, ps in zip(value.split(list(sizes), dim), sizes, part_sizes)], dim)
             else:
                 value = value.narrow(dim, _offset(f, p, rank, ranks), p)
+        owner, _, leaf = name.rpartition(".")
+        module = part.get_submodule(owner) if owner else part
         once = name in row_split or leaf in getattr(module, "TP_ONCE", ())
         if once and value.shape == full[name].shape and rank:
             value = torch.zeros_like(value)  # added after the sum: rank 0's alone
         cut[name] = value.contiguous()
     part.load_state_dict(cut, assign=True)
     return part.train(whole.training)
+
+
+def _sections(root: nn.Module, name: str):
+    """``(dim, sizes)`` where a module above parameter ``name`` (its ``tp_sections()``) says the
+    parameter stacks sections of these sizes along ``dim`` (q | k | v channels, gate | up rows); None."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        owner = root.get_submodule(".".join(parts[:i])) if i else root
+        sections = getattr(owner, "tp_sections", None)
+        if sections is not None and ".".join(parts[i:]) in sections():
+            return sections()[".".join(parts[i:])]
+    return None
 
 
 def rank_weight_bytes(model: Decoder, split: Split, stored: Optional[str] = None) -> int:
