@@ -416,25 +416,28 @@ def test_its_label_round_trips_through_compares_syntax(kind, name):
 
 # ---- quality: measured on a model of the variant's own layouts, or none --------------------------------------
 
-def test_capacitys_quality_figure_is_measured_on_a_model_of_the_variants_layouts(kind, name):
+def test_capacitys_quality_figure_is_measured_on_a_model_of_the_variants_layouts(kind, name, monkeypatch):
     """issue 59: a quality figure under a variant's label comes from a model whose layer layouts are the
     variant's, layer by layer (pooling the MHA model's K/V heads makes K/V heads and masks windows, never a
     recurrent or a latent layer), or it is null with a one-line reason naming the layer kind it cannot make
     (a Gated DeltaNet hybrid was given GQA-2's figures)."""
-    from kvbench.tasks.capacity_quality import pooled_model, variant_quality
+    from kvbench.tasks import capacity_quality
 
-    job, model = example(kind, name, "task=capacity", "capacity.context_lens=[8]", "runtime.memory_budget_gb=1")
-    got = variant_quality(job, model.layouts, torch.device("cpu"))
-    makes = model.layouts.converts_kv_heads() and tuple(pooled_model(job, torch.device("cpu"))[1].layouts) == tuple(
-        model.layouts)
-    if not makes:
-        assert got["kv_pool_kl_nats"] is None and got["kv_pool_top1_agreement"] is None
-        assert got["quality_source"] is None
+    job, model = example(kind, name)
+    measured = []
+
+    def fidelity(reference, kv, tokens, attention, pooled):  # the model the figures come from, then them
+        measured.append(pooled)
+        return {"kv_pool_kl_nats": 0.0, "kv_pool_top1_agreement": 1.0}
+
+    monkeypatch.setattr(capacity_quality, "kv_pool_fidelity", fidelity)
+    got = capacity_quality.variant_quality(job, model.layouts, torch.device("cpu"))
+    if got["kv_pool_kl_nats"] is None:
+        assert got["kv_pool_top1_agreement"] is None and got["quality_source"] is None and not measured
         reason = got["quality_none_reason"]
         assert "\n" not in reason and "are not what pooling the MHA model's K/V heads makes" in reason
         assert any(f"the variant's {k.title or k.name} layers" in reason for k in registered()), reason
         return
-    assert got["quality_source"] and "quality_none_reason" not in got
-    assert 0 <= got["kv_pool_kl_nats"] and 0 <= got["kv_pool_top1_agreement"] <= 1
-    if job.attention.num_kv_heads == job.model.num_heads:  # MHA against itself, the reference
-        assert got["kv_pool_kl_nats"] == pytest.approx(0, abs=1e-6) and got["kv_pool_top1_agreement"] == 1
+    (pooled,) = measured
+    assert tuple(pooled.layouts) == tuple(model.layouts) and got["quality_source"]
+    assert "quality_none_reason" not in got
