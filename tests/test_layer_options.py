@@ -24,8 +24,11 @@ IDS = [option.key for option in LAYER_OPTIONS]
 
 
 def values(option):
-    """Two distinct values of ``option``, the first on (for a bool, the other is off)."""
-    return (True, False) if type(option.off) is bool else (2, 3)
+    """Two distinct values of ``option``, the first on (for a bool, or an option with one value that
+    means on, the other is off)."""
+    if type(option.off) is bool:
+        return True, False
+    return (option.values[0], option.values[1] if option.values[1:] else option.off) if option.values else (2, 3)
 
 
 def layout(option):
@@ -34,13 +37,25 @@ def layout(option):
     return dict(type="mla", q_lora_rank=16) if option.key in MLA_FIELDS else dict(type="gqa", num_kv_heads=2)
 
 
+def on_label(option, on):
+    """The label of a variant with ``option`` at ``on``: its layout's, with the window the option sets
+    (a chunk C is its layers' window: ``w=C ... chunk=C``), then the option's part."""
+    window = dict(window=on) if option.sets_window else {}
+    return Variant.of_attention(AttentionConfig(**layout(option), **window).resolved(MODEL)).label \
+        + option.label.format(on)
+
+
 def test_the_label_names_the_options_in_the_lists_order():
-    """The order of the parts is the list's, and each is as it was before the list existed."""
-    assert [option.key for option in LAYER_OPTIONS] == ["sinks", "index_topk", "kv_shared_layers"]
+    """The order of the parts is the list's, and each is as it was before the list existed; a kind's
+    own options (Llama 4's chunk, Gemma 4's K=V, DSA's top-k) come between sinks and KV sharing."""
+    assert [option.key for option in LAYER_OPTIONS] == ["sinks", "chunk", "k_eq_v", "index_topk", "kv_shared_layers"]
     attention = {"type": "gqa", "num_kv_heads": 2, "window": 128, "global_every": 2, "sinks": True, "index_topk": 4,
                  "kv_shared_layers": 3}
     assert variant_label(attention) == "gqa kv=2 w=128 1:1 sinks topk=4 kvshare=3"
     assert Variant.from_config({"attention": attention}).label == "gqa kv=2 w=128 1:1 sinks topk=4 kvshare=3"
+    every = {**attention, "chunk": 128, "k_eq_v": 1}  # the chunk is the local layers' window
+    assert variant_label(every) == "gqa kv=2 w=128 1:1 sinks chunk=128 k=v topk=4 kvshare=3"
+    assert Variant.from_config({"attention": every}).label == "gqa kv=2 w=128 1:1 sinks chunk=128 k=v topk=4 kvshare=3"
 
 
 @pytest.mark.parametrize("option", LAYER_OPTIONS, ids=IDS)
@@ -48,11 +63,11 @@ def test_an_option_on_is_in_the_label_and_the_record_and_a_record_without_it_rea
     on = values(option)[0]
     plain = AttentionConfig(**layout(option)).resolved(MODEL)
     asked = AttentionConfig(**layout(option), **{option.key: on}).resolved(MODEL)
-    base, part = Variant.of_attention(plain).label, option.label.format(on)
+    base, label = Variant.of_attention(plain).label, on_label(option, on)
     assert getattr(asked, option.key) == on and getattr(plain, option.key) == option.off
-    assert Variant.of_attention(asked).label == variant_label(asked) == base + part
+    assert Variant.of_attention(asked).label == variant_label(asked) == label
     record = attention_record(asdict(asked))
-    assert record[option.key] == on and Variant.from_config({"attention": record}).label == base + part
+    assert record[option.key] == on and Variant.from_config({"attention": record}).label == label
     assert dict(Variant.from_config({"attention": record}).options) == {option.key: on}
     # off, the key is left out, as in a record written before the option existed, which reads as off
     without = attention_record(asdict(plain))
@@ -65,7 +80,9 @@ def test_an_option_on_is_in_the_label_and_the_record_and_a_record_without_it_rea
 
 @pytest.mark.parametrize("option", LAYER_OPTIONS, ids=IDS)
 def test_a_value_that_is_not_of_the_options_type_is_not_read_as_on(option):
-    for value in (None, option.off, "yes", 1.5, [1], 1 if type(option.off) is bool else True):
+    # of an option on only at some values (K=V's 1), another of its type is not one of them
+    beyond = (max(option.values) + 1,) if option.values else ()
+    for value in (None, option.off, "yes", 1.5, [1], 1 if type(option.off) is bool else True, *beyond):
         assert option.on(value) is None, value
         assert Variant.from_config({"attention": {"type": "gqa", "num_kv_heads": 2, option.key: value}}).options == ()
 

@@ -25,7 +25,7 @@ from kvbench.layouts.pages import Chunks
 from kvbench.layouts.registry import LayerOption, attention_kind
 
 # attention.chunk: C positions per chunk on the local layers (null: the model's own, model.preset_chunk; 0: none)
-CHUNK = LayerOption("chunk", " chunk={}", 0, preset="preset_chunk", positions=True,
+CHUNK = LayerOption("chunk", " chunk={}", 0, preset="preset_chunk", positions=True, sets_window=True,
                     kv_heads_only="is chunked attention of K/V-head layers (Llama 4's); attention=mla has none")
 
 

@@ -235,7 +235,7 @@ def remake(layers: Sequence, model, attention) -> Sequence:
     return layers if out is None else out
 
 
-K_EQ_V = LayerOption("k_eq_v", " k=v", 0, preset="preset_k_eq_v",
+K_EQ_V = LayerOption("k_eq_v", " k=v", 0, preset="preset_k_eq_v", values=(1,),
                      kv_heads_only="is a property of K/V-head layers (one projection as keys and values); "
                                    "attention=mla caches a latent")
 

@@ -77,7 +77,10 @@ class LayerOption:
     any layer may have it); ``every_position``: why it is not built where a layer keeps only its last
     positions (None: it is); ``positions``: its value counts positions, so a run may ask at most
     ``model.max_seq_len`` of them; ``with_keys``: the ``attention.*`` keys a record keeps only while it
-    is on (the shape of what it adds)."""
+    is on (the shape of what it adds); ``values``: the only values that mean on, where not every one of
+    its type but ``off`` (K=V: 1, a flag kept as an int for compare's letter ``v1``); ``sets_window``: its
+    value is also the window of the layers it applies to (a chunk is its local layers' locality, so a
+    variant with ``chunk=C`` has ``window`` C and is labelled ``w=C ... chunk=C``)."""
 
     key: str
     label: str
@@ -87,6 +90,8 @@ class LayerOption:
     every_position: Optional[str] = None
     positions: bool = False
     with_keys: Tuple[str, ...] = ()
+    values: Tuple[Any, ...] = ()
+    sets_window: bool = False
 
     def on(self, value: Any) -> Any:
         """``value`` when it is of this option's type and on, else None (a record's value as a
@@ -94,7 +99,7 @@ class LayerOption:
         if type(self.off) is bool:
             return value if value is True else None
         is_int = as_int(value) is not None
-        return value if is_int and value != self.off else None
+        return value if is_int and value != self.off and (not self.values or value in self.values) else None
 
     def own(self, value: Any) -> Any:
         """A resolved layer's ``value`` as the model's preset field holds it (null: off)."""
