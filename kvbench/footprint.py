@@ -71,8 +71,8 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     # their layers are alike, and _other_shapes adds what each remade layer differs by
     remade = {kind.name for kind in registered() if kind.remake}
     shapes = {k: v for k, v in (model.layer_shapes or {}).items() if k not in remade} or None
-    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None, no_mlp_layers=None,
-                                max_seq_len=max(1, *counted), layer_shapes=shapes)
+    small = dataclasses.replace(model.without_pattern(), num_layers=1, moe=None, no_mlp_layers=None, nope=None,
+                                max_seq_len=max(1, *counted), layer_shapes=shapes)  # NoPE: no weights of its own
     attention = dataclasses.replace((attention or AttentionConfig(type="mha")).without_pattern(),
                                     full_attention_interval=None)
     per_layer, fixed, embedding, counted_as = {}, 0, 0, {}

@@ -18,11 +18,13 @@ from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
 from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.chunked import Chunked
+from kvbench.layouts.kinds import attention_kind, registered
 from kvbench.model import Decoder
 
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")
                  if not p.stem.endswith("_dir"))  # the *_dir presets need a checkpoint
-PATTERN = ("preset_window", "preset_global_every", "preset_layer_types", "preset_kv_shared_layers")
+PATTERN = ("preset_window", "preset_global_every", "preset_layer_types", "preset_kv_shared_layers", "preset_chunk")
 
 
 @lru_cache(maxsize=None)  # composing is the slow part; the tests replace(), never change, a config
@@ -33,10 +35,17 @@ def preset(name):
 
 def every_layer_full(model, attention):
     """Independent of without_pattern: the layouts of ``attention`` over ``model`` with each layer's
-    window and donor dropped, a linear (Gated DeltaNet) layer replaced by the attention layer at its index."""
+    window (a chunk: Llama 4's local layers) and donor dropped, its layers without rotary embeddings kept
+    (Llama 4's NoPE layers are full already), and a layer of a kind chosen by its layer type, not by
+    attention.type (a recurrent one: Gated DeltaNet, KDA, Mamba-2; DeepSeek-V4's compressed layers and
+    the sliding ones beside them), replaced by the layer attention.type's kind builds without a window."""
     layouts = build_layouts(model, attention)
-    lead = next(layer for layer in layouts if layer.state is None)
-    return tuple(replace(lead if layer.state is not None else layer, window=None, kv_source=None) for layer in layouts)
+    by_layer_type = tuple(kind.layout for kind in registered() if kind.recurrent or kind.named)
+    lead = attention_kind(attention.type).build(model, attention, None)
+
+    def full(layer):
+        return replace(layer.unchunked() if isinstance(layer, Chunked) else layer, window=None, kv_source=None)
+    return tuple(lead if isinstance(layer, by_layer_type) else full(layer) for layer in layouts)
 
 
 def attentions(model, own):
@@ -62,10 +71,11 @@ def test_an_attention_without_its_pattern_keeps_its_layout_with_every_layer_full
     assert tuple(build_layouts(model, plain.resolved(model))) == every_layer_full(model, own)
     # the hand-written forms it replaces: footprint's (its layer_types set per small model) ...
     assert replace(plain, full_attention_interval=None) == replace(
-        own, window=0, global_every=None, layer_types=None, full_attention_interval=None, kv_shared_layers=0)
+        own, window=0, global_every=None, layer_types=None, full_attention_interval=None, kv_shared_layers=0, chunk=0)
     # ... and task=compare's MHA base (which kept the model's KV sharing)
     H = model.num_heads
-    by_hand = AttentionConfig(type="mha", num_kv_heads=H, window=0, full_attention_interval=0, kv_shared_layers=0)
+    by_hand = AttentionConfig(type="mha", num_kv_heads=H, window=0, full_attention_interval=0, kv_shared_layers=0,
+                              chunk=0)
     assert build_layouts(model, by_hand.resolved(model)) == build_layouts(
         model, AttentionConfig.for_heads(H, H).without_pattern().resolved(model))
 
@@ -75,7 +85,7 @@ def test_a_model_without_its_pattern_is_its_shape_with_every_layer_full(name):
     model, own = preset(name)
     plain = model.without_pattern()
     assert plain == replace(model, preset_window=None, preset_global_every=None, preset_layer_types=None,
-                            preset_kv_shared_layers=0)
+                            preset_kv_shared_layers=0, preset_chunk=0)
     assert all(getattr(plain, f.name) == getattr(model, f.name) for f in fields(model) if f.name not in PATTERN)
     # its own layout (attention=model) is the model's own, every layer full attention
     assert tuple(build_layouts(plain, AttentionConfig().resolved(plain))) == every_layer_full(model, own)
@@ -90,11 +100,13 @@ def test_a_model_with_an_attention_as_its_own_layout_runs_that_attention(name):
         mine = model.with_own_layout(a)
         by_hand = replace(model, preset_kv_heads=a.num_kv_heads, preset_window=a.window or None,
                           preset_global_every=a.global_every if a.window else None,
-                          # kept with a window, or where some layer is recurrent (Gated DeltaNet, Mamba-2)
+                          # kept with a window, or where some layer is recurrent (Gated DeltaNet, Mamba-2, KDA)
+                          # or compressed (DeepSeek-V4's, each with its own ring)
                           preset_layer_types=a.layer_types if a.window or set(a.layer_types or ()) - {"full_attention"}
                           else None,
                           preset_mla=MLAShape(**{k: getattr(a, k) for k in MLA_FIELDS}) if a.latent else None,
-                          preset_sinks=bool(a.sinks), preset_kv_shared_layers=a.kv_shared_layers or 0)
+                          preset_sinks=bool(a.sinks), preset_kv_shared_layers=a.kv_shared_layers or 0,
+                          preset_chunk=a.chunk or 0, preset_k_eq_v=a.k_eq_v or 0)
         assert mine == by_hand, a
         assert build_layouts(mine, AttentionConfig().resolved(mine)) == build_layouts(model, a), a
 

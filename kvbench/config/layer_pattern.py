@@ -229,6 +229,8 @@ def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
         global_every, layer_types = attention.global_every, attention.layer_types
     else:
         global_every, layer_types = model.preset_global_every, model.preset_layer_types
+        if window == 0 and layer_types:
+            layer_types = _unwindowed(layer_types)
     layer_types = _linear_layers(attention, model, window, layer_types)
     check_window_pattern("attention.", window, global_every, layer_types, model.num_layers)
     if window is None:
@@ -241,6 +243,18 @@ def resolve_layer_pattern(attention: Any, model: Any) -> Dict[str, Any]:
                   "attention.window is null; set attention.window=W")
         return {"layer_types": layer_types} if linear else {}
     return {"window": window, "global_every": global_every, "layer_types": layer_types}
+
+
+def _unwindowed(layer_types: List[str]) -> Optional[List[str]]:
+    """A model's own ``layer_types`` with no window asked (attention.window=0): as its sliding layers attend
+    every position, so do the layers of a kind chosen by its layer type that keep a window (DeepSeek-V4's
+    compressed layers, each with its ring, and the sliding ones it builds beside them): full attention.
+    None where every layer is then full."""
+    present = set(layer_types)
+    windowed = {t for kind in registered() if kind.named and not kind.recurrent and present & set(kind.layer_types)
+                for t in (*kind.layer_types, *kind.claims)}
+    types = [FULL if t in windowed else t for t in layer_types]
+    return None if windowed and set(types) == {FULL} else types
 
 
 def _linear_layers(attention: Any, model: Any, window: Optional[int],

@@ -26,7 +26,7 @@ from kvbench.config.residual import ResidualForm
 from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
 from kvbench.core.hf_keys import Source, in_file_keys
 from kvbench.jsonio import path_problem
-from kvbench.layouts.kinds import by_layer_type, recurrent_in, recurrent_layer_types, registered
+from kvbench.layouts.kinds import by_layer_type, named_layer_types, recurrent_layer_types, registered
 from kvbench.layouts.latent_config import MLA_FIELDS, MLAShape, check_indexer, check_mla_dims, indexer_defaults
 
 # The attention layouts, in the order every table, plot and report lists them: the three KV-head counts,
@@ -181,20 +181,20 @@ class ModelConfig:
         return 0 if self.rope_type == "none" else int(self.head_dim * self.partial_rotary_factor)
 
     def without_pattern(self) -> "ModelConfig":
-        """This shape with no layer pattern of its own (no window, chunk, Gated DeltaNet layers, KV sharing or
-        layers without rotary embeddings: every layer full attention unless attention.* asks otherwise). Not
-        re-read from ``path``: a replace() of a config with one reads its checkpoint again, pattern and all."""
+        """This shape with no layer pattern (window, chunk, recurrent or compressed layers, KV sharing): every layer
+        full attention unless attention.* asks otherwise; Llama 4's NoPE layers, full already, kept. Not re-read
+        from ``path``: a replace() of a config with one reads its checkpoint again, pattern and all."""
         return replace(self, path=None, preset_window=None, preset_global_every=None, preset_layer_types=None,
-                       preset_kv_shared_layers=0, preset_chunk=0, nope=None)
+                       preset_kv_shared_layers=0, preset_chunk=0)
 
     def with_own_layout(self, attention: "AttentionConfig") -> "ModelConfig":
         """This shape whose own layout (what attention=model runs) is ``attention``, resolved against
-        it: its KV heads or latent, its window pattern, its Gated DeltaNet layers and its layer options."""
+        it: its KV heads or latent, its window pattern, its recurrent or compressed layers and its layer options."""
         window, types = attention.window or None, attention.layer_types
         latent = MLAShape(**{k: getattr(attention, k) for k in MLA_FIELDS}) if attention.latent else None
         return replace(self, preset_kv_heads=attention.num_kv_heads, preset_mla=latent, preset_window=window,
                        preset_global_every=attention.global_every if window else None,
-                       preset_layer_types=types if window or recurrent_in(types) else None,
+                       preset_layer_types=types if window or set(types or ()) & set(named_layer_types()) else None,
                        **{o.preset: o.own(getattr(attention, o.key)) for o in PRESET_OPTIONS})
 
     def _check_rope_scaling(self) -> None:
@@ -357,10 +357,10 @@ class AttentionConfig:
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * num_layers
 
     def without_pattern(self) -> "AttentionConfig":
-        """This layout (its KV heads or latent, sinks) with every layer full attention whatever the
-        model's own pattern: no window, no Gated DeltaNet layer, no layer reading another's K/V."""
+        """This layout (its KV heads or latent, sinks) with every layer full attention whatever the model's own
+        pattern: no window or chunk, no recurrent or compressed layer (this one's instead), no K/V shared."""
         return replace(self, window=0, global_every=None, layer_types=None, full_attention_interval=0,
-                       interval_type=None, kv_shared_layers=0)
+                       interval_type=None, kv_shared_layers=0, chunk=0)
 
     def as_asked(self) -> "AttentionConfig":
         """A new, unresolved config of the fields this one asks for its type (a kind's own shape only
@@ -385,8 +385,8 @@ class AttentionConfig:
         if self.latent or (self.type == MODEL_ATTENTION and model.preset_mla is not None
                            and self.num_kv_heads is None):
             return self._resolved_mla(model)
-        if model.preset_mla is not None:  # K/V heads as wide as a latent model's (qk_nope + qk_rope), rotated whole
-            model.check_rotary()
+        if model.preset_mla is not None and model.rope_type != "none":  # K/V heads as wide as a latent model's
+            model.check_rotary()  # (qk_nope + qk_rope), rotated whole; unrotated where its latent is (Kimi's)
         h = model.num_heads
         kv = self.num_kv_heads
         if kv is None:

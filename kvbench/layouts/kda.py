@@ -256,7 +256,8 @@ def build(model, attention=None, window=None) -> KDA:
     unknown = next((key for key in given if key not in known), None)
     if unknown is not None:
         raise ConfigError(f"{prefix}{unknown}={given[unknown]!r}: not a KDA field (one of {', '.join(known)})")
-    mla = model.preset_mla  # the full layers' heads, for as_mha (a latent model's values have their own width)
+    # the full layers' heads, for as_mha: a latent's values have their own width, K/V heads over its shape do not
+    mla = model.preset_mla if getattr(attention, "latent", True) else None
     shape = {"linear_num_heads": model.num_heads, "linear_head_dim": model.head_dim, **given}
     try:
         return KDA(None, **shape, num_heads=model.num_heads, head_dim=model.head_dim,
