@@ -18,9 +18,9 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
-from kvbench.layouts.kinds import registered
 from kvbench.generate import greedy_generate
 from kvbench.layouts.gated_deltanet import GatedDeltaNet, model_shape
+from kvbench.layouts.kinds import registered
 from kvbench.layouts.kv_heads import KVHeads
 
 VOCAB = 97
