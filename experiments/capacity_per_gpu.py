@@ -31,7 +31,7 @@ from kvbench.units import human_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "capacity_per_gpu.md"
-# (preset, the splits compared; None: every split of the node that cuts the model whole)
+# (preset, the splits compared on a node of 8; None: every split of the node that cuts the model whole)
 PRESETS = (("deepseek_v3", [Split(8), Split(8, 1, 8), Split(1, 8, 8), Split(1, 8)]),
            ("llama3_70b", [Split(1, 8), Split(2, 4), Split(4, 2), Split(8)]),
            ("gpt_oss_120b", None), ("qwen3_5_9b", None), ("qwen3_next_80b", None))
@@ -39,7 +39,15 @@ PRESETS = (("deepseek_v3", [Split(8), Split(8, 1, 8), Split(1, 8, 8), Split(1, 8
 MEMORY_FRACTION = 0.9
 
 
+def splits_of(named: Optional[List[Split]], gpus: int) -> Optional[List[Split]]:
+    """The named splits are of a node of 8: on another node (``--gpus 4``) a DP=8 row would count
+    sequences on GPUs the node has not, so only those of the node's size are kept, else (None) every
+    split of the node."""
+    return [split for split in named or () if split.gpus == gpus] or None
+
+
 def rows_of(model: str, splits: Optional[List[Split]], context: int, gpu_bytes: int, gpus: int) -> List[Dict]:
+    splits = splits_of(splits, gpus)
     cfg = to_bench_config(compose_config([f"model={model}", "runtime.dtype=bfloat16"]))
     label = variant_label(cfg.attention, num_layers=cfg.model.num_layers)
     return [{"model": model, "label": label, "stored": cfg.model.weights_stored or "bfloat16", **row}
@@ -53,8 +61,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--gpus", type=positive_int, default=8, help="GPUs of a node")
     parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     gpu_bytes = int(args.gpu_gb * 1e9 * MEMORY_FRACTION)
+    if gpu_bytes < 1:  # a GPU's share is whole bytes: less than one is none at all
+        parser.error(f"argument --gpu-gb: {args.gpu_gb!r}: less than one byte")
+    torch.set_num_threads(1)
     rows = [row for model, splits in PRESETS for row in rows_of(model, splits, args.context, gpu_bytes, args.gpus)]
     command = " ".join(["python experiments/capacity_per_gpu.py", *(argv if argv is not None else sys.argv[1:])])
     lines = [

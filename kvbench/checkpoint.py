@@ -29,7 +29,7 @@ from kvbench.config.layer_options import PRESET_OPTIONS
 from kvbench.config.model import AttentionConfig, ModelConfig, attention_type
 from kvbench.core.errors import ConfigError, typed
 from kvbench.footprint import check_model_fits
-from kvbench.hf_weights import CheckpointError, StoredTensor, load_finite_tensors
+from kvbench.hf_weights import CheckpointError, StoredTensor, check_tensors, load_finite_tensors
 from kvbench.hf_weights import reading as _reading
 from kvbench.jsonio import atomic_write, path_problem
 from kvbench.layouts.attention import module_class
@@ -53,41 +53,6 @@ from kvbench.rope import deinterleave_rope, rope_tables
 FORMAT_KEY = "kvbench_checkpoint"
 FORMAT_VERSION = 1
 _RESERVED = {FORMAT_KEY, "model", "attention", "state_dict"}
-
-
-def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
-                  config_name: str = "config.json", model: str = "the decoder its saved config describes",
-                  names: Optional[Mapping[str, str]] = None) -> None:
-    """Check ``tensors`` are the ones a decoder needs, by name and shape, finite floating point; ``tensors``
-    may be headers (:class:`~kvbench.hf_weights.StoredTensor`), whose values are not checked yet.
-    ``names``: the decoder's name -> the file's, so that every refusal names the tensor as the file
-    does (a transformers checkpoint's ``model.embed_tokens.weight``, not ``embed.weight``)."""
-    def named(key: str) -> str:
-        return (names or {}).get(key, key)
-
-    missing = sorted(named(k) for k in expected.keys() - tensors.keys())
-    # Rotary inverse frequencies some exporters store are recomputed, not loaded.
-    unexpected = sorted(named(k) for k in tensors.keys() - expected.keys()
-                        if not str(k).endswith("rotary_emb.inv_freq"))
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: tensor names do not match {model}: "
-                              f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
-                              f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
-    for name, shape in expected.items():
-        t = tensors[name]
-        header = isinstance(t, StoredTensor)
-        floating = t.is_floating_point if header else isinstance(t, torch.Tensor) and t.is_floating_point()
-        if floating == (name.rpartition(".")[2] in INTEGER_TENSORS):  # a table of ids holds whole numbers
-            raise CheckpointError(f"{where}: tensor {named(name)} is {getattr(t, 'dtype', type(t).__name__)}, "
-                                  f"not {'an integer' if floating else 'a floating-point'} tensor")
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {named(name)} has shape {tuple(t.shape)}, "
-                                  f"{config_name} implies {tuple(shape)}")
-        if not header and not torch.isfinite(t).all():
-            raise CheckpointError(f"{where}: tensor {named(name)} holds NaN or infinite values")
-
-
-INTEGER_TENSORS = ("tid2eid",)  # the decoder's integer tensors by last name: DeepSeek-V4's token-id -> experts
 
 
 def _expected_tensors(model: ModelConfig, attention: AttentionConfig) -> Dict[str, torch.Size]:

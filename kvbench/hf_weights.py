@@ -7,7 +7,8 @@ built; :func:`load_tensors` then reads the tensors.
 
 A tensor in two files, an index naming a missing or wrong file, a missing shard of a
 ``-NNNNN-of-MMMMM`` series: each is a :class:`CheckpointError`, since one dict over every file
-would run with whichever copy sorted last (a duplicated shard, a stray file).
+would run with whichever copy sorted last (a duplicated shard, a stray file). :func:`check_tensors`
+checks what was read (headers, or a kvbench checkpoint's tensors) against what the decoder needs.
 """
 
 from __future__ import annotations
@@ -210,3 +211,38 @@ def load_finite_tensors(directory: Path, stored: Mapping[str, StoredTensor]) -> 
             raise CheckpointError(f"{directory}: tensor {stored[key].name} holds NaN or infinite values")
         seen.add(where)
     return tensors
+
+
+def check_tensors(where: Path | str, expected: Mapping[str, torch.Size], tensors: Mapping[str, Any],
+                  config_name: str = "config.json", model: str = "the decoder its saved config describes",
+                  names: Optional[Mapping[str, str]] = None) -> None:
+    """Check ``tensors`` are the ones a decoder needs, by name and shape, finite floating point; ``tensors``
+    may be headers (:class:`~kvbench.hf_weights.StoredTensor`), whose values are not checked yet.
+    ``names``: the decoder's name -> the file's, so that every refusal names the tensor as the file
+    does (a transformers checkpoint's ``model.embed_tokens.weight``, not ``embed.weight``)."""
+    def named(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    missing = sorted(named(k) for k in expected.keys() - tensors.keys())
+    # Rotary inverse frequencies some exporters store are recomputed, not loaded.
+    unexpected = sorted(named(k) for k in tensors.keys() - expected.keys()
+                        if not str(k).endswith("rotary_emb.inv_freq"))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensor names do not match {model}: "
+                              f"missing {missing[:5]}{' …' if len(missing) > 5 else ''}, "
+                              f"unexpected {unexpected[:5]}{' …' if len(unexpected) > 5 else ''}")
+    for name, shape in expected.items():
+        t = tensors[name]
+        header = isinstance(t, StoredTensor)
+        floating = t.is_floating_point if header else isinstance(t, torch.Tensor) and t.is_floating_point()
+        if floating == (name.rpartition(".")[2] in INTEGER_TENSORS):  # a table of ids holds whole numbers
+            raise CheckpointError(f"{where}: tensor {named(name)} is {getattr(t, 'dtype', type(t).__name__)}, "
+                                  f"not {'an integer' if floating else 'a floating-point'} tensor")
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{where}: tensor {named(name)} has shape {tuple(t.shape)}, "
+                                  f"{config_name} implies {tuple(shape)}")
+        if not header and not torch.isfinite(t).all():
+            raise CheckpointError(f"{where}: tensor {named(name)} holds NaN or infinite values")
+
+
+INTEGER_TENSORS = ("tid2eid",)  # the decoder's integer tensors by last name: DeepSeek-V4's token-id -> experts

@@ -359,7 +359,7 @@ def test_a_workload_key_is_checked_against_its_own_option(overrides, needle):
 def test_a_config_json_read_twice_is_typed_once_and_each_reader_gets_its_own_copy(tmp_path):
     """from_hf_config types a config.json's fields once per distinct content (OmegaConf costs ~35 ms a
     time): the second read equals a fresh typing, and changing what one reader got changes no other's."""
-    from kvbench.config import model as model_config
+    from kvbench.core import errors
 
     hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
           "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 101, "num_key_value_heads": 2,
@@ -370,7 +370,7 @@ def test_a_config_json_read_twice_is_typed_once_and_each_reader_gets_its_own_cop
     first.num_layers = 7
     assert ModelConfig.from_hf_config(dict(hf)).num_layers == 2 == second.num_layers
     assert ModelConfig.from_hf_config({**hf, "num_hidden_layers": 3}).num_layers == 3  # other content, other entry
-    assert any(v.num_layers == 2 for v in model_config._TYPED.values())
+    assert any(v.num_layers == 2 for v in errors._TYPED.values())
 
 
 def test_an_attention_multiplier_on_latent_layers_is_refused_in_one_line():

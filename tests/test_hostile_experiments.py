@@ -46,6 +46,10 @@ CASES = [
     ("capacity_report", ["--tiny-budget-mb", "inf"], "argument --tiny-budget-mb: 'inf'"),
     ("capacity_report", ["--budget-gb", "1e-12"], "argument --budget-gb: 1e-12: less than one byte"),
     ("capacity_report", ["--tiny-context", "1e3"], "argument --tiny-context: '1e3': must be an integer >= 1"),
+    ("capacity_per_gpu", ["--gpus", "0"], "argument --gpus: '0': must be an integer >= 1"),
+    ("capacity_per_gpu", ["--gpu-gb", "nan"], "argument --gpu-gb: 'nan': must be a finite number > 0"),
+    ("capacity_per_gpu", ["--gpu-gb", "1e-12"], "argument --gpu-gb: 1e-12: less than one byte"),
+    ("capacity_per_gpu", ["--context", "8k"], "argument --context: '8k': must be an integer >= 1"),
     ("conversations_eviction", ["--attention", "paged"], "argument --attention: 'paged': must be one of"),
     ("conversations_eviction", ["--budgets", "2,-1"], "argument --budgets: '-1'"),
     ("conversations_eviction", ["--budgets", "2,,16"], "argument --budgets: '2,,16'"),
@@ -72,6 +76,8 @@ CASES = [
     ("serving_gather", ["--model", "paged"], "argument --model: 'paged'"),
     ("small_batch_gemm", ["--rows", "1,,2"], "argument --rows: '1,,2'"),
     ("step_breakdown", ["--shapes", "8by1024"], "argument --shapes: '8by1024': must be BATCHxPROMPT"),
+    ("tensor_parallel_cpu", ["--repeats", "0"], "argument --repeats: '0': must be an integer >= 1"),
+    ("tensor_parallel_cpu", ["--gen-len", "-1"], "argument --gen-len: '-1': must be an integer >= 1"),
     ("tpot_pairing", ["--variants", "mha,paged"], "argument --variants: 'paged'"),
     ("wandb_unreachable", ["--init-timeout", "nan"], "argument --init-timeout: 'nan'"),
     ("recall_curves", ["/no/such/folder"], "argument folder: '/no/such/folder': no such directory"),
@@ -209,3 +215,16 @@ def test_the_named_scripts_refuse_in_one_line_exit_2_end_to_end(argv, says, tmp_
     [line] = proc.stderr.splitlines()
     assert says in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_capacity_per_gpu_counts_only_the_gpus_of_the_node_it_is_given(monkeypatch):
+    """The named splits are of a node of 8: on ``--gpus 4`` a DP=8 row counted sequences on GPUs
+    the node has not. A split kept is of the node's GPUs; none left, every split of the node."""
+    module = script("capacity_per_gpu", monkeypatch)
+    from kvbench.parallel.plan import Split
+
+    for _, named in module.PRESETS:
+        assert module.splits_of(named, 8) == named
+        assert module.splits_of(named, 3) is None
+    named = [Split(8), Split(1, 8), Split(2, 2), Split(4, 1, 4)]
+    assert module.splits_of(named, 4) == [Split(2, 2), Split(4, 1, 4)]

@@ -34,7 +34,7 @@ def refusal(*overrides: str) -> str:
      "model.num_layers=2 layers"),
     (["model=tiny", "attention.layer_types=[linear_attention,lstm]"],
      "attention.layer_types=['linear_attention', 'lstm']: each entry must be one of sliding_attention, "
-     "full_attention, linear_attention, kda, mamba"),
+     "full_attention, compressed_sparse_attention, heavily_compressed_attention, linear_attention, kda, mamba"),
     # a window over layers none of which is sliding applied to nothing (silently, before)
     (["model=tiny", "attention.window=16", "attention.layer_types=[full_attention,full_attention]"],
      "attention.window=16: applies to the sliding_attention layers of attention.layer_types, and it lists none"),

@@ -20,6 +20,7 @@ from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.layouts.gated_deltanet import GatedDeltaNet, model_shape
+from kvbench.layouts.kinds import registered
 from kvbench.layouts.kv_heads import KVHeads
 
 VOCAB = 97
@@ -244,6 +245,14 @@ def test_linear_layers_are_refused_for_an_architecture_without_them():
     with pytest.raises(ConfigError, match=r"^ck/config.json: layer_types=\['linear_attention', .*: not supported "
                                           r"\(each entry sliding_attention or full_attention\)$"):
         ModelConfig.from_hf_config(cfg, "ck/config.json")
+    # the class: a kind read only from its own architecture's file (DeepSeek-V4's compressed layers, Kimi's
+    # KDA, Nemotron-H's mamba) is no layer of a Llama-form one, nor offered there
+    for kind in registered():
+        if (kind.recurrent or kind.named) and kind.layer_types:
+            cfg["layer_types"] = [kind.layer_types[0], "full_attention"] * 4
+            with pytest.raises(ConfigError) as info:
+                ModelConfig.from_hf_config(cfg, "ck/config.json")
+            assert str(info.value).endswith(": not supported (each entry sliding_attention or full_attention)")
 
 
 def test_a_fused_projection_of_the_wrong_shape_names_the_tensor(tmp_path):

@@ -272,8 +272,10 @@ def _hf_window(cfg: Mapping[str, Any], hybrid: bool, arch: str, keys: Dict[str, 
     architecture's layer_types names its Gated DeltaNet layers (linear_attention; without the key,
     every ``full_attention_interval``-th layer is full attention and the others linear). ``keys``:
     where each field was read (as :func:`model_fields` keeps them)."""
-    # transformers' names: an attention layer's, and a recurrent kind's where the architecture is one it reads
-    kinds = tuple(t for kind in registered() if not kind.recurrent or arch in kind.architectures
+    # transformers' names: an attention layer's, and a recurrent or named kind's (DeepSeek-V4's compressed
+    # layers) where the architecture is one whose keys of that kind this reader reads; a kind whose home
+    # reads its architecture's whole config.json never comes here
+    kinds = tuple(t for kind in registered() if not (kind.recurrent or kind.named) or arch in kind.architectures
                   for t in kind.layer_types)
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and set(layer_types) == {"indexed_attention"}:  # DeepSeek-V3.2: every layer DSA

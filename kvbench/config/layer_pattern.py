@@ -191,7 +191,7 @@ def check_window_pattern(prefix: str, window: Optional[int], global_every: Optio
                          layer_types: Optional[List[str]], num_layers: Optional[int] = None) -> None:
     """A window is 0 (none) or >= 1 positions; global_every >= 0; layer_types names each layer
     (``num_layers`` of them, when known) by a registered kind's layer type (sliding_attention,
-    full_attention or a recurrent kind's); not both patterns; a window with layer_types applies to
+    full_attention, a recurrent or a named kind's); not both patterns; a window with layer_types applies to
     some sliding_attention layer."""
     check(window is None or window >= 0, f"{prefix}window", window, "must be >= 1 positions, 0 (no window) or null")
     check(global_every is None or global_every >= 0, f"{prefix}global_every", global_every,

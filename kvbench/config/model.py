@@ -7,8 +7,6 @@ mqa: one, gqa: in between); :func:`attention_type` is the one place that rule is
 
 from __future__ import annotations
 
-import copy
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
@@ -23,7 +21,7 @@ from kvbench.config.multipliers import Multipliers
 from kvbench.config.nope import NoPE
 from kvbench.config.quant import check_weights_stored
 from kvbench.config.residual import ResidualForm
-from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed
+from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed, typed_once
 from kvbench.core.hf_keys import Source, in_file_keys
 from kvbench.jsonio import path_problem
 from kvbench.layouts.kinds import by_layer_type, named_layer_types, recurrent_layer_types, registered
@@ -37,23 +35,6 @@ MLA_DECODE_FORMS, MLP_ACTS = ("absorbed", "expanded"), ("silu", "relu2", "gelu_t
 # its preset's or checkpoint's KV-head count (model.preset_kv_heads) or latent (model.preset_mla),
 # unless attention.num_kv_heads asks for another. Any other type is a conversion the user asked for.
 MODEL_ATTENTION = "model"
-
-
-def _typed_model(cls, values: Dict[str, Any]) -> "ModelConfig":
-    """``typed(cls, values)``, once per distinct ``values`` (a copy each call): typing through OmegaConf
-    costs ~35 ms, and one process reads one config.json many times (a sweep's jobs, a capacity search).
-    A ``path`` is read again by the config itself, so it is never taken from the cache."""
-    if "path" in values:
-        return typed(cls, values)
-    key = (cls, json.dumps(values, sort_keys=True, default=repr))
-    if key not in _TYPED:
-        _TYPED[key] = typed(cls, values)
-        if len(_TYPED) > 64:
-            _TYPED.pop(next(iter(_TYPED)))
-    return copy.deepcopy(_TYPED[key])
-
-
-_TYPED: Dict[Any, "ModelConfig"] = {}
 
 
 def attention_type(num_heads: int, num_kv_heads: int) -> str:
@@ -237,8 +218,10 @@ class ModelConfig:
         try:
             shape, sources = hf_config.model_fields(cfg, where, max_seq_len)
             sources = {k: s for k, s in sources.items() if k not in fields}
-            # Typed like a Hydra config: a string or a list where a number belongs names its key.
-            return _typed_model(cls, {**shape, **fields})
+            # Typed like a Hydra config: a string or a list where a number belongs names its key. Once per
+            # distinct content, but a path, which the config reads again itself (its checkpoint may change)
+            values = {**shape, **fields}
+            return typed(cls, values) if "path" in values else typed_once(cls, values)
         except ConfigError as exc:
             raise ConfigError(exc if where in str(exc) else f"{where}: {in_file_keys(str(exc), sources)}") from None
         except (TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:

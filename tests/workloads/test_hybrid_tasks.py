@@ -132,7 +132,7 @@ def test_compare_takes_a_hybrid_variant_whose_kv_grows_with_its_full_layers_only
 
 def test_the_same_variant_named_twice_and_a_bad_option_are_one_line():
     with pytest.raises(ConfigError, match=r"^compare.variants=\['gqa:d3', 'gqa:d0'\]: 'gqa:d0': option 'd0' must be "
-                                          r"one of :w<W>, :g<k>, :s<N>, .*:d<full_attention_interval>"):
+                                          r"one of :w<W>, :c<C>, :g<k>, :s<N>, .*:d<full_attention_interval>"):
         to_bench_config(compose(*TINY, "task=compare", "compare.variants=[gqa:d3,gqa:d0]"))
     with pytest.raises(ConfigError, match=r"^compare.variants=\['mla', 'mla:d3'\]: 'mla:d3': attention.type='mla': "
                                           r"mla beside linear_attention"):

@@ -168,7 +168,12 @@ def test_serving_pages_kda_states_and_prefix_caching_resumes_from_saved_ones(tmp
     assert m["state_checkpoints_saved"] > 0 and m["prefix_hit_tokens"] > 0
 
 
-def test_conversations_of_a_kda_hybrid_say_which_layer_cannot_classify_returning_turns(tmp_path):
+def test_conversations_of_a_kda_hybrid_classify_returning_turns_by_the_states_the_store_held(tmp_path):
+    """The store says, when a turn finishes, how much of it a new sequence could continue from (on a
+    KDA layer: up to its last saved state), so a KDA hybrid's returning turns are cached or evicted as
+    an attention model's are (they were "not classified" before the store said so). Recomputed from the
+    record's own requests: the next turn may find min(resumable, every full block of its prompt but the
+    last token) and is cached when it found that much at its first admission."""
     conv = ["workload=conversations", "model=tiny", "model.max_seq_len=512", "workload.num_requests=4",
             "workload.rate=8", "workload.prompt.mean=16", "workload.prompt.lo=8", "workload.prompt.hi=24",
             "workload.output.lo=2", "workload.output.hi=6", "workload.think.mean=0.05", "workload.kv_budget_mb=0.25",
@@ -177,8 +182,25 @@ def test_conversations_of_a_kda_hybrid_say_which_layer_cannot_classify_returning
     run_job(compose(*conv), tmp_path)
     record = read_record(tmp_path / "results.json")
     assert record.status == "ok", record.error
-    m = record.metrics
-    assert m["returning_turns"] > 0 and m["returning_reason"].startswith("not classified: a recurrent (KDA) layer")
+    m, bs = record.metrics, record.metrics["block_size"]
+    turns = {(r["conversation"], r["turn"]): r for r in record.tables["serving_requests"]}
+    kinds, reusable, recomputed = [], 0, 0
+    for (c, k), r in turns.items():
+        prev = turns.get((c, k - 1))
+        if k == 0 or r["first_hit_tokens"] is None:
+            continue
+        # a state is saved at block boundaries only, and never past the last token whose K/V was computed
+        assert prev["resumable_tokens"] % bs == 0
+        assert prev["resumable_tokens"] <= prev["prompt_len"] + prev["output_len"] - 1
+        could = min(prev["resumable_tokens"], (r["prompt_len"] - 1) // bs * bs)
+        kinds.append("cached" if r["first_hit_tokens"] >= could else "evicted")
+        reusable, recomputed = reusable + could, recomputed + max(0, could - r["first_hit_tokens"])
+    assert m["returning_turns"] == len(kinds) > 0 and m["returning_reason"] is None
+    assert (m["returning_cached"], m["returning_evicted"]) == (kinds.count("cached"), kinds.count("evicted"))
+    assert (m["history_reusable_tokens"], m["history_recomputed_tokens"]) == (reusable, recomputed) and reusable > 0
+    rows = record.tables["conversation_turns"]
+    assert sum(row["cached"] for row in rows) == kinds.count("cached")
+    assert sum(row["evicted"] for row in rows) == kinds.count("evicted")
 
 
 def test_recall_trains_mqar_on_a_kda_hybrid_and_records_its_state(tmp_path):
