@@ -19,7 +19,7 @@ from test_serving_engine import isolated, workload
 
 from kvbench.cache import Cache, cache_for
 from kvbench.cli_job import _inspect
-from kvbench.config.bench import COMPILE_MODES
+from kvbench.config.bench import COMPILE_MODES, CacheConfig
 from kvbench.config.compare import VARIANT_OPTIONS, CompareConfig, variant_fields
 from kvbench.config.layer_pattern import job_variant_label, variant_key, variant_label
 from kvbench.config.model import attention_type
@@ -84,7 +84,10 @@ def test_a_static_cache_allocates_the_formula_in_every_cache_dtype_the_layers_ta
     cache.dtype some layer refuses is refused in one line naming it. cache.dtype applies to the
     layers that keep K/V: a layer that holds a state takes every one, its state's bytes unchanged
     (it keeps cache.state_dtype)."""
-    job, model = example(kind, name, f"cache.state_dtype={state_dtype}")
+    # the example's own decoder where state_dtype is the config's default (one compose fewer per example)
+    job, model = example(kind, name, *([] if state_dtype == CacheConfig.state_dtype else
+                                        [f"cache.state_dtype={state_dtype}"]))
+    assert job.cache.state_dtype == state_dtype
     layers, element = model.layouts, model.dtype.itemsize
     states = Layouts(layer for layer in layers if layer.state is not None)
     for cache_dtype in CACHE_DTYPES:

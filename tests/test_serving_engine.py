@@ -99,11 +99,15 @@ def run(model, store, requests, prompts, observe=None, **kw):
 MODELS = {"mha": lambda: make_decoder(8), "gqa": lambda: make_decoder(2), "mqa": lambda: make_decoder(1),
           "mla": mla_decoder, "window": windowed_decoder, "gdn": gdn_decoder, "shared_kv": shared_kv_decoder,
           "dsa": dsa_decoder}
+# the layouts every store replays here: MQA's one K/V head takes GQA's path (a group of query heads
+# per K/V head, the pages alike), so GQA stands for it; MQA itself is served through every store by
+# the conformance suite (tests/test_layer_kinds.py) and its blocks counted in the budget check below
+REPLAYED = [name for name in MODELS if name != "mqa"]
 # K/V stored as codes and scales: int8 everywhere, float8 where this torch has it on the CPU
 CODES = ["int8"] + (["float8_e4m3fn"] if hasattr(torch, "float8_e4m3fn") else [])
 
 
-@pytest.mark.parametrize("layout, cache_dtype", [(name, "auto") for name in MODELS] +
+@pytest.mark.parametrize("layout, cache_dtype", [(name, "auto") for name in REPLAYED] +
                          [("gqa", c) for c in CODES] + [("window", "int8")])
 @pytest.mark.parametrize("store", ["paged", "paged_small", "prefix_small", "slots", "unified_prefix"])
 def test_every_request_gets_the_tokens_of_an_isolated_greedy_decode(layout, cache_dtype, store):
@@ -154,7 +158,7 @@ def chats(vocab, prefix=0):
     return make_chats(w, vocab).plan()
 
 
-@pytest.mark.parametrize("layout", list(MODELS))
+@pytest.mark.parametrize("layout", REPLAYED)
 @pytest.mark.parametrize("store", ["prefix", "prefix_small", "system_small", "paged_small"])
 def test_every_turn_of_a_conversation_gets_the_tokens_of_an_isolated_greedy_decode(layout, store):
     """Each turn's prompt is the previous turn's prompt and answer and a new message; its tokens are
