@@ -47,8 +47,9 @@ from kvbench.units import human_bytes  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "capacity_report.md"
 PLOT = "capacity_report.png"  # beside the report, and copied into docs/
-PRESETS = ("llama3_8b", "gemma3_27b", "gemma4_31b", "gemma4_e4b", "gpt_oss_120b", "qwen3_5_9b", "deepseek_v3",
-           "deepseek_v32", "deepseek_v4_flash", "deepseek_v4_pro")
+PRESETS = ("llama3_8b", "llama4_scout", "llama4_maverick", "gemma3_27b", "gemma4_31b", "gemma4_e4b", "gpt_oss_120b",
+           "qwen3_5_9b", "nemotron3_nano", "kimi_linear_48b", "kimi_k3", "deepseek_v3", "deepseek_v32",
+           "deepseek_v4_flash", "deepseek_v4_pro")
 TINY = (("mha", []), ("gqa", ["attention.num_kv_heads=2"]), ("mqa", []), ("mla", []),
         ("gqa", ["attention.num_kv_heads=2", "attention.window=64", "attention.global_every=2"]),
         ("gqa", ["attention.num_kv_heads=2", "attention.layer_types=[linear_attention,full_attention]"]))
