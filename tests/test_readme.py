@@ -222,6 +222,25 @@ NOT_RUN = {
     "kvbench experiment=recall_gpu": "sized for a GPU (composed and validated below)",
     "kvbench model=hf_dir model.path=/path/to/deepseek-v3.2": "a placeholder directory; tests/test_dsa.py loads "
                                                               "DeepseekV32ForCausalLM directories",
+    "kvbench model=hf_dir model.path=/path/to/deepseek-v4": "a placeholder directory; tests/test_deepseek_v4_model.py "
+                                                            "loads DeepseekV4ForCausalLM directories",
+    "kvbench model=hf_dir model.path=DIR": "a placeholder directory; tests/test_checkpoint.py and each family's parity "
+                                           "test load checkpoint directories",
+    "kvbench model=small attention=gqa runtime.tensor_parallel=2 runtime.device=cpu":
+        "two processes of model=small; tests/test_parallel_ranks.py runs two gloo ranks from the CLI",
+    "kvbench model=tiny attention=gqa attention.num_kv_heads=2 attention.k_eq_v=1":
+        "tests/test_layer_kinds.py runs the K=V form (its global_heads example) through bench, cache and serving",
+    "kvbench task=inspect model=deepseek_v4_flash": "tests/test_deepseek_v4_presets.py composes it and checks the "
+                                                    "held and read bytes the page derives by hand",
+    "kvbench task=inspect model=deepseek_v4_pro": "as deepseek_v4_flash (tests/test_deepseek_v4_presets.py)",
+    "kvbench task=inspect model=gemma4_31b": "tests/test_gemma4.py runs inspect on it and checks the bytes the page "
+                                             "derives by hand",
+    "kvbench task=inspect model=gemma4_e4b": "tests/test_gemma4.py composes it and checks its parameters and bytes",
+    "kvbench task=inspect model=tiny model.num_layers=3 attention.window=6 attention.layer_types=[sliding_attention,"
+    "compressed_sparse_attention,heavily_compressed_attention] +model.layer_shapes={compressed:{index_topk:2,"
+    "compress_rates:{compressed_sparse_attention:4,heavily_compressed_attention:8}}}":
+        "tests/test_deepseek_v4_model.py builds this model=tiny decoder of V4 layers and checks its cache against "
+        "the formula inspect prints",
     "kvbench-report <sweep dir>": "a placeholder for the recall sweep's directory; the demo sweep's report runs here",
     "kvbench model=tiny attention=mla": "tests/test_mla.py runs this command end to end",
     "kvbench -m model=small attention=mha,gqa,mqa,mla": "minutes on model=small; experiments/results/mla_small.md "
