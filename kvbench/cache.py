@@ -33,8 +33,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from kvbench.core.dtypes import CACHE_IMPLS
+from kvbench.core.hooks import resolve
 from kvbench.kv_store import KVStore
-from kvbench.layouts.kinds import kind_of, resolve
 from kvbench.shared_kv import SharedLayer, link
 from kvbench.state_cache import StateLayer
 
@@ -414,13 +414,13 @@ def layer_cache(layout, impl: str, batch_size: int, max_seq_len: int, dtype: tor
                 device: torch.device, cache_dtype: str = "auto") -> LayerCache:
     """One layer's cache of ``impl`` for what its layout stores per position: a ring where it keeps fewer
     positions than the cache holds, else every position (static) or a growing tensor (concat); none holds
-    nothing. A layer with a constant state holds it; one whose kind has its own ``cache``, that."""
+    nothing. A layer with a constant state holds it; one whose layout names its own CACHE class, that."""
     layout.check({"cache.impl": impl, "cache.dtype": cache_dtype})
     heads, widths = layout.stored
     if impl == "none" or layout.kv_source is not None:
         return uncached(layout)
-    if kind_of(layout).cache:  # a layer that keeps more than K/V positions (a ring beside a pool): its kind's
-        return resolve(kind_of(layout).cache)(layout, batch_size, max_seq_len, dtype, device)
+    if getattr(layout, "CACHE", ""):  # a layer that keeps more than K/V positions (a ring beside a pool): its own
+        return resolve(layout.CACHE)(layout, batch_size, max_seq_len, dtype, device)
     if layout.state is not None:
         return StateLayer(layout.state, batch_size, dtype, device)
     if impl == "concat":

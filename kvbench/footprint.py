@@ -58,7 +58,7 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     layer's of that kind, and every layer of a kind has the same shape. A layer's kind is its mixer
     (its ``layer_types`` name: an attention layer, a recurrent one, or one reading another layer's
     K/V: no K/V weights) and its MLP (dense, the mixture of experts, or none); the experts a token is
-    not routed to (left out of ``active``) from :class:`~kvbench.config.moe.MoEShape`'s formulas.
+    not routed to (left out of ``active``) from :class:`~kvbench.core.moe.MoEShape`'s formulas.
     ``attention``: as the job resolved it against ``model`` (None: MHA)."""
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     moe, kinds = model.moe, _layer_kinds(model, resolved)

@@ -13,18 +13,18 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from kvbench.blocks.hyper_block import HyperBlock
+from kvbench.blocks.hyper_connection import HyperHead, expand
+from kvbench.blocks.residual import PerLayerBranch, PerLayerInputs
 from kvbench.cache import Positions, uncached_layers
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.dtypes import DTYPE_BYTES
-from kvbench.hyper_block import HyperBlock
-from kvbench.hyper_connection import HyperHead, expand
 from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.mlp.experts import mlp_module
 from kvbench.norm import RMSNorm
-from kvbench.residual import PerLayerBranch, PerLayerInputs
 from kvbench.rope import rope_tables
 
 

@@ -15,9 +15,9 @@ from conftest import tiny_model_config
 from recurrent_checks import greedy_steps
 from torch import nn
 
+from kvbench.blocks.hyper_connection import HyperConnection, HyperHead, expand, residual
 from kvbench.cache import Positions
 from kvbench.core.errors import ConfigError
-from kvbench.hyper_connection import HyperConnection, HyperHead, expand, residual
 from kvbench.layouts.base import Layouts, check_limits
 from kvbench.layouts.compressed import (
     CSA,

@@ -16,11 +16,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
-    ["core.errors", "core.task", "jsonio", "units", "units_v1", "metrics", "measure.host", "jobs.interrupts",
-     "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm", "serving.pool",
-     "hyper_connection", "measure.plausibility", "layouts.sharding"],
+    ["core.errors", "core.task", "core.hooks", "jsonio", "units", "units_v1", "metrics", "measure.host",
+     "jobs.interrupts", "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm",
+     "serving.pool", "blocks.hyper_connection", "measure.plausibility", "layouts.sharding"],
     ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
-     "config.moe", "config.multipliers", "config.residual", "residual", "config.hyper", "core.hf_keys",
+     "core.moe", "config.multipliers", "config.residual", "blocks.residual", "config.hyper", "core.hf_keys",
      "core.hf_read", "config.hf_agree", "mlp.dense", "mlp.router"],
     # what a kind's home builds on: chunked attention, NoPE layers and Llama 4's config.json
     ["layouts.chunked", "layouts.nope", "layouts.nope_attention", "layouts.llama4", "config.nope"],
@@ -42,7 +42,7 @@ LAYERS = [
     ["layouts.kv_heads_attention", "layouts.latent_attention", "layouts.gated_deltanet_attention",
      "layouts.mamba2_mixer", "layouts.compressed_attention", "layouts.kda_mixer", "serving.managers"],
     ["layouts.attention", "mlp.experts", "layouts.global_heads_attention"],
-    ["hyper_block"],
+    ["blocks.hyper_block"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint", "sinks.views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights",
      "parallel.tensor"],

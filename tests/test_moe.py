@@ -20,8 +20,8 @@ from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config import hf as hf_config
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.config.moe import MoEShape
 from kvbench.core.errors import ConfigError
+from kvbench.core.moe import MoEShape
 from kvbench.footprint import parameter_counts
 from kvbench.generate import compiled_graphs, compiled_step, greedy_generate
 from kvbench.jobs.job_config import to_bench_config

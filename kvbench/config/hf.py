@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from kvbench.config.hf_agree import LINEAR, check_agreement
-from kvbench.config.moe import EXPERTS_KEY, check_moe
 from kvbench.config.quant import weights_stored
 from kvbench.core.errors import ConfigError
 from kvbench.core.hf_keys import DEFAULT, Source, file_sources, nested_keys
 from kvbench.core.hf_read import REQUIRED as _REQUIRED
 from kvbench.core.hf_read import get as _get
+from kvbench.core.moe import EXPERTS_KEY, check_moe
 from kvbench.jsonio import read_json
 from kvbench.layouts.kinds import by_architecture, by_layer_type, registered
 from kvbench.layouts.latent import rope_interleaved  # noqa: F401  (the loader's, read through this module)
@@ -327,7 +327,7 @@ def _hf_moe(cfg: Mapping[str, Any], arch: str, num_layers: Any) -> Dict[str, Any
     ``decoder_sparse_step`` (Qwen3.5-MoE's: all); DeepSeek's
     those from ``first_k_dense_replace`` on, or the ``sparse`` ones of ``mlp_layer_types`` (V3.2);
     GPT-OSS's all. Each value is checked where it is read
-    (:func:`kvbench.config.moe.check_moe`), naming the config.json key. No sparse layer: {}."""
+    (:func:`kvbench.core.moe.check_moe`), naming the config.json key. No sparse layer: {}."""
     family = MOE_FAMILIES.get(arch)
     if family is None or not _counts(num_layers):
         return {}

@@ -1,6 +1,6 @@
 """``model.hyper_connections``: DeepSeek-V4's manifold-constrained hyper-connections (mHC), the
 residual kept as ``streams`` parallel copies mixed around every attention and MLP
-(:mod:`kvbench.hyper_connection`); no torch. Null: the plain residual (every other model)."""
+(:mod:`kvbench.blocks.hyper_connection`); no torch. Null: the plain residual (every other model)."""
 
 from __future__ import annotations
 

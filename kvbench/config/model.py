@@ -16,13 +16,13 @@ from kvbench.config.hf import ROPE_TYPES
 from kvbench.config.hyper import HyperConnections
 from kvbench.config.layer_options import LAYER_OPTIONS, PRESET_OPTIONS, resolve_options
 from kvbench.config.layer_pattern import check_window_pattern, check_within_context, resolve_layer_pattern
-from kvbench.config.moe import MoEShape
 from kvbench.config.multipliers import Multipliers
 from kvbench.config.nope import NoPE
 from kvbench.config.quant import check_weights_stored
 from kvbench.config.residual import ResidualForm
 from kvbench.core.errors import ConfigError, check, check_choice, check_numbers, check_positive, typed, typed_once
 from kvbench.core.hf_keys import Source, in_file_keys
+from kvbench.core.moe import MoEShape
 from kvbench.jsonio import path_problem
 from kvbench.layouts.kinds import by_layer_type, named_layer_types, recurrent_layer_types, registered
 from kvbench.layouts.latent_config import MLA_FIELDS, MLAShape, check_indexer, check_mla_dims, indexer_defaults
@@ -99,7 +99,7 @@ class ModelConfig:
     preset_kv_shared_layers: int = 0  # the last N layers read an earlier layer's K/V (Gemma 3n)
     preset_k_eq_v: int = 0  # 1: a global layer's keys are its values, one tensor cached (Gemma 4's attention_k_eq_v)
     preset_chunk: int = 0  # the local layers attend within chunks of C (Llama 4's attention_chunk_size); 0: none
-    moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.config.moe); null: every MLP dense, ffn_dim wide
+    moe: Optional[MoEShape] = None  # mixture-of-experts MLPs (kvbench.core.moe); null: every MLP dense, ffn_dim wide
     weights_stored: Optional[str] = None  # fp8_e4m3_MxN, mxfp4, nvfp4: the checkpoint's weights as stored; null: as run
     mlp_act: str = "silu"  # MLP_ACTS: silu, gated (SwiGLU); relu2, relu(up x)^2 ungated (Nemotron-H); gelu_tanh (GeGLU)
     no_mlp_layers: Optional[List[int]] = None  # layers whose block is its mixer alone, no MLP (nor its norm)

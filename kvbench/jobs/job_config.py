@@ -15,8 +15,8 @@ from typing import Any, Mapping
 from omegaconf import DictConfig
 
 from kvbench.config.bench import TASKS, BenchConfig
-from kvbench.config.moe import check_run
 from kvbench.core.errors import ConfigError, typed
+from kvbench.core.moe import check_run
 from kvbench.layouts.build import build_layouts
 from kvbench.parallel.plan import check_parallel
 

@@ -349,7 +349,7 @@ def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
 
 KIND = register(LayerKind(
     "compressed", Compressed, module="kvbench.layouts.compressed_attention:CompressedAttention",
-    layer_types=(CSA, HCA), named=True, claims=(SLIDING,), cache="kvbench.layouts.compressed_attention:CompressedCache",
+    layer_types=(CSA, HCA), named=True, claims=(SLIDING,),
     label="v4", title="DeepSeek-V4 compressed attention", build=build, param_count=param_count,
     hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names))
 

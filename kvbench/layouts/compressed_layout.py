@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit
@@ -72,6 +72,8 @@ class Compressed(LayerLayout):
     ``compress_rate`` m of its type, 0 for a sliding layer). ``rope_dim`` is qk_rope_head_dim =
     head_dim x partial_rotary_factor, rotated at the end of each head, in interleaved pairs."""
 
+    # its cache (kvbench.cache.layer_cache builds it for cache.impl=static, by name: the torch layer is above)
+    CACHE: ClassVar[str] = "kvbench.layouts.compressed_attention:CompressedCache"
     layer_type: str = CSA
     num_heads: int = 64
     head_dim: int = 512

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from kvbench.config.moe import check_moe
 from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.core.hf_read import get
+from kvbench.core.moe import check_moe
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.recurrent import Recurrent

@@ -45,9 +45,6 @@ A kind's facets, each optional where the kind has nothing to say:
 - ``named``: its layers are chosen by their layer type alone, whatever ``attention.type`` (a
   recurrent kind's are too); ``claims``: another kind's layer types it builds in a pattern that
   names one of its own (DeepSeek-V4's sliding_attention beside its compressed layers).
-- ``cache``: the cache class of a layer that keeps more than positions of K/V (a ring beside a pool
-  and buffers), ``"package.module:Class"`` built as ``Class(layout, batch_size, max_seq_len, dtype,
-  device)`` for ``cache.impl=static`` (:func:`kvbench.cache.layer_cache`); "": the K/V stores.
 - ``hf_architectures``: the transformers classes whose WHOLE config.json its home reads (a model that
   is not a Llama-form decoder with this kind beside it, as Nemotron-H is; ``architectures`` is for a
   kind's own keys inside a Llama-form file): ``hf_model_fields(cfg, arch)`` gives every ModelConfig
@@ -58,11 +55,11 @@ A kind's facets, each optional where the kind has nothing to say:
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from kvbench.core.errors import ConfigError
+from kvbench.core.hooks import resolve  # noqa: F401  (asked for here by the kinds' users)
 from kvbench.jsonio import as_int
 
 
@@ -139,7 +136,6 @@ class LayerKind:
     beside_latent: bool = False
     named: bool = False
     claims: Tuple[str, ...] = ()
-    cache: str = ""
 
 
 _KINDS: Dict[str, LayerKind] = {}
@@ -239,12 +235,3 @@ def layer_kind(attention: Any, layer_type: str) -> LayerKind:
     pattern = set(getattr(attention, "layer_types", None) or ())
     owner = next((k for k in _KINDS.values() if layer_type in k.claims and pattern & set(k.layer_types)), None)
     return owner or attention_kind(attention.type) or kind
-
-
-def resolve(hook: Union[str, Callable[..., Any]]) -> Any:
-    """A hook given as ``"package.module:name"`` (a torch module above the layouts, imported when
-    first asked for), or the callable itself."""
-    if not isinstance(hook, str):
-        return hook
-    module, _, name = hook.partition(":")
-    return getattr(importlib.import_module(module), name)

@@ -1,5 +1,5 @@
 """Routing a token to its top-k experts, as transformers' routers of each family compute it
-(the kinds of :data:`kvbench.config.moe.ROUTERS`).
+(the kinds of :data:`kvbench.core.moe.ROUTERS`).
 
 Notation: N tokens, E experts, k experts per token, G groups of E / G experts.
 """

@@ -1,8 +1,8 @@
 """DeepSeek-V4's block (:class:`HyperBlock`, chosen by ``model.hyper_connections``): the residual as
 N parallel streams (B, T, N, C), collapsed before the attention and before the MLP and spread back
-after each by their hyper-connections (:mod:`kvbench.hyper_connection`), as transformers'
+after each by their hyper-connections (:mod:`kvbench.blocks.hyper_connection`), as transformers'
 DeepseekV4DecoderLayer; the decoder expands its embeddings into the streams and collapses the last
-through :class:`~kvbench.hyper_connection.HyperHead` before its final norm.
+through :class:`~kvbench.blocks.hyper_connection.HyperHead` before its final norm.
 
 Notation: B batch, T new tokens, N streams, C d_model.
 """
@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvbench.hyper_connection import HyperConnection, residual
+from kvbench.blocks.hyper_connection import HyperConnection, residual
 from kvbench.layouts.attention import attention_module
 from kvbench.mlp.experts import MoE, mlp_module
 from kvbench.norm import RMSNorm
