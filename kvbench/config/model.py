@@ -277,8 +277,8 @@ class AttentionConfig:
     # layer full attention, the others linear (Qwen3.5, Qwen3-Next: 4); 0: none; null: the model's own
     # (model.preset_layer_types). layer_types may list linear_attention layers instead.
     full_attention_interval: Optional[int] = None
-    # the recurrent layer type full_attention_interval's other layers are (null: linear_attention, Gated
-    # DeltaNet's; kda, mamba: another recurrent kind's, as compare's :a<k> and :m<k> ask)
+    # the recurrent layer type full_attention_interval's other layers are (null: linear_attention; another
+    # registered recurrent kind's layer type, as compare's letters for the recurrent kinds ask)
     interval_type: Optional[str] = None
     # Learned attention sinks (GPT-OSS): one logit per query head joins every softmax, taking
     # weight from the keys at no cache cost. null: the model's own (model.preset_sinks).
