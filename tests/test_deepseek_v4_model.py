@@ -12,13 +12,13 @@ import json
 import pytest
 import torch
 from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
+from hf_parity import check_greedy_steps, check_logits_and_perplexity
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
-from kvbench.generate import greedy_generate
 from kvbench.layouts.compressed import CSA, HCA, SLIDING, hf_names
 from kvbench.mlp.experts import MoE
 
@@ -78,16 +78,9 @@ def test_a_deepseek_v4_checkpoint_is_transformers_in_logits_perplexity_and_40_gr
     assert parameter_counts(model.config, model.attention).total == hf.num_parameters()
 
     tokens = torch.randint(0, VOCAB, (2, 61), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.5
-    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
-    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
-
-    prompt = tokens[:, :21]  # 5 CSA windows and 2 HCA windows closed, a remainder buffered in each
-    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens  # (2, 41)
-    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
-    assert torch.equal(got, want)
-    assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
+    check_logits_and_perplexity(model, hf, tokens)
+    # 5 CSA windows and 2 HCA windows closed, a remainder buffered in each, then 40 cached steps
+    check_greedy_steps(model, hf, tokens[:, :21])
 
 
 @torch.no_grad()

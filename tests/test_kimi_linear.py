@@ -13,13 +13,12 @@ import json
 import pytest
 import torch
 from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
+from hf_parity import check_greedy_steps, check_logits_and_perplexity
 
-from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
-from kvbench.generate import greedy_generate
 from kvbench.layouts.kda import KDA
 from kvbench.layouts.latent import Latent
 
@@ -70,16 +69,9 @@ def test_a_kimi_linear_checkpoint_is_transformers_in_logits_perplexity_and_40_gr
     assert model.num_params() == hf.num_parameters() == parameter_counts(model.config, model.attention).total
 
     tokens = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.3
-    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
-    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
-
-    prompt = tokens[:, :PROMPT]  # two chunks of the delta rule, then the recurrent step 40 times
-    got = greedy_generate(model, prompt, STEPS, cache_for(model, "static", 2, PROMPT + STEPS + 1)).tokens
-    want = hf.generate(prompt, max_new_tokens=STEPS + 1, do_sample=False, min_new_tokens=STEPS + 1)[:, PROMPT:]
-    assert torch.equal(got, want)
-    assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
+    check_logits_and_perplexity(model, hf, tokens, spread=0.3)
+    # two chunks of the delta rule, then the recurrent step 40 times
+    check_greedy_steps(model, hf, tokens[:, :PROMPT], STEPS)
 
 
 def test_task_eval_of_a_kimi_linear_checkpoint_is_transformers_perplexity(kimi, tmp_path, one_torch_thread):

@@ -10,12 +10,11 @@ import json
 import pytest
 import torch
 from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
+from hf_parity import check_greedy_steps, check_logits_and_perplexity
 
-from kvbench.cache import cache_for
 from kvbench.checkpoint import load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
-from kvbench.generate import greedy_generate
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.mamba2 import Mamba2
 
@@ -38,15 +37,8 @@ def assert_exact(model, hf, length, spread):
     largest (their spread above ``spread``: not a flat output), perplexity within 1e-5, and 40 greedy cached
     steps after 21 prompt tokens the tokens of ``hf.generate``; the tokens generated."""
     tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > spread
-    ce = [torch.nn.functional.cross_entropy(x[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) for x in (ours, theirs)]
-    assert ce[0].exp().item() == pytest.approx(ce[1].exp().item(), rel=1e-5)
-    prompt = tokens[:, :21]
-    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens
-    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
-    assert torch.equal(got, want)
-    return got
+    check_logits_and_perplexity(model, hf, tokens, spread=spread)
+    return check_greedy_steps(model, hf, tokens[:, :21])
 
 
 def nemotron_h_dir(path, **overrides):
@@ -85,14 +77,8 @@ def test_a_nemotron_h_checkpoint_is_transformers_in_logits_and_40_greedy_cached_
     assert model.num_params() == hf.num_parameters()
 
     tokens = torch.randint(0, VOCAB, (2, 75), generator=torch.Generator().manual_seed(1))  # 4+ chunks of 16
-    ours, theirs = model(tokens), hf(tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item() and theirs.std() > 0.5
-
-    prompt = tokens[:, :21]  # a prompt that is no multiple of the chunk, then 40 cached steps
-    got = greedy_generate(model, prompt, 40, cache_for(model, "static", 2, 62)).tokens  # (2, 41)
-    want = hf.generate(prompt, max_new_tokens=41, do_sample=False, min_new_tokens=41)[:, 21:]
-    assert torch.equal(got, want)
-    assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
+    check_logits_and_perplexity(model, hf, tokens)
+    check_greedy_steps(model, hf, tokens[:, :21])  # a prompt that is no multiple of the chunk, then 40 steps
 
 
 @torch.no_grad()
