@@ -22,7 +22,7 @@ import torch
 from _common import Parser, compose_config, out_file, positive_int, run_main, write_report
 
 from kvbench.cache import cache_for
-from kvbench.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config
 from kvbench.measure.stats import bootstrap_ci, median
 from kvbench.tasks.common import build_model
 from kvbench.units import human_bytes

@@ -77,6 +77,8 @@ CASES = [
     ("small_batch_gemm", ["--rows", "1,,2"], "argument --rows: '1,,2'"),
     ("step_breakdown", ["--shapes", "8by1024"], "argument --shapes: '8by1024': must be BATCHxPROMPT"),
     ("tensor_parallel_cpu", ["--repeats", "0"], "argument --repeats: '0': must be an integer >= 1"),
+    ("v4_layouts", ["--rounds", "0"], "argument --rounds: '0': must be an integer >= 1"),
+    ("v4_layouts", ["--contexts", "512", "x"], "argument --contexts: 'x': must be an integer >= 1"),
     ("tensor_parallel_cpu", ["--gen-len", "-1"], "argument --gen-len: '-1': must be an integer >= 1"),
     ("tpot_pairing", ["--variants", "mha,paged"], "argument --variants: 'paged'"),
     ("wandb_unreachable", ["--init-timeout", "nan"], "argument --init-timeout: 'nan'"),

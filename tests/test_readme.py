@@ -224,8 +224,8 @@ NOT_RUN = {
                                                               "DeepseekV32ForCausalLM directories",
     "kvbench model=hf_dir model.path=/path/to/deepseek-v4": "a placeholder directory; tests/test_deepseek_v4_model.py "
                                                             "loads DeepseekV4ForCausalLM directories",
-    "kvbench model=hf_dir model.path=DIR": "a placeholder directory; tests/test_checkpoint.py and each family's parity "
-                                           "test load checkpoint directories",
+    "kvbench model=hf_dir model.path=/path/to/gemma-4": "a placeholder directory; tests/test_gemma4.py loads "
+                                                        "Gemma4ForCausalLM directories",
     "kvbench model=small attention=gqa runtime.tensor_parallel=2 runtime.device=cpu":
         "two processes of model=small; tests/test_parallel_ranks.py runs two gloo ranks from the CLI",
     "kvbench model=tiny attention=gqa attention.num_kv_heads=2 attention.k_eq_v=1":
@@ -734,10 +734,10 @@ COMPOSED = sorted(c for c in NOT_RUN if c.startswith("kvbench ") and "<" not in 
 
 def composed_jobs(command: str) -> List[List[str]]:
     """The overrides of each job ``command`` would run: ``-m`` dropped, every comma list of a
-    sweep expanded (a bracketed list is one value), the jobs in Hydra's order."""
+    sweep expanded (a bracketed list or a braced dict is one value), the jobs in Hydra's order."""
     args = [a for a in shlex.split(command)[1:] if a != "-m"]
     axes = [[f"{a.split('=', 1)[0]}={v}" for v in a.split("=", 1)[1].split(",")]
-            if "=" in a and not a.split("=", 1)[1].startswith(("[", "'[")) else [a] for a in args]
+            if "=" in a and not a.split("=", 1)[1].startswith(("[", "'[", "{")) else [a] for a in args]
     return [list(job) for job in itertools.product(*axes)]
 
 
