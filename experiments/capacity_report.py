@@ -171,15 +171,21 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="a rate search for every tiny row, not only cache.dtype=auto's")
     parser.add_argument("--serve-requests", type=positive_int, default=SERVE_REQUESTS,
                         help="requests per run of a rate search")
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), metavar="MODEL",
+                        help=f"the model presets of the table's top half (default: {' '.join(PRESETS)})")
     parser.add_argument("--out", type=out_file, default=OUT)
     args = parser.parse_args(argv)
+    known = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+    for name in args.presets:
+        if name not in known:
+            parser.error(f"argument --presets: {name!r}: not a model preset (one of {', '.join(known)})")
     for option, value, unit in (("--budget-gb", args.budget_gb, 1e9), ("--tiny-budget-mb", args.tiny_budget_mb, 1e6)):
         if int(value * unit) < 1:  # the budgets are whole bytes: less than one is none at all
             parser.error(f"argument {option}: {value!r}: less than one byte")
     torch.set_num_threads(1)
     rows: List[Dict] = []
     budget = int(args.budget_gb * 1e9)
-    for model in PRESETS:
+    for model in args.presets:
         for precision in PRESET_PRECISIONS:
             over = [f"model={model}", "runtime.dtype=bfloat16", f"cache.dtype={precision}"]
             rows.append({"model": model, "precision": precision, "context": args.context, "budget": budget,

@@ -239,7 +239,7 @@ def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     capacity_report = experiment("capacity_report")
     before, docs_png = digests(), (ROOT / "docs" / "capacity_report.png").read_bytes()
     out = tmp_path / "report" / "capacity.md"
-    capacity_report.main(["--no-serve", "--out", str(out)])
+    capacity_report.main(["--no-serve", "--presets", "llama3_8b", "--out", str(out)])  # one preset of the default
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): line.split("|") for line in out.read_text().splitlines()
             if line.startswith("| tiny")}
     mha = rows[("tiny", "mha kv=8", "auto")]
@@ -254,6 +254,8 @@ def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     gdn_int8 = rows[("tiny", "gqa kv=2 gdn 1:1", "int8")]
     assert gdn_int8[6].strip() == "48" and gdn_int8[7].strip() == "26.50 KiB" and gdn[7].strip() == "66.50 KiB"
     assert len(rows) == 18 and (tmp_path / "report" / "capacity_report.png").is_file()
+    assert {line.split("|")[1].strip() for line in out.read_text().splitlines()[6:] if line.startswith("| ")} == {
+        "llama3_8b", "tiny"}
     assert "![sequences that fit per layout and precision](capacity_report.png)" in out.read_text()
     assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png
 

@@ -39,6 +39,7 @@ def refused(name, argv, monkeypatch, capsys) -> str:
 
 # (script, argv, what the line must hold: the option and the value as written)
 CASES = [
+    ("capacity_report", ["--presets", "llama3_8b", "nosuch"], "argument --presets: 'nosuch': not a model preset"),
     ("capacity_report", ["--budget-gb", "-5"], "argument --budget-gb: '-5': must be a finite number > 0"),
     ("capacity_report", ["--context", "0"], "argument --context: '0': must be an integer >= 1"),
     ("capacity_report", ["--context", "-1"], "argument --context: '-1': must be an integer >= 1"),
