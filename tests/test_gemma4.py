@@ -78,6 +78,24 @@ def test_a_gemma4_checkpoint_is_transformers_in_logits_perplexity_and_40_greedy_
         assert [layer.kv_source for layer in model.layouts[4:]] == [3, 2]
 
 
+@torch.no_grad()
+def test_a_config_json_without_tie_word_embeddings_ties_as_transformers_does(checkpoints, tmp_path):
+    """Gemma4TextConfig ties the head to the embedding unless the file says not (its default is true,
+    Llama's false): a file without the key has no lm_head, and loads as transformers loads it."""
+    import shutil
+
+    src, hf = checkpoints["dense"]
+    path = tmp_path / "untold"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("tie_word_embeddings") is True
+    (path / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_llama_dir(path)
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model.lm_head.weight, model.embed.weight)
+    assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5 * hf(tokens).logits.abs().max().item()
+
+
 def test_task_eval_of_a_gemma4_checkpoint_is_transformers_perplexity(checkpoints, tmp_path, one_torch_thread):
     """model.path's route: the record's perplexity within 1e-5 relative of transformers' on the byte corpus."""
     from kvbench.quality.train import run_eval

@@ -117,8 +117,11 @@ def read_config_json(directory: Path | str) -> Any:
 
 
 def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint's output head reuses its input embedding."""
-    return _get(cfg, "tie_word_embeddings", "bool", False)
+    """Whether the checkpoint's output head reuses its input embedding (a file without the key: its
+    class's default as transformers reads it, false but where a whole-file reader's kind says tied)."""
+    archs = cfg.get("architectures")
+    kind = next((k for a in archs if (k := by_architecture(a))), None) if isinstance(archs, list) else None
+    return _get(cfg, "tie_word_embeddings", "bool", bool(kind and kind.hf_tied))
 
 
 def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,

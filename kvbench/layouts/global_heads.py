@@ -242,6 +242,7 @@ K_EQ_V = LayerOption("k_eq_v", " k=v", 0, preset="preset_k_eq_v", values=(1,),
 KIND = register(LayerKind(
     "global_heads", GlobalHeads, module="kvbench.layouts.global_heads_attention:GlobalHeadsAttention",
     title="global K/V-head attention of its own shape", letters={"v": "k_eq_v"}, options=(K_EQ_V,),
-    remake=remake, check_model=check_model, hf_architectures=hf.ARCHITECTURES, hf_model_fields=hf.hf_model_fields,
+    remake=remake, check_model=check_model, hf_architectures=hf.ARCHITECTURES, hf_tied=True,
+    hf_model_fields=hf.hf_model_fields,
     hf_names=hf.hf_names,
     examples={"gemma4": ("model=tiny_gemma4",)}))  # K=V global layers beside sliding ones, Gemma 4's residual

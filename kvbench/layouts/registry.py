@@ -50,7 +50,8 @@ A kind's facets, each optional where the kind has nothing to say:
   kind's own keys inside a Llama-form file): ``hf_model_fields(cfg, arch)`` gives every ModelConfig
   field, and ``hf_names(cfg)`` a function from each tensor name of the checkpoint to the name a
   Llama-form checkpoint gives it (``model.layers.L.self_attn.q_proj.weight``; the kind's own under
-  its module's ``HF_MODULE``), None for one the decoder does not read.
+  its module's ``HF_MODULE``), None for one the decoder does not read; ``hf_tied``: such a file without
+  ``tie_word_embeddings`` ties its head to its embedding (transformers' default for the class: Gemma's).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class LayerKind:
     hf_architectures: Tuple[str, ...] = ()
     hf_model_fields: Optional[Callable[..., Dict[str, Any]]] = None
     hf_names: Optional[Callable[..., Callable[[str], Optional[str]]]] = None
+    hf_tied: bool = False  # its whole-file architectures tie the head to the embedding unless the file says
     remake: Optional[Callable[..., Any]] = None
     beside_latent: bool = False
     named: bool = False
