@@ -59,25 +59,40 @@ class RankGroup:
     ranks: int
     expert_parallel: int = 1
     group: Any = None  # a torch.distributed process group (None: the default one)
-    decode_ms: List[float] = field(default_factory=list)
+    step_ms: List[float] = field(default_factory=list)  # each decode step's all-reduce, timed on the host
+    step_events: List[Any] = field(default_factory=list)  # on CUDA: its (start, end) events, read at the end
     calls: int = 0
     hooks: int = 0  # all-reduces per forward
 
     def all_reduce(self, out: torch.Tensor) -> torch.Tensor:
-        """Sum ``out`` over the ranks in place, timed (on CUDA after a synchronize, so the time is the
-        collective's own and its wait for the slowest rank, not queued kernels before it)."""
+        """Sum ``out`` over the ranks in place, timed: on CUDA by events around it (no wait on the host
+        in the decode step; read once by :attr:`decode_ms`), on a CPU by the clock (gloo returns when done)."""
         import torch.distributed as dist
 
+        step = out.dim() == 3 and out.shape[1] == 1  # (B, 1, C): a decode step's
         if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        start = time.perf_counter()
-        dist.all_reduce(out, group=self.group)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(out, group=self.group)
+            end.record()
+            if step:
+                self.step_events.append((start, end))
+        else:
+            begin = time.perf_counter()
+            dist.all_reduce(out, group=self.group)
+            if step:
+                self.step_ms.append((time.perf_counter() - begin) * 1e3)
         self.calls += 1
-        if out.dim() == 3 and out.shape[1] == 1:  # (B, 1, C): a decode step's
-            self.decode_ms.append((time.perf_counter() - start) * 1e3)
         return out
+
+    @property
+    def decode_ms(self) -> List[float]:
+        """Each decode step's all-reduce in ms (CUDA's events read here, after one synchronize)."""
+        if self.step_events:
+            torch.cuda.synchronize()
+            self.step_ms.extend(start.elapsed_time(end) for start, end in self.step_events)
+            self.step_events.clear()
+        return self.step_ms
 
 
 _current: Optional[RankGroup] = None
