@@ -4,6 +4,7 @@ that hands each shared layer its donor's K/V, the bytes held against a hand form
 hold none), the parameter count, the Gemma 3n E4B preset's arithmetic, refusals in one line."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from test_cli import TINY, kvbench
 from kvbench.cache import cache_for, causal_mask
 from kvbench.checkpoint import CheckpointError, load_llama_dir, to_layout
 from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.nope import NoPE
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_count
 from kvbench.generate import greedy_generate
@@ -270,3 +272,22 @@ def test_records_with_and_without_sharing_are_two_variants():
             for n in (0, 3)]
     assert [v.label for v in rows] == ["gqa kv=2", "gqa kv=2 kvshare=3"]
     assert Variant.of_attention(shared_decoder().attention, num_layers=6).label == "gqa kv=2 kvshare=3"
+
+
+@pytest.mark.parametrize("nope, want", [
+    ([1, 5], [None, None, None, None, 3, 1]),  # layer 5 (NoPE) reads layer 1 (NoPE), not layer 3 (rotated)
+    ([5], None),  # no NoPE layer before the shared ones: refused
+])
+def test_a_shared_layer_without_rotary_embeddings_reads_a_donor_without_them(nope, want):
+    """Keys are cached rotated: a NoPE layer (Llama 4's globals, model.nope.layers) that read a rotated
+    layer's keys would attend positions the wrong way, so donors are matched on rotation too."""
+    model = replace(MODEL, nope=NoPE(layers=nope))
+    attention = AttentionConfig(type="gqa", num_kv_heads=2, kv_shared_layers=2).resolved(model)
+    if want is None:
+        with pytest.raises(ConfigError, match=r"^attention.kv_shared_layers=2: layer 5 \(kv_heads, without rotary "
+                                              r"embeddings\) has no layer of its kind before layer 4"):
+            build_layouts(model, attention)
+        return
+    layers = build_layouts(model, attention)
+    assert [layer.kv_source for layer in layers] == want
+    assert [bool(layer.rotary_dim) for layer in layers] == [i not in nope for i in range(6)]
