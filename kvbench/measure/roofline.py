@@ -212,11 +212,21 @@ def roofline_metrics(model, batch_size: int, prompt_len: int, gen_len: int, deco
 
     ``kv_positions``: the mean positions per KV head a step reads, when that is not the context (a
     fixed-shape step reads its whole context bucket)."""
-    # Step i (0-based) attends prompt_len + i + 1 positions; the mean over the run:
-    context = prompt_len + (gen_len + 1) / 2 if kv_positions is None else kv_positions
+    # Step i (0-based) attends prompt_len + i + 1 positions (the new token's included). The mean over the
+    # run's steps of each step's figure, not the figure at the mean context: a chunk's or a window's
+    # positions, or a pool's entries, are not linear in the context (a chunked layer's read at the mean
+    # of 1001..1100 with chunks of 1024 is 26 positions; the steps' mean is 272).
+    contexts = [float(kv_positions)] if kv_positions is not None else \
+        [prompt_len + i + 1 for i in range(max(1, gen_len))]
     routed_bytes = stored_routed_bytes(model, routed_bytes)
-    total, kv = decode_bytes_read(model, batch_size, context, cache_dtype, routed_bytes)
-    flops = decode_flops(model, batch_size, context)
+    total, kv = decode_bytes_read(model, batch_size, contexts[0], cache_dtype, routed_bytes)
+    if len(contexts) > 1:
+        element = model.dtype.itemsize
+        weights, kv = total - kv, sum(model.layouts.read_bytes(c, batch_size, element, cache_dtype)
+                                      for c in contexts) / len(contexts)
+        total = weights + kv
+    flops = decode_flops(model, batch_size, contexts[0]) + batch_size * (
+        sum(model.layouts.step_flops(c) for c in contexts) / len(contexts) - model.layouts.step_flops(contexts[0]))
     memory_ms, compute_ms = total / (peak_gb_per_s * 1e9) * 1e3, flops / (peak_gflops * 1e9) * 1e3
     achieved = total / (decode_ms_p50 / 1e3) / 1e9
     out = {

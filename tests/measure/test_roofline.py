@@ -5,10 +5,12 @@ import os
 
 import pytest
 import torch
-from conftest import call_with_timeout, make_decoder
+from conftest import call_with_timeout, make_decoder, tiny_model_config
 
+from kvbench.config.model import AttentionConfig
 from kvbench.measure import roofline
 from kvbench.measure.roofline import decode_bytes_read, decode_flops, machine_peaks, roofline_metrics
+from kvbench.model import Decoder
 
 
 @pytest.mark.parametrize("kv, dtype, size", [(8, torch.float32, 4), (2, torch.bfloat16, 2), (1, torch.float16, 2)])
@@ -103,3 +105,19 @@ def test_a_bandwidth_cache_that_is_a_fifo_is_probed_again(tmp_path, monkeypatch)
     cache = tmp_path / "bw.json"
     os.mkfifo(cache)  # reading it would block until a writer comes
     assert _peaks(call_with_timeout(lambda: machine_peaks(torch.device("cpu"), None, cache))) == (17.0, 90.0)
+
+
+def test_a_chunked_layers_bytes_and_flops_per_step_are_the_mean_over_the_steps_not_at_the_mean_context():
+    """Chunks of 8, steps at contexts 7..12 (prompt 6, 6 steps): a chunked layer reads 7, 8, then 1, 2, 3,
+    4 positions (mean 25/6), where the mean context 9.5 would give 1.5. Counted by hand per step."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config()  # 2 layers, d_model 64, 8 heads x 8
+    model = Decoder(cfg, AttentionConfig(type="gqa", num_kv_heads=2, chunk=8, global_every=2)).eval()
+    m = roofline_metrics(model, 1, prompt_len=6, gen_len=6, decode_ms_p50=1.0, peak_gb_per_s=20.0, peak_gflops=1e6)
+    position = 2 * 2 * 8 * 4  # K and V, 2 KV heads of 8, float32
+    chunked = [7, 8, 1, 2, 3, 4]  # layer 0: positions of the chunk holding the step's token
+    full = [7, 8, 9, 10, 11, 12]  # layer 1 (global) attends them all
+    assert [getattr(layer, "chunk", None) for layer in model.layouts] == [8, None]
+    assert m["kv_bytes_read_per_step"] == pytest.approx(position * (sum(chunked) + sum(full)) / 6)
+    attention = 2 * 2 * 8 * 8 * (sum(chunked) + sum(full)) / 6  # 2 FLOP x (QK^T, PV) x H x D per key
+    assert m["flops_per_step"] - decode_flops(model, 1, 0) == pytest.approx(attention)
