@@ -111,8 +111,7 @@ class LayerLayout(Sharding):
             self.state_bytes(element, cache_dtype)
 
     def read_bytes(self, context: float, element: int, cache_dtype: str = "auto") -> float:
-        """Bytes one decode step of one sequence reads at ``context``: the positions written once this step's
-        token is, the new one included, as the step attends it (a shared layer re-reads its donor's)."""
+        """Bytes a decode step of one sequence reads at ``context`` positions, its new token's included."""
         return self.positions_held(context) * self.position_bytes(element, cache_dtype) + \
             self.state_bytes(element, cache_dtype)
 
