@@ -85,3 +85,29 @@ def test_inspects_empty_run_directory_is_removed_and_nothing_else(tmp_path, monk
     monkeypatch.chdir(hydra_dir(tmp_path / "here"))  # hydra.run.dir=.: the working directory itself is kept
     _remove_inspect_dir(tmp_path / "here")
     assert (tmp_path / "here" / "cli.log").exists()
+
+
+def _presets_leaving_out():
+    import pathlib
+
+    import yaml
+    files = sorted(pathlib.Path(__file__).parents[1].joinpath("conf", "model").glob("*.yaml"))
+    return {f.stem: yaml.safe_load(f.read_text()).get("left_out") for f in files}
+
+
+def test_a_preset_that_leaves_part_of_its_model_out_says_so_in_inspect_and_in_its_record():
+    """Kimi K3's count (5.49 T with its experts on the full width) is not the card's 2.8 T: a preset that
+    does not build all of its published model says what, beside the figures, and its record keeps it."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config.record import model_record
+
+    presets = _presets_leaving_out()
+    assert {"kimi_k3", "nemotron3_super", "llama4_scout"} <= {k for k, v in presets.items() if v}
+    for preset in ("kimi_k3", "llama3_8b"):
+        cfg = compose(f"model={preset}", "task=inspect")
+        text = " ".join(describe(to_bench_config(cfg)).split())
+        said = f"left out of this preset: {presets[preset]}"
+        assert (said in text) == bool(presets[preset]) and ("left out of this preset" in text) == bool(presets[preset])
+        record = model_record(OmegaConf.to_container(cfg.model, resolve=True))
+        assert record.get("left_out") == presets[preset]

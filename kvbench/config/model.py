@@ -109,6 +109,7 @@ class ModelConfig:
     residual: Optional[ResidualForm] = None  # Gemma 4's residual stream, embedding to logits (kvbench.config.residual)
     nope: Optional[NoPE] = None  # Llama 4's layers without rotary embeddings, their query temperature, the L2 norm
     hyper_connections: Optional[HyperConnections] = None  # DeepSeek-V4's residual streams (mHC); null: plain
+    left_out: Optional[str] = None  # what of the published model this preset does not build (inspect, records)
 
     def __post_init__(self) -> None:
         if self.path:

@@ -13,7 +13,7 @@ from kvbench.layouts.kinds import registered
 MODEL_ABSENT_AS_BEFORE = {"norm_zero_centered": False, "attn_output_gate": False, "partial_rotary_factor": 1.0,
                           **{option.preset: option.off for option in PRESET_OPTIONS}, "moe": None, "o_bias": False,
                           "mlp_bias": False, "rope_truncate": True, "weights_stored": None, "v_norm": False,
-                          "residual": None,
+                          "residual": None, "left_out": None,
                           **{f"linear_{k}": None for k in ("num_key_heads", "num_value_heads", "key_head_dim",
                                                            "value_head_dim", "conv_kernel_dim")}}
 

@@ -99,6 +99,7 @@ def describe(cfg: BenchConfig, width: Optional[int] = None) -> str:
         f"variant: {job_variant_label(cfg)} (its name in progress lines and tables)",
         _layout_line(cfg, layers),
         f"parameters: {params:,} ({', '.join(f'{d} {human_bytes(params * s)}' for d, s in DTYPE_BYTES.items())})",
+        *([f"left out of this preset: {m.left_out}"] if m.left_out else []),
         *_moe_lines(cfg, counts),
         *_stored_lines(cfg),
         *layout[1:],
