@@ -177,6 +177,8 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
 
 def _record_load(metrics: Dict[str, object]) -> None:
     metrics["load_avg_after"] = load_average()
+    if "noisy" in metrics:  # a task that timed nothing said so (capacity.plan): the load cannot make it noisy
+        return
     metrics["noisy"], metrics["noisy_reason"] = noisy(metrics["load_avg_before"], metrics["load_avg_after"],
                                                       metrics["usable_cpus"])
 

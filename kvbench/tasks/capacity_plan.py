@@ -19,10 +19,17 @@ from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.layouts.build import build_layouts
 from kvbench.results import RunResult
 from kvbench.serving.allocator import ALLOCATORS, groups_of, make_plan
-from kvbench.tasks.capacity_search import contexts, formula_max_batch, kv_bytes, kv_bytes_per_token
+from kvbench.tasks.capacity_search import SEARCH_LIMIT, contexts, formula_max_batch, kv_bytes, kv_bytes_per_token
 from kvbench.tasks.inspect import parameter_count
 
 PLANNED = "memory (planned, not run)"  # what stops a planned batch: the formula, no probe
+WEIGHTS = "weights (planned: they alone exceed the budget)"
+
+
+def _stopped_by(fit: int, limit: int, budget: int, weights: int) -> str:
+    """What bounds a planned batch: the weights alone, the search's capacity.max_batch (more would fit), or
+    the memory formula."""
+    return WEIGHTS if budget <= weights else SEARCH_LIMIT if fit >= limit else PLANNED
 
 
 def plan_row(cfg: BenchConfig, context: int, budget: int, weights: int) -> Dict[str, Any]:
@@ -30,7 +37,8 @@ def plan_row(cfg: BenchConfig, context: int, budget: int, weights: int) -> Dict[
     element, limit = DTYPE_BYTES[cfg.runtime.dtype], cfg.capacity.max_batch
     positions = context if cfg.workload.name == "multiturn" else context + cfg.workload.gen_len
     fit = formula_max_batch(cfg, context, budget, weights)
-    row: Dict[str, Any] = {"context": context, "max_batch": fit, "stopped_by": PLANNED, "predicted_max_batch": fit,
+    row: Dict[str, Any] = {"context": context, "max_batch": fit, "stopped_by": _stopped_by(fit, limit, budget, weights),
+                           "predicted_max_batch": fit,
                            "formula_max_batch": fit, "probes": 0,
                            "kv_bytes_per_sequence": kv_bytes(cfg, context, 2) - kv_bytes(cfg, context, 1)}
     groups = groups_of(build_layouts(cfg.model, cfg.attention, cfg.cache.state_dtype), element, cfg.cache.dtype)
@@ -51,4 +59,6 @@ def plan_capacity(cfg: BenchConfig, budget: int, result: RunResult) -> None:
     result.metrics.update(memory_budget_bytes=budget, weight_bytes=weights, probes_run=0,
                           memory_method="capacity.plan: formulas and the serving store's plan, nothing run",
                           kv_bytes_per_token=per_token, kv_bytes_per_token_positions=positions,
-                          max_batch_longest=rows[-1]["max_batch"], stopped_by_longest=PLANNED)
+                          max_batch_longest=rows[-1]["max_batch"], stopped_by_longest=rows[-1]["stopped_by"],
+                          # nothing is timed, so the machine's load says nothing about these figures
+                          noisy=None, noisy_reason="nothing timed (capacity.plan: formulas only)")

@@ -202,8 +202,18 @@ def test_a_plan_fills_the_table_from_formulas_without_building_a_model(monkeypat
     # the serving store's plan: blocks of 16 hold 8064 positions exactly, so it reserves the formula's bytes
     assert all(row[f"plan_bytes_per_sequence_{a}"] == per_sequence and row[f"plan_max_batch_{a}"] == row["max_batch"]
                for a in ALLOCATORS)
-    assert result.tables["capacity"][0]["max_batch"] == 256  # capacity.max_batch: 1088 positions leave room for more
+    # capacity.max_batch: 1088 positions leave room for more, and the row says the bound is the search's
+    assert result.tables["capacity"][0]["max_batch"] == 256
+    assert result.tables["capacity"][0]["stopped_by"] == "capacity.max_batch"
     assert result.metrics["probes_run"] == 0 and result.metrics["stopped_by_longest"] == "memory (planned, not run)"
+    assert result.metrics["noisy"] is None and "nothing timed" in result.metrics["noisy_reason"]
+    # weights alone over the budget: 0, and the row says why
+    small = config("model=llama3_8b", "runtime.dtype=bfloat16", "capacity.plan=true", "runtime.memory_budget_gb=10",
+                   "capacity.context_lens=[1024]")
+    result = RunResult(status="ok", config={})
+    capacity.run(small, torch.device("cpu"), None, result, None)
+    assert result.tables["capacity"][0]["max_batch"] == 0
+    assert result.tables["capacity"][0]["stopped_by"].startswith("weights")
 
 
 def test_predict_max_batch_bounds():
