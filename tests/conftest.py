@@ -127,6 +127,17 @@ def _deterministic():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    """The serving scheduler's wall clock replaced by the scripted one (10 ms an iteration, 0.1 ms a
+    prefilled token, 1 ms a decoded sequence), for a test whose assertion depends on which requests
+    have arrived by which iteration: on the wall clock a loaded machine changes that (a first iteration
+    late enough admits every request at once, and none finds a prefix the others cached)."""
+    from kvbench.serving import scheduler
+
+    monkeypatch.setattr(scheduler, "WallClock", lambda: scheduler.FakeClock(0.01, 1e-4, 1e-3))
+
+
 # What makes a test ``e2e`` (pyproject.toml): a fresh interpreter costs ~3 s of importing torch
 # before any work, an Inductor compile 10-60 s on 2 shared cores. A test not marked e2e that does
 # either fails here, naming the marker, so that `-m "not e2e"` stays the fast loop it says it is.
