@@ -156,10 +156,11 @@ SERVING = ["workload=serving", "model=tiny", "model.max_seq_len=256", "workload.
            "attention.layer_types=[kda,full_attention]"]
 
 
-def test_serving_pages_kda_states_and_prefix_caching_resumes_from_saved_ones(tmp_path):
+def test_serving_pages_kda_states_and_prefix_caching_resumes_from_saved_ones(tmp_path, scripted_clock):
     """A KDA + full attention hybrid whose requests share a 32-token system prompt: the store holds its
     formula (a KDA page: tiny's 8 x 8 x 8 float32 state + 3 conv taps of 3 x 8 x 8, beside the full
-    layer's blocks), states are saved at block boundaries and later requests find the prefix cached."""
+    layer's blocks), states are saved at block boundaries and later requests find the prefix cached
+    (on the scripted clock: which requests meet a cached prefix must not depend on the machine's load)."""
     record = run_job(compose(*SERVING, "workload.kv_budget_mb=0.5", "workload.prefix_len=32"), tmp_path)
     assert record.status == "ok", record.error
     m = record.metrics

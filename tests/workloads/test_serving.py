@@ -199,11 +199,12 @@ def test_a_hybrids_unified_pool_allocates_what_it_reserves(tmp_path):
     assert m["requests_finished"] == 10
 
 
-def test_a_state_raises_the_unified_block_and_the_record_shows_what_prefix_caching_loses(tmp_path):
+def test_a_state_raises_the_unified_block_and_the_record_shows_what_prefix_caching_loses(tmp_path, scripted_clock):
     """A Gated DeltaNet + MQA hybrid whose requests share a 32-token system prompt: per_kind pages attention
     in blocks of cache.block_size=16 and caches the prefix's 2 whole blocks; unified raises the block to the
     first multiple of 16 whose page holds a layer's state (vLLM's rule), longer than the prefix, so no
-    request finds it cached. The record says both: the block each used and the hit rate it gave."""
+    request finds it cached. The record says both: the block each used and the hit rate it gave.
+    On the scripted clock: on the wall clock, a loaded machine once admitted every request together."""
     hybrid = [*SMALL, "workload.kv_budget_mb=1", "workload.prefix_len=32", "workload.rate=1000", "attention=mqa",
               "attention.layer_types=[linear_attention,full_attention]"]
     m = {a: run_job(compose(*hybrid, f"workload.allocator={a}"), tmp_path / a).metrics for a in ("per_kind", "unified")}
