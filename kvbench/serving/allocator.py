@@ -143,8 +143,12 @@ class Plan:
     @property
     def waste_per_sequence(self) -> int:
         """The most bytes one running sequence's pages reserve beyond the formula: a last block with one
-        position filled in each K/V group, a page's room beyond its state in the state group."""
-        return sum(b - g.least_bytes() for g, b in zip(self.groups, self.page_bytes))
+        position filled in each K/V group, a page's room beyond its state in the state group (as each spec
+        says: :meth:`~kvbench.layouts.pages.PageSpec.most_waste`)."""
+        # each page it may hold partly filled, and where a page is raised past its layer's, that room too
+        bs = self.block_size
+        return sum((b - g.page_bytes(bs)) * g.spec.open_pages(bs) + sum(s.most_waste(bs) for s in g.specs)
+                   for g, b in zip(self.groups, self.page_bytes))
 
     def sequence_bytes(self, length: int) -> int:
         """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""

@@ -104,6 +104,10 @@ class Manager(ABC):
         """A forward wrote positions ``start`` .. ``start + T - 1`` of the sequence of ``table``."""
         return None  # nothing to do for most kinds of page
 
+    def behind(self, table: List[Optional[int]], length: int) -> List[int]:
+        """The indices of ``table`` no query at ``length`` or later sees (the store frees them)."""
+        return list(range(self.group.spec.first_kept(length) // self.block_size))
+
     @abstractmethod
     def found(self, keys: Sequence[int], m: int) -> Optional[List[Optional[int]]]:
         """The cached pages to continue from position m x block_size (``keys``: the content keys of
