@@ -238,7 +238,10 @@ class Compressed(LayerLayout):
             Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V heads; a DeepSeek-V4 layer keeps its "
                   "ring, pool and compressor buffers in the compute dtype; use cache.dtype=auto"),
             Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "DeepSeek-V4 layer's ring and pool have no such view (not built); use false or default"))
+                  "DeepSeek-V4 layer's ring and pool have no such view (not built); use false or default"),
+            # a model's K/V heads repeated or mean-pooled (checkpoint.convert_kv_heads) make no compressed layer
+            Limit("kv_conversion", ("none",), "converts K/V heads by mean-pooling them; a DeepSeek-V4 layer keeps one "
+                  "K=V head, a pool and its compressors' buffers, which pooling does not make (not built)"))
 
     # ---- how inspect describes it ----
 

@@ -99,6 +99,10 @@ class PageSpec(ABC):
         """The positions a cached prefix is continued at multiples of (whole blocks)."""
         return block_size
 
+    def slot_pages(self, slot_len: int, chunk: int) -> int:
+        """Pages of :meth:`slot_positions` positions one static slot takes."""
+        return 1
+
     def unit(self, block_size: int) -> str:
         """What a pool of these pages counts, for error lines."""
         return f"blocks of {block_size} tokens"
@@ -282,6 +286,10 @@ class CompressedPool(Ring):
 
     def slot_positions(self, slot_len: int, chunk: int) -> int:
         return slot_len  # its pooled entries grow with the length: no ring of its ring's size holds them
+
+    def slot_pages(self, slot_len: int, chunk: int) -> int:
+        # a slot is a block of every position, the pool block of their entries and the buffer's pages
+        return self.blocks_held(slot_len, slot_len)
 
     def layers_text(self) -> str:
         rate = f" and rate {self.rate}" if self.rate else ""

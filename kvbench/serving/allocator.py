@@ -231,13 +231,14 @@ def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int, chunk: int
     (a forward adds at most ``chunk``)."""
     groups = tuple(groups)
     positions = tuple(g.spec.slot_positions(slot_len, chunk) for g in groups)
+    pages = tuple(num_slots * g.spec.slot_pages(slot_len, chunk) for g in groups)  # a compressed pool's: several
     return Plan("per_kind", slot_len, groups, tuple(g.page_bytes(p) for g, p in zip(groups, positions)),
-                (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups), positions=positions)
+                (1,) * len(groups), pages, pages, positions=positions)
 
 
 def slot_bytes(group: Group, slot_len: int, chunk: int) -> int:
     """Bytes one slot of ``slot_len`` positions (a window's ring, a state) takes in ``group``."""
-    return group.page_bytes(group.spec.slot_positions(slot_len, chunk))
+    return group.page_bytes(group.spec.slot_positions(slot_len, chunk)) * group.spec.slot_pages(slot_len, chunk)
 
 
 class Checkpoint:
