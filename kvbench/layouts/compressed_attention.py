@@ -163,6 +163,11 @@ class CompressedCache:
                     f"{self.layout.compress_rate} tokens and cannot roll back; only 0 or {held} works")
         return None
 
+    def rewind(self, length: int) -> None:
+        """Held ``length`` to repeat steps whose cost alone is timed (``Cache.rewind``): every entry below
+        it was written, so a step reads as many as it would there; its output is not the sequence's."""
+        self.length = length
+
     def truncate(self, length: int, held: int) -> None:
         why = self.refusal(length, held)
         if why:

@@ -260,9 +260,10 @@ class CompressedPool(Ring):
         return super().sequence_bytes(length) + self.entries(length) * self.entry_bytes + self.buffer_bytes
 
     def most_waste(self, block_size: int) -> int:
-        # a ring block and a pool block each with one filled, the buffer's last page partly empty
+        # a ring block with one position filled, a pool block with none yet (taken with the block of
+        # positions whose entries will start it), the buffer's last page partly empty
         page = self.page_bytes(block_size)
-        pool = page - self.entry_bytes if self.rate else 0
+        pool = page if self.rate else 0
         return page - self.position_bytes + pool + self.buffer_pages(block_size) * page - self.buffer_bytes
 
     def open_pages(self, block_size: int) -> int:

@@ -128,6 +128,10 @@ class Manager(ABC):
         """Block ``i`` of the sequence is full: make what this group holds of it findable by ``key``."""
         return None  # nothing to do for most kinds of page
 
+    def saved_pages(self) -> int:
+        """Pages of saved copies nobody runs from (what a recurrent state's prefix caching costs)."""
+        return self.pool.cached_blocks
+
     def save(self, table: List[Optional[int]], key: int) -> bool:
         """Save what the sequence holds at this position under ``key`` (True: a page was saved)."""
         return False

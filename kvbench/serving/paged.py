@@ -130,8 +130,7 @@ class PagedStore:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes of the saved states nobody runs from (cached state pages)."""
-        return sum(self.pools[g].cached_blocks * self.plan.page_bytes[g]
-                   for g, m in enumerate(self.managers) if m.saves_states)
+        return sum(m.saved_pages() * self.plan.page_bytes[g] for g, m in enumerate(self.managers) if m.saves_states)
 
     @property
     def nbytes(self) -> int:

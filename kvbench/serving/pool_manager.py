@@ -143,6 +143,11 @@ class PoolManager(Manager):
                 return None
         return table
 
+    def saved_pages(self):
+        # its cached pages are also full ring and pool blocks, found by content as a window's are
+        return sum(1 for b, key in self.pool.key_of.items() if not self.pool.ref[b] and isinstance(key, tuple)
+                   and key[1] in ("buffer", "part"))
+
     def own(self, table):
         for i in self._saved_at(self.blocks_of(table)):  # the saved copies: into pages of its own
             page = self.pool.take()
