@@ -79,11 +79,12 @@ def tokens(model, n, seed=0):
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 def test_a_static_cache_allocates_the_formula_in_every_cache_dtype_the_layers_take(kind, name, state_dtype):
-    """Layouts.cache_bytes at the cache's length (a ring holds W of them, a state the same at any
-    length) and bytes_per_token + state_bytes are the bytes of the tensors the cache holds; a
-    cache.dtype some layer refuses is refused in one line naming it. cache.dtype applies to the
-    layers that keep K/V: a layer that holds a state takes every one, its state's bytes unchanged
-    (it keeps cache.state_dtype)."""
+    """Layouts.cache_bytes at the cache's length (each layer's own sequence_bytes: a ring holds W of
+    them, a state the same at any length, a compressed pool an entry per m) and bytes_per_token +
+    state_bytes are the bytes of the tensors the cache holds; a cache.dtype some layer refuses is
+    refused in one line naming it. cache.dtype applies to the layers that keep K/V: a layer that
+    holds a recurrent state takes every one, and what any layer holds whatever the length (a state,
+    a compressor's buffer) keeps its bytes (a state keeps cache.state_dtype)."""
     # the example's own decoder where state_dtype is the config's default (one compose fewer per example)
     job, model = example(kind, name, *([] if state_dtype == CacheConfig.state_dtype else
                                         [f"cache.state_dtype={state_dtype}"]))
@@ -92,7 +93,7 @@ def test_a_static_cache_allocates_the_formula_in_every_cache_dtype_the_layers_ta
     states = Layouts(layer for layer in layers if layer.state is not None)
     for cache_dtype in CACHE_DTYPES:
         assert states.accepts({"cache.dtype": cache_dtype}) and states.bytes_per_token(element, cache_dtype) == 0
-        assert layers.state_bytes(element, cache_dtype) == layers.state_bytes(element) == states.state_bytes(element)
+        assert layers.state_bytes(element, cache_dtype) == layers.state_bytes(element)
         if not layers.accepts({"cache.dtype": cache_dtype}):
             with pytest.raises(ConfigError) as info:
                 cache_for(model, "static", B, 24, cache_dtype)
@@ -102,19 +103,27 @@ def test_a_static_cache_allocates_the_formula_in_every_cache_dtype_the_layers_ta
             cache = cache_for(model, "static", B, S, cache_dtype)
             allocated = sum(t.untyped_storage().nbytes() for t in cache.tensors())
             assert allocated == cache.nbytes == layers.cache_bytes(S, B, element, cache_dtype), (cache_dtype, S)
+            assert cache.nbytes == B * sum(layer.sequence_bytes(S, element, cache_dtype) for layer in layers)
         # one position before any window fills, and the state: the same total at length 1
         assert layers.cache_bytes(1, B, element, cache_dtype) == B * (
             layers.bytes_per_token(element, cache_dtype) + layers.state_bytes(element, cache_dtype))
 
 
+def page(layer, element, cache_dtype, positions):
+    """One page of ``layer``'s in a store, by its layout's page spec (``positions`` per block): held
+    to the layout's own formula (its bytes per sequence at any length are the layout's)."""
+    spec = layer.page_spec(element, cache_dtype)
+    for length in (1, 5, 24):
+        assert spec.sequence_bytes(length) == layer.sequence_bytes(length, element, cache_dtype), length
+    return spec.page_bytes(positions)
+
+
 def group_formula(plan, layers, element, cache_dtype="auto"):
-    """The bytes a plan's storage holds by the layouts' formula: per group, its capacity of blocks
-    of ``block_size`` positions of its layers (Layouts.bytes_per_token) and their states."""
-    total = 0
-    for group, n in zip(plan.groups, plan.capacity):
-        mine = Layouts(layers[i] for i in group.layers)
-        total += n * (plan.block_size * mine.bytes_per_token(element, cache_dtype) + mine.state_bytes(element))
-    return total
+    """The bytes a plan's storage holds by the layouts' page specs: per group, its capacity of
+    blocks, a block a page of each of its layers (``block_size`` positions, a state, a compressed
+    pool's block of positions or of entries)."""
+    return sum(n * sum(page(layers[i], element, cache_dtype, plan.block_size) for i in group.layers)
+               for group, n in zip(plan.groups, plan.capacity))
 
 
 def taken(layers):
@@ -144,21 +153,25 @@ def test_a_paged_store_allocates_the_formula_for_its_blocks(kind, name, allocato
             assert store.nbytes == group_formula(plan, layers, element, cache_dtype) > 0, cache_dtype
             continue
         # unified: one byte pool of pages, a page one layer's block of block_size positions (or its
-        # state), as big as the largest of them by the formula
-        one = max(plan.block_size * layers[i].bytes_per_position(element, cache_dtype) + layers[i].state_bytes(element)
-                  for group in plan.groups for i in group.layers)
+        # state, or a compressed pool's block), as big as the largest of them by the formula
+        one = max(page(layers[i], element, cache_dtype, plan.block_size) for group in plan.groups for i in group.layers)
         assert store.nbytes == plan.pages[0] * one > 0, cache_dtype
 
 
 def test_a_slot_store_allocates_the_formula_for_its_slots(kind, name):
     """The serving store's static cache, in every cache.dtype the layers take: each slot every
     layer's positions of ``slot_len`` (a local layer's too: a ring of W - 1 + 512 positions is longer
-    than a slot of 20) and each state once."""
+    than a slot of 20) and each state once: the pages of a slot its page spec says (a compressed
+    pool's: a block of every position, their entries' block, its buffer's pages)."""
     job, model = example(kind, name)
     layers, element = model.layouts, model.dtype.itemsize
     for cache_dtype in taken(layers):
         store = SlotStore(model, 3, 20, cache_dtype)
-        assert store.nbytes == 3 * (20 * layers.bytes_per_token(element, cache_dtype) + layers.state_bytes(element))
+        specs = [(layer, layer.page_spec(element, cache_dtype)) for layer in layers]
+        assert store.nbytes == 3 * sum(page(layer, element, cache_dtype, spec.slot_positions(20, 512)) *
+                                       spec.slot_pages(20, 512) for layer, spec in specs if spec is not None)
+        if all(spec is None or spec.slot_pages(20, 512) == 1 for _, spec in specs):  # positions and states
+            assert store.nbytes == 3 * (20 * layers.bytes_per_token(element, cache_dtype) + layers.state_bytes(element))
 
 
 # ---- decoding: cached steps against a recompute ----------------------------------------------------------
@@ -211,9 +224,10 @@ def test_prefill_then_cached_decode_equals_a_recompute(kind, name, impl):
 
 def lost(layer, length, held):
     """Whether ``layer`` no longer holds what a continuation at ``length`` reads once ``held``
-    positions were written: a state folded them all (only 0, a fresh start, or ``held`` itself),
-    a ring overwrote the first position a query at ``length`` still sees."""
-    if layer.state is not None:
+    positions were written: what it holds whatever the length (a state, a compressor's buffer)
+    folded them (only 0, a fresh start, or ``held`` itself), a ring overwrote the first position a
+    query at ``length`` still sees."""
+    if layer.state is not None or layer.state_bytes(4):
         return length not in (0, held)
     return length > 0 and layer.first_kept(length) < held - layer.positions_held(held)
 
@@ -296,7 +310,8 @@ def test_serving_replays_the_tokens_of_an_isolated_greedy_decode(kind, name, sto
     """Requests sharing a prefix, batched by the scheduler through each store (a store the layers
     do not take: one line): every request's tokens are those of it decoded alone (the serving
     tests' isolated greedy decode on a static cache), the prefix found in the cache wherever it
-    spans a block, and every block given back."""
+    spans the positions a prefix is continued at (a block; a compressed pool's: a multiple of its
+    rate too), and every block given back."""
     job, model = example(kind, name)
     requests, prompts = workload(model.config.vocab_size, n=5, prefix=PREFIX)
     longest = max(r.prompt_len + r.output_len - 1 for r in requests)
@@ -312,7 +327,8 @@ def test_serving_replays_the_tokens_of_an_isolated_greedy_decode(kind, name, sto
     for request, prompt in zip(requests, prompts):
         assert outputs[request.id] == isolated(model, request, prompt), request
     hits = sum(t.prefix_hit_tokens for t in timeline.traces)
-    assert (hits > 0) == (s.prefix_caching and s.block_size < PREFIX), hits
+    assert (hits > 0) == (s.prefix_caching and s.prefix_step < PREFIX), hits
+    assert s.prefix_step % s.block_size == 0
     assert s.used_blocks == 0 and all(t.finished for t in timeline.traces)
 
 
@@ -340,8 +356,9 @@ def table_row(text: str, first: str):
 def test_inspect_prints_the_bytes_per_token_and_per_sequence_a_cache_allocates(kind, name, capsys):
     """task=inspect, run in process as the CLI runs it: its float32 row's per sequence is the bytes a
     static cache of that length allocates for one sequence (and the layouts' formula), its state per
-    sequence the state's tensors (a column only where some layer holds one), its per token the rest
-    over the length, its per batch batch x per sequence."""
+    sequence what a static cache of one position holds beyond that position (a state, a compressor's
+    buffer: a column only where some layer holds one), its per token the rest over the length, its
+    per batch batch x per sequence."""
     S, batch = 40, 3
     overrides = ("task=inspect", "runtime.dtype=float32", "workload.prompt_len=32", "workload.gen_len=8",
                  f"workload.batch_size={batch}")
@@ -350,9 +367,11 @@ def test_inspect_prints_the_bytes_per_token_and_per_sequence_a_cache_allocates(k
     job, model = example(kind, name)
     assert model.dtype == torch.float32  # the row compared: inspect's runtime.dtype
     cache = cache_for(model, "static", 1, S)
-    state = sum(t.nbytes for layer in cache.layers if isinstance(layer, StateLayer) for t in layer.tensors())
-    per_sequence = cache.nbytes
     layers, element = model.layouts, DTYPE_BYTES["float32"]
+    state = cache_for(model, "static", 1, 1).nbytes - layers.bytes_per_token(element)
+    recurrent = sum(t.nbytes for layer in cache.layers if isinstance(layer, StateLayer) for t in layer.tensors())
+    assert recurrent == Layouts(layer for layer in layers if layer.state is not None).state_bytes(element) <= state
+    per_sequence = cache.nbytes
     assert per_sequence == layers.cache_bytes(S, 1, element) and state == layers.state_bytes(element)
     assert cell_bytes(row[f"per sequence ({S})"]) == per_sequence
     assert cell_bytes(row[f"per batch (x{batch})"]) == batch * per_sequence
@@ -376,12 +395,12 @@ def read_by_compare(job, spec):
 def compare_spec(job) -> str:
     """The compare.variants entry for a job's resolved attention, by compare's syntax: its KV-head
     count (its type where a count does not say it), then ``:<letter><value>`` for each field compare
-    has a letter for (:data:`VARIANT_OPTIONS`) that is set; a pattern of layer types that is left,
-    as the letter and count compare reads as that pattern."""
+    has a letter for (:data:`VARIANT_OPTIONS`) that is set to a number; a pattern of layer types that
+    is left, as the letter and count compare reads as that pattern."""
     a = job.attention
     head = str(a.num_kv_heads) if attention_type(job.model.num_heads, a.num_kv_heads) == a.type else a.type
     spec = head + "".join(f":{letter}{getattr(a, field)}" for letter, field in VARIANT_OPTIONS.items()
-                          if getattr(a, field, None) not in (None, 0, False))
+                          if isinstance(getattr(a, field, None), int) and getattr(a, field) not in (0, False))
     if a.layer_types is None or read_by_compare(job, spec).layer_types == a.layer_types:
         return spec
     for letter in VARIANT_OPTIONS:

@@ -25,8 +25,9 @@ from kvbench.layouts.mamba2 import Mamba2
 from kvbench.layouts.pages import Blocks, CompressedPool, Ring, StatePage
 from kvbench.model import Decoder
 from kvbench.serving.allocator import Checkpoint, groups_of, make_plan
-from kvbench.serving.managers import BlockManager, RingManager, StateManager, manager_for
+from kvbench.serving.managers import MANAGERS, BlockManager, RingManager, StateManager
 from kvbench.serving.paged import PagedStore, plan_for
+from kvbench.serving.pool_manager import PoolManager
 
 BS, W = 4, 5
 H_K, H_V, D_K, D_V, K = 2, 4, 8, 12, 4  # the Gated DeltaNet layers' shape
@@ -130,24 +131,28 @@ def test_a_compressed_pool_holds_a_ring_entries_and_buffers(layer_type, rate):
         assert spec.sequence_bytes(S) == hand_v4(layer_type, S) == lay.sequence_bytes(S, 4)
     for S in (6, 17, 64):  # what its static cache allocates for 2 sequences of S tokens (the ring whole: S >= W)
         assert CompressedCache(lay, 2, S, torch.float32).nbytes == 2 * hand_v4(layer_type, S)
-    # paged: ring blocks of 4 positions (at 17: 12..17 seen from 17 on, blocks 3 and 4), pool blocks
-    # of 4 entries (CSA: 4 entries at 17, one block; HCA: 2, one block), the buffer page
+    # paged: pages of 4 ring positions or 4 entries, whichever is larger: ring blocks (at 17: 12..17 seen
+    # from 17 on, blocks 3 and 4), pool blocks of 4 entries for the whole blocks of positions held (at 17:
+    # 20 positions, CSA 5 entries in 2 blocks; HCA 2 in 1), the buffer in whole pages
     entry, buffers = (24 * 4, 3 * 2 * 48 * 4 + 4 * 24 * 8) if layer_type == CSA else (16 * 4, 7 * 2 * 16 * 4)
-    assert spec.reserved_bytes(17, BS) == 2 * BS * 16 * 4 + BS * entry + buffers
-    assert spec.reserved_bytes(64, BS) == 2 * BS * 16 * 4 + math.ceil(64 // rate / BS) * BS * entry + buffers
+    page = BS * max(16 * 4, entry)
+    assert spec.page_bytes(BS) == page and spec.buffer_pages(BS) == math.ceil(buffers / page)
+    for S, pool in ((17, {CSA: 2, HCA: 1}), (64, {CSA: 4, HCA: 2})):
+        held = 2 + pool[layer_type] + math.ceil(buffers / page)
+        assert spec.blocks_held(S, BS) == held and spec.reserved_bytes(S, BS) == held * page
+    assert spec.prefix_step(BS) == math.lcm(BS, rate)
 
 
-def test_a_sliding_v4_layer_is_a_ring_and_the_store_refuses_a_pool_in_one_line():
-    assert v4(SLIDING, 0).page_spec(4) == Ring(16 * 4, 6)
+def test_a_sliding_v4_layer_is_a_ring_and_a_store_serves_a_pool():
+    spec = v4(SLIDING, 0).page_spec(4)
+    assert isinstance(spec, CompressedPool) and spec.rate == 0  # its cache is the kind's: one manager for all
+    assert spec.sequence_bytes(17) == Ring(16 * 4, 6).sequence_bytes(17) and spec.buffer_pages(BS) == 0
+    assert spec.blocks_held(17, BS) == Ring(16 * 4, 6).blocks_held(17, BS) and spec.prefix_step(BS) == BS
     lay = v4(CSA, 4)
-    with pytest.raises(ConfigError) as e:
-        Layouts([lay]).check({"workload.store": "paged"})
-    assert str(e.value).startswith("workload.store='paged': ") and "\n" not in str(e.value)
+    Layouts([lay]).check({"workload.store": "paged"})
     (group,) = groups_of(Layouts([lay, lay]), 4)
-    assert group.layers == (0, 1) and group.page_bytes(BS) == 2 * BS * 16 * 4
-    with pytest.raises(ConfigError) as e:  # past the layouts' check, the store has no manager for it
-        manager_for(None, group, 4, BS, None, "auto")
-    assert str(e.value).startswith("workload.store=paged: layers 0, 1 need CompressedPool pages")
+    assert group.layers == (0, 1) and group.page_bytes(BS) == 2 * BS * 24 * 4
+    assert MANAGERS[type(group.spec)] is PoolManager
 
 
 EVERY_LAYOUT = {
@@ -177,6 +182,9 @@ def test_every_layouts_spec_holds_what_its_layout_says(name, element, cache_dtyp
             for chunk in (1, 3, 8):
                 kept = layout.most_kept(length, chunk)  # positions held, at the worst block alignment
                 worst = -(-length // BS) if kept >= length else min(-(-length // BS), -(-(kept + BS - 1) // BS))
+                if isinstance(spec, CompressedPool):  # and its pool blocks and buffer pages, held to the end
+                    entries = -(-length // BS) * BS // spec.rate if spec.rate else 0
+                    worst += -(-entries // BS) + -(-spec.buffer_bytes // spec.page_bytes(BS))
                 assert spec.worst_blocks(length, BS, chunk) == worst
 
 

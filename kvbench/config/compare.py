@@ -17,7 +17,8 @@ from kvbench.layouts.kinds import registered
 # a window's and KV sharing's, then each kind's own (LayerKind.letters: a rank, a top-k, a recurrent
 # kind's full_attention_interval ...), each with the words an error shows for it.
 _WORDS = {"w": "window", "c": "chunk", "g": "every k-th layer global", "s": "kv_shared_layers"}
-_SYMBOLS = {"window": "W", "chunk": "C", "global_every": "k", "kv_shared_layers": "N"}  # a kind's: its own name
+_SYMBOLS = {"window": "W", "chunk": "C", "global_every": "k", "kv_shared_layers": "N",
+            "layer_types": "n"}  # a kind's: its own name
 VARIANT_OPTIONS = {"w": "window", "c": "chunk", "g": "global_every", "s": "kv_shared_layers",
                    **{letter: key for kind in registered() for letter, key in kind.letters.items()}}
 # A recurrent kind's interval letter (the letter it gives full_attention_interval): every k-th layer full
@@ -27,6 +28,10 @@ INTERVAL = "full_attention_interval"
 _INTERVAL_TYPES = {letter: kind.layer_types[0] for kind in registered() if kind.recurrent
                    for letter, key in kind.letters.items() if key == INTERVAL}
 _WORDS.update({letter: f"{INTERVAL} of {t} layers" for letter, t in _INTERVAL_TYPES.items()})
+# A kind's pattern letter (its letter of layer_types: DeepSeek-V4's): its count is the kind's layer pattern for
+# the model (LayerKind.pattern), made once the model's number of layers is known
+_PATTERNS = {letter: kind for kind in registered() for letter, key in kind.letters.items() if key == "layer_types"}
+_WORDS.update({letter: f"{kind.label} pattern" for letter, kind in _PATTERNS.items()})
 # the layer options a model may have of its own (a preset field) that compare has a letter for
 LETTERED_OPTIONS = tuple(o for o in LAYER_OPTIONS if o.preset and o.key in VARIANT_OPTIONS.values())
 _SYNTAX = ", ".join(f":{letter}<{_WORDS.get(letter, key)}>" for letter, key in VARIANT_OPTIONS.items())
@@ -39,7 +44,8 @@ def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
     :g<k> (every k-th layer global, needs :w or :c), :s<N> (the
     last N layers share K/V) and each registered kind's letters (``LayerKind.letters``, each setting
     the ``attention.*`` field it names: ``mla:r64``; a recurrent kind's interval, ``gqa:d4`` or ``gqa:m2``,
-    every k-th layer full attention and the others that kind's); an option left out is none of it."""
+    every k-th layer full attention and the others that kind's; a kind's pattern, ``1:w128:p2``, its
+    ``LayerKind.pattern`` of that count); an option left out is none of it."""
     where = ("compare.variants", spec if variants is None else variants)
     head, *options = str(spec).split(":")
     check(head in ATTENTION_TYPES or (head.isdigit() and int(head) >= 1), *where,
@@ -53,6 +59,8 @@ def variant_fields(spec: str, variants: Any = None) -> Dict[str, Any]:
               f"{_OPTIONS} "
               "with a number >= 1, each once")
         out[key] = int(option[1:])
+        if option[:1] in _PATTERNS:  # the kind's pattern of that count, for the model (CompareConfig.attentions)
+            out["pattern_letter"] = option[:1]
         if key == INTERVAL:  # which recurrent kind's layers the interval asks for (one letter per variant)
             out["interval_layer_type"] = _INTERVAL_TYPES[option[:1]]
     check("global_every" not in out or "window" in out or "chunk" in out, *where,
@@ -98,6 +106,9 @@ class CompareConfig:
         out = []
         for v in self.variants:
             fields_ = variant_fields(v, self.variants)
+            letter = fields_.pop("pattern_letter", None)
+            if letter is not None:
+                fields_["layer_types"] = list(_PATTERNS[letter].pattern(fields_["layer_types"], model.num_layers))
             name = fields_.pop("interval_layer_type", None)
             if name is not None:  # the asked kind's layers by the interval, as layer_types (none: every layer full)
                 types = interval_layer_types(fields_[INTERVAL], model.num_layers, name)

@@ -347,15 +347,23 @@ def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
     return renamed
 
 
+def pattern(sliding: int, num_layers: int) -> List[str]:
+    """compare's V4 layer pattern (``:p<n>``): the first ``sliding`` layers the ring alone, then CSA and HCA
+    alternating, as DeepSeek-V4-Flash's published compress_ratios (0, 0, then 4 and 128: ``:p2``)."""
+    return [SLIDING] * min(sliding, num_layers) + [(CSA, HCA)[i % 2] for i in range(max(0, num_layers - sliding))]
+
+
+# A small decoder of V4 layers, one of each type (tests/test_deepseek_v4_model.py runs it: windows of 4 and 8)
+EXAMPLE = ("model=tiny", "model.num_layers=3", "attention.window=6", f"attention.layer_types=[{SLIDING},{CSA},{HCA}]",
+           f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:4,{HCA}:8}}}}}}")
+# the conformance suite's (tests/test_layer_kinds.py): rates of 2 and 4, so that the suite's shared prefix
+# (6 tokens, blocks of 4) is continued at 4, a multiple of both; 8 entries past a top-k of 2
+SUITE_EXAMPLE = EXAMPLE[:-1] + (
+    f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:2,{HCA}:4}}}}}}",)
+
 KIND = register(LayerKind(
     "compressed", Compressed, module="kvbench.layouts.compressed_attention:CompressedAttention",
     layer_types=(CSA, HCA), named=True, claims=(SLIDING,),
     label="v4", title="DeepSeek-V4 compressed attention", build=build, param_count=param_count,
-    hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names))
-
-# A small decoder of V4 layers (tests/test_deepseek_v4_model.py runs it). Not yet the conformance suite's
-# example: the suite counts a cache as positions x bytes_per_token + a constant state, and a V4 layer holds
-# a ring, a pool of one entry per m tokens and buffers beside them; its pool cannot roll back within a
-# window; compare has no letter for its pattern (see docs/layouts-v4.md).
-EXAMPLE = ("model=tiny", "model.num_layers=3", "attention.window=6", f"attention.layer_types=[{SLIDING},{CSA},{HCA}]",
-           f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:4,{HCA}:8}}}}}}")
+    hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names,
+    letters={"p": "layer_types"}, pattern=pattern, examples={"sliding_csa_hca": SUITE_EXAMPLE}))

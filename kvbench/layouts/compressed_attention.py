@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbench.cache import Positions
 from kvbench.layouts.compressed_layout import Compressed, Rope
 
 
@@ -161,6 +162,11 @@ class CompressedCache:
             return (f"cannot truncate to {length}: a DeepSeek-V4 layer's pool folds each window of "
                     f"{self.layout.compress_rate} tokens and cannot roll back; only 0 or {held} works")
         return None
+
+    def rewind(self, length: int) -> None:
+        """Held ``length`` to repeat steps whose cost alone is timed (``Cache.rewind``): every entry below
+        it was written, so a step reads as many as it would there; its output is not the sequence's."""
+        self.length = length
 
     def truncate(self, length: int, held: int) -> None:
         why = self.refusal(length, held)
@@ -313,6 +319,13 @@ class CompressedAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache: Optional[CompressedCache], pos):
         B, T, _ = x.shape
+        if hasattr(cache, "keep"):  # a serving store's pages: each sequence at its own position, in a cache of its own
+            out = []
+            for b, start in enumerate(cache.starts):
+                one = cache.row(b)
+                out.append(self.forward(x[b:b + 1], cos, sin, one, Positions(start, T, x.device)))
+                cache.keep(b, one)
+            return torch.cat(out)
         a, H, D = self.layout, self.H, self.D
         cache = cache if isinstance(cache, CompressedCache) else None  # the decoder's Uncached: nothing kept
         start = 0 if cache is None else pos.start

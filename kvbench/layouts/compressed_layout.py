@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, Limit
 from kvbench.layouts.kv_heads import KVHeads
-from kvbench.layouts.pages import CompressedPool, Ring
+from kvbench.layouts.pages import CompressedPool
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -74,6 +74,8 @@ class Compressed(LayerLayout):
 
     # its cache (kvbench.cache.layer_cache builds it for cache.impl=static, by name: the torch layer is above)
     CACHE: ClassVar[str] = "kvbench.layouts.compressed_attention:CompressedCache"
+    # its layer of a serving store's forward, over the pages of its CompressedPool (the store's manager builds it)
+    PAGED: ClassVar[str] = "kvbench.layouts.compressed_pages:CompressedPages"
     layer_type: str = CSA
     num_heads: int = 64
     head_dim: int = 512
@@ -198,13 +200,11 @@ class Compressed(LayerLayout):
         ring = 0 if window_full else self.head_dim * element
         return ring + (Fraction(self.entry_width * element, self.compress_rate) if self.compresses else 0)
 
-    def page_spec(self, element: int, cache_dtype: str = "auto") -> Ring:
+    def page_spec(self, element: int, cache_dtype: str = "auto") -> CompressedPool:
         """The ring of W positions (one K=V head of D), and with a compressor its pool of one entry per
-        m tokens and its buffers: what :meth:`sequence_bytes` counts, as a serving store would page it."""
-        ring = self.head_dim * element
-        if not self.compresses:
-            return Ring(ring, self.window)
-        return CompressedPool(ring, self.window, self.entry_width * element, self.compress_rate,
+        m tokens and its buffers: what :meth:`sequence_bytes` counts, as a serving store pages it (a
+        sliding layer too: the ring alone, m = 0, kept as this kind's cache is kept)."""
+        return CompressedPool(self.head_dim * element, self.window, self.entry_width * element, self.compress_rate,
                               self.buffer_bytes(element))
 
     def read_bytes(self, context: float, element: int, cache_dtype: str = "auto") -> float:
@@ -235,12 +235,13 @@ class Compressed(LayerLayout):
                   "cache.impl=static or none"),
             Limit("cache.shared", (False, None), "a shared prefix holds K/V once for many sequences; a DeepSeek-V4 "
                   "layer's compressor buffers are each sequence's own (not built); use cache.shared=false"),
-            Limit("workload.store", (), "a serving store pages a DeepSeek-V4 layer's ring and pool by their spec "
-                  "(kvbench.layouts.pages.CompressedPool), but no store manager serves it yet; use workload=decode"),
             Limit("cache.dtype", ("auto",), "int8 / float8 codes are for K/V heads; a DeepSeek-V4 layer keeps its "
                   "ring, pool and compressor buffers in the compute dtype; use cache.dtype=auto"),
             Limit("runtime.compile", ("false", "default"), "the fixed-shape step reads a context bucket of K/V; a "
-                  "DeepSeek-V4 layer's ring and pool have no such view (not built); use false or default"))
+                  "DeepSeek-V4 layer's ring and pool have no such view (not built); use false or default"),
+            # a model's K/V heads repeated or mean-pooled (checkpoint.convert_kv_heads) make no compressed layer
+            Limit("kv_conversion", ("none",), "converts K/V heads by mean-pooling them; a DeepSeek-V4 layer keeps one "
+                  "K=V head, a pool and its compressors' buffers, which pooling does not make (not built)"))
 
     # ---- how inspect describes it ----
 

@@ -22,6 +22,7 @@ m the compression rate.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Tuple
@@ -59,6 +60,14 @@ class PageSpec(ABC):
         """Bytes the formula gives for a page in use with ``filled`` positions written."""
         return filled * self.position_bytes
 
+    def most_waste(self, block_size: int) -> int:
+        """The most bytes one sequence's pages of this layer reserve beyond the formula."""
+        return self.page_bytes(block_size) - self.least_bytes()
+
+    def open_pages(self, block_size: int) -> int:
+        """Pages one sequence may hold partly filled (its last block)."""
+        return 1
+
     @abstractmethod
     def sequence_bytes(self, length: int) -> int:
         """The formula's bytes one sequence of ``length`` positions holds here (the layout's figure)."""
@@ -85,6 +94,14 @@ class PageSpec(ABC):
         """Positions a static slot of ``slot_len`` keeps of one sequence growing by forwards of at most
         ``chunk`` positions (a ring wraps: position p at p mod this)."""
         return slot_len
+
+    def prefix_step(self, block_size: int) -> int:
+        """The positions a cached prefix is continued at multiples of (whole blocks)."""
+        return block_size
+
+    def slot_pages(self, slot_len: int, chunk: int) -> int:
+        """Pages of :meth:`slot_positions` positions one static slot takes."""
+        return 1
 
     def unit(self, block_size: int) -> str:
         """What a pool of these pages counts, for error lines."""
@@ -214,12 +231,15 @@ class StatePage(PageSpec):
 @dataclass(frozen=True)
 class CompressedPool(Ring):
     """A ring of ``window`` positions (``position_bytes`` each) plus one pooled entry of ``entry_bytes``
-    per ``rate`` tokens and the compressors' ``buffer_bytes`` per sequence. Its pages: ring blocks of
-    bs positions, pool blocks of bs entries (bs · m tokens each) and one buffer page; a pool block
-    holds at least one entry while in use."""
+    per ``rate`` tokens and the compressors' ``buffer_bytes`` per sequence (``rate`` 0: the ring alone,
+    a sliding layer beside compressed ones, served by the same manager). Its pages are of one size, a
+    block of bs ring positions or of bs entries, whichever is larger: ring blocks (freed as a window's),
+    pool blocks (bs entries, bs · m tokens; taken as the whole blocks of positions a sequence holds
+    call for them) and the buffer's pages (:meth:`buffer_pages`), all kept to the sequence's end. A
+    prefix is continued only at a multiple of m (:meth:`prefix_step`), where its buffer was saved."""
 
     entry_bytes: int = 0
-    rate: int = 1
+    rate: int = 0
     buffer_bytes: int = 0
 
     @property
@@ -227,24 +247,54 @@ class CompressedPool(Ring):
         return (3, self.window, self.rate)
 
     def entries(self, length: int) -> int:
-        return length // self.rate
+        return length // self.rate if self.rate else 0
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * max(self.position_bytes, self.entry_bytes)
+
+    def buffer_pages(self, block_size: int) -> int:
+        """Pages the buffer of one sequence takes (its bytes in whole pages)."""
+        return _blocks(self.buffer_bytes, self.page_bytes(block_size))
 
     def sequence_bytes(self, length: int) -> int:
         return super().sequence_bytes(length) + self.entries(length) * self.entry_bytes + self.buffer_bytes
 
-    def pool_blocks(self, length: int, bs: int) -> int:
-        return _blocks(self.entries(length), bs)
+    def most_waste(self, block_size: int) -> int:
+        # a ring block with one position filled, a pool block with none yet (taken with the block of
+        # positions whose entries will start it), the buffer's last page partly empty
+        page = self.page_bytes(block_size)
+        pool = page if self.rate else 0
+        return page - self.position_bytes + pool + self.buffer_pages(block_size) * page - self.buffer_bytes
 
-    def reserved_bytes(self, length: int, bs: int) -> int:
-        # the ring's blocks as a window's, whole pool blocks of bs entries, the buffer page
-        return super().reserved_bytes(length, bs) + self.pool_blocks(length, bs) * bs * self.entry_bytes + \
-            self.buffer_bytes
+    def open_pages(self, block_size: int) -> int:
+        return 1 + bool(self.rate) + self.buffer_pages(block_size)
+
+    def pool_blocks(self, length: int, bs: int) -> int:
+        """Pool blocks a sequence of ``length`` positions holds: those the entries of its whole blocks
+        of positions fill (a block of positions is taken whole, its entries' block with it)."""
+        return _blocks(self.entries(_blocks(length, bs) * bs), bs)
+
+    def blocks_held(self, length: int, bs: int) -> int:
+        return super().blocks_held(length, bs) + self.pool_blocks(length, bs) + self.buffer_pages(bs)
+
+    def worst_blocks(self, length: int, bs: int, chunk: int = 1) -> int:
+        return super().worst_blocks(length, bs, chunk) + self.pool_blocks(length, bs) + self.buffer_pages(bs)
+
+    def prefix_step(self, block_size: int) -> int:
+        """The positions a cached prefix is continued at multiples of: whole blocks that end a window
+        of m (an entry is not split and the buffer holds no token then)."""
+        return math.lcm(block_size, self.rate or 1)
 
     def slot_positions(self, slot_len: int, chunk: int) -> int:
         return slot_len  # its pooled entries grow with the length: no ring of its ring's size holds them
 
+    def slot_pages(self, slot_len: int, chunk: int) -> int:
+        # a slot is a block of every position, the pool block of their entries and the buffer's pages
+        return self.blocks_held(slot_len, slot_len)
+
     def layers_text(self) -> str:
-        return f"compressed layers of window {self.window} and rate {self.rate}"
+        rate = f" and rate {self.rate}" if self.rate else ""
+        return f"compressed layers of window {self.window}{rate}"
 
 
 def positions_spec(layout, element: int, cache_dtype: str = "auto"):

@@ -13,7 +13,8 @@ A kind's facets, each optional where the kind has nothing to say:
 - ``layer_types``: the names transformers' ``layer_types`` (and kvbench's ``attention.layer_types``)
   give its layers; ``recurrent``: a per-sequence state instead of positions.
 - ``label`` and ``letters``: the word a variant label shows, and compare's letters (``mla:r64``) with
-  the ``attention.*`` field each sets.
+  the ``attention.*`` field each sets; a letter of ``layer_types`` is the kind's ``pattern``:
+  ``pattern(count, num_layers)`` gives the layer types of its count for a model of that many layers.
 - ``architectures``: the transformers architectures whose layers of this kind it reads from a
   ``config.json`` (``hf_fields``), each with the ModelConfig switches that architecture's attention
   needs; :data:`kvbench.config.hf.HF_ARCHITECTURES` takes them in.
@@ -138,6 +139,7 @@ class LayerKind:
     beside_latent: bool = False
     named: bool = False
     claims: Tuple[str, ...] = ()
+    pattern: Optional[Callable[[int, int], Any]] = None  # its letter's count -> layer_types (see letters)
 
 
 _KINDS: Dict[str, LayerKind] = {}

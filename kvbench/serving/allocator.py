@@ -143,8 +143,12 @@ class Plan:
     @property
     def waste_per_sequence(self) -> int:
         """The most bytes one running sequence's pages reserve beyond the formula: a last block with one
-        position filled in each K/V group, a page's room beyond its state in the state group."""
-        return sum(b - g.least_bytes() for g, b in zip(self.groups, self.page_bytes))
+        position filled in each K/V group, a page's room beyond its state in the state group (as each spec
+        says: :meth:`~kvbench.layouts.pages.PageSpec.most_waste`)."""
+        # each page it may hold partly filled, and where a page is raised past its layer's, that room too
+        bs = self.block_size
+        return sum((b - g.page_bytes(bs)) * g.spec.open_pages(bs) + sum(s.most_waste(bs) for s in g.specs)
+                   for g, b in zip(self.groups, self.page_bytes))
 
     def sequence_bytes(self, length: int) -> int:
         """Bytes one running sequence of ``length`` positions reserves (nothing shared)."""
@@ -227,13 +231,14 @@ def slot_plan(groups: Sequence[Group], slot_len: int, num_slots: int, chunk: int
     (a forward adds at most ``chunk``)."""
     groups = tuple(groups)
     positions = tuple(g.spec.slot_positions(slot_len, chunk) for g in groups)
+    pages = tuple(num_slots * g.spec.slot_pages(slot_len, chunk) for g in groups)  # a compressed pool's: several
     return Plan("per_kind", slot_len, groups, tuple(g.page_bytes(p) for g, p in zip(groups, positions)),
-                (1,) * len(groups), (num_slots,) * len(groups), (num_slots,) * len(groups), positions=positions)
+                (1,) * len(groups), pages, pages, positions=positions)
 
 
 def slot_bytes(group: Group, slot_len: int, chunk: int) -> int:
     """Bytes one slot of ``slot_len`` positions (a window's ring, a state) takes in ``group``."""
-    return group.page_bytes(group.spec.slot_positions(slot_len, chunk))
+    return group.page_bytes(group.spec.slot_positions(slot_len, chunk)) * group.spec.slot_pages(slot_len, chunk)
 
 
 class Checkpoint:

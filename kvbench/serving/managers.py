@@ -104,6 +104,10 @@ class Manager(ABC):
         """A forward wrote positions ``start`` .. ``start + T - 1`` of the sequence of ``table``."""
         return None  # nothing to do for most kinds of page
 
+    def behind(self, table: List[Optional[int]], length: int) -> List[int]:
+        """The indices of ``table`` no query at ``length`` or later sees (the store frees them)."""
+        return list(range(self.group.spec.first_kept(length) // self.block_size))
+
     @abstractmethod
     def found(self, keys: Sequence[int], m: int) -> Optional[List[Optional[int]]]:
         """The cached pages to continue from position m x block_size (``keys``: the content keys of
@@ -123,6 +127,10 @@ class Manager(ABC):
     def register(self, table: List[Optional[int]], i: int, key: int) -> None:
         """Block ``i`` of the sequence is full: make what this group holds of it findable by ``key``."""
         return None  # nothing to do for most kinds of page
+
+    def saved_pages(self) -> int:
+        """Pages of saved copies nobody runs from (what a recurrent state's prefix caching costs)."""
+        return self.pool.cached_blocks
 
     def save(self, table: List[Optional[int]], key: int) -> bool:
         """Save what the sequence holds at this position under ``key`` (True: a page was saved)."""

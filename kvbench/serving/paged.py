@@ -18,6 +18,7 @@ pages (:class:`~kvbench.serving.managers.BytePool`): what is allocated is what i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -25,6 +26,7 @@ from kvbench.serving.allocator import Checkpoint, Plan, groups_of, make_plan, sl
 from kvbench.serving.batch import BatchView
 from kvbench.serving.managers import BytePool, Manager, Misaligned, manager_for
 from kvbench.serving.pool import BlockPool, Pages
+from kvbench.serving.pool_manager import PoolManager  # noqa: F401  (serves a compressed pool's pages)
 
 
 def bytes_per_token(model, cache_dtype: str = "auto") -> int:
@@ -128,8 +130,7 @@ class PagedStore:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes of the saved states nobody runs from (cached state pages)."""
-        return sum(self.pools[g].cached_blocks * self.plan.page_bytes[g]
-                   for g, m in enumerate(self.managers) if m.saves_states)
+        return sum(m.saved_pages() * self.plan.page_bytes[g] for g, m in enumerate(self.managers) if m.saves_states)
 
     @property
     def nbytes(self) -> int:
@@ -143,6 +144,12 @@ class PagedStore:
         """The formula's bytes of what the store allocates: the byte pool's pages (what the unified
         allocator reserves), else each group's blocks of its layers (:attr:`Plan.storage_bytes`)."""
         return self.plan.reserved_bytes if self.shared is not None else self.plan.storage_bytes
+
+    @property
+    def prefix_step(self) -> int:
+        """A cached prefix is continued only at a multiple of these positions: a block, or where some
+        group's pages say (a compressed pool's entries are not split: a multiple of its rate too)."""
+        return math.lcm(*(g.spec.prefix_step(self.block_size) for g in self.plan.groups))
 
     def blocks_for(self, length: int) -> int:
         """Blocks a sequence of ``length`` positions holds in a full layer."""
@@ -278,7 +285,7 @@ class PagedStore:
     def release_behind(self, seq: SeqBlocks) -> None:
         """Free ``seq``'s blocks that no later query sees (a window's, as its spec says)."""
         for g, table in seq.tables.items():
-            for i in range(self.plan.groups[g].spec.first_kept(seq.length) // self.block_size):
+            for i in self.managers[g].behind(table, seq.length):
                 if table[i] is not None:
                     self.pools[g].free(table[i])
                     table[i] = None

@@ -225,6 +225,14 @@ def round_order(n_variants: int, round_index: int) -> List[int]:
     return order if round_index % 2 == 0 else order[::-1]
 
 
+def held(cache, length: int) -> None:
+    """Set ``cache`` to hold ``length`` positions, in each layer that keeps a length of its own too (its
+    ``rewind``: a compressed pool, every entry below written), for steps whose cost alone is timed."""
+    cache.length = length
+    for layer in cache.layers:
+        getattr(layer, "rewind", lambda _: None)(length)
+
+
 @torch.inference_mode()
 def time_trial(model: Decoder, cache, token: torch.Tensor, contexts: Sequence[int], steps: int,
                device) -> Dict[int, List[float]]:
@@ -238,10 +246,10 @@ def time_trial(model: Decoder, cache, token: torch.Tensor, contexts: Sequence[in
         for _ in range(steps):
             # Every position below ``written`` was written (by the prefill, or a step since), so the
             # length may move forward as well as back: the step reads c keys and writes the (c+1)-th.
-            cache.length = c
+            held(cache, c)
             with timer.region(str(c)):
                 decode_step(model, token, cache, c)
-    cache.length = written
+    held(cache, written)
     return {c: timer.ms(str(c)) for c in contexts}
 
 

@@ -48,6 +48,10 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
            "large as one layer's state, as vLLM raises the attention block to the recurrent state's page (528 "
            "tokens for Qwen3.5); a prefix is cached in whole blocks, so a raised block caches less of a shared prefix "
            "shorter than it (prefix_hit_rate)"),
+    Metric("kv_prefix_step_tokens", "tokens", "a cached prefix is continued only at a multiple of these positions: "
+           "kv_block_tokens, or where a layer's pages ask more, its least common multiple with theirs (a "
+           "compressed pool's rate m: an entry is never split, and its buffer is saved there); a shared prefix is "
+           "found to the last such multiple within it (prefix_hit_rate)"),
     Metric("kv_store_bytes_formula", "bytes", "the layouts' formula for the store's groups: each K/V group's blocks "
                                               "x the positions a block holds (block_size; a slot store's local "
                                               "layers: a ring of W - 1 + workload.max_prefill_tokens) of its layers, "
@@ -266,7 +270,7 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
     metrics.update(kv_budget_bytes=int(budget),
                    kv_store_bytes=store.nbytes, kv_store_bytes_formula=store.storage_bytes,
                    kv_reserved_bytes=store.plan.reserved_bytes, kv_allocator=store.plan.allocator,
-                   kv_block_tokens=store.plan.block_size)
+                   kv_block_tokens=store.plan.block_size, kv_prefix_step_tokens=store.prefix_step)
     metrics.update(sequence_capacity(store.plan, model.layouts, model.dtype.itemsize,
                                      cfg.cache.dtype, plan.requests, budget))
     del store
