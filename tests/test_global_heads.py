@@ -111,3 +111,21 @@ def test_a_decode_steps_keys_of_a_k_eq_v_layer_are_transformers_formula_in_one_p
         values = torch.randn(1, H_kv, 9, D)
         want = _reference_keys(values, attn._key_scale(), inv_freq, rotary, attn.rope_factor)
         assert (attn._derived_keys(values) - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+
+
+def test_compare_records_what_a_k_eq_v_step_moves_beyond_the_bytes_it_holds(tiny):
+    """The key pass a K=V step makes is said in compare's record (``<v>_kv_step_note``, a registered
+    metric) and under its table, not left for the reader to infer from a slope above the bytes' ratio."""
+    from kvbench.layouts.build import build_layouts
+    from kvbench.results import RunResult
+    from kvbench.sinks.interleaved import interleaved_notes
+    from kvbench.tasks.compare import METRICS, _step_note
+
+    notes = {k: _step_note(build_layouts(cfg.model, cfg.attention)) for k, cfg in tiny.items()}
+    assert notes[0] == {} and notes[1]["kv_step_note"].startswith("K=V: each step derives the keys")
+    assert "<v>_kv_step_note" in METRICS
+    rows = [{"variant": v, "layout": v, "step_ms_ctx8": 1.0, **notes[k]} for k, v in ((0, "gqa kv=2"),
+                                                                                      (1, "gqa kv=2 k=v"))]
+    record = RunResult(status="ok", config={"task": "compare", "compare": {"contexts": [8]}},
+                       tables={"compare": rows})
+    assert [n for n in interleaved_notes(record) if "K=V" in n] == [f"gqa kv=2 k=v: {notes[1]['kv_step_note']}"]
