@@ -88,3 +88,31 @@ def test_the_committed_reports_regenerate_from_the_committed_records(directory, 
         return re.sub(r"^# kvbench report: .*$", "", text, count=1, flags=re.M)
 
     assert body(dst / "summary.md") == body(src / "summary.md")
+
+
+@pytest.mark.parametrize("entry, label, global_tensors", [("choose/chunked", "gqa kv=2 w=64 3:1 chunk=64", 2),
+                                                          ("choose/k_eq_v", "gqa kv=2 w=64 3:1 k=v", 1)])
+def test_choose_takes_a_chunked_and_a_k_eq_v_hybrid_by_their_labels_and_bytes(entry, label, global_tensors):
+    """attention=choose/chunked (Llama 4's local layers) and choose/k_eq_v (Gemma 4's global layers) on
+    choose's model (8 layers, 2 KV heads of 256 / 8 = 32): the label; what a sequence holds by hand, 2 global
+    layers of every position (K and V, or K=V's one tensor) and 6 local ones of 64 at the most (a chunk's
+    worst case is its window's); their shared chats refused in one line; an invalid job's record (its
+    attention unresolved) keeps the pattern and names the variant as its ok jobs do."""
+    from kvbench.config.layer_pattern import job_variant_label, variant_label
+    from kvbench.config.record import attention_record
+    from kvbench.core.dtypes import DTYPE_BYTES
+    from kvbench.tasks.capacity_search import kv_bytes
+
+    cfg = to_bench_config(compose("experiment=choose", f"attention={entry}", "scenario=decode"))
+    assert job_variant_label(cfg) == label
+    element, gen = DTYPE_BYTES[cfg.runtime.dtype], cfg.workload.gen_len
+    for context in (32, 64, 128, 256):
+        L = context + gen
+        want = 2 * global_tensors * 2 * 32 * L + 6 * 2 * 2 * 32 * min(L, 64)
+        assert kv_bytes(cfg, context, 3) == 3 * want * element
+    with pytest.raises(ConfigError) as info:
+        to_bench_config(compose("experiment=choose", f"attention={entry}", "scenario=chat_shared"))
+    assert str(info.value).startswith("cache.shared=True: ") and "\n" not in str(info.value)
+    asked = dict(compose("experiment=choose", f"attention={entry}").attention)  # as an invalid job's record has it
+    kept = attention_record({k: v for k, v in asked.items() if v is not None})
+    assert kept["global_every"] == 4 and variant_label({**kept, "num_kv_heads": 2}, num_layers=8) == label

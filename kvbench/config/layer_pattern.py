@@ -41,9 +41,10 @@ def variant_label(attention: Any, cache_dtype: Optional[str] = None, num_layers:
     kind = attention_kind(type_)
     letter, key = next(iter(kind.letters.items())) if kind is not None and kind.letters else ("kv", "num_kv_heads")
     label = f"{type_} {letter}={get(key)}"
-    if get("window"):
-        label += f" w={get('window')}"
-        ratio = local_global_layers(get("window"), get("global_every"), get("layer_types"), num_layers)
+    window = pattern_window(get)
+    if window:
+        label += f" w={window}"
+        ratio = local_global_layers(window, get("global_every"), get("layer_types"), num_layers)
         if ratio and ratio[1]:
             label += f" {ratio[0]}:{ratio[1]}"
     for option in LAYER_OPTIONS:
@@ -123,10 +124,17 @@ PATTERN_KEYS = ("window", "global_every", "layer_types")
 PATTERN_COLUMNS = (("window", "W"), ("global_every", "global every"))
 
 
+def pattern_window(get: Callable[[str], Any]) -> Any:
+    """The window of the local layers of an attention (``get``: its value of a key): ``window``, or the
+    value of an option that is on and is its layers' window (a chunk, :attr:`LayerOption.sets_window`),
+    which resolution copies to ``window``: an unresolved config (an invalid job's record) says it too."""
+    return get("window") or next((get(o.key) for o in LAYER_OPTIONS if o.sets_window and o.on(get(o.key))), None)
+
+
 def unused_pattern_keys(attention: Mapping[str, Any]) -> Tuple[str, ...]:
     """The pattern keys that mean nothing in ``attention`` (a resolved config as a mapping): without
-    a window, which layers are local, and layer_types too unless some are linear."""
-    if attention.get("window") is not None:
+    a window (:func:`pattern_window`), which layers are local, and layer_types too unless some are linear."""
+    if pattern_window(attention.get) is not None:
         return ()
     return ("window", "global_every") + ("layer_types",) * (linear_full_layers(attention.get("layer_types")) is None)
 

@@ -4,14 +4,18 @@ the shape said in the keys of that file.
 :func:`kvbench.config.hf.model_fields` records, as it reads each field, the key it read it from
 (:class:`Source`); ``ModelConfig``'s checks name kvbench's fields (``model.num_heads``), which a user
 who gave a checkpoint never wrote, so :func:`in_file_keys` names the file's keys instead
-(``num_attention_heads``), and says so where the file left the value out. Imports nothing of kvbench's.
+(``num_attention_heads``), and says so where the file left the value out. A multimodal checkpoint's
+language model is read by its text model's reader (:func:`text_model_fields`, :func:`text_model_names`),
+a refusal naming each key where the file holds it (``text_config.``). Imports only the errors.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from kvbench.core.errors import ConfigError
 
 # A kvbench field named in a check's message: model.<field>, or a nested one (model.preset_mla.kv_lora_rank).
 _MENTION = re.compile(r"(?<![\w.])model\.(\w+(?:\.\w+)?)")
@@ -73,3 +77,37 @@ def nested_keys(message: str, nested: str, top: Mapping[str, Any]) -> str:
     """``message`` (a refusal of keys read at ``nested`` in the file, ``text_config.``) with each
     key it names under ``nested``, but those of the file's top level ``top``."""
     return _KEY.sub(lambda m: m.group(0) if m.group(0).split(".")[0] in top else nested + m.group(0), message)
+
+
+# Where a multimodal checkpoint's config.json holds its language model's keys.
+TEXT_CONFIG = "text_config."
+# Keys a multimodal config.json holds at its top for the whole checkpoint, which its text model's reader reads.
+TOP_KEYS = ("architectures", "tie_word_embeddings", "quantization_config")
+
+
+def text_model_fields(read: Callable[[Mapping[str, Any], str], Dict[str, Any]], cfg: Mapping[str, Any],
+                      arch: str) -> Dict[str, Any]:
+    """``read`` (a text model's whole-file reader, ``read(cfg, arch)``) of the multimodal config.json
+    contents ``cfg``'s ``text_config``, with the top's :data:`TOP_KEYS`; a refusal names each key it
+    read there as ``text_config.<key>``."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError("missing key 'text_config'" if text is None else
+                          f"text_config={text!r}: must be a JSON object (the language model's keys)")
+    top = {key: cfg[key] for key in TOP_KEYS if key in cfg}
+    try:
+        return read({**text, **top}, arch)
+    except ConfigError as exc:
+        raise ConfigError(nested_keys(str(exc), TEXT_CONFIG, top)) from None
+
+
+def text_model_names(prefixes: Mapping[str, str]) -> Callable[[str], Optional[str]]:
+    """A multimodal checkpoint's tensor name as its text model names it: its prefix among ``prefixes``
+    replaced by the one it maps to (``language_model.model.`` -> ``model.``); a name under none of them
+    (a vision tower's, its projector's) None: not read."""
+    def renamed(name: str) -> Optional[str]:
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                return new + name[len(old):]
+        return None
+    return renamed

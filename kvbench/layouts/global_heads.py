@@ -91,6 +91,14 @@ class GlobalHeads(KVHeads):
     note = ("global layers of their own heads; K=V: a global position caches one tensor, the keys are the values "
             "times the key norm's weight, rotated when read")
 
+    @property
+    def step_note(self) -> str:
+        """What a decode step moves beyond the bytes held (compare's record says it beside its figures)."""
+        return ("K=V: each step derives the keys from the cached values in one pass (kvbench's "
+                "global_heads_attention), writing keys the attention then reads beside the values: about 3x "
+                "the held bytes move per position, not 1x; an engine fusing the rotation into the attention's "
+                "read of the cache would not write them") if self.k_eq_v else ""
+
     def table_name(self) -> str:
         return f"global D={self.head_dim}" + (" K=V" if self.k_eq_v else "")
 

@@ -13,6 +13,15 @@ Its rotary table is its own (``rope_theta``, proportional frequencies: transform
 rope type, the first int(p D / 2) of D/2 frequencies and zeros), computed in float32 from the
 positions as transformers computes it, and kept for the positions read so far.
 
+A decode step's keys cost one pass over the cached values, not one per operation: the key norm's weight
+w is folded into the held tables (x w cos and its partner's w sin, per position; :meth:`_key_tables`),
+so key = x * (w cos) + partner(x) * (w' sin) is one multiply over the head and one multiply-add over
+each turning half (a proportional rope's turning dims only), in the cache's dtype, no float32 copy. It
+is the same float32 arithmetic as transformers' within rounding (the products associate otherwise),
+which the parity tests hold to 1e-5. A prompt's keys (a recompute, or with autograd on) are derived as
+transformers does. What remains is inherent to holding one tensor: that pass, writing the keys the
+attention then reads (an engine fusing it into the attention's read of the cache would not write them).
+
 Notation: B batch, T new tokens, S keys attended, H query heads, H_kv KV heads, D head_dim.
 """
 
@@ -42,6 +51,8 @@ class GlobalHeadsAttention(KVHeadsAttention):
         self.layout, self.cfg = layout, cfg
         self._inv_freq: torch.Tensor | None = None  # made where first asked: a decoder is built on the meta device
         self._table: Tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions 0..n-1 read so far
+        # the key tables of positions 0..n-1 (:meth:`_key_tables`), with what they were made for
+        self._keys: Tuple[tuple, Tuple[torch.Tensor, ...]] | None = None
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """The layer's rotary inverse frequencies (float32), on ``device``."""
@@ -99,10 +110,12 @@ class GlobalHeadsAttention(KVHeadsAttention):
         if self.k_eq_v:
             S = keys.shape[2]
             # a recompute's keys are its new tokens' (S = T); every cache's are positions 0..S-1
-            k_cos, k_sin = (q_cos, q_sin) if S == T and pos.start is not None else self._first(S, keys.dtype)
-            if k_cos.dim() == 3:  # a serving batch's (B, T, R) rows: its keys are 0..S-1 whatever the batch
-                k_cos, k_sin = self._first(S, keys.dtype)
-            values, keys = keys, apply_rope(self._key_norm(keys.transpose(1, 2)).transpose(1, 2), k_cos, k_sin)
+            recompute = S == T and pos.start is not None
+            if recompute or torch.is_grad_enabled():  # a prompt's, or trained: as transformers computes them
+                k_cos, k_sin = (q_cos, q_sin) if recompute and q_cos.dim() == 2 else self._first(S, keys.dtype)
+                values, keys = keys, apply_rope(self._key_norm(keys.transpose(1, 2)).transpose(1, 2), k_cos, k_sin)
+            else:
+                values, keys = keys, self._derived_keys(keys)
         out = grouped_attention(q, keys, values, att.mask, att.prefix, self.sinks).transpose(1, 2)  # (B, T, H, D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -116,3 +129,53 @@ class GlobalHeadsAttention(KVHeadsAttention):
         weight = self.k_norm.weight.float()
         scale = 1.0 + weight if self.k_norm.zero_centered else weight
         return (values.float() * scale).type_as(values)
+
+    def _key_scale(self) -> torch.Tensor | None:
+        """The weight the key norm multiplies a cached value by (D,), or None: the values are the
+        pre-rotation keys as they are (no key norm) or only after a norm of their own (no value norm)."""
+        if not self.v_norm or isinstance(self.k_norm, nn.Identity):
+            return None
+        weight = self.k_norm.weight
+        return 1.0 + weight if self.k_norm.zero_centered else weight
+
+    def _key_tables(self, S: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """For positions 0..S-1: a (S, D) = w cos (1 past the rotary dims), b1 (S, t) = -w[h:h+t] sin and
+        b2 (S, t) = w[:t] sin, h the rotate-half offset and t the turning pairs (a proportional rope's
+        nonzero frequencies); kept grown by doubling, remade when the weight changes (its version)."""
+        scale = self._key_scale()
+        device = self.wq.weight.device
+        made_for = (dtype, device, None if scale is None else _version(self.k_norm.weight))
+        if self._keys is None or self._keys[0] != made_for or self._keys[1][0].shape[0] < S:
+            held = max(S, 2 * (0 if self._keys is None or self._keys[0] != made_for else self._keys[1][0].shape[0]))
+            angles = torch.arange(held, device=device).float()[:, None] * self.inv_freq(device)  # (S, R/2)
+            h, D = angles.shape[1], self.head_dim
+            t = int(torch.count_nonzero(self.inv_freq(device)))  # leading: a proportional rope's zeros trail
+            cos = torch.cat([angles.cos(), angles.cos(), torch.ones(held, D - 2 * h, device=device)], -1)
+            sin = angles[:, :t].sin()
+            w = torch.ones(D, device=device) if scale is None else scale.detach().float()
+            self._keys = made_for, (
+                (cos * self.rope_factor * w).to(dtype), (-sin * self.rope_factor * w[h:h + t]).to(dtype),
+                (sin * self.rope_factor * w[:t]).to(dtype), h, t)
+        a, b1, b2, h, t = self._keys[1]
+        return a[:S], b1[:S], b2[:S], h, t
+
+    def _derived_keys(self, values: torch.Tensor) -> torch.Tensor:
+        """The rotated keys (B, H_kv, S, D) of the cached values at positions 0..S-1 in one pass over them:
+        x * (w cos) over the head, + partner(x) * (w sin) over each turning half (:meth:`_key_tables`)."""
+        x = values if self._key_scale() is not None or isinstance(self.k_norm, nn.Identity) else \
+            self._key_norm(values.transpose(1, 2)).transpose(1, 2)  # a key norm of its own: the norm first
+        a, b1, b2, h, t = self._key_tables(x.shape[2], x.dtype)
+        keys = torch.mul(x, a)
+        if t:
+            keys[..., :t].addcmul_(x[..., h:h + t], b1)
+            keys[..., h:h + t].addcmul_(x[..., :t], b2)
+        return keys
+
+
+def _version(weight: torch.Tensor) -> tuple:
+    """What says ``weight`` changed: its identity and version counter (a weight made under inference
+    mode has none, and cannot change outside it)."""
+    try:
+        return id(weight), weight._version
+    except RuntimeError:
+        return id(weight), None

@@ -1,6 +1,9 @@
 """Gemma 4's config.json (transformers' ``Gemma4ForCausalLM`` and ``Gemma4TextConfig``), read whole by
 the global-heads kind (:mod:`kvbench.layouts.global_heads`): every ModelConfig field, with the config
-class's defaults for absent keys, and its tensor names in Llama's form.
+class's defaults for absent keys, and its tensor names in Llama's form. Google publishes Gemma 4 multimodal
+(``Gemma4ForConditionalGeneration``): its language model is read alike, from ``text_config`` and the
+tensors under ``model.language_model.`` (the head at the top, tied by default); the vision and audio
+towers' tensors and their embedders' are not read.
 
 What it reads: sliding layers (``layer_types``; absent, every sixth layer global and the last one always,
 as the class forces it) of ``head_dim`` and ``num_key_value_heads`` with default rotary embeddings of
@@ -19,9 +22,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from kvbench.core.errors import ConfigError
+from kvbench.core.hf_keys import text_model_fields, text_model_names
 from kvbench.core.hf_read import get
 
-ARCHITECTURES = ("Gemma4ForCausalLM",)
+MULTIMODAL = "Gemma4ForConditionalGeneration"  # Gemma4TextModel as its language_model, beside vision and audio
+ARCHITECTURES = ("Gemma4ForCausalLM", MULTIMODAL)
+# the multimodal checkpoint's language model's tensors: Gemma4TextModel's under model.language_model.
+TEXT_MODEL = {"model.language_model.": "model.", "lm_head.": "lm_head."}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma4TextConfig's defaults for keys a config.json may leave out
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -93,8 +100,14 @@ def _global_shape(cfg: Mapping[str, Any], types: List[str], k_eq_v: bool, rope: 
 
 
 def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
-    """Every ModelConfig field of a Gemma 4 text config.json; what the decoder does not run refused in
-    one line naming its key."""
+    """Every ModelConfig field of a Gemma 4 text config.json (a multimodal one's ``text_config``); what
+    the decoder does not run refused in one line naming its key as the file holds it."""
+    if arch == MULTIMODAL:
+        return text_model_fields(_text_model_fields, cfg, arch)
+    return _text_model_fields(cfg, arch)
+
+
+def _text_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
     for key, off in (("enable_moe_block", False), ("use_bidirectional_attention", None)):
         if cfg.get(key) not in (off, None):
             raise ConfigError(f"{key}={cfg[key]!r}: not supported (Gemma 4's mixture-of-experts block and "
@@ -138,8 +151,13 @@ MODEL_NAMES = {"model.embed_tokens_per_layer.": "per_layer.embed.", "model.per_l
 
 
 def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
-    """A Gemma 4 checkpoint's tensor names in Llama's form (:data:`LAYER_NAMES`, :data:`MODEL_NAMES`)."""
+    """A Gemma 4 checkpoint's tensor names in Llama's form (:data:`LAYER_NAMES`, :data:`MODEL_NAMES`); a
+    multimodal checkpoint's language model's alike, its other tensors None (not read)."""
+    text = text_model_names(TEXT_MODEL) if MULTIMODAL in (get(cfg, "architectures", "list", None) or ()) else None
+
     def renamed(name: str) -> Optional[str]:
+        if text is not None and (name := text(name)) is None:
+            return None
         parts = name.split(".", 3)  # model, layers, i, rest
         names, head, rest = (LAYER_NAMES, ".".join(parts[:3]) + ".", parts[3]) \
             if len(parts) == 4 and parts[:2] == ["model", "layers"] else (MODEL_NAMES, "", name)

@@ -6,7 +6,10 @@ an L2 norm of the other layers' queries and keys (``use_qk_norm``: ``model.nope`
 :mod:`kvbench.config.nope`) and mixture-of-experts MLPs every ``interleave_moe_layer_step`` layers
 (``moe_layers``): a shared expert beside routed experts chosen by a sigmoid of the top-k logits
 (Llama4TextMoe), the token scaled by its weight going in. The other layers' MLP is a dense SwiGLU of
-``intermediate_size_mlp``. Torch-free; registered with the K/V-heads kind, whose layers these are.
+``intermediate_size_mlp``. Meta's published checkpoints are multimodal (``Llama4ForConditionalGeneration``):
+their language model is read alike, from ``text_config`` and the tensors under ``language_model.``; the vision
+model's and its projector's tensors are not read. Torch-free; registered with the K/V-heads kind, whose layers
+these are.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from kvbench.core.errors import ConfigError
+from kvbench.core.hf_keys import text_model_fields, text_model_names
 from kvbench.core.hf_read import REQUIRED, get
 
-ARCHITECTURES = ("Llama4ForCausalLM",)
+MULTIMODAL = "Llama4ForConditionalGeneration"  # Llama4ForCausalLM as its language_model, beside a vision model
+ARCHITECTURES = ("Llama4ForCausalLM", MULTIMODAL)
+# the multimodal checkpoint's language model's tensors (Llama4ForCausalLM's names under language_model.)
+TEXT_MODEL = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
 # Llama4TextConfig's defaults (Llama 4 Scout's shape) for the keys a config.json may leave out
 DEFAULTS = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
             "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
@@ -86,8 +93,15 @@ def _experts(cfg: Mapping[str, Any], layers: int, moe_layers: List[int]) -> Opti
 
 
 def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
-    """Every ModelConfig field of a Llama4ForCausalLM config.json, with Llama4TextConfig's defaults for
-    absent keys; a value the decoder does not run refused in one line naming its key."""
+    """Every ModelConfig field of a Llama4ForCausalLM config.json (a multimodal one's ``text_config``), with
+    Llama4TextConfig's defaults for absent keys; a value the decoder does not run refused in one line
+    naming its key as the file holds it."""
+    if arch == MULTIMODAL:
+        return text_model_fields(_text_model_fields, cfg, arch)
+    return _text_model_fields(cfg, arch)
+
+
+def _text_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
     act = get(cfg, "hidden_act", "str", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r}: not supported (silu only)")
@@ -133,8 +147,13 @@ def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
 
 def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
     """A Llama 4 checkpoint's tensor names in Llama's form: a layer's ``feed_forward`` is its ``mlp`` (the
-    router's weight, the stacked experts and the shared expert below it keep their names)."""
-    def renamed(name: str) -> str:
+    router's weight, the stacked experts and the shared expert below it keep their names); a multimodal
+    checkpoint's language model's alike, its other tensors None (not read)."""
+    text = text_model_names(TEXT_MODEL) if MULTIMODAL in (get(cfg, "architectures", "list", None) or ()) else None
+
+    def renamed(name: str) -> Optional[str]:
+        if text is not None and (name := text(name)) is None:
+            return None
         parts = name.split(".", 4)  # model, layers, i, feed_forward, rest
         if len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[3] == "feed_forward":
             return f"model.layers.{parts[2]}.mlp.{parts[4]}"

@@ -65,7 +65,8 @@ def interleaved_table(record: Record) -> Tuple[List[str], List[List[str]]]:
 
 def interleaved_notes(record: Record) -> List[str]:
     """What a reader of :func:`interleaved_table` needs to know: why a ratio has no interval (the
-    record's own reason), and why a slope, its ratio or a KV share is negative."""
+    record's own reason), why a slope, its ratio or a KV share is negative, and what a variant's step
+    moves beyond the bytes it holds (its ``kv_step_note``)."""
     view = RecordView.of(record)
     rows = view.table("compare")
     if not rows or not _contexts(view, rows[0]):
@@ -79,4 +80,6 @@ def interleaved_notes(record: Record) -> List[str]:
         notes.append("a negative µs / 1k ctx (and the ratio and KV share taken from it): the step time fell as the "
                      "context grew, so the context's cost is smaller than the noise at these contexts (more rounds, "
                      "runtime.repeats, or longer compare.contexts measure it)")
+    notes += [f"{row.get('layout') or row['variant']}: {row['kv_step_note']}"
+              for row in rows if row.get("kv_step_note")]
     return notes

@@ -89,6 +89,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("<v>_kv_cache_bytes", "bytes", "allocated: the storage of the variant's timed cache (batch_size "
                                           "sequences, longest context + 1 positions; a ring of W per local layer)"),
     Metric("<v>_kv_cache_bytes_formula", "bytes", "the KV formula for that cache's shape"),
+    Metric("<v>_kv_step_note", "text", "only where a layer's step moves more than the bytes it holds: what it moves "
+                                       "and why (a K=V layer derives its keys each step), which the KV bytes ratio "
+                                       "does not count"),
     Metric("<v>_kv_bytes_ratio", "ratio", "kv_bytes_ctx<C> over the first variant's at the longest context: the "
                           "slope ratio if the KV cost were all bytes read"),
     Metric("window_split_ctx", "positions", "only when a variant has a window: the smallest window W among them, "
@@ -307,7 +310,8 @@ def _summarize_into(result: RunResult, cfg: BenchConfig, runs: Sequence[VariantM
                     "kv_state_bytes": v.model.layouts.state_bytes(dtype_bytes),
                     **{f"kv_bytes_ctx{ctx}": v.model.layouts.cache_bytes(ctx, 1, dtype_bytes) for ctx in contexts},
                     "kv_cache_bytes": cache.nbytes,
-                    "kv_cache_bytes_formula": v.model.layouts.cache_bytes(cache.max_seq_len, B, dtype_bytes)}
+                    "kv_cache_bytes_formula": v.model.layouts.cache_bytes(cache.max_seq_len, B, dtype_bytes),
+                    **_step_note(v.model.layouts)}
           for v, cache in zip(runs, caches)}
     split = window_split(runs)
     rows = summarize(trials, [v.label for v in runs], contexts, kv, split)
@@ -323,6 +327,13 @@ def _summarize_into(result: RunResult, cfg: BenchConfig, runs: Sequence[VariantM
         for ctx in contexts[:-1] for end in ("", "_ci_low", "_ci_high", "_ci_reason")}
     for row in rows:
         result.metrics.update({f"{row['variant']}_{k}": v for k, v in row.items() if k not in table_only})
+
+
+def _step_note(layouts) -> Dict[str, str]:
+    """``kv_step_note``: what a step of these layers moves beyond the bytes they hold, as each layout that
+    does says it (``step_note``: a K=V layer's key pass); {} where none does, so such a record reads as before."""
+    notes = sorted({note for layer in layouts if (note := getattr(layer, "step_note", ""))})
+    return {"kv_step_note": "; ".join(notes)} if notes else {}
 
 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
