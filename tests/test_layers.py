@@ -26,7 +26,8 @@ LAYERS = [
     ["layouts.chunked", "layouts.nope", "layouts.nope_attention", "layouts.llama4", "config.nope"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
-    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf"],
+    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf",
+     "layouts.mamba2_shard"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed_layout", "layouts.kda",
      "layouts.kv_sharing", "layouts.global_heads"],
     ["layouts.compressed"],

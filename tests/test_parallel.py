@@ -20,9 +20,12 @@ from kvbench.core.errors import ConfigError
 from kvbench.generate import greedy_generate
 from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
+from kvbench.layouts.kinds import registered
 from kvbench.model import Decoder
 from kvbench.parallel.plan import Split, check_parallel, rank_kv
 from kvbench.parallel.tensor import RankGroup, rank_weight_bytes, shard_decoder
+from kvbench.quant_weights import checkpoint_bytes
+from kvbench.tasks.common import build_model
 from tests.conftest import compose, tiny_model_config
 
 B, PROMPT, STEPS, RANKS = 2, 5, 6, 2
@@ -45,17 +48,17 @@ class ThreadRanks(RankGroup):
         return out.copy_(total)
 
 
-def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1):
-    """Greedy decode of ``model`` cut over ``ranks`` thread ranks (the experts by expert with
-    ``expert_parallel``): per rank (tokens, cache bytes, weight bytes)."""
+def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1, steps=STEPS):
+    """Greedy decode of ``steps`` tokens after ``prompt`` (B, T) by ``model`` cut over ``ranks`` thread
+    ranks (the experts by expert with ``expert_parallel``): per rank (tokens, cache bytes, weight bytes)."""
     shared = ([None] * ranks, threading.Barrier(ranks))
     outs = [None] * ranks
 
     def rank(r):
         part = shard_decoder(copy.deepcopy(model), ranks, r, expert_parallel, ThreadRanks(r, ranks, shared))
-        cache = cache_for(part, "static", B, PROMPT + STEPS + 1)
-        tokens = greedy_generate(part, prompt, STEPS, cache).tokens
-        outs[r] = (tokens, cache.nbytes, sum(p.numel() * p.element_size() for p in part.parameters()))
+        cache = cache_for(part, "static", prompt.shape[0], prompt.shape[1] + steps + 1)
+        tokens = greedy_generate(part, prompt, steps, cache).tokens
+        outs[r] = (tokens, cache.nbytes, checkpoint_bytes(part, None))  # its weights and persistent buffers
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
@@ -65,6 +68,25 @@ def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1):
     return outs
 
 
+def check_ranks_decode_as_one_process(model, prompt, steps, ranks=RANKS):
+    """``model`` cut over ``ranks`` thread ranks decodes ``steps`` greedy tokens after ``prompt`` token-equal to
+    the whole; each rank's cache allocates the per-GPU formula's bytes (rank_kv), between 1 / ranks of the
+    whole's and all of it, and its weights are what rank_weight_bytes counts on the meta device. The check
+    every registered kind's examples run (tests/test_layer_kinds.py) and its decode_examples (below)."""
+    B, S = prompt.shape[0], prompt.shape[1] + steps + 1
+    cache = cache_for(model, "static", B, S)
+    whole = greedy_generate(model, prompt, steps, cache)
+    formula = rank_kv(model.layouts, ranks, S, torch.finfo(model.dtype).bits // 8).per_sequence * B
+    assert cache.nbytes / ranks <= formula <= cache.nbytes
+    with torch.device("meta"):
+        meta = Decoder(model.config, model.attention, model.state_dtype)
+    weights = rank_weight_bytes(meta, Split(ranks))
+    for tokens, cache, rank_weights in run_ranks(model, prompt, ranks, steps=steps):
+        assert torch.equal(tokens, whole.tokens)
+        assert cache == formula
+        assert rank_weights == weights
+
+
 # (attention, model fields): a model of 2 layers, 64 wide, 8 query heads of 8; "bias": the biases a
 # row-parallel projection must add once (o_proj's, the MLP's down projection's) and GPT-OSS's sinks
 VARIANTS = {"gqa": (AttentionConfig(type="gqa", num_kv_heads=2), {}), "mqa": (AttentionConfig(type="mqa"), {}),
@@ -72,7 +94,10 @@ VARIANTS = {"gqa": (AttentionConfig(type="gqa", num_kv_heads=2), {}), "mqa": (At
             "bias": (AttentionConfig(type="gqa", num_kv_heads=4, sinks=True), {"o_bias": True, "mlp_bias": True}),
             # a Gated DeltaNet hybrid: its q | k | v channels cut alike, its state split by heads
             "gdn": (AttentionConfig(type="gqa", num_kv_heads=2, layer_types=["linear_attention", "full_attention"]),
-                    {})}
+                    {}),
+            # Mamba-2 of one group: its heads split, the group's B and C replicated (its norm summed over ranks)
+            "mamba2": (AttentionConfig(type="gqa", num_kv_heads=2, layer_types=["mamba", "full_attention"]), {}),
+            "kda": (AttentionConfig(type="mla", layer_types=["kda", "full_attention"]), {})}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +134,12 @@ def test_each_ranks_cache_is_the_formula(decoded):
                 "mla": L * latent * S * B * f32, "bias": 2 * L * 2 * D * S * B * f32,
                 # GDN (8 key heads, 16 value heads, both 4 wide; a kernel of 4) beside one full layer: half the
                 # convolution's q | k | v channels x 3 taps and half the value heads' 4 x 4 states, and 1 K/V head
-                "gdn": ((2 * 8 * 4 + 16 * 4) // 2 * 3 + 16 // 2 * 4 * 4) * B * f32 + 2 * 1 * 1 * D * S * B * f32}
+                "gdn": ((2 * 8 * 4 + 16 * 4) // 2 * 3 + 16 // 2 * 4 * 4) * B * f32 + 2 * 1 * 1 * D * S * B * f32,
+                # Mamba-2 (8 heads of 16, one group of state 8, a kernel of 4): 4 heads' x channels and the group's
+                # B and C whole (64 + 2 x 8) x 3 taps, 4 heads' 16 x 8 states; GQA's 2 K/V heads split
+                "mamba2": ((8 // 2 * 16 + 2 * 8) * 3 + 8 // 2 * 16 * 8) * B * f32 + 2 * 1 * 1 * D * S * B * f32,
+                # KDA (8 heads of 8): 4 heads' q, k, v channels x 3 taps and 8 x 8 states; MLA's latent whole
+                "kda": (3 * 8 // 2 * 8 * 3 + 8 // 2 * 8 * 8) * B * f32 + latent * S * B * f32}
     for name, nbytes in expected.items():
         assert [cache for _, cache, _ in decoded[name][3]] == [nbytes] * RANKS, name
     # the formula the capacity figures use: the whole model's layouts, each layer's bytes / its tensor_parts
@@ -117,7 +147,10 @@ def test_each_ranks_cache_is_the_formula(decoded):
         cfg, attention = decoded[name][:2]
         kv = rank_kv(build_layouts(cfg, attention), RANKS, S, f32)
         assert kv.per_sequence * B == expected[name]
-        assert kv.replication == {"gqa": 1, "mqa": 2, "mla": 2, "bias": 1, "gdn": 1}[name]
+        # Mamba-2's group on both ranks: 2 x (80 x 3 + 4 x 16 x 8 + 8 S) over one copy's (144 x 3 + 8 x 16 x 8 + 32 S)
+        mamba2 = 2 * (80 * 3 + 512 + 2 * D * S) / (144 * 3 + 1024 + 2 * 2 * D * S)
+        assert kv.replication == {"gqa": 1, "mqa": 2, "mla": 2, "bias": 1, "gdn": 1, "mamba2": mamba2,
+                                  "kda": (2 * (96 * 3 + 256) + 2 * latent * S) / (192 * 3 + 512 + latent * S)}[name]
 
 
 def test_each_ranks_weights_are_the_formula(decoded):
@@ -135,6 +168,19 @@ def test_a_rank_of_meta_weights_counts_as_the_built_one(decoded):
     with torch.device("meta"):
         meta = Decoder(cfg, attention)
     assert rank_weight_bytes(meta, Split(RANKS)) == ranks[0][2]
+
+
+@pytest.mark.parametrize("overrides", [pytest.param(overrides, id=f"{kind.name}-{name}") for kind in registered()
+                                       for name, overrides in kind.decode_examples.items()])
+def test_each_kinds_decode_examples_run_as_ranks_token_equal_to_one_process(overrides):
+    """The forms a kind registers beside its conformance examples (DeepSeek-V4's sliding, CSA and HCA layers,
+    Llama 4's chunked and NoPE ones): the job's check lets 2 ranks run it, and they decode as one process."""
+    job = to_bench_config(compose(*overrides, "runtime.device=cpu"))
+    check_parallel(replace(job, runtime=replace(job.runtime, tensor_parallel=RANKS)))
+    torch.set_num_threads(1)
+    model = build_model(job, torch.device("cpu"))
+    prompt = torch.randint(0, model.config.vocab_size, (B, 7), generator=torch.Generator().manual_seed(2))
+    check_ranks_decode_as_one_process(model, prompt, 9)
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +202,9 @@ def test_a_split_it_cannot_run_is_one_line_from_the_command_line():
     ({"tensor_parallel": 8, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 4}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 4, "head_dim": 8}},
      "runtime.tensor_parallel=8: must divide model.num_heads=12"),
-    ({"tensor_parallel": 2}, {"attention": {"layer_types": ["mamba", "full_attention"]}},
-     "runtime.tensor_parallel=2: layer 0 is Mamba-2"),
+    ({"tensor_parallel": 2}, {"attention": {"layer_types": ["mamba", "full_attention"]},
+                              "model": {"layer_shapes": {"mamba2": {"mamba_num_heads": 12, "n_groups": 3}}}},
+     "runtime.tensor_parallel=2: layer 0: its 3 groups of B and C split over ranks in whole groups only"),
     ({"tensor_parallel": 4, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 6}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 6, "head_dim": 8}},
      "runtime.tensor_parallel=4: layer 0: the layer's 6 heads split"),

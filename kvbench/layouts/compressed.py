@@ -347,15 +347,16 @@ def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
     return renamed
 
 
+# A small decoder of V4 layers (tests/test_deepseek_v4_model.py runs it). Not yet the conformance suite's
+# example: the suite counts a cache as positions x bytes_per_token + a constant state, and a V4 layer holds
+# a ring, a pool of one entry per m tokens and buffers beside them; its pool cannot roll back within a
+# window; compare has no letter for its pattern (see docs/layouts-v4.md). A decode example (whole decodes).
+EXAMPLE = ("model=tiny", "model.num_layers=3", "attention.window=6", f"attention.layer_types=[{SLIDING},{CSA},{HCA}]",
+           f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:4,{HCA}:8}}}}}}")
+
 KIND = register(LayerKind(
     "compressed", Compressed, module="kvbench.layouts.compressed_attention:CompressedAttention",
     layer_types=(CSA, HCA), named=True, claims=(SLIDING,),
     label="v4", title="DeepSeek-V4 compressed attention", build=build, param_count=param_count,
-    hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names))
-
-# A small decoder of V4 layers (tests/test_deepseek_v4_model.py runs it). Not yet the conformance suite's
-# example: the suite counts a cache as positions x bytes_per_token + a constant state, and a V4 layer holds
-# a ring, a pool of one entry per m tokens and buffers beside them; its pool cannot roll back within a
-# window; compare has no letter for its pattern (see docs/layouts-v4.md).
-EXAMPLE = ("model=tiny", "model.num_layers=3", "attention.window=6", f"attention.layer_types=[{SLIDING},{CSA},{HCA}]",
-           f"+model.layer_shapes={{{SHAPE_KEY}:{{index_topk:2,compress_rates:{{{CSA}:4,{HCA}:8}}}}}}")
+    hf_architectures=(ARCHITECTURE,), hf_model_fields=hf_model_fields, hf_names=hf_names,
+    decode_examples={"v4": EXAMPLE}))

@@ -1,8 +1,8 @@
 """Capacity per GPU: for each split of a node (:func:`~kvbench.parallel.plan.node_splits`), what one
 rank holds of a sequence's cache and of the weights, the replication, and the sequences that fit per
 GPU and per node (:func:`~kvbench.parallel.plan.per_gpu`). The KV figures are the layouts' formula
-cut by each layer's ``tensor_parts``; the weights those of the decoder cut as the ranks run it
-(:func:`~kvbench.parallel.tensor.rank_weight_bytes`, on the meta device: no memory), as the
+cut as each layer cuts (:func:`~kvbench.parallel.plan.rank_kv`); the weights those of the decoder cut as
+the ranks run it (:func:`~kvbench.parallel.tensor.rank_weight_bytes`, on the meta device: no memory), as the
 checkpoint stores them where it is quantized (``model.weights_stored``). Activations are left out.
 """
 
@@ -22,7 +22,7 @@ from kvbench.parallel.tensor import rank_weight_bytes
 TABLE = Metric("tables.per_gpu", "", "per split of a node of capacity.gpus_per_node GPUs (TP: tensor-parallel ranks "
                "per copy of the model, DP: copies, EP: ranks the routed experts are split over by expert) and "
                "context: kv_bytes_per_token_rank and kv_bytes_per_sequence_rank (the layouts' formula, each "
-               "layer's bytes / its tensor_parts: heads split, a layout of fewer heads than ranks replicated), "
+               "layer's part as it cuts: heads split, a layout of fewer heads than ranks replicated), "
                "kv_replication (what the TP ranks hold together over one copy's), weight_bytes_rank (the decoder "
                "cut as the ranks run it, on the meta device; a quantized checkpoint's as stored), kv_budget_bytes_gpu "
                "(the budget less those weights; activations left out), sequences_per_node (budget // per-rank "

@@ -65,9 +65,15 @@ class RankKV:
 
 
 def rank_kv(layouts: Layouts, tp: int, seq_len: int, element: int, cache_dtype: str = "auto") -> RankKV:
-    """The cache one of ``tp`` ranks holds (each layer's bytes / its ``tensor_parts``)."""
+    """The cache one of ``tp`` ranks holds: each layer's part as its layout cuts it (its ``shard``'s bytes:
+    a K/V head, a single cached head or a group of a state replicated where there are fewer than ranks); a layer that
+    does not cut into whole parts, or whose module runs whole, its bytes / its ``tensor_parts``."""
+    def part(layer):
+        return layer.shard(tp) if tp > 1 and layer.tensor_refusal(tp) is None else None
+
     def share(figure) -> float:
-        return sum(n * figure(layer) / layer.tensor_parts(tp) for _, layer, n in layouts.distinct)
+        return sum(n * (figure(part(layer)) if part(layer) is not None else figure(layer) / layer.tensor_parts(tp))
+                   for _, layer, n in layouts.distinct)
     return RankKV(tp, seq_len, share(lambda layer: layer.bytes_per_position(element, cache_dtype)),
                   share(lambda layer: layer.sequence_bytes(seq_len, element, cache_dtype)),
                   layouts.cache_bytes(seq_len, 1, element, cache_dtype))

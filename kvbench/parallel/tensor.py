@@ -45,7 +45,7 @@ RANK_METRICS: Dict[str, Metric] = metric_table(
                                           "(after a synchronize on CUDA), so a wait for a slower rank counts"),
     Metric("allreduce_calls", "count", "all-reduces the rank ran over the whole job (warm-up, trials, fidelity)"),
     Metric("tables.ranks", "", "per rank: status, kv_cache_bytes (allocated) and kv_cache_bytes_formula (the "
-                               "rank's layouts: each layer's bytes / its tensor_parts), weight_bytes, "
+                               "rank's layouts: each layer's part as its layout cuts it), weight_bytes, "
                                "allreduce_ms_per_step, decode_ms_p50"),
 )
 
@@ -139,6 +139,9 @@ def shard_decoder(model: Decoder, ranks: int, rank: int, expert_parallel: int = 
                 if part is not None:
                     part.register_forward_hook(lambda module, args, out: group.all_reduce(out))
                     group.hooks += 1
+                    for module in part.modules():  # one that sums across the ranks itself (a norm over a
+                        if hasattr(module, "tp_group"):  # group cut across them, Mamba-2's)
+                            module.tp_group = group
     model.layouts = layouts
     return model
 
