@@ -47,6 +47,15 @@ class ThreadRanks(RankGroup):
         self.calls += 1
         return out.copy_(total)
 
+    def all_gather(self, part):
+        slots, barrier = self.shared
+        slots[self.rank] = part.clone()
+        barrier.wait()
+        whole = torch.cat(slots, -1)
+        barrier.wait()
+        self.calls += 1
+        return whole
+
 
 def run_ranks(model, prompt, ranks=RANKS, expert_parallel=1, steps=STEPS):
     """Greedy decode of ``steps`` tokens after ``prompt`` (B, T) by ``model`` cut over ``ranks`` thread
@@ -91,7 +100,9 @@ def check_ranks_decode_as_one_process(model, prompt, steps, ranks=RANKS):
 # row-parallel projection must add once (o_proj's, the MLP's down projection's) and GPT-OSS's sinks
 VARIANTS = {"gqa": (AttentionConfig(type="gqa", num_kv_heads=2), {}), "mqa": (AttentionConfig(type="mqa"), {}),
             "mla": (AttentionConfig(type="mla"), {}),
-            "bias": (AttentionConfig(type="gqa", num_kv_heads=4, sinks=True), {"o_bias": True, "mlp_bias": True}),
+            # ... and a vocabulary of 97: 2 ranks hold 49 + 48 rows (the last rank's logits padded for the gather)
+            "bias": (AttentionConfig(type="gqa", num_kv_heads=4, sinks=True),
+                     {"o_bias": True, "mlp_bias": True, "vocab_size": 97}),
             # a Gated DeltaNet hybrid: its q | k | v channels cut alike, its state split by heads
             "gdn": (AttentionConfig(type="gqa", num_kv_heads=2, layer_types=["linear_attention", "full_attention"]),
                     {}),
@@ -106,7 +117,7 @@ def decoded():
     torch.set_num_threads(1)
     out = {}
     for name, (attention, fields) in VARIANTS.items():
-        cfg = tiny_model_config(ffn_dim=128, vocab_size=128, **fields)
+        cfg = tiny_model_config(**{"ffn_dim": 128, "vocab_size": 128, **fields})
         attention = attention.resolved(cfg)
         torch.manual_seed(0)
         model = Decoder(cfg, attention).eval()
@@ -155,11 +166,14 @@ def test_each_ranks_cache_is_the_formula(decoded):
 
 def test_each_ranks_weights_are_the_formula(decoded):
     """GQA by hand: per layer wq and wo H/2 heads, wk and wv one K/V head, the MLP's three projections
-    ffn/2 wide, two norms; embedding, LM head and the final norm whole on every rank."""
+    ffn/2 wide, two norms; the embedding and the LM head V/2 rows each, the final norm whole on every rank.
+    A vocabulary of 97 splits 49 rows on rank 0, 48 on rank 1."""
     C, H, D, F, V, L = 64, 8, 8, 128, 128, 2
     layer = C * (H // 2) * D * 2 + C * 1 * D * 2 + 3 * C * (F // 2) + 2 * C
-    expected = 4 * (L * layer + 2 * V * C + C)
+    expected = 4 * (L * layer + 2 * (V // 2) * C + C)
     assert [w for _, _, w in decoded["gqa"][3]] == [expected] * RANKS
+    first, second = [w for _, _, w in decoded["bias"][3]]
+    assert first - second == 4 * 2 * (49 - 48) * C
 
 
 def test_a_rank_of_meta_weights_counts_as_the_built_one(decoded):
