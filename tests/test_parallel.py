@@ -26,6 +26,7 @@ from kvbench.parallel.plan import Split, check_parallel, rank_kv
 from kvbench.parallel.tensor import RankGroup, rank_weight_bytes, shard_decoder
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.tasks.common import build_model
+from kvbench.units import human_bytes
 from tests.conftest import compose, tiny_model_config
 
 B, PROMPT, STEPS, RANKS = 2, 5, 6, 2
@@ -211,7 +212,8 @@ def test_a_split_it_cannot_run_is_one_line_from_the_command_line():
     ({"tensor_parallel": 0}, {}, "runtime.tensor_parallel=0: must be an integer >= 1"),
     ({"tensor_parallel": 4096}, {}, "runtime.tensor_parallel=4096: more ranks than this machine's"),
     ({"tensor_parallel": 2}, {"task": "capacity"},
-     "runtime.tensor_parallel=2: only task=bench workload=decode runs as ranks, not task=capacity"),
+     "runtime.tensor_parallel=2: only task=bench workload=decode runs as ranks, and task=inspect prints a split's "
+     "per-GPU figures, not task=capacity"),
     ({"tensor_parallel": 2, "compile": "default"}, {}, "runtime.compile='default': with runtime.tensor_parallel=2"),
     ({"tensor_parallel": 8, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 4}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 4, "head_dim": 8}},
@@ -235,3 +237,23 @@ def test_a_split_it_cannot_run_is_one_line(tiny_job, runtime, other, line):
     with pytest.raises(ConfigError) as err:
         check_parallel(job)
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("attention, heads, replication", [(["attention=gqa", "attention.num_kv_heads=2"], 1, "1x"),
+                                                           (["attention=mqa"], 1, "2x")])
+def test_inspect_prints_a_splits_per_gpu_figures(attention, heads, replication):
+    """task=inspect with runtime.tensor_parallel=2 (nothing run as ranks): model=tiny's 2 layers keep `heads`
+    K/V heads of 8 a GPU (GQA's 2 split, MQA's one replicated) in float32 for 576 positions; a rank's weights by
+    hand: per layer wq and wo 4 heads, wk and wv one, the MLP 64 of 128 wide, two norms; half the vocabulary of
+    256 in the embedding and the head; the final norm."""
+    from kvbench.tasks.inspect import describe
+
+    text = " ".join(describe(to_bench_config(compose("model=tiny", *attention, "task=inspect",
+                                                     "runtime.tensor_parallel=2"))).split())
+    per_token = 2 * 2 * heads * 8 * 4
+    C, layer = 64, 2 * 64 * 32 + 2 * 64 * 8 + 3 * 64 * 64 + 2 * 64
+    weights = 4 * (2 * layer + 2 * 128 * C + C)
+    assert f"per GPU under TP=2 (runtime.tensor_parallel=2, runtime.expert_parallel=1): KV {per_token} B per token " \
+           f"a GPU, {human_bytes(per_token * 576)} ({per_token * 576:,} B) per sequence of 576; replication " \
+           f"{replication}" in text
+    assert f"weights {human_bytes(weights)} a GPU" in text and weights == 206_080

@@ -117,11 +117,22 @@ def node_splits(model: Any, layouts: Layouts, gpus: int) -> list:
     return [split for split in dict.fromkeys(sizes) if cuts_whole(model, layouts, split)]
 
 
+# the tasks that take a split as per-GPU figures by formula, running nothing as ranks
+FIGURE_TASKS = ("inspect",)
+
+
+def runs_as_ranks(job: Any) -> bool:
+    """Whether ``job`` (a BenchConfig) with ``runtime.tensor_parallel`` > 1 runs as that many processes
+    (task=bench workload=decode); a task of :data:`FIGURE_TASKS` gives the split's figures instead."""
+    return job.task == "bench" and job.workload.name == "decode"
+
+
 def check_parallel(job: Any) -> None:
     """Refuse, in one line naming the key and the value, a ``runtime.tensor_parallel`` /
     ``runtime.expert_parallel`` the job cannot run: not a count, more ranks than the machine's CPUs
-    (on a CPU; a GPU count is checked where the ranks start), a task other than decode, query heads
-    or widths it does not divide, a layer whose module runs whole only or whose heads it cannot cut."""
+    (on a CPU; a GPU count is checked where the ranks start), a task other than decode (or one that
+    prints the split's figures), query heads or widths it does not divide, a layer whose module runs
+    whole only or whose heads it cannot cut."""
     rt, model = job.runtime, job.model
     tp, ep = rt.tensor_parallel, rt.expert_parallel
     for key, value in (("runtime.tensor_parallel", tp), ("runtime.expert_parallel", ep)):
@@ -132,18 +143,19 @@ def check_parallel(job: Any) -> None:
     key, value = ("runtime.tensor_parallel", tp) if tp > 1 else ("runtime.expert_parallel", ep)
     check(ep in (1, tp), "runtime.expert_parallel", ep,
           f"splits the experts over the runtime.tensor_parallel={tp} ranks (1: each expert's width is cut instead)")
-    cpus = os.cpu_count() or 1
-    check(rt.device != "cpu" or tp <= cpus, key, value, f"more ranks than this machine's {cpus} CPUs")
+    ranks = runs_as_ranks(job)
     runs = f"task={job.task}" + (f" workload={job.workload.name}" if job.task == "bench" else "")
-    check(job.task == "bench" and job.workload.name == "decode", key, value,
-          f"only task=bench workload=decode runs as ranks, not {runs} (task=capacity records every split's "
-          "per-GPU figures by formula: tables.per_gpu); use 1")
-    check(rt.compile == "false", "runtime.compile", rt.compile,
+    check(ranks or job.task in FIGURE_TASKS, key, value,
+          f"only task=bench workload=decode runs as ranks, and task=inspect prints a split's per-GPU figures, not "
+          f"{runs} (task=capacity records every split's per-GPU figures by formula: tables.per_gpu); use 1")
+    cpus = os.cpu_count() or 1
+    check(not ranks or rt.device != "cpu" or tp <= cpus, key, value, f"more ranks than this machine's {cpus} CPUs")
+    check(not ranks or rt.compile == "false", "runtime.compile", rt.compile,
           f"with runtime.tensor_parallel={tp}: the all-reduce between ranks runs eagerly (not built); use false")
     check(model.num_heads % tp == 0, key, value, f"must divide model.num_heads={model.num_heads} (each rank runs "
           "whole query heads)")
     for index, layer in first_of_each(build_layouts(model, job.attention)):
-        if layer.shard(tp) is None:
+        if ranks and layer.shard(tp) is None:
             raise ConfigError(f"{key}={value!r}: layer {index} is {kind_of(layer).title or layer.kind}, whose module "
                               "runs whole (sharding it is not built); use 1")
         why = layer.tensor_refusal(tp)
