@@ -257,3 +257,53 @@ def test_inspect_prints_a_splits_per_gpu_figures(attention, heads, replication):
            f"a GPU, {human_bytes(per_token * 576)} ({per_token * 576:,} B) per sequence of 576; replication " \
            f"{replication}" in text
     assert f"weights {human_bytes(weights)} a GPU" in text and weights == 206_080
+
+
+def _rank_job(job, where, overrides):
+    """A rank's job for the launcher tests: what it was handed, as a record."""
+    from kvbench.results import RunResult, save
+
+    result = RunResult(status="ok", config={}, metrics={"device": job.runtime.device})
+    save(result, where)
+    return result
+
+
+@pytest.mark.parametrize("device_type, backend, device", [("cuda", "nccl", "cuda:1"), ("cpu", "gloo", "cpu")])
+def test_the_launcher_joins_gpus_by_nccl_and_cpus_by_gloo(monkeypatch, tmp_path, tiny_job, device_type, backend,
+                                                          device):
+    """A rank as torch.multiprocessing.spawn starts it (kvbench.parallel.launch._rank, in this process with
+    torch.distributed's calls recorded, not made): rank 1 of 2 on CUDA joins by NCCL on cuda:1, on a CPU by gloo;
+    its record lands under ranks/1."""
+    import torch.distributed as dist
+
+    from kvbench.parallel import launch, tensor
+
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda name, **kw: calls.append((name, kw["rank"],
+                                                                                      kw["world_size"])))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroyed"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(tensor, "_current", None)
+    job = replace(tiny_job, runtime=replace(tiny_job.runtime, tensor_parallel=2))
+    launch._rank(1, 2, 0, job, str(tmp_path), [], _rank_job, device_type)
+    assert calls == [*([("set_device", 1)] if device_type == "cuda" else []), (backend, 1, 2), "destroyed"]
+    assert launch.read_record(tmp_path / "ranks" / "1").metrics["device"] == device
+
+
+@pytest.mark.cuda
+def test_one_nccl_rank_on_a_gpu_decodes_through_the_launchers_path(tmp_path):
+    """The CUDA path of runtime.tensor_parallel on the one GPU a check has (2 NCCL ranks need 2 GPUs): the
+    launcher with one rank (spawn, NCCL on cuda:0, the decoder cut by shard_decoder with its all-reduces, the
+    vocabulary's all-gather, CUDA events timing them) runs a decode job; its record gives the rank's allocated
+    KV equal to the formula and a measured collective time, and its tokens are the job's without ranks."""
+    from kvbench.jobs.runner import run_job
+    from kvbench.parallel.launch import run_ranks
+
+    job = to_bench_config(compose("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "runtime.device=cuda",
+                                  "workload.prompt_len=8", "workload.gen_len=4", "runtime.warmup=0",
+                                  "runtime.repeats=1", "wandb.mode=disabled", "runtime.isolate=false"))
+    record = run_ranks(job, tmp_path, [], run_job, torch.device("cuda"))
+    assert record.status == "ok", record.error
+    (row,) = record.tables["ranks"]
+    assert row["status"] == "ok" and row["kv_cache_bytes"] == row["kv_cache_bytes_formula"] > 0
+    assert row["allreduce_ms_per_step"] > 0 and record.metrics["tensor_parallel_ranks"] == 1
