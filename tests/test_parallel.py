@@ -211,9 +211,9 @@ def test_a_split_it_cannot_run_is_one_line_from_the_command_line():
 @pytest.mark.parametrize("runtime, other, line", [
     ({"tensor_parallel": 0}, {}, "runtime.tensor_parallel=0: must be an integer >= 1"),
     ({"tensor_parallel": 4096}, {}, "runtime.tensor_parallel=4096: more ranks than this machine's"),
-    ({"tensor_parallel": 2}, {"task": "capacity"},
-     "runtime.tensor_parallel=2: only task=bench workload=decode runs as ranks, and task=inspect prints a split's "
-     "per-GPU figures, not task=capacity"),
+    ({"tensor_parallel": 2}, {"task": "train"},
+     "runtime.tensor_parallel=2: only task=bench workload=decode runs as ranks, and task=inspect, task=capacity and "
+     "workload=serving give the split's per-GPU figures, not task=train"),
     ({"tensor_parallel": 2, "compile": "default"}, {}, "runtime.compile='default': with runtime.tensor_parallel=2"),
     ({"tensor_parallel": 8, "device": "cuda"}, {"attention": {"type": "gqa", "num_kv_heads": 4}, "model":
                                                 {"num_heads": 12, "preset_kv_heads": 4, "head_dim": 8}},
@@ -307,3 +307,32 @@ def test_one_nccl_rank_on_a_gpu_decodes_through_the_launchers_path(tmp_path):
     (row,) = record.tables["ranks"]
     assert row["status"] == "ok" and row["kv_cache_bytes"] == row["kv_cache_bytes_formula"] > 0
     assert row["allreduce_ms_per_step"] > 0 and record.metrics["tensor_parallel_ranks"] == 1
+
+
+def test_a_capacity_record_of_a_split_gives_chooses_per_gpu_columns(tmp_path):
+    """task=capacity capacity.plan=true with runtime.tensor_parallel=2 (formulas, nothing built or run as ranks):
+    model=tiny's GQA-2 splits its K/V heads (one a GPU), MQA's one head is on both GPUs (2x); a GPU holds its part
+    of (10 MB less a GPU's weights) // its part of a sequence of 256, over the TP group's 2 GPUs; experiment=choose's
+    table shows both figures beside the rest."""
+    from kvbench.jobs.runner import run_job
+    from kvbench.sinks.choose import choices
+
+    C, D, L = 64, 8, 2
+    layer = 2 * C * 32 + 2 * C * 8 + 3 * C * 64 + 2 * C  # a GPU's: 4 query heads, 1 K/V head, half the MLP, norms
+    weights = 4 * (L * layer + 2 * 128 * C + C)  # + half the vocabulary of 256 in the embedding and the head
+    records = []
+    for i, attention in enumerate((["attention=gqa", "attention.num_kv_heads=2"], ["attention=mqa"])):
+        record = run_job(compose("task=capacity", "model=tiny", *attention, "capacity.plan=true",
+                                 "runtime.memory_budget_gb=0.01", "capacity.context_lens=[256]",
+                                 "runtime.tensor_parallel=2", "runtime.device=cpu", "runtime.isolate=false",
+                                 "wandb=disabled", "runtime.fidelity=false"), tmp_path / str(i))
+        assert record.status == "ok", record.error
+        m, per_token = record.metrics, 2 * L * 1 * D * 4  # one K/V head a GPU either way, float32
+        assert m["gpu_split"] == "TP=2" and m["kv_bytes_per_token_gpu"] == per_token
+        assert m["kv_replication_gpus"] == (1, 2)[i] and m["weight_bytes_gpu"] == weights
+        assert m["sequences_per_gpu"] == ((10 ** 7 - weights) // (per_token * 256)) / 2
+        records.append(record)
+    (choice,) = choices(records)
+    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
+    assert rows["mqa kv=1"]["KV / token / GPU"] == "128 B" and rows["gqa kv=2"]["seqs / GPU"] == "149"  # 298 // 2
+    assert any(n.startswith("per GPU (TP=2: runtime.tensor_parallel") for n in choice.notes)

@@ -117,8 +117,9 @@ def node_splits(model: Any, layouts: Layouts, gpus: int) -> list:
     return [split for split in dict.fromkeys(sizes) if cuts_whole(model, layouts, split)]
 
 
-# the tasks that take a split as per-GPU figures by formula, running nothing as ranks
-FIGURE_TASKS = ("inspect",)
+# the tasks (and workloads of task=bench) that take a split as per-GPU figures by formula, running nothing as ranks
+FIGURE_TASKS = ("inspect", "capacity")
+FIGURE_WORKLOADS = ("serving",)
 
 
 def runs_as_ranks(job: Any) -> bool:
@@ -145,9 +146,10 @@ def check_parallel(job: Any) -> None:
           f"splits the experts over the runtime.tensor_parallel={tp} ranks (1: each expert's width is cut instead)")
     ranks = runs_as_ranks(job)
     runs = f"task={job.task}" + (f" workload={job.workload.name}" if job.task == "bench" else "")
-    check(ranks or job.task in FIGURE_TASKS, key, value,
-          f"only task=bench workload=decode runs as ranks, and task=inspect prints a split's per-GPU figures, not "
-          f"{runs} (task=capacity records every split's per-GPU figures by formula: tables.per_gpu); use 1")
+    figures = job.task in FIGURE_TASKS or (job.task == "bench" and job.workload.name in FIGURE_WORKLOADS)
+    check(ranks or figures, key, value,
+          f"only task=bench workload=decode runs as ranks, and task=inspect, task=capacity and workload=serving "
+          f"give the split's per-GPU figures, not {runs}; use 1")
     cpus = os.cpu_count() or 1
     check(not ranks or rt.device != "cpu" or tp <= cpus, key, value, f"more ranks than this machine's {cpus} CPUs")
     check(not ranks or rt.compile == "false", "runtime.compile", rt.compile,
