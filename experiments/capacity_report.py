@@ -40,6 +40,7 @@ from kvbench.core.errors import ConfigError  # noqa: E402
 from kvbench.jobs.job_config import to_bench_config  # noqa: E402
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.layouts.build import build_layouts  # noqa: E402
+from kvbench.measure.env import load_average  # noqa: E402
 from kvbench.parallel.per_gpu import rank_weights  # noqa: E402
 from kvbench.parallel.plan import Split, node_splits, per_gpu, rank_kv  # noqa: E402
 from kvbench.results import read_record  # noqa: E402
@@ -231,6 +232,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             rows.append({"model": model, "precision": precision, "context": args.context, "budget": budget,
                          "rate_note": "not run (formula only)", **formula_row(over, args.context, budget, weights)})
     tiny_budget = int(args.tiny_budget_mb * 1e6)
+    load = [load_average()]  # the rate searches are timed: how busy the machine was while they ran
     with tempfile.TemporaryDirectory() as tmp:
         for attention, extra in TINY:
             for precision in PRECISIONS:
@@ -240,10 +242,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                 if "refused" not in row:
                     row.update(tiny_rate(over, precision, args, Path(tmp)))
                 rows.append(row)
+    load.append(load_average())
     command = " ".join(["python experiments/capacity_report.py", *(argv if argv is not None else sys.argv[1:])])
+    busy = f" (load average {load[0]:.1f} -> {load[1]:.1f} while they ran)" if None not in load else ""
     rate_how = ("not run (--no-serve)" if args.no_serve else "from workload=serving's rate search on a shared "
-                f"2-core CPU with slo.ttft_ms=250 and slo.tpot_ms=40 at p99, {args.serve_requests} requests a run, "
-                "from 2 req/s doubling, at most 6 runs, "
+                f"2-core CPU{busy} with slo.ttft_ms=250 and slo.tpot_ms=40 at p99, {args.serve_requests} requests a "
+                "run, from 2 req/s doubling, at most 6 runs, "
                 f"{'every row' if args.serve_all_precisions else 'the cache.dtype=auto rows'}")
     lines = [
         "# Capacity per layout and KV precision", "",
