@@ -242,24 +242,22 @@ def test_a_split_it_cannot_run_is_one_line(tiny_job, runtime, other, line):
     assert str(err.value).startswith(line) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("attention, heads, replication", [(["attention=gqa", "attention.num_kv_heads=2"], 1, "1x"),
-                                                           (["attention=mqa"], 1, "2x")])
-def test_inspect_prints_a_splits_per_gpu_figures(attention, heads, replication):
-    """task=inspect with runtime.tensor_parallel=2 (nothing run as ranks): model=tiny's 2 layers keep `heads`
-    K/V heads of 8 a GPU (GQA's 2 split, MQA's one replicated) in float32 for 576 positions; a rank's weights by
-    hand: per layer wq and wo 4 heads, wk and wv one, the MLP 64 of 128 wide, two norms; half the vocabulary of
-    256 in the embedding and the head; the final norm."""
+def test_inspect_prints_a_splits_per_gpu_figures():
+    """task=inspect with runtime.tensor_parallel=2 (nothing run as ranks): model=tiny's 2 layers keep MQA's one
+    K/V head of 8 on both GPUs (2x) in float32 for 576 positions; a rank's weights by hand: per layer wq and wo 4
+    heads, wk and wv one, the MLP 64 of 128 wide, two norms; half the vocabulary of 256 in the embedding and the
+    head; the final norm. (GQA's heads split: the serving and capacity records' tests.)"""
     from kvbench.tasks.inspect import describe
 
-    text = " ".join(describe(to_bench_config(compose("model=tiny", *attention, "task=inspect",
+    text = " ".join(describe(to_bench_config(compose("model=tiny", "attention=mqa", "task=inspect",
                                                      "runtime.tensor_parallel=2"))).split())
-    per_token = 2 * 2 * heads * 8 * 4
+    per_token = 2 * 2 * 1 * 8 * 4
     C, layer = 64, 2 * 64 * 32 + 2 * 64 * 8 + 3 * 64 * 64 + 2 * 64
     weights = 4 * (2 * layer + 2 * 128 * C + C)
     assert f"per GPU under TP=2 (runtime.tensor_parallel=2, runtime.expert_parallel=1): KV {per_token} B per token " \
-           f"a GPU, {human_bytes(per_token * 576)} ({per_token * 576:,} B) per sequence of 576; replication " \
-           f"{replication}" in text
+           f"a GPU, {human_bytes(per_token * 576)} ({per_token * 576:,} B) per sequence of 576; replication 2x" in text
     assert f"weights {human_bytes(weights)} a GPU" in text and weights == 206_080
+    assert "by layer: 2 x 1 KV heads: 1 part, each on 2 ranks (replicated)" in text
 
 
 def _rank_job(job, where, overrides):
@@ -314,28 +312,24 @@ def test_one_nccl_rank_on_a_gpu_decodes_through_the_launchers_path(tmp_path):
 
 def test_a_capacity_record_of_a_split_gives_chooses_per_gpu_columns(tmp_path):
     """task=capacity capacity.plan=true with runtime.tensor_parallel=2 (formulas, nothing built or run as ranks):
-    model=tiny's GQA-2 splits its K/V heads (one a GPU), MQA's one head is on both GPUs (2x); a GPU holds its part
-    of (10 MB less a GPU's weights) // its part of a sequence of 256, over the TP group's 2 GPUs; experiment=choose's
-    table shows both figures beside the rest."""
+    model=tiny's MQA head is on both GPUs (2x); a GPU holds its part of (10 MB less a GPU's weights) // its part
+    of a sequence of 256, over the TP group's 2 GPUs; experiment=choose's table shows both figures."""
     from kvbench.jobs.runner import run_job
     from kvbench.sinks.choose import choices
 
     C, D, L = 64, 8, 2
     layer = 2 * C * 32 + 2 * C * 8 + 3 * C * 64 + 2 * C  # a GPU's: 4 query heads, 1 K/V head, half the MLP, norms
     weights = 4 * (L * layer + 2 * 128 * C + C)  # + half the vocabulary of 256 in the embedding and the head
-    records = []
-    for i, attention in enumerate((["attention=gqa", "attention.num_kv_heads=2"], ["attention=mqa"])):
-        record = run_job(compose("task=capacity", "model=tiny", *attention, "capacity.plan=true",
-                                 "runtime.memory_budget_gb=0.01", "capacity.context_lens=[256]",
-                                 "runtime.tensor_parallel=2", "runtime.device=cpu", "runtime.isolate=false",
-                                 "wandb=disabled", "runtime.fidelity=false"), tmp_path / str(i))
-        assert record.status == "ok", record.error
-        m, per_token = record.metrics, 2 * L * 1 * D * 4  # one K/V head a GPU either way, float32
-        assert m["gpu_split"] == "TP=2" and m["kv_bytes_per_token_gpu"] == per_token
-        assert m["kv_replication_gpus"] == (1, 2)[i] and m["weight_bytes_gpu"] == weights
-        assert m["sequences_per_gpu"] == ((10 ** 7 - weights) // (per_token * 256)) / 2
-        records.append(record)
-    (choice,) = choices(records)
-    rows = {r[0]: dict(zip(choice.header, r)) for r in choice.rows}
-    assert rows["mqa kv=1"]["KV / token / GPU"] == "128 B" and rows["gqa kv=2"]["seqs / GPU"] == "149"  # 298 // 2
+    record = run_job(compose("task=capacity", "model=tiny", "attention=mqa", "capacity.plan=true",
+                             "runtime.memory_budget_gb=0.01", "capacity.context_lens=[256]",
+                             "runtime.tensor_parallel=2", "runtime.device=cpu", "runtime.isolate=false",
+                             "wandb=disabled", "runtime.fidelity=false"), tmp_path)
+    assert record.status == "ok", record.error
+    m, per_token = record.metrics, 2 * L * 1 * D * 4  # the one K/V head on each GPU, float32
+    assert m["gpu_split"] == "TP=2" and m["kv_bytes_per_token_gpu"] == per_token
+    assert m["kv_replication_gpus"] == 2 and m["weight_bytes_gpu"] == weights
+    assert m["sequences_per_gpu"] == ((10 ** 7 - weights) // (per_token * 256)) / 2 == 149
+    (choice,) = choices([record])
+    row = dict(zip(choice.header, choice.rows[0]))
+    assert row["KV / token / GPU"] == "128 B" and row["seqs / GPU"] == "149"
     assert any(n.startswith("per GPU (TP=2: runtime.tensor_parallel") for n in choice.notes)
