@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Parser, compose_config, out_file, positive_float, positive_int, run_main, write_report  # noqa: E402
+from capacity_per_gpu import MEMORY_FRACTION  # noqa: E402
 
 from kvbench.config.serving import ServingWorkload  # noqa: E402
 from kvbench.core.dtypes import DTYPE_BYTES  # noqa: E402
@@ -39,6 +40,9 @@ from kvbench.core.errors import ConfigError  # noqa: E402
 from kvbench.jobs.job_config import to_bench_config  # noqa: E402
 from kvbench.jobs.runner import run_job  # noqa: E402
 from kvbench.layouts.build import build_layouts  # noqa: E402
+from kvbench.measure.env import load_average  # noqa: E402
+from kvbench.parallel.per_gpu import rank_weights  # noqa: E402
+from kvbench.parallel.plan import Split, node_splits, per_gpu, rank_kv  # noqa: E402
 from kvbench.results import read_record  # noqa: E402
 from kvbench.serving.allocator import ALLOCATORS, groups_of, make_plan  # noqa: E402
 from kvbench.tasks.common import variant_label  # noqa: E402
@@ -60,6 +64,8 @@ SERVE = ["workload=serving", "workload.search.enabled=true", "slo.ttft_ms=250", 
          "workload.search.max_probes=6", "workload.search.lo=2", "runtime.isolate=false", "runtime.threads=1",
          "wandb=disabled", "runtime.warmup=1"]
 SERVE_REQUESTS = 24  # a run at 2 req/s waits 12 s for its arrivals, the first of the search the longest
+# the presets' per-GPU columns: a node of 8 GPUs of 141 GB (H200s), as experiments/capacity_per_gpu.py's
+NODE_GPUS, GPU_GB = 8, 141.0
 
 
 def allocator_figures(layouts, element: int, dtype: str, block_size: int, context: int, budget: int) -> Dict:
@@ -78,8 +84,29 @@ def allocator_figures(layouts, element: int, dtype: str, block_size: int, contex
     return out
 
 
-def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
-    """The formula's figures of one configuration (nothing built) and each allocator's, or the line refusing it."""
+def node_figures(cfg, layouts, element: int, context: int, weights: Dict) -> Dict:
+    """Per GPU on a node of :data:`NODE_GPUS` (kvbench/parallel/, as task=capacity's tables.per_gpu): the largest
+    tensor-parallel split that cuts the model whole (TP), data parallel over the node (DP: a whole copy a GPU),
+    and of the expert-parallel splits (EP) the one fitting most sequences; ``weights`` caches a GPU's weights
+    by (model, split), the same in every KV precision."""
+    gpu_bytes = int(GPU_GB * 1e9 * MEMORY_FRACTION)
+
+    def figures(split: Split) -> Dict:
+        key = (cfg.model.name, split)
+        if key not in weights:
+            weights[key] = rank_weights(cfg.model, cfg.attention, split, cfg.runtime.dtype)
+        kv = rank_kv(layouts, split.tp, context, element, cfg.cache.dtype)
+        return per_gpu(kv, split, weights[key], gpu_bytes, NODE_GPUS)
+    splits = node_splits(cfg.model, layouts, NODE_GPUS)
+    tp = max((split for split in splits if split.ep == 1), key=lambda split: split.tp)
+    experts = [figures(split) for split in splits if split.ep > 1]
+    return {"tp": figures(tp) if tp.tp > 1 else None, "dp": figures(Split(1, NODE_GPUS)),
+            "ep": max(experts, key=lambda row: row["sequences_per_node"]) if experts else None}
+
+
+def formula_row(overrides: List[str], context: int, budget: int, node: Optional[Dict] = None) -> Dict:
+    """The formula's figures of one configuration (nothing built) and each allocator's, or the line refusing it;
+    with ``node`` (its weights cache), its per-GPU figures on a node too (:func:`node_figures`)."""
     try:
         cfg = to_bench_config(compose_config(overrides))
     except ConfigError as exc:
@@ -92,7 +119,8 @@ def formula_row(overrides: List[str], context: int, budget: int) -> Dict:
     per_seq = layouts.cache_bytes(context, 1, element, dtype)
     row = {"label": variant_label(cfg.attention, num_layers=cfg.model.num_layers), "per_token": per_token,
            "per_seq": per_seq, "naive": per_token * context, "fit": budget // per_seq if per_seq else None,
-           "read": layouts.read_bytes(context, 1, element, dtype)}
+           "read": layouts.read_bytes(context, 1, element, dtype),
+           "node": None if node is None else node_figures(cfg, layouts, element, context, node)}
     try:  # a layer no serving store pages yet (DeepSeek-V4's pool) has no allocator's plan, only the formula
         layouts.check({"workload.store": "paged"})
     except ConfigError as exc:
@@ -122,6 +150,18 @@ def tiny_rate(overrides: List[str], precision: str, args, tmp: Path) -> Dict:
         return {"rate_note": "not run (auto's row only; --serve-all-precisions)"}
     rate, note = serve_rate(overrides, args.tiny_budget_mb, tmp, args.serve_requests)
     return {"rate": rate, "rate_note": note}
+
+
+def node_cells(node: Optional[Dict]) -> List[str]:
+    """A row's per-GPU cells (:func:`node_figures`); "-" where it has none (model=tiny, a dense model's EP)."""
+    if node is None:
+        return ["-"] * 6
+    tp, ep = node["tp"], node["ep"]
+    def seqs(row):
+        return f"{row['sequences_per_gpu']:,.4g}"
+    return [tp["split"] if tp else "-", f"{tp['kv_bytes_per_token_rank']:,.0f}" if tp else "-",
+            f"{tp['kv_replication']:.3g}x" if tp else "-", seqs(tp) if tp else "-", seqs(node["dp"]),
+            f"{seqs(ep)} ({ep['split']})" if ep else "-"]
 
 
 def plot(rows: List[Dict], path: Path) -> bool:
@@ -185,12 +225,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_num_threads(1)
     rows: List[Dict] = []
     budget = int(args.budget_gb * 1e9)
+    weights: Dict = {}  # a GPU's weights by (model, split): every precision's row shares them
     for model in args.presets:
         for precision in PRESET_PRECISIONS:
             over = [f"model={model}", "runtime.dtype=bfloat16", f"cache.dtype={precision}"]
             rows.append({"model": model, "precision": precision, "context": args.context, "budget": budget,
-                         "rate_note": "not run (formula only)", **formula_row(over, args.context, budget)})
+                         "rate_note": "not run (formula only)", **formula_row(over, args.context, budget, weights)})
     tiny_budget = int(args.tiny_budget_mb * 1e6)
+    load = [load_average()]  # the rate searches are timed: how busy the machine was while they ran
     with tempfile.TemporaryDirectory() as tmp:
         for attention, extra in TINY:
             for precision in PRECISIONS:
@@ -200,10 +242,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                 if "refused" not in row:
                     row.update(tiny_rate(over, precision, args, Path(tmp)))
                 rows.append(row)
+    load.append(load_average())
     command = " ".join(["python experiments/capacity_report.py", *(argv if argv is not None else sys.argv[1:])])
+    busy = f" (load average {load[0]:.1f} -> {load[1]:.1f} while they ran)" if None not in load else ""
     rate_how = ("not run (--no-serve)" if args.no_serve else "from workload=serving's rate search on a shared "
-                f"2-core CPU with slo.ttft_ms=250 and slo.tpot_ms=40 at p99, {args.serve_requests} requests a run, "
-                "from 2 req/s doubling, at most 6 runs, "
+                f"2-core CPU{busy} with slo.ttft_ms=250 and slo.tpot_ms=40 at p99, {args.serve_requests} requests a "
+                "run, from 2 req/s doubling, at most 6 runs, "
                 f"{'every row' if args.serve_all_precisions else 'the cache.dtype=auto rows'}")
     lines = [
         "# Capacity per layout and KV precision", "",
@@ -221,28 +265,36 @@ def main(argv: Optional[List[str]] = None) -> None:
         "context its pools hold at once beside the room one prefill chunk adds to a window's ring (the scarcest "
         "pool decides); `reserved`, what those sequences reserve. "
         "The same figures for a served run are in its record (`kv_sequence_reserved_bytes`, `kv_sequences_fit`, "
-        "`kv_reserved_bytes`) and in `kvbench-report`'s serving capacity table (docs/capacity.md).", "",
+        "`kv_reserved_bytes`) and in `kvbench-report`'s serving capacity table (docs/capacity.md). Per GPU (the "
+        f"presets), on a node of {NODE_GPUS} GPUs of {GPU_GB:g} GB, {MEMORY_FRACTION:g} of each for weights and KV "
+        "(kvbench/parallel/, task=capacity's `tables.per_gpu`; experiments/results/capacity_per_gpu.md has every "
+        "split): `TP`, the largest tensor-parallel split that cuts the model into whole heads and widths; its `KV "
+        "/ token / GPU`, one rank's part (heads split, a layout of fewer heads than ranks replicated), and "
+        "`replication`, what the ranks hold of a sequence together over one copy's; `seqs / GPU`, a GPU's budget "
+        "less its weights (heads, widths, experts and vocabulary cut as the ranks run them) // its part of a "
+        "sequence, over the node's GPUs, under that TP, under `DP` (a whole copy a GPU: 0 where the weights do not "
+        "fit) and under the expert-parallel split that fits most (`EP`, named).", "",
         "| model | variant | KV precision | context | budget | bytes / token | bytes / sequence | x context | fit "
         "(formula) | per_kind / seq | per_kind fit | per_kind reserved | unified block | unified / seq | "
-        "unified fit | unified reserved | highest rate in SLO (req/s) | note |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        f"unified fit | unified reserved | TP | KV / token / GPU (TP) | replication (TP) | seqs / GPU (TP) | "
+        f"seqs / GPU (DP={NODE_GPUS}) | seqs / GPU (EP) | highest rate in SLO (req/s) | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"
+        "---:|---|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['model']} | | {r['precision']} |{' |' * 14} refused: {r['refused']} |")
+            lines.append(f"| {r['model']} | | {r['precision']} |{' |' * 20} refused: {r['refused']} |")
             continue
         rate = f"{r['rate']:.3g}" if r.get("rate") else "-"
         note = (r.get("rate_note") or "").replace("|", "/")
+        cells = [r["model"], r["label"], r["precision"], str(r["context"]), human_bytes(r["budget"]),
+                 f"{r['per_token']:,}", human_bytes(r["per_seq"]), human_bytes(r["naive"]), f"{r['fit']:,}"]
         if r["allocators"] is None:
-            lines.append(f"| {r['model']} | {r['label']} | {r['precision']} | {r['context']} | "
-                         f"{human_bytes(r['budget'])} | {r['per_token']:,} | {human_bytes(r['per_seq'])} | "
-                         f"{human_bytes(r['naive'])} | {r['fit']:,} |{' - |' * 7} {rate} | {note} |")
-            continue
-        pk, un = r["allocators"]["per_kind"], r["allocators"]["unified"]
-        lines.append(f"| {r['model']} | {r['label']} | {r['precision']} | {r['context']} | {human_bytes(r['budget'])} "
-                     f"| {r['per_token']:,} | {human_bytes(r['per_seq'])} | {human_bytes(r['naive'])} | {r['fit']:,} "
-                     f"| {human_bytes(pk['per_seq'])} | {pk['fit']:,} | {human_bytes(pk['reserved'])} | {un['block']} "
-                     f"| {human_bytes(un['per_seq'])} | {un['fit']:,} | {human_bytes(un['reserved'])} | {rate} "
-                     f"| {note} |")
+            cells += ["-"] * 7
+        else:
+            pk, un = r["allocators"]["per_kind"], r["allocators"]["unified"]
+            cells += [human_bytes(pk["per_seq"]), f"{pk['fit']:,}", human_bytes(pk["reserved"]), str(un["block"]),
+                      human_bytes(un["per_seq"]), f"{un['fit']:,}", human_bytes(un["reserved"])]
+        lines.append("| " + " | ".join(cells + node_cells(r["node"]) + [rate, note]) + " |")
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     drawn = plot(rows, out.parent / PLOT)

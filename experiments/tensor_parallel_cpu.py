@@ -1,6 +1,7 @@
 """What tensor parallelism costs a decode step on this machine: model=small (GQA, 4 K/V heads) decoded
-by one process and by `runtime.tensor_parallel=2` (two processes, gloo), each rank's all-reduces timed
-(one after each block's attention and MLP: 8 a step). On a CPU the ranks share the machine's cores and
+by one process and by `runtime.tensor_parallel=2` (two processes, gloo), each rank's collectives timed
+(an all-reduce after each block's attention and MLP, the vocabulary-split embedding's all-reduce and the
+logits' all-gather: 10 a step). On a CPU the ranks share the machine's cores and
 memory bandwidth, so the step is not expected to halve; the all-reduce figure is the cost itself (a
 call's time includes its wait for the slower rank).
 
@@ -52,8 +53,9 @@ def main(argv: Optional[List[str]] = None) -> None:
              f"Made by `{command}` on this machine ({rows[0]['load']} load average on its CPUs while the "
              f"one-process job ran): model=small, GQA with 4 K/V heads, batch 1, a {args.prompt_len}-token prompt, "
              f"{args.gen_len} decode steps, {args.repeats} trials; the median step. `all-reduce / step`: the median "
-             "of a rank's decode-step all-reduces (T = 1) times their 8 a step, each from its call to its return, "
-             "so a wait for the slower rank counts. The KV and weight bytes are each rank's, allocated.", "",
+             "of a rank's decode-step collectives (T = 1) times their 10 a step (an all-reduce after each block's "
+             "attention and MLP, the embedding's all-reduce, the logits' all-gather), each from its call to its "
+             "return, so a wait for the slower rank counts. The KV and weight bytes are each rank's, allocated.", "",
              "| ranks | rank | decode step p50 (ms) | all-reduce / step (ms) | share of the step | KV cache | "
              "weights | load average |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

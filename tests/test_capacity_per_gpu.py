@@ -25,11 +25,12 @@ def fp8(R, C):
     return R * C + 4 * math.ceil(R / 128) * math.ceil(C / 128)
 
 
-def by_hand(heads, dense_ffn, experts, expert_ffn, shared_ffn):
+def by_hand(heads, dense_ffn, experts, expert_ffn, shared_ffn, vocab):
     """DeepSeek-V3's weights on one GPU (the page's table): 61 MLA layers with ``heads`` of the 128, 3 dense
     MLPs ``dense_ffn`` wide, 58 MoE layers of ``experts`` routed experts ``expert_ffn`` wide and a shared
-    expert ``shared_ffn`` wide; bf16 (2 bytes) for norms, router, correction bias, embedding and LM head."""
-    C, V, bf16 = 7168, 129280, 2
+    expert ``shared_ffn`` wide, ``vocab`` rows of the embedding and of the LM head; bf16 (2 bytes) for norms,
+    router, correction bias, embedding and LM head."""
+    C, V, bf16 = 7168, vocab, 2
     attention = (fp8(1536, C) + fp8(576, C) + (1536 + 512) * bf16  # q_a, kv_a and their norms: whole
                  + fp8(heads * 192, 1536) + fp8(heads * 256, 512) + fp8(C, heads * 128)  # q_b, kv_b, o: per head
                  + 2 * C * bf16)  # the block's two norms
@@ -51,9 +52,10 @@ def test_deepseek_v3_tp8_against_dp8_by_hand(deepseek):
     page = PAGE.read_text()
     layouts = build_layouts(deepseek.model, deepseek.attention)
     per_token = 61 * (512 + 64) * 2
-    tp8 = by_hand(heads=16, dense_ffn=18432 // 8, experts=256, expert_ffn=2048 // 8, shared_ffn=2048 // 8)
-    dp8 = by_hand(heads=128, dense_ffn=18432, experts=256 // 8, expert_ffn=2048, shared_ffn=2048)
-    assert (tp8, dp8) == (88_383_477_792, 100_840_717_664)
+    tp8 = by_hand(heads=16, dense_ffn=18432 // 8, experts=256, expert_ffn=2048 // 8, shared_ffn=2048 // 8,
+                  vocab=129280 // 8)
+    dp8 = by_hand(heads=128, dense_ffn=18432, experts=256 // 8, expert_ffn=2048, shared_ffn=2048, vocab=129280)
+    assert (tp8, dp8) == (85_140_101_152, 100_840_717_664)
     rows = {}
     for split, weights, replication in ((Split(8), tp8, 8), (Split(1, 8, 8), dp8, 1)):
         assert rank_weights(deepseek.model, deepseek.attention, split, "bfloat16") == weights
@@ -61,12 +63,12 @@ def test_deepseek_v3_tp8_against_dp8_by_hand(deepseek):
         assert kv.per_token == per_token and kv.per_sequence == per_token * CONTEXT == 575_668_224
         assert kv.replication == replication
         rows[split.name()] = per_gpu(kv, split, weights, GPU, 8)
-    assert rows["TP=8"]["kv_budget_bytes_gpu"] == GPU - tp8 == 38_516_522_208
-    assert rows["TP=8"]["sequences_per_node"] == (GPU - tp8) // 575_668_224 == 66
+    assert rows["TP=8"]["kv_budget_bytes_gpu"] == GPU - tp8 == 41_759_898_848
+    assert rows["TP=8"]["sequences_per_node"] == (GPU - tp8) // 575_668_224 == 72
     assert rows["DP=8 EP=8"]["sequences_per_node"] == 8 * ((GPU - dp8) // 575_668_224) == 360
-    assert rows["DP=8 EP=8"]["sequences_per_gpu"] == 45 and rows["TP=8"]["sequences_per_gpu"] == 8.25
-    for figure in ("70,272", "575,668,224", "88,383,477,792", "100,840,717,664", "38,516,522,208",
-                   "26,059,282,336", "| **66** | **360** |", "| 8.25 | 45 |"):
+    assert rows["DP=8 EP=8"]["sequences_per_gpu"] == 45 and rows["TP=8"]["sequences_per_gpu"] == 9
+    for figure in ("70,272", "575,668,224", "85,140,101,152", "100,840,717,664", "41,759,898,848",
+                   "26,059,282,336", "| **72** | **360** |", "| 9 | 45 |"):
         assert figure in page, figure
 
 

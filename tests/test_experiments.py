@@ -256,6 +256,13 @@ def test_capacity_report_writes_its_table_and_plot_to_out_in_process(tmp_path):
     assert len(rows) == 18 and (tmp_path / "report" / "capacity_report.png").is_file()
     assert {line.split("|")[1].strip() for line in out.read_text().splitlines()[6:] if line.startswith("| ")} == {
         "llama3_8b", "tiny"}
+    # per GPU on a node of 8 H200s (126.9 GB each for weights and KV): TP=8 holds one of Llama 3 8B's 8 K/V heads a
+    # layer; DP=8 a whole bfloat16 copy (8,030,261,248 parameters) beside 1 GiB a sequence of 8192; no experts
+    llama = next(line.split("|") for line in out.read_text().splitlines() if line.startswith("| llama3_8b | gqa kv=8 | "
+                                                                                                "auto |"))
+    assert [llama[i].strip() for i in (17, 18, 19, 21, 22)] == [
+        "TP=8", f"{2 * 32 * 1 * 128 * 2:,}", "1x", str((126_900_000_000 - 2 * 8_030_261_248) // 2 ** 30), "-"]
+    assert mha[17].strip() == "-"  # model=tiny: no node of GPUs
     assert "![sequences that fit per layout and precision](capacity_report.png)" in out.read_text()
     assert digests() == before and (ROOT / "docs" / "capacity_report.png").read_bytes() == docs_png
 

@@ -463,3 +463,22 @@ def test_capacitys_quality_figure_is_measured_on_a_model_of_the_variants_layouts
     (pooled,) = measured
     assert tuple(pooled.layouts) == tuple(model.layouts) and got["quality_source"]
     assert "quality_none_reason" not in got
+
+
+# ---- tensor parallel: the decoder cut over ranks ---------------------------------------------------------------
+
+def test_two_tensor_parallel_ranks_decode_token_equal_each_holding_the_per_gpu_formula(kind, name):
+    """issue 58: every kind shards. The job's check lets runtime.tensor_parallel=2 run the example; cut over 2
+    ranks (threads summing at a barrier, tests/test_parallel.py's stand-in for gloo) it decodes greedily
+    token-equal to the whole decoder, each rank's cache allocates the per-GPU formula's bytes (between half the
+    whole's and all of it: heads split, fewer heads than ranks replicated) and its weights are what the
+    capacity figures count on the meta device."""
+    from dataclasses import replace
+
+    from test_parallel import check_ranks_decode_as_one_process
+
+    from kvbench.parallel.plan import check_parallel
+
+    job, model = example(kind, name)
+    check_parallel(replace(job, runtime=replace(job.runtime, tensor_parallel=2, device="cpu")))
+    check_ranks_decode_as_one_process(model, tokens(model, PROMPT), STEPS)

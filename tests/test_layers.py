@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["core.errors", "core.task", "core.hooks", "jsonio", "units", "units_v1", "metrics", "measure.host",
      "jobs.interrupts", "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm",
-     "serving.pool", "blocks.hyper_connection", "measure.plausibility", "layouts.sharding"],
+     "serving.pool", "blocks.hyper_connection", "measure.plausibility", "layouts.sharding", "parallel.vocab"],
     ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
      "core.moe", "config.multipliers", "config.residual", "blocks.residual", "config.hyper", "core.hf_keys",
      "core.hf_read", "config.hf_agree", "mlp.dense", "mlp.router"],
@@ -26,7 +26,8 @@ LAYERS = [
     ["layouts.chunked", "layouts.nope", "layouts.nope_attention", "layouts.llama4", "config.nope"],
     # the layer kinds' homes (each with its config block), then the registry of them all, which
     # every config module that asks about a kind sits above
-    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf"],
+    ["layouts.kv_heads", "layouts.recurrent", "layouts.latent_config", "quant_weights", "layouts.global_heads_hf",
+     "layouts.mamba2_shard"],
     ["layouts.latent", "layouts.gated_deltanet", "layouts.mamba2", "layouts.compressed_layout", "layouts.kda",
      "layouts.kv_sharing", "layouts.global_heads"],
     ["layouts.compressed"],

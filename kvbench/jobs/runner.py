@@ -33,6 +33,7 @@ from kvbench.measure.memory import is_oom
 from kvbench.measure.plausibility import flag_implausible
 from kvbench.metrics import Metric, record_methods
 from kvbench.parallel.launch import run_ranks
+from kvbench.parallel.plan import runs_as_ranks
 from kvbench.parallel.tensor import current as current_ranks
 from kvbench.progress import Progress, guarded, no_progress
 from kvbench.results import RunResult, lookup, nonfinite_metrics, record_config, save, utc_now
@@ -118,7 +119,7 @@ def run_job(cfg: DictConfig | BenchConfig, out_dir: Path | str,
             result.env = {**collect_env(device), "device": str(device)}  # what it ran with
             if job.task not in TASKS:
                 raise ConfigError(f"task={job.task!r}: runs no job here (task=inspect prints, it records nothing)")
-            if job.runtime.tensor_parallel > 1 and current_ranks() is None:  # each rank runs it (kvbench.parallel)
+            if job.runtime.tensor_parallel > 1 and runs_as_ranks(job) and current_ranks() is None:  # each rank runs it
                 result = run_ranks(job, out_dir, list(overrides or []), run_job, device)
                 return result  # rank 0's record, every rank's figures in it; saved again below
             check_fits(job, device)  # sizes from the config, before anything is built

@@ -33,7 +33,7 @@ k index_topk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
@@ -160,6 +160,18 @@ class Compressed(LayerLayout):
     @property
     def stored(self) -> Tuple[int, Tuple[int, ...]]:
         return 1, (self.head_dim,)  # the ring: one K=V head per position
+
+    def shard(self, ranks: int) -> "Compressed":
+        # 1 / ranks of the query heads (their LoRA's up projection, sinks) and of the output groups, or of one
+        # group's heads (each rank's o_a_proj columns for its heads; o_b_proj is linear after it, so the ranks'
+        # sum is the whole); the one K=V head, its compressors and the indexer are every head's: whole on each
+        # rank, as the ring and pool are
+        return replace(self, num_heads=self.num_heads // ranks, o_groups=max(1, self.o_groups // ranks))
+
+    def tensor_refusal(self, ranks: int) -> Optional[str]:
+        G = self.o_groups
+        return (f"its {G} output groups (o_groups) split over ranks in whole groups only (or one group by its "
+                f"heads); use a divisor of {G}" if G % ranks and G > 1 else super().tensor_refusal(ranks))
 
     @property
     def rotary_dim(self) -> int:

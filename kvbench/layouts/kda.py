@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -109,6 +109,11 @@ class KDA(Recurrent):
 
     def as_mha(self) -> LayerLayout:
         return KVHeads(None, self.num_heads, self.num_heads, self.head_dim, v_head_dim=self.v_head_dim)
+
+    def shard(self, ranks: int) -> "KDA":
+        # 1 / ranks of the heads: q, k, v, their convolutions, both gates' up projections and the state
+        # (the gates' down projections through d are every head's, whole on each rank)
+        return replace(self, linear_num_heads=self.linear_num_heads // ranks)
 
     def fields(self) -> Dict[str, Any]:
         return {"linear_num_heads": self.linear_num_heads, "linear_head_dim": self.linear_head_dim,

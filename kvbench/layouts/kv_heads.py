@@ -147,4 +147,9 @@ KIND = register(LayerKind(
               "window": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.window=8"),
               "sinks": ("model=tiny", "attention.sinks=true"),
               "chunked": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "attention.chunk=8"),
-              "kv_shared": ("model=tiny", "model.num_layers=3", "attention.kv_shared_layers=1")}))
+              "kv_shared": ("model=tiny", "model.num_layers=3", "attention.kv_shared_layers=1")},
+    # Llama 4's pattern: a chunked layer with its queries and keys L2-normed, a global NoPE one with its query
+    # temperature (a floor_scale of 4 positions, so that it varies within a test's few)
+    decode_examples={"llama4": ("model=tiny", "attention=gqa", "attention.num_kv_heads=2", "model.preset_chunk=4",
+                                "model.preset_global_every=2",
+                                "+model.nope={layers:[1],floor_scale:4,attn_scale:0.5}")}))

@@ -21,6 +21,7 @@ from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.base import LayerLayout, State
 from kvbench.layouts.kv_heads import KVHeads
+from kvbench.layouts.mamba2_shard import Mamba2Sharding
 from kvbench.layouts.recurrent import Recurrent
 from kvbench.layouts.registry import LayerKind, register
 
@@ -28,7 +29,7 @@ INF = float("inf")
 
 
 @dataclass(frozen=True)
-class Mamba2(Recurrent):
+class Mamba2(Mamba2Sharding, Recurrent):
     """A Mamba-2 layer, fields as Nemotron-H's config.json names them (defaults: NemotronHConfig's);
     ``time_step_limit`` the bounds dt is clamped to in the chunked scan, ``conv_bias`` and
     ``proj_bias`` the biases of the convolution and of in_proj / out_proj; ``num_heads`` and
@@ -46,6 +47,7 @@ class Mamba2(Recurrent):
     state_dtype: str = "float32"
     num_heads: int = 32
     head_dim: int = 128
+    group_ranks: int = 1  # tensor parallel: ranks each group is replicated on (its norm sums over them)
 
     kind = "mamba2"
     title = "Mamba-2"
@@ -106,7 +108,6 @@ class Mamba2(Recurrent):
                 "ssm_state_size": self.ssm_state_size, "n_groups": self.n_groups, "conv_kernel": self.conv_kernel,
                 **({} if self.state_dtype == "float32" else {"mamba_ssm_cache_dtype": self.state_dtype})}
 
-
     # ---- how inspect describes it ----
 
     note = "a Mamba-2 layer holds a state per sequence"
@@ -137,7 +138,6 @@ PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # layer_types as config.json writes them (older Granite files: mamba / attention), by kind
 LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
                "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
-
 
 # JSON types of the values read (a bool is not a number, as JSON says)
 _KINDS = {"int": ((int,), "an integer"), "count": ((int,), "a positive integer"), "number": ((int, float), "a number"),
@@ -257,7 +257,7 @@ def build(model, attention=None, window=None) -> Mamba2:
     given = (model.layer_shapes or {}).get(SHAPE_KEY) or {}
     if not isinstance(given, Mapping):
         raise ConfigError(f"{prefix[:-1]}={given!r}: must be a mapping of Mamba-2 fields")
-    known = [f for f in Mamba2.__dataclass_fields__ if f not in ("window", "num_heads", "head_dim")]
+    known = [f for f in Mamba2.__dataclass_fields__ if f not in ("window", "num_heads", "head_dim", "group_ranks")]
     unknown = next((key for key in given if key not in known), None)
     if unknown is not None:
         raise ConfigError(f"{prefix}{unknown}={given[unknown]!r}: not a Mamba-2 field (one of {', '.join(known)})")

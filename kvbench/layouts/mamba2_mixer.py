@@ -21,6 +21,7 @@ L tokens of a chunk, I = H P.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Mapping, Tuple
 
 import torch
@@ -37,17 +38,29 @@ HF_NAMES = {"in_proj.": "w_in.", "conv1d.": "conv.", "dt_bias": "step_bias", "A_
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of y * silu(z) over groups of ``group`` channels, in float32 (transformers'
-    NemotronHRMSNormGated: the gate before the norm, one variance per group)."""
+    NemotronHRMSNormGated: the gate before the norm, one variance per group). Under tensor parallelism a
+    group's channels may be cut over ``ranks`` ranks (:mod:`~kvbench.layouts.mamba2_shard`): each then
+    holds ``group`` of them and the squares are summed across those ranks through ``tp_group`` (the
+    rank group kvbench.parallel hands each module that has one)."""
 
-    def __init__(self, width: int, group: int, eps: float):
+    tp_group = None
+
+    def __init__(self, width: int, group: int, eps: float, ranks: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
-        self.group, self.eps = group, eps
+        self.group, self.eps, self.ranks = group, eps, ranks
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         h = y.float() * F.silu(z.float())
         h = h.unflatten(-1, (-1, self.group))  # (..., G, I / G)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.ranks == 1 or self.tp_group is None:
+            mean = h.pow(2).mean(-1, keepdim=True)
+        else:  # one group here, the rest of it on the ranks beside: a slot per group, summed over all ranks
+            rank, ranks = self.tp_group.rank, self.tp_group.ranks
+            slots = h.new_zeros(*h.shape[:-2], ranks // self.ranks, 1)  # (..., G of the whole layer, 1)
+            slots[..., rank // self.ranks, :] = h.pow(2).sum(-1)
+            mean = self.tp_group.all_reduce(slots)[..., rank // self.ranks, None, :] / (self.group * self.ranks)
+        h = h * torch.rsqrt(mean + self.eps)
         return self.weight * h.flatten(-2).to(y.dtype)
 
 
@@ -70,10 +83,19 @@ class Mamba2Mixer(nn.Module):
         # depthwise and causal: the cache hands the last K - 1 inputs before the new ones, so no padding
         self.conv = nn.Conv1d(channels, channels, K, groups=channels, bias=layout.conv_bias)
         self.step_bias = nn.Parameter(torch.ones(self.H))  # dt_bias
-        self.log_decay_rate = nn.Parameter(torch.arange(1, self.H + 1, dtype=torch.float32).log())  # A_log
+        # A_log, log 1 .. log H: from a list, as arange on the meta device (a rank's part is built there, a
+        # footprint's model too) loads torch._dynamo, seconds of CPU
+        self.log_decay_rate = nn.Parameter(torch.tensor([math.log(h) for h in range(1, self.H + 1)]))
         self.skip = nn.Parameter(torch.ones(self.H))  # D
-        self.norm = GatedRMSNorm(inner, inner // self.G, cfg.norm_eps)
+        self.norm = GatedRMSNorm(inner, inner // self.G, cfg.norm_eps, layout.group_ranks)
         self.wo = nn.Linear(inner, C, bias=layout.proj_bias)
+
+    def tp_sections(self):
+        """How kvbench.parallel cuts the channels in_proj stacks (z | x | B | C | dt) and the convolution's
+        (x | B | C): each alike, so a rank's heads keep their x and its groups their B and C."""
+        I, GN = self.H * self.P, self.G * self.N  # noqa: E741
+        projected, conv = (0, (I, I, GN, GN, self.H)), (0, (I, GN, GN))
+        return {"w_in.weight": projected, "w_in.bias": projected, "conv.weight": conv, "conv.bias": conv}
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape

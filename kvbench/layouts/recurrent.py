@@ -47,3 +47,9 @@ class Recurrent(LayerLayout):
 
     def table_name(self) -> str:
         return self.kind
+
+    def tensor_refusal(self, ranks: int) -> Optional[str]:
+        # its state's heads are its query heads too: a head on two ranks would add its output twice
+        heads = self.held_heads()
+        return (f"its {heads} state heads split over ranks in whole heads only (each is also a query head, "
+                f"summed once); use a divisor of {heads}") if heads % ranks else None

@@ -28,7 +28,9 @@ A kind's facets, each optional where the kind has nothing to say:
 - ``beside_latent``: a recurrent kind whose layers a model may have beside latent attention layers
   (Kimi Linear's KDA beside MLA); the others' are refused there, as not built.
 - ``examples``: Hydra overrides that build a small decoder using it, one per form the conformance
-  suite (``tests/test_layer_kinds.py``) checks.
+  suite (``tests/test_layer_kinds.py``) checks; ``decode_examples``: forms that suite does not run yet
+  (the kind's home says why) but that decode, which the checks of a decoder's whole decode (tensor
+  parallel ranks token-equal to one process, ``tests/test_parallel.py``) run beside ``examples``.
 - hooks (``None``: nothing to do): ``build(model, attention, window) -> LayerLayout`` (its layout
   for a layer of ``model`` under a resolved ``attention``, ``window`` the layer's own or None; a kind
   whose shape a checkpoint gives takes it from ``model.layer_shapes[name]`` and may ignore the rest;
@@ -120,6 +122,7 @@ class LayerKind:
     letters: Mapping[str, str] = field(default_factory=dict)
     record_keys: Tuple[str, ...] = ()
     examples: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    decode_examples: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     hf_fields: Optional[Callable[..., Dict[str, Any]]] = None
     unfuse: Union[None, str, Callable[..., Dict[str, Any]]] = None
     param_count: Optional[Callable[..., int]] = None

@@ -58,11 +58,10 @@ def _rank(rank: int, ranks: int, port: int, job: Any, out_dir: str, overrides: L
           run_job: Callable[..., RunResult], device_type: str) -> None:
     import torch.distributed as dist
 
-    cuda = device_type == "cuda"
-    if cuda:
+    if device_type == "cuda":
         torch.cuda.set_device(rank)
         job = replace(job, runtime=replace(job.runtime, device=f"cuda:{rank}"))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend(device_type), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=ranks, timeout=COLLECTIVE_TIMEOUT)
     group = tensor.RankGroup(rank, ranks, job.runtime.expert_parallel)
     tensor.join(group)
@@ -76,6 +75,11 @@ def _rank(rank: int, ranks: int, port: int, job: Any, out_dir: str, overrides: L
         save(result, where)
     finally:
         dist.destroy_process_group()
+
+
+def backend(device_type: str) -> str:
+    """The torch.distributed backend between ranks on ``device_type``: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def merge_ranks(out_dir: Path, ranks: int, failure: Optional[str] = None) -> RunResult:

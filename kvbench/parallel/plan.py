@@ -65,9 +65,15 @@ class RankKV:
 
 
 def rank_kv(layouts: Layouts, tp: int, seq_len: int, element: int, cache_dtype: str = "auto") -> RankKV:
-    """The cache one of ``tp`` ranks holds (each layer's bytes / its ``tensor_parts``)."""
+    """The cache one of ``tp`` ranks holds: each layer's part as its layout cuts it (its ``shard``'s bytes:
+    a K/V head, a single cached head or a group of a state replicated where there are fewer than ranks); a layer that
+    does not cut into whole parts, or whose module runs whole, its bytes / its ``tensor_parts``."""
+    def part(layer):
+        return layer.shard(tp) if tp > 1 and layer.tensor_refusal(tp) is None else None
+
     def share(figure) -> float:
-        return sum(n * figure(layer) / layer.tensor_parts(tp) for _, layer, n in layouts.distinct)
+        return sum(n * (figure(part(layer)) if part(layer) is not None else figure(layer) / layer.tensor_parts(tp))
+                   for _, layer, n in layouts.distinct)
     return RankKV(tp, seq_len, share(lambda layer: layer.bytes_per_position(element, cache_dtype)),
                   share(lambda layer: layer.sequence_bytes(seq_len, element, cache_dtype)),
                   layouts.cache_bytes(seq_len, 1, element, cache_dtype))
@@ -111,11 +117,23 @@ def node_splits(model: Any, layouts: Layouts, gpus: int) -> list:
     return [split for split in dict.fromkeys(sizes) if cuts_whole(model, layouts, split)]
 
 
+# the tasks (and workloads of task=bench) that take a split as per-GPU figures by formula, running nothing as ranks
+FIGURE_TASKS = ("inspect", "capacity")
+FIGURE_WORKLOADS = ("serving",)
+
+
+def runs_as_ranks(job: Any) -> bool:
+    """Whether ``job`` (a BenchConfig) with ``runtime.tensor_parallel`` > 1 runs as that many processes
+    (task=bench workload=decode); a task of :data:`FIGURE_TASKS` gives the split's figures instead."""
+    return job.task == "bench" and job.workload.name == "decode"
+
+
 def check_parallel(job: Any) -> None:
     """Refuse, in one line naming the key and the value, a ``runtime.tensor_parallel`` /
     ``runtime.expert_parallel`` the job cannot run: not a count, more ranks than the machine's CPUs
-    (on a CPU; a GPU count is checked where the ranks start), a task other than decode, query heads
-    or widths it does not divide, a layer whose module runs whole only or whose heads it cannot cut."""
+    (on a CPU; a GPU count is checked where the ranks start), a task other than decode (or one that
+    prints the split's figures), query heads or widths it does not divide, a layer whose module runs
+    whole only or whose heads it cannot cut."""
     rt, model = job.runtime, job.model
     tp, ep = rt.tensor_parallel, rt.expert_parallel
     for key, value in (("runtime.tensor_parallel", tp), ("runtime.expert_parallel", ep)):
@@ -126,18 +144,20 @@ def check_parallel(job: Any) -> None:
     key, value = ("runtime.tensor_parallel", tp) if tp > 1 else ("runtime.expert_parallel", ep)
     check(ep in (1, tp), "runtime.expert_parallel", ep,
           f"splits the experts over the runtime.tensor_parallel={tp} ranks (1: each expert's width is cut instead)")
-    cpus = os.cpu_count() or 1
-    check(rt.device != "cpu" or tp <= cpus, key, value, f"more ranks than this machine's {cpus} CPUs")
+    ranks = runs_as_ranks(job)
     runs = f"task={job.task}" + (f" workload={job.workload.name}" if job.task == "bench" else "")
-    check(job.task == "bench" and job.workload.name == "decode", key, value,
-          f"only task=bench workload=decode runs as ranks, not {runs} (task=capacity records every split's "
-          "per-GPU figures by formula: tables.per_gpu); use 1")
-    check(rt.compile == "false", "runtime.compile", rt.compile,
+    figures = job.task in FIGURE_TASKS or (job.task == "bench" and job.workload.name in FIGURE_WORKLOADS)
+    check(ranks or figures, key, value,
+          f"only task=bench workload=decode runs as ranks, and task=inspect, task=capacity and workload=serving "
+          f"give the split's per-GPU figures, not {runs}; use 1")
+    cpus = os.cpu_count() or 1
+    check(not ranks or rt.device != "cpu" or tp <= cpus, key, value, f"more ranks than this machine's {cpus} CPUs")
+    check(not ranks or rt.compile == "false", "runtime.compile", rt.compile,
           f"with runtime.tensor_parallel={tp}: the all-reduce between ranks runs eagerly (not built); use false")
     check(model.num_heads % tp == 0, key, value, f"must divide model.num_heads={model.num_heads} (each rank runs "
           "whole query heads)")
     for index, layer in first_of_each(build_layouts(model, job.attention)):
-        if layer.shard(tp) is None:
+        if ranks and layer.shard(tp) is None:
             raise ConfigError(f"{key}={value!r}: layer {index} is {kind_of(layer).title or layer.kind}, whose module "
                               "runs whole (sharding it is not built); use 1")
         why = layer.tensor_refusal(tp)

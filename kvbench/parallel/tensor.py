@@ -1,6 +1,7 @@
 """The decoder split over tensor-parallel ranks (Megatron's column/row split): each rank runs
 1 / ranks of every layer's query heads and MLP width, and one all-reduce after each block's
-attention and after its MLP sums the ranks' parts.
+attention and after its MLP sums the ranks' parts; the embedding and the LM head are split by
+vocabulary (:mod:`kvbench.parallel.vocab`: an all-reduce after the lookup, an all-gather of the logits).
 
 A layer's part is its layout's :meth:`~kvbench.layouts.sharding.Sharding.shard` (fewer query
 heads; K/V heads cut, or one replicated where there are fewer than ranks, as MLA's one cached head is),
@@ -10,8 +11,7 @@ rows (column parallel), the output projection columns (row parallel, its bias ad
 a K/V head read by several ranks is each one's copy. A parameter that stacks sections along a
 dimension (a module's ``tp_sections``: an expert's gate and up rows, Gated DeltaNet's q | k | v
 channels) has each section cut alike. A routed expert is cut by width, or with ``expert_parallel``
-whole experts are split by expert. The embedding, the norms, the router and the LM head are whole on
-every rank.
+whole experts are split by expert. The norms and the router are whole on every rank.
 
 :func:`shard_decoder` cuts a built decoder in place (on the meta device too: a rank's weights
 counted without memory, :func:`rank_weight_bytes`); :class:`RankGroup` is the process's rank and
@@ -33,19 +33,21 @@ from kvbench.metrics import Metric, metric_table
 from kvbench.mlp.experts import Experts, mlp_module
 from kvbench.model import Decoder
 from kvbench.parallel.plan import Split
+from kvbench.parallel.vocab import VocabEmbedding, VocabHead
 from kvbench.quant_weights import checkpoint_bytes, stored_bytes
 
 # what a job run as ranks records (kvbench.parallel.launch)
 RANK_METRICS: Dict[str, Metric] = metric_table(
     Metric("tensor_parallel_ranks", "count", "runtime.tensor_parallel: the processes the job ran as, one part of "
                                              "the model each (kvbench/parallel/)"),
-    Metric("allreduce_ms_per_step", "ms", "a decode step's all-reduces on this rank (one after each block's "
-                                          "attention and one after its MLP): the median time of one, T = 1, "
-                                          "times their number per forward; each timed from the call to its return "
-                                          "(after a synchronize on CUDA), so a wait for a slower rank counts"),
-    Metric("allreduce_calls", "count", "all-reduces the rank ran over the whole job (warm-up, trials, fidelity)"),
+    Metric("allreduce_ms_per_step", "ms", "a decode step's collectives on this rank (an all-reduce after each "
+                                          "block's attention and one after its MLP, the embedding's all-reduce and "
+                                          "the logits' all-gather): the median time of one, T = 1, times their "
+                                          "number per forward; each timed from the call to its return (by CUDA "
+                                          "events on a GPU), so a wait for a slower rank counts"),
+    Metric("allreduce_calls", "count", "collectives the rank ran over the whole job (warm-up, trials, fidelity)"),
     Metric("tables.ranks", "", "per rank: status, kv_cache_bytes (allocated) and kv_cache_bytes_formula (the "
-                               "rank's layouts: each layer's bytes / its tensor_parts), weight_bytes, "
+                               "rank's layouts: each layer's part as its layout cuts it), weight_bytes, "
                                "allreduce_ms_per_step, decode_ms_p50"),
 )
 
@@ -65,25 +67,39 @@ class RankGroup:
     hooks: int = 0  # all-reduces per forward
 
     def all_reduce(self, out: torch.Tensor) -> torch.Tensor:
-        """Sum ``out`` over the ranks in place, timed: on CUDA by events around it (no wait on the host
-        in the decode step; read once by :attr:`decode_ms`), on a CPU by the clock (gloo returns when done)."""
+        """Sum ``out`` over the ranks in place, timed (:meth:`_timed`)."""
         import torch.distributed as dist
 
-        step = out.dim() == 3 and out.shape[1] == 1  # (B, 1, C): a decode step's
+        self._timed(out, lambda: dist.all_reduce(out, group=self.group))
+        return out
+
+    def all_gather(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``part`` (one shape on every rank) concatenated along the last dimension in rank
+        order (the vocabulary's logits, :mod:`kvbench.parallel.vocab`), timed (:meth:`_timed`)."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(part) for _ in range(self.ranks)]
+        self._timed(part, lambda: dist.all_gather(parts, part.contiguous(), group=self.group))
+        return torch.cat(parts, -1)
+
+    def _timed(self, out: torch.Tensor, collective) -> None:
+        """Run ``collective`` on ``out``: on CUDA between events (no wait on the host in the decode step;
+        read once by :attr:`decode_ms`), on a CPU by the clock (gloo returns when done); a decode step's
+        (B, 1, C) kept apart."""
+        step = out.dim() == 3 and out.shape[1] == 1
         if out.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            dist.all_reduce(out, group=self.group)
+            collective()
             end.record()
             if step:
                 self.step_events.append((start, end))
         else:
             begin = time.perf_counter()
-            dist.all_reduce(out, group=self.group)
+            collective()
             if step:
                 self.step_ms.append((time.perf_counter() - begin) * 1e3)
         self.calls += 1
-        return out
 
     @property
     def decode_ms(self) -> List[float]:
@@ -139,6 +155,15 @@ def shard_decoder(model: Decoder, ranks: int, rank: int, expert_parallel: int = 
                 if part is not None:
                     part.register_forward_hook(lambda module, args, out: group.all_reduce(out))
                     group.hooks += 1
+                    for module in part.modules():  # one that sums across the ranks itself (a norm over a
+                        if hasattr(module, "tp_group"):  # group cut across them, Mamba-2's)
+                            module.tp_group = group
+    # the vocabulary split: each rank ceil(V / N) rows of the embedding (an all-reduce sums the lookups) and of
+    # the LM head (an all-gather joins the logits)
+    model.embed = VocabEmbedding(model.embed, rank, ranks, group)
+    model.lm_head = VocabHead(model.lm_head, rank, ranks, group)
+    if group is not None:
+        group.hooks += 2
     model.layouts = layouts
     return model
 

@@ -248,10 +248,20 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
                        "stopped_by": _m(rec, "stopped_by_longest"), "context": longest.get("context"),
                        "decode_ms": _m(rec, "decode_ms_p50_longest"), "tokens_per_s": _m(rec, "tokens_per_s_longest"),
                        "predicted": longest.get("predicted_max_batch"),
+                       # runtime.tensor_parallel / expert_parallel: a GPU's part under the job's split (formula)
+                       "split": _m(rec, "gpu_split"), "gpu_kv": _m(rec, "kv_bytes_per_token_gpu"),
+                       "gpu_seqs": _m(rec, "sequences_per_gpu"),
                        **dict(zip(("kl", "top1", "source", "no_quality"), _pooled(rec)))}
     with_state = any(r["state"] for r in rows.values())
     header = ["variant", KV_PER_TOKEN, "vs MHA", *([STATE] if with_state else []), "context", "decode p50 ms (B=1)",
               "tok/s at max batch", "max batch", "stopped by", "memory-only prediction"]
+    splits = sorted({r["split"] for r in rows.values() if r["split"]})
+    if splits:
+        header += ["KV / token / GPU", "seqs / GPU"]
+        notes.append(f"per GPU ({', '.join(splits)}: runtime.tensor_parallel / expert_parallel): a GPU's part of a "
+                     "token's KV (heads split over the TP ranks, a layout of fewer heads than ranks replicated) and "
+                     "the sequences at the longest context a GPU holds its part of, its memory budget less its "
+                     "weights, by formula (kv_bytes_per_token_gpu, sequences_per_gpu)")
     with_pool = any(r["kl"] is not None or r["no_quality"] for r in rows.values())
     if with_pool:
         header += ["quality: KL vs MHA, nats (pooled)", "top-1 = MHA (pooled)", "quality source"]
@@ -295,6 +305,8 @@ def _choice(cell: str, records: Sequence[Record], quality: Dict[str, str], multi
                     fmt(r["decode_ms"], "{:.3f}"), fmt(r["tokens_per_s"], "{:.1f}"),
                     "untested (tpot)" if r["untested"] else fmt(r["max_batch"], "{}"),
                     fmt(r["stopped_by"], "{}"), fmt(r["predicted"], "{}")]
+            if splits:
+                line += [fmt(r["gpu_kv"], "bytes"), fmt(r["gpu_seqs"], "{:.4g}")]
             if with_pool:
                 line += [fmt(r["kl"], "{:.4f}"), fmt(r["top1"], "{:.3f}"), r["source"]]
             line += [recall.get(label, "-")] if with_recall else []

@@ -34,8 +34,8 @@ from kvbench.measure.stats import median, paired_ratio, percentile
 from kvbench.measure.timing import RegionTimer, timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
+from kvbench.parallel.per_gpu import SPLIT_METRICS, job_split_metrics, per_gpu_table
 from kvbench.parallel.per_gpu import TABLE as PER_GPU
-from kvbench.parallel.per_gpu import per_gpu_table
 from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
@@ -143,6 +143,7 @@ METRICS: Dict[str, Metric] = metric_table(
            "x tpot_reference_ms, or the tighter of both), decode_ms_p50, tokens_per_s, oom, error"),
 )
 METRICS[PER_GPU.name] = PER_GPU
+METRICS.update(SPLIT_METRICS)  # the job's own split (runtime.tensor_parallel / expert_parallel), where it has one
 METHODS: Dict[str, str] = record_methods(METRICS)
 
 def metrics(workload: str = "decode") -> Dict[str, Metric]:
@@ -421,6 +422,8 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
 def run(cfg: BenchConfig, device: torch.device, out_dir: Path, result: RunResult, progress: Progress) -> None:
     """``task=capacity``: the largest batch per context under the budget and the SLOs (baseline: pre-model)."""
     result.methods.update({**JOB_METHODS, **METHODS})
+    # a GPU's part under the job's own split (runtime.tensor_parallel / expert_parallel), by formula
+    result.metrics.update(job_split_metrics(cfg, max(contexts(cfg)), memory_budget(cfg, device), less_weights=True))
     if cfg.capacity.plan:  # formulas and the serving store's plan: no model built, no probe run
         return plan_capacity(cfg, memory_budget(cfg, device), result)
     result.metrics["timing_method"] = timing_method(device)

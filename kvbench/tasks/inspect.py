@@ -22,6 +22,8 @@ from kvbench.footprint import ParameterCounts, parameter_counts
 from kvbench.layouts.base import Layouts, bytes_cell
 from kvbench.layouts.build import build_layouts
 from kvbench.model import Decoder
+from kvbench.parallel.per_gpu import split_lines
+from kvbench.parallel.plan import Split
 from kvbench.quant_weights import describe_stored, module_stored_bytes
 from kvbench.units import human_bytes
 
@@ -104,6 +106,10 @@ def describe(cfg: BenchConfig, width: Optional[int] = None) -> str:
         *_stored_lines(cfg),
         *layout[1:],
     ]
+    rt = cfg.runtime
+    if rt.tensor_parallel > 1 or rt.expert_parallel > 1:  # the split's figures, by formula (kvbench.parallel)
+        lines += split_lines(m, a, layers, Split(rt.tensor_parallel, 1, rt.expert_parallel), rt.dtype,
+                             cfg.cache.dtype, seq_len)
     lines = _wrapped(lines, width)
     size = DTYPE_BYTES[cfg.runtime.dtype]
     state = layers.state_bytes(DTYPE_BYTES[cfg.runtime.dtype]) > 0

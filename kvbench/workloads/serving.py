@@ -21,6 +21,7 @@ from kvbench.core.dtypes import DTYPE_BYTES
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.build import build_layouts
 from kvbench.metrics import Metric, metric_table, record_methods
+from kvbench.parallel.per_gpu import SPLIT_METRICS, job_split_metrics
 from kvbench.results import RunResult
 from kvbench.serving import metrics as serving_metrics
 from kvbench.serving.allocator import Checkpoint, budget_bytes, groups_of, make_plan, slot_bytes, slot_plan
@@ -96,7 +97,7 @@ OWN_METRICS: Dict[str, Metric] = metric_table(
                                          "for the positions held)"),
 )
 METRICS: Dict[str, Metric] = metric_table(*serving_metrics.METRICS.values(), *OWN_METRICS.values(),
-                                          *SEARCH_METRICS.values())
+                                          *SEARCH_METRICS.values(), *SPLIT_METRICS.values())
 METHODS: Dict[str, str] = record_methods(METRICS)
 RECORDED = METRICS  # what a record may hold
 WARMUP_REQUESTS = 2
@@ -273,6 +274,8 @@ def run(cfg: BenchConfig, model, device: torch.device, result: RunResult, tick: 
                    kv_block_tokens=store.plan.block_size, kv_prefix_step_tokens=store.prefix_step)
     metrics.update(sequence_capacity(store.plan, model.layouts, model.dtype.itemsize,
                                      cfg.cache.dtype, plan.requests, budget))
+    # under runtime.tensor_parallel / expert_parallel, a GPU's part by formula, the KV budget each GPU's
+    metrics.update(job_split_metrics(cfg, metrics["kv_sequence_positions"], int(budget), less_weights=False))
     del store
     warm_up(model, cfg, plan.arrivals, plan.prompts)
     progress = (lambda: tick()) if tick is not None else None

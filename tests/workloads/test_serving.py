@@ -62,7 +62,11 @@ def test_a_serving_job_records_its_timeline_and_the_metrics_of_it(paged_record):
 
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_other_layouts_serve_through_the_config(tmp_path, attention):
-    record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.2", f"attention={attention}"), tmp_path)
+    """... and with runtime.tensor_parallel=2 (served in one process: the split's figures by formula, issue 58)
+    the record gives a GPU's part: GQA's K/V heads split in two, MLA's latent whole on both GPUs (2x), each
+    GPU holding its part of budget // that sequences of its TP group of 2."""
+    record = run_job(compose(*SMALL, "workload.kv_budget_mb=0.2", f"attention={attention}",
+                             "runtime.tensor_parallel=2"), tmp_path)
     assert record.status == "ok", record.error
     m = record.metrics
     cfg = to_bench_config(compose(*SMALL, f"attention={attention}"))
@@ -70,6 +74,11 @@ def test_other_layouts_serve_through_the_config(tmp_path, attention):
                             else (cfg.attention.num_kv_heads, cfg.model.head_dim, False))
     assert m["kv_bytes_per_token"] == kv_cache_bytes(2, heads, width, 1, 1, 4, latent=latent)
     assert m["requests_finished"] == 10 and m["kv_store_bytes"] == m["kv_store_bytes_formula"]
+    gpu = kv_cache_bytes(2, heads if latent else heads // 2, width, 1, 1, 4, latent=latent)
+    assert m["gpu_split"] == "TP=2" and m["kv_bytes_per_token_gpu"] == gpu
+    assert m["kv_sequence_bytes_gpu"] == gpu * m["kv_sequence_positions"]
+    assert m["kv_replication_gpus"] == (2 if latent else 1)
+    assert m["sequences_per_gpu"] == (200_000 // (gpu * m["kv_sequence_positions"])) / 2
 
 
 def test_the_same_seed_gives_every_variant_the_same_requests():
