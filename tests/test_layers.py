@@ -53,7 +53,7 @@ LAYERS = [
     ["quality.data", "quality.fidelity", "quality.recall", "tasks.inspect", "tasks.capacity_search",
      "workloads.serving"],
     ["quality.train", "workloads.decode", "workloads.multiturn", "workloads.conversations", "tasks.common"],
-    ["tasks.capacity_quality", "tasks.capacity_plan"],
+    ["tasks.capacity_quality", "tasks.capacity_plan", "tasks.capacity_latency"],
     ["tasks.bench", "tasks.train", "tasks.eval", "tasks.capacity", "tasks.compare", "tasks.recall",
      "parallel.launch"],
     ["jobs.runner"],

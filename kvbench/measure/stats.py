@@ -177,6 +177,13 @@ def kv_cost_fit(context: Sequence[float], step_ms: Sequence[float]) -> Dict[str,
     return out
 
 
+def preload() -> None:
+    """Import what the intervals import on first use (scipy.stats: 61 MiB of resident set), so that a
+    memory baseline taken after this does not count it against the first span measured after the
+    first interval (issue 59: every capacity probe after the first paired TPOT counted it)."""
+    from scipy import stats  # noqa: F401
+
+
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
     """``median(b) / median(a)`` over paired rounds and its paired-bootstrap interval."""
     x, y = _array(a), _array(b)

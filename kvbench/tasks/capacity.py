@@ -18,20 +18,18 @@ TTFT and TPOT are checked against ``slo``; an out-of-memory is the probe's answe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from kvbench.cache import Cache, cache_for
 from kvbench.config.bench import BenchConfig
 from kvbench.core.errors import ConfigError
-from kvbench.generate import decode_step
 from kvbench.measure.host import long_lived_frozen, release_heap, rss_status
 from kvbench.measure.memory import PeakSpan, is_oom, peak_span_reason, weight_bytes
-from kvbench.measure.stats import median, paired_ratio, percentile
-from kvbench.measure.timing import RegionTimer, timing_method
+from kvbench.measure.stats import median, paired_ratio, percentile, preload
+from kvbench.measure.timing import timing_method
 from kvbench.metrics import Metric, metric_table, record_methods
 from kvbench.model import Decoder
 from kvbench.parallel.per_gpu import SPLIT_METRICS, job_split_metrics, per_gpu_table
@@ -39,6 +37,7 @@ from kvbench.parallel.per_gpu import TABLE as PER_GPU
 from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
+from kvbench.tasks.capacity_latency import Latency, Stepper, chat_latency, decode_latency, time_pairs, warm_up
 from kvbench.tasks.capacity_plan import plan_capacity
 from kvbench.tasks.capacity_quality import QUALITY_METHODS, QUALITY_METRICS, variant_quality
 from kvbench.tasks.capacity_search import (
@@ -61,8 +60,8 @@ from kvbench.tasks.capacity_search import (
     violations,
 )
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
-from kvbench.workloads.decode import summarize_decode, time_decode
-from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
+
+__all__ = ["Latency", "Stepper", "chat_latency", "decode_latency", "time_pairs", "warm_up"]  # the probes' latency half
 
 GB = 10 ** 9  # runtime.memory_budget_gb is in GB, as device memory is sold
 STAT_Q = {"p50": 0.5, "p99": 0.99}
@@ -77,9 +76,13 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("memory_budget_bytes", "bytes", "runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory"),
     Metric("memory_method", "text", "how a probe's memory is measured: CPU, the peak resident set of the job's process "
                      "during the probe (VmHWM, reset through /proc/self/clear_refs after freed heap is returned "
-                     "to the OS) minus the resident set before the model was built, so weights, KV cache, "
-                     "activations and allocator slack count and the Python/torch runtime does not (the code "
-                     "pages of kernels first run in the job do: a fixed part of the overhead); CUDA, "
+                     "to the OS) minus the resident set before the model was built (what judging a probe imports, "
+                     "scipy.stats, loaded before it), so weights, KV cache, activations and allocator slack count "
+                     "and the Python/torch runtime does not (the code pages of kernels first run in the job do: a "
+                     "fixed part of the overhead, set up by an untimed decode of one short sequence before the "
+                     "first probe); each probe against its own baseline: less what the process held right before "
+                     "it beyond what it held right before the first probe (retained_bytes: what earlier probes "
+                     "left resident is not this one's); CUDA, "
                      "torch.cuda.max_memory_reserved during the probe (what torch held from the device; the "
                      "CUDA context is outside it)"),
     Metric("weight_bytes_measured", "bytes", "parameters and persistent buffers of the model the probes ran"),
@@ -130,7 +133,9 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.capacity_probes", "",
            "one row per probe, in the order run: context, batch, ok, bound (the first bound violated: memory, ttft, "
            "tpot), violated (all of them, comma-separated), measured (false: refused on a CPU, predicted over 2 "
-           "budgets), peak_bytes, predicted_bytes, kv_bytes (formula), activation_bytes (peak - weights - KV), ttft_ms "
+           "budgets), peak_bytes, predicted_bytes, kv_bytes (formula), activation_bytes (peak - weights - KV), "
+           "retained_bytes (CPU: the resident set right before the probe less right before the first, not counted in "
+           "its peak_bytes), ttft_ms "
            "and tpot_ms (slo.stat over the trials' TTFTs and over every decode step of every trial; "
            "workload=multiturn: over every turn's TTFT of every chat and every decode step of every turn; with fewer "
            "than 100 samples a p99 is near their maximum; judged against slo.tpot_ms), tpot_paired_ms and "
@@ -161,88 +166,6 @@ def memory_budget(cfg: BenchConfig, device: torch.device) -> int:
                       "in GB (e.g. runtime.memory_budget_gb=0.5); only a CUDA device has one of its own")
 
 
-class Stepper:
-    """More decode steps of a filled cache: positions ``start .. end - 1`` (where a probe's last
-    decode steps wrote), again and again, rolled back to ``start`` when they run out. It feeds a
-    fixed token: what a step costs depends on the shapes, not on the token."""
-
-    def __init__(self, model: Decoder, cache: Cache, start: int, end: int, step=decode_step):
-        if not (cache.stores_history and 0 <= start < end <= cache.length):
-            raise ValueError(f"cannot step positions {start}..{end - 1} of a {cache.impl} cache holding "
-                             f"{cache.length}")
-        self.model, self.cache, self.start, self.end, self.step = model, cache, start, end, step
-        self.pos = end  # the first call rolls back
-        self.token = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.device)
-
-    @property
-    def batch(self) -> int:
-        return self.cache.batch_size
-
-    def ready(self) -> None:
-        """Roll back when the positions ran out (outside the timed step)."""
-        if self.pos == self.end:
-            self.cache.rewind(self.start)
-            self.pos = self.start
-
-    def __call__(self) -> None:
-        self.step(self.model, self.token, self.cache, self.pos)
-        self.pos += 1
-
-
-def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
-               device: torch.device) -> Tuple[List[float], List[float]]:
-    """``pairs`` decode steps of ``probe`` and as many of ``reference``, interleaved one by one (which
-    goes first alternates), so that what the machine does meanwhile falls on both alike: their ratio
-    spread 1.09-1.13x where separate runs spread 1.33-1.53x (experiments/results/tpot_pairing.md)."""
-    timer = RegionTimer(device)
-    with torch.inference_mode():
-        for i in range(pairs):
-            for name, stepper in (("probe", probe), ("reference", reference))[::1 if i % 2 == 0 else -1]:
-                stepper.ready()
-                with timer.region(name):
-                    stepper()
-    return timer.ms("probe"), timer.ms("reference")
-
-
-@dataclass
-class Latency:
-    """What a probe's trials took (ms); ``stepper``: its filled cache, ready to step again."""
-
-    ttft_ms: List[float]
-    step_ms: List[float]
-    tokens_per_s: Optional[float]  # None: no decode steps (a one-token reply)
-    stepper: Optional[Stepper] = None
-
-
-def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
-    """``batch`` prompts of ``context`` seeded tokens, prefilled in forwards of at most
-    ``capacity.prefill_chunk`` tokens over the batch (an engine's chunked prefill: its working set
-    bounded by the chunk, not by batch x context), then decoded ``workload.gen_len`` steps."""
-    rt = cfg.runtime
-    generator = torch.Generator().manual_seed(rt.seed)
-    prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
-    cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
-    timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device,
-                          prefill_tokens=cfg.capacity.prefill_chunk)
-    stepper = Stepper(model, cache, context, cache.length) if cache.stores_history and cache.length > context else None
-    return Latency(timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
-                   summarize_decode(timings, batch)["tokens_per_s"], stepper)
-
-
-def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
-    """``batch`` conversations of the workload's chat (``context``: the positions each holds at the end)."""
-    w, rt = replace(cfg.workload, batch_size=batch), cfg.runtime
-    system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
-    session = ChatSession(model, system, batch, cfg.cache.shared, cfg.cache.impl, context)
-    trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device)
-    steps = [[ms for turn in trial for ms in turn.decode_ms] for trial in trials]
-    held, last_turn = session.cache.length, w.reply_len - 1  # the last turn's decode steps wrote the end
-    stepper = (Stepper(model, session.cache, held - last_turn, held, session.step)
-               if session.cache.stores_history and last_turn > 0 else None)
-    return Latency([turn.ttft_ms for trial in trials for turn in trial], [ms for s in steps for ms in s],
-                   median([batch * len(s) / (sum(s) / 1e3) for s in steps]) if all(steps) else None, stepper)
-
-
 class Prober:
     """Runs probes of one model: a decode of ``batch`` sequences of ``context`` tokens, its peak
     memory against the budget and its latencies against the SLOs."""
@@ -254,6 +177,7 @@ class Prober:
         stored = cfg.model.weights_stored
         self.weights_stored = checkpoint_bytes(model, stored) if stored else None
         self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
+        self.idle: Optional[int] = None  # CPU: the resident set right before the first probe (after a warm-up)
         self.latency = chat_latency if cfg.workload.name == "multiturn" else decode_latency
         # what repeated trials measure is latency: a probe that no target judges runs one trial
         self.probe_cfg = cfg if latency_judged(cfg) else replace(
@@ -294,10 +218,11 @@ class Prober:
             probe.error = (f"not run: predicted {probe.predicted_bytes:,} bytes, over {CPU_REFUSE_FACTOR:g}x the "
                            f"budget on a CPU")
             return probe
-        latency = None
+        latency, cpu = None, self.device.type != "cuda"
         span = PeakSpan(self.device)
         try:
             with span:
+                idle = rss_status()[0] if cpu else 0  # freed heap returned, the clock of the peak reset
                 latency = self.latency(self.probe_cfg, self.model, self.device, context, batch)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
             if not is_oom(exc):
@@ -305,7 +230,12 @@ class Prober:
             probe.oom, probe.error = True, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
             release_heap()
-        probe.peak_bytes = span.peak - (self.baseline if self.device.type != "cuda" else 0)
+        if cpu:
+            # Each probe against its own baseline: what earlier probes left resident (an import, a cache,
+            # heap the allocator kept) is not this one's; what the process held before the first is.
+            self.idle = idle if self.idle is None else self.idle
+            probe.retained_bytes = idle - self.idle
+        probe.peak_bytes = span.peak - (self.baseline + probe.retained_bytes if cpu else 0)
         probe.activation_bytes = probe.peak_bytes - self.weights - probe.kv_bytes
         q = STAT_Q[cfg.slo.stat]
         if latency is not None:
@@ -336,6 +266,7 @@ def baseline_bytes(device: torch.device) -> int:
         raise ConfigError(f"task=capacity on {device.type}: {reason}")
     if device.type == "cuda":
         return 0
+    preload()  # what judging a probe imports on first use is the runtime's, not that probe's
     release_heap()
     return rss_status()[0]
 
@@ -375,6 +306,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
 
     chunk = cfg.capacity.prefill_chunk if cfg.workload.name != "multiturn" else None
     piece = prefill_piece(model.layouts)
+    warm_up(cfg, model, device)
     for context in contexts(cfg):
         calibration = [measure(context)(1)]
         # The line is drawn through batches whose prefill forwards are full chunks (batch 1 at a

@@ -34,6 +34,7 @@ class Probe:
     predicted_bytes: Optional[int] = None
     kv_bytes: Optional[int] = None
     activation_bytes: Optional[int] = None
+    retained_bytes: int = 0  # CPU: resident right before it beyond right before the first probe; not counted
     ttft_ms: Optional[float] = None
     tpot_ms: Optional[float] = None
     decode_ms_p50: Optional[float] = None

@@ -1,0 +1,113 @@
+"""The latency half of a ``task=capacity`` probe: a batch's decode (or chat) timed, and the paired
+steps of its filled cache against one sequence's (``slo.tpot_x_batch1``). The memory half and the
+judging are :mod:`kvbench.tasks.capacity`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+import torch
+
+from kvbench.cache import Cache, cache_for
+from kvbench.config.bench import BenchConfig
+from kvbench.generate import decode_step, greedy_generate
+from kvbench.measure.stats import median
+from kvbench.measure.timing import RegionTimer
+from kvbench.model import Decoder
+from kvbench.workloads.decode import summarize_decode, time_decode
+from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
+
+# the warm-up's sequence: a few positions through the prefill and the decode step
+WARM_PROMPT, WARM_STEPS = 8, 2
+
+
+class Stepper:
+    """More decode steps of a filled cache: positions ``start .. end - 1`` (where a probe's last
+    decode steps wrote), again and again, rolled back to ``start`` when they run out. It feeds a
+    fixed token: what a step costs depends on the shapes, not on the token."""
+
+    def __init__(self, model: Decoder, cache: Cache, start: int, end: int, step=decode_step):
+        if not (cache.stores_history and 0 <= start < end <= cache.length):
+            raise ValueError(f"cannot step positions {start}..{end - 1} of a {cache.impl} cache holding "
+                             f"{cache.length}")
+        self.model, self.cache, self.start, self.end, self.step = model, cache, start, end, step
+        self.pos = end  # the first call rolls back
+        self.token = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.device)
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch_size
+
+    def ready(self) -> None:
+        """Roll back when the positions ran out (outside the timed step)."""
+        if self.pos == self.end:
+            self.cache.rewind(self.start)
+            self.pos = self.start
+
+    def __call__(self) -> None:
+        self.step(self.model, self.token, self.cache, self.pos)
+        self.pos += 1
+
+
+def time_pairs(probe: Stepper, reference: Stepper, pairs: int,
+               device: torch.device) -> Tuple[List[float], List[float]]:
+    """``pairs`` decode steps of ``probe`` and as many of ``reference``, interleaved one by one (which
+    goes first alternates), so that what the machine does meanwhile falls on both alike: their ratio
+    spread 1.09-1.13x where separate runs spread 1.33-1.53x (experiments/results/tpot_pairing.md)."""
+    timer = RegionTimer(device)
+    with torch.inference_mode():
+        for i in range(pairs):
+            for name, stepper in (("probe", probe), ("reference", reference))[::1 if i % 2 == 0 else -1]:
+                stepper.ready()
+                with timer.region(name):
+                    stepper()
+    return timer.ms("probe"), timer.ms("reference")
+
+
+@dataclass
+class Latency:
+    """What a probe's trials took (ms); ``stepper``: its filled cache, ready to step again."""
+
+    ttft_ms: List[float]
+    step_ms: List[float]
+    tokens_per_s: Optional[float]  # None: no decode steps (a one-token reply)
+    stepper: Optional[Stepper] = None
+
+
+def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
+    """``batch`` prompts of ``context`` seeded tokens, prefilled in forwards of at most
+    ``capacity.prefill_chunk`` tokens over the batch (an engine's chunked prefill: its working set
+    bounded by the chunk, not by batch x context), then decoded ``workload.gen_len`` steps."""
+    rt = cfg.runtime
+    generator = torch.Generator().manual_seed(rt.seed)
+    prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
+    cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
+    timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device,
+                          prefill_tokens=cfg.capacity.prefill_chunk)
+    stepper = Stepper(model, cache, context, cache.length) if cache.stores_history and cache.length > context else None
+    return Latency(timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
+                   summarize_decode(timings, batch)["tokens_per_s"], stepper)
+
+
+def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
+    """``batch`` conversations of the workload's chat (``context``: the positions each holds at the end)."""
+    w, rt = replace(cfg.workload, batch_size=batch), cfg.runtime
+    system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
+    session = ChatSession(model, system, batch, cfg.cache.shared, cfg.cache.impl, context)
+    trials = time_chat(session, users, w.reply_len, rt.warmup, rt.repeats, device)
+    steps = [[ms for turn in trial for ms in turn.decode_ms] for trial in trials]
+    held, last_turn = session.cache.length, w.reply_len - 1  # the last turn's decode steps wrote the end
+    stepper = (Stepper(model, session.cache, held - last_turn, held, session.step)
+               if session.cache.stores_history and last_turn > 0 else None)
+    return Latency([turn.ttft_ms for trial in trials for turn in trial], [ms for s in steps for ms in s],
+                   median([batch * len(s) / (sum(s) / 1e3) for s in steps]) if all(steps) else None, stepper)
+
+
+def warm_up(cfg: BenchConfig, model: Decoder, device: torch.device) -> None:
+    """One untimed decode of a short sequence before the first probe: what the runtime sets up once on
+    first use (kernels' code pages, thread pools, the allocator's state: 9-17 MB of resident set on
+    the small models) is then part of every probe's baseline, the first one's too."""
+    prompt = torch.zeros(1, WARM_PROMPT, dtype=torch.long, device=device)
+    cache = cache_for(model, cfg.cache.impl, 1, WARM_PROMPT + WARM_STEPS)
+    greedy_generate(model, prompt, WARM_STEPS, cache, prefill_tokens=cfg.capacity.prefill_chunk)
