@@ -145,3 +145,15 @@ def test_a_whole_file_readers_model_check_refusal_names_the_files_key(checkpoint
         ModelConfig.from_hf_config(cfg)
     message = str(info.value)
     assert "\n" not in message and "model." not in message and line in message, message
+
+
+@pytest.mark.parametrize("text, line", [(None, "missing key 'text_config'"),
+                                        ([1, 2], "text_config=[1, 2]: must be a JSON object")])
+def test_a_multimodal_config_json_without_its_language_models_keys_is_refused_in_one_line(text, line):
+    for arch in ("Llama4ForConditionalGeneration", "Gemma4ForConditionalGeneration"):
+        cfg = {"architectures": [arch], "vision_config": {"hidden_size": 16}}
+        if text is not None:
+            cfg["text_config"] = text
+        with pytest.raises(ConfigError) as info:
+            ModelConfig.from_hf_config(cfg)
+        assert "\n" not in str(info.value) and line in str(info.value), str(info.value)
