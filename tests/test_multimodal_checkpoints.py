@@ -112,3 +112,48 @@ def test_a_multimodal_checkpoints_text_config_refusal_names_the_key_where_the_fi
         ModelConfig(path=str(tmp_path))
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"model.path={str(tmp_path)!r}: ") and line in message, message
+
+
+def _file(family):
+    """A whole-file reader's config.json contents, as transformers' config class writes them."""
+    import transformers
+    from test_mamba2_hybrids import GRANITE, NEMOTRON_H
+
+    make, arch = {"llama4": (lambda: transformers.Llama4TextConfig(**LLAMA4), "Llama4ForCausalLM"),
+                  "nemotron_h": (lambda: transformers.NemotronHConfig(**NEMOTRON_H), "NemotronHForCausalLM"),
+                  "granite": (lambda: transformers.GraniteMoeHybridConfig(**GRANITE), "GraniteMoeHybridForCausalLM")
+                  }[family]
+    return {**make().to_dict(), "architectures": [arch]}
+
+
+@pytest.mark.parametrize("family, key, value, line", [
+    ("llama4", "head_dim", 7, "head_dim=7: must be even"),
+    ("llama4", "rms_norm_eps", -1.0, "rms_norm_eps=-1.0: must be > 0"),
+    ("nemotron_h", "layer_norm_epsilon", -1.0, "layer_norm_epsilon=-1.0: must be > 0"),
+    ("granite", "rms_norm_eps", 0.0, "rms_norm_eps=0.0: must be > 0"),
+    ("multimodal gemma4", "rms_norm_eps", -1.0, "text_config.rms_norm_eps=-1.0: must be > 0"),
+])
+def test_a_whole_file_readers_model_check_refusal_names_the_files_key(checkpoints, family, key, value, line):
+    """A value the decoder's own checks refuse (not the reader's), named as the user's config.json spells it
+    (Llama 4's, Nemotron-H's and Granite's readers named kvbench's model.norm_eps), in one line."""
+    if family.startswith("multimodal"):
+        cfg = json.loads((checkpoints[family.split()[1]][0] / "config.json").read_text())
+        cfg["text_config"][key] = value
+    else:
+        cfg = {**_file(family), key: value}
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_hf_config(cfg)
+    message = str(info.value)
+    assert "\n" not in message and "model." not in message and line in message, message
+
+
+@pytest.mark.parametrize("text, line", [(None, "missing key 'text_config'"),
+                                        ([1, 2], "text_config=[1, 2]: must be a JSON object")])
+def test_a_multimodal_config_json_without_its_language_models_keys_is_refused_in_one_line(text, line):
+    for arch in ("Llama4ForConditionalGeneration", "Gemma4ForConditionalGeneration"):
+        cfg = {"architectures": [arch], "vision_config": {"hidden_size": 16}}
+        if text is not None:
+            cfg["text_config"] = text
+        with pytest.raises(ConfigError) as info:
+            ModelConfig.from_hf_config(cfg)
+        assert "\n" not in str(info.value) and line in str(info.value), str(info.value)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from kvbench.config.hf_agree import LINEAR, check_agreement
 from kvbench.config.quant import weights_stored
 from kvbench.core.errors import ConfigError
-from kvbench.core.hf_keys import DEFAULT, Source, file_sources, nested_keys
+from kvbench.core.hf_keys import DEFAULT, TEXT_CONFIG, Source, file_sources, is_set, nested_keys
 from kvbench.core.hf_read import REQUIRED as _REQUIRED
 from kvbench.core.hf_read import get as _get
 from kvbench.core.moe import EXPERTS_KEY, check_moe
@@ -136,7 +136,8 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
         raise ConfigError(f"{where}: architectures={archs!r}: not supported (accepted: {', '.join(accepted)})")
     if arch not in HF_ARCHITECTURES:  # a layer kind's home reads the whole file (LayerKind.hf_model_fields)
         capped = {"max_seq_len": max_seq_len} if max_seq_len else {}  # the rotary table's rows, as below
-        return {**by_architecture(arch).hf_model_fields(cfg, arch), **capped, "weights_stored": weights_stored(cfg)}, {}
+        fields = {**by_architecture(arch).hf_model_fields(cfg, arch), **capped, "weights_stored": weights_stored(cfg)}
+        return fields, _whole_file_sources(cfg, {k: v for k, v in fields.items() if k not in capped})
     if arch not in TEXT_MODEL_PREFIX:
         return _text_fields(cfg, arch, where, max_seq_len, "")
     # a multimodal checkpoint's language model, its keys named where they are; its tying and weights' format the top's
@@ -147,6 +148,38 @@ def model_fields(cfg: Mapping[str, Any], where: str = CONFIG_FILE,
     except ConfigError as exc:
         head = f"{where}: " * str(exc).startswith(f"{where}: ")
         raise ConfigError(head + nested_keys(str(exc)[len(head):], "text_config.", top)) from None
+
+
+# The keys a whole-file reader's ModelConfig fields may come from, the most specific first (Llama 4's dense
+# MLP, Granite's shared one; Nemotron-H's norm; a rope base in rope_parameters, Gemma 4's sliding layers').
+WHOLE_FILE_KEYS = {
+    "num_layers": ("num_hidden_layers",), "d_model": ("hidden_size",), "num_heads": ("num_attention_heads",),
+    "preset_kv_heads": ("num_key_value_heads",), "head_dim": ("head_dim",),
+    "ffn_dim": ("intermediate_size_mlp", "shared_intermediate_size", "intermediate_size"),
+    "vocab_size": ("vocab_size",), "max_seq_len": ("max_position_embeddings",),
+    "norm_eps": ("rms_norm_eps", "layer_norm_epsilon"),
+    "rope_theta": ("rope_parameters.rope_theta", "rope_parameters.sliding_attention.rope_theta", "rope_theta")}
+
+
+def _whole_file_sources(cfg: Mapping[str, Any], fields: Mapping[str, Any]) -> Dict[str, Source]:
+    """Where a whole-file reader's ``fields`` are in the config.json contents ``cfg`` (a multimodal one's
+    ``text_config``): each field by the first of its :data:`WHOLE_FILE_KEYS` that holds its very value, so a
+    refusal of the decoder's checks names the file's key; a field no key holds (a default, a value derived)
+    keeps kvbench's."""
+    text = cfg.get("text_config")
+    given, nested = (text, TEXT_CONFIG) if isinstance(text, Mapping) else (cfg, "")
+    out = {}
+    for name, keys in WHOLE_FILE_KEYS.items():
+        key = next((k for k in keys if is_set(given, k) and _at(given, k) == fields.get(name)), None)
+        if key is not None and name in fields:
+            out[name] = Source(nested + key)
+    return out
+
+
+def _at(cfg: Mapping[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = cfg[part]
+    return cfg
 
 
 def _text_fields(cfg: Mapping[str, Any], arch: str, where: str, max_seq_len: Any, nested: str) -> Tuple[Dict, Dict]:
