@@ -480,5 +480,6 @@ def test_two_tensor_parallel_ranks_decode_token_equal_each_holding_the_per_gpu_f
     from kvbench.parallel.plan import check_parallel
 
     job, model = example(kind, name)
-    check_parallel(replace(job, runtime=replace(job.runtime, tensor_parallel=2, device="cpu")))
+    # the job's check on a GPU's terms: a CPU's count of cores, which bounds CPU ranks, is the machine's, not the kind's
+    check_parallel(replace(job, runtime=replace(job.runtime, tensor_parallel=2, device="cuda")))
     check_ranks_decode_as_one_process(model, tokens(model, PROMPT), STEPS)

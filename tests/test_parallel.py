@@ -194,7 +194,8 @@ def test_each_kinds_decode_examples_run_as_ranks_token_equal_to_one_process(over
     """The forms a kind registers beside its conformance examples (DeepSeek-V4's sliding, CSA and HCA layers,
     Llama 4's chunked and NoPE ones): the job's check lets 2 ranks run it, and they decode as one process."""
     job = to_bench_config(compose(*overrides, "runtime.device=cpu"))
-    check_parallel(replace(job, runtime=replace(job.runtime, tensor_parallel=RANKS)))
+    # on a GPU's terms: a CPU's count of cores, which bounds CPU ranks, is the machine's, not the kind's
+    check_parallel(replace(job, runtime=replace(job.runtime, tensor_parallel=RANKS, device="cuda")))
     torch.set_num_threads(1)
     model = build_model(job, torch.device("cpu"))
     prompt = torch.randint(0, model.config.vocab_size, (B, 7), generator=torch.Generator().manual_seed(2))

@@ -5,8 +5,10 @@ A layer's cache is cut by its heads, as an engine's attention is: ``ranks`` rank
 ``heads / ranks`` whole heads; a layer with fewer heads than ranks (MQA's one K/V head, MLA's one
 latent, DeepSeek-V4's one compressed head) is not cut further, and each of its heads is held on
 ``ranks / heads`` ranks, a copy each (vLLM's ``num_kv_heads_per_rank = max(1, H_kv // tp)``). A
-recurrent layer's state is cut by its heads the same way. Nothing here names a kind: the heads are
-the layout's own ``stored`` count, or its state's leading dimension.
+recurrent layer's state is cut by its heads the same way, but never replicated: its state heads are
+its query heads too (:class:`~kvbench.layouts.recurrent.Recurrent` refuses ranks they do not divide).
+Nothing here names a kind: the heads are the layout's own ``stored`` count, or its state's leading
+dimension; what one rank runs is the kind's ``shard``.
 """
 
 from __future__ import annotations
