@@ -262,7 +262,13 @@ def check_model_fits(model: ModelConfig, device: torch.device | str, where: str,
     """Raise :class:`ConfigError` naming ``where`` (the checkpoint's config.json or kvbench
     checkpoint file) when the model it describes, in ``attention`` (default: its own), cannot be
     built in the memory ``device`` has available."""
-    own = parameter_count(model, attention or AttentionConfig().resolved(model))
+    try:
+        own = parameter_count(model, attention or AttentionConfig().resolved(model))
+    except (TypeError, RuntimeError, OverflowError) as exc:  # a shape torch cannot index, even on the meta device
+        if "overflow" not in str(exc).lower():
+            raise
+        raise ConfigError(f"{where}: a model of {model.num_layers} layers and d_model {model.d_model} has a tensor "
+                          "of more than 2**63 elements; nothing was built") from None
     need = Footprint(own * BUILD_BYTES_PER_PARAM, rope_peak_bytes(model), 0)
     have = available_bytes(torch.device(device))
     if need.total > have:

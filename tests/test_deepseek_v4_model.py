@@ -15,7 +15,7 @@ from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
 from hf_parity import check_greedy_steps, check_logits_and_perplexity
 
 from kvbench.cache import cache_for
-from kvbench.checkpoint import load_llama_dir
+from kvbench.checkpoint import CheckpointError, load_llama_dir
 from kvbench.config.model import AttentionConfig, ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
@@ -187,3 +187,17 @@ def test_what_a_decoder_of_v4_layers_cannot_do_is_one_line(tiny_v4):
         cache.truncate(2)
     cache.truncate(0)
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("change", [{"hc_mult": 10 ** 12}, {"hidden_size": 2 ** 62}])
+def test_a_deepseek_v4_config_json_whose_tensors_torch_cannot_index_is_refused_in_one_line(loaded, tmp_path, change):
+    """hc_mult of 10**12: a hyper-connection's (2 + N) N x N d weight has more than 2**63 elements, which
+    torch cannot size even on the meta device (a TypeError from torch.zeros escaped the memory check)."""
+    path, _, _ = loaded
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    edit_config_json(tmp_path, **change)
+    with pytest.raises((ConfigError, CheckpointError)) as info:
+        load_llama_dir(str(tmp_path))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(tmp_path)), message
