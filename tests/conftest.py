@@ -71,8 +71,9 @@ def compose(*overrides: str, hydra: bool = False) -> DictConfig:
     return copy.deepcopy(_COMPOSED[overrides])
 
 # The one-node SLURM of the tests marked slurm, and whether they run (tests/slurm/cluster.py); the
-# order of the suite and how -n N --dist loadgroup spreads it (tests/suite_order.py).
-pytest_plugins = ["slurm.cluster", "suite_order"]
+# order of the suite and how -n N --dist loadgroup spreads it (tests/suite_order.py); --cpu-times,
+# each test's CPU seconds (tests/cpu_time.py).
+pytest_plugins = ["slurm.cluster", "suite_order", "cpu_time"]
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

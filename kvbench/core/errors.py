@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import json
 import math
 import os
@@ -103,7 +104,7 @@ def typed(schema: Type[T], data: Any, prefix: str = "") -> T:
         # Before the merge: merging ``???`` over a default keeps the default (OmegaConf's rule),
         # which once benchmarked a random model for model=llama_dir without model.path.
         missing = sorted(OmegaConf.missing_keys(data))
-        node = OmegaConf.merge(OmegaConf.structured(schema), data)
+        node = OmegaConf.merge(_schema_node(schema), data)  # merge copies its first config: the cached one stays
         missing = missing or sorted(OmegaConf.missing_keys(node))  # a group no option filled
         if missing:
             key = prefix + missing[0]
@@ -111,6 +112,13 @@ def typed(schema: Type[T], data: Any, prefix: str = "") -> T:
         return OmegaConf.to_object(node)
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_error(exc, schema, data, prefix)) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_node(schema: type) -> DictConfig:
+    """``schema``'s defaults as a structured DictConfig: built once per dataclass (~15 ms of reading
+    its type hints for BenchConfig, a quarter of typing a job), never changed: typed merges onto a copy."""
+    return OmegaConf.structured(schema)
 
 
 def typed_once(schema: Type[T], values: Mapping[str, Any]) -> T:
