@@ -65,8 +65,10 @@ def build_decoder(model: ModelConfig, attention: AttentionConfig, state_dict: Di
     """A Decoder holding ``state_dict``, built on the meta device (no throw-away random initialisation)
     with the tensors assigned; only the rotary tables are recomputed."""
     with torch.device("meta"):
-        decoder = Decoder(model, attention)
-    params = {k: v.to(device, (dtype or v.dtype) if v.is_floating_point() else v.dtype) for k, v in state_dict.items()}
+        decoder = Decoder(model, attention).to(dtype or torch.float32)
+    kept = {k: p.dtype for k, p in decoder.state_dict().items()}  # a parameter its module keeps float32: float32
+    params = {k: v.to(device, (dtype and kept.get(k, dtype) or v.dtype) if v.is_floating_point() else v.dtype)
+              for k, v in state_dict.items()}
     decoder.load_state_dict(params, strict=True, assign=True)
     cos, sin = rope_tables(model, decoder.rope_dim)
     decoder.rope_cos, decoder.rope_sin = cos.to(device), sin.to(device)

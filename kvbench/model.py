@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvbench.blocks.hyper_block import HyperBlock
-from kvbench.blocks.hyper_connection import HyperHead, expand
+from kvbench.blocks.hyper_connection import Float32RMSNorm, HyperHead, expand
 from kvbench.blocks.residual import PerLayerBranch, PerLayerInputs
 from kvbench.cache import Positions, uncached_layers
 from kvbench.config.model import AttentionConfig, ModelConfig
@@ -95,7 +95,9 @@ class Decoder(nn.Module):
         self.hc_head = HyperHead(model.d_model, hc.streams, hc.eps, model.norm_eps) if hc else None
         form = model.residual
         self.per_layer = PerLayerInputs(model) if form is not None and form.per_layer_input_dim else None
-        self.norm = RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
+        # with the streams, transformers' DeepseekV4's final norm: a float32 weight (RMSNorm's in float32)
+        self.norm = Float32RMSNorm(model.d_model, model.norm_eps) if hc else \
+            RMSNorm(model.d_model, model.norm_eps, model.norm_zero_centered)
         self.lm_head = nn.Linear(model.d_model, model.vocab_size, bias=False)
         self.rope_dim = self.layouts.rotary_dim()
         if meta:  # rope_tables' shapes and dtype, no values

@@ -15,6 +15,7 @@ from test_serving_engine import isolated, run, workload
 
 from kvbench.config.compare import CompareConfig
 from kvbench.config.layer_pattern import variant_label
+from kvbench.core.errors import ConfigError
 from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.compressed import CSA, EXAMPLE, HCA, SLIDING
@@ -47,11 +48,11 @@ def serve(model, allocator, blocks, prefix, n=6, seed=3):
     return store, timeline
 
 
-@pytest.mark.parametrize("allocator", ["per_kind", "unified"])
-def test_a_prefix_is_continued_only_at_a_multiple_of_the_rates_from_its_saved_buffer(v4, allocator):
+def test_a_prefix_is_continued_only_at_a_multiple_of_the_rates_from_its_saved_buffer(v4):
     """A 13-token shared prefix in blocks of 4: the store continues it at 8 (a multiple of 4 and 8, where
-    the saved buffer and partial pool block are), never at 4 or 12; every request its isolated tokens."""
-    store, timeline = serve(v4, allocator, 60, prefix=13)
+    the saved buffer and partial pool block are), never at 4 or 12; every request its isolated tokens.
+    (The unified allocator's pages replay and hit in the conformance suite, tests/test_layer_kinds.py.)"""
+    store, timeline = serve(v4, "per_kind", 60, prefix=13)
     assert [type(m) for m in store.managers] == [PoolManager] * 3 and store.prefix_step == 8
     hits = [t.prefix_hit_tokens for t in timeline.traces]
     assert all(h % 8 == 0 for h in hits) and 8 in hits, hits
@@ -92,3 +93,14 @@ def test_compares_v4_letter_reads_back_v4_flashs_own_schedule_and_bytes():
         assert ours.cache_bytes(S, 1, 2) == own.cache_bytes(S, 1, 2) > 0
     label = variant_label(v4, num_layers=model.num_layers)
     assert "v4 21:20" in label and label != variant_label(baseline, num_layers=model.num_layers)
+
+
+def test_a_v4_pattern_with_no_compressed_layer_left_is_one_line():
+    """``:p3`` on a 3-layer model would leave only sliding layers, which are K/V heads' without a V4
+    layer beside them: refused in one line naming compare.variants and the entry."""
+    model = to_bench_config(compose(*EXAMPLE)).model
+    with pytest.raises(ConfigError) as info:
+        CompareConfig(variants=["1:w6:p3", "mha"]).attentions(model)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("compare.variants=['1:w6:p3', 'mha']: '1:w6:p3': :p3: ")
+    assert CompareConfig(variants=["1:w6:p2", "mha"]).attentions(model)[0].layer_types == [SLIDING, SLIDING, CSA]

@@ -14,10 +14,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvbench.blocks.hyper_connection import HyperConnection, residual
+from kvbench.blocks.hyper_connection import Float32RMSNorm, HyperConnection, residual
 from kvbench.layouts.attention import attention_module
 from kvbench.mlp.experts import MoE, mlp_module
-from kvbench.norm import RMSNorm
 
 
 class HyperBlock(nn.Module):
@@ -27,9 +26,10 @@ class HyperBlock(nn.Module):
     def __init__(self, cfg, layout, index: int):
         super().__init__()
         hc, C = cfg.hyper_connections, cfg.d_model
-        self.attn_norm = RMSNorm(C, cfg.norm_eps)
+        # transformers' input_layernorm and post_attention_layernorm: float32 weights, as its norms'
+        self.attn_norm = Float32RMSNorm(C, cfg.norm_eps)
         self.attn = attention_module(cfg, layout)
-        self.mlp_norm = RMSNorm(C, cfg.norm_eps)
+        self.mlp_norm = Float32RMSNorm(C, cfg.norm_eps)
         self.mlp = mlp_module(cfg, index)
         self.attn_hc, self.ffn_hc = (HyperConnection(C, hc.streams, hc.sinkhorn_iters, hc.eps, cfg.norm_eps)
                                      for _ in range(2))

@@ -29,7 +29,40 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class HyperConnection(nn.Module):
+class Float32Params(nn.Module):
+    """A module whose own parameters (not its children's) stay float32 whatever dtype the model is
+    moved to, as transformers keeps DeepSeek-V4's hyper-connections, norms, sinks and position biases
+    (its ``_keep_in_fp32_modules_strict``): in bfloat16 they are not rounded, and what they multiply
+    is computed in float32. ``FLOAT32_BUFFERS``: its buffers kept so too."""
+
+    FLOAT32_BUFFERS: Tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        for name in self.FLOAT32_BUFFERS:
+            if getattr(self, name, None) is not None:
+                setattr(self, name, getattr(self, name).float())
+        return self
+
+
+class Float32RMSNorm(Float32Params):
+    """RMSNorm with a float32 weight, multiplied in float32 and cast back once (transformers'
+    DeepseekV4RMSNorm); in float32 it is :class:`kvbench.norm.RMSNorm` exactly."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class HyperConnection(Float32Params):
     """The weights one sub-block mixes the streams with (transformers' parameter names: ``fn``,
     ``base``, ``scale``); ``sinkhorn_iters`` alternating row and column normalisations of comb."""
 
@@ -69,7 +102,7 @@ def residual(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb:
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
-class HyperHead(nn.Module):
+class HyperHead(Float32Params):
     """The last streams collapsed to one (transformers' DeepseekV4HyperHead: ``hc_fn``, ``hc_base``,
     ``hc_scale``), before the model's final norm."""
 

@@ -107,8 +107,11 @@ class CompareConfig:
         for v in self.variants:
             fields_ = variant_fields(v, self.variants)
             letter = fields_.pop("pattern_letter", None)
-            if letter is not None:
-                fields_["layer_types"] = list(_PATTERNS[letter].pattern(fields_["layer_types"], model.num_layers))
+            try:
+                if letter is not None:
+                    fields_["layer_types"] = list(_PATTERNS[letter].pattern(fields_["layer_types"], model.num_layers))
+            except ConfigError as exc:
+                raise ConfigError(f"compare.variants={self.variants!r}: {v!r}: {exc}") from None
             name = fields_.pop("interval_layer_type", None)
             if name is not None:  # the asked kind's layers by the interval, as layer_types (none: every layer full)
                 types = interval_layer_types(fields_[INTERVAL], model.num_layers, name)

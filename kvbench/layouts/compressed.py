@@ -349,7 +349,11 @@ def hf_names(cfg: Mapping[str, Any]) -> Callable[[str], Optional[str]]:
 
 def pattern(sliding: int, num_layers: int) -> List[str]:
     """compare's V4 layer pattern (``:p<n>``): the first ``sliding`` layers the ring alone, then CSA and HCA
-    alternating, as DeepSeek-V4-Flash's published compress_ratios (0, 0, then 4 and 128: ``:p2``)."""
+    alternating, as DeepSeek-V4-Flash's published compress_ratios (0, 0, then 4 and 128: ``:p2``); as many
+    sliding layers as the model has (no V4 layer left: its sliding layers would be K/V heads') refused."""
+    if sliding >= num_layers:
+        raise ConfigError(f":p{sliding}: {sliding} sliding layers leave no compressed layer of the model's "
+                          f"{num_layers} (at most {num_layers - 1})")
     return [SLIDING] * min(sliding, num_layers) + [(CSA, HCA)[i % 2] for i in range(max(0, num_layers - sliding))]
 
 

@@ -36,21 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbench.blocks.hyper_connection import Float32Params, Float32RMSNorm
 from kvbench.cache import Positions
 from kvbench.layouts.compressed_layout import Compressed, Rope
 
-
-class V4RMSNorm(nn.Module):
-    """RMSNorm in float32 with a float32 weight, cast back once (transformers' DeepseekV4RMSNorm)."""
-
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+V4RMSNorm = Float32RMSNorm  # transformers' DeepseekV4RMSNorm: q_a_norm, kv_norm, the compressors' kv_norm
 
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -183,7 +173,7 @@ class CompressedCache:
                          "bucket of K/V); use runtime.compile=false|default")
 
 
-class Compressor(nn.Module):
+class Compressor(Float32Params):  # its position_bias float32, as transformers keeps it
     """Folds each m tokens into one entry of ``width`` (transformers' DeepseekV4HCACompressor, or
     with ``overlap`` the CSA one and its indexer's: two series per token, window w from w - 1's
     first half and its own second half)."""
@@ -280,7 +270,7 @@ class CSACompressor(Compressor):
         self.indexer = Indexer(d_model, a, eps)
 
 
-class CompressedAttention(nn.Module):
+class CompressedAttention(Float32Params):  # its sinks float32, as transformers keeps them
     """The attention of a :class:`Compressed` layer (its cache: :class:`CompressedCache`, or None:
     each forward a whole sequence from position 0, nothing kept). Takes the decoder's attention
     arguments; ``cos`` and ``sin`` are unused: V4 rotates interleaved pairs at its own two bases."""

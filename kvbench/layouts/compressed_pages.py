@@ -40,17 +40,19 @@ class CompressedPages:
         """The pages as (pages, bs, width x element) bytes: a block of bs rows of ``width`` elements."""
         return self.pages[:, :self.bs * width * self.element].view(self.pages.shape[0], self.bs, -1)
 
+    def _where(self, table: Sequence, items: range) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The page and the row in it of each of ``items`` (positions or entries) of the blocks ``table``."""
+        pages = [table[i // self.bs] for i in items]
+        rows = [i % self.bs for i in items]
+        device = self.pages.device
+        return torch.tensor(pages, dtype=torch.long, device=device), torch.tensor(rows, dtype=torch.long, device=device)
+
     def _read(self, width: int, table: Sequence, items: range) -> torch.Tensor:
-        """Items (positions or entries) ``items`` of the blocks ``table`` as (n, width) in the dtype."""
-        at = torch.tensor(list(items), dtype=torch.long)
-        page = torch.tensor([table[i] for i in at.div(self.bs, rounding_mode="floor").tolist()], dtype=torch.long)
-        return self._blocks(width)[page, at % self.bs].view(self.dtype)
+        """Items ``items`` of the blocks ``table`` as (n, width) in the dtype."""
+        return self._blocks(width)[self._where(table, items)].view(self.dtype)
 
     def _write(self, width: int, table: Sequence, items: range, values: torch.Tensor) -> None:
-        at = torch.tensor(list(items), dtype=torch.long)
-        page = torch.tensor([table[i] for i in at.div(self.bs, rounding_mode="floor").tolist()], dtype=torch.long)
-        self._blocks(width)[page.to(self.pages.device), (at % self.bs).to(self.pages.device)] = \
-            values.contiguous().view(torch.uint8)
+        self._blocks(width)[self._where(table, items)] = values.contiguous().view(torch.uint8)
 
     @staticmethod
     def carried(cache: CompressedCache) -> List[torch.Tensor]:

@@ -14,7 +14,8 @@ before any model is built.
   part in ``state_dtype`` (``cache.state_dtype``: float32, or half as vLLM's
   ``mamba_ssm_cache_dtype`` allows).
 - :class:`CompressedPool`: DeepSeek-V4's ring of W positions plus one pooled entry per m tokens
-  and its compressors' buffers (a page per sequence), per layer (:mod:`kvbench.layouts.compressed`).
+  and its compressors' buffers, per layer (:mod:`kvbench.layouts.compressed`): pages of one size,
+  ring blocks, pool blocks and the buffer's pages (:mod:`kvbench.serving.pool_manager` serves them).
 
 Notation: L positions of a sequence, bs tokens per block (a pool block: bs entries), W a window,
 m the compression rate.

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbench.blocks.hyper_connection import Float32Params
 from kvbench.mlp.dense import MLP
 from kvbench.mlp.router import route
 
@@ -126,10 +127,13 @@ class Experts(nn.Module):
         return out, sum(1 for n in counts if n)
 
 
-class MoE(nn.Module):
+class MoE(Float32Params):
     """A mixture-of-experts MLP: router, routed experts, and an optional shared expert every token
     also goes through (sigmoid-gated with ``shared_gate``). ``hashed`` (DeepSeek-V4's hash layers):
     a token's experts are row ``token id`` of ``tid2eid`` (vocab, k), a table the checkpoint gives."""
+
+    # DeepSeek's e_score_correction_bias, float32 whatever the model's dtype, as transformers keeps it
+    FLOAT32_BUFFERS = ("correction_bias",)
 
     def __init__(self, cfg, hashed: bool = False):
         super().__init__()

@@ -27,9 +27,9 @@ def route(moe, logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = N
     if moe.router == "sigmoid":  # DeepSeek-V3: in float32, its router's precision
         scores = logits.float().sigmoid()
         choice = scores + correction_bias.float()
-    elif moe.router == "sqrtsoftplus":  # DeepSeek-V4: in its logits' dtype, as transformers scores them
-        scores = F.softplus(logits).sqrt()
-        choice = scores if hashed is not None else scores + correction_bias.to(scores.dtype)
+    elif moe.router == "sqrtsoftplus":  # DeepSeek-V4: in its logits' dtype, as transformers scores them,
+        scores = F.softplus(logits).sqrt()  # the choice with its float32 bias added (in float32)
+        choice = scores if hashed is not None else scores + correction_bias
     else:
         scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
     if moe.n_group > 1:
