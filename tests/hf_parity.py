@@ -26,3 +26,20 @@ def check_greedy_steps(model, hf, prompt, steps=40):
     assert torch.equal(got, want)
     assert len(set(got[0].tolist())) > 5  # the steps do not repeat one token
     return got
+
+
+def check_task_eval(path, hf, tmp_path, seq_len=40, rel=1e-5):
+    """task=eval of the checkpoint at ``path`` (model.path's route, which reads it whole) on the byte corpus's
+    slices of ``seq_len``: its perplexity within ``rel`` of transformers' ``hf`` on the same slices; the
+    checkpoint's ModelConfig, for the caller's own checks of what was read."""
+    from conftest import TEXT, eval_job, transformers_perplexity
+
+    from kvbench.config.model import AttentionConfig, ModelConfig
+    from kvbench.quality.train import run_eval
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(TEXT)
+    model = ModelConfig(path=str(path))
+    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=seq_len, batch_size=2)
+    assert run_eval(cfg, torch.device("cpu"))["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=rel)
+    return model

@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
-from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
-from hf_parity import check_greedy_steps, check_logits_and_perplexity
+from conftest import edit_config_json
+from hf_parity import check_greedy_steps, check_logits_and_perplexity, check_task_eval
 
 from kvbench.cache import cache_for
 from kvbench.checkpoint import CheckpointError, load_llama_dir
-from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.model import ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
 from kvbench.layouts.compressed import CSA, HCA, SLIDING, hf_names
@@ -135,16 +135,9 @@ def test_task_eval_of_a_deepseek_v4_checkpoint_is_transformers_perplexity(loaded
     """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
     relative of transformers' over the same slices of the byte corpus (windows of 40: longer than the
     ring and than several m')."""
-    from kvbench.quality.train import run_eval
-
     path, hf, _ = loaded
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(TEXT)
-    model = ModelConfig(path=str(path))
+    model = check_task_eval(path, hf, tmp_path, seq_len=40)
     assert model.preset_layer_types == [SLIDING, CSA, HCA] and model.moe.hash_layers == [0]
-    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=40, batch_size=2)
-    metrics = run_eval(cfg, torch.device("cpu"))
-    assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
 
 
 @pytest.mark.parametrize("change,line", [

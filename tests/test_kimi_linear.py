@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
-from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
-from hf_parity import check_greedy_steps, check_logits_and_perplexity
+from conftest import edit_config_json
+from hf_parity import check_greedy_steps, check_logits_and_perplexity, check_task_eval
 
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.model import ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.footprint import parameter_counts
 from kvbench.layouts.kda import KDA
@@ -77,16 +77,9 @@ def test_a_kimi_linear_checkpoint_is_transformers_in_logits_perplexity_and_40_gr
 def test_task_eval_of_a_kimi_linear_checkpoint_is_transformers_perplexity(kimi, tmp_path, one_torch_thread):
     """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
     relative of transformers' over the same slices of the byte corpus (slices past one chunk)."""
-    from kvbench.quality.train import run_eval
-
     path, hf = kimi
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(TEXT)
-    model = ModelConfig(path=str(path))
+    model = check_task_eval(path, hf, tmp_path, seq_len=80)
     assert model.preset_layer_types == ["kda", "full_attention", "kda", "kda"] and model.rope_type == "none"
-    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=80, batch_size=2)
-    metrics = run_eval(cfg, torch.device("cpu"))
-    assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
 
 
 def hub_config(cfg: dict) -> dict:

@@ -9,7 +9,8 @@ cards."""
 
 import pytest
 import torch
-from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
+from conftest import edit_config_json
+from hf_parity import check_task_eval
 from test_mamba2_hybrids import VOCAB, assert_exact
 
 from kvbench.checkpoint import load_llama_dir
@@ -66,16 +67,9 @@ def test_a_llama4_checkpoint_is_transformers_in_logits_perplexity_and_40_greedy_
 def test_task_eval_of_a_llama4_checkpoint_is_transformers_perplexity(llama4, tmp_path, one_torch_thread):
     """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
     relative of transformers' over the same slices of the byte corpus (slices of 40: five chunks)."""
-    from kvbench.quality.train import run_eval
-
     path, hf = llama4
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(TEXT)
-    model = ModelConfig(path=str(path))
+    model = check_task_eval(path, hf, tmp_path, seq_len=40)
     assert (model.preset_chunk, model.preset_layer_types) == (CHUNK, ["sliding_attention"] * 3 + ["full_attention"])
-    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=40, batch_size=2)
-    metrics = run_eval(cfg, torch.device("cpu"))
-    assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
 
 
 def test_a_chunked_layer_holds_its_chunk_and_frees_its_blocks_at_each_boundary():

@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
-from conftest import TEXT, edit_config_json, eval_job, transformers_perplexity
-from hf_parity import check_greedy_steps, check_logits_and_perplexity
+from conftest import edit_config_json
+from hf_parity import check_greedy_steps, check_logits_and_perplexity, check_task_eval
 
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.model import ModelConfig
 from kvbench.core.errors import ConfigError
 from kvbench.layouts.kv_heads import KVHeads
 from kvbench.layouts.mamba2 import Mamba2
@@ -105,16 +105,9 @@ def test_a_nemotron_h_checkpoint_with_experts_is_transformers(tmp_path, one_torc
 def test_task_eval_of_a_nemotron_h_checkpoint_is_transformers_perplexity(tmp_path, one_torch_thread):
     """model.path's route (task=eval reads the checkpoint whole): the record's perplexity within 1e-5
     relative of transformers' over the same slices of the byte corpus."""
-    from kvbench.quality.train import run_eval
-
     path, hf = nemotron_h_dir(tmp_path / "ck")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(TEXT)
-    model = ModelConfig(path=str(path))
+    model = check_task_eval(path, hf, tmp_path, seq_len=100)
     assert model.preset_layer_types == ["mamba", "full_attention", "mamba", "mamba", "full_attention", "mamba"]
-    cfg = eval_job(model, AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=100, batch_size=2)
-    metrics = run_eval(cfg, torch.device("cpu"))
-    assert metrics["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg), rel=1e-5)
 
 
 # Granite 4 (dense): 4 layers, mamba and attention, each with the shared gated MLP; its multipliers off 1

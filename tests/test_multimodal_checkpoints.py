@@ -13,14 +13,14 @@ import json
 
 import pytest
 import torch
-from conftest import TEXT, eval_job, transformers_perplexity
+from hf_parity import check_task_eval
 from safetensors import safe_open
 from test_gemma4 import BASE, FORMS
 from test_llama4 import LLAMA4
 from test_mamba2_hybrids import assert_exact
 
 from kvbench.checkpoint import load_llama_dir
-from kvbench.config.model import AttentionConfig, ModelConfig
+from kvbench.config.model import ModelConfig
 from kvbench.core.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
@@ -83,15 +83,8 @@ def test_a_multimodal_checkpoints_language_model_is_transformers_in_logits_perpl
 def test_task_eval_of_a_multimodal_llama4_checkpoint_is_transformers_perplexity(checkpoints, tmp_path,
                                                                               one_torch_thread):
     """model.path's route (task=eval reads the checkpoint whole) over the byte corpus's slices of 40."""
-    from kvbench.quality.train import run_eval
-
     path, hf = checkpoints["llama4"]
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(TEXT)
-    cfg = eval_job(ModelConfig(path=str(path)), AttentionConfig(), corpus, path, val_fraction=0.25, seq_len=40,
-                   batch_size=2)
-    assert run_eval(cfg, torch.device("cpu"))["perplexity"] == pytest.approx(transformers_perplexity(hf, cfg),
-                                                                             rel=1e-5)
+    check_task_eval(path, hf, tmp_path)
 
 
 @pytest.mark.parametrize("family, change, line", [
