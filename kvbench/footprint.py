@@ -163,7 +163,8 @@ def parameter_count(model: ModelConfig, attention: Optional[AttentionConfig] = N
 
 def rope_peak_bytes(model: ModelConfig) -> int:
     """Bytes the rotary tables take while they are built (float64 intermediates)."""
-    return model.max_seq_len * model.rotary_dim * ROPE_PEAK_BYTES_PER_ELEMENT  # partial rotary: its width
+    # partial rotary: its width; a float64 position per row beside it (none where nothing rotates)
+    return model.max_seq_len * (model.rotary_dim * ROPE_PEAK_BYTES_PER_ELEMENT + 8 * bool(model.rotary_dim))
 
 
 def recall_data_bytes(cfg: BenchConfig) -> int:

@@ -60,7 +60,10 @@ def rope_inv_freq(cfg: Any, dim: Optional[int] = None) -> torch.Tensor:
 
 def rope_tables(cfg: Any, dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (max_seq_len, D), rotate-half layout, times yarn's attention factor."""
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, dim))
+    inv_freq = rope_inv_freq(cfg, dim)
+    if inv_freq.numel() == 0:  # nothing rotates (NoPE): no positions' table, whatever max_seq_len is
+        return torch.empty(cfg.max_seq_len, 0), torch.empty(cfg.max_seq_len, 0)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     factor = rope_attention_factor(cfg)
     return (angles.cos() * factor).float(), (angles.sin() * factor).float()

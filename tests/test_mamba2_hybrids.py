@@ -140,6 +140,21 @@ def test_a_granite_4_checkpoint_is_transformers_in_logits_perplexity_and_40_gree
     assert len(set(got[0].tolist())) > 5
 
 
+def test_a_model_without_rotary_embeddings_builds_no_position_table_however_long_its_positions(tmp_path):
+    """Granite 4.0-H rotates nothing, yet a config.json of 10**12 positions asked its loader for a float64
+    position per row (8 TB, a crash where the memory check counted 0 B for its rotary tables). Nothing is
+    built per position now, and the memory check counts the positions only where a table is built."""
+    from kvbench.footprint import rope_peak_bytes
+
+    path, hf = granite_dir(tmp_path, position_embedding_type="nope")
+    edit_config_json(path, max_position_embeddings=10 ** 12)
+    model, _ = load_llama_dir(path)
+    assert model.config.max_seq_len == 10 ** 12 and rope_peak_bytes(model.config) == 0
+    assert model.num_params() == hf.num_parameters()
+    rotated = ModelConfig(name="r", num_layers=1, d_model=32, num_heads=4, preset_kv_heads=4, max_seq_len=1000)
+    assert rope_peak_bytes(rotated) >= 1000 * 8  # each row's position, beside its angles
+
+
 @pytest.mark.parametrize("change, line", [
     ({"hybrid_override_pattern": "-M*"}, "hybrid_override_pattern='-M*': layer 0 is an MLP (-) that follows no "
      "mixer layer (M or *); a block of an MLP alone is not built"),
