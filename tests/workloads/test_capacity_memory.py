@@ -45,3 +45,33 @@ def test_a_small_probe_after_a_large_one_measures_as_it_does_alone():
     assert small.peak_bytes + small.retained_bytes - alone.peak_bytes >= LEFT - TOLERANCE
     assert small.activation_bytes == small.peak_bytes - prober.weights - small.kv_bytes
     del left
+
+
+def test_a_probe_over_the_budget_stops_at_the_forward_that_crossed_it():
+    """A CPU probe's memory verdict is in once its resident set passes the budget: it stops there
+    instead of prefilling the rest of batch x context tokens and decoding (the failing probe above each
+    answer was a search's largest); its peak, above the budget, is recorded. Under a budget it reaches
+    it runs every forward: 64 positions in forwards of 2 (chunk 16 over 8 sequences) and 4 decode steps."""
+    torch.set_num_threads(1)
+    overrides = ("task=capacity", "model=tiny", "attention=mha", "capacity.context_lens=[64]", "workload.gen_len=4",
+                 "capacity.prefill_chunk=16")
+    baseline = capacity.baseline_bytes(CPU)
+    model = build_model(to_bench_config(compose(*overrides)), CPU)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    forwards = {}
+    for budget_gb in (64, 0.0008):
+        cfg = to_bench_config(compose(*overrides, f"runtime.memory_budget_gb={budget_gb}"))
+        with long_lived_frozen():
+            capacity.warm_up(cfg, model, CPU)
+            calls.clear()
+            prober = capacity.Prober(cfg, model, CPU, capacity.memory_budget(cfg, CPU), baseline)
+            probe = prober.measure(64, 8)
+        forwards[budget_gb] = len(calls)
+        assert probe.measured and not probe.oom
+        if budget_gb == 64:
+            assert probe.ok and probe.error is None
+        else:  # its KV alone (the formula: 0.56 MB) is under the budget; the process's footprint is not
+            assert probe.kv_bytes < prober.budget < probe.peak_bytes and probe.violated == ["memory"]
+            assert probe.error == f"stopped after {len(calls)} forwards: the resident set passed the budget"
+    assert forwards[64] == 64 // 2 + 4 and 1 <= forwards[0.0008] < forwards[64] // 2, forwards
