@@ -81,20 +81,53 @@ class KDAAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
-        qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1)
-        carry = cache.update(qkv.transpose(1, 2), pos)  # conv inputs (B, 3 H d, K - 1 + T)
+        tail = self.q_conv.kernel_size[0] - 1
+        # A prompt goes a chunk of tokens at a time through the whole layer, the conv tail and the
+        # state carried between chunks, so its working memory is a chunk's whatever its length (its
+        # projections included: all at once they grew 8x from 512 to 4,096 tokens). The last piece
+        # holds at least the conv tail: the cache is handed that piece's inputs only, and writes its
+        # tail from them (the held tail before the prompt comes back first), as Gated DeltaNet's.
+        bounds = list(range(0, T, self.chunk)) + [T]
+        if len(bounds) > 2 and T - bounds[-2] < tail:
+            del bounds[-2]  # a last piece shorter than the tail joins the one before
+        last = self._qkv(x[:, bounds[-2]:])  # (B, 3 H d, T - start of the last piece)
+        carry = cache.update(last, pos)  # conv inputs (B, 3 H d, K - 1 + that)
+        if len(bounds) == 2:
+            # one new token after a held state is a decode step; a first token is a prompt, as transformers takes it
+            rule = recurrent_kda if T == 1 and pos.start != 0 else chunked_kda
+            return self._output(x, rule(*self._rule_inputs(x, carry.inputs), carry.state))
+        out = x.new_empty(B, T, self.wo.out_features)
+        inputs = carry.inputs[..., :tail]
+        # the state carried from piece to piece keeps its graph (a training step backpropagates
+        # through it); a copy, as chunked_kda's, and written back to the cache at the end
+        S = carry.state.to(torch.float32, copy=True)
+        for start, end in zip(bounds, bounds[1:]):
+            new = last if end == T else self._qkv(x[:, start:end])
+            inputs = torch.cat([inputs[..., inputs.shape[-1] - tail:], new], -1)  # (B, 3 H d, K - 1 + L)
+            piece, S = kda_chunks(*self._rule_inputs(x[:, start:end], inputs), S, self.chunk)
+            out[:, start:end] = self._output(x[:, start:end], piece)
+        carry.state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+        return out
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolution's inputs of tokens x (B, L, C): (B, 3 H d, L)."""
+        return torch.cat([self.wq(x), self.wk(x), self.wv(x)], -1).transpose(1, 2)
+
+    def _rule_inputs(self, x: torch.Tensor, inputs: torch.Tensor):
+        """q, k, v, g (B, H, L, d) float32 (q normalised and scaled, k normalised), beta (B, H, L) of
+        tokens x (B, L, C) from their conv inputs (B, 3 H d, K - 1 + L)."""
         weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # (3 H d, 1, K)
-        qkv = F.silu(F.conv1d(carry.inputs, weight, groups=weight.shape[0])).transpose(1, 2)  # (B, T, 3 H d)
+        qkv = F.silu(F.conv1d(inputs, weight, groups=weight.shape[0])).transpose(1, 2)  # (B, L, 3 H d)
         q, k, v = (t.unflatten(-1, (self.H, self.d)).transpose(1, 2).float() for t in qkv.chunk(3, -1))
-        q, k = _unit(q) * self.d ** -0.5, _unit(k)  # (B, H, T, d), in float32 as flash-linear-attention
-        g = self.decay(x).transpose(1, 2)  # (B, H, T, d)
-        beta = self.w_beta(x).sigmoid().float().transpose(1, 2)  # (B, H, T)
-        # one new token after a held state is a decode step; a first token is a prompt, as transformers takes it
-        if T == 1 and pos.start != 0:
-            out = recurrent_kda(q, k, v, g, beta, carry.state)
-        else:
-            out = chunked_kda(q, k, v, g, beta, carry.state, self.chunk)
-        out = out.transpose(1, 2).to(x.dtype)  # (B, T, H, d): transformers rounds to the compute dtype here
+        q, k = _unit(q) * self.d ** -0.5, _unit(k)  # (B, H, L, d), in float32 as flash-linear-attention
+        g = self.decay(x).transpose(1, 2)  # (B, H, L, d)
+        beta = self.w_beta(x).sigmoid().float().transpose(1, 2)  # (B, H, L)
+        return q, k, v, g, beta
+
+    def _output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output (B, L, C) from the rule's (B, H, L, d) for tokens x (B, L, C)."""
+        B, T, _ = x.shape
+        out = out.transpose(1, 2).to(x.dtype)  # (B, L, H, d): transformers rounds to the compute dtype here
         gate = self.out_gate_up(self.out_gate_down(x)).view(B, T, self.H, self.d)
         return self.wo(self.norm(out, gate).reshape(B, T, -1))
 
@@ -173,10 +206,17 @@ def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
     row decayed over the chunk. Only the state crosses chunks, so the working memory is a chunk's
     whatever the prompt's length; a last chunk shorter than ``chunk`` is not padded. transformers
     keeps every chunk's (L, L, d) weights at once."""
-    B, H, T, d = k.shape
     # a copy: the backward of a training step reads the state each chunk started from, so the
     # cache's tensor, written at the end, must not be that state
-    S = state.to(torch.float32, copy=True)
+    out, S = kda_chunks(q, k, v, g, beta, state.to(torch.float32, copy=True), chunk)
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+    return out
+
+
+def kda_chunks(q, k, v, g, beta, S: torch.Tensor, chunk: int = 64):
+    """:func:`chunked_kda`'s chunks from the float32 state ``S`` (B, H, d, d): (outputs (B, H, T, d)
+    in float32, the state after them), its graph kept (a layer's prefill carries it piece to piece)."""
+    B, H, T, d = k.shape
     out = v.new_empty(B, H, T, v.shape[-1])
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
@@ -190,8 +230,7 @@ def chunked_kda(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
         u = corrections - k_decayed @ S  # what each token writes, the old state's part taken out
         out[:, :, start:end] = (qc * G.exp()) @ S + decayed_scores(qc, kc, G) @ u
         S = S * G[..., -1, :, None].exp() + (kc * (G[..., -1:, :] - G).exp()).transpose(-1, -2) @ u
-    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
-    return out
+    return out, S
 
 
 def unfuse(layout: KDA, name: str, w: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -99,21 +99,57 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x, cos, sin, cache, pos):
         B, T, _ = x.shape
-        z, xBC, dt = self.w_in(x).split(self.split, dim=-1)
-        carry = cache.update(xBC.transpose(1, 2), pos)  # conv inputs (B, channels, K - 1 + T)
-        xBC = F.silu(self.conv(carry.inputs)).transpose(1, 2)  # (B, T, channels)
-        xs, Bs, Cs = xBC.split([self.H * self.P, self.G * self.N, self.G * self.N], dim=-1)
-        xs = xs.reshape(B, T, self.H, self.P)
-        Bs, Cs = Bs.reshape(B, T, self.G, self.N), Cs.reshape(B, T, self.G, self.N)
+        tail = self.conv.kernel_size[0] - 1
         A = -self.log_decay_rate.float().exp()  # in float32: in half precision exp(A_log) can overflow
-        # one new token after a held state is a decode step; a first token is a prompt, as transformers takes it
-        if T == 1 and pos.start != 0:
-            y = recurrent_step(xs, dt, A, Bs, Cs, self.skip, self.step_bias, carry.state)
-        else:
-            y = chunked_scan(xs, dt, A, Bs, Cs, self.skip, self.step_bias, carry.state, self.chunk,
-                             self.time_step_limit)
-        y = self.norm(y.reshape(B, T, -1), z)  # float32, as transformers' scan output
-        return self.wo(y.to(x.dtype))
+        # A prompt goes a chunk of tokens at a time through the whole mixer, the conv tail and the
+        # state carried between chunks, so its working memory is a chunk's whatever its length (its
+        # projections included: all at once they grew 4.7x from 512 to 4,096 tokens). The last piece
+        # holds at least the conv tail: the cache is handed that piece's inputs only, and writes its
+        # tail from them (the held tail before the prompt comes back first), as Gated DeltaNet's.
+        bounds = list(range(0, T, self.chunk)) + [T]
+        if len(bounds) > 2 and T - bounds[-2] < tail:
+            del bounds[-2]  # a last piece shorter than the tail joins the one before
+        z, xBC, dt = self.w_in(x[:, bounds[-2]:]).split(self.split, dim=-1)
+        carry = cache.update(xBC.transpose(1, 2), pos)  # conv inputs (B, channels, K - 1 + the last piece)
+        if len(bounds) == 2:
+            xs, Bs, Cs = self._scan_inputs(carry.inputs)
+            # one new token after a held state is a decode step; a first token is a prompt, as transformers takes it
+            if T == 1 and pos.start != 0:
+                y = recurrent_step(xs, dt, A, Bs, Cs, self.skip, self.step_bias, carry.state)
+            else:
+                y = chunked_scan(xs, dt, A, Bs, Cs, self.skip, self.step_bias, carry.state, self.chunk,
+                                 self.time_step_limit)
+            return self._output(y, z, x.dtype)
+        out = x.new_empty(B, T, self.wo.out_features)
+        last, inputs = (z, dt, carry.inputs[..., tail:]), carry.inputs[..., :tail]
+        # the state carried from piece to piece keeps its graph (a training step backpropagates
+        # through it); a copy, as chunked_scan's, and written back to the cache at the end
+        S = carry.state.to(torch.float32, copy=True)
+        for start, end in zip(bounds, bounds[1:]):
+            if end == T:
+                z, dt, new = last
+            else:
+                z, new, dt = self.w_in(x[:, start:end]).split(self.split, dim=-1)
+                new = new.transpose(1, 2)
+            inputs = torch.cat([inputs[..., inputs.shape[-1] - tail:], new], -1)  # (B, channels, K - 1 + L)
+            y, S = scan_chunks(*self._scan_inputs(inputs), dt, A, self.skip, self.step_bias, S, self.chunk,
+                               self.time_step_limit)
+            out[:, start:end] = self._output(y, z, x.dtype)
+        carry.state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+        return out
+
+    def _scan_inputs(self, inputs: torch.Tensor):
+        """x (B, L, H, P), B and C (B, L, G, N) of L tokens from their conv inputs (B, channels, K - 1 + L)."""
+        xBC = F.silu(self.conv(inputs)).transpose(1, 2)  # (B, L, channels)
+        Bsz, L, _ = xBC.shape
+        xs, Bs, Cs = xBC.split([self.H * self.P, self.G * self.N, self.G * self.N], dim=-1)
+        groups = (Bsz, L, self.G, self.N)
+        return xs.reshape(Bsz, L, self.H, self.P), Bs.reshape(groups), Cs.reshape(groups)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The mixer's output (B, L, C) from the scan's y (B, L, H, P) and the gate z (B, L, inner)."""
+        y = self.norm(y.reshape(*y.shape[:2], -1), z)  # float32, as transformers' scan output
+        return self.wo(y.to(dtype))
 
 
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -158,12 +194,20 @@ def chunked_scan(x, dt, A, B, C, D, dt_bias, state: torch.Tensor, chunk: int,
     and added the chunk's own writes. Only the state crosses chunks: a chunk's L x L weights and
     its slices of x, B, C and dt in float32 are all the memory it works in (a last chunk shorter
     than ``chunk`` is not padded). transformers keeps every chunk's weights and states at once."""
+    # a copy: the backward of a training step reads the state each chunk started from, so the
+    # cache's tensor, written at the end, must not be that state
+    y, S = scan_chunks(x, B, C, dt, A, D, dt_bias, state.to(torch.float32, copy=True), chunk, dt_limit)
+    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
+    return y
+
+
+def scan_chunks(x, B, C, dt, A, D, dt_bias, S: torch.Tensor, chunk: int,
+                dt_limit: Tuple[float, float] = (0.0, float("inf"))):
+    """:func:`chunked_scan`'s chunks from the float32 state ``S`` (B, H, P, N): (y (B, T, H, P) in
+    float32, the state after them), its graph kept (a mixer's prefill carries it piece to piece)."""
     Bsz, T, H, P = x.shape
     G, N = B.shape[2:]
     R = H // G
-    # a copy: the backward of a training step reads the state each chunk started from, so the
-    # cache's tensor, written at the end, must not be that state
-    S = state.to(torch.float32, copy=True)
     out = x.new_empty(Bsz, T, H, P, dtype=torch.float32)
     low, high = dt_limit
     for start in range(0, T, chunk):
@@ -183,8 +227,7 @@ def chunked_scan(x, dt, A, B, C, D, dt_bias, state: torch.Tensor, chunk: int,
         S = S * decay[..., -1].exp()[..., None, None] + \
             ((xdt * to_end).transpose(-1, -2) @ Bc[:, :, None]).view(Bsz, H, P, N)
         out[:, start:end] = y.view(Bsz, H, L, P).transpose(1, 2) + xc * D.float()[:, None]
-    state.copy_(S.detach())  # a cache carries the state on, never gradients through it
-    return out
+    return out, S
 
 
 def hf_mixer_weights(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

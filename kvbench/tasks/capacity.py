@@ -37,7 +37,16 @@ from kvbench.parallel.per_gpu import TABLE as PER_GPU
 from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
-from kvbench.tasks.capacity_latency import Latency, Stepper, chat_latency, decode_latency, time_pairs, warm_up
+from kvbench.tasks.capacity_latency import (
+    Guarded,
+    Latency,
+    OverBudget,
+    Stepper,
+    chat_latency,
+    decode_latency,
+    time_pairs,
+    warm_up,
+)
 from kvbench.tasks.capacity_plan import plan_capacity
 from kvbench.tasks.capacity_quality import QUALITY_METHODS, QUALITY_METRICS, variant_quality
 from kvbench.tasks.capacity_search import (
@@ -145,7 +154,9 @@ METRICS: Dict[str, Metric] = metric_table(
            "(workload=multiturn: the last turn's), each interleaved with a step of one sequence at the same context "
            "and position, whose slo.stat is the reference; judged: tpot_paired_ms <= slo.tpot_x_batch1 x "
            "tpot_reference_ms; not timed for a probe over the budget), tpot_target_ms (slo.tpot_ms, slo.tpot_x_batch1 "
-           "x tpot_reference_ms, or the tighter of both), decode_ms_p50, tokens_per_s, oom, error"),
+           "x tpot_reference_ms, or the tighter of both), decode_ms_p50, tokens_per_s, oom, error (CPU: a probe whose "
+           "resident set passed the budget stops at the forward that crossed it, 'stopped after N forwards', its "
+           "peak_bytes the peak it had reached)"),
 )
 METRICS[PER_GPU.name] = PER_GPU
 METRICS.update(SPLIT_METRICS)  # the job's own split (runtime.tensor_parallel / expert_parallel), where it has one
@@ -219,16 +230,21 @@ class Prober:
                            f"budget on a CPU")
             return probe
         latency, cpu = None, self.device.type != "cuda"
-        span = PeakSpan(self.device)
+        span, guarded = PeakSpan(self.device), Guarded(self.model, None)
         try:
             with span:
                 idle = rss_status()[0] if cpu else 0  # freed heap returned, the clock of the peak reset
-                latency = self.latency(self.probe_cfg, self.model, self.device, context, batch)
+                if cpu:  # past the budget the verdict is in: stop there (this probe's own baseline)
+                    guarded.limit = self.baseline + idle - (idle if self.idle is None else self.idle) + self.budget
+                latency = self.latency(self.probe_cfg, guarded, self.device, context, batch)
+        except OverBudget as exc:
+            probe.error = str(exc)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
             if not is_oom(exc):
                 raise
             probe.oom, probe.error = True, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
+            guarded.limit = None  # its paired steps run outside the span
             release_heap()
         if cpu:
             # Each probe against its own baseline: what earlier probes left resident (an import, a cache,

@@ -12,6 +12,7 @@ import torch
 from kvbench.cache import Cache, cache_for
 from kvbench.config.bench import BenchConfig
 from kvbench.generate import decode_step, greedy_generate
+from kvbench.measure.host import rss_status
 from kvbench.measure.stats import median
 from kvbench.measure.timing import RegionTimer
 from kvbench.model import Decoder
@@ -111,3 +112,28 @@ def warm_up(cfg: BenchConfig, model: Decoder, device: torch.device) -> None:
     prompt = torch.zeros(1, WARM_PROMPT, dtype=torch.long, device=device)
     cache = cache_for(model, cfg.cache.impl, 1, WARM_PROMPT + WARM_STEPS)
     greedy_generate(model, prompt, WARM_STEPS, cache, prefill_tokens=cfg.capacity.prefill_chunk)
+
+
+class OverBudget(Exception):
+    """A probe's resident set passed the memory budget mid-run: its memory verdict is in, and the
+    rest of its prefill and decode would only take time."""
+
+
+class Guarded:
+    """``model`` whose every forward ends by reading the process's peak resident set (VmHWM): past
+    ``limit`` (bytes; None: never) it raises :class:`OverBudget`, so that a CPU probe over the budget
+    stops at the forward that crossed it instead of finishing a prefill of batch x context tokens (at
+    the failing probe above each answer, the largest prefill of a search). Anything else is the model's."""
+
+    def __init__(self, model: Decoder, limit: Optional[int]):
+        self.model, self.limit, self.forwards = model, limit, 0
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        self.forwards += 1
+        if self.limit is not None and rss_status()[1] > self.limit:
+            raise OverBudget(f"stopped after {self.forwards} forwards: the resident set passed the budget")
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
