@@ -25,7 +25,7 @@ from kvbench.config.layer_pattern import job_variant_label
 from kvbench.core.errors import ConfigError, one_line
 from kvbench.jobs.claim import claim_holder, claim_job, resume_check
 from kvbench.jobs.isolation import launch_job
-from kvbench.jobs.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config, unread_overrides
 from kvbench.jobs.outcome import EXIT_CODES, OUTCOME
 from kvbench.jobs.sweep import override_list
 from kvbench.jsonio import os_error_line, real_dir, write_text_atomic
@@ -106,6 +106,8 @@ def hydra_job(cfg: DictConfig) -> Optional[float]:
     job, invalid = typed_job(cfg)
     if multirun:
         stderr.print(job_line(num, os.environ.get("KVBENCH_SWEEP_TOTAL", "?"), overrides, job))
+    for line in unread_overrides(job, overrides) if job is not None else ():
+        stderr.print(f"kvbench: {line}", markup=False, soft_wrap=True)
     try:
         claim = claim_job(out_dir)
     except OSError as exc:  # a full disk refuses the claim file: the job cannot run here

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf, open_dict
 
 from kvbench.config.bench import CONF_DIR, BenchConfig
 from kvbench.config.model import AttentionConfig, ModelConfig
-from kvbench.jobs.job_config import to_bench_config
+from kvbench.jobs.job_config import to_bench_config, unread_overrides
 from kvbench.jobs.sweep import sweep_jobs, sweep_size
 from kvbench.results import read_record
 
@@ -393,3 +393,19 @@ def test_a_jobs_config_is_typed_once_and_handed_on(tmp_path, monkeypatch):
         monkeypatch.setattr(cli_job, "_job_context", lambda: (tmp_path / "0", True, [], 0))
         assert cli_job.hydra_job(compose(*args)) == read_record(tmp_path / "0").metrics["tokens_per_s"]
         assert calls == {"typed": 1, "resolved": 1}
+
+
+def test_a_command_line_value_the_task_does_not_read_is_said_in_one_line():
+    """task=capacity searches capacity.context_lens: workload.prompt_len=256 on its command line changed
+    nothing and said nothing (issue 59's own timing command carried it). Each such key=value is one line;
+    group choices, model keys and keys the task reads are not."""
+    overrides = ["attention=mqa", "model.num_layers=2", "workload.prompt_len=256", "runtime.threads=2",
+                 "+capacity.context_lens=[256]", "compare.contexts=[64]", "wandb.mode=disabled"]
+    capacity = to_bench_config(compose("model=tiny", "task=capacity"))
+    assert unread_overrides(capacity, overrides) == [
+        "workload.prompt_len=256: task=capacity does not read it, so it changes nothing (its contexts are "
+        "capacity.context_lens)",
+        "compare.contexts=[64]: task=capacity does not read it, so it changes nothing"]
+    bench = to_bench_config(compose("model=tiny"))
+    assert [line.split(":")[0] for line in unread_overrides(bench, overrides)] == [
+        "capacity.context_lens=[256]", "compare.contexts=[64]"]

@@ -10,7 +10,7 @@ command line with it before any job runs.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Sequence
 
 from omegaconf import DictConfig
 
@@ -43,3 +43,26 @@ def to_bench_config(cfg: DictConfig | Mapping[str, Any] | BenchConfig) -> BenchC
     """Typed, validated config (raises :class:`~kvbench.core.errors.ConfigError` naming the bad
     key); a :class:`BenchConfig` passes as it is (checked where it was typed)."""
     return cfg if isinstance(cfg, BenchConfig) else check_job(typed(BenchConfig, cfg))
+
+
+# where a task takes what an unread key would have set
+_INSTEAD = {("capacity", "workload.prompt_len"): "its contexts are capacity.context_lens",
+            ("capacity", "workload.batch_size"): "the batch is what it searches, up to capacity.max_batch",
+            ("compare", "workload.prompt_len"): "its contexts are compare.contexts"}
+
+
+def unread_overrides(job: BenchConfig, overrides: Sequence[str]) -> List[str]:
+    """One line for each command-line ``key=value`` the job's task does not read (a value that would
+    change nothing, and that its record leaves out): ``task=capacity workload.prompt_len=256`` searched
+    capacity.context_lens and said nothing. Group choices, ``model.*`` (every task's), ``wandb.*``,
+    ``hydra.*`` and deletions are not checked."""
+    lines = []
+    for override in overrides:
+        key, eq, value = override.lstrip("+").partition("=")
+        if not eq or override.startswith("~") or "." not in key or key.split(".")[0] in ("model", "wandb", "hydra"):
+            continue
+        if not job.reads(key):
+            instead = _INSTEAD.get((job.task, key))
+            lines.append(f"{key}={value}: task={job.task} does not read it, so it changes nothing"
+                         + (f" ({instead})" if instead else ""))
+    return lines
