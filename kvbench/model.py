@@ -23,7 +23,7 @@ from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
-from kvbench.mlp.experts import mlp_module
+from kvbench.mlp.beside import mlp_module
 from kvbench.norm import RMSNorm
 from kvbench.rope import rope_tables
 
@@ -62,7 +62,10 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, pos, per_layer_input=None, tokens=None):
         x = x + self._scaled(self._normed(self.attn_post_norm, self.attn(self.attn_norm(x), cos, sin, cache, pos)))
         if self.mlp is not None:
-            x = x + self._scaled(self._normed(self.mlp_post_norm, self.mlp(self.mlp_norm(x))))
+            # Gemma 4's experts beside its dense MLP read the residual stream too (kvbench.mlp.beside)
+            branch = self.mlp(self.mlp_norm(x), x) if getattr(self.mlp, "reads_stream", False) else \
+                self.mlp(self.mlp_norm(x))
+            x = x + self._scaled(self._normed(self.mlp_post_norm, branch))
         if self.per_layer is not None:
             x = x + self.per_layer(x, per_layer_input)
         return x if self.layer_scalar is None else x * self.layer_scalar

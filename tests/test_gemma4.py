@@ -162,7 +162,7 @@ def test_inspect_of_gemma4_31b_prints_the_bytes_docs_derive_by_hand(presets, cap
 
 
 @pytest.mark.parametrize("change, line", [
-    ({"enable_moe_block": True}, "enable_moe_block=True: not supported"),
+    ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention='vision': not supported"),
     ({"use_double_wide_mlp": True, "num_kv_shared_layers": 2}, "use_double_wide_mlp=True: the shared layers'"),
     ({"rope_parameters": {FULL: {"rope_type": "yarn", "rope_theta": 1e6}}},
      "rope_parameters.full_attention.rope_type='yarn': not supported"),
