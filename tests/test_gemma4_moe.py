@@ -90,3 +90,32 @@ def test_a_gemma4_moe_config_json_it_cannot_run_is_refused_in_one_line_naming_th
         ModelConfig(path=str(tmp_path))
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"model.path={str(tmp_path)!r}: ") and line in message, message
+
+
+# google/gemma-4-26B-A4B's text_config as public readers of its config.json quote it (conf/model/gemma4_26b_a4b.yaml)
+PUBLISHED = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                 num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024,
+                 max_position_embeddings=262144, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                 enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                 layer_types=([SLIDING] * 5 + [FULL]) * 5)
+
+
+def test_the_gemma4_26b_a4b_preset_is_its_config_json_and_counts_what_the_card_says(tmp_path):
+    from conftest import compose
+    from transformers import Gemma4TextConfig
+
+    from kvbench.jobs.job_config import to_bench_config
+
+    cfg = to_bench_config(compose("model=gemma4_26b_a4b", "task=inspect"))
+    (tmp_path / "config.json").write_text(Gemma4TextConfig(**PUBLISHED, architectures=["Gemma4ForCausalLM"])
+                                          .to_json_string())
+    read = ModelConfig(path=str(tmp_path))
+    for key in ("num_layers", "d_model", "num_heads", "preset_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+                "max_seq_len", "rope_theta", "norm_eps", "mlp_act", "preset_window", "preset_k_eq_v", "moe",
+                "layer_shapes", "residual"):
+        assert getattr(cfg.model, key) == getattr(read, key), key
+    c = parameter_counts(cfg.model, cfg.attention)
+    # the card: 25.2B without the tied embedding table (26B "total"), 3.8B active ("A4B")
+    assert c.total - c.embedding == pytest.approx(25.2e9, rel=0.005) and c.embedding == 262144 * 2816
+    assert c.active == pytest.approx(3.8e9, rel=0.01)
