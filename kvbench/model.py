@@ -24,6 +24,7 @@ from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.mlp.beside import mlp_module
+from kvbench.mlp.dense import MLP
 from kvbench.norm import RMSNorm
 from kvbench.rope import rope_tables
 
@@ -53,6 +54,8 @@ class Block(nn.Module):
         if index not in (cfg.no_mlp_layers or ()):
             self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
             self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
+            if form is not None and form.shared_mlp_factor > 1 and layout.kv_source is not None:
+                self.mlp = MLP(cfg, cfg.ffn_dim * form.shared_mlp_factor)  # Gemma 4 E2B: its dense MLP, no bias
             if form is not None and form.post_norms:
                 self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         if form is not None and form.per_layer_input_dim:

@@ -119,3 +119,12 @@ def test_the_gemma4_26b_a4b_preset_is_its_config_json_and_counts_what_the_card_s
     # the card: 25.2B without the tied embedding table (26B "total"), 3.8B active ("A4B")
     assert c.total - c.embedding == pytest.approx(25.2e9, rel=0.005) and c.embedding == 262144 * 2816
     assert c.active == pytest.approx(3.8e9, rel=0.01)
+
+
+@pytest.mark.parametrize("factor", [0, True, 2.0])
+def test_a_shared_mlp_factor_that_is_not_a_whole_widening_is_refused_in_one_line(factor):
+    from kvbench.config.residual import ResidualForm
+
+    with pytest.raises(ConfigError) as info:
+        ResidualForm(shared_mlp_factor=factor)
+    assert str(info.value).startswith(f"model.residual.shared_mlp_factor={factor!r}: must be an integer")

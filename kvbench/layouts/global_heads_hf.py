@@ -13,9 +13,10 @@ rope_parameters (``proportional``: a fraction of the frequencies over the whole 
 (``attention_k_eq_v``), KV sharing over the last ``num_kv_shared_layers`` layers, per-layer inputs
 (``hidden_size_per_layer_input``), sandwich norms, layer scalars, the embedding times sqrt(hidden),
 q/k/v norms, attention logits unscaled, GeGLU and the final logit soft-capping, and the mixture of
-experts beside the dense MLP (``enable_moe_block``, 26B-A4B: :mod:`kvbench.mlp.beside`). Refused in one
-line naming the key: the double-wide MLP of shared layers (E2B), bidirectional attention, per-layer
-overrides other than the global layers' heads, other rope types.
+experts beside the dense MLP (``enable_moe_block``, 26B-A4B: :mod:`kvbench.mlp.beside`), the shared
+layers' MLPs twice as wide (``use_double_wide_mlp``, E2B). Refused in one line naming the key: the two
+together, bidirectional attention, per-layer overrides other than the global layers' heads, other rope
+types.
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def _text_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
         raise ConfigError(f"hidden_activation={act!r}: not supported (gelu_pytorch_tanh only)")
     L, d = _count(cfg, "num_hidden_layers", 30), _count(cfg, "hidden_size", 2304)
     shared = get(cfg, "num_kv_shared_layers", "int", 0)
-    if get(cfg, "use_double_wide_mlp", "bool", False) and shared:
-        raise ConfigError("use_double_wide_mlp=True: the shared layers' double-wide MLP is not read")
+    wide = get(cfg, "use_double_wide_mlp", "bool", False) and bool(shared)  # the shared layers' MLP 2x wide (E2B)
+    if wide and get(cfg, "enable_moe_block", "bool", False):
+        raise ConfigError("use_double_wide_mlp=True: beside enable_moe_block=True not read (a shared layer's "
+                          "experts beside a double-wide MLP)")
     types, rope = _layer_types(cfg, L), _rope(cfg)
     k_eq_v = get(cfg, "attention_k_eq_v", "bool", False)
     bias = get(cfg, "attention_bias", "bool", False)
@@ -139,7 +142,8 @@ def _text_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
             "residual": {"embed_scale": d ** 0.5, "post_norms": True, "layer_scalar": True,
                          "per_layer_input_dim": per_layer, "per_layer_vocab_size":
                              _count(cfg, "vocab_size_per_layer_input", 262_144) if per_layer else None,
-                         "logit_softcap": get(cfg, "final_logit_softcapping", "number", None)}}
+                         "logit_softcap": get(cfg, "final_logit_softcapping", "number", None),
+                         "shared_mlp_factor": 2 if wide else 1}}
 
 
 def _moe(cfg: Mapping[str, Any]) -> Dict[str, Any]:
