@@ -87,7 +87,9 @@ class MoEShape:
     def layer_params(self, d_model: int) -> int:
         """A mixture-of-experts layer's MLP parameters: the router (and its bias), every routed
         expert, the shared expert and its gate (the sigmoid router's correction bias is a buffer,
-        as in transformers: E values per layer, not counted)."""
+        as in transformers: E values per layer, not counted). With ``beside_dense``, the experts' part
+        alone: the dense MLP beside them, the norms and the router's scales are the decoder's to count
+        (kvbench.footprint counts the built layer)."""
         C, E = d_model, self.num_experts
         router = E * C + (E if self.router_bias else 0)
         shared = 3 * C * self.shared_ffn_dim + (C if self.shared_gate else 0)
