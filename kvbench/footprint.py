@@ -97,7 +97,7 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
         if mixer != "shared" and not owner:  # its two-layer model holds a layer of another kind: not the fixed part
             fixed = 2 * one.num_params() - two
     total = fixed + sum(per_layer[k] * n for k, n in kinds.items()) + _other_shapes(model, resolved, counted_as)
-    gated = model.mlp_act == "silu"  # relu2 experts have no gate projection
+    gated = model.mlp_act != "relu2"  # relu2 experts have no gate projection
     unused = 0 if moe is None else (moe.num_experts - moe.top_k) * moe.expert_params(model.d_model, gated)
     return ParameterCounts(total, total - unused * sum(n for (_, mlp), n in kinds.items() if mlp == "sparse")
                            - embedding, embedding)

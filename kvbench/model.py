@@ -23,7 +23,8 @@ from kvbench.layouts.attention import attention_module
 from kvbench.layouts.base import LayerLayout
 from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
-from kvbench.mlp.experts import mlp_module
+from kvbench.mlp.beside import mlp_module
+from kvbench.mlp.dense import MLP
 from kvbench.norm import RMSNorm
 from kvbench.rope import rope_tables
 
@@ -53,6 +54,8 @@ class Block(nn.Module):
         if index not in (cfg.no_mlp_layers or ()):
             self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
             self.mlp = mlp_module(cfg, index)  # dense, or a mixture of experts (kvbench.mlp)
+            if form is not None and form.shared_mlp_factor > 1 and layout.kv_source is not None:
+                self.mlp = MLP(cfg, cfg.ffn_dim * form.shared_mlp_factor)  # Gemma 4 E2B: its dense MLP, no bias
             if form is not None and form.post_norms:
                 self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_zero_centered)
         if form is not None and form.per_layer_input_dim:
@@ -62,7 +65,10 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, pos, per_layer_input=None, tokens=None):
         x = x + self._scaled(self._normed(self.attn_post_norm, self.attn(self.attn_norm(x), cos, sin, cache, pos)))
         if self.mlp is not None:
-            x = x + self._scaled(self._normed(self.mlp_post_norm, self.mlp(self.mlp_norm(x))))
+            # Gemma 4's experts beside its dense MLP read the residual stream too (kvbench.mlp.beside)
+            branch = self.mlp(self.mlp_norm(x), x) if getattr(self.mlp, "reads_stream", False) else \
+                self.mlp(self.mlp_norm(x))
+            x = x + self._scaled(self._normed(self.mlp_post_norm, branch))
         if self.per_layer is not None:
             x = x + self.per_layer(x, per_layer_input)
         return x if self.layer_scalar is None else x * self.layer_scalar

@@ -1,11 +1,11 @@
 """Gemma 4 (transformers' Gemma4ForCausalLM) through kvbench's loader, exact against transformers with
 random weights, in its two forms: a 31B-like one (sliding layers beside global layers of their own
 heads whose keys are their values, K=V) and an E-model-like one (global layers of their own width with
-K and V, KV sharing over the last layers, per-layer inputs). Logits within 1e-5, perplexity within
-1e-5 relative (task=eval's record too), 40 greedy cached steps past the window token-equal to
-``generate``; what a K=V layer holds and a serving page of it against the formula (half a K+V layer's);
-the presets' parameters against the model cards and their bytes against the hand derivation in
-docs/layouts-gemma4.md; what the reader refuses, in one line naming the key."""
+K and V, KV sharing over the last layers, their MLPs twice as wide as E2B's, per-layer inputs). Logits
+within 1e-5, perplexity within 1e-5 relative (task=eval's record too), 40 greedy cached steps past the
+window token-equal to ``generate``; what a K=V layer holds and a serving page of it against the formula
+(half a K+V layer's); the presets' parameters against the model cards and their bytes against the hand
+derivation in docs/layouts-gemma4.md; what the reader refuses, in one line naming the key."""
 
 import json
 
@@ -29,11 +29,13 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, global_head_dim=32, sliding_window=8, final_logit_softcapping=30.0,
             max_position_embeddings=128)
-FORMS = {  # 31B: K=V globals of 1 KV head; E-model: K and V, 2 layers sharing, per-layer inputs of 8
+FORMS = {  # 31B: K=V globals of 1 KV head; E-model (E2B): K and V, 2 layers sharing with MLPs twice as wide,
+    # per-layer inputs of 8
     "dense": dict(num_hidden_layers=4, layer_types=[SLIDING, FULL] * 2, attention_k_eq_v=True,
                   num_global_key_value_heads=1, hidden_size_per_layer_input=0),
     "e_model": dict(num_hidden_layers=6, layer_types=[SLIDING, SLIDING, FULL] * 2, attention_k_eq_v=False,
-                    num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB),
+                    num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                    use_double_wide_mlp=True),
 }
 
 
@@ -76,6 +78,9 @@ def test_a_gemma4_checkpoint_is_transformers_in_logits_perplexity_and_40_greedy_
     assert len(set(got[0].tolist())) > 5
     if form == "e_model":  # the last two layers hold nothing: they read layer 3 (sliding) and 2 (global)
         assert [layer.kv_source for layer in model.layouts[4:]] == [3, 2]
+        # use_double_wide_mlp: a shared layer's MLP twice intermediate_size wide, as transformers builds it
+        assert [b.mlp.w_up.out_features for b in model.blocks] == [96] * 4 + [192] * 2 == \
+            [layer.mlp.intermediate_size for layer in hf.model.layers]
 
 
 @torch.no_grad()
@@ -162,8 +167,9 @@ def test_inspect_of_gemma4_31b_prints_the_bytes_docs_derive_by_hand(presets, cap
 
 
 @pytest.mark.parametrize("change, line", [
-    ({"enable_moe_block": True}, "enable_moe_block=True: not supported"),
-    ({"use_double_wide_mlp": True, "num_kv_shared_layers": 2}, "use_double_wide_mlp=True: the shared layers'"),
+    ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention='vision': not supported"),
+    ({"use_double_wide_mlp": True, "num_kv_shared_layers": 2, "enable_moe_block": True, "num_experts": 4,
+      "top_k_experts": 2, "moe_intermediate_size": 8}, "use_double_wide_mlp=True: beside enable_moe_block=True"),
     ({"rope_parameters": {FULL: {"rope_type": "yarn", "rope_theta": 1e6}}},
      "rope_parameters.full_attention.rope_type='yarn': not supported"),
     ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config.0: only the full-attention layers' heads"),

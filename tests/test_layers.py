@@ -44,7 +44,7 @@ LAYERS = [
      "layouts.mamba2_mixer", "layouts.compressed_attention", "layouts.kda_mixer", "serving.managers"],
     ["layouts.attention", "mlp.experts", "layouts.global_heads_attention", "layouts.compressed_pages",
      "serving.pool_manager"],
-    ["blocks.hyper_block"],
+    ["blocks.hyper_block", "mlp.beside"],
     ["model", "results", "measure.timing", "measure.memory", "measure.stats"],
     ["footprint", "sinks.views", "serving.metrics", "serving.paged", "serving.turn_metrics", "mlp.weights",
      "parallel.tensor"],

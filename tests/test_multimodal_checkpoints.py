@@ -91,7 +91,9 @@ def test_task_eval_of_a_multimodal_llama4_checkpoint_is_transformers_perplexity(
     ("llama4", {"num_key_value_heads": 3}, "text_config.num_key_value_heads=3: must divide "
      "text_config.num_attention_heads=4"),
     ("llama4", {"hidden_act": "gelu"}, "text_config.hidden_act='gelu': not supported"),
-    ("gemma4", {"enable_moe_block": True}, "text_config.enable_moe_block=True: not supported"),
+    ("gemma4", {"enable_moe_block": True, "num_experts": None, "use_double_wide_mlp": False},
+     "text_config.num_experts=None: "
+     "text_config.enable_moe_block=True needs it"),
     ("gemma4", {"rope_parameters": {"full_attention": {"rope_type": "yarn"}}},
      "text_config.rope_parameters.full_attention.rope_type='yarn': not supported"),
 ])

@@ -124,8 +124,9 @@ class ModelConfig:
             check(all(0 <= i < self.num_layers for i in layers), f"model.{key}", layers,
                   f"must name layers below model.num_layers={self.num_layers}")
         check_choice("model.mlp_act", self.mlp_act, MLP_ACTS)
-        check(self.mlp_act != "gelu_tanh" or self.moe is None, "model.mlp_act", self.mlp_act,
-              "is a dense MLP's (GeGLU); experts run silu or relu2")
+        check(self.mlp_act != "gelu_tanh" or self.moe is None or self.moe.beside_dense, "model.mlp_act", self.mlp_act,
+              "is a dense MLP's (GeGLU); experts run silu or relu2, GeGLU only beside a dense MLP "
+              "(model.moe.beside_dense)")
         check_numbers("model", self)
         check_positive("model", self, ("num_layers", "d_model", "num_heads", "ffn_dim", "vocab_size", "max_seq_len",
                                         "preset_kv_heads"))

@@ -62,6 +62,10 @@ class MoEShape:
     swiglu_limit: Optional[float] = None  # GPT-OSS: gate clamped above, up to +-limit, (up + 1) * glu
     swiglu_alpha: float = 1.702  # GPT-OSS: glu = gate * sigmoid(alpha * gate)
     swiglu_up_shift: float = 1.0  # with swiglu_limit: (up + shift) * glu (GPT-OSS 1; DeepSeek-V4 0)
+    # every token also through the dense MLP of model.ffn_dim, the experts (GeGLU with model.mlp_act gelu_tanh)
+    # and router reading the stream under norms of their own, learned router and per-expert scales (Gemma 4
+    # 26B-A4B: kvbench.mlp.beside)
+    beside_dense: bool = False
     hash_layers: List[int] = field(default_factory=list)  # DeepSeek-V4's hash_moe layers: experts by token id
     dense_layers: List[int] = field(default_factory=list)  # layers with a dense MLP of model.ffn_dim
 
@@ -83,7 +87,9 @@ class MoEShape:
     def layer_params(self, d_model: int) -> int:
         """A mixture-of-experts layer's MLP parameters: the router (and its bias), every routed
         expert, the shared expert and its gate (the sigmoid router's correction bias is a buffer,
-        as in transformers: E values per layer, not counted)."""
+        as in transformers: E values per layer, not counted). With ``beside_dense``, the experts' part
+        alone: the dense MLP beside them, the norms and the router's scales are the decoder's to count
+        (kvbench.footprint counts the built layer)."""
         C, E = d_model, self.num_experts
         router = E * C + (E if self.router_bias else 0)
         shared = 3 * C * self.shared_ffn_dim + (C if self.shared_gate else 0)
@@ -112,6 +118,8 @@ class MoEShape:
         text = f"{self.num_experts} experts of {self.expert_ffn_dim}, top {self.top_k} ({route})"
         if self.shared_ffn_dim:
             text += f" + a shared expert of {self.shared_ffn_dim}" + (" (sigmoid-gated)" if self.shared_gate else "")
+        if self.beside_dense:
+            text += " beside the dense MLP"
         if self.swiglu_limit is not None:
             text += f"; SwiGLU clamped at {self.swiglu_limit:g}, alpha {self.swiglu_alpha:g}"
         return text

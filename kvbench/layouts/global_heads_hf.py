@@ -12,18 +12,22 @@ their base; global layers of their own shape (``per_layer_config`` as save_pretr
 rope_parameters (``proportional``: a fraction of the frequencies over the whole head); K=V
 (``attention_k_eq_v``), KV sharing over the last ``num_kv_shared_layers`` layers, per-layer inputs
 (``hidden_size_per_layer_input``), sandwich norms, layer scalars, the embedding times sqrt(hidden),
-q/k/v norms, attention logits unscaled, GeGLU and the final logit soft-capping. Refused in one line
-naming the key: the mixture-of-experts block (26B-A4B), the double-wide MLP of shared layers (E2B),
-bidirectional attention, per-layer overrides other than the global layers' heads, other rope types.
+q/k/v norms, attention logits unscaled, GeGLU and the final logit soft-capping, and the mixture of
+experts beside the dense MLP (``enable_moe_block``, 26B-A4B: :mod:`kvbench.mlp.beside`), the shared
+layers' MLPs twice as wide (``use_double_wide_mlp``, E2B). Refused in one line naming the key: the two
+together, bidirectional attention, per-layer overrides other than the global layers' heads, other rope
+types.
 """
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from kvbench.core.errors import ConfigError
 from kvbench.core.hf_keys import text_model_fields, text_model_names
 from kvbench.core.hf_read import get
+from kvbench.core.moe import MoEShape, check_moe
 
 MULTIMODAL = "Gemma4ForConditionalGeneration"  # Gemma4TextModel as its language_model, beside vision and audio
 ARCHITECTURES = ("Gemma4ForCausalLM", MULTIMODAL)
@@ -108,23 +112,24 @@ def hf_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
 
 
 def _text_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
-    for key, off in (("enable_moe_block", False), ("use_bidirectional_attention", None)):
-        if cfg.get(key) not in (off, None):
-            raise ConfigError(f"{key}={cfg[key]!r}: not supported (Gemma 4's mixture-of-experts block and "
-                              "bidirectional attention are not read)")
+    if cfg.get("use_bidirectional_attention") is not None:
+        raise ConfigError(f"use_bidirectional_attention={cfg['use_bidirectional_attention']!r}: not supported "
+                          "(Gemma 4's bidirectional attention is not read)")
     act = get(cfg, "hidden_activation", "str", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"hidden_activation={act!r}: not supported (gelu_pytorch_tanh only)")
     L, d = _count(cfg, "num_hidden_layers", 30), _count(cfg, "hidden_size", 2304)
     shared = get(cfg, "num_kv_shared_layers", "int", 0)
-    if get(cfg, "use_double_wide_mlp", "bool", False) and shared:
-        raise ConfigError("use_double_wide_mlp=True: the shared layers' double-wide MLP is not read")
+    wide = get(cfg, "use_double_wide_mlp", "bool", False) and bool(shared)  # the shared layers' MLP 2x wide (E2B)
+    if wide and get(cfg, "enable_moe_block", "bool", False):
+        raise ConfigError("use_double_wide_mlp=True: beside enable_moe_block=True not read (a shared layer's "
+                          "experts beside a double-wide MLP)")
     types, rope = _layer_types(cfg, L), _rope(cfg)
     k_eq_v = get(cfg, "attention_k_eq_v", "bool", False)
     bias = get(cfg, "attention_bias", "bool", False)
     per_layer = get(cfg, "hidden_size_per_layer_input", "int", 256) or 0
     window = _count(cfg, "sliding_window", 512)
-    return {"num_layers": L, "d_model": d, "num_heads": _count(cfg, "num_attention_heads", 8),
+    return {**_moe(cfg), "num_layers": L, "d_model": d, "num_heads": _count(cfg, "num_attention_heads", 8),
             "preset_kv_heads": _count(cfg, "num_key_value_heads", 4), "head_dim": _count(cfg, "head_dim", 256),
             "ffn_dim": _count(cfg, "intermediate_size", 9216), "vocab_size": _count(cfg, "vocab_size", 262_144),
             "max_seq_len": _count(cfg, "max_position_embeddings", 131_072),
@@ -137,7 +142,25 @@ def _text_model_fields(cfg: Mapping[str, Any], arch: str) -> Dict[str, Any]:
             "residual": {"embed_scale": d ** 0.5, "post_norms": True, "layer_scalar": True,
                          "per_layer_input_dim": per_layer, "per_layer_vocab_size":
                              _count(cfg, "vocab_size_per_layer_input", 262_144) if per_layer else None,
-                         "logit_softcap": get(cfg, "final_logit_softcapping", "number", None)}}
+                         "logit_softcap": get(cfg, "final_logit_softcapping", "number", None),
+                         "shared_mlp_factor": 2 if wide else 1}}
+
+
+def _moe(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """``model.moe`` of ``enable_moe_block`` (26B-A4B): on every layer, ``num_experts`` GeGLU experts of
+    ``moe_intermediate_size`` beside the dense MLP, the top ``top_k_experts`` of a softmax renormalised
+    (Gemma4TextRouter); {} without it."""
+    if not get(cfg, "enable_moe_block", "bool", False):
+        return {}
+    keys = {"num_experts": "num_experts", "top_k": "top_k_experts", "expert_ffn_dim": "moe_intermediate_size"}
+    moe = {field: _count(cfg, key, None) for field, key in keys.items()}
+    for field, key in keys.items():
+        if moe[field] is None:  # Gemma4TextConfig's default None builds no model
+            raise ConfigError(f"{key}=None: enable_moe_block=True needs it (an integer >= 1)")
+    moe.update(router="softmax", norm_topk_prob=True, beside_dense=True)
+    check_moe({**{f.name: f.default for f in fields(MoEShape) if f.default is not MISSING}, **moe},
+              {**{f.name: f.name for f in fields(MoEShape)}, **keys})
+    return {"moe": moe}
 
 
 # a layer's tensors where Gemma 4 names them otherwise than Llama (its post_attention_layernorm is a post-norm)
@@ -145,7 +168,13 @@ LAYER_NAMES = {"post_attention_layernorm.": "attn_post_norm.",
                "pre_feedforward_layernorm.": "post_attention_layernorm.",
                "post_feedforward_layernorm.": "mlp_post_norm.",
                "per_layer_input_gate.": "per_layer.gate.", "per_layer_projection.": "per_layer.project.",
-               "post_per_layer_input_norm.": "per_layer.norm."}
+               "post_per_layer_input_norm.": "per_layer.norm.",
+               # enable_moe_block (kvbench.mlp.beside): the experts stacked as the decoder stacks them
+               "post_feedforward_layernorm_1.": "mlp.dense_post_norm.", "pre_feedforward_layernorm_2.":
+                   "mlp.experts_norm.", "post_feedforward_layernorm_2.": "mlp.experts_post_norm.",
+               "router.proj.": "mlp.router.", "router.scale": "mlp.router_scale",
+               "router.per_expert_scale": "mlp.per_expert_scale", "experts.gate_up_proj": "mlp.experts.w_gate_up",
+               "experts.down_proj": "mlp.experts.w_down"}
 MODEL_NAMES = {"model.embed_tokens_per_layer.": "per_layer.embed.", "model.per_layer_model_projection.":
                "per_layer.project.", "model.per_layer_projection_norm.": "per_layer.norm."}
 

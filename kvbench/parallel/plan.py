@@ -163,6 +163,12 @@ def check_parallel(job: Any) -> None:
         why = layer.tensor_refusal(tp)
         if why:
             raise ConfigError(f"{key}={value!r}: layer {index}: {why}")
+    # Gemma 4's experts beside the dense MLP norm each part before the sum: a rank's partial sum is not theirs
+    check(not ranks or model.moe is None or not model.moe.beside_dense, key, value, "the mixture of experts "
+          "beside the dense MLP (model.moe.beside_dense) norms each part's output, which sharding it would cut "
+          "(not built); use 1")
+    check(not ranks or model.residual is None or model.residual.shared_mlp_factor == 1, key, value,
+          "the shared layers' wider MLP (model.residual.shared_mlp_factor) is not cut across ranks (not built); use 1")
     dense = model.moe is None or len(model.moe.dense_layers) > 0
     check(not dense or model.ffn_dim % tp == 0, key, value, f"must divide model.ffn_dim={model.ffn_dim}")
     if model.moe is not None:
