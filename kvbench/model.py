@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvbench.blocks.hyper_block import HyperBlock
-from kvbench.blocks.hyper_connection import Float32RMSNorm, HyperHead, expand
+from kvbench.blocks.hyper_connection import HyperHead, expand
 from kvbench.blocks.residual import PerLayerBranch, PerLayerInputs
 from kvbench.cache import Positions, uncached_layers
 from kvbench.config.model import AttentionConfig, ModelConfig
@@ -25,7 +25,7 @@ from kvbench.layouts.build import build_layouts
 from kvbench.layouts.kv_heads import kv_group_map
 from kvbench.mlp.beside import mlp_module
 from kvbench.mlp.dense import MLP
-from kvbench.norm import RMSNorm
+from kvbench.norm import Float32RMSNorm, RMSNorm
 from kvbench.rope import rope_tables
 
 

@@ -1,4 +1,7 @@
-"""RMSNorm, as Llama, DeepSeek and Qwen use it (their weights load into it unchanged)."""
+"""RMSNorm, as Llama, DeepSeek and Qwen use it (their weights load into it unchanged), and the float32
+keeping of DeepSeek-V4's (:class:`Float32Params`, :class:`Float32RMSNorm`)."""
+
+from typing import Tuple
 
 import torch
 from torch import nn
@@ -27,3 +30,36 @@ def unscaled_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     Gemma4RMSNorm(with_scale=False), x * (mean(x^2) + eps)^-1/2)."""
     xf = x.float()
     return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
+
+
+class Float32Params(nn.Module):
+    """A module whose own parameters (not its children's) stay float32 whatever dtype the model is
+    moved to, as transformers keeps DeepSeek-V4's hyper-connections, norms, sinks and position biases
+    (its ``_keep_in_fp32_modules_strict``): in bfloat16 they are not rounded, and what they multiply
+    is computed in float32. ``FLOAT32_BUFFERS``: its buffers kept so too."""
+
+    FLOAT32_BUFFERS: Tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        for name in self.FLOAT32_BUFFERS:
+            if getattr(self, name, None) is not None:
+                setattr(self, name, getattr(self, name).float())
+        return self
+
+
+class Float32RMSNorm(Float32Params):
+    """RMSNorm with a float32 weight, multiplied in float32 and cast back once (transformers'
+    DeepseekV4RMSNorm); in float32 it is :class:`kvbench.norm.RMSNorm` exactly."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)

@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvbench"
 LAYERS = [
     ["core.errors", "core.task", "core.hooks", "jsonio", "units", "units_v1", "metrics", "measure.host",
      "jobs.interrupts", "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm",
-     "serving.pool", "blocks.hyper_connection", "measure.plausibility", "layouts.sharding", "parallel.vocab"],
-    ["hf_weights", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
+     "serving.pool", "measure.plausibility", "layouts.sharding", "parallel.vocab"],
+    ["hf_weights", "blocks.hyper_connection", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
      "core.moe", "config.multipliers", "config.residual", "blocks.residual", "config.hyper", "core.hf_keys",
      "core.hf_read", "config.hf_agree", "mlp.dense", "mlp.router"],
     # what a kind's home builds on: chunked attention, NoPE layers and Llama 4's config.json

@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvbench.blocks.hyper_connection import Float32RMSNorm, HyperConnection, residual
+from kvbench.blocks.hyper_connection import HyperConnection, residual
 from kvbench.layouts.attention import attention_module
 from kvbench.mlp.experts import MoE, mlp_module
+from kvbench.norm import Float32RMSNorm
 
 
 class HyperBlock(nn.Module):

@@ -24,42 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbench.norm import Float32Params
+
 
 def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-class Float32Params(nn.Module):
-    """A module whose own parameters (not its children's) stay float32 whatever dtype the model is
-    moved to, as transformers keeps DeepSeek-V4's hyper-connections, norms, sinks and position biases
-    (its ``_keep_in_fp32_modules_strict``): in bfloat16 they are not rounded, and what they multiply
-    is computed in float32. ``FLOAT32_BUFFERS``: its buffers kept so too."""
-
-    FLOAT32_BUFFERS: Tuple[str, ...] = ()
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for p in self.parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != torch.float32:
-                p.data = p.data.float()
-        for name in self.FLOAT32_BUFFERS:
-            if getattr(self, name, None) is not None:
-                setattr(self, name, getattr(self, name).float())
-        return self
-
-
-class Float32RMSNorm(Float32Params):
-    """RMSNorm with a float32 weight, multiplied in float32 and cast back once (transformers'
-    DeepseekV4RMSNorm); in float32 it is :class:`kvbench.norm.RMSNorm` exactly."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 class HyperConnection(Float32Params):

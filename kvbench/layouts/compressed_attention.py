@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.blocks.hyper_connection import Float32Params, Float32RMSNorm
 from kvbench.cache import Positions
 from kvbench.layouts.compressed_layout import Compressed, Rope
+from kvbench.norm import Float32Params, Float32RMSNorm
 
 V4RMSNorm = Float32RMSNorm  # transformers' DeepseekV4RMSNorm: q_a_norm, kv_norm, the compressors' kv_norm
 

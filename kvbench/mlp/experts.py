@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbench.blocks.hyper_connection import Float32Params
 from kvbench.mlp.dense import MLP
 from kvbench.mlp.router import route
+from kvbench.norm import Float32Params
 
 
 def mlp_module(cfg, layer: int) -> nn.Module:
