@@ -156,7 +156,7 @@ def shard_decoder(model: Decoder, ranks: int, rank: int, expert_parallel: int = 
                     part.register_forward_hook(lambda module, args, out: group.all_reduce(out))
                     group.hooks += 1
                     for module in part.modules():  # one that sums across the ranks itself (a norm over a
-                        if hasattr(module, "tp_group"):  # group cut across them, Mamba-2's)
+                        if hasattr(module, "tp_group"):  # group cut across them: a recurrent kind's gated norm)
                             module.tp_group = group
     # the vocabulary split: each rank ceil(V / N) rows of the embedding (an all-reduce sums the lookups) and of
     # the LM head (an all-gather joins the logits)
