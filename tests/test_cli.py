@@ -400,7 +400,8 @@ def test_a_command_line_value_the_task_does_not_read_is_said_in_one_line():
     nothing and said nothing (issue 59's own timing command carried it). Each such key=value is one line;
     group choices, model keys and keys the task reads are not."""
     overrides = ["attention=mqa", "model.num_layers=2", "workload.prompt_len=256", "runtime.threads=2",
-                 "+capacity.context_lens=[256]", "compare.contexts=[64]", "wandb.mode=disabled"]
+                 "+capacity.context_lens=[256]", "compare.contexts=[64]", "wandb.mode=disabled",
+                 "objective_caps.kv_cache_bytes=1", "hydra.job.chdir=false"]
     capacity = to_bench_config(compose("model=tiny", "task=capacity"))
     assert unread_overrides(capacity, overrides) == [
         "workload.prompt_len=256: task=capacity does not read it, so it changes nothing (its contexts are "

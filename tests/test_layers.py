@@ -19,7 +19,8 @@ LAYERS = [
     ["core.errors", "core.task", "core.hooks", "jsonio", "units", "units_v1", "metrics", "measure.host",
      "jobs.interrupts", "jobs.outcome", "jobs.forkserver", "serving.trace", "progress", "core.dtypes", "norm",
      "serving.pool", "measure.plausibility", "layouts.sharding", "parallel.vocab"],
-    ["hf_weights", "blocks.hyper_connection", "config.quant", "serving.record", "layouts.base", "layouts.registry", "layouts.pages",
+    ["hf_weights", "blocks.hyper_connection", "config.quant", "serving.record", "layouts.base", "layouts.registry",
+     "layouts.pages",
      "core.moe", "config.multipliers", "config.residual", "blocks.residual", "config.hyper", "core.hf_keys",
      "core.hf_read", "config.hf_agree", "mlp.dense", "mlp.router"],
     # what a kind's home builds on: chunked attention, NoPE layers and Llama 4's config.json

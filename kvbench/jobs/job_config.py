@@ -10,6 +10,7 @@ command line with it before any job runs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, List, Mapping, Sequence
 
 from omegaconf import DictConfig
@@ -54,12 +55,14 @@ _INSTEAD = {("capacity", "workload.prompt_len"): "its contexts are capacity.cont
 def unread_overrides(job: BenchConfig, overrides: Sequence[str]) -> List[str]:
     """One line for each command-line ``key=value`` the job's task does not read (a value that would
     change nothing, and that its record leaves out): ``task=capacity workload.prompt_len=256`` searched
-    capacity.context_lens and said nothing. Group choices, ``model.*`` (every task's), ``wandb.*``,
-    ``hydra.*`` and deletions are not checked."""
+    capacity.context_lens and said nothing. Group choices, ``model.*`` (every task's), ``wandb.*``, keys
+    outside a config section (``hydra.*``, ``objective_caps.<metric>``) and deletions are not checked."""
     lines = []
     for override in overrides:
         key, eq, value = override.lstrip("+").partition("=")
-        if not eq or override.startswith("~") or "." not in key or key.split(".")[0] in ("model", "wandb", "hydra"):
+        section = key.split(".")[0]
+        if not eq or override.startswith("~") or "." not in key or section in ("model", "wandb") or \
+                not dataclasses.is_dataclass(getattr(job, section, None)):  # hydra.*, objective_caps.<metric>
             continue
         if not job.reads(key):
             instead = _INSTEAD.get((job.task, key))
