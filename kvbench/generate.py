@@ -44,19 +44,48 @@ def prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 0) -> to
     return model(prompt, cache, start_pos, last_only=True)[:, -1]
 
 
+def copy_rows(cache: Cache, rows: int) -> None:
+    """Sequences ``rows``.. of ``cache``'s batch take what sequences 0..``rows`` - 1 hold, cycled (K/V,
+    rings, states, pools: every tensor, its first dimension the batch), in doubling copies; a cache
+    whose layers hold every row from the start (``static``) only."""
+    B, tensors = cache.batch_size, cache.tensors()
+    wrong = next((tuple(t.shape) for t in tensors if t.shape[0] != B), None)
+    if cache.impl != "static" or wrong is not None or not 1 <= rows <= B:
+        raise ValueError(f"cannot copy {rows} rows through a {cache.impl} cache of batch {B}"
+                         + (f" (it holds a tensor of shape {wrong})" if wrong else ""))
+    for t in tensors:
+        held = rows
+        while held < B:
+            n = min(held, B - held)
+            t[held:held + n].copy_(t[:n])
+            held += n
+
+
 def chunked_prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 0,
-                    tokens: Optional[int] = None) -> torch.Tensor:
+                    tokens: Optional[int] = None, copied: bool = False) -> torch.Tensor:
     """:func:`prefill` of ``prompt`` (B, P) in forwards of at most ``tokens`` prompt tokens over the
     batch (``max(1, tokens // B)`` positions of every sequence each), so that its working set is
     bounded by the chunk, not by B x P; the last position's logits (B, V). None, or a cache that keeps
-    no history: one forward."""
+    no history: one forward.
+
+    ``copied`` (a ``static`` cache, whose rows are all allocated up front): the positions before
+    the batch's last forward are prefilled for the first sequence alone, in forwards of ``tokens`` of
+    its positions, and copied into the other sequences' rows (:func:`copy_rows`); the last
+    forward runs over the whole batch, each sequence its own tokens. The cache then holds as many
+    bytes as B prefills leave, every forward at most ``tokens`` tokens, for about 1/B of the compute:
+    what a capacity probe's memory and decode steps need, not its time to first token."""
     B, P = prompt.shape
     if tokens is None or not cache.stores_history:
         return prefill(model, prompt, cache, start_pos)
     if tokens < 1:
         raise ValueError(f"prefill chunk of {tokens} tokens: must be >= 1")
-    step = max(1, tokens // B)
-    for i in range(0, P, step):
+    step, first = max(1, tokens // B), 0
+    if copied and B > 1 and cache.impl == "static":
+        first = (P - 1) // step * step  # where the batch's last forward starts
+        if first:
+            chunked_prefill(model, prompt[:1, :first], cache, start_pos, tokens)
+            copy_rows(cache, 1)
+    for i in range(first, P, step):
         logits = prefill(model, prompt[:, i:i + step], cache, start_pos + i)
     return logits
 
@@ -125,19 +154,20 @@ class FixedShapeStep:
 @torch.inference_mode()
 def greedy_generate(model, prompt: torch.Tensor, gen_len: int, cache: Cache,
                     timer=None, keep_logits: bool = False, start_pos: int = 0,
-                    step=decode_step, prefill_tokens: Optional[int] = None) -> Generation:
+                    step=decode_step, prefill_tokens: Optional[int] = None, copied: bool = False) -> Generation:
     """Prefill ``prompt`` (B, P), then ``gen_len`` decode steps, each feeding the previous token.
 
     ``start_pos``: where the prompt starts when the cache holds earlier positions (a later chat
     turn). With cache ``none`` every step re-runs the whole sequence, as a server without a KV
     cache would. ``prefill_tokens``: at most this many prompt tokens per forward over the batch
-    (:func:`chunked_prefill`), as an engine bounds a prefill's working set; None: one forward.
+    (:func:`chunked_prefill`), as an engine bounds a prefill's working set; None: one forward;
+    ``copied``: the prompt's history copied from its first sequence (:func:`chunked_prefill`).
     """
     B, P = prompt.shape
     if start_pos and not cache.stores_history:
         raise ValueError(f"cache.impl={cache.impl!r} keeps no history: start_pos must be 0, got {start_pos}")
     with _region(timer, "prefill"):
-        logits = chunked_prefill(model, prompt, cache, start_pos, prefill_tokens)  # (B, V)
+        logits = chunked_prefill(model, prompt, cache, start_pos, prefill_tokens, copied)  # (B, V)
         token = logits.argmax(-1, keepdim=True)  # (B, 1)
     tokens, kept = [token], [logits.float()] if keep_logits else None
     seq = prompt

@@ -27,7 +27,7 @@ from kvbench.config.serving import ALLOCATORS
 from kvbench.config.serving import STORES as STORE_KINDS
 from kvbench.core.dtypes import CACHE_DTYPES, CACHE_IMPLS, DTYPE_BYTES
 from kvbench.core.errors import ConfigError
-from kvbench.generate import decode_step, prefill
+from kvbench.generate import chunked_prefill, decode_step, prefill
 from kvbench.jobs.job_config import to_bench_config
 from kvbench.layouts.base import Layouts, check_limits, first_of_each
 from kvbench.layouts.kinds import registered
@@ -220,6 +220,45 @@ def test_prefill_then_cached_decode_equals_a_recompute(kind, name, impl):
         got = [prefill(model, ids[:, :p], cache) for p in [FIRST] + list(range(PROMPT, T + 1))]
         torch.testing.assert_close(torch.stack(got, 1), want, atol=TOL, rtol=0)
         assert cache.nbytes == 0
+
+
+class Forwards:
+    """``model`` counting the tokens of each forward it runs."""
+
+    def __init__(self, model):
+        self.model, self.tokens = model, []
+
+    def __call__(self, ids, *args, **kwargs):
+        self.tokens.append(ids.numel())
+        return self.model(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_copied_prefill_holds_what_prefilling_the_shared_history_holds(kind, name):
+    """capacity.copy_prompts: the first sequence's history prefilled alone and copied into the other
+    rows, the last chunk over the batch, leaves every tensor of the cache (K/V, rings, states, pools)
+    and the logits as a prefill of the whole batch whose prompts share that history does; no forward
+    holds more tokens than the chunk; the decode steps after it are the batch's."""
+    job, model = example(kind, name)
+    batch, chunk, T = 4, 8, PROMPT + STEPS
+    first = (PROMPT - 1) // (chunk // batch) * (chunk // batch)  # where the batch's last forward starts
+    ids = torch.randint(model.config.vocab_size, (batch, T), generator=torch.Generator().manual_seed(3))
+    shared = ids.clone()
+    shared[1:, :first] = ids[0, :first]
+    want, want_cache = [], cache_for(model, "static", batch, T)
+    got, got_cache = [], cache_for(model, "static", batch, T)
+    counted = Forwards(model)
+    for out, run, cache, prompt, copied in ((want, model, want_cache, shared, False),
+                                            (got, counted, got_cache, ids, True)):
+        out.append(chunked_prefill(run, prompt[:, :PROMPT], cache, 0, chunk, copied=copied))
+        out.extend(decode_step(model, prompt[:, p:p + 1], cache, p) for p in range(PROMPT, T))
+    torch.testing.assert_close(torch.stack(got, 1), torch.stack(want, 1), atol=TOL, rtol=0)
+    for a, b in zip(got_cache.tensors(), want_cache.tensors(), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=TOL, rtol=0)
+    assert max(counted.tokens) <= chunk
+    assert sum(counted.tokens) == first + batch * (PROMPT - first)  # 1/B of the history's compute
 
 
 def lost(layer, length, held):

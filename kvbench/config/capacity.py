@@ -55,6 +55,12 @@ class CapacityConfig:
     # working set (vLLM's max_num_batched_tokens; workload=serving's max_prefill_tokens); null: the whole
     # batch's prompts in one forward, whose working memory grows with batch x context.
     prefill_chunk: Optional[int] = 512
+    # true: a probe of B > 1 sequences that no slo.ttft_ms judges prefills its first sequence and copies
+    # its history into the other B - 1 (cache.impl=static); only the batch's last chunk forward runs over
+    # all B, each its own tokens. The cache holds what B prefills leave, no forward holds more than
+    # prefill_chunk tokens, the decode steps are the batch's: its memory and TPOT, for about 1/B of the
+    # prefill's compute; its TTFT is not the batch's, so not recorded. false: every sequence prefilled.
+    copy_prompts: bool = True
     # the record's per-GPU table (tables.per_gpu): the splits of a node of this many GPUs, each GPU's
     # memory the job's budget (runtime.memory_budget_gb)
     gpus_per_node: int = 8

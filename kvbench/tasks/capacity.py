@@ -43,6 +43,7 @@ from kvbench.tasks.capacity_latency import (
     OverBudget,
     Stepper,
     chat_latency,
+    copies_prompts,
     decode_latency,
     time_pairs,
     warm_up,
@@ -80,6 +81,10 @@ CPU_REFUSE_FACTOR = 2.0
 # The calibration's second batch: far enough from batch 1 that the slope per sequence is not lost
 # in one-off growth (batch 1 -> 2 read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
 CALIBRATION_BATCH = 4
+# A probe that no latency target judges, its cache's positions all allocated up front (static), decodes at
+# most this many steps: its memory peaks at the first (what later steps add is time, not bytes), and a
+# median step of its tokens_per_s needs a few. At batch 256 the 64 steps of workload.gen_len took 85 s.
+MEMORY_PROBE_STEPS = 8
 
 METRICS: Dict[str, Metric] = metric_table(
     Metric("memory_budget_bytes", "bytes", "runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory"),
@@ -106,6 +111,17 @@ METRICS: Dict[str, Metric] = metric_table(
            "kv_bytes_per_token's sequence"),
     Metric("kv_bytes_per_token_positions", "tokens", "the positions of one sequence kv_bytes_per_token is taken at: "
                                     "the longest context + workload.gen_len (a chat: a conversation's positions)"),
+    Metric("prompts_copied", "bool", "capacity.copy_prompts in effect: each probe of more than one sequence "
+           "prefilled its first prompt alone (in forwards of capacity.prefill_chunk tokens) and copied that history "
+           "into the other sequences' rows; only the last chunk forward ran over the whole batch, each sequence its "
+           "own tokens, then the decode steps. Memory and TPOT are the batch's (the cache holds as many bytes, no "
+           "forward more tokens); its TTFT is not, so ttft_ms is null for those probes. false: every prompt "
+           "prefilled (a slo.ttft_ms target, cache.impl=concat, capacity.prefill_chunk=null or copy_prompts=false)"),
+    Metric("probe_decode_steps", "steps", "decode steps of each probe's trial: null, all of them (workload.gen_len, "
+           "a chat's every turn); where no latency target judges a probe and its cache allocates every position up "
+           "front (cache.impl=static, workload=decode), at most 8: its memory peaks at the first step, and later "
+           "ones add time, not bytes "
+           "(the cache still holds context + workload.gen_len positions)"),
     Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
     Metric("stopped_by_longest", "text",
            "memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
@@ -142,10 +158,13 @@ METRICS: Dict[str, Metric] = metric_table(
     Metric("tables.capacity_probes", "",
            "one row per probe, in the order run: context, batch, ok, bound (the first bound violated: memory, ttft, "
            "tpot), violated (all of them, comma-separated), measured (false: refused on a CPU, predicted over 2 "
-           "budgets), peak_bytes, predicted_bytes, kv_bytes (formula), activation_bytes (peak - weights - KV), "
+           "budgets), peak_bytes, predicted_bytes (weights + KV formula + the activation line through the "
+           "calibration probes and every probe measured within the budget before it, its widest span), kv_bytes "
+           "(formula), activation_bytes (peak - weights - KV), "
            "retained_bytes (CPU: the resident set right before the probe less right before the first, not counted in "
            "its peak_bytes), ttft_ms "
-           "and tpot_ms (slo.stat over the trials' TTFTs and over every decode step of every trial; "
+           "and tpot_ms (slo.stat over the trials' TTFTs and over every decode step of every trial; ttft_ms null "
+           "where the probe copied its prompts, prompts_copied; "
            "workload=multiturn: over every turn's TTFT of every chat and every decode step of every turn; with fewer "
            "than 100 samples a p99 is near their maximum; judged against slo.tpot_ms), tpot_paired_ms and "
            "tpot_reference_ms (slo.tpot_x_batch1, with tpot_ratio_low and tpot_ratio_high the 95% paired-bootstrap "
@@ -188,11 +207,19 @@ class Prober:
         stored = cfg.model.weights_stored
         self.weights_stored = checkpoint_bytes(model, stored) if stored else None
         self.activation: Dict[int, Tuple[int, int]] = {}  # context -> (fixed, per sequence), calibrated
+        # context -> the line through the calibration and every probe measured within the budget since:
+        # what a probe is predicted to hold (a line from batches 2 and 5 read 20 MB of allocator noise as
+        # 6 MB a sequence and refused batches that held 0.73 GB of a 1 GB budget as over 2 GB)
+        self.fit: Dict[int, Tuple[int, int]] = {}
+        self.within: Dict[int, List[Probe]] = {}
+        self.chunk = cfg.capacity.prefill_chunk if cfg.workload.name != "multiturn" else None
+        self.piece = prefill_piece(model.layouts)
         self.idle: Optional[int] = None  # CPU: the resident set right before the first probe (after a warm-up)
         self.latency = chat_latency if cfg.workload.name == "multiturn" else decode_latency
         # what repeated trials measure is latency: a probe that no target judges runs one trial
         self.probe_cfg = cfg if latency_judged(cfg) else replace(
             cfg, runtime=replace(cfg.runtime, warmup=0, repeats=1, min_time_s=0.0))
+        self.steps = probe_decode_steps(cfg)
 
     def tpot_target(self, reference_ms: Optional[float]) -> Optional[float]:
         """slo.tpot_ms, or slo.tpot_x_batch1 x ``reference_ms`` (the batch-1 TPOT), the tighter."""
@@ -217,8 +244,18 @@ class Prober:
             release_heap()
 
     def predicted_bytes(self, context: int, batch: int) -> int:
-        fixed, per_sequence = (max(0, a) for a in self.activation.get(context, (0, 0)))
+        line = self.fit.get(context, self.activation.get(context, (0, 0)))
+        fixed, per_sequence = (max(0, a) for a in line)
         return self.weights + fixed + kv_bytes(self.cfg, context, batch) + batch * per_sequence
+
+    def refit(self, probe: Probe) -> None:
+        """After the calibration, a probe measured whole within the budget redraws the line a next
+        probe is predicted by, through the widest span of batches measured."""
+        if probe.context not in self.activation or not probe.measured or probe.error or over_budget(probe, self.budget):
+            return
+        seen = self.within.setdefault(probe.context, [])
+        seen.append(probe)
+        self.fit[probe.context] = split_activation(seen, probe.context, self.chunk, self.piece)
 
     def measure(self, context: int, batch: int) -> Probe:
         cfg = self.cfg
@@ -236,7 +273,7 @@ class Prober:
                 idle = rss_status()[0] if cpu else 0  # freed heap returned, the clock of the peak reset
                 if cpu:  # past the budget the verdict is in: stop there (this probe's own baseline)
                     guarded.limit = self.baseline + idle - (idle if self.idle is None else self.idle) + self.budget
-                latency = self.latency(self.probe_cfg, guarded, self.device, context, batch)
+                latency = self.latency(self.probe_cfg, guarded, self.device, context, batch, steps=self.steps)
         except OverBudget as exc:
             probe.error = str(exc)
         except Exception as exc:  # noqa: BLE001 — an out-of-memory is the probe's answer; others are not
@@ -255,7 +292,7 @@ class Prober:
         probe.activation_bytes = probe.peak_bytes - self.weights - probe.kv_bytes
         q = STAT_Q[cfg.slo.stat]
         if latency is not None:
-            probe.ttft_ms = percentile(latency.ttft_ms, q)
+            probe.ttft_ms = percentile(latency.ttft_ms, q) if latency.ttft_ms else None  # copied prompts: none
             probe.tpot_ms = percentile(latency.step_ms, q) if latency.step_ms else None
             probe.decode_ms_p50 = median(latency.step_ms) if latency.step_ms else None
             probe.tokens_per_s = latency.tokens_per_s
@@ -271,7 +308,16 @@ class Prober:
         probe.violated = violations(probe, self.budget, cfg.slo.ttft_ms, cfg.slo.tpot_ms, cfg.slo.tpot_x_batch1)
         probe.ok = not probe.violated
         probe.bound = probe.violated[0] if probe.violated else None
+        self.refit(probe)
         return probe
+
+
+def probe_decode_steps(cfg: BenchConfig) -> Optional[int]:
+    """:data:`MEMORY_PROBE_STEPS` where no latency target judges a probe and its cache allocates every
+    position up front (static, a decode: a chat's grows turn by turn); else None: workload.gen_len."""
+    if latency_judged(cfg) or cfg.cache.impl != "static" or cfg.workload.name == "multiturn":
+        return None
+    return MEMORY_PROBE_STEPS
 
 
 def baseline_bytes(device: torch.device) -> int:
@@ -305,7 +351,9 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
     metrics.update(memory_budget_bytes=budget, weight_bytes_measured=prober.weights,
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
                    kv_bytes_per_token=per_token, kv_bytes_per_token_positions=positions,
-                   kv_state_bytes_per_sequence=state_bytes_per_sequence(cfg))
+                   kv_state_bytes_per_sequence=state_bytes_per_sequence(cfg),
+                   prompts_copied=cfg.workload.name != "multiturn" and copies_prompts(cfg, 2),
+                   probe_decode_steps=None if prober.steps is None else min(prober.steps, cfg.workload.gen_len))
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])
     limit, step = cfg.capacity.max_batch, cfg.capacity.batch_step
@@ -320,8 +368,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
             return probe
         return one
 
-    chunk = cfg.capacity.prefill_chunk if cfg.workload.name != "multiturn" else None
-    piece = prefill_piece(model.layouts)
+    chunk, piece = prober.chunk, prober.piece
     warm_up(cfg, model, device)
     for context in contexts(cfg):
         calibration = [measure(context)(1)]
@@ -333,8 +380,11 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
                 if batch > 1 and not any(p.violated == ["memory"] for p in calibration):
                     calibration.append(measure(context)(batch))
         prober.activation[context] = split_activation(calibration, context, chunk, piece)
+        for probe in calibration:
+            prober.refit(probe)
         predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
-        search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration)
+        line = lambda c=context: formula_max_batch(cfg, c, budget, prober.weights, prober.fit.get(c, (0, 0)))
+        search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration, predict=line)
         at = next((p for p in search.probes if p.batch == search.max_batch), None)
         failed = next((p for p in search.probes if p.batch == search.failed_at), None)
         # a refused probe's bound is a prediction, and the answer says so

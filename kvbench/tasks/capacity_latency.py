@@ -76,23 +76,40 @@ class Latency:
     stepper: Optional[Stepper] = None
 
 
-def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
+def copies_prompts(cfg: BenchConfig, batch: int) -> bool:
+    """Whether a probe of ``batch`` prompts prefills one and copies it (``capacity.copy_prompts``):
+    never where a TTFT target judges the batch's prefill, or its cache does not hold every row from the
+    start (cache.impl=concat), or nothing is chunked."""
+    c = cfg.capacity
+    return (c.copy_prompts and batch > 1 and cfg.slo.ttft_ms is None and c.prefill_chunk is not None
+            and cfg.cache.impl == "static")
+
+
+def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int,
+                   steps: Optional[int] = None) -> Latency:
     """``batch`` prompts of ``context`` seeded tokens, prefilled in forwards of at most
     ``capacity.prefill_chunk`` tokens over the batch (an engine's chunked prefill: its working set
-    bounded by the chunk, not by batch x context), then decoded ``workload.gen_len`` steps."""
+    bounded by the chunk, not by batch x context), then decoded ``workload.gen_len`` steps. Where
+    :func:`copies_prompts`, the first prompt's history is copied into the others' rows and only the last
+    chunk runs over the batch: no TTFT then (``ttft_ms`` empty), it would not be the batch's. ``steps``:
+    fewer decode steps than ``workload.gen_len`` (the cache still holds all of its positions)."""
     rt = cfg.runtime
     generator = torch.Generator().manual_seed(rt.seed)
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
     cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
-    timings = time_decode(model, prompt, cfg.workload.gen_len, cache, rt.warmup, rt.repeats, device,
-                          prefill_tokens=cfg.capacity.prefill_chunk)
+    copied = copies_prompts(cfg, batch)
+    steps = cfg.workload.gen_len if steps is None else min(steps, cfg.workload.gen_len)
+    timings = time_decode(model, prompt, steps, cache, rt.warmup, rt.repeats, device,
+                          prefill_tokens=cfg.capacity.prefill_chunk, copied=copied)
     stepper = Stepper(model, cache, context, cache.length) if cache.stores_history and cache.length > context else None
-    return Latency(timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
+    return Latency([] if copied else timings.prefill_ms, [ms for trial in timings.decode_ms for ms in trial],
                    summarize_decode(timings, batch)["tokens_per_s"], stepper)
 
 
-def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int) -> Latency:
-    """``batch`` conversations of the workload's chat (``context``: the positions each holds at the end)."""
+def chat_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int,
+                 steps: Optional[int] = None) -> Latency:
+    """``batch`` conversations of the workload's chat (``context``: the positions each holds at the end);
+    every turn whole (``steps`` is a decode probe's: a chat's cache grows with its turns)."""
     w, rt = replace(cfg.workload, batch_size=batch), cfg.runtime
     system, users = chat_prompts(w, cfg.model.vocab_size, rt.seed, device)
     session = ChatSession(model, system, batch, cfg.cache.shared, cfg.cache.impl, context)

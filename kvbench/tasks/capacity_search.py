@@ -59,10 +59,17 @@ class Search:
 
 
 def search_capacity(measure: Callable[[int], Probe], start: int, limit: int, step: int = 1,
-                    known: Sequence[Probe] = ()) -> Search:
+                    known: Sequence[Probe] = (), predict: Optional[Callable[[], int]] = None) -> Search:
     """The largest batch in [1, ``limit``] whose probe is ok, to within ``step``: gallop from the
     prediction ``start`` until the boundary is bracketed, then bisect. Assumes the bounds are
-    monotone in the batch; a noisy pass above a failure does not move the bracket."""
+    monotone in the batch; a noisy pass above a failure does not move the bracket.
+
+    ``predict`` (the memory line redrawn through the probes measured so far): after each probe the
+    batch it says fits is probed next, while memory is what failed (a latency bound is not on that
+    line); where it is at or past the bracket's edge, once, the batch one step inside it; after a
+    predicted probe that failed (the line did not move), or an edge already tried, a bisection. A
+    line within a few percent of the truth brackets the answer in 3-4 probes where a gallop from a
+    prediction 9% off took 9-10."""
     tried: Dict[int, Probe] = {p.batch: p for p in known}
     order: List[Probe] = list(known)
 
@@ -74,6 +81,22 @@ def search_capacity(measure: Callable[[int], Probe], start: int, limit: int, ste
 
     hi = min((b for b, p in tried.items() if not p.ok), default=limit + 1)
     lo = max((b for b, p in tried.items() if p.ok and b < hi), default=0)
+    if predict is not None:
+        guess, predicted, edge = min(max(start, lo + 1), hi - 1), True, False
+        while hi - lo > step:
+            if ok(guess):
+                lo = guess
+            else:
+                hi = guess
+            memory = hi > limit or tried[hi].bound == "memory"
+            line = predict() if memory and (tried[guess].ok or not predicted) else None
+            if line is not None and lo < line < hi:
+                guess, predicted, edge = line, True, False
+            elif line is not None and not edge and hi - lo > step:  # the line at the bracket's edge: once
+                guess, predicted, edge = min(max(lo + step if line <= lo else hi - step, lo + 1), hi - 1), True, True
+            else:
+                guess, predicted = (lo + hi) // 2, False
+        return Search(lo, hi if hi <= limit else None, order)
     if hi - lo > step:
         guess = min(max(start, lo + 1), hi - 1)
         if ok(guess):

@@ -138,11 +138,12 @@ class DecodeTimings:
 
 def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: Cache, warmup: int,
                 repeats: int, device, tick: Optional[Tick] = None, step=decode_step, min_time_s: float = 0.0,
-                clock: Callable[[], float] = time.perf_counter, prefill_tokens: Optional[int] = None) -> DecodeTimings:
+                clock: Callable[[], float] = time.perf_counter, prefill_tokens: Optional[int] = None,
+                copied: bool = False) -> DecodeTimings:
     """``warmup`` untimed then ``repeats`` timed runs of :func:`greedy_generate` on a reset cache, and
     more until ``min_time_s`` has passed since the first timed one started (as optimum-benchmark
     does); ``tick`` once per finished trial; ``prefill_tokens``: the prompt in forwards of at most that
-    many tokens over the batch (None: one)."""
+    many tokens over the batch (None: one), ``copied`` as :func:`~kvbench.generate.chunked_prefill`'s."""
     prefill, decode, host = [], [], []
     trial, started = 0, None
     while trial < warmup + repeats or (started is not None and clock() - started < min_time_s):
@@ -150,7 +151,8 @@ def time_decode(model, prompt: torch.Tensor, gen_len: int, cache: Cache, warmup:
             started = clock()
         cache.reset()
         timer = RegionTimer(device)
-        greedy_generate(model, prompt, gen_len, cache, timer, step=step, prefill_tokens=prefill_tokens)
+        greedy_generate(model, prompt, gen_len, cache, timer, step=step, prefill_tokens=prefill_tokens,
+                        copied=copied)
         if trial >= warmup:
             prefill.extend(timer.ms("prefill"))
             decode.append(timer.ms("decode"))

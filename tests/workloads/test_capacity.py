@@ -290,8 +290,11 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     # a budget and a target nothing reaches: every context runs up to capacity.max_batch
     assert [a["max_batch"] for a in answers] == [8, 8]
     assert [a["stopped_by"] for a in answers] == ["capacity.max_batch"] * 2
+    assert result.metrics["prompts_copied"] and result.metrics["probe_decode_steps"] is None  # TPOT judged
     for p in probes:
-        assert p["measured"] and p["ok"] and p["tpot_ms"] > 0 and p["ttft_ms"] > 0
+        # a copied batch's prefill is not its TTFT: null, not a figure of one sequence's
+        assert p["measured"] and p["ok"] and p["tpot_ms"] > 0 and (p["ttft_ms"] > 0 if p["batch"] == 1
+                                                                    else p["ttft_ms"] is None)
         assert p["kv_bytes"] == 2 * 2 * 8 * 8 * (p["context"] + 4) * p["batch"] * 4
         # measured peak (RSS above the pre-model baseline) holds at least the weights
         assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
@@ -331,7 +334,7 @@ def test_a_probe_prefills_in_forwards_of_capacity_prefill_chunk_tokens(monkeypat
     from kvbench.tasks.common import build_model
 
     cfg = config("model=tiny", "attention.layer_types=[linear_attention,full_attention]", "workload.gen_len=2",
-                 "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64",
+                 "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64", "capacity.copy_prompts=false",
                  "capacity.prefill_chunk=" + ("null" if chunk is None else str(chunk)))
     model = build_model(cfg, torch.device("cpu"))
     seen, forward = [], type(model).forward
@@ -354,6 +357,81 @@ def test_a_probe_prefills_in_forwards_of_capacity_prefill_chunk_tokens(monkeypat
     assert torch.equal(chunked.tokens, whole.tokens)
 
 
+@pytest.mark.parametrize("slo, copied", [((), True), (("slo.ttft_ms=1000",), False)])
+def test_a_probe_no_ttft_target_judges_prefills_one_prompt_and_copies_it(monkeypatch, slo, copied):
+    """capacity.copy_prompts: the first prompt's history prefilled alone in chunk-sized forwards and
+    copied into the other rows, the last chunk over the batch; the steps decoded are those of a batch
+    whose prompts share that history (the reference: every prompt prefilled), no TTFT recorded. A TTFT
+    target needs the batch's own prefill: every prompt then."""
+    from kvbench.cache import cache_for
+    from kvbench.generate import greedy_generate
+    from kvbench.tasks.common import build_model
+
+    cfg = config("model=tiny", "attention.layer_types=[linear_attention,full_attention]", "workload.gen_len=6",
+                 "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64", "capacity.prefill_chunk=8",
+                 *slo)
+    model, batch, context = build_model(cfg, torch.device("cpu")), 4, 24
+    seen, forward = [], type(model).forward
+
+    def counting(self, tokens, *args, **kwargs):
+        seen.append(tuple(tokens.shape))
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    latency = capacity.decode_latency(cfg, model, torch.device("cpu"), context, batch, steps=3)
+    monkeypatch.setattr(type(model), "forward", forward)
+    decoded = [(batch, 1)] * 3  # steps=3 of gen_len 6
+    assert seen == ([(1, 8), (1, 8), (1, 6), (batch, 2)] if copied else [(batch, 2)] * 12) + decoded
+    assert (latency.ttft_ms == []) == copied and len(latency.step_ms) == 3
+    assert latency.stepper.cache.length == context + 3 and latency.stepper.cache.max_seq_len == context + 6
+    prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=torch.Generator().manual_seed(
+        cfg.runtime.seed))
+    if copied:
+        prompt[1:, :22] = prompt[0, :22]
+    want = greedy_generate(model, prompt, 3, cache_for(model, "static", batch, context + 3))
+    got = greedy_generate(model, prompt if not copied else torch.randint(0, cfg.model.vocab_size, (batch, context),
+                          generator=torch.Generator().manual_seed(cfg.runtime.seed)),
+                          3, cache_for(model, "static", batch, context + 3), prefill_tokens=8, copied=copied)
+    assert torch.equal(got.tokens, want.tokens)
+
+
+def memory_line(boundary, error=0):
+    """A probe that holds 100 + 3 b bytes against a budget of 100 + 3 ``boundary``, and the line an
+    activation fit through it would draw, ``error`` sequences off."""
+    def measure(batch, calls):
+        calls.append(batch)
+        ok = batch <= boundary
+        return Probe(128, batch, ok=ok, bound=None if ok else "memory", peak_bytes=100 + 3 * batch)
+    return measure, lambda: boundary + error
+
+
+@pytest.mark.parametrize("error", [0, 1, -1, 9, -9, 40, -40])
+@pytest.mark.parametrize("boundary", [1, 37, 200, 255, 256])
+def test_the_memory_line_brackets_the_answer_in_few_probes(boundary, error):
+    """Probing where the redrawn memory line says the budget is (issue 59: a gallop from a prediction
+    9% off ran 10 probes at one context): exact with an exact line in at most 4 probes after a first
+    guess 20 sequences over (it, a bisection, the line's batch and the one past it), and exact in a
+    bounded count however wrong the line is (a bisection after a predicted probe failed: no walk a
+    step at a time)."""
+    measure, line = memory_line(boundary, error)
+    calls = []
+    found = search_capacity(lambda b: measure(b, calls), boundary + 20, limit=256, predict=line)
+    assert (found.max_batch, found.failed_at) == (boundary, boundary + 1 if boundary < 256 else None)
+    assert len(calls) == len(set(calls))
+    assert len(calls) <= (4 if error == 0 else 2 * (math.log2(256) + 1))
+
+
+def test_a_latency_bound_is_not_on_the_memory_line():
+    """A failure that is not memory's: the line is not asked, the boundary bisected."""
+    calls, asked = [], []
+
+    def measure(batch):
+        calls.append(batch)
+        return Probe(128, batch, ok=batch <= 10, bound=None if batch <= 10 else "tpot")
+    found = search_capacity(measure, 50, limit=64, predict=lambda: asked.append(1) or 60)
+    assert (found.max_batch, found.failed_at, asked) == (10, 11, [])
+
+
 @pytest.mark.parametrize("slo, trials", [((), (0, 1)), (("slo.tpot_x_batch1=2",), (2, 3))])
 def test_a_probe_no_latency_target_judges_runs_one_trial(slo, trials):
     """Repeated trials measure latency; the memory a probe holds is the same in each (issue 59: 14
@@ -365,15 +443,18 @@ def test_a_probe_no_latency_target_judges_runs_one_trial(slo, trials):
     class Seen(Exception):
         pass
 
-    def latency(probe_cfg, model, device, context, batch):
-        seen.append((probe_cfg.runtime.warmup, probe_cfg.runtime.repeats, probe_cfg.runtime.min_time_s))
+    def latency(probe_cfg, model, device, context, batch, steps=None):
+        seen.append((probe_cfg.runtime.warmup, probe_cfg.runtime.repeats, probe_cfg.runtime.min_time_s, steps))
         raise Seen
 
-    prober = capacity.Prober(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 10 ** 12, 0)
+    model = torch.nn.Linear(2, 2)
+    model.layouts = []
+    prober = capacity.Prober(cfg, model, torch.device("cpu"), 10 ** 12, 0)
     prober.latency = latency
     with pytest.raises(Seen):
         prober.measure(16, 2)
-    assert seen == [(0, 1, 0.0) if not slo else (*trials, 5.0)]
+    # more decode steps measure latency too: a memory-only probe of a static cache decodes at most 8
+    assert seen == [(0, 1, 0.0, capacity.MEMORY_PROBE_STEPS) if not slo else (*trials, 5.0, None)]
 
 
 @pytest.mark.cuda
@@ -442,7 +523,7 @@ def fake_latency(ttft_per_token_ms, step_ms):
     them (unshared: system prompt + history + message per conversation; shared: the system prompt
     once at turn 1, then only the last reply token and the message), every decode step
     ``step_ms(batch)``."""
-    def latency(cfg, model, device, context, batch):
+    def latency(cfg, model, device, context, batch, steps=None):
         w = cfg.workload
         if cfg.cache.shared:
             tokens = [w.system_len + batch * w.user_len] + [batch * (w.user_len + 1)] * (w.turns - 1)
@@ -502,7 +583,7 @@ def linear_step(batch):
 @pytest.mark.parametrize("x, boundary", [(2.0, 5), (1.5, 3)])
 def test_a_tpot_target_relative_to_the_batch1_step_binds_at_a_known_batch(monkeypatch, x, boundary):
     # the probe's own (peak span) steps say nothing of the relative target: 1000 ms at every batch
-    def latency(cfg, model, device, context, batch):
+    def latency(cfg, model, device, context, batch, steps=None):
         return capacity.Latency([1.0], [1000.0] * 4, 1.0, FakeStepper(batch))
 
     pairs = fake_pairs(linear_step)
@@ -551,7 +632,7 @@ def test_a_relative_tpot_target_follows_a_load_that_drifts_between_probes(monkey
     # every pairing runs slower than the one before (a machine getting busier: +20% a time); the
     # probe's steps and the reference's are interleaved, so the boundary stays where the step is
     # 2.1x batch 1's (b = 5: 2x), where a reference taken once at the start would stop it sooner
-    def latency(cfg, model, device, context, batch):
+    def latency(cfg, model, device, context, batch, steps=None):
         return capacity.Latency([1.0], [linear_step(batch)] * 4, 1.0, FakeStepper(batch))
 
     monkeypatch.setattr(capacity, "time_pairs", fake_pairs(linear_step, load=lambda n: 1 + 0.2 * n))

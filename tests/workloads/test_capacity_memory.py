@@ -57,7 +57,8 @@ def test_a_probe_over_the_budget_stops_at_the_forward_that_crossed_it(tiny, one_
     """A CPU probe's memory verdict is in once its resident set passes the budget: it stops there
     instead of prefilling the rest of batch x context tokens and decoding (the failing probe above each
     answer was a search's largest); its peak, above the budget, is recorded. Under a budget it reaches
-    it runs every forward: 64 positions in forwards of 2 (chunk 16 over 8 sequences) and 4 decode steps."""
+    it runs every forward: the first prompt's 62 positions in forwards of 16, copied into the other 7
+    (capacity.copy_prompts), the batch's last 2 (chunk 16 over 8 sequences), and 4 decode steps."""
     baseline, model = tiny
     calls = []
     hook = model.register_forward_hook(lambda *_: calls.append(1))
@@ -78,4 +79,4 @@ def test_a_probe_over_the_budget_stops_at_the_forward_that_crossed_it(tiny, one_
             assert probe.kv_bytes < prober.budget < probe.peak_bytes and probe.violated == ["memory"]
             assert probe.error == f"stopped after {len(calls)} forwards: the resident set passed the budget"
     hook.remove()
-    assert forwards[64] == 64 // 2 + 4 and 1 <= forwards[0.0008] < forwards[64] // 2, forwards
+    assert forwards[64] == -(-62 // 16) + 1 + 4 and 1 <= forwards[0.0008] < forwards[64] // 2, forwards
