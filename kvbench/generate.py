@@ -71,9 +71,11 @@ def chunked_prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 
     ``copied`` (a ``static`` cache, whose rows are all allocated up front): the positions before
     the batch's last forward are prefilled for the first sequence alone, in forwards of ``tokens`` of
     its positions, and copied into the other sequences' rows (:func:`copy_rows`); the last
-    forward runs over the whole batch, each sequence its own tokens. The cache then holds as many
-    bytes as B prefills leave, every forward at most ``tokens`` tokens, for about 1/B of the compute:
-    what a capacity probe's memory and decode steps need, not its time to first token."""
+    ``tokens // B`` positions run over the whole batch in one forward, each sequence its own tokens
+    (a full chunk, the working set of every forward of a prefill of every prompt, not a remainder's).
+    The cache then holds as many bytes as B prefills leave, every forward at most ``tokens`` tokens,
+    for about 1/B of the compute: what a capacity probe's memory and decode steps need, not its time
+    to first token."""
     B, P = prompt.shape
     if tokens is None or not cache.stores_history:
         return prefill(model, prompt, cache, start_pos)
@@ -81,7 +83,7 @@ def chunked_prefill(model, prompt: torch.Tensor, cache: Cache, start_pos: int = 
         raise ValueError(f"prefill chunk of {tokens} tokens: must be >= 1")
     step, first = max(1, tokens // B), 0
     if copied and B > 1 and cache.impl == "static":
-        first = (P - 1) // step * step  # where the batch's last forward starts
+        first = max(0, P - step)  # the batch's last forward: a full chunk, as every prompt's prefill holds
         if first:
             chunked_prefill(model, prompt[:1, :first], cache, start_pos, tokens)
             copy_rows(cache, 1)

@@ -243,7 +243,7 @@ def test_a_copied_prefill_holds_what_prefilling_the_shared_history_holds(kind, n
     holds more tokens than the chunk; the decode steps after it are the batch's."""
     job, model = example(kind, name)
     batch, chunk, T = 4, 8, PROMPT + STEPS
-    first = (PROMPT - 1) // (chunk // batch) * (chunk // batch)  # where the batch's last forward starts
+    first = PROMPT - chunk // batch  # the batch's last forward: a full chunk
     ids = torch.randint(model.config.vocab_size, (batch, T), generator=torch.Generator().manual_seed(3))
     shared = ids.clone()
     shared[1:, :first] = ids[0, :first]

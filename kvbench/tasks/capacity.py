@@ -38,6 +38,7 @@ from kvbench.progress import Progress
 from kvbench.quant_weights import checkpoint_bytes
 from kvbench.results import RunResult
 from kvbench.tasks.capacity_latency import (
+    MEMORY_PROBE_STEPS,
     Guarded,
     Latency,
     OverBudget,
@@ -45,6 +46,7 @@ from kvbench.tasks.capacity_latency import (
     chat_latency,
     copies_prompts,
     decode_latency,
+    probe_decode_steps,
     time_pairs,
     warm_up,
 )
@@ -55,6 +57,7 @@ from kvbench.tasks.capacity_search import (
     Probe,
     calibration_batches,
     contexts,
+    fit_activation,
     formula_max_batch,
     kv_bytes,
     kv_bytes_per_token,
@@ -71,7 +74,8 @@ from kvbench.tasks.capacity_search import (
 )
 from kvbench.tasks.common import JOB_METHODS, JOB_METRICS, build_model, job_variant_label, weight_metrics
 
-__all__ = ["Latency", "Stepper", "chat_latency", "decode_latency", "time_pairs", "warm_up"]  # the probes' latency half
+# the probes' latency half
+__all__ = ["MEMORY_PROBE_STEPS", "Latency", "Stepper", "chat_latency", "decode_latency", "time_pairs", "warm_up"]
 
 GB = 10 ** 9  # runtime.memory_budget_gb is in GB, as device memory is sold
 STAT_Q = {"p50": 0.5, "p99": 0.99}
@@ -81,10 +85,6 @@ CPU_REFUSE_FACTOR = 2.0
 # The calibration's second batch: far enough from batch 1 that the slope per sequence is not lost
 # in one-off growth (batch 1 -> 2 read 6 MB more where 2 -> 9 added 1.4 MB per sequence).
 CALIBRATION_BATCH = 4
-# A probe that no latency target judges, its cache's positions all allocated up front (static), decodes at
-# most this many steps: its memory peaks at the first (what later steps add is time, not bytes), and a
-# median step of its tokens_per_s needs a few. At batch 256 the 64 steps of workload.gen_len took 85 s.
-MEMORY_PROBE_STEPS = 8
 
 METRICS: Dict[str, Metric] = metric_table(
     Metric("memory_budget_bytes", "bytes", "runtime.memory_budget_gb x 1e9, or (null, CUDA) the device's total memory"),
@@ -159,7 +159,8 @@ METRICS: Dict[str, Metric] = metric_table(
            "one row per probe, in the order run: context, batch, ok, bound (the first bound violated: memory, ttft, "
            "tpot), violated (all of them, comma-separated), measured (false: refused on a CPU, predicted over 2 "
            "budgets), peak_bytes, predicted_bytes (weights + KV formula + the activation line through the "
-           "calibration probes and every probe measured within the budget before it, its widest span), kv_bytes "
+           "calibration probes, or least squares through them and every probe measured whole within the budget "
+           "before it), kv_bytes "
            "(formula), activation_bytes (peak - weights - KV), "
            "retained_bytes (CPU: the resident set right before the probe less right before the first, not counted in "
            "its peak_bytes), ttft_ms "
@@ -248,14 +249,21 @@ class Prober:
         fixed, per_sequence = (max(0, a) for a in line)
         return self.weights + fixed + kv_bytes(self.cfg, context, batch) + batch * per_sequence
 
+    def line_batch(self, context: int) -> int:
+        """The largest batch the redrawn line (else the calibration's) says the budget holds."""
+        return formula_max_batch(self.cfg, context, self.budget, self.weights,
+                                 self.fit.get(context, self.activation[context]))
+
     def refit(self, probe: Probe) -> None:
         """After the calibration, a probe measured whole within the budget redraws the line a next
-        probe is predicted by, through the widest span of batches measured."""
-        if probe.context not in self.activation or not probe.measured or probe.error or over_budget(probe, self.budget):
+        probe is predicted by (:func:`fit_activation`, once two batches are measured)."""
+        if probe.context not in self.activation or over_budget(probe, self.budget):
             return
         seen = self.within.setdefault(probe.context, [])
         seen.append(probe)
-        self.fit[probe.context] = split_activation(seen, probe.context, self.chunk, self.piece)
+        line = fit_activation(seen, probe.context, self.chunk, self.piece)
+        if line is not None:
+            self.fit[probe.context] = line
 
     def measure(self, context: int, batch: int) -> Probe:
         cfg = self.cfg
@@ -310,14 +318,6 @@ class Prober:
         probe.bound = probe.violated[0] if probe.violated else None
         self.refit(probe)
         return probe
-
-
-def probe_decode_steps(cfg: BenchConfig) -> Optional[int]:
-    """:data:`MEMORY_PROBE_STEPS` where no latency target judges a probe and its cache allocates every
-    position up front (static, a decode: a chat's grows turn by turn); else None: workload.gen_len."""
-    if latency_judged(cfg) or cfg.cache.impl != "static" or cfg.workload.name == "multiturn":
-        return None
-    return MEMORY_PROBE_STEPS
 
 
 def baseline_bytes(device: torch.device) -> int:
@@ -383,8 +383,8 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
         for probe in calibration:
             prober.refit(probe)
         predicted = formula_max_batch(cfg, context, budget, prober.weights, prober.activation[context])
-        line = lambda c=context: formula_max_batch(cfg, c, budget, prober.weights, prober.fit.get(c, (0, 0)))
-        search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration, predict=line)
+        search = search_capacity(measure(context), max(1, predicted), limit, step, known=calibration,
+                                 predict=lambda c=context: prober.line_batch(c))
         at = next((p for p in search.probes if p.batch == search.max_batch), None)
         failed = next((p for p in search.probes if p.batch == search.failed_at), None)
         # a refused probe's bound is a prediction, and the answer says so

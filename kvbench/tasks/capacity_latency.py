@@ -16,11 +16,16 @@ from kvbench.measure.host import rss_status
 from kvbench.measure.stats import median
 from kvbench.measure.timing import RegionTimer
 from kvbench.model import Decoder
+from kvbench.tasks.capacity_search import latency_judged
 from kvbench.workloads.decode import summarize_decode, time_decode
 from kvbench.workloads.multiturn import ChatSession, chat_prompts, time_chat
 
 # the warm-up's sequence: a few positions through the prefill and the decode step
 WARM_PROMPT, WARM_STEPS = 8, 2
+# A probe that no latency target judges, its cache's positions all allocated up front (static), decodes at
+# most this many steps: its memory peaks at the first (what later steps add is time, not bytes), and a
+# median step of its tokens_per_s needs a few. At batch 256 the 64 steps of workload.gen_len took 85 s.
+MEMORY_PROBE_STEPS = 8
 
 
 class Stepper:
@@ -83,6 +88,14 @@ def copies_prompts(cfg: BenchConfig, batch: int) -> bool:
     c = cfg.capacity
     return (c.copy_prompts and batch > 1 and cfg.slo.ttft_ms is None and c.prefill_chunk is not None
             and cfg.cache.impl == "static")
+
+
+def probe_decode_steps(cfg: BenchConfig) -> Optional[int]:
+    """:data:`MEMORY_PROBE_STEPS` where no latency target judges a probe and its cache allocates every
+    position up front (static, a decode: a chat's grows turn by turn); else None: workload.gen_len."""
+    if latency_judged(cfg) or cfg.cache.impl != "static" or cfg.workload.name == "multiturn":
+        return None
+    return MEMORY_PROBE_STEPS
 
 
 def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, context: int, batch: int,

@@ -19,6 +19,7 @@ from kvbench.tasks import capacity
 from kvbench.tasks.capacity_search import (
     Probe,
     calibration_batches,
+    fit_activation,
     formula_max_batch,
     predict_max_batch,
     prediction_finding,
@@ -120,6 +121,39 @@ def test_activation_is_split_into_a_fixed_part_and_a_part_per_sequence():
     # budget = weights + fixed + 3 x (KV + per sequence): exactly 3
     assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70), 10_000, (500, 70)) == 3
     assert formula_max_batch(cfg, 16, 10_000 + 500 + 3 * (per_kv + 70) - 1, 10_000, (500, 70)) == 2
+
+
+def test_a_probe_stopped_part_way_draws_no_line_and_one_batch_redraws_nothing():
+    """A probe stopped where it crossed the budget measured less than it would have held: no line goes
+    through it. The line a search redraws is least squares through every whole probe within the
+    budget, from two batches on; one batch alone keeps the calibration's (issue 59's choose run: a KDA
+    hybrid's line through batch 1 alone put its 34 MB all on each sequence and refused batch 5 as
+    192 MB, over 2 budgets of 80)."""
+    def probe(batch, activation, **kw):
+        return Probe(32, batch, ok=True, activation_bytes=activation, peak_bytes=activation, **kw)
+
+    stopped = probe(16, 66_000_000, error="stopped after 1 forwards: the resident set passed the budget")
+    assert split_activation([probe(1, 34_000_000), stopped]) == (0, 34_000_000)
+    assert fit_activation([probe(1, 34_000_000), stopped]) is None
+    # noisy points on 30 MB + 1 MB a sequence: least squares, not the two far ends
+    noisy = [probe(b, 30_000_000 + 1_000_000 * b + e) for b, e in ((2, 0), (8, 4_000_000), (20, 0), (30, 0))]
+    fixed, per_sequence = fit_activation(noisy)
+    assert abs(per_sequence - 1_000_000) < 150_000 and abs(fixed - 30_000_000) < 2_000_000
+    assert split_activation(noisy)[1] == 1_000_000  # the two ends
+    assert fit_activation([probe(2, 5), probe(4, 3)]) == (4, 0)  # never a negative slope: the mean
+
+    model = torch.nn.Linear(2, 2)
+    model.layouts = []
+    prober = capacity.Prober(config("model=tiny", "capacity.context_lens=[32]", "runtime.memory_budget_gb=64"),
+                             model, torch.device("cpu"), 80_000_000, 0)
+    prober.weights, prober.activation[32] = 20_000_000, (31_000_000, 2_000_000)
+    calibrated = prober.predicted_bytes(32, 10)
+    prober.refit(probe(1, 34_000_000))
+    assert prober.predicted_bytes(32, 10) == calibrated  # one batch: the calibration's line
+    prober.refit(stopped)
+    prober.refit(probe(4, 37_000_000))
+    assert prober.fit[32] == (33_000_000, 1_000_000) and prober.line_batch(32) == formula_max_batch(
+        prober.cfg, 32, 80_000_000, 20_000_000, (33_000_000, 1_000_000))
 
 
 def test_the_activation_line_is_drawn_through_probes_whose_prefill_fills_the_chunk():
@@ -370,7 +404,7 @@ def test_a_probe_no_ttft_target_judges_prefills_one_prompt_and_copies_it(monkeyp
     cfg = config("model=tiny", "attention.layer_types=[linear_attention,full_attention]", "workload.gen_len=6",
                  "runtime.warmup=0", "runtime.repeats=1", "runtime.memory_budget_gb=64", "capacity.prefill_chunk=8",
                  *slo)
-    model, batch, context = build_model(cfg, torch.device("cpu")), 4, 24
+    model, batch, context = build_model(cfg, torch.device("cpu")), 4, 25  # 25: the batch's forward a full chunk
     seen, forward = [], type(model).forward
 
     def counting(self, tokens, *args, **kwargs):
@@ -381,13 +415,13 @@ def test_a_probe_no_ttft_target_judges_prefills_one_prompt_and_copies_it(monkeyp
     latency = capacity.decode_latency(cfg, model, torch.device("cpu"), context, batch, steps=3)
     monkeypatch.setattr(type(model), "forward", forward)
     decoded = [(batch, 1)] * 3  # steps=3 of gen_len 6
-    assert seen == ([(1, 8), (1, 8), (1, 6), (batch, 2)] if copied else [(batch, 2)] * 12) + decoded
+    assert seen == ([(1, 8), (1, 8), (1, 7), (batch, 2)] if copied else [(batch, 2)] * 12 + [(batch, 1)]) + decoded
     assert (latency.ttft_ms == []) == copied and len(latency.step_ms) == 3
     assert latency.stepper.cache.length == context + 3 and latency.stepper.cache.max_seq_len == context + 6
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=torch.Generator().manual_seed(
         cfg.runtime.seed))
     if copied:
-        prompt[1:, :22] = prompt[0, :22]
+        prompt[1:, :23] = prompt[0, :23]
     want = greedy_generate(model, prompt, 3, cache_for(model, "static", batch, context + 3))
     got = greedy_generate(model, prompt if not copied else torch.randint(0, cfg.model.vocab_size, (batch, context),
                           generator=torch.Generator().manual_seed(cfg.runtime.seed)),
