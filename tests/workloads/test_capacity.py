@@ -156,6 +156,34 @@ def test_a_probe_stopped_part_way_draws_no_line_and_one_batch_redraws_nothing():
         prober.cfg, 32, 80_000_000, 20_000_000, (33_000_000, 1_000_000))
 
 
+def test_a_budget_reached_below_the_saturated_batch_calibrates_at_batch_2(monkeypatch):
+    """Where the first saturated calibration batch is over the budget, the answer lies below it: the
+    line is drawn through batches 1 and 2, not through batch 1 alone (all of its activation on each
+    sequence predicted 1 where 13 fit: a KDA hybrid in experiment=choose)."""
+    from kvbench.tasks.common import build_model
+
+    cfg = config("model=tiny", "capacity.context_lens=[16]", "runtime.memory_budget_gb=64", "capacity.max_batch=64")
+    budget = capacity.memory_budget(cfg, torch.device("cpu"))
+
+    def measure(self, context, batch):  # half the budget + 1/40 of it a sequence: 19 fit, the saturated 32 not
+        activation = budget // 2 + batch * budget // 40
+        peak = self.weights + activation + capacity.kv_bytes(cfg, context, batch)
+        ok = peak <= budget
+        probe = Probe(context, batch, ok=ok, bound=None if ok else "memory", violated=[] if ok else ["memory"],
+                      peak_bytes=peak, kv_bytes=capacity.kv_bytes(cfg, context, batch), activation_bytes=activation)
+        self.refit(probe)
+        return probe
+
+    monkeypatch.setattr(capacity.Prober, "measure", measure)
+    result = RunResult(status="ok", config={})
+    capacity.run_probes(cfg, build_model(cfg, torch.device("cpu")), torch.device("cpu"), result, 0)
+    batches = [p["batch"] for p in result.tables["capacity_probes"]]
+    assert batches[:3] == [1, calibration_batches(16, 512, 64, 3)[0], 2]  # the saturated batch (32) is over
+    (answer,) = result.tables["capacity"]
+    assert answer["activation_bytes_per_sequence"] == budget // 40 and answer["prediction_finding"] is None
+    assert answer["max_batch"] == answer["predicted_max_batch"] and len(batches) <= 5
+
+
 def test_the_activation_line_is_drawn_through_probes_whose_prefill_fills_the_chunk():
     """issue 59: batch 1 at 256 tokens prefills 256 tokens a forward where batch 2 on prefill 512, and
     holds less; a line from batch 1 spreads that over every sequence. Only saturated probes draw it."""
