@@ -50,7 +50,8 @@ VALID = {
     'task=capacity runtime.memory_budget_gb=1': {
         'attention': 'num_kv_heads type', 'workload': 'gen_len name', 'cache': 'dtype impl',
         'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB, 'slo': SLO,
-        'capacity': 'batch_step context_lens gpus_per_node max_batch plan prefill_chunk tpot_pairs', **TOP},
+        'capacity': 'batch_step context_lens copy_prompts gpus_per_node max_batch plan prefill_chunk tpot_pairs',
+        **TOP},
     'task=capacity workload=multiturn runtime.memory_budget_gb=1': {
         'attention': 'num_kv_heads type', 'workload': 'name reply_len system_len turns user_len',
         'cache': 'dtype impl shared', 'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB, 'slo': SLO,
@@ -109,7 +110,8 @@ INVALID = {
     'experiment=choose scenario=decode runtime.memory_budget_gb=-1': {
         'attention': 'num_kv_heads type', 'workload': 'gen_len name', 'cache': 'dtype impl',
         'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
-        'capacity': 'batch_step context_lens gpus_per_node max_batch plan prefill_chunk tpot_pairs', **TOP},
+        'capacity': 'batch_step context_lens copy_prompts gpus_per_node max_batch plan prefill_chunk tpot_pairs',
+        **TOP},
     'experiment=choose scenario=chat runtime.memory_budget_gb=-1': {
         'attention': 'num_kv_heads type', 'workload': 'name reply_len system_len turns user_len',
         'cache': 'dtype impl shared', 'runtime': TIMED + ' memory_budget_gb', 'wandb': WANDB_GIVEN, 'slo': SLO,
