@@ -82,7 +82,7 @@ def workload(vocab, n=10, seed=0, prefix=0):
     return requests, prompts
 
 
-# isolated()'s answers by (layout name, cache dtype, prompt, output length): the stores under test
+# isolated()'s answers by (layout, cache dtype, prompt, output length): the stores under test
 # replay the same requests of the same seeded model, and the decode of each alone was ~40 % of the
 # CPU of the tests that compare every store with it.
 _ISOLATED: dict = {}
@@ -90,8 +90,9 @@ _ISOLATED: dict = {}
 
 def isolated(model, request, prompt, cache_dtype="auto", layout=None):
     """What the request alone gives: prefill then output_len - 1 greedy steps on a static cache
-    (storing K/V in ``cache_dtype``, as the store under test does). ``layout``: the MODELS name
-    ``model`` was built by, whose answers are kept for the other tests asking the same."""
+    (storing K/V in ``cache_dtype``, as the store under test does). ``layout``: what ``model`` was
+    built as (a MODELS name; tests/test_layer_kinds.py's (kind, example)), alike each time: its
+    answers are kept for the other tests asking the same."""
     key = (layout, cache_dtype, tuple(prompt), request.output_len)
     if layout is not None and key in _ISOLATED:
         return list(_ISOLATED[key])
