@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import forked_cli
+import hydra_files
 import pytest
 import torch
 from forked_cli import kvbench_forked  # noqa: F401 — the tests import it from here
@@ -47,6 +48,7 @@ def _restore_stop_signals():
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()
+hydra_files.install()  # a conf file's parse kept by its bytes (tests/hydra_files.py)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
