@@ -52,6 +52,12 @@ class ParameterCounts:
     embedding: int
 
 
+# parameter_counts' answers by the configs' repr (every field; the configs hold lists, so no hash): a
+# count builds small decoders (~0.1 s of CPU, more for a model of many experts) and a run asks it of the
+# same configs again (the memory check of each load, inspect, the capacity tables)
+_COUNTED: dict = {}
+
+
 def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = None) -> ParameterCounts:
     """The decoder's exact parameter counts without building its layers: one- and two-layer
     decoders of each kind of layer on the meta device (no memory) give the fixed part and one
@@ -60,6 +66,16 @@ def parameter_counts(model: ModelConfig, attention: Optional[AttentionConfig] = 
     K/V: no K/V weights) and its MLP (dense, the mixture of experts, or none); the experts a token is
     not routed to (left out of ``active``) from :class:`~kvbench.core.moe.MoEShape`'s formulas.
     ``attention``: as the job resolved it against ``model`` (None: MHA)."""
+    key = repr((model, attention))
+    if key not in _COUNTED:
+        if len(_COUNTED) >= 512:  # a long sweep in one process: the oldest half goes
+            for old in list(_COUNTED)[:256]:
+                del _COUNTED[old]
+        _COUNTED[key] = _count(model, attention)
+    return _COUNTED[key]
+
+
+def _count(model: ModelConfig, attention: Optional[AttentionConfig]) -> ParameterCounts:
     resolved = attention if attention is not None else AttentionConfig(type="mha").resolved(model)
     moe, kinds = model.moe, _layer_kinds(model, resolved)
     # A layer pattern decides masks and caches, not a layer's parameters: the one- and two-layer models

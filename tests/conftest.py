@@ -10,8 +10,11 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+import forked_cli
+import hydra_files
 import pytest
 import torch
+from forked_cli import kvbench_forked  # noqa: F401 — the tests import it from here
 from joblib.externals.loky.backend import fork_exec as loky_fork_exec
 from omegaconf import DictConfig
 
@@ -45,6 +48,7 @@ def _restore_stop_signals():
 
 # Tests compose configs with Hydra's compose API: the schema must be in the ConfigStore.
 register_configs()
+hydra_files.install()  # a conf file's parse kept by its bytes (tests/hydra_files.py)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -192,6 +196,7 @@ def _unit_tests_stay_in_process(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawn)
     monkeypatch.setattr(loky_fork_exec, "fork_exec", spawn)
     monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(forked_cli, "REFUSE", E2E.format(what="kvbench (conftest.kvbench_forked)"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -456,50 +461,3 @@ def saved_figures():
         yield saved
 
 
-# One interpreter for many short `kvbench` commands (config errors, --help, task=inspect): it
-# imports kvbench.cli once (Hydra) and what those commands import when they get to it (torch, for
-# task=inspect and for a job recorded invalid in kvbench's own process: ~3.5 s of CPU a process in
-# all), then forks a child per command that runs `python -m kvbench.cli ARGS` from there, with its
-# own cwd, stdout, stderr and exit status, so what a test reads is what a fresh process of that
-# command printed and returned. For commands whose claim is their output and exit code, not the
-# start of a fresh interpreter (tests/test_parent_imports.py checks what kvbench.cli imports).
-_FORKED_CLI = r"""
-import json, os, sys, traceback
-import kvbench.cli
-import kvbench.jobs.runner, kvbench.tasks.inspect
-for argv, cwd, out, err in json.loads(sys.stdin.read()):
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the command's process: exits with its code, never back into this loop
-        os.chdir(cwd)
-        for fd, path in ((1, out), (2, err)):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.argv = [kvbench.cli.__file__, *argv]
-        try:
-            kvbench.cli.main()
-        except SystemExit:
-            raise
-        except BaseException:
-            traceback.print_exc()
-            sys.exit(1)
-        sys.exit(0)
-    _, status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(status), flush=True)
-"""
-
-
-def kvbench_forked(commands, timeout: float = 300):
-    """``commands``: (argv, cwd) pairs; a CompletedProcess each, as ``python -m kvbench.cli argv``
-    run in ``cwd`` would give (WANDB_MODE=disabled, HYDRA_FULL_ERROR=0)."""
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cases = [(list(argv), str(cwd), f"{tmp}/{i}.out", f"{tmp}/{i}.err") for i, (argv, cwd) in enumerate(commands)]
-        env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
-        driver = subprocess.run([sys.executable, "-c", _FORKED_CLI], input=json.dumps(cases), env=env,
-                                capture_output=True, text=True, timeout=timeout)
-        codes = driver.stdout.split()
-        assert driver.returncode == 0 and len(codes) == len(cases), driver.stdout + driver.stderr
-        return [subprocess.CompletedProcess(["kvbench", *argv], int(code), Path(out).read_text(), Path(err).read_text())
-                for (argv, _, out, err), code in zip(cases, codes)]

@@ -364,7 +364,7 @@ def test_serving_replays_the_tokens_of_an_isolated_greedy_decode(kind, name, sto
     timeline = scheduler.run()
     outputs = scheduler.outputs()
     for request, prompt in zip(requests, prompts):
-        assert outputs[request.id] == isolated(model, request, prompt), request
+        assert outputs[request.id] == isolated(model, request, prompt, layout=(kind, name)), request
     hits = sum(t.prefix_hit_tokens for t in timeline.traces)
     assert (hits > 0) == (s.prefix_caching and s.prefix_step < PREFIX), hits
     assert s.prefix_step % s.block_size == 0
