@@ -125,8 +125,8 @@ def test_activation_is_split_into_a_fixed_part_and_a_part_per_sequence():
 
 def test_a_probe_stopped_part_way_draws_no_line_and_one_batch_redraws_nothing():
     """A probe stopped where it crossed the budget measured less than it would have held: no line goes
-    through it. The line a search redraws is least squares through every whole probe within the
-    budget, from two batches on; one batch alone keeps the calibration's (issue 59's choose run: a KDA
+    through it. The line a search redraws is a secant of the whole probes within the budget, from two
+    batches on; one batch alone keeps the calibration's (issue 59's choose run: a KDA
     hybrid's line through batch 1 alone put its 34 MB all on each sequence and refused batch 5 as
     192 MB, over 2 budgets of 80)."""
     def probe(batch, activation, **kw):
@@ -135,12 +135,13 @@ def test_a_probe_stopped_part_way_draws_no_line_and_one_batch_redraws_nothing():
     stopped = probe(16, 66_000_000, error="stopped after 1 forwards: the resident set passed the budget")
     assert split_activation([probe(1, 34_000_000), stopped]) == (0, 34_000_000)
     assert fit_activation([probe(1, 34_000_000), stopped]) is None
-    # noisy points on 30 MB + 1 MB a sequence: least squares, not the two far ends
-    noisy = [probe(b, 30_000_000 + 1_000_000 * b + e) for b, e in ((2, 0), (8, 4_000_000), (20, 0), (30, 0))]
-    fixed, per_sequence = fit_activation(noisy)
-    assert abs(per_sequence - 1_000_000) < 150_000 and abs(fixed - 30_000_000) < 2_000_000
-    assert split_activation(noisy)[1] == 1_000_000  # the two ends
-    assert fit_activation([probe(2, 5), probe(4, 3)]) == (4, 0)  # never a negative slope: the mean
+    # the secant near the boundary: batch 30 and the largest at most 3/4 of it (20), not the noisy 29
+    # nor batch 2, whose line runs 4 MB low past 20 (a heavier working set from batch 8 on)
+    points = ((2, -4_000_000), (8, 0), (20, 0), (29, 3_000_000), (30, 0))
+    noisy = [probe(b, 30_000_000 + 1_000_000 * b + e) for b, e in points]
+    assert fit_activation(noisy) == (30_000_000, 1_000_000)
+    assert fit_activation(noisy[:2]) == (38_000_000 - 8 * 1_666_666, 1_666_666)  # two batches: through them
+    assert fit_activation([probe(2, 5), probe(4, 3)]) == (3, 0)  # never a negative slope
 
     model = torch.nn.Linear(2, 2)
     model.layouts = []
