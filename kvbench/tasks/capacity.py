@@ -111,17 +111,15 @@ METRICS: Dict[str, Metric] = metric_table(
            "kv_bytes_per_token's sequence"),
     Metric("kv_bytes_per_token_positions", "tokens", "the positions of one sequence kv_bytes_per_token is taken at: "
                                     "the longest context + workload.gen_len (a chat: a conversation's positions)"),
-    Metric("prompts_copied", "bool", "capacity.copy_prompts in effect: each probe of more than one sequence "
-           "prefilled its first prompt alone (in forwards of capacity.prefill_chunk tokens) and copied that history "
-           "into the other sequences' rows; only the last chunk forward ran over the whole batch, each sequence its "
-           "own tokens, then the decode steps. Memory and TPOT are the batch's (the cache holds as many bytes, no "
-           "forward more tokens); its TTFT is not, so ttft_ms is null for those probes. false: every prompt "
-           "prefilled (a slo.ttft_ms target, cache.impl=concat, capacity.prefill_chunk=null or copy_prompts=false)"),
+    Metric("prompts_copied", "bool", "capacity.copy_prompts in effect: a probe of B > 1 sequences whose prompts "
+           "fill more than one prefill forward prefilled its first prompt alone (forwards of capacity.prefill_chunk "
+           "tokens), copied that history into the other rows and ran the last chunk // B positions over the batch, "
+           "each its own tokens. Memory and TPOT are the batch's; its TTFT is not (ttft_ms null there). false: every "
+           "prompt prefilled (slo.ttft_ms set, cache.impl=concat, capacity.prefill_chunk=null or copy_prompts=false)"),
     Metric("probe_decode_steps", "steps", "decode steps of each probe's trial: null, all of them (workload.gen_len, "
            "a chat's every turn); where no latency target judges a probe and its cache allocates every position up "
            "front (cache.impl=static, workload=decode), at most 8: its memory peaks at the first step, and later "
-           "ones add time, not bytes "
-           "(the cache still holds context + workload.gen_len positions)"),
+           "ones add time, not bytes (the cache still holds context + workload.gen_len positions)"),
     Metric("max_batch_longest", "sequences", "max_batch at the longest context"),
     Metric("stopped_by_longest", "text",
            "memory | ttft | tpot | capacity.max_batch: the bound of the smallest batch that "
@@ -244,15 +242,17 @@ class Prober:
             del reference
             release_heap()
 
+    def line(self, context: int) -> Tuple[int, int]:
+        """The activation line a next probe is predicted by: the redrawn one, else the calibration's."""
+        return self.fit.get(context, self.activation.get(context, (0, 0)))
+
     def predicted_bytes(self, context: int, batch: int) -> int:
-        line = self.fit.get(context, self.activation.get(context, (0, 0)))
-        fixed, per_sequence = (max(0, a) for a in line)
+        fixed, per_sequence = (max(0, a) for a in self.line(context))
         return self.weights + fixed + kv_bytes(self.cfg, context, batch) + batch * per_sequence
 
     def line_batch(self, context: int) -> int:
-        """The largest batch the redrawn line (else the calibration's) says the budget holds."""
-        return formula_max_batch(self.cfg, context, self.budget, self.weights,
-                                 self.fit.get(context, self.activation[context]))
+        """The largest batch :meth:`line` says the budget holds."""
+        return formula_max_batch(self.cfg, context, self.budget, self.weights, self.line(context))
 
     def refit(self, probe: Probe) -> None:
         """After the calibration, a probe measured whole within the budget redraws the line a next
@@ -352,7 +352,7 @@ def _search_all(cfg: BenchConfig, model: Decoder, device: torch.device, result: 
                    memory_method="cuda max_memory_reserved" if device.type == "cuda" else "cpu peak RSS delta",
                    kv_bytes_per_token=per_token, kv_bytes_per_token_positions=positions,
                    kv_state_bytes_per_sequence=state_bytes_per_sequence(cfg),
-                   prompts_copied=cfg.workload.name != "multiturn" and copies_prompts(cfg, 2),
+                   prompts_copied=cfg.workload.name != "multiturn" and copies_prompts(cfg, 2, max(contexts(cfg))),
                    probe_decode_steps=None if prober.steps is None else min(prober.steps, cfg.workload.gen_len))
     probes = result.tables.setdefault("capacity_probes", [])
     answers = result.tables.setdefault("capacity", [])

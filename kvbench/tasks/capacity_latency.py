@@ -81,13 +81,14 @@ class Latency:
     stepper: Optional[Stepper] = None
 
 
-def copies_prompts(cfg: BenchConfig, batch: int) -> bool:
-    """Whether a probe of ``batch`` prompts prefills one and copies it (``capacity.copy_prompts``):
-    never where a TTFT target judges the batch's prefill, or its cache does not hold every row from the
-    start (cache.impl=concat), or nothing is chunked."""
+def copies_prompts(cfg: BenchConfig, batch: int, context: int) -> bool:
+    """Whether a probe of ``batch`` prompts of ``context`` tokens prefills one and copies it
+    (``capacity.copy_prompts``): never where a TTFT target judges the batch's prefill, its cache does
+    not hold every row from the start (cache.impl=concat), nothing is chunked, or the prompts fit in
+    the batch's one forward (nothing before it to copy: the batch's TTFT is measured)."""
     c = cfg.capacity
     return (c.copy_prompts and batch > 1 and cfg.slo.ttft_ms is None and c.prefill_chunk is not None
-            and cfg.cache.impl == "static")
+            and cfg.cache.impl == "static" and context > max(1, c.prefill_chunk // batch))
 
 
 def probe_decode_steps(cfg: BenchConfig) -> Optional[int]:
@@ -110,7 +111,7 @@ def decode_latency(cfg: BenchConfig, model: Decoder, device: torch.device, conte
     generator = torch.Generator().manual_seed(rt.seed)
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=generator).to(device)
     cache = cache_for(model, cfg.cache.impl, batch, context + cfg.workload.gen_len)
-    copied = copies_prompts(cfg, batch)
+    copied = copies_prompts(cfg, batch, context)
     steps = cfg.workload.gen_len if steps is None else min(steps, cfg.workload.gen_len)
     timings = time_decode(model, prompt, steps, cache, rt.warmup, rt.repeats, device,
                           prefill_tokens=cfg.capacity.prefill_chunk, copied=copied)

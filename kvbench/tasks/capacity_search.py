@@ -219,12 +219,7 @@ def split_activation(probes: Sequence[Probe], context: Optional[int] = None, chu
     """(fixed, per sequence) activation bytes from measured probes at two batch sizes (a line
     through them); one probe: all of it per sequence; none: nothing known. With ``context`` and
     ``chunk``, only probes at or past the :func:`saturation_batch` draw it, where there are two."""
-    usable = _whole(probes)
-    first = None if context is None else saturation_batch(context, chunk, piece)
-    if first is not None:
-        full = [p for p in usable if p.batch >= first]
-        if len({p.batch for p in full}) >= 2:
-            usable = full
+    usable = _drawing(probes, context, chunk, piece)
     points = sorted((p.batch, p.activation_bytes) for p in usable)
     if not points:
         return 0, 0
@@ -235,10 +230,15 @@ def split_activation(probes: Sequence[Probe], context: Optional[int] = None, chu
     return a1 - b1 * per_sequence, per_sequence
 
 
-def _whole(probes: Sequence[Probe]) -> List[Probe]:
-    """The probes whose peak is whole: measured, not stopped part way (``error``: its peak is where it
-    crossed the budget, less than it would have held) nor out of memory."""
-    return [p for p in probes if p.measured and p.activation_bytes is not None and not p.error and not p.oom]
+def _drawing(probes: Sequence[Probe], context: Optional[int], chunk: Optional[int],
+             piece: Optional[int]) -> List[Probe]:
+    """The probes an activation line is drawn through: those whose peak is whole (measured, not
+    stopped part way: ``error``, its peak where it crossed the budget, less than it would have held;
+    not out of memory), only those at or past the :func:`saturation_batch` where two batches are."""
+    usable = [p for p in probes if p.measured and p.activation_bytes is not None and not p.error and not p.oom]
+    first = None if context is None else saturation_batch(context, chunk, piece)
+    full = [p for p in usable if first is not None and p.batch >= first]
+    return full if len({p.batch for p in full}) >= 2 else usable
 
 
 def fit_activation(probes: Sequence[Probe], context: Optional[int] = None, chunk: Optional[int] = None,
@@ -249,11 +249,7 @@ def fit_activation(probes: Sequence[Probe], context: Optional[int] = None, chunk
     past the :func:`saturation_batch` where two such batches are; the slope never negative; None
     with fewer than two batches. A least-squares line through batch 1 and 4 as well read 12-14 MB
     less than batches 118 and 169 held, and its predictions failed 7 times in a row."""
-    usable = _whole(probes)
-    first = None if context is None else saturation_batch(context, chunk, piece)
-    full = [p for p in usable if first is not None and p.batch >= first]
-    if len({p.batch for p in full}) >= 2:
-        usable = full
+    usable = _drawing(probes, context, chunk, piece)
     if len({p.batch for p in usable}) < 2:
         return None
     top = max(usable, key=lambda p: p.batch)

@@ -353,11 +353,11 @@ def test_real_probes_of_a_tiny_model_measure_and_judge_every_bound():
     # a budget and a target nothing reaches: every context runs up to capacity.max_batch
     assert [a["max_batch"] for a in answers] == [8, 8]
     assert [a["stopped_by"] for a in answers] == ["capacity.max_batch"] * 2
-    assert result.metrics["prompts_copied"] and result.metrics["probe_decode_steps"] is None  # TPOT judged
+    # up to 8 prompts of 32 tokens fit in one forward of the 512-token chunk: nothing to copy, every
+    # probe's TTFT is its batch's; a TPOT target judges, so every decode step is run
+    assert not result.metrics["prompts_copied"] and result.metrics["probe_decode_steps"] is None
     for p in probes:
-        # a copied batch's prefill is not its TTFT: null, not a figure of one sequence's
-        assert p["measured"] and p["ok"] and p["tpot_ms"] > 0 and (p["ttft_ms"] > 0 if p["batch"] == 1
-                                                                    else p["ttft_ms"] is None)
+        assert p["measured"] and p["ok"] and p["tpot_ms"] > 0 and p["ttft_ms"] > 0
         assert p["kv_bytes"] == 2 * 2 * 8 * 8 * (p["context"] + 4) * p["batch"] * 4
         # measured peak (RSS above the pre-model baseline) holds at least the weights
         assert p["peak_bytes"] >= result.metrics["weight_bytes_measured"]
@@ -446,6 +446,9 @@ def test_a_probe_no_ttft_target_judges_prefills_one_prompt_and_copies_it(monkeyp
     decoded = [(batch, 1)] * 3  # steps=3 of gen_len 6
     assert seen == ([(1, 8), (1, 8), (1, 7), (batch, 2)] if copied else [(batch, 2)] * 12 + [(batch, 1)]) + decoded
     assert (latency.ttft_ms == []) == copied and len(latency.step_ms) == 3
+    # prompts that fit in the batch's one forward (4 x 2 tokens of a chunk of 8): prefilled, their TTFT kept
+    from kvbench.tasks.capacity_latency import copies_prompts
+    assert not copies_prompts(cfg, batch, 2) and copies_prompts(cfg, batch, 3) == copied
     assert latency.stepper.cache.length == context + 3 and latency.stepper.cache.max_seq_len == context + 6
     prompt = torch.randint(0, cfg.model.vocab_size, (batch, context), generator=torch.Generator().manual_seed(
         cfg.runtime.seed))
